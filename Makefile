@@ -1,0 +1,25 @@
+# The project's commands. Each one sets up .venv first (idempotent, pinned; see scripts/setup.sh).
+PY := .venv/bin/python
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: setup demo test lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup  ## the main job on the embedded defaults
+	$(PY) -m jax_agent_rl.cli demo
+
+test: setup  ## the whole suite
+	$(PY) -m pytest
+
+lint: setup  ## ruff (lint + format check) and mypy
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
+	$(PY) bench/forward.py
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,53 @@
+"""The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3): config, weights, forward, checkpoints."""
+
+from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
+from jax_agent_rl.models.config import (
+    Llama3RopeScaling,
+    ModelConfig,
+    UnsupportedConfigError,
+)
+from jax_agent_rl.models.decoder import (
+    KVCache,
+    Layer,
+    ParamSpec,
+    Weights,
+    abstract_params,
+    cast_params,
+    count_params,
+    forward,
+    forward_cached,
+    init_cache,
+    init_params,
+    lm_logits,
+    param_shardings,
+    param_specs,
+)
+from jax_agent_rl.models.sharding import MESH_AXES, Sharder, ShardingRules, make_mesh
+
+__all__ = [
+    "MESH_AXES",
+    "CheckpointError",
+    "KVCache",
+    "Layer",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "ParamSpec",
+    "Sharder",
+    "ShardingRules",
+    "UnsupportedConfigError",
+    "Weights",
+    "abstract_params",
+    "cast_params",
+    "count_params",
+    "forward",
+    "forward_cached",
+    "hf_tensors",
+    "init_cache",
+    "init_params",
+    "lm_logits",
+    "load_hf",
+    "make_mesh",
+    "param_shardings",
+    "param_specs",
+    "save_hf",
+]

@@ -1,0 +1,238 @@
+"""HF safetensors <-> `Weights`, through one declarative table.
+
+Each `TensorRule` names an HF tensor (``{i}`` stands for the layer index), the `Weights` field
+it fills, and its layout:
+
+- ``copy``: same shape on both sides (embeddings, norms);
+- ``flat``: HF keeps it flat, we split heads (biases: [H*K] -> [H, K]);
+- ``linear``: an ``nn.Linear`` weight [out, in]; we store [in..., out...], so import is
+  transpose + reshape and export the reverse. ``in_axes`` says how many of our leading
+  (per-layer) dimensions form HF's ``in``.
+
+Import checks every tensor's shape; a missing, unexpected or duplicated HF tensor is an error
+that names it. Export writes the same names back (sharded with an index past ``max_shard_bytes``),
+so transformers and vLLM can load a trained policy. Weight sync to other engines reuses
+`hf_tensors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jax_agent_rl.models.config import DType, ModelConfig
+from jax_agent_rl.models.decoder import Layer, Weights, is_spec, param_specs
+from jax_agent_rl.models.sharding import Sharder
+
+Layout = Literal["copy", "flat", "linear"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config (the message names the tensor)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+    hf: str
+    ours: str  # a Weights field, or "layers.<Layer field>" for per-layer tensors
+    layout: Layout = "copy"
+    in_axes: int = 1
+
+
+_RULES = (
+    TensorRule("model.embed_tokens.weight", "embed"),
+    TensorRule("model.norm.weight", "final_norm"),
+    TensorRule("lm_head.weight", "lm_head", "linear"),
+    TensorRule("model.layers.{i}.input_layernorm.weight", "layers.attn_norm"),
+    TensorRule("model.layers.{i}.self_attn.q_proj.weight", "layers.q", "linear"),
+    TensorRule("model.layers.{i}.self_attn.k_proj.weight", "layers.k", "linear"),
+    TensorRule("model.layers.{i}.self_attn.v_proj.weight", "layers.v", "linear"),
+    TensorRule("model.layers.{i}.self_attn.o_proj.weight", "layers.o", "linear", in_axes=2),
+    TensorRule("model.layers.{i}.self_attn.q_proj.bias", "layers.q_bias", "flat"),
+    TensorRule("model.layers.{i}.self_attn.k_proj.bias", "layers.k_bias", "flat"),
+    TensorRule("model.layers.{i}.self_attn.v_proj.bias", "layers.v_bias", "flat"),
+    TensorRule("model.layers.{i}.self_attn.q_norm.weight", "layers.q_norm"),
+    TensorRule("model.layers.{i}.self_attn.k_norm.weight", "layers.k_norm"),
+    TensorRule("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm"),
+    TensorRule("model.layers.{i}.mlp.gate_proj.weight", "layers.gate", "linear"),
+    TensorRule("model.layers.{i}.mlp.up_proj.weight", "layers.up", "linear"),
+    TensorRule("model.layers.{i}.mlp.down_proj.weight", "layers.down", "linear"),
+)
+
+
+def hf_shape(rule: TensorRule, ours: tuple[int, ...]) -> tuple[int, ...]:
+    """HF's shape for one tensor whose shape on our side (per layer) is ``ours``."""
+    if rule.layout == "copy":
+        return ours
+    if rule.layout == "flat":
+        return (math.prod(ours),)
+    return (math.prod(ours[rule.in_axes :]), math.prod(ours[: rule.in_axes]))
+
+
+def to_ours(rule: TensorRule, x: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+    if rule.layout == "linear":
+        return x.T.reshape(ours)
+    return x.reshape(ours)
+
+
+def to_hf(rule: TensorRule, y: np.ndarray) -> np.ndarray:
+    if rule.layout == "copy":
+        return y
+    if rule.layout == "flat":
+        return y.reshape(-1)
+    n_in = math.prod(y.shape[: rule.in_axes])
+    return np.ascontiguousarray(y.reshape(n_in, -1).T)
+
+
+def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tuple[int, ...]]]:
+    """(HF name, rule, layer index or None, our per-layer shape) for every tensor of ``cfg``."""
+    specs = param_specs(cfg)
+    for rule in _RULES:
+        path = rule.ours.split(".")
+        spec = getattr(specs, path[0]) if len(path) == 1 else getattr(specs.layers, path[1])
+        if spec is None:
+            continue
+        if len(path) == 1:
+            yield rule.hf, rule, None, spec.shape
+        else:
+            for i in range(cfg.num_layers):
+                yield rule.hf.format(i=i), rule, i, spec.shape[1:]
+
+
+def _locate(path: Path) -> dict[str, Path]:
+    """HF name -> the safetensors file holding it (one file, or shards listed by an index)."""
+    index = path / "model.safetensors.index.json"
+    listed: set[str] | None = None
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        listed = set(weight_map)
+        files = sorted({path / file for file in weight_map.values()})
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    seen: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} is stored twice: {seen[name]}, {file}")
+                seen[name] = file
+    if listed is not None and listed != set(seen):
+        raise CheckpointError(
+            f"index and shards disagree: only in the index {sorted(listed - set(seen))}, "
+            f"only in the shards {sorted(set(seen) - listed)}"
+        )
+    return seen
+
+
+def load_hf(
+    path: str | Path, dtype: DType = "float32", sharder: Sharder | None = None
+) -> tuple[ModelConfig, Weights]:
+    """Loads a local HF checkpoint folder (config.json + safetensors) into `Weights`.
+
+    Tensors are cast to ``dtype`` and, with a ``sharder``, placed with their shardings.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path, dtype=dtype)
+    where = _locate(path)
+    expected = {name for name, *_ in _entries(cfg)}
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in where
+    unexpected = sorted(set(where) - expected - ({"lm_head.weight"} if tied_head else set()))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {path} for a {cfg.family} config: {unexpected}")
+    missing = sorted(expected - set(where))
+    if missing:
+        raise CheckpointError(f"missing tensors in {path}: {missing}")
+
+    np_dtype = np.dtype(cfg.jnp_dtype)
+    handles: dict[Path, Any] = {}
+
+    def read(name: str) -> np.ndarray:
+        file = where[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="numpy")
+        return handles[file].get_tensor(name)
+
+    stacked: dict[str, np.ndarray] = {}
+    specs = param_specs(cfg)
+    for name, rule, layer, shape in _entries(cfg):
+        x = read(name)
+        want = hf_shape(rule, shape)
+        if x.shape != want:
+            raise CheckpointError(f"tensor {name!r} has shape {x.shape}, config implies {want}")
+        y = to_ours(rule, x, shape).astype(np_dtype)
+        if layer is None:
+            stacked[rule.ours] = y
+        else:
+            if rule.ours not in stacked:
+                full = getattr(specs.layers, rule.ours.split(".")[1]).shape
+                stacked[rule.ours] = np.empty(full, np_dtype)
+            stacked[rule.ours][layer] = y
+    if tied_head:
+        head = read("lm_head.weight").astype(np_dtype)
+        if not np.array_equal(head, stacked["embed"]):
+            raise CheckpointError(
+                "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings=true"
+            )
+
+    layer_fields = {f.name: stacked.get(f"layers.{f.name}") for f in dataclasses.fields(Layer)}
+    weights = Weights(
+        embed=stacked["embed"],
+        layers=Layer(**layer_fields),
+        final_norm=stacked["final_norm"],
+        lm_head=stacked.get("lm_head"),
+    )
+    if sharder is None:
+        return cfg, jax.tree.map(jax.numpy.asarray, weights)
+    shardings = jax.tree.map(
+        lambda s: sharder.sharding(s.logical_axes, s.shape), specs, is_leaf=is_spec
+    )
+    return cfg, jax.device_put(weights, shardings)
+
+
+def hf_tensors(cfg: ModelConfig, weights: Weights) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of ``weights`` under its HF name and layout (host numpy, model dtype)."""
+    for name, rule, layer, _ in _entries(cfg):
+        path = rule.ours.split(".")
+        value = getattr(weights, path[0]) if len(path) == 1 else getattr(weights.layers, path[1])
+        arr = np.asarray(jax.device_get(value if layer is None else value[layer]))
+        yield name, to_hf(rule, arr)
+
+
+def save_hf(
+    path: str | Path, cfg: ModelConfig, weights: Weights, max_shard_bytes: int = 2 * 1024**3
+) -> None:
+    """Writes config.json and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in hf_tensors(cfg, weights):
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+    else:
+        weight_map: dict[str, str] = {}
+        for n, shard in enumerate(shards, start=1):
+            file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata=meta)
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(a.nbytes for s in shards for a in s.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")

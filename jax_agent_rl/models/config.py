@@ -1,0 +1,285 @@
+"""Model configuration for the decoder family, built from an HF ``config.json``.
+
+One frozen, hashable dataclass (`ModelConfig`) describes every supported checkpoint; it is a
+static argument of every jitted model function. `ModelConfig.from_hf` is strict: a field that
+would change the forward pass and that this decoder does not implement is an error naming it,
+and so is a field it has never heard of, so a new architecture never loads silently wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+Family = Literal["llama", "qwen2", "qwen3"]
+DType = Literal["float32", "bfloat16"]
+
+# model_type -> (q/k/v bias by default, q/k RMSNorm)
+_FAMILIES: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+}
+
+# Fields that describe the checkpoint or the HF runtime but do not change the forward pass.
+_METADATA_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "attention_dropout",  # dropout is never applied: RL and inference run deterministic forwards
+        "bos_token_id",
+        "chunk_size_feed_forward",
+        "dtype",
+        "eos_token_id",
+        "id2label",
+        "initializer_range",
+        "is_encoder_decoder",
+        "label2id",
+        "max_window_layers",  # only read when use_sliding_window is true (rejected below)
+        "output_attentions",
+        "output_hidden_states",
+        "pad_token_id",
+        "pretraining_tp",  # a slicing of the same matmuls in HF; mathematically a no-op
+        "problem_type",
+        "return_dict",
+        "tokenizer_class",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+    }
+)
+# Fields that change the forward pass; each is either read into ModelConfig or checked below.
+_MODEL_FIELDS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "hidden_act",
+        "use_sliding_window",
+        "sliding_window",
+        "layer_types",
+        "use_mrope",
+    }
+)
+
+
+class UnsupportedConfigError(ValueError):
+    """An HF config field (named in the message) that this decoder cannot honour."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one Llama 3 / Qwen2 / Qwen3 decoder; ``dtype`` is parameter and compute dtype."""
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 32768
+    dtype: DType = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise UnsupportedConfigError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+
+    @property
+    def jnp_dtype(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+
+    @property
+    def num_params(self) -> int:
+        d, f, hk = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hk * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.qkv_bias:
+            attn += hk * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hk
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], dtype: DType = "float32") -> ModelConfig:
+        """Builds the config from a parsed HF ``config.json``; raises on anything unsupported."""
+        model_type = hf.get("model_type")
+        if model_type not in _FAMILIES:
+            raise UnsupportedConfigError(
+                f"model_type={model_type!r} is not supported (supported: {sorted(_FAMILIES)})"
+            )
+        unknown = sorted(set(hf) - _METADATA_FIELDS - _MODEL_FIELDS)
+        if unknown:
+            raise UnsupportedConfigError(
+                f"unknown {model_type} config field(s) {unknown}: refusing to guess their effect"
+            )
+        default_bias, qk_norm = _FAMILIES[model_type]
+        _require(hf, "hidden_act", "silu")
+        _require(hf, "mlp_bias", False)
+        _require(hf, "use_sliding_window", False)
+        _require(hf, "use_mrope", False)
+        layer_types = hf.get("layer_types")
+        if layer_types is not None and set(layer_types) != {"full_attention"}:
+            raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))}: only full_attention")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if field not in hf:
+                raise UnsupportedConfigError(f"config.json lacks the required field {field!r}")
+        num_heads = int(hf["num_attention_heads"])
+        theta, scaling = _rope(hf)
+        return cls(
+            family=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", default_bias)),
+            qk_norm=qk_norm,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: DType = "float32") -> ModelConfig:
+        """Reads ``config.json`` from a local checkpoint folder."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
+        return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` this config round-trips through (transformers >= 5 layout)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
+        hf: dict[str, Any] = {
+            "architectures": [arch[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "dtype": self.dtype,
+        }
+        if self.family != "qwen2":  # Qwen2's bias is fixed by the architecture, not a field
+            hf["attention_bias"] = self.qkv_bias
+        elif not self.qkv_bias:
+            raise UnsupportedConfigError("qwen2 checkpoints always carry q/k/v biases")
+        return hf
+
+
+def _require(hf: dict[str, Any], field: str, expected: object) -> None:
+    if field in hf and hf[field] is not None and hf[field] != expected:
+        raise UnsupportedConfigError(f"{field}={hf[field]!r} is not supported (only {expected!r})")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """Reads RoPE from either layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (older checkpoints)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UnsupportedConfigError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported (only 'default', 'llama3')"
+        )
+    fields = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
+    extra, missing = sorted(set(params) - fields), sorted(fields - set(params))
+    if extra or missing:
+        raise UnsupportedConfigError(
+            f"llama3 rope scaling: unexpected fields {extra}, missing fields {missing}"
+        )
+    return theta, Llama3RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], float32, as HF computes them.
+
+    Default: ``1 / theta ** (2i / d)``. Llama 3 scaling divides the low frequencies (wavelength
+    above ``L / low_freq_factor``, ``L`` the original context) by ``factor``, keeps the high ones
+    (wavelength below ``L / high_freq_factor``) and interpolates smoothly in between.
+    """
+    d = cfg.head_dim
+    inv = (1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))).astype(
+        np.float32
+    )
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)

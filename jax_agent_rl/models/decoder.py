@@ -1,0 +1,349 @@
+"""The Llama 3 / Qwen2 / Qwen3 decoder as plain functions over pytrees.
+
+Shapes use these letters: B batch, T query tokens, S key/cache positions, D hidden size,
+H query heads, G kv heads, R = H // G query heads per kv head, K head dim, F MLP size,
+V vocab, L layers. Layers are stacked on a leading L axis and run under ``lax.scan``.
+
+Every parameter is declared once, in `param_specs` (shape, logical axes, initializer); init,
+shardings, checkpoint import/export and weight sync all derive from that tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
+from jax_agent_rl.models.sharding import Sharder
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape, the logical name of each dimension, and how to initialise it."""
+
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init: Initializer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """All decoder layers' weights, stacked on a leading L axis. Optional parts are ``None``."""
+
+    attn_norm: Any  # [L, D]
+    q: Any  # [L, D, H, K]
+    k: Any  # [L, D, G, K]
+    v: Any  # [L, D, G, K]
+    o: Any  # [L, H, K, D]
+    mlp_norm: Any  # [L, D]
+    gate: Any  # [L, D, F]
+    up: Any  # [L, D, F]
+    down: Any  # [L, F, D]
+    q_bias: Any = None  # [L, H, K]      (qkv_bias)
+    k_bias: Any = None  # [L, G, K]
+    v_bias: Any = None  # [L, G, K]
+    q_norm: Any = None  # [L, K]         (qk_norm)
+    k_norm: Any = None  # [L, K]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A whole decoder. ``lm_head`` is ``None`` when the embeddings are tied."""
+
+    embed: Any  # [V, D]
+    layers: Layer
+    final_norm: Any  # [D]
+    lm_head: Any = None  # [D, V]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer, one row per sequence.
+
+    Layout: ``k``, ``v`` are [L, B, S, G, K]; cache index s holds RoPE position s of that row.
+    ``pos`` [B] int32 counts the tokens already written in each row; entries at or beyond it are
+    stale and never attended (the mask is key position <= query position).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+def _ones(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def param_specs(cfg: ModelConfig) -> Weights:
+    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`)."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def p(shape: tuple[int, ...], axes: tuple[str, ...], init: Initializer = _normal) -> ParamSpec:
+        return ParamSpec(shape, axes, init)
+
+    layers = Layer(
+        attn_norm=p((L, D), ("layers", "embed"), _ones),
+        q=p((L, D, H, K), ("layers", "embed", "heads", "head_dim")),
+        k=p((L, D, G, K), ("layers", "embed", "kv_heads", "head_dim")),
+        v=p((L, D, G, K), ("layers", "embed", "kv_heads", "head_dim")),
+        o=p((L, H, K, D), ("layers", "heads", "head_dim", "embed")),
+        mlp_norm=p((L, D), ("layers", "embed"), _ones),
+        gate=p((L, D, F), ("layers", "embed", "mlp")),
+        up=p((L, D, F), ("layers", "embed", "mlp")),
+        down=p((L, F, D), ("layers", "mlp", "embed")),
+        q_bias=p((L, H, K), ("layers", "heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
+        k_bias=p((L, G, K), ("layers", "kv_heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
+        v_bias=p((L, G, K), ("layers", "kv_heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
+        q_norm=p((L, K), ("layers", "head_dim"), _ones) if cfg.qk_norm else None,
+        k_norm=p((L, K), ("layers", "head_dim"), _ones) if cfg.qk_norm else None,
+    )
+    return Weights(
+        embed=p((V, D), ("vocab", "embed")),
+        layers=layers,
+        final_norm=p((D,), ("embed",), _ones),
+        lm_head=None if cfg.tie_embeddings else p((D, V), ("embed", "vocab")),
+    )
+
+
+def is_spec(x: object) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
+    """A `Weights` tree of NamedShardings (each dimension's divisibility checked)."""
+    return jax.tree.map(
+        lambda s: sharder.sharding(s.logical_axes, s.shape), param_specs(cfg), is_leaf=is_spec
+    )
+
+
+def abstract_params(cfg: ModelConfig, sharder: Sharder | None = None) -> Weights:
+    """ShapeDtypeStructs for every parameter (restore and weight-sync targets)."""
+    specs = param_specs(cfg)
+    if sharder is None:
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype), specs, is_leaf=is_spec
+        )
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, cfg.jnp_dtype, sharding=sharder.sharding(s.logical_axes, s.shape)
+        ),
+        specs,
+        is_leaf=is_spec,
+    )
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None) -> Weights:
+    """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases)."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out_shardings = None if sharder is None else [
+        sharder.sharding(s.logical_axes, s.shape) for s in leaves
+    ]
+
+    @partial(jax.jit, out_shardings=out_shardings)
+    def init(keys: jax.Array) -> list[jax.Array]:
+        return [s.init(k, s.shape, cfg.jnp_dtype) for s, k in zip(leaves, keys, strict=True)]
+
+    return jax.tree.unflatten(treedef, init(keys))
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, sharder: Sharder | None = None
+) -> KVCache:
+    """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    k = jnp.zeros(shape, cfg.jnp_dtype)
+    cache = KVCache(k=k, v=jnp.zeros_like(k), pos=jnp.zeros((batch,), jnp.int32))
+    if sharder is not None:
+        kv = sharder.sharding(CACHE_AXES, shape)
+        pos = sharder.sharding(("batch",), (batch,))
+        cache = KVCache(
+            k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
+            pos=jax.device_put(cache.pos, pos),
+        )
+    return cache
+
+
+# ----------------------------------------------------------------------------------- blocks
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """``w * x / sqrt(mean(x^2) + eps)``, the statistics in fp32, the scale in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, HF's half-split convention: ``x * cos + rotate_half(x) * sin``."""
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, K/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x_btnk.dtype)
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :].astype(x_btnk.dtype)
+    x1, x2 = jnp.split(x_btnk, 2, axis=-1)
+    return x_btnk * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+def _qkv(
+    cfg: ModelConfig, lw: Layer, x_btd: jax.Array, positions_bt: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = jnp.einsum("btd,dhk->bthk", x_btd, lw.q)
+    k = jnp.einsum("btd,dgk->btgk", x_btd, lw.k)
+    v = jnp.einsum("btd,dgk->btgk", x_btd, lw.v)
+    if cfg.qkv_bias:
+        q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
+    if cfg.qk_norm:
+        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    return rope(q, positions_bt, inv_freq), rope(k, positions_bt, inv_freq), v
+
+
+def attention(
+    q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, mask_bts: jax.Array
+) -> jax.Array:
+    """Grouped-query attention; query head h reads kv head h // R. Scores and softmax in fp32.
+
+    A query whose mask row is all False (padding) gets uniform weights, never NaN.
+    """
+    B, T, H, K = q_bthk.shape
+    G = k_bsgk.shape[2]
+    q = q_bthk.reshape(B, T, G, H // G, K)
+    scores = jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores * (K**-0.5), -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bsgk.dtype)
+    out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
+    return out.reshape(B, T, H, K)
+
+
+def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
+    gate = jnp.einsum("btd,df->btf", x_btd, lw.gate)
+    up = jnp.einsum("btd,df->btf", x_btd, lw.up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.down)
+
+
+def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return x if sharder is None else sharder.constrain(x, axes)
+
+
+# ---------------------------------------------------------------------------------- forward
+
+
+def forward(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    segment_ids_bt: jax.Array,
+    sharder: Sharder | None = None,
+    remat: bool = False,
+) -> jax.Array:
+    """Training forward over whole (possibly packed) sequences; returns final hidden [B, T, D].
+
+    ``segment_ids`` number the sequences packed in a row (0 marks padding): a token attends to
+    earlier-or-equal tokens of its own segment. ``positions`` restart at 0 in every segment.
+    Use `lm_logits` on the result for logits.
+    """
+    T = tokens_bt.shape[1]
+    causal_ts = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    mask_bts = causal_ts[None] & same_bts & (segment_ids_bt[:, None, :] != 0)
+    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+
+    def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
+        with jax.named_scope("attention"):
+            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
+            q, k, v = _qkv(cfg, lw, h, positions_bt)
+            a = attention(q, k, v, mask_bts)
+            x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
+        with jax.named_scope("mlp"):
+            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
+        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), None
+
+    x, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, w.layers)
+    return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+
+
+def forward_cached(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    num_new_b: jax.Array,
+    cache: KVCache,
+    sharder: Sharder | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Prefill or decode through the KV cache; returns final hidden [B, T, D] and the new cache.
+
+    Row b's tokens take positions ``cache.pos[b] + t``; their keys/values are written there and
+    ``cache.pos[b]`` advances by ``num_new[b]`` (the row's real tokens; the rest of its T are
+    padding, written past the row's end and overwritten before they are ever attended). Prefill
+    is T = prompt bucket, decode is T = 1; a continuing turn prefills on top of what is cached.
+    """
+    B, T = tokens_bt.shape
+    S = cache.k.shape[2]
+    positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
+    rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+
+    def layer(
+        carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, Layer]
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+        x_btd, ck, cv = carry
+        i, lw = xs
+        with jax.named_scope("attention"):
+            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
+            q, k, v = _qkv(cfg, lw, h, positions_bt)
+            ck = ck.at[i, rows_bt, positions_bt].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, rows_bt, positions_bt].set(v.astype(cv.dtype), mode="drop")
+            a = attention(q, ck[i], cv[i], mask_bts)
+            x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
+        with jax.named_scope("mlp"):
+            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
+        return (_constrain(sharder, x_btd, ("batch", "seq", "act_embed")), ck, cv), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (layer_ids, w.layers))
+    new_cache = KVCache(k=k, v=v, pos=cache.pos + num_new_b.astype(jnp.int32))
+    return rms_norm(x, w.final_norm, cfg.rms_norm_eps), new_cache
+
+
+def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:
+    """Logits [B, T, V] in fp32 (the tied embedding when there is no separate head)."""
+    if w.lm_head is None:
+        return jnp.einsum("btd,vd->btv", h_btd, w.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h_btd, w.lm_head, preferred_element_type=jnp.float32)
+
+
+def cast_params(w: Weights, dtype: Any) -> Weights:
+    """The same weights in another dtype (e.g. fp32 master weights -> bf16 compute)."""
+    return jax.tree.map(lambda x: x.astype(dtype), w)
+
+
+def count_params(w: Weights) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(w)))

@@ -1,0 +1,171 @@
+"""HF tokenizers from a local folder, with their chat templates.
+
+A folder holds ``tokenizer.json`` (the `tokenizers` model), ``tokenizer_config.json`` (special
+tokens, optionally the chat template) and optionally ``chat_template.jinja`` (transformers 5
+writes the template there). Chat templates render in a sandboxed Jinja environment set up the
+way transformers sets it up, so the same template gives the same text here and there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+Message = dict[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that is missing, does not compile, or rejects the messages."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Like transformers: no HTML escaping (Jinja's built-in tojson escapes <, >, &).
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """Text <-> token ids, plus the chat template. Special tokens are given by their text."""
+
+    backend: HFTokenizer
+    chat_template: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    bos_token: str | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        tok = cls(
+            backend=HFTokenizer.from_file(str(tok_file)),
+            chat_template=template,
+            eos_token=_token_content(config.get("eos_token")),
+            pad_token=_token_content(config.get("pad_token")),
+            bos_token=_token_content(config.get("bos_token")),
+        )
+        for name in ("eos_token", "pad_token", "bos_token"):
+            value = getattr(tok, name)
+            if value is not None and tok.backend.token_to_id(value) is None:
+                raise ValueError(f"{name}={value!r} of {config_file} is not in the vocabulary")
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def token_id(self, token: str) -> int:
+        """The id of one token given by its text (a special token, say); raises if absent."""
+        tid = self.backend.token_to_id(token)
+        if tid is None:
+            raise KeyError(f"token {token!r} is not in the vocabulary")
+        return int(tid)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.token_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self.token_id(self.pad_token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template applied to ``messages`` (and tool JSON schemas), as text."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        try:
+            template = _compile(self.chat_template)
+            return template.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat (special tokens come from the template text)."""
+        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode(text)
+
+
+_COMPILED: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _COMPILED:
+        try:
+            _COMPILED[source] = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+    return _COMPILED[source]
