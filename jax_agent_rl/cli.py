@@ -21,10 +21,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from jax_agent_rl.config import ConfigError, load_config, to_yaml
+    from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
 
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # no file given: the first word is an override
+        config, overrides = None, [config, *overrides]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg: JarlConfig = load_config(config, overrides)
     except ConfigError as e:
         print(f"jarl: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ def load_config(
     overrides: Sequence[str] = (),
     schema: type[T] = JarlConfig,  # type: ignore[assignment]
 ) -> T:
-    """Loads ``schema`` from a YAML file (optional) and ``key.sub=value`` overrides, in that order."""
+    """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order."""
     base = OmegaConf.structured(schema)
     layers = []
     if path is not None:
@@ -97,7 +97,7 @@ def _allowed_keys(schema: type, dotted: str) -> list[str]:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if part not in fields:
             break
-        inner = fields[part].default_factory  # type: ignore[misc]
+        inner = fields[part].default_factory
         if inner is dataclasses.MISSING or not dataclasses.is_dataclass(inner):
             break
         cls = inner

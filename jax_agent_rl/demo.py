@@ -30,6 +30,7 @@ from jax_agent_rl.models import (
     load_hf,
     save_hf,
 )
+from jax_agent_rl.models.hf_local import write_hf_checkpoint
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 
 _CORPUS = [
@@ -43,13 +44,10 @@ _CORPUS = [
 
 def write_checkpoint(folder: Path, seed: int = 0) -> Path:
     """A random-init Qwen2 (GQA, q/k/v bias, tied embeddings) and a local tokenizer, via HF."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     tok = train_bpe(_CORPUS * 20, vocab_size=512)
     save_tokenizer(folder, tok, chat_template("chatml_tools"))
-    torch.manual_seed(seed)
-    hf_cfg = Qwen2Config(
+    config = dict(
+        model_type="qwen2",
         vocab_size=tok.get_vocab_size(),
         hidden_size=128,
         intermediate_size=384,
@@ -59,13 +57,7 @@ def write_checkpoint(folder: Path, seed: int = 0) -> Path:
         max_position_embeddings=512,
         tie_word_embeddings=True,
     )
-    model = Qwen2ForCausalLM(hf_cfg)
-    with torch.no_grad():  # HF zero-inits biases; give them values so the test sees them
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return folder
+    return write_hf_checkpoint(folder, config, seed=seed)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -109,7 +101,8 @@ def run(run_dir: Path, console: Console) -> dict[str, float]:
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    logits = np.asarray(lm_logits(w, forward(w, cfg, ids, positions, np.ones_like(ids))))
+    h = forward(w, cfg, jnp.asarray(ids), jnp.asarray(positions), jnp.ones(ids.shape, jnp.int32))
+    logits = np.asarray(lm_logits(w, h))
     max_diff = float(np.abs(logits - ref).max())
 
     n_new = 24

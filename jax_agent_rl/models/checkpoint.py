@@ -149,7 +149,9 @@ def load_hf(
     tied_head = cfg.tie_embeddings and "lm_head.weight" in where
     unexpected = sorted(set(where) - expected - ({"lm_head.weight"} if tied_head else set()))
     if unexpected:
-        raise CheckpointError(f"unexpected tensors in {path} for a {cfg.family} config: {unexpected}")
+        raise CheckpointError(
+            f"unexpected tensors in {path} for a {cfg.family} config: {unexpected}"
+        )
     missing = sorted(expected - set(where))
     if missing:
         raise CheckpointError(f"missing tensors in {path}: {missing}")

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import jax.numpy as jnp
 import numpy as np
 
 Family = Literal["llama", "qwen2", "qwen3"]
@@ -31,7 +32,7 @@ _METADATA_FIELDS = frozenset(
     {
         "_name_or_path",
         "architectures",
-        "attention_dropout",  # dropout is never applied: RL and inference run deterministic forwards
+        "attention_dropout",  # never applied: RL and inference run deterministic forwards
         "bos_token_id",
         "chunk_size_feed_forward",
         "dtype",
@@ -97,7 +98,7 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of one Llama 3 / Qwen2 / Qwen3 decoder; ``dtype`` is parameter and compute dtype."""
+    """One Llama 3 / Qwen2 / Qwen3 architecture; ``dtype`` is the parameter and compute dtype."""
 
     family: Family
     vocab_size: int
@@ -129,8 +130,6 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self) -> Any:
-        import jax.numpy as jnp
-
         return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
 
     @property
@@ -165,7 +164,9 @@ class ModelConfig:
         _require(hf, "use_mrope", False)
         layer_types = hf.get("layer_types")
         if layer_types is not None and set(layer_types) != {"full_attention"}:
-            raise UnsupportedConfigError(f"layer_types={sorted(set(layer_types))}: only full_attention")
+            raise UnsupportedConfigError(
+                f"layer_types={sorted(set(layer_types))}: only full_attention"
+            )
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if field not in hf:
                 raise UnsupportedConfigError(f"config.json lacks the required field {field!r}")
@@ -200,7 +201,11 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` this config round-trips through (transformers >= 5 layout)."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")

@@ -162,9 +162,9 @@ def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
-    out_shardings = None if sharder is None else [
-        sharder.sharding(s.logical_axes, s.shape) for s in leaves
-    ]
+    out_shardings = (
+        None if sharder is None else [sharder.sharding(s.logical_axes, s.shape) for s in leaves]
+    )
 
     @partial(jax.jit, out_shardings=out_shardings)
     def init(keys: jax.Array) -> list[jax.Array]:
@@ -184,7 +184,8 @@ def init_cache(
         kv = sharder.sharding(CACHE_AXES, shape)
         pos = sharder.sharding(("batch",), (batch,))
         cache = KVCache(
-            k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
+            k=jax.device_put(cache.k, kv),
+            v=jax.device_put(cache.v, kv),
             pos=jax.device_put(cache.pos, pos),
         )
     return cache

@@ -59,7 +59,8 @@ class ShardingRules:
             for m in (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ():
                 if m in used:
                     raise ValueError(
-                        f"mesh axis {m!r} shards both {used[m]!r} and {axis!r} in {tuple(logical_axes)}"
+                        f"mesh axis {m!r} shards both {used[m]!r} and {axis!r} "
+                        f"in {tuple(logical_axes)}"
                     )
                 used[m] = axis
             spec.append(mesh_axes)
@@ -75,7 +76,8 @@ class ShardingRules:
                 if mesh_axes is None:
                     continue
                 parts = math.prod(
-                    mesh.shape[m] for m in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes)
+                    mesh.shape[m]
+                    for m in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes)
                 )
                 if dim % parts:
                     raise ValueError(
@@ -93,7 +95,8 @@ def make_mesh(
     n = data * fsdp * tensor
     if n != len(devices):
         raise ValueError(
-            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {n} devices, have {len(devices)}"
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {n} devices, "
+            f"have {len(devices)}"
         )
     grid = np.array(devices, dtype=object).reshape(data, fsdp, tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

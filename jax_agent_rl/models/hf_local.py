@@ -1,0 +1,99 @@
+"""HF checkpoints written on this machine by transformers itself, for tests, demos and benchmarks.
+
+`write_hf_checkpoint` builds a random-init model of one family with transformers'
+``save_pretrained``; nothing is downloaded. Every parameter gets a non-trivial random value
+(biases and norm scales included, which HF initialises to 0 and 1), so parity checks exercise
+every term of the forward pass. Needs the ``parity`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Small members of each family; every one uses grouped-query attention.
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=500000.0,
+        # original context 16 so the scaling changes the frequencies seen in short tests
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # not hidden / heads, as in real Qwen3 configs
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
+}
+
+# The benchmark model: Qwen2-style, ~40M parameters.
+SMALL_QWEN2: dict[str, Any] = dict(
+    model_type="qwen2",
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+
+
+def write_hf_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """Writes ``config`` (HF fields, ``model_type`` included) as a random-init fp32 checkpoint."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    fields = dict(config)
+    config_class = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_class, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path

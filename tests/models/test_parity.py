@@ -1,0 +1,127 @@
+"""The JAX decoder against transformers' own forward, on checkpoints transformers wrote.
+
+Tolerance: 1e-4 absolute on logits of magnitude ~1-10 in fp32. Both sides compute the same
+real-number function; fp32 rounding (unit roundoff 6e-8) accumulated over a few hundred-term
+dot products and two layers stays near 1e-6, so 1e-4 leaves two orders of margin while still
+catching any real difference (a wrong RoPE frequency or a missing bias moves logits by >1e-2).
+"""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jax_agent_rl.models import forward, forward_cached, init_cache, lm_logits, load_hf
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+TOL = 1e-4
+
+
+def _batch(vocab: int, T: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three rows: full, right-padded, left-padded; returns tokens, mask, positions."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (3, T))
+    mask = np.ones((3, T), np.int64)
+    mask[1, 13:] = 0
+    mask[2, :6] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return tokens, mask, positions
+
+
+def _hf_logits(
+    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits.numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_matches_transformers(family: str, hf_checkpoints: dict[str, Path]) -> None:
+    cfg, w = load_hf(hf_checkpoints[family])
+    tokens, mask, positions = _batch(cfg.vocab_size)
+    ref = _hf_logits(hf_checkpoints[family], tokens, mask, positions)
+    logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
+    assert np.abs(logits - ref)[valid].max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_segments_equal_separate_sequences(
+    family: str, hf_checkpoints: dict[str, Path]
+) -> None:
+    cfg, w = load_hf(hf_checkpoints[family])
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, cfg.vocab_size, 7), rng.integers(0, cfg.vocab_size, 9)
+    packed = np.concatenate([a, b, [0, 0]])[None]
+    segments = np.array([[1] * 7 + [2] * 9 + [0, 0]])
+    positions = np.array([list(range(7)) + list(range(9)) + [0, 0]])
+    logits = np.asarray(lm_logits(w, forward(w, cfg, packed, positions, segments)))[0]
+    for seq, sl in ((a, slice(0, 7)), (b, slice(7, 16))):
+        alone = lm_logits(
+            w, forward(w, cfg, seq[None], np.arange(len(seq))[None], np.ones((1, len(seq))))
+        )
+        assert np.abs(logits[sl] - np.asarray(alone)[0]).max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_reproduce_full_sequence(
+    family: str, hf_checkpoints: dict[str, Path]
+) -> None:
+    """Rows of different lengths; prefill, decode, a second prefill on top (a new turn), decode."""
+    cfg, w = load_hf(hf_checkpoints[family])
+    T = 16
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, T))
+    full = np.asarray(
+        lm_logits(
+            w, forward(w, cfg, tokens, np.broadcast_to(np.arange(T), (2, T)), np.ones((2, T)))
+        )
+    )
+    step = jax.jit(forward_cached, static_argnames="cfg")
+    cache = init_cache(cfg, batch=2, max_len=32)
+    got = np.zeros_like(full)
+    # chunk plan per row: (start, n) pairs; row 1 prefills fewer tokens than row 0 at first
+    plan = [((0, 6), (0, 4)), ((6, 1), (4, 1)), ((7, 5), (5, 7)), ((12, 1), (12, 1))]
+    plan += [((t, 1), (t, 1)) for t in range(13, T)]
+    for (s0, n0), (s1, n1) in plan:
+        width = max(n0, n1)
+        chunk = np.zeros((2, width), np.int64)
+        chunk[0, :n0], chunk[1, :n1] = tokens[0, s0 : s0 + n0], tokens[1, s1 : s1 + n1]
+        h, cache = step(w, cfg, jnp.asarray(chunk), jnp.array([n0, n1]), cache)
+        lg = np.asarray(lm_logits(w, h))
+        got[0, s0 : s0 + n0], got[1, s1 : s1 + n1] = lg[0, :n0], lg[1, :n1]
+    assert list(np.asarray(cache.pos)) == [T, T]
+    assert np.abs(got - full).max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_forward_tracks_fp32(family: str, hf_checkpoints: dict[str, Path]) -> None:
+    """bf16 compute vs fp32 compute on the same (bf16-rounded) weights.
+
+    bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3); each of the ~10 rounded
+    steps per layer adds at most that relative error to the residual stream, so over 2 layers
+    the logits may move by a few percent of their scale, never by more than ~5%.
+    """
+    cfg32, _ = load_hf(hf_checkpoints[family], dtype="float32")
+    cfg16, w16 = load_hf(hf_checkpoints[family], dtype="bfloat16")
+    w_rounded = jax.tree.map(lambda x: x.astype(jnp.float32), w16)
+    tokens, mask, positions = _batch(cfg32.vocab_size)
+    ref = np.asarray(lm_logits(w_rounded, forward(w_rounded, cfg32, tokens, positions, mask)))
+    h16 = forward(w16, cfg16, tokens, positions, mask)
+    assert h16.dtype == jnp.bfloat16
+    logits = lm_logits(w16, h16)
+    assert logits.dtype == jnp.float32  # logits (and so logprobs) stay fp32
+    valid = mask.astype(bool)
+    rel = np.abs(np.asarray(logits) - ref)[valid].max() / np.abs(ref[valid]).max()
+    assert rel <= 0.05
+    assert (np.asarray(logits).argmax(-1) == ref.argmax(-1))[valid].mean() >= 0.9
