@@ -297,6 +297,7 @@ def forward_cached(
     num_new_b: jax.Array,
     cache: KVCache,
     sharder: Sharder | None = None,
+    kv_len: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Prefill or decode through the KV cache; returns final hidden [B, T, D] and the new cache.
 
@@ -304,9 +305,13 @@ def forward_cached(
     ``cache.pos[b]`` advances by ``num_new[b]`` (the row's real tokens; the rest of its T are
     padding, written past the row's end and overwritten before they are ever attended). Prefill
     is T = prompt bucket, decode is T = 1; a continuing turn prefills on top of what is cached.
+
+    ``kv_len`` (static) limits attention to the first ``kv_len`` cache positions, which must
+    cover every query position; decoding short sequences in a long cache then costs what
+    their length costs. Default: the whole cache.
     """
     B, T = tokens_bt.shape
-    S = cache.k.shape[2]
+    S = cache.k.shape[2] if kv_len is None else kv_len
     positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
     rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
@@ -322,7 +327,7 @@ def forward_cached(
             q, k, v = _qkv(cfg, lw, h, positions_bt)
             ck = ck.at[i, rows_bt, positions_bt].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, rows_bt, positions_bt].set(v.astype(cv.dtype), mode="drop")
-            a = attention(q, ck[i], cv[i], mask_bts)
+            a = attention(q, ck[i, :, :S], cv[i, :, :S], mask_bts)
             x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
         with jax.named_scope("mlp"):
             x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))

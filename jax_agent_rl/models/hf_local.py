@@ -61,6 +61,22 @@ TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The conformance and tiny benchmark model: ~0.46M parameters, head_dim 64 (vLLM's CPU attention
+# needs 64 or more), GQA, q/k/v bias, tied embeddings.
+TINY_QWEN2: dict[str, Any] = dict(
+    model_type="qwen2",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+
 # The benchmark model: Qwen2-style, ~40M parameters.
 SMALL_QWEN2: dict[str, Any] = dict(
     model_type="qwen2",

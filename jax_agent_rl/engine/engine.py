@@ -1,0 +1,349 @@
+"""The JAX inference engine, in the shape of JetStream's Engine API.
+
+``prefill`` runs one prompt (optionally on top of an existing cached prefix) and samples its
+first token; ``insert`` places the result in a decode slot; ``generate`` advances every
+active slot by ``num_steps`` tokens in one device call. Each slot carries its own sampling
+parameters, RNG, stop ids and budget, so requests of any mix run side by side.
+
+Compilation is bounded: prompts pad to a fixed set of bucket lengths (one prefill program per
+bucket), decode attends over a bucketed prefix of the cache (one program per bucket), and
+``insert`` compiles once. ``compile_counts`` counts traces per function, so a test can hold
+the engine to that bound. Weights are arguments, never constants: swapping in new weights of
+the same shapes reuses every compiled program.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
+from jax_agent_rl.models import (
+    KVCache,
+    ModelConfig,
+    Sharder,
+    Weights,
+    forward_cached,
+    init_cache,
+    lm_logits,
+    param_specs,
+)
+from jax_agent_rl.models.decoder import is_spec
+
+if TYPE_CHECKING:  # the engine reads SamplingParams' fields; rollout/ imports the engine
+    from jax_agent_rl.rollout.protocol import SamplingParams
+
+# finish codes, per slot and step
+RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Per-slot decoding state, every field with a leading slot axis [N]."""
+
+    token: jax.Array  # int32: the last sampled token, next step's input
+    active: jax.Array  # bool
+    generated: jax.Array  # int32: tokens sampled so far
+    max_tokens: jax.Array  # int32
+    temperature: jax.Array  # float32 (0 = greedy)
+    top_k: jax.Array  # int32 (<= 0 = off)
+    top_p: jax.Array  # float32
+    stop_ids: jax.Array  # int32 [N, max_stop_ids], -1 padded
+    key: jax.Array  # uint32 [N, 2]: raw threefry key data of the request's seed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    cache: KVCache  # [L, N, S, G, K]; cache.pos [N]
+    slots: Slots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prefilled prompt: its cache row [L, 1, S, G, K], its slot state and first token."""
+
+    cache: KVCache
+    slots: Slots
+    logprob: jax.Array  # [1] float32: the first token's logprob
+    finish: jax.Array  # [1] int32: RUNNING, STOPPED or LENGTH after the first token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepTokens:
+    """What ``generate`` produced, [num_steps, N] each; ``valid`` marks slots that were active."""
+
+    token: jax.Array
+    logprob: jax.Array
+    valid: jax.Array
+    finish: jax.Array
+
+
+def _buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    sizes, n = [], smallest
+    while n < largest:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, largest)
+
+
+def _finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) -> jax.Array:
+    """STOPPED if the token is a stop id, LENGTH if the budget or the model length is used up.
+
+    ``pos`` counts cached tokens; the just-sampled token is not cached yet, so the sequence
+    holds ``pos + 1`` tokens and may not grow past ``max_len``.
+    """
+    stopped = jnp.any(token[:, None] == slots.stop_ids, axis=-1)
+    length = (slots.generated >= slots.max_tokens) | (pos + 1 >= max_len)
+    return jnp.where(stopped, STOPPED, jnp.where(length, LENGTH, RUNNING)).astype(jnp.int32)
+
+
+def _sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Array]:
+    logprobs = sampling_logprobs(logits_bv, slots.temperature, slots.top_k, slots.top_p)
+    keys = jax.random.wrap_key_data(slots.key)
+    token = sample(logprobs, slots.temperature == 0, keys, slots.generated)
+    return token, token_logprobs(logprobs, token)
+
+
+class Engine:
+    """Slotted KV-cache inference over one decoder (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        max_concurrent_decodes: int = 32,
+        max_len: int = 2048,
+        min_prefill_bucket: int = 16,
+        min_kv_bucket: int = 64,
+        max_stop_ids: int = 8,
+        sharder: Sharder | None = None,
+    ) -> None:
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len={max_len} exceeds the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+        self.cfg = cfg
+        self.max_concurrent_decodes = max_concurrent_decodes
+        self.max_len = max_len
+        self.max_stop_ids = max_stop_ids
+        self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
+        self.kv_buckets = _buckets(min(min_kv_bucket, max_len), max_len)
+        self.sharder = sharder
+        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
+        self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
+        self._generate = jax.jit(
+            self._generate_impl, static_argnames=("num_steps", "kv_len"), donate_argnames=("state",)
+        )
+        self._release = jax.jit(self._release_impl, donate_argnames=("state",))
+        self._extract = jax.jit(self._extract_impl)
+
+    # ------------------------------------------------------------------------- params, state
+
+    def load_params(self, weights: Weights) -> Weights:
+        """Checks ``weights`` against the model's declaration, casts and places them."""
+        specs = param_specs(self.cfg)
+        want: Any = jax.tree.structure(specs, is_leaf=is_spec)
+        got: Any = jax.tree.structure(weights)
+        if got != want:
+            raise ValueError(f"weights tree {got} does not match the model's {want}")
+        for spec, x in zip(
+            jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(weights), strict=True
+        ):
+            if tuple(x.shape) != spec.shape:
+                raise ValueError(f"weight of shape {x.shape} where {spec.shape} is declared")
+        cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
+        if self.sharder is None:
+            return cast
+        shardings = jax.tree.map(
+            lambda s: self.sharder.sharding(s.logical_axes, s.shape),  # type: ignore[union-attr]
+            specs,
+            is_leaf=is_spec,
+        )
+        return jax.device_put(cast, shardings)
+
+    def _empty_slots(self, n: int) -> Slots:
+        return Slots(
+            token=jnp.zeros((n,), jnp.int32),
+            active=jnp.zeros((n,), bool),
+            generated=jnp.zeros((n,), jnp.int32),
+            max_tokens=jnp.ones((n,), jnp.int32),
+            temperature=jnp.ones((n,), jnp.float32),
+            top_k=jnp.full((n,), -1, jnp.int32),
+            top_p=jnp.ones((n,), jnp.float32),
+            stop_ids=jnp.full((n, self.max_stop_ids), -1, jnp.int32),
+            key=jnp.zeros((n, 2), jnp.uint32),
+        )
+
+    def init_decode_state(self) -> DecodeState:
+        n = self.max_concurrent_decodes
+        return DecodeState(
+            cache=init_cache(self.cfg, n, self.max_len, self.sharder), slots=self._empty_slots(n)
+        )
+
+    def empty_prefix_cache(self) -> KVCache:
+        return init_cache(self.cfg, 1, self.max_len)
+
+    # ----------------------------------------------------------------------------- prefill
+
+    def prefill_bucket(self, n_tokens: int) -> int:
+        i = bisect.bisect_left(self.prefill_buckets, n_tokens)
+        if i == len(self.prefill_buckets):
+            raise ValueError(f"{n_tokens} prompt tokens exceed max_len={self.max_len}")
+        return self.prefill_buckets[i]
+
+    def prefill(
+        self,
+        params: Weights,
+        existing_prefix: KVCache | None,
+        tokens: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> Prefix:
+        """Prefills ``tokens`` after the first ``existing_prefix.pos`` cached positions (or from
+        scratch) and samples the first generated token."""
+        cache = self.empty_prefix_cache() if existing_prefix is None else existing_prefix
+        start = int(cache.pos[0])
+        total = start + len(tokens)
+        if not tokens or total >= self.max_len:
+            raise ValueError(f"cannot prefill {len(tokens)} tokens after {start} cached ones")
+        bucket = self.prefill_bucket(len(tokens))
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, : len(tokens)] = tokens
+        stop = np.full((1, self.max_stop_ids), -1, np.int32)
+        stop[0, : len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        slots = Slots(
+            token=jnp.zeros((1,), jnp.int32),
+            active=jnp.ones((1,), bool),
+            generated=jnp.zeros((1,), jnp.int32),
+            max_tokens=jnp.array([sampling.max_tokens], jnp.int32),
+            temperature=jnp.array([sampling.temperature], jnp.float32),
+            top_k=jnp.array([sampling.top_k], jnp.int32),
+            top_p=jnp.array([sampling.top_p], jnp.float32),
+            stop_ids=jnp.asarray(stop),
+            key=jax.random.key_data(jax.random.key(seed))[None],
+        )
+        kv_len = self.kv_buckets[
+            bisect.bisect_left(self.kv_buckets, min(start + bucket, self.max_len))
+        ]
+        return self._prefill(params, cache, jnp.asarray(padded), len(tokens), slots, kv_len=kv_len)
+
+    def _prefill_impl(
+        self,
+        params: Weights,
+        cache: KVCache,
+        padded_bt: jax.Array,
+        true_length: jax.Array,
+        slots: Slots,
+        kv_len: int,
+    ) -> Prefix:
+        self.compile_counts["prefill"] += 1  # runs at trace time only
+        n = jnp.reshape(true_length, (1,)).astype(jnp.int32)
+        h, cache = forward_cached(params, self.cfg, padded_bt, n, cache, kv_len=kv_len)
+        last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
+        token, logprob = _sample_step(lm_logits(params, last[:, None])[:, 0], slots)
+        slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
+        finish = _finish_code(slots, token, cache.pos, self.max_len)
+        return Prefix(cache=cache, slots=slots, logprob=logprob, finish=finish)
+
+    # -------------------------------------------------------------------- insert / release
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
+        """Places a prefilled prompt in decode slot ``slot`` (its cache row and its state)."""
+        return self._insert(prefix, state, jnp.int32(slot))
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
+        self.compile_counts["insert"] += 1
+        c = state.cache
+        cache = KVCache(
+            k=c.k.at[:, slot].set(prefix.cache.k[:, 0]),
+            v=c.v.at[:, slot].set(prefix.cache.v[:, 0]),
+            pos=c.pos.at[slot].set(prefix.cache.pos[0]),
+        )
+        slots = jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.slots, prefix.slots)
+        slots = dataclasses.replace(
+            slots, active=slots.active.at[slot].set(prefix.finish[0] == RUNNING)
+        )
+        return DecodeState(cache=cache, slots=slots)
+
+    def release(self, state: DecodeState, slot: int) -> DecodeState:
+        """Deactivates a slot (finished or aborted); its cache row is simply overwritten later."""
+        return self._release(state, jnp.int32(slot))
+
+    def _release_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
+        self.compile_counts["release"] += 1
+        slots = dataclasses.replace(state.slots, active=state.slots.active.at[slot].set(False))
+        return DecodeState(cache=state.cache, slots=slots)
+
+    def extract(self, state: DecodeState, slot: int) -> KVCache:
+        """A copy of one slot's cache row, to prefill the session's next turn on top of it."""
+        return self._extract(state.cache, jnp.int32(slot))
+
+    def _extract_impl(self, cache: KVCache, slot: jax.Array) -> KVCache:
+        self.compile_counts["extract"] += 1
+        take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
+        return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
+
+    # ---------------------------------------------------------------------------- generate
+
+    def kv_bucket(self, state_max_pos: int, num_steps: int) -> int:
+        need = min(state_max_pos + num_steps, self.max_len)
+        return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
+
+    def generate(
+        self, params: Weights, state: DecodeState, num_steps: int = 1, max_pos: int | None = None
+    ) -> tuple[DecodeState, StepTokens]:
+        """Advances every active slot ``num_steps`` tokens. ``max_pos`` (the largest cache
+        position of an active slot, known to the caller) picks the attention bucket."""
+        kv_len = self.max_len if max_pos is None else self.kv_bucket(max_pos, num_steps)
+        return self._generate(params, state, num_steps=num_steps, kv_len=kv_len)
+
+    def _generate_impl(
+        self, params: Weights, state: DecodeState, num_steps: int, kv_len: int
+    ) -> tuple[DecodeState, StepTokens]:
+        self.compile_counts["generate"] += 1
+
+        def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
+            slots, active = state.slots, state.slots.active
+            h, cache = forward_cached(
+                params,
+                self.cfg,
+                slots.token[:, None],
+                active.astype(jnp.int32),
+                state.cache,
+                self.sharder,
+                kv_len=kv_len,
+            )
+            token, logprob = _sample_step(lm_logits(params, h)[:, 0], slots)
+            token = jnp.where(active, token, slots.token)
+            slots = dataclasses.replace(
+                slots, token=token, generated=slots.generated + active.astype(jnp.int32)
+            )
+            finish = jnp.where(active, _finish_code(slots, token, cache.pos, self.max_len), RUNNING)
+            slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
+            out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
+            return DecodeState(cache=cache, slots=slots), out
+
+        return jax.lax.scan(step, state, None, length=num_steps)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "slots": self.max_concurrent_decodes,
+            "max_len": self.max_len,
+            "prefill_buckets": self.prefill_buckets,
+            "kv_buckets": self.kv_buckets,
+            "compile_counts": dict(self.compile_counts),
+        }

@@ -1,0 +1,67 @@
+"""Sampling math shared by the engine and the learner: one definition of the distribution.
+
+`sampling_logprobs` turns raw logits into the log-probabilities of the distribution a token is
+actually drawn from; the engine samples from it and reports the sampled token's entry, and the
+learner calls the same function on its recomputed logits, so the two agree to rounding.
+
+Order (as in vLLM and HF): logits / temperature, then top-k, then top-p over the top-k
+renormalised distribution. A token whose logit ties the smallest kept one is kept too.
+Temperature 0 means greedy; its logprobs are reported at temperature 1 (same filters).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
+    V = scaled_bv.shape[-1]
+    sorted_bv = jnp.flip(jnp.sort(scaled_bv, axis=-1), axis=-1)  # descending
+    rank_v = jnp.arange(V)
+    k_b = jnp.where(top_k_b > 0, jnp.minimum(top_k_b, V), V)
+    in_top_k = rank_v[None, :] < k_b[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_bv, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & (mass_before < top_p_b[:, None])  # the top token is always kept
+    threshold_b = jnp.min(jnp.where(keep, sorted_bv, jnp.inf), axis=-1)
+    return jnp.where(scaled_bv >= threshold_b[:, None], scaled_bv, -jnp.inf)
+
+
+def sampling_logprobs(
+    logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array
+) -> jax.Array:
+    """Log-probabilities [B, V] (fp32) of the distribution each row samples from.
+
+    ``top_k <= 0`` and ``top_p >= 1`` switch the filters off; when every row has them off, the
+    vocabulary sort is skipped entirely (a ``lax.cond``, so one program serves both cases).
+    """
+    t_b = jnp.where(temperature_b > 0, temperature_b, 1.0).astype(jnp.float32)
+    scaled = logits_bv.astype(jnp.float32) / t_b[:, None]
+    needs_filter = jnp.any((top_k_b > 0) | (top_p_b < 1.0))
+    filtered = jax.lax.cond(
+        needs_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, top_k_b, top_p_b
+    )
+    return jax.nn.log_softmax(filtered, axis=-1)
+
+
+def sample(
+    logprobs_bv: jax.Array, greedy_b: jax.Array, keys_b: jax.Array, step_b: jax.Array
+) -> jax.Array:
+    """One token per row: argmax where greedy, else an exact draw by inverse CDF.
+
+    Each row's randomness is ``fold_in(key, step)``: it depends on the request's seed and on
+    how many tokens it has generated, never on which other requests share the batch.
+    """
+    step_keys = jax.vmap(jax.random.fold_in)(keys_b, step_b)
+    u_b = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)  # (0, 1]
+    cdf_bv = jnp.cumsum(jnp.exp(logprobs_bv), axis=-1)
+    target_b = u_b * cdf_bv[:, -1]
+    drawn_b = jnp.sum(cdf_bv < target_b[:, None], axis=-1)
+    drawn_b = jnp.minimum(drawn_b, logprobs_bv.shape[-1] - 1)
+    return jnp.where(greedy_b, jnp.argmax(logprobs_bv, axis=-1), drawn_b).astype(jnp.int32)
+
+
+def token_logprobs(logprobs_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """The entry of each token in its row's log-probabilities: [..., V] x [...] -> [...]."""
+    return jnp.take_along_axis(logprobs_btv, tokens_bt[..., None], axis=-1)[..., 0]

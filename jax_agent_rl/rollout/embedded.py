@@ -1,0 +1,367 @@
+"""The in-process rollout backend: the JAX engine behind the asyncio `RolloutBackend` protocol.
+
+One engine thread owns the device state and runs continuous batching: waiting requests are
+prefilled into free slots, all active slots decode together ``steps_per_call`` tokens per
+device call, and a finished, aborted or failed request frees its slot at once for the next.
+The event loop never blocks: coroutines hand commands to the thread and await futures it
+resolves.
+
+Sessions: when a request with a ``session_id`` finishes, its slot's cache row is kept (LRU);
+the session's next request prefills only the tokens after the longest common prefix.
+
+Weight updates drain: admission pauses, requests in flight finish under the weights they
+started with, then the new weights (same shapes: no recompilation) replace the old, the
+session cache is dropped (its keys/values belong to the old weights), and admission resumes.
+Every result is stamped with the single weight version it was sampled under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import random
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine, Prefix
+from jax_agent_rl.models import KVCache, Weights
+from jax_agent_rl.rollout.protocol import (
+    Capabilities,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InvalidRequestError,
+)
+
+
+@dataclasses.dataclass
+class _Job:
+    request: GenerateRequest
+    future: asyncio.Future[GenerateResult]
+    loop: asyncio.AbstractEventLoop
+    seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pos: int = 0  # cached positions of its slot (host mirror of cache.pos)
+    version: int = 0
+
+
+@dataclasses.dataclass
+class _Update:
+    params: Weights
+    version: int
+    future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclasses.dataclass
+class BackendStats:
+    requests: int = 0
+    prefilled_tokens: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens served from a session's cached prefix
+    generated_tokens: int = 0
+    decode_calls: int = 0
+    aborted: int = 0
+
+
+def _resolve(future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: Any) -> None:
+    def set_value() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    loop.call_soon_threadsafe(set_value)
+
+
+class EmbeddedBackend:
+    """`RolloutBackend` over an in-process `Engine` (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        params: Weights,
+        *,
+        weight_version: int = 0,
+        steps_per_call: int = 4,
+        session_cache_size: int = 128,
+        seed: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.capabilities = Capabilities(
+            logprobs=True,
+            logprob_tolerance=1e-4 if engine.cfg.dtype == "float32" else 5e-2,
+            per_request_sampling=True,
+            stop_token_ids=True,
+            abort=True,
+            prefix_cache=True,
+            weight_update="in_place",
+            max_model_len=engine.max_len,
+        )
+        self.stats = BackendStats()
+        self._params = engine.load_params(params)
+        self._version = weight_version
+        self._state = engine.init_decode_state()
+        self._steps_per_call = steps_per_call
+        self._session_cache_size = session_cache_size
+        self._sessions: collections.OrderedDict[str, tuple[tuple[int, ...], KVCache]] = (
+            collections.OrderedDict()
+        )
+        self._rng = random.Random(seed)
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._slots: dict[int, _Job] = {}
+        self._ids: set[str] = set()
+        self._update: _Update | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jarl-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asyncio-facing API
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self._validate(request)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[GenerateResult] = loop.create_future()
+        seed = request.sampling.seed
+        job = _Job(request, future, loop, self._rng.getrandbits(31) if seed is None else seed)
+        with self._cond:
+            if request.request_id in self._ids:
+                raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+            self._ids.add(request.request_id)
+        try:
+            self._send("generate", job)
+        except RuntimeError:
+            with self._cond:
+                self._ids.discard(request.request_id)
+            raise
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._send("abort", request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._send("update", _Update(params, version, future, loop))
+        await future
+
+    async def close(self) -> None:
+        self._send("close", None)
+        await asyncio.to_thread(self._thread.join)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with self._cond:
+            if self._failure is not None:
+                raise RuntimeError(f"the engine thread failed: {self._failure!r}")
+            if self._closed and kind != "close":
+                raise RuntimeError("the backend is closed")
+            self._inbox.append((kind, payload))
+            self._cond.notify()
+
+    def _validate(self, request: GenerateRequest) -> None:
+        prompt, vocab, max_len = request.prompt_ids, self.engine.cfg.vocab_size, self.engine.max_len
+        if not prompt:
+            raise InvalidRequestError(f"request {request.request_id!r}: prompt_ids is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt token id {bad} is outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        if len(prompt) >= max_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt of {len(prompt)} tokens leaves no room "
+                f"to generate within max_model_len={max_len}"
+            )
+        request.sampling.validate()
+        stops = request.sampling.stop_token_ids
+        if len(stops) > self.engine.max_stop_ids:
+            raise InvalidRequestError(
+                f"{len(stops)} stop_token_ids; this engine takes at most {self.engine.max_stop_ids}"
+            )
+        if any(not 0 <= t < vocab for t in stops):
+            raise InvalidRequestError(f"stop_token_ids {stops} reach outside the vocabulary")
+
+    # ------------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._slots or self._waiting or self._update):
+                        self._cond.wait()
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                for kind, payload in commands:
+                    self._handle(kind, payload)
+                if self._closed:
+                    self._shutdown()
+                    return
+                if self._update is not None and not self._slots:
+                    self._apply_update(self._update)
+                    self._update = None
+                while self._admissible() and len(self._slots) < self.engine.max_concurrent_decodes:
+                    self._admit(self._waiting.popleft())
+                if self._slots:
+                    self._decode()
+        except BaseException as e:  # the engine is broken: fail everything, refuse new work
+            with self._cond:
+                self._failure = e
+            for job in [*self._slots.values(), *self._waiting]:
+                _resolve(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
+            if self._update is not None:
+                _resolve(self._update.future, self._update.loop, RuntimeError(repr(e)))
+            raise
+
+    def _admissible(self) -> bool:
+        return bool(self._waiting) and self._update is None
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "generate":
+            self._waiting.append(payload)
+        elif kind == "abort":
+            self._abort(payload)
+        elif kind == "update":
+            if self._update is not None:  # a newer update supersedes one still draining
+                _resolve(self._update.future, self._update.loop, None)
+            self._update = payload
+        elif kind == "close":
+            self._closed = True
+
+    def _apply_update(self, update: _Update) -> None:
+        try:
+            params = self.engine.load_params(update.params)
+        except ValueError as e:
+            _resolve(update.future, update.loop, e)
+            return
+        self._params, self._version = params, update.version
+        self._sessions.clear()
+        _resolve(update.future, update.loop, None)
+
+    def _abort(self, request_id: str) -> None:
+        for job in list(self._waiting):
+            if job.request.request_id == request_id:
+                self._waiting.remove(job)
+                self._finish(job, "abort")
+                return
+        for slot, job in list(self._slots.items()):
+            if job.request.request_id == request_id:
+                self._state = self.engine.release(self._state, slot)
+                del self._slots[slot]
+                self._finish(job, "abort")
+                return
+
+    def _admit(self, job: _Job) -> None:
+        request = job.request
+        prompt = request.prompt_ids
+        cached, start = self._cached_prefix(request.session_id, prompt)
+        job.version = self._version
+        prefix: Prefix = self.engine.prefill(
+            self._params, cached, prompt[start:], request.sampling, job.seed
+        )
+        self.stats.requests += 1
+        self.stats.prefilled_tokens += len(prompt) - start
+        self.stats.prefix_hit_tokens += start
+        token, logprob, finish = jax.device_get(
+            (prefix.slots.token[0], prefix.logprob[0], prefix.finish[0])
+        )
+        job.tokens.append(int(token))
+        job.logprobs.append(float(logprob))
+        job.pos = len(prompt)
+        if int(finish) != RUNNING:
+            self._remember(job, prefix.cache)
+            self._finish(job, "stop" if int(finish) == STOPPED else "length")
+            return
+        slot = next(i for i in range(self.engine.max_concurrent_decodes) if i not in self._slots)
+        self._state = self.engine.insert(prefix, self._state, slot)
+        self._slots[slot] = job
+
+    def _decode(self) -> None:
+        max_pos = max(job.pos for job in self._slots.values())
+        self._state, out = self.engine.generate(
+            self._params, self._state, self._steps_per_call, max_pos=max_pos
+        )
+        out = jax.device_get(out)
+        self.stats.decode_calls += 1
+        finished: list[tuple[int, FinishReason]] = []
+        for slot, job in self._slots.items():
+            for t in range(self._steps_per_call):
+                if not out.valid[t, slot]:
+                    break
+                job.tokens.append(int(out.token[t, slot]))
+                job.logprobs.append(float(out.logprob[t, slot]))
+                job.pos += 1
+                code = int(out.finish[t, slot])
+                if code != RUNNING:
+                    finished.append((slot, "stop" if code == STOPPED else "length"))
+                    break
+        for slot, reason in finished:
+            job = self._slots.pop(slot)
+            if job.request.session_id is not None:
+                self._remember(job, self.engine.extract(self._state, slot))
+            self._finish(job, reason)
+
+    def _cached_prefix(
+        self, session_id: str | None, prompt: tuple[int, ...]
+    ) -> tuple[KVCache | None, int]:
+        """The session's cached row and how many leading prompt tokens it already holds."""
+        if session_id is None or session_id not in self._sessions:
+            return None, 0
+        self._sessions.move_to_end(session_id)
+        tokens, row = self._sessions[session_id]
+        limit = min(len(tokens), len(prompt) - 1)  # at least one token must be prefilled
+        common = 0
+        while common < limit and tokens[common] == prompt[common]:
+            common += 1
+        if common == 0:
+            return None, 0
+        return KVCache(k=row.k, v=row.v, pos=jnp.array([common], jnp.int32)), common
+
+    def _remember(self, job: _Job, row: KVCache) -> None:
+        session = job.request.session_id
+        if session is None or self._session_cache_size == 0:
+            return
+        covered = (*job.request.prompt_ids, *job.tokens)[: job.pos]
+        self._sessions[session] = (covered, row)
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self._session_cache_size:
+            self._sessions.popitem(last=False)
+
+    def _finish(self, job: _Job, reason: FinishReason) -> None:
+        with self._cond:
+            self._ids.discard(job.request.request_id)
+        self.stats.generated_tokens += len(job.tokens)
+        self.stats.aborted += reason == "abort"
+        want_logprobs = job.request.sampling.logprobs
+        result = GenerateResult(
+            token_ids=tuple(job.tokens),
+            logprobs=tuple(job.logprobs) if want_logprobs else None,
+            finish_reason=reason,
+            weight_version=job.version if job.tokens else self._version,
+        )
+        _resolve(job.future, job.loop, result)
+
+    def _shutdown(self) -> None:
+        for slot in list(self._slots):
+            self._finish(self._slots.pop(slot), "abort")
+        while self._waiting:
+            self._finish(self._waiting.popleft(), "abort")
+        if self._update is not None:
+            _resolve(self._update.future, self._update.loop, RuntimeError("backend closed"))

@@ -1,0 +1,97 @@
+"""The rollout protocol: the one seam between the agent loop and every inference backend.
+
+Token ids in; token ids, their logprobs and a finish reason out. Logprobs are those of each
+sampled token under the distribution it was actually sampled from: logits / temperature, then
+top-k, then top-p, renormalised. Greedy requests (temperature 0) report logprobs under the
+same top-k/top-p filtering at temperature 1. The learner recomputes logprobs the same way, so
+the two can be compared token by token.
+
+A backend declares what it honours in `Capabilities`; the trainer does the rest itself (for
+example recomputing logprobs) rather than pretending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+WeightUpdate = Literal["in_place", "reload", "none"]
+
+
+class InvalidRequestError(ValueError):
+    """A request a backend refuses before generating anything; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``top_k=-1`` and ``top_p=1`` disable those filters."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = True
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens}: must be at least 1")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequestError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise InvalidRequestError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One generation. ``session_id`` ties the turns of one trajectory together, so a backend
+    can route them to one replica and reuse the cached prefix instead of prefilling it again."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """What was sampled. ``logprobs`` is ``None`` when the request did not ask for them."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: FinishReason
+    weight_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend honours; the conformance suite fails a backend that overclaims."""
+
+    logprobs: bool  # sampled-token logprobs under the sampling distribution
+    logprob_tolerance: float  # max |rollout - learner| logprob difference it guarantees (fp32)
+    per_request_sampling: bool  # temperature / top-p / top-k / seed per request
+    stop_token_ids: bool
+    abort: bool
+    prefix_cache: bool  # turn N+1 of a session does not re-prefill turns 1..N
+    weight_update: WeightUpdate
+    max_model_len: int  # prompt + generated tokens of one request
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """An inference engine as the agent loop sees it. All methods are safe to call concurrently
+    from one event loop; none blocks it."""
+
+    capabilities: Capabilities
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    async def update_weights(self, params: Any, version: int) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def close(self) -> None: ...

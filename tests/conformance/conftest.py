@@ -1,0 +1,100 @@
+"""One conformance suite for every rollout backend.
+
+Each backend is built by a factory registered in ``BACKENDS`` from the same locally written
+checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
+that need their own process or venv (vLLM, JetStream) are added with their issues; the suite
+itself does not change.
+"""
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
+from jax_agent_rl.models import Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend, SamplingParams
+
+T = TypeVar("T")
+MAX_LEN = 128
+SLOTS = 4  # fewer than the concurrent tests' requests, so queueing is exercised
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def _embedded(path: Path) -> RolloutBackend:
+    cfg, w = load_hf(path)
+    return EmbeddedBackend(Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN), w, seed=0)
+
+
+BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {"embedded": _embedded}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("conformance") / "tiny", TINY_QWEN2)
+
+
+@pytest.fixture(scope="session", params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[RolloutBackend]:
+    be = BACKENDS[request.param](checkpoint)
+    yield be
+    run(be.close())
+
+
+class Learner:
+    """The learner's side: recompute sampled tokens' logprobs with the training forward."""
+
+    def __init__(self, path: Path) -> None:
+        self.cfg, self.weights = load_hf(path)
+        self._logits = jax.jit(self._logits_impl)
+
+    def _logits_impl(self, w: Weights, tokens: jax.Array) -> jax.Array:
+        T = tokens.shape[1]
+        positions = jnp.arange(T)[None]
+        return lm_logits(w, forward(w, self.cfg, tokens, positions, jnp.ones((1, T), jnp.int32)))
+
+    def logprobs(
+        self,
+        prompt: tuple[int, ...],
+        sampled: tuple[int, ...],
+        sampling: SamplingParams,
+        weights: Weights | None = None,
+    ) -> np.ndarray:
+        seq = np.array([prompt + sampled[:-1]], np.int32)
+        logits = self._logits(self.weights if weights is None else weights, seq)[0]
+        logits = logits[len(prompt) - 1 :]  # the positions that predicted each sampled token
+        n = len(sampled)
+        lp = sampling_logprobs(
+            logits,
+            jnp.full((n,), sampling.temperature),
+            jnp.full((n,), sampling.top_k),
+            jnp.full((n,), sampling.top_p),
+        )
+        return np.asarray(token_logprobs(lp, jnp.asarray(sampled)))
+
+
+@pytest.fixture(scope="session")
+def learner(checkpoint: Path) -> Learner:
+    return Learner(checkpoint)
+
+
+def perturbed(weights: Weights, seed: int) -> Weights:
+    """Other weights of the same shapes (what a training step pushes)."""
+    leaves, treedef = jax.tree.flatten(weights)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        treedef,
+        [
+            x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape)
+            for x, k in zip(leaves, keys, strict=True)
+        ],
+    )

@@ -1,0 +1,264 @@
+"""The rollout protocol's contract; every backend in conftest.BACKENDS must pass all of it."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jax_agent_rl.rollout import (
+    GenerateRequest,
+    GenerateResult,
+    InvalidRequestError,
+    RolloutBackend,
+    SamplingParams,
+)
+from tests.conformance.conftest import MAX_LEN, Learner, perturbed, run
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(int(t) for t in rng.integers(1, 500, n))
+
+
+def _req(
+    rid: str, prompt: tuple[int, ...], sampling: SamplingParams, **kw: object
+) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sampling, **kw)  # type: ignore[arg-type]
+
+
+def _assert_logprobs_match(
+    backend: RolloutBackend,
+    learner: Learner,
+    prompt: tuple[int, ...],
+    result: GenerateResult,
+    sampling: SamplingParams,
+    weights: object = None,
+) -> float:
+    assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+    ref = learner.logprobs(prompt, result.token_ids, sampling, weights)  # type: ignore[arg-type]
+    diff = float(np.abs(np.array(result.logprobs) - ref).max())
+    assert diff <= backend.capabilities.logprob_tolerance, diff
+    return diff
+
+
+def test_greedy_is_deterministic(backend: RolloutBackend) -> None:
+    prompt = _prompt(0, 9)
+    a = run(backend.generate(_req("a", prompt, GREEDY)))
+    b = run(backend.generate(_req("b", prompt, GREEDY)))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    assert a.logprobs == b.logprobs
+    assert a.finish_reason == "length"
+
+
+def test_seeded_sampling_reproduces(backend: RolloutBackend) -> None:
+    prompt = _prompt(1, 7)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+    a = run(backend.generate(_req("a", prompt, params)))
+    b = run(backend.generate(_req("b", prompt, params)))
+    c = run(backend.generate(_req("c", prompt, dataclasses.replace(params, seed=99))))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids  # 16 tokens over a 512 vocab: equal only by accident
+
+
+def test_stop_token_ids_and_budgets(backend: RolloutBackend) -> None:
+    prompt = _prompt(2, 10)
+    free = run(backend.generate(_req("free", prompt, GREEDY)))
+    stop = free.token_ids[4]
+    first = free.token_ids.index(stop)
+    params = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
+    stopped = run(backend.generate(_req("stop", prompt, params)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]  # the stop token is returned
+    one = run(backend.generate(_req("one", prompt, dataclasses.replace(GREEDY, max_tokens=1))))
+    assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
+    # the model length bounds prompt + generated tokens
+    long_prompt = _prompt(3, MAX_LEN - 5)
+    capped = run(
+        backend.generate(_req("cap", long_prompt, dataclasses.replace(GREEDY, max_tokens=50)))
+    )
+    assert capped.finish_reason == "length"
+    assert len(long_prompt) + len(capped.token_ids) == backend.capabilities.max_model_len
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=7),
+        SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=8),
+        SamplingParams(max_tokens=24, temperature=1.3, top_p=0.8, seed=9),
+        SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.9, seed=10),
+        SamplingParams(max_tokens=24, temperature=0.0),
+    ],
+    ids=["t1", "topk", "topp", "topk-topp", "greedy"],
+)
+def test_logprobs_match_learner_recomputation(
+    backend: RolloutBackend, learner: Learner, sampling: SamplingParams
+) -> None:
+    if not backend.capabilities.logprobs:
+        pytest.skip("backend declares no logprobs; the trainer recomputes them")
+    prompt = _prompt(4, 11)
+    result = run(backend.generate(_req("lp", prompt, sampling)))
+    _assert_logprobs_match(backend, learner, prompt, result, sampling)
+    no_lp = run(
+        backend.generate(_req("nolp", prompt, dataclasses.replace(sampling, logprobs=False)))
+    )
+    assert no_lp.logprobs is None and no_lp.token_ids == result.token_ids
+
+
+def _mixed_requests(n: int) -> list[GenerateRequest]:
+    out = []
+    for i in range(n):
+        sampling = SamplingParams(
+            max_tokens=4 + 3 * (i % 7),
+            temperature=[0.0, 1.0, 0.8][i % 3],
+            top_k=[-1, 30][i % 2],
+            seed=100 + i,
+        )
+        out.append(_req(f"m{i}", _prompt(10 + i, 3 + 5 * (i % 6)), sampling))
+    return out
+
+
+def test_concurrent_requests_equal_sequential(backend: RolloutBackend, learner: Learner) -> None:
+    requests = _mixed_requests(14)
+
+    async def together() -> list[GenerateResult]:
+        return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+    async def one_by_one() -> list[GenerateResult]:
+        return [
+            await backend.generate(dataclasses.replace(r, request_id=r.request_id + "s"))
+            for r in requests
+        ]
+
+    batched, sequential = run(together()), run(one_by_one())
+    for req, a, b in zip(requests, batched, sequential, strict=True):
+        assert a.token_ids == b.token_ids, req.request_id
+        assert a.finish_reason == b.finish_reason == "length"
+        assert len(a.token_ids) == req.sampling.max_tokens
+        tol = backend.capabilities.logprob_tolerance
+        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= tol
+
+
+def test_abort_running_and_queued(backend: RolloutBackend) -> None:
+    if not backend.capabilities.abort:
+        pytest.skip("backend declares no abort")
+    long = SamplingParams(max_tokens=100, temperature=1.0, seed=5)
+
+    async def scenario() -> tuple[list[GenerateResult], GenerateResult]:
+        tasks = [
+            asyncio.create_task(backend.generate(_req(f"x{i}", _prompt(i, 5), long)))
+            for i in range(6)
+        ]
+        await asyncio.sleep(0.01)  # submitted; x0 is admitted first, x5 queues behind 4 slots
+        for i in (0, 5):
+            await backend.abort(f"x{i}")
+        done = await asyncio.gather(*tasks)
+        after = await backend.generate(_req("after", _prompt(0, 5), GREEDY))
+        return list(done), after
+
+    results, after = run(scenario())
+    for i in (0, 5):
+        assert results[i].finish_reason == "abort"
+        assert len(results[i].token_ids) < 100
+    for i in (1, 2, 3, 4):
+        assert results[i].finish_reason == "length" and len(results[i].token_ids) == 100
+    assert len(after.token_ids) == 12  # still serving
+
+
+def test_update_weights_changes_outputs_and_stamps_versions(
+    backend: RolloutBackend, learner: Learner
+) -> None:
+    prompt = _prompt(6, 8)
+    before = run(backend.generate(_req("v0", prompt, GREEDY)))
+    v = before.weight_version
+    new = perturbed(learner.weights, seed=1)
+    run(backend.update_weights(new, version=v + 1))
+    after = run(backend.generate(_req("v1", prompt, GREEDY)))
+    assert after.weight_version == v + 1
+    assert after.token_ids != before.token_ids
+    sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=3)
+    result = run(backend.generate(_req("v1s", prompt, sampling)))
+    if backend.capabilities.logprobs:
+        _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=new)
+    run(backend.update_weights(learner.weights, version=v + 2))
+    restored = run(backend.generate(_req("v2", prompt, GREEDY)))
+    assert restored.token_ids == before.token_ids and restored.weight_version == v + 2
+
+
+def test_request_arriving_during_weight_swap(backend: RolloutBackend, learner: Learner) -> None:
+    """Every result is sampled under exactly the version it is stamped with."""
+    new = perturbed(learner.weights, seed=2)
+    sampling = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
+    prompts = [_prompt(20 + i, 6) for i in range(6)]
+
+    async def scenario() -> list[GenerateResult]:
+        early = [
+            asyncio.create_task(backend.generate(_req(f"e{i}", p, sampling)))
+            for i, p in enumerate(prompts[:3])
+        ]
+        await asyncio.sleep(0.05)
+        swap = asyncio.create_task(backend.update_weights(new, version=1007))
+        await asyncio.sleep(0)
+        late = [
+            asyncio.create_task(backend.generate(_req(f"l{i}", p, sampling)))
+            for i, p in enumerate(prompts[3:])
+        ]
+        await swap
+        return list(await asyncio.gather(*early, *late))
+
+    results = run(scenario())
+    assert {r.weight_version for r in results[3:]} == {1007}
+    for prompt, result in zip(prompts, results, strict=True):
+        weights = new if result.weight_version == 1007 else learner.weights
+        if backend.capabilities.logprobs:
+            _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=weights)
+    run(backend.update_weights(learner.weights, version=1008))
+
+
+def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:
+    """A session's next turn (prompt = previous prompt + sampled + new tokens) samples exactly
+    what a fresh request would, whether or not the backend reuses the cached prefix."""
+    turn1 = _prompt(30, 9)
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, seed=21)
+    r1 = run(backend.generate(_req("s1", turn1, sampling, session_id="traj-1")))
+    turn2 = turn1 + r1.token_ids + _prompt(31, 5)
+    in_session = run(backend.generate(_req("s2", turn2, sampling, session_id="traj-1")))
+    fresh = run(backend.generate(_req("s2f", turn2, sampling)))
+    assert in_session.token_ids == fresh.token_ids
+    tol = backend.capabilities.logprob_tolerance
+    assert np.abs(np.array(in_session.logprobs) - np.array(fresh.logprobs)).max() <= tol
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "message"),
+    [
+        ((), GREEDY, "prompt_ids is empty"),
+        ((1, 2, 10**6), GREEDY, "outside the vocabulary"),
+        ((-1, 2), GREEDY, "outside the vocabulary"),
+        (tuple(range(1, MAX_LEN + 1)), GREEDY, "leaves no room"),
+        ((1, 2), SamplingParams(max_tokens=0), "max_tokens=0"),
+        ((1, 2), SamplingParams(max_tokens=4, temperature=-0.5), "temperature=-0.5"),
+        ((1, 2), SamplingParams(max_tokens=4, top_p=0.0), "top_p"),
+    ],
+)
+def test_bad_requests_raise_and_others_proceed(
+    backend: RolloutBackend, prompt: tuple[int, ...], sampling: SamplingParams, message: str
+) -> None:
+    async def scenario() -> GenerateResult:
+        good = asyncio.create_task(backend.generate(_req("good", _prompt(40, 6), GREEDY)))
+        with pytest.raises(InvalidRequestError, match=message):
+            await backend.generate(_req("bad", prompt, sampling))
+        return await good
+
+    assert len(run(scenario()).token_ids) == 12
+
+
+def test_capabilities_are_declared(backend: RolloutBackend) -> None:
+    caps = backend.capabilities
+    assert isinstance(backend, RolloutBackend)
+    assert caps.max_model_len == MAX_LEN
+    assert caps.weight_update in ("in_place", "reload", "none")
+    assert 0 < caps.logprob_tolerance <= 1e-1

@@ -1,0 +1,119 @@
+"""The embedded engine and backend beyond the protocol: bounded compilation, in-place weight
+swaps, the session prefix cache, cancellation, and sharded decoding."""
+
+import asyncio
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import Sharder, load_hf, make_mesh
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", TINY_QWEN2)
+
+
+def _backend(checkpoint: Path, **engine_kw: object) -> EmbeddedBackend:
+    cfg, w = load_hf(checkpoint)
+    kw = {"max_concurrent_decodes": 4, "max_len": 256, **engine_kw}
+    return EmbeddedBackend(Engine(cfg, **kw), w)  # type: ignore[arg-type]
+
+
+def _req(rid: str, prompt: tuple[int, ...], max_tokens: int = 8, **kw: object) -> GenerateRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=hash(rid) % 1000)
+    return GenerateRequest(rid, prompt, sampling, **kw)  # type: ignore[arg-type]
+
+
+def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) -> None:
+    backend = _backend(checkpoint)
+    engine = backend.engine
+    rng = np.random.default_rng(0)
+
+    async def many() -> None:
+        lengths = list(range(1, 200, 7))
+        await asyncio.gather(
+            *(
+                backend.generate(_req(f"r{n}", tuple(int(t) for t in rng.integers(1, 500, n)), 40))
+                for n in lengths
+            )
+        )
+
+    asyncio.run(many())
+    counts = dict(engine.compile_counts)
+    assert counts["prefill"] <= len(engine.prefill_buckets)
+    assert counts["generate"] <= len(engine.kv_buckets)
+    assert counts["insert"] == 1
+    params = jax.tree.map(lambda x: x * 1.01, backend._params)
+    asyncio.run(backend.update_weights(params, version=1))
+    asyncio.run(many())
+    assert dict(engine.compile_counts) == counts  # same shapes: nothing recompiled
+    asyncio.run(backend.close())
+
+
+def test_session_prefix_is_not_prefilled_again(checkpoint: Path) -> None:
+    backend = _backend(checkpoint)
+
+    async def turns() -> None:
+        prompt: tuple[int, ...] = tuple(range(1, 40))
+        for turn in range(3):
+            result = await backend.generate(_req(f"t{turn}", prompt, 10, session_id="s"))
+            prompt = prompt + result.token_ids + (7, 8, 9)  # a tool response, say
+
+    asyncio.run(turns())
+    # later turns prefill only the last sampled token (never cached) and the 3 new tokens
+    stats = backend.stats
+    assert stats.requests == 3
+    assert stats.prefix_hit_tokens == (39 + 9) + (39 + 10 + 3 + 9)
+    assert stats.prefilled_tokens == 39 + (1 + 3) + (1 + 3)
+    asyncio.run(backend.close())
+
+
+def test_cancelling_the_caller_aborts_and_frees_the_slot(checkpoint: Path) -> None:
+    backend = _backend(checkpoint, max_concurrent_decodes=1)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(backend.generate(_req("long", (1, 2, 3), 240)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        result = await backend.generate(_req("next", (4, 5, 6), 5))
+        return len(result.token_ids)
+
+    assert asyncio.run(scenario()) == 5
+    assert backend.stats.aborted == 1
+    asyncio.run(backend.close())
+
+
+def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
+    """Slots over (data, fsdp) and kv heads over tensor: same greedy tokens, logprobs to 1e-5."""
+    sharder = Sharder(make_mesh(data=2, fsdp=2, tensor=2))
+    sharded, local = _backend(checkpoint, sharder=sharder), _backend(checkpoint)
+    assert len(sharded._state.cache.k.sharding.device_set) == 8
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    requests = [GenerateRequest(f"g{i}", tuple(range(1 + i, 9 + 2 * i)), greedy) for i in range(6)]
+
+    async def run_all(backend: EmbeddedBackend) -> list:
+        return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+    for a, b in zip(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)), strict=True):
+        assert a.token_ids == b.token_ids
+        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+    asyncio.run(sharded.close())
+    asyncio.run(local.close())
+
+
+def test_bad_engine_settings_are_refused(checkpoint: Path) -> None:
+    cfg, w = load_hf(checkpoint)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        Engine(cfg, max_len=cfg.max_position_embeddings + 1)
+    engine = Engine(cfg, max_len=64)
+    wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, w)
+    with pytest.raises(ValueError, match="weight of shape"):
+        engine.load_params(wrong)
