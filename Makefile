@@ -19,7 +19,9 @@ lint: setup  ## ruff (lint + format check) and mypy
 	$(PY) -m mypy
 
 bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
+	@bash scripts/setup.sh vllm
+	$(PY) bench/decode.py
 	$(PY) bench/forward.py
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .ruff_cache

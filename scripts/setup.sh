@@ -1,29 +1,49 @@
 #!/usr/bin/env bash
-# Creates or refreshes .venv with the pinned stack of requirements/lock.txt. Idempotent: a stamp
-# holds the hash of the inputs, so a second run with nothing changed returns at once.
+# Creates or refreshes a pinned virtual environment. Idempotent: a stamp holds the hash of the
+# inputs, so a second run with nothing changed returns at once.
+#
+#   scripts/setup.sh          .venv       the project, parity references (torch, transformers), lint
+#   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build, for the vLLM backend and benchmarks
+#                                         (its own venv: vLLM cannot share a process with
+#                                         TensorFlow, and it pins its own stack)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+target=${1:-main}
+case "$target" in
+  main) venv=.venv; lock=requirements/lock.txt ;;
+  vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
+  *) echo "setup: unknown environment '$target' (main, vllm)" >&2; exit 2 ;;
+esac
+
 python=${PYTHON:-python3}
-stamp=.venv/.setup-stamp
-want=$(cat requirements/lock.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+stamp=$venv/.setup-stamp
+want=$(cat "$lock" pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 
 "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || { echo "setup: Python 3.11 is required ($python is $("$python" --version))" >&2; exit 1; }
-[[ -x .venv/bin/python ]] || "$python" -m venv .venv
-echo "setup: installing the pinned environment into .venv (first run takes a few minutes)"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+[[ -x $venv/bin/python ]] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+echo "setup: installing the pinned $target environment into $venv (first run takes minutes)"
+# The lock lists every package, so dependencies are not resolved again (--no-deps): nothing
+# unpinned can slip in, and vLLM's declared torchvision/torchaudio/torchcodec stay out.
+"${pip[@]}" install --quiet --no-deps -r "$lock"
 # torchvision/torchaudio/torchcodec from PyPI break `import torch` beside the CPU wheel.
 for pkg in torchvision torchaudio torchcodec; do
-  if .venv/bin/python -m pip show --quiet "$pkg" 2>/dev/null; then
-    .venv/bin/python -m pip uninstall --quiet -y "$pkg"
+  if "${pip[@]}" show --quiet "$pkg" 2>/dev/null; then
+    "${pip[@]}" uninstall --quiet -y "$pkg"
   fi
 done
-.venv/bin/python -c 'import jax, torch, transformers, jax_agent_rl' \
-  || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }
+if [[ $target == main ]]; then
+  "${pip[@]}" install --quiet --no-deps --no-build-isolation -e .
+  check='import jax, torch, transformers, jax_agent_rl'
+else
+  check='import torch, vllm'
+fi
+"$venv/bin/python" -c "$check" \
+  || { echo "setup: the $target environment does not import; see the errors above" >&2; exit 1; }
 echo "$want" > "$stamp"
-echo "setup: .venv is ready"
+echo "setup: $venv is ready"

@@ -64,14 +64,14 @@ class Slots:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    cache: KVCache  # [L, N, S, G, K]; cache.pos [N]
+    cache: KVCache  # [L, N, G, S, K]; cache.pos [N]
     slots: Slots
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """A prefilled prompt: its cache row [L, 1, S, G, K], its slot state and first token."""
+    """A prefilled prompt: its cache row [L, 1, G, S, K], its slot state and first token."""
 
     cache: KVCache
     slots: Slots

@@ -45,6 +45,29 @@ def sampling_logprobs(
     return jax.nn.log_softmax(filtered, axis=-1)
 
 
+def _inverse_cdf(probs_bv: jax.Array, target_b: jax.Array, block: int = 256) -> jax.Array:
+    """The first index whose cumulative probability reaches ``target``, in two levels.
+
+    A flat cumsum over a 32k+ vocabulary is slow on CPU; summing blocks, scanning the block
+    sums, then scanning inside the chosen block gives the same index. The result never lands
+    on a zero-probability token (rounding can push ``target`` past the block's last mass).
+    """
+    B, V = probs_bv.shape
+    n_blocks = -(-V // block)
+    p = jnp.pad(probs_bv, ((0, 0), (0, n_blocks * block - V))).reshape(B, n_blocks, block)
+    block_sum = p.sum(-1)
+    block_cdf = jnp.cumsum(block_sum, axis=-1)
+    b = jnp.minimum(jnp.sum(block_cdf < target_b[:, None], axis=-1), n_blocks - 1)
+    # never a block without mass: fall back to the last block that has some
+    last_nonzero_block = n_blocks - 1 - jnp.argmax(jnp.flip(block_sum > 0, -1), axis=-1)
+    b = jnp.where(jnp.take_along_axis(block_sum, b[:, None], -1)[:, 0] > 0, b, last_nonzero_block)
+    inner = jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.take_along_axis(block_cdf - block_sum, b[:, None], -1)
+    j = jnp.sum(jnp.cumsum(inner, axis=-1) + before < target_b[:, None], axis=-1)
+    last_nonzero = block - 1 - jnp.argmax(jnp.flip(inner > 0, -1), axis=-1)
+    return b * block + jnp.minimum(j, last_nonzero)
+
+
 def sample(
     logprobs_bv: jax.Array, greedy_b: jax.Array, keys_b: jax.Array, step_b: jax.Array
 ) -> jax.Array:
@@ -55,10 +78,8 @@ def sample(
     """
     step_keys = jax.vmap(jax.random.fold_in)(keys_b, step_b)
     u_b = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(step_keys)  # (0, 1]
-    cdf_bv = jnp.cumsum(jnp.exp(logprobs_bv), axis=-1)
-    target_b = u_b * cdf_bv[:, -1]
-    drawn_b = jnp.sum(cdf_bv < target_b[:, None], axis=-1)
-    drawn_b = jnp.minimum(drawn_b, logprobs_bv.shape[-1] - 1)
+    probs_bv = jnp.exp(logprobs_bv)
+    drawn_b = _inverse_cdf(probs_bv, u_b * jnp.sum(probs_bv, axis=-1))
     return jnp.where(greedy_b, jnp.argmax(logprobs_bv, axis=-1), drawn_b).astype(jnp.int32)
 
 

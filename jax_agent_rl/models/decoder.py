@@ -71,7 +71,8 @@ class Weights:
 class KVCache:
     """Keys and values of every layer, one row per sequence.
 
-    Layout: ``k``, ``v`` are [L, B, S, G, K]; cache index s holds RoPE position s of that row.
+    Layout: ``k``, ``v`` are [L, B, G, S, K]; cache index s holds RoPE position s of that row
+    (kv heads before positions, so attention contracts without transposing the cache).
     ``pos`` [B] int32 counts the tokens already written in each row; entries at or beyond it are
     stale and never attended (the mask is key position <= query position).
     """
@@ -81,7 +82,7 @@ class KVCache:
     pos: jax.Array
 
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -177,7 +178,7 @@ def init_cache(
     cfg: ModelConfig, batch: int, max_len: int, sharder: Sharder | None = None
 ) -> KVCache:
     """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     k = jnp.zeros(shape, cfg.jnp_dtype)
     cache = KVCache(k=k, v=jnp.zeros_like(k), pos=jnp.zeros((batch,), jnp.int32))
     if sharder is not None:
@@ -226,19 +227,19 @@ def _qkv(
 
 
 def attention(
-    q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, mask_bts: jax.Array
+    q_bthk: jax.Array, k_bgsk: jax.Array, v_bgsk: jax.Array, mask_bts: jax.Array
 ) -> jax.Array:
     """Grouped-query attention; query head h reads kv head h // R. Scores and softmax in fp32.
 
     A query whose mask row is all False (padding) gets uniform weights, never NaN.
     """
     B, T, H, K = q_bthk.shape
-    G = k_bsgk.shape[2]
+    G = k_bgsk.shape[1]
     q = q_bthk.reshape(B, T, G, H // G, K)
-    scores = jnp.einsum("btgrk,bsgk->bgrts", q, k_bsgk, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk, preferred_element_type=jnp.float32)
     scores = jnp.where(mask_bts[:, None, None], scores * (K**-0.5), -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bsgk.dtype)
-    out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_bsgk)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bgsk.dtype)
+    out = jnp.einsum("bgrts,bgsk->btgrk", probs, v_bgsk)
     return out.reshape(B, T, H, K)
 
 
@@ -280,7 +281,7 @@ def forward(
         with jax.named_scope("attention"):
             h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
             q, k, v = _qkv(cfg, lw, h, positions_bt)
-            a = attention(q, k, v, mask_bts)
+            a = attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask_bts)
             x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
         with jax.named_scope("mlp"):
             x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
@@ -301,41 +302,55 @@ def forward_cached(
 ) -> tuple[jax.Array, KVCache]:
     """Prefill or decode through the KV cache; returns final hidden [B, T, D] and the new cache.
 
-    Row b's tokens take positions ``cache.pos[b] + t``; their keys/values are written there and
-    ``cache.pos[b]`` advances by ``num_new[b]`` (the row's real tokens; the rest of its T are
-    padding, written past the row's end and overwritten before they are ever attended). Prefill
-    is T = prompt bucket, decode is T = 1; a continuing turn prefills on top of what is cached.
+    Row b's tokens take positions ``cache.pos[b] + t`` and attend to the row's cached positions
+    below ``cache.pos[b]`` plus the chunk's own earlier tokens. Their keys/values are written
+    to the cache once, after all layers (one in-place scatter, not one per layer), and
+    ``cache.pos[b]`` advances by ``num_new[b]``: the row's real tokens; the rest of its T are
+    padding, written past the row's end and overwritten before they are ever attended.
+    Prefill is T = prompt bucket, decode is T = 1; a continuing turn prefills on top of what
+    is cached.
 
-    ``kv_len`` (static) limits attention to the first ``kv_len`` cache positions, which must
-    cover every query position; decoding short sequences in a long cache then costs what
-    their length costs. Default: the whole cache.
+    ``kv_len`` (static) limits reads to the first ``kv_len`` cache positions, which must cover
+    every row's ``cache.pos``; decoding short sequences in a long cache then costs what their
+    length costs. Default: the whole cache.
     """
     B, T = tokens_bt.shape
-    S = cache.k.shape[2] if kv_len is None else kv_len
+    S = cache.k.shape[3] if kv_len is None else kv_len
     positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    mask_bts = jnp.arange(S)[None, None, :] <= positions_bt[:, :, None]
-    rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cached_bts = jnp.broadcast_to(
+        jnp.arange(S)[None, None, :] < cache.pos[:, None, None], (B, T, S)
+    )
+    causal_tt = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    mask_bts = jnp.concatenate([cached_bts, jnp.broadcast_to(causal_tt, (B, T, T))], axis=-1)
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
 
     def layer(
-        carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, Layer]
-    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
-        x_btd, ck, cv = carry
-        i, lw = xs
+        x_btd: jax.Array, xs: tuple[Layer, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        lw, ck_bgsk, cv_bgsk = xs
         with jax.named_scope("attention"):
             h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
             q, k, v = _qkv(cfg, lw, h, positions_bt)
-            ck = ck.at[i, rows_bt, positions_bt].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, rows_bt, positions_bt].set(v.astype(cv.dtype), mode="drop")
-            a = attention(q, ck[i, :, :S], cv[i, :, :S], mask_bts)
+            k_bgtk = k.astype(ck_bgsk.dtype).swapaxes(1, 2)
+            v_bgtk = v.astype(cv_bgsk.dtype).swapaxes(1, 2)
+            keys = jnp.concatenate([ck_bgsk, k_bgtk], axis=2)
+            values = jnp.concatenate([cv_bgsk, v_bgtk], axis=2)
+            a = attention(q, keys, values, mask_bts)
             x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
         with jax.named_scope("mlp"):
             x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
-        return (_constrain(sharder, x_btd, ("batch", "seq", "act_embed")), ck, cv), None
+        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), (k_bgtk, v_bgtk)
 
-    layer_ids = jnp.arange(cfg.num_layers)
-    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (layer_ids, w.layers))
-    new_cache = KVCache(k=k, v=v, pos=cache.pos + num_new_b.astype(jnp.int32))
+    prefix = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
+    x, (new_k, new_v) = jax.lax.scan(layer, x, (w.layers, *prefix))  # new_k: [L, B, G, T, K]
+    rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    # advanced indices (rows, positions) are split by a slice, so the update is [B, T, L, G, K]
+    k_upd, v_upd = (u.transpose(1, 3, 0, 2, 4) for u in (new_k, new_v))
+    new_cache = KVCache(
+        k=cache.k.at[:, rows_bt, :, positions_bt].set(k_upd, mode="drop"),
+        v=cache.v.at[:, rows_bt, :, positions_bt].set(v_upd, mode="drop"),
+        pos=cache.pos + num_new_b.astype(jnp.int32),
+    )
     return rms_norm(x, w.final_norm, cfg.rms_norm_eps), new_cache
 
 

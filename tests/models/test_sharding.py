@@ -66,7 +66,7 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     # the KV-cache path, sharded over batch and kv heads
     cache = init_cache(CFG, batch=B, max_len=16, sharder=sharder)
     assert cache.k.sharding.spec == jax.sharding.PartitionSpec(
-        None, ("data", "fsdp"), None, "tensor", None
+        None, ("data", "fsdp"), "tensor", None, None
     )
     step = jax.jit(forward_cached, static_argnames=("cfg", "sharder"))
     h, cache = step(w, CFG, tokens, jnp.full((B,), T), cache, sharder)
