@@ -49,6 +49,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_tools(args: argparse.Namespace) -> int:
+    from jax_agent_rl.tools.registry import ToolRegistry
+    from jax_agent_rl.tools.server import serve
+
+    registry = ToolRegistry.from_yaml(args.tools)
+    print(f"serving {registry.names} on http://{args.host}:{args.port}", flush=True)
+    try:
+        serve(registry, args.host, args.port, args.token, args.max_concurrency, args.timeout)
+    except ValueError as e:
+        print(f"jarl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jarl",
@@ -84,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", help="a local HF checkpoint folder")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser(
+        "serve-tools",
+        help="serve a tools YAML over HTTP for agent rollouts",
+        description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
+        "GET /metrics. State is sticky per trajectory. A non-loopback --host needs --token.",
+    )
+    p.add_argument("--tools", default="configs/tools_default.yaml", help="tools YAML file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--token", default=None, help="bearer token clients must send")
+    p.add_argument("--max-concurrency", type=int, default=64, help="calls running at once")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    p.set_defaults(func=_serve_tools)
     return parser
 
 

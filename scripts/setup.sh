@@ -17,6 +17,16 @@ case "$target" in
 esac
 
 python=${PYTHON:-python3}
+
+# The python tool's sandbox needs bubblewrap (Debian package; installed once, as root).
+if [[ $target == main ]] && ! command -v bwrap >/dev/null; then
+  if [[ $(id -u) == 0 ]]; then
+    echo "setup: installing bubblewrap (the python tool's sandbox)"
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "setup: bubblewrap is missing; install it (apt-get install bubblewrap) for the sandbox" >&2
+  fi
+fi
 stamp=$venv/.setup-stamp
 want=$(cat "$lock" pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then

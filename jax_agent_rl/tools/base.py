@@ -1,0 +1,185 @@
+"""Tools: plain functions with a JSON schema from their type hints and docstring, and stateful
+tools whose state lives for a whole trajectory.
+
+``@tool`` turns a function (sync or async) into a `FunctionTool`; its schema comes from the
+signature (types) and a Google-style docstring (description and ``Args:``). A sync function
+runs in a worker thread, never on the event loop. A `StatefulTool` has ``create`` (once per
+trajectory, on first use), ``execute`` (per call) and ``release`` (always, also when the
+trajectory fails). Every call returns a `ToolResult`: the text the model sees, a tool-level
+reward, whether the tool ends the trajectory, and whether it was an error.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    text: str
+    reward: float = 0.0
+    done: bool = False  # the trajectory ends after this call (stop reason tool_done)
+    error: bool = False  # the call failed; the text says why, for the model to read
+
+
+class ToolArgumentError(ValueError):
+    """Arguments that do not fit the tool's schema (the message is shown to the model)."""
+
+
+class Tool(abc.ABC):
+    """One callable tool. A stateful tool overrides ``create`` and ``release``; its state is
+    passed to every ``execute`` of the same trajectory."""
+
+    name: str
+    schema: dict[str, Any]  # OpenAI-style {"type": "function", "function": {...}}
+
+    async def create(self, trajectory_id: str) -> Any:
+        """Per-trajectory state, created on the trajectory's first call to this tool."""
+        del trajectory_id
+        return None
+
+    @abc.abstractmethod
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult: ...
+
+    async def release(self, state: Any) -> None:
+        """Frees the state; called once per trajectory that created it, whatever happened."""
+        del state
+
+
+def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
+    """Checks arguments against the function schema's parameters; raises ToolArgumentError."""
+    params = schema["function"]["parameters"]
+    if not isinstance(arguments, dict):
+        raise ToolArgumentError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    props: dict[str, Any] = params.get("properties", {})
+    unknown = sorted(set(arguments) - set(props))
+    if unknown:
+        raise ToolArgumentError(f"unknown argument(s) {unknown}; expected {sorted(props)}")
+    missing = [p for p in params.get("required", []) if p not in arguments]
+    if missing:
+        raise ToolArgumentError(f"missing required argument(s) {missing}")
+    for name, value in arguments.items():
+        want = props[name].get("type")
+        if want is not None and not _matches(want, value):
+            raise ToolArgumentError(
+                f"argument {name!r} must be of type {want}, got {type(value).__name__} {value!r}"
+            )
+    return arguments
+
+
+def _matches(json_type: str | list[str], value: Any) -> bool:
+    if isinstance(json_type, list):
+        return any(_matches(t, value) for t in json_type)
+    if json_type == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if json_type == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    checks: dict[str, Any] = {
+        "string": str,
+        "boolean": bool,
+        "array": list,
+        "object": dict,
+        "null": type(None),
+    }
+    return isinstance(value, checks[json_type]) if json_type in checks else True
+
+
+def _json_type(hint: Any) -> dict[str, Any]:
+    origin = typing.get_origin(hint)
+    if hint in JSON_TYPES:
+        return {"type": JSON_TYPES[hint]}
+    if origin in (list, tuple):
+        (item, *_) = typing.get_args(hint) or (Any,)
+        return {"type": "array", "items": _json_type(item) if item is not Any else {}}
+    if origin is dict:
+        return {"type": "object"}
+    if origin is typing.Literal:
+        values = list(typing.get_args(hint))
+        return {**_json_type(type(values[0])), "enum": values}
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return _json_type(args[0])
+    raise TypeError(f"type {hint!r} has no JSON schema mapping; use str, int, float, bool, list")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Google style: the text before ``Args:`` is the description; ``name: text`` lines after."""
+    doc = inspect.cleandoc(doc or "")
+    parts = re.split(r"^\s*Args:\s*$", doc, maxsplit=1, flags=re.MULTILINE)
+    description = re.split(r"^\s*(Returns|Raises):\s*$", parts[0], flags=re.MULTILINE)[0].strip()
+    args: dict[str, str] = {}
+    if len(parts) == 2:
+        body = re.split(r"^\s*(Returns|Raises):\s*$", parts[1], flags=re.MULTILINE)[0]
+        current = None
+        for line in body.splitlines():
+            m = re.match(r"^\s*(\w+)(?:\s*\(.*?\))?:\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                args[current] = m.group(2).strip()
+            elif current and line.strip():
+                args[current] += " " + line.strip()
+    return description, args
+
+
+def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+    """OpenAI-style function schema from type hints and a Google-style docstring."""
+    hints = typing.get_type_hints(fn)
+    description, arg_docs = _parse_docstring(fn.__doc__ or "")
+    properties: dict[str, Any] = {}
+    required = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname not in hints:
+            raise TypeError(f"tool {fn.__name__}: parameter {pname!r} needs a type hint")
+        prop = _json_type(hints[pname])
+        if pname in arg_docs:
+            prop["description"] = arg_docs[pname]
+        properties[pname] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    if not description:
+        raise TypeError(f"tool {fn.__name__}: the docstring must describe the tool")
+    return {
+        "type": "function",
+        "function": {
+            "name": name or fn.__name__,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+class FunctionTool(Tool):
+    """A stateless tool around one function; its return value becomes the result text (or a
+    returned `ToolResult` is used as is)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+        self.fn = fn
+        self.schema = function_schema(fn, name)
+        self.name = self.schema["function"]["name"]
+        self._is_async = inspect.iscoroutinefunction(fn)
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        del state
+        if self._is_async:
+            out = await typing.cast(Callable[..., Awaitable[Any]], self.fn)(**arguments)
+        else:
+            out = await asyncio.to_thread(self.fn, **arguments)
+        return out if isinstance(out, ToolResult) else ToolResult(text=str(out))
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Decorator: ``@tool`` or ``@tool(name="...")`` makes a `FunctionTool`."""
+    if fn is None:
+        return lambda f: FunctionTool(f, name)
+    return FunctionTool(fn, name)

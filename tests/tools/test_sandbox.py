@@ -1,0 +1,115 @@
+"""The python sandbox contains hostile code within its limits, and the pool stays healthy."""
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[PythonSandbox]:
+    sb = PythonSandbox(size=2, limits=Limits(cpu_s=2, memory_mb=256, processes=16), timeout_s=3.0)
+    yield sb
+    sb.close()
+
+
+def run(sb: PythonSandbox, code: str) -> str:
+    return asyncio.run(sb.run(code)).as_text()
+
+
+def _healthy(sb: PythonSandbox) -> None:
+    async def many() -> list[str]:
+        return [
+            r.stdout for r in await asyncio.gather(*(sb.run(f"print({i} * 2)") for i in range(6)))
+        ]
+
+    assert asyncio.run(many()) == [f"{i * 2}\n" for i in range(6)]
+
+
+def test_runs_code_and_reports_errors(sandbox: PythonSandbox) -> None:
+    assert run(sandbox, "print(sum(range(10)))") == "45"
+    assert "ZeroDivisionError" in run(sandbox, "1 / 0")
+
+
+def test_no_network(sandbox: PythonSandbox) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    threading.Thread(target=server.accept, daemon=True).start()
+    out = run(sandbox, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+    assert "ConnectionRefusedError" in out  # the host's loopback is not the sandbox's
+    out = run(sandbox, "import socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)")
+    assert "Network is unreachable" in out
+    server.close()
+
+
+def test_filesystem_is_private(sandbox: PythonSandbox, tmp_path: Path) -> None:
+    assert "Read-only file system" in run(sandbox, "open('/usr/evil', 'w')")
+    assert "Read-only file system" in run(sandbox, "open('/evil', 'w')")
+    secret = Path.home() / ".jarl-sandbox-test-secret"
+    secret.write_text("token")
+    try:
+        assert "No such file" in run(sandbox, f"print(open({str(secret)!r}).read())")
+    finally:
+        secret.unlink()
+    assert "No such file" in run(sandbox, f"open({str(tmp_path / 'x')!r}, 'w')")
+    os.environ["JARL_TEST_SECRET"] = "hunter2"
+    try:
+        assert "hunter2" not in run(sandbox, "import os; print(dict(os.environ))")
+    finally:
+        del os.environ["JARL_TEST_SECRET"]
+    # files written in one execution are gone in the next
+    run(sandbox, "open('/work/a', 'w').write('x'); open('/tmp/b', 'w').write('y')")
+    assert run(sandbox, "import os; print(os.listdir('/work'), os.listdir('/tmp'))") == "[] []"
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),  # fork bomb
+        ("x = bytearray(1024 ** 3)", "MemoryError"),  # memory bomb
+        ("while True:\n    pass", "CPU time limit exceeded"),  # infinite loop
+        ("import time\ntime.sleep(60)", "timed out"),  # wall clock
+        ("print('x' * 10 ** 6)", "output limit"),
+        ("open('/work/big', 'wb').write(b'0' * (64 * 1024 * 1024))", "File too large"),
+    ],
+    ids=["fork-bomb", "memory-bomb", "infinite-loop", "sleep", "output-flood", "file-size"],
+)
+def test_bombs_are_contained(sandbox: PythonSandbox, code: str, expected: str) -> None:
+    result = asyncio.run(sandbox.run(code))
+    assert expected in result.as_text()
+    _healthy(sandbox)
+
+
+def test_killing_its_parent_is_contained(sandbox: PythonSandbox) -> None:
+    before = sandbox.restarts
+    out = run(
+        sandbox,
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nimport time; time.sleep(1)",
+    )
+    assert "died" in out and sandbox.restarts == before + 1
+    # the namespace's init (bubblewrap) ignores signals from inside
+    assert run(sandbox, "import os, signal\nos.kill(1, signal.SIGKILL)\nprint('alive')") == "alive"
+    _healthy(sandbox)
+    # background processes do not outlive their execution
+    run(sandbox, "import subprocess\nsubprocess.Popen(['sleep', '30'])")
+    assert (
+        run(sandbox, "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]))")
+        == "3"
+    )
+
+
+def test_python_tool(sandbox: PythonSandbox) -> None:
+    t = PythonTool(sandbox)
+    assert t.schema["function"]["parameters"]["required"] == ["code"]
+    ok = asyncio.run(t.execute(None, {"code": "print(6 * 7)"}))
+    assert ok.text == "42" and not ok.error
+    bad = asyncio.run(t.execute(None, {"code": "raise ValueError('no')"}))
+    assert bad.error and "ValueError: no" in bad.text

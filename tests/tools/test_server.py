@@ -1,0 +1,130 @@
+"""The tool server over real HTTP on loopback: sticky state, a hanging tool, a crashing tool,
+auth, and a server killed mid-rollout."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.server import HttpTools, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS_YAML = """
+- class: jax_agent_rl.tools.calculator:calculator
+- class: tests.tools.test_tools:Counter
+- class: tests.tools.test_tools:crash
+- class: tests.tools.test_tools:slow
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    tmp_path: Path, *extra: str, tools_yaml: str = TOOLS_YAML
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A real `jarl serve-tools` process on a free loopback port; returns it and its URL."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(tools_yaml)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jax_agent_rl.cli", "serve-tools", "--tools", str(tools)]
+    cmd += ["--port", str(port), "--timeout", "1.0", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(
+        f"tool server did not start: {proc.stderr.read().decode() if proc.stderr else ''}"
+    )
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    proc, url = start_server(tmp_path)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def test_calls_state_timeouts_and_crashes(server: str) -> None:
+    tools = HttpTools(server)
+
+    async def scenario() -> None:
+        names = [s["function"]["name"] for s in await tools.schemas()]
+        assert names == ["calculator", "count", "crash", "slow"]
+        assert (await tools.call("t1", "calculator", {"expression": "6 * 7"})).text == "42"
+        counts = [(await tools.call("t1", "count", {})).text for _ in range(3)]
+        assert counts == ["1", "2", "3"]  # sticky per trajectory
+        assert (await tools.call("t2", "count", {})).text == "1"
+        # a hanging tool times out while the others proceed
+        t0 = time.perf_counter()
+        hang = asyncio.create_task(tools.call("t3", "slow", {"seconds": 30.0}))
+        fast = [await tools.call("t4", "calculator", {"expression": f"{i} + 1"}) for i in range(5)]
+        assert [r.text for r in fast] == ["1", "2", "3", "4", "5"]
+        assert time.perf_counter() - t0 < 1.0
+        hung = await hang
+        assert hung.error and "timed out after 1s" in hung.text
+        crashed = await tools.call("t1", "crash", {"x": 1})
+        assert crashed.error and "RuntimeError: boom" in crashed.text
+        for t in ("t1", "t2", "t3", "t4"):
+            await tools.release(t)
+        metrics = await tools.metrics()
+        assert metrics["open_trajectories"] == 0 and metrics["errors"] == 2
+        await tools.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_server_killed_mid_rollout(tmp_path: Path) -> None:
+    proc, url = start_server(tmp_path)
+    tools = HttpTools(url, retries=2, backoff_s=0.05)
+
+    async def scenario() -> list[object]:
+        calls = [
+            asyncio.create_task(tools.call(f"k{i}", "slow", {"seconds": 0.8})) for i in range(4)
+        ]
+        await asyncio.sleep(0.3)
+        proc.kill()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        results.append(await asyncio.gather(tools.call("k9", "count", {}), return_exceptions=True))
+        await tools.release("k0")  # releasing against a dead server is not an error
+        return results
+
+    results = asyncio.run(scenario())
+    proc.wait()
+    assert all(isinstance(r, ToolTransportError) for r in results[:4])
+    (late,) = results[4]  # type: ignore[misc]
+    assert isinstance(late, ToolTransportError) and "unreachable" in str(late)
+
+
+def test_auth_and_loopback_rule(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"non-loopback address 0\.0\.0\.0 without --token"):
+        serve(ToolRegistry(), host="0.0.0.0")
+    proc, url = start_server(tmp_path, "--token", "s3cret")
+    try:
+        with pytest.raises(ToolTransportError, match="401"):
+            asyncio.run(HttpTools(url).schemas())
+        assert len(asyncio.run(HttpTools(url, token="s3cret").schemas())) == 4
+    finally:
+        proc.kill()
+        proc.wait()
