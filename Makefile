@@ -22,6 +22,8 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	@bash scripts/setup.sh vllm
 	$(PY) bench/decode.py
 	$(PY) bench/forward.py
+	$(PY) bench/tools.py
+	$(PY) bench/rollout.py
 
 clean:
 	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .ruff_cache

@@ -77,7 +77,7 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
-def _bwrap_command(interpreter: str) -> list[str]:
+def bwrap_command(interpreter: str) -> list[str]:
     zygote = resources.files("jax_agent_rl.tools").joinpath("sandbox_zygote.py").read_text()
     return [
         "bwrap",
@@ -127,7 +127,7 @@ class _Worker:
                 os.setuid(self.uid)
 
         self.proc = subprocess.Popen(
-            _bwrap_command(self.interpreter),
+            bwrap_command(self.interpreter),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -1,0 +1,206 @@
+"""Agentic rollout wall time: the asynchronous per-trajectory loop against a lockstep batch loop.
+
+Fixed workload: 64 trajectories on the tiny model (embedded engine), 3 tool turns each, up to
+64 new tokens per turn. Every tool call is a real sandboxed python execution plus a seeded
+extra delay drawn from a lognormal with median 0.3 s and sigma 1.0 (a search engine, a slow
+API). The agent code is the project's `run_tool_agent` in both modes, with a parser that
+makes every model turn call the python tool (a random model writes no real calls; the work
+done per turn is what matters here).
+
+- async: every trajectory runs on its own; generation of one overlaps tools of others.
+- lockstep: every trajectory waits at each turn until all have reached their tool call, and
+  again until the slowest call of the turn is done (what a synchronous batch loop does).
+
+Same backend, same seeds: both modes sample the same tokens and draw the same delays. The
+critical-path lower bound is the longest single trajectory's own tool time plus the
+generation time of one trajectory running alone. Ends with one JSON line.
+
+    .venv/bin/python bench/rollout.py [--trajectories 64] [--turns 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jax_agent_rl.agent import AgentConfig, AgentContext, ParsedCall, Sample, run_tool_agent
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tools import Tool, ToolResult
+from jax_agent_rl.tools.sandbox import PythonSandbox, PythonTool
+
+SNIPPET = "print(sum(i * i for i in range(2000)))"
+
+
+class EveryTurnCalls:
+    """An inline parser for which every model turn is one python call (the bench workload)."""
+
+    name = "every_turn_calls"
+    style = "inline"
+    stop_tokens: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> list[ParsedCall]:
+        return [ParsedCall("python", {"code": SNIPPET})]
+
+    def needs_more(self, text: str) -> bool:
+        return False
+
+    def format_output(self, result_text: str) -> str:
+        return f"\n<output>\n{result_text}\n</output>\n"
+
+
+class DelayedPython(Tool):
+    """The sandboxed python tool plus a seeded lognormal delay per (trajectory, call)."""
+
+    def __init__(self, python: PythonTool, median_s: float, sigma: float, seed: int) -> None:
+        self.python, self.schema, self.name = python, python.schema, "python"
+        self.median_s, self.sigma, self.seed = median_s, sigma, seed
+        self.spent: dict[str, float] = {}
+
+    async def create(self, trajectory_id: str) -> Any:
+        return {"id": trajectory_id, "calls": 0}
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        t0 = time.perf_counter()
+        rng = random.Random(f"{self.seed}/{state['id']}/{state['calls']}")
+        state["calls"] += 1
+        result = await self.python.execute(None, arguments)
+        await asyncio.sleep(self.median_s * rng.lognormvariate(0.0, self.sigma))
+        self.spent[state["id"]] = self.spent.get(state["id"], 0.0) + time.perf_counter() - t0
+        return result
+
+
+class LocalExecutor:
+    """In-process executor; with ``lockstep`` every call waits for the whole batch twice."""
+
+    def __init__(self, tool: DelayedPython, parties: int, lockstep: bool) -> None:
+        self.tool = tool
+        self.states: dict[str, Any] = {}
+        self.before = asyncio.Barrier(parties) if lockstep else None
+        self.after = asyncio.Barrier(parties) if lockstep else None
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return [self.tool.schema]
+
+    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
+        if self.before is not None:
+            await self.before.wait()  # all trajectories finished generating this turn
+        state = self.states.setdefault(trajectory_id, await self.tool.create(trajectory_id))
+        result = await self.tool.execute(state, arguments)
+        if self.after is not None:
+            await self.after.wait()  # the slowest call of the turn is done
+        return result
+
+    async def release(self, trajectory_id: str) -> None:
+        self.states.pop(trajectory_id, None)
+
+
+async def rollout(
+    backend: EmbeddedBackend,
+    tokenizer: Tokenizer,
+    tool: DelayedPython,
+    n: int,
+    turns: int,
+    lockstep: bool,
+) -> tuple[float, list[Any]]:
+    executor = LocalExecutor(tool, n, lockstep)
+    config = AgentConfig(
+        max_turns=turns + 1,  # the turn after the last tool result ends the episode
+        max_tokens_per_turn=64,
+        max_response_tokens=4096,
+        max_model_len=backend.engine.max_len,
+        temperature=1.0,
+    )
+    ctx = await AgentContext.create(backend, tokenizer, executor, EveryTurnCalls(), config, seed=0)
+    samples = [
+        Sample(uid=f"traj-{i}", messages=[{"role": "user", "content": f"Task {i}: compute."}])
+        for i in range(n)
+    ]
+    t0 = time.perf_counter()
+    trajectories = await asyncio.gather(*(run_tool_agent(s, ctx) for s in samples))
+    return time.perf_counter() - t0, list(trajectories)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--median-delay", type=float, default=0.3)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--sandboxes", type=int, default=8)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_hf_checkpoint(Path(tmp) / "tiny", TINY_QWEN2)
+        corpus = ["Task 1: compute. <output> 2664667000 </output>"] * 50
+        tok = train_bpe(corpus, TINY_QWEN2["vocab_size"])
+        tokenizer = Tokenizer.from_pretrained(
+            save_tokenizer(Path(tmp) / "tok", tok, chat_template("chatml_tools"))
+        )
+        cfg, weights = load_hf(ckpt)
+        engine = Engine(cfg, max_concurrent_decodes=args.trajectories, max_len=1024)
+        backend = EmbeddedBackend(engine, weights, steps_per_call=4)
+        sandbox = PythonSandbox(args.sandboxes)
+        python = PythonTool(sandbox)
+
+        def tool(seed: int, median: float) -> DelayedPython:
+            return DelayedPython(python, median, args.sigma, seed)
+
+        # warm-up (compilations), and one trajectory alone without delays: its generation time
+        asyncio.run(rollout(backend, tokenizer, tool(1, 0.0), args.trajectories, args.turns, False))
+        alone_tool = tool(0, 0.0)
+        alone_s, _ = asyncio.run(rollout(backend, tokenizer, alone_tool, 1, args.turns, False))
+        alone_gen_s = alone_s - sum(alone_tool.spent.values())
+
+        async_tool = tool(0, args.median_delay)
+        async_s, async_trajs = asyncio.run(
+            rollout(backend, tokenizer, async_tool, args.trajectories, args.turns, False)
+        )
+        lock_tool = tool(0, args.median_delay)
+        lock_s, lock_trajs = asyncio.run(
+            rollout(backend, tokenizer, lock_tool, args.trajectories, args.turns, True)
+        )
+        asyncio.run(backend.close())
+        sandbox.close()
+
+    same_tokens = all(
+        a.response_ids == b.response_ids for a, b in zip(async_trajs, lock_trajs, strict=True)
+    )
+    critical = max(async_tool.spent.values()) + alone_gen_s
+    calls = sum(t.tool_calls for t in async_trajs)
+    print(
+        json.dumps(
+            {
+                "bench": "rollout",
+                "trajectories": args.trajectories,
+                "tool_turns": args.turns,
+                "tool_calls": calls,
+                "async_s": round(async_s, 2),
+                "lockstep_s": round(lock_s, 2),
+                "speedup": round(lock_s / async_s, 2),
+                "critical_path_s": round(critical, 2),
+                "async_over_critical_path": round(async_s / critical, 2),
+                "same_tokens_both_modes": same_tokens,
+                "generated_tokens": sum(t.num_model_tokens for t in async_trajs),
+                **{
+                    f"stop_{r}": sum(t.stop_reason == r for t in async_trajs)
+                    for r in {t.stop_reason for t in async_trajs}
+                },
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

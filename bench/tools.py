@@ -1,0 +1,149 @@
+"""Sandboxed python executions per second: our tool server against a fresh interpreter per call.
+
+Same snippets, same concurrency, one run. Ours: `jarl serve-tools` on loopback with the
+``python`` tool (a warm pool of bubblewrap sandboxes with fork servers), called over HTTP.
+The alternative existing RL tool servers use: a fresh ``python -c`` subprocess per call, bare
+and under bubblewrap with the same isolation flags. Every output is checked. Ends with one
+JSON line.
+
+    .venv/bin/python bench/tools.py [--calls 400] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from jax_agent_rl.tools.sandbox import bwrap_command
+from jax_agent_rl.tools.server import HttpTools
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = "/usr/bin/python3"
+SNIPPETS = [
+    ("print(sum(i * i for i in range(1000)))", "332833500"),
+    ("import math\nprint(round(math.sqrt(2) * 1000))", "1414"),
+    ("s = 'agentic rl'\nprint(s.upper()[::-1])", "LR CITNEGA"),
+    ("from fractions import Fraction\nprint(Fraction(3, 4) + Fraction(1, 6))", "11/12"),
+    ("print(sorted([5, 3, 9, 1])[-2:])", "[5, 9]"),
+]
+
+
+async def _bounded(n: int, concurrency: int, one) -> float:  # type: ignore[no-untyped-def]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def run(i: int) -> None:
+        async with gate:
+            code, want = SNIPPETS[i % len(SNIPPETS)]
+            got = await one(code)
+            if got.strip() != want:
+                raise AssertionError(f"snippet {i}: expected {want!r}, got {got!r}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(i) for i in range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+async def fresh_process(argv_prefix: list[str], code: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *argv_prefix, code, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return out.decode()
+
+
+def _bwrap_prefix() -> list[str]:
+    """The sandbox's own bubblewrap flags, running ``python -c`` instead of the fork server."""
+    cmd = bwrap_command(PYTHON)
+    return [*cmd[: cmd.index(PYTHON)], PYTHON, "-I", "-S", "-c"]
+
+
+def start_server(pool: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    tmp = tempfile.mkdtemp()
+    tools = Path(tmp) / "tools.yaml"
+    tools.write_text(
+        "- class: jax_agent_rl.tools.sandbox:PythonTool\n"
+        f"  config: {{pool_size: {pool}, timeout_s: 10.0}}\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jax_agent_rl.cli", "serve-tools", "--tools", str(tools)]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, tmp
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("tool server did not start")
+
+
+async def through_server(url: str, calls: int, concurrency: int) -> float:
+    tools = HttpTools(url)
+
+    async def one(code: str) -> str:
+        result = await tools.call(f"bench-{os.urandom(4).hex()}", "python", {"code": code})
+        if result.error:
+            raise AssertionError(result.text)
+        return result.text
+
+    await _bounded(concurrency * 4, concurrency, one)  # warm-up
+    rate = await _bounded(calls, concurrency, one)
+    await tools.aclose()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args()
+    n, c = args.calls, args.concurrency
+
+    proc, url, _ = start_server(pool=c)
+    try:
+        ours = asyncio.run(through_server(url, n, c))
+    finally:
+        proc.kill()
+        proc.wait()
+    fresh_n = max(n // 4, 40)  # the slow side needs fewer calls for a stable rate
+
+    async def bare(code: str) -> str:
+        return await fresh_process([PYTHON, "-c"], code)
+
+    async def bwrapped(code: str) -> str:
+        return await fresh_process(_bwrap_prefix(), code)
+
+    bare_rate = asyncio.run(_bounded(fresh_n, c, bare))
+    bwrap_rate = asyncio.run(_bounded(fresh_n, c, bwrapped))
+    print(
+        json.dumps(
+            {
+                "bench": "tools",
+                "concurrency": c,
+                "server_sandboxed_exec_s": round(ours, 1),
+                "fresh_python_exec_s": round(bare_rate, 1),
+                "fresh_bwrap_python_exec_s": round(bwrap_rate, 1),
+                "ratio_vs_fresh_python": round(ours / bare_rate, 2),
+                "ratio_vs_fresh_bwrap": round(ours / bwrap_rate, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The agent loop: one coroutine per trajectory, tokens in and tokens out.
+
+``run_tool_agent`` alternates model turns and tool calls against any `RolloutBackend` and any
+`ToolExecutor`. Model tokens are appended exactly as sampled (mask 1, with their logprobs);
+every other token comes from the chat template as a delta (mask 0), so ``prompt_ids +
+response_ids`` is what the model saw. Tool calls of one turn run concurrently; a malformed
+call is answered with a tool message saying what was wrong. Every trajectory ends with a
+`StopReason`, and its tool state is always released.
+
+A sample's ``agent_name`` picks the loop from `AGENT_LOOPS` (``tool_agent``, ``single_turn``,
+or a user loop added with `register_agent_loop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, cast
+
+from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
+from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend, SamplingParams
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.registry import ToolExecutor, ToolTransportError
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Budgets and sampling of one episode."""
+
+    max_turns: int = 4  # model turns
+    max_tokens_per_turn: int = 256
+    max_response_tokens: int = 1024  # model + tool tokens after the prompt
+    max_tool_response_tokens: int = 256  # per tool result, before templating
+    tool_response_truncate: Literal["left", "right", "middle"] = "right"
+    max_model_len: int = 2048  # prompt + response
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    parser: str = "hermes"
+
+
+@dataclasses.dataclass
+class AgentContext:
+    """What a loop needs, passed in: the backend, the tokenizer, tools and the turn builder."""
+
+    backend: RolloutBackend
+    tokenizer: Tokenizer
+    tools: ToolExecutor
+    parser: ToolCallParser
+    config: AgentConfig
+    builder: TurnBuilder
+    seed: int | None = None
+
+    @classmethod
+    async def create(
+        cls,
+        backend: RolloutBackend,
+        tokenizer: Tokenizer,
+        tools: ToolExecutor,
+        parser: ToolCallParser,
+        config: AgentConfig,
+        seed: int | None = None,
+    ) -> AgentContext:
+        schemas = await tools.schemas()
+        builder = TurnBuilder(tokenizer, schemas or None)
+        for tok in parser.stop_tokens:
+            tokenizer.token_id(tok)  # a stop string must be one token: fail at setup, not mid-run
+        return cls(backend, tokenizer, tools, parser, config, builder, seed)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.builder.eos_id, *(self.tokenizer.token_id(t) for t in self.parser.stop_tokens))
+
+
+AgentLoopFn = Callable[[Sample, AgentContext], Awaitable[Trajectory]]
+
+
+def _budget_stop(traj: Trajectory, ctx: AgentContext, turn_tokens: int) -> StopReason | None:
+    cfg = ctx.config
+    if len(traj.prompt_ids) + len(traj.response_ids) >= cfg.max_model_len:
+        return "max_model_len"
+    if len(traj.response_ids) >= cfg.max_response_tokens:
+        return "max_response_tokens"
+    if turn_tokens >= cfg.max_tokens_per_turn:
+        return "max_tokens_per_turn"
+    return None
+
+
+def _fits(traj: Trajectory, ctx: AgentContext, ids: list[int]) -> StopReason | None:
+    """None if ``ids`` plus at least one more model token fit the budgets, else the budget
+    that they exhaust."""
+    total = len(traj.prompt_ids) + len(traj.response_ids) + len(ids)
+    if total >= ctx.config.max_model_len:
+        return "max_model_len"
+    if len(traj.response_ids) + len(ids) >= ctx.config.max_response_tokens:
+        return "max_response_tokens"
+    return None
+
+
+async def _generate(
+    traj: Trajectory, ctx: AgentContext, n: int, turn_tokens: int
+) -> tuple[list[int], str]:
+    cfg = ctx.config
+    max_tokens = min(
+        cfg.max_tokens_per_turn - turn_tokens,
+        cfg.max_response_tokens - len(traj.response_ids),
+        cfg.max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
+    )
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=None if ctx.seed is None else zlib.crc32(f"{ctx.seed}/{traj.uid}/{n}".encode()),
+        stop_token_ids=ctx.stop_ids,
+    )
+    request = GenerateRequest(
+        request_id=f"{traj.uid}/{n}",
+        prompt_ids=(*traj.prompt_ids, *traj.response_ids),
+        sampling=sampling,
+        session_id=traj.uid,
+    )
+    result = await ctx.backend.generate(request)
+    tokens = list(result.token_ids)
+    traj.append(tokens, model=True, logprobs=list(result.logprobs or [0.0] * len(tokens)))
+    traj.weight_versions.append(result.weight_version)
+    return tokens, result.finish_reason
+
+
+async def _call_tools(
+    ctx: AgentContext, traj: Trajectory, calls: list[ParsedCall]
+) -> list[ToolResult]:
+    async def one(call: ParsedCall) -> ToolResult:
+        if call.error is not None:
+            traj.malformed_calls += 1
+            return ToolResult(f"error: {call.error}", error=True)
+        return await ctx.tools.call(traj.uid, call.name, call.arguments)
+
+    results = list(await asyncio.gather(*(one(c) for c in calls)))
+    traj.tool_calls += len(calls)
+    traj.tool_errors += sum(r.error for r in results)
+    return results
+
+
+def _tool_text(ctx: AgentContext, result: ToolResult) -> str:
+    cfg = ctx.config
+    return ctx.builder.truncate_text(
+        result.text, cfg.max_tool_response_tokens, cfg.tool_response_truncate
+    )
+
+
+async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """Model turns and tool calls until the model stops, a budget runs out or a tool ends it."""
+    t_start = time.perf_counter()
+    traj = Trajectory(
+        uid=sample.uid,
+        group_id=sample.group_id,
+        prompt_ids=ctx.builder.prompt_ids(sample.messages),
+        messages=[dict(m) for m in sample.messages],
+    )
+    tool_seconds = 0.0
+    try:
+        n_requests = 0
+        while _budget_stop(traj, ctx, 0) is None:
+            # --- one model turn: one or more generate requests (inline blocks continue)
+            turn: list[int] = []
+            while True:
+                tokens, finish = await _generate(traj, ctx, n_requests, len(turn))
+                n_requests += 1
+                turn += tokens
+                text = ctx.tokenizer.decode(turn)
+                if finish == "abort" or not ctx.parser.needs_more(text):
+                    break
+                if _budget_stop(traj, ctx, len(turn)):
+                    break
+            traj.num_turns += 1
+            text = ctx.tokenizer.decode(turn)
+            if finish == "abort":
+                traj.stop_reason = "aborted"
+                break
+            calls = ctx.parser.parse(text)
+            if not calls:
+                traj.messages.append({"role": "assistant", "content": text})
+                if turn and turn[-1] == ctx.builder.eos_id:
+                    traj.stop_reason = "eos"
+                else:
+                    traj.stop_reason = _budget_stop(traj, ctx, len(turn)) or "eos"
+                break
+            if traj.num_turns >= ctx.config.max_turns:
+                traj.messages.append({"role": "assistant", "content": text})
+                traj.stop_reason = "max_turns"
+                break
+            t_tools = time.perf_counter()
+            try:
+                results = await _call_tools(ctx, traj, calls)
+            except ToolTransportError as e:
+                traj.messages.append({"role": "assistant", "content": text})
+                traj.messages.append({"role": "tool", "content": f"tool service failed: {e}"})
+                traj.stop_reason = "tool_error"
+                break
+            finally:
+                tool_seconds += time.perf_counter() - t_tools
+            traj.turn_rewards.append(sum(r.reward for r in results))
+            observation, tool_messages = _observation(ctx, turn, text, calls, results)
+            traj.messages.extend(tool_messages)
+            # The sequence ends with the model's last tokens: an observation the model would
+            # never read (the episode ends here) is kept in the messages, not in the tokens.
+            stop = "tool_done" if any(r.done for r in results) else _fits(traj, ctx, observation)
+            if stop is not None:
+                traj.stop_reason = stop
+                break
+            traj.append(observation, model=False)
+        else:
+            traj.stop_reason = _budget_stop(traj, ctx, 0) or traj.stop_reason
+    finally:
+        traj.timings["tools_s"] = tool_seconds
+        traj.timings["total_s"] = time.perf_counter() - t_start
+        await ctx.tools.release(traj.uid)
+    return traj
+
+
+def _observation(
+    ctx: AgentContext,
+    turn: list[int],
+    text: str,
+    calls: list[ParsedCall],
+    results: list[ToolResult],
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Tokens appended after a model turn with calls, and the messages they stand for."""
+    if ctx.parser.style == "inline":
+        parser = cast(InlineToolCallParser, ctx.parser)
+        outputs = "".join(parser.format_output(_tool_text(ctx, r)) for r in results)
+        messages = [{"role": "assistant", "content": text}, {"role": "tool", "content": outputs}]
+        return ctx.tokenizer.encode(outputs), messages
+    assistant = {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": c.name or "invalid", "arguments": c.arguments},
+            }
+            for c in calls
+        ],
+    }
+    tool_messages = [
+        {"role": "tool", "content": _tool_text(ctx, r), "name": c.name}
+        for c, r in zip(calls, results, strict=True)
+    ]
+    ids = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(tool_messages)
+    return ids, [assistant, *tool_messages]
+
+
+async def run_single_turn(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """One model turn, no tools (plain RL on completions)."""
+    single = dataclasses.replace(ctx, config=dataclasses.replace(ctx.config, max_turns=1))
+    return await run_tool_agent(sample, single)
+
+
+AGENT_LOOPS: dict[str, AgentLoopFn] = {
+    "tool_agent": run_tool_agent,
+    "single_turn": run_single_turn,
+}
+
+
+def register_agent_loop(name: str, loop: AgentLoopFn) -> None:
+    if name in AGENT_LOOPS:
+        raise ValueError(f"agent loop {name!r} is already registered")
+    AGENT_LOOPS[name] = loop
+
+
+async def run_sample(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """Runs the loop the sample names."""
+    if sample.agent_name not in AGENT_LOOPS:
+        raise KeyError(
+            f"unknown agent_name {sample.agent_name!r}; registered: {sorted(AGENT_LOOPS)}"
+        )
+    return await AGENT_LOOPS[sample.agent_name](sample, ctx)

@@ -1,0 +1,75 @@
+"""What a rollout produces and the learner consumes: one token-exact `Trajectory`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jax_agent_rl.tokenization import Message
+
+StopReason = Literal[
+    "eos",  # the model ended its turn without calling a tool
+    "max_turns",  # it asked for tools after its last allowed turn
+    "max_tokens_per_turn",  # one turn used its whole token budget without a call
+    "max_response_tokens",  # all response tokens (model + tool) used up
+    "max_model_len",  # prompt + response reached the model length
+    "tool_done",  # a tool ended the episode
+    "tool_error",  # the tool service failed (transport); the trajectory is not trainable
+    "aborted",  # the rollout backend aborted a generation
+]
+STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One prompt of a dataset, in verl's column layout."""
+
+    uid: str
+    messages: list[Message]
+    ground_truth: Any = None
+    data_source: str = ""
+    agent_name: str = "tool_agent"
+    group_id: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A whole multi-turn episode as the model saw it.
+
+    ``response_ids`` is every token after the prompt, model and tool alike; ``loss_mask`` is 1
+    on sampled tokens and 0 elsewhere; ``rollout_logprobs`` holds the sampler's logprob of each
+    sampled token (0 where the mask is 0). ``prompt_ids + response_ids`` is exactly the last
+    sequence the model was conditioned on plus what it sampled.
+    """
+
+    uid: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    num_turns: int = 0
+    stop_reason: StopReason = "eos"
+    weight_versions: list[int] = dataclasses.field(default_factory=list)
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    tool_errors: int = 0
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([1 if model else 0] * len(ids))
+        self.rollout_logprobs.extend(logprobs if model and logprobs else [0.0] * len(ids))
+
+    @property
+    def trainable(self) -> bool:
+        """False for episodes cut short by infrastructure (their outcome says nothing)."""
+        return self.stop_reason not in ("tool_error", "aborted")
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
