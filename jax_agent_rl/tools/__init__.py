@@ -3,10 +3,18 @@
 from jax_agent_rl.tools.base import FunctionTool, Tool, ToolArgumentError, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
+from jax_agent_rl.tools.search import SearchTool
+from jax_agent_rl.tools.server import HttpTools, create_app
 
 __all__ = [
     "FunctionTool",
+    "HttpTools",
+    "Limits",
     "LocalTools",
+    "PythonSandbox",
+    "PythonTool",
+    "SearchTool",
     "Tool",
     "ToolArgumentError",
     "ToolExecutor",
@@ -14,5 +22,6 @@ __all__ = [
     "ToolResult",
     "ToolTransportError",
     "calculator",
+    "create_app",
     "tool",
 ]

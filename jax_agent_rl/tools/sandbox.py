@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -113,27 +112,19 @@ class _Worker:
     def _start(self) -> None:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        # the zygote expects its request and reply pipes on fds 3 and 4
-        fd_map = {3: req_r, 4: rep_w}
-
-        def child_setup() -> None:
-            high = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for target, fd in fd_map.items()}
-            for target, fd in high.items():  # via high fds: the pipes may sit on 3 or 4 already
-                os.dup2(fd, target)
-                os.close(fd)
-            if os.getuid() == 0:  # one unprivileged uid per worker: RLIMIT_NPROC counts per uid
-                os.setgroups([])
-                os.setgid(self.uid)
-                os.setuid(self.uid)
-
+        # No preexec_fn (unsafe in a multithreaded process such as one running JAX): the
+        # zygote gets its pipe fds as arguments, and Popen itself switches to the worker's
+        # uid (one unprivileged uid per worker: RLIMIT_NPROC counts processes per uid).
+        as_root = os.getuid() == 0
         self.proc = subprocess.Popen(
-            bwrap_command(self.interpreter),
+            [*bwrap_command(self.interpreter), str(req_r), str(rep_w)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=child_setup,  # noqa: PLW1509 - fds and uid must be set between fork and exec
-            pass_fds=(3, 4),
-            close_fds=True,
+            pass_fds=(req_r, rep_w),
+            user=self.uid if as_root else None,
+            group=self.uid if as_root else None,
+            extra_groups=[] if as_root else None,
         )
         os.close(req_r)
         os.close(rep_w)

@@ -6,11 +6,12 @@ collects its output (bounded), and after the child ends kills every other proces
 sandbox and wipes ``/work`` and ``/tmp``, so no state survives from one execution to the next.
 The zygote itself never runs user code, so every child starts from the same pristine state.
 
-Frames are a 4-byte big-endian length and a JSON object, on file descriptors 3 (requests in)
-and 4 (replies out); the child never sees them. Only the standard library is used: this file
-runs under the system Python with ``-I -S``.
+Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
+given as arguments (requests in, replies out); the child never sees them. Only the standard
+library is used: this file runs under the system Python with ``-I -S``.
 """
 
+import gc
 import json
 import os
 import resource
@@ -20,8 +21,9 @@ import signal
 import struct
 import sys
 import time
+import traceback
 
-REQ_FD, REP_FD = 3, 4
+REQ_FD, REP_FD = int(sys.argv[1]), int(sys.argv[2])
 
 
 def _read_exact(n):
@@ -39,7 +41,7 @@ def _send(obj):
     os.write(REP_FD, struct.pack(">I", len(data)) + data)
 
 
-def _child(code, limits, out_w, err_w):
+def _child(compiled, limits, out_w, err_w):
     os.setpgid(0, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
@@ -56,12 +58,10 @@ def _child(code, limits, out_w, err_w):
     scope = {"__name__": "__main__", "__builtins__": __builtins__}
     status = 0
     try:
-        exec(compile(code, "<sandbox>", "exec"), scope)
+        exec(compiled, scope)
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # the traceback is the model's observation
-        import traceback
-
         traceback.print_exc()
         status = 1
     try:
@@ -103,12 +103,24 @@ def _sweep(me):
 
 def _run(req):
     limits = req["limits"]
+    start = time.time()
+    try:  # compiled here, not in the child: cheaper, and a syntax error needs no process
+        compiled = compile(req["code"], "<sandbox>", "exec")
+    except (SyntaxError, ValueError) as e:
+        text = "".join(traceback.format_exception_only(type(e), e))
+        return {
+            "stdout": "",
+            "stderr": text,
+            "exit_code": 1,
+            "timed_out": False,
+            "truncated": False,
+            "wall_s": time.time() - start,
+        }
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    start = time.time()
     pid = os.fork()
     if pid == 0:
-        _child(req["code"], limits, out_w, err_w)
+        _child(compiled, limits, out_w, err_w)
     os.close(out_w)
     os.close(err_w)
     bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -166,6 +178,9 @@ def _run(req):
 
 def main():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Objects alive now never need collecting; freezing them keeps a forked child's garbage
+    # collector from touching (and copying) the whole heap: ~3 ms less per execution.
+    gc.freeze()
     _send({"ready": True})
     while True:
         head = _read_exact(4)

@@ -69,7 +69,7 @@ def create_app(
     slots = asyncio.Semaphore(max_concurrency)
     app = FastAPI(title="jax_agent_rl tool server")
 
-    def authorize(authorization: str | None = Header(default=None)) -> None:
+    async def authorize(authorization: str | None = Header(default=None)) -> None:
         if token is not None and authorization != f"Bearer {token}":
             raise HTTPException(status_code=401, detail="missing or wrong bearer token")
 
@@ -122,7 +122,15 @@ def serve(
     if not is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
     app = create_app(registry, max_concurrency=max_concurrency, timeout_s=timeout_s, token=token)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+    )
 
 
 class HttpTools:

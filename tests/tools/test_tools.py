@@ -2,6 +2,7 @@
 the calculator."""
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -170,3 +171,23 @@ def test_tools_yaml(tmp_path: Path) -> None:
     path.write_text("- clas: x\n")
     with pytest.raises(ValueError, match="unknown \\['clas'\\]"):
         ToolRegistry.from_yaml(path)
+
+
+def test_bm25_search(tmp_path: Path) -> None:
+    from jax_agent_rl.tools.search import SearchTool
+
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [
+        {"id": 1, "title": "Paris", "text": "Paris is the capital of France."},
+        {"id": 2, "title": "Berlin", "text": "Berlin is the capital of Germany."},
+        {"id": 3, "title": "Rivers", "text": "The Seine flows through Paris."},
+    ]
+    corpus.write_text("\n".join(json.dumps(d) for d in docs))
+    search = SearchTool(str(corpus), k=2)
+    assert search.schema["function"]["name"] == "search"
+    assert next(d["id"] for d in search.top("capital of Germany")) == 2
+    result = asyncio.run(search.execute(None, {"query": "Seine river Paris"}))
+    assert result.text.startswith("[1] Rivers: The Seine") and "[2] Paris" in result.text
+    assert asyncio.run(search.execute(None, {"query": "quantum"})).text == "no results"
+    with pytest.raises(ValueError, match="no 'text' field"):
+        SearchTool([{"title": "x"}])
