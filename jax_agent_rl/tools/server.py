@@ -6,7 +6,9 @@ Calls run through `LocalTools` (per-call timeout, failures become error results)
 concurrency cap. The server refuses to listen on a non-loopback address without a bearer
 token.
 
-`HttpTools` is a `ToolExecutor`: the agent loop uses it exactly like `LocalTools`. It retries
+`HttpTools` is a `ToolExecutor`: the agent loop uses it exactly like `LocalTools`. Calls that
+concurrent trajectories make in the same event-loop tick share one ``/execute_batch`` request
+(what batched RL tool servers accept), so HTTP costs less per call under load. It retries
 only failures where the request cannot have reached the server (connection refused or timed
 out while connecting), with exponential backoff; any other transport failure, or retries used
 up, raises `ToolTransportError` (the trajectory then ends with stop reason ``tool_error``).
@@ -18,11 +20,14 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
+import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from jax_agent_rl.tools.base import ToolResult
@@ -37,6 +42,10 @@ class ExecuteRequest(BaseModel):
 
 class ReleaseRequest(BaseModel):
     trajectory_id: str
+
+
+class BatchRequest(BaseModel):
+    calls: list[ExecuteRequest]
 
 
 @dataclasses.dataclass
@@ -95,6 +104,23 @@ def create_app(
         metrics.errors += result.error
         return dataclasses.asdict(result)
 
+    @app.post("/execute_batch", dependencies=[Depends(authorize)])
+    async def execute_batch(req: BatchRequest) -> StreamingResponse:
+        """Several calls in one request, run concurrently; each result is streamed as one JSON
+        line ``{"index": i, "result": {...}}`` the moment it is ready, so a slow call never
+        holds back the others."""
+
+        async def indexed(i: int, call: ExecuteRequest) -> tuple[int, dict[str, Any]]:
+            return i, await execute(call)
+
+        async def lines() -> AsyncIterator[str]:
+            tasks = [asyncio.ensure_future(indexed(i, c)) for i, c in enumerate(req.calls)]
+            for done in asyncio.as_completed(tasks):
+                i, result = await done
+                yield json.dumps({"index": i, "result": result}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
     @app.post("/release", dependencies=[Depends(authorize)])
     async def release(req: ReleaseRequest) -> dict[str, Any]:
         await tools.release(req.trajectory_id)
@@ -143,9 +169,12 @@ class HttpTools:
         timeout_s: float = 60.0,
         retries: int = 3,
         backoff_s: float = 0.1,
+        max_batch: int = 32,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
+        self.max_batch = max_batch
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]] = []
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers, self._timeout = headers, timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
@@ -179,8 +208,65 @@ class HttpTools:
         return list(await self._request("GET", "/tools"))
 
     async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
+        """One call. Calls made in the same event-loop tick travel in one HTTP request (up to
+        ``max_batch``): concurrent trajectories share the per-request cost."""
         body = {"trajectory_id": trajectory_id, "name": name, "arguments": arguments}
-        return ToolResult(**await self._request("POST", "/execute", body))
+        future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((body, future))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            asyncio.get_running_loop().create_task(self._send_batch(batch))
+
+    async def _send_batch(
+        self, batch: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]]
+    ) -> None:
+        try:
+            if len(batch) == 1:
+                reply = await self._request("POST", "/execute", batch[0][0])
+                if not batch[0][1].done():
+                    batch[0][1].set_result(ToolResult(**reply))
+                return
+            await self._stream_batch(batch)
+        except ToolTransportError as e:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+
+    async def _stream_batch(
+        self, batch: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]]
+    ) -> None:
+        body = {"calls": [b for b, _ in batch]}
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._client().stream(
+                    "POST", self.url + "/execute_batch", json=body
+                ) as response:
+                    if response.status_code != 200:
+                        text = (await response.aread()).decode()[:200]
+                        raise ToolTransportError(
+                            f"tool server {self.url}/execute_batch answered "
+                            f"{response.status_code}: {text}"
+                        )
+                    async for line in response.aiter_lines():
+                        if line:
+                            item = json.loads(line)
+                            future = batch[item["index"]][1]
+                            if not future.done():
+                                future.set_result(ToolResult(**item["result"]))
+                return
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if attempt == self.retries:
+                    raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+            except httpx.TransportError as e:
+                raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
 
     async def release(self, trajectory_id: str) -> None:
         with contextlib.suppress(ToolTransportError):  # a dead server holds no state
