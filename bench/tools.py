@@ -1,7 +1,8 @@
 """Sandboxed python executions per second: our tool server against a fresh interpreter per call.
 
 Same snippets, same concurrency, one run. Ours: `jarl serve-tools` on loopback with the
-``python`` tool (a warm pool of bubblewrap sandboxes with fork servers), called over HTTP.
+``python`` tool (a warm pool of bubblewrap sandboxes with fork servers), called over HTTP;
+the same pool called directly in process is reported too, to show what HTTP costs.
 The alternative existing RL tool servers use: a fresh ``python -c`` subprocess per call, bare
 and under bubblewrap with the same isolation flags. Every output is checked. Ends with one
 JSON line.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from jax_agent_rl.tools.sandbox import bwrap_command
+from jax_agent_rl.tools.sandbox import PythonSandbox, bwrap_command
 from jax_agent_rl.tools.server import HttpTools
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,6 +129,18 @@ def main() -> None:
     async def bwrapped(code: str) -> str:
         return await fresh_process(_bwrap_prefix(), code)
 
+    async def direct() -> float:  # the sandbox pool alone, without HTTP: where the time goes
+        sandbox = PythonSandbox(size=c)
+
+        async def one(code: str) -> str:
+            return (await sandbox.run(code)).stdout
+
+        await _bounded(c * 4, c, one)
+        rate = await _bounded(n, c, one)
+        sandbox.close()
+        return rate
+
+    direct_rate = asyncio.run(direct())
     bare_rate = asyncio.run(_bounded(fresh_n, c, bare))
     bwrap_rate = asyncio.run(_bounded(fresh_n, c, bwrapped))
     print(
@@ -136,6 +149,7 @@ def main() -> None:
                 "bench": "tools",
                 "concurrency": c,
                 "server_sandboxed_exec_s": round(ours, 1),
+                "direct_sandbox_exec_s": round(direct_rate, 1),
                 "fresh_python_exec_s": round(bare_rate, 1),
                 "fresh_bwrap_python_exec_s": round(bwrap_rate, 1),
                 "ratio_vs_fresh_python": round(ours / bare_rate, 2),

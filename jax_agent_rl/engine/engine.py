@@ -338,12 +338,3 @@ class Engine:
             return DecodeState(cache=cache, slots=slots), out
 
         return jax.lax.scan(step, state, None, length=num_steps)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "slots": self.max_concurrent_decodes,
-            "max_len": self.max_len,
-            "prefill_buckets": self.prefill_buckets,
-            "kv_buckets": self.kv_buckets,
-            "compile_counts": dict(self.compile_counts),
-        }

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
@@ -359,12 +358,3 @@ def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:
     if w.lm_head is None:
         return jnp.einsum("btd,vd->btv", h_btd, w.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h_btd, w.lm_head, preferred_element_type=jnp.float32)
-
-
-def cast_params(w: Weights, dtype: Any) -> Weights:
-    """The same weights in another dtype (e.g. fp32 master weights -> bf16 compute)."""
-    return jax.tree.map(lambda x: x.astype(dtype), w)
-
-
-def count_params(w: Weights) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(w)))
