@@ -150,7 +150,7 @@ def main() -> None:
         )
         cfg, weights = load_hf(ckpt)
         engine = Engine(cfg, max_concurrent_decodes=args.trajectories, max_len=1024)
-        backend = EmbeddedBackend(engine, weights, steps_per_call=4)
+        backend = EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
         sandbox = PythonSandbox(args.sandboxes)
         python = PythonTool(sandbox)
 

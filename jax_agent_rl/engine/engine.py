@@ -5,9 +5,10 @@ first token; ``insert`` places the result in a decode slot; ``generate`` advance
 active slot by ``num_steps`` tokens in one device call. Each slot carries its own sampling
 parameters, RNG, stop ids and budget, so requests of any mix run side by side.
 
-Compilation is bounded: prompts pad to a fixed set of bucket lengths (one prefill program per
-bucket), decode attends over a bucketed prefix of the cache (one program per bucket), and
-``insert`` compiles once. ``compile_counts`` counts traces per function, so a test can hold
+Compilation is bounded: prompts pad to a fixed set of bucket lengths and attention reads a
+bucketed prefix of the cache, so prefill compiles at most once per (prompt bucket, attention
+bucket) pair, ``generate`` once per attention bucket and ``insert`` once; ``warmup`` compiles
+them all up front. ``compile_counts`` counts traces per function, so a test can hold
 the engine to that bound. Weights are arguments, never constants: swapping in new weights of
 the same shapes reuses every compiled program.
 """
@@ -338,3 +339,35 @@ class Engine:
             return DecodeState(cache=cache, slots=slots), out
 
         return jax.lax.scan(step, state, None, length=num_steps)
+
+    def warmup(self, params: Weights, num_steps: int) -> None:
+        """Compiles every program serving can need (each prefill bucket at each attention
+        length it can meet, and ``generate`` at each attention bucket), so that no request
+        stalls on a compilation later: a trace holds the GIL and stalls the whole process."""
+        greedy = _WarmupSampling()
+        state = self.init_decode_state()
+        empty = self.empty_prefix_cache()
+        for kv in self.kv_buckets:
+            for bucket in self.prefill_buckets:
+                if bucket > kv:
+                    break
+                start = kv - bucket  # this bucket prefilled after `start` cached tokens
+                n = min(bucket, self.max_len - 1 - start)  # still lands in this bucket
+                row = KVCache(k=empty.k, v=empty.v, pos=jnp.array([start], jnp.int32))
+                prefix = self.prefill(params, row, [0] * n, greedy, seed=0)  # type: ignore[arg-type]
+            state = self.insert(prefix, state, 0)
+            state, out = self.generate(params, state, num_steps, max_pos=max(kv - num_steps, 0))
+            jax.block_until_ready(out)
+        jax.block_until_ready(self.extract(state, 0))
+        self.release(state, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupSampling:
+    """The fields `Engine.prefill` reads, for warm-up requests."""
+
+    max_tokens: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()

@@ -92,6 +92,7 @@ class EmbeddedBackend:
         steps_per_call: int = 4,
         session_cache_size: int = 128,
         seed: int = 0,
+        warmup: bool = False,
     ) -> None:
         self.engine = engine
         self.capabilities = Capabilities(
@@ -106,6 +107,8 @@ class EmbeddedBackend:
         )
         self.stats = BackendStats()
         self._params = engine.load_params(params)
+        if warmup:  # compile every program now rather than stall a rollout later
+            engine.warmup(self._params, steps_per_call)
         self._version = weight_version
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call

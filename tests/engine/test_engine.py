@@ -46,13 +46,36 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
-    assert counts["prefill"] <= len(engine.prefill_buckets)
+    assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.kv_buckets)
     assert counts["generate"] <= len(engine.kv_buckets)
     assert counts["insert"] == 1
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
     asyncio.run(many())
     assert dict(engine.compile_counts) == counts  # same shapes: nothing recompiled
+    asyncio.run(backend.close())
+
+
+def test_warmup_compiles_everything_serving_needs(checkpoint: Path) -> None:
+    backend = _backend(checkpoint, max_len=128)
+    engine = backend.engine
+    engine.warmup(backend._params, num_steps=4)
+    after_warmup = dict(engine.compile_counts)
+    rng = np.random.default_rng(1)
+
+    async def sessions() -> None:
+        async def one(i: int) -> None:
+            prompt = tuple(int(t) for t in rng.integers(1, 500, 1 + 9 * i))
+            for turn in range(3):  # later turns prefill on top of the cached prefix
+                result = await backend.generate(
+                    _req(f"w{i}-{turn}", prompt, 10, session_id=f"w{i}")
+                )
+                prompt = prompt + result.token_ids + (5, 6)
+
+        await asyncio.gather(*(one(i) for i in range(8)))
+
+    asyncio.run(sessions())
+    assert dict(engine.compile_counts) == after_warmup
     asyncio.run(backend.close())
 
 
