@@ -13,11 +13,61 @@ from rich.console import Console
 
 def _demo(args: argparse.Namespace) -> int:
     from jax_agent_rl import demo
+    from jax_agent_rl.config import ConfigError
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    demo.run(run_dir, Console())
+    try:
+        demo.run(run_dir, Console(), list(args.overrides))
+    except ConfigError as e:
+        print(f"jarl: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
+
+    try:
+        cfg: JarlConfig = load_config(args.config, list(args.overrides))
+        _check_paths(cfg)
+    except ConfigError as e:
+        print(f"jarl: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        print(f"# ok: {args.config} is valid; nothing was run", file=sys.stderr)
+        return 0
+    from jax_agent_rl.train import train
+
+    run_dir = train(cfg, Console())
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def _check_paths(cfg: object) -> None:
+    """Files a run reads must exist (checked before anything heavy starts)."""
+    from jax_agent_rl.config import ConfigError, JarlConfig
+
+    assert isinstance(cfg, JarlConfig)
+    wanted = {
+        "model.path": cfg.model.path,
+        "model.tokenizer": cfg.model.tokenizer,
+        "data.train": cfg.data.train,
+        "data.val": cfg.data.val,
+        "sft.data": cfg.sft.data,
+        "tools.config": cfg.tools.config,
+    }
+    for key, value in wanted.items():
+        if value and not Path(value).exists():
+            raise ConfigError(f"{key}={value!r} does not exist")
+    if cfg.data.train and Path(cfg.data.train).suffix not in (".jsonl", ".parquet"):
+        raise ConfigError(f"data.train={cfg.data.train!r}: expected a .jsonl or .parquet file")
+
+
+def _traces(args: argparse.Namespace) -> int:
+    from jax_agent_rl.train.traces import traces_command
+
+    return traces_command(args.run_dir, args.step, args.limit, args.logprobs)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -72,13 +122,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="write a small checkpoint, load it in JAX, check it against transformers",
-        description="Writes a random-init Qwen2 checkpoint and tokenizer with transformers, loads "
-        "it into the JAX decoder, compares logits and greedy KV-cache decoding with transformers, "
-        "and exports it back. (Becomes the CPU training demo once the trainer lands.)",
+        help="train a small model to use a calculator tool (SFT, then GRPO), on the CPU",
+        description="Makes a synthetic multi-step arithmetic task, a tokenizer and a small model "
+        "here, warm-starts it on imperfect demonstrations, then trains it with GRPO over "
+        "multi-turn calculator rollouts and reports held-out success before and after. "
+        "Overrides (key.sub=value) apply to configs/demo_calculator_cpu.yaml.",
     )
     p.add_argument("--run-dir", help="where to write the run (default: runs/demo-<time>)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the demo config")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "train",
+        help="run (or resume) RL training from a YAML config",
+        description="Trains as the config says: optional SFT warm start, then GRPO / PPO / DAPO "
+        "/ Dr.GRPO over agent rollouts on the configured backend, with evaluation, orbax "
+        "checkpoints, metrics (JSONL + TensorBoard), traces and plots in trainer.run_dir. A "
+        "rerun with the same run_dir resumes from its last complete checkpoint.",
+    )
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate the config and its files, run nothing"
+    )
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "traces",
+        help="show a run's rollout traces in the terminal",
+        description="Renders trajectories from RUN/traces.jsonl: model tokens (trained, mask 1) "
+        "and tool/template tokens (mask 0) in different colours, with reward and stop reason.",
+    )
+    p.add_argument("run_dir", help="a run folder")
+    p.add_argument("--step", type=int, default=None, help="which RL step (default: the last)")
+    p.add_argument("--limit", type=int, default=4, help="trajectories to show")
+    p.add_argument("--logprobs", action="store_true", help="colour model tokens by probability")
+    p.set_defaults(func=_traces)
 
     p = sub.add_parser(
         "config",

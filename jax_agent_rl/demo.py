@@ -1,139 +1,176 @@
-"""`make demo` until the training demo lands: a checkpoint made here, loaded by the JAX decoder,
-checked against transformers, decoded through the KV cache, and exported back.
+"""`make demo`: a small model learns, on the CPU, to use a calculator tool over several turns.
 
-Every step is real: transformers writes a random-init Qwen2 checkpoint (with a tokenizer trained
-here), `load_hf` imports it, the logits are compared with transformers' own forward, greedy
-decoding through the KV cache is compared with ``model.generate``, and `save_hf` writes a
-checkpoint that transformers loads tensor-for-tensor.
+Everything is made here, nothing is downloaded:
+
+1. the task (`jax_agent_rl.data.arithmetic`): sums, products and chained product-then-sum
+   problems, a training file and a held-out file in verl's column layout, and imperfect
+   demonstrations (the demonstrator answers most sums from memory, often wrongly);
+2. a byte-level BPE tokenizer trained on the task's chat transcripts (digits apart), with the
+   ChatML tool template;
+3. a random-init Qwen2-architecture model (~0.75M parameters), written as an HF checkpoint;
+4. `jarl train configs/demo_calculator_cpu.yaml`: a short SFT warm start on the
+   demonstrations, then GRPO over multi-turn rollouts against the real calculator tool, with a
+   held-out evaluation (greedy) before and during RL.
+
+The run folder holds metrics.jsonl, TensorBoard events, reward.png / throughput.png, traces
+(`jarl traces RUN`) and orbax checkpoints; the summary at the end says where to look.
 """
 
 from __future__ import annotations
 
-import time
-from functools import partial
+import dataclasses
+import json
+import random
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jax_agent_rl.models import (
-    KVCache,
-    ModelConfig,
-    Weights,
-    forward,
-    forward_cached,
-    init_cache,
-    lm_logits,
-    load_hf,
-    save_hf,
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import JarlConfig, load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.datasets import write_jsonl
+from jax_agent_rl.models import ModelConfig, init_params, save_hf
+from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tokenization.tokenizer import render_template
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.train.sft import write_demonstrations
+from jax_agent_rl.train.trainer import train
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
+
+# The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
+MODEL = dict(
+    model_type="qwen2",
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    hidden_act="silu",
 )
-from jax_agent_rl.models.hf_local import write_hf_checkpoint
-from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
-
-_CORPUS = [
-    "What is 17 + 25? Let me use the calculator. The answer is 42.",
-    "Compute 6 * 7 and then add 3. First 6 * 7 = 42, then 42 + 3 = 45.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
-    "The tool returned 128. So the final answer is <answer>128</answer>.",
-    "You are a helpful assistant. Use tools when arithmetic is needed.",
-]
 
 
-def write_checkpoint(folder: Path, seed: int = 0) -> Path:
-    """A random-init Qwen2 (GQA, q/k/v bias, tied embeddings) and a local tokenizer, via HF."""
-    tok = train_bpe(_CORPUS * 20, vocab_size=512)
-    save_tokenizer(folder, tok, chat_template("chatml_tools"))
-    config = dict(
-        model_type="qwen2",
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
+@dataclasses.dataclass(frozen=True)
+class TaskFiles:
+    model: Path
+    train: Path
+    val: Path
+    sft: Path
+    tools: Path
+
+
+def _conversation(sample: Sample, turns: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
+    messages = [dict(m) for m in sample.messages]
+    for text, outputs in turns:
+        messages.append({"role": "assistant", "content": text})
+        messages += [{"role": "tool", "content": out, "name": name} for name, out in outputs]
+    return messages
+
+
+def prepare(
+    folder: Path,
+    task: ArithmeticTask | None = None,
+    *,
+    n_train: int = 4000,
+    n_val: int = 200,
+    n_sft: int = 3000,
+    vocab_size: int = 1024,
+    seed: int = 0,
+) -> TaskFiles:
+    """Writes the task data, demonstrations, tokenizer and initial checkpoint into ``folder``."""
+    task = task or ArithmeticTask()
+    folder.mkdir(parents=True, exist_ok=True)
+    tools = Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml"
+    schemas = ToolRegistry.from_yaml(tools).schemas()
+    rng = random.Random(f"demonstrations/{seed}")
+    sft_samples = task.samples(n_sft, seed, "sft")
+    conversations = [_conversation(s, task.demonstration(s, rng)) for s in sft_samples]
+
+    # the tokenizer learns the transcripts exactly as the template renders them
+    template = chat_template("chatml_tools")
+    texts = [render_template(template, c, schemas) for c in conversations]
+    backend = train_bpe(texts, vocab_size, digits_apart=True, merge_across_words=True)
+    model_dir = folder / "model"
+    save_tokenizer(model_dir, backend, chat_template("chatml_tools"))
+
+    cfg = ModelConfig.from_hf({**MODEL, "vocab_size": backend.get_vocab_size()})
+    save_hf(model_dir, cfg, init_params(jax.random.key(seed), cfg))
+
+    files = TaskFiles(
+        model=model_dir,
+        train=folder / "train.jsonl",
+        val=folder / "val.jsonl",
+        sft=folder / "sft.jsonl",
+        tools=tools,
     )
-    return write_hf_checkpoint(folder, config, seed=seed)
+    write_jsonl(files.train, task.samples(n_train, seed, "train"))
+    write_jsonl(files.val, task.samples(n_val, seed, "val"))
+    write_demonstrations(files.sft, conversations)
+    return files
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _greedy_step(
-    w: Weights, cfg: ModelConfig, tokens: jax.Array, num_new: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    h, cache = forward_cached(w, cfg, tokens, num_new, cache)
-    last = jnp.take_along_axis(h, (num_new - 1)[:, None, None], axis=1)
-    return jnp.argmax(lm_logits(w, last)[:, 0], axis=-1), cache
-
-
-def greedy_decode(w: Weights, cfg: ModelConfig, prompt: list[int], n: int) -> list[int]:
-    cache = init_cache(cfg, batch=1, max_len=len(prompt) + n)
-    token, cache = _greedy_step(w, cfg, jnp.array([prompt]), jnp.array([len(prompt)]), cache)
-    out = [int(token[0])]
-    for _ in range(n - 1):
-        token, cache = _greedy_step(w, cfg, token[:, None], jnp.array([1]), cache)
-        out.append(int(token[0]))
-    return out
-
-
-def run(run_dir: Path, console: Console) -> dict[str, float]:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.utils.logging.disable_progress_bar()
-    ckpt = run_dir / "checkpoint"
-    with console.status("writing a random-init Qwen2 checkpoint with transformers"):
-        write_checkpoint(ckpt)
-    tok = Tokenizer.from_pretrained(ckpt)
-    cfg, w = load_hf(ckpt)
-    messages = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 17 + 25?"},
+def demo_config(run_dir: Path, files: TaskFiles, overrides: list[str] | None = None) -> JarlConfig:
+    paths = [
+        f"model.path={files.model}",
+        f"data.train={files.train}",
+        f"data.val={files.val}",
+        f"sft.data={files.sft}",
+        f"tools.config={files.tools}",
+        f"trainer.run_dir={run_dir}",
     ]
-    prompt = tok.encode_chat(messages, add_generation_prompt=True)
-    ids = np.array([prompt])
-    positions = np.arange(len(prompt))[None]
+    return load_config(DEMO_CONFIG, [*paths, *(overrides or [])])
 
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids)).logits.numpy()
-    h = forward(w, cfg, jnp.asarray(ids), jnp.asarray(positions), jnp.ones(ids.shape, jnp.int32))
-    logits = np.asarray(lm_logits(w, h))
-    max_diff = float(np.abs(logits - ref).max())
 
-    n_new = 24
-    t0 = time.perf_counter()
-    ours = greedy_decode(w, cfg, prompt, n_new)
-    decode_s = time.perf_counter() - t0
-    with torch.no_grad():
-        gen = hf.generate(
-            torch.tensor(ids), max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new
+def summarize(run_dir: Path, console: Console) -> dict[str, float]:
+    """The held-out success before RL (after SFT) and at the end, from metrics.jsonl."""
+    val = read_metrics(run_dir / "metrics.jsonl", "val")
+    first, last = val[0], val[-1]
+    table = Table(title="held-out (greedy)")
+    for col in ("", "success", "tool calls", "turns", "malformed-call rate"):
+        table.add_column(col)
+    for name, r in (
+        (f"after SFT (step {first['step']})", first),
+        (f"after RL (step {last['step']})", last),
+    ):
+        table.add_row(
+            name,
+            f"{r['success']:.3f}",
+            f"{r['tool_calls']:.2f}",
+            f"{r['turns']:.2f}",
+            f"{r['malformed_call_rate']:.3f}",
         )
-    theirs = gen[0, len(prompt) :].tolist()
-
-    export = run_dir / "exported"
-    save_hf(export, cfg, w)
-    back = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
-    src = hf.state_dict()
-    identical = all(torch.equal(src[k], back[k]) for k in src) and src.keys() == back.keys()
-
-    table = Table(title="JAX decoder vs transformers on a locally written Qwen2 checkpoint")
-    table.add_column("check")
-    table.add_column("result")
-    table.add_row("parameters", f"{cfg.num_params:,}")
-    table.add_row("prompt tokens", str(len(prompt)))
-    table.add_row("max |logit diff| (fp32)", f"{max_diff:.2e}  (bound 1e-4)")
-    table.add_row("greedy tokens equal", f"{ours == theirs}  ({n_new} tokens)")
-    table.add_row("export -> transformers load", "identical tensors" if identical else "MISMATCH")
-    table.add_row("KV-cache decode (incl. compile)", f"{decode_s:.2f} s")
     console.print(table)
-    console.print(f"[bold]sampled continuation:[/bold] {tok.decode(ours)!r}")
-    console.print(f"run folder: {run_dir}  (checkpoint/, exported/)")
-    ok = max_diff <= 1e-4 and ours == theirs and identical
-    if not ok:
-        raise SystemExit("demo: the JAX decoder disagrees with transformers (see the table)")
-    return {"max_logit_diff": max_diff, "greedy_equal": float(ours == theirs)}
+    console.print(
+        f"\nrun folder: [bold]{run_dir}[/]\n"
+        f"  reward curve     {run_dir / 'reward.png'}\n"
+        f"  throughput       {run_dir / 'throughput.png'}\n"
+        f"  metrics          {run_dir / 'metrics.jsonl'}\n"
+        f"  TensorBoard      tensorboard --logdir {run_dir / 'tensorboard'}\n"
+        f"  rollout traces   jarl traces {run_dir}\n"
+        f"  checkpoints      {run_dir / 'checkpoints'}"
+    )
+    return {"sft_success": first["success"], "rl_success": last["success"]}
+
+
+def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
+    files = prepare(run_dir / "task")
+    cfg = demo_config(run_dir, files, overrides)
+    console.print(
+        f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
+    )
+    train(cfg, console)
+    result = summarize(run_dir, console)
+    (run_dir / "summary.json").write_text(json.dumps(result) + "\n")
+    return result
+
+
+def _params(model_dir: Path) -> int:
+    return ModelConfig.from_pretrained(model_dir).num_params

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
@@ -250,11 +250,48 @@ def _observation(
         ],
     }
     tool_messages = [
-        {"role": "tool", "content": _tool_text(ctx, r), "name": c.name}
-        for c, r in zip(calls, results, strict=True)
+        _tool_message(c.name, _tool_text(ctx, r)) for c, r in zip(calls, results, strict=True)
     ]
     ids = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(tool_messages)
     return ids, [assistant, *tool_messages]
+
+
+def _tool_message(name: str, content: str) -> dict[str, Any]:
+    return {"role": "tool", "content": content, "name": name}
+
+
+def demonstration_trajectory(
+    sample: Sample,
+    builder: TurnBuilder,
+    turns: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+) -> Trajectory:
+    """The trajectory `run_tool_agent` records when the model writes exactly ``turns``.
+
+    Each turn is (assistant text, [(tool name, tool output), ...]); the text is encoded and
+    ended with eos (mask 1), the tool outputs follow as template deltas (mask 0), exactly as
+    in a rollout of a chat-style parser. Supervised fine-tuning on these trains the very
+    tokens a rollout would score.
+    """
+    traj = Trajectory(
+        uid=sample.uid,
+        group_id=sample.group_id,
+        prompt_ids=builder.prompt_ids(sample.messages),
+        messages=[dict(m) for m in sample.messages],
+    )
+    for text, outputs in turns:
+        turn = [*builder.tokenizer.encode(text), builder.eos_id]
+        traj.append(turn, model=True)
+        traj.num_turns += 1
+        traj.messages.append({"role": "assistant", "content": text})
+        if outputs:
+            tool_messages = [_tool_message(name, out) for name, out in outputs]
+            traj.append(
+                builder.close_assistant_turn(turn) + builder.messages_delta(tool_messages),
+                model=False,
+            )
+            traj.messages.extend(tool_messages)
+            traj.tool_calls += len(outputs)
+    return traj
 
 
 async def run_single_turn(sample: Sample, ctx: AgentContext) -> Trajectory:

@@ -33,10 +33,24 @@ def train_bpe(
     vocab_size: int,
     special_tokens: Sequence[str] = CHATML_SPECIAL_TOKENS,
     added_tokens: Sequence[str] = TOOL_TOKENS,
+    *,
+    digits_apart: bool = False,
+    merge_across_words: bool = False,
 ) -> HFTokenizer:
-    """A byte-level BPE (GPT-2 / Qwen style: any text encodes, decode(encode(x)) == x)."""
+    """A byte-level BPE (GPT-2 / Qwen style: any text encodes, decode(encode(x)) == x).
+
+    ``digits_apart`` makes every digit its own token (as Llama and Qwen do), which small models
+    copy far more reliably than multi-digit chunks. ``merge_across_words`` lets merges span
+    spaces and punctuation, so text repeated verbatim in a corpus (a system prompt, JSON
+    scaffolding of tool calls) becomes a few long tokens.
+    """
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not merge_across_words)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if digits_apart
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -133,19 +133,14 @@ class Tokenizer:
         """The chat template applied to ``messages`` (and tool JSON schemas), as text."""
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
-        try:
-            template = _compile(self.chat_template)
-            return template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "",
-                **template_kwargs,
-            )
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from e
+        special = dict(
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+        )
+        return render_template(
+            self.chat_template, messages, tools, add_generation_prompt, **special, **template_kwargs
+        )
 
     def encode_chat(
         self,
@@ -157,6 +152,26 @@ class Tokenizer:
         """Token ids of the rendered chat (special tokens come from the template text)."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode(text)
+
+
+def render_template(
+    template: str,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    **template_kwargs: Any,
+) -> str:
+    """A chat template rendered as transformers renders it (before any tokenizer exists,
+    e.g. to build the corpus a tokenizer is trained on)."""
+    try:
+        return _compile(template).render(
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
 _COMPILED: dict[str, jinja2.Template] = {}

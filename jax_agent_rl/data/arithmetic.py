@@ -1,0 +1,136 @@
+"""A synthetic multi-step arithmetic task that a small model can only solve with a calculator.
+
+Three kinds of problems, drawn with fixed shares (`ArithmeticTask.mix`):
+
+- ``add``: ``a + b`` or ``a - b`` with three-digit operands (one calculator call);
+- ``mul``: ``a * b`` with two-digit operands (one call);
+- ``chain``: ``a * b + c`` or ``a * b - c`` (two chained calls: the product, then the sum).
+
+The answer goes in ``<answer>...</answer>``. Digits are single tokens (see `train_bpe`), so a
+model that calls the tool only has to copy numbers, which a small transformer learns quickly;
+computing a three-digit sum or a product in its head is beyond it.
+
+`demonstration` writes the turns an *imperfect* demonstrator takes: it always uses the tool for
+products and chains, but answers most sums from memory (right only ``mental_accuracy`` of the
+time). Supervised fine-tuning on these gives a model that skips the tool on sums, and so fails
+most of them; reinforcement learning on outcomes has to discover that calling the tool pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Literal
+
+from jax_agent_rl.agent.trajectory import Sample
+
+Kind = Literal["add", "mul", "chain"]
+KINDS: tuple[Kind, ...] = ("add", "mul", "chain")
+
+SYSTEM_PROMPT = "Solve the problem. Use the calculator. Answer as <answer>number</answer>."
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    kind: Kind
+    question: str
+    steps: tuple[str, ...]  # the calculator expressions, in order (later ones use results)
+    answer: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+    """Problem mix and the demonstrator's habits."""
+
+    mix: tuple[float, float, float] = (0.4, 0.3, 0.3)  # add, mul, chain
+    tool_use_on_add: float = 0.25  # the demonstrator calls the tool on this share of sums
+    mental_accuracy: float = 0.3  # its answers from memory are right this often
+
+    def problem(self, rng: random.Random) -> Problem:
+        kind = rng.choices(KINDS, weights=self.mix)[0]
+        if kind == "add":
+            a, b = rng.randint(100, 999), rng.randint(100, 999)
+            op = rng.choice("+-")
+            value = a + b if op == "+" else a - b
+            return Problem(kind, f"What is {a} {op} {b}?", (f"{a} {op} {b}",), value)
+        if kind == "mul":
+            a, b = rng.randint(11, 99), rng.randint(11, 99)
+            return Problem(kind, f"What is {a} * {b}?", (f"{a} * {b}",), a * b)
+        a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(100, 999)
+        op = rng.choice("+-")
+        product = a * b
+        value = product + c if op == "+" else product - c
+        return Problem(
+            kind, f"What is {a} * {b} {op} {c}?", (f"{a} * {b}", f"{product} {op} {c}"), value
+        )
+
+    def samples(self, n: int, seed: int, split: str) -> list[Sample]:
+        """``n`` prompts in the dataset layout; splits with different names never share a
+        seed stream (held-out problems are drawn independently)."""
+        rng = random.Random(f"{split}/{seed}")
+        out = []
+        for i in range(n):
+            p = self.problem(rng)
+            out.append(
+                Sample(
+                    uid=f"{split}-{i}",
+                    messages=[
+                        {"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": p.question},
+                    ],
+                    ground_truth=str(p.answer),
+                    data_source=f"arithmetic/{p.kind}",
+                    extra={"kind": p.kind, "steps": list(p.steps)},
+                )
+            )
+        return out
+
+    def demonstration(
+        self, sample: Sample, rng: random.Random
+    ) -> list[tuple[str, list[tuple[str, str]]]]:
+        """The demonstrator's turns for ``sample``: (assistant text, [(tool, output)])."""
+        kind = sample.extra["kind"]
+        answer = int(sample.ground_truth)
+        if kind == "add" and rng.random() >= self.tool_use_on_add:
+            guess = answer if rng.random() < self.mental_accuracy else _slip(answer, rng)
+            return [(answer_text(guess), [])]
+        turns: list[tuple[str, list[tuple[str, str]]]] = []
+        results = [_evaluate(e) for e in sample.extra["steps"]]
+        for expression, result in zip(sample.extra["steps"], results, strict=True):
+            turns.append((tool_call_text(expression), [("calculator", str(result))]))
+        turns.append((answer_text(answer), []))
+        return turns
+
+
+def tool_call_text(expression: str) -> str:
+    """A Hermes-style calculator call, exactly as the chat template would write it."""
+    arguments = json.dumps({"expression": expression})
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {arguments}}}\n</tool_call>'
+
+
+def answer_text(value: int) -> str:
+    return f"<answer>{value}</answer>"
+
+
+def _evaluate(expression: str) -> int:
+    a, op, b = expression.split()
+    return {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+
+
+def _slip(value: int, rng: random.Random) -> int:
+    """A plausible mistake: a digit off, or a dropped carry."""
+    wrong = value + rng.choice([-100, -10, -1, 1, 10, 100]) * rng.randint(1, 3)
+    return wrong if wrong != value else value + 1
+
+
+def corpus(task: ArithmeticTask, n: int, seed: int) -> list[str]:
+    """Texts for training the task's tokenizer: questions, calls, results and answers."""
+    rng = random.Random(f"corpus/{seed}")
+    texts = [SYSTEM_PROMPT]
+    for s in task.samples(n, seed, "corpus"):
+        texts.append(s.messages[-1]["content"])
+        for text, outputs in task.demonstration(s, rng):
+            texts.append(text)
+            texts.extend(out for _, out in outputs)
+    return texts

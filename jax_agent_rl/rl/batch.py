@@ -1,0 +1,103 @@
+"""Trajectories -> padded arrays: the only place token lists become a learner batch.
+
+A row is ``prompt_ids + response_ids``, right-padded. Everything per token is stored at the
+position that *predicts* it: ``targets[t] = tokens[t + 1]``, and ``mask[t]`` is 1 when that
+target is a model-sampled token (the trajectory's loss mask), so the logits at ``t`` score
+``targets[t]`` with no further shifting anywhere. Nothing is re-tokenized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_agent_rl.agent.trajectory import Trajectory
+
+
+Array = Any  # np.ndarray on the host, jax.Array on the devices
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainBatch:
+    """Padded [B, T] arrays; per-token fields are aligned with ``targets`` (see module doc)."""
+
+    tokens: Array  # int32, the model's input
+    positions: Array  # int32
+    segment_ids: Array  # int32, 1 on real tokens, 0 on padding
+    targets: Array  # int32, tokens shifted left by one
+    mask: Array  # float32, 1 where the target is a sampled token
+    rollout_logp: Array  # float32, the sampler's logprob of each target
+    advantages: Array  # float32
+    old_logp: Array  # float32, learner logprobs before this update
+    ref_logp: Array  # float32, reference-model logprobs (KL term)
+    old_values: Array  # float32, critic values before the update (PPO)
+    returns: Array  # float32, value targets (PPO)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def rows(self, index: np.ndarray | slice) -> TrainBatch:
+        """A subset of rows (host arrays)."""
+        return jax.tree.map(lambda x: np.asarray(x)[index], self)
+
+
+def padded_length(n: int, bucket: int) -> int:
+    """``n`` rounded up to a multiple of ``bucket`` (fewer distinct shapes to compile)."""
+    return max(bucket, -(-n // bucket) * bucket)
+
+
+def make_batch(
+    trajectories: Sequence[Trajectory], bucket: int, rows: int | None = None
+) -> TrainBatch:
+    """Packs trajectories into a `TrainBatch` of ``rows`` rows (default: one per trajectory;
+    extra rows are all padding with mask 0, so a batch can be filled to a divisible size)."""
+    B = rows if rows is not None else len(trajectories)
+    if len(trajectories) > B:
+        raise ValueError(f"{len(trajectories)} trajectories do not fit {B} rows")
+    longest = max((len(t.prompt_ids) + len(t.response_ids) for t in trajectories), default=1)
+    T = padded_length(longest, bucket)
+    tokens = np.zeros((B, T), np.int32)
+    segment_ids = np.zeros((B, T), np.int32)
+    mask = np.zeros((B, T), np.float32)
+    rollout_logp = np.zeros((B, T), np.float32)
+    for b, traj in enumerate(trajectories):
+        seq = [*traj.prompt_ids, *traj.response_ids]
+        P, n = len(traj.prompt_ids), len(seq)
+        tokens[b, :n] = seq
+        segment_ids[b, :n] = 1
+        # response token i sits at sequence position P + i and is predicted from P + i - 1
+        mask[b, P - 1 : n - 1] = traj.loss_mask
+        rollout_logp[b, P - 1 : n - 1] = traj.rollout_logprobs
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    zeros = np.zeros((B, T), np.float32)
+    return TrainBatch(
+        tokens=tokens,
+        positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+        segment_ids=segment_ids,
+        targets=targets,
+        mask=mask,
+        rollout_logp=rollout_logp,
+        advantages=zeros.copy(),
+        old_logp=zeros.copy(),
+        ref_logp=zeros.copy(),
+        old_values=zeros.copy(),
+        returns=zeros.copy(),
+    )
+
+
+def last_token_rewards(batch: TrainBatch, rewards: np.ndarray) -> np.ndarray:
+    """[B, T] token rewards: each row's outcome reward on its last sampled token (GAE input)."""
+    mask = np.asarray(batch.mask)
+    out = np.zeros(mask.shape, np.float32)
+    for b in range(min(len(rewards), mask.shape[0])):
+        idx = np.flatnonzero(mask[b])
+        if idx.size:
+            out[b, idx[-1]] = rewards[b]
+    return out

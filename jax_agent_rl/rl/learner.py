@@ -1,0 +1,383 @@
+"""The sharded JAX learner: logprob recomputation, policy / critic / SFT updates.
+
+Master weights and AdamW state are float32; the forward and backward run in the compute dtype
+(``float32`` or ``bfloat16``: the parameters are cast inside the differentiated function, so
+gradients arrive in float32). A batch of B rows is split on the host into M micro-batches of
+``micro_batch_size`` rows, laid out ``[M, b, T]`` with ``b`` sharded over the mesh's
+(data, fsdp) axes; one jitted step scans the micro-batches, sums their gradients and applies
+one optimizer update. Every loss term is aggregated with *whole-batch* denominators (token
+and sequence counts of all M micro-batches), so the accumulated gradient equals the gradient of
+the whole batch at once.
+
+Logprobs are recomputed with `sampling_logprobs`, the function the engine samples with, under
+the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
+token (`Learner.logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_agent_rl.config import AlgorithmSection, OptimSection
+from jax_agent_rl.engine.sampling import sampling_logprobs, token_logprobs
+from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
+from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import TrainBatch
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """The distribution rollouts sample from (the learner recomputes logprobs under it)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Critic:
+    """A value model: a decoder body and a linear head on its final hidden state."""
+
+    body: Weights
+    head: jax.Array  # [D]
+    bias: jax.Array  # []
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any  # Weights (policy) or Critic, float32
+    opt_state: Any
+    step: jax.Array
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def make_optimizer(lr: float, optim: OptimSection) -> optax.GradientTransformation:
+    schedule = optax.linear_schedule(0.0, lr, max(optim.warmup_steps, 1))
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
+    )
+
+
+# ------------------------------------------------------------------------ pure functions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about a step (hashable: it keys the jit cache)."""
+
+    model: ModelConfig
+    compute_dtype: Literal["float32", "bfloat16"]
+    sampling: SamplingSpec
+    algo: AlgorithmSection
+    remat: bool
+    sharder: Sharder | None
+
+    def hidden(self, weights: Weights, mb: TrainBatch) -> tuple[jax.Array, Weights]:
+        """Final hidden states [B, T, D] and the weights cast to the compute dtype."""
+        w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
+        h = forward(
+            w, self.model, mb.tokens, mb.positions, mb.segment_ids, self.sharder, self.remat
+        )
+        return h, w
+
+
+def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
+    """Logprob of each target under the rollout's sampling distribution, and its entropy."""
+    h, w = spec.hidden(params, mb)
+    logits_btv = lm_logits(w, h)
+    B, T, V = logits_btv.shape
+    s = spec.sampling
+    full = lambda v: jnp.full((B * T,), v)  # noqa: E731
+    logp_btv = sampling_logprobs(
+        logits_btv.reshape(B * T, V), full(s.temperature), full(s.top_k), full(s.top_p)
+    ).reshape(B, T, V)
+    return token_logprobs(logp_btv, mb.targets), core.entropy_from_logprobs(logp_btv)
+
+
+def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
+    """V(prefix up to and including token t), aligned with targets: [B, T] float32."""
+    h, _ = spec.hidden(critic.body, mb)
+    return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Denominators:
+    """Whole-batch counts every micro-batch aggregates with."""
+
+    num_tokens: jax.Array
+    num_seqs: jax.Array
+    norm_const: float = dataclasses.field(metadata=dict(static=True))
+
+
+def denominators(batch: TrainBatch) -> Denominators:
+    """Counts over a [M, b, T] batch (mask-token count, sequences with any mask token)."""
+    mask = batch.mask
+    return Denominators(
+        num_tokens=jnp.maximum(mask.sum(), 1.0),
+        num_seqs=jnp.maximum(jnp.any(mask > 0, axis=-1).sum(), 1.0),
+        norm_const=float(mask.shape[-1]),
+    )
+
+
+def policy_objective(
+    spec: StepSpec, params: Weights, mb: TrainBatch, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch."""
+    a = spec.algo
+    counts: dict[str, Any] = dict(
+        num_tokens=d.num_tokens,
+        num_seqs=d.num_seqs,
+        norm_const=d.norm_const,
+    )
+    logp, entropy = token_stats(spec, params, mb)
+    is_weights = (
+        None
+        if a.tis_cap is None
+        else core.truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
+    )
+    pg_loss, m = core.policy_loss(
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        mb.mask,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        clip_c=a.clip_c,
+        is_weights_bt=is_weights,
+        agg_mode=a.loss_agg_mode,
+        **counts,
+    )
+    loss = pg_loss
+    metrics = {"pg_loss": pg_loss, **m}
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * core.aggregate_loss(
+            entropy, mb.mask, a.loss_agg_mode, **counts
+        )
+    if a.kl_coef:
+        kl = core.aggregate_loss(
+            core.kl_penalty(logp, mb.ref_logp, a.kl_kind), mb.mask, a.loss_agg_mode, **counts
+        )
+        loss = loss + a.kl_coef * kl
+        metrics["kl_loss"] = kl
+    metrics["entropy"] = core.masked_mean(entropy, mb.mask)
+    return loss, metrics
+
+
+def value_objective(
+    spec: StepSpec, critic: Critic, mb: TrainBatch, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    values = critic_values(spec, critic, mb)
+    loss, m = core.value_loss(
+        values,
+        mb.old_values,
+        mb.returns,
+        mb.mask,
+        clip_range=spec.algo.vf_clip,
+        agg_mode=spec.algo.loss_agg_mode,
+        num_tokens=d.num_tokens,
+        num_seqs=d.num_seqs,
+        norm_const=d.norm_const,
+    )
+    return loss, {"vf_loss": loss, **m}
+
+
+def sft_objective(
+    spec: StepSpec, params: Weights, mb: TrainBatch, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    """Masked cross-entropy of the sampled (model) tokens, token-mean over the whole batch."""
+    logp, _ = token_stats(spec, params, mb)
+    loss = -(logp * mb.mask).sum() / d.num_tokens
+    return loss, {"sft_loss": loss}
+
+
+Objective = Callable[[StepSpec, Any, TrainBatch, Denominators], tuple[jax.Array, Metrics]]
+
+
+def accumulated_grads(
+    objective: Objective, spec: StepSpec, params: Any, batch: TrainBatch
+) -> tuple[jax.Array, Any, Metrics]:
+    """Loss, gradient and metrics of a [M, b, T] batch, scanning its M micro-batches.
+
+    Loss terms are sums with whole-batch denominators, so they add up over micro-batches;
+    metrics (masked means within a micro-batch) are averaged weighted by mask tokens.
+    """
+    d = denominators(batch)
+    grad_fn = jax.value_and_grad(lambda p, mb: objective(spec, p, mb, d), has_aux=True)
+
+    def step(carry: tuple[jax.Array, Any, Metrics], mb: TrainBatch) -> tuple[Any, None]:
+        loss, grads, metrics = carry
+        (mb_loss, m), g = grad_fn(params, mb)
+        w = mb.mask.sum() / d.num_tokens
+        metrics = {k: metrics[k] + w * m[k] for k in metrics}
+        return (loss + mb_loss, jax.tree.map(jnp.add, grads, g), metrics), None
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    metric_shapes = jax.eval_shape(lambda: objective(spec, params, first, d)[1])
+    zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_metrics)
+    (loss, grads, metrics), _ = jax.lax.scan(step, init, batch)
+    return loss, grads, metrics
+
+
+def apply_update(
+    objective: Objective,
+    spec: StepSpec,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    batch: TrainBatch,
+) -> tuple[TrainState, Metrics]:
+    loss, grads, metrics = accumulated_grads(objective, spec, state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+
+# ------------------------------------------------------------------------------ the class
+
+
+class Learner:
+    """Owns the policy (and critic) train states on a mesh and the jitted steps over them."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        params: Weights,
+        *,
+        algo: AlgorithmSection,
+        optim: OptimSection,
+        sampling: SamplingSpec,
+        compute_dtype: Literal["float32", "bfloat16"] = "float32",
+        micro_batch_size: int = 8,
+        remat: bool = False,
+        sharder: Sharder | None = None,
+        critic: Critic | None = None,
+        lr: float | None = None,
+    ) -> None:
+        self.model = dataclasses.replace(model, dtype="float32")
+        self.sharder = sharder
+        self.micro_batch_size = micro_batch_size
+        self.spec = StepSpec(self.model, compute_dtype, sampling, algo, remat, sharder)
+        self.tx = make_optimizer(optim.lr if lr is None else lr, optim)
+        self.critic_tx = make_optimizer(optim.critic_lr, optim)
+        self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
+        self.state = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
+        self.critic_state = (
+            None
+            if critic is None
+            else self._init_state(
+                self.critic_tx, self._place_critic(cast_floats(critic, jnp.float32))
+            )
+        )
+        self._batch_sharding = (
+            None
+            if sharder is None
+            else NamedSharding(sharder.mesh, PartitionSpec(None, sharder.rules.batch, None))
+        )
+        # lax.map: one micro-batch's logits live at a time
+        self._logprobs = jax.jit(
+            lambda p, batch: jax.lax.map(lambda mb: token_stats(self.spec, p, mb)[0], batch)
+        )
+        self._values = jax.jit(
+            lambda c, batch: jax.lax.map(lambda mb: critic_values(self.spec, c, mb), batch)
+        )
+        self._policy_step = self._jit_update(policy_objective, self.tx)
+        self._critic_step = self._jit_update(value_objective, self.critic_tx)
+        self._sft_step = self._jit_update(sft_objective, self.tx)
+
+    # --- placement
+
+    def _place(self, weights: Weights) -> Weights:
+        if self._param_shardings is None:
+            return weights
+        return jax.device_put(weights, self._param_shardings)
+
+    def _place_critic(self, critic: Critic) -> Critic:
+        return Critic(self._place(critic.body), critic.head, critic.bias)
+
+    def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
+        return TrainState(params, jax.jit(tx.init)(params), jnp.zeros((), jnp.int32))
+
+    def _jit_update(
+        self, objective: Objective, tx: optax.GradientTransformation
+    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
+        return jax.jit(
+            lambda state, batch: apply_update(objective, self.spec, tx, state, batch),
+            donate_argnums=0,
+        )
+
+    def device_batch(self, batch: TrainBatch) -> TrainBatch:
+        """Host [B, T] rows -> device [M, b, T] micro-batches (b sharded over data x fsdp)."""
+        B = batch.shape[0]
+        b = self.micro_batch_size
+        if B % b:
+            raise ValueError(f"batch of {B} rows is not a multiple of micro_batch_size={b}")
+        split = jax.tree.map(lambda x: np.asarray(x).reshape(B // b, b, *x.shape[1:]), batch)
+        if self._batch_sharding is None:
+            return jax.device_put(split)
+        return jax.device_put(split, self._batch_sharding)
+
+    # --- public steps
+
+    @property
+    def params(self) -> Weights:
+        return self.state.params
+
+    def rollout_params(self, dtype: str) -> Weights:
+        """The policy in the rollout backend's dtype (what `update_weights` receives)."""
+        return cast_floats(self.state.params, jnp.dtype(dtype))
+
+    def logprobs(self, batch: TrainBatch, params: Weights | None = None) -> np.ndarray:
+        """[B, T] logprobs of every target under ``params`` (default: the current policy)."""
+        out = self._logprobs(
+            self.state.params if params is None else params, self.device_batch(batch)
+        )
+        return np.asarray(out).reshape(batch.shape)
+
+    def values(self, batch: TrainBatch) -> np.ndarray:
+        assert self.critic_state is not None, "this learner has no critic"
+        out = self._values(self.critic_state.params, self.device_batch(batch))
+        return np.asarray(out).reshape(batch.shape)
+
+    def update_policy(self, batch: TrainBatch) -> dict[str, float]:
+        self.state, metrics = self._policy_step(self.state, self.device_batch(batch))
+        return {k: float(v) for k, v in metrics.items()}
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        assert self.critic_state is not None, "this learner has no critic"
+        self.critic_state, metrics = self._critic_step(self.critic_state, self.device_batch(batch))
+        return {f"critic/{k}": float(v) for k, v in metrics.items()}
+
+    def update_sft(self, batch: TrainBatch) -> dict[str, float]:
+        self.state, metrics = self._sft_step(self.state, self.device_batch(batch))
+        return {k: float(v) for k, v in metrics.items()}
+
+
+def critic_from_policy(params: Weights) -> Critic:
+    """A critic initialised from the policy's body with a zero head (verl's default)."""
+    D = params.final_norm.shape[0]
+    return Critic(
+        body=jax.tree.map(jnp.copy, params),
+        head=jnp.zeros((D,), jnp.float32),
+        bias=jnp.zeros((), jnp.float32),
+    )

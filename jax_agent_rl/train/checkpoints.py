@@ -1,0 +1,46 @@
+"""Orbax checkpoints of a run: policy (and critic) train states plus JSON metadata.
+
+A checkpoint is written asynchronously (training goes on while it is written) into a
+temporary folder that orbax renames only once every file is on disk, so a run killed at any
+moment leaves either a complete checkpoint or none; `latest_step` only sees complete ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+
+class RunCheckpoints:
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.manager = ocp.CheckpointManager(
+            directory.absolute(),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=True, create=True
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, states: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Starts writing; returns as soon as the arrays are copied off the devices."""
+        args = {name: ocp.args.StandardSave(state) for name, state in states.items()}
+        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
+
+    def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """States shaped and sharded like ``targets`` (abstract or concrete), and the metadata."""
+        args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
+        out = self.manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args)
+        )
+        return {name: out[name] for name in targets}, dict(out["meta"])
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,102 @@
+"""Run metrics: one JSON line per record in ``metrics.jsonl``, the same scalars in TensorBoard,
+and PNG plots of reward and throughput drawn from the JSONL at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends ``{"step": s, "phase": p, **scalars}`` records; TensorBoard tags are
+    ``phase/name``. Appending (not truncating) keeps the history of a resumed run."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, phase: str, scalars: Mapping[str, float]) -> None:
+        clean = {k: float(v) for k, v in scalars.items() if math.isfinite(float(v))}
+        self._file.write(json.dumps({"step": step, "phase": phase, **clean}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(f"{phase}/{k}", v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path, phase: str | None = None) -> list[dict[str, Any]]:
+    """Records of ``metrics.jsonl`` (of one phase); for a step logged twice (a resumed run
+    redoing it), the last record wins."""
+    by_key: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if phase is None or r["phase"] == phase:
+                by_key[(r["phase"], r["step"])] = r
+    return sorted(by_key.values(), key=lambda r: (r["phase"], r["step"]))
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """``reward.png`` (train reward and held-out success per step) and ``throughput.png``
+    (tokens/s and the step-time breakdown)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = read_metrics(run_dir / "metrics.jsonl", "train")
+    val = read_metrics(run_dir / "metrics.jsonl", "val")
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward")
+        ax.plot([r["step"] for r in train], [r["success"] for r in train], label="train success")
+    if val:
+        ax.plot(
+            [r["step"] for r in val], [r["success"] for r in val], "o-", label="held-out success"
+        )
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("reward")
+    fig.tight_layout()
+    written.append(run_dir / "reward.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    if train:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        steps = [r["step"] for r in train]
+        a1.plot(steps, [r.get("time/rollout_tokens_per_s", 0) for r in train], label="rollout")
+        a1.plot(steps, [r.get("time/train_tokens_per_s", 0) for r in train], label="train")
+        a1.set_title("tokens / s")
+        a1.set_xlabel("RL step")
+        a1.legend()
+        bottom = [0.0] * len(train)
+        for part in ("rollout_s", "train_s", "weight_push_s"):
+            values = [r.get(f"time/{part}", 0.0) for r in train]
+            a2.bar(steps, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        a2.set_title("step time (s)")
+        a2.set_xlabel("RL step")
+        a2.legend()
+        fig.tight_layout()
+        written.append(run_dir / "throughput.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

@@ -1,0 +1,86 @@
+"""Supervised warm start: masked cross-entropy on demonstration conversations.
+
+A demonstration file is JSONL, one conversation per line: ``{"messages": [...]}`` with the
+prompt (system/user), then assistant turns, each followed by the tool messages that answered
+it. Each conversation becomes the exact token sequence a rollout would produce if the model
+wrote those assistant turns (`demonstration_trajectory`), so SFT trains the very tokens that
+RL later samples and scores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jax_agent_rl.agent.loop import demonstration_trajectory
+from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.rl.batch import make_batch
+from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.tokenization.turns import TurnBuilder
+
+Turns = list[tuple[str, list[tuple[str, str]]]]
+
+
+def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], Turns]:
+    """(prompt messages, [(assistant text, [(tool name, tool output), ...]), ...])."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a demonstration needs at least one assistant message")
+    turns: Turns = []
+    for m in messages[first:]:
+        if m["role"] == "assistant":
+            turns.append((m["content"], []))
+        elif m["role"] == "tool" and turns:
+            turns[-1][1].append((m.get("name", ""), m["content"]))
+        else:
+            raise ValueError(f"unexpected {m['role']!r} message after the first assistant turn")
+    return [dict(m) for m in messages[:first]], turns
+
+
+def load_demonstrations(path: str | Path, builder: TurnBuilder) -> list[Trajectory]:
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            prompt, turns = split_conversation(json.loads(line)["messages"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: line {i + 1}: not a demonstration ({e})") from None
+        out.append(
+            demonstration_trajectory(Sample(uid=f"demo-{i}", messages=prompt), builder, turns)
+        )
+    return out
+
+
+def write_demonstrations(
+    path: str | Path, conversations: Sequence[Sequence[dict[str, Any]]]
+) -> None:
+    with Path(path).open("w") as f:
+        for messages in conversations:
+            f.write(json.dumps({"messages": list(messages)}) + "\n")
+
+
+def run_sft(
+    learner: Learner,
+    demos: Sequence[Trajectory],
+    *,
+    steps: int,
+    batch_size: int,
+    bucket: int,
+    seed: int,
+    on_step: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+) -> None:
+    """``steps`` updates on batches drawn by epochs (a fresh shuffle each epoch)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    for step in range(steps):
+        while len(order) < batch_size:
+            perm = list(range(len(demos)))
+            rng.shuffle(perm)
+            order += perm
+        chosen, order = order[:batch_size], order[batch_size:]
+        metrics = learner.update_sft(make_batch([demos[i] for i in chosen], bucket))
+        on_step(step, metrics)

@@ -1,0 +1,237 @@
+"""Rollout traces a person can read: one JSON line per trajectory, rendered in the terminal.
+
+A record holds the token ids, the loss mask and the sampler's logprobs of a `Trajectory`, and
+also their text (``prompt_text``, and ``response_pieces``: one string per response token), so
+that rendering needs no tokenizer. Traces of a run go to ``<run_dir>/traces.jsonl``.
+
+Rendering colours the response by who wrote it: tokens the model sampled (loss mask 1, the ones
+trained on) and tokens it was given (mask 0: tool results, chat-template scaffolding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.tokenization import Tokenizer
+
+TRACES_FILE = "traces.jsonl"
+
+PROMPT_STYLE = "dim"
+MODEL_STYLE = "bold green"
+GIVEN_STYLE = "cyan"
+# Model tokens by the probability the sampler gave them (with show_logprobs): (min p, style).
+PROB_STYLES = (
+    (0.9, "bold green"),
+    (0.5, "bold yellow"),
+    (0.1, "bold dark_orange"),
+    (0.0, "bold red"),
+)
+_MAX_PENDING = 8  # tokens held back while they end inside a multi-byte character
+
+
+def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
+    """A JSON-serialisable record of ``traj`` taken at training step ``step``."""
+    return {
+        "step": int(step),
+        "uid": traj.uid,
+        "group_id": traj.group_id,
+        "reward": float(traj.reward),
+        "stop_reason": traj.stop_reason,
+        "num_turns": int(traj.num_turns),
+        "tool_calls": int(traj.tool_calls),
+        "malformed_calls": int(traj.malformed_calls),
+        "weight_versions": [int(v) for v in traj.weight_versions],
+        "messages": [dict(m) for m in traj.messages],
+        "prompt_ids": [int(t) for t in traj.prompt_ids],
+        "response_ids": [int(t) for t in traj.response_ids],
+        "loss_mask": [int(m) for m in traj.loss_mask],
+        "rollout_logprobs": [float(lp) for lp in traj.rollout_logprobs],
+        "prompt_text": tokenizer.decode(traj.prompt_ids),
+        "response_pieces": token_pieces(tokenizer, traj.response_ids, traj.loss_mask),
+    }
+
+
+def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:
+    """The text of each token: ``tokenizer.decode([id])``, except across split characters.
+
+    A byte-level token may end inside a multi-byte UTF-8 character (decoding alone to U+FFFD);
+    such a token gets "" and the whole character goes to the token that completes it, so the
+    pieces of a run of equal mask join to exactly the decoded text of that run.
+    """
+    pieces: list[str] = []
+    pending: list[int] = []
+    for i, token in enumerate(ids):
+        pending.append(token)
+        text = tokenizer.decode(pending)
+        run_ends = i + 1 == len(ids) or mask[i + 1] != mask[i]
+        if text.endswith("\ufffd") and not run_ends and len(pending) < _MAX_PENDING:
+            pieces.append("")
+            continue
+        pieces.append(text)
+        pending = []
+    return pieces
+
+
+def append_traces(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Appends ``records`` to the JSONL file ``path``; they are on disk when this returns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+def read_traces(path: Path, step: int | None = None) -> list[dict[str, Any]]:
+    """The records of ``path`` in file order, only those of ``step`` when given."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no traces file {path}")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {line_number} is not valid JSON: {e}") from e
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError(f"{path}: line {line_number} is not a trace record")
+            if step is None or record["step"] == step:
+                records.append(record)
+    return records
+
+
+def header_text(record: dict[str, Any]) -> Text:
+    """One line: step, uid, reward, stop reason, turns, tool calls (and weight versions)."""
+    parts = [
+        f"step {record['step']}",
+        f"uid {record['uid']}",
+        f"reward {record['reward']:.4g}",
+        f"stop {record['stop_reason']}",
+        f"turns {record['num_turns']}",
+        f"tool calls {record['tool_calls']} ({record['malformed_calls']} malformed)",
+    ]
+    versions = record["weight_versions"]
+    if versions:
+        low, high = min(versions), max(versions)
+        parts.append(f"weights v{low}" if low == high else f"weights v{low}-v{high}")
+    return Text(" | ".join(parts), style="bold")
+
+
+def response_text(record: dict[str, Any], show_logprobs: bool = False) -> Text:
+    """The response, model tokens in `MODEL_STYLE` and given ones in `GIVEN_STYLE`.
+
+    With ``show_logprobs`` each model token is coloured by its sampling probability instead
+    (see `PROB_STYLES`).
+    """
+    text = Text()
+    pieces, mask = record["response_pieces"], record["loss_mask"]
+    logprobs = record["rollout_logprobs"]
+    start = 0
+    while start < len(pieces):
+        end = start
+        while end < len(pieces) and mask[end] == mask[start]:
+            end += 1
+        if not mask[start]:
+            text.append("".join(pieces[start:end]), style=GIVEN_STYLE)
+        elif show_logprobs:
+            for piece, logprob in zip(pieces[start:end], logprobs[start:end], strict=True):
+                text.append(piece, style=probability_style(logprob))
+        else:
+            text.append("".join(pieces[start:end]), style=MODEL_STYLE)
+        start = end
+    return text
+
+
+def probability_style(logprob: float) -> str:
+    p = math.exp(logprob)
+    return next(style for low, style in PROB_STYLES if p >= low)
+
+
+def legend_text(show_logprobs: bool) -> Text:
+    legend = Text()
+    if show_logprobs:
+        legend.append("model tokens")
+        for low, style in PROB_STYLES:
+            legend.append(" ")
+            legend.append(f"p>={low:g}" if low > 0 else f"p<{PROB_STYLES[-2][0]:g}", style=style)
+    else:
+        legend.append("model tokens (mask 1)", style=MODEL_STYLE)
+    legend.append(" | ")
+    legend.append("tool results, template (mask 0)", style=GIVEN_STYLE)
+    legend.append(" | ")
+    legend.append("prompt", style=PROMPT_STYLE)
+    return legend
+
+
+def render_trace(record: dict[str, Any], console: Console, show_logprobs: bool = False) -> None:
+    """Prints the header, the prompt (dimmed), the coloured response and a legend."""
+    console.rule()
+    console.print(header_text(record))
+    body = Text()
+    body.append(record["prompt_text"], style=PROMPT_STYLE)
+    body.append_text(response_text(record, show_logprobs))
+    console.print(body)
+    console.print(legend_text(show_logprobs))
+
+
+def render_run(
+    run_dir: Path,
+    console: Console,
+    step: int | None = None,
+    limit: int = 4,
+    show_logprobs: bool = False,
+) -> int:
+    """Renders up to ``limit`` traces of ``step`` (default: the last step traced) of a run.
+
+    Returns how many were rendered (0 when nothing is traced yet); a step that was not traced
+    is a ValueError naming the steps that were.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    path = run_dir / TRACES_FILE
+    records = read_traces(path)
+    if not records:
+        return 0
+    steps = sorted({r["step"] for r in records})
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise ValueError(
+            f"{path} has no traces of step {step}; traced steps: {steps[0]} to {steps[-1]} "
+            f"({len(steps)} in all)"
+        )
+    selected = [r for r in records if r["step"] == chosen][:limit]
+    for record in selected:
+        render_trace(record, console, show_logprobs)
+    return len(selected)
+
+
+def traces_command(run_dir: str, step: int | None, limit: int, show_logprobs: bool) -> int:
+    """``jarl traces``: renders a run's traces; 2 (with a message) when there are none to read."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        return _error(f"no run folder {folder}")
+    if not (folder / TRACES_FILE).is_file():
+        return _error(f"no {TRACES_FILE} in {folder}")
+    console = Console()
+    try:
+        rendered = render_run(folder, console, step, limit, show_logprobs)
+    except ValueError as e:
+        return _error(str(e))
+    if rendered == 0:
+        console.print(Text(f"{folder / TRACES_FILE} holds no traces yet"), soft_wrap=True)
+    return 0
+
+
+def _error(message: str) -> int:
+    """Prints ``message`` to stderr, unwrapped (paths stay whole); the exit status 2."""
+    Console(stderr=True).print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+    return 2

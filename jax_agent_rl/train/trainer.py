@@ -1,0 +1,467 @@
+"""The trainer: roll out groups, score, compute advantages, update, push weights, repeat.
+
+One step (`Trainer._step`):
+
+1. draw ``data.prompts_per_step`` prompts, roll each out ``rollout.n`` times through the agent
+   loop on the backend (all episodes concurrently; the backend batches them);
+2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
+   dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
+3. pack the trainable trajectories (not those cut short by a dead tool service or an abort)
+   into a batch; recompute old-policy logprobs (and reference / critic values if used);
+4. advantages: GRPO (group-normalised outcome) or GAE (critic);
+5. ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
+6. push the new weights to the backend as version ``step + 1``.
+
+Every step logs metrics (JSONL + TensorBoard) and a few traces; every ``eval_every`` steps
+the held-out prompts are solved greedily; every ``save_every`` steps an orbax checkpoint of
+both train states, the step, the prompt sampler's position and the seed is written. A rerun
+with the same run folder resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
+from jax_agent_rl.config import JarlConfig, to_yaml
+from jax_agent_rl.data.datasets import PromptSampler, load_samples
+from jax_agent_rl.models import Sharder, load_hf, make_mesh
+from jax_agent_rl.rewards import get_reward
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
+from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
+from jax_agent_rl.rollout.factory import make_backend
+from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.train.checkpoints import RunCheckpoints
+from jax_agent_rl.train.metrics import MetricsLog, plot_run
+from jax_agent_rl.train.sft import load_demonstrations, run_sft
+from jax_agent_rl.train.traces import append_traces, trace_record
+
+
+def final_answer_text(traj: Trajectory) -> str:
+    """The last assistant message (what the reward reads)."""
+    return next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
+
+
+def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Outcome and behaviour statistics of a set of episodes."""
+    n = max(len(trajs), 1)
+    calls = sum(t.tool_calls for t in trajs)
+    stops: Counter[str] = Counter(t.stop_reason for t in trajs)
+    lengths = [len(t.response_ids) for t in trajs] or [0]
+    out = {
+        "reward": sum(t.reward for t in trajs) / n,
+        "success": sum(t.reward > 0 for t in trajs) / n,
+        "turns": sum(t.num_turns for t in trajs) / n,
+        "tool_calls": calls / n,
+        "malformed_call_rate": sum(t.malformed_calls for t in trajs) / max(calls, 1),
+        "tool_error_rate": sum(t.tool_errors for t in trajs) / max(calls, 1),
+        "response_len/mean": float(np.mean(lengths)),
+        "response_len/max": float(np.max(lengths)),
+        "model_tokens/mean": sum(t.num_model_tokens for t in trajs) / n,
+        "untrainable": sum(not t.trainable for t in trajs) / n,
+    }
+    out.update({f"stop/{r}": stops.get(r, 0) / n for r in STOP_REASONS})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def logprob_gap(batch: TrainBatch) -> dict[str, float]:
+    """Sampler-vs-learner logprob difference on sampled tokens (before the update)."""
+    mask = np.asarray(batch.mask) > 0
+    if not mask.any():
+        return {}
+    diff = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[mask]
+    return {"logprob_gap/mean": float(diff.mean()), "logprob_gap/max": float(diff.max())}
+
+
+def _mean_metrics(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+
+
+class Trainer:
+    """Runs the configured job in ``cfg.trainer.run_dir`` (see the module docstring)."""
+
+    def __init__(self, cfg: JarlConfig, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console()
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.reward_fn = get_reward(cfg.data.reward)
+
+    # ------------------------------------------------------------------------- building
+
+    def _load(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        self.sharder = Sharder(mesh)
+        self.model, params = load_hf(cfg.model.path, "float32", self.sharder)
+        self.train_samples = load_samples(cfg.data.train)
+        self.val_samples = (
+            load_samples(cfg.data.val, limit=cfg.data.val_size or None) if cfg.data.val else []
+        )
+        self.sampler = PromptSampler(self.train_samples, cfg.trainer.seed)
+        self.registry = ToolRegistry.from_yaml(cfg.tools.config)
+        self.checkpoints = RunCheckpoints(
+            self.run_dir / "checkpoints", cfg.trainer.keep_checkpoints
+        )
+        self.metrics = MetricsLog(self.run_dir, cfg.trainer.tensorboard)
+        self.initial_params = params
+
+    def _learner(self, params: Any, lr: float | None = None, warmup: int | None = None) -> Learner:
+        cfg = self.cfg
+        optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
+        r = cfg.rollout
+        return Learner(
+            self.model,
+            params,
+            algo=cfg.algorithm,
+            optim=optim,
+            sampling=SamplingSpec(r.temperature, r.top_k, r.top_p),
+            compute_dtype=cfg.model.dtype,
+            micro_batch_size=cfg.learner.micro_batch_size,
+            remat=cfg.learner.remat,
+            sharder=self.sharder,
+            critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
+            lr=lr,
+        )
+
+    def _tools(self) -> ToolExecutor:
+        if self.cfg.tools.server_url:
+            from jax_agent_rl.tools.server import HttpTools
+
+            return HttpTools(self.cfg.tools.server_url, timeout_s=self.cfg.tools.timeout_s)
+        return LocalTools(self.registry, timeout_s=self.cfg.tools.timeout_s)
+
+    def _agent_config(self, greedy: bool) -> AgentConfig:
+        a, r = self.cfg.agent, self.cfg.rollout
+        return AgentConfig(
+            max_turns=a.max_turns,
+            max_tokens_per_turn=a.max_tokens_per_turn,
+            max_response_tokens=a.max_response_tokens,
+            max_tool_response_tokens=a.max_tool_response_tokens,
+            max_model_len=r.max_model_len,
+            temperature=0.0 if greedy else r.temperature,
+            top_p=1.0 if greedy else r.top_p,
+            top_k=-1 if greedy else r.top_k,
+            parser=a.parser,
+        )
+
+    # ------------------------------------------------------------------------- the run
+
+    def run(self) -> Path:
+        """Trains to ``trainer.steps`` (resuming if a checkpoint exists); returns the run dir."""
+        self._load()
+        try:
+            asyncio.run(self._run())
+        finally:
+            self.checkpoints.close()
+            self.metrics.close()
+        plot_run(self.run_dir)
+        return self.run_dir
+
+    async def _run(self) -> None:
+        cfg = self.cfg
+        latest = self.checkpoints.latest_step() if cfg.trainer.resume else None
+        params = self.initial_params
+        if latest is None and cfg.sft.data and cfg.sft.steps > 0:
+            params = self._sft(params)
+        self.learner = self._learner(params)
+        self.reference = params if cfg.algorithm.kl_coef else None
+        start = 0
+        if latest is not None:
+            start = self._restore(latest)
+            self.console.print(f"resumed from the checkpoint of step {start}")
+        else:
+            self._save(0)
+        backend = make_backend(
+            cfg.rollout,
+            self.model,
+            self.learner.rollout_params(cfg.model.dtype),
+            checkpoint=cfg.model.path,
+            dtype=cfg.model.dtype,
+            version=start,
+            seed=cfg.trainer.seed,
+        )
+        tools = self._tools()
+        parser = make_parser(cfg.agent.parser)
+        try:
+            self.ctx = await AgentContext.create(
+                backend, self.tokenizer, tools, parser, self._agent_config(False)
+            )
+            self.eval_ctx = dataclasses.replace(self.ctx, config=self._agent_config(True))
+            if start == 0 and self.val_samples:
+                await self._evaluate(0)
+            with self._progress() as (progress, task):
+                progress.update(task, completed=start)
+                for step in range(start, cfg.trainer.steps):
+                    m = await self._step(step, backend)
+                    done = step + 1
+                    last = done == cfg.trainer.steps
+                    if self.val_samples and (
+                        last or (cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0)
+                    ):
+                        m.update(await self._evaluate(done))
+                    if last or done % cfg.trainer.save_every == 0:
+                        self._save(done)
+                    progress.update(task, completed=done, status=self._status(m))
+        finally:
+            await backend.close()
+            if hasattr(tools, "close"):
+                await tools.close()
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[tuple[Progress, Any]]:
+        progress = Progress(
+            TextColumn("[bold]RL"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+        )
+        with progress:
+            yield progress, progress.add_task("rl", total=self.cfg.trainer.steps, status="")
+
+    @staticmethod
+    def _status(m: dict[str, float]) -> str:
+        s = f"reward {m['reward']:.2f}  success {m['success']:.2f}"
+        if "val/success" in m:
+            s += f"  held-out {m['val/success']:.2f}"
+        return s
+
+    # ------------------------------------------------------------------------- SFT
+
+    def _sft(self, params: Any) -> Any:
+        cfg = self.cfg
+        builder = TurnBuilder(self.tokenizer, self.registry.schemas() or None)
+        demos = load_demonstrations(cfg.sft.data, builder)
+        learner = self._learner(params, lr=cfg.sft.lr, warmup=cfg.sft.warmup_steps)
+        self.console.print(f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations")
+        with Progress(
+            TextColumn("[bold]SFT"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+        ) as progress:
+            task = progress.add_task("sft", total=cfg.sft.steps, status="")
+
+            def on_step(step: int, metrics: dict[str, float]) -> None:
+                self.metrics.write(step + 1, "sft", metrics)
+                status = f"loss {metrics['sft_loss']:.3f}"
+                progress.update(task, completed=step + 1, status=status)
+
+            run_sft(
+                learner,
+                demos,
+                steps=cfg.sft.steps,
+                batch_size=cfg.sft.batch_size,
+                bucket=cfg.learner.seq_bucket,
+                seed=cfg.trainer.seed,
+                on_step=on_step,
+            )
+        return learner.params
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def _states(self) -> dict[str, Any]:
+        states = {"policy": self.learner.state}
+        if self.learner.critic_state is not None:
+            states["critic"] = self.learner.critic_state
+        return states
+
+    def _save(self, step: int) -> None:
+        meta = {"step": step, "sampler": self.sampler.state(), "seed": self.cfg.trainer.seed}
+        self.checkpoints.save(step, self._states(), meta)
+
+    def _restore(self, step: int) -> int:
+        states, meta = self.checkpoints.restore(step, self._states())
+        self.learner.state = states["policy"]
+        if "critic" in states:
+            self.learner.critic_state = states["critic"]
+        self.sampler.restore(meta["sampler"])
+        return int(meta["step"])
+
+    # ------------------------------------------------------------------------- one step
+
+    def _seed(self, *parts: object) -> int:
+        return zlib.crc32("/".join(map(str, (self.cfg.trainer.seed, *parts))).encode())
+
+    async def _rollout(
+        self, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str
+    ) -> list[Trajectory]:
+        episodes = [
+            dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
+            for s in samples
+            for i in range(n)
+        ]
+        ctx = dataclasses.replace(ctx, seed=self._seed(tag))
+        trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
+        for traj, e in zip(trajs, episodes, strict=True):
+            traj.reward = self.reward_fn(final_answer_text(traj), e.ground_truth)
+        return trajs
+
+    def _shaped_rewards(self, trajs: Sequence[Trajectory]) -> np.ndarray:
+        rewards = np.array([t.reward for t in trajs], np.float32)
+        a = self.cfg.algorithm
+        if a.overlong_buffer:
+            lengths = np.array([len(t.response_ids) for t in trajs])
+            rewards = rewards + np.asarray(
+                core.overlong_penalty(
+                    lengths,
+                    self.cfg.agent.max_response_tokens,
+                    a.overlong_buffer,
+                    a.overlong_penalty,
+                )
+            )
+        return rewards
+
+    async def _collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Groups for one step; with dynamic sampling, only groups with a reward signal."""
+        cfg = self.cfg
+        want = cfg.data.prompts_per_step
+        kept: list[list[Trajectory]] = []
+        seen: list[Trajectory] = []
+        for attempt in range(
+            cfg.algorithm.max_refills + 1 if cfg.algorithm.dynamic_sampling else 1
+        ):
+            samples = self.sampler.next_batch(want - len(kept))
+            trajs = await self._rollout(samples, cfg.rollout.n, self.ctx, f"s{step}a{attempt}")
+            seen += trajs
+            groups = [trajs[i : i + cfg.rollout.n] for i in range(0, len(trajs), cfg.rollout.n)]
+            if cfg.algorithm.dynamic_sampling:
+                groups = [g for g in groups if len({t.reward for t in g if t.trainable}) > 1]
+            kept += groups
+            if len(kept) >= want:
+                break
+        stats = episode_metrics(seen)
+        stats["groups_kept"] = len(kept)
+        return [t for g in kept for t in g], stats
+
+    def _advantages(self, batch: TrainBatch, trajs: Sequence[Trajectory]) -> None:
+        """Fills ``batch.advantages`` (and returns/values for GAE) in place."""
+        cfg = self.cfg.algorithm
+        rewards = self._shaped_rewards(trajs)
+        B = batch.shape[0]
+        mask = np.asarray(batch.mask)
+        if cfg.adv_estimator == "grpo":
+            names = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
+            gids = np.full(B, len(names), np.int32)  # padding rows: a group of their own
+            gids[: len(trajs)] = [names[t.group_id] for t in trajs]
+            padded = np.zeros(B, np.float32)
+            padded[: len(trajs)] = rewards
+            adv_n = np.asarray(
+                core.grpo_advantages(padded, gids, len(names) + 1, cfg.norm_adv_by_std)
+            )
+            batch.advantages = (adv_n[:, None] * mask).astype(np.float32)
+            return
+        values = self.learner.values(batch) * mask
+        padded = np.zeros(B, np.float32)
+        padded[: len(trajs)] = rewards
+        token_rewards = last_token_rewards(batch, padded)
+        adv, returns = core.gae_advantages(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        batch.advantages = np.asarray(core.masked_whiten(adv, mask) * mask, np.float32)
+        batch.returns = np.asarray(returns, np.float32)
+        batch.old_values = values.astype(np.float32)
+
+    def _rows(self, n: int) -> int:
+        """Rows for ``n`` trajectories: every mini-batch a whole number of micro-batches."""
+        unit = self.cfg.learner.micro_batch_size * self.cfg.algorithm.mini_batches
+        return max(unit, math.ceil(n / unit) * unit)
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
+        a = self.cfg.algorithm
+        B = batch.shape[0]
+        size = B // a.mini_batches
+        records = []
+        for _ in range(a.ppo_epochs):
+            for i in range(a.mini_batches):
+                mini = batch.rows(slice(i * size, (i + 1) * size))
+                m = self.learner.update_policy(mini)
+                if self.learner.critic_state is not None:
+                    m.update(self.learner.update_critic(mini))
+                records.append(m)
+        return _mean_metrics(records)
+
+    async def _step(self, step: int, backend: RolloutBackend) -> dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        trajs, m = await self._collect(step)
+        t_rollout = time.perf_counter() - t0
+        trainable = [t for t in trajs if t.trainable]
+        batch = make_batch(trainable, cfg.learner.seq_bucket, rows=self._rows(len(trainable)))
+        t1 = time.perf_counter()
+        batch.old_logp = self.learner.logprobs(batch) * np.asarray(batch.mask)
+        if self.reference is not None:
+            batch.ref_logp = self.learner.logprobs(batch, params=self.reference)
+        self._advantages(batch, trainable)
+        m.update(logprob_gap(batch))
+        m.update(self._update(batch) if trainable else {})
+        jax.block_until_ready(self.learner.params)
+        t_train = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        await backend.update_weights(self.learner.rollout_params(cfg.model.dtype), step + 1)
+        t_push = time.perf_counter() - t2
+        model_tokens = sum(t.num_model_tokens for t in trajs)
+        train_tokens = int(np.asarray(batch.segment_ids).sum())
+        m.update(
+            {
+                "time/rollout_s": t_rollout,
+                "time/tools_cumulative_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
+                "time/train_s": t_train,
+                "time/weight_push_s": t_push,
+                "time/step_s": time.perf_counter() - t0,
+                "time/rollout_tokens_per_s": model_tokens / max(t_rollout, 1e-9),
+                "time/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+                "batch/trajectories": len(trainable),
+            }
+        )
+        self.metrics.write(step + 1, "train", m)
+        picks = trajs[:: max(1, len(trajs) // max(cfg.trainer.traces_per_step, 1))]
+        append_traces(
+            self.run_dir / "traces.jsonl",
+            (
+                trace_record(t, self.tokenizer, step + 1)
+                for t in picks[: cfg.trainer.traces_per_step]
+            ),
+        )
+        return m
+
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        """Greedy episodes on the held-out prompts (one each)."""
+        trajs = await self._rollout(self.val_samples, 1, self.eval_ctx, f"val{step}")
+        m = episode_metrics(trajs)
+        self.metrics.write(step, "val", m)
+        self.console.print(
+            f"held-out @ step {step}: success {m['success']:.3f}  "
+            f"tool calls {m['tool_calls']:.2f}  turns {m['turns']:.2f}"
+        )
+        return {f"val/{k}": v for k, v in m.items()}
+
+
+def train(cfg: JarlConfig, console: Console | None = None) -> Path:
+    """Runs (or resumes) the job ``cfg`` describes; returns its run folder."""
+    return Trainer(cfg, console).run()

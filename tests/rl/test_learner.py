@@ -1,0 +1,206 @@
+"""The learner: sharded equals unsharded, micro-batches equal the whole batch, learner logprobs
+equal the sampler's, and each update kind moves the parameters the way its loss says."""
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import AlgorithmSection, OptimSection
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
+from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.rl.batch import TrainBatch, make_batch
+from jax_agent_rl.rl.learner import (
+    Learner,
+    SamplingSpec,
+    StepSpec,
+    accumulated_grads,
+    critic_from_policy,
+    policy_objective,
+    value_objective,
+)
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+
+CFG = ModelConfig.from_hf(TINY["qwen2"])
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def random_batch(B: int = 8, T: int = 24, seed: int = 0) -> TrainBatch:
+    """Trajectories of random tokens with a model/tool mask pattern, plus random RL fields."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for b in range(B):
+        traj = Trajectory(
+            uid=str(b), group_id=str(b // 4), prompt_ids=list(rng.integers(0, 256, 5))
+        )
+        n = int(rng.integers(6, T - 6))
+        for i in range(0, n, 4):
+            model = (i // 4) % 2 == 0
+            ids = list(rng.integers(0, 256, 4))
+            traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
+        trajs.append(traj)
+    batch = make_batch(trajs, bucket=8)
+    mask = np.asarray(batch.mask)
+    shape = mask.shape
+    batch.advantages = (rng.normal(size=(B, 1)) * mask).astype(np.float32)
+    batch.old_logp = (rng.normal(-2, 0.3, shape) * mask).astype(np.float32)
+    batch.ref_logp = (rng.normal(-2, 0.3, shape) * mask).astype(np.float32)
+    batch.old_values = rng.normal(size=shape).astype(np.float32)
+    batch.returns = rng.normal(size=shape).astype(np.float32)
+    return batch
+
+
+def assert_close_normwise(actual: object, desired: object, tol: float = 1e-5) -> None:
+    """Every leaf within ``tol`` of the reference, relative to the leaf's norm.
+
+    Sharding or micro-batching changes only the order of fp32 sums. Each gradient entry is a
+    sum of many terms of either sign, so its rounding error scales with the terms (the
+    tensor's scale), not with the entry, which may nearly cancel: a normwise bound is the
+    one that rounding (~1e-7 per operation, ~1e2 operations deep) can be held to.
+    """
+    for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
+        a, d = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = max(float(np.linalg.norm(d)), 1e-12)
+        assert np.linalg.norm(a - d) / scale <= tol, (np.linalg.norm(a - d) / scale, d.shape)
+
+
+def micro(batch: TrainBatch, m: int) -> TrainBatch:
+    B = batch.shape[0]
+    return jax.tree.map(lambda x: jnp.asarray(x).reshape(m, B // m, *x.shape[1:]), batch)
+
+
+def spec(algo: AlgorithmSection, sharder: Sharder | None = None) -> StepSpec:
+    return StepSpec(CFG, "float32", SamplingSpec(0.8, 20, 0.9), algo, False, sharder)
+
+
+ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=2.0)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_micro_batches_sum_to_the_whole_batch(mode: str) -> None:
+    """Accumulating 4 micro-batches (whole-batch denominators) = one pass over all rows."""
+    params = init_params(jax.random.key(0), CFG)
+    batch = random_batch()
+    s = spec(dataclasses.replace(ALGO, loss_agg_mode=mode))
+    f = jax.jit(lambda p, b: accumulated_grads(policy_objective, s, p, b))
+    loss1, g1, _ = f(params, micro(batch, 1))
+    loss4, g4, _ = f(params, micro(batch, 4))
+    assert_close_normwise(loss4, loss1)
+    assert_close_normwise(g4, g1)
+
+
+@pytest.mark.parametrize("objective", ["policy", "value"])
+def test_sharded_step_equals_unsharded(objective: str) -> None:
+    """8 fake CPU devices, data=2 x fsdp=2 x tensor=2: loss and every gradient equal the
+    single-device computation within 1e-5, normwise (only the reduction order differs)."""
+    params = init_params(jax.random.key(1), CFG)
+    batch = micro(random_batch(seed=1), 2)
+    sharder = Sharder(make_mesh(2, 2, 2))
+    target, fn = (
+        (params, policy_objective)
+        if objective == "policy"
+        else (critic_from_policy(params), value_objective)
+    )
+    if objective == "value":  # a non-zero head so the body gets gradients
+        target = dataclasses.replace(target, head=jnp.linspace(-1, 1, CFG.hidden_size))
+    plain = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO), p, b))
+    loss0, g0, m0 = plain(target, batch)
+
+    learner = Learner(
+        CFG,
+        params,
+        algo=ALGO,
+        optim=OptimSection(),
+        sampling=SamplingSpec(0.8, 20, 0.9),
+        micro_batch_size=4,
+        sharder=sharder,
+        critic=target if objective == "value" else None,
+    )
+    placed = learner.state.params if objective == "policy" else learner.critic_state.params
+    host = jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), batch)
+    sharded_batch = learner.device_batch(host)
+    assert sharded_batch.tokens.sharding.spec[1] == ("data", "fsdp")
+    sharded = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, sharder), p, b))
+    loss1, g1, m1 = sharded(placed, sharded_batch)
+    assert_close_normwise(loss1, loss0)
+    assert_close_normwise(g1, g0)
+    assert_close_normwise(m1, m0)
+    # the parameters really are laid out over the mesh (not replicated)
+    q = placed.layers.q if objective == "policy" else placed.body.layers.q
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+
+
+def test_learner_logprobs_equal_the_samplers() -> None:
+    """Tokens sampled by the engine at temperature 0.8 / top-k 20 / top-p 0.9 get the same
+    logprobs from the learner's recomputation (fp32: 1e-4, the backend's stated tolerance)."""
+    params = init_params(jax.random.key(2), CFG)
+    backend = EmbeddedBackend(Engine(CFG, max_concurrent_decodes=4, max_len=128), params)
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+
+    async def go() -> list:
+        reqs = [
+            GenerateRequest(f"r{i}", tuple(range(3 + i, 10 + 2 * i)), sampling) for i in range(4)
+        ]
+        out = await asyncio.gather(*(backend.generate(r) for r in reqs))
+        await backend.close()
+        return list(zip(reqs, out, strict=True))
+
+    trajs = []
+    for req, res in asyncio.run(go()):
+        t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
+        t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))
+        trajs.append(t)
+    batch = make_batch(trajs, bucket=16)
+    learner = Learner(
+        CFG,
+        params,
+        algo=ALGO,
+        optim=OptimSection(),
+        sampling=SamplingSpec(0.8, 20, 0.9),
+        micro_batch_size=2,
+    )
+    mask = np.asarray(batch.mask) > 0
+    learned = learner.logprobs(batch)[mask]
+    assert mask.sum() == 4 * 24
+    np.testing.assert_allclose(learned, np.asarray(batch.rollout_logp)[mask], atol=1e-4)
+
+
+def test_updates_reduce_their_losses() -> None:
+    """A few SFT steps lower the cross-entropy; policy steps with positive advantages raise
+    the logprob of the sampled tokens; critic steps move values towards returns."""
+    params = init_params(jax.random.key(3), CFG)
+    batch = random_batch(seed=3)
+    learner = Learner(
+        CFG,
+        params,
+        algo=AlgorithmSection(adv_estimator="gae", tis_cap=None),
+        optim=OptimSection(lr=1e-2, critic_lr=1e-3),
+        sampling=SamplingSpec(),
+        micro_batch_size=4,
+        critic=critic_from_policy(params),
+    )
+    first = learner.update_sft(batch)["sft_loss"]
+    for _ in range(5):
+        last = learner.update_sft(batch)["sft_loss"]
+    assert last < first - 0.1
+
+    mask = np.asarray(batch.mask)
+    before = (learner.logprobs(batch) * mask).sum()
+    batch.old_logp = learner.logprobs(batch) * mask
+    batch.advantages = mask.copy()
+    learner.update_policy(batch)
+    assert (learner.logprobs(batch) * mask).sum() > before
+
+    batch.returns = np.where(mask > 0, 0.5, 0.0).astype(np.float32)  # a reachable target
+    v0 = np.abs(learner.values(batch) - np.asarray(batch.returns))[mask > 0].mean()
+    batch.old_values = learner.values(batch)
+    for _ in range(5):
+        learner.update_critic(batch)
+        batch.old_values = learner.values(batch)
+    v1 = np.abs(learner.values(batch) - np.asarray(batch.returns))[mask > 0].mean()
+    assert v1 < v0
