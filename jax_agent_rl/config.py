@@ -37,7 +37,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """The learner's device mesh; data * fsdp * tensor must equal the number of devices."""
+    """The learner's device mesh over the first data * fsdp * tensor devices."""
 
     data: int = 1
     fsdp: int = 1
@@ -148,7 +148,7 @@ class SFTSection:
     data: str = ""  # empty: no SFT stage
     steps: int = 0
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak; cosine-decayed to 0 over the steps
     warmup_steps: int = 20
 
 

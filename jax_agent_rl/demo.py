@@ -29,9 +29,9 @@ from rich.table import Table
 
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import JarlConfig, load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
-from jax_agent_rl.models import ModelConfig, init_params, save_hf
+from jax_agent_rl.models import ModelConfig, init_params, request_cpu_devices, save_hf
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -67,6 +67,17 @@ class TaskFiles:
     tools: Path
 
 
+def task_files(folder: Path) -> TaskFiles:
+    """Where `prepare` writes the task into ``folder``."""
+    return TaskFiles(
+        model=folder / "model",
+        train=folder / "train.jsonl",
+        val=folder / "val.jsonl",
+        sft=folder / "sft.jsonl",
+        tools=Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml",
+    )
+
+
 def _conversation(sample: Sample, turns: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
     messages = [dict(m) for m in sample.messages]
     for text, outputs in turns:
@@ -82,35 +93,28 @@ def prepare(
     n_train: int = 4000,
     n_val: int = 200,
     n_sft: int = 3000,
-    vocab_size: int = 1024,
+    vocab_size: int = 2048,
     seed: int = 0,
 ) -> TaskFiles:
     """Writes the task data, demonstrations, tokenizer and initial checkpoint into ``folder``."""
     task = task or ArithmeticTask()
     folder.mkdir(parents=True, exist_ok=True)
-    tools = Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml"
-    schemas = ToolRegistry.from_yaml(tools).schemas()
+    schemas = ToolRegistry.from_yaml(task_files(folder).tools).schemas()
     rng = random.Random(f"demonstrations/{seed}")
     sft_samples = task.samples(n_sft, seed, "sft")
     conversations = [_conversation(s, task.demonstration(s, rng)) for s in sft_samples]
 
     # the tokenizer learns the transcripts exactly as the template renders them
     template = chat_template("chatml_tools")
-    texts = [render_template(template, c, schemas) for c in conversations]
-    backend = train_bpe(texts, vocab_size, digits_apart=True, merge_across_words=True)
-    model_dir = folder / "model"
+    texts = [render_template(template, c, schemas) for c in conversations] + NUMBERS * 4
+    backend = train_bpe(texts, vocab_size, digit_groups=3, merge_across_words=True)
+    model_dir = task_files(folder).model
     save_tokenizer(model_dir, backend, chat_template("chatml_tools"))
 
     cfg = ModelConfig.from_hf({**MODEL, "vocab_size": backend.get_vocab_size()})
     save_hf(model_dir, cfg, init_params(jax.random.key(seed), cfg))
 
-    files = TaskFiles(
-        model=model_dir,
-        train=folder / "train.jsonl",
-        val=folder / "val.jsonl",
-        sft=folder / "sft.jsonl",
-        tools=tools,
-    )
+    files = task_files(folder)
     write_jsonl(files.train, task.samples(n_train, seed, "train"))
     write_jsonl(files.val, task.samples(n_val, seed, "val"))
     write_demonstrations(files.sft, conversations)
@@ -161,8 +165,9 @@ def summarize(run_dir: Path, console: Console) -> dict[str, float]:
 
 
 def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
+    cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides)  # bad keys fail first
+    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
     files = prepare(run_dir / "task")
-    cfg = demo_config(run_dir, files, overrides)
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )

@@ -1,14 +1,16 @@
 """A synthetic multi-step arithmetic task that a small model can only solve with a calculator.
 
-Three kinds of problems, drawn with fixed shares (`ArithmeticTask.mix`):
+Three kinds of problems, drawn with fixed shares (`ArithmeticTask.mix`); every number in a
+problem, its intermediate results and its answer lies in 0..999:
 
 - ``add``: ``a + b`` or ``a - b`` with three-digit operands (one calculator call);
-- ``mul``: ``a * b`` with two-digit operands (one call);
+- ``mul``: ``a * b`` with operands 11..31 (one call);
 - ``chain``: ``a * b + c`` or ``a * b - c`` (two chained calls: the product, then the sum).
 
-The answer goes in ``<answer>...</answer>``. Digits are single tokens (see `train_bpe`), so a
-model that calls the tool only has to copy numbers, which a small transformer learns quickly;
-computing a three-digit sum or a product in its head is beyond it.
+The answer goes in ``<answer>...</answer>``. The task's tokenizer writes each number below 1000
+as one token (Llama 3's digit grouping, see `train_bpe`), so a model that calls the tool only
+has to copy tokens, which a small transformer learns in a few hundred steps; adding two
+three-digit numbers or multiplying two-digit ones "in its head" is far beyond it.
 
 `demonstration` writes the turns an *imperfect* demonstrator takes: it always uses the tool for
 products and chains, but answers most sums from memory (right only ``mental_accuracy`` of the
@@ -50,16 +52,17 @@ class ArithmeticTask:
     def problem(self, rng: random.Random) -> Problem:
         kind = rng.choices(KINDS, weights=self.mix)[0]
         if kind == "add":
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            op = rng.choice("+-")
-            value = a + b if op == "+" else a - b
-            return Problem(kind, f"What is {a} {op} {b}?", (f"{a} {op} {b}",), value)
-        if kind == "mul":
-            a, b = rng.randint(11, 99), rng.randint(11, 99)
-            return Problem(kind, f"What is {a} * {b}?", (f"{a} * {b}",), a * b)
-        a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(100, 999)
-        op = rng.choice("+-")
+            if rng.random() < 0.5:
+                a, b = rng.randint(100, 499), rng.randint(100, 499)
+                return Problem(kind, f"What is {a} + {b}?", (f"{a} + {b}",), a + b)
+            a, b = rng.randint(500, 999), rng.randint(100, 499)
+            return Problem(kind, f"What is {a} - {b}?", (f"{a} - {b}",), a - b)
+        a, b = rng.randint(11, 31), rng.randint(11, 31)
         product = a * b
+        if kind == "mul":
+            return Problem(kind, f"What is {a} * {b}?", (f"{a} * {b}",), product)
+        c = rng.randint(10, 99)
+        op = "+" if product + c <= 999 and rng.random() < 0.5 else "-"
         value = product + c if op == "+" else product - c
         return Problem(
             kind, f"What is {a} * {b} {op} {c}?", (f"{a} * {b}", f"{product} {op} {c}"), value
@@ -124,13 +127,4 @@ def _slip(value: int, rng: random.Random) -> int:
     return wrong if wrong != value else value + 1
 
 
-def corpus(task: ArithmeticTask, n: int, seed: int) -> list[str]:
-    """Texts for training the task's tokenizer: questions, calls, results and answers."""
-    rng = random.Random(f"corpus/{seed}")
-    texts = [SYSTEM_PROMPT]
-    for s in task.samples(n, seed, "corpus"):
-        texts.append(s.messages[-1]["content"])
-        for text, outputs in task.demonstration(s, rng):
-            texts.append(text)
-            texts.extend(out for _, out in outputs)
-    return texts
+NUMBERS = [str(i) for i in range(1000)]  # every number of the task, for the tokenizer corpus

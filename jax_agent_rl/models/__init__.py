@@ -20,7 +20,13 @@ from jax_agent_rl.models.decoder import (
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.sharding import MESH_AXES, Sharder, ShardingRules, make_mesh
+from jax_agent_rl.models.sharding import (
+    MESH_AXES,
+    Sharder,
+    ShardingRules,
+    make_mesh,
+    request_cpu_devices,
+)
 
 __all__ = [
     "MESH_AXES",
@@ -45,5 +51,6 @@ __all__ = [
     "make_mesh",
     "param_shardings",
     "param_specs",
+    "request_cpu_devices",
     "save_hf",
 ]

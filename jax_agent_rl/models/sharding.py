@@ -87,6 +87,17 @@ class ShardingRules:
         return NamedSharding(mesh, spec)
 
 
+def request_cpu_devices(n: int) -> None:
+    """Asks for ``n`` CPU devices (one thread each), so a ``data=n`` mesh runs data-parallel on
+    a multi-core host without accelerators. Only possible before JAX's first operation; after
+    it, the devices are what they are and `make_mesh` checks the count. No effect on TPU/GPU
+    backends, whose devices are the accelerators."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", max(n, 1))
+
+
 def make_mesh(
     data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None
 ) -> Mesh:

@@ -17,7 +17,6 @@ import numpy as np
 
 from jax_agent_rl.agent.trajectory import Trajectory
 
-
 Array = Any  # np.ndarray on the host, jax.Array on the devices
 
 

@@ -69,8 +69,16 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     )
 
 
-def make_optimizer(lr: float, optim: OptimSection) -> optax.GradientTransformation:
-    schedule = optax.linear_schedule(0.0, lr, max(optim.warmup_steps, 1))
+def make_optimizer(
+    lr: float, optim: OptimSection, decay_steps: int | None = None
+) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; linear warmup, then constant (RL) or, with
+    ``decay_steps``, cosine decay to zero at that step (SFT)."""
+    warmup = max(optim.warmup_steps, 1)
+    if decay_steps is None:
+        schedule = optax.linear_schedule(0.0, lr, warmup)
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1))
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
@@ -273,12 +281,13 @@ class Learner:
         sharder: Sharder | None = None,
         critic: Critic | None = None,
         lr: float | None = None,
+        decay_steps: int | None = None,
     ) -> None:
         self.model = dataclasses.replace(model, dtype="float32")
         self.sharder = sharder
         self.micro_batch_size = micro_batch_size
         self.spec = StepSpec(self.model, compute_dtype, sampling, algo, remat, sharder)
-        self.tx = make_optimizer(optim.lr if lr is None else lr, optim)
+        self.tx = make_optimizer(optim.lr if lr is None else lr, optim, decay_steps)
         self.critic_tx = make_optimizer(optim.critic_lr, optim)
         self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
         self.state = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import shutil
 import time
 import zlib
 from collections import Counter
@@ -41,7 +42,7 @@ from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
 from jax_agent_rl.config import JarlConfig, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
-from jax_agent_rl.models import Sharder, load_hf, make_mesh
+from jax_agent_rl.models import Sharder, load_hf, make_mesh, request_cpu_devices, save_hf
 from jax_agent_rl.rewards import get_reward
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
@@ -114,7 +115,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+        if n > jax.device_count():
+            raise ValueError(f"mesh needs {n} devices, this process sees {jax.device_count()}")
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n])
         self.sharder = Sharder(mesh)
         self.model, params = load_hf(cfg.model.path, "float32", self.sharder)
         self.train_samples = load_samples(cfg.data.train)
@@ -129,7 +133,13 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir, cfg.trainer.tensorboard)
         self.initial_params = params
 
-    def _learner(self, params: Any, lr: float | None = None, warmup: int | None = None) -> Learner:
+    def _learner(
+        self,
+        params: Any,
+        lr: float | None = None,
+        warmup: int | None = None,
+        decay_steps: int | None = None,
+    ) -> Learner:
         cfg = self.cfg
         optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
         r = cfg.rollout
@@ -145,6 +155,7 @@ class Trainer:
             sharder=self.sharder,
             critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
             lr=lr,
+            decay_steps=decay_steps,
         )
 
     def _tools(self) -> ToolExecutor:
@@ -179,7 +190,17 @@ class Trainer:
             self.checkpoints.close()
             self.metrics.close()
         plot_run(self.run_dir)
+        self._export()
         return self.run_dir
+
+    def _export(self) -> None:
+        """The final policy as an HF checkpoint (with its tokenizer) in ``run_dir/hf``."""
+        out = self.run_dir / "hf"
+        save_hf(out, self.model, jax.device_get(self.learner.params))
+        source = Path(self.cfg.model.tokenizer or self.cfg.model.path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (source / name).is_file():
+                shutil.copy(source / name, out / name)
 
     async def _run(self) -> None:
         cfg = self.cfg
@@ -257,7 +278,9 @@ class Trainer:
         cfg = self.cfg
         builder = TurnBuilder(self.tokenizer, self.registry.schemas() or None)
         demos = load_demonstrations(cfg.sft.data, builder)
-        learner = self._learner(params, lr=cfg.sft.lr, warmup=cfg.sft.warmup_steps)
+        learner = self._learner(
+            params, lr=cfg.sft.lr, warmup=cfg.sft.warmup_steps, decay_steps=cfg.sft.steps
+        )
         self.console.print(f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations")
         with Progress(
             TextColumn("[bold]SFT"),
@@ -464,4 +487,5 @@ class Trainer:
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     """Runs (or resumes) the job ``cfg`` describes; returns its run folder."""
+    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
     return Trainer(cfg, console).run()

@@ -1,0 +1,112 @@
+"""The trainer as a user runs it (`jarl train` in a subprocess): a run killed with SIGKILL,
+while a checkpoint is being written and again in the middle of a step, resumes to exactly the
+parameters of a run that was never interrupted; configs are validated before anything runs."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jax_agent_rl.cli import main
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.train.checkpoints import RunCheckpoints
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    return prepare(
+        tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=200, n_val=16, n_sft=300
+    )
+
+
+def _command(task: TaskFiles, run_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
+        f"model.path={task.model}", f"data.train={task.train}", "data.val=",
+        f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
+        "sft.steps=60", "sft.batch_size=16",
+        "data.reward=format",  # a half-trained model gets the format right only sometimes
+        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_model_len=128",
+        "agent.max_response_tokens=64", "learner.micro_batch_size=16",
+        "trainer.steps=3", "trainer.save_every=1", "trainer.eval_every=0",
+        "trainer.tensorboard=false", "optim.lr=1e-3",
+    ]  # fmt: skip
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _kill_when(cmd: list[str], ready: "callable[[], bool]", timeout: float = 600) -> None:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_path: Path) -> None:
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_command(task, whole), cwd=ROOT, check=True, capture_output=True)
+
+    ckpts = killed / "checkpoints"
+    # 1) killed while checkpoint 1 is being written (its temporary folder exists)
+    _kill_when(
+        _command(task, killed),
+        lambda: ckpts.is_dir() and any(p.name.startswith("1.") for p in ckpts.iterdir()),
+    )
+    assert 1 not in _complete_steps(killed)  # never a half-written checkpoint 1
+    assert RunCheckpoints(ckpts, 2).latest_step() == 0
+    # 2) killed in the middle of step 3, right after checkpoint 2 is complete
+    _kill_when(_command(task, killed), lambda: ckpts.is_dir() and 2 in _complete_steps(killed))
+    # 3) resume to the end
+    done = subprocess.run(_command(task, killed), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from the checkpoint of step 2" in done.stdout
+
+    a, b = load_file(whole / "hf" / "model.safetensors"), load_file(killed / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+    def train_records(run_dir: Path) -> dict[int, dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if r["phase"] == "train"}
+
+    whole_m, killed_m = train_records(whole), train_records(killed)
+    assert sorted(whole_m) == sorted(killed_m) == [1, 2, 3]
+    for step in (1, 2, 3):  # the same episodes were sampled and scored
+        assert whole_m[step]["reward"] == killed_m[step]["reward"]
+        assert whole_m[step]["response_len/mean"] == killed_m[step]["response_len/mean"]
+    assert any(whole_m[s]["grad_norm"] > 0 for s in (1, 2, 3))  # the updates did something
+
+
+def test_dry_run_validates_configs(task: TaskFiles, capsys: pytest.CaptureFixture[str]) -> None:
+    gsm8k = str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")
+    ok = [f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}"]
+    assert main(["train", gsm8k, *ok, "--dry-run"]) == 0
+    assert "adv_estimator: grpo" in capsys.readouterr().out
+    assert main(["train", str(DEMO_CONFIG), *ok, f"sft.data={task.sft}", "--dry-run"]) == 0
+    ppo = str(ROOT / "configs" / "demo_calculator_ppo_cpu.yaml")
+    assert main(["train", ppo, *ok, f"sft.data={task.sft}", "--dry-run"]) == 0
+    assert "adv_estimator: gae" in capsys.readouterr().out
+
+    assert main(["train", gsm8k, *ok, "algorithm.clip_hihg=0.3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'algorithm.clip_hihg'" in err and "clip_high" in err
+    assert main(["train", gsm8k, "model.path=/no/such/ckpt", ok[1], "--dry-run"]) == 2
+    assert "model.path='/no/such/ckpt' does not exist" in capsys.readouterr().err
+    assert main(["train", gsm8k, ok[0], f"data.train={task.model}/config.json", "--dry-run"]) == 2
+    assert "expected a .jsonl or .parquet file" in capsys.readouterr().err
