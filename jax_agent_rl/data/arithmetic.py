@@ -45,7 +45,7 @@ class Problem:
 class ArithmeticTask:
     """Problem mix and the demonstrator's habits."""
 
-    mix: tuple[float, float, float] = (0.4, 0.3, 0.3)  # add, mul, chain
+    mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # add, mul, chain
     tool_use_on_add: float = 0.25  # the demonstrator calls the tool on this share of sums
     mental_accuracy: float = 0.3  # its answers from memory are right this often
 

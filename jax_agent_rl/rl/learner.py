@@ -325,15 +325,36 @@ class Learner:
         return Critic(self._place(critic.body), critic.head, critic.bias)
 
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
-        return TrainState(params, jax.jit(tx.init)(params), jnp.zeros((), jnp.int32))
+        # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
+        state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+        if self.sharder is None:
+            return state
+        replicated = NamedSharding(self.sharder.mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+            state,
+        )
 
     def _jit_update(
         self, objective: Objective, tx: optax.GradientTransformation
     ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
-        return jax.jit(
-            lambda state, batch: apply_update(objective, self.spec, tx, state, batch),
-            donate_argnums=0,
-        )
+        """The jitted update, its output state laid out exactly as its input state (else the
+        second call, fed the first call's output, would compile the step again)."""
+        compiled: list[Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]] = []
+
+        def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+            if not compiled:
+                layout = jax.tree.map(lambda x: x.sharding, state)
+                compiled.append(
+                    jax.jit(
+                        lambda s, b: apply_update(objective, self.spec, tx, s, b),
+                        donate_argnums=0,
+                        out_shardings=(layout, None),
+                    )
+                )
+            return compiled[0](state, batch)
+
+        return step
 
     def device_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host [B, T] rows -> device [M, b, T] micro-batches (b sharded over data x fsdp)."""

@@ -139,6 +139,7 @@ class Trainer:
         lr: float | None = None,
         warmup: int | None = None,
         decay_steps: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> Learner:
         cfg = self.cfg
         optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
@@ -150,7 +151,7 @@ class Trainer:
             optim=optim,
             sampling=SamplingSpec(r.temperature, r.top_k, r.top_p),
             compute_dtype=cfg.model.dtype,
-            micro_batch_size=cfg.learner.micro_batch_size,
+            micro_batch_size=micro_batch_size or cfg.learner.micro_batch_size,
             remat=cfg.learner.remat,
             sharder=self.sharder,
             critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
@@ -279,7 +280,11 @@ class Trainer:
         builder = TurnBuilder(self.tokenizer, self.registry.schemas() or None)
         demos = load_demonstrations(cfg.sft.data, builder)
         learner = self._learner(
-            params, lr=cfg.sft.lr, warmup=cfg.sft.warmup_steps, decay_steps=cfg.sft.steps
+            params,
+            lr=cfg.sft.lr,
+            warmup=cfg.sft.warmup_steps,
+            decay_steps=cfg.sft.steps,
+            micro_batch_size=min(cfg.sft.batch_size, cfg.learner.micro_batch_size),
         )
         self.console.print(f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations")
         with Progress(

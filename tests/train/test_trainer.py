@@ -72,11 +72,14 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_pat
     # 2) killed in the middle of step 3, right after checkpoint 2 is complete
     _kill_when(_command(task, killed), lambda: ckpts.is_dir() and 2 in _complete_steps(killed))
     # 3) resume to the end
-    done = subprocess.run(_command(task, killed), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        _command(task, killed), cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step 2" in done.stdout
 
-    a, b = load_file(whole / "hf" / "model.safetensors"), load_file(killed / "hf" / "model.safetensors")
+    a = load_file(whole / "hf" / "model.safetensors")
+    b = load_file(killed / "hf" / "model.safetensors")
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
