@@ -200,7 +200,9 @@ def load_config(
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    # `key=` means the empty string (OmegaConf would read it as null)
+    dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
+    layers.append(OmegaConf.from_dotlist(dotlist))
     try:
         merged = OmegaConf.merge(base, *layers)
         missing = sorted(OmegaConf.missing_keys(merged))

@@ -46,7 +46,7 @@ class ArithmeticTask:
     """Problem mix and the demonstrator's habits."""
 
     mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # add, mul, chain
-    tool_use_on_add: float = 0.25  # the demonstrator calls the tool on this share of sums
+    tool_use_on_add: float = 0.4  # the demonstrator calls the tool on this share of sums
     mental_accuracy: float = 0.3  # its answers from memory are right this often
 
     def problem(self, rng: random.Random) -> Problem:
