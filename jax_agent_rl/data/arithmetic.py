@@ -3,14 +3,15 @@
 Three kinds of problems, drawn with fixed shares (`ArithmeticTask.mix`); every number in a
 problem, its intermediate results and its answer lies in 0..999:
 
-- ``add``: ``a + b`` or ``a - b`` with three-digit operands (one calculator call);
+- ``add``: ``a + b`` or ``a - b`` with two-digit operands (one calculator call);
 - ``mul``: ``a * b`` with operands 11..31 (one call);
 - ``chain``: ``a * b + c`` or ``a * b - c`` (two chained calls: the product, then the sum).
 
 The answer goes in ``<answer>...</answer>``. The task's tokenizer writes each number below 1000
 as one token (Llama 3's digit grouping, see `train_bpe`), so a model that calls the tool only
-has to copy tokens, which a small transformer learns in a few hundred steps; adding two
-three-digit numbers or multiplying two-digit ones "in its head" is far beyond it.
+has to copy tokens; the operands it copies from the question come from a small set of numbers
+(10..99) whose tokens it sees often, which a small transformer learns to copy in a few hundred
+steps. Adding or multiplying them "in its head" from a few thousand examples is beyond it.
 
 `demonstration` writes the turns an *imperfect* demonstrator takes: it always uses the tool for
 products and chains, but answers most sums from memory (right only ``mental_accuracy`` of the
@@ -52,10 +53,10 @@ class ArithmeticTask:
     def problem(self, rng: random.Random) -> Problem:
         kind = rng.choices(KINDS, weights=self.mix)[0]
         if kind == "add":
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
             if rng.random() < 0.5:
-                a, b = rng.randint(100, 499), rng.randint(100, 499)
                 return Problem(kind, f"What is {a} + {b}?", (f"{a} + {b}",), a + b)
-            a, b = rng.randint(500, 999), rng.randint(100, 499)
+            a, b = max(a, b), min(a, b)
             return Problem(kind, f"What is {a} - {b}?", (f"{a} - {b}",), a - b)
         a, b = rng.randint(11, 31), rng.randint(11, 31)
         product = a * b
