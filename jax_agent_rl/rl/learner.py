@@ -257,7 +257,7 @@ def apply_update(
     loss, grads, metrics = accumulated_grads(objective, spec, state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(params, opt_state, state.step + 1), metrics
 
 
