@@ -381,13 +381,23 @@ class Trainer:
             seen += trajs
             groups = [trajs[i : i + cfg.rollout.n] for i in range(0, len(trajs), cfg.rollout.n)]
             if cfg.algorithm.dynamic_sampling:
-                groups = [g for g in groups if len({t.reward for t in g if t.trainable}) > 1]
+                groups = [groups[i] for i in self._groups_with_signal(groups)]
             kept += groups
             if len(kept) >= want:
                 break
         stats = episode_metrics(seen)
         stats["groups_kept"] = len(kept)
         return [t for g in kept for t in g], stats
+
+    @staticmethod
+    def _groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
+        """Indices of groups whose trainable members' rewards are not all equal (DAPO)."""
+        members = [(i, t.reward) for i, g in enumerate(groups) for t in g if t.trainable]
+        if not members:
+            return []
+        gids, rewards = (np.array(x) for x in zip(*members, strict=True))
+        signal = core.groups_with_signal(rewards.astype(np.float32), gids)
+        return sorted(set(gids[signal].tolist()))
 
     def _advantages(self, batch: TrainBatch, trajs: Sequence[Trajectory]) -> None:
         """Fills ``batch.advantages`` (and returns/values for GAE) in place."""
