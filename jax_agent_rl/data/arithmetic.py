@@ -1,17 +1,20 @@
 """A synthetic multi-step arithmetic task that a small model can only solve with a calculator.
 
 Three kinds of problems, drawn with fixed shares (`ArithmeticTask.mix`); every number in a
-problem, its intermediate results and its answer lies in 0..999:
+problem, its intermediate results and its answer lies in 0..999 (in fact below 450):
 
-- ``add``: ``a + b`` or ``a - b`` with two-digit operands (one calculator call);
-- ``mul``: ``a * b`` with operands 11..31 (one call);
-- ``chain``: ``a * b + c`` or ``a * b - c`` (two chained calls: the product, then the sum).
+- ``add``: ``a + b`` with two-digit operands (one calculator call);
+- ``mul``: ``a * b`` with ``a`` in 3..9 and ``b`` in 11..39 (one call);
+- ``chain``: ``a * b + c`` (two chained calls: the product, then the sum).
 
 The answer goes in ``<answer>...</answer>``. The task's tokenizer writes each number below 1000
 as one token (Llama 3's digit grouping, see `train_bpe`), so a model that calls the tool only
-has to copy tokens; the operands it copies from the question come from a small set of numbers
-(10..99) whose tokens it sees often, which a small transformer learns to copy in a few hundred
-steps. Adding or multiplying them "in its head" from a few thousand examples is beyond it.
+has to copy tokens, and every number it copies is common enough in the demonstrations for a
+small transformer to learn to copy it in a few hundred steps. Adding or multiplying "in its
+head" from a few thousand examples is beyond it. The task has no subtraction on purpose: the
+~0.8M-parameter demo model copies an operand reliably but not which of two operators a
+question used (with ``a * b - c`` in the mix it wrote ``+`` for the second call every time),
+and a demo that fails on that says nothing about tool use.
 
 `demonstration` writes the turns an *imperfect* demonstrator takes: it always uses the tool for
 products and chains, but answers most sums from memory (right only ``mental_accuracy`` of the
@@ -54,19 +57,14 @@ class ArithmeticTask:
         kind = rng.choices(KINDS, weights=self.mix)[0]
         if kind == "add":
             a, b = rng.randint(10, 99), rng.randint(10, 99)
-            if rng.random() < 0.5:
-                return Problem(kind, f"What is {a} + {b}?", (f"{a} + {b}",), a + b)
-            a, b = max(a, b), min(a, b)
-            return Problem(kind, f"What is {a} - {b}?", (f"{a} - {b}",), a - b)
-        a, b = rng.randint(11, 31), rng.randint(11, 31)
+            return Problem(kind, f"What is {a} + {b}?", (f"{a} + {b}",), a + b)
+        a, b = rng.randint(3, 9), rng.randint(11, 39)
         product = a * b
         if kind == "mul":
             return Problem(kind, f"What is {a} * {b}?", (f"{a} * {b}",), product)
         c = rng.randint(10, 99)
-        op = "+" if product + c <= 999 and rng.random() < 0.5 else "-"
-        value = product + c if op == "+" else product - c
         return Problem(
-            kind, f"What is {a} * {b} {op} {c}?", (f"{a} * {b}", f"{product} {op} {c}"), value
+            kind, f"What is {a} * {b} + {c}?", (f"{a} * {b}", f"{product} + {c}"), product + c
         )
 
     def samples(self, n: int, seed: int, split: str) -> list[Sample]:
@@ -123,9 +121,9 @@ def _evaluate(expression: str) -> int:
 
 
 def _slip(value: int, rng: random.Random) -> int:
-    """A plausible mistake: a digit off, or a dropped carry."""
-    wrong = value + rng.choice([-100, -10, -1, 1, 10, 100]) * rng.randint(1, 3)
-    return wrong if wrong != value else value + 1
+    """A plausible mistake: a digit off, or a dropped carry (never negative, never right)."""
+    delta = rng.choice([-100, -10, -1, 1, 10, 100]) * rng.randint(1, 3)
+    return value + delta if value + delta >= 0 else value - delta
 
 
 NUMBERS = [str(i) for i in range(1000)]  # every number of the task, for the tokenizer corpus

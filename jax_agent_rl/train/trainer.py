@@ -85,6 +85,21 @@ def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, 
     return {prefix + k: v for k, v in out.items()}
 
 
+def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
+    """Success per ``data_source`` (``success/<source>``) and, within it, on the episodes that
+    called a tool (``success_with_tool/<source>``): where a mixed dataset gains or loses."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj, sample in zip(trajs, samples, strict=True):
+        groups.setdefault(sample.data_source or "unknown", []).append(traj)
+    out = {}
+    for source, group in sorted(groups.items()):
+        out[f"success/{source}"] = sum(t.reward > 0 for t in group) / len(group)
+        used = [t for t in group if t.tool_calls]
+        if used:
+            out[f"success_with_tool/{source}"] = sum(t.reward > 0 for t in used) / len(used)
+    return out
+
+
 def logprob_gap(batch: TrainBatch) -> dict[str, float]:
     """Sampler-vs-learner logprob difference on sampled tokens (before the update)."""
     mask = np.asarray(batch.mask) > 0
@@ -492,6 +507,7 @@ class Trainer:
         """Greedy episodes on the held-out prompts (one each)."""
         trajs = await self._rollout(self.val_samples, 1, self.eval_ctx, f"val{step}")
         m = episode_metrics(trajs)
+        m.update(success_by_source(trajs, self.val_samples))
         self.metrics.write(step, "val", m)
         self.console.print(
             f"held-out @ step {step}: success {m['success']:.3f}  "
