@@ -31,6 +31,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -57,6 +59,9 @@ SETUP_HINT = "build it with `scripts/setup.sh vllm`"
 # same fp32 forward in a different summation order; differences seen are ~1e-5 (see docs/vllm.md)
 FP32_LOGPROB_TOLERANCE = 1e-4
 BF16_LOGPROB_TOLERANCE = 5e-2
+
+
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*")
 
 
 class EngineStartError(RuntimeError):
@@ -143,11 +148,15 @@ class _Engine:
             self._on_message(self, message)
         self._on_message(self, {"op": "exit"})
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_errors(self, last: int = 6) -> str:
+        """The distinct exception lines of its log, where vLLM's root cause of a failure is
+        (its final exception only says to look above)."""
         try:
-            return self.log.read_text(errors="replace")[-chars:]
+            text = self.log.read_text(errors="replace")
         except OSError:
             return ""
+        lines = [m.group(0) for m in _EXCEPTION_LINE.finditer(text)]
+        return "\n".join(f"  {line}" for line in list(dict.fromkeys(lines))[-last:])
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (the engine's own children included)."""
@@ -157,13 +166,18 @@ class _Engine:
 
 
 class VLLMBackend:
-    """`RolloutBackend` over vLLM engine processes (see the module docstring)."""
+    """`RolloutBackend` over vLLM engine processes (see the module docstring).
+
+    The engines load ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
+    weights, which may have moved on from the checkpoint) as ``weight_version``.
+    """
 
     def __init__(
         self,
         checkpoint: str | Path,
         model: ModelConfig,
         *,
+        params: Weights | None = None,
         python: str | Path = DEFAULT_PYTHON,
         replicas: int = 1,
         max_model_len: int,
@@ -223,6 +237,10 @@ class VLLMBackend:
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:
                 self._await_ready(engine, deadline)
+            if params is not None:  # on a fresh loop and thread: the caller may be in a loop
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    push = self.update_weights(params, weight_version)
+                    pool.submit(asyncio.run, push).result()
         except BaseException:
             for engine in self._engines:
                 engine.kill()
@@ -232,11 +250,17 @@ class VLLMBackend:
         try:
             ready = engine.ready.result(timeout=max(deadline - time.monotonic(), 0.0))
         except concurrent.futures.TimeoutError:
-            raise EngineStartError(
-                f"vLLM engine {engine.index} did not start in time; its log:\n{engine.log_tail()}"
-            ) from None
+            engine.kill()
+            message = f"vLLM engine {engine.index} did not start in time"
         except EngineStartError as e:
-            raise EngineStartError(f"{e}\nits log:\n{engine.log_tail()}") from None
+            message = str(e)
+        else:
+            message = ""
+        if message:
+            engine.reader.join()  # the log is complete once the engine's pipe has closed
+            raise EngineStartError(
+                f"{message}\nits log, {engine.log}, says:\n{engine.log_errors()}"
+            )
         if ready["vocab_size"] != self.model.vocab_size:
             raise EngineStartError(
                 f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
@@ -253,6 +277,16 @@ class VLLMBackend:
     def pids(self) -> list[int]:
         """The engine processes (each leads a process group holding vLLM's own children)."""
         return [engine.proc.pid for engine in self._engines]
+
+    def in_flight(self) -> dict[str, int]:
+        """Request id -> index of the engine serving it, for every request in flight."""
+        with self._lock:
+            return {rid: e.index for e in self._engines for rid in e.calls}
+
+    def session_engine(self, session_id: str) -> int | None:
+        """The engine a session's next turn goes to (None: it has no turn yet)."""
+        with self._lock:
+            return self._sessions.get(session_id)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         validate_request(request, self.model.vocab_size, self.capabilities.max_model_len)
@@ -319,6 +353,7 @@ class VLLMBackend:
         for engine in self._engines:
             engine.send({"op": "shutdown"})
         await asyncio.gather(*(asyncio.to_thread(self._stop, e) for e in self._engines))
+        shutil.rmtree(self._logs, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
 

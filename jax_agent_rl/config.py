@@ -57,6 +57,7 @@ class RolloutSection:
     max_concurrent: int = 64  # sequences decoded together (engine slots)
     steps_per_call: int = 4  # decode steps per engine call (embedded backend)
     replicas: int = 1  # engine processes (vllm backend)
+    vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
 
 
 @dataclasses.dataclass(frozen=True)
