@@ -10,7 +10,8 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite
+test: setup  ## the whole suite (the vLLM backend's tests run engines under .venv-vllm)
+	@bash scripts/setup.sh vllm
 	$(PY) -m pytest
 
 lint: setup  ## ruff (lint + format check) and mypy
