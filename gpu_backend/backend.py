@@ -307,7 +307,7 @@ class VLLMBackend:
             engine = self._dispatch(call)
             if not engine.send(self._message(request)):
                 self._finish(engine, rid, [], [], "abort")
-            return await call.future  # type: ignore[no-any-return]
+            return await call.future
         except asyncio.CancelledError:
             await self.abort(rid)
             raise

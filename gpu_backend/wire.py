@@ -55,7 +55,7 @@ def write_tensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]]) -> list
             offset = -(-offset // _ALIGN) * _ALIGN
             f.seek(offset)
             data = np.ascontiguousarray(array)
-            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+            f.write(data.reshape(-1).view(np.uint8).data)
             index.append(
                 {
                     "name": name,
