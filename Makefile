@@ -24,7 +24,8 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/decode.py
 	$(PY) bench/forward.py
 	$(PY) bench/tools.py
-	$(PY) bench/rollout.py
+	$(PY) bench/rollout.py --backends embedded,vllm
+	$(PY) bench/weight_push.py
 
 clean:
 	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .ruff_cache
