@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ class _Call:
 class _Engine:
     """One engine process: its pipe, what is in flight on it, and its reader thread."""
 
-    def __init__(self, index: int, command: list[str], log: Path, on_message: Any) -> None:
+    def __init__(
+        self, index: int, command: list[str], env: dict[str, str], log: Path, on_message: Any
+    ) -> None:
         self.index = index
         self.log = log
         with log.open("wb") as stderr:
@@ -180,6 +183,7 @@ class VLLMBackend:
         params: Weights | None = None,
         python: str | Path = DEFAULT_PYTHON,
         replicas: int = 1,
+        devices: Sequence[str] = (),
         max_model_len: int,
         max_num_seqs: int,
         dtype: str = "float32",
@@ -194,6 +198,8 @@ class VLLMBackend:
             raise EngineStartError(f"no vLLM interpreter at {python}; {SETUP_HINT}")
         if replicas < 1:
             raise ValueError(f"replicas={replicas}: must be at least 1")
+        if devices and len(devices) != replicas:
+            raise ValueError(f"{len(devices)} devices for {replicas} replicas: give one each")
         self.model = model
         self.capabilities = Capabilities(
             logprobs=True,
@@ -231,8 +237,9 @@ class VLLMBackend:
             for i in range(replicas):
                 command = [str(python), "-m", "gpu_backend.vllm_worker"]
                 command.append(json.dumps({**config, "seed": seed + i}))
+                env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices else {}
                 self._engines.append(
-                    _Engine(i, command, self._logs / f"engine{i}.log", self._on_message)
+                    _Engine(i, command, env, self._logs / f"engine{i}.log", self._on_message)
                 )
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:

@@ -51,6 +51,7 @@ def make_backend(
             params=params,
             python=rollout.vllm_python or DEFAULT_PYTHON,
             replicas=rollout.replicas,
+            devices=[d for d in rollout.vllm_devices.split(",") if d],
             max_model_len=rollout.max_model_len,
             max_num_seqs=rollout.max_concurrent,
             dtype=dtype,
