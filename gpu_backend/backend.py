@@ -14,8 +14,8 @@ Weight updates drain, as the embedded backend does: new requests wait, requests 
 finish under the weights they started with, then every engine loads the new weights and resets
 its prefix cache, and the waiting requests go out stamped with the new version. The weights
 travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
-name/transpose table) and read in place by every engine; on a CUDA node the same ``load``
-message can carry CUDA IPC handles instead (see docs/vllm.md).
+name/transpose table) and read in place by every engine. The CUDA path (IPC handles or NCCL
+through the same ``load`` message) is described in docs/vllm.md and not written yet.
 
 An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories ``aborted``); new requests go to the engines still alive, and with
