@@ -10,7 +10,8 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite
+test: setup  ## the whole suite (the vLLM backend's tests run engines under .venv-vllm)
+	@bash scripts/setup.sh vllm
 	$(PY) -m pytest
 
 lint: setup  ## ruff (lint + format check) and mypy
@@ -23,7 +24,8 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/decode.py
 	$(PY) bench/forward.py
 	$(PY) bench/tools.py
-	$(PY) bench/rollout.py
+	$(PY) bench/rollout.py --backends embedded,vllm
+	$(PY) bench/weight_push.py
 
 clean:
 	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .ruff_cache

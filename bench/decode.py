@@ -3,15 +3,16 @@
 Both engines serve the SAME checkpoints, written here by transformers: tiny (~0.46M params,
 head_dim 64) and small (Qwen2-style, ~40M: hidden 512, 8 layers, 8 heads, 2 kv heads,
 intermediate 1536, vocab 32000). Workload: batch B of random 32-token prompts, 128 new tokens
-each, temperature 1, EOS ignored, logprobs returned; fp32 and bf16; B in 1, 8, 32. The JAX
-side goes through the full asyncio backend (continuous batching), not a bare loop.
+each, temperature 1, EOS ignored, logprobs returned; fp32 and bf16; B in 1, 8, 32. Both go
+through their full asyncio `RolloutBackend` (``--backends embedded,vllm``): the embedded engine's
+continuous batching, and vLLM's ``AsyncLLM`` in its own process (`gpu_backend`), not bare loops.
 
 The same run measures the machine: matmul FLOP/s per dtype (a 2048^3 jitted matmul) and
 memory bandwidth (a jitted reduction over 400 MB). The roofline bound for a decode step at
 batch B is max(2 * params * B / peak_flops, param_bytes / bandwidth); each engine's tokens/s
 is reported as a fraction of B / that time. Ends with one JSON line.
 
-    .venv/bin/python bench/decode.py [--batches 1,8,32] [--models tiny,small] [--no-vllm]
+    .venv/bin/python bench/decode.py [--batches 1,8,32] [--models tiny,small] [--backends embedded]
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +32,7 @@ import numpy as np
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
-from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, RolloutBackend, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -62,17 +62,15 @@ def machine() -> dict[str, float]:
     return out
 
 
-def jax_decode(ckpt: Path, dtype: str, batch: int, prompt_len: int, new: int) -> float:
-    cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
-    engine = Engine(cfg, max_concurrent_decodes=batch, max_len=prompt_len + new)
-    backend = EmbeddedBackend(engine, w, steps_per_call=8)
+def throughput(backend: RolloutBackend, vocab: int, batch: int, prompt_len: int, new: int) -> float:
+    """Best generated tokens per second of two rounds of ``batch`` requests (after a warm-up)."""
     rng = np.random.default_rng(0)
 
     async def run(tag: str) -> float:
         requests = [
             GenerateRequest(
                 f"{tag}{i}",
-                tuple(int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)),
+                tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
                 SamplingParams(max_tokens=new, temperature=1.0, seed=i),
             )
             for i in range(batch)
@@ -82,19 +80,28 @@ def jax_decode(ckpt: Path, dtype: str, batch: int, prompt_len: int, new: int) ->
         return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
 
     asyncio.run(run("warm"))  # compiles every bucket this workload touches
-    tok_s = max(asyncio.run(run("a")), asyncio.run(run("b")))
-    asyncio.run(backend.close())
-    return tok_s
+    return max(asyncio.run(run("a")), asyncio.run(run("b")))
 
 
-def vllm_decode(ckpt: Path, dtype: str, batches: list[int], prompt_len: int, new: int) -> dict:
-    cmd = [str(VLLM_PYTHON), str(ROOT / "bench" / "vllm_decode_worker.py"), str(ckpt), dtype]
-    cmd += [",".join(map(str, batches)), str(prompt_len), str(new)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {int(b): v for b, v in json.loads(lines[-1])["tok_s"].items()}
+def decode(
+    name: str, ckpt: Path, dtype: str, batches: list[int], prompt_len: int, new: int
+) -> dict[int, float]:
+    """Tokens per second at each batch size on backend ``name`` (one backend for all)."""
+    cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
+    backend: RolloutBackend
+    if name == "vllm":
+        from gpu_backend.backend import VLLMBackend
+
+        backend = VLLMBackend(
+            ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, max_num_seqs=max(batches)
+        )
+    else:
+        engine = Engine(cfg, max_concurrent_decodes=max(batches), max_len=prompt_len + new)
+        backend = EmbeddedBackend(engine, w, steps_per_call=8)
+    try:
+        return {b: throughput(backend, cfg.vocab_size, b, prompt_len, new) for b in batches}
+    finally:
+        asyncio.run(backend.close())
 
 
 def main() -> None:
@@ -105,10 +112,11 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--no-vllm", action="store_true", help="JAX engine only")
+    parser.add_argument("--backends", default="embedded,vllm", help="embedded, or embedded,vllm")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if not args.no_vllm and not VLLM_PYTHON.exists():
+    with_vllm = "vllm" in args.backends.split(",")
+    if with_vllm and not VLLM_PYTHON.exists():
         sys.exit("bench/decode.py: .venv-vllm is missing; run `scripts/setup.sh vllm` first")
 
     figures: dict[str, object] = {"bench": "decode", "prompt": args.prompt, "new": args.new}
@@ -119,9 +127,9 @@ def main() -> None:
             ckpt = write_hf_checkpoint(Path(tmp) / name, MODELS[name])
             n_params = load_hf(ckpt)[0].num_params
             for dtype in DTYPES:
-                ours = {b: jax_decode(ckpt, dtype, b, args.prompt, args.new) for b in batches}
+                ours = decode("embedded", ckpt, dtype, batches, args.prompt, args.new)
                 theirs = (
-                    {} if args.no_vllm else vllm_decode(ckpt, dtype, batches, args.prompt, args.new)
+                    decode("vllm", ckpt, dtype, batches, args.prompt, args.new) if with_vllm else {}
                 )
                 bytes_per = 4 if dtype == "float32" else 2
                 for b in batches:
@@ -142,7 +150,7 @@ def main() -> None:
     for name in args.models.split(","):
         for b in batches:
             best_jax = max(figures[f"{name}_{d}_b{b}_jax_tok_s"] for d in DTYPES)  # type: ignore[type-var]
-            if not args.no_vllm:
+            if with_vllm:
                 best_vllm = max(figures[f"{name}_{d}_b{b}_vllm_tok_s"] for d in DTYPES)  # type: ignore[type-var]
                 figures[f"{name}_b{b}_best_ratio"] = round(best_jax / best_vllm, 2)  # type: ignore[operator]
     print(json.dumps(figures))

@@ -1,6 +1,6 @@
 """Agentic rollout wall time: the asynchronous per-trajectory loop against a lockstep batch loop.
 
-Fixed workload: 64 trajectories on the tiny model (embedded engine), 3 tool turns each, up to
+Fixed workload: 64 trajectories on the tiny model, 3 tool turns each, up to
 64 new tokens per turn. Every tool call is a real sandboxed python execution plus a seeded
 extra delay drawn from a lognormal with median 0.3 s and sigma 1.0 (a search engine, a slow
 API). The agent code is the project's `run_tool_agent` in both modes, with a parser that
@@ -13,9 +13,11 @@ done per turn is what matters here).
 
 Same backend, same seeds: both modes sample the same tokens and draw the same delays. The
 critical-path lower bound is the longest single trajectory's own tool time plus the
-generation time of one trajectory running alone. Ends with one JSON line.
+generation time of one trajectory running alone. ``--backends embedded,vllm`` runs the same
+workload on each backend in turn (vLLM: engine processes under .venv-vllm), its figures
+prefixed with the backend's name. Ends with one JSON line.
 
-    .venv/bin/python bench/rollout.py [--trajectories 64] [--turns 3]
+    .venv/bin/python bench/rollout.py [--trajectories 64] [--turns 3] [--backends embedded,vllm]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jax_agent_rl.agent import AgentConfig, AgentContext, ParsedCall, Sample, ru
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
-from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tools import Tool, ToolResult
 from jax_agent_rl.tools.sandbox import PythonSandbox, PythonTool
@@ -105,7 +107,7 @@ class LocalExecutor:
 
 
 async def rollout(
-    backend: EmbeddedBackend,
+    backend: RolloutBackend,
     tokenizer: Tokenizer,
     tool: DelayedPython,
     n: int,
@@ -117,7 +119,7 @@ async def rollout(
         max_turns=turns + 1,  # the turn after the last tool result ends the episode
         max_tokens_per_turn=64,
         max_response_tokens=4096,
-        max_model_len=backend.engine.max_len,
+        max_model_len=backend.capabilities.max_model_len,
         temperature=1.0,
     )
     ctx = await AgentContext.create(backend, tokenizer, executor, EveryTurnCalls(), config, seed=0)
@@ -130,6 +132,56 @@ async def rollout(
     return time.perf_counter() - t0, list(trajectories)
 
 
+def make_backend(name: str, ckpt: Path, n: int) -> RolloutBackend:
+    cfg, weights = load_hf(ckpt)
+    if name == "vllm":
+        from gpu_backend.backend import VLLMBackend
+
+        return VLLMBackend(ckpt, cfg, max_model_len=1024, max_num_seqs=n)
+    engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024)
+    return EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
+
+
+def measure(
+    backend: RolloutBackend, tokenizer: Tokenizer, python: PythonTool, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The async and lockstep rollouts of the workload on ``backend``, and their bounds."""
+
+    def tool(seed: int, median: float) -> DelayedPython:
+        return DelayedPython(python, median, args.sigma, seed)
+
+    n, turns = args.trajectories, args.turns
+    # warm-up (compilations), and one trajectory alone without delays: its generation time
+    asyncio.run(rollout(backend, tokenizer, tool(1, 0.0), n, turns, False))
+    alone_tool = tool(0, 0.0)
+    alone_s, _ = asyncio.run(rollout(backend, tokenizer, alone_tool, 1, turns, False))
+    alone_gen_s = alone_s - sum(alone_tool.spent.values())
+
+    async_tool = tool(0, args.median_delay)
+    async_s, async_trajs = asyncio.run(rollout(backend, tokenizer, async_tool, n, turns, False))
+    lock_tool = tool(0, args.median_delay)
+    lock_s, lock_trajs = asyncio.run(rollout(backend, tokenizer, lock_tool, n, turns, True))
+    same_tokens = all(
+        a.response_ids == b.response_ids for a, b in zip(async_trajs, lock_trajs, strict=True)
+    )
+    critical = max(async_tool.spent.values()) + alone_gen_s
+    return {
+        "tool_calls": sum(t.tool_calls for t in async_trajs),
+        "async_s": round(async_s, 2),
+        "lockstep_s": round(lock_s, 2),
+        "speedup": round(lock_s / async_s, 2),
+        "critical_path_s": round(critical, 2),
+        "async_over_critical_path": round(async_s / critical, 2),
+        "alone_generation_s": round(alone_gen_s, 2),
+        "same_tokens_both_modes": same_tokens,
+        "generated_tokens": sum(t.num_model_tokens for t in async_trajs),
+        **{
+            f"stop_{r}": sum(t.stop_reason == r for t in async_trajs)
+            for r in {t.stop_reason for t in async_trajs}
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,8 +191,14 @@ def main() -> None:
     parser.add_argument("--median-delay", type=float, default=0.3)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--sandboxes", type=int, default=8)
+    parser.add_argument("--backends", default="embedded", help="comma-separated: embedded,vllm")
     args = parser.parse_args()
 
+    figures: dict[str, Any] = {
+        "bench": "rollout",
+        "trajectories": args.trajectories,
+        "tool_turns": args.turns,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "tiny", TINY_QWEN2)
         corpus = ["Task 1: compute. <output> 2664667000 </output>"] * 50
@@ -148,30 +206,15 @@ def main() -> None:
         tokenizer = Tokenizer.from_pretrained(
             save_tokenizer(Path(tmp) / "tok", tok, chat_template("chatml_tools"))
         )
-        cfg, weights = load_hf(ckpt)
-        engine = Engine(cfg, max_concurrent_decodes=args.trajectories, max_len=1024)
-        backend = EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
         sandbox = PythonSandbox(args.sandboxes)
         python = PythonTool(sandbox)
-
-        def tool(seed: int, median: float) -> DelayedPython:
-            return DelayedPython(python, median, args.sigma, seed)
-
-        # warm-up (compilations), and one trajectory alone without delays: its generation time
-        asyncio.run(rollout(backend, tokenizer, tool(1, 0.0), args.trajectories, args.turns, False))
-        alone_tool = tool(0, 0.0)
-        alone_s, _ = asyncio.run(rollout(backend, tokenizer, alone_tool, 1, args.turns, False))
-        alone_gen_s = alone_s - sum(alone_tool.spent.values())
-
-        async_tool = tool(0, args.median_delay)
-        async_s, async_trajs = asyncio.run(
-            rollout(backend, tokenizer, async_tool, args.trajectories, args.turns, False)
-        )
-        lock_tool = tool(0, args.median_delay)
-        lock_s, lock_trajs = asyncio.run(
-            rollout(backend, tokenizer, lock_tool, args.trajectories, args.turns, True)
-        )
-        asyncio.run(backend.close())
+        for name in args.backends.split(","):
+            backend = make_backend(name, ckpt, args.trajectories)
+            try:
+                measured = measure(backend, tokenizer, python, args)
+            finally:
+                asyncio.run(backend.close())
+            figures.update({f"{name}_{k}": v for k, v in measured.items()})
         sandbox.close()
 
     # What the seeded delays alone allow: lockstep waits for each turn's slowest call, async
@@ -182,34 +225,8 @@ def main() -> None:
     turns = range(args.turns)
     lockstep_delays = sum(max(delay(i, c) for i in range(args.trajectories)) for c in turns)
     async_delays = max(sum(delay(i, c) for c in turns) for i in range(args.trajectories))
-    same_tokens = all(
-        a.response_ids == b.response_ids for a, b in zip(async_trajs, lock_trajs, strict=True)
-    )
-    critical = max(async_tool.spent.values()) + alone_gen_s
-    calls = sum(t.tool_calls for t in async_trajs)
-    print(
-        json.dumps(
-            {
-                "bench": "rollout",
-                "trajectories": args.trajectories,
-                "tool_turns": args.turns,
-                "tool_calls": calls,
-                "async_s": round(async_s, 2),
-                "lockstep_s": round(lock_s, 2),
-                "speedup": round(lock_s / async_s, 2),
-                "critical_path_s": round(critical, 2),
-                "async_over_critical_path": round(async_s / critical, 2),
-                "delay_only_speedup_bound": round(lockstep_delays / async_delays, 2),
-                "alone_generation_s": round(alone_gen_s, 2),
-                "same_tokens_both_modes": same_tokens,
-                "generated_tokens": sum(t.num_model_tokens for t in async_trajs),
-                **{
-                    f"stop_{r}": sum(t.stop_reason == r for t in async_trajs)
-                    for r in {t.stop_reason for t in async_trajs}
-                },
-            }
-        )
-    )
+    figures["delay_only_speedup_bound"] = round(lockstep_delays / async_delays, 2)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ class RolloutSection:
     max_concurrent: int = 64  # sequences decoded together (engine slots)
     steps_per_call: int = 4  # decode steps per engine call (embedded backend)
     replicas: int = 1  # engine processes (vllm backend)
+    vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
+    vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,16 +61,17 @@ TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
-# The conformance and tiny benchmark model: ~0.46M parameters, head_dim 64 (vLLM's CPU attention
-# needs 64 or more), GQA, q/k/v bias, tied embeddings.
+# The conformance and tiny benchmark model: ~0.9M parameters, head_dim 64 (vLLM's CPU attention
+# needs 64 or more, and vLLM's Qwen2 takes head_dim as hidden / heads, ignoring the config's
+# head_dim), GQA, q/k/v bias, tied embeddings.
 TINY_QWEN2: dict[str, Any] = dict(
     model_type="qwen2",
     vocab_size=512,
-    hidden_size=128,
+    hidden_size=256,
     intermediate_size=256,
     num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=2,
+    num_key_value_heads=2,  # two, so the engine's tests can shard them over a tensor axis
     head_dim=64,
     rope_theta=1000000.0,
     tie_word_embeddings=True,

@@ -9,6 +9,7 @@ from jax_agent_rl.rollout.protocol import (
     InvalidRequestError,
     RolloutBackend,
     SamplingParams,
+    validate_request,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "InvalidRequestError",
     "RolloutBackend",
     "SamplingParams",
+    "validate_request",
 ]

@@ -35,6 +35,7 @@ from jax_agent_rl.rollout.protocol import (
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
+    validate_request,
 )
 
 
@@ -179,28 +180,12 @@ class EmbeddedBackend:
             self._cond.notify()
 
     def _validate(self, request: GenerateRequest) -> None:
-        prompt, vocab, max_len = request.prompt_ids, self.engine.cfg.vocab_size, self.engine.max_len
-        if not prompt:
-            raise InvalidRequestError(f"request {request.request_id!r}: prompt_ids is empty")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: prompt token id {bad} is outside the "
-                f"vocabulary [0, {vocab})"
-            )
-        if len(prompt) >= max_len:
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: prompt of {len(prompt)} tokens leaves no room "
-                f"to generate within max_model_len={max_len}"
-            )
-        request.sampling.validate()
+        validate_request(request, self.engine.cfg.vocab_size, self.engine.max_len)
         stops = request.sampling.stop_token_ids
         if len(stops) > self.engine.max_stop_ids:
             raise InvalidRequestError(
                 f"{len(stops)} stop_token_ids; this engine takes at most {self.engine.max_stop_ids}"
             )
-        if any(not 0 <= t < vocab for t in stops):
-            raise InvalidRequestError(f"stop_token_ids {stops} reach outside the vocabulary")
 
     # ------------------------------------------------------------------------ engine thread
 

@@ -42,4 +42,20 @@ def make_backend(
             seed=seed,
             warmup=True,
         )
+    if rollout.backend == "vllm":
+        from gpu_backend.backend import DEFAULT_PYTHON, VLLMBackend
+
+        return VLLMBackend(
+            checkpoint,
+            model,
+            params=params,
+            python=rollout.vllm_python or DEFAULT_PYTHON,
+            replicas=rollout.replicas,
+            devices=[d for d in rollout.vllm_devices.split(",") if d],
+            max_model_len=rollout.max_model_len,
+            max_num_seqs=rollout.max_concurrent,
+            dtype=dtype,
+            weight_version=version,
+            seed=seed,
+        )
     raise ValueError(f"rollout.backend={rollout.backend!r} is not available in this build")

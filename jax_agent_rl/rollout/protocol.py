@@ -57,6 +57,27 @@ class GenerateRequest:
     session_id: str | None = None
 
 
+def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raises `InvalidRequestError` for what no backend can serve (the message names it)."""
+    prompt, rid = request.prompt_ids, request.request_id
+    if not prompt:
+        raise InvalidRequestError(f"request {rid!r}: prompt_ids is empty")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room "
+            f"to generate within max_model_len={max_model_len}"
+        )
+    request.sampling.validate()
+    stops = request.sampling.stop_token_ids
+    if any(not 0 <= t < vocab_size for t in stops):
+        raise InvalidRequestError(f"stop_token_ids {stops} reach outside the vocabulary")
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
     """What was sampled. ``logprobs`` is ``None`` when the request did not ask for them."""

@@ -2,8 +2,8 @@
 
 Each backend is built by a factory registered in ``BACKENDS`` from the same locally written
 checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
-that need their own process or venv (vLLM, JetStream) are added with their issues; the suite
-itself does not change.
+that need their own venv run it in their own processes (vLLM: `gpu_backend`, under
+``.venv-vllm``); the suite itself does not change.
 """
 
 import asyncio
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import ModelConfig, Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend, SamplingParams
 
@@ -35,7 +35,15 @@ def _embedded(path: Path) -> RolloutBackend:
     return EmbeddedBackend(Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN), w, seed=0)
 
 
-BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {"embedded": _embedded}
+def _vllm(path: Path) -> RolloutBackend:
+    from gpu_backend.backend import VLLMBackend  # starts vLLM in its own venv and processes
+
+    return VLLMBackend(
+        path, ModelConfig.from_pretrained(path), max_model_len=MAX_LEN, max_num_seqs=SLOTS
+    )
+
+
+BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {"embedded": _embedded, "vllm": _vllm}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,252 @@
+"""One vLLM engine process: vLLM's v1 ``AsyncLLM`` behind a pipe. Runs under ``.venv-vllm``.
+
+    .venv-vllm/bin/python -m gpu_backend.vllm_worker '{"model": ..., "max_model_len": ...}'
+
+Messages (`gpu_backend.wire` framing) come in on stdin and go out on the process's original
+stdout; everything vLLM prints goes to stderr. In:
+
+- ``generate`` {id, prompt, temperature, top_k, top_p, seed, max_tokens, stop, logprobs}
+- ``abort`` {id}
+- ``load`` {path, index}: new weights from a `wire.write_tensors` file; the prefix cache is
+  reset after them (its keys and values belong to the old weights)
+- ``shutdown``
+
+Out: ``ready`` {max_model_len, vocab_size}, or ``error`` {message} and exit; ``result`` {id,
+tokens, logprobs, finish}; ``loaded`` {seconds}; ``failed`` {id, message} for a load that
+raised. End of stdin means the backend is gone: the engine shuts down.
+
+Logprobs: the engine runs with ``logprobs_mode="processed_logprobs"``, so a sampled token's
+logprob is taken after temperature, top-k and top-p, as the rollout protocol defines it.
+vLLM does not filter greedy rows of a batch that holds only greedy rows, so greedy requests go
+to it without filters (they never change the argmax) and, when the request had filters, with
+the whole distribution; the filtered logprob is computed here (`_filtered_logprob`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, BinaryIO
+
+from gpu_backend import wire
+
+
+class WeightLoader:
+    """vLLM worker extension (mixed into its GPU/CPU worker class): loads pushed weights."""
+
+    def jarl_load_shm(self, path: str, index: list[dict[str, Any]]) -> None:
+        """Reloads every tensor of a `wire.write_tensors` file, under its HF name and layout,
+        through vLLM's own checkpoint loading (``reload_weights``), which also repacks weights
+        for the CPU kernels (``load_weights`` alone leaves them stale there)."""
+        import torch
+
+        def tensors() -> Any:
+            for name, data, dtype, shape in wire.map_tensors(path, index):
+                yield name, torch.frombuffer(data, dtype=getattr(torch, dtype)).view(shape)
+
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if model.config.tie_word_embeddings:
+            # the layerwise reload re-processes only the modules that received tensors; a tied
+            # head receives none (its tensor is the embedding's), so on CPU it keeps the matmul
+            # weights it packed from the old embedding: tie it again and re-pack it
+            model.lm_head.weight = model.model.embed_tokens.weight
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _filtered_logprob(logprobs: dict[int, Any], token: int, top_k: int, top_p: float) -> float:
+    """``token``'s logprob under ``logprobs`` (the whole distribution) filtered by top-k, then
+    top-p, and renormalised: the learner's definition (`jax_agent_rl.engine.sampling`)."""
+    ordered = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    if top_k > 0:
+        ordered = ordered[:top_k]
+    top = ordered[0]
+    probs = [math.exp(lp - top) for lp in ordered]
+    total = sum(probs)
+    kept, mass = 0, 0.0
+    for p in probs:  # the shortest prefix whose renormalised mass reaches top_p
+        kept, mass = kept + 1, mass + p
+        if mass >= top_p * total:
+            break
+    log_mass = top + math.log(sum(probs[:kept]))
+    return logprobs[token].logprob - log_mass
+
+
+class Worker:
+    def __init__(self, engine: Any, out: BinaryIO, vocab_size: int) -> None:
+        self.engine = engine
+        self.out = out
+        self.vocab_size = vocab_size
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def send(self, message: dict[str, Any]) -> None:
+        wire.write_message(self.out, message)
+
+    def start(self, m: dict[str, Any]) -> None:
+        task = asyncio.create_task(self.generate(m))
+        self.tasks[m["id"]] = task
+
+        def done(task: asyncio.Task[None]) -> None:
+            self.tasks.pop(m["id"], None)
+            if task.cancelled():  # aborted before it began: nothing was generated
+                self.send(
+                    {"op": "result", "id": m["id"], "tokens": [], "logprobs": [], "finish": "abort"}
+                )
+
+        task.add_done_callback(done)
+
+    def abort(self, request_id: str) -> None:
+        """Cancelling the request's task aborts it in the engine (``AsyncLLM.generate`` does
+        that on cancellation); the task then reports what was generated so far."""
+        task = self.tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def generate(self, m: dict[str, Any]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = m["temperature"] == 0
+        filtered = m["top_k"] > 0 or m["top_p"] < 1
+        whole = greedy and filtered and m["logprobs"]
+        params = SamplingParams(
+            max_tokens=m["max_tokens"],
+            temperature=m["temperature"],
+            top_k=0 if greedy or m["top_k"] < 0 else m["top_k"],
+            top_p=1.0 if greedy else m["top_p"],
+            seed=m["seed"],
+            stop_token_ids=m["stop"],
+            ignore_eos=True,  # only the request's stop ids end it
+            logprobs=(-1 if whole else 0) if m["logprobs"] else None,
+            detokenize=False,
+        )
+        last = None
+        try:
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=m["prompt"]), params, request_id=m["id"]
+            ):
+                last = output.outputs[0]
+        except asyncio.CancelledError:
+            pass  # aborted
+        except Exception:  # reported as an abort; the reason goes to the engine's log
+            traceback.print_exc()
+            if self.engine.errored:  # the engine core died: so does this process
+                os._exit(1)
+        tokens = list(last.token_ids) if last is not None else []
+        entries = (last.logprobs or []) if last is not None else []
+        if not m["logprobs"]:
+            logprobs = None
+        elif whole:
+            logprobs = [
+                _filtered_logprob(e, t, m["top_k"], m["top_p"])
+                for e, t in zip(entries, tokens, strict=True)
+            ]
+        else:
+            logprobs = [e[t].logprob for e, t in zip(entries, tokens, strict=True)]
+        finish = last.finish_reason if last is not None else None
+        self.send(
+            {
+                "op": "result",
+                "id": m["id"],
+                "tokens": tokens,
+                "logprobs": logprobs,
+                "finish": finish if finish in ("stop", "length") else "abort",
+            }
+        )
+
+    async def load(self, m: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.engine.collective_rpc("jarl_load_shm", args=(m["path"], m["index"]))
+            await self.engine.reset_prefix_cache()
+        except Exception as e:  # the engine keeps serving; the backend reports the failure
+            self.send({"op": "failed", "message": f"{type(e).__name__}: {e}"})
+            return
+        self.send({"op": "loaded", "seconds": time.perf_counter() - t0})
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                header = await reader.readexactly(4)
+                body = await reader.readexactly(int.from_bytes(header, "big"))
+            except asyncio.IncompleteReadError:
+                return  # the backend is gone
+            m = json.loads(body)
+            if m["op"] == "generate":
+                self.start(m)
+            elif m["op"] == "abort":
+                self.abort(m["id"])
+            elif m["op"] == "load":
+                await self.load(m)
+            elif m["op"] == "shutdown":
+                return
+
+
+def _engine(config: dict[str, Any]) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=config["model"],
+        skip_tokenizer_init=True,
+        dtype=config["dtype"],
+        max_model_len=config["max_model_len"],
+        max_num_seqs=config["max_num_seqs"],
+        seed=config["seed"],
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=config["gpu_memory_utilization"],
+        logprobs_mode="processed_logprobs",
+        max_logprobs=-1,  # greedy requests with filters ask for the whole distribution
+        worker_extension_cls="gpu_backend.vllm_worker.WeightLoader",
+        disable_log_stats=True,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+async def _main(config: dict[str, Any], out: BinaryIO) -> None:
+    try:
+        engine = _engine(config)
+    except Exception as e:
+        wire.write_message(out, {"op": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    try:
+        vocab = engine.model_config.get_vocab_size()
+        worker = Worker(engine, out, vocab)
+        worker.send(
+            {"op": "ready", "max_model_len": engine.model_config.max_model_len, "vocab_size": vocab}
+        )
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        await worker.serve(reader)
+        for task in list(worker.tasks.values()):
+            task.cancel()
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    # the message channel is the original stdout; vLLM's own output goes to stderr
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    config = json.loads(sys.argv[1])
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        message = (
+            f"vLLM is not importable by {sys.executable} ({e}); "
+            "build its environment with `scripts/setup.sh vllm`"
+        )
+        wire.write_message(out, {"op": "error", "message": message})
+        sys.exit(1)
+    asyncio.run(_main(config, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The vLLM backend beyond the conformance suite: routing over several engines, engines that
+die, and the ways it must refuse to start. Every test leaves no engine process behind."""
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_backend.backend import EngineStartError, VLLMBackend
+from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
+
+MAX_LEN = 128
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """No process is left in the group ``pid`` led (the engine and vLLM's own children); killed
+    children may take a moment to be reaped."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny", TINY_QWEN2)
+
+
+@pytest.fixture
+def two_engines(checkpoint: Path) -> Iterator[VLLMBackend]:
+    backend = VLLMBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        replicas=2,
+        max_model_len=MAX_LEN,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.05,
+    )
+    try:
+        yield backend
+    finally:
+        asyncio.run(backend.close())
+        assert all(_gone(pid) for pid in backend.pids)
+
+
+def _req(rid: str, sampling: SamplingParams, session: str | None = None) -> GenerateRequest:
+    return GenerateRequest(rid, (5, 6, 7, 8, 9), sampling, session_id=session)
+
+
+def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
+    two_engines: VLLMBackend,
+) -> None:
+    backend = two_engines
+    long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
+
+    async def scenario() -> tuple[list[GenerateResult], GenerateResult, GenerateResult]:
+        # a session's turns stay on the engine that served its first
+        first = await backend.generate(_req("s1", GREEDY, session="traj-a"))
+        home = backend.session_engine("traj-a")
+        await backend.generate(_req("s2", GREEDY, session="traj-a"))
+        assert backend.session_engine("traj-a") == home == 0
+        # four sessionless requests spread over the two engines (fewest in flight first)
+        tasks = [asyncio.create_task(backend.generate(_req(f"r{i}", long))) for i in range(4)]
+        await asyncio.sleep(0)
+        where = backend.in_flight()
+        assert where == {"r0": 0, "r1": 1, "r2": 0, "r3": 1}, where
+        # the engine serving r0 and r2 dies while they run
+        os.kill(backend.pids[0], signal.SIGKILL)
+        done = list(await asyncio.gather(*tasks))
+        after = await backend.generate(_req("after", GREEDY, session="traj-a"))
+        return done, first, after
+
+    done, first, after = asyncio.run(scenario())
+    assert [r.finish_reason for r in done] == ["abort", "length", "abort", "length"]
+    assert all(len(r.token_ids) == 120 for r in done[1::2])
+    # the session moves to the surviving engine, which serves it the same tokens
+    assert backend.session_engine("traj-a") == 1
+    assert after.token_ids == first.token_ids and after.finish_reason == "length"
+    assert _gone(backend.pids[0])  # vLLM's own children of the dead engine are reaped too
+
+
+def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(EngineStartError, match=r"scripts/setup.sh vllm"):
+        VLLMBackend(
+            checkpoint,
+            ModelConfig.from_pretrained(checkpoint),
+            python=tmp_path / "no-venv" / "bin" / "python",
+            max_model_len=MAX_LEN,
+            max_num_seqs=4,
+        )
+
+
+def test_interpreter_without_vllm_names_the_fix(checkpoint: Path) -> None:
+    # this test process's own interpreter is a real Python that has no vLLM
+    with pytest.raises(EngineStartError, match=r"vLLM is not importable.*scripts/setup.sh vllm"):
+        VLLMBackend(
+            checkpoint,
+            ModelConfig.from_pretrained(checkpoint),
+            python=sys.executable,
+            max_model_len=MAX_LEN,
+            max_num_seqs=4,
+        )
+
+
+def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    data = (checkpoint / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a cut-off download
+    with pytest.raises(EngineStartError, match="vLLM engine failed") as error:
+        VLLMBackend(
+            broken,
+            ModelConfig.from_pretrained(checkpoint),
+            max_model_len=MAX_LEN,
+            max_num_seqs=4,
+            gpu_memory_utilization=0.05,
+            startup_timeout_s=600,
+        )
+    assert "safetensors" in str(error.value).lower()
