@@ -72,4 +72,3 @@ def test_the_demonstrator_is_as_imperfect_as_configured(samples) -> None:
     assert abs(with_tool / len(sums) - p) < _binomial_bound(p, len(sums))
     q = task.mental_accuracy
     assert abs(mental_right / mental - q) < _binomial_bound(q, mental)
-
