@@ -50,6 +50,7 @@ from jax_agent_rl.rollout.protocol import (
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
+    resolve_from_thread,
     validate_request,
 )
 
@@ -78,19 +79,6 @@ class PushStats:
     write_s: float
     load_s: float
     total_s: float
-
-
-def _resolve(future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: Any) -> None:
-    def set_value() -> None:
-        if future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(set_value)
 
 
 @dataclasses.dataclass
@@ -328,7 +316,7 @@ class VLLMBackend:
             gated = self._gated.get(request_id)
             engine = next((e for e in self._engines if request_id in e.calls), None)
         if gated is not None:
-            _resolve(gated.future, gated.loop, False)
+            resolve_from_thread(gated.future, gated.loop, False)
         elif engine is not None:
             engine.send({"op": "abort", "id": request_id})
 
@@ -352,7 +340,7 @@ class VLLMBackend:
                 self._updating, self._drained = False, None
                 gated = list(self._gated.values())
             for call in gated:
-                _resolve(call.future, call.loop, True)
+                resolve_from_thread(call.future, call.loop, True)
 
     async def close(self) -> None:
         with self._lock:
@@ -429,7 +417,9 @@ class VLLMBackend:
                 engine.load = call
                 calls.append(call.future)
                 if not engine.send({"op": "load", "path": name, "index": index}):
-                    _resolve(call.future, loop, RuntimeError(f"vLLM engine {engine.index} exited"))
+                    resolve_from_thread(
+                        call.future, loop, RuntimeError(f"vLLM engine {engine.index} exited")
+                    )
             load_s = max(await asyncio.gather(*calls))
             size = path.stat().st_size
         finally:
@@ -448,7 +438,7 @@ class VLLMBackend:
         elif op in ("loaded", "failed") and engine.load is not None:
             load, engine.load = engine.load, None
             value = m["seconds"] if op == "loaded" else RuntimeError(m["message"])
-            _resolve(load.future, load.loop, value)
+            resolve_from_thread(load.future, load.loop, value)
         elif op == "exit":
             self._on_exit(engine)
 
@@ -465,7 +455,7 @@ class VLLMBackend:
         if engine.load is not None:
             load, engine.load = engine.load, None
             error = RuntimeError(f"vLLM engine {engine.index} exited ({reason}) during a load")
-            _resolve(load.future, load.loop, error)
+            resolve_from_thread(load.future, load.loop, error)
         if not self._closed:  # died on its own: reap vLLM's children it leaves behind
             engine.kill()
 
@@ -483,9 +473,9 @@ class VLLMBackend:
                 return
             self._in_flight -= 1
             drained = self._drained if self._in_flight == 0 else None
-        _resolve(call.future, call.loop, self._result(call, tokens, logprobs, finish))
+        resolve_from_thread(call.future, call.loop, self._result(call, tokens, logprobs, finish))
         if drained is not None:
-            _resolve(drained.future, drained.loop, None)
+            resolve_from_thread(drained.future, drained.loop, None)
 
     def _result(
         self,

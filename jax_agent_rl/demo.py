@@ -7,7 +7,7 @@ Everything is made here, nothing is downloaded:
    demonstrations (the demonstrator answers most sums from memory, often wrongly);
 2. a byte-level BPE tokenizer trained on the task's chat transcripts (digits apart), with the
    ChatML tool template;
-3. a random-init Qwen2-architecture model (~0.75M parameters), written as an HF checkpoint;
+3. a random-init Qwen2-architecture model (~0.8M parameters), written as an HF checkpoint;
 4. `jarl train configs/demo_calculator_cpu.yaml`: a short SFT warm start on the
    demonstrations, then GRPO over multi-turn rollouts against the real calculator tool, with a
    held-out evaluation (greedy) before and during RL.

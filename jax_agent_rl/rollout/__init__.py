@@ -9,6 +9,7 @@ from jax_agent_rl.rollout.protocol import (
     InvalidRequestError,
     RolloutBackend,
     SamplingParams,
+    resolve_from_thread,
     validate_request,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "InvalidRequestError",
     "RolloutBackend",
     "SamplingParams",
+    "resolve_from_thread",
     "validate_request",
 ]

@@ -35,6 +35,7 @@ from jax_agent_rl.rollout.protocol import (
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
+    resolve_from_thread,
     validate_request,
 )
 
@@ -67,18 +68,6 @@ class BackendStats:
     generated_tokens: int = 0
     decode_calls: int = 0
     aborted: int = 0
-
-
-def _resolve(future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: Any) -> None:
-    def set_value() -> None:
-        if future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-    loop.call_soon_threadsafe(set_value)
 
 
 class EmbeddedBackend:
@@ -213,9 +202,9 @@ class EmbeddedBackend:
             with self._cond:
                 self._failure = e
             for job in [*self._slots.values(), *self._waiting]:
-                _resolve(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
+                resolve_from_thread(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
             if self._update is not None:
-                _resolve(self._update.future, self._update.loop, RuntimeError(repr(e)))
+                resolve_from_thread(self._update.future, self._update.loop, RuntimeError(repr(e)))
             raise
 
     def _admissible(self) -> bool:
@@ -228,7 +217,7 @@ class EmbeddedBackend:
             self._abort(payload)
         elif kind == "update":
             if self._update is not None:  # a newer update supersedes one still draining
-                _resolve(self._update.future, self._update.loop, None)
+                resolve_from_thread(self._update.future, self._update.loop, None)
             self._update = payload
         elif kind == "close":
             self._closed = True
@@ -237,11 +226,11 @@ class EmbeddedBackend:
         try:
             params = self.engine.load_params(update.params)
         except ValueError as e:
-            _resolve(update.future, update.loop, e)
+            resolve_from_thread(update.future, update.loop, e)
             return
         self._params, self._version = params, update.version
         self._sessions.clear()
-        _resolve(update.future, update.loop, None)
+        resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:
         for job in list(self._waiting):
@@ -344,7 +333,7 @@ class EmbeddedBackend:
             finish_reason=reason,
             weight_version=job.version if job.tokens else self._version,
         )
-        _resolve(job.future, job.loop, result)
+        resolve_from_thread(job.future, job.loop, result)
 
     def _shutdown(self) -> None:
         for slot in list(self._slots):
@@ -352,4 +341,6 @@ class EmbeddedBackend:
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
         if self._update is not None:
-            _resolve(self._update.future, self._update.loop, RuntimeError("backend closed"))
+            resolve_from_thread(
+                self._update.future, self._update.loop, RuntimeError("backend closed")
+            )

@@ -12,6 +12,7 @@ example recomputing logprobs) rather than pretending.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -116,3 +117,22 @@ class RolloutBackend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def resolve_from_thread(
+    future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, value: Any
+) -> None:
+    """Completes ``future`` (owned by ``loop``) from a backend's worker thread: an exception
+    ``value`` is raised to the waiter, anything else is its result. A future already done (a
+    cancelled waiter) or a closed loop is left alone."""
+
+    def set_value() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(set_value)
