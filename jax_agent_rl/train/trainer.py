@@ -402,6 +402,7 @@ class Trainer:
                 break
         stats = episode_metrics(seen)
         stats["groups_kept"] = len(kept)
+        stats["episodes_sampled"] = len(seen)  # with dynamic sampling, refills included
         return [t for g in kept for t in g], stats
 
     @staticmethod

@@ -14,9 +14,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.train import train
 from jax_agent_rl.train.checkpoints import RunCheckpoints
+from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,6 +97,28 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_pat
         assert whole_m[step]["reward"] == killed_m[step]["reward"]
         assert whole_m[step]["response_len/mean"] == killed_m[step]["response_len/mean"]
     assert any(whole_m[s]["grad_norm"] > 0 for s in (1, 2, 3))  # the updates did something
+
+
+def test_dynamic_sampling_trains_only_groups_with_a_reward_signal(
+    task: TaskFiles, tmp_path: Path
+) -> None:
+    """DAPO: groups whose rewards are all equal are dropped and refilled; only kept groups are
+    trained. A half-trained model gets the answer format right only sometimes, so with the
+    format reward some groups are mixed and some are not."""
+    n, want = 4, 4
+    args = _command(task, tmp_path / "run")[5:]  # the overrides
+    args += ["trainer.steps=2", "trainer.save_every=2", "algorithm.dynamic_sampling=true"]
+    args += ["algorithm.max_refills=3", f"rollout.n={n}", f"data.prompts_per_step={want}"]
+    train(load_config(DEMO_CONFIG, args))
+    steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        kept, sampled = int(r["groups_kept"]), int(r["episodes_sampled"])
+        assert 1 <= kept <= want  # refills ask only for the groups still missing
+        assert r["batch/trajectories"] == kept * n  # the trained episodes: kept groups only
+        assert sampled % n == 0 and sampled >= kept * n
+    # some group was dropped and refilled (the seeds make this run the same every time)
+    assert any(r["episodes_sampled"] > r["batch/trajectories"] for r in steps)
 
 
 def test_dry_run_validates_configs(task: TaskFiles, capsys: pytest.CaptureFixture[str]) -> None:
