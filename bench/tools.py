@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from jax_agent_rl.tools.sandbox import PythonSandbox, bwrap_command
+from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, bwrap_command, seccomp_fd
 from jax_agent_rl.tools.server import HttpTools
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,10 +63,19 @@ async def fresh_process(argv_prefix: list[str], code: str) -> str:
     return out.decode()
 
 
-def _bwrap_prefix() -> list[str]:
-    """The sandbox's own bubblewrap flags, running ``python -c`` instead of the fork server."""
-    cmd = bwrap_command(PYTHON)
-    return [*cmd[: cmd.index(PYTHON)], PYTHON, "-I", "-S", "-c"]
+async def fresh_bwrap_process(code: str) -> str:
+    """``python -c`` under the sandbox's own bubblewrap flags and seccomp filter."""
+    filt = seccomp_fd()
+    cmd = bwrap_command(shutil.which("bwrap") or "bwrap", PYTHON, Limits(), filt)
+    argv = [*cmd[: cmd.index(PYTHON)], PYTHON, "-I", "-S", "-c", code]
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(filt,), env={}
+        )
+        out, _ = await proc.communicate()
+    finally:
+        os.close(filt)
+    return out.decode()
 
 
 def start_server(pool: int) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -126,9 +136,6 @@ def main() -> None:
     async def bare(code: str) -> str:
         return await fresh_process([PYTHON, "-c"], code)
 
-    async def bwrapped(code: str) -> str:
-        return await fresh_process(_bwrap_prefix(), code)
-
     async def direct() -> float:  # the sandbox pool alone, without HTTP: where the time goes
         sandbox = PythonSandbox(size=c)
 
@@ -142,7 +149,7 @@ def main() -> None:
 
     direct_rate = asyncio.run(direct())
     bare_rate = asyncio.run(_bounded(fresh_n, c, bare))
-    bwrap_rate = asyncio.run(_bounded(fresh_n, c, bwrapped))
+    bwrap_rate = asyncio.run(_bounded(fresh_n, c, fresh_bwrap_process))
     print(
         json.dumps(
             {

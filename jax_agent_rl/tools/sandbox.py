@@ -1,15 +1,21 @@
-"""A python sandbox: Linux namespaces (bubblewrap), rlimits, and a warm pool of fork servers.
+"""A python sandbox: Linux namespaces (bubblewrap), a seccomp filter, execution-wide limits,
+and a warm pool of fork servers.
 
-Each pool worker is one bubblewrap sandbox started as its own unprivileged uid: new user,
-pid, network, ipc, uts and cgroup namespaces (no network at all), a read-only view of ``/usr``
-and nothing else of the host (no home, no ``/etc``, an empty environment), and writable
-tmpfs ``/work`` and ``/tmp``. Inside, a fork server (`sandbox_zygote`) forks one child per
-execution with limits on CPU seconds, address space, processes (per worker uid), file size,
-open files and output bytes, plus a wall-clock timeout; afterwards it kills whatever the code
-left running and wipes ``/work`` and ``/tmp``. Forking a ready interpreter instead of starting
-a fresh one per call is what makes executions fast; the sweep is what keeps them independent.
-A worker that dies (the code killed it, say) is restarted; the call that lost it gets an
-error result.
+Each pool worker is one bubblewrap sandbox, started with an empty environment as its own
+unprivileged uid (when the host runs as root): new user, pid, network, ipc, uts and cgroup
+namespaces (no network at all, no nested user namespaces), a read-only view of ``/usr`` and
+nothing else of the host (no home, no ``/etc``), a read-only ``/dev``, and size-bounded tmpfs
+``/work``, ``/tmp`` and ``/dev/shm``. The seccomp filter (`jax_agent_rl.tools.seccomp`) denies
+ptrace, other processes' memory, namespaces, System V IPC and kernel surface an interpreter
+never needs. Inside, the fork server (`sandbox_zygote`, the namespace's pid 1, not dumpable, so
+code cannot signal, trace or write it) forks one child per execution under rlimits, accounts
+memory, CPU and files over every process of the execution, and afterwards kills whatever the
+code left running and wipes the writable places; a sandbox it cannot prove clean is replaced.
+
+The host owns every deadline: a worker that does not answer within the execution's timeout
+plus a grace is killed and restarted, and a worker goes back to the pool only when nothing
+waits on it any more, also when the caller gave up. Forking a ready interpreter instead of
+starting one per call is what makes executions fast; the sweep is what keeps them independent.
 """
 
 from __future__ import annotations
@@ -20,22 +26,34 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import shutil
 import signal
 import struct
 import subprocess
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.tools.base import Tool, ToolResult, function_schema
+from jax_agent_rl.tools.seccomp import filter_program
+
+REPLY_GRACE_S = 5.0  # beyond the execution's timeout: the zygote's own kill and sweep
+MAX_CODE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
+    """Bounds of one execution. ``memory_mb``, ``cpu_s`` and ``files`` hold for the whole
+    execution (every process it starts, plus what it writes to the tmpfs mounts); ``memory_mb``
+    and ``cpu_s`` also bound each process alone (rlimits), ``processes`` the processes alive at
+    once, ``file_size_mb`` any one file."""
+
     cpu_s: int = 5
     memory_mb: int = 512
     processes: int = 32
+    files: int = 10000
     file_size_mb: int = 16
     output_bytes: int = 16384
 
@@ -48,6 +66,7 @@ class ExecResult:
     timed_out: bool
     truncated: bool
     wall_s: float
+    limit: str | None = None  # the execution-wide bound that ended it ("memory", ...)
 
     def as_text(self) -> str:
         """What the model reads."""
@@ -56,12 +75,18 @@ class ExecResult:
             parts.append(self.stderr.rstrip("\n"))
         if self.timed_out:
             parts.append("error: execution timed out")
+        elif self.limit is not None:
+            parts.append(f"error: {self.limit} limit exceeded; execution killed")
         elif self.exit_code < 0 and not self.truncated:
             reason = _SIGNALS.get(-self.exit_code, f"killed by signal {-self.exit_code}")
             parts.append(f"error: {reason}")
         if self.truncated:
             parts.append("error: output limit reached; output truncated")
         return "\n".join(parts) if parts else "(no output)"
+
+    @classmethod
+    def failure(cls, message: str) -> ExecResult:
+        return cls("", f"error: {message}", -9, False, False, 0.0)
 
 
 _SIGNALS: dict[int, str] = {
@@ -76,11 +101,17 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
-def bwrap_command(interpreter: str) -> list[str]:
+def bwrap_command(bwrap: str, interpreter: str, limits: Limits, seccomp_fd: int) -> list[str]:
+    """The bubblewrap command line of one worker's fork server (its pipe fds follow);
+    ``seccomp_fd`` holds the filter program."""
     zygote = resources.files("jax_agent_rl.tools").joinpath("sandbox_zygote.py").read_text()
+    size = str(limits.memory_mb * 1024 * 1024)
     return [
-        "bwrap",
+        bwrap,
         "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--as-pid-1",
         "--die-with-parent",
         "--new-session",
         "--ro-bind", "/usr", "/usr",
@@ -89,91 +120,146 @@ def bwrap_command(interpreter: str) -> list[str]:
         "--symlink", "usr/bin", "/bin",
         "--proc", "/proc",
         "--dev", "/dev",
-        "--tmpfs", "/tmp",
-        "--tmpfs", "/work",
+        "--size", size, "--tmpfs", "/dev/shm",
+        "--size", size, "--tmpfs", "/tmp",
+        "--size", size, "--tmpfs", "/work",
+        "--remount-ro", "/dev",
         "--remount-ro", "/",
         "--chdir", "/work",
         "--clearenv",
         "--setenv", "PATH", "/usr/bin",
         "--setenv", "HOME", "/work",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+        "--seccomp", str(seccomp_fd),
         interpreter, "-I", "-S", "-c", zygote,
     ]  # fmt: skip
+
+
+def seccomp_fd() -> int:
+    """A fresh memory file holding the filter, positioned at its start (bubblewrap reads it
+    once, so each sandbox gets its own)."""
+    fd = os.memfd_create("jarl-seccomp")
+    os.write(fd, filter_program())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 class _Worker:
     """One sandbox with its fork server; used by one call at a time."""
 
-    def __init__(self, uid: int, interpreter: str) -> None:
-        self.uid, self.interpreter = uid, interpreter
+    def __init__(self, uid: int, interpreter: str, bwrap: str, limits: Limits) -> None:
+        self.uid, self.interpreter, self.bwrap, self.limits = uid, interpreter, bwrap, limits
         self.proc: subprocess.Popen[bytes] | None = None
+        self._req = self._rep = -1
+        self.restarts = 0
         self._start()
 
     def _start(self) -> None:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
+        filt = seccomp_fd()
         # No preexec_fn (unsafe in a multithreaded process such as one running JAX): the
         # zygote gets its pipe fds as arguments, and Popen itself switches to the worker's
         # uid (one unprivileged uid per worker: RLIMIT_NPROC counts processes per uid).
+        # env={}: bubblewrap's own processes are visible inside (/proc/*/environ) and must
+        # carry none of the host's secrets.
         as_root = os.getuid() == 0
-        self.proc = subprocess.Popen(
-            [*bwrap_command(self.interpreter), str(req_r), str(rep_w)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            pass_fds=(req_r, rep_w),
-            user=self.uid if as_root else None,
-            group=self.uid if as_root else None,
-            extra_groups=[] if as_root else None,
-        )
-        os.close(req_r)
-        os.close(rep_w)
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    *bwrap_command(self.bwrap, self.interpreter, self.limits, filt),
+                    str(req_r),
+                    str(rep_w),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=(req_r, rep_w, filt),
+                env={},
+                user=self.uid if as_root else None,
+                group=self.uid if as_root else None,
+                extra_groups=[] if as_root else None,
+            )
+        finally:
+            for fd in (req_r, rep_w, filt):
+                os.close(fd)
+        os.set_blocking(req_w, False)
         self._req, self._rep = req_w, rep_r
-        ready = self._recv()
+        ready = self._recv(time.monotonic() + 60.0)
         if ready is None or not ready.get("ready"):
+            self.proc.kill()
             err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+            self.close()
             raise SandboxUnavailableError(f"the sandbox did not start: {err.strip()}")
 
-    def _recv(self) -> dict[str, Any] | None:
-        head = self._read(4)
+    def _recv(self, deadline: float) -> dict[str, Any] | None:
+        head = self._read(4, deadline)
         if head is None:
             return None
-        body = self._read(struct.unpack(">I", head)[0])
+        body = self._read(struct.unpack(">I", head)[0], deadline)
         return None if body is None else json.loads(body)
 
-    def _read(self, n: int) -> bytes | None:
+    def _read(self, n: int, deadline: float) -> bytes | None:
+        """``n`` bytes of the reply pipe, or None at end of file or past the deadline."""
         buf = b""
         while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._rep], [], [], left)[0]:
+                return None
             chunk = os.read(self._rep, n - len(buf))
             if not chunk:
                 return None
             buf += chunk
         return buf
 
-    def execute(self, code: str, timeout_s: float, limits: Limits) -> dict[str, Any] | None:
-        """The zygote's reply, or None if the worker died (it is restarted)."""
+    def _write(self, data: bytes, deadline: float) -> bool:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self._req], [], left)[1]:
+                return False
+            with contextlib.suppress(BlockingIOError):
+                view = view[os.write(self._req, view) :]
+        return True
+
+    def execute(self, code: str, timeout_s: float) -> ExecResult:
+        """Runs ``code``; a worker that dies, stops answering or comes back dirty is replaced."""
         frame = json.dumps(
-            {"code": code, "timeout_s": timeout_s, "limits": dataclasses.asdict(limits)}
+            {"code": code, "timeout_s": timeout_s, "limits": dataclasses.asdict(self.limits)}
         ).encode()
+        deadline = time.monotonic() + timeout_s + REPLY_GRACE_S
         try:
-            os.write(self._req, struct.pack(">I", len(frame)) + frame)
-            reply = self._recv()
+            reply = self._recv(deadline) if self._write(_frame(frame), deadline) else None
         except OSError:
             reply = None
+        if reply is None or reply["dirty"]:
+            self.restart()
         if reply is None:
-            self.close()
-            self._start()
-        return reply
+            return ExecResult.failure("the sandbox stopped answering or died; it was replaced")
+        return ExecResult(
+            reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
+            reply["truncated"], reply["wall_s"], reply["limit"],
+        )  # fmt: skip
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.close()
+        self._start()
 
     def close(self) -> None:
         for fd in (self._req, self._rep):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.proc is not None:
-            self.proc.kill()
+        self._req = self._rep = -1  # never write to a closed (and maybe reused) fd number
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()  # --die-with-parent takes the whole sandbox with it
             self.proc.wait()
             if self.proc.stderr:
                 self.proc.stderr.close()
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
 
 
 class PythonSandbox:
@@ -187,18 +273,22 @@ class PythonSandbox:
         interpreter: str = "/usr/bin/python3",
         first_uid: int = 61000,
     ) -> None:
-        if shutil.which("bwrap") is None:
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
             raise SandboxUnavailableError("bubblewrap (bwrap) is not installed; run make setup")
         if not Path(interpreter).exists():
             raise SandboxUnavailableError(f"sandbox interpreter {interpreter} does not exist")
         self.limits, self.timeout_s = limits, timeout_s
-        self._workers = [_Worker(first_uid + i, interpreter) for i in range(size)]
+        self._workers = [_Worker(first_uid + i, interpreter, bwrap, limits) for i in range(size)]
         self._busy: set[_Worker] = set()
         self._free: asyncio.Queue[_Worker] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # blocking pipe I/O runs here, never on the event loop nor in its shared default pool
         self._threads = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="sandbox")
-        self.restarts = 0
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self._workers)
 
     def _queue(self) -> asyncio.Queue[_Worker]:
         """The idle workers, as a queue of the running event loop (rebuilt if the loop changes)."""
@@ -211,25 +301,24 @@ class PythonSandbox:
         return self._free
 
     async def run(self, code: str, timeout_s: float | None = None) -> ExecResult:
+        if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+            return ExecResult.failure(f"code longer than {MAX_CODE_BYTES} bytes; not run")
         free = self._queue()
         worker = await free.get()
         self._busy.add(worker)
-        try:
-            reply = await asyncio.get_running_loop().run_in_executor(
-                self._threads, worker.execute, code, timeout_s or self.timeout_s, self.limits
-            )
-        finally:
+        job = asyncio.get_running_loop().run_in_executor(
+            self._threads, worker.execute, code, timeout_s or self.timeout_s
+        )
+
+        def give_back(_: Any) -> None:
             self._busy.discard(worker)
             free.put_nowait(worker)
-        if reply is None:
-            self.restarts += 1
-            return ExecResult(
-                "", "error: the sandbox process died; it was restarted", -9, False, False, 0.0
-            )
-        return ExecResult(
-            reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
-            reply["truncated"], reply["wall_s"],
-        )  # fmt: skip
+
+        # The worker returns to the pool when its thread is done with it (the host deadline
+        # bounds that), never when a caller stops waiting: a cancelled call must not hand a
+        # busy worker to the next one.
+        job.add_done_callback(give_back)
+        return await asyncio.shield(job)
 
     def close(self) -> None:
         for w in self._workers:

@@ -1,16 +1,29 @@
-"""The fork server that runs inside each sandbox (under bubblewrap, as an unprivileged uid).
+"""The fork server that runs inside each sandbox, as the sandbox's pid 1 (bubblewrap
+``--as-pid-1``), under an unprivileged uid and the seccomp filter.
 
-It is started once per pool worker and serves one execution at a time: it reads a request
-frame, forks a child that applies the resource limits and runs the code in a fresh work dir,
-collects its output (bounded), and after the child ends kills every other process in the
-sandbox and wipes ``/work`` and ``/tmp``, so no state survives from one execution to the next.
-The zygote itself never runs user code, so every child starts from the same pristine state.
+It serves one execution at a time: it reads a request frame, forks a child that applies the
+resource limits and runs the code in ``/work``, collects its output (bounded) while a watchdog
+accounts the whole execution, then kills every other process in the sandbox and wipes the
+writable places (``/work``, ``/tmp``, ``/dev/shm``), so no state survives from one execution to
+the next. The zygote itself never runs user code, so every child starts from the same state.
+
+Why the executions cannot reach it: it is not dumpable (``PR_SET_DUMPABLE=0``: no
+``/proc/1/mem`` and no ptrace for processes of the same uid, and the filter denies ptrace
+anyway), and as the init of its pid namespace it ignores every signal sent from inside,
+SIGKILL and SIGSTOP included. What the watchdog accounts, summed over every process of the
+execution (rlimits alone are per process): resident memory plus the bytes on the sandbox's
+tmpfs mounts (``memory_mb``), CPU seconds (``cpu_s``) and files on the tmpfs mounts
+(``files``). An execution over a bound is killed and its result names the bound.
+
+If the sweep cannot prove the sandbox clean (a process survived, or something could not be
+removed), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
 
 Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
 given as arguments (requests in, replies out); the child never sees them. Only the standard
 library is used: this file runs under the system Python with ``-I -S``.
 """
 
+import ctypes
 import gc
 import json
 import os
@@ -18,12 +31,18 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import struct
 import sys
 import time
 import traceback
 
 REQ_FD, REP_FD = int(sys.argv[1]), int(sys.argv[2])
+WRITABLE = {"/work": 0o755, "/tmp": 0o1777, "/dev/shm": 0o1777}  # and their modes
+PR_SET_DUMPABLE = 4
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+WATCH_EVERY_S = 0.01
 
 
 def _read_exact(n):
@@ -42,7 +61,6 @@ def _send(obj):
 
 
 def _child(compiled, limits, out_w, err_w):
-    os.setpgid(0, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     null = os.open("/dev/null", os.O_RDONLY)
@@ -71,34 +89,82 @@ def _child(compiled, limits, out_w, err_w):
         os._exit(status)
 
 
-def _sweep(me):
-    """Kill every process but this one and pid 1 (bubblewrap), then wipe the writable dirs."""
-    for _ in range(3):
-        others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
-        if not others:
+def usage():
+    """(resident bytes + tmpfs bytes, CPU seconds, tmpfs files) of every process but pid 1.
+
+    CPU counts each live or zombie process's own and reaped children's time, so work done by
+    a process that already exited is still counted through its parent.
+    """
+    rss = ticks = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == "1":
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()  # fields from the 3rd ("state") on
+        ticks += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        rss += int(fields[21]) * PAGE
+    used = files = 0
+    for root in WRITABLE:
+        st = os.statvfs(root)
+        used += (st.f_blocks - st.f_bfree) * st.f_frsize
+        files += st.f_files - st.f_ffree
+    return rss + used, ticks / TICK, files
+
+
+def over_limit(limits):
+    """The name of the execution-wide bound that is exceeded, or None."""
+    memory, cpu, files = usage()
+    if memory > limits["memory_mb"] * 1024 * 1024:
+        return "memory"
+    if cpu > limits["cpu_s"]:
+        return "CPU time"
+    if files > limits["files"]:
+        return "file count"
+    return None
+
+
+def _make_writable(top):
+    """chmod u+rwx every directory under ``top`` (the code may have locked some) before
+    removing it; raises on anything it cannot open."""
+    stack = [top]
+    while stack:
+        path = stack.pop()
+        os.chmod(path, 0o700)
+        with os.scandir(path) as entries:
+            stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+
+
+def _sweep():
+    """Kill every process but this one, then empty the writable dirs. True if the sandbox is
+    provably back to its pristine state."""
+    try:
+        os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace, at once
+    except ProcessLookupError:
+        pass  # there was none
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
             break
-        for pid in others:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 1.0
-        while time.time() < deadline:
-            try:
-                if os.waitpid(-1, os.WNOHANG) == (0, 0):
-                    time.sleep(0.001)
-            except ChildProcessError:
-                break
-    for root in ("/work", "/tmp"):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                try:
+    clean = [p for p in os.listdir("/proc") if p.isdigit()] == ["1"]
+    for root, mode in WRITABLE.items():
+        try:
+            os.chmod(root, mode)
+            for name in os.listdir(root):
+                path = os.path.join(root, name)
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    _make_writable(path)
+                    shutil.rmtree(path)
+                else:
                     os.unlink(path)
-                except OSError:
-                    pass
+            clean = clean and not os.listdir(root)
+        except (OSError, RecursionError):
+            clean = False
+    return clean
 
 
 def _run(req):
@@ -106,7 +172,7 @@ def _run(req):
     start = time.time()
     try:  # compiled here, not in the child: cheaper, and a syntax error needs no process
         compiled = compile(req["code"], "<sandbox>", "exec")
-    except (SyntaxError, ValueError) as e:
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         text = "".join(traceback.format_exception_only(type(e), e))
         return {
             "stdout": "",
@@ -114,7 +180,9 @@ def _run(req):
             "exit_code": 1,
             "timed_out": False,
             "truncated": False,
+            "limit": None,
             "wall_s": time.time() - start,
+            "dirty": False,
         }
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -126,22 +194,29 @@ def _run(req):
     bufs = {out_r: bytearray(), err_r: bytearray()}
     cap = limits["output_bytes"]
     deadline = start + req["timeout_s"]
+    next_watch = start + WATCH_EVERY_S
     timed_out = truncated = False
+    limit = None
     open_fds = [out_r, err_r]
     status = None
     exited_at = None
     while open_fds:
-        left = deadline - time.time()
-        if left <= 0:
+        now = time.time()
+        if now >= deadline:
             timed_out = status is None
             break
+        if now >= next_watch:
+            limit = over_limit(limits)
+            if limit is not None:
+                break
+            next_watch = now + WATCH_EVERY_S
         if status is None:
             done, st = os.waitpid(pid, os.WNOHANG)
             if done:
                 status, exited_at = st, time.time()
-        elif exited_at is not None and time.time() - exited_at > 0.05:
+        elif exited_at is not None and now - exited_at > 0.05:
             break  # the code returned; something it started still holds the pipes
-        ready, _, _ = select.select(open_fds, [], [], min(left, 0.02))
+        ready, _, _ = select.select(open_fds, [], [], min(deadline - now, WATCH_EVERY_S))
         for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -152,16 +227,12 @@ def _run(req):
                 truncated = True
                 open_fds = []
                 break
-    if timed_out or truncated:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     if status is None:
+        os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
     os.close(out_r)
     os.close(err_r)
-    _sweep(os.getpid())
+    clean = _sweep()
     if os.WIFSIGNALED(status):
         exit_code = -os.WTERMSIG(status)
     else:
@@ -172,12 +243,15 @@ def _run(req):
         "exit_code": exit_code,
         "timed_out": timed_out,
         "truncated": truncated,
+        "limit": limit,
         "wall_s": time.time() - start,
+        "dirty": not clean,
     }
 
 
 def main():
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
     # Objects alive now never need collecting; freezing them keeps a forked child's garbage
     # collector from touching (and copying) the whole heap: ~3 ms less per execution.
     gc.freeze()
@@ -189,7 +263,10 @@ def main():
         body = _read_exact(struct.unpack(">I", head)[0])
         if body is None:
             return
-        _send(_run(json.loads(body)))
+        reply = _run(json.loads(body))
+        _send(reply)
+        if reply["dirty"]:
+            return  # the host starts a fresh sandbox
 
 
 main()

@@ -75,7 +75,8 @@ def test_filesystem_is_private(sandbox: PythonSandbox, tmp_path: Path) -> None:
     [
         ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),  # fork bomb
         ("x = bytearray(1024 ** 3)", "MemoryError"),  # memory bomb
-        ("while True:\n    pass", "CPU time limit exceeded"),  # infinite loop
+        # infinite loop: the CPU limit (2 s), under a wall timeout no loaded machine reaches
+        ("while True:\n    pass", "CPU time limit exceeded"),
         ("import time\ntime.sleep(60)", "timed out"),  # wall clock
         ("print('x' * 10 ** 6)", "output limit"),
         ("open('/work/big', 'wb').write(b'0' * (64 * 1024 * 1024))", "File too large"),
@@ -83,27 +84,19 @@ def test_filesystem_is_private(sandbox: PythonSandbox, tmp_path: Path) -> None:
     ids=["fork-bomb", "memory-bomb", "infinite-loop", "sleep", "output-flood", "file-size"],
 )
 def test_bombs_are_contained(sandbox: PythonSandbox, code: str, expected: str) -> None:
-    result = asyncio.run(sandbox.run(code))
+    timeout_s = 300.0 if expected.startswith("CPU") else None
+    result = asyncio.run(sandbox.run(code, timeout_s))
     assert expected in result.as_text()
     _healthy(sandbox)
 
 
-def test_killing_its_parent_is_contained(sandbox: PythonSandbox) -> None:
-    before = sandbox.restarts
-    out = run(
-        sandbox,
-        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nimport time; time.sleep(1)",
-    )
-    assert "died" in out and sandbox.restarts == before + 1
-    # the namespace's init (bubblewrap) ignores signals from inside
-    assert run(sandbox, "import os, signal\nos.kill(1, signal.SIGKILL)\nprint('alive')") == "alive"
-    _healthy(sandbox)
-    # background processes do not outlive their execution
+def test_background_processes_do_not_outlive_their_execution(sandbox: PythonSandbox) -> None:
     run(sandbox, "import subprocess\nsubprocess.Popen(['sleep', '30'])")
-    assert (
-        run(sandbox, "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]))")
-        == "3"
-    )
+    # what is left: the fork server (pid 1) and this execution's own process
+    pids = "import os\nps = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n"
+    pids += "print(min(ps), len(ps))"
+    assert run(sandbox, pids) == "1 2"
+    _healthy(sandbox)
 
 
 def test_python_tool(sandbox: PythonSandbox) -> None:

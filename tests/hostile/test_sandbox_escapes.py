@@ -1,0 +1,362 @@
+"""The python sandbox attacked as a policy under RL would attack it.
+
+Each escape attempt runs concurrently with a normal execution on the same pool, and the pool
+then serves more normal executions: the other execution's output and every later one must be
+exactly what plain Python prints, whatever the attempt did. Each attempt below worked before
+the sandbox was hardened (the fork server was dumpable and not pid 1, bubblewrap kept the host's
+environment, /dev was writable, locked directories survived the wipe, limits were per process,
+nested user namespaces were allowed, and the host waited on a reply forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox, PythonTool
+from jax_agent_rl.tools.seccomp import DENIED, SYSCALLS, filter_program
+
+SECRET = "hf_jarl_test_secret_0123456789"
+LIMITS = Limits(cpu_s=2, memory_mb=256, processes=16, files=2000)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PythonSandbox]:
+    os.environ["HF_TOKEN"] = SECRET  # a trainer's secret, present when the pool starts
+    try:
+        sb = PythonSandbox(size=2, limits=LIMITS, timeout_s=3.0)
+    finally:
+        del os.environ["HF_TOKEN"]
+    yield sb
+    sb.close()
+
+
+def run(sb: PythonSandbox, code: str) -> ExecResult:
+    return asyncio.run(sb.run(code))
+
+
+NORMAL = [(f"print({i} * 7)", f"{i * 7}\n") for i in range(6)]
+
+
+def attack_beside_normal(sb: PythonSandbox, attack: str) -> str:
+    """Runs ``attack`` while a normal execution runs on the other worker, then more normal
+    executions on both workers; returns the attack's output after checking every other one."""
+
+    async def both() -> tuple[ExecResult, ExecResult]:
+        results = await asyncio.gather(sb.run(attack), sb.run(NORMAL[0][0]))
+        return results[0], results[1]
+
+    hostile, normal = asyncio.run(both())
+    assert normal.stdout == NORMAL[0][1] and normal.exit_code == 0
+
+    async def after() -> list[str]:
+        return [r.stdout for r in await asyncio.gather(*(sb.run(c) for c, _ in NORMAL))]
+
+    assert asyncio.run(after()) == [want for _, want in NORMAL]
+    assert run(sb, "print(6 * 7)").stdout == "42\n"
+    return hostile.as_text()
+
+
+# --- 1. the fork server's memory: ptrace and /proc/<pid>/mem ------------------------------
+
+REWRITE_42 = """
+import os
+# In a forked child the small int 42 lives at the same address as in its parent; its first
+# digit is 24 bytes in. Rewriting it in the fork server would make every later 6 * 7 print 43.
+with open(f"/proc/{os.getppid()}/mem", "r+b", buffering=0) as mem:
+    mem.seek(id(42) + 24)
+    mem.write((43).to_bytes(4, "little"))
+print("rewrote the fork server")
+"""
+
+PTRACE_PARENT = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_SEIZE = 0x4206
+print("ptrace", libc.ptrace(PTRACE_SEIZE, os.getppid(), 0, 0), ctypes.get_errno())
+"""
+
+
+def test_fork_server_memory_cannot_be_written(pool: PythonSandbox) -> None:
+    out = attack_beside_normal(pool, REWRITE_42)
+    assert "PermissionError" in out and "rewrote" not in out
+
+
+def test_fork_server_cannot_be_traced(pool: PythonSandbox) -> None:
+    out = attack_beside_normal(pool, PTRACE_PARENT)
+    assert out == "ptrace -1 1"  # EPERM
+
+
+def test_other_memory_syscalls_are_denied(pool: PythonSandbox) -> None:
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(8)
+class IOV(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+iov = IOV(ctypes.addressof(buf), 8)
+SYS_process_vm_readv = {"x86_64": 310, "aarch64": 270}[os.uname().machine]
+r = libc.syscall(SYS_process_vm_readv, os.getppid(), ctypes.byref(iov), 1, ctypes.byref(iov), 1, 0)
+print("process_vm_readv", r, ctypes.get_errno())
+"""
+    assert attack_beside_normal(pool, code) == "process_vm_readv -1 1"
+
+
+# --- 2. the host's environment ------------------------------------------------------------
+
+
+def test_host_environment_does_not_leak(pool: PythonSandbox) -> None:
+    code = """
+import os
+seen = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for name in ("environ", "cmdline"):
+            try:
+                seen.append(open(f"/proc/{pid}/{name}", "rb").read().decode("latin-1"))
+            except OSError:
+                pass
+print(dict(os.environ), seen)
+"""
+    assert SECRET not in attack_beside_normal(pool, code)
+
+
+# --- 3. state that survives an execution --------------------------------------------------
+
+LEAVE_STATE = """
+import os
+for d in ("/work", "/tmp", "/dev/shm"):
+    for mode in (0o500, 0o000):
+        path = f"{d}/locked{mode:o}"
+        os.makedirs(path + "/inner")
+        open(path + "/inner/answer", "w").write("42")
+        os.chmod(path + "/inner", mode)
+        os.chmod(path, mode)
+try:
+    open("/dev/answer", "w").write("42")
+except OSError as e:
+    print("dev:", e.strerror)
+os.chmod("/work", 0)
+print("left state")
+"""
+
+LIST_STATE = """
+import os
+print(sorted(os.listdir("/dev")), os.listdir("/work"), os.listdir("/tmp"), os.listdir("/dev/shm"))
+"""
+
+
+def test_no_state_survives_an_execution(pool: PythonSandbox) -> None:
+    fresh_dev = run(pool, LIST_STATE).stdout
+    assert fresh_dev.endswith("[] [] []\n")
+    out = attack_beside_normal(pool, LEAVE_STATE)
+    assert out == "dev: Read-only file system\nleft state"
+    for _ in range(2):  # both workers (one ran the attack) are pristine
+        assert run(pool, LIST_STATE).stdout == fresh_dev
+
+
+def test_system_v_ipc_cannot_carry_state(pool: PythonSandbox) -> None:
+    code = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_CREAT = 0o1000
+print(libc.shmget(42, 4096, IPC_CREAT | 0o600), libc.msgget(42, IPC_CREAT | 0o600),
+      libc.semget(42, 1, IPC_CREAT | 0o600), ctypes.get_errno())
+"""
+    assert attack_beside_normal(pool, code) == "-1 -1 -1 1"
+
+
+def test_dirty_sandbox_is_replaced(pool: PythonSandbox) -> None:
+    """A tree whose paths are longer than PATH_MAX: the fork server cannot prove the sandbox
+    clean, so the host replaces it, and nothing of it is seen again."""
+    before = pool.restarts
+    deep = """
+import os
+os.chdir("/work")
+for _ in range(20):
+    os.mkdir("d" * 250)
+    os.chdir("d" * 250)
+open("answer", "w").write("42")
+print("deep")
+"""
+    assert attack_beside_normal(pool, deep) == "deep"
+    assert pool.restarts == before + 1
+    assert run(pool, "import os; print(os.listdir('/work'))").stdout == "[]\n"
+
+
+# --- 4. limits per execution, not per process; no nested namespaces ----------------------
+
+CHILDREN_HOLD_MEMORY = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        block = bytearray(100 * 1024 * 1024)
+        time.sleep(30)
+        os._exit(0)
+time.sleep(30)
+"""
+
+
+def test_memory_is_bounded_per_execution(pool: PythonSandbox) -> None:
+    out = attack_beside_normal(pool, CHILDREN_HOLD_MEMORY)
+    assert "memory limit exceeded" in out
+
+
+def test_tmpfs_counts_against_memory(pool: PythonSandbox) -> None:
+    code = """
+chunk = b"0" * (8 * 1024 * 1024)
+for i in range(64):  # 512 MB over several tmpfs mounts and files, each under file_size_mb
+    open(f"/dev/shm/f{i}" if i % 2 else f"/tmp/f{i}", "wb").write(chunk)
+print("wrote 512 MB")
+"""
+    out = attack_beside_normal(pool, code)
+    assert "wrote" not in out and ("memory limit exceeded" in out or "No space left" in out)
+
+
+def test_cpu_is_bounded_per_execution(pool: PythonSandbox) -> None:
+    """Four processes spinning 1.5 s each stay under the per-process rlimit of 2 s, but not
+    under the execution's 2 s, measured from their CPU time (not the wall clock)."""
+    code = """
+import os, resource
+for _ in range(4):
+    if os.fork() == 0:
+        while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 1.5:
+            pass
+        os._exit(0)
+for _ in range(4):
+    os.wait()
+print("spun 6 CPU seconds")
+"""
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=60.0)
+    try:
+        out = run(sb, code).as_text()
+    finally:
+        sb.close()
+    assert "CPU time limit exceeded" in out and "spun" not in out
+
+
+def test_file_count_is_bounded(pool: PythonSandbox) -> None:
+    code = """
+for i in range(5000):
+    open(f"/work/{i}", "w").close()
+print("made 5000 files")
+"""
+    out = attack_beside_normal(pool, code)
+    assert "file count limit exceeded" in out
+
+
+def test_no_nested_user_namespace(pool: PythonSandbox) -> None:
+    code = """
+import ctypes, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER = 0x10000000
+print("unshare", libc.unshare(CLONE_NEWUSER), ctypes.get_errno())
+print(subprocess.run(["unshare", "-r", "id"], capture_output=True).returncode != 0)
+"""
+    assert attack_beside_normal(pool, code) == "unshare -1 1\nTrue"
+
+
+# --- 5. stalling the fork server ----------------------------------------------------------
+
+
+@pytest.mark.timeout(300)  # before the fix the host waited on the stopped server forever
+def test_stopping_the_fork_server_does_nothing(pool: PythonSandbox) -> None:
+    """SIGSTOP or SIGKILL to the parent (the namespace's init) is dropped by the kernel."""
+    code = "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\nprint('still here')"
+    before = pool.restarts
+    for _ in range(5):  # more than the pool has workers
+        assert attack_beside_normal(pool, code) == "still here"
+    kill = "import os, signal\nos.kill(1, signal.SIGKILL)\nprint('alive')"
+    assert attack_beside_normal(pool, kill) == "alive"
+    assert pool.restarts == before
+
+
+def _zygotes(sb: PythonSandbox) -> list[int]:
+    """Host pids of the pool's fork servers (the children of each bwrap process)."""
+    parents = {w.proc.pid for w in sb._workers if w.proc is not None}
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int(re.split(r"\) ", (entry / "stat").read_text(), maxsplit=1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            if ppid in parents:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_host_deadline_replaces_a_silent_worker() -> None:
+    """A fork server stopped from outside (as by a kernel stall) never answers: the host's
+    deadline kills and replaces it, and the call gets an error instead of hanging."""
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=1.0)
+    try:
+        (zygote,) = _zygotes(sb)
+        os.kill(zygote, signal.SIGSTOP)
+        out = run(sb, "print(1)")
+        assert "stopped answering" in out.as_text() and sb.restarts == 1
+        assert run(sb, "print(6 * 7)").stdout == "42\n"
+    finally:
+        sb.close()
+
+
+def test_worker_is_not_reused_while_a_call_waits_on_it() -> None:
+    """A caller that gives up (the executor's timeout) must not hand its busy worker to the
+    next call: with one worker, the next call waits for it and gets its own answer."""
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=10.0)
+    tools = LocalTools(ToolRegistry([PythonTool(sb)]), timeout_s=0.2)
+
+    async def calls() -> list[str]:
+        slow = "import time\nfor _ in range(40):\n    time.sleep(0.05)\nprint('slow done')"
+        first = await tools.call("t1", "python", {"code": slow})
+        assert "timed out" in first.text
+        results = await asyncio.gather(
+            *(sb.run(f"print({i})") for i in range(4)),
+        )
+        return [r.stdout for r in results]
+
+    try:
+        assert asyncio.run(calls()) == [f"{i}\n" for i in range(4)]
+    finally:
+        sb.close()
+
+
+def test_closing_leaves_no_process() -> None:
+    sb = PythonSandbox(size=2, limits=LIMITS)
+    handles = [os.pidfd_open(pid) for pid in _zygotes(sb)]
+    assert len(handles) == 2
+    sb.close()
+    # bwrap was killed and reaped; each fork server dies with it (--die-with-parent): a
+    # pidfd becomes readable when its process has exited
+    for fd in handles:
+        assert select.select([fd], [], [], 120)[0] == [fd]
+        os.close(fd)
+
+
+# --- the filter itself ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("machine", "header"),
+    [
+        ("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+        ("aarch64", "/usr/include/asm-generic/unistd.h"),
+    ],
+)
+def test_syscall_tables_match_kernel_headers(machine: str, header: str) -> None:
+    if not Path(header).exists():
+        pytest.skip(f"{header} is not installed (package linux-libc-dev)")
+    text = Path(header).read_text()
+    numbers = dict(re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)", text))
+    _, table = SYSCALLS[machine]
+    assert {name: str(nr) for name, nr in table.items()} == {n: numbers[n] for n in table}
+    assert {n for n in DENIED if n in numbers} <= set(table)
+    assert len(filter_program(machine)) % 8 == 0
