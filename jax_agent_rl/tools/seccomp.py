@@ -10,7 +10,8 @@ reach outside its own execution:
   memory a filter cannot read, so it answers ENOSYS and libc falls back to ``clone``;
 - state that outlives a process inside the sandbox's IPC namespace and so would carry over
   from one execution to the next: System V shared memory, semaphores and message queues,
-  POSIX message queues;
+  POSIX message queues; and memory files (``memfd_create``), whose pages neither a process's
+  resident set nor a mount's usage shows to the execution's memory accounting;
 - kernel surface a sandboxed interpreter never needs: mounts, keyrings, BPF,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, module loading, ``kexec``, clock and
   host-name setters, handles by inode, ``syslog``.
@@ -45,8 +46,8 @@ DENIED = (
     # namespaces and mounts (clone's namespace flags are checked separately)
     "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
-    # IPC objects that outlive their creator
-    "shmget", "semget", "msgget", "mq_open",
+    # IPC objects that outlive their creator; memory files no mount's usage shows
+    "shmget", "semget", "msgget", "mq_open", "memfd_create", "memfd_secret",
     # kernel surface
     "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
@@ -75,7 +76,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "clock_adjtime": 305, "sethostname": 170, "setdomainname": 171,
             "name_to_handle_at": 303, "open_by_handle_at": 304, "syslog": 103,
             "lookup_dcookie": 212, "vhangup": 153, "fanotify_init": 300, "move_pages": 279,
-            "migrate_pages": 256, "iopl": 172, "ioperm": 173,
+            "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
+            "memfd_secret": 447,
         },
     ),
     "aarch64": (
@@ -95,7 +97,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "clock_adjtime": 266, "sethostname": 161, "setdomainname": 162,
             "name_to_handle_at": 264, "open_by_handle_at": 265, "syslog": 116,
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
-            "migrate_pages": 238,
+            "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
         },
     ),
 }  # fmt: skip

@@ -174,6 +174,13 @@ print(libc.shmget(42, 4096, IPC_CREAT | 0o600), libc.msgget(42, IPC_CREAT | 0o60
     assert attack_beside_normal(pool, code) == "-1 -1 -1 1"
 
 
+def test_memory_files_are_denied(pool: PythonSandbox) -> None:
+    """A memory file written with write() (never mapped) is in no resident set and on no
+    mount: many of them would slip past the execution's memory accounting."""
+    out = attack_beside_normal(pool, "import os\nos.memfd_create('hoard')")
+    assert "PermissionError" in out
+
+
 def test_dirty_sandbox_is_replaced(pool: PythonSandbox) -> None:
     """A tree whose paths are longer than PATH_MAX: the fork server cannot prove the sandbox
     clean, so the host replaces it, and nothing of it is seen again."""
