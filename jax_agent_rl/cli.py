@@ -106,7 +106,19 @@ def _serve_tools(args: argparse.Namespace) -> int:
     registry = ToolRegistry.from_yaml(args.tools)
     print(f"serving {registry.names} on http://{args.host}:{args.port}", flush=True)
     try:
-        serve(registry, args.host, args.port, args.token, args.max_concurrency, args.timeout)
+        serve(
+            registry,
+            args.host,
+            args.port,
+            args.token,
+            args.max_concurrency,
+            args.timeout,
+            idle_timeout_s=args.idle_timeout,
+            max_trajectories=args.max_trajectories,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
+        )
     except ValueError as e:
         print(f"jarl: {e}", file=sys.stderr)
         return 2
@@ -182,14 +194,49 @@ def build_parser() -> argparse.ArgumentParser:
         "serve-tools",
         help="serve a tools YAML over HTTP for agent rollouts",
         description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics. State is sticky per trajectory. A non-loopback --host needs --token.",
+        "GET /metrics. State is sticky per trajectory. A non-loopback --host needs --token. "
+        "What clients can hold is bounded: trajectory state, request bodies, connections.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--tools", default="configs/tools_default.yaml", help="tools YAML file")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8765, help="port to listen on")
     p.add_argument("--token", default=None, help="bearer token clients must send")
     p.add_argument("--max-concurrency", type=int, default=64, help="calls running at once")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after a trajectory's last call ends before its tool state is released "
+        "(clients that crash or never call /release); a later call starts fresh state",
+    )
+    p.add_argument(
+        "--max-trajectories",
+        type=int,
+        default=10_000,
+        help="trajectories holding tool state at once; a call that would open one more gets "
+        "an error result. Set it above the number of trajectories a rollout runs at once",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body (an /execute_batch of all its calls); larger gets 413",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to receive a whole request body; a slower client gets 408",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections (idle keep-alive ones included) at which a new request gets "
+        "503; bounds the request bodies held in memory to this times --max-body-bytes",
+    )
     p.set_defaults(func=_serve_tools)
     return parser
 

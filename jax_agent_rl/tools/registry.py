@@ -11,14 +11,19 @@ stop reason ``tool_error``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
-from collections.abc import Iterable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
 from jax_agent_rl.tools.base import Tool, ToolArgumentError, ToolResult, validate_arguments
+
+_log = logging.getLogger(__name__)
 
 
 class ToolTransportError(RuntimeError):
@@ -95,14 +100,53 @@ class ToolExecutor(Protocol):
     async def release(self, trajectory_id: str) -> None: ...
 
 
-class LocalTools:
-    """A `ToolExecutor` over a registry in this process, with a per-call timeout."""
+@dataclasses.dataclass
+class _Trajectory:
+    """One open trajectory: its tools' states (created on first use) and its calls running."""
 
-    def __init__(self, registry: ToolRegistry, timeout_s: float = 30.0) -> None:
+    states: dict[str, Any] = dataclasses.field(default_factory=dict)
+    creating: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    in_flight: int = 0
+
+
+class LocalTools:
+    """A `ToolExecutor` over a registry in this process, with a per-call timeout.
+
+    Trajectory state is bounded for clients that never release it (they crashed, or forgot):
+
+    - ``idle_timeout_s``: a trajectory whose last call ended that many seconds ago (by
+      ``clock``) is expired: its state goes through each tool's own ``release``, as on an
+      explicit release, and counts in `expired`. A trajectory with a call in flight is never
+      expired. Expiry runs at the start of every call and in `expire_idle` (the tool server
+      sweeps with it), so it follows ``clock`` alone, never a timer. A trajectory that calls
+      again after it expired starts from fresh state, like a new one.
+    - ``max_trajectories``: at most this many trajectories hold state at once. A call that
+      would open one more, with none idle long enough to expire, gets an error result naming
+      the cap, and the trajectory goes on (its next call may find room). Evicting the least
+      recently used trajectory instead would silently reset a live trajectory's state (a
+      sandbox's files, a counter) mid-rollout, so that the model reads a wrong observation
+      that is not marked as an error; a refusal is visible to the model and in metrics. Set
+      the cap above the number of trajectories a rollout runs at once.
+
+    ``None`` for either leaves it unbounded (in process, the agent loop always releases).
+    """
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        timeout_s: float = 30.0,
+        idle_timeout_s: float | None = None,
+        max_trajectories: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
-        self._states: dict[str, dict[str, Any]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self.idle_timeout_s = idle_timeout_s
+        self.max_trajectories = max_trajectories
+        self.clock = clock
+        self._open: dict[str, _Trajectory] = {}
+        self._idle_since: dict[str, float] = {}  # no call in flight; oldest first
+        self._expired = 0
 
     async def schemas(self) -> list[dict[str, Any]]:
         return self.registry.schemas()
@@ -117,27 +161,81 @@ class LocalTools:
             args = validate_arguments(t.schema, arguments)
         except ToolArgumentError as e:
             return ToolResult(f"error: bad arguments for {name}: {e}", error=True)
+        await self.expire_idle()
+        trajectory = self._enter(trajectory_id)
+        if trajectory is None:
+            return ToolResult(
+                f"error: no room for trajectory {trajectory_id!r}: {len(self._open)} "
+                f"trajectories already hold tool state (max_trajectories="
+                f"{self.max_trajectories}); retry after others end",
+                error=True,
+            )
         try:
-            state = await self._state(trajectory_id, t)
+            state = await self._state(trajectory, trajectory_id, t)
             return await asyncio.wait_for(t.execute(state, args), self.timeout_s)
         except TimeoutError:
             return ToolResult(f"error: {name} timed out after {self.timeout_s:g}s", error=True)
         except Exception as e:  # a tool bug is the model's observation, not a crash
             return ToolResult(f"error: {name} failed: {type(e).__name__}: {e}", error=True)
+        finally:
+            self._leave(trajectory, trajectory_id)
 
-    async def _state(self, trajectory_id: str, t: Tool) -> Any:
-        lock = self._locks.setdefault(trajectory_id, asyncio.Lock())
-        async with lock:
-            states = self._states.setdefault(trajectory_id, {})
-            if t.name not in states:
-                states[t.name] = await t.create(trajectory_id)
-            return states[t.name]
+    def _enter(self, trajectory_id: str) -> _Trajectory | None:
+        """Marks a call in flight, opening the trajectory if there is room (else None)."""
+        trajectory = self._open.get(trajectory_id)
+        if trajectory is None:
+            if self.max_trajectories is not None and len(self._open) >= self.max_trajectories:
+                return None
+            trajectory = self._open[trajectory_id] = _Trajectory()
+        trajectory.in_flight += 1
+        self._idle_since.pop(trajectory_id, None)
+        return trajectory
+
+    def _leave(self, trajectory: _Trajectory, trajectory_id: str) -> None:
+        """Ends a call; the trajectory is idle from now once its last call ends (unless it was
+        released meanwhile)."""
+        trajectory.in_flight -= 1
+        if trajectory.in_flight == 0 and self._open.get(trajectory_id) is trajectory:
+            self._idle_since[trajectory_id] = self.clock()
+
+    async def _state(self, trajectory: _Trajectory, trajectory_id: str, t: Tool) -> Any:
+        async with trajectory.creating:
+            if t.name not in trajectory.states:
+                trajectory.states[t.name] = await t.create(trajectory_id)
+            return trajectory.states[t.name]
+
+    async def expire_idle(self) -> None:
+        """Releases every trajectory idle for ``idle_timeout_s`` or longer. A tool whose
+        release fails is logged; it stops neither the others nor the call that expired it."""
+        if self.idle_timeout_s is None:
+            return
+        expired: list[tuple[str, _Trajectory]] = []
+        now = self.clock()
+        for trajectory_id, since in self._idle_since.items():  # oldest first
+            if now - since < self.idle_timeout_s:
+                break
+            expired.append((trajectory_id, self._open.pop(trajectory_id)))
+        for trajectory_id, _ in expired:
+            del self._idle_since[trajectory_id]
+        self._expired += len(expired)
+        results = await asyncio.gather(
+            *(self._release_states(i, trajectory) for i, trajectory in expired),
+            return_exceptions=True,
+        )
+        for failure in results:
+            if isinstance(failure, BaseException):
+                _log.warning("expiring idle tool state: %s", failure)
 
     async def release(self, trajectory_id: str) -> None:
-        states = self._states.pop(trajectory_id, {})
-        self._locks.pop(trajectory_id, None)
+        self._idle_since.pop(trajectory_id, None)
+        trajectory = self._open.pop(trajectory_id, None)
+        if trajectory is not None:
+            await self._release_states(trajectory_id, trajectory)
+
+    async def _release_states(self, trajectory_id: str, trajectory: _Trajectory) -> None:
         results = await asyncio.gather(
-            *(self.registry.get(n).release(s) for n, s in states.items()), return_exceptions=True
+            *(self.registry.get(n).release(s) for n, s in trajectory.states.items()),
+            return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -145,4 +243,9 @@ class LocalTools:
 
     @property
     def open_trajectories(self) -> int:
-        return len(self._states)
+        return len(self._open)
+
+    @property
+    def expired(self) -> int:
+        """How many trajectories were released for being idle too long."""
+        return self._expired

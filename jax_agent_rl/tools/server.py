@@ -6,6 +6,12 @@ Calls run through `LocalTools` (per-call timeout, failures become error results)
 concurrency cap. The server refuses to listen on a non-loopback address without a bearer
 token.
 
+What a careless or hostile client can hold is bounded by settings of the server: trajectory
+state expires after ``idle_timeout_s`` without a call (a sweep frees it even with no traffic)
+and at most ``max_trajectories`` hold state at once (see `LocalTools`); a request body is
+refused past ``max_body_bytes`` (413) or when not fully received within ``body_timeout_s``
+(408); at most ``max_connections`` connections are served at once (see `serve`).
+
 `HttpTools` is a `ToolExecutor`: the agent loop uses it exactly like `LocalTools`. Calls that
 concurrent trajectories make in the same event-loop tick share one ``/execute_batch`` request
 (what batched RL tool servers accept), so HTTP costs less per call under load. It retries
@@ -22,13 +28,14 @@ import dataclasses
 import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
@@ -66,17 +73,122 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class BodyTooLargeError(Exception):
+    """A request body over the cap."""
+
+
+class BodyLimit:
+    """ASGI middleware that receives each request body whole before the app sees it: a body
+    over ``max_bytes`` is answered 413 (at once when its Content-Length says so, else once the
+    chunks received pass the cap), and a body not received within ``timeout_s`` (a client
+    sending it a byte at a time) is answered 408. Both answers close the connection, since the
+    unread rest of the body cannot be skipped safely. A client that disconnects gets nothing.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._body(scope, receive)
+        except TimeoutError:
+            detail = f"request body not received within {self.timeout_s:g}s (body_timeout_s)"
+            await _refuse(scope, receive, send, 408, detail)
+            return
+        except BodyTooLargeError:
+            detail = f"request body over the cap of {self.max_bytes} bytes (max_body_bytes)"
+            await _refuse(scope, receive, send, 413, detail)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client went away; raises `BodyTooLargeError`."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            raise BodyTooLargeError
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                raise BodyTooLargeError
+            if not message.get("more_body", False):
+                return bytes(body)
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, detail: str) -> None:
+    response = JSONResponse({"detail": detail}, status_code=status, headers={"connection": "close"})
+    await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body already read, then the client's later messages
+    (a disconnect, which a streaming response listens for)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def sweep_idle(
+    tools: LocalTools, every_s: float, sleep: Callable[[float], Awaitable[object]]
+) -> None:
+    """Expires idle trajectories every ``every_s`` seconds, so that their state is freed even
+    when no call comes to expire it; runs until cancelled."""
+    while True:
+        await sleep(every_s)
+        await tools.expire_idle()
+
+
 def create_app(
     registry: ToolRegistry,
     *,
     max_concurrency: int = 64,
     timeout_s: float = 30.0,
     token: str | None = None,
+    idle_timeout_s: float = 600.0,
+    max_trajectories: int = 10_000,
+    max_body_bytes: int = 8 * 2**20,
+    body_timeout_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ) -> FastAPI:
-    tools = LocalTools(registry, timeout_s=timeout_s)
+    """The tool server's app. ``idle_timeout_s``, ``max_trajectories`` and ``clock`` go to
+    `LocalTools`; while the app runs (its lifespan), `sweep_idle` expires idle trajectories
+    every ``idle_timeout_s / 2`` seconds, waiting with ``sleep``, so idle state lives at most
+    1.5 x ``idle_timeout_s``. ``max_body_bytes`` and ``body_timeout_s`` go to `BodyLimit`."""
+    tools = LocalTools(
+        registry,
+        timeout_s=timeout_s,
+        idle_timeout_s=idle_timeout_s,
+        max_trajectories=max_trajectories,
+        clock=clock,
+    )
     metrics = ServerMetrics()
     slots = asyncio.Semaphore(max_concurrency)
-    app = FastAPI(title="jax_agent_rl tool server")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        del app
+        sweeper = asyncio.create_task(sweep_idle(tools, idle_timeout_s / 2, sleep))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+
+    app = FastAPI(title="jax_agent_rl tool server", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
 
     async def authorize(authorization: str | None = Header(default=None)) -> None:
         if token is not None and authorization != f"Bearer {token}":
@@ -129,9 +241,19 @@ def create_app(
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def get_metrics() -> dict[str, Any]:
-        return {**dataclasses.asdict(metrics), "open_trajectories": tools.open_trajectories}
+        return {
+            **dataclasses.asdict(metrics),
+            "open_trajectories": tools.open_trajectories,
+            "expired": tools.expired,
+        }
 
     return app
+
+
+# Idle keep-alive connections close after this. It is longer than httpx's 5 s keep-alive
+# expiry, so a client (`HttpTools`) always drops a pooled connection before the server does
+# and never sends a call on a connection the server is closing.
+KEEP_ALIVE_S = 15
 
 
 def serve(
@@ -141,13 +263,39 @@ def serve(
     token: str | None = None,
     max_concurrency: int = 64,
     timeout_s: float = 30.0,
+    *,
+    idle_timeout_s: float = 600.0,
+    max_trajectories: int = 10_000,
+    max_body_bytes: int = 8 * 2**20,
+    body_timeout_s: float = 10.0,
+    max_connections: int = 512,
 ) -> None:
-    """Runs the server until interrupted."""
+    """Runs the server until interrupted; the settings are `create_app`'s.
+
+    Once ``max_connections`` connections are open (idle keep-alive ones included, the one
+    asking too) or requests in progress, uvicorn answers a new request 503. Request bodies
+    held in memory are thus at most ``max_connections x max_body_bytes``.
+
+    What this cannot bound: uvicorn has no timeout for a request's headers, nor for a
+    connection that never sends a first request, so a client that opens connections and
+    sends their headers a byte at a time holds each until it gives up; enough of them fill
+    ``max_connections`` and the server answers 503 to everyone. Off loopback, put a proxy
+    with a header timeout (nginx ``client_header_timeout``) in front.
+    """
     import uvicorn
 
     if not is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
-    app = create_app(registry, max_concurrency=max_concurrency, timeout_s=timeout_s, token=token)
+    app = create_app(
+        registry,
+        max_concurrency=max_concurrency,
+        timeout_s=timeout_s,
+        token=token,
+        idle_timeout_s=idle_timeout_s,
+        max_trajectories=max_trajectories,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+    )
     uvicorn.run(
         app,
         host=host,
@@ -156,6 +304,8 @@ def serve(
         loop="uvloop",
         http="httptools",
         access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        limit_concurrency=max_connections,
     )
 
 
