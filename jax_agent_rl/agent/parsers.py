@@ -55,13 +55,27 @@ def strip_reasoning(text: str) -> str:
     return _THINK.sub("", text)
 
 
+def _decode(raw: str) -> tuple[Any, str | None]:
+    """``json.loads(raw)``, or None and what was wrong with it.
+
+    Besides malformed JSON, decoding can fail on text a policy may well write: nesting past the
+    recursion limit (RecursionError), an integer of more than 4,300 digits (ValueError), or a
+    document too large for memory; all of them are the model's error, never the loop's crash.
+    """
+    try:
+        return json.loads(raw), None
+    except json.JSONDecodeError as e:
+        return None, f"{e.msg} at char {e.pos}"
+    except (ValueError, RecursionError, MemoryError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
 def _json_call(
     raw: str, name_key: str = "name", args_keys: tuple[str, ...] = ("arguments",)
 ) -> ParsedCall:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ParsedCall("", None, f"the tool call is not valid JSON ({e.msg} at char {e.pos})")
+    obj, error = _decode(raw)
+    if error is not None:
+        return ParsedCall("", None, f"the tool call is not valid JSON ({error})")
     if not isinstance(obj, dict):
         return ParsedCall("", None, "the tool call must be a JSON object")
     name = obj.get(name_key)
@@ -70,10 +84,11 @@ def _json_call(
     args_key = next((k for k in args_keys if k in obj), None)
     args = obj.get(args_key, {}) if args_key else {}
     if isinstance(args, str):  # some models double-encode arguments
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return ParsedCall(name, None, f"the arguments of {name} are a string, not JSON")
+        args, error = _decode(args)
+        if error is not None:
+            return ParsedCall(
+                name, None, f"the arguments of {name} are a string, not JSON ({error})"
+            )
     return ParsedCall(name, args)
 
 

@@ -1,0 +1,97 @@
+"""Tool-call parsers against text a policy may write to crash them: every parser returns calls
+(or what was wrong with them) for any text, and never raises."""
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+
+from jax_agent_rl.agent.parsers import PARSERS, ParsedCall, make_parser
+
+DEEP = "[" * 1000
+HUGE = "1" * 4301  # past Python's 4,300-digit limit on int("...")
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("hermes", f"<tool_call>{DEEP}</tool_call>"),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"x": ' + HUGE + "}}</tool_call>"),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "' + HUGE + '"}</tool_call>'),
+        ("llama3_json", '{"a":' * 1000 + "1"),
+        ("llama3_json", '{"name": "f", "parameters": {"x": ' + HUGE + "}}"),
+        ("llama3_json", '{"name": "f", "parameters": "' + DEEP + '"}'),
+    ],
+)
+def test_undecodable_calls_are_errors(parser: str, text: str) -> None:
+    calls = make_parser(parser).parse(text)
+    assert calls and all(c.error for c in calls), calls
+
+
+_PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<|python_tag|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<python>",
+    "</python>",
+    "<tool>",
+    "</tool>",
+    "```",
+    "```python\n",
+    '{"name": "calculator", "arguments": ',
+    '{"name": "f", "parameters": ',
+    '"arguments": "',
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    '\\"',
+    ";",
+    ":",
+    ",",
+    "\n",
+    "null",
+    "NaN",
+    "1e999",
+    "-Infinity",
+    "\\ud800",
+    "é",
+    "\U0001f600",
+    "\x00",
+]
+_TEXT = st.lists(
+    st.one_of(
+        st.sampled_from(_PIECES),
+        st.text(max_size=20),
+        st.integers(1, 1500).map(lambda n: "[" * n),
+        st.integers(1, 1500).map(lambda n: '{"a":' * n),
+        st.integers(4000, 5000).map(lambda n: "7" * n),
+    ),
+    max_size=12,
+).map("".join)
+
+
+def _well_formed(call: object) -> bool:
+    if not isinstance(call, ParsedCall) or not isinstance(call.name, str):
+        return False
+    if call.error is None:
+        return bool(call.name)
+    return isinstance(call.error, str) and bool(call.error)
+
+
+@hypothesis.seed(1729)
+@hypothesis.settings(max_examples=400, derandomize=True, deadline=None)
+@hypothesis.given(text=_TEXT)
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.timeout(120)
+def test_every_parser_survives_any_text(name: str, text: str) -> None:
+    parser = make_parser(name)
+    calls = parser.parse(text)
+    assert isinstance(calls, list) and all(_well_formed(c) for c in calls), calls
+    assert isinstance(parser.needs_more(text), bool)
