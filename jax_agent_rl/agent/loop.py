@@ -5,7 +5,8 @@
 every other token comes from the chat template as a delta (mask 0), so ``prompt_ids +
 response_ids`` is what the model saw. Tool calls of one turn run concurrently; a malformed
 call is answered with a tool message saying what was wrong. Every trajectory ends with a
-`StopReason`, and its tool state is always released.
+`StopReason`, and its tool state is always released; an unexpected exception ends only its own
+trajectory (``agent_error``, see `run_sample`).
 
 A sample's ``agent_name`` picks the loop from `AGENT_LOOPS` (``tool_agent``, ``single_turn``,
 or a user loop added with `register_agent_loop`).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import traceback
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, cast
@@ -218,6 +220,9 @@ async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
             traj.append(observation, model=False)
         else:
             traj.stop_reason = _budget_stop(traj, ctx, 0) or traj.stop_reason
+    except Exception:  # this trajectory's failure, kept with what it did until then
+        traj.stop_reason = "agent_error"
+        traj.error = traceback.format_exc()
     finally:
         traj.timings["tools_s"] = tool_seconds
         traj.timings["total_s"] = time.perf_counter() - t_start
@@ -313,9 +318,30 @@ def register_agent_loop(name: str, loop: AgentLoopFn) -> None:
 
 
 async def run_sample(sample: Sample, ctx: AgentContext) -> Trajectory:
-    """Runs the loop the sample names."""
+    """Runs the loop the sample names.
+
+    An exception out of the loop ends this trajectory only (stop reason ``agent_error``, the
+    traceback in ``error``, the prompt in ``messages`` but no tokens), so one failure does not
+    lose the other trajectories gathered with it; its tool state is released here, since a
+    failed loop may not have released it. Cancellation still propagates.
+    """
     if sample.agent_name not in AGENT_LOOPS:
         raise KeyError(
             f"unknown agent_name {sample.agent_name!r}; registered: {sorted(AGENT_LOOPS)}"
         )
-    return await AGENT_LOOPS[sample.agent_name](sample, ctx)
+    try:
+        return await AGENT_LOOPS[sample.agent_name](sample, ctx)
+    except Exception:
+        error = traceback.format_exc()
+    try:
+        await ctx.tools.release(sample.uid)
+    except Exception:
+        error += "\nand then releasing its tool state failed:\n" + traceback.format_exc()
+    return Trajectory(
+        uid=sample.uid,
+        group_id=sample.group_id,
+        prompt_ids=[],
+        messages=[dict(m) for m in sample.messages],
+        stop_reason="agent_error",
+        error=error,
+    )

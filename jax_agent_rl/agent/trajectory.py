@@ -16,6 +16,9 @@ StopReason = Literal[
     "tool_done",  # a tool ended the episode
     "tool_error",  # the tool service failed (transport); the trajectory is not trainable
     "aborted",  # the rollout backend aborted a generation
+    # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
+    # this trajectory only; its traceback is in `Trajectory.error`; not trainable
+    "agent_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 
@@ -59,6 +62,7 @@ class Trajectory:
     malformed_calls: int = 0
     tool_errors: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str | None = None  # the traceback that ended it (stop reason agent_error)
 
     def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
@@ -68,7 +72,7 @@ class Trajectory:
     @property
     def trainable(self) -> bool:
         """False for episodes cut short by infrastructure (their outcome says nothing)."""
-        return self.stop_reason not in ("tool_error", "aborted")
+        return self.stop_reason not in ("tool_error", "aborted", "agent_error")
 
     @property
     def num_model_tokens(self) -> int:

@@ -27,6 +27,7 @@ TRACES_FILE = "traces.jsonl"
 PROMPT_STYLE = "dim"
 MODEL_STYLE = "bold green"
 GIVEN_STYLE = "cyan"
+ERROR_STYLE = "bold red"
 # Model tokens by the probability the sampler gave them (with show_logprobs): (min p, style).
 PROB_STYLES = (
     (0.9, "bold green"),
@@ -45,6 +46,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "group_id": traj.group_id,
         "reward": float(traj.reward),
         "stop_reason": traj.stop_reason,
+        "error": traj.error,
         "num_turns": int(traj.num_turns),
         "tool_calls": int(traj.tool_calls),
         "malformed_calls": int(traj.malformed_calls),
@@ -173,13 +175,16 @@ def legend_text(show_logprobs: bool) -> Text:
 
 
 def render_trace(record: dict[str, Any], console: Console, show_logprobs: bool = False) -> None:
-    """Prints the header, the prompt (dimmed), the coloured response and a legend."""
+    """Prints the header, the prompt (dimmed), the coloured response, the traceback that ended
+    the trajectory if one did, and a legend."""
     console.rule()
     console.print(header_text(record))
     body = Text()
     body.append(record["prompt_text"], style=PROMPT_STYLE)
     body.append_text(response_text(record, show_logprobs))
     console.print(body)
+    if record.get("error"):  # traces written before errors were recorded have none
+        console.print(Text(record["error"], style=ERROR_STYLE))
     console.print(legend_text(show_logprobs))
 
 

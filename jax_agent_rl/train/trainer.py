@@ -6,8 +6,9 @@ One step (`Trainer._step`):
    loop on the backend (all episodes concurrently; the backend batches them);
 2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
-3. pack the trainable trajectories (not those cut short by a dead tool service or an abort)
-   into a batch; recompute old-policy logprobs (and reference / critic values if used);
+3. pack the trainable trajectories (not those cut short by a dead tool service, an abort or
+   an unexpected error) into a batch; recompute old-policy logprobs (and reference / critic
+   values if used);
 4. advantages: GRPO (group-normalised outcome) or GAE (critic);
 5. ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
 6. push the new weights to the backend as version ``step + 1``.
@@ -83,6 +84,16 @@ def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, 
     }
     out.update({f"stop/{r}": stops.get(r, 0) / n for r in STOP_REASONS})
     return {prefix + k: v for k, v in out.items()}
+
+
+def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:
+    """One trajectory's unexpected error ends that trajectory only (``agent_error``); when
+    every trajectory of a rollout ended so, the backend, the tools or the loop is broken, not
+    the policy: raise with the first traceback rather than train on nothing, step after step."""
+    if trajs and all(t.stop_reason == "agent_error" for t in trajs):
+        raise RuntimeError(
+            f"all {len(trajs)} trajectories of the rollout failed; the first:\n{trajs[0].error}"
+        )
 
 
 def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
@@ -363,6 +374,7 @@ class Trainer:
         ]
         ctx = dataclasses.replace(ctx, seed=self._seed(tag))
         trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
+        raise_if_all_failed(trajs)
         for traj, e in zip(trajs, episodes, strict=True):
             traj.reward = self.reward_fn(final_answer_text(traj), e.ground_truth)
         return trajs
