@@ -10,9 +10,9 @@ it fills, and its layout:
   (per-layer) dimensions form HF's ``in``.
 
 Import checks every tensor's shape; a missing, unexpected or duplicated HF tensor is an error
-that names it. Export writes the same names back (sharded with an index past ``max_shard_bytes``),
-so transformers and vLLM can load a trained policy. Weight sync to other engines reuses
-`hf_tensors`.
+that names it, and so is a shard an index names outside the checkpoint folder. Export writes
+the same names back (sharded with an index past ``max_shard_bytes``), so transformers and vLLM
+can load a trained policy. Weight sync to other engines reuses `hf_tensors`.
 """
 
 from __future__ import annotations
@@ -108,6 +108,21 @@ def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tu
                 yield rule.hf.format(i=i), rule, i, spec.shape[1:]
 
 
+def _shard(folder: Path, name: str) -> Path:
+    """The file of shard ``name`` in the index of ``folder``. The index is data from wherever
+    the checkpoint came from, so a name must stay inside the folder (no absolute path, no
+    ``..``); the file itself may be a link, as in the Hugging Face cache, whose snapshot
+    folders link every file to ``../../blobs``."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        raise CheckpointError(
+            f"shard {name!r} of {folder / 'model.safetensors.index.json'} is not a file inside "
+            f"the checkpoint folder {folder.resolve()}: an index names its shards by paths "
+            "relative to the folder, without '..'"
+        )
+    return folder / name
+
+
 def _locate(path: Path) -> dict[str, Path]:
     """HF name -> the safetensors file holding it (one file, or shards listed by an index)."""
     index = path / "model.safetensors.index.json"
@@ -115,7 +130,7 @@ def _locate(path: Path) -> dict[str, Path]:
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         listed = set(weight_map)
-        files = sorted({path / file for file in weight_map.values()})
+        files = sorted({_shard(path, file) for file in weight_map.values()})
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
