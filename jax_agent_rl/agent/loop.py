@@ -8,8 +8,9 @@ call is answered with a tool message saying what was wrong. Every trajectory end
 `StopReason`, and its tool state is always released; an unexpected exception ends only its own
 trajectory (``agent_error``, see `run_sample`).
 
-A sample's ``agent_name`` picks the loop from `AGENT_LOOPS` (``tool_agent``, ``single_turn``,
-or a user loop added with `register_agent_loop`).
+A sample's ``agent_name`` picks the loop from `AGENT_LOOPS`: ``tool_agent`` and
+``single_turn_agent``, spelled as verl spells them, or a user loop added with
+`register_agent_loop`. Datasets are checked against these names when they are loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 import time
 import traceback
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
@@ -29,6 +30,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolExecutor, ToolTransportError
+from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +138,17 @@ async def _generate(
 
 
 async def _call_tools(
-    ctx: AgentContext, traj: Trajectory, calls: list[ParsedCall]
+    ctx: AgentContext,
+    traj: Trajectory,
+    calls: list[ParsedCall],
+    create_kwargs: Mapping[str, dict[str, Any]],
 ) -> list[ToolResult]:
     async def one(call: ParsedCall) -> ToolResult:
         if call.error is not None:
             traj.malformed_calls += 1
             return ToolResult(f"error: {call.error}", error=True)
-        return await ctx.tools.call(traj.uid, call.name, call.arguments)
+        kwargs = create_kwargs.get(call.name)
+        return await ctx.tools.call(traj.uid, call.name, call.arguments, kwargs)
 
     results = list(await asyncio.gather(*(one(c) for c in calls)))
     traj.tool_calls += len(calls)
@@ -166,68 +172,88 @@ async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
         prompt_ids=ctx.builder.prompt_ids(sample.messages),
         messages=[dict(m) for m in sample.messages],
     )
-    tool_seconds = 0.0
+    traj.timings["tools_s"] = 0.0
     try:
+        create_kwargs = create_kwargs_by_tool(sample.extra)  # extra_info.tools_kwargs
         n_requests = 0
         while _budget_stop(traj, ctx, 0) is None:
-            # --- one model turn: one or more generate requests (inline blocks continue)
-            turn: list[int] = []
-            while True:
-                tokens, finish = await _generate(traj, ctx, n_requests, len(turn))
-                n_requests += 1
-                turn += tokens
-                text = ctx.tokenizer.decode(turn)
-                if finish == "abort" or not ctx.parser.needs_more(text):
-                    break
-                if _budget_stop(traj, ctx, len(turn)):
-                    break
-            traj.num_turns += 1
-            text = ctx.tokenizer.decode(turn)
-            if finish == "abort":
-                traj.stop_reason = "aborted"
-                break
-            calls = ctx.parser.parse(text)
-            if not calls:
-                traj.messages.append({"role": "assistant", "content": text})
-                if turn and turn[-1] == ctx.builder.eos_id:
-                    traj.stop_reason = "eos"
-                else:
-                    traj.stop_reason = _budget_stop(traj, ctx, len(turn)) or "eos"
-                break
-            if traj.num_turns >= ctx.config.max_turns:
-                traj.messages.append({"role": "assistant", "content": text})
-                traj.stop_reason = "max_turns"
-                break
-            t_tools = time.perf_counter()
-            try:
-                results = await _call_tools(ctx, traj, calls)
-            except ToolTransportError as e:
-                traj.messages.append({"role": "assistant", "content": text})
-                traj.messages.append({"role": "tool", "content": f"tool service failed: {e}"})
-                traj.stop_reason = "tool_error"
-                break
-            finally:
-                tool_seconds += time.perf_counter() - t_tools
-            traj.turn_rewards.append(sum(r.reward for r in results))
-            observation, tool_messages = _observation(ctx, turn, text, calls, results)
-            traj.messages.extend(tool_messages)
-            # The sequence ends with the model's last tokens: an observation the model would
-            # never read (the episode ends here) is kept in the messages, not in the tokens.
-            stop = "tool_done" if any(r.done for r in results) else _fits(traj, ctx, observation)
+            turn, finish, n_requests = await _model_turn(traj, ctx, n_requests)
+            stop = await finish_turn(ctx, traj, turn, finish, create_kwargs)
             if stop is not None:
                 traj.stop_reason = stop
                 break
-            traj.append(observation, model=False)
         else:
             traj.stop_reason = _budget_stop(traj, ctx, 0) or traj.stop_reason
     except Exception:  # this trajectory's failure, kept with what it did until then
         traj.stop_reason = "agent_error"
         traj.error = traceback.format_exc()
     finally:
-        traj.timings["tools_s"] = tool_seconds
         traj.timings["total_s"] = time.perf_counter() - t_start
         await ctx.tools.release(traj.uid)
     return traj
+
+
+async def _model_turn(
+    traj: Trajectory, ctx: AgentContext, n_requests: int
+) -> tuple[list[int], str, int]:
+    """One model turn: one or more generate requests (an inline block that stopped at its
+    opening fence is continued). Returns its tokens, the last finish reason and the request
+    count so far."""
+    turn: list[int] = []
+    while True:
+        tokens, finish = await _generate(traj, ctx, n_requests, len(turn))
+        n_requests += 1
+        turn += tokens
+        if finish == "abort" or not ctx.parser.needs_more(ctx.tokenizer.decode(turn)):
+            return turn, finish, n_requests
+        if _budget_stop(traj, ctx, len(turn)):
+            return turn, finish, n_requests
+
+
+async def finish_turn(
+    ctx: AgentContext,
+    traj: Trajectory,
+    turn: list[int],
+    finish: str,
+    create_kwargs: Mapping[str, dict[str, Any]] | None = None,
+) -> StopReason | None:
+    """Everything after a model turn whose tokens ``turn`` are already in ``traj``: read its
+    text, call the tools it asks for (each with its ``create_kwargs`` from the sample, see
+    `create_kwargs_by_tool`) and append their observation. Returns the stop reason
+    when the episode ends here, else None. This is where model text meets the loop: whatever
+    the model wrote, it ends as a stop reason, never an exception (fuzzed in
+    ``tests/hostile/test_model_text.py``)."""
+    traj.num_turns += 1
+    text = ctx.tokenizer.decode(turn)
+    if finish == "abort":
+        return "aborted"
+    calls = ctx.parser.parse(text)
+    if not calls:
+        traj.messages.append({"role": "assistant", "content": text})
+        if turn and turn[-1] == ctx.builder.eos_id:
+            return "eos"
+        return _budget_stop(traj, ctx, len(turn)) or "eos"
+    if traj.num_turns >= ctx.config.max_turns:
+        traj.messages.append({"role": "assistant", "content": text})
+        return "max_turns"
+    t_tools = time.perf_counter()
+    try:
+        results = await _call_tools(ctx, traj, calls, create_kwargs or {})
+    except ToolTransportError as e:
+        traj.messages.append({"role": "assistant", "content": text})
+        traj.messages.append({"role": "tool", "content": f"tool service failed: {e}"})
+        return "tool_error"
+    finally:
+        traj.timings["tools_s"] += time.perf_counter() - t_tools
+    traj.turn_rewards.append(sum(r.reward for r in results))
+    observation, tool_messages = _observation(ctx, turn, text, calls, results)
+    traj.messages.extend(tool_messages)
+    # The sequence ends with the model's last tokens: an observation the model would never
+    # read (the episode ends here) is kept in the messages, not in the tokens.
+    stop = "tool_done" if any(r.done for r in results) else _fits(traj, ctx, observation)
+    if stop is None:
+        traj.append(observation, model=False)
+    return stop
 
 
 def _observation(
@@ -307,7 +333,7 @@ async def run_single_turn(sample: Sample, ctx: AgentContext) -> Trajectory:
 
 AGENT_LOOPS: dict[str, AgentLoopFn] = {
     "tool_agent": run_tool_agent,
-    "single_turn": run_single_turn,
+    "single_turn_agent": run_single_turn,
 }
 
 
