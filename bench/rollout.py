@@ -93,10 +93,13 @@ class LocalExecutor:
     async def schemas(self) -> list[dict[str, Any]]:
         return [self.tool.schema]
 
-    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
+    async def call(
+        self, trajectory_id: str, name: str, arguments: Any, create_kwargs: Any = None
+    ) -> ToolResult:
         if self.before is not None:
             await self.before.wait()  # all trajectories finished generating this turn
-        state = self.states.setdefault(trajectory_id, await self.tool.create(trajectory_id))
+        created = await self.tool.create(trajectory_id, **(create_kwargs or {}))
+        state = self.states.setdefault(trajectory_id, created)
         result = await self.tool.execute(state, arguments)
         if self.after is not None:
             await self.after.wait()  # the slowest call of the turn is done

@@ -112,7 +112,7 @@ async def through_server(url: str, calls: int, concurrency: int) -> float:
 
     await _bounded(concurrency * 4, concurrency, one)  # warm-up
     rate = await _bounded(calls, concurrency, one)
-    await tools.aclose()
+    await tools.close()
     return rate
 
 

@@ -1,4 +1,8 @@
-"""Tools: the @tool decorator, stateful tools, the registry and the executor seam."""
+"""Tools: the @tool decorator, stateful tools, the registry and the executor seam.
+
+Tools written for verl import its API (``BaseTool``, ``ToolResponse``, ``function_tool``, ...)
+from `jax_agent_rl.tools.verl`, the module that stands in for ``verl.tools``.
+"""
 
 from jax_agent_rl.tools.base import FunctionTool, Tool, ToolArgumentError, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator

@@ -3,10 +3,12 @@ tools whose state lives for a whole trajectory.
 
 ``@tool`` turns a function (sync or async) into a `FunctionTool`; its schema comes from the
 signature (types) and a Google-style docstring (description and ``Args:``). A sync function
-runs in a worker thread, never on the event loop. A `StatefulTool` has ``create`` (once per
-trajectory, on first use), ``execute`` (per call) and ``release`` (always, also when the
-trajectory fails). Every call returns a `ToolResult`: the text the model sees, a tool-level
-reward, whether the tool ends the trajectory, and whether it was an error.
+runs in a worker thread, never on the event loop. A stateful `Tool` has ``create`` (once per
+trajectory, on first use, with the sample's create kwargs), ``execute`` (per call) and
+``release`` (always, also when the trajectory fails); a tool holding resources of its own (a
+process pool, a client) frees them in ``close``. Every call returns a `ToolResult`: the text
+the model sees, a tool-level reward, whether the tool ends the trajectory, and whether it was
+an error.
 """
 
 from __future__ import annotations
@@ -43,9 +45,14 @@ class Tool(abc.ABC):
     name: str
     schema: dict[str, Any]  # OpenAI-style {"type": "function", "function": {...}}
 
-    async def create(self, trajectory_id: str) -> Any:
-        """Per-trajectory state, created on the trajectory's first call to this tool."""
-        del trajectory_id
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> Any:
+        """Per-trajectory state, created on the trajectory's first call to this tool.
+
+        ``create_kwargs`` come from the sample: its ``extra_info.tools_kwargs[<tool name>]
+        ["create_kwargs"]`` (verl's dataset layout), none when it has none. A tool that takes
+        none fails the call (an error the model reads) when a sample gives some.
+        """
+        del trajectory_id, create_kwargs
         return None
 
     @abc.abstractmethod
@@ -55,10 +62,15 @@ class Tool(abc.ABC):
         """Frees the state; called once per trajectory that created it, whatever happened."""
         del state
 
+    async def close(self) -> None:
+        """Frees what the tool itself holds (processes, clients); called once, when its
+        executor closes, after every trajectory's state was released."""
+        return None  # a tool holds nothing by default
+
 
 def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
     """Checks arguments against the function schema's parameters; raises ToolArgumentError."""
-    params = schema["function"]["parameters"]
+    params = schema["function"].get("parameters", {})  # a function without parameters
     if not isinstance(arguments, dict):
         raise ToolArgumentError(f"arguments must be a JSON object, got {type(arguments).__name__}")
     props: dict[str, Any] = params.get("properties", {})
@@ -161,20 +173,28 @@ def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str
 
 class FunctionTool(Tool):
     """A stateless tool around one function; its return value becomes the result text (or a
-    returned `ToolResult` is used as is)."""
+    returned `ToolResult` is used as is). ``schema`` replaces the one inferred from ``fn``."""
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        schema: dict[str, Any] | None = None,
+    ) -> None:
         self.fn = fn
-        self.schema = function_schema(fn, name)
+        self.schema = schema or function_schema(fn, name)
         self.name = self.schema["function"]["name"]
         self._is_async = inspect.iscoroutinefunction(fn)
 
+    async def call(self, arguments: dict[str, Any]) -> Any:
+        """What the function returns for ``arguments`` (a sync one runs in a worker thread)."""
+        if self._is_async:
+            return await typing.cast(Callable[..., Awaitable[Any]], self.fn)(**arguments)
+        return await asyncio.to_thread(self.fn, **arguments)
+
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del state
-        if self._is_async:
-            out = await typing.cast(Callable[..., Awaitable[Any]], self.fn)(**arguments)
-        else:
-            out = await asyncio.to_thread(self.fn, **arguments)
+        out = await self.call(arguments)
         return out if isinstance(out, ToolResult) else ToolResult(text=str(out))
 
 

@@ -15,13 +15,15 @@ import dataclasses
 import importlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
+from omegaconf import OmegaConf
+from pydantic import ValidationError
 
 from jax_agent_rl.tools.base import Tool, ToolArgumentError, ToolResult, validate_arguments
+from jax_agent_rl.tools.verl import OpenAIFunctionToolSchema, VerlTool
 
 _log = logging.getLogger(__name__)
 
@@ -58,46 +60,140 @@ class ToolRegistry:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ToolRegistry:
-        """A tools file: a list of ``{class: "module:attr", config: {...}, schema: {...}}``.
+        """A tools file in either of two formats, told apart by its top level:
 
-        ``attr`` is a `Tool` instance (``config`` must then be empty) or a `Tool` subclass
-        built with ``config`` as keyword arguments; ``schema`` optionally replaces its schema.
+        - ours, a list of ``{class: "module:attr", config: {...}, schema: {...}}``: ``attr`` is
+          a `Tool` instance (``config`` must then be empty; a verl ``@function_tool`` function
+          is one) or a `Tool` subclass built with ``config`` as keyword arguments; ``schema``
+          optionally replaces its schema;
+        - verl's, a mapping ``{tools: [{class_name: "pkg.mod.Class", config: {type: native,
+          ...}, tool_schema: {...}}]}``: each class is a verl ``BaseTool``, built with
+          ``config`` and ``tool_schema`` as verl builds it and run through `VerlTool`.
+
+        ``${...}`` interpolations resolve as in verl's loader (OmegaConf). Anything malformed
+        is a ValueError naming the file, the entry and the key.
         """
-        entries = yaml.safe_load(Path(path).read_text()) or []
-        if not isinstance(entries, list):
-            raise ValueError(f"{path}: expected a list of tool entries")
-        registry = cls()
-        for i, entry in enumerate(entries):
-            unknown = sorted(set(entry) - {"class", "config", "schema"})
-            if unknown or "class" not in entry:
-                raise ValueError(
-                    f"{path}: entry {i}: keys must be class (required), config, schema; "
-                    f"got unknown {unknown}"
-                )
-            module, _, attr = entry["class"].partition(":")
-            obj = getattr(importlib.import_module(module), attr)
-            config = entry.get("config") or {}
-            if isinstance(obj, Tool):
-                if config:
-                    raise ValueError(f"{path}: entry {i}: {entry['class']} takes no config")
-                instance = obj
-            else:
-                instance = obj(**config)
-            if "schema" in entry:
-                instance.schema = entry["schema"]
-                instance.name = entry["schema"]["function"]["name"]
-            registry.add(instance)
-        return registry
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        if isinstance(data, list):
+            return cls(_our_tool(f"{path}: entry {i}", e) for i, e in enumerate(data))
+        if isinstance(data, dict) and set(data) == {"tools"} and isinstance(data["tools"], list):
+            return cls(_verl_tool(f"{path}: tools[{i}]", e) for i, e in enumerate(data["tools"]))
+        if data == {}:
+            return cls()
+        raise ValueError(
+            f"{path}: expected a list of tool entries (jax_agent_rl's format) or a mapping with "
+            f"only a 'tools' list (verl's format); got {_shape(data)}"
+        )
+
+
+def _shape(data: Any) -> str:
+    return f"a mapping with keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
+
+
+def _problems(e: ValidationError) -> str:
+    """A schema's problems on one line: ``function.description: Field required; ...``."""
+    return "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
+
+
+def _import(where: str, key: str, module: str, attr: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where}: {key}: cannot import {attr!r} from {module!r}: {e}") from e
+
+
+def _mapping(where: str, entry: Any, key: str) -> dict[str, Any]:
+    value = entry.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _our_tool(where: str, entry: Any) -> Tool:
+    """One entry of our format (see `ToolRegistry.from_yaml`)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - {"class", "config", "schema"})
+    if unknown or "class" not in entry:
+        raise ValueError(
+            f"{where}: keys must be class (required), config, schema; got unknown {unknown}"
+        )
+    module, _, attr = str(entry["class"]).partition(":")
+    if not (module and attr):
+        raise ValueError(f"{where}: class must be 'module:attr', got {entry['class']!r}")
+    obj = _import(where, "class", module, attr)
+    config = _mapping(where, entry, "config")
+    if isinstance(obj, Tool):
+        if config:
+            raise ValueError(f"{where}: config: {entry['class']} is a tool, not a class to build")
+        instance = obj
+    else:
+        instance = obj(**config)
+    if "schema" in entry:
+        try:
+            OpenAIFunctionToolSchema.model_validate(entry["schema"])
+        except ValidationError as e:
+            raise ValueError(f"{where}: schema: {_problems(e)}") from e
+        instance.schema = entry["schema"]
+        instance.name = entry["schema"]["function"]["name"]
+    return instance
+
+
+def _verl_tool(where: str, entry: Any) -> Tool:
+    """One entry of verl's format (see `ToolRegistry.from_yaml`)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
+    if unknown or "class_name" not in entry:
+        raise ValueError(
+            f"{where}: keys must be class_name (required), config, tool_schema; "
+            f"got unknown {unknown}"
+        )
+    module, _, attr = str(entry["class_name"]).rpartition(".")
+    if not module:
+        raise ValueError(f"{where}: class_name must be 'pkg.module.Class', got {attr!r}")
+    where = f"{where} ({entry['class_name']})"
+    config = _mapping(where, entry, "config")
+    if config.get("type") != "native":
+        raise ValueError(
+            f"{where}: config.type must be 'native' (verl's MCP tools are not supported), "
+            f"got {config.get('type')!r}"
+        )
+    tool_cls = _import(where, "class_name", module, attr)
+    raw = entry.get("tool_schema")
+    try:
+        schema = None if raw is None else OpenAIFunctionToolSchema.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"{where}: tool_schema: {_problems(e)}") from e
+    try:
+        return VerlTool(tool_cls(config=config, tool_schema=schema))  # as verl builds it
+    except Exception as e:
+        e.add_note(f"while building {where}")
+        raise
 
 
 class ToolExecutor(Protocol):
-    """How the agent loop calls tools: per-trajectory sticky state, always released."""
+    """How the agent loop calls tools: per-trajectory sticky state, always released.
+
+    ``create_kwargs`` are the sample's for tool ``name`` (see `Tool.create`); a call passes
+    them every time and they are used when the call creates the tool's state for the
+    trajectory. ``close`` frees the executor's own resources (clients, the tools' processes)
+    once the run is over.
+    """
 
     async def schemas(self) -> list[dict[str, Any]]: ...
 
-    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult: ...
+    async def call(
+        self,
+        trajectory_id: str,
+        name: str,
+        arguments: Any,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> ToolResult: ...
 
     async def release(self, trajectory_id: str) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -151,7 +247,13 @@ class LocalTools:
     async def schemas(self) -> list[dict[str, Any]]:
         return self.registry.schemas()
 
-    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
+    async def call(
+        self,
+        trajectory_id: str,
+        name: str,
+        arguments: Any,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> ToolResult:
         if name not in self.registry:
             return ToolResult(
                 f"error: unknown tool {name!r}; available: {self.registry.names}", error=True
@@ -171,7 +273,7 @@ class LocalTools:
                 error=True,
             )
         try:
-            state = await self._state(trajectory, trajectory_id, t)
+            state = await self._state(trajectory, trajectory_id, t, create_kwargs or {})
             return await asyncio.wait_for(t.execute(state, args), self.timeout_s)
         except TimeoutError:
             return ToolResult(f"error: {name} timed out after {self.timeout_s:g}s", error=True)
@@ -198,10 +300,16 @@ class LocalTools:
         if trajectory.in_flight == 0 and self._open.get(trajectory_id) is trajectory:
             self._idle_since[trajectory_id] = self.clock()
 
-    async def _state(self, trajectory: _Trajectory, trajectory_id: str, t: Tool) -> Any:
+    async def _state(
+        self,
+        trajectory: _Trajectory,
+        trajectory_id: str,
+        t: Tool,
+        create_kwargs: Mapping[str, Any],
+    ) -> Any:
         async with trajectory.creating:
             if t.name not in trajectory.states:
-                trajectory.states[t.name] = await t.create(trajectory_id)
+                trajectory.states[t.name] = await t.create(trajectory_id, **create_kwargs)
             return trajectory.states[t.name]
 
     async def expire_idle(self) -> None:
@@ -240,6 +348,19 @@ class LocalTools:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise RuntimeError(f"releasing tool state of {trajectory_id} failed: {errors!r}")
+
+    async def close(self) -> None:
+        """Releases every trajectory still open, then closes every tool (`Tool.close`); a
+        failure stops none of the others and is raised at the end."""
+        open_ids = list(self._open)
+        released = await asyncio.gather(
+            *(self.release(i) for i in open_ids), return_exceptions=True
+        )
+        tools = [self.registry.get(n) for n in self.registry.names]
+        closed = await asyncio.gather(*(t.close() for t in tools), return_exceptions=True)
+        errors = [r for r in [*released, *closed] if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"closing the tools failed: {errors!r}")
 
     @property
     def open_trajectories(self) -> int:

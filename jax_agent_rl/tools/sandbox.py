@@ -354,6 +354,10 @@ class PythonTool(Tool):
         self.schema = function_schema(python)
         self.name = "python"
 
+    async def close(self) -> None:
+        """Stops the pool's sandboxes (the trainer's and the tool server's tools are closed)."""
+        self.sandbox.close()
+
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del state
         result = await self.sandbox.run(arguments["code"])

@@ -1,10 +1,11 @@
 """The tool server (FastAPI over a `ToolRegistry`) and its client, `HttpTools`.
 
 Endpoints: ``GET /health``, ``GET /tools`` (schemas), ``POST /execute`` (one call; state is
-sticky per ``trajectory_id``), ``POST /release`` (free a trajectory's state), ``GET /metrics``.
-Calls run through `LocalTools` (per-call timeout, failures become error results) behind a
-concurrency cap. The server refuses to listen on a non-loopback address without a bearer
-token.
+sticky per ``trajectory_id``; its ``create_kwargs`` reach the tool's ``create``), ``POST
+/release`` (free a trajectory's state), ``GET /metrics``, and verl-tool's ``POST
+/get_observation`` (see `create_app`). Calls run through `LocalTools` (per-call timeout, failures
+become error results) behind a concurrency cap; when the app stops, every tool is closed. The
+server refuses to listen on a non-loopback address without a bearer token.
 
 What a careless or hostile client can hold is bounded by settings of the server: trajectory
 state expires after ``idle_timeout_s`` without a call (a sweep frees it even with no traffic)
@@ -28,23 +29,31 @@ import dataclasses
 import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, cast
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jax_agent_rl.agent.parsers import (
+    InlineToolCallParser,
+    ParsedCall,
+    ToolCallParser,
+    make_parser,
+)
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 
 class ExecuteRequest(BaseModel):
     trajectory_id: str
     name: str
     arguments: Any = None
+    create_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class ReleaseRequest(BaseModel):
@@ -53,6 +62,37 @@ class ReleaseRequest(BaseModel):
 
 class BatchRequest(BaseModel):
     calls: list[ExecuteRequest]
+
+
+class ObservationRequest(BaseModel):
+    """verl-tool's request (``verl_tool/servers/tool_server.py`` ``ActionRequest``): per
+    trajectory, an action (the text of a model turn), whether the trajectory is finished,
+    whether this is its last step, and its extra fields (the dataset row's ``extra_info``)."""
+
+    trajectory_ids: list[str] = Field(min_length=1)
+    actions: list[str]
+    finish: list[bool] | None = None
+    is_last_step: list[bool] | None = None
+    extra_fields: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _one_item_per_trajectory(self) -> ObservationRequest:
+        n = len(self.trajectory_ids)
+        for key in ("actions", "finish", "is_last_step", "extra_fields"):
+            items = getattr(self, key)
+            if items is not None and len(items) != n:
+                raise ValueError(f"{key} has {len(items)} items for {n} trajectory_ids")
+        return self
+
+
+def observation_text(parser: ToolCallParser, texts: list[str]) -> str:
+    """What verl-tool's client appends after the action: each result as the parser's model
+    reads it (an inline parser's output block; for a chat parser, Hermes ``<tool_response>``
+    blocks, the content a chat template renders for tool messages)."""
+    if parser.style == "inline":
+        inline = cast(InlineToolCallParser, parser)
+        return "".join(inline.format_output(t) for t in texts)
+    return "\n".join(f"<tool_response>\n{t}\n</tool_response>" for t in texts)
 
 
 @dataclasses.dataclass
@@ -159,13 +199,29 @@ def create_app(
     max_trajectories: int = 10_000,
     max_body_bytes: int = 8 * 2**20,
     body_timeout_s: float = 10.0,
+    action_parser: str = "hermes",
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ) -> FastAPI:
     """The tool server's app. ``idle_timeout_s``, ``max_trajectories`` and ``clock`` go to
     `LocalTools`; while the app runs (its lifespan), `sweep_idle` expires idle trajectories
     every ``idle_timeout_s / 2`` seconds, waiting with ``sleep``, so idle state lives at most
-    1.5 x ``idle_timeout_s``. ``max_body_bytes`` and ``body_timeout_s`` go to `BodyLimit`."""
+    1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
+    ``body_timeout_s`` go to `BodyLimit`. ``action_parser`` (a name of
+    `jax_agent_rl.agent.parsers`) reads the actions of ``/get_observation``.
+
+    ``POST /get_observation`` serves verl-tool's client (``verl_tool/agent_loop``): for each
+    trajectory, ``finish`` releases its state and answers an empty observation; otherwise the
+    action is parsed into tool calls, which run like ``/execute`` calls (concurrently, with
+    the create kwargs of ``extra_fields[i]["tools_kwargs"]``), and the observation is
+    ``{"obs": text, "reward": sum of the calls' rewards}``; ``is_last_step`` releases the state
+    afterwards. ``dones`` is whether a tool ended the trajectory (or it finished); ``valids``
+    whether the action held calls and none was malformed (``invalid_reason`` says why not).
+    verl-tool instead routes each action to the first of its tools whose own
+    ``parse_action`` accepts it; here the one parser reads them all. verl-tool's client sends
+    no bearer token: give the server none (loopback) or put a proxy that adds it in front.
+    """
+    parser = make_parser(action_parser)
     tools = LocalTools(
         registry,
         timeout_s=timeout_s,
@@ -186,6 +242,7 @@ def create_app(
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            await tools.close()
 
     app = FastAPI(title="jax_agent_rl tool server", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
@@ -208,7 +265,9 @@ def create_app(
             metrics.in_flight += 1
             t0 = time.perf_counter()
             try:
-                result = await tools.call(req.trajectory_id, req.name, req.arguments)
+                result = await tools.call(
+                    req.trajectory_id, req.name, req.arguments, req.create_kwargs
+                )
             finally:
                 metrics.in_flight -= 1
                 metrics.calls += 1
@@ -238,6 +297,64 @@ def create_app(
         await tools.release(req.trajectory_id)
         metrics.releases += 1
         return {"released": req.trajectory_id}
+
+    async def run_call(
+        trajectory_id: str, call: ParsedCall, create_kwargs: dict[str, Any]
+    ) -> ToolResult:
+        if call.error is not None:
+            return ToolResult(f"error: {call.error}", error=True)
+        request = ExecuteRequest(
+            trajectory_id=trajectory_id,
+            name=call.name,
+            arguments=call.arguments,
+            create_kwargs=create_kwargs,
+        )
+        return ToolResult(**await execute(request))
+
+    async def observe(
+        trajectory_id: str, action: str, last: bool, create_kwargs: dict[str, dict[str, Any]]
+    ) -> tuple[dict[str, Any], bool, bool]:
+        """One trajectory's observation, done and valid for its action (see above)."""
+        calls = parser.parse(action)
+        results = await asyncio.gather(
+            *(run_call(trajectory_id, c, create_kwargs.get(c.name, {})) for c in calls)
+        )
+        if last:
+            await release(ReleaseRequest(trajectory_id=trajectory_id))
+        obs: dict[str, Any] = {
+            "obs": observation_text(parser, [r.text for r in results]),
+            "reward": sum(r.reward for r in results) if results else None,
+        }
+        malformed = [c.error for c in calls if c.error is not None]
+        if not calls:
+            obs["invalid_reason"] = f"no tool call found by the {parser.name} parser"
+        elif malformed:
+            obs["invalid_reason"] = f"malformed tool call(s): {malformed}"
+        return obs, any(r.done for r in results), bool(calls) and not malformed
+
+    @app.post("/get_observation", dependencies=[Depends(authorize)])
+    async def get_observation(req: ObservationRequest) -> dict[str, Any]:
+        n = len(req.trajectory_ids)
+        finish = req.finish or [False] * n
+        last = req.is_last_step or [False] * n
+        try:
+            create_kwargs = [create_kwargs_by_tool(f) for f in req.extra_fields or [{}] * n]
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from e
+
+        async def one(i: int) -> tuple[dict[str, Any], bool, bool]:
+            if finish[i]:
+                await release(ReleaseRequest(trajectory_id=req.trajectory_ids[i]))
+                return {"obs": "", "reward": None}, True, True
+            trajectory_id, action = req.trajectory_ids[i], req.actions[i]
+            return await observe(trajectory_id, action, last[i], create_kwargs[i])
+
+        out = await asyncio.gather(*(one(i) for i in range(n)))
+        return {
+            "observations": [o for o, _, _ in out],
+            "dones": [d for _, d, _ in out],
+            "valids": [v for _, _, v in out],
+        }
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def get_metrics() -> dict[str, Any]:
@@ -269,6 +386,7 @@ def serve(
     max_body_bytes: int = 8 * 2**20,
     body_timeout_s: float = 10.0,
     max_connections: int = 512,
+    action_parser: str = "hermes",
 ) -> None:
     """Runs the server until interrupted; the settings are `create_app`'s.
 
@@ -295,6 +413,7 @@ def serve(
         max_trajectories=max_trajectories,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        action_parser=action_parser,
     )
     uvicorn.run(
         app,
@@ -357,10 +476,21 @@ class HttpTools:
     async def schemas(self) -> list[dict[str, Any]]:
         return list(await self._request("GET", "/tools"))
 
-    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
+    async def call(
+        self,
+        trajectory_id: str,
+        name: str,
+        arguments: Any,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> ToolResult:
         """One call. Calls made in the same event-loop tick travel in one HTTP request (up to
         ``max_batch``): concurrent trajectories share the per-request cost."""
-        body = {"trajectory_id": trajectory_id, "name": name, "arguments": arguments}
+        body = {
+            "trajectory_id": trajectory_id,
+            "name": name,
+            "arguments": arguments,
+            "create_kwargs": dict(create_kwargs or {}),
+        }
         future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
         self._pending.append((body, future))
         if len(self._pending) == 1:
@@ -425,7 +555,10 @@ class HttpTools:
     async def metrics(self) -> dict[str, Any]:
         return dict(await self._request("GET", "/metrics"))
 
-    async def aclose(self) -> None:
-        client = self._clients.pop(asyncio.get_running_loop(), None)
+    async def close(self) -> None:
+        """Closes the HTTP client of the running event loop. Clients made in event loops that
+        have ended are dropped: their connections cannot be closed from another loop."""
+        clients, self._clients = self._clients, {}
+        client = clients.get(asyncio.get_running_loop())
         if client is not None:
             await client.aclose()

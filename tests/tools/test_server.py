@@ -90,7 +90,7 @@ def test_calls_state_timeouts_and_crashes(server: str) -> None:
             await tools.release(t)
         metrics = await tools.metrics()
         assert metrics["open_trajectories"] == 0 and metrics["errors"] == 2
-        await tools.aclose()
+        await tools.close()
 
     asyncio.run(scenario())
 
