@@ -6,7 +6,9 @@ One row is one prompt::
     reward_model  {"style": "rule", "ground_truth": ...}  (or a top-level ``ground_truth``)
     data_source   str, optional: which reward function / benchmark the row belongs to
     extra_info    dict, optional; ``extra_info["index"]`` numbers the row within its source
-    agent_name    str, optional, default "tool_agent"
+    agent_name    str, optional, default "tool_agent": the agent loop (verl's names:
+                  ``tool_agent``, ``single_turn_agent``); it must be one of the names the caller
+                  passes (the registered loops), so a misspelled one fails here, not mid-rollout
 
 A row becomes a `Sample` with ``uid = f"{data_source or file stem}-{index}"``, where ``index``
 is ``extra_info["index"]`` when present, else the row number (from 0). Uids must be unique
@@ -19,7 +21,7 @@ integers, so a resumed run draws exactly the batches an uninterrupted one would 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,11 @@ class DatasetError(ValueError):
 Fail = Callable[[str], DatasetError]  # makes the error for one problem of the row at hand
 
 
-def load_samples(path: str | Path, limit: int | None = None) -> list[Sample]:
-    """The first ``limit`` rows (all when None) of a ``.jsonl`` or ``.parquet`` file."""
+def load_samples(
+    path: str | Path, *, agents: Collection[str], limit: int | None = None
+) -> list[Sample]:
+    """The first ``limit`` rows (all when None) of a ``.jsonl`` or ``.parquet`` file, whose
+    agent names must be in ``agents`` (the registered loops, `AGENT_LOOPS`)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
@@ -56,7 +61,7 @@ def load_samples(path: str | Path, limit: int | None = None) -> list[Sample]:
     samples: list[Sample] = []
     seen: dict[str, str] = {}
     for where, row in rows:
-        sample = _sample(row, path, where, row_number=len(samples))
+        sample = _sample(row, path, where, row_number=len(samples), agents=agents)
         if sample.uid in seen:
             raise DatasetError(
                 f"{path}: {where}: uid {sample.uid!r} repeats the uid of {seen[sample.uid]} "
@@ -122,7 +127,7 @@ def _parquet_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
         yield f"row {n}", row
 
 
-def _sample(row: Row, path: Path, where: str, row_number: int) -> Sample:
+def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collection[str]) -> Sample:
     def fail(problem: str) -> DatasetError:
         return DatasetError(f"{path}: {where}: {problem}")
 
@@ -139,12 +144,15 @@ def _sample(row: Row, path: Path, where: str, row_number: int) -> Sample:
     if not isinstance(extra, dict):
         raise fail(f"extra_info must be a dict, got {type(extra).__name__}")
     index = extra.get("index")
+    agent_name = _optional_str(row, "agent_name", DEFAULT_AGENT, fail)
+    if agent_name not in agents:
+        raise fail(f"unknown agent_name {agent_name!r}; registered: {sorted(agents)}")
     return Sample(
         uid=f"{data_source or path.stem}-{row_number if index is None else index}",
         messages=messages,
         ground_truth=ground_truth,
         data_source=data_source,
-        agent_name=_optional_str(row, "agent_name", DEFAULT_AGENT, fail),
+        agent_name=agent_name,
         extra=extra,
     )
 

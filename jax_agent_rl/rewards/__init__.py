@@ -1,38 +1,26 @@
-"""Reward functions and their registry. A reward function takes the trajectory's final
-assistant text and the sample's ground truth and returns a float."""
+"""Rewards: built-in answer checkers (math, GSM8K, format), user functions named in the config
+(ours or verl's ``compute_score`` signature) and the choice of reward per ``data_source``."""
 
-from collections.abc import Callable
-from typing import Any
-
-from jax_agent_rl.rewards.math import extract_answer, format_reward, math_equal, math_reward
-
-RewardFn = Callable[[str, Any], float]
-
-REWARDS: dict[str, RewardFn] = {
-    "math": math_reward,
-    "format": lambda text, truth: format_reward(text),
-}
-
-
-def register_reward(name: str, fn: RewardFn) -> None:
-    if name in REWARDS:
-        raise ValueError(f"reward {name!r} is already registered")
-    REWARDS[name] = fn
-
-
-def get_reward(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
-    return REWARDS[name]
-
+from jax_agent_rl.rewards.math import (
+    extract_answer,
+    format_reward,
+    gsm8k_answer,
+    gsm8k_reward,
+    math_equal,
+    math_reward,
+)
+from jax_agent_rl.rewards.registry import REWARDS, RewardFn, ScoreFn, load_reward, make_reward
 
 __all__ = [
     "REWARDS",
     "RewardFn",
+    "ScoreFn",
     "extract_answer",
     "format_reward",
-    "get_reward",
+    "gsm8k_answer",
+    "gsm8k_reward",
+    "load_reward",
+    "make_reward",
     "math_equal",
     "math_reward",
-    "register_reward",
 ]

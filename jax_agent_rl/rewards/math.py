@@ -1,10 +1,17 @@
 """Rewards for math answers: extract the final answer, compare numerically, check the format.
 
 `extract_answer` takes the last ``<answer>...</answer>`` or ``\\boxed{...}`` (balanced braces)
-in the model's text, outside ``<think>`` blocks. `math_equal` compares two answers as numbers
-when both parse (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands
-separators, a trailing unit-free ``%`` or ``$``), up to a relative tolerance of 1e-6; otherwise
-as normalised strings.
+in the model's text, outside ``<think>`` blocks. `math_equal` first drops LaTeX that does not
+change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``/``\\tfrac`` read as
+``\\frac``, whitespace, a trailing period), then compares two answers as numbers when both parse
+(integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
+``%``), up to a relative tolerance of 1e-6; otherwise as lower-cased strings.
+
+`gsm8k_reward` scores GSM8K the way verl's gsm8k scorer does, with its "flexible" fallback: the
+number after the model's last ``#### `` (verl's strict format), else the last number of its
+``<answer>``/``\\boxed{}`` answer, else the last number it wrote; the ground truth may be the bare
+number (verl's preprocessing) or a whole GSM8K solution ending in ``#### <number>``. Unlike
+verl, numbers are compared as numbers (``72.0`` equals ``72``), not as strings.
 """
 
 from __future__ import annotations
@@ -15,6 +22,10 @@ from fractions import Fraction
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# LaTeX that does not change a value: sizing, thin spaces, degree signs, dollar signs
+_NO_VALUE = re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]|\^\{?\\circ\}?|\\?\$")
+_MARKED = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")  # GSM8K's final-answer line
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -60,14 +71,19 @@ def parse_number(s: str) -> Fraction | float | None:
     return value / 100 if percent else value
 
 
+def _normalise(answer: str) -> str:
+    answer = _NO_VALUE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return re.sub(r"\s+", "", answer).rstrip(".").lower()
+
+
 def math_equal(predicted: str | None, truth: str | float | int, rel_tol: float = 1e-6) -> bool:
     if predicted is None:
         return False
-    a, b = parse_number(predicted), parse_number(str(truth))
+    a_text, b_text = _normalise(predicted), _normalise(str(truth))
+    a, b = parse_number(a_text), parse_number(b_text)
     if a is not None and b is not None:
         return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
-    norm = lambda x: re.sub(r"\s+", "", str(x)).lower()  # noqa: E731
-    return norm(predicted) == norm(truth)
+    return a_text == b_text
 
 
 def math_reward(text: str, ground_truth: str | float | int) -> float:
@@ -81,3 +97,20 @@ def format_reward(text: str) -> float:
     if text.count("<think>") != text.count("</think>"):
         return 0.0
     return float(len(_ANSWER.findall(_THINK.sub("", text))) == 1)
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The model's GSM8K answer (see the module docstring), or None when it wrote no number."""
+    visible = _THINK.sub("", text)
+    marked = _MARKED.findall(visible)
+    if marked:
+        return marked[-1]
+    answer = extract_answer(visible)
+    numbers = _NUMBER.findall(visible if answer is None else answer)
+    return numbers[-1] if numbers else None
+
+
+def gsm8k_reward(text: str, ground_truth: str | float | int) -> float:
+    """1.0 when the model's GSM8K answer equals the number after the ground truth's last
+    ``####`` (or the whole ground truth, when it has none), else 0.0."""
+    return float(math_equal(gsm8k_answer(text), str(ground_truth).rpartition("####")[2]))

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.data.datasets import DatasetError, PromptSampler, load_samples, write_jsonl
 
@@ -31,8 +32,9 @@ def verl_row(i: int, **overrides: Any) -> dict[str, Any]:
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(rows), path)
+    if path.suffix == ".parquet":  # every row has every column, null where it had none
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), path)
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -45,7 +47,7 @@ def samples(n: int) -> list[Sample]:
             messages=[{"role": "user", "content": f"{i} * 3 = ?"}],
             ground_truth=str(3 * i),
             data_source="arith",
-            agent_name="single_turn" if i % 2 else "tool_agent",
+            agent_name="single_turn_agent" if i % 2 else "tool_agent",
             extra={"index": i, "kind": "mul"},
         )
         for i in range(n)
@@ -55,7 +57,7 @@ def samples(n: int) -> list[Sample]:
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_verl_rows_load(tmp_path: Path, suffix: str) -> None:
     rows = [verl_row(i) for i in (3, 1, 4)]
-    loaded = load_samples(write_rows(tmp_path / f"gsm8k{suffix}", rows))
+    loaded = load_samples(write_rows(tmp_path / f"gsm8k{suffix}", rows), agents=AGENT_LOOPS)
     assert [s.uid for s in loaded] == ["openai/gsm8k-3", "openai/gsm8k-1", "openai/gsm8k-4"]
     first = loaded[0]
     assert first.messages == rows[0]["prompt"]
@@ -72,7 +74,7 @@ def test_parquet_null_message_fields_are_dropped(tmp_path: Path) -> None:
         {"role": "tool", "content": "found", "name": "search"},
     ]
     path = write_rows(tmp_path / "p.parquet", [verl_row(0, prompt=prompt)])
-    assert load_samples(path)[0].messages == prompt
+    assert load_samples(path, agents=AGENT_LOOPS)[0].messages == prompt
 
 
 def test_defaults_and_top_level_ground_truth(tmp_path: Path) -> None:
@@ -80,7 +82,7 @@ def test_defaults_and_top_level_ground_truth(tmp_path: Path) -> None:
         {"prompt": [{"role": "user", "content": "hi"}], "ground_truth": "a"},
         {"prompt": [{"role": "user", "content": "yo"}], "ground_truth": "b", "agent_name": "x"},
     ]
-    loaded = load_samples(write_rows(tmp_path / "plain.jsonl", rows))
+    loaded = load_samples(write_rows(tmp_path / "plain.jsonl", rows), agents={"tool_agent", "x"})
     assert [s.uid for s in loaded] == ["plain-0", "plain-1"]
     assert [s.ground_truth for s in loaded] == ["a", "b"]
     assert [s.agent_name for s in loaded] == ["tool_agent", "x"]
@@ -88,15 +90,28 @@ def test_defaults_and_top_level_ground_truth(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_verls_agent_names_are_the_registered_loops(tmp_path: Path, suffix: str) -> None:
+    """verl writes ``single_turn_agent`` (its default) and ``tool_agent``: both load and both
+    name a loop the rollout runs."""
+    rows = [verl_row(0, agent_name="single_turn_agent"), verl_row(1, agent_name="tool_agent")]
+    loaded = load_samples(write_rows(tmp_path / f"verl{suffix}", rows), agents=AGENT_LOOPS)
+    assert [s.agent_name for s in loaded] == ["single_turn_agent", "tool_agent"]
+    assert all(s.agent_name in AGENT_LOOPS for s in loaded)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_limit(tmp_path: Path, suffix: str) -> None:
     path = write_rows(tmp_path / f"d{suffix}", [verl_row(i) for i in range(5)])
-    assert [s.uid for s in load_samples(path, limit=2)] == ["openai/gsm8k-0", "openai/gsm8k-1"]
+    assert [s.uid for s in load_samples(path, limit=2, agents=AGENT_LOOPS)] == [
+        "openai/gsm8k-0",
+        "openai/gsm8k-1",
+    ]
 
 
 def test_write_jsonl_round_trip(tmp_path: Path) -> None:
     original = samples(4)
     path = write_jsonl(tmp_path / "out" / "arith.jsonl", original)
-    assert load_samples(path) == original
+    assert load_samples(path, agents=AGENT_LOOPS) == original
     row = json.loads(path.read_text().splitlines()[0])
     assert row["reward_model"] == {"style": "rule", "ground_truth": "0"}
 
@@ -105,26 +120,26 @@ def test_parquet_matches_jsonl(tmp_path: Path) -> None:
     jsonl = write_jsonl(tmp_path / "arith.jsonl", samples(3))
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     parquet = write_rows(tmp_path / "arith.parquet", rows)
-    assert load_samples(parquet) == load_samples(jsonl)
+    assert load_samples(parquet, agents=AGENT_LOOPS) == load_samples(jsonl, agents=AGENT_LOOPS)
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"nope\.jsonl: no such dataset file"):
-        load_samples(tmp_path / "nope.jsonl")
+        load_samples(tmp_path / "nope.jsonl", agents=AGENT_LOOPS)
 
 
 def test_unknown_suffix(tmp_path: Path) -> None:
     path = tmp_path / "data.csv"
     path.write_text("prompt\n")
     with pytest.raises(DatasetError, match=r"data\.csv: unknown dataset suffix '\.csv'"):
-        load_samples(path)
+        load_samples(path, agents=AGENT_LOOPS)
 
 
 def test_bad_json_line_names_row_and_line(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(verl_row(0)) + "\n\n{oops\n")
     with pytest.raises(DatasetError, match=r"d\.jsonl: row 1 \(line 3\): not valid JSON"):
-        load_samples(path)
+        load_samples(path, agents=AGENT_LOOPS)
 
 
 BAD_ROWS = {
@@ -143,6 +158,10 @@ BAD_ROWS = {
         {"reward_model": {"style": "rule"}},
         r"no ground truth \(expected reward_model.ground_truth or ground_truth\)",
     ),
+    "unknown_agent": (  # a typo is caught at load time, not mid-rollout
+        {"agent_name": "single_turn"},
+        r"unknown agent_name 'single_turn'; registered: \[.*'single_turn_agent'.*'tool_agent'.*\]",
+    ),
 }
 
 
@@ -160,13 +179,13 @@ def test_bad_row_names_file_row_and_problem(tmp_path: Path, suffix: str, case: s
     path = write_rows(tmp_path / f"bad{suffix}", rows)
     where = rf"row {row_number}" + (rf" \(line {row_number + 1}\)" if suffix == ".jsonl" else "")
     with pytest.raises(DatasetError, match=rf"bad\{suffix}: {where}: {problem}"):
-        load_samples(path)
+        load_samples(path, agents=AGENT_LOOPS)
 
 
 def test_duplicate_uids_are_an_error(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "dup.jsonl", [verl_row(0), verl_row(1), verl_row(0)])
     with pytest.raises(DatasetError, match=r"row 2 \(line 3\): uid 'openai/gsm8k-0' repeats"):
-        load_samples(path)
+        load_samples(path, agents=AGENT_LOOPS)
 
 
 def uids(batch: list[Sample]) -> list[str]:

@@ -1,8 +1,15 @@
-"""Answer extraction and numeric equivalence, on hand-written cases."""
+"""Answer extraction, numeric equivalence and the GSM8K scorer, on hand-written cases."""
 
 import pytest
 
-from jax_agent_rl.rewards import extract_answer, format_reward, get_reward, math_equal
+from jax_agent_rl.rewards import (
+    extract_answer,
+    format_reward,
+    gsm8k_answer,
+    gsm8k_reward,
+    math_equal,
+    math_reward,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,17 +43,67 @@ def test_extract(text: str, answer: str | None) -> None:
         ("41", "42", False),
         ("x + 1", "x+1", True),
         (None, "1", False),
+        # MATH-style LaTeX that does not change the value
+        ("\\dfrac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", True),
+        ("\\tfrac{1}{4}", "0.25", True),
+        ("\\left( 3, \\! 4 \\right)", "(3,4)", True),
+        ("90^\\circ", "90", True),
+        ("45^{\\circ}", "45.0", True),
+        ("\\$1,000", "1000", True),
+        ("x = 5.", "x=5", True),
+        ("\\leftarrow", "arrow", False),  # only the sizing commands are dropped
+        ("\\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{2}}{2}", False),
     ],
 )
 def test_math_equal(predicted: str | None, truth: str, equal: bool) -> None:
     assert math_equal(predicted, truth) is equal
 
 
-def test_rewards_registry() -> None:
-    assert get_reward("math")("<answer>7</answer>", 7) == 1.0
-    assert get_reward("math")("<answer>8</answer>", 7) == 0.0
+def test_math_and_format_rewards() -> None:
+    assert math_reward("<answer>7</answer>", 7) == 1.0
+    assert math_reward("<answer>8</answer>", 7) == 0.0
+    assert math_reward("The area is \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}") == 1.0
     assert format_reward("<think>a</think><answer>1</answer>") == 1.0
     assert format_reward("<think>a<answer>1</answer>") == 0.0
     assert format_reward("<answer>1</answer><answer>2</answer>") == 0.0
-    with pytest.raises(KeyError, match="unknown reward 'f1'"):
-        get_reward("f1")
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("48 / 2 = 24 clips in May.\n#### 72", "72"),  # verl's strict format
+        ("#### 1,234 then, to check: #### 1,235", "1,235"),  # the last one
+        ("#### $18", "18"),
+        ("#### -3.5", "-3.5"),
+        ("So the total is <answer>72 clips</answer>, from 3 steps", "72"),  # the answer's number
+        ("It costs \\boxed{\\$1,200}.", "1,200"),
+        ("48 + 24 = 72", "72"),  # verl's flexible fallback: the last number
+        ("<think>#### 5</think> I get 6", "6"),  # thinking is not the answer
+        ("no number here", None),
+    ],
+)
+def test_gsm8k_answer(text: str, answer: str | None) -> None:
+    assert gsm8k_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    ("text", "truth", "reward"),
+    [
+        ("... so she sold 72.\n#### 72", "72", 1.0),
+        # the ground truth as GSM8K writes it: the whole solution, ending in "#### <answer>"
+        ("#### 72", "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", 1.0),
+        ("<answer>72</answer>", "#### 72", 1.0),
+        ("#### 72.00", "72", 1.0),  # numbers compare as numbers
+        ("#### 1,234", "1234", 1.0),
+        ("#### 71", "#### 72", 0.0),
+        ("I cannot tell.", "#### 72", 0.0),
+    ],
+)
+def test_gsm8k_reward(text: str, truth: str, reward: float) -> None:
+    assert gsm8k_reward(text, truth) == reward
+
+
+def test_gsm8k_ground_truth_scores_zero_under_the_math_reward() -> None:
+    """Why GSM8K rows need their own scorer: the ``math`` reward reads the ground truth whole."""
+    assert math_reward("<answer>72</answer>", "#### 72") == 0.0
+    assert gsm8k_reward("<answer>72</answer>", "#### 72") == 1.0

@@ -1,0 +1,140 @@
+"""Which reward scores a row, loaded once at startup from the config's data section.
+
+A reward is named by a built-in name (`REWARDS`: ``math``, ``gsm8k``, ``format``) or by a user
+function, ``package.module:function`` or ``path/to/file.py:function`` (verl's
+``custom_reward_function.path`` / ``.name`` in one string). A user function is called in the
+form its signature accepts:
+
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, called with
+  keywords as verl calls it (any function that binds those four keywords, ``**kwargs`` too);
+- else ours, ``fn(text, ground_truth)``, called positionally (verl's per-dataset scorers such as
+  ``gsm8k.compute_score(solution_str, ground_truth)`` fit it).
+
+It returns a number, or (as verl allows) a dict whose ``score`` is the number; the other keys
+of such a dict are not recorded. Anything else, and a reward that is not finite, is an error
+naming the config key. A row is scored by ``data.rewards_by_source[row.data_source]`` when its
+source is listed there, else by ``data.reward``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jax_agent_rl.config import ConfigError, DataSection
+from jax_agent_rl.rewards.math import format_reward, gsm8k_reward, math_reward
+
+RewardFn = Callable[[str, Any], float]  # ours: (final answer text, ground truth) -> reward
+# every loaded reward: (data_source, final answer text, ground truth, extra_info) -> reward
+ScoreFn = Callable[[str, str, Any, dict[str, Any]], float]
+
+REWARDS: dict[str, RewardFn] = {
+    "math": math_reward,
+    "gsm8k": gsm8k_reward,
+    "format": lambda text, truth: format_reward(text),
+}
+
+_VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def make_reward(data: DataSection) -> ScoreFn:
+    """The reward of every row: its source's entry in ``data.rewards_by_source``, else
+    ``data.reward``. Every named reward is loaded and checked here, before anything runs."""
+    default = load_reward(data.reward, "data.reward")
+    by_source = {
+        source: load_reward(spec, f"data.rewards_by_source.{source}")
+        for source, spec in data.rewards_by_source.items()
+    }
+
+    def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
+        return by_source.get(data_source, default)(data_source, text, ground_truth, extra_info)
+
+    return score
+
+
+def load_reward(spec: str, key: str) -> ScoreFn:
+    """The reward ``spec`` names (see the module docstring); errors name ``key``."""
+    if spec in REWARDS:
+        builtin = REWARDS[spec]
+        return lambda source, text, truth, extra: builtin(text, truth)
+    if ":" not in spec:
+        raise ConfigError(
+            f"{key}={spec!r} is not a reward; built in: {sorted(REWARDS)}, or a user function "
+            "as module:function or path/to/file.py:function"
+        )
+    where, _, name = spec.rpartition(":")
+    fn = getattr(_module(where, spec, key), name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec!r}: {where} has no function {name!r}")
+    return _adapt(fn, spec, key)
+
+
+def _module(where: str, spec: str, key: str) -> Any:
+    if not where.endswith(".py"):
+        try:
+            return importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"{key}={spec!r}: cannot import module {where!r}: {e}") from e
+    path = Path(where)
+    if not path.is_file():
+        raise ConfigError(f"{key}={spec!r}: no such file {where!r}")
+    module_spec = importlib.util.spec_from_file_location(f"jarl_reward_{path.stem}", path)
+    assert module_spec is not None and module_spec.loader is not None  # a .py file always has one
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _adapt(fn: Callable[..., Any], spec: str, key: str) -> ScoreFn:
+    """``fn`` called in the form its signature accepts, its result checked."""
+    if inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"{key}={spec!r}: a reward must be a plain function, not async")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}={spec!r}: cannot read its signature: {e}") from e
+
+    def checked(result: Any) -> float:
+        return _score(result, spec, key)
+
+    if _binds(signature, **dict.fromkeys(_VERL_ARGS)):
+        return lambda source, text, truth, extra: checked(
+            fn(data_source=source, solution_str=text, ground_truth=truth, extra_info=extra)
+        )
+    if _binds(signature, None, None):
+        return lambda source, text, truth, extra: checked(fn(text, truth))
+    raise ConfigError(
+        f"{key}={spec!r}: its signature {signature} is neither (text, ground_truth) nor verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
+    )
+
+
+def _binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def _score(result: Any, spec: str, key: str) -> float:
+    """A user reward's result as a finite float: a number, or a dict's ``score``."""
+    value = result
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(
+                f"{key}={spec!r} returned a dict without a 'score' key (keys: {list(result)})"
+            )
+        value = result["score"]
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(
+            f"{key}={spec!r} returned {value!r}; a reward returns a finite number or a dict "
+            "whose 'score' is one"
+        )
+    return float(value)
