@@ -11,6 +11,13 @@ from pathlib import Path
 from rich.console import Console
 
 
+def _refuse(problems: Sequence[str]) -> int:
+    """Prints each problem as one ``jarl:`` line on stderr; the exit code of a bad input."""
+    for problem in problems:
+        print(f"jarl: {problem}", file=sys.stderr)
+    return 2
+
+
 def _demo(args: argparse.Namespace) -> int:
     from jax_agent_rl import demo
     from jax_agent_rl.config import ConfigError
@@ -19,23 +26,29 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         demo.run(run_dir, Console(), list(args.overrides))
     except ConfigError as e:
-        print(f"jarl: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e).splitlines())
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Loads the config, then everything a run reads (`check_run`); a run starts only when
+    nothing is wrong, and ``--dry-run`` stops there."""
     from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
 
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides))
-        _check_paths(cfg)
     except ConfigError as e:
-        print(f"jarl: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e).splitlines())
+    from jax_agent_rl.models import request_cpu_devices
+    from jax_agent_rl.train.check import check_run
+
+    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)  # as the run will
+    problems = check_run(cfg)
+    if problems:
+        return _refuse(problems)
     if args.dry_run:
         print(to_yaml(cfg), end="")
-        print(f"# ok: {args.config} is valid; nothing was run", file=sys.stderr)
+        print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0
     from jax_agent_rl.train import train
 
@@ -44,24 +57,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_paths(cfg: object) -> None:
-    """Files a run reads must exist (checked before anything heavy starts)."""
-    from jax_agent_rl.config import ConfigError, JarlConfig
+def _export(args: argparse.Namespace) -> int:
+    from jax_agent_rl.config import ConfigError
+    from jax_agent_rl.train.export import export_run
 
-    assert isinstance(cfg, JarlConfig)
-    wanted = {
-        "model.path": cfg.model.path,
-        "model.tokenizer": cfg.model.tokenizer,
-        "data.train": cfg.data.train,
-        "data.val": cfg.data.val,
-        "sft.data": cfg.sft.data,
-        "tools.config": cfg.tools.config,
-    }
-    for key, value in wanted.items():
-        if value and not Path(value).exists():
-            raise ConfigError(f"{key}={value!r} does not exist")
-    if cfg.data.train and Path(cfg.data.train).suffix not in (".jsonl", ".parquet"):
-        raise ConfigError(f"data.train={cfg.data.train!r}: expected a .jsonl or .parquet file")
+    try:
+        out = export_run(args.run_dir, args.step, args.out)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"jarl: {e}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
+    return 0
 
 
 def _traces(args: argparse.Namespace) -> int:
@@ -79,8 +85,7 @@ def _config(args: argparse.Namespace) -> int:
     try:
         cfg: JarlConfig = load_config(config, overrides)
     except ConfigError as e:
-        print(f"jarl: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e).splitlines())
     print(to_yaml(cfg), end="")
     return 0
 
@@ -100,10 +105,15 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_tools(args: argparse.Namespace) -> int:
+    from jax_agent_rl.config import ConfigError, package_file
     from jax_agent_rl.tools.registry import ToolRegistry
     from jax_agent_rl.tools.server import serve
 
-    registry = ToolRegistry.from_yaml(args.tools)
+    try:
+        tools = package_file(args.tools, "--tools")
+    except ConfigError as e:
+        return _refuse([str(e)])
+    registry = ToolRegistry.from_yaml(tools)
     print(f"serving {registry.names} on http://{args.host}:{args.port}", flush=True)
     try:
         serve(
@@ -150,14 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trains as the config says: optional SFT warm start, then GRPO / PPO / DAPO "
         "/ Dr.GRPO over agent rollouts on the configured backend, with evaluation, orbax "
         "checkpoints, metrics (JSONL + TensorBoard), traces and plots in trainer.run_dir. A "
-        "rerun with the same run_dir resumes from its last complete checkpoint.",
+        "rerun with the same run_dir resumes from its last complete checkpoint. Before "
+        "anything runs, the config and everything it names are loaded and checked (the "
+        "model's config.json, tokenizer and chat template, the first rows of each data file, "
+        "the tools, reward and parser, the mesh); every problem is one line, exit code 2. "
+        "Relative paths are relative to the current directory; pkg://<package>/<path> names "
+        "a file shipped inside an installed package (the default tools.config is one).",
     )
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     p.add_argument(
-        "--dry-run", action="store_true", help="validate the config and its files, run nothing"
+        "--dry-run",
+        action="store_true",
+        help="load and check the config and everything it names, then stop: nothing is "
+        "trained, compiled or written",
     )
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "export",
+        help="export a run's policy as an HF checkpoint folder",
+        description="Writes the policy of a saved orbax checkpoint of RUN (the latest unless "
+        "--step) as safetensors, config.json, generation_config.json (stops at the end of a "
+        "turn, samples as the rollouts did) and the run's tokenizer files, for transformers "
+        "and vLLM. Reads the run's config.yaml; builds no trainer.",
+    )
+    p.add_argument("run_dir", help="a run folder")
+    p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
+    p.add_argument("--out", default=None, help="where to write (default: RUN/hf-step-<step>)")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser(
         "traces",
@@ -198,7 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         "What clients can hold is bounded: trajectory state, request bodies, connections.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--tools", default="configs/tools_default.yaml", help="tools YAML file")
+    p.add_argument(
+        "--tools",
+        default="pkg://jax_agent_rl/configs/tools_default.yaml",
+        help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8765, help="port to listen on")
     p.add_argument("--token", default=None, help="bearer token clients must send")

@@ -5,14 +5,28 @@ type checks). An unknown or misspelled key, a value of the wrong type or outside
 is a `ConfigError` naming the full dotted key and the keys allowed there::
 
     cfg = load_config("configs/demo.yaml", ["model.dtype=bfloat16", "mesh.fsdp=2"])
+
+Every number is then checked against its range (`RANGES`: steps >= 0, temperature >= 0, top_p in
+(0, 1], ...) and against the values it must fit (`check_ranges`: micro-batches split over the
+mesh, ...), so every command refuses a bad value, not only ``jarl train``; all such problems
+are reported at once, one line each.
+
+Paths. A relative path in a config (a YAML file or an override) is relative to the current
+directory, as on verl's and Hydra's command lines, wherever the YAML file lies. A value
+``pkg://<package>/<path>`` names a file inside an installed Python package and is replaced by
+that file's path when the config loads, so files shipped with the project work from any
+directory: the default ``tools.config`` is ``pkg://jax_agent_rl/configs/tools_default.yaml``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import importlib.resources
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -59,6 +73,7 @@ class RolloutSection:
     replicas: int = 1  # engine processes (vllm backend)
     vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
     vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
+    vllm_kv_cache_mb: int = 0  # KV cache of each vllm replica; 0: vLLM's share of free memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,20 +91,47 @@ class AgentSection:
 class ToolsSection:
     """Where the tools come from."""
 
-    config: str = "configs/tools_default.yaml"  # a tool registry YAML (see jarl serve-tools)
+    # a tool registry YAML (see jarl serve-tools); the default (calculator + sandboxed python)
+    # ships inside the package
+    config: str = "pkg://jax_agent_rl/configs/tools_default.yaml"
     server_url: str = ""  # a running `jarl serve-tools`; empty: tools run in-process
+    # the name of an environment variable holding the server's bearer token (the token
+    # itself stays out of the YAML and of the run folder's config.yaml); empty: no token
+    token_env: str = ""
     timeout_s: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    """Prompts (jsonl or parquet in verl's column layout) and their reward."""
+    """Prompts (jsonl or parquet in verl's column layout) and their reward.
+
+    A reward is a built-in name (math, gsm8k, format) or a user function,
+    ``package.module:function`` or ``path/to/file.py:function``, taking ``(text, ground_truth)``
+    or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (see
+    `jax_agent_rl.rewards.registry`). A row is scored by its ``data_source``'s entry in
+    ``rewards_by_source`` if it has one, else by ``reward``. ``rewards_by_source`` starts with
+    the sources verl's ``default_compute_score`` knows, so verl's data is scored as verl scores
+    it; an entry you set for one of them replaces it (entries are added, never removed).
+    """
 
     train: str = "???"
     val: str = ""  # held-out prompts for evaluation; empty: no evaluation
     prompts_per_step: int = 16
     val_size: int = 0  # 0: the whole validation file
-    reward: str = "math"  # a name registered in jax_agent_rl.rewards
+    reward: str = "math"  # rows whose data_source is not in rewards_by_source
+    rewards_by_source: dict[str, str] = dataclasses.field(
+        default_factory=lambda: {
+            "openai/gsm8k": "gsm8k",
+            "lighteval/MATH": "math",
+            "DigitalLearningGmbH/MATH-lighteval": "math",
+            "HuggingFaceH4/MATH-500": "math",
+        }
+    )
+    # the tool rewards of an episode (`ToolResult.reward` of every call), summed, are added to
+    # its reward times this weight. 0 is what verl does: the reward function's score is the
+    # reward, and a function of verl's signature reads the tool rewards, if it wants them, from
+    # extra_info["tool_rewards"] (passed whatever this weight is)
+    tool_reward_weight: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +233,8 @@ def load_config(
     overrides: Sequence[str] = (),
     schema: type[T] = JarlConfig,  # type: ignore[assignment]
 ) -> T:
-    """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order."""
+    """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order;
+    ``pkg://`` paths are resolved, and a `JarlConfig`'s numbers are checked (`check_ranges`)."""
     base = OmegaConf.structured(schema)
     layers = []
     if path is not None:
@@ -210,7 +253,7 @@ def load_config(
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"required config keys not set: {missing}")
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        cfg: Any = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         key = _full_key(e)
         raise ConfigError(
@@ -218,6 +261,11 @@ def load_config(
         ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad value for config key {_full_key(e)!r}: {e.msg}") from None
+    cfg = _resolve_packaged(cfg)
+    problems = check_ranges(cfg) if isinstance(cfg, JarlConfig) else []
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
 
 
 def to_yaml(cfg: Any) -> str:
@@ -241,3 +289,212 @@ def _allowed_keys(schema: type, dotted: str) -> list[str]:
             break
         cls = inner
     return sorted(f.name for f in dataclasses.fields(cls))
+
+
+# ----------------------------------------------------------------------------- packaged files
+
+PACKAGE_SCHEME = "pkg://"
+
+
+def package_file(value: str, key: str) -> str:
+    """The path of ``pkg://<package>/<path>``: ``<path>`` inside the installed ``<package>``
+    (whether or not the file exists: the reader says so). Other values are returned as they are.
+    ``key`` names the setting in errors."""
+    if not value.startswith(PACKAGE_SCHEME):
+        return value
+    package, _, inner = value.removeprefix(PACKAGE_SCHEME).partition("/")
+    try:
+        root = importlib.resources.files(package)
+    except (ImportError, TypeError, ValueError):
+        raise ConfigError(
+            f"{key}={value!r}: no installed package {package!r}; expected "
+            f"{PACKAGE_SCHEME}<package>/<path inside it>"
+        ) from None
+    return str(root.joinpath(inner))
+
+
+def _resolve_packaged(cfg: T, prefix: str = "") -> T:
+    """``cfg`` with every ``pkg://`` string of it (nested sections included) resolved."""
+    changes: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value, key = getattr(cfg, field.name), f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            changes[field.name] = _resolve_packaged(value, f"{key}.")
+        elif isinstance(value, str) and value.startswith(PACKAGE_SCHEME):
+            changes[field.name] = package_file(value, key)
+    return dataclasses.replace(cfg, **changes)  # type: ignore[type-var]
+
+
+# ----------------------------------------------------------------------------- ranges
+
+
+class Rule(NamedTuple):
+    """What a number must satisfy, and how an error message says it."""
+
+    ok: Callable[[Any], bool]
+    accepted: str
+
+
+def _interval(
+    lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
+) -> Rule:
+    """``lo <= v <= hi`` (either end open). Infinity and NaN never pass."""
+
+    def ok(v: Any) -> bool:
+        above = lo < v if lo_open else lo <= v
+        below = v < hi if hi_open or hi == math.inf else v <= hi
+        return bool(above and below and math.isfinite(v))
+
+    if hi == math.inf:
+        return Rule(ok, f"{'>' if lo_open else '>='} {lo:g}")
+    return Rule(ok, f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}")
+
+
+def _or(value: Any, rule: Rule) -> Rule:
+    """``value`` itself (an "off" setting), or what ``rule`` accepts."""
+    shown = "null" if value is None else value
+    return Rule(lambda v: v == value or rule.ok(v), f"{shown} or {rule.accepted}")
+
+
+_COUNT = _interval(1)  # sizes and counts that must be at least one
+_NATURAL = _interval(0)  # counts where 0 means none / off
+_POSITIVE = _interval(0, lo_open=True)
+_FRACTION = _interval(0, 1)
+_BELOW_ONE = _interval(0, 1, hi_open=True)
+
+# Every int and float field of JarlConfig (tests/test_config.py checks that none is missing).
+RANGES: dict[str, Rule] = {
+    "mesh.data": _COUNT,
+    "mesh.fsdp": _COUNT,
+    "mesh.tensor": _COUNT,
+    "rollout.n": _COUNT,
+    "rollout.temperature": _NATURAL,  # 0: greedy
+    "rollout.top_p": _interval(0, 1, lo_open=True),
+    "rollout.top_k": _or(-1, _COUNT),
+    "rollout.max_model_len": _COUNT,
+    "rollout.max_concurrent": _COUNT,
+    "rollout.steps_per_call": _COUNT,
+    "rollout.replicas": _COUNT,
+    "rollout.vllm_kv_cache_mb": _NATURAL,  # 0: vLLM's share of free memory
+    "agent.max_turns": _COUNT,
+    "agent.max_tokens_per_turn": _COUNT,
+    "agent.max_response_tokens": _COUNT,
+    "agent.max_tool_response_tokens": _COUNT,
+    "tools.timeout_s": _POSITIVE,
+    "data.prompts_per_step": _COUNT,
+    "data.val_size": _NATURAL,  # 0: the whole file
+    "data.tool_reward_weight": Rule(math.isfinite, "a finite number"),
+    "algorithm.clip_low": _BELOW_ONE,
+    "algorithm.clip_high": _NATURAL,
+    "algorithm.clip_c": _or(None, _interval(1, lo_open=True)),
+    "algorithm.kl_coef": _NATURAL,
+    "algorithm.entropy_coef": _NATURAL,
+    "algorithm.tis_cap": _or(None, _POSITIVE),
+    "algorithm.gamma": _FRACTION,
+    "algorithm.lam": _FRACTION,
+    "algorithm.vf_clip": _POSITIVE,
+    "algorithm.ppo_epochs": _COUNT,
+    "algorithm.mini_batches": _COUNT,
+    "algorithm.max_refills": _NATURAL,
+    "algorithm.overlong_buffer": _NATURAL,
+    "algorithm.overlong_penalty": _NATURAL,
+    "optim.lr": _POSITIVE,
+    "optim.critic_lr": _POSITIVE,
+    "optim.weight_decay": _NATURAL,
+    "optim.b1": _BELOW_ONE,
+    "optim.b2": _BELOW_ONE,
+    "optim.grad_clip": _POSITIVE,
+    "optim.warmup_steps": _NATURAL,
+    "learner.micro_batch_size": _COUNT,
+    "learner.seq_bucket": _COUNT,
+    "sft.steps": _NATURAL,  # 0: no SFT stage
+    "sft.batch_size": _COUNT,
+    "sft.lr": _POSITIVE,
+    "sft.warmup_steps": _NATURAL,
+    "trainer.steps": _NATURAL,  # 0: SFT and evaluation only
+    "trainer.seed": _NATURAL,
+    "trainer.eval_every": _NATURAL,  # 0: at the start and the end only
+    "trainer.save_every": _COUNT,
+    "trainer.keep_checkpoints": _COUNT,
+    "trainer.traces_per_step": _NATURAL,
+}
+
+
+def check_ranges(cfg: JarlConfig) -> list[str]:
+    """Every value outside its range (`RANGES`), one line each; when all are in range, every
+    value that does not fit another (`_FIT_CHECKS`)."""
+    problems = []
+    for key, rule in RANGES.items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if not rule.ok(value):
+            problems.append(f"{key}={value!r}: expected {rule.accepted}")
+    if problems:
+        return problems
+    return [p for check in _FIT_CHECKS if (p := check(cfg)) is not None]
+
+
+def _micro_batch_over_mesh(cfg: JarlConfig) -> str | None:
+    dp, micro = cfg.mesh.data * cfg.mesh.fsdp, cfg.learner.micro_batch_size
+    if micro % dp:
+        return (
+            f"learner.micro_batch_size={micro} does not split over mesh.data x mesh.fsdp = {dp} "
+            f"devices: use a multiple of {dp}"
+        )
+    return None
+
+
+def _sft_batch(cfg: JarlConfig) -> str | None:
+    """SFT batches are split into micro-batches of min(sft.batch_size, micro_batch_size) rows."""
+    if not cfg.sft.data or not cfg.sft.steps:
+        return None
+    dp, micro, batch = (
+        cfg.mesh.data * cfg.mesh.fsdp,
+        cfg.learner.micro_batch_size,
+        cfg.sft.batch_size,
+    )
+    if batch % min(batch, micro) or min(batch, micro) % dp:
+        return (
+            f"sft.batch_size={batch} does not split into micro-batches of "
+            f"learner.micro_batch_size={micro} over mesh.data x mesh.fsdp = {dp} devices: use a "
+            f"multiple of {micro}, or a multiple of {dp} below {micro}"
+        )
+    return None
+
+
+def _group_size(cfg: JarlConfig) -> str | None:
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 1:
+        return (
+            "rollout.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
+            "use rollout.n >= 2 (or algorithm.adv_estimator=gae)"
+        )
+    return None
+
+
+def _overlong_buffer(cfg: JarlConfig) -> str | None:
+    buffer, budget = cfg.algorithm.overlong_buffer, cfg.agent.max_response_tokens
+    if buffer > budget:
+        return (
+            f"algorithm.overlong_buffer={buffer} is longer than agent.max_response_tokens="
+            f"{budget}: use 0 (off) to {budget}"
+        )
+    return None
+
+
+def _vllm_devices(cfg: JarlConfig) -> str | None:
+    r = cfg.rollout
+    devices = [d for d in r.vllm_devices.split(",") if d]
+    if r.backend == "vllm" and devices and len(devices) != r.replicas:
+        return (
+            f"rollout.vllm_devices={r.vllm_devices!r} names {len(devices)} devices for "
+            f"rollout.replicas={r.replicas}: give one per replica, or none"
+        )
+    return None
+
+
+_FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
+    _micro_batch_over_mesh,
+    _sft_batch,
+    _group_size,
+    _overlong_buffer,
+    _vllm_devices,
+)

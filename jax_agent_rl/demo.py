@@ -74,7 +74,7 @@ def task_files(folder: Path) -> TaskFiles:
         train=folder / "train.jsonl",
         val=folder / "val.jsonl",
         sft=folder / "sft.jsonl",
-        tools=Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml",
+        tools=Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml",
     )
 
 

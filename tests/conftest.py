@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices (so sharding code really runs)."""
+"""Test setup: 8 fake CPU devices (so sharding code really runs), and the agent-loop tests'
+memorised model as a session fixture (several modules drive it; training it takes minutes)."""
 
 import os
 
@@ -7,3 +8,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backend now, so that a later `request_cpu_devices` (`jarl train`, the demo) in a
+# test cannot change the device count for the tests after it.
+jax.devices()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=["chatml", "llama3", "qwen3"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """A tiny model trained to reproduce scripted tool-calling conversations in one chat
+    style, on the real engine (see tests/agent/test_loop.py); modules that need one style
+    parametrize it indirectly."""
+    from tests.agent.test_loop import STYLES, memorised
+
+    assert request.param in STYLES
+    return memorised(request.param, tmp_path_factory)

@@ -55,3 +55,16 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "jarl traces" in capsys.readouterr().out
     assert main(["traces", str(tmp_path), "--limit", "1"]) == 0
     assert main(["demo", "--run-dir", str(tmp_path / "x"), "algorithm.clip_hihg=1"]) == 2
+
+
+def test_every_command_refuses_values_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ranges are checked when a config loads, so `jarl config` refuses them as `jarl train`
+    does: every problem on its own line, exit code 2."""
+    bad = ["rollout.temperature=-1", "trainer.steps=-1"]
+    assert main(["config", "model.path=/x", "data.train=t", *bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (
+        err
+        == "jarl: rollout.temperature=-1.0: expected >= 0\njarl: trainer.steps=-1: expected >= 0\n"
+    )

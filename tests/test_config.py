@@ -1,11 +1,16 @@
 """Run configs: YAML + dotted overrides into frozen dataclasses; every mistake names its key."""
 
 import dataclasses
+import types
+import typing
 from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
+import jax_agent_rl
+from jax_agent_rl.config import RANGES, ConfigError, JarlConfig, load_config, to_yaml
+
+PACKAGE = Path(jax_agent_rl.__file__).parent
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
@@ -59,3 +64,99 @@ def test_bad_values_name_the_key() -> None:
         load_config(None, ["model.path"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+
+
+def _numeric_keys(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys of every int / float (optional or not) field under ``cls``."""
+    keys: set[str] = set()
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            keys |= _numeric_keys(hint, f"{prefix}{name}.")
+        elif {a for a in typing.get_args(hint) if a is not type(None)} <= {int, float} and (
+            hint in (int, float) or typing.get_origin(hint) in (typing.Union, types.UnionType)
+        ):
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_every_number_has_a_range() -> None:
+    """A numeric field added to a section must say which values it accepts."""
+    assert set(RANGES) == _numeric_keys(JarlConfig)
+
+
+def test_values_out_of_range_are_all_reported_one_line_each() -> None:
+    bad = [
+        "rollout.top_p=0", "rollout.top_k=0", "algorithm.clip_c=1.0", "optim.lr=nan",
+        "optim.b2=1.0", "trainer.save_every=0", "trainer.steps=-3",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.path=/a", "data.train=t", *bad])
+    assert str(e.value).splitlines() == [
+        "rollout.top_p=0.0: expected in (0, 1]",
+        "rollout.top_k=0: expected -1 or >= 1",
+        "algorithm.clip_c=1.0: expected null or > 1",
+        "optim.lr=nan: expected > 0",
+        "optim.b2=1.0: expected in [0, 1)",
+        "trainer.steps=-3: expected >= 0",
+        "trainer.save_every=0: expected >= 1",
+    ]
+    ok = ["algorithm.clip_c=null", "rollout.top_k=-1", "rollout.temperature=0", "trainer.steps=0"]
+    assert load_config(None, ["model.path=/a", "data.train=t", *ok]).algorithm.clip_c is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["mesh.data=2", "mesh.fsdp=2", "learner.micro_batch_size=6"],
+            "learner.micro_batch_size=6 does not split over mesh.data x mesh.fsdp = 4 devices: "
+            "use a multiple of 4",
+        ),
+        (
+            ["sft.data=d.jsonl", "sft.steps=5", "sft.batch_size=12", "learner.micro_batch_size=8"],
+            "sft.batch_size=12 does not split into micro-batches of learner.micro_batch_size=8 "
+            "over mesh.data x mesh.fsdp = 1 devices: use a multiple of 8, or a multiple of 1 "
+            "below 8",
+        ),
+        (
+            ["rollout.n=1"],
+            "rollout.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
+            "use rollout.n >= 2 (or algorithm.adv_estimator=gae)",
+        ),
+        (
+            ["algorithm.overlong_buffer=800", "agent.max_response_tokens=768"],
+            "algorithm.overlong_buffer=800 is longer than agent.max_response_tokens=768: use 0 "
+            "(off) to 768",
+        ),
+        (
+            ["rollout.backend=vllm", "rollout.replicas=2", "rollout.vllm_devices=0,1,2"],
+            "rollout.vllm_devices='0,1,2' names 3 devices for rollout.replicas=2: give one per "
+            "replica, or none",
+        ),
+    ],
+)
+def test_values_that_must_fit_each_other(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.path=/a", "data.train=t", *overrides])
+    assert str(e.value) == message
+
+
+def test_shipped_files_resolve_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pkg://`` names a file inside the package, wherever jarl runs; the default tools file
+    is one. Other relative paths stay relative to the current directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["model.path=ckpt", "data.train=t.jsonl"])
+    assert cfg.tools.config == str(PACKAGE / "configs" / "tools_default.yaml")
+    assert Path(cfg.tools.config).is_file()
+    assert (cfg.model.path, cfg.data.train) == ("ckpt", "t.jsonl")
+    for config in sorted((PACKAGE.parent / "configs").glob("*.yaml")):
+        shipped = load_config(config, ["model.path=m", "data.train=t", "data.val=", "sft.data="])
+        assert Path(shipped.tools.config).is_file(), config.name
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.path=m", "data.train=t", "tools.config=pkg://no_such_pkg/t.yaml"])
+    assert str(e.value) == (
+        "tools.config='pkg://no_such_pkg/t.yaml': no installed package 'no_such_pkg'; expected "
+        "pkg://<package>/<path inside it>"
+    )

@@ -40,9 +40,14 @@ def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[st
     return [dict(m) for m in messages[:first]], turns
 
 
-def load_demonstrations(path: str | Path, builder: TurnBuilder) -> list[Trajectory]:
-    out = []
+def load_demonstrations(
+    path: str | Path, builder: TurnBuilder, limit: int | None = None
+) -> list[Trajectory]:
+    """The first ``limit`` demonstrations (all when None) as trajectories."""
+    out: list[Trajectory] = []
     for i, line in enumerate(Path(path).read_text().splitlines()):
+        if len(out) == limit:
+            break
         if not line.strip():
             continue
         try:

@@ -56,7 +56,7 @@ def test_rl_raises_held_out_success(sft_run: tuple[Path, Path, float], config: s
         f"data.train={folder / 'task' / 'train.jsonl'}",
         f"data.val={folder / 'task' / 'val.jsonl'}",
         "sft.data=",
-        f"tools.config={ROOT / 'configs' / 'tools_calculator.yaml'}",
+        "tools.config=pkg://jax_agent_rl/configs/tools_calculator.yaml",
         f"trainer.run_dir={run}",
         "trainer.steps=10",
         "trainer.eval_every=10",

@@ -1,0 +1,324 @@
+"""Everything a run reads, loaded and checked before it starts.
+
+`jarl train` runs `check_run` before anything heavy, and ``--dry-run`` stops after it. By then
+`load_config` has checked every number's range and how the numbers fit each other
+(`jax_agent_rl.config.check_ranges`). This module loads what the values name, as the run will,
+but reads no weights and compiles nothing:
+
+- the reward (user functions too) and the tool-call parser, by name;
+- the model's ``config.json`` (its weight files must exist): ``rollout.max_model_len``
+  against ``max_position_embeddings``, the mesh against this process's devices and against
+  every parameter dimension it shards (`mesh_problems`);
+- the tokenizer and its chat template: the prompt of every row read, rendered with the tool
+  schemas, must leave room for a response; the parser's stop strings must be single tokens;
+- the first `ROWS` rows of each data file (``load_samples`` checks their columns and types)
+  and of the SFT demonstrations;
+- every tool of ``tools.config``, built, its schema rendered, and closed again;
+- with ``rollout.backend=vllm``, the vLLM interpreter.
+
+Each problem is one line naming the key, its value and what would be accepted. All problems
+are reported; a check that needs something that failed to load is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+
+from jax_agent_rl.agent.loop import AGENT_LOOPS
+from jax_agent_rl.agent.parsers import PARSERS, ToolCallParser, make_parser
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
+from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
+from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
+from jax_agent_rl.models.decoder import is_spec
+from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.sft import load_demonstrations
+
+ROWS = 16  # rows read from the top of each data file
+
+T = TypeVar("T")
+
+# the ModelConfig field behind each logical axis a mesh axis may shard
+_MODEL_FIELDS = {
+    "vocab": "vocab_size",
+    "embed": "hidden_size",
+    "mlp": "intermediate_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "layers": "num_layers",
+}
+# the mesh axis to grow when this one must shrink (the device count stays)
+_TRADE = {"tensor": "fsdp", "fsdp": "data"}
+
+
+class _CheckError(Exception):
+    """One line for the user: the key, its value and what would be accepted."""
+
+
+def check_run(cfg: JarlConfig) -> list[str]:
+    """Every problem a run of ``cfg`` would meet before its first step; empty when none."""
+    problems: list[str] = []
+
+    def attempt(load: Callable[[], T]) -> T | None:
+        try:
+            return load()
+        except _CheckError as e:
+            problems.append(str(e))
+            return None
+
+    attempt(lambda: _reward(cfg))
+    parser = attempt(lambda: _parser(cfg.agent.parser))
+    if cfg.rollout.backend == "vllm":
+        attempt(lambda: _vllm_python(cfg.rollout.vllm_python))
+    model = attempt(lambda: _model(cfg.model.path))
+    if model is not None:
+        problems += _model_fit(cfg, model, jax.device_count())
+    tokenizer = None
+    if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
+        tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
+    train = attempt(lambda: _samples("data.train", cfg.data.train))
+    if cfg.data.val:
+        attempt(lambda: _samples("data.val", cfg.data.val))
+    schemas = attempt(lambda: _tool_schemas(cfg.tools.config))
+    if tokenizer is None:
+        return problems
+    if parser is not None:
+        attempt(lambda: _stop_tokens(cfg.agent.parser, parser, tokenizer))
+    builder = None if schemas is None else attempt(lambda: _builder(cfg.model, tokenizer, schemas))
+    if builder is None:
+        return problems
+    if train:
+        attempt(lambda: _prompts_fit(builder, train, cfg))
+    if cfg.sft.data:
+        attempt(lambda: _demonstrations(cfg.sft.data, builder))
+    return problems
+
+
+def _model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
+    """How the run's settings fit the model: the context length, then the mesh."""
+    problems = []
+    limit = model.max_position_embeddings
+    if cfg.rollout.max_model_len > limit:
+        problems.append(
+            f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+            f"max_position_embeddings={limit}: use rollout.max_model_len <= {limit}"
+        )
+    return problems + mesh_problems(cfg.mesh, model, devices)
+
+
+def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[str]:
+    """The mesh against the ``devices`` this process sees, and against every parameter
+    dimension a mesh axis shards (by `ShardingRules`, the table the learner lays weights out
+    with), each problem with the axis sizes that would divide all of that axis's dimensions."""
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    n = math.prod(sizes.values())
+    problems = []
+    if n > devices:
+        problems.append(
+            f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor} needs "
+            f"{n} devices, this process sees {devices}: make the product at most {devices}"
+        )
+    for axis, dims in _sharded_dims(model).items():
+        common = math.gcd(*dims.values())
+        fits = ", ".join(str(v) for v in range(1, common + 1) if common % v == 0)
+        hint = f" (and more {_TRADE[axis]})" if axis in _TRADE else ""
+        problems += [
+            f"mesh.{axis}={sizes[axis]} does not divide model {_MODEL_FIELDS[logical]}={size}: "
+            f"use mesh.{axis} in {{{fits}}}{hint}"
+            for logical, size in dims.items()
+            if size % sizes[axis]
+        ]
+    return problems
+
+
+def _sharded_dims(model: ModelConfig) -> dict[str, dict[str, int]]:
+    """Mesh axis -> the parameter dimensions it shards (logical axis -> size)."""
+    rules = ShardingRules()
+    out: dict[str, dict[str, int]] = {}
+    for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
+        for logical, size in zip(spec.logical_axes, spec.shape, strict=True):
+            axes = getattr(rules, logical)
+            for axis in (axes,) if isinstance(axes, str) else axes or ():
+                out.setdefault(axis, {})[logical] = size
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _reward(cfg: JarlConfig) -> None:
+    try:
+        make_reward(cfg.data)
+    except ConfigError as e:
+        raise _CheckError(str(e)) from None
+    except Exception as e:  # a user's reward module runs here: whatever it raises is the config's
+        raise _CheckError(
+            f"data.reward={cfg.data.reward!r} (or data.rewards_by_source) failed to load: "
+            f"{_one_line(e)}"
+        ) from None
+
+
+def _parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise _CheckError(
+            f"agent.parser={name!r} is not a registered tool-call parser: "
+            f"use one of {sorted(PARSERS)}"
+        )
+    return make_parser(name)
+
+
+def _vllm_python(value: str) -> None:
+    from gpu_backend.backend import DEFAULT_PYTHON
+
+    if not Path(value or DEFAULT_PYTHON).is_file():
+        shown = repr(value) if value else f"'' (the default, {DEFAULT_PYTHON})"
+        raise _CheckError(
+            f"rollout.vllm_python={shown} does not exist: expected the python of a venv with "
+            "vLLM (scripts/setup.sh vllm makes .venv-vllm)"
+        )
+
+
+def _model(path: str) -> ModelConfig:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise _CheckError(f"model.path={path!r} does not exist: expected an HF checkpoint folder")
+    if not (folder / "config.json").is_file():
+        raise _CheckError(
+            f"model.path={path!r} has no config.json: expected an HF checkpoint folder "
+            "(config.json, model.safetensors or its index, the tokenizer)"
+        )
+    try:
+        model = ModelConfig.from_pretrained(folder)
+    except (ValueError, KeyError) as e:  # UnsupportedConfigError, bad JSON, a missing field
+        raise _CheckError(f"model.path={path!r}: config.json: {_one_line(e)}") from None
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if not any((folder / name).is_file() for name in weights):
+        raise _CheckError(f"model.path={path!r} has no weights: expected {' or '.join(weights)}")
+    return model
+
+
+def _tokenizer_source(section: ModelSection) -> tuple[str, str]:
+    """(key, folder) of the tokenizer: model.tokenizer, else the checkpoint folder."""
+    if section.tokenizer:
+        return "model.tokenizer", section.tokenizer
+    return "model.path", section.path
+
+
+def _tokenizer(section: ModelSection, model: ModelConfig | None) -> Tokenizer:
+    key, folder = _tokenizer_source(section)
+    if not (Path(folder) / "tokenizer.json").is_file():
+        raise _CheckError(
+            f"{key}={folder!r} has no tokenizer.json: expected a tokenizer folder "
+            "(tokenizer.json, tokenizer_config.json with the chat template)"
+        )
+    try:
+        tokenizer = Tokenizer.from_pretrained(folder)
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
+        raise _CheckError(f"{key}={folder!r}: cannot load the tokenizer: {_one_line(e)}") from None
+    if model is not None and tokenizer.vocab_size > model.vocab_size:
+        raise _CheckError(
+            f"{key}={folder!r}: the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocab_size={model.vocab_size}: use the checkpoint's own tokenizer"
+        )
+    return tokenizer
+
+
+def _is_token(tokenizer: Tokenizer, text: str) -> bool:
+    try:
+        tokenizer.token_id(text)
+    except KeyError:
+        return False
+    return True
+
+
+def _stop_tokens(name: str, parser: ToolCallParser, tokenizer: Tokenizer) -> None:
+    """Generation stops at a parser's stop strings, so each must be one token."""
+    missing = [t for t in parser.stop_tokens if not _is_token(tokenizer, t)]
+    if missing:
+        usable = sorted(
+            n for n in PARSERS if all(_is_token(tokenizer, t) for t in make_parser(n).stop_tokens)
+        )
+        raise _CheckError(
+            f"agent.parser={name!r} stops generation at {missing[0]!r}, which is not one token "
+            f"of the tokenizer: use one of {usable}"
+        )
+
+
+def _samples(key: str, path: str) -> list[Sample]:
+    if not Path(path).exists():
+        raise _CheckError(f"{key}={path!r} does not exist")
+    if Path(path).suffix not in SUFFIXES:
+        raise _CheckError(f"{key}={path!r}: expected a .jsonl or .parquet file")
+    try:
+        samples = load_samples(path, agents=AGENT_LOOPS, limit=ROWS)
+    except DatasetError as e:
+        raise _CheckError(f"{key}={path!r}: {str(e).removeprefix(f'{Path(path)}: ')}") from None
+    if not samples:
+        raise _CheckError(f"{key}={path!r} has no rows: expected at least one prompt")
+    return samples
+
+
+def _tool_schemas(path: str) -> list[dict[str, Any]]:
+    """Builds every tool of the file, reads its schema and closes it again."""
+    if not Path(path).is_file():
+        raise _CheckError(f"tools.config={path!r} does not exist: expected a tools YAML")
+    try:
+        registry = ToolRegistry.from_yaml(path)
+    except Exception as e:  # the file names any class with any arguments: its failure is ours
+        raise _CheckError(f"tools.config={path!r}: {_one_line(e)}") from None
+    try:
+        return registry.schemas()
+    finally:
+        asyncio.run(LocalTools(registry).close())
+
+
+def _builder(
+    section: ModelSection, tokenizer: Tokenizer, schemas: Sequence[dict[str, Any]]
+) -> TurnBuilder:
+    try:
+        return TurnBuilder(tokenizer, schemas or None)
+    except ChatTemplateError as e:
+        key, folder = _tokenizer_source(section)
+        raise _CheckError(f"{key}={folder!r}: {e}") from None
+
+
+def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfig) -> None:
+    """Each prompt, rendered with the tool schemas, leaves room for a response."""
+    lengths = []
+    for sample in samples:
+        try:
+            lengths.append(len(builder.prompt_ids(sample.messages)))
+        except ChatTemplateError as e:
+            raise _CheckError(
+                f"data.train={cfg.data.train!r}: the chat template cannot render the prompt of "
+                f"{sample.uid!r}: {e}"
+            ) from None
+    longest, limit = max(lengths), cfg.rollout.max_model_len
+    if longest >= limit:
+        raise _CheckError(
+            f"rollout.max_model_len={limit} leaves no room for a response: a prompt of "
+            f"data.train is {longest} tokens with the tool schemas; use rollout.max_model_len "
+            f"> {longest}"
+        )
+
+
+def _demonstrations(path: str, builder: TurnBuilder) -> None:
+    if not Path(path).is_file():
+        raise _CheckError(f"sft.data={path!r} does not exist")
+    try:
+        demos = load_demonstrations(path, builder, limit=ROWS)
+    except ValueError as e:
+        raise _CheckError(f"sft.data={path!r}: {str(e).removeprefix(f'{path}: ')}") from None
+    if not demos:
+        raise _CheckError(f'sft.data={path!r} has no rows: expected JSONL of {{"messages": [...]}}')

@@ -1,0 +1,268 @@
+"""`jarl train` checks a config and everything it names before a run starts (`check_run`): each
+bad input is one line naming the key, the value and what would be accepted, exit code 2, no
+traceback; ``--dry-run`` stops after the checks. Shipped configs work from any directory."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jax_agent_rl.agent.parsers import PARSERS
+from jax_agent_rl.cli import main
+from jax_agent_rl.config import MeshSection, package_file
+from jax_agent_rl.models import ModelConfig, init_params, save_hf
+from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.rewards import REWARDS
+from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tokenization.tokenizer import render_template
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.check import mesh_problems
+
+ROOT = Path(__file__).resolve().parents[2]
+CALCULATOR = "pkg://jax_agent_rl/configs/tools_calculator.yaml"
+# two KV heads (so tensor=4 cannot shard them); every other dimension divides by 4
+MODEL = {**TINY["qwen2"], "vocab_size": 1024, "max_position_embeddings": 4096}
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    root: Path
+    model: Path
+    train: Path
+    sft: Path
+    config: Path  # a valid run config over the files above
+    bad_columns: Path  # a row without a prompt column
+    string_prompt: Path  # parquet, prompt given as a string
+
+
+def _row(i: int) -> dict:
+    return {
+        "data_source": "toy",
+        "prompt": [
+            {"role": "system", "content": "Use the calculator, then answer in <answer></answer>."},
+            {"role": "user", "content": f"What is {i} + {i}?"},
+        ],
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"index": i},
+    }
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    """A tiny checkpoint whose tokenizer learnt the rendered prompts (so they are short), its
+    data, demonstrations and a run config, all written here."""
+    root = tmp_path_factory.mktemp("check")
+    rows = [_row(i) for i in range(4)]
+    template = chat_template("chatml_tools")
+    schemas = ToolRegistry.from_yaml(package_file(CALCULATOR, "tools.config")).schemas()
+    corpus = [render_template(template, r["prompt"], schemas, True) for r in rows] * 4
+    model = root / "model"
+    save_tokenizer(model, train_bpe(corpus, 1000, merge_across_words=True), template)
+    cfg = ModelConfig.from_hf(MODEL)
+    save_hf(model, cfg, init_params(jax.random.key(0), cfg))
+    train = _write_jsonl(root / "train.jsonl", rows)
+    answer = {"role": "assistant", "content": "<answer>2</answer>"}
+    sft = _write_jsonl(root / "sft.jsonl", [{"messages": [*r["prompt"], answer]} for r in rows])
+    config = root / "run.yaml"
+    config.write_text(
+        f"model:\n  path: {model}\ndata:\n  train: {train}\n"
+        f"tools:\n  config: {CALCULATOR}\nrollout:\n  max_model_len: 1024\n"
+    )
+    bad_columns = _write_jsonl(
+        root / "bad_columns.jsonl",
+        [{"question": "What is 1 + 1?", "reward_model": {"style": "rule", "ground_truth": "2"}}],
+    )
+    string_prompt = root / "string_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist([{**_row(0), "prompt": "What is 0 + 0?"}]), string_prompt)
+    (root / "empty").mkdir()
+    return Files(root, model, train, sft, config, bad_columns, string_prompt)
+
+
+def test_a_valid_config_passes_and_nothing_runs(
+    files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = files.root / "run"
+    assert main(["train", str(files.config), f"trainer.run_dir={run_dir}", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert f"path: {files.model}" in out
+    assert err.endswith("nothing was run\n")
+    assert not run_dir.exists()
+
+
+Case = tuple[Callable[[Files], list[str]], Callable[[Files], str]]
+
+# failure class -> (overrides, the one line expected); each line is what `jarl` prints
+CASES: dict[str, Case] = {
+    "bad data columns": (
+        lambda f: [f"data.train={f.bad_columns}"],
+        lambda f: (
+            f"data.train='{f.bad_columns}': row 0 (line 1): no 'prompt' column "
+            "(columns: ['question', 'reward_model'])"
+        ),
+    ),
+    "prompt as a string": (
+        lambda f: [f"data.train={f.string_prompt}"],
+        lambda f: (
+            f"data.train='{f.string_prompt}': row 0: prompt must be a non-empty list of "
+            "messages, got str"
+        ),
+    ),
+    "empty model folder": (
+        lambda f: [f"model.path={f.root / 'empty'}"],
+        lambda f: (
+            f"model.path='{f.root / 'empty'}' has no config.json: expected an HF "
+            "checkpoint folder (config.json, model.safetensors or its index, the tokenizer)"
+        ),
+    ),
+    "unknown parser": (
+        lambda f: ["agent.parser=hermez"],
+        lambda f: (
+            "agent.parser='hermez' is not a registered tool-call parser: use one of "
+            f"{sorted(PARSERS)}"
+        ),
+    ),
+    "unknown reward": (
+        lambda f: ["data.reward=maths"],
+        lambda f: (
+            f"data.reward='maths' is not a reward; built in: {sorted(REWARDS)}, or a user "
+            "function as module:function or path/to/file.py:function"
+        ),
+    ),
+    "negative steps": (
+        lambda f: ["trainer.steps=-1"],
+        lambda f: "trainer.steps=-1: expected >= 0",
+    ),
+    "negative temperature": (
+        lambda f: ["rollout.temperature=-0.5"],
+        lambda f: "rollout.temperature=-0.5: expected >= 0",
+    ),
+    "max_model_len above the model's": (
+        lambda f: ["rollout.max_model_len=8192"],
+        lambda f: (
+            "rollout.max_model_len=8192 exceeds the model's max_position_embeddings=4096: "
+            "use rollout.max_model_len <= 4096"
+        ),
+    ),
+    "missing vllm_python": (
+        lambda f: ["rollout.backend=vllm", f"rollout.vllm_python={f.root / 'no' / 'python'}"],
+        lambda f: (
+            f"rollout.vllm_python='{f.root / 'no' / 'python'}' does not exist: expected "
+            "the python of a venv with vLLM (scripts/setup.sh vllm makes .venv-vllm)"
+        ),
+    ),
+    "mesh tensor axis vs KV heads": (
+        lambda f: ["mesh.tensor=4"],
+        lambda f: (
+            "mesh.tensor=4 does not divide model num_kv_heads=2: use mesh.tensor in "
+            "{1, 2} (and more fsdp)"
+        ),
+    ),
+    "parser stop token not one token": (
+        lambda f: ["agent.parser=python_tag"],
+        lambda f: (
+            "agent.parser='python_tag' stops generation at '</python>', which is not one "
+            "token of the tokenizer: use one of ['hermes', 'llama3_json']"
+        ),
+    ),
+    "prompt longer than max_model_len": (
+        lambda f: ["rollout.max_model_len=4"],
+        lambda f: (
+            "rollout.max_model_len=4 leaves no room for a response: a prompt of "
+            f"data.train is {_prompt_tokens(f)} tokens with the tool schemas; use "
+            f"rollout.max_model_len > {_prompt_tokens(f)}"
+        ),
+    ),
+}
+
+
+def _prompt_tokens(f: Files) -> int:
+    from jax_agent_rl.tokenization import Tokenizer
+    from jax_agent_rl.tokenization.turns import TurnBuilder
+
+    schemas = ToolRegistry.from_yaml(package_file(CALCULATOR, "tools.config")).schemas()
+    builder = TurnBuilder(Tokenizer.from_pretrained(f.model), schemas)
+    return max(len(builder.prompt_ids(_row(i)["prompt"])) for i in range(4))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_exit_code_2(
+    case: str, files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides, expected = CASES[case]
+    assert main(["train", str(files.config), *overrides(files), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"jarl: {expected(files)}\n"
+
+
+def test_every_problem_is_reported(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
+    """Independent problems are all reported, one line each, not only the first."""
+    overrides = ["agent.parser=hermez", "data.reward=maths", f"data.train={files.bad_columns}"]
+    assert main(["train", str(files.config), *overrides, "mesh.tensor=4", "--dry-run"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("=")[0] for line in lines] == [
+        "jarl: data.reward",
+        "jarl: agent.parser",
+        "jarl: mesh.tensor",
+        "jarl: data.train",
+    ]
+    assert main(["train", str(files.config), "trainer.steps=-1", "rollout.top_p=0"]) == 2
+    assert capsys.readouterr().err == (
+        "jarl: rollout.top_p=0.0: expected in (0, 1]\njarl: trainer.steps=-1: expected >= 0\n"
+    )
+
+
+def test_shipped_configs_work_from_another_directory(
+    files: Files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user runs them, from a folder that is not the repository: the tools files they
+    name ship inside the package (pkg://), and relative paths are relative to where jarl runs."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    paths = [
+        f"model.path={files.model}",
+        f"data.train={files.train}",
+        f"data.val={files.train}",
+        f"sft.data={files.sft}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "jax_agent_rl.cli", "train",
+         str(ROOT / "configs" / "demo_calculator_cpu.yaml"), *paths, "--dry-run"],
+        cwd=elsewhere, capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "nothing was run" in done.stderr
+
+    monkeypatch.chdir(files.root)  # the GSM8K config's default tools (python sandbox included)
+    gsm8k = str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")
+    assert main(["train", gsm8k, "model.path=model", "data.train=train.jsonl", "--dry-run"]) == 0
+
+
+def test_mesh_problems_name_the_sizes_that_fit() -> None:
+    """The fsdp axis shards hidden_size (64 here), the tensor axis the heads, MLP and vocab."""
+    model = ModelConfig.from_hf(MODEL)
+    assert mesh_problems(MeshSection(fsdp=2, tensor=2), model, devices=8) == []
+    assert mesh_problems(MeshSection(fsdp=3), model, devices=8) == [
+        "mesh.fsdp=3 does not divide model hidden_size=64: use mesh.fsdp in "
+        "{1, 2, 4, 8, 16, 32, 64} (and more data)"
+    ]
+    assert mesh_problems(MeshSection(data=4, tensor=4), model, devices=8) == [
+        "mesh.data=4 x mesh.fsdp=1 x mesh.tensor=4 needs 16 devices, this process sees 8: make "
+        "the product at most 8",
+        "mesh.tensor=4 does not divide model num_kv_heads=2: use mesh.tensor in {1, 2} "
+        "(and more fsdp)",
+    ]
