@@ -211,11 +211,9 @@ def _memorise(cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: 
     return w
 
 
-@pytest.fixture(scope="module", params=sorted(STYLES))
-def setup(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    style = request.param
+def memorised(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The engine, tokenizer, tools and memorised weights of one chat style: the ``setup``
+    fixture (tests/conftest.py, once per session and style for every module that uses it)."""
     spec = STYLES[style]
     tools = LocalTools(ToolRegistry([calculator, echo]))
     extra = (*TOOL_TOKENS, "<answer>", "</answer>")

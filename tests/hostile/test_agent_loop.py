@@ -29,10 +29,7 @@ from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.traces import render_trace, trace_record
 from jax_agent_rl.train.trainer import episode_metrics, raise_if_all_failed
-from tests.agent import test_loop
 from tests.agent.test_loop import CONFIG, echo
-
-setup = test_loop.setup  # the memorised model on the embedded engine: a fixture, used by name
 
 CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
 QUESTION = "What is 17 + 25?"  # the model calls the calculator, then answers
@@ -42,8 +39,10 @@ class ExecutorBug(LocalTools):
     """An executor that fails with a bug of its own (not a transport failure) after taking
     the trajectory's tool state."""
 
-    async def call(self, trajectory_id: str, name: str, arguments: Any) -> ToolResult:
-        await super().call(trajectory_id, name, arguments)
+    async def call(
+        self, trajectory_id: str, name: str, arguments: Any, create_kwargs: Any = None
+    ) -> ToolResult:
+        await super().call(trajectory_id, name, arguments, create_kwargs)
         raise KeyError("executor bug")
 
 
