@@ -109,6 +109,7 @@ class _Engine:
                 # the engine's death would not end the stream
                 env={
                     **os.environ,
+                    **env,
                     "PYTHONPATH": str(ROOT),
                     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
                 },
@@ -160,7 +161,10 @@ class VLLMBackend:
     """`RolloutBackend` over vLLM engine processes (see the module docstring).
 
     The engines load ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
-    weights, which may have moved on from the checkpoint) as ``weight_version``.
+    weights, which may have moved on from the checkpoint) as ``weight_version``. Engine ``i``
+    sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``). Its KV cache is ``kv_cache_bytes``
+    when given, else vLLM sizes it from ``gpu_memory_utilization`` (on CPU: the share of the
+    machine's RAM, so it fails when other processes hold that memory; tests give a size).
     """
 
     def __init__(
@@ -178,6 +182,7 @@ class VLLMBackend:
         weight_version: int = 0,
         seed: int = 0,
         gpu_memory_utilization: float = 0.1,
+        kv_cache_bytes: int | None = None,
         startup_timeout_s: float = 900.0,
         session_cache_size: int = 4096,
     ) -> None:
@@ -219,6 +224,7 @@ class VLLMBackend:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_bytes=kv_cache_bytes,
         )
         self._engines: list[_Engine] = []
         try:

@@ -201,6 +201,7 @@ def _engine(config: dict[str, Any]) -> Any:
         enforce_eager=True,
         enable_prefix_caching=True,
         gpu_memory_utilization=config["gpu_memory_utilization"],
+        kv_cache_memory_bytes=config["kv_cache_bytes"],  # None: sized from the utilization
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,  # greedy requests with filters ask for the whole distribution
         worker_extension_cls="gpu_backend.vllm_worker.WeightLoader",

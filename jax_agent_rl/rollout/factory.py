@@ -52,6 +52,7 @@ def make_backend(
             python=rollout.vllm_python or DEFAULT_PYTHON,
             replicas=rollout.replicas,
             devices=[d for d in rollout.vllm_devices.split(",") if d],
+            kv_cache_bytes=rollout.vllm_kv_cache_mb * 2**20 or None,
             max_model_len=rollout.max_model_len,
             max_num_seqs=rollout.max_concurrent,
             dtype=dtype,

@@ -39,7 +39,11 @@ def _vllm(path: Path) -> RolloutBackend:
     from gpu_backend.backend import VLLMBackend  # starts vLLM in its own venv and processes
 
     return VLLMBackend(
-        path, ModelConfig.from_pretrained(path), max_model_len=MAX_LEN, max_num_seqs=SLOTS
+        path,
+        ModelConfig.from_pretrained(path),
+        max_model_len=MAX_LEN,
+        max_num_seqs=SLOTS,
+        kv_cache_bytes=32 * 2**20,  # fixed and small: no dependence on the machine's free RAM
     )
 
 

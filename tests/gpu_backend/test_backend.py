@@ -17,6 +17,7 @@ from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
 
 MAX_LEN = 128
+KV_CACHE_BYTES = 32 * 2**20  # fixed and small: no dependence on the machine's free RAM
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -44,9 +45,10 @@ def two_engines(checkpoint: Path) -> Iterator[VLLMBackend]:
         checkpoint,
         ModelConfig.from_pretrained(checkpoint),
         replicas=2,
+        devices=["1", "0"],  # engine i sees only devices[i]
         max_model_len=MAX_LEN,
         max_num_seqs=4,
-        gpu_memory_utilization=0.05,
+        kv_cache_bytes=KV_CACHE_BYTES,
     )
     try:
         yield backend
@@ -63,6 +65,10 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
     two_engines: VLLMBackend,
 ) -> None:
     backend = two_engines
+    # each engine process runs pinned to its own device (rollout.vllm_devices)
+    for pid, device in zip(backend.pids, ["1", "0"], strict=True):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ
     long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
 
     async def scenario() -> tuple[list[GenerateResult], GenerateResult, GenerateResult]:
@@ -128,7 +134,7 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
             ModelConfig.from_pretrained(checkpoint),
             max_model_len=MAX_LEN,
             max_num_seqs=4,
-            gpu_memory_utilization=0.05,
+            kv_cache_bytes=KV_CACHE_BYTES,
             startup_timeout_s=600,
         )
     assert "safetensors" in str(error.value).lower()
