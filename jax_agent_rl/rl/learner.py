@@ -73,12 +73,20 @@ def make_optimizer(
     lr: float, optim: OptimSection, decay_steps: int | None = None
 ) -> optax.GradientTransformation:
     """AdamW after global-norm clipping; linear warmup, then constant (RL) or, with
-    ``decay_steps``, cosine decay to zero at that step (SFT)."""
+    ``decay_steps``, cosine decay to zero at that step (SFT).
+
+    Update ``k`` (counting from 0) uses the schedules' value at ``k + 1``: both start at 0, so
+    unshifted the first update of every run would not move the weights at all (with
+    ``warmup_steps=0`` the first update is at the full rate, as that setting says)."""
     warmup = max(optim.warmup_steps, 1)
     if decay_steps is None:
-        schedule = optax.linear_schedule(0.0, lr, warmup)
+        ramp = optax.linear_schedule(0.0, lr, warmup)
     else:
-        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1))
+        ramp = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1))
+
+    def schedule(count: jax.Array) -> jax.Array:
+        return jnp.asarray(ramp(count + 1))
+
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
         optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),

@@ -21,6 +21,7 @@ from jax_agent_rl.rl.learner import (
     StepSpec,
     accumulated_grads,
     critic_from_policy,
+    make_optimizer,
     policy_objective,
     value_objective,
 )
@@ -204,3 +205,16 @@ def test_updates_reduce_their_losses() -> None:
         batch.old_values = learner.values(batch)
     v1 = np.abs(learner.values(batch) - np.asarray(batch.returns))[mask > 0].mean()
     assert v1 < v0
+
+
+@pytest.mark.parametrize(("warmup", "first_rate"), [(0, 1.0), (4, 0.25)])
+def test_the_first_update_moves_the_weights(warmup: int, first_rate: float) -> None:
+    """Adam's first step moves each weight by lr * sign(grad) (times the warmup's first rate):
+    the first update of a run is not spent at a learning rate of zero."""
+    lr = 1e-2
+    tx = make_optimizer(lr, OptimSection(warmup_steps=warmup, grad_clip=1e9, b1=0.9, b2=0.999))
+    w = {"x": jnp.array([1.0, -2.0, 3.0])}
+    grads = {"x": jnp.array([0.5, -0.25, 2.0])}
+    updates, _ = tx.update(grads, tx.init(w), w)
+    step = np.asarray(updates["x"])
+    np.testing.assert_allclose(step, -lr * first_rate * np.sign(grads["x"]), rtol=1e-4)
