@@ -12,7 +12,9 @@ it fills, and its layout:
 Import checks every tensor's shape; a missing, unexpected or duplicated HF tensor is an error
 that names it, and so is a shard an index names outside the checkpoint folder. Export writes
 the same names back (sharded with an index past ``max_shard_bytes``), so transformers and vLLM
-can load a trained policy. Weight sync to other engines reuses `hf_tensors`.
+can load a trained policy, and with a `GenerationConfig` the token ids and the
+``generation_config.json`` that make HF ``generate`` stop where the agent loop stops. Weight
+sync to other engines reuses `hf_tensors`.
 """
 
 from __future__ import annotations
@@ -226,10 +228,45 @@ def hf_tensors(cfg: ModelConfig, weights: Weights) -> Iterator[tuple[str, np.nda
         yield name, to_hf(rule, arr)
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """What an exported checkpoint tells HF ``generate``: the ids that end a reply (the
+    end-of-turn token first), the padding id, and how to sample (``temperature`` 0: greedy)."""
+
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    bos_token_id: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+
+    def token_ids(self) -> dict[str, Any]:
+        """The special token ids, as config.json and generation_config.json both carry them."""
+        eos = self.eos_token_ids
+        return {
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+            "pad_token_id": self.pad_token_id,
+        }
+
+    def to_hf(self) -> dict[str, Any]:
+        """``generation_config.json``: sampling stated in full, so none of HF's own defaults
+        (``top_k=50`` among them) applies."""
+        out = {**self.token_ids(), "do_sample": self.temperature > 0}
+        if self.temperature > 0:
+            out.update(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0))
+        return out
+
+
 def save_hf(
-    path: str | Path, cfg: ModelConfig, weights: Weights, max_shard_bytes: int = 2 * 1024**3
+    path: str | Path,
+    cfg: ModelConfig,
+    weights: Weights,
+    max_shard_bytes: int = 2 * 1024**3,
+    generation: GenerationConfig | None = None,
 ) -> None:
-    """Writes config.json and safetensors (sharded with an index when over ``max_shard_bytes``)."""
+    """Writes config.json and safetensors (sharded with an index when over ``max_shard_bytes``);
+    with ``generation``, also its token ids in config.json and ``generation_config.json``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -252,4 +289,10 @@ def save_hf(
         total = sum(a.nbytes for s in shards for a in s.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    config = cfg.to_hf()
+    if generation is not None:
+        config.update(generation.token_ids())
+        (path / "generation_config.json").write_text(
+            json.dumps(generation.to_hf(), indent=2) + "\n"
+        )
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

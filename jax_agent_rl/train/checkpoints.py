@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -25,6 +27,10 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The steps of every complete checkpoint, oldest first."""
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, states: dict[str, Any], meta: dict[str, Any]) -> None:
         """Starts writing; returns as soon as the arrays are copied off the devices."""
         args = {name: ocp.args.StandardSave(state) for name, state in states.items()}
@@ -37,6 +43,13 @@ class RunCheckpoints:
             step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args)
         )
         return {name: out[name] for name in targets}, dict(out["meta"])
+
+    def restore_part(self, step: int, name: str, target: Any) -> Any:
+        """Only the leaves of state ``name`` that ``target`` names (a policy's parameters
+        without its optimizer state, say), as host numpy arrays shaped like ``target``."""
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+        item = ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)
+        return self.manager.restore(step, args=ocp.args.Composite(**{name: item}))[name]
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -1,5 +1,10 @@
 """Run metrics: one JSON line per record in ``metrics.jsonl``, the same scalars in TensorBoard,
-and PNG plots of reward and throughput drawn from the JSONL at the end of a run."""
+PNG plots of reward and throughput drawn from the JSONL at the end of a run, and the plain
+one-line summary of a step that goes to the console when it is not a terminal (a log file).
+
+The first RL step of a process compiles the engine and the learner step, so its times measure
+compilation, not throughput: it is marked with ``time/includes_compile = 1`` and left out of
+the throughput plot."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+INCLUDES_COMPILE = "time/includes_compile"
 
 
 class MetricsLog:
@@ -50,9 +57,40 @@ def read_metrics(path: Path, phase: str | None = None) -> list[dict[str, Any]]:
     return sorted(by_key.values(), key=lambda r: (r["phase"], r["step"]))
 
 
+def equal_rewards_warning(m: Mapping[str, float]) -> str | None:
+    """The warning for a step in which every trained group's rewards were equal (GRPO's
+    advantages, reward minus group mean, are then zero everywhere: the step learns nothing)."""
+    groups = int(m["batch/groups"])
+    if groups == 0 or m["batch/groups_all_equal"] < groups:
+        return None
+    return f"WARNING: rewards equal within all {groups} groups, zero GRPO advantage"
+
+
+def step_line(step: int, steps: int, m: Mapping[str, float]) -> str:
+    """One plain line for a finished RL step: reward, success, rollout tokens/s, step time."""
+    parts = [
+        f"step {step}/{steps}",
+        f"reward {m['reward']:.3f}",
+        f"success {m['success']:.3f}",
+        f"rollout {m['time/rollout_tokens_per_s']:.0f} tok/s",
+        f"{m['time/step_s']:.1f} s/step" + (" (compiling)" if m[INCLUDES_COMPILE] else ""),
+    ]
+    if "val/success" in m:
+        parts.append(f"held-out {m['val/success']:.3f}")
+    warning = equal_rewards_warning(m)
+    if warning is not None:
+        parts.append(warning)
+    return "  ".join(parts)
+
+
+def throughput_records(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The train records whose times measure throughput: not those that include compilation."""
+    return [r for r in train if not r.get(INCLUDES_COMPILE, 0)]
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """``reward.png`` (train reward and held-out success per step) and ``throughput.png``
-    (tokens/s and the step-time breakdown)."""
+    (tokens/s and the step-time breakdown, steps that include compilation left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,16 +118,17 @@ def plot_run(run_dir: Path) -> list[Path]:
     plt.close(fig)
 
     if train:
+        timed = throughput_records(train)
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        steps = [r["step"] for r in train]
-        a1.plot(steps, [r.get("time/rollout_tokens_per_s", 0) for r in train], label="rollout")
-        a1.plot(steps, [r.get("time/train_tokens_per_s", 0) for r in train], label="train")
-        a1.set_title("tokens / s")
+        steps = [r["step"] for r in timed]
+        a1.plot(steps, [r.get("time/rollout_tokens_per_s", 0) for r in timed], label="rollout")
+        a1.plot(steps, [r.get("time/train_tokens_per_s", 0) for r in timed], label="train")
+        a1.set_title("tokens / s (steps with compilation left out)")
         a1.set_xlabel("RL step")
         a1.legend()
-        bottom = [0.0] * len(train)
+        bottom = [0.0] * len(timed)
         for part in ("rollout_s", "train_s", "weight_push_s"):
-            values = [r.get(f"time/{part}", 0.0) for r in train]
+            values = [r.get(f"time/{part}", 0.0) for r in timed]
             a2.bar(steps, values, bottom=bottom, label=part)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         a2.set_title("step time (s)")

@@ -13,10 +13,12 @@ One step (`Trainer._step`):
 5. ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
 6. push the new weights to the backend as version ``step + 1``.
 
-Every step logs metrics (JSONL + TensorBoard) and a few traces; every ``eval_every`` steps
-the held-out prompts are solved greedily; every ``save_every`` steps an orbax checkpoint of
-both train states, the step, the prompt sampler's position and the seed is written. A rerun
-with the same run folder resumes from the last complete checkpoint.
+Every step logs metrics (JSONL + TensorBoard), a few traces and, when the console is not a
+terminal (a log file), one plain line; groups whose rewards are all equal (zero GRPO advantage)
+are counted (``batch/groups_all_equal``) and a step where every group is so is warned about.
+Every ``eval_every`` steps the held-out prompts are solved greedily; every ``save_every`` steps
+an orbax checkpoint of both train states, the step, the prompt sampler's position and the seed
+is written. A rerun with the same run folder resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -25,26 +27,27 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-import shutil
+import os
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
-from jax_agent_rl.config import JarlConfig, to_yaml
+from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
-from jax_agent_rl.models import Sharder, load_hf, make_mesh, request_cpu_devices, save_hf
-from jax_agent_rl.rewards import get_reward
+from jax_agent_rl.models import Sharder, load_hf, make_mesh, request_cpu_devices
+from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
@@ -54,7 +57,14 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RunCheckpoints
-from jax_agent_rl.train.metrics import MetricsLog, plot_run
+from jax_agent_rl.train.export import export_policy
+from jax_agent_rl.train.metrics import (
+    INCLUDES_COMPILE,
+    MetricsLog,
+    equal_rewards_warning,
+    plot_run,
+    step_line,
+)
 from jax_agent_rl.train.sft import load_demonstrations, run_sft
 from jax_agent_rl.train.traces import append_traces, trace_record
 
@@ -62,6 +72,19 @@ from jax_agent_rl.train.traces import append_traces, trace_record
 def final_answer_text(traj: Trajectory) -> str:
     """The last assistant message (what the reward reads)."""
     return next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
+
+
+def trajectory_reward(
+    sample: Sample, traj: Trajectory, score: ScoreFn, tool_reward_weight: float
+) -> float:
+    """The reward the learner trains on: ``score`` of the final answer (by the sample's
+    ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
+    of the tool rewards (``traj.turn_rewards``). As in verl, the reward function also gets the
+    tool rewards as ``extra_info["tool_rewards"]`` (here one entry per tool turn, the sum of
+    its calls; verl has one per call)."""
+    extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
+    outcome = score(sample.data_source, final_answer_text(traj), sample.ground_truth, extra)
+    return outcome + tool_reward_weight * sum(traj.turn_rewards)
 
 
 def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
@@ -111,6 +134,18 @@ def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) ->
     return out
 
 
+def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
+    """``batch/groups`` (groups trained) and ``batch/groups_all_equal``: those whose rewards
+    are all equal, so that their GRPO advantages are zero and they teach the policy nothing."""
+    gids_n = np.asarray(group_ids_n, str)
+    signal_n = core.groups_with_signal(np.asarray(rewards_n, np.float32), gids_n)
+    groups = len(set(gids_n.tolist()))
+    return {
+        "batch/groups": groups,
+        "batch/groups_all_equal": groups - len(set(gids_n[signal_n].tolist())),
+    }
+
+
 def logprob_gap(batch: TrainBatch) -> dict[str, float]:
     """Sampler-vs-learner logprob difference on sampled tokens (before the update)."""
     mask = np.asarray(batch.mask) > 0
@@ -125,6 +160,26 @@ def _mean_metrics(records: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
 
 
+def make_tools(
+    section: ToolsSection, registry: ToolRegistry, environ: Mapping[str, str]
+) -> ToolExecutor:
+    """The run's tool executor: the ``server_url`` tool server (with the bearer token held by
+    the environment variable ``token_env`` names, if it names one), else ``registry`` in this
+    process."""
+    if not section.server_url:
+        if section.token_env:
+            raise ConfigError("tools.token_env is set but tools.server_url is not")
+        return LocalTools(registry, timeout_s=section.timeout_s)
+    from jax_agent_rl.tools.server import HttpTools
+
+    token = environ.get(section.token_env) if section.token_env else None
+    if section.token_env and not token:
+        raise ConfigError(
+            f"tools.token_env={section.token_env!r}: that environment variable is not set or empty"
+        )
+    return HttpTools(section.server_url, token=token, timeout_s=section.timeout_s)
+
+
 class Trainer:
     """Runs the configured job in ``cfg.trainer.run_dir`` (see the module docstring)."""
 
@@ -132,7 +187,7 @@ class Trainer:
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.reward_fn = get_reward(cfg.data.reward)
+        self.score = make_reward(cfg.data)  # user reward functions fail here, at startup
 
     # ------------------------------------------------------------------------- building
 
@@ -147,9 +202,11 @@ class Trainer:
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n])
         self.sharder = Sharder(mesh)
         self.model, params = load_hf(cfg.model.path, "float32", self.sharder)
-        self.train_samples = load_samples(cfg.data.train)
+        self.train_samples = load_samples(cfg.data.train, agents=AGENT_LOOPS)
         self.val_samples = (
-            load_samples(cfg.data.val, limit=cfg.data.val_size or None) if cfg.data.val else []
+            load_samples(cfg.data.val, agents=AGENT_LOOPS, limit=cfg.data.val_size or None)
+            if cfg.data.val
+            else []
         )
         self.sampler = PromptSampler(self.train_samples, cfg.trainer.seed)
         self.registry = ToolRegistry.from_yaml(cfg.tools.config)
@@ -186,11 +243,7 @@ class Trainer:
         )
 
     def _tools(self) -> ToolExecutor:
-        if self.cfg.tools.server_url:
-            from jax_agent_rl.tools.server import HttpTools
-
-            return HttpTools(self.cfg.tools.server_url, timeout_s=self.cfg.tools.timeout_s)
-        return LocalTools(self.registry, timeout_s=self.cfg.tools.timeout_s)
+        return make_tools(self.cfg.tools, self.registry, os.environ)
 
     def _agent_config(self, greedy: bool) -> AgentConfig:
         a, r = self.cfg.agent, self.cfg.rollout
@@ -222,12 +275,8 @@ class Trainer:
 
     def _export(self) -> None:
         """The final policy as an HF checkpoint (with its tokenizer) in ``run_dir/hf``."""
-        out = self.run_dir / "hf"
-        save_hf(out, self.model, jax.device_get(self.learner.params))
-        source = Path(self.cfg.model.tokenizer or self.cfg.model.path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (source / name).is_file():
-                shutil.copy(source / name, out / name)
+        params = jax.device_get(self.learner.params)
+        export_policy(self.run_dir / "hf", self.cfg, self.model, params)
 
     async def _run(self) -> None:
         cfg = self.cfg
@@ -236,7 +285,9 @@ class Trainer:
         if latest is None and cfg.sft.data and cfg.sft.steps > 0:
             params = self._sft(params)
         self.learner = self._learner(params)
-        self.reference = params if cfg.algorithm.kl_coef else None
+        # The reference is a copy: the learner's jitted update donates the policy's buffers, so
+        # a reference that shared them would be deleted by the first update.
+        self.reference = jax.tree.map(jnp.copy, params) if cfg.algorithm.kl_coef else None
         start = 0
         if latest is not None:
             start = self._restore(latest)
@@ -264,7 +315,7 @@ class Trainer:
             with self._progress() as (progress, task):
                 progress.update(task, completed=start)
                 for step in range(start, cfg.trainer.steps):
-                    m = await self._step(step, backend)
+                    m = await self._step(step, backend, compiles=step == start)
                     done = step + 1
                     last = done == cfg.trainer.steps
                     if self.val_samples and (
@@ -274,10 +325,13 @@ class Trainer:
                     if last or done % cfg.trainer.save_every == 0:
                         self._save(done)
                     progress.update(task, completed=done, status=self._status(m))
+                    # a log file gets one plain line a step; a terminal, the warnings
+                    if not self.console.is_terminal or equal_rewards_warning(m):
+                        line = step_line(done, cfg.trainer.steps, m)
+                        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
         finally:
             await backend.close()
-            if hasattr(tools, "close"):
-                await tools.close()
+            await tools.close()
 
     @contextlib.contextmanager
     def _progress(self) -> Iterator[tuple[Progress, Any]]:
@@ -376,7 +430,7 @@ class Trainer:
         trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
         raise_if_all_failed(trajs)
         for traj, e in zip(trajs, episodes, strict=True):
-            traj.reward = self.reward_fn(final_answer_text(traj), e.ground_truth)
+            traj.reward = trajectory_reward(e, traj, self.score, self.cfg.data.tool_reward_weight)
         return trajs
 
     def _shaped_rewards(self, trajs: Sequence[Trajectory]) -> np.ndarray:
@@ -472,7 +526,9 @@ class Trainer:
                 records.append(m)
         return _mean_metrics(records)
 
-    async def _step(self, step: int, backend: RolloutBackend) -> dict[str, float]:
+    async def _step(self, step: int, backend: RolloutBackend, compiles: bool) -> dict[str, float]:
+        """One RL step; ``compiles``: the first step of this process, whose times include
+        compiling the engine and the learner step (kept out of the throughput plot)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         trajs, m = await self._collect(step)
@@ -502,7 +558,9 @@ class Trainer:
                 "time/step_s": time.perf_counter() - t0,
                 "time/rollout_tokens_per_s": model_tokens / max(t_rollout, 1e-9),
                 "time/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+                INCLUDES_COMPILE: float(compiles),
                 "batch/trajectories": len(trainable),
+                **reward_groups(self._shaped_rewards(trainable), [t.group_id for t in trainable]),
             }
         )
         self.metrics.write(step + 1, "train", m)

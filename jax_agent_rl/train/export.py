@@ -1,0 +1,96 @@
+"""A run's policy as an HF checkpoint folder that transformers and vLLM load as they are.
+
+The folder holds the safetensors, ``config.json`` with the special token ids,
+``generation_config.json`` and the run's tokenizer files. HF ``generate`` stops where the
+agent loop stops: at the end of an assistant turn, the tokenizer's ``eos_token`` (the token the
+chat template ends assistant messages with; `TurnBuilder` refuses a template that does not),
+and at any id the source checkpoint's own generation config stops at (Qwen2.5-Instruct's
+``<|endoftext|>``, say). Its sampling defaults are the rollouts' temperature, top-p and top-k:
+the distribution the policy was trained to sample from.
+
+The trainer exports its final policy to ``RUN/hf``; `export_run` (``jarl export RUN --step N``)
+exports any saved orbax checkpoint of a run, reading only the policy's parameters (not the
+optimizer state) with the model and tokenizer the run's ``config.yaml`` names.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from jax_agent_rl.config import JarlConfig, RolloutSection, load_config
+from jax_agent_rl.models import ModelConfig, Weights, abstract_params, save_hf
+from jax_agent_rl.models.checkpoint import GenerationConfig
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.checkpoints import RunCheckpoints
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def source_eos_ids(checkpoint: str | Path) -> tuple[int, ...]:
+    """The ids a checkpoint folder stops generation at: its ``generation_config.json``'s
+    ``eos_token_id``, else its ``config.json``'s (an int, a list, or absent)."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(checkpoint) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def generation_config(
+    tokenizer: Tokenizer, rollout: RolloutSection, source_eos: tuple[int, ...] = ()
+) -> GenerationConfig:
+    """Stop at the end of a turn (the tokenizer's eos) or at ``source_eos``; pad with the
+    tokenizer's pad token (else the end-of-turn token); sample as the rollouts did."""
+    end_of_turn = tokenizer.eos_token_id
+    if end_of_turn is None:
+        raise ValueError("the tokenizer names no eos_token: an exported policy would never stop")
+    bos = None if tokenizer.bos_token is None else tokenizer.token_id(tokenizer.bos_token)
+    pad = tokenizer.pad_token_id
+    return GenerationConfig(
+        eos_token_ids=tuple(dict.fromkeys((end_of_turn, *source_eos))),
+        pad_token_id=end_of_turn if pad is None else pad,
+        bos_token_id=bos,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+    )
+
+
+def export_policy(out: str | Path, cfg: JarlConfig, model: ModelConfig, params: Weights) -> Path:
+    """Writes ``params`` (host arrays) of the run ``cfg`` as an HF checkpoint folder ``out``."""
+    out = Path(out)
+    tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    generation = generation_config(
+        Tokenizer.from_pretrained(tokenizer_dir), cfg.rollout, source_eos_ids(cfg.model.path)
+    )
+    save_hf(out, model, params, generation=generation)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def export_run(run_dir: str | Path, step: int | None = None, out: str | Path | None = None) -> Path:
+    """Exports the policy of ``run_dir``'s checkpoint of ``step`` (default: the latest) to
+    ``out`` (default: ``run_dir/hf-step-<step>``); returns ``out``."""
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.yaml")
+    cfg: JarlConfig = load_config(config_file)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    try:
+        saved = checkpoints.steps()
+        if not saved or (step is not None and step not in saved):
+            wanted = "checkpoint" if step is None else f"checkpoint of step {step}"
+            raise FileNotFoundError(f"{run_dir} has no {wanted}; saved steps: {saved}")
+        step = saved[-1] if step is None else step
+        model = ModelConfig.from_pretrained(cfg.model.path)  # float32, as the learner keeps it
+        params = checkpoints.restore_part(step, "policy", {"params": abstract_params(model)})
+    finally:
+        checkpoints.close()
+    return export_policy(out or run_dir / f"hf-step-{step}", cfg, model, params["params"])

@@ -1,0 +1,242 @@
+"""A run as its user sees it after training: a log file with one line per step, and HF
+checkpoint folders (the trainer's ``RUN/hf`` and ``jarl export RUN --step N``) on which
+transformers' ``generate`` stops at the end of a turn and reproduces our engine's greedy tokens.
+
+transformers 5 loads ``Qwen2Tokenizer`` for every ``model_type: qwen2`` folder, whatever its
+``tokenizer_class``, and that class rebuilds the pre-tokenizer its own way: the demo model's
+tokenizer (digit groups, merges across words) then mis-tokenizes through ``AutoTokenizer``. So
+``AutoTokenizer`` is checked on Llama and Qwen3 exports; the qwen2 demo export is read with
+``PreTrainedTokenizerFast``, the class its tokenizer_config.json names.
+"""
+
+import asyncio
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from rich.console import Console
+from safetensors.numpy import load_file
+
+from jax_agent_rl.cli import main
+from jax_agent_rl.config import JarlConfig, ModelSection, load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tokenization.tokenizer import render_template
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train import train
+from jax_agent_rl.train.export import export_policy
+from jax_agent_rl.train.metrics import INCLUDES_COMPILE, read_metrics
+from tests.train.test_trainer import _command
+
+STEPS = 2
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    """The demo's task at the size tests/train/test_trainer.py runs it."""
+    return prepare(
+        tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=200, n_val=16, n_sft=300
+    )
+
+
+@pytest.fixture(scope="module")
+def run(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A tiny run (SFT warm start, two GRPO steps, a checkpoint each), its console a log file."""
+    run_dir = tmp_path_factory.mktemp("run")
+    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}"]  # the overrides
+    log = io.StringIO()
+    train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))
+    return run_dir, log.getvalue()
+
+
+def test_a_log_file_gets_one_line_per_step(run: tuple[Path, str]) -> None:
+    run_dir, log = run
+    records = read_metrics(run_dir / "metrics.jsonl", "train")
+    lines = [line for line in log.splitlines() if line.startswith("step ")]
+    assert len(lines) == len(records) == STEPS
+    for line, r in zip(lines, records, strict=True):
+        assert line.startswith(
+            f"step {r['step']}/{STEPS}  reward {r['reward']:.3f}  success {r['success']:.3f}  "
+            f"rollout {r['time/rollout_tokens_per_s']:.0f} tok/s  {r['time/step_s']:.1f} s/step"
+        )
+        assert 0 <= r["batch/groups_all_equal"] <= r["batch/groups"] <= 4  # 4 prompts a step
+        warning = f"WARNING: rewards equal within all {r['batch/groups']:.0f} groups"
+        all_equal = r["batch/groups_all_equal"] == r["batch/groups"]
+        assert line.endswith(f"{warning}, zero GRPO advantage") == all_equal
+    # the first step of the process compiles; it is marked so and kept out of throughput plots
+    assert [r[INCLUDES_COMPILE] for r in records] == [1.0, 0.0]
+    assert "(compiling)" in lines[0] and "(compiling)" not in lines[1]
+    # with the format reward, the warm-started model gets every episode of step 2 right
+    assert records[1]["reward"] == 1.0 and "WARNING" in lines[1]
+
+
+def test_jarl_export_writes_any_saved_step(
+    run: tuple[Path, str], task: TaskFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, _ = run
+    assert main(["export", str(run_dir), "--step", "1", "--out", str(tmp_path / "s1")]) == 0
+    assert main(["export", str(run_dir)]) == 0  # the latest checkpoint, step 2
+    assert f"exported to {run_dir / 'hf-step-2'}" in capsys.readouterr().out
+    final = load_file(run_dir / "hf" / "model.safetensors")  # the trainer's in-memory policy
+    latest = load_file(run_dir / "hf-step-2" / "model.safetensors")
+    first = load_file(tmp_path / "s1" / "model.safetensors")
+    assert final.keys() == latest.keys() == first.keys()
+    for name in final:
+        np.testing.assert_array_equal(latest[name], final[name], err_msg=name)
+    assert any(not np.array_equal(first[name], final[name]) for name in final)
+
+    tok = Tokenizer.from_pretrained(task.model)
+    im_end, pad = tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")
+    for folder in (run_dir / "hf", run_dir / "hf-step-2", tmp_path / "s1"):
+        config = json.loads((folder / "config.json").read_text())
+        assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (
+            im_end,
+            pad,
+            None,
+        )
+        assert json.loads((folder / "generation_config.json").read_text()) == {
+            "bos_token_id": None,
+            "eos_token_id": im_end,
+            "pad_token_id": pad,
+            "do_sample": True,  # as the rollouts sampled (configs/demo_calculator_cpu.yaml)
+            "temperature": 0.7,
+            "top_p": 1.0,
+            "top_k": 0,  # HF's "off"
+        }
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            assert (folder / name).read_bytes() == (task.model / name).read_bytes()
+
+    assert main(["export", str(run_dir), "--step", "7"]) == 2
+    assert "has no checkpoint of step 7; saved steps: [1, 2]" in capsys.readouterr().err
+    assert main(["export", str(tmp_path)]) == 2
+    assert "is not a run folder" in capsys.readouterr().err
+
+
+def _engine_greedy(folder: Path, prompts: list[list[int]], stops: tuple[int, ...]) -> list:
+    cfg, weights = load_hf(folder)
+    engine = Engine(cfg, max_concurrent_decodes=4, max_len=cfg.max_position_embeddings)
+    backend = EmbeddedBackend(engine, weights)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=stops)
+
+    async def all_prompts() -> list:
+        try:
+            return list(
+                await asyncio.gather(
+                    *(
+                        backend.generate(GenerateRequest(f"p{i}", tuple(p), greedy))
+                        for i, p in enumerate(prompts)
+                    )
+                )
+            )
+        finally:
+            await backend.close()
+
+    return asyncio.run(all_prompts())
+
+
+def _hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """``generate`` as a user calls it: the stopping ids come from the folder, not from us."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            new = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW
+            )
+        out.append(new[0, len(prompt) :].tolist())
+    return out
+
+
+def test_transformers_generate_on_the_trained_export_stops_like_the_engine(
+    run: tuple[Path, str], task: TaskFiles
+) -> None:
+    run_dir, _ = run
+    out = run_dir / "hf"
+    tok = Tokenizer.from_pretrained(out)
+    schemas = ToolRegistry.from_yaml(task.tools).schemas()
+    builder = TurnBuilder(tok, schemas)
+    conversations = [json.loads(line)["prompt"] for line in task.val.read_text().splitlines()[:4]]
+    prompts = [builder.prompt_ids(messages) for messages in conversations]
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    for messages, prompt in zip(conversations, prompts, strict=True):
+        rendered = hf_tok.apply_chat_template(
+            messages, tools=schemas, add_generation_prompt=True, tokenize=True
+        )
+        assert list(rendered["input_ids"]) == prompt
+    results = _engine_greedy(out, prompts, (tok.eos_token_id,))
+    for hf, result in zip(_hf_greedy(out, prompts), results, strict=True):
+        assert result.finish_reason == "stop"  # the trained policy ends its turn
+        assert result.token_ids[-1] == tok.token_id("<|im_end|>")
+        assert hf == list(result.token_ids)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+MESSAGES = [
+    {"role": "system", "content": "Answer in <answer></answer> tags."},
+    {"role": "user", "content": "What is 12 + 30? Zürich, 1234567"},
+]
+CORPUS = [  # transcripts as the template renders them (tool schemas included), as the demo's
+    render_template(
+        chat_template("chatml_tools"),
+        [*MESSAGES, {"role": "assistant", "content": "The sum is <answer>42</answer>."}],
+        TOOLS,
+    ),
+    "Zürich, naïve café: unicode survives byte-level BPE. 日本語も。 12 + 30 = 42\n",
+] * 30
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_auto_tokenizer_and_generate_on_an_export(family: str, tmp_path: Path) -> None:
+    """A random-init policy whose source checkpoint also stops at ``<|endoftext|>`` (as
+    Qwen2.5-Instruct's generation config does): the export stops at both, end of turn first."""
+    source = tmp_path / "source"
+    backend = train_bpe(CORPUS, vocab_size=512, digit_groups=3, merge_across_words=True)
+    save_tokenizer(source, backend, chat_template("chatml_tools"))
+    write_hf_checkpoint(source, {**TINY[family], "vocab_size": backend.get_vocab_size()})
+    tok = Tokenizer.from_pretrained(source)
+    im_end, endoftext = tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
+    cfg = dataclasses.replace(JarlConfig(), model=ModelSection(path=str(source)))
+    model, params = load_hf(source)
+    out = export_policy(tmp_path / "export", cfg, model, params)
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert isinstance(hf_tok, transformers.PreTrainedTokenizerFast)
+    assert (hf_tok.eos_token, hf_tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    prompt = TurnBuilder(tok, TOOLS).prompt_ids(MESSAGES)
+    rendered = hf_tok.apply_chat_template(
+        MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=True
+    )
+    assert list(rendered["input_ids"]) == prompt
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == [im_end, endoftext]
+    assert (generation.pad_token_id, generation.do_sample, generation.top_k) == (endoftext, True, 0)
+
+    (result,) = _engine_greedy(out, [prompt], (im_end, endoftext))
+    assert _hf_greedy(out, [prompt]) == [list(result.token_ids)]
