@@ -26,6 +26,7 @@ from jax_agent_rl.tools.seccomp import DENIED, SYSCALLS, filter_program
 
 SECRET = "hf_jarl_test_secret_0123456789"
 LIMITS = Limits(cpu_s=2, memory_mb=256, processes=16, files=2000)
+ATTACK_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def attack_beside_normal(sb: PythonSandbox, attack: str) -> str:
     executions on both workers; returns the attack's output after checking every other one."""
 
     async def both() -> tuple[ExecResult, ExecResult]:
-        results = await asyncio.gather(sb.run(attack), sb.run(NORMAL[0][0]))
+        # the attack's wall timeout is far past what any attempt needs, so that its outcome
+        # is the bound it hits (memory, files, CPU), never the clock of a loaded machine
+        results = await asyncio.gather(sb.run(attack, ATTACK_TIMEOUT_S), sb.run(NORMAL[0][0]))
         return results[0], results[1]
 
     hostile, normal = asyncio.run(both())
