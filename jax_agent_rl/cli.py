@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve-tools",
         help="serve a tools YAML over HTTP for agent rollouts",
         description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics. State is sticky per trajectory. A non-loopback --host needs --token. "
+        "GET /metrics, and verl-tool's POST /get_observation (hermes tool calls). State is "
+        "sticky per trajectory. A non-loopback --host needs --token. "
         "What clients can hold is bounded: trajectory state, request bodies, connections.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
