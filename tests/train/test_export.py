@@ -168,7 +168,7 @@ def test_transformers_generate_on_the_trained_export_stops_like_the_engine(
     tok = Tokenizer.from_pretrained(out)
     schemas = ToolRegistry.from_yaml(task.tools).schemas()
     builder = TurnBuilder(tok, schemas)
-    conversations = [json.loads(line)["prompt"] for line in task.val.read_text().splitlines()[:4]]
+    conversations = [json.loads(line)["prompt"] for line in task.val.read_text().splitlines()[:8]]
     prompts = [builder.prompt_ids(messages) for messages in conversations]
     hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
     for messages, prompt in zip(conversations, prompts, strict=True):
@@ -177,10 +177,16 @@ def test_transformers_generate_on_the_trained_export_stops_like_the_engine(
         )
         assert list(rendered["input_ids"]) == prompt
     results = _engine_greedy(out, prompts, (tok.eos_token_id,))
+    # What the two-step policy writes is not the point (on some CPUs it rambles past MAX_NEW on
+    # some prompts): HF must stop exactly where the engine stops, and run on where it runs on.
+    # A folder without eos in its generation config would run past every end of turn.
+    assert any(r.finish_reason == "stop" for r in results)
     for hf, result in zip(_hf_greedy(out, prompts), results, strict=True):
-        assert result.finish_reason == "stop"  # the trained policy ends its turn
-        assert result.token_ids[-1] == tok.token_id("<|im_end|>")
         assert hf == list(result.token_ids)
+        if result.finish_reason == "stop":  # the policy ended its turn, and HF stopped there
+            assert result.token_ids[-1] == tok.token_id("<|im_end|>")
+        else:
+            assert result.finish_reason == "length" and len(hf) == MAX_NEW
 
 
 TOOLS = [
