@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_backend import wire
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
@@ -53,6 +53,10 @@ from jax_agent_rl.rollout.protocol import (
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
+
+if TYPE_CHECKING:
+    from jax_agent_rl.config import RolloutSection
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -498,3 +502,37 @@ class VLLMBackend:
             finish_reason=finish,
             weight_version=call.version if tokens else self._version,
         )
+
+
+def _build(spec: BackendBuild) -> VLLMBackend:
+    r = spec.rollout
+    return VLLMBackend(
+        spec.checkpoint,
+        spec.model,
+        params=spec.params,
+        python=r.vllm_python or DEFAULT_PYTHON,
+        replicas=r.replicas,
+        devices=[d for d in r.vllm_devices.split(",") if d],
+        kv_cache_bytes=r.vllm_kv_cache_mb * 2**20 or None,
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_concurrent,
+        dtype=spec.dtype,
+        weight_version=spec.version,
+        seed=spec.seed,
+    )
+
+
+def _check(rollout: RolloutSection) -> list[str]:
+    if Path(rollout.vllm_python or DEFAULT_PYTHON).is_file():
+        return []
+    shown = (
+        repr(rollout.vllm_python) if rollout.vllm_python else f"'' (the default, {DEFAULT_PYTHON})"
+    )
+    return [
+        f"rollout.vllm_python={shown} does not exist: expected the python of a venv with "
+        "vLLM (scripts/setup.sh vllm makes .venv-vllm)"
+    ]
+
+
+# `rollout.backend=vllm`, found through the entry point in pyproject.toml
+FACTORY = BackendFactory(build=_build, check=_check)

@@ -62,7 +62,7 @@ class MeshSection:
 class RolloutSection:
     """The inference backend and how it samples."""
 
-    backend: Literal["embedded", "vllm"] = "embedded"
+    backend: str = "embedded"  # a registered backend: embedded, vllm (rollout/registry.py)
     n: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -480,6 +480,15 @@ def _overlong_buffer(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _backend(cfg: JarlConfig) -> str | None:
+    from jax_agent_rl.rollout.registry import backend_names  # registry -> protocol -> engine
+
+    names = backend_names()
+    if cfg.rollout.backend not in names:
+        return f"rollout.backend={cfg.rollout.backend!r}: expected one of {names}"
+    return None
+
+
 def _vllm_devices(cfg: JarlConfig) -> str | None:
     r = cfg.rollout
     devices = [d for d in r.vllm_devices.split(",") if d]
@@ -492,6 +501,7 @@ def _vllm_devices(cfg: JarlConfig) -> str | None:
 
 
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
+    _backend,
     _micro_batch_over_mesh,
     _sft_batch,
     _group_size,

@@ -25,7 +25,8 @@ from typing import Any, Literal, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
-from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend, SamplingParams
+from jax_agent_rl.engine.sampling import SamplingParams
+from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult

@@ -20,13 +20,13 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
+from jax_agent_rl.engine.sampling import SamplingParams, sample, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import (
     KVCache,
     ModelConfig,
@@ -38,9 +38,6 @@ from jax_agent_rl.models import (
     param_specs,
 )
 from jax_agent_rl.models.decoder import is_spec
-
-if TYPE_CHECKING:  # the engine reads SamplingParams' fields; rollout/ imports the engine
-    from jax_agent_rl.rollout.protocol import SamplingParams
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2

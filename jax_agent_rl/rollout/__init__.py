@@ -12,8 +12,17 @@ from jax_agent_rl.rollout.protocol import (
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.registry import (
+    BackendBuild,
+    BackendFactory,
+    backend_names,
+    make_backend,
+    register_backend,
+)
 
 __all__ = [
+    "BackendBuild",
+    "BackendFactory",
     "BackendStats",
     "Capabilities",
     "EmbeddedBackend",
@@ -23,6 +32,9 @@ __all__ = [
     "InvalidRequestError",
     "RolloutBackend",
     "SamplingParams",
+    "backend_names",
+    "make_backend",
+    "register_backend",
     "resolve_from_thread",
     "validate_request",
 ]

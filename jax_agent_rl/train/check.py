@@ -14,7 +14,7 @@ but reads no weights and compiles nothing:
 - the first `ROWS` rows of each data file (``load_samples`` checks their columns and types)
   and of the SFT demonstrations;
 - every tool of ``tools.config``, built, its schema rendered, and closed again;
-- with ``rollout.backend=vllm``, the vLLM interpreter.
+- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter).
 
 Each problem is one line naming the key, its value and what would be accepted. All problems
 are reported; a check that needs something that failed to load is skipped.
@@ -38,6 +38,7 @@ from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
@@ -78,8 +79,9 @@ def check_run(cfg: JarlConfig) -> list[str]:
 
     attempt(lambda: _reward(cfg))
     parser = attempt(lambda: _parser(cfg.agent.parser))
-    if cfg.rollout.backend == "vllm":
-        attempt(lambda: _vllm_python(cfg.rollout.vllm_python))
+    backend = attempt(lambda: _backend(cfg.rollout.backend))
+    if backend is not None:
+        problems += backend.check(cfg.rollout)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
         problems += _model_fit(cfg, model, jax.device_count())
@@ -178,15 +180,11 @@ def _parser(name: str) -> ToolCallParser:
     return make_parser(name)
 
 
-def _vllm_python(value: str) -> None:
-    from gpu_backend.backend import DEFAULT_PYTHON
-
-    if not Path(value or DEFAULT_PYTHON).is_file():
-        shown = repr(value) if value else f"'' (the default, {DEFAULT_PYTHON})"
-        raise _CheckError(
-            f"rollout.vllm_python={shown} does not exist: expected the python of a venv with "
-            "vLLM (scripts/setup.sh vllm makes .venv-vllm)"
-        )
+def _backend(name: str) -> BackendFactory:
+    try:
+        return backend_factory(name)
+    except ValueError as e:
+        raise _CheckError(str(e)) from None
 
 
 def _model(path: str) -> ModelConfig:

@@ -51,8 +51,8 @@ from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
-from jax_agent_rl.rollout.factory import make_backend
 from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
@@ -295,13 +295,15 @@ class Trainer:
         else:
             self._save(0)
         backend = make_backend(
-            cfg.rollout,
-            self.model,
-            self.learner.rollout_params(cfg.model.dtype),
-            checkpoint=cfg.model.path,
-            dtype=cfg.model.dtype,
-            version=start,
-            seed=cfg.trainer.seed,
+            BackendBuild(
+                cfg.rollout,
+                self.model,
+                self.learner.rollout_params(cfg.model.dtype),
+                checkpoint=cfg.model.path,
+                dtype=cfg.model.dtype,
+                version=start,
+                seed=cfg.trainer.seed,
+            )
         )
         tools = self._tools()
         parser = make_parser(cfg.agent.parser)

@@ -1,0 +1,120 @@
+"""Rollout backends by name: ``rollout.backend`` picks one from here.
+
+The embedded JAX engine is built in. Every other backend (vLLM in ``gpu_backend``, a user's own)
+registers a `BackendFactory`, either by calling `register_backend` or through the
+``jax_agent_rl.backends`` entry-point group of its package's metadata, so nothing in
+``jax_agent_rl`` imports a backend's package: ``gpu_backend`` declares itself in pyproject.toml
+
+    [project.entry-points."jax_agent_rl.backends"]
+    vllm = "gpu_backend.backend:FACTORY"
+
+and is imported only when a run asks for ``rollout.backend=vllm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jax_agent_rl.rollout.protocol import RolloutBackend
+
+if TYPE_CHECKING:  # config.py asks this module for the registered names
+    from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.models import ModelConfig, Weights
+
+ENTRY_POINT_GROUP = "jax_agent_rl.backends"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendBuild:
+    """What every backend is built from: ``params`` (already in ``dtype``) served as weight
+    ``version``; ``checkpoint`` is the HF folder they came from, for engines that load their
+    own copy first (vLLM) and then receive ``params``."""
+
+    rollout: RolloutSection
+    model: ModelConfig
+    params: Weights
+    checkpoint: str | Path
+    dtype: str
+    version: int = 0
+    seed: int = 0
+
+
+def _no_problems(rollout: RolloutSection) -> list[str]:
+    del rollout
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendFactory:
+    """``build`` starts the backend; ``check`` lists, one line each naming the key, what in the
+    rollout section would make ``build`` fail (``jarl train --dry-run`` and the pre-run check
+    call it, so a missing interpreter is reported before any model loads)."""
+
+    build: Callable[[BackendBuild], RolloutBackend]
+    check: Callable[[RolloutSection], list[str]] = _no_problems
+
+
+def _build_embedded(spec: BackendBuild) -> RolloutBackend:
+    from jax_agent_rl.engine import Engine
+    from jax_agent_rl.rollout.embedded import EmbeddedBackend
+
+    engine = Engine(
+        dataclasses.replace(spec.model, dtype=spec.dtype),  # type: ignore[arg-type]
+        max_concurrent_decodes=spec.rollout.max_concurrent,
+        max_len=spec.rollout.max_model_len,
+    )
+    return EmbeddedBackend(
+        engine,
+        spec.params,
+        weight_version=spec.version,
+        steps_per_call=spec.rollout.steps_per_call,
+        seed=spec.seed,
+        warmup=True,
+    )
+
+
+_REGISTERED: dict[str, BackendFactory] = {"embedded": BackendFactory(_build_embedded)}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Makes ``rollout.backend=name`` build with ``factory`` (a name taken already is an error)."""
+    if name in _REGISTERED or name in _entry_points():
+        raise ValueError(f"rollout backend {name!r} is registered already")
+    _REGISTERED[name] = factory
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def backend_names() -> list[str]:
+    """Every name ``rollout.backend`` accepts, sorted."""
+    return sorted({*_REGISTERED, *_entry_points()})
+
+
+def backend_factory(name: str) -> BackendFactory:
+    """The factory registered as ``name``; an entry point is loaded on first use."""
+    if name not in _REGISTERED:
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not found:
+            raise ValueError(
+                f"rollout.backend={name!r} is not a registered backend: use one of "
+                f"{backend_names()}"
+            )
+        factory = found[0].load()
+        if not isinstance(factory, BackendFactory):
+            raise TypeError(
+                f"entry point {found[0].value!r} of rollout backend {name!r} is not a "
+                "BackendFactory"
+            )
+        _REGISTERED[name] = factory
+    return _REGISTERED[name]
+
+
+def make_backend(spec: BackendBuild) -> RolloutBackend:
+    """The backend ``spec.rollout.backend`` names, started and serving ``spec.params``."""
+    return backend_factory(spec.rollout.backend).build(spec)
