@@ -203,6 +203,7 @@ class CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+        del duration, kwargs
         if event == "/jax/core/compile/backend_compile_duration":
             self.count += 1
 
@@ -263,7 +264,7 @@ def jax_train(
 # -------------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -272,7 +273,32 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 512)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 256, 2 steps")
     parser.add_argument("--no-dp2", action="store_true", help="skip the data=2 mesh variants")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _finish(
+    out: dict[str, Any],
+    tok_s: dict[str, float],
+    peaks: dict[str, dict[str, float]],
+    extra: dict[str, Any],
+) -> None:
+    """Adds the throughputs, peaks and ratio to ``out`` and prints it as the JSON line."""
+    for name, v in tok_s.items():
+        out[f"{name}_tok_s"] = round(v, 1)
+    for d, p in peaks.items():
+        out[f"peak_{d}_gflops"] = round(max(p.values()) / 1e9, 1)
+        out[f"peak_{d}_gflops_torch"] = round(p["torch"] / 1e9, 1)
+        out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
+    out.update(extra)
+    best_jax = max(v for k, v in tok_s.items() if k.startswith("jax"))
+    best_torch = max(v for k, v in tok_s.items() if k.startswith("torch"))
+    out["best_jax_over_best_torch"] = round(best_jax / best_torch, 3)
+    out["goal_1_3x_met"] = best_jax / best_torch >= 1.3
+    print(json.dumps(out))
+
+
+def main() -> None:
+    args = _args()
     steps = args.steps or (2 if args.quick else 5)
     B = args.batch or (2 if args.quick else 8)
     T = args.seq or (256 if args.quick else 512)
@@ -343,18 +369,7 @@ def main() -> None:
                 f" s; first {first:.1f} s), loss {loss:.6f}"
             )
 
-    for name, v in tok_s.items():
-        out[f"{name}_tok_s"] = round(v, 1)
-    for d, p in peaks.items():
-        out[f"peak_{d}_gflops"] = round(max(p.values()) / 1e9, 1)
-        out[f"peak_{d}_gflops_torch"] = round(p["torch"] / 1e9, 1)
-        out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
-    out.update(extra)
-    best_jax = max(v for k, v in tok_s.items() if k.startswith("jax"))
-    best_torch = max(v for k, v in tok_s.items() if k.startswith("torch"))
-    out["best_jax_over_best_torch"] = round(best_jax / best_torch, 3)
-    out["goal_1_3x_met"] = best_jax / best_torch >= 1.3
-    print(json.dumps(out))
+    _finish(out, tok_s, peaks, extra)
 
 
 if __name__ == "__main__":

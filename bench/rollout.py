@@ -51,9 +51,11 @@ class EveryTurnCalls:
     stop_tokens: tuple[str, ...] = ()
 
     def parse(self, text: str) -> list[ParsedCall]:
+        del text
         return [ParsedCall("python", {"code": SNIPPET})]
 
     def needs_more(self, text: str) -> bool:
+        del text
         return False
 
     def format_output(self, result_text: str) -> str:
@@ -96,6 +98,7 @@ class LocalExecutor:
     async def call(
         self, trajectory_id: str, name: str, arguments: Any, create_kwargs: Any = None
     ) -> ToolResult:
+        del name
         if self.before is not None:
             await self.before.wait()  # all trajectories finished generating this turn
         created = await self.tool.create(trajectory_id, **(create_kwargs or {}))

@@ -105,6 +105,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_tools(args: argparse.Namespace) -> int:
+    from jax_agent_rl.agent.parsers import PARSERS
     from jax_agent_rl.config import ConfigError, package_file
     from jax_agent_rl.tools.registry import ToolRegistry
     from jax_agent_rl.tools.server import serve
@@ -113,6 +114,11 @@ def _serve_tools(args: argparse.Namespace) -> int:
         tools = package_file(args.tools, "--tools")
     except ConfigError as e:
         return _refuse([str(e)])
+    if args.action_parser not in PARSERS:
+        names = sorted(PARSERS)
+        return _refuse(
+            [f"--action-parser={args.action_parser!r} is not a parser: use one of {names}"]
+        )
     registry = ToolRegistry.from_yaml(tools)
     print(f"serving {registry.names} on http://{args.host}:{args.port}", flush=True)
     try:
@@ -128,6 +134,7 @@ def _serve_tools(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
+            action_parser=args.action_parser,
         )
     except ValueError as e:
         print(f"jarl: {e}", file=sys.stderr)
@@ -225,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve-tools",
         help="serve a tools YAML over HTTP for agent rollouts",
         description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics, and verl-tool's POST /get_observation (hermes tool calls). State is "
+        "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
+        "State is "
         "sticky per trajectory. A non-loopback --host needs --token. "
         "What clients can hold is bounded: trajectory state, request bodies, connections.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -272,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="open connections (idle keep-alive ones included) at which a new request gets "
         "503; bounds the request bodies held in memory to this times --max-body-bytes",
+    )
+    p.add_argument(
+        "--action-parser",
+        default="hermes",
+        help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
+        "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
+        "python_tag, tool_tag or fenced_python",
     )
     p.set_defaults(func=_serve_tools)
     return parser

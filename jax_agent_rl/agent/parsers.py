@@ -110,6 +110,7 @@ class HermesParser:
         return calls
 
     def needs_more(self, text: str) -> bool:
+        del text
         return False
 
 
@@ -133,6 +134,7 @@ class Llama3JsonParser:
         ]
 
     def needs_more(self, text: str) -> bool:
+        del text
         return False
 
 
@@ -179,6 +181,7 @@ class TagCodeParser:
         return [ParsedCall(self.tool_name, {self.argument: last.group(1).strip("\n")})]
 
     def needs_more(self, text: str) -> bool:
+        del text
         return False
 
     def format_output(self, result_text: str) -> str:

@@ -69,7 +69,7 @@ def sampling_logprobs(
     scaled = logits_bv.astype(jnp.float32) / t_b[:, None]
     needs_filter = jnp.any((top_k_b > 0) | (top_p_b < 1.0))
     filtered = jax.lax.cond(
-        needs_filter, _filter_top_k_top_p, lambda x, k, p: x, scaled, top_k_b, top_p_b
+        needs_filter, _filter_top_k_top_p, lambda x, _k, _p: x, scaled, top_k_b, top_p_b
     )
     return jax.nn.log_softmax(filtered, axis=-1)
 

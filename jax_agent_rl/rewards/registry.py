@@ -37,7 +37,7 @@ ScoreFn = Callable[[str, str, Any, dict[str, Any]], float]
 REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
     "gsm8k": gsm8k_reward,
-    "format": lambda text, truth: format_reward(text),
+    "format": lambda text, _truth: format_reward(text),
 }
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -62,7 +62,7 @@ def load_reward(spec: str, key: str) -> ScoreFn:
     """The reward ``spec`` names (see the module docstring); errors name ``key``."""
     if spec in REWARDS:
         builtin = REWARDS[spec]
-        return lambda source, text, truth, extra: builtin(text, truth)
+        return lambda _source, text, truth, _extra: builtin(text, truth)
     if ":" not in spec:
         raise ConfigError(
             f"{key}={spec!r} is not a reward; built in: {sorted(REWARDS)}, or a user function "
@@ -108,7 +108,7 @@ def _adapt(fn: Callable[..., Any], spec: str, key: str) -> ScoreFn:
             fn(data_source=source, solution_str=text, ground_truth=truth, extra_info=extra)
         )
     if _binds(signature, None, None):
-        return lambda source, text, truth, extra: checked(fn(text, truth))
+        return lambda _source, text, truth, _extra: checked(fn(text, truth))
     raise ConfigError(
         f"{key}={spec!r}: its signature {signature} is neither (text, ground_truth) nor verl's "
         "compute_score(data_source, solution_str, ground_truth, extra_info)"

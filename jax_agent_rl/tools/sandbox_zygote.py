@@ -167,33 +167,25 @@ def _sweep():
     return clean
 
 
-def _run(req):
-    limits = req["limits"]
-    start = time.time()
-    try:  # compiled here, not in the child: cheaper, and a syntax error needs no process
-        compiled = compile(req["code"], "<sandbox>", "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        text = "".join(traceback.format_exception_only(type(e), e))
-        return {
-            "stdout": "",
-            "stderr": text,
-            "exit_code": 1,
-            "timed_out": False,
-            "truncated": False,
-            "limit": None,
-            "wall_s": time.time() - start,
-            "dirty": False,
-        }
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        _child(compiled, limits, out_w, err_w)
-    os.close(out_w)
-    os.close(err_w)
+def _result(start, stdout, stderr, exit_code, *, timed_out, truncated, limit, dirty):
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "truncated": truncated,
+        "limit": limit,
+        "wall_s": time.time() - start,
+        "dirty": dirty,
+    }
+
+
+def _supervise(pid, out_r, err_r, limits, start, deadline):
+    """Reads the child's output until it ends, its deadline passes, a limit of the execution
+    is crossed (polled every WATCH_EVERY_S) or the output outgrows its cap. Returns (bufs,
+    status or None while the child still runs, timed_out, truncated, limit)."""
     bufs = {out_r: bytearray(), err_r: bytearray()}
     cap = limits["output_bytes"]
-    deadline = start + req["timeout_s"]
     next_watch = start + WATCH_EVERY_S
     timed_out = truncated = False
     limit = None
@@ -227,6 +219,29 @@ def _run(req):
                 truncated = True
                 open_fds = []
                 break
+    return bufs, status, timed_out, truncated, limit
+
+
+def _run(req):
+    limits = req["limits"]
+    start = time.time()
+    try:  # compiled here, not in the child: cheaper, and a syntax error needs no process
+        compiled = compile(req["code"], "<sandbox>", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        text = "".join(traceback.format_exception_only(type(e), e))
+        return _result(
+            start, "", text, 1, timed_out=False, truncated=False, limit=None, dirty=False
+        )
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _child(compiled, limits, out_w, err_w)
+    os.close(out_w)
+    os.close(err_w)
+    bufs, status, timed_out, truncated, limit = _supervise(
+        pid, out_r, err_r, limits, start, start + req["timeout_s"]
+    )
     if status is None:
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
@@ -237,16 +252,17 @@ def _run(req):
         exit_code = -os.WTERMSIG(status)
     else:
         exit_code = os.WEXITSTATUS(status)
-    return {
-        "stdout": bufs[out_r][:cap].decode("utf-8", "replace"),
-        "stderr": bufs[err_r][:cap].decode("utf-8", "replace"),
-        "exit_code": exit_code,
-        "timed_out": timed_out,
-        "truncated": truncated,
-        "limit": limit,
-        "wall_s": time.time() - start,
-        "dirty": not clean,
-    }
+    cap = limits["output_bytes"]
+    return _result(
+        start,
+        bufs[out_r][:cap].decode("utf-8", "replace"),
+        bufs[err_r][:cap].decode("utf-8", "replace"),
+        exit_code,
+        timed_out=timed_out,
+        truncated=truncated,
+        limit=limit,
+        dirty=not clean,
+    )
 
 
 def main():

@@ -208,18 +208,7 @@ def create_app(
     every ``idle_timeout_s / 2`` seconds, waiting with ``sleep``, so idle state lives at most
     1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
     ``body_timeout_s`` go to `BodyLimit`. ``action_parser`` (a name of
-    `jax_agent_rl.agent.parsers`) reads the actions of ``/get_observation``.
-
-    ``POST /get_observation`` serves verl-tool's client (``verl_tool/agent_loop``): for each
-    trajectory, ``finish`` releases its state and answers an empty observation; otherwise the
-    action is parsed into tool calls, which run like ``/execute`` calls (concurrently, with
-    the create kwargs of ``extra_fields[i]["tools_kwargs"]``), and the observation is
-    ``{"obs": text, "reward": sum of the calls' rewards}``; ``is_last_step`` releases the state
-    afterwards. ``dones`` is whether a tool ended the trajectory (or it finished); ``valids``
-    whether the action held calls and none was malformed (``invalid_reason`` says why not).
-    verl-tool instead routes each action to the first of its tools whose own
-    ``parse_action`` accepts it; here the one parser reads them all. verl-tool's client sends
-    no bearer token: give the server none (loopback) or put a proxy that adds it in front.
+    `jax_agent_rl.agent.parsers`) reads the actions of ``/get_observation`` (`_verl_tool_routes`).
     """
     parser = make_parser(action_parser)
     tools = LocalTools(
@@ -298,6 +287,40 @@ def create_app(
         metrics.releases += 1
         return {"released": req.trajectory_id}
 
+    _verl_tool_routes(app, parser, execute, release, authorize)
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def get_metrics() -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(metrics),
+            "open_trajectories": tools.open_trajectories,
+            "expired": tools.expired,
+        }
+
+    return app
+
+
+def _verl_tool_routes(
+    app: FastAPI,
+    parser: ToolCallParser,
+    execute: Callable[[ExecuteRequest], Awaitable[dict[str, Any]]],
+    release: Callable[[ReleaseRequest], Awaitable[dict[str, Any]]],
+    authorize: Callable[..., Awaitable[None]],
+) -> None:
+    """Adds verl-tool's protocol to ``app``, over its ``execute`` and ``release`` routes.
+
+    ``POST /get_observation`` serves verl-tool's client (``verl_tool/agent_loop``): for each
+    trajectory, ``finish`` releases its state and answers an empty observation; otherwise the
+    action is parsed into tool calls, which run like ``/execute`` calls (concurrently, with
+    the create kwargs of ``extra_fields[i]["tools_kwargs"]``), and the observation is
+    ``{"obs": text, "reward": sum of the calls' rewards}``; ``is_last_step`` releases the state
+    afterwards. ``dones`` is whether a tool ended the trajectory (or it finished); ``valids``
+    whether the action held calls and none was malformed (``invalid_reason`` says why not).
+    verl-tool instead routes each action to the first of its tools whose own
+    ``parse_action`` accepts it; here the one parser reads them all. verl-tool's client sends
+    no bearer token: give the server none (loopback) or put a proxy that adds it in front.
+    """
+
     async def run_call(
         trajectory_id: str, call: ParsedCall, create_kwargs: dict[str, Any]
     ) -> ToolResult:
@@ -355,16 +378,6 @@ def create_app(
             "dones": [d for _, d, _ in out],
             "valids": [v for _, _, v in out],
         }
-
-    @app.get("/metrics", dependencies=[Depends(authorize)])
-    async def get_metrics() -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(metrics),
-            "open_trajectories": tools.open_trajectories,
-            "expired": tools.expired,
-        }
-
-    return app
 
 
 # Idle keep-alive connections close after this. It is longer than httpx's 5 s keep-alive

@@ -123,7 +123,7 @@ def _mixed_requests(n: int) -> list[GenerateRequest]:
     return out
 
 
-def test_concurrent_requests_equal_sequential(backend: RolloutBackend, learner: Learner) -> None:
+def test_concurrent_requests_equal_sequential(backend: RolloutBackend) -> None:
     requests = _mixed_requests(14)
 
     async def together() -> list[GenerateResult]:

@@ -231,7 +231,7 @@ print("wrote 512 MB")
     assert "wrote" not in out and ("memory limit exceeded" in out or "No space left" in out)
 
 
-def test_cpu_is_bounded_per_execution(pool: PythonSandbox) -> None:
+def test_cpu_is_bounded_per_execution() -> None:
     """Four processes spinning 1.5 s each stay under the per-process rlimit of 2 s, but not
     under the execution's 2 s, measured from their CPU time (not the wall clock)."""
     code = """

@@ -52,6 +52,7 @@ class Held(Tool):
         return trajectory_id
 
     async def execute(self, state: str, arguments: dict[str, Any]) -> ToolResult:
+        del arguments
         self.entered.set()
         await self.gate.wait()
         return ToolResult(f"held {state}")

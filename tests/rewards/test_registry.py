@@ -34,30 +34,37 @@ def compute_score(
 
 def keyword_only(*, data_source: str, solution_str: str, ground_truth: Any, **kwargs: Any) -> int:
     """verl calls with keywords; ``extra_info`` arrives in ``**kwargs``."""
+    del solution_str, ground_truth
     return len(kwargs["extra_info"]) + len(data_source)
 
 
 def three_args(a: str, b: str, c: str) -> float:
+    del a, b, c
     return 0.0
 
 
 def verl_without_extra_info(data_source: str, solution_str: str, ground_truth: str) -> float:
+    del data_source, solution_str, ground_truth
     return 0.0
 
 
 async def async_reward(text: str, ground_truth: Any) -> float:
+    del text, ground_truth
     return 0.0
 
 
 def bad_dict(text: str, ground_truth: Any) -> Any:
+    del text, ground_truth
     return {"acc": 1.0}
 
 
 def a_string(text: str, ground_truth: Any) -> Any:
+    del text, ground_truth
     return "high"
 
 
 def not_a_number(text: str, ground_truth: Any) -> Any:
+    del text, ground_truth
     return math.nan
 
 

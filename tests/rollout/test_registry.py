@@ -65,6 +65,7 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
         return [] if rollout.replicas == 1 else [f"rollout.replicas={rollout.replicas}: one only"]
 
     def build(spec: object) -> object:
+        del spec
         raise AssertionError("not built in this test")
 
     factory = BackendFactory(build=build, check=check)  # type: ignore[arg-type]

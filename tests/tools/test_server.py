@@ -45,7 +45,7 @@ def start_server(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
+    deadline = time.time() + 120  # a loaded machine imports slowly
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:

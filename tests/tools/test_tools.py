@@ -71,6 +71,7 @@ class Counter(Tool):
         return {"id": trajectory_id, "n": 0}
 
     async def execute(self, state: dict[str, Any], arguments: dict[str, Any]) -> ToolResult:
+        del arguments
         state["n"] += 1
         return ToolResult(str(state["n"]), reward=0.5)
 
@@ -85,6 +86,7 @@ def crash(x: int) -> str:
     Args:
         x: Anything.
     """
+    del x
     raise RuntimeError("boom")
 
 

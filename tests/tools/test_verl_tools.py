@@ -66,6 +66,7 @@ class AnswerTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
+        del kwargs
         self._instance_dict[instance_id]["answers"].append(str(parameters.get("answer", "")))
         reward = await self.calc_reward(instance_id)
         attempts = len(self._instance_dict[instance_id]["answers"])
@@ -73,10 +74,12 @@ class AnswerTool(BaseTool):
         return ToolResponse(text=f"attempt {attempts}: {verdict}"), reward, {"attempts": attempts}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        del kwargs
         state = self._instance_dict[instance_id]
         return 1.0 if state["answers"][-1] == state["ground_truth"] else 0.0
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
+        del kwargs
         del self._instance_dict[instance_id]
 
 
@@ -102,11 +105,13 @@ class EchoTool(BaseTool):
         )
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        del kwargs
         return instance_id or "echo-1"
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[str, float, dict]:
+        del kwargs
         return f"{instance_id}: {parameters['text']}", await self.calc_reward(instance_id), {}
 
 
@@ -128,11 +133,13 @@ class CheckedCalculator(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
+        del kwargs
         value = format_number(evaluate(parameters["expression"]))
         reward = 1.0 if value == self._instance_dict[instance_id] else 0.0
         return ToolResponse(text=value), reward, {}
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
+        del kwargs
         del self._instance_dict[instance_id]
 
 
@@ -379,6 +386,7 @@ class LoopEcho(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
+        del instance_id, kwargs
         return ToolResponse(text=test_loop.echo.fn(parameters["text"])), 0.0, {}
 
 
@@ -550,6 +558,7 @@ class HelperProcess(Tool):
         )
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        del state, arguments
         return ToolResult(f"helper {self.proc.pid} is up")
 
     async def close(self) -> None:
@@ -574,6 +583,27 @@ async def serving(app: Any) -> AsyncIterator[str]:
         server.should_exit = True
         await task
         sock.close()
+
+
+def test_serve_tools_reads_actions_with_the_parser_it_is_given(tmp_path: Path) -> None:
+    """``jarl serve-tools --action-parser llama3_json``: a Llama 3 model's actions are read as
+    its tool calls; an unknown parser is refused before the server starts."""
+    proc, url = start_server(tmp_path, "--action-parser", "llama3_json", tools_yaml=VERL_YAML)
+    action = '{"name": "submit", "parameters": {"answer": "42"}}'
+    extra = {"tools_kwargs": {"submit": {"create_kwargs": {"ground_truth": "42"}}}}
+    body = {"trajectory_ids": ["t"], "actions": [action], "extra_fields": [extra]}
+    try:
+        out = httpx.post(url + "/get_observation", json=body).json()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out["valids"] == [True]
+    assert out["observations"][0]["reward"] == 1.0
+    assert "attempt 1: correct" in out["observations"][0]["obs"]
+    cmd = [sys.executable, "-m", "jax_agent_rl.cli", "serve-tools", "--action-parser", "json"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("jarl: --action-parser='json' is not a parser: use one of")
 
 
 def test_the_action_parser_reads_verl_tool_actions() -> None:

@@ -128,30 +128,30 @@ CASES: dict[str, Case] = {
         ),
     ),
     "unknown parser": (
-        lambda f: ["agent.parser=hermez"],
-        lambda f: (
+        lambda _f: ["agent.parser=hermez"],
+        lambda _f: (
             "agent.parser='hermez' is not a registered tool-call parser: use one of "
             f"{sorted(PARSERS)}"
         ),
     ),
     "unknown reward": (
-        lambda f: ["data.reward=maths"],
-        lambda f: (
+        lambda _f: ["data.reward=maths"],
+        lambda _f: (
             f"data.reward='maths' is not a reward; built in: {sorted(REWARDS)}, or a user "
             "function as module:function or path/to/file.py:function"
         ),
     ),
     "negative steps": (
-        lambda f: ["trainer.steps=-1"],
-        lambda f: "trainer.steps=-1: expected >= 0",
+        lambda _f: ["trainer.steps=-1"],
+        lambda _f: "trainer.steps=-1: expected >= 0",
     ),
     "negative temperature": (
-        lambda f: ["rollout.temperature=-0.5"],
-        lambda f: "rollout.temperature=-0.5: expected >= 0",
+        lambda _f: ["rollout.temperature=-0.5"],
+        lambda _f: "rollout.temperature=-0.5: expected >= 0",
     ),
     "max_model_len above the model's": (
-        lambda f: ["rollout.max_model_len=8192"],
-        lambda f: (
+        lambda _f: ["rollout.max_model_len=8192"],
+        lambda _f: (
             "rollout.max_model_len=8192 exceeds the model's max_position_embeddings=4096: "
             "use rollout.max_model_len <= 4096"
         ),
@@ -164,21 +164,21 @@ CASES: dict[str, Case] = {
         ),
     ),
     "mesh tensor axis vs KV heads": (
-        lambda f: ["mesh.tensor=4"],
-        lambda f: (
+        lambda _f: ["mesh.tensor=4"],
+        lambda _f: (
             "mesh.tensor=4 does not divide model num_kv_heads=2: use mesh.tensor in "
             "{1, 2} (and more fsdp)"
         ),
     ),
     "parser stop token not one token": (
-        lambda f: ["agent.parser=python_tag"],
-        lambda f: (
+        lambda _f: ["agent.parser=python_tag"],
+        lambda _f: (
             "agent.parser='python_tag' stops generation at '</python>', which is not one "
             "token of the tokenizer: use one of ['hermes', 'llama3_json']"
         ),
     ),
     "prompt longer than max_model_len": (
-        lambda f: ["rollout.max_model_len=4"],
+        lambda _f: ["rollout.max_model_len=4"],
         lambda f: (
             "rollout.max_model_len=4 leaves no room for a response: a prompt of "
             f"data.train is {_prompt_tokens(f)} tokens with the tool schemas; use "
