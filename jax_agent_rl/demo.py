@@ -35,9 +35,9 @@ from jax_agent_rl.models import ModelConfig, init_params, request_cpu_devices, s
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.sft import write_demonstrations
-from jax_agent_rl.train.trainer import train
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
 

@@ -30,7 +30,7 @@ from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.train.trainer import Trainer, trajectory_reward
+from jax_agent_rl.train.step import rollout_episodes, shaped_rewards, trajectory_reward
 from tests.agent.test_loop import CONFIG, echo
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n48+24 = <<48+24=72>>72\n#### 72"
@@ -90,6 +90,7 @@ def tool_aware_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any]
 ) -> float:
     """A verl reward function that uses the tool rewards the way verl hands them over."""
+    del data_source
     return float(solution_str == ground_truth) + 0.1 * sum(extra_info["tool_rewards"])
 
 
@@ -126,7 +127,7 @@ class PaidCalculator(Tool):
 def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Trajectory], np.ndarray]:
     """The trainer's rollout of two episodes of the calculator question, one with each of verl's
     loops; returns the trajectories and the rewards the learner's advantages are computed from."""
-    trainer = Trainer(_config(f"data.tool_reward_weight={weight}"))
+    cfg = _config(f"data.tool_reward_weight={weight}")
     question = [{"role": "user", "content": "What is 17 + 25?"}]
     samples = [
         Sample("tools", question, ground_truth="42", agent_name="tool_agent"),
@@ -139,12 +140,20 @@ def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Traject
         ctx = await AgentContext.create(
             backend, setup["tokenizer"], tools, make_parser(setup["parser"]), CONFIG
         )
-        trajs = await trainer._rollout(samples, 1, ctx, "t")
+        trajs = await rollout_episodes(
+            samples,
+            1,
+            ctx,
+            "t",
+            seed=cfg.trainer.seed,
+            score=make_reward(cfg.data),
+            tool_reward_weight=cfg.data.tool_reward_weight,
+        )
         await backend.close()
         return trajs
 
     trajs = asyncio.run(go())
-    return trajs, trainer._shaped_rewards(trajs)
+    return trajs, shaped_rewards(trajs, cfg)
 
 
 CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)

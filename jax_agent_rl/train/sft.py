@@ -15,11 +15,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from jax_agent_rl.agent.loop import demonstration_trajectory
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.rl.batch import make_batch
 from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.metrics import MetricsLog
 
 Turns = list[tuple[str, list[tuple[str, str]]]]
 
@@ -76,7 +83,7 @@ def run_sft(
     batch_size: int,
     bucket: int,
     seed: int,
-    on_step: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+    on_step: Callable[[int, dict[str, float]], None] = lambda _step, _metrics: None,
 ) -> None:
     """``steps`` updates on batches drawn by epochs (a fresh shuffle each epoch)."""
     rng = random.Random(seed)
@@ -89,3 +96,42 @@ def run_sft(
         chosen, order = order[:batch_size], order[batch_size:]
         metrics = learner.update_sft(make_batch([demos[i] for i in chosen], bucket))
         on_step(step, metrics)
+
+
+def warm_start(
+    cfg: JarlConfig,
+    learner: Learner,
+    tokenizer: Tokenizer,
+    registry: ToolRegistry,
+    metrics: MetricsLog,
+    console: Console,
+) -> Any:
+    """The SFT stage of a run: ``sft.steps`` updates of ``learner`` on the demonstrations of
+    ``sft.data`` (rendered with the tools' schemas, as rollouts see them), with a progress bar
+    and ``sft`` metrics; returns the warm-started params."""
+    demos = load_demonstrations(cfg.sft.data, TurnBuilder(tokenizer, registry.schemas() or None))
+    console.print(f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations")
+    with Progress(
+        TextColumn("[bold]SFT"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    ) as progress:
+        task = progress.add_task("sft", total=cfg.sft.steps, status="")
+
+        def on_step(step: int, scalars: dict[str, float]) -> None:
+            metrics.write(step + 1, "sft", scalars)
+            progress.update(task, completed=step + 1, status=f"loss {scalars['sft_loss']:.3f}")
+
+        run_sft(
+            learner,
+            demos,
+            steps=cfg.sft.steps,
+            batch_size=cfg.sft.batch_size,
+            bucket=cfg.learner.seq_bucket,
+            seed=cfg.trainer.seed,
+            on_step=on_step,
+        )
+    return learner.params

@@ -27,8 +27,8 @@ from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.step import episode_metrics, raise_if_all_failed
 from jax_agent_rl.train.traces import render_trace, trace_record
-from jax_agent_rl.train.trainer import episode_metrics, raise_if_all_failed
 from tests.agent.test_loop import CONFIG, echo
 
 CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
@@ -48,6 +48,7 @@ class ExecutorBug(LocalTools):
 
 class ParserBug(HermesParser):
     def parse(self, text: str) -> list[ParsedCall]:
+        del text
         raise ValueError("parser bug")
 
 
@@ -152,6 +153,7 @@ def test_cancellation_is_not_a_trajectory_error(setup: dict[str, Any]) -> None:
     started = asyncio.Event()
 
     async def waiting_loop(sample: Sample, ctx: AgentContext) -> Trajectory:
+        del sample, ctx
         started.set()
         await asyncio.Event().wait()
         raise AssertionError("never reached")

@@ -5,15 +5,19 @@ checkpoint and tiny data of the right layout. A shipped config can never crash u
 donated buffers).
 """
 
+import io
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from rich.console import Console
 
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
-from jax_agent_rl.train import train
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.train import build_run, train
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +84,26 @@ def test_kl_to_the_reference_survives_every_step(
     assert steps[0]["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at first
     for r in steps[1:]:
         assert np.isfinite(r["kl_loss"]) and r["kl_loss"] > 0
+
+
+def test_a_resumed_run_restores_its_kl_reference(task: TaskFiles, tmp_path: Path) -> None:
+    """The KL reference is the policy RL starts from, after SFT. A resumed run skips SFT, so it
+    must restore the reference from its checkpoint, not copy the HF checkpoint's weights."""
+    config = ROOT / "configs" / "demo_calculator_cpu.yaml"
+    cfg = load_config(config, [*tiny(task, tmp_path, steps=1), "algorithm.kl_coef=0.01"])
+    quiet = Console(file=io.StringIO())
+    fresh = build_run(cfg, quiet)  # SFT, then a checkpoint of step 0
+    fresh.checkpoints.close()
+    fresh.metrics.close()
+    resumed = build_run(cfg, quiet)
+    resumed.checkpoints.close()
+    resumed.metrics.close()
+    assert (fresh.start, resumed.start) == (0, 0)
+    _, untrained = load_hf(task.model)
+    leaves = jax.tree.leaves
+    for a, b in zip(leaves(fresh.reference), leaves(resumed.reference), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(hf))
+        for a, hf in zip(leaves(resumed.reference), leaves(untrained), strict=True)
+    )  # SFT moved the reference away from the HF weights

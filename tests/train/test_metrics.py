@@ -13,7 +13,7 @@ from jax_agent_rl.train.metrics import (
     step_line,
     throughput_records,
 )
-from jax_agent_rl.train.trainer import reward_groups
+from jax_agent_rl.train.step import reward_groups
 
 STEP = {
     "reward": 0.4375,

@@ -1,0 +1,260 @@
+"""A run, assembled once: every part built from its own config section (`build_run`), and
+the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`).
+
+Building, in order: the run folder and its ``config.yaml``; the tokenizer; the mesh (always
+one, ``mesh.*`` devices) and the policy's weights on it; the data (train prompts through a
+resumable `PromptSampler`, held-out prompts); the tool registry; checkpoints and metrics; then
+the SFT warm start (unless resuming); the learner (and a critic for GAE); the KL reference (a
+copy); then either the resumed state of the last complete checkpoint, or a checkpoint of step
+0. The loops (`jax_agent_rl.train.loop`) and the hooks (`jax_agent_rl.train.hooks`) only read
+what is built here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+
+from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext
+from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
+from jax_agent_rl.data.datasets import PromptSampler, load_samples
+from jax_agent_rl.models import ModelConfig, Sharder, load_hf, make_mesh
+from jax_agent_rl.rewards import ScoreFn, make_reward
+from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
+from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.rollout.registry import BackendBuild, make_backend
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.train.checkpoints import RunCheckpoints
+from jax_agent_rl.train.metrics import MetricsLog
+from jax_agent_rl.train.sft import warm_start
+
+
+@dataclasses.dataclass
+class Run:
+    """Every part of one run. ``learner`` holds the train state (updated in place by the
+    steps); ``start`` is the first RL step to run (0, or the resumed checkpoint's step)."""
+
+    cfg: JarlConfig
+    run_dir: Path
+    console: Console
+    tokenizer: Tokenizer
+    model: ModelConfig
+    learner: Learner
+    reference: Any | None  # the KL reference params (a copy of the start), None without KL
+    sampler: PromptSampler
+    val_samples: list[Sample]
+    registry: ToolRegistry
+    score: ScoreFn
+    checkpoints: RunCheckpoints
+    metrics: MetricsLog
+    start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The rollout side of a run, open while the loop runs: the backend serving the policy,
+    the tools, and the agent contexts for training (sampling) and evaluation (greedy)."""
+
+    backend: RolloutBackend
+    tools: ToolExecutor
+    ctx: AgentContext
+    eval_ctx: AgentContext
+
+
+def make_learner(
+    cfg: JarlConfig,
+    model: ModelConfig,
+    params: Any,
+    sharder: Sharder,
+    *,
+    lr: float | None = None,
+    warmup: int | None = None,
+    decay_steps: int | None = None,
+    micro_batch_size: int | None = None,
+) -> Learner:
+    """The learner over ``params``; the keyword arguments override the RL settings (SFT)."""
+    optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
+    r = cfg.rollout
+    return Learner(
+        model,
+        params,
+        algo=cfg.algorithm,
+        optim=optim,
+        sampling=SamplingSpec(r.temperature, r.top_k, r.top_p),
+        compute_dtype=cfg.model.dtype,
+        micro_batch_size=micro_batch_size or cfg.learner.micro_batch_size,
+        remat=cfg.learner.remat,
+        sharder=sharder,
+        critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
+        lr=lr,
+        decay_steps=decay_steps,
+    )
+
+
+def train_states(learner: Learner, reference: Any | None) -> dict[str, Any]:
+    """What a checkpoint holds of the model side: the policy's train state, the critic's, and
+    the KL reference (the policy RL started from, after SFT: a resumed run cannot rebuild it)."""
+    states = {"policy": learner.state}
+    if learner.critic_state is not None:
+        states["critic"] = learner.critic_state
+    if reference is not None:
+        states["reference"] = reference
+    return states
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """The train states, the step, the prompt sampler's position and the seed."""
+    meta = {"step": step, "sampler": run.sampler.state(), "seed": run.cfg.trainer.seed}
+    run.checkpoints.save(step, train_states(run.learner, run.reference), meta)
+
+
+def _restore(run: Run, step: int) -> None:
+    states, meta = run.checkpoints.restore(step, train_states(run.learner, run.reference))
+    run.learner.state = states["policy"]
+    if "critic" in states:
+        run.learner.critic_state = states["critic"]
+    if "reference" in states:
+        run.reference = states["reference"]
+    run.sampler.restore(meta["sampler"])
+    run.start = int(meta["step"])
+
+
+def build_run(cfg: JarlConfig, console: Console) -> Run:
+    """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
+    score = make_reward(cfg.data)  # user reward functions fail here, before anything is written
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    if n > jax.device_count():
+        raise ValueError(f"mesh needs {n} devices, this process sees {jax.device_count()}")
+    sharder = Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n]))
+    model, params = load_hf(cfg.model.path, "float32", sharder)
+    sampler = PromptSampler(load_samples(cfg.data.train, agents=AGENT_LOOPS), cfg.trainer.seed)
+    val_samples = (
+        load_samples(cfg.data.val, agents=AGENT_LOOPS, limit=cfg.data.val_size or None)
+        if cfg.data.val
+        else []
+    )
+    registry = ToolRegistry.from_yaml(cfg.tools.config)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    metrics = MetricsLog(run_dir, cfg.trainer.tensorboard)
+    try:
+        latest = checkpoints.latest_step() if cfg.trainer.resume else None
+        if latest is None and cfg.sft.data and cfg.sft.steps > 0:
+            sft_learner = make_learner(
+                cfg,
+                model,
+                params,
+                sharder,
+                lr=cfg.sft.lr,
+                warmup=cfg.sft.warmup_steps,
+                decay_steps=cfg.sft.steps,
+                micro_batch_size=min(cfg.sft.batch_size, cfg.learner.micro_batch_size),
+            )
+            params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
+        learner = make_learner(cfg, model, params, sharder)
+        # The reference is a copy: the learner's jitted update donates the policy's buffers, so a
+        # reference that shared them would be deleted by the first update.
+        reference = jax.tree.map(jnp.copy, params) if cfg.algorithm.kl_coef else None
+        run = Run(
+            cfg,
+            run_dir,
+            console,
+            tokenizer,
+            model,
+            learner,
+            reference,
+            sampler,
+            val_samples,
+            registry,
+            score,
+            checkpoints,
+            metrics,
+            start=0,
+        )
+        if latest is None:
+            save_checkpoint(run, 0)
+        else:
+            _restore(run, latest)
+            console.print(f"resumed from the checkpoint of step {run.start}")
+        return run
+    except BaseException:
+        checkpoints.close()
+        metrics.close()
+        raise
+
+
+def make_tools(
+    section: ToolsSection, registry: ToolRegistry, environ: Mapping[str, str]
+) -> ToolExecutor:
+    """The run's tool executor: the ``server_url`` tool server (with the bearer token held by
+    the environment variable ``token_env`` names, if it names one), else ``registry`` in this
+    process."""
+    if not section.server_url:
+        if section.token_env:
+            raise ConfigError("tools.token_env is set but tools.server_url is not")
+        return LocalTools(registry, timeout_s=section.timeout_s)
+    from jax_agent_rl.tools.server import HttpTools
+
+    token = environ.get(section.token_env) if section.token_env else None
+    if section.token_env and not token:
+        raise ConfigError(
+            f"tools.token_env={section.token_env!r}: that environment variable is not set or empty"
+        )
+    return HttpTools(section.server_url, token=token, timeout_s=section.timeout_s)
+
+
+def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
+    """The agent loop's settings: ``rollout``'s sampling, or greedy decoding (evaluation)."""
+    a, r = cfg.agent, cfg.rollout
+    return AgentConfig(
+        max_turns=a.max_turns,
+        max_tokens_per_turn=a.max_tokens_per_turn,
+        max_response_tokens=a.max_response_tokens,
+        max_tool_response_tokens=a.max_tool_response_tokens,
+        max_model_len=r.max_model_len,
+        temperature=0.0 if greedy else r.temperature,
+        top_p=1.0 if greedy else r.top_p,
+        top_k=-1 if greedy else r.top_k,
+        parser=a.parser,
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
+    """Starts ``rollout.backend`` serving the learner's current params as weight version
+    ``run.start``, and the tools; closes both on the way out."""
+    cfg = run.cfg
+    backend = make_backend(
+        BackendBuild(
+            cfg.rollout,
+            run.model,
+            run.learner.rollout_params(cfg.model.dtype),
+            checkpoint=cfg.model.path,
+            dtype=cfg.model.dtype,
+            version=run.start,
+            seed=cfg.trainer.seed,
+        )
+    )
+    tools = make_tools(cfg.tools, run.registry, os.environ)
+    try:
+        ctx = await AgentContext.create(
+            backend, run.tokenizer, tools, make_parser(cfg.agent.parser), agent_config(cfg, False)
+        )
+        yield Rollout(backend, tools, ctx, dataclasses.replace(ctx, config=agent_config(cfg, True)))
+    finally:
+        await backend.close()
+        await tools.close()

@@ -1,0 +1,101 @@
+"""What happens around the RL steps, each on its own schedule: metrics, traces, held-out
+evaluation, checkpoints and the console line are hooks with an ``every``, run after a step in
+the order given (an evaluation adds its ``val/*`` figures before the console shows them).
+
+``every=N`` runs a hook after every N-th step and after the last; ``every=0``, after the last
+only. A hook is an async function of the run, its open rollout side and the step's `StepEnd`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
+from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
+from jax_agent_rl.train.step import episode_metrics, run_episodes, success_by_source
+from jax_agent_rl.train.traces import append_traces, trace_record
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
+    to) and every trajectory it sampled."""
+
+    step: int
+    last: bool
+    metrics: dict[str, float]
+    trajectories: list[Trajectory]
+
+
+HookFn = Callable[[Run, Rollout, StepEnd], Awaitable[None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    every: int
+    fn: HookFn
+
+    def due(self, end: StepEnd) -> bool:
+        return end.last or (self.every > 0 and end.step % self.every == 0)
+
+
+async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
+    """Greedy episodes on the held-out prompts (one each), logged as ``val`` at ``step``;
+    returns their metrics as ``val/*``."""
+    trajs = await run_episodes(run, run.val_samples, 1, rollout.eval_ctx, f"val{step}")
+    m = episode_metrics(trajs)
+    m.update(success_by_source(trajs, run.val_samples))
+    run.metrics.write(step, "val", m)
+    run.console.print(
+        f"held-out @ step {step}: success {m['success']:.3f}  "
+        f"tool calls {m['tool_calls']:.2f}  turns {m['turns']:.2f}"
+    )
+    return {f"val/{k}": v for k, v in m.items()}
+
+
+async def write_metrics(run: Run, rollout: Rollout, end: StepEnd) -> None:
+    del rollout
+    run.metrics.write(end.step, "train", end.metrics)
+
+
+async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
+    """``trainer.traces_per_step`` trajectories, spread over the step's, to ``traces.jsonl``."""
+    del rollout
+    k = run.cfg.trainer.traces_per_step
+    picks = end.trajectories[:: max(1, len(end.trajectories) // max(k, 1))][:k]
+    append_traces(
+        run.run_dir / "traces.jsonl", (trace_record(t, run.tokenizer, end.step) for t in picks)
+    )
+
+
+async def evaluate_held_out(run: Run, rollout: Rollout, end: StepEnd) -> None:
+    if run.val_samples:
+        end.metrics.update(await evaluate(run, rollout, end.step))
+
+
+async def checkpoint(run: Run, rollout: Rollout, end: StepEnd) -> None:
+    del rollout
+    save_checkpoint(run, end.step)
+
+
+async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
+    """A log file gets one plain line a step; a terminal (which has the progress bar), the
+    warnings only."""
+    del rollout
+    m, console = end.metrics, run.console
+    if not console.is_terminal or equal_rewards_warning(m):
+        line = step_line(end.step, run.cfg.trainer.steps, m)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def default_hooks(run: Run) -> list[Hook]:
+    t = run.cfg.trainer
+    return [
+        Hook(1, write_metrics),
+        Hook(1, write_traces),
+        Hook(t.eval_every, evaluate_held_out),
+        Hook(t.save_every, checkpoint),
+        Hook(1, console_line),
+    ]

@@ -1,0 +1,79 @@
+"""The training loop: build the run, then rollout -> score -> advantages -> update -> push,
+step after step, with the hooks after each (`jax_agent_rl.train.hooks`).
+
+Before the first step of a fresh run the held-out prompts are evaluated (step 0). After the
+last, the metrics are plotted and the policy is exported as an HF checkpoint in ``RUN/hf``. A
+rerun with the same run folder resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.models import request_cpu_devices
+from jax_agent_rl.train.build import Run, build_run, open_rollout
+from jax_agent_rl.train.export import export_policy
+from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, evaluate
+from jax_agent_rl.train.metrics import plot_run
+from jax_agent_rl.train.step import rl_step
+
+
+@contextlib.contextmanager
+def _progress(console: Console, steps: int) -> Iterator[tuple[Progress, Any]]:
+    progress = Progress(
+        TextColumn("[bold]RL"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+    with progress:
+        yield progress, progress.add_task("rl", total=steps, status="")
+
+
+def _status(m: dict[str, float]) -> str:
+    s = f"reward {m['reward']:.2f}  success {m['success']:.2f}"
+    if "val/success" in m:
+        s += f"  held-out {m['val/success']:.2f}"
+    return s
+
+
+async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
+    """Steps ``run.start`` .. ``trainer.steps``, each followed by its due hooks."""
+    steps = run.cfg.trainer.steps
+    async with open_rollout(run) as rollout:
+        if run.start == 0 and run.val_samples:
+            await evaluate(run, rollout, 0)
+        with _progress(run.console, steps) as (progress, task):
+            progress.update(task, completed=run.start)
+            for step in range(run.start, steps):
+                m, trajs = await rl_step(run, rollout, step, compiles=step == run.start)
+                end = StepEnd(step + 1, step + 1 == steps, m, trajs)
+                for hook in hooks:
+                    if hook.due(end):
+                        await hook.fn(run, rollout, end)
+                progress.update(task, completed=end.step, status=_status(m))
+
+
+def train(cfg: JarlConfig, console: Console | None = None) -> Path:
+    """Runs (or resumes) the job ``cfg`` describes; returns its run folder."""
+    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
+    run = build_run(cfg, console or Console())
+    try:
+        asyncio.run(rl_loop(run, default_hooks(run)))
+    finally:
+        run.checkpoints.close()
+        run.metrics.close()
+    plot_run(run.run_dir)
+    export_policy(run.run_dir / "hf", cfg, run.model, jax.device_get(run.learner.params))
+    return run.run_dir

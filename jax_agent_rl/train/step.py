@@ -1,0 +1,314 @@
+"""One RL step over a built run (`rl_step`), and the functions it is made of.
+
+1. draw ``data.prompts_per_step`` prompts, roll each out ``rollout.n`` times through the agent
+   loop on the backend (all episodes concurrently; the backend batches them);
+2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
+   dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
+3. pack the trainable trajectories (not those cut short by a dead tool service, an abort or
+   an unexpected error) into a batch; recompute old-policy logprobs (and reference / critic
+   values if used);
+4. advantages: GRPO (group-normalised outcome) or GAE (critic);
+5. ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
+6. push the new weights to the backend as version ``step + 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jax_agent_rl.agent.loop import AgentContext, run_sample
+from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
+from jax_agent_rl.config import AlgorithmSection, JarlConfig
+from jax_agent_rl.rewards import ScoreFn
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
+from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.train.build import Rollout, Run
+from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+
+
+def final_answer_text(traj: Trajectory) -> str:
+    """The last assistant message (what the reward reads)."""
+    return next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
+
+
+def trajectory_reward(
+    sample: Sample, traj: Trajectory, score: ScoreFn, tool_reward_weight: float
+) -> float:
+    """The reward the learner trains on: ``score`` of the final answer (by the sample's
+    ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
+    of the tool rewards (``traj.turn_rewards``). As in verl, the reward function also gets the
+    tool rewards as ``extra_info["tool_rewards"]`` (here one entry per tool turn, the sum of
+    its calls; verl has one per call)."""
+    extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
+    outcome = score(sample.data_source, final_answer_text(traj), sample.ground_truth, extra)
+    return outcome + tool_reward_weight * sum(traj.turn_rewards)
+
+
+def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Outcome and behaviour statistics of a set of episodes."""
+    n = max(len(trajs), 1)
+    calls = sum(t.tool_calls for t in trajs)
+    stops: Counter[str] = Counter(t.stop_reason for t in trajs)
+    lengths = [len(t.response_ids) for t in trajs] or [0]
+    out = {
+        "reward": sum(t.reward for t in trajs) / n,
+        "success": sum(t.reward > 0 for t in trajs) / n,
+        "turns": sum(t.num_turns for t in trajs) / n,
+        "tool_calls": calls / n,
+        "malformed_call_rate": sum(t.malformed_calls for t in trajs) / max(calls, 1),
+        "tool_error_rate": sum(t.tool_errors for t in trajs) / max(calls, 1),
+        "response_len/mean": float(np.mean(lengths)),
+        "response_len/max": float(np.max(lengths)),
+        "model_tokens/mean": sum(t.num_model_tokens for t in trajs) / n,
+        "untrainable": sum(not t.trainable for t in trajs) / n,
+    }
+    out.update({f"stop/{r}": stops.get(r, 0) / n for r in STOP_REASONS})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:
+    """One trajectory's unexpected error ends that trajectory only (``agent_error``); when
+    every trajectory of a rollout ended so, the backend, the tools or the loop is broken, not
+    the policy: raise with the first traceback rather than train on nothing, step after step."""
+    if trajs and all(t.stop_reason == "agent_error" for t in trajs):
+        raise RuntimeError(
+            f"all {len(trajs)} trajectories of the rollout failed; the first:\n{trajs[0].error}"
+        )
+
+
+def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
+    """Success per ``data_source`` (``success/<source>``) and, within it, on the episodes that
+    called a tool (``success_with_tool/<source>``): where a mixed dataset gains or loses."""
+    groups: dict[str, list[Trajectory]] = {}
+    for traj, sample in zip(trajs, samples, strict=True):
+        groups.setdefault(sample.data_source or "unknown", []).append(traj)
+    out = {}
+    for source, group in sorted(groups.items()):
+        out[f"success/{source}"] = sum(t.reward > 0 for t in group) / len(group)
+        used = [t for t in group if t.tool_calls]
+        if used:
+            out[f"success_with_tool/{source}"] = sum(t.reward > 0 for t in used) / len(used)
+    return out
+
+
+def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
+    """``batch/groups`` (groups trained) and ``batch/groups_all_equal``: those whose rewards
+    are all equal, so that their GRPO advantages are zero and they teach the policy nothing."""
+    gids_n = np.asarray(group_ids_n, str)
+    signal_n = core.groups_with_signal(np.asarray(rewards_n, np.float32), gids_n)
+    groups = len(set(gids_n.tolist()))
+    return {
+        "batch/groups": groups,
+        "batch/groups_all_equal": groups - len(set(gids_n[signal_n].tolist())),
+    }
+
+
+def logprob_gap(batch: TrainBatch) -> dict[str, float]:
+    """Sampler-vs-learner logprob difference on sampled tokens (before the update)."""
+    mask = np.asarray(batch.mask) > 0
+    if not mask.any():
+        return {}
+    diff = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[mask]
+    return {"logprob_gap/mean": float(diff.mean()), "logprob_gap/max": float(diff.max())}
+
+
+def _mean_metrics(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+
+
+def episode_seed(seed: int, tag: str) -> int:
+    """The sampling seed of the rollout ``tag`` names (a step's attempt, an evaluation)."""
+    return zlib.crc32(f"{seed}/{tag}".encode())
+
+
+async def rollout_episodes(
+    samples: Sequence[Sample],
+    n: int,
+    ctx: AgentContext,
+    tag: str,
+    *,
+    seed: int,
+    score: ScoreFn,
+    tool_reward_weight: float,
+) -> list[Trajectory]:
+    """``n`` episodes of each sample (one group each), run concurrently, sampled with
+    ``episode_seed(seed, tag)``, and scored."""
+    episodes = [
+        dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
+        for s in samples
+        for i in range(n)
+    ]
+    ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
+    trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
+    raise_if_all_failed(trajs)
+    for traj, e in zip(trajs, episodes, strict=True):
+        traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
+    return trajs
+
+
+async def run_episodes(
+    run: Run, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str
+) -> list[Trajectory]:
+    """`rollout_episodes` with the run's seed, reward and tool-reward weight."""
+    cfg = run.cfg
+    return await rollout_episodes(
+        samples,
+        n,
+        ctx,
+        tag,
+        seed=cfg.trainer.seed,
+        score=run.score,
+        tool_reward_weight=cfg.data.tool_reward_weight,
+    )
+
+
+def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
+    """The trajectories' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    a = cfg.algorithm
+    if a.overlong_buffer:
+        lengths = np.array([len(t.response_ids) for t in trajs])
+        rewards = rewards + np.asarray(
+            core.overlong_penalty(
+                lengths, cfg.agent.max_response_tokens, a.overlong_buffer, a.overlong_penalty
+            )
+        )
+    return rewards
+
+
+def groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
+    """Indices of groups whose trainable members' rewards are not all equal (DAPO)."""
+    members = [(i, t.reward) for i, g in enumerate(groups) for t in g if t.trainable]
+    if not members:
+        return []
+    gids, rewards = (np.array(x) for x in zip(*members, strict=True))
+    signal = core.groups_with_signal(rewards.astype(np.float32), gids)
+    return sorted(set(gids[signal].tolist()))
+
+
+async def collect(run: Run, ctx: AgentContext, step: int) -> tuple[list[Trajectory], dict]:
+    """Groups for one step; with dynamic sampling, only groups with a reward signal, drawing
+    more prompts (at most ``algorithm.max_refills`` times) until there are enough."""
+    cfg = run.cfg
+    want, n = cfg.data.prompts_per_step, cfg.rollout.n
+    kept: list[list[Trajectory]] = []
+    seen: list[Trajectory] = []
+    for attempt in range(cfg.algorithm.max_refills + 1 if cfg.algorithm.dynamic_sampling else 1):
+        samples = run.sampler.next_batch(want - len(kept))
+        trajs = await run_episodes(run, samples, n, ctx, f"s{step}a{attempt}")
+        seen += trajs
+        groups = [trajs[i : i + n] for i in range(0, len(trajs), n)]
+        if cfg.algorithm.dynamic_sampling:
+            groups = [groups[i] for i in groups_with_signal(groups)]
+        kept += groups
+        if len(kept) >= want:
+            break
+    stats = episode_metrics(seen)
+    stats["groups_kept"] = len(kept)
+    stats["episodes_sampled"] = len(seen)  # with dynamic sampling, refills included
+    return [t for g in kept for t in g], stats
+
+
+def fill_advantages(
+    learner: Learner,
+    algo: AlgorithmSection,
+    batch: TrainBatch,
+    group_ids: Sequence[str],
+    rewards: np.ndarray,
+) -> None:
+    """Fills ``batch.advantages`` (and returns / old values for GAE) in place; ``rewards`` and
+    ``group_ids`` are those of the batch's first ``len(rewards)`` rows (the rest is padding)."""
+    B = batch.shape[0]
+    mask = np.asarray(batch.mask)
+    padded = np.zeros(B, np.float32)
+    padded[: len(rewards)] = rewards
+    if algo.adv_estimator == "grpo":
+        names = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+        gids = np.full(B, len(names), np.int32)  # padding rows: a group of their own
+        gids[: len(group_ids)] = [names[g] for g in group_ids]
+        adv_n = np.asarray(core.grpo_advantages(padded, gids, len(names) + 1, algo.norm_adv_by_std))
+        batch.advantages = (adv_n[:, None] * mask).astype(np.float32)
+        return
+    values = learner.values(batch) * mask
+    token_rewards = last_token_rewards(batch, padded)
+    adv, returns = core.gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam)
+    batch.advantages = np.asarray(core.masked_whiten(adv, mask) * mask, np.float32)
+    batch.returns = np.asarray(returns, np.float32)
+    batch.old_values = values.astype(np.float32)
+
+
+def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
+    """Rows for ``n`` trajectories: every mini-batch a whole number of micro-batches."""
+    unit = micro_batch_size * mini_batches
+    return max(unit, math.ceil(n / unit) * unit)
+
+
+def update(learner: Learner, batch: TrainBatch, algo: AlgorithmSection) -> dict[str, float]:
+    """``ppo_epochs`` passes of ``mini_batches`` policy (and critic) updates; mean metrics."""
+    size = batch.shape[0] // algo.mini_batches
+    records = []
+    for _ in range(algo.ppo_epochs):
+        for i in range(algo.mini_batches):
+            mini = batch.rows(slice(i * size, (i + 1) * size))
+            m = learner.update_policy(mini)
+            if learner.critic_state is not None:
+                m.update(learner.update_critic(mini))
+            records.append(m)
+    return _mean_metrics(records)
+
+
+async def rl_step(
+    run: Run, rollout: Rollout, step: int, compiles: bool
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """One RL step (see the module docstring); returns its metrics and every trajectory it
+    sampled. ``compiles``: the first step of this process, whose times include compiling the
+    engine and the learner step (kept out of the throughput plot)."""
+    cfg, learner = run.cfg, run.learner
+    t0 = time.perf_counter()
+    trajs, m = await collect(run, rollout.ctx, step)
+    t_rollout = time.perf_counter() - t0
+    trainable = [t for t in trajs if t.trainable]
+    rows = batch_rows(len(trainable), cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
+    batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows)
+    t1 = time.perf_counter()
+    batch.old_logp = learner.logprobs(batch) * np.asarray(batch.mask)
+    if run.reference is not None:
+        batch.ref_logp = learner.logprobs(batch, params=run.reference)
+    rewards = shaped_rewards(trainable, cfg)
+    group_ids = [t.group_id for t in trainable]
+    fill_advantages(learner, cfg.algorithm, batch, group_ids, rewards)
+    m.update(logprob_gap(batch))
+    m.update(update(learner, batch, cfg.algorithm) if trainable else {})
+    jax.block_until_ready(learner.params)
+    t_train = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    await rollout.backend.update_weights(learner.rollout_params(cfg.model.dtype), step + 1)
+    t_push = time.perf_counter() - t2
+    model_tokens = sum(t.num_model_tokens for t in trajs)
+    train_tokens = int(np.asarray(batch.segment_ids).sum())
+    m.update(
+        {
+            "time/rollout_s": t_rollout,
+            "time/tools_cumulative_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
+            "time/train_s": t_train,
+            "time/weight_push_s": t_push,
+            "time/step_s": time.perf_counter() - t0,
+            "time/rollout_tokens_per_s": model_tokens / max(t_rollout, 1e-9),
+            "time/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+            INCLUDES_COMPILE: float(compiles),
+            "batch/trajectories": len(trainable),
+            **reward_groups(rewards, group_ids),
+        }
+    )
+    return m, trajs
