@@ -47,7 +47,12 @@ def _train(args: argparse.Namespace) -> int:
     if problems:
         return _refuse(problems)
     if args.dry_run:
+        from jax_agent_rl.models import ModelConfig
+        from jax_agent_rl.train.check import memory_plan
+
         print(to_yaml(cfg), end="")
+        for line in memory_plan(cfg, ModelConfig.from_pretrained(cfg.model.path)):
+            print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0
     from jax_agent_rl.train import train

@@ -89,14 +89,3 @@ def make_batch(
         old_values=zeros.copy(),
         returns=zeros.copy(),
     )
-
-
-def last_token_rewards(batch: TrainBatch, rewards: np.ndarray) -> np.ndarray:
-    """[B, T] token rewards: each row's outcome reward on its last sampled token (GAE input)."""
-    mask = np.asarray(batch.mask)
-    out = np.zeros(mask.shape, np.float32)
-    for b in range(min(len(rewards), mask.shape[0])):
-        idx = np.flatnonzero(mask[b])
-        if idx.size:
-            out[b, idx[-1]] = rewards[b]
-    return out

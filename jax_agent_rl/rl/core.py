@@ -94,6 +94,16 @@ def grpo_advantages(
     return centred_n / (std_g[g_n] + eps) if norm_by_std else centred_n
 
 
+def last_token_rewards(rewards_n: ArrayLike, mask_nt: ArrayLike) -> jax.Array:
+    """[N, T] token rewards: each row's outcome reward on its last sampled token (mask > 0),
+    0 elsewhere and on rows with no sampled token (the input `gae_advantages` takes)."""
+    m_nt = jnp.asarray(mask_nt) > 0
+    T = m_nt.shape[-1]
+    last_n = T - 1 - jnp.argmax(m_nt[:, ::-1], axis=-1)
+    at_last_nt = (jnp.arange(T)[None, :] == last_n[:, None]) & m_nt.any(-1, keepdims=True)
+    return jnp.where(at_last_nt, jnp.asarray(rewards_n, jnp.float32)[:, None], 0.0)
+
+
 def gae_advantages(
     rewards_bt: ArrayLike, values_bt: ArrayLike, mask_bt: ArrayLike, gamma: float, lam: float
 ) -> tuple[jax.Array, jax.Array]:

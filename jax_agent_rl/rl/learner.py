@@ -9,6 +9,11 @@ one optimizer update. Every loss term is aggregated with *whole-batch* denominat
 and sequence counts of all M micro-batches), so the accumulated gradient equals the gradient of
 the whole batch at once.
 
+An RL step is one program (`Learner.train_step`, `rl_update`): the batch is uploaded once
+with the rows' rewards and GRPO groups; old-policy and reference logprobs, critic values and
+advantages (`prepare`) and every PPO epoch's mini-batch updates (a scan) run on the devices;
+only the metrics come back to the host.
+
 Logprobs are recomputed with `sampling_logprobs`, the function the engine samples with, under
 the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
 token (`Learner.logprobs`).
@@ -269,6 +274,108 @@ def apply_update(
     return TrainState(params, opt_state, state.step + 1), metrics
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Outcomes:
+    """Per-row outcomes of a [M, b] batch: the (shaped) reward, and the GRPO group of the row
+    (an index; the rows of one prompt share it, padding rows form a group of their own)."""
+
+    rewards: Any  # [M, b] float32 (numpy on the host, jax.Array on the devices)
+    groups: Any  # [M, b] int32
+
+
+def prepare(
+    spec: StepSpec,
+    params: Weights,
+    reference: Weights | None,
+    critic: Critic | None,
+    batch: TrainBatch,
+    outcomes: Outcomes,
+) -> TrainBatch:
+    """The update's inputs, computed on the device from a [M, b, T] batch: old-policy and
+    reference logprobs (0 off the sampled tokens), and advantages: GRPO's group-normalised
+    outcome broadcast over the row's sampled tokens, or GAE over the critic's values with the
+    outcome on each row's last sampled token (whitened; returns and old values kept)."""
+    mask, a = batch.mask, spec.algo
+    M, b, T = mask.shape
+    sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
+    old = jnp.where(sampled, jax.lax.map(lambda mb: token_stats(spec, params, mb)[0], batch), 0.0)
+    ref = (
+        batch.ref_logp
+        if reference is None
+        else jnp.where(
+            sampled, jax.lax.map(lambda mb: token_stats(spec, reference, mb)[0], batch), 0.0
+        )
+    )
+    if a.adv_estimator == "grpo":
+        adv_n = core.grpo_advantages(
+            outcomes.rewards.reshape(M * b),
+            outcomes.groups.reshape(M * b),
+            M * b,
+            a.norm_adv_by_std,
+        )
+        return dataclasses.replace(
+            batch, old_logp=old, ref_logp=ref, advantages=adv_n.reshape(M, b, 1) * mask
+        )
+    assert critic is not None, "GAE needs a critic"
+    values = jax.lax.map(lambda mb: critic_values(spec, critic, mb), batch) * mask
+    flat_mask = mask.reshape(M * b, T)
+    token_rewards = core.last_token_rewards(outcomes.rewards.reshape(M * b), flat_mask)
+    adv, returns = core.gae_advantages(
+        token_rewards, values.reshape(M * b, T), flat_mask, a.gamma, a.lam
+    )
+    adv = core.masked_whiten(adv, flat_mask) * flat_mask
+    return dataclasses.replace(
+        batch,
+        old_logp=old,
+        ref_logp=ref,
+        advantages=adv.reshape(M, b, T),
+        returns=returns.reshape(M, b, T),
+        old_values=values,
+    )
+
+
+def rl_update(
+    spec: StepSpec,
+    tx: optax.GradientTransformation,
+    critic_tx: optax.GradientTransformation,
+    state: TrainState,
+    critic_state: TrainState | None,
+    reference: Weights | None,
+    batch: TrainBatch,
+    outcomes: Outcomes,
+) -> tuple[TrainState, TrainState | None, Metrics]:
+    """`prepare`, then ``ppo_epochs`` passes of ``mini_batches`` updates (policy, then critic,
+    on each mini-batch: consecutive micro-batches), scanned on the device. Metrics: the mean
+    over the updates, and the sampler-vs-learner logprob gap before the first."""
+    a = spec.algo
+    critic = None if critic_state is None else critic_state.params
+    batch = prepare(spec, state.params, reference, critic, batch, outcomes)
+    K = a.mini_batches
+    minis = jax.tree.map(lambda x: x.reshape(K, x.shape[0] // K, *x.shape[1:]), batch)
+
+    def one(
+        carry: tuple[TrainState, TrainState | None], mini: TrainBatch
+    ) -> tuple[tuple[TrainState, TrainState | None], Metrics]:
+        policy, value = carry
+        policy, m = apply_update(policy_objective, spec, tx, policy, mini)
+        if value is not None:
+            value, vm = apply_update(value_objective, spec, critic_tx, value, mini)
+            m = {**m, **{f"critic/{k}": v for k, v in vm.items()}}
+        return (policy, value), m
+
+    carry: tuple[TrainState, TrainState | None] = (state, critic_state)
+    epochs = []
+    for _ in range(a.ppo_epochs):
+        carry, m = jax.lax.scan(one, carry, minis)
+        epochs.append(m)
+    metrics = {k: jnp.mean(jnp.concatenate([m[k] for m in epochs])) for k in epochs[0]}
+    gap = jnp.abs(batch.old_logp - batch.rollout_logp)
+    metrics["logprob_gap/mean"] = core.masked_mean(gap, batch.mask)
+    metrics["logprob_gap/max"] = jnp.max(jnp.where(batch.mask > 0, gap, 0.0))
+    return carry[0], carry[1], metrics
+
+
 # ------------------------------------------------------------------------------ the class
 
 
@@ -311,6 +418,11 @@ class Learner:
             if sharder is None
             else NamedSharding(sharder.mesh, PartitionSpec(None, sharder.rules.batch, None))
         )
+        self._row_sharding = (
+            None
+            if sharder is None
+            else NamedSharding(sharder.mesh, PartitionSpec(None, sharder.rules.batch))
+        )
         # lax.map: one micro-batch's logits live at a time
         self._logprobs = jax.jit(
             lambda p, batch: jax.lax.map(lambda mb: token_stats(self.spec, p, mb)[0], batch)
@@ -318,6 +430,7 @@ class Learner:
         self._values = jax.jit(
             lambda c, batch: jax.lax.map(lambda mb: critic_values(self.spec, c, mb), batch)
         )
+        self._rl_step = self._jit_rl_update()
         self._policy_step = self._jit_update(policy_objective, self.tx)
         self._critic_step = self._jit_update(value_objective, self.critic_tx)
         self._sft_step = self._jit_update(sft_objective, self.tx)
@@ -364,6 +477,34 @@ class Learner:
 
         return step
 
+    def _jit_rl_update(
+        self,
+    ) -> Callable[..., tuple[TrainState, TrainState | None, Metrics]]:
+        """`rl_update` jitted with both train states donated and laid out as they came in."""
+        compiled: list[Callable[..., tuple[TrainState, TrainState | None, Metrics]]] = []
+
+        def step(
+            state: TrainState,
+            critic_state: TrainState | None,
+            reference: Weights | None,
+            batch: TrainBatch,
+            outcomes: Outcomes,
+        ) -> tuple[TrainState, TrainState | None, Metrics]:
+            if not compiled:
+                layout = jax.tree.map(lambda x: x.sharding, (state, critic_state))
+                compiled.append(
+                    jax.jit(
+                        lambda s, c, r, b, o: rl_update(
+                            self.spec, self.tx, self.critic_tx, s, c, r, b, o
+                        ),
+                        donate_argnums=(0, 1),
+                        out_shardings=(*layout, None),
+                    )
+                )
+            return compiled[0](state, critic_state, reference, batch, outcomes)
+
+        return step
+
     def device_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host [B, T] rows -> device [M, b, T] micro-batches (b sharded over data x fsdp)."""
         B = batch.shape[0]
@@ -396,6 +537,33 @@ class Learner:
         assert self.critic_state is not None, "this learner has no critic"
         out = self._values(self.critic_state.params, self.device_batch(batch))
         return np.asarray(out).reshape(batch.shape)
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        rewards: np.ndarray,
+        groups: np.ndarray,
+        reference: Weights | None = None,
+    ) -> dict[str, float]:
+        """One RL update (`rl_update`) of host rows ``batch`` [B, T] with the rows' rewards and
+        group indices [B]: the batch crosses to the devices once, is prepared and trained on
+        there, and only the metrics come back."""
+        device = self.device_batch(batch)
+        M, b = device.tokens.shape[:2]
+        outcomes = Outcomes(
+            np.asarray(rewards, np.float32).reshape(M, b),
+            np.asarray(groups, np.int32).reshape(M, b),
+        )
+        outcomes = jax.device_put(
+            outcomes, None if self._batch_sharding is None else self._row_sharding
+        )
+        self.state, self.critic_state, metrics = self._rl_step(
+            self.state, self.critic_state, reference, device, outcomes
+        )
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not np.asarray(batch.mask).any():  # no sampled token: no gap to report
+            del out["logprob_gap/mean"], out["logprob_gap/max"]
+        return out
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         self.state, metrics = self._policy_step(self.state, self.device_batch(batch))

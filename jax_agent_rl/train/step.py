@@ -5,11 +5,12 @@
 2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
 3. pack the trainable trajectories (not those cut short by a dead tool service, an abort or
-   an unexpected error) into a batch; recompute old-policy logprobs (and reference / critic
-   values if used);
-4. advantages: GRPO (group-normalised outcome) or GAE (critic);
-5. ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
-6. push the new weights to the backend as version ``step + 1``.
+   an unexpected error) into a batch, upload it once with the rewards and groups, and let
+   the learner do the rest on the device (`Learner.train_step`): old-policy logprobs (and
+   reference / critic values if used), advantages (GRPO's group-normalised outcome or GAE),
+   then ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps; only
+   the metrics come back;
+4. push the new weights to the backend as version ``step + 1``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import numpy as np
 
 from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
-from jax_agent_rl.config import AlgorithmSection, JarlConfig
+from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.rewards import ScoreFn
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import TrainBatch, last_token_rewards, make_batch
-from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.rl.batch import make_batch
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 
@@ -111,20 +111,6 @@ def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str
         "batch/groups": groups,
         "batch/groups_all_equal": groups - len(set(gids_n[signal_n].tolist())),
     }
-
-
-def logprob_gap(batch: TrainBatch) -> dict[str, float]:
-    """Sampler-vs-learner logprob difference on sampled tokens (before the update)."""
-    mask = np.asarray(batch.mask) > 0
-    if not mask.any():
-        return {}
-    diff = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[mask]
-    return {"logprob_gap/mean": float(diff.mean()), "logprob_gap/max": float(diff.max())}
-
-
-def _mean_metrics(records: Sequence[dict[str, float]]) -> dict[str, float]:
-    keys = {k for r in records for k in r}
-    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
 
 
 def episode_seed(seed: int, tag: str) -> int:
@@ -220,52 +206,24 @@ async def collect(run: Run, ctx: AgentContext, step: int) -> tuple[list[Trajecto
     return [t for g in kept for t in g], stats
 
 
-def fill_advantages(
-    learner: Learner,
-    algo: AlgorithmSection,
-    batch: TrainBatch,
-    group_ids: Sequence[str],
-    rewards: np.ndarray,
-) -> None:
-    """Fills ``batch.advantages`` (and returns / old values for GAE) in place; ``rewards`` and
-    ``group_ids`` are those of the batch's first ``len(rewards)`` rows (the rest is padding)."""
-    B = batch.shape[0]
-    mask = np.asarray(batch.mask)
-    padded = np.zeros(B, np.float32)
+def padded_outcomes(
+    rewards: np.ndarray, group_ids: Sequence[str], rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The learner's per-row rewards and group indices for a batch of ``rows`` rows whose first
+    ``len(rewards)`` rows are the trajectories: padding rows get reward 0 and a group of their
+    own (so they change no real group's statistics)."""
+    names = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    groups = np.full(rows, len(names), np.int32)
+    groups[: len(group_ids)] = [names[g] for g in group_ids]
+    padded = np.zeros(rows, np.float32)
     padded[: len(rewards)] = rewards
-    if algo.adv_estimator == "grpo":
-        names = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
-        gids = np.full(B, len(names), np.int32)  # padding rows: a group of their own
-        gids[: len(group_ids)] = [names[g] for g in group_ids]
-        adv_n = np.asarray(core.grpo_advantages(padded, gids, len(names) + 1, algo.norm_adv_by_std))
-        batch.advantages = (adv_n[:, None] * mask).astype(np.float32)
-        return
-    values = learner.values(batch) * mask
-    token_rewards = last_token_rewards(batch, padded)
-    adv, returns = core.gae_advantages(token_rewards, values, mask, algo.gamma, algo.lam)
-    batch.advantages = np.asarray(core.masked_whiten(adv, mask) * mask, np.float32)
-    batch.returns = np.asarray(returns, np.float32)
-    batch.old_values = values.astype(np.float32)
+    return padded, groups
 
 
 def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
     """Rows for ``n`` trajectories: every mini-batch a whole number of micro-batches."""
     unit = micro_batch_size * mini_batches
     return max(unit, math.ceil(n / unit) * unit)
-
-
-def update(learner: Learner, batch: TrainBatch, algo: AlgorithmSection) -> dict[str, float]:
-    """``ppo_epochs`` passes of ``mini_batches`` policy (and critic) updates; mean metrics."""
-    size = batch.shape[0] // algo.mini_batches
-    records = []
-    for _ in range(algo.ppo_epochs):
-        for i in range(algo.mini_batches):
-            mini = batch.rows(slice(i * size, (i + 1) * size))
-            m = learner.update_policy(mini)
-            if learner.critic_state is not None:
-                m.update(learner.update_critic(mini))
-            records.append(m)
-    return _mean_metrics(records)
 
 
 async def rl_step(
@@ -281,15 +239,12 @@ async def rl_step(
     trainable = [t for t in trajs if t.trainable]
     rows = batch_rows(len(trainable), cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
     batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows)
-    t1 = time.perf_counter()
-    batch.old_logp = learner.logprobs(batch) * np.asarray(batch.mask)
-    if run.reference is not None:
-        batch.ref_logp = learner.logprobs(batch, params=run.reference)
     rewards = shaped_rewards(trainable, cfg)
     group_ids = [t.group_id for t in trainable]
-    fill_advantages(learner, cfg.algorithm, batch, group_ids, rewards)
-    m.update(logprob_gap(batch))
-    m.update(update(learner, batch, cfg.algorithm) if trainable else {})
+    t1 = time.perf_counter()
+    if trainable:  # one upload, then old / reference logprobs, advantages, updates on device
+        padded, groups = padded_outcomes(rewards, group_ids, rows)
+        m.update(learner.train_step(batch, padded, groups, run.reference))
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t1
     t2 = time.perf_counter()

@@ -500,3 +500,20 @@ def test_groups_with_signal() -> None:
 def test_groups_with_signal_interleaved_ids() -> None:
     got = core.groups_with_signal(np.array([0.0, 5.0, 1.0, 5.0]), np.array([0, 1, 0, 1]))
     np.testing.assert_array_equal(got, [True, False, True, False])
+
+
+def test_last_token_rewards_hand_case() -> None:
+    """Each row's reward lands on its last sampled token (a tool span after it, or padding,
+    does not move it); a row with no sampled token gets none."""
+    mask = np.array(
+        [
+            [1, 1, 0, 0, 1, 0],  # model, tool, model: the last model token is at 4
+            [0, 1, 1, 1, 0, 0],
+            [0, 0, 0, 0, 0, 0],  # no sampled token (all padding)
+        ],
+        np.float32,
+    )
+    got = np.asarray(core.last_token_rewards(np.array([2.0, -1.0, 5.0]), mask))
+    want = np.zeros((3, 6), np.float32)
+    want[0, 4], want[1, 3] = 2.0, -1.0
+    np.testing.assert_array_equal(got, want)

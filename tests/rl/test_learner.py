@@ -14,6 +14,7 @@ from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch, make_batch
 from jax_agent_rl.rl.learner import (
     Learner,
@@ -218,3 +219,127 @@ def test_the_first_update_moves_the_weights(warmup: int, first_rate: float) -> N
     updates, _ = tx.update(grads, tx.init(w), w)
     step = np.asarray(updates["x"])
     np.testing.assert_allclose(step, -lr * first_rate * np.sign(grads["x"]), rtol=1e-4)
+
+
+# ------------------------------------------------------------------ the on-device RL step
+
+
+def _learner(
+    algo: AlgorithmSection,
+    params: object,
+    sharder: Sharder | None = None,
+    micro_batch_size: int = 2,
+) -> Learner:
+    return Learner(
+        CFG,
+        params,  # type: ignore[arg-type]
+        algo=algo,
+        optim=OptimSection(lr=1e-2, critic_lr=1e-3),
+        sampling=SamplingSpec(0.8),  # no filter: random_batch's tokens were not sampled
+        micro_batch_size=micro_batch_size,
+        sharder=sharder,
+        critic=critic_from_policy(params) if algo.adv_estimator == "gae" else None,  # type: ignore[arg-type]
+    )
+
+
+def _outcomes(B: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards of rows 0..B-3 in groups of 2 (the last two rows are padding: reward 0, a
+    group of their own), as the trainer pads them."""
+    rewards = np.array([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 0.0, 0.0], np.float32)[:B]
+    groups = np.array([0, 0, 1, 1, 2, 2, 3, 3], np.int32)[:B]
+    rewards[-2:], groups[-2:] = 0.0, 3
+    return rewards, groups
+
+
+def _host_step(learner: Learner, batch: TrainBatch, rewards: np.ndarray, groups: np.ndarray,
+               reference: object) -> dict[str, float]:  # fmt: skip
+    """The same update composed on the host from the learner's single-purpose steps: what the
+    trainer did before the step moved onto the device."""
+    a = learner.spec.algo
+    mask = np.asarray(batch.mask)
+    batch.old_logp = np.where(mask > 0, learner.logprobs(batch), 0.0)
+    if reference is not None:
+        ref = learner.logprobs(batch, params=reference)  # type: ignore[arg-type]
+        batch.ref_logp = np.where(mask > 0, ref, 0.0)
+    if a.adv_estimator == "grpo":
+        adv = np.asarray(core.grpo_advantages(rewards, groups, len(rewards), a.norm_adv_by_std))
+        batch.advantages = (adv[:, None] * mask).astype(np.float32)
+    else:
+        values = learner.values(batch) * mask
+        token_rewards = np.asarray(core.last_token_rewards(rewards, mask))
+        adv, returns = core.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
+        batch.advantages = np.asarray(core.masked_whiten(adv, mask) * mask, np.float32)
+        batch.returns, batch.old_values = np.asarray(returns), values.astype(np.float32)
+    size, records = batch.shape[0] // a.mini_batches, []
+    for _ in range(a.ppo_epochs):
+        for i in range(a.mini_batches):
+            mini = batch.rows(slice(i * size, (i + 1) * size))
+            m = learner.update_policy(mini)
+            if learner.critic_state is not None:
+                m.update(learner.update_critic(mini))
+            records.append(m)
+    return {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        dataclasses.replace(ALGO, mini_batches=2, ppo_epochs=2),
+        AlgorithmSection(adv_estimator="gae", mini_batches=2, tis_cap=None),
+    ],
+    ids=["grpo_kl_2x2", "gae_critic"],
+)
+def test_the_device_step_equals_the_step_composed_on_the_host(algo: AlgorithmSection) -> None:
+    """`Learner.train_step` (prepare + scanned updates in one program) gives the parameters,
+    critic and metrics of the same computation done step by step from the host, within fp32
+    reduction-order rounding (normwise 1e-5, as sharding)."""
+    params = init_params(jax.random.key(5), CFG)
+    reference = jax.tree.map(lambda x: x * 0.9, params) if algo.kl_coef else None
+    batch = random_batch(seed=5)
+    rewards, groups = _outcomes(batch.shape[0])
+    # each learner its own buffers: an update donates its state's
+    device, host = (_learner(algo, jax.tree.map(jnp.copy, params)) for _ in range(2))
+    got = device.train_step(batch, rewards, groups, reference)
+    want = _host_step(host, batch, rewards, groups, reference)
+    assert_close_normwise(device.state.params, host.state.params)
+    if algo.adv_estimator == "gae":
+        assert_close_normwise(device.critic_state.params, host.critic_state.params)  # type: ignore[union-attr]
+    gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[batch.mask > 0]
+    assert got.pop("logprob_gap/mean") == pytest.approx(gap.mean(), rel=1e-5)
+    assert got.pop("logprob_gap/max") == pytest.approx(gap.max(), rel=1e-5)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+
+def test_the_step_crosses_to_the_device_once_and_compiles_once() -> None:
+    """On a (data=2, fsdp=2, tensor=2) mesh, three RL steps of the same shapes run with implicit
+    host <-> device transfers disallowed (the batch goes up and the metrics come back
+    explicitly, nothing else crosses), and only the first compiles."""
+    sharder = Sharder(make_mesh(2, 2, 2))
+    params = init_params(jax.random.key(6), CFG)
+    algo = dataclasses.replace(ALGO, mini_batches=2)
+    learner = _learner(algo, params, sharder, micro_batch_size=4)  # one row per data x fsdp
+    reference = jax.device_put(jax.tree.map(jnp.copy, params), learner._param_shardings)
+    compiles: list[str] = []
+
+    def on_event(event: str, duration: float, **kwargs: object) -> None:
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        per_step = []
+        batch = random_batch(seed=10)
+        for shift in range(3):
+            rewards, groups = _outcomes(batch.shape[0])
+            rewards = np.roll(rewards, shift)
+            before = len(compiles)
+            with jax.transfer_guard("disallow"):
+                metrics = learner.train_step(batch, rewards, groups, reference)
+            per_step.append(len(compiles) - before)
+            assert np.isfinite(metrics["loss"]) and metrics["kl_loss"] >= 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert per_step[0] > 0 and per_step[1:] == [0, 0]

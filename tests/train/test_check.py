@@ -4,7 +4,9 @@ traceback; ``--dry-run`` stops after the checks. Shipped configs work from any d
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,14 +19,14 @@ import pytest
 
 from jax_agent_rl.agent.parsers import PARSERS
 from jax_agent_rl.cli import main
-from jax_agent_rl.config import MeshSection, package_file
+from jax_agent_rl.config import MeshSection, load_config, package_file
 from jax_agent_rl.models import ModelConfig, init_params, save_hf
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.rewards import REWARDS
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry
-from jax_agent_rl.train.check import mesh_problems
+from jax_agent_rl.train.check import memory_plan, mesh_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = "pkg://jax_agent_rl/configs/tools_calculator.yaml"
@@ -266,3 +268,70 @@ def test_mesh_problems_name_the_sizes_that_fit() -> None:
         "mesh.tensor=4 does not divide model num_kv_heads=2: use mesh.tensor in {1, 2} "
         "(and more fsdp)",
     ]
+
+
+# Qwen2.5-1.5B-Instruct's config.json (the model configs/gsm8k_tools_qwen2.5.yaml names)
+QWEN25_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+    "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def _sharded_bytes(model: ModelConfig, mesh: MeshSection, width: int) -> float:
+    """The largest per-device share of the parameters, from JAX's own shard shapes on a mesh of
+    fake CPU devices (an independent path to what memory_plan computes by hand)."""
+    from jax_agent_rl.models import Sharder, make_mesh
+    from jax_agent_rl.models.decoder import is_spec, param_specs
+
+    n = mesh.data * mesh.fsdp * mesh.tensor
+    sharder = Sharder(make_mesh(mesh.data, mesh.fsdp, mesh.tensor, jax.devices()[:n]))
+    total = 0
+    for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
+        shard = sharder.sharding(spec.logical_axes, spec.shape).shard_shape(spec.shape)
+        total += math.prod(shard) * width
+    return total
+
+
+@pytest.mark.parametrize("mesh", [MeshSection(), MeshSection(fsdp=4, tensor=2)], ids=str)
+def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
+    """For the GSM8K config on Qwen2.5-1.5B: fp32 weights, two AdamW moments and the KL
+    reference as JAX lays them out on the mesh; the engine's bf16 weights and its KV cache
+    (2 x 28 layers x 128 slots x 4096 positions x 2 kv heads x 128 x 2 bytes = 14 GiB) whole."""
+    cfg = load_config(
+        ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml", ["model.path=m", "data.train=t"]
+    )
+    cfg = dataclasses.replace(cfg, mesh=mesh)
+    model = ModelConfig.from_hf(QWEN25_1_5B)
+    gib = 2**30
+    fp32 = _sharded_bytes(model, mesh, 4) / gib
+    lines = memory_plan(cfg, model)
+    n = mesh.data * mesh.fsdp * mesh.tensor
+    assert lines[0] == (
+        f"memory per device, mesh data={mesh.data} x fsdp={mesh.fsdp} x tensor={mesh.tensor} ({n}):"
+    )
+    parsed = [re.fullmatch(r"  (\w+) +(.+?) +([\d.]+) GiB", line) for line in lines[1:-1]]
+    figures = {f"{m[1]} {m[2]}": float(m[3]) for m in parsed if m}
+    assert figures == pytest.approx(
+        {
+            "learner policy weights (fp32 master)": fp32,
+            "learner AdamW moments (2 x fp32)": 2 * fp32,
+            "learner KL reference (fp32)": fp32,
+            "engine weights (bfloat16)": model.num_params * 2 / gib,
+            "engine KV cache (128 slots x 4096)": 14.0,
+        },
+        abs=0.006,  # the plan prints two decimals
+    )
+    assert model.num_params * 4 / gib == pytest.approx(5.75, abs=0.01)  # 1.54B parameters
+    total = float(lines[-1].split("GiB")[0].split()[-1])
+    assert total == pytest.approx(4 * fp32 + model.num_params * 2 / gib + 14.0, abs=0.01)
+
+
+def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", str(files.config), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "# memory per device, mesh data=1 x fsdp=1 x tensor=1 (1):" in err
+    assert "# total on the first device (the engine's too)" not in err  # indented under it
+    assert "#   total on the first device (the engine's too): " in err
