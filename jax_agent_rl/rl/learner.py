@@ -376,6 +376,22 @@ def rl_update(
     return carry[0], carry[1], metrics
 
 
+def _jit_keeping_layout(fn: Callable[..., Any], states: int) -> Callable[..., Any]:
+    """``fn`` jitted with its first ``states`` arguments (train states) donated and returned
+    first, laid out exactly as they came in (else the second call, fed the first call's
+    output, would compile the step again); the layout is read at the first call."""
+    compiled: list[Callable[..., Any]] = []
+
+    def call(*args: Any) -> Any:
+        if not compiled:
+            layout = jax.tree.map(lambda x: x.sharding, args[:states])
+            donate = tuple(range(states))
+            compiled.append(jax.jit(fn, donate_argnums=donate, out_shardings=(*layout, None)))
+        return compiled[0](*args)
+
+    return call
+
+
 # ------------------------------------------------------------------------------ the class
 
 
@@ -430,10 +446,19 @@ class Learner:
         self._values = jax.jit(
             lambda c, batch: jax.lax.map(lambda mb: critic_values(self.spec, c, mb), batch)
         )
-        self._rl_step = self._jit_rl_update()
-        self._policy_step = self._jit_update(policy_objective, self.tx)
-        self._critic_step = self._jit_update(value_objective, self.critic_tx)
-        self._sft_step = self._jit_update(sft_objective, self.tx)
+        spec, tx, critic_tx = self.spec, self.tx, self.critic_tx
+        self._rl_step = _jit_keeping_layout(
+            lambda s, c, r, b, o: rl_update(spec, tx, critic_tx, s, c, r, b, o), states=2
+        )
+        self._policy_step = _jit_keeping_layout(
+            lambda s, b: apply_update(policy_objective, spec, tx, s, b), states=1
+        )
+        self._critic_step = _jit_keeping_layout(
+            lambda s, b: apply_update(value_objective, spec, critic_tx, s, b), states=1
+        )
+        self._sft_step = _jit_keeping_layout(
+            lambda s, b: apply_update(sft_objective, spec, tx, s, b), states=1
+        )
 
     # --- placement
 
@@ -455,55 +480,6 @@ class Learner:
             lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
             state,
         )
-
-    def _jit_update(
-        self, objective: Objective, tx: optax.GradientTransformation
-    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
-        """The jitted update, its output state laid out exactly as its input state (else the
-        second call, fed the first call's output, would compile the step again)."""
-        compiled: list[Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]] = []
-
-        def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-            if not compiled:
-                layout = jax.tree.map(lambda x: x.sharding, state)
-                compiled.append(
-                    jax.jit(
-                        lambda s, b: apply_update(objective, self.spec, tx, s, b),
-                        donate_argnums=0,
-                        out_shardings=(layout, None),
-                    )
-                )
-            return compiled[0](state, batch)
-
-        return step
-
-    def _jit_rl_update(
-        self,
-    ) -> Callable[..., tuple[TrainState, TrainState | None, Metrics]]:
-        """`rl_update` jitted with both train states donated and laid out as they came in."""
-        compiled: list[Callable[..., tuple[TrainState, TrainState | None, Metrics]]] = []
-
-        def step(
-            state: TrainState,
-            critic_state: TrainState | None,
-            reference: Weights | None,
-            batch: TrainBatch,
-            outcomes: Outcomes,
-        ) -> tuple[TrainState, TrainState | None, Metrics]:
-            if not compiled:
-                layout = jax.tree.map(lambda x: x.sharding, (state, critic_state))
-                compiled.append(
-                    jax.jit(
-                        lambda s, c, r, b, o: rl_update(
-                            self.spec, self.tx, self.critic_tx, s, c, r, b, o
-                        ),
-                        donate_argnums=(0, 1),
-                        out_shardings=(*layout, None),
-                    )
-                )
-            return compiled[0](state, critic_state, reference, batch, outcomes)
-
-        return step
 
     def device_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host [B, T] rows -> device [M, b, T] micro-batches (b sharded over data x fsdp)."""
