@@ -145,31 +145,43 @@ def test_concurrent_requests_equal_sequential(backend: RolloutBackend) -> None:
 
 
 def test_abort_running_and_queued(backend: RolloutBackend) -> None:
+    """Aborting a running request (x0) and a queued one (x5, behind 4 slots) ends each with
+    ``abort`` and fewer tokens than asked, leaves the others whole, and the backend serves on.
+
+    An engine in another process (vLLM) generates while the abort travels to it: on a loaded
+    machine a request may finish before its abort lands, which is a legal outcome (the whole
+    result). So a round may end either way per request, and the test asks for a round where
+    both aborts took effect within ``ROUNDS`` rounds (each round is a fresh race)."""
     long = SamplingParams(max_tokens=100, temperature=1.0, seed=5)
     if not backend.capabilities.abort:  # declared absent: aborting must fail loudly
         with pytest.raises(Exception):  # noqa: B017 - any clear refusal will do
             run(backend.abort("anything"))
         return
 
-    async def scenario() -> tuple[list[GenerateResult], GenerateResult]:
+    async def scenario(k: int) -> tuple[list[GenerateResult], GenerateResult]:
         tasks = [
-            asyncio.create_task(backend.generate(_req(f"x{i}", _prompt(i, 5), long)))
+            asyncio.create_task(backend.generate(_req(f"x{i}-{k}", _prompt(i, 5), long)))
             for i in range(6)
         ]
         await asyncio.sleep(0.01)  # submitted; x0 is admitted first, x5 queues behind 4 slots
         for i in (0, 5):
-            await backend.abort(f"x{i}")
+            await backend.abort(f"x{i}-{k}")
         done = await asyncio.gather(*tasks)
-        after = await backend.generate(_req("after", _prompt(0, 5), GREEDY))
+        after = await backend.generate(_req(f"after-{k}", _prompt(0, 5), GREEDY))
         return list(done), after
 
-    results, after = run(scenario())
-    for i in (0, 5):
-        assert results[i].finish_reason == "abort"
-        assert len(results[i].token_ids) < 100
-    for i in (1, 2, 3, 4):
-        assert results[i].finish_reason == "length" and len(results[i].token_ids) == 100
-    assert len(after.token_ids) == 12  # still serving
+    ROUNDS = 5
+    for k in range(ROUNDS):
+        results, after = run(scenario(k))
+        for i in (0, 5):
+            r = results[i]
+            assert (r.finish_reason, len(r.token_ids) < 100) in (("abort", True), ("length", False))
+        for i in (1, 2, 3, 4):
+            assert results[i].finish_reason == "length" and len(results[i].token_ids) == 100
+        assert len(after.token_ids) == 12  # still serving
+        if all(results[i].finish_reason == "abort" for i in (0, 5)):
+            return
+    pytest.fail(f"in {ROUNDS} rounds the aborts of x0 and x5 never both took effect")
 
 
 def test_update_weights_changes_outputs_and_stamps_versions(

@@ -77,13 +77,18 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
         home = backend.session_engine("traj-a")
         await backend.generate(_req("s2", GREEDY, session="traj-a"))
         assert backend.session_engine("traj-a") == home == 0
-        # four sessionless requests spread over the two engines (fewest in flight first)
+        # four sessionless requests spread over the two engines (fewest in flight first).
+        # The engines are stopped meanwhile: on a loaded machine r0 could otherwise finish
+        # before r1 is even dispatched, and routing would rightly see one request fewer.
+        for pid in backend.pids:
+            os.killpg(pid, signal.SIGSTOP)
         tasks = [asyncio.create_task(backend.generate(_req(f"r{i}", long))) for i in range(4)]
-        await asyncio.sleep(0)
-        where = backend.in_flight()
-        assert where == {"r0": 0, "r1": 1, "r2": 0, "r3": 1}, where
-        # the engine serving r0 and r2 dies while they run
+        while len(backend.in_flight()) < 4:  # nothing can finish: every dispatch is counted
+            await asyncio.sleep(0)
+        assert backend.in_flight() == {"r0": 0, "r1": 1, "r2": 0, "r3": 1}
+        # the engine serving r0 and r2 dies while they run; the other carries on
         os.kill(backend.pids[0], signal.SIGKILL)
+        os.killpg(backend.pids[1], signal.SIGCONT)
         done = list(await asyncio.gather(*tasks))
         after = await backend.generate(_req("after", GREEDY, session="traj-a"))
         return done, first, after
