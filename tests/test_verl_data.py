@@ -140,15 +140,22 @@ def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Traject
         ctx = await AgentContext.create(
             backend, setup["tokenizer"], tools, make_parser(setup["parser"]), CONFIG
         )
-        trajs = await rollout_episodes(
-            samples,
-            1,
-            ctx,
-            "t",
-            seed=cfg.trainer.seed,
-            score=make_reward(cfg.data),
-            tool_reward_weight=cfg.data.tool_reward_weight,
-        )
+        # one sample at a time: decoded beside another sequence, a token's logprob moves by
+        # ~1e-6 (the batch and attention length change the summation order), enough to flip
+        # a greedy near-tie of the memorised model, and what runs beside what depends on timing
+        trajs = [
+            traj
+            for sample in samples
+            for traj in await rollout_episodes(
+                [sample],
+                1,
+                ctx,
+                "t",
+                seed=cfg.trainer.seed,
+                score=make_reward(cfg.data),
+                tool_reward_weight=cfg.data.tool_reward_weight,
+            )
+        ]
         await backend.close()
         return trajs
 
