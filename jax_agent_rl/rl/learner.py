@@ -530,9 +530,7 @@ class Learner:
             np.asarray(rewards, np.float32).reshape(M, b),
             np.asarray(groups, np.int32).reshape(M, b),
         )
-        outcomes = jax.device_put(
-            outcomes, None if self._batch_sharding is None else self._row_sharding
-        )
+        outcomes = jax.device_put(outcomes, self._row_sharding)
         self.state, self.critic_state, metrics = self._rl_step(
             self.state, self.critic_state, reference, device, outcomes
         )
