@@ -74,6 +74,8 @@ class RolloutSection:
     vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
     vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
     vllm_kv_cache_mb: int = 0  # KV cache of each vllm replica; 0: vLLM's share of free memory
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    max_refills: int = 3  # extra rollouts of fresh prompts per step, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,8 @@ class AgentSection:
     max_turns: int = 4
     max_tokens_per_turn: int = 256
     max_response_tokens: int = 768  # model + tool tokens after the prompt
-    max_tool_response_tokens: int = 256
+    max_tool_response_tokens: int = 256  # per tool result, before templating
+    tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
 
 
@@ -132,13 +135,18 @@ class DataSection:
     # reward, and a function of verl's signature reads the tool rewards, if it wants them, from
     # extra_info["tool_rewards"] (passed whatever this weight is)
     tool_reward_weight: float = 0.0
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N response tokens
+    overlong_penalty: float = 1.0  # the penalty at the budget, scaled linearly over the buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
-    """The RL objective. GRPO: adv_estimator=grpo. Dr.GRPO: norm_adv_by_std=false with
-    loss_agg_mode=seq-mean-token-sum-norm. DAPO: clip_high=0.28, dynamic_sampling=true,
-    overlong_buffer>0, loss_agg_mode=token-mean. PPO: adv_estimator=gae (adds a critic)."""
+    """The RL objective: advantages and loss, every value static in the compiled training step
+    (what to sample and how to shape rewards live in ``rollout`` and ``data``). GRPO:
+    adv_estimator=grpo. Dr.GRPO: norm_adv_by_std=false with
+    loss_agg_mode=seq-mean-token-sum-norm. DAPO: clip_high=0.28, loss_agg_mode=token-mean, with
+    rollout.dynamic_sampling=true and data.overlong_buffer>0. PPO: adv_estimator=gae (adds a
+    critic)."""
 
     adv_estimator: Literal["grpo", "gae"] = "grpo"
     norm_adv_by_std: bool = True  # GRPO divides by the group's std; Dr.GRPO does not
@@ -157,10 +165,6 @@ class AlgorithmSection:
     vf_clip: float = 0.5
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_refills: int = 3
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N response tokens
-    overlong_penalty: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +260,8 @@ def load_config(
         cfg: Any = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         key = _full_key(e)
+        if key in RENAMED:
+            raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}") from None
         raise ConfigError(
             f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}"
         ) from None
@@ -266,6 +272,15 @@ def load_config(
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg
+
+
+# keys that moved, old -> new, so an old config names what to write instead
+RENAMED = {
+    "algorithm.dynamic_sampling": "rollout.dynamic_sampling",
+    "algorithm.max_refills": "rollout.max_refills",
+    "algorithm.overlong_buffer": "data.overlong_buffer",
+    "algorithm.overlong_penalty": "data.overlong_penalty",
+}
 
 
 def to_yaml(cfg: Any) -> str:
@@ -395,9 +410,9 @@ RANGES: dict[str, Rule] = {
     "algorithm.vf_clip": _POSITIVE,
     "algorithm.ppo_epochs": _COUNT,
     "algorithm.mini_batches": _COUNT,
-    "algorithm.max_refills": _NATURAL,
-    "algorithm.overlong_buffer": _NATURAL,
-    "algorithm.overlong_penalty": _NATURAL,
+    "rollout.max_refills": _NATURAL,
+    "data.overlong_buffer": _NATURAL,
+    "data.overlong_penalty": _NATURAL,
     "optim.lr": _POSITIVE,
     "optim.critic_lr": _POSITIVE,
     "optim.weight_decay": _NATURAL,
@@ -471,10 +486,10 @@ def _group_size(cfg: JarlConfig) -> str | None:
 
 
 def _overlong_buffer(cfg: JarlConfig) -> str | None:
-    buffer, budget = cfg.algorithm.overlong_buffer, cfg.agent.max_response_tokens
+    buffer, budget = cfg.data.overlong_buffer, cfg.agent.max_response_tokens
     if buffer > budget:
         return (
-            f"algorithm.overlong_buffer={buffer} is longer than agent.max_response_tokens="
+            f"data.overlong_buffer={buffer} is longer than agent.max_response_tokens="
             f"{budget}: use 0 (off) to {budget}"
         )
     return None
@@ -486,6 +501,17 @@ def _backend(cfg: JarlConfig) -> str | None:
     names = backend_names()
     if cfg.rollout.backend not in names:
         return f"rollout.backend={cfg.rollout.backend!r}: expected one of {names}"
+    return None
+
+
+def _slots_over_mesh(cfg: JarlConfig) -> str | None:
+    """The embedded engine serves on the inference mesh: slots split over data x fsdp."""
+    dp, slots = cfg.mesh.data * cfg.mesh.fsdp, cfg.rollout.max_concurrent
+    if cfg.rollout.backend == "embedded" and slots % dp:
+        return (
+            f"rollout.max_concurrent={slots} does not split over mesh.data x mesh.fsdp = {dp} "
+            f"devices (the embedded engine's decode slots): use a multiple of {dp}"
+        )
     return None
 
 
@@ -503,6 +529,7 @@ def _vllm_devices(cfg: JarlConfig) -> str | None:
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _backend,
     _micro_batch_over_mesh,
+    _slots_over_mesh,
     _sft_batch,
     _group_size,
     _overlong_buffer,

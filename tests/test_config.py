@@ -104,6 +104,15 @@ def test_values_out_of_range_are_all_reported_one_line_each() -> None:
     assert load_config(None, ["model.path=/a", "data.train=t", *ok]).algorithm.clip_c is None
 
 
+def test_a_moved_key_names_its_new_name() -> None:
+    base = ["model.path=/a", "data.train=t"]
+    with pytest.raises(ConfigError, match=r"'algorithm.dynamic_sampling' is now 'rollout.dynamic"):
+        load_config(None, [*base, "algorithm.dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match=r"'algorithm.overlong_buffer' is now 'data.overlong_buf"):
+        load_config(None, [*base, "algorithm.overlong_buffer=4"])
+    assert load_config(None, [*base, "data.overlong_buffer=4"]).data.overlong_buffer == 4
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -111,6 +120,16 @@ def test_values_out_of_range_are_all_reported_one_line_each() -> None:
             ["mesh.data=2", "mesh.fsdp=2", "learner.micro_batch_size=6"],
             "learner.micro_batch_size=6 does not split over mesh.data x mesh.fsdp = 4 devices: "
             "use a multiple of 4",
+        ),
+        (
+            [
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "learner.micro_batch_size=8",
+                "rollout.max_concurrent=6",
+            ],
+            "rollout.max_concurrent=6 does not split over mesh.data x mesh.fsdp = 4 devices (the "
+            "embedded engine's decode slots): use a multiple of 4",
         ),
         (
             ["sft.data=d.jsonl", "sft.steps=5", "sft.batch_size=12", "learner.micro_batch_size=8"],
@@ -124,8 +143,8 @@ def test_values_out_of_range_are_all_reported_one_line_each() -> None:
             "use rollout.n >= 2 (or algorithm.adv_estimator=gae)",
         ),
         (
-            ["algorithm.overlong_buffer=800", "agent.max_response_tokens=768"],
-            "algorithm.overlong_buffer=800 is longer than agent.max_response_tokens=768: use 0 "
+            ["data.overlong_buffer=800", "agent.max_response_tokens=768"],
+            "data.overlong_buffer=800 is longer than agent.max_response_tokens=768: use 0 "
             "(off) to 768",
         ),
         (

@@ -21,10 +21,11 @@ import time
 import traceback
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.config import AgentSection
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
@@ -35,19 +36,19 @@ from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentConfig:
-    """Budgets and sampling of one episode."""
+class AgentConfig(AgentSection):
+    """One episode's settings: the ``agent`` section's budgets and parser, and what the run
+    takes from ``rollout``: the sequence limit and how every turn samples."""
 
-    max_turns: int = 4  # model turns
-    max_tokens_per_turn: int = 256
-    max_response_tokens: int = 1024  # model + tool tokens after the prompt
-    max_tool_response_tokens: int = 256  # per tool result, before templating
-    tool_response_truncate: Literal["left", "right", "middle"] = "right"
     max_model_len: int = 2048  # prompt + response
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    parser: str = "hermes"
+
+    @classmethod
+    def of(cls, agent: AgentSection, **rollout: Any) -> AgentConfig:
+        """``agent``'s settings (every field) with ``rollout``'s on top."""
+        return cls(**{f.name: getattr(agent, f.name) for f in dataclasses.fields(agent)}, **rollout)
 
 
 @dataclasses.dataclass

@@ -11,6 +11,12 @@ bucket) pair, ``generate`` once per attention bucket and ``insert`` once; ``warm
 them all up front. ``compile_counts`` counts traces per function, so a test can hold
 the engine to that bound. Weights are arguments, never constants: swapping in new weights of
 the same shapes reuses every compiled program.
+
+With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
+model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``) and the decode
+state's slots split over ``data``: the KV cache is [L, N, G, S, K] with N over ``data`` and G
+over ``tensor``. A prefilled prompt (one row) keeps its kv heads over ``tensor`` and is
+replicated over ``data`` until ``insert`` writes it into its slot's shard.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
     Weights,
-    forward_cached,
+    cache_shardings,
+    forward,
     init_cache,
     lm_logits,
+    param_shardings,
     param_specs,
 )
 from jax_agent_rl.models.decoder import is_spec
@@ -140,6 +148,14 @@ class Engine:
         self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
         self.kv_buckets = _buckets(min(min_kv_bucket, max_len), max_len)
         self.sharder = sharder
+        # one prompt row: the rows' axis cannot split over `data`, so prefill replicates it
+        self._row_sharder = (
+            None
+            if sharder is None
+            else dataclasses.replace(sharder, rules=dataclasses.replace(sharder.rules, batch=None))
+        )
+        if sharder is not None:
+            init_cache(cfg, max_concurrent_decodes, max_len, sharder, abstract=True)  # checks fit
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -166,15 +182,23 @@ class Engine:
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
         if self.sharder is None:
             return cast
-        shardings = jax.tree.map(
-            lambda s: self.sharder.sharding(s.logical_axes, s.shape),  # type: ignore[union-attr]
-            specs,
-            is_leaf=is_spec,
+        return jax.device_put(cast, param_shardings(self.cfg, self.sharder))
+
+    def _lay_out(self, state: DecodeState) -> DecodeState:
+        """Pins a decode state to the slot layout inside a jitted function (a no-op unsharded)."""
+        if self.sharder is None:
+            return state
+        sharder = self.sharder
+        slots = jax.tree.map(
+            lambda x: sharder.constrain(x, ("batch",) + (None,) * (x.ndim - 1)), state.slots
         )
-        return jax.device_put(cast, shardings)
+        cache = jax.lax.with_sharding_constraint(
+            state.cache, cache_shardings(self.cfg, sharder, *state.cache.k.shape[1:4:2])
+        )
+        return DecodeState(cache=cache, slots=slots)
 
     def _empty_slots(self, n: int) -> Slots:
-        return Slots(
+        slots = Slots(
             token=jnp.zeros((n,), jnp.int32),
             active=jnp.zeros((n,), bool),
             generated=jnp.zeros((n,), jnp.int32),
@@ -185,6 +209,15 @@ class Engine:
             stop_ids=jnp.full((n, self.max_stop_ids), -1, jnp.int32),
             key=jnp.zeros((n, 2), jnp.uint32),
         )
+        if self.sharder is None:
+            return slots
+        sharder = self.sharder
+        return jax.tree.map(
+            lambda x: jax.device_put(
+                x, sharder.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape)
+            ),
+            slots,
+        )
 
     def init_decode_state(self) -> DecodeState:
         n = self.max_concurrent_decodes
@@ -193,7 +226,7 @@ class Engine:
         )
 
     def empty_prefix_cache(self) -> KVCache:
-        return init_cache(self.cfg, 1, self.max_len)
+        return init_cache(self.cfg, 1, self.max_len, self._row_sharder)
 
     # ----------------------------------------------------------------------------- prefill
 
@@ -250,7 +283,15 @@ class Engine:
     ) -> Prefix:
         self.compile_counts["prefill"] += 1  # runs at trace time only
         n = jnp.reshape(true_length, (1,)).astype(jnp.int32)
-        h, cache = forward_cached(params, self.cfg, padded_bt, n, cache, kv_len=kv_len)
+        h, cache = forward(
+            params,
+            self.cfg,
+            padded_bt,
+            sharder=self._row_sharder,
+            cache=cache,
+            num_new_b=n,
+            kv_len=kv_len,
+        )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
         token, logprob = _sample_step(lm_logits(params, last[:, None])[:, 0], slots)
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
@@ -275,7 +316,7 @@ class Engine:
         slots = dataclasses.replace(
             slots, active=slots.active.at[slot].set(prefix.finish[0] == RUNNING)
         )
-        return DecodeState(cache=cache, slots=slots)
+        return self._lay_out(DecodeState(cache=cache, slots=slots))
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Deactivates a slot (finished or aborted); its cache row is simply overwritten later."""
@@ -284,7 +325,7 @@ class Engine:
     def _release_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
         self.compile_counts["release"] += 1
         slots = dataclasses.replace(state.slots, active=state.slots.active.at[slot].set(False))
-        return DecodeState(cache=state.cache, slots=slots)
+        return self._lay_out(DecodeState(cache=state.cache, slots=slots))
 
     def extract(self, state: DecodeState, slot: int) -> KVCache:
         """A copy of one slot's cache row, to prefill the session's next turn on top of it."""
@@ -293,7 +334,12 @@ class Engine:
     def _extract_impl(self, cache: KVCache, slot: jax.Array) -> KVCache:
         self.compile_counts["extract"] += 1
         take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
-        return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
+        row = KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
+        if self._row_sharder is None:
+            return row
+        return jax.lax.with_sharding_constraint(
+            row, cache_shardings(self.cfg, self._row_sharder, 1, cache.k.shape[3])
+        )
 
     # ---------------------------------------------------------------------------- generate
 
@@ -316,13 +362,13 @@ class Engine:
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
             slots, active = state.slots, state.slots.active
-            h, cache = forward_cached(
+            h, cache = forward(
                 params,
                 self.cfg,
                 slots.token[:, None],
-                active.astype(jnp.int32),
-                state.cache,
-                self.sharder,
+                sharder=self.sharder,
+                cache=state.cache,
+                num_new_b=active.astype(jnp.int32),
                 kv_len=kv_len,
             )
             token, logprob = _sample_step(lm_logits(params, h)[:, 0], slots)
@@ -333,7 +379,7 @@ class Engine:
             finish = jnp.where(active, _finish_code(slots, token, cache.pos, self.max_len), RUNNING)
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
             out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
-            return DecodeState(cache=cache, slots=slots), out
+            return self._lay_out(DecodeState(cache=cache, slots=slots)), out
 
         return jax.lax.scan(step, state, None, length=num_steps)
 
@@ -341,7 +387,7 @@ class Engine:
         """Compiles every program serving can need (each prefill bucket at each attention
         length it can meet, and ``generate`` at each attention bucket), so that no request
         stalls on a compilation later: a trace holds the GIL and stalls the whole process."""
-        greedy = _WarmupSampling()
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
         empty = self.empty_prefix_cache()
         for kv in self.kv_buckets:
@@ -351,20 +397,9 @@ class Engine:
                 start = kv - bucket  # this bucket prefilled after `start` cached tokens
                 n = min(bucket, self.max_len - 1 - start)  # still lands in this bucket
                 row = KVCache(k=empty.k, v=empty.v, pos=jnp.array([start], jnp.int32))
-                prefix = self.prefill(params, row, [0] * n, greedy, seed=0)  # type: ignore[arg-type]
+                prefix = self.prefill(params, row, [0] * n, greedy, seed=0)
             state = self.insert(prefix, state, 0)
             state, out = self.generate(params, state, num_steps, max_pos=max(kv - num_steps, 0))
             jax.block_until_ready(out)
         jax.block_until_ready(self.extract(state, 0))
         self.release(state, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _WarmupSampling:
-    """The fields `Engine.prefill` reads, for warm-up requests."""
-
-    max_tokens: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jax_agent_rl.models.config import DType, ModelConfig
-from jax_agent_rl.models.decoder import Layer, Weights, is_spec, param_specs
+from jax_agent_rl.models.decoder import Layer, Weights, param_shardings, param_specs
 from jax_agent_rl.models.sharding import Sharder
 
 Layout = Literal["copy", "flat", "linear"]
@@ -213,10 +213,7 @@ def load_hf(
     )
     if sharder is None:
         return cfg, jax.tree.map(jax.numpy.asarray, weights)
-    shardings = jax.tree.map(
-        lambda s: sharder.sharding(s.logical_axes, s.shape), specs, is_leaf=is_spec
-    )
-    return cfg, jax.device_put(weights, shardings)
+    return cfg, jax.device_put(weights, param_shardings(cfg, sharder))
 
 
 def hf_tensors(cfg: ModelConfig, weights: Weights) -> Iterator[tuple[str, np.ndarray]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +76,9 @@ class KVCache:
     stale and never attended (the mask is key position <= query position).
     """
 
-    k: jax.Array
-    v: jax.Array
-    pos: jax.Array
+    k: Any  # arrays; or their shardings / ShapeDtypeStructs (`cache_shardings`, `init_cache`)
+    v: Any
+    pos: Any
 
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -144,15 +144,13 @@ def param_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
 def abstract_params(cfg: ModelConfig, sharder: Sharder | None = None) -> Weights:
     """ShapeDtypeStructs for every parameter (restore and weight-sync targets)."""
     specs = param_specs(cfg)
-    if sharder is None:
-        return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype), specs, is_leaf=is_spec
-        )
+    shardings = jax.tree.map(lambda _: None, specs, is_leaf=is_spec)
+    if sharder is not None:
+        shardings = param_shardings(cfg, sharder)
     return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(
-            s.shape, cfg.jnp_dtype, sharding=sharder.sharding(s.logical_axes, s.shape)
-        ),
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype, sharding=sh),
         specs,
+        shardings,
         is_leaf=is_spec,
     )
 
@@ -162,33 +160,50 @@ def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
-    out_shardings = (
-        None if sharder is None else [sharder.sharding(s.logical_axes, s.shape) for s in leaves]
-    )
 
-    @partial(jax.jit, out_shardings=out_shardings)
-    def init(keys: jax.Array) -> list[jax.Array]:
-        return [s.init(k, s.shape, cfg.jnp_dtype) for s, k in zip(leaves, keys, strict=True)]
+    @partial(jax.jit, out_shardings=None if sharder is None else param_shardings(cfg, sharder))
+    def init(keys: jax.Array) -> Weights:
+        return jax.tree.unflatten(
+            treedef, [s.init(k, s.shape, cfg.jnp_dtype) for s, k in zip(leaves, keys, strict=True)]
+        )
 
-    return jax.tree.unflatten(treedef, init(keys))
+    return init(keys)
+
+
+def cache_shardings(cfg: ModelConfig, sharder: Sharder, batch: int, max_len: int) -> KVCache:
+    """A `KVCache` of NamedShardings for ``batch`` rows of ``max_len`` positions (divisibility
+    of the rows over ``batch``'s mesh axes and of the kv heads over theirs checked)."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    kv = sharder.sharding(CACHE_AXES, shape)
+    return KVCache(k=kv, v=kv, pos=sharder.sharding(("batch",), (batch,)))
 
 
 def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, sharder: Sharder | None = None
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    sharder: Sharder | None = None,
+    *,
+    abstract: bool = False,
 ) -> KVCache:
-    """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype."""
+    """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype, laid out
+    by ``sharder``; ``abstract`` returns its ShapeDtypeStructs (nothing allocated)."""
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    k = jnp.zeros(shape, cfg.jnp_dtype)
-    cache = KVCache(k=k, v=jnp.zeros_like(k), pos=jnp.zeros((batch,), jnp.int32))
-    if sharder is not None:
-        kv = sharder.sharding(CACHE_AXES, shape)
-        pos = sharder.sharding(("batch",), (batch,))
-        cache = KVCache(
-            k=jax.device_put(cache.k, kv),
-            v=jax.device_put(cache.v, kv),
-            pos=jax.device_put(cache.pos, pos),
+    shardings = None if sharder is None else cache_shardings(cfg, sharder, batch, max_len)
+    k = jax.ShapeDtypeStruct(shape, cfg.jnp_dtype, sharding=shardings and shardings.k)
+    pos = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shardings and shardings.pos)
+    if abstract:
+        return KVCache(k=k, v=k, pos=pos)
+
+    @partial(jax.jit, out_shardings=shardings)
+    def zeros() -> KVCache:
+        return KVCache(
+            k=jnp.zeros(shape, cfg.jnp_dtype),
+            v=jnp.zeros(shape, cfg.jnp_dtype),
+            pos=jnp.zeros((batch,), jnp.int32),
         )
-    return cache
+
+    return zeros()
 
 
 # ----------------------------------------------------------------------------------- blocks
@@ -255,6 +270,7 @@ def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> 
 # ---------------------------------------------------------------------------------- forward
 
 
+@overload
 def forward(
     w: Weights,
     cfg: ModelConfig,
@@ -263,94 +279,112 @@ def forward(
     segment_ids_bt: jax.Array,
     sharder: Sharder | None = None,
     remat: bool = False,
-) -> jax.Array:
-    """Training forward over whole (possibly packed) sequences; returns final hidden [B, T, D].
-
-    ``segment_ids`` number the sequences packed in a row (0 marks padding): a token attends to
-    earlier-or-equal tokens of its own segment. ``positions`` restart at 0 in every segment.
-    Use `lm_logits` on the result for logits.
-    """
-    T = tokens_bt.shape[1]
-    causal_ts = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-    mask_bts = causal_ts[None] & same_bts & (segment_ids_bt[:, None, :] != 0)
-    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
-
-    def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
-        with jax.named_scope("attention"):
-            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
-            q, k, v = _qkv(cfg, lw, h, positions_bt)
-            a = attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask_bts)
-            x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
-        with jax.named_scope("mlp"):
-            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
-        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), None
-
-    x, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, x, w.layers)
-    return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+    *,
+    cache: None = None,
+) -> jax.Array: ...
 
 
-def forward_cached(
+@overload
+def forward(
     w: Weights,
     cfg: ModelConfig,
     tokens_bt: jax.Array,
-    num_new_b: jax.Array,
-    cache: KVCache,
+    positions_bt: None = None,
+    segment_ids_bt: None = None,
     sharder: Sharder | None = None,
+    remat: bool = False,
+    *,
+    cache: KVCache,
+    num_new_b: jax.Array,
     kv_len: int | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Prefill or decode through the KV cache; returns final hidden [B, T, D] and the new cache.
+) -> tuple[jax.Array, KVCache]: ...
 
-    Row b's tokens take positions ``cache.pos[b] + t`` and attend to the row's cached positions
-    below ``cache.pos[b]`` plus the chunk's own earlier tokens. Their keys/values are written
-    to the cache once, after all layers (one in-place scatter, not one per layer), and
-    ``cache.pos[b]`` advances by ``num_new[b]``: the row's real tokens; the rest of its T are
-    padding, written past the row's end and overwritten before they are ever attended.
-    Prefill is T = prompt bucket, decode is T = 1; a continuing turn prefills on top of what
-    is cached.
 
-    ``kv_len`` (static) limits reads to the first ``kv_len`` cache positions, which must cover
-    every row's ``cache.pos``; decoding short sequences in a long cache then costs what their
-    length costs. Default: the whole cache.
+def forward(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    sharder: Sharder | None = None,
+    remat: bool = False,
+    *,
+    cache: KVCache | None = None,
+    num_new_b: jax.Array | None = None,
+    kv_len: int | None = None,
+) -> jax.Array | tuple[jax.Array, KVCache]:
+    """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
+    logits), and with a ``cache`` the updated cache too.
+
+    Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
+    sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
+    its own segment. ``positions`` restart at 0 in every segment.
+
+    With a cache (prefill and decode): row b's tokens take positions ``cache.pos[b] + t`` and
+    attend to the row's cached positions below ``cache.pos[b]`` plus the chunk's own earlier
+    tokens. Their keys/values are written to the cache once, after all layers (one in-place
+    scatter, not one per layer), and ``cache.pos[b]`` advances by ``num_new[b]``: the row's
+    real tokens; the rest of its T are padding, written past the row's end and overwritten
+    before they are ever attended. Prefill is T = prompt bucket, decode is T = 1; a continuing
+    turn prefills on top of what is cached. ``kv_len`` (static) limits reads to the first
+    ``kv_len`` cache positions, which must cover every row's ``cache.pos``; decoding short
+    sequences in a long cache then costs what their length costs. Default: the whole cache.
     """
     B, T = tokens_bt.shape
-    S = cache.k.shape[3] if kv_len is None else kv_len
-    positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    cached_bts = jnp.broadcast_to(
-        jnp.arange(S)[None, None, :] < cache.pos[:, None, None], (B, T, S)
-    )
     causal_tt = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    mask_bts = jnp.concatenate([cached_bts, jnp.broadcast_to(causal_tt, (B, T, T))], axis=-1)
+    if cache is None:
+        if positions_bt is None or segment_ids_bt is None:
+            raise ValueError("forward without a cache needs positions and segment ids")
+        same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+        mask_bts = causal_tt[None] & same_bts & (segment_ids_bt[:, None, :] != 0)
+        prefix: tuple[jax.Array | None, jax.Array | None] = (None, None)
+    else:
+        if num_new_b is None:
+            raise ValueError("forward with a cache needs num_new_b")
+        S = cache.k.shape[3] if kv_len is None else kv_len
+        positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        cached_bts = jnp.broadcast_to(
+            jnp.arange(S)[None, None, :] < cache.pos[:, None, None], (B, T, S)
+        )
+        mask_bts = jnp.concatenate([cached_bts, jnp.broadcast_to(causal_tt, (B, T, T))], axis=-1)
+        prefix = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
 
     def layer(
-        x_btd: jax.Array, xs: tuple[Layer, jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        x_btd: jax.Array, xs: tuple[Layer, jax.Array | None, jax.Array | None]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         lw, ck_bgsk, cv_bgsk = xs
         with jax.named_scope("attention"):
             h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
             q, k, v = _qkv(cfg, lw, h, positions_bt)
-            k_bgtk = k.astype(ck_bgsk.dtype).swapaxes(1, 2)
-            v_bgtk = v.astype(cv_bgsk.dtype).swapaxes(1, 2)
-            keys = jnp.concatenate([ck_bgsk, k_bgtk], axis=2)
-            values = jnp.concatenate([cv_bgsk, v_bgtk], axis=2)
+            k_bgtk, v_bgtk = k.swapaxes(1, 2), v.swapaxes(1, 2)
+            if ck_bgsk is None or cv_bgsk is None:
+                new, keys, values = None, k_bgtk, v_bgtk
+            else:
+                new = (k_bgtk.astype(ck_bgsk.dtype), v_bgtk.astype(cv_bgsk.dtype))
+                keys = jnp.concatenate([ck_bgsk, new[0]], axis=2)
+                values = jnp.concatenate([cv_bgsk, new[1]], axis=2)
             a = attention(q, keys, values, mask_bts)
             x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
         with jax.named_scope("mlp"):
             x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
-        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), (k_bgtk, v_bgtk)
+        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), new
 
-    prefix = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
-    x, (new_k, new_v) = jax.lax.scan(layer, x, (w.layers, *prefix))  # new_k: [L, B, G, T, K]
+    body = jax.checkpoint(layer) if remat else layer
+    x, new_kv = jax.lax.scan(body, x, (w.layers, *prefix))
+    h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+    if cache is None or num_new_b is None or new_kv is None:
+        return h_btd
     rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    # advanced indices (rows, positions) are split by a slice, so the update is [B, T, L, G, K]
-    k_upd, v_upd = (u.transpose(1, 3, 0, 2, 4) for u in (new_k, new_v))
+    # new_kv: [L, B, G, T, K] each; the advanced indices (rows, positions) are split by a
+    # slice, so the update is [B, T, L, G, K]
+    k_upd, v_upd = (u.transpose(1, 3, 0, 2, 4) for u in new_kv)
     new_cache = KVCache(
         k=cache.k.at[:, rows_bt, :, positions_bt].set(k_upd, mode="drop"),
         v=cache.v.at[:, rows_bt, :, positions_bt].set(v_upd, mode="drop"),
         pos=cache.pos + num_new_b.astype(jnp.int32),
     )
-    return rms_norm(x, w.final_norm, cfg.rms_norm_eps), new_cache
+    return h_btd, new_cache
 
 
 def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:

@@ -113,6 +113,14 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def inference_mesh(mesh: Mesh) -> Mesh:
+    """The same devices as ``mesh`` with ``fsdp`` folded into ``data``, for serving: every
+    ``tensor`` group holds whole weights (no all-gather of parameters per decoded token) and
+    the decode slots split over ``data x fsdp`` devices."""
+    data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
+    return make_mesh(data * fsdp, 1, tensor, devices=list(mesh.devices.flat))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharder:
     """A mesh plus its rules: lays out arrays and constrains activations inside jit."""

@@ -47,8 +47,11 @@ class TrainBatch:
 
 
 def padded_length(n: int, bucket: int) -> int:
-    """``n`` rounded up to a multiple of ``bucket`` (fewer distinct shapes to compile)."""
-    return max(bucket, -(-n // bucket) * bucket)
+    """The smallest ``bucket * 2**k`` holding ``n`` tokens: a run whose sequences reach
+    ``max_len`` meets at most ``log2(max_len / bucket) + 1`` lengths, so its training step
+    compiles that many times at most (each compile costs far more than the <= 2x padding)."""
+    blocks = max(1, -(-n // bucket))
+    return bucket * (1 << (blocks - 1).bit_length())
 
 
 def make_batch(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine.sampling import sampling_logprobs, token_logprobs
@@ -429,16 +429,9 @@ class Learner:
                 self.critic_tx, self._place_critic(cast_floats(critic, jnp.float32))
             )
         )
-        self._batch_sharding = (
-            None
-            if sharder is None
-            else NamedSharding(sharder.mesh, PartitionSpec(None, sharder.rules.batch, None))
-        )
-        self._row_sharding = (
-            None
-            if sharder is None
-            else NamedSharding(sharder.mesh, PartitionSpec(None, sharder.rules.batch))
-        )
+        # micro-batches [M, b, T] and per-row outcomes [M, b]: the rows split over `batch`
+        self._batch_sharding = None if sharder is None else sharder.sharding((None, "batch", None))
+        self._row_sharding = None if sharder is None else sharder.sharding((None, "batch"))
         # lax.map: one micro-batch's logits live at a time
         self._logprobs = jax.jit(
             lambda p, batch: jax.lax.map(lambda mb: token_stats(self.spec, p, mb)[0], batch)
@@ -475,7 +468,7 @@ class Learner:
         state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
         if self.sharder is None:
             return state
-        replicated = NamedSharding(self.sharder.mesh, PartitionSpec())
+        replicated = self.sharder.sharding(())
         return jax.tree.map(
             lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
             state,

@@ -23,7 +23,7 @@ from jax_agent_rl.rollout.protocol import RolloutBackend
 
 if TYPE_CHECKING:  # config.py asks this module for the registered names
     from jax_agent_rl.config import RolloutSection
-    from jax_agent_rl.models import ModelConfig, Weights
+    from jax_agent_rl.models import ModelConfig, Sharder, Weights
 
 ENTRY_POINT_GROUP = "jax_agent_rl.backends"
 
@@ -32,7 +32,9 @@ ENTRY_POINT_GROUP = "jax_agent_rl.backends"
 class BackendBuild:
     """What every backend is built from: ``params`` (already in ``dtype``) served as weight
     ``version``; ``checkpoint`` is the HF folder they came from, for engines that load their
-    own copy first (vLLM) and then receive ``params``."""
+    own copy first (vLLM) and then receive ``params``. ``sharder`` lays out an in-process
+    engine on the run's inference mesh (`models.inference_mesh`); backends that own their
+    devices (vLLM's processes) ignore it."""
 
     rollout: RolloutSection
     model: ModelConfig
@@ -41,6 +43,7 @@ class BackendBuild:
     dtype: str
     version: int = 0
     seed: int = 0
+    sharder: Sharder | None = None
 
 
 def _no_problems(rollout: RolloutSection) -> list[str]:
@@ -66,6 +69,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         dataclasses.replace(spec.model, dtype=spec.dtype),  # type: ignore[arg-type]
         max_concurrent_decodes=spec.rollout.max_concurrent,
         max_len=spec.rollout.max_model_len,
+        sharder=spec.sharder,
     )
     return EmbeddedBackend(
         engine,

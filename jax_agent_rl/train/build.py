@@ -28,7 +28,7 @@ from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
-from jax_agent_rl.models import ModelConfig, Sharder, load_hf, make_mesh
+from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.protocol import RolloutBackend
@@ -219,17 +219,13 @@ def make_tools(
 
 def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
     """The agent loop's settings: ``rollout``'s sampling, or greedy decoding (evaluation)."""
-    a, r = cfg.agent, cfg.rollout
-    return AgentConfig(
-        max_turns=a.max_turns,
-        max_tokens_per_turn=a.max_tokens_per_turn,
-        max_response_tokens=a.max_response_tokens,
-        max_tool_response_tokens=a.max_tool_response_tokens,
+    r = cfg.rollout
+    return AgentConfig.of(
+        cfg.agent,
         max_model_len=r.max_model_len,
         temperature=0.0 if greedy else r.temperature,
         top_p=1.0 if greedy else r.top_p,
         top_k=-1 if greedy else r.top_k,
-        parser=a.parser,
     )
 
 
@@ -237,7 +233,7 @@ def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
 async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     """Starts ``rollout.backend`` serving the learner's current params as weight version
     ``run.start``, and the tools; closes both on the way out."""
-    cfg = run.cfg
+    cfg, learner_sharder = run.cfg, run.learner.sharder
     backend = make_backend(
         BackendBuild(
             cfg.rollout,
@@ -247,6 +243,9 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
             dtype=cfg.model.dtype,
             version=run.start,
             seed=cfg.trainer.seed,
+            sharder=None
+            if learner_sharder is None
+            else Sharder(inference_mesh(learner_sharder.mesh)),
         )
     )
     tools = make_tools(cfg.tools, run.registry, os.environ)

@@ -36,7 +36,7 @@ from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
-from jax_agent_rl.models.decoder import is_spec
+from jax_agent_rl.models.decoder import CACHE_AXES, is_spec
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
@@ -322,27 +322,33 @@ def _demonstrations(path: str, builder: TurnBuilder) -> None:
         raise _CheckError(f'sft.data={path!r} has no rows: expected JSONL of {{"messages": [...]}}')
 
 
+def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:
+    """Into how many shards `ShardingRules` splits an array with ``logical_axes`` over ``mesh``."""
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    parts = 1
+    for axes in ShardingRules().spec(logical_axes):
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            parts *= sizes[axis]
+    return parts
+
+
 def _per_device_bytes(model: ModelConfig, mesh: MeshSection, bytes_per_value: int) -> float:
     """Bytes of one copy of the parameters on the busiest device when laid out by
     `ShardingRules` over ``mesh`` (each tensor divided by the mesh axes that shard it)."""
-    rules, sizes = ShardingRules(), {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
-    total = 0.0
-    for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
-        parts = 1
-        for axes in rules.spec(spec.logical_axes):
-            for axis in (axes,) if isinstance(axes, str) else axes or ():
-                parts *= sizes[axis]
-        total += math.prod(spec.shape) * bytes_per_value / parts
-    return total
+    return sum(
+        math.prod(spec.shape) * bytes_per_value / _parts(spec.logical_axes, mesh)
+        for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec)
+    )
 
 
 def memory_plan(cfg: JarlConfig, model: ModelConfig) -> list[str]:
     """What the run keeps on each device of its mesh, one line a part, for ``--dry-run``:
     the learner's state (fp32 master weights, AdamW's two fp32 moments, the KL reference, the
     critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
-    cache, which today sit whole on the first device (the engine gets no mesh from the trainer
-    yet). Activations (set by ``learner.micro_batch_size``, ``remat`` and the sequence length)
-    and XLA's workspace come on top."""
+    cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
+    weights split over ``tensor`` only, cache slots over ``data x fsdp`` and kv heads over
+    ``tensor``). Activations (set by ``learner.micro_batch_size``, ``remat`` and the sequence
+    length) and XLA's workspace come on top."""
     m = cfg.mesh
     n = m.data * m.fsdp * m.tensor
     fp32 = _per_device_bytes(model, m, 4)
@@ -356,22 +362,20 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig) -> list[str]:
     lines += [f"  learner  {name:<34} {b / 2**30:8.2f} GiB" for name, b in parts]
     engine: list[tuple[str, float]] = []
     if cfg.rollout.backend == "embedded":
+        serving = MeshSection(data=m.data * m.fsdp, fsdp=1, tensor=m.tensor)
         width = 2 if cfg.model.dtype == "bfloat16" else 4
         kv = (
             2 * model.num_layers * cfg.rollout.max_concurrent * cfg.rollout.max_model_len
             * model.num_kv_heads * model.head_dim * width
         )  # fmt: skip
         engine = [
-            (f"weights ({cfg.model.dtype})", _per_device_bytes(model, MeshSection(), width)),
+            (f"weights ({cfg.model.dtype})", _per_device_bytes(model, serving, width)),
             (
                 f"KV cache ({cfg.rollout.max_concurrent} slots x {cfg.rollout.max_model_len})",
-                float(kv),
+                kv / _parts(CACHE_AXES, serving),
             ),
         ]
         lines += [f"  engine   {name:<34} {b / 2**30:8.2f} GiB" for name, b in engine]
     busiest = learner + sum(b for _, b in engine)
-    lines.append(
-        f"  total on the first device (the engine's too): {busiest / 2**30:.2f} GiB, "
-        "before activations"
-    )
+    lines.append(f"  total per device: {busiest / 2**30:.2f} GiB, before activations")
     return lines

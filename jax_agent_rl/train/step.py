@@ -162,12 +162,12 @@ async def run_episodes(
 def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
     """The trajectories' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
     rewards = np.array([t.reward for t in trajs], np.float32)
-    a = cfg.algorithm
-    if a.overlong_buffer:
+    d = cfg.data
+    if d.overlong_buffer:
         lengths = np.array([len(t.response_ids) for t in trajs])
         rewards = rewards + np.asarray(
             core.overlong_penalty(
-                lengths, cfg.agent.max_response_tokens, a.overlong_buffer, a.overlong_penalty
+                lengths, cfg.agent.max_response_tokens, d.overlong_buffer, d.overlong_penalty
             )
         )
     return rewards
@@ -185,17 +185,17 @@ def groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
 
 async def collect(run: Run, ctx: AgentContext, step: int) -> tuple[list[Trajectory], dict]:
     """Groups for one step; with dynamic sampling, only groups with a reward signal, drawing
-    more prompts (at most ``algorithm.max_refills`` times) until there are enough."""
+    more prompts (at most ``rollout.max_refills`` times) until there are enough."""
     cfg = run.cfg
     want, n = cfg.data.prompts_per_step, cfg.rollout.n
     kept: list[list[Trajectory]] = []
     seen: list[Trajectory] = []
-    for attempt in range(cfg.algorithm.max_refills + 1 if cfg.algorithm.dynamic_sampling else 1):
+    for attempt in range(cfg.rollout.max_refills + 1 if cfg.rollout.dynamic_sampling else 1):
         samples = run.sampler.next_batch(want - len(kept))
         trajs = await run_episodes(run, samples, n, ctx, f"s{step}a{attempt}")
         seen += trajs
         groups = [trajs[i : i + n] for i in range(0, len(trajs), n)]
-        if cfg.algorithm.dynamic_sampling:
+        if cfg.rollout.dynamic_sampling:
             groups = [groups[i] for i in groups_with_signal(groups)]
         kept += groups
         if len(kept) >= want:
@@ -237,7 +237,10 @@ async def rl_step(
     trajs, m = await collect(run, rollout.ctx, step)
     t_rollout = time.perf_counter() - t0
     trainable = [t for t in trajs if t.trainable]
-    rows = batch_rows(len(trainable), cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
+    # as many rows every step (padding rows have mask 0), so the step does not compile again
+    # when a step has fewer trainable trajectories
+    planned = max(len(trainable), cfg.data.prompts_per_step * cfg.rollout.n)
+    rows = batch_rows(planned, cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
     batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows)
     rewards = shaped_rewards(trainable, cfg)
     group_ids = [t.group_id for t in trainable]

@@ -7,9 +7,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import Sharder, load_hf, make_mesh
+from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
@@ -115,21 +116,56 @@ def test_cancelling_the_caller_aborts_and_frees_the_slot(checkpoint: Path) -> No
 
 
 def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
-    """Slots over (data, fsdp) and kv heads over tensor: same greedy tokens, logprobs to 1e-5."""
-    sharder = Sharder(make_mesh(data=2, fsdp=2, tensor=2))
+    """The run's inference mesh (a data=2 x fsdp=2 x tensor=2 learner mesh with fsdp folded into
+    data): the KV cache really splits, slots over 4 devices and kv heads over 2, prefill rows
+    keep kv heads over tensor, and the engine gives the same greedy tokens as on one device
+    (logprobs to 1e-5: fp32, only the reduction order differs). Weights pushed in the learner's
+    fsdp layout are resharded onto the engine's."""
+    learner_sharder = Sharder(make_mesh(data=2, fsdp=2, tensor=2))
+    sharder = Sharder(inference_mesh(learner_sharder.mesh))
+    assert dict(sharder.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     sharded, local = _backend(checkpoint, sharder=sharder), _backend(checkpoint)
-    assert len(sharded._state.cache.k.sharding.device_set) == 8
+    cfg = sharded.engine.cfg
+    k = sharded._state.cache.k  # [L, N, G, S, K]
+    assert k.sharding.spec == PartitionSpec(None, ("data", "fsdp"), "tensor", None, None)
+    L, N, G, S, K = k.shape
+    assert {s.data.shape for s in k.addressable_shards} == {(L, N // 4, G // 2, S, K)}
+    assert len({s.device for s in k.addressable_shards}) == 8
+    row = sharded.engine.empty_prefix_cache().k
+    assert {s.data.shape for s in row.addressable_shards} == {(L, 1, G // 2, S, K)}
+    q = sharded._params.layers.q  # [L, D, H, K]: whole D (no fsdp), heads over tensor
+    assert {s.data.shape for s in q.addressable_shards} == {
+        (L, cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
+    }
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     requests = [GenerateRequest(f"g{i}", tuple(range(1 + i, 9 + 2 * i)), greedy) for i in range(6)]
 
     async def run_all(backend: EmbeddedBackend) -> list:
         return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
 
-    for a, b in zip(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)), strict=True):
-        assert a.token_ids == b.token_ids
-        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+    def same(a_results: list, b_results: list) -> None:
+        for a, b in zip(a_results, b_results, strict=True):
+            assert a.token_ids == b.token_ids
+            assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+
+    same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
+    _, w = load_hf(checkpoint)
+    scaled = jax.tree.map(lambda x: x * 1.5, w)
+    on_learner = jax.device_put(scaled, param_shardings(cfg, learner_sharder))
+    asyncio.run(sharded.update_weights(on_learner, version=1))
+    asyncio.run(local.update_weights(scaled, version=1))
+    same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
+    assert sharded._state.cache.k.sharding.is_equivalent_to(k.sharding, k.ndim)  # kept layout
+    assert sharded.engine.compile_counts == local.engine.compile_counts  # no layout recompiles
     asyncio.run(sharded.close())
     asyncio.run(local.close())
+
+
+def test_sharded_engine_needs_slots_that_split_over_data(checkpoint: Path) -> None:
+    cfg, _ = load_hf(checkpoint)
+    sharder = Sharder(inference_mesh(make_mesh(data=2, fsdp=2, tensor=2)))
+    with pytest.raises(ValueError, match="'batch' of size 6 does not divide over mesh axes"):
+        Engine(cfg, max_concurrent_decodes=6, max_len=64, sharder=sharder)
 
 
 def test_bad_engine_settings_are_refused(checkpoint: Path) -> None:

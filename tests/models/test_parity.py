@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from jax_agent_rl.models import forward, forward_cached, init_cache, lm_logits, load_hf
+from jax_agent_rl.models import forward, init_cache, lm_logits, load_hf
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 TOL = 1e-4
@@ -87,7 +87,10 @@ def test_prefill_and_decode_reproduce_full_sequence(
             w, forward(w, cfg, tokens, np.broadcast_to(np.arange(T), (2, T)), np.ones((2, T)))
         )
     )
-    step = jax.jit(forward_cached, static_argnames="cfg")
+    step = jax.jit(
+        lambda w, cfg, tokens, n, cache: forward(w, cfg, tokens, cache=cache, num_new_b=n),
+        static_argnames="cfg",
+    )
     cache = init_cache(cfg, batch=2, max_len=32)
     got = np.zeros_like(full)
     # chunk plan per row: (start, n) pairs; row 1 prefills fewer tokens than row 0 at first

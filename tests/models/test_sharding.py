@@ -13,7 +13,6 @@ from jax_agent_rl.models import (
     Sharder,
     ShardingRules,
     forward,
-    forward_cached,
     init_cache,
     init_params,
     lm_logits,
@@ -68,7 +67,12 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     assert cache.k.sharding.spec == jax.sharding.PartitionSpec(
         None, ("data", "fsdp"), "tensor", None, None
     )
-    step = jax.jit(forward_cached, static_argnames=("cfg", "sharder"))
+    step = jax.jit(
+        lambda w, cfg, tokens, n, cache, sharder: forward(
+            w, cfg, tokens, sharder=sharder, cache=cache, num_new_b=n
+        ),
+        static_argnames=("cfg", "sharder"),
+    )
     h, cache = step(w, CFG, tokens, jnp.full((B,), T), cache, sharder)
     h_local, _ = step(w_local, CFG, tokens, jnp.full((B,), T), init_cache(CFG, B, 16), None)
     assert np.abs(np.asarray(h) - np.asarray(h_local)).max() <= 1e-5

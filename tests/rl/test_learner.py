@@ -15,7 +15,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import TrainBatch, make_batch
+from jax_agent_rl.rl.batch import TrainBatch, make_batch, padded_length
 from jax_agent_rl.rl.learner import (
     Learner,
     SamplingSpec,
@@ -55,6 +55,13 @@ def random_batch(B: int = 8, T: int = 24, seed: int = 0) -> TrainBatch:
     batch.old_values = rng.normal(size=shape).astype(np.float32)
     batch.returns = rng.normal(size=shape).astype(np.float32)
     return batch
+
+
+def test_batch_lengths_are_power_of_two_multiples_of_the_bucket() -> None:
+    """Bounded compiles: sequences up to 1024 tokens pad to 5 lengths, never more than 2x."""
+    ns = (1, 64, 65, 128, 129, 300, 513, 1024)
+    assert [padded_length(n, 64) for n in ns] == [64, 64, 128, 128, 256, 512, 1024, 1024]
+    assert len({padded_length(n, 64) for n in range(1, 1025)}) == 5
 
 
 def assert_close_normwise(actual: object, desired: object, tol: float = 1e-5) -> None:

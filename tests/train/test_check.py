@@ -20,7 +20,16 @@ import pytest
 from jax_agent_rl.agent.parsers import PARSERS
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import MeshSection, load_config, package_file
-from jax_agent_rl.models import ModelConfig, init_params, save_hf
+from jax_agent_rl.models import (
+    ModelConfig,
+    Sharder,
+    cache_shardings,
+    inference_mesh,
+    init_params,
+    make_mesh,
+    save_hf,
+)
+from jax_agent_rl.models.decoder import is_spec, param_specs
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.rewards import REWARDS
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
@@ -280,14 +289,16 @@ QWEN25_1_5B = {
 }  # fmt: skip
 
 
-def _sharded_bytes(model: ModelConfig, mesh: MeshSection, width: int) -> float:
+def _sharders(mesh: MeshSection) -> tuple[Sharder, Sharder]:
+    """The learner's mesh over fake CPU devices, and the engine's inference mesh on them."""
+    n = mesh.data * mesh.fsdp * mesh.tensor
+    learner = Sharder(make_mesh(mesh.data, mesh.fsdp, mesh.tensor, jax.devices()[:n]))
+    return learner, Sharder(inference_mesh(learner.mesh))
+
+
+def _sharded_bytes(model: ModelConfig, sharder: Sharder, width: int) -> float:
     """The largest per-device share of the parameters, from JAX's own shard shapes on a mesh of
     fake CPU devices (an independent path to what memory_plan computes by hand)."""
-    from jax_agent_rl.models import Sharder, make_mesh
-    from jax_agent_rl.models.decoder import is_spec, param_specs
-
-    n = mesh.data * mesh.fsdp * mesh.tensor
-    sharder = Sharder(make_mesh(mesh.data, mesh.fsdp, mesh.tensor, jax.devices()[:n]))
     total = 0
     for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
         shard = sharder.sharding(spec.logical_axes, spec.shape).shard_shape(spec.shape)
@@ -299,14 +310,20 @@ def _sharded_bytes(model: ModelConfig, mesh: MeshSection, width: int) -> float:
 def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     """For the GSM8K config on Qwen2.5-1.5B: fp32 weights, two AdamW moments and the KL
     reference as JAX lays them out on the mesh; the engine's bf16 weights and its KV cache
-    (2 x 28 layers x 128 slots x 4096 positions x 2 kv heads x 128 x 2 bytes = 14 GiB) whole."""
+    (2 x 28 layers x 128 slots x 4096 positions x 2 kv heads x 128 x 2 bytes = 14 GiB in all)
+    as JAX lays them out on the inference mesh."""
     cfg = load_config(
         ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml", ["model.path=m", "data.train=t"]
     )
     cfg = dataclasses.replace(cfg, mesh=mesh)
     model = ModelConfig.from_hf(QWEN25_1_5B)
     gib = 2**30
-    fp32 = _sharded_bytes(model, mesh, 4) / gib
+    learner, serving = _sharders(mesh)
+    fp32 = _sharded_bytes(model, learner, 4) / gib
+    cache = cache_shardings(dataclasses.replace(model, dtype="bfloat16"), serving, 128, 4096)
+    shape = (28, 128, 2, 4096, 128)  # [L, slots, G, S, K]
+    assert 2 * math.prod(shape) * 2 / gib == 14.0  # keys and values, 2 bytes each
+    kv = 2 * math.prod(cache.k.shard_shape(shape)) * 2 / gib
     lines = memory_plan(cfg, model)
     n = mesh.data * mesh.fsdp * mesh.tensor
     assert lines[0] == (
@@ -319,19 +336,20 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
             "learner policy weights (fp32 master)": fp32,
             "learner AdamW moments (2 x fp32)": 2 * fp32,
             "learner KL reference (fp32)": fp32,
-            "engine weights (bfloat16)": model.num_params * 2 / gib,
-            "engine KV cache (128 slots x 4096)": 14.0,
+            "engine weights (bfloat16)": _sharded_bytes(model, serving, 2) / gib,
+            "engine KV cache (128 slots x 4096)": kv,
         },
         abs=0.006,  # the plan prints two decimals
     )
     assert model.num_params * 4 / gib == pytest.approx(5.75, abs=0.01)  # 1.54B parameters
     total = float(lines[-1].split("GiB")[0].split()[-1])
-    assert total == pytest.approx(4 * fp32 + model.num_params * 2 / gib + 14.0, abs=0.01)
+    engine = _sharded_bytes(model, serving, 2) / gib + kv
+    assert total == pytest.approx(4 * fp32 + engine, abs=0.01)
 
 
 def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", str(files.config), "--dry-run"]) == 0
     err = capsys.readouterr().err
     assert "# memory per device, mesh data=1 x fsdp=1 x tensor=1 (1):" in err
-    assert "# total on the first device (the engine's too)" not in err  # indented under it
-    assert "#   total on the first device (the engine's too): " in err
+    assert "# total per device" not in err  # indented under it
+    assert "#   total per device: " in err

@@ -107,8 +107,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_signal(
     format reward some groups are mixed and some are not."""
     n, want = 4, 4
     args = _command(task, tmp_path / "run")[5:]  # the overrides
-    args += ["trainer.steps=2", "trainer.save_every=2", "algorithm.dynamic_sampling=true"]
-    args += ["algorithm.max_refills=3", f"rollout.n={n}", f"data.prompts_per_step={want}"]
+    args += ["trainer.steps=2", "trainer.save_every=2", "rollout.dynamic_sampling=true"]
+    args += ["rollout.max_refills=3", f"rollout.n={n}", f"data.prompts_per_step={want}"]
     train(load_config(DEMO_CONFIG, args))
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in steps] == [1, 2]
