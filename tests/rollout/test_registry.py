@@ -39,6 +39,18 @@ def test_no_module_imports_upward() -> None:
     assert upward == []
 
 
+def test_training_classes_stay_small() -> None:
+    """The run is assembled by functions (build / step / loop / hooks), not grown in a class."""
+    big = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > 200:
+                big.append(f"{path.name}: {node.name} has {lines} lines")
+    assert big == []
+
+
 def test_vllm_is_found_through_its_entry_point_and_loaded_only_when_asked() -> None:
     code = (
         "import sys\n"
