@@ -156,6 +156,7 @@ class Engine:
         )
         if sharder is not None:
             init_cache(cfg, max_concurrent_decodes, max_len, sharder, abstract=True)  # checks fit
+        self._empty_row: KVCache | None = None
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -226,7 +227,11 @@ class Engine:
         )
 
     def empty_prefix_cache(self) -> KVCache:
-        return init_cache(self.cfg, 1, self.max_len, self._row_sharder)
+        """The empty cache row a new prompt prefills into (allocated once: prefill never
+        writes its input row in place)."""
+        if self._empty_row is None:
+            self._empty_row = init_cache(self.cfg, 1, self.max_len, self._row_sharder)
+        return self._empty_row
 
     # ----------------------------------------------------------------------------- prefill
 

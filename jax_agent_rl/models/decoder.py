@@ -195,15 +195,10 @@ def init_cache(
     if abstract:
         return KVCache(k=k, v=k, pos=pos)
 
-    @partial(jax.jit, out_shardings=shardings)
-    def zeros() -> KVCache:
-        return KVCache(
-            k=jnp.zeros(shape, cfg.jnp_dtype),
-            v=jnp.zeros(shape, cfg.jnp_dtype),
-            pos=jnp.zeros((batch,), jnp.int32),
-        )
-
-    return zeros()
+    # each part created where it lives (a whole cache never passes through one device)
+    return jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), KVCache(k, k, pos)
+    )
 
 
 # ----------------------------------------------------------------------------------- blocks
