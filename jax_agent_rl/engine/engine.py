@@ -164,7 +164,10 @@ class Engine:
             self._generate_impl, static_argnames=("num_steps", "kv_len"), donate_argnames=("state",)
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
-        self._extract = jax.jit(self._extract_impl)
+        # a session's row leaves `extract` laid out exactly as an empty row, so prefilling on
+        # top of it reuses the programs warm-up compiled for empty rows
+        row = None if sharder is None else cache_shardings(cfg, self._row_sharder, 1, max_len)
+        self._extract = jax.jit(self._extract_impl, out_shardings=row)
 
     # ------------------------------------------------------------------------- params, state
 
@@ -339,12 +342,7 @@ class Engine:
     def _extract_impl(self, cache: KVCache, slot: jax.Array) -> KVCache:
         self.compile_counts["extract"] += 1
         take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
-        row = KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
-        if self._row_sharder is None:
-            return row
-        return jax.lax.with_sharding_constraint(
-            row, cache_shardings(self.cfg, self._row_sharder, 1, cache.k.shape[3])
-        )
+        return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
 
     # ---------------------------------------------------------------------------- generate
 

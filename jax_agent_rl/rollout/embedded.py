@@ -256,8 +256,9 @@ class EmbeddedBackend:
         self.stats.requests += 1
         self.stats.prefilled_tokens += len(prompt) - start
         self.stats.prefix_hit_tokens += start
-        token, logprob, finish = jax.device_get(
-            (prefix.slots.token[0], prefix.logprob[0], prefix.finish[0])
+        # whole [1] arrays to the host, indexed there (indexing on the device runs a program)
+        token, logprob, finish = (
+            x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
         )
         job.tokens.append(int(token))
         job.logprobs.append(float(logprob))

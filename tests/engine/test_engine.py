@@ -58,11 +58,20 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
 
 def test_warmup_compiles_everything_serving_needs(checkpoint: Path) -> None:
+    """After warm-up, serving compiles nothing at all: no engine function and no other XLA
+    program (JAX's own count of backend compiles, which also sees helpers outside the engine,
+    such as a cache made per request)."""
     backend = _backend(checkpoint, max_len=128)
     engine = backend.engine
     engine.warmup(backend._params, num_steps=4)
     after_warmup = dict(engine.compile_counts)
     rng = np.random.default_rng(1)
+    compiles: list[str] = []
+
+    def on_event(event: str, duration: float, **kwargs: object) -> None:
+        del duration, kwargs
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
 
     async def sessions() -> None:
         async def one(i: int) -> None:
@@ -75,8 +84,13 @@ def test_warmup_compiles_everything_serving_needs(checkpoint: Path) -> None:
 
         await asyncio.gather(*(one(i) for i in range(8)))
 
-    asyncio.run(sessions())
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        asyncio.run(sessions())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
     assert dict(engine.compile_counts) == after_warmup
+    assert compiles == []
     asyncio.run(backend.close())
 
 
