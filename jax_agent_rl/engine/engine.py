@@ -157,6 +157,11 @@ class Engine:
         if sharder is not None:
             init_cache(cfg, max_concurrent_decodes, max_len, sharder, abstract=True)  # checks fit
         self._empty_row: KVCache | None = None
+        self._row_layout = (
+            None
+            if self._row_sharder is None
+            else cache_shardings(cfg, self._row_sharder, 1, max_len)
+        )
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -166,8 +171,7 @@ class Engine:
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
         # a session's row leaves `extract` laid out exactly as an empty row, so prefilling on
         # top of it reuses the programs warm-up compiled for empty rows
-        row = None if sharder is None else cache_shardings(cfg, self._row_sharder, 1, max_len)
-        self._extract = jax.jit(self._extract_impl, out_shardings=row)
+        self._extract = jax.jit(self._extract_impl, out_shardings=self._row_layout)
 
     # ------------------------------------------------------------------------- params, state
 
@@ -235,6 +239,14 @@ class Engine:
         if self._empty_row is None:
             self._empty_row = init_cache(self.cfg, 1, self.max_len, self._row_sharder)
         return self._empty_row
+
+    def keep_prefix(self, row: KVCache, n: int) -> KVCache:
+        """``row`` (one cached sequence) with only its first ``n`` positions live, laid out as
+        rows are, so that prefilling on it reuses the compiled programs."""
+        pos = jnp.array([n], jnp.int32)
+        if self._row_layout is not None:
+            pos = jax.device_put(pos, self._row_layout.pos)
+        return KVCache(k=row.k, v=row.v, pos=pos)
 
     # ----------------------------------------------------------------------------- prefill
 
@@ -399,7 +411,7 @@ class Engine:
                     break
                 start = kv - bucket  # this bucket prefilled after `start` cached tokens
                 n = min(bucket, self.max_len - 1 - start)  # still lands in this bucket
-                row = KVCache(k=empty.k, v=empty.v, pos=jnp.array([start], jnp.int32))
+                row = self.keep_prefix(empty, start)
                 prefix = self.prefill(params, row, [0] * n, greedy, seed=0)
             state = self.insert(prefix, state, 0)
             state, out = self.generate(params, state, num_steps, max_pos=max(kv - num_steps, 0))

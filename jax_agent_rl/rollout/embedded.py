@@ -25,7 +25,6 @@ import threading
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine, Prefix
 from jax_agent_rl.models import KVCache, Weights
@@ -310,7 +309,7 @@ class EmbeddedBackend:
             common += 1
         if common == 0:
             return None, 0
-        return KVCache(k=row.k, v=row.v, pos=jnp.array([common], jnp.int32)), common
+        return self.engine.keep_prefix(row, common), common
 
     def _remember(self, job: _Job, row: KVCache) -> None:
         session = job.request.session_id

@@ -57,11 +57,13 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
     asyncio.run(backend.close())
 
 
-def test_warmup_compiles_everything_serving_needs(checkpoint: Path) -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "inference_mesh"])
+def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: bool) -> None:
     """After warm-up, serving compiles nothing at all: no engine function and no other XLA
     program (JAX's own count of backend compiles, which also sees helpers outside the engine,
-    such as a cache made per request)."""
-    backend = _backend(checkpoint, max_len=128)
+    such as a cache made per request), on one device and on an 8-device inference mesh."""
+    sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else None
+    backend = _backend(checkpoint, max_len=128, sharder=sharder)
     engine = backend.engine
     engine.warmup(backend._params, num_steps=4)
     after_warmup = dict(engine.compile_counts)
