@@ -115,6 +115,11 @@ def _finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) -
     return jnp.where(stopped, STOPPED, jnp.where(length, LENGTH, RUNNING)).astype(jnp.int32)
 
 
+def _slot_axes(x: jax.Array) -> tuple[str | None, ...]:
+    """A per-slot array's logical axes: the leading slot axis is the batch."""
+    return ("batch",) + (None,) * (x.ndim - 1)
+
+
 def _sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Array]:
     logprobs = sampling_logprobs(logits_bv, slots.temperature, slots.top_k, slots.top_p)
     keys = jax.random.wrap_key_data(slots.key)
@@ -154,14 +159,14 @@ class Engine:
             if sharder is None
             else dataclasses.replace(sharder, rules=dataclasses.replace(sharder.rules, batch=None))
         )
-        if sharder is not None:
-            init_cache(cfg, max_concurrent_decodes, max_len, sharder, abstract=True)  # checks fit
+        # the decode state's cache and a prompt row, as laid out (building the first checks
+        # that the slots and the kv heads split over their mesh axes)
+        self._state_layout: KVCache | None = None
+        self._row_layout: KVCache | None = None
+        if sharder is not None and self._row_sharder is not None:
+            self._state_layout = cache_shardings(cfg, sharder, max_concurrent_decodes, max_len)
+            self._row_layout = cache_shardings(cfg, self._row_sharder, 1, max_len)
         self._empty_row: KVCache | None = None
-        self._row_layout = (
-            None
-            if self._row_sharder is None
-            else cache_shardings(cfg, self._row_sharder, 1, max_len)
-        )
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
@@ -197,12 +202,8 @@ class Engine:
         if self.sharder is None:
             return state
         sharder = self.sharder
-        slots = jax.tree.map(
-            lambda x: sharder.constrain(x, ("batch",) + (None,) * (x.ndim - 1)), state.slots
-        )
-        cache = jax.lax.with_sharding_constraint(
-            state.cache, cache_shardings(self.cfg, sharder, *state.cache.k.shape[1:4:2])
-        )
+        slots = jax.tree.map(lambda x: sharder.constrain(x, _slot_axes(x)), state.slots)
+        cache = jax.lax.with_sharding_constraint(state.cache, self._state_layout)
         return DecodeState(cache=cache, slots=slots)
 
     def _empty_slots(self, n: int) -> Slots:
@@ -221,10 +222,7 @@ class Engine:
             return slots
         sharder = self.sharder
         return jax.tree.map(
-            lambda x: jax.device_put(
-                x, sharder.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape)
-            ),
-            slots,
+            lambda x: jax.device_put(x, sharder.sharding(_slot_axes(x), x.shape)), slots
         )
 
     def init_decode_state(self) -> DecodeState:

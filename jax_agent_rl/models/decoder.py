@@ -76,7 +76,7 @@ class KVCache:
     stale and never attended (the mask is key position <= query position).
     """
 
-    k: Any  # arrays; or their shardings / ShapeDtypeStructs (`cache_shardings`, `init_cache`)
+    k: Any  # arrays; or their shardings (`cache_shardings`)
     v: Any
     pos: Any
 
@@ -179,25 +179,19 @@ def cache_shardings(cfg: ModelConfig, sharder: Sharder, batch: int, max_len: int
 
 
 def init_cache(
-    cfg: ModelConfig,
-    batch: int,
-    max_len: int,
-    sharder: Sharder | None = None,
-    *,
-    abstract: bool = False,
+    cfg: ModelConfig, batch: int, max_len: int, sharder: Sharder | None = None
 ) -> KVCache:
     """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype, laid out
-    by ``sharder``; ``abstract`` returns its ShapeDtypeStructs (nothing allocated)."""
+    by ``sharder``: each part is created where it lives (a whole cache never passes through
+    one device)."""
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    shardings = None if sharder is None else cache_shardings(cfg, sharder, batch, max_len)
-    k = jax.ShapeDtypeStruct(shape, cfg.jnp_dtype, sharding=shardings and shardings.k)
-    pos = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shardings and shardings.pos)
-    if abstract:
-        return KVCache(k=k, v=k, pos=pos)
-
-    # each part created where it lives (a whole cache never passes through one device)
-    return jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), KVCache(k, k, pos)
+    at = KVCache(k=None, v=None, pos=None)
+    if sharder is not None:
+        at = cache_shardings(cfg, sharder, batch, max_len)
+    return KVCache(
+        k=jnp.zeros(shape, cfg.jnp_dtype, device=at.k),
+        v=jnp.zeros(shape, cfg.jnp_dtype, device=at.v),
+        pos=jnp.zeros((batch,), jnp.int32, device=at.pos),
     )
 
 
