@@ -85,8 +85,9 @@ async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
     warnings only."""
     del rollout
     m, console = end.metrics, run.console
-    if not console.is_terminal or equal_rewards_warning(m):
-        line = step_line(end.step, run.cfg.trainer.steps, m)
+    grpo = run.cfg.algorithm.adv_estimator == "grpo"
+    if not console.is_terminal or (grpo and equal_rewards_warning(m)):
+        line = step_line(end.step, run.cfg.trainer.steps, m, grpo)
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 

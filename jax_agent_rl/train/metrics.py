@@ -66,8 +66,10 @@ def equal_rewards_warning(m: Mapping[str, float]) -> str | None:
     return f"WARNING: rewards equal within all {groups} groups, zero GRPO advantage"
 
 
-def step_line(step: int, steps: int, m: Mapping[str, float]) -> str:
-    """One plain line for a finished RL step: reward, success, rollout tokens/s, step time."""
+def step_line(step: int, steps: int, m: Mapping[str, float], grpo: bool = True) -> str:
+    """One plain line for a finished RL step: reward, success, rollout tokens/s, step time,
+    and with ``grpo`` advantages the equal-rewards warning (a critic's advantages, GAE, are
+    not zeroed by equal rewards)."""
     parts = [
         f"step {step}/{steps}",
         f"reward {m['reward']:.3f}",
@@ -77,7 +79,7 @@ def step_line(step: int, steps: int, m: Mapping[str, float]) -> str:
     ]
     if "val/success" in m:
         parts.append(f"held-out {m['val/success']:.3f}")
-    warning = equal_rewards_warning(m)
+    warning = equal_rewards_warning(m) if grpo else None
     if warning is not None:
         parts.append(warning)
     return "  ".join(parts)

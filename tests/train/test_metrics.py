@@ -49,6 +49,7 @@ def test_the_line_warns_when_every_group_has_equal_rewards() -> None:
     warning = "WARNING: rewards equal within all 4 groups, zero GRPO advantage"
     assert equal_rewards_warning(flat) == warning
     assert step_line(2, 24, flat).endswith("12.3 s/step  " + warning)
+    assert step_line(2, 24, flat, grpo=False).endswith("12.3 s/step")  # GAE: a critic's advantages
 
 
 def test_throughput_plot_leaves_out_steps_that_compile(tmp_path: Path) -> None:
