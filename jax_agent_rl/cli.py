@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -31,19 +34,34 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Loads the config, then everything a run reads (`check_run`); a run starts only when
-    nothing is wrong, and ``--dry-run`` stops there."""
+    """Loads the config, joins the other processes of a multi-process run, then loads
+    everything a run reads (`check_run`); a run starts only when nothing is wrong, and
+    ``--dry-run`` stops there (joining no one)."""
     from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
+    from jax_agent_rl.distributed import ProcessGroup
 
+    group = ProcessGroup(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        args.distributed,
+        args.heartbeat_timeout,
+    )
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides))
     except ConfigError as e:
         return _refuse(str(e).splitlines())
+    if group.problems():
+        return _refuse(group.problems())
+    from jax_agent_rl import distributed
     from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train.check import check_run
 
-    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)  # as the run will
-    problems = check_run(cfg)
+    devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    request_cpu_devices(devices // group.num_processes)  # CPU processes: as the run will
+    if not args.dry_run:
+        distributed.initialize(group)
+    problems = check_run(cfg, group.num_processes)
     if problems:
         return _refuse(problems)
     if args.dry_run:
@@ -57,9 +75,51 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from jax_agent_rl.train import train
 
-    run_dir = train(cfg, Console())
-    print(f"run folder: {run_dir}")
+    if not group.multi:
+        run_dir = train(cfg, Console())
+    else:
+        try:
+            run_dir = train(cfg)
+        except BaseException as e:  # every process must stop, and say why
+            _stop_process(e)
+    if distributed.is_primary():
+        print(f"run folder: {run_dir}")
     return 0
+
+
+def _stop_process(error: BaseException) -> NoReturn:
+    """Ends this process of a multi-process run that failed, saying which process is to
+    blame: a process whose heartbeat stopped (its host died), process 0 when the coordinator
+    is unreachable, else this one (its traceback). Exits without waiting for the others, which
+    may be gone: closing checkpoints or leaving `jax.distributed` would wait on them."""
+    import jax
+
+    from jax_agent_rl.distributed import Liveness
+
+    me, processes = jax.process_index(), jax.process_count()
+    who = f"process {me} of {processes}"
+    resume = "rerun the same command on every host to resume from the last complete checkpoint"
+    if isinstance(error, KeyboardInterrupt):
+        print(f"jarl: {who}: interrupted; {resume}", file=sys.stderr, flush=True)
+        os._exit(130)
+    first = (str(error).splitlines() or [""])[0][:300]
+    print(
+        f"jarl: {who}: {type(error).__name__}: {first}\n"
+        f"jarl: {who}: checking which processes are alive ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    silent = Liveness.silent_processes()
+    if silent is None:
+        verdict = "process 0 (the coordinator) is gone: its host died or it was stopped"
+    elif silent:
+        names = ", ".join(str(i) for i in silent)
+        verdict = f"process {names} of {processes} stopped responding: its host died or was killed"
+    else:
+        traceback.print_exception(error, file=sys.stderr)
+        verdict = f"process {me} of {processes} failed (the traceback above)"
+    print(f"jarl: {who}: {verdict}; {resume}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -186,6 +246,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load and check the config and everything it names, then stop: nothing is "
         "trained, compiled or written",
+    )
+    g = p.add_argument_group(
+        "multi-process runs",
+        "Every host runs the same command; the processes form one mesh over all their "
+        "devices (jax.distributed). Each rolls out its share of a step's prompts on its own "
+        "devices; process 0 writes metrics, traces, plots and the export; all write the "
+        "checkpoints, so trainer.run_dir must be a folder every host sees. If a process dies, "
+        "the others stop naming it; rerun on every host to resume. See docs/tpu.md.",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join the processes JAX finds in the environment (a TPU VM slice, SLURM)",
+    )
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address, where it serves the coordination service (CUDA nodes, CPU)",
+    )
+    g.add_argument("--num-processes", type=int, default=1, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=0, help="this process's id, 0 .. N-1")
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=100,
+        metavar="SECONDS",
+        help="a process silent this long counts as dead, and the run stops",
     )
     p.set_defaults(func=_train)
 

@@ -54,16 +54,27 @@ def padded_length(n: int, bucket: int) -> int:
     return bucket * (1 << (blocks - 1).bit_length())
 
 
+def longest_sequence(trajectories: Sequence[Trajectory]) -> int:
+    return max((len(t.prompt_ids) + len(t.response_ids) for t in trajectories), default=1)
+
+
 def make_batch(
-    trajectories: Sequence[Trajectory], bucket: int, rows: int | None = None
+    trajectories: Sequence[Trajectory],
+    bucket: int,
+    rows: int | None = None,
+    longest: int | None = None,
 ) -> TrainBatch:
     """Packs trajectories into a `TrainBatch` of ``rows`` rows (default: one per trajectory;
-    extra rows are all padding with mask 0, so a batch can be filled to a divisible size)."""
+    extra rows are all padding with mask 0, so a batch can be filled to a divisible size),
+    padded for ``longest`` tokens (default: the longest trajectory's; processes whose rows
+    form one batch pass the longest of all)."""
     B = rows if rows is not None else len(trajectories)
     if len(trajectories) > B:
         raise ValueError(f"{len(trajectories)} trajectories do not fit {B} rows")
-    longest = max((len(t.prompt_ids) + len(t.response_ids) for t in trajectories), default=1)
-    T = padded_length(longest, bucket)
+    own = longest_sequence(trajectories)
+    if longest is not None and longest < own:
+        raise ValueError(f"longest={longest} is shorter than a trajectory of {own} tokens")
+    T = padded_length(longest or own, bucket)
     tokens = np.zeros((B, T), np.int32)
     segment_ids = np.zeros((B, T), np.int32)
     mask = np.zeros((B, T), np.float32)

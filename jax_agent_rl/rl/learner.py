@@ -474,16 +474,42 @@ class Learner:
             state,
         )
 
-    def device_batch(self, batch: TrainBatch) -> TrainBatch:
-        """Host [B, T] rows -> device [M, b, T] micro-batches (b sharded over data x fsdp)."""
-        B = batch.shape[0]
+    def device_batch(self, batch: TrainBatch, local: bool = False) -> TrainBatch:
+        """Host rows -> device [M, b, T] micro-batches, b split over data x fsdp (over the
+        processes too: each holds ``b / processes`` rows of every micro-batch). ``batch`` is
+        the whole batch, the same on every process (SFT), or with ``local`` this process's
+        rows, micro-batch after micro-batch (the rollouts it ran). One process: the same."""
+        processes = jax.process_count()
         b = self.micro_batch_size
-        if B % b:
-            raise ValueError(f"batch of {B} rows is not a multiple of micro_batch_size={b}")
-        split = jax.tree.map(lambda x: np.asarray(x).reshape(B // b, b, *x.shape[1:]), batch)
-        if self._batch_sharding is None:
-            return jax.device_put(split)
-        return jax.device_put(split, self._batch_sharding)
+        if b % processes:
+            raise ValueError(f"micro_batch_size={b} does not split over {processes} processes")
+        share = b // processes
+        if not local and processes > 1:
+            B = batch.shape[0]
+            if B % b:
+                raise ValueError(f"batch of {B} rows is not a multiple of micro_batch_size={b}")
+            index = np.arange(B).reshape(B // b, processes, share)[:, jax.process_index()]
+            batch = batch.rows(index.reshape(-1))
+        B = batch.shape[0]
+        if B % share:
+            raise ValueError(f"{B} rows are not whole micro-batches of {share} rows per process")
+        split = jax.tree.map(
+            lambda x: np.asarray(x).reshape(B // share, share, *x.shape[1:]), batch
+        )
+        return self._upload(split, self._batch_sharding)
+
+    @staticmethod
+    def _upload(tree: Any, sharding: NamedSharding | None) -> Any:
+        """This process's rows (axis 1) of every leaf onto the devices as global arrays."""
+        if sharding is None:
+            return jax.device_put(tree)
+        processes = jax.process_count()
+
+        def place(x: np.ndarray) -> jax.Array:
+            shape = (x.shape[0], x.shape[1] * processes, *x.shape[2:])
+            return jax.make_array_from_process_local_data(sharding, x, shape)
+
+        return jax.tree.map(place, tree)
 
     # --- public steps
 
@@ -514,21 +540,22 @@ class Learner:
         groups: np.ndarray,
         reference: Weights | None = None,
     ) -> dict[str, float]:
-        """One RL update (`rl_update`) of host rows ``batch`` [B, T] with the rows' rewards and
-        group indices [B]: the batch crosses to the devices once, is prepared and trained on
-        there, and only the metrics come back."""
-        device = self.device_batch(batch)
-        M, b = device.tokens.shape[:2]
+        """One RL update (`rl_update`) of this process's host rows ``batch`` [B, T] (see
+        `device_batch`) with the rows' rewards and group indices [B] (groups numbered across
+        processes): the batch crosses to the devices once, is prepared and trained on there,
+        and only the metrics come back."""
+        device = self.device_batch(batch, local=True)
+        M = device.tokens.shape[0]
         outcomes = Outcomes(
-            np.asarray(rewards, np.float32).reshape(M, b),
-            np.asarray(groups, np.int32).reshape(M, b),
+            np.asarray(rewards, np.float32).reshape(M, -1),
+            np.asarray(groups, np.int32).reshape(M, -1),
         )
-        outcomes = jax.device_put(outcomes, self._row_sharding)
+        outcomes = self._upload(outcomes, self._row_sharding)
         self.state, self.critic_state, metrics = self._rl_step(
             self.state, self.critic_state, reference, device, outcomes
         )
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not np.asarray(batch.mask).any():  # no sampled token: no gap to report
+        if not bool(jnp.any(device.mask > 0)):  # no sampled token: no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
         return out
 

@@ -21,14 +21,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from rich.console import Console
 
+from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
+from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.protocol import RolloutBackend
@@ -58,7 +61,41 @@ class Run:
     score: ScoreFn
     checkpoints: RunCheckpoints
     metrics: MetricsLog
+    serving: Serving
     start: int
+
+    def serving_params(self) -> Any:
+        """The learner's current policy for this process's rollout backend."""
+        return self.serving.params(self.learner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """Where this process's embedded engine serves: ``sharder``, the inference mesh
+    (`models.inference_mesh`) of its devices of the run's mesh. With several processes, the
+    params travel from the learner's layout to ``global_layout`` (the inference layout over
+    every process's devices) and are then taken as ``local_layout`` arrays
+    (`distributed.local_replica`)."""
+
+    sharder: Sharder
+    global_layout: Any
+    local_layout: Any
+    dtype: str
+
+    @classmethod
+    def of(cls, model: ModelConfig, mesh: Mesh, dtype: str) -> Serving:
+        local = Sharder(inference_mesh(distributed.process_mesh(mesh)))
+        return cls(
+            local,
+            param_shardings(model, Sharder(inference_mesh(mesh))),
+            param_shardings(model, local),
+            dtype,
+        )
+
+    def params(self, learner: Learner) -> Any:
+        return distributed.local_replica(
+            learner.rollout_params(self.dtype), self.global_layout, self.local_layout
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +172,19 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
     score = make_reward(cfg.data)  # user reward functions fail here, before anything is written
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if distributed.is_primary():
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     if n > jax.device_count():
-        raise ValueError(f"mesh needs {n} devices, this process sees {jax.device_count()}")
-    sharder = Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, jax.devices()[:n]))
+        raise ValueError(f"mesh needs {n} devices, the run sees {jax.device_count()}")
+    if jax.process_count() > 1 and n != jax.device_count():
+        raise ValueError(
+            f"mesh has {n} devices but the {jax.process_count()} processes have "
+            f"{jax.device_count()}: a multi-process mesh spans them all"
+        )
+    devices = distributed.ordered_devices()[:n]
+    sharder = Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices))
     model, params = load_hf(cfg.model.path, "float32", sharder)
     sampler = PromptSampler(load_samples(cfg.data.train, agents=AGENT_LOOPS), cfg.trainer.seed)
     val_samples = (
@@ -150,7 +194,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
     )
     registry = ToolRegistry.from_yaml(cfg.tools.config)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
-    metrics = MetricsLog(run_dir, cfg.trainer.tensorboard)
+    metrics = MetricsLog(run_dir, cfg.trainer.tensorboard, enabled=distributed.is_primary())
     try:
         latest = checkpoints.latest_step() if cfg.trainer.resume else None
         if latest is None and cfg.sft.data and cfg.sft.steps > 0:
@@ -183,6 +227,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             score,
             checkpoints,
             metrics,
+            Serving.of(model, sharder.mesh, cfg.model.dtype),
             start=0,
         )
         if latest is None:
@@ -233,19 +278,17 @@ def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
 async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     """Starts ``rollout.backend`` serving the learner's current params as weight version
     ``run.start``, and the tools; closes both on the way out."""
-    cfg, learner_sharder = run.cfg, run.learner.sharder
+    cfg = run.cfg
     backend = make_backend(
         BackendBuild(
             cfg.rollout,
             run.model,
-            run.learner.rollout_params(cfg.model.dtype),
+            run.serving_params(),
             checkpoint=cfg.model.path,
             dtype=cfg.model.dtype,
             version=run.start,
             seed=cfg.trainer.seed,
-            sharder=None
-            if learner_sharder is None
-            else Sharder(inference_mesh(learner_sharder.mesh)),
+            sharder=run.serving.sharder,
         )
     )
     tools = make_tools(cfg.tools, run.registry, os.environ)

@@ -66,9 +66,11 @@ class _CheckError(Exception):
     """One line for the user: the key, its value and what would be accepted."""
 
 
-def check_run(cfg: JarlConfig) -> list[str]:
-    """Every problem a run of ``cfg`` would meet before its first step; empty when none."""
-    problems: list[str] = []
+def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
+    """Every problem a run of ``cfg`` over ``processes`` processes would meet before its first
+    step; empty when none. The devices are those of every process (each assumed to have as
+    many as this one when `jax.distributed` has not joined them: ``--dry-run``)."""
+    problems: list[str] = _processes_fit(cfg, processes)
 
     def attempt(load: Callable[[], T]) -> T | None:
         try:
@@ -84,7 +86,9 @@ def check_run(cfg: JarlConfig) -> list[str]:
         problems += backend.check(cfg.rollout)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
-        problems += _model_fit(cfg, model, jax.device_count())
+        joined = jax.process_count() == processes
+        devices = jax.device_count() if joined else jax.local_device_count() * processes
+        problems += _model_fit(cfg, model, devices)
     tokenizer = None
     if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
         tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
@@ -103,6 +107,28 @@ def check_run(cfg: JarlConfig) -> list[str]:
         attempt(lambda: _prompts_fit(builder, train, cfg))
     if cfg.sft.data:
         attempt(lambda: _demonstrations(cfg.sft.data, builder))
+    return problems
+
+
+def _processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
+    """A multi-process run splits each step's prompts, and each micro-batch's rows (the
+    mesh's data x fsdp devices), evenly over the processes."""
+    if processes == 1:
+        return []
+    problems = []
+    prompts = cfg.data.prompts_per_step
+    if prompts % processes:
+        problems.append(
+            f"data.prompts_per_step={prompts} does not split over {processes} processes: "
+            f"use a multiple of {processes}"
+        )
+    dp = cfg.mesh.data * cfg.mesh.fsdp
+    if dp % processes:
+        problems.append(
+            f"mesh.data x mesh.fsdp = {dp} devices do not split over {processes} processes "
+            "(each holds whole tensor groups and a share of every micro-batch): use a multiple "
+            f"of {processes}"
+        )
     return problems
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 
+import jax
+
+from jax_agent_rl import distributed
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
@@ -42,11 +45,15 @@ class Hook:
 
 
 async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
-    """Greedy episodes on the held-out prompts (one each), logged as ``val`` at ``step``;
-    returns their metrics as ``val/*``."""
-    trajs = await run_episodes(run, run.val_samples, 1, rollout.eval_ctx, f"val{step}")
+    """Greedy episodes on the held-out prompts (one each; every process a slice), logged as
+    ``val`` at ``step``; returns their metrics as ``val/*``."""
+    processes, me = jax.process_count(), jax.process_index()
+    mine = run.val_samples[me::processes]
+    trajs = await run_episodes(run, mine, 1, rollout.eval_ctx, f"val{step}")
+    trajs = [t for share in distributed.gather_objects(trajs) for t in share]
+    samples = [s for p in range(processes) for s in run.val_samples[p::processes]]
     m = episode_metrics(trajs)
-    m.update(success_by_source(trajs, run.val_samples))
+    m.update(success_by_source(trajs, samples))
     run.metrics.write(step, "val", m)
     run.console.print(
         f"held-out @ step {step}: success {m['success']:.3f}  "
@@ -92,11 +99,13 @@ async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
 
 
 def default_hooks(run: Run) -> list[Hook]:
+    """Every process evaluates and checkpoints (both are collective); only the first writes
+    metrics, traces and console lines."""
     t = run.cfg.trainer
+    primary = distributed.is_primary()
     return [
-        Hook(1, write_metrics),
-        Hook(1, write_traces),
+        *([Hook(1, write_metrics), Hook(1, write_traces)] if primary else []),
         Hook(t.eval_every, evaluate_held_out),
         Hook(t.save_every, checkpoint),
-        Hook(1, console_line),
+        *([Hook(1, console_line)] if primary else []),
     ]

@@ -18,6 +18,7 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jax_agent_rl import distributed
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.build import Run, build_run, open_rollout
@@ -66,14 +67,24 @@ async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
 
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
-    """Runs (or resumes) the job ``cfg`` describes; returns its run folder."""
-    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
-    run = build_run(cfg, console or Console())
+    """Runs (or resumes) the job ``cfg`` describes; returns its run folder. In a multi-process
+    run (`jax_agent_rl.distributed`) every process calls it; only the first prints, plots and
+    exports."""
+    primary = distributed.is_primary()
+    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor // jax.process_count())
+    run = build_run(cfg, console or Console(quiet=not primary))
+    finished = False
     try:
         asyncio.run(rl_loop(run, default_hooks(run)))
+        finished = True
     finally:
-        run.checkpoints.close()
-        run.metrics.close()
-    plot_run(run.run_dir)
-    export_policy(run.run_dir / "hf", cfg, run.model, jax.device_get(run.learner.params))
+        # a failed multi-process run is stopped at once (`jarl train`): closing the
+        # checkpoints would wait for the other processes, which may be gone
+        if finished or jax.process_count() == 1:
+            run.checkpoints.close()
+            run.metrics.close()
+    params = distributed.host_copy(run.learner.params)  # every process takes part
+    if primary:
+        plot_run(run.run_dir)
+        export_policy(run.run_dir / "hf", cfg, run.model, params)
     return run.run_dir

@@ -19,18 +19,21 @@ INCLUDES_COMPILE = "time/includes_compile"
 
 class MetricsLog:
     """Appends ``{"step": s, "phase": p, **scalars}`` records; TensorBoard tags are
-    ``phase/name``. Appending (not truncating) keeps the history of a resumed run."""
+    ``phase/name``. Appending (not truncating) keeps the history of a resumed run. Not
+    ``enabled`` (every process of a multi-process run but the first), it writes nothing."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = self.path.open("a") if enabled else None
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, step: int, phase: str, scalars: Mapping[str, float]) -> None:
+        if self._file is None:
+            return
         clean = {k: float(v) for k, v in scalars.items() if math.isfinite(float(v))}
         self._file.write(json.dumps({"step": step, "phase": phase, **clean}) + "\n")
         self._file.flush()
@@ -40,7 +43,8 @@ class MetricsLog:
             self._tb.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

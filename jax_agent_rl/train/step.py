@@ -4,12 +4,12 @@
    loop on the backend (all episodes concurrently; the backend batches them);
 2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
-3. pack the trainable trajectories (not those cut short by a dead tool service, an abort or
-   an unexpected error) into a batch, upload it once with the rewards and groups, and let
-   the learner do the rest on the device (`Learner.train_step`): old-policy logprobs (and
-   reference / critic values if used), advantages (GRPO's group-normalised outcome or GAE),
-   then ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps; only
-   the metrics come back;
+3. `learn`: pack the trainable trajectories (not those cut short by a dead tool service, an
+   abort or an unexpected error) into a batch, upload it once with the rewards and groups,
+   and let the learner do the rest on the device (`Learner.train_step`): old-policy logprobs
+   (and reference / critic values if used), advantages (GRPO's group-normalised outcome or
+   GAE), then ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
+   only the metrics come back;
 4. push the new weights to the backend as version ``step + 1``.
 """
 
@@ -26,12 +26,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.rewards import ScoreFn
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import make_batch
+from jax_agent_rl.rl.batch import longest_sequence, make_batch
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 
@@ -183,37 +184,45 @@ def groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
     return sorted(set(gids[signal].tolist()))
 
 
-async def collect(run: Run, ctx: AgentContext, step: int) -> tuple[list[Trajectory], dict]:
-    """Groups for one step; with dynamic sampling, only groups with a reward signal, drawing
-    more prompts (at most ``rollout.max_refills`` times) until there are enough."""
+async def collect(
+    run: Run, ctx: AgentContext, step: int
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    """This process's groups for one step (its share of ``data.prompts_per_step``), and every
+    episode it sampled. With dynamic sampling, only groups with a reward signal are kept,
+    and more prompts are drawn (at most ``rollout.max_refills`` times) until there are enough.
+
+    Every process draws the same prompts from the same sampler and rolls out its own slice,
+    so the sampler's state is one for the run (whatever the process count) and a group never
+    spans processes; a refill draws as many prompts per process as the neediest one lacks."""
     cfg = run.cfg
-    want, n = cfg.data.prompts_per_step, cfg.rollout.n
+    processes, me = jax.process_count(), jax.process_index()
+    want, n = cfg.data.prompts_per_step // processes, cfg.rollout.n
     kept: list[list[Trajectory]] = []
     seen: list[Trajectory] = []
     for attempt in range(cfg.rollout.max_refills + 1 if cfg.rollout.dynamic_sampling else 1):
-        samples = run.sampler.next_batch(want - len(kept))
-        trajs = await run_episodes(run, samples, n, ctx, f"s{step}a{attempt}")
+        k = distributed.agree_max([want - len(kept)])[0] if attempt else want
+        if k == 0:
+            break
+        samples = run.sampler.next_batch(k * processes)[me * k : (me + 1) * k]
+        tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
+        trajs = await run_episodes(run, samples, n, ctx, tag)
         seen += trajs
         groups = [trajs[i : i + n] for i in range(0, len(trajs), n)]
         if cfg.rollout.dynamic_sampling:
             groups = [groups[i] for i in groups_with_signal(groups)]
-        kept += groups
-        if len(kept) >= want:
-            break
-    stats = episode_metrics(seen)
-    stats["groups_kept"] = len(kept)
-    stats["episodes_sampled"] = len(seen)  # with dynamic sampling, refills included
-    return [t for g in kept for t in g], stats
+        kept += groups[: want - len(kept)]
+    return [t for g in kept for t in g], seen
 
 
 def padded_outcomes(
-    rewards: np.ndarray, group_ids: Sequence[str], rows: int
+    rewards: np.ndarray, group_ids: Sequence[str], rows: int, first_group: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """The learner's per-row rewards and group indices for a batch of ``rows`` rows whose first
     ``len(rewards)`` rows are the trajectories: padding rows get reward 0 and a group of their
-    own (so they change no real group's statistics)."""
-    names = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
-    groups = np.full(rows, len(names), np.int32)
+    own (so they change no real group's statistics). Indices start at ``first_group`` (each
+    process numbers its groups in a range of its own)."""
+    names = {g: i + first_group for i, g in enumerate(dict.fromkeys(group_ids))}
+    groups = np.full(rows, len(names) + first_group, np.int32)
     groups[: len(group_ids)] = [names[g] for g in group_ids]
     padded = np.zeros(rows, np.float32)
     padded[: len(rewards)] = rewards
@@ -226,47 +235,83 @@ def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
     return max(unit, math.ceil(n / unit) * unit)
 
 
+def learn(
+    run: Run, kept: Sequence[Trajectory], seen: Sequence[Trajectory]
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """The learner's half of a step: this process's ``kept`` groups (whole groups of
+    ``rollout.n``) trained on with every other process's, in one update
+    (`Learner.train_step`); ``seen``, every episode this process sampled, goes into the
+    metrics. Returns the metrics and the trajectories of every process.
+
+    Each process's rows are padded to the same row count and length as every other's; the
+    metrics are those of all trajectories."""
+    cfg, learner = run.cfg, run.learner
+    processes, me = jax.process_count(), jax.process_index()
+    trainable = [t for t in kept if t.trainable]
+    rewards = shaped_rewards(trainable, cfg)
+    group_ids = [f"{me}/{t.group_id}" for t in trainable]
+    shares = distributed.gather_objects(
+        {
+            "seen": list(seen),
+            "groups": len(kept) // cfg.rollout.n,
+            "rewards": rewards,
+            "group_ids": group_ids,
+            "tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trainable),
+        }
+    )
+    trajs = [t for share in shares for t in share["seen"]]
+    m = episode_metrics(trajs)
+    m["groups_kept"] = sum(share["groups"] for share in shares)
+    m["episodes_sampled"] = len(trajs)  # with dynamic sampling, refills included
+    all_groups = [g for share in shares for g in share["group_ids"]]
+    all_rewards = np.concatenate([share["rewards"] for share in shares])
+    # as many rows every step (padding rows have mask 0), so the step does not compile again
+    # when a step has fewer trainable trajectories; every process the same rows and length
+    most, longest = distributed.agree_max([len(trainable), longest_sequence(trainable)])
+    planned = max(most * processes, cfg.data.prompts_per_step * cfg.rollout.n)
+    rows = batch_rows(planned, cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
+    rows //= processes
+    batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows, longest=longest)
+    t0 = time.perf_counter()
+    if most:  # one upload, then old / reference logprobs, advantages, updates on device
+        padded, groups = padded_outcomes(rewards, group_ids, rows, first_group=me * rows)
+        m.update(learner.train_step(batch, padded, groups, run.reference))
+    jax.block_until_ready(learner.params)
+    t_train = time.perf_counter() - t0
+    m.update(
+        {
+            "time/train_s": t_train,
+            "time/train_tokens_per_s": sum(s["tokens"] for s in shares) / max(t_train, 1e-9),
+            "batch/trajectories": len(all_groups),
+            **reward_groups(all_rewards, all_groups),
+        }
+    )
+    return m, trajs
+
+
 async def rl_step(
     run: Run, rollout: Rollout, step: int, compiles: bool
 ) -> tuple[dict[str, float], list[Trajectory]]:
-    """One RL step (see the module docstring); returns its metrics and every trajectory it
-    sampled. ``compiles``: the first step of this process, whose times include compiling the
-    engine and the learner step (kept out of the throughput plot)."""
-    cfg, learner = run.cfg, run.learner
+    """One RL step (see the module docstring): `collect`, `learn`, push the weights. Returns
+    its metrics and every trajectory it sampled, of every process. ``compiles``: the first
+    step of this process, whose times include compiling the engine and the learner step
+    (kept out of the throughput plot). The times are this process's."""
     t0 = time.perf_counter()
-    trajs, m = await collect(run, rollout.ctx, step)
+    kept, seen = await collect(run, rollout.ctx, step)
     t_rollout = time.perf_counter() - t0
-    trainable = [t for t in trajs if t.trainable]
-    # as many rows every step (padding rows have mask 0), so the step does not compile again
-    # when a step has fewer trainable trajectories
-    planned = max(len(trainable), cfg.data.prompts_per_step * cfg.rollout.n)
-    rows = batch_rows(planned, cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
-    batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows)
-    rewards = shaped_rewards(trainable, cfg)
-    group_ids = [t.group_id for t in trainable]
+    m, trajs = learn(run, kept, seen)
     t1 = time.perf_counter()
-    if trainable:  # one upload, then old / reference logprobs, advantages, updates on device
-        padded, groups = padded_outcomes(rewards, group_ids, rows)
-        m.update(learner.train_step(batch, padded, groups, run.reference))
-    jax.block_until_ready(learner.params)
-    t_train = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    await rollout.backend.update_weights(learner.rollout_params(cfg.model.dtype), step + 1)
-    t_push = time.perf_counter() - t2
+    await rollout.backend.update_weights(run.serving_params(), step + 1)
+    t_push = time.perf_counter() - t1
     model_tokens = sum(t.num_model_tokens for t in trajs)
-    train_tokens = int(np.asarray(batch.segment_ids).sum())
     m.update(
         {
             "time/rollout_s": t_rollout,
             "time/tools_cumulative_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
-            "time/train_s": t_train,
             "time/weight_push_s": t_push,
             "time/step_s": time.perf_counter() - t0,
             "time/rollout_tokens_per_s": model_tokens / max(t_rollout, 1e-9),
-            "time/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
             INCLUDES_COMPILE: float(compiles),
-            "batch/trajectories": len(trainable),
-            **reward_groups(rewards, group_ids),
         }
     )
     return m, trajs

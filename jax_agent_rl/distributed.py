@@ -1,0 +1,241 @@
+"""Multi-controller runs: every host runs the same program as one JAX process.
+
+`initialize` joins the processes (`jax.distributed`): the coordinator and process ids come from
+the TPU environment, or from ``--coordinator``, ``--num-processes``, ``--process-id`` (CUDA
+nodes, and CPU processes in tests, whose collectives then go over gloo). After it, one mesh
+spans the devices of every process, and the learner's state is sharded over it.
+
+What stays per process, and the few host-side exchanges that make it one run:
+
+- `process_mesh`: this process's part of the run's mesh; the embedded engine serves on it,
+  and `local_replica` puts the learner's new global params there after every update (a
+  collective reshard on the devices, then this process's shards reused as they are: no file,
+  no copy through the host).
+- `gather_objects` / `agree_max`: Python values of every process (trajectories for metrics and
+  traces, batch lengths, refill counts), through the devices' collectives.
+- `host_copy`: a global array as one host array on every process (the exported policy).
+- `Liveness`: each process beats in the coordinator's key-value store; when a collective
+  fails, `silent_processes` names the processes whose beats stopped (a dead host), so the run
+  stops with a message naming it instead of an anonymous socket error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+from jax_agent_rl.models.sharding import make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """How to join the run's processes. ``auto``: let JAX find the cluster (a TPU VM slice,
+    SLURM); else the coordinator's ``host:port`` and this process's id (0 hosts the
+    coordinator). ``heartbeat_timeout_s``: how long a silent process counts as alive."""
+
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    auto: bool = False
+    heartbeat_timeout_s: int = 100
+
+    @property
+    def multi(self) -> bool:
+        return self.auto or self.num_processes > 1
+
+    def problems(self) -> list[str]:
+        if self.auto:
+            if self.coordinator is not None or self.num_processes != 1:
+                return ["--distributed finds the cluster: drop --coordinator, --num-processes"]
+            return []
+        out = []
+        if self.num_processes < 1:
+            out.append(f"--num-processes={self.num_processes} must be >= 1")
+        elif not 0 <= self.process_id < self.num_processes:
+            out.append(f"--process-id={self.process_id} must be in [0, {self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator:
+            out.append("--num-processes > 1 needs --coordinator HOST:PORT (process 0's address)")
+        if self.coordinator and self.num_processes == 1:
+            out.append("--coordinator needs --num-processes > 1")
+        return out
+
+
+def initialize(group: ProcessGroup) -> None:
+    """Joins the processes (before JAX's first operation); then `start_liveness`."""
+    if not group.multi:
+        return
+    if group.auto:
+        jax.distributed.initialize(heartbeat_timeout_seconds=group.heartbeat_timeout_s)
+    else:
+        jax.distributed.initialize(
+            group.coordinator,
+            group.num_processes,
+            group.process_id,
+            heartbeat_timeout_seconds=group.heartbeat_timeout_s,
+        )
+    Liveness.start()
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes metrics, traces, plots and exports."""
+    return jax.process_index() == 0
+
+
+def ordered_devices() -> list[Any]:
+    """All devices, each process's together (process 0's first), so that every process holds
+    one contiguous block of a mesh's leading axes."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def process_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of ``mesh`` as a mesh of the same axes: a contiguous block (see
+    `ordered_devices`) with whole ``tensor`` groups, folded into ``data`` x 1 x ``tensor``."""
+    if jax.process_count() == 1:
+        return mesh
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    tensor = mesh.shape["tensor"]
+    if not mine or len(mine) % tensor:
+        raise ValueError(
+            f"process {jax.process_index()} holds {len(mine)} of the mesh's devices: the mesh "
+            f"must span every process's devices with whole tensor={tensor} groups"
+        )
+    return make_mesh(len(mine) // tensor, 1, tensor, devices=mine)
+
+
+def local_replica(tree: Any, shardings: Any, local: Any) -> Any:
+    """``tree`` (global arrays) laid out by ``shardings`` on the global inference mesh (only
+    ``tensor`` splits, so every process's devices hold all of it), then as arrays of this
+    process's mesh laid out by ``local``: the same device buffers, no host copy. One
+    process: ``tree`` as it is."""
+    if jax.process_count() == 1:  # the engine lays them out itself, on the same devices
+        return tree
+    placed = _reshard(tree, shardings)
+
+    def wrap(x: jax.Array, target: NamedSharding) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(
+            x.shape, target, [s.data for s in x.addressable_shards]
+        )
+
+    return jax.tree.map(wrap, placed, local)
+
+
+_RESHARD: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _reshard(tree: Any, shardings: Any) -> Any:
+    key = jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings))
+    if key not in _RESHARD:
+        _RESHARD[key] = jax.jit(lambda t: t, out_shardings=shardings)
+    return _RESHARD[key](tree)
+
+
+def host_copy(tree: Any) -> Any:
+    """Every leaf whole as a host numpy array, on every process (a collective when a leaf is
+    spread over several processes)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """``value`` of every process, in process order (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(pickle.dumps(value), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
+    return [pickle.loads(rows[i, : sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def agree_max(values: Sequence[int]) -> list[int]:
+    """The element-wise maximum over processes of ``values`` (a collective)."""
+    if jax.process_count() == 1:
+        return list(values)
+    got = multihost_utils.process_allgather(np.asarray(values, np.int64))
+    return [int(v) for v in np.asarray(got).reshape(-1, len(values)).max(axis=0)]
+
+
+class Liveness:
+    """Each process's beat counter in the coordinator's key-value store, bumped every
+    ``INTERVAL_S`` by a daemon thread. A process is silent when its counter does not move
+    while others' do: it died (or its host did), since the thread beats through compiles,
+    steps and collectives alike."""
+
+    INTERVAL_S = 1.0
+    _KEY = "jax_agent_rl/beat/{}"
+
+    @classmethod
+    def start(cls) -> None:
+        client = _client()
+        key = cls._KEY.format(jax.process_index())
+
+        def beat() -> None:
+            n = 0
+            while True:
+                n += 1
+                try:
+                    client.key_value_set(key, str(n), allow_overwrite=True)
+                except Exception:  # the coordinator is gone: nothing left to tell
+                    return
+                time.sleep(cls.INTERVAL_S)
+
+        threading.Thread(target=beat, name="jarl-liveness", daemon=True).start()
+
+    @classmethod
+    def silent_processes(cls, watch_s: float = 10.0) -> list[int] | None:
+        """Processes whose beat did not move in ``watch_s`` seconds; None when the coordinator
+        (process 0) cannot be reached, which means process 0 is gone."""
+        client = _client()
+        ids = range(jax.process_count())
+
+        def beats() -> list[str | None]:
+            out = []
+            for i in ids:
+                try:
+                    out.append(client.key_value_try_get(cls._KEY.format(i)))
+                except Exception as e:  # a process that never beat has no key yet
+                    if "NOT_FOUND" not in str(e):
+                        raise
+                    out.append(None)
+            return out
+
+        try:
+            before = beats()
+            time.sleep(watch_s)
+            after = beats()
+        except Exception:
+            return None
+        return [i for i in ids if i != jax.process_index() and before[i] == after[i]]
+
+
+def _client() -> Any:
+    from jax._src.distributed import global_state
+
+    if global_state.client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return global_state.client
+
+
+__all__ = [
+    "Liveness",
+    "ProcessGroup",
+    "agree_max",
+    "gather_objects",
+    "host_copy",
+    "initialize",
+    "is_primary",
+    "local_replica",
+    "ordered_devices",
+    "process_mesh",
+]
