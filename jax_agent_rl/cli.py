@@ -69,7 +69,8 @@ def _train(args: argparse.Namespace) -> int:
         from jax_agent_rl.train.check import memory_plan
 
         print(to_yaml(cfg), end="")
-        for line in memory_plan(cfg, ModelConfig.from_pretrained(cfg.model.path)):
+        model = ModelConfig.from_pretrained(cfg.model.path)
+        for line in memory_plan(cfg, model, group.num_processes):
             print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0

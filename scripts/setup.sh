@@ -6,20 +6,22 @@
 #   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build, for the vLLM backend and benchmarks
 #                                         (its own venv: vLLM cannot share a process with
 #                                         TensorFlow, and it pins its own stack)
+#   scripts/setup.sh tpu      .venv       the main environment plus jax[tpu] at the locked jax
+#                                         version (libtpu), on every worker of a TPU VM slice
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target=${1:-main}
 case "$target" in
-  main) venv=.venv; lock=requirements/lock.txt ;;
+  main|tpu) venv=.venv; lock=requirements/lock.txt ;;
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm)" >&2; exit 2 ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, tpu)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}
 
 # The python tool's sandbox needs bubblewrap (Debian package; installed once, as root).
-if [[ $target == main ]] && ! command -v bwrap >/dev/null; then
+if [[ $target != vllm ]] && ! command -v bwrap >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
     echo "setup: installing bubblewrap (the python tool's sandbox)"
     apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
@@ -28,7 +30,7 @@ if [[ $target == main ]] && ! command -v bwrap >/dev/null; then
   fi
 fi
 stamp=$venv/.setup-stamp
-want=$(cat "$lock" pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$( (echo "$target"; cat "$lock" pyproject.toml scripts/setup.sh) | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -47,10 +49,16 @@ for pkg in torchvision torchaudio torchcodec; do
     "${pip[@]}" uninstall --quiet -y "$pkg"
   fi
 done
-if [[ $target == main ]]; then
+if [[ $target != vllm ]]; then
   "${pip[@]}" install --quiet --no-deps --no-build-isolation -e .
   check='import jax, torch, transformers, jax_agent_rl'
-else
+fi
+if [[ $target == tpu ]]; then
+  jax_version=$(sed -n 's/^jax==//p' "$lock")
+  # jax[tpu] pins the libtpu release built for this jax
+  "${pip[@]}" install --quiet "jax[tpu]==$jax_version"
+  check="$check, libtpu"  # (no jax.devices(): on a slice it waits for every worker)
+elif [[ $target == vllm ]]; then
   check='import torch, vllm'
 fi
 "$venv/bin/python" -c "$check" \

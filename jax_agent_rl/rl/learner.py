@@ -373,6 +373,7 @@ def rl_update(
     gap = jnp.abs(batch.old_logp - batch.rollout_logp)
     metrics["logprob_gap/mean"] = core.masked_mean(gap, batch.mask)
     metrics["logprob_gap/max"] = jnp.max(jnp.where(batch.mask > 0, gap, 0.0))
+    metrics["batch/sampled_tokens"] = jnp.sum(batch.mask)
     return carry[0], carry[1], metrics
 
 
@@ -555,7 +556,7 @@ class Learner:
             self.state, self.critic_state, reference, device, outcomes
         )
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not bool(jnp.any(device.mask > 0)):  # no sampled token: no gap to report
+        if not out["batch/sampled_tokens"]:  # no sampled token: no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
         return out
 

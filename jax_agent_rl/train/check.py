@@ -89,6 +89,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
         joined = jax.process_count() == processes
         devices = jax.device_count() if joined else jax.local_device_count() * processes
         problems += _model_fit(cfg, model, devices)
+        problems += _spans_every_device(cfg, processes, devices)
     tokenizer = None
     if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
         tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
@@ -130,6 +131,17 @@ def _processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
             f"of {processes}"
         )
     return problems
+
+
+def _spans_every_device(cfg: JarlConfig, processes: int, devices: int) -> list[str]:
+    m = cfg.mesh
+    n = m.data * m.fsdp * m.tensor
+    if processes == 1 or n == devices:
+        return []
+    return [
+        f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} = {n} devices, but "
+        f"the {processes} processes have {devices}: a multi-process mesh spans every device"
+    ]
 
 
 def _model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
@@ -367,14 +379,15 @@ def _per_device_bytes(model: ModelConfig, mesh: MeshSection, bytes_per_value: in
     )
 
 
-def memory_plan(cfg: JarlConfig, model: ModelConfig) -> list[str]:
+def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list[str]:
     """What the run keeps on each device of its mesh, one line a part, for ``--dry-run``:
     the learner's state (fp32 master weights, AdamW's two fp32 moments, the KL reference, the
     critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
     cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
     weights split over ``tensor`` only, cache slots over ``data x fsdp`` and kv heads over
     ``tensor``). Activations (set by ``learner.micro_batch_size``, ``remat`` and the sequence
-    length) and XLA's workspace come on top."""
+    length) and XLA's workspace come on top. Over several ``processes``, each serves its own
+    ``rollout.max_concurrent`` slots on its share of the devices."""
     m = cfg.mesh
     n = m.data * m.fsdp * m.tensor
     fp32 = _per_device_bytes(model, m, 4)
@@ -388,7 +401,7 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig) -> list[str]:
     lines += [f"  learner  {name:<34} {b / 2**30:8.2f} GiB" for name, b in parts]
     engine: list[tuple[str, float]] = []
     if cfg.rollout.backend == "embedded":
-        serving = MeshSection(data=m.data * m.fsdp, fsdp=1, tensor=m.tensor)
+        serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
         width = 2 if cfg.model.dtype == "bfloat16" else 4
         kv = (
             2 * model.num_layers * cfg.rollout.max_concurrent * cfg.rollout.max_model_len
@@ -397,7 +410,8 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig) -> list[str]:
         engine = [
             (f"weights ({cfg.model.dtype})", _per_device_bytes(model, serving, width)),
             (
-                f"KV cache ({cfg.rollout.max_concurrent} slots x {cfg.rollout.max_model_len})",
+                f"KV cache ({cfg.rollout.max_concurrent} slots x {cfg.rollout.max_model_len}"
+                + (", per process)" if processes > 1 else ")"),
                 kv / _parts(CACHE_AXES, serving),
             ),
         ]

@@ -2,7 +2,8 @@
 as ``jarl train`` does, builds the run from a config (SFT warm start included), then trains
 two RL steps with `learn` on fixed trajectories (the SFT demonstrations with made-up rewards:
 no rollout randomness), each process on its own share of the groups, and has process 0 save
-the parameters before and after.
+the parameters before and after. Every process also checks that the params its engine
+would serve are the learner's, whole on its own devices.
 
     python tests/multihost/learner_worker.py OUT.npz --num-processes N --process-id I
         [--coordinator HOST:PORT] -- OVERRIDES...
@@ -84,6 +85,12 @@ def main() -> None:
         mine = trajs[jax.process_index() * share : (jax.process_index() + 1) * share]
         learn(run, mine, mine)
     end = distributed.host_copy(run.learner.params)
+    # what this process's engine would be given: the new params, whole, on its own devices
+    served = run.serving_params()
+    want = distributed.host_copy(run.learner.rollout_params(cfg.model.dtype))
+    for got, ref in zip(jax.tree.leaves(served), jax.tree.leaves(want), strict=True):
+        assert {d.process_index for d in got.sharding.device_set} == {jax.process_index()}
+        assert np.array_equal(np.asarray(got), ref), "served params differ from the learner's"
     if distributed.is_primary():
         flat = {
             f"{kind}/{jax.tree_util.keystr(path)}": np.asarray(leaf)

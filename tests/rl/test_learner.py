@@ -314,6 +314,7 @@ def test_the_device_step_equals_the_step_composed_on_the_host(algo: AlgorithmSec
     gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[batch.mask > 0]
     assert got.pop("logprob_gap/mean") == pytest.approx(gap.mean(), rel=1e-5)
     assert got.pop("logprob_gap/max") == pytest.approx(gap.max(), rel=1e-5)
+    assert got.pop("batch/sampled_tokens") == np.asarray(batch.mask).sum()
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k

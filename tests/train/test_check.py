@@ -353,3 +353,27 @@ def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixt
     assert "# memory per device, mesh data=1 x fsdp=1 x tensor=1 (1):" in err
     assert "# total per device" not in err  # indented under it
     assert "#   total per device: " in err
+
+
+def test_a_multi_process_run_is_checked_over_every_process(
+    files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--dry-run`` with the multi-process flags joins no one, and counts the devices of
+    every process as this one's; the prompts and the mesh's data x fsdp rows must split over
+    the processes; a process group missing a flag is refused before anything loads."""
+    two = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
+    base = ["train", str(files.config), "trainer.run_dir=/nonexistent/run"]
+    # this test process has 8 devices, so 2 such processes have 16
+    fits = ["mesh.data=2", "mesh.fsdp=8", "data.prompts_per_step=4", "rollout.max_concurrent=16"]
+    assert main([*base, *fits, "learner.micro_batch_size=16", "--dry-run", *two]) == 0
+    capsys.readouterr()
+    odd = ["mesh.fsdp=3", "learner.micro_batch_size=3", "rollout.max_concurrent=3"]
+    assert main([*base, *odd, "data.prompts_per_step=3", "--dry-run", *two]) == 2
+    err = capsys.readouterr().err
+    assert "jarl: data.prompts_per_step=3 does not split over 2 processes" in err
+    assert "jarl: mesh.data x mesh.fsdp = 3 devices do not split over 2 processes" in err
+    assert "= 3 devices, but the 2 processes have 16: a multi-process mesh spans every" in err
+    assert main([*base, "--dry-run", "--num-processes", "2"]) == 2
+    assert "--num-processes > 1 needs --coordinator" in capsys.readouterr().err
+    assert main([*base, "--dry-run", *two[:4], "--process-id", "2"]) == 2
+    assert "--process-id=2 must be in [0, 2)" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Trains on a Cloud TPU VM slice: every worker (host) runs `jarl train --distributed`, one JAX
+# process each; together they form one mesh over all the slice's chips (see docs/tpu.md).
+#
+#   launch/tpu_pod.sh --name NAME --zone ZONE [options] CONFIG [key=value ...]
+#
+#   --name NAME          the TPU VM (created if it does not exist and --accelerator-type is given)
+#   --zone ZONE          its zone, e.g. us-west4-a (v5e), us-east5-b (v6e)
+#   --project PROJECT    the GCP project (default: gcloud's configured one)
+#   --accelerator-type T create the slice as T when it does not exist: v5litepod-16, v6e-16, ...
+#   --version V          the TPU VM runtime image for a new slice (default: v2-alpha-tpuv5-lite
+#                        for v5e, v2-alpha-tpuv6e for v6e)
+#   --spot               create the slice as Spot VMs (preemptible: rerun to resume)
+#   --sync PATH          also copy PATH (a model folder, a data file) to the same path on every
+#                        worker; repeatable. Better: a folder every worker mounts (see below)
+#   --dir DIR            where the code goes on the workers (default: ~/jax_agent_rl)
+#   --dry-run            print every command, run nothing
+#   -h, --help           this text
+#
+# Steps: create or reuse the slice; copy the repository's tracked files (git ls-files) to every
+# worker; `scripts/setup.sh tpu` on every worker (.venv with the locked jax and jax[tpu]; a
+# second run returns at once); then `jarl train CONFIG --distributed ...` on all workers at
+# once (--worker=all). gcloud streams the workers' output: process 0 prints the progress, the
+# others only errors; each worker also keeps its log in ~/jarl-train.log. Ctrl-C (or SIGTERM)
+# stops the run on every worker; rerunning the same command resumes from the last checkpoint.
+#
+# trainer.run_dir must be a folder every worker sees at the same path (a gcsfuse-mounted
+# bucket, Filestore/NFS): all processes write the orbax checkpoints there, process 0 the
+# metrics. model.path and the data files must exist on every worker (shared folder or --sync).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+name="" zone="" project="" accel="" version="" spot=0 dir='~/jax_agent_rl' dry=0
+sync=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) name=$2; shift 2 ;;
+    --zone) zone=$2; shift 2 ;;
+    --project) project=$2; shift 2 ;;
+    --accelerator-type) accel=$2; shift 2 ;;
+    --version) version=$2; shift 2 ;;
+    --spot) spot=1; shift ;;
+    --sync) sync+=("$2"); shift 2 ;;
+    --dir) dir=$2; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -*) echo "tpu_pod.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+[[ -n $name && -n $zone ]] || { echo "tpu_pod.sh: --name and --zone are required (see --help)" >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "tpu_pod.sh: a CONFIG is required (see --help)" >&2; exit 2; }
+config=$1; shift
+[[ -f $config ]] || { echo "tpu_pod.sh: no config file $config" >&2; exit 2; }
+if [[ -z $version && -n $accel ]]; then
+  case "$accel" in
+    v5litepod-*|v5e-*) version=v2-alpha-tpuv5-lite ;;
+    v6e-*) version=v2-alpha-tpuv6e ;;
+    *) echo "tpu_pod.sh: pass --version for accelerator type $accel" >&2; exit 2 ;;
+  esac
+fi
+
+where=(--zone "$zone")
+[[ -n $project ]] && where+=(--project "$project")
+tpu=(gcloud compute tpus tpu-vm)
+
+# Prints a command (an argument with spaces or shell syntax in double quotes), then runs it
+# unless --dry-run.
+step() {
+  local shown="" a
+  for a in "$@"; do
+    if [[ $a =~ [[:space:]\|\&\;\<\>] ]]; then shown+="\"$a\" "; else shown+="$a "; fi
+  done
+  echo "+ ${shown% }"
+  (( dry )) || "$@"
+}
+# A command on every worker of the slice.
+on_all() {
+  step "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command "$1"
+}
+
+# 1. the slice
+if (( dry )); then
+  echo "# create the slice unless '${tpu[*]} describe $name' finds it:"
+  if [[ -n $accel ]]; then
+    create=("${tpu[@]}" create "$name" "${where[@]}" --accelerator-type "$accel" --version "$version")
+    (( spot )) && create+=(--spot)
+    echo "+ ${create[*]}"
+  fi
+elif ! "${tpu[@]}" describe "$name" "${where[@]}" >/dev/null 2>&1; then
+  [[ -n $accel ]] || { echo "tpu_pod.sh: no TPU VM $name in $zone; pass --accelerator-type to create it" >&2; exit 2; }
+  create=("${tpu[@]}" create "$name" "${where[@]}" --accelerator-type "$accel" --version "$version")
+  (( spot )) && create+=(--spot)
+  step "${create[@]}"
+fi
+
+# 2. the code (tracked files, uncommitted edits included) and the --sync paths
+bundle=${TMPDIR:-/tmp}/jax_agent_rl-$$.tgz
+if (( dry )); then
+  echo "+ git ls-files -z | tar --null -czf $bundle -T -"
+else
+  git ls-files -z | tar --null -czf "$bundle" -T -
+  trap 'rm -f "$bundle"' EXIT
+fi
+step "${tpu[@]}" scp "$bundle" "$name:/tmp/jax_agent_rl.tgz" "${where[@]}" --worker=all
+on_all "mkdir -p $dir && tar -xzf /tmp/jax_agent_rl.tgz -C $dir"
+for path in "${sync[@]}"; do
+  abs=$(realpath -m "$path")
+  [[ -e $abs ]] || (( dry )) || { echo "tpu_pod.sh: --sync $path does not exist" >&2; exit 2; }
+  on_all "mkdir -p $(printf '%q' "$(dirname "$abs")")"
+  step "${tpu[@]}" scp --recurse "$abs" "$name:$(dirname "$abs")/" "${where[@]}" --worker=all
+done
+
+# 3. the environment on every worker
+# (TPU VM images ship Ubuntu 22.04 with Python 3.10: the project needs 3.11; bubblewrap is the
+# python tool's sandbox)
+on_all "command -v python3.11 >/dev/null && command -v bwrap >/dev/null || (sudo apt-get update -qq && sudo apt-get install -y -qq python3.11 python3.11-venv bubblewrap)"
+on_all "cd $dir && PYTHON=python3.11 bash scripts/setup.sh tpu"
+
+# 4. the run, on every worker at once; Ctrl-C / SIGTERM stop it everywhere
+args=$(printf '%q ' "$config" "$@")
+stop() {
+  echo "tpu_pod.sh: stopping the run on every worker" >&2
+  on_all "pkill -INT -f 'jax_agent_rl.cli train' || true"
+  exit 130
+}
+trap stop INT TERM
+on_all "cd $dir && set -o pipefail && .venv/bin/python -m jax_agent_rl.cli train ${args}--distributed 2>&1 | tee -a ~/jarl-train.log"
