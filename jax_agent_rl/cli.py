@@ -57,11 +57,10 @@ def _train(args: argparse.Namespace) -> int:
     from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train.check import check_run
 
+    processes = group.num_processes if args.dry_run else distributed.initialize(group)
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-    request_cpu_devices(devices // group.num_processes)  # CPU processes: as the run will
-    if not args.dry_run:
-        distributed.initialize(group)
-    problems = check_run(cfg, group.num_processes)
+    request_cpu_devices(devices // processes)  # CPU processes: as the run will
+    problems = check_run(cfg, processes)
     if problems:
         return _refuse(problems)
     if args.dry_run:
@@ -70,7 +69,7 @@ def _train(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg), end="")
         model = ModelConfig.from_pretrained(cfg.model.path)
-        for line in memory_plan(cfg, model, group.num_processes):
+        for line in memory_plan(cfg, model, processes):
             print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0
@@ -259,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--distributed",
         action="store_true",
-        help="join the processes JAX finds in the environment (a TPU VM slice, SLURM)",
+        help="join the processes JAX finds in the environment: a TPU VM slice, or a SLURM job "
+        "step (`srun jarl train ... --distributed`)",
     )
     g.add_argument(
         "--coordinator",

@@ -39,7 +39,7 @@ from jax_agent_rl.models.sharding import make_mesh
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
     """How to join the run's processes. ``auto``: let JAX find the cluster (a TPU VM slice,
-    SLURM); else the coordinator's ``host:port`` and this process's id (0 hosts the
+    a SLURM job step); else the coordinator's ``host:port`` and this process's id (0 hosts the
     coordinator). ``heartbeat_timeout_s``: how long a silent process counts as alive."""
 
     coordinator: str | None = None
@@ -69,10 +69,11 @@ class ProcessGroup:
         return out
 
 
-def initialize(group: ProcessGroup) -> None:
-    """Joins the processes (before JAX's first operation); then `start_liveness`."""
+def initialize(group: ProcessGroup) -> int:
+    """Joins the processes (before JAX's first operation: no backend is started here), starts
+    this one's `Liveness` beat, and returns the number of processes."""
     if not group.multi:
-        return
+        return 1
     if group.auto:
         jax.distributed.initialize(heartbeat_timeout_seconds=group.heartbeat_timeout_s)
     else:
@@ -83,6 +84,15 @@ def initialize(group: ProcessGroup) -> None:
             heartbeat_timeout_seconds=group.heartbeat_timeout_s,
         )
     Liveness.start()
+    return joined_processes()
+
+
+def joined_processes() -> int:
+    """The processes `initialize` joined (1 when it did not), known before a backend starts
+    (unlike ``jax.process_count()``, which starts them)."""
+    from jax._src.distributed import global_state
+
+    return int(global_state.num_processes) if global_state.client is not None else 1
 
 
 def is_primary() -> bool:
@@ -235,6 +245,7 @@ __all__ = [
     "host_copy",
     "initialize",
     "is_primary",
+    "joined_processes",
     "local_replica",
     "ordered_devices",
     "process_mesh",

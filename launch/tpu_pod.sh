@@ -20,9 +20,10 @@
 # Steps: create or reuse the slice; copy the repository's tracked files (git ls-files) to every
 # worker; `scripts/setup.sh tpu` on every worker (.venv with the locked jax and jax[tpu]; a
 # second run returns at once); then `jarl train CONFIG --distributed ...` on all workers at
-# once (--worker=all). gcloud streams the workers' output: process 0 prints the progress, the
-# others only errors; each worker also keeps its log in ~/jarl-train.log. Ctrl-C (or SIGTERM)
-# stops the run on every worker; rerunning the same command resumes from the last checkpoint.
+# once (--worker=all). Worker 0's output (process 0: the progress, step lines, and the message
+# naming a dead process) streams here; every worker keeps its log in ~/jarl-train.log. Ctrl-C
+# (or SIGTERM) stops the run on every worker; rerunning the same command resumes from the last
+# checkpoint.
 #
 # trainer.run_dir must be a folder every worker sees at the same path (a gcsfuse-mounted
 # bucket, Filestore/NFS): all processes write the orbax checkpoints there, process 0 the
@@ -43,7 +44,7 @@ while [[ $# -gt 0 ]]; do
     --sync) sync+=("$2"); shift 2 ;;
     --dir) dir=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     -*) echo "tpu_pod.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -125,4 +126,7 @@ stop() {
   exit 130
 }
 trap stop INT TERM
-on_all "cd $dir && set -o pipefail && .venv/bin/python -m jax_agent_rl.cli train ${args}--distributed 2>&1 | tee -a ~/jarl-train.log"
+# worker 0 (process 0) streams its output here; the others only append to their own log
+worker='$(curl -s -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)'
+train=".venv/bin/python -m jax_agent_rl.cli train ${args}--distributed"
+on_all "cd $dir && set -o pipefail && if [ \"$worker\" = 0 ]; then $train 2>&1 | tee -a ~/jarl-train.log; else $train >> ~/jarl-train.log 2>&1; fi"

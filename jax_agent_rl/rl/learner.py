@@ -469,11 +469,16 @@ class Learner:
         state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
         if self.sharder is None:
             return state
+        # the counters (scalars on one device) replicated over the mesh, the same value given
+        # by every process (`device_put` builds a broken array when a process has one device)
         replicated = self.sharder.sharding(())
-        return jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-            state,
-        )
+
+        def place(x: jax.Array) -> jax.Array:
+            if isinstance(x.sharding, NamedSharding):
+                return x
+            return jax.make_array_from_process_local_data(replicated, np.asarray(x))
+
+        return jax.tree.map(place, state)
 
     def device_batch(self, batch: TrainBatch, local: bool = False) -> TrainBatch:
         """Host rows -> device [M, b, T] micro-batches, b split over data x fsdp (over the

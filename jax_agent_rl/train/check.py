@@ -136,7 +136,7 @@ def _processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
 def _spans_every_device(cfg: JarlConfig, processes: int, devices: int) -> list[str]:
     m = cfg.mesh
     n = m.data * m.fsdp * m.tensor
-    if processes == 1 or n == devices:
+    if processes == 1 or n >= devices:  # more than there are: `mesh_problems` says so
         return []
     return [
         f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} = {n} devices, but "
@@ -157,7 +157,7 @@ def _model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
 
 
 def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[str]:
-    """The mesh against the ``devices`` this process sees, and against every parameter
+    """The mesh against the run's ``devices`` (every process's), and against every parameter
     dimension a mesh axis shards (by `ShardingRules`, the table the learner lays weights out
     with), each problem with the axis sizes that would divide all of that axis's dimensions."""
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
@@ -166,7 +166,7 @@ def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[s
     if n > devices:
         problems.append(
             f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor} needs "
-            f"{n} devices, this process sees {devices}: make the product at most {devices}"
+            f"{n} devices, the run has {devices}: make the product at most {devices}"
         )
     for axis, dims in _sharded_dims(model).items():
         common = math.gcd(*dims.values())

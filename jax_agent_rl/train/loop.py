@@ -70,8 +70,9 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     """Runs (or resumes) the job ``cfg`` describes; returns its run folder. In a multi-process
     run (`jax_agent_rl.distributed`) every process calls it; only the first prints, plots and
     exports."""
+    devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    request_cpu_devices(devices // distributed.joined_processes())
     primary = distributed.is_primary()
-    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor // jax.process_count())
     run = build_run(cfg, console or Console(quiet=not primary))
     finished = False
     try:

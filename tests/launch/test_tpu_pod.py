@@ -39,6 +39,8 @@ def test_dry_run_creates_syncs_sets_up_and_runs_on_every_worker() -> None:
     assert (
         f".venv/bin/python -m jax_agent_rl.cli train {CONFIG} mesh.fsdp=16 --distributed" in train
     )
+    # worker 0 (process 0) streams, the others append to their log only
+    assert "agent-worker-number" in train and "2>&1 | tee -a ~/jarl-train.log; else" in train
 
 
 def test_the_setup_it_runs_installs_jax_tpu_at_the_locked_version() -> None:

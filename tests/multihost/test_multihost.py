@@ -10,6 +10,8 @@ Each process is a real OS process; the tests wait on process exits and on files 
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 import signal
 import socket
@@ -55,22 +57,48 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+SLURM_PORTS = range(61440, 65536)  # where JAX puts a SLURM job's coordinator
 
 
-def start(argv: Sequence[str], processes: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+def free_port(ports: range | None = None) -> int:
+    """A port nothing listens on: any (the kernel's pick), or one of ``ports``."""
+    for port in random.sample(ports, 64) if ports else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free port in {ports}")
+
+
+def start(
+    argv: Sequence[str], processes: int, logs: Path, slurm: bool = False
+) -> list[subprocess.Popen[bytes]]:
     """``argv`` once per process, joined through a coordinator on loopback (``processes`` 1:
-    a plain single-process run); each process's output to ``logs.<id>``."""
-    group = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", str(processes)]
+    a plain single-process run); each process's output to ``logs.<id>``. The processes get
+    ``--coordinator``, ``--num-processes`` and ``--process-id``; with ``slurm``, instead,
+    ``--distributed`` and the environment of a SLURM job step, which JAX reads."""
+    port = free_port(SLURM_PORTS if slurm else None)
+    group = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
     procs = []
     for i in range(processes):
         flags = [*group, "--process-id", str(i)] if processes > 1 else []
+        env = dict(os.environ)
+        if slurm:
+            flags = ["--distributed"]
+            env |= {
+                "SLURM_JOB_ID": str(port - SLURM_PORTS.start),  # JAX's port: 61440 + id % 4096
+                "SLURM_STEP_NODELIST": "127.0.0.1",
+                "SLURM_NTASKS": str(processes),
+                "SLURM_PROCID": str(i),
+                "SLURM_LOCALID": str(i),
+            }
         with Path(f"{logs}.{i}").open("wb") as out:  # the child keeps its own descriptor
             procs.append(
-                subprocess.Popen([*argv, *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                subprocess.Popen(
+                    [*argv, *flags], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                )
             )
     return procs
 
@@ -154,6 +182,20 @@ def test_jarl_train_on_two_processes_then_resumed_on_one(task: TaskFiles, tmp_pa
     assert "resumed from the checkpoint of step 2" in log(tmp_path / "resume", 0)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["phase"] == "train"] == [1, 2, 3]
+
+
+def test_jarl_train_distributed_in_a_slurm_job_step(task: TaskFiles, tmp_path: Path) -> None:
+    """``--distributed`` (what `launch/tpu_pod.sh` runs on every TPU worker) takes the
+    processes from the environment; here a SLURM job step's, one process per device (JAX's
+    SLURM convention), so each process's engine serves on a single device."""
+    run = tmp_path / "run"
+    overrides = [*tiny(task, run, 2), "mesh.data=1", "mesh.fsdp=2"]
+    logs = tmp_path / "log"
+    codes = finish(start(jarl_train(overrides), 2, logs, slurm=True))
+    assert codes == [0, 0], log(logs, 0)[-3000:] + log(logs, 1)[-3000:]
+    assert "run folder" in log(logs, 0)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["phase"] == "train"] == [1, 2]
 
 
 def wait_for(path: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:

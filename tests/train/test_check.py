@@ -272,7 +272,7 @@ def test_mesh_problems_name_the_sizes_that_fit() -> None:
         "{1, 2, 4, 8, 16, 32, 64} (and more data)"
     ]
     assert mesh_problems(MeshSection(data=4, tensor=4), model, devices=8) == [
-        "mesh.data=4 x mesh.fsdp=1 x mesh.tensor=4 needs 16 devices, this process sees 8: make "
+        "mesh.data=4 x mesh.fsdp=1 x mesh.tensor=4 needs 16 devices, the run has 8: make "
         "the product at most 8",
         "mesh.tensor=4 does not divide model num_kv_heads=2: use mesh.tensor in {1, 2} "
         "(and more fsdp)",
