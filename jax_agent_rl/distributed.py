@@ -187,8 +187,11 @@ class Liveness:
 
     @classmethod
     def start(cls) -> None:
+        """Before any backend starts (``jax.process_index()`` would start them)."""
+        from jax._src.distributed import global_state
+
         client = _client()
-        key = cls._KEY.format(jax.process_index())
+        key = cls._KEY.format(global_state.process_id)
 
         def beat() -> None:
             n = 0
