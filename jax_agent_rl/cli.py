@@ -88,10 +88,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _stop_process(error: BaseException) -> NoReturn:
-    """Ends this process of a multi-process run that failed, saying which process is to
-    blame: a process whose heartbeat stopped (its host died), process 0 when the coordinator
-    is unreachable, else this one (its traceback). Exits without waiting for the others, which
-    may be gone: closing checkpoints or leaving `jax.distributed` would wait on them."""
+    """Ends this process of a multi-process run that failed, naming the process to blame:
+    one that reported a failure of its own, else one whose heartbeat stopped (its host died),
+    else process 0 when the coordinator is unreachable, else this one (its traceback, also
+    reported to the others). Exits without waiting for the others, which may be gone: closing
+    checkpoints or leaving `jax.distributed` would wait on them."""
     import jax
 
     from jax_agent_rl.distributed import Liveness
@@ -100,22 +101,29 @@ def _stop_process(error: BaseException) -> NoReturn:
     who = f"process {me} of {processes}"
     resume = "rerun the same command on every host to resume from the last complete checkpoint"
     if isinstance(error, KeyboardInterrupt):
+        Liveness.report_failure("interrupted (SIGINT)")
         print(f"jarl: {who}: interrupted; {resume}", file=sys.stderr, flush=True)
         os._exit(130)
-    first = (str(error).splitlines() or [""])[0][:300]
+    first = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     print(
-        f"jarl: {who}: {type(error).__name__}: {first}\n"
-        f"jarl: {who}: checking which processes are alive ...",
+        f"jarl: {who}: {first}\njarl: {who}: checking which processes are alive ...",
         file=sys.stderr,
         flush=True,
     )
-    silent = Liveness.silent_processes()
-    if silent is None:
+    failed = {i: text for i, text in Liveness.failures().items() if i != me}
+    silent = None if failed else Liveness.silent_processes()
+    if failed:
+        verdict = "; ".join(
+            f"process {i} of {processes} failed: {text} (its log has the traceback)"
+            for i, text in sorted(failed.items())
+        )
+    elif silent is None:
         verdict = "process 0 (the coordinator) is gone: its host died or it was stopped"
     elif silent:
         names = ", ".join(str(i) for i in silent)
         verdict = f"process {names} of {processes} stopped responding: its host died or was killed"
     else:
+        Liveness.report_failure(first)
         traceback.print_exception(error, file=sys.stderr)
         verdict = f"process {me} of {processes} failed (the traceback above)"
     print(f"jarl: {who}: {verdict}; {resume}", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ What stays per process, and the few host-side exchanges that make it one run:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import threading
@@ -184,6 +185,7 @@ class Liveness:
 
     INTERVAL_S = 1.0
     _KEY = "jax_agent_rl/beat/{}"
+    _FAILED = "jax_agent_rl/failed/"
 
     @classmethod
     def start(cls) -> None:
@@ -230,6 +232,21 @@ class Liveness:
         except Exception:
             return None
         return [i for i in ids if i != jax.process_index() and before[i] == after[i]]
+
+    @classmethod
+    def report_failure(cls, text: str) -> None:
+        """Tells the other processes why this one is stopping (read by `failures`)."""
+        with contextlib.suppress(Exception):  # the coordinator may be gone already
+            _client().key_value_set(f"{cls._FAILED}{jax.process_index()}", text)
+
+    @classmethod
+    def failures(cls) -> dict[int, str]:
+        """The processes that reported a failure of their own, and why."""
+        try:
+            entries = _client().key_value_dir_get(cls._FAILED)
+        except Exception:
+            return {}
+        return {int(key.rsplit("/", 1)[1]): text for key, text in entries}
 
 
 def _client() -> Any:

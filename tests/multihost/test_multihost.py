@@ -198,6 +198,23 @@ def test_jarl_train_distributed_in_a_slurm_job_step(task: TaskFiles, tmp_path: P
     assert [r["step"] for r in records if r["phase"] == "train"] == [1, 2]
 
 
+def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: Path) -> None:
+    """Process 1's own error (its reward function raises): it prints its traceback and reports
+    the error; process 0, whose collective then fails, names process 1 and that error."""
+    overrides = [
+        *tiny(task, tmp_path / "run", 2),
+        "data.reward=tests.multihost.faulty:fails_on_process_1",
+    ]
+    logs = tmp_path / "log"
+    codes = finish(start(jarl_train(overrides), 2, logs))
+    assert codes == [1, 1]
+    failure = "RuntimeError: the reward failed on purpose on process 1"
+    assert f"process 1 of 2 failed: {failure} (its log has the traceback)" in log(logs, 0)
+    assert "Traceback" in log(logs, 1) and "process 1 of 2 failed (the traceback above)" in log(
+        logs, 1
+    )
+
+
 def wait_for(path: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """Until ``path`` exists (the run got there), or a process ended (it never will)."""
     deadline = time.monotonic() + HANG_S
