@@ -53,6 +53,13 @@ def _train(args: argparse.Namespace) -> int:
         return _refuse(str(e).splitlines())
     if group.problems():
         return _refuse(group.problems())
+    if group.auto and args.dry_run:
+        return _refuse(
+            [
+                "--dry-run joins no processes, so --distributed cannot count them: plan an "
+                "N-host run with --num-processes N --coordinator x:1 --dry-run"
+            ]
+        )
     from jax_agent_rl import distributed
     from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train.check import check_run
@@ -61,6 +68,8 @@ def _train(args: argparse.Namespace) -> int:
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     request_cpu_devices(devices // processes)  # CPU processes: as the run will
     problems = check_run(cfg, processes)
+    if processes > 1:  # every host stops if one cannot run (a file missing there, say)
+        problems = distributed.problems_of_every_process(problems)
     if problems:
         return _refuse(problems)
     if args.dry_run:
@@ -88,14 +97,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _stop_process(error: BaseException) -> NoReturn:
-    """Ends this process of a multi-process run that failed, naming the process to blame:
-    one that reported a failure of its own, else one whose heartbeat stopped (its host died),
-    else process 0 when the coordinator is unreachable, else this one (its traceback, also
-    reported to the others). Exits without waiting for the others, which may be gone: closing
-    checkpoints or leaving `jax.distributed` would wait on them."""
+    """Ends this process of a multi-process run that failed, naming the process to blame.
+
+    An error of this process's own (not a failed exchange with the others) is reported to
+    the others at once. A failed exchange means another process stopped: one that reported
+    its error, else one whose heartbeat stopped (its host died), else process 0 when the
+    coordinator (which process 0 hosts) is unreachable. Exits without waiting for the others,
+    which may be gone: closing checkpoints or leaving `jax.distributed` would wait on them."""
     import jax
 
-    from jax_agent_rl.distributed import Liveness
+    from jax_agent_rl.distributed import Liveness, is_communication_error
 
     me, processes = jax.process_index(), jax.process_count()
     who = f"process {me} of {processes}"
@@ -104,28 +115,32 @@ def _stop_process(error: BaseException) -> NoReturn:
         Liveness.report_failure("interrupted (SIGINT)")
         print(f"jarl: {who}: interrupted; {resume}", file=sys.stderr, flush=True)
         os._exit(130)
+    traceback.print_exception(error, file=sys.stderr)
     first = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-    print(
-        f"jarl: {who}: {first}\njarl: {who}: checking which processes are alive ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    failed = {i: text for i, text in Liveness.failures().items() if i != me}
-    silent = None if failed else Liveness.silent_processes()
-    if failed:
-        verdict = "; ".join(
-            f"process {i} of {processes} failed: {text} (its log has the traceback)"
-            for i, text in sorted(failed.items())
-        )
-    elif silent is None:
-        verdict = "process 0 (the coordinator) is gone: its host died or it was stopped"
-    elif silent:
-        names = ", ".join(str(i) for i in silent)
-        verdict = f"process {names} of {processes} stopped responding: its host died or was killed"
-    else:
+    if not is_communication_error(error):
         Liveness.report_failure(first)
-        traceback.print_exception(error, file=sys.stderr)
-        verdict = f"process {me} of {processes} failed (the traceback above)"
+        verdict = f"{who} failed: {first} (the traceback above)"
+    else:
+        print(f"jarl: {who}: {first}; which process stopped?", file=sys.stderr, flush=True)
+        failed = {i: text for i, text in Liveness.failures().items() if i != me}
+        silent = None if failed else Liveness.silent_processes()
+        if failed:
+            verdict = "; ".join(
+                f"process {i} of {processes} failed: {text} (its log has the traceback)"
+                for i, text in sorted(failed.items())
+            )
+        elif silent is None:
+            verdict = (
+                "process 0 stopped: it hosts the coordinator, which is unreachable; its log "
+                "says whether it failed or its host died"
+            )
+        elif silent:
+            names = ", ".join(str(i) for i in silent)
+            verdict = (
+                f"process {names} of {processes} stopped responding: its host died or was killed"
+            )
+        else:
+            verdict = f"{who} lost a collective, though every process is alive (see above)"
     print(f"jarl: {who}: {verdict}; {resume}", file=sys.stderr, flush=True)
     os._exit(1)
 

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -158,15 +160,59 @@ def host_copy(tree: Any) -> Any:
 
 
 def gather_objects(value: Any) -> list[Any]:
-    """``value`` of every process, in process order (a collective: every process calls it)."""
+    """``value`` of every process, in process order (a collective: every process calls it).
+    Every device holds every process's bytes for a moment: for small values (totals, flags),
+    not for trajectories."""
     if jax.process_count() == 1:
         return [value]
     data = np.frombuffer(pickle.dumps(value), np.uint8)
     sizes = multihost_utils.process_allgather(np.array([data.size], np.int64)).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    # a power of two: the all-gather compiles once per size class, not once per call
+    padded = np.zeros(1 << int(sizes.max() - 1).bit_length(), np.uint8)
     padded[: data.size] = data
     rows = multihost_utils.process_allgather(padded).reshape(len(sizes), -1)
     return [pickle.loads(rows[i, : sizes[i]].tobytes()) for i in range(len(sizes))]
+
+
+def problems_of_every_process(problems: Sequence[str]) -> list[str]:
+    """Every process's problems (a collective), those not found by all processes named by the
+    processes that found them: a file missing on one host stops every host, saying which."""
+    shares = gather_objects(list(problems))
+    finders: dict[str, list[int]] = {}
+    for i, share in enumerate(shares):
+        for problem in share:
+            finders.setdefault(problem, []).append(i)
+    return [
+        p if len(ids) == len(shares) else f"on process {', '.join(map(str, ids))}: {p}"
+        for p, ids in finders.items()
+    ]
+
+
+def check_shared_folder(path: Path, key: str) -> None:
+    """Raises unless every process sees one folder at ``path`` (a collective): process 0
+    writes a fresh token there, and every process must read it back."""
+    if jax.process_count() == 1:
+        return
+    marker = path / ".jarl-shared"
+    if is_primary():
+        marker.write_text(secrets.token_hex(16))
+    token = gather_objects(marker.read_text() if is_primary() else None)[0]
+    seen = marker.read_text() if marker.is_file() else None
+    blind = [i for i, ok in enumerate(gather_objects(seen == token)) if not ok]
+    if blind:
+        raise ValueError(
+            f"{key}={path} is not one folder shared by every host: process "
+            f"{', '.join(map(str, blind))} does not see process 0's files there. All processes "
+            "write the checkpoints there: use a folder every host mounts (docs/tpu.md)"
+        )
+
+
+def same_on_every_process(value: Any, what: str) -> Any:
+    """``value``, after checking every process has the same (a collective)."""
+    values = gather_objects(value)
+    if any(v != values[0] for v in values):
+        raise ValueError(f"the processes disagree on {what}: {values} (process 0 first)")
+    return value
 
 
 def agree_max(values: Sequence[int]) -> list[int]:
@@ -199,10 +245,10 @@ class Liveness:
             n = 0
             while True:
                 n += 1
-                try:
+                # a failed beat (a dropped RPC, or the coordinator gone) is tried again: a
+                # process that stopped beating is taken for dead
+                with contextlib.suppress(Exception):
                     client.key_value_set(key, str(n), allow_overwrite=True)
-                except Exception:  # the coordinator is gone: nothing left to tell
-                    return
                 time.sleep(cls.INTERVAL_S)
 
         threading.Thread(target=beat, name="jarl-liveness", daemon=True).start()
@@ -249,6 +295,16 @@ class Liveness:
         return {int(key.rsplit("/", 1)[1]): text for key, text in entries}
 
 
+def is_communication_error(error: BaseException) -> bool:
+    """An error from an exchange with other processes (a collective whose peer is gone, the
+    coordination service unreachable), rather than this process's own."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return False
+    text = str(error)
+    signs = ("Gloo", "onnection", "UNAVAILABLE", "DEADLINE_EXCEEDED", "heartbeat", "coordinat")
+    return any(sign in text for sign in signs)
+
+
 def _client() -> Any:
     from jax._src.distributed import global_state
 
@@ -261,12 +317,16 @@ __all__ = [
     "Liveness",
     "ProcessGroup",
     "agree_max",
+    "check_shared_folder",
     "gather_objects",
     "host_copy",
     "initialize",
+    "is_communication_error",
     "is_primary",
     "joined_processes",
     "local_replica",
     "ordered_devices",
+    "problems_of_every_process",
     "process_mesh",
+    "same_on_every_process",
 ]

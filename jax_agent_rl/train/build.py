@@ -196,7 +196,11 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     metrics = MetricsLog(run_dir, cfg.trainer.tensorboard, enabled=distributed.is_primary())
     try:
-        latest = checkpoints.latest_step() if cfg.trainer.resume else None
+        distributed.check_shared_folder(run_dir, "trainer.run_dir")
+        latest = distributed.same_on_every_process(
+            checkpoints.latest_step() if cfg.trainer.resume else None,
+            f"the last complete checkpoint in {run_dir}",
+        )
         if latest is None and cfg.sft.data and cfg.sft.steps > 0:
             sft_learner = make_learner(
                 cfg,

@@ -16,15 +16,24 @@ import jax
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
+from jax_agent_rl.train.episodes import (
+    add_totals,
+    all_failed_error,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+    source_totals,
+    success_of_sources,
+)
 from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
-from jax_agent_rl.train.step import episode_metrics, run_episodes, success_by_source
+from jax_agent_rl.train.step import run_episodes
 from jax_agent_rl.train.traces import append_traces, trace_record
 
 
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to) and every trajectory it sampled."""
+    to) and every trajectory this process sampled."""
 
     step: int
     last: bool
@@ -46,14 +55,19 @@ class Hook:
 
 async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
     """Greedy episodes on the held-out prompts (one each; every process a slice), logged as
-    ``val`` at ``step``; returns their metrics as ``val/*``."""
+    ``val`` at ``step``; returns their metrics (of every process) as ``val/*``."""
     processes, me = jax.process_count(), jax.process_index()
     mine = run.val_samples[me::processes]
     trajs = await run_episodes(run, mine, 1, rollout.eval_ctx, f"val{step}")
-    trajs = [t for share in distributed.gather_objects(trajs) for t in share]
-    samples = [s for p in range(processes) for s in run.val_samples[p::processes]]
-    m = episode_metrics(trajs)
-    m.update(success_by_source(trajs, samples))
+    shares = distributed.gather_objects(
+        (episode_totals(trajs), source_totals(trajs, mine), first_error(trajs))
+    )
+    totals = add_totals(share[0] for share in shares)
+    error = all_failed_error(totals, next((share[2] for share in shares if share[2]), None))
+    if error is not None:
+        raise error
+    m = metrics_of_totals(totals)
+    m.update(success_of_sources(add_totals(share[1] for share in shares)))
     run.metrics.write(step, "val", m)
     run.console.print(
         f"held-out @ step {step}: success {m['success']:.3f}  "
@@ -68,7 +82,8 @@ async def write_metrics(run: Run, rollout: Rollout, end: StepEnd) -> None:
 
 
 async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
-    """``trainer.traces_per_step`` trajectories, spread over the step's, to ``traces.jsonl``."""
+    """``trainer.traces_per_step`` trajectories, spread over the step's (process 0's share of
+    them in a multi-process run), to ``traces.jsonl``."""
     del rollout
     k = run.cfg.trainer.traces_per_step
     picks = end.trajectories[:: max(1, len(end.trajectories) // max(k, 1))][:k]

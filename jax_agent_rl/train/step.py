@@ -20,7 +20,6 @@ import dataclasses
 import math
 import time
 import zlib
-from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -28,12 +27,20 @@ import numpy as np
 
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AgentContext, run_sample
-from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.rewards import ScoreFn
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import longest_sequence, make_batch
 from jax_agent_rl.train.build import Rollout, Run
+from jax_agent_rl.train.episodes import (
+    Totals,
+    add_totals,
+    all_failed_error,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+)
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 
 
@@ -53,53 +60,6 @@ def trajectory_reward(
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
     outcome = score(sample.data_source, final_answer_text(traj), sample.ground_truth, extra)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
-
-
-def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Outcome and behaviour statistics of a set of episodes."""
-    n = max(len(trajs), 1)
-    calls = sum(t.tool_calls for t in trajs)
-    stops: Counter[str] = Counter(t.stop_reason for t in trajs)
-    lengths = [len(t.response_ids) for t in trajs] or [0]
-    out = {
-        "reward": sum(t.reward for t in trajs) / n,
-        "success": sum(t.reward > 0 for t in trajs) / n,
-        "turns": sum(t.num_turns for t in trajs) / n,
-        "tool_calls": calls / n,
-        "malformed_call_rate": sum(t.malformed_calls for t in trajs) / max(calls, 1),
-        "tool_error_rate": sum(t.tool_errors for t in trajs) / max(calls, 1),
-        "response_len/mean": float(np.mean(lengths)),
-        "response_len/max": float(np.max(lengths)),
-        "model_tokens/mean": sum(t.num_model_tokens for t in trajs) / n,
-        "untrainable": sum(not t.trainable for t in trajs) / n,
-    }
-    out.update({f"stop/{r}": stops.get(r, 0) / n for r in STOP_REASONS})
-    return {prefix + k: v for k, v in out.items()}
-
-
-def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:
-    """One trajectory's unexpected error ends that trajectory only (``agent_error``); when
-    every trajectory of a rollout ended so, the backend, the tools or the loop is broken, not
-    the policy: raise with the first traceback rather than train on nothing, step after step."""
-    if trajs and all(t.stop_reason == "agent_error" for t in trajs):
-        raise RuntimeError(
-            f"all {len(trajs)} trajectories of the rollout failed; the first:\n{trajs[0].error}"
-        )
-
-
-def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
-    """Success per ``data_source`` (``success/<source>``) and, within it, on the episodes that
-    called a tool (``success_with_tool/<source>``): where a mixed dataset gains or loses."""
-    groups: dict[str, list[Trajectory]] = {}
-    for traj, sample in zip(trajs, samples, strict=True):
-        groups.setdefault(sample.data_source or "unknown", []).append(traj)
-    out = {}
-    for source, group in sorted(groups.items()):
-        out[f"success/{source}"] = sum(t.reward > 0 for t in group) / len(group)
-        used = [t for t in group if t.tool_calls]
-        if used:
-            out[f"success_with_tool/{source}"] = sum(t.reward > 0 for t in used) / len(used)
-    return out
 
 
 def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
@@ -130,7 +90,8 @@ async def rollout_episodes(
     tool_reward_weight: float,
 ) -> list[Trajectory]:
     """``n`` episodes of each sample (one group each), run concurrently, sampled with
-    ``episode_seed(seed, tag)``, and scored."""
+    ``episode_seed(seed, tag)``, and scored. Whether they all failed is for the caller to
+    check (`episodes.all_failed_error`), over every process's episodes."""
     episodes = [
         dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
         for s in samples
@@ -138,7 +99,6 @@ async def rollout_episodes(
     ]
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
     trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
-    raise_if_all_failed(trajs)
     for traj, e in zip(trajs, episodes, strict=True):
         traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
     return trajs
@@ -236,35 +196,37 @@ def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
 
 
 def learn(
-    run: Run, kept: Sequence[Trajectory], seen: Sequence[Trajectory]
-) -> tuple[dict[str, float], list[Trajectory]]:
+    run: Run, kept: Sequence[Trajectory], seen: Sequence[Trajectory], rollout_s: float = 0.0
+) -> tuple[dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update
-    (`Learner.train_step`); ``seen``, every episode this process sampled, goes into the
-    metrics. Returns the metrics and the trajectories of every process.
+    (`Learner.train_step`). ``seen`` (every episode this process sampled) and ``rollout_s``
+    (how long this process's rollout took) go into the metrics, which are those of every
+    process (their `episode_totals` added up); returns them and those totals.
 
-    Each process's rows are padded to the same row count and length as every other's; the
-    metrics are those of all trajectories."""
+    Each process's rows are padded to the same row count and length as every other's. Raises
+    when every episode of every process failed (`episodes.all_failed_error`)."""
     cfg, learner = run.cfg, run.learner
     processes, me = jax.process_count(), jax.process_index()
     trainable = [t for t in kept if t.trainable]
     rewards = shaped_rewards(trainable, cfg)
-    group_ids = [f"{me}/{t.group_id}" for t in trainable]
-    shares = distributed.gather_objects(
-        {
-            "seen": list(seen),
-            "groups": len(kept) // cfg.rollout.n,
-            "rewards": rewards,
-            "group_ids": group_ids,
-            "tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trainable),
-        }
-    )
-    trajs = [t for share in shares for t in share["seen"]]
-    m = episode_metrics(trajs)
-    m["groups_kept"] = sum(share["groups"] for share in shares)
-    m["episodes_sampled"] = len(trajs)  # with dynamic sampling, refills included
-    all_groups = [g for share in shares for g in share["group_ids"]]
-    all_rewards = np.concatenate([share["rewards"] for share in shares])
+    group_ids = [t.group_id for t in trainable]
+    mine = {
+        **episode_totals(seen),
+        **reward_groups(rewards, group_ids),  # additive: a group never spans processes
+        "groups_kept": len(kept) // cfg.rollout.n,
+        "batch/trajectories": len(trainable),
+        "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trainable),
+        "rollout_s/max": rollout_s,
+    }
+    shares = distributed.gather_objects((mine, first_error(seen)))
+    totals = add_totals(share for share, _ in shares)
+    error = all_failed_error(totals, next((e for _, e in shares if e), None))
+    if error is not None:
+        raise error
+    m = metrics_of_totals(totals)
+    m["groups_kept"] = totals["groups_kept"]
+    m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
     # as many rows every step (padding rows have mask 0), so the step does not compile again
     # when a step has fewer trainable trajectories; every process the same rows and length
     most, longest = distributed.agree_max([len(trainable), longest_sequence(trainable)])
@@ -281,37 +243,37 @@ def learn(
     m.update(
         {
             "time/train_s": t_train,
-            "time/train_tokens_per_s": sum(s["tokens"] for s in shares) / max(t_train, 1e-9),
-            "batch/trajectories": len(all_groups),
-            **reward_groups(all_rewards, all_groups),
+            "time/train_tokens_per_s": totals["train_tokens"] / max(t_train, 1e-9),
+            **{k: totals[k] for k in ("batch/trajectories", "batch/groups")},
+            "batch/groups_all_equal": totals["batch/groups_all_equal"],
         }
     )
-    return m, trajs
+    return m, totals
 
 
 async def rl_step(
     run: Run, rollout: Rollout, step: int, compiles: bool
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """One RL step (see the module docstring): `collect`, `learn`, push the weights. Returns
-    its metrics and every trajectory it sampled, of every process. ``compiles``: the first
-    step of this process, whose times include compiling the engine and the learner step
-    (kept out of the throughput plot). The times are this process's."""
+    its metrics (of every process; the rollout time is the slowest process's) and the
+    trajectories this process sampled. ``compiles``: the first step of this process, whose
+    times include compiling the engine and the learner step (kept out of the throughput
+    plot)."""
     t0 = time.perf_counter()
     kept, seen = await collect(run, rollout.ctx, step)
-    t_rollout = time.perf_counter() - t0
-    m, trajs = learn(run, kept, seen)
+    m, totals = learn(run, kept, seen, rollout_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
     await rollout.backend.update_weights(run.serving_params(), step + 1)
     t_push = time.perf_counter() - t1
-    model_tokens = sum(t.num_model_tokens for t in trajs)
+    t_rollout = totals["rollout_s/max"]
     m.update(
         {
             "time/rollout_s": t_rollout,
-            "time/tools_cumulative_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
+            "time/tools_cumulative_s": totals["tools_s"],
             "time/weight_push_s": t_push,
             "time/step_s": time.perf_counter() - t0,
-            "time/rollout_tokens_per_s": model_tokens / max(t_rollout, 1e-9),
+            "time/rollout_tokens_per_s": totals["model_tokens"] / max(t_rollout, 1e-9),
             INCLUDES_COMPILE: float(compiles),
         }
     )
-    return m, trajs
+    return m, seen

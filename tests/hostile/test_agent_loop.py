@@ -27,7 +27,7 @@ from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.train.step import episode_metrics, raise_if_all_failed
+from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed
 from jax_agent_rl.train.traces import render_trace, trace_record
 from tests.agent.test_loop import CONFIG, echo
 

@@ -73,12 +73,17 @@ def free_port(ports: range | None = None) -> int:
 
 
 def start(
-    argv: Sequence[str], processes: int, logs: Path, slurm: bool = False
+    argv: Sequence[str],
+    processes: int,
+    logs: Path,
+    slurm: bool = False,
+    cwds: Sequence[Path] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """``argv`` once per process, joined through a coordinator on loopback (``processes`` 1:
     a plain single-process run); each process's output to ``logs.<id>``. The processes get
     ``--coordinator``, ``--num-processes`` and ``--process-id``; with ``slurm``, instead,
-    ``--distributed`` and the environment of a SLURM job step, which JAX reads."""
+    ``--distributed`` and the environment of a SLURM job step, which JAX reads. ``cwds``: each
+    process's working directory (default: the repository), as hosts differ."""
     port = free_port(SLURM_PORTS if slurm else None)
     group = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
     procs = []
@@ -97,7 +102,11 @@ def start(
         with Path(f"{logs}.{i}").open("wb") as out:  # the child keeps its own descriptor
             procs.append(
                 subprocess.Popen(
-                    [*argv, *flags], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                    [*argv, *flags],
+                    cwd=cwds[i] if cwds else ROOT,
+                    env={**env, "PYTHONPATH": str(ROOT)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                 )
             )
     return procs
@@ -200,7 +209,8 @@ def test_jarl_train_distributed_in_a_slurm_job_step(task: TaskFiles, tmp_path: P
 
 def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: Path) -> None:
     """Process 1's own error (its reward function raises): it prints its traceback and reports
-    the error; process 0, whose collective then fails, names process 1 and that error."""
+    the error at once; process 0, whose collective then fails, names process 1 and that
+    error rather than calling it dead."""
     overrides = [
         *tiny(task, tmp_path / "run", 2),
         "data.reward=tests.multihost.faulty:fails_on_process_1",
@@ -210,9 +220,37 @@ def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: 
     assert codes == [1, 1]
     failure = "RuntimeError: the reward failed on purpose on process 1"
     assert f"process 1 of 2 failed: {failure} (its log has the traceback)" in log(logs, 0)
-    assert "Traceback" in log(logs, 1) and "process 1 of 2 failed (the traceback above)" in log(
-        logs, 1
-    )
+    assert "Traceback" in log(logs, 1)
+    assert f"process 1 of 2 failed: {failure} (the traceback above)" in log(logs, 1)
+
+
+def test_a_file_missing_on_one_host_stops_every_host(task: TaskFiles, tmp_path: Path) -> None:
+    """The config's checks run on every process and are shared: relative paths that exist on
+    process 0's host (working directory) only stop both processes, each naming process 1."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    (hosts[0] / "train.jsonl").write_bytes(task.train.read_bytes())
+    overrides = [*tiny(task, tmp_path / "run", 1), "data.train=train.jsonl"]
+    logs = tmp_path / "log"
+    codes = finish(start(jarl_train(overrides), 2, logs, cwds=hosts))
+    assert codes == [2, 2]
+    for i in range(2):
+        assert "jarl: on process 1: data.train='train.jsonl' does not exist" in log(logs, i)
+
+
+def test_a_run_folder_not_shared_by_every_host_is_refused(task: TaskFiles, tmp_path: Path) -> None:
+    """All processes write the checkpoints, so trainer.run_dir must be one folder for all; a
+    relative one under different working directories (as on hosts' own disks) is not."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    logs = tmp_path / "log"
+    codes = finish(start(jarl_train(tiny(task, Path("run"), 1)), 2, logs, cwds=hosts))
+    assert codes == [1, 1]
+    refusal = "trainer.run_dir=run is not one folder shared by every host: process 1 does not see"
+    assert refusal in log(logs, 0) and refusal in log(logs, 1)
+    assert not (hosts[1] / "run" / "checkpoints" / "0").exists()
 
 
 def wait_for(path: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:

@@ -1,0 +1,128 @@
+"""Statistics of a set of episodes, as totals that add up over processes.
+
+A step's or an evaluation's episodes are spread over the run's processes. Each process sums
+its own (`episode_totals`, `source_totals`: counts and sums, maxima under ``*/max`` keys), the
+processes exchange only these few numbers (`add_totals`), and the means are taken once
+(`metrics_of_totals`, `success_of_sources`). One process: the same functions over all of them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
+
+Totals = dict[str, float]
+
+
+def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
+    """Sums over the episodes of what `metrics_of_totals` reports."""
+    stops: Counter[str] = Counter(t.stop_reason for t in trajs)
+    lengths = [len(t.response_ids) for t in trajs]
+    out: Totals = {
+        "episodes": len(trajs),
+        "reward": sum(t.reward for t in trajs),
+        "success": sum(t.reward > 0 for t in trajs),
+        "turns": sum(t.num_turns for t in trajs),
+        "tool_calls": sum(t.tool_calls for t in trajs),
+        "malformed_calls": sum(t.malformed_calls for t in trajs),
+        "tool_errors": sum(t.tool_errors for t in trajs),
+        "response_len": sum(lengths),
+        "response_len/max": max(lengths, default=0),
+        "model_tokens": sum(t.num_model_tokens for t in trajs),
+        "untrainable": sum(not t.trainable for t in trajs),
+        "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
+    }
+    out.update({f"stop/{r}": stops.get(r, 0) for r in STOP_REASONS})
+    return out
+
+
+def add_totals(parts: Iterable[Mapping[str, float]]) -> Totals:
+    """The totals of several sets of episodes: sums, and maxima for ``*/max`` keys."""
+    out: Totals = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = max(out.get(k, v), v) if k.endswith("/max") else out.get(k, 0) + v
+    return out
+
+
+def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, float]:
+    """Outcome and behaviour statistics: per-episode means, rates per tool call."""
+    n, calls = max(t["episodes"], 1), max(t["tool_calls"], 1)
+    out = {
+        "reward": t["reward"] / n,
+        "success": t["success"] / n,
+        "turns": t["turns"] / n,
+        "tool_calls": t["tool_calls"] / n,
+        "malformed_call_rate": t["malformed_calls"] / calls,
+        "tool_error_rate": t["tool_errors"] / calls,
+        "response_len/mean": t["response_len"] / n,
+        "response_len/max": float(t["response_len/max"]),
+        "model_tokens/mean": t["model_tokens"] / n,
+        "untrainable": t["untrainable"] / n,
+    }
+    out.update({f"stop/{r}": t[f"stop/{r}"] / n for r in STOP_REASONS})
+    return {prefix + k: float(v) for k, v in out.items()}
+
+
+def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+    """`metrics_of_totals` of one set of episodes."""
+    return metrics_of_totals(episode_totals(trajs), prefix)
+
+
+def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RuntimeError | None:
+    """One trajectory's unexpected error ends that trajectory only (``agent_error``); when
+    every trajectory of a rollout ended so, the backend, the tools or the loop is broken, not
+    the policy: the error to raise (with the first traceback) rather than train on nothing,
+    step after step."""
+    if t["episodes"] and t["stop/agent_error"] == t["episodes"]:
+        return RuntimeError(
+            f"all {int(t['episodes'])} trajectories of the rollout failed; the first:\n"
+            f"{first_error}"
+        )
+    return None
+
+
+def first_error(trajs: Sequence[Trajectory]) -> str | None:
+    return next((t.error for t in trajs if t.stop_reason == "agent_error"), None)
+
+
+def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:
+    """`all_failed_error` of one set of episodes, raised."""
+    error = all_failed_error(episode_totals(trajs), first_error(trajs))
+    if error is not None:
+        raise error
+
+
+def source_totals(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> Totals:
+    """Per ``data_source``: episodes and successes, overall and among the episodes that called
+    a tool."""
+    out: Counter[str] = Counter()
+    for traj, sample in zip(trajs, samples, strict=True):
+        source = sample.data_source or "unknown"
+        win = int(traj.reward > 0)
+        out[f"episodes|{source}"] += 1
+        out[f"success|{source}"] += win
+        if traj.tool_calls:
+            out[f"episodes_with_tool|{source}"] += 1
+            out[f"success_with_tool|{source}"] += win
+    return dict(out)
+
+
+def success_of_sources(t: Mapping[str, float]) -> dict[str, float]:
+    """Success per ``data_source`` (``success/<source>``) and, within it, on the episodes that
+    called a tool (``success_with_tool/<source>``): where a mixed dataset gains or loses."""
+    out = {}
+    sources = sorted(k.split("|", 1)[1] for k in t if k.startswith("episodes|"))
+    for source in sources:
+        out[f"success/{source}"] = t[f"success|{source}"] / t[f"episodes|{source}"]
+        used = t.get(f"episodes_with_tool|{source}", 0)
+        if used:
+            out[f"success_with_tool/{source}"] = t[f"success_with_tool|{source}"] / used
+    return out
+
+
+def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
+    """`success_of_sources` of one set of episodes."""
+    return success_of_sources(source_totals(trajs, samples))
