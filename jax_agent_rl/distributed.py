@@ -98,6 +98,12 @@ def joined_processes() -> int:
     return int(global_state.num_processes) if global_state.client is not None else 1
 
 
+def barrier(name: str) -> None:
+    """Every process waits here until all have come (a device collective: no time limit)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def is_primary() -> bool:
     """Process 0: the one that writes metrics, traces, plots and exports."""
     return jax.process_index() == 0
@@ -317,6 +323,7 @@ __all__ = [
     "Liveness",
     "ProcessGroup",
     "agree_max",
+    "barrier",
     "check_shared_folder",
     "gather_objects",
     "host_copy",

@@ -17,17 +17,19 @@
 #   --dry-run            print every command, run nothing
 #   -h, --help           this text
 #
-# Steps: create or reuse the slice; copy the repository's tracked files (git ls-files) to every
-# worker; `scripts/setup.sh tpu` on every worker (.venv with the locked jax and jax[tpu]; a
-# second run returns at once); then `jarl train CONFIG --distributed ...` on all workers at
-# once (--worker=all). Worker 0's output (process 0: the progress, step lines, and the message
-# naming a dead process) streams here; every worker keeps its log in ~/jarl-train.log. Ctrl-C
-# (or SIGTERM) stops the run on every worker; rerunning the same command resumes from the last
-# checkpoint.
+# Steps: create or reuse the slice; copy the repository's tracked files (git ls-files, and
+# the config if untracked) to every worker; `scripts/setup.sh tpu` on every worker (.venv with
+# the locked jax and jax[tpu]; a second run returns at once); then `jarl train CONFIG
+# --distributed ...` started detached on all workers at once (--worker=all), and worker 0's
+# log (process 0: the progress, step lines, the message naming a failed process) followed
+# here until the run ends; the script exits with the run's code. Every worker keeps its log
+# in ~/jarl-train-<time>.log. Ctrl-C (or SIGTERM) stops the run on every worker; rerunning
+# the same command resumes from the last checkpoint.
 #
-# trainer.run_dir must be a folder every worker sees at the same path (a gcsfuse-mounted
-# bucket, Filestore/NFS): all processes write the orbax checkpoints there, process 0 the
-# metrics. model.path and the data files must exist on every worker (shared folder or --sync).
+# trainer.run_dir must be a folder every worker sees at the same path (Filestore/NFS; a
+# gcsfuse mount with --rename-dir-limit raised): all processes write the orbax checkpoints
+# there, process 0 the metrics. model.path and the data files must exist on every worker
+# (shared folder or --sync).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +46,7 @@ while [[ $# -gt 0 ]]; do
     --sync) sync+=("$2"); shift 2 ;;
     --dir) dir=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     -*) echo "tpu_pod.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -95,15 +97,45 @@ elif ! "${tpu[@]}" describe "$name" "${where[@]}" >/dev/null 2>&1; then
   step "${create[@]}"
 fi
 
-# 2. the code (tracked files, uncommitted edits included) and the --sync paths
-bundle=${TMPDIR:-/tmp}/jax_agent_rl-$$.tgz
+# 2. the code (tracked files, uncommitted edits included), the config if git does not track
+# it, the run's scripts (.jarl/), and the --sync paths
+stamp=$(date +%Y%m%d-%H%M%S)
+log="\$HOME/jarl-train-$stamp.log"  # expanded on the workers
+run_config=$config
+git ls-files --error-unmatch "$config" >/dev/null 2>&1 || run_config=.jarl/$(basename "$config")
+bundle=${TMPDIR:-/tmp}/jax_agent_rl-$$.tar
+stage=$(mktemp -d)
+trap 'rm -rf "$stage" "$bundle" "$bundle.gz"' EXIT
+mkdir -p "$stage/.jarl"
+[[ $run_config == "$config" ]] || cp "$config" "$stage/$run_config"
+# every worker runs .jarl/run.sh detached (a dropped ssh does not stop the run): the train
+# command, its output to the log, its exit code beside it
+cat > "$stage/.jarl/run.sh" <<SCRIPT
+#!/usr/bin/env bash
+cd "\$(dirname "\$0")/.."
+echo \$\$ > "$log.pid"
+.venv/bin/python -m jax_agent_rl.cli train $(printf '%q ' "$run_config" "$@")--distributed >> "$log" 2>&1
+echo \$? > "$log.rc"
+SCRIPT
+# worker 0 follows its log (process 0's) until the run ends, then exits with the run's code
+cat > "$stage/.jarl/follow.sh" <<SCRIPT
+#!/usr/bin/env bash
+until [ -f "$log.pid" ]; do sleep 1; done
+tail -n +1 -F --pid="\$(cat "$log.pid")" "$log" 2>/dev/null
+exit "\$(cat "$log.rc" 2>/dev/null || echo 1)"
+SCRIPT
 if (( dry )); then
-  echo "+ git ls-files -z | tar --null -czf $bundle -T -"
+  echo "+ git ls-files -z | tar --null -cf $bundle -T - && tar -rf $bundle .jarl && gzip $bundle"
+  for file in "$stage"/.jarl/*; do
+    echo "# .jarl/$(basename "$file"):"
+    sed 's/^/#   /' "$file"
+  done
 else
-  git ls-files -z | tar --null -czf "$bundle" -T -
-  trap 'rm -f "$bundle"' EXIT
+  git ls-files -z | tar --null -cf "$bundle" -T -
+  tar -rf "$bundle" -C "$stage" .jarl
+  gzip -f "$bundle"
 fi
-step "${tpu[@]}" scp "$bundle" "$name:/tmp/jax_agent_rl.tgz" "${where[@]}" --worker=all
+step "${tpu[@]}" scp "$bundle.gz" "$name:/tmp/jax_agent_rl.tgz" "${where[@]}" --worker=all
 on_all "mkdir -p $dir && tar -xzf /tmp/jax_agent_rl.tgz -C $dir"
 for path in "${sync[@]}"; do
   abs=$(realpath -m "$path")
@@ -114,19 +146,22 @@ done
 
 # 3. the environment on every worker
 # (TPU VM images ship Ubuntu 22.04 with Python 3.10: the project needs 3.11; bubblewrap is the
-# python tool's sandbox)
-on_all "command -v python3.11 >/dev/null && command -v bwrap >/dev/null || (sudo apt-get update -qq && sudo apt-get install -y -qq python3.11 python3.11-venv bubblewrap)"
+# python tool's sandbox; apt waits for a fresh VM's unattended upgrades to release its lock)
+apt="sudo apt-get -o DPkg::Lock::Timeout=600"
+on_all "command -v python3.11 >/dev/null && command -v bwrap >/dev/null || ($apt update -qq && $apt install -y -qq python3.11 python3.11-venv bubblewrap)"
 on_all "cd $dir && PYTHON=python3.11 bash scripts/setup.sh tpu"
 
-# 4. the run, on every worker at once; Ctrl-C / SIGTERM stop it everywhere
-args=$(printf '%q ' "$config" "$@")
+# 4. the run: started on every worker at once, worker 0's log followed here; Ctrl-C or
+# SIGTERM stop it on every worker
+on_all "cd $dir && setsid nohup bash .jarl/run.sh > /dev/null 2>&1 < /dev/null &"
 stop() {
   echo "tpu_pod.sh: stopping the run on every worker" >&2
   on_all "pkill -INT -f 'jax_agent_rl.cli train' || true"
   exit 130
 }
 trap stop INT TERM
-# worker 0 (process 0) streams its output here; the others only append to their own log
-worker='$(curl -s -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)'
-train=".venv/bin/python -m jax_agent_rl.cli train ${args}--distributed"
-on_all "cd $dir && set -o pipefail && if [ \"$worker\" = 0 ]; then $train 2>&1 | tee -a ~/jarl-train.log; else $train >> ~/jarl-train.log 2>&1; fi"
+follow=("${tpu[@]}" ssh "$name" "${where[@]}" --worker=0 --command "bash $dir/.jarl/follow.sh")
+echo "+ ${follow[*]}"
+(( dry )) && exit 0
+"${follow[@]}" &
+wait $!  # in the background, so that a signal runs the trap at once

@@ -42,7 +42,11 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 echo "setup: installing the pinned $target environment into $venv (first run takes minutes)"
 # The lock lists every package, so dependencies are not resolved again (--no-deps): nothing
 # unpinned can slip in, and vLLM's declared torchvision/torchaudio/torchcodec stay out.
-"${pip[@]}" install --quiet --no-deps -r "$lock"
+index=()
+# elsewhere torch==X resolves to the CUDA build (GBs, and its CUDA libraries are not in the
+# lock): on a TPU VM take the CPU build, which sorts above it (X+cpu)
+[[ $target == tpu ]] && index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+"${pip[@]}" install --quiet --no-deps "${index[@]}" -r "$lock"
 # torchvision/torchaudio/torchcodec from PyPI break `import torch` beside the CPU wheel.
 for pkg in torchvision torchaudio torchcodec; do
   if "${pip[@]}" show --quiet "$pkg" 2>/dev/null; then

@@ -88,4 +88,7 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     if primary:
         plot_run(run.run_dir)
         export_policy(run.run_dir / "hf", cfg, run.model, params)
+    # the others wait on the devices (no time limit) while process 0 exports, rather than in
+    # jax.distributed's shutdown, which gives up after a few minutes (a 7B export can take more)
+    distributed.barrier("exported")
     return run.run_dir

@@ -24,23 +24,62 @@ def test_dry_run_creates_syncs_sets_up_and_runs_on_every_worker() -> None:
         "--spot", "--sync", "/data/model", "--dry-run", CONFIG, "mesh.fsdp=16",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    create, bundle, copy, unpack, mkdir, sync, system, setup, train = _commands(out.stdout)
+    create, bundle, copy, unpack, mkdir, sync, system, setup, start, follow = _commands(out.stdout)
     assert create == (
         "gcloud compute tpus tpu-vm create pod --zone us-west4-a --accelerator-type "
         "v5litepod-16 --version v2-alpha-tpuv5-lite --spot"
     )
     assert bundle.startswith("git ls-files -z | tar")
     assert copy.startswith("gcloud compute tpus tpu-vm scp ") and copy.endswith("--worker=all")
-    for cmd in (unpack, mkdir, system, setup, train):
+    for cmd in (unpack, mkdir, system, setup, start):
         assert cmd.startswith("gcloud compute tpus tpu-vm ssh pod --zone us-west4-a --worker=all")
     assert "scp --recurse /data/model pod:/data/" in sync
     assert "python3.11" in system and "bubblewrap" in system
     assert 'bash scripts/setup.sh tpu"' in setup  # .venv with jax[tpu] (scripts/setup.sh)
-    assert (
-        f".venv/bin/python -m jax_agent_rl.cli train {CONFIG} mesh.fsdp=16 --distributed" in train
-    )
-    # worker 0 (process 0) streams, the others append to their log only
-    assert "agent-worker-number" in train and "2>&1 | tee -a ~/jarl-train.log; else" in train
+    assert "setsid nohup bash .jarl/run.sh" in start  # detached: a dropped ssh does not stop it
+    assert follow.endswith("--worker=0 --command bash ~/jax_agent_rl/.jarl/follow.sh")
+    run = _scripts(out.stdout)["run.sh"]
+    assert f".venv/bin/python -m jax_agent_rl.cli train {CONFIG} mesh.fsdp=16 --distributed" in run
+
+
+def _scripts(out: str) -> dict[str, str]:
+    """The .jarl/ scripts a dry run prints (``# .jarl/NAME:`` then ``#   `` lines)."""
+    scripts: dict[str, list[str]] = {}
+    name = ""
+    for line in out.splitlines():
+        if line.startswith("# .jarl/"):
+            name = line[len("# .jarl/") : -1]
+            scripts[name] = []
+        elif line.startswith("#   ") and name:
+            scripts[name].append(line[4:])
+    return {k: "\n".join(v) + "\n" for k, v in scripts.items()}
+
+
+def test_the_workers_scripts_run_detached_and_follow_to_the_exit_code(tmp_path: Path) -> None:
+    """The run script and the follower, run as a worker runs them (with an interpreter that
+    prints its arguments and exits 3 in place of the training): the follower prints the log
+    and ends with the run's exit code; quoted overrides arrive as single arguments."""
+    out = _run("--name", "pod", "--zone", "z", "--dry-run", CONFIG, "trainer.run_dir=a b")
+    assert out.returncode == 0, out.stderr
+    worker = tmp_path / "jax_agent_rl"
+    (worker / ".jarl").mkdir(parents=True)
+    for name, text in _scripts(out.stdout).items():
+        (worker / ".jarl" / name).write_text(text)
+    python = worker / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/usr/bin/env bash\nfor a in "$@"; do echo "arg[$a]"; done\nexit 3\n')
+    python.chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    subprocess.run(
+        "setsid nohup bash .jarl/run.sh > /dev/null 2>&1 < /dev/null &",
+        shell=True, cwd=worker, env=env, check=True,
+    )  # fmt: skip
+    follow = subprocess.run(
+        ["bash", str(worker / ".jarl" / "follow.sh")],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert follow.returncode == 3
+    assert "arg[trainer.run_dir=a b]" in follow.stdout and "arg[--distributed]" in follow.stdout
 
 
 def test_the_setup_it_runs_installs_jax_tpu_at_the_locked_version() -> None:
@@ -54,7 +93,7 @@ def test_an_existing_slice_is_reused_without_an_accelerator_type() -> None:
     out = _run("--name", "pod", "--zone", "z", "--dry-run", CONFIG)
     assert out.returncode == 0, out.stderr
     assert not any(" create " in c for c in _commands(out.stdout))
-    assert "--distributed" in _commands(out.stdout)[-1]
+    assert "--distributed" in _scripts(out.stdout)["run.sh"]
 
 
 def test_help_and_refusals() -> None:
