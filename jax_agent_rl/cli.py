@@ -119,6 +119,8 @@ def _stop_process(error: BaseException) -> NoReturn:
     first = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     if not is_communication_error(error):
         Liveness.report_failure(first)
+        if me == 0:  # the others, failing alike, report and exit first (see await_reports)
+            Liveness.await_reports()
         verdict = f"{who} failed: {first} (the traceback above)"
     else:
         print(f"jarl: {who}: {first}; which process stopped?", file=sys.stderr, flush=True)

@@ -292,6 +292,15 @@ class Liveness:
             _client().key_value_set(f"{cls._FAILED}{jax.process_index()}", text)
 
     @classmethod
+    def await_reports(cls, timeout_s: float = 10.0) -> None:
+        """Until every other process has reported a failure, or ``timeout_s`` passed. Process 0
+        waits so before it exits: the coordinator goes with it, and JAX aborts a process whose
+        coordinator vanished before that process could report and exit by itself."""
+        deadline = time.monotonic() + timeout_s
+        while len(cls.failures()) < jax.process_count() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    @classmethod
     def failures(cls) -> dict[int, str]:
         """The processes that reported a failure of their own, and why."""
         try:
