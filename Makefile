@@ -10,8 +10,9 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite (the vLLM backend's tests run engines under .venv-vllm)
+test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream)
 	@bash scripts/setup.sh vllm
+	@bash scripts/setup.sh jetstream
 	$(PY) -m pytest
 
 lint: setup  ## ruff (lint + format check) and mypy
@@ -21,6 +22,7 @@ lint: setup  ## ruff (lint + format check) and mypy
 
 bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	@bash scripts/setup.sh vllm
+	@bash scripts/setup.sh jetstream
 	$(PY) bench/decode.py
 	$(PY) bench/forward.py
 	$(PY) bench/tools.py
@@ -28,4 +30,4 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/weight_push.py
 
 clean:
-	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-vllm .venv-jetstream .pytest_cache .mypy_cache .ruff_cache

@@ -62,18 +62,21 @@ class MeshSection:
 class RolloutSection:
     """The inference backend and how it samples."""
 
-    backend: str = "embedded"  # a registered backend: embedded, vllm (rollout/registry.py)
+    backend: str = (
+        "embedded"  # a registered backend: embedded, vllm, jetstream (rollout/registry.py)
+    )
     n: int = 8  # samples per prompt (the GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_model_len: int = 1024  # prompt + response tokens
     max_concurrent: int = 64  # sequences decoded together (engine slots)
-    steps_per_call: int = 4  # decode steps per engine call (embedded backend)
+    steps_per_call: int = 4  # decode steps per engine call (embedded and jetstream backends)
     replicas: int = 1  # engine processes (vllm backend)
     vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
     vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
     vllm_kv_cache_mb: int = 0  # KV cache of each vllm replica; 0: vLLM's share of free memory
+    jetstream_python: str = ""  # the JetStream venv's interpreter; empty: .venv-jetstream's
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refills: int = 3  # extra rollouts of fresh prompts per step, at most
 

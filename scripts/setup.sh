@@ -6,6 +6,9 @@
 #   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build, for the vLLM backend and benchmarks
 #                                         (its own venv: vLLM cannot share a process with
 #                                         TensorFlow, and it pins its own stack)
+#   scripts/setup.sh jetstream .venv-jetstream  JetStream (google-jetstream) and its TensorFlow,
+#                                         for the JetStream backend's server process (its own
+#                                         venv: TensorFlow cannot share a process with vLLM)
 #   scripts/setup.sh tpu      .venv       the main environment plus jax[tpu] at the locked jax
 #                                         version (libtpu), on every worker of a TPU VM slice
 set -euo pipefail
@@ -15,13 +18,14 @@ target=${1:-main}
 case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm, tpu)" >&2; exit 2 ;;
+  jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}
 
 # The python tool's sandbox needs bubblewrap (Debian package; installed once, as root).
-if [[ $target != vllm ]] && ! command -v bwrap >/dev/null; then
+if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
     echo "setup: installing bubblewrap (the python tool's sandbox)"
     apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
@@ -53,7 +57,7 @@ for pkg in torchvision torchaudio torchcodec; do
     "${pip[@]}" uninstall --quiet -y "$pkg"
   fi
 done
-if [[ $target != vllm ]]; then
+if [[ $target == main || $target == tpu ]]; then
   "${pip[@]}" install --quiet --no-deps --no-build-isolation -e .
   check='import jax, torch, transformers, jax_agent_rl'
 fi
@@ -64,6 +68,9 @@ if [[ $target == tpu ]]; then
   check="$check, libtpu"  # (no jax.devices(): on a slice it waits for every worker)
 elif [[ $target == vllm ]]; then
   check='import torch, vllm'
+elif [[ $target == jetstream ]]; then
+  # the server imports this repo through PYTHONPATH, as the vLLM engines do
+  check='import jax, grpc, jetstream.core.orchestrator, safetensors'
 fi
 "$venv/bin/python" -c "$check" \
   || { echo "setup: the $target environment does not import; see the errors above" >&2; exit 1; }

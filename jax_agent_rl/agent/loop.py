@@ -81,7 +81,13 @@ class AgentContext:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        return (self.builder.eos_id, *(self.tokenizer.token_id(t) for t in self.parser.stop_tokens))
+        return turn_stop_ids(self.tokenizer, self.parser)
+
+
+def turn_stop_ids(tokenizer: Tokenizer, parser: ToolCallParser) -> tuple[int, ...]:
+    """The ids a model turn stops at: the tokenizer's end of turn, the parser's stop tokens."""
+    ids = (tokenizer.token_id(tokenizer.eos_token), *map(tokenizer.token_id, parser.stop_tokens))
+    return tuple(dict.fromkeys(ids))
 
 
 AgentLoopFn = Callable[[Sample, AgentContext], Awaitable[Trajectory]]
@@ -109,6 +115,14 @@ def _fits(traj: Trajectory, ctx: AgentContext, ids: list[int]) -> StopReason | N
     return None
 
 
+def _request_seed(ctx: AgentContext, tag: str) -> int | None:
+    """The seed of request ``tag``: none without a run seed, and none for a backend that
+    draws seeds itself (it refuses them: sampling is set per server)."""
+    if ctx.seed is None or not ctx.backend.capabilities.per_request_sampling:
+        return None
+    return zlib.crc32(f"{ctx.seed}/{tag}".encode())
+
+
 async def _generate(
     traj: Trajectory, ctx: AgentContext, n: int, turn_tokens: int
 ) -> tuple[list[int], str]:
@@ -123,7 +137,7 @@ async def _generate(
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        seed=None if ctx.seed is None else zlib.crc32(f"{ctx.seed}/{traj.uid}/{n}".encode()),
+        seed=_request_seed(ctx, f"{traj.uid}/{n}"),
         stop_token_ids=ctx.stop_ids,
     )
     request = GenerateRequest(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -43,11 +44,14 @@ Metrics = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec:
-    """The distribution rollouts sample from (the learner recomputes logprobs under it)."""
+    """The distribution rollouts sample from (the learner recomputes logprobs under it), and
+    whether the sampler reports its logprobs: without them (JetStream), the learner's
+    old-policy logprobs stand in for them, so TIS weights are 1 and no gap is reported."""
 
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    rollout_logprobs: bool = True
 
 
 @jax.tree_util.register_dataclass
@@ -351,6 +355,8 @@ def rl_update(
     a = spec.algo
     critic = None if critic_state is None else critic_state.params
     batch = prepare(spec, state.params, reference, critic, batch, outcomes)
+    if not spec.sampling.rollout_logprobs:  # the sampler gave none: the learner's stand in
+        batch = dataclasses.replace(batch, rollout_logp=batch.old_logp)
     K = a.mini_batches
     minis = jax.tree.map(lambda x: x.reshape(K, x.shape[0] // K, *x.shape[1:]), batch)
 
@@ -375,6 +381,12 @@ def rl_update(
     metrics["logprob_gap/max"] = jnp.max(jnp.where(batch.mask > 0, gap, 0.0))
     metrics["batch/sampled_tokens"] = jnp.sum(batch.mask)
     return carry[0], carry[1], metrics
+
+
+def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
+    return dataclasses.replace(
+        spec, sampling=dataclasses.replace(spec.sampling, rollout_logprobs=given)
+    )
 
 
 def _jit_keeping_layout(fn: Callable[..., Any], states: int) -> Callable[..., Any]:
@@ -441,9 +453,12 @@ class Learner:
             lambda c, batch: jax.lax.map(lambda mb: critic_values(self.spec, c, mb), batch)
         )
         spec, tx, critic_tx = self.spec, self.tx, self.critic_tx
-        self._rl_step = _jit_keeping_layout(
-            lambda s, c, r, b, o: rl_update(spec, tx, critic_tx, s, c, r, b, o), states=2
-        )
+        self._rl_steps = {
+            given: _jit_keeping_layout(
+                partial(rl_update, _with_rollout_logprobs(spec, given), tx, critic_tx), states=2
+            )
+            for given in (True, False)
+        }  # each compiles on first use
         self._policy_step = _jit_keeping_layout(
             lambda s, b: apply_update(policy_objective, spec, tx, s, b), states=1
         )
@@ -545,11 +560,14 @@ class Learner:
         rewards: np.ndarray,
         groups: np.ndarray,
         reference: Weights | None = None,
+        rollout_logprobs: bool = True,
     ) -> dict[str, float]:
         """One RL update (`rl_update`) of this process's host rows ``batch`` [B, T] (see
         `device_batch`) with the rows' rewards and group indices [B] (groups numbered across
         processes): the batch crosses to the devices once, is prepared and trained on there,
-        and only the metrics come back."""
+        and only the metrics come back. ``rollout_logprobs=False``: the batch's rollout
+        logprobs are not the sampler's (its backend reports none); the learner's old-policy
+        logprobs take their place, and ``rollout/logprobs_recomputed`` is 1."""
         device = self.device_batch(batch, local=True)
         M = device.tokens.shape[0]
         outcomes = Outcomes(
@@ -557,12 +575,13 @@ class Learner:
             np.asarray(groups, np.int32).reshape(M, -1),
         )
         outcomes = self._upload(outcomes, self._row_sharding)
-        self.state, self.critic_state, metrics = self._rl_step(
+        self.state, self.critic_state, metrics = self._rl_steps[rollout_logprobs](
             self.state, self.critic_state, reference, device, outcomes
         )
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not out["batch/sampled_tokens"]:  # no sampled token: no gap to report
+        if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
+        out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
         return out
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:

@@ -34,7 +34,9 @@ class BackendBuild:
     ``version``; ``checkpoint`` is the HF folder they came from, for engines that load their
     own copy first (vLLM) and then receive ``params``. ``sharder`` lays out an in-process
     engine on the run's inference mesh (`models.inference_mesh`); backends that own their
-    devices (vLLM's processes) ignore it."""
+    devices (vLLM's processes) ignore it. ``stop_token_ids`` are the ids every request of the
+    run stops at (the chat template's end of turn, the parser's stop tokens): a backend that
+    cannot take stop ids per request (JetStream) stops at these server-wide."""
 
     rollout: RolloutSection
     model: ModelConfig
@@ -44,6 +46,7 @@ class BackendBuild:
     version: int = 0
     seed: int = 0
     sharder: Sharder | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def _no_problems(rollout: RolloutSection) -> list[str]:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jax_agent_rl import distributed
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
@@ -283,6 +283,7 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     """Starts ``rollout.backend`` serving the learner's current params as weight version
     ``run.start``, and the tools; closes both on the way out."""
     cfg = run.cfg
+    parser = make_parser(cfg.agent.parser)
     backend = make_backend(
         BackendBuild(
             cfg.rollout,
@@ -293,14 +294,22 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
             version=run.start,
             seed=cfg.trainer.seed,
             sharder=run.serving.sharder,
+            stop_token_ids=turn_stop_ids(run.tokenizer, parser),
         )
     )
     tools = make_tools(cfg.tools, run.registry, os.environ)
+    greedy_eval = backend.capabilities.per_request_sampling
+    if not greedy_eval:
+        run.console.print(
+            f"rollout.backend={cfg.rollout.backend} samples as its server was set "
+            f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
+        )
     try:
         ctx = await AgentContext.create(
-            backend, run.tokenizer, tools, make_parser(cfg.agent.parser), agent_config(cfg, False)
+            backend, run.tokenizer, tools, parser, agent_config(cfg, False)
         )
-        yield Rollout(backend, tools, ctx, dataclasses.replace(ctx, config=agent_config(cfg, True)))
+        eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
+        yield Rollout(backend, tools, ctx, eval_ctx)
     finally:
         await backend.close()
         await tools.close()

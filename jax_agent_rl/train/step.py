@@ -196,13 +196,19 @@ def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
 
 
 def learn(
-    run: Run, kept: Sequence[Trajectory], seen: Sequence[Trajectory], rollout_s: float = 0.0
+    run: Run,
+    kept: Sequence[Trajectory],
+    seen: Sequence[Trajectory],
+    rollout_s: float = 0.0,
+    rollout_logprobs: bool = True,
 ) -> tuple[dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update
     (`Learner.train_step`). ``seen`` (every episode this process sampled) and ``rollout_s``
     (how long this process's rollout took) go into the metrics, which are those of every
     process (their `episode_totals` added up); returns them and those totals.
+    ``rollout_logprobs``: whether the trajectories carry the sampler's logprobs (a backend
+    without them has the learner's stand in, `Learner.train_step`).
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -237,7 +243,7 @@ def learn(
     t0 = time.perf_counter()
     if most:  # one upload, then old / reference logprobs, advantages, updates on device
         padded, groups = padded_outcomes(rewards, group_ids, rows, first_group=me * rows)
-        m.update(learner.train_step(batch, padded, groups, run.reference))
+        m.update(learner.train_step(batch, padded, groups, run.reference, rollout_logprobs))
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -261,7 +267,13 @@ async def rl_step(
     plot)."""
     t0 = time.perf_counter()
     kept, seen = await collect(run, rollout.ctx, step)
-    m, totals = learn(run, kept, seen, rollout_s=time.perf_counter() - t0)
+    m, totals = learn(
+        run,
+        kept,
+        seen,
+        rollout_s=time.perf_counter() - t0,
+        rollout_logprobs=rollout.backend.capabilities.logprobs,
+    )
     t1 = time.perf_counter()
     await rollout.backend.update_weights(run.serving_params(), step + 1)
     t_push = time.perf_counter() - t1

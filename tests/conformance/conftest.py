@@ -3,10 +3,13 @@
 Each backend is built by a factory registered in ``BACKENDS`` from the same locally written
 checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
 that need their own venv run it in their own processes (vLLM: `gpu_backend`, under
-``.venv-vllm``); the suite itself does not change.
+``.venv-vllm``; JetStream: `jax_agent_rl.rollout.jetstream`, under ``.venv-jetstream``); the
+suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
+refuses (or, for logprobs, does not make up).
 """
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,7 +50,41 @@ def _vllm(path: Path) -> RolloutBackend:
     )
 
 
-BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {"embedded": _embedded, "vllm": _vllm}
+def _jetstream(path: Path) -> RolloutBackend:
+    from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling
+
+    return JetStreamBackend(  # JetStream's server in its own venv and process
+        path,
+        ModelConfig.from_pretrained(path),
+        sampling=ServerSampling(SERVER_SAMPLING.temperature, SERVER_SAMPLING.top_k),
+        max_model_len=MAX_LEN,
+        slots=SLOTS,
+    )
+
+
+BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {
+    "embedded": _embedded,
+    "vllm": _vllm,
+    "jetstream": _jetstream,
+}
+
+# how a backend without per-request sampling (JetStream) is started here: greedy, so that its
+# results can be compared with the others'
+SERVER_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def as_served(backend: RolloutBackend, sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` as ``backend`` serves it: unchanged where it samples per request, else the
+    server's sampling (and no seed) with the request's budget and stop ids."""
+    if backend.capabilities.per_request_sampling:
+        return sampling
+    return dataclasses.replace(
+        sampling,
+        temperature=SERVER_SAMPLING.temperature,
+        top_k=SERVER_SAMPLING.top_k,
+        top_p=SERVER_SAMPLING.top_p,
+        seed=None,
+    )
 
 
 @pytest.fixture(scope="session")

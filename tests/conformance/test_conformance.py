@@ -13,7 +13,7 @@ from jax_agent_rl.rollout import (
     RolloutBackend,
     SamplingParams,
 )
-from tests.conformance.conftest import MAX_LEN, Learner, perturbed, run
+from tests.conformance.conftest import MAX_LEN, Learner, as_served, perturbed, run
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -53,9 +53,24 @@ def test_greedy_is_deterministic(backend: RolloutBackend) -> None:
     assert a.finish_reason == "length"
 
 
+def _gap(a: GenerateResult, b: GenerateResult) -> float:
+    """The largest difference of two results' logprobs (0 where neither has any)."""
+    if a.logprobs is None and b.logprobs is None:
+        return 0.0
+    return float(np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max())
+
+
 def test_seeded_sampling_reproduces(backend: RolloutBackend) -> None:
     prompt = _prompt(1, 7)
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+    if not backend.capabilities.per_request_sampling:  # declared absent: refused, by name
+        with pytest.raises(InvalidRequestError, match="seed=1234"):
+            seeded = dataclasses.replace(as_served(backend, params), seed=1234)
+            run(backend.generate(_req("a", prompt, seeded)))
+        other = dataclasses.replace(as_served(backend, params), temperature=0.7)
+        with pytest.raises(InvalidRequestError, match="temperature=0.7"):
+            run(backend.generate(_req("t", prompt, other)))
+        return
     a = run(backend.generate(_req("a", prompt, params)))
     b = run(backend.generate(_req("b", prompt, params)))
     c = run(backend.generate(_req("c", prompt, dataclasses.replace(params, seed=99))))
@@ -98,6 +113,10 @@ def test_logprobs_match_learner_recomputation(
     backend: RolloutBackend, learner: Learner, sampling: SamplingParams
 ) -> None:
     prompt = _prompt(4, 11)
+    if as_served(backend, sampling) != sampling:  # this backend's server samples otherwise
+        with pytest.raises(InvalidRequestError):
+            run(backend.generate(_req("lp", prompt, sampling)))
+        return
     result = run(backend.generate(_req("lp", prompt, sampling)))
     if not backend.capabilities.logprobs:
         # declared absent: the trainer recomputes them, so none may be made up here
@@ -124,7 +143,9 @@ def _mixed_requests(n: int) -> list[GenerateRequest]:
 
 
 def test_concurrent_requests_equal_sequential(backend: RolloutBackend) -> None:
-    requests = _mixed_requests(14)
+    requests = [
+        dataclasses.replace(r, sampling=as_served(backend, r.sampling)) for r in _mixed_requests(14)
+    ]
 
     async def together() -> list[GenerateResult]:
         return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
@@ -140,8 +161,7 @@ def test_concurrent_requests_equal_sequential(backend: RolloutBackend) -> None:
         assert a.token_ids == b.token_ids, req.request_id
         assert a.finish_reason == b.finish_reason == "length"
         assert len(a.token_ids) == req.sampling.max_tokens
-        tol = backend.capabilities.logprob_tolerance
-        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= tol
+        assert _gap(a, b) <= backend.capabilities.logprob_tolerance
 
 
 def test_abort_running_and_queued(backend: RolloutBackend) -> None:
@@ -152,7 +172,7 @@ def test_abort_running_and_queued(backend: RolloutBackend) -> None:
     machine a request may finish before its abort lands, which is a legal outcome (the whole
     result). So a round may end either way per request, and the test asks for a round where
     both aborts took effect within ``ROUNDS`` rounds (each round is a fresh race)."""
-    long = SamplingParams(max_tokens=100, temperature=1.0, seed=5)
+    long = as_served(backend, SamplingParams(max_tokens=100, temperature=1.0, seed=5))
     if not backend.capabilities.abort:  # declared absent: aborting must fail loudly
         with pytest.raises(Exception):  # noqa: B017 - any clear refusal will do
             run(backend.abort("anything"))
@@ -195,7 +215,7 @@ def test_update_weights_changes_outputs_and_stamps_versions(
     after = run(backend.generate(_req("v1", prompt, GREEDY)))
     assert after.weight_version == v + 1
     assert after.token_ids != before.token_ids
-    sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=3)
+    sampling = as_served(backend, SamplingParams(max_tokens=20, temperature=1.0, seed=3))
     result = run(backend.generate(_req("v1s", prompt, sampling)))
     if backend.capabilities.logprobs:
         _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=new)
@@ -207,7 +227,7 @@ def test_update_weights_changes_outputs_and_stamps_versions(
 def test_request_arriving_during_weight_swap(backend: RolloutBackend, learner: Learner) -> None:
     """Every result is sampled under exactly the version it is stamped with."""
     new = perturbed(learner.weights, seed=2)
-    sampling = SamplingParams(max_tokens=40, temperature=1.0, seed=11)
+    sampling = as_served(backend, SamplingParams(max_tokens=40, temperature=1.0, seed=11))
     prompts = [_prompt(20 + i, 6) for i in range(6)]
 
     async def scenario() -> list[GenerateResult]:
@@ -238,14 +258,13 @@ def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:
     """A session's next turn (prompt = previous prompt + sampled + new tokens) samples exactly
     what a fresh request would, whether or not the backend reuses the cached prefix."""
     turn1 = _prompt(30, 9)
-    sampling = SamplingParams(max_tokens=10, temperature=1.0, seed=21)
+    sampling = as_served(backend, SamplingParams(max_tokens=10, temperature=1.0, seed=21))
     r1 = run(backend.generate(_req("s1", turn1, sampling, session_id="traj-1")))
     turn2 = turn1 + r1.token_ids + _prompt(31, 5)
     in_session = run(backend.generate(_req("s2", turn2, sampling, session_id="traj-1")))
     fresh = run(backend.generate(_req("s2f", turn2, sampling)))
     assert in_session.token_ids == fresh.token_ids
-    tol = backend.capabilities.logprob_tolerance
-    assert np.abs(np.array(in_session.logprobs) - np.array(fresh.logprobs)).max() <= tol
+    assert _gap(in_session, fresh) <= backend.capabilities.logprob_tolerance
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,171 @@
+"""The JetStream server process: this project's engine under JetStream's own orchestrator
+(``Driver``) and gRPC servicer, on loopback. Runs under ``.venv-jetstream``, started by
+`jax_agent_rl.rollout.jetstream.JetStreamBackend`:
+
+    .venv-jetstream/bin/python -m jax_agent_rl.rollout.jetstream_server '{"checkpoint": ...}'
+
+It writes one JSON line to its stdout once serving, ``{"port", "vocab_size", "max_len"}`` (or
+``{"error"}`` and exits), and serves until its stdin closes: the client is gone, so is the
+server. Everything else it prints (JetStream logs to stdout) goes to stderr.
+
+Services on the port:
+
+- ``jetstream_proto.Orchestrator``: JetStream's ``Decode`` and ``HealthCheck``. A guard in
+  front of ``Decode`` refuses (``INVALID_ARGUMENT``) what would raise inside JetStream's
+  threads, since JetStream then kills the whole process: text prompts (this server takes token
+  ids), ids outside the vocabulary, prompts leaving no room to generate, and requests without
+  a ``session_cache`` (JetStream 0.2.2 prepends a BOS token to those; any non-empty string
+  turns that off).
+- ``jarl.Control/Load``: the request is JSON ``{"path"}``, an HF checkpoint folder (config.json
+  and safetensors, as `models.save_hf` writes it) whose weights replace the served ones; the
+  reply is JSON ``{"seconds"}``. The weights keep their shapes, so nothing compiles again. The
+  client drains its requests first, so no request sees two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO
+
+HOST = "127.0.0.1"
+
+
+def _send(out: BinaryIO, message: dict[str, Any]) -> None:
+    out.write(json.dumps(message).encode() + b"\n")
+    out.flush()
+
+
+def _problem(request: Any, vocab_size: int, max_len: int) -> str | None:  # noqa: PLR0911 - one return per check
+    """Why JetStream must not see ``request`` (a ``DecodeRequest``), or None."""
+    if request.WhichOneof("content") != "token_content":
+        return "this server takes token ids (token_content), not text"
+    if not request.session_cache:
+        return (
+            "session_cache is empty: JetStream would put a BOS token before the prompt; "
+            "set it to any non-empty string"
+        )
+    ids = list(request.token_content.token_ids)
+    if not ids:
+        return "token_ids is empty"
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+    if len(ids) >= max_len:
+        return f"a prompt of {len(ids)} tokens leaves no room within max_len={max_len}"
+    if request.max_tokens < 1:
+        return f"max_tokens={request.max_tokens}: must be at least 1"
+    return None
+
+
+async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
+    import grpc
+    import jax
+
+    from third_party.jetstream import compat
+
+    compat.install()
+    from jetstream.core import orchestrator
+    from jetstream.core.proto import jetstream_pb2_grpc
+
+    from jax_agent_rl.engine import Engine, SamplingParams
+    from jax_agent_rl.models import Sharder, load_hf, make_mesh
+    from third_party.jetstream.engine import JetStreamEngine, LiveParams
+
+    logging.getLogger().setLevel(logging.WARNING)  # JetStream logs every decode step at DEBUG
+
+    devices = jax.local_devices()[: config.get("devices", 1)]
+    tensor = config.get("tensor", 1)
+    sharder = (
+        None
+        if len(devices) == 1
+        else Sharder(make_mesh(len(devices) // tensor, 1, tensor, devices=devices))
+    )
+    model, weights = load_hf(config["checkpoint"], config["dtype"])
+    max_len = config["max_len"]
+    engine = Engine(model, max_concurrent_decodes=config["slots"], max_len=max_len, sharder=sharder)
+    params = LiveParams(engine.load_params(weights))
+    if config.get("warmup", True):
+        engine.warmup(params.current, config["steps"])
+    sampling = SamplingParams(
+        max_tokens=1,
+        temperature=config["temperature"],
+        top_k=config["top_k"],
+        top_p=config["top_p"],
+        stop_token_ids=tuple(config["stop_ids"]),
+    )
+    adapter = JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
+    driver = orchestrator.Driver(
+        prefill_engines=[adapter],
+        generate_engines=[adapter],
+        prefill_params=[params],
+        generate_params=[params],
+        interleaved_mode=True,
+    )
+
+    class Guarded(orchestrator.LLMOrchestrator):  # type: ignore[misc]
+        async def Decode(self, request: Any, context: Any = None) -> AsyncIterator[Any]:  # noqa: N802 - gRPC's name
+            problem = _problem(request, model.vocab_size, max_len)
+            if problem is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            async for response in super().Decode(request, context):
+                yield response
+
+    def load(folder: str) -> float:
+        t0 = time.perf_counter()
+        _, new = load_hf(folder, config["dtype"])
+        params.swap(jax.block_until_ready(engine.load_params(new)))
+        return time.perf_counter() - t0
+
+    async def control_load(request: bytes, context: Any) -> bytes:
+        try:
+            seconds = await asyncio.to_thread(load, json.loads(request)["path"])
+        except Exception as e:  # the old weights keep serving; the client reports it
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return json.dumps({"seconds": seconds}).encode()
+
+    server = grpc.aio.server()
+    jetstream_pb2_grpc.add_OrchestratorServicer_to_server(Guarded(driver), server)
+    control = grpc.method_handlers_generic_handler(
+        "jarl.Control", {"Load": grpc.unary_unary_rpc_method_handler(control_load)}
+    )
+    server.add_generic_rpc_handlers((control,))
+    port = server.add_insecure_port(f"{HOST}:0")
+    await server.start()
+    _send(out, {"port": port, "vocab_size": model.vocab_size, "max_len": max_len})
+    try:  # serve until the client closes our stdin (or dies)
+        await asyncio.to_thread(sys.stdin.buffer.read)
+    finally:
+        await server.stop(grace=None)
+        driver.stop()
+
+
+def main() -> None:
+    # the client reads the original stdout; JetStream's own logging goes to stderr
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    config = json.loads(sys.argv[1])
+    try:
+        import jetstream  # noqa: F401
+    except ImportError as e:
+        message = (
+            f"JetStream is not importable by {sys.executable} ({e}); "
+            "build its environment with `scripts/setup.sh jetstream`"
+        )
+        _send(out, {"error": message})
+        sys.exit(1)
+    try:
+        asyncio.run(_serve(config, out))
+    except Exception as e:
+        logging.exception("the JetStream server failed")
+        _send(out, {"error": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Thin compatibility code for third-party engines, each beside its license notice."""
