@@ -225,6 +225,11 @@ class JetStreamBackend:
         """The server process (it leads a process group)."""
         return [self.proc.pid]
 
+    def in_flight(self) -> list[str]:
+        """The requests sent to the server and not finished yet."""
+        with self._lock:
+            return [rid for rid, call in self._calls.items() if call.rpc is not None]
+
     def log_errors(self, last: int = 6) -> str:
         """The distinct exception lines of the server's log."""
         try:

@@ -151,7 +151,7 @@ def main() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     config = json.loads(sys.argv[1])
     try:
-        import jetstream  # noqa: F401
+        import jetstream.core.orchestrator  # noqa: F401 - JetStream's stack, TensorFlow included
     except ImportError as e:
         message = (
             f"JetStream is not importable by {sys.executable} ({e}); "

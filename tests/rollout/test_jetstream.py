@@ -1,0 +1,176 @@
+"""The JetStream backend beyond the conformance suite: JetStream's own orchestrator serving our
+engine samples exactly what the in-process backend does, a killed server aborts what was in
+flight, and the ways the backend must refuse to start. No test leaves a server behind."""
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import ModelConfig, load_hf
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import (
+    EmbeddedBackend,
+    GenerateRequest,
+    GenerateResult,
+    InvalidRequestError,
+    SamplingParams,
+)
+from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling, ServerStartError
+
+MAX_LEN = 128
+SLOTS = 4
+
+
+def _gone(pid: int, wait_s: float = 30.0) -> bool:
+    """No process is left in the group ``pid`` led (killed ones may take a moment to be
+    reaped)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("jetstream") / "tiny", TINY_QWEN2)
+
+
+def _server(checkpoint: Path, stops: tuple[int, ...] = (), **kw: object) -> JetStreamBackend:
+    return JetStreamBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        sampling=ServerSampling(temperature=0.0, stop_token_ids=stops),
+        max_model_len=MAX_LEN,
+        slots=SLOTS,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def closing() -> Iterator[list[JetStreamBackend]]:
+    """Backends a test started: closed after it, and none of their processes left."""
+    started: list[JetStreamBackend] = []
+    yield started
+    for backend in started:
+        asyncio.run(backend.close())
+        assert _gone(backend.proc.pid)
+
+
+def _prompts() -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(0)
+    return [tuple(int(t) for t in rng.integers(1, 500, n)) for n in (3, 9, 17, 31, 64, 110)]
+
+
+async def _all(backend: object, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    return list(await asyncio.gather(*(backend.generate(r) for r in requests)))  # type: ignore[attr-defined]
+
+
+def test_jetstream_serves_the_greedy_tokens_of_the_in_process_backend(
+    checkpoint: Path, closing: list[JetStreamBackend]
+) -> None:
+    """The peer check: more prompts than slots, so JetStream's orchestrator queues, inserts
+    and frees slots; its server stops at its own stop id, the client at the request's other."""
+    cfg, weights = load_hf(checkpoint)
+    embedded = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN), weights)
+    prompts = _prompts()
+    free = SamplingParams(max_tokens=24, temperature=0.0)
+    replies = asyncio.run(
+        _all(embedded, [GenerateRequest(f"f{i}", p, free) for i, p in enumerate(prompts)])
+    )
+    # stop ids that end some replies early: the server's (from one reply) and another one
+    server_stop, client_stop = replies[0].token_ids[5], replies[2].token_ids[7]
+    samplings = [
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(server_stop,)),
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(client_stop, server_stop)),
+    ]
+    requests = [
+        GenerateRequest(f"r{k}-{i}", p, sampling)
+        for k, sampling in enumerate(samplings)
+        for i, p in enumerate(prompts)
+    ]
+    reference = asyncio.run(_all(embedded, requests))
+    asyncio.run(embedded.close())
+
+    jetstream = _server(checkpoint, stops=(server_stop,))
+    closing.append(jetstream)
+    served = asyncio.run(_all(jetstream, requests))
+    for ours, theirs in zip(reference, served, strict=True):
+        assert theirs.token_ids == ours.token_ids
+        assert theirs.finish_reason == ours.finish_reason
+        assert theirs.logprobs is None  # declared absent, not made up
+    finishes = [r.finish_reason for r in served]
+    assert "stop" in finishes[: len(prompts)] and "length" in finishes[: len(prompts)]
+    assert finishes[2] == "length" and finishes[len(prompts) + 2] == "stop"  # the client's stop
+    # the last prompt (110 tokens) meets the model length before its budget
+    assert len(served[5].token_ids) == MAX_LEN - 110 and served[5].finish_reason == "length"
+    # a request that does not stop where the server stops is refused, naming the id
+    with pytest.raises(InvalidRequestError, match=f"does not stop at \\[{server_stop}\\]"):
+        asyncio.run(jetstream.generate(GenerateRequest("free", prompts[0], free)))
+
+
+def test_a_killed_server_aborts_what_was_in_flight(
+    checkpoint: Path, closing: list[JetStreamBackend]
+) -> None:
+    backend = _server(checkpoint)
+    closing.append(backend)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    pid = backend.proc.pid
+
+    async def scenario() -> list[GenerateResult]:
+        # the server is stopped, so no request can finish before the kill
+        os.killpg(pid, signal.SIGSTOP)
+        tasks = [
+            asyncio.create_task(backend.generate(GenerateRequest(f"r{i}", (5, 6, 7 + i), long)))
+            for i in range(6)  # more than the slots: some wait in JetStream's queue
+        ]
+        while len(backend.in_flight()) < 6:
+            await asyncio.sleep(0)
+        os.killpg(pid, signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
+    results = asyncio.run(scenario())
+    assert [r.finish_reason for r in results] == ["abort"] * 6
+    assert all(len(r.token_ids) < 100 for r in results)
+    deadline = time.monotonic() + 60
+    while backend.exited is None and time.monotonic() < deadline:  # the watcher reaps it
+        time.sleep(0.05)
+    assert backend.exited == f"exit code {-signal.SIGKILL}"
+    with pytest.raises(RuntimeError, match="JetStream server has exited"):
+        asyncio.run(backend.generate(GenerateRequest("after", (5, 6), long)))
+    assert _gone(pid)
+
+
+def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ServerStartError, match=r"scripts/setup.sh jetstream"):
+        _server(checkpoint, python=tmp_path / "no-venv" / "bin" / "python")
+
+
+def test_interpreter_without_jetstream_names_the_fix(checkpoint: Path) -> None:
+    # this test process's interpreter has JetStream's client stubs but not its server's stack
+    with pytest.raises(ServerStartError, match=r"not importable.*scripts/setup.sh jetstream"):
+        _server(checkpoint, python=sys.executable)
+
+
+def test_a_checkpoint_the_server_cannot_load_fails_with_its_reason(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    data = (checkpoint / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a cut-off download
+    with pytest.raises(ServerStartError) as error:
+        _server(broken)
+    assert "safetensors" in str(error.value).lower() or "header" in str(error.value).lower()
