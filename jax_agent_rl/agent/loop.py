@@ -86,8 +86,8 @@ class AgentContext:
 
 def turn_stop_ids(tokenizer: Tokenizer, parser: ToolCallParser) -> tuple[int, ...]:
     """The ids a model turn stops at: the tokenizer's end of turn, the parser's stop tokens."""
-    ids = (tokenizer.token_id(tokenizer.eos_token), *map(tokenizer.token_id, parser.stop_tokens))
-    return tuple(dict.fromkeys(ids))
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys([*eos, *map(tokenizer.token_id, parser.stop_tokens)]))
 
 
 AgentLoopFn = Callable[[Sample, AgentContext], Awaitable[Trajectory]]

@@ -425,14 +425,14 @@ class JetStreamBackend:
 
     def _stop(self, timeout_s: float = 30.0) -> None:
         assert self.proc.stdin is not None
+        if hasattr(self, "_channel"):
+            self._channel.close()
         with contextlib.suppress(OSError):
             self.proc.stdin.close()  # the server's signal to stop
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout_s)
         self._kill()
         self._watcher.join()
-        if hasattr(self, "_channel"):
-            self._channel.close()
         self._pool.shutdown(wait=True)
 
     def _kill(self) -> None:

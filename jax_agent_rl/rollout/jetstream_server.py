@@ -108,7 +108,7 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
         interleaved_mode=True,
     )
 
-    class Guarded(orchestrator.LLMOrchestrator):  # type: ignore[misc]
+    class Guarded(orchestrator.LLMOrchestrator):
         async def Decode(self, request: Any, context: Any = None) -> AsyncIterator[Any]:  # noqa: N802 - gRPC's name
             problem = _problem(request, model.vocab_size, max_len)
             if problem is not None:

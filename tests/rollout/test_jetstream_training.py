@@ -1,0 +1,55 @@
+"""`jarl train` with ``rollout.backend=jetstream``: the demo config trains on trajectories that
+JetStream's server sampled, the learner stands in for the logprobs it does not return, and the
+step after a weight push samples under the pushed weights."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.train.traces import read_traces
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
+
+
+def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
+        f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}",
+        f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
+        "rollout.backend=jetstream", "sft.steps=2", "sft.batch_size=8",
+        "data.prompts_per_step=2", "rollout.n=4", "rollout.max_model_len=128",
+        "rollout.max_concurrent=8", "agent.max_response_tokens=64", "learner.micro_batch_size=8",
+        "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=1",
+        "trainer.tensorboard=false",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "evaluation samples so too, not greedily" in done.stdout  # said, not hidden
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if r["phase"] == "train"}
+    assert sorted(train) == [1, 2]
+    for step in (1, 2):
+        m = train[step]
+        assert 0.0 <= m["reward"] <= 1.0 and m["batch/trajectories"] == 8
+        assert m["stop/aborted"] == 0
+        assert m["rollout/logprobs_recomputed"] == 1.0  # the learner's stand in for JetStream's
+        assert "logprob_gap/max" not in m  # no gap between a logprob and itself to report
+        assert m["time/weight_push_s"] > 0
+    assert {r["step"] for r in records if r["phase"] == "val"} == {0, 1, 2}
+    # every turn of step k is sampled under the weights step k - 1 pushed (version k - 1)
+    for step in (1, 2):
+        traces = read_traces(run_dir / "traces.jsonl", step)
+        assert traces and all(set(t["weight_versions"]) == {step - 1} for t in traces)
+    assert (run_dir / "hf" / "model.safetensors").is_file()
