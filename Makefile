@@ -23,7 +23,7 @@ lint: setup  ## ruff (lint + format check) and mypy
 bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	@bash scripts/setup.sh vllm
 	@bash scripts/setup.sh jetstream
-	$(PY) bench/decode.py
+	$(PY) bench/decode.py --backends embedded,jetstream,vllm
 	$(PY) bench/forward.py
 	$(PY) bench/tools.py
 	$(PY) bench/rollout.py --backends embedded,vllm

@@ -1,18 +1,24 @@
-"""Decode throughput: the embedded JAX engine against vLLM's CPU build, in one run.
+"""Decode throughput: the embedded JAX engine against vLLM's CPU build and against the same
+engine served by JetStream's orchestrator, in one run.
 
-Both engines serve the SAME checkpoints, written here by transformers: tiny (~0.46M params,
+All serve the SAME checkpoints, written here by transformers: tiny (~0.46M params,
 head_dim 64) and small (Qwen2-style, ~40M: hidden 512, 8 layers, 8 heads, 2 kv heads,
 intermediate 1536, vocab 32000). Workload: batch B of random 32-token prompts, 128 new tokens
-each, temperature 1, EOS ignored, logprobs returned; fp32 and bf16; B in 1, 8, 32. Both go
-through their full asyncio `RolloutBackend` (``--backends embedded,vllm``): the embedded engine's
-continuous batching, and vLLM's ``AsyncLLM`` in its own process (`gpu_backend`), not bare loops.
+each, temperature 1, EOS ignored, logprobs returned (JetStream returns none); fp32 and bf16; B
+in 1, 8, 32. Each goes through its full asyncio `RolloutBackend` (``--backends
+embedded,jetstream,vllm``): the embedded engine's continuous batching, JetStream's Driver and
+gRPC server in their own process (`jax_agent_rl.rollout.jetstream`, 8 decode steps per engine
+call like the embedded one's), and vLLM's ``AsyncLLM`` in its own process (`gpu_backend`).
+``_ratio`` is jax / vLLM; ``_jetstream_overhead`` is jax / JetStream: what JetStream's serving
+loop (a Python thread per stage, one gRPC stream per request) costs over the same engine.
 
 The same run measures the machine: matmul FLOP/s per dtype (a 2048^3 jitted matmul) and
 memory bandwidth (a jitted reduction over 400 MB). The roofline bound for a decode step at
 batch B is max(2 * params * B / peak_flops, param_bytes / bandwidth); each engine's tokens/s
 is reported as a fraction of B / that time. Ends with one JSON line.
 
-    .venv/bin/python bench/decode.py [--batches 1,8,32] [--models tiny,small] [--backends embedded]
+    .venv/bin/python bench/decode.py [--batches 1,8,32] [--models tiny,small]
+                                     [--backends embedded,jetstream,vllm]
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_check
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, RolloutBackend, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VENVS = {"vllm": ".venv-vllm", "jetstream": ".venv-jetstream"}
+LABELS = {"embedded": "jax", "vllm": "vllm", "jetstream": "jetstream"}
 MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 DTYPES = ("float32", "bfloat16")
 
@@ -71,7 +78,7 @@ def throughput(backend: RolloutBackend, vocab: int, batch: int, prompt_len: int,
             GenerateRequest(
                 f"{tag}{i}",
                 tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
-                SamplingParams(max_tokens=new, temperature=1.0, seed=i),
+                SamplingParams(max_tokens=new, temperature=1.0),  # (JetStream takes no seed)
             )
             for i in range(batch)
         ]
@@ -95,6 +102,12 @@ def decode(
         backend = VLLMBackend(
             ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, max_num_seqs=max(batches)
         )
+    elif name == "jetstream":
+        from jax_agent_rl.rollout.jetstream import JetStreamBackend
+
+        backend = JetStreamBackend(
+            ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, slots=max(batches), steps=8
+        )
     else:
         engine = Engine(cfg, max_concurrent_decodes=max(batches), max_len=prompt_len + new)
         backend = EmbeddedBackend(engine, w, steps_per_call=8)
@@ -112,25 +125,30 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--backends", default="embedded,vllm", help="embedded, or embedded,vllm")
+    parser.add_argument(
+        "--backends", default="embedded,jetstream,vllm", help="comma-separated, embedded first"
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    with_vllm = "vllm" in args.backends.split(",")
-    if with_vllm and not VLLM_PYTHON.exists():
-        sys.exit("bench/decode.py: .venv-vllm is missing; run `scripts/setup.sh vllm` first")
+    backends = args.backends.split(",")
+    if backends[0] != "embedded" or not set(backends) <= set(LABELS):
+        sys.exit(f"bench/decode.py: --backends {args.backends}: embedded first, then of {LABELS}")
+    for name in backends[1:]:
+        if not (ROOT / VENVS[name] / "bin" / "python").exists():
+            sys.exit(f"bench/decode.py: {VENVS[name]} is missing; run `scripts/setup.sh {name}`")
 
     figures: dict[str, object] = {"bench": "decode", "prompt": args.prompt, "new": args.new}
     hw = machine()
     figures.update({k: round(v, 1) for k, v in hw.items()})
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            ckpt = write_hf_checkpoint(Path(tmp) / name, MODELS[name])
+        for model in args.models.split(","):
+            ckpt = write_hf_checkpoint(Path(tmp) / model, MODELS[model])
             n_params = load_hf(ckpt)[0].num_params
             for dtype in DTYPES:
-                ours = decode("embedded", ckpt, dtype, batches, args.prompt, args.new)
-                theirs = (
-                    decode("vllm", ckpt, dtype, batches, args.prompt, args.new) if with_vllm else {}
-                )
+                tok_s = {
+                    LABELS[name]: decode(name, ckpt, dtype, batches, args.prompt, args.new)
+                    for name in backends
+                }
                 bytes_per = 4 if dtype == "float32" else 2
                 for b in batches:
                     step_s = max(
@@ -138,21 +156,24 @@ def main() -> None:
                         n_params * bytes_per / (hw["bandwidth_gb_s"] * 1e9),
                     )
                     bound = b / step_s
-                    key = f"{name}_{dtype}_b{b}"
+                    key = f"{model}_{dtype}_b{b}"
                     figures[f"{key}_roofline_tok_s"] = round(bound, 1)
-                    figures[f"{key}_jax_tok_s"] = round(ours[b], 1)
-                    figures[f"{key}_jax_roofline_frac"] = round(ours[b] / bound, 3)
-                    if b in theirs:
-                        figures[f"{key}_vllm_tok_s"] = round(theirs[b], 1)
-                        figures[f"{key}_vllm_roofline_frac"] = round(theirs[b] / bound, 3)
-                        figures[f"{key}_ratio"] = round(ours[b] / theirs[b], 2)
-                print(f"# {name} {dtype}: jax {ours} vllm {theirs}", file=sys.stderr, flush=True)
-    for name in args.models.split(","):
-        for b in batches:
-            best_jax = max(figures[f"{name}_{d}_b{b}_jax_tok_s"] for d in DTYPES)  # type: ignore[type-var]
-            if with_vllm:
-                best_vllm = max(figures[f"{name}_{d}_b{b}_vllm_tok_s"] for d in DTYPES)  # type: ignore[type-var]
-                figures[f"{name}_b{b}_best_ratio"] = round(best_jax / best_vllm, 2)  # type: ignore[operator]
+                    for label, by_batch in tok_s.items():
+                        figures[f"{key}_{label}_tok_s"] = round(by_batch[b], 1)
+                        figures[f"{key}_{label}_roofline_frac"] = round(by_batch[b] / bound, 3)
+                    jax_tok_s = tok_s["jax"][b]
+                    if "vllm" in tok_s:
+                        figures[f"{key}_ratio"] = round(jax_tok_s / tok_s["vllm"][b], 2)
+                    if "jetstream" in tok_s:
+                        overhead = jax_tok_s / tok_s["jetstream"][b]
+                        figures[f"{key}_jetstream_overhead"] = round(overhead, 2)
+                print(f"# {model} {dtype}: {tok_s}", file=sys.stderr, flush=True)
+    if "vllm" in backends:
+        for model in args.models.split(","):
+            for b in batches:
+                best_jax = max(figures[f"{model}_{d}_b{b}_jax_tok_s"] for d in DTYPES)  # type: ignore[type-var]
+                best_vllm = max(figures[f"{model}_{d}_b{b}_vllm_tok_s"] for d in DTYPES)  # type: ignore[type-var]
+                figures[f"{model}_b{b}_best_ratio"] = round(best_jax / best_vllm, 2)  # type: ignore[operator]
     print(json.dumps(figures))
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
+from jax_agent_rl.rollout.jetstream_server import TOKEN_ENV, TOKEN_KEY
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -154,6 +156,8 @@ class JetStreamBackend:
         self._updating = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_in_flight, "jetstream")
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-jetstream-"))
+        token = secrets.token_hex(16)  # the server admits only calls that carry it
+        self._metadata = ((TOKEN_KEY, token),)
         self.log = self._logs / "server.log"
         config = dict(
             checkpoint=str(checkpoint),
@@ -174,7 +178,7 @@ class JetStreamBackend:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                env={**os.environ, "PYTHONPATH": str(ROOT), TOKEN_ENV: token},
                 start_new_session=True,  # its own process group: close() reaps all of it
             )
         self._ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
@@ -185,7 +189,8 @@ class JetStreamBackend:
             import grpc
             from jetstream.core.proto import jetstream_pb2_grpc
 
-            self._channel = grpc.insecure_channel(f"127.0.0.1:{ready['port']}")
+            self.port: int = ready["port"]  # on 127.0.0.1
+            self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
             self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
             self._load = self._channel.unary_unary("/jarl.Control/Load")
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
@@ -368,7 +373,7 @@ class JetStreamBackend:
         with self._lock:
             if call.aborted:
                 return [], "abort"
-            call.rpc = self._stub.Decode(decode)
+            call.rpc = self._stub.Decode(decode, metadata=self._metadata)
         tokens: list[int] = []
         try:
             for response in call.rpc:
@@ -401,7 +406,8 @@ class JetStreamBackend:
         import grpc
 
         try:
-            reply = self._load(json.dumps({"path": str(folder)}).encode())
+            request = json.dumps({"path": str(folder)}).encode()
+            reply = self._load(request, metadata=self._metadata)
         except grpc.RpcError as e:
             details = e.details()
             raise RuntimeError(f"the JetStream server could not load the weights: {details}") from e

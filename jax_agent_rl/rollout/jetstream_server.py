@@ -4,6 +4,10 @@
 
     .venv-jetstream/bin/python -m jax_agent_rl.rollout.jetstream_server '{"checkpoint": ...}'
 
+Every call must carry the metadata ``jarl-token`` equal to the ``JARL_JETSTREAM_TOKEN`` the
+server was started with (in its environment, which only its own user can read): loopback is
+open to every local user, and a stranger's ``Load`` would swap the policy being trained.
+
 It writes one JSON line to its stdout once serving, ``{"port", "vocab_size", "max_len"}`` (or
 ``{"error"}`` and exits), and serves until its stdin closes: the client is gone, so is the
 server. Everything else it prints (JetStream logs to stdout) goes to stderr.
@@ -25,6 +29,7 @@ Services on the port:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -34,6 +39,8 @@ from collections.abc import AsyncIterator
 from typing import Any, BinaryIO
 
 HOST = "127.0.0.1"
+TOKEN_ENV = "JARL_JETSTREAM_TOKEN"
+TOKEN_KEY = "jarl-token"
 
 
 def _send(out: BinaryIO, message: dict[str, Any]) -> None:
@@ -63,21 +70,13 @@ def _problem(request: Any, vocab_size: int, max_len: int) -> str | None:  # noqa
     return None
 
 
-async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
-    import grpc
+def _adapter(config: dict[str, Any]) -> Any:
+    """Our engine over the checkpoint, compiled, in JetStream's interface."""
     import jax
-
-    from third_party.jetstream import compat
-
-    compat.install()
-    from jetstream.core import orchestrator
-    from jetstream.core.proto import jetstream_pb2_grpc
 
     from jax_agent_rl.engine import Engine, SamplingParams
     from jax_agent_rl.models import Sharder, load_hf, make_mesh
     from third_party.jetstream.engine import JetStreamEngine, LiveParams
-
-    logging.getLogger().setLevel(logging.WARNING)  # JetStream logs every decode step at DEBUG
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)
@@ -89,6 +88,10 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
     model, weights = load_hf(config["checkpoint"], config["dtype"])
     max_len = config["max_len"]
     engine = Engine(model, max_concurrent_decodes=config["slots"], max_len=max_len, sharder=sharder)
+    if len(config["stop_ids"]) > engine.max_stop_ids:
+        raise ValueError(
+            f"{len(config['stop_ids'])} stop ids; the engine's slots hold {engine.max_stop_ids}"
+        )
     params = LiveParams(engine.load_params(weights))
     if config.get("warmup", True):
         engine.warmup(params.current, config["steps"])
@@ -99,7 +102,37 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
         top_p=config["top_p"],
         stop_token_ids=tuple(config["stop_ids"]),
     )
-    adapter = JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
+    return JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
+
+
+async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
+    import grpc
+    import jax
+
+    from third_party.jetstream import compat
+
+    compat.install()
+    from jetstream.core import orchestrator
+    from jetstream.core.proto import jetstream_pb2_grpc
+
+    from jax_agent_rl.models import load_hf
+
+    logging.getLogger().setLevel(logging.WARNING)  # JetStream logs every decode step at DEBUG
+    token = os.environ.pop(TOKEN_ENV, "")
+    if not token:
+        raise ValueError(f"{TOKEN_ENV} is not set: the server would serve any local user")
+
+    def admitted(context: Any) -> bool:
+        given = dict(context.invocation_metadata() or ()).get(TOKEN_KEY, "")
+        return hmac.compare_digest(str(given), token)
+
+    adapter = _adapter(config)
+    engine, params, vocab_size, max_len = (
+        adapter.engine,
+        adapter.params,
+        adapter.engine.cfg.vocab_size,
+        adapter.engine.max_len,
+    )
     driver = orchestrator.Driver(
         prefill_engines=[adapter],
         generate_engines=[adapter],
@@ -110,7 +143,9 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
 
     class Guarded(orchestrator.LLMOrchestrator):
         async def Decode(self, request: Any, context: Any = None) -> AsyncIterator[Any]:  # noqa: N802 - gRPC's name
-            problem = _problem(request, model.vocab_size, max_len)
+            if not admitted(context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"no valid {TOKEN_KEY}")
+            problem = _problem(request, vocab_size, max_len)
             if problem is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             async for response in super().Decode(request, context):
@@ -123,6 +158,8 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
         return time.perf_counter() - t0
 
     async def control_load(request: bytes, context: Any) -> bytes:
+        if not admitted(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"no valid {TOKEN_KEY}")
         try:
             seconds = await asyncio.to_thread(load, json.loads(request)["path"])
         except Exception as e:  # the old weights keep serving; the client reports it
@@ -137,7 +174,7 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
     server.add_generic_rpc_handlers((control,))
     port = server.add_insecure_port(f"{HOST}:0")
     await server.start()
-    _send(out, {"port": port, "vocab_size": model.vocab_size, "max_len": max_len})
+    _send(out, {"port": port, "vocab_size": vocab_size, "max_len": max_len})
     try:  # serve until the client closes our stdin (or dies)
         await asyncio.to_thread(sys.stdin.buffer.read)
     finally:

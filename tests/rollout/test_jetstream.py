@@ -5,6 +5,7 @@ flight, and the ways the backend must refuse to start. No test leaves a server b
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -174,3 +175,52 @@ def test_a_checkpoint_the_server_cannot_load_fails_with_its_reason(
     with pytest.raises(ServerStartError) as error:
         _server(broken)
     assert "safetensors" in str(error.value).lower() or "header" in str(error.value).lower()
+
+
+def test_the_server_admits_only_its_client(
+    checkpoint: Path, closing: list[JetStreamBackend]
+) -> None:
+    """Loopback is open to every local user: a call without the client's token is refused,
+    Decode and the weight swap alike, and the client is served on."""
+    import grpc
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+    backend = _server(checkpoint)
+    closing.append(backend)
+    with grpc.insecure_channel(f"127.0.0.1:{backend.port}") as channel:
+        request = jetstream_pb2.DecodeRequest(
+            session_cache="s",
+            max_tokens=4,
+            token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5, 6]),
+        )
+        for metadata in ((), (("jarl-token", "guess"),)):
+            with pytest.raises(grpc.RpcError) as refused:
+                list(
+                    jetstream_pb2_grpc.OrchestratorStub(channel).Decode(request, metadata=metadata)
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        load = channel.unary_unary("/jarl.Control/Load")
+        with pytest.raises(grpc.RpcError) as refused:
+            load(b'{"path": "/tmp/elsewhere"}')
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert len(asyncio.run(backend.generate(GenerateRequest("ok", (5, 6), greedy))).token_ids) == 4
+
+
+def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
+    """The server serves until its stdin closes, so a client killed without `close` takes its
+    server with it."""
+    script = (
+        "import os, sys\n"
+        "from jax_agent_rl.models import ModelConfig\n"
+        "from jax_agent_rl.rollout.jetstream import JetStreamBackend\n"
+        f"path = {str(checkpoint)!r}\n"
+        "b = JetStreamBackend(path, ModelConfig.from_pretrained(path),"
+        f" max_model_len={MAX_LEN}, slots={SLOTS})\n"
+        "print(b.proc.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600
+    )
+    assert _gone(int(done.stdout.split()[-1]))
