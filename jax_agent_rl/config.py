@@ -209,6 +209,11 @@ class TrainerSection:
 
     steps: int = 100
     seed: int = 0
+    # sync: each step rolls out, then updates, then pushes. async: rollouts run on while the
+    # learner updates (train/async_loop.py), every update taking only trajectories sampled
+    # at most max_staleness weight versions behind the policy it updates (0: the sync loop)
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 1
     run_dir: str = "runs/latest"
     eval_every: int = 10  # 0: only at the start and the end
     save_every: int = 10  # orbax checkpoint every N steps (and at the end)
@@ -431,6 +436,7 @@ RANGES: dict[str, Rule] = {
     "sft.warmup_steps": _NATURAL,
     "trainer.steps": _NATURAL,  # 0: SFT and evaluation only
     "trainer.seed": _NATURAL,
+    "trainer.max_staleness": _NATURAL,
     "trainer.eval_every": _NATURAL,  # 0: at the start and the end only
     "trainer.save_every": _COUNT,
     "trainer.keep_checkpoints": _COUNT,

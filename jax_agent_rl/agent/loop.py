@@ -148,7 +148,8 @@ async def _generate(
     )
     result = await ctx.backend.generate(request)
     tokens = list(result.token_ids)
-    traj.append(tokens, model=True, logprobs=list(result.logprobs or [0.0] * len(tokens)))
+    logprobs = list(result.logprobs or [0.0] * len(tokens))
+    traj.append(tokens, model=True, logprobs=logprobs, version=result.weight_version)
     traj.weight_versions.append(result.weight_version)
     return tokens, result.finish_reason
 

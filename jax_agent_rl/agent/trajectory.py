@@ -42,8 +42,11 @@ class Trajectory:
 
     ``response_ids`` is every token after the prompt, model and tool alike; ``loss_mask`` is 1
     on sampled tokens and 0 elsewhere; ``rollout_logprobs`` holds the sampler's logprob of each
-    sampled token (0 where the mask is 0). ``prompt_ids + response_ids`` is exactly the last
-    sequence the model was conditioned on plus what it sampled.
+    sampled token (0 where the mask is 0), and ``token_versions`` the weight version that
+    sampled it (-1 where the model did not sample the token here: tool and template tokens,
+    demonstrations); ``weight_versions`` has one entry per sampled turn. ``prompt_ids +
+    response_ids`` is exactly the last sequence the model was conditioned on plus what it
+    sampled.
     """
 
     uid: str
@@ -52,6 +55,7 @@ class Trajectory:
     response_ids: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
     reward: float = 0.0
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     num_turns: int = 0
@@ -64,10 +68,24 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # the traceback that ended it (stop reason agent_error)
 
-    def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
+    def append(
+        self,
+        ids: list[int],
+        model: bool,
+        logprobs: list[float] | None = None,
+        version: int = -1,
+    ) -> None:
+        """Appends ``ids``: sampled by the model (``model``) under weight ``version`` with
+        ``logprobs``, or context (tool results, template tokens)."""
         self.response_ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
         self.rollout_logprobs.extend(logprobs if model and logprobs else [0.0] * len(ids))
+        self.token_versions.extend([version if model else -1] * len(ids))
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version that sampled one of its tokens (None: none sampled)."""
+        return min((v for v in self.token_versions if v >= 0), default=None)
 
     @property
     def trainable(self) -> bool:

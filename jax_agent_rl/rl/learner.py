@@ -380,7 +380,28 @@ def rl_update(
     metrics["logprob_gap/mean"] = core.masked_mean(gap, batch.mask)
     metrics["logprob_gap/max"] = jnp.max(jnp.where(batch.mask > 0, gap, 0.0))
     metrics["batch/sampled_tokens"] = jnp.sum(batch.mask)
+    # per row [M, b] (not scalars: `Learner.train_step` groups them by the rows' staleness)
+    metrics[_ROW_GAP] = jnp.sum(gap * batch.mask, axis=-1)
+    metrics[_ROW_TOKENS] = jnp.sum(batch.mask, axis=-1)
     return carry[0], carry[1], metrics
+
+
+_ROW_GAP, _ROW_TOKENS = "rows/logprob_gap_sum", "rows/sampled_tokens"
+
+
+def gap_by_staleness(
+    row_gap: np.ndarray, row_tokens: np.ndarray, row_staleness: np.ndarray
+) -> dict[str, float]:
+    """``logprob_gap/staleness_<k>``: the mean sampler-vs-learner logprob gap over the sampled
+    tokens of the rows ``k`` weight versions behind the policy (rows without tokens skipped)."""
+    out = {}
+    for k in np.unique(row_staleness):
+        rows = (row_staleness == k) & (row_tokens > 0)
+        if rows.any():
+            out[f"logprob_gap/staleness_{int(k)}"] = float(
+                row_gap[rows].sum() / row_tokens[rows].sum()
+            )
+    return out
 
 
 def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
@@ -539,8 +560,14 @@ class Learner:
         return self.state.params
 
     def rollout_params(self, dtype: str) -> Weights:
-        """The policy in the rollout backend's dtype (what `update_weights` receives)."""
-        return cast_floats(self.state.params, jnp.dtype(dtype))
+        """The policy in the rollout backend's dtype (what `update_weights` receives): new
+        buffers always, never the train state's own, which the next update donates (an
+        engine still serving them, as rollouts do during an asynchronous update, would read
+        freed memory)."""
+        want = jnp.dtype(dtype)
+        return jax.tree.map(
+            lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want), self.state.params
+        )
 
     def logprobs(self, batch: TrainBatch, params: Weights | None = None) -> np.ndarray:
         """[B, T] logprobs of every target under ``params`` (default: the current policy)."""
@@ -561,13 +588,19 @@ class Learner:
         groups: np.ndarray,
         reference: Weights | None = None,
         rollout_logprobs: bool = True,
+        row_staleness: np.ndarray | None = None,
     ) -> dict[str, float]:
         """One RL update (`rl_update`) of this process's host rows ``batch`` [B, T] (see
         `device_batch`) with the rows' rewards and group indices [B] (groups numbered across
         processes): the batch crosses to the devices once, is prepared and trained on there,
         and only the metrics come back. ``rollout_logprobs=False``: the batch's rollout
         logprobs are not the sampler's (its backend reports none); the learner's old-policy
-        logprobs take their place, and ``rollout/logprobs_recomputed`` is 1."""
+        logprobs take their place, and ``rollout/logprobs_recomputed`` is 1. ``row_staleness``
+        (how many weight versions each row's oldest token is behind the policy, padding rows
+        included) adds the gap per staleness (`gap_by_staleness`; one process only: the
+        metrics' rows are every process's)."""
+        if row_staleness is not None and len(row_staleness) != len(rewards):
+            raise ValueError(f"{len(row_staleness)} staleness values for {len(rewards)} rows")
         device = self.device_batch(batch, local=True)
         M = device.tokens.shape[0]
         outcomes = Outcomes(
@@ -578,9 +611,14 @@ class Learner:
         self.state, self.critic_state, metrics = self._rl_steps[rollout_logprobs](
             self.state, self.critic_state, reference, device, outcomes
         )
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = jax.device_get(metrics)
+        row_gap = np.asarray(metrics.pop(_ROW_GAP)).reshape(-1)
+        row_tokens = np.asarray(metrics.pop(_ROW_TOKENS)).reshape(-1)
+        out = {k: float(v) for k, v in metrics.items()}
         if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
+        elif row_staleness is not None and jax.process_count() == 1:
+            out.update(gap_by_staleness(row_gap, row_tokens, np.asarray(row_staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
         return out
 

@@ -249,7 +249,7 @@ class JetStreamBackend:
         self._refuse_unservable(request)
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        call = _Call(request, self._version)
+        call = _Call(request, version=0)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the backend is closed")
@@ -259,7 +259,8 @@ class JetStreamBackend:
                 raise InvalidRequestError(f"request_id {rid!r} is already in flight")
             if self._updating:
                 self._gate[rid] = (loop.create_future(), loop)
-            else:
+            else:  # stamped with the version it starts under
+                call.version = self._version
                 self._calls[rid] = call
         try:
             if rid in self._gate:  # a weight update is under way: wait for its end

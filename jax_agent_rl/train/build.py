@@ -34,7 +34,7 @@ from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, m
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
-from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
@@ -103,7 +103,7 @@ class Rollout:
     """The rollout side of a run, open while the loop runs: the backend serving the policy,
     the tools, and the agent contexts for training (sampling) and evaluation (greedy)."""
 
-    backend: RolloutBackend
+    backend: MeteredBackend
     tools: ToolExecutor
     ctx: AgentContext
     eval_ctx: AgentContext
@@ -284,7 +284,7 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     ``run.start``, and the tools; closes both on the way out."""
     cfg = run.cfg
     parser = make_parser(cfg.agent.parser)
-    backend = make_backend(
+    built = make_backend(
         BackendBuild(
             cfg.rollout,
             run.model,
@@ -297,6 +297,7 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
             stop_token_ids=turn_stop_ids(run.tokenizer, parser),
         )
     )
+    backend = MeteredBackend(built)  # its idle time goes into each step's metrics
     tools = make_tools(cfg.tools, run.registry, os.environ)
     greedy_eval = backend.capabilities.per_request_sampling
     if not greedy_eval:

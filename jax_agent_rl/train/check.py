@@ -117,6 +117,11 @@ def _processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
     if processes == 1:
         return []
     problems = []
+    if cfg.trainer.mode == "async":
+        problems.append(
+            f"trainer.mode=async runs in one process; {processes} processes train with "
+            "trainer.mode=sync"
+        )
     prompts = cfg.data.prompts_per_step
     if prompts % processes:
         problems.append(

@@ -1,5 +1,7 @@
 """The training loop: build the run, then rollout -> score -> advantages -> update -> push,
-step after step, with the hooks after each (`jax_agent_rl.train.hooks`).
+step after step, with the hooks after each (`jax_agent_rl.train.hooks`). The steps are
+synchronous (`jax_agent_rl.train.step.rl_step`) or, with ``trainer.mode=async``, updates from
+continuously sampled groups (`jax_agent_rl.train.async_loop`).
 
 Before the first step of a fresh run the held-out prompts are evaluated (step 0). After the
 last, the metrics are plotted and the policy is exported as an HF checkpoint in ``RUN/hf``. A
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jax_agent_rl import distributed
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
-from jax_agent_rl.train.build import Run, build_run, open_rollout
+from jax_agent_rl.train.async_loop import StepFn, async_steps
+from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, evaluate
 from jax_agent_rl.train.metrics import plot_run
@@ -49,21 +53,30 @@ def _status(m: dict[str, float]) -> str:
     return s
 
 
+@contextlib.asynccontextmanager
+async def sync_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
+    """The synchronous step function: `rl_step` (roll out, update, push)."""
+    yield functools.partial(rl_step, run, rollout)
+
+
 async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
-    """Steps ``run.start`` .. ``trainer.steps``, each followed by its due hooks."""
+    """Steps ``run.start`` .. ``trainer.steps``, each followed by its due hooks; the steps
+    are synchronous or asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.mode``."""
     steps = run.cfg.trainer.steps
+    stepper = async_steps if run.cfg.trainer.mode == "async" else sync_steps
     async with open_rollout(run) as rollout:
         if run.start == 0 and run.val_samples:
             await evaluate(run, rollout, 0)
-        with _progress(run.console, steps) as (progress, task):
-            progress.update(task, completed=run.start)
-            for step in range(run.start, steps):
-                m, trajs = await rl_step(run, rollout, step, compiles=step == run.start)
-                end = StepEnd(step + 1, step + 1 == steps, m, trajs)
-                for hook in hooks:
-                    if hook.due(end):
-                        await hook.fn(run, rollout, end)
-                progress.update(task, completed=end.step, status=_status(m))
+        async with stepper(run, rollout) as step_fn:
+            with _progress(run.console, steps) as (progress, task):
+                progress.update(task, completed=run.start)
+                for step in range(run.start, steps):
+                    m, trajs = await step_fn(step, step == run.start)
+                    end = StepEnd(step + 1, step + 1 == steps, m, trajs)
+                    for hook in hooks:
+                        if hook.due(end):
+                            await hook.fn(run, rollout, end)
+                    progress.update(task, completed=end.step, status=_status(m))
 
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import time
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -174,6 +175,13 @@ async def collect(
     return [t for g in kept for t in g], seen
 
 
+def staleness(traj: Trajectory, version: int) -> int:
+    """How many weight versions behind ``version`` the oldest sampled token of ``traj`` is
+    (0 for a trajectory with none)."""
+    oldest = traj.oldest_version
+    return 0 if oldest is None else version - oldest
+
+
 def padded_outcomes(
     rewards: np.ndarray, group_ids: Sequence[str], rows: int, first_group: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -201,6 +209,7 @@ def learn(
     seen: Sequence[Trajectory],
     rollout_s: float = 0.0,
     rollout_logprobs: bool = True,
+    version: int | None = None,
 ) -> tuple[dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update
@@ -208,7 +217,10 @@ def learn(
     (how long this process's rollout took) go into the metrics, which are those of every
     process (their `episode_totals` added up); returns them and those totals.
     ``rollout_logprobs``: whether the trajectories carry the sampler's logprobs (a backend
-    without them has the learner's stand in, `Learner.train_step`).
+    without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
+    version of the policy being updated; with it, how far behind it each trained trajectory
+    was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
+    behind), ``staleness/max`` and the logprob gap per staleness.
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -225,6 +237,9 @@ def learn(
         "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trainable),
         "rollout_s/max": rollout_s,
     }
+    behind = [] if version is None else [staleness(t, version) for t in trainable]
+    mine.update({f"staleness_count/{k}": c for k, c in Counter(behind).items()})
+    mine["staleness/max"] = max(behind, default=0)
     shares = distributed.gather_objects((mine, first_error(seen)))
     totals = add_totals(share for share, _ in shares)
     error = all_failed_error(totals, next((e for _, e in shares if e), None))
@@ -233,6 +248,12 @@ def learn(
     m = metrics_of_totals(totals)
     m["groups_kept"] = totals["groups_kept"]
     m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
+    if version is not None:
+        trained = max(totals["batch/trajectories"], 1)
+        for key, count in totals.items():
+            if key.startswith("staleness_count/"):
+                m[f"staleness/{key.split('/')[1]}"] = count / trained
+        m["staleness/max"] = totals["staleness/max"]
     # as many rows every step (padding rows have mask 0), so the step does not compile again
     # when a step has fewer trainable trajectories; every process the same rows and length
     most, longest = distributed.agree_max([len(trainable), longest_sequence(trainable)])
@@ -243,7 +264,14 @@ def learn(
     t0 = time.perf_counter()
     if most:  # one upload, then old / reference logprobs, advantages, updates on device
         padded, groups = padded_outcomes(rewards, group_ids, rows, first_group=me * rows)
-        m.update(learner.train_step(batch, padded, groups, run.reference, rollout_logprobs))
+        row_staleness = None if version is None else np.zeros(rows, np.int32)
+        if row_staleness is not None:
+            row_staleness[: len(behind)] = behind
+        m.update(
+            learner.train_step(
+                batch, padded, groups, run.reference, rollout_logprobs, row_staleness
+            )
+        )
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -265,14 +293,16 @@ async def rl_step(
     trajectories this process sampled. ``compiles``: the first step of this process, whose
     times include compiling the engine and the learner step (kept out of the throughput
     plot)."""
-    t0 = time.perf_counter()
+    t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     kept, seen = await collect(run, rollout.ctx, step)
+    t_collect = time.perf_counter() - t0
     m, totals = learn(
         run,
         kept,
         seen,
-        rollout_s=time.perf_counter() - t0,
+        rollout_s=t_collect,
         rollout_logprobs=rollout.backend.capabilities.logprobs,
+        version=step,
     )
     t1 = time.perf_counter()
     await rollout.backend.update_weights(run.serving_params(), step + 1)
@@ -283,9 +313,28 @@ async def rl_step(
             "time/rollout_s": t_rollout,
             "time/tools_cumulative_s": totals["tools_s"],
             "time/weight_push_s": t_push,
-            "time/step_s": time.perf_counter() - t0,
             "time/rollout_tokens_per_s": totals["model_tokens"] / max(t_rollout, 1e-9),
+            **pace_metrics(
+                time.perf_counter() - t0,
+                rollout.backend.idle_s() - idle0,
+                t_collect,
+                totals["batch/trajectories"],
+            ),
             INCLUDES_COMPILE: float(compiles),
         }
     )
     return m, seen
+
+
+def pace_metrics(
+    step_s: float, rollout_idle_s: float, learner_idle_s: float, trajectories: float
+) -> dict[str, float]:
+    """How a step spent its time: the share the rollout backend had nothing in flight, the
+    share the learner waited for trajectories, and trajectories trained per second."""
+    step_s = max(step_s, 1e-9)
+    return {
+        "time/step_s": step_s,
+        "time/rollout_idle_frac": min(rollout_idle_s / step_s, 1.0),
+        "time/learner_idle_frac": min(learner_idle_s / step_s, 1.0),
+        "time/trajectories_per_s": trajectories / step_s,
+    }

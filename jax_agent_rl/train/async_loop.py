@@ -1,0 +1,244 @@
+"""Asynchronous off-policy training with bounded staleness (``trainer.mode=async``).
+
+Rollouts never wait for the learner: groups (one prompt, ``rollout.n`` episodes) run on the
+backend continuously, and each update takes ``data.prompts_per_step`` finished groups as they
+come, while the next ones are sampled. Three rules keep the off-policy gap bounded:
+
+- **Admission.** Group ``i`` (in prompt order) may start once ``i`` is below
+  ``(version + max_staleness + 1) * prompts_per_step`` plus the groups dropped so far: at most
+  ``max_staleness + 1`` updates' worth of groups is ever sampled ahead of the policy.
+- **Partial rollouts.** A weight push lands between turns: the turn in flight finishes under
+  the weights it started with, the trajectory's next turns use the new ones, and every token
+  records the version that sampled it (`Trajectory.token_versions`).
+- **Freshness.** An update of the policy at version ``v`` trains only on groups whose oldest
+  token was sampled at ``v - max_staleness`` or later; a group that fell further behind
+  (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
+  new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
+
+``max_staleness=0`` is the synchronous loop: the same prompts, seeds, batches and updates.
+The learner's update runs in a worker thread, so the event loop (agent loops, tool calls)
+keeps going meanwhile. A resumed run starts sampling at the next unsampled prompt; the groups
+that were in flight when it stopped are not sampled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.train.build import Rollout, Run
+from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+from jax_agent_rl.train.step import groups_with_signal, learn, pace_metrics, run_episodes
+
+# a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
+StepFn = Callable[[int, bool], Awaitable[tuple[dict[str, float], list[Trajectory]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The episodes of one prompt, and its place in the run's prompt order."""
+
+    index: int
+    trajs: list[Trajectory]
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [t.oldest_version for t in self.trajs]
+        return min((v for v in versions if v is not None), default=None)
+
+
+class Admission:
+    """Which groups may start: ``(version + max_staleness + 1) * per_update`` of them, plus
+    one for each group dropped (`replace`)."""
+
+    def __init__(self, version: int, max_staleness: int, per_update: int) -> None:
+        self._version, self._extra = version, 0
+        self._max_staleness, self._per_update = max_staleness, per_update
+        self._changed = asyncio.Condition()
+
+    @property
+    def allowed(self) -> int:
+        return (self._version + self._max_staleness + 1) * self._per_update + self._extra
+
+    async def wait_for(self, index: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: index < self.allowed)
+
+    async def advance(self, version: int) -> None:
+        async with self._changed:
+            self._version = version
+            self._changed.notify_all()
+
+    async def replace(self, groups: int) -> None:
+        async with self._changed:
+            self._extra += groups
+            self._changed.notify_all()
+
+
+@dataclasses.dataclass
+class Producer:
+    """Starts every admitted group and puts it, finished, on ``finished`` (an exception
+    instead, should a group fail as a whole)."""
+
+    run: Run
+    rollout: Rollout
+    admission: Admission
+    first_index: int
+    finished: asyncio.Queue[Group | BaseException] = dataclasses.field(
+        default_factory=asyncio.Queue
+    )
+    _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
+    async def run_forever(self) -> None:
+        per_update = self.run.cfg.data.prompts_per_step
+        index = self.first_index
+        try:
+            while True:
+                await self.admission.wait_for(index)
+                (sample,) = self.run.sampler.next_batch(1)
+                tag = f"s{index // per_update}a0"  # the synchronous loop's tag for this prompt
+                task = asyncio.create_task(self._group(index, sample, tag))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                index += 1
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def _group(self, index: int, sample: Sample, tag: str) -> None:
+        try:
+            trajs = await run_episodes(
+                self.run, [sample], self.run.cfg.rollout.n, self.rollout.ctx, tag
+            )
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the learner raises it
+            self.finished.put_nowait(e)
+            return
+        self.finished.put_nowait(Group(index, trajs))
+
+
+@dataclasses.dataclass
+class Taken:
+    """What an update gets: its groups (in prompt order), and those it dropped."""
+
+    groups: list[Group]
+    stale: list[Group]
+    no_signal: list[Group]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajs]
+
+    @property
+    def seen(self) -> list[Trajectory]:
+        return [t for g in (*self.groups, *self.stale, *self.no_signal) for t in g.trajs]
+
+
+async def take_groups(
+    finished: asyncio.Queue[Group | BaseException],
+    admission: Admission,
+    want: int,
+    version: int,
+    max_staleness: int,
+    dynamic_sampling: bool,
+) -> Taken:
+    """The next ``want`` groups off ``finished`` fresh enough to update the policy at
+    ``version`` (and, with dynamic sampling, with a reward signal); each one dropped is
+    replaced (`Admission.replace`)."""
+    taken = Taken([], [], [])
+    while len(taken.groups) < want:
+        got = await finished.get()
+        if isinstance(got, BaseException):
+            raise got
+        oldest = got.oldest_version
+        if oldest is not None and version - oldest > max_staleness:
+            taken.stale.append(got)
+        elif dynamic_sampling and not groups_with_signal([got.trajs]):
+            taken.no_signal.append(got)
+        else:
+            taken.groups.append(got)
+            continue
+        await admission.replace(1)
+    taken.groups.sort(key=lambda g: g.index)
+    return taken
+
+
+async def async_step(
+    run: Run, rollout: Rollout, producer: Producer, step: int, compiles: bool
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """One update of the policy at version ``step`` from finished groups, then its push.
+    Returns its metrics and the trajectories it trained on (those dropped are counted)."""
+    cfg = run.cfg
+    t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
+    taken = await take_groups(
+        producer.finished,
+        producer.admission,
+        cfg.data.prompts_per_step,
+        step,
+        cfg.trainer.max_staleness,
+        cfg.rollout.dynamic_sampling,
+    )
+    t_wait = time.perf_counter() - t0
+    m, totals = await asyncio.to_thread(
+        learn,
+        run,
+        taken.trajectories,
+        taken.seen,
+        rollout_s=t_wait,
+        rollout_logprobs=rollout.backend.capabilities.logprobs,
+        version=step,
+    )
+    t1 = time.perf_counter()
+    params = await asyncio.to_thread(run.serving_params)
+    await rollout.backend.update_weights(params, step + 1)
+    await producer.admission.advance(step + 1)
+    step_s = time.perf_counter() - t0
+    m.update(
+        {
+            # the rollouts ran all along: their rate is what fed this update, over its span
+            "time/rollout_s": t_wait,
+            "time/rollout_tokens_per_s": totals["model_tokens"] / max(step_s, 1e-9),
+            "async/groups_stale": len(taken.stale),
+            "async/groups_no_signal": len(taken.no_signal),
+            "async/groups_in_flight": producer.in_flight,
+            "time/weight_push_s": time.perf_counter() - t1,
+            "time/tools_cumulative_s": totals["tools_s"],
+            **pace_metrics(
+                step_s, rollout.backend.idle_s() - idle0, t_wait, totals["batch/trajectories"]
+            ),
+            INCLUDES_COMPILE: float(compiles),
+        }
+    )
+    return m, taken.trajectories
+
+
+@contextlib.asynccontextmanager
+async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
+    """Samples groups continuously while open (see the module docstring); yields the step
+    function of the training loop, `async_step` over them."""
+    per_update = run.cfg.data.prompts_per_step
+    admission = Admission(run.start, run.cfg.trainer.max_staleness, per_update)
+    producer = Producer(run, rollout, admission, first_index=run.start * per_update)
+    sampling = asyncio.create_task(producer.run_forever())
+
+    async def step_fn(step: int, compiles: bool) -> tuple[dict[str, float], list[Trajectory]]:
+        if sampling.done():  # it only ends by failing
+            sampling.result()
+        return await async_step(run, rollout, producer, step, compiles)
+
+    try:
+        yield step_fn
+    finally:
+        sampling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampling

@@ -1,0 +1,159 @@
+"""Asynchronous training (``trainer.mode=async``): its admission and freshness rules on their
+own, and whole runs: with ``max_staleness=0`` it is the synchronous loop, parameter for
+parameter; with more, every update's trajectories are within the bound, by their tokens'
+versions. (That it still learns: tests/train/test_learning.py.)"""
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import TaskFiles, demo_config, prepare
+from jax_agent_rl.train import train
+from jax_agent_rl.train.async_loop import Admission, Group, take_groups
+from jax_agent_rl.train.traces import read_traces
+
+
+def _traj(uid: str, versions: list[int], reward: float = 0.0) -> Trajectory:
+    t = Trajectory(uid=uid, group_id=uid.split("/", maxsplit=1)[0], prompt_ids=[1, 2])
+    for v in versions:  # a sampled turn, then a tool result
+        t.append([3, 4], model=True, logprobs=[-0.5, -0.5], version=v)
+        t.append([5], model=False)
+    t.reward = reward
+    return t
+
+
+def test_admission_holds_groups_to_the_staleness_bound() -> None:
+    async def scenario() -> list[int]:
+        admission = Admission(version=3, max_staleness=1, per_update=2)
+        allowed = [admission.allowed]  # (3 + 1 + 1) * 2
+        waiter = asyncio.create_task(admission.wait_for(10))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        await admission.replace(1)  # a dropped group is replaced: 11 may start
+        await asyncio.wait_for(waiter, timeout=60)
+        allowed.append(admission.allowed)
+        await admission.advance(4)
+        allowed.append(admission.allowed)
+        return allowed
+
+    assert asyncio.run(scenario()) == [10, 11, 13]
+
+
+def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
+    """Policy at version 5, max_staleness 2: a group whose oldest token is from version 2 is
+    dropped (even if later turns are fresh), one from 3 is taken; so is a group with no sampled
+    token (its episodes failed before sampling). Taken groups come back in prompt order."""
+
+    async def scenario() -> tuple[list[int], list[int], list[int], int]:
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        admission = Admission(version=5, max_staleness=2, per_update=2)
+        before = admission.allowed
+        for group in [
+            Group(7, [_traj("a/0", [2, 5]), _traj("a/1", [5])]),  # too old: 5 - 2 > 2
+            Group(9, [_traj("b/0", [3, 4]), _traj("b/1", [5])]),
+            Group(8, [_traj("c/0", [])]),  # nothing sampled
+            Group(6, [_traj("d/0", [4])]),  # not needed: left for the next update
+        ]:
+            finished.put_nowait(group)
+        taken = await take_groups(finished, admission, 2, 5, 2, dynamic_sampling=False)
+        return (
+            [g.index for g in taken.groups],
+            [g.index for g in taken.stale],
+            [t.oldest_version or -1 for g in taken.groups for t in g.trajs],
+            admission.allowed - before,
+        )
+
+    taken, stale, oldest, replaced = asyncio.run(scenario())
+    assert taken == [8, 9] and stale == [7] and replaced == 1
+    assert all(v == -1 or 5 - v <= 2 for v in oldest)
+
+
+def test_dynamic_sampling_drops_groups_without_signal() -> None:
+    async def scenario() -> tuple[list[int], list[int]]:
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        admission = Admission(version=0, max_staleness=0, per_update=1)
+        finished.put_nowait(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
+        finished.put_nowait(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
+        taken = await take_groups(finished, admission, 1, 0, 0, dynamic_sampling=True)
+        return [g.index for g in taken.groups], [g.index for g in taken.no_signal]
+
+    assert asyncio.run(scenario()) == ([1], [0])
+
+
+def test_a_failed_group_fails_the_update() -> None:
+    async def scenario() -> None:
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        finished.put_nowait(RuntimeError("the reward function is broken"))
+        await take_groups(finished, Admission(0, 0, 1), 1, 0, 0, dynamic_sampling=False)
+
+    with pytest.raises(RuntimeError, match="reward function is broken"):
+        asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ whole runs
+
+TINY = [
+    "sft.steps=2",
+    "sft.batch_size=8",
+    "data.prompts_per_step=2",
+    "data.val=",
+    "rollout.n=4",
+    "rollout.max_model_len=128",
+    "rollout.max_concurrent=8",
+    "agent.max_response_tokens=64",
+    # a length penalty gives every group a reward signal, so each update moves the policy
+    "data.overlong_buffer=48",
+    "learner.micro_batch_size=8",
+    "trainer.tensorboard=false",
+    "trainer.traces_per_step=8",
+]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
+
+
+def _run(task: TaskFiles, run_dir: Path, *overrides: str) -> list[dict[str, float]]:
+    train(demo_config(run_dir, task, [*TINY, *overrides]))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["phase"] == "train"]
+
+
+def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_path: Path) -> None:
+    sync = _run(task, tmp_path / "sync", "trainer.steps=2")
+    asynchronous = _run(
+        task, tmp_path / "async", "trainer.steps=2", "trainer.mode=async", "trainer.max_staleness=0"
+    )
+    for a, b in zip(sync, asynchronous, strict=True):
+        for key in ("reward", "grad_norm", "pg_loss", "response_len/mean", "model_tokens/mean"):
+            assert a[key] == b[key], key
+        assert b["staleness/0"] == 1.0
+    assert any(m["grad_norm"] > 0 for m in sync)  # the policy moved: equal is not trivial
+    ours = load_file(str(tmp_path / "sync" / "hf" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "async" / "hf" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+def test_async_updates_stay_within_max_staleness(task: TaskFiles, tmp_path: Path) -> None:
+    run_dir = tmp_path / "async2"
+    steps = _run(task, run_dir, "trainer.steps=5", "trainer.mode=async", "trainer.max_staleness=2")
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+    assert any(m["staleness/max"] > 0 for m in steps)  # it did run ahead of the learner
+    for m in steps:
+        assert m["staleness/max"] <= 2
+        assert m["batch/trajectories"] == 8  # whole groups: 2 prompts x 4
+    # from the tokens themselves: every trajectory traced at update k (policy version k - 1)
+    # was sampled at versions k - 3 .. k - 1
+    for k in range(1, 6):
+        for record in read_traces(run_dir / "traces.jsonl", k):
+            versions = record["weight_versions"]
+            assert versions and all(k - 1 - 2 <= v <= k - 1 for v in versions), (k, versions)
