@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine.sampling import sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
@@ -565,9 +566,13 @@ class Learner:
         engine still serving them, as rollouts do during an asynchronous update, would read
         freed memory)."""
         want = jnp.dtype(dtype)
-        return jax.tree.map(
-            lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want), self.state.params
-        )
+        with device_turns.TURN:
+            return jax.block_until_ready(
+                jax.tree.map(
+                    lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
+                    self.state.params,
+                )
+            )
 
     def logprobs(self, batch: TrainBatch, params: Weights | None = None) -> np.ndarray:
         """[B, T] logprobs of every target under ``params`` (default: the current policy)."""
@@ -601,6 +606,20 @@ class Learner:
         metrics' rows are every process's)."""
         if row_staleness is not None and len(row_staleness) != len(rewards):
             raise ValueError(f"{len(row_staleness)} staleness values for {len(rewards)} rows")
+        with device_turns.TURN:  # an engine's thread may share the devices (async training)
+            return self._train_step(
+                batch, rewards, groups, reference, rollout_logprobs, row_staleness
+            )
+
+    def _train_step(
+        self,
+        batch: TrainBatch,
+        rewards: np.ndarray,
+        groups: np.ndarray,
+        reference: Weights | None,
+        rollout_logprobs: bool,
+        row_staleness: np.ndarray | None,
+    ) -> dict[str, float]:
         device = self.device_batch(batch, local=True)
         M = device.tokens.shape[0]
         outcomes = Outcomes(

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from jax_agent_rl import device_turns
 from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine, Prefix
 from jax_agent_rl.models import KVCache, Weights
 from jax_agent_rl.rollout.protocol import (
@@ -185,18 +186,15 @@ class EmbeddedBackend:
                         self._cond.wait()
                     commands = list(self._inbox)
                     self._inbox.clear()
-                for kind, payload in commands:
-                    self._handle(kind, payload)
-                if self._closed:
-                    self._shutdown()
-                    return
-                if self._update is not None and not self._slots:
-                    self._apply_update(self._update)
-                    self._update = None
-                while self._admissible() and len(self._slots) < self.engine.max_concurrent_decodes:
-                    self._admit(self._waiting.popleft())
-                if self._slots:
-                    self._decode()
+                with device_turns.TURN:  # the devices may be shared with a learner's thread
+                    for kind, payload in commands:
+                        self._handle(kind, payload)
+                    if self._closed:
+                        self._shutdown()
+                        return
+                    self._engine_work()
+                    # done on the devices before the turn passes (see `device_turns`)
+                    jax.block_until_ready((self._state, self._params))
         except BaseException as e:  # the engine is broken: fail everything, refuse new work
             with self._cond:
                 self._failure = e
@@ -205,6 +203,16 @@ class EmbeddedBackend:
             if self._update is not None:
                 resolve_from_thread(self._update.future, self._update.loop, RuntimeError(repr(e)))
             raise
+
+    def _engine_work(self) -> None:
+        """A pending weight update once nothing decodes, then admissions, then a decode call."""
+        if self._update is not None and not self._slots:
+            self._apply_update(self._update)
+            self._update = None
+        while self._admissible() and len(self._slots) < self.engine.max_concurrent_decodes:
+            self._admit(self._waiting.popleft())
+        if self._slots:
+            self._decode()
 
     def _admissible(self) -> bool:
         return bool(self._waiting) and self._update is None
@@ -316,7 +324,7 @@ class EmbeddedBackend:
         if session is None or self._session_cache_size == 0:
             return
         covered = (*job.request.prompt_ids, *job.tokens)[: job.pos]
-        self._sessions[session] = (covered, row)
+        self._sessions[session] = (covered, jax.block_until_ready(row))
         self._sessions.move_to_end(session)
         while len(self._sessions) > self._session_cache_size:
             self._sessions.popitem(last=False)

@@ -46,12 +46,26 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float
     return folder, run / "hf", baseline
 
 
-@pytest.mark.parametrize("config", ["demo_calculator_cpu.yaml", "demo_calculator_ppo_cpu.yaml"])
-def test_rl_raises_held_out_success(sft_run: tuple[Path, Path, float], config: str) -> None:
+ASYNC = ["trainer.mode=async", "trainer.max_staleness=2"]
+
+
+@pytest.mark.parametrize(
+    ("config", "mode"),
+    [
+        ("demo_calculator_cpu.yaml", []),
+        ("demo_calculator_ppo_cpu.yaml", []),
+        ("demo_calculator_cpu.yaml", ASYNC),  # off-policy by up to 2 versions, TIS-corrected
+    ],
+    ids=["grpo", "ppo", "grpo-async"],
+)
+def test_rl_raises_held_out_success(
+    sft_run: tuple[Path, Path, float], config: str, mode: list[str]
+) -> None:
     folder, sft_model, baseline = sft_run
-    run = folder / config.removesuffix(".yaml")
+    run = folder / (config.removesuffix(".yaml") + ("-async" if mode else ""))
     overrides = [
         *SMALL,
+        *mode,
         f"model.path={sft_model}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
         f"data.val={folder / 'task' / 'val.jsonl'}",
@@ -66,3 +80,6 @@ def test_rl_raises_held_out_success(sft_run: tuple[Path, Path, float], config: s
     assert success[0] == baseline  # the same model, evaluated the same way
     assert baseline < 0.75, "the SFT baseline should fail most sums"
     assert success[-1] >= baseline + 0.2, (baseline, success)
+    if mode:
+        steps = read_metrics(run / "metrics.jsonl", "train")
+        assert all(m["staleness/max"] <= 2 for m in steps)
