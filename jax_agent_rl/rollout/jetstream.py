@@ -93,10 +93,12 @@ class PushStats:
 
 @dataclasses.dataclass
 class _Call:
-    """A request on its way: its gRPC call once started, and whether it was aborted."""
+    """A request on its way: the gate it waits at while a weight update runs, its gRPC call
+    once sent, and whether it was aborted (it then sends nothing more)."""
 
     request: GenerateRequest
-    version: int
+    version: int = 0
+    gate: tuple[asyncio.Future[bool], asyncio.AbstractEventLoop] | None = None
     rpc: Any = None
     aborted: bool = False
 
@@ -150,9 +152,9 @@ class JetStreamBackend:
         self._version = weight_version
         self._lock = threading.Lock()
         self._closed = False
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, _Call] = {}  # every request not finished, gated or sent
+        self._sending: set[str] = set()  # those past the gate (an update drains them)
         self._drained: tuple[asyncio.Future[None], asyncio.AbstractEventLoop] | None = None
-        self._gate: dict[str, tuple[asyncio.Future[bool], asyncio.AbstractEventLoop]] = {}
         self._updating = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_in_flight, "jetstream")
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-jetstream-"))
@@ -196,8 +198,12 @@ class JetStreamBackend:
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 push = self.update_weights(params, weight_version)
                 self._pool.submit(asyncio.run, push).result()
-        except BaseException:
+        except BaseException as e:
             self._kill()
+            self._watcher.join()
+            self._pool.shutdown(wait=True)
+            if not isinstance(e, ServerStartError):  # (its message names the log: kept)
+                shutil.rmtree(self._logs, ignore_errors=True)
             raise
 
     def _await_ready(self, timeout_s: float) -> dict[str, Any]:
@@ -249,52 +255,50 @@ class JetStreamBackend:
         self._refuse_unservable(request)
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        call = _Call(request, version=0)
+        call = _Call(request)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the backend is closed")
             if self.exited is not None:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")
-            if rid in self._calls or rid in self._gate:
+            if rid in self._calls:
                 raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-            if self._updating:
-                self._gate[rid] = (loop.create_future(), loop)
+            self._calls[rid] = call
+            if self._updating:  # it waits for the update's end (`update_weights` lets it go)
+                call.gate = (loop.create_future(), loop)
             else:  # stamped with the version it starts under
-                call.version = self._version
-                self._calls[rid] = call
+                self._send(call)
         try:
-            if rid in self._gate:  # a weight update is under way: wait for its end
-                if not await self._gate[rid][0]:
-                    return self._result([], "abort", self._version)  # aborted while waiting
-                with self._lock:
-                    call.version = self._version
-                    self._calls[rid] = call
+            if call.gate is not None and not await call.gate[0]:
+                return self._result([], "abort", self._version)  # aborted or closed meanwhile
             try:
                 tokens, finish = await loop.run_in_executor(self._pool, self._stream, call)
-            finally:
-                with self._lock:
-                    del self._calls[rid]
-                    drained = self._drained if not self._calls else None
-                if drained is not None:
-                    resolve_from_thread(drained[0], drained[1], None)
+            except RuntimeError:  # the pool was shut down: the backend closed meanwhile
+                if not self._closed:
+                    raise
+                tokens, finish = [], "abort"
             return self._result(tokens, finish, call.version)
         except asyncio.CancelledError:
-            await self.abort(rid)
+            await self.abort(rid)  # while the call is still known: its stream is cancelled
             raise
         finally:
             with self._lock:
-                self._gate.pop(rid, None)
+                del self._calls[rid]
+                self._sending.discard(rid)
+                drained = self._drained if not self._sending else None
+            if drained is not None:
+                resolve_from_thread(drained[0], drained[1], None)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
-            gated = self._gate.get(request_id)
             call = self._calls.get(request_id)
-            if call is not None:
-                call.aborted = True
-                rpc = call.rpc
-        if gated is not None:
-            resolve_from_thread(gated[0], gated[1], False)
-        elif call is not None and rpc is not None:
+            if call is None:
+                return
+            call.aborted = True  # a call not sent yet will not be
+            gate, rpc = call.gate, call.rpc
+        if gate is not None:
+            resolve_from_thread(gate[0], gate[1], False)
+        if rpc is not None:
             rpc.cancel()
 
     async def update_weights(self, params: Weights, version: int) -> None:
@@ -305,11 +309,13 @@ class JetStreamBackend:
             if self._updating:
                 raise RuntimeError("a weight update is already under way")
             self._updating = True
-            if self._calls:
+            if self._sending:
                 self._drained = (loop.create_future(), loop)
         try:
             if self._drained is not None:
                 await self._drained[0]
+            if self._closed:
+                raise RuntimeError("the backend is closed")
             if self.exited is not None:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")
             await self._push(params)
@@ -317,16 +323,24 @@ class JetStreamBackend:
         finally:
             with self._lock:
                 self._updating, self._drained = False, None
-                gated = list(self._gate.values())
-            for future, owner in gated:
-                resolve_from_thread(future, owner, True)
+                waiting = [c for c in self._calls.values() if c.gate and not c.gate[0].done()]
+                for call in waiting:  # sent (and counted) before any later update can start
+                    self._send(call)
+            for call in waiting:
+                assert call.gate is not None
+                resolve_from_thread(call.gate[0], call.gate[1], not call.aborted)
 
     async def close(self) -> None:
         with self._lock:
             self._closed = True
-            rpcs = [c.rpc for c in self._calls.values() if c.rpc is not None]
-        for rpc in rpcs:
-            rpc.cancel()
+            calls = list(self._calls.values())
+            for call in calls:
+                call.aborted = True
+        for call in calls:
+            if call.gate is not None:
+                resolve_from_thread(call.gate[0], call.gate[1], False)
+            if call.rpc is not None:
+                call.rpc.cancel()
         await asyncio.to_thread(self._stop)
         shutil.rmtree(self._logs, ignore_errors=True)
 
@@ -354,6 +368,11 @@ class JetStreamBackend:
                 f"{list(server.stop_token_ids)}; this request does not stop at {missing}"
             )
 
+    def _send(self, call: _Call) -> None:
+        """Marks ``call`` as going out now, under the current weights (the lock is held)."""
+        call.version = self._version
+        self._sending.add(call.request.request_id)
+
     def _stream(self, call: _Call) -> tuple[list[int], FinishReason]:
         """Runs on a pool thread: the request's stream, until its stop id, its budget, its
         end, an abort or the server's death."""
@@ -365,16 +384,19 @@ class JetStreamBackend:
         budget = min(request.sampling.max_tokens, room)
         stops = set(request.sampling.stop_token_ids)
         decode = jetstream_pb2.DecodeRequest(
-            session_cache=request.session_id or request.request_id,  # non-empty: no BOS
+            session_cache="token-ids",  # non-empty: JetStream puts no BOS before the prompt
             max_tokens=budget,
             token_content=jetstream_pb2.DecodeRequest.TokenContent(
                 token_ids=list(request.prompt_ids)
             ),
         )
         with self._lock:
-            if call.aborted:
+            if call.aborted or self._closed:
                 return [], "abort"
-            call.rpc = self._stub.Decode(decode, metadata=self._metadata)
+            try:
+                call.rpc = self._stub.Decode(decode, metadata=self._metadata)
+            except ValueError:  # the channel closed: the backend is closing
+                return [], "abort"
         tokens: list[int] = []
         try:
             for response in call.rpc:
@@ -412,6 +434,8 @@ class JetStreamBackend:
         except grpc.RpcError as e:
             details = e.details()
             raise RuntimeError(f"the JetStream server could not load the weights: {details}") from e
+        except ValueError as e:  # the channel closed under it
+            raise RuntimeError("the backend closed during a weight update") from e
         return json.loads(reply)
 
     def _watch(self) -> None:

@@ -76,7 +76,7 @@ def _adapter(config: dict[str, Any]) -> Any:
 
     from jax_agent_rl.engine import Engine, SamplingParams
     from jax_agent_rl.models import Sharder, load_hf, make_mesh
-    from third_party.jetstream.engine import JetStreamEngine, LiveParams
+    from third_party.jetstream.engine import JetStreamEngine, LiveParams, max_prefill_length
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)
@@ -87,6 +87,7 @@ def _adapter(config: dict[str, Any]) -> Any:
     )
     model, weights = load_hf(config["checkpoint"], config["dtype"])
     max_len = config["max_len"]
+    max_prefill_length(max_len)  # raises now, not in JetStream's thread (which kills us)
     engine = Engine(model, max_concurrent_decodes=config["slots"], max_len=max_len, sharder=sharder)
     if len(config["stop_ids"]) > engine.max_stop_ids:
         raise ValueError(
@@ -102,7 +103,10 @@ def _adapter(config: dict[str, Any]) -> Any:
         top_p=config["top_p"],
         stop_token_ids=tuple(config["stop_ids"]),
     )
-    return JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
+    adapter = JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
+    if config.get("warmup", True):
+        adapter.warmup()
+    return adapter
 
 
 async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
@@ -153,7 +157,9 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
 
     def load(folder: str) -> float:
         t0 = time.perf_counter()
-        _, new = load_hf(folder, config["dtype"])
+        cfg, new = load_hf(folder, config["dtype"])
+        if cfg != engine.cfg:
+            raise ValueError(f"{folder} holds a {cfg}, this server serves a {engine.cfg}")
         params.swap(jax.block_until_ready(engine.load_params(new)))
         return time.perf_counter() - t0
 

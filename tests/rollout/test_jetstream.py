@@ -3,10 +3,12 @@ engine samples exactly what the in-process backend does, a killed server aborts 
 flight, and the ways the backend must refuse to start. No test leaves a server behind."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +226,168 @@ def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600
     )
     assert _gone(int(done.stdout.split()[-1]))
+
+
+# ------------------------------------------------- races and limits (each once a found defect)
+
+
+@pytest.fixture(scope="module")
+def shared(checkpoint: Path) -> Iterator[JetStreamBackend]:
+    backend = _server(checkpoint)
+    yield backend
+    asyncio.run(backend.close())
+    assert _gone(backend.proc.pid)
+
+
+def _perturbed(checkpoint: Path) -> object:
+    import jax
+
+    _, weights = load_hf(checkpoint)
+    return jax.tree.map(lambda x: -x, weights)
+
+
+def test_back_to_back_updates_drain_the_requests_the_first_let_go(
+    checkpoint: Path, shared: JetStreamBackend
+) -> None:
+    """Requests waiting on one update go out when it ends, before a second can start: the
+    second drains them, and each result is sampled wholly under the version it is stamped
+    with."""
+    _, original = load_hf(checkpoint)
+    flipped = _perturbed(checkpoint)
+    prompts = [(5, 6, 7 + i) for i in range(3)]
+    long = SamplingParams(max_tokens=60, temperature=0.0)
+
+    async def scenario() -> list[GenerateResult]:
+        first = asyncio.create_task(shared.generate(GenerateRequest("long", (9, 9), long)))
+        while not shared.in_flight():
+            await asyncio.sleep(0)
+        up1 = asyncio.create_task(shared.update_weights(original, 1))
+        await asyncio.sleep(0)
+        gated = [
+            asyncio.create_task(shared.generate(GenerateRequest(f"g{i}", p, long)))
+            for i, p in enumerate(prompts)
+        ]
+        await up1
+        await shared.update_weights(flipped, 2)  # at once: the gated ones are out already
+        await first
+        return list(await asyncio.gather(*gated))
+
+    results = asyncio.run(scenario())
+    reference = {}
+    for version, weights in ((1, original), (2, flipped)):
+        asyncio.run(shared.update_weights(weights, version))
+        reference[version] = asyncio.run(
+            _all(
+                shared,
+                [GenerateRequest(f"ref{version}-{i}", p, long) for i, p in enumerate(prompts)],
+            )
+        )
+    assert reference[1][0].token_ids != reference[2][0].token_ids
+    for i, result in enumerate(results):
+        assert result.token_ids == reference[result.weight_version][i].token_ids
+    asyncio.run(shared.update_weights(original, 3))
+
+
+def test_an_abort_right_after_the_awaited_update_still_aborts(
+    checkpoint: Path, shared: JetStreamBackend
+) -> None:
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    _, weights = load_hf(checkpoint)
+
+    async def scenario() -> GenerateResult:
+        first = asyncio.create_task(shared.generate(GenerateRequest("long", (9, 9), long)))
+        while not shared.in_flight():
+            await asyncio.sleep(0)
+        up = asyncio.create_task(shared.update_weights(weights, 4))
+        await asyncio.sleep(0)
+        gated = asyncio.create_task(shared.generate(GenerateRequest("g", (5, 6), long)))
+        await up
+        await shared.abort("g")  # released already, not sent yet
+        await first
+        return await gated
+
+    result = asyncio.run(scenario())
+    assert result.finish_reason == "abort" and len(result.token_ids) < 100
+
+
+def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> None:
+    ended: dict[str, tuple[list[int], str]] = {}
+    done = threading.Event()
+    stream = shared._stream
+
+    def spy(call: object) -> tuple[list[int], str]:
+        out = stream(call)  # type: ignore[arg-type]
+        ended[call.request.request_id] = out  # type: ignore[attr-defined]
+        done.set()
+        return out  # type: ignore[return-value]
+
+    shared._stream = spy  # type: ignore[method-assign]
+    try:
+
+        async def scenario() -> None:
+            long = SamplingParams(max_tokens=120, temperature=0.0)
+            task = asyncio.create_task(shared.generate(GenerateRequest("c", (5, 6), long)))
+            while not shared.in_flight():
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(scenario())
+        assert done.wait(120)
+    finally:
+        del shared._stream
+    tokens, finish = ended["c"]
+    assert finish == "abort" and len(tokens) < 120
+
+
+def test_an_empty_request_id_is_served(shared: JetStreamBackend) -> None:
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    assert len(asyncio.run(shared.generate(GenerateRequest("", (5, 6), greedy))).token_ids) == 3
+
+
+def test_closing_during_an_update_aborts_and_raises_plainly(checkpoint: Path) -> None:
+    backend = _server(checkpoint)
+    _, weights = load_hf(checkpoint)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+
+    async def scenario() -> tuple[BaseException | None, GenerateResult, GenerateResult]:
+        first = asyncio.create_task(backend.generate(GenerateRequest("long", (9, 9), long)))
+        while not backend.in_flight():
+            await asyncio.sleep(0)
+        up = asyncio.create_task(backend.update_weights(weights, 1))
+        await asyncio.sleep(0)
+        gated = asyncio.create_task(backend.generate(GenerateRequest("g", (5, 6), long)))
+        await asyncio.sleep(0)
+        await backend.close()
+        error = (await asyncio.gather(up, return_exceptions=True))[0]
+        return error, await first, await gated
+
+    error, first, gated = asyncio.run(scenario())
+    assert isinstance(error, RuntimeError) and "closed" in str(error)
+    assert first.finish_reason == gated.finish_reason == "abort"
+    assert _gone(backend.proc.pid)
+
+
+def test_a_context_beyond_jetstreams_buckets_fails_at_start(tmp_path: Path) -> None:
+    long_context = write_hf_checkpoint(
+        tmp_path / "long", {**TINY_QWEN2, "max_position_embeddings": 40_000}
+    )
+    with pytest.raises(ServerStartError, match="beyond JetStream's prompt buckets"):
+        JetStreamBackend(
+            long_context,
+            ModelConfig.from_pretrained(long_context),
+            max_model_len=33_000,
+            slots=SLOTS,
+        )
+
+
+def test_a_start_that_fails_leaves_no_thread(checkpoint: Path) -> None:
+    import jax
+
+    _, weights = load_hf(checkpoint)
+    wrong = dataclasses.replace(weights, embed=jax.numpy.zeros((7, 7)))
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="could not load the weights"):
+        _server(checkpoint, params=wrong)
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("jetstream")]

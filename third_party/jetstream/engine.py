@@ -186,7 +186,7 @@ class JetStreamEngine(engine_api.Engine):
         *,
         params: LiveParams,
         existing_prefix: Prefilled | None = None,
-        padded_tokens: jax.Array,
+        padded_tokens: jax.Array | np.ndarray,
         true_length: int,
     ) -> Prefilled:
         if existing_prefix is not None:
@@ -224,6 +224,17 @@ class JetStreamEngine(engine_api.Engine):
             samples_per_slot=1,
         )
         return SlotsState(state, pending), result
+
+    def warmup(self) -> None:
+        """Compiles the adapter's own programs (the engine's are compiled by its warmup): one
+        prompt through prefill, insert and generate; then the slots start empty again."""
+        state = self.init_decode_state()
+        prefix = self.prefill(
+            params=self.params, padded_tokens=np.zeros(1, np.int32), true_length=1
+        )
+        state, result = self.generate(self.params, self.insert(prefix, state, 0))
+        np.asarray(result.data)
+        self.init_decode_state()
 
     # ------------------------------------------------------------------ internals
 
