@@ -315,9 +315,32 @@ def test_the_device_step_equals_the_step_composed_on_the_host(algo: AlgorithmSec
     assert got.pop("logprob_gap/mean") == pytest.approx(gap.mean(), rel=1e-5)
     assert got.pop("logprob_gap/max") == pytest.approx(gap.max(), rel=1e-5)
     assert got.pop("batch/sampled_tokens") == np.asarray(batch.mask).sum()
+    assert got.pop("rollout/logprobs_recomputed") == 0.0
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+
+
+def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
+    """A backend with no logprobs (JetStream): `train_step(rollout_logprobs=False)` updates as
+    if the sampler's logprobs were the learner's old-policy ones (TIS weights 1), and reports
+    no gap. Also: the gap per staleness, from each row's staleness."""
+    algo = AlgorithmSection(tis_cap=2.0)
+    params = init_params(jax.random.key(6), CFG)
+    batch = random_batch(seed=6)
+    rewards, groups = _outcomes(batch.shape[0])
+    blind, told = (_learner(algo, jax.tree.map(jnp.copy, params)) for _ in range(2))
+    old = told.logprobs(batch) * np.asarray(batch.mask)  # the policy before the update
+    got = blind.train_step(batch, rewards, groups, rollout_logprobs=False)
+    staleness = np.arange(batch.shape[0]) % 2
+    want = told.train_step(
+        dataclasses.replace(batch, rollout_logp=old), rewards, groups, row_staleness=staleness
+    )
+    assert_close_normwise(blind.state.params, told.state.params)
+    assert got["rollout/logprobs_recomputed"] == 1.0 and "logprob_gap/mean" not in got
+    assert want["rollout/logprobs_recomputed"] == 0.0
+    assert want["logprob_gap/staleness_0"] == pytest.approx(0.0, abs=1e-5)
+    assert want["logprob_gap/staleness_1"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_the_step_crosses_to_the_device_once_and_compiles_once() -> None:
