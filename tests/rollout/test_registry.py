@@ -51,16 +51,19 @@ def test_training_classes_stay_small() -> None:
     assert big == []
 
 
-def test_vllm_is_found_through_its_entry_point_and_loaded_only_when_asked() -> None:
+def test_backends_are_found_through_their_entry_points_and_loaded_only_when_asked() -> None:
     code = (
         "import sys\n"
         "from jax_agent_rl.rollout import backend_names\n"
         "from jax_agent_rl.rollout.registry import backend_factory\n"
-        "assert backend_names() == ['embedded', 'vllm'], backend_names()\n"
+        "assert backend_names() == ['embedded', 'jetstream', 'vllm'], backend_names()\n"
         "backend_factory('embedded')\n"
-        "assert not any(m.startswith('gpu_backend') for m in sys.modules)\n"
+        "assert not any(m.startswith(('gpu_backend', 'grpc', 'jetstream')) for m in sys.modules)\n"
+        "assert 'jax_agent_rl.rollout.jetstream' not in sys.modules\n"
         "from gpu_backend.backend import FACTORY\n"
         "assert backend_factory('vllm') is FACTORY\n"
+        "from jax_agent_rl.rollout.jetstream import FACTORY as JETSTREAM\n"
+        "assert backend_factory('jetstream') is JETSTREAM\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
