@@ -28,6 +28,7 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/tools.py
 	$(PY) bench/rollout.py --backends embedded,vllm
 	$(PY) bench/weight_push.py
+	$(PY) bench/async.py
 
 clean:
 	rm -rf .venv .venv-vllm .venv-jetstream .pytest_cache .mypy_cache .ruff_cache

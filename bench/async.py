@@ -1,0 +1,173 @@
+"""Asynchronous training against the synchronous loop, when tool calls have a long tail.
+
+The learning test's task (sums and products; the calculator tool), with every calculator call
+delayed by a seeded lognormal draw (median ``--median-delay`` s, ``--sigma``): a search engine
+or a slow API, where a synchronous step waits for its slowest trajectory. One SFT warm start,
+then from the same policy: the synchronous loop, and ``trainer.mode=async`` at
+``max_staleness`` 1 and 2, each ``--steps`` updates of 8 prompts x 8 samples on the embedded
+engine. Reported per mode: trajectories trained per second over the RL updates (the figure
+async training is for), held-out greedy success after the last update, the mean rollout and
+learner idle fractions, and the per-step reward curve; then each async mode's throughput as
+a ratio to the synchronous one. Ends with one JSON line.
+
+    .venv/bin/python bench/async.py [--steps 10] [--median-delay 0.5] [--sigma 1.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import demo_config, prepare
+from jax_agent_rl.models import request_cpu_devices
+from jax_agent_rl.tools import ToolResult, tool
+from jax_agent_rl.tools.calculator import calculator
+from jax_agent_rl.train import train
+from jax_agent_rl.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DELAY_ENV = "JARL_BENCH_TOOL_DELAY"  # "median,sigma,seed"
+SMALL = [
+    "data.val_size=100",
+    "data.prompts_per_step=8",
+    "rollout.n=8",
+    "rollout.max_model_len=128",
+    "agent.max_turns=3",
+    "agent.max_response_tokens=64",
+    "learner.micro_batch_size=32",
+    "trainer.tensorboard=false",
+]
+_draws: list[random.Random] = []
+
+
+@tool(name="calculator")
+async def slow_calculator(expression: str) -> str | ToolResult:
+    """Evaluate an arithmetic expression exactly and return its value.
+
+    Args:
+        expression: Arithmetic such as a * b or a + b.
+    """
+    median, sigma, seed = os.environ[DELAY_ENV].split(",")
+    if not _draws:
+        _draws.append(random.Random(int(seed)))
+    await asyncio.sleep(_draws[0].lognormvariate(math.log(float(median)), float(sigma)))
+    return await calculator.execute(None, {"expression": expression})
+
+
+def tools_yaml(folder: Path) -> Path:
+    """The calculator tool of the demo, through `slow_calculator` (this file as module
+    ``async``: the script's folder is on the import path)."""
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "expression": {
+                        "type": "string",
+                        "description": "Arithmetic such as a * b or a + b.",
+                    }
+                },
+                "required": ["expression"],
+            },
+        },
+    }
+    path = folder / "tools_slow.yaml"
+    path.write_text(json.dumps([{"class": "async:slow_calculator", "schema": schema}]))
+    return path
+
+
+def run_mode(folder: Path, sft: Path, tools: Path, name: str, mode: list[str], steps: int) -> dict:
+    run = folder / name
+    overrides = [
+        *SMALL,
+        *mode,
+        f"model.path={sft}",
+        f"data.train={folder / 'task' / 'train.jsonl'}",
+        f"data.val={folder / 'task' / 'val.jsonl'}",
+        "sft.data=",
+        f"tools.config={tools}",
+        f"trainer.run_dir={run}",
+        f"trainer.steps={steps}",
+        f"trainer.eval_every={steps}",
+        f"trainer.save_every={steps}",
+    ]
+    importlib.import_module("async")._draws.clear()  # every mode draws the same delays
+    train(load_config(ROOT / "configs" / "demo_calculator_cpu.yaml", overrides))
+    updates = read_metrics(run / "metrics.jsonl", "train")
+    held_out = [r["success"] for r in read_metrics(run / "metrics.jsonl", "val")]
+    seconds = sum(m["time/step_s"] for m in updates[1:])  # the first compiles: left out
+    trained = sum(m["batch/trajectories"] for m in updates[1:])
+
+    def mean(key: str) -> float:
+        return round(sum(m[key] for m in updates[1:]) / max(len(updates) - 1, 1), 3)
+
+    return {
+        "trajectories_per_s": round(trained / seconds, 2),
+        "held_out_success": held_out[-1],
+        "held_out_start": held_out[0],
+        "rollout_idle_frac": mean("time/rollout_idle_frac"),
+        "learner_idle_frac": mean("time/learner_idle_frac"),
+        "staleness_max": max(m["staleness/max"] for m in updates),
+        "reward_curve": [round(m["reward"], 3) for m in updates],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--median-delay", type=float, default=0.5)
+    parser.add_argument("--sigma", type=float, default=1.2)
+    args = parser.parse_args()
+    request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
+    os.environ[DELAY_ENV] = f"{args.median_delay},{args.sigma},0"
+    figures: dict[str, object] = {
+        "bench": "async",
+        "steps": args.steps,
+        "median_delay_s": args.median_delay,
+        "sigma": args.sigma,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        files = prepare(
+            folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100,
+            n_sft=1500,
+        )  # fmt: skip
+        train(demo_config(folder / "sft", files, [*SMALL, f"sft.steps={args.sft_steps}",
+                                                  "trainer.steps=0"]))  # fmt: skip
+        tools = tools_yaml(folder)
+        modes = {
+            "sync": [],
+            "async1": ["trainer.mode=async", "trainer.max_staleness=1"],
+            "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
+        }
+        for name, mode in modes.items():
+            result = run_mode(folder, folder / "sft" / "hf", tools, name, mode, args.steps)
+            figures.update({f"{name}_{k}": v for k, v in result.items()})
+            print(f"# {name}: {result}", file=sys.stderr, flush=True)
+    sync_rate = figures["sync_trajectories_per_s"]
+    for name in ("async1", "async2"):
+        rate = figures[f"{name}_trajectories_per_s"]
+        figures[f"{name}_throughput_ratio"] = round(rate / sync_rate, 2)  # type: ignore[operator]
+        gap = figures[f"{name}_held_out_success"] - figures["sync_held_out_success"]  # type: ignore[operator]
+        figures[f"{name}_held_out_minus_sync"] = round(gap, 3)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
