@@ -31,9 +31,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_backend import wire
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
+from jax_agent_rl.rollout.processes import interpreter_problems, kill_group, log_exceptions
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -65,9 +64,6 @@ SETUP_HINT = "build it with `scripts/setup.sh vllm`"
 # same fp32 forward in a different summation order; differences seen are ~1e-5 (see docs/vllm.md)
 FP32_LOGPROB_TOLERANCE = 1e-4
 BF16_LOGPROB_TOLERANCE = 5e-2
-
-
-_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*")
 
 
 class EngineStartError(RuntimeError):
@@ -144,21 +140,13 @@ class _Engine:
             self._on_message(self, message)
         self._on_message(self, {"op": "exit"})
 
-    def log_errors(self, last: int = 6) -> str:
-        """The distinct exception lines of its log, where vLLM's root cause of a failure is
-        (its final exception only says to look above)."""
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        lines = [m.group(0) for m in _EXCEPTION_LINE.finditer(text)]
-        return "\n".join(f"  {line}" for line in list(dict.fromkeys(lines))[-last:])
+    def log_errors(self) -> str:
+        """The exception lines of its log, where vLLM's root cause of a failure is."""
+        return log_exceptions(self.log)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (the engine's own children included)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_group(self.proc)
 
 
 class VLLMBackend:
@@ -523,15 +511,7 @@ def _build(spec: BackendBuild) -> VLLMBackend:
 
 
 def _check(rollout: RolloutSection) -> list[str]:
-    if Path(rollout.vllm_python or DEFAULT_PYTHON).is_file():
-        return []
-    shown = (
-        repr(rollout.vllm_python) if rollout.vllm_python else f"'' (the default, {DEFAULT_PYTHON})"
-    )
-    return [
-        f"rollout.vllm_python={shown} does not exist: expected the python of a venv with "
-        "vLLM (scripts/setup.sh vllm makes .venv-vllm)"
-    ]
+    return interpreter_problems("vllm_python", rollout.vllm_python, DEFAULT_PYTHON, "vLLM", "vllm")
 
 
 # `rollout.backend=vllm`, found through the entry point in pyproject.toml

@@ -33,10 +33,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -46,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.rollout.jetstream_server import TOKEN_ENV, TOKEN_KEY
+from jax_agent_rl.rollout.processes import interpreter_problems, kill_group, log_exceptions
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -64,7 +63,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh jetstream`"
 SHM_DIR = Path("/dev/shm")
-_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): .*")
 
 
 class ServerStartError(RuntimeError):
@@ -241,14 +239,9 @@ class JetStreamBackend:
         with self._lock:
             return [rid for rid, call in self._calls.items() if call.rpc is not None]
 
-    def log_errors(self, last: int = 6) -> str:
-        """The distinct exception lines of the server's log."""
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        lines = [m.group(0) for m in _EXCEPTION_LINE.finditer(text)]
-        return "\n".join(f"  {line}" for line in list(dict.fromkeys(lines))[-last:])
+    def log_errors(self) -> str:
+        """The exception lines of the server's log."""
+        return log_exceptions(self.log)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         validate_request(request, self.model.vocab_size, self.capabilities.max_model_len)
@@ -468,9 +461,7 @@ class JetStreamBackend:
 
     def _kill(self) -> None:
         """SIGKILL to the server's process group."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_group(self.proc)
 
     def _result(self, tokens: list[int], finish: FinishReason, version: int) -> GenerateResult:
         return GenerateResult(
@@ -499,17 +490,9 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
 
 
 def _check(rollout: RolloutSection) -> list[str]:
-    if Path(rollout.jetstream_python or DEFAULT_PYTHON).is_file():
-        return []
-    shown = (
-        repr(rollout.jetstream_python)
-        if rollout.jetstream_python
-        else f"'' (the default, {DEFAULT_PYTHON})"
+    return interpreter_problems(
+        "jetstream_python", rollout.jetstream_python, DEFAULT_PYTHON, "JetStream", "jetstream"
     )
-    return [
-        f"rollout.jetstream_python={shown} does not exist: expected the python of a venv with "
-        "JetStream (scripts/setup.sh jetstream makes .venv-jetstream)"
-    ]
 
 
 # `rollout.backend=jetstream`, found through the entry point in pyproject.toml
