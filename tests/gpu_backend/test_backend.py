@@ -5,7 +5,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,23 +14,11 @@ from gpu_backend.backend import EngineStartError, VLLMBackend
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
+from tests.processes import group_gone
 
 MAX_LEN = 128
 KV_CACHE_BYTES = 32 * 2**20  # fixed and small: no dependence on the machine's free RAM
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-def _gone(pid: int, wait_s: float = 10.0) -> bool:
-    """No process is left in the group ``pid`` led (the engine and vLLM's own children); killed
-    children may take a moment to be reaped."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +41,7 @@ def two_engines(checkpoint: Path) -> Iterator[VLLMBackend]:
         yield backend
     finally:
         asyncio.run(backend.close())
-        assert all(_gone(pid) for pid in backend.pids)
+        assert all(group_gone(pid) for pid in backend.pids)
 
 
 def _req(rid: str, sampling: SamplingParams, session: str | None = None) -> GenerateRequest:
@@ -99,7 +86,7 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
     # the session moves to the surviving engine, which serves it the same tokens
     assert backend.session_engine("traj-a") == 1
     assert after.token_ids == first.token_ids and after.finish_reason == "length"
-    assert _gone(backend.pids[0])  # vLLM's own children of the dead engine are reaped too
+    assert group_gone(backend.pids[0])  # vLLM's own children of the dead engine are reaped too
 
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:

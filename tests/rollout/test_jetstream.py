@@ -27,22 +27,10 @@ from jax_agent_rl.rollout import (
     SamplingParams,
 )
 from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling, ServerStartError
+from tests.processes import group_gone
 
 MAX_LEN = 128
 SLOTS = 4
-
-
-def _gone(pid: int, wait_s: float = 30.0) -> bool:
-    """No process is left in the group ``pid`` led (killed ones may take a moment to be
-    reaped)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +56,7 @@ def closing() -> Iterator[list[JetStreamBackend]]:
     yield started
     for backend in started:
         asyncio.run(backend.close())
-        assert _gone(backend.proc.pid)
+        assert group_gone(backend.proc.pid)
 
 
 def _prompts() -> list[tuple[int, ...]]:
@@ -152,7 +140,7 @@ def test_a_killed_server_aborts_what_was_in_flight(
     assert backend.exited == f"exit code {-signal.SIGKILL}"
     with pytest.raises(RuntimeError, match="JetStream server has exited"):
         asyncio.run(backend.generate(GenerateRequest("after", (5, 6), long)))
-    assert _gone(pid)
+    assert group_gone(pid)
 
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
@@ -225,7 +213,7 @@ def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600
     )
-    assert _gone(int(done.stdout.split()[-1]))
+    assert group_gone(int(done.stdout.split()[-1]))
 
 
 # ------------------------------------------------- races and limits (each once a found defect)
@@ -236,7 +224,7 @@ def shared(checkpoint: Path) -> Iterator[JetStreamBackend]:
     backend = _server(checkpoint)
     yield backend
     asyncio.run(backend.close())
-    assert _gone(backend.proc.pid)
+    assert group_gone(backend.proc.pid)
 
 
 def _perturbed(checkpoint: Path) -> object:
@@ -366,7 +354,7 @@ def test_closing_during_an_update_aborts_and_raises_plainly(checkpoint: Path) ->
     error, first, gated = asyncio.run(scenario())
     assert isinstance(error, RuntimeError) and "closed" in str(error)
     assert first.finish_reason == gated.finish_reason == "abort"
-    assert _gone(backend.proc.pid)
+    assert group_gone(backend.proc.pid)
 
 
 def test_a_context_beyond_jetstreams_buckets_fails_at_start(tmp_path: Path) -> None:
