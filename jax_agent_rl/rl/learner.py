@@ -630,13 +630,13 @@ class Learner:
         self.state, self.critic_state, metrics = self._rl_steps[rollout_logprobs](
             self.state, self.critic_state, reference, device, outcomes
         )
-        metrics = jax.device_get(metrics)
-        row_gap = np.asarray(metrics.pop(_ROW_GAP)).reshape(-1)
-        row_tokens = np.asarray(metrics.pop(_ROW_TOKENS)).reshape(-1)
-        out = {k: float(v) for k, v in metrics.items()}
+        # the per-row arrays are spread over the processes' devices: read in one process only
+        rows = metrics.pop(_ROW_GAP), metrics.pop(_ROW_TOKENS)
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
         elif row_staleness is not None and jax.process_count() == 1:
+            row_gap, row_tokens = (np.asarray(x).reshape(-1) for x in rows)
             out.update(gap_by_staleness(row_gap, row_tokens, np.asarray(row_staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
         return out
