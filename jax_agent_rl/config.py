@@ -59,6 +59,25 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RaySection:
+    """Rollout replicas as Ray actors across a cluster (`jax_agent_rl.rollout.ray_pool`);
+    off while ``address`` is empty. Each replica is one ``rollout.backend`` engine, placed
+    through a placement group of one bundle per replica."""
+
+    # "": no Ray (the backend runs here); "auto": the cluster this machine belongs to;
+    # "local": start a one-node cluster on this machine; else the head's HOST:PORT
+    address: str = ""
+    replicas: int = 2
+    num_cpus: float = 1.0  # per replica
+    num_gpus: float = 0.0  # per replica (a vLLM engine: its GPUs)
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {TPU: 4}
+    # how the replicas' bundles spread over the nodes (Ray's placement group strategies)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
+    max_restarts: int = 3  # per replica; a replica that dies more often stays down
+    start_timeout_s: float = 600.0  # placing and starting the replicas (compiles included)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """The inference backend and how it samples."""
 
@@ -79,6 +98,7 @@ class RolloutSection:
     jetstream_python: str = ""  # the JetStream venv's interpreter; empty: .venv-jetstream's
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refills: int = 3  # extra rollouts of fresh prompts per step, at most
+    ray: RaySection = dataclasses.field(default_factory=RaySection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +418,12 @@ RANGES: dict[str, Rule] = {
     "rollout.max_concurrent": _COUNT,
     "rollout.steps_per_call": _COUNT,
     "rollout.replicas": _COUNT,
-    "rollout.vllm_kv_cache_mb": _NATURAL,  # 0: vLLM's share of free memory
+    "rollout.vllm_kv_cache_mb": _NATURAL,
+    "rollout.ray.replicas": _COUNT,
+    "rollout.ray.num_cpus": _NATURAL,
+    "rollout.ray.num_gpus": _NATURAL,
+    "rollout.ray.max_restarts": _NATURAL,
+    "rollout.ray.start_timeout_s": _POSITIVE,  # 0: vLLM's share of free memory
     "agent.max_turns": _COUNT,
     "agent.max_tokens_per_turn": _COUNT,
     "agent.max_response_tokens": _COUNT,

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Trains on CUDA nodes: on each, the JAX learner on the first GPUs, one vLLM engine per
 # remaining GPU; with --nodes, one learner process per node joined into one mesh
-# (jax.distributed), each node rolling out its share of every step on its own engines.
+# (jax.distributed), each node rolling out its share of every step on its own engines; with
+# --ray, the learner on every GPU here and the vLLM engines on a Ray cluster's GPU nodes.
 #
-#   launch/gpu.sh [--gpus N] [--learner-gpus L] [--ray ADDRESS] [--dry-run] CONFIG [key=value ...]
+#   launch/gpu.sh [--gpus N] [--learner-gpus L] [--dry-run] CONFIG [key=value ...]
+#   launch/gpu.sh --ray ADDRESS --replicas R [--engine-gpus G] [--gpus N] [--dry-run] CONFIG [...]
 #   launch/gpu.sh --nodes N --node-rank R --coordinator HOST:PORT [...] CONFIG [key=value ...]
 #
 #   --gpus N          GPUs on the node (default: what nvidia-smi lists)
 #   --learner-gpus L  GPUs for the learner (default: N / 2); the other N - L each run one vLLM
 #                     engine (rollout.replicas = N - L, rollout.vllm_devices = their ids)
-#   --ray ADDRESS     submit the same command as a job to a running Ray cluster (`ray job
-#                     submit`), whose head node runs it with the GPUs it was started with
+#   --ray ADDRESS     the engines are Ray actors on the cluster at ADDRESS (HOST:PORT of its
+#                     head, or auto), placed by a placement group (rollout.ray.*, SPREAD over
+#                     the GPU nodes); the learner takes all N GPUs here. --dry-run asks the
+#                     cluster where each engine would go (a reservation, released at once)
+#   --replicas R      vLLM engines on the cluster (with --ray)
+#   --engine-gpus G   GPUs of each engine (with --ray; default 1)
 #   --nodes N         nodes in the run (default 1); run this script on every node, each with
 #                     its --node-rank; mesh.data = learner GPUs x N
 #   --node-rank R     this node's rank, 0 .. N-1 (0 serves the coordinator)
@@ -21,12 +27,13 @@
 # Environments: .venv (JAX with CUDA: `pip install "jax[cuda12]==<the locked jax>"` into it)
 # and a vLLM CUDA build for the engines: VLLM_PYTHON=/path/to/venv/bin/python (default
 # .venv-vllm/bin/python; `scripts/setup.sh vllm` builds the CPU build there, so on a CUDA node
-# install `vllm` itself into a venv and point VLLM_PYTHON at it). Weights reach the engines
-# through /dev/shm (see docs/vllm.md for the CUDA IPC / NCCL path).
+# install `vllm` itself into a venv and point VLLM_PYTHON at it; with --ray, at that path on
+# every engine node, and jax_agent_rl installed there too). Weights reach the engines through
+# /dev/shm, on each engine's node (see docs/vllm.md for the CUDA IPC / NCCL path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpus="" learner="" ray="" dry=0 nodes=1 rank="" coordinator=""
+gpus="" learner="" ray="" replicas="" engine_gpus=1 dry=0 nodes=1 rank="" coordinator=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) nodes=$2; shift 2 ;;
@@ -35,8 +42,10 @@ while [[ $# -gt 0 ]]; do
     --gpus) gpus=$2; shift 2 ;;
     --learner-gpus) learner=$2; shift 2 ;;
     --ray) ray=$2; shift 2 ;;
+    --replicas) replicas=$2; shift 2 ;;
+    --engine-gpus) engine_gpus=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -49,18 +58,25 @@ if [[ -z $gpus ]]; then
     || { echo "gpu.sh: no nvidia-smi here; pass --gpus N (with --dry-run to plan elsewhere)" >&2; exit 2; }
   gpus=$(nvidia-smi --list-gpus | wc -l)
 fi
-learner=${learner:-$((gpus / 2))}
-replicas=$((gpus - learner))
+vllm_python=${VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}
+if [[ -n $ray ]]; then  # every GPU here learns; the engines are on the cluster
+  [[ -n $replicas ]] || { echo "gpu.sh: --ray needs --replicas R (vLLM engines on the cluster)" >&2; exit 2; }
+  [[ -z $learner ]] || { echo "gpu.sh: with --ray the learner takes all --gpus; drop --learner-gpus" >&2; exit 2; }
+  learner=$gpus
+else
+  [[ -z $replicas ]] || { echo "gpu.sh: --replicas goes with --ray (here: --learner-gpus)" >&2; exit 2; }
+  learner=${learner:-$((gpus / 2))}
+  replicas=$((gpus - learner))
+fi
 if (( learner < 1 || replicas < 1 )); then
   echo "gpu.sh: $gpus GPUs cannot hold $learner learner GPUs and at least one vLLM engine" >&2
   exit 2
 fi
 learner_ids=$(seq -s, 0 $((learner - 1)))
-engine_ids=$(seq -s, "$learner" $((gpus - 1)))
-vllm_python=${VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}
+engine_ids=$( [[ -n $ray ]] || seq -s, "$learner" $((gpus - 1)))
 
 if (( nodes > 1 )); then
-  [[ -z $ray ]] || { echo "gpu.sh: --ray submits one command; --nodes runs one per node" >&2; exit 2; }
+  [[ -z $ray ]] || { echo "gpu.sh: --ray runs one learner; --nodes runs one per node" >&2; exit 2; }
   [[ -n $coordinator ]] || { echo "gpu.sh: --nodes $nodes needs --coordinator HOST:PORT (node 0)" >&2; exit 2; }
   if [[ -z $rank ]] && (( ! dry )); then
     echo "gpu.sh: --nodes $nodes needs this node's --node-rank (0 .. $((nodes - 1)))" >&2; exit 2
@@ -70,25 +86,35 @@ if (( nodes > 1 )); then
   fi
 fi
 
-# The command of node $1 (an empty rank: a single-node run).
+# The command of node $node (empty: a single-node run).
 command_of() {
-  train=(env "CUDA_VISIBLE_DEVICES=$learner_ids" JAX_PLATFORMS=cuda .venv/bin/python -m jax_agent_rl.cli
-    train "$config" rollout.backend=vllm "rollout.replicas=$replicas"
-    "rollout.vllm_devices=$engine_ids" "rollout.vllm_python=$vllm_python"
-    "mesh.data=$((learner * nodes))" "$@")
-  if [[ -n $node ]]; then
-    train+=(--coordinator "$coordinator" --num-processes "$nodes" --process-id "$node")
-  fi
+  run=(env "CUDA_VISIBLE_DEVICES=$learner_ids" JAX_PLATFORMS=cuda .venv/bin/python -m jax_agent_rl.cli
+    train "$config" rollout.backend=vllm)
   if [[ -n $ray ]]; then
-    run=(ray job submit --address "$ray" --working-dir . -- "${train[@]}")
+    run+=("rollout.ray.address=$ray" "rollout.ray.replicas=$replicas"
+      "rollout.ray.num_gpus=$engine_gpus")
   else
-    run=("${train[@]}")
+    run+=("rollout.replicas=$replicas" "rollout.vllm_devices=$engine_ids")
+  fi
+  run+=("rollout.vllm_python=$vllm_python" "mesh.data=$((learner * nodes))")
+  run+=("$@")
+  if [[ -n $node ]]; then
+    run+=(--coordinator "$coordinator" --num-processes "$nodes" --process-id "$node")
   fi
 }
 
 over=$( (( nodes > 1 )) && echo " over $nodes nodes" || true)
 echo "plan: $gpus GPUs per node; learner on GPUs $learner_ids (mesh.data=$((learner * nodes))$over);"
-echo "      $replicas vLLM engine(s) per node on GPUs $engine_ids, interpreter $vllm_python"
+if [[ -n $ray ]]; then
+  echo "      $replicas vLLM engine(s) of $engine_gpus GPU(s) each as Ray actors on $ray, interpreter $vllm_python"
+  if (( dry )); then  # where the cluster would put them: Ray's own placement, released at once
+    .venv/bin/python -m jax_agent_rl.rollout.ray_pool --address "$ray" --replicas "$replicas" \
+      --num-gpus "$engine_gpus" --strategy SPREAD \
+      || { echo "gpu.sh: the cluster at $ray cannot place the engines (above)" >&2; exit 2; }
+  fi
+else
+  echo "      $replicas vLLM engine(s) per node on GPUs $engine_ids, interpreter $vllm_python"
+fi
 if (( nodes > 1 )) && [[ -z $rank ]]; then  # --dry-run: every node's command
   for node in $(seq 0 $((nodes - 1))); do
     command_of "$@"

@@ -12,6 +12,7 @@ what is built here.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -35,6 +36,7 @@ from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.metered import MeteredBackend
+from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
@@ -284,7 +286,8 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     ``run.start``, and the tools; closes both on the way out."""
     cfg = run.cfg
     parser = make_parser(cfg.agent.parser)
-    built = make_backend(
+    start = make_pool if cfg.rollout.ray.address else make_backend
+    built = start(
         BackendBuild(
             cfg.rollout,
             run.model,
@@ -298,6 +301,13 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
         )
     )
     backend = MeteredBackend(built)  # its idle time goes into each step's metrics
+    if isinstance(built, RayPool):
+        nodes = collections.Counter(built.nodes)
+        run.console.print(
+            f"rollout: {cfg.rollout.ray.replicas} {cfg.rollout.backend} replicas on Ray "
+            f"({cfg.rollout.ray.address}), over {len(nodes)} nodes: "
+            + ", ".join(f"{n[:12]} x{k}" for n, k in nodes.items())
+        )
     tools = make_tools(cfg.tools, run.registry, os.environ)
     greedy_eval = backend.capabilities.per_request_sampling
     if not greedy_eval:

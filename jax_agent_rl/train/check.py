@@ -122,6 +122,11 @@ def _processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
             f"trainer.mode=async runs in one process; {processes} processes train with "
             "trainer.mode=sync"
         )
+    if cfg.rollout.ray.address:
+        problems.append(
+            f"rollout.ray.address={cfg.rollout.ray.address!r} serves one process's rollouts; "
+            f"{processes} processes each roll out on their own engines (rollout.ray.address=)"
+        )
     prompts = cfg.data.prompts_per_step
     if prompts % processes:
         problems.append(

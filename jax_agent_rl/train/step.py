@@ -294,6 +294,7 @@ async def rl_step(
     times include compiling the engine and the learner step (kept out of the throughput
     plot)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
+    counted0 = rollout.backend.counters()
     kept, seen = await collect(run, rollout.ctx, step)
     t_collect = time.perf_counter() - t0
     m, totals = learn(
@@ -320,10 +321,16 @@ async def rl_step(
                 t_collect,
                 totals["batch/trajectories"],
             ),
+            **counted_since(counted0, rollout.backend.counters()),
             INCLUDES_COMPILE: float(compiles),
         }
     )
     return m, seen
+
+
+def counted_since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """What the backend counted during a step (its totals now less those at its start)."""
+    return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
 def pace_metrics(

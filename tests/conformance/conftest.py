@@ -4,6 +4,7 @@ Each backend is built by a factory registered in ``BACKENDS`` from the same loca
 checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
 that need their own venv run it in their own processes (vLLM: `gpu_backend`, under
 ``.venv-vllm``; JetStream: `jax_agent_rl.rollout.jetstream`, under ``.venv-jetstream``); the
+Ray pool routes over two embedded replicas in Ray actors (`jax_agent_rl.rollout.ray_pool`). The
 suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
 refuses (or, for logprobs, does not make up).
 """
@@ -62,8 +63,23 @@ def _jetstream(path: Path) -> RolloutBackend:
     )
 
 
+def _ray(path: Path) -> RolloutBackend:
+    from jax_agent_rl.config import RaySection, RolloutSection
+    from jax_agent_rl.rollout.ray_pool import RayPool
+    from jax_agent_rl.rollout.registry import BackendBuild
+
+    cfg, w = load_hf(path)
+    rollout = RolloutSection(  # two embedded replicas as Ray actors on a one-node cluster here
+        max_concurrent=SLOTS,
+        max_model_len=MAX_LEN,
+        ray=RaySection(address="local", replicas=2, num_cpus=0.5),
+    )
+    return RayPool(BackendBuild(rollout, cfg, w, checkpoint=path, dtype="float32"))
+
+
 BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {
     "embedded": _embedded,
+    "ray": _ray,
     "vllm": _vllm,
     "jetstream": _jetstream,
 }

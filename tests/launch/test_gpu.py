@@ -23,11 +23,15 @@ def test_dry_run_splits_the_gpus() -> None:
     assert "rollout.replicas=4 rollout.vllm_devices=4,5,6,7" in run and run.endswith("steps=5")
 
 
-def test_dry_run_on_a_ray_cluster_submits_a_job() -> None:
-    out = _run("--gpus", "2", "--ray", "http://head:8265", "--dry-run", "cfg.yaml")
-    assert out.returncode == 0, out.stderr
-    assert "run:  ray job submit --address http://head:8265 --working-dir . -- env" in out.stdout
-    assert "rollout.replicas=1 rollout.vllm_devices=1" in out.stdout
+def test_ray_refusals_name_the_flag() -> None:
+    """(Placing engines on a Ray cluster, dry run: tests/rollout/test_ray.py, on a cluster.)"""
+    no_replicas = _run("--gpus", "2", "--ray", "auto", "--dry-run", "cfg.yaml")
+    assert no_replicas.returncode == 2 and "--ray needs --replicas" in no_replicas.stderr
+    split = _run("--gpus", "2", "--ray", "auto", "--replicas", "2", "--learner-gpus", "1",
+                 "--dry-run", "cfg.yaml")  # fmt: skip
+    assert split.returncode == 2 and "drop --learner-gpus" in split.stderr
+    stray = _run("--gpus", "2", "--replicas", "2", "--dry-run", "cfg.yaml")
+    assert stray.returncode == 2 and "--replicas goes with --ray" in stray.stderr
 
 
 def test_refuses_a_node_without_room_for_an_engine() -> None:
@@ -71,5 +75,6 @@ def test_multi_node_refusals_name_the_missing_flag() -> None:
     bad_rank = _run("--gpus", "2", "--nodes", "2", "--node-rank", "2", "--coordinator", "h:1",
                     "--dry-run", "cfg.yaml")  # fmt: skip
     assert bad_rank.returncode == 2 and "not in 0 .. 1" in bad_rank.stderr
-    ray = _run("--gpus", "2", "--nodes", "2", "--coordinator", "h:1", "--ray", "x", "cfg.yaml")
+    ray = _run("--gpus", "2", "--nodes", "2", "--coordinator", "h:1", "--ray", "x", "--replicas",
+               "1", "cfg.yaml")  # fmt: skip
     assert ray.returncode == 2 and "one per node" in ray.stderr

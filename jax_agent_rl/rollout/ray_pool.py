@@ -1,0 +1,433 @@
+"""Rollout replicas on a Ray cluster: `RayPool`, one `RolloutBackend` in front of many.
+
+With ``rollout.ray.address`` set, each of ``rollout.ray.replicas`` replicas is a Ray actor
+(`Replica`) holding one engine of ``rollout.backend`` (embedded, vllm, ...: built by the
+backend registry inside the actor), placed through a placement group of one bundle per
+replica (``num_cpus``, ``num_gpus``, ``resources``; ``strategy`` spreads or packs them over
+the nodes). The pool is the router:
+
+- a session's turns go to the replica that served its last turn (its prefix cache holds the
+  conversation); a new session goes to the live replica with the fewest requests in flight;
+- a weight push is put into the object store once and loaded by every replica, with its
+  version; a replica restarted meanwhile loads the newest;
+- a replica that dies (its process killed, its node lost) has its requests sent again to a
+  live replica and counted (``rollout/requests_requeued``). A request is token ids in, so
+  running it again loses nothing: the trajectory goes on from the same prompt, and its
+  earlier turns and tool calls are not repeated. The replica is restarted in its bundle with
+  the current weights, up to ``max_restarts`` times; after that it stays down, and the pool
+  fails only when no replica is left.
+
+Placement is Ray's own: `plan_placement` reserves the bundles, reads which node took each,
+and releases them (``launch/gpu.sh --ray ADDRESS --dry-run`` prints it), so a plan that
+cannot fit is reported before anything starts instead of waiting on Ray forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import jax
+
+from jax_agent_rl.rollout.protocol import (
+    Capabilities,
+    GenerateRequest,
+    GenerateResult,
+    RolloutBackend,
+)
+
+if TYPE_CHECKING:
+    from jax_agent_rl.config import RaySection
+    from jax_agent_rl.rollout.registry import BackendBuild
+
+SESSION_MEMORY = 8192  # sessions whose replica the router remembers (least recently used out)
+
+
+class Replica:
+    """One rollout backend inside a Ray actor (``ray.remote(Replica)``; async methods run on
+    the actor's event loop, so its requests are served concurrently)."""
+
+    def __init__(self, spec: BackendBuild, params: Any) -> None:
+        import ray
+
+        from jax_agent_rl.rollout.registry import make_backend
+
+        self.backend: RolloutBackend = make_backend(dataclasses.replace(spec, params=params))
+        self.node = ray.get_runtime_context().get_node_id()
+        self.requests = 0
+
+    def describe(self) -> tuple[Capabilities, str]:
+        return self.backend.capabilities, self.node
+
+    def in_flight(self) -> int:
+        return self.requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.requests += 1
+        try:
+            return await self.backend.generate(request)
+        finally:
+            self.requests -= 1
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        await self.backend.update_weights(params, version)
+
+    async def abort(self, request_id: str) -> None:
+        await self.backend.abort(request_id)
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Bundle ``index`` of the placement group and the replica serving in it (``None`` while
+    it restarts, or for good once its restarts are spent)."""
+
+    index: int
+    actor: Any = None
+    node: str = ""
+    generation: int = 0  # bumped at each restart: a death is handled once per generation
+    in_flight: int = 0
+    restarts: int = 0
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    down: bool = False  # restarts spent
+    starting: Any = None  # the replica being started in its place
+
+
+def bundle_of(ray_cfg: RaySection) -> dict[str, float]:
+    """One replica's resources, as a placement group bundle."""
+    bundle = {"CPU": float(ray_cfg.num_cpus), **ray_cfg.resources}
+    if ray_cfg.num_gpus:
+        bundle["GPU"] = float(ray_cfg.num_gpus)
+    return {k: v for k, v in bundle.items() if v}
+
+
+def connect(address: str) -> bool:
+    """Joins the cluster at ``address`` ("auto", "local", HOST:PORT) unless this process is
+    connected already; returns whether it connected (and so should disconnect)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=None if address == "local" else address,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        configure_logging=False,
+    )
+    return True
+
+
+def plan_placement(ray_cfg: RaySection, *, keep: bool = False) -> tuple[Any, list[str]]:
+    """Reserves ``ray_cfg.replicas`` bundles on the connected cluster with Ray's placement
+    group, and returns it with the node id that took each bundle. A plan the cluster cannot
+    hold (too few resources, or too few nodes for STRICT_SPREAD) raises ``RuntimeError``
+    naming what is missing; ``keep=False`` releases the reservation."""
+    import ray
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    bundle = bundle_of(ray_cfg)
+    _check_fits(ray_cfg, bundle, [n["Resources"] for n in ray.nodes() if n["Alive"]])
+    pg = placement_group([dict(bundle) for _ in range(ray_cfg.replicas)], ray_cfg.strategy)
+    try:
+        ray.get(pg.ready(), timeout=ray_cfg.start_timeout_s)
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        placed = [nodes[i] for i in range(ray_cfg.replicas)]
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    if not keep:
+        remove_placement_group(pg)
+    return pg, placed
+
+
+def _check_fits(ray_cfg: RaySection, bundle: dict[str, float], nodes: list[dict]) -> None:
+    """Raises when no placement of the bundles on these nodes' resources exists."""
+    fits = [min(int(n.get(k, 0.0) // v) for k, v in bundle.items()) for n in nodes]
+    need, strategy = ray_cfg.replicas, ray_cfg.strategy
+    room = {
+        "STRICT_SPREAD": sum(f > 0 for f in fits),
+        "STRICT_PACK": max(fits, default=0),
+    }.get(strategy, sum(fits))
+    if room < need:
+        where = "nodes with room for one" if strategy == "STRICT_SPREAD" else "room for"
+        raise RuntimeError(
+            f"rollout.ray: {need} replicas of {bundle} ({strategy}) do not fit the cluster: "
+            f"{where} {room} on {len(nodes)} live nodes "
+            f"(resources per node: {[{k: n.get(k, 0.0) for k in bundle} for n in nodes]})"
+        )
+
+
+class RayPool:
+    """`RolloutBackend` over Ray actor replicas (see the module docstring). Built through
+    `make_pool`; ``counters`` feed each step's ``rollout/*`` metrics."""
+
+    def __init__(self, spec: BackendBuild) -> None:
+        import ray
+
+        self._ray = ray
+        self._cfg = spec.rollout.ray
+        self._owns_ray = connect(self._cfg.address)
+        self._spec = dataclasses.replace(spec, params=cast(Any, None), sharder=None)  # sent apart
+        self._version = spec.version
+        # an engine process of its own (vLLM, JetStream) owns the replica's accelerators: JAX
+        # there stays on the CPU rather than take their memory
+        self._env = {} if spec.rollout.backend == "embedded" else {"JAX_PLATFORMS": "cpu"}
+        try:
+            self._weights = ray.put(jax.device_get(spec.params))
+            self._pg, self.nodes = plan_placement(self._cfg, keep=True)
+        except BaseException:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
+        self._slots = [_Slot(i) for i in range(self._cfg.replicas)]
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._where: dict[str, _Slot] = {}
+        self._aborted: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._counts = {"replica_deaths": 0, "requests_requeued": 0, "replica_restarts": 0}
+        try:
+            actors = [self._start(slot) for slot in self._slots]
+            described = ray.get(
+                [a.describe.remote() for a in actors], timeout=self._cfg.start_timeout_s
+            )
+        except BaseException:
+            self._release()
+            raise
+        for slot, actor, (_caps, node) in zip(self._slots, actors, described, strict=True):
+            slot.actor, slot.node = actor, node
+            slot.ready.set()
+        self.capabilities: Capabilities = described[0][0]
+
+    def _start(self, slot: _Slot) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self._cfg
+        actor_cls = self._ray.remote(Replica).options(
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            resources=dict(cfg.resources),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._pg, placement_group_bundle_index=slot.index
+            ),
+            name=f"jarl-replica-{slot.index}.{slot.generation}",
+            runtime_env={"env_vars": self._env},
+        )
+        return actor_cls.remote(
+            dataclasses.replace(self._spec, version=self._version), self._weights
+        )
+
+    def counters(self) -> dict[str, float]:
+        """Totals so far: replica deaths, requests run again elsewhere, restarts."""
+        return {f"rollout/{k}": float(v) for k, v in self._counts.items()}
+
+    def live_nodes(self) -> list[str]:
+        return [s.node for s in self._slots if s.actor is not None]
+
+    def in_flight(self) -> list[int]:
+        """Requests in flight per replica, as the router counts them."""
+        return [s.in_flight for s in self._slots]
+
+    async def _pick(self, session_id: str | None) -> _Slot:
+        while True:
+            live = [s for s in self._slots if s.actor is not None]
+            if session_id is not None and session_id in self._sessions:
+                sticky = self._slots[self._sessions[session_id]]
+                if sticky.actor is not None:
+                    self._sessions.move_to_end(session_id)
+                    return sticky
+            if live:
+                return min(live, key=lambda s: (s.in_flight, s.index))
+            waiting = [s for s in self._slots if not s.down]
+            if not waiting:
+                raise RuntimeError(
+                    f"every rollout replica died and spent its {self._cfg.max_restarts} "
+                    "restarts (rollout.ray.max_restarts)"
+                )
+            waits = [asyncio.ensure_future(s.ready.wait()) for s in waiting]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        rid = request.request_id
+        while True:
+            slot = await self._pick(request.session_id)
+            actor, generation = slot.actor, slot.generation
+            slot.in_flight += 1
+            self._where[rid] = slot
+            try:
+                result: GenerateResult = await actor.generate.remote(request)
+            except self._ray.exceptions.RayTaskError as e:  # the replica's backend raised
+                cause = e.cause
+                raise (cause if isinstance(cause, Exception) else e) from None
+            except self._ray.exceptions.RayActorError:
+                self._lost(slot, generation)
+                if rid in self._aborted:
+                    self._aborted.discard(rid)
+                    return GenerateResult((), None, "abort", self._version)
+                self._counts["requests_requeued"] += 1
+                continue
+            finally:
+                slot.in_flight -= 1
+                self._where.pop(rid, None)
+            self._aborted.discard(rid)
+            if request.session_id is not None:
+                self._sessions[request.session_id] = slot.index
+                self._sessions.move_to_end(request.session_id)
+                while len(self._sessions) > SESSION_MEMORY:
+                    self._sessions.popitem(last=False)
+            return result
+
+    def _lost(self, slot: _Slot, generation: int) -> None:
+        """The replica of ``slot`` (its ``generation``) died: count it once, restart it."""
+        if slot.generation != generation or slot.actor is None:
+            return
+        self._counts["replica_deaths"] += 1
+        slot.actor = None
+        slot.ready.clear()
+        if slot.restarts >= self._cfg.max_restarts:
+            slot.down = True
+            slot.ready.set()  # wakes waiters, who find it down
+            return
+        slot.restarts += 1
+        slot.generation += 1
+        task = asyncio.get_running_loop().create_task(self._restart(slot))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, slot: _Slot) -> None:
+        """Starts a new replica in ``slot``'s bundle with the newest weights; one that dies
+        while starting counts as a death and is tried again, within the restart budget."""
+        while True:
+            try:
+                version = self._version
+                actor = slot.starting = self._start(slot)  # with the weights of `version`
+                _, node = await actor.describe.remote()
+                while self._version != version:  # pushed while it started: load the newest
+                    version = self._version
+                    await actor.update_weights.remote(self._weights, version)
+            except self._ray.exceptions.RayActorError:
+                self._counts["replica_deaths"] += 1
+                if slot.restarts >= self._cfg.max_restarts:
+                    slot.down = True
+                    slot.ready.set()
+                    return
+                slot.restarts += 1
+                slot.generation += 1
+                continue
+            slot.actor, slot.node, slot.starting = actor, node, None
+            self._counts["replica_restarts"] += 1
+            slot.ready.set()
+            return
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        self._weights = self._ray.put(jax.device_get(params))
+        self._version = version
+        await asyncio.gather(*(self._push(s) for s in self._slots if s.actor is not None))
+
+    async def _push(self, slot: _Slot) -> None:
+        actor, generation = slot.actor, slot.generation
+        try:
+            await actor.update_weights.remote(self._weights, self._version)
+        except self._ray.exceptions.RayActorError:
+            self._lost(slot, generation)  # its restart loads these weights
+
+    async def abort(self, request_id: str) -> None:
+        slot = self._where.get(request_id)
+        if slot is None or slot.actor is None:
+            return
+        self._aborted.add(request_id)
+        # a replica dead meanwhile: generate() sees the death and returns the abort
+        with contextlib.suppress(self._ray.exceptions.RayActorError):
+            await slot.actor.abort.remote(request_id)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        closing = [s.actor.close.remote() for s in self._slots if s.actor is not None]
+        if closing:
+            await asyncio.wait([asyncio.ensure_future(_quiet(c)) for c in closing], timeout=60)
+        self._release()
+
+    def _release(self) -> None:
+        from ray.util import remove_placement_group
+
+        for slot in self._slots:
+            for actor in (slot.actor, slot.starting):
+                if actor is not None:
+                    self._ray.kill(actor)
+            slot.actor = slot.starting = None
+        remove_placement_group(self._pg)
+        if self._owns_ray:
+            self._ray.shutdown()
+
+
+async def _quiet(ref: Any) -> None:
+    with contextlib.suppress(Exception):  # a replica that fails to close is killed next
+        await ref
+
+
+def make_pool(spec: BackendBuild) -> RayPool:
+    """The replicas ``spec.rollout.ray`` asks for, started and serving ``spec.params``."""
+    return RayPool(spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m jax_agent_rl.rollout.ray_pool --address A ...``: where the cluster would
+    place the replicas (a reservation, released at once)."""
+    from jax_agent_rl.config import RaySection
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--address", required=True, help='"auto", "local" or HOST:PORT')
+    parser.add_argument("--replicas", type=int, default=RaySection.replicas)
+    parser.add_argument("--num-cpus", type=float, default=RaySection.num_cpus)
+    parser.add_argument("--num-gpus", type=float, default=RaySection.num_gpus)
+    parser.add_argument("--strategy", default=RaySection.strategy)
+    args = parser.parse_args(argv)
+    cfg = RaySection(
+        address=args.address,
+        replicas=args.replicas,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        strategy=args.strategy,
+    )
+    import ray
+
+    t0 = time.perf_counter()
+    owns = connect(cfg.address)
+    try:
+        _, nodes = plan_placement(cfg)
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    except RuntimeError as e:
+        raise SystemExit(f"ray_pool: {e}") from None
+    finally:
+        if owns:
+            ray.shutdown()
+    for i, node in enumerate(nodes):
+        print(f"replica {i}: {bundle_of(cfg)} on node {ips.get(node, '?')} ({node[:12]})")
+    print(
+        json.dumps(
+            {
+                "replicas": cfg.replicas,
+                "bundle": bundle_of(cfg),
+                "strategy": cfg.strategy,
+                "nodes": nodes,
+                "planned_s": round(time.perf_counter() - t0, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

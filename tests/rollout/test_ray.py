@@ -1,0 +1,230 @@
+"""Rollout replicas on a Ray cluster of two nodes (``ray.cluster_utils.Cluster``: two raylets
+on this machine, each a node of its own): the replicas spread over both, a replica killed while
+it serves has its requests run again elsewhere and counted, it comes back with the newest
+weights, a training step completes through such a death, and ``launch/gpu.sh --ray`` asks the
+cluster where its engines would go. (The pool as a backend: the conformance suite, "ray".)"""
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_agent_rl.config import RaySection, RolloutSection
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import demo_config, prepare
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import GenerateRequest, SamplingParams
+from jax_agent_rl.rollout.ray_pool import RayPool, _check_fits
+from jax_agent_rl.rollout.registry import BackendBuild
+from jax_agent_rl.train import train
+from jax_agent_rl.train.metrics import read_metrics
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE = {"num_cpus": 2, "num_gpus": 2, "object_store_memory": 100 * 2**20}  # GPUs: declared only
+DEADLINE_S = 600  # for states that must come (a replica restarting compiles its engine)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args=dict(NODE))
+    c.add_node(**NODE)
+    c.wait_for_nodes()
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def _spread(address: str, **overrides: object) -> RaySection:
+    return RaySection(address=address, replicas=2, strategy="STRICT_SPREAD", **overrides)
+
+
+def _requests(tag: str, n: int = 8) -> list[GenerateRequest]:
+    return [
+        GenerateRequest(
+            f"{tag}{i}",
+            tuple(range(3, 6 + i)),
+            SamplingParams(max_tokens=48, temperature=1.0, seed=i),
+            session_id=f"s{i}",
+        )
+        for i in range(n)
+    ]
+
+
+async def _until(condition: object, what: str) -> None:
+    async def poll() -> None:
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.wait_for(poll(), DEADLINE_S)
+    except TimeoutError:
+        raise AssertionError(f"never: {what}") from None
+
+
+def _serving(actor: object) -> int:
+    return ray.get(actor.in_flight.remote())  # type: ignore[attr-defined]
+
+
+def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights(
+    cluster: object, tmp_path: Path
+) -> None:
+    path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
+    cfg, weights = load_hf(path)
+    rollout = RolloutSection(
+        max_concurrent=4,
+        max_model_len=128,
+        ray=_spread(cluster.address),  # type: ignore[attr-defined]
+    )
+    pool = RayPool(BackendBuild(rollout, cfg, weights, checkpoint=path, dtype="float32"))
+
+    async def scenario() -> None:
+        assert len(set(pool.nodes)) == 2  # one replica on each node
+        before = await asyncio.gather(*(pool.generate(r) for r in _requests("a")))
+        assert sorted(pool._sessions.values()) == [0] * 4 + [1] * 4  # least in flight: even
+
+        # the same seeded requests again; replica 1 is killed while it is serving some
+        again = [
+            asyncio.create_task(pool.generate(dataclasses.replace(r, request_id=f"b{i}")))
+            for i, r in enumerate(_requests("a"))
+        ]
+        victim = pool._slots[1].actor
+        await _until(lambda: _serving(victim) > 0, "replica 1 serves a request")
+        ray.kill(victim)
+        after = await asyncio.gather(*again)
+        counted = pool.counters()
+        assert counted["rollout/replica_deaths"] == 1
+        assert counted["rollout/requests_requeued"] >= 1
+        # nothing lost: every request finished, with the tokens it samples anywhere
+        assert [r.token_ids for r in after] == [r.token_ids for r in before]
+        assert all(r.finish_reason == "length" for r in after)
+
+        # new weights while replica 1 restarts: it comes back serving them
+        new = jax.tree.map(lambda x: x * 1.5, weights)
+        await pool.update_weights(new, 1)
+        await _until(lambda: pool.counters()["rollout/replica_restarts"] == 1, "a restart")
+        assert len(set(pool.live_nodes())) == 2
+        # (the killed replica's sessions stuck to replica 0, which served their last turns:
+        # new sessions spread over both)
+        fresh = [dataclasses.replace(r, session_id=f"new{i}") for i, r in enumerate(_requests("c"))]
+        results = await asyncio.gather(*(pool.generate(r) for r in fresh))
+        assert {r.weight_version for r in results} == {1}
+        served = sorted(pool._sessions[f"new{i}"] for i in range(8))
+        assert served == [0] * 4 + [1] * 4
+        assert [r.token_ids for r in results] != [r.token_ids for r in before]
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
+    cluster: object, tmp_path: Path
+) -> None:
+    """A whole run (2 steps, 2 replicas over the 2 nodes); while the first step rolls out, a
+    replica is killed. Each step still trains on every trajectory of its prompts, none cut
+    short, and the metrics count the death and the requests run again."""
+    task = prepare(tmp_path / "task", ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
+    ray_keys = [f"rollout.ray.{k}={v}" for k, v in (
+        ("address", cluster.address), ("replicas", 2), ("strategy", "STRICT_SPREAD"),  # type: ignore[attr-defined]
+    )]  # fmt: skip
+    cfg = demo_config(
+        tmp_path / "run",
+        task,
+        [
+            *ray_keys,
+            "sft.steps=0",
+            "data.val=",
+            "data.prompts_per_step=2",
+            "rollout.n=4",
+            "rollout.max_model_len=128",
+            "rollout.max_concurrent=8",
+            "agent.max_response_tokens=64",
+            "learner.micro_batch_size=8",
+            "trainer.steps=2",
+            "trainer.tensorboard=false",
+        ],
+    )
+    killed: list[str] = []
+    done = threading.Event()
+
+    def killer() -> None:  # the first replica seen serving a request is killed
+        while not done.is_set() and not killed:
+            if ray.is_initialized():
+                for name in ray.util.list_named_actors():
+                    if name.startswith("jarl-replica-"):
+                        actor = ray.get_actor(name)
+                        if _serving(actor) > 0:
+                            ray.kill(actor)
+                            killed.append(name)
+                            break
+            done.wait(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        run_dir = train(cfg)
+    finally:
+        done.set()
+        thread.join()
+    assert killed, "no replica was seen serving"
+    steps = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert len(steps) == 2
+    assert sum(m["rollout/replica_deaths"] for m in steps) == 1
+    assert sum(m["rollout/requests_requeued"] for m in steps) >= 1
+    for m in steps:
+        assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
+        assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+
+
+def test_an_impossible_placement_names_what_is_missing() -> None:
+    nodes = [{"CPU": 4.0, "GPU": 2.0}, {"CPU": 4.0, "GPU": 1.0}]
+    gpu = RaySection(replicas=3, num_gpus=1.0)
+    _check_fits(gpu, {"CPU": 1.0, "GPU": 1.0}, nodes)  # 2 + 1 GPUs: fits
+    with pytest.raises(RuntimeError, match=r"4 replicas .* room for 3 on 2 live nodes"):
+        _check_fits(dataclasses.replace(gpu, replicas=4), {"CPU": 1.0, "GPU": 1.0}, nodes)
+    spread = dataclasses.replace(gpu, strategy="STRICT_SPREAD")
+    with pytest.raises(RuntimeError, match="nodes with room for one 2"):
+        _check_fits(spread, {"CPU": 1.0, "GPU": 1.0}, nodes)
+    with pytest.raises(RuntimeError, match="room for 2"):
+        _check_fits(dataclasses.replace(gpu, strategy="STRICT_PACK"), {"GPU": 1.0}, nodes)
+
+
+def _gpu_sh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu.sh"), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=DEADLINE_S,
+    )
+
+
+def test_gpu_sh_asks_the_cluster_where_its_engines_go(cluster: object) -> None:
+    """Two nodes of 2 GPUs each: 4 one-GPU engines go 2 and 2; a fifth does not fit, and the
+    launcher says so before anything starts."""
+    address = cluster.address  # type: ignore[attr-defined]
+    out = _gpu_sh("--gpus", "2", "--ray", address, "--replicas", "4", "--dry-run", "cfg.yaml")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.splitlines()[-2])
+    assert plan["bundle"] == {"CPU": 1.0, "GPU": 1.0} and plan["strategy"] == "SPREAD"
+    assert sorted(plan["nodes"].count(n) for n in set(plan["nodes"])) == [2, 2]
+    run = out.stdout.splitlines()[-1]
+    for arg in (f"rollout.ray.address={address}", "rollout.ray.replicas=4",
+                "rollout.ray.num_gpus=1", "rollout.backend=vllm", "CUDA_VISIBLE_DEVICES=0,1",
+                "mesh.data=2"):  # fmt: skip
+        assert arg in run, (arg, run)
+    assert "rollout.vllm_devices" not in run
+    too_many = _gpu_sh("--gpus", "2", "--ray", address, "--replicas", "5", "--dry-run", "c.yaml")
+    assert too_many.returncode == 2
+    assert "5 replicas of {'CPU': 1.0, 'GPU': 1.0} (SPREAD) do not fit" in too_many.stderr
