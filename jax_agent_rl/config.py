@@ -73,7 +73,11 @@ class RaySection:
     resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {TPU: 4}
     # how the replicas' bundles spread over the nodes (Ray's placement group strategies)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
-    max_restarts: int = 3  # per replica; a replica that dies more often stays down
+    max_restarts: int = 3  # per replica (and per tool server); one that dies more often stays down
+    # tool servers (`jarl serve-tools` of tools.config) as actors, spread over the nodes; the
+    # rollout's tool calls go to them (a trajectory stays on one); 0: tools run in-process
+    tool_servers: int = 0
+    tool_server_cpus: float = 1.0  # per tool server
     start_timeout_s: float = 600.0  # placing and starting the replicas (compiles included)
 
 
@@ -98,6 +102,9 @@ class RolloutSection:
     jetstream_python: str = ""  # the JetStream venv's interpreter; empty: .venv-jetstream's
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_refills: int = 3  # extra rollouts of fresh prompts per step, at most
+    # an episode whose tool service failed (stop reason tool_error: a dead tool server) is run
+    # again from its prompt, up to this many times; 0: it stays failed (masked, counted)
+    tool_failure_reruns: int = 1
     ray: RaySection = dataclasses.field(default_factory=RaySection)
 
 
@@ -423,6 +430,8 @@ RANGES: dict[str, Rule] = {
     "rollout.ray.num_cpus": _NATURAL,
     "rollout.ray.num_gpus": _NATURAL,
     "rollout.ray.max_restarts": _NATURAL,
+    "rollout.ray.tool_servers": _NATURAL,
+    "rollout.ray.tool_server_cpus": _NATURAL,
     "rollout.ray.start_timeout_s": _POSITIVE,  # 0: vLLM's share of free memory
     "agent.max_turns": _COUNT,
     "agent.max_tokens_per_turn": _COUNT,
@@ -444,6 +453,7 @@ RANGES: dict[str, Rule] = {
     "algorithm.ppo_epochs": _COUNT,
     "algorithm.mini_batches": _COUNT,
     "rollout.max_refills": _NATURAL,
+    "rollout.tool_failure_reruns": _NATURAL,
     "data.overlong_buffer": _NATURAL,
     "data.overlong_penalty": _NATURAL,
     "optim.lr": _POSITIVE,
@@ -560,6 +570,18 @@ def _vllm_devices(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _tool_servers(cfg: JarlConfig) -> str | None:
+    ray = cfg.rollout.ray
+    if ray.tool_servers and not ray.address:
+        return f"rollout.ray.tool_servers={ray.tool_servers} needs rollout.ray.address (a cluster)"
+    if ray.tool_servers and cfg.tools.server_url:
+        return (
+            f"rollout.ray.tool_servers={ray.tool_servers} and tools.server_url="
+            f"{cfg.tools.server_url!r} both say where tools run: set one"
+        )
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _backend,
     _micro_batch_over_mesh,
@@ -568,4 +590,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _group_size,
     _overlong_buffer,
     _vllm_devices,
+    _tool_servers,
 )

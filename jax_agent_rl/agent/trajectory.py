@@ -67,6 +67,7 @@ class Trajectory:
     tool_errors: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # the traceback that ended it (stop reason agent_error)
+    reruns: int = 0  # times it was run again from its prompt after its tool service failed
 
     def append(
         self,

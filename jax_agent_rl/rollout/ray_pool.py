@@ -30,12 +30,12 @@ import collections
 import contextlib
 import dataclasses
 import json
-import logging
 import time
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
 
+from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     GenerateRequest,
@@ -110,22 +110,6 @@ def bundle_of(ray_cfg: RaySection) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v}
 
 
-def connect(address: str) -> bool:
-    """Joins the cluster at ``address`` ("auto", "local", HOST:PORT) unless this process is
-    connected already; returns whether it connected (and so should disconnect)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(
-        address=None if address == "local" else address,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        configure_logging=False,
-    )
-    return True
-
-
 def plan_placement(ray_cfg: RaySection, *, keep: bool = False) -> tuple[Any, list[str]]:
     """Reserves ``ray_cfg.replicas`` bundles on the connected cluster with Ray's placement
     group, and returns it with the node id that took each bundle. A plan the cluster cannot
@@ -185,8 +169,7 @@ class RayPool:
             self._weights = ray.put(jax.device_get(spec.params))
             self._pg, self.nodes = plan_placement(self._cfg, keep=True)
         except BaseException:
-            if self._owns_ray:
-                ray.shutdown()
+            disconnect(self._owns_ray)
             raise
         self._slots = [_Slot(i) for i in range(self._cfg.replicas)]
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -369,8 +352,7 @@ class RayPool:
                     self._ray.kill(actor)
             slot.actor = slot.starting = None
         remove_placement_group(self._pg)
-        if self._owns_ray:
-            self._ray.shutdown()
+        disconnect(self._owns_ray)
 
 
 async def _quiet(ref: Any) -> None:
@@ -412,8 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         raise SystemExit(f"ray_pool: {e}") from None
     finally:
-        if owns:
-            ray.shutdown()
+        disconnect(owns)
     for i, node in enumerate(nodes):
         print(f"replica {i}: {bundle_of(cfg)} on node {ips.get(node, '?')} ({node[:12]})")
     print(

@@ -30,7 +30,7 @@ import ipaddress
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
@@ -47,6 +47,9 @@ from jax_agent_rl.agent.parsers import (
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 class ExecuteRequest(BaseModel):
@@ -428,7 +431,14 @@ def serve(
         body_timeout_s=body_timeout_s,
         action_parser=action_parser,
     )
-    uvicorn.run(
+    uvicorn.Server(server_config(app, host, port, max_connections)).run()
+
+
+def server_config(app: ASGIApp, host: str, port: int, max_connections: int = 512) -> uvicorn.Config:
+    """How `serve` (and a tool server in a Ray actor) runs ``app`` under uvicorn."""
+    import uvicorn
+
+    return uvicorn.Config(
         app,
         host=host,
         port=port,

@@ -33,7 +33,6 @@ from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 from jax_agent_rl.train.step import (
-    counted_since,
     groups_with_signal,
     learn,
     pace_metrics,
@@ -186,7 +185,6 @@ async def async_step(
     Returns its metrics and the trajectories it trained on (those dropped are counted)."""
     cfg = run.cfg
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
-    counted0 = rollout.backend.counters()
     taken = await take_groups(
         producer.finished,
         producer.admission,
@@ -223,7 +221,7 @@ async def async_step(
             **pace_metrics(
                 step_s, rollout.backend.idle_s() - idle0, t_wait, totals["batch/trajectories"]
             ),
-            **counted_since(counted0, rollout.backend.counters()),
+            **rollout.counted(),
             INCLUDES_COMPILE: float(compiles),
         }
     )

@@ -29,10 +29,11 @@ from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
-from jax_agent_rl.config import ConfigError, JarlConfig, ToolsSection, to_yaml
+from jax_agent_rl.config import ConfigError, JarlConfig, RaySection, ToolsSection, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import ScoreFn, make_reward
 from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.metered import MeteredBackend
@@ -109,6 +110,18 @@ class Rollout:
     tools: ToolExecutor
     ctx: AgentContext
     eval_ctx: AgentContext
+
+    counted_before: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def counted(self) -> dict[str, float]:
+        """What the backend and the tools counted themselves (Ray: deaths, re-run requests,
+        restarts) since the last call, by metric name: each step reports it once, so the
+        counts of all steps add up to the run's (evaluations' go to the next step)."""
+        tools = getattr(self.tools, "counters", None)
+        now = {**self.backend.counters(), **(tools() if callable(tools) else {})}
+        grown = {k: v - self.counted_before.get(k, 0.0) for k, v in now.items()}
+        self.counted_before.update(now)
+        return grown
 
 
 def make_learner(
@@ -249,11 +262,19 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
 
 
 def make_tools(
-    section: ToolsSection, registry: ToolRegistry, environ: Mapping[str, str]
+    section: ToolsSection,
+    registry: ToolRegistry,
+    environ: Mapping[str, str],
+    ray: RaySection | None = None,
 ) -> ToolExecutor:
-    """The run's tool executor: the ``server_url`` tool server (with the bearer token held by
+    """The run's tool executor: tool servers as actors on the Ray cluster if ``ray`` asks for
+    some (`RayToolServers`), else the ``server_url`` tool server (with the bearer token held by
     the environment variable ``token_env`` names, if it names one), else ``registry`` in this
     process."""
+    if ray is not None and ray.tool_servers:
+        from jax_agent_rl.tools.ray_servers import RayToolServers
+
+        return RayToolServers(section, ray)
     if not section.server_url:
         if section.token_env:
             raise ConfigError("tools.token_env is set but tools.server_url is not")
@@ -283,7 +304,19 @@ def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
 @contextlib.asynccontextmanager
 async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
     """Starts ``rollout.backend`` serving the learner's current params as weight version
-    ``run.start``, and the tools; closes both on the way out."""
+    ``run.start``, and the tools; closes both on the way out. With ``rollout.ray.address``,
+    the replicas (and tool servers) are actors on that cluster, which the run joins here."""
+    cfg = run.cfg
+    joined = bool(cfg.rollout.ray.address) and connect(cfg.rollout.ray.address)
+    try:
+        async with _open_rollout(run) as rollout:
+            yield rollout
+    finally:
+        disconnect(joined)
+
+
+@contextlib.asynccontextmanager
+async def _open_rollout(run: Run) -> AsyncIterator[Rollout]:
     cfg = run.cfg
     parser = make_parser(cfg.agent.parser)
     start = make_pool if cfg.rollout.ray.address else make_backend
@@ -305,10 +338,10 @@ async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
         nodes = collections.Counter(built.nodes)
         run.console.print(
             f"rollout: {cfg.rollout.ray.replicas} {cfg.rollout.backend} replicas on Ray "
-            f"({cfg.rollout.ray.address}), over {len(nodes)} nodes: "
+            f"({cfg.rollout.ray.address}), over {len(nodes)} node(s): "
             + ", ".join(f"{n[:12]} x{k}" for n, k in nodes.items())
         )
-    tools = make_tools(cfg.tools, run.registry, os.environ)
+    tools = make_tools(cfg.tools, run.registry, os.environ, cfg.rollout.ray)
     greedy_eval = backend.capabilities.per_request_sampling
     if not greedy_eval:
         run.console.print(

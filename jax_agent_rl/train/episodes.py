@@ -32,6 +32,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "response_len/max": max(lengths, default=0),
         "model_tokens": sum(t.num_model_tokens for t in trajs),
         "untrainable": sum(not t.trainable for t in trajs),
+        "reruns": sum(t.reruns for t in trajs),
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
     }
     out.update({f"stop/{r}": stops.get(r, 0) for r in STOP_REASONS})
@@ -61,6 +62,7 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "response_len/max": float(t["response_len/max"]),
         "model_tokens/mean": t["model_tokens"] / n,
         "untrainable": t["untrainable"] / n,
+        "rollout/trajectories_rerun": float(t["reruns"]),  # a count, not a rate
     }
     out.update({f"stop/{r}": t[f"stop/{r}"] / n for r in STOP_REASONS})
     return {prefix + k: float(v) for k, v in out.items()}

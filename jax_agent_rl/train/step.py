@@ -89,17 +89,30 @@ async def rollout_episodes(
     seed: int,
     score: ScoreFn,
     tool_reward_weight: float,
+    tool_failure_reruns: int = 0,
 ) -> list[Trajectory]:
     """``n`` episodes of each sample (one group each), run concurrently, sampled with
-    ``episode_seed(seed, tag)``, and scored. Whether they all failed is for the caller to
-    check (`episodes.all_failed_error`), over every process's episodes."""
+    ``episode_seed(seed, tag)``, and scored. An episode whose tool service failed is run
+    again from its prompt, up to ``tool_failure_reruns`` times (`Trajectory.reruns`). Whether
+    they all failed is for the caller to check (`episodes.all_failed_error`), over every
+    process's episodes."""
     episodes = [
         dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
         for s in samples
         for i in range(n)
     ]
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
-    trajs = list(await asyncio.gather(*(run_sample(e, ctx) for e in episodes)))
+
+    async def episode(e: Sample) -> Trajectory:
+        traj = await run_sample(e, ctx)
+        for rerun in range(1, tool_failure_reruns + 1):
+            if traj.stop_reason != "tool_error":
+                break
+            traj = await run_sample(e, ctx)  # its failed attempt's tool state was released
+            traj.reruns = rerun
+        return traj
+
+    trajs = list(await asyncio.gather(*(episode(e) for e in episodes)))
     for traj, e in zip(trajs, episodes, strict=True):
         traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
     return trajs
@@ -118,6 +131,7 @@ async def run_episodes(
         seed=cfg.trainer.seed,
         score=run.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
+        tool_failure_reruns=cfg.rollout.tool_failure_reruns,
     )
 
 
@@ -294,7 +308,6 @@ async def rl_step(
     times include compiling the engine and the learner step (kept out of the throughput
     plot)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
-    counted0 = rollout.backend.counters()
     kept, seen = await collect(run, rollout.ctx, step)
     t_collect = time.perf_counter() - t0
     m, totals = learn(
@@ -321,16 +334,11 @@ async def rl_step(
                 t_collect,
                 totals["batch/trajectories"],
             ),
-            **counted_since(counted0, rollout.backend.counters()),
+            **rollout.counted(),
             INCLUDES_COMPILE: float(compiles),
         }
     )
     return m, seen
-
-
-def counted_since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
-    """What the backend counted during a step (its totals now less those at its start)."""
-    return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
 def pace_metrics(

@@ -1,8 +1,10 @@
-"""Rollout replicas on a Ray cluster of two nodes (``ray.cluster_utils.Cluster``: two raylets
-on this machine, each a node of its own): the replicas spread over both, a replica killed while
-it serves has its requests run again elsewhere and counted, it comes back with the newest
-weights, a training step completes through such a death, and ``launch/gpu.sh --ray`` asks the
-cluster where its engines would go. (The pool as a backend: the conformance suite, "ray".)"""
+"""Rollout replicas and tool servers on a Ray cluster of two nodes (``ray.cluster_utils.Cluster``:
+two raylets on this machine, each a node of its own): the replicas spread over both, a replica
+killed while it serves has its requests run again elsewhere and counted, it comes back with the
+newest weights, a training step completes through such a death, and ``launch/gpu.sh --ray``
+asks the cluster where its engines would go; tool servers route by trajectory, and an episode
+whose server died is run again, token for token, while the server restarts. (The pool as a
+backend: the conformance suite, "ray".)"""
 
 import asyncio
 import dataclasses
@@ -15,16 +17,23 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_agent_rl.config import RaySection, RolloutSection
+from jax_agent_rl.agent.loop import AgentContext
+from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import RaySection, RolloutSection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
-from jax_agent_rl.rollout import GenerateRequest, SamplingParams
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.ray_pool import RayPool, _check_fits
 from jax_agent_rl.rollout.registry import BackendBuild
+from jax_agent_rl.tools.ray_servers import RayToolServers
+from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.train.step import rollout_episodes
+from tests.agent.test_loop import CONFIG
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -228,3 +237,78 @@ def test_gpu_sh_asks_the_cluster_where_its_engines_go(cluster: object) -> None:
     too_many = _gpu_sh("--gpus", "2", "--ray", address, "--replicas", "5", "--dry-run", "c.yaml")
     assert too_many.returncode == 2
     assert "5 replicas of {'CPU': 1.0, 'GPU': 1.0} (SPREAD) do not fit" in too_many.stderr
+
+
+CALCULATOR_YAML = "- class: jax_agent_rl.tools.calculator:calculator\n"
+
+
+def _tool_servers(address: str, folder: Path) -> RayToolServers:
+    (folder / "tools.yaml").write_text(CALCULATOR_YAML)
+    tools = ToolsSection(config=str(folder / "tools.yaml"), timeout_s=30.0)
+    return RayToolServers(tools, RaySection(address=address, tool_servers=2))
+
+
+def test_tool_servers_keep_a_trajectory_on_one_server_and_restart(
+    cluster: object, tmp_path: Path
+) -> None:
+    servers = _tool_servers(cluster.address, tmp_path)  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        assert len(set(servers.urls())) == 2  # two servers, each on its own port
+        assert [s["function"]["name"] for s in await servers.schemas()] == ["calculator"]
+        first = await asyncio.gather(
+            *(servers.call(f"t{i}", "calculator", {"expression": f"{i} * 7"}) for i in range(4))
+        )
+        assert [r.text for r in first] == ["0", "7", "14", "21"]
+        on = {t: s.index for t, s in servers._where.items()}
+        assert sorted(on.values()) == [0, 0, 1, 1]  # new trajectories: the emptier server
+
+        dead = next(s for s in servers._servers if s.index == on["t1"])
+        ray.kill(dead.actor)
+        with pytest.raises(ToolTransportError):  # its state died with the server
+            await servers.call("t1", "calculator", {"expression": "1 + 1"})
+        assert servers.counters()["rollout/tool_server_deaths"] == 1
+        with pytest.raises(ToolTransportError, match="died, and its tool state with it"):
+            await servers.call("t1", "calculator", {"expression": "1 + 1"})
+        alive = next(t for t, i in on.items() if i != dead.index)
+        assert (await servers.call(alive, "calculator", {"expression": "2 + 3"})).text == "5"
+
+        await _until(lambda: servers.counters()["rollout/tool_server_restarts"] == 1, "restart")
+        await servers.release("t1")  # the episode is over; run again, it starts afresh
+        assert (await servers.call("t1", "calculator", {"expression": "6 * 7"})).text == "42"
+        await servers.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
+    cluster: object, setup: dict, tmp_path: Path
+) -> None:
+    """The first server (where a new trajectory goes when both are empty) dies before the
+    episode's calculator call reaches it: the episode ends with a transport failure, is run
+    again from its prompt on the other server, and comes out as the memorised episode."""
+    servers = _tool_servers(cluster.address, tmp_path)  # type: ignore[attr-defined]
+    question = "What is 17 + 25?"
+    ray.kill(servers._servers[0].actor)
+
+    async def go() -> list:
+        backend = EmbeddedBackend(setup["engine"], setup["weights"])
+        ctx = await AgentContext.create(  # schemas of the memorised tools, calls to the servers
+            backend, setup["tokenizer"], setup["tools"], make_parser(setup["parser"]), CONFIG
+        )
+        ctx = dataclasses.replace(ctx, tools=servers)
+        sample = Sample(uid="q", messages=[{"role": "user", "content": question}])
+        trajs = await rollout_episodes(
+            [sample], 1, ctx, "t", seed=0, score=lambda *_: 0.0, tool_reward_weight=0.0,
+            tool_failure_reruns=1,
+        )  # fmt: skip
+        await backend.close()
+        await servers.close()
+        return trajs
+
+    (traj,) = asyncio.run(go())
+    assert traj.reruns == 1 and traj.stop_reason == "eos" and traj.trainable
+    assert traj.tool_calls >= 1 and traj.tool_errors == 0
+    assert traj.prompt_ids + traj.response_ids == setup["expected"][question][0]
+    assert servers.counters()["rollout/tool_server_deaths"] == 1

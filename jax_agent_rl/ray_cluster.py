@@ -1,0 +1,32 @@
+"""Joining the Ray cluster of ``rollout.ray.address``: one connection per process, shared by
+the rollout replicas (`jax_agent_rl.rollout.ray_pool`) and the tool servers
+(`jax_agent_rl.tools.ray_servers`); whoever connected disconnects."""
+
+from __future__ import annotations
+
+import logging
+
+
+def connect(address: str) -> bool:
+    """Joins the cluster at ``address`` ("auto": the one this machine belongs to; "local": a
+    new one-node cluster here; else the head's HOST:PORT) unless this process is connected
+    already; returns whether it connected (and so should disconnect)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=None if address == "local" else address,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        configure_logging=False,
+    )
+    return True
+
+
+def disconnect(connected: bool) -> None:
+    """Leaves the cluster if `connect` joined it (``connected``)."""
+    import ray
+
+    if connected and ray.is_initialized():
+        ray.shutdown()
