@@ -118,6 +118,9 @@ class AgentSection:
     max_tool_response_tokens: int = 256  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
+    # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
+    filters: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,6 +573,12 @@ def _vllm_devices(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _filters(cfg: JarlConfig) -> str | None:
+    from jax_agent_rl.agent.filters import check_filters  # filters -> trajectory -> config
+
+    return "\n".join(check_filters(cfg.agent.filters)) or None
+
+
 def _tool_servers(cfg: JarlConfig) -> str | None:
     ray = cfg.rollout.ray
     if ray.tool_servers and not ray.address:
@@ -591,4 +600,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _overlong_buffer,
     _vllm_devices,
     _tool_servers,
+    _filters,
 )

@@ -243,13 +243,16 @@ async def finish_turn(
     traj.num_turns += 1
     text = ctx.tokenizer.decode(turn)
     if finish == "abort":
+        traj.turn_kinds.append("aborted")
         return "aborted"
     calls = ctx.parser.parse(text)
     if not calls:
         traj.messages.append({"role": "assistant", "content": text})
-        if turn and turn[-1] == ctx.builder.eos_id:
-            return "eos"
-        return _budget_stop(traj, ctx, len(turn)) or "eos"
+        ended = bool(turn) and turn[-1] == ctx.builder.eos_id
+        stop = None if ended else _budget_stop(traj, ctx, len(turn))
+        traj.turn_kinds.append("cut" if stop is not None else "text")
+        return stop or "eos"
+    traj.turn_kinds.append("call" if any(c.error is None for c in calls) else "malformed")
     if traj.num_turns >= ctx.config.max_turns:
         traj.messages.append({"role": "assistant", "content": text})
         return "max_turns"

@@ -21,6 +21,7 @@ StopReason = Literal[
     "agent_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
 
 
 @dataclasses.dataclass
@@ -68,6 +69,10 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # the traceback that ended it (stop reason agent_error)
     reruns: int = 0  # times it was run again from its prompt after its tool service failed
+    # how each model turn ended: "call" (a well-formed tool call), "malformed" (calls, none
+    # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"
+    turn_kinds: list[TurnKind] = dataclasses.field(default_factory=list)
+    filtered_by: str | None = None  # the filter (agent.filters) that left it out of updates
 
     def append(
         self,
@@ -90,8 +95,13 @@ class Trajectory:
 
     @property
     def trainable(self) -> bool:
-        """False for episodes cut short by infrastructure (their outcome says nothing)."""
-        return self.stop_reason not in ("tool_error", "aborted", "agent_error")
+        """False for episodes cut short by infrastructure (their outcome says nothing), and
+        for those a filter left out."""
+        return self.filtered_by is None and self.stop_reason not in (
+            "tool_error",
+            "aborted",
+            "agent_error",
+        )
 
     @property
     def num_model_tokens(self) -> int:

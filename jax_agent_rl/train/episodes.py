@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from jax_agent_rl.agent.filters import FILTERS
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
 
 Totals = dict[str, float]
@@ -36,6 +37,8 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
     }
     out.update({f"stop/{r}": stops.get(r, 0) for r in STOP_REASONS})
+    filtered: Counter[str | None] = Counter(t.filtered_by for t in trajs)
+    out.update({f"filter/{f}": filtered.get(f, 0) for f in FILTERS})
     return out
 
 
@@ -65,6 +68,7 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "rollout/trajectories_rerun": float(t["reruns"]),  # a count, not a rate
     }
     out.update({f"stop/{r}": t[f"stop/{r}"] / n for r in STOP_REASONS})
+    out.update({f"filter/{f}": t[f"filter/{f}"] / n for f in FILTERS})  # shares left out
     return {prefix + k: float(v) for k, v in out.items()}
 
 

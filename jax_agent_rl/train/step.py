@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jax_agent_rl import distributed
+from jax_agent_rl.agent.filters import apply_filters
 from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import JarlConfig
@@ -90,10 +91,12 @@ async def rollout_episodes(
     score: ScoreFn,
     tool_reward_weight: float,
     tool_failure_reruns: int = 0,
+    filters: Sequence[str] = (),
 ) -> list[Trajectory]:
     """``n`` episodes of each sample (one group each), run concurrently, sampled with
     ``episode_seed(seed, tag)``, and scored. An episode whose tool service failed is run
-    again from its prompt, up to ``tool_failure_reruns`` times (`Trajectory.reruns`). Whether
+    again from its prompt, up to ``tool_failure_reruns`` times (`Trajectory.reruns`); then
+    the ``filters`` (`jax_agent_rl.agent.filters`) mark what updates leave out. Whether
     they all failed is for the caller to check (`episodes.all_failed_error`), over every
     process's episodes."""
     episodes = [
@@ -115,13 +118,16 @@ async def rollout_episodes(
     trajs = list(await asyncio.gather(*(episode(e) for e in episodes)))
     for traj, e in zip(trajs, episodes, strict=True):
         traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
+    for i in range(0, len(trajs), n) if filters else ():
+        apply_filters(trajs[i : i + n], filters)
     return trajs
 
 
 async def run_episodes(
-    run: Run, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str
+    run: Run, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str, train: bool = True
 ) -> list[Trajectory]:
-    """`rollout_episodes` with the run's seed, reward and tool-reward weight."""
+    """`rollout_episodes` with the run's seed, reward and tool-reward weight; for training
+    (``train``), with the run's filters."""
     cfg = run.cfg
     return await rollout_episodes(
         samples,
@@ -132,7 +138,17 @@ async def run_episodes(
         score=run.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
+        filters=training_filters(cfg) if train else (),
     )
+
+
+def training_filters(cfg: JarlConfig) -> list[str]:
+    """``agent.filters``, with ``equal_reward`` last under dynamic sampling (which drops the
+    groups it excludes and refills the step)."""
+    names = list(cfg.agent.filters)
+    if cfg.rollout.dynamic_sampling and "equal_reward" not in names:
+        names.append("equal_reward")
+    return names
 
 
 def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from jax_agent_rl.agent.filters import has_void_turn
 from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
@@ -329,6 +330,9 @@ def test_tool_calls_malformed_and_truncated(setup: dict[str, Any]) -> None:
     echo_traj, _ = _run(setup, "Echo hello.")
     (out,) = [m["content"] for m in echo_traj.messages if m["role"] == "tool"]
     assert out.endswith("...(truncated)...") and len(out) < len(" ".join(["hello world"] * 10))
+    # how each turn ended, as the void_turn filter reads it (tests/agent/test_filters.py)
+    assert two.turn_kinds == ["call", "text"] and bad.turn_kinds == ["malformed", "text"]
+    assert has_void_turn(bad) and not has_void_turn(two)
 
 
 @pytest.mark.parametrize(
