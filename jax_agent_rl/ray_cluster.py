@@ -5,6 +5,9 @@ the rollout replicas (`jax_agent_rl.rollout.ray_pool`) and the tool servers
 from __future__ import annotations
 
 import logging
+import socket
+
+REACH_TIMEOUT_S = 10.0  # a head that does not accept a connection within this is unreachable
 
 
 def connect(address: str) -> bool:
@@ -15,6 +18,14 @@ def connect(address: str) -> bool:
 
     if ray.is_initialized():
         return False
+    if address not in ("auto", "local"):  # Ray itself retries an unreachable head for minutes
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:
+            raise RuntimeError(
+                f"rollout.ray.address={address!r}: no Ray head answers there ({e})"
+            ) from None
     ray.init(
         address=None if address == "local" else address,
         include_dashboard=False,

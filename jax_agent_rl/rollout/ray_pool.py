@@ -387,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     t0 = time.perf_counter()
-    owns = connect(cfg.address)
+    try:
+        owns = connect(cfg.address)
+    except RuntimeError as e:
+        raise SystemExit(f"ray_pool: {e}") from None
     try:
         _, nodes = plan_placement(cfg)
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}

@@ -78,10 +78,9 @@ class ToolServer:
 class _Server:
     index: int
     actor: Any = None
-    client: HttpTools | None = None  # None while it restarts, or for good once `down`
+    client: HttpTools | None = None  # None while it restarts (for good once restarts are spent)
     trajectories: set[str] = dataclasses.field(default_factory=set)
     restarts: int = 0
-    down: bool = False
 
 
 class RayToolServers:
@@ -199,7 +198,6 @@ class RayToolServers:
             server.client = self._client(url)
             self._counts["tool_server_restarts"] += 1
             return
-        server.down = True
 
     async def release(self, trajectory_id: str) -> None:
         self._orphans.discard(trajectory_id)

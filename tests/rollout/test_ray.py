@@ -25,6 +25,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.ray_cluster import connect
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.ray_pool import RayPool, _check_fits
 from jax_agent_rl.rollout.registry import BackendBuild
@@ -54,6 +55,15 @@ def cluster() -> Iterator[object]:
     c.shutdown()
 
 
+def test_an_unreachable_head_is_named_at_once() -> None:
+    """(Ray would retry it for minutes; `launch/gpu.sh --ray ... --dry-run` fails at once.)"""
+    assert not ray.is_initialized()
+    with pytest.raises(RuntimeError, match=r"'127.0.0.1:1': no Ray head answers there"):
+        connect("127.0.0.1:1")
+    out = _gpu_sh("--gpus", "2", "--ray", "127.0.0.1:1", "--replicas", "2", "--dry-run", "c.yaml")
+    assert out.returncode == 2 and "no Ray head answers there" in out.stderr
+
+
 def _spread(address: str, **overrides: object) -> RaySection:
     return RaySection(address=address, replicas=2, strategy="STRICT_SPREAD", **overrides)
 
@@ -79,6 +89,16 @@ async def _until(condition: object, what: str) -> None:
         await asyncio.wait_for(poll(), DEADLINE_S)
     except TimeoutError:
         raise AssertionError(f"never: {what}") from None
+
+
+def _kill(actor: object) -> None:
+    """Kills ``actor`` and returns once it is dead (``ray.kill`` only asks)."""
+    ray.kill(actor)
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=DEADLINE_S)  # type: ignore[attr-defined]
+        except ray.exceptions.RayActorError:
+            return
 
 
 def _serving(actor: object) -> int:
@@ -264,7 +284,7 @@ def test_tool_servers_keep_a_trajectory_on_one_server_and_restart(
         assert sorted(on.values()) == [0, 0, 1, 1]  # new trajectories: the emptier server
 
         dead = next(s for s in servers._servers if s.index == on["t1"])
-        ray.kill(dead.actor)
+        _kill(dead.actor)
         with pytest.raises(ToolTransportError):  # its state died with the server
             await servers.call("t1", "calculator", {"expression": "1 + 1"})
         assert servers.counters()["rollout/tool_server_deaths"] == 1
@@ -290,7 +310,7 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
     again from its prompt on the other server, and comes out as the memorised episode."""
     servers = _tool_servers(cluster.address, tmp_path)  # type: ignore[attr-defined]
     question = "What is 17 + 25?"
-    ray.kill(servers._servers[0].actor)
+    _kill(servers._servers[0].actor)
 
     async def go() -> list:
         backend = EmbeddedBackend(setup["engine"], setup["weights"])
