@@ -7,8 +7,9 @@ thread per engine resolves the asyncio futures of the calls waiting on it, so th
 never blocks and any event loop may call in.
 
 Routing: a request with a ``session_id`` goes to the engine that served the session's earlier
-turns (vLLM's prefix cache then holds them); any other request, and a session's first, goes to
-the engine with the fewest requests in flight.
+turns (vLLM's prefix cache then holds them), a session's first to the engine of the session it
+continues (``prefix_session``, a tree rollout's branch); any other request goes to the engine
+with the fewest requests in flight.
 
 Weight updates drain, as the embedded backend does: new requests wait, requests in flight
 finish under the weights they started with, then every engine loads the new weights and resets
@@ -374,8 +375,9 @@ class VLLMBackend:
         }
 
     def _dispatch(self, call: _Call) -> _Engine:
-        """Registers ``call`` on its engine: the session's own if it has one alive, else the
-        engine with the fewest requests in flight."""
+        """Registers ``call`` on its engine: the session's own if it has one alive (for a new
+        session, that of the session it continues, ``prefix_session``, whose prefix vLLM
+        caches), else the engine with the fewest requests in flight."""
         assert call.request is not None
         session = call.request.session_id
         with self._lock:
@@ -383,7 +385,10 @@ class VLLMBackend:
             if not alive:
                 reasons = "; ".join(f"engine {e.index}: {e.dead}" for e in self._engines)
                 raise RuntimeError(f"every vLLM engine has exited ({reasons})")
-            index = self._sessions.get(session) if session is not None else None
+            ids = (session, call.request.prefix_session)
+            index = next(
+                (self._sessions[s] for s in ids if s is not None and s in self._sessions), None
+            )
             if index is None or self._engines[index].dead is not None:
                 engine = min(alive, key=lambda e: len(e.calls))
             else:

@@ -109,6 +109,19 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class TreeSection:
+    """A tree rollout's shape and per-prompt budget (agent.strategy=tree; agent/tree.py)."""
+
+    n_roots: int = 2  # episodes started per prompt
+    branch: int = 2  # an episode that branches goes on as this many (itself and copies)
+    depth: int = 2  # turn boundaries at which an episode branches, at most
+    # per prompt, over the whole tree; 0: what rollout.n chain episodes could use at most
+    # (n x agent.max_response_tokens model tokens, n x agent.max_turns tool calls)
+    model_tokens: int = 0
+    tool_calls: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class AgentSection:
     """Budgets of one episode and how tool calls are written."""
 
@@ -118,9 +131,17 @@ class AgentSection:
     max_tool_response_tokens: int = 256  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # the LangGraph graph of agent_name react_agent (agent/langgraph_loop.py, the `agents`
+    # extra): package.module:function or path/to/file.py:function, given (chat_model, tools),
+    # returning a compiled graph over MessagesState; empty: the default ReAct graph
+    graph: str = ""
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)
+    # how a prompt's group is sampled: chain (rollout.n independent episodes) or tree
+    # (episodes branching after tool observations, within a per-prompt budget: agent.tree)
+    strategy: Literal["chain", "tree"] = "chain"
+    tree: TreeSection = dataclasses.field(default_factory=TreeSection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +217,10 @@ class AlgorithmSection:
     gamma: float = 1.0  # GAE (PPO)
     lam: float = 1.0
     vf_clip: float = 0.5
+    # trajectory: one training row per episode; per_turn: one per model turn, its prompt the
+    # token-exact prefix, its loss on that turn only, the episode's advantage shared
+    # (GRPO's group statistics count each episode once: rl/core.py grpo_advantages)
+    turn_mode: Literal["trajectory", "per_turn"] = "trajectory"
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batches: int = 1  # optimizer steps per pass
 
@@ -250,6 +275,10 @@ class TrainerSection:
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the run folder's last complete checkpoint
     traces_per_step: int = 4  # trajectories written to traces.jsonl each step
+    # jsonl: traces.jsonl only (`jarl traces`). mlflow: also each of them as an MLflow trace
+    # (a span per turn and per tool message) in <run_dir>/mlflow.db, for the MLflow UI
+    # (`jarl traces RUN --mlflow`; needs the traces extra: train/mlflow_traces.py)
+    trace_backend: Literal["jsonl", "mlflow"] = "jsonl"
     tensorboard: bool = True
 
 
@@ -440,6 +469,11 @@ RANGES: dict[str, Rule] = {
     "agent.max_tokens_per_turn": _COUNT,
     "agent.max_response_tokens": _COUNT,
     "agent.max_tool_response_tokens": _COUNT,
+    "agent.tree.n_roots": _COUNT,
+    "agent.tree.branch": _COUNT,
+    "agent.tree.depth": _NATURAL,
+    "agent.tree.model_tokens": _NATURAL,  # 0: rollout.n x agent.max_response_tokens
+    "agent.tree.tool_calls": _NATURAL,  # 0: rollout.n x agent.max_turns
     "tools.timeout_s": _POSITIVE,
     "data.prompts_per_step": _COUNT,
     "data.val_size": _NATURAL,  # 0: the whole file

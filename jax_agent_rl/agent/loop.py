@@ -9,8 +9,9 @@ call is answered with a tool message saying what was wrong. Every trajectory end
 trajectory (``agent_error``, see `run_sample`).
 
 A sample's ``agent_name`` picks the loop from `AGENT_LOOPS`: ``tool_agent`` and
-``single_turn_agent``, spelled as verl spells them, or a user loop added with
-`register_agent_loop`. Datasets are checked against these names when they are loaded.
+``single_turn_agent``, spelled as verl spells them, ``react_agent`` (the same episode driven by
+a LangGraph graph, `jax_agent_rl.agent.langgraph_loop`, imported on first use), or a user loop
+added with `register_agent_loop`. Datasets are checked against these names when they are loaded.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class AgentContext:
     config: AgentConfig
     builder: TurnBuilder
     seed: int | None = None
+    budget: Budget | None = None  # shared by the episodes of one prompt (a tree rollout)
 
     @classmethod
     async def create(
@@ -77,6 +79,10 @@ class AgentContext:
         builder = TurnBuilder(tokenizer, schemas or None)
         for tok in parser.stop_tokens:
             tokenizer.token_id(tok)  # a stop string must be one token: fail at setup, not mid-run
+        if config.graph:  # react_agent's user graph: a wrong one fails here, not in each episode
+            from jax_agent_rl.agent.langgraph_loop import graph_builder
+
+            graph_builder(config.graph)
         return cls(backend, tokenizer, tools, parser, config, builder, seed)
 
     @property
@@ -93,8 +99,60 @@ def turn_stop_ids(tokenizer: Tokenizer, parser: ToolCallParser) -> tuple[int, ..
 AgentLoopFn = Callable[[Sample, AgentContext], Awaitable[Trajectory]]
 
 
+@dataclasses.dataclass
+class Budget:
+    """Model tokens and tool calls that several episodes draw on together (a tree rollout's
+    per-prompt budget). A request reserves its ``max_tokens`` before it is sent and gives back
+    what it did not sample (`reserve`, `settle`), and a turn's calls are taken before they run
+    (`take_calls`), so what is used never exceeds the budget, however the episodes
+    interleave. A request that finds every remaining token reserved by others waits for what
+    they give back; the budget is spent once nothing is left and nothing is reserved."""
+
+    model_tokens: int
+    tool_calls: int
+    used_tokens: int = 0  # sampled, or reserved by requests in flight
+    used_calls: int = 0
+    _in_flight: int = dataclasses.field(default=0, compare=False, repr=False)
+    _changed: asyncio.Condition = dataclasses.field(
+        default_factory=asyncio.Condition, compare=False, repr=False
+    )
+
+    @property
+    def tokens_left(self) -> int:
+        return self.model_tokens - self.used_tokens
+
+    @property
+    def spent(self) -> bool:
+        return self.tokens_left <= 0 and self._in_flight == 0
+
+    async def reserve(self, tokens: int) -> int:
+        """Up to ``tokens`` model tokens for one request (0: the budget is spent)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.tokens_left > 0 or self._in_flight == 0)
+            granted = max(0, min(tokens, self.tokens_left))
+            self.used_tokens += granted
+            self._in_flight += granted > 0
+            return granted
+
+    async def settle(self, granted: int, sampled: int) -> None:
+        """A request that reserved ``granted`` tokens sampled ``sampled``: the rest is free."""
+        async with self._changed:
+            self.used_tokens -= granted - sampled
+            self._in_flight -= 1
+            self._changed.notify_all()
+
+    def take_calls(self, calls: int) -> bool:
+        """Takes ``calls`` tool calls if that many are left (all or none)."""
+        if self.used_calls + calls > self.tool_calls:
+            return False
+        self.used_calls += calls
+        return True
+
+
 def _budget_stop(traj: Trajectory, ctx: AgentContext, turn_tokens: int) -> StopReason | None:
     cfg = ctx.config
+    if ctx.budget is not None and ctx.budget.spent:
+        return "budget"
     if len(traj.prompt_ids) + len(traj.response_ids) >= cfg.max_model_len:
         return "max_model_len"
     if len(traj.response_ids) >= cfg.max_response_tokens:
@@ -123,15 +181,20 @@ def _request_seed(ctx: AgentContext, tag: str) -> int | None:
     return zlib.crc32(f"{ctx.seed}/{tag}".encode())
 
 
-async def _generate(
-    traj: Trajectory, ctx: AgentContext, n: int, turn_tokens: int
-) -> tuple[list[int], str]:
+async def _generate(traj: Trajectory, ctx: AgentContext, turn_tokens: int) -> tuple[list[int], str]:
+    """One request for the trajectory's next tokens (its ``n``-th: one weight version is
+    recorded per request), appended to it."""
     cfg = ctx.config
+    n = len(traj.weight_versions)
     max_tokens = min(
         cfg.max_tokens_per_turn - turn_tokens,
         cfg.max_response_tokens - len(traj.response_ids),
         cfg.max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
     )
+    if ctx.budget is not None:
+        max_tokens = await ctx.budget.reserve(max_tokens)
+        if max_tokens == 0:
+            return [], "budget"
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=cfg.temperature,
@@ -145,13 +208,36 @@ async def _generate(
         prompt_ids=(*traj.prompt_ids, *traj.response_ids),
         sampling=sampling,
         session_id=traj.uid,
+        prefix_session=traj.forked_from,
     )
-    result = await ctx.backend.generate(request)
+    try:
+        result = await ctx.backend.generate(request)
+    except BaseException:
+        if ctx.budget is not None:
+            await ctx.budget.settle(max_tokens, 0)
+        raise
+    if ctx.budget is not None:
+        await ctx.budget.settle(max_tokens, len(result.token_ids))
     tokens = list(result.token_ids)
     logprobs = list(result.logprobs or [0.0] * len(tokens))
     traj.append(tokens, model=True, logprobs=logprobs, version=result.weight_version)
     traj.weight_versions.append(result.weight_version)
     return tokens, result.finish_reason
+
+
+async def call_tool(
+    ctx: AgentContext,
+    traj: Trajectory,
+    call: ParsedCall,
+    create_kwargs: Mapping[str, dict[str, Any]],
+) -> ToolResult:
+    """One call of a turn: a malformed one is answered with what was wrong, the others by the
+    executor (with the sample's ``create_kwargs`` of that tool)."""
+    if call.error is not None:
+        traj.malformed_calls += 1
+        return ToolResult(f"error: {call.error}", error=True)
+    kwargs = create_kwargs.get(call.name)
+    return await ctx.tools.call(traj.uid, call.name, call.arguments, kwargs)
 
 
 async def _call_tools(
@@ -160,17 +246,7 @@ async def _call_tools(
     calls: list[ParsedCall],
     create_kwargs: Mapping[str, dict[str, Any]],
 ) -> list[ToolResult]:
-    async def one(call: ParsedCall) -> ToolResult:
-        if call.error is not None:
-            traj.malformed_calls += 1
-            return ToolResult(f"error: {call.error}", error=True)
-        kwargs = create_kwargs.get(call.name)
-        return await ctx.tools.call(traj.uid, call.name, call.arguments, kwargs)
-
-    results = list(await asyncio.gather(*(one(c) for c in calls)))
-    traj.tool_calls += len(calls)
-    traj.tool_errors += sum(r.error for r in results)
-    return results
+    return list(await asyncio.gather(*(call_tool(ctx, traj, c, create_kwargs) for c in calls)))
 
 
 def _tool_text(ctx: AgentContext, result: ToolResult) -> str:
@@ -182,6 +258,21 @@ def _tool_text(ctx: AgentContext, result: ToolResult) -> str:
 
 async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     """Model turns and tool calls until the model stops, a budget runs out or a tool ends it."""
+
+    async def play(traj: Trajectory) -> StopReason:
+        create_kwargs = create_kwargs_by_tool(sample.extra)  # extra_info.tools_kwargs
+        while (stop := await take_turn(traj, ctx, create_kwargs)) is None:
+            pass
+        return stop
+
+    return await run_episode(sample, ctx, play)
+
+
+async def run_episode(
+    sample: Sample, ctx: AgentContext, play: Callable[[Trajectory], Awaitable[StopReason]]
+) -> Trajectory:
+    """A trajectory of ``sample``, from its prompt, played by ``play`` (which returns how it
+    ended): timed, an exception kept as ``agent_error``, its tool state always released."""
     t_start = time.perf_counter()
     traj = Trajectory(
         uid=sample.uid,
@@ -191,16 +282,7 @@ async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     )
     traj.timings["tools_s"] = 0.0
     try:
-        create_kwargs = create_kwargs_by_tool(sample.extra)  # extra_info.tools_kwargs
-        n_requests = 0
-        while _budget_stop(traj, ctx, 0) is None:
-            turn, finish, n_requests = await _model_turn(traj, ctx, n_requests)
-            stop = await finish_turn(ctx, traj, turn, finish, create_kwargs)
-            if stop is not None:
-                traj.stop_reason = stop
-                break
-        else:
-            traj.stop_reason = _budget_stop(traj, ctx, 0) or traj.stop_reason
+        traj.stop_reason = await play(traj)
     except Exception:  # this trajectory's failure, kept with what it did until then
         traj.stop_reason = "agent_error"
         traj.error = traceback.format_exc()
@@ -210,21 +292,34 @@ async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     return traj
 
 
-async def _model_turn(
-    traj: Trajectory, ctx: AgentContext, n_requests: int
-) -> tuple[list[int], str, int]:
+async def take_turn(
+    traj: Trajectory, ctx: AgentContext, create_kwargs: Mapping[str, dict[str, Any]]
+) -> StopReason | None:
+    """One turn of ``traj``: a model turn, the tools it calls and their observation. Returns
+    the stop reason when the episode ends (a budget before the turn included), else None: the
+    trajectory then ends with an observation, at a turn boundary."""
+    stop = _budget_stop(traj, ctx, 0)
+    if stop is not None:
+        return stop
+    turn, finish = await _model_turn(traj, ctx)
+    if finish == "budget" and not turn:
+        return "budget"
+    return await finish_turn(ctx, traj, turn, finish, create_kwargs)
+
+
+async def _model_turn(traj: Trajectory, ctx: AgentContext) -> tuple[list[int], str]:
     """One model turn: one or more generate requests (an inline block that stopped at its
-    opening fence is continued). Returns its tokens, the last finish reason and the request
-    count so far."""
+    opening fence is continued). Returns its tokens and the last finish reason."""
     turn: list[int] = []
     while True:
-        tokens, finish = await _generate(traj, ctx, n_requests, len(turn))
-        n_requests += 1
+        tokens, finish = await _generate(traj, ctx, len(turn))
         turn += tokens
-        if finish == "abort" or not ctx.parser.needs_more(ctx.tokenizer.decode(turn)):
-            return turn, finish, n_requests
+        if finish in ("abort", "budget"):
+            return turn, finish
+        if not ctx.parser.needs_more(ctx.tokenizer.decode(turn)):
+            return turn, finish
         if _budget_stop(traj, ctx, len(turn)):
-            return turn, finish, n_requests
+            return turn, finish
 
 
 async def finish_turn(
@@ -240,40 +335,76 @@ async def finish_turn(
     when the episode ends here, else None. This is where model text meets the loop: whatever
     the model wrote, it ends as a stop reason, never an exception (fuzzed in
     ``tests/hostile/test_model_text.py``)."""
+    text, calls, stop = read_turn(ctx, traj, turn, finish)
+    if stop is not None:
+        return stop
+    t_tools = time.perf_counter()
+    try:
+        results = await _call_tools(ctx, traj, calls, create_kwargs or {})
+    except ToolTransportError as e:
+        return tool_service_failed(traj, text, e)
+    finally:
+        traj.timings["tools_s"] += time.perf_counter() - t_tools
+    observation, stop = record_results(ctx, traj, turn, text, calls, results)
+    if stop is None:
+        traj.append(observation, model=False)
+    return stop
+
+
+def read_turn(
+    ctx: AgentContext, traj: Trajectory, turn: list[int], finish: str
+) -> tuple[str, list[ParsedCall], StopReason | None]:
+    """A model turn's text and calls, counted in ``traj``, and the stop reason when the
+    episode ends with this turn (no call, or calls past a budget), else None: the calls run."""
     traj.num_turns += 1
     text = ctx.tokenizer.decode(turn)
     if finish == "abort":
         traj.turn_kinds.append("aborted")
-        return "aborted"
+        return text, [], "aborted"
     calls = ctx.parser.parse(text)
     if not calls:
         traj.messages.append({"role": "assistant", "content": text})
         ended = bool(turn) and turn[-1] == ctx.builder.eos_id
         stop = None if ended else _budget_stop(traj, ctx, len(turn))
         traj.turn_kinds.append("cut" if stop is not None else "text")
-        return stop or "eos"
+        return text, [], stop or "eos"
     traj.turn_kinds.append("call" if any(c.error is None for c in calls) else "malformed")
     if traj.num_turns >= ctx.config.max_turns:
         traj.messages.append({"role": "assistant", "content": text})
-        return "max_turns"
-    t_tools = time.perf_counter()
-    try:
-        results = await _call_tools(ctx, traj, calls, create_kwargs or {})
-    except ToolTransportError as e:
+        return text, calls, "max_turns"
+    if ctx.budget is not None and not ctx.budget.take_calls(len(calls)):
         traj.messages.append({"role": "assistant", "content": text})
-        traj.messages.append({"role": "tool", "content": f"tool service failed: {e}"})
-        return "tool_error"
-    finally:
-        traj.timings["tools_s"] += time.perf_counter() - t_tools
+        return text, calls, "budget"
+    return text, calls, None
+
+
+def tool_service_failed(traj: Trajectory, text: str, error: ToolTransportError) -> StopReason:
+    """Records a turn whose tool service failed (its calls' outcome is unknown): the episode
+    ends, not trainable."""
+    traj.messages.append({"role": "assistant", "content": text})
+    traj.messages.append({"role": "tool", "content": f"tool service failed: {error}"})
+    return "tool_error"
+
+
+def record_results(
+    ctx: AgentContext,
+    traj: Trajectory,
+    turn: list[int],
+    text: str,
+    calls: list[ParsedCall],
+    results: list[ToolResult],
+) -> tuple[list[int], StopReason | None]:
+    """Records the results of a turn's ``calls`` in ``traj``. Returns the observation's tokens
+    and the stop reason when the episode ends here, else None: the caller then appends them."""
+    traj.tool_calls += len(calls)
+    traj.tool_errors += sum(r.error for r in results)
     traj.turn_rewards.append(sum(r.reward for r in results))
     observation, tool_messages = _observation(ctx, turn, text, calls, results)
     traj.messages.extend(tool_messages)
     # The sequence ends with the model's last tokens: an observation the model would never
     # read (the episode ends here) is kept in the messages, not in the tokens.
     stop = "tool_done" if any(r.done for r in results) else _fits(traj, ctx, observation)
-    if stop is None:
-        traj.append(observation, model=False)
-    return stop
+    return observation, stop
 
 
 def _observation(
@@ -351,9 +482,18 @@ async def run_single_turn(sample: Sample, ctx: AgentContext) -> Trajectory:
     return await run_tool_agent(sample, single)
 
 
+async def _react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """`jax_agent_rl.agent.langgraph_loop.run_react_agent`, imported on first use: importing
+    jax_agent_rl never imports LangChain."""
+    from jax_agent_rl.agent.langgraph_loop import run_react_agent
+
+    return await run_react_agent(sample, ctx)
+
+
 AGENT_LOOPS: dict[str, AgentLoopFn] = {
     "tool_agent": run_tool_agent,
     "single_turn_agent": run_single_turn,
+    "react_agent": _react_agent,
 }
 
 

@@ -16,6 +16,7 @@ StopReason = Literal[
     "tool_done",  # a tool ended the episode
     "tool_error",  # the tool service failed (transport); the trajectory is not trainable
     "aborted",  # the rollout backend aborted a generation
+    "budget",  # the rollout strategy's budget ran out (a tree's model tokens or tool calls)
     # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
     # this trajectory only; its traceback is in `Trajectory.error`; not trainable
     "agent_error",
@@ -73,6 +74,11 @@ class Trajectory:
     # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"
     turn_kinds: list[TurnKind] = dataclasses.field(default_factory=list)
     filtered_by: str | None = None  # the filter (agent.filters) that left it out of updates
+    # a branch of a tree rollout (agent/tree.py): the trajectory whose first
+    # ``forked_tokens`` response tokens (and ``forked_calls`` tool calls) it shares
+    forked_from: str | None = None
+    forked_tokens: int = 0
+    forked_calls: int = 0
 
     def append(
         self,
@@ -106,3 +112,13 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def own_model_tokens(self) -> int:
+        """The model tokens sampled for this trajectory alone (a branch shares the rest)."""
+        return sum(self.loss_mask[self.forked_tokens :])
+
+    @property
+    def own_tool_calls(self) -> int:
+        """The tool calls made for this trajectory alone (a branch shares the rest)."""
+        return self.tool_calls - self.forked_calls

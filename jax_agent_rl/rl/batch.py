@@ -46,6 +46,41 @@ class TrainBatch:
         return jax.tree.map(lambda x: np.asarray(x)[index], self)
 
 
+def turn_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each model turn: each maximal run of sampled tokens (mask 1). The
+    loop samples a turn in one run (a continued inline block included) and follows it with
+    template or tool tokens (mask 0), so runs and turns are the same."""
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(loss_mask):
+        if m and spans and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        elif m:
+            spans.append((i, i + 1))
+    return spans
+
+
+def per_turn_samples(traj: Trajectory) -> list[Trajectory]:
+    """``traj`` as one training sample per model turn (``algorithm.turn_mode=per_turn``):
+    sample ``k``'s prompt is the token-exact prefix up to turn ``k`` (``prompt_ids`` and the
+    response before it), its response that turn's tokens only, with their logprobs and
+    versions; uid ``<uid>#<k>``, group and reward the episode's. An episode without a model
+    token stays one sample."""
+    samples = []
+    for k, (a, b) in enumerate(turn_spans(traj.loss_mask)):
+        samples.append(
+            dataclasses.replace(
+                traj,
+                uid=f"{traj.uid}#{k}",
+                prompt_ids=[*traj.prompt_ids, *traj.response_ids[:a]],
+                response_ids=traj.response_ids[a:b],
+                loss_mask=traj.loss_mask[a:b],
+                rollout_logprobs=traj.rollout_logprobs[a:b],
+                token_versions=traj.token_versions[a:b],
+            )
+        )
+    return samples or [traj]
+
+
 def padded_length(n: int, bucket: int) -> int:
     """The smallest ``bucket * 2**k`` holding ``n`` tokens: a run whose sequences reach
     ``max_len`` meets at most ``log2(max_len / bucket) + 1`` lengths, so its training step

@@ -73,6 +73,7 @@ def grpo_advantages(
     num_groups: int,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    weights_n: ArrayLike | None = None,
 ) -> jax.Array:
     """Group-relative advantage of each sequence: ``(r_i - mean_g) / (std_g + eps)``, [N].
 
@@ -80,14 +81,22 @@ def grpo_advantages(
     (ddof=1) standard deviation. ``norm_by_std=False`` is Dr.GRPO: ``r_i - mean_g``. As in verl,
     a group of one has ``mean = 0, std = 1``, so its advantage is ``r_i / (1 + eps)`` (or
     ``r_i``). The caller broadcasts the result over the sequence's tokens.
+
+    ``weights_n`` (default 1): how much of an episode row ``i`` is, when an episode spans
+    several rows that carry its reward (one per model turn, ``algorithm.turn_mode=per_turn``:
+    ``1 / turns`` each). The group's count, mean and variance are then weighted,
+    ``n_g = sum_g w``, ``mean_g = sum_g w r / n_g``, ``var_g = sum_g w (r - mean_g)^2 /
+    (n_g - 1)``: exactly the statistics of its episodes, each counted once.
     """
     r_n = jnp.asarray(rewards_n, jnp.float32)
     g_n = jnp.asarray(group_ids_n)
-    count_g = jax.ops.segment_sum(jnp.ones_like(r_n), g_n, num_segments=num_groups)
-    mean_g = _safe_div(jax.ops.segment_sum(r_n, g_n, num_segments=num_groups), count_g)
-    sq_g = jax.ops.segment_sum((r_n - mean_g[g_n]) ** 2, g_n, num_segments=num_groups)
-    std_g = jnp.sqrt(sq_g / jnp.where(count_g > 1, count_g - 1, 1.0))
-    single_g = count_g <= 1
+    w_n = jnp.ones_like(r_n) if weights_n is None else jnp.asarray(weights_n, jnp.float32)
+    count_g = jax.ops.segment_sum(w_n, g_n, num_segments=num_groups)
+    mean_g = _safe_div(jax.ops.segment_sum(w_n * r_n, g_n, num_segments=num_groups), count_g)
+    sq_g = jax.ops.segment_sum(w_n * (r_n - mean_g[g_n]) ** 2, g_n, num_segments=num_groups)
+    # counts of episodes are whole numbers; weights of 1/turns add up to them only roughly
+    single_g = count_g < 1.5
+    std_g = jnp.sqrt(sq_g / jnp.where(single_g, 1.0, count_g - 1))
     mean_g = jnp.where(single_g, 0.0, mean_g)
     std_g = jnp.where(single_g, 1.0, std_g)
     centred_n = r_n - mean_g[g_n]

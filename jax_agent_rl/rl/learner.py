@@ -287,6 +287,7 @@ class Outcomes:
 
     rewards: Any  # [M, b] float32 (numpy on the host, jax.Array on the devices)
     groups: Any  # [M, b] int32
+    weights: Any  # [M, b] float32: the share of its episode a row is (`core.grpo_advantages`)
 
 
 def prepare(
@@ -318,6 +319,7 @@ def prepare(
             outcomes.groups.reshape(M * b),
             M * b,
             a.norm_adv_by_std,
+            weights_n=outcomes.weights.reshape(M * b),
         )
         return dataclasses.replace(
             batch, old_logp=old, ref_logp=ref, advantages=adv_n.reshape(M, b, 1) * mask
@@ -594,6 +596,7 @@ class Learner:
         reference: Weights | None = None,
         rollout_logprobs: bool = True,
         row_staleness: np.ndarray | None = None,
+        weights: np.ndarray | None = None,
     ) -> dict[str, float]:
         """One RL update (`rl_update`) of this process's host rows ``batch`` [B, T] (see
         `device_batch`) with the rows' rewards and group indices [B] (groups numbered across
@@ -603,13 +606,18 @@ class Learner:
         logprobs take their place, and ``rollout/logprobs_recomputed`` is 1. ``row_staleness``
         (how many weight versions each row's oldest token is behind the policy, padding rows
         included) adds the gap per staleness (`gap_by_staleness`; one process only: the
-        metrics' rows are every process's)."""
+        metrics' rows are every process's). ``weights`` [B] (default 1): the share of its
+        episode each row is, for GRPO's group statistics (`core.grpo_advantages`)."""
         if row_staleness is not None and len(row_staleness) != len(rewards):
             raise ValueError(f"{len(row_staleness)} staleness values for {len(rewards)} rows")
         with device_turns.TURN:  # an engine's thread may share the devices (async training)
-            return self._train_step(
-                batch, rewards, groups, reference, rollout_logprobs, row_staleness
+            metrics = self._train_step(
+                batch, rewards, groups, reference, rollout_logprobs, row_staleness, weights
             )
+            # the metrics come from one device; the update may still run on the others, and
+            # the turn must not pass before it is done everywhere (`device_turns`)
+            jax.block_until_ready((self.state, self.critic_state))
+            return metrics
 
     def _train_step(
         self,
@@ -619,12 +627,15 @@ class Learner:
         reference: Weights | None,
         rollout_logprobs: bool,
         row_staleness: np.ndarray | None,
+        weights: np.ndarray | None,
     ) -> dict[str, float]:
         device = self.device_batch(batch, local=True)
         M = device.tokens.shape[0]
+        weights = np.ones(len(rewards)) if weights is None else weights
         outcomes = Outcomes(
             np.asarray(rewards, np.float32).reshape(M, -1),
             np.asarray(groups, np.int32).reshape(M, -1),
+            np.asarray(weights, np.float32).reshape(M, -1),
         )
         outcomes = self._upload(outcomes, self._row_sharding)
         self.state, self.critic_state, metrics = self._rl_steps[rollout_logprobs](

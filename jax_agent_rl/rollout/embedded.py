@@ -255,7 +255,7 @@ class EmbeddedBackend:
     def _admit(self, job: _Job) -> None:
         request = job.request
         prompt = request.prompt_ids
-        cached, start = self._cached_prefix(request.session_id, prompt)
+        cached, start = self._cached_prefix(request, prompt)
         job.version = self._version
         prefix: Prefix = self.engine.prefill(
             self._params, cached, prompt[start:], request.sampling, job.seed
@@ -304,10 +304,15 @@ class EmbeddedBackend:
             self._finish(job, reason)
 
     def _cached_prefix(
-        self, session_id: str | None, prompt: tuple[int, ...]
+        self, request: GenerateRequest, prompt: tuple[int, ...]
     ) -> tuple[KVCache | None, int]:
-        """The session's cached row and how many leading prompt tokens it already holds."""
-        if session_id is None or session_id not in self._sessions:
+        """The session's cached row (or, for a session not cached, that of the session it
+        continues: ``prefix_session``) and how many leading prompt tokens it already holds."""
+        if request.session_id is None:
+            return None, 0
+        ids = (request.session_id, request.prefix_session)
+        session_id = next((s for s in ids if s is not None and s in self._sessions), None)
+        if session_id is None:
             return None, 0
         self._sessions.move_to_end(session_id)
         tokens, row = self._sessions[session_id]

@@ -27,12 +27,16 @@ WeightUpdate = Literal["in_place", "reload", "none"]
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """One generation. ``session_id`` ties the turns of one trajectory together, so a backend
-    can route them to one replica and reuse the cached prefix instead of prefilling it again."""
+    can route them to one replica and reuse the cached prefix instead of prefilling it again.
+    ``prefix_session``: the session whose conversation this one continues (a branch of a tree
+    rollout, `jax_agent_rl.agent.tree`); a session the backend has not seen yet starts from
+    that one's cached prefix, on the replica that holds it."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     session_id: str | None = None
+    prefix_session: str | None = None
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: int) -> None:

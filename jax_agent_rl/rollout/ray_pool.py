@@ -219,14 +219,17 @@ class RayPool:
         """Requests in flight per replica, as the router counts them."""
         return [s.in_flight for s in self._slots]
 
-    async def _pick(self, session_id: str | None) -> _Slot:
+    async def _pick(self, request: GenerateRequest) -> _Slot:
+        """The replica of the request's session (or of the session it continues), else the
+        live one with the fewest requests in flight (waiting for a restart if none is live)."""
         while True:
             live = [s for s in self._slots if s.actor is not None]
-            if session_id is not None and session_id in self._sessions:
-                sticky = self._slots[self._sessions[session_id]]
-                if sticky.actor is not None:
-                    self._sessions.move_to_end(session_id)
-                    return sticky
+            for session_id in (request.session_id, request.prefix_session):
+                if session_id is not None and session_id in self._sessions:
+                    sticky = self._slots[self._sessions[session_id]]
+                    if sticky.actor is not None:
+                        self._sessions.move_to_end(session_id)
+                        return sticky
             if live:
                 return min(live, key=lambda s: (s.in_flight, s.index))
             waiting = [s for s in self._slots if not s.down]
@@ -245,7 +248,7 @@ class RayPool:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         rid = request.request_id
         while True:
-            slot = await self._pick(request.session_id)
+            slot = await self._pick(request)
             actor, generation = slot.actor, slot.generation
             slot.in_flight += 1
             self._where[rid] = slot

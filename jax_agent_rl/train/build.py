@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from rich.console import Console
 
-from jax_agent_rl import distributed
+from jax_agent_rl import device_turns, distributed
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
@@ -168,7 +168,8 @@ def train_states(learner: Learner, reference: Any | None) -> dict[str, Any]:
 def save_checkpoint(run: Run, step: int) -> None:
     """The train states, the step, the prompt sampler's position and the seed."""
     meta = {"step": step, "sampler": run.sampler.state(), "seed": run.cfg.trainer.seed}
-    run.checkpoints.save(step, train_states(run.learner, run.reference), meta)
+    with device_turns.TURN:  # copying the arrays off the devices runs programs on them
+        run.checkpoints.save(step, train_states(run.learner, run.reference), meta)
 
 
 def _restore(run: Run, step: int) -> None:

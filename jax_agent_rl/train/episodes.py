@@ -32,6 +32,9 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "response_len": sum(lengths),
         "response_len/max": max(lengths, default=0),
         "model_tokens": sum(t.num_model_tokens for t in trajs),
+        # what was sampled and called (a tree's branches share their prefix's)
+        "own_model_tokens": sum(t.own_model_tokens for t in trajs),
+        "own_tool_calls": sum(t.own_tool_calls for t in trajs),
         "untrainable": sum(not t.trainable for t in trajs),
         "reruns": sum(t.reruns for t in trajs),
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
@@ -66,6 +69,10 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "model_tokens/mean": t["model_tokens"] / n,
         "untrainable": t["untrainable"] / n,
         "rollout/trajectories_rerun": float(t["reruns"]),  # a count, not a rate
+        # counts: episodes (a tree's leaves), model tokens sampled and tool calls made
+        "rollout/episodes": t["episodes"],
+        "rollout/model_tokens": t["own_model_tokens"],
+        "rollout/tool_calls": t["own_tool_calls"],
     }
     out.update({f"stop/{r}": t[f"stop/{r}"] / n for r in STOP_REASONS})
     out.update({f"filter/{f}": t[f"filter/{f}"] / n for f in FILTERS})  # shares left out

@@ -1,7 +1,8 @@
 """One RL step over a built run (`rl_step`), and the functions it is made of.
 
 1. draw ``data.prompts_per_step`` prompts, roll each out ``rollout.n`` times through the agent
-   loop on the backend (all episodes concurrently; the backend batches them);
+   loop on the backend, or as a tree (``agent.strategy=tree``), all episodes concurrently
+   (the backend batches them);
 2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
 3. `learn`: pack the trainable trajectories (not those cut short by a dead tool service, an
@@ -30,10 +31,11 @@ from jax_agent_rl import distributed
 from jax_agent_rl.agent.filters import apply_filters
 from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
-from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.agent.tree import run_tree, tree_budget
+from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.rewards import ScoreFn
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import longest_sequence, make_batch
+from jax_agent_rl.rl.batch import longest_sequence, make_batch, per_turn_samples
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -92,43 +94,76 @@ async def rollout_episodes(
     tool_reward_weight: float,
     tool_failure_reruns: int = 0,
     filters: Sequence[str] = (),
+    tree: TreeSection | None = None,
 ) -> list[Trajectory]:
-    """``n`` episodes of each sample (one group each), run concurrently, sampled with
-    ``episode_seed(seed, tag)``, and scored. An episode whose tool service failed is run
-    again from its prompt, up to ``tool_failure_reruns`` times (`Trajectory.reruns`); then
-    the ``filters`` (`jax_agent_rl.agent.filters`) mark what updates leave out. Whether
-    they all failed is for the caller to check (`episodes.all_failed_error`), over every
-    process's episodes."""
-    episodes = [
-        dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
-        for s in samples
-        for i in range(n)
-    ]
+    """One group of episodes per sample, run concurrently, sampled with
+    ``episode_seed(seed, tag)``, and scored, in sample order: ``n`` chain episodes, or with
+    ``tree`` the leaves of a tree rollout (`jax_agent_rl.agent.tree`) within a budget of
+    ``n`` chain episodes' unless the section sets one. A chain episode whose tool service
+    failed is run again from its prompt, up to ``tool_failure_reruns`` times
+    (`Trajectory.reruns`); then the ``filters`` (`jax_agent_rl.agent.filters`) mark what
+    updates leave out. Whether they all failed is for the caller to check
+    (`episodes.all_failed_error`), over every process's episodes."""
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
 
-    async def episode(e: Sample) -> Trajectory:
+    async def episode(e: Sample) -> list[Trajectory]:
         traj = await run_sample(e, ctx)
         for rerun in range(1, tool_failure_reruns + 1):
             if traj.stop_reason != "tool_error":
                 break
             traj = await run_sample(e, ctx)  # its failed attempt's tool state was released
             traj.reruns = rerun
-        return traj
+        return [traj]
 
-    trajs = list(await asyncio.gather(*(episode(e) for e in episodes)))
-    for traj, e in zip(trajs, episodes, strict=True):
-        traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
-    for i in range(0, len(trajs), n) if filters else ():
-        apply_filters(trajs[i : i + n], filters)
+    async def grown(s: Sample) -> list[Trajectory]:
+        assert tree is not None
+        if s.agent_name != "tool_agent":
+            raise ValueError(
+                f"agent.strategy=tree branches tool_agent episodes; sample {s.uid!r} names "
+                f"agent_name {s.agent_name!r}"
+            )
+        c = ctx.config
+        budget = tree_budget(tree, n, c.max_response_tokens, c.max_turns)
+        return await run_tree(s, ctx, tree, budget)
+
+    if tree is None:
+        episodes = [
+            dataclasses.replace(s, uid=f"{s.uid}/{tag}/{i}", group_id=s.uid)
+            for s in samples
+            for i in range(n)
+        ]
+        runs = [episode(e) for e in episodes]
+    else:
+        episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
+        runs = [grown(e) for e in episodes]
+    groups = list(await asyncio.gather(*runs))
+    for group, e in zip(groups, episodes, strict=True):
+        for traj in group:
+            traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
+    trajs = [t for g in groups for t in g]
+    for group in split_groups(trajs) if filters else ():
+        apply_filters(group, filters)
     return trajs
+
+
+def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Consecutive trajectories of one group (``group_id``) together, in order."""
+    groups: list[list[Trajectory]] = []
+    for t in trajs:
+        if groups and groups[-1][0].group_id == t.group_id:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups
 
 
 async def run_episodes(
     run: Run, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str, train: bool = True
 ) -> list[Trajectory]:
     """`rollout_episodes` with the run's seed, reward and tool-reward weight; for training
-    (``train``), with the run's filters."""
+    (``train``), with the run's filters and rollout strategy (evaluations run chains)."""
     cfg = run.cfg
+    tree = cfg.agent.tree if train and cfg.agent.strategy == "tree" else None
     return await rollout_episodes(
         samples,
         n,
@@ -139,6 +174,7 @@ async def run_episodes(
         tool_reward_weight=cfg.data.tool_reward_weight,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
         filters=training_filters(cfg) if train else (),
+        tree=tree,
     )
 
 
@@ -198,7 +234,7 @@ async def collect(
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
         trajs = await run_episodes(run, samples, n, ctx, tag)
         seen += trajs
-        groups = [trajs[i : i + n] for i in range(0, len(trajs), n)]
+        groups = split_groups(trajs)
         if cfg.rollout.dynamic_sampling:
             groups = [groups[i] for i in groups_with_signal(groups)]
         kept += groups[: want - len(kept)]
@@ -225,6 +261,31 @@ def padded_outcomes(
     padded = np.zeros(rows, np.float32)
     padded[: len(rewards)] = rewards
     return padded, groups
+
+
+def training_rows(
+    trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
+) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
+    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory, or with
+    ``turn_mode=per_turn`` one per model turn (`per_turn_samples`). Returns the rows, their
+    rewards and groups (their episode's), and the share of its episode each row is (``1 /
+    turns``, so that GRPO's group statistics count every episode once)."""
+    if turn_mode == "trajectory":
+        return list(trajs), rewards, [t.group_id for t in trajs], np.ones(len(trajs), np.float32)
+    rows: list[Trajectory] = []
+    row_rewards: list[float] = []
+    weights: list[float] = []
+    for traj, reward in zip(trajs, rewards, strict=True):
+        turns = per_turn_samples(traj)
+        rows += turns
+        row_rewards += [float(reward)] * len(turns)
+        weights += [1.0 / len(turns)] * len(turns)
+    return (
+        rows,
+        np.asarray(row_rewards, np.float32),
+        [t.group_id for t in rows],
+        np.asarray(weights, np.float32),
+    )
 
 
 def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
@@ -259,15 +320,19 @@ def learn(
     trainable = [t for t in kept if t.trainable]
     rewards = shaped_rewards(trainable, cfg)
     group_ids = [t.group_id for t in trainable]
+    rows_of, row_rewards, row_groups, row_weights = training_rows(
+        trainable, rewards, cfg.algorithm.turn_mode
+    )
     mine = {
         **episode_totals(seen),
         **reward_groups(rewards, group_ids),  # additive: a group never spans processes
-        "groups_kept": len(kept) // cfg.rollout.n,
+        "groups_kept": len(split_groups(kept)),
         "batch/trajectories": len(trainable),
-        "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trainable),
+        "batch/rows": len(rows_of),
+        "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows_of),
         "rollout_s/max": rollout_s,
     }
-    behind = [] if version is None else [staleness(t, version) for t in trainable]
+    behind = [] if version is None else [staleness(t, version) for t in rows_of]
     mine.update({f"staleness_count/{k}": c for k, c in Counter(behind).items()})
     mine["staleness/max"] = max(behind, default=0)
     shares = distributed.gather_objects((mine, first_error(seen)))
@@ -286,20 +351,22 @@ def learn(
         m["staleness/max"] = totals["staleness/max"]
     # as many rows every step (padding rows have mask 0), so the step does not compile again
     # when a step has fewer trainable trajectories; every process the same rows and length
-    most, longest = distributed.agree_max([len(trainable), longest_sequence(trainable)])
+    most, longest = distributed.agree_max([len(rows_of), longest_sequence(rows_of)])
     planned = max(most * processes, cfg.data.prompts_per_step * cfg.rollout.n)
     rows = batch_rows(planned, cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
     rows //= processes
-    batch = make_batch(trainable, cfg.learner.seq_bucket, rows=rows, longest=longest)
+    batch = make_batch(rows_of, cfg.learner.seq_bucket, rows=rows, longest=longest)
     t0 = time.perf_counter()
     if most:  # one upload, then old / reference logprobs, advantages, updates on device
-        padded, groups = padded_outcomes(rewards, group_ids, rows, first_group=me * rows)
+        padded, groups = padded_outcomes(row_rewards, row_groups, rows, first_group=me * rows)
+        weights = np.ones(rows, np.float32)
+        weights[: len(row_weights)] = row_weights
         row_staleness = None if version is None else np.zeros(rows, np.int32)
         if row_staleness is not None:
             row_staleness[: len(behind)] = behind
         m.update(
             learner.train_step(
-                batch, padded, groups, run.reference, rollout_logprobs, row_staleness
+                batch, padded, groups, run.reference, rollout_logprobs, row_staleness, weights
             )
         )
     jax.block_until_ready(learner.params)

@@ -6,6 +6,10 @@ that rendering needs no tokenizer. Traces of a run go to ``<run_dir>/traces.json
 
 Rendering colours the response by who wrote it: tokens the model sampled (loss mask 1, the ones
 trained on) and tokens it was given (mask 0: tool results, chat-template scaffolding).
+
+A run with ``trainer.trace_backend=mlflow`` also records them in an MLflow store in the run
+folder (``mlflow.db``, written by `jax_agent_rl.train.mlflow_traces`); ``jarl traces RUN
+--mlflow`` prints the command that serves its UI.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.tokenization import Tokenizer
 
 TRACES_FILE = "traces.jsonl"
+MLFLOW_DB = "mlflow.db"  # the run's MLflow store (SQLite)
+ARTIFACTS_DIR = "mlflow-artifacts"  # its artifacts (mlflow keeps a copy of each trace there)
 
 PROMPT_STYLE = "dim"
 MODEL_STYLE = "bold green"
@@ -47,6 +53,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "reward": float(traj.reward),
         "stop_reason": traj.stop_reason,
         "filtered_by": traj.filtered_by,
+        "forked_from": traj.forked_from,  # a tree rollout's branch: whose prefix it shares
         "turn_kinds": list(traj.turn_kinds),
         "error": traj.error,
         "num_turns": int(traj.num_turns),
@@ -221,11 +228,30 @@ def render_run(
     return len(selected)
 
 
-def traces_command(run_dir: str, step: int | None, limit: int, show_logprobs: bool) -> int:
-    """``jarl traces``: renders a run's traces; 2 (with a message) when there are none to read."""
+def tracking_uri(run_dir: Path) -> str:
+    """The MLflow tracking URI of ``run_dir``'s store, an absolute path (usable from anywhere)."""
+    return f"sqlite:///{(run_dir / MLFLOW_DB).resolve()}"
+
+
+def mlflow_ui_command(run_dir: Path) -> str:
+    return f"mlflow ui --backend-store-uri {tracking_uri(run_dir)} --port 5000"
+
+
+def traces_command(
+    run_dir: str, step: int | None, limit: int, show_logprobs: bool, mlflow: bool = False
+) -> int:
+    """``jarl traces``: renders a run's traces, or with ``mlflow`` prints the command that
+    serves them in the MLflow UI; 2 (with a message) when there are none to read."""
     folder = Path(run_dir)
     if not folder.is_dir():
         return _error(f"no run folder {folder}")
+    if mlflow:
+        if not (folder / MLFLOW_DB).is_file():
+            return _error(
+                f"no {MLFLOW_DB} in {folder}: runs write it with trainer.trace_backend=mlflow"
+            )
+        print(mlflow_ui_command(folder))
+        return 0
     if not (folder / TRACES_FILE).is_file():
         return _error(f"no {TRACES_FILE} in {folder}")
     console = Console()

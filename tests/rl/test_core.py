@@ -107,6 +107,25 @@ def test_grpo_equal_rewards_give_zero() -> None:
     close(got, [0.0, 0.0, 0.0])
 
 
+def test_grpo_with_per_turn_weights_gives_each_row_its_episodes_advantage() -> None:
+    """Episodes of 3, 1 and 2 turns in one group and a single 2-turn episode in another, as
+    per-turn rows weighted 1/turns: each row gets exactly the advantage its episode gets as
+    one row (groups of episodes, each counted once)."""
+    episodes = [1.0, 0.0, 2.0, 5.0]
+    groups = [0, 0, 0, 1]
+    turns = [3, 1, 2, 2]
+    rows = [i for i, k in enumerate(turns) for _ in range(k)]
+    got = core.grpo_advantages(
+        np.array([episodes[i] for i in rows], np.float32),
+        np.array([groups[i] for i in rows], np.int32),
+        num_groups=2,
+        weights_n=np.array([1.0 / turns[i] for i in rows], np.float32),
+    )
+    want = _grpo_reference(episodes, groups, norm=True, eps=1e-6)
+    close(got, [want[i] for i in rows])
+    close(got[-2:], [5.0 / (1.0 + 1e-6)] * 2)  # a group of one episode, over two rows
+
+
 # --- gae_advantages --------------------------------------------------------------------------
 
 

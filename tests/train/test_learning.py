@@ -83,3 +83,56 @@ def test_rl_raises_held_out_success(
     if mode:
         steps = read_metrics(run / "metrics.jsonl", "train")
         assert all(m["staleness/max"] <= 2 for m in steps)
+
+
+def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
+    run = folder / name
+    overrides = [
+        *SMALL,
+        f"model.path={sft_model}",
+        f"data.train={folder / 'task' / 'train.jsonl'}",
+        "data.val=",
+        "sft.data=",
+        "tools.config=pkg://jax_agent_rl/configs/tools_calculator.yaml",
+        f"trainer.run_dir={run}",
+        "trainer.traces_per_step=64",
+        *extra,
+    ]
+    train(load_config(ROOT / "configs" / "demo_calculator_cpu.yaml", overrides))
+    return read_metrics(run / "metrics.jsonl", "train")
+
+
+def test_tree_rollouts_branch_after_tool_calls_within_the_budget(
+    sft_run: tuple[Path, Path, float],
+) -> None:
+    """Trees of 2 roots branching twice into 2 on the SFT policy (which calls the calculator):
+    they branch, every leaf is trained on, and no step exceeds its per-prompt budgets."""
+    folder, sft_model, _ = sft_run
+    budget = ["agent.tree.model_tokens=300", "agent.tree.tool_calls=5"]
+    tree = ["agent.strategy=tree", "agent.tree.n_roots=2", "agent.tree.branch=2", *budget]
+    steps = _short_run(folder, sft_model, "tree", "trainer.steps=2", *tree)
+    prompts = 8
+    for m in steps:
+        assert m["rollout/model_tokens"] <= prompts * 300
+        assert m["rollout/tool_calls"] <= prompts * 5
+        assert m["rollout/episodes"] > prompts * 2  # branched: more leaves than roots
+        assert m["batch/trajectories"] == m["rollout/episodes"] * (1 - m["untrainable"])
+    traces = (folder / "tree" / "traces.jsonl").read_text()
+    assert '"forked_from": "' in traces
+
+
+def test_per_turn_samples_train_like_the_whole_trajectory(
+    sft_run: tuple[Path, Path, float],
+) -> None:
+    """One update from the same rollouts: per-turn rows (each turn's prefix re-read, the
+    episode's advantage shared) give the token-mean loss and gradient of whole trajectories,
+    since every turn's logprobs are conditioned on the same tokens."""
+    folder, sft_model, _ = sft_run
+    whole = _short_run(folder, sft_model, "whole", "trainer.steps=1")
+    turns = _short_run(folder, sft_model, "turns", "trainer.steps=1", "algorithm.turn_mode=per_turn")
+    (a,), (b,) = whole, turns
+    assert b["batch/rows"] > a["batch/rows"] == a["batch/trajectories"] == b["batch/trajectories"]
+    assert a["reward"] == b["reward"]  # the same rollouts
+    # fp32 sums over differently shaped batches: equal to rounding
+    for key in ("pg_loss", "grad_norm"):
+        assert abs(a[key] - b[key]) <= 1e-4 * max(abs(a[key]), 1e-3), (key, a[key], b[key])
