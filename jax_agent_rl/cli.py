@@ -163,7 +163,7 @@ def _export(args: argparse.Namespace) -> int:
 def _traces(args: argparse.Namespace) -> int:
     from jax_agent_rl.train.traces import traces_command
 
-    return traces_command(args.run_dir, args.step, args.limit, args.logprobs)
+    return traces_command(args.run_dir, args.step, args.limit, args.logprobs, args.mlflow)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -326,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="which RL step (default: the last)")
     p.add_argument("--limit", type=int, default=4, help="trajectories to show")
     p.add_argument("--logprobs", action="store_true", help="colour model tokens by probability")
+    p.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="print the command that serves the run's MLflow traces (RUN/mlflow.db, written "
+        "with trainer.trace_backend=mlflow) in the MLflow UI",
+    )
     p.set_defaults(func=_traces)
 
     p = sub.add_parser(

@@ -27,7 +27,7 @@ from jax_agent_rl.train.episodes import (
 )
 from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
 from jax_agent_rl.train.step import run_episodes
-from jax_agent_rl.train.traces import append_traces, trace_record
+from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +83,18 @@ async def write_metrics(run: Run, rollout: Rollout, end: StepEnd) -> None:
 
 async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     """``trainer.traces_per_step`` trajectories, spread over the step's (process 0's share of
-    them in a multi-process run), to ``traces.jsonl``."""
+    them in a multi-process run), to ``traces.jsonl``, and with ``trainer.trace_backend=mlflow``
+    to the run's MLflow store as well."""
     del rollout
     k = run.cfg.trainer.traces_per_step
     picks = end.trajectories[:: max(1, len(end.trajectories) // max(k, 1))][:k]
     append_traces(
-        run.run_dir / "traces.jsonl", (trace_record(t, run.tokenizer, end.step) for t in picks)
+        run.run_dir / TRACES_FILE, (trace_record(t, run.tokenizer, end.step) for t in picks)
     )
+    if run.cfg.trainer.trace_backend == "mlflow":
+        from jax_agent_rl.train.mlflow_traces import record_traces  # mlflow: an optional extra
+
+        record_traces(run.run_dir, picks, run.tokenizer, end.step)
 
 
 async def evaluate_held_out(run: Run, rollout: Rollout, end: StepEnd) -> None:

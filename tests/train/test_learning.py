@@ -129,7 +129,9 @@ def test_per_turn_samples_train_like_the_whole_trajectory(
     since every turn's logprobs are conditioned on the same tokens."""
     folder, sft_model, _ = sft_run
     whole = _short_run(folder, sft_model, "whole", "trainer.steps=1")
-    turns = _short_run(folder, sft_model, "turns", "trainer.steps=1", "algorithm.turn_mode=per_turn")
+    turns = _short_run(
+        folder, sft_model, "turns", "trainer.steps=1", "algorithm.turn_mode=per_turn"
+    )
     (a,), (b,) = whole, turns
     assert b["batch/rows"] > a["batch/rows"] == a["batch/trajectories"] == b["batch/trajectories"]
     assert a["reward"] == b["reward"]  # the same rollouts
