@@ -18,17 +18,15 @@ source is listed there, else by ``data.reward``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.rewards.math import format_reward, gsm8k_reward, math_reward
+from jax_agent_rl.user_code import load_function
 
 RewardFn = Callable[[str, Any], float]  # ours: (final answer text, ground truth) -> reward
 # every loaded reward: (data_source, final answer text, ground truth, extra_info) -> reward
@@ -68,27 +66,7 @@ def load_reward(spec: str, key: str) -> ScoreFn:
             f"{key}={spec!r} is not a reward; built in: {sorted(REWARDS)}, or a user function "
             "as module:function or path/to/file.py:function"
         )
-    where, _, name = spec.rpartition(":")
-    fn = getattr(_module(where, spec, key), name, None)
-    if not callable(fn):
-        raise ConfigError(f"{key}={spec!r}: {where} has no function {name!r}")
-    return _adapt(fn, spec, key)
-
-
-def _module(where: str, spec: str, key: str) -> Any:
-    if not where.endswith(".py"):
-        try:
-            return importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"{key}={spec!r}: cannot import module {where!r}: {e}") from e
-    path = Path(where)
-    if not path.is_file():
-        raise ConfigError(f"{key}={spec!r}: no such file {where!r}")
-    module_spec = importlib.util.spec_from_file_location(f"jarl_reward_{path.stem}", path)
-    assert module_spec is not None and module_spec.loader is not None  # a .py file always has one
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return _adapt(load_function(spec, key), spec, key)
 
 
 def _adapt(fn: Callable[..., Any], spec: str, key: str) -> ScoreFn:

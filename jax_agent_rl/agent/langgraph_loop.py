@@ -1,0 +1,370 @@
+"""LangGraph agents over the token-exact loop: the agent loop ``react_agent``.
+
+A LangGraph graph decides what happens next; the tokens stay the loop's. `BackendChatModel`,
+a LangChain chat model over one trajectory, never renders the graph's messages into text: each
+call runs one model turn exactly as `run_tool_agent` does (`_model_turn` over the trajectory's
+``prompt_ids + response_ids``), reads it with the context's parser (`read_turn`) and answers an
+``AIMessage`` with the model's text, its ``tool_calls`` and its sampled token ids
+(``response_metadata["token_ids"]``). The graph's tool node runs the calls through
+`episode_tools`, the executor's tools as LangChain tools (each call made as the loop makes it,
+`call_tool`); on its next call the model appends the tool messages' results as the observation
+(mask 0, `record_results`), then samples again. So, for the same model tokens, a
+``react_agent`` trajectory is token for token the one `run_tool_agent` records, with the same
+budgets, stop reasons, counters and released tool state (`run_episode`).
+
+A call the tools cannot take as written (malformed, arguments that are not an object, a tool
+that does not exist) goes to one more tool, ``invalid_tool_call``, which answers it as the
+loop does (the parser's error, or the executor's), so the graph routes every call of a turn to
+its tool node and the model reads the loop's observation.
+
+When the episode ends between turns (a tool ended it, the observation does not fit, a budget
+is spent), the model answers an empty message without tool calls (``response_metadata``
+holds the stop reason), so a graph that stops on a message without calls stops; calling the
+model again after that is an error. A graph that ends right after its tool node (a
+``return_direct`` tool) ends the episode with ``tool_done``.
+
+``agent.graph`` names a user graph, ``fn(chat_model, tools)`` returning a compiled graph over
+``MessagesState`` (its ``messages`` in and out); empty: `react_graph`. The model reads only the
+conversation its tokens hold: the sample's messages, its own messages and the tool messages
+that answer its calls. Any other message a graph passes it (a system prompt it adds, say) is
+an error, never silently left out of the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ToolCall,
+    ToolMessage,
+    convert_to_openai_messages,
+)
+from langchain_core.messages.tool import tool_call
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+from pydantic import InstanceOf
+
+from jax_agent_rl.agent.loop import (
+    AgentContext,
+    _budget_stop,
+    _model_turn,
+    call_tool,
+    read_turn,
+    record_results,
+    run_episode,
+    tool_service_failed,
+)
+from jax_agent_rl.agent.parsers import ParsedCall
+from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.registry import ToolTransportError
+from jax_agent_rl.tools.verl import create_kwargs_by_tool
+from jax_agent_rl.user_code import load_function
+
+INVALID_CALL = "invalid_tool_call"  # the tool that answers calls the tools cannot take
+GraphBuilder = Callable[[BaseChatModel, list[BaseTool]], Any]  # -> a compiled graph
+
+
+@dataclasses.dataclass
+class _Calls:
+    """A model turn whose calls the graph is running."""
+
+    tokens: list[int]
+    text: str
+    calls: list[ParsedCall]
+    ids: list[str]  # the tool call id of each call
+    started: float  # when they left for the graph (perf_counter)
+
+
+class Episode:
+    """One trajectory as a graph plays it: what its chat model and its tools share."""
+
+    def __init__(
+        self, ctx: AgentContext, traj: Trajectory, create_kwargs: Mapping[str, dict[str, Any]]
+    ) -> None:
+        self.ctx, self.traj, self.create_kwargs = ctx, traj, create_kwargs
+        self.schemas = ctx.builder.tools or []  # the tools the model's prompt lists
+        self.tool_names = frozenset(s["function"]["name"] for s in self.schemas)
+        if INVALID_CALL in self.tool_names:
+            raise ValueError(f"a tool may not be named {INVALID_CALL!r} (react_agent's own)")
+        self.pending: _Calls | None = None
+        self.stop: StopReason | None = None
+        self.replies: list[str] = []  # ids of the model's messages
+
+    async def reply(self, messages: Sequence[BaseMessage]) -> AIMessage:
+        """The model's next message: the observation of its last calls appended, then a model
+        turn (or the end of the episode, when that observation or a budget ends it)."""
+        if self.stop is not None:
+            raise RuntimeError(f"the graph called the model after the episode ended ({self.stop})")
+        new = self._new_messages(messages)
+        if self.pending is not None:
+            observation, stop = self._answer(new)
+            if stop is not None:
+                return self._end(stop)
+            self.traj.append(observation, model=False)
+        stop = _budget_stop(self.traj, self.ctx, 0)
+        if stop is not None:
+            return self._end(stop)
+        turn, finish = await _model_turn(self.traj, self.ctx)
+        text, calls, stop = read_turn(self.ctx, self.traj, turn, finish)
+        metadata: dict[str, Any] = {"token_ids": turn, "finish_reason": finish}
+        if stop is not None:
+            return self._end(stop, text, metadata)
+        ids = [f"call_{self.traj.num_turns}_{i}" for i in range(len(calls))]
+        self.pending = _Calls(turn, text, calls, ids, time.perf_counter())
+        tool_calls = [self._tool_call(c, i) for c, i in zip(calls, ids, strict=True)]
+        return self._message(text, metadata, tool_calls)
+
+    def finish(self, messages: Sequence[BaseMessage]) -> StopReason:
+        """How the episode ended, once the graph has."""
+        if self.pending is not None:  # the graph ended on its tools' results
+            _, stop = self._answer(self._new_messages(messages))
+            return stop or "tool_done"
+        if self.stop is None:
+            raise RuntimeError("the graph ended without calling the model")
+        return self.stop
+
+    def tools_failed(self, error: ToolTransportError) -> StopReason:
+        """The tool service failed while the graph ran the pending calls."""
+        if self.pending is None:
+            raise error
+        self.traj.timings["tools_s"] += time.perf_counter() - self.pending.started
+        return tool_service_failed(self.traj, self.pending.text, error)
+
+    def _tool_call(self, call: ParsedCall, call_id: str) -> ToolCall:
+        if call.error is None and isinstance(call.arguments, dict) and call.name in self.tool_names:
+            return tool_call(name=call.name, args=call.arguments, id=call_id)
+        args = {"name": call.name, "arguments": call.arguments, "error": call.error}
+        return tool_call(name=INVALID_CALL, args=args, id=call_id)
+
+    def _message(
+        self, text: str, metadata: dict[str, Any], tool_calls: list[ToolCall] | None = None
+    ) -> AIMessage:
+        self.replies.append(f"{self.traj.uid}/reply_{len(self.replies)}")
+        return AIMessage(
+            content=text,
+            id=self.replies[-1],
+            tool_calls=tool_calls or [],
+            response_metadata=metadata,
+        )
+
+    def _end(
+        self, stop: StopReason, text: str = "", metadata: dict[str, Any] | None = None
+    ) -> AIMessage:
+        self.stop = stop
+        return self._message(text, {**(metadata or {}), "stop_reason": stop})
+
+    def _new_messages(self, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
+        """The messages after the model's last one (none on the first call: the prompt)."""
+        if not self.replies:
+            prompt = [(m["role"], m.get("content") or "") for m in self.traj.messages]
+            got = [
+                (m["role"], m.get("content") or "") for m in convert_to_openai_messages(messages)
+            ]
+            if got != prompt:
+                raise ValueError(
+                    f"the graph's first messages {got} are not the sample's prompt {prompt}, "
+                    "which the model's tokens hold"
+                )
+            return []
+        last = next(
+            (i for i in reversed(range(len(messages))) if messages[i].id == self.replies[-1]), None
+        )
+        if last is None:
+            raise ValueError(
+                f"the graph did not pass the model its last message {self.replies[-1]}"
+            )
+        return list(messages[last + 1 :])
+
+    def _answer(self, new: list[BaseMessage]) -> tuple[list[int], StopReason | None]:
+        """Records the tool messages answering the pending calls (`record_results`)."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        self.traj.timings["tools_s"] += time.perf_counter() - pending.started
+        answers: dict[str, ToolMessage] = {}
+        for m in new:
+            if not isinstance(m, ToolMessage) or m.tool_call_id not in pending.ids:
+                raise ValueError(
+                    "the model reads only the tool messages answering its calls "
+                    f"{pending.ids}; the graph passed it {m!r}"
+                )
+            answers[m.tool_call_id] = m
+        missing = [i for i in pending.ids if i not in answers]
+        if missing:
+            raise ValueError(f"no tool message answers the calls {missing}")
+        results = [_result(answers[i]) for i in pending.ids]
+        return record_results(
+            self.ctx, self.traj, pending.tokens, pending.text, pending.calls, results
+        )
+
+
+def _result(message: ToolMessage) -> ToolResult:
+    """A tool message's text, with its reward and flags when one of our tools made it."""
+    text = str(message.text)
+    if isinstance(message.artifact, ToolResult):
+        return dataclasses.replace(message.artifact, text=text)
+    return ToolResult(text, error=message.status == "error")
+
+
+class BackendChatModel(BaseChatModel):
+    """A LangChain chat model over one trajectory: each call is a model turn on the
+    `RolloutBackend` (async only: ``ainvoke``), see the module docstring."""
+
+    episode: InstanceOf[Episode]
+
+    @property
+    def _llm_type(self) -> str:
+        return "jax_agent_rl"
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        raise NotImplementedError("BackendChatModel samples asynchronously: use ainvoke")
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        del run_manager
+        if stop or kwargs:
+            raise ValueError(
+                f"BackendChatModel samples as agent.* and rollout.* say; it takes no stop "
+                f"sequences or other options (got stop={stop}, {sorted(kwargs)})"
+            )
+        message = await self.episode.reply(messages)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """The model itself: its prompt already lists the executor's tools, so binding only
+        checks that ``tools`` are among them."""
+        names = {convert_to_openai_tool(t)["function"]["name"] for t in tools}
+        unknown = sorted(names - self.episode.tool_names - {INVALID_CALL})
+        if unknown:
+            raise ValueError(
+                f"cannot bind {unknown}: the model's prompt lists the executor's tools "
+                f"{sorted(self.episode.tool_names)}"
+            )
+        if tool_choice not in (None, "auto") or kwargs:
+            raise ValueError(
+                f"BackendChatModel cannot force tool use (tool_choice={tool_choice!r}, "
+                f"{sorted(kwargs)}): the model calls tools as its tokens say"
+            )
+        return self
+
+
+class EpisodeTool(BaseTool):
+    """One of the executor's tools for the graph's tool node. Arguments are not checked here:
+    the executor checks them and says what was wrong, as in the loop."""
+
+    episode: InstanceOf[Episode]
+    response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{self.name} runs asynchronously: use ainvoke")
+
+    async def _arun(self, **arguments: Any) -> tuple[str, ToolResult]:
+        ep = self.episode
+        result = await call_tool(ep.ctx, ep.traj, self._call(arguments), ep.create_kwargs)
+        return result.text, result
+
+    def _call(self, arguments: dict[str, Any]) -> ParsedCall:
+        return ParsedCall(self.name, arguments)
+
+
+class InvalidCallTool(EpisodeTool):
+    """Answers a call the tools cannot take as written, as the loop answers it."""
+
+    def _call(self, arguments: dict[str, Any]) -> ParsedCall:
+        return ParsedCall(arguments["name"], arguments["arguments"], arguments["error"])
+
+
+def episode_tools(episode: Episode) -> list[BaseTool]:
+    """The executor's tools (those the model's prompt lists), then ``invalid_tool_call``."""
+    tools: list[BaseTool] = [
+        EpisodeTool(
+            name=s["function"]["name"],
+            description=s["function"].get("description", ""),
+            args_schema=s["function"].get("parameters", {"type": "object", "properties": {}}),
+            episode=episode,
+        )
+        for s in episode.schemas
+    ]
+    invalid_schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "arguments": {}, "error": {}},
+        "required": ["name", "arguments", "error"],
+    }
+    return [
+        *tools,
+        InvalidCallTool(
+            name=INVALID_CALL,
+            description="Answers a tool call that is malformed or names no tool.",
+            args_schema=invalid_schema,
+            episode=episode,
+        ),
+    ]
+
+
+def react_graph(model: BaseChatModel, tools: list[BaseTool]) -> Any:
+    """The default graph, LangGraph's ReAct agent: the model, then the tool node for its calls,
+    until it answers without calls."""
+    bound = model.bind_tools(tools)
+
+    async def agent(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        return {"messages": [await bound.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode(tools))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile()
+
+
+@functools.cache
+def graph_builder(spec: str) -> GraphBuilder:
+    """The graph builder ``agent.graph`` names (loaded once), or `react_graph` when empty."""
+    return load_function(spec, "agent.graph") if spec else react_graph
+
+
+async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """The episode of ``sample`` driven by the graph ``agent.graph`` names (`react_graph`
+    when empty): see the module docstring."""
+
+    async def play(traj: Trajectory) -> StopReason:
+        episode = Episode(ctx, traj, create_kwargs_by_tool(sample.extra))
+        model = BackendChatModel(episode=episode)
+        graph = graph_builder(ctx.config.graph)(model, episode_tools(episode))
+        try:
+            state = await graph.ainvoke({"messages": [dict(m) for m in sample.messages]})
+        except ToolTransportError as e:
+            return episode.tools_failed(e)
+        return episode.finish(state["messages"])
+
+    return await run_episode(sample, ctx, play)
