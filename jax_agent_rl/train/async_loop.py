@@ -1,8 +1,8 @@
 """Asynchronous off-policy training with bounded staleness (``trainer.mode=async``).
 
 Rollouts never wait for the learner: groups (one prompt, ``rollout.n`` episodes) run on the
-backend continuously, and each update takes ``data.prompts_per_step`` finished groups (in
-prompt order), while the next ones are sampled. These rules keep the off-policy gap bounded:
+backend continuously, and each update takes ``data.prompts_per_step`` finished groups as they
+come, while the next ones are sampled. Three rules keep the off-policy gap bounded:
 
 - **Admission.** Group ``i`` (in prompt order) may start once ``i`` is below
   ``(version + max_staleness + 1) * prompts_per_step`` plus the groups dropped so far: at most
@@ -10,18 +10,10 @@ prompt order), while the next ones are sampled. These rules keep the off-policy 
 - **Partial rollouts.** A weight push lands between turns: the turn in flight finishes under
   the weights it started with, the trajectory's next turns use the new ones, and every token
   records the version that sampled it (`Trajectory.token_versions`).
-- **Prompt order.** Updates take finished groups in the order their prompts were admitted,
-  never in the order they finish: update ``k`` trains on groups ``k * prompts_per_step`` on,
-  and waits for the slowest of them while later groups keep sampling. Taking the first to
-  finish would favour short episodes (those without slow tool calls) in every update: at
-  ``max_staleness=1`` on the long-tailed tool latency of ``bench/async.py``, that bias drove
-  the policy to stop calling the tool and held-out success to 0 (measured). In order, a group
-  admitted under the rule above is at most ``max_staleness`` versions behind the update that
-  takes it.
-- **Freshness.** All the same, an update of the policy at version ``v`` trains only on groups
-  whose oldest token was sampled at ``v - max_staleness`` or later; a group further behind is
-  dropped, counted (``async/groups_stale``) and replaced by a new one. TIS
-  (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
+- **Freshness.** An update of the policy at version ``v`` trains only on groups whose oldest
+  token was sampled at ``v - max_staleness`` or later; a group that fell further behind
+  (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
+  new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
 
 ``max_staleness=0`` is the synchronous loop: the same prompts, seeds, batches and updates.
 The learner's update runs in a worker thread, so the event loop (agent loops, tool calls)
@@ -64,28 +56,6 @@ class Group:
         return min((v for v in versions if v is not None), default=None)
 
 
-@dataclasses.dataclass
-class Finished:
-    """Finished groups (or a group's failure), handed out in prompt order (`next`)."""
-
-    next_index: int
-    queue: asyncio.Queue[Group | BaseException] = dataclasses.field(default_factory=asyncio.Queue)
-    _early: dict[int, Group] = dataclasses.field(default_factory=dict)
-
-    def put(self, got: Group | BaseException) -> None:
-        self.queue.put_nowait(got)
-
-    async def next(self) -> Group:
-        """Group ``next_index``, once it is finished; raises a group's failure at once."""
-        while self.next_index not in self._early:
-            got = await self.queue.get()
-            if isinstance(got, BaseException):
-                raise got
-            self._early[got.index] = got
-        self.next_index += 1
-        return self._early.pop(self.next_index - 1)
-
-
 class Admission:
     """Which groups may start: ``(version + max_staleness + 1) * per_update`` of them, plus
     one for each group dropped (`replace`)."""
@@ -122,12 +92,15 @@ class Producer:
     run: Run
     rollout: Rollout
     admission: Admission
-    finished: Finished
+    first_index: int
+    finished: asyncio.Queue[Group | BaseException] = dataclasses.field(
+        default_factory=asyncio.Queue
+    )
     _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
 
     async def run_forever(self) -> None:
         per_update = self.run.cfg.data.prompts_per_step
-        index = self.finished.next_index
+        index = self.first_index
         try:
             while True:
                 await self.admission.wait_for(index)
@@ -154,9 +127,9 @@ class Producer:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the learner raises it
-            self.finished.put(e)
+            self.finished.put_nowait(e)
             return
-        self.finished.put(Group(index, trajs))
+        self.finished.put_nowait(Group(index, trajs))
 
 
 @dataclasses.dataclass
@@ -177,19 +150,21 @@ class Taken:
 
 
 async def take_groups(
-    finished: Finished,
+    finished: asyncio.Queue[Group | BaseException],
     admission: Admission,
     want: int,
     version: int,
     max_staleness: int,
     dynamic_sampling: bool,
 ) -> Taken:
-    """The next ``want`` groups, in prompt order, fresh enough to update the policy at
+    """The next ``want`` groups off ``finished`` fresh enough to update the policy at
     ``version`` (and, with dynamic sampling, with a reward signal); each one dropped is
     replaced (`Admission.replace`)."""
     taken = Taken([], [], [])
     while len(taken.groups) < want:
-        got = await finished.next()
+        got = await finished.get()
+        if isinstance(got, BaseException):
+            raise got
         oldest = got.oldest_version
         if oldest is not None and version - oldest > max_staleness:
             taken.stale.append(got)
@@ -199,6 +174,7 @@ async def take_groups(
             taken.groups.append(got)
             continue
         await admission.replace(1)
+    taken.groups.sort(key=lambda g: g.index)
     return taken
 
 
@@ -258,7 +234,7 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     function of the training loop, `async_step` over them."""
     per_update = run.cfg.data.prompts_per_step
     admission = Admission(run.start, run.cfg.trainer.max_staleness, per_update)
-    producer = Producer(run, rollout, admission, Finished(next_index=run.start * per_update))
+    producer = Producer(run, rollout, admission, first_index=run.start * per_update)
     sampling = asyncio.create_task(producer.run_forever())
 
     async def step_fn(step: int, compiles: bool) -> tuple[dict[str, float], list[Trajectory]]:

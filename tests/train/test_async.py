@@ -15,7 +15,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.train import train
-from jax_agent_rl.train.async_loop import Admission, Finished, Group, take_groups
+from jax_agent_rl.train.async_loop import Admission, Group, take_groups
 from jax_agent_rl.train.traces import read_traces
 
 
@@ -48,57 +48,38 @@ def test_admission_holds_groups_to_the_staleness_bound() -> None:
 def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
     """Policy at version 5, max_staleness 2: a group whose oldest token is from version 2 is
     dropped (even if later turns are fresh), one from 3 is taken; so is a group with no sampled
-    token (its episodes failed before sampling). Groups are taken in prompt order, whatever
-    order they finish in: group 9, finished first, waits for the next update."""
+    token (its episodes failed before sampling). Taken groups come back in prompt order."""
 
-    async def scenario() -> tuple[list[int], list[int], list[int], int, int]:
-        finished = Finished(next_index=6)
+    async def scenario() -> tuple[list[int], list[int], list[int], int]:
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         admission = Admission(version=5, max_staleness=2, per_update=2)
         before = admission.allowed
         for group in [
-            Group(9, [_traj("b/0", [3, 4]), _traj("b/1", [5])]),
             Group(7, [_traj("a/0", [2, 5]), _traj("a/1", [5])]),  # too old: 5 - 2 > 2
+            Group(9, [_traj("b/0", [3, 4]), _traj("b/1", [5])]),
             Group(8, [_traj("c/0", [])]),  # nothing sampled
-            Group(6, [_traj("d/0", [4])]),
+            Group(6, [_traj("d/0", [4])]),  # not needed: left for the next update
         ]:
-            finished.put(group)
+            finished.put_nowait(group)
         taken = await take_groups(finished, admission, 2, 5, 2, dynamic_sampling=False)
         return (
             [g.index for g in taken.groups],
             [g.index for g in taken.stale],
             [t.oldest_version or -1 for g in taken.groups for t in g.trajs],
             admission.allowed - before,
-            (await finished.next()).index,
         )
 
-    taken, stale, oldest, replaced, after = asyncio.run(scenario())
-    assert taken == [6, 8] and stale == [7] and replaced == 1 and after == 9
+    taken, stale, oldest, replaced = asyncio.run(scenario())
+    assert taken == [8, 9] and stale == [7] and replaced == 1
     assert all(v == -1 or 5 - v <= 2 for v in oldest)
-
-
-def test_groups_are_taken_in_prompt_order_not_as_they_finish() -> None:
-    """The first update waits for its own slowest group (0) although later ones finished."""
-
-    async def scenario() -> list[int]:
-        finished = Finished(next_index=0)
-        admission = Admission(version=0, max_staleness=1, per_update=2)
-        update = asyncio.create_task(take_groups(finished, admission, 2, 0, 1, False))
-        for index in (1, 2, 3):
-            finished.put(Group(index, [_traj(f"{index}/0", [0])]))
-        await asyncio.sleep(0)
-        assert not update.done()  # group 0 has not finished
-        finished.put(Group(0, [_traj("0/0", [0])]))
-        return [g.index for g in (await asyncio.wait_for(update, timeout=60)).groups]
-
-    assert asyncio.run(scenario()) == [0, 1]
 
 
 def test_dynamic_sampling_drops_groups_without_signal() -> None:
     async def scenario() -> tuple[list[int], list[int]]:
-        finished = Finished(next_index=0)
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         admission = Admission(version=0, max_staleness=0, per_update=1)
-        finished.put(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
-        finished.put(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
+        finished.put_nowait(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
+        finished.put_nowait(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
         taken = await take_groups(finished, admission, 1, 0, 0, dynamic_sampling=True)
         return [g.index for g in taken.groups], [g.index for g in taken.no_signal]
 
@@ -107,8 +88,8 @@ def test_dynamic_sampling_drops_groups_without_signal() -> None:
 
 def test_a_failed_group_fails_the_update() -> None:
     async def scenario() -> None:
-        finished = Finished(next_index=0)
-        finished.put(RuntimeError("the reward function is broken"))
+        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        finished.put_nowait(RuntimeError("the reward function is broken"))
         await take_groups(finished, Admission(0, 0, 1), 1, 0, 0, dynamic_sampling=False)
 
     with pytest.raises(RuntimeError, match="reward function is broken"):
