@@ -90,7 +90,7 @@ def plot(figures: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for mode in MODES:
+    for mode in (m for m in MODES if m in figures):
         curve = figures[mode]["held_out"]
         ax.plot(list(curve), list(curve.values()), marker="o", label=mode)
     ax.set(xlabel="update", ylabel="held-out greedy success", title="chain vs tree vs per-turn")
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("--modes", default=",".join(MODES), help="which of chain,tree,per_turn")
     parser.add_argument("--plot", type=Path, help="a PNG of held-out success per update")
     args = parser.parse_args()
     request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
@@ -118,7 +119,7 @@ def main() -> None:
         )  # fmt: skip
         train(demo_config(folder / "sft", files, [*SMALL, f"sft.steps={args.sft_steps}",
                                                   "trainer.steps=0"]))  # fmt: skip
-        for name in MODES:
+        for name in args.modes.split(","):
             sft = folder / "sft" / "hf"
             figures[name] = run_mode(folder, sft, name, args.steps, args.eval_every)
             print(f"# {name}: {figures[name]}", file=sys.stderr, flush=True)

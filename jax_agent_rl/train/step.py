@@ -342,6 +342,7 @@ def learn(
         raise error
     m = metrics_of_totals(totals)
     m["groups_kept"] = totals["groups_kept"]
+    m["batch/rows"] = totals["batch/rows"]  # per-turn samples: one per model turn
     m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
     if version is not None:
         trained = max(totals["batch/trajectories"], 1)
