@@ -61,13 +61,10 @@ class Replica:
 
         self.backend: RolloutBackend = make_backend(dataclasses.replace(spec, params=params))
         self.node = ray.get_runtime_context().get_node_id()
-        self.requests = 0
+        self.requests = 0  # in flight here
 
     def describe(self) -> tuple[Capabilities, str]:
         return self.backend.capabilities, self.node
-
-    def in_flight(self) -> int:
-        return self.requests
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self.requests += 1
@@ -100,6 +97,15 @@ class _Slot:
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     down: bool = False  # restarts spent
     starting: Any = None  # the replica being started in its place
+    pushing: asyncio.Future[None] | None = None  # a weight push in flight, done when loaded
+
+
+def _release(slot: _Slot, push: asyncio.Future[None]) -> None:
+    """Ends ``push`` to ``slot``: the requests waiting on it go on."""
+    if not push.done():
+        push.set_result(None)
+    if slot.pushing is push:
+        slot.pushing = None
 
 
 def bundle_of(ray_cfg: RaySection) -> dict[str, float]:
@@ -249,6 +255,12 @@ class RayPool:
         rid = request.request_id
         while True:
             slot = await self._pick(request)
+            if slot.pushing is not None:
+                # a request sent after `update_weights` began is sampled under its version:
+                # Ray starts a call that carries the weights only once they have reached the
+                # replica, so a request sent meanwhile could overtake it
+                await slot.pushing
+                continue  # picked again: the replica may have died during the push
             actor, generation = slot.actor, slot.generation
             slot.in_flight += 1
             self._where[rid] = slot
@@ -320,14 +332,25 @@ class RayPool:
     async def update_weights(self, params: Any, version: int) -> None:
         self._weights = self._ray.put(jax.device_get(params))
         self._version = version
-        await asyncio.gather(*(self._push(s) for s in self._slots if s.actor is not None))
+        live = [s for s in self._slots if s.actor is not None]
+        loop = asyncio.get_running_loop()
+        pushes = [loop.create_future() for _ in live]
+        for slot, push in zip(live, pushes, strict=True):  # before a later request is routed
+            slot.pushing = push
+        try:
+            await asyncio.gather(*(self._push(s, p) for s, p in zip(live, pushes, strict=True)))
+        finally:  # loaded, failed or cancelled: requests waiting on the pushes go on
+            for slot, push in zip(live, pushes, strict=True):
+                _release(slot, push)
 
-    async def _push(self, slot: _Slot) -> None:
+    async def _push(self, slot: _Slot, push: asyncio.Future[None]) -> None:
         actor, generation = slot.actor, slot.generation
         try:
             await actor.update_weights.remote(self._weights, self._version)
         except self._ray.exceptions.RayActorError:
             self._lost(slot, generation)  # its restart loads these weights
+        finally:  # this replica's requests need not wait for the others' pushes
+            _release(slot, push)
 
     async def abort(self, request_id: str) -> None:
         slot = self._where.get(request_id)

@@ -9,6 +9,7 @@ backend: the conformance suite, "ray".)"""
 import asyncio
 import dataclasses
 import json
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -101,8 +102,20 @@ def _kill(actor: object) -> None:
             return
 
 
-def _serving(actor: object) -> int:
-    return ray.get(actor.in_flight.remote())  # type: ignore[attr-defined]
+def _exit_if_serving(replica: object) -> bool:
+    if replica.requests > 0:  # type: ignore[attr-defined]
+        os._exit(1)
+    return False
+
+
+def _killed_while_serving(actor: object) -> bool:
+    """Ends the replica's process if it holds a request at that moment, and says whether it
+    did. The check and the exit are one call on the replica's event loop, so no request can
+    finish between them (``ray.kill`` after a separate check could land once it was idle)."""
+    try:
+        return ray.get(actor.__ray_call__.remote(_exit_if_serving))  # type: ignore[attr-defined]
+    except ray.exceptions.RayActorError:
+        return True
 
 
 def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights(
@@ -128,8 +141,7 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
             for i, r in enumerate(_requests("a"))
         ]
         victim = pool._slots[1].actor
-        await _until(lambda: _serving(victim) > 0, "replica 1 serves a request")
-        ray.kill(victim)
+        await _until(lambda: _killed_while_serving(victim), "replica 1 killed while serving")
         after = await asyncio.gather(*again)
         counted = pool.counters()
         assert counted["rollout/replica_deaths"] == 1
@@ -190,12 +202,11 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
         while not done.is_set() and not killed:
             if ray.is_initialized():
                 for name in ray.util.list_named_actors():
-                    if name.startswith("jarl-replica-"):
-                        actor = ray.get_actor(name)
-                        if _serving(actor) > 0:
-                            ray.kill(actor)
-                            killed.append(name)
-                            break
+                    if name.startswith("jarl-replica-") and _killed_while_serving(
+                        ray.get_actor(name)
+                    ):
+                        killed.append(name)
+                        break
             done.wait(0.05)
 
     thread = threading.Thread(target=killer, daemon=True)
