@@ -12,6 +12,7 @@ a ratio to the synchronous one; ``--plot`` draws the reward curves and the throu
 a PNG. Ends with one JSON line.
 
     .venv/bin/python bench/async.py [--steps 10] [--median-delay 1.0] [--sigma 1.2] [--plot F]
+        [--set KEY=VALUE ...]
 
 The ratio grows with the tool latency: the engine and the learner share this machine's cores
 and take turns on them, so async training can only hide the time nobody computes (the tools'
@@ -95,10 +96,13 @@ def tools_yaml(folder: Path) -> Path:
     return path
 
 
-def run_mode(folder: Path, sft: Path, tools: Path, name: str, mode: list[str], steps: int) -> dict:
+def run_mode(
+    folder: Path, sft: Path, tools: Path, name: str, mode: list[str], steps: int, common: list[str]
+) -> dict:
     run = folder / name
     overrides = [
         *SMALL,
+        *common,
         *mode,
         f"model.path={sft}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
@@ -165,6 +169,13 @@ def main() -> None:
     parser.add_argument("--median-delay", type=float, default=1.0, help="seconds")
     parser.add_argument("--sigma", type=float, default=1.2, help="of the log of the delay")
     parser.add_argument("--plot", type=Path, help="a PNG of the reward curves and throughputs")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every mode, e.g. optim.lr=5e-4 or algorithm.tis_mode=mask",
+    )
     args = parser.parse_args()
     request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
     os.environ[DELAY_ENV] = f"{args.median_delay},{args.sigma},0"
@@ -173,6 +184,7 @@ def main() -> None:
         "steps": args.steps,
         "median_delay_s": args.median_delay,
         "sigma": args.sigma,
+        "overrides": args.set,
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -189,7 +201,9 @@ def main() -> None:
             "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
         }
         for name, mode in modes.items():
-            result = run_mode(folder, folder / "sft" / "hf", tools, name, mode, args.steps)
+            result = run_mode(
+                folder, folder / "sft" / "hf", tools, name, mode, args.steps, args.set
+            )
             figures.update({f"{name}_{k}": v for k, v in result.items()})
             print(f"# {name}: {result}", file=sys.stderr, flush=True)
     if args.plot:

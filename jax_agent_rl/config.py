@@ -214,6 +214,9 @@ class AlgorithmSection:
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = 2.0  # truncated importance weights rollout -> learner; null: off
+    # truncate: weight min(w, tis_cap); mask: weight w within [1/tis_cap, tis_cap], else the
+    # token is dropped (masked IS: for stale data, trainer.mode=async; docs/async.md)
+    tis_mode: Literal["truncate", "mask"] = "truncate"
     gamma: float = 1.0  # GAE (PPO)
     lam: float = 1.0
     vf_clip: float = 0.5
@@ -566,6 +569,16 @@ def _group_size(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _masked_is(cfg: JarlConfig) -> str | None:
+    cap, mode = cfg.algorithm.tis_cap, cfg.algorithm.tis_mode
+    if mode == "mask" and (cap is None or cap <= 1):
+        return (
+            f"algorithm.tis_mode=mask with algorithm.tis_cap={cap}: masking keeps the tokens "
+            "whose importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1"
+        )
+    return None
+
+
 def _overlong_buffer(cfg: JarlConfig) -> str | None:
     buffer, budget = cfg.data.overlong_buffer, cfg.agent.max_response_tokens
     if buffer > budget:
@@ -632,6 +645,7 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _sft_batch,
     _group_size,
     _overlong_buffer,
+    _masked_is,
     _vllm_devices,
     _tool_servers,
     _filters,

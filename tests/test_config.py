@@ -148,6 +148,11 @@ def test_a_moved_key_names_its_new_name() -> None:
             "(off) to 768",
         ),
         (
+            ["algorithm.tis_mode=mask", "algorithm.tis_cap=1"],
+            "algorithm.tis_mode=mask with algorithm.tis_cap=1.0: masking keeps the tokens whose "
+            "importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1",
+        ),
+        (
             ["rollout.backend=vllm", "rollout.replicas=2", "rollout.vllm_devices=0,1,2"],
             "rollout.vllm_devices='0,1,2' names 3 devices for rollout.replicas=2: give one per "
             "replica, or none",

@@ -12,6 +12,7 @@ each docstring states its formula and, where this module chooses differently, sa
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -332,6 +333,25 @@ def truncated_is_weights(
     log_w_bt = jnp.where(mask_bt > 0, diff_bt, 0.0)
     w_bt = jnp.minimum(jnp.exp(log_w_bt), cap)
     return jax.lax.stop_gradient(jnp.where(mask_bt > 0, w_bt, 0.0))
+
+
+def masked_is_weights(
+    learner_logp_bt: ArrayLike, rollout_logp_bt: ArrayLike, mask_bt: ArrayLike, cap: float = 2.0
+) -> jax.Array:
+    """Masked importance weights ``w = exp(learner_old_logp - rollout_logp)`` where ``1/cap <=
+    w <= cap``, else 0, [B, T].
+
+    Where `truncated_is_weights` keeps training on a token whose sampler and learner disagree
+    (at weight ``cap``), this drops it (masked importance sampling; IcePop): a token sampled
+    by a policy far from the one being updated, as after an overshooting update with stale
+    data, carries no gradient. 0 where the mask is 0; constants (stop_gradient).
+    """
+    mask_bt = jnp.asarray(mask_bt)
+    diff_bt = jnp.asarray(learner_logp_bt) - jnp.asarray(rollout_logp_bt)
+    log_w_bt = jnp.where(mask_bt > 0, diff_bt, 0.0)
+    bound = math.log(cap)
+    keep_bt = (mask_bt > 0) & (jnp.abs(log_w_bt) <= bound)
+    return jax.lax.stop_gradient(jnp.where(keep_bt, jnp.exp(log_w_bt), 0.0))
 
 
 def entropy_from_logprobs(logprobs_btv: ArrayLike) -> jax.Array:

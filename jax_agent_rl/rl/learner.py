@@ -176,10 +176,9 @@ def policy_objective(
         norm_const=d.norm_const,
     )
     logp, entropy = token_stats(spec, params, mb)
+    is_fn = core.masked_is_weights if a.tis_mode == "mask" else core.truncated_is_weights
     is_weights = (
-        None
-        if a.tis_cap is None
-        else core.truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
+        None if a.tis_cap is None else is_fn(mb.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
     )
     pg_loss, m = core.policy_loss(
         logp,
@@ -206,6 +205,10 @@ def policy_objective(
         loss = loss + a.kl_coef * kl
         metrics["kl_loss"] = kl
     metrics["entropy"] = core.masked_mean(entropy, mb.mask)
+    if is_weights is not None and a.tis_mode == "mask":
+        metrics["tis_masked_frac"] = core.masked_mean(
+            (is_weights == 0).astype(jnp.float32), mb.mask
+        )
     return loss, metrics
 
 

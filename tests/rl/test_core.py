@@ -466,6 +466,19 @@ def test_truncated_is_weights_ignore_garbage_off_mask() -> None:
     close(got, [[1.0, 0.0, 0.0]])
 
 
+def test_masked_is_weights_drop_tokens_outside_the_band() -> None:
+    """Weights within [1/cap, cap] are kept as they are (not truncated); outside, and off the
+    mask, 0; constants; garbage off the mask ignored."""
+    rollout = np.array([[-1.0, -1.0, -1.0, -1.0, -1.0, 0.0]], np.float32)
+    ratio = np.array([[1.0, 3.0, 0.6, 1.5, 0.4, 1.0]], np.float32)
+    learner = rollout + np.log(ratio)
+    learner[0, 5] = np.nan
+    mask = np.array([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]], np.float32)
+    close(core.masked_is_weights(learner, rollout, mask, cap=2.0), [[1.0, 0, 0.6, 1.5, 0, 0]])
+    grad = jax.grad(lambda x: core.masked_is_weights(x, rollout, mask).sum())(learner)
+    close(grad, np.zeros((1, 6)))
+
+
 # --- entropy_from_logprobs -------------------------------------------------------------------
 
 
