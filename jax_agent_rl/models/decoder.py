@@ -246,6 +246,77 @@ def attention(
     return out.reshape(B, T, H, K)
 
 
+KV_BLOCK = 64  # cache positions per block of `cached_attention`
+
+
+def cached_attention(
+    q_bthk: jax.Array,
+    k_bgsk: jax.Array,
+    v_bgsk: jax.Array,
+    cached_bts: jax.Array,
+    k_bgtk: jax.Array,
+    v_bgtk: jax.Array,
+    causal_tt: jax.Array,
+) -> jax.Array:
+    """`attention` of a chunk of ``T`` new tokens over ``S`` cached positions (``cached_bts``
+    says which each row sees) and over the chunk's own keys (``causal_tt``), with a result
+    that does not depend on ``S``, bit for bit.
+
+    The engine reads as much of the cache as its longest active row needs (its attention
+    bucket), so ``S`` depends on which requests share a decode batch; with one softmax over
+    all ``S`` positions the reduction's shape, and so its rounding, changed with it, and a
+    sampled token could too. Here the cache is read in blocks of `KV_BLOCK` positions, each
+    reduced alone, and the parts are added in a fixed order (the chunk's own keys, then the
+    blocks in turn) under one maximum (a max is exact in any order), each block's scores
+    computed by the same program: a block a row cannot see adds exact zeros. Scores, softmax
+    and sums in fp32.
+    """
+    B, T, H, K = q_bthk.shape
+    G, S = k_bgsk.shape[1], k_bgsk.shape[2]
+    # at least 2 blocks: XLA inlines a loop of one iteration, and its rounding then differs
+    n = max(-(-S // KV_BLOCK), 2)
+    if n * KV_BLOCK != S:  # padded with unseen positions
+        widths = ((0, 0), (0, 0), (0, n * KV_BLOCK - S), (0, 0))
+        k_bgsk, v_bgsk = jnp.pad(k_bgsk, widths), jnp.pad(v_bgsk, widths)
+        cached_bts = jnp.pad(cached_bts, ((0, 0), (0, 0), (0, n * KV_BLOCK - S)))
+    q = q_bthk.reshape(B, T, G, H // G, K)
+    scale = K**-0.5
+    own = jnp.einsum("btgrk,bgsk->bgrts", q, k_bgtk, preferred_element_type=jnp.float32)
+    own = jnp.where(causal_tt, own * scale, -1e30)
+
+    def scores(i: jax.Array) -> jax.Array:  # [B, G, R, T, KV_BLOCK] of block i
+        k_i = jax.lax.dynamic_slice_in_dim(k_bgsk, i * KV_BLOCK, KV_BLOCK, axis=2)
+        seen = jax.lax.dynamic_slice_in_dim(cached_bts, i * KV_BLOCK, KV_BLOCK, axis=2)
+        s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i, preferred_element_type=jnp.float32)
+        return jnp.where(seen[:, None, None], s * scale, -1e30)
+
+    def block_max(top: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+        return jnp.maximum(top, scores(i).max(-1)), None
+
+    def block_sum(
+        carry: tuple[jax.Array, jax.Array], i: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+        # a block the row cannot see adds exact zeros
+        total, out = carry
+        p = jnp.exp(scores(i) - top[..., None])
+        v_i = jax.lax.dynamic_slice_in_dim(v_bgsk, i * KV_BLOCK, KV_BLOCK, axis=2)
+        pv = jnp.einsum(
+            "bgrts,bgsk->bgrtk", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32
+        )
+        return (total + p.sum(-1), out + pv), None
+
+    blocks = jnp.arange(n)
+    top, _ = jax.lax.scan(block_max, own.max(-1), blocks)  # a max is exact in any order
+    p = jnp.exp(own - top[..., None])
+    total = p.sum(-1)
+    out = jnp.einsum(
+        "bgrts,bgsk->bgrtk", p.astype(v_bgtk.dtype), v_bgtk, preferred_element_type=jnp.float32
+    )
+    (total, out), _ = jax.lax.scan(block_sum, (total, out), blocks)
+    out = (out / total[..., None]).astype(v_bgsk.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
     gate = jnp.einsum("btd,df->btf", x_btd, lw.gate)
     up = jnp.einsum("btd,df->btf", x_btd, lw.up)
@@ -335,7 +406,6 @@ def forward(
         cached_bts = jnp.broadcast_to(
             jnp.arange(S)[None, None, :] < cache.pos[:, None, None], (B, T, S)
         )
-        mask_bts = jnp.concatenate([cached_bts, jnp.broadcast_to(causal_tt, (B, T, T))], axis=-1)
         prefix = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
 
@@ -348,12 +418,11 @@ def forward(
             q, k, v = _qkv(cfg, lw, h, positions_bt)
             k_bgtk, v_bgtk = k.swapaxes(1, 2), v.swapaxes(1, 2)
             if ck_bgsk is None or cv_bgsk is None:
-                new, keys, values = None, k_bgtk, v_bgtk
+                new = None
+                a = attention(q, k_bgtk, v_bgtk, mask_bts)
             else:
                 new = (k_bgtk.astype(ck_bgsk.dtype), v_bgtk.astype(cv_bgsk.dtype))
-                keys = jnp.concatenate([ck_bgsk, new[0]], axis=2)
-                values = jnp.concatenate([cv_bgsk, new[1]], axis=2)
-            a = attention(q, keys, values, mask_bts)
+                a = cached_attention(q, ck_bgsk, cv_bgsk, cached_bts, *new, causal_tt)
             x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
         with jax.named_scope("mlp"):
             x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
