@@ -46,9 +46,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float
     return folder, run / "hf", baseline
 
 
-# at GRPO's demo rate (1e-3) stale updates can overshoot and collapse (docs/async.md): async
-# training takes half of it
-ASYNC = ["trainer.mode=async", "trainer.max_staleness=2", "optim.lr=5e-4"]
+ASYNC = ["trainer.mode=async", "trainer.max_staleness=2"]
 
 
 @pytest.mark.parametrize(
