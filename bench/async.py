@@ -34,8 +34,7 @@ import tempfile
 from pathlib import Path
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import demo_config, prepare
+from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.tools import ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
@@ -44,16 +43,6 @@ from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DELAY_ENV = "JARL_BENCH_TOOL_DELAY"  # "median,sigma,seed"
-SMALL = [
-    "data.val_size=100",
-    "data.prompts_per_step=8",
-    "rollout.n=8",
-    "rollout.max_model_len=128",
-    "agent.max_turns=3",
-    "agent.max_response_tokens=64",
-    "learner.micro_batch_size=32",
-    "trainer.tensorboard=false",
-]
 _draws: list[random.Random] = []
 
 
@@ -101,7 +90,7 @@ def run_mode(
 ) -> dict:
     run = folder / name
     overrides = [
-        *SMALL,
+        *SMALL_OVERRIDES,
         *common,
         *mode,
         f"model.path={sft}",
@@ -177,6 +166,10 @@ def main() -> None:
         help="a config override for every mode, e.g. optim.lr=5e-4 or algorithm.tis_mode=mask",
     )
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(
+            "--steps must be at least 2: the first update compiles, and is left out of the timings"
+        )
     request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
     os.environ[DELAY_ENV] = f"{args.median_delay},{args.sigma},0"
     figures: dict[str, object] = {
@@ -188,12 +181,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        files = prepare(
-            folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100,
-            n_sft=1500,
-        )  # fmt: skip
-        train(demo_config(folder / "sft", files, [*SMALL, f"sft.steps={args.sft_steps}",
-                                                  "trainer.steps=0"]))  # fmt: skip
+        small_task_sft(folder, args.sft_steps)
         tools = tools_yaml(folder)
         modes = {
             "sync": [],

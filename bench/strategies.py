@@ -26,23 +26,12 @@ import tempfile
 from pathlib import Path
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import demo_config, prepare
+from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = [
-    "data.val_size=100",
-    "data.prompts_per_step=8",
-    "rollout.n=8",
-    "rollout.max_model_len=128",
-    "agent.max_turns=3",
-    "agent.max_response_tokens=64",
-    "learner.micro_batch_size=32",
-    "trainer.tensorboard=false",
-]
 MODES = {
     "chain": [],
     "tree": ["agent.strategy=tree", "agent.tree.n_roots=2", "agent.tree.branch=2"],
@@ -53,7 +42,7 @@ MODES = {
 def run_mode(folder: Path, sft: Path, name: str, steps: int, eval_every: int) -> dict:
     run = folder / name
     overrides = [
-        *SMALL,
+        *SMALL_OVERRIDES,
         *MODES[name],
         f"model.path={sft}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
@@ -109,16 +98,15 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="which of chain,tree,per_turn")
     parser.add_argument("--plot", type=Path, help="a PNG of held-out success per update")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(
+            "--steps must be at least 2: the first update compiles, and is left out of the timings"
+        )
     request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
     figures: dict = {"bench": "strategies", "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        files = prepare(
-            folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100,
-            n_sft=1500,
-        )  # fmt: skip
-        train(demo_config(folder / "sft", files, [*SMALL, f"sft.steps={args.sft_steps}",
-                                                  "trainer.steps=0"]))  # fmt: skip
+        small_task_sft(folder, args.sft_steps)
         for name in args.modes.split(","):
             sft = folder / "sft" / "hf"
             figures[name] = run_mode(folder, sft, name, args.steps, args.eval_every)

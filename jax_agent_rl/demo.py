@@ -164,6 +164,32 @@ def summarize(run_dir: Path, console: Console) -> dict[str, float]:
     return {"sft_success": first["success"], "rl_success": last["success"]}
 
 
+# The learning test's smaller task (tests/train/test_learning.py, and bench/async.py and
+# bench/strategies.py that train on it): sums and products, one calculator call each, held out
+# on 100 problems; updates of 8 prompts x 8 samples.
+SMALL_OVERRIDES = [
+    "data.val_size=100",
+    "data.prompts_per_step=8",
+    "rollout.n=8",
+    "rollout.max_model_len=128",
+    "agent.max_turns=3",
+    "agent.max_response_tokens=64",
+    "learner.micro_batch_size=32",
+    "trainer.tensorboard=false",
+]
+
+
+def small_task_sft(folder: Path, sft_steps: int = 600) -> TaskFiles:
+    """The smaller task's files in ``folder/task`` and an SFT-only run of it in ``folder/sft``
+    (its policy exported to ``folder/sft/hf``, its held-out success in its metrics)."""
+    files = prepare(
+        folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100, n_sft=1500
+    )
+    overrides = [*SMALL_OVERRIDES, f"sft.steps={sft_steps}", "trainer.steps=0"]
+    train(demo_config(folder / "sft", files, overrides))
+    return files
+
+
 def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
     cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides)  # bad keys fail first
     request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)

@@ -12,22 +12,11 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import demo_config, prepare
+from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "data.val_size=100",
-    "data.prompts_per_step=8",
-    "rollout.n=8",
-    "rollout.max_model_len=128",
-    "agent.max_turns=3",
-    "agent.max_response_tokens=64",
-    "learner.micro_batch_size=32",
-    "trainer.tensorboard=false",
-]
 
 
 def held_out(run_dir: Path) -> list[float]:
@@ -38,12 +27,9 @@ def held_out(run_dir: Path) -> list[float]:
 def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
     """The task files, an SFT-only run (its policy exported to run/hf) and its success."""
     folder = tmp_path_factory.mktemp("learning")
-    task = ArithmeticTask(mix=(0.5, 0.5, 0.0))
-    files = prepare(folder / "task", task, n_train=400, n_val=100, n_sft=1500)
-    run = folder / "sft"
-    train(demo_config(run, files, [*SMALL, "sft.steps=600", "trainer.steps=0"]))
-    (baseline,) = held_out(run)
-    return folder, run / "hf", baseline
+    small_task_sft(folder)
+    (baseline,) = held_out(folder / "sft")
+    return folder, folder / "sft" / "hf", baseline
 
 
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=2"]
@@ -64,7 +50,7 @@ def test_rl_raises_held_out_success(
     folder, sft_model, baseline = sft_run
     run = folder / (config.removesuffix(".yaml") + ("-async" if mode else ""))
     overrides = [
-        *SMALL,
+        *SMALL_OVERRIDES,
         *mode,
         f"model.path={sft_model}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
@@ -88,7 +74,7 @@ def test_rl_raises_held_out_success(
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
     run = folder / name
     overrides = [
-        *SMALL,
+        *SMALL_OVERRIDES,
         f"model.path={sft_model}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
         "data.val=",
