@@ -10,8 +10,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +102,19 @@ def _kill(actor: object) -> None:
             ray.get(actor.__ray_ready__.remote(), timeout=DEADLINE_S)  # type: ignore[attr-defined]
         except ray.exceptions.RayActorError:
             return
+
+
+def _kill_server(server: object) -> None:
+    """Kills a tool server's actor and returns once its port refuses connections: Ray marks a
+    killed actor dead before its process has exited, and until then the server still answers."""
+    _kill(server.actor)  # type: ignore[attr-defined]
+    host, port = server.client.url.removeprefix("http://").rsplit(":", 1)  # type: ignore[attr-defined]
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=DEADLINE_S).close()
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 def _exit_if_serving(replica: object) -> bool:
@@ -295,7 +310,7 @@ def test_tool_servers_keep_a_trajectory_on_one_server_and_restart(
         assert sorted(on.values()) == [0, 0, 1, 1]  # new trajectories: the emptier server
 
         dead = next(s for s in servers._servers if s.index == on["t1"])
-        _kill(dead.actor)
+        _kill_server(dead)
         with pytest.raises(ToolTransportError):  # its state died with the server
             await servers.call("t1", "calculator", {"expression": "1 + 1"})
         assert servers.counters()["rollout/tool_server_deaths"] == 1
@@ -321,7 +336,7 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
     again from its prompt on the other server, and comes out as the memorised episode."""
     servers = _tool_servers(cluster.address, tmp_path)  # type: ignore[attr-defined]
     question = "What is 17 + 25?"
-    _kill(servers._servers[0].actor)
+    _kill_server(servers._servers[0])
 
     async def go() -> list:
         backend = EmbeddedBackend(setup["engine"], setup["weights"])
