@@ -95,6 +95,11 @@ class RolloutSection:
     max_model_len: int = 1024  # prompt + response tokens
     max_concurrent: int = 64  # sequences decoded together (engine slots)
     steps_per_call: int = 4  # decode steps per engine call (embedded and jetstream backends)
+    # embedded: a decode step computes only the slots in use (rounded up to a power of two);
+    # false: always all max_concurrent, so that no number depends on how requests happened
+    # to share a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible
+    # runs, slower when few slots are busy)
+    batch_buckets: bool = True
     replicas: int = 1  # engine processes (vllm backend)
     vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
     vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit

@@ -2,15 +2,19 @@
 
 ``prefill`` runs one prompt (optionally on top of an existing cached prefix) and samples its
 first token; ``insert`` places the result in a decode slot; ``generate`` advances every
-active slot by ``num_steps`` tokens in one device call. Each slot carries its own sampling
+active slot by ``num_steps`` tokens in one device call, computing only the slots in use
+(the first ones, rounded up to a power-of-two batch bucket: a decode step costs what its
+batch costs, not what ``max_concurrent_decodes`` does). Each slot carries its own sampling
 parameters, RNG, stop ids and budget, so requests of any mix run side by side.
 
 Compilation is bounded: prompts pad to a fixed set of bucket lengths and attention reads a
 bucketed prefix of the cache, so prefill compiles at most once per (prompt bucket, attention
-bucket) pair, ``generate`` once per attention bucket and ``insert`` once; ``warmup`` compiles
-them all up front. ``compile_counts`` counts traces per function, so a test can hold
-the engine to that bound. Weights are arguments, never constants: swapping in new weights of
-the same shapes reuses every compiled program.
+bucket) pair, ``generate`` once per (attention bucket, batch bucket) pair and ``insert``
+once; ``warmup`` compiles them all up front. ``compile_counts`` counts traces per
+function, so a test can hold the engine to that bound. Weights are arguments, never
+constants: swapping in new weights of the same shapes reuses every compiled program. Each
+layer's weights and each layer's KV cache are buffers of their own (`serving_layout`,
+`KVCache`), which the decode step reads and writes without copying.
 
 With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``) and the decode
@@ -45,7 +49,7 @@ from jax_agent_rl.models import (
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.decoder import is_spec
+from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -88,7 +92,8 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepTokens:
-    """What ``generate`` produced, [num_steps, N] each; ``valid`` marks slots that were active."""
+    """What ``generate`` produced, [num_steps, batch] each (the batch: the first slots);
+    ``valid`` marks slots that were active."""
 
     token: jax.Array
     logprob: jax.Array
@@ -139,6 +144,7 @@ class Engine:
         min_prefill_bucket: int = 16,
         min_kv_bucket: int = 64,
         max_stop_ids: int = 8,
+        batch_buckets: bool = True,
         sharder: Sharder | None = None,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
@@ -152,6 +158,14 @@ class Engine:
         self.max_stop_ids = max_stop_ids
         self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
         self.kv_buckets = _buckets(min(min_kv_bucket, max_len), max_len)
+        # decode batches: the first `rows` slots, `rows` a power of two; slots split over
+        # devices (a `data` mesh axis) keep the whole batch, each device decoding its share
+        n = max_concurrent_decodes
+        split = sharder is not None and sharder.sharding(("batch",), (n,)).shard_shape((n,))[0] < n
+        self.batch_buckets = _buckets(1, n) if batch_buckets and not split else (n,)
+        # XLA:CPU writes a 16-bit cache through fp32, converting every row of it at every
+        # step: there the cache is fp32 (the same numbers: bf16 values are exact in fp32)
+        self.cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else cfg.jnp_dtype
         self.sharder = sharder
         # one prompt row: the rows' axis cannot split over `data`, so prefill replicates it
         self._row_sharder = (
@@ -171,9 +185,13 @@ class Engine:
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
         self._generate = jax.jit(
-            self._generate_impl, static_argnames=("num_steps", "kv_len"), donate_argnames=("state",)
+            self._generate_impl,
+            static_argnames=("num_steps", "kv_len", "rows"),
+            donate_argnames=("state",),
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
+        # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
+        self._serving_layout = jax.jit(serving_layout)
         # a session's row leaves `extract` laid out exactly as an empty row, so prefilling on
         # top of it reuses the programs warm-up compiled for empty rows
         self._extract = jax.jit(self._extract_impl, out_shardings=self._row_layout)
@@ -181,7 +199,9 @@ class Engine:
     # ------------------------------------------------------------------------- params, state
 
     def load_params(self, weights: Weights) -> Weights:
-        """Checks ``weights`` against the model's declaration, casts and places them."""
+        """Checks ``weights`` against the model's declaration, casts and places them in
+        `serving_layout`. Takes the declared layout (a learner's) or this engine's own."""
+        weights = training_layout(weights, self.cfg.tie_embeddings)
         specs = param_specs(self.cfg)
         want: Any = jax.tree.structure(specs, is_leaf=is_spec)
         got: Any = jax.tree.structure(weights)
@@ -193,9 +213,9 @@ class Engine:
             if tuple(x.shape) != spec.shape:
                 raise ValueError(f"weight of shape {x.shape} where {spec.shape} is declared")
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
-        if self.sharder is None:
-            return cast
-        return jax.device_put(cast, param_shardings(self.cfg, self.sharder))
+        if self.sharder is not None:
+            cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))
+        return self._serving_layout(cast)
 
     def _lay_out(self, state: DecodeState) -> DecodeState:
         """Pins a decode state to the slot layout inside a jitted function (a no-op unsharded)."""
@@ -228,14 +248,17 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         n = self.max_concurrent_decodes
         return DecodeState(
-            cache=init_cache(self.cfg, n, self.max_len, self.sharder), slots=self._empty_slots(n)
+            cache=init_cache(self.cfg, n, self.max_len, self.sharder, self.cache_dtype),
+            slots=self._empty_slots(n),
         )
 
     def empty_prefix_cache(self) -> KVCache:
         """The empty cache row a new prompt prefills into (allocated once: prefill never
         writes its input row in place)."""
         if self._empty_row is None:
-            self._empty_row = init_cache(self.cfg, 1, self.max_len, self._row_sharder)
+            self._empty_row = init_cache(
+                self.cfg, 1, self.max_len, self._row_sharder, self.cache_dtype
+            )
         return self._empty_row
 
     def keep_prefix(self, row: KVCache, n: int) -> KVCache:
@@ -326,8 +349,12 @@ class Engine:
         self.compile_counts["insert"] += 1
         c = state.cache
         cache = KVCache(
-            k=c.k.at[:, slot].set(prefix.cache.k[:, 0]),
-            v=c.v.at[:, slot].set(prefix.cache.v[:, 0]),
+            k=tuple(
+                all_.at[slot].set(one[0]) for all_, one in zip(c.k, prefix.cache.k, strict=True)
+            ),
+            v=tuple(
+                all_.at[slot].set(one[0]) for all_, one in zip(c.v, prefix.cache.v, strict=True)
+            ),
             pos=c.pos.at[slot].set(prefix.cache.pos[0]),
         )
         slots = jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.slots, prefix.slots)
@@ -351,8 +378,10 @@ class Engine:
 
     def _extract_impl(self, cache: KVCache, slot: jax.Array) -> KVCache:
         self.compile_counts["extract"] += 1
-        take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=1)
-        return KVCache(k=take(cache.k), v=take(cache.v), pos=cache.pos[slot][None])
+        take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=0)
+        return KVCache(
+            k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), pos=cache.pos[slot][None]
+        )
 
     # ---------------------------------------------------------------------------- generate
 
@@ -360,21 +389,38 @@ class Engine:
         need = min(state_max_pos + num_steps, self.max_len)
         return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
 
+    def batch_bucket(self, slots_in_use: int) -> int:
+        """The decode batch that covers slots ``0 .. slots_in_use - 1``."""
+        return self.batch_buckets[bisect.bisect_left(self.batch_buckets, slots_in_use)]
+
     def generate(
-        self, params: Weights, state: DecodeState, num_steps: int = 1, max_pos: int | None = None
+        self,
+        params: Weights,
+        state: DecodeState,
+        num_steps: int = 1,
+        max_pos: int | None = None,
+        slots_in_use: int | None = None,
     ) -> tuple[DecodeState, StepTokens]:
         """Advances every active slot ``num_steps`` tokens. ``max_pos`` (the largest cache
-        position of an active slot, known to the caller) picks the attention bucket."""
+        position of an active slot, known to the caller) picks the attention bucket, and
+        ``slots_in_use`` (one more than the highest active slot) the decode batch: the step
+        computes that many slots rounded up to a batch bucket, not all of them. The tokens
+        come back for the batch's slots, [num_steps, batch]."""
         kv_len = self.max_len if max_pos is None else self.kv_bucket(max_pos, num_steps)
-        return self._generate(params, state, num_steps=num_steps, kv_len=kv_len)
+        rows = self.batch_bucket(
+            self.max_concurrent_decodes if slots_in_use is None else slots_in_use
+        )
+        return self._generate(params, state, num_steps=num_steps, kv_len=kv_len, rows=rows)
 
     def _generate_impl(
-        self, params: Weights, state: DecodeState, num_steps: int, kv_len: int
+        self, params: Weights, state: DecodeState, num_steps: int, kv_len: int, rows: int
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
-            slots, active = state.slots, state.slots.active
+            every = state.slots
+            slots = jax.tree.map(lambda x: x[:rows], every)
+            active = slots.active
             h, cache = forward(
                 params,
                 self.cfg,
@@ -389,9 +435,12 @@ class Engine:
             slots = dataclasses.replace(
                 slots, token=token, generated=slots.generated + active.astype(jnp.int32)
             )
-            finish = jnp.where(active, _finish_code(slots, token, cache.pos, self.max_len), RUNNING)
+            finish = jnp.where(
+                active, _finish_code(slots, token, cache.pos[:rows], self.max_len), RUNNING
+            )
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
             out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
+            slots = jax.tree.map(lambda all_, part: all_.at[:rows].set(part), every, slots)
             return self._lay_out(DecodeState(cache=cache, slots=slots)), out
 
         return jax.lax.scan(step, state, None, length=num_steps)
@@ -399,7 +448,8 @@ class Engine:
     def warmup(self, params: Weights, num_steps: int) -> None:
         """Compiles every program serving can need (each prefill bucket at each attention
         length it can meet, and ``generate`` at each attention bucket), so that no request
-        stalls on a compilation later: a trace holds the GIL and stalls the whole process."""
+        stalls on a compilation later: a trace holds the GIL and stalls the whole process.
+        ``generate`` compiles at each (attention bucket, batch bucket) pair."""
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
         empty = self.empty_prefix_cache()
@@ -412,7 +462,10 @@ class Engine:
                 row = self.keep_prefix(empty, start)
                 prefix = self.prefill(params, row, [0] * n, greedy, seed=0)
             state = self.insert(prefix, state, 0)
-            state, out = self.generate(params, state, num_steps, max_pos=max(kv - num_steps, 0))
-            jax.block_until_ready(out)
+            for rows in self.batch_buckets:
+                state, out = self.generate(
+                    params, state, num_steps, max_pos=max(kv - num_steps, 0), slots_in_use=rows
+                )
+                jax.block_until_ready(out)
         jax.block_until_ready(self.extract(state, 0))
         self.release(state, 0)

@@ -70,18 +70,27 @@ class Weights:
 class KVCache:
     """Keys and values of every layer, one row per sequence.
 
-    Layout: ``k``, ``v`` are [L, B, G, S, K]; cache index s holds RoPE position s of that row
-    (kv heads before positions, so attention contracts without transposing the cache).
-    ``pos`` [B] int32 counts the tokens already written in each row; entries at or beyond it are
-    stale and never attended (the mask is key position <= query position).
+    Layout: ``k``, ``v`` are tuples of L arrays [B, G, S, K], one buffer per layer (a layer
+    reads and writes its own in place; a slice of one stacked [L, ...] array is a copy on
+    XLA:CPU). Cache index s holds RoPE position s of that row (kv heads before positions, so
+    attention contracts without transposing the cache); S is `cache_length` of the longest
+    sequence. ``pos`` [B] int32 counts the tokens already written in each row; entries at or
+    beyond it are stale and never attended (the mask is key position <= query position).
     """
 
-    k: Any  # arrays; or their shardings (`cache_shardings`)
+    k: Any  # tuples of arrays; or of their shardings (`cache_shardings`)
     v: Any
     pos: Any
 
 
-CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+KV_BLOCK = 64  # cache positions per block of `cached_attention`
+
+
+def cache_length(max_len: int) -> int:
+    """Positions a cache row holds for sequences of up to ``max_len`` tokens: whole blocks of
+    `KV_BLOCK`, at least 2 (`cached_attention` reads blocks straight from the cache)."""
+    return max(-(-max_len // KV_BLOCK), 2) * KV_BLOCK
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -171,27 +180,67 @@ def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None
 
 
 def cache_shardings(cfg: ModelConfig, sharder: Sharder, batch: int, max_len: int) -> KVCache:
-    """A `KVCache` of NamedShardings for ``batch`` rows of ``max_len`` positions (divisibility
+    """A `KVCache` of NamedShardings for ``batch`` rows of ``max_len`` tokens (divisibility
     of the rows over ``batch``'s mesh axes and of the kv heads over theirs checked)."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    kv = sharder.sharding(CACHE_AXES, shape)
+    shape = (batch, cfg.num_kv_heads, cache_length(max_len), cfg.head_dim)
+    kv = (sharder.sharding(CACHE_AXES, shape),) * cfg.num_layers
     return KVCache(k=kv, v=kv, pos=sharder.sharding(("batch",), (batch,)))
 
 
 def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, sharder: Sharder | None = None
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    sharder: Sharder | None = None,
+    dtype: Any = None,
 ) -> KVCache:
-    """An empty cache for ``batch`` rows of ``max_len`` positions, in the model dtype, laid out
+    """An empty cache for ``batch`` rows of ``max_len`` tokens, in the model dtype, laid out
     by ``sharder``: each part is created where it lives (a whole cache never passes through
-    one device)."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    at = KVCache(k=None, v=None, pos=None)
+    one device). Keys and values in ``dtype`` (default: the model's)."""
+    shape = (batch, cfg.num_kv_heads, cache_length(max_len), cfg.head_dim)
+    none = (None,) * cfg.num_layers
+    at = KVCache(k=none, v=none, pos=None)
     if sharder is not None:
         at = cache_shardings(cfg, sharder, batch, max_len)
     return KVCache(
-        k=jnp.zeros(shape, cfg.jnp_dtype, device=at.k),
-        v=jnp.zeros(shape, cfg.jnp_dtype, device=at.v),
+        k=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at.k),
+        v=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at.v),
         pos=jnp.zeros((batch,), jnp.int32, device=at.pos),
+    )
+
+
+def layer_list(layers: Layer | tuple[Layer, ...]) -> tuple[Layer, ...]:
+    """Each layer's weights on their own: ``layers`` as they are if they are a tuple already,
+    else the stacked tree sliced (copies)."""
+    if isinstance(layers, tuple):
+        return layers
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return tuple(jax.tree.map(lambda x: x[i], layers) for i in range(n))  # noqa: B023
+
+
+def stacked_layers(layers: Layer | tuple[Layer, ...]) -> Layer:
+    """The layers as one tree stacked on a leading L axis (``layers`` itself if it is one)."""
+    if isinstance(layers, Layer):
+        return layers
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def serving_layout(w: Weights) -> Weights:
+    """``w`` laid out for decoding (the engine's): the layers as a tuple of per-layer trees,
+    each leaf a buffer of its own (a cached `forward` reads them without copying), and a tied
+    embedding's head as a [D, V] copy (the head's matmul then reads the weight in the order
+    it is stored; contracting the embedding's minor axis re-packed all of it every step)."""
+    head = w.embed.T if w.lm_head is None else w.lm_head
+    return dataclasses.replace(w, layers=layer_list(w.layers), lm_head=head)
+
+
+def training_layout(w: Weights, tie_embeddings: bool) -> Weights:
+    """``w`` back in the declared layout (`param_specs`) from `serving_layout`; ``w`` itself
+    if its layers are stacked already."""
+    if isinstance(w.layers, Layer):
+        return w
+    return dataclasses.replace(
+        w, layers=stacked_layers(w.layers), lm_head=None if tie_embeddings else w.lm_head
     )
 
 
@@ -203,6 +252,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w * y.astype(x.dtype)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)`` accumulated and returned in fp32, then rounded once to ``x``'s
+    dtype. The same numbers as a plain einsum up to that one rounding, and for bf16 the
+    fast path of every backend: XLA:CPU runs bf16 x bf16 -> fp32 natively but converts both
+    operands of a bf16 -> bf16 matmul to fp32 first (each weight, at every step)."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -217,9 +274,9 @@ def rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax
 def _qkv(
     cfg: ModelConfig, lw: Layer, x_btd: jax.Array, positions_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = jnp.einsum("btd,dhk->bthk", x_btd, lw.q)
-    k = jnp.einsum("btd,dgk->btgk", x_btd, lw.k)
-    v = jnp.einsum("btd,dgk->btgk", x_btd, lw.v)
+    q = matmul("btd,dhk->bthk", x_btd, lw.q)
+    k = matmul("btd,dgk->btgk", x_btd, lw.k)
+    v = matmul("btd,dgk->btgk", x_btd, lw.v)
     if cfg.qkv_bias:
         q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
     if cfg.qk_norm:
@@ -246,48 +303,41 @@ def attention(
     return out.reshape(B, T, H, K)
 
 
-KV_BLOCK = 64  # cache positions per block of `cached_attention`
-
-
 def cached_attention(
-    q_bthk: jax.Array,
-    k_bgsk: jax.Array,
-    v_bgsk: jax.Array,
-    cached_bts: jax.Array,
-    k_bgtk: jax.Array,
-    v_bgtk: jax.Array,
-    causal_tt: jax.Array,
+    q_bthk: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos_b: jax.Array, kv_len: int
 ) -> jax.Array:
-    """`attention` of a chunk of ``T`` new tokens over ``S`` cached positions (``cached_bts``
-    says which each row sees) and over the chunk's own keys (``causal_tt``), with a result
-    that does not depend on ``S``, bit for bit.
+    """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1``, whose keys and values
+    are in the cache already (at positions ``pos_b + t``), over their row's positions up to
+    their own: one layer's cache [N >= B, G, S, K] read up to ``kv_len``. The result does not
+    depend on ``kv_len`` or N, bit for bit.
 
     The engine reads as much of the cache as its longest active row needs (its attention
-    bucket), so ``S`` depends on which requests share a decode batch; with one softmax over
-    all ``S`` positions the reduction's shape, and so its rounding, changed with it, and a
-    sampled token could too. Here the cache is read in blocks of `KV_BLOCK` positions, each
-    reduced alone, and the parts are added in a fixed order (the chunk's own keys, then the
-    blocks in turn) under one maximum (a max is exact in any order), each block's scores
-    computed by the same program: a block a row cannot see adds exact zeros. Scores, softmax
-    and sums in fp32.
+    bucket), so ``kv_len`` depends on which requests share a decode batch; with one softmax
+    over all those positions the reduction's shape, and so its rounding, changed with it, and
+    a sampled token could too. Here the cache is read in blocks of `KV_BLOCK` positions
+    straight from the layer's buffer (no copy of a prefix first), each reduced alone by the
+    same program, and the blocks are added in order under one maximum (a max is exact in any
+    order): a block a row cannot see adds exact zeros. Scores, softmax and sums in fp32.
     """
     B, T, H, K = q_bthk.shape
-    G, S = k_bgsk.shape[1], k_bgsk.shape[2]
+    G = k_cache.shape[1]
     # at least 2 blocks: XLA inlines a loop of one iteration, and its rounding then differs
-    n = max(-(-S // KV_BLOCK), 2)
-    if n * KV_BLOCK != S:  # padded with unseen positions
-        widths = ((0, 0), (0, 0), (0, n * KV_BLOCK - S), (0, 0))
-        k_bgsk, v_bgsk = jnp.pad(k_bgsk, widths), jnp.pad(v_bgsk, widths)
-        cached_bts = jnp.pad(cached_bts, ((0, 0), (0, 0), (0, n * KV_BLOCK - S)))
-    q = q_bthk.reshape(B, T, G, H // G, K)
+    n = max(-(-kv_len // KV_BLOCK), 2)
+    if n * KV_BLOCK > k_cache.shape[2]:
+        raise ValueError(f"{n} blocks of {KV_BLOCK} exceed the cache's {k_cache.shape[2]}")
+    q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)  # (a bf16 cache's values
+    # and products are exact in fp32: the same numbers as bf16 operands, fp32 accumulation)
     scale = K**-0.5
-    own = jnp.einsum("btgrk,bgsk->bgrts", q, k_bgtk, preferred_element_type=jnp.float32)
-    own = jnp.where(causal_tt, own * scale, -1e30)
+    last_bt = pos_b[:, None] + jnp.arange(T)[None, :]  # each query's own position
+
+    def block(cache: jax.Array, i: jax.Array) -> jax.Array:  # [B, G, KV_BLOCK, K] in fp32
+        b = jax.lax.dynamic_slice(cache, (0, 0, i * KV_BLOCK, 0), (B, G, KV_BLOCK, K))
+        return b.astype(jnp.float32)
 
     def scores(i: jax.Array) -> jax.Array:  # [B, G, R, T, KV_BLOCK] of block i
-        k_i = jax.lax.dynamic_slice_in_dim(k_bgsk, i * KV_BLOCK, KV_BLOCK, axis=2)
-        seen = jax.lax.dynamic_slice_in_dim(cached_bts, i * KV_BLOCK, KV_BLOCK, axis=2)
-        s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i, preferred_element_type=jnp.float32)
+        seen = i * KV_BLOCK + jnp.arange(KV_BLOCK) <= last_bt[..., None]  # [B, T, KV_BLOCK]
+        k_i = block(k_cache, i)
+        s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i)
         return jnp.where(seen[:, None, None], s * scale, -1e30)
 
     def block_max(top: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
@@ -299,28 +349,23 @@ def cached_attention(
         # a block the row cannot see adds exact zeros
         total, out = carry
         p = jnp.exp(scores(i) - top[..., None])
-        v_i = jax.lax.dynamic_slice_in_dim(v_bgsk, i * KV_BLOCK, KV_BLOCK, axis=2)
-        pv = jnp.einsum(
-            "bgrts,bgsk->bgrtk", p.astype(v_i.dtype), v_i, preferred_element_type=jnp.float32
-        )
+        # the weights rounded to the model's dtype, as a matmul in that dtype takes them
+        p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
+        pv = jnp.einsum("bgrts,bgsk->bgrtk", p_rounded, block(v_cache, i))
         return (total + p.sum(-1), out + pv), None
 
     blocks = jnp.arange(n)
-    top, _ = jax.lax.scan(block_max, own.max(-1), blocks)  # a max is exact in any order
-    p = jnp.exp(own - top[..., None])
-    total = p.sum(-1)
-    out = jnp.einsum(
-        "bgrts,bgsk->bgrtk", p.astype(v_bgtk.dtype), v_bgtk, preferred_element_type=jnp.float32
-    )
-    (total, out), _ = jax.lax.scan(block_sum, (total, out), blocks)
-    out = (out / total[..., None]).astype(v_bgsk.dtype)
+    top, _ = jax.lax.scan(block_max, jnp.full((B, G, H // G, T), -1e30), blocks)
+    zeros = (jnp.zeros((B, G, H // G, T)), jnp.zeros((B, G, H // G, T, K)))
+    (total, out), _ = jax.lax.scan(block_sum, zeros, blocks)
+    out = (out / total[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
 
 
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
-    gate = jnp.einsum("btd,df->btf", x_btd, lw.gate)
-    up = jnp.einsum("btd,df->btf", x_btd, lw.up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.down)
+    gate = matmul("btd,df->btf", x_btd, lw.gate)
+    up = matmul("btd,df->btf", x_btd, lw.up)
+    return matmul("btf,fd->btd", jax.nn.silu(gate) * up, lw.down)
 
 
 def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -382,67 +427,83 @@ def forward(
 
     With a cache (prefill and decode): row b's tokens take positions ``cache.pos[b] + t`` and
     attend to the row's cached positions below ``cache.pos[b]`` plus the chunk's own earlier
-    tokens. Their keys/values are written to the cache once, after all layers (one in-place
-    scatter, not one per layer), and ``cache.pos[b]`` advances by ``num_new[b]``: the row's
-    real tokens; the rest of its T are padding, written past the row's end and overwritten
-    before they are ever attended. Prefill is T = prompt bucket, decode is T = 1; a continuing
-    turn prefills on top of what is cached. ``kv_len`` (static) limits reads to the first
-    ``kv_len`` cache positions, which must cover every row's ``cache.pos``; decoding short
-    sequences in a long cache then costs what their length costs. Default: the whole cache.
+    tokens; ``cache.pos[b]`` advances by ``num_new[b]``, the row's real tokens (the rest of
+    its T are padding, written past the row's end and overwritten before they are ever
+    attended). Prefill is T = prompt bucket, decode is T = 1; a continuing turn prefills on
+    top of what is cached. The chunk's B rows are the cache's first B rows: a cache of more
+    rows has the rest read and written by nothing (the engine decodes only as many of its
+    slots as are in use). ``kv_len`` (static) limits reads to the first ``kv_len`` cache
+    positions, which must cover every row's ``cache.pos``; decoding short sequences in a long
+    cache then costs what their length costs. Default: the whole cache.
+
+    Without a cache the layers run under ``lax.scan`` over stacked weights (a tuple of layers
+    is stacked first); with one, one after another in Python, each reading and writing its
+    own cache buffer in place (weights as `serving_layout` lays them out are read without
+    copies too).
     """
     B, T = tokens_bt.shape
     causal_tt = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+
+    def attend(
+        lw: Layer, x_btd: jax.Array, positions_bt: jax.Array, attn: Callable[..., jax.Array]
+    ) -> jax.Array:
+        """``x_btd`` plus the layer's attention: ``attn`` of the queries [B, T, H, K] and the
+        chunk's keys and values [B, T, G, K]."""
+        with jax.named_scope("attention"):
+            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
+            q, k, v = _qkv(cfg, lw, h, positions_bt)
+            return x_btd + matmul("bthk,hkd->btd", attn(q, k, v), lw.o)
+
+    def mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
+        with jax.named_scope("mlp"):
+            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
+        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed"))
+
     if cache is None:
         if positions_bt is None or segment_ids_bt is None:
             raise ValueError("forward without a cache needs positions and segment ids")
         same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
         mask_bts = causal_tt[None] & same_bts & (segment_ids_bt[:, None, :] != 0)
-        prefix: tuple[jax.Array | None, jax.Array | None] = (None, None)
-    else:
-        if num_new_b is None:
-            raise ValueError("forward with a cache needs num_new_b")
-        S = cache.k.shape[3] if kv_len is None else kv_len
-        positions_bt = cache.pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        cached_bts = jnp.broadcast_to(
-            jnp.arange(S)[None, None, :] < cache.pos[:, None, None], (B, T, S)
-        )
-        prefix = (cache.k[:, :, :, :S], cache.v[:, :, :, :S])
-    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+        train_positions = positions_bt
 
-    def layer(
-        x_btd: jax.Array, xs: tuple[Layer, jax.Array | None, jax.Array | None]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        lw, ck_bgsk, cv_bgsk = xs
-        with jax.named_scope("attention"):
-            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
-            q, k, v = _qkv(cfg, lw, h, positions_bt)
-            k_bgtk, v_bgtk = k.swapaxes(1, 2), v.swapaxes(1, 2)
-            if ck_bgsk is None or cv_bgsk is None:
-                new = None
-                a = attention(q, k_bgtk, v_bgtk, mask_bts)
-            else:
-                new = (k_bgtk.astype(ck_bgsk.dtype), v_bgtk.astype(cv_bgsk.dtype))
-                a = cached_attention(q, ck_bgsk, cv_bgsk, cached_bts, *new, causal_tt)
-            x_btd = x_btd + jnp.einsum("bthk,hkd->btd", a, lw.o)
-        with jax.named_scope("mlp"):
-            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
-        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed")), new
+        def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
+            def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+                return attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask_bts)
 
-    body = jax.checkpoint(layer) if remat else layer
-    x, new_kv = jax.lax.scan(body, x, (w.layers, *prefix))
-    h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-    if cache is None or num_new_b is None or new_kv is None:
-        return h_btd
+            return mlp(lw, attend(lw, x_btd, train_positions, attn)), None
+
+        body = jax.checkpoint(layer) if remat else layer
+        x, _ = jax.lax.scan(body, x, stacked_layers(w.layers))
+        return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+
+    # with a cache: layer by layer in Python, each reading and writing its own cache buffer
+    if num_new_b is None:
+        raise ValueError("forward with a cache needs num_new_b")
+    pos_b = cache.pos[:B]
+    cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    # new_kv: [L, B, G, T, K] each; the advanced indices (rows, positions) are split by a
-    # slice, so the update is [B, T, L, G, K]
-    k_upd, v_upd = (u.transpose(1, 3, 0, 2, 4) for u in new_kv)
-    new_cache = KVCache(
-        k=cache.k.at[:, rows_bt, :, positions_bt].set(k_upd, mode="drop"),
-        v=cache.v.at[:, rows_bt, :, positions_bt].set(v_upd, mode="drop"),
-        pos=cache.pos + num_new_b.astype(jnp.int32),
-    )
-    return h_btd, new_cache
+    reads = cache.k[0].shape[2] if kv_len is None else kv_len
+    new_k, new_v = [], []
+    for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
+
+        def cached(
+            q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
+        ) -> jax.Array:
+            # the chunk's keys and values go into the layer's cache first, then attention
+            # reads it (rows and positions are split by a slice: the update is [B, T, G, K];
+            # positions past a row's end, a chunk's padding, land in unattended entries or off
+            # the end)
+            ck = ck.at[rows_bt, :, cache_positions].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows_bt, :, cache_positions].set(v.astype(cv.dtype), mode="drop")
+            new_k.append(ck)
+            new_v.append(cv)
+            return cached_attention(q, ck, cv, pos_b, reads)
+
+        x = mlp(lw, attend(lw, x, cache_positions, cached))
+    h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+    pos = cache.pos.at[:B].add(num_new_b.astype(jnp.int32))
+    return h_btd, KVCache(k=tuple(new_k), v=tuple(new_v), pos=pos)
 
 
 def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:

@@ -281,7 +281,11 @@ class EmbeddedBackend:
     def _decode(self) -> None:
         max_pos = max(job.pos for job in self._slots.values())
         self._state, out = self.engine.generate(
-            self._params, self._state, self._steps_per_call, max_pos=max_pos
+            self._params,
+            self._state,
+            self._steps_per_call,
+            max_pos=max_pos,
+            slots_in_use=max(self._slots) + 1,
         )
         out = jax.device_get(out)
         self.stats.decode_calls += 1

@@ -72,6 +72,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         dataclasses.replace(spec.model, dtype=spec.dtype),  # type: ignore[arg-type]
         max_concurrent_decodes=spec.rollout.max_concurrent,
         max_len=spec.rollout.max_model_len,
+        batch_buckets=spec.rollout.batch_buckets,
         sharder=spec.sharder,
     )
     return EmbeddedBackend(

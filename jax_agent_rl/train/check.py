@@ -36,7 +36,7 @@ from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
-from jax_agent_rl.models.decoder import CACHE_AXES, is_spec
+from jax_agent_rl.models.decoder import CACHE_AXES, cache_length, is_spec
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
@@ -413,8 +413,9 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
     if cfg.rollout.backend == "embedded":
         serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
         width = 2 if cfg.model.dtype == "bfloat16" else 4
+        positions = cache_length(cfg.rollout.max_model_len)
         kv = (
-            2 * model.num_layers * cfg.rollout.max_concurrent * cfg.rollout.max_model_len
+            2 * model.num_layers * cfg.rollout.max_concurrent * positions
             * model.num_kv_heads * model.head_dim * width
         )  # fmt: skip
         engine = [

@@ -55,7 +55,7 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
     assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.kv_buckets)
-    assert counts["generate"] <= len(engine.kv_buckets)
+    assert counts["generate"] <= len(engine.kv_buckets) * len(engine.batch_buckets)
     assert counts["insert"] == 1
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
@@ -149,16 +149,18 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
     assert dict(sharder.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     sharded, local = _backend(checkpoint, sharder=sharder), _backend(checkpoint)
     cfg = sharded.engine.cfg
-    k = sharded._state.cache.k  # [L, N, G, S, K]
-    assert k.sharding.spec == PartitionSpec(None, ("data", "fsdp"), "tensor", None, None)
-    L, N, G, S, K = k.shape
-    assert {s.data.shape for s in k.addressable_shards} == {(L, N // 4, G // 2, S, K)}
+    assert sharded.engine.batch_buckets == (4,)  # slots split over data: all in every step
+    assert len(sharded._state.cache.k) == cfg.num_layers  # a buffer per layer
+    k = sharded._state.cache.k[0]  # [N, G, S, K]
+    assert k.sharding.spec == PartitionSpec(("data", "fsdp"), "tensor", None, None)
+    N, G, S, K = k.shape
+    assert {s.data.shape for s in k.addressable_shards} == {(N // 4, G // 2, S, K)}
     assert len({s.device for s in k.addressable_shards}) == 8
-    row = sharded.engine.empty_prefix_cache().k
-    assert {s.data.shape for s in row.addressable_shards} == {(L, 1, G // 2, S, K)}
-    q = sharded._params.layers.q  # [L, D, H, K]: whole D (no fsdp), heads over tensor
+    row = sharded.engine.empty_prefix_cache().k[0]
+    assert {s.data.shape for s in row.addressable_shards} == {(1, G // 2, S, K)}
+    q = sharded._params.layers[0].q  # [D, H, K]: whole D (no fsdp), heads over tensor
     assert {s.data.shape for s in q.addressable_shards} == {
-        (L, cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
+        (cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
     }
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     requests = [GenerateRequest(f"g{i}", tuple(range(1 + i, 9 + 2 * i)), greedy) for i in range(6)]
@@ -172,14 +174,15 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
             assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= FP32_LOGPROBS
 
     same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
+    compiled = dict(sharded.engine.compile_counts)
     _, w = load_hf(checkpoint)
     scaled = jax.tree.map(lambda x: x * 1.5, w)
     on_learner = jax.device_put(scaled, param_shardings(cfg, learner_sharder))
     asyncio.run(sharded.update_weights(on_learner, version=1))
     asyncio.run(local.update_weights(scaled, version=1))
     same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
-    assert sharded._state.cache.k.sharding.is_equivalent_to(k.sharding, k.ndim)  # kept layout
-    assert sharded.engine.compile_counts == local.engine.compile_counts  # no layout recompiles
+    assert sharded._state.cache.k[0].sharding.is_equivalent_to(k.sharding, k.ndim)  # kept layout
+    assert sharded.engine.compile_counts == compiled  # no layout recompiles
     asyncio.run(sharded.close())
     asyncio.run(local.close())
 
@@ -220,3 +223,33 @@ def test_a_slots_tokens_do_not_depend_on_the_attention_bucket(checkpoint: Path) 
         np.testing.assert_array_equal(tokens, results[0][0])
         np.testing.assert_array_equal(logprobs, results[0][1])
     assert len({engine.kv_bucket(p, 24) for p in (len(prompt), 100, 200)}) == 3
+
+
+def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:
+    """Requests in slots 0-2 of 8: a step computes a batch of 4 (the bucket that covers
+    them), and gives the tokens and logprobs of the whole 8-slot step (logprobs to the fp32
+    bound: only the row count of the matmuls differs, which changes their rounding)."""
+    cfg, w = load_hf(checkpoint)
+    engine = Engine(cfg, max_concurrent_decodes=8, max_len=128)
+    assert engine.batch_buckets == (1, 2, 4, 8)
+    assert Engine(
+        cfg, max_concurrent_decodes=8, max_len=128, batch_buckets=False
+    ).batch_buckets == (8,)
+    params = engine.load_params(w)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+
+    def decode(slots_in_use: int | None) -> tuple:
+        state = engine.init_decode_state()
+        for slot in range(3):
+            prefix = engine.prefill(params, None, list(range(3 + slot, 20 + 2 * slot)), greedy, 0)
+            state = engine.insert(prefix, state, slot)
+        return engine.generate(params, state, 16, max_pos=24, slots_in_use=slots_in_use)
+
+    (part, few), (whole, every) = decode(3), decode(None)
+    assert few.token.shape == (16, 4) and every.token.shape == (16, 8)
+    np.testing.assert_array_equal(few.valid, every.valid[:, :4])
+    assert not np.asarray(every.valid[:, 3:]).any()
+    np.testing.assert_array_equal(few.token, every.token[:, :4])
+    assert np.abs(np.asarray(few.logprob - every.logprob[:, :4])).max() <= FP32_LOGPROBS
+    np.testing.assert_array_equal(part.cache.pos, whole.cache.pos)
+    assert engine.compile_counts["generate"] == 2  # one program per batch bucket

@@ -323,7 +323,8 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     cache = cache_shardings(dataclasses.replace(model, dtype="bfloat16"), serving, 128, 4096)
     shape = (28, 128, 2, 4096, 128)  # [L, slots, G, S, K]
     assert 2 * math.prod(shape) * 2 / gib == 14.0  # keys and values, 2 bytes each
-    kv = 2 * math.prod(cache.k.shard_shape(shape)) * 2 / gib
+    assert len(cache.k) == 28  # a buffer per layer
+    kv = 2 * 28 * math.prod(cache.k[0].shard_shape(shape[1:])) * 2 / gib
     lines = memory_plan(cfg, model)
     n = mesh.data * mesh.fsdp * mesh.tensor
     assert lines[0] == (
