@@ -315,9 +315,10 @@ def cached_attention(
     bucket), so ``kv_len`` depends on which requests share a decode batch; with one softmax
     over all those positions the reduction's shape, and so its rounding, changed with it, and
     a sampled token could too. Here the cache is read in blocks of `KV_BLOCK` positions
-    straight from the layer's buffer (no copy of a prefix first), each reduced alone by the
-    same program, and the blocks are added in order under one maximum (a max is exact in any
-    order): a block a row cannot see adds exact zeros. Scores, softmax and sums in fp32.
+    straight from the layer's buffer (no copy of a prefix first), each by the same program,
+    in one pass with a running max (online softmax): a block past a row's positions adds
+    exact zeros and rescales by exactly 1, so the longest bucket gives the shortest's
+    numbers. Scores, softmax and sums in fp32.
     """
     B, T, H, K = q_bthk.shape
     G = k_cache.shape[1]
@@ -340,24 +341,23 @@ def cached_attention(
         s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i)
         return jnp.where(seen[:, None, None], s * scale, -1e30)
 
-    def block_max(top: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
-        return jnp.maximum(top, scores(i).max(-1)), None
-
-    def block_sum(
-        carry: tuple[jax.Array, jax.Array], i: jax.Array
-    ) -> tuple[tuple[jax.Array, jax.Array], None]:
-        # a block the row cannot see adds exact zeros
-        total, out = carry
-        p = jnp.exp(scores(i) - top[..., None])
+    def add_block(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+        # the running max, the softmax's denominator and numerator, rescaled to a new max
+        top, total, out = carry
+        s = scores(i)
+        new_top = jnp.maximum(top, s.max(-1))
+        rescale = jnp.exp(top - new_top)  # exactly 1 where the block moves no max
+        p = jnp.exp(s - new_top[..., None])  # exactly 0 where the row cannot see
         # the weights rounded to the model's dtype, as a matmul in that dtype takes them
         p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
         pv = jnp.einsum("bgrts,bgsk->bgrtk", p_rounded, block(v_cache, i))
-        return (total + p.sum(-1), out + pv), None
+        return (new_top, total * rescale + p.sum(-1), out * rescale[..., None] + pv), None
 
-    blocks = jnp.arange(n)
-    top, _ = jax.lax.scan(block_max, jnp.full((B, G, H // G, T), -1e30), blocks)
-    zeros = (jnp.zeros((B, G, H // G, T)), jnp.zeros((B, G, H // G, T, K)))
-    (total, out), _ = jax.lax.scan(block_sum, zeros, blocks)
+    # block 0 holds position 0, which every row sees: the max is real from then on, and a
+    # block past a row's positions leaves all three exactly as they were
+    R = H // G
+    start = (jnp.full((B, G, R, T), -1e30), jnp.zeros((B, G, R, T)), jnp.zeros((B, G, R, T, K)))
+    (_, total, out), _ = jax.lax.scan(add_block, start, jnp.arange(n))
     out = (out / total[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.engine import sample, sampling_logprobs, token_logprobs
+from jax_agent_rl.engine.sampling import first_max
 
 
 def _reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -98,3 +99,15 @@ def test_draw_depends_only_on_key_and_step() -> None:
     for i in range(3):
         alone = sample(logits[i : i + 1], jnp.zeros(1, bool), keys[i : i + 1], steps[i : i + 1])
         assert int(alone[0]) == batch[i]
+
+
+def test_first_max_is_argmax_with_ties_infinities_and_nans() -> None:
+    """Greedy decoding's argmax as two plain reductions: the first index of the maximum,
+    a NaN counting as the maximum (as in ``jnp.argmax``), never an index past the row."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 4, (64, 37)).astype(np.float32)  # many ties
+    x[1, [7, 20]] = np.nan
+    x[2] = -np.inf
+    x[3, 5] = np.inf
+    np.testing.assert_array_equal(first_max(jnp.asarray(x)), np.argmax(x, axis=-1))
+    assert int(first_max(jnp.asarray(x))[1]) == 7
