@@ -60,7 +60,7 @@ class Weights:
     """A whole decoder. ``lm_head`` is ``None`` when the embeddings are tied."""
 
     embed: Any  # [V, D]
-    layers: Layer
+    layers: Layer | tuple[Layer, ...]  # stacked; one tree per layer in `serving_layout`
     final_norm: Any  # [D]
     lm_head: Any = None  # [D, V]
 
@@ -341,7 +341,9 @@ def cached_attention(
         s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i)
         return jnp.where(seen[:, None, None], s * scale, -1e30)
 
-    def add_block(carry: tuple[jax.Array, ...], i: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+    Carry = tuple[jax.Array, jax.Array, jax.Array]
+
+    def add_block(carry: Carry, i: jax.Array) -> tuple[Carry, None]:
         # the running max, the softmax's denominator and numerator, rescaled to a new max
         top, total, out = carry
         s = scores(i)
