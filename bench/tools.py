@@ -1,11 +1,12 @@
 """Sandboxed python executions per second: our tool server against a fresh interpreter per call.
 
-Same snippets, same concurrency, one run. Ours: `jarl serve-tools` on loopback with the
-``python`` tool (a warm pool of bubblewrap sandboxes with fork servers), called over HTTP;
-the same pool called directly in process is reported too, to show what HTTP costs.
-The alternative existing RL tool servers use: a fresh ``python -c`` subprocess per call, bare
-and under bubblewrap with the same isolation flags. Every output is checked. Ends with one
-JSON line.
+Same snippets, same concurrency, one run. Ours: `jarl serve-tools` with the ``python`` tool
+(a warm pool of bubblewrap sandboxes with fork servers), called with `HttpTools` over its
+Unix socket (``--socket``: every call one frame on a shared connection) and over HTTP on
+loopback; the same pool called directly in process is reported too, to show what each
+transport costs. The alternative existing RL tool servers use: a fresh ``python -c``
+subprocess per call, bare and under bubblewrap with the same isolation flags. The ratios are
+the Unix-socket path's. Every output is checked. Ends with one JSON line.
 
     .venv/bin/python bench/tools.py [--calls 400] [--concurrency 8]
 """
@@ -79,6 +80,7 @@ async def fresh_bwrap_process(code: str) -> str:
 
 
 def start_server(pool: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The server, its HTTP URL and its Unix socket's (in a private temporary directory)."""
     tmp = tempfile.mkdtemp()
     tools = Path(tmp) / "tools.yaml"
     tools.write_text(
@@ -89,12 +91,13 @@ def start_server(pool: int) -> tuple[subprocess.Popen[bytes], str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "jax_agent_rl.cli", "serve-tools", "--tools", str(tools)]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    cmd += ["--port", str(port), "--socket", f"{tmp}/tools.sock"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, tmp
+                return proc, url, f"unix:{tmp}/tools.sock"
         except httpx.TransportError:
             time.sleep(0.1)
     proc.kill()
@@ -125,9 +128,10 @@ def main() -> None:
     args = parser.parse_args()
     n, c = args.calls, args.concurrency
 
-    proc, url, _ = start_server(pool=c)
+    proc, url, unix = start_server(pool=c)
     try:
-        ours = asyncio.run(through_server(url, n, c))
+        ours = asyncio.run(through_server(unix, n, c))
+        http_rate = asyncio.run(through_server(url, n, c))
     finally:
         proc.kill()
         proc.wait()
@@ -155,7 +159,8 @@ def main() -> None:
             {
                 "bench": "tools",
                 "concurrency": c,
-                "server_sandboxed_exec_s": round(ours, 1),
+                "server_unix_exec_s": round(ours, 1),
+                "server_http_exec_s": round(http_rate, 1),
                 "direct_sandbox_exec_s": round(direct_rate, 1),
                 "fresh_python_exec_s": round(bare_rate, 1),
                 "fresh_bwrap_python_exec_s": round(bwrap_rate, 1),

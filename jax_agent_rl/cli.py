@@ -210,7 +210,8 @@ def _serve_tools(args: argparse.Namespace) -> int:
             [f"--action-parser={args.action_parser!r} is not a parser: use one of {names}"]
         )
     registry = ToolRegistry.from_yaml(tools)
-    print(f"serving {registry.names} on http://{args.host}:{args.port}", flush=True)
+    where = f"http://{args.host}:{args.port}" + (f" and unix:{args.socket}" if args.socket else "")
+    print(f"serving {registry.names} on {where}", flush=True)
     try:
         serve(
             registry,
@@ -225,11 +226,83 @@ def _serve_tools(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
             action_parser=args.action_parser,
+            socket_path=args.socket,
         )
     except ValueError as e:
         print(f"jarl: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve-tools",
+        help="serve a tools YAML over HTTP for agent rollouts",
+        description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
+        "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
+        "State is "
+        "sticky per trajectory. A non-loopback --host needs --token. "
+        "What clients can hold is bounded: trajectory state, request bodies, connections.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--tools",
+        default="pkg://jax_agent_rl/configs/tools_default.yaml",
+        help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8765, help="port to listen on")
+    p.add_argument("--token", default=None, help="bearer token clients must send")
+    p.add_argument("--max-concurrency", type=int, default=64, help="calls running at once")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after a trajectory's last call ends before its tool state is released "
+        "(clients that crash or never call /release); a later call starts fresh state",
+    )
+    p.add_argument(
+        "--max-trajectories",
+        type=int,
+        default=10_000,
+        help="trajectories holding tool state at once; a call that would open one more gets "
+        "an error result. Set it above the number of trajectories a rollout runs at once",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body (an /execute_batch of all its calls); larger gets 413",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to receive a whole request body; a slower client gets 408",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections (idle keep-alive ones included) at which a new request gets "
+        "503; bounds the request bodies held in memory to this times --max-body-bytes",
+    )
+    p.add_argument(
+        "--action-parser",
+        default="hermes",
+        help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
+        "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
+        "python_tag, tool_tag or fenced_python",
+    )
+    p.add_argument(
+        "--socket",
+        default=None,
+        help="also serve the calls on this Unix socket (mode 0600; its directory must be "
+        "yours and closed to others), for clients on this machine: HttpTools('unix:PATH'). "
+        "Much cheaper per call than HTTP; the same token and bounds apply",
+    )
+    p.set_defaults(func=_serve_tools)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,67 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a local HF checkpoint folder")
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser(
-        "serve-tools",
-        help="serve a tools YAML over HTTP for agent rollouts",
-        description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
-        "State is "
-        "sticky per trajectory. A non-loopback --host needs --token. "
-        "What clients can hold is bounded: trajectory state, request bodies, connections.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--tools",
-        default="pkg://jax_agent_rl/configs/tools_default.yaml",
-        help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8765, help="port to listen on")
-    p.add_argument("--token", default=None, help="bearer token clients must send")
-    p.add_argument("--max-concurrency", type=int, default=64, help="calls running at once")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=600.0,
-        help="seconds after a trajectory's last call ends before its tool state is released "
-        "(clients that crash or never call /release); a later call starts fresh state",
-    )
-    p.add_argument(
-        "--max-trajectories",
-        type=int,
-        default=10_000,
-        help="trajectories holding tool state at once; a call that would open one more gets "
-        "an error result. Set it above the number of trajectories a rollout runs at once",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=8 * 2**20,
-        help="largest request body (an /execute_batch of all its calls); larger gets 413",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=10.0,
-        help="seconds to receive a whole request body; a slower client gets 408",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=512,
-        help="open connections (idle keep-alive ones included) at which a new request gets "
-        "503; bounds the request bodies held in memory to this times --max-body-bytes",
-    )
-    p.add_argument(
-        "--action-parser",
-        default="hermes",
-        help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
-        "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
-        "python_tag, tool_tag or fenced_python",
-    )
-    p.set_defaults(func=_serve_tools)
+    _add_serve_tools(sub)
     return parser
 
 

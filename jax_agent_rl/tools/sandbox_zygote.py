@@ -38,6 +38,15 @@ import time
 import traceback
 
 REQ_FD, REP_FD = int(sys.argv[1]), int(sys.argv[2])
+# Standard-library modules that model-written code imports most, imported once here so that
+# every execution forks with them ready: a fresh interpreter pays e.g. ~5 ms for ``fractions``
+# (it imports ``decimal``, ``numbers``, ``re``) per call. They are pure computation (no files,
+# sockets or threads); each child gets its own copy-on-write copy, so what code changes in one
+# is gone in the next, and ``random`` reseeds itself in each forked child (`os.register_at_fork`).
+PRELOAD = (
+    "bisect", "cmath", "collections", "datetime", "decimal", "fractions", "functools",
+    "heapq", "itertools", "math", "operator", "random", "re", "statistics", "string",
+)  # fmt: skip
 WRITABLE = {"/work": 0o755, "/tmp": 0o1777, "/dev/shm": 0o1777}  # and their modes
 PR_SET_DUMPABLE = 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -268,6 +277,8 @@ def _run(req):
 def main():
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    for name in PRELOAD:
+        __import__(name)
     # Objects alive now never need collecting; freezing them keeps a forked child's garbage
     # collector from touching (and copying) the whole heap: ~3 ms less per execution.
     gc.freeze()

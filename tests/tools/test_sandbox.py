@@ -37,6 +37,18 @@ def test_runs_code_and_reports_errors(sandbox: PythonSandbox) -> None:
     assert "ZeroDivisionError" in run(sandbox, "1 / 0")
 
 
+def test_preloaded_modules_are_per_execution(sandbox: PythonSandbox) -> None:
+    """The fork server's preloaded modules are ready in every execution, a change to one is
+    gone in the next, and ``random`` draws differ between executions."""
+    ready = "import sys\nprint(all(m in sys.modules for m in ('fractions', 'statistics', 're')))"
+    assert run(sandbox, ready) == "True"
+    for _ in range(2):  # both workers
+        assert run(sandbox, "import math\nmath.pi = 3\nprint(math.pi)") == "3"
+    assert run(sandbox, "import math\nprint(math.pi)") == "3.141592653589793"
+    draws = {run(sandbox, "import random\nprint(random.random())") for _ in range(4)}
+    assert len(draws) == 4
+
+
 def test_no_network(sandbox: PythonSandbox) -> None:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
