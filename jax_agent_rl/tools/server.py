@@ -303,7 +303,7 @@ class SocketServer:
             raise ProtocolError(detail) from None
         try:
             return json.loads(body)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to parse
             raise ProtocolError(f"frame is not JSON: {e}") from None
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -350,9 +350,19 @@ class SocketServer:
             pass  # the client went away (or never said hello in time)
         finally:
             # calls still running end as on HTTP, where a client going away stops nothing;
-            # their answers are dropped with the connection
-            self._writers.discard(writer)
+            # their answers are dropped with the connection. The connection keeps its place
+            # in max_connections until those calls have ended and it is gone (what it was
+            # sent flushed, or the client gone): else a client that queues calls and breaks
+            # the protocol or drops the connection, or that stops reading its answers, could
+            # do so again and again, each time leaving calls queued, answers buffered and a
+            # socket open past every bound (as uvicorn counts a request's task until it ends)
             writer.close()
+            try:
+                await asyncio.gather(*in_flight, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+            finally:
+                self._writers.discard(writer)
 
     async def _answer(
         self, request: dict[str, Any], writer: asyncio.StreamWriter, gate: asyncio.Semaphore
@@ -684,9 +694,17 @@ def server_config(app: ASGIApp, host: str, port: int, max_connections: int = 512
 CLIENT_IDLE_S = 5.0
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
+async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """The server's next frame; raises ValueError for one that is not a JSON object (what
+    the connection's users catch as a broken server, so no other error reaches a caller)."""
     (n,) = FRAME_HEAD.unpack(await reader.readexactly(FRAME_HEAD.size))
-    return json.loads(await reader.readexactly(n))
+    try:
+        obj = json.loads(await reader.readexactly(n))
+    except RecursionError as e:  # nested too deep to parse: garbage like any other
+        raise ValueError(f"frame is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"frame is not a JSON object: {type(obj).__name__}")
+    return obj
 
 
 class _SocketConnection:
@@ -711,7 +729,8 @@ class _SocketConnection:
         try:
             while True:
                 answer = await _read_frame(reader)
-                future = self.waiting.pop(answer.get("id"), None)
+                rid = answer.get("id")  # an id that is not ours (not even an int) is no answer
+                future = self.waiting.pop(rid, None) if isinstance(rid, int) else None
                 if future is None:  # the server ends the connection with an unaddressed error
                     why = f"the server closed the connection: {answer.get('error')}"
                     break
@@ -811,6 +830,8 @@ class HttpTools:
             conn.last_used = time.monotonic()
         if "error" in answer:
             raise ToolTransportError(f"tool server {self.url} {op}: {answer['error']}")
+        if "result" not in answer:
+            raise ToolTransportError(f"tool server {self.url} {op}: an answer without a result")
         return answer["result"]
 
     def _client(self) -> httpx.AsyncClient:
@@ -859,7 +880,11 @@ class HttpTools:
             "create_kwargs": dict(create_kwargs or {}),
         }
         if self._socket is not None:  # a frame per call costs little: no batching
-            return ToolResult(**await self._socket_request(self._socket, "execute", body))
+            result = await self._socket_request(self._socket, "execute", body)
+            try:
+                return ToolResult(**result)
+            except TypeError as e:  # not a result: the server is broken, as for a bad frame
+                raise ToolTransportError(f"tool server {self.url} execute: {e}") from e
         future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
         self._pending.append((body, future))
         if len(self._pending) == 1:

@@ -3,13 +3,16 @@ with the real sandbox: the same calls answer the same over HTTP and the socket, 
 checked on both, and the socket's bounds (private directory, frame size, frame time) hold."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import stat
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
@@ -107,7 +110,8 @@ def test_socket_only_in_a_private_directory(tmp_path: Path) -> None:
 
 
 def _frame(obj: Any) -> bytes:
-    body = json.dumps(obj).encode()
+    """A frame of ``obj`` as JSON, or of ``obj`` itself if bytes (a frame that is not JSON)."""
+    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
     return struct.pack(">I", len(body)) + body
 
 
@@ -176,3 +180,128 @@ def test_server_killed_mid_call_over_socket(tmp_path: Path) -> None:
     results = asyncio.run(scenario())
     assert all(isinstance(r, ToolTransportError) for r in results)
     assert "unreachable" in str(results[4])
+
+
+def _hello(conn: socket.socket) -> Any:
+    """The first frame answering ``conn``'s hello (None if the server closes first)."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at once
+        conn.sendall(_frame({"token": None}))
+    head = conn.recv(4, socket.MSG_WAITALL)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return json.loads(conn.recv(n, socket.MSG_WAITALL))
+
+
+def _first_answer(path: str) -> Any:
+    """A new connection's answer to its hello."""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(path)
+        return _hello(conn)
+
+
+def _connect_when_free(path: str) -> socket.socket:
+    """A connection the server took (answered its hello ok), once it has a place free: one
+    just closed gives its place back when the server has seen it go."""
+    deadline = time.monotonic() + 60  # a bound for failing, not a wait
+    while True:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(path)
+        if (answer := _hello(conn)) == {"ok": True}:
+            return conn
+        conn.close()
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.05)
+
+
+def test_a_connection_holds_its_place_until_it_is_gone(tmp_path: Path) -> None:
+    """A client cannot leave calls queued, answers buffered or sockets open past
+    ``max_connections`` by breaking the protocol (or dropping the connection) and coming back:
+    the connection counts until its calls end and it is gone."""
+    proc, url, unix = _serve(tmp_path, "--max-connections", "2", "--timeout", "600")
+    path = unix.removeprefix("unix:")
+    refused = {"error": "too many connections (max_connections)"}
+    slow = {"trajectory_id": "s", "name": "slow", "arguments": {"seconds": 3600.0}}
+    keeper = socket.socket(socket.AF_UNIX)  # one of the two places (HTTP needs 2 to answer)
+    try:
+        keeper.connect(path)  # a call in flight: never closed as idle
+        keeper.sendall(_frame({"token": None}) + _frame({"id": 1, "op": "execute", "body": slow}))
+        # deep nesting, before the token even: a protocol error like any other frame
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(path)
+            conn.sendall(_frame(b"[" * 100_000 + b"]" * 100_000))
+            [deep] = _answers(conn)
+            assert "not JSON" in deep["error"]
+        # a client that never reads its (large) answers, then breaks the protocol
+        unread = _connect_when_free(path)
+        big = {"trajectory_id": "u", "name": "n" * 2**22}  # answered with the name: 4 MiB
+        for i in range(3):
+            unread.sendall(_frame({"id": i, "op": "execute", "body": big}))
+        unread.sendall(struct.pack(">I", 1) + b"x")
+        # its place is held while it is open (the server cannot be done writing to it) ...
+        # (the server may not have read the bad frame yet: the running call's case below is
+        # the one that fails without the fix whatever the timing)
+        assert _first_answer(path) == refused
+        unread.close()
+        # ... and given back once it is gone
+        # a call still running, then the protocol broken: answered and closed at once, but
+        # the place is held while the call runs (it ends as on HTTP: nothing stops it)
+        with _connect_when_free(path) as conn:
+            conn.sendall(_frame({"id": 1, "op": "execute", "body": slow}))
+            conn.sendall(struct.pack(">I", 1) + b"x")
+            [broken] = _answers(conn)
+            assert "not JSON" in broken["error"]
+        assert _first_answer(path) == refused
+        assert httpx.get(url + "/metrics", timeout=10).json()["in_flight"] == 2
+    finally:
+        keeper.close()
+        proc.kill()
+        proc.wait()
+
+
+GARBAGE = {  # what a broken or hostile server answers: (hello, answer to the call)
+    "hello not an object": (_frame([1]), None),
+    "hello nested too deep": (_frame(b"[" * 100_000 + b"]" * 100_000), None),
+    "answer not an object": (_frame({"ok": True}), lambda rid: _frame([rid])),
+    "answer id not an int": (_frame({"ok": True}), lambda rid: _frame({"id": [rid]})),
+    "answer nested too deep": (
+        _frame({"ok": True}),
+        lambda rid: _frame(b'{"id": %d, "result": ' % rid + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ),
+    "answer without a result": (_frame({"ok": True}), lambda rid: _frame({"id": rid})),
+    "result not a result": (
+        _frame({"ok": True}),
+        lambda rid: _frame({"id": rid, "result": {"bogus": 1}}),
+    ),
+    "result a list": (_frame({"ok": True}), lambda rid: _frame({"id": rid, "result": [1]})),
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE))
+def test_client_against_a_broken_server(tmp_path: Path, case: str) -> None:
+    """Whatever a server answers, a call fails only with `ToolTransportError` (what the agent
+    loop ends a trajectory on) and closing the client raises nothing."""
+    hello, answer = GARBAGE[case]
+    path = str(tmp_path / "broken.sock")
+
+    async def serve_garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        await reader.readexactly(n)
+        writer.write(hello)
+        if answer is not None:
+            (n,) = struct.unpack(">I", await reader.readexactly(4))
+            writer.write(answer(json.loads(await reader.readexactly(n))["id"]))
+        await reader.read()  # until the client closes
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(serve_garbage, path=path)
+        tools = HttpTools(f"unix:{path}", retries=0, timeout_s=60)
+        try:
+            with pytest.raises(ToolTransportError):
+                await tools.call("t", "calculator", {"expression": "1"})
+        finally:
+            await tools.close()
+            server.close()
+
+    asyncio.run(scenario())
