@@ -26,9 +26,9 @@ the delays alone allow (lockstep's sum of per-turn maxima over async's longest s
 
 Same backend, same seeds: both modes sample the same tokens and draw the same delays.
 ``--backends embedded,vllm`` runs the same workload on each backend in turn (vLLM: engine
-processes under .venv-vllm), its figures prefixed with the backend's name. Reports
-``async_over_lockstep`` and ``async_over_critical_path`` (1.0 is the bound). Ends with one
-JSON line.
+processes under .venv-vllm), its figures prefixed with the backend's name. Reports wall-time
+ratios: ``async_over_lockstep`` (below 1: async is faster; 0.8 is a 1.25x speedup) and
+``async_over_critical_path`` (1.0 is the bound). Ends with one JSON line.
 
     .venv/bin/python bench/rollout.py [--trajectories 64] [--turns 8] [--backends embedded,vllm]
 """
