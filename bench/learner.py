@@ -5,8 +5,10 @@ parameters: hidden 512, 8 layers, 8 heads, 2 kv heads, vocab 32000, tied embeddi
 on the SAME fixed batch (default 8 rows x 512 tokens, random token ids; loss mask on the last
 256 targets of each row, the "response"; advantages +1 / -1 by row; old logprobs = the fp32
 model's own logprobs plus small fixed noise). One step is: forward to fp32 logits, log-softmax,
-target logprobs, PPO clipped surrogate (ratio = exp(logp - old), clip 0.2, no dual clip, no
-importance weights), token-mean over the mask, backward, global-norm clipping at 1.0, AdamW.
+target logprobs (JAX: a vocabulary chunk at a time, `head_logprobs`, with each token's entropy
+for the metrics; torch: all [B, T, V] logits at once), PPO clipped surrogate (ratio =
+exp(logp - old), clip 0.2, no dual clip, no importance weights), token-mean over the mask,
+backward, global-norm clipping at 1.0, AdamW.
 Master weights and optimizer state are fp32 everywhere.
 
     torch_fp32    transformers' Qwen2ForCausalLM, eager, torch.optim.AdamW, 2 threads

@@ -12,6 +12,7 @@ Temperature 0 means greedy; its logprobs are reported at temperature 1 (same fil
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,109 @@ def first_max(x_bv: jax.Array) -> jax.Array:
 def token_logprobs(logprobs_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
     """The entry of each token in its row's log-probabilities: [..., V] x [...] -> [...]."""
     return jnp.take_along_axis(logprobs_btv, tokens_bt[..., None], axis=-1)[..., 0]
+
+
+VOCAB_CHUNK = 4096  # the most vocabulary entries `head_logprobs` computes logits for at once
+
+
+def _head_chunks(head_vd: jax.Array, chunk: int) -> tuple[jax.Array, int]:
+    """``head_vd`` [V, D] as ``n`` chunks [n, C, D] of C <= ``chunk`` rows (zero rows padding
+    the last), and C."""
+    V, D = head_vd.shape
+    n = -(-V // chunk)
+    C = -(-V // n)
+    return jnp.pad(head_vd, ((0, n * C - V), (0, 0))).reshape(n, C, D), C
+
+
+def _chunk_scores(
+    h_nd: jax.Array, w_cd: jax.Array, start: jax.Array, V: int, temperature: float
+) -> tuple[jax.Array, jax.Array]:
+    """Scaled logits [N, C] (fp32) of one chunk of the vocabulary starting at ``start``, -inf
+    on its padding, and the vocabulary index of each column [C]."""
+    s = jnp.einsum("nd,cd->nc", h_nd, w_cd, preferred_element_type=jnp.float32) / temperature
+    col_c = start + jnp.arange(w_cd.shape[0])
+    return jnp.where(col_c < V, s, -jnp.inf), col_c
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_logprobs(
+    h_nd: jax.Array,
+    head_vd: jax.Array,
+    targets_n: jax.Array,
+    temperature: float,
+    chunk: int = VOCAB_CHUNK,
+) -> tuple[jax.Array, jax.Array]:
+    """``sampling_logprobs`` of the logits ``h @ head.T`` without top-k / top-p, at each
+    target and whole: the target's log-probability [N] and the entropy [N] (fp32), from
+    hidden states [N, D] and a head [V, D], without ever holding all N x V logits.
+
+    The vocabulary is read in chunks of at most ``chunk`` entries, reduced online: a running
+    maximum ``m`` and, relative to it, ``z = sum exp(s - m)`` and ``a = sum exp(s - m) s`` of
+    the scaled logits ``s = logits / temperature`` (``temperature`` > 0; 0 means greedy, whose
+    logprobs are those at 1, as in `sampling_logprobs`). Then ``log Z = m + log z``, the
+    target's ``s_y - log Z``, and the entropy ``log Z - a / z`` (= ``-sum p log p``). The
+    gradient (a custom VJP) computes each chunk's logits again: with ``p = exp(s - log Z)``,
+    ``d logp_y / ds = onehot(y) - p`` and ``d H / ds = -p (s - a / z)``, over the temperature.
+    """
+    return _head_logprobs_fwd(h_nd, head_vd, targets_n, temperature, chunk)[0]
+
+
+def _head_logprobs_fwd(
+    h_nd: jax.Array, head_vd: jax.Array, targets_n: jax.Array, temperature: float, chunk: int
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    N, V = h_nd.shape[0], head_vd.shape[0]
+    t = temperature if temperature > 0 else 1.0
+    chunks, C = _head_chunks(head_vd, chunk)
+
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def step(carry: Carry, xs: tuple[jax.Array, jax.Array]) -> tuple[Carry, None]:
+        m, z, a, s_y = carry
+        w_cd, start = xs
+        s, col_c = _chunk_scores(h_nd, w_cd, start, V, t)
+        m_new = jnp.maximum(m, s.max(-1))
+        e = jnp.exp(s - m_new[:, None])
+        rescale = jnp.exp(m - m_new)
+        z = z * rescale + e.sum(-1)
+        a = a * rescale + jnp.where(e > 0, e * s, 0.0).sum(-1)
+        s_y = s_y + jnp.where(col_c == targets_n[:, None], s, 0.0).sum(-1)
+        return (m_new, z, a, s_y), None
+
+    init: Carry = (jnp.full((N,), -jnp.inf), jnp.zeros((N,)), jnp.zeros((N,)), jnp.zeros((N,)))
+    starts = jnp.arange(chunks.shape[0]) * C
+    (m, z, a, s_y), _ = jax.lax.scan(step, init, (chunks, starts))
+    log_z = m + jnp.log(z)
+    mean_s = a / z
+    return (s_y - log_z, log_z - mean_s), (h_nd, head_vd, targets_n, log_z, mean_s)
+
+
+def _head_logprobs_bwd(
+    temperature: float,
+    chunk: int,
+    res: tuple[jax.Array, ...],
+    g: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, None]:
+    h_nd, head_vd, targets_n, log_z, mean_s = res
+    g_logp, g_entropy = g
+    V = head_vd.shape[0]
+    t = temperature if temperature > 0 else 1.0
+    chunks, C = _head_chunks(head_vd, chunk)
+
+    def step(dh: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        w_cd, start = xs
+        s, col_c = _chunk_scores(h_nd, w_cd, start, V, t)
+        p = jnp.exp(s - log_z[:, None])  # 0 on the padding
+        onehot = (col_c == targets_n[:, None]).astype(jnp.float32)
+        centred = jnp.where(p > 0, s - mean_s[:, None], 0.0)
+        ds = g_logp[:, None] * (onehot - p) - g_entropy[:, None] * p * centred
+        dlogits = (ds / t).astype(h_nd.dtype)
+        dh = dh + jnp.einsum("nc,cd->nd", dlogits, w_cd, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("nc,nd->cd", dlogits, h_nd, preferred_element_type=jnp.float32)
+        return dh, dw.astype(head_vd.dtype)
+
+    starts = jnp.arange(chunks.shape[0]) * C
+    dh, dw = jax.lax.scan(step, jnp.zeros(h_nd.shape, jnp.float32), (chunks, starts))
+    return dh.astype(h_nd.dtype), dw.reshape(-1, head_vd.shape[1])[:V], None
+
+
+head_logprobs.defvjp(_head_logprobs_fwd, _head_logprobs_bwd)

@@ -85,6 +85,7 @@ class KVCache:
 
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 KV_BLOCK = 64  # cache positions per block of `cached_attention`
+ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
 
 
 def cache_length(max_len: int) -> int:
@@ -287,20 +288,114 @@ def _qkv(
 
 
 def attention(
-    q_bthk: jax.Array, k_bgsk: jax.Array, v_bgsk: jax.Array, mask_bts: jax.Array
+    q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, segment_ids_bt: jax.Array
 ) -> jax.Array:
-    """Grouped-query attention; query head h reads kv head h // R. Scores and softmax in fp32.
+    """Causal grouped-query attention within packed segments, for training; query head h
+    reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
+    (segment 0 is padding, attended by none). Scores and softmax in fp32.
 
-    A query whose mask row is all False (padding) gets uniform weights, never NaN.
+    Queries go in blocks of `ATTN_BLOCK` tokens, each over the keys up to its last token only:
+    the blocks above the diagonal, all masked, are never computed (about half the work of a
+    dense T x T attention). Each block's scores are one batched matmul of (b, g) [R * n, K] x
+    [K, S] (the R query heads of a kv head side by side), a layout XLA:CPU runs without
+    transposing the scores. A query whose row is all masked (padding) gets uniform weights
+    over its block's keys, never NaN; no other token reads it.
+
+    The gradient (a custom VJP) keeps only each row's softmax maximum and sum and computes the
+    scores again, block by block, for the weights ``p`` (the same numbers as the forward's):
+    ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``. Autodiff kept every layer's weights,
+    fp32 and rounded, for the backward pass (gigabytes at 8 x 512 tokens, written and read
+    once each).
     """
     B, T, H, K = q_bthk.shape
-    G = k_bgsk.shape[1]
-    q = q_bthk.reshape(B, T, G, H // G, K)
-    scores = jnp.einsum("btgrk,bgsk->bgrts", q, k_bgsk, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_bts[:, None, None], scores * (K**-0.5), -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bgsk.dtype)
-    out = jnp.einsum("bgrts,bgsk->btgrk", probs, v_bgsk)
-    return out.reshape(B, T, H, K)
+    G = k_btgk.shape[2]
+    q = q_bthk.reshape(B, T, G, H // G, K).transpose(0, 2, 1, 3, 4)  # [B, G, T, R, K]
+    out = _attention(q, k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3), segment_ids_bt)
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
+
+
+def _attention_blocks(T: int) -> list[tuple[int, int]]:
+    """Query blocks (start, end): queries start .. end - 1 see keys 0 .. end - 1 at most."""
+    return [(start, min(start + ATTN_BLOCK, T)) for start in range(0, T, ATTN_BLOCK)]
+
+
+def _block_scores(
+    q_bgtrk: jax.Array, k_bgtk: jax.Array, segment_ids_bt: jax.Array, start: int, end: int
+) -> jax.Array:
+    """Scaled scores [B, G, n, R, end] (fp32) of queries start .. end - 1; -1e30 if masked."""
+    B, G, _, R, K = q_bgtrk.shape
+    n = end - start
+    q_i = q_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
+    scores = jnp.einsum(
+        "bgqk,bgsk->bgqs", q_i, k_bgtk[:, :, :end], preferred_element_type=jnp.float32
+    ).reshape(B, G, n, R, end)
+    seg_q, seg_k = segment_ids_bt[:, start:end, None], segment_ids_bt[:, None, :end]
+    causal_ns = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
+    mask_bns = causal_ns[None] & (seg_q == seg_k) & (seg_k != 0)
+    return jnp.where(mask_bns[:, None, :, None], scores * (K**-0.5), -1e30)
+
+
+@jax.custom_vjp
+def _attention(
+    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, segment_ids_bt: jax.Array
+) -> jax.Array:
+    """`attention` in the layout it computes in: out [B, G, T, R, K]."""
+    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt)[0]
+
+
+def _attention_fwd(
+    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, segment_ids_bt: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    B, G, T, R, K = q_bgtrk.shape
+    outs, tops, totals = [], [], []
+    for start, end in _attention_blocks(T):
+        n = end - start
+        scores = _block_scores(q_bgtrk, k_bgtk, segment_ids_bt, start, end)
+        top = scores.max(-1, keepdims=True)  # the softmax as `jax.nn.softmax` computes it
+        unnormalized = jnp.exp(scores - top)
+        total = unnormalized.sum(-1, keepdims=True)
+        probs = (unnormalized / total).astype(v_bgtk.dtype).reshape(B, G, n * R, end)
+        out = jnp.einsum("bgqs,bgsk->bgqk", probs, v_bgtk[:, :, :end])
+        outs.append(out.reshape(B, G, n, R, K))
+        tops.append(top)
+        totals.append(total)
+    res = (q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, jnp.concatenate(tops, 2))
+    return jnp.concatenate(outs, axis=2), (*res, jnp.concatenate(totals, 2))
+
+
+def _attention_bwd(
+    res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+    q, k, v, segment_ids_bt, top, total = res
+    B, G, T, R, K = q.shape
+    dq_blocks = []
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    for start, end in _attention_blocks(T):
+        n = end - start
+        scores = _block_scores(q, k, segment_ids_bt, start, end)
+        probs = jnp.exp(scores - top[:, :, start:end]) / total[:, :, start:end]
+        dout = dout_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
+        dprobs = jnp.einsum(
+            "bgqk,bgsk->bgqs", dout, v[:, :, :end], preferred_element_type=jnp.float32
+        ).reshape(B, G, n, R, end)
+        dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True)) * (K**-0.5)
+        dscores = dscores.astype(q.dtype).reshape(B, G, n * R, end)
+        dq = jnp.einsum(
+            "bgqs,bgsk->bgqk", dscores, k[:, :, :end], preferred_element_type=jnp.float32
+        )
+        dq_blocks.append(dq.reshape(B, G, n, R, K))
+        q_i = q[:, :, start:end].reshape(B, G, n * R, K)
+        dk_i = jnp.einsum("bgqs,bgqk->bgsk", dscores, q_i, preferred_element_type=jnp.float32)
+        p_i = probs.astype(v.dtype).reshape(B, G, n * R, end)
+        dv_i = jnp.einsum("bgqs,bgqk->bgsk", p_i, dout, preferred_element_type=jnp.float32)
+        dk = dk.at[:, :, :end].add(dk_i)
+        dv = dv.at[:, :, :end].add(dv_i)
+    dq_all = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
+    return dq_all, dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def cached_attention(
@@ -365,9 +460,14 @@ def cached_attention(
 
 
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
-    gate = matmul("btd,df->btf", x_btd, lw.gate)
-    up = matmul("btd,df->btf", x_btd, lw.up)
-    return matmul("btf,fd->btd", jax.nn.silu(gate) * up, lw.down)
+    """SwiGLU over the tokens flattened to N = B * T rows: the same numbers as over [B, T, D],
+    and on XLA:CPU the weight gradients' matmuls then read the activations' gradients as they
+    are (with B and T apart, each [B, T, F] one was first copied transposed, slowly)."""
+    B, T, D = x_btd.shape
+    x_nd = x_btd.reshape(B * T, D)
+    gate = matmul("nd,df->nf", x_nd, lw.gate)
+    up = matmul("nd,df->nf", x_nd, lw.up)
+    return matmul("nf,fd->nd", jax.nn.silu(gate) * up, lw.down).reshape(B, T, D)
 
 
 def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -444,7 +544,6 @@ def forward(
     copies too).
     """
     B, T = tokens_bt.shape
-    causal_tt = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
 
     def attend(
@@ -465,13 +564,11 @@ def forward(
     if cache is None:
         if positions_bt is None or segment_ids_bt is None:
             raise ValueError("forward without a cache needs positions and segment ids")
-        same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-        mask_bts = causal_tt[None] & same_bts & (segment_ids_bt[:, None, :] != 0)
-        train_positions = positions_bt
+        train_positions, train_segments = positions_bt, segment_ids_bt
 
         def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask_bts)
+                return attention(q, k, v, train_segments)
 
             return mlp(lw, attend(lw, x_btd, train_positions, attn)), None
 

@@ -16,7 +16,8 @@ only the metrics come back to the host.
 
 Logprobs are recomputed with `sampling_logprobs`, the function the engine samples with, under
 the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
-token (`Learner.logprobs`).
+token (`Learner.logprobs`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
+of the vocabulary at a time (the [B, T, V] logits are never made).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax.sharding import NamedSharding
 
 from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
-from jax_agent_rl.engine.sampling import sampling_logprobs, token_logprobs
+from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rl import core
@@ -127,11 +128,22 @@ class StepSpec:
 
 
 def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under the rollout's sampling distribution, and its entropy."""
+    """Logprob of each target under the rollout's sampling distribution, and its entropy.
+
+    Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
+    vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
+    """
     h, w = spec.hidden(params, mb)
-    logits_btv = lm_logits(w, h)
-    B, T, V = logits_btv.shape
     s = spec.sampling
+    B, T, D = h.shape
+    if s.top_k <= 0 and s.top_p >= 1.0:
+        head_vd = w.embed if w.lm_head is None else w.lm_head.T
+        logp, entropy = head_logprobs(
+            h.reshape(B * T, D), head_vd, mb.targets.reshape(B * T), s.temperature
+        )
+        return logp.reshape(B, T), entropy.reshape(B, T)
+    logits_btv = lm_logits(w, h)
+    V = logits_btv.shape[-1]
     full = lambda v: jnp.full((B * T,), v)  # noqa: E731
     logp_btv = sampling_logprobs(
         logits_btv.reshape(B * T, V), full(s.temperature), full(s.top_k), full(s.top_p)

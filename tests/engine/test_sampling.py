@@ -1,12 +1,15 @@
 """The sampling distribution (temperature, top-k, top-p) and the sampler, against numpy."""
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_agent_rl.engine import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.engine.sampling import first_max
+from jax_agent_rl.engine.sampling import first_max, head_logprobs
+from jax_agent_rl.rl.core import entropy_from_logprobs
 
 
 def _reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -111,3 +114,58 @@ def test_first_max_is_argmax_with_ties_infinities_and_nans() -> None:
     x[3, 5] = np.inf
     np.testing.assert_array_equal(first_max(jnp.asarray(x)), np.argmax(x, axis=-1))
     assert int(first_max(jnp.asarray(x))[1]) == 7
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+@pytest.mark.parametrize("chunk", [128, 300, 4096])  # 8 of 126 and 4 of 251 (padded); 1
+def test_head_logprobs_equal_the_full_vocabulary(temperature: float, chunk: int) -> None:
+    """`head_logprobs` (chunked, online) = `sampling_logprobs` over all the logits, without
+    filters: each target's logprob and each row's entropy, and their gradients to the hidden
+    states and the head.
+
+    Both compute the same fp32 quantities and differ in the order of their sums only: log Z
+    sums V = 1001 terms (relative rounding ~log2(V) * 6e-8 ~ 1e-6 pairwise, worse for a
+    sequential online sum but far below 1e-5 at |logits| ~ 5), so values agree to 1e-5
+    absolute. Gradients: normwise 1e-5, each entry being a sum over rows or vocabulary of
+    terms of either sign, whose rounding scales with the tensor's norm.
+    """
+    N, D, V = 37, 16, 1001
+    kh, kw, ky = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(kh, (N, D))
+    head = jax.random.normal(kw, (V, D)) * 0.5
+    targets = jax.random.randint(ky, (N,), 0, V)
+
+    def full(h: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+        lp = sampling_logprobs(h @ head.T, jnp.full((N,), temperature), -jnp.ones(N), jnp.ones(N))
+        return token_logprobs(lp, targets), entropy_from_logprobs(lp)
+
+    def chunked(h: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return head_logprobs(h, head, targets, temperature, chunk)
+
+    for got, want in zip(jax.jit(chunked)(h, head), jax.jit(full)(h, head), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+    cot = jax.random.normal(jax.random.key(1), (2, N))
+
+    def loss(fn: Callable[..., tuple[jax.Array, jax.Array]]) -> Callable[..., jax.Array]:
+        return lambda h, head: jnp.sum(cot[0] * fn(h, head)[0] + cot[1] * fn(h, head)[1])
+
+    got_g = jax.jit(jax.grad(loss(chunked), (0, 1)))(h, head)
+    want_g = jax.jit(jax.grad(loss(full), (0, 1)))(h, head)
+    for got, want in zip(got_g, want_g, strict=True):
+        err = np.linalg.norm(np.asarray(got - want, np.float64))
+        assert err / np.linalg.norm(np.asarray(want, np.float64)) <= 1e-5
+
+
+def test_head_logprobs_bf16_gradients_arrive_in_bf16() -> None:
+    """In bf16 the logits are still fp32 sums; gradients come back in the inputs' dtypes."""
+    h = jax.random.normal(jax.random.key(0), (5, 8), jnp.bfloat16)
+    head = jax.random.normal(jax.random.key(1), (50, 8), jnp.bfloat16)
+    targets = jnp.arange(5)
+    logp, entropy = head_logprobs(h, head, targets, 1.0, 16)
+    assert logp.dtype == entropy.dtype == jnp.float32
+    dh, dhead = jax.grad(lambda h, w: head_logprobs(h, w, targets, 1.0, 16)[0].sum(), (0, 1))(
+        h, head
+    )
+    assert dh.dtype == dhead.dtype == jnp.bfloat16
+    assert dhead.shape == head.shape

@@ -83,8 +83,13 @@ def micro(batch: TrainBatch, m: int) -> TrainBatch:
     return jax.tree.map(lambda x: jnp.asarray(x).reshape(m, B // m, *x.shape[1:]), batch)
 
 
-def spec(algo: AlgorithmSection, sharder: Sharder | None = None) -> StepSpec:
-    return StepSpec(CFG, "float32", SamplingSpec(0.8, 20, 0.9), algo, False, sharder)
+FILTERED = SamplingSpec(0.8, 20, 0.9)
+
+
+def spec(
+    algo: AlgorithmSection, sharder: Sharder | None = None, sampling: SamplingSpec = FILTERED
+) -> StepSpec:
+    return StepSpec(CFG, "float32", sampling, algo, False, sharder)
 
 
 ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=2.0)
@@ -103,10 +108,14 @@ def test_micro_batches_sum_to_the_whole_batch(mode: str) -> None:
     assert_close_normwise(g4, g1)
 
 
-@pytest.mark.parametrize("objective", ["policy", "value"])
-def test_sharded_step_equals_unsharded(objective: str) -> None:
+@pytest.mark.parametrize(
+    ("objective", "sampling"),
+    [("policy", FILTERED), ("policy", SamplingSpec(0.8)), ("value", FILTERED)],
+)
+def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -> None:
     """8 fake CPU devices, data=2 x fsdp=2 x tensor=2: loss and every gradient equal the
-    single-device computation within 1e-5, normwise (only the reduction order differs)."""
+    single-device computation within 1e-5, normwise (only the reduction order differs). The
+    policy without top-k / top-p takes `head_logprobs` (its vocabulary sharded over tensor)."""
     params = init_params(jax.random.key(1), CFG)
     batch = micro(random_batch(seed=1), 2)
     sharder = Sharder(make_mesh(2, 2, 2))
@@ -117,7 +126,7 @@ def test_sharded_step_equals_unsharded(objective: str) -> None:
     )
     if objective == "value":  # a non-zero head so the body gets gradients
         target = dataclasses.replace(target, head=jnp.linspace(-1, 1, CFG.hidden_size))
-    plain = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO), p, b))
+    plain = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, None, sampling), p, b))
     loss0, g0, m0 = plain(target, batch)
 
     learner = Learner(
@@ -125,7 +134,7 @@ def test_sharded_step_equals_unsharded(objective: str) -> None:
         params,
         algo=ALGO,
         optim=OptimSection(),
-        sampling=SamplingSpec(0.8, 20, 0.9),
+        sampling=sampling,
         micro_batch_size=4,
         sharder=sharder,
         critic=target if objective == "value" else None,
@@ -134,7 +143,7 @@ def test_sharded_step_equals_unsharded(objective: str) -> None:
     host = jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), batch)
     sharded_batch = learner.device_batch(host)
     assert sharded_batch.tokens.sharding.spec[1] == ("data", "fsdp")
-    sharded = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, sharder), p, b))
+    sharded = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, sharder, sampling), p, b))
     loss1, g1, m1 = sharded(placed, sharded_batch)
     assert_close_normwise(loss1, loss0)
     assert_close_normwise(g1, g0)
@@ -144,12 +153,15 @@ def test_sharded_step_equals_unsharded(objective: str) -> None:
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
 
 
-def test_learner_logprobs_equal_the_samplers() -> None:
-    """Tokens sampled by the engine at temperature 0.8 / top-k 20 / top-p 0.9 get the same
-    logprobs from the learner's recomputation (fp32: 1e-4, the backend's stated tolerance)."""
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (-1, 1.0)])
+def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
+    """Tokens sampled by the engine at temperature 0.8 with top-k 20 / top-p 0.9 (the learner
+    takes the full-vocabulary path) or without filters (its chunked `head_logprobs`) get the
+    same logprobs from the learner's recomputation (fp32: 1e-4, the backend's stated
+    tolerance)."""
     params = init_params(jax.random.key(2), CFG)
     backend = EmbeddedBackend(Engine(CFG, max_concurrent_decodes=4, max_len=128), params)
-    sampling = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, top_k=top_k, top_p=top_p, seed=3)
 
     async def go() -> list:
         reqs = [
@@ -170,7 +182,7 @@ def test_learner_logprobs_equal_the_samplers() -> None:
         params,
         algo=ALGO,
         optim=OptimSection(),
-        sampling=SamplingSpec(0.8, 20, 0.9),
+        sampling=SamplingSpec(0.8, top_k, top_p),
         micro_batch_size=2,
     )
     mask = np.asarray(batch.mask) > 0
