@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,14 @@ from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.ray_cluster import connect
-from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
-from jax_agent_rl.rollout.ray_pool import RayPool, _check_fits
+from jax_agent_rl.rollout import (
+    EmbeddedBackend,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    ray_pool,
+)
+from jax_agent_rl.rollout.ray_pool import RayPool, Replica, _check_fits
 from jax_agent_rl.rollout.registry import BackendBuild
 from jax_agent_rl.tools.ray_servers import RayToolServers
 from jax_agent_rl.tools.registry import ToolTransportError
@@ -117,25 +122,29 @@ def _kill_server(server: object) -> None:
         time.sleep(0.01)
 
 
-def _exit_if_serving(replica: object) -> bool:
-    if replica.requests > 0:  # type: ignore[attr-defined]
-        os._exit(1)
-    return False
+def _dying_replica(name: str, on_request: int) -> type:
+    """A `Replica` whose actor ``name`` (``jarl-replica-{slot}.{generation}``) ends its process
+    when its ``on_request``-th request arrives: it dies with that request (and any before it
+    that are unfinished) in flight, whatever the machine's speed. A restarted replica has
+    another name and lives. (Defined here, so Ray sends the class itself to the workers.)"""
 
+    class DyingReplica(Replica):
+        arrived = 0
 
-def _killed_while_serving(actor: object) -> bool:
-    """Ends the replica's process if it holds a request at that moment, and says whether it
-    did. The check and the exit are one call on the replica's event loop, so no request can
-    finish between them (``ray.kill`` after a separate check could land once it was idle)."""
-    try:
-        return ray.get(actor.__ray_call__.remote(_exit_if_serving))  # type: ignore[attr-defined]
-    except ray.exceptions.RayActorError:
-        return True
+        async def generate(self, request: GenerateRequest) -> GenerateResult:
+            self.arrived += 1
+            if self.arrived == on_request and ray.get_runtime_context().get_actor_name() == name:
+                os._exit(1)
+            return await super().generate(request)
+
+    return DyingReplica
 
 
 def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights(
-    cluster: object, tmp_path: Path
+    cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # replica 1 serves 4 of each batch of 8 (below): it dies as its second batch comes
+    monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-1.0", on_request=6))
     path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
     cfg, weights = load_hf(path)
     rollout = RolloutSection(
@@ -150,14 +159,11 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
         before = await asyncio.gather(*(pool.generate(r) for r in _requests("a")))
         assert sorted(pool._sessions.values()) == [0] * 4 + [1] * 4  # least in flight: even
 
-        # the same seeded requests again; replica 1 is killed while it is serving some
-        again = [
-            asyncio.create_task(pool.generate(dataclasses.replace(r, request_id=f"b{i}")))
-            for i, r in enumerate(_requests("a"))
-        ]
-        victim = pool._slots[1].actor
-        await _until(lambda: _killed_while_serving(victim), "replica 1 killed while serving")
-        after = await asyncio.gather(*again)
+        # the same seeded requests again; replica 1 dies while it is serving some
+        after = await asyncio.gather(
+            *(pool.generate(dataclasses.replace(r, request_id=f"b{i}"))
+              for i, r in enumerate(_requests("a")))
+        )  # fmt: skip
         counted = pool.counters()
         assert counted["rollout/replica_deaths"] == 1
         assert counted["rollout/requests_requeued"] >= 1
@@ -184,11 +190,12 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
 
 
 def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
-    cluster: object, tmp_path: Path
+    cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A whole run (2 steps, 2 replicas over the 2 nodes); while the first step rolls out, a
-    replica is killed. Each step still trains on every trajectory of its prompts, none cut
-    short, and the metrics count the death and the requests run again."""
+    replica dies (replica 0 takes the run's first request, and dies with it in flight). Each
+    step still trains on every trajectory of its prompts, none cut short, and the metrics
+    count the death and the requests run again."""
     task = prepare(tmp_path / "task", ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
     ray_keys = [f"rollout.ray.{k}={v}" for k, v in (
         ("address", cluster.address), ("replicas", 2), ("strategy", "STRICT_SPREAD"),  # type: ignore[attr-defined]
@@ -210,32 +217,12 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
             "trainer.tensorboard=false",
         ],
     )
-    killed: list[str] = []
-    done = threading.Event()
-
-    def killer() -> None:  # the first replica seen serving a request is killed
-        while not done.is_set() and not killed:
-            if ray.is_initialized():
-                for name in ray.util.list_named_actors():
-                    if name.startswith("jarl-replica-") and _killed_while_serving(
-                        ray.get_actor(name)
-                    ):
-                        killed.append(name)
-                        break
-            done.wait(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        run_dir = train(cfg)
-    finally:
-        done.set()
-        thread.join()
-    assert killed, "no replica was seen serving"
+    monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-0.0", on_request=1))
+    run_dir = train(cfg)
     steps = read_metrics(run_dir / "metrics.jsonl", "train")
     assert len(steps) == 2
-    assert sum(m["rollout/replica_deaths"] for m in steps) == 1
-    assert sum(m["rollout/requests_requeued"] for m in steps) >= 1
+    assert steps[0]["rollout/replica_deaths"] == 1 and steps[1]["rollout/replica_deaths"] == 0
+    assert steps[0]["rollout/requests_requeued"] >= 1
     for m in steps:
         assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
         assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
