@@ -95,27 +95,33 @@ def test_calls_state_timeouts_and_crashes(server: str) -> None:
     asyncio.run(scenario())
 
 
+async def killed_mid_call(proc: subprocess.Popen[bytes], address: str) -> list[object]:
+    """Four calls of an hour-long tool to the server at ``address`` (HTTP or ``unix:``); once
+    its metrics show all four running, its process is killed. Returns what the four calls and
+    a call sent after the death raised (or returned). The server must run with a tool timeout
+    longer than the test, so no call can end before the kill."""
+    tools = HttpTools(address, retries=2, backoff_s=0.05)
+    watch = HttpTools(address)  # its own connection: the calls' own may be busy
+    calls = [
+        asyncio.create_task(tools.call(f"k{i}", "slow", {"seconds": 3600.0})) for i in range(4)
+    ]
+    while (await watch.metrics())["in_flight"] < 4:  # a state: all four reached the tool
+        await asyncio.sleep(0.01)
+    proc.kill()
+    results: list[object] = list(await asyncio.gather(*calls, return_exceptions=True))
+    # a dying process may still hold its listening socket after its connections closed
+    await asyncio.to_thread(proc.wait)
+    results += await asyncio.gather(tools.call("k9", "count", {}), return_exceptions=True)
+    await tools.release("k0")  # releasing against a dead server is not an error
+    return results
+
+
 def test_server_killed_mid_rollout(tmp_path: Path) -> None:
-    proc, url = start_server(tmp_path)
-    tools = HttpTools(url, retries=2, backoff_s=0.05)
-
-    async def scenario() -> list[object]:
-        calls = [
-            asyncio.create_task(tools.call(f"k{i}", "slow", {"seconds": 0.8})) for i in range(4)
-        ]
-        await asyncio.sleep(0.3)
-        proc.kill()
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        # a dying process may still hold its listening socket after its connections closed
-        await asyncio.to_thread(proc.wait)
-        results.append(await asyncio.gather(tools.call("k9", "count", {}), return_exceptions=True))
-        await tools.release("k0")  # releasing against a dead server is not an error
-        return results
-
-    results = asyncio.run(scenario())
-    assert all(isinstance(r, ToolTransportError) for r in results[:4])
-    (late,) = results[4]  # type: ignore[misc]
-    assert isinstance(late, ToolTransportError) and "unreachable" in str(late)
+    proc, url = start_server(tmp_path, "--timeout", "3600")
+    results = asyncio.run(killed_mid_call(proc, url))
+    assert all(isinstance(r, ToolTransportError) for r in results)
+    assert all("failed mid-call" in str(r) for r in results[:4])
+    assert "unreachable" in str(results[4])
 
 
 def test_auth_and_loopback_rule(tmp_path: Path) -> None:

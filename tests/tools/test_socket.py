@@ -17,7 +17,7 @@ import pytest
 
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
 from jax_agent_rl.tools.server import HttpTools, serve
-from tests.tools.test_server import TOOLS_YAML, start_server
+from tests.tools.test_server import TOOLS_YAML, killed_mid_call, start_server
 
 WITH_PYTHON = TOOLS_YAML + (
     "- class: jax_agent_rl.tools.sandbox:PythonTool\n  config: {pool_size: 2, timeout_s: 5.0}\n"
@@ -162,22 +162,8 @@ def test_socket_bounds(tmp_path: Path) -> None:
 
 
 def test_server_killed_mid_call_over_socket(tmp_path: Path) -> None:
-    proc, _, unix = _serve(tmp_path)
-    tools = HttpTools(unix, retries=2, backoff_s=0.05)
-
-    async def scenario() -> list[Any]:
-        calls = [
-            asyncio.create_task(tools.call(f"k{i}", "slow", {"seconds": 0.8})) for i in range(4)
-        ]
-        await asyncio.sleep(0.3)
-        proc.kill()
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        await asyncio.to_thread(proc.wait)
-        results += await asyncio.gather(tools.call("k9", "count", {}), return_exceptions=True)
-        await tools.release("k0")  # releasing against a dead server is not an error
-        return results
-
-    results = asyncio.run(scenario())
+    proc, _, unix = _serve(tmp_path, "--timeout", "3600")
+    results = asyncio.run(killed_mid_call(proc, unix))
     assert all(isinstance(r, ToolTransportError) for r in results)
     assert "unreachable" in str(results[4])
 
