@@ -49,7 +49,13 @@ from jax_agent_rl.models import (
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
+from jax_agent_rl.models.decoder import (
+    WHOLE_CACHE_MAX,
+    cache_length,
+    is_spec,
+    serving_layout,
+    training_layout,
+)
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -157,7 +163,9 @@ class Engine:
         self.max_len = max_len
         self.max_stop_ids = max_stop_ids
         self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
-        self.kv_buckets = _buckets(min(min_kv_bucket, max_len), max_len)
+        # attention buckets: a cache short enough to be read whole has one
+        whole = cache_length(max_len) <= WHOLE_CACHE_MAX
+        self.kv_buckets = (max_len,) if whole else _buckets(min(min_kv_bucket, max_len), max_len)
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
         # devices (a `data` mesh axis) keep the whole batch, each device decoding its share
         n = max_concurrent_decodes

@@ -85,6 +85,10 @@ class KVCache:
 
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 KV_BLOCK = 64  # cache positions per block of `cached_attention`
+# a cache of at most this many positions is read whole, in place, with one softmax; a longer
+# one in blocks, up to the attention bucket (measured on XLA:CPU: a block loop's iteration
+# costs ~3x the same positions read whole, so below this, reading past a row's end is cheaper)
+WHOLE_CACHE_MAX = 512
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
 
 
@@ -409,12 +413,15 @@ def cached_attention(
     The engine reads as much of the cache as its longest active row needs (its attention
     bucket), so ``kv_len`` depends on which requests share a decode batch; with one softmax
     over all those positions the reduction's shape, and so its rounding, changed with it, and
-    a sampled token could too. Here the cache is read in blocks of `KV_BLOCK` positions
-    straight from the layer's buffer (no copy of a prefix first), each by the same program,
-    in one pass with a running max (online softmax): a block past a row's positions adds
-    exact zeros and rescales by exactly 1, so the longest bucket gives the shortest's
-    numbers. Scores, softmax and sums in fp32.
+    a sampled token could too. So a cache of up to `WHOLE_CACHE_MAX` positions is read whole
+    whatever ``kv_len`` (`_whole_cache_attention`: one program, no copy), and a longer one in
+    blocks of `KV_BLOCK` positions straight from the layer's buffer (no copy of a prefix
+    first), each by the same program, in one pass with a running max (online softmax): a
+    block past a row's positions adds exact zeros and rescales by exactly 1, so the longest
+    bucket gives the shortest's numbers. Scores, softmax and sums in fp32.
     """
+    if k_cache.shape[2] <= WHOLE_CACHE_MAX:
+        return _whole_cache_attention(q_bthk, k_cache, v_cache, pos_b)
     B, T, H, K = q_bthk.shape
     G = k_cache.shape[1]
     # at least 2 blocks: XLA inlines a loop of one iteration, and its rounding then differs
@@ -456,6 +463,26 @@ def cached_attention(
     start = (jnp.full((B, G, R, T), -1e30), jnp.zeros((B, G, R, T)), jnp.zeros((B, G, R, T, K)))
     (_, total, out), _ = jax.lax.scan(add_block, start, jnp.arange(n))
     out = (out / total[..., None]).astype(q_bthk.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
+def _whole_cache_attention(
+    q_bthk: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos_b: jax.Array
+) -> jax.Array:
+    """`cached_attention` over every position of the cache rows ``0 .. B - 1``, with the
+    numerics of its block loop: fp32 scores, the weights rounded to the model's dtype for the
+    values' matmul, the denominator summed unrounded."""
+    B, T, H, K = q_bthk.shape
+    N, G, S, _ = k_cache.shape
+    q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
+    keys, values = (c if B == N else c[:B] for c in (k_cache, v_cache))
+    seen = jnp.arange(S) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]  # [B, T, S]
+    s = jnp.einsum("btgrk,bgsk->bgrts", q, keys.astype(jnp.float32))
+    s = jnp.where(seen[:, None, None], s * K**-0.5, -1e30)
+    p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
+    p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
+    out = jnp.einsum("bgrts,bgsk->bgrtk", p_rounded, values.astype(jnp.float32))
+    out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
 
 

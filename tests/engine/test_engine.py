@@ -2,6 +2,7 @@
 swaps, the session prefix cache, cancellation, and sharded decoding."""
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec
 
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
+from jax_agent_rl.models.decoder import WHOLE_CACHE_MAX
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
@@ -208,21 +210,32 @@ def test_a_slots_tokens_do_not_depend_on_the_attention_bucket(checkpoint: Path) 
     """The engine reads as much of the cache as its longest active slot needs, so which
     requests share a decode batch sets the attention bucket. A slot's logprobs (and so its
     sampled tokens) are the same bit for bit under every bucket that covers it: a run does
-    not depend on how its requests happened to be batched (`decoder.cached_attention`)."""
+    not depend on how its requests happened to be batched (`decoder.cached_attention`).
+    A cache short enough to be read whole has one bucket, and the same numbers to fp32
+    rounding (a softmax summed in another order)."""
     cfg, w = load_hf(checkpoint)
-    engine = Engine(cfg, max_concurrent_decodes=2, max_len=256)
+    cfg = dataclasses.replace(cfg, max_position_embeddings=1024)  # (RoPE has no bound)
+    engine = Engine(cfg, max_concurrent_decodes=2, max_len=1024)  # read in blocks
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
     prompt = list(range(5, 35))
-    results = []
-    for max_pos in (len(prompt), 100, 200, None):  # buckets 64, 128, 256, and max_len
+
+    def decode(engine: Engine, max_pos: int | None) -> tuple[np.ndarray, np.ndarray]:
         prefix = engine.prefill(w, None, prompt, sampling, seed=3)
         state = engine.insert(prefix, engine.init_decode_state(), 0)  # generate takes it
         _, out = engine.generate(w, state, num_steps=24, max_pos=max_pos)
-        results.append((np.asarray(out.token[:, 0]), np.asarray(out.logprob[:, 0])))
+        return np.asarray(out.token[:, 0]), np.asarray(out.logprob[:, 0])
+
+    results = [decode(engine, p) for p in (len(prompt), 100, 200, None)]  # 64, 128, 256, 1024
     for tokens, logprobs in results[1:]:
         np.testing.assert_array_equal(tokens, results[0][0])
         np.testing.assert_array_equal(logprobs, results[0][1])
     assert len({engine.kv_bucket(p, 24) for p in (len(prompt), 100, 200)}) == 3
+
+    short = Engine(cfg, max_concurrent_decodes=2, max_len=WHOLE_CACHE_MAX)
+    assert short.kv_buckets == (WHOLE_CACHE_MAX,)
+    tokens, logprobs = decode(short, len(prompt))
+    np.testing.assert_array_equal(tokens, results[0][0])
+    assert np.abs(logprobs - results[0][1]).max() <= FP32_LOGPROBS
 
 
 def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.models.decoder import ATTN_BLOCK, attention
+from jax_agent_rl.models.decoder import (
+    ATTN_BLOCK,
+    KV_BLOCK,
+    WHOLE_CACHE_MAX,
+    attention,
+    cached_attention,
+)
 
 B, T, H, G, K = 2, 300, 4, 2, 16
 
@@ -89,3 +95,34 @@ def test_blocked_attention_gradients_equal_dense() -> None:
     for got, want in zip(blocked(q, k, v), dense(q, k, v), strict=True):
         got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert np.linalg.norm(got64 - want64) / np.linalg.norm(want64) <= 1e-5
+
+
+def test_cached_attention_read_whole_or_in_blocks_equals_the_softmax() -> None:
+    """Decode attention over a cache (`cached_attention`): rows 0-1 of 3 cache rows, a chunk
+    of 3 new tokens at different positions. A cache of `WHOLE_CACHE_MAX` positions is read
+    whole, a longer one (the same contents, then garbage past every row's end) in blocks;
+    both against a float64 softmax over each query's positions. Bound from the same counting
+    as above: the scores are 16-term dot products and the sums run over at most S weights, so
+    each output, a weighted mean of values, is off by at most (K + S) unit roundoffs of the
+    largest value."""
+    n_rows, rows, new, S = 3, 2, 3, WHOLE_CACHE_MAX
+    kq, kk, kv = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(kq, (rows, new, H, K))
+    k_long = jax.random.normal(kk, (n_rows, G, S + 2 * KV_BLOCK, K))
+    v_long = jax.random.normal(kv, (n_rows, G, S + 2 * KV_BLOCK, K))
+    pos = jnp.asarray([5, S - new])  # each row's first new token's position
+    whole = cached_attention(q, k_long[:, :, :S], v_long[:, :, :S], pos, kv_len=S)
+    blocks = cached_attention(q, k_long, v_long, pos, kv_len=S)
+
+    k64, v64 = np.asarray(k_long, np.float64), np.asarray(v_long, np.float64)
+    qg = np.asarray(q, np.float64).reshape(rows, new, G, H // G, K)
+    s = np.einsum("btgrk,bgsk->bgrts", qg, k64[:rows]) * K**-0.5
+    last = np.asarray(pos)[:, None] + np.arange(new)  # [rows, new]: each query's position
+    seen = np.arange(k64.shape[2])[None, None, :] <= last[..., None]
+    s = np.where(seen[:, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("bgrts,bgsk->btgrk", p, v64[:rows]).reshape(rows, new, H, K)
+    bound = (K + S) * 2.0**-24 * np.abs(v64).max()
+    for got in (whole, blocks):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=bound, rtol=0)
