@@ -435,8 +435,12 @@ def create_app(
     `jax_agent_rl.agent.parsers`) reads the actions of ``/get_observation`` (`_verl_tool_routes`).
     With ``socket_path``, the app's lifespan also serves the calls on that Unix socket
     (`SocketServer`, under the same token, with the same bounds per frame, ``max_concurrency``
-    calls in flight per connection and at most ``max_connections`` connections).
+    calls in flight per connection and at most ``max_connections`` connections). An empty
+    ``token`` is refused: the two transports would read it differently, and an unset
+    ``--token "$VAR"`` should not quietly mean no token.
     """
+    if token == "":
+        raise ValueError("the tool server's token is empty: give a token, or none at all")
     parser = make_parser(action_parser)
     tools = LocalTools(
         registry,
@@ -652,6 +656,8 @@ def serve(
     """
     import uvicorn
 
+    if token == "":
+        raise ValueError("the tool server's token is empty: give a token, or none at all")
     if not is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
     if socket_path is not None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools, serve
+from jax_agent_rl.tools.server import HttpTools, create_app, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_YAML = """
@@ -127,6 +127,11 @@ def test_server_killed_mid_rollout(tmp_path: Path) -> None:
 def test_auth_and_loopback_rule(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"non-loopback address 0\.0\.0\.0 without --token"):
         serve(ToolRegistry(), host="0.0.0.0")
+    for host in ("127.0.0.1", "0.0.0.0"):  # an empty token (`--token "$UNSET"`) is no token
+        with pytest.raises(ValueError, match="token is empty"):
+            serve(ToolRegistry(), host=host, token="")
+    with pytest.raises(ValueError, match="token is empty"):
+        create_app(ToolRegistry(), token="")
     proc, url = start_server(tmp_path, "--token", "s3cret")
     try:
         with pytest.raises(ToolTransportError, match="401"):
