@@ -656,13 +656,7 @@ def serve(
     """
     import uvicorn
 
-    if token == "":
-        raise ValueError("the tool server's token is empty: give a token, or none at all")
-    if not is_loopback(host) and not token:
-        raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
-    if socket_path is not None:
-        private_socket_path(socket_path)  # refused here, before anything listens
-    app = create_app(
+    app = create_app(  # (refuses an empty token; nothing listens yet)
         registry,
         max_concurrency=max_concurrency,
         timeout_s=timeout_s,
@@ -675,6 +669,10 @@ def serve(
         socket_path=socket_path,
         max_connections=max_connections,
     )
+    if not is_loopback(host) and not token:
+        raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
+    if socket_path is not None:
+        private_socket_path(socket_path)  # refused here, before anything listens
     uvicorn.Server(server_config(app, host, port, max_connections)).run()
 
 
