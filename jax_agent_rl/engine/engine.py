@@ -50,9 +50,9 @@ from jax_agent_rl.models import (
     param_specs,
 )
 from jax_agent_rl.models.decoder import (
-    WHOLE_CACHE_MAX,
     cache_length,
     is_spec,
+    reads_whole,
     serving_layout,
     training_layout,
 )
@@ -164,7 +164,7 @@ class Engine:
         self.max_stop_ids = max_stop_ids
         self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
         # attention buckets: a cache short enough to be read whole has one
-        whole = cache_length(max_len) <= WHOLE_CACHE_MAX
+        whole = reads_whole(cache_length(max_len))
         self.kv_buckets = (max_len,) if whole else _buckets(min(min_kv_bucket, max_len), max_len)
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
         # devices (a `data` mesh axis) keep the whole batch, each device decoding its share

@@ -98,6 +98,12 @@ def cache_length(max_len: int) -> int:
     return max(-(-max_len // KV_BLOCK), 2) * KV_BLOCK
 
 
+def reads_whole(cache_positions: int) -> bool:
+    """Whether `cached_attention` reads a cache of this many positions whole (one attention
+    bucket serves it) rather than in blocks up to the bucket."""
+    return cache_positions <= WHOLE_CACHE_MAX
+
+
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return 0.02 * jax.random.normal(key, shape, dtype)
 
@@ -420,7 +426,7 @@ def cached_attention(
     block past a row's positions adds exact zeros and rescales by exactly 1, so the longest
     bucket gives the shortest's numbers. Scores, softmax and sums in fp32.
     """
-    if k_cache.shape[2] <= WHOLE_CACHE_MAX:
+    if reads_whole(k_cache.shape[2]):
         return _whole_cache_attention(q_bthk, k_cache, v_cache, pos_b)
     B, T, H, K = q_bthk.shape
     G = k_cache.shape[1]
