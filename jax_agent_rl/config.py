@@ -136,6 +136,9 @@ class AgentSection:
     max_tool_response_tokens: int = 256  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # tool calls one trajectory runs at once (a turn can hold dozens); its other calls wait
+    # for these, so one trajectory cannot take every tool worker from its siblings
+    max_parallel_tool_calls: int = 4
     # the LangGraph graph of agent_name react_agent (agent/langgraph_loop.py, the `agents`
     # extra): package.module:function or path/to/file.py:function, given (chat_model, tools),
     # returning a compiled graph over MessagesState; empty: the default ReAct graph
@@ -477,6 +480,7 @@ RANGES: dict[str, Rule] = {
     "agent.max_tokens_per_turn": _COUNT,
     "agent.max_response_tokens": _COUNT,
     "agent.max_tool_response_tokens": _COUNT,
+    "agent.max_parallel_tool_calls": _COUNT,
     "agent.tree.n_roots": _COUNT,
     "agent.tree.branch": _COUNT,
     "agent.tree.depth": _NATURAL,

@@ -3,7 +3,8 @@
 ``run_tool_agent`` alternates model turns and tool calls against any `RolloutBackend` and any
 `ToolExecutor`. Model tokens are appended exactly as sampled (mask 1, with their logprobs);
 every other token comes from the chat template as a delta (mask 0), so ``prompt_ids +
-response_ids`` is what the model saw. Tool calls of one turn run concurrently; a malformed
+response_ids`` is what the model saw. Tool calls of one turn run concurrently, at most
+``agent.max_parallel_tool_calls`` of a trajectory at once (`ToolCallSlots`); a malformed
 call is answered with a tool message saying what was wrong. Every trajectory ends with a
 `StopReason`, and its tool state is always released; an unexpected exception ends only its own
 trajectory (``agent_error``, see `run_sample`).
@@ -17,11 +18,12 @@ added with `register_agent_loop`. Datasets are checked against these names when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import traceback
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
@@ -52,9 +54,35 @@ class AgentConfig(AgentSection):
         return cls(**{f.name: getattr(agent, f.name) for f in dataclasses.fields(agent)}, **rollout)
 
 
+class ToolCallSlots:
+    """At most ``limit`` tool calls in flight per trajectory, however its loop issues them (a
+    turn's calls gathered, a graph's tool node): the rest wait for these, in order, so one
+    trajectory's turn of dozens of calls does not take every tool worker from its siblings. A
+    trajectory is kept here only while it has calls in flight or waiting."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, tuple[asyncio.Semaphore, int]] = {}  # and calls holding it
+
+    @contextlib.asynccontextmanager
+    async def hold(self, trajectory_id: str, limit: int) -> AsyncIterator[None]:
+        """One of ``trajectory_id``'s ``limit`` slots, for one call."""
+        slots, calls = self._slots.get(trajectory_id) or (asyncio.Semaphore(limit), 0)
+        self._slots[trajectory_id] = (slots, calls + 1)
+        try:
+            async with slots:
+                yield
+        finally:
+            calls = self._slots[trajectory_id][1] - 1
+            if calls:
+                self._slots[trajectory_id] = (slots, calls)
+            else:
+                del self._slots[trajectory_id]
+
+
 @dataclasses.dataclass
 class AgentContext:
-    """What a loop needs, passed in: the backend, the tokenizer, tools and the turn builder."""
+    """What a loop needs, passed in: the backend, the tokenizer, tools and the turn builder,
+    and the tool call slots of the trajectories it runs."""
 
     backend: RolloutBackend
     tokenizer: Tokenizer
@@ -64,6 +92,7 @@ class AgentContext:
     builder: TurnBuilder
     seed: int | None = None
     budget: Budget | None = None  # shared by the episodes of one prompt (a tree rollout)
+    tool_slots: ToolCallSlots = dataclasses.field(default_factory=ToolCallSlots, repr=False)
 
     @classmethod
     async def create(
@@ -232,12 +261,14 @@ async def call_tool(
     create_kwargs: Mapping[str, dict[str, Any]],
 ) -> ToolResult:
     """One call of a turn: a malformed one is answered with what was wrong, the others by the
-    executor (with the sample's ``create_kwargs`` of that tool)."""
+    executor (with the sample's ``create_kwargs`` of that tool) once one of the trajectory's
+    ``max_parallel_tool_calls`` slots is free."""
     if call.error is not None:
         traj.malformed_calls += 1
         return ToolResult(f"error: {call.error}", error=True)
     kwargs = create_kwargs.get(call.name)
-    return await ctx.tools.call(traj.uid, call.name, call.arguments, kwargs)
+    async with ctx.tool_slots.hold(traj.uid, ctx.config.max_parallel_tool_calls):
+        return await ctx.tools.call(traj.uid, call.name, call.arguments, kwargs)
 
 
 async def _call_tools(

@@ -9,19 +9,25 @@ trajectory, on first use, with the sample's create kwargs), ``execute`` (per cal
 process pool, a client) frees them in ``close``. Every call returns a `ToolResult`: the text
 the model sees, a tool-level reward, whether the tool ends the trajectory, and whether it was
 an error.
+
+A tool whose calls share a few resources (a sandbox pool's workers) hands them out with a
+`FairPool`: its waiting calls take turns by trajectory, and the time a call waits its turn is
+not counted against the call's timeout (`CallClock`, which the executor runs each call under).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import contextvars
 import dataclasses
 import inspect
 import re
 import types
 import typing
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from typing import Any, Generic, TypeVar
 
 JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -66,6 +72,145 @@ class Tool(abc.ABC):
         """Frees what the tool itself holds (processes, clients); called once, when its
         executor closes, after every trajectory's state was released."""
         return None  # a tool holds nothing by default
+
+
+class CallClock:
+    """The timeout of one tool call, which its executor (`LocalTools`) runs it under: the call
+    fails with TimeoutError once it has run ``timeout_s`` seconds, not counting the time it
+    waited its turn for a shared resource (`FairPool.acquire` stops the clock while it waits).
+    One wait lasts at most ``max_wait_s`` seconds (TimeoutError, with `ran_out_waiting` set):
+    no call waits forever, whatever holds the resource."""
+
+    def __init__(self, timeout_s: float, max_wait_s: float) -> None:
+        self.timeout_s, self.max_wait_s = timeout_s, max_wait_s
+        self.ran_out_waiting = False  # the call timed out waiting its turn, before it ran
+        self._timeout = asyncio.timeout_at(None)  # set on entry
+        self._waits = 0  # waits in progress (a tool may wait in several tasks at once)
+        self._left = timeout_s  # running time left when the clock stopped
+        self._token: contextvars.Token[CallClock | None] | None = None
+
+    async def __aenter__(self) -> CallClock:
+        await self._timeout.__aenter__()
+        self._timeout.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+        self._token = _CLOCK.set(self)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._token is not None
+        _CLOCK.reset(self._token)
+        self._token = None
+        await self._timeout.__aexit__(*exc)  # past the deadline: TimeoutError
+
+    def _running(self) -> bool:
+        """Whether the call still runs under this clock (not ended, not timed out)."""
+        return self._token is not None and not self._timeout.expired()
+
+    def stop(self) -> None:
+        """A wait begins: the running time stops, the wait's bound starts."""
+        self._waits += 1
+        if self._waits == 1 and self._running():
+            now, when = asyncio.get_running_loop().time(), self._timeout.when()
+            assert when is not None
+            self._left = when - now
+            self._timeout.reschedule(now + self.max_wait_s)
+
+    def restart(self) -> None:
+        """A wait ends: the running time goes on from where it stopped."""
+        self._waits -= 1
+        if self._timeout.expired():
+            self.ran_out_waiting = True
+        elif self._waits == 0 and self._running():
+            self._timeout.reschedule(asyncio.get_running_loop().time() + self._left)
+
+
+# The clock of the tool call running in this context (set by `CallClock`, read by `FairPool`).
+_CLOCK: contextvars.ContextVar[CallClock | None] = contextvars.ContextVar("_CLOCK", default=None)
+
+T = TypeVar("T")
+
+
+class FairPool(Generic[T]):
+    """Interchangeable resources (a sandbox pool's workers) shared fairly by keys (one per
+    trajectory).
+
+    `acquire` takes a free resource at once when no call waits; otherwise the call waits its
+    turn (its `CallClock` stopped meanwhile). A released resource goes to the waiting key that
+    holds the fewest, among those to the one served longest ago (then to the one waiting
+    longest), and each key's calls are served in their order: the turns go round the keys, so
+    a key's backlog of calls delays another key's call by at most one release per resource,
+    however many calls it queued first.
+    """
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self._free = list(items)
+        self._queues: dict[Hashable, collections.deque[asyncio.Future[T]]] = {}  # by arrival
+        self._held: collections.Counter[Hashable] = collections.Counter()
+        self._served: dict[Hashable, int] = {}  # the turn each key was last served at
+        self._turns = 0
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a resource."""
+        return sum(len(q) for q in self._queues.values())
+
+    async def acquire(self, key: Hashable) -> T:
+        """A resource for a call of ``key``; give it back with `release`."""
+        if self._free and not self._queues:
+            return self._grant(key, self._free.pop())
+        waiter = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(key, collections.deque()).append(waiter)
+        clock = _CLOCK.get()
+        if clock is not None:
+            clock.stop()
+        try:
+            return await waiter  # set by `release`, which granted it
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():  # granted as the call gave up
+                self.release(key, waiter.result())
+            else:
+                self._forget(key, waiter)
+            raise
+        finally:
+            if clock is not None:
+                clock.restart()
+
+    def release(self, key: Hashable, item: T) -> None:
+        """Gives back a resource ``key`` acquired: to the next waiting call in turn, if any."""
+        self._held[key] -= 1
+        while self._queues:
+            turn = min(self._queues, key=lambda k: (self._held[k], self._served.get(k, -1)))
+            queue = self._queues[turn]
+            waiter = queue.popleft()
+            if not queue:
+                del self._queues[turn]
+            if not waiter.done() and not waiter.get_loop().is_closed():
+                waiter.set_result(self._grant(turn, item))
+                break
+            self._prune(turn)
+        else:
+            self._free.append(item)
+        self._prune(key)
+
+    def _grant(self, key: Hashable, item: T) -> T:
+        self._held[key] += 1
+        self._turns += 1
+        self._served[key] = self._turns
+        return item
+
+    def _forget(self, key: Hashable, waiter: asyncio.Future[T]) -> None:
+        """Drops a waiter whose call gave up before it was served."""
+        queue = self._queues.get(key)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._queues[key]
+        self._prune(key)
+
+    def _prune(self, key: Hashable) -> None:
+        """Forgets a key that neither holds nor waits (a trajectory that ended)."""
+        if self._held[key] <= 0 and key not in self._queues:
+            self._held.pop(key, None)
+            self._served.pop(key, None)
 
 
 def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:

@@ -22,7 +22,13 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from jax_agent_rl.tools.base import Tool, ToolArgumentError, ToolResult, validate_arguments
+from jax_agent_rl.tools.base import (
+    CallClock,
+    Tool,
+    ToolArgumentError,
+    ToolResult,
+    validate_arguments,
+)
 from jax_agent_rl.tools.verl import OpenAIFunctionToolSchema, VerlTool
 
 _log = logging.getLogger(__name__)
@@ -208,6 +214,12 @@ class _Trajectory:
 class LocalTools:
     """A `ToolExecutor` over a registry in this process, with a per-call timeout.
 
+    A call fails (an error result) once it has run ``timeout_s`` seconds. The time it waits
+    its turn for a resource its tool shares (a sandbox pool's worker, `FairPool`) is not
+    counted: that wait depends on the other trajectories' calls, not on this call, and the
+    pool's turns bound it; one wait past ``max_wait_s`` fails the call all the same, before it
+    ran (`CallClock`).
+
     Trajectory state is bounded for clients that never release it (they crashed, or forgot):
 
     - ``idle_timeout_s``: a trajectory whose last call ended that many seconds ago (by
@@ -234,9 +246,11 @@ class LocalTools:
         idle_timeout_s: float | None = None,
         max_trajectories: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_wait_s: float = 600.0,
     ) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
+        self.max_wait_s = max_wait_s
         self.idle_timeout_s = idle_timeout_s
         self.max_trajectories = max_trajectories
         self.clock = clock
@@ -274,13 +288,26 @@ class LocalTools:
             )
         try:
             state = await self._state(trajectory, trajectory_id, t, create_kwargs or {})
-            return await asyncio.wait_for(t.execute(state, args), self.timeout_s)
-        except TimeoutError:
-            return ToolResult(f"error: {name} timed out after {self.timeout_s:g}s", error=True)
+            return await self._timed(t, state, args)
         except Exception as e:  # a tool bug is the model's observation, not a crash
             return ToolResult(f"error: {name} failed: {type(e).__name__}: {e}", error=True)
         finally:
             self._leave(trajectory, trajectory_id)
+
+    async def _timed(self, t: Tool, state: Any, args: dict[str, Any]) -> ToolResult:
+        """``t``'s execution under a `CallClock`: past it, the call's error result."""
+        clock = CallClock(self.timeout_s, self.max_wait_s)
+        try:
+            async with clock:
+                return await t.execute(state, args)
+        except TimeoutError:
+            if clock.ran_out_waiting:
+                return ToolResult(
+                    f"error: {t.name} did not run: it waited over {self.max_wait_s:g}s for its "
+                    "turn (max_wait_s)",
+                    error=True,
+                )
+            return ToolResult(f"error: {t.name} timed out after {self.timeout_s:g}s", error=True)
 
     def _enter(self, trajectory_id: str) -> _Trajectory | None:
         """Marks a call in flight, opening the trajectory if there is room (else None)."""

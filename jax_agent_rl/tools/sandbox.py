@@ -32,11 +32,12 @@ import signal
 import struct
 import subprocess
 import time
+from collections.abc import Hashable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.tools.base import Tool, ToolResult, function_schema
+from jax_agent_rl.tools.base import FairPool, Tool, ToolResult, function_schema
 from jax_agent_rl.tools.seccomp import filter_program
 
 REPLY_GRACE_S = 5.0  # beyond the execution's timeout: the zygote's own kill and sweep
@@ -101,6 +102,16 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
+# /dev: the device nodes --dev binds (but no pseudo-terminals) and its links
+_DEVICES = [
+    *(a for node in ("null", "zero", "full", "random", "urandom", "tty")
+      for a in ("--dev-bind", f"/dev/{node}", f"/dev/{node}")),
+    *(a for fd, name in enumerate(("stdin", "stdout", "stderr"))
+      for a in ("--symlink", f"/proc/self/fd/{fd}", f"/dev/{name}")),
+    "--symlink", "/proc/self/fd", "/dev/fd",
+]  # fmt: skip
+
+
 def bwrap_command(bwrap: str, interpreter: str, limits: Limits, seccomp_fd: int) -> list[str]:
     """The bubblewrap command line of one worker's fork server (its pipe fds follow);
     ``seccomp_fd`` holds the filter program."""
@@ -110,7 +121,10 @@ def bwrap_command(bwrap: str, interpreter: str, limits: Limits, seccomp_fd: int)
         bwrap,
         "--unshare-all",
         "--unshare-user",
-        "--disable-userns",
+        # for the fork server, in the sandbox's user namespace (see sandbox_zygote); it closes
+        # user namespaces itself, as --disable-userns would from a nested one
+        "--cap-add", "CAP_SYS_ADMIN",
+        "--cap-add", "CAP_SYS_RESOURCE",
         "--as-pid-1",
         "--die-with-parent",
         "--new-session",
@@ -119,7 +133,10 @@ def bwrap_command(bwrap: str, interpreter: str, limits: Limits, seccomp_fd: int)
         "--symlink", "usr/lib64", "/lib64",
         "--symlink", "usr/bin", "/bin",
         "--proc", "/proc",
-        "--dev", "/dev",
+        # not --dev: its devpts needs a nested user namespace, whose capabilities would own none
+        # of the sandbox's mounts
+        "--tmpfs", "/dev",
+        *_DEVICES,
         "--size", size, "--tmpfs", "/dev/shm",
         "--size", size, "--tmpfs", "/tmp",
         "--size", size, "--tmpfs", "/work",
@@ -185,12 +202,18 @@ class _Worker:
                 os.close(fd)
         os.set_blocking(req_w, False)
         self._req, self._rep = req_w, rep_r
-        ready = self._recv(time.monotonic() + 60.0)
-        if ready is None or not ready.get("ready"):
-            self.proc.kill()
-            err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-            self.close()
-            raise SandboxUnavailableError(f"the sandbox did not start: {err.strip()}")
+        try:
+            if self._recv(time.monotonic() + 60.0) != {"ready": True}:
+                self.proc.kill()
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise SandboxUnavailableError(f"the sandbox did not start: {err.strip()}")
+        except BaseException:
+            self.close()  # whatever failed, bubblewrap (and the sandbox with it) goes
+            raise
+        # Only start-up errors come on stderr (the zygote's own is /dev/null once it is
+        # ready): the pipe is closed rather than left unread to fill.
+        if self.proc.stderr:
+            self.proc.stderr.close()
 
     def _recv(self, deadline: float) -> dict[str, Any] | None:
         head = self._read(4, deadline)
@@ -203,8 +226,7 @@ class _Worker:
         """``n`` bytes of the reply pipe, or None at end of file or past the deadline."""
         buf = b""
         while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._rep], [], [], left)[0]:
+            if not _ready(self._rep, select.POLLIN, deadline):
                 return None
             chunk = os.read(self._rep, n - len(buf))
             if not chunk:
@@ -215,8 +237,7 @@ class _Worker:
     def _write(self, data: bytes, deadline: float) -> bool:
         view = memoryview(data)
         while view:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [self._req], [], left)[1]:
+            if not _ready(self._req, select.POLLOUT, deadline):
                 return False
             with contextlib.suppress(BlockingIOError):
                 view = view[os.write(self._req, view) :]
@@ -262,8 +283,22 @@ def _frame(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
+def _ready(fd: int, events: int, deadline: float) -> bool:
+    """Whether ``fd`` is ready for ``events`` (or closed at the other end) before ``deadline``.
+    poll, not select: select cannot watch fds numbered 1024 or more, which a host holding
+    many files hands out."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(left * 1000))
+
+
 class PythonSandbox:
-    """A pool of ``size`` sandboxes; ``run`` executes code in the next free one."""
+    """A pool of ``size`` sandboxes; ``run`` executes code in a free one. When none is free,
+    calls wait their turn by key (`FairPool`; `PythonTool` keys them by trajectory), so one
+    trajectory's backlog of calls does not hold up another trajectory's call."""
 
     def __init__(
         self,
@@ -280,9 +315,7 @@ class PythonSandbox:
             raise SandboxUnavailableError(f"sandbox interpreter {interpreter} does not exist")
         self.limits, self.timeout_s = limits, timeout_s
         self._workers = [_Worker(first_uid + i, interpreter, bwrap, limits) for i in range(size)]
-        self._busy: set[_Worker] = set()
-        self._free: asyncio.Queue[_Worker] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.pool = FairPool(self._workers)
         # blocking pipe I/O runs here, never on the event loop nor in its shared default pool
         self._threads = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="sandbox")
 
@@ -290,34 +323,25 @@ class PythonSandbox:
     def restarts(self) -> int:
         return sum(w.restarts for w in self._workers)
 
-    def _queue(self) -> asyncio.Queue[_Worker]:
-        """The idle workers, as a queue of the running event loop (rebuilt if the loop changes)."""
-        loop = asyncio.get_running_loop()
-        if self._free is None or self._loop is not loop:
-            self._loop, self._free = loop, asyncio.Queue()
-            for w in self._workers:
-                if w not in self._busy:
-                    self._free.put_nowait(w)
-        return self._free
-
-    async def run(self, code: str, timeout_s: float | None = None) -> ExecResult:
+    async def run(
+        self, code: str, timeout_s: float | None = None, key: Hashable = None
+    ) -> ExecResult:
+        """Runs ``code`` in a free sandbox; while none is free, the call waits its turn among
+        those of other keys. ``timeout_s`` (default: the pool's) counts from when it runs."""
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
             return ExecResult.failure(f"code longer than {MAX_CODE_BYTES} bytes; not run")
-        free = self._queue()
-        worker = await free.get()
-        self._busy.add(worker)
-        job = asyncio.get_running_loop().run_in_executor(
-            self._threads, worker.execute, code, timeout_s or self.timeout_s
-        )
-
-        def give_back(_: Any) -> None:
-            self._busy.discard(worker)
-            free.put_nowait(worker)
-
+        worker = await self.pool.acquire(key)
+        try:
+            job = asyncio.get_running_loop().run_in_executor(
+                self._threads, worker.execute, code, timeout_s or self.timeout_s
+            )
+        except BaseException:
+            self.pool.release(key, worker)
+            raise
         # The worker returns to the pool when its thread is done with it (the host deadline
         # bounds that), never when a caller stops waiting: a cancelled call must not hand a
         # busy worker to the next one.
-        job.add_done_callback(give_back)
+        job.add_done_callback(lambda _: self.pool.release(key, worker))
         return await asyncio.shield(job)
 
     def close(self) -> None:
@@ -358,8 +382,13 @@ class PythonTool(Tool):
         """Stops the pool's sandboxes (the trainer's and the tool server's tools are closed)."""
         self.sandbox.close()
 
-    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
-        del state
-        result = await self.sandbox.run(arguments["code"])
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> str:
+        """The trajectory's key in the pool: its calls take turns with other trajectories'
+        (the tool server's ids carry their namespace, so its clients' trajectories differ)."""
+        del create_kwargs  # none configure a sandbox
+        return trajectory_id
+
+    async def execute(self, state: str, arguments: dict[str, Any]) -> ToolResult:
+        result = await self.sandbox.run(arguments["code"], key=state)
         error = result.exit_code != 0 or result.timed_out or result.truncated
         return ToolResult(result.as_text(), error=error)

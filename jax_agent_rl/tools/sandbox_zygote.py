@@ -5,7 +5,10 @@ It serves one execution at a time: it reads a request frame, forks a child that 
 resource limits and runs the code in ``/work``, collects its output (bounded) while a watchdog
 accounts the whole execution, then kills every other process in the sandbox and wipes the
 writable places (``/work``, ``/tmp``, ``/dev/shm``), so no state survives from one execution to
-the next. The zygote itself never runs user code, so every child starts from the same state.
+the next: their entries, and the mode, times and extended attributes (``user.*``, POSIX ACLs)
+of the three roots themselves. The zygote itself never runs nor compiles user code (compiling
+can take memory quadratic in the code's size: the child does it, under its limits), so every
+child starts from the same state.
 
 Why the executions cannot reach it: it is not dumpable (``PR_SET_DUMPABLE=0``: no
 ``/proc/1/mem`` and no ptrace for processes of the same uid, and the filter denies ptrace
@@ -19,11 +22,14 @@ If the sweep cannot prove the sandbox clean (a process survived, or something co
 removed), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
 
 Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
-given as arguments (requests in, replies out); the child never sees them. Only the standard
+given as arguments (requests in, replies out), which the zygote moves to fds 3 and 4; the child
+closes every fd above 2, so it never sees them. After the ready frame the zygote's own stderr is
+``/dev/null``: nobody reads it, and a full pipe would stop the zygote. Only the standard
 library is used: this file runs under the system Python with ``-I -S``.
 """
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -37,7 +43,7 @@ import sys
 import time
 import traceback
 
-REQ_FD, REP_FD = int(sys.argv[1]), int(sys.argv[2])
+REQ_FD, REP_FD = 3, 4  # where `_take_pipes` puts the pipes the host hands over
 # Standard-library modules that model-written code imports most, imported once here so that
 # every execution forks with them ready: a fresh interpreter pays e.g. ~5 ms for ``fractions``
 # (it imports ``decimal``, ``numbers``, ``re``) per call. They are pure computation (no files,
@@ -52,6 +58,8 @@ PR_SET_DUMPABLE = 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
+SOCKETS_EVERY_S = 0.1
+TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
 
 
 def _read_exact(n):
@@ -69,12 +77,23 @@ def _send(obj):
     os.write(REP_FD, struct.pack(">I", len(data)) + data)
 
 
-def _child(compiled, limits, out_w, err_w):
+def _take_pipes(req, rep):
+    """Moves the host's pipes (``req``, ``rep``: any numbers, 1024 and above when the host
+    holds many files) to REQ_FD and REP_FD and closes every other fd above 2."""
+    req, rep = fcntl.fcntl(req, fcntl.F_DUPFD, 5), fcntl.fcntl(rep, fcntl.F_DUPFD, 5)
+    os.dup2(req, REQ_FD)
+    os.dup2(rep, REP_FD)
+    os.closerange(REP_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+
+def _child(code, limits, out_w, err_w):
+    _drop_capabilities()
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
-    os.closerange(3, 1024)
+    # every fd above 2, up to the hard limit (one close_range call): the reply pipe included
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
@@ -82,24 +101,37 @@ def _child(compiled, limits, out_w, err_w):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     os.chdir("/work")
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
-    status = 0
+    status = 1
     try:
-        exec(compiled, scope)
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # the traceback is the model's observation
-        traceback.print_exc()
-        status = 1
-    try:
+        status = _execute(code)
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
         os._exit(status)
 
 
+def _execute(code):
+    """Compiles and runs ``code``; returns its exit status. Compiling happens here, under the
+    child's limits, and its warnings (``SyntaxWarning``) go to the execution's stderr."""
+    try:
+        compiled = compile(code, "<sandbox>", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+        return 1
+    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compiled, scope)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # the traceback is the model's observation
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 def usage():
-    """(resident bytes + tmpfs bytes, CPU seconds, tmpfs files) of every process but pid 1.
+    """(resident bytes + tmpfs bytes + socket queues, CPU seconds, tmpfs files) of every
+    process but pid 1.
 
     CPU counts each live or zombie process's own and reaped children's time, so work done by
     a process that already exited is still counted through its parent.
@@ -121,7 +153,54 @@ def usage():
         st = os.statvfs(root)
         used += (st.f_blocks - st.f_bfree) * st.f_frsize
         files += st.f_files - st.f_ffree
-    return rss + used, ticks / TICK, files
+    return rss + used + _socket_bytes(), ticks / TICK, files
+
+
+def _socket_bytes():
+    """Bytes queued in the sandbox's TCP and UDP sockets (its own network namespace): kernel
+    memory in no process's resident set, ~100 MB of it on loopback under a 64 MB limit. TCP
+    counts the data in each queue, UDP the memory of its buffers. A table is read only when
+    ``sockstat`` counts sockets in it, and TCP's at most every SOCKETS_EVERY_S: reading it
+    walks the host's whole TCP hash table (~10 ms)."""
+    stats = _sockstat()
+    total = sum(_queued(name) for name in ("udp", "udp6") if stats[name.upper()]["inuse"])
+    if stats["TCP"]["inuse"] + stats["TCP6"]["inuse"] == 0:
+        TCP_QUEUED.update(at=0.0, bytes=0)
+    elif time.monotonic() - TCP_QUEUED["at"] >= SOCKETS_EVERY_S:
+        TCP_QUEUED.update(at=time.monotonic(), bytes=_queued("tcp") + _queued("tcp6"))
+    return total + TCP_QUEUED["bytes"]
+
+
+def _sockstat():
+    """{protocol: {field: count}} of ``/proc/net/sockstat`` and ``sockstat6``, e.g.
+    ``TCP: inuse 1 orphan 0 tw 2 alloc 1 mem 3``: counts of this network namespace (but
+    ``mem`` and ``orphan``, which are the host's)."""
+    stats = {"TCP6": {"inuse": 0}, "UDP6": {"inuse": 0}}  # without IPv6, no sockstat6
+    for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
+        try:
+            with open(path, "rb") as f:
+                lines = f.read().decode().splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            proto, _, rest = line.partition(":")
+            words = rest.split()
+            stats[proto] = {k: int(v) for k, v in zip(words[::2], words[1::2], strict=False)}
+    return stats
+
+
+def _queued(name):
+    """tx_queue + rx_queue over the sockets of ``/proc/net/<name>``."""
+    try:
+        with open(f"/proc/net/{name}", "rb") as f:
+            lines = f.read().splitlines()[1:]  # after the header
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for line in lines:
+        tx, rx = line.split()[4].split(b":")  # tx_queue:rx_queue, hex
+        total += int(tx, 16) + int(rx, 16)
+    return total
 
 
 def over_limit(limits):
@@ -147,9 +226,18 @@ def _make_writable(top):
             stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
 
 
-def _sweep():
-    """Kill every process but this one, then empty the writable dirs. True if the sandbox is
-    provably back to its pristine state."""
+def _metadata(root):
+    """What an execution can leave on a writable root besides its entries: (st_mode, uid, gid,
+    atime ns, mtime ns, extended attributes: ``user.*`` and the ACLs, ``system.posix_acl_*``)."""
+    st = os.lstat(root)
+    xattrs = {name: os.getxattr(root, name) for name in os.listxattr(root)}
+    return st.st_mode, st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns, xattrs
+
+
+def _sweep(pristine):
+    """Kill every process but this one, then empty the writable roots and restore their
+    `_metadata` to ``pristine`` (a root's default ACL, for one, would shape every file later
+    executions create). True if the sandbox is provably back to its pristine state."""
     try:
         os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace, at once
     except ProcessLookupError:
@@ -161,8 +249,12 @@ def _sweep():
             break
     clean = [p for p in os.listdir("/proc") if p.isdigit()] == ["1"]
     for root, mode in WRITABLE.items():
+        *_, atime, mtime, xattrs = pristine[root]
         try:
-            os.chmod(root, mode)
+            os.chmod(root, mode)  # the owner's access back, whatever the code set (ACLs too)
+            for name in os.listxattr(root):
+                if name not in xattrs:
+                    os.removexattr(root, name)
             for name in os.listdir(root):
                 path = os.path.join(root, name)
                 if stat.S_ISDIR(os.lstat(path).st_mode):
@@ -171,9 +263,97 @@ def _sweep():
                 else:
                     os.unlink(path)
             clean = clean and not os.listdir(root)
+            os.utime(root, ns=(atime, mtime))  # after the listing, which may set atime
+            # the owner cannot have changed (no CAP_CHOWN in the sandbox); this proves it
+            clean = clean and _metadata(root) == pristine[root]
         except (OSError, RecursionError):
             clean = False
     return clean
+
+
+# What the fork server alone may do (bubblewrap ``--cap-add``, in the sandbox's user namespace
+# only, which owns nothing outside it): CAP_SYS_ADMIN to remount the writable places and to set
+# the pid counter, kept; CAP_SYS_RESOURCE to close user namespaces, dropped once that is done.
+# An execution starts with no capability at all (`_drop_capabilities`).
+CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 21, 24
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+MNT_DETACH, MS_NOSUID, MS_NODEV = 2, 2, 4
+LIBC = ctypes.CDLL(None, use_errno=True)
+HELD: dict[str, int] = {}  # "last_pid": a write-only fd on ns_last_pid (`_hold_counters`)
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _set_capabilities(caps):
+    """Makes ``caps`` (capability numbers under 32) this process's effective and permitted
+    sets, and empties its inheritable and ambient ones."""
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    mask = sum(1 << cap for cap in caps)
+    data = (ctypes.c_uint32 * 6)(mask, mask, 0, 0, 0, 0)  # {effective, permitted, inheritable} x2
+    _check(LIBC.capset(header, data), "capset")
+    _check(LIBC.capget(header, data), "capget")
+    if list(data) != [mask, mask, 0, 0, 0, 0]:
+        raise OSError(f"capabilities are {list(data)}, not {caps}")
+
+
+def _hold_counters():
+    """Once, before serving: closes user namespaces (``user.max_user_namespaces = 0`` in the
+    sandbox's own one: what ``bwrap --disable-userns`` does, which would have put the fork
+    server in a nested namespace that owns neither its mounts nor its pid namespace), opens
+    the pid counter for `_renew`, and keeps only CAP_SYS_ADMIN."""
+    with open("/proc/sys/user/max_user_namespaces", "r+") as f:
+        f.write("0")
+        f.flush()
+        f.seek(0)
+        if f.read().strip() != "0":
+            raise OSError("user namespaces stayed open")
+    HELD["last_pid"] = os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY | os.O_CLOEXEC)
+    os.chdir("/")  # not /work: a cwd there would keep the first /work mount alive
+    _set_capabilities([CAP_SYS_ADMIN])
+
+
+def _drop_capabilities():
+    """In the child, before anything of the execution: no capability, or no execution."""
+    try:
+        _set_capabilities([])
+    except OSError:
+        os._exit(125)
+
+
+def _sockets_left():
+    """Whether a TCP socket outlived the execution's processes (TIME_WAIT lasts a minute):
+    the next execution would see its ports and addresses in ``/proc/net``."""
+    stats = _sockstat()
+    return stats["TCP"]["inuse"] + stats["TCP"]["tw"] + stats["TCP6"]["inuse"] > 0
+
+
+def _renew():
+    """After a clean sweep: fresh tmpfs mounts in place of the writable places, and the pid
+    counter back to 1. Both are counters an execution moves (inode numbers by the files it
+    creates, pids by the processes it starts) and the next one would read: each execution
+    now finds its first file at the same inode and its process at pid 2. A mount's root gets
+    the mode, owner and times it had; bubblewrap's options; ~70 us a mount. False if any of
+    it failed or a socket outlived the execution (the host then replaces the sandbox)."""
+    try:
+        for root, mode in WRITABLE.items():
+            st, fs = os.stat(root), os.statvfs(root)
+            size = fs.f_blocks * fs.f_frsize
+            _check(LIBC.umount2(root.encode(), MNT_DETACH), f"umount {root}")
+            options = f"mode=755,size={size}".encode()
+            _check(
+                LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options),
+                f"mount {root}",
+            )
+            os.chmod(root, mode)
+            os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.pwrite(HELD["last_pid"], b"1", 0)
+    except OSError:
+        return False
+    return not _sockets_left()
 
 
 def _result(start, stdout, stderr, exit_code, *, timed_out, truncated, limit, dirty):
@@ -231,21 +411,14 @@ def _supervise(pid, out_r, err_r, limits, start, deadline):
     return bufs, status, timed_out, truncated, limit
 
 
-def _run(req):
+def _run(req, pristine):
     limits = req["limits"]
     start = time.time()
-    try:  # compiled here, not in the child: cheaper, and a syntax error needs no process
-        compiled = compile(req["code"], "<sandbox>", "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        text = "".join(traceback.format_exception_only(type(e), e))
-        return _result(
-            start, "", text, 1, timed_out=False, truncated=False, limit=None, dirty=False
-        )
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        _child(compiled, limits, out_w, err_w)
+        _child(req["code"], limits, out_w, err_w)
     os.close(out_w)
     os.close(err_w)
     bufs, status, timed_out, truncated, limit = _supervise(
@@ -256,7 +429,7 @@ def _run(req):
         _, status = os.waitpid(pid, 0)
     os.close(out_r)
     os.close(err_r)
-    clean = _sweep()
+    clean = _sweep(pristine) and _renew()
     if os.WIFSIGNALED(status):
         exit_code = -os.WTERMSIG(status)
     else:
@@ -277,11 +450,21 @@ def _run(req):
 def main():
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
+    _hold_counters()  # after `_take_pipes`, which closes every other fd
+    for root, mode in WRITABLE.items():
+        os.chmod(root, mode)
+    pristine = {root: _metadata(root) for root in WRITABLE}
     for name in PRELOAD:
         __import__(name)
     # Objects alive now never need collecting; freezing them keeps a forked child's garbage
     # collector from touching (and copying) the whole heap: ~3 ms less per execution.
     gc.freeze()
+    # Start-up errors went to the host through stderr; from here on nothing reads it, and
+    # a full pipe would stop this process for good.
+    null = os.open("/dev/null", os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
     _send({"ready": True})
     while True:
         head = _read_exact(4)
@@ -290,7 +473,7 @@ def main():
         body = _read_exact(struct.unpack(">I", head)[0])
         if body is None:
             return
-        reply = _run(json.loads(body))
+        reply = _run(json.loads(body), pristine)
         _send(reply)
         if reply["dirty"]:
             return  # the host starts a fresh sandbox

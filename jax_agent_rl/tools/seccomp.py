@@ -12,14 +12,25 @@ reach outside its own execution:
   from one execution to the next: System V shared memory, semaphores and message queues,
   POSIX message queues; and memory files (``memfd_create``), whose pages neither a process's
   resident set nor a mount's usage shows to the execution's memory accounting;
-- kernel surface a sandboxed interpreter never needs: mounts, keyrings, BPF,
+- channels to other sandboxes and to the host: file locks (``flock``, and ``fcntl``'s POSIX
+  and open-file-description lock commands) on the files every sandbox shares (``/usr``, the
+  ``/dev`` nodes) succeed without doing anything, so no lock is ever taken; ``inotify``
+  (reads of a shared file in one sandbox are events in another) is denied; sockets are only
+  ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (the sandbox's own loopback) and ``AF_NETLINK`` for
+  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks): ``AF_VSOCK`` would
+  reach a virtual machine's host, and the other families are kernel surface no code needs;
+- kernel surface a sandboxed interpreter never needs: the new mount API, keyrings, BPF,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, module loading, ``kexec``, clock and
   host-name setters, handles by inode, ``syslog``.
 
-Everything else is allowed. A system call of another ABI (i386 or x32 on an x86-64 kernel)
-kills the process. Tables exist for x86-64 and aarch64; on another machine `filter_program`
-raises rather than run unfiltered. The numbers are checked against the kernel headers by
-``tests/hostile/test_sandbox_escapes.py``.
+``mount`` and ``umount2`` are allowed: the fork server remounts the sandbox's tmpfs mounts
+after every execution, and an execution holds no capability, so the kernel refuses them to it
+(`sandbox_zygote` checks that every execution starts with none).
+
+Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
+the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
+another machine `filter_program` raises rather than run unfiltered. The numbers are checked
+against the kernel headers by ``tests/hostile/test_sandbox_escapes.py``.
 """
 
 from __future__ import annotations
@@ -29,25 +40,44 @@ import platform
 import struct
 
 # struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6]
-_NR, _ARCH, _ARG0_LOW = 0, 4, 16
+_NR, _ARCH = 0, 4
+
+
+def _arg_low(i: int) -> int:
+    """Offset of the low 32 bits of system call argument ``i`` (little-endian machines)."""
+    return 16 + 8 * i
+
+
 # classic BPF opcodes
 _LD_W_ABS, _JEQ_K, _JGE_K, _AND_K, _RET_K = 0x20, 0x15, 0x35, 0x54, 0x06
 RET_ALLOW = 0x7FFF0000
 RET_KILL_PROCESS = 0x80000000
 _RET_ERRNO = 0x00050000
+RET_SKIP = _RET_ERRNO | 0  # the call is not made and returns 0: success, having done nothing
 _X32_SYSCALL_BIT = 0x40000000
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
 CLONE_NAMESPACE_FLAGS |= 0x20000000 | 0x40000000
+# socket families any code may open (the others answer EAFNOSUPPORT): AF_UNIX, AF_INET,
+# AF_INET6; AF_NETLINK (16) only with protocol NETLINK_ROUTE (0)
+SOCKET_FAMILIES = (1, 2, 10)
+AF_NETLINK, NETLINK_ROUTE = 16, 0
+# fcntl commands that take or drop a lock: F_SETLK F_SETLKW (the same numbers as their 64-bit
+# forms on 64-bit machines), F_OFD_SETLK F_OFD_SETLKW. The tests (F_GETLK, F_OFD_GETLK) run:
+# with no lock ever taken in a sandbox they find none but the host's, and SQLite's WAL mode
+# needs an answer of "unlocked" to take a database over.
+LOCK_COMMANDS = (6, 7, 37, 38)
 
 DENIED = (
     # other processes' memory
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
-    # namespaces and mounts (clone's namespace flags are checked separately)
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount",
+    # namespaces and the new mount API (clone's namespace flags are checked separately)
+    "unshare", "setns", "pivot_root", "chroot", "open_tree", "move_mount",
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
     # IPC objects that outlive their creator; memory files no mount's usage shows
     "shmget", "semget", "msgget", "mq_open", "memfd_create", "memfd_secret",
+    # events on files other sandboxes share
+    "inotify_init", "inotify_init1",
     # kernel surface
     "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
@@ -63,8 +93,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
         0xC000003E,
         {
             "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
-            "unshare": 272, "setns": 308, "clone": 56, "clone3": 435, "mount": 165,
-            "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428,
+            "unshare": 272, "setns": 308, "clone": 56, "clone3": 435,
+            "pivot_root": 155, "chroot": 161, "open_tree": 428,
             "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
             "mount_setattr": 442, "shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240,
             "add_key": 248, "request_key": 249, "keyctl": 250, "bpf": 321,
@@ -77,15 +107,16 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "name_to_handle_at": 303, "open_by_handle_at": 304, "syslog": 103,
             "lookup_dcookie": 212, "vhangup": 153, "fanotify_init": 300, "move_pages": 279,
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
-            "memfd_secret": 447,
+            "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
+            "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73,
         },
     ),
     "aarch64": (
         0xC00000B7,
         {
             "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
-            "unshare": 97, "setns": 268, "clone": 220, "clone3": 435, "mount": 40,
-            "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428,
+            "unshare": 97, "setns": 268, "clone": 220, "clone3": 435,
+            "pivot_root": 41, "chroot": 51, "open_tree": 428,
             "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
             "mount_setattr": 442, "shmget": 194, "semget": 190, "msgget": 186, "mq_open": 180,
             "add_key": 217, "request_key": 218, "keyctl": 219, "bpf": 280,
@@ -98,6 +129,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "name_to_handle_at": 264, "open_by_handle_at": 265, "syslog": 116,
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
+            "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
         },
     ),
 }  # fmt: skip
@@ -106,6 +138,34 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
 def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     """One ``struct sock_filter`` {u16 code; u8 jt; u8 jf; u32 k} in the machine's byte order."""
     return struct.pack("=HBBI", code, jt, jf, k)
+
+
+# An instruction before assembly: (code, k, jt, jf), where a jump target is a label (str) or 0
+# (the next instruction), and a label line is a bare str.
+_Line = tuple[int, int, "str | int", "str | int"] | str
+
+
+def _assemble(lines: list[_Line]) -> bytes:
+    """Resolves the labels of ``lines`` to the 8-bit relative offsets classic BPF jumps take."""
+    at: dict[str, int] = {}
+    insns: list[tuple[int, int, str | int, str | int]] = []
+    for line in lines:
+        if isinstance(line, str):
+            at[line] = len(insns)
+        else:
+            insns.append(line)
+
+    def offset(target: str | int, pc: int) -> int:
+        if isinstance(target, int):
+            return target
+        off = at[target] - pc - 1
+        if not 0 <= off <= 255:
+            raise AssertionError(f"seccomp jump to {target} out of 8-bit range ({off})")
+        return off
+
+    return b"".join(
+        _insn(code, k, offset(jt, pc), offset(jf, pc)) for pc, (code, k, jt, jf) in enumerate(insns)
+    )
 
 
 def filter_program(machine: str | None = None) -> bytes:
@@ -117,38 +177,56 @@ def filter_program(machine: str | None = None) -> bytes:
             "refuses to run without its filter"
         )
     arch, table = SYSCALLS[machine]
-    denied = [table[name] for name in DENIED if name in table]
-    # Layout: arch check, load nr, [x32 check], one JEQ per denied nr, clone, clone3, ALLOW,
-    # then the shared targets EPERM, ENOSYS and the clone-flags block.
-    head = [
-        _insn(_LD_W_ABS, _ARCH),
-        _insn(_JEQ_K, arch, jt=1),
-        _insn(_RET_K, RET_KILL_PROCESS),
-        _insn(_LD_W_ABS, _NR),
+
+    def ret(value: int) -> _Line:
+        return (_RET_K, value, 0, 0)
+
+    def load(offset: int) -> _Line:
+        return (_LD_W_ABS, offset, 0, 0)
+
+    def is_(value: int, then: str | int, otherwise: str | int = 0) -> _Line:
+        return (_JEQ_K, value, then, otherwise)
+
+    lines: list[_Line] = [load(_ARCH), is_(arch, 0, "kill"), load(_NR)]
+    if machine == "x86_64":
+        lines.append((_JGE_K, _X32_SYSCALL_BIT, "eperm", 0))
+    lines += [is_(table[name], "eperm") for name in DENIED if name in table]
+    lines += [
+        is_(table["clone"], "clone"),
+        is_(table["clone3"], "enosys"),
+        is_(table["socket"], "socket"),
+        is_(table["socketpair"], "socket"),
+        is_(table["fcntl"], "fcntl"),
+        is_(table["flock"], "skip"),
+        ret(RET_ALLOW),
+        # clone: denied when any namespace flag is set in the low word of args[0]
+        "clone",
+        load(_arg_low(0)),
+        (_AND_K, CLONE_NAMESPACE_FLAGS, 0, 0),
+        is_(0, "allow", "eperm"),
+        # socket, socketpair: the family (args[0]); netlink only for routing (args[2])
+        "socket",
+        load(_arg_low(0)),
+        *(is_(family, "allow") for family in SOCKET_FAMILIES),
+        is_(AF_NETLINK, 0, "eafnosupport"),
+        load(_arg_low(2)),
+        is_(NETLINK_ROUTE, "allow", "eafnosupport"),
+        # fcntl: the commands that take a lock (args[1]) do nothing and succeed
+        "fcntl",
+        load(_arg_low(1)),
+        *(is_(cmd, "skip") for cmd in LOCK_COMMANDS),
+        # the shared returns (classic BPF jumps only forward)
+        "allow",
+        ret(RET_ALLOW),
+        "kill",
+        ret(RET_KILL_PROCESS),
+        "eperm",
+        ret(_RET_ERRNO | errno.EPERM),
+        "enosys",
+        ret(_RET_ERRNO | errno.ENOSYS),
+        "eafnosupport",
+        ret(_RET_ERRNO | errno.EAFNOSUPPORT),
+        "skip",
+        ret(RET_SKIP),
     ]
-    x32 = machine == "x86_64"
-    n_checks = len(denied) + 2 + (1 if x32 else 0)
-    # offsets below count from the instruction after each jump
-    allow_at = n_checks  # index (within the checks block) of RET ALLOW
-    eperm_at, enosys_at, clone_block_at = allow_at + 1, allow_at + 2, allow_at + 3
-    checks: list[bytes] = []
-    if x32:
-        checks.append(_insn(_JGE_K, _X32_SYSCALL_BIT, jt=eperm_at - 1))
-    for nr in denied:
-        checks.append(_insn(_JEQ_K, nr, jt=eperm_at - len(checks) - 1))
-    checks.append(_insn(_JEQ_K, table["clone"], jt=clone_block_at - len(checks) - 1))
-    checks.append(_insn(_JEQ_K, table["clone3"], jt=enosys_at - len(checks) - 1))
-    tail = [
-        _insn(_RET_K, RET_ALLOW),
-        _insn(_RET_K, _RET_ERRNO | errno.EPERM),
-        _insn(_RET_K, _RET_ERRNO | errno.ENOSYS),
-        # clone: deny when any namespace flag is set in the low word of args[0]
-        _insn(_LD_W_ABS, _ARG0_LOW),
-        _insn(_AND_K, CLONE_NAMESPACE_FLAGS),
-        _insn(_JEQ_K, 0, jt=0, jf=1),
-        _insn(_RET_K, RET_ALLOW),
-        _insn(_RET_K, _RET_ERRNO | errno.EPERM),
-    ]
-    if clone_block_at > 255:  # the farthest jump; classic BPF offsets are 8 bits
-        raise AssertionError("the seccomp deny list is too long for 8-bit jump offsets")
-    return b"".join(head + checks + tail)
+    return _assemble(lines)

@@ -3,30 +3,39 @@ trajectory only, with stop reason ``agent_error`` and its traceback: the traject
 beside it finish exactly as they would alone, its tool state is released, the trace record and
 the metrics show it, and only a rollout where every trajectory failed stops the trainer.
 
+Nor does a trajectory that floods the tools starve its siblings: a turn of many calls runs at
+most ``agent.max_parallel_tool_calls`` of them at once, the sandbox pool takes turns by
+trajectory, and a call's timeout counts from when it gets a worker, not while it queues.
+
 Runs on the real embedded engine with the tiny model `tests.agent.test_loop` memorises (its
 ``setup`` fixture, chatml style only).
 """
 
 import asyncio
+import dataclasses
 import json
-from collections.abc import Iterator
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import pytest
 from rich.console import Console
 
 from jax_agent_rl.agent.loop import (
     AGENT_LOOPS,
+    AgentConfig,
     AgentContext,
+    finish_turn,
     register_agent_loop,
     run_sample,
 )
 from jax_agent_rl.agent.parsers import HermesParser, ParsedCall
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.rollout import EmbeddedBackend
-from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
-from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed
 from jax_agent_rl.train.traces import render_trace, trace_record
 from tests.agent.test_loop import CONFIG, echo
@@ -176,3 +185,178 @@ def test_cancellation_is_not_a_trajectory_error(setup: dict[str, Any]) -> None:
         asyncio.run(go())
     finally:
         del AGENT_LOOPS["waits"]
+
+
+# --- one trajectory's tool calls do not starve its siblings' ---------------------------------
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Lets the other tasks run until ``condition`` holds (the timeout only stops a hang)."""
+    async with asyncio.timeout(120):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def _context(
+    setup: dict[str, Any], tools: ToolExecutor, config: AgentConfig = CONFIG
+) -> AgentContext:
+    backend = EmbeddedBackend(setup["engine"], setup["weights"])  # never asked: turns are given
+    ctx = await AgentContext.create(backend, setup["tokenizer"], tools, HermesParser(), config)
+    await backend.close()
+    return ctx
+
+
+def _turn_of_calls(
+    ctx: AgentContext, uid: str, calls: list[tuple[str, dict[str, Any]]]
+) -> tuple[Trajectory, list[int]]:
+    """A trajectory whose model just wrote one turn of ``calls`` (chatml's hermes format)."""
+    text = "\n".join(
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+        for name, args in calls
+    )
+    turn = [*ctx.tokenizer.encode(text), ctx.builder.eos_id]
+    user = [{"role": "user", "content": QUESTION}]
+    traj = Trajectory(uid=uid, group_id=uid, prompt_ids=ctx.builder.prompt_ids(user))
+    traj.timings["tools_s"] = 0.0  # as `run_episode` starts it
+    traj.append(turn, model=True)
+    return traj, turn
+
+
+def _tool_texts(traj: Trajectory) -> list[str]:
+    return [m["content"] for m in traj.messages if m["role"] == "tool"]
+
+
+class Gate(Tool):
+    """Counts each trajectory's calls in flight; every call waits until the gate opens."""
+
+    name = "gate"
+    schema: ClassVar[dict[str, Any]] = {
+        "type": "function",
+        "function": {
+            "name": "gate",
+            "description": "Wait at the gate.",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+            },
+        },
+    }
+
+    def __init__(self) -> None:
+        self.in_flight: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()  # the most in flight at once, per trajectory
+        self.opened = asyncio.Event()
+
+    async def create(self, trajectory_id: str) -> str:
+        return trajectory_id
+
+    async def execute(self, state: str, arguments: dict[str, Any]) -> ToolResult:
+        self.in_flight[state] += 1
+        self.most[state] = max(self.most[state], self.in_flight[state])
+        try:
+            await self.opened.wait()
+            return ToolResult(str(arguments["n"]))
+        finally:
+            self.in_flight[state] -= 1
+
+
+@CHATML
+@pytest.mark.parametrize("cap", [None, 2])  # None: the default, 4
+def test_a_turn_runs_at_most_max_parallel_tool_calls_at_once(
+    setup: dict[str, Any], cap: int | None
+) -> None:
+    """Two trajectories, each with a turn of nine calls: each runs at most its cap of them at
+    once, and its observation still lists the results in the calls' order."""
+    gate = Gate()
+    config = CONFIG if cap is None else dataclasses.replace(CONFIG, max_parallel_tool_calls=cap)
+    expected = 4 if cap is None else cap
+
+    async def go() -> list[Trajectory]:
+        ctx = await _context(setup, LocalTools(ToolRegistry([gate])), config)
+        turns = [_turn_of_calls(ctx, u, [("gate", {"n": n}) for n in range(9)]) for u in "ab"]
+        tasks = [asyncio.create_task(finish_turn(ctx, t, turn, "stop")) for t, turn in turns]
+        # every call that may run is in flight (without a cap, all nine of each trajectory)
+        await _until(lambda: gate.in_flight.total() >= 2 * expected)
+        gate.opened.set()
+        assert await asyncio.gather(*tasks) == [None, None]
+        return [t for t, _ in turns]
+
+    for traj in asyncio.run(go()):
+        assert gate.most[traj.uid] == expected
+        assert _tool_texts(traj) == [str(n) for n in range(9)]
+        assert traj.tool_calls == 9 and traj.tool_errors == 0
+
+
+class WatchedSandbox(PythonSandbox):
+    """The real pool, with an event set once more calls reached it than it has workers."""
+
+    def __init__(self, size: int, limits: Limits, timeout_s: float) -> None:
+        super().__init__(size, limits, timeout_s)
+        self.size, self.calls = size, 0
+        self.crowded = asyncio.Event()
+
+    async def run(self, code: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls > self.size:
+            self.crowded.set()
+        return await super().run(code, *args, **kwargs)
+
+
+@CHATML
+def test_eight_sleeps_do_not_time_out_a_sibling_s_call(setup: dict[str, Any]) -> None:
+    """The finding: one trajectory's turn of eight one-second sleeps on a pool of two
+    sandboxes, and a sibling's ``print(6*7)`` issued once the sleeps crowd the pool. The
+    sibling gets its turn after at most one sleep and prints 42; no call times out, since each
+    runs well within the executor's 3.5 s once it has a worker (2.5 s to spare on a busy
+    machine), while the sleeps all queued ahead of it, as before, took 4 s."""
+    sandbox = WatchedSandbox(2, Limits(cpu_s=2, memory_mb=128), timeout_s=10.0)
+    tools = LocalTools(ToolRegistry([PythonTool(sandbox)]), timeout_s=3.5)
+    sleep = {"code": "import time\ntime.sleep(1.0)\nprint('slept')"}
+
+    async def go() -> tuple[Trajectory, Trajectory]:
+        ctx = await _context(setup, tools)
+        attacker, attack = _turn_of_calls(ctx, "attacker", [("python", sleep)] * 8)
+        sibling, ask = _turn_of_calls(ctx, "sibling", [("python", {"code": "print(6*7)"})])
+        flood = asyncio.create_task(finish_turn(ctx, attacker, attack, "stop"))
+        await sandbox.crowded.wait()  # the sleeps hold both workers, and more wait for one
+        await finish_turn(ctx, sibling, ask, "stop")
+        await flood
+        return attacker, sibling
+
+    try:
+        attacker, sibling = asyncio.run(go())
+    finally:
+        sandbox.close()
+    assert _tool_texts(sibling) == ["42"] and sibling.tool_errors == 0
+    assert _tool_texts(attacker) == ["slept"] * 8 and attacker.tool_errors == 0
+
+
+@CHATML
+def test_the_sandbox_pool_takes_turns_by_trajectory(setup: dict[str, Any]) -> None:
+    """One sandbox, held while trajectory a queues four calls and b one: once it is free, b's
+    call runs second, not after all of a's (each call prints when it ran)."""
+    sandbox = PythonSandbox(1, Limits(cpu_s=2, memory_mb=128), timeout_s=10.0)
+    tools = LocalTools(ToolRegistry([PythonTool(sandbox)]))
+    when = {"code": "import time\nprint(time.monotonic_ns())"}
+
+    async def go() -> tuple[Trajectory, Trajectory]:
+        # room in an observation for a nanosecond clock reading
+        ctx = await _context(setup, tools, dataclasses.replace(CONFIG, max_tool_response_tokens=64))
+        a, a_turn = _turn_of_calls(ctx, "a", [("python", when)] * 4)
+        b, b_turn = _turn_of_calls(ctx, "b", [("python", when)])
+        held = await sandbox.pool.acquire("test")  # the only sandbox: every call below waits
+        first = asyncio.create_task(finish_turn(ctx, a, a_turn, "stop"))
+        await _until(lambda: sandbox.pool.waiting == 4)
+        second = asyncio.create_task(finish_turn(ctx, b, b_turn, "stop"))
+        await _until(lambda: sandbox.pool.waiting == 5)
+        sandbox.pool.release("test", held)
+        await asyncio.gather(first, second)
+        return a, b
+
+    try:
+        a, b = asyncio.run(go())
+    finally:
+        sandbox.close()
+    ran = sorted([(int(t), "a") for t in _tool_texts(a)] + [(int(t), "b") for t in _tool_texts(b)])
+    assert [who for _, who in ran] == ["a", "b", "a", "a", "a"]

@@ -11,17 +11,21 @@ nested user namespaces were allowed, and the host waited on a reply forever).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import resource
 import select
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox, PythonTool
+from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox, PythonTool, _Worker
 from jax_agent_rl.tools.seccomp import DENIED, SYSCALLS, filter_program
 
 SECRET = "hf_jarl_test_secret_0123456789"
@@ -370,3 +374,179 @@ def test_syscall_tables_match_kernel_headers(machine: str, header: str) -> None:
     assert {name: str(nr) for name, nr in table.items()} == {n: numbers[n] for n in table}
     assert {n for n in DENIED if n in numbers} <= set(table)
     assert len(filter_program(machine)) % 8 == 0
+
+
+# --- the fork server's own surface: the roots' metadata, its stderr, compiling, its pipes ---
+#     (each attempt below worked against the fork server before: see docs/sandbox.md)
+
+POISON_ROOTS = """
+import os, struct
+
+def acl(*entries):  # the kernel's binary ACL: a version, then (tag, permissions, id) each
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+ANY, USER_OBJ, USER, GROUP_OBJ, MASK, OTHER = 0xFFFFFFFF, 0x01, 0x02, 0x04, 0x10, 0x20
+nobody = acl((USER_OBJ, 0, ANY), (GROUP_OBJ, 0, ANY), (OTHER, 0, ANY))
+named = acl((USER_OBJ, 7, ANY), (USER, 7, os.getuid()), (GROUP_OBJ, 5, ANY), (MASK, 7, ANY),
+            (OTHER, 5, ANY))  # a named entry: the only uid mapped in the sandbox is its own
+for root in ("/work", "/tmp", "/dev/shm"):
+    os.setxattr(root, "system.posix_acl_default", nobody)  # later files: no one may read them
+    os.setxattr(root, "system.posix_acl_access", named)
+    try:
+        os.setxattr(root, "user.answer", b"42")
+    except OSError as e:  # tmpfs has user.* attributes since Linux 6.6
+        print("user xattr:", e.strerror)
+    os.utime(root, (424242, 424242))
+print("poisoned")
+"""
+
+PROBE_ROOTS = """
+import os, stat
+for root in ("/work", "/tmp", "/dev/shm"):
+    st = os.stat(root)
+    print(root, os.listxattr(root), oct(stat.S_IMODE(st.st_mode)), int(st.st_mtime) != 424242)
+    with open(f"{root}/f", "w") as f:
+        f.write("42")
+    print(open(f"{root}/f").read())
+"""
+
+
+def test_roots_metadata_does_not_survive(pool: PythonSandbox) -> None:
+    """A default ACL of no permissions on a root made every later execution on that worker
+    unable to read the files it wrote (the sweep emptied and chmodded the roots, nothing
+    more); attributes and times passed bits to later executions."""
+    pristine = "/work [] 0o755 True\n42\n/tmp [] 0o1777 True\n42\n/dev/shm [] 0o1777 True\n42"
+    before = pool.restarts
+    assert attack_beside_normal(pool, POISON_ROOTS).endswith("poisoned")
+    for worker in pool._workers:  # each worker, whichever ran the attack
+        assert worker.execute(PROBE_ROOTS, ATTACK_TIMEOUT_S).as_text() == pristine
+    assert pool.restarts == before  # restored, not replaced
+
+
+def test_syntax_warnings_go_to_the_execution() -> None:
+    """compile() ran in the fork server and wrote its warnings to a stderr pipe nobody read:
+    ~64 KB of them (9 per call, the 88th call) stopped the worker for every later caller."""
+    code = "\n".join(f"x{i} = {i} is {i}" for i in range(100)) + "\nprint('ok', x99)"
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=10.0)
+    try:
+        results = [run(sb, code) for _ in range(20)]  # ~7 KB of warnings each
+    finally:
+        sb.close()
+    assert [(r.stdout, r.exit_code) for r in results] == [("ok True\n", 0)] * 20
+    warning = '<sandbox>:100: SyntaxWarning: "is" with a literal. Did you mean "=="?\n'
+    assert all(r.stderr.count("SyntaxWarning") == 100 and warning in r.stderr for r in results)
+    assert sb.restarts == 0
+
+
+def test_syntax_errors_read_as_before(pool: PythonSandbox) -> None:
+    """Compiling in the execution's own process changes nothing a syntax error shows."""
+    result = run(pool, "print(")
+    text = '  File "<sandbox>", line 1\n    print(\n         ^\n'
+    text += "SyntaxError: '(' was never closed\n"
+    assert (result.stdout, result.stderr, result.exit_code) == ("", text, 1)
+    nul = run(pool, "a\x00b")
+    assert nul.stderr == "ValueError: source code string cannot contain null bytes\n"
+
+
+def test_compiling_is_bounded_by_the_execution_limits(pool: PythonSandbox) -> None:
+    """CPython 3.11 compiles a match pattern in memory quadratic in the names it captures:
+    these 30 KB of code took 1.3 GB in the fork server, outside every limit."""
+    names = ", ".join(f"a{i}" for i in range(4500))
+    code = f"match []:\n    case [{names}]:\n        pass\nprint('compiled')"
+    before = pool.restarts
+    out = attack_beside_normal(pool, code)
+    assert "compiled" not in out
+    assert "MemoryError" in out or "memory limit exceeded" in out
+    assert pool.restarts == before  # the fork server never took the blow
+
+
+FORGE_REPLIES = """
+import json, os, struct
+body = json.dumps({"stdout": "42\\n", "stderr": "", "exit_code": 0, "timed_out": False,
+                   "truncated": False, "limit": None, "wall_s": 0.0, "dirty": False}).encode()
+hits = []
+for fd in range(3, 4096):
+    try:
+        os.write(fd, struct.pack(">I", len(body)) + body)
+        hits.append(fd)
+    except OSError:
+        pass
+print("forged replies on", hits)
+"""
+
+
+@contextlib.contextmanager
+def fds_past_1024(holes: int) -> Iterator[None]:
+    """Holds this process's fds open up to past 1100, as a host with many files does, but for
+    ``holes`` free numbers below 1024 (the next fds opened take those first)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"the hard open-files limit ({hard}) is under 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open("/dev/null", os.O_RDONLY)]
+    try:
+        while held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        low = [fd for fd in held if fd < 1024]
+        for fd in low[len(low) - holes :]:
+            os.close(fd)
+            held.remove(fd)
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _zygote_pipes(worker: _Worker) -> list[int]:
+    """The fds the fork server was handed (its last two arguments), as numbered in the host."""
+    assert worker.proc is not None and isinstance(worker.proc.args, list)
+    return [int(a) for a in worker.proc.args[-2:]]
+
+
+@pytest.mark.parametrize("holes", [0, 3], ids=["all-pipes-high", "sandbox-ends-high"])
+def test_pipes_numbered_past_1024(holes: int) -> None:
+    """Pipes numbered 1024 and above: the execution inherited the reply pipe (the child
+    closed fds 3..1023 only) and forged the next callers' results; and the host's select()
+    refused such fds, so no worker could start or restart."""
+    with fds_past_1024(holes):
+        sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=10.0)
+        try:
+            (worker,) = sb._workers
+            if holes:  # the host's ends took the free low numbers, the reply pipe's write end not
+                assert worker._rep < 1024 and max(_zygote_pipes(worker)) >= 1024
+            else:
+                assert worker._rep >= 1024 and min(_zygote_pipes(worker)) >= 1024
+            calls = (FORGE_REPLIES, "print('call B')", "print(6 * 7)")
+            assert [run(sb, c).stdout for c in calls] == [
+                "forged replies on []\n",
+                "call B\n",
+                "42\n",
+            ]
+            worker.restart()
+            assert run(sb, "print(6 * 7)").stdout == "42\n"
+        finally:
+            sb.close()
+
+
+def _children() -> set[int]:
+    return {
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    }
+
+
+def test_a_failed_start_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails for any reason (select() raising on a high fd did) kills the
+    bubblewrap it started."""
+
+    def no_ready_frame(self: _Worker, deadline: float) -> dict[str, Any] | None:
+        del self, deadline
+        raise RuntimeError("no ready frame")
+
+    before = _children()
+    monkeypatch.setattr(_Worker, "_recv", no_ready_frame)
+    with pytest.raises(RuntimeError, match="no ready frame"):
+        _Worker(61000, "/usr/bin/python3", shutil.which("bwrap") or "bwrap", LIMITS)
+    assert _children() == before

@@ -3,12 +3,13 @@ the calculator."""
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pytest
 
-from jax_agent_rl.tools.base import Tool, ToolResult, tool
+from jax_agent_rl.tools.base import FairPool, Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator, evaluate
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 
@@ -193,3 +194,124 @@ def test_bm25_search(tmp_path: Path) -> None:
     assert asyncio.run(search.execute(None, {"query": "quantum"})).text == "no results"
     with pytest.raises(ValueError, match="no 'text' field"):
         SearchTool([{"title": "x"}])
+
+
+# --- calls sharing a few resources (FairPool, CallClock) -------------------------------------
+
+
+class Desks(Tool):
+    """A tool whose calls share ``size`` desks as the sandbox's calls share its workers (a
+    `FairPool` keyed by trajectory): a call holds a desk until the test opens its gate."""
+
+    name = "desk"
+    schema: ClassVar[dict[str, Any]] = {
+        "type": "function",
+        "function": {
+            "name": "desk",
+            "description": "Work at a desk.",
+            "parameters": {
+                "type": "object",
+                "properties": {"call": {"type": "string"}},
+                "required": ["call"],
+            },
+        },
+    }
+
+    def __init__(self, size: int) -> None:
+        self.pool = FairPool(range(size))
+        self.started: list[str] = []  # the calls, in the order they got a desk
+        self.gates: dict[str, asyncio.Event] = {}
+
+    def open(self, *calls: str) -> None:
+        for call in calls:
+            self.gates.setdefault(call, asyncio.Event()).set()
+
+    async def create(self, trajectory_id: str) -> str:
+        return trajectory_id
+
+    async def execute(self, state: str, arguments: dict[str, Any]) -> ToolResult:
+        call = arguments["call"]
+        desk = await self.pool.acquire(state)
+        try:
+            self.started.append(call)
+            await self.gates.setdefault(call, asyncio.Event()).wait()
+            return ToolResult(call)
+        finally:
+            self.pool.release(state, desk)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Lets the other tasks run until ``condition`` holds (the timeout only stops a hang)."""
+    async with asyncio.timeout(60):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+def test_a_trajectory_s_backlog_does_not_hold_up_a_sibling() -> None:
+    """Trajectory a takes both desks and queues four more calls; b's one call, queued after
+    them, gets the first desk freed (b holds none, a one), not the last."""
+    desks = Desks(2)
+    tools = LocalTools(ToolRegistry([desks]))
+
+    async def scenario() -> list[ToolResult]:
+        a = [asyncio.create_task(tools.call("a", "desk", {"call": f"a{i}"})) for i in range(6)]
+        await until(lambda: desks.pool.waiting == 4)
+        b = asyncio.create_task(tools.call("b", "desk", {"call": "b0"}))
+        await until(lambda: desks.pool.waiting == 5)
+        assert desks.started == ["a0", "a1"]
+        desks.open("a0")
+        await until(lambda: len(desks.started) == 3)
+        desks.open(*(f"a{i}" for i in range(1, 6)), "b0")
+        return await asyncio.gather(*a, b)
+
+    results = asyncio.run(scenario())
+    assert desks.started == ["a0", "a1", "b0", "a2", "a3", "a4", "a5"]
+    assert [r.text for r in results] == ["a0", "a1", "a2", "a3", "a4", "a5", "b0"]
+
+
+def test_turns_go_round_the_trajectories() -> None:
+    """One desk: after each call, the desk goes to the waiting trajectory served longest ago
+    (among those never served, the first to arrive), so b and c need not wait for all of a."""
+    desks = Desks(1)
+    tools = LocalTools(ToolRegistry([desks]))
+    order = ["a0", "a1", "a2", "a3", "b0", "c0"]
+
+    async def scenario() -> None:
+        calls = [tools.call(c[0], "desk", {"call": c}) for c in order]
+        tasks = [asyncio.create_task(c) for c in calls]
+        await until(lambda: desks.pool.waiting == 5)
+        desks.open(*order)
+        assert [r.text for r in await asyncio.gather(*tasks)] == order
+
+    asyncio.run(scenario())
+    assert desks.started == ["a0", "b0", "c0", "a1", "a2", "a3"]
+
+
+def test_a_call_is_timed_from_when_it_gets_its_turn() -> None:
+    """The executor's timeout counts from when the call gets a desk: waiting its turn longer
+    than ``timeout_s`` is no timeout. A wait past ``max_wait_s`` ends the call unrun."""
+    desks = Desks(1)
+    tools = LocalTools(ToolRegistry([desks]), timeout_s=0.05, max_wait_s=60.0)
+    impatient = LocalTools(ToolRegistry([desks]), timeout_s=60.0, max_wait_s=0.05)
+
+    async def scenario() -> tuple[ToolResult, ToolResult, ToolResult]:
+        held = await desks.pool.acquire("holder")
+        desks.open("waits", "gives up")
+        waits = asyncio.create_task(tools.call("a", "desk", {"call": "waits"}))
+        await until(lambda: desks.pool.waiting == 1)
+        await asyncio.sleep(0.2)  # at least four times its timeout_s, waiting its turn
+        desks.pool.release("holder", held)
+        ran = await waits
+        held = await desks.pool.acquire("holder")
+        gave_up = await impatient.call("b", "desk", {"call": "gives up"})
+        desks.pool.release("holder", held)
+        slow = await tools.call("c", "desk", {"call": "never opened"})
+        return ran, gave_up, slow
+
+    ran, gave_up, slow = asyncio.run(scenario())
+    assert ran == ToolResult("waits")
+    assert gave_up.error and gave_up.text == (
+        "error: desk did not run: it waited over 0.05s for its turn (max_wait_s)"
+    )
+    assert slow.error and slow.text == "error: desk timed out after 0.05s"  # once it runs
+    assert desks.started == ["waits", "never opened"] and desks.pool.waiting == 0
