@@ -198,7 +198,7 @@ def _serve_tools(args: argparse.Namespace) -> int:
     from jax_agent_rl.agent.parsers import PARSERS
     from jax_agent_rl.config import ConfigError, package_file
     from jax_agent_rl.tools.registry import ToolRegistry
-    from jax_agent_rl.tools.server import serve
+    from jax_agent_rl.tools.server import RequestCaps, serve
 
     try:
         tools = package_file(args.tools, "--tools")
@@ -224,6 +224,11 @@ def _serve_tools(args: argparse.Namespace) -> int:
             max_trajectories=args.max_trajectories,
             max_body_bytes=args.max_body_bytes,
             body_timeout_s=args.body_timeout,
+            caps=RequestCaps(
+                max_id_bytes=args.max_id_bytes,
+                max_batch_calls=args.max_batch_calls,
+                max_action_calls=args.max_action_calls,
+            ),
             max_connections=args.max_connections,
             action_parser=args.action_parser,
             socket_path=args.socket,
@@ -240,9 +245,10 @@ def _add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="serve a tools YAML over HTTP for agent rollouts",
         description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
         "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
-        "State is "
-        "sticky per trajectory. A non-loopback --host needs --token. "
-        "What clients can hold is bounded: trajectory state, request bodies, connections.",
+        "State is sticky per trajectory, in the client's namespace (the X-Tool-Namespace "
+        "header; each HttpTools client has its own). A non-loopback --host needs --token; only "
+        "GET /health (which says ok, nothing more) answers without it. What clients can hold "
+        "is bounded: trajectory state, ids, calls per request, request bodies, connections.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -280,6 +286,26 @@ def _add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=float,
         default=10.0,
         help="seconds to receive a whole request body; a slower client gets 408",
+    )
+    p.add_argument(
+        "--max-id-bytes",
+        type=int,
+        default=256,
+        help="largest trajectory id (UTF-8 bytes); a request with a longer one gets 422",
+    )
+    p.add_argument(
+        "--max-batch-calls",
+        type=int,
+        default=1024,
+        help="calls in one /execute_batch, and trajectories in one /get_observation; more get "
+        "422. Keep it at or above the clients' batch (HttpTools batches 32)",
+    )
+    p.add_argument(
+        "--max-action-calls",
+        type=int,
+        default=32,
+        help="tool calls in one verl-tool action; an action with more runs none of them and "
+        "its observation is an error naming this cap",
     )
     p.add_argument(
         "--max-connections",

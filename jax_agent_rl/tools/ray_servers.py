@@ -2,8 +2,10 @@
 
 With ``rollout.ray.tool_servers`` > 0, each tool server is a Ray actor (`ToolServer`) running
 the app of ``jarl serve-tools`` over ``tools.config`` on its node's address, at a free port,
-behind a bearer token the run makes up (a non-loopback server never runs without one). The
-actors are spread over the nodes. The executor routes: all calls of one trajectory go to one
+behind a bearer token the run makes up (a non-loopback server never runs without one; it is
+compared in constant time, and nothing but ``/health`` answers without it). Each server's
+client (`HttpTools`) keeps its calls in a namespace of its own. The actors are spread over
+the nodes. The executor routes: all calls of one trajectory go to one
 server (its tool state lives there), a new trajectory to the server holding the fewest.
 
 A server that dies takes its trajectories' tool state with it, so their next call fails

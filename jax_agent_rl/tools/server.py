@@ -1,11 +1,22 @@
 """The tool server (FastAPI over a `ToolRegistry`) and its client, `HttpTools`.
 
-Endpoints: ``GET /health``, ``GET /tools`` (schemas), ``POST /execute`` (one call; state is
-sticky per ``trajectory_id``; its ``create_kwargs`` reach the tool's ``create``), ``POST
-/release`` (free a trajectory's state), ``GET /metrics``, and verl-tool's ``POST
-/get_observation`` (see `create_app`). Calls run through `LocalTools` (per-call timeout, failures
-become error results) behind a concurrency cap; when the app stops, every tool is closed. The
-server refuses to listen on a non-loopback address without a bearer token.
+Endpoints: ``GET /health`` (``{"status": "ok"}`` and nothing else: the one route open
+without the token), ``GET /tools`` (schemas), ``POST /execute`` (one call; state is sticky per
+trajectory; its ``create_kwargs`` reach the tool's ``create``), ``POST /release`` (free a
+trajectory's state), ``GET /metrics``, and verl-tool's ``POST /get_observation`` (see
+`create_app`); no docs or OpenAPI routes. Calls run through `LocalTools` (per-call timeout,
+failures become error results) behind a concurrency cap; when the app stops, every tool is
+closed. The server refuses to listen on a non-loopback address without a bearer token, and
+compares the token in constant time on both transports (`token_matches`).
+
+Tool state is keyed by (namespace, ``trajectory_id``) (`state_key`), so clients whose
+trajectory ids collide (two runs sharing a server) never share or release each other's state.
+The namespace travels in the ``X-Tool-Namespace`` header (on the Unix socket, in the hello
+frame); each `HttpTools` makes a random one when it is created. A request without one is in the
+unnamed namespace, which such clients share (verl-tool's clients, or anyone calling the routes
+by hand): their ids must not collide; a proxy in front can give each of them a namespace.
+`RequestCaps` bounds what one request carries: the bytes of an id, the calls of a batch, the
+calls of a verl-tool action.
 
 What a careless or hostile client can hold is bounded by settings of the server: trajectory
 state expires after ``idle_timeout_s`` without a call (a sweep frees it even with no traffic)
@@ -36,12 +47,14 @@ import ipaddress
 import itertools
 import json
 import os
+import re
+import secrets
 import stat
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException
@@ -61,6 +74,94 @@ from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 if TYPE_CHECKING:
     import uvicorn
+
+
+NAMESPACE_HEADER = "X-Tool-Namespace"
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-]{0,64}")  # no "/": `state_key` stays one-to-one
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestCaps:
+    """What one request may carry; past a cap the request is refused with an error naming it
+    (`RequestRefusedError`, HTTP 422), except ``max_action_calls`` (below).
+
+    - ``max_id_bytes``: a trajectory id's bytes (UTF-8): ids are held as long as their state.
+    - ``max_batch_calls``: calls of one ``/execute_batch`` and trajectories of one
+      ``/get_observation`` (all run at once). `HttpTools` batches ``max_batch`` calls (32).
+    - ``max_action_calls``: tool calls one verl-tool action holds. The model wrote them, so
+      an action over the cap fails alone: none of its calls runs, and its observation is an
+      error the model reads (invalid); the request's other trajectories go on.
+    """
+
+    max_id_bytes: int = 256
+    max_batch_calls: int = 1024
+    max_action_calls: int = 32
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 1:
+                raise ValueError(
+                    f"{field.name} must be at least 1, got {getattr(self, field.name)}"
+                )
+
+    def check_id(self, trajectory_id: str) -> None:
+        n = len(trajectory_id.encode("utf-8", "surrogatepass"))
+        if n > self.max_id_bytes:
+            raise RequestRefusedError(
+                f"a trajectory id of {n} bytes, over the cap of {self.max_id_bytes} bytes "
+                "(max_id_bytes)"
+            )
+
+    def check_batch(self, n: int, what: str) -> None:
+        if n > self.max_batch_calls:
+            raise RequestRefusedError(
+                f"{n} {what} in one request, over the cap of {self.max_batch_calls} "
+                "(max_batch_calls)"
+            )
+
+
+class RequestRefusedError(ValueError):
+    """A request past a `RequestCaps` cap, or with a malformed namespace (HTTP 422)."""
+
+
+def state_key(namespace: str, trajectory_id: str) -> str:
+    """The key of a trajectory's state on the server (what a tool's ``create`` receives as its
+    trajectory id): one-to-one, since a namespace holds no ``/``."""
+    return f"{namespace}/{trajectory_id}"
+
+
+def checked_namespace(namespace: str | None) -> str:
+    """``namespace`` (none: the unnamed one, ""); refuses one that is not 0-64 characters of
+    ``A-Z a-z 0-9 _ -``."""
+    if namespace is None:
+        return ""
+    if not NAMESPACE_PATTERN.fullmatch(namespace):
+        raise RequestRefusedError(
+            f"a namespace must be 0-64 characters of A-Z a-z 0-9 _ - ({NAMESPACE_HEADER})"
+        )
+    return namespace
+
+
+async def _namespace(
+    x_tool_namespace: str | None = Header(default=None, alias=NAMESPACE_HEADER),
+) -> str:
+    return checked_namespace(x_tool_namespace)
+
+
+# a route's parameter of this type is the request's namespace (refused with 422 if malformed)
+RequestNamespace = Annotated[str, Depends(_namespace)]
+
+
+def token_matches(sent: str | None, token: str | None) -> bool:
+    """Whether a client that sent ``sent`` may call a server whose token is ``token`` (any
+    client, when it has none): a constant-time comparison, the one both transports use."""
+    if token is None:
+        return True
+    if sent is None:
+        return False
+    return hmac.compare_digest(
+        sent.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")
+    )
 
 
 class ExecuteRequest(BaseModel):
@@ -251,8 +352,10 @@ class SocketServer:
     with no per-call HTTP request (what makes a call cheap).
 
     A frame is a 4-byte big-endian length and a JSON object. The client's first frame is
-    ``{"token": ...}``: with a server token, a wrong or missing one is answered ``{"error":
-    ...}`` and the connection closed; else ``{"ok": true}``. Then each request is ``{"id": n,
+    ``{"token": ..., "namespace": ...}``: with a server token, a wrong or missing one is
+    answered ``{"error": ...}`` and the connection closed, as is a malformed namespace (see
+    `checked_namespace`; none: the unnamed one); else ``{"ok": true}``, and every request of the
+    connection is in that namespace. Then each request is ``{"id": n,
     "op": op, "body": {...}}``, ``op`` one of ``execute``, ``release``, ``tools``, ``metrics``
     (the HTTP routes of the same name, through the same handlers: concurrency cap, metrics),
     answered ``{"id": n, "result": ...}`` or ``{"id": n, "error": "..."}``. A frame that breaks
@@ -261,7 +364,7 @@ class SocketServer:
 
     def __init__(
         self,
-        handle: Callable[[str, dict[str, Any]], Awaitable[Any]],
+        handle: Callable[[str, str, dict[str, Any]], Awaitable[Any]],
         token: str | None,
         limits: SocketLimits,
     ) -> None:
@@ -306,6 +409,20 @@ class SocketServer:
         except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to parse
             raise ProtocolError(f"frame is not JSON: {e}") from None
 
+    def _hello(self, hello: Any) -> str | None:
+        """The namespace of a connection whose first frame is ``hello``, or None when its token
+        is wrong; raises `ProtocolError` for a malformed namespace."""
+        hello = hello if isinstance(hello, dict) else {}
+        sent, namespace = hello.get("token"), hello.get("namespace")
+        if not token_matches(sent if isinstance(sent, str) else None, self.token):
+            return None
+        if not (namespace is None or isinstance(namespace, str)):
+            raise ProtocolError("a namespace is a string")
+        try:
+            return checked_namespace(namespace)
+        except RequestRefusedError as e:
+            raise ProtocolError(str(e)) from None
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._writers) >= self.limits.max_connections:
             writer.write(frame({"error": "too many connections (max_connections)"}))
@@ -314,11 +431,8 @@ class SocketServer:
         self._writers.add(writer)
         in_flight: set[asyncio.Task[None]] = set()
         try:
-            hello = await self._read_frame(reader, self.limits.frame_timeout_s)
-            sent = hello.get("token") if isinstance(hello, dict) else None
-            if self.token is not None and not (
-                isinstance(sent, str) and hmac.compare_digest(sent.encode(), self.token.encode())
-            ):
+            namespace = self._hello(await self._read_frame(reader, self.limits.frame_timeout_s))
+            if namespace is None:
                 writer.write(frame({"error": "missing or wrong bearer token"}))
                 return
             writer.write(frame({"ok": True}))
@@ -339,7 +453,7 @@ class SocketServer:
                     and isinstance(request.get("body", {}), dict)
                 ):
                     raise ProtocolError('a request is {"id": int, "op": str, "body": {...}}')
-                task = asyncio.create_task(self._answer(request, writer, gate))
+                task = asyncio.create_task(self._answer(namespace, request, writer, gate))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
         except ProtocolError as e:
@@ -365,14 +479,19 @@ class SocketServer:
                 self._writers.discard(writer)
 
     async def _answer(
-        self, request: dict[str, Any], writer: asyncio.StreamWriter, gate: asyncio.Semaphore
+        self,
+        namespace: str,
+        request: dict[str, Any],
+        writer: asyncio.StreamWriter,
+        gate: asyncio.Semaphore,
     ) -> None:
         """Runs one request and writes its answer; the request holds its place in ``gate``
         until the answer is handed to the kernel, so a client that stops reading stops
         being read from."""
         rid = request["id"]
         try:
-            reply = {"id": rid, "result": await self.handle(request["op"], request.get("body", {}))}
+            body = request.get("body", {})
+            reply = {"id": rid, "result": await self.handle(namespace, request["op"], body)}
         except Exception as e:  # what HTTP answers 422 or 500: this request fails, not the rest
             reply = {"id": rid, "error": f"{type(e).__name__}: {e}"}
         try:
@@ -421,6 +540,7 @@ def create_app(
     max_trajectories: int = 10_000,
     max_body_bytes: int = 8 * 2**20,
     body_timeout_s: float = 10.0,
+    caps: RequestCaps = RequestCaps(),
     action_parser: str = "hermes",
     socket_path: str | None = None,
     max_connections: int = 512,
@@ -431,8 +551,9 @@ def create_app(
     `LocalTools`; while the app runs (its lifespan), `sweep_idle` expires idle trajectories
     every ``idle_timeout_s / 2`` seconds, waiting with ``sleep``, so idle state lives at most
     1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
-    ``body_timeout_s`` go to `BodyLimit`. ``action_parser`` (a name of
-    `jax_agent_rl.agent.parsers`) reads the actions of ``/get_observation`` (`_verl_tool_routes`).
+    ``body_timeout_s`` go to `BodyLimit`; ``caps`` bound what one request carries
+    (`RequestCaps`). ``action_parser`` (a name of `jax_agent_rl.agent.parsers`) reads the
+    actions of ``/get_observation`` (`_verl_tool_routes`).
     With ``socket_path``, the app's lifespan also serves the calls on that Unix socket
     (`SocketServer`, under the same token, with the same bounds per frame, ``max_concurrency``
     calls in flight per connection and at most ``max_connections`` connections). An empty
@@ -456,45 +577,45 @@ def create_app(
     app = FastAPI(
         title="jax_agent_rl tool server",
         lifespan=lambda _: _running(tools, idle_timeout_s / 2, sleep, unix, socket_path),
+        docs_url=None,  # nothing but /health answers without the token
+        redoc_url=None,
+        openapi_url=None,
     )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
-
-    async def authorize(authorization: str | None = Header(default=None)) -> None:
-        if token is not None and authorization != f"Bearer {token}":
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "tools": registry.names}
+    authorize = _gate(app, token)
 
     @app.get("/tools", dependencies=[Depends(authorize)])
     async def schemas() -> list[dict[str, Any]]:
         return registry.schemas()
 
+    async def run(namespace: str, req: ExecuteRequest) -> dict[str, Any]:
+        """One call in ``namespace`` (the id already checked against ``caps``)."""
+        return await _counted_call(
+            tools, slots, metrics, state_key(namespace, req.trajectory_id), req
+        )
+
+    async def free(namespace: str, trajectory_id: str) -> dict[str, Any]:
+        """Releases ``trajectory_id`` of ``namespace`` (the id already checked)."""
+        await tools.release(state_key(namespace, trajectory_id))
+        metrics.releases += 1
+        return {"released": trajectory_id}
+
     @app.post("/execute", dependencies=[Depends(authorize)])
-    async def execute(req: ExecuteRequest) -> dict[str, Any]:
-        async with slots:
-            metrics.in_flight += 1
-            t0 = time.perf_counter()
-            try:
-                result = await tools.call(
-                    req.trajectory_id, req.name, req.arguments, req.create_kwargs
-                )
-            finally:
-                metrics.in_flight -= 1
-                metrics.calls += 1
-                metrics.call_seconds += time.perf_counter() - t0
-        metrics.errors += result.error
-        return dataclasses.asdict(result)
+    async def execute(req: ExecuteRequest, namespace: RequestNamespace) -> dict[str, Any]:
+        caps.check_id(req.trajectory_id)
+        return await run(namespace, req)
 
     @app.post("/execute_batch", dependencies=[Depends(authorize)])
-    async def execute_batch(req: BatchRequest) -> StreamingResponse:
+    async def execute_batch(req: BatchRequest, namespace: RequestNamespace) -> StreamingResponse:
         """Several calls in one request, run concurrently; each result is streamed as one JSON
         line ``{"index": i, "result": {...}}`` the moment it is ready, so a slow call never
-        holds back the others."""
+        holds back the others. The whole request is checked against ``caps`` first."""
+        caps.check_batch(len(req.calls), "calls")
+        for call in req.calls:
+            caps.check_id(call.trajectory_id)
 
         async def indexed(i: int, call: ExecuteRequest) -> tuple[int, dict[str, Any]]:
-            return i, await execute(call)
+            return i, await run(namespace, call)
 
         async def lines() -> AsyncIterator[str]:
             tasks = [asyncio.ensure_future(indexed(i, c)) for i, c in enumerate(req.calls)]
@@ -505,12 +626,11 @@ def create_app(
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/release", dependencies=[Depends(authorize)])
-    async def release(req: ReleaseRequest) -> dict[str, Any]:
-        await tools.release(req.trajectory_id)
-        metrics.releases += 1
-        return {"released": req.trajectory_id}
+    async def release(req: ReleaseRequest, namespace: RequestNamespace) -> dict[str, Any]:
+        caps.check_id(req.trajectory_id)
+        return await free(namespace, req.trajectory_id)
 
-    _verl_tool_routes(app, parser, execute, release, authorize)
+    _verl_tool_routes(app, parser, caps, run, free, authorize)
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def get_metrics() -> dict[str, Any]:
@@ -520,12 +640,13 @@ def create_app(
             "expired": tools.expired,
         }
 
-    async def socket_op(op: str, body: dict[str, Any]) -> Any:
-        """A request of the Unix socket, through the HTTP route of the same name."""
+    async def socket_op(namespace: str, op: str, body: dict[str, Any]) -> Any:
+        """A request of the Unix socket (in its connection's namespace), through the HTTP
+        route of the same name."""
         if op == "execute":
-            return await execute(ExecuteRequest.model_validate(body))
+            return await execute(ExecuteRequest.model_validate(body), namespace)
         if op == "release":
-            return await release(ReleaseRequest.model_validate(body))
+            return await release(ReleaseRequest.model_validate(body), namespace)
         if op == "tools":
             return await schemas()
         if op == "metrics":
@@ -539,14 +660,60 @@ def create_app(
     return app
 
 
+async def _counted_call(
+    tools: LocalTools,
+    slots: asyncio.Semaphore,
+    metrics: ServerMetrics,
+    key: str,
+    req: ExecuteRequest,
+) -> dict[str, Any]:
+    """``req``'s call on the state of ``key``, run within the concurrency cap ``slots`` and
+    counted in ``metrics``."""
+    async with slots:
+        metrics.in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            result = await tools.call(key, req.name, req.arguments, req.create_kwargs)
+        finally:
+            metrics.in_flight -= 1
+            metrics.calls += 1
+            metrics.call_seconds += time.perf_counter() - t0
+    metrics.errors += result.error
+    return dataclasses.asdict(result)
+
+
+def _gate(app: FastAPI, token: str | None) -> Callable[..., Awaitable[None]]:
+    """What guards ``app``'s routes: ``GET /health``, the one route open without the token,
+    which says ok and nothing else; a `RequestRefusedError` (a cap, a malformed namespace)
+    answered 422; and the dependency it returns, ``authorize``: the bearer token, checked
+    with `token_matches`."""
+
+    @app.exception_handler(RequestRefusedError)
+    async def refused(_: Any, e: RequestRefusedError) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=422)
+
+    async def authorize(authorization: str | None = Header(default=None)) -> None:
+        scheme, _, sent = (authorization or "").partition(" ")
+        if not token_matches(sent if scheme == "Bearer" else None, token):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return authorize
+
+
 def _verl_tool_routes(
     app: FastAPI,
     parser: ToolCallParser,
-    execute: Callable[[ExecuteRequest], Awaitable[dict[str, Any]]],
-    release: Callable[[ReleaseRequest], Awaitable[dict[str, Any]]],
+    caps: RequestCaps,
+    run: Callable[[str, ExecuteRequest], Awaitable[dict[str, Any]]],
+    free: Callable[[str, str], Awaitable[dict[str, Any]]],
     authorize: Callable[..., Awaitable[None]],
 ) -> None:
-    """Adds verl-tool's protocol to ``app``, over its ``execute`` and ``release`` routes.
+    """Adds verl-tool's protocol to ``app``, over the calls and releases of its ``/execute``
+    and ``/release`` routes (``run`` and ``free``, in the request's namespace).
 
     ``POST /get_observation`` serves verl-tool's client (``verl_tool/agent_loop``): for each
     trajectory, ``finish`` releases its state and answers an empty observation; otherwise the
@@ -555,13 +722,17 @@ def _verl_tool_routes(
     ``{"obs": text, "reward": sum of the calls' rewards}``; ``is_last_step`` releases the state
     afterwards. ``dones`` is whether a tool ended the trajectory (or it finished); ``valids``
     whether the action held calls and none was malformed (``invalid_reason`` says why not).
+    An action of more than ``caps.max_action_calls`` calls runs none of them: its observation
+    is an error naming the cap, and it is invalid. A request of more than
+    ``caps.max_batch_calls`` trajectories, or with an id over ``caps.max_id_bytes``, is refused.
     verl-tool instead routes each action to the first of its tools whose own
     ``parse_action`` accepts it; here the one parser reads them all. verl-tool's client sends
-    no bearer token: give the server none (loopback) or put a proxy that adds it in front.
+    no bearer token and no namespace: give the server no token (loopback) or put a proxy that
+    adds both headers in front; without a namespace its trajectories are in the unnamed one.
     """
 
     async def run_call(
-        trajectory_id: str, call: ParsedCall, create_kwargs: dict[str, Any]
+        namespace: str, trajectory_id: str, call: ParsedCall, create_kwargs: dict[str, Any]
     ) -> ToolResult:
         if call.error is not None:
             return ToolResult(f"error: {call.error}", error=True)
@@ -571,18 +742,31 @@ def _verl_tool_routes(
             arguments=call.arguments,
             create_kwargs=create_kwargs,
         )
-        return ToolResult(**await execute(request))
+        return ToolResult(**await run(namespace, request))
 
     async def observe(
-        trajectory_id: str, action: str, last: bool, create_kwargs: dict[str, dict[str, Any]]
+        namespace: str,
+        trajectory_id: str,
+        action: str,
+        last: bool,
+        create_kwargs: dict[str, dict[str, Any]],
     ) -> tuple[dict[str, Any], bool, bool]:
         """One trajectory's observation, done and valid for its action (see above)."""
         calls = parser.parse(action)
+        if len(calls) > caps.max_action_calls:
+            why = (
+                f"{len(calls)} tool calls in one action, over the cap of "
+                f"{caps.max_action_calls} (max_action_calls); none ran"
+            )
+            if last:
+                await free(namespace, trajectory_id)
+            text = observation_text(parser, [f"error: {why}"])
+            return {"obs": text, "reward": None, "invalid_reason": why}, False, False
         results = await asyncio.gather(
-            *(run_call(trajectory_id, c, create_kwargs.get(c.name, {})) for c in calls)
+            *(run_call(namespace, trajectory_id, c, create_kwargs.get(c.name, {})) for c in calls)
         )
         if last:
-            await release(ReleaseRequest(trajectory_id=trajectory_id))
+            await free(namespace, trajectory_id)
         obs: dict[str, Any] = {
             "obs": observation_text(parser, [r.text for r in results]),
             "reward": sum(r.reward for r in results) if results else None,
@@ -595,8 +779,13 @@ def _verl_tool_routes(
         return obs, any(r.done for r in results), bool(calls) and not malformed
 
     @app.post("/get_observation", dependencies=[Depends(authorize)])
-    async def get_observation(req: ObservationRequest) -> dict[str, Any]:
+    async def get_observation(
+        req: ObservationRequest, namespace: RequestNamespace
+    ) -> dict[str, Any]:
         n = len(req.trajectory_ids)
+        caps.check_batch(n, "trajectories")
+        for trajectory_id in req.trajectory_ids:
+            caps.check_id(trajectory_id)
         finish = req.finish or [False] * n
         last = req.is_last_step or [False] * n
         try:
@@ -606,10 +795,10 @@ def _verl_tool_routes(
 
         async def one(i: int) -> tuple[dict[str, Any], bool, bool]:
             if finish[i]:
-                await release(ReleaseRequest(trajectory_id=req.trajectory_ids[i]))
+                await free(namespace, req.trajectory_ids[i])
                 return {"obs": "", "reward": None}, True, True
             trajectory_id, action = req.trajectory_ids[i], req.actions[i]
-            return await observe(trajectory_id, action, last[i], create_kwargs[i])
+            return await observe(namespace, trajectory_id, action, last[i], create_kwargs[i])
 
         out = await asyncio.gather(*(one(i) for i in range(n)))
         return {
@@ -637,6 +826,7 @@ def serve(
     max_trajectories: int = 10_000,
     max_body_bytes: int = 8 * 2**20,
     body_timeout_s: float = 10.0,
+    caps: RequestCaps = RequestCaps(),
     max_connections: int = 512,
     action_parser: str = "hermes",
     socket_path: str | None = None,
@@ -665,6 +855,7 @@ def serve(
         max_trajectories=max_trajectories,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        caps=caps,
         action_parser=action_parser,
         socket_path=socket_path,
         max_connections=max_connections,
@@ -760,7 +951,11 @@ class HttpTools:
     """A `ToolExecutor` that calls a tool server over HTTP, or over its Unix socket when
     ``url`` is ``unix:PATH`` (see `SocketServer`): there every call is one frame on a shared
     connection, with no HTTP request per call, which makes calls cheap. On both, only failures
-    where the request cannot have reached the server are retried."""
+    where the request cannot have reached the server are retried.
+
+    Each client's calls are in a namespace of their own, random, made with the client (sent
+    as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
+    out of reach of every other client, whatever trajectory ids they use."""
 
     def __init__(
         self,
@@ -775,7 +970,10 @@ class HttpTools:
         self.retries, self.backoff_s = retries, backoff_s
         self.max_batch = max_batch
         self._pending: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]] = []
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._namespace = secrets.token_urlsafe(16)
+        headers = {NAMESPACE_HEADER: self._namespace}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         self._headers, self._timeout = headers, timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         path = self.url.removeprefix("unix:") if self.url.startswith("unix:") else None
@@ -803,7 +1001,7 @@ class HttpTools:
                         raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
                     await asyncio.sleep(self.backoff_s * 2**attempt)
             try:
-                writer.write(frame({"token": self._token}))
+                writer.write(frame({"token": self._token, "namespace": self._namespace}))
                 async with asyncio.timeout(self._timeout):
                     hello = await _read_frame(reader)
             except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:

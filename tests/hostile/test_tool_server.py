@@ -1,12 +1,17 @@
 """The tool server against hostile or careless clients: trajectories never released, more
-trajectories than the server holds, request bodies too large, bodies sent too slowly, and
-more connections than the server serves.
+trajectories than the server holds, request bodies too large, bodies sent too slowly, more
+connections than the server serves, another client's trajectory ids, ids and batches too
+large, actions of too many calls, a guessed token, and the routes that answer without one.
+Beside each attack, a normal client's calls stay exact.
 
 Expiry runs on a fake clock (and a sweep woken by the test), so no test waits on real time;
 the slow-body test only waits for the server's verdict."""
 
 import asyncio
+import hmac
+import json
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +20,9 @@ import httpx
 import pytest
 
 from jax_agent_rl.tools.base import Tool, ToolResult
-from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.tools.server import create_app
-from tests.tools.test_server import start_server
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.server import HttpTools, create_app
+from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter
 
 
@@ -163,7 +168,8 @@ def test_the_server_sweep_frees_idle_state_with_no_traffic() -> None:
             assert counter.released == []  # nothing happens without the sweep or a call
             await wake.put(None)
             await asleep.get()  # one sweep done; it sleeps again
-            assert released_ids(counter) == ["t0", "t1", "t2"]
+            # (keyed in the unnamed namespace, as the server keys them: "/" + id)
+            assert released_ids(counter) == ["/t0", "/t1", "/t2"]
             return dict((await http.get("/metrics")).json())
 
     metrics = asyncio.run(scenario())
@@ -217,3 +223,254 @@ def test_requests_past_the_connection_limit_get_503(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+# ----------------------------------------------------------------------------- other clients
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """One server (with a token, and its Unix socket) that the tests below share, as runs
+    share one; their trajectory ids never repeat across tests, and they count by differences.
+    Yields its HTTP URL and its ``unix:`` address."""
+    where = tmp_path_factory.mktemp("shared")
+    sock = where / "tools.sock"
+    proc, url = start_server(where, "--token", TOKEN, "--socket", str(sock))
+    yield url, f"unix:{sock}"
+    proc.kill()
+    proc.wait()
+
+
+async def _counts(tools: HttpTools, trajectory_id: str, n: int) -> list[str]:
+    return [(await tools.call(trajectory_id, "count", {})).text for _ in range(n)]
+
+
+def _metrics(url: str) -> dict[str, Any]:
+    return dict(httpx.get(url + "/metrics", headers=AUTH).json())
+
+
+def test_another_client_never_reaches_a_trajectorys_state(shared_server: tuple[str, str]) -> None:
+    """A second run on the same server, its trajectory ids the same as the first's (over HTTP
+    and the socket), a client calling the routes by hand, and verl-tool's client: each has
+    its own state, and none of their releases touches the first run's."""
+    url, unix = shared_server
+    verl_finish = {"trajectory_ids": ["t"], "actions": [""], "finish": [True]}
+
+    async def scenario() -> list[Any]:
+        run, second, over_socket = (HttpTools(a, token=TOKEN) for a in (url, url, unix))
+        out: list[Any] = [await _counts(run, "t", 2)]
+        out.append(await _counts(second, "t", 1) + await _counts(over_socket, "t", 1))
+        await second.release("t")
+        await over_socket.release("t")
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as raw:  # no namespace
+            body = {"trajectory_id": "t", "name": "count", "arguments": {}}
+            out.append((await raw.post("/execute", json=body)).json()["text"])
+            await raw.post("/release", json={"trajectory_id": "t"})
+            await raw.post("/get_observation", json=verl_finish)
+            for namespace in ("other-run", "x" * 64):  # a proxy naming a verl-tool client's
+                headers = {"X-Tool-Namespace": namespace}
+                await raw.post("/get_observation", json=verl_finish, headers=headers)
+            out.append(await _counts(run, "t", 1))  # the first run's state lived on
+        await run.release("t")
+        for tools in (run, second, over_socket):
+            await tools.close()
+        return out
+
+    assert asyncio.run(scenario()) == [["1", "2"], ["1", "1"], "1", ["3"]]
+
+
+def test_a_malformed_namespace_is_refused(shared_server: tuple[str, str]) -> None:
+    url, unix = shared_server
+    body = {"trajectory_id": "ns", "name": "count", "arguments": {}}
+    for namespace in ("a/b", "x" * 65, "a.b"):
+        headers = {**AUTH, "X-Tool-Namespace": namespace}
+        refused = httpx.post(url + "/execute", json=body, headers=headers)
+        assert refused.status_code == 422 and "0-64 characters" in refused.text
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(unix.removeprefix("unix:"))
+        conn.sendall(_frame({"token": TOKEN, "namespace": "a/b"}))
+        assert "0-64 characters" in _read_frame(conn)["error"]
+        assert conn.recv(1) == b""  # and closed
+
+
+def _frame(obj: Any) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def _read_frame(conn: socket.socket) -> Any:
+    (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+    return json.loads(conn.recv(n, socket.MSG_WAITALL))
+
+
+# ----------------------------------------------------------------------------- request caps
+
+MAX_ID_BYTES, MAX_BATCH_CALLS, MAX_ACTION_CALLS = 256, 1024, 32  # serve-tools' defaults
+
+
+def test_trajectory_ids_over_the_cap_are_refused(shared_server: tuple[str, str]) -> None:
+    """Ids of 2 MB (each would be held as long as its state) are refused on every route that
+    takes one, over HTTP and the socket; an id of the cap's bytes is served."""
+    url, unix = shared_server
+    cap = f"over the cap of {MAX_ID_BYTES} bytes (max_id_bytes)"
+    big = "x" * 2**21
+    routes = {
+        "/execute": {"trajectory_id": big, "name": "count", "arguments": {}},
+        "/release": {"trajectory_id": big},
+        "/execute_batch": {
+            "calls": [
+                {"trajectory_id": "fine", "name": "count", "arguments": {}},
+                {"trajectory_id": big, "name": "count", "arguments": {}},
+            ]
+        },
+        "/get_observation": {"trajectory_ids": ["fine", big], "actions": ["", ""]},
+    }
+
+    async def scenario() -> list[Any]:
+        run = HttpTools(url, token=TOKEN)
+        out: list[Any] = [await _counts(run, "ids", 1)]
+        before = _metrics(url)
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
+            for route, body in routes.items():
+                refused = await raw.post(route, json=body)
+                assert refused.status_code == 422 and cap in refused.text, route
+        for address in (url, unix):
+            attacker = HttpTools(address, token=TOKEN, retries=0)
+            for trajectory_id in (big, "é" * (MAX_ID_BYTES // 2 + 1)):  # bytes, not characters
+                with pytest.raises(ToolTransportError, match=r"max_id_bytes"):
+                    await attacker.call(trajectory_id, "count", {})
+            assert (await attacker.call("y" * MAX_ID_BYTES, "count", {})).text == "1"
+            await attacker.release("y" * MAX_ID_BYTES)
+            await attacker.close()
+        after = _metrics(url)
+        out.append(after["open_trajectories"] - before["open_trajectories"])
+        out.append(after["calls"] - before["calls"])  # the two at the cap: nothing else ran
+        out.append(await _counts(run, "ids", 1))
+        await run.release("ids")
+        await run.close()
+        return out
+
+    assert asyncio.run(scenario()) == [["1"], 0, 2, ["2"]]
+
+
+def test_calls_per_request_and_per_action_are_capped(shared_server: tuple[str, str]) -> None:
+    """A batch of more calls than the cap, or a verl-tool request of more trajectories, is
+    refused whole before any call runs; an action of more calls than its cap runs none of them
+    and reads as an error, while the request's other actions are answered."""
+    url, _ = shared_server
+    call = {"trajectory_id": "flood", "name": "calculator", "arguments": {"expression": "1+1"}}
+    flood = {"calls": [call] * (MAX_BATCH_CALLS + 1)}
+    n = MAX_BATCH_CALLS + 1
+    many = {"trajectory_ids": [f"v{i}" for i in range(n)], "actions": [""] * n}
+    one = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    action = {"trajectory_ids": ["long", "short"], "actions": [one * (MAX_ACTION_CALLS + 1), one]}
+
+    async def scenario() -> list[Any]:
+        run = HttpTools(url, token=TOKEN)
+        out: list[Any] = [await _counts(run, "calls", 1)]
+        before = _metrics(url)["calls"]
+        refused = httpx.post(url + "/execute_batch", json=flood, headers=AUTH)
+        assert refused.status_code == 422
+        assert (
+            f"{MAX_BATCH_CALLS + 1} calls in one request, over the cap of {MAX_BATCH_CALLS} "
+            "(max_batch_calls)"
+        ) in refused.text
+        refused = httpx.post(url + "/get_observation", json=many, headers=AUTH)
+        assert refused.status_code == 422 and "(max_batch_calls)" in refused.text
+        assert _metrics(url)["calls"] == before  # nothing ran
+        answer = httpx.post(url + "/get_observation", json=action, headers=AUTH).json()
+        out.append(_metrics(url)["calls"] - before)  # the short action's one call
+        out.append(answer)
+        out.append(await _counts(run, "calls", 1))
+        # a normal client's batches (calls of one event-loop tick) are served as ever
+        texts = await asyncio.gather(
+            *(run.call(f"b{i}", "calculator", {"expression": f"{i}+1"}) for i in range(40))
+        )
+        out.append([r.text for r in texts])
+        for trajectory_id in ("calls", *(f"b{i}" for i in range(40))):
+            await run.release(trajectory_id)
+        await run.close()
+        return out
+
+    why = (
+        f"{MAX_ACTION_CALLS + 1} tool calls in one action, over the cap of {MAX_ACTION_CALLS} "
+        "(max_action_calls); none ran"
+    )
+    assert asyncio.run(scenario()) == [
+        ["1"],
+        1,
+        {
+            "observations": [
+                {
+                    "obs": f"<tool_response>\nerror: {why}\n</tool_response>",
+                    "reward": None,
+                    "invalid_reason": why,
+                },
+                {"obs": "<tool_response>\n6\n</tool_response>", "reward": 0.0},
+            ],
+            "dones": [False, False],
+            "valids": [False, True],
+        },
+        ["2"],
+        [str(i + 1) for i in range(40)],
+    ]
+
+
+# ----------------------------------------------------------------------------- the token
+
+
+def test_routes_answer_nothing_without_the_token(shared_server: tuple[str, str]) -> None:
+    """Only ``/health`` answers without the token, and it says ok and nothing more: no tool
+    names, no version, no metrics, no API description; the docs routes are not served."""
+    url, _ = shared_server
+    health = httpx.get(url + "/health")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    for route in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        for headers in ({}, AUTH):
+            assert httpx.get(url + route, headers=headers).status_code == 404, route
+    for route in ("/tools", "/metrics"):
+        assert httpx.get(url + route).status_code == 401
+        assert httpx.get(url + route, headers={"Authorization": "Bearer s3creT"}).status_code == 401
+    assert len(httpx.get(url + "/tools", headers=AUTH).json()) == 4
+
+
+def test_both_transports_compare_the_token_in_constant_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token guessed a character at a time would be found from how long a refusal takes
+    unless the comparison takes the same time wherever the guess differs: both transports
+    compare with ``hmac.compare_digest`` (watched here; its timing is the library's)."""
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def watched(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", watched)
+    sock = tmp_path / "tools.sock"
+    app = create_app(ToolRegistry([Counter()]), token=TOKEN, socket_path=str(sock))
+
+    async def scenario() -> list[Any]:
+        out: list[Any] = []
+        async with serving(app) as url:
+            for address in (url, f"unix:{sock}"):
+                compared.clear()
+                guess = HttpTools(address, token="s3creX", retries=0)
+                with pytest.raises(ToolTransportError, match=r"401|token"):
+                    await guess.call("g", "count", {})
+                await guess.close()
+                out.append(compared.copy())
+                run = HttpTools(address, token=TOKEN)
+                out.append(await _counts(run, "g", 2))
+                await run.release("g")
+                await run.close()
+        return out
+
+    guessed = (b"s3creX", TOKEN.encode())
+    http_compared, http_counts, unix_compared, unix_counts = asyncio.run(scenario())
+    assert guessed in http_compared and guessed in unix_compared
+    assert http_counts == unix_counts == ["1", "2"]

@@ -1,20 +1,25 @@
 """The tool server over real HTTP on loopback: sticky state, a hanging tool, a crashing tool,
-auth, and a server killed mid-rollout."""
+auth, the request caps' flags, and a server killed mid-rollout."""
 
 import asyncio
+import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from jax_agent_rl.cli import build_parser
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools, create_app, serve
+from jax_agent_rl.tools.server import HttpTools, RequestCaps, create_app, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_YAML = """
@@ -56,6 +61,24 @@ def start_server(
     raise RuntimeError(
         f"tool server did not start: {proc.stderr.read().decode() if proc.stderr else ''}"
     )
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """``app`` on uvicorn in this event loop, on a loopback socket that listens before the
+    server starts (so requests queue until it accepts them); stopped (its lifespan ended) on
+    exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
 
 
 @pytest.fixture
@@ -140,3 +163,34 @@ def test_auth_and_loopback_rule(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_serve_tools_caps_reach_the_server(tmp_path: Path) -> None:
+    """``--max-id-bytes``, ``--max-batch-calls`` and ``--max-action-calls`` are the server's
+    caps (their defaults `RequestCaps`'s); a cap below 1 is refused."""
+    defaults = build_parser().parse_args(["serve-tools"])
+    caps = RequestCaps()
+    assert (defaults.max_id_bytes, defaults.max_batch_calls, defaults.max_action_calls) == (
+        caps.max_id_bytes,
+        caps.max_batch_calls,
+        caps.max_action_calls,
+    )
+    with pytest.raises(ValueError, match="max_batch_calls must be at least 1, got 0"):
+        RequestCaps(max_batch_calls=0)
+    flags = ["--max-id-bytes", "4", "--max-batch-calls", "2", "--max-action-calls", "1"]
+    proc, url = start_server(tmp_path, *flags)
+    call = {"trajectory_id": "abcd", "name": "calculator", "arguments": {"expression": "1"}}
+    one = '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
+    try:
+        long_id = httpx.post(url + "/execute", json={**call, "trajectory_id": "abcde"})
+        batch = httpx.post(url + "/execute_batch", json={"calls": [call] * 3})
+        ok = httpx.post(url + "/execute_batch", json={"calls": [call] * 2})
+        action = {"trajectory_ids": ["abcd"], "actions": [one * 2]}
+        observed = httpx.post(url + "/get_observation", json=action).json()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert long_id.status_code == 422 and "cap of 4 bytes (max_id_bytes)" in long_id.text
+    assert batch.status_code == 422 and "3 calls in one request, over the cap of 2" in batch.text
+    assert [json.loads(line)["result"]["text"] for line in ok.text.splitlines()] == ["1", "1"]
+    assert "over the cap of 1 (max_action_calls)" in observed["observations"][0]["invalid_reason"]

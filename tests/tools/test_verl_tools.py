@@ -10,17 +10,14 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 from uuid import uuid4
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 
 from jax_agent_rl.agent.loop import AgentContext, run_sample
@@ -40,7 +37,7 @@ from jax_agent_rl.tools.verl import (
     function_tool,
 )
 from tests.agent import test_loop
-from tests.tools.test_server import start_server
+from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter
 
 # ----------------------------------------------------------------------------- verl tools
@@ -565,24 +562,6 @@ class HelperProcess(Tool):
         assert self.proc.stdin is not None
         self.proc.stdin.close()  # the helper reads end of file and exits
         await asyncio.to_thread(self.proc.wait)
-
-
-@contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    """``app`` on uvicorn in this event loop, on a loopback socket that listens before the
-    server starts (so requests queue until it accepts them); stopped (its lifespan ended) on
-    exit."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 def test_serve_tools_reads_actions_with_the_parser_it_is_given(tmp_path: Path) -> None:
