@@ -1,0 +1,190 @@
+"""Channels between executions, and from an execution to other sandboxes or the host.
+
+Under GRPO a rollout that signals to a sibling's execution (or reads what a sibling left)
+shapes that sibling's reward, so a bit carried is a reward hack. Each test below is a channel
+that was open before: the pid and inode counters an execution moved were read by the next one
+on its worker; byte-range locks on the files every sandbox shares (``/usr``) were visible to
+every other sandbox and to the host; ``AF_VSOCK`` reached a virtual machine's host; and TCP
+queues held ~100 MB that no memory bound counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox
+
+LIMITS = Limits(cpu_s=5, memory_mb=64, processes=16, files=2000)
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[PythonSandbox]:
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=60.0)  # one worker: each call follows
+    yield sb
+    sb.close()
+
+
+def run(sb: PythonSandbox, code: str) -> ExecResult:
+    return asyncio.run(sb.run(code))
+
+
+# --- counters one execution moves and the next reads ---------------------------------------
+
+PROBE_COUNTERS = """
+import os
+child = os.fork()
+if child == 0:
+    os._exit(0)
+os.waitpid(child, 0)
+inodes = []
+for root in ("/work", "/tmp", "/dev/shm"):
+    open(f"{root}/probe", "w").close()
+    inodes.append(os.stat(f"{root}/probe").st_ino)
+print(os.getpid(), child, inodes)
+"""
+
+MOVE_COUNTERS = """
+import os
+for _ in range(40):  # 40 pids
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+for root in ("/work", "/tmp", "/dev/shm"):  # 300 inodes a mount
+    for i in range(300):
+        path = f"{root}/f{i}"
+        open(path, "w").close()
+        os.unlink(path)
+print("moved")
+"""
+
+
+def test_pid_and_inode_counters_carry_nothing(sandbox: PythonSandbox) -> None:
+    """The pid of an execution's process and the inode numbers of the files it makes were the
+    previous executions' counts: 40 forks or 300 files were a number the next one read."""
+    first = run(sandbox, PROBE_COUNTERS)
+    assert first.exit_code == 0, first.as_text()
+    assert run(sandbox, MOVE_COUNTERS).stdout == "moved\n"
+    assert run(sandbox, PROBE_COUNTERS).stdout == first.stdout
+    assert first.stdout.startswith("2 3 ")  # the process after the fork server, then its child
+    assert sandbox.restarts == 0  # renewed in place, not replaced
+
+
+# --- locks on the files every sandbox shares ------------------------------------------------
+
+LOCK_SHARED_FILE = """
+import fcntl, os, struct
+path = "/usr/lib/os-release"  # on the read-only /usr every sandbox and the host share
+f = open(path, "rb")
+fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # POSIX byte-range lock (F_SETLK)
+fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+F_OFD_SETLK = 37
+fcntl.fcntl(f, F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0))
+# /proc/locks lists the locks of the whole machine: what is listed, any sandbox and the host see
+st = os.stat(path)
+dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+print("locks listed:", sum(line.split()[5] == dev for line in open("/proc/locks")))
+found = fcntl.fcntl(f, fcntl.F_GETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
+print("a write lock would conflict:", struct.unpack("hhqqi", found)[0] != fcntl.F_UNLCK)
+"""
+
+
+def test_locks_on_shared_files_are_never_taken(sandbox: PythonSandbox) -> None:
+    """A read lock on a ``/usr`` file was listed machine-wide, so another sandbox (testing for
+    a conflicting lock) or the host read it: a bit per file, across workers. Lock calls now
+    succeed without taking a lock."""
+    result = run(sandbox, LOCK_SHARED_FILE)
+    assert result.stdout == "locks listed: 0\na write lock would conflict: False\n", result.as_text()
+
+
+SQLITE = """
+import sqlite3
+for mode in ("delete", "wal"):
+    a = sqlite3.connect(f"/tmp/{mode}.db")
+    assert a.execute(f"pragma journal_mode={mode}").fetchone()[0] == mode
+    a.execute("create table t(x)")
+    a.executemany("insert into t values (?)", [(i,) for i in range(100)])
+    a.commit()
+    b = sqlite3.connect(f"/tmp/{mode}.db")  # a second connection reads what the first wrote
+    b.execute("insert into t values (1000)")
+    b.commit()
+    print(mode, a.execute("select count(*), sum(x) from t").fetchone())
+"""
+
+
+def test_sqlite_works_without_locks(sandbox: PythonSandbox) -> None:
+    """What model-written code does with locks (SQLite, rollback journal and WAL) still works:
+    within one execution the locks were never needed to keep its own connections apart."""
+    assert run(sandbox, SQLITE).stdout == "delete (101, 5950)\nwal (101, 5950)\n"
+
+
+# --- socket families ----------------------------------------------------------------------
+
+SOCKETS = """
+import socket
+def opens(*args):
+    try:
+        socket.socket(*args).close()
+        return "ok"
+    except OSError as e:
+        return e.errno
+print("vsock", opens(socket.AF_VSOCK, socket.SOCK_STREAM))
+print("packet", opens(socket.AF_PACKET, socket.SOCK_RAW))
+print("alg", opens(socket.AF_ALG, socket.SOCK_SEQPACKET))
+print("netlink sock_diag", opens(socket.AF_NETLINK, socket.SOCK_RAW, 4))
+print("netlink route", opens(socket.AF_NETLINK, socket.SOCK_RAW, 0))
+print("unix", opens(socket.AF_UNIX, socket.SOCK_STREAM), len(socket.socketpair()))
+print("inet", opens(socket.AF_INET, socket.SOCK_STREAM), opens(socket.AF_INET6, socket.SOCK_DGRAM))
+# AI_ADDRCONFIG: libc asks netlink which address families are configured
+print(socket.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM, flags=socket.AI_ADDRCONFIG)[0][4])
+"""
+
+
+def test_only_the_socket_families_code_needs(sandbox: PythonSandbox) -> None:
+    """``AF_VSOCK`` reaches the host of a virtual machine (a CI runner's, a cloud TPU VM's):
+    outside every namespace. Only unix, inet, inet6 and netlink's routing queries (what
+    ``getaddrinfo`` asks) open; the rest answer EAFNOSUPPORT (97)."""
+    assert run(sandbox, SOCKETS).stdout == (
+        "vsock 97\npacket 97\nalg 97\nnetlink sock_diag 97\nnetlink route ok\nunix ok 2\n"
+        "inet ok ok\n('127.0.0.1', 80)\n"
+    )
+
+
+# --- memory held in socket queues -------------------------------------------------------------
+
+FILL_TCP_QUEUES = """
+import socket, time
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+held, queued = [], 0
+for _ in range(25):  # ~10 MB a connection: the sender's and the receiver's buffers
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()  # never read
+    client.setblocking(False)
+    while True:
+        try:
+            queued += client.send(b"x" * 65536)
+        except BlockingIOError:
+            break
+    held += [client, peer]
+    print(f"queued {queued >> 20} MB", flush=True)
+time.sleep(2)  # held: the watchdog reads the queues at least every 0.1 s
+print("kept them")
+"""
+
+
+def test_socket_queues_count_toward_the_memory_limit(sandbox: PythonSandbox) -> None:
+    """Data queued in loopback TCP sockets is kernel memory in no process's resident set: 94
+    MB of it stayed queued under ``memory_mb=64``. The watchdog now counts the queues."""
+    result = run(sandbox, FILL_TCP_QUEUES)
+    if result.limit != "memory":  # then the kernel must have queued less than the bound
+        assert result.stdout.endswith("kept them\n"), result.as_text()
+        queued = int(result.stdout.splitlines()[-2].split()[1])
+        assert queued < LIMITS.memory_mb, result.stdout
+        pytest.skip(f"this kernel queued only {queued} MB (< {LIMITS.memory_mb})")
+    assert "kept them" not in result.stdout
+    assert run(sandbox, "print(6 * 7)").stdout == "42\n"  # and the worker serves on
