@@ -97,7 +97,9 @@ def test_locks_on_shared_files_are_never_taken(sandbox: PythonSandbox) -> None:
     a conflicting lock) or the host read it: a bit per file, across workers. Lock calls now
     succeed without taking a lock."""
     result = run(sandbox, LOCK_SHARED_FILE)
-    assert result.stdout == "locks listed: 0\na write lock would conflict: False\n", result.as_text()
+    assert result.stdout == "locks listed: 0\na write lock would conflict: False\n", (
+        result.as_text()
+    )
 
 
 SQLITE = """
@@ -139,7 +141,8 @@ print("netlink route", opens(socket.AF_NETLINK, socket.SOCK_RAW, 0))
 print("unix", opens(socket.AF_UNIX, socket.SOCK_STREAM), len(socket.socketpair()))
 print("inet", opens(socket.AF_INET, socket.SOCK_STREAM), opens(socket.AF_INET6, socket.SOCK_DGRAM))
 # AI_ADDRCONFIG: libc asks netlink which address families are configured
-print(socket.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM, flags=socket.AI_ADDRCONFIG)[0][4])
+found = socket.getaddrinfo("127.0.0.1", 80, type=socket.SOCK_STREAM, flags=socket.AI_ADDRCONFIG)
+print(found[0][4])
 """
 
 

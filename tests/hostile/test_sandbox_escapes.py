@@ -550,3 +550,39 @@ def test_a_failed_start_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(RuntimeError, match="no ready frame"):
         _Worker(61000, "/usr/bin/python3", shutil.which("bwrap") or "bwrap", LIMITS)
     assert _children() == before
+
+
+CAPABILITIES = """
+import ctypes, os
+status = dict(line.split(":\\t") for line in open("/proc/self/status").read().splitlines())
+print({k: status[k] for k in ("CapInh", "CapPrm", "CapEff", "CapAmb", "NoNewPrivs")})
+libc = ctypes.CDLL(None, use_errno=True)
+print("mount", libc.mount(b"tmpfs", b"/work", b"tmpfs", 0, None), ctypes.get_errno())
+print("umount", libc.umount2(b"/tmp", 2), ctypes.get_errno())
+try:
+    open("/proc/sys/user/max_user_namespaces", "w").write("10")
+except OSError as e:
+    print("user namespaces stay closed:", e.strerror)
+try:
+    os.pwrite(os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY), b"100", 0)
+except OSError as e:
+    print("pid counter:", e.strerror)
+"""
+
+
+def test_executions_hold_no_capability(pool: PythonSandbox) -> None:
+    """The fork server keeps CAP_SYS_ADMIN of the sandbox's user namespace (it remounts the
+    writable places and resets the pid counter); an execution must hold none of it, nor gain
+    any: mount, the pid counter and the user-namespace switch stay out of its reach."""
+    zero = "0000000000000000"
+    assert attack_beside_normal(pool, CAPABILITIES) == "\n".join(
+        [
+            str(
+                {"CapInh": zero, "CapPrm": zero, "CapEff": zero, "CapAmb": zero, "NoNewPrivs": "1"}
+            ),
+            "mount -1 1",
+            "umount -1 1",
+            "user namespaces stay closed: Permission denied",
+            "pid counter: Operation not permitted",
+        ]
+    )
