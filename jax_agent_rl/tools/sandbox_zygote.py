@@ -3,12 +3,12 @@
 
 It serves one execution at a time: it reads a request frame, forks a child that applies the
 resource limits and runs the code in ``/work``, collects its output (bounded) while a watchdog
-accounts the whole execution, then kills every other process in the sandbox and wipes the
-writable places (``/work``, ``/tmp``, ``/dev/shm``), so no state survives from one execution to
-the next: their entries, and the mode, times and extended attributes (``user.*``, POSIX ACLs)
-of the three roots themselves. The zygote itself never runs nor compiles user code (compiling
-can take memory quadratic in the code's size: the child does it, under its limits), so every
-child starts from the same state.
+accounts the whole execution, then kills every other process in the sandbox and replaces the
+writable places (``/work``, ``/tmp``, ``/dev/shm``) with fresh tmpfs mounts and resets the pid
+counter, so no state survives from one execution to the next: no entry, no attribute of the
+roots (``user.*``, POSIX ACLs, mode, times), no inode or pid number it moved. The zygote
+itself never runs nor compiles user code (compiling can take memory quadratic in the code's
+size: the child does it, under its limits), so every child starts from the same state.
 
 Why the executions cannot reach it: it is not dumpable (``PR_SET_DUMPABLE=0``: no
 ``/proc/1/mem`` and no ptrace for processes of the same uid, and the filter denies ptrace
@@ -18,8 +18,9 @@ execution (rlimits alone are per process): resident memory plus the bytes on the
 tmpfs mounts (``memory_mb``), CPU seconds (``cpu_s``) and files on the tmpfs mounts
 (``files``). An execution over a bound is killed and its result names the bound.
 
-If the sweep cannot prove the sandbox clean (a process survived, or something could not be
-removed), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
+If the fork server cannot prove the sandbox clean (a process survived, a mount could not be
+replaced, a TCP socket outlived the execution), the reply says ``dirty`` and the zygote exits:
+the host starts a fresh sandbox.
 
 Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
 given as arguments (requests in, replies out), which the zygote moves to fds 3 and 4; the child
@@ -35,9 +36,7 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
-import stat
 import struct
 import sys
 import time
@@ -83,6 +82,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
 SOCKETS_EVERY_S = 0.1
 TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
+SOCKSTAT_FDS: list[int] = []  # /proc/net/sockstat and sockstat6 (if any), opened by `main`
 
 
 def _read_exact(n):
@@ -197,15 +197,12 @@ def _socket_bytes():
 def _sockstat():
     """{protocol: {field: count}} of ``/proc/net/sockstat`` and ``sockstat6``, e.g.
     ``TCP: inuse 1 orphan 0 tw 2 alloc 1 mem 3``: counts of this network namespace (but
-    ``mem`` and ``orphan``, which are the host's)."""
+    ``mem`` and ``orphan``, which are the host's). Read through the fds `main` keeps open
+    (each read at offset 0 renders the file afresh): opening them each time cost ~0.1 ms a
+    call."""
     stats = {"TCP6": {"inuse": 0}, "UDP6": {"inuse": 0}}  # without IPv6, no sockstat6
-    for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
-        try:
-            with open(path, "rb") as f:
-                lines = f.read().decode().splitlines()
-        except FileNotFoundError:
-            continue
-        for line in lines:
+    for fd in SOCKSTAT_FDS:
+        for line in os.pread(fd, 4096, 0).decode().splitlines():
             proto, _, rest = line.partition(":")
             words = rest.split()
             stats[proto] = {k: int(v) for k, v in zip(words[::2], words[1::2], strict=False)}
@@ -238,17 +235,6 @@ def over_limit(limits):
     return None
 
 
-def _make_writable(top):
-    """chmod u+rwx every directory under ``top`` (the code may have locked some) before
-    removing it; raises on anything it cannot open."""
-    stack = [top]
-    while stack:
-        path = stack.pop()
-        os.chmod(path, 0o700)
-        with os.scandir(path) as entries:
-            stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
-
-
 def _metadata(root):
     """What an execution can leave on a writable root besides its entries: (st_mode, uid, gid,
     atime ns, mtime ns, extended attributes: ``user.*`` and the ACLs, ``system.posix_acl_*``)."""
@@ -257,10 +243,8 @@ def _metadata(root):
     return st.st_mode, st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns, xattrs
 
 
-def _sweep(pristine):
-    """Kill every process but this one, then empty the writable roots and restore their
-    `_metadata` to ``pristine`` (a root's default ACL, for one, would shape every file later
-    executions create). True if the sandbox is provably back to its pristine state."""
+def _sweep():
+    """Kills every process but this one and reaps them; True if none is left."""
     try:
         os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace, at once
     except ProcessLookupError:
@@ -270,28 +254,7 @@ def _sweep(pristine):
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
-    clean = [p for p in os.listdir("/proc") if p.isdigit()] == ["1"]
-    for root, mode in WRITABLE.items():
-        *_, atime, mtime, xattrs = pristine[root]
-        try:
-            os.chmod(root, mode)  # the owner's access back, whatever the code set (ACLs too)
-            for name in os.listxattr(root):
-                if name not in xattrs:
-                    os.removexattr(root, name)
-            for name in os.listdir(root):
-                path = os.path.join(root, name)
-                if stat.S_ISDIR(os.lstat(path).st_mode):
-                    _make_writable(path)
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
-            clean = clean and not os.listdir(root)
-            os.utime(root, ns=(atime, mtime))  # after the listing, which may set atime
-            # the owner cannot have changed (no CAP_CHOWN in the sandbox); this proves it
-            clean = clean and _metadata(root) == pristine[root]
-        except (OSError, RecursionError):
-            clean = False
-    return clean
+    return [p for p in os.listdir("/proc") if p.isdigit()] == ["1"]
 
 
 # What the fork server alone may do (bubblewrap ``--cap-add``, in the sandbox's user namespace
@@ -303,6 +266,7 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MNT_DETACH, MS_NOSUID, MS_NODEV = 2, 2, 4
 LIBC = ctypes.CDLL(None, use_errno=True)
 HELD: dict[str, int] = {}  # "last_pid": a write-only fd on ns_last_pid (`_hold_counters`)
+SIZES: dict[str, bytes] = {}  # each writable place's mount options, as bubblewrap mounted it
 
 
 def _check(ret, what):
@@ -360,25 +324,27 @@ def _sockets_left():
     return stats["TCP"]["inuse"] + stats["TCP"]["tw"] + stats["TCP6"]["inuse"] > 0
 
 
-def _renew():
-    """After a clean sweep: fresh tmpfs mounts in place of the writable places, and the pid
-    counter back to 1. Both are counters an execution moves (inode numbers by the files it
-    creates, pids by the processes it starts) and the next one would read: each execution
-    now finds its first file at the same inode and its process at pid 2. A mount's root gets
-    the mode, owner and times it had; bubblewrap's options; ~70 us a mount. False if any of
-    it failed or a socket outlived the execution (the host then replaces the sandbox)."""
+def _renew(pristine):
+    """After the sweep: a fresh tmpfs mount in place of each writable place, given the mode and
+    times its root had (`_metadata` must then equal ``pristine``), and the pid counter back to
+    1. Whatever the execution left goes with the old mounts: entries however deep or locked,
+    the roots' extended attributes (a default ACL would shape every later file), and the
+    counters it moved that the next execution would read (inode numbers by the files it
+    created, pids by the processes it started): each execution finds its first file at the
+    same inode and its process at pid 2. ~35 us of CPU a mount. False if any of it failed or
+    a TCP socket outlived the execution (the host then replaces the sandbox)."""
     try:
         for root, mode in WRITABLE.items():
-            st, fs = os.stat(root), os.statvfs(root)
-            size = fs.f_blocks * fs.f_frsize
+            *_, atime, mtime, _ = pristine[root]
             _check(LIBC.umount2(root.encode(), MNT_DETACH), f"umount {root}")
-            options = f"mode=755,size={size}".encode()
             _check(
-                LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options),
+                LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, SIZES[root]),
                 f"mount {root}",
             )
-            os.chmod(root, mode)
-            os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns))
+            os.chmod(root, mode)  # the mount option cannot say sticky
+            os.utime(root, ns=(atime, mtime))
+            if _metadata(root) != pristine[root]:
+                return False
         os.pwrite(HELD["last_pid"], b"1", 0)
     except OSError:
         return False
@@ -458,7 +424,7 @@ def _run(req, pristine):
         _, status = os.waitpid(pid, 0)
     os.close(out_r)
     os.close(err_r)
-    clean = _sweep(pristine) and _renew()
+    clean = _sweep() and _renew(pristine)
     if os.WIFSIGNALED(status):
         exit_code = -os.WTERMSIG(status)
     else:
@@ -481,8 +447,13 @@ def main():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
     _hold_counters()  # after `_take_pipes`, which closes every other fd
+    for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
+        if os.path.exists(path):
+            SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     for root, mode in WRITABLE.items():
         os.chmod(root, mode)
+        fs = os.statvfs(root)
+        SIZES[root] = f"mode=755,size={fs.f_blocks * fs.f_frsize}".encode()
     pristine = {root: _metadata(root) for root in WRITABLE}
     for name in PRELOAD:
         __import__(name)
