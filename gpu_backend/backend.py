@@ -21,6 +21,11 @@ through the same ``load`` message) is described in docs/vllm.md and not written 
 An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories ``aborted``); new requests go to the engines still alive, and with
 none left they raise. `close` stops every engine and its children.
+
+With ``pausable``, `pause` / `is_paused` / `resume` hold an engine at a state for tests (the
+conformance suite aborts a request it knows to be running, and one it knows to be queued):
+the engine pauses itself in the step where a given request produces its n-th token, so the
+state cannot run past while the test looks at it; aborts are served meanwhile.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class _Engine:
         self.calls: dict[str, _Call] = {}
         self.load: _Call | None = None
         self.dead: str | None = None
+        self.paused = False
         self._write_lock = threading.Lock()
         self._on_message = on_message
         self.reader = threading.Thread(target=self._read, name=f"vllm-{index}", daemon=True)
@@ -158,6 +164,7 @@ class VLLMBackend:
     sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``). Its KV cache is ``kv_cache_bytes``
     when given, else vLLM sizes it from ``gpu_memory_utilization`` (on CPU: the share of the
     machine's RAM, so it fails when other processes hold that memory; tests give a size).
+    ``pausable`` serves the test hook `pause` (it turns vLLM's asynchronous scheduling off).
     """
 
     def __init__(
@@ -178,6 +185,7 @@ class VLLMBackend:
         kv_cache_bytes: int | None = None,
         startup_timeout_s: float = 900.0,
         session_cache_size: int = 4096,
+        pausable: bool = False,
     ) -> None:
         python = Path(python)
         if not python.is_file():
@@ -210,6 +218,7 @@ class VLLMBackend:
         self._ids: set[str] = set()
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._session_cache_size = session_cache_size
+        self._pausable = pausable
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))
         config = dict(
             model=str(checkpoint),
@@ -218,6 +227,7 @@ class VLLMBackend:
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_bytes=kv_cache_bytes,
+            pausable=pausable,
         )
         self._engines: list[_Engine] = []
         try:
@@ -318,6 +328,24 @@ class VLLMBackend:
             resolve_from_thread(gated.future, gated.loop, False)
         elif engine is not None:
             engine.send({"op": "abort", "id": request_id})
+
+    def pause(self, request_id: str, tokens: int = 1) -> None:
+        """Test hook (a backend built with ``pausable``): the engine that serves
+        ``request_id``, sent after this call, stops scheduling anything once that request has
+        produced ``tokens`` tokens; aborts are still served. `resume` undoes it."""
+        if not self._pausable:
+            raise RuntimeError("pause() needs a backend built with pausable=True")
+        for engine in self._engines:
+            engine.send({"op": "pause", "id": request_id, "tokens": tokens})
+
+    def is_paused(self) -> bool:
+        """Whether a `pause` has taken effect (and no `resume` followed)."""
+        return any(engine.paused for engine in self._engines)
+
+    def resume(self) -> None:
+        for engine in self._engines:
+            engine.paused = False
+            engine.send({"op": "resume"})
 
     async def update_weights(self, params: Weights, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -434,6 +462,8 @@ class VLLMBackend:
         op = m["op"]
         if op == "result":
             self._finish(engine, m["id"], m["tokens"], m["logprobs"], m["finish"])
+        elif op == "paused":
+            engine.paused = True
         elif op == "ready":
             engine.ready.set_result(m)
         elif op == "error":

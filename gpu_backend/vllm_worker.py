@@ -9,11 +9,16 @@ stdout; everything vLLM prints goes to stderr. In:
 - ``abort`` {id}
 - ``load`` {path, index}: new weights from a `wire.write_tensors` file; the prefix cache is
   reset after them (its keys and values belong to the old weights)
+- ``pause`` {id, tokens} and ``resume``: a test hook, served when the engine runs with
+  ``pausable`` (`PausingScheduler`): the engine stops scheduling anything once request ``id``
+  (whose ``generate`` comes after this message) has produced ``tokens`` tokens, and goes on at
+  ``resume``; aborts are served meanwhile
 - ``shutdown``
 
 Out: ``ready`` {max_model_len, vocab_size}, or ``error`` {message} and exit; ``result`` {id,
 tokens, logprobs, finish}; ``loaded`` {seconds}; ``failed`` {id, message} for a load that
-raised. End of stdin means the backend is gone: the engine shuts down.
+raised; ``paused`` once a ``pause`` has taken effect. End of stdin means the backend is gone:
+the engine shuts down.
 
 Logprobs: the engine runs with ``logprobs_mode="processed_logprobs"``, so a sampled token's
 logprob is taken after temperature, top-k and top-p, as the rollout protocol defines it.
@@ -25,6 +30,7 @@ the whole distribution; the filtered logprob is computed here (`_filtered_logpro
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -34,6 +40,51 @@ import traceback
 from typing import Any, BinaryIO
 
 from gpu_backend import wire
+
+PAUSE_KEY = "jarl_pause_at"  # SamplingParams.extra_args: pause once the request has n tokens
+
+
+@functools.cache
+def _pausing_scheduler() -> type:
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class PausingScheduler(Scheduler):
+        """vLLM's scheduler, which also pauses itself, as ``pause_generation(mode="keep")``
+        does, in the step where a request with ``extra_args[PAUSE_KEY] = n`` produces its n-th
+        token: the engine then holds that state (nothing is scheduled, aborts are served)
+        until ``resume_generation``. A test hook (``pause``), used only with ``pausable``, which
+        also turns asynchronous scheduling off (it is off on CPU anyway): this is vLLM's
+        synchronous scheduler."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.jarl_pause_at: dict[str, int] = {}
+
+        def add_request(self, request: Any) -> None:
+            super().add_request(request)
+            extra = request.sampling_params and request.sampling_params.extra_args
+            if extra and PAUSE_KEY in extra:
+                self.jarl_pause_at[request.request_id] = extra[PAUSE_KEY]
+
+        def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+            outputs = super().update_from_output(*args, **kwargs)
+            for rid, tokens in list(self.jarl_pause_at.items()):
+                request = self.requests.get(rid)
+                if request is None:  # ended before its tokens
+                    del self.jarl_pause_at[rid]
+                elif request.num_output_tokens >= tokens:
+                    del self.jarl_pause_at[rid]
+                    self.set_pause_state(PauseState.PAUSED_ALL)
+            return outputs
+
+    return PausingScheduler
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PausingScheduler":  # built on first use: vLLM is imported only in its venv
+        return _pausing_scheduler()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class WeightLoader:
@@ -83,6 +134,7 @@ class Worker:
         self.out = out
         self.vocab_size = vocab_size
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.pause_at: tuple[str, int] | None = None  # (request id, tokens) of a ``pause``
 
     def send(self, message: dict[str, Any]) -> None:
         wire.write_message(self.out, message)
@@ -111,6 +163,7 @@ class Worker:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        pause = self.pause_at if self.pause_at and self.pause_at[0] == m["id"] else None
         greedy = m["temperature"] == 0
         filtered = m["top_k"] > 0 or m["top_p"] < 1
         whole = greedy and filtered and m["logprobs"]
@@ -124,6 +177,7 @@ class Worker:
             ignore_eos=True,  # only the request's stop ids end it
             logprobs=(-1 if whole else 0) if m["logprobs"] else None,
             detokenize=False,
+            extra_args={PAUSE_KEY: pause[1]} if pause else None,
         )
         last = None
         try:
@@ -131,6 +185,9 @@ class Worker:
                 TokensPrompt(prompt_token_ids=m["prompt"]), params, request_id=m["id"]
             ):
                 last = output.outputs[0]
+                if pause and len(last.token_ids) >= pause[1]:  # the engine has paused
+                    self.pause_at = pause = None
+                    self.send({"op": "paused"})
         except asyncio.CancelledError:
             pass  # aborted
         except Exception:  # reported as an abort; the reason goes to the engine's log
@@ -183,6 +240,11 @@ class Worker:
                 self.abort(m["id"])
             elif m["op"] == "load":
                 await self.load(m)
+            elif m["op"] == "pause":
+                self.pause_at = (m["id"], m["tokens"])
+            elif m["op"] == "resume":
+                self.pause_at = None  # a pause whose request this engine never served
+                await self.engine.resume_generation()
             elif m["op"] == "shutdown":
                 return
 
@@ -206,6 +268,8 @@ def _engine(config: dict[str, Any]) -> Any:
         max_logprobs=-1,  # greedy requests with filters ask for the whole distribution
         worker_extension_cls="gpu_backend.vllm_worker.WeightLoader",
         disable_log_stats=True,
+        scheduler_cls="gpu_backend.vllm_worker.PausingScheduler" if config["pausable"] else None,
+        async_scheduling=False if config["pausable"] else None,  # None: vLLM's choice
     )
     return AsyncLLM.from_engine_args(args)
 

@@ -13,6 +13,10 @@ Weight updates drain: admission pauses, requests in flight finish under the weig
 started with, then the new weights (same shapes: no recompilation) replace the old, the
 session cache is dropped (its keys/values belong to the old weights), and admission resumes.
 Every result is stamped with the single weight version it was sampled under.
+
+`pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
+aborts a request it knows to be running, and one it knows to be queued): paused, the engine
+admits and decodes nothing, and still serves aborts.
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ class EmbeddedBackend:
         self._update: _Update | None = None
         self._closed = False
         self._failure: BaseException | None = None
+        self._pause_at: tuple[str, int] | None = None  # pause once this request has n tokens
+        self._paused = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jarl-engine", daemon=True)
         self._thread.start()
 
@@ -149,6 +155,18 @@ class EmbeddedBackend:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    def pause(self, request_id: str | None = None, tokens: int = 1) -> None:
+        """Test hook: stops admitting and decoding at once, or (with ``request_id``) once that
+        request has produced ``tokens`` tokens; aborts are still served. `resume` undoes it."""
+        self._send("pause", (request_id, tokens))
+
+    def is_paused(self) -> bool:
+        """Whether a `pause` has taken effect (and no `resume` followed)."""
+        return self._paused.is_set()
+
+    def resume(self) -> None:
+        self._send("resume", None)
+
     async def update_weights(self, params: Any, version: int) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -182,7 +200,7 @@ class EmbeddedBackend:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._slots or self._waiting or self._update):
+                    while not (self._inbox or (self._has_work() and not self._paused.is_set())):
                         self._cond.wait()
                     commands = list(self._inbox)
                     self._inbox.clear()
@@ -204,15 +222,37 @@ class EmbeddedBackend:
                 resolve_from_thread(self._update.future, self._update.loop, RuntimeError(repr(e)))
             raise
 
+    def _has_work(self) -> bool:
+        return bool(self._slots or self._waiting or self._update)
+
     def _engine_work(self) -> None:
-        """A pending weight update once nothing decodes, then admissions, then a decode call."""
-        if self._update is not None and not self._slots:
+        """A pending weight update once nothing decodes, then admissions, then a decode call
+        (none of them while paused)."""
+        if self._update is not None and not self._slots and not self._paused.is_set():
             self._apply_update(self._update)
             self._update = None
-        while self._admissible() and len(self._slots) < self.engine.max_concurrent_decodes:
+        while (
+            not self._paused_now()
+            and self._admissible()
+            and len(self._slots) < self.engine.max_concurrent_decodes
+        ):
             self._admit(self._waiting.popleft())
-        if self._slots:
+        if self._slots and not self._paused_now():
             self._decode()
+            self._paused_now()
+
+    def _paused_now(self) -> bool:
+        """Whether generation is paused, pausing it first if the awaited request has produced
+        its tokens."""
+        if self._pause_at is not None:
+            rid, tokens = self._pause_at
+            if any(
+                j.request.request_id == rid and len(j.tokens) >= tokens
+                for j in self._slots.values()
+            ):
+                self._pause_at = None
+                self._paused.set()
+        return self._paused.is_set()
 
     def _admissible(self) -> bool:
         return bool(self._waiting) and self._update is None
@@ -226,6 +266,16 @@ class EmbeddedBackend:
             if self._update is not None:  # a newer update supersedes one still draining
                 resolve_from_thread(self._update.future, self._update.loop, None)
             self._update = payload
+        elif kind == "pause":
+            rid, tokens = payload
+            if rid is None:
+                self._paused.set()
+            else:  # a pause in effect gives way to this one
+                self._pause_at = (rid, tokens)
+                self._paused.clear()
+        elif kind == "resume":
+            self._pause_at = None
+            self._paused.clear()
         elif kind == "close":
             self._closed = True
 

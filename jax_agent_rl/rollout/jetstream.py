@@ -23,6 +23,11 @@ A server that dies ends the requests in flight with finish reason ``abort`` (the
 marks those trajectories aborted; `JetStreamBackend.exited` says why), and later requests
 raise. `close` stops the server (it also exits when this process goes: it serves until its
 stdin closes).
+
+`pause` / `is_paused` / `resume` hold the backend at a state for tests (the conformance suite
+aborts a request it knows to be running, and one it knows to be waiting). JetStream's server
+cannot be paused, so the hold is on this client's side, which is where an abort takes effect
+here too: a held stream takes no further token (the server's go on waiting in its buffer).
 """
 
 from __future__ import annotations
@@ -154,6 +159,10 @@ class JetStreamBackend:
         self._sending: set[str] = set()  # those past the gate (an update drains them)
         self._drained: tuple[asyncio.Future[None], asyncio.AbstractEventLoop] | None = None
         self._updating = False
+        # the test hook `pause`: a request and its token count to hold every stream at
+        self._pause_at: tuple[str, int] | None = None
+        self._paused = False
+        self._unheld = threading.Condition(self._lock)  # notified at an abort or a resume
         self._pool = concurrent.futures.ThreadPoolExecutor(max_in_flight, "jetstream")
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-jetstream-"))
         token = secrets.token_hex(16)  # the server admits only calls that carry it
@@ -289,10 +298,28 @@ class JetStreamBackend:
                 return
             call.aborted = True  # a call not sent yet will not be
             gate, rpc = call.gate, call.rpc
+            self._unheld.notify_all()
         if gate is not None:
             resolve_from_thread(gate[0], gate[1], False)
         if rpc is not None:
             rpc.cancel()
+
+    def pause(self, request_id: str, tokens: int = 1) -> None:
+        """Test hook: from now on every stream but ``request_id``'s takes no token, and that
+        one takes ``tokens``; then the pause has taken effect. Aborts are still served.
+        `resume` lets every stream go on."""
+        with self._lock:
+            self._pause_at = (request_id, tokens)
+
+    def is_paused(self) -> bool:
+        """Whether a `pause` has taken effect (and no `resume` followed)."""
+        with self._lock:
+            return self._paused
+
+    def resume(self) -> None:
+        with self._lock:
+            self._pause_at, self._paused = None, False
+            self._unheld.notify_all()
 
     async def update_weights(self, params: Weights, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -329,6 +356,7 @@ class JetStreamBackend:
             calls = list(self._calls.values())
             for call in calls:
                 call.aborted = True
+            self._unheld.notify_all()
         for call in calls:
             if call.gate is not None:
                 resolve_from_thread(call.gate[0], call.gate[1], False)
@@ -394,6 +422,8 @@ class JetStreamBackend:
         try:
             for response in call.rpc:
                 for token in response.stream_content.samples[0].token_ids:
+                    if not self._take(call, len(tokens)):
+                        return tokens, "abort"
                     tokens.append(token)
                     if token in stops or len(tokens) == budget:
                         call.rpc.cancel()  # the rest of the stream is not wanted
@@ -404,6 +434,28 @@ class JetStreamBackend:
             return tokens, "abort"  # cancelled (aborted) or the server is gone
         # the server ended the stream: its model length, or it is going away
         return tokens, "length" if len(tokens) == room else "abort"
+
+    def _take(self, call: _Call, taken: int) -> bool:
+        """Runs on a stream's thread before it takes a token: waits while a `pause` holds the
+        stream; False when it was aborted meanwhile."""
+        if self._pause_at is None and not self._paused:  # no pause: no lock taken per token
+            return True
+        with self._lock:
+            while not call.aborted and self._held(call.request.request_id, taken):
+                self._unheld.wait()
+            return not call.aborted
+
+    def _held(self, request_id: str, taken: int) -> bool:
+        """Whether a stream that has taken ``taken`` tokens is held (the lock is held)."""
+        if self._pause_at is not None:
+            rid, tokens = self._pause_at
+            if request_id == rid and taken < tokens:
+                return False
+            if request_id == rid:  # its tokens are in: the pause takes effect
+                self._paused = True  # before `_pause_at` clears, for `_take`'s unlocked look
+                self._pause_at = None
+            return True
+        return self._paused
 
     async def _push(self, params: Weights) -> None:
         t0 = time.perf_counter()
@@ -444,6 +496,7 @@ class JetStreamBackend:
             rpcs = [c.rpc for c in self._calls.values() if c.rpc is not None]
             for call in self._calls.values():
                 call.aborted = True
+            self._unheld.notify_all()
         for rpc in rpcs:
             rpc.cancel()
 

@@ -48,6 +48,7 @@ def _vllm(path: Path) -> RolloutBackend:
         max_model_len=MAX_LEN,
         max_num_seqs=SLOTS,
         kv_cache_bytes=32 * 2**20,  # fixed and small: no dependence on the machine's free RAM
+        pausable=True,  # the suite holds it at a state (`pause`)
     )
 
 
@@ -101,6 +102,66 @@ def as_served(backend: RolloutBackend, sampling: SamplingParams) -> SamplingPara
         top_p=SERVER_SAMPLING.top_p,
         seed=None,
     )
+
+
+def pause(backend: RolloutBackend, request_id: str, tokens: int) -> None:
+    """Holds ``backend`` once request ``request_id`` (not sent yet) has produced ``tokens``
+    tokens: nothing generates then, and aborts are served, until `resume`. Each backend has
+    this test hook (not in the protocol); the Ray pool's replicas are reached in their actors:
+    ``request_id`` goes to replica 0 (the pool routes to the fewest requests in flight, the
+    lowest index first) and the other replicas hold at once."""
+    if not _is_ray(backend):
+        backend.pause(request_id, tokens)  # type: ignore[attr-defined]
+        return
+    import ray
+
+    def hold(replica: Any, index: int) -> None:
+        if index == 0:
+            replica.backend.pause(request_id, tokens)
+        else:
+            replica.backend.pause()
+
+    ray.get([a.__ray_call__.remote(hold, i) for i, a in enumerate(_replicas(backend))])
+
+
+def is_paused(backend: RolloutBackend) -> bool:
+    """Whether `pause` has taken effect (on the Ray pool: on replica 0)."""
+    if not _is_ray(backend):
+        return bool(backend.is_paused())  # type: ignore[attr-defined]
+    import ray
+
+    return bool(ray.get(_replicas(backend)[0].__ray_call__.remote(_replica_paused)))
+
+
+def resume(backend: RolloutBackend) -> None:
+    """Undoes `pause`."""
+    if not _is_ray(backend):
+        backend.resume()  # type: ignore[attr-defined]
+        return
+    import ray
+
+    ray.get([a.__ray_call__.remote(_replica_resume) for a in _replicas(backend)])
+
+
+def _replica_paused(replica: Any) -> bool:
+    return bool(replica.backend.is_paused())
+
+
+def _replica_resume(replica: Any) -> None:
+    replica.backend.resume()
+
+
+def _is_ray(backend: RolloutBackend) -> bool:
+    from jax_agent_rl.rollout.ray_pool import RayPool
+
+    return isinstance(backend, RayPool)
+
+
+def _replicas(pool: Any) -> list[Any]:
+    """The pool's replica actors, by the names it gives them (none was restarted here)."""
+    import ray
+
+    return [ray.get_actor(f"jarl-replica-{i}.0") for i in range(len(pool.in_flight()))]
 
 
 @pytest.fixture(scope="session")
