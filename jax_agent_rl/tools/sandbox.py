@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.tools.base import FairPool, Tool, ToolResult, function_schema
-from jax_agent_rl.tools.seccomp import filter_program
+from jax_agent_rl.tools.seccomp import execution_filter, filter_program
 
 REPLY_GRACE_S = 5.0  # beyond the execution's timeout: the zygote's own kill and sweep
 MAX_CODE_BYTES = 1 << 20
@@ -187,6 +187,7 @@ class _Worker:
                     *bwrap_command(self.bwrap, self.interpreter, self.limits, filt),
                     str(req_r),
                     str(rep_w),
+                    execution_filter().hex(),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

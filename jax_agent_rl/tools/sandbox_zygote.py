@@ -325,30 +325,88 @@ def _sockets_left():
 
 
 def _renew(pristine):
-    """After the sweep: a fresh tmpfs mount in place of each writable place, given the mode and
-    times its root had (`_metadata` must then equal ``pristine``), and the pid counter back to
-    1. Whatever the execution left goes with the old mounts: entries however deep or locked,
-    the roots' extended attributes (a default ACL would shape every later file), and the
-    counters it moved that the next execution would read (inode numbers by the files it
-    created, pids by the processes it started): each execution finds its first file at the
-    same inode and its process at pid 2. ~35 us of CPU a mount. False if any of it failed or
-    a TCP socket outlived the execution (the host then replaces the sandbox)."""
+    """After the sweep: a fresh tmpfs mount in place of each writable place the execution
+    touched (`_touched`), given the mode and times its root had (`_metadata` must then equal
+    ``pristine``), and the pid counter back to 1. Whatever the execution left goes with the
+    old mount: entries however deep or locked, the root's extended attributes (a default ACL
+    would shape every later file), and the inode counter it moved by creating files, which the
+    next execution would read: each execution finds its first file at the same inode, and its
+    process at pid 2. A place no event shows touched holds nothing and was not changed (every
+    entry starts at its empty root, and unnamed files are denied): it stays. ~35 us of CPU a
+    mount. False if any of it failed or a TCP socket outlived the execution (the host then
+    replaces the sandbox)."""
     try:
-        for root, mode in WRITABLE.items():
+        for root in _touched():
             *_, atime, mtime, _ = pristine[root]
             _check(LIBC.umount2(root.encode(), MNT_DETACH), f"umount {root}")
             _check(
                 LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, SIZES[root]),
                 f"mount {root}",
             )
-            os.chmod(root, mode)  # the mount option cannot say sticky
+            os.chmod(root, WRITABLE[root])  # the mount option cannot say sticky
             os.utime(root, ns=(atime, mtime))
             if _metadata(root) != pristine[root]:
                 return False
+            _watch(root)  # after chmod and utime, whose events would mark it touched
         os.pwrite(HELD["last_pid"], b"1", 0)
     except OSError:
         return False
     return not _sockets_left()
+
+
+# inotify: the fork server watches each writable root for any event at all (an entry made,
+# moved or removed, a read of the directory, a change of its mode, times or attributes)
+IN_NONBLOCK, IN_CLOEXEC, IN_ALL_EVENTS, IN_Q_OVERFLOW = 0o4000, 0o2000000, 0xFFF, 0x4000
+INOTIFY = {"fd": -1}
+WATCHES: dict[int, str] = {}  # watch descriptor: root, for the current mounts only
+
+
+def _watch(root):
+    wd = LIBC.inotify_add_watch(INOTIFY["fd"], root.encode(), IN_ALL_EVENTS)
+    if wd < 0:
+        _check(wd, f"inotify_add_watch {root}")
+    for old in [w for w, r in WATCHES.items() if r == root]:
+        del WATCHES[old]  # its mount is gone; its IN_IGNORED may come later
+    WATCHES[wd] = root
+
+
+def _touched():
+    """The writable roots an event was queued for since the last call (all of them if the
+    queue overflowed), in `WRITABLE`'s order."""
+    touched: set[str] = set()
+    while True:
+        try:
+            data = os.read(INOTIFY["fd"], 65536)
+        except BlockingIOError:
+            break
+        at = 0
+        while at < len(data):  # struct inotify_event: wd, mask, cookie, len, name[len]
+            wd, mask, _, size = struct.unpack_from("iIII", data, at)
+            at += 16 + size
+            if mask & IN_Q_OVERFLOW:
+                touched.update(WRITABLE)
+            elif wd in WATCHES:
+                touched.add(WATCHES[wd])
+    return [root for root in WRITABLE if root in touched]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+def _confine_executions(program):
+    """Watches the writable roots, then adds ``program`` (`seccomp.execution_filter`, which
+    denies inotify and unnamed files) to this process's filters: every execution inherits
+    both, and only the fork server holds an inotify instance."""
+    INOTIFY["fd"] = LIBC.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+    _check(min(INOTIFY["fd"], 0), "inotify_init1")
+    for root in WRITABLE:
+        _watch(root)
+    fprog = _SockFprog(len(program) // 8, program)
+    _check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
 def _result(start, stdout, stderr, exit_code, *, timed_out, truncated, limit, dirty):
@@ -455,6 +513,7 @@ def main():
         fs = os.statvfs(root)
         SIZES[root] = f"mode=755,size={fs.f_blocks * fs.f_frsize}".encode()
     pristine = {root: _metadata(root) for root in WRITABLE}
+    _confine_executions(bytes.fromhex(sys.argv[3]))
     for name in PRELOAD:
         __import__(name)
     compile(WARM_COMPILER, "<warm>", "exec")

@@ -1,5 +1,7 @@
-"""The sandbox's seccomp filter: a classic-BPF program, assembled here, that bubblewrap loads
-into every process of a sandbox (``bwrap --seccomp FD``) before the fork server starts.
+"""The sandbox's seccomp filters: classic-BPF programs, assembled here. Bubblewrap loads the
+first, `filter_program`, into every process of a sandbox (``bwrap --seccomp FD``) before the
+fork server starts; the fork server adds the second, `execution_filter`, once it has set up
+what it alone uses, so every execution runs under both (see the end of this docstring).
 
 It is a deny list on top of the namespaces, aimed at what an RL policy's code could use to
 reach outside its own execution:
@@ -15,7 +17,8 @@ reach outside its own execution:
 - channels to other sandboxes and to the host: file locks (``flock``, and ``fcntl``'s POSIX
   and open-file-description lock commands) on the files every sandbox shares (``/usr``, the
   ``/dev`` nodes) succeed without doing anything, so no lock is ever taken; ``inotify``
-  (reads of a shared file in one sandbox are events in another) is denied; sockets are only
+  (reads of a shared file in one sandbox are events in another) is denied to executions
+  (`execution_filter`); sockets are only
   ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (the sandbox's own loopback) and ``AF_NETLINK`` for
   routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks): ``AF_VSOCK`` would
   reach a virtual machine's host, and the other families are kernel surface no code needs;
@@ -26,6 +29,13 @@ reach outside its own execution:
 ``mount`` and ``umount2`` are allowed: the fork server remounts the sandbox's tmpfs mounts
 after every execution, and an execution holds no capability, so the kernel refuses them to it
 (`sandbox_zygote` checks that every execution starts with none).
+
+`execution_filter` is the fork server's own: it watches the writable places with inotify (an
+execution that touched none of them needs no fresh mounts), then denies executions
+``inotify_init``/``inotify_init1``, and ``open``/``openat`` with ``O_TMPFILE`` (an unnamed
+file is an inode no watch sees: EOPNOTSUPP, which Python's ``tempfile`` takes as "use a named
+file"); ``openat2`` passes its flags in memory and answers ENOSYS (libc and Python fall back
+to ``openat``).
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -49,7 +59,7 @@ def _arg_low(i: int) -> int:
 
 
 # classic BPF opcodes
-_LD_W_ABS, _JEQ_K, _JGE_K, _AND_K, _RET_K = 0x20, 0x15, 0x35, 0x54, 0x06
+_LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _AND_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x54, 0x06
 RET_ALLOW = 0x7FFF0000
 RET_KILL_PROCESS = 0x80000000
 _RET_ERRNO = 0x00050000
@@ -67,6 +77,7 @@ AF_NETLINK, NETLINK_ROUTE = 16, 0
 # with no lock ever taken in a sandbox they find none but the host's, and SQLite's WAL mode
 # needs an answer of "unlocked" to take a database over.
 LOCK_COMMANDS = (6, 7, 37, 38)
+__O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
 
 DENIED = (
     # other processes' memory
@@ -76,8 +87,6 @@ DENIED = (
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
     # IPC objects that outlive their creator; memory files no mount's usage shows
     "shmget", "semget", "msgget", "mq_open", "memfd_create", "memfd_secret",
-    # events on files other sandboxes share
-    "inotify_init", "inotify_init1",
     # kernel surface
     "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
@@ -108,7 +117,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 212, "vhangup": 153, "fanotify_init": 300, "move_pages": 279,
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
-            "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73,
+            "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
+            "openat2": 437,
         },
     ),
     "aarch64": (
@@ -130,6 +140,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
+            "openat": 56, "openat2": 437,
         },
     ),
 }  # fmt: skip
@@ -228,5 +239,48 @@ def filter_program(machine: str | None = None) -> bytes:
         ret(_RET_ERRNO | errno.EAFNOSUPPORT),
         "skip",
         ret(RET_SKIP),
+    ]
+    return _assemble(lines)
+
+
+def execution_filter(machine: str | None = None) -> bytes:
+    """The fork server's filter for the executions (see the module docstring), as the bytes of
+    a ``sock_filter`` array; on a machine of another ABI every call passes (the sandbox's own
+    filter has already killed the process)."""
+    machine = machine or platform.machine()
+    if machine not in SYSCALLS:
+        raise RuntimeError(f"no seccomp syscall table for {machine!r}")
+    arch, table = SYSCALLS[machine]
+
+    def ret(value: int) -> _Line:
+        return (_RET_K, value, 0, 0)
+
+    def load(offset: int) -> _Line:
+        return (_LD_W_ABS, offset, 0, 0)
+
+    def is_(value: int, then: str | int, otherwise: str | int = 0) -> _Line:
+        return (_JEQ_K, value, then, otherwise)
+
+    lines: list[_Line] = [load(_ARCH), is_(arch, 0, "allow"), load(_NR)]
+    lines += [is_(table[n], "eperm") for n in ("inotify_init", "inotify_init1") if n in table]
+    lines += [is_(table["openat2"], "enosys"), is_(table["openat"], "flags_in_2")]
+    if "open" in table:
+        lines.append(is_(table["open"], "flags_in_1"))
+    lines += [
+        ret(RET_ALLOW),
+        "flags_in_1",
+        load(_arg_low(1)),
+        (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
+        "flags_in_2",
+        load(_arg_low(2)),
+        (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
+        "allow",
+        ret(RET_ALLOW),
+        "eperm",
+        ret(_RET_ERRNO | errno.EPERM),
+        "enosys",
+        ret(_RET_ERRNO | errno.ENOSYS),
+        "eopnotsupp",
+        ret(_RET_ERRNO | errno.EOPNOTSUPP),
     ]
     return _assemble(lines)

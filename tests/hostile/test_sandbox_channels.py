@@ -63,24 +63,70 @@ for _ in range(40):  # 40 pids
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-for root in ("/work", "/tmp", "/dev/shm"):  # 300 inodes a mount
-    for i in range(300):
+for root in ("/work", "/tmp", "/dev/shm"):  # FILES inodes a mount
+    for i in range(FILES):
         path = f"{root}/f{i}"
         open(path, "w").close()
         os.unlink(path)
+for root in ("/work", "/tmp", "/dev/shm"):  # inodes no directory shows: denied
+    try:
+        os.close(os.open(root, os.O_TMPFILE | os.O_WRONLY))
+    except OSError as e:
+        print(e.strerror)
 print("moved")
 """
 
 
-def test_pid_and_inode_counters_carry_nothing(sandbox: PythonSandbox) -> None:
+@pytest.mark.parametrize("files", [300, 6000], ids=["300-files", "event-queue-overflow"])
+def test_pid_and_inode_counters_carry_nothing(sandbox: PythonSandbox, files: int) -> None:
     """The pid of an execution's process and the inode numbers of the files it makes were the
-    previous executions' counts: 40 forks or 300 files were a number the next one read."""
+    previous executions' counts: 40 forks or 300 files were a number the next one read. The
+    fork server replaces the mounts an execution touched, as its inotify watch shows (6000
+    files overflow the event queue: then it replaces all); unnamed files are refused."""
     first = run(sandbox, PROBE_COUNTERS)
     assert first.exit_code == 0, first.as_text()
-    assert run(sandbox, MOVE_COUNTERS).stdout == "moved\n"
+    moved = run(sandbox, MOVE_COUNTERS.replace("FILES", str(files)))
+    assert moved.stdout == "Operation not supported\n" * 3 + "moved\n", moved.as_text()
     assert run(sandbox, PROBE_COUNTERS).stdout == first.stdout
     assert first.stdout.startswith("2 3 ")  # the process after the fork server, then its child
     assert sandbox.restarts == 0  # renewed in place, not replaced
+
+
+UNTOUCHED_ROOTS = """
+import os
+print([(os.stat(r).st_mtime_ns, os.stat(r).st_atime_ns) for r in ("/work", "/tmp", "/dev/shm")])
+"""
+
+READ_ROOTS = """
+import os
+print([os.listdir(r) for r in ("/work", "/tmp", "/dev/shm")])
+"""
+
+
+def test_reading_a_root_leaves_no_trace(sandbox: PythonSandbox) -> None:
+    """Listing a root sets its access time, which the next execution would read: reading is an
+    event too, and the root is replaced."""
+    before = run(sandbox, UNTOUCHED_ROOTS).stdout
+    assert run(sandbox, READ_ROOTS).stdout == "[[], [], []]\n"
+    assert run(sandbox, UNTOUCHED_ROOTS).stdout == before
+
+
+INOTIFY_AND_TEMPFILES = """
+import ctypes, tempfile
+libc = ctypes.CDLL(None, use_errno=True)
+print("inotify_init1", libc.inotify_init1(0), ctypes.get_errno())
+with tempfile.TemporaryFile(dir="/tmp") as f:  # falls back to a named file, unlinked at once
+    f.write(b"42")
+    f.seek(0)
+    print(f.read())
+"""
+
+
+def test_executions_get_no_inotify_and_no_unnamed_files(sandbox: PythonSandbox) -> None:
+    """inotify would show one sandbox's reads of the shared /usr files to another; the fork
+    server's own instance is made before the executions' filter denies it. O_TMPFILE answers
+    EOPNOTSUPP, which Python's tempfile takes as "use a named file"."""
+    assert run(sandbox, INOTIFY_AND_TEMPFILES).stdout == "inotify_init1 -1 1\nb'42'\n"
 
 
 # --- locks on the files every sandbox shares ------------------------------------------------

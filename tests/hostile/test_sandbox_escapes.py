@@ -525,9 +525,9 @@ def fds_past_1024(holes: int) -> Iterator[None]:
 
 
 def _zygote_pipes(worker: _Worker) -> list[int]:
-    """The fds the fork server was handed (its last two arguments), as numbered in the host."""
+    """The fds the fork server was handed (its first two arguments), as numbered in the host."""
     assert worker.proc is not None and isinstance(worker.proc.args, list)
-    return [int(a) for a in worker.proc.args[-2:]]
+    return [int(a) for a in worker.proc.args[-3:-1]]
 
 
 @pytest.mark.parametrize("holes", [0, 3], ids=["all-pipes-high", "sandbox-ends-high"])
