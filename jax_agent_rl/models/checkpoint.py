@@ -9,8 +9,10 @@ it fills, and its layout:
   transpose + reshape and export the reverse. ``in_axes`` says how many of our leading
   (per-layer) dimensions form HF's ``in``.
 
-Import checks every tensor's shape; a missing, unexpected or duplicated HF tensor is an error
-that names it, and so is a shard an index names outside the checkpoint folder. Export writes
+Import checks every tensor's name, dtype and shape from the safetensors headers before it reads
+any data; a missing, unexpected or duplicated HF tensor is an error that names it, and so is a
+shard an index names outside the checkpoint folder, a file that is not a regular one (a FIFO
+would block the load for ever), or a header that claims more data than its file holds. Export writes
 the same names back (sharded with an index past ``max_shard_bytes``), so transformers and vLLM
 can load a trained policy, and with a `GenerationConfig` the token ids and the
 ``generation_config.json`` that make HF ``generate`` stop where the agent loop stops. Weight
@@ -31,6 +33,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jax_agent_rl.files import regular_file
 from jax_agent_rl.models.config import DType, ModelConfig
 from jax_agent_rl.models.decoder import Layer, Weights, param_shardings, param_specs
 from jax_agent_rl.models.sharding import Sharder
@@ -110,40 +113,142 @@ def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tu
                 yield rule.hf.format(i=i), rule, i, spec.shape[1:]
 
 
-def _shard(folder: Path, name: str) -> Path:
+def _shard(folder: Path, name: object) -> Path:
     """The file of shard ``name`` in the index of ``folder``. The index is data from wherever
     the checkpoint came from, so a name must stay inside the folder (no absolute path, no
     ``..``); the file itself may be a link, as in the Hugging Face cache, whose snapshot
     folders link every file to ``../../blobs``."""
-    parts = Path(name).parts
-    if not parts or Path(name).is_absolute() or ".." in parts:
+    parts = Path(name).parts if isinstance(name, str) else ()
+    if not parts or Path(str(name)).is_absolute() or ".." in parts:
         raise CheckpointError(
             f"shard {name!r} of {folder / 'model.safetensors.index.json'} is not a file inside "
             f"the checkpoint folder {folder.resolve()}: an index names its shards by paths "
             "relative to the folder, without '..'"
         )
-    return folder / name
+    return folder / str(name)
 
 
-def _locate(path: Path) -> dict[str, Path]:
-    """HF name -> the safetensors file holding it (one file, or shards listed by an index)."""
+# safetensors dtype -> bytes per value, for the dtypes a weight may be stored in
+_FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+_MAX_DIMS = 8  # a weight has 1 or 2; many huge ones would make their product slow to compute
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """One tensor as a safetensors header describes it, before any of its data is read."""
+
+    file: Path
+    shape: tuple[int, ...]
+
+
+def _regular(file: Path) -> bool:
+    """`regular_file`, failing with a `CheckpointError`."""
+    try:
+        return regular_file(file, "a checkpoint folder")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _header(file: Path) -> dict[str, _Stored]:
+    """The tensors a safetensors file holds, from its header alone: an 8-byte little-endian
+    length, then that many bytes of JSON giving each tensor's dtype, shape and data offsets
+    (relative to the end of the header). As the safetensors library requires, each tensor's
+    bytes must be its shape times its dtype's size, and the tensors must tile the data region
+    exactly, so a header that claims data the file does not hold fails here, naming the
+    tensor, before anything is allocated."""
+    if not _regular(file):
+        raise CheckpointError(f"shard {file} does not exist")
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"{file} is not a safetensors file: its header length {length} does not fit "
+                f"its {size} bytes or is over {_MAX_HEADER_BYTES}"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{file}: the safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - length
+    out = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (
+                isinstance(shape, list)
+                and len(shape) <= _MAX_DIMS
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end))
+            )
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has a malformed header entry {entry!r:.200}: expected "
+                f"dtype, shape (at most {_MAX_DIMS} whole numbers) and data_offsets [begin, end]"
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} is stored as {dtype!r}: expected one of "
+                f"{sorted(_FLOAT_DTYPES)}"
+            )
+        if (
+            not 0 <= begin <= end <= data_bytes
+            or end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype]
+        ):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} ({dtype}, shape {tuple(shape)}) claims bytes "
+                f"{begin}..{end} of a data region of {data_bytes} bytes: the header does not "
+                "match the file"
+            )
+        out[name] = _Stored(file, tuple(shape))
+        spans.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} starts at byte {begin} of the data region, where "
+                f"{covered} was expected: tensors must not overlap or leave gaps"
+            )
+        covered = end
+    if covered != data_bytes:
+        raise CheckpointError(
+            f"{file}: the tensors end at byte {covered} of a data region of {data_bytes} bytes"
+        )
+    return out
+
+
+def _locate(path: Path) -> dict[str, _Stored]:
+    """HF name -> the tensor as stored (one file, or shards listed by an index), read from the
+    files' headers only. Every file must be a regular one: a FIFO named as a shard would
+    block the load for ever."""
     index = path / "model.safetensors.index.json"
+    has_index = _regular(index)
+    single = not has_index and _regular(path / "model.safetensors")
     listed: set[str] | None = None
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    if has_index:
+        weight_map = json.loads(index.read_text())
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map object")
         listed = set(weight_map)
         files = sorted({_shard(path, file) for file in weight_map.values()})
-    elif (path / "model.safetensors").is_file():
+    elif single:
         files = [path / "model.safetensors"]
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    seen: dict[str, Path] = {}
+    seen: dict[str, _Stored] = {}
     for file in files:
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in seen:
-                    raise CheckpointError(f"tensor {name!r} is stored twice: {seen[name]}, {file}")
-                seen[name] = file
+        for name, stored in _header(file).items():
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} is stored twice: {seen[name].file}, {file}")
+            seen[name] = stored
     if listed is not None and listed != set(seen):
         raise CheckpointError(
             f"index and shards disagree: only in the index {sorted(listed - set(seen))}, "
@@ -157,12 +262,15 @@ def load_hf(
 ) -> tuple[ModelConfig, Weights]:
     """Loads a local HF checkpoint folder (config.json + safetensors) into `Weights`.
 
-    Tensors are cast to ``dtype`` and, with a ``sharder``, placed with their shardings.
+    Every tensor's name, dtype and shape are checked against the config from the files'
+    headers before any data is read. Tensors are cast to ``dtype`` and, with a ``sharder``,
+    placed with their shardings.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype=dtype)
     where = _locate(path)
-    expected = {name for name, *_ in _entries(cfg)}
+    entries = list(_entries(cfg))
+    expected = {name for name, *_ in entries}
     tied_head = cfg.tie_embeddings and "lm_head.weight" in where
     unexpected = sorted(set(where) - expected - ({"lm_head.weight"} if tied_head else set()))
     if unexpected:
@@ -172,24 +280,28 @@ def load_hf(
     missing = sorted(expected - set(where))
     if missing:
         raise CheckpointError(f"missing tensors in {path}: {missing}")
+    wants = [(name, hf_shape(rule, shape)) for name, rule, _, shape in entries]
+    if tied_head:
+        wants.append(("lm_head.weight", where["model.embed_tokens.weight"].shape))
+    for name, want in wants:
+        if where[name].shape != want:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {where[name].shape}, config implies {want}"
+            )
 
     np_dtype = np.dtype(cfg.jnp_dtype)
     handles: dict[Path, Any] = {}
 
     def read(name: str) -> np.ndarray:
-        file = where[name]
+        file = where[name].file
         if file not in handles:
             handles[file] = safe_open(str(file), framework="numpy")
         return handles[file].get_tensor(name)
 
     stacked: dict[str, np.ndarray] = {}
     specs = param_specs(cfg)
-    for name, rule, layer, shape in _entries(cfg):
-        x = read(name)
-        want = hf_shape(rule, shape)
-        if x.shape != want:
-            raise CheckpointError(f"tensor {name!r} has shape {x.shape}, config implies {want}")
-        y = to_ours(rule, x, shape).astype(np_dtype)
+    for name, rule, layer, shape in entries:
+        y = to_ours(rule, read(name), shape).astype(np_dtype)
         if layer is None:
             stacked[rule.ours] = y
         else:

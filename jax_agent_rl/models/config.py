@@ -17,6 +17,8 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
+from jax_agent_rl.files import regular_file
+
 Family = Literal["llama", "qwen2", "qwen3"]
 DType = Literal["float32", "bfloat16"]
 
@@ -82,8 +84,45 @@ _MODEL_FIELDS = frozenset(
 )
 
 
+# field -> (its config.json key, the largest value accepted). Far above any real checkpoint
+# (Llama 3.1 405B: 126 layers, 128 heads, hidden 16384, intermediate 53248; vocabularies reach
+# ~260k tokens, contexts 10M positions), and checked before anything is allocated or looped
+# over, so that a corrupt or hostile config.json fails at once instead of after a minute of
+# loops or an allocation that exhausts the memory.
+_SIZE_BOUNDS: dict[str, tuple[str, int]] = {
+    "vocab_size": ("vocab_size", 1 << 22),
+    "hidden_size": ("hidden_size", 1 << 17),
+    "intermediate_size": ("intermediate_size", 1 << 20),
+    "num_layers": ("num_hidden_layers", 1024),
+    "num_heads": ("num_attention_heads", 1024),
+    "num_kv_heads": ("num_key_value_heads", 1024),
+    "head_dim": ("head_dim", 1024),
+    "max_position_embeddings": ("max_position_embeddings", 1 << 24),
+}
+
+
 class UnsupportedConfigError(ValueError):
     """An HF config field (named in the message) that this decoder cannot honour."""
+
+
+def _check_size(key: str, value: object, bound: int) -> int:
+    """``value`` as a size: a whole number (not a bool) from 1 to ``bound``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+        raise UnsupportedConfigError(
+            f"{key}={value!r} is not a size this decoder accepts: expected a whole number "
+            f"from 1 to {bound}"
+        )
+    return value
+
+
+def _check_positive(key: str, value: object, below: float = math.inf) -> float:
+    """``value`` as a float: a finite number (not a bool) above 0 and below ``below``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        x = float(value) if abs(value) < 1e308 else math.inf
+        if math.isfinite(x) and 0 < x < below:
+            return x
+    limit = "" if below == math.inf else f" and below {below}"
+    raise UnsupportedConfigError(f"{key}={value!r}: expected a finite number above 0{limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +133,21 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        key = "rope_parameters"
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # stored as floats
+            object.__setattr__(self, name, _check_positive(f"{key}.{name}", getattr(self, name)))
+        low, high = self.low_freq_factor, self.high_freq_factor
+        if high <= low:  # the smooth interpolation divides by their difference
+            raise UnsupportedConfigError(
+                f"{key}.high_freq_factor={high} must exceed low_freq_factor={low}"
+            )
+        _check_size(
+            f"{key}.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            _SIZE_BOUNDS["max_position_embeddings"][1],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +172,12 @@ class ModelConfig:
     dtype: DType = "float32"
 
     def __post_init__(self) -> None:
+        for field, (key, bound) in _SIZE_BOUNDS.items():
+            _check_size(key if key == field else f"{key} ({field})", getattr(self, field), bound)
+        # stored as floats (config.json may write 10000 for 10000.0)
+        eps = _check_positive("rms_norm_eps", self.rms_norm_eps, below=1.0)
+        object.__setattr__(self, "rms_norm_eps", eps)
+        object.__setattr__(self, "rope_theta", _check_positive("rope_theta", self.rope_theta))
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -167,37 +227,59 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"layer_types={sorted(set(layer_types))}: only full_attention"
             )
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        for field in required:
             if field not in hf:
                 raise UnsupportedConfigError(f"config.json lacks the required field {field!r}")
-        num_heads = int(hf["num_attention_heads"])
+        # sizes are checked by __post_init__; these two first, as head_dim may derive from them
+        hidden = _check_size("hidden_size", hf["hidden_size"], _SIZE_BOUNDS["hidden_size"][1])
+        num_heads = _check_size(
+            "num_attention_heads", hf["num_attention_heads"], _SIZE_BOUNDS["num_heads"][1]
+        )
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % num_heads:
+                raise UnsupportedConfigError(
+                    f"hidden_size={hidden} is not a multiple of num_attention_heads={num_heads} "
+                    "and config.json gives no head_dim"
+                )
+            head_dim = hidden // num_heads
         theta, scaling = _rope(hf)
         return cls(
             family=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", default_bias)),
+            tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+            qkv_bias=_flag(hf, "attention_bias", default_bias),
             qk_norm=qk_norm,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
             dtype=dtype,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: DType = "float32") -> ModelConfig:
-        """Reads ``config.json`` from a local checkpoint folder."""
+        """Reads ``config.json`` from a local checkpoint folder; an error names the file."""
         config_file = Path(path) / "config.json"
-        if not config_file.is_file():
+        if not regular_file(config_file, "a checkpoint folder"):
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
-        return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+        try:
+            return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"{config_file}: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` this config round-trips through (transformers >= 5 layout)."""
@@ -233,6 +315,13 @@ class ModelConfig:
         return hf
 
 
+def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
+    value = hf.get(field, default)
+    if not isinstance(value, bool):
+        raise UnsupportedConfigError(f"{field}={value!r}: expected true or false")
+    return value
+
+
 def _require(hf: dict[str, Any], field: str, expected: object) -> None:
     if field in hf and hf[field] is not None and hf[field] != expected:
         raise UnsupportedConfigError(f"{field}={hf[field]!r} is not supported (only {expected!r})")
@@ -242,7 +331,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     """Reads RoPE from either layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (older checkpoints)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -256,12 +345,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         raise UnsupportedConfigError(
             f"llama3 rope scaling: unexpected fields {extra}, missing fields {missing}"
         )
-    return theta, Llama3RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
+    return theta, Llama3RopeScaling(**params)  # each field checked by its __post_init__
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

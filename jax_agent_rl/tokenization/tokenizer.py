@@ -2,8 +2,9 @@
 
 A folder holds ``tokenizer.json`` (the `tokenizers` model), ``tokenizer_config.json`` (special
 tokens, optionally the chat template) and optionally ``chat_template.jinja`` (transformers 5
-writes the template there). Chat templates render in a sandboxed Jinja environment set up the
-way transformers sets it up, so the same template gives the same text here and there.
+writes the template there). Chat templates render as transformers renders them, bounded in work
+and size (`jax_agent_rl.tokenization.templating`), so the same template gives the same text here
+and there, and a template that would loop for ever or fill the memory fails instead.
 """
 
 from __future__ import annotations
@@ -11,46 +12,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-Message = dict[str, Any]
+from jax_agent_rl.files import regular_file
+from jax_agent_rl.tokenization.templating import ChatTemplateError, Message, render_template
 
-
-class ChatTemplateError(ValueError):
-    """A chat template that is missing, does not compile, or rejects the messages."""
-
-
-def _raise(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Like transformers: no HTML escaping (Jinja's built-in tojson escapes <, >, &).
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+TOKENIZER_FOLDER = "a tokenizer folder"  # what holds its files, in errors
 
 
 def _token_content(value: Any) -> str | None:
@@ -66,6 +36,7 @@ class Tokenizer:
 
     backend: HFTokenizer
     chat_template: str | None = None
+    chat_template_origin: str = "the chat template"  # names the template in errors
     eos_token: str | None = None
     pad_token: str | None = None
     bos_token: str | None = None
@@ -74,20 +45,24 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
+        if not regular_file(tok_file, TOKENIZER_FOLDER):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        has_config = regular_file(config_file, TOKENIZER_FOLDER)
+        config = json.loads(config_file.read_text()) if has_config else {}
         template = config.get("chat_template")
+        origin = f"the chat template of {config_file}"
         if isinstance(template, list):  # named templates: use "default"
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
         jinja_file = path / "chat_template.jinja"
-        if jinja_file.is_file():
+        if regular_file(jinja_file, TOKENIZER_FOLDER):
             template = jinja_file.read_text()
+            origin = f"the chat template {jinja_file}"
         tok = cls(
             backend=HFTokenizer.from_file(str(tok_file)),
             chat_template=template,
+            chat_template_origin=origin,
             eos_token=_token_content(config.get("eos_token")),
             pad_token=_token_content(config.get("pad_token")),
             bos_token=_token_content(config.get("bos_token")),
@@ -139,7 +114,13 @@ class Tokenizer:
             pad_token=self.pad_token or "",
         )
         return render_template(
-            self.chat_template, messages, tools, add_generation_prompt, **special, **template_kwargs
+            self.chat_template,
+            messages,
+            tools,
+            add_generation_prompt,
+            origin=self.chat_template_origin,
+            **special,
+            **template_kwargs,
         )
 
     def encode_chat(
@@ -152,35 +133,3 @@ class Tokenizer:
         """Token ids of the rendered chat (special tokens come from the template text)."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode(text)
-
-
-def render_template(
-    template: str,
-    messages: Sequence[Message],
-    tools: Sequence[dict[str, Any]] | None = None,
-    add_generation_prompt: bool = False,
-    **template_kwargs: Any,
-) -> str:
-    """A chat template rendered as transformers renders it (before any tokenizer exists,
-    e.g. to build the corpus a tokenizer is trained on)."""
-    try:
-        return _compile(template).render(
-            messages=list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
-        )
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
-
-
-_COMPILED: dict[str, jinja2.Template] = {}
-
-
-def _compile(source: str) -> jinja2.Template:
-    if source not in _COMPILED:
-        try:
-            _COMPILED[source] = _environment().from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"chat template does not compile: {e}") from e
-    return _COMPILED[source]

@@ -1,14 +1,36 @@
-"""A checkpoint's shard index cannot make a load read files outside the checkpoint folder."""
+"""What comes with a checkpoint folder cannot hang a run, exhaust its memory or make a load
+read outside the folder: a shard index naming files elsewhere, a FIFO, device or folder in place
+of a file, a config.json with absurd sizes, and a safetensors header that disagrees with its
+file each fail at once, with an error naming the file and the problem, before any tensor data is
+read or allocated."""
 
+import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
-from jax_agent_rl.models import CheckpointError, ModelConfig, init_params, load_hf, save_hf
+from jax_agent_rl.models import (
+    CheckpointError,
+    ModelConfig,
+    UnsupportedConfigError,
+    init_params,
+    load_hf,
+    save_hf,
+)
+from jax_agent_rl.models import checkpoint as checkpoint_module
+from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from tests.tokenization.test_tokenizer import CORPUS
+
+pytestmark = pytest.mark.timeout(120)  # a second guard: a hang fails the test
 
 INDEX = "model.safetensors.index.json"
 CFG = ModelConfig(
@@ -38,6 +60,27 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exported(export: Path, tmp_path: Path) -> Path:
     """A copy of `export` of this test's own, a folder inside ``tmp_path``."""
     return Path(shutil.copytree(export, tmp_path / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def export_single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-file checkpoint (``model.safetensors``) written by `save_hf`."""
+    folder = tmp_path_factory.mktemp("export") / "ckpt"
+    save_hf(folder, CFG, init_params(jax.random.key(0), CFG))
+    return folder
+
+
+@pytest.fixture
+def single(export_single: Path, tmp_path: Path) -> Path:
+    """A copy of `export_single` of this test's own."""
+    return Path(shutil.copytree(export_single, tmp_path / "single"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tokenizer(
+        tmp_path_factory.mktemp("tok"), train_bpe(CORPUS, 300), chat_template("chatml_tools")
+    )
 
 
 def _rename_shard(folder: Path, old: str, new: str) -> None:
@@ -78,3 +121,246 @@ def test_linked_files_load_as_in_the_hf_cache(exported: Path, tmp_path: Path) ->
     _, after = load_hf(exported)
     leaves, leaves_after = jax.tree.leaves(before), jax.tree.leaves(after)
     assert all(np.array_equal(a, b) for a, b in zip(leaves, leaves_after, strict=True))
+
+
+# -- files that are no regular file ------------------------------------------------------------
+
+
+# Run in a process of its own: code blocked opening a FIFO from C or Rust (safetensors) holds
+# the GIL and retries the interrupted call, so no thread or alarm of the test's could free it.
+_RELEASE = """
+import os, sys, time
+while True:
+    try:  # succeeds only while a reader waits on the FIFO; closing it gives that reader EOF
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
+
+
+@contextlib.contextmanager
+def _unblocked(fifo: Path) -> Iterator[None]:
+    """While the block runs, a reader that opens ``fifo`` soon gets end of file, so code that
+    opens it fails instead of hanging (then the test fails, on the error it did not expect)."""
+    if not fifo.is_fifo():
+        yield
+        return
+    release = subprocess.Popen([sys.executable, "-I", "-c", _RELEASE, str(fifo)])
+    try:
+        yield
+    finally:
+        release.kill()
+        release.wait()
+
+
+def _replace_with(path: Path, kind: str) -> None:
+    """Puts a FIFO, a folder or a device (through a link, as the HF cache links its files)
+    where ``path`` was."""
+    if path.exists():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+
+
+KINDS = ["fifo", "folder", "device"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("layout", "file", "error"),
+    [
+        ("sharded", "config.json", ValueError),
+        ("sharded", INDEX, CheckpointError),
+        ("sharded", "shard", CheckpointError),
+        ("single", "model.safetensors", CheckpointError),
+    ],
+)
+def test_checkpoint_files_must_be_regular_files(
+    exported: Path, single: Path, layout: str, file: str, error: type, kind: str
+) -> None:
+    folder = exported if layout == "sharded" else single
+    target = folder / (_first_shard(folder) if file == "shard" else file)
+    _replace_with(target, kind)
+    with _unblocked(target), pytest.raises(ValueError) as e:
+        load_hf(folder)
+    assert e.type is error
+    assert f"{target} is not a regular file" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("file", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_tokenizer_files_must_be_regular_files(
+    tokenizer_folder: Path, tmp_path: Path, file: str, kind: str
+) -> None:
+    folder = Path(shutil.copytree(tokenizer_folder, tmp_path / "tok"))
+    _replace_with(folder / file, kind)
+    with _unblocked(folder / file), pytest.raises(ValueError) as e:
+        Tokenizer.from_pretrained(folder)
+    assert e.type is ValueError
+    assert f"{folder / file} is not a regular file" in str(e.value)
+
+
+# -- config.json with absurd sizes -------------------------------------------------------------
+
+
+def _no_read(*_: Any, **__: Any) -> None:
+    raise AssertionError("tensor data was read before the checkpoint was checked")
+
+
+@pytest.mark.parametrize(
+    ("patch", "named"),
+    [
+        ({"vocab_size": 10**12}, "vocab_size=1000000000000 is not a size"),
+        ({"hidden_size": -32}, "hidden_size=-32 is not a size"),
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers (num_layers)=1000000 is not a size"),
+        ({"num_attention_heads": 10**9}, "num_attention_heads=1000000000 is not a size"),
+        ({"num_attention_heads": 3, "head_dim": None}, "is not a multiple of num_attention_heads"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+        ({"head_dim": 10**9}, "head_dim=1000000000 is not a size"),
+        ({"intermediate_size": "64"}, "intermediate_size='64' is not a size"),
+        ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps=0: expected a finite number above 0"),
+        ({"rope_parameters": {"rope_theta": float("inf")}}, "rope_theta=inf: expected a finite"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes': expected true or false"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_theta": 5e5,
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "high_freq_factor=1.0 must exceed low_freq_factor=4.0",
+        ),
+    ],
+)
+def test_absurd_config_sizes_fail_before_anything_is_read(
+    single: Path, monkeypatch: pytest.MonkeyPatch, patch: dict[str, Any], named: str
+) -> None:
+    config = single / "config.json"
+    hf = json.loads(config.read_text())
+    hf.update(patch)
+    config.write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+    monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
+    with pytest.raises(UnsupportedConfigError) as e:
+        load_hf(single)
+    assert e.type is UnsupportedConfigError
+    assert str(e.value).startswith(f"{config}: ") and named in str(e.value)
+
+
+# -- safetensors headers that disagree with their file -----------------------------------------
+
+Header = dict[str, Any]
+
+
+def _layer_q(i: int) -> str:
+    return f"model.layers.{i}.self_attn.q_proj.weight"
+
+
+def _past_the_end(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    begin, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [begin + 4096, end + 4096]
+    return header, data, None
+
+
+def _shape_not_span(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header["model.embed_tokens.weight"]["shape"] = [10**6, 10**6]  # 4 TB claimed
+    return header, data, None
+
+
+def _overlapping(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header[_layer_q(1)]["data_offsets"] = header[_layer_q(0)]["data_offsets"]  # same shape
+    return header, data, None
+
+
+def _trailing(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    return header, data + bytes(64), None
+
+
+def _length(n: int) -> Callable[[Header, bytes], tuple[Header, bytes, int | None]]:
+    return lambda header, data: (header, data, n)
+
+
+def _dtype(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header["model.norm.weight"]["dtype"] = "I64"
+    return header, data, None
+
+
+def _many_dims(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header["model.norm.weight"]["shape"] = [2**62] * 10_000  # a slow product to compute
+    return header, data, None
+
+
+def _negative_dim(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header["model.norm.weight"]["shape"] = [-32]
+    return header, data, None
+
+
+@pytest.mark.parametrize(
+    ("attack", "named"),
+    [
+        (_past_the_end, "claims bytes"),
+        (_shape_not_span, "'model.embed_tokens.weight' (F32, shape (1000000, 1000000)) claims"),
+        (_overlapping, f"tensor {_layer_q(1)!r} starts at byte"),
+        (_trailing, "the tensors end at byte"),
+        (_length(10**6), "its header length 1000000 does not fit its"),
+        (_length(2**63), f"its header length {2**63} does not fit its"),
+        (_dtype, "tensor 'model.norm.weight' is stored as 'I64'"),
+        (_many_dims, "tensor 'model.norm.weight' has a malformed header entry"),
+        (_negative_dim, "tensor 'model.norm.weight' has a malformed header entry"),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_safetensors_headers_are_checked_before_any_data_is_read(
+    single: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    attack: Callable[[Header, bytes], tuple[Header, bytes, int | None]],
+    named: str,
+) -> None:
+    file = single / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data, length = attack(json.loads(raw[8 : 8 + n]), raw[8 + n :])
+    text = json.dumps(header).encode()
+    file.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
+    monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(single)
+    assert e.type is CheckpointError
+    assert str(file) in str(e.value) and named in str(e.value)
+
+
+def test_a_header_over_the_size_limit_is_not_read(
+    single: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 200 MB file (sparse: it takes no room) whose header claims 150 MB of JSON."""
+    file = single / "model.safetensors"
+    with file.open("wb") as f:
+        f.write((150 * 2**20).to_bytes(8, "little"))
+        f.truncate(200 * 2**20)
+    monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(single)
+    assert e.type is CheckpointError
+    assert f"{file} is not a safetensors file" in str(e.value) and "over 104857600" in str(e.value)
+
+
+def test_header_shapes_are_checked_against_the_config_before_any_data_is_read(
+    single: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = single / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": 65}))
+    monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
+    with pytest.raises(CheckpointError) as e:
+        load_hf(single)
+    assert e.type is CheckpointError
+    assert "'model.embed_tokens.weight' has shape (64, 32), config implies (65, 32)" in str(e.value)
