@@ -179,6 +179,20 @@ def _assemble(lines: list[_Line]) -> bytes:
     )
 
 
+def _ret(value: int) -> _Line:
+    return (_RET_K, value, 0, 0)
+
+
+def _load(offset: int) -> _Line:
+    """Loads a 32-bit word of ``struct seccomp_data``."""
+    return (_LD_W_ABS, offset, 0, 0)
+
+
+def _is(value: int, then: str | int, otherwise: str | int = 0) -> _Line:
+    """Jumps to ``then`` if the loaded word equals ``value``, else to ``otherwise``."""
+    return (_JEQ_K, value, then, otherwise)
+
+
 def filter_program(machine: str | None = None) -> bytes:
     """The filter for ``machine`` (default: this one), as the bytes ``bwrap --seccomp`` reads."""
     machine = machine or platform.machine()
@@ -189,56 +203,47 @@ def filter_program(machine: str | None = None) -> bytes:
         )
     arch, table = SYSCALLS[machine]
 
-    def ret(value: int) -> _Line:
-        return (_RET_K, value, 0, 0)
-
-    def load(offset: int) -> _Line:
-        return (_LD_W_ABS, offset, 0, 0)
-
-    def is_(value: int, then: str | int, otherwise: str | int = 0) -> _Line:
-        return (_JEQ_K, value, then, otherwise)
-
-    lines: list[_Line] = [load(_ARCH), is_(arch, 0, "kill"), load(_NR)]
+    lines: list[_Line] = [_load(_ARCH), _is(arch, 0, "kill"), _load(_NR)]
     if machine == "x86_64":
         lines.append((_JGE_K, _X32_SYSCALL_BIT, "eperm", 0))
-    lines += [is_(table[name], "eperm") for name in DENIED if name in table]
+    lines += [_is(table[name], "eperm") for name in DENIED if name in table]
     lines += [
-        is_(table["clone"], "clone"),
-        is_(table["clone3"], "enosys"),
-        is_(table["socket"], "socket"),
-        is_(table["socketpair"], "socket"),
-        is_(table["fcntl"], "fcntl"),
-        is_(table["flock"], "skip"),
-        ret(RET_ALLOW),
+        _is(table["clone"], "clone"),
+        _is(table["clone3"], "enosys"),
+        _is(table["socket"], "socket"),
+        _is(table["socketpair"], "socket"),
+        _is(table["fcntl"], "fcntl"),
+        _is(table["flock"], "skip"),
+        _ret(RET_ALLOW),
         # clone: denied when any namespace flag is set in the low word of args[0]
         "clone",
-        load(_arg_low(0)),
+        _load(_arg_low(0)),
         (_AND_K, CLONE_NAMESPACE_FLAGS, 0, 0),
-        is_(0, "allow", "eperm"),
+        _is(0, "allow", "eperm"),
         # socket, socketpair: the family (args[0]); netlink only for routing (args[2])
         "socket",
-        load(_arg_low(0)),
-        *(is_(family, "allow") for family in SOCKET_FAMILIES),
-        is_(AF_NETLINK, 0, "eafnosupport"),
-        load(_arg_low(2)),
-        is_(NETLINK_ROUTE, "allow", "eafnosupport"),
+        _load(_arg_low(0)),
+        *(_is(family, "allow") for family in SOCKET_FAMILIES),
+        _is(AF_NETLINK, 0, "eafnosupport"),
+        _load(_arg_low(2)),
+        _is(NETLINK_ROUTE, "allow", "eafnosupport"),
         # fcntl: the commands that take a lock (args[1]) do nothing and succeed
         "fcntl",
-        load(_arg_low(1)),
-        *(is_(cmd, "skip") for cmd in LOCK_COMMANDS),
+        _load(_arg_low(1)),
+        *(_is(cmd, "skip") for cmd in LOCK_COMMANDS),
         # the shared returns (classic BPF jumps only forward)
         "allow",
-        ret(RET_ALLOW),
+        _ret(RET_ALLOW),
         "kill",
-        ret(RET_KILL_PROCESS),
+        _ret(RET_KILL_PROCESS),
         "eperm",
-        ret(_RET_ERRNO | errno.EPERM),
+        _ret(_RET_ERRNO | errno.EPERM),
         "enosys",
-        ret(_RET_ERRNO | errno.ENOSYS),
+        _ret(_RET_ERRNO | errno.ENOSYS),
         "eafnosupport",
-        ret(_RET_ERRNO | errno.EAFNOSUPPORT),
+        _ret(_RET_ERRNO | errno.EAFNOSUPPORT),
         "skip",
-        ret(RET_SKIP),
+        _ret(RET_SKIP),
     ]
     return _assemble(lines)
 
@@ -252,35 +257,26 @@ def execution_filter(machine: str | None = None) -> bytes:
         raise RuntimeError(f"no seccomp syscall table for {machine!r}")
     arch, table = SYSCALLS[machine]
 
-    def ret(value: int) -> _Line:
-        return (_RET_K, value, 0, 0)
-
-    def load(offset: int) -> _Line:
-        return (_LD_W_ABS, offset, 0, 0)
-
-    def is_(value: int, then: str | int, otherwise: str | int = 0) -> _Line:
-        return (_JEQ_K, value, then, otherwise)
-
-    lines: list[_Line] = [load(_ARCH), is_(arch, 0, "allow"), load(_NR)]
-    lines += [is_(table[n], "eperm") for n in ("inotify_init", "inotify_init1") if n in table]
-    lines += [is_(table["openat2"], "enosys"), is_(table["openat"], "flags_in_2")]
+    lines: list[_Line] = [_load(_ARCH), _is(arch, 0, "allow"), _load(_NR)]
+    lines += [_is(table[n], "eperm") for n in ("inotify_init", "inotify_init1") if n in table]
+    lines += [_is(table["openat2"], "enosys"), _is(table["openat"], "flags_in_2")]
     if "open" in table:
-        lines.append(is_(table["open"], "flags_in_1"))
+        lines.append(_is(table["open"], "flags_in_1"))
     lines += [
-        ret(RET_ALLOW),
+        _ret(RET_ALLOW),
         "flags_in_1",
-        load(_arg_low(1)),
+        _load(_arg_low(1)),
         (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
         "flags_in_2",
-        load(_arg_low(2)),
+        _load(_arg_low(2)),
         (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
         "allow",
-        ret(RET_ALLOW),
+        _ret(RET_ALLOW),
         "eperm",
-        ret(_RET_ERRNO | errno.EPERM),
+        _ret(_RET_ERRNO | errno.EPERM),
         "enosys",
-        ret(_RET_ERRNO | errno.ENOSYS),
+        _ret(_RET_ERRNO | errno.ENOSYS),
         "eopnotsupp",
-        ret(_RET_ERRNO | errno.EOPNOTSUPP),
+        _ret(_RET_ERRNO | errno.EOPNOTSUPP),
     ]
     return _assemble(lines)
