@@ -181,11 +181,11 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from jax_agent_rl.models import ModelConfig, UnsupportedConfigError
+    from jax_agent_rl.models import ModelConfig
 
     try:
         cfg = ModelConfig.from_pretrained(args.checkpoint)
-    except (UnsupportedConfigError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # a config it cannot use, invalid JSON, no regular file
         print(f"jarl: {e}", file=sys.stderr)
         return 2
     for field, value in vars(cfg).items():

@@ -36,6 +36,14 @@ def test_inspect_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "qwen3" in out and "qk_norm: True" in out
     assert main(["inspect", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+    # a config.json that is no regular file, or no JSON: a message, not a traceback
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    assert main(["inspect", str(tmp_path / "dir")]) == 2
+    assert "config.json is not a regular file" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert main(["inspect", str(tmp_path / "bad")]) == 2
+    assert "jarl: " in capsys.readouterr().err
 
 
 def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
