@@ -94,6 +94,13 @@ class RolloutSection:
     top_k: int = -1  # -1: off
     max_model_len: int = 1024  # prompt + response tokens
     max_concurrent: int = 64  # sequences decoded together (engine slots)
+    # embedded / jetstream: the KV cache is a pool of pages of this many positions, handed
+    # out by real length and shared between sequences with a common prefix
+    page_size: int = 32
+    # the pool's size in GiB (keys and values, all layers, over all the engine's devices);
+    # 0: enough for max_concurrent sequences of max_model_len (a dense cache's memory)
+    kv_cache_gib: float = 0.0
+    prefill_chunk: int = 512  # a longer prompt is prefilled in chunks between decode steps
     steps_per_call: int = 4  # decode steps per engine call (embedded and jetstream backends)
     # embedded: a decode step computes only the slots in use (rounded up to a power of two);
     # false: always all max_concurrent, so that no number depends on how requests happened

@@ -1,6 +1,15 @@
 """The JAX inference engine (JetStream-shaped: prefill, insert, generate over decode slots)."""
 
-from jax_agent_rl.engine.engine import DecodeState, Engine, Prefix, Slots, StepTokens
+from jax_agent_rl.engine.engine import (
+    DecodeState,
+    Engine,
+    Prefix,
+    Slots,
+    StepTokens,
+    page_bytes,
+    pool_pages,
+)
+from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.sampling import (
     InvalidRequestError,
     SamplingParams,
@@ -13,10 +22,13 @@ __all__ = [
     "DecodeState",
     "Engine",
     "InvalidRequestError",
+    "PagePool",
     "Prefix",
     "SamplingParams",
     "Slots",
     "StepTokens",
+    "page_bytes",
+    "pool_pages",
     "sample",
     "sampling_logprobs",
     "token_logprobs",

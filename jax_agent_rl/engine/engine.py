@@ -1,26 +1,32 @@
-"""The JAX inference engine, in the shape of JetStream's Engine API.
+"""The JAX inference engine over a paged KV cache, in the shape of JetStream's Engine API.
 
-``prefill`` runs one prompt (optionally on top of an existing cached prefix) and samples its
-first token; ``insert`` places the result in a decode slot; ``generate`` advances every
-active slot by ``num_steps`` tokens in one device call, computing only the slots in use
-(the first ones, rounded up to a power-of-two batch bucket: a decode step costs what its
-batch costs, not what ``max_concurrent_decodes`` does). Each slot carries its own sampling
-parameters, RNG, stop ids and budget, so requests of any mix run side by side.
+Keys and values live in one pool of fixed-size pages per layer (`models.KVPages`); a
+sequence holds a page table (its pages in order), so memory follows real lengths and
+sequences that share a prefix share its pages. Which sequence holds which pages is the
+caller's business (`engine.pages.PagePool` keeps the ledger); the engine computes:
 
-Compilation is bounded: prompts pad to a fixed set of bucket lengths and attention reads a
-bucketed prefix of the cache, so prefill compiles at most once per (prompt bucket, attention
-bucket) pair, ``generate`` once per (attention bucket, batch bucket) pair and ``insert``
-once; ``warmup`` compiles them all up front. ``compile_counts`` counts traces per
-function, so a test can hold the engine to that bound. Weights are arguments, never
-constants: swapping in new weights of the same shapes reuses every compiled program. Each
-layer's weights and each layer's KV cache are buffers of their own (`serving_layout`,
-`KVCache`), which the decode step reads and writes without copying.
+``prefill`` runs a chunk of one sequence's tokens (after the positions its pages hold
+already), writes their keys and values into its pages and samples the next token;
+``insert`` places the result in a decode slot; ``generate`` advances every active slot by
+``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
+rounded up to a power-of-two batch bucket), and each slot's attention reads its own pages
+only (`models.decoder.ragged_attention`: the work is the sum of the real lengths, so one
+long sequence costs the short ones nothing). ``copy_page`` gives a sequence its own copy of
+a shared page it is about to write into. Each slot carries its own sampling parameters,
+RNG, stop ids and budget, so requests of any mix run side by side.
+
+Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
+``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
+of pages; ``generate`` compiles once per (batch bucket, pairs bucket), the pairs (slot,
+page) it reads padded to a power of two; ``warmup`` compiles them all up front.
+``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
+Weights are arguments, never constants: swapping in new weights of the same shapes reuses
+every compiled program. Each layer's weights and each layer's pages are buffers of their
+own (`serving_layout`, `KVPages`), which the decode step reads and writes without copying.
 
 With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
-model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``) and the decode
-state's slots split over ``data``: the KV cache is [L, N, G, S, K] with N over ``data`` and G
-over ``tensor``. A prefilled prompt (one row) keeps its kv heads over ``tensor`` and is
-replicated over ``data`` until ``insert`` writes it into its slot's shard.
+model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
+slots split over ``data`` and so do the pool's pages (kv heads over ``tensor``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,24 +43,18 @@ import numpy as np
 
 from jax_agent_rl.engine.sampling import SamplingParams, sample, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import (
-    KVCache,
+    KVPages,
     ModelConfig,
     Sharder,
     Weights,
-    cache_shardings,
     forward,
-    init_cache,
+    init_pages,
     lm_logits,
+    page_shardings,
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.decoder import (
-    cache_length,
-    is_spec,
-    reads_whole,
-    serving_layout,
-    training_layout,
-)
+from jax_agent_rl.models.decoder import PAIR_BLOCK, is_spec, serving_layout, training_layout
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -80,19 +79,21 @@ class Slots:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    cache: KVCache  # [L, N, G, S, K]; cache.pos [N]
+    pages: KVPages  # the pool: [P, G, page_size, K] per layer
+    pos: jax.Array  # int32 [N]: tokens each slot's pages hold
     slots: Slots
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """A prefilled prompt: its cache row [L, 1, G, S, K], its slot state and first token."""
+    """A prefilled sequence (its keys and values are in its pages): its slot state, how many
+    positions its pages hold, its first token's logprob and finish code, [1] each."""
 
-    cache: KVCache
     slots: Slots
-    logprob: jax.Array  # [1] float32: the first token's logprob
-    finish: jax.Array  # [1] int32: RUNNING, STOPPED or LENGTH after the first token
+    pos: jax.Array  # int32
+    logprob: jax.Array  # float32
+    finish: jax.Array  # int32: RUNNING, STOPPED or LENGTH after the first token
 
 
 @jax.tree_util.register_dataclass
@@ -105,6 +106,21 @@ class StepTokens:
     logprob: jax.Array
     valid: jax.Array
     finish: jax.Array
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:
+    """Bytes of one page of the pool: keys and values of every layer, ``width`` bytes each."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * width
+
+
+def pool_pages(
+    cfg: ModelConfig, page_size: int, width: int, kv_cache_gib: float, slots: int, max_len: int
+) -> int:
+    """The pool's pages: as many as ``kv_cache_gib`` holds, or (0) as many as ``slots``
+    sequences of ``max_len`` tokens need."""
+    if kv_cache_gib > 0:
+        return int(kv_cache_gib * 2**30 // page_bytes(cfg, page_size, width))
+    return slots * -(-max_len // page_size)
 
 
 def _buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -139,7 +155,7 @@ def _sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Arr
 
 
 class Engine:
-    """Slotted KV-cache inference over one decoder (see the module docstring)."""
+    """Slotted decoding over a paged KV cache (see the module docstring)."""
 
     def __init__(
         self,
@@ -147,8 +163,10 @@ class Engine:
         *,
         max_concurrent_decodes: int = 32,
         max_len: int = 2048,
+        page_size: int = 32,
+        num_pages: int | None = None,
+        prefill_chunk: int = 512,
         min_prefill_bucket: int = 16,
-        min_kv_bucket: int = 64,
         max_stop_ids: int = 8,
         batch_buckets: bool = True,
         sharder: Sharder | None = None,
@@ -158,51 +176,69 @@ class Engine:
                 f"max_len={max_len} exceeds the model's max_position_embeddings="
                 f"{cfg.max_position_embeddings}"
             )
+        if page_size < 1 or prefill_chunk < 1:
+            raise ValueError(
+                f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1"
+            )
         self.cfg = cfg
         self.max_concurrent_decodes = max_concurrent_decodes
         self.max_len = max_len
         self.max_stop_ids = max_stop_ids
-        self.prefill_buckets = _buckets(min(min_prefill_bucket, max_len), max_len)
-        # attention buckets: a cache short enough to be read whole has one
-        whole = reads_whole(cache_length(max_len))
-        self.kv_buckets = (max_len,) if whole else _buckets(min(min_kv_bucket, max_len), max_len)
+        self.page_size = page_size
+        self.pages_per_seq = -(-max_len // page_size)  # M: a page table's length
+        # default: as many pages as every slot at max_len needs (a dense cache's memory)
+        self.num_pages = num_pages or max_concurrent_decodes * self.pages_per_seq
+        if self.num_pages < self.pages_per_seq:
+            raise ValueError(
+                f"a pool of {self.num_pages} pages of {page_size} cannot hold one sequence of "
+                f"max_len={max_len} ({self.pages_per_seq} pages)"
+            )
+        self.prefill_chunk = min(prefill_chunk, max_len)
+        self.prefill_buckets = _buckets(
+            min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
+        )
+        self.page_buckets = _buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
         # devices (a `data` mesh axis) keep the whole batch, each device decoding its share
         n = max_concurrent_decodes
         split = sharder is not None and sharder.sharding(("batch",), (n,)).shard_shape((n,))[0] < n
         self.batch_buckets = _buckets(1, n) if batch_buckets and not split else (n,)
-        # XLA:CPU writes a 16-bit cache through fp32, converting every row of it at every
-        # step: there the cache is fp32 (the same numbers: bf16 values are exact in fp32)
+        # XLA:CPU writes a 16-bit cache through fp32, converting every page of it at every
+        # step: there the pages are fp32 (the same numbers: bf16 values are exact in fp32)
         self.cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else cfg.jnp_dtype
         self.sharder = sharder
-        # one prompt row: the rows' axis cannot split over `data`, so prefill replicates it
+        # a prefill chunk (one row) cannot split over `data`: its activations replicate
         self._row_sharder = (
             None
             if sharder is None
             else dataclasses.replace(sharder, rules=dataclasses.replace(sharder.rules, batch=None))
         )
-        # the decode state's cache and a prompt row, as laid out (building the first checks
-        # that the slots and the kv heads split over their mesh axes)
-        self._state_layout: KVCache | None = None
-        self._row_layout: KVCache | None = None
-        if sharder is not None and self._row_sharder is not None:
-            self._state_layout = cache_shardings(cfg, sharder, max_concurrent_decodes, max_len)
-            self._row_layout = cache_shardings(cfg, self._row_sharder, 1, max_len)
-        self._empty_row: KVCache | None = None
+        self._pages_layout: KVPages | None = None
+        if sharder is not None:  # (building it checks that the pages split over the mesh)
+            self._pages_layout = page_shardings(cfg, sharder, self.num_pages, page_size)
         self.compile_counts: collections.Counter[str] = collections.Counter()
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("kv_len",))
+        self._prefill = jax.jit(
+            self._prefill_impl, static_argnames=("pages_read",), donate_argnames=("state",)
+        )
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
         self._generate = jax.jit(
             self._generate_impl,
-            static_argnames=("num_steps", "kv_len", "rows"),
+            static_argnames=("num_steps", "pairs", "rows"),
             donate_argnames=("state",),
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
+        self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
         self._serving_layout = jax.jit(serving_layout)
-        # a session's row leaves `extract` laid out exactly as an empty row, so prefilling on
-        # top of it reuses the programs warm-up compiled for empty rows
-        self._extract = jax.jit(self._extract_impl, out_shardings=self._row_layout)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, keys and values of every layer."""
+        return page_bytes(self.cfg, self.page_size, jnp.dtype(self.cache_dtype).itemsize)
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages a sequence of ``n_tokens`` cached positions holds."""
+        return -(-n_tokens // self.page_size)
 
     # ------------------------------------------------------------------------- params, state
 
@@ -226,13 +262,14 @@ class Engine:
         return self._serving_layout(cast)
 
     def _lay_out(self, state: DecodeState) -> DecodeState:
-        """Pins a decode state to the slot layout inside a jitted function (a no-op unsharded)."""
+        """Pins a decode state to its layout inside a jitted function (a no-op unsharded)."""
         if self.sharder is None:
             return state
         sharder = self.sharder
         slots = jax.tree.map(lambda x: sharder.constrain(x, _slot_axes(x)), state.slots)
-        cache = jax.lax.with_sharding_constraint(state.cache, self._state_layout)
-        return DecodeState(cache=cache, slots=slots)
+        pages = jax.lax.with_sharding_constraint(state.pages, self._pages_layout)
+        pos = sharder.constrain(state.pos, ("batch",))
+        return DecodeState(pages=pages, pos=pos, slots=slots)
 
     def _empty_slots(self, n: int) -> Slots:
         slots = Slots(
@@ -255,51 +292,62 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         n = self.max_concurrent_decodes
+        pos = jnp.zeros((n,), jnp.int32)
+        if self.sharder is not None:
+            pos = jax.device_put(pos, self.sharder.sharding(("batch",), (n,)))
         return DecodeState(
-            cache=init_cache(self.cfg, n, self.max_len, self.sharder, self.cache_dtype),
+            pages=init_pages(
+                self.cfg, self.num_pages, self.page_size, self.sharder, self.cache_dtype
+            ),
+            pos=pos,
             slots=self._empty_slots(n),
         )
 
-    def empty_prefix_cache(self) -> KVCache:
-        """The empty cache row a new prompt prefills into (allocated once: prefill never
-        writes its input row in place)."""
-        if self._empty_row is None:
-            self._empty_row = init_cache(
-                self.cfg, 1, self.max_len, self._row_sharder, self.cache_dtype
-            )
-        return self._empty_row
+    def page_table(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """Page tables [len(rows), M] of sequences holding the pages ``rows[i]`` (the unused
+        entries point at page 0: never read past a sequence's positions, never written)."""
+        table = np.zeros((len(rows), self.pages_per_seq), np.int32)
+        for i, pages in enumerate(rows):
+            table[i, : len(pages)] = pages
+        return table
 
-    def keep_prefix(self, row: KVCache, n: int) -> KVCache:
-        """``row`` (one cached sequence) with only its first ``n`` positions live, laid out as
-        rows are, so that prefilling on it reuses the compiled programs."""
-        pos = jnp.array([n], jnp.int32)
-        if self._row_layout is not None:
-            pos = jax.device_put(pos, self._row_layout.pos)
-        return KVCache(k=row.k, v=row.v, pos=pos)
+    def _device_table(self, table: np.ndarray, axes: tuple[str | None, ...]) -> jax.Array:
+        if self.sharder is None:
+            return jnp.asarray(table)
+        return jax.device_put(table, self.sharder.sharding(axes, table.shape))
 
     # ----------------------------------------------------------------------------- prefill
 
     def prefill_bucket(self, n_tokens: int) -> int:
         i = bisect.bisect_left(self.prefill_buckets, n_tokens)
         if i == len(self.prefill_buckets):
-            raise ValueError(f"{n_tokens} prompt tokens exceed max_len={self.max_len}")
+            raise ValueError(f"{n_tokens} tokens exceed a prefill chunk of {self.prefill_chunk}")
         return self.prefill_buckets[i]
+
+    def page_bucket(self, n_pages: int) -> int:
+        return self.page_buckets[bisect.bisect_left(self.page_buckets, n_pages)]
 
     def prefill(
         self,
         params: Weights,
-        existing_prefix: KVCache | None,
+        state: DecodeState,
+        pages: Sequence[int],
+        start: int,
         tokens: Sequence[int],
         sampling: SamplingParams,
         seed: int,
-    ) -> Prefix:
-        """Prefills ``tokens`` after the first ``existing_prefix.pos`` cached positions (or from
-        scratch) and samples the first generated token."""
-        cache = self.empty_prefix_cache() if existing_prefix is None else existing_prefix
-        start = int(cache.pos[0])
+        generated: int = 0,
+    ) -> tuple[DecodeState, Prefix]:
+        """Prefills ``tokens`` (at most ``prefill_chunk``) at positions ``start ..`` of the
+        sequence whose pages are ``pages`` (they hold positions ``0 .. start - 1`` already and
+        cover the new ones), and samples the next token. ``generated``: tokens the request
+        sampled before (a preempted request computed again: its RNG stream and budget go on).
+        The state's pool is donated."""
         total = start + len(tokens)
-        if not tokens or total >= self.max_len:
-            raise ValueError(f"cannot prefill {len(tokens)} tokens after {start} cached ones")
+        if not tokens or total >= self.max_len or self.pages_for(total) > len(pages):
+            raise ValueError(
+                f"cannot prefill {len(tokens)} tokens after {start} in {len(pages)} pages"
+            )
         bucket = self.prefill_bucket(len(tokens))
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(tokens)] = tokens
@@ -308,7 +356,7 @@ class Engine:
         slots = Slots(
             token=jnp.zeros((1,), jnp.int32),
             active=jnp.ones((1,), bool),
-            generated=jnp.zeros((1,), jnp.int32),
+            generated=jnp.array([generated], jnp.int32),
             max_tokens=jnp.array([sampling.max_tokens], jnp.int32),
             temperature=jnp.array([sampling.temperature], jnp.float32),
             top_k=jnp.array([sampling.top_k], jnp.int32),
@@ -316,112 +364,130 @@ class Engine:
             stop_ids=jnp.asarray(stop),
             key=jax.random.key_data(jax.random.key(seed))[None],
         )
-        kv_len = self.kv_buckets[
-            bisect.bisect_left(self.kv_buckets, min(start + bucket, self.max_len))
-        ]
-        return self._prefill(params, cache, jnp.asarray(padded), len(tokens), slots, kv_len=kv_len)
+        table = self._device_table(self.page_table([pages]), (None, None))
+        pages_read = self.page_bucket(self.pages_for(start + bucket))
+        return self._prefill(
+            params,
+            state,
+            table,
+            jnp.array([start, len(tokens)], jnp.int32),
+            jnp.asarray(padded),
+            slots,
+            pages_read=pages_read,
+        )
 
     def _prefill_impl(
         self,
         params: Weights,
-        cache: KVCache,
+        state: DecodeState,
+        table_1m: jax.Array,
+        start_n: jax.Array,
         padded_bt: jax.Array,
-        true_length: jax.Array,
         slots: Slots,
-        kv_len: int,
-    ) -> Prefix:
+        pages_read: int,
+    ) -> tuple[DecodeState, Prefix]:
         self.compile_counts["prefill"] += 1  # runs at trace time only
-        n = jnp.reshape(true_length, (1,)).astype(jnp.int32)
-        h, cache = forward(
+        pos, n = start_n[:1], start_n[1:]
+        h, pages = forward(
             params,
             self.cfg,
             padded_bt,
             sharder=self._row_sharder,
-            cache=cache,
+            cache=state.pages,
+            page_table_bm=table_1m,
+            pos_b=pos,
             num_new_b=n,
-            kv_len=kv_len,
+            pages_read=pages_read,
         )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
         token, logprob = _sample_step(lm_logits(params, last[:, None])[:, 0], slots)
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
-        finish = _finish_code(slots, token, cache.pos, self.max_len)
-        return Prefix(cache=cache, slots=slots, logprob=logprob, finish=finish)
+        finish = _finish_code(slots, token, pos + n, self.max_len)
+        state = self._lay_out(dataclasses.replace(state, pages=pages))
+        return state, Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish)
 
     # -------------------------------------------------------------------- insert / release
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
-        """Places a prefilled prompt in decode slot ``slot`` (its cache row and its state)."""
+        """Places a prefilled sequence in decode slot ``slot`` (its slot state and length;
+        its pages are named by the page table ``generate`` gets)."""
         return self._insert(prefix, state, jnp.int32(slot))
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
         self.compile_counts["insert"] += 1
-        c = state.cache
-        cache = KVCache(
-            k=tuple(
-                all_.at[slot].set(one[0]) for all_, one in zip(c.k, prefix.cache.k, strict=True)
-            ),
-            v=tuple(
-                all_.at[slot].set(one[0]) for all_, one in zip(c.v, prefix.cache.v, strict=True)
-            ),
-            pos=c.pos.at[slot].set(prefix.cache.pos[0]),
-        )
         slots = jax.tree.map(lambda all_, one: all_.at[slot].set(one[0]), state.slots, prefix.slots)
         slots = dataclasses.replace(
             slots, active=slots.active.at[slot].set(prefix.finish[0] == RUNNING)
         )
-        return self._lay_out(DecodeState(cache=cache, slots=slots))
+        pos = state.pos.at[slot].set(prefix.pos[0])
+        return self._lay_out(DecodeState(pages=state.pages, pos=pos, slots=slots))
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
-        """Deactivates a slot (finished or aborted); its cache row is simply overwritten later."""
+        """Deactivates a slot (finished or aborted); its pages are the caller's to free."""
         return self._release(state, jnp.int32(slot))
 
     def _release_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
         self.compile_counts["release"] += 1
         slots = dataclasses.replace(state.slots, active=state.slots.active.at[slot].set(False))
-        return self._lay_out(DecodeState(cache=state.cache, slots=slots))
+        return self._lay_out(dataclasses.replace(state, slots=slots))
 
-    def extract(self, state: DecodeState, slot: int) -> KVCache:
-        """A copy of one slot's cache row, to prefill the session's next turn on top of it."""
-        return self._extract(state.cache, jnp.int32(slot))
+    def copy_page(self, state: DecodeState, src: int, dst: int) -> DecodeState:
+        """Page ``dst`` becomes a copy of page ``src`` in every layer (a shared page a
+        sequence is about to write into gets copied first)."""
+        return self._copy_page(state, jnp.array([src, dst], jnp.int32))
 
-    def _extract_impl(self, cache: KVCache, slot: jax.Array) -> KVCache:
-        self.compile_counts["extract"] += 1
-        take = partial(jax.lax.dynamic_slice_in_dim, start_index=slot, slice_size=1, axis=0)
-        return KVCache(
-            k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), pos=cache.pos[slot][None]
+    def _copy_page_impl(self, state: DecodeState, src_dst: jax.Array) -> DecodeState:
+        self.compile_counts["copy_page"] += 1
+        src, dst = src_dst[0], src_dst[1]
+        p = state.pages
+        pages = KVPages(
+            k=tuple(x.at[dst].set(x[src]) for x in p.k), v=tuple(x.at[dst].set(x[src]) for x in p.v)
         )
+        return self._lay_out(dataclasses.replace(state, pages=pages))
 
     # ---------------------------------------------------------------------------- generate
-
-    def kv_bucket(self, state_max_pos: int, num_steps: int) -> int:
-        need = min(state_max_pos + num_steps, self.max_len)
-        return self.kv_buckets[bisect.bisect_left(self.kv_buckets, need)]
 
     def batch_bucket(self, slots_in_use: int) -> int:
         """The decode batch that covers slots ``0 .. slots_in_use - 1``."""
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, slots_in_use)]
 
+    def pair_buckets(self, rows: int) -> tuple[int, ...]:
+        """The (slot, page) pair counts a decode batch of ``rows`` slots compiles for: powers
+        of two from two blocks of `ragged_attention` up to every slot's every page."""
+        most = -(-rows * self.pages_per_seq // PAIR_BLOCK) * PAIR_BLOCK
+        return _buckets(2 * PAIR_BLOCK, max(most, 2 * PAIR_BLOCK))
+
     def generate(
         self,
         params: Weights,
         state: DecodeState,
+        page_table: np.ndarray,
+        lengths: Mapping[int, int],
         num_steps: int = 1,
-        max_pos: int | None = None,
-        slots_in_use: int | None = None,
     ) -> tuple[DecodeState, StepTokens]:
-        """Advances every active slot ``num_steps`` tokens. ``max_pos`` (the largest cache
-        position of an active slot, known to the caller) picks the attention bucket, and
-        ``slots_in_use`` (one more than the highest active slot) the decode batch: the step
-        computes that many slots rounded up to a batch bucket, not all of them. The tokens
-        come back for the batch's slots, [num_steps, batch]."""
-        kv_len = self.max_len if max_pos is None else self.kv_bucket(max_pos, num_steps)
-        rows = self.batch_bucket(
-            self.max_concurrent_decodes if slots_in_use is None else slots_in_use
+        """Advances every active slot ``num_steps`` tokens. ``page_table`` [N, M] names each
+        slot's pages, which must cover its positions for the ``num_steps`` tokens;
+        ``lengths`` maps each active slot to the positions its pages hold (an upper bound
+        will do): they pick the decode batch (the slots up to the highest active one,
+        rounded up to a batch bucket) and the number of (slot, page) pairs attention reads.
+        The tokens come back for the batch's slots, [num_steps, batch]."""
+        rows = self.batch_bucket(max(lengths, default=0) + 1)
+        need = sum(
+            self.pages_for(min(n + num_steps, self.max_len)) for s, n in lengths.items() if s < rows
         )
-        return self._generate(params, state, num_steps=num_steps, kv_len=kv_len, rows=rows)
+        buckets = self.pair_buckets(rows)
+        pairs = buckets[min(bisect.bisect_left(buckets, need), len(buckets) - 1)]
+        table = self._device_table(page_table[:rows], ("batch", None))
+        return self._generate(params, state, table, num_steps=num_steps, pairs=pairs, rows=rows)
 
     def _generate_impl(
-        self, params: Weights, state: DecodeState, num_steps: int, kv_len: int, rows: int
+        self,
+        params: Weights,
+        state: DecodeState,
+        table_bm: jax.Array,
+        num_steps: int,
+        pairs: int,
+        rows: int,
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
 
@@ -429,51 +495,63 @@ class Engine:
             every = state.slots
             slots = jax.tree.map(lambda x: x[:rows], every)
             active = slots.active
-            h, cache = forward(
+            pos = state.pos[:rows]
+            h, pages = forward(
                 params,
                 self.cfg,
                 slots.token[:, None],
                 sharder=self.sharder,
-                cache=state.cache,
+                cache=state.pages,
+                page_table_bm=table_bm,
+                pos_b=pos,
                 num_new_b=active.astype(jnp.int32),
-                kv_len=kv_len,
+                pages_read=pairs,
             )
+            pos = pos + active.astype(jnp.int32)
             token, logprob = _sample_step(lm_logits(params, h)[:, 0], slots)
             token = jnp.where(active, token, slots.token)
             slots = dataclasses.replace(
                 slots, token=token, generated=slots.generated + active.astype(jnp.int32)
             )
-            finish = jnp.where(
-                active, _finish_code(slots, token, cache.pos[:rows], self.max_len), RUNNING
-            )
+            finish = jnp.where(active, _finish_code(slots, token, pos, self.max_len), RUNNING)
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
             out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
             slots = jax.tree.map(lambda all_, part: all_.at[:rows].set(part), every, slots)
-            return self._lay_out(DecodeState(cache=cache, slots=slots)), out
+            state = DecodeState(pages=pages, pos=state.pos.at[:rows].set(pos), slots=slots)
+            return self._lay_out(state), out
 
         return jax.lax.scan(step, state, None, length=num_steps)
 
     def warmup(self, params: Weights, num_steps: int) -> None:
-        """Compiles every program serving can need (each prefill bucket at each attention
-        length it can meet, and ``generate`` at each attention bucket), so that no request
-        stalls on a compilation later: a trace holds the GIL and stalls the whole process.
-        ``generate`` compiles at each (attention bucket, batch bucket) pair."""
+        """Compiles every program serving can need (each prefill bucket at each number of
+        pages it can read, ``generate`` at each (batch bucket, pairs bucket), insert, release
+        and copy_page), so that no request stalls on a compilation later: a trace holds the
+        GIL and stalls the whole process. It writes into the pool: call it before serving."""
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
-        empty = self.empty_prefix_cache()
-        for kv in self.kv_buckets:
-            for bucket in self.prefill_buckets:
-                if bucket > kv:
-                    break
-                start = kv - bucket  # this bucket prefilled after `start` cached tokens
-                n = min(bucket, self.max_len - 1 - start)  # still lands in this bucket
-                row = self.keep_prefix(empty, start)
-                prefix = self.prefill(params, row, [0] * n, greedy, seed=0)
-            state = self.insert(prefix, state, 0)
-            for rows in self.batch_buckets:
-                state, out = self.generate(
-                    params, state, num_steps, max_pos=max(kv - num_steps, 0), slots_in_use=rows
+        pages = list(range(self.pages_per_seq))
+        prefix = None
+        for bucket in self.prefill_buckets:
+            for n_pages in self.page_buckets:
+                # a chunk of this bucket whose padded end lies on the last of those pages
+                start = max(n_pages * self.page_size - bucket, 0)
+                n = min(bucket, self.max_len - 1 - start)
+                if (
+                    n < 1
+                    or self.prefill_bucket(n) != bucket
+                    or self.page_bucket(self.pages_for(start + bucket)) != n_pages
+                ):
+                    continue
+                state, prefix = self.prefill(params, state, pages, start, [0] * n, greedy, 0)
+        if prefix is None:
+            raise AssertionError("no prefill bucket was compiled")
+        state = self.copy_page(self.insert(prefix, state, 0), 0, 1)
+        table = self.page_table([pages] * self.max_concurrent_decodes)
+        for rows in self.batch_buckets:
+            device_table = self._device_table(table[:rows], ("batch", None))
+            for pairs in self.pair_buckets(rows):
+                state, out = self._generate(
+                    params, state, device_table, num_steps=num_steps, pairs=pairs, rows=rows
                 )
                 jax.block_until_ready(out)
-        jax.block_until_ready(self.extract(state, 0))
-        self.release(state, 0)
+        jax.block_until_ready(self.release(state, 0))

@@ -1,8 +1,9 @@
 """The Llama 3 / Qwen2 / Qwen3 decoder as plain functions over pytrees.
 
-Shapes use these letters: B batch, T query tokens, S key/cache positions, D hidden size,
+Shapes use these letters: B batch, T query tokens, S key positions, D hidden size,
 H query heads, G kv heads, R = H // G query heads per kv head, K head dim, F MLP size,
-V vocab, L layers. Layers are stacked on a leading L axis and run under ``lax.scan``.
+V vocab, L layers, P pages of a KV pool, J (row, page) pairs. Layers are stacked on a
+leading L axis and run under ``lax.scan``.
 
 Every parameter is declared once, in `param_specs` (shape, logical axes, initializer); init,
 shardings, checkpoint import/export and weight sync all derive from that tree.
@@ -67,41 +68,34 @@ class Weights:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of every layer, one row per sequence.
+class KVPages:
+    """Keys and values of every layer in one pool of fixed-size pages.
 
-    Layout: ``k``, ``v`` are tuples of L arrays [B, G, S, K], one buffer per layer (a layer
-    reads and writes its own in place; a slice of one stacked [L, ...] array is a copy on
-    XLA:CPU). Cache index s holds RoPE position s of that row (kv heads before positions, so
-    attention contracts without transposing the cache); S is `cache_length` of the longest
-    sequence. ``pos`` [B] int32 counts the tokens already written in each row; entries at or
-    beyond it are stale and never attended (the mask is key position <= query position).
+    Layout: ``k``, ``v`` are tuples of L arrays [P, G, page_size, K], one buffer per layer (a
+    layer reads and writes its own in place). A sequence owns a list of pages, its *page
+    table*: position s of the sequence lives in page ``table[s // page_size]`` at offset
+    ``s % page_size``. Memory follows real lengths: a sequence holds ``ceil(n / page_size)``
+    pages, and sequences that share a prefix can share its pages (the engine counts
+    references on the host). Which positions of a page are live is the sequences' business:
+    attention masks every key past the query's own position.
     """
 
-    k: Any  # tuples of arrays; or of their shardings (`cache_shardings`)
+    k: Any  # tuples of arrays; or of their shardings (`page_shardings`)
     v: Any
-    pos: Any
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k[0].shape[2])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[0])
 
 
-CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
-KV_BLOCK = 64  # cache positions per block of `cached_attention`
-# a cache of at most this many positions is read whole, in place, with one softmax; a longer
-# one in blocks, up to the attention bucket (measured on XLA:CPU: a block loop's iteration
-# costs ~3x the same positions read whole, so below this, reading past a row's end is cheaper)
-WHOLE_CACHE_MAX = 512
+# the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
+PAGE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
-
-
-def cache_length(max_len: int) -> int:
-    """Positions a cache row holds for sequences of up to ``max_len`` tokens: whole blocks of
-    `KV_BLOCK`, at least 2 (`cached_attention` reads blocks straight from the cache)."""
-    return max(-(-max_len // KV_BLOCK), 2) * KV_BLOCK
-
-
-def reads_whole(cache_positions: int) -> bool:
-    """Whether `cached_attention` reads a cache of this many positions whole (one attention
-    bucket serves it) rather than in blocks up to the bucket."""
-    return cache_positions <= WHOLE_CACHE_MAX
+PAIR_BLOCK = 32  # (row, page) pairs per block of `ragged_attention`
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -190,33 +184,31 @@ def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None
     return init(keys)
 
 
-def cache_shardings(cfg: ModelConfig, sharder: Sharder, batch: int, max_len: int) -> KVCache:
-    """A `KVCache` of NamedShardings for ``batch`` rows of ``max_len`` tokens (divisibility
-    of the rows over ``batch``'s mesh axes and of the kv heads over theirs checked)."""
-    shape = (batch, cfg.num_kv_heads, cache_length(max_len), cfg.head_dim)
-    kv = (sharder.sharding(CACHE_AXES, shape),) * cfg.num_layers
-    return KVCache(k=kv, v=kv, pos=sharder.sharding(("batch",), (batch,)))
+def page_shardings(cfg: ModelConfig, sharder: Sharder, num_pages: int, page_size: int) -> KVPages:
+    """A `KVPages` of NamedShardings for a pool of ``num_pages`` pages (divisibility of the
+    pages over ``batch``'s mesh axes and of the kv heads over theirs checked)."""
+    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    kv = (sharder.sharding(PAGE_AXES, shape),) * cfg.num_layers
+    return KVPages(k=kv, v=kv)
 
 
-def init_cache(
+def init_pages(
     cfg: ModelConfig,
-    batch: int,
-    max_len: int,
+    num_pages: int,
+    page_size: int,
     sharder: Sharder | None = None,
     dtype: Any = None,
-) -> KVCache:
-    """An empty cache for ``batch`` rows of ``max_len`` tokens, in the model dtype, laid out
-    by ``sharder``: each part is created where it lives (a whole cache never passes through
-    one device). Keys and values in ``dtype`` (default: the model's)."""
-    shape = (batch, cfg.num_kv_heads, cache_length(max_len), cfg.head_dim)
-    none = (None,) * cfg.num_layers
-    at = KVCache(k=none, v=none, pos=None)
+) -> KVPages:
+    """An empty pool of ``num_pages`` pages of ``page_size`` positions, laid out by
+    ``sharder``: each part is created where it lives. Keys and values in ``dtype`` (default:
+    the model's)."""
+    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    at: tuple[Any, ...] = (None,) * cfg.num_layers
     if sharder is not None:
-        at = cache_shardings(cfg, sharder, batch, max_len)
-    return KVCache(
-        k=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at.k),
-        v=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at.v),
-        pos=jnp.zeros((batch,), jnp.int32, device=at.pos),
+        at = page_shardings(cfg, sharder, num_pages, page_size).k
+    return KVPages(
+        k=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at),
+        v=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at),
     )
 
 
@@ -408,88 +400,124 @@ def _attention_bwd(
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def cached_attention(
-    q_bthk: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos_b: jax.Array, kv_len: int
+def paged_attention(
+    q_bthk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    pages_read: int,
 ) -> jax.Array:
-    """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1``, whose keys and values
-    are in the cache already (at positions ``pos_b + t``), over their row's positions up to
-    their own: one layer's cache [N >= B, G, S, K] read up to ``kv_len``. The result does not
-    depend on ``kv_len`` or N, bit for bit.
+    """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1`` whose keys and values
+    are in their pages already (at positions ``pos_b + t``), over the row's positions up to
+    their own: each row's first ``pages_read`` pages (static, a bucket that covers every
+    row's positions) gathered from one layer's pool [P, G, page_size, K] by its page table
+    [B, M]. For prefill chunks: T queries over a few pages each.
 
-    The engine reads as much of the cache as its longest active row needs (its attention
-    bucket), so ``kv_len`` depends on which requests share a decode batch; with one softmax
-    over all those positions the reduction's shape, and so its rounding, changed with it, and
-    a sampled token could too. So a cache of up to `WHOLE_CACHE_MAX` positions is read whole
-    whatever ``kv_len`` (`_whole_cache_attention`: one program, no copy), and a longer one in
-    blocks of `KV_BLOCK` positions straight from the layer's buffer (no copy of a prefix
-    first), each by the same program, in one pass with a running max (online softmax): a
-    block past a row's positions adds exact zeros and rescales by exactly 1, so the longest
-    bucket gives the shortest's numbers. Scores, softmax and sums in fp32.
+    Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
+    matmul (as a matmul in that dtype takes them), the denominator summed unrounded.
     """
-    if reads_whole(k_cache.shape[2]):
-        return _whole_cache_attention(q_bthk, k_cache, v_cache, pos_b)
     B, T, H, K = q_bthk.shape
-    G = k_cache.shape[1]
-    # at least 2 blocks: XLA inlines a loop of one iteration, and its rounding then differs
-    n = max(-(-kv_len // KV_BLOCK), 2)
-    if n * KV_BLOCK > k_cache.shape[2]:
-        raise ValueError(f"{n} blocks of {KV_BLOCK} exceed the cache's {k_cache.shape[2]}")
-    q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)  # (a bf16 cache's values
-    # and products are exact in fp32: the same numbers as bf16 operands, fp32 accumulation)
-    scale = K**-0.5
-    last_bt = pos_b[:, None] + jnp.arange(T)[None, :]  # each query's own position
-
-    def block(cache: jax.Array, i: jax.Array) -> jax.Array:  # [B, G, KV_BLOCK, K] in fp32
-        b = jax.lax.dynamic_slice(cache, (0, 0, i * KV_BLOCK, 0), (B, G, KV_BLOCK, K))
-        return b.astype(jnp.float32)
-
-    def scores(i: jax.Array) -> jax.Array:  # [B, G, R, T, KV_BLOCK] of block i
-        seen = i * KV_BLOCK + jnp.arange(KV_BLOCK) <= last_bt[..., None]  # [B, T, KV_BLOCK]
-        k_i = block(k_cache, i)
-        s = jnp.einsum("btgrk,bgsk->bgrts", q, k_i)
-        return jnp.where(seen[:, None, None], s * scale, -1e30)
-
-    Carry = tuple[jax.Array, jax.Array, jax.Array]
-
-    def add_block(carry: Carry, i: jax.Array) -> tuple[Carry, None]:
-        # the running max, the softmax's denominator and numerator, rescaled to a new max
-        top, total, out = carry
-        s = scores(i)
-        new_top = jnp.maximum(top, s.max(-1))
-        rescale = jnp.exp(top - new_top)  # exactly 1 where the block moves no max
-        p = jnp.exp(s - new_top[..., None])  # exactly 0 where the row cannot see
-        # the weights rounded to the model's dtype, as a matmul in that dtype takes them
-        p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
-        pv = jnp.einsum("bgrts,bgsk->bgrtk", p_rounded, block(v_cache, i))
-        return (new_top, total * rescale + p.sum(-1), out * rescale[..., None] + pv), None
-
-    # block 0 holds position 0, which every row sees: the max is real from then on, and a
-    # block past a row's positions leaves all three exactly as they were
-    R = H // G
-    start = (jnp.full((B, G, R, T), -1e30), jnp.zeros((B, G, R, T)), jnp.zeros((B, G, R, T, K)))
-    (_, total, out), _ = jax.lax.scan(add_block, start, jnp.arange(n))
-    out = (out / total[..., None]).astype(q_bthk.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
-
-
-def _whole_cache_attention(
-    q_bthk: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos_b: jax.Array
-) -> jax.Array:
-    """`cached_attention` over every position of the cache rows ``0 .. B - 1``, with the
-    numerics of its block loop: fp32 scores, the weights rounded to the model's dtype for the
-    values' matmul, the denominator summed unrounded."""
-    B, T, H, K = q_bthk.shape
-    N, G, S, _ = k_cache.shape
+    _, G, ps, _ = k_pages.shape
     q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
-    keys, values = (c if B == N else c[:B] for c in (k_cache, v_cache))
-    seen = jnp.arange(S) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]  # [B, T, S]
-    s = jnp.einsum("btgrk,bgsk->bgrts", q, keys.astype(jnp.float32))
-    s = jnp.where(seen[:, None, None], s * K**-0.5, -1e30)
+    pages_bn = table_bm[:, :pages_read]
+    seen_bts = jnp.arange(pages_read * ps) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]
+    s = jnp.einsum("btgrk,bngsk->bgrtns", q, k_pages[pages_bn].astype(jnp.float32))
+    s = s.reshape(*s.shape[:4], pages_read * ps)
+    s = jnp.where(seen_bts[:, None, None], s * K**-0.5, -1e30)
     p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
     p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
-    out = jnp.einsum("bgrts,bgsk->bgrtk", p_rounded, values.astype(jnp.float32))
+    p_rounded = p_rounded.reshape(*s.shape[:4], pages_read, ps)
+    out = jnp.einsum("bgrtns,bngsk->bgrtk", p_rounded, v_pages[pages_bn].astype(jnp.float32))
     out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagePairs:
+    """The (row, page) pairs ragged decode attention reads, [J] each, rows in order: row b's
+    pages 0 .. pos_b // page_size, those that hold its positions 0 .. pos_b. Padding pairs
+    carry row B (read into no row)."""
+
+    row: jax.Array  # int32
+    page: jax.Array  # int32: a page of the pool
+    start: jax.Array  # int32: the page's first position in its row
+
+
+def page_pairs(
+    table_bm: jax.Array, pos_b: jax.Array, active_b: jax.Array, num_pairs: int, page_size: int
+) -> PagePairs:
+    """`PagePairs` of the active rows for queries at positions ``pos_b``, padded to
+    ``num_pairs`` (static; at least the pages the rows hold)."""
+    B, M = table_bm.shape
+    n_b = jnp.where(active_b, pos_b // page_size + 1, 0)
+    ends_b = jnp.cumsum(n_b)
+    j = jnp.arange(num_pairs)
+    row_j = jnp.searchsorted(ends_b, j, side="right").astype(jnp.int32)  # B past the last pair
+    row = jnp.minimum(row_j, B - 1)
+    index_j = jnp.clip(j - (ends_b[row] - n_b[row]), 0, M - 1)
+    return PagePairs(row=row_j, page=table_bm[row, index_j], start=index_j * page_size)
+
+
+def ragged_attention(
+    q_bhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    pairs: PagePairs,
+    pos_b: jax.Array,
+) -> jax.Array:
+    """Decode attention, one new token per row [B, H, K] at position ``pos_b``, over the
+    row's own pages only: the work is the pairs', the sum of the rows' real lengths in
+    pages, so a long row costs the short ones nothing.
+
+    Each pair is a partial softmax over its page (its max, sum and weighted values, fp32);
+    a row's pairs are combined at the row's max. A row's numbers depend only on its own
+    pairs, bit for bit, not on which rows share the step or on the padding: XLA:CPU computes
+    an elementwise op (exp) differently by array size, so the pairs go through one program
+    in blocks of `PAIR_BLOCK` (a scan of at least 2 iterations: a loop of one is inlined),
+    and the blocks add into their rows one pair after another, in pair order.
+    """
+    B, H, K = q_bhk.shape
+    J = pairs.row.shape[0]
+    _, G, ps, _ = k_pages.shape
+    R = H // G
+    if J % PAIR_BLOCK or J < 2 * PAIR_BLOCK:
+        raise ValueError(f"{J} pairs: a multiple of {PAIR_BLOCK}, at least 2 blocks")
+    q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
+    seen_bs = jnp.arange(ps)[None, :]
+    blocks = jax.tree.map(lambda x: x.reshape(J // PAIR_BLOCK, PAIR_BLOCK), pairs)
+
+    def partial_softmax(_: None, block: PagePairs) -> tuple[None, tuple[jax.Array, ...]]:
+        row = jnp.minimum(block.row, B - 1)
+        s = jnp.einsum("jgrk,jgsk->jgrs", q_bgrk[row], k_pages[block.page].astype(jnp.float32))
+        seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
+        s = jnp.where(seen_js[:, None, None], s * K**-0.5, -1e30)
+        top = s.max(-1)  # [C, G, R]: a page's first position is always seen
+        p = jnp.exp(s - top[..., None])
+        p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
+        v = v_pages[block.page].astype(jnp.float32)
+        return None, (top, p.sum(-1), jnp.einsum("jgrs,jgsk->jgrk", p_rounded, v))
+
+    _, (top, total, out) = jax.lax.scan(partial_softmax, None, blocks)
+    row_top = jax.ops.segment_max(
+        top.reshape(J, G, R), pairs.row, num_segments=B, indices_are_sorted=True
+    )
+
+    def add_block(
+        carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, ...]
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+        row_total, row_out = carry
+        rows, top_c, total_c, out_c = block
+        rescale = jnp.exp(top_c - row_top[jnp.minimum(rows, B - 1)])
+        row_total = row_total.at[rows].add(total_c * rescale, mode="drop")
+        row_out = row_out.at[rows].add(out_c * rescale[..., None], mode="drop")
+        return (row_total, row_out), None
+
+    start = (jnp.zeros((B, G, R)), jnp.zeros((B, G, R, K)))
+    (total_b, out_b), _ = jax.lax.scan(add_block, start, (blocks.row, top, total, out))
+    out_b = out_b / jnp.where(total_b > 0, total_b, 1.0)[..., None]  # a row of no pairs: 0
+    return out_b.astype(q_bhk.dtype).reshape(B, H, K)
 
 
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
@@ -534,10 +562,12 @@ def forward(
     sharder: Sharder | None = None,
     remat: bool = False,
     *,
-    cache: KVCache,
+    cache: KVPages,
+    page_table_bm: jax.Array,
+    pos_b: jax.Array,
     num_new_b: jax.Array,
-    kv_len: int | None = None,
-) -> tuple[jax.Array, KVCache]: ...
+    pages_read: int,
+) -> tuple[jax.Array, KVPages]: ...
 
 
 def forward(
@@ -549,31 +579,32 @@ def forward(
     sharder: Sharder | None = None,
     remat: bool = False,
     *,
-    cache: KVCache | None = None,
+    cache: KVPages | None = None,
+    page_table_bm: jax.Array | None = None,
+    pos_b: jax.Array | None = None,
     num_new_b: jax.Array | None = None,
-    kv_len: int | None = None,
-) -> jax.Array | tuple[jax.Array, KVCache]:
+    pages_read: int | None = None,
+) -> jax.Array | tuple[jax.Array, KVPages]:
     """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
-    logits), and with a ``cache`` the updated cache too.
+    logits), and with a ``cache`` the updated pages too.
 
     Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
     sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
     its own segment. ``positions`` restart at 0 in every segment.
 
-    With a cache (prefill and decode): row b's tokens take positions ``cache.pos[b] + t`` and
-    attend to the row's cached positions below ``cache.pos[b]`` plus the chunk's own earlier
-    tokens; ``cache.pos[b]`` advances by ``num_new[b]``, the row's real tokens (the rest of
-    its T are padding, written past the row's end and overwritten before they are ever
-    attended). Prefill is T = prompt bucket, decode is T = 1; a continuing turn prefills on
-    top of what is cached. The chunk's B rows are the cache's first B rows: a cache of more
-    rows has the rest read and written by nothing (the engine decodes only as many of its
-    slots as are in use). ``kv_len`` (static) limits reads to the first ``kv_len`` cache
-    positions, which must cover every row's ``cache.pos``; decoding short sequences in a long
-    cache then costs what their length costs. Default: the whole cache.
+    With a cache (prefill and decode): row b's pages are ``page_table[b]`` and it holds
+    ``pos[b]`` tokens already; its chunk's tokens take positions ``pos[b] + t`` and attend to
+    the row's earlier positions plus the chunk's own earlier tokens. Only the row's first
+    ``num_new[b]`` tokens are real (their keys and values are written into its pages); the
+    rest of its T are padding, written nowhere (a row of none is idle). The caller advances
+    ``pos``. ``pages_read`` (static): for a chunk of T > 1 tokens (prefill), the pages each
+    row reads, a bucket that covers its positions (`paged_attention`); for T = 1 (decode),
+    the (row, page) pairs of all rows together, at least the pages they hold
+    (`ragged_attention`: each row reads its own pages only).
 
     Without a cache the layers run under ``lax.scan`` over stacked weights (a tuple of layers
     is stacked first); with one, one after another in Python, each reading and writing its
-    own cache buffer in place (weights as `serving_layout` lays them out are read without
+    own pool buffer in place (weights as `serving_layout` lays them out are read without
     copies too).
     """
     B, T = tokens_bt.shape
@@ -609,33 +640,37 @@ def forward(
         x, _ = jax.lax.scan(body, x, stacked_layers(w.layers))
         return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
 
-    # with a cache: layer by layer in Python, each reading and writing its own cache buffer
-    if num_new_b is None:
-        raise ValueError("forward with a cache needs num_new_b")
-    pos_b = cache.pos[:B]
+    # with pages: layer by layer in Python, each reading and writing its own pool buffer
+    if page_table_bm is None or pos_b is None or num_new_b is None or pages_read is None:
+        raise ValueError("forward with a cache needs page_table_bm, pos_b, num_new_b, pages_read")
+    P, _, ps, _ = cache.k[0].shape
+    M = page_table_bm.shape[1]
     cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    reads = cache.k[0].shape[2] if kv_len is None else kv_len
+    page_bt = page_table_bm[rows_bt, jnp.minimum(cache_positions // ps, M - 1)]
+    # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
+    page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
+    offset_bt = cache_positions % ps
+    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, pages_read, ps) if T == 1 else None
     new_k, new_v = [], []
     for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
 
-        def cached(
+        def paged(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
         ) -> jax.Array:
-            # the chunk's keys and values go into the layer's cache first, then attention
-            # reads it (rows and positions are split by a slice: the update is [B, T, G, K];
-            # positions past a row's end, a chunk's padding, land in unattended entries or off
-            # the end)
-            ck = ck.at[rows_bt, :, cache_positions].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows_bt, :, cache_positions].set(v.astype(cv.dtype), mode="drop")
+            # the chunk's keys and values go into their pages first, then attention reads
+            # them (the update is [B, T, G, K], split by the page and offset indices)
+            ck = ck.at[page_bt, :, offset_bt].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[page_bt, :, offset_bt].set(v.astype(cv.dtype), mode="drop")
             new_k.append(ck)
             new_v.append(cv)
-            return cached_attention(q, ck, cv, pos_b, reads)
+            if pairs is not None:
+                return ragged_attention(q[:, 0], ck, cv, pairs, pos_b)[:, None]
+            return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 
-        x = mlp(lw, attend(lw, x, cache_positions, cached))
+        x = mlp(lw, attend(lw, x, cache_positions, paged))
     h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-    pos = cache.pos.at[:B].add(num_new_b.astype(jnp.int32))
-    return h_btd, KVCache(k=tuple(new_k), v=tuple(new_v), pos=pos)
+    return h_btd, KVPages(k=tuple(new_k), v=tuple(new_v))
 
 
 def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:

@@ -6,8 +6,17 @@ device call, and a finished, aborted or failed request frees its slot at once fo
 The event loop never blocks: coroutines hand commands to the thread and await futures it
 resolves.
 
-Sessions: when a request with a ``session_id`` finishes, its slot's cache row is kept (LRU);
-the session's next request prefills only the tokens after the longest common prefix.
+Memory is a pool of KV pages (`Engine`), handed out by real length: a request holds the
+pages of its sequence so far plus those of its next decode call. Prefixes are shared by
+reference, never copied or computed twice: when a request with a ``session_id`` finishes,
+its pages are kept for the session (LRU, evicted when the pool runs short) and its next
+request prefills only the tokens after the longest common prefix; every full page of a
+known prefix stays cached after its holders are gone, so the episodes of a group (the same
+prompt) prefill it once, and a tree's branches share their parent's pages
+(``prefix_session``). When the pool runs out, admissions wait, and a decoding request
+that needs a page preempts the one admitted last, which is computed again later (its full
+pages usually still cached); nothing fails for want of memory. A long prompt is prefilled
+in chunks that alternate with decode calls.
 
 Weight updates drain: admission pauses, requests in flight finish under the weights they
 started with, then the new weights (same shapes: no recompilation) replace the old, the
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import random
 import threading
 from typing import Any
@@ -31,8 +41,9 @@ from typing import Any
 import jax
 
 from jax_agent_rl import device_turns
-from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine, Prefix
-from jax_agent_rl.models import KVCache, Weights
+from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine
+from jax_agent_rl.engine.pages import PagePool, prefix_keys
+from jax_agent_rl.models import Weights
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -52,8 +63,11 @@ class _Job:
     seed: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    pos: int = 0  # cached positions of its slot (host mirror of cache.pos)
+    pos: int = 0  # positions its pages hold (host mirror of the state's pos)
     version: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)  # its page table
+    done: int = 0  # tokens of its sequence prefilled so far
+    admitted: int = -1  # admission order (kept through a preemption)
 
 
 @dataclasses.dataclass
@@ -72,6 +86,10 @@ class BackendStats:
     generated_tokens: int = 0
     decode_calls: int = 0
     aborted: int = 0
+    preempted: int = 0  # requests whose pages were taken back to be computed again later
+    page_copies: int = 0  # shared pages copied before a request wrote into them
+    sessions_evicted: int = 0  # kept sessions dropped because the pool ran short
+    peak_pages_in_use: int = 0
 
 
 class EmbeddedBackend:
@@ -107,9 +125,14 @@ class EmbeddedBackend:
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call
         self._session_cache_size = session_cache_size
-        self._sessions: collections.OrderedDict[str, tuple[tuple[int, ...], KVCache]] = (
+        # session -> (the tokens its pages hold, the pages), each page held by the session
+        self._sessions: collections.OrderedDict[str, tuple[tuple[int, ...], list[int]]] = (
             collections.OrderedDict()
         )
+        self._pool = PagePool(engine.num_pages)
+        self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
+        self._prefilling: _Job | None = None  # a long prompt between its chunks
+        self._admissions = itertools.count()
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
@@ -216,30 +239,42 @@ class EmbeddedBackend:
         except BaseException as e:  # the engine is broken: fail everything, refuse new work
             with self._cond:
                 self._failure = e
-            for job in [*self._slots.values(), *self._waiting]:
+            prefilling = [] if self._prefilling is None else [self._prefilling]
+            for job in [*self._slots.values(), *self._waiting, *prefilling]:
                 resolve_from_thread(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
             if self._update is not None:
                 resolve_from_thread(self._update.future, self._update.loop, RuntimeError(repr(e)))
             raise
 
     def _has_work(self) -> bool:
-        return bool(self._slots or self._waiting or self._update)
+        return bool(self._slots or self._waiting or self._update or self._prefilling)
 
     def _engine_work(self) -> None:
-        """A pending weight update once nothing decodes, then admissions, then a decode call
-        (none of them while paused)."""
-        if self._update is not None and not self._slots and not self._paused.is_set():
+        """A pending weight update once nothing is in flight, then admissions (or the next
+        chunk of a long prompt), then a decode call (none of them while paused)."""
+        if self._update is not None and self._drained() and not self._paused.is_set():
             self._apply_update(self._update)
             self._update = None
+        if self._paused_now():
+            return
+        if self._prefilling is not None:
+            self._prefill_chunk(self._prefilling)
         while (
-            not self._paused_now()
+            self._prefilling is None
             and self._admissible()
             and len(self._slots) < self.engine.max_concurrent_decodes
         ):
-            self._admit(self._waiting.popleft())
+            if not self._admit(self._waiting[0]):
+                break  # too few pages: it waits for running requests to free some
+            self._waiting.popleft()
         if self._slots and not self._paused_now():
             self._decode()
             self._paused_now()
+
+    def _drained(self) -> bool:
+        """Nothing in flight under the current weights (a preempted request waiting to be
+        computed again counts: it finishes under the weights it started with)."""
+        return not (self._slots or self._prefilling or any(j.tokens for j in self._waiting))
 
     def _paused_now(self) -> bool:
         """Whether generation is paused, pausing it first if the awaited request has produced
@@ -255,7 +290,9 @@ class EmbeddedBackend:
         return self._paused.is_set()
 
     def _admissible(self) -> bool:
-        return bool(self._waiting) and self._update is None
+        return bool(self._waiting) and (
+            self._update is None or bool(self._waiting[0].tokens)  # a preempted one goes on
+        )
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "generate":
@@ -286,7 +323,10 @@ class EmbeddedBackend:
             resolve_from_thread(update.future, update.loop, e)
             return
         self._params, self._version = params, update.version
-        self._sessions.clear()
+        # cached prefixes hold keys and values of the old weights
+        while self._sessions:
+            self._pool.release(self._sessions.popitem()[1][1])
+        self._pool.drop_cache()
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:
@@ -295,47 +335,184 @@ class EmbeddedBackend:
                 self._waiting.remove(job)
                 self._finish(job, "abort")
                 return
+        if self._prefilling is not None and self._prefilling.request.request_id == request_id:
+            job, self._prefilling = self._prefilling, None
+            self._pool.release(job.pages)
+            self._finish(job, "abort")
+            return
         for slot, job in list(self._slots.items()):
             if job.request.request_id == request_id:
                 self._state = self.engine.release(self._state, slot)
                 del self._slots[slot]
+                self._pool.release(job.pages)
                 self._finish(job, "abort")
                 return
 
-    def _admit(self, job: _Job) -> None:
+    # --------------------------------------------------------------------- pages, prefixes
+
+    def _sequence(self, job: _Job) -> tuple[int, ...]:
+        """What the job's next prefill computes: its prompt, and after a preemption the
+        tokens it sampled before (the last of them not cached yet)."""
+        return (*job.request.prompt_ids, *job.tokens)
+
+    def _take(self, n: int) -> list[int] | None:
+        """``n`` free pages, evicting kept sessions (least recently used first) if need be."""
+        while n > self._pool.available and self._sessions:
+            self._pool.release(self._sessions.popitem(last=False)[1][1])
+            self.stats.sessions_evicted += 1
+        pages = self._pool.take(n)
+        if pages is not None:
+            self.stats.peak_pages_in_use = max(self.stats.peak_pages_in_use, self._pool.in_use)
+        return pages
+
+    def _cached_prefix(self, job: _Job, seq: tuple[int, ...]) -> tuple[list[int], int]:
+        """Pages (held now, once more) that hold the longest cached prefix of ``seq`` and how
+        many of its tokens they hold: from the request's session (or, for a session not
+        kept, the one it continues: ``prefix_session``), or from any sequence's full pages
+        (the episodes of a group share their prompt's). At least one token is left to
+        prefill. A session continued by its own next request is handed over, not copied."""
+        limit = len(seq) - 1
+        keys = prefix_keys(seq[:limit], self.engine.page_size)
+        shared = self._pool.lookup(keys)
         request = job.request
-        prompt = request.prompt_ids
-        cached, start = self._cached_prefix(request, prompt)
+        ids = (request.session_id, request.prefix_session)
+        session_id = next((s for s in ids if s is not None and s in self._sessions), None)
+        if session_id is None:
+            return shared, len(shared) * self.engine.page_size
+        tokens, pages = self._sessions[session_id]
+        self._sessions.move_to_end(session_id)
+        common = 0
+        for a, b in zip(tokens[:limit], seq, strict=False):
+            if a != b:
+                break
+            common += 1
+        if common <= len(shared) * self.engine.page_size:
+            return shared, len(shared) * self.engine.page_size
+        self._pool.release(shared)
+        mine = pages[: self.engine.pages_for(common)]
+        self._pool.retain(mine)
+        if session_id == request.session_id:  # its own next turn: the session moves on
+            self._pool.release(self._sessions.pop(session_id)[1])
+        return mine, common
+
+    def _private_tail(self, pages: list[int], common: int) -> bool:
+        """Makes the page that position ``common`` (the first to be written) falls in the
+        sequence's own: a page someone else holds, or one registered as a cached prefix, is
+        copied first. False if no page is left for the copy."""
+        index = common // self.engine.page_size
+        if index == len(pages):
+            return True
+        page = pages[index]
+        if self._pool.refs(page) == 1 and not self._pool.is_registered(page):
+            return True
+        fresh = self._take(1)
+        if fresh is None:
+            return False
+        self._state = self.engine.copy_page(self._state, page, fresh[0])
+        self._pool.release([page])
+        pages[index] = fresh[0]
+        self.stats.page_copies += 1
+        return True
+
+    def _admit(self, job: _Job) -> bool:
+        """Starts the waiting request ``job``: its cached prefix, pages for the rest of its
+        sequence and its first decode steps, then its prefill (in chunks if it is long).
+        False (and nothing held) if the pool has too few pages for now."""
+        seq = self._sequence(job)
+        pages, common = self._cached_prefix(job, seq)
+        total = self.engine.pages_for(min(len(seq) + self._steps_per_call, self.engine.max_len))
+        more = self._take(total - len(pages)) if total > len(pages) else []
+        if more is None or not self._private_tail(pages, common):
+            self._pool.release(pages + (more or []))
+            if not self._slots and self._prefilling is None and not self._sessions:
+                raise RuntimeError(  # the pool is held by no one and still too small
+                    f"{total} pages needed; {self._pool.available} of the pool's "
+                    f"{self.engine.num_pages} available"
+                )
+            return False
+        job.pages, job.done = pages + more, common
         job.version = self._version
-        prefix: Prefix = self.engine.prefill(
-            self._params, cached, prompt[start:], request.sampling, job.seed
+        if job.admitted < 0:
+            job.admitted = next(self._admissions)
+        self.stats.requests += not job.tokens
+        self.stats.prefix_hit_tokens += common
+        self._prefill_chunk(job)
+        return True
+
+    def _prefill_chunk(self, job: _Job) -> None:
+        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes
+        (or finishes at its first token). A long sequence's chunks alternate with decode
+        calls, so decoding requests keep going while it is admitted."""
+        seq = self._sequence(job)
+        chunk = seq[job.done : job.done + self.engine.prefill_chunk]
+        self._state, prefix = self.engine.prefill(
+            self._params,
+            self._state,
+            job.pages,
+            job.done,
+            chunk,
+            job.request.sampling,
+            job.seed,
+            generated=len(job.tokens),
         )
-        self.stats.requests += 1
-        self.stats.prefilled_tokens += len(prompt) - start
-        self.stats.prefix_hit_tokens += start
+        job.done += len(chunk)
+        self.stats.prefilled_tokens += len(chunk)
+        if job.done < len(seq):
+            self._prefilling = job
+            return
+        self._prefilling = None
+        self._pool.register(job.pages, prefix_keys(seq, self.engine.page_size))
         # whole [1] arrays to the host, indexed there (indexing on the device runs a program)
         token, logprob, finish = (
             x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
         )
         job.tokens.append(int(token))
         job.logprobs.append(float(logprob))
-        job.pos = len(prompt)
+        job.pos = len(seq)
         if int(finish) != RUNNING:
-            self._remember(job, prefix.cache)
-            self._finish(job, "stop" if int(finish) == STOPPED else "length")
+            self._retire(job, "stop" if int(finish) == STOPPED else "length")
             return
         slot = next(i for i in range(self.engine.max_concurrent_decodes) if i not in self._slots)
         self._state = self.engine.insert(prefix, self._state, slot)
         self._slots[slot] = job
+        self._table[slot, : len(job.pages)] = job.pages
+
+    def _grow(self) -> None:
+        """Gives every decoding slot the pages its next decode call writes into; when the
+        pool runs out, the request admitted last is preempted (its pages freed, its full
+        pages kept as a cached prefix) and waits to be computed again."""
+        for slot in sorted(self._slots, key=lambda s: self._slots[s].admitted):
+            job = self._slots.get(slot)
+            if job is None:
+                continue
+            need = self.engine.pages_for(min(job.pos + self._steps_per_call, self.engine.max_len))
+            while len(job.pages) < need:
+                more = self._take(need - len(job.pages))
+                if more is not None:
+                    self._table[slot, len(job.pages) : need] = more
+                    job.pages += more
+                    break
+                self._preempt(max(self._slots, key=lambda s: self._slots[s].admitted))
+                if slot not in self._slots:
+                    break
+
+    def _preempt(self, slot: int) -> None:
+        job = self._slots.pop(slot)
+        self._state = self.engine.release(self._state, slot)
+        seq = self._sequence(job)[: job.pos]
+        self._pool.register(job.pages, prefix_keys(seq, self.engine.page_size))
+        self._pool.release(job.pages)
+        job.pages = []
+        self._waiting.appendleft(job)
+        self.stats.preempted += 1
 
     def _decode(self) -> None:
-        max_pos = max(job.pos for job in self._slots.values())
+        self._grow()
+        if not self._slots:
+            return
+        lengths = {slot: job.pos for slot, job in self._slots.items()}
         self._state, out = self.engine.generate(
-            self._params,
-            self._state,
-            self._steps_per_call,
-            max_pos=max_pos,
-            slots_in_use=max(self._slots) + 1,
+            self._params, self._state, self._table, lengths, self._steps_per_call
         )
         out = jax.device_get(out)
         self.stats.decode_calls += 1
@@ -352,41 +529,27 @@ class EmbeddedBackend:
                     finished.append((slot, "stop" if code == STOPPED else "length"))
                     break
         for slot, reason in finished:
-            job = self._slots.pop(slot)
-            if job.request.session_id is not None:
-                self._remember(job, self.engine.extract(self._state, slot))
-            self._finish(job, reason)
+            self._retire(self._slots.pop(slot), reason)
 
-    def _cached_prefix(
-        self, request: GenerateRequest, prompt: tuple[int, ...]
-    ) -> tuple[KVCache | None, int]:
-        """The session's cached row (or, for a session not cached, that of the session it
-        continues: ``prefix_session``) and how many leading prompt tokens it already holds."""
-        if request.session_id is None:
-            return None, 0
-        ids = (request.session_id, request.prefix_session)
-        session_id = next((s for s in ids if s is not None and s in self._sessions), None)
-        if session_id is None:
-            return None, 0
-        self._sessions.move_to_end(session_id)
-        tokens, row = self._sessions[session_id]
-        limit = min(len(tokens), len(prompt) - 1)  # at least one token must be prefilled
-        common = 0
-        while common < limit and tokens[common] == prompt[common]:
-            common += 1
-        if common == 0:
-            return None, 0
-        return self.engine.keep_prefix(row, common), common
-
-    def _remember(self, job: _Job, row: KVCache) -> None:
+    def _retire(self, job: _Job, reason: FinishReason) -> None:
+        """A finished job's pages: its full ones registered as a cached prefix; kept for its
+        session (by reference: the session holds them now) or released."""
+        covered = self._sequence(job)[: job.pos]
+        self._pool.register(job.pages, prefix_keys(covered, self.engine.page_size))
         session = job.request.session_id
-        if session is None or self._session_cache_size == 0:
-            return
-        covered = (*job.request.prompt_ids, *job.tokens)[: job.pos]
-        self._sessions[session] = (covered, jax.block_until_ready(row))
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self._session_cache_size:
-            self._sessions.popitem(last=False)
+        if session is not None and self._session_cache_size > 0:
+            keep = self.engine.pages_for(job.pos)
+            self._pool.release(job.pages[keep:])
+            old = self._sessions.pop(session, None)
+            if old is not None:
+                self._pool.release(old[1])
+            self._sessions[session] = (covered, job.pages[:keep])
+            while len(self._sessions) > self._session_cache_size:
+                self._pool.release(self._sessions.popitem(last=False)[1][1])
+        else:
+            self._pool.release(job.pages)
+        job.pages = []
+        self._finish(job, reason)
 
     def _finish(self, job: _Job, reason: FinishReason) -> None:
         with self._cond:
@@ -407,6 +570,9 @@ class EmbeddedBackend:
             self._finish(self._slots.pop(slot), "abort")
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
+        if self._prefilling is not None:
+            self._finish(self._prefilling, "abort")
+            self._prefilling = None
         if self._update is not None:
             resolve_from_thread(
                 self._update.future, self._update.loop, RuntimeError("backend closed")

@@ -65,14 +65,25 @@ class BackendFactory:
 
 
 def _build_embedded(spec: BackendBuild) -> RolloutBackend:
-    from jax_agent_rl.engine import Engine
+    import jax
+
+    from jax_agent_rl.engine import Engine, pool_pages
     from jax_agent_rl.rollout.embedded import EmbeddedBackend
 
+    r = spec.rollout
+    model = dataclasses.replace(spec.model, dtype=spec.dtype)  # type: ignore[arg-type]
+    # XLA:CPU's pages are fp32 (`Engine.cache_dtype`)
+    width = 4 if spec.dtype == "float32" or jax.default_backend() == "cpu" else 2
     engine = Engine(
-        dataclasses.replace(spec.model, dtype=spec.dtype),  # type: ignore[arg-type]
-        max_concurrent_decodes=spec.rollout.max_concurrent,
-        max_len=spec.rollout.max_model_len,
-        batch_buckets=spec.rollout.batch_buckets,
+        model,
+        max_concurrent_decodes=r.max_concurrent,
+        max_len=r.max_model_len,
+        page_size=r.page_size,
+        num_pages=pool_pages(
+            model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
+        ),
+        prefill_chunk=r.prefill_chunk,
+        batch_buckets=r.batch_buckets,
         sharder=spec.sharder,
     )
     return EmbeddedBackend(

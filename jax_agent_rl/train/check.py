@@ -35,8 +35,9 @@ from jax_agent_rl.agent.parsers import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
+from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
-from jax_agent_rl.models.decoder import CACHE_AXES, cache_length, is_spec
+from jax_agent_rl.models.decoder import PAGE_AXES, is_spec
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
@@ -394,7 +395,7 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
     the learner's state (fp32 master weights, AdamW's two fp32 moments, the KL reference, the
     critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
     cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
-    weights split over ``tensor`` only, cache slots over ``data x fsdp`` and kv heads over
+    weights split over ``tensor`` only, KV pages over ``data x fsdp`` and kv heads over
     ``tensor``). Activations (set by ``learner.micro_batch_size``, ``remat`` and the sequence
     length) and XLA's workspace come on top. Over several ``processes``, each serves its own
     ``rollout.max_concurrent`` slots on its share of the devices."""
@@ -413,17 +414,17 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
     if cfg.rollout.backend == "embedded":
         serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
         width = 2 if cfg.model.dtype == "bfloat16" else 4
-        positions = cache_length(cfg.rollout.max_model_len)
-        kv = (
-            2 * model.num_layers * cfg.rollout.max_concurrent * positions
-            * model.num_kv_heads * model.head_dim * width
-        )  # fmt: skip
+        r = cfg.rollout
+        pages = pool_pages(
+            model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
+        )
+        kv = pages * page_bytes(model, r.page_size, width)
         engine = [
             (f"weights ({cfg.model.dtype})", _per_device_bytes(model, serving, width)),
             (
-                f"KV cache ({cfg.rollout.max_concurrent} slots x {cfg.rollout.max_model_len}"
+                f"KV cache ({pages} pages x {r.page_size}"
                 + (", per process)" if processes > 1 else ")"),
-                kv / _parts(CACHE_AXES, serving),
+                kv / _parts(PAGE_AXES, serving),
             ),
         ]
         lines += [f"  engine   {name:<34} {b / 2**30:8.2f} GiB" for name, b in engine]

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec
 
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
-from jax_agent_rl.models.decoder import WHOLE_CACHE_MAX
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
@@ -56,8 +55,8 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
-    assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.kv_buckets)
-    assert counts["generate"] <= len(engine.kv_buckets) * len(engine.batch_buckets)
+    assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.page_buckets)
+    assert counts["generate"] <= sum(len(engine.pair_buckets(r)) for r in engine.batch_buckets)
     assert counts["insert"] == 1
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
@@ -120,6 +119,8 @@ def test_session_prefix_is_not_prefilled_again(checkpoint: Path) -> None:
     assert stats.requests == 3
     assert stats.prefix_hit_tokens == (39 + 9) + (39 + 10 + 3 + 9)
     assert stats.prefilled_tokens == 39 + (1 + 3) + (1 + 3)
+    assert stats.page_copies == 0  # the session's pages were handed over, not copied
+    assert backend.engine.compile_counts["copy_page"] == 0
     asyncio.run(backend.close())
 
 
@@ -152,14 +153,12 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
     sharded, local = _backend(checkpoint, sharder=sharder), _backend(checkpoint)
     cfg = sharded.engine.cfg
     assert sharded.engine.batch_buckets == (4,)  # slots split over data: all in every step
-    assert len(sharded._state.cache.k) == cfg.num_layers  # a buffer per layer
-    k = sharded._state.cache.k[0]  # [N, G, S, K]
+    assert len(sharded._state.pages.k) == cfg.num_layers  # a buffer per layer
+    k = sharded._state.pages.k[0]  # [P, G, page_size, K]
     assert k.sharding.spec == PartitionSpec(("data", "fsdp"), "tensor", None, None)
-    N, G, S, K = k.shape
-    assert {s.data.shape for s in k.addressable_shards} == {(N // 4, G // 2, S, K)}
+    P, G, S, K = k.shape
+    assert {s.data.shape for s in k.addressable_shards} == {(P // 4, G // 2, S, K)}
     assert len({s.device for s in k.addressable_shards}) == 8
-    row = sharded.engine.empty_prefix_cache().k[0]
-    assert {s.data.shape for s in row.addressable_shards} == {(1, G // 2, S, K)}
     q = sharded._params.layers[0].q  # [D, H, K]: whole D (no fsdp), heads over tensor
     assert {s.data.shape for s in q.addressable_shards} == {
         (cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
@@ -183,7 +182,7 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
     asyncio.run(sharded.update_weights(on_learner, version=1))
     asyncio.run(local.update_weights(scaled, version=1))
     same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
-    assert sharded._state.cache.k[0].sharding.is_equivalent_to(k.sharding, k.ndim)  # kept layout
+    assert sharded._state.pages.k[0].sharding.is_equivalent_to(k.sharding, k.ndim)  # kept layout
     assert sharded.engine.compile_counts == compiled  # no layout recompiles
     asyncio.run(sharded.close())
     asyncio.run(local.close())
@@ -206,36 +205,40 @@ def test_bad_engine_settings_are_refused(checkpoint: Path) -> None:
         engine.load_params(wrong)
 
 
-def test_a_slots_tokens_do_not_depend_on_the_attention_bucket(checkpoint: Path) -> None:
-    """The engine reads as much of the cache as its longest active slot needs, so which
-    requests share a decode batch sets the attention bucket. A slot's logprobs (and so its
-    sampled tokens) are the same bit for bit under every bucket that covers it: a run does
-    not depend on how its requests happened to be batched (`decoder.cached_attention`).
-    A cache short enough to be read whole has one bucket, and the same numbers to fp32
-    rounding (a softmax summed in another order)."""
+def test_a_slots_tokens_do_not_depend_on_its_batch_mates(checkpoint: Path) -> None:
+    """Which requests share a decode step sets the number of (slot, page) pairs attention
+    reads. A slot's logprobs (and so its sampled tokens) are the same bit for bit whether it
+    decodes alone or beside a longer request: each slot reads its own pages only, and a run
+    does not depend on how its requests happened to be batched. (The batch is fixed here:
+    XLA:CPU's matmuls round differently by row count, which ``batch_buckets=False`` pins.)"""
     cfg, w = load_hf(checkpoint)
     cfg = dataclasses.replace(cfg, max_position_embeddings=1024)  # (RoPE has no bound)
-    engine = Engine(cfg, max_concurrent_decodes=2, max_len=1024)  # read in blocks
+    engine = Engine(cfg, max_concurrent_decodes=2, max_len=1024, page_size=8, batch_buckets=False)
+    params = engine.load_params(w)
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
     prompt = list(range(5, 35))
 
-    def decode(engine: Engine, max_pos: int | None) -> tuple[np.ndarray, np.ndarray]:
-        prefix = engine.prefill(w, None, prompt, sampling, seed=3)
-        state = engine.insert(prefix, engine.init_decode_state(), 0)  # generate takes it
-        _, out = engine.generate(w, state, num_steps=24, max_pos=max_pos)
+    def decode(beside: int) -> tuple[np.ndarray, np.ndarray]:
+        state = engine.init_decode_state()
+        tables, lengths = [], {}
+        for slot, n in enumerate((len(prompt), beside)[: 1 + (beside > 0)]):
+            pages = list(range(slot * 128, slot * 128 + engine.pages_for(n + 24)))
+            tokens = prompt if slot == 0 else list(range(1, n + 1))
+            state, prefix = engine.prefill(params, state, pages, 0, tokens[:512], sampling, 3)
+            if n > 512:  # a long prompt, in chunks
+                state, prefix = engine.prefill(params, state, pages, 512, tokens[512:], sampling, 3)
+            state = engine.insert(prefix, state, slot)
+            tables.append(pages)
+            lengths[slot] = n
+        _, out = engine.generate(params, state, engine.page_table(tables), lengths, 24)
         return np.asarray(out.token[:, 0]), np.asarray(out.logprob[:, 0])
 
-    results = [decode(engine, p) for p in (len(prompt), 100, 200, None)]  # 64, 128, 256, 1024
-    for tokens, logprobs in results[1:]:
-        np.testing.assert_array_equal(tokens, results[0][0])
-        np.testing.assert_array_equal(logprobs, results[0][1])
-    assert len({engine.kv_bucket(p, 24) for p in (len(prompt), 100, 200)}) == 3
-
-    short = Engine(cfg, max_concurrent_decodes=2, max_len=WHOLE_CACHE_MAX)
-    assert short.kv_buckets == (WHOLE_CACHE_MAX,)
-    tokens, logprobs = decode(short, len(prompt))
-    np.testing.assert_array_equal(tokens, results[0][0])
-    assert np.abs(logprobs - results[0][1]).max() <= FP32_LOGPROBS
+    alone = decode(0)
+    for beside in (40, 300, 900):
+        tokens, logprobs = decode(beside)
+        np.testing.assert_array_equal(tokens, alone[0])
+        np.testing.assert_array_equal(logprobs, alone[1])
+    assert engine.compile_counts["generate"] >= 2  # several pair counts ran
 
 
 def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:
@@ -251,18 +254,24 @@ def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:
     params = engine.load_params(w)
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
 
-    def decode(slots_in_use: int | None) -> tuple:
+    def decode(every_slot: bool) -> tuple:
         state = engine.init_decode_state()
+        tables = []
         for slot in range(3):
-            prefix = engine.prefill(params, None, list(range(3 + slot, 20 + 2 * slot)), greedy, 0)
+            pages = [2 * slot, 2 * slot + 1]
+            prompt = list(range(3 + slot, 20 + 2 * slot))
+            state, prefix = engine.prefill(params, state, pages, 0, prompt, greedy, 0)
             state = engine.insert(prefix, state, slot)
-        return engine.generate(params, state, 16, max_pos=24, slots_in_use=slots_in_use)
+            tables.append(pages)
+        lengths = {s: 24 for s in range(8 if every_slot else 3)}
+        table = engine.page_table(tables + [[]] * 5)
+        return engine.generate(params, state, table, lengths, 16)
 
-    (part, few), (whole, every) = decode(3), decode(None)
+    (part, few), (whole, every) = decode(False), decode(True)
     assert few.token.shape == (16, 4) and every.token.shape == (16, 8)
     np.testing.assert_array_equal(few.valid, every.valid[:, :4])
     assert not np.asarray(every.valid[:, 3:]).any()
     np.testing.assert_array_equal(few.token, every.token[:, :4])
     assert np.abs(np.asarray(few.logprob - every.logprob[:, :4])).max() <= FP32_LOGPROBS
-    np.testing.assert_array_equal(part.cache.pos, whole.cache.pos)
+    np.testing.assert_array_equal(part.pos, whole.pos)
     assert engine.compile_counts["generate"] == 2  # one program per batch bucket

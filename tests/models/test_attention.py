@@ -1,4 +1,5 @@
-"""The training attention (`decoder.attention`, blocked causal) against a dense reference.
+"""The training attention (`decoder.attention`, blocked causal) and the serving attentions over
+KV pages (`paged_attention`, `ragged_attention`) against a dense reference.
 
 Rows of 300 tokens (three blocks of `ATTN_BLOCK`, the last partial) packing several segments
 of unequal lengths, one segment crossing block boundaries, and trailing padding (segment 0).
@@ -20,10 +21,11 @@ import numpy as np
 
 from jax_agent_rl.models.decoder import (
     ATTN_BLOCK,
-    KV_BLOCK,
-    WHOLE_CACHE_MAX,
+    PAIR_BLOCK,
     attention,
-    cached_attention,
+    page_pairs,
+    paged_attention,
+    ragged_attention,
 )
 
 B, T, H, G, K = 2, 300, 4, 2, 16
@@ -97,32 +99,87 @@ def test_blocked_attention_gradients_equal_dense() -> None:
         assert np.linalg.norm(got64 - want64) / np.linalg.norm(want64) <= 1e-5
 
 
-def test_cached_attention_read_whole_or_in_blocks_equals_the_softmax() -> None:
-    """Decode attention over a cache (`cached_attention`): rows 0-1 of 3 cache rows, a chunk
-    of 3 new tokens at different positions. A cache of `WHOLE_CACHE_MAX` positions is read
-    whole, a longer one (the same contents, then garbage past every row's end) in blocks;
-    both against a float64 softmax over each query's positions. Bound from the same counting
-    as above: the scores are 16-term dot products and the sums run over at most S weights, so
-    each output, a weighted mean of values, is off by at most (K + S) unit roundoffs of the
-    largest value."""
-    n_rows, rows, new, S = 3, 2, 3, WHOLE_CACHE_MAX
-    kq, kk, kv = jax.random.split(jax.random.key(2), 3)
-    q = jax.random.normal(kq, (rows, new, H, K))
-    k_long = jax.random.normal(kk, (n_rows, G, S + 2 * KV_BLOCK, K))
-    v_long = jax.random.normal(kv, (n_rows, G, S + 2 * KV_BLOCK, K))
-    pos = jnp.asarray([5, S - new])  # each row's first new token's position
-    whole = cached_attention(q, k_long[:, :, :S], v_long[:, :, :S], pos, kv_len=S)
-    blocks = cached_attention(q, k_long, v_long, pos, kv_len=S)
-
-    k64, v64 = np.asarray(k_long, np.float64), np.asarray(v_long, np.float64)
-    qg = np.asarray(q, np.float64).reshape(rows, new, G, H // G, K)
-    s = np.einsum("btgrk,bgsk->bgrts", qg, k64[:rows]) * K**-0.5
-    last = np.asarray(pos)[:, None] + np.arange(new)  # [rows, new]: each query's position
-    seen = np.arange(k64.shape[2])[None, None, :] <= last[..., None]
+def _reference(q_btgrk: np.ndarray, k_bsgk: np.ndarray, v_bsgk: np.ndarray, last_bt: np.ndarray):  # type: ignore[no-untyped-def]
+    """float64 softmax attention of queries [B, T, G, R, K] over each row's keys [B, S, G, K]
+    up to each query's position ``last_bt``: out [B, T, H, K]."""
+    b, t, g, r, k = q_btgrk.shape
+    s = np.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bsgk) * k**-0.5
+    seen = np.arange(k_bsgk.shape[1])[None, None, :] <= last_bt[..., None]
     s = np.where(seen[:, None, None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    want = np.einsum("bgrts,bgsk->btgrk", p, v64[:rows]).reshape(rows, new, H, K)
-    bound = (K + S) * 2.0**-24 * np.abs(v64).max()
-    for got in (whole, blocks):
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=bound, rtol=0)
+    return np.einsum("bgrts,bsgk->btgrk", p, v_bsgk).reshape(b, t, g * r, k)
+
+
+def _pool(page_size: int, tables: list[list[int]], lengths: list[int], seed: int):  # type: ignore[no-untyped-def]
+    """A random pool of pages, and each row's keys and values [S, G, K] read through its
+    page table (float64), up to the longest row."""
+    num_pages = max(max(t) for t in tables) + 3
+    kk, kv = jax.random.split(jax.random.key(seed))
+    k_pages = jax.random.normal(kk, (num_pages, G, page_size, K))
+    v_pages = jax.random.normal(kv, (num_pages, G, page_size, K))
+    S = max(lengths)
+
+    def rows(pages: jax.Array) -> np.ndarray:
+        x = np.asarray(pages, np.float64)
+        out = np.zeros((len(tables), S, G, K))
+        for b, table in enumerate(tables):
+            seq = np.concatenate([x[p].transpose(1, 0, 2) for p in table])  # [n * ps, G, K]
+            out[b, : lengths[b]] = seq[: lengths[b]]
+        return out
+
+    return k_pages, v_pages, rows(k_pages), rows(v_pages)
+
+
+def test_paged_attention_equals_the_softmax() -> None:
+    """Prefill chunks over pages (`paged_attention`): two rows with scattered, unordered page
+    tables, chunks of 3 new tokens at different positions, each row reading 8 pages of 16
+    (past its end: garbage that must stay unseen). Against a float64 softmax over each
+    query's positions. Bound: the scores are K-term dot products and the sums run over at
+    most S weights, so each output, a weighted mean of values, is off by at most (K + S)
+    unit roundoffs of the largest value."""
+    ps, new = 16, 3
+    tables = [[7, 2, 9, 0, 4, 11, 5, 1], [3, 10, 6, 8, 12, 13, 14, 15]]
+    pos = [5, 8 * ps - new]  # each row's first new token's position
+    k_pages, v_pages, k64, v64 = _pool(ps, tables, [p + new for p in pos], seed=2)
+    q = jax.random.normal(jax.random.key(3), (2, new, H, K))
+    got = paged_attention(q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(pos), 8)
+    last = np.asarray(pos)[:, None] + np.arange(new)
+    want = _reference(np.asarray(q, np.float64).reshape(2, new, G, H // G, K), k64, v64, last)
+    bound = (K + 8 * ps) * 2.0**-24 * np.abs(v64).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=bound, rtol=0)
+
+
+def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
+    """Decode attention over each row's own pages (`ragged_attention`): 4 rows of very
+    different lengths (one page; 40 pages; idle; a page and one token), pages shared and
+    scattered, against a float64 softmax; the bound as above (each row's partial sums are
+    rescaled once more: one more rounding). A row's result is bitwise the same alone and
+    beside the others, at any padding of the pairs."""
+    ps = 8
+    lengths = [5, 40 * ps, 1, ps + 1]  # positions each row attends to (its query's + 1)
+    tables = [[3], list(range(10, 50)), [0], [3, 60]]
+    active = jnp.asarray([True, True, False, True])
+    k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=4)
+    q = jax.random.normal(jax.random.key(5), (4, H, K))
+    table = np.zeros((4, 48), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    pos = jnp.asarray(lengths) - 1
+
+    def run(table: np.ndarray, pos: jax.Array, active: jax.Array, num_pairs: int) -> jax.Array:
+        pairs = page_pairs(jnp.asarray(table), pos, active, num_pairs, ps)
+        return ragged_attention(q[: table.shape[0]], k_pages, v_pages, pairs, pos)
+
+    got = run(table, pos, active, 2 * PAIR_BLOCK)
+    last = np.asarray(pos)[:, None]
+    want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
+    bound = (K + max(lengths) + 1) * 2.0**-24 * np.abs(v64).max()
+    live = np.asarray(active)
+    np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
+    assert not np.asarray(got[~live]).any()  # an idle row reads nothing
+    for num_pairs in (2 * PAIR_BLOCK, 8 * PAIR_BLOCK):
+        alone = run(table, pos, jnp.asarray([True, False, False, False]), num_pairs)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(got[0]))
+    last_alone = run(table, pos, jnp.asarray([False, False, False, True]), 4 * PAIR_BLOCK)
+    np.testing.assert_array_equal(np.asarray(last_alone[3]), np.asarray(got[3]))

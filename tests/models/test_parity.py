@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from jax_agent_rl.models import forward, init_cache, lm_logits, load_hf
+from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
+from jax_agent_rl.models.decoder import PAIR_BLOCK
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 TOL = 1e-4
@@ -78,7 +79,8 @@ def test_packed_segments_equal_separate_sequences(
 def test_prefill_and_decode_reproduce_full_sequence(
     family: str, hf_checkpoints: dict[str, Path]
 ) -> None:
-    """Rows of different lengths; prefill, decode, a second prefill on top (a new turn), decode."""
+    """Rows of different lengths in pages; prefill, decode, a second prefill on top (a new
+    turn), decode."""
     cfg, w = load_hf(hf_checkpoints[family])
     T = 16
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, T))
@@ -88,10 +90,15 @@ def test_prefill_and_decode_reproduce_full_sequence(
         )
     )
     step = jax.jit(
-        lambda w, cfg, tokens, n, cache: forward(w, cfg, tokens, cache=cache, num_new_b=n),
-        static_argnames="cfg",
-    )
-    cache = init_cache(cfg, batch=2, max_len=32)
+        lambda w, cfg, tokens, pos, n, pages, reads: forward(
+            w, cfg, tokens, cache=pages, page_table_bm=table, pos_b=pos, num_new_b=n,
+            pages_read=reads,
+        ),
+        static_argnames=("cfg", "reads"),
+    )  # fmt: skip
+    # pages of 4 positions, the two rows' pages interleaved and out of order in the pool
+    table = jnp.asarray([[5, 0, 7, 2, 9, 11, 13, 15], [1, 6, 3, 4, 8, 10, 12, 14]])
+    pages = init_pages(cfg, num_pages=16, page_size=4)
     got = np.zeros_like(full)
     # chunk plan per row: (start, n) pairs; row 1 prefills fewer tokens than row 0 at first
     plan = [((0, 6), (0, 4)), ((6, 1), (4, 1)), ((7, 5), (5, 7)), ((12, 1), (12, 1))]
@@ -100,10 +107,11 @@ def test_prefill_and_decode_reproduce_full_sequence(
         width = max(n0, n1)
         chunk = np.zeros((2, width), np.int64)
         chunk[0, :n0], chunk[1, :n1] = tokens[0, s0 : s0 + n0], tokens[1, s1 : s1 + n1]
-        h, cache = step(w, cfg, jnp.asarray(chunk), jnp.array([n0, n1]), cache)
+        reads = 2 * PAIR_BLOCK if width == 1 else 8  # decode: (row, page) pairs; else pages
+        pos, n = jnp.array([s0, s1]), jnp.array([n0, n1])
+        h, pages = step(w, cfg, jnp.asarray(chunk), pos, n, pages, reads)
         lg = np.asarray(lm_logits(w, h))
         got[0, s0 : s0 + n0], got[1, s1 : s1 + n1] = lg[0, :n0], lg[1, :n1]
-    assert list(np.asarray(cache.pos)) == [T, T]
     assert np.abs(got - full).max() <= TOL
 
 

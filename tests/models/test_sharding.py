@@ -13,7 +13,7 @@ from jax_agent_rl.models import (
     Sharder,
     ShardingRules,
     forward,
-    init_cache,
+    init_pages,
     init_params,
     lm_logits,
     make_mesh,
@@ -62,19 +62,23 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     assert len(sharded.sharding.device_set) == 8
     assert np.abs(np.asarray(sharded) - np.asarray(local)).max() <= 1e-5
 
-    # the KV-cache path, sharded over batch and kv heads
-    cache = init_cache(CFG, batch=B, max_len=16, sharder=sharder)
-    assert {k.sharding.spec for k in cache.k} == {
+    # the paged KV path, the pool's pages sharded over batch, kv heads over tensor
+    pages = init_pages(CFG, num_pages=4 * B, page_size=16, sharder=sharder)
+    assert {k.sharding.spec for k in pages.k} == {
         jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
     }
+    table = jnp.arange(4 * B, dtype=jnp.int32).reshape(B, 4)[:, ::-1]
     step = jax.jit(
-        lambda w, cfg, tokens, n, cache, sharder: forward(
-            w, cfg, tokens, sharder=sharder, cache=cache, num_new_b=n
+        lambda w, cfg, tokens, n, pages, sharder: forward(
+            w, cfg, tokens, sharder=sharder, cache=pages, page_table_bm=table,
+            pos_b=jnp.zeros((B,), jnp.int32), num_new_b=n, pages_read=4,
         ),
         static_argnames=("cfg", "sharder"),
+    )  # fmt: skip
+    h, pages = step(w, CFG, tokens, jnp.full((B,), T), pages, sharder)
+    h_local, _ = step(
+        w_local, CFG, tokens, jnp.full((B,), T), init_pages(CFG, 4 * B, page_size=16), None
     )
-    h, cache = step(w, CFG, tokens, jnp.full((B,), T), cache, sharder)
-    h_local, _ = step(w_local, CFG, tokens, jnp.full((B,), T), init_cache(CFG, B, 16), None)
     assert np.abs(np.asarray(h) - np.asarray(h_local)).max() <= 1e-5
 
 

@@ -23,10 +23,10 @@ from jax_agent_rl.config import MeshSection, load_config, package_file
 from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
-    cache_shardings,
     inference_mesh,
     init_params,
     make_mesh,
+    page_shardings,
     save_hf,
 )
 from jax_agent_rl.models.decoder import is_spec, param_specs
@@ -320,11 +320,11 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     gib = 2**30
     learner, serving = _sharders(mesh)
     fp32 = _sharded_bytes(model, learner, 4) / gib
-    cache = cache_shardings(dataclasses.replace(model, dtype="bfloat16"), serving, 128, 4096)
-    shape = (28, 128, 2, 4096, 128)  # [L, slots, G, S, K]
+    pages = page_shardings(dataclasses.replace(model, dtype="bfloat16"), serving, 128 * 128, 32)
+    shape = (28, 128 * 128, 2, 32, 128)  # [L, pages (128 slots x 4096 / 32), G, 32, K]
     assert 2 * math.prod(shape) * 2 / gib == 14.0  # keys and values, 2 bytes each
-    assert len(cache.k) == 28  # a buffer per layer
-    kv = 2 * 28 * math.prod(cache.k[0].shard_shape(shape[1:])) * 2 / gib
+    assert len(pages.k) == 28  # a buffer per layer
+    kv = 2 * 28 * math.prod(pages.k[0].shard_shape(shape[1:])) * 2 / gib
     lines = memory_plan(cfg, model)
     n = mesh.data * mesh.fsdp * mesh.tensor
     assert lines[0] == (
@@ -338,7 +338,7 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
             "learner AdamW moments (2 x fp32)": 2 * fp32,
             "learner KL reference (fp32)": fp32,
             "engine weights (bfloat16)": _sharded_bytes(model, serving, 2) / gib,
-            "engine KV cache (128 slots x 4096)": kv,
+            "engine KV cache (16384 pages x 32)": kv,
         },
         abs=0.006,  # the plan prints two decimals
     )

@@ -9,6 +9,12 @@ the adapter adds is what JetStream 0.2.2's interface leaves out:
   and each prompt's RNG seed is drawn from the server's seeded generator. The request's
   budget, ``max_tokens``, is JetStream's to enforce: its detokenizer completes a request whose
   length passes it. A slot stops by itself at a stop id or at the model length.
+- Our engine's prefill writes into the decode state's KV pages, which JetStream's
+  ``prefill`` does not receive: here ``prefill`` keeps the prompt and its seed, and
+  ``insert`` (which has the decode state) gives the slot pages from the adapter's
+  `PagePool` and prefills into them, in chunks if the prompt is long; a slot's pages are
+  freed when it finishes or its slot is taken again. Prefill and generate run interleaved
+  on one engine anyway (see ``get_prefix_destination_sharding``).
 - Our prefill samples the first token. Each ``generate`` emits ``steps`` tokens per slot: the
   token still pending from before, then ``steps - 1`` of the ``steps`` it samples (the last
   becomes pending), each ``valid`` where the slot produced it. A stop token is emitted (the
@@ -33,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
-from jax_agent_rl.engine import DecodeState, Engine, Prefix, SamplingParams
+from jax_agent_rl.engine import DecodeState, Engine, SamplingParams
+from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.models import Weights
 
 # JetStream pads prompts to one of these lengths; its largest bucket must be one of them
@@ -60,10 +67,14 @@ class LiveParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
-    """A prefilled prompt and how many tokens its cache row holds (known on the host)."""
+    """A prompt to prefill at ``insert`` (its tokens [n] int32) and its RNG seed."""
 
-    prefix: Prefix
-    length: int = dataclasses.field(metadata=dict(static=True))
+    tokens: jax.Array | np.ndarray
+    seed: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
 
 
 @jax.tree_util.register_dataclass
@@ -130,6 +141,9 @@ class JetStreamEngine(engine_api.Engine):
         # host view of the slots: cached length of each active one, refreshed from the last
         # generate's output (which JetStream copies to the host anyway)
         self._lengths: dict[int, int] = {}
+        self._pool = PagePool(engine.num_pages)
+        self._pages: dict[int, list[int]] = {}  # each slot's pages
+        self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._fresh: set[int] = set()  # slots inserted since the last generate
         self._last: jax.Array | None = None
         s = steps
@@ -177,6 +191,8 @@ class JetStreamEngine(engine_api.Engine):
     def init_decode_state(self, *args: Any, **kwargs: Any) -> SlotsState:
         n = self.engine.max_concurrent_decodes
         self._lengths.clear()
+        for slot in list(self._pages):
+            self._pool.release(self._pages.pop(slot))
         self._fresh.clear()
         self._last = None
         return SlotsState(self.engine.init_decode_state(), jnp.zeros((n,), bool))
@@ -191,13 +207,24 @@ class JetStreamEngine(engine_api.Engine):
     ) -> Prefilled:
         if existing_prefix is not None:
             raise ValueError("prefilling on top of a cached prefix is not served here")
-        tokens = [int(t) for t in np.asarray(padded_tokens)[:true_length]]
-        seed = self._rng.getrandbits(31)
-        prefix = self.engine.prefill(params.current, None, tokens, self.sampling, seed)
-        return Prefilled(prefix, len(tokens))
+        tokens = np.asarray(padded_tokens)[:true_length].astype(np.int32)
+        return Prefilled(tokens, self._rng.getrandbits(31))
 
     def insert(self, prefix: Prefilled, decode_state: SlotsState, slot: int) -> SlotsState:
-        state = self.engine.insert(prefix.prefix, decode_state.state, slot)
+        engine, tokens = self.engine, [int(t) for t in np.asarray(prefix.tokens)]
+        self._free(slot)
+        pages = self._pool.take(engine.pages_for(min(len(tokens) + self.steps, engine.max_len)))
+        if pages is None:  # every slot holds at most a whole sequence's pages: never
+            raise RuntimeError("the KV page pool is exhausted")
+        state = decode_state.state
+        for start in range(0, len(tokens), engine.prefill_chunk):
+            chunk = tokens[start : start + engine.prefill_chunk]
+            state, prefilled = engine.prefill(
+                self.params.current, state, pages, start, chunk, self.sampling, prefix.seed
+            )
+        state = engine.insert(prefilled, state, slot)
+        self._pages[slot] = pages
+        self._table[slot, : len(pages)] = pages
         self._lengths[slot] = prefix.length
         self._fresh.add(slot)
         return SlotsState(state, self._mark(decode_state.pending, jnp.int32(slot)))
@@ -206,10 +233,10 @@ class JetStreamEngine(engine_api.Engine):
         self, params: LiveParams, decode_state: SlotsState
     ) -> tuple[SlotsState, engine_api.ResultTokens]:
         self._refresh()
-        max_pos = max(self._lengths.values(), default=0)
+        self._grow()
         first, generated = self._snapshot(decode_state.state)
         state, out = self.engine.generate(
-            params.current, decode_state.state, self.steps, max_pos=max_pos
+            params.current, decode_state.state, self._table, self._lengths, self.steps
         )
         data, pending = self._pack(first, generated, decode_state.pending, out, state)
         self._last = data
@@ -252,6 +279,25 @@ class JetStreamEngine(engine_api.Engine):
                 self._lengths[slot] = int(data[slot, self._pos_col])
             else:
                 del self._lengths[slot]
+                self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        """Releases the pages of the sequence that held ``slot`` (finished, or replaced)."""
+        pages = self._pages.pop(slot, None)
+        if pages is not None:
+            self._pool.release(pages)
+
+    def _grow(self) -> None:
+        """Gives each active slot the pages the next ``steps`` tokens are written into."""
+        for slot, length in self._lengths.items():
+            pages = self._pages[slot]
+            need = self.engine.pages_for(min(length + self.steps, self.engine.max_len))
+            if len(pages) < need:
+                more = self._pool.take(need - len(pages))
+                if more is None:
+                    raise RuntimeError("the KV page pool is exhausted")
+                self._table[slot, len(pages) : need] = more
+                pages += more
 
     def _pack_impl(
         self,
@@ -270,6 +316,6 @@ class JetStreamEngine(engine_api.Engine):
             valid.astype(jnp.int32),
             generated[:, None],
             state.slots.active[:, None].astype(jnp.int32),
-            state.cache.pos[:, None],
+            state.pos[:, None],
         )
         return jnp.concatenate(columns, axis=1).astype(jnp.int32), out.valid[-1]
