@@ -180,7 +180,11 @@ class EmbeddedBackend:
 
     def pause(self, request_id: str | None = None, tokens: int = 1) -> None:
         """Test hook: stops admitting and decoding at once, or (with ``request_id``) once that
-        request has produced ``tokens`` tokens; aborts are still served. `resume` undoes it."""
+        request has produced ``tokens`` tokens; aborts are still served. `resume` undoes it.
+        A pause for a request replaces one in effect at once: `is_paused` is false from
+        this call until that request has its tokens."""
+        if request_id is not None:
+            self._paused.clear()
         self._send("pause", (request_id, tokens))
 
     def is_paused(self) -> bool:

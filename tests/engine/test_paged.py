@@ -1,0 +1,162 @@
+"""The embedded backend over the paged KV cache: memory by real length, prefixes shared by
+reference, waiting and preemption under a small pool, chunked prefill between decode calls.
+
+The engine's state is read while the backend holds it (`pause`): a paused engine admits and
+decodes nothing, so the pages and the jobs do not move under the test."""
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+
+# fp32 logprobs of one function computed in two reduction orders (a prefill against decode
+# steps): the bound of tests/engine/test_engine.py
+FP32_LOGPROBS = 1e-4
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("paged") / "tiny", TINY_QWEN2)
+
+
+def _backend(checkpoint: Path, **engine_kw: object) -> EmbeddedBackend:
+    cfg, w = load_hf(checkpoint)
+    kw = {"max_concurrent_decodes": 4, "max_len": 256, "page_size": 16, **engine_kw}
+    return EmbeddedBackend(Engine(cfg, **kw), w)  # type: ignore[arg-type]
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(1, 500, n))
+
+
+async def _until_paused(backend: EmbeddedBackend) -> None:
+    while not backend.is_paused():  # a state the backend holds once reached
+        await asyncio.sleep(0.01)
+
+
+def test_pages_in_use_follow_real_lengths(checkpoint: Path) -> None:
+    """Mid-flight, each request holds the pages of its cached positions plus its next decode
+    call's (never max_len's), and the pool counts a page once however many hold it: two
+    episodes of one prompt share its full pages."""
+    backend = _backend(checkpoint)
+    engine = backend.engine
+    prompt = _prompt(0, 50)
+
+    async def scenario() -> None:
+        backend.pause("a", tokens=9)
+        sampling = SamplingParams(max_tokens=60, temperature=1.0, seed=1)
+        tasks = [
+            asyncio.create_task(backend.generate(GenerateRequest(rid, p, sampling)))
+            for rid, p in (("a", prompt), ("b", prompt), ("c", _prompt(1, 7)))
+        ]
+        await _until_paused(backend)
+        jobs = list(backend._slots.values())
+        assert len(jobs) == 3
+        for job in jobs:  # its positions, and at most those of its next decode call
+            assert engine.pages_for(job.pos) <= len(job.pages)
+            assert len(job.pages) <= engine.pages_for(job.pos + backend._steps_per_call)
+        held = {p for job in jobs for p in job.pages}
+        assert backend._pool.in_use == len(held) < sum(len(job.pages) for job in jobs)
+        a, b = (j for j in jobs if j.request.prompt_ids == prompt)
+        assert a.pages[:3] == b.pages[:3]  # 48 positions: 3 full pages of the prompt
+        assert not set(a.pages[3:]) & set(b.pages[3:])  # each writes into its own
+        backend.resume()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    assert backend._pool.in_use == 0  # no session kept: everything went back
+    asyncio.run(backend.close())
+
+
+def test_a_group_prefills_its_prompt_once(checkpoint: Path) -> None:
+    """n episodes of one prompt: the first prefills it, the others take its full pages and
+    compute only what lies past them (the prompt's last partial page, fewer tokens than a
+    page), and sample as they would alone (the same tokens as one backend per episode)."""
+    n, prompt = 4, _prompt(2, 70)  # 4 full pages of 16, then 6 tokens
+    requests = [
+        GenerateRequest(f"e{i}", prompt, SamplingParams(max_tokens=20, seed=i), session_id=f"e{i}")
+        for i in range(n)
+    ]
+    backend = _backend(checkpoint)
+
+    async def group() -> list:
+        return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+    results = asyncio.run(group())
+    assert backend.stats.prefilled_tokens == 70 + (n - 1) * 6
+    assert backend.stats.prefix_hit_tokens == (n - 1) * 64
+    asyncio.run(backend.close())
+    for request, result in zip(requests, results, strict=True):
+        alone = _backend(checkpoint)
+        want = asyncio.run(alone.generate(request))
+        assert result.token_ids == want.token_ids
+        assert np.abs(np.subtract(result.logprobs, want.logprobs)).max() <= FP32_LOGPROBS
+        asyncio.run(alone.close())
+
+
+def test_a_tiny_pool_waits_and_preempts_and_gives_the_same_tokens(checkpoint: Path) -> None:
+    """A pool of one sequence's pages (8 of 16 positions, max_len 128) and four requests
+    that together need far more: admissions wait, decoding requests preempt the one admitted
+    last, which is computed again from its tokens so far. Every request finishes with the
+    greedy tokens of an unconstrained pool (logprobs to the fp32 bound: a recomputed prefix
+    comes from a prefill, not from decode steps)."""
+    prompts = [_prompt(10 + i, 20 + 5 * i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=70, temperature=0.0)
+    requests = [GenerateRequest(f"p{i}", p, greedy) for i, p in enumerate(prompts)]
+
+    def serve(**kw: object) -> tuple[list, EmbeddedBackend]:
+        backend = _backend(checkpoint, max_len=128, **kw)
+
+        async def all_() -> list:
+            return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+        results = asyncio.run(all_())
+        asyncio.run(backend.close())
+        return results, backend
+
+    small, tight = serve(num_pages=8)
+    large, _ = serve()
+    assert tight.stats.preempted > 0
+    assert tight.stats.peak_pages_in_use <= 8
+    for a, b in zip(small, large, strict=True):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.token_ids == b.token_ids
+        assert np.abs(np.subtract(a.logprobs, b.logprobs)).max() <= FP32_LOGPROBS
+
+
+def test_a_long_prompt_is_prefilled_between_decode_calls(checkpoint: Path) -> None:
+    """A 200-token prompt in chunks of 32 (7 chunks) arrives while a short request decodes:
+    the short one gets a decode call after every chunk but the last, so it keeps producing
+    tokens while the long one is admitted; both give the tokens they give alone."""
+    backend = _backend(checkpoint, prefill_chunk=32)
+    short = GenerateRequest("short", _prompt(3, 5), SamplingParams(max_tokens=120, seed=0))
+    long = GenerateRequest("long", _prompt(4, 200), SamplingParams(max_tokens=10, seed=1))
+    steps = backend._steps_per_call
+
+    async def scenario() -> list:
+        backend.pause("short", tokens=1)
+        first = asyncio.create_task(backend.generate(short))
+        await _until_paused(backend)
+        before = len(backend._slots[0].tokens)
+        backend.pause("long", tokens=1)  # replaces the pause: runs until long's first token
+        second = asyncio.create_task(backend.generate(long))
+        await _until_paused(backend)
+        during = len(backend._slots[0].tokens) - before
+        assert during >= (7 - 1) * steps
+        backend.resume()
+        return [await first, await second]
+
+    results = asyncio.run(scenario())
+    assert backend.stats.prefilled_tokens == 5 + 200
+    asyncio.run(backend.close())
+    for request, result in zip((short, long), results, strict=True):
+        alone = _backend(checkpoint, prefill_chunk=32)
+        assert asyncio.run(alone.generate(request)).token_ids == result.token_ids
+        asyncio.run(alone.close())
