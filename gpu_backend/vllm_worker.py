@@ -250,9 +250,18 @@ class Worker:
 
 
 def _engine(config: dict[str, Any]) -> Any:
+    from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # vLLM's CPU build cannot run a seeded request whose prompt is prefilled in chunks: it
+    # rewinds the request's generator after each partial chunk, and a CPU torch.Generator has
+    # no offset ("CPU Generator does not use offset"), which kills the engine and every
+    # request on it. On CPU every prompt is prefilled whole: chunked prefill off, and a step's
+    # token budget that holds the longest prompt (a prompt waits for a step with room for it).
+    cpu = current_platform.is_cpu()
+    budget = max(config["max_model_len"], SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
     args = AsyncEngineArgs(
         model=config["model"],
         skip_tokenizer_init=True,
@@ -262,6 +271,8 @@ def _engine(config: dict[str, Any]) -> Any:
         seed=config["seed"],
         enforce_eager=True,
         enable_prefix_caching=True,
+        enable_chunked_prefill=False if cpu else None,  # None: vLLM's default
+        max_num_batched_tokens=budget if cpu else None,
         gpu_memory_utilization=config["gpu_memory_utilization"],
         kv_cache_memory_bytes=config["kv_cache_bytes"],  # None: sized from the utilization
         logprobs_mode="processed_logprobs",
