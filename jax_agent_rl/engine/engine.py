@@ -464,14 +464,16 @@ class Engine:
         page_table: np.ndarray,
         lengths: Mapping[int, int],
         num_steps: int = 1,
+        slots_in_use: int | None = None,
     ) -> tuple[DecodeState, StepTokens]:
         """Advances every active slot ``num_steps`` tokens. ``page_table`` [N, M] names each
         slot's pages, which must cover its positions for the ``num_steps`` tokens;
         ``lengths`` maps each active slot to the positions its pages hold (an upper bound
         will do): they pick the decode batch (the slots up to the highest active one,
         rounded up to a batch bucket) and the number of (slot, page) pairs attention reads.
-        The tokens come back for the batch's slots, [num_steps, batch]."""
-        rows = self.batch_bucket(max(lengths, default=0) + 1)
+        The tokens come back for the batch's slots, [num_steps, batch]; ``slots_in_use``
+        widens the batch to cover that many slots (a caller that reads every slot's row)."""
+        rows = self.batch_bucket(max(max(lengths, default=0) + 1, slots_in_use or 0))
         need = sum(
             self.pages_for(min(n + num_steps, self.max_len)) for s, n in lengths.items() if s < rows
         )

@@ -236,7 +236,12 @@ class JetStreamEngine(engine_api.Engine):
         self._grow()
         first, generated = self._snapshot(decode_state.state)
         state, out = self.engine.generate(
-            params.current, decode_state.state, self._table, self._lengths, self.steps
+            params.current,
+            decode_state.state,
+            self._table,
+            self._lengths,
+            self.steps,
+            slots_in_use=self.engine.max_concurrent_decodes,  # `_pack` reads every slot
         )
         data, pending = self._pack(first, generated, decode_state.pending, out, state)
         self._last = data
