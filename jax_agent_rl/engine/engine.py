@@ -54,7 +54,7 @@ from jax_agent_rl.models import (
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.decoder import PAIR_BLOCK, is_spec, serving_layout, training_layout
+from jax_agent_rl.models.decoder import is_spec, pair_block, serving_layout, training_layout
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -454,8 +454,9 @@ class Engine:
     def pair_buckets(self, rows: int) -> tuple[int, ...]:
         """The (slot, page) pair counts a decode batch of ``rows`` slots compiles for: powers
         of two from two blocks of `ragged_attention` up to every slot's every page."""
-        most = -(-rows * self.pages_per_seq // PAIR_BLOCK) * PAIR_BLOCK
-        return _buckets(2 * PAIR_BLOCK, max(most, 2 * PAIR_BLOCK))
+        block = pair_block(self.page_size)
+        most = -(-rows * self.pages_per_seq // block) * block
+        return _buckets(2 * block, max(most, 2 * block))
 
     def generate(
         self,

@@ -95,7 +95,7 @@ class KVPages:
 # the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
 PAGE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
-PAIR_BLOCK = 32  # (row, page) pairs per block of `ragged_attention`
+PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_block`)
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -400,6 +400,13 @@ def _attention_bwd(
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def pair_block(page_size: int) -> int:
+    """(row, page) pairs per block of `ragged_attention`: blocks of `PAIR_POSITIONS`
+    positions whatever the page size (a padding pair costs a page; pages of a whole
+    sequence make blocks of one pair)."""
+    return max(1, PAIR_POSITIONS // page_size)
+
+
 def paged_attention(
     q_bthk: jax.Array,
     k_pages: jax.Array,
@@ -475,18 +482,19 @@ def ragged_attention(
     a row's pairs are combined at the row's max. A row's numbers depend only on its own
     pairs, bit for bit, not on which rows share the step or on the padding: XLA:CPU computes
     an elementwise op (exp) differently by array size, so the pairs go through one program
-    in blocks of `PAIR_BLOCK` (a scan of at least 2 iterations: a loop of one is inlined),
+    in blocks of `pair_block` (a scan of at least 2 iterations: a loop of one is inlined),
     and the blocks add into their rows one pair after another, in pair order.
     """
     B, H, K = q_bhk.shape
     J = pairs.row.shape[0]
     _, G, ps, _ = k_pages.shape
     R = H // G
-    if J % PAIR_BLOCK or J < 2 * PAIR_BLOCK:
-        raise ValueError(f"{J} pairs: a multiple of {PAIR_BLOCK}, at least 2 blocks")
+    C = pair_block(ps)
+    if J % C or J < 2 * C:
+        raise ValueError(f"{J} pairs: a multiple of {C}, at least 2 blocks")
     q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
     seen_bs = jnp.arange(ps)[None, :]
-    blocks = jax.tree.map(lambda x: x.reshape(J // PAIR_BLOCK, PAIR_BLOCK), pairs)
+    blocks = jax.tree.map(lambda x: x.reshape(J // C, C), pairs)
 
     def partial_softmax(_: None, block: PagePairs) -> tuple[None, tuple[jax.Array, ...]]:
         row = jnp.minimum(block.row, B - 1)

@@ -21,10 +21,10 @@ import numpy as np
 
 from jax_agent_rl.models.decoder import (
     ATTN_BLOCK,
-    PAIR_BLOCK,
     attention,
     page_pairs,
     paged_attention,
+    pair_block,
     ragged_attention,
 )
 
@@ -171,15 +171,16 @@ def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
         pairs = page_pairs(jnp.asarray(table), pos, active, num_pairs, ps)
         return ragged_attention(q[: table.shape[0]], k_pages, v_pages, pairs, pos)
 
-    got = run(table, pos, active, 2 * PAIR_BLOCK)
+    block = pair_block(ps)
+    got = run(table, pos, active, 2 * block)
     last = np.asarray(pos)[:, None]
     want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
     bound = (K + max(lengths) + 1) * 2.0**-24 * np.abs(v64).max()
     live = np.asarray(active)
     np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
     assert not np.asarray(got[~live]).any()  # an idle row reads nothing
-    for num_pairs in (2 * PAIR_BLOCK, 8 * PAIR_BLOCK):
+    for num_pairs in (2 * block, 8 * block):
         alone = run(table, pos, jnp.asarray([True, False, False, False]), num_pairs)
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(got[0]))
-    last_alone = run(table, pos, jnp.asarray([False, False, False, True]), 4 * PAIR_BLOCK)
+    last_alone = run(table, pos, jnp.asarray([False, False, False, True]), 4 * block)
     np.testing.assert_array_equal(np.asarray(last_alone[3]), np.asarray(got[3]))
