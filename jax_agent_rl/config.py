@@ -473,6 +473,9 @@ RANGES: dict[str, Rule] = {
     "rollout.top_k": _or(-1, _COUNT),
     "rollout.max_model_len": _COUNT,
     "rollout.max_concurrent": _COUNT,
+    "rollout.page_size": _COUNT,
+    "rollout.kv_cache_gib": _NATURAL,  # 0: a dense cache's memory
+    "rollout.prefill_chunk": _COUNT,
     "rollout.steps_per_call": _COUNT,
     "rollout.replicas": _COUNT,
     "rollout.vllm_kv_cache_mb": _NATURAL,
