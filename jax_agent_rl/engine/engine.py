@@ -11,9 +11,11 @@ already), writes their keys and values into its pages and samples the next token
 ``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
 rounded up to a power-of-two batch bucket), and each slot's attention reads its own pages
 only (`models.decoder.ragged_attention`: the work is the sum of the real lengths, so one
-long sequence costs the short ones nothing). ``copy_page`` gives a sequence its own copy of
-a shared page it is about to write into. Each slot carries its own sampling parameters,
-RNG, stop ids and budget, so requests of any mix run side by side.
+long sequence costs the short ones nothing; on a TPU, unsharded and with a 16-bit cache,
+JAX's Pallas paged-attention kernel instead: `models.decoder.pallas_paged_attention`).
+``copy_page`` gives a sequence its own copy of a shared page it is about to write into.
+Each slot carries its own sampling parameters, RNG, stop ids and budget, so requests of any
+mix run side by side.
 
 Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
 ``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
@@ -79,7 +81,7 @@ class Slots:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    pages: KVPages  # the pool: [P, G, page_size, K] per layer
+    pages: KVPages  # the pool: [G, P, page_size, K] per layer
     pos: jax.Array  # int32 [N]: tokens each slot's pages hold
     slots: Slots
 
@@ -170,6 +172,7 @@ class Engine:
         max_stop_ids: int = 8,
         batch_buckets: bool = True,
         sharder: Sharder | None = None,
+        decode_kernel: str = "auto",
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -207,6 +210,14 @@ class Engine:
         # step: there the pages are fp32 (the same numbers: bf16 values are exact in fp32)
         self.cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else cfg.jnp_dtype
         self.sharder = sharder
+        # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel,
+        # which reads a 16-bit cache and runs on one device: the kernel does not split)
+        if decode_kernel == "auto":
+            tpu = jax.default_backend() == "tpu" and sharder is None
+            decode_kernel = "pallas" if tpu and self.cache_dtype != jnp.float32 else "ragged"
+        if decode_kernel not in ("ragged", "pallas"):
+            raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
+        self.decode_kernel = decode_kernel
         # a prefill chunk (one row) cannot split over `data`: its activations replicate
         self._row_sharder = (
             None
@@ -441,7 +452,8 @@ class Engine:
         src, dst = src_dst[0], src_dst[1]
         p = state.pages
         pages = KVPages(
-            k=tuple(x.at[dst].set(x[src]) for x in p.k), v=tuple(x.at[dst].set(x[src]) for x in p.v)
+            k=tuple(x.at[:, dst].set(x[:, src]) for x in p.k),
+            v=tuple(x.at[:, dst].set(x[:, src]) for x in p.v),
         )
         return self._lay_out(dataclasses.replace(state, pages=pages))
 
@@ -455,6 +467,8 @@ class Engine:
         """The (slot, page) pair counts a decode batch of ``rows`` slots compiles for: powers
         of two from two blocks of `ragged_attention` up to every slot's every page."""
         block = pair_block(self.page_size)
+        if self.decode_kernel == "pallas":  # the kernel reads the page table itself
+            return (2 * block,)
         most = -(-rows * self.pages_per_seq // block) * block
         return _buckets(2 * block, max(most, 2 * block))
 
@@ -509,6 +523,7 @@ class Engine:
                 pos_b=pos,
                 num_new_b=active.astype(jnp.int32),
                 pages_read=pairs,
+                decode_kernel=self.decode_kernel,
             )
             pos = pos + active.astype(jnp.int32)
             token, logprob = _sample_step(lm_logits(params, h)[:, 0], slots)

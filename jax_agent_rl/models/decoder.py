@@ -18,6 +18,7 @@ from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
 from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
@@ -71,8 +72,9 @@ class Weights:
 class KVPages:
     """Keys and values of every layer in one pool of fixed-size pages.
 
-    Layout: ``k``, ``v`` are tuples of L arrays [P, G, page_size, K], one buffer per layer (a
-    layer reads and writes its own in place). A sequence owns a list of pages, its *page
+    Layout: ``k``, ``v`` are tuples of L arrays [G, P, page_size, K], one buffer per layer (a
+    layer reads and writes its own in place; kv heads first, as TPU paged-attention kernels
+    read them). A sequence owns a list of pages, its *page
     table*: position s of the sequence lives in page ``table[s // page_size]`` at offset
     ``s % page_size``. Memory follows real lengths: a sequence holds ``ceil(n / page_size)``
     pages, and sequences that share a prefix can share its pages (the engine counts
@@ -89,11 +91,11 @@ class KVPages:
 
     @property
     def num_pages(self) -> int:
-        return int(self.k[0].shape[0])
+        return int(self.k[0].shape[1])
 
 
 # the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
-PAGE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+PAGE_AXES = ("kv_heads", "batch", "cache_seq", "head_dim")
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
 PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_block`)
 
@@ -187,7 +189,7 @@ def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None
 def page_shardings(cfg: ModelConfig, sharder: Sharder, num_pages: int, page_size: int) -> KVPages:
     """A `KVPages` of NamedShardings for a pool of ``num_pages`` pages (divisibility of the
     pages over ``batch``'s mesh axes and of the kv heads over theirs checked)."""
-    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     kv = (sharder.sharding(PAGE_AXES, shape),) * cfg.num_layers
     return KVPages(k=kv, v=kv)
 
@@ -202,7 +204,7 @@ def init_pages(
     """An empty pool of ``num_pages`` pages of ``page_size`` positions, laid out by
     ``sharder``: each part is created where it lives. Keys and values in ``dtype`` (default:
     the model's)."""
-    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     at: tuple[Any, ...] = (None,) * cfg.num_layers
     if sharder is not None:
         at = page_shardings(cfg, sharder, num_pages, page_size).k
@@ -418,24 +420,24 @@ def paged_attention(
     """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1`` whose keys and values
     are in their pages already (at positions ``pos_b + t``), over the row's positions up to
     their own: each row's first ``pages_read`` pages (static, a bucket that covers every
-    row's positions) gathered from one layer's pool [P, G, page_size, K] by its page table
+    row's positions) gathered from one layer's pool [G, P, page_size, K] by its page table
     [B, M]. For prefill chunks: T queries over a few pages each.
 
     Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
     matmul (as a matmul in that dtype takes them), the denominator summed unrounded.
     """
     B, T, H, K = q_bthk.shape
-    _, G, ps, _ = k_pages.shape
+    G, _, ps, _ = k_pages.shape
     q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
     pages_bn = table_bm[:, :pages_read]
     seen_bts = jnp.arange(pages_read * ps) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]
-    s = jnp.einsum("btgrk,bngsk->bgrtns", q, k_pages[pages_bn].astype(jnp.float32))
+    s = jnp.einsum("btgrk,gbnsk->bgrtns", q, k_pages[:, pages_bn].astype(jnp.float32))
     s = s.reshape(*s.shape[:4], pages_read * ps)
     s = jnp.where(seen_bts[:, None, None], s * K**-0.5, -1e30)
     p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
     p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
     p_rounded = p_rounded.reshape(*s.shape[:4], pages_read, ps)
-    out = jnp.einsum("bgrtns,bngsk->bgrtk", p_rounded, v_pages[pages_bn].astype(jnp.float32))
+    out = jnp.einsum("bgrtns,gbnsk->bgrtk", p_rounded, v_pages[:, pages_bn].astype(jnp.float32))
     out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
 
@@ -487,7 +489,7 @@ def ragged_attention(
     """
     B, H, K = q_bhk.shape
     J = pairs.row.shape[0]
-    _, G, ps, _ = k_pages.shape
+    G, _, ps, _ = k_pages.shape
     R = H // G
     C = pair_block(ps)
     if J % C or J < 2 * C:
@@ -498,14 +500,14 @@ def ragged_attention(
 
     def partial_softmax(_: None, block: PagePairs) -> tuple[None, tuple[jax.Array, ...]]:
         row = jnp.minimum(block.row, B - 1)
-        s = jnp.einsum("jgrk,jgsk->jgrs", q_bgrk[row], k_pages[block.page].astype(jnp.float32))
+        s = jnp.einsum("jgrk,gjsk->jgrs", q_bgrk[row], k_pages[:, block.page].astype(jnp.float32))
         seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
         s = jnp.where(seen_js[:, None, None], s * K**-0.5, -1e30)
         top = s.max(-1)  # [C, G, R]: a page's first position is always seen
         p = jnp.exp(s - top[..., None])
         p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
-        v = v_pages[block.page].astype(jnp.float32)
-        return None, (top, p.sum(-1), jnp.einsum("jgrs,jgsk->jgrk", p_rounded, v))
+        v = v_pages[:, block.page].astype(jnp.float32)
+        return None, (top, p.sum(-1), jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v))
 
     _, (top, total, out) = jax.lax.scan(partial_softmax, None, blocks)
     row_top = jax.ops.segment_max(
@@ -526,6 +528,41 @@ def ragged_attention(
     (total_b, out_b), _ = jax.lax.scan(add_block, start, (blocks.row, top, total, out))
     out_b = out_b / jnp.where(total_b > 0, total_b, 1.0)[..., None]  # a row of no pairs: 0
     return out_b.astype(q_bhk.dtype).reshape(B, H, K)
+
+
+PALLAS_BLOCK_POSITIONS = 256  # cache positions per compute block of `pallas_paged_attention`
+
+
+def pallas_paged_attention(
+    q_bhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+) -> jax.Array:
+    """Decode attention as `ragged_attention` computes it, by the TPU paged-attention
+    kernel JAX ships (`jax.experimental.pallas.ops.tpu.paged_attention`): row b attends to
+    its positions ``0 .. pos_b`` through its page table, reading its pages in place (one
+    kv head's pages per program, blocks of pages double-buffered into VMEM). Rows not active
+    give zeros.
+
+    The kernel reads keys and values as bfloat16 (it casts them), scores and weights in
+    fp32 (the weights are not rounded before the values' matmul): for a 16-bit cache it is
+    `ragged_attention` up to that rounding. Off TPU it runs only in Pallas's TPU interpret
+    mode (``pltpu.force_tpu_interpret_mode()`` around the trace).
+    """
+    K = q_bhk.shape[2]
+    ps = k_pages.shape[2]
+    block = max(1, PALLAS_BLOCK_POSITIONS // ps)
+    M = table_bm.shape[1]
+    # the kernel steps over a row's pages in blocks: its table padded to whole blocks
+    # (page 0 there, past every row's length, never read)
+    table = jnp.pad(table_bm, ((0, 0), (0, -M % block)))
+    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
+    q = q_bhk.astype(jnp.float32) * K**-0.5  # the kernel does not scale
+    out = tpu_paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
+    return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
 
 
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
@@ -575,6 +612,7 @@ def forward(
     pos_b: jax.Array,
     num_new_b: jax.Array,
     pages_read: int,
+    decode_kernel: str = "ragged",
 ) -> tuple[jax.Array, KVPages]: ...
 
 
@@ -592,6 +630,7 @@ def forward(
     pos_b: jax.Array | None = None,
     num_new_b: jax.Array | None = None,
     pages_read: int | None = None,
+    decode_kernel: str = "ragged",
 ) -> jax.Array | tuple[jax.Array, KVPages]:
     """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
     logits), and with a ``cache`` the updated pages too.
@@ -608,7 +647,8 @@ def forward(
     ``pos``. ``pages_read`` (static): for a chunk of T > 1 tokens (prefill), the pages each
     row reads, a bucket that covers its positions (`paged_attention`); for T = 1 (decode),
     the (row, page) pairs of all rows together, at least the pages they hold
-    (`ragged_attention`: each row reads its own pages only).
+    (`ragged_attention`: each row reads its own pages only). ``decode_kernel`` "pallas": decode
+    attention by the TPU kernel instead (`pallas_paged_attention`; ``pages_read`` unused).
 
     Without a cache the layers run under ``lax.scan`` over stacked weights (a tuple of layers
     is stacked first); with one, one after another in Python, each reading and writing its
@@ -651,7 +691,7 @@ def forward(
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
     if page_table_bm is None or pos_b is None or num_new_b is None or pages_read is None:
         raise ValueError("forward with a cache needs page_table_bm, pos_b, num_new_b, pages_read")
-    P, _, ps, _ = cache.k[0].shape
+    _, P, ps, _ = cache.k[0].shape
     M = page_table_bm.shape[1]
     cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
@@ -659,7 +699,10 @@ def forward(
     # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
     page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
     offset_bt = cache_positions % ps
-    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, pages_read, ps) if T == 1 else None
+    if decode_kernel not in ("ragged", "pallas"):
+        raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
+    ragged = T == 1 and decode_kernel == "ragged"
+    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, pages_read, ps) if ragged else None
     new_k, new_v = [], []
     for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
 
@@ -667,13 +710,18 @@ def forward(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
         ) -> jax.Array:
             # the chunk's keys and values go into their pages first, then attention reads
-            # them (the update is [B, T, G, K], split by the page and offset indices)
-            ck = ck.at[page_bt, :, offset_bt].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[page_bt, :, offset_bt].set(v.astype(cv.dtype), mode="drop")
+            # them (the update is [G, B, T, K], split by the page and offset indices)
+            k_gbtk, v_gbtk = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+            ck = ck.at[:, page_bt, offset_bt].set(k_gbtk.astype(ck.dtype), mode="drop")
+            cv = cv.at[:, page_bt, offset_bt].set(v_gbtk.astype(cv.dtype), mode="drop")
             new_k.append(ck)
             new_v.append(cv)
             if pairs is not None:
                 return ragged_attention(q[:, 0], ck, cv, pairs, pos_b)[:, None]
+            if T == 1:
+                return pallas_paged_attention(q[:, 0], ck, cv, page_table_bm, pos_b, num_new_b > 0)[
+                    :, None
+                ]
             return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 
         x = mlp(lw, attend(lw, x, cache_positions, paged))

@@ -154,10 +154,10 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
     cfg = sharded.engine.cfg
     assert sharded.engine.batch_buckets == (4,)  # slots split over data: all in every step
     assert len(sharded._state.pages.k) == cfg.num_layers  # a buffer per layer
-    k = sharded._state.pages.k[0]  # [P, G, page_size, K]
-    assert k.sharding.spec == PartitionSpec(("data", "fsdp"), "tensor", None, None)
-    P, G, S, K = k.shape
-    assert {s.data.shape for s in k.addressable_shards} == {(P // 4, G // 2, S, K)}
+    k = sharded._state.pages.k[0]  # [G, P, page_size, K]
+    assert k.sharding.spec == PartitionSpec("tensor", ("data", "fsdp"), None, None)
+    G, P, S, K = k.shape
+    assert {s.data.shape for s in k.addressable_shards} == {(G // 2, P // 4, S, K)}
     assert len({s.device for s in k.addressable_shards}) == 8
     q = sharded._params.layers[0].q  # [D, H, K]: whole D (no fsdp), heads over tensor
     assert {s.data.shape for s in q.addressable_shards} == {

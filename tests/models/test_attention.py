@@ -4,6 +4,8 @@ KV pages (`paged_attention`, `ragged_attention`) against a dense reference.
 Rows of 300 tokens (three blocks of `ATTN_BLOCK`, the last partial) packing several segments
 of unequal lengths, one segment crossing block boundaries, and trailing padding (segment 0).
 
+The TPU kernel (`pallas_paged_attention`) is checked in Pallas's TPU interpret mode on CPU.
+
 Tolerances. The values are compared with a float64 numpy softmax over the full T x T mask:
 the blocked fp32 computation differs from it only by fp32 rounding of K = 16-term dot
 products and of softmax sums over at most 300 weights (unit roundoff 6e-8, a few hundred
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from jax_agent_rl.models.decoder import (
     ATTN_BLOCK,
@@ -25,6 +28,7 @@ from jax_agent_rl.models.decoder import (
     page_pairs,
     paged_attention,
     pair_block,
+    pallas_paged_attention,
     ragged_attention,
 )
 
@@ -116,19 +120,20 @@ def _pool(page_size: int, tables: list[list[int]], lengths: list[int], seed: int
     page table (float64), up to the longest row."""
     num_pages = max(max(t) for t in tables) + 3
     kk, kv = jax.random.split(jax.random.key(seed))
-    k_pages = jax.random.normal(kk, (num_pages, G, page_size, K))
-    v_pages = jax.random.normal(kv, (num_pages, G, page_size, K))
-    S = max(lengths)
+    k_pages = jax.random.normal(kk, (G, num_pages, page_size, K))
+    v_pages = jax.random.normal(kv, (G, num_pages, page_size, K))
+    return k_pages, v_pages, _rows(k_pages, tables, lengths), _rows(v_pages, tables, lengths)
 
-    def rows(pages: jax.Array) -> np.ndarray:
-        x = np.asarray(pages, np.float64)
-        out = np.zeros((len(tables), S, G, K))
-        for b, table in enumerate(tables):
-            seq = np.concatenate([x[p].transpose(1, 0, 2) for p in table])  # [n * ps, G, K]
-            out[b, : lengths[b]] = seq[: lengths[b]]
-        return out
 
-    return k_pages, v_pages, rows(k_pages), rows(v_pages)
+def _rows(pages: jax.Array, tables: list[list[int]], lengths: list[int]) -> np.ndarray:
+    """Each row's keys or values [S, G, K] (float64) read from ``pages`` through its page
+    table, up to the longest row."""
+    x = np.asarray(pages.astype(jnp.float32), np.float64)
+    out = np.zeros((len(tables), max(lengths), G, K))
+    for b, table in enumerate(tables):
+        seq = np.concatenate([x[:, p].transpose(1, 0, 2) for p in table])
+        out[b, : lengths[b]] = seq[: lengths[b]]
+    return out
 
 
 def test_paged_attention_equals_the_softmax() -> None:
@@ -184,3 +189,35 @@ def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(got[0]))
     last_alone = run(table, pos, jnp.asarray([False, False, False, True]), 4 * block)
     np.testing.assert_array_equal(np.asarray(last_alone[3]), np.asarray(got[3]))
+
+
+def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
+    """Decode attention by JAX's TPU paged-attention kernel (`pallas_paged_attention`, in
+    Pallas's TPU interpret mode), for a 16-bit cache as a TPU engine holds it: the rows of
+    the ragged test (one page; 40 pages, more than one compute block; idle; a page and one
+    token), pages shared and scattered. Against a float64 softmax of the same bfloat16 keys,
+    values and queries. Bound: the kernel computes in fp32 from bfloat16 inputs it reads
+    exactly, so as above (K + S + 1 unit roundoffs of the largest value), plus the output's
+    rounding to bfloat16 (half an ulp: 2^-9 relative). An idle row gives zeros."""
+    ps = 8
+    lengths = [5, 40 * ps, 1, ps + 1]
+    tables = [[3], list(range(10, 50)), [0], [3, 60]]
+    active = jnp.asarray([True, True, False, True])
+    k_pages, v_pages, _, _ = _pool(ps, tables, lengths, seed=4)
+    k16, v16 = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
+    k64, v64 = _rows(k16, tables, lengths), _rows(v16, tables, lengths)
+    q = jax.random.normal(jax.random.key(5), (4, H, K)).astype(jnp.bfloat16)
+    table = np.zeros((4, 48), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    pos = jnp.asarray(lengths) - 1
+    with pltpu.force_tpu_interpret_mode():
+        got = pallas_paged_attention(q, k16, v16, jnp.asarray(table), pos, active)
+    assert got.dtype == jnp.bfloat16
+    last = np.asarray(pos)[:, None]
+    want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
+    vmax = np.abs(v64).max()
+    bound = 2.0**-9 * np.abs(want).max() + (K + max(lengths) + 1) * 2.0**-24 * vmax
+    live = np.asarray(active)
+    np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
+    assert not np.asarray(got[~live], np.float64).any()

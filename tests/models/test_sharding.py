@@ -65,7 +65,7 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     # the paged KV path, the pool's pages sharded over batch, kv heads over tensor
     pages = init_pages(CFG, num_pages=4 * B, page_size=16, sharder=sharder)
     assert {k.sharding.spec for k in pages.k} == {
-        jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
+        jax.sharding.PartitionSpec("tensor", ("data", "fsdp"), None, None)
     }
     table = jnp.arange(4 * B, dtype=jnp.int32).reshape(B, 4)[:, ::-1]
     step = jax.jit(

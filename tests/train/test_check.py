@@ -321,7 +321,7 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     learner, serving = _sharders(mesh)
     fp32 = _sharded_bytes(model, learner, 4) / gib
     pages = page_shardings(dataclasses.replace(model, dtype="bfloat16"), serving, 128 * 128, 32)
-    shape = (28, 128 * 128, 2, 32, 128)  # [L, pages (128 slots x 4096 / 32), G, 32, K]
+    shape = (28, 2, 128 * 128, 32, 128)  # [L, G, pages (128 slots x 4096 / 32), 32, K]
     assert 2 * math.prod(shape) * 2 / gib == 14.0  # keys and values, 2 bytes each
     assert len(pages.k) == 28  # a buffer per layer
     kv = 2 * 28 * math.prod(pages.k[0].shard_shape(shape[1:])) * 2 / gib
