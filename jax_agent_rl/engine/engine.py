@@ -19,8 +19,8 @@ mix run side by side.
 
 Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
 ``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
-of pages; ``generate`` compiles once per (batch bucket, pairs bucket), the pairs (slot,
-page) it reads padded to a power of two; ``warmup`` compiles them all up front.
+of pages; ``generate`` compiles once per batch bucket (attention loops over the real
+(slot, page) pairs, a count known on the device only); ``warmup`` compiles them all up front.
 ``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
 Weights are arguments, never constants: swapping in new weights of the same shapes reuses
 every compiled program. Each layer's weights and each layer's pages are buffers of their
@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -56,7 +56,7 @@ from jax_agent_rl.models import (
     param_shardings,
     param_specs,
 )
-from jax_agent_rl.models.decoder import is_spec, pair_block, serving_layout, training_layout
+from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -234,7 +234,7 @@ class Engine:
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
         self._generate = jax.jit(
             self._generate_impl,
-            static_argnames=("num_steps", "pairs", "rows"),
+            static_argnames=("num_steps", "rows"),
             donate_argnames=("state",),
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
@@ -463,39 +463,24 @@ class Engine:
         """The decode batch that covers slots ``0 .. slots_in_use - 1``."""
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, slots_in_use)]
 
-    def pair_buckets(self, rows: int) -> tuple[int, ...]:
-        """The (slot, page) pair counts a decode batch of ``rows`` slots compiles for: powers
-        of two from two blocks of `ragged_attention` up to every slot's every page."""
-        block = pair_block(self.page_size)
-        if self.decode_kernel == "pallas":  # the kernel reads the page table itself
-            return (2 * block,)
-        most = -(-rows * self.pages_per_seq // block) * block
-        return _buckets(2 * block, max(most, 2 * block))
-
     def generate(
         self,
         params: Weights,
         state: DecodeState,
         page_table: np.ndarray,
-        lengths: Mapping[int, int],
+        active: Collection[int],
         num_steps: int = 1,
         slots_in_use: int | None = None,
     ) -> tuple[DecodeState, StepTokens]:
         """Advances every active slot ``num_steps`` tokens. ``page_table`` [N, M] names each
         slot's pages, which must cover its positions for the ``num_steps`` tokens;
-        ``lengths`` maps each active slot to the positions its pages hold (an upper bound
-        will do): they pick the decode batch (the slots up to the highest active one,
-        rounded up to a batch bucket) and the number of (slot, page) pairs attention reads.
-        The tokens come back for the batch's slots, [num_steps, batch]; ``slots_in_use``
-        widens the batch to cover that many slots (a caller that reads every slot's row)."""
-        rows = self.batch_bucket(max(max(lengths, default=0) + 1, slots_in_use or 0))
-        need = sum(
-            self.pages_for(min(n + num_steps, self.max_len)) for s, n in lengths.items() if s < rows
-        )
-        buckets = self.pair_buckets(rows)
-        pairs = buckets[min(bisect.bisect_left(buckets, need), len(buckets) - 1)]
+        ``active``, the active slots, picks the decode batch (the slots up to the highest
+        active one, rounded up to a batch bucket). The tokens come back for the batch's
+        slots, [num_steps, batch]; ``slots_in_use`` widens the batch to cover that many slots
+        (a caller that reads every slot's row)."""
+        rows = self.batch_bucket(max(max(active, default=0) + 1, slots_in_use or 0))
         table = self._device_table(page_table[:rows], ("batch", None))
-        return self._generate(params, state, table, num_steps=num_steps, pairs=pairs, rows=rows)
+        return self._generate(params, state, table, num_steps=num_steps, rows=rows)
 
     def _generate_impl(
         self,
@@ -503,7 +488,6 @@ class Engine:
         state: DecodeState,
         table_bm: jax.Array,
         num_steps: int,
-        pairs: int,
         rows: int,
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
@@ -522,7 +506,6 @@ class Engine:
                 page_table_bm=table_bm,
                 pos_b=pos,
                 num_new_b=active.astype(jnp.int32),
-                pages_read=pairs,
                 decode_kernel=self.decode_kernel,
             )
             pos = pos + active.astype(jnp.int32)
@@ -542,7 +525,7 @@ class Engine:
 
     def warmup(self, params: Weights, num_steps: int) -> None:
         """Compiles every program serving can need (each prefill bucket at each number of
-        pages it can read, ``generate`` at each (batch bucket, pairs bucket), insert, release
+        pages it can read, ``generate`` at each batch bucket, insert, release
         and copy_page), so that no request stalls on a compilation later: a trace holds the
         GIL and stalls the whole process. It writes into the pool: call it before serving."""
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
@@ -567,9 +550,6 @@ class Engine:
         table = self.page_table([pages] * self.max_concurrent_decodes)
         for rows in self.batch_buckets:
             device_table = self._device_table(table[:rows], ("batch", None))
-            for pairs in self.pair_buckets(rows):
-                state, out = self._generate(
-                    params, state, device_table, num_steps=num_steps, pairs=pairs, rows=rows
-                )
-                jax.block_until_ready(out)
+            state, out = self._generate(params, state, device_table, num_steps=num_steps, rows=rows)
+            jax.block_until_ready(out)
         jax.block_until_ready(self.release(state, 0))

@@ -477,28 +477,35 @@ def ragged_attention(
     pos_b: jax.Array,
 ) -> jax.Array:
     """Decode attention, one new token per row [B, H, K] at position ``pos_b``, over the
-    row's own pages only: the work is the pairs', the sum of the rows' real lengths in
-    pages, so a long row costs the short ones nothing.
+    row's own pages only: the work is the real pairs', the sum of the rows' real lengths in
+    pages, so a long row costs the short ones nothing, and padding pairs cost nothing.
 
     Each pair is a partial softmax over its page (its max, sum and weighted values, fp32);
     a row's pairs are combined at the row's max. A row's numbers depend only on its own
     pairs, bit for bit, not on which rows share the step or on the padding: XLA:CPU computes
     an elementwise op (exp) differently by array size, so the pairs go through one program
-    in blocks of `pair_block` (a scan of at least 2 iterations: a loop of one is inlined),
-    and the blocks add into their rows one pair after another, in pair order.
+    in blocks of `pair_block`, and the blocks add into their rows one pair after another, in
+    pair order. Both passes are loops over the blocks that hold real pairs (a trip count
+    known only on the device): one program serves any mix of lengths.
     """
     B, H, K = q_bhk.shape
     J = pairs.row.shape[0]
     G, _, ps, _ = k_pages.shape
     R = H // G
     C = pair_block(ps)
-    if J % C or J < 2 * C:
-        raise ValueError(f"{J} pairs: a multiple of {C}, at least 2 blocks")
+    if J % C:
+        raise ValueError(f"{J} pairs: a multiple of {C}")
     q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
     seen_bs = jnp.arange(ps)[None, :]
     blocks = jax.tree.map(lambda x: x.reshape(J // C, C), pairs)
+    real_blocks = (jnp.sum(pairs.row < B) + C - 1) // C  # real pairs come first
 
-    def partial_softmax(_: None, block: PagePairs) -> tuple[None, tuple[jax.Array, ...]]:
+    def block_at(i: jax.Array) -> PagePairs:
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), blocks)
+
+    def partial_softmax(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        row_top, top_j, total_j, out_j = carry
+        block = block_at(i)
         row = jnp.minimum(block.row, B - 1)
         s = jnp.einsum("jgrk,gjsk->jgrs", q_bgrk[row], k_pages[:, block.page].astype(jnp.float32))
         seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
@@ -506,26 +513,40 @@ def ragged_attention(
         top = s.max(-1)  # [C, G, R]: a page's first position is always seen
         p = jnp.exp(s - top[..., None])
         p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
-        v = v_pages[:, block.page].astype(jnp.float32)
-        return None, (top, p.sum(-1), jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v))
+        out = jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v_pages[:, block.page].astype(jnp.float32))
+        return (
+            row_top.at[block.row].max(top, mode="drop"),
+            jax.lax.dynamic_update_index_in_dim(top_j, top, i, 0),
+            jax.lax.dynamic_update_index_in_dim(total_j, p.sum(-1), i, 0),
+            jax.lax.dynamic_update_index_in_dim(out_j, out, i, 0),
+        )
 
-    _, (top, total, out) = jax.lax.scan(partial_softmax, None, blocks)
-    row_top = jax.ops.segment_max(
-        top.reshape(J, G, R), pairs.row, num_segments=B, indices_are_sorted=True
+    n = J // C
+    row_top, top_j, total_j, out_j = jax.lax.fori_loop(
+        0,
+        real_blocks,
+        partial_softmax,
+        (
+            jnp.full((B, G, R), -jnp.inf),
+            jnp.zeros((n, C, G, R)),
+            jnp.zeros((n, C, G, R)),
+            jnp.zeros((n, C, G, R, K)),
+        ),
     )
 
-    def add_block(
-        carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, ...]
-    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+    def add_block(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         row_total, row_out = carry
-        rows, top_c, total_c, out_c = block
-        rescale = jnp.exp(top_c - row_top[jnp.minimum(rows, B - 1)])
-        row_total = row_total.at[rows].add(total_c * rescale, mode="drop")
-        row_out = row_out.at[rows].add(out_c * rescale[..., None], mode="drop")
-        return (row_total, row_out), None
+        rows = block_at(i).row
+        top, total, out = (
+            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (top_j, total_j, out_j)
+        )
+        rescale = jnp.exp(top - row_top[jnp.minimum(rows, B - 1)])
+        row_total = row_total.at[rows].add(total * rescale, mode="drop")
+        row_out = row_out.at[rows].add(out * rescale[..., None], mode="drop")
+        return row_total, row_out
 
     start = (jnp.zeros((B, G, R)), jnp.zeros((B, G, R, K)))
-    (total_b, out_b), _ = jax.lax.scan(add_block, start, (blocks.row, top, total, out))
+    total_b, out_b = jax.lax.fori_loop(0, real_blocks, add_block, start)
     out_b = out_b / jnp.where(total_b > 0, total_b, 1.0)[..., None]  # a row of no pairs: 0
     return out_b.astype(q_bhk.dtype).reshape(B, H, K)
 
@@ -611,7 +632,7 @@ def forward(
     page_table_bm: jax.Array,
     pos_b: jax.Array,
     num_new_b: jax.Array,
-    pages_read: int,
+    pages_read: int | None = None,
     decode_kernel: str = "ragged",
 ) -> tuple[jax.Array, KVPages]: ...
 
@@ -644,11 +665,10 @@ def forward(
     the row's earlier positions plus the chunk's own earlier tokens. Only the row's first
     ``num_new[b]`` tokens are real (their keys and values are written into its pages); the
     rest of its T are padding, written nowhere (a row of none is idle). The caller advances
-    ``pos``. ``pages_read`` (static): for a chunk of T > 1 tokens (prefill), the pages each
-    row reads, a bucket that covers its positions (`paged_attention`); for T = 1 (decode),
-    the (row, page) pairs of all rows together, at least the pages they hold
-    (`ragged_attention`: each row reads its own pages only). ``decode_kernel`` "pallas": decode
-    attention by the TPU kernel instead (`pallas_paged_attention`; ``pages_read`` unused).
+    ``pos``. ``pages_read`` (static, chunks of T > 1 tokens: prefill): the pages each row
+    reads, a bucket that covers its positions (`paged_attention`). A chunk of T = 1 (decode)
+    reads each row's own pages only (`ragged_attention`, or with ``decode_kernel`` "pallas" the
+    TPU kernel, `pallas_paged_attention`).
 
     Without a cache the layers run under ``lax.scan`` over stacked weights (a tuple of layers
     is stacked first); with one, one after another in Python, each reading and writing its
@@ -689,8 +709,10 @@ def forward(
         return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
 
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
-    if page_table_bm is None or pos_b is None or num_new_b is None or pages_read is None:
-        raise ValueError("forward with a cache needs page_table_bm, pos_b, num_new_b, pages_read")
+    if page_table_bm is None or pos_b is None or num_new_b is None:
+        raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
+    if T > 1 and pages_read is None:
+        raise ValueError("a prefill chunk (T > 1) needs pages_read")
     _, P, ps, _ = cache.k[0].shape
     M = page_table_bm.shape[1]
     cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -702,7 +724,9 @@ def forward(
     if decode_kernel not in ("ragged", "pallas"):
         raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
     ragged = T == 1 and decode_kernel == "ragged"
-    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, pages_read, ps) if ragged else None
+    # every row's every page fits the pairs; the loops stop after the real ones
+    capacity = -(-B * M // pair_block(ps)) * pair_block(ps)
+    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, capacity, ps) if ragged else None
     new_k, new_v = [], []
     for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
 
@@ -722,6 +746,7 @@ def forward(
                 return pallas_paged_attention(q[:, 0], ck, cv, page_table_bm, pos_b, num_new_b > 0)[
                     :, None
                 ]
+            assert pages_read is not None
             return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 
         x = mlp(lw, attend(lw, x, cache_positions, paged))

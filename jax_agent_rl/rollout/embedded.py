@@ -514,9 +514,8 @@ class EmbeddedBackend:
         self._grow()
         if not self._slots:
             return
-        lengths = {slot: job.pos for slot, job in self._slots.items()}
         self._state, out = self.engine.generate(
-            self._params, self._state, self._table, lengths, self._steps_per_call
+            self._params, self._state, self._table, self._slots.keys(), self._steps_per_call
         )
         out = jax.device_get(out)
         self.stats.decode_calls += 1

@@ -221,3 +221,33 @@ def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
     live = np.asarray(active)
     np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
     assert not np.asarray(got[~live], np.float64).any()
+
+
+def test_ragged_attention_rows_are_bitwise_the_same_wherever_their_pairs_fall() -> None:
+    """With pages of 64 positions a block holds 16 (row, page) pairs: a row of 20 pages
+    spans two blocks, and the pairs of the rows after it move to other blocks (and other
+    offsets in them) when it is there or not. Each row's result is bitwise the same alone
+    and beside the others, and within the bound of a float64 softmax."""
+    ps = 64
+    assert pair_block(ps) == 16
+    lengths = [20 * ps - 3, 3 * ps, 40, 5 * ps + 1]
+    tables = [list(range(1, 21)), [30, 31, 32], [40], [50, 51, 52, 53, 54, 55]]
+    k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=6)
+    q = jax.random.normal(jax.random.key(7), (4, H, K))
+    table = np.zeros((4, 24), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    pos = jnp.asarray(lengths) - 1
+
+    def run(active: list[bool], num_pairs: int) -> np.ndarray:
+        pairs = page_pairs(jnp.asarray(table), pos, jnp.asarray(active), num_pairs, ps)
+        return np.asarray(ragged_attention(q, k_pages, v_pages, pairs, pos))
+
+    every = run([True] * 4, 64)
+    want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, pos[:, None])
+    bound = (K + max(lengths) + 1) * 2.0**-24 * np.abs(v64).max()
+    np.testing.assert_allclose(every.astype(np.float64), want[:, 0], atol=bound, rtol=0)
+    for b in range(4):
+        alone = run([i == b for i in range(4)], 96)
+        np.testing.assert_array_equal(alone[b], every[b])
+    np.testing.assert_array_equal(run([False, True, False, True], 32)[[1, 3]], every[[1, 3]])

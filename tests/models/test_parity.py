@@ -16,7 +16,6 @@ import torch
 import transformers
 
 from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
-from jax_agent_rl.models.decoder import pair_block
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 TOL = 1e-4
@@ -107,7 +106,7 @@ def test_prefill_and_decode_reproduce_full_sequence(
         width = max(n0, n1)
         chunk = np.zeros((2, width), np.int64)
         chunk[0, :n0], chunk[1, :n1] = tokens[0, s0 : s0 + n0], tokens[1, s1 : s1 + n1]
-        reads = 2 * pair_block(4) if width == 1 else 8  # decode: (row, page) pairs; else pages
+        reads = None if width == 1 else 8  # a prefill chunk reads 8 pages; decode its own
         pos, n = jnp.array([s0, s1]), jnp.array([n0, n1])
         h, pages = step(w, cfg, jnp.asarray(chunk), pos, n, pages, reads)
         lg = np.asarray(lm_logits(w, h))

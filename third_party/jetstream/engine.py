@@ -239,7 +239,7 @@ class JetStreamEngine(engine_api.Engine):
             params.current,
             decode_state.state,
             self._table,
-            self._lengths,
+            self._lengths.keys(),
             self.steps,
             slots_in_use=self.engine.max_concurrent_decodes,  # `_pack` reads every slot
         )
