@@ -125,6 +125,14 @@ def _pool(page_size: int, tables: list[list[int]], lengths: list[int], seed: int
     return k_pages, v_pages, _rows(k_pages, tables, lengths), _rows(v_pages, tables, lengths)
 
 
+def _table(tables: list[list[int]], width: int) -> np.ndarray:
+    """Page tables [rows, width]; entries past a row's pages point at page 0."""
+    table = np.zeros((len(tables), width), np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = t
+    return table
+
+
 def _rows(pages: jax.Array, tables: list[list[int]], lengths: list[int]) -> np.ndarray:
     """Each row's keys or values [S, G, K] (float64) read from ``pages`` through its page
     table, up to the longest row."""
@@ -167,9 +175,7 @@ def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
     active = jnp.asarray([True, True, False, True])
     k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=4)
     q = jax.random.normal(jax.random.key(5), (4, H, K))
-    table = np.zeros((4, 48), np.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = t
+    table = _table(tables, 48)
     pos = jnp.asarray(lengths) - 1
 
     def run(table: np.ndarray, pos: jax.Array, active: jax.Array, num_pairs: int) -> jax.Array:
@@ -207,9 +213,7 @@ def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
     k16, v16 = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
     k64, v64 = _rows(k16, tables, lengths), _rows(v16, tables, lengths)
     q = jax.random.normal(jax.random.key(5), (4, H, K)).astype(jnp.bfloat16)
-    table = np.zeros((4, 48), np.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = t
+    table = _table(tables, 48)
     pos = jnp.asarray(lengths) - 1
     with pltpu.force_tpu_interpret_mode():
         got = pallas_paged_attention(q, k16, v16, jnp.asarray(table), pos, active)
@@ -234,9 +238,7 @@ def test_ragged_attention_rows_are_bitwise_the_same_wherever_their_pairs_fall() 
     tables = [list(range(1, 21)), [30, 31, 32], [40], [50, 51, 52, 53, 54, 55]]
     k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=6)
     q = jax.random.normal(jax.random.key(7), (4, H, K))
-    table = np.zeros((4, 24), np.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = t
+    table = _table(tables, 24)
     pos = jnp.asarray(lengths) - 1
 
     def run(active: list[bool], num_pairs: int) -> np.ndarray:
