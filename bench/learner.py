@@ -1,37 +1,56 @@
-"""Train-step throughput: the JAX `Learner` against a PyTorch implementation of the same step.
+"""Train-step throughput: the JAX `Learner`'s RL step against a PyTorch implementation of it.
 
 Both sides load the SAME locally written Qwen2-style checkpoint (`SMALL_QWEN2`, ~40M
-parameters: hidden 512, 8 layers, 8 heads, 2 kv heads, vocab 32000, tied embeddings) and train
-on the SAME fixed batch (default 8 rows x 512 tokens, random token ids; loss mask on the last
-256 targets of each row, the "response"; advantages +1 / -1 by row; old logprobs = the fp32
-model's own logprobs plus small fixed noise). One step is: forward to fp32 logits, log-softmax,
-target logprobs (JAX: a vocabulary chunk at a time, `head_logprobs`, with each token's entropy
-for the metrics; torch: all [B, T, V] logits at once), PPO clipped surrogate (ratio =
-exp(logp - old), clip 0.2, no dual clip, no importance weights), token-mean over the mask,
-backward, global-norm clipping at 1.0, AdamW.
+parameters: hidden 512, 8 layers, 8 heads, 2 kv heads, vocab 32000, tied embeddings) and run
+the SAME GRPO step on the SAME seeded trajectories (random token ids; the first fifth of each,
+at most 256 tokens, is prompt, the rest the response the loss is on; rewards 0 / 1 at random
+in groups of 8). One step is what `jarl train`'s learner does: old-policy logprobs of every
+response token (a forward without gradients), GRPO advantages (group mean / std), then one
+update: forward to fp32 logits, log-softmax, target logprobs (JAX: a vocabulary chunk at a
+time, `head_logprobs`, with each token's entropy for the metrics; torch: all logits of a
+micro-batch at once), PPO clipped surrogate (clip 0.2, no dual clip, no importance weights),
+token-mean over the whole batch, backward per micro-batch, global-norm clipping at 1.0, AdamW.
 Master weights and optimizer state are fp32 everywhere.
 
-    torch_fp32    transformers' Qwen2ForCausalLM, eager, torch.optim.AdamW, 2 threads
-    torch_bf16    the same under torch.autocast("cpu", bfloat16) for forward + loss
-    jax_fp32      Learner.update_policy on 1 CPU device, compute_dtype="float32"
-    jax_bf16      the same with compute_dtype="bfloat16"
-    jax_dp2_*     a data=2 mesh over 2 CPU devices (rows split evenly between them)
+Workloads (``--workload``):
 
-Each variant warms up (torch: 1 step; JAX: 2 steps, the first compiling; the timed steps must
-not compile again, checked), then times --steps steps one by one; tokens/s = batch tokens /
-median step time.
+    uniform    8 sequences x 512 tokens (prompt 256): the one-row-per-sequence case
+    long_tail  --sequences (48) with lengths ~ lognormal(median 700, sigma 0.6), capped at
+               4096: the length mix of agentic rollouts (a few long episodes, many short)
 
-FLOPs per trained token (forward + backward = 3x the forward's)::
+Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the torch side):
 
-    6 * N_matmul + 6 * L * T * H * K
+    jax_packed      `Learner.train_step` on `rl.batch.step_batch`'s layout: sequences packed
+                    into rows of --row-tokens (4096), one row per micro-batch
+    jax_padded      the same step, packing off: one sequence per row, every row padded to the
+                    longest rounded up to 64 * 2**k (the layout before packing), 1 row per
+                    micro-batch (long_tail only: on uniform rows it is jax_packed)
+    torch_sorted    transformers' Qwen2ForCausalLM (eager, 2 threads, torch.optim.AdamW):
+                    sequences sorted by length, micro-batches of consecutive ones up to
+                    --row-tokens padded positions, attention mask for the padding
+    torch_packed    the same model on packed rows (the JAX layout): position ids restarting
+                    per sequence, which transformers turns into attention within each
+                    sequence (long_tail only)
+
+Each variant warms up (torch: 1 step; JAX: 1 step, compiling; the timed steps must not
+compile again, checked), then times --steps steps one by one. jax_padded on long_tail is slow
+(its rows are ~80% padding): it runs one step and reports it minus the time XLA spent
+compiling in it (measured by JAX's compile events). Useful tokens/s = real (unpadded) tokens of
+the batch / median step time; ``real_token_frac`` = real tokens / positions the packed step
+computes.
+
+FLOPs per trained token, for MFU (forward + backward = 3x the forward, plus the old-logprob
+forward: 4x)::
+
+    8 * N_matmul + 8 * L * S * H * K
     N_matmul = L * (D * K * (2 H + 2 KV) + 3 * D * F) + V * D   (layer weights + the tied head)
 
-the second term being the attention scores and values (2 matmuls of 2 * T * H * K FLOPs per
-token per layer in the forward, halved for the causal mask). MFU = tokens/s * FLOPs per token /
-the matmul peak of the variant's dtype, measured in the same run as the best of torch's
-``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
+S the mean number of keys a token attends to in its sequence. MFU = useful tokens/s * FLOPs
+per token / the matmul peak of the variant's dtype, measured in the same run as the best of
+torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
 
-    .venv/bin/python bench/learner.py [--steps 5] [--batch 8] [--seq 512] [--quick]
+    .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
+        [--sequences N] [--row-tokens N] [--quick]
 
 Ends with one JSON line. Timings are noisy on a shared 2-core machine: compare figures from
 the same run only.
@@ -60,33 +79,71 @@ def log(msg: str) -> None:
 
 
 @dataclasses.dataclass
-class HostBatch:
-    """The fixed batch, as numpy arrays shared by both frameworks."""
+class Workload:
+    """Seeded trajectories shared by both frameworks."""
 
-    tokens: np.ndarray  # [B, T] int
-    targets: np.ndarray  # [B, T] int, tokens shifted left by one
-    mask: np.ndarray  # [B, T] float32
-    advantages: np.ndarray  # [B, T] float32
-    old_logp: np.ndarray  # [B, T] float32
+    name: str
+    sequences: list[np.ndarray]  # int32 token ids, prompt then response
+    prompt_lens: list[int]
+    rewards: np.ndarray  # [N] float32
+    groups: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def advantages(self) -> np.ndarray:
+        """GRPO's (group mean / unbiased std, eps 1e-6), as both sides train on."""
+        out = np.zeros(len(self.rewards), np.float32)
+        names = np.asarray(self.groups)
+        for g in dict.fromkeys(self.groups):
+            i = names == g
+            r = self.rewards[i]
+            out[i] = (r - r.mean()) / (r.std(ddof=1) + 1e-6) if i.sum() > 1 else r / (1 + 1e-6)
+        return out
 
 
-def make_host_batch(batch: int, seq: int, response: int, vocab: int) -> HostBatch:
+LENGTHS = {
+    "uniform": "all 512 tokens",
+    "long_tail": "lognormal(median 700, sigma 0.6), cap 4096, seed 0",
+}
+
+
+def make_workload(name: str, n: int, vocab: int, seq: int = 512) -> Workload:
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
-    targets = np.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
-    mask = np.zeros((batch, seq), np.float32)
-    mask[:, seq - response - 1 : seq - 1] = 1.0  # as make_batch: target t is predicted at t
-    sign = np.where(np.arange(batch) % 2 == 0, 1.0, -1.0).astype(np.float32)
-    advantages = np.broadcast_to(sign[:, None], (batch, seq)).copy()
-    return HostBatch(tokens, targets, mask, advantages, np.zeros((batch, seq), np.float32))
+    if name == "uniform":
+        lengths = np.full(n, seq)
+    else:
+        lengths = np.minimum(np.round(700 * np.exp(0.6 * rng.standard_normal(n))), 4096)
+    lengths = np.maximum(lengths.astype(int), 8)
+    sequences = [rng.integers(0, vocab, int(L)).astype(np.int32) for L in lengths]
+    prompts = [min(int(L) // 5, 256) if name != "uniform" else seq // 2 for L in lengths]
+    rewards = rng.integers(0, 2, n).astype(np.float32)
+    return Workload(name, sequences, prompts, rewards, [str(i // 8) for i in range(n)])
 
 
-def flops_per_token(cfg: Any, seq: int) -> float:
+def trajectories(w: Workload) -> list[Any]:
+    from jax_agent_rl.agent.trajectory import Trajectory
+
+    out = []
+    for i, (seq, P) in enumerate(zip(w.sequences, w.prompt_lens, strict=True)):
+        t = Trajectory(uid=str(i), group_id=w.groups[i], prompt_ids=seq[:P].tolist())
+        response = seq[P:].tolist()
+        t.append(response, model=True, logprobs=[-1.0] * len(response))
+        out.append(t)
+    return out
+
+
+def attended_keys(w: Workload) -> float:
+    """The mean number of keys a token attends to (causal, within its sequence)."""
+    return sum(len(s) * (len(s) + 1) / 2 for s in w.sequences) / w.tokens
+
+
+def flops_per_token(cfg: Any, keys: float) -> float:
     D, F, K, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     H, KV, V = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     n_matmul = L * (D * K * (2 * H + 2 * KV) + 3 * D * F) + V * D
-    return 6 * n_matmul + 6 * L * seq * H * K
+    return 8 * n_matmul + 8 * L * keys * H * K
 
 
 def step_seconds(step: Callable[[], object], warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -135,22 +192,63 @@ def jax_peak(dtype: Any, repeats: int = 5) -> float:
 # -------------------------------------------------------------------------------- torch
 
 
-def torch_old_logp(ckpt: Path, hb: HostBatch) -> np.ndarray:
-    """The fp32 model's logprob of every target, plus fixed noise (so ratios are not all 1)."""
+def torch_micro_batches(w: Workload, layout: str, row_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of the workload for torch: ``sorted`` (length-sorted, right-padded, up
+    to ``row_tokens`` positions each) or ``packed`` (`pack_rows`' rows, positions restarting
+    per sequence; one row each)."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=torch.from_numpy(hb.tokens).long()).logits.float()
-        logp = torch.log_softmax(logits, -1)
-        logp = logp.gather(-1, torch.from_numpy(hb.targets).long()[..., None])[..., 0]
-    noise = np.random.default_rng(1).normal(0.0, 0.05, logp.shape).astype(np.float32)
-    return (logp.numpy() + noise) * hb.mask
+    from jax_agent_rl.rl.batch import pack_rows, padded_length
+
+    adv = w.advantages()
+    lengths = [len(s) for s in w.sequences]
+    if layout == "sorted":
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        groups: list[list[int]] = [[]]
+        for i in order:
+            if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > row_tokens:
+                groups.append([])
+            groups[-1].append(i)
+    else:
+        groups = pack_rows(lengths, padded_length(max(lengths), row_tokens))
+    out = []
+    for g in groups:
+        T = max(lengths[i] for i in g) if layout == "sorted" else sum(lengths[i] for i in g)
+        rows = len(g) if layout == "sorted" else 1
+        ids = np.zeros((rows, T), np.int64)
+        pos = np.zeros((rows, T), np.int64)
+        mask = np.zeros((rows, T), np.float32)  # on the position predicting a response token
+        advs = np.zeros((rows, T), np.float32)
+        attn = np.zeros((rows, T), np.int64)
+        at = 0
+        for r, i in enumerate(g):
+            b = r if layout == "sorted" else 0
+            at = 0 if layout == "sorted" else at
+            n, P = lengths[i], w.prompt_lens[i]
+            ids[b, at : at + n] = w.sequences[i]
+            pos[b, at : at + n] = np.arange(n)
+            attn[b, at : at + n] = 1
+            mask[b, at + P - 1 : at + n - 1] = 1.0
+            advs[b, at + P - 1 : at + n - 1] = adv[i]
+            at += n
+        targets = np.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]
+        mb = {
+            "input_ids": torch.from_numpy(ids),
+            "targets": torch.from_numpy(targets),
+            "mask": torch.from_numpy(mask),
+            "adv": torch.from_numpy(advs),
+        }
+        if layout == "sorted":
+            mb["attention_mask"] = torch.from_numpy(attn)
+        else:
+            mb["position_ids"] = torch.from_numpy(pos)
+        out.append(mb)
+    return out
 
 
 def torch_train(
-    ckpt: Path, hb: HostBatch, bf16: bool, steps: int
+    ckpt: Path, w: Workload, layout: str, row_tokens: int, bf16: bool, steps: int
 ) -> tuple[float, list[float], float, int]:
     """First and timed step times, the first step's loss (and 0 compilations) of the PyTorch
     implementation: one warm-up step (nothing to compile)."""
@@ -164,29 +262,35 @@ def torch_train(
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=True
     )
-    ids = torch.from_numpy(hb.tokens).long()
-    targets = torch.from_numpy(hb.targets).long()
-    mask = torch.from_numpy(hb.mask)
-    adv = torch.from_numpy(hb.advantages)
-    old = torch.from_numpy(hb.old_logp)
+    micro = torch_micro_batches(w, layout, row_tokens)
+    total = sum(float(mb["mask"].sum()) for mb in micro)
     losses: list[float] = []
+
+    def logp_of(mb: dict[str, Any]) -> Any:
+        inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids") if k in mb}
+        logits = model(**inputs).logits
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
+        return logp_all.gather(-1, mb["targets"][..., None])[..., 0]
 
     def step() -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with ctx:
-            logits = model(input_ids=ids).logits
-            logp_all = torch.log_softmax(logits.float(), dim=-1)
-            logp = logp_all.gather(-1, targets[..., None])[..., 0]
-            log_ratio = torch.where(mask > 0, logp - old, torch.zeros_like(logp))
-            ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-            l1 = -adv * ratio
-            l2 = -adv * ratio.clamp(0.8, 1.2)
-            loss = (torch.maximum(l1, l2) * mask).sum() / mask.sum().clamp(min=1.0)
-        loss.backward()
+        with torch.no_grad(), ctx:
+            olds = [logp_of(mb).float() for mb in micro]
+        loss_sum = 0.0
+        for mb, old in zip(micro, olds, strict=True):
+            with ctx:
+                mask, adv = mb["mask"], mb["adv"]
+                log_ratio = torch.where(mask > 0, logp_of(mb) - old, torch.zeros_like(old))
+                ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+                l1 = -adv * ratio
+                l2 = -adv * ratio.clamp(0.8, 1.2)
+                loss = (torch.maximum(l1, l2) * mask).sum() / total
+            loss.backward()
+            loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss_sum)
 
     first, timed = step_seconds(step, 1, steps)
     return first, timed, losses[0], 0
@@ -196,35 +300,41 @@ def torch_train(
 
 
 class CompileCounter:
-    """Counts XLA backend compilations (a listener on JAX's monitoring events)."""
+    """Counts XLA backend compilations and their seconds (JAX's monitoring events)."""
 
     def __init__(self) -> None:
         import jax
 
         self.count = 0
+        self.seconds = 0.0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
-        del duration, kwargs
+    def _on_event(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        del kwargs
         if event == "/jax/core/compile/backend_compile_duration":
             self.count += 1
+            self.seconds += duration_secs
 
 
 def jax_train(
-    ckpt: Path, hb: HostBatch, dtype: str, data: int, steps: int, counter: CompileCounter
-) -> tuple[float, list[float], float, int]:
-    """First and timed step times, the first step's loss, and the compilations seen during the
-    timed steps."""
+    ckpt: Path,
+    w: Workload,
+    row_tokens: int | None,
+    dtype: str,
+    steps: int,
+    counter: CompileCounter,
+) -> tuple[float, list[float], float, int, float]:
+    """First and timed step times, the first step's loss, the compilations seen during the
+    timed steps, and the packed layout's real-token fraction. ``row_tokens`` None: packing
+    off. ``steps`` 0: one step only, timed without the XLA compile time spent in it."""
     import jax
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
-    from jax_agent_rl.models import Sharder, load_hf, make_mesh
-    from jax_agent_rl.rl.batch import TrainBatch
+    from jax_agent_rl.models import load_hf
+    from jax_agent_rl.rl.batch import step_batch
     from jax_agent_rl.rl.learner import Learner, SamplingSpec
 
     cfg, params = load_hf(ckpt, dtype="float32")
-    B, T = hb.tokens.shape
-    sharder = None if data == 1 else Sharder(make_mesh(data, 1, 1, jax.devices()[:data]))
     learner = Learner(
         cfg,
         params,
@@ -232,35 +342,36 @@ def jax_train(
         optim=OptimSection(lr=1e-6, weight_decay=0.0, grad_clip=1.0),
         sampling=SamplingSpec(),
         compute_dtype=dtype,  # type: ignore[arg-type]
-        micro_batch_size=B,
-        sharder=sharder,
+        micro_batch_size=1,
     )
     del params
-    zeros = np.zeros((B, T), np.float32)
-    batch = TrainBatch(
-        tokens=hb.tokens,
-        positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-        segment_ids=np.ones((B, T), np.int32),
-        targets=hb.targets,
-        mask=hb.mask,
-        rollout_logp=hb.old_logp,
-        advantages=hb.advantages,
-        old_logp=hb.old_logp,
-        ref_logp=zeros,
-        old_values=zeros,
-        returns=zeros,
+    trajs = trajectories(w)
+    batch, sequences, real = step_batch(
+        trajs,
+        w.rewards,
+        w.groups,
+        np.ones(len(trajs), np.float32),
+        mini_batches=1,
+        row_tokens=row_tokens,
+        bucket=64,
+        rows_per_micro=1,
     )
+    real_frac = w.tokens / (real * batch.shape[1])
     losses: list[float] = []
     compiles_before = [0]
 
     def step() -> None:
-        if len(losses) == 2:  # warm-up done: from here on nothing may compile
+        if len(losses) == 1:  # warm-up done: from here on nothing may compile
             compiles_before[0] = counter.count
-        losses.append(learner.update_policy(batch)["loss"])
-        jax.block_until_ready(learner.state.params)
+        losses.append(learner.train_step(batch, sequences, real)["loss"])
+        jax.block_until_ready(learner.params)
 
-    first, timed = step_seconds(step, 2, steps)
-    return first, timed, losses[0], counter.count - compiles_before[0]
+    if steps == 0:
+        seconds = counter.seconds
+        first, _ = step_seconds(step, 1, 0)
+        return first, [first - (counter.seconds - seconds)], losses[0], 0, real_frac
+    first, timed = step_seconds(step, 1, steps)
+    return first, timed, losses[0], counter.count - compiles_before[0], real_frac
 
 
 # -------------------------------------------------------------------------------- main
@@ -270,47 +381,22 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
-    parser.add_argument("--batch", type=int, default=None, help="rows (default 8)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 512)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 x 256, 2 steps")
-    parser.add_argument("--no-dp2", action="store_true", help="skip the data=2 mesh variants")
+    parser.add_argument("--workload", choices=("uniform", "long_tail"), default="uniform")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3, 2)")
+    parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 48")
+    parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
+    parser.add_argument("--quick", action="store_true", help="smoke run: small, 1 step")
     return parser.parse_args()
-
-
-def _finish(
-    out: dict[str, Any],
-    tok_s: dict[str, float],
-    peaks: dict[str, dict[str, float]],
-    extra: dict[str, Any],
-) -> None:
-    """Adds the throughputs, peaks and ratio to ``out`` and prints it as the JSON line."""
-    for name, v in tok_s.items():
-        out[f"{name}_tok_s"] = round(v, 1)
-    for d, p in peaks.items():
-        out[f"peak_{d}_gflops"] = round(max(p.values()) / 1e9, 1)
-        out[f"peak_{d}_gflops_torch"] = round(p["torch"] / 1e9, 1)
-        out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
-    out.update(extra)
-    best_jax = max(v for k, v in tok_s.items() if k.startswith("jax"))
-    best_torch = max(v for k, v in tok_s.items() if k.startswith("torch"))
-    out["best_jax_over_best_torch"] = round(best_jax / best_torch, 3)
-    out["goal_1_3x_met"] = best_jax / best_torch >= 1.3
-    print(json.dumps(out))
 
 
 def main() -> None:
     args = _args()
-    steps = args.steps or (2 if args.quick else 5)
-    B = args.batch or (2 if args.quick else 8)
-    T = args.seq or (256 if args.quick else 512)
-    response = T // 2
+    long_tail = args.workload == "long_tail"
+    steps = 1 if args.quick else args.steps or (2 if long_tail else 3)
+    n = args.sequences or (8 if args.quick else 48) if long_tail else (2 if args.quick else 8)
+    seq = 256 if args.quick else 512
+    row_tokens = 1024 if args.quick else args.row_tokens
 
-    # 2 CPU devices for the data=2 mesh: only possible before JAX's first operation
-    from jax_agent_rl.models import request_cpu_devices
-
-    request_cpu_devices(2)
-    import jax
     import jax.numpy as jnp
     import torch
     import transformers
@@ -321,19 +407,27 @@ def main() -> None:
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()
     counter = CompileCounter()
-    dp2 = not args.no_dp2 and len(jax.devices()) >= 2 and B % 2 == 0
-    if not args.no_dp2 and not dp2:
-        log(f"skipping data=2: {len(jax.devices())} devices, batch {B}")
 
-    out: dict[str, Any] = {"bench": "learner", "model": "small_qwen2"}
+    out: dict[str, Any] = {"bench": "learner", "workload": args.workload, "model": "small_qwen2"}
     tok_s: dict[str, float] = {}
     extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "small", SMALL_QWEN2)
         cfg = load_hf(ckpt)[0]
-        fpt = flops_per_token(cfg, T)
-        out.update(params=cfg.num_params, batch=[B, T], response=response, steps=steps)
-        out["flops_per_token"] = fpt
+        w = make_workload(args.workload, n, cfg.vocab_size, seq)
+        fpt = flops_per_token(cfg, attended_keys(w))
+        lengths = [len(s) for s in w.sequences]
+        out.update(
+            params=cfg.num_params,
+            sequences=n,
+            real_tokens=w.tokens,
+            steps=steps,
+            longest=max(lengths),
+            median_length=int(np.median(lengths)),
+            row_tokens=row_tokens,
+            flops_per_token=round(fpt),
+            lengths=LENGTHS[args.workload],
+        )
 
         peaks = {
             "fp32": {"torch": torch_peak(torch.float32), "jax": jax_peak(jnp.float32)},
@@ -342,23 +436,30 @@ def main() -> None:
         for d, p in peaks.items():
             log(f"matmul peak {d}: torch {p['torch'] / 1e9:.1f}, jax {p['jax'] / 1e9:.1f} GFLOP/s")
 
-        hb = make_host_batch(B, T, response, cfg.vocab_size)
-        hb.old_logp = torch_old_logp(ckpt, hb)
+        Run = Callable[[], tuple[float, list[float], float, int, float]]
 
-        variants: list[tuple[str, Callable[[], tuple[float, list[float], float, int]]]] = [
-            ("torch_fp32", lambda: torch_train(ckpt, hb, False, steps)),
-            ("torch_bf16", lambda: torch_train(ckpt, hb, True, steps)),
-            ("jax_fp32", lambda: jax_train(ckpt, hb, "float32", 1, steps, counter)),
-            ("jax_bf16", lambda: jax_train(ckpt, hb, "bfloat16", 1, steps, counter)),
+        def torch_run(layout: str, bf16: bool) -> Run:
+            return lambda: (*torch_train(ckpt, w, layout, row_tokens, bf16, steps), 1.0)
+
+        def jax_run(packed: bool, dtype: str) -> Run:
+            rows = row_tokens if packed else None
+            timed = steps if packed or not long_tail else 0
+            return lambda: jax_train(ckpt, w, rows, dtype, timed, counter)
+
+        variants: list[tuple[str, Run]] = [
+            ("torch_sorted_fp32", torch_run("sorted", False)),
+            ("torch_sorted_bf16", torch_run("sorted", True)),
+            ("jax_packed_fp32", jax_run(True, "float32")),
+            ("jax_packed_bf16", jax_run(True, "bfloat16")),
         ]
-        if dp2:
+        if long_tail:
             variants += [
-                ("jax_dp2_fp32", lambda: jax_train(ckpt, hb, "float32", 2, steps, counter)),
-                ("jax_dp2_bf16", lambda: jax_train(ckpt, hb, "bfloat16", 2, steps, counter)),
+                ("torch_packed_bf16", torch_run("packed", True)),
+                ("jax_padded_fp32", jax_run(False, "float32")),
             ]
         for name, run in variants:
-            first, timed, loss, recompiles = run()
-            tok_s[name] = B * T / statistics.median(timed)
+            first, timed, loss, recompiles, real_frac = run()
+            tok_s[name] = w.tokens / statistics.median(timed)
             dtype = "bf16" if name.endswith("bf16") else "fp32"
             peak = max(peaks[dtype].values())
             extra[f"mfu_{name}"] = round(tok_s[name] * fpt / peak, 4)
@@ -366,12 +467,36 @@ def main() -> None:
             extra[f"loss_{name}"] = round(loss, 6)
             if name.startswith("jax"):
                 extra[f"recompiles_{name}"] = recompiles
+            if name.startswith("jax_packed"):
+                out["real_token_frac"] = round(real_frac, 4)
+            if name.startswith("jax_padded"):
+                out["padded_real_token_frac"] = round(real_frac, 4)
             log(
-                f"{name}: {tok_s[name]:.0f} tok/s (steps {', '.join(f'{t:.2f}' for t in timed)}"
-                f" s; first {first:.1f} s), loss {loss:.6f}"
+                f"{name}: {tok_s[name]:.0f} useful tok/s (steps "
+                f"{', '.join(f'{t:.2f}' for t in timed)} s; first {first:.1f} s), loss {loss:.6f}"
             )
 
-    _finish(out, tok_s, peaks, extra)
+    _report(out, tok_s, peaks, extra)
+
+
+def _report(
+    out: dict[str, Any],
+    tok_s: dict[str, float],
+    peaks: dict[str, dict[str, float]],
+    extra: dict[str, Any],
+) -> None:
+    """Adds the throughputs, peaks and ratios to ``out`` and prints it as the JSON line."""
+    for name, v in tok_s.items():
+        out[f"{name}_tok_s"] = round(v, 1)
+    for d, p in peaks.items():
+        out[f"peak_{d}_gflops_torch"] = round(p["torch"] / 1e9, 1)
+        out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
+    out.update(extra)
+    best = lambda prefix: max(v for k, v in tok_s.items() if k.startswith(prefix))  # noqa: E731
+    out["ratio_vs_torch"] = round(best("jax_packed") / best("torch"), 3)
+    if "jax_padded_fp32" in tok_s:
+        out["ratio_vs_padded"] = round(tok_s["jax_packed_fp32"] / tok_s["jax_padded_fp32"], 3)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

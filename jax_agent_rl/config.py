@@ -260,9 +260,16 @@ class OptimSection:
 class LearnerSection:
     """How a train step is laid out."""
 
+    # packing on: each device's micro-batch is one row of `row_tokens` tokens holding as many
+    # whole trajectories as fit (first-fit decreasing; verl's ppo_max_token_len_per_gpu). A
+    # longer trajectory makes that step's rows the smallest row_tokens * 2**k holding it.
+    packing: bool = True
+    row_tokens: int = 4096
+    # packing off: micro-batches of this many rows, one trajectory per row, padded to the
+    # step's longest rounded up to seq_bucket * 2**k (also the SFT warm start's layout)
     micro_batch_size: int = 8  # sequences per forward/backward (gradients accumulate)
+    seq_bucket: int = 64
     remat: bool = False  # recompute layer activations in the backward pass
-    seq_bucket: int = 64  # batches are padded to a multiple of this many tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,6 +531,7 @@ RANGES: dict[str, Rule] = {
     "optim.warmup_steps": _NATURAL,
     "learner.micro_batch_size": _COUNT,
     "learner.seq_bucket": _COUNT,
+    "learner.row_tokens": _COUNT,
     "sft.steps": _NATURAL,  # 0: no SFT stage
     "sft.batch_size": _COUNT,
     "sft.lr": _POSITIVE,

@@ -292,7 +292,11 @@ def _qkv(
 
 
 def attention(
-    q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, segment_ids_bt: jax.Array
+    q_bthk: jax.Array,
+    k_btgk: jax.Array,
+    v_btgk: jax.Array,
+    segment_ids_bt: jax.Array,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
     reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
@@ -300,7 +304,10 @@ def attention(
 
     Queries go in blocks of `ATTN_BLOCK` tokens, each over the keys up to its last token only:
     the blocks above the diagonal, all masked, are never computed (about half the work of a
-    dense T x T attention). Each block's scores are one batched matmul of (b, g) [R * n, K] x
+    dense T x T attention). ``window`` (static; a row's sequences are all at most this long):
+    a block reads only the keys of its last ``window`` positions before its first query, so
+    rows packed with short sequences cost attention by their sequences' lengths, not the
+    row's. Each block's scores are one batched matmul of (b, g) [R * n, K] x
     [K, S] (the R query heads of a kv head side by side), a layout XLA:CPU runs without
     transposing the scores. A query whose row is all masked (padding) gets uniform weights
     over its block's keys, never NaN; no other token reads it.
@@ -314,52 +321,71 @@ def attention(
     B, T, H, K = q_bthk.shape
     G = k_btgk.shape[2]
     q = q_bthk.reshape(B, T, G, H // G, K).transpose(0, 2, 1, 3, 4)  # [B, G, T, R, K]
-    out = _attention(q, k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3), segment_ids_bt)
+    k_bgtk, v_bgtk = k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3)
+    out = _attention(q, k_bgtk, v_bgtk, segment_ids_bt, window or T)
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
 
 
-def _attention_blocks(T: int) -> list[tuple[int, int]]:
-    """Query blocks (start, end): queries start .. end - 1 see keys 0 .. end - 1 at most."""
-    return [(start, min(start + ATTN_BLOCK, T)) for start in range(0, T, ATTN_BLOCK)]
+def _attention_blocks(T: int, window: int) -> list[tuple[int, int, int]]:
+    """Query blocks (start, end, first): queries start .. end - 1 see keys first .. end - 1 at
+    most (``window`` before ``start``)."""
+    return [
+        (start, min(start + ATTN_BLOCK, T), max(0, start - window + 1))
+        for start in range(0, T, ATTN_BLOCK)
+    ]
 
 
 def _block_scores(
-    q_bgtrk: jax.Array, k_bgtk: jax.Array, segment_ids_bt: jax.Array, start: int, end: int
+    q_bgtrk: jax.Array,
+    k_bgtk: jax.Array,
+    segment_ids_bt: jax.Array,
+    start: int,
+    end: int,
+    first: int,
 ) -> jax.Array:
-    """Scaled scores [B, G, n, R, end] (fp32) of queries start .. end - 1; -1e30 if masked."""
+    """Scaled scores [B, G, n, R, end - first] (fp32) of queries start .. end - 1 over keys
+    first .. end - 1; -1e30 if masked."""
     B, G, _, R, K = q_bgtrk.shape
-    n = end - start
+    n, s = end - start, end - first
     q_i = q_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
     scores = jnp.einsum(
-        "bgqk,bgsk->bgqs", q_i, k_bgtk[:, :, :end], preferred_element_type=jnp.float32
-    ).reshape(B, G, n, R, end)
-    seg_q, seg_k = segment_ids_bt[:, start:end, None], segment_ids_bt[:, None, :end]
-    causal_ns = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
+        "bgqk,bgsk->bgqs", q_i, k_bgtk[:, :, first:end], preferred_element_type=jnp.float32
+    ).reshape(B, G, n, R, s)
+    seg_q, seg_k = segment_ids_bt[:, start:end, None], segment_ids_bt[:, None, first:end]
+    causal_ns = jnp.arange(start, end)[:, None] >= jnp.arange(first, end)[None, :]
     mask_bns = causal_ns[None] & (seg_q == seg_k) & (seg_k != 0)
     return jnp.where(mask_bns[:, None, :, None], scores * (K**-0.5), -1e30)
 
 
-@jax.custom_vjp
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(
-    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, segment_ids_bt: jax.Array
+    q_bgtrk: jax.Array,
+    k_bgtk: jax.Array,
+    v_bgtk: jax.Array,
+    segment_ids_bt: jax.Array,
+    window: int,
 ) -> jax.Array:
     """`attention` in the layout it computes in: out [B, G, T, R, K]."""
-    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt)[0]
+    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, window)[0]
 
 
 def _attention_fwd(
-    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, segment_ids_bt: jax.Array
+    q_bgtrk: jax.Array,
+    k_bgtk: jax.Array,
+    v_bgtk: jax.Array,
+    segment_ids_bt: jax.Array,
+    window: int,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     B, G, T, R, K = q_bgtrk.shape
     outs, tops, totals = [], [], []
-    for start, end in _attention_blocks(T):
+    for start, end, first in _attention_blocks(T, window):
         n = end - start
-        scores = _block_scores(q_bgtrk, k_bgtk, segment_ids_bt, start, end)
+        scores = _block_scores(q_bgtrk, k_bgtk, segment_ids_bt, start, end, first)
         top = scores.max(-1, keepdims=True)  # the softmax as `jax.nn.softmax` computes it
         unnormalized = jnp.exp(scores - top)
         total = unnormalized.sum(-1, keepdims=True)
-        probs = (unnormalized / total).astype(v_bgtk.dtype).reshape(B, G, n * R, end)
-        out = jnp.einsum("bgqs,bgsk->bgqk", probs, v_bgtk[:, :, :end])
+        probs = (unnormalized / total).astype(v_bgtk.dtype).reshape(B, G, n * R, end - first)
+        out = jnp.einsum("bgqs,bgsk->bgqk", probs, v_bgtk[:, :, first:end])
         outs.append(out.reshape(B, G, n, R, K))
         tops.append(top)
         totals.append(total)
@@ -368,33 +394,33 @@ def _attention_fwd(
 
 
 def _attention_bwd(
-    res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
+    window: int, res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     q, k, v, segment_ids_bt, top, total = res
     B, G, T, R, K = q.shape
     dq_blocks = []
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
-    for start, end in _attention_blocks(T):
-        n = end - start
-        scores = _block_scores(q, k, segment_ids_bt, start, end)
+    for start, end, first in _attention_blocks(T, window):
+        n, s = end - start, end - first
+        scores = _block_scores(q, k, segment_ids_bt, start, end, first)
         probs = jnp.exp(scores - top[:, :, start:end]) / total[:, :, start:end]
         dout = dout_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
         dprobs = jnp.einsum(
-            "bgqk,bgsk->bgqs", dout, v[:, :, :end], preferred_element_type=jnp.float32
-        ).reshape(B, G, n, R, end)
+            "bgqk,bgsk->bgqs", dout, v[:, :, first:end], preferred_element_type=jnp.float32
+        ).reshape(B, G, n, R, s)
         dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True)) * (K**-0.5)
-        dscores = dscores.astype(q.dtype).reshape(B, G, n * R, end)
+        dscores = dscores.astype(q.dtype).reshape(B, G, n * R, s)
         dq = jnp.einsum(
-            "bgqs,bgsk->bgqk", dscores, k[:, :, :end], preferred_element_type=jnp.float32
+            "bgqs,bgsk->bgqk", dscores, k[:, :, first:end], preferred_element_type=jnp.float32
         )
         dq_blocks.append(dq.reshape(B, G, n, R, K))
         q_i = q[:, :, start:end].reshape(B, G, n * R, K)
         dk_i = jnp.einsum("bgqs,bgqk->bgsk", dscores, q_i, preferred_element_type=jnp.float32)
-        p_i = probs.astype(v.dtype).reshape(B, G, n * R, end)
+        p_i = probs.astype(v.dtype).reshape(B, G, n * R, s)
         dv_i = jnp.einsum("bgqs,bgqk->bgsk", p_i, dout, preferred_element_type=jnp.float32)
-        dk = dk.at[:, :, :end].add(dk_i)
-        dv = dv.at[:, :, :end].add(dv_i)
+        dk = dk.at[:, :, first:end].add(dk_i)
+        dv = dv.at[:, :, first:end].add(dv_i)
     dq_all = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     return dq_all, dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -615,6 +641,7 @@ def forward(
     remat: bool = False,
     *,
     cache: None = None,
+    window: int | None = None,
 ) -> jax.Array: ...
 
 
@@ -652,13 +679,15 @@ def forward(
     num_new_b: jax.Array | None = None,
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
+    window: int | None = None,
 ) -> jax.Array | tuple[jax.Array, KVPages]:
     """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
     logits), and with a ``cache`` the updated pages too.
 
     Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
     sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
-    its own segment. ``positions`` restart at 0 in every segment.
+    its own segment. ``positions`` restart at 0 in every segment. ``window`` (static): no
+    sequence is longer (`attention` then reads fewer keys).
 
     With a cache (prefill and decode): row b's pages are ``page_table[b]`` and it holds
     ``pos[b]`` tokens already; its chunk's tokens take positions ``pos[b] + t`` and attend to
@@ -700,7 +729,7 @@ def forward(
 
         def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k, v, train_segments)
+                return attention(q, k, v, train_segments, window)
 
             return mlp(lw, attend(lw, x_btd, train_positions, attn)), None
 

@@ -1,10 +1,13 @@
 """RL math as small pure functions: advantages, KL, policy / value losses, loss aggregation.
 
-Every per-token array is padded ``[B, T]`` with a float ``mask_bt`` (1 on model-sampled tokens,
-0 on prompt, tool output and padding). Masked entries never reach a result: they are replaced
-by 0 before any product, so padding that holds ``nan`` or ``-inf`` (e.g. a logprob) changes
-neither the value nor the gradient. String and size arguments (``kind``, ``mode``,
-``num_groups``, clip ranges) are Python constants: pass them as static arguments under jit.
+Every per-token array is ``[B, T]`` rows with a float ``mask_bt`` (1 on model-sampled tokens,
+0 on prompt, tool output and padding). A row holds one sequence, or several packed one after
+another: functions with a per-sequence term then take ``seq_bt`` (the index of each token's
+sequence) or ``segment_ids_bt`` (where one sequence ends and the next begins). Masked
+entries never reach a result: they are replaced by 0 before any product, so padding that
+holds ``nan`` or ``-inf`` (e.g. a logprob) changes neither the value nor the gradient.
+String and size arguments (``kind``, ``mode``, ``num_groups``, clip ranges) are Python
+constants: pass them as static arguments under jit.
 
 Conventions follow verl (``verl/trainer/ppo/core_algos.py``, ``verl/utils/torch_functional.py``);
 each docstring states its formula and, where this module chooses differently, says so.
@@ -104,18 +107,34 @@ def grpo_advantages(
     return centred_n / (std_g[g_n] + eps) if norm_by_std else centred_n
 
 
-def last_token_rewards(rewards_n: ArrayLike, mask_nt: ArrayLike) -> jax.Array:
-    """[N, T] token rewards: each row's outcome reward on its last sampled token (mask > 0),
-    0 elsewhere and on rows with no sampled token (the input `gae_advantages` takes)."""
-    m_nt = jnp.asarray(mask_nt) > 0
-    T = m_nt.shape[-1]
-    last_n = T - 1 - jnp.argmax(m_nt[:, ::-1], axis=-1)
-    at_last_nt = (jnp.arange(T)[None, :] == last_n[:, None]) & m_nt.any(-1, keepdims=True)
-    return jnp.where(at_last_nt, jnp.asarray(rewards_n, jnp.float32)[:, None], 0.0)
+def last_token_rewards(
+    rewards_n: ArrayLike, mask_bt: ArrayLike, seq_bt: ArrayLike | None = None
+) -> jax.Array:
+    """[B, T] token rewards: each sequence's outcome reward ``rewards_n[n]`` on its last
+    sampled token (mask > 0), 0 elsewhere and for sequences with no sampled token (the input
+    `gae_advantages` takes). ``seq_bt``: the sequence of each token (default: row ``b`` is
+    sequence ``b``)."""
+    m_bt = jnp.asarray(mask_bt) > 0
+    B, T = m_bt.shape
+    r_n = jnp.asarray(rewards_n, jnp.float32)
+    seq = (
+        jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)) if seq_bt is None else jnp.asarray(seq_bt)
+    ).reshape(B * T)
+    flat = jnp.arange(B * T)
+    last_n = jax.ops.segment_max(
+        jnp.where(m_bt.reshape(B * T), flat, -1), seq, num_segments=r_n.shape[0]
+    )
+    at_last = (flat == last_n[seq]) & m_bt.reshape(B * T)
+    return jnp.where(at_last, r_n[seq], 0.0).reshape(B, T)
 
 
 def gae_advantages(
-    rewards_bt: ArrayLike, values_bt: ArrayLike, mask_bt: ArrayLike, gamma: float, lam: float
+    rewards_bt: ArrayLike,
+    values_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    gamma: float,
+    lam: float,
+    segment_ids_bt: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over model tokens only: (advantages_bt, returns_bt).
 
@@ -131,23 +150,34 @@ def gae_advantages(
     on model tokens (a reward on a masked token is ignored, as in verl). Outputs are 0 where
     the mask is 0 (verl carries the last advantage there). Advantages are not whitened (verl
     whitens inside; use `masked_whiten`). No gradient flows through the result.
+
+    ``segment_ids_bt``: rows of packed sequences; nothing carries from one segment to the
+    token before it (``t'`` is searched within ``t``'s sequence only), so each sequence gets
+    the numbers it gets alone in a row.
     """
     r_tb = jnp.asarray(rewards_bt, jnp.float32).T
     v_tb = jax.lax.stop_gradient(jnp.asarray(values_bt, jnp.float32)).T
     m_tb = jnp.asarray(mask_bt).T
 
+    if segment_ids_bt is None:
+        ends_tb = jnp.zeros(m_tb.shape, bool)
+    else:  # token t ends its segment when token t + 1 is another's (or padding)
+        seg_tb = jnp.asarray(segment_ids_bt).T
+        ends_tb = jnp.concatenate([seg_tb[1:] != seg_tb[:-1], jnp.ones_like(seg_tb[:1], bool)])
+
     def step(
-        carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array, jax.Array]
+        carry: tuple[jax.Array, jax.Array],
+        xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-        next_value_b, next_adv_b = carry
-        r_b, v_b, m_b = xs
+        r_b, v_b, m_b, end_b = xs
+        next_value_b, next_adv_b = (jnp.where(end_b, 0.0, c) for c in carry)
         adv_b = r_b + gamma * next_value_b - v_b + gamma * lam * next_adv_b
         keep_b = m_b > 0
         carry = (jnp.where(keep_b, v_b, next_value_b), jnp.where(keep_b, adv_b, next_adv_b))
         return carry, jnp.where(keep_b, adv_b, 0.0)
 
     zeros_b = jnp.zeros(r_tb.shape[1], jnp.float32)
-    _, adv_tb = jax.lax.scan(step, (zeros_b, zeros_b), (r_tb, v_tb, m_tb), reverse=True)
+    _, adv_tb = jax.lax.scan(step, (zeros_b, zeros_b), (r_tb, v_tb, m_tb, ends_tb), reverse=True)
     adv_bt = adv_tb.T
     returns_bt = jnp.where(m_tb.T > 0, adv_bt + v_tb.T, 0.0)
     return adv_bt, returns_bt
@@ -181,36 +211,49 @@ def aggregate_loss(
     num_tokens: ArrayLike | None = None,
     num_seqs: ArrayLike | None = None,
     norm_const: float | None = None,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
 ) -> jax.Array:
-    """A scalar from per-token losses ``l`` under mask ``m``; ``S_b = sum_t m l`` per row::
+    """A scalar from per-token losses ``l`` under mask ``m``; ``S_n = sum_t m l`` per sequence::
 
-        token-mean:               sum_b S_b / num_tokens
-        seq-mean-token-sum:       sum_b S_b / num_seqs
-        seq-mean-token-mean:      sum_b (S_b / sum_t m_bt) / num_seqs
-        seq-mean-token-sum-norm:  sum_b S_b / (norm_const * num_seqs)     (Dr.GRPO)
+        token-mean:               sum_n S_n / num_tokens
+        seq-mean-token-sum:       sum_n S_n / num_seqs
+        seq-mean-token-mean:      sum_n (S_n / sum_{t in n} m_t) / num_seqs
+        seq-mean-token-sum-norm:  sum_n S_n / (norm_const * num_seqs)     (Dr.GRPO)
 
+    A sequence is a row, or with ``seq_bt`` (the sequence index of each token, in
+    ``[0, num_sequences)``) the tokens of one index, wherever they sit (packed rows).
     ``num_tokens`` / ``num_seqs`` default to this batch's mask-token count and its number of
-    rows with at least one mask token (fully masked rows are not sequences, as in verl). Pass
-    whole-batch counts when accumulating over micro-batches: the micro-batch results then sum
-    to the whole-batch value. ``norm_const`` defaults to T (the generation budget).
+    sequences with at least one mask token (fully masked ones are not sequences, as in verl).
+    Pass whole-batch counts when accumulating over micro-batches: the micro-batch results then
+    sum to the whole-batch value. ``norm_const`` defaults to T (the generation budget when rows
+    are padded to it, as verl's are).
 
-    Deviation: verl's seq-mean-token-sum-norm is ``sum_b S_b / norm_const`` with no division
+    Deviation: verl's seq-mean-token-sum-norm is ``sum_n S_n / norm_const`` with no division
     by the number of sequences, so its scale grows with the batch; here it is Dr.GRPO's
     ``1/G sum_i 1/MAX_TOKENS sum_t`` exactly.
     """
     loss_bt, mask_bt = jnp.asarray(loss_bt), jnp.asarray(mask_bt)
-    seq_sum_b = _masked_sum(loss_bt, mask_bt, axis=-1)
+    if seq_bt is None:
+        seq_sum_n = _masked_sum(loss_bt, mask_bt, axis=-1)
+        seq_count_n = jnp.sum(mask_bt, axis=-1)
+    else:
+        if num_sequences is None:
+            raise ValueError("seq_bt needs num_sequences")
+        seq_n = jnp.asarray(seq_bt).reshape(-1)
+        masked = jnp.where(mask_bt > 0, loss_bt, 0.0) * mask_bt
+        seq_sum_n = jax.ops.segment_sum(masked.reshape(-1), seq_n, num_sequences)
+        seq_count_n = jax.ops.segment_sum(mask_bt.reshape(-1), seq_n, num_sequences)
     if mode == "token-mean":
-        return _safe_div(jnp.sum(seq_sum_b), _count(num_tokens, jnp.sum(mask_bt)))
-    seqs = _count(num_seqs, jnp.sum(jnp.any(mask_bt > 0, axis=-1)))
+        return _safe_div(jnp.sum(seq_sum_n), _count(num_tokens, jnp.sum(mask_bt)))
+    seqs = _count(num_seqs, jnp.sum(seq_count_n > 0))
     if mode == "seq-mean-token-sum":
-        return _safe_div(jnp.sum(seq_sum_b), seqs)
+        return _safe_div(jnp.sum(seq_sum_n), seqs)
     if mode == "seq-mean-token-mean":
-        seq_mean_b = _safe_div(seq_sum_b, jnp.sum(mask_bt, axis=-1))
-        return _safe_div(jnp.sum(seq_mean_b), seqs)
+        return _safe_div(jnp.sum(_safe_div(seq_sum_n, seq_count_n)), seqs)
     if mode == "seq-mean-token-sum-norm":
         const = float(loss_bt.shape[-1]) if norm_const is None else norm_const
-        return _safe_div(jnp.sum(seq_sum_b), const * seqs)
+        return _safe_div(jnp.sum(seq_sum_n), const * seqs)
     raise ValueError(
         f"unknown aggregation mode {mode!r}; allowed: token-mean, seq-mean-token-sum, "
         "seq-mean-token-mean, seq-mean-token-sum-norm"
@@ -235,6 +278,8 @@ def policy_loss(
     num_seqs: ArrayLike | None = None,
     norm_const: float | None = None,
     is_weights_bt: ArrayLike | None = None,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate with asymmetric (DAPO clip-higher) and dual clip, aggregated.
 
@@ -245,7 +290,7 @@ def policy_loss(
         L  = min(L, -A * clip_c)    where A < 0   (dual clip, Ye et al. 2019; off if None)
         L  = L * w                                (w = is_weights_bt, constants; TIS)
 
-    then `aggregate_loss` (``agg_mode`` and the count arguments as there). Metrics, masked
+    then `aggregate_loss` (``agg_mode``, the count and sequence arguments as there). Metrics, masked
     means over this batch as in verl: ``clipfrac`` = share of tokens with ``L2 > L1``,
     ``clipfrac_lower`` = share with ``A < 0`` and ``max(L1, L2) > -A * clip_c`` (the dual clip
     binds), ``approx_kl`` = mean of ``old_logp - logp`` (k1 of KL(old || new) on the clamped
@@ -277,6 +322,8 @@ def policy_loss(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         norm_const=norm_const,
+        seq_bt=seq_bt,
+        num_sequences=num_sequences,
     )
     metrics = {
         "clipfrac": masked_mean((l2_bt > l1_bt).astype(jnp.float32), mask_bt),
@@ -297,6 +344,8 @@ def value_loss(
     num_tokens: ArrayLike | None = None,
     num_seqs: ArrayLike | None = None,
     norm_const: float | None = None,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped value loss ``0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))``.
 
@@ -314,6 +363,8 @@ def value_loss(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         norm_const=norm_const,
+        seq_bt=seq_bt,
+        num_sequences=num_sequences,
     )
     clipfrac = masked_mean((l2_bt > l1_bt).astype(jnp.float32), mask_bt)
     return loss, {"vf_clipfrac": jax.lax.stop_gradient(clipfrac)}

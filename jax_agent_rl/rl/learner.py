@@ -2,21 +2,24 @@
 
 Master weights and AdamW state are float32; the forward and backward run in the compute dtype
 (``float32`` or ``bfloat16``: the parameters are cast inside the differentiated function, so
-gradients arrive in float32). A batch of B rows is split on the host into M micro-batches of
-``micro_batch_size`` rows, laid out ``[M, b, T]`` with ``b`` sharded over the mesh's
-(data, fsdp) axes; one jitted step scans the micro-batches, sums their gradients and applies
-one optimizer update. Every loss term is aggregated with *whole-batch* denominators (token
-and sequence counts of all M micro-batches), so the accumulated gradient equals the gradient of
-the whole batch at once.
+gradients arrive in float32). A batch is [M, b, T]: M micro-batches of ``micro_batch_size``
+rows, ``b`` sharded over the mesh's (data, fsdp) axes; a row holds one sequence or several
+packed (`rl.batch`). One jitted step loops over the micro-batches, sums their gradients and
+applies one optimizer update. Every loss term is aggregated with *whole-batch* denominators
+(token and sequence counts of all its micro-batches), so the accumulated gradient equals the
+gradient of the whole batch at once.
 
-An RL step is one program (`Learner.train_step`, `rl_update`): the batch is uploaded once
-with the rows' rewards and GRPO groups; old-policy and reference logprobs, critic values and
-advantages (`prepare`) and every PPO epoch's mini-batch updates (a scan) run on the devices;
-only the metrics come back to the host.
+An RL step is one program, ``state, metrics = step(state, batch)`` (`Learner.train_step`,
+`rl_update`): the state (`LearnerState`: policy, critic, reference) stays on the devices;
+the batch (`RLBatch`: token rows and the sequences' rewards and GRPO groups) is uploaded once;
+old-policy and reference logprobs, critic values and advantages (`prepare`) and every PPO
+epoch's mini-batch updates run on the devices, over the real micro-batches only (a loop whose
+trip count the batch carries: the shapes, and so the compiled program, change only when a
+step needs more micro-batch slots than any before); only the metrics come back to the host.
 
 Logprobs are recomputed with `sampling_logprobs`, the function the engine samples with, under
 the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
-token (`Learner.logprobs`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
+token (`token_stats`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
 of the vocabulary at a time (the [B, T, V] logits are never made).
 """
 
@@ -39,7 +42,7 @@ from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import TrainBatch
+from jax_agent_rl.rl.batch import Sequences, TrainBatch
 
 Metrics = dict[str, jax.Array]
 
@@ -117,12 +120,21 @@ class StepSpec:
     algo: AlgorithmSection
     remat: bool
     sharder: Sharder | None
+    # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
+    norm_const: float | None = None
 
     def hidden(self, weights: Weights, mb: TrainBatch) -> tuple[jax.Array, Weights]:
         """Final hidden states [B, T, D] and the weights cast to the compute dtype."""
         w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
         h = forward(
-            w, self.model, mb.tokens, mb.positions, mb.segment_ids, self.sharder, self.remat
+            w,
+            self.model,
+            mb.tokens,
+            mb.positions,
+            mb.segment_ids,
+            self.sharder,
+            self.remat,
+            window=mb.window or None,
         )
         return h, w
 
@@ -159,26 +171,30 @@ def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class Derived:
+    """What a step computes from its `TrainBatch` before updating, per token [M, b, T]."""
+
+    old_logp: jax.Array  # learner logprobs before this update (0 off the sampled tokens)
+    ref_logp: jax.Array  # reference-model logprobs (the KL term; 0 without a reference)
+    advantages: jax.Array
+    old_values: jax.Array  # critic values before the update (GAE; 0 otherwise)
+    returns: jax.Array  # value targets (GAE; 0 otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Denominators:
-    """Whole-batch counts every micro-batch aggregates with."""
+    """Whole-(mini-)batch counts every micro-batch aggregates with, and the static sizes the
+    per-sequence terms need."""
 
     num_tokens: jax.Array
     num_seqs: jax.Array
     norm_const: float = dataclasses.field(metadata=dict(static=True))
-
-
-def denominators(batch: TrainBatch) -> Denominators:
-    """Counts over a [M, b, T] batch (mask-token count, sequences with any mask token)."""
-    mask = batch.mask
-    return Denominators(
-        num_tokens=jnp.maximum(mask.sum(), 1.0),
-        num_seqs=jnp.maximum(jnp.any(mask > 0, axis=-1).sum(), 1.0),
-        norm_const=float(mask.shape[-1]),
-    )
+    num_sequences: int = dataclasses.field(metadata=dict(static=True))
 
 
 def policy_objective(
-    spec: StepSpec, params: Weights, mb: TrainBatch, d: Denominators
+    spec: StepSpec, params: Weights, mb: TrainBatch, dv: Derived, d: Denominators
 ) -> tuple[jax.Array, Metrics]:
     """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch."""
     a = spec.algo
@@ -186,16 +202,18 @@ def policy_objective(
         num_tokens=d.num_tokens,
         num_seqs=d.num_seqs,
         norm_const=d.norm_const,
+        seq_bt=mb.sequence,
+        num_sequences=d.num_sequences,
     )
     logp, entropy = token_stats(spec, params, mb)
     is_fn = core.masked_is_weights if a.tis_mode == "mask" else core.truncated_is_weights
     is_weights = (
-        None if a.tis_cap is None else is_fn(mb.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
+        None if a.tis_cap is None else is_fn(dv.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
     )
     pg_loss, m = core.policy_loss(
         logp,
-        mb.old_logp,
-        mb.advantages,
+        dv.old_logp,
+        dv.advantages,
         mb.mask,
         clip_low=a.clip_low,
         clip_high=a.clip_high,
@@ -212,7 +230,7 @@ def policy_objective(
         )
     if a.kl_coef:
         kl = core.aggregate_loss(
-            core.kl_penalty(logp, mb.ref_logp, a.kl_kind), mb.mask, a.loss_agg_mode, **counts
+            core.kl_penalty(logp, dv.ref_logp, a.kl_kind), mb.mask, a.loss_agg_mode, **counts
         )
         loss = loss + a.kl_coef * kl
         metrics["kl_loss"] = kl
@@ -225,59 +243,80 @@ def policy_objective(
 
 
 def value_objective(
-    spec: StepSpec, critic: Critic, mb: TrainBatch, d: Denominators
+    spec: StepSpec, critic: Critic, mb: TrainBatch, dv: Derived, d: Denominators
 ) -> tuple[jax.Array, Metrics]:
     values = critic_values(spec, critic, mb)
     loss, m = core.value_loss(
         values,
-        mb.old_values,
-        mb.returns,
+        dv.old_values,
+        dv.returns,
         mb.mask,
         clip_range=spec.algo.vf_clip,
         agg_mode=spec.algo.loss_agg_mode,
         num_tokens=d.num_tokens,
         num_seqs=d.num_seqs,
         norm_const=d.norm_const,
+        seq_bt=mb.sequence,
+        num_sequences=d.num_sequences,
     )
     return loss, {"vf_loss": loss, **m}
 
 
 def sft_objective(
-    spec: StepSpec, params: Weights, mb: TrainBatch, d: Denominators
+    spec: StepSpec, params: Weights, mb: TrainBatch, dv: Derived | None, d: Denominators
 ) -> tuple[jax.Array, Metrics]:
     """Masked cross-entropy of the sampled (model) tokens, token-mean over the whole batch."""
+    del dv
     logp, _ = token_stats(spec, params, mb)
     loss = -(logp * mb.mask).sum() / d.num_tokens
     return loss, {"sft_loss": loss}
 
 
-Objective = Callable[[StepSpec, Any, TrainBatch, Denominators], tuple[jax.Array, Metrics]]
+Objective = Callable[[StepSpec, Any, TrainBatch, Any, Denominators], tuple[jax.Array, Metrics]]
+
+
+def _micro_batch(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+# metrics that are a micro-batch's share of a whole-batch loss (whole-batch denominators)
+LOSS_TERMS = frozenset({"pg_loss", "kl_loss", "vf_loss", "sft_loss"})
 
 
 def accumulated_grads(
-    objective: Objective, spec: StepSpec, params: Any, batch: TrainBatch
+    objective: Objective,
+    spec: StepSpec,
+    params: Any,
+    rows: TrainBatch,
+    derived: Derived | None,
+    d: Denominators,
+    lo: jax.Array | int,
+    hi: jax.Array | int,
 ) -> tuple[jax.Array, Any, Metrics]:
-    """Loss, gradient and metrics of a [M, b, T] batch, scanning its M micro-batches.
+    """Loss, gradient and metrics of micro-batches ``lo .. hi - 1`` of [M, b, T] ``rows``
+    (bounds known on the device only: the micro-batches after them, padding, are never
+    computed).
 
-    Loss terms are sums with whole-batch denominators, so they add up over micro-batches;
-    metrics (masked means within a micro-batch) are averaged weighted by mask tokens.
+    Loss terms are sums with whole-batch denominators, so they add up over micro-batches
+    (the loss metrics, `LOSS_TERMS`, too); the other metrics (masked means within a
+    micro-batch) are averaged weighted by mask tokens.
     """
-    d = denominators(batch)
-    grad_fn = jax.value_and_grad(lambda p, mb: objective(spec, p, mb, d), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, mb, dv: objective(spec, p, mb, dv, d), has_aux=True)
 
-    def step(carry: tuple[jax.Array, Any, Metrics], mb: TrainBatch) -> tuple[Any, None]:
+    def step(i: jax.Array, carry: tuple[jax.Array, Any, Metrics]) -> tuple[Any, Any, Metrics]:
         loss, grads, metrics = carry
-        (mb_loss, m), g = grad_fn(params, mb)
+        mb, dv = _micro_batch(rows, i), _micro_batch(derived, i)
+        (mb_loss, m), g = grad_fn(params, mb, dv)
         w = mb.mask.sum() / d.num_tokens
-        metrics = {k: metrics[k] + w * m[k] for k in metrics}
-        return (loss + mb_loss, jax.tree.map(jnp.add, grads, g), metrics), None
+        metrics = {k: metrics[k] + (m[k] if k in LOSS_TERMS else w * m[k]) for k in metrics}
+        return loss + mb_loss, jax.tree.map(jnp.add, grads, g), metrics
 
-    first = jax.tree.map(lambda x: x[0], batch)
-    metric_shapes = jax.eval_shape(lambda: objective(spec, params, first, d)[1])
+    zero = jnp.zeros((), jnp.int32)
+    mb0, dv0 = _micro_batch(rows, zero), _micro_batch(derived, zero)
+    metric_shapes = jax.eval_shape(lambda: objective(spec, params, mb0, dv0, d)[1])
     zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
     init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_metrics)
-    (loss, grads, metrics), _ = jax.lax.scan(step, init, batch)
-    return loss, grads, metrics
+    return jax.lax.fori_loop(lo, hi, step, init)
 
 
 def apply_update(
@@ -285,9 +324,15 @@ def apply_update(
     spec: StepSpec,
     tx: optax.GradientTransformation,
     state: TrainState,
-    batch: TrainBatch,
+    rows: TrainBatch,
+    derived: Derived | None,
+    d: Denominators,
+    lo: jax.Array | int,
+    hi: jax.Array | int,
 ) -> tuple[TrainState, Metrics]:
-    loss, grads, metrics = accumulated_grads(objective, spec, state.params, batch)
+    loss, grads, metrics = accumulated_grads(
+        objective, spec, state.params, rows, derived, d, lo, hi
+    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -296,64 +341,107 @@ def apply_update(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Outcomes:
-    """Per-row outcomes of a [M, b] batch: the (shaped) reward, and the GRPO group of the row
-    (an index; the rows of one prompt share it, padding rows form a group of their own)."""
+class LearnerState:
+    """Every array the learner trains with: the policy's train state, the critic's (GAE) and
+    the KL reference (frozen). One pytree: a step is ``state, metrics = step(state, batch)``."""
 
-    rewards: Any  # [M, b] float32 (numpy on the host, jax.Array on the devices)
-    groups: Any  # [M, b] int32
-    weights: Any  # [M, b] float32: the share of its episode a row is (`core.grpo_advantages`)
+    policy: TrainState
+    critic: TrainState | None = None
+    reference: Any | None = None  # Weights
 
 
-def prepare(
-    spec: StepSpec,
-    params: Weights,
-    reference: Weights | None,
-    critic: Critic | None,
-    batch: TrainBatch,
-    outcomes: Outcomes,
-) -> TrainBatch:
-    """The update's inputs, computed on the device from a [M, b, T] batch: old-policy and
-    reference logprobs (0 off the sampled tokens), and advantages: GRPO's group-normalised
-    outcome broadcast over the row's sampled tokens, or GAE over the critic's values with the
-    outcome on each row's last sampled token (whitened; returns and old values kept)."""
-    mask, a = batch.mask, spec.algo
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RLBatch:
+    """One RL step's inputs. ``rows`` [M, b, T] are ``algorithm.mini_batches`` (K) mini-batches
+    of M / K micro-batch slots each, of which the first ``micro_batches`` are real (the same
+    count in every mini-batch); the per-sequence fields [S] are indexed by
+    ``rows.sequence``."""
+
+    rows: TrainBatch
+    rewards: Any  # [S] float32, the (shaped) outcome reward
+    groups: Any  # [S] int32, the GRPO group (padding sequences form groups of their own)
+    weights: Any  # [S] float32, the share of its episode a sequence is (`core.grpo_advantages`)
+    minis: Any  # [S] int32, the mini-batch of each sequence (K for padding)
+    micro_batches: Any  # [] int32
+
+
+def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[..., jax.Array]]:
+    """How many micro-batches are real in all, and the slot of the i-th of them."""
+    cap = batch.rows.mask.shape[0] // K
+    real = batch.micro_batches
+    per = jnp.maximum(real, 1)
+    return K * real, lambda i: (i // per) * cap + i % per
+
+
+def _map_real(spec: StepSpec, f: Callable[[TrainBatch], jax.Array], batch: RLBatch) -> jax.Array:
+    """``f`` of each real micro-batch, [M, b, T] (0 in the padding slots, never computed)."""
+    count, slot = _real_micro_batches(batch, spec.algo.mini_batches)
+    out = jnp.zeros(batch.rows.mask.shape, jnp.float32)
+    if spec.sharder is not None:
+        out = spec.sharder.constrain(out, (None, "batch", None))
+
+    def one(i: jax.Array, out: jax.Array) -> jax.Array:
+        j = slot(i)
+        return jax.lax.dynamic_update_index_in_dim(out, f(_micro_batch(batch.rows, j)), j, 0)
+
+    return jax.lax.fori_loop(0, count, one, out)
+
+
+def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
+    """The update's inputs, computed on the device: old-policy and reference logprobs (0 off
+    the sampled tokens), and advantages: GRPO's group-normalised outcome of each sequence on
+    its sampled tokens, or GAE over the critic's values with the outcome on each sequence's
+    last sampled token (whitened over the batch; returns and old values kept)."""
+    rows, a = batch.rows, spec.algo
+    mask = rows.mask
     M, b, T = mask.shape
+    S = batch.rewards.shape[0]
     sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
-    old = jnp.where(sampled, jax.lax.map(lambda mb: token_stats(spec, params, mb)[0], batch), 0.0)
+    policy = state.policy.params
+    old = jnp.where(
+        sampled, _map_real(spec, lambda mb: token_stats(spec, policy, mb)[0], batch), 0.0
+    )
+    reference = state.reference
     ref = (
-        batch.ref_logp
+        jnp.zeros_like(old)
         if reference is None
         else jnp.where(
-            sampled, jax.lax.map(lambda mb: token_stats(spec, reference, mb)[0], batch), 0.0
+            sampled,
+            _map_real(spec, lambda mb: token_stats(spec, reference, mb)[0], batch),
+            0.0,
         )
     )
     if a.adv_estimator == "grpo":
         adv_n = core.grpo_advantages(
-            outcomes.rewards.reshape(M * b),
-            outcomes.groups.reshape(M * b),
-            M * b,
-            a.norm_adv_by_std,
-            weights_n=outcomes.weights.reshape(M * b),
+            batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
         )
-        return dataclasses.replace(
-            batch, old_logp=old, ref_logp=ref, advantages=adv_n.reshape(M, b, 1) * mask
-        )
-    assert critic is not None, "GAE needs a critic"
-    values = jax.lax.map(lambda mb: critic_values(spec, critic, mb), batch) * mask
-    flat_mask = mask.reshape(M * b, T)
-    token_rewards = core.last_token_rewards(outcomes.rewards.reshape(M * b), flat_mask)
+        zeros = jnp.zeros_like(old)
+        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros)
+    assert state.critic is not None, "GAE needs a critic"
+    critic = state.critic.params
+    values = _map_real(spec, lambda mb: critic_values(spec, critic, mb), batch) * mask
+    flat = lambda x: x.reshape(M * b, T)  # noqa: E731
+    token_rewards = core.last_token_rewards(batch.rewards, flat(mask), flat(rows.sequence))
     adv, returns = core.gae_advantages(
-        token_rewards, values.reshape(M * b, T), flat_mask, a.gamma, a.lam
+        token_rewards, flat(values), flat(mask), a.gamma, a.lam, flat(rows.segment_ids)
     )
-    adv = core.masked_whiten(adv, flat_mask) * flat_mask
-    return dataclasses.replace(
-        batch,
-        old_logp=old,
-        ref_logp=ref,
-        advantages=adv.reshape(M, b, T),
-        returns=returns.reshape(M, b, T),
-        old_values=values,
+    adv = core.masked_whiten(adv, flat(mask)) * flat(mask)
+    return Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T))
+
+
+def mini_batch_denominators(
+    spec: StepSpec, rows: TrainBatch, minis: jax.Array, k: jax.Array | int
+) -> Denominators:
+    """The counts of mini-batch ``k``: its sampled tokens and its sequences with any."""
+    S = minis.shape[0]
+    seq_tokens = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
+    mine = minis == k
+    return Denominators(
+        num_tokens=jnp.maximum(jnp.sum(jnp.where(mine, seq_tokens, 0.0)), 1.0),
+        num_seqs=jnp.maximum(jnp.sum(mine & (seq_tokens > 0)).astype(jnp.float32), 1.0),
+        norm_const=spec.norm_const or float(rows.mask.shape[-1]),
+        num_sequences=S,
     )
 
 
@@ -361,63 +449,67 @@ def rl_update(
     spec: StepSpec,
     tx: optax.GradientTransformation,
     critic_tx: optax.GradientTransformation,
-    state: TrainState,
-    critic_state: TrainState | None,
-    reference: Weights | None,
-    batch: TrainBatch,
-    outcomes: Outcomes,
-) -> tuple[TrainState, TrainState | None, Metrics]:
+    state: LearnerState,
+    batch: RLBatch,
+) -> tuple[LearnerState, Metrics]:
     """`prepare`, then ``ppo_epochs`` passes of ``mini_batches`` updates (policy, then critic,
-    on each mini-batch: consecutive micro-batches), scanned on the device. Metrics: the mean
-    over the updates, and the sampler-vs-learner logprob gap before the first."""
+    on each mini-batch: its real micro-batches), on the device. Metrics: the mean over the
+    updates, and the sampler-vs-learner logprob gap before the first."""
     a = spec.algo
-    critic = None if critic_state is None else critic_state.params
-    batch = prepare(spec, state.params, reference, critic, batch, outcomes)
+    dv = prepare(spec, state, batch)
+    rows = batch.rows
     if not spec.sampling.rollout_logprobs:  # the sampler gave none: the learner's stand in
-        batch = dataclasses.replace(batch, rollout_logp=batch.old_logp)
-    K = a.mini_batches
-    minis = jax.tree.map(lambda x: x.reshape(K, x.shape[0] // K, *x.shape[1:]), batch)
+        rows = dataclasses.replace(rows, rollout_logp=dv.old_logp)
+    K, S = a.mini_batches, batch.rewards.shape[0]
+    cap = rows.mask.shape[0] // K
 
     def one(
-        carry: tuple[TrainState, TrainState | None], mini: TrainBatch
+        carry: tuple[TrainState, TrainState | None], k: jax.Array
     ) -> tuple[tuple[TrainState, TrainState | None], Metrics]:
         policy, value = carry
-        policy, m = apply_update(policy_objective, spec, tx, policy, mini)
+        d = mini_batch_denominators(spec, rows, batch.minis, k)
+        lo = k * cap
+        hi = lo + batch.micro_batches
+        policy, m = apply_update(policy_objective, spec, tx, policy, rows, dv, d, lo, hi)
         if value is not None:
-            value, vm = apply_update(value_objective, spec, critic_tx, value, mini)
+            value, vm = apply_update(value_objective, spec, critic_tx, value, rows, dv, d, lo, hi)
             m = {**m, **{f"critic/{k}": v for k, v in vm.items()}}
         return (policy, value), m
 
-    carry: tuple[TrainState, TrainState | None] = (state, critic_state)
+    carry: tuple[TrainState, TrainState | None] = (state.policy, state.critic)
     epochs = []
     for _ in range(a.ppo_epochs):
-        carry, m = jax.lax.scan(one, carry, minis)
+        carry, m = jax.lax.scan(one, carry, jnp.arange(K))
         epochs.append(m)
     metrics = {k: jnp.mean(jnp.concatenate([m[k] for m in epochs])) for k in epochs[0]}
-    gap = jnp.abs(batch.old_logp - batch.rollout_logp)
-    metrics["logprob_gap/mean"] = core.masked_mean(gap, batch.mask)
-    metrics["logprob_gap/max"] = jnp.max(jnp.where(batch.mask > 0, gap, 0.0))
-    metrics["batch/sampled_tokens"] = jnp.sum(batch.mask)
-    # per row [M, b] (not scalars: `Learner.train_step` groups them by the rows' staleness)
-    metrics[_ROW_GAP] = jnp.sum(gap * batch.mask, axis=-1)
-    metrics[_ROW_TOKENS] = jnp.sum(batch.mask, axis=-1)
-    return carry[0], carry[1], metrics
+    gap = jnp.abs(dv.old_logp - rows.rollout_logp)
+    metrics["logprob_gap/mean"] = core.masked_mean(gap, rows.mask)
+    metrics["logprob_gap/max"] = jnp.max(jnp.where(rows.mask > 0, gap, 0.0))
+    metrics["batch/sampled_tokens"] = jnp.sum(rows.mask)
+    # per sequence [S] (not scalars: `Learner.train_step` groups them by staleness)
+    metrics[_SEQ_GAP] = jax.ops.segment_sum(
+        (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S
+    )
+    metrics[_SEQ_TOKENS] = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
+    new = LearnerState(carry[0], carry[1], state.reference)
+    return new, metrics
 
 
-_ROW_GAP, _ROW_TOKENS = "rows/logprob_gap_sum", "rows/sampled_tokens"
+_SEQ_GAP, _SEQ_TOKENS = "sequences/logprob_gap_sum", "sequences/sampled_tokens"
 
 
 def gap_by_staleness(
-    row_gap: np.ndarray, row_tokens: np.ndarray, row_staleness: np.ndarray
+    seq_gap: np.ndarray, seq_tokens: np.ndarray, seq_staleness: np.ndarray
 ) -> dict[str, float]:
     """``logprob_gap/staleness_<k>``: the mean sampler-vs-learner logprob gap over the sampled
-    tokens of the rows ``k`` weight versions behind the policy (rows without tokens skipped)."""
+    tokens of the sequences ``k`` weight versions behind the policy (those without tokens
+    skipped)."""
     out = {}
-    for k in np.unique(row_staleness):
-        rows = (row_staleness == k) & (row_tokens > 0)
-        if rows.any():
+    for k in np.unique(seq_staleness):
+        chosen = (seq_staleness == k) & (seq_tokens > 0)
+        if chosen.any():
             out[f"logprob_gap/staleness_{int(k)}"] = float(
-                row_gap[rows].sum() / row_tokens[rows].sum()
+                seq_gap[chosen].sum() / seq_tokens[chosen].sum()
             )
     return out
 
@@ -428,18 +520,17 @@ def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
     )
 
 
-def _jit_keeping_layout(fn: Callable[..., Any], states: int) -> Callable[..., Any]:
-    """``fn`` jitted with its first ``states`` arguments (train states) donated and returned
-    first, laid out exactly as they came in (else the second call, fed the first call's
-    output, would compile the step again); the layout is read at the first call."""
+def _jit_keeping_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``state, metrics = fn(state, batch)`` jitted with the state donated and returned laid
+    out exactly as it came in (else the second call, fed the first call's output, would
+    compile the step again); the layout is read at the first call."""
     compiled: list[Callable[..., Any]] = []
 
-    def call(*args: Any) -> Any:
+    def call(state: Any, batch: Any) -> Any:
         if not compiled:
-            layout = jax.tree.map(lambda x: x.sharding, args[:states])
-            donate = tuple(range(states))
-            compiled.append(jax.jit(fn, donate_argnums=donate, out_shardings=(*layout, None)))
-        return compiled[0](*args)
+            layout = jax.tree.map(lambda x: x.sharding, state)
+            compiled.append(jax.jit(fn, donate_argnums=0, out_shardings=(layout, None)))
+        return compiled[0](state, batch)
 
     return call
 
@@ -448,7 +539,7 @@ def _jit_keeping_layout(fn: Callable[..., Any], states: int) -> Callable[..., An
 
 
 class Learner:
-    """Owns the policy (and critic) train states on a mesh and the jitted steps over them."""
+    """Owns the learner's state (`LearnerState`) on a mesh and the jitted steps over it."""
 
     def __init__(
         self,
@@ -463,50 +554,50 @@ class Learner:
         remat: bool = False,
         sharder: Sharder | None = None,
         critic: Critic | None = None,
+        reference: Weights | None = None,
+        norm_const: float | None = None,
         lr: float | None = None,
         decay_steps: int | None = None,
     ) -> None:
         self.model = dataclasses.replace(model, dtype="float32")
         self.sharder = sharder
         self.micro_batch_size = micro_batch_size
-        self.spec = StepSpec(self.model, compute_dtype, sampling, algo, remat, sharder)
+        self.spec = StepSpec(self.model, compute_dtype, sampling, algo, remat, sharder, norm_const)
         self.tx = make_optimizer(optim.lr if lr is None else lr, optim, decay_steps)
         self.critic_tx = make_optimizer(optim.critic_lr, optim)
         self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
-        self.state = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
-        self.critic_state = (
+        policy = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
+        value = (
             None
             if critic is None
             else self._init_state(
                 self.critic_tx, self._place_critic(cast_floats(critic, jnp.float32))
             )
         )
-        # micro-batches [M, b, T] and per-row outcomes [M, b]: the rows split over `batch`
+        # a copy: the update donates the policy's buffers, which a shared reference would lose
+        frozen = None if reference is None else self._place(cast_floats(reference, jnp.float32))
+        if frozen is not None:
+            frozen = jax.tree.map(jnp.copy, frozen)
+            frozen = frozen if sharder else jax.device_put(frozen, jax.devices()[0])
+        self.state = LearnerState(policy, value, frozen)
+        # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
         self._batch_sharding = None if sharder is None else sharder.sharding((None, "batch", None))
-        self._row_sharding = None if sharder is None else sharder.sharding((None, "batch"))
-        # lax.map: one micro-batch's logits live at a time
-        self._logprobs = jax.jit(
-            lambda p, batch: jax.lax.map(lambda mb: token_stats(self.spec, p, mb)[0], batch)
-        )
-        self._values = jax.jit(
-            lambda c, batch: jax.lax.map(lambda mb: critic_values(self.spec, c, mb), batch)
-        )
+        self._seq_sharding = None if sharder is None else sharder.sharding(("batch",))
         spec, tx, critic_tx = self.spec, self.tx, self.critic_tx
         self._rl_steps = {
             given: _jit_keeping_layout(
-                partial(rl_update, _with_rollout_logprobs(spec, given), tx, critic_tx), states=2
+                partial(rl_update, _with_rollout_logprobs(spec, given), tx, critic_tx)
             )
             for given in (True, False)
         }  # each compiles on first use
-        self._policy_step = _jit_keeping_layout(
-            lambda s, b: apply_update(policy_objective, spec, tx, s, b), states=1
-        )
-        self._critic_step = _jit_keeping_layout(
-            lambda s, b: apply_update(value_objective, spec, critic_tx, s, b), states=1
-        )
-        self._sft_step = _jit_keeping_layout(
-            lambda s, b: apply_update(sft_objective, spec, tx, s, b), states=1
-        )
+
+        def sft(state: LearnerState, rows: TrainBatch) -> tuple[LearnerState, Metrics]:
+            d = Denominators(jnp.maximum(rows.mask.sum(), 1.0), jnp.ones(()), 1.0, 1)
+            M = rows.mask.shape[0]
+            policy, m = apply_update(sft_objective, spec, tx, state.policy, rows, None, d, 0, M)
+            return dataclasses.replace(state, policy=policy), m
+
+        self._sft_step = _jit_keeping_layout(sft)
 
     # --- placement
 
@@ -518,21 +609,23 @@ class Learner:
     def _place_critic(self, critic: Critic) -> Critic:
         return Critic(self._place(critic.body), critic.head, critic.bias)
 
+    def _replicated(self, x: Any) -> jax.Array:
+        """A host value every process gives alike, on every device (one device unsharded)."""
+        if self.sharder is None:
+            return jax.device_put(np.asarray(x))
+        replicated = self.sharder.sharding(())
+        # `device_put` builds a broken array when a process has one device
+        return jax.make_array_from_process_local_data(replicated, np.asarray(x))
+
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
         # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
         state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-        if self.sharder is None:
-            return state
-        # the counters (scalars on one device) replicated over the mesh, the same value given
-        # by every process (`device_put` builds a broken array when a process has one device)
-        replicated = self.sharder.sharding(())
-
-        def place(x: jax.Array) -> jax.Array:
-            if isinstance(x.sharding, NamedSharding):
-                return x
-            return jax.make_array_from_process_local_data(replicated, np.asarray(x))
-
-        return jax.tree.map(place, state)
+        if self.sharder is None:  # committed to the device, as the step's outputs are
+            return jax.device_put(state, jax.devices()[0])
+        # the counters (scalars on one device) replicated over the mesh
+        return jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else self._replicated(x), state
+        )
 
     def device_batch(self, batch: TrainBatch, local: bool = False) -> TrainBatch:
         """Host rows -> device [M, b, T] micro-batches, b split over data x fsdp (over the
@@ -556,18 +649,20 @@ class Learner:
         split = jax.tree.map(
             lambda x: np.asarray(x).reshape(B // share, share, *x.shape[1:]), batch
         )
-        return self._upload(split, self._batch_sharding)
+        return self._upload(split, self._batch_sharding, axis=1)
 
     @staticmethod
-    def _upload(tree: Any, sharding: NamedSharding | None) -> Any:
-        """This process's rows (axis 1) of every leaf onto the devices as global arrays."""
+    def _upload(tree: Any, sharding: NamedSharding | None, axis: int) -> Any:
+        """This process's share (along ``axis``) of every leaf onto the devices as global
+        arrays."""
         if sharding is None:
             return jax.device_put(tree)
         processes = jax.process_count()
 
         def place(x: np.ndarray) -> jax.Array:
-            shape = (x.shape[0], x.shape[1] * processes, *x.shape[2:])
-            return jax.make_array_from_process_local_data(sharding, x, shape)
+            shape = list(x.shape)
+            shape[axis] *= processes
+            return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
 
         return jax.tree.map(place, tree)
 
@@ -575,7 +670,7 @@ class Learner:
 
     @property
     def params(self) -> Weights:
-        return self.state.params
+        return self.state.policy.params
 
     def rollout_params(self, dtype: str) -> Weights:
         """The policy in the rollout backend's dtype (what `update_weights` receives): new
@@ -587,94 +682,61 @@ class Learner:
             return jax.block_until_ready(
                 jax.tree.map(
                     lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
-                    self.state.params,
+                    self.params,
                 )
             )
-
-    def logprobs(self, batch: TrainBatch, params: Weights | None = None) -> np.ndarray:
-        """[B, T] logprobs of every target under ``params`` (default: the current policy)."""
-        out = self._logprobs(
-            self.state.params if params is None else params, self.device_batch(batch)
-        )
-        return np.asarray(out).reshape(batch.shape)
-
-    def values(self, batch: TrainBatch) -> np.ndarray:
-        assert self.critic_state is not None, "this learner has no critic"
-        out = self._values(self.critic_state.params, self.device_batch(batch))
-        return np.asarray(out).reshape(batch.shape)
 
     def train_step(
         self,
         batch: TrainBatch,
-        rewards: np.ndarray,
-        groups: np.ndarray,
-        reference: Weights | None = None,
+        sequences: Sequences,
+        micro_batches: int,
         rollout_logprobs: bool = True,
-        row_staleness: np.ndarray | None = None,
-        weights: np.ndarray | None = None,
+        staleness: np.ndarray | None = None,
     ) -> dict[str, float]:
-        """One RL update (`rl_update`) of this process's host rows ``batch`` [B, T] (see
-        `device_batch`) with the rows' rewards and group indices [B] (groups numbered across
-        processes): the batch crosses to the devices once, is prepared and trained on there,
-        and only the metrics come back. ``rollout_logprobs=False``: the batch's rollout
-        logprobs are not the sampler's (its backend reports none); the learner's old-policy
-        logprobs take their place, and ``rollout/logprobs_recomputed`` is 1. ``row_staleness``
-        (how many weight versions each row's oldest token is behind the policy, padding rows
-        included) adds the gap per staleness (`gap_by_staleness`; one process only: the
-        metrics' rows are every process's). ``weights`` [B] (default 1): the share of its
-        episode each row is, for GRPO's group statistics (`core.grpo_advantages`)."""
-        if row_staleness is not None and len(row_staleness) != len(rewards):
-            raise ValueError(f"{len(row_staleness)} staleness values for {len(rewards)} rows")
-        with device_turns.TURN:  # an engine's thread may share the devices (async training)
-            metrics = self._train_step(
-                batch, rewards, groups, reference, rollout_logprobs, row_staleness, weights
+        """One RL update (`rl_update`) of this process's host rows ``batch``: K mini-batches
+        (``algorithm.mini_batches``) of the same number of micro-batch slots, whose first
+        ``micro_batches`` are real (see `RLBatch`; every process passes the same count and
+        shapes), with its sequences' outcomes [S] (``batch.sequence`` indexes them from this
+        process's first, ``process_index * S``). The batch crosses to the devices once, is
+        prepared and trained on there, and only the metrics come back.
+        ``rollout_logprobs=False``: the batch's rollout logprobs are not the sampler's (its
+        backend reports none); the learner's old-policy logprobs take their place, and
+        ``rollout/logprobs_recomputed`` is 1. ``staleness`` [S] (how many weight versions each
+        sequence's oldest token is behind the policy) adds the gap per staleness
+        (`gap_by_staleness`; one process only: the metrics' sequences are every process's)."""
+        if staleness is not None and len(staleness) != len(sequences.rewards):
+            raise ValueError(
+                f"{len(staleness)} staleness values for {len(sequences.rewards)} sequences"
             )
+        with device_turns.TURN:  # an engine's thread may share the devices (async training)
+            rewards, groups, weights, minis = self._upload(
+                (sequences.rewards, sequences.groups, sequences.weights, sequences.minis),
+                self._seq_sharding,
+                axis=0,
+            )
+            device = RLBatch(
+                self.device_batch(batch, local=True),
+                rewards,
+                groups,
+                weights,
+                minis,
+                self._replicated(np.int32(micro_batches)),
+            )
+            self.state, metrics = self._rl_steps[rollout_logprobs](self.state, device)
+            # the per-sequence arrays are spread over the processes' devices: one process reads
+            seq = metrics.pop(_SEQ_GAP), metrics.pop(_SEQ_TOKENS)
+            out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)
-            jax.block_until_ready((self.state, self.critic_state))
-            return metrics
-
-    def _train_step(
-        self,
-        batch: TrainBatch,
-        rewards: np.ndarray,
-        groups: np.ndarray,
-        reference: Weights | None,
-        rollout_logprobs: bool,
-        row_staleness: np.ndarray | None,
-        weights: np.ndarray | None,
-    ) -> dict[str, float]:
-        device = self.device_batch(batch, local=True)
-        M = device.tokens.shape[0]
-        weights = np.ones(len(rewards)) if weights is None else weights
-        outcomes = Outcomes(
-            np.asarray(rewards, np.float32).reshape(M, -1),
-            np.asarray(groups, np.int32).reshape(M, -1),
-            np.asarray(weights, np.float32).reshape(M, -1),
-        )
-        outcomes = self._upload(outcomes, self._row_sharding)
-        self.state, self.critic_state, metrics = self._rl_steps[rollout_logprobs](
-            self.state, self.critic_state, reference, device, outcomes
-        )
-        # the per-row arrays are spread over the processes' devices: read in one process only
-        rows = metrics.pop(_ROW_GAP), metrics.pop(_ROW_TOKENS)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            jax.block_until_ready(self.state)
         if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
-        elif row_staleness is not None and jax.process_count() == 1:
-            row_gap, row_tokens = (np.asarray(x).reshape(-1) for x in rows)
-            out.update(gap_by_staleness(row_gap, row_tokens, np.asarray(row_staleness)))
+        elif staleness is not None and jax.process_count() == 1:
+            seq_gap, seq_tokens = (np.asarray(x) for x in seq)
+            out.update(gap_by_staleness(seq_gap, seq_tokens, np.asarray(staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
         return out
-
-    def update_policy(self, batch: TrainBatch) -> dict[str, float]:
-        self.state, metrics = self._policy_step(self.state, self.device_batch(batch))
-        return {k: float(v) for k, v in metrics.items()}
-
-    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
-        assert self.critic_state is not None, "this learner has no critic"
-        self.critic_state, metrics = self._critic_step(self.critic_state, self.device_batch(batch))
-        return {f"critic/{k}": float(v) for k, v in metrics.items()}
 
     def update_sft(self, batch: TrainBatch) -> dict[str, float]:
         self.state, metrics = self._sft_step(self.state, self.device_batch(batch))

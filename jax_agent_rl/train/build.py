@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from rich.console import Console
 
@@ -35,7 +34,7 @@ from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, m
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import ScoreFn, make_reward
-from jax_agent_rl.rl.learner import Learner, SamplingSpec, critic_from_policy
+from jax_agent_rl.rl.learner import Learner, LearnerState, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
@@ -57,7 +56,6 @@ class Run:
     tokenizer: Tokenizer
     model: ModelConfig
     learner: Learner
-    reference: Any | None  # the KL reference params (a copy of the start), None without KL
     sampler: PromptSampler
     val_samples: list[Sample]
     registry: ToolRegistry
@@ -134,10 +132,15 @@ def make_learner(
     warmup: int | None = None,
     decay_steps: int | None = None,
     micro_batch_size: int | None = None,
+    reference: Any | None = None,
 ) -> Learner:
-    """The learner over ``params``; the keyword arguments override the RL settings (SFT)."""
+    """The learner over ``params`` (and the KL ``reference``); the keyword arguments override
+    the RL settings (SFT). Packing puts one row per device in a micro-batch."""
     optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
     r = cfg.rollout
+    rows_per_micro = (
+        cfg.mesh.data * cfg.mesh.fsdp if cfg.learner.packing else cfg.learner.micro_batch_size
+    )
     return Learner(
         model,
         params,
@@ -145,23 +148,26 @@ def make_learner(
         optim=optim,
         sampling=SamplingSpec(r.temperature, r.top_k, r.top_p),
         compute_dtype=cfg.model.dtype,
-        micro_batch_size=micro_batch_size or cfg.learner.micro_batch_size,
+        micro_batch_size=micro_batch_size or rows_per_micro,
         remat=cfg.learner.remat,
         sharder=sharder,
         critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
+        reference=reference,
+        norm_const=cfg.agent.max_response_tokens,
         lr=lr,
         decay_steps=decay_steps,
     )
 
 
-def train_states(learner: Learner, reference: Any | None) -> dict[str, Any]:
+def train_states(learner: Learner) -> dict[str, Any]:
     """What a checkpoint holds of the model side: the policy's train state, the critic's, and
     the KL reference (the policy RL started from, after SFT: a resumed run cannot rebuild it)."""
-    states = {"policy": learner.state}
-    if learner.critic_state is not None:
-        states["critic"] = learner.critic_state
-    if reference is not None:
-        states["reference"] = reference
+    state = learner.state
+    states: dict[str, Any] = {"policy": state.policy}
+    if state.critic is not None:
+        states["critic"] = state.critic
+    if state.reference is not None:
+        states["reference"] = state.reference
     return states
 
 
@@ -169,16 +175,14 @@ def save_checkpoint(run: Run, step: int) -> None:
     """The train states, the step, the prompt sampler's position and the seed."""
     meta = {"step": step, "sampler": run.sampler.state(), "seed": run.cfg.trainer.seed}
     with device_turns.TURN:  # copying the arrays off the devices runs programs on them
-        run.checkpoints.save(step, train_states(run.learner, run.reference), meta)
+        run.checkpoints.save(step, train_states(run.learner), meta)
 
 
 def _restore(run: Run, step: int) -> None:
-    states, meta = run.checkpoints.restore(step, train_states(run.learner, run.reference))
-    run.learner.state = states["policy"]
-    if "critic" in states:
-        run.learner.critic_state = states["critic"]
-    if "reference" in states:
-        run.reference = states["reference"]
+    states, meta = run.checkpoints.restore(step, train_states(run.learner))
+    run.learner.state = LearnerState(
+        states["policy"], states.get("critic"), states.get("reference")
+    )
     run.sampler.restore(meta["sampler"])
     run.start = int(meta["step"])
 
@@ -229,10 +233,9 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
                 micro_batch_size=min(cfg.sft.batch_size, cfg.learner.micro_batch_size),
             )
             params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
-        learner = make_learner(cfg, model, params, sharder)
-        # The reference is a copy: the learner's jitted update donates the policy's buffers, so a
-        # reference that shared them would be deleted by the first update.
-        reference = jax.tree.map(jnp.copy, params) if cfg.algorithm.kl_coef else None
+        # the KL reference: the policy RL starts from (the learner keeps a copy)
+        reference = params if cfg.algorithm.kl_coef else None
+        learner = make_learner(cfg, model, params, sharder, reference=reference)
         run = Run(
             cfg,
             run_dir,
@@ -240,7 +243,6 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             tokenizer,
             model,
             learner,
-            reference,
             sampler,
             val_samples,
             registry,

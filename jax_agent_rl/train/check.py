@@ -396,9 +396,10 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
     critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
     cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
     weights split over ``tensor`` only, KV pages over ``data x fsdp`` and kv heads over
-    ``tensor``). Activations (set by ``learner.micro_batch_size``, ``remat`` and the sequence
-    length) and XLA's workspace come on top. Over several ``processes``, each serves its own
-    ``rollout.max_concurrent`` slots on its share of the devices."""
+    ``tensor``). Then the activations of one micro-batch (`activation_bytes`: its tokens per
+    device, with and without ``learner.remat``); XLA's workspace comes on top. Over several
+    ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share of the
+    devices."""
     m = cfg.mesh
     n = m.data * m.fsdp * m.tensor
     fp32 = _per_device_bytes(model, m, 4)
@@ -430,4 +431,39 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
         lines += [f"  engine   {name:<34} {b / 2**30:8.2f} GiB" for name, b in engine]
     busiest = learner + sum(b for _, b in engine)
     lines.append(f"  total per device: {busiest / 2**30:.2f} GiB, before activations")
+    L = cfg.learner
+    if L.packing:
+        tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
+    else:
+        rows = max(L.micro_batch_size // (m.data * m.fsdp), 1)
+        tokens = rows * cfg.rollout.max_model_len
+        what = f"{rows} row(s) of rollout.max_model_len={cfg.rollout.max_model_len}"
+    width = 2 if cfg.model.dtype == "bfloat16" else 4
+    chosen, other = (True, False) if L.remat else (False, True)
+    lines.append(
+        f"  activations per micro-batch ({tokens} tokens per device: {what}): "
+        f"{activation_bytes(model, tokens, width, chosen, m.tensor) / 2**30:.2f} GiB"
+        f" (with remat={str(other).lower()}: "
+        f"{activation_bytes(model, tokens, width, other, m.tensor) / 2**30:.2f} GiB)"
+    )
     return lines
+
+
+def activation_bytes(
+    model: ModelConfig, tokens: int, width: int, remat: bool, tensor: int = 1
+) -> float:
+    """About what one micro-batch of ``tokens`` tokens keeps for its backward pass, per device.
+    Per layer and token, the values a layer's backward reads again: the residual and the two
+    norms (in and out), q / k / v before and after rotary embedding and in the attention's
+    layout, the attention output both ways, the MLP's gate, up, activation and product:
+    ``5 D + 5 H K + 5 G K + 4 F`` in the compute dtype, heads and F split over ``tensor``; with
+    remat only each layer's input (D) plus one layer's set, recomputed in turn. On top: the
+    head's fp32 logits (its vocabulary chunks are all kept for the backward), 4 V per token,
+    and the gradient's fp32 accumulator. XLA:CPU's own plan for the small test model is
+    within 2x of this (`tests/train/test_check.py`); a TPU's fuses more."""
+    D, F, K = model.hidden_size, model.intermediate_size, model.head_dim
+    H, G = model.num_heads / tensor, max(model.num_kv_heads / tensor, 1)
+    per_layer = width * (5 * D + 5 * H * K + 5 * G * K + 4 * F / tensor)
+    kept = model.num_layers * (width * D if remat else per_layer) + (per_layer if remat else 0)
+    logits = 4 * model.vocab_size / tensor
+    return tokens * (kept + logits) + 4 * model.num_params / tensor

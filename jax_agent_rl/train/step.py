@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 import zlib
 from collections import Counter
@@ -35,7 +34,7 @@ from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.rewards import ScoreFn
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import longest_sequence, make_batch, per_turn_samples
+from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -248,21 +247,6 @@ def staleness(traj: Trajectory, version: int) -> int:
     return 0 if oldest is None else version - oldest
 
 
-def padded_outcomes(
-    rewards: np.ndarray, group_ids: Sequence[str], rows: int, first_group: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """The learner's per-row rewards and group indices for a batch of ``rows`` rows whose first
-    ``len(rewards)`` rows are the trajectories: padding rows get reward 0 and a group of their
-    own (so they change no real group's statistics). Indices start at ``first_group`` (each
-    process numbers its groups in a range of its own)."""
-    names = {g: i + first_group for i, g in enumerate(dict.fromkeys(group_ids))}
-    groups = np.full(rows, len(names) + first_group, np.int32)
-    groups[: len(group_ids)] = [names[g] for g in group_ids]
-    padded = np.zeros(rows, np.float32)
-    padded[: len(rewards)] = rewards
-    return padded, groups
-
-
 def training_rows(
     trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
 ) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
@@ -286,12 +270,6 @@ def training_rows(
         [t.group_id for t in rows],
         np.asarray(weights, np.float32),
     )
-
-
-def batch_rows(n: int, micro_batch_size: int, mini_batches: int) -> int:
-    """Rows for ``n`` trajectories: every mini-batch a whole number of micro-batches."""
-    unit = micro_batch_size * mini_batches
-    return max(unit, math.ceil(n / unit) * unit)
 
 
 def learn(
@@ -328,7 +306,7 @@ def learn(
         **reward_groups(rewards, group_ids),  # additive: a group never spans processes
         "groups_kept": len(split_groups(kept)),
         "batch/trajectories": len(trainable),
-        "batch/rows": len(rows_of),
+        "batch/samples": len(rows_of),
         "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows_of),
         "rollout_s/max": rollout_s,
     }
@@ -342,7 +320,7 @@ def learn(
         raise error
     m = metrics_of_totals(totals)
     m["groups_kept"] = totals["groups_kept"]
-    m["batch/rows"] = totals["batch/rows"]  # per-turn samples: one per model turn
+    m["batch/samples"] = totals["batch/samples"]  # per-turn samples: one per model turn
     m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
     if version is not None:
         trained = max(totals["batch/trajectories"], 1)
@@ -350,26 +328,30 @@ def learn(
             if key.startswith("staleness_count/"):
                 m[f"staleness/{key.split('/')[1]}"] = count / trained
         m["staleness/max"] = totals["staleness/max"]
-    # as many rows every step (padding rows have mask 0), so the step does not compile again
-    # when a step has fewer trainable trajectories; every process the same rows and length
-    most, longest = distributed.agree_max([len(rows_of), longest_sequence(rows_of)])
-    planned = max(most * processes, cfg.data.prompts_per_step * cfg.rollout.n)
-    rows = batch_rows(planned, cfg.learner.micro_batch_size, cfg.algorithm.mini_batches)
-    rows //= processes
-    batch = make_batch(rows_of, cfg.learner.seq_bucket, rows=rows, longest=longest)
+    # each mini-batch's sequences packed into rows (or one per row), every process the same
+    # shapes (power-of-two slots: the step compiles again only for a step larger than any)
+    L, K = cfg.learner, cfg.algorithm.mini_batches
+    batch, sequences, real = step_batch(
+        rows_of,
+        row_rewards,
+        row_groups,
+        row_weights,
+        mini_batches=K,
+        row_tokens=L.row_tokens if L.packing else None,
+        bucket=L.seq_bucket,
+        rows_per_micro=learner.micro_batch_size // processes,
+        min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
+        agree=distributed.agree_max,
+        part=me,
+    )
+    m["batch/rows"] = real * K * learner.micro_batch_size
+    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * batch.shape[1])
     t0 = time.perf_counter()
-    if most:  # one upload, then old / reference logprobs, advantages, updates on device
-        padded, groups = padded_outcomes(row_rewards, row_groups, rows, first_group=me * rows)
-        weights = np.ones(rows, np.float32)
-        weights[: len(row_weights)] = row_weights
-        row_staleness = None if version is None else np.zeros(rows, np.int32)
-        if row_staleness is not None:
-            row_staleness[: len(behind)] = behind
-        m.update(
-            learner.train_step(
-                batch, padded, groups, run.reference, rollout_logprobs, row_staleness, weights
-            )
-        )
+    if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
+        staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
+        if staleness_s is not None:
+            staleness_s[: len(behind)] = behind
+        m.update(learner.train_step(batch, sequences, real, rollout_logprobs, staleness_s))
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t0
     m.update(

@@ -14,16 +14,30 @@ from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
 from jax_agent_rl.models.hf_local import TINY
-from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import TrainBatch, make_batch, padded_length
+from jax_agent_rl.rl.batch import (
+    Sequences,
+    TrainBatch,
+    balanced_slots,
+    make_batch,
+    pack_rows,
+    padded_length,
+    per_turn_samples,
+    step_batch,
+)
 from jax_agent_rl.rl.learner import (
+    Denominators,
     Learner,
+    LearnerState,
+    RLBatch,
     SamplingSpec,
     StepSpec,
     accumulated_grads,
     critic_from_policy,
     make_optimizer,
+    mini_batch_denominators,
     policy_objective,
+    prepare,
+    token_stats,
     value_objective,
 )
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
@@ -32,29 +46,59 @@ CFG = ModelConfig.from_hf(TINY["qwen2"])
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def random_batch(B: int = 8, T: int = 24, seed: int = 0) -> TrainBatch:
-    """Trajectories of random tokens with a model/tool mask pattern, plus random RL fields."""
+def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Trajectory]:
+    """Trajectories of random tokens with a model/tool mask pattern and sampler logprobs, in
+    groups of 4."""
     rng = np.random.default_rng(seed)
     trajs = []
-    for b in range(B):
+    for b in range(n):
         traj = Trajectory(
             uid=str(b), group_id=str(b // 4), prompt_ids=list(rng.integers(0, 256, 5))
         )
-        n = int(rng.integers(6, T - 6))
-        for i in range(0, n, 4):
+        size = int(rng.integers(6, longest - 6))
+        for i in range(0, size, 4):
             model = (i // 4) % 2 == 0
             ids = list(rng.integers(0, 256, 4))
             traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
         trajs.append(traj)
-    batch = make_batch(trajs, bucket=8)
+    return trajs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Given:
+    """Random stand-ins for what a step derives (`Derived`), to test the objectives alone."""
+
+    old_logp: jax.Array
+    ref_logp: jax.Array
+    advantages: jax.Array
+    old_values: jax.Array
+    returns: jax.Array
+
+
+def random_batch(B: int = 8, T: int = 24, seed: int = 0) -> tuple[TrainBatch, Given]:
+    """One trajectory per row, and random derived fields."""
+    batch = make_batch(random_trajectories(B, T, seed), bucket=8)
+    rng = np.random.default_rng(seed)
     mask = np.asarray(batch.mask)
     shape = mask.shape
-    batch.advantages = (rng.normal(size=(B, 1)) * mask).astype(np.float32)
-    batch.old_logp = (rng.normal(-2, 0.3, shape) * mask).astype(np.float32)
-    batch.ref_logp = (rng.normal(-2, 0.3, shape) * mask).astype(np.float32)
-    batch.old_values = rng.normal(size=shape).astype(np.float32)
-    batch.returns = rng.normal(size=shape).astype(np.float32)
-    return batch
+    given = Given(
+        old_logp=(rng.normal(-2, 0.3, shape) * mask).astype(np.float32),
+        ref_logp=(rng.normal(-2, 0.3, shape) * mask).astype(np.float32),
+        advantages=(rng.normal(size=(B, 1)) * mask).astype(np.float32),
+        old_values=rng.normal(size=shape).astype(np.float32),
+        returns=rng.normal(size=shape).astype(np.float32),
+    )
+    return batch, given
+
+
+def grads_of(objective, s: StepSpec, params, batch: TrainBatch, given: Given, m: int):  # type: ignore[no-untyped-def]
+    """`accumulated_grads` over ``m`` micro-batches of the rows, whole-batch denominators."""
+    rows, dv = micro(batch, m), micro(given, m)
+    mask = jnp.asarray(batch.mask)
+    seqs = (mask.sum(-1) > 0).sum().astype(jnp.float32)
+    d = Denominators(mask.sum(), seqs, 32.0, batch.shape[0])
+    return accumulated_grads(objective, s, params, rows, dv, d, 0, m)  # type: ignore[arg-type]
 
 
 def test_batch_lengths_are_power_of_two_multiples_of_the_bucket() -> None:
@@ -78,9 +122,8 @@ def assert_close_normwise(actual: object, desired: object, tol: float = 1e-5) ->
         assert np.linalg.norm(a - d) / scale <= tol, (np.linalg.norm(a - d) / scale, d.shape)
 
 
-def micro(batch: TrainBatch, m: int) -> TrainBatch:
-    B = batch.shape[0]
-    return jax.tree.map(lambda x: jnp.asarray(x).reshape(m, B // m, *x.shape[1:]), batch)
+def micro(tree, m: int):  # type: ignore[no-untyped-def]
+    return jax.tree.map(lambda x: jnp.asarray(x).reshape(m, -1, *x.shape[1:]), tree)
 
 
 FILTERED = SamplingSpec(0.8, 20, 0.9)
@@ -99,11 +142,10 @@ ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=
 def test_micro_batches_sum_to_the_whole_batch(mode: str) -> None:
     """Accumulating 4 micro-batches (whole-batch denominators) = one pass over all rows."""
     params = init_params(jax.random.key(0), CFG)
-    batch = random_batch()
+    batch, given = random_batch()
     s = spec(dataclasses.replace(ALGO, loss_agg_mode=mode))
-    f = jax.jit(lambda p, b: accumulated_grads(policy_objective, s, p, b))
-    loss1, g1, _ = f(params, micro(batch, 1))
-    loss4, g4, _ = f(params, micro(batch, 4))
+    loss1, g1, _ = jax.jit(lambda p: grads_of(policy_objective, s, p, batch, given, 1))(params)
+    loss4, g4, _ = jax.jit(lambda p: grads_of(policy_objective, s, p, batch, given, 4))(params)
     assert_close_normwise(loss4, loss1)
     assert_close_normwise(g4, g1)
 
@@ -117,7 +159,7 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
     single-device computation within 1e-5, normwise (only the reduction order differs). The
     policy without top-k / top-p takes `head_logprobs` (its vocabulary sharded over tensor)."""
     params = init_params(jax.random.key(1), CFG)
-    batch = micro(random_batch(seed=1), 2)
+    batch, given = random_batch(seed=1)
     sharder = Sharder(make_mesh(2, 2, 2))
     target, fn = (
         (params, policy_objective)
@@ -126,8 +168,8 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
     )
     if objective == "value":  # a non-zero head so the body gets gradients
         target = dataclasses.replace(target, head=jnp.linspace(-1, 1, CFG.hidden_size))
-    plain = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, None, sampling), p, b))
-    loss0, g0, m0 = plain(target, batch)
+    plain = jax.jit(lambda p: grads_of(fn, spec(ALGO, None, sampling), p, batch, given, 2))
+    loss0, g0, m0 = plain(target)
 
     learner = Learner(
         CFG,
@@ -139,11 +181,16 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
         sharder=sharder,
         critic=target if objective == "value" else None,
     )
-    placed = learner.state.params if objective == "policy" else learner.critic_state.params
-    host = jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), batch)
-    sharded_batch = learner.device_batch(host)
+    state = learner.state.policy if objective == "policy" else learner.state.critic
+    placed = state.params  # type: ignore[union-attr]
+    sharded_batch = learner.device_batch(batch)
     assert sharded_batch.tokens.sharding.spec[1] == ("data", "fsdp")
-    sharded = jax.jit(lambda p, b: accumulated_grads(fn, spec(ALGO, sharder, sampling), p, b))
+    s = spec(ALGO, sharder, sampling)
+    mask = jnp.asarray(batch.mask)
+    d = Denominators(mask.sum(), (mask.sum(-1) > 0).sum().astype(jnp.float32), 32.0, 8)
+    sharded = jax.jit(
+        lambda p, b: accumulated_grads(fn, s, p, b, micro(given, 2), d, 0, 2)  # type: ignore[arg-type]
+    )
     loss1, g1, m1 = sharded(placed, sharded_batch)
     assert_close_normwise(loss1, loss0)
     assert_close_normwise(g1, g0)
@@ -176,55 +223,48 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
         t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
         t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))
         trajs.append(t)
-    batch = make_batch(trajs, bucket=16)
-    learner = Learner(
-        CFG,
-        params,
-        algo=ALGO,
-        optim=OptimSection(),
-        sampling=SamplingSpec(0.8, top_k, top_p),
-        micro_batch_size=2,
-    )
+    # all four packed in one row: positions restart and attention stays within each
+    batch = make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
+    s = spec(ALGO, sampling=SamplingSpec(0.8, top_k, top_p))
+    learned = jax.jit(lambda p, b: token_stats(s, p, b)[0])(params, batch)
     mask = np.asarray(batch.mask) > 0
-    learned = learner.logprobs(batch)[mask]
-    assert mask.sum() == 4 * 24
+    learned = np.asarray(learned)[mask]
+    assert mask.sum() == 4 * 24 and batch.shape[0] == 1
     np.testing.assert_allclose(learned, np.asarray(batch.rollout_logp)[mask], atol=1e-4)
 
 
 def test_updates_reduce_their_losses() -> None:
-    """A few SFT steps lower the cross-entropy; policy steps with positive advantages raise
-    the logprob of the sampled tokens; critic steps move values towards returns."""
+    """A few SFT steps lower the cross-entropy; RL steps raise the logprob of the rewarded
+    trajectories' tokens over the others' in their group, and bring the critic's values
+    towards the returns (its loss falls)."""
     params = init_params(jax.random.key(3), CFG)
-    batch = random_batch(seed=3)
-    learner = Learner(
-        CFG,
-        params,
-        algo=AlgorithmSection(adv_estimator="gae", tis_cap=None),
-        optim=OptimSection(lr=1e-2, critic_lr=1e-3),
-        sampling=SamplingSpec(),
-        micro_batch_size=4,
-        critic=critic_from_policy(params),
+    trajs = random_trajectories(8, seed=3)
+    learner = _learner(
+        AlgorithmSection(adv_estimator="gae", tis_cap=None), params, micro_batch_size=4
     )
-    first = learner.update_sft(batch)["sft_loss"]
+    sft = make_batch(trajs, bucket=8)
+    first = learner.update_sft(sft)["sft_loss"]
     for _ in range(5):
-        last = learner.update_sft(batch)["sft_loss"]
+        last = learner.update_sft(sft)["sft_loss"]
     assert last < first - 0.1
 
-    mask = np.asarray(batch.mask)
-    before = (learner.logprobs(batch) * mask).sum()
-    batch.old_logp = learner.logprobs(batch) * mask
-    batch.advantages = mask.copy()
-    learner.update_policy(batch)
-    assert (learner.logprobs(batch) * mask).sum() > before
+    rewards = np.tile([1.0, 0.0], 4)
+    s = learner.spec
+    logp = jax.jit(lambda p, b: token_stats(s, p, b)[0])
+    mask = np.asarray(sft.mask)
+    won = np.tile([True, False], 4)[:, None] & (mask > 0)
+    lost = ~np.tile([True, False], 4)[:, None] & (mask > 0)
 
-    batch.returns = np.where(mask > 0, 0.5, 0.0).astype(np.float32)  # a reachable target
-    v0 = np.abs(learner.values(batch) - np.asarray(batch.returns))[mask > 0].mean()
-    batch.old_values = learner.values(batch)
-    for _ in range(5):
-        learner.update_critic(batch)
-        batch.old_values = learner.values(batch)
-    v1 = np.abs(learner.values(batch) - np.asarray(batch.returns))[mask > 0].mean()
-    assert v1 < v0
+    def margin() -> float:
+        lp = np.asarray(logp(learner.params, sft))
+        return float(lp[won].mean() - lp[lost].mean())
+
+    before, losses = margin(), []
+    for _ in range(4):
+        m = learner.train_step(*_step(trajs, rewards, 1, 16, learner.micro_batch_size))
+        losses.append(m["critic/vf_loss"])
+    assert margin() > before
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize(("warmup", "first_rate"), [(0, 1.0), (4, 0.25)])
@@ -248,122 +288,182 @@ def _learner(
     params: object,
     sharder: Sharder | None = None,
     micro_batch_size: int = 2,
+    reference: object = None,
+    lr: float = 1e-2,
 ) -> Learner:
     return Learner(
         CFG,
-        params,  # type: ignore[arg-type]
+        jax.tree.map(jnp.copy, params),  # each learner its own: an update donates its state
         algo=algo,
-        optim=OptimSection(lr=1e-2, critic_lr=1e-3),
-        sampling=SamplingSpec(0.8),  # no filter: random_batch's tokens were not sampled
+        optim=OptimSection(lr=lr, critic_lr=lr / 10),
+        sampling=SamplingSpec(0.8),  # no filter: the random tokens were not sampled
         micro_batch_size=micro_batch_size,
         sharder=sharder,
         critic=critic_from_policy(params) if algo.adv_estimator == "gae" else None,  # type: ignore[arg-type]
+        reference=reference,  # type: ignore[arg-type]
+        norm_const=48.0,  # Dr.GRPO's constant: the generation budget, whatever the layout
     )
 
 
-def _outcomes(B: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rewards of rows 0..B-3 in groups of 2 (the last two rows are padding: reward 0, a
-    group of their own), as the trainer pads them."""
-    rewards = np.array([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 0.0, 0.0], np.float32)[:B]
-    groups = np.array([0, 0, 1, 1, 2, 2, 3, 3], np.int32)[:B]
-    rewards[-2:], groups[-2:] = 0.0, 3
-    return rewards, groups
+def _step(
+    trajs: list[Trajectory],
+    rewards: np.ndarray,
+    mini_batches: int,
+    row_tokens: int | None,
+    rows_per_micro: int,
+    weights: np.ndarray | None = None,
+) -> tuple[TrainBatch, Sequences, int]:
+    """`train_step`'s arguments as the trainer lays them out: packed into rows of
+    ``row_tokens`` (None: one trajectory per row, padded)."""
+    return step_batch(
+        trajs,
+        rewards,
+        [t.group_id for t in trajs],
+        np.ones(len(trajs)) if weights is None else weights,
+        mini_batches=mini_batches,
+        row_tokens=row_tokens,
+        bucket=8,
+        rows_per_micro=rows_per_micro,
+    )
 
 
-def _host_step(learner: Learner, batch: TrainBatch, rewards: np.ndarray, groups: np.ndarray,
-               reference: object) -> dict[str, float]:  # fmt: skip
-    """The same update composed on the host from the learner's single-purpose steps: what the
-    trainer did before the step moved onto the device."""
-    a = learner.spec.algo
-    mask = np.asarray(batch.mask)
-    batch.old_logp = np.where(mask > 0, learner.logprobs(batch), 0.0)
-    if reference is not None:
-        ref = learner.logprobs(batch, params=reference)  # type: ignore[arg-type]
-        batch.ref_logp = np.where(mask > 0, ref, 0.0)
-    if a.adv_estimator == "grpo":
-        adv = np.asarray(core.grpo_advantages(rewards, groups, len(rewards), a.norm_adv_by_std))
-        batch.advantages = (adv[:, None] * mask).astype(np.float32)
-    else:
-        values = learner.values(batch) * mask
-        token_rewards = np.asarray(core.last_token_rewards(rewards, mask))
-        adv, returns = core.gae_advantages(token_rewards, values, mask, a.gamma, a.lam)
-        batch.advantages = np.asarray(core.masked_whiten(adv, mask) * mask, np.float32)
-        batch.returns, batch.old_values = np.asarray(returns), values.astype(np.float32)
-    size, records = batch.shape[0] // a.mini_batches, []
-    for _ in range(a.ppo_epochs):
-        for i in range(a.mini_batches):
-            mini = batch.rows(slice(i * size, (i + 1) * size))
-            m = learner.update_policy(mini)
-            if learner.critic_state is not None:
-                m.update(learner.update_critic(mini))
-            records.append(m)
-    return {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+REWARDS = np.array([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 0.0, 0.0, 0.3, 0.9, 0.1, 0.6], np.float32)
+EQUIVALENT = {
+    "grpo_kl_tis_entropy_2x2": dataclasses.replace(ALGO, mini_batches=2, ppo_epochs=2),
+    **{
+        f"agg_{mode}": dataclasses.replace(ALGO, loss_agg_mode=mode, mini_batches=2)  # type: ignore[arg-type]
+        for mode in AGG_MODES
+    },
+    "dr_grpo": AlgorithmSection(
+        norm_adv_by_std=False, loss_agg_mode="seq-mean-token-sum-norm", tis_cap=None
+    ),
+    "mis": AlgorithmSection(tis_cap=1.5, tis_mode="mask", kl_coef=0.05, kl_kind="k3"),
+    "gae_value_loss": AlgorithmSection(
+        adv_estimator="gae", mini_batches=2, tis_cap=None, loss_agg_mode="seq-mean-token-mean"
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "algo",
-    [
-        dataclasses.replace(ALGO, mini_batches=2, ppo_epochs=2),
-        AlgorithmSection(adv_estimator="gae", mini_batches=2, tis_cap=None),
-    ],
-    ids=["grpo_kl_2x2", "gae_critic"],
-)
-def test_the_device_step_equals_the_step_composed_on_the_host(algo: AlgorithmSection) -> None:
-    """`Learner.train_step` (prepare + scanned updates in one program) gives the parameters,
-    critic and metrics of the same computation done step by step from the host, within fp32
-    reduction-order rounding (normwise 1e-5, as sharding)."""
+@pytest.mark.parametrize("algo", EQUIVALENT.values(), ids=EQUIVALENT.keys())
+@pytest.mark.parametrize("per_turn", [False, True], ids=["episodes", "per_turn"])
+def test_the_packed_step_equals_the_padded_step(algo: AlgorithmSection, per_turn: bool) -> None:
+    """The same trajectories, packed several to a row (rows of 64 tokens, 2 per micro-batch)
+    and one per row padded (today's layout, 3 per micro-batch): the same parameters, critic
+    and metrics after the step, within fp32 reduction-order rounding (normwise 1e-5 as
+    sharding; metrics 1e-4 relative). Each case ends in per-sequence terms: GRPO / Dr.GRPO
+    group statistics, the four aggregation modes with whole-mini-batch denominators, KL to the
+    reference, TIS and MIS weights, GAE (which must not carry from one packed sequence into
+    the one before it) and the clipped value loss, per-turn samples weighted 1 / turns."""
     params = init_params(jax.random.key(5), CFG)
     reference = jax.tree.map(lambda x: x * 0.9, params) if algo.kl_coef else None
-    batch = random_batch(seed=5)
-    rewards, groups = _outcomes(batch.shape[0])
-    # each learner its own buffers: an update donates its state's
-    device, host = (_learner(algo, jax.tree.map(jnp.copy, params)) for _ in range(2))
-    got = device.train_step(batch, rewards, groups, reference)
-    want = _host_step(host, batch, rewards, groups, reference)
-    assert_close_normwise(device.state.params, host.state.params)
-    if algo.adv_estimator == "gae":
-        assert_close_normwise(device.critic_state.params, host.critic_state.params)  # type: ignore[union-attr]
-    gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[batch.mask > 0]
-    assert got.pop("logprob_gap/mean") == pytest.approx(gap.mean(), rel=1e-5)
-    assert got.pop("logprob_gap/max") == pytest.approx(gap.max(), rel=1e-5)
-    assert got.pop("batch/sampled_tokens") == np.asarray(batch.mask).sum()
-    assert got.pop("rollout/logprobs_recomputed") == 0.0
+    trajs = random_trajectories(12, longest=40, seed=5)
+    rewards, weights = REWARDS, np.ones(12, np.float32)
+    if per_turn:
+        samples = [per_turn_samples(t) for t in trajs]
+        rewards = np.repeat(REWARDS, [len(x) for x in samples])
+        weights = np.concatenate([np.full(len(x), 1 / len(x)) for x in samples])
+        trajs = [t for x in samples for t in x]
+    K = algo.mini_batches
+    packed, padded = (
+        _step(trajs, rewards, K, row_tokens, per_micro, weights)
+        for row_tokens, per_micro in ((64, 2), (None, 3))
+    )
+    assert packed[0].shape[1] == 64 and (packed[0].segment_ids.max(-1) > 1).any()
+    assert (padded[0].segment_ids.max(-1) <= 1).all()
+    # RL's usual rate: Adam moves each entry by about +-lr whatever its gradient's size, so
+    # an entry whose gradient is ~0 may move either way: the later updates' metrics differ
+    # by such moves, the first update's loss and gradients by rounding only
+    a, b = (
+        _learner(algo, params, micro_batch_size=m, reference=reference, lr=1e-6) for m in (2, 3)
+    )
+    (loss_a, grads_a), (loss_b, grads_b) = first_update(a, *packed), first_update(b, *padded)
+    assert_close_normwise(loss_a, loss_b)
+    assert_close_normwise(grads_a, grads_b)
+    got, want = a.train_step(*packed), b.train_step(*padded)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
 
 
+def first_update(
+    learner: Learner, batch: TrainBatch, sequences: Sequences, real: int
+) -> tuple[object, object]:
+    """Loss and gradients (policy, and critic with GAE) of the step's first mini-batch
+    update, as `rl_update` computes them."""
+    spec = learner.spec
+    rb = RLBatch(
+        learner.device_batch(batch, local=True),
+        *(jnp.asarray(x) for x in dataclasses.astuple(sequences)),
+        jnp.int32(real),
+    )
+
+    def grads(state: LearnerState, rb: RLBatch) -> tuple[object, object]:
+        dv = prepare(spec, state, rb)
+        d = mini_batch_denominators(spec, rb.rows, rb.minis, 0)
+        out = [
+            accumulated_grads(policy_objective, spec, state.policy.params, rb.rows, dv, d, 0, real)
+        ]
+        if state.critic is not None:
+            out.append(
+                accumulated_grads(
+                    value_objective, spec, state.critic.params, rb.rows, dv, d, 0, real
+                )
+            )
+        return [o[0] for o in out], [o[1] for o in out]
+
+    return jax.jit(grads)(learner.state, rb)
+
+
+def test_packing_fills_rows_and_balances_micro_batches() -> None:
+    """First-fit decreasing: 40 sequences of 100..1000 tokens in rows of 2048 leave less than
+    one row's worth empty; a longer one gets a row of its own; the micro-batches' token counts
+    differ by one row's at most (rows are dealt fullest first, in snake order)."""
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(100, 1000, 40)]
+    layout = pack_rows(lengths, 2048)
+    assert sorted(i for row in layout for i in row) == list(range(40))
+    assert all(sum(lengths[i] for i in row) <= 2048 for row in layout)
+    assert len(layout) * 2048 - sum(lengths) < 2048
+    assert pack_rows([5000, 10, 20], 2048) == [[0], [2, 1]]
+    slots = balanced_slots(layout, lengths, 4, 4)
+    per_micro = [sum(lengths[i] for row in slots[m * 4 : m * 4 + 4] for i in row) for m in range(4)]
+    assert max(per_micro) - min(per_micro) <= 2048
+
+
 def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
     """A backend with no logprobs (JetStream): `train_step(rollout_logprobs=False)` updates as
     if the sampler's logprobs were the learner's old-policy ones (TIS weights 1), and reports
-    no gap. Also: the gap per staleness, from each row's staleness."""
+    no gap. Also: the gap per staleness, from each sequence's staleness."""
     algo = AlgorithmSection(tis_cap=2.0)
     params = init_params(jax.random.key(6), CFG)
-    batch = random_batch(seed=6)
-    rewards, groups = _outcomes(batch.shape[0])
-    blind, told = (_learner(algo, jax.tree.map(jnp.copy, params)) for _ in range(2))
-    old = told.logprobs(batch) * np.asarray(batch.mask)  # the policy before the update
-    got = blind.train_step(batch, rewards, groups, rollout_logprobs=False)
-    staleness = np.arange(batch.shape[0]) % 2
+    trajs = random_trajectories(8, seed=6)
+    blind, told = (_learner(algo, params) for _ in range(2))
+    s = told.spec
+    batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)
+    old = np.asarray(jax.jit(lambda p, b: token_stats(s, p, b)[0])(told.params, batch))
+    old = old * np.asarray(batch.mask)  # the policy before the update
+    got = blind.train_step(batch, sequences, real, rollout_logprobs=False)
+    staleness = np.arange(len(sequences.rewards)) % 2
     want = told.train_step(
-        dataclasses.replace(batch, rollout_logp=old), rewards, groups, row_staleness=staleness
+        dataclasses.replace(batch, rollout_logp=old), sequences, real, staleness=staleness
     )
-    assert_close_normwise(blind.state.params, told.state.params)
+    assert_close_normwise(blind.params, told.params)
     assert got["rollout/logprobs_recomputed"] == 1.0 and "logprob_gap/mean" not in got
     assert want["rollout/logprobs_recomputed"] == 0.0
     assert want["logprob_gap/staleness_0"] == pytest.approx(0.0, abs=1e-5)
     assert want["logprob_gap/staleness_1"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_the_step_crosses_to_the_device_once_and_compiles_once() -> None:
-    """On a (data=2, fsdp=2, tensor=2) mesh, three RL steps of the same shapes run with implicit
-    host <-> device transfers disallowed (the batch goes up and the metrics come back
-    explicitly, nothing else crosses), and only the first compiles."""
+def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> None:
+    """On a (data=2, fsdp=2, tensor=2) mesh, RL steps of different length mixes run with
+    implicit host <-> device transfers disallowed (the batch goes up and the metrics come back
+    explicitly, nothing else crosses). Steps whose rows fit the same power-of-two slots do not
+    compile again, however many of the slots their sequences fill: 6 steps, 2 shapes."""
+    # the trajectories' count sets the sequence slots too: 70..90 -> 128, 140..150 -> 256
     sharder = Sharder(make_mesh(2, 2, 2))
     params = init_params(jax.random.key(6), CFG)
     algo = dataclasses.replace(ALGO, mini_batches=2)
-    learner = _learner(algo, params, sharder, micro_batch_size=4)  # one row per data x fsdp
-    reference = jax.device_put(jax.tree.map(jnp.copy, params), learner._param_shardings)
+    learner = _learner(algo, params, sharder, micro_batch_size=4, reference=params)
     compiles: list[str] = []
 
     def on_event(event: str, duration: float, **kwargs: object) -> None:
@@ -373,16 +473,20 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once() -> None:
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        per_step = []
-        batch = random_batch(seed=10)
-        for shift in range(3):
-            rewards, groups = _outcomes(batch.shape[0])
-            rewards = np.roll(rewards, shift)
+        per_step, reals = [], []
+        # 70 to 150 trajectories of up to 40 tokens, in rows of 48: 6 to 8 real micro-batches
+        # per mini-batch (8 slots), then 12 and 13 (16 slots)
+        for seed, n in ((1, 90), (3, 80), (0, 70), (2, 75), (4, 150), (5, 140)):
+            trajs = random_trajectories(n, longest=40, seed=seed)
+            batch, sequences, real = _step(trajs, np.resize(REWARDS, n), 2, 48, 4)
             before = len(compiles)
             with jax.transfer_guard("disallow"):
-                metrics = learner.train_step(batch, rewards, groups, reference)
+                metrics = learner.train_step(batch, sequences, real)
             per_step.append(len(compiles) - before)
+            reals.append(real)
             assert np.isfinite(metrics["loss"]) and metrics["kl_loss"] >= 0
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
-    assert per_step[0] > 0 and per_step[1:] == [0, 0]
+    assert len(set(reals[:4])) > 1  # the first four differ in real micro-batches, not shapes
+    assert per_step[0] > 0 and per_step[1:4] == [0, 0, 0]
+    assert per_step[4] > 0 and per_step[5] == 0  # a larger step: one more shape, once

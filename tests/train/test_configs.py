@@ -101,9 +101,10 @@ def test_a_resumed_run_restores_its_kl_reference(task: TaskFiles, tmp_path: Path
     assert (fresh.start, resumed.start) == (0, 0)
     _, untrained = load_hf(task.model)
     leaves = jax.tree.leaves
-    for a, b in zip(leaves(fresh.reference), leaves(resumed.reference), strict=True):
+    fresh_ref, resumed_ref = fresh.learner.state.reference, resumed.learner.state.reference
+    for a, b in zip(leaves(fresh_ref), leaves(resumed_ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(
         not np.array_equal(np.asarray(a), np.asarray(hf))
-        for a, hf in zip(leaves(resumed.reference), leaves(untrained), strict=True)
+        for a, hf in zip(leaves(resumed_ref), leaves(untrained), strict=True)
     )  # SFT moved the reference away from the HF weights

@@ -110,14 +110,15 @@ def test_tree_rollouts_branch_after_tool_calls_within_the_budget(
 def test_per_turn_samples_train_on_every_turn_of_the_same_rollouts(
     sft_run: tuple[Path, Path, float],
 ) -> None:
-    """One update from the same rollouts as whole trajectories and as per-turn rows: more
-    rows (one per model turn), the same episodes and rewards, and a real update."""
+    """One update from the same rollouts as whole trajectories and as per-turn samples: more
+    samples (one per model turn), the same episodes and rewards, and a real update."""
     folder, sft_model, _ = sft_run
     whole = _short_run(folder, sft_model, "whole", "trainer.steps=1")
     turns = _short_run(
         folder, sft_model, "turns", "trainer.steps=1", "algorithm.turn_mode=per_turn"
     )
     (a,), (b,) = whole, turns
-    assert b["batch/rows"] > a["batch/rows"] == a["batch/trajectories"] == b["batch/trajectories"]
+    assert b["batch/samples"] > a["batch/samples"] == a["batch/trajectories"]
+    assert a["batch/trajectories"] == b["batch/trajectories"]
     assert a["reward"] == b["reward"]  # the same rollouts
     assert b["grad_norm"] > 0
