@@ -29,6 +29,8 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/rollout.py --backends embedded,vllm
 	$(PY) bench/weight_push.py
 	$(PY) bench/async.py
+	$(PY) bench/learner.py --workload uniform
+	$(PY) bench/learner.py --workload long_tail
 
 clean:
 	rm -rf .venv .venv-vllm .venv-jetstream .pytest_cache .mypy_cache .ruff_cache
