@@ -382,7 +382,7 @@ def _args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workload", choices=("uniform", "long_tail"), default="uniform")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3; long_tail 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (3; long_tail 1)")
     parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 32")
     parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
     parser.add_argument("--quick", action="store_true", help="smoke run: small, 1 step")

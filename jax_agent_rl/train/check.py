@@ -403,7 +403,11 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
     m = cfg.mesh
     n = m.data * m.fsdp * m.tensor
     fp32 = _per_device_bytes(model, m, 4)
-    parts = [("policy weights (fp32 master)", fp32), ("AdamW moments (2 x fp32)", 2 * fp32)]
+    parts = [
+        ("policy weights (fp32 master)", fp32),
+        ("AdamW moments (2 x fp32)", 2 * fp32),
+        ("gradient accumulator (fp32)", fp32),
+    ]
     if cfg.algorithm.kl_coef:
         parts.append(("KL reference (fp32)", fp32))
     if cfg.algorithm.adv_estimator == "gae":
@@ -458,12 +462,12 @@ def activation_bytes(
     layout, the attention output both ways, the MLP's gate, up, activation and product:
     ``5 D + 5 H K + 5 G K + 4 F`` in the compute dtype, heads and F split over ``tensor``; with
     remat only each layer's input (D) plus one layer's set, recomputed in turn. On top: the
-    head's fp32 logits (its vocabulary chunks are all kept for the backward), 4 V per token,
-    and the gradient's fp32 accumulator. XLA:CPU's own plan for the small test model is
-    within 2x of this (`tests/train/test_check.py`); a TPU's fuses more."""
+    head's fp32 logits (its vocabulary chunks are all kept for the backward), 4 V per token.
+    XLA:CPU's own plan for the small test model (with the gradient it returns) is within 2x
+    of this (`tests/train/test_check.py`); a TPU's fuses more."""
     D, F, K = model.hidden_size, model.intermediate_size, model.head_dim
     H, G = model.num_heads / tensor, max(model.num_kv_heads / tensor, 1)
     per_layer = width * (5 * D + 5 * H * K + 5 * G * K + 4 * F / tensor)
     kept = model.num_layers * (width * D if remat else per_layer) + (per_layer if remat else 0)
     logits = 4 * model.vocab_size / tensor
-    return tokens * (kept + logits) + 4 * model.num_params / tensor
+    return tokens * (kept + logits)
