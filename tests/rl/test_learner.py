@@ -344,8 +344,20 @@ EQUIVALENT = {
 }
 
 
-@pytest.mark.parametrize("algo", EQUIVALENT.values(), ids=EQUIVALENT.keys())
-@pytest.mark.parametrize("per_turn", [False, True], ids=["episodes", "per_turn"])
+# every algorithm over whole episodes; per-turn samples (weights 1 / turns, several samples of
+# one episode in a row) under the two that read sequences differently: GRPO's groups and GAE
+CASES = [
+    *((name, False) for name in EQUIVALENT),
+    ("grpo_kl_tis_entropy_2x2", True),
+    ("gae_value_loss", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("algo", "per_turn"),
+    [(EQUIVALENT[name], per_turn) for name, per_turn in CASES],
+    ids=[f"{name}-{'per_turn' if per_turn else 'episodes'}" for name, per_turn in CASES],
+)
 def test_the_packed_step_equals_the_padded_step(algo: AlgorithmSection, per_turn: bool) -> None:
     """The same trajectories, packed several to a row (rows of 64 tokens, 2 per micro-batch)
     and one per row padded (today's layout, 3 per micro-batch): the same parameters, critic
