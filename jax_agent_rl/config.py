@@ -174,6 +174,23 @@ class ToolsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """Environments that answer model turns (`jax_agent_rl.envs`), picked per row by its
+    ``env_class`` (SkyRL's column) or verl's ``extra_info.interaction_kwargs.name``."""
+
+    # env_class -> a class, package.module:Class or path/to/file.py:Class: a skyrl-gym Env
+    # (made as SkyRL makes it) or a function of the sample returning an Environment. A row's
+    # env_class not listed here names an id registered with skyrl-gym (gsm8k, ...)
+    classes: dict[str, str] = dataclasses.field(default_factory=dict)
+    # env_class -> the env_config a skyrl-gym environment is made with (SkyRL's
+    # environment.skyrl_gym.<env_class>)
+    config: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # verl's interaction config YAML (interaction: [{name, class_name, config}]); empty: none
+    interaction_config: str = ""
+    step_timeout_s: float = 60.0  # an environment call past it ends its episode (env_error)
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSection:
     """Prompts (jsonl or parquet in verl's column layout) and their reward.
 
@@ -316,6 +333,7 @@ class JarlConfig:
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     agent: AgentSection = dataclasses.field(default_factory=AgentSection)
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
+    env: EnvSection = dataclasses.field(default_factory=EnvSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)
@@ -504,6 +522,7 @@ RANGES: dict[str, Rule] = {
     "agent.tree.model_tokens": _NATURAL,  # 0: rollout.n x agent.max_response_tokens
     "agent.tree.tool_calls": _NATURAL,  # 0: rollout.n x agent.max_turns
     "tools.timeout_s": _POSITIVE,
+    "env.step_timeout_s": _POSITIVE,
     "data.prompts_per_step": _COUNT,
     "data.val_size": _NATURAL,  # 0: the whole file
     "data.tool_reward_weight": Rule(math.isfinite, "a finite number"),

@@ -68,6 +68,7 @@ from jax_agent_rl.agent.loop import (
 )
 from jax_agent_rl.agent.parsers import ParsedCall
 from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
@@ -357,7 +358,12 @@ async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     """The episode of ``sample`` driven by the graph ``agent.graph`` names (`react_graph`
     when empty): see the module docstring."""
 
-    async def play(traj: Trajectory) -> StopReason:
+    async def play(traj: Trajectory, env: Environment | None) -> StopReason:
+        if env is not None:
+            raise ValueError(
+                f"react_agent does not drive environments; sample {sample.uid!r} names one "
+                "(env_class or interaction_kwargs): use agent_name tool_agent"
+            )
         episode = Episode(ctx, traj, create_kwargs_by_tool(sample.extra))
         model = BackendChatModel(episode=episode)
         graph = graph_builder(ctx.config.graph)(model, episode_tools(episode))

@@ -30,6 +30,7 @@ from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCal
 from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.engine.sampling import SamplingParams
+from jax_agent_rl.envs.base import EnvError, Environment, Environments
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -92,6 +93,8 @@ class AgentContext:
     builder: TurnBuilder
     seed: int | None = None
     budget: Budget | None = None  # shared by the episodes of one prompt (a tree rollout)
+    # which environment plays a sample (its env_class, verl's interaction_kwargs); none: tools
+    envs: Environments = dataclasses.field(default_factory=Environments)
     tool_slots: ToolCallSlots = dataclasses.field(default_factory=ToolCallSlots, repr=False)
 
     @classmethod
@@ -103,6 +106,7 @@ class AgentContext:
         parser: ToolCallParser,
         config: AgentConfig,
         seed: int | None = None,
+        envs: Environments | None = None,
     ) -> AgentContext:
         schemas = await tools.schemas()
         builder = TurnBuilder(tokenizer, schemas or None)
@@ -112,7 +116,8 @@ class AgentContext:
             from jax_agent_rl.agent.langgraph_loop import graph_builder
 
             graph_builder(config.graph)
-        return cls(backend, tokenizer, tools, parser, config, builder, seed)
+        envs = envs or Environments()
+        return cls(backend, tokenizer, tools, parser, config, builder, seed, envs=envs)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -290,52 +295,76 @@ def _tool_text(ctx: AgentContext, result: ToolResult) -> str:
 async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     """Model turns and tool calls until the model stops, a budget runs out or a tool ends it."""
 
-    async def play(traj: Trajectory) -> StopReason:
+    async def play(traj: Trajectory, env: Environment | None) -> StopReason:
         create_kwargs = create_kwargs_by_tool(sample.extra)  # extra_info.tools_kwargs
-        while (stop := await take_turn(traj, ctx, create_kwargs)) is None:
+        while (stop := await take_turn(traj, ctx, create_kwargs, env)) is None:
             pass
         return stop
 
     return await run_episode(sample, ctx, play)
 
 
-async def run_episode(
-    sample: Sample, ctx: AgentContext, play: Callable[[Trajectory], Awaitable[StopReason]]
-) -> Trajectory:
-    """A trajectory of ``sample``, from its prompt, played by ``play`` (which returns how it
-    ended): timed, an exception kept as ``agent_error``, its tool state always released."""
+Play = Callable[[Trajectory, Environment | None], Awaitable[StopReason]]
+
+
+async def run_episode(sample: Sample, ctx: AgentContext, play: Play) -> Trajectory:
+    """A trajectory of ``sample`` played by ``play`` (which returns how it ended) from its
+    prompt, or against its environment (`jax_agent_rl.envs`) from the messages the environment
+    starts it with: timed, an environment's failure kept as ``env_error`` and any other
+    exception as ``agent_error``, its environment closed and its tool state released."""
     t_start = time.perf_counter()
     traj = Trajectory(
         uid=sample.uid,
         group_id=sample.group_id,
-        prompt_ids=ctx.builder.prompt_ids(sample.messages),
+        prompt_ids=[],
         messages=[dict(m) for m in sample.messages],
     )
     traj.timings["tools_s"] = 0.0
+    env = None
     try:
-        traj.stop_reason = await play(traj)
+        env = ctx.envs.make(sample)
+        if env is not None:
+            traj.timings["env_s"] = 0.0
+            traj.env_reward = 0.0 if env.owns_reward else None
+            traj.messages = await env.reset(sample)
+        traj.prompt_ids = ctx.builder.prompt_ids(traj.messages)
+        traj.stop_reason = await play(traj, env)
+    except EnvError:  # the environment failed: this episode ends, counted
+        traj.stop_reason = "env_error"
+        traj.error = traceback.format_exc()
     except Exception:  # this trajectory's failure, kept with what it did until then
         traj.stop_reason = "agent_error"
         traj.error = traceback.format_exc()
     finally:
-        traj.timings["total_s"] = time.perf_counter() - t_start
-        await ctx.tools.release(traj.uid)
+        try:
+            if env is not None:
+                await env.close()
+        except EnvError:
+            traj.stop_reason = "env_error"
+            traj.error = (traj.error or "") + traceback.format_exc()
+        finally:
+            traj.timings["total_s"] = time.perf_counter() - t_start
+            await ctx.tools.release(traj.uid)
     return traj
 
 
 async def take_turn(
-    traj: Trajectory, ctx: AgentContext, create_kwargs: Mapping[str, dict[str, Any]]
+    traj: Trajectory,
+    ctx: AgentContext,
+    create_kwargs: Mapping[str, dict[str, Any]],
+    env: Environment | None = None,
 ) -> StopReason | None:
-    """One turn of ``traj``: a model turn, the tools it calls and their observation. Returns
-    the stop reason when the episode ends (a budget before the turn included), else None: the
-    trajectory then ends with an observation, at a turn boundary."""
+    """One turn of ``traj``: a model turn, the tools it calls or the environment ``env``'s
+    answer, and their observation. Returns the stop reason when the episode ends (a budget
+    before the turn included), else None: the trajectory then ends with an observation, at a
+    turn boundary."""
     stop = _budget_stop(traj, ctx, 0)
     if stop is not None:
         return stop
     turn, finish = await _model_turn(traj, ctx)
     if finish == "budget" and not turn:
         return "budget"
-    return await finish_turn(ctx, traj, turn, finish, create_kwargs)
+    return await finish_turn(ctx, traj, turn, finish, create_kwargs, env)
 
 
 async def _model_turn(traj: Trajectory, ctx: AgentContext) -> tuple[list[int], str]:
@@ -359,14 +388,19 @@ async def finish_turn(
     turn: list[int],
     finish: str,
     create_kwargs: Mapping[str, dict[str, Any]] | None = None,
+    env: Environment | None = None,
 ) -> StopReason | None:
     """Everything after a model turn whose tokens ``turn`` are already in ``traj``: read its
     text, call the tools it asks for (each with its ``create_kwargs`` from the sample, see
-    `create_kwargs_by_tool`) and append their observation. Returns the stop reason
-    when the episode ends here, else None. This is where model text meets the loop: whatever
-    the model wrote, it ends as a stop reason, never an exception (fuzzed in
-    ``tests/hostile/test_model_text.py``)."""
+    `create_kwargs_by_tool`) or let the environment ``env`` answer it, and append their
+    observation. Returns the stop reason when the episode ends here, else None. This is where
+    model text meets the loop: whatever the model wrote, it ends as a stop reason, never an
+    exception (fuzzed in ``tests/hostile/test_model_text.py``)."""
+    if env is not None and env.turns == "all":
+        return await _env_turn(ctx, traj, turn, finish, env)
     text, calls, stop = read_turn(ctx, traj, turn, finish)
+    if env is not None and stop in _ENV_ANSWERS:  # no calls: the environment answers the turn
+        return await _env_answer(ctx, traj, turn, text, env, None)
     if stop is not None:
         return stop
     t_tools = time.perf_counter()
@@ -407,6 +441,68 @@ def read_turn(
         traj.messages.append({"role": "assistant", "content": text})
         return text, calls, "budget"
     return text, calls, None
+
+
+# how a turn without calls may end and still be answered by an environment: the model ended
+# it, or it reached agent.max_tokens_per_turn (as in SkyRL and verl, a turn's length cap is
+# the environment's to judge); the episode's budgets (response tokens, model length) end it
+_ENV_ANSWERS = ("eos", "max_tokens_per_turn")
+
+
+async def _env_turn(
+    ctx: AgentContext, traj: Trajectory, turn: list[int], finish: str, env: Environment
+) -> StopReason | None:
+    """A model turn answered by an environment that reads every turn (its own actions, not the
+    parser's calls): counted, recorded, answered, even when the episode's budget cut it (so its
+    reward counts), unless the backend aborted it."""
+    traj.num_turns += 1
+    text = ctx.tokenizer.decode(turn)
+    traj.messages.append({"role": "assistant", "content": text})
+    if finish == "abort":
+        traj.turn_kinds.append("aborted")
+        return "aborted"
+    ended = bool(turn) and turn[-1] == ctx.builder.eos_id
+    cut = None if ended else _budget_stop(traj, ctx, len(turn))
+    traj.turn_kinds.append("cut" if cut is not None else "text")
+    if cut in _ENV_ANSWERS:  # the turn's own cap: the environment judges the turn as it is
+        cut = None
+    return await _env_answer(ctx, traj, turn, text, env, cut)
+
+
+async def _env_answer(
+    ctx: AgentContext,
+    traj: Trajectory,
+    turn: list[int],
+    text: str,
+    env: Environment,
+    cut: StopReason | None,
+) -> StopReason | None:
+    """The environment's step on a recorded model turn: its reward kept per turn (and summed
+    into the episode's when it owns the reward), its observation appended (mask 0) unless the
+    episode ends here: it says done, a budget ``cut`` the turn, the turns are used up or the
+    observation does not fit."""
+    t_env = time.perf_counter()
+    try:
+        step = await env.step(text, traj.messages)
+    finally:
+        traj.timings["env_s"] += time.perf_counter() - t_env
+    traj.turn_rewards.append(step.reward)
+    if traj.env_reward is not None:
+        traj.env_reward += step.reward
+    traj.messages.extend(step.observations)
+    if step.done:
+        return "env_done"
+    if cut is not None:
+        return cut
+    if traj.num_turns >= ctx.config.max_turns:
+        return "max_turns"
+    observation = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(
+        step.observations
+    )
+    stop = _fits(traj, ctx, observation)
+    if stop is None:
+        traj.append(observation, model=False)
+    return stop
 
 
 def tool_service_failed(traj: Trajectory, text: str, error: ToolTransportError) -> StopReason:

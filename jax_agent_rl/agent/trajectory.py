@@ -17,6 +17,10 @@ StopReason = Literal[
     "tool_error",  # the tool service failed (transport); the trajectory is not trainable
     "aborted",  # the rollout backend aborted a generation
     "budget",  # the rollout strategy's budget ran out (a tree's model tokens or tool calls)
+    "env_done",  # the environment (jax_agent_rl.envs) ended the episode
+    # the environment failed (raised, hung, answered malformed); its error is in
+    # `Trajectory.error`; not trainable
+    "env_error",
     # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
     # this trajectory only; its traceback is in `Trajectory.error`; not trainable
     "agent_error",
@@ -34,6 +38,7 @@ class Sample:
     ground_truth: Any = None
     data_source: str = ""
     agent_name: str = "tool_agent"
+    env_class: str = ""  # the environment that plays it (SkyRL's column; jax_agent_rl.envs)
     group_id: str = ""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -59,7 +64,10 @@ class Trajectory:
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     token_versions: list[int] = dataclasses.field(default_factory=list)
     reward: float = 0.0
+    # each answered turn's reward: its tool calls' (summed), or its environment step's
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    # the episode's reward when its environment owns it (the sum of its step rewards), else None
+    env_reward: float | None = None
     num_turns: int = 0
     stop_reason: StopReason = "eos"
     weight_versions: list[int] = dataclasses.field(default_factory=list)
@@ -107,6 +115,7 @@ class Trajectory:
             "tool_error",
             "aborted",
             "agent_error",
+            "env_error",
         )
 
     @property

@@ -9,6 +9,11 @@ One row is one prompt::
     agent_name    str, optional, default "tool_agent": the agent loop (verl's names:
                   ``tool_agent``, ``single_turn_agent``); it must be one of the names the caller
                   passes (the registered loops), so a misspelled one fails here, not mid-rollout
+    env_class     str, optional: the environment that answers its turns (SkyRL's column;
+                  `jax_agent_rl.envs`); SkyRL's ``reward_spec`` stands for ``reward_model``
+
+Instead of a file, ``reasoning_gym:<task>?size=N&seed=S`` generates reasoning-gym rows
+(`jax_agent_rl.data.reasoning_gym`).
 
 A row becomes a `Sample` with ``uid = f"{data_source or file stem}-{index}"``, where ``index``
 is ``extra_info["index"]`` when present, else the row number (from 0). Uids must be unique
@@ -50,6 +55,12 @@ def load_samples(
 ) -> list[Sample]:
     """The first ``limit`` rows (all when None) of a ``.jsonl`` or ``.parquet`` file, whose
     agent names must be in ``agents`` (the registered loops, `AGENT_LOOPS`)."""
+    if isinstance(path, str) and path.startswith("reasoning_gym:"):
+        from jax_agent_rl.data import reasoning_gym
+
+        if DEFAULT_AGENT not in agents:
+            raise DatasetError(f"{path}: its rows run {DEFAULT_AGENT}, which is not registered")
+        return reasoning_gym.samples(path, DEFAULT_AGENT, limit)
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
@@ -93,6 +104,7 @@ def _row(sample: Sample) -> Row:
         "reward_model": {"style": "rule", "ground_truth": sample.ground_truth},
         "extra_info": sample.extra,
         "agent_name": sample.agent_name,
+        **({"env_class": sample.env_class} if sample.env_class else {}),
     }
 
 
@@ -136,7 +148,10 @@ def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collectio
     messages = _messages(row["prompt"], fail)
     ground_truth = _ground_truth(row)
     if ground_truth is None:
-        raise fail("no ground truth (expected reward_model.ground_truth or ground_truth)")
+        raise fail(
+            "no ground truth (expected reward_model.ground_truth, reward_spec.ground_truth or "
+            "ground_truth)"
+        )
     data_source = _optional_str(row, "data_source", "", fail)
     extra = row.get("extra_info")
     if extra is None:
@@ -153,6 +168,7 @@ def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collectio
         ground_truth=ground_truth,
         data_source=data_source,
         agent_name=agent_name,
+        env_class=_optional_str(row, "env_class", "", fail),
         extra=extra,
     )
 
@@ -181,9 +197,10 @@ def _describe(value: Any) -> str:
 
 
 def _ground_truth(row: Row) -> Any:
-    reward_model = row.get("reward_model")
-    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
-        return reward_model["ground_truth"]
+    for column in ("reward_model", "reward_spec"):  # verl's, SkyRL's
+        spec = row.get(column)
+        if isinstance(spec, dict) and spec.get("ground_truth") is not None:
+            return spec["ground_truth"]
     return row.get("ground_truth")
 
 

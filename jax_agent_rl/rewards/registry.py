@@ -13,7 +13,8 @@ form its signature accepts:
 It returns a number, or (as verl allows) a dict whose ``score`` is the number; the other keys
 of such a dict are not recorded. Anything else, and a reward that is not finite, is an error
 naming the config key. A row is scored by ``data.rewards_by_source[row.data_source]`` when its
-source is listed there, else by ``data.reward``.
+source is listed there, else, for a reasoning-gym row (source ``reasoning_gym/<task>``), by its
+task's own scorer (the ``reasoning_gym`` reward), else by ``data.reward``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jax_agent_rl.config import ConfigError, DataSection
+from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.rewards.math import format_reward, gsm8k_reward, math_reward
 from jax_agent_rl.user_code import load_function
 
@@ -51,19 +53,26 @@ def make_reward(data: DataSection) -> ScoreFn:
     }
 
     def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
-        return by_source.get(data_source, default)(data_source, text, ground_truth, extra_info)
+        fn = by_source.get(data_source)
+        if fn is None:
+            generated = data_source.startswith(reasoning_gym.SOURCE_PREFIX)
+            fn = reasoning_gym.score if generated else default
+        return fn(data_source, text, ground_truth, extra_info)
 
     return score
 
 
 def load_reward(spec: str, key: str) -> ScoreFn:
     """The reward ``spec`` names (see the module docstring); errors name ``key``."""
+    if spec == "reasoning_gym":
+        return reasoning_gym.score
     if spec in REWARDS:
         builtin = REWARDS[spec]
         return lambda _source, text, truth, _extra: builtin(text, truth)
     if ":" not in spec:
         raise ConfigError(
-            f"{key}={spec!r} is not a reward; built in: {sorted(REWARDS)}, or a user function "
+            f"{key}={spec!r} is not a reward; built in: {sorted([*REWARDS, 'reasoning_gym'])}, "
+            "or a user function "
             "as module:function or path/to/file.py:function"
         )
     return _adapt(load_function(spec, key), spec, key)

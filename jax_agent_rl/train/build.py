@@ -16,7 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, RaySection, ToolsSection, to_yaml
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
+from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
@@ -60,6 +61,7 @@ class Run:
     val_samples: list[Sample]
     registry: ToolRegistry
     score: ScoreFn
+    envs: Environments
     checkpoints: RunCheckpoints
     metrics: MetricsLog
     serving: Serving
@@ -213,6 +215,9 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         else []
     )
     registry = ToolRegistry.from_yaml(cfg.tools.config)
+    envs = make_environments(cfg.env, cfg.agent.max_turns)
+    for key, samples in (("data.train", sampler.samples), ("data.val", val_samples)):
+        check_environments(envs, samples, key)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     metrics = MetricsLog(run_dir, cfg.trainer.tensorboard, enabled=distributed.is_primary())
     try:
@@ -247,6 +252,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             val_samples,
             registry,
             score,
+            envs,
             checkpoints,
             metrics,
             Serving.of(model, sharder.mesh, cfg.model.dtype),
@@ -262,6 +268,24 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         checkpoints.close()
         metrics.close()
         raise
+
+
+def check_environments(envs: Environments, samples: Sequence[Sample], key: str) -> None:
+    """Every environment ``samples`` name exists, and plays a loop that drives environments
+    (tool_agent, single_turn_agent): a `ConfigError` naming the first that does not."""
+    for s in samples:
+        if not envs.plays(s):
+            continue
+        if s.agent_name not in ("tool_agent", "single_turn_agent"):
+            raise ConfigError(
+                f"{key}: row {s.uid!r} has an environment but agent_name {s.agent_name!r}; "
+                "environments are played by tool_agent and single_turn_agent"
+            )
+        if s.env_class:
+            try:
+                envs.factory(s.env_class)
+            except KeyError as e:
+                raise ConfigError(f"{key}: row {s.uid!r}: {e.args[0]}") from None
 
 
 def make_tools(
@@ -353,7 +377,7 @@ async def _open_rollout(run: Run) -> AsyncIterator[Rollout]:
         )
     try:
         ctx = await AgentContext.create(
-            backend, run.tokenizer, tools, parser, agent_config(cfg, False)
+            backend, run.tokenizer, tools, parser, agent_config(cfg, False), envs=run.envs
         )
         eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
         yield Rollout(backend, tools, ctx, eval_ctx)

@@ -36,6 +36,7 @@ from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.engine import page_bytes, pool_pages
+from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import PAGE_AXES, is_spec
 from jax_agent_rl.rewards import make_reward
@@ -43,6 +44,7 @@ from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.sft import load_demonstrations
 
 ROWS = 16  # rows read from the top of each data file
@@ -95,8 +97,8 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
         tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
     train = attempt(lambda: _samples("data.train", cfg.data.train))
-    if cfg.data.val:
-        attempt(lambda: _samples("data.val", cfg.data.val))
+    val = attempt(lambda: _samples("data.val", cfg.data.val)) if cfg.data.val else []
+    attempt(lambda: _environments(cfg, {"data.train": train or [], "data.val": val or []}))
     schemas = attempt(lambda: _tool_schemas(cfg.tools.config))
     if tokenizer is None:
         return problems
@@ -302,7 +304,22 @@ def _stop_tokens(name: str, parser: ToolCallParser, tokenizer: Tokenizer) -> Non
         )
 
 
+def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
+    """The ``env`` section loads, and every environment the first rows name exists."""
+    try:
+        envs = make_environments(cfg.env, cfg.agent.max_turns)
+        for key, samples in rows.items():
+            check_environments(envs, samples, key)
+    except ConfigError as e:
+        raise _CheckError(str(e)) from None
+
+
 def _samples(key: str, path: str) -> list[Sample]:
+    if path.startswith("reasoning_gym:"):
+        try:
+            return load_samples(path, agents=AGENT_LOOPS, limit=ROWS)
+        except DatasetError as e:
+            raise _CheckError(f"{key}: {e}") from None
     if not Path(path).exists():
         raise _CheckError(f"{key}={path!r} does not exist")
     if Path(path).suffix not in SUFFIXES:

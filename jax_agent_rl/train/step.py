@@ -55,11 +55,14 @@ def final_answer_text(traj: Trajectory) -> str:
 def trajectory_reward(
     sample: Sample, traj: Trajectory, score: ScoreFn, tool_reward_weight: float
 ) -> float:
-    """The reward the learner trains on: ``score`` of the final answer (by the sample's
+    """The reward the learner trains on: the environment's when it owns the episode's reward
+    (``traj.env_reward``, SkyRL's), else ``score`` of the final answer (by the sample's
     ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
-    of the tool rewards (``traj.turn_rewards``). As in verl, the reward function also gets the
-    tool rewards as ``extra_info["tool_rewards"]`` (here one entry per tool turn, the sum of
-    its calls; verl has one per call)."""
+    of the turn rewards (``traj.turn_rewards``: tool calls', a verl interaction's scores). As
+    in verl, the reward function also gets them as ``extra_info["tool_rewards"]`` (here one
+    entry per answered turn, the sum of its calls; verl has one per call)."""
+    if traj.env_reward is not None:
+        return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
     outcome = score(sample.data_source, final_answer_text(traj), sample.ground_truth, extra)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
@@ -116,10 +119,11 @@ async def rollout_episodes(
 
     async def grown(s: Sample) -> list[Trajectory]:
         assert tree is not None
-        if s.agent_name != "tool_agent":
+        if s.agent_name != "tool_agent" or ctx.envs.plays(s):
             raise ValueError(
-                f"agent.strategy=tree branches tool_agent episodes; sample {s.uid!r} names "
-                f"agent_name {s.agent_name!r}"
+                f"agent.strategy=tree branches tool_agent episodes without an environment; "
+                f"sample {s.uid!r} names agent_name {s.agent_name!r}"
+                + (f", env_class {s.env_class!r}" if s.env_class else "")
             )
         c = ctx.config
         budget = tree_budget(tree, n, c.max_response_tokens, c.max_turns)

@@ -1,0 +1,111 @@
+"""reasoning-gym's procedural tasks as prompt rows, scored by each task's own ``score_answer``
+(the ``envs`` extra: reasoning-gym 0.1.25).
+
+``data.train`` (or ``data.val``) ``reasoning_gym:<task>?size=500&seed=1&<option>=<value>``
+generates ``size`` rows of ``<task>`` (any name ``reasoning_gym.create_dataset`` knows; the
+other options go to the task's config, read as YAML scalars) with the given seed, so the same
+string always gives the same rows; a different seed gives held-out rows. Each row is reasoning-
+gym's default system prompt (think, then ``<answer>...</answer>``) and the question; its
+``data_source`` is ``reasoning_gym/<task>`` and ``extra_info.reasoning_gym`` keeps the entry
+(question, answer, metadata) the scorer reads. Such rows are scored by the ``reasoning_gym``
+reward (`score`): the task's ``score_answer`` of the text inside the response's last
+``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 without one.
+"""
+
+from __future__ import annotations
+
+import functools
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.datasets import DatasetError
+
+SCHEME = "reasoning_gym:"
+SOURCE_PREFIX = "reasoning_gym/"
+
+
+class ReasoningGymError(DatasetError):
+    """A ``reasoning_gym:`` data spec that names no task or sets a bad option."""
+
+
+def samples(spec: str, default_agent: str, limit: int | None = None) -> list[Sample]:
+    """The rows ``spec`` generates (the first ``limit``)."""
+    import reasoning_gym
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    task, options = _parse(spec)
+    try:
+        dataset = reasoning_gym.create_dataset(task, **options)
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+        raise ReasoningGymError(f"{spec}: reasoning-gym cannot make this task: {e}") from e
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    out = []
+    for i in range(n):
+        entry = dataset[i]
+        out.append(
+            Sample(
+                uid=f"{SOURCE_PREFIX}{task}-{i}",
+                messages=[
+                    {"role": "system", "content": SYSTEM_PROMPTS["default"]},
+                    {"role": "user", "content": entry["question"]},
+                ],
+                ground_truth=entry["answer"],
+                data_source=f"{SOURCE_PREFIX}{task}",
+                agent_name=default_agent,
+                extra={"index": i, "reasoning_gym": entry},
+            )
+        )
+    return out
+
+
+def _parse(spec: str) -> tuple[str, dict[str, Any]]:
+    """``reasoning_gym:<task>?k=v&...`` as (task, options); ``size`` and ``seed`` must be
+    given (the rows are then fixed by the spec)."""
+    rest = spec[len(SCHEME) :]
+    task, _, query = rest.partition("?")
+    if not task:
+        raise ReasoningGymError(f"{spec}: no task name (reasoning_gym:<task>?size=N&seed=S)")
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:
+        raise ReasoningGymError(f"{spec}: options must be key=value joined by '&': {e}") from e
+    options: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in options:
+            raise ReasoningGymError(f"{spec}: option {key!r} is given twice")
+        try:
+            options[key] = yaml.safe_load(value) if value else value
+        except yaml.YAMLError as e:
+            raise ReasoningGymError(f"{spec}: option {key}={value!r} is not a value: {e}") from e
+    for key, least in (("size", 1), ("seed", 0)):
+        given = options.get(key)
+        if isinstance(given, bool) or not isinstance(given, int) or given < least:
+            raise ReasoningGymError(f"{spec}: {key} must be an integer >= {least}, got {given!r}")
+    return task, options
+
+
+@functools.cache
+def _scorer(task: str) -> Callable[[str | None, dict[str, Any]], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
+    """The reasoning-gym score of a response (see the module docstring)."""
+    from reasoning_gym.utils import extract_answer
+
+    del ground_truth  # the entry holds it, with the metadata the task's scorer reads
+    entry = extra_info.get("reasoning_gym")
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"data_source {data_source!r}: the row has no extra_info.reasoning_gym entry (rows "
+            "scored by the reasoning_gym reward come from data.train=reasoning_gym:<task>?...)"
+        )
+    task = entry.get("metadata", {}).get("source_dataset") or data_source[len(SOURCE_PREFIX) :]
+    answer = extract_answer(text)
+    return float(_scorer(task)(answer, entry)) if answer is not None else 0.0

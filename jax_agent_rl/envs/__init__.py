@@ -1,0 +1,87 @@
+"""Environments: what answers a model turn when a tool does not (see `jax_agent_rl.envs.base`).
+
+`make_environments` assembles a run's from its ``env`` section: skyrl-gym environments
+(`jax_agent_rl.envs.skyrl`) by a row's ``env_class``, verl interactions
+(`jax_agent_rl.envs.verl_interaction`) by its ``interaction_kwargs``, and a user's own. Task
+generators with their own scorers (reasoning-gym) are data, not environments:
+`jax_agent_rl.envs.reasoning_gym`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import ConfigError, EnvSection
+from jax_agent_rl.envs.base import (
+    EnvError,
+    EnvFactory,
+    Environment,
+    Environments,
+    EnvStep,
+    checked_messages,
+    checked_step,
+)
+from jax_agent_rl.envs.skyrl import registered_skyrl_env, skyrl_factory
+from jax_agent_rl.envs.verl_interaction import interaction_factory, load_interactions
+from jax_agent_rl.user_code import load_function
+
+__all__ = [
+    "EnvError",
+    "EnvFactory",
+    "EnvStep",
+    "Environment",
+    "Environments",
+    "checked_messages",
+    "checked_step",
+    "make_environments",
+]
+
+
+def make_environments(env: EnvSection, max_turns: int) -> Environments:
+    """The environments ``env`` configures, each class loaded (and the interaction YAML read)
+    here, before anything runs; ``max_turns`` is what skyrl-gym environments are told."""
+    timeout = env.step_timeout_s
+    classes = {name: _factory(name, spec, env, max_turns) for name, spec in env.classes.items()}
+    unknown = sorted(set(env.config) - set(classes) - _skyrl_ids())
+    if unknown:
+        raise ConfigError(
+            f"env.config names {unknown}, which are neither in env.classes nor skyrl-gym ids"
+        )
+    interaction = (
+        interaction_factory(load_interactions(env.interaction_config), timeout)
+        if env.interaction_config
+        else None
+    )
+    lookup = registered_skyrl_env(env.config, max_turns, timeout)
+    return Environments(classes, lookup, interaction, timeout)
+
+
+def _factory(name: str, spec: str, env: EnvSection, max_turns: int) -> EnvFactory:
+    """``env.classes.<name>``: a skyrl-gym environment class (it has a synchronous ``step``
+    and an ``init``), or a function of the sample returning an `Environment`."""
+    key = f"env.classes.{name}"
+    made = load_function(spec, key)
+    step = getattr(made, "step", None)
+    if inspect.isclass(made) and callable(step) and not inspect.iscoroutinefunction(step):
+        if not callable(getattr(made, "init", None)):
+            raise ConfigError(f"{key}={spec!r}: a class with step() but no init() (skyrl-gym's)")
+        return skyrl_factory(name, made, env.config.get(name, {}), max_turns, env.step_timeout_s)
+
+    def factory(sample: Sample) -> Environment:
+        try:
+            environment: Any = made(sample)
+        except Exception as e:
+            raise EnvError(f"{key}={spec!r} raised making the environment: {e!r}") from e
+        return environment
+
+    return factory
+
+
+def _skyrl_ids() -> set[str]:
+    try:
+        import skyrl_gym
+    except ImportError:
+        return set()
+    return set(skyrl_gym.registry)

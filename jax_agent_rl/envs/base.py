@@ -1,0 +1,180 @@
+"""The environment seam: what answers a model turn when a tool does not.
+
+An `Environment` is one episode's counterpart, made per trajectory from its `Sample` and driven
+by the tool loop between model turns (`jax_agent_rl.agent.loop`):
+
+- ``await env.reset(sample)`` returns the messages the episode starts from (the sample's, or
+  what the environment makes of them, as SkyRL's ``init`` may);
+- after each model turn it answers, ``await env.step(text, messages)`` (the turn's text, the
+  conversation so far) returns an `EnvStep`: messages the model reads next (appended as a
+  chat-template delta with mask 0, exactly as a tool observation is), a reward for that turn
+  (kept in ``Trajectory.turn_rewards``) and whether the episode is over;
+- ``await env.close()`` runs once, however the episode ended.
+
+Two properties say how it shares the loop: ``turns`` is ``"all"`` when it answers every model
+turn (it parses the model's actions itself, as skyrl-gym environments do) and ``"text"`` when
+it answers only turns without tool calls (the tools answer the others, as verl's interactions
+do); ``owns_reward`` is True when the episode's reward is the sum of its step rewards (SkyRL)
+rather than the row's reward function's score (verl: the step rewards are turn scores the
+reward function may read as ``extra_info["tool_rewards"]``).
+
+`Environments` picks the environment of a sample: its ``env_class`` (SkyRL's column) names an
+entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
+``extra_info.interaction_kwargs.name`` (verl's) names an interaction of ``env.interaction_config``
+(`verl_interaction`). Whatever an environment does wrong (raises, returns a malformed step,
+takes longer than ``env.step_timeout_s``) ends that trajectory with stop reason ``env_error``
+(`EnvError`), counted and not trained on; an environment that never says done is ended by the
+loop's budgets (``agent.max_turns``...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, cast
+
+from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.tokenization import Message
+
+OBSERVATION_ROLES = ("user", "tool", "system")
+
+
+class EnvError(RuntimeError):
+    """An environment failed (raised, hung, or returned something malformed): its episode ends
+    with stop reason ``env_error``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvStep:
+    """An environment's answer to one model turn."""
+
+    observations: list[Message]  # what the model reads next (empty: nothing)
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment(Protocol):
+    """One episode's environment (see the module docstring)."""
+
+    turns: Literal["all", "text"]
+    owns_reward: bool
+
+    async def reset(self, sample: Sample) -> list[Message]: ...
+
+    async def step(self, text: str, messages: list[Message]) -> EnvStep:
+        """Answers the model turn ``text``; ``messages`` is the conversation so far, ending
+        with that turn (and holding the tool turns between the environment's)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+EnvFactory = Callable[[Sample], Environment]  # one fresh environment per episode
+
+
+class Environments:
+    """Which environment plays a sample (None: the plain tool loop). ``classes`` maps a row's
+    ``env_class`` to a factory; ``lookup`` finds the factory of a name ``classes`` lacks (or
+    None); ``interaction`` makes the environment of rows with verl's ``interaction_kwargs``."""
+
+    def __init__(
+        self,
+        classes: Mapping[str, EnvFactory] | None = None,
+        lookup: Callable[[str], EnvFactory | None] | None = None,
+        interaction: EnvFactory | None = None,
+        step_timeout_s: float = 60.0,
+    ) -> None:
+        self.classes = dict(classes or {})
+        self.lookup = lookup
+        self.interaction = interaction
+        self.step_timeout_s = step_timeout_s
+
+    def factory(self, env_class: str) -> EnvFactory:
+        """The factory of ``env_class``; a `KeyError` naming the known ones if there is none."""
+        found = self.classes.get(env_class) or (self.lookup(env_class) if self.lookup else None)
+        if found is None:
+            raise KeyError(
+                f"unknown env_class {env_class!r}; configured (env.classes): "
+                f"{sorted(self.classes)}"
+                + ("; nor a registered skyrl-gym environment" if self.lookup else "")
+            )
+        return found
+
+    def plays(self, sample: Sample) -> bool:
+        """Whether an environment plays ``sample``."""
+        return bool(sample.env_class) or self._interacts(sample)
+
+    def _interacts(self, sample: Sample) -> bool:
+        return self.interaction is not None and "interaction_kwargs" in sample.extra
+
+    def make(self, sample: Sample) -> Environment | None:
+        """A fresh environment for one episode of ``sample`` (None: none plays it)."""
+        if sample.env_class:
+            return checked_environment(self.factory(sample.env_class)(sample), sample.env_class)
+        if self._interacts(sample):
+            assert self.interaction is not None
+            return self.interaction(sample)
+        return None
+
+
+def checked_environment(env: Any, name: str) -> Environment:
+    """``env`` if it has what the loop reads of an `Environment`, else an `EnvError`."""
+    methods = ("reset", "step", "close")
+    lacking = [m for m in methods if not inspect.iscoroutinefunction(getattr(env, m, None))]
+    turns, owns = getattr(env, "turns", None), getattr(env, "owns_reward", None)
+    if lacking or turns not in ("all", "text") or not isinstance(owns, bool):
+        raise EnvError(
+            f"env_class {name!r} made {type(env).__name__}, not an Environment: it needs async "
+            f"{methods} (lacking {lacking}), turns 'all' or 'text' (got {turns!r}) and a bool "
+            f"owns_reward (got {owns!r})"
+        )
+    return cast(Environment, env)
+
+
+def checked_step(raw: Any, owner: str) -> EnvStep:
+    """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` as
+    skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying what is wrong otherwise."""
+    if isinstance(raw, EnvStep):
+        observations, reward, done = raw.observations, raw.reward, raw.done
+    elif isinstance(raw, Mapping):
+        missing = {"observations", "reward", "done"} - set(raw)
+        if missing:
+            raise EnvError(f"{owner}.step returned a mapping without {sorted(missing)}")
+        observations, reward, done = raw["observations"], raw["reward"], raw["done"]
+    else:
+        raise EnvError(
+            f"{owner}.step returned {type(raw).__name__}; expected a mapping with "
+            "observations, reward, done"
+        )
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a number")
+    if not math.isfinite(float(reward)):
+        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a finite number")
+    if not isinstance(done, bool):
+        raise EnvError(f"{owner}.step returned done {done!r}; expected True or False")
+    return EnvStep(checked_messages(observations, owner), float(reward), done)
+
+
+def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Message]:
+    """``messages`` as a list of chat messages {role, content: str} with a role an environment
+    may speak in (user, tool, system; a ``prompt``'s may hold assistant turns too, and may not
+    be empty); an `EnvError` otherwise."""
+    roles = (*OBSERVATION_ROLES, "assistant") if prompt else OBSERVATION_ROLES
+    what = "prompt" if prompt else "observations"
+    if not isinstance(messages, list) or (prompt and not messages):
+        raise EnvError(f"{owner} returned {what} {messages!r:.80}; expected a list of messages")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise EnvError(f"{owner}: {what} message {i} is {type(m).__name__}, not a message")
+        role, content = m.get("role"), m.get("content")
+        if role not in roles or not isinstance(content, str):
+            raise EnvError(
+                f"{owner}: {what} message {i} must have a role in {roles} and string content, "
+                f"got role {role!r:.40} and content {type(content).__name__}"
+            )
+        out.append({"role": role, "content": content})
+    return out

@@ -1,0 +1,349 @@
+"""Environments through the real trainer (`train`, the embedded engine, a tiny random-init
+checkpoint): skyrl-gym's built-in and a user's skyrl-gym environment unchanged, a verl
+interaction from its YAML, reasoning-gym rows scored by their task's scorer; every trajectory
+token-exact (observations as chat-template deltas, mask 0); and environments that raise, answer
+garbage, hang or never end each end only their own episode, counted."""
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.datasets import DatasetError, load_samples
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train import train
+from jax_agent_rl.train.metrics import read_metrics
+
+AGENTS = {"tool_agent": None, "single_turn_agent": None}
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=8, n_val=4, n_sft=8)
+
+
+def _rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _question(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is {i} + {i}?"}]
+
+
+def _train(task: TaskFiles, run_dir: Path, *overrides: str, steps: int = 2) -> list[dict[str, Any]]:
+    """``steps`` steps of 2 prompts x 2 episodes, every trajectory traced; the traces."""
+    args = [
+        f"model.path={task.model}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
+        "sft.steps=0", "data.val=", "data.prompts_per_step=2", "rollout.n=2",
+        "rollout.max_model_len=512", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
+        "agent.max_response_tokens=320", f"trainer.steps={steps}", "trainer.save_every=10",
+        "trainer.eval_every=0", "trainer.tensorboard=false", "trainer.traces_per_step=8",
+        *overrides,
+    ]  # fmt: skip
+    train(load_config(DEMO_CONFIG, args))
+    records = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+
+
+def _assert_token_exact(trace: dict[str, Any], builder: TurnBuilder, prompt_len: int) -> None:
+    """``prompt_ids + response_ids`` is the conversation of ``messages`` as the loop builds it:
+    the prompt rendered, each model turn sampled (mask 1), each observation the turn's close
+    plus the template delta of the messages that answer it (mask 0)."""
+    messages = trace["messages"]
+    assert trace["prompt_ids"] == builder.prompt_ids(messages[:prompt_len])
+    ids, mask = trace["response_ids"], trace["loss_mask"]
+    segments: list[tuple[int, list[int]]] = []  # (mask, ids) runs
+    for t, m in zip(ids, mask, strict=True):
+        if segments and segments[-1][0] == m:
+            segments[-1][1].append(t)
+        else:
+            segments.append((m, [t]))
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= prompt_len]
+    model = [s for m, s in segments if m == 1]
+    observations = [s for m, s in segments if m == 0]
+    assert len(model) == len(turns) and len(observations) in (len(turns), len(turns) - 1)
+    for k, obs in enumerate(observations):
+        answer = messages[turns[k] + 1 : turns[k + 1] if k + 1 < len(turns) else None]
+        want = builder.close_assistant_turn(model[k]) + builder.messages_delta(answer)
+        assert obs == want, (k, trace["uid"])
+
+
+def _builder(task: TaskFiles) -> TurnBuilder:
+    return TurnBuilder(
+        Tokenizer.from_pretrained(task.model), ToolRegistry.from_yaml(task.tools).schemas()
+    )
+
+
+USER_ENV = '''
+    """A guessing game written as skyrl-gym's docs say a user writes one: a BaseTextEnv subclass
+    registered under an id. The reward of a turn is how many of the secret's letters it holds."""
+    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+    from skyrl_gym.envs.registration import register
+
+
+    class LettersEnv(BaseTextEnv):
+        def __init__(self, env_config=None, extras={}):
+            super().__init__()
+            self.secret = extras["reward_spec"]["ground_truth"]
+            self.max_turns = extras["max_turns"]
+            self.bonus = env_config.get("bonus", 0.0)
+
+        def init(self, prompt):
+            return [{"role": "system", "content": "Guess the word."}, *prompt], {}
+
+        def step(self, action):
+            self.turns += 1
+            reward = sum(c in action for c in self.secret) / len(self.secret) + self.bonus
+            done = self.turns >= self.max_turns
+            obs = [] if done else [{"role": "user", "content": f"{reward:.2f}, guess again"}]
+            return BaseTextEnvStepOutput(observations=obs, reward=reward, done=done, metadata={})
+
+
+    register(id="letters", entry_point=LettersEnv)
+'''
+
+
+INTERACTION = '''
+    """A simulated user with verl's BaseInteraction methods (no verl import needed)."""
+
+
+    class Teacher:
+        def __init__(self, config):
+            self.config, self.name = config, config["name"]
+            self.instances = {}
+
+        async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+            self.instances[instance_id] = {"truth": ground_truth, "turns": 0}
+            return instance_id
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            state = self.instances[instance_id]
+            state["turns"] += 1
+            last = messages[-1]
+            assert last["role"] == "assistant"
+            right = state["truth"] in last["content"]
+            text = self.config["praise"] if right else f"No. Try again (turn {state['turns']})."
+            return right, text, float(right) + 0.25 * state["turns"], {}
+
+        async def calculate_score(self, instance_id, **kwargs):
+            return 0.0
+
+        async def finalize_interaction(self, instance_id, **kwargs):
+            del self.instances[instance_id]
+'''
+
+
+HOSTILE = """
+    import threading
+
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+
+    class Hostile(BaseTextEnv):
+        def __init__(self, env_config=None, extras={}):
+            super().__init__()
+            self.kind = extras["extra_info"]["kind"]
+
+        def step(self, action):
+            if self.kind == "raises":
+                raise RuntimeError("the environment broke")
+            if self.kind == "garbage":
+                return {"observations": "not a list", "reward": "high", "done": "yes"}
+            if self.kind == "nan":
+                return {"observations": [], "reward": float("nan"), "done": True}
+            if self.kind == "bad_role":
+                return {"observations": [{"role": "assistant", "content": "x"}], "reward": 1.0,
+                        "done": False}
+            if self.kind == "hangs":
+                threading.Event().wait()  # forever (a daemon thread: abandoned at its timeout)
+            # "endless" (and the hung one, once released): never done
+            return {"observations": [{"role": "user", "content": "go on"}], "reward": 0.0,
+                    "done": False}
+"""
+
+
+KINDS = ("raises", "garbage", "nan", "bad_role", "hangs", "endless")
+
+
+@pytest.fixture(scope="module")
+def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One run, 2 steps, whose every step holds rows of each environment (each row picks its
+    own): skyrl-gym's built-in ``gsm8k_multi_turn`` and a user's skyrl-gym environment in
+    SkyRL's layout (env_class, reward_spec), a verl interaction (interaction_kwargs), and a
+    hostile environment of each misbehaviour. The traces of every episode, by row kind."""
+    tmp = tmp_path_factory.mktemp("mixed")
+    for name, text in (("letters_env", USER_ENV), ("teacher", INTERACTION), ("hostile", HOSTILE)):
+        (tmp / f"{name}.py").write_text(textwrap.dedent(text))
+    (tmp / "interaction.yaml").write_text(
+        "interaction:\n"
+        "  - name: teacher\n"
+        f"    class_name: {tmp / 'teacher.py'}:Teacher\n"
+        "    config:\n"
+        "      praise: Well done.\n"
+    )
+    kinds = ["gsm8k", "letters", "teacher", *KINDS]
+    rows = []
+    for i, kind in enumerate(kinds):
+        row: dict[str, Any] = {"prompt": _question(i), "extra_info": {"index": i, "kind": kind}}
+        if kind == "teacher":
+            row["reward_model"] = {"ground_truth": str(2 * i)}
+            row["extra_info"]["interaction_kwargs"] = {
+                "name": "teacher",
+                "ground_truth": str(2 * i),
+            }
+        else:
+            row["reward_spec"] = {"method": "rule", "ground_truth": str(2 * i)}
+            row["env_class"] = {"gsm8k": "gsm8k_multi_turn", "letters": "letters"}.get(
+                kind, "hostile"
+            )
+        if kind == "letters":
+            row["reward_spec"]["ground_truth"] = "abcde"
+        rows.append(row)
+    traces = _train(
+        task,
+        tmp / "run",
+        f"data.train={_rows(tmp / 'train.jsonl', rows)}",
+        f"data.prompts_per_step={len(rows)}",
+        f"trainer.traces_per_step={2 * len(rows)}",
+        f"env.classes.letters={tmp / 'letters_env.py'}:LettersEnv",
+        "env.config.letters.bonus=0.5",
+        f"env.classes.hostile={tmp / 'hostile.py'}:Hostile",
+        f"env.interaction_config={tmp / 'interaction.yaml'}",
+        "env.step_timeout_s=10",  # the others' steps take microseconds
+        "data.reward=format",  # the interaction's rows: verl scores them by the reward function
+    )
+    assert len(traces) == 2 * 2 * len(rows)
+    by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
+    for t in traces:
+        by_kind[kinds[int(t["group_id"].rsplit("-", 1)[1])]].append(t)
+    by_kind["metrics"] = read_metrics(tmp / "run" / "metrics.jsonl", "train")
+    return by_kind
+
+
+def test_a_skyrl_gym_builtin_trains_unchanged(task: TaskFiles, mixed: dict) -> None:
+    """skyrl-gym's ``gsm8k_multi_turn`` (per-turn rewards, a user message after each wrong
+    answer, done after its max_turns, which SkyRL sets from the generator's: agent.max_turns);
+    the episode's reward is the sum of the environment's step rewards."""
+    builder = _builder(task)
+    for t in mixed["gsm8k"]:
+        assert t["stop_reason"] == "env_done"  # the environment ends it after 3 turns
+        assert t["num_turns"] == 3 and len(t["turn_rewards"]) == 3
+        assert t["env_reward"] == pytest.approx(sum(t["turn_rewards"]))
+        assert t["reward"] == pytest.approx(t["env_reward"])
+        follow_up = t["messages"][2]
+        assert follow_up["role"] == "user" and "#### ANSWER" in follow_up["content"]
+        _assert_token_exact(t, builder, prompt_len=1)
+
+
+def test_a_user_skyrl_env_trains_and_its_reward_is_the_environments(
+    task: TaskFiles, mixed: dict
+) -> None:
+    """A user's module named by ``env.classes`` (its class made as SkyRL makes it, with
+    ``env.config.<env_class>`` as env_config): ``init`` rewrites the prompt (a system message
+    first), each step answers with a user message, the reward is the sum of its turns'."""
+    builder = _builder(task)
+    for t in mixed["letters"]:
+        assert t["messages"][0] == {"role": "system", "content": "Guess the word."}
+        assert t["stop_reason"] == "env_done" and t["num_turns"] == 3  # agent.max_turns
+        text = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
+        want = [sum(c in x for c in "abcde") / 5 + 0.5 for x in text]  # bonus: env_config
+        assert t["turn_rewards"] == pytest.approx(want)
+        assert t["reward"] == pytest.approx(sum(want))
+        _assert_token_exact(t, builder, prompt_len=2)
+
+
+def test_a_verl_interaction_trains_from_its_yaml(task: TaskFiles, mixed: dict) -> None:
+    """verl's interaction config YAML and rows with extra_info.interaction_kwargs: the
+    interaction answers each turn without tool calls with a user message, its scores are the
+    turn rewards, and the row's reward function (verl's rule) scores the episode."""
+    builder = _builder(task)
+    for t in mixed["teacher"]:
+        assert t["env_reward"] is None  # verl: the reward function scores the episode
+        assert t["stop_reason"] in ("env_done", "max_turns", "max_response_tokens")
+        users = [m for m in t["messages"][1:] if m["role"] == "user"]
+        assert users and all(m["content"].startswith(("No. Try again", "Well")) for m in users)
+        assert any(r >= 0.25 for r in t["turn_rewards"])  # the interaction's scores
+        _assert_token_exact(t, builder, prompt_len=1)
+
+
+def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
+    task: TaskFiles, tmp_path: Path
+) -> None:
+    """``data.train=reasoning_gym:<task>?...`` generates the same rows for the same spec; the
+    task's ``score_answer`` of the text in the last <answer> tags is the reward; a run trains
+    on them."""
+    import reasoning_gym
+
+    spec = "reasoning_gym:basic_arithmetic?size=6&seed=3&max_terms=3"
+    samples = load_samples(spec, agents=AGENTS)
+    assert [s.uid for s in samples] == [s.uid for s in load_samples(spec, agents=AGENTS)]
+    assert load_samples(spec.replace("seed=3", "seed=4"), agents=AGENTS) != samples
+    data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
+    cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}", "data.reward=format"])
+    score = make_reward(cfg.data)  # data.reward does not apply to reasoning-gym rows
+    for s, entry in zip(samples, data, strict=True):
+        assert s.ground_truth == entry["answer"] and s.messages[-1]["content"] == entry["question"]
+        right, wrong = f"ok <answer>{entry['answer']}</answer>", "<answer>nonsense</answer>"
+        for text, want in ((right, 1.0), (wrong, data.score_answer("nonsense", entry))):
+            assert score(s.data_source, text, s.ground_truth, s.extra) == want
+        assert score(s.data_source, entry["answer"], s.ground_truth, s.extra) == 0.0  # no tags
+    for bad in ("", "nope?size=2&seed=0", "basic_arithmetic?size=0&seed=0",
+                "basic_arithmetic?size=2", "basic_arithmetic?size=2&seed=1&bogus=1"):  # fmt: skip
+        with pytest.raises(DatasetError):
+            load_samples("reasoning_gym:" + bad, agents=AGENTS)
+
+    traces = _train(task, tmp_path / "run", f"data.train={spec}", "data.reward=format")
+    by_uid = {s.uid: s for s in samples}
+    for t in traces:
+        s = by_uid[t["group_id"]]
+        final = [m["content"] for m in t["messages"] if m["role"] == "assistant"][-1]
+        assert t["reward"] == score(s.data_source, final, s.ground_truth, s.extra)
+
+
+def test_hostile_environments_end_only_their_own_episode(mixed: dict) -> None:
+    """An environment that raises, answers garbage (a non-list observation, a string reward, a
+    NaN reward, an assistant-role observation) or hangs past env.step_timeout_s ends its
+    episode with env_error (counted, not trained); one that never says done runs into
+    agent.max_turns; the other rows of the same steps are untouched (the tests above)."""
+    for kind in ("raises", "garbage", "nan", "bad_role", "hangs"):
+        assert all(t["stop_reason"] == "env_error" for t in mixed[kind]), kind
+    assert all("the environment broke" in t["error"] for t in mixed["raises"])
+    assert all("longer than 10" in t["error"] for t in mixed["hangs"])
+    assert all(t["stop_reason"] == "max_turns" for t in mixed["endless"])
+    for step in mixed["metrics"]:
+        assert step["stop/env_error"] == pytest.approx(5 / 9)
+        assert step["untrainable"] == pytest.approx(5 / 9)
+
+
+def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
+    """An unknown env_class, a class that is not an environment, a bad interaction YAML: one
+    error naming the key or the row, before anything runs."""
+    from jax_agent_rl.envs import make_environments
+    from jax_agent_rl.train.build import check_environments
+
+    cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])
+    envs = make_environments(cfg.env, 2)
+    rows = [{"prompt": _question(0), "env_class": "no_such_env", "ground_truth": "1"}]
+    samples = load_samples(_rows(tmp_path / "rows.jsonl", rows), agents=AGENTS)
+    with pytest.raises(ConfigError, match="no_such_env"):
+        check_environments(envs, samples, "data.train")
+    (tmp_path / "bad.yaml").write_text("interaction: {name: x}\n")
+    for override, match in (
+        ("env.interaction_config=" + str(tmp_path / "bad.yaml"), "non-empty 'interaction' list"),
+        ("env.interaction_config=" + str(tmp_path / "missing.yaml"), "cannot read"),
+        ("env.classes.x=json:nothing_here", "env.classes.x"),
+        ("env.config.not_an_env.a=1", "not_an_env"),
+    ):
+        bad = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y", override])
+        with pytest.raises(ConfigError, match=match):
+            make_environments(bad.env, 2)
