@@ -376,7 +376,9 @@ class Engine:
             key=jax.random.key_data(jax.random.key(seed))[None],
         )
         table = self._device_table(self.page_table([pages]), (None, None))
-        pages_read = self.page_bucket(self.pages_for(start + bucket))
+        # the chunk's keys: its padded bucket's, within the sequence's pages (the padding of a
+        # chunk that ends near max_len would reach past them; it reads and writes nothing)
+        pages_read = self.page_bucket(min(self.pages_for(start + bucket), self.pages_per_seq))
         return self._prefill(
             params,
             state,

@@ -160,3 +160,24 @@ def test_a_long_prompt_is_prefilled_between_decode_calls(checkpoint: Path) -> No
         alone = _backend(checkpoint, prefill_chunk=32)
         assert asyncio.run(alone.generate(request)).token_ids == result.token_ids
         asyncio.run(alone.close())
+
+
+def test_a_chunk_whose_padding_passes_max_len_is_prefilled(checkpoint: Path) -> None:
+    """max_len 192 (12 pages of 16): a session's next turn adds 20 tokens after 165 cached
+    ones, one chunk padded to its 32-token bucket, past the sequence's last page; it is
+    prefilled (the padding reads and writes nothing) and gives the tokens it gives under a
+    longer max_len."""
+    first = GenerateRequest("t0", _prompt(5, 155), GREEDY_10, session_id="s")
+    outs = []
+    for max_len in (192, 512):
+        backend = _backend(checkpoint, max_len=max_len)
+        turn = asyncio.run(backend.generate(first)).token_ids
+        prompt = (*first.prompt_ids, *turn, *_prompt(6, 20))
+        second = GenerateRequest("t1", prompt, GREEDY_5, session_id="s")
+        outs.append((turn, asyncio.run(backend.generate(second)).token_ids))
+        asyncio.run(backend.close())
+    assert len(outs[0][0]) == 10 and len(outs[0][1]) == 5 and outs[0] == outs[1]
+
+
+GREEDY_10 = SamplingParams(max_tokens=10, temperature=0.0)
+GREEDY_5 = SamplingParams(max_tokens=5, temperature=0.0)
