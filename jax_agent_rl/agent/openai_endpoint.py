@@ -293,12 +293,12 @@ class Session:
         """How the episode ended, once the harness has returned."""
         if self.conversation is None:
             self.fail("the harness never called the endpoint")
+        if self.stop is not None:
+            return self.stop
         if self.pending is not None:  # the harness ended on its tools' results
             return "tool_done"
-        if self.text_turn is not None:
-            return "eos"
-        assert self.stop is not None
-        return self.stop
+        assert self.text_turn is not None  # else the model's last turn ended the episode
+        return "eos"
 
 
 def _tool_call(call: ParsedCall, call_id: str) -> dict[str, Any]:

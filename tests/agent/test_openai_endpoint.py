@@ -21,6 +21,7 @@ from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.config import ConfigError
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.train.episodes import episode_totals
 from tests.agent.test_langgraph_loop import SAMPLED, _assert_same
@@ -217,7 +218,5 @@ def test_malformed_requests_end_only_their_session(
 
 
 def test_a_harness_is_checked_when_the_context_is_made(setup: dict[str, Any]) -> None:
-    from jax_agent_rl.config import ConfigError
-
-    with pytest.raises(ConfigError, match="agent.harness"):
+    with pytest.raises(ConfigError, match=r"agent\.harness=.*no function 'no_such_harness'"):
         asyncio.run(_context(setup, _harness(CONFIG, "no_such_harness"), None))
