@@ -75,8 +75,8 @@ from jax_agent_rl.user_code import load_function
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused (413) and ends its session
 ROLES = ("system", "user", "assistant", "tool")
-# request fields the endpoint reads; the others a client sends by default are accepted only
-# at their defaults (sampling is the run's: rollout.* and agent.*)
+# the request fields the endpoint takes (stream, n, tool_choice and parallel_tool_calls only
+# at their defaults); any other is refused, since sampling is the run's (rollout.*, agent.*)
 _FIELDS = {"messages", "tools", "model", "tool_choice", "stream", "n", "parallel_tool_calls"}
 
 
