@@ -150,6 +150,11 @@ class AgentSection:
     # extra): package.module:function or path/to/file.py:function, given (chat_model, tools),
     # returning a compiled graph over MessagesState; empty: the default ReAct graph
     graph: str = ""
+    # the harness of agent_name openai_agent (agent/openai_endpoint.py, the `harness` extra):
+    # package.module:function or path/to/file.py:function, an async function given a
+    # HarnessTask (the endpoint's base_url and api_key, the prompt, the tools) that drives one
+    # episode through /v1/chat/completions; empty: no harness (openai_agent refuses to run)
+    harness: str = ""
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)

@@ -11,8 +11,10 @@ trajectory (``agent_error``, see `run_sample`).
 
 A sample's ``agent_name`` picks the loop from `AGENT_LOOPS`: ``tool_agent`` and
 ``single_turn_agent``, spelled as verl spells them, ``react_agent`` (the same episode driven by
-a LangGraph graph, `jax_agent_rl.agent.langgraph_loop`, imported on first use), or a user loop
-added with `register_agent_loop`. Datasets are checked against these names when they are loaded.
+a LangGraph graph, `jax_agent_rl.agent.langgraph_loop`, imported on first use), ``openai_agent``
+(the episode driven by a user's harness through an OpenAI-compatible endpoint,
+`jax_agent_rl.agent.openai_endpoint`), or a user loop added with `register_agent_loop`.
+Datasets are checked against these names when they are loaded.
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ class AgentContext:
             from jax_agent_rl.agent.langgraph_loop import graph_builder
 
             graph_builder(config.graph)
+        if config.harness:  # openai_agent's harness: likewise
+            from jax_agent_rl.agent.openai_endpoint import harness_function
+
+            harness_function(config.harness)
         envs = envs or Environments()
         return cls(backend, tokenizer, tools, parser, config, builder, seed, envs=envs)
 
@@ -617,10 +623,18 @@ async def _react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     return await run_react_agent(sample, ctx)
 
 
+async def _openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
+    """`jax_agent_rl.agent.openai_endpoint.run_openai_agent`, imported on first use."""
+    from jax_agent_rl.agent.openai_endpoint import run_openai_agent
+
+    return await run_openai_agent(sample, ctx)
+
+
 AGENT_LOOPS: dict[str, AgentLoopFn] = {
     "tool_agent": run_tool_agent,
     "single_turn_agent": run_single_turn,
     "react_agent": _react_agent,
+    "openai_agent": _openai_agent,
 }
 
 

@@ -24,6 +24,10 @@ StopReason = Literal[
     # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
     # this trajectory only; its traceback is in `Trajectory.error`; not trainable
     "agent_error",
+    # a harness behind the OpenAI endpoint rewrote earlier turns or sent a request the endpoint
+    # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
+    # trainable
+    "harness_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
@@ -76,7 +80,7 @@ class Trajectory:
     malformed_calls: int = 0
     tool_errors: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    error: str | None = None  # the traceback that ended it (stop reason agent_error)
+    error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
     reruns: int = 0  # times it was run again from its prompt after its tool service failed
     # how each model turn ended: "call" (a well-formed tool call), "malformed" (calls, none
     # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"
@@ -116,6 +120,7 @@ class Trajectory:
             "aborted",
             "agent_error",
             "env_error",
+            "harness_error",
         )
 
     @property

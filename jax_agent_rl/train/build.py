@@ -276,7 +276,7 @@ def check_environments(envs: Environments, samples: Sequence[Sample], key: str) 
     for s in samples:
         if not envs.plays(s):
             continue
-        if s.agent_name not in ("tool_agent", "single_turn_agent"):
+        if s.agent_name not in ("tool_agent", "single_turn_agent"):  # not react/openai_agent
             raise ConfigError(
                 f"{key}: row {s.uid!r} has an environment but agent_name {s.agent_name!r}; "
                 "environments are played by tool_agent and single_turn_agent"

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible endpoint (agent_name openai_agent) on the real embedded engine, with the
+tiny model `tests.agent.test_loop` memorises, driven by harnesses written against OpenAI's API:
+the official ``openai`` client and LangChain's ``ChatOpenAI``. Their trajectories are token for
+token those of `run_tool_agent` for the same seeds; a rewrite of an earlier turn and malformed
+requests end their own session's episode (harness_error, counted) and nothing else.
+"""
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from langchain_core.messages import BaseMessage, ToolMessage
+from langchain_openai import ChatOpenAI
+
+from jax_agent_rl.agent import openai_endpoint
+from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
+from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.config import ConfigError
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.train.episodes import episode_totals
+from tests.agent.test_langgraph_loop import SAMPLED, _assert_same
+from tests.agent.test_loop import CONFIG
+
+pytestmark = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+HERE = "tests.agent.test_openai_endpoint"
+QUESTION = "What is 17 + 25?"
+
+
+async def openai_harness(task: HarnessTask) -> None:
+    """A small agent on the official client: the model, then its calls, until it stops."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    messages: list[Any] = list(task.messages)
+    while True:
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=task.tools
+        )
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if choice.finish_reason != "tool_calls":
+            return
+        for call in choice.message.tool_calls or []:
+            text = await task.run_tool(call.model_dump())
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+
+
+async def langchain_harness(task: HarnessTask) -> None:
+    """The same agent on LangChain's ChatOpenAI, with tool calls in LangChain's form."""
+    llm = ChatOpenAI(
+        model="policy", base_url=task.base_url, api_key=task.api_key, max_retries=0
+    ).bind_tools(task.tools)
+    messages: list[Any] = list(task.messages)
+    while True:
+        ai: BaseMessage = await llm.ainvoke(messages)
+        messages.append(ai)
+        calls = getattr(ai, "tool_calls", [])
+        if not calls:
+            return
+        for c in calls:
+            function = {"name": c["name"], "arguments": json.dumps(c["args"])}
+            text = await task.run_tool({"id": c["id"], "function": function})
+            messages.append(ToolMessage(text, tool_call_id=c["id"]))
+
+
+async def rewriting_harness(task: HarnessTask) -> None:
+    """Answers the first call, with the model's turn rewritten."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    reply = await client.chat.completions.create(
+        model="policy", messages=task.messages, tools=task.tools
+    )
+    message = reply.choices[0].message.model_dump(exclude_none=True)
+    (call,) = message["tool_calls"]
+    call["function"]["arguments"] = json.dumps({"expression": "1 + 1"})
+    tool = {"role": "tool", "tool_call_id": call["id"], "content": "2"}
+    await client.chat.completions.create(
+        model="policy", messages=[*task.messages, message, tool], tools=task.tools
+    )
+
+
+async def _context(setup: dict[str, Any], config: AgentConfig, seed: int | None) -> AgentContext:
+    backend = EmbeddedBackend(setup["engine"], setup["weights"])
+    parser = make_parser(setup["parser"])
+    return await AgentContext.create(
+        backend, setup["tokenizer"], setup["tools"], parser, config, seed
+    )
+
+
+def _episode(
+    setup: dict[str, Any], question: str, agent: str, config: AgentConfig, seed: int | None = None
+) -> Trajectory:
+    async def go() -> Trajectory:
+        ctx = await _context(setup, config, seed)
+        sample = Sample(
+            uid=f"q{sorted(setup['expected']).index(question)}",
+            messages=[{"role": "user", "content": question}],
+            agent_name=agent,
+        )
+        traj = await run_sample(sample, ctx)
+        await ctx.backend.close()
+        return traj
+
+    return asyncio.run(go())
+
+
+def _harness(config: AgentConfig, name: str) -> AgentConfig:
+    return dataclasses.replace(config, harness=f"{HERE}:{name}")
+
+
+def test_openai_client_trajectories_are_the_tool_loops(setup: dict[str, Any]) -> None:
+    """Every scripted episode greedily (tool calls, two at once, a malformed call, a truncated
+    tool output), and one sampled with a seed: every field but the timings is the loop's."""
+    config = _harness(CONFIG, "openai_harness")
+    for question in setup["expected"]:
+        loop = _episode(setup, question, "tool_agent", config)
+        _assert_same(_episode(setup, question, "openai_agent", config), loop)
+    sampled = _harness(SAMPLED, "openai_harness")
+    loop = _episode(setup, QUESTION, "tool_agent", sampled, seed=7)
+    _assert_same(_episode(setup, QUESTION, "openai_agent", sampled, seed=7), loop)
+
+
+def test_langchain_chat_openai_drives_an_episode(setup: dict[str, Any]) -> None:
+    config = _harness(CONFIG, "langchain_harness")
+    for question in ("What is 17 + 25?", "Compute 3 + 4 and 6 * 7."):
+        loop = _episode(setup, question, "tool_agent", config)
+        traj = _episode(setup, question, "openai_agent", config)
+        _assert_same(traj, loop)
+        assert traj.stop_reason == "eos" and traj.tool_calls >= 1
+
+
+def test_a_rewritten_turn_ends_the_episode_counted(setup: dict[str, Any]) -> None:
+    traj = _episode(setup, QUESTION, "openai_agent", _harness(CONFIG, "rewriting_harness"))
+    assert traj.stop_reason == "harness_error" and not traj.trainable
+    assert traj.error is not None and "message 1 rewrites an earlier turn" in traj.error
+    assert "BadRequestError" in traj.error  # the harness was answered 400
+    assert sum(traj.loss_mask) > 0  # the first turn stays, nothing after it
+    totals = episode_totals([traj])
+    assert totals["stop/harness_error"] == 1 and totals["untrainable"] == 1
+
+
+def _fresh(ctx: AgentContext, uid: str) -> Session:
+    traj = Trajectory(uid=uid, group_id=uid, prompt_ids=[])
+    traj.timings["tools_s"] = 0.0
+    return Session(ctx, traj, {})
+
+
+PROMPT = [{"role": "user", "content": QUESTION}]
+MALFORMED: dict[str, Any] = {
+    "not JSON": b"{not json",
+    "no messages": {"model": "policy"},
+    "a wrong role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "garbage content": {"messages": [{"role": "user", "content": {"x": [1, 2]}}]},
+    "an assistant turn first": {"messages": [{"role": "assistant", "content": "hi"}]},
+    "a sampling field": {"messages": PROMPT, "temperature": 0.3},
+    "a huge body": {"messages": [{"role": "user", "content": "x" * 5000}]},
+}
+
+
+def test_malformed_requests_end_only_their_session(
+    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each malformed request ends its own session (400, harness_error) and later requests of
+    it are refused (409); an unknown key ends nothing (401); a session served beside them,
+    driven by the official client meanwhile, records the tool loop's trajectory."""
+    monkeypatch.setattr(openai_endpoint, "MAX_BODY_BYTES", 4096)
+    sample = Sample(uid="q0", messages=PROMPT)  # the uid the loop's episode has
+
+    async def go() -> tuple[dict[str, Session], Trajectory, list[str]]:
+        ctx = await _context(setup, CONFIG, None)
+        sessions = {name: _fresh(ctx, f"bad-{i}") for i, name in enumerate(MALFORMED)}
+        sessions["good"] = _fresh(ctx, sample.uid)
+        statuses: list[str] = []
+        async with serve(sessions) as base_url, httpx.AsyncClient(base_url=base_url) as http:
+
+            async def misbehave(name: str, body: Any) -> None:
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                headers = {"X-Session-Id": name, "Content-Type": "application/json"}
+                r = await http.post("/chat/completions", content=raw, headers=headers)
+                again = await http.post(
+                    "/chat/completions", json={"messages": PROMPT}, headers=headers
+                )
+                statuses.append(f"{name}: {r.status_code} {again.status_code}")
+
+            unknown = await http.post(
+                "/chat/completions",
+                json={"messages": PROMPT},
+                headers={"Authorization": "Bearer nobody"},
+            )
+            assert unknown.status_code == 401 and "no open session" in unknown.text
+            good = openai_harness(
+                HarnessTask(
+                    base_url,
+                    "good",
+                    PROMPT,
+                    list(ctx.builder.tools or []),
+                    sessions["good"].run_tool,
+                )
+            )
+            await asyncio.gather(good, *(misbehave(n, b) for n, b in MALFORMED.items()))
+        await ctx.backend.close()
+        return sessions, sessions["good"].traj, statuses
+
+    sessions, good, statuses = asyncio.run(go())
+    assert sorted(statuses) == sorted(f"{name}: 400 409" for name in MALFORMED)
+    for name in MALFORMED:
+        session = sessions[name]
+        assert session.stop == "harness_error" and session.traj.loss_mask == [], name
+        assert session.traj.error is not None and session.traj.error.startswith("harness error")
+    good.stop_reason = sessions["good"].finish()
+    loop = _episode(setup, QUESTION, "tool_agent", CONFIG)
+    assert good.prompt_ids + good.response_ids == loop.prompt_ids + loop.response_ids
+    assert good.loss_mask == loop.loss_mask and good.rollout_logprobs == loop.rollout_logprobs
+    assert good.stop_reason == "eos"
+
+
+def test_a_harness_is_checked_when_the_context_is_made(setup: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"agent\.harness=.*no function 'no_such_harness'"):
+        asyncio.run(_context(setup, _harness(CONFIG, "no_such_harness"), None))
