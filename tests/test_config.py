@@ -44,7 +44,7 @@ def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown config key 'modle'; allowed here: \['agent', 'algorithm', 'data', "
-        r"'learner', 'mesh', 'model', 'optim', 'rollout', 'sft', 'tools', 'trainer'\]",
+        r"'env', 'learner', 'mesh', 'model', 'optim', 'rollout', 'sft', 'tools', 'trainer'\]",
     ):
         load_config(path)
 

@@ -156,7 +156,8 @@ BAD_ROWS = {
     ),
     "no_ground_truth": (
         {"reward_model": {"style": "rule"}},
-        r"no ground truth \(expected reward_model.ground_truth or ground_truth\)",
+        r"no ground truth \(expected reward_model.ground_truth, reward_spec.ground_truth or "
+        r"ground_truth\)",
     ),
     "unknown_agent": (  # a typo is caught at load time, not mid-rollout
         {"agent_name": "single_turn"},

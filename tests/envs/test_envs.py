@@ -347,3 +347,61 @@ def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
         bad = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y", override])
         with pytest.raises(ConfigError, match=match):
             make_environments(bad.env, 2)
+
+
+def test_the_guessing_game_is_won_by_binary_search() -> None:
+    """The built-in ``guess_number``: a binary search finds every secret of 1..16 within 4
+    guesses (agent.max_turns=5 in its config leaves one slip), each wrong guess answered
+    higher / lower, a turn without a number asked again, the win worth 1 and nothing else."""
+    import asyncio
+
+    from jax_agent_rl.agent.trajectory import Sample
+    from jax_agent_rl.envs.guess import GuessNumber
+
+    async def search(secret: int) -> tuple[int, list[float]]:
+        env = GuessNumber(Sample("g", _question(0), ground_truth=str(secret)))
+        lo, hi, rewards = 1, 16, []
+        assert (await env.step("hmm", [])).observations[0]["content"] == "Say one number."
+        for guesses in range(1, 6):
+            guess = (lo + hi) // 2
+            step = await env.step(f"Maybe {lo}? <answer>{guess}</answer>", [])
+            rewards.append(step.reward)
+            if step.done:
+                return guesses, rewards
+            reply = step.observations[0]["content"]
+            assert reply == ("higher" if guess < secret else "lower")
+            lo, hi = (guess + 1, hi) if reply == "higher" else (lo, guess - 1)
+        raise AssertionError(f"secret {secret} not found")
+
+    for secret in range(1, 17):
+        guesses, rewards = asyncio.run(search(secret))
+        assert guesses <= 5 and rewards == [0.0] * (guesses - 1) + [1.0]
+
+
+def test_the_guessing_game_config_trains(task: TaskFiles, tmp_path: Path) -> None:
+    """configs/guess_number_cpu.yaml as its comments say to run it (rows written by the
+    module's command line), a few steps with a held-out evaluation: every episode is a game
+    answered by the environment, won exactly when its reward is 1."""
+    from jax_agent_rl.envs.guess import main as write_rows
+
+    write_rows([str(tmp_path / "train.jsonl"), "--n", "16", "--seed", "0"])
+    write_rows([str(tmp_path / "val.jsonl"), "--n", "4", "--seed", "1"])
+    config = Path(__file__).resolve().parents[2] / "configs" / "guess_number_cpu.yaml"
+    args = [
+        f"model.path={task.model}", f"data.train={tmp_path / 'train.jsonl'}",
+        f"data.val={tmp_path / 'val.jsonl'}", f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+        "data.prompts_per_step=4", "rollout.n=4", "trainer.tensorboard=false",
+        "trainer.traces_per_step=16",
+    ]  # fmt: skip
+    train(load_config(config, args))
+    run = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")] == [1, 2]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "val")] == [0, 2]
+    traces = [json.loads(line) for line in (run / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 32
+    for t in traces:
+        replies = [m["content"] for m in t["messages"][1:] if m["role"] == "user"]
+        assert set(replies) <= {"higher", "lower", "Say one number."}
+        assert (t["stop_reason"] == "env_done") == (t["reward"] == 1.0)
+        assert t["stop_reason"] in ("env_done", "max_turns", "max_model_len", "max_response_tokens")

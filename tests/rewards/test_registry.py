@@ -109,8 +109,8 @@ def test_user_function_from_a_file(tmp_path: Path) -> None:
 
 
 BAD_SPECS = {
-    "f1": r"data\.reward='f1' is not a reward; built in: \['format', 'gsm8k', 'math'\], or a "
-    r"user function as module:function or path/to/file\.py:function",
+    "f1": r"data\.reward='f1' is not a reward; built in: \['format', 'gsm8k', 'math', "
+    r"'reasoning_gym'\], or a user function as module:function or path/to/file\.py:function",
     "no_such_pkg_xyz.scores:fn": r"data\.reward='no_such_pkg_xyz\.scores:fn': cannot import "
     r"module 'no_such_pkg_xyz\.scores'",
     f"{HERE}:nope": rf"data\.reward='{HERE}:nope': {HERE} has no function 'nope'",

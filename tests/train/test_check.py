@@ -151,8 +151,9 @@ CASES: dict[str, Case] = {
     "unknown reward": (
         lambda _f: ["data.reward=maths"],
         lambda _f: (
-            f"data.reward='maths' is not a reward; built in: {sorted(REWARDS)}, or a user "
-            "function as module:function or path/to/file.py:function"
+            f"data.reward='maths' is not a reward; built in: "
+            f"{sorted([*REWARDS, 'reasoning_gym'])}, or a user function as module:function or "
+            "path/to/file.py:function"
         ),
     ),
     "negative steps": (
