@@ -151,8 +151,8 @@ CASES: dict[str, Case] = {
     "unknown reward": (
         lambda _f: ["data.reward=maths"],
         lambda _f: (
-            f"data.reward='maths' is not a reward; built in: {sorted(REWARDS)}, or a user "
-            "function as module:function or path/to/file.py:function"
+            f"data.reward='maths' is not a reward; built in: {sorted(REWARDS)}, 'judge' (a "
+            "model, data.judge), or a user function as module:function or path/to/file.py:function"
         ),
     ),
     "negative steps": (
