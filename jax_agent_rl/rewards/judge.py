@@ -9,7 +9,8 @@ last match of ``score_pattern`` in what comes back (`parse_score`), divided by `
   to its backend together (which batches them), at most ``max_concurrency`` in flight.
 - Cached: the score of each judge prompt (so of each prompt, response and ground truth) is
   kept in memory for the rest of the run, the newest ``cache_size``; a cached answer is not
-  sent again. Failures are not cached.
+  sent again, nor one being judged already (it waits for that request). Failures are not
+  cached.
 - Never fatal: an answer with no score in range, a backend error or a request that exceeds
   ``timeout_s`` gets the ``fallback`` reward; each is counted. `Judge.counters` gives the
   running totals ``reward/judge_calls`` (requests sent), ``reward/judge_failures`` and
@@ -86,6 +87,7 @@ class Judge:
         )
         self._slots = asyncio.Semaphore(section.max_concurrency)
         self._cache: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._asking: dict[bytes, asyncio.Future[float]] = {}
         self._ids = itertools.count()
         self.calls = 0
         self.failures = 0
@@ -110,21 +112,38 @@ class Judge:
         except Exception:  # a template that does not fit the answer (a stray brace)
             self.failures += 1
             return s.fallback
+        if not s.cache:
+            return (await self._score(prompt_ids))[0]
         key = hashlib.sha256(repr(prompt_ids).encode()).digest()
-        if s.cache and key in self._cache:
+        if key in self._cache:
             self.cache_hits += 1
             self._cache.move_to_end(key)
             return self._cache[key]
+        if key in self._asking:  # the same answer, being judged now: wait for that request
+            self.cache_hits += 1
+            return await asyncio.shield(self._asking[key])
+        asking = self._asking[key] = asyncio.get_running_loop().create_future()
         try:
-            score = await self._ask(prompt_ids)
-        except Exception:  # no score, an error of the backend, a timeout
-            self.failures += 1
-            return s.fallback
-        if s.cache:
+            score, judged = await self._score(prompt_ids)
+        except BaseException:  # cancelled: so are those waiting for it
+            asking.cancel()
+            raise
+        finally:
+            del self._asking[key]
+        asking.set_result(score)
+        if judged:  # a failure is asked again next time
             self._cache[key] = score
             if len(self._cache) > s.cache_size:
                 self._cache.popitem(last=False)
         return score
+
+    async def _score(self, prompt_ids: list[int]) -> tuple[float, bool]:
+        """The judge's score and True, or the fallback and False (counted) if asking failed."""
+        try:
+            return await self._ask(prompt_ids), True
+        except Exception:  # no score, an error of the backend, a timeout
+            self.failures += 1
+            return self.section.fallback, False
 
     async def _ask(self, prompt_ids: list[int]) -> float:
         s = self.section
