@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from jax_agent_rl.config import JudgeSection, RolloutSection, load_config
+from jax_agent_rl.config import JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.rewards import Answer, Judge, JudgeAnswerError, make_reward, parse_score
+from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.protocol import Capabilities, GenerateRequest, GenerateResult
-from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.train import train
-from jax_agent_rl.train.build import eos_ids
-from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.train.build import build_run, eos_ids, open_rollout
+from jax_agent_rl.train.step import rl_step
 
 TEMPLATE = "Q: {prompt} A: {response} Score:"
 
@@ -211,16 +213,15 @@ class InFlight:
 def test_a_real_engine_judges_within_the_concurrency_bound(
     task: TaskFiles, tokenizer: Tokenizer
 ) -> None:
-    """A random-weight embedded engine, built from the registry as a separate judge is: what
-    it writes is arbitrary, so each answer is either its parsed score or a counted failure;
-    never more than max_concurrency requests are in flight, and that many are."""
+    """A random-weight embedded engine: what it writes is arbitrary, so each answer is either
+    its parsed score or a counted failure; never more than max_concurrency requests are in
+    flight, and that many are."""
     model, params = load_hf(task.model, "float32")
-    rollout = RolloutSection(max_model_len=128, max_concurrent=2, page_size=16)
+    engine = Engine(model, max_concurrent_decodes=2, max_len=128, batch_buckets=False)
     section = JudgeSection(template=TEMPLATE, max_concurrency=2, max_tokens=8, fallback=-1.0)
 
     async def go() -> tuple[list[float], InFlight, Judge]:
-        built = make_backend(BackendBuild(rollout, model, params, task.model, "float32"))
-        backend = InFlight(built)
+        backend = InFlight(EmbeddedBackend(engine, params))
         judge = Judge(section, backend, tokenizer, eos_ids(tokenizer))
         try:
             return await _gather(judge, [f"{i} + {i}" for i in range(6)]), backend, judge
@@ -244,23 +245,36 @@ def test_a_real_engine_judges_within_the_concurrency_bound(
 def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     task: TaskFiles, tmp_path: Path
 ) -> None:
-    """``data.reward=judge`` with a separate embedded judge engine of its own checkpoint: a
-    training step runs, and its metrics count every answer's judge call and failure."""
+    """``data.reward=judge`` judged by the policy's own engine: a training step runs, and its
+    metrics count every answer's judge call (or cache hit) and failure."""
     prompts, n = 2, 2
     overrides = [
         f"model.path={task.model}", f"data.train={task.train}", "data.val=", "sft.data=",
         f"tools.config={task.tools}", f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.tensorboard=false", "trainer.steps=1", "trainer.eval_every=0",
-        f"data.prompts_per_step={prompts}", f"rollout.n={n}", "rollout.max_model_len=160",
-        "rollout.max_concurrent=4", "agent.max_turns=1", "agent.max_tokens_per_turn=16",
-        "agent.max_response_tokens=32", "learner.micro_batch_size=4",
-        "data.reward=judge", "data.judge.backend=embedded", f"data.judge.model_path={task.model}",
-        "data.judge.max_tokens=8", "data.judge.fallback=-1", "data.judge.max_concurrency=2",
+        "trainer.tensorboard=false", f"data.prompts_per_step={prompts}", f"rollout.n={n}",
+        "rollout.max_model_len=128", "rollout.max_concurrent=4", "rollout.prefill_chunk=128",
+        "rollout.batch_buckets=false",
+        "agent.max_turns=1", "agent.max_tokens_per_turn=8", "agent.max_response_tokens=8",
+        "learner.micro_batch_size=4", "data.reward=judge", "data.judge.max_tokens=4",
+        "data.judge.fallback=-1",
     ]  # fmt: skip
     cfg = load_config(DEMO_CONFIG, overrides)
     judge = dataclasses.replace(cfg.data.judge, template=TEMPLATE)  # fits max_model_len
-    train(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, judge=judge)))
-    (m,) = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
-    answered = m["reward/judge_calls"] + m["reward/judge_cache_hits"]
-    assert answered == prompts * n
+    run = build_run(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, judge=judge)),
+        Console(file=io.StringIO()),
+    )
+
+    async def step() -> dict[str, float]:
+        async with open_rollout(run) as rollout:
+            m, _ = await rl_step(run, rollout, 0, compiles=True)
+            return m
+
+    try:
+        m = asyncio.run(step())
+    finally:
+        run.checkpoints.close()
+        run.metrics.close()
+    assert m["reward/judge_calls"] + m["reward/judge_cache_hits"] == prompts * n
     assert 0 <= m["reward/judge_failures"] <= m["reward/judge_calls"]
+    assert m["batch/trajectories"] == prompts * n  # the failures did not stop the step
