@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from jax_agent_rl.config import JudgeSection, load_config
+from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.engine import Engine
@@ -278,3 +278,17 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     assert m["reward/judge_calls"] + m["reward/judge_cache_hits"] == prompts * n
     assert 0 <= m["reward/judge_failures"] <= m["reward/judge_calls"]
     assert m["batch/trajectories"] == prompts * n  # the failures did not stop the step
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (["data.judge.backend=embedded"], r"data\.judge\.backend='embedded' .* needs data\.judge"),
+        (["data.judge.model_path=/j"], r"data\.judge\.model_path='/j' is read only by a separate"),
+        (["data.judge.backend=nope", "data.judge.model_path=/j"], r"use policy or a registered"),
+        (["data.judge.max_concurrency=0"], r"data\.judge\.max_concurrency=0: expected >= 1"),
+    ],
+)
+def test_a_judge_section_that_cannot_work_is_refused(overrides: list[str], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
