@@ -196,6 +196,42 @@ class EnvSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeSection:
+    """A model as the reward (`jax_agent_rl.rewards.judge`), used by rows whose reward is
+    ``judge`` (``data.reward=judge`` or an entry of ``data.rewards_by_source``). The judge reads
+    ``template`` filled in, as one user message of its tokenizer's chat template, answers
+    (greedy by default) and its last number matching ``score_pattern`` is the score. A judge
+    call that fails (no score in its answer, a score outside [0, score_max], an error, a
+    timeout) gives ``fallback`` and is counted (``reward/judge_failures``); it never fails a
+    step."""
+
+    # policy: the rollout backend under training (the judge sees the current weights); else
+    # a registered rollout backend (embedded, vllm, ...) started beside it from model_path,
+    # with rollout.*'s engine settings and max_concurrency slots
+    backend: str = "policy"
+    model_path: str = ""  # the separate judge's HF checkpoint folder (and its tokenizer)
+    # a Python format string: {prompt} (the row's last user message), {response} (the final
+    # answer), {ground_truth} (the row's, as text); literal braces are doubled
+    template: str = (
+        "Rate the response to the question from 0 (wrong or unhelpful) to 10 (correct and "
+        "helpful).\nQuestion: {prompt}\nReference answer: {ground_truth}\nResponse: "
+        "{response}\nReply with the rating, a number from 0 to 10."
+    )
+    # the score: the last match in the judge's answer (its first group if it has one)
+    score_pattern: str = r"-?\d+(?:\.\d+)?"
+    score_max: float = 10.0  # a score in [0, score_max] is divided by it: rewards in [0, 1]
+    fallback: float = 0.0  # the reward of an answer whose judge call failed
+    max_concurrency: int = 16  # judge requests in flight at once (a step's go together)
+    max_tokens: int = 32  # of the judge's answer
+    temperature: float = 0.0  # 0: greedy
+    timeout_s: float = 60.0  # per judge request, waiting for a free slot excluded
+    # remember each judged (prompt, response, ground truth)'s score for the rest of the run
+    # (in memory, the newest cache_size kept): the same answer is judged once
+    cache: bool = True
+    cache_size: int = 65536
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSection:
     """Prompts (jsonl or parquet in verl's column layout) and their reward.
 
@@ -228,6 +264,7 @@ class DataSection:
     tool_reward_weight: float = 0.0
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N response tokens
     overlong_penalty: float = 1.0  # the penalty at the budget, scaled linearly over the buffer
+    judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # reward ``judge``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,6 +583,13 @@ RANGES: dict[str, Rule] = {
     "rollout.tool_failure_reruns": _NATURAL,
     "data.overlong_buffer": _NATURAL,
     "data.overlong_penalty": _NATURAL,
+    "data.judge.score_max": _POSITIVE,
+    "data.judge.fallback": Rule(math.isfinite, "a finite number"),
+    "data.judge.max_concurrency": _COUNT,
+    "data.judge.max_tokens": _COUNT,
+    "data.judge.temperature": _NATURAL,  # 0: greedy
+    "data.judge.timeout_s": _POSITIVE,
+    "data.judge.cache_size": _COUNT,
     "optim.lr": _POSITIVE,
     "optim.critic_lr": _POSITIVE,
     "optim.weight_decay": _NATURAL,
@@ -689,6 +733,25 @@ def _tool_servers(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _judge(cfg: JarlConfig) -> str | None:
+    from jax_agent_rl.rollout.registry import backend_names  # registry -> protocol -> engine
+
+    j = cfg.data.judge
+    if j.backend != "policy" and not j.model_path:
+        return f"data.judge.backend={j.backend!r} (a separate judge) needs data.judge.model_path"
+    if j.backend == "policy" and j.model_path:
+        return (
+            f"data.judge.model_path={j.model_path!r} is read only by a separate judge: set "
+            "data.judge.backend to a rollout backend (embedded, ...), or clear the path"
+        )
+    if j.backend != "policy" and j.backend not in backend_names():
+        return (
+            f"data.judge.backend={j.backend!r}: use policy or a registered rollout backend "
+            f"{backend_names()}"
+        )
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _backend,
     _micro_batch_over_mesh,
@@ -700,4 +763,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _vllm_devices,
     _tool_servers,
     _filters,
+    _judge,
 )

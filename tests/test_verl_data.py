@@ -73,8 +73,12 @@ def test_a_verl_gsm8k_row_is_scored_as_verl_scores_it(tmp_path: Path) -> None:
     for sample in samples:
         right = _answered(sample, "48 + 24 = 72.\n#### 72")
         wrong = _answered(sample, "48 + 24 = 71.\n#### 71")
-        assert trajectory_reward(sample, right, score, cfg.data.tool_reward_weight) == 1.0
-        assert trajectory_reward(sample, wrong, score, cfg.data.tool_reward_weight) == 0.0
+        assert (
+            asyncio.run(trajectory_reward(sample, right, score, cfg.data.tool_reward_weight)) == 1.0
+        )
+        assert (
+            asyncio.run(trajectory_reward(sample, wrong, score, cfg.data.tool_reward_weight)) == 0.0
+        )
 
 
 @pytest.mark.parametrize(("weight", "reward"), [("0", 1.0), ("1", 1.75), ("2", 2.5)])
@@ -83,7 +87,9 @@ def test_tool_rewards_are_added_times_their_weight(weight: str, reward: float) -
     sample = Sample("s", [{"role": "user", "content": "7?"}], ground_truth="7")
     traj = _answered(sample, "<answer>7</answer>", turn_rewards=(0.5, 0.25))  # two tool turns
     score = make_reward(cfg.data)
-    assert trajectory_reward(sample, traj, score, cfg.data.tool_reward_weight) == reward
+    assert (
+        asyncio.run(trajectory_reward(sample, traj, score, cfg.data.tool_reward_weight)) == reward
+    )
 
 
 def tool_aware_score(
@@ -102,10 +108,12 @@ def test_by_default_the_reward_function_decides_what_tool_rewards_count_as_in_ve
     builtin = _config()
     assert builtin.data.tool_reward_weight == 0.0
     score = make_reward(builtin.data)
-    assert trajectory_reward(sample, traj, score, builtin.data.tool_reward_weight) == 0.0
+    assert (
+        asyncio.run(trajectory_reward(sample, traj, score, builtin.data.tool_reward_weight)) == 0.0
+    )
     verl_fn = _config("data.reward=tests.test_verl_data:tool_aware_score")
     score = make_reward(verl_fn.data)
-    assert trajectory_reward(sample, traj, score, 0.0) == pytest.approx(1.075)
+    assert asyncio.run(trajectory_reward(sample, traj, score, 0.0)) == pytest.approx(1.075)
     assert sample.extra == {"k": 1}  # the row's own extra_info is not changed
 
 

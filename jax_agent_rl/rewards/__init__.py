@@ -1,6 +1,8 @@
 """Rewards: built-in answer checkers (math, GSM8K, format), user functions named in the config
-(ours or verl's ``compute_score`` signature) and the choice of reward per ``data_source``."""
+(ours or verl's ``compute_score`` signature), a model as the judge, and the choice of reward
+per ``data_source``."""
 
+from jax_agent_rl.rewards.judge import Judge, JudgeAnswerError, judge_prompt, parse_score
 from jax_agent_rl.rewards.math import (
     extract_answer,
     format_reward,
@@ -9,18 +11,38 @@ from jax_agent_rl.rewards.math import (
     math_equal,
     math_reward,
 )
-from jax_agent_rl.rewards.registry import REWARDS, RewardFn, ScoreFn, load_reward, make_reward
+from jax_agent_rl.rewards.registry import (
+    JUDGE,
+    REWARDS,
+    Answer,
+    JudgeFn,
+    RewardFn,
+    ScoreFn,
+    Scorer,
+    load_reward,
+    make_reward,
+    uses_judge,
+)
 
 __all__ = [
+    "JUDGE",
     "REWARDS",
+    "Answer",
+    "Judge",
+    "JudgeAnswerError",
+    "JudgeFn",
     "RewardFn",
     "ScoreFn",
+    "Scorer",
     "extract_answer",
     "format_reward",
     "gsm8k_answer",
     "gsm8k_reward",
+    "judge_prompt",
     "load_reward",
     "make_reward",
     "math_equal",
     "math_reward",
+    "parse_score",
+    "uses_judge",
 ]

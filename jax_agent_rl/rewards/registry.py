@@ -15,14 +15,19 @@ of such a dict are not recorded. Anything else, and a reward that is not finite,
 naming the config key. A row is scored by ``data.rewards_by_source[row.data_source]`` when its
 source is listed there, else, for a reasoning-gym row (source ``reasoning_gym/<task>``), by its
 task's own scorer (the ``reasoning_gym`` reward), else by ``data.reward``.
+
+The name ``judge`` asks a model instead (`jax_agent_rl.rewards.judge`, set up by
+``data.judge``). Rewards are awaited (`Scorer`), so that a step's judge requests are sent
+together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from jax_agent_rl.config import ConfigError, DataSection
@@ -40,26 +45,69 @@ REWARDS: dict[str, RewardFn] = {
     "format": lambda text, _truth: format_reward(text),
 }
 
+JUDGE = "judge"  # the reward name that asks a model (data.judge)
+
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def make_reward(data: DataSection) -> ScoreFn:
-    """The reward of every row: its source's entry in ``data.rewards_by_source``, else
-    ``data.reward``. Every named reward is loaded and checked here, before anything runs."""
-    default = load_reward(data.reward, "data.reward")
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What a reward scores: a trajectory's final answer ``text`` with its row's
+    ``data_source``, ``prompt`` (the last user message), ``ground_truth`` and ``extra_info``."""
+
+    data_source: str
+    prompt: str
+    text: str
+    ground_truth: Any
+    extra: dict[str, Any]
+
+
+Scorer = Callable[[Answer], Awaitable[float]]  # the reward of one answer, awaited
+JudgeFn = Scorer  # a judge (`rewards.judge.Judge`): scores an answer, never raises
+
+
+def uses_judge(data: DataSection) -> bool:
+    """Whether a row may be scored by the judge (``judge`` named as a reward)."""
+    return JUDGE in (data.reward, *data.rewards_by_source.values())
+
+
+def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
+    """The reward of every row: its source's entry in ``data.rewards_by_source``, else the
+    ``reasoning_gym`` reward for reasoning-gym rows, else ``data.reward``. Every named reward
+    is loaded and checked here, before anything runs; rows whose reward is ``judge`` go to
+    ``judge`` (required when `uses_judge`; without it, this only checks the names)."""
+    default = _load(data.reward, "data.reward", judge)
     by_source = {
-        source: load_reward(spec, f"data.rewards_by_source.{source}")
+        source: _load(spec, f"data.rewards_by_source.{source}", judge)
         for source, spec in data.rewards_by_source.items()
     }
 
-    def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
-        fn = by_source.get(data_source)
+    generated = _load("reasoning_gym", "reasoning_gym", judge)
+
+    async def score(answer: Answer) -> float:
+        fn = by_source.get(answer.data_source)
         if fn is None:
-            generated = data_source.startswith(reasoning_gym.SOURCE_PREFIX)
-            fn = reasoning_gym.score if generated else default
-        return fn(data_source, text, ground_truth, extra_info)
+            is_generated = answer.data_source.startswith(reasoning_gym.SOURCE_PREFIX)
+            fn = generated if is_generated else default
+        return await fn(answer)
 
     return score
+
+
+def _load(spec: str, key: str, judge: JudgeFn | None) -> Scorer:
+    """The awaited reward ``spec`` names: the judge, or `load_reward`'s function."""
+    if spec == JUDGE:
+        return judge or _no_judge
+    fn = load_reward(spec, key)
+
+    async def rule(a: Answer) -> float:
+        return fn(a.data_source, a.text, a.ground_truth, a.extra)
+
+    return rule
+
+
+async def _no_judge(answer: Answer) -> float:
+    raise RuntimeError(f"row of {answer.data_source!r} names the judge, and none was built")
 
 
 def load_reward(spec: str, key: str) -> ScoreFn:
@@ -72,8 +120,8 @@ def load_reward(spec: str, key: str) -> ScoreFn:
     if ":" not in spec:
         raise ConfigError(
             f"{key}={spec!r} is not a reward; built in: {sorted([*REWARDS, 'reasoning_gym'])}, "
-            "or a user function "
-            "as module:function or path/to/file.py:function"
+            f"{JUDGE!r} (a model, data.judge), or a user function as module:function or "
+            "path/to/file.py:function"
         )
     return _adapt(load_function(spec, key), spec, key)
 

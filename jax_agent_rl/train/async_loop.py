@@ -122,7 +122,7 @@ class Producer:
     async def _group(self, index: int, sample: Sample, tag: str) -> None:
         try:
             trajs = await run_episodes(
-                self.run, [sample], self.run.cfg.rollout.n, self.rollout.ctx, tag
+                self.run, self.rollout, [sample], self.run.cfg.rollout.n, tag
             )
         except asyncio.CancelledError:
             raise

@@ -34,9 +34,10 @@ from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
-from jax_agent_rl.rewards import ScoreFn, make_reward
+from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
 from jax_agent_rl.rl.learner import Learner, LearnerState, SamplingSpec, critic_from_policy
 from jax_agent_rl.rollout.metered import MeteredBackend
+from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
@@ -60,7 +61,6 @@ class Run:
     sampler: PromptSampler
     val_samples: list[Sample]
     registry: ToolRegistry
-    score: ScoreFn
     envs: Environments
     checkpoints: RunCheckpoints
     metrics: MetricsLog
@@ -104,21 +104,29 @@ class Serving:
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """The rollout side of a run, open while the loop runs: the backend serving the policy,
-    the tools, and the agent contexts for training (sampling) and evaluation (greedy)."""
+    the tools, the agent contexts for training (sampling) and evaluation (greedy), and the
+    reward (with the judge, if a reward names it)."""
 
     backend: MeteredBackend
     tools: ToolExecutor
     ctx: AgentContext
     eval_ctx: AgentContext
+    score: Scorer
+    judge: Judge | None = None
 
     counted_before: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def counted(self) -> dict[str, float]:
-        """What the backend and the tools counted themselves (Ray: deaths, re-run requests,
-        restarts) since the last call, by metric name: each step reports it once, so the
-        counts of all steps add up to the run's (evaluations' go to the next step)."""
+        """What the backend, the tools and the judge counted themselves (Ray: deaths, re-run
+        requests, restarts; the judge: calls, failures, cache hits) since the last call, by
+        metric name: each step reports it once, so the counts of all steps add up to the
+        run's (evaluations' go to the next step)."""
         tools = getattr(self.tools, "counters", None)
-        now = {**self.backend.counters(), **(tools() if callable(tools) else {})}
+        now = {
+            **self.backend.counters(),
+            **(tools() if callable(tools) else {}),
+            **(self.judge.counters() if self.judge is not None else {}),
+        }
         grown = {k: v - self.counted_before.get(k, 0.0) for k, v in now.items()}
         self.counted_before.update(now)
         return grown
@@ -191,7 +199,7 @@ def _restore(run: Run, step: int) -> None:
 
 def build_run(cfg: JarlConfig, console: Console) -> Run:
     """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
-    score = make_reward(cfg.data)  # user reward functions fail here, before anything is written
+    make_reward(cfg.data)  # user reward functions fail here, before anything is written
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_primary():
@@ -251,7 +259,6 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             sampler,
             val_samples,
             registry,
-            score,
             envs,
             checkpoints,
             metrics,
@@ -375,12 +382,53 @@ async def _open_rollout(run: Run) -> AsyncIterator[Rollout]:
             f"rollout.backend={cfg.rollout.backend} samples as its server was set "
             f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
         )
+    judge_backend: RolloutBackend | None = None
     try:
         ctx = await AgentContext.create(
             backend, run.tokenizer, tools, parser, agent_config(cfg, False), envs=run.envs
         )
         eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
-        yield Rollout(backend, tools, ctx, eval_ctx)
+        judge = None
+        if uses_judge(cfg.data):
+            judge, judge_backend = make_judge(run, backend)
+        score = make_reward(cfg.data, judge)
+        yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
     finally:
         await backend.close()
         await tools.close()
+        if judge_backend is not None:
+            await judge_backend.close()
+
+
+def make_judge(run: Run, policy: RolloutBackend) -> tuple[Judge, RolloutBackend | None]:
+    """The judge ``data.judge`` describes, and the backend started for it, if it has its own:
+    ``policy`` with the run's tokenizer, or a ``data.judge.backend`` engine of
+    ``data.judge.model_path`` (its weights and tokenizer) on this process's inference devices,
+    with ``rollout.*``'s engine settings and ``max_concurrency`` slots."""
+    cfg, section = run.cfg, run.cfg.data.judge
+    if section.backend == "policy":
+        return Judge(section, policy, run.tokenizer, eos_ids(run.tokenizer)), None
+    tokenizer = Tokenizer.from_pretrained(section.model_path)
+    model, params = load_hf(section.model_path, cfg.model.dtype, run.serving.sharder)
+    rollout = dataclasses.replace(
+        cfg.rollout, backend=section.backend, max_concurrent=section.max_concurrency
+    )
+    stops = eos_ids(tokenizer)
+    backend = make_backend(
+        BackendBuild(
+            rollout,
+            model,
+            params,
+            checkpoint=section.model_path,
+            dtype=cfg.model.dtype,
+            seed=cfg.trainer.seed,
+            sharder=run.serving.sharder,
+            stop_token_ids=stops,
+        )
+    )
+    return Judge(section, backend, tokenizer, stops), backend
+
+
+def eos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Where a judge's answer ends: the tokenizer's end of turn, if it has one."""
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)

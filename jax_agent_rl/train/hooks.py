@@ -58,7 +58,7 @@ async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
     ``val`` at ``step``; returns their metrics (of every process) as ``val/*``."""
     processes, me = jax.process_count(), jax.process_index()
     mine = run.val_samples[me::processes]
-    trajs = await run_episodes(run, mine, 1, rollout.eval_ctx, f"val{step}", train=False)
+    trajs = await run_episodes(run, rollout, mine, 1, f"val{step}", train=False)
     shares = distributed.gather_objects(
         (episode_totals(trajs), source_totals(trajs, mine), first_error(trajs))
     )

@@ -32,7 +32,7 @@ from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
-from jax_agent_rl.rewards import ScoreFn
+from jax_agent_rl.rewards import Answer, Scorer
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.train.build import Rollout, Run
@@ -52,8 +52,13 @@ def final_answer_text(traj: Trajectory) -> str:
     return next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
 
 
-def trajectory_reward(
-    sample: Sample, traj: Trajectory, score: ScoreFn, tool_reward_weight: float
+def prompt_text(sample: Sample) -> str:
+    """The sample's last user message (a judge's ``{prompt}``)."""
+    return next((m["content"] for m in reversed(sample.messages) if m["role"] == "user"), "")
+
+
+async def trajectory_reward(
+    sample: Sample, traj: Trajectory, score: Scorer, tool_reward_weight: float
 ) -> float:
     """The reward the learner trains on: the environment's when it owns the episode's reward
     (``traj.env_reward``, SkyRL's), else ``score`` of the final answer (by the sample's
@@ -64,7 +69,10 @@ def trajectory_reward(
     if traj.env_reward is not None:
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
-    outcome = score(sample.data_source, final_answer_text(traj), sample.ground_truth, extra)
+    answer = Answer(
+        sample.data_source, prompt_text(sample), final_answer_text(traj), sample.ground_truth, extra
+    )
+    outcome = await score(answer)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
 
 
@@ -92,7 +100,7 @@ async def rollout_episodes(
     tag: str,
     *,
     seed: int,
-    score: ScoreFn,
+    score: Scorer,
     tool_reward_weight: float,
     tool_failure_reruns: int = 0,
     filters: Sequence[str] = (),
@@ -140,13 +148,27 @@ async def rollout_episodes(
         episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
         runs = [grown(e) for e in episodes]
     groups = list(await asyncio.gather(*runs))
-    for group, e in zip(groups, episodes, strict=True):
-        for traj in group:
-            traj.reward = trajectory_reward(e, traj, score, tool_reward_weight)
+    await score_episodes(groups, episodes, score, tool_reward_weight)
     trajs = [t for g in groups for t in g]
     for group in split_groups(trajs) if filters else ():
         apply_filters(group, filters)
     return trajs
+
+
+async def score_episodes(
+    groups: Sequence[Sequence[Trajectory]],
+    episodes: Sequence[Sample],
+    score: Scorer,
+    tool_reward_weight: float,
+) -> None:
+    """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
+    scored concurrently: a model judge gets the step's requests together."""
+    pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
+    rewards = await asyncio.gather(
+        *(trajectory_reward(e, t, score, tool_reward_weight) for e, t in pairs)
+    )
+    for (_, traj), reward in zip(pairs, rewards, strict=True):
+        traj.reward = reward
 
 
 def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
@@ -161,19 +183,20 @@ def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
 
 
 async def run_episodes(
-    run: Run, samples: Sequence[Sample], n: int, ctx: AgentContext, tag: str, train: bool = True
+    run: Run, rollout: Rollout, samples: Sequence[Sample], n: int, tag: str, train: bool = True
 ) -> list[Trajectory]:
-    """`rollout_episodes` with the run's seed, reward and tool-reward weight; for training
-    (``train``), with the run's filters and rollout strategy (evaluations run chains)."""
+    """`rollout_episodes` with the run's seed, the rollout's reward and the tool-reward
+    weight; for training (``train``), sampled (``rollout.ctx``) with the run's filters and
+    rollout strategy, else greedy (``rollout.eval_ctx``) chains."""
     cfg = run.cfg
     tree = cfg.agent.tree if train and cfg.agent.strategy == "tree" else None
     return await rollout_episodes(
         samples,
         n,
-        ctx,
+        rollout.ctx if train else rollout.eval_ctx,
         tag,
         seed=cfg.trainer.seed,
-        score=run.score,
+        score=rollout.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
         filters=training_filters(cfg) if train else (),
@@ -215,7 +238,7 @@ def groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
 
 
 async def collect(
-    run: Run, ctx: AgentContext, step: int
+    run: Run, rollout: Rollout, step: int
 ) -> tuple[list[Trajectory], list[Trajectory]]:
     """This process's groups for one step (its share of ``data.prompts_per_step``), and every
     episode it sampled. With dynamic sampling, only groups with a reward signal are kept,
@@ -235,7 +258,7 @@ async def collect(
             break
         samples = run.sampler.next_batch(k * processes)[me * k : (me + 1) * k]
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
-        trajs = await run_episodes(run, samples, n, ctx, tag)
+        trajs = await run_episodes(run, rollout, samples, n, tag)
         seen += trajs
         groups = split_groups(trajs)
         if cfg.rollout.dynamic_sampling:
@@ -378,7 +401,7 @@ async def rl_step(
     times include compiling the engine and the learner step (kept out of the throughput
     plot)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
-    kept, seen = await collect(run, rollout.ctx, step)
+    kept, seen = await collect(run, rollout, step)
     t_collect = time.perf_counter() - t0
     m, totals = learn(
         run,

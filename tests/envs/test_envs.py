@@ -4,6 +4,7 @@ interaction from its YAML, reasoning-gym rows scored by their task's scorer; eve
 token-exact (observations as chat-template deltas, mask 0); and environments that raise, answer
 garbage, hang or never end each end only their own episode, counted."""
 
+import asyncio
 import json
 import textwrap
 from pathlib import Path
@@ -15,7 +16,7 @@ from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
-from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.rewards import Answer, make_reward
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -290,7 +291,11 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     assert load_samples(spec.replace("seed=3", "seed=4"), agents=AGENTS) != samples
     data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
     cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}", "data.reward=format"])
-    score = make_reward(cfg.data)  # data.reward does not apply to reasoning-gym rows
+    scorer = make_reward(cfg.data)  # data.reward does not apply to reasoning-gym rows
+
+    def score(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+        return asyncio.run(scorer(Answer(source, "", text, truth, extra)))
+
     for s, entry in zip(samples, data, strict=True):
         assert s.ground_truth == entry["answer"] and s.messages[-1]["content"] == entry["question"]
         right, wrong = f"ok <answer>{entry['answer']}</answer>", "<answer>nonsense</answer>"
@@ -353,8 +358,6 @@ def test_the_guessing_game_is_won_by_binary_search() -> None:
     """The built-in ``guess_number``: a binary search finds every secret of 1..16 within 4
     guesses (agent.max_turns=5 in its config leaves one slip), each wrong guess answered
     higher / lower, a turn without a number asked again, the win worth 1 and nothing else."""
-    import asyncio
-
     from jax_agent_rl.agent.trajectory import Sample
     from jax_agent_rl.envs.guess import GuessNumber
 

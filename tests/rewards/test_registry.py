@@ -4,6 +4,7 @@ defined in this module, loaded by name as a user's would be."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from jax_agent_rl.config import ConfigError, DataSection, JarlConfig, load_config
-from jax_agent_rl.rewards import load_reward, make_reward
+from jax_agent_rl.rewards import Answer, Scorer, load_reward, make_reward
 
 HERE = "tests.rewards.test_registry"
 NOT_CALLABLE = 3
@@ -110,7 +111,8 @@ def test_user_function_from_a_file(tmp_path: Path) -> None:
 
 BAD_SPECS = {
     "f1": r"data\.reward='f1' is not a reward; built in: \['format', 'gsm8k', 'math', "
-    r"'reasoning_gym'\], or a user function as module:function or path/to/file\.py:function",
+    r"'reasoning_gym'\], 'judge' \(a model, data\.judge\), or a user function as "
+    r"module:function or path/to/file\.py:function",
     "no_such_pkg_xyz.scores:fn": r"data\.reward='no_such_pkg_xyz\.scores:fn': cannot import "
     r"module 'no_such_pkg_xyz\.scores'",
     f"{HERE}:nope": rf"data\.reward='{HERE}:nope': {HERE} has no function 'nope'",
@@ -146,6 +148,10 @@ def test_bad_result_names_the_reward(name: str, problem: str) -> None:
         score("mine", "text", "truth", {})
 
 
+def _scored(score: Scorer, source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+    return asyncio.run(score(Answer(source, "the question", text, truth, extra)))
+
+
 def _config(*overrides: str) -> JarlConfig:
     return load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
 
@@ -157,16 +163,16 @@ def test_verls_data_sources_pick_verls_scorer_by_default() -> None:
     """As verl's default_compute_score: openai/gsm8k rows by the GSM8K scorer, MATH rows by
     the boxed-answer one; other sources by ``data.reward``."""
     score = make_reward(_config().data)
-    assert score("openai/gsm8k", ANSWER, "#### 72", {}) == 1.0
-    assert score("my_gsm8k_copy", ANSWER, "#### 72", {}) == 0.0  # data.reward: math
-    assert score("my_gsm8k_copy", "<answer>72</answer>", "72", {}) == 1.0
+    assert _scored(score, "openai/gsm8k", ANSWER, "#### 72", {}) == 1.0
+    assert _scored(score, "my_gsm8k_copy", ANSWER, "#### 72", {}) == 0.0  # data.reward: math
+    assert _scored(score, "my_gsm8k_copy", "<answer>72</answer>", "72", {}) == 1.0
     for source in (
         "lighteval/MATH",
         "DigitalLearningGmbH/MATH-lighteval",
         "HuggingFaceH4/MATH-500",
     ):
-        assert score(source, "So \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", {}) == 1.0
-        assert score(source, ANSWER, "72", {}) == 0.0  # no boxed answer
+        assert _scored(score, source, "So \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", {}) == 1.0
+        assert _scored(score, source, ANSWER, "72", {}) == 0.0  # no boxed answer
 
 
 def test_rewards_by_source_entries_replace_and_add() -> None:
@@ -176,16 +182,18 @@ def test_rewards_by_source_entries_replace_and_add() -> None:
     )
     assert cfg.data.rewards_by_source["lighteval/MATH"] == "math"  # the others stay
     score = make_reward(cfg.data)
-    assert score("openai/gsm8k", ANSWER, "#### 72", {}) == 0.0  # format: no <answer> block
-    assert score("openai/gsm8k", "<answer>1</answer>", "#### 72", {}) == 1.0
-    assert score("mine", "7", "7", {"split": "train"}) == 1.5
+    assert _scored(score, "openai/gsm8k", ANSWER, "#### 72", {}) == 0.0  # format: no <answer> block
+    assert _scored(score, "openai/gsm8k", "<answer>1</answer>", "#### 72", {}) == 1.0
+    assert _scored(score, "mine", "7", "7", {"split": "train"}) == 1.5
 
 
 def test_data_reward_scores_the_unlisted_sources() -> None:
     score = make_reward(_config(f"data.reward={HERE}:exact_match").data)
-    assert score("anything", "7", "7", {}) == 1.0
-    assert score("anything", "<answer>7</answer>", "7", {}) == 0.0
-    assert score("openai/gsm8k", "<answer>7</answer>", "7", {}) == 1.0  # still listed: gsm8k
+    assert _scored(score, "anything", "7", "7", {}) == 1.0
+    assert _scored(score, "anything", "<answer>7</answer>", "7", {}) == 0.0
+    assert (
+        _scored(score, "openai/gsm8k", "<answer>7</answer>", "7", {}) == 1.0
+    )  # still listed: gsm8k
 
 
 def test_a_bad_entry_fails_when_the_rewards_are_made() -> None:

@@ -28,6 +28,7 @@ from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.ray_cluster import connect
+from jax_agent_rl.rewards import Answer
 from jax_agent_rl.rollout import (
     EmbeddedBackend,
     GenerateRequest,
@@ -323,6 +324,10 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
     again from its prompt on the other server, and comes out as the memorised episode."""
     servers = _tool_servers(cluster.address, tmp_path)  # type: ignore[attr-defined]
     question = "What is 17 + 25?"
+
+    async def _zero(_answer: Answer) -> float:
+        return 0.0
+
     _kill_server(servers._servers[0])
 
     async def go() -> list:
@@ -333,7 +338,7 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
         ctx = dataclasses.replace(ctx, tools=servers)
         sample = Sample(uid="q", messages=[{"role": "user", "content": question}])
         trajs = await rollout_episodes(
-            [sample], 1, ctx, "t", seed=0, score=lambda *_: 0.0, tool_reward_weight=0.0,
+            [sample], 1, ctx, "t", seed=0, score=_zero, tool_reward_weight=0.0,
             tool_failure_reruns=1,
         )  # fmt: skip
         await backend.close()
