@@ -162,18 +162,17 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """Reads what to evaluate and loads its weights (a bad input: one line, exit 2), then
-    evaluates."""
-    from jax_agent_rl.train.evaluation import eval_command, eval_target, target_weights
+    """Reads what to evaluate and loads it (a bad input: one line, exit 2), then evaluates."""
+    from jax_agent_rl.train.evaluation import eval_command, eval_target, load_policy
 
     try:
         target = eval_target(
             args.target, args.step, args.checkpoint, args.n, args.out, list(args.overrides)
         )
-        model, params = target_weights(target)
-    except (ValueError, OSError) as e:  # config and checkpoint errors included
+        policy = load_policy(target)
+    except (ValueError, OSError) as e:  # config, data and checkpoint errors included
         return _refuse([(str(e).splitlines() or [type(e).__name__])[0]])
-    eval_command(target, model, params, Console())
+    eval_command(target, policy, Console())
     return 0
 
 
@@ -369,7 +368,7 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog="examples:\n"
         "  jarl eval runs/demo                      # the latest checkpoint, greedy\n"
         "  jarl eval runs/demo --step 8 --n 8       # step 8, pass@1..8 of 8 samples\n"
-        "  jarl eval runs/demo --checkpoint runs/demo/hf data.val=test.jsonl data.val_size=0\n"
+        "  jarl eval runs/demo data.val=test.jsonl data.val_size=0 --checkpoint runs/demo/hf\n"
         "  jarl eval configs/my.yaml                # the config's model.path, before training",
     )
     p.add_argument(
@@ -381,8 +380,8 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="key.sub=value overrides of the config (data.val=FILE, data.val_size=N, "
-        "rollout.temperature=T, ...)",
+        help="key.sub=value overrides of the config, right after CONFIG|RUN (data.val=FILE, "
+        "data.val_size=N, rollout.temperature=T, ...)",
     )
     p.add_argument(
         "--step",

@@ -162,9 +162,11 @@ class EvalInputError(ValueError):
 class EvalTarget:
     """What ``jarl eval`` evaluates: the weights of a run's orbax checkpoint of ``step``, of
     the HF folder ``checkpoint``, or (neither) of the config's ``model.path``; with ``cfg``'s
-    data, tools, reward, agent and rollout settings. ``out``: where the JSON goes."""
+    data (``samples``: `held_out_samples`), tools, reward, agent and rollout settings.
+    ``out``: where the JSON goes."""
 
     cfg: JarlConfig
+    samples: list[Sample]
     run_dir: Path | None
     step: int | None
     checkpoint: Path | None
@@ -222,20 +224,34 @@ def eval_target(
     name = f"step_{step}" if step is not None else (hf.name if hf is not None else "base")
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
     default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")
-    return EvalTarget(cfg, run_dir, step, hf, n, Path(out) if out else default)
+    samples = held_out_samples(cfg)
+    return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default)
 
 
-def target_weights(target: EvalTarget) -> tuple[ModelConfig, Weights]:
-    """The model and its weights (host, float32, as the learner keeps them)."""
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What is evaluated: the model, its weights (host, float32, as the learner keeps them)
+    and the tokenizer."""
+
+    model: ModelConfig
+    params: Weights
+    tokenizer: Tokenizer
+
+
+def load_policy(target: EvalTarget) -> Policy:
+    """The weights ``target`` names (its run's checkpoint of ``step``, else ``model.path``)."""
+    cfg = target.cfg
+    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if target.step is not None:
         assert target.run_dir is not None
-        return saved_policy(target.run_dir, target.cfg, target.step)
-    return load_hf(target.cfg.model.path, "float32")
+        model, params = saved_policy(target.run_dir, cfg, target.step)
+    else:
+        model, params = load_hf(cfg.model.path, "float32")
+    return Policy(model, params, tokenizer)
 
 
-def pass_table(ev: Evaluation, title: str) -> Table:
-    """One row per source (``all`` last): prompts, mean@n, pass@k."""
-    rates = ev.pass_rates
+def pass_table(rates: Mapping[str, Mapping[str, float]], title: str) -> Table:
+    """One row per source of `pass_rates` (``all`` last): prompts, mean@n, pass@k."""
     columns = [c for c in rates[ALL] if c != "prompts"]
     table = Table(title=title)
     table.add_column("data source")
@@ -248,7 +264,7 @@ def pass_table(ev: Evaluation, title: str) -> Table:
     return table
 
 
-def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext, prompts: int) -> dict:
+def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext) -> dict:
     """The JSON ``jarl eval`` writes."""
     c = target.cfg
     return {
@@ -257,7 +273,7 @@ def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext, prompts: 
         "step": target.step,
         "checkpoint": None if target.checkpoint is None else str(target.checkpoint),
         "data": c.data.val,
-        "prompts": prompts,
+        "prompts": len(target.samples),
         "n": ev.n,
         "sampling": {
             "temperature": ctx.config.temperature,
@@ -270,22 +286,18 @@ def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext, prompts: 
     }
 
 
-async def run_eval(
-    target: EvalTarget, model: ModelConfig, params: Weights, console: Console
-) -> dict:
-    """Serves ``params`` as the run's rollout backend does and evaluates the held-out prompts:
+async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict:
+    """Serves ``policy`` as the run's rollout backend does and evaluates the held-out prompts:
     greedy for ``n=1``, else sampled as the rollouts sample. Returns the `eval_record`."""
     cfg = target.cfg
-    samples = held_out_samples(cfg)
-    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-    serving = Serving.of(model, run_sharder(cfg).mesh, cfg.model.dtype)
+    serving = Serving.of(policy.model, run_sharder(cfg).mesh, cfg.model.dtype)
     async with serve_policy(
         cfg,
-        model,
-        cast_floats(params, cfg.model.dtype),
+        policy.model,
+        cast_floats(policy.params, cfg.model.dtype),
         version=target.step or 0,
         sharder=serving.sharder,
-        tokenizer=tokenizer,
+        tokenizer=policy.tokenizer,
         registry=ToolRegistry.from_yaml(cfg.tools.config),
         console=console,
     ) as rollout:
@@ -300,7 +312,7 @@ async def run_eval(
             transient=True,
         )
         with progress:
-            task = progress.add_task("eval", total=len(samples) * target.n, wins=0)
+            task = progress.add_task("eval", total=len(target.samples) * target.n, wins=0)
             wins = 0
 
             def done(traj: Trajectory) -> None:
@@ -309,19 +321,18 @@ async def run_eval(
                 progress.update(task, advance=1, wins=wins)
 
             ev = await evaluate_samples(
-                cfg, make_reward(cfg.data), samples, target.n, ctx, target.step or 0, done
+                cfg, make_reward(cfg.data), target.samples, target.n, ctx, target.step or 0, done
             )
-    return eval_record(target, ev, ctx, len(samples))
+    return eval_record(target, ev, ctx)
 
 
-def eval_command(target: EvalTarget, model: ModelConfig, params: Weights, console: Console) -> dict:
-    """``jarl eval``: evaluates ``params`` (`target_weights`), prints the table, writes the
-    JSON to ``target.out``; returns what it wrote."""
-    record = asyncio.run(run_eval(target, model, params, console))
-    ev = Evaluation(record["n"], record["metrics"], record["pass_rates"])
-    how = "greedy" if record["sampling"]["temperature"] == 0 else f"{ev.n} samples per prompt"
-    console.print(pass_table(ev, f"{target.weights} ({how})"))
-    m = ev.metrics
+def eval_command(target: EvalTarget, policy: Policy, console: Console) -> dict:
+    """``jarl eval``: evaluates ``policy`` (`load_policy`), prints the table, writes the JSON
+    to ``target.out``; returns what it wrote."""
+    record = asyncio.run(run_eval(target, policy, console))
+    how = "greedy" if record["sampling"]["temperature"] == 0 else f"{target.n} samples per prompt"
+    console.print(pass_table(record["pass_rates"], f"{target.weights} ({how})"))
+    m = record["metrics"]
     console.print(
         f"turns {m['turns']:.2f}  tool calls {m['tool_calls']:.2f}  "
         f"malformed calls {m['malformed_call_rate']:.3f}  reward {m['reward']:.3f}"

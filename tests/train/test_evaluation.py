@@ -1,16 +1,19 @@
-"""``jarl eval``: the held-out evaluation of a run's saved weights (its orbax checkpoint, or an
-HF export) equals the training run's own for the same weights; sampled evaluation reports
-pass@k; a bad input is one line and exit code 2."""
+"""``jarl eval``: the held-out evaluation of a run's saved weights equals the training run's
+own for the same weights; an HF export of them is the same weights; sampled evaluation reports
+pass@k; a bad input is one line and exit code 2. Each evaluation builds (compiles) an engine:
+two do here."""
 
 import itertools
 import json
 import shutil
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.train.evaluation import pass_at_k, pass_ks
+from jax_agent_rl.train.evaluation import eval_target, load_policy, pass_at_k, pass_ks
 from jax_agent_rl.train.metrics import read_metrics
 from tests.train.conftest import STEPS
 
@@ -28,7 +31,7 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_success(n: int) -> None:
 
 
 def test_jarl_eval_equals_the_training_runs_held_out_evaluation(
-    run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run: tuple[Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir, _ = run
     val = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl", "val")}
@@ -52,30 +55,42 @@ def test_jarl_eval_equals_the_training_runs_held_out_evaluation(
             assert row["pass@1"] == row["mean@1"] == expected[f"success/{source}"]
     assert "pass@1" in out and f"wrote {run_dir / 'eval' / f'step_{STEPS}.json'}" in out
 
-    # the trainer's export of its final policy: the same weights, the same figures
-    hf_out = tmp_path / "hf.json"
-    args = ["eval", str(run_dir), "--checkpoint", str(run_dir / "hf"), "--out", str(hf_out)]
-    assert main(args) == 0
-    assert capsys.readouterr().err == ""
-    hf = json.loads(hf_out.read_text())
-    assert (hf["metrics"], hf["pass_rates"], hf["step"]) == (expected, rates, None)
+
+def test_a_runs_hf_export_is_the_weights_of_its_checkpoint(run: tuple[Path, str]) -> None:
+    """``--checkpoint RUN/hf`` (the trainer's export of its final policy) evaluates the
+    weights ``--step 2`` does, so it reports the same figures (without a second engine)."""
+    run_dir, _ = run
+    saved = load_policy(eval_target(str(run_dir), step=STEPS))
+    hf = load_policy(eval_target(str(run_dir), checkpoint=str(run_dir / "hf")))
+    assert hf.model == saved.model
+    for a, b in zip(jax.tree.leaves(hf.params), jax.tree.leaves(saved.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert hf.tokenizer.encode("12 + 30") == saved.tokenizer.encode("12 + 30")
 
 
-def test_sampled_evaluation_reports_pass_at_k(run: tuple[Path, str], tmp_path: Path) -> None:
-    """``--n 4``: four episodes per prompt at the rollout temperature, on the first two
+def test_sampled_evaluation_of_an_hf_folder_reports_pass_at_k(
+    run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``--n 4``: four episodes per prompt at the rollout temperature, on the first four
     held-out prompts (an override of the run's config)."""
     run_dir, _ = run
     out = tmp_path / "n4.json"
-    assert main(["eval", str(run_dir), "--n", "4", "data.val_size=2", "--out", str(out)]) == 0
+    overrides = ["data.val_size=4"]
+    args = ["--checkpoint", str(run_dir / "hf"), "--n", "4", "--out", str(out)]
+    assert main(["eval", str(run_dir), *overrides, *args]) == 0
     record = json.loads(out.read_text())
-    assert (record["prompts"], record["n"], record["step"]) == (2, 4, STEPS)
+    assert (record["prompts"], record["n"], record["step"]) == (4, 4, None)
+    assert record["checkpoint"] == str(run_dir / "hf")
     assert record["sampling"]["temperature"] == 0.7  # configs/demo_calculator_cpu.yaml
-    assert record["metrics"]["rollout/episodes"] == 8
+    assert record["metrics"]["rollout/episodes"] == 16
     rates = record["pass_rates"]["all"]
     assert set(rates) == {"prompts", "mean@4", "pass@1", "pass@2", "pass@4"}
     assert rates["pass@1"] == pytest.approx(rates["mean@4"])
     assert rates["pass@1"] <= rates["pass@2"] <= rates["pass@4"]
     assert rates["mean@4"] == pytest.approx(record["metrics"]["success"])
+    assert (
+        sum(row["prompts"] for source, row in record["pass_rates"].items() if source != "all") == 4
+    )
 
 
 def test_bad_inputs_are_one_line_and_exit_code_2(
@@ -103,6 +118,7 @@ def test_bad_inputs_are_one_line_and_exit_code_2(
         f"--checkpoint {garbled}": [str(run_dir), "--checkpoint", str(garbled)],
         str(broken): [str(run_dir), "--checkpoint", str(broken)],
         "data.val is empty": [str(run_dir), "data.val="],
+        "missing.jsonl": [str(run_dir), f"data.val={tmp_path / 'missing.jsonl'}"],
         "unknown config key": [str(run_dir), "data.vall=x.jsonl"],
     }
     for message, args in cases.items():
