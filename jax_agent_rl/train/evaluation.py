@@ -21,7 +21,14 @@ from pathlib import Path
 
 import jax
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from jax_agent_rl import distributed
@@ -306,22 +313,22 @@ async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict
             TextColumn("[bold]eval"),
             BarColumn(),
             MofNCompleteColumn(),
+            TextColumn("episodes"),
             TimeElapsedColumn(),
-            TextColumn("successes {task.fields[wins]}"),
+            TimeRemainingColumn(),
             console=console,
             transient=True,
         )
         with progress:
-            task = progress.add_task("eval", total=len(target.samples) * target.n, wins=0)
-            wins = 0
-
-            def done(traj: Trajectory) -> None:
-                nonlocal wins
-                wins += traj.reward > 0
-                progress.update(task, advance=1, wins=wins)
-
+            task = progress.add_task("eval", total=len(target.samples) * target.n)
             ev = await evaluate_samples(
-                cfg, make_reward(cfg.data), target.samples, target.n, ctx, target.step or 0, done
+                cfg,
+                make_reward(cfg.data),
+                target.samples,
+                target.n,
+                ctx,
+                target.step or 0,
+                lambda _: progress.advance(task),
             )
     return eval_record(target, ev, ctx)
 
