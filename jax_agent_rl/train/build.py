@@ -1,5 +1,6 @@
 """A run, assembled once: every part built from its own config section (`build_run`), and
-the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`).
+the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`; for
+weights from elsewhere, as ``jarl eval`` serves them, `serve_policy`).
 
 Building, in order: the run folder and its ``config.yaml``; the tokenizer; the mesh (always
 one, ``mesh.*`` devices) and the policy's weights on it; the data (train prompts through a
