@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Sequence
@@ -157,6 +158,21 @@ def _export(args: argparse.Namespace) -> int:
         print(f"jarl: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Reads what to evaluate and loads it (a bad input: one line, exit 2), then evaluates."""
+    from jax_agent_rl.train.evaluation import eval_command, eval_target, load_policy
+
+    try:
+        target = eval_target(
+            args.target, args.step, args.checkpoint, args.n, args.out, list(args.overrides)
+        )
+        policy = load_policy(target)
+    except (ValueError, OSError) as e:  # config, data and checkpoint errors included
+        return _refuse([(str(e).splitlines() or [type(e).__name__])[0]])
+    eval_command(target, policy, Console())
     return 0
 
 
@@ -331,6 +347,71 @@ def _add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=_serve_tools)
 
 
+def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run's policy (or a checkpoint) on the held-out data",
+        description=textwrap.fill(
+            "Runs the agent loop over the validation prompts (data.val, the first "
+            "data.val_size rows) with the run's tools, reward, agent and rollout settings, on "
+            "the run's rollout backend, and reports per data source: mean@n (the success rate "
+            "over all episodes; a success is a reward above 0) and pass@k for k = 1, 2, 4, ... "
+            "n (the unbiased estimate of Chen et al. 2021 that one of k samples succeeds). "
+            "With --n 1 (default) decoding is greedy and the figures equal the training run's "
+            "held-out evaluation (the `val` records of metrics.jsonl) for the same weights; "
+            "with --n N each prompt is sampled N times at rollout.temperature, seeded by "
+            "trainer.seed (reproducible). Prints a table and writes a JSON file (pass rates "
+            "and every `val` figure). A bad input is one line on stderr, exit code 2.",
+            88,
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  jarl eval runs/demo                      # the latest checkpoint, greedy\n"
+        "  jarl eval runs/demo --step 8 --n 8       # step 8, pass@1..8 of 8 samples\n"
+        "  jarl eval runs/demo data.val=test.jsonl data.val_size=0 --checkpoint runs/demo/hf\n"
+        "  jarl eval configs/my.yaml                # the config's model.path, before training",
+    )
+    p.add_argument(
+        "target",
+        metavar="CONFIG|RUN",
+        help="a run folder (its config.yaml and orbax checkpoints) or a YAML config (its "
+        "model.path is evaluated unless --checkpoint)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key.sub=value overrides of the config, right after CONFIG|RUN (data.val=FILE, "
+        "data.val_size=N, rollout.temperature=T, ...)",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="a RUN's orbax checkpoint of this step (default: its latest)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="HF_DIR",
+        help="evaluate this HF checkpoint folder instead (jarl export's, or the run's RUN/hf); "
+        "its tokenizer unless model.tokenizer is set",
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="samples per prompt: 1 is greedy; more are sampled at the rollout temperature",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the JSON file to write (default: RUN/eval/step_<N>.json, <HF_DIR name>.json "
+        "for --checkpoint, base.json for a config's model, with _n<N> before .json for --n N>1; "
+        "a config's RUN is its trainer.run_dir)",
+    )
+    p.set_defaults(func=_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jarl",
@@ -414,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
     p.add_argument("--out", default=None, help="where to write (default: RUN/hf-step-<step>)")
     p.set_defaults(func=_export)
+
+    _add_eval(sub)
 
     p = sub.add_parser(
         "traces",

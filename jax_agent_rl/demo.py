@@ -159,6 +159,7 @@ def summarize(run_dir: Path, console: Console) -> dict[str, float]:
         f"  metrics          {run_dir / 'metrics.jsonl'}\n"
         f"  TensorBoard      tensorboard --logdir {run_dir / 'tensorboard'}\n"
         f"  rollout traces   jarl traces {run_dir}\n"
+        f"  evaluate again   jarl eval {run_dir} --n 8  (pass@k of 8 samples per prompt)\n"
         f"  checkpoints      {run_dir / 'checkpoints'}"
     )
     return {"sft_success": first["success"], "rl_success": last["success"]}

@@ -1,5 +1,6 @@
 """A run, assembled once: every part built from its own config section (`build_run`), and
-the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`).
+the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`; for
+weights from elsewhere, as ``jarl eval`` serves them, `serve_policy`).
 
 Building, in order: the run folder and its ``config.yaml``; the tokenizer; the mesh (always
 one, ``mesh.*`` devices) and the policy's weights on it; the data (train prompts through a
@@ -42,7 +43,7 @@ from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
-from jax_agent_rl.train.checkpoints import RunCheckpoints
+from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
 from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.train.sft import warm_start
 
@@ -197,14 +198,8 @@ def _restore(run: Run, step: int) -> None:
     run.start = int(meta["step"])
 
 
-def build_run(cfg: JarlConfig, console: Console) -> Run:
-    """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
-    make_reward(cfg.data)  # user reward functions fail here, before anything is written
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if distributed.is_primary():
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+def run_sharder(cfg: JarlConfig) -> Sharder:
+    """The run's mesh (``mesh.*``) over the first devices of every process, in order."""
     n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     if n > jax.device_count():
         raise ValueError(f"mesh needs {n} devices, the run sees {jax.device_count()}")
@@ -214,14 +209,28 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             f"{jax.device_count()}: a multi-process mesh spans them all"
         )
     devices = distributed.ordered_devices()[:n]
-    sharder = Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices))
+    return Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices))
+
+
+def held_out_samples(cfg: JarlConfig) -> list[Sample]:
+    """The first ``data.val_size`` rows of ``data.val`` (all of them for 0; none without a file)."""
+    if not cfg.data.val:
+        return []
+    return load_samples(cfg.data.val, agents=AGENT_LOOPS, limit=cfg.data.val_size or None)
+
+
+def build_run(cfg: JarlConfig, console: Console) -> Run:
+    """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
+    make_reward(cfg.data)  # user reward functions fail here, before anything is written
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if distributed.is_primary():
+        (run_dir / RUN_CONFIG).write_text(to_yaml(cfg))
+    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    sharder = run_sharder(cfg)
     model, params = load_hf(cfg.model.path, "float32", sharder)
     sampler = PromptSampler(load_samples(cfg.data.train, agents=AGENT_LOOPS), cfg.trainer.seed)
-    val_samples = (
-        load_samples(cfg.data.val, agents=AGENT_LOOPS, limit=cfg.data.val_size or None)
-        if cfg.data.val
-        else []
-    )
+    val_samples = held_out_samples(cfg)
     registry = ToolRegistry.from_yaml(cfg.tools.config)
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     for key, samples in (("data.train", sampler.samples), ("data.val", val_samples)):
@@ -337,83 +346,107 @@ def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
 
 @contextlib.asynccontextmanager
 async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
-    """Starts ``rollout.backend`` serving the learner's current params as weight version
-    ``run.start``, and the tools; closes both on the way out. With ``rollout.ray.address``,
-    the replicas (and tool servers) are actors on that cluster, which the run joins here."""
-    cfg = run.cfg
+    """`serve_policy` of the learner's current params as weight version ``run.start``."""
+    async with serve_policy(
+        run.cfg,
+        run.model,
+        run.serving_params(),
+        version=run.start,
+        sharder=run.serving.sharder,
+        tokenizer=run.tokenizer,
+        registry=run.registry,
+        envs=run.envs,
+        console=run.console,
+    ) as rollout:
+        yield rollout
+
+
+@contextlib.asynccontextmanager
+async def serve_policy(
+    cfg: JarlConfig,
+    model: ModelConfig,
+    params: Any,
+    *,
+    version: int,
+    sharder: Sharder,
+    tokenizer: Tokenizer,
+    registry: ToolRegistry,
+    envs: Environments,
+    console: Console,
+) -> AsyncIterator[Rollout]:
+    """Starts ``rollout.backend`` serving ``params`` (in ``model.dtype``, laid out by
+    ``sharder``: the run's `Serving`) as weight ``version``, the tools and the reward (with
+    its judge, if ``data.judge`` is used); closes them on the way out. With
+    ``rollout.ray.address``, the replicas (and tool servers) are actors on that cluster, which
+    the process joins here."""
     joined = bool(cfg.rollout.ray.address) and connect(cfg.rollout.ray.address)
     try:
-        async with _open_rollout(run) as rollout:
-            yield rollout
+        parser = make_parser(cfg.agent.parser)
+        start = make_pool if cfg.rollout.ray.address else make_backend
+        built = start(
+            BackendBuild(
+                cfg.rollout,
+                model,
+                params,
+                checkpoint=cfg.model.path,
+                dtype=cfg.model.dtype,
+                version=version,
+                seed=cfg.trainer.seed,
+                sharder=sharder,
+                stop_token_ids=turn_stop_ids(tokenizer, parser),
+            )
+        )
+        backend = MeteredBackend(built)  # its idle time goes into each step's metrics
+        if isinstance(built, RayPool):
+            nodes = collections.Counter(built.nodes)
+            console.print(
+                f"rollout: {cfg.rollout.ray.replicas} {cfg.rollout.backend} replicas on Ray "
+                f"({cfg.rollout.ray.address}), over {len(nodes)} node(s): "
+                + ", ".join(f"{n[:12]} x{k}" for n, k in nodes.items())
+            )
+        tools = make_tools(cfg.tools, registry, os.environ, cfg.rollout.ray)
+        greedy_eval = backend.capabilities.per_request_sampling
+        if not greedy_eval:
+            console.print(
+                f"rollout.backend={cfg.rollout.backend} samples as its server was set "
+                f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
+            )
+        judge_backend: RolloutBackend | None = None
+        try:
+            ctx = await AgentContext.create(
+                backend, tokenizer, tools, parser, agent_config(cfg, False), envs=envs
+            )
+            eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
+            judge = None
+            if uses_judge(cfg.data):
+                judge, judge_backend = make_judge(cfg, tokenizer, sharder, backend)
+            score = make_reward(cfg.data, judge)
+            yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
+        finally:
+            await backend.close()
+            await tools.close()
+            if judge_backend is not None:
+                await judge_backend.close()
     finally:
         disconnect(joined)
 
 
-@contextlib.asynccontextmanager
-async def _open_rollout(run: Run) -> AsyncIterator[Rollout]:
-    cfg = run.cfg
-    parser = make_parser(cfg.agent.parser)
-    start = make_pool if cfg.rollout.ray.address else make_backend
-    built = start(
-        BackendBuild(
-            cfg.rollout,
-            run.model,
-            run.serving_params(),
-            checkpoint=cfg.model.path,
-            dtype=cfg.model.dtype,
-            version=run.start,
-            seed=cfg.trainer.seed,
-            sharder=run.serving.sharder,
-            stop_token_ids=turn_stop_ids(run.tokenizer, parser),
-        )
-    )
-    backend = MeteredBackend(built)  # its idle time goes into each step's metrics
-    if isinstance(built, RayPool):
-        nodes = collections.Counter(built.nodes)
-        run.console.print(
-            f"rollout: {cfg.rollout.ray.replicas} {cfg.rollout.backend} replicas on Ray "
-            f"({cfg.rollout.ray.address}), over {len(nodes)} node(s): "
-            + ", ".join(f"{n[:12]} x{k}" for n, k in nodes.items())
-        )
-    tools = make_tools(cfg.tools, run.registry, os.environ, cfg.rollout.ray)
-    greedy_eval = backend.capabilities.per_request_sampling
-    if not greedy_eval:
-        run.console.print(
-            f"rollout.backend={cfg.rollout.backend} samples as its server was set "
-            f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
-        )
-    judge_backend: RolloutBackend | None = None
-    try:
-        ctx = await AgentContext.create(
-            backend, run.tokenizer, tools, parser, agent_config(cfg, False), envs=run.envs
-        )
-        eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
-        judge = None
-        if uses_judge(cfg.data):
-            judge, judge_backend = make_judge(run, backend)
-        score = make_reward(cfg.data, judge)
-        yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
-    finally:
-        await backend.close()
-        await tools.close()
-        if judge_backend is not None:
-            await judge_backend.close()
-
-
-def make_judge(run: Run, policy: RolloutBackend) -> tuple[Judge, RolloutBackend | None]:
+def make_judge(
+    cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder, policy: RolloutBackend
+) -> tuple[Judge, RolloutBackend | None]:
     """The judge ``data.judge`` describes, and the backend started for it, if it has its own:
-    ``policy`` with the run's tokenizer, or a ``data.judge.backend`` engine of
-    ``data.judge.model_path`` (its weights and tokenizer) on this process's inference devices,
-    with ``rollout.*``'s engine settings and ``max_concurrency`` slots."""
-    cfg, section = run.cfg, run.cfg.data.judge
+    ``policy`` with the run's ``tokenizer``, or a ``data.judge.backend`` engine of
+    ``data.judge.model_path`` (its weights and tokenizer) on the policy's inference devices
+    (``sharder``), with ``rollout.*``'s engine settings and ``max_concurrency`` slots."""
+    section = cfg.data.judge
     if section.backend == "policy":
-        return Judge(section, policy, run.tokenizer, eos_ids(run.tokenizer)), None
-    tokenizer = Tokenizer.from_pretrained(section.model_path)
-    model, params = load_hf(section.model_path, cfg.model.dtype, run.serving.sharder)
+        return Judge(section, policy, tokenizer, eos_ids(tokenizer)), None
+    judge_tokenizer = Tokenizer.from_pretrained(section.model_path)
+    model, params = load_hf(section.model_path, cfg.model.dtype, sharder)
     rollout = dataclasses.replace(
         cfg.rollout, backend=section.backend, max_concurrent=section.max_concurrency
     )
-    stops = eos_ids(tokenizer)
+    stops = eos_ids(judge_tokenizer)
     backend = make_backend(
         BackendBuild(
             rollout,
@@ -422,11 +455,11 @@ def make_judge(run: Run, policy: RolloutBackend) -> tuple[Judge, RolloutBackend 
             checkpoint=section.model_path,
             dtype=cfg.model.dtype,
             seed=cfg.trainer.seed,
-            sharder=run.serving.sharder,
+            sharder=sharder,
             stop_token_ids=stops,
         )
     )
-    return Judge(section, backend, tokenizer, stops), backend
+    return Judge(section, backend, judge_tokenizer, stops), backend
 
 
 def eos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:

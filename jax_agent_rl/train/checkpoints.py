@@ -14,6 +14,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.models import ModelConfig, Weights, abstract_params
+
+RUN_CONFIG = "config.yaml"  # the run folder's resolved config
+
 
 class RunCheckpoints:
     def __init__(self, directory: Path, keep: int) -> None:
@@ -57,3 +62,29 @@ class RunCheckpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def checkpoint_step(run_dir: Path, cfg: JarlConfig, step: int | None = None) -> int:
+    """``step`` if ``run_dir`` has a complete checkpoint of it, else (``None``) its latest;
+    raises `FileNotFoundError` naming the saved steps when there is none."""
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    try:
+        saved = checkpoints.steps()
+    finally:
+        checkpoints.close()
+    if not saved or (step is not None and step not in saved):
+        wanted = "checkpoint" if step is None else f"checkpoint of step {step}"
+        raise FileNotFoundError(f"{run_dir} has no {wanted}; saved steps: {saved}")
+    return saved[-1] if step is None else step
+
+
+def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig, Weights]:
+    """The model ``cfg`` names and the policy's parameters of ``run_dir``'s checkpoint of
+    ``step`` (not its optimizer state), as host float32 arrays, as the learner keeps them."""
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    try:
+        model = ModelConfig.from_pretrained(cfg.model.path)
+        target = {"params": abstract_params(model)}
+        return model, checkpoints.restore_part(step, "policy", target)["params"]
+    finally:
+        checkpoints.close()

@@ -20,10 +20,10 @@ import shutil
 from pathlib import Path
 
 from jax_agent_rl.config import JarlConfig, RolloutSection, load_config
-from jax_agent_rl.models import ModelConfig, Weights, abstract_params, save_hf
+from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.models.checkpoint import GenerationConfig
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.train.checkpoints import RunCheckpoints
+from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -78,19 +78,10 @@ def export_run(run_dir: str | Path, step: int | None = None, out: str | Path | N
     """Exports the policy of ``run_dir``'s checkpoint of ``step`` (default: the latest) to
     ``out`` (default: ``run_dir/hf-step-<step>``); returns ``out``."""
     run_dir = Path(run_dir)
-    config_file = run_dir / "config.yaml"
+    config_file = run_dir / RUN_CONFIG
     if not config_file.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.yaml")
+        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no {RUN_CONFIG}")
     cfg: JarlConfig = load_config(config_file)
-    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
-    try:
-        saved = checkpoints.steps()
-        if not saved or (step is not None and step not in saved):
-            wanted = "checkpoint" if step is None else f"checkpoint of step {step}"
-            raise FileNotFoundError(f"{run_dir} has no {wanted}; saved steps: {saved}")
-        step = saved[-1] if step is None else step
-        model = ModelConfig.from_pretrained(cfg.model.path)  # float32, as the learner keeps it
-        params = checkpoints.restore_part(step, "policy", {"params": abstract_params(model)})
-    finally:
-        checkpoints.close()
-    return export_policy(out or run_dir / f"hf-step-{step}", cfg, model, params["params"])
+    step = checkpoint_step(run_dir, cfg, step)
+    model, params = saved_policy(run_dir, cfg, step)
+    return export_policy(out or run_dir / f"hf-step-{step}", cfg, model, params)

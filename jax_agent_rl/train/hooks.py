@@ -11,22 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-import jax
-
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
-from jax_agent_rl.train.episodes import (
-    add_totals,
-    all_failed_error,
-    episode_totals,
-    first_error,
-    metrics_of_totals,
-    source_totals,
-    success_of_sources,
-)
+from jax_agent_rl.train.evaluation import evaluate_samples
 from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
-from jax_agent_rl.train.step import run_episodes
 from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_record
 
 
@@ -54,20 +43,10 @@ class Hook:
 
 
 async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
-    """Greedy episodes on the held-out prompts (one each; every process a slice), logged as
-    ``val`` at ``step``; returns their metrics (of every process) as ``val/*``."""
-    processes, me = jax.process_count(), jax.process_index()
-    mine = run.val_samples[me::processes]
-    trajs = await run_episodes(run, rollout, mine, 1, f"val{step}", train=False)
-    shares = distributed.gather_objects(
-        (episode_totals(trajs), source_totals(trajs, mine), first_error(trajs))
-    )
-    totals = add_totals(share[0] for share in shares)
-    error = all_failed_error(totals, next((share[2] for share in shares if share[2]), None))
-    if error is not None:
-        raise error
-    m = metrics_of_totals(totals)
-    m.update(success_of_sources(add_totals(share[1] for share in shares)))
+    """Greedy episodes on the held-out prompts (one each; every process a slice,
+    `evaluate_samples`), logged as ``val`` at ``step``; returns their metrics as ``val/*``."""
+    ev = await evaluate_samples(run.cfg, rollout.score, run.val_samples, 1, rollout.eval_ctx, step)
+    m = ev.metrics
     run.metrics.write(step, "val", m)
     run.console.print(
         f"held-out @ step {step}: success {m['success']:.3f}  "

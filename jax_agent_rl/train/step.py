@@ -21,7 +21,7 @@ import dataclasses
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -105,6 +105,7 @@ async def rollout_episodes(
     tool_failure_reruns: int = 0,
     filters: Sequence[str] = (),
     tree: TreeSection | None = None,
+    episode_done: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """One group of episodes per sample, run concurrently, sampled with
     ``episode_seed(seed, tag)``, and scored, in sample order: ``n`` chain episodes, or with
@@ -112,7 +113,8 @@ async def rollout_episodes(
     ``n`` chain episodes' unless the section sets one. A chain episode whose tool service
     failed is run again from its prompt, up to ``tool_failure_reruns`` times
     (`Trajectory.reruns`); then the ``filters`` (`jax_agent_rl.agent.filters`) mark what
-    updates leave out. Whether they all failed is for the caller to check
+    updates leave out. ``episode_done`` is called with each chain episode as it ends, before
+    it is scored (a progress bar). Whether they all failed is for the caller to check
     (`episodes.all_failed_error`), over every process's episodes."""
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
 
@@ -123,6 +125,8 @@ async def rollout_episodes(
                 break
             traj = await run_sample(e, ctx)  # its failed attempt's tool state was released
             traj.reruns = rerun
+        if episode_done is not None:
+            episode_done(traj)
         return [traj]
 
     async def grown(s: Sample) -> list[Trajectory]:
@@ -183,23 +187,23 @@ def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
 
 
 async def run_episodes(
-    run: Run, rollout: Rollout, samples: Sequence[Sample], n: int, tag: str, train: bool = True
+    run: Run, rollout: Rollout, samples: Sequence[Sample], n: int, tag: str
 ) -> list[Trajectory]:
-    """`rollout_episodes` with the run's seed, the rollout's reward and the tool-reward
-    weight; for training (``train``), sampled (``rollout.ctx``) with the run's filters and
-    rollout strategy, else greedy (``rollout.eval_ctx``) chains."""
+    """`rollout_episodes` for training: sampled (``rollout.ctx``), with the run's seed, the
+    rollout's reward, the tool-reward weight, filters and rollout strategy (held-out
+    evaluations run chains: `evaluation.evaluate_samples`)."""
     cfg = run.cfg
-    tree = cfg.agent.tree if train and cfg.agent.strategy == "tree" else None
+    tree = cfg.agent.tree if cfg.agent.strategy == "tree" else None
     return await rollout_episodes(
         samples,
         n,
-        rollout.ctx if train else rollout.eval_ctx,
+        rollout.ctx,
         tag,
         seed=cfg.trainer.seed,
         score=rollout.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
-        filters=training_filters(cfg) if train else (),
+        filters=training_filters(cfg),
         tree=tree,
     )
 

@@ -11,7 +11,6 @@ tokenizer (digit groups, merges across words) then mis-tokenizes through ``AutoT
 
 import asyncio
 import dataclasses
-import io
 import json
 from pathlib import Path
 
@@ -19,13 +18,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from rich.console import Console
 from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.config import JarlConfig, ModelSection, load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.config import JarlConfig, ModelSection
+from jax_agent_rl.demo import TaskFiles
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
@@ -34,31 +31,11 @@ from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, 
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
-from jax_agent_rl.train import train
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE, read_metrics
-from tests.train.test_trainer import _command
+from tests.train.conftest import STEPS
 
-STEPS = 2
 MAX_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
-    """The demo's task at the size tests/train/test_trainer.py runs it."""
-    return prepare(
-        tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=200, n_val=16, n_sft=300
-    )
-
-
-@pytest.fixture(scope="module")
-def run(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A tiny run (SFT warm start, two GRPO steps, a checkpoint each), its console a log file."""
-    run_dir = tmp_path_factory.mktemp("run")
-    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}"]  # the overrides
-    log = io.StringIO()
-    train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))
-    return run_dir, log.getvalue()
 
 
 def test_a_log_file_gets_one_line_per_step(run: tuple[Path, str]) -> None:

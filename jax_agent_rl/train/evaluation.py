@@ -1,0 +1,361 @@
+"""Held-out evaluation: the agent loop over the validation prompts with the run's tools and
+reward. The trainer's ``val`` figures (`hooks.evaluate`) and ``jarl eval`` (`eval_command`)
+are the same function, `evaluate_samples`, so the two agree exactly for the same weights.
+
+With one sample per prompt (greedy, as the trainer evaluates) ``pass@1`` and ``mean@1`` are the
+success rate. With ``n`` samples per prompt (sampled at the run's rollout temperature, seeded by
+``trainer.seed`` and the step), ``mean@n`` is the success rate over all ``n * prompts``
+episodes and ``pass@k`` (for k = 1, 2, 4, ... up to n, and n) the unbiased estimate of Chen et
+al. (2021) of the chance that at least one of k samples succeeds (`pass_at_k`); pass@n is the
+share of prompts with any success. A success is an episode with a reward above zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import jax
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from jax_agent_rl import distributed
+from jax_agent_rl.agent.loop import AgentContext
+from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.config import JarlConfig, load_config
+from jax_agent_rl.envs import Environments, make_environments
+from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
+from jax_agent_rl.rewards import Scorer
+from jax_agent_rl.rl.learner import cast_floats
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.build import (
+    Serving,
+    check_environments,
+    held_out_samples,
+    run_sharder,
+    serve_policy,
+)
+from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
+from jax_agent_rl.train.episodes import (
+    Totals,
+    add_totals,
+    all_failed_error,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+    source_totals,
+    success_of_sources,
+)
+from jax_agent_rl.train.step import rollout_episodes
+
+ALL = "all"  # the row of every source together
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``c`` succeeded (Chen et
+    al. 2021): ``1 - C(n - c, k) / C(n, k)``, the chance that k of the n, drawn without
+    replacement, include a success."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n={n}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for ``n`` samples per prompt: the powers of two below n, and n."""
+    return [*(2**i for i in range(n.bit_length()) if 2**i < n), n]
+
+
+def pass_totals(trajs: Sequence[Trajectory], n: int, samples: Sequence[Sample]) -> Totals:
+    """Per ``data_source`` and over all (``|all``): prompts, successes, and the sums of
+    `pass_at_k` over prompts. ``trajs``: ``n`` consecutive episodes per sample, in order."""
+    if len(trajs) != n * len(samples):
+        raise ValueError(f"{len(trajs)} episodes for {len(samples)} prompts x {n}")
+    out: dict[str, float] = {}
+    for i, sample in enumerate(samples):
+        c = sum(t.reward > 0 for t in trajs[i * n : (i + 1) * n])
+        for source in (sample.data_source or "unknown", ALL):
+            for key, value in (
+                ("prompts", 1.0),
+                ("successes", float(c)),
+                *((f"pass@{k}", pass_at_k(n, c, k)) for k in pass_ks(n)),
+            ):
+                out[f"{key}|{source}"] = out.get(f"{key}|{source}", 0.0) + value
+    return out
+
+
+def pass_rates(t: Mapping[str, float], n: int) -> dict[str, dict[str, float]]:
+    """Per source (sorted, ``all`` last): ``prompts``, ``mean@n`` and ``pass@k``."""
+    sources = sorted(
+        k.split("|", 1)[1] for k in t if k.startswith("prompts|") and k != "prompts|all"
+    )
+    out = {}
+    for source in [*sources, ALL]:
+        prompts = t.get(f"prompts|{source}", 0)
+        out[source] = {
+            "prompts": float(prompts),
+            f"mean@{n}": t.get(f"successes|{source}", 0) / max(prompts * n, 1),
+            **{f"pass@{k}": t.get(f"pass@{k}|{source}", 0) / max(prompts, 1) for k in pass_ks(n)},
+        }
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """``metrics``: the trainer's ``val`` figures (`metrics_of_totals`, ``success/<source>``);
+    ``pass_rates``: `pass_rates`. Both over every process's episodes."""
+
+    n: int
+    metrics: dict[str, float]
+    pass_rates: dict[str, dict[str, float]]
+
+
+async def evaluate_samples(
+    cfg: JarlConfig,
+    score: Scorer,
+    samples: Sequence[Sample],
+    n: int,
+    ctx: AgentContext,
+    step: int,
+    episode_done: Callable[[Trajectory], None] | None = None,
+) -> Evaluation:
+    """``n`` chain episodes per sample on ``ctx`` (every process a slice of the samples),
+    scored by the run's reward and tool-reward weight, seeded by ``trainer.seed`` and
+    ``step``. Raises when every episode failed (`episodes.all_failed_error`)."""
+    processes, me = jax.process_count(), jax.process_index()
+    mine = samples[me::processes]
+    trajs = await rollout_episodes(
+        mine,
+        n,
+        ctx,
+        f"val{step}",
+        seed=cfg.trainer.seed,
+        score=score,
+        tool_reward_weight=cfg.data.tool_reward_weight,
+        tool_failure_reruns=cfg.rollout.tool_failure_reruns,
+        episode_done=episode_done,
+    )
+    each = [s for s in mine for _ in range(n)]
+    shares = distributed.gather_objects(
+        (
+            episode_totals(trajs),
+            source_totals(trajs, each),
+            pass_totals(trajs, n, mine),
+            first_error(trajs),
+        )
+    )
+    totals = add_totals(share[0] for share in shares)
+    error = all_failed_error(totals, next((share[3] for share in shares if share[3]), None))
+    if error is not None:
+        raise error
+    metrics = metrics_of_totals(totals)
+    metrics.update(success_of_sources(add_totals(share[1] for share in shares)))
+    return Evaluation(n, metrics, pass_rates(add_totals(share[2] for share in shares), n))
+
+
+# ``jarl eval``
+
+
+class EvalInputError(ValueError):
+    """What ``jarl eval`` was given cannot be evaluated (one line, naming the input)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTarget:
+    """What ``jarl eval`` evaluates: the weights of a run's orbax checkpoint of ``step``, of
+    the HF folder ``checkpoint``, or (neither) of the config's ``model.path``; with ``cfg``'s
+    data (``samples``: `held_out_samples`), tools, reward, agent and rollout settings.
+    ``out``: where the JSON goes."""
+
+    cfg: JarlConfig
+    samples: list[Sample]
+    run_dir: Path | None
+    step: int | None
+    checkpoint: Path | None
+    n: int
+    out: Path
+    envs: Environments  # the environments the held-out rows name (`make_environments`)
+
+    @property
+    def weights(self) -> str:
+        if self.step is not None:
+            return f"{self.run_dir} step {self.step}"
+        return str(self.checkpoint or self.cfg.model.path)
+
+
+def eval_target(
+    target: str,
+    step: int | None = None,
+    checkpoint: str | None = None,
+    n: int = 1,
+    out: str | None = None,
+    overrides: Sequence[str] = (),
+) -> EvalTarget:
+    """Reads ``target`` (a run folder or a config file) and checks the rest against it, and
+    asks for the CPU devices of the run's mesh (`request_cpu_devices`, CPU processes only);
+    raises `EvalInputError`, `ConfigError` or `FileNotFoundError` (no such checkpoint),
+    naming what is wrong."""
+    if n < 1:
+        raise EvalInputError(f"--n {n}: samples per prompt must be at least 1")
+    if step is not None and checkpoint is not None:
+        raise EvalInputError("--step and --checkpoint both name weights: give one")
+    path = Path(target)
+    if path.is_dir():
+        if not (path / RUN_CONFIG).is_file():
+            raise EvalInputError(f"{path} is not a run folder: it has no {RUN_CONFIG}")
+        run_dir: Path | None = path
+        cfg: JarlConfig = load_config(path / RUN_CONFIG, list(overrides))
+    elif path.is_file():
+        if step is not None:
+            raise EvalInputError(f"--step {step} needs a run folder, not the config {path}")
+        run_dir, cfg = None, load_config(path, list(overrides))
+    else:
+        raise EvalInputError(f"{path}: no such run folder or config file")
+    if not cfg.data.val:
+        raise EvalInputError("data.val is empty: nothing to evaluate (give data.val=FILE)")
+    mesh = cfg.mesh
+    request_cpu_devices(mesh.data * mesh.fsdp * mesh.tensor)  # as the run had; JAX starts below
+    hf = None if checkpoint is None else Path(checkpoint)
+    if hf is not None:
+        try:
+            ModelConfig.from_pretrained(hf)
+        except (ValueError, OSError) as e:
+            raise EvalInputError(f"--checkpoint {hf}: {e}") from None
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(hf)))
+    elif run_dir is not None:
+        step = checkpoint_step(run_dir, cfg, step)
+    name = f"step_{step}" if step is not None else (hf.name if hf is not None else "base")
+    folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
+    default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")
+    samples = held_out_samples(cfg)
+    envs = make_environments(cfg.env, cfg.agent.max_turns)
+    check_environments(envs, samples, "data.val")
+    return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What is evaluated: the model, its weights (host, float32, as the learner keeps them)
+    and the tokenizer."""
+
+    model: ModelConfig
+    params: Weights
+    tokenizer: Tokenizer
+
+
+def load_policy(target: EvalTarget) -> Policy:
+    """The weights ``target`` names (its run's checkpoint of ``step``, else ``model.path``)."""
+    cfg = target.cfg
+    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    if target.step is not None:
+        assert target.run_dir is not None
+        model, params = saved_policy(target.run_dir, cfg, target.step)
+    else:
+        model, params = load_hf(cfg.model.path, "float32")
+    return Policy(model, params, tokenizer)
+
+
+def pass_table(rates: Mapping[str, Mapping[str, float]], title: str) -> Table:
+    """One row per source of `pass_rates` (``all`` last): prompts, mean@n, pass@k."""
+    columns = [c for c in rates[ALL] if c != "prompts"]
+    table = Table(title=title)
+    table.add_column("data source")
+    table.add_column("prompts", justify="right")
+    for c in columns:
+        table.add_column(c, justify="right")
+    for source, row in rates.items():
+        cells = [f"{row[c]:.3f}" for c in columns]
+        table.add_row(source, f"{row['prompts']:.0f}", *cells, end_section=source == ALL)
+    return table
+
+
+def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext) -> dict:
+    """The JSON ``jarl eval`` writes."""
+    c = target.cfg
+    return {
+        "weights": target.weights,
+        "run_dir": None if target.run_dir is None else str(target.run_dir),
+        "step": target.step,
+        "checkpoint": None if target.checkpoint is None else str(target.checkpoint),
+        "data": c.data.val,
+        "prompts": len(target.samples),
+        "n": ev.n,
+        "sampling": {
+            "temperature": ctx.config.temperature,
+            "top_p": ctx.config.top_p,
+            "top_k": ctx.config.top_k,
+            "seed": c.trainer.seed,
+        },
+        "pass_rates": ev.pass_rates,
+        "metrics": ev.metrics,
+    }
+
+
+async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict:
+    """Serves ``policy`` as the run's rollout backend does and evaluates the held-out prompts:
+    greedy for ``n=1``, else sampled as the rollouts sample. Returns the `eval_record`."""
+    cfg = target.cfg
+    serving = Serving.of(policy.model, run_sharder(cfg).mesh, cfg.model.dtype)
+    async with serve_policy(
+        cfg,
+        policy.model,
+        cast_floats(policy.params, cfg.model.dtype),
+        version=target.step or 0,
+        sharder=serving.sharder,
+        tokenizer=policy.tokenizer,
+        registry=ToolRegistry.from_yaml(cfg.tools.config),
+        envs=target.envs,
+        console=console,
+    ) as rollout:
+        ctx = rollout.eval_ctx if target.n == 1 else rollout.ctx
+        progress = Progress(
+            TextColumn("[bold]eval"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("episodes"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        with progress:
+            task = progress.add_task("eval", total=len(target.samples) * target.n)
+            ev = await evaluate_samples(
+                cfg,
+                rollout.score,
+                target.samples,
+                target.n,
+                ctx,
+                target.step or 0,
+                lambda _: progress.advance(task),
+            )
+    return eval_record(target, ev, ctx)
+
+
+def eval_command(target: EvalTarget, policy: Policy, console: Console) -> dict:
+    """``jarl eval``: evaluates ``policy`` (`load_policy`), prints the table, writes the JSON
+    to ``target.out``; returns what it wrote."""
+    record = asyncio.run(run_eval(target, policy, console))
+    how = "greedy" if record["sampling"]["temperature"] == 0 else f"{target.n} samples per prompt"
+    console.print(pass_table(record["pass_rates"], f"{target.weights} ({how})"))
+    m = record["metrics"]
+    console.print(
+        f"turns {m['turns']:.2f}  tool calls {m['tool_calls']:.2f}  "
+        f"malformed calls {m['malformed_call_rate']:.3f}  reward {m['reward']:.3f}"
+    )
+    target.out.parent.mkdir(parents=True, exist_ok=True)
+    target.out.write_text(json.dumps(record, indent=1) + "\n")
+    console.print(f"wrote {target.out}")
+    return record

@@ -1,0 +1,35 @@
+"""The tiny demo run that several modules of tests/train read (training it takes a minute or
+more): made once for the package."""
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.train import train
+from tests.train.test_trainer import _command
+
+STEPS = 2
+
+
+@pytest.fixture(scope="package")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    """The demo's task at the size tests/train/test_trainer.py runs it."""
+    return prepare(
+        tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=200, n_val=16, n_sft=300
+    )
+
+
+@pytest.fixture(scope="package")
+def run(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A tiny run (SFT warm start, two GRPO steps, a checkpoint each, the held-out prompts
+    evaluated before the first step and after the last), its console a log file."""
+    run_dir = tmp_path_factory.mktemp("run")
+    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}", f"data.val={task.val}"]
+    log = io.StringIO()
+    train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))
+    return run_dir, log.getvalue()
