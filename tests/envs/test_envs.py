@@ -141,6 +141,15 @@ INTERACTION = '''
 
         async def finalize_interaction(self, instance_id, **kwargs):
             del self.instances[instance_id]
+
+
+    class Grumpy(Teacher):
+        """Misbehaves as its config says: raises, or answers a 2-tuple."""
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            if self.config["mode"] == "raise":
+                raise ValueError("the simulated user broke")
+            return True, "too short"
 '''
 
 
@@ -170,10 +179,16 @@ HOSTILE = """
             # "endless" (and the hung one, once released): never done
             return {"observations": [{"role": "user", "content": "go on"}], "reward": 0.0,
                     "done": False}
+
+
+    def not_an_environment(sample):
+        return object()
 """
 
 
-KINDS = ("raises", "garbage", "nan", "bad_role", "hangs", "endless")
+KINDS = ("raises", "garbage", "nan", "bad_role", "hangs", "endless", "not_env")
+GRUMPY = ("grumpy_raise", "grumpy_short")  # interactions that raise, answer a 2-tuple
+FAILING = ("raises", "garbage", "nan", "bad_role", "hangs", "not_env", *GRUMPY)
 
 
 @pytest.fixture(scope="module")
@@ -191,21 +206,23 @@ def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         f"    class_name: {tmp / 'teacher.py'}:Teacher\n"
         "    config:\n"
         "      praise: Well done.\n"
+        + "".join(
+            f"  - name: {name}\n    class_name: {tmp / 'teacher.py'}:Grumpy\n"
+            f"    config: {{mode: {name.split('_')[1]}}}\n"
+            for name in GRUMPY
+        )
     )
-    kinds = ["gsm8k", "letters", "teacher", *KINDS]
+    kinds = ["gsm8k", "letters", "teacher", *KINDS, *GRUMPY]
     rows = []
     for i, kind in enumerate(kinds):
         row: dict[str, Any] = {"prompt": _question(i), "extra_info": {"index": i, "kind": kind}}
-        if kind == "teacher":
+        if kind in ("teacher", *GRUMPY):
             row["reward_model"] = {"ground_truth": str(2 * i)}
-            row["extra_info"]["interaction_kwargs"] = {
-                "name": "teacher",
-                "ground_truth": str(2 * i),
-            }
+            row["extra_info"]["interaction_kwargs"] = {"name": kind, "ground_truth": str(2 * i)}
         else:
             row["reward_spec"] = {"method": "rule", "ground_truth": str(2 * i)}
             row["env_class"] = {"gsm8k": "gsm8k_multi_turn", "letters": "letters"}.get(
-                kind, "hostile"
+                kind, "not_env" if kind == "not_env" else "hostile"
             )
         if kind == "letters":
             row["reward_spec"]["ground_truth"] = "abcde"
@@ -219,6 +236,7 @@ def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         f"env.classes.letters={tmp / 'letters_env.py'}:LettersEnv",
         "env.config.letters.bonus=0.5",
         f"env.classes.hostile={tmp / 'hostile.py'}:Hostile",
+        f"env.classes.not_env={tmp / 'hostile.py'}:not_an_environment",
         f"env.interaction_config={tmp / 'interaction.yaml'}",
         "env.step_timeout_s=10",  # the others' steps take microseconds
         "data.reward=format",  # the interaction's rows: verl scores them by the reward function
@@ -317,17 +335,22 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
 
 def test_hostile_environments_end_only_their_own_episode(mixed: dict) -> None:
     """An environment that raises, answers garbage (a non-list observation, a string reward, a
-    NaN reward, an assistant-role observation) or hangs past env.step_timeout_s ends its
-    episode with env_error (counted, not trained); one that never says done runs into
+    NaN reward, an assistant-role observation), hangs past env.step_timeout_s or is not an
+    environment at all, and a verl interaction that raises or answers a malformed tuple, end
+    their own episode with env_error (counted, not trained); one that never says done runs into
     agent.max_turns; the other rows of the same steps are untouched (the tests above)."""
-    for kind in ("raises", "garbage", "nan", "bad_role", "hangs"):
+    for kind in FAILING:
         assert all(t["stop_reason"] == "env_error" for t in mixed[kind]), kind
     assert all("the environment broke" in t["error"] for t in mixed["raises"])
+    assert all("the simulated user broke" in t["error"] for t in mixed["grumpy_raise"])
+    assert all("expected (should_terminate" in t["error"] for t in mixed["grumpy_short"])
+    assert all("not an Environment" in t["error"] for t in mixed["not_env"])
     assert all("longer than 10" in t["error"] for t in mixed["hangs"])
     assert all(t["stop_reason"] == "max_turns" for t in mixed["endless"])
     for step in mixed["metrics"]:
-        assert step["stop/env_error"] == pytest.approx(5 / 9)
-        assert step["untrainable"] == pytest.approx(5 / 9)
+        share = len(FAILING) / (len(KINDS) + len(GRUMPY) + 3)
+        assert step["stop/env_error"] == pytest.approx(share)
+        assert step["untrainable"] == pytest.approx(share)
 
 
 def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
