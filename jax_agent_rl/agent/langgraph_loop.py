@@ -359,11 +359,7 @@ async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     when empty): see the module docstring."""
 
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
-        if env is not None:
-            raise ValueError(
-                f"react_agent does not drive environments; sample {sample.uid!r} names one "
-                "(env_class or interaction_kwargs): use agent_name tool_agent"
-            )
+        del env  # none: run_episode refuses a sample with one (this loop does not drive it)
         episode = Episode(ctx, traj, create_kwargs_by_tool(sample.extra))
         model = BackendChatModel(episode=episode)
         graph = graph_builder(ctx.config.graph)(model, episode_tools(episode))

@@ -307,17 +307,20 @@ async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
             pass
         return stop
 
-    return await run_episode(sample, ctx, play)
+    return await run_episode(sample, ctx, play, drives_envs=True)
 
 
 Play = Callable[[Trajectory, Environment | None], Awaitable[StopReason]]
 
 
-async def run_episode(sample: Sample, ctx: AgentContext, play: Play) -> Trajectory:
+async def run_episode(
+    sample: Sample, ctx: AgentContext, play: Play, drives_envs: bool = False
+) -> Trajectory:
     """A trajectory of ``sample`` played by ``play`` (which returns how it ended) from its
-    prompt, or against its environment (`jax_agent_rl.envs`) from the messages the environment
-    starts it with: timed, an environment's failure kept as ``env_error`` and any other
-    exception as ``agent_error``, its environment closed and its tool state released."""
+    prompt, or, by a loop that ``drives_envs``, against its environment (`jax_agent_rl.envs`)
+    from the messages the environment starts it with (another loop refuses a sample with one):
+    timed, an environment's failure kept as ``env_error`` and any other exception as
+    ``agent_error``, its environment closed and its tool state released."""
     t_start = time.perf_counter()
     traj = Trajectory(
         uid=sample.uid,
@@ -328,6 +331,11 @@ async def run_episode(sample: Sample, ctx: AgentContext, play: Play) -> Trajecto
     traj.timings["tools_s"] = 0.0
     env = None
     try:
+        if not drives_envs and ctx.envs.plays(sample):
+            raise ValueError(
+                f"agent_name {sample.agent_name!r} does not drive environments; sample "
+                f"{sample.uid!r} names one (env_class or interaction_kwargs): use tool_agent"
+            )
         env = ctx.envs.make(sample)
         if env is not None:
             traj.timings["env_s"] = 0.0

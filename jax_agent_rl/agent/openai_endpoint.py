@@ -473,11 +473,7 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     harness = harness_function(ctx.config.harness)
 
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
-        if env is not None:
-            raise ValueError(
-                f"openai_agent does not drive environments; sample {sample.uid!r} names one "
-                "(env_class or interaction_kwargs): use agent_name tool_agent"
-            )
+        del env  # none: run_episode refuses a sample with one (this loop does not drive it)
         session = Session(ctx, traj, create_kwargs_by_tool(sample.extra))
         task = HarnessTask(
             base_url="",

@@ -431,3 +431,45 @@ def test_the_guessing_game_config_trains(task: TaskFiles, tmp_path: Path) -> Non
         assert set(replies) <= {"higher", "lower", "Say one number."}
         assert (t["stop_reason"] == "env_done") == (t["reward"] == 1.0)
         assert t["stop_reason"] in ("env_done", "max_turns", "max_model_len", "max_response_tokens")
+
+
+@pytest.mark.parametrize("agent_name", ["react_agent", "openai_agent"])
+def test_loops_that_do_not_drive_environments_refuse_their_rows(
+    task: TaskFiles, agent_name: str
+) -> None:
+    """A row that names an environment but a loop that cannot play it (a LangGraph graph, an
+    OpenAI harness) ends as agent_error naming the loop, its environment never made, rather
+    than running as if it had none (loading such a file refuses it before that)."""
+    from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+    from jax_agent_rl.agent.parsers import make_parser
+    from jax_agent_rl.agent.trajectory import Sample
+    from jax_agent_rl.engine import Engine
+    from jax_agent_rl.envs import make_environments
+    from jax_agent_rl.models import load_hf
+    from jax_agent_rl.rollout import EmbeddedBackend
+    from jax_agent_rl.tools.registry import LocalTools
+
+    cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])
+    model, weights = load_hf(task.model)
+    sample = Sample("g-0", _question(0), "12", agent_name=agent_name, env_class="guess_number")
+
+    async def go() -> Any:
+        backend = EmbeddedBackend(Engine(model, max_concurrent_decodes=1, max_len=256), weights)
+        tools = LocalTools(ToolRegistry.from_yaml(task.tools))
+        ctx = await AgentContext.create(
+            backend,
+            Tokenizer.from_pretrained(task.model),
+            tools,
+            make_parser("hermes"),
+            AgentConfig(harness="json:dumps" if agent_name == "openai_agent" else ""),
+            envs=make_environments(cfg.env, 2),
+        )
+        try:
+            return await run_sample(sample, ctx)
+        finally:
+            await backend.close()
+            await tools.close()
+
+    traj = asyncio.run(go())
+    assert traj.stop_reason == "agent_error" and not traj.response_ids
+    assert f"agent_name {agent_name!r} does not drive environments" in traj.error
