@@ -1,11 +1,11 @@
 """Environments: what answers a model turn when a tool does not (see `jax_agent_rl.envs.base`).
 
-`make_environments` assembles a run's from its ``env`` section: the built-in ones (`BUILT_IN`:
-``guess_number``, `jax_agent_rl.envs.guess`), skyrl-gym environments
+`make_environments` assembles a run's from its ``env`` section: the built-in ones
+(`built_in_environments`: ``guess_number``, `jax_agent_rl.envs.guess`), skyrl-gym environments
 (`jax_agent_rl.envs.skyrl`) by a row's ``env_class``, verl interactions
 (`jax_agent_rl.envs.verl_interaction`) by its ``interaction_kwargs``, and a user's own. Task
 generators with their own scorers (reasoning-gym) are data, not environments:
-`jax_agent_rl.envs.reasoning_gym`.
+`jax_agent_rl.data.reasoning_gym`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,11 @@ from jax_agent_rl.envs.base import (
     checked_messages,
     checked_step,
 )
-from jax_agent_rl.envs.guess import ENV_CLASS as GUESS_NUMBER
-from jax_agent_rl.envs.guess import GuessNumber
 from jax_agent_rl.envs.skyrl import registered_skyrl_env, skyrl_factory
 from jax_agent_rl.envs.verl_interaction import interaction_factory, load_interactions
 from jax_agent_rl.user_code import load_function
 
-BUILT_IN: dict[str, EnvFactory] = {GUESS_NUMBER: GuessNumber}  # env_class -> environment
-
 __all__ = [
-    "BUILT_IN",
     "EnvError",
     "EnvFactory",
     "EnvStep",
@@ -49,11 +44,12 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
     """The environments ``env`` configures, each class loaded (and the interaction YAML read)
     here, before anything runs; ``max_turns`` is what skyrl-gym environments are told."""
     timeout = env.step_timeout_s
-    shadowed = sorted(set(env.classes) & set(BUILT_IN))
+    built_in = built_in_environments()
+    shadowed = sorted(set(env.classes) & set(built_in))
     if shadowed:
         raise ConfigError(f"env.classes: {shadowed} are built-in environments; use other names")
     classes: dict[str, EnvFactory] = {
-        **BUILT_IN,
+        **built_in,
         **{name: _factory(name, spec, env, max_turns) for name, spec in env.classes.items()},
     }
     unknown = sorted(set(env.config) - set(classes) - _skyrl_ids())
@@ -68,6 +64,14 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
     )
     lookup = registered_skyrl_env(env.config, max_turns, timeout)
     return Environments(classes, lookup, interaction, timeout)
+
+
+def built_in_environments() -> dict[str, EnvFactory]:
+    """env_class -> the environments that ship with the package (imported here, so that
+    ``python -m jax_agent_rl.envs.guess`` runs its module once)."""
+    from jax_agent_rl.envs.guess import ENV_CLASS, GuessNumber
+
+    return {ENV_CLASS: GuessNumber}
 
 
 def _factory(name: str, spec: str, env: EnvSection, max_turns: int) -> EnvFactory:
