@@ -491,11 +491,13 @@ async def _env_answer(
     env: Environment,
     cut: StopReason | None,
 ) -> StopReason | None:
-    """The environment's step on a recorded model turn: its reward kept per turn (and summed
-    into the episode's when it owns the reward), its observation appended (mask 0) unless the
-    episode ends here: it says done, a budget ``cut`` the turn, the turns are used up or the
-    observation does not fit."""
+    """The environment's step on a recorded model turn (its text without the end-of-turn
+    token): its reward kept per turn (and summed into the episode's when it owns the reward),
+    its observation appended (mask 0) unless the episode ends here: it says done, a budget
+    ``cut`` the turn, the turns are used up or the observation does not fit."""
     t_env = time.perf_counter()
+    if turn and turn[-1] == ctx.builder.eos_id:  # its action, as a server's text gives it
+        text = ctx.tokenizer.decode(turn[:-1])
     try:
         step = await env.step(text, traj.messages)
     finally:

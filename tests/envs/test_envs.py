@@ -275,7 +275,9 @@ def test_a_user_skyrl_env_trains_and_its_reward_is_the_environments(
         assert t["messages"][0] == {"role": "system", "content": "Guess the word."}
         assert t["stop_reason"] == "env_done" and t["num_turns"] == 3  # agent.max_turns
         text = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
-        want = [sum(c in x for c in "abcde") / 5 + 0.5 for x in text]  # bonus: env_config
+        eos = builder.tokenizer.decode([builder.eos_id])  # the step reads the turn without it
+        actions = [x.removesuffix(eos) for x in text]
+        want = [sum(c in x for c in "abcde") / 5 + 0.5 for x in actions]  # bonus: env_config
         assert t["turn_rewards"] == pytest.approx(want)
         assert t["reward"] == pytest.approx(sum(want))
         _assert_token_exact(t, builder, prompt_len=2)
