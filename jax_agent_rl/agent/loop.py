@@ -491,15 +491,21 @@ async def _env_answer(
     env: Environment,
     cut: StopReason | None,
 ) -> StopReason | None:
-    """The environment's step on a recorded model turn (its text without the end-of-turn
-    token): its reward kept per turn (and summed into the episode's when it owns the reward),
-    its observation appended (mask 0) unless the episode ends here: it says done, a budget
-    ``cut`` the turn, the turns are used up or the observation does not fit."""
+    """The environment's step on a recorded model turn (its text, and the conversation's
+    model messages, without the end-of-turn token): its reward kept per turn (and summed into
+    the episode's when it owns the reward), its observation appended (mask 0) unless the
+    episode ends here: it says done, a budget ``cut`` the turn, the turns are used up or the
+    observation does not fit."""
     t_env = time.perf_counter()
+    eos = ctx.tokenizer.decode([ctx.builder.eos_id])
     if turn and turn[-1] == ctx.builder.eos_id:  # its action, as a server's text gives it
         text = ctx.tokenizer.decode(turn[:-1])
+    conversation = [  # as verl's loop decodes the model's messages: no end-of-turn token
+        {**m, "content": m["content"].removesuffix(eos)} if m["role"] == "assistant" else m
+        for m in traj.messages
+    ]
     try:
-        step = await env.step(text, traj.messages)
+        step = await env.step(text, conversation)
     finally:
         traj.timings["env_s"] += time.perf_counter() - t_env
     traj.turn_rewards.append(step.reward)

@@ -131,7 +131,7 @@ INTERACTION = '''
             state = self.instances[instance_id]
             state["turns"] += 1
             last = messages[-1]
-            assert last["role"] == "assistant"
+            assert last["role"] == "assistant" and "<|im_end|>" not in last["content"]
             right = state["truth"] in last["content"]
             text = self.config["praise"] if right else f"No. Try again (turn {state['turns']})."
             return right, text, float(right) + 0.25 * state["turns"], {}
