@@ -10,9 +10,10 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream)
+test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream; verl parity tests import the real verl from .verl-ref)
 	@bash scripts/setup.sh vllm
 	@bash scripts/setup.sh jetstream
+	@bash scripts/setup.sh verl-ref
 	$(PY) -m pytest
 
 lint: setup  ## ruff (lint + format check) and mypy
@@ -33,4 +34,4 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/learner.py --workload long_tail
 
 clean:
-	rm -rf .venv .venv-vllm .venv-jetstream .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-vllm .venv-jetstream .verl-ref .pytest_cache .mypy_cache .ruff_cache

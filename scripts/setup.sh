@@ -11,6 +11,11 @@
 #                                         venv: TensorFlow cannot share a process with vLLM)
 #   scripts/setup.sh tpu      .venv       the main environment plus jax[tpu] at the locked jax
 #                                         version (libtpu), on every worker of a TPU VM slice
+#   scripts/setup.sh verl-ref .verl-ref   the real `verl` package (pinned, --no-deps, plus the two
+#                                         modules its import needs beyond .venv's), a folder the
+#                                         tests put on PYTHONPATH of a .venv process to check our
+#                                         verl compatibility against verl's own code; never a
+#                                         runtime dependency (our `verl` shim must not shadow it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +24,8 @@ case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
   jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu)" >&2; exit 2 ;;
+  verl-ref) venv=.verl-ref; lock=requirements/verl-ref-lock.txt ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, verl-ref)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}
@@ -36,6 +42,20 @@ fi
 stamp=$venv/.setup-stamp
 want=$( (echo "$target"; cat "$lock" pyproject.toml scripts/setup.sh) | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+
+if [[ $target == verl-ref ]]; then
+  # a plain folder, installed with .venv's pip and imported by .venv's python (tests only)
+  [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
+  echo "setup: installing the pinned verl reference into $venv"
+  rm -rf "$venv"
+  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
+    --target "$venv" -r "$lock"
+  PYTHONPATH=$venv .venv/bin/python -c 'import verl.utils.reward_score, verl.tools.base_tool' \
+    || { echo "setup: the verl reference does not import; see the errors above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  echo "setup: $venv is ready"
   exit 0
 fi
 
