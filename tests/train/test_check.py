@@ -152,8 +152,8 @@ CASES: dict[str, Case] = {
         lambda _f: ["data.reward=maths"],
         lambda _f: (
             f"data.reward='maths' is not a reward; built in: "
-            f"{sorted([*REWARDS, 'reasoning_gym'])}, 'judge' (a model, data.judge), or a user "
-            "function as module:function or path/to/file.py:function"
+            f"{', '.join(sorted([*REWARDS, 'reasoning_gym']))}, judge (a model, data.judge); or a "
+            "user function as module:function or path/to/file.py:function (docs/rewards.md)"
         ),
     ),
     "negative steps": (
