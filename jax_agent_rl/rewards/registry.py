@@ -172,9 +172,9 @@ def load_reward(spec: str, key: str) -> ScoreFn:
         builtin = REWARDS[spec]
         return lambda _source, text, truth, _extra: _score(builtin(text, truth), spec, key)
     if ":" not in spec:
-        builtin = ", ".join(sorted([*REWARDS, "reasoning_gym"]))
+        names = ", ".join(sorted([*REWARDS, "reasoning_gym"]))
         raise ConfigError(
-            f"{key}={spec!r} is not a reward; built in: {builtin}, {JUDGE} (a model, data.judge);"
+            f"{key}={spec!r} is not a reward; built in: {names}, {JUDGE} (a model, data.judge);"
             " or a user function as module:function or path/to/file.py:function (docs/rewards.md)"
         )
     return _adapt(load_function(spec, key), spec, key)

@@ -156,6 +156,13 @@ CASES: dict[str, Case] = {
             "user function as module:function or path/to/file.py:function (docs/rewards.md)"
         ),
     ),
+    "empty reward entry": (  # ambiguous: data.reward, or the source's default?
+        lambda _f: ["data.reward=format", "data.rewards_by_source.openai/gsm8k="],
+        lambda _f: (
+            "data.rewards_by_source.openai/gsm8k is empty: name its reward, or remove the entry "
+            "to score the source by data.reward (or, with data.reward unset, by source)"
+        ),
+    ),
     "negative steps": (
         lambda _f: ["trainer.steps=-1"],
         lambda _f: "trainer.steps=-1: expected >= 0",
