@@ -58,8 +58,8 @@ def scored_text(sample: Sample, traj: Trajectory, tokenizer: Tokenizer) -> str:
     """What the reward reads, verl's rule for verl data: for a row of a source verl's
     ``default_compute_score`` knows, the whole response as verl's reward managers decode it
     (every token after the prompt, tool calls and tool responses included, special tokens
-    skipped), so that ``#### 15`` written in any turn counts as verl counts it; for other rows
-    the last assistant message."""
+    skipped): a ``#### 15`` in an earlier turn counts when it lies where verl's rule looks; for
+    other rows the last assistant message."""
     if verl_rules.knows_source(sample.data_source):
         return tokenizer.decode(traj.response_ids, skip_special_tokens=True)
     return final_answer_text(traj)
