@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -372,7 +373,7 @@ def verl_results(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     subprocess.run(
         [sys.executable, "-c", VERL_SCRIPT, "cases.json", "results.json", str(VERL_REF)],
         cwd=tmp,  # not the repository: its folders must not shadow the real verl
-        env={"PYTHONPATH": str(VERL_REF), "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "PYTHONPATH": str(VERL_REF)},
         check=True,
         capture_output=True,  # verl's scorers print (a sampled debug line, caught errors)
     )
