@@ -16,6 +16,9 @@ directory, as on verl's and Hydra's command lines, wherever the YAML file lies. 
 ``pkg://<package>/<path>`` names a file inside an installed Python package and is replaced by
 that file's path when the config loads, so files shipped with the project work from any
 directory: the default ``tools.config`` is ``pkg://jax_agent_rl/configs/tools_default.yaml``.
+A run folder's ``config.yaml`` holds every path absolute (`absolute_paths`, against the
+directory the run started in), so ``jarl export RUN``, ``jarl eval RUN``, ``jarl traces RUN``
+and a resume from ``RUN/config.yaml`` work from any directory.
 """
 
 from __future__ import annotations
@@ -577,6 +580,71 @@ def _allowed_keys(schema: type, dotted: str) -> list[str]:
             break
         cls = inner
     return sorted(f.name for f in dataclasses.fields(cls))
+
+
+# ----------------------------------------------------------------------------- run folders
+
+# Keys whose value is a file or folder, and keys whose value may name a Python file
+# (path/to/file.py:function), alone or as every value of a mapping.
+PATH_KEYS = (
+    "model.path",
+    "model.tokenizer",
+    "rollout.vllm_python",
+    "rollout.jetstream_python",
+    "tools.config",
+    "env.interaction_config",
+    "data.train",
+    "data.val",
+    "data.judge.model_path",
+    "sft.data",
+    "trainer.run_dir",
+)
+CODE_KEYS = ("agent.graph", "agent.harness", "data.reward")
+CODE_MAP_KEYS = ("env.classes", "data.rewards_by_source")
+
+
+def absolute_paths(cfg: JarlConfig, cwd: Path) -> JarlConfig:
+    """``cfg`` with every relative path of it made absolute against ``cwd``, the directory they
+    are relative to. A run folder's ``config.yaml`` holds this, so that the run's readers
+    (export, eval, traces, a resume) work from any directory."""
+
+    def code(spec: str) -> str:
+        where, colon, name = spec.rpartition(":")
+        return f"{_absolute(where, cwd)}:{name}" if colon and where.endswith(".py") else spec
+
+    for key in PATH_KEYS:
+        cfg = _with(cfg, key, _absolute(_get(cfg, key), cwd))
+    for key in CODE_KEYS:
+        cfg = _with(cfg, key, code(_get(cfg, key)))
+    for key in CODE_MAP_KEYS:
+        cfg = _with(cfg, key, {name: code(spec) for name, spec in _get(cfg, key).items()})
+    return cfg
+
+
+def missing_paths(cfg: JarlConfig, keys: Sequence[str]) -> list[str]:
+    """For each of ``keys`` (`PATH_KEYS`) set to a path that does not exist, one line naming
+    the key and the absolute path."""
+    paths = [(key, _get(cfg, key)) for key in keys]
+    return [
+        f"{key}={str(Path(path).absolute())!r} does not exist"
+        for key, path in paths
+        if path and not Path(path).exists()
+    ]
+
+
+def _absolute(path: str, cwd: Path) -> str:
+    return str(cwd / path) if path and not Path(path).is_absolute() else path
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _with(cfg: T, dotted: str, value: Any) -> T:
+    """``cfg`` with the field ``dotted`` (nested sections included) set to ``value``."""
+    head, _, rest = dotted.partition(".")
+    inner = value if not rest else _with(getattr(cfg, head), rest, value)
+    return dataclasses.replace(cfg, **{head: inner})  # type: ignore[type-var]
 
 
 # ----------------------------------------------------------------------------- YAML text

@@ -314,9 +314,7 @@ class ModelConfig:
         except ValueError as e:  # JSONDecodeError, or an integer too long to read
             raise UnsupportedConfigError(f"{config_file} is not valid JSON: {e}") from None
         except RecursionError:
-            raise UnsupportedConfigError(
-                f"{config_file} is not JSON this reader can nest"
-            ) from None
+            raise UnsupportedConfigError(f"{config_file} is JSON nested too deeply") from None
         try:
             return cls.from_hf(hf, dtype=dtype)
         except UnsupportedConfigError as e:
