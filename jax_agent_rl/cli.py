@@ -506,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes the policy of a saved orbax checkpoint of RUN (the latest unless "
         "--step) as safetensors, config.json, generation_config.json (stops at the end of a "
         "turn, samples as the rollouts did) and the run's tokenizer files, for transformers "
-        "and vLLM. Reads the run's config.yaml; builds no trainer.",
+        "and vLLM. Reads the run's config.yaml (its paths are absolute: any directory will do); "
+        "builds no trainer.",
     )
     p.add_argument("run_dir", help="a run folder")
     p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")

@@ -437,7 +437,8 @@ def preview_config(
 def _key_lines(lines: Sequence[str]) -> list[tuple[int, str]]:
     """(line number, dotted key) of every ``key:`` line of block YAML indented by two spaces
     per level, as `to_yaml` writes it."""
-    out, parents = [], []
+    out: list[tuple[int, str]] = []
+    parents: list[str] = []
     for i, line in enumerate(lines):
         name, colon, _ = line.strip().partition(":")
         if not colon or line.lstrip().startswith("- "):

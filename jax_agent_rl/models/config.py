@@ -231,7 +231,7 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"expected a JSON object of config fields, got the {type(hf).__name__} {_shown(hf)}"
             )
-        model_type = hf.get("model_type")
+        model_type: Any = hf.get("model_type")
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise UnsupportedConfigError(
                 f"model_type={_shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"

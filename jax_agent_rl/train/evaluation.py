@@ -234,12 +234,12 @@ def eval_target(
         except (ValueError, OSError) as e:
             raise EvalInputError(f"--checkpoint {hf}: {e}") from None
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(hf)))
-    elif run_dir is not None:
-        step = checkpoint_step(run_dir, cfg, step)
     read = ("model.path", "model.tokenizer", "data.val", "tools.config", "env.interaction_config")
     missing = missing_paths(cfg, read)
     if missing:
         raise EvalInputError(f"{path / RUN_CONFIG if run_dir else path}: {missing[0]}")
+    if hf is None and run_dir is not None:
+        step = checkpoint_step(run_dir, cfg, step)
     name = f"step_{step}" if step is not None else (hf.name if hf is not None else "base")
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
     default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")

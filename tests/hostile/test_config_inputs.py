@@ -161,6 +161,7 @@ CHECKPOINTS = {
     "empty": ("", "is not valid JSON: Expecting value"),
     "undecodable": (b"\xff\xfe{\x00}", "is not UTF-8 text: byte 0xff at offset 0"),
     "deep JSON": ("[" * 100_000 + "]" * 100_000, "is JSON nested too deeply"),
+    "missing": (None, "no config.json in checkpoint folder"),
 }
 
 
@@ -172,7 +173,7 @@ def test_a_bad_checkpoint_config_is_one_line(
     config = tmp_path / "config.json"
     if isinstance(content, bytes):
         config.write_bytes(content)
-    else:
+    elif content is not None:
         config.write_text(content)
     _refused(["inspect", str(tmp_path)], named, capsys)
 
