@@ -457,6 +457,10 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
         key, _, value = item.partition("=")
+        if not all(key.split(".")):
+            raise ConfigError(f"override {_shown(item)}: {key!r} is not a dotted key (a.b.c)")
+        if key.count(".") >= MAX_DEPTH:
+            raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
         _yaml_top(value, f"override {key}")
     # `key=` means the empty string (OmegaConf would read it as null)
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]

@@ -69,6 +69,9 @@ CONFIGS = {
         ["env.config.x=" + "{a: " * DEEP + "1" + "}" * DEEP],
         "override env.config.x: nested deeper than 32 levels",
     ),
+    "deep override key": (None, ["a." * 3000 + "b=1"], "nested deeper than 32 levels"),
+    "empty key part": (None, ["model..path=x"], "'model..path' is not a dotted key"),
+    "empty key": (None, ["=x"], "'' is not a dotted key"),
     "missing file": (None, [], "does not exist"),
     "out of range": (None, ["rollout.top_p=0"], "rollout.top_p=0.0: expected in (0, 1]"),
 }
