@@ -533,8 +533,7 @@ def _full_key(e: OmegaConfBaseException) -> str:
 def _bad_value(schema: type, e: OmegaConfBaseException) -> str:
     """One line for a value OmegaConf refused: the key, the value and what the key takes."""
     key = _full_key(e)
-    value = getattr(e, "value", None)
-    shown = _shown(value if isinstance(value, str) else str(value))
+    shown = _shown(str(getattr(e, "value", None)))
     expected = _expected(schema, key)
     if expected is None:  # not a typed field (a section given a value, ...): OmegaConf's words
         return f"bad value for config key {key!r}: {(e.msg or type(e).__name__).splitlines()[0]}"
@@ -556,12 +555,13 @@ def _expected(schema: type, dotted: str) -> str | None:
             hint = typing.get_type_hints(hint).get(part)
         else:
             return None
-    if dataclasses.is_dataclass(hint) or hint is None:
-        return "a section (key: value lines)" if hint is not None else None
-    return _describe(hint)
+    if hint is None:
+        return None
+    return "a section (key: value lines)" if dataclasses.is_dataclass(hint) else _describe(hint)
 
 
 def _describe(hint: Any) -> str:
+    """A field's type in words: "a whole number", "one of [...]", "a number or null", ..."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) is Literal:
         return f"one of {list(args)}"

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -231,7 +231,7 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 f"expected a JSON object of config fields, got the {type(hf).__name__} {_shown(hf)}"
             )
-        model_type: Any = hf.get("model_type")
+        model_type = hf.get("model_type")
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise UnsupportedConfigError(
                 f"model_type={_shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"
@@ -279,7 +279,7 @@ class ModelConfig:
         theta, scaling = _rope(hf)
         num_kv_heads = hf.get("num_key_value_heads")  # null or absent: one per attention head
         return cls(
-            family=model_type,
+            family=cast(Family, model_type),  # one of _FAMILIES, checked above
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             intermediate_size=hf["intermediate_size"],
