@@ -458,8 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
         "anything runs, the config and everything it names are loaded and checked (the "
         "model's config.json, tokenizer and chat template, the first rows of each data file, "
         "the tools, reward and parser, the mesh); every problem is one line, exit code 2. "
-        "Relative paths are relative to the current directory; pkg://<package>/<path> names "
-        "a file shipped inside an installed package (the default tools.config is one).",
+        "Relative paths are relative to the current directory (the run folder's config.yaml "
+        "holds them absolute); pkg://<package>/<path> names a file shipped inside an "
+        "installed package (the default tools.config is one). No checkpoint at hand? "
+        "jarl checkpoint make --out ckpt, then model.path=ckpt.",
     )
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
