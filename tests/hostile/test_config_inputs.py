@@ -14,6 +14,10 @@ from jax_agent_rl.cli import main
 from jax_agent_rl.models.hf_local import TINY
 
 DEEP = 200
+# a billion strings from 9 lines of aliases, each list naming the one before ten times
+ALIAS_BOMB = "env:\n  config:\n    x:\n      a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)
+)
 
 
 def _refused(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,6 +76,7 @@ CONFIGS = {
     "deep override key": (None, ["a." * 3000 + "b=1"], "nested deeper than 32 levels"),
     "empty key part": (None, ["model..path=x"], "'model..path' is not a dotted key"),
     "empty key": (None, ["=x"], "'' is not a dotted key"),
+    "alias bomb": (ALIAS_BOMB, [], "YAML node expansion exceeds the configured limit"),
     "missing file": (None, [], "does not exist"),
     "out of range": (None, ["rollout.top_p=0"], "rollout.top_p=0.0: expected in (0, 1]"),
 }
