@@ -183,16 +183,33 @@ def _traces(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
+    from jax_agent_rl.config import ConfigError, preview_config
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # no file given: the first word is an override
         config, overrides = None, [config, *overrides]
     try:
-        cfg: JarlConfig = load_config(config, overrides)
+        preview = preview_config(config, overrides)
     except ConfigError as e:
         return _refuse(str(e).splitlines())
-    print(to_yaml(cfg), end="")
+    print(preview.yaml, end="")
+    if preview.missing:
+        settings = " ".join(f"{key}=..." for key in preview.missing)
+        print(f"# set before jarl train runs: {settings}")
+    return 0
+
+
+def _checkpoint_make(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _refuse([f"--out {out} exists and is not an empty folder: name a new one"])
+    from jax_agent_rl.demo import make_checkpoint
+
+    model = make_checkpoint(out, args.preset, args.seed)
+    print(
+        f"wrote a random-init {model.num_params:,}-parameter {model.family} checkpoint with its "
+        f"tokenizer to {out}\ntry a config with it: jarl train CONFIG model.path={out} ..."
+    )
     return 0
 
 
@@ -441,8 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
         "anything runs, the config and everything it names are loaded and checked (the "
         "model's config.json, tokenizer and chat template, the first rows of each data file, "
         "the tools, reward and parser, the mesh); every problem is one line, exit code 2. "
-        "Relative paths are relative to the current directory; pkg://<package>/<path> names "
-        "a file shipped inside an installed package (the default tools.config is one).",
+        "Relative paths are relative to the current directory (the run folder's config.yaml "
+        "holds them absolute); pkg://<package>/<path> names a file shipped inside an "
+        "installed package (the default tools.config is one). No checkpoint at hand? "
+        "jarl checkpoint make --out ckpt, then model.path=ckpt.",
     )
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
@@ -489,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes the policy of a saved orbax checkpoint of RUN (the latest unless "
         "--step) as safetensors, config.json, generation_config.json (stops at the end of a "
         "turn, samples as the rollouts did) and the run's tokenizer files, for transformers "
-        "and vLLM. Reads the run's config.yaml; builds no trainer.",
+        "and vLLM. Reads the run's config.yaml (its paths are absolute: any directory will do); "
+        "builds no trainer.",
     )
     p.add_argument("run_dir", help="a run folder")
     p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
@@ -520,11 +540,39 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="print a resolved run config",
         description="Loads a YAML config, applies dotted overrides (model.dtype=bfloat16) and "
-        "prints the result; an unknown key or a bad value is an error naming it.",
+        "prints the result; an unknown key or a bad value is an error naming it. Required keys "
+        "not set yet (model.path, data.train) are shown as ??? and listed at the end: "
+        "`jarl train` needs them.",
     )
     p.add_argument("config", nargs="?", help="YAML file (optional: defaults only)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     p.set_defaults(func=_config)
+
+    p = sub.add_parser(
+        "checkpoint",
+        help="make a small local checkpoint to try a config with",
+        description="Checkpoint folders made here, nothing downloaded.",
+    )
+    actions = p.add_subparsers(dest="action", required=True)
+    p = actions.add_parser(
+        "make",
+        help="write a random-init model and its tokenizer as an HF checkpoint folder",
+        description="Writes a random-init Qwen2-layout model (config.json, model.safetensors), "
+        "a byte-level BPE tokenizer trained on the demo's calculator transcripts and the ChatML "
+        "tool template (Qwen2.5's <tool_call> format, agent.parser=hermes) into --out, so any "
+        "config can be tried before a real checkpoint is at hand: "
+        "jarl checkpoint make --out ckpt && jarl train CONFIG model.path=ckpt ... "
+        "Its answers are noise: it shows that a config runs, not what it learns.",
+    )
+    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="tiny",
+        help="tiny: the demo's model (~0.8M parameters); small: ~25M parameters",
+    )
+    p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
+    p.set_defaults(func=_checkpoint_make)
 
     p = sub.add_parser(
         "inspect",

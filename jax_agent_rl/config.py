@@ -16,6 +16,9 @@ directory, as on verl's and Hydra's command lines, wherever the YAML file lies. 
 ``pkg://<package>/<path>`` names a file inside an installed Python package and is replaced by
 that file's path when the config loads, so files shipped with the project work from any
 directory: the default ``tools.config`` is ``pkg://jax_agent_rl/configs/tools_default.yaml``.
+A run folder's ``config.yaml`` holds every path absolute (`absolute_paths`, against the
+directory the run started in), so ``jarl export RUN``, ``jarl eval RUN``, ``jarl traces RUN``
+and a resume from ``RUN/config.yaml`` work from any directory.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import dataclasses
 import functools
 import importlib.resources
 import math
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -388,25 +393,79 @@ def load_config(
 ) -> T:
     """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order;
     ``pkg://`` paths are resolved, and a `JarlConfig`'s numbers are checked (`check_ranges`)."""
-    base = OmegaConf.structured(schema)
-    layers = []
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        layers.append(OmegaConf.load(path))
+    merged = _merged(path, overrides, schema)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        settings = " ".join(f"{key}=..." for key in missing)
+        raise ConfigError(
+            f"required config keys not set: {missing}; set them in the YAML or as overrides "
+            f"({settings})"
+        )
+    return _checked(merged, schema)
+
+
+class Preview(NamedTuple):
+    """A config as `preview_config` shows it: its YAML, the required keys still unset marked."""
+
+    yaml: str
+    missing: list[str]  # required keys not set, dotted
+
+
+def preview_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    schema: type[T] = JarlConfig,  # type: ignore[assignment]
+) -> Preview:
+    """As `load_config`, but a required key left unset is shown, not refused: its line reads
+    ``key: ???  # required: set a.b.key=...``. Every other value is checked as it loads."""
+    merged = _merged(path, overrides, schema)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    # required keys are strings; "" passes their checks
+    unset = OmegaConf.from_dotlist([f"{key}=''" for key in missing])
+    lines = to_yaml(_checked(OmegaConf.merge(merged, unset), schema)).splitlines()
+    for i, key in _key_lines(lines):
+        if key in missing:
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            name = key.rpartition(".")[2]
+            lines[i] = f"{indent}{name}: ???  # required: set {key}=..."
+    return Preview("".join(f"{line}\n" for line in lines), missing)
+
+
+def _key_lines(lines: Sequence[str]) -> list[tuple[int, str]]:
+    """(line number, dotted key) of every ``key:`` line of block YAML indented by two spaces
+    per level, as `to_yaml` writes it."""
+    out: list[tuple[int, str]] = []
+    parents: list[str] = []
+    for i, line in enumerate(lines):
+        name, colon, _ = line.strip().partition(":")
+        if not colon or line.lstrip().startswith("- "):
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        parents[depth:] = [name]
+        out.append((i, ".".join(parents)))
+    return out
+
+
+def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> Any:
+    """The schema's defaults, the YAML file's values and then the overrides, merged (missing
+    values left missing); every problem a one-line `ConfigError`."""
+    layers = [] if path is None else [_read_yaml(Path(path))]
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        key, _, value = item.partition("=")
+        if not all(key.split(".")):
+            raise ConfigError(f"override {_shown(item)}: {key!r} is not a dotted key (a.b.c)")
+        if key.count(".") >= MAX_DEPTH:
+            raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
+        _yaml_top(value, f"override {key}")
     # `key=` means the empty string (OmegaConf would read it as null)
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
-    layers.append(OmegaConf.from_dotlist(dotlist))
     try:
-        merged = OmegaConf.merge(base, *layers)
-        missing = sorted(OmegaConf.missing_keys(merged))
-        if missing:
-            raise ConfigError(f"required config keys not set: {missing}")
-        cfg: Any = OmegaConf.to_object(merged)
+        layers.append(OmegaConf.from_dotlist(dotlist))
+        for layer in layers:
+            _check_sections(schema, layer)
+        return OmegaConf.merge(OmegaConf.structured(schema), *layers)
     except ConfigKeyError as e:
         key = _full_key(e)
         if key in RENAMED:
@@ -415,7 +474,31 @@ def load_config(
             f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}"
         ) from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"bad value for config key {_full_key(e)!r}: {e.msg}") from None
+        raise ConfigError(_bad_value(schema, e)) from None
+
+
+def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
+    """Each section of ``schema`` that ``layer`` sets is a mapping (OmegaConf's own error for
+    ``model: 5`` names no key)."""
+    hints = typing.get_type_hints(schema)
+    for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        hint = hints.get(name)
+        if not dataclasses.is_dataclass(hint):
+            continue
+        if not OmegaConf.is_dict(value):
+            shown = _shown(str(value))
+            raise ConfigError(f"{prefix}{name}={shown}: expected a section (key: value lines)")
+        _check_sections(hint, value, f"{prefix}{name}.")
+
+
+def _checked(merged: Any, schema: type[T]) -> T:
+    """The dataclass of a merged config with every value set, ``pkg://`` paths resolved and
+    (a `JarlConfig`) its numbers checked."""
+    try:
+        cfg: Any = OmegaConf.to_object(merged)
+        OmegaConf.structured(cfg)  # a container where a mapping's value must be a string, ...
+    except OmegaConfBaseException as e:
+        raise ConfigError(_bad_value(schema, e)) from None
     cfg = _resolve_packaged(cfg)
     problems = check_ranges(cfg) if isinstance(cfg, JarlConfig) else []
     if problems:
@@ -438,7 +521,53 @@ def to_yaml(cfg: Any) -> str:
 
 
 def _full_key(e: OmegaConfBaseException) -> str:
-    return str(e.full_key) if getattr(e, "full_key", None) else "<root>"
+    for key in (getattr(e, "full_key", None), getattr(e, "key", None)):
+        if key:
+            return str(key)
+    return "<root>"
+
+
+def _bad_value(schema: type, e: OmegaConfBaseException) -> str:
+    """One line for a value OmegaConf refused: the key, the value and what the key takes."""
+    key = _full_key(e)
+    shown = _shown(str(getattr(e, "value", None)))
+    expected = _expected(schema, key)
+    if expected is None:  # not a typed field (a section given a value, ...): OmegaConf's words
+        return f"bad value for config key {key!r}: {(e.msg or type(e).__name__).splitlines()[0]}"
+    return f"{key}={shown}: expected {expected}"
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _expected(schema: type, dotted: str) -> str | None:
+    """What the field ``dotted`` of ``schema`` takes, in words; None for no typed field."""
+    hint: Any = schema
+    for part in dotted.split("."):
+        if typing.get_origin(hint) is dict:  # a mapping's entry: its value type
+            hint = typing.get_args(hint)[1]
+        elif dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+        else:
+            return None
+    if hint is None:
+        return None
+    return "a section (key: value lines)" if dataclasses.is_dataclass(hint) else _describe(hint)
+
+
+def _describe(hint: Any) -> str:
+    """A field's type in words: "a whole number", "one of [...]", "a number or null", ..."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return f"one of {list(args)}"
+    if type(None) in args:
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+    if hint in words:
+        return words[hint]
+    return {dict: "a mapping", list: "a list"}.get(typing.get_origin(hint), str(hint))
 
 
 def _allowed_keys(schema: type, dotted: str) -> list[str]:
@@ -453,6 +582,151 @@ def _allowed_keys(schema: type, dotted: str) -> list[str]:
             break
         cls = inner
     return sorted(f.name for f in dataclasses.fields(cls))
+
+
+# ----------------------------------------------------------------------------- run folders
+
+# Keys whose value is a file or folder, and keys whose value may name a Python file
+# (path/to/file.py:function), alone or as every value of a mapping.
+PATH_KEYS = (
+    "model.path",
+    "model.tokenizer",
+    "rollout.vllm_python",
+    "rollout.jetstream_python",
+    "tools.config",
+    "env.interaction_config",
+    "data.train",
+    "data.val",
+    "data.judge.model_path",
+    "sft.data",
+    "trainer.run_dir",
+)
+CODE_KEYS = ("agent.graph", "agent.harness", "data.reward")
+CODE_MAP_KEYS = ("env.classes", "data.rewards_by_source")
+
+
+def absolute_paths(cfg: JarlConfig, cwd: Path) -> JarlConfig:
+    """``cfg`` with every relative path of it made absolute against ``cwd``, the directory they
+    are relative to. A run folder's ``config.yaml`` holds this, so that the run's readers
+    (export, eval, traces, a resume) work from any directory."""
+
+    def code(spec: str) -> str:
+        where, colon, name = spec.rpartition(":")
+        return f"{_absolute(where, cwd)}:{name}" if colon and where.endswith(".py") else spec
+
+    for key in PATH_KEYS:
+        cfg = _with(cfg, key, _absolute(_get(cfg, key), cwd))
+    for key in CODE_KEYS:
+        cfg = _with(cfg, key, code(_get(cfg, key)))
+    for key in CODE_MAP_KEYS:
+        cfg = _with(cfg, key, {name: code(spec) for name, spec in _get(cfg, key).items()})
+    return cfg
+
+
+def missing_paths(cfg: JarlConfig, keys: Sequence[str]) -> list[str]:
+    """For each of ``keys`` (`PATH_KEYS`) set to a path that does not exist, one line naming
+    the key and the absolute path."""
+    paths = [(key, _get(cfg, key)) for key in keys]
+    return [
+        f"{key}={str(Path(path).absolute())!r} does not exist"
+        for key, path in paths
+        if path and not Path(path).exists()
+    ]
+
+
+def _absolute(path: str, cwd: Path) -> str:
+    return str(cwd / path) if path and not Path(path).is_absolute() else path
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _with(cfg: T, dotted: str, value: Any) -> T:
+    """``cfg`` with the field ``dotted`` (nested sections included) set to ``value``."""
+    head, _, rest = dotted.partition(".")
+    inner = value if not rest else _with(getattr(cfg, head), rest, value)
+    return dataclasses.replace(cfg, **{head: inner})  # type: ignore[type-var]
+
+
+# ----------------------------------------------------------------------------- YAML text
+
+# Nesting deeper than this is refused before OmegaConf sees it. The schema is three levels deep
+# and its free-form values (env.config, rollout.ray.resources) a few more, while OmegaConf
+# recurses through several Python frames per level and exhausts the interpreter's stack near
+# 150 levels (a RecursionError, not a message).
+MAX_DEPTH = 32
+
+
+def _read_yaml(path: Path) -> Any:
+    """The config file ``path`` as an OmegaConf mapping; a `ConfigError` naming the file if it
+    is missing, no UTF-8 text, no single YAML document, nested deeper than `MAX_DEPTH`, or no
+    mapping at its top level."""
+    where = f"config file {path}"
+    if not path.is_file():
+        raise ConfigError(f"{where} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where} is not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror}") from None
+    top = _yaml_top(text, where)
+    if top == "nothing":
+        return OmegaConf.create({})
+    if top != "mapping":
+        raise ConfigError(
+            f"{where} holds a {top} at its top level: expected a mapping of sections "
+            "(model:, data:, ...)"
+        )
+    try:
+        return OmegaConf.create(text)
+    except yaml.YAMLError as e:  # what OmegaConf's loader adds: duplicate keys, ...
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {(e.msg or type(e).__name__).splitlines()[0]}") from None
+
+
+def _yaml_top(text: str, where: str) -> str:
+    """What the YAML ``text`` holds at its top level: mapping, list, scalar or nothing. A
+    `ConfigError` (``where`` names the text) if it is no YAML, more than one document, or
+    nested deeper than `MAX_DEPTH`. Reads the parser's events, which keeps no stack of its
+    own, so no depth of nesting can exhaust the interpreter's."""
+    top, depth, documents = "nothing", 0, 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.DocumentStartEvent):
+                documents += 1
+                if documents > 1:
+                    line = event.start_mark.line + 1
+                    raise ConfigError(f"{where}: a second YAML document at line {line}")
+            elif isinstance(event, yaml.NodeEvent) and depth == 0:
+                kinds = {yaml.MappingStartEvent: "mapping", yaml.SequenceStartEvent: "list"}
+                top = kinds.get(type(event), "scalar")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    line = event.start_mark.line + 1
+                    raise ConfigError(
+                        f"{where}: nested deeper than {MAX_DEPTH} levels at line {line}"
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    return top
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"invalid YAML: character {chr(e.character)!r} at offset {e.position} is not allowed"
+    return f"invalid YAML: {' '.join(str(e).split())}"
 
 
 # ----------------------------------------------------------------------------- packaged files

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import jax
 from rich.console import Console
@@ -40,6 +41,7 @@ from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.sft import write_demonstrations
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
+CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml"
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
 MODEL = dict(
@@ -74,8 +76,14 @@ def task_files(folder: Path) -> TaskFiles:
         train=folder / "train.jsonl",
         val=folder / "val.jsonl",
         sft=folder / "sft.jsonl",
-        tools=Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml",
+        tools=CALCULATOR,
     )
+
+
+def _demonstrations(task: ArithmeticTask, n: int, seed: int) -> list[list[dict]]:
+    """``n`` of the task's demonstrated conversations (imperfect: see the module docstring)."""
+    rng = random.Random(f"demonstrations/{seed}")
+    return [_conversation(s, task.demonstration(s, rng)) for s in task.samples(n, seed, "sft")]
 
 
 def _conversation(sample: Sample, turns: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
@@ -99,26 +107,63 @@ def prepare(
     """Writes the task data, demonstrations, tokenizer and initial checkpoint into ``folder``."""
     task = task or ArithmeticTask()
     folder.mkdir(parents=True, exist_ok=True)
-    schemas = ToolRegistry.from_yaml(task_files(folder).tools).schemas()
-    rng = random.Random(f"demonstrations/{seed}")
-    sft_samples = task.samples(n_sft, seed, "sft")
-    conversations = [_conversation(s, task.demonstration(s, rng)) for s in sft_samples]
-
-    # the tokenizer learns the transcripts exactly as the template renders them
-    template = chat_template("chatml_tools")
-    texts = [render_template(template, c, schemas) for c in conversations] + NUMBERS * 4
-    backend = train_bpe(texts, vocab_size, digit_groups=3, merge_across_words=True)
-    model_dir = task_files(folder).model
-    save_tokenizer(model_dir, backend, chat_template("chatml_tools"))
-
-    cfg = ModelConfig.from_hf({**MODEL, "vocab_size": backend.get_vocab_size()})
-    save_hf(model_dir, cfg, init_params(jax.random.key(seed), cfg))
-
+    conversations = _demonstrations(task, n_sft, seed)
     files = task_files(folder)
+    write_model(files.model, conversations, MODEL, vocab_size, seed)
     write_jsonl(files.train, task.samples(n_train, seed, "train"))
     write_jsonl(files.val, task.samples(n_val, seed, "val"))
     write_demonstrations(files.sft, conversations)
     return files
+
+
+def write_model(
+    folder: Path,
+    conversations: list[list[dict]],
+    model: dict[str, Any],
+    vocab_size: int,
+    seed: int = 0,
+) -> None:
+    """Writes into ``folder`` a byte-level BPE tokenizer trained on ``conversations`` as the
+    ChatML tool template renders them (with the calculator's tool schemas), that template,
+    and a random-init model of ``model``'s HF fields sized to the tokenizer, as an HF
+    checkpoint."""
+    schemas = ToolRegistry.from_yaml(CALCULATOR).schemas()
+    template = chat_template("chatml_tools")
+    texts = [render_template(template, c, schemas) for c in conversations] + NUMBERS * 4
+    backend = train_bpe(texts, vocab_size, digit_groups=3, merge_across_words=True)
+    save_tokenizer(folder, backend, template)
+    cfg = ModelConfig.from_hf({**model, "vocab_size": backend.get_vocab_size()})
+    save_hf(folder, cfg, init_params(jax.random.key(seed), cfg))
+
+
+# `jarl checkpoint make`'s models: the demo's, and a larger one of the same layout (~25M
+# parameters with its 4k-token vocabulary), both reading contexts as long as a real
+# checkpoint's (configs/gsm8k_tools_qwen2.5.yaml's rollout.max_model_len is 4096)
+PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabulary to train)
+    "tiny": ({**MODEL, "max_position_embeddings": 8192}, 2048),
+    "small": (
+        {
+            **MODEL,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 8192,
+        },
+        4096,
+    ),
+}
+
+
+def make_checkpoint(out: Path, preset: str = "tiny", seed: int = 0) -> ModelConfig:
+    """A random-init checkpoint folder ``out`` of the ``preset`` model, with a tokenizer and
+    the ChatML tool template (Qwen2.5's ``<tool_call>`` format: agent.parser hermes) beside
+    it, to try a config with: nothing is downloaded. The tokenizer is trained on the demo's
+    calculator transcripts; any text encodes (byte-level)."""
+    model, vocab_size = PRESETS[preset]
+    write_model(out, _demonstrations(ArithmeticTask(), 300, seed), model, vocab_size, seed)
+    return ModelConfig.from_pretrained(out)
 
 
 def demo_config(run_dir: Path, files: TaskFiles, overrides: list[str] | None = None) -> JarlConfig:

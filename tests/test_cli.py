@@ -6,9 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
+from jax_agent_rl.tokenization import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_commands() -> None:
@@ -76,3 +81,51 @@ def test_every_command_refuses_values_out_of_range(capsys: pytest.CaptureFixture
         err
         == "jarl: rollout.temperature=-1.0: expected >= 0\njarl: trainer.steps=-1: expected >= 0\n"
     )
+
+
+def test_config_previews_a_shipped_config_with_required_keys_unset(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`jarl config` shows the GSM8K config as shipped: every value resolved, the keys a run
+    still needs marked, and a last line listing them; `jarl train --dry-run` refuses it."""
+    config = str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")
+    assert main(["config", config]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "  path: ???  # required: set model.path=..." in lines
+    assert "  train: ???  # required: set data.train=..." in lines
+    assert lines[-1] == "# set before jarl train runs: data.train=... model.path=..."
+    shown = yaml.safe_load(out)  # still YAML, the unset keys as OmegaConf writes them
+    assert shown["model"]["path"] == "???" and shown["rollout"]["max_model_len"] == 4096
+    assert shown["tools"]["config"].endswith("jax_agent_rl/configs/tools_default.yaml")
+    # set, nothing is marked; a bad value is still refused
+    assert main(["config", config, "model.path=/ckpt", "data.train=t.jsonl"]) == 0
+    assert "???" not in capsys.readouterr().out
+    assert main(["config", config, "rollout.n=0"]) == 2
+    assert capsys.readouterr().err == "jarl: rollout.n=0: expected >= 1\n"
+
+
+def test_checkpoint_make_writes_a_checkpoint_a_shipped_config_runs_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`jarl checkpoint make` writes a model and tokenizer that `jarl inspect` and the loaders
+    accept and that the GSM8K config's --dry-run checks pass on (tool template, parser stop
+    tokens, mesh, memory), as its comment promises."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["checkpoint", "make", "--out", str(ckpt)]) == 0
+    assert f"jarl train CONFIG model.path={ckpt}" in capsys.readouterr().out
+    assert main(["inspect", str(ckpt)]) == 0
+    assert "qwen2" in capsys.readouterr().out
+    model, params = load_hf(ckpt, "float32")
+    assert model.max_position_embeddings >= 4096 and params.embed.shape[0] == model.vocab_size
+    tokenizer = Tokenizer.from_pretrained(ckpt)
+    assert tokenizer.decode(tokenizer.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "reward_model": {"ground_truth": "5"}}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    config = str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")
+    argv = ["train", config, f"model.path={ckpt}", f"data.train={tmp_path / 't.jsonl'}"]
+    assert main([*argv, "--dry-run"]) == 0
+    assert "nothing was run" in capsys.readouterr().err
+    # an existing folder is not written over
+    assert main(["checkpoint", "make", "--out", str(ckpt)]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err

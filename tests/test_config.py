@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 import jax_agent_rl
-from jax_agent_rl.config import RANGES, ConfigError, JarlConfig, load_config, to_yaml
+from jax_agent_rl.config import (
+    RANGES,
+    ConfigError,
+    JarlConfig,
+    absolute_paths,
+    load_config,
+    missing_paths,
+    to_yaml,
+)
 
 PACKAGE = Path(jax_agent_rl.__file__).parent
 
@@ -50,11 +58,13 @@ def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
 
 
 def test_bad_values_name_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"'model\.dtype'.*float16"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.dtype='float16': expected one of \['float32', 'bfloat16'\]$"
+    ):
         load_config(None, ["model.path=/a", "model.dtype=float16"])
-    with pytest.raises(ConfigError, match=r"'algorithm\.loss_agg_mode'"):
+    with pytest.raises(ConfigError, match=r"^algorithm\.loss_agg_mode='mean': expected one of"):
         load_config(None, ["algorithm.loss_agg_mode=mean"])
-    with pytest.raises(ConfigError, match=r"'mesh\.fsdp'"):
+    with pytest.raises(ConfigError, match=r"^mesh\.fsdp='two': expected a whole number$"):
         load_config(None, ["model.path=/a", "mesh.fsdp=two"])
     with pytest.raises(
         ConfigError, match=r"required config keys not set: \['data\.train', 'model\.path'\]"
@@ -184,3 +194,38 @@ def test_shipped_files_resolve_from_any_directory(
         "tools.config='pkg://no_such_pkg/t.yaml': no installed package 'no_such_pkg'; expected "
         "pkg://<package>/<path inside it>"
     )
+
+
+def test_a_run_folder_config_holds_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative paths are relative to the directory jarl runs in; `absolute_paths` writes them
+    out against it, Python files of function specs included (modules stay names), so the run
+    folder's config.yaml reads the same from any other directory."""
+    started = tmp_path / "project"
+    started.mkdir()
+    monkeypatch.chdir(started)
+    overrides = [
+        "model.path=ckpt", "data.train=data/train.jsonl", "data.val=/abs/val.jsonl",
+        "data.reward=rewards/mine.py:score", "data.rewards_by_source.src=my_pkg.rewards:score",
+        "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
+        "agent.graph=graphs.py:graph", "trainer.run_dir=runs/x",
+    ]  # fmt: skip
+    cfg = absolute_paths(load_config(None, overrides), Path.cwd())
+    assert cfg.model.path == str(started / "ckpt") and cfg.model.tokenizer == ""
+    assert cfg.data.train == str(started / "data/train.jsonl") and cfg.data.val == "/abs/val.jsonl"
+    assert cfg.data.reward == f"{started / 'rewards/mine.py'}:score"
+    assert cfg.data.rewards_by_source["src"] == "my_pkg.rewards:score"
+    assert cfg.data.rewards_by_source["openai/gsm8k"] == "gsm8k"  # a built-in name
+    assert cfg.env.classes == {"guess": f"{started / 'envs/guess.py'}:Guess"}
+    assert cfg.env.interaction_config == str(started / "interaction.yaml")
+    assert cfg.agent.graph == f"{started / 'graphs.py'}:graph" and cfg.agent.harness == ""
+    assert cfg.trainer.run_dir == str(started / "runs/x")
+    assert cfg.tools.config == str(PACKAGE / "configs" / "tools_default.yaml")
+    run_config = _yaml(tmp_path, to_yaml(cfg))
+    monkeypatch.chdir(tmp_path)
+    assert load_config(run_config) == cfg
+    assert missing_paths(cfg, ["model.path", "model.tokenizer", "data.val"]) == [
+        f"model.path={str(started / 'ckpt')!r} does not exist",
+        "data.val='/abs/val.jsonl' does not exist",
+    ]

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,24 +105,42 @@ class UnsupportedConfigError(ValueError):
     """An HF config field (named in the message) that this decoder cannot honour."""
 
 
+# The smallest normal float32 (and bfloat16): a smaller rms_norm_eps is flushed to zero on
+# devices that flush denormals (XLA's CPU backend does), and an all-zero row then divides by 0.
+_MIN_EPS = 2.0**-126
+# The largest float32: RoPE's frequencies are computed in float32 from rope_theta.
+_MAX_THETA = float(np.finfo(np.float32).max)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``value``'s repr for a one-line message, cut to ``limit`` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for Python to print
+        return f"<a {type(value).__name__} too long to print>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _check_size(key: str, value: object, bound: int) -> int:
     """``value`` as a size: a whole number (not a bool) from 1 to ``bound``."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
         raise UnsupportedConfigError(
-            f"{key}={value!r} is not a size this decoder accepts: expected a whole number "
+            f"{key}={_shown(value)} is not a size this decoder accepts: expected a whole number "
             f"from 1 to {bound}"
         )
     return value
 
 
-def _check_positive(key: str, value: object, below: float = math.inf) -> float:
-    """``value`` as a float: a finite number (not a bool) above 0 and below ``below``."""
+def _check_positive(key: str, value: object, above: float = 0.0, below: float = math.inf) -> float:
+    """``value`` as a float: a finite number (not a bool) above ``above`` and below ``below``."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         x = float(value) if abs(value) < 1e308 else math.inf
-        if math.isfinite(x) and 0 < x < below:
+        if math.isfinite(x) and above < x < below:
             return x
-    limit = "" if below == math.inf else f" and below {below}"
-    raise UnsupportedConfigError(f"{key}={value!r}: expected a finite number above 0{limit}")
+    limit = "" if below == math.inf else f" and below {below:g}"
+    raise UnsupportedConfigError(
+        f"{key}={_shown(value)}: expected a finite number above {above:g}{limit}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +193,11 @@ class ModelConfig:
         for field, (key, bound) in _SIZE_BOUNDS.items():
             _check_size(key if key == field else f"{key} ({field})", getattr(self, field), bound)
         # stored as floats (config.json may write 10000 for 10000.0)
-        eps = _check_positive("rms_norm_eps", self.rms_norm_eps, below=1.0)
+        eps = _check_positive("rms_norm_eps", self.rms_norm_eps, above=_MIN_EPS, below=1.0)
         object.__setattr__(self, "rms_norm_eps", eps)
-        object.__setattr__(self, "rope_theta", _check_positive("rope_theta", self.rope_theta))
+        # theta <= 1 would make RoPE's wavelengths shrink (or stay) along the head: no model has
+        theta = _check_positive("rope_theta", self.rope_theta, above=1.0, below=_MAX_THETA)
+        object.__setattr__(self, "rope_theta", theta)
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -207,10 +227,14 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: DType = "float32") -> ModelConfig:
         """Builds the config from a parsed HF ``config.json``; raises on anything unsupported."""
-        model_type = hf.get("model_type")
-        if model_type not in _FAMILIES:
+        if not isinstance(hf, dict):
             raise UnsupportedConfigError(
-                f"model_type={model_type!r} is not supported (supported: {sorted(_FAMILIES)})"
+                f"expected a JSON object of config fields, got the {type(hf).__name__} {_shown(hf)}"
+            )
+        model_type = hf.get("model_type")
+        if not isinstance(model_type, str) or model_type not in _FAMILIES:
+            raise UnsupportedConfigError(
+                f"model_type={_shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"
             )
         unknown = sorted(set(hf) - _METADATA_FIELDS - _MODEL_FIELDS)
         if unknown:
@@ -223,9 +247,11 @@ class ModelConfig:
         _require(hf, "use_sliding_window", False)
         _require(hf, "use_mrope", False)
         layer_types = hf.get("layer_types")
-        if layer_types is not None and set(layer_types) != {"full_attention"}:
+        if layer_types is not None and (
+            not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
+        ):
             raise UnsupportedConfigError(
-                f"layer_types={sorted(set(layer_types))}: only full_attention"
+                f"layer_types={_shown(layer_types)}: only a list of 'full_attention'"
             )
         required = (
             "vocab_size",
@@ -251,14 +277,15 @@ class ModelConfig:
                 )
             head_dim = hidden // num_heads
         theta, scaling = _rope(hf)
+        num_kv_heads = hf.get("num_key_value_heads")  # null or absent: one per attention head
         return cls(
-            family=model_type,
+            family=cast(Family, model_type),  # one of _FAMILIES, checked above
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
@@ -272,12 +299,24 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: DType = "float32") -> ModelConfig:
-        """Reads ``config.json`` from a local checkpoint folder; an error names the file."""
+        """Reads ``config.json`` from a local checkpoint folder; an error (one line) names the
+        file: no UTF-8, no JSON, JSON nested too deeply, or a value `from_hf` refuses."""
         config_file = Path(path) / "config.json"
         if not regular_file(config_file, "a checkpoint folder"):
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
         try:
-            return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+            hf = json.loads(config_file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UnsupportedConfigError(
+                f"{config_file} is not UTF-8 text: byte {e.object[e.start]:#04x} at offset "
+                f"{e.start}"
+            ) from None
+        except ValueError as e:  # JSONDecodeError, or an integer too long to read
+            raise UnsupportedConfigError(f"{config_file} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise UnsupportedConfigError(f"{config_file} is JSON nested too deeply") from None
+        try:
+            return cls.from_hf(hf, dtype=dtype)
         except UnsupportedConfigError as e:
             raise UnsupportedConfigError(f"{config_file}: {e}") from None
 
@@ -318,26 +357,39 @@ class ModelConfig:
 def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
     value = hf.get(field, default)
     if not isinstance(value, bool):
-        raise UnsupportedConfigError(f"{field}={value!r}: expected true or false")
+        raise UnsupportedConfigError(f"{field}={_shown(value)}: expected true or false")
     return value
 
 
 def _require(hf: dict[str, Any], field: str, expected: object) -> None:
     if field in hf and hf[field] is not None and hf[field] != expected:
-        raise UnsupportedConfigError(f"{field}={hf[field]!r} is not supported (only {expected!r})")
+        raise UnsupportedConfigError(
+            f"{field}={_shown(hf[field])} is not supported (only {expected!r})"
+        )
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     """Reads RoPE from either layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (older checkpoints)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf.get(field, {}), dict | None):
+            raise UnsupportedConfigError(
+                f"{field}={_shown(hf[field])}: expected a JSON object or null"
+            )
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
+        if params:  # partial_rotary_factor, mrope_section, ...: each changes the forward pass
+            raise UnsupportedConfigError(
+                f"rope_parameters: fields {_shown(sorted(params))} are not supported with "
+                "rope_type 'default'"
+            )
         return theta, None
     if rope_type != "llama3":
         raise UnsupportedConfigError(
-            f"rope_parameters.rope_type={rope_type!r} is not supported (only 'default', 'llama3')"
+            f"rope_parameters.rope_type={_shown(rope_type)} is not supported (only 'default', "
+            "'llama3')"
         )
     fields = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
     extra, missing = sorted(set(params) - fields), sorted(fields - set(params))

@@ -29,7 +29,14 @@ from jax_agent_rl import device_turns, distributed
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
-from jax_agent_rl.config import ConfigError, JarlConfig, RaySection, ToolsSection, to_yaml
+from jax_agent_rl.config import (
+    ConfigError,
+    JarlConfig,
+    RaySection,
+    ToolsSection,
+    absolute_paths,
+    to_yaml,
+)
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
@@ -225,7 +232,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_primary():
-        (run_dir / RUN_CONFIG).write_text(to_yaml(cfg))
+        (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
     model, params = load_hf(cfg.model.path, "float32", sharder)

@@ -34,7 +34,7 @@ from rich.table import Table
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AgentContext
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
-from jax_agent_rl.config import JarlConfig, load_config
+from jax_agent_rl.config import JarlConfig, load_config, missing_paths
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
 from jax_agent_rl.rewards import Scorer
@@ -234,7 +234,11 @@ def eval_target(
         except (ValueError, OSError) as e:
             raise EvalInputError(f"--checkpoint {hf}: {e}") from None
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(hf)))
-    elif run_dir is not None:
+    read = ("model.path", "model.tokenizer", "data.val", "tools.config", "env.interaction_config")
+    missing = missing_paths(cfg, read)
+    if missing:
+        raise EvalInputError(f"{path / RUN_CONFIG if run_dir else path}: {missing[0]}")
+    if hf is None and run_dir is not None:
         step = checkpoint_step(run_dir, cfg, step)
     name = f"step_{step}" if step is not None else (hf.name if hf is not None else "base")
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)

@@ -19,7 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
-from jax_agent_rl.config import JarlConfig, RolloutSection, load_config
+from jax_agent_rl.config import JarlConfig, RolloutSection, load_config, missing_paths
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.models.checkpoint import GenerationConfig
 from jax_agent_rl.tokenization import Tokenizer
@@ -82,6 +82,9 @@ def export_run(run_dir: str | Path, step: int | None = None, out: str | Path | N
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no {RUN_CONFIG}")
     cfg: JarlConfig = load_config(config_file)
+    missing = missing_paths(cfg, ("model.path", "model.tokenizer"))
+    if missing:
+        raise FileNotFoundError(f"{config_file}: {missing[0]}")
     step = checkpoint_step(run_dir, cfg, step)
     model, params = saved_policy(run_dir, cfg, step)
     return export_policy(out or run_dir / f"hf-step-{step}", cfg, model, params)

@@ -224,7 +224,7 @@ def _no_read(*_: Any, **__: Any) -> None:
         ({"head_dim": 10**9}, "head_dim=1000000000 is not a size"),
         ({"intermediate_size": "64"}, "intermediate_size='64' is not a size"),
         ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000"),
-        ({"rms_norm_eps": 0}, "rms_norm_eps=0: expected a finite number above 0"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps=0: expected a finite number above 1.17549e-38"),
         ({"rope_parameters": {"rope_theta": float("inf")}}, "rope_theta=inf: expected a finite"),
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes': expected true or false"),
         (

@@ -1,6 +1,7 @@
 """The tiny demo run that several modules of tests/train read (training it takes a minute or
 more): made once for the package."""
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -27,9 +28,12 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
 @pytest.fixture(scope="package")
 def run(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A tiny run (SFT warm start, two GRPO steps, a checkpoint each, the held-out prompts
-    evaluated before the first step and after the last), its console a log file."""
+    evaluated before the first step and after the last), its console a log file. It runs in
+    the task's folder, given data.val relative to it, as a user in their project would: the
+    readers of the run (export, eval) then run from elsewhere."""
     run_dir = tmp_path_factory.mktemp("run")
-    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}", f"data.val={task.val}"]
+    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}", f"data.val={task.val.name}"]
     log = io.StringIO()
-    train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))
+    with contextlib.chdir(task.val.parent):
+        train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))
     return run_dir, log.getvalue()

@@ -11,6 +11,7 @@ tokenizer (digit groups, merges across words) then mis-tokenizes through ``AutoT
 
 import asyncio
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import transformers
 from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.config import JarlConfig, ModelSection
+from jax_agent_rl.config import PATH_KEYS, JarlConfig, ModelSection, load_config, to_yaml
 from jax_agent_rl.demo import TaskFiles
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
@@ -99,6 +100,38 @@ def test_jarl_export_writes_any_saved_step(
     assert "has no checkpoint of step 7; saved steps: [1, 2]" in capsys.readouterr().err
     assert main(["export", str(tmp_path)]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_a_run_folder_is_read_from_any_directory(
+    run: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The run's config.yaml holds absolute paths (the run was given data.val relative to the
+    task's folder): `jarl export` works from another directory; a path that is really gone is
+    one line naming the key and the absolute path."""
+    run_dir, _ = run
+    saved = load_config(run_dir / "config.yaml")
+    assert Path(saved.data.val).is_file()
+    for key in PATH_KEYS:
+        value = functools.reduce(getattr, key.split("."), saved)
+        assert value == "" or Path(value).is_absolute(), (key, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(run_dir), "--out", "out"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    capsys.readouterr()
+
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    gone = tmp_path / "gone"
+    (moved / "config.yaml").write_text(
+        to_yaml(dataclasses.replace(saved, model=dataclasses.replace(saved.model, path=str(gone))))
+    )
+    expected = f"{moved / 'config.yaml'}: model.path={str(gone)!r} does not exist"
+    for command in (["export", str(moved)], ["eval", str(moved)]):
+        assert main(command) == 2
+        assert capsys.readouterr().err == f"jarl: {expected}\n"
 
 
 def _engine_greedy(folder: Path, prompts: list[list[int]], stops: tuple[int, ...]) -> list:

@@ -1,0 +1,202 @@
+"""Hostile config and checkpoint inputs: each is refused before anything runs with exactly one
+line on stderr naming the key or the problem, and exit code 2; never a traceback, never
+OmegaConf's or json's internals. Run through the command line's `main` in-process (one case in
+a subprocess, to see what a user's terminal shows)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.cli import main
+from jax_agent_rl.models.hf_local import TINY
+
+DEEP = 200
+# a billion strings from 9 lines of aliases, each list naming the one before ten times
+ALIAS_BOMB = "env:\n  config:\n    x:\n      a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)
+)
+
+
+def _refused(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == ""
+    assert len(lines) == 1, err
+    assert lines[0].startswith("jarl: ") and named in lines[0], lines[0]
+
+
+# -- run configs: (YAML file contents or None, overrides, what the line names) -------------
+
+CONFIGS = {
+    "wrong type": (None, ["rollout.n=four"], "rollout.n='four': expected a whole number"),
+    "float for int": (None, ["rollout.n=1.5"], "rollout.n='1.5': expected a whole number"),
+    "bool": (None, ["trainer.resume=maybe"], "trainer.resume='maybe': expected true or false"),
+    "enum": (None, ["algorithm.kl_kind=k9"], "algorithm.kl_kind='k9': expected one of ['k1'"),
+    "optional number": (None, ["algorithm.clip_c=x"], "clip_c='x': expected a number or null"),
+    "list for string": (None, ["model.path=[1,2]"], "model.path='[1, 2]': expected a string"),
+    "list in a mapping": (
+        None,
+        ["data.rewards_by_source={a: [1]}"],
+        "data.rewards_by_source.a='[1]': expected a string",
+    ),
+    "scalar section": ("model: 5\n", [], "model='5': expected a section"),
+    "scalar override of a section": (
+        None,
+        ["rollout.ray=3"],
+        "rollout.ray='3': expected a section",
+    ),
+    "unknown key": (None, ["model.dtpye=float32"], "unknown config key 'model.dtpye'; allowed"),
+    "unknown nested key": (f"{'a.' * 300}b: 1\n", [], "unknown config key"),
+    "YAML syntax": ("model: [1\n", [], "invalid YAML at line 2, column 1"),
+    "YAML tab indent": ("model:\n\tpath: x\n", [], "invalid YAML at line 2, column 1"),
+    "override YAML syntax": (None, ["data.train=["], "override data.train: invalid YAML"),
+    "top-level list": ("- model\n- data\n", [], "holds a list at its top level"),
+    "top-level scalar": ("42\n", [], "holds a scalar at its top level"),
+    "top-level null": ("~\n", [], "holds a scalar at its top level"),
+    "two documents": ("a: 1\n---\nb: 2\n", [], "a second YAML document at line 2"),
+    "duplicate key": ("model:\n  path: a\n  path: b\n", [], "found duplicate key path"),
+    "binary garbage": (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xd8", [], "is not UTF-8 text: byte 0x89"),
+    "latin-1": ("model:\n  path: caf\xe9\n".encode("latin-1"), [], "byte 0xe9 at offset 18"),
+    "NUL character": ("model:\n  path: a\x00b\n", [], "character '\\x00' at offset 16"),
+    "deep block mapping": (
+        "".join("  " * i + "a:\n" for i in range(DEEP)) + "  " * DEEP + "b: 1\n",
+        [],
+        "nested deeper than 32 levels at line 33",
+    ),
+    "deep flow list": ("a: " + "[" * DEEP + "]" * DEEP + "\n", [], "nested deeper than 32"),
+    "deep override": (
+        None,
+        ["env.config.x=" + "{a: " * DEEP + "1" + "}" * DEEP],
+        "override env.config.x: nested deeper than 32 levels",
+    ),
+    "deep override key": (None, ["a." * 3000 + "b=1"], "nested deeper than 32 levels"),
+    "empty key part": (None, ["model..path=x"], "'model..path' is not a dotted key"),
+    "empty key": (None, ["=x"], "'' is not a dotted key"),
+    "alias bomb": (ALIAS_BOMB, [], "YAML node expansion exceeds the configured limit"),
+    "missing file": (None, [], "does not exist"),
+    "out of range": (None, ["rollout.top_p=0"], "rollout.top_p=0.0: expected in (0, 1]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_a_bad_config_is_one_line(
+    case: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, overrides, named = CONFIGS[case]
+    config = tmp_path / "run.yaml"
+    if isinstance(text, str):
+        config.write_text(text)
+    elif isinstance(text, bytes):
+        config.write_bytes(text)
+    elif case != "missing file":
+        config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    argv = [command, str(config), *overrides]
+    _refused(argv + (["--dry-run"] if command == "train" else []), named, capsys)
+
+
+def test_unset_required_keys_are_one_line_for_train(capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(__file__).resolve().parents[2]
+    argv = ["train", str(root / "configs" / "gsm8k_tools_qwen2.5.yaml"), "--dry-run"]
+    _refused(argv, "required config keys not set: ['data.train', 'model.path']", capsys)
+
+
+def test_a_terminal_sees_one_line_and_no_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "deep.yaml"
+    config.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")  # past the interpreter's stack
+    done = subprocess.run(
+        [sys.executable, "-m", "jax_agent_rl.cli", "config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"jarl: config file {config}: nested deeper than 32 levels at line 1\n"
+
+
+# -- checkpoint config.json: (what replaces it, what the line names) ------------------------
+
+BASE = {**TINY["qwen2"], "head_dim": 16}
+
+
+def _patched(**fields: object) -> str:
+    return json.dumps({k: v for k, v in {**BASE, **fields}.items() if v is not None})
+
+
+CHECKPOINTS = {
+    "zero heads": (_patched(num_attention_heads=0), "num_attention_heads=0 is not a size"),
+    "negative layers": (_patched(num_hidden_layers=-2), "num_hidden_layers (num_layers)=-2"),
+    "zero kv heads": (_patched(num_key_value_heads=0), "num_key_value_heads (num_kv_heads)=0"),
+    "bool kv heads": (_patched(num_key_value_heads=True), "(num_kv_heads)=True is not a size"),
+    "bool hidden": (_patched(hidden_size=True), "hidden_size=True is not a size"),
+    "float vocab": (_patched(vocab_size=256.0), "vocab_size=256.0 is not a size"),
+    "huge vocab": (_patched(vocab_size=10**12), "vocab_size=1000000000000 is not a size"),
+    "huge intermediate": (_patched(intermediate_size=2**40), "intermediate_size=1099511627776"),
+    "huge int": ('{"vocab_size": ' + "9" * 5000 + "}", "is not valid JSON: Exceeds the limit"),
+    "heads not dividing hidden": (
+        _patched(num_attention_heads=3, head_dim=None),
+        "hidden_size=64 is not a multiple of num_attention_heads=3",
+    ),
+    "kv heads not dividing heads": (
+        _patched(num_key_value_heads=3),
+        "num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+    ),
+    "NaN eps": (_patched(rms_norm_eps=float("nan")), "rms_norm_eps=nan: expected a finite"),
+    "denormal eps": (_patched(rms_norm_eps=1e-320), "rms_norm_eps=1e-320: expected a finite"),
+    "negative theta": (_patched(rope_theta=-1.0), "rope_theta=-1.0: expected a finite number"),
+    "theta below one": (
+        _patched(rope_theta=0.5),
+        "rope_theta=0.5: expected a finite number above 1",
+    ),
+    "infinite theta": (_patched(rope_theta=1e400), "rope_theta=inf"),
+    "string theta": (_patched(rope_theta="1e4"), "rope_theta='1e4'"),
+    "int for bool": (_patched(tie_word_embeddings=1), "tie_word_embeddings=1: expected true or"),
+    "rope scaling a list": (_patched(rope_scaling=[1]), "rope_scaling=[1]: expected a JSON object"),
+    "rope extra field": (
+        _patched(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+        "fields ['partial_rotary_factor'] are not supported with rope_type 'default'",
+    ),
+    "layer types a number": (_patched(layer_types=5), "layer_types=5: only a list of"),
+    "model type a list": (_patched(model_type=["qwen2"]), "model_type=['qwen2'] is not supported"),
+    "a list": ("[1, 2]", "expected a JSON object of config fields, got the list [1, 2]"),
+    "a string": ('"qwen2"', "got the str 'qwen2'"),
+    "null": ("null", "got the NoneType None"),
+    "not JSON": ("{model_type: qwen2}", "is not valid JSON: Expecting property name"),
+    "empty": ("", "is not valid JSON: Expecting value"),
+    "undecodable": (b"\xff\xfe{\x00}", "is not UTF-8 text: byte 0xff at offset 0"),
+    "deep JSON": ("[" * 100_000 + "]" * 100_000, "is JSON nested too deeply"),
+    "missing": (None, "no config.json in checkpoint folder"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINTS))
+def test_a_bad_checkpoint_config_is_one_line(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, named = CHECKPOINTS[case]
+    config = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        config.write_bytes(content)
+    elif content is not None:
+        config.write_text(content)
+    _refused(["inspect", str(tmp_path)], named, capsys)
+
+
+@pytest.mark.parametrize("case", ["zero kv heads", "a list", "deep JSON"])
+def test_train_checks_the_checkpoint_config_first(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl train --dry-run`` refuses the checkpoint in one line, the data being fine."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(CHECKPOINTS[case][0])
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "reward_model": {"ground_truth": "5"}}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model:\n  path: {tmp_path / 'ckpt'}\ndata:\n  train: {tmp_path / 't.jsonl'}\n"
+    )
+    _refused(["train", str(config), "--dry-run"], CHECKPOINTS[case][1], capsys)
