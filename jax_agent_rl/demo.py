@@ -222,7 +222,7 @@ def run_outputs(run_dir: Path) -> list[str]:
 
 def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
     cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides)  # bad keys fail first
-    console.print(f"jarl demo: {EXPECTED_DURATION}", highlight=False)
+    console.print(f"jarl demo: {EXPECTED_DURATION}", highlight=False, soft_wrap=True)
     request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
         files = prepare(run_dir / "task")
