@@ -13,7 +13,8 @@ Everything is made here, nothing is downloaded:
    held-out evaluation (greedy) before and during RL.
 
 The run folder holds metrics.jsonl, TensorBoard events, reward.png / throughput.png, traces
-(`jarl traces RUN`) and orbax checkpoints; the summary at the end says where to look.
+(`jarl traces RUN`), orbax checkpoints and the final policy as an HF checkpoint (``hf/``); the
+summary at the end lists what the run wrote and where to look.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 from rich.console import Console
 from rich.table import Table
 
+from jax_agent_rl import progress
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
@@ -42,6 +44,12 @@ from jax_agent_rl.train.sft import write_demonstrations
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
 CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml"
+
+# measured with the default settings on 2 CPU cores: 16.9 min while other jobs loaded them
+# (SFT 12.5, the engine's start 1, RL 2.7), 7.4 min on idle ones (README)
+EXPECTED_DURATION = (
+    "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.5 on idle ones"
+)
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
 MODEL = dict(
@@ -179,7 +187,8 @@ def demo_config(run_dir: Path, files: TaskFiles, overrides: list[str] | None = N
 
 
 def summarize(run_dir: Path, console: Console) -> dict[str, float]:
-    """The held-out success before RL (after SFT) and at the end, from metrics.jsonl."""
+    """The held-out success before RL (after SFT) and at the end, from metrics.jsonl, as a
+    table on ``console``."""
     val = read_metrics(run_dir / "metrics.jsonl", "val")
     first, last = val[0], val[-1]
     table = Table(title="held-out (greedy)")
@@ -197,16 +206,6 @@ def summarize(run_dir: Path, console: Console) -> dict[str, float]:
             f"{r['malformed_call_rate']:.3f}",
         )
     console.print(table)
-    console.print(
-        f"\nrun folder: [bold]{run_dir}[/]\n"
-        f"  reward curve     {run_dir / 'reward.png'}\n"
-        f"  throughput       {run_dir / 'throughput.png'}\n"
-        f"  metrics          {run_dir / 'metrics.jsonl'}\n"
-        f"  TensorBoard      tensorboard --logdir {run_dir / 'tensorboard'}\n"
-        f"  rollout traces   jarl traces {run_dir}\n"
-        f"  evaluate again   jarl eval {run_dir} --n 8  (pass@k of 8 samples per prompt)\n"
-        f"  checkpoints      {run_dir / 'checkpoints'}"
-    )
     return {"sft_success": first["success"], "rl_success": last["success"]}
 
 
@@ -236,16 +235,49 @@ def small_task_sft(folder: Path, sft_steps: int = 600) -> TaskFiles:
     return files
 
 
+# what each thing a run folder may hold is, by name; `run_outputs` lists what is there
+OUTPUTS = {
+    "reward.png": "reward curve",
+    "throughput.png": "throughput",
+    "metrics.jsonl": "metrics",
+    "tensorboard": "TensorBoard: tensorboard --logdir {path}",
+    "traces.jsonl": "rollout traces: jarl traces {run}",
+    "checkpoints": "checkpoints: jarl eval {run} --n 8 (pass@k of 8 samples per prompt)",
+    "hf": "final policy, HF checkpoint (transformers, vLLM)",
+    "config.yaml": "the run's config, every key as it ran",
+    "summary.json": "held-out success after SFT and after RL",
+    "task": "the task: data, demonstrations, tokenizer, initial model",
+}
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """One line per file or folder ``run_dir`` holds (what it is, then where), read from the
+    folder itself: anything a run wrote appears, described by `OUTPUTS` if it is known."""
+    order = list(OUTPUTS)
+    lines = []
+    for path in sorted(
+        run_dir.iterdir(),
+        key=lambda p: (order.index(p.name) if p.name in OUTPUTS else len(order), p.name),
+    ):
+        what = OUTPUTS.get(path.name, "")
+        shown = f"{path}/" if path.is_dir() else str(path)
+        lines.append(f"  {shown:<{len(str(run_dir)) + 16}}{what.format(path=path, run=run_dir)}")
+    return lines
+
+
 def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
     cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides)  # bad keys fail first
+    console.print(f"jarl demo: {EXPECTED_DURATION}", highlight=False, soft_wrap=True)
     request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
-    files = prepare(run_dir / "task")
+    with progress.phase(console, "writing the task, a tokenizer and the initial model"):
+        files = prepare(run_dir / "task")
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )
     train(cfg, console)
     result = summarize(run_dir, console)
     (run_dir / "summary.json").write_text(json.dumps(result) + "\n")
+    console.print("\nrun folder:", *run_outputs(run_dir), sep="\n", highlight=False, soft_wrap=True)
     return result
 
 

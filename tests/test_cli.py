@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.demo import EXPECTED_DURATION
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
 from jax_agent_rl.tokenization import Tokenizer
@@ -65,7 +66,9 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert list((tmp_path / "tensorboard").iterdir())
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"sft_success", "rl_success"}
-    assert "jarl traces" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"jarl demo: {EXPECTED_DURATION}\n")
+    assert "jarl traces" in out and f"\n  {tmp_path / 'hf'}/ " in out  # the closing list
     assert main(["traces", str(tmp_path), "--limit", "1"]) == 0
     assert main(["demo", "--run-dir", str(tmp_path / "x"), "algorithm.clip_hihg=1"]) == 2
 

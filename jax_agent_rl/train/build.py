@@ -25,7 +25,7 @@ import jax
 from jax.sharding import Mesh
 from rich.console import Console
 
-from jax_agent_rl import device_turns, distributed
+from jax_agent_rl import device_turns, distributed, progress
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample
@@ -192,7 +192,10 @@ def train_states(learner: Learner) -> dict[str, Any]:
 def save_checkpoint(run: Run, step: int) -> None:
     """The train states, the step, the prompt sampler's position and the seed."""
     meta = {"step": step, "sampler": run.sampler.state(), "seed": run.cfg.trainer.seed}
-    with device_turns.TURN:  # copying the arrays off the devices runs programs on them
+    with (
+        progress.phase(run.console, f"saving the checkpoint of step {step}"),
+        device_turns.TURN,  # copying the arrays off the devices runs programs on them
+    ):
         run.checkpoints.save(step, train_states(run.learner), meta)
 
 
@@ -390,19 +393,22 @@ async def serve_policy(
     try:
         parser = make_parser(cfg.agent.parser)
         start = make_pool if cfg.rollout.ray.address else make_backend
-        built = start(
-            BackendBuild(
-                cfg.rollout,
-                model,
-                params,
-                checkpoint=cfg.model.path,
-                dtype=cfg.model.dtype,
-                version=version,
-                seed=cfg.trainer.seed,
-                sharder=sharder,
-                stop_token_ids=turn_stop_ids(tokenizer, parser),
+        with progress.phase(
+            console, f"starting the {cfg.rollout.backend} rollout backend (compiling its programs)"
+        ):
+            built = start(
+                BackendBuild(
+                    cfg.rollout,
+                    model,
+                    params,
+                    checkpoint=cfg.model.path,
+                    dtype=cfg.model.dtype,
+                    version=version,
+                    seed=cfg.trainer.seed,
+                    sharder=sharder,
+                    stop_token_ids=turn_stop_ids(tokenizer, parser),
+                )
             )
-        )
         backend = MeteredBackend(built)  # its idle time goes into each step's metrics
         if isinstance(built, RayPool):
             nodes = collections.Counter(built.nodes)

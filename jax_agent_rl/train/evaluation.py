@@ -21,17 +21,9 @@ from pathlib import Path
 
 import jax
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
-from jax_agent_rl import distributed
+from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.loop import AgentContext
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import JarlConfig, load_config, missing_paths
@@ -122,6 +114,12 @@ class Evaluation:
     pass_rates: dict[str, dict[str, float]]
 
 
+def process_share(samples: Sequence[Sample]) -> Sequence[Sample]:
+    """The slice of ``samples`` this process evaluates (every process-count-th, from its own
+    index)."""
+    return samples[jax.process_index() :: jax.process_count()]
+
+
 async def evaluate_samples(
     cfg: JarlConfig,
     score: Scorer,
@@ -134,8 +132,7 @@ async def evaluate_samples(
     """``n`` chain episodes per sample on ``ctx`` (every process a slice of the samples),
     scored by the run's reward and tool-reward weight, seeded by ``trainer.seed`` and
     ``step``. Raises when every episode failed (`episodes.all_failed_error`)."""
-    processes, me = jax.process_count(), jax.process_index()
-    mine = samples[me::processes]
+    mine = process_share(samples)
     trajs = await rollout_episodes(
         mine,
         n,
@@ -324,18 +321,8 @@ async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict
         console=console,
     ) as rollout:
         ctx = rollout.eval_ctx if target.n == 1 else rollout.ctx
-        progress = Progress(
-            TextColumn("[bold]eval"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("episodes"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        )
-        with progress:
-            task = progress.add_task("eval", total=len(target.samples) * target.n)
+        total = len(process_share(target.samples)) * target.n
+        with progress.phase(console, "eval episode", total) as bar:
             ev = await evaluate_samples(
                 cfg,
                 rollout.score,
@@ -343,7 +330,7 @@ async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict
                 target.n,
                 ctx,
                 target.step or 0,
-                lambda _: progress.advance(task),
+                lambda _: bar.advance(),
             )
     return eval_record(target, ev, ctx)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-from jax_agent_rl import distributed
+from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
-from jax_agent_rl.train.evaluation import evaluate_samples
+from jax_agent_rl.train.evaluation import evaluate_samples, process_share
 from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
 from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_record
 
@@ -45,7 +45,17 @@ class Hook:
 async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
     """Greedy episodes on the held-out prompts (one each; every process a slice,
     `evaluate_samples`), logged as ``val`` at ``step``; returns their metrics as ``val/*``."""
-    ev = await evaluate_samples(run.cfg, rollout.score, run.val_samples, 1, rollout.eval_ctx, step)
+    episodes = len(process_share(run.val_samples))
+    with progress.phase(run.console, f"held-out @ step {step}, episode", episodes) as bar:
+        ev = await evaluate_samples(
+            run.cfg,
+            rollout.score,
+            run.val_samples,
+            1,
+            rollout.eval_ctx,
+            step,
+            lambda _: bar.advance(),
+        )
     m = ev.metrics
     run.metrics.write(step, "val", m)
     run.console.print(

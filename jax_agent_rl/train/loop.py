@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jax_agent_rl import distributed
+from jax_agent_rl import distributed, progress
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.async_loop import StepFn, async_steps
@@ -30,20 +28,6 @@ from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, evaluate
 from jax_agent_rl.train.metrics import plot_run
 from jax_agent_rl.train.step import rl_step
-
-
-@contextlib.contextmanager
-def _progress(console: Console, steps: int) -> Iterator[tuple[Progress, Any]]:
-    progress = Progress(
-        TextColumn("[bold]RL"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-    )
-    with progress:
-        yield progress, progress.add_task("rl", total=steps, status="")
 
 
 def _status(m: dict[str, float]) -> str:
@@ -67,16 +51,21 @@ async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
     async with open_rollout(run) as rollout:
         if run.start == 0 and run.val_samples:
             await evaluate(run, rollout, 0)
+        if run.start < steps:
+            run.console.print(
+                f"RL: steps {run.start + 1}..{steps}; the first also compiles the learner's update"
+            )
         async with stepper(run, rollout) as step_fn:
-            with _progress(run.console, steps) as (progress, task):
-                progress.update(task, completed=run.start)
+            # a log file has the console_line hook's line a step, and heartbeats between
+            with progress.phase(run.console, "rl step", steps, lines=False) as bar:
+                bar.update(run.start)
                 for step in range(run.start, steps):
                     m, trajs = await step_fn(step, step == run.start)
                     end = StepEnd(step + 1, step + 1 == steps, m, trajs)
                     for hook in hooks:
                         if hook.due(end):
                             await hook.fn(run, rollout, end)
-                    progress.update(task, completed=end.step, status=_status(m))
+                    bar.update(end.step, _status(m))
 
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
@@ -100,7 +89,8 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     params = distributed.host_copy(run.learner.params)  # every process takes part
     if primary:
         plot_run(run.run_dir)
-        export_policy(run.run_dir / "hf", cfg, run.model, params)
+        with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):
+            export_policy(run.run_dir / "hf", cfg, run.model, params)
     # the others wait on the devices (no time limit) while process 0 exports, rather than in
     # jax.distributed's shutdown, which gives up after a few minutes (a 7B export can take more)
     distributed.barrier("exported")

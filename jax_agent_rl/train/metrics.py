@@ -94,24 +94,25 @@ def throughput_records(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in train if not r.get(INCLUDES_COMPILE, 0)]
 
 
-def plot_run(run_dir: Path) -> list[Path]:
-    """``reward.png`` (train reward and held-out success per step) and ``throughput.png``
-    (tokens/s and the step-time breakdown, steps that include compilation left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def reward_figure(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> Any:
+    """The figure of ``reward.png``: train reward and success per step as lines (often equal:
+    a wide solid line under a narrow dashed one keeps both visible), held-out success as
+    markers only at the evaluated steps (nothing was measured between them)."""
     import matplotlib.pyplot as plt
 
-    train = read_metrics(run_dir / "metrics.jsonl", "train")
-    val = read_metrics(run_dir / "metrics.jsonl", "val")
-    written = []
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward")
-        ax.plot([r["step"] for r in train], [r["success"] for r in train], label="train success")
+        steps = [r["step"] for r in train]
+        ax.plot(steps, [r["reward"] for r in train], "-", lw=3.0, alpha=0.5, label="train reward")
+        ax.plot(steps, [r["success"] for r in train], "--", lw=1.2, label="train success")
     if val:
         ax.plot(
-            [r["step"] for r in val], [r["success"] for r in val], "o-", label="held-out success"
+            [r["step"] for r in val],
+            [r["success"] for r in val],
+            linestyle="None",
+            marker="D",
+            markersize=7,
+            label="held-out success",
         )
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
@@ -119,7 +120,21 @@ def plot_run(run_dir: Path) -> list[Path]:
     ax.legend()
     ax.set_title("reward")
     fig.tight_layout()
-    written.append(run_dir / "reward.png")
+    return fig
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """``reward.png`` (`reward_figure`) and ``throughput.png`` (tokens/s and the step-time
+    breakdown, steps that include compilation left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = read_metrics(run_dir / "metrics.jsonl", "train")
+    val = read_metrics(run_dir / "metrics.jsonl", "val")
+    fig = reward_figure(train, val)
+    written = [run_dir / "reward.png"]
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jax_agent_rl import progress
 from jax_agent_rl.agent.loop import demonstration_trajectory
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import JarlConfig
@@ -107,23 +107,18 @@ def warm_start(
     console: Console,
 ) -> Any:
     """The SFT stage of a run: ``sft.steps`` updates of ``learner`` on the demonstrations of
-    ``sft.data`` (rendered with the tools' schemas, as rollouts see them), with a progress bar
-    and ``sft`` metrics; returns the warm-started params."""
+    ``sft.data`` (rendered with the tools' schemas, as rollouts see them), with its progress
+    on ``console`` and ``sft`` metrics; returns the warm-started params."""
     demos = load_demonstrations(cfg.sft.data, TurnBuilder(tokenizer, registry.schemas() or None))
-    console.print(f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations")
-    with Progress(
-        TextColumn("[bold]SFT"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-    ) as progress:
-        task = progress.add_task("sft", total=cfg.sft.steps, status="")
+    console.print(
+        f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations "
+        "(the first compiles the SFT step)"
+    )
+    with progress.phase(console, "sft step", cfg.sft.steps) as bar:
 
         def on_step(step: int, scalars: dict[str, float]) -> None:
             metrics.write(step + 1, "sft", scalars)
-            progress.update(task, completed=step + 1, status=f"loss {scalars['sft_loss']:.3f}")
+            bar.update(step + 1, f"loss {scalars['sft_loss']:.3f}")
 
         run_sft(
             learner,

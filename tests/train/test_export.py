@@ -60,6 +60,28 @@ def test_a_log_file_gets_one_line_per_step(run: tuple[Path, str]) -> None:
     assert records[1]["reward"] == 1.0 and "WARNING" in lines[1]
 
 
+def test_a_log_file_hears_of_every_long_phase_with_its_count(run: tuple[Path, str]) -> None:
+    """SFT, the engine's start (its compilation), the held-out evaluations, checkpoints, the RL
+    steps and the export each say when they start and end; the counted ones give their counts."""
+    _, log = run
+    lines = log.splitlines()
+    for start, end in (
+        ("sft step 0/60: started", "sft step 60/60  loss "),
+        ("starting the embedded rollout backend (compiling its programs): started", None),
+        ("held-out @ step 0, episode 0/16: started", "held-out @ step 0, episode 16/16  ("),
+        (
+            f"held-out @ step {STEPS}, episode 0/16: started",
+            f"held-out @ step {STEPS}, episode 16/16",
+        ),
+        ("saving the checkpoint of step 0: started", "saving the checkpoint of step 0  ("),
+        (f"rl step 0/{STEPS}: started", f"rl step {STEPS}/{STEPS}  reward "),
+        ("exporting the policy to ", None),
+    ):
+        at = next(i for i, line in enumerate(lines) if line.startswith(start))
+        prefix = end or start.removesuffix(": started")
+        assert any(line.startswith(prefix) and line.endswith(": done") for line in lines[at:])
+
+
 def test_jarl_export_writes_any_saved_step(
     run: tuple[Path, str], task: TaskFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,5 +1,6 @@
-"""Console lines and plot data of a run: one plain line a step, the equal-rewards warning with
-its group count, and steps that include compilation kept out of the throughput plot."""
+"""Console lines and plots of a run: one plain line a step, the equal-rewards warning with its
+group count, steps that include compilation kept out of the throughput plot, and the reward
+plot's held-out evaluations drawn as points and its (often equal) train curves both visible."""
 
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from jax_agent_rl.train.metrics import (
     INCLUDES_COMPILE,
     equal_rewards_warning,
     plot_run,
+    reward_figure,
     step_line,
     throughput_records,
 )
@@ -63,3 +65,25 @@ def test_throughput_plot_leaves_out_steps_that_compile(tmp_path: Path) -> None:
     records = [{"phase": "train", "reward": 0.0, "success": 0.0, **r} for r in train]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert [p.name for p in plot_run(tmp_path)] == ["reward.png", "throughput.png"]
+
+
+def test_the_reward_plot_draws_evaluations_as_points_and_equal_train_curves_apart() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [{"step": s, "reward": 0.5, "success": 0.5} for s in range(1, 9)]  # equal curves
+    val = [{"step": 0, "success": 0.25}, {"step": 8, "success": 0.75}]
+    fig = reward_figure(train, val)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    held_out = lines["held-out success"]
+    assert held_out.get_linestyle() == "None" and held_out.get_marker() not in ("None", "", None)
+    assert list(held_out.get_xdata()) == [0, 8] and list(held_out.get_ydata()) == [0.25, 0.75]
+    reward, success = lines["train reward"], lines["train success"]
+    assert list(reward.get_ydata()) == list(success.get_ydata())
+    assert reward.get_linestyle() != success.get_linestyle()
+    assert reward.get_linewidth() > success.get_linewidth()  # the wider one under the other
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["train reward", "train success", "held-out success"]
+    plt.close(fig)
