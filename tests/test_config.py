@@ -208,7 +208,7 @@ def test_a_run_folder_config_holds_absolute_paths(
     overrides = [
         "model.path=ckpt", "data.train=data/train.jsonl", "data.val=/abs/val.jsonl",
         "data.reward=rewards/mine.py:score", "data.rewards_by_source.src=my_pkg.rewards:score",
-        "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
+        "data.rewards_by_source.openai/gsm8k=verl_gsm8k", "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
         "agent.graph=graphs.py:graph", "trainer.run_dir=runs/x",
     ]  # fmt: skip
     cfg = absolute_paths(load_config(None, overrides), Path.cwd())
@@ -216,7 +216,7 @@ def test_a_run_folder_config_holds_absolute_paths(
     assert cfg.data.train == str(started / "data/train.jsonl") and cfg.data.val == "/abs/val.jsonl"
     assert cfg.data.reward == f"{started / 'rewards/mine.py'}:score"
     assert cfg.data.rewards_by_source["src"] == "my_pkg.rewards:score"
-    assert cfg.data.rewards_by_source["openai/gsm8k"] == "gsm8k"  # a built-in name
+    assert cfg.data.rewards_by_source["openai/gsm8k"] == "verl_gsm8k"  # a built-in name
     assert cfg.env.classes == {"guess": f"{started / 'envs/guess.py'}:Guess"}
     assert cfg.env.interaction_config == str(started / "interaction.yaml")
     assert cfg.agent.graph == f"{started / 'graphs.py'}:graph" and cfg.agent.harness == ""
