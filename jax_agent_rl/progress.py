@@ -129,9 +129,9 @@ def phase(
 ) -> Iterator[Phase]:
     """A phase called ``label`` of ``total`` units (None: one piece of work, such as a
     compilation) on ``console`` (see the module docstring). ``ticker`` calls the heartbeat
-    every ``every_s`` seconds while the phase runs; ``lines=False``, for a caller that prints a line of
-    its own with each update, prints no update lines, and heartbeats only when the caller's
-    last line is ``every_s`` seconds old."""
+    every ``every_s`` seconds while the phase runs; ``lines=False``, for a caller that prints a
+    line of its own with each update, prints no update lines, and heartbeats only when the
+    caller's last line is ``every_s`` seconds old."""
     if console.is_terminal:
         bar = Progress(
             SpinnerColumn() if total is None else BarColumn(),

@@ -208,7 +208,8 @@ def test_a_run_folder_config_holds_absolute_paths(
     overrides = [
         "model.path=ckpt", "data.train=data/train.jsonl", "data.val=/abs/val.jsonl",
         "data.reward=rewards/mine.py:score", "data.rewards_by_source.src=my_pkg.rewards:score",
-        "data.rewards_by_source.openai/gsm8k=verl_gsm8k", "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
+        "data.rewards_by_source.openai/gsm8k=verl_gsm8k",
+        "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
         "agent.graph=graphs.py:graph", "trainer.run_dir=runs/x",
     ]  # fmt: skip
     cfg = absolute_paths(load_config(None, overrides), Path.cwd())

@@ -333,9 +333,10 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
 def test_hostile_environments_end_only_their_own_episode(mixed: dict) -> None:
     """An environment that raises, answers garbage (a non-list observation, a string reward, a
     NaN reward, an assistant-role observation) or is not an environment at all (one that hangs
-    past env.step_timeout_s: tests/hostile/test_environments.py), and a verl interaction that raises or answers a malformed tuple, end
-    their own episode with env_error (counted, not trained); one that never says done runs into
-    agent.max_turns; the other rows of the same steps are untouched (the tests above)."""
+    past env.step_timeout_s: tests/hostile/test_environments.py), and a verl interaction that
+    raises or answers a malformed tuple, end their own episode with env_error (counted, not
+    trained); one that never says done runs into agent.max_turns; the other rows of the same
+    steps are untouched (the tests above)."""
     for kind in FAILING:
         assert all(t["stop_reason"] == "env_error" for t in mixed[kind]), kind
     assert all("the environment broke" in t["error"] for t in mixed["raises"])
