@@ -143,6 +143,11 @@ class AgentSection:
     max_tool_response_tokens: int = 256  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # the loop of a data row that names no agent_name: single_turn_agent (one model turn, no
+    # tool runs), as verl's actor_rollout_ref.rollout.agent.default_agent_loop; tool_agent for
+    # tool calls and interactions over many turns. Rows in SkyRL's layout (an env_class) run
+    # tool_agent, as SkyRL's generator does
+    default_agent_loop: str = "single_turn_agent"
     # tool calls one trajectory runs at once (a turn can hold dozens); its other calls wait
     # for these, so one trajectory cannot take every tool worker from its siblings
     max_parallel_tool_calls: int = 4
