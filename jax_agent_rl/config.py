@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import importlib.resources
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -406,6 +407,8 @@ def load_config(
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+    if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md)
+        overrides = _verl_overrides(overrides, base, layers)
     # `key=` means the empty string (OmegaConf would read it as null)
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
     layers.append(OmegaConf.from_dotlist(dotlist))
@@ -429,6 +432,25 @@ def load_config(
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg
+
+
+def _verl_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) -> list[str]:
+    """`jax_agent_rl.verl_keys.to_jarl` over the config before the overrides, each verl key's
+    jarl key told on stderr."""
+    from jax_agent_rl.verl_keys import to_jarl  # verl_keys -> config
+
+    @functools.cache  # merged only if a conversion reads a value
+    def config() -> Any:
+        try:
+            return OmegaConf.merge(base, *layers)
+        except OmegaConfBaseException:  # a bad YAML file: `load_config` says why when it merges
+            return base
+
+    return to_jarl(
+        overrides,
+        lambda key: OmegaConf.select(config(), key, throw_on_missing=False),
+        lambda line: print(line, file=sys.stderr),
+    )
 
 
 # keys that moved, old -> new, so an old config names what to write instead
