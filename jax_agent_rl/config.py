@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import importlib.resources
 import math
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -148,6 +149,11 @@ class AgentSection:
     max_tool_response_tokens: int = 256  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # the loop of a data row that names no agent_name: single_turn_agent (one model turn, no
+    # tool runs), as verl's actor_rollout_ref.rollout.agent.default_agent_loop; tool_agent for
+    # tool calls and interactions over many turns. Rows in SkyRL's layout (an env_class) run
+    # tool_agent, as SkyRL's generator does
+    default_agent_loop: str = "single_turn_agent"
     # tool calls one trajectory runs at once (a turn can hold dozens); its other calls wait
     # for these, so one trajectory cannot take every tool worker from its siblings
     max_parallel_tool_calls: int = 4
@@ -459,6 +465,8 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         if key.count(".") >= MAX_DEPTH:
             raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
         _yaml_top(value, f"override {key}")
+    if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md)
+        overrides = _verl_overrides(overrides, OmegaConf.structured(schema), layers)
     # `key=` means the empty string (OmegaConf would read it as null)
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
@@ -504,6 +512,25 @@ def _checked(merged: Any, schema: type[T]) -> T:
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg
+
+
+def _verl_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) -> list[str]:
+    """`jax_agent_rl.verl_keys.to_jarl` over the config before the overrides, each verl key's
+    jarl key told on stderr."""
+    from jax_agent_rl.verl_keys import to_jarl  # verl_keys -> config
+
+    @functools.cache  # merged only if a conversion reads a value
+    def config() -> Any:
+        try:
+            return OmegaConf.merge(base, *layers)
+        except OmegaConfBaseException:  # a bad YAML file: `load_config` says why when it merges
+            return base
+
+    return to_jarl(
+        overrides,
+        lambda key: OmegaConf.select(config(), key, throw_on_missing=False),
+        lambda line: print(line, file=sys.stderr),
+    )
 
 
 # keys that moved, old -> new, so an old config names what to write instead

@@ -80,7 +80,7 @@ def test_a_verl_gsm8k_row_is_scored_as_verl_scores_it(tmp_path: Path, tok: Token
     path = tmp_path / "train.parquet"
     rows = [_verl_row(0, "72"), _verl_row(1, GSM8K_SOLUTION)]  # verl's and GSM8K's own truth
     pq.write_table(pa.Table.from_pylist(rows), path)
-    samples = load_samples(path, agents=AGENT_LOOPS)
+    samples = load_samples(path, agents=AGENT_LOOPS, default_agent="single_turn_agent")
     assert [s.agent_name for s in samples] == ["single_turn_agent"] * 2
     cfg = _config()  # no reward configured: openai/gsm8k rows get verl's GSM8K rule
     score = make_reward(cfg.data)

@@ -6,9 +6,11 @@ One row is one prompt::
     reward_model  {"style": "rule", "ground_truth": ...}  (or a top-level ``ground_truth``)
     data_source   str, optional: which reward function / benchmark the row belongs to
     extra_info    dict, optional; ``extra_info["index"]`` numbers the row within its source
-    agent_name    str, optional, default "tool_agent": the agent loop (verl's names:
-                  ``tool_agent``, ``single_turn_agent``); it must be one of the names the caller
-                  passes (the registered loops), so a misspelled one fails here, not mid-rollout
+    agent_name    str, optional: the agent loop (verl's names: ``tool_agent``,
+                  ``single_turn_agent``); it must be one of the names the caller passes (the
+                  registered loops), so a misspelled one fails here, not mid-rollout. A row
+                  without one runs the caller's ``default_agent`` (``agent.default_agent_loop``,
+                  verl's ``single_turn_agent``), or ``tool_agent`` if it has an ``env_class``
     env_class     str, optional: the environment that answers its turns (SkyRL's column;
                   `jax_agent_rl.envs`); SkyRL's ``reward_spec`` stands for ``reward_model``
 
@@ -38,7 +40,7 @@ from jax_agent_rl.agent.trajectory import Sample
 
 SUFFIXES = (".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
-DEFAULT_AGENT = "tool_agent"
+SKYRL_AGENT = "tool_agent"  # SkyRL's generator plays an environment over many turns
 
 Row = dict[str, Any]
 
@@ -51,16 +53,20 @@ Fail = Callable[[str], DatasetError]  # makes the error for one problem of the r
 
 
 def load_samples(
-    path: str | Path, *, agents: Collection[str], limit: int | None = None
+    path: str | Path, *, agents: Collection[str], default_agent: str, limit: int | None = None
 ) -> list[Sample]:
     """The first ``limit`` rows (all when None) of a ``.jsonl`` or ``.parquet`` file, whose
-    agent names must be in ``agents`` (the registered loops, `AGENT_LOOPS`)."""
+    agent names must be in ``agents`` (the registered loops, `AGENT_LOOPS`); a row naming
+    none runs ``default_agent``."""
+    if default_agent not in agents:
+        raise DatasetError(
+            f"{path}: rows without an agent_name would run {default_agent!r}, which is not a "
+            f"registered loop: {sorted(agents)}"
+        )
     if isinstance(path, str) and path.startswith("reasoning_gym:"):
         from jax_agent_rl.data import reasoning_gym
 
-        if DEFAULT_AGENT not in agents:
-            raise DatasetError(f"{path}: its rows run {DEFAULT_AGENT}, which is not registered")
-        return reasoning_gym.samples(path, DEFAULT_AGENT, limit)
+        return reasoning_gym.samples(path, default_agent, limit)
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
@@ -72,7 +78,7 @@ def load_samples(
     samples: list[Sample] = []
     seen: dict[str, str] = {}
     for where, row in rows:
-        sample = _sample(row, path, where, row_number=len(samples), agents=agents)
+        sample = _sample(row, path, where, len(samples), agents, default_agent)
         if sample.uid in seen:
             raise DatasetError(
                 f"{path}: {where}: uid {sample.uid!r} repeats the uid of {seen[sample.uid]} "
@@ -139,7 +145,9 @@ def _parquet_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
         yield f"row {n}", row
 
 
-def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collection[str]) -> Sample:
+def _sample(
+    row: Row, path: Path, where: str, row_number: int, agents: Collection[str], default_agent: str
+) -> Sample:
     def fail(problem: str) -> DatasetError:
         return DatasetError(f"{path}: {where}: {problem}")
 
@@ -159,7 +167,8 @@ def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collectio
     if not isinstance(extra, dict):
         raise fail(f"extra_info must be a dict, got {type(extra).__name__}")
     index = extra.get("index")
-    agent_name = _optional_str(row, "agent_name", DEFAULT_AGENT, fail)
+    env_class = _optional_str(row, "env_class", "", fail)
+    agent_name = _optional_str(row, "agent_name", SKYRL_AGENT if env_class else default_agent, fail)
     if agent_name not in agents:
         raise fail(f"unknown agent_name {agent_name!r}; registered: {sorted(agents)}")
     return Sample(
@@ -168,7 +177,7 @@ def _sample(row: Row, path: Path, where: str, row_number: int, agents: Collectio
         ground_truth=ground_truth,
         data_source=data_source,
         agent_name=agent_name,
-        env_class=_optional_str(row, "env_class", "", fail),
+        env_class=env_class,
         extra=extra,
     )
 

@@ -226,7 +226,12 @@ def held_out_samples(cfg: JarlConfig) -> list[Sample]:
     """The first ``data.val_size`` rows of ``data.val`` (all of them for 0; none without a file)."""
     if not cfg.data.val:
         return []
-    return load_samples(cfg.data.val, agents=AGENT_LOOPS, limit=cfg.data.val_size or None)
+    return load_samples(
+        cfg.data.val,
+        agents=AGENT_LOOPS,
+        default_agent=cfg.agent.default_agent_loop,
+        limit=cfg.data.val_size or None,
+    )
 
 
 def build_run(cfg: JarlConfig, console: Console) -> Run:
@@ -239,7 +244,10 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
     model, params = load_hf(cfg.model.path, "float32", sharder)
-    sampler = PromptSampler(load_samples(cfg.data.train, agents=AGENT_LOOPS), cfg.trainer.seed)
+    train = load_samples(
+        cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
+    )
+    sampler = PromptSampler(train, cfg.trainer.seed)
     val_samples = held_out_samples(cfg)
     registry = ToolRegistry.from_yaml(cfg.tools.config)
     envs = make_environments(cfg.env, cfg.agent.max_turns)

@@ -96,8 +96,9 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     tokenizer = None
     if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
         tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
-    train = attempt(lambda: _samples("data.train", cfg.data.train))
-    val = attempt(lambda: _samples("data.val", cfg.data.val)) if cfg.data.val else []
+    default = cfg.agent.default_agent_loop
+    train = attempt(lambda: _samples("data.train", cfg.data.train, default))
+    val = attempt(lambda: _samples("data.val", cfg.data.val, default)) if cfg.data.val else []
     attempt(lambda: _environments(cfg, {"data.train": train or [], "data.val": val or []}))
     schemas = attempt(lambda: _tool_schemas(cfg.tools.config))
     if tokenizer is None:
@@ -314,10 +315,10 @@ def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
         raise _CheckError(str(e)) from None
 
 
-def _samples(key: str, path: str) -> list[Sample]:
+def _samples(key: str, path: str, default_agent: str) -> list[Sample]:
     if path.startswith("reasoning_gym:"):
         try:
-            return load_samples(path, agents=AGENT_LOOPS, limit=ROWS)
+            return load_samples(path, agents=AGENT_LOOPS, default_agent=default_agent, limit=ROWS)
         except DatasetError as e:
             raise _CheckError(f"{key}: {e}") from None
     if not Path(path).exists():
@@ -325,7 +326,7 @@ def _samples(key: str, path: str) -> list[Sample]:
     if Path(path).suffix not in SUFFIXES:
         raise _CheckError(f"{key}={path!r}: expected a .jsonl or .parquet file")
     try:
-        samples = load_samples(path, agents=AGENT_LOOPS, limit=ROWS)
+        samples = load_samples(path, agents=AGENT_LOOPS, default_agent=default_agent, limit=ROWS)
     except DatasetError as e:
         raise _CheckError(f"{key}={path!r}: {str(e).removeprefix(f'{Path(path)}: ')}") from None
     if not samples:

@@ -275,7 +275,7 @@ def test_importing_jax_agent_rl_imports_no_langchain(tmp_path: Path) -> None:
         "import jax_agent_rl.agent, jax_agent_rl.train.build\n"
         "from jax_agent_rl.agent.loop import AGENT_LOOPS\n"
         "from jax_agent_rl.data import load_samples\n"
-        f"(sample,) = load_samples({str(rows)!r}, agents=AGENT_LOOPS)\n"
+        f"(sample,) = load_samples({str(rows)!r}, agents=AGENT_LOOPS, default_agent='tool_agent')\n"
         "assert sample.agent_name == 'react_agent'\n"
         "langchain = ('langchain', 'langgraph', 'langsmith')\n"
         "loaded = [m for m in sys.modules if m.startswith(langchain)]\n"

@@ -9,6 +9,7 @@ the requests the engine actually served and against an independently built expec
 
 import asyncio
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -18,9 +19,11 @@ import optax
 import pytest
 
 from jax_agent_rl.agent.filters import has_void_turn
-from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.datasets import load_samples
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, forward, init_params, lm_logits
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
@@ -404,3 +407,43 @@ def test_prompt_longer_than_the_model_length(setup: dict[str, Any]) -> None:
     traj, backend = _run(setup, "What is 17 + 25?", dataclasses.replace(CONFIG, max_model_len=20))
     assert traj.stop_reason == "max_model_len"
     assert traj.response_ids == [] and backend.log == []
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)  # not a template matter
+def test_a_row_without_agent_name_runs_one_turn_unless_the_config_says(
+    setup: dict[str, Any], tmp_path: Any
+) -> None:
+    """As in verl, a data row naming no loop runs single_turn_agent: one model turn, and the
+    tool call the model writes in it is not run; agent.default_agent_loop=tool_agent runs it."""
+    question = "What is 17 + 25?"  # the model calls the calculator, then answers
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": question}], "ground_truth": "42"})
+    )
+
+    def run(*overrides: str) -> Trajectory:
+        cfg = load_config(None, ["model.path=unused", f"data.train={path}", *overrides])
+        (sample,) = load_samples(
+            path, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
+        )
+        backend = EmbeddedBackend(setup["engine"], setup["weights"])
+
+        async def go() -> Trajectory:
+            ctx = await AgentContext.create(
+                backend, setup["tokenizer"], setup["tools"], make_parser(setup["parser"]), CONFIG
+            )
+            traj = await run_sample(sample, ctx)
+            await backend.close()
+            return traj
+
+        return asyncio.run(go())
+
+    single = run()
+    assert single.num_turns == 1 and single.tool_calls == 0
+    assert single.stop_reason == "max_turns" and single.turn_kinds == ["call"]
+    assert not any(m["role"] == "tool" for m in single.messages)
+    tools = run("agent.default_agent_loop=tool_agent")
+    assert tools.num_turns == 2 and tools.tool_calls == 1 and tools.stop_reason == "eos"
+    assert [m["content"] for m in tools.messages if m["role"] == "tool"] == ["42"]
+    # the same first turn, sampled greedily: only what follows it differs
+    assert tools.response_ids[: len(single.response_ids)] == single.response_ids

@@ -12,7 +12,10 @@ import pytest
 
 from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.config import AgentSection
 from jax_agent_rl.data.datasets import DatasetError, PromptSampler, load_samples, write_jsonl
+
+DEFAULT = AgentSection().default_agent_loop  # what a row without agent_name runs
 
 
 def verl_row(i: int, **overrides: Any) -> dict[str, Any]:
@@ -57,13 +60,15 @@ def samples(n: int) -> list[Sample]:
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_verl_rows_load(tmp_path: Path, suffix: str) -> None:
     rows = [verl_row(i) for i in (3, 1, 4)]
-    loaded = load_samples(write_rows(tmp_path / f"gsm8k{suffix}", rows), agents=AGENT_LOOPS)
+    loaded = load_samples(
+        write_rows(tmp_path / f"gsm8k{suffix}", rows), agents=AGENT_LOOPS, default_agent=DEFAULT
+    )
     assert [s.uid for s in loaded] == ["openai/gsm8k-3", "openai/gsm8k-1", "openai/gsm8k-4"]
     first = loaded[0]
     assert first.messages == rows[0]["prompt"]
     assert first.ground_truth == "6"
     assert first.data_source == "openai/gsm8k"
-    assert first.agent_name == "tool_agent"
+    assert first.agent_name == "single_turn_agent"  # verl's default loop
     assert first.extra == {"index": 3, "split": "train"}
 
 
@@ -74,7 +79,7 @@ def test_parquet_null_message_fields_are_dropped(tmp_path: Path) -> None:
         {"role": "tool", "content": "found", "name": "search"},
     ]
     path = write_rows(tmp_path / "p.parquet", [verl_row(0, prompt=prompt)])
-    assert load_samples(path, agents=AGENT_LOOPS)[0].messages == prompt
+    assert load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)[0].messages == prompt
 
 
 def test_defaults_and_top_level_ground_truth(tmp_path: Path) -> None:
@@ -82,11 +87,26 @@ def test_defaults_and_top_level_ground_truth(tmp_path: Path) -> None:
         {"prompt": [{"role": "user", "content": "hi"}], "ground_truth": "a"},
         {"prompt": [{"role": "user", "content": "yo"}], "ground_truth": "b", "agent_name": "x"},
     ]
-    loaded = load_samples(write_rows(tmp_path / "plain.jsonl", rows), agents={"tool_agent", "x"})
+    path = write_rows(tmp_path / "plain.jsonl", rows)
+    loaded = load_samples(path, agents={"tool_agent", "x"}, default_agent="tool_agent")
     assert [s.uid for s in loaded] == ["plain-0", "plain-1"]
     assert [s.ground_truth for s in loaded] == ["a", "b"]
     assert [s.agent_name for s in loaded] == ["tool_agent", "x"]
     assert loaded[0].extra == {}
+
+
+def test_a_row_without_agent_name_runs_the_default_loop(tmp_path: Path) -> None:
+    """verl's default, single_turn_agent, unless the caller (agent.default_agent_loop) says
+    otherwise; a SkyRL row (env_class) runs tool_agent, as SkyRL's generator plays it."""
+    rows = [verl_row(0), {**verl_row(1), "env_class": "guess_number"}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    assert DEFAULT == "single_turn_agent"
+    loaded = load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)
+    assert [s.agent_name for s in loaded] == ["single_turn_agent", "tool_agent"]
+    loaded = load_samples(path, agents=AGENT_LOOPS, default_agent="react_agent")
+    assert [s.agent_name for s in loaded] == ["react_agent", "tool_agent"]
+    with pytest.raises(DatasetError, match=r"would run 'tool_agnet', which is not a registered"):
+        load_samples(path, agents=AGENT_LOOPS, default_agent="tool_agnet")
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
@@ -94,7 +114,9 @@ def test_verls_agent_names_are_the_registered_loops(tmp_path: Path, suffix: str)
     """verl writes ``single_turn_agent`` (its default) and ``tool_agent``: both load and both
     name a loop the rollout runs."""
     rows = [verl_row(0, agent_name="single_turn_agent"), verl_row(1, agent_name="tool_agent")]
-    loaded = load_samples(write_rows(tmp_path / f"verl{suffix}", rows), agents=AGENT_LOOPS)
+    loaded = load_samples(
+        write_rows(tmp_path / f"verl{suffix}", rows), agents=AGENT_LOOPS, default_agent=DEFAULT
+    )
     assert [s.agent_name for s in loaded] == ["single_turn_agent", "tool_agent"]
     assert all(s.agent_name in AGENT_LOOPS for s in loaded)
 
@@ -102,7 +124,9 @@ def test_verls_agent_names_are_the_registered_loops(tmp_path: Path, suffix: str)
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_limit(tmp_path: Path, suffix: str) -> None:
     path = write_rows(tmp_path / f"d{suffix}", [verl_row(i) for i in range(5)])
-    assert [s.uid for s in load_samples(path, limit=2, agents=AGENT_LOOPS)] == [
+    assert [
+        s.uid for s in load_samples(path, limit=2, agents=AGENT_LOOPS, default_agent=DEFAULT)
+    ] == [
         "openai/gsm8k-0",
         "openai/gsm8k-1",
     ]
@@ -111,7 +135,7 @@ def test_limit(tmp_path: Path, suffix: str) -> None:
 def test_write_jsonl_round_trip(tmp_path: Path) -> None:
     original = samples(4)
     path = write_jsonl(tmp_path / "out" / "arith.jsonl", original)
-    assert load_samples(path, agents=AGENT_LOOPS) == original
+    assert load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT) == original
     row = json.loads(path.read_text().splitlines()[0])
     assert row["reward_model"] == {"style": "rule", "ground_truth": "0"}
 
@@ -120,26 +144,28 @@ def test_parquet_matches_jsonl(tmp_path: Path) -> None:
     jsonl = write_jsonl(tmp_path / "arith.jsonl", samples(3))
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     parquet = write_rows(tmp_path / "arith.parquet", rows)
-    assert load_samples(parquet, agents=AGENT_LOOPS) == load_samples(jsonl, agents=AGENT_LOOPS)
+    assert load_samples(parquet, agents=AGENT_LOOPS, default_agent=DEFAULT) == load_samples(
+        jsonl, agents=AGENT_LOOPS, default_agent=DEFAULT
+    )
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"nope\.jsonl: no such dataset file"):
-        load_samples(tmp_path / "nope.jsonl", agents=AGENT_LOOPS)
+        load_samples(tmp_path / "nope.jsonl", agents=AGENT_LOOPS, default_agent=DEFAULT)
 
 
 def test_unknown_suffix(tmp_path: Path) -> None:
     path = tmp_path / "data.csv"
     path.write_text("prompt\n")
     with pytest.raises(DatasetError, match=r"data\.csv: unknown dataset suffix '\.csv'"):
-        load_samples(path, agents=AGENT_LOOPS)
+        load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)
 
 
 def test_bad_json_line_names_row_and_line(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(verl_row(0)) + "\n\n{oops\n")
     with pytest.raises(DatasetError, match=r"d\.jsonl: row 1 \(line 3\): not valid JSON"):
-        load_samples(path, agents=AGENT_LOOPS)
+        load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)
 
 
 BAD_ROWS = {
@@ -180,13 +206,13 @@ def test_bad_row_names_file_row_and_problem(tmp_path: Path, suffix: str, case: s
     path = write_rows(tmp_path / f"bad{suffix}", rows)
     where = rf"row {row_number}" + (rf" \(line {row_number + 1}\)" if suffix == ".jsonl" else "")
     with pytest.raises(DatasetError, match=rf"bad\{suffix}: {where}: {problem}"):
-        load_samples(path, agents=AGENT_LOOPS)
+        load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)
 
 
 def test_duplicate_uids_are_an_error(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "dup.jsonl", [verl_row(0), verl_row(1), verl_row(0)])
     with pytest.raises(DatasetError, match=r"row 2 \(line 3\): uid 'openai/gsm8k-0' repeats"):
-        load_samples(path, agents=AGENT_LOOPS)
+        load_samples(path, agents=AGENT_LOOPS, default_agent=DEFAULT)
 
 
 def uids(batch: list[Sample]) -> list[str]:

@@ -301,9 +301,13 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     import reasoning_gym
 
     spec = "reasoning_gym:basic_arithmetic?size=6&seed=3&max_terms=3"
-    samples = load_samples(spec, agents=AGENTS)
-    assert [s.uid for s in samples] == [s.uid for s in load_samples(spec, agents=AGENTS)]
-    assert load_samples(spec.replace("seed=3", "seed=4"), agents=AGENTS) != samples
+    samples = load_samples(spec, agents=AGENTS, default_agent="tool_agent")
+    again = load_samples(spec, agents=AGENTS, default_agent="tool_agent")
+    assert [s.uid for s in samples] == [s.uid for s in again]
+    other = load_samples(
+        spec.replace("seed=3", "seed=4"), agents=AGENTS, default_agent="tool_agent"
+    )
+    assert other != samples
     data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
     cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}"])
     scorer = make_reward(cfg.data)  # data.reward unset: reasoning-gym rows by their task
@@ -320,7 +324,7 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     for bad in ("", "nope?size=2&seed=0", "basic_arithmetic?size=0&seed=0",
                 "basic_arithmetic?size=2", "basic_arithmetic?size=2&seed=1&bogus=1"):  # fmt: skip
         with pytest.raises(DatasetError):
-            load_samples("reasoning_gym:" + bad, agents=AGENTS)
+            load_samples("reasoning_gym:" + bad, agents=AGENTS, default_agent="tool_agent")
 
     traces = _train(task, tmp_path / "run", f"data.train={spec}")
     by_uid = {s.uid: s for s in samples}
@@ -359,7 +363,8 @@ def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
     cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])
     envs = make_environments(cfg.env, 2)
     rows = [{"prompt": _question(0), "env_class": "no_such_env", "ground_truth": "1"}]
-    samples = load_samples(_rows(tmp_path / "rows.jsonl", rows), agents=AGENTS)
+    path = _rows(tmp_path / "rows.jsonl", rows)
+    samples = load_samples(path, agents=AGENTS, default_agent="tool_agent")
     with pytest.raises(ConfigError, match="no_such_env"):
         check_environments(envs, samples, "data.train")
     (tmp_path / "bad.yaml").write_text("interaction: {name: x}\n")

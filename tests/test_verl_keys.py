@@ -1,0 +1,242 @@
+"""verl's Hydra keys on jarl's command line: a real verl run script's overrides either become
+jarl's keys (sizes converted to counts) or each get one line naming what to use instead."""
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jax_agent_rl.config import ConfigError, JarlConfig, load_config
+from jax_agent_rl.verl_keys import TABLE, find, markdown_table, to_jarl
+
+ROOT = Path(__file__).parents[1]
+
+# The overrides of verl's examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh (verl
+# main, 2026-01), as they are; only the shell variables are filled in below.
+VERL_SCRIPT = r"""
+    algorithm.adv_estimator=grpo \
+    data.train_batch_size=256 \
+    data.max_prompt_length=1024 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    data.return_raw_chat=True \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.ppo_mini_batch_size=256 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.fsdp_config.param_offload=False \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+    global_profiler.tool=torch_memory \
+    global_profiler.save_path=./mem_snapshots \
+    global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=100000 \
+    global_profiler.global_tool_config.torch_memory.stack_depth=32 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+    actor_rollout_ref.rollout.name=sglang \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.85 \
+    actor_rollout_ref.rollout.multi_stage_wake_up=True \
+    actor_rollout_ref.rollout.n=16 \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 \
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \
+    actor_rollout_ref.rollout.over_sample_rate=0.1 \
+    actor_rollout_ref.rollout.mode=async \
+    algorithm.use_kl_in_reward=False \
+    trainer.critic_warmup=0 \
+    trainer.logger='["console","wandb"]' \
+    trainer.project_name='multi-turn-grpo-qwen2.5-3b-sglang' \
+    trainer.experiment_name=$EXPERIMENT_NAME \
+    trainer.n_gpus_per_node=8 \
+    trainer.nnodes=1 \
+    trainer.save_freq=-1 \
+    trainer.test_freq=20 \
+    trainer.val_before_train=True \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.val_files=$HOME/data/gsm8k/test.parquet \
+    actor_rollout_ref.rollout.multi_turn.tool_config_path="$PROJECT_DIR/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml" \
+    trainer.total_epochs=15 $@
+"""
+
+# what jarl refuses of it, and the words each refusal must say
+REFUSED = {
+    "data.filter_overlong_prompts": "no equivalent",
+    "data.truncation": "never truncates",
+    "actor_rollout_ref.model.use_remove_padding": "learner.packing",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "mesh.fsdp",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "mesh.fsdp",
+    "global_profiler.tool": "jax.profiler",
+    "global_profiler.save_path": "jax.profiler",
+    "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": "jax.profiler",
+    "global_profiler.global_tool_config.torch_memory.stack_depth": "jax.profiler",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
+    "actor_rollout_ref.rollout.name": "rollout.backend",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.kv_cache_gib",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "not needed",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "mesh.fsdp",
+    "actor_rollout_ref.rollout.over_sample_rate": "no equivalent",
+    "trainer.logger": "trainer.tensorboard",
+}
+
+
+def _script_overrides(tmp_path: Path) -> list[str]:
+    """The script's overrides as the shell hands them over, and a 600-row train file."""
+    text = (
+        VERL_SCRIPT.replace("$HOME", str(tmp_path))
+        .replace("$PROJECT_DIR", str(tmp_path))
+        .replace("$EXPERIMENT_NAME", "qwen2.5-3b_baseline")
+        .replace("$@", "")
+    )
+    (tmp_path / "data/gsm8k").mkdir(parents=True)
+    # verl counts epochs of the train file's rows: 600 of them
+    pq.write_table(pa.table({"row": range(600)}), tmp_path / "data/gsm8k/train.parquet")
+    return shlex.split(text.replace("\\\n", " "))
+
+
+def test_a_verl_script_maps_or_says_why_key_by_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = _script_overrides(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, overrides)
+    lines = str(refused.value).splitlines()
+    assert len(lines) == len(REFUSED)
+    for line, (key, says) in zip(lines, REFUSED.items(), strict=True):
+        assert line.startswith(f"verl key {key}="), line
+        assert says in line, line
+
+    kept = [o for o in overrides if o.split("=")[0] not in REFUSED]
+    cfg = load_config(None, kept)
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.data.prompts_per_step == 256
+    assert cfg.agent.max_response_tokens == cfg.agent.max_tokens_per_turn == 1024
+    assert cfg.rollout.max_model_len == 1024 + 1024
+    assert cfg.model.path == "Qwen/Qwen2.5-3B-Instruct"
+    assert cfg.optim.lr == 1e-6
+    assert cfg.algorithm.mini_batches == 1  # 256 prompts a step in mini-batches of 256
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, 8, 1)  # 8 GPUs, TP 1
+    assert cfg.learner.micro_batch_size == 32 * 8  # per GPU, over 8 data-parallel devices
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.kl_kind) == (0.001, "k3")
+    assert cfg.algorithm.entropy_coef == 0.0
+    assert cfg.learner.remat is True
+    assert cfg.rollout.n == 16
+    assert cfg.trainer.run_dir == "runs/multi-turn-grpo-qwen2.5-3b-sglang/qwen2.5-3b_baseline"
+    assert cfg.trainer.steps == 15 * (600 // 256)  # 15 epochs of 2 steps, as verl counts
+    assert cfg.trainer.save_every == cfg.trainer.steps  # -1: jarl saves at the end only
+    assert cfg.trainer.eval_every == 20
+    assert cfg.data.train == f"{tmp_path}/data/gsm8k/train.parquet"
+    assert cfg.data.val == f"{tmp_path}/data/gsm8k/test.parquet"
+    assert cfg.tools.config.endswith("config/tool_config/gsm8k_tool_config.yaml")
+    told = capsys.readouterr().err.splitlines()
+    assert "verl key actor_rollout_ref.rollout.n=16 -> rollout.n=16" in told
+    assert (
+        "verl key actor_rollout_ref.actor.ppo_mini_batch_size=256 -> algorithm.mini_batches=1"
+        in told
+    )
+    assert len(told) == len(kept) - 1  # once each; algorithm.adv_estimator is jarl's own key
+
+
+def _to_jarl(overrides: list[str], **config: object) -> dict[str, str]:
+    base = {"data.prompts_per_step": 16, "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1}
+    base |= config
+    out = to_jarl(overrides, base.get, lambda _line: None, rows=lambda _path: 100)
+    return dict(o.split("=", 1) for o in out)
+
+
+def test_ppo_mini_batch_size_is_a_size_and_mini_batches_a_count() -> None:
+    assert _to_jarl(["actor_rollout_ref.actor.ppo_mini_batch_size=4"]) == {
+        "algorithm.mini_batches": "4"  # 16 prompts in mini-batches of 4: 4 optimizer steps
+    }
+    # the prompts a step from either spelling, in either order
+    for overrides in (
+        ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.prompts_per_step=64"],
+    ):
+        assert _to_jarl(overrides)["algorithm.mini_batches"] == "4"
+
+
+def test_a_mini_batch_size_that_does_not_divide_is_one_line() -> None:
+    with pytest.raises(ConfigError) as e:
+        _to_jarl(["data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=96"])
+    (line,) = str(e.value).splitlines()
+    assert line.startswith("verl key actor_rollout_ref.actor.ppo_mini_batch_size=96: ")
+    assert "data.prompts_per_step=256 does not split into mini-batches of 96" in line
+    assert "algorithm.mini_batches (a COUNT)" in line
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size=0: expected a whole number >= 1"):
+        _to_jarl(["actor_rollout_ref.actor.ppo_mini_batch_size=0"])
+
+
+def test_other_traps_convert() -> None:
+    # epochs count steps only without total_training_steps (verl's rule)
+    assert _to_jarl(["trainer.total_epochs=3"], **{"data.train": "t.jsonl"}) == {
+        "trainer.steps": "18"  # 3 x (100 rows // 16)
+    }
+    both = ["trainer.total_epochs=3", "trainer.total_training_steps=2"]
+    assert _to_jarl(both) == {"trainer.steps": "2"}
+    # micro-batches per GPU over every data-parallel device; TP devices are not data-parallel
+    got = _to_jarl(
+        [
+            "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        ]
+    )
+    assert (got["mesh.fsdp"], got["mesh.tensor"], got["learner.micro_batch_size"]) == (
+        "4",
+        "2",
+        "16",
+    )
+    # verl ignores kl_loss_coef without use_kl_loss
+    assert _to_jarl(["actor_rollout_ref.actor.use_kl_loss=False"]) == {"algorithm.kl_coef": "0.0"}
+    with pytest.raises(ConfigError, match="use_kl_loss=True"):
+        _to_jarl(["actor_rollout_ref.actor.kl_loss_coef=0.1"])
+    assert _to_jarl(
+        ["custom_reward_function.path=my/score.py", "custom_reward_function.name=score"]
+    ) == {"data.reward": '"my/score.py:score"'}
+    assert _to_jarl(["data.train_files=[a.parquet]"]) == {"data.train": '"a.parquet"'}
+    with pytest.raises(ConfigError, match="jarl reads one file here, got 2"):
+        _to_jarl(["data.train_files=[a.parquet,b.parquet]"])
+
+
+def test_a_jarl_key_set_twice_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.n is set directly and by verl key"):
+        _to_jarl(["rollout.n=4", "actor_rollout_ref.rollout.n=8"])
+
+
+def test_jarl_overrides_pass_untouched() -> None:
+    overrides = ["env.classes={a: b}", "env.classes.a=c", "rollout.n=4"]
+    assert to_jarl(overrides, {}.get, lambda _line: None) == overrides
+
+
+def test_the_table_is_docs_verl_md() -> None:
+    """Every key of the table, with its jarl key and how, is in docs/verl.md as generated."""
+    assert markdown_table() in (ROOT / "docs/verl.md").read_text(encoding="utf-8")
+
+
+def test_no_verl_key_of_the_table_is_a_jarl_key() -> None:
+    """A verl spelling that is also jarl's would be read as jarl's; only identical keys may."""
+
+    def keys(cls: type, prefix: str = "") -> set[str]:
+        out = set()
+        for f in dataclasses.fields(cls):
+            inner = f.default_factory
+            if inner is not dataclasses.MISSING and dataclasses.is_dataclass(inner):
+                out |= keys(inner, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+            out.add(f"{prefix}{f.name}")
+        return out
+
+    jarl = keys(JarlConfig)
+    for entry in TABLE:
+        assert (entry.verl in jarl) == (entry.verl == entry.jarl), entry.verl
+        for target in filter(None, entry.jarl.split(", ")):
+            assert target in jarl, target
+        assert find(entry.verl) is entry
