@@ -235,28 +235,25 @@ class JudgeSection:
 class DataSection:
     """Prompts (jsonl or parquet in verl's column layout) and their reward.
 
-    A reward is a built-in name (math, gsm8k, format) or a user function,
-    ``package.module:function`` or ``path/to/file.py:function``, taking ``(text, ground_truth)``
-    or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (see
-    `jax_agent_rl.rewards.registry`). A row is scored by its ``data_source``'s entry in
-    ``rewards_by_source`` if it has one, else by ``reward``. ``rewards_by_source`` starts with
-    the sources verl's ``default_compute_score`` knows, so verl's data is scored as verl scores
-    it; an entry you set for one of them replaces it (entries are added, never removed).
+    A reward is a built-in name (verl's rules ``verl_gsm8k``, ``verl_math``, ``verl_dapo``,
+    ``verl_qa_em``; ours ``math``, ``gsm8k_lenient``, ``format``, ``reasoning_gym``; ``judge``)
+    or a user function, ``package.module:function`` or ``path/to/file.py:function``, taking
+    ``(text, ground_truth)`` or verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)`` (see `jax_agent_rl.rewards.registry`). A row is scored as verl picks: by its
+    ``data_source``'s entry in ``rewards_by_source`` if it has one, else by ``reward`` if set
+    (it overrides every other source, as verl's ``custom_reward_function`` does), else by
+    source: verl's own rule for the sources verl's ``default_compute_score`` knows (so verl's
+    data is scored as verl scores it, on the whole decoded response), the task's scorer for
+    reasoning-gym rows, ``math`` for the rest. An empty entry in ``rewards_by_source`` is an
+    error (it would leave open whether ``reward`` or the source's default applies).
     """
 
     train: str = "???"
     val: str = ""  # held-out prompts for evaluation; empty: no evaluation
     prompts_per_step: int = 16
     val_size: int = 0  # 0: the whole validation file
-    reward: str = "math"  # rows whose data_source is not in rewards_by_source
-    rewards_by_source: dict[str, str] = dataclasses.field(
-        default_factory=lambda: {
-            "openai/gsm8k": "gsm8k",
-            "lighteval/MATH": "math",
-            "DigitalLearningGmbH/MATH-lighteval": "math",
-            "HuggingFaceH4/MATH-500": "math",
-        }
-    )
+    reward: str = ""  # every row not in rewards_by_source; empty: by data_source (above)
+    rewards_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
     # the tool rewards of an episode (`ToolResult.reward` of every call), summed, are added to
     # its reward times this weight. 0 is what verl does: the reward function's score is the
     # reward, and a function of verl's signature reads the tool rewards, if it wants them, from

@@ -1,7 +1,8 @@
 """verl users' data carries over: a row as verl writes it (agent_name ``single_turn_agent``,
 data_source ``openai/gsm8k``, a GSM8K ground truth) loads, runs the loop it names and is scored
-as verl scores it; tool rewards (`ToolResult.reward`) reach the reward the learner trains on,
-times ``data.tool_reward_weight``.
+as verl scores it (verl's strict ``#### N`` rule on the whole decoded response; its parity with
+verl's own function is tests/rewards/test_verl_parity.py); tool rewards (`ToolResult.reward`)
+reach the reward the learner trains on, times ``data.tool_reward_weight``.
 
 The trainer's own scoring function (`trajectory_reward`) is checked alone; then the trainer's
 rollout runs on the real embedded engine with the tiny model `tests.agent.test_loop` memorises
@@ -27,6 +28,7 @@ from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.datasets import load_samples
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
@@ -52,44 +54,59 @@ def _verl_row(index: int, ground_truth: str) -> dict[str, Any]:
     }
 
 
-def _answered(sample: Sample, text: str, turn_rewards: tuple[float, ...] = ()) -> Trajectory:
-    return Trajectory(
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tok")
+    corpus = ["48 + 24 = 72.\n#### 72 <answer>7</answer>", GSM8K_SOLUTION]
+    save_tokenizer(path, train_bpe(corpus, vocab_size=300), chat_template("chatml_tools"))
+    return Tokenizer.from_pretrained(path)
+
+
+def _answered(
+    tok: Tokenizer, sample: Sample, text: str, turn_rewards: tuple[float, ...] = ()
+) -> Trajectory:
+    traj = Trajectory(
         uid=sample.uid,
         group_id=sample.uid,
         prompt_ids=[],
         messages=[*sample.messages, {"role": "assistant", "content": text}],
         turn_rewards=list(turn_rewards),
     )
+    traj.append([*tok.encode(text), tok.token_id("<|im_end|>")], model=True)
+    return traj
 
 
-def test_a_verl_gsm8k_row_is_scored_as_verl_scores_it(tmp_path: Path) -> None:
+def test_a_verl_gsm8k_row_is_scored_as_verl_scores_it(tmp_path: Path, tok: Tokenizer) -> None:
     path = tmp_path / "train.parquet"
     rows = [_verl_row(0, "72"), _verl_row(1, GSM8K_SOLUTION)]  # verl's and GSM8K's own truth
     pq.write_table(pa.Table.from_pylist(rows), path)
     samples = load_samples(path, agents=AGENT_LOOPS)
     assert [s.agent_name for s in samples] == ["single_turn_agent"] * 2
-    cfg = _config()  # no reward configured: openai/gsm8k picks the GSM8K scorer
+    cfg = _config()  # no reward configured: openai/gsm8k rows get verl's GSM8K rule
     score = make_reward(cfg.data)
-    for sample in samples:
-        right = _answered(sample, "48 + 24 = 72.\n#### 72")
-        wrong = _answered(sample, "48 + 24 = 71.\n#### 71")
-        assert (
-            asyncio.run(trajectory_reward(sample, right, score, cfg.data.tool_reward_weight)) == 1.0
-        )
-        assert (
-            asyncio.run(trajectory_reward(sample, wrong, score, cfg.data.tool_reward_weight)) == 0.0
-        )
+
+    def reward(sample: Sample, text: str) -> float:
+        traj = _answered(tok, sample, text)
+        return asyncio.run(trajectory_reward(sample, traj, score, cfg.data.tool_reward_weight, tok))
+
+    verls, whole_solution = samples
+    assert reward(verls, "48 + 24 = 72.\n#### 72") == 1.0
+    assert reward(verls, "48 + 24 = 71.\n#### 71") == 0.0
+    assert reward(verls, "<answer>72</answer>") == 0.0  # verl's rule wants "#### 72"
+    # verl compares the answer with the ground truth as a string: a whole solution never matches
+    assert reward(whole_solution, "48 + 24 = 72.\n#### 72") == 0.0
 
 
 @pytest.mark.parametrize(("weight", "reward"), [("0", 1.0), ("1", 1.75), ("2", 2.5)])
-def test_tool_rewards_are_added_times_their_weight(weight: str, reward: float) -> None:
+def test_tool_rewards_are_added_times_their_weight(
+    weight: str, reward: float, tok: Tokenizer
+) -> None:
     cfg = _config(f"data.tool_reward_weight={weight}")
     sample = Sample("s", [{"role": "user", "content": "7?"}], ground_truth="7")
-    traj = _answered(sample, "<answer>7</answer>", turn_rewards=(0.5, 0.25))  # two tool turns
+    traj = _answered(tok, sample, "<answer>7</answer>", turn_rewards=(0.5, 0.25))  # 2 tool turns
     score = make_reward(cfg.data)
-    assert (
-        asyncio.run(trajectory_reward(sample, traj, score, cfg.data.tool_reward_weight)) == reward
-    )
+    weighted = trajectory_reward(sample, traj, score, cfg.data.tool_reward_weight, tok)
+    assert asyncio.run(weighted) == reward
 
 
 def tool_aware_score(
@@ -100,20 +117,21 @@ def tool_aware_score(
     return float(solution_str == ground_truth) + 0.1 * sum(extra_info["tool_rewards"])
 
 
-def test_by_default_the_reward_function_decides_what_tool_rewards_count_as_in_verl() -> None:
+def test_by_default_the_reward_function_decides_what_tool_rewards_count_as_in_verl(
+    tok: Tokenizer,
+) -> None:
     """verl's score is its reward function's alone (weight 0), and the function reads the tool
     rewards from ``extra_info["tool_rewards"]``, beside the row's own extra_info."""
     sample = Sample("s", [{"role": "user", "content": "7?"}], ground_truth="7", extra={"k": 1})
-    traj = _answered(sample, "7", turn_rewards=(0.5, 0.25))
+    traj = _answered(tok, sample, "7", turn_rewards=(0.5, 0.25))
     builtin = _config()
     assert builtin.data.tool_reward_weight == 0.0
     score = make_reward(builtin.data)
-    assert (
-        asyncio.run(trajectory_reward(sample, traj, score, builtin.data.tool_reward_weight)) == 0.0
-    )
+    unweighted = trajectory_reward(sample, traj, score, builtin.data.tool_reward_weight, tok)
+    assert asyncio.run(unweighted) == 0.0
     verl_fn = _config("data.reward=tests.test_verl_data:tool_aware_score")
     score = make_reward(verl_fn.data)
-    assert asyncio.run(trajectory_reward(sample, traj, score, 0.0)) == pytest.approx(1.075)
+    assert asyncio.run(trajectory_reward(sample, traj, score, 0.0, tok)) == pytest.approx(1.075)
     assert sample.extra == {"k": 1}  # the row's own extra_info is not changed
 
 

@@ -7,9 +7,9 @@ other options go to the task's config, read as YAML scalars) with the given seed
 string always gives the same rows; a different seed gives held-out rows. Each row is reasoning-
 gym's default system prompt (think, then ``<answer>...</answer>``) and the question; its
 ``data_source`` is ``reasoning_gym/<task>`` and ``extra_info.reasoning_gym`` keeps the entry
-(question, answer, metadata) the scorer reads. Such rows are scored by the ``reasoning_gym``
-reward (`score`): the task's ``score_answer`` of the text inside the response's last
-``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 without one.
+(question, answer, metadata) the scorer reads. With ``data.reward`` unset, such rows are scored
+by the ``reasoning_gym`` reward (`score`): the task's ``score_answer`` of the text inside the
+response's last ``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 without one.
 """
 
 from __future__ import annotations

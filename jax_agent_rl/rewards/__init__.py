@@ -1,13 +1,14 @@
-"""Rewards: built-in answer checkers (math, GSM8K, format), user functions named in the config
-(ours or verl's ``compute_score`` signature), a model as the judge, and the choice of reward
-per ``data_source``."""
+"""Rewards: verl's rule scorers (`jax_agent_rl.rewards.verl_rules`, checked against verl's own),
+our answer checkers (math, lenient GSM8K, format), user functions named in the config (ours or
+verl's ``compute_score`` signature), a model as the judge, and the choice of reward per
+``data_source``."""
 
 from jax_agent_rl.rewards.judge import Judge, JudgeAnswerError, judge_prompt, parse_score
 from jax_agent_rl.rewards.math import (
     extract_answer,
     format_reward,
     gsm8k_answer,
-    gsm8k_reward,
+    gsm8k_lenient_reward,
     math_equal,
     math_reward,
 )
@@ -37,7 +38,7 @@ __all__ = [
     "extract_answer",
     "format_reward",
     "gsm8k_answer",
-    "gsm8k_reward",
+    "gsm8k_lenient_reward",
     "judge_prompt",
     "load_reward",
     "make_reward",

@@ -7,11 +7,15 @@ change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``
 (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
 ``%``), up to a relative tolerance of 1e-6; otherwise as lower-cased strings.
 
-`gsm8k_reward` scores GSM8K the way verl's gsm8k scorer does, with its "flexible" fallback: the
-number after the model's last ``#### `` (verl's strict format), else the last number of its
-``<answer>``/``\\boxed{}`` answer, else the last number it wrote; the ground truth may be the bare
-number (verl's preprocessing) or a whole GSM8K solution ending in ``#### <number>``. Unlike
-verl, numbers are compared as numbers (``72.0`` equals ``72``), not as strings.
+`gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
+wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
+number of its ``<answer>``/``\\boxed{}`` answer, else the last number it wrote; the ground truth
+may be the bare number (verl's preprocessing) or a whole GSM8K solution ending in
+``#### <number>``; numbers are compared as numbers (``72.0`` equals ``72``). It is not verl's
+rule (`jax_agent_rl.rewards.verl_rules.gsm8k_score`, the ``verl_gsm8k`` reward and the default
+for ``openai/gsm8k`` rows), which takes only ``#### N`` in the last 300 characters and compares
+it as a string: ``The answer is 15``, ``#### 15.0``, ``\\boxed{15}`` and ``<answer>15</answer>``
+score 1.0 here and 0 there.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def gsm8k_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def gsm8k_reward(text: str, ground_truth: str | float | int) -> float:
+def gsm8k_lenient_reward(text: str, ground_truth: str | float | int) -> float:
     """1.0 when the model's GSM8K answer equals the number after the ground truth's last
     ``####`` (or the whole ground truth, when it has none), else 0.0."""
     return float(math_equal(gsm8k_answer(text), str(ground_truth).rpartition("####")[2]))

@@ -1,9 +1,20 @@
 """Which reward scores a row, loaded once at startup from the config's data section.
 
-A reward is named by a built-in name (`REWARDS`: ``math``, ``gsm8k``, ``format``) or by a user
-function, ``package.module:function`` or ``path/to/file.py:function`` (verl's
-``custom_reward_function.path`` / ``.name`` in one string). A user function is called in the
-form its signature accepts:
+A reward is named by a built-in name (`REWARDS`) or by a user function, ``package.module:function``
+or ``path/to/file.py:function`` (verl's ``custom_reward_function.path`` / ``.name`` in one
+string). The built-in names:
+
+- ``verl_gsm8k``, ``verl_math``, ``verl_dapo``, ``verl_qa_em``: verl's own rules
+  (`jax_agent_rl.rewards.verl_rules`: GSM8K's strict ``#### N``, MATH's boxed answer, DAPO's
+  ``Answer:`` line, Search-R1's exact match), results as verl's (dapo's dict gives its score);
+- ``math``: ours, the last ``<answer>`` or ``\\boxed{}`` compared as a number or string;
+- ``gsm8k_lenient``: ours, GSM8K's number however it is written (``#### 15.0``, ``<answer>``,
+  ``\\boxed{}``, the last number); not verl's rule;
+- ``format``: one ``<answer>`` block and no unclosed ``<think>``;
+- ``reasoning_gym``: a reasoning-gym row's task scorer;
+- ``judge``: a model asks instead (`jax_agent_rl.rewards.judge`, set up by ``data.judge``).
+
+A user function is called in the form its signature accepts:
 
 - verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, called with
   keywords as verl calls it (any function that binds those four keywords, ``**kwargs`` too);
@@ -12,13 +23,22 @@ form its signature accepts:
 
 It returns a number, or (as verl allows) a dict whose ``score`` is the number; the other keys
 of such a dict are not recorded. Anything else, and a reward that is not finite, is an error
-naming the config key. A row is scored by ``data.rewards_by_source[row.data_source]`` when its
-source is listed there, else, for a reasoning-gym row (source ``reasoning_gym/<task>``), by its
-task's own scorer (the ``reasoning_gym`` reward), else by ``data.reward``.
+naming the config key.
 
-The name ``judge`` asks a model instead (`jax_agent_rl.rewards.judge`, set up by
-``data.judge``). Rewards are awaited (`Scorer`), so that a step's judge requests are sent
-together.
+Which reward scores a row (`make_reward`), as verl picks one: its source's entry in
+``data.rewards_by_source``, else ``data.reward`` when set (it overrides every other source, as
+verl's ``custom_reward_function`` does), else, with ``data.reward`` unset (empty), by source:
+verl's rule for the sources verl's ``default_compute_score`` knows (`verl_rules.
+default_compute_score`; those it routes to scorers not shipped here raise, naming the source),
+the task's scorer for reasoning-gym rows (``reasoning_gym/<task>``), ``math`` for the rest. An
+empty entry in ``data.rewards_by_source`` is an error: it would leave open whether the row falls
+back to ``data.reward`` or to its source's default.
+
+What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a source verl's
+``default_compute_score`` knows, the whole response decoded as verl decodes it (every token after
+the prompt, tool responses included, special tokens skipped); for other rows the last assistant
+message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Scorer`), so that a
+step's judge requests are sent together.
 """
 
 from __future__ import annotations
@@ -32,27 +52,35 @@ from typing import Any
 
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.data import reasoning_gym
-from jax_agent_rl.rewards.math import format_reward, gsm8k_reward, math_reward
+from jax_agent_rl.rewards import verl_rules
+from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.user_code import load_function
 
-RewardFn = Callable[[str, Any], float]  # ours: (final answer text, ground truth) -> reward
-# every loaded reward: (data_source, final answer text, ground truth, extra_info) -> reward
+# a built-in rule: (text, ground truth) -> a number, or a dict whose "score" is one
+RewardFn = Callable[[str, Any], Any]
+# every loaded reward: (data_source, text, ground truth, extra_info) -> reward
 ScoreFn = Callable[[str, str, Any, dict[str, Any]], float]
 
 REWARDS: dict[str, RewardFn] = {
+    "verl_gsm8k": verl_rules.gsm8k_score,
+    "verl_math": verl_rules.math_score,
+    "verl_dapo": verl_rules.dapo_score,
+    "verl_qa_em": verl_rules.qa_em_score,
     "math": math_reward,
-    "gsm8k": gsm8k_reward,
+    "gsm8k_lenient": gsm8k_lenient_reward,
     "format": lambda text, _truth: format_reward(text),
 }
 
 JUDGE = "judge"  # the reward name that asks a model (data.judge)
+_BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-    """What a reward scores: a trajectory's final answer ``text`` with its row's
+    """What a reward scores: a trajectory's ``text`` (the last assistant message, or for verl
+    data the whole decoded response: `jax_agent_rl.train.step.scored_text`) with its row's
     ``data_source``, ``prompt`` (the last user message), ``ground_truth`` and ``extra_info``."""
 
     data_source: str
@@ -72,38 +100,64 @@ def uses_judge(data: DataSection) -> bool:
 
 
 def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
-    """The reward of every row: its source's entry in ``data.rewards_by_source``, else the
-    ``reasoning_gym`` reward for reasoning-gym rows, else ``data.reward``. Every named reward
-    is loaded and checked here, before anything runs; rows whose reward is ``judge`` go to
-    ``judge`` (required when `uses_judge`; without it, this only checks the names)."""
-    default = _load(data.reward, "data.reward", judge)
+    """The reward of every row (the module docstring says which). Every named reward is loaded
+    and checked here, before anything runs; rows whose reward is ``judge`` go to ``judge``
+    (required when `uses_judge`; without it, this only checks the names)."""
+    for source, spec in data.rewards_by_source.items():
+        if not spec.strip():
+            raise ConfigError(
+                f"data.rewards_by_source.{source} is empty: name its reward, or remove the entry "
+                "to score the source by data.reward (or, with data.reward unset, by source)"
+            )
     by_source = {
         source: _load(spec, f"data.rewards_by_source.{source}", judge)
         for source, spec in data.rewards_by_source.items()
     }
-
-    generated = _load("reasoning_gym", "reasoning_gym", judge)
+    fallback = _load(data.reward or _BY_SOURCE_FALLBACK, "data.reward", judge)
+    source_default = _source_default(fallback)
 
     async def score(answer: Answer) -> float:
         fn = by_source.get(answer.data_source)
         if fn is None:
-            is_generated = answer.data_source.startswith(reasoning_gym.SOURCE_PREFIX)
-            fn = generated if is_generated else default
+            fn = fallback if data.reward else source_default(answer.data_source)
         return await fn(answer)
 
     return score
+
+
+def _source_default(fallback: Scorer) -> Callable[[str], Scorer]:
+    """The reward of a source when ``data.reward`` is unset: verl's rule for sources verl
+    knows, the task's scorer for reasoning-gym rows, ``fallback`` for the rest."""
+
+    def verl_rule(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+        result = verl_rules.default_compute_score(source, text, truth, extra)
+        return _score(result, f"verl's rule for {source}", "data.reward")
+
+    verl = _rule(verl_rule)
+    generated = _rule(reasoning_gym.score)
+
+    def pick(data_source: str) -> Scorer:
+        if verl_rules.knows_source(data_source):
+            return verl
+        if data_source.startswith(reasoning_gym.SOURCE_PREFIX):
+            return generated
+        return fallback
+
+    return pick
+
+
+def _rule(fn: ScoreFn) -> Scorer:
+    async def rule(a: Answer) -> float:
+        return fn(a.data_source, a.text, a.ground_truth, a.extra)
+
+    return rule
 
 
 def _load(spec: str, key: str, judge: JudgeFn | None) -> Scorer:
     """The awaited reward ``spec`` names: the judge, or `load_reward`'s function."""
     if spec == JUDGE:
         return judge or _no_judge
-    fn = load_reward(spec, key)
-
-    async def rule(a: Answer) -> float:
-        return fn(a.data_source, a.text, a.ground_truth, a.extra)
-
-    return rule
+    return _rule(load_reward(spec, key))
 
 
 async def _no_judge(answer: Answer) -> float:
@@ -116,12 +170,12 @@ def load_reward(spec: str, key: str) -> ScoreFn:
         return reasoning_gym.score
     if spec in REWARDS:
         builtin = REWARDS[spec]
-        return lambda _source, text, truth, _extra: builtin(text, truth)
+        return lambda _source, text, truth, _extra: _score(builtin(text, truth), spec, key)
     if ":" not in spec:
+        names = ", ".join(sorted([*REWARDS, "reasoning_gym"]))
         raise ConfigError(
-            f"{key}={spec!r} is not a reward; built in: {sorted([*REWARDS, 'reasoning_gym'])}, "
-            f"{JUDGE!r} (a model, data.judge), or a user function as module:function or "
-            "path/to/file.py:function"
+            f"{key}={spec!r} is not a reward; built in: {names}, {JUDGE} (a model, data.judge);"
+            " or a user function as module:function or path/to/file.py:function (docs/rewards.md)"
         )
     return _adapt(load_function(spec, key), spec, key)
 

@@ -3,7 +3,8 @@
 1. draw ``data.prompts_per_step`` prompts, roll each out ``rollout.n`` times through the agent
    loop on the backend, or as a tree (``agent.strategy=tree``), all episodes concurrently
    (the backend batches them);
-2. score each trajectory's final answer; DAPO's overlong penalty shapes the reward and its
+2. score each trajectory (`scored_text`: its final answer, or for verl data its whole response,
+   as verl scores it); DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
 3. `learn`: pack the trainable trajectories (not those cut short by a dead tool service, an
    abort or an unexpected error) into a batch, upload it once with the rewards and groups,
@@ -32,9 +33,10 @@ from jax_agent_rl.agent.loop import AgentContext, run_sample
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
-from jax_agent_rl.rewards import Answer, Scorer
+from jax_agent_rl.rewards import Answer, Scorer, verl_rules
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -48,8 +50,19 @@ from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 
 
 def final_answer_text(traj: Trajectory) -> str:
-    """The last assistant message (what the reward reads)."""
+    """The last assistant message."""
     return next((m["content"] for m in reversed(traj.messages) if m["role"] == "assistant"), "")
+
+
+def scored_text(sample: Sample, traj: Trajectory, tokenizer: Tokenizer) -> str:
+    """What the reward reads, verl's rule for verl data: for a row of a source verl's
+    ``default_compute_score`` knows, the whole response as verl's reward managers decode it
+    (every token after the prompt, tool calls and tool responses included, special tokens
+    skipped): a ``#### 15`` in an earlier turn counts when it lies where verl's rule looks; for
+    other rows the last assistant message."""
+    if verl_rules.knows_source(sample.data_source):
+        return tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+    return final_answer_text(traj)
 
 
 def prompt_text(sample: Sample) -> str:
@@ -58,10 +71,10 @@ def prompt_text(sample: Sample) -> str:
 
 
 async def trajectory_reward(
-    sample: Sample, traj: Trajectory, score: Scorer, tool_reward_weight: float
+    sample: Sample, traj: Trajectory, score: Scorer, tool_reward_weight: float, tokenizer: Tokenizer
 ) -> float:
     """The reward the learner trains on: the environment's when it owns the episode's reward
-    (``traj.env_reward``, SkyRL's), else ``score`` of the final answer (by the sample's
+    (``traj.env_reward``, SkyRL's), else ``score`` of its `scored_text` (by the sample's
     ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
     of the turn rewards (``traj.turn_rewards``: tool calls', a verl interaction's scores). As
     in verl, the reward function also gets them as ``extra_info["tool_rewards"]`` (here one
@@ -70,7 +83,11 @@ async def trajectory_reward(
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
     answer = Answer(
-        sample.data_source, prompt_text(sample), final_answer_text(traj), sample.ground_truth, extra
+        sample.data_source,
+        prompt_text(sample),
+        scored_text(sample, traj, tokenizer),
+        sample.ground_truth,
+        extra,
     )
     outcome = await score(answer)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
@@ -152,7 +169,7 @@ async def rollout_episodes(
         episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
         runs = [grown(e) for e in episodes]
     groups = list(await asyncio.gather(*runs))
-    await score_episodes(groups, episodes, score, tool_reward_weight)
+    await score_episodes(groups, episodes, score, tool_reward_weight, ctx.tokenizer)
     trajs = [t for g in groups for t in g]
     for group in split_groups(trajs) if filters else ():
         apply_filters(group, filters)
@@ -164,12 +181,13 @@ async def score_episodes(
     episodes: Sequence[Sample],
     score: Scorer,
     tool_reward_weight: float,
+    tokenizer: Tokenizer,
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
     scored concurrently: a model judge gets the step's requests together."""
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
     rewards = await asyncio.gather(
-        *(trajectory_reward(e, t, score, tool_reward_weight) for e, t in pairs)
+        *(trajectory_reward(e, t, score, tool_reward_weight, tokenizer) for e, t in pairs)
     )
     for (_, traj), reward in zip(pairs, rewards, strict=True):
         traj.reward = reward

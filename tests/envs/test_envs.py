@@ -310,8 +310,8 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     assert [s.uid for s in samples] == [s.uid for s in load_samples(spec, agents=AGENTS)]
     assert load_samples(spec.replace("seed=3", "seed=4"), agents=AGENTS) != samples
     data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
-    cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}", "data.reward=format"])
-    scorer = make_reward(cfg.data)  # data.reward does not apply to reasoning-gym rows
+    cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}"])
+    scorer = make_reward(cfg.data)  # data.reward unset: reasoning-gym rows by their task
 
     def score(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
         return asyncio.run(scorer(Answer(source, "", text, truth, extra)))
@@ -327,7 +327,7 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
         with pytest.raises(DatasetError):
             load_samples("reasoning_gym:" + bad, agents=AGENTS)
 
-    traces = _train(task, tmp_path / "run", f"data.train={spec}", "data.reward=format")
+    traces = _train(task, tmp_path / "run", f"data.train={spec}")
     by_uid = {s.uid: s for s in samples}
     for t in traces:
         s = by_uid[t["group_id"]]

@@ -6,7 +6,7 @@ from jax_agent_rl.rewards import (
     extract_answer,
     format_reward,
     gsm8k_answer,
-    gsm8k_reward,
+    gsm8k_lenient_reward,
     math_equal,
     math_reward,
 )
@@ -99,11 +99,11 @@ def test_gsm8k_answer(text: str, answer: str | None) -> None:
         ("I cannot tell.", "#### 72", 0.0),
     ],
 )
-def test_gsm8k_reward(text: str, truth: str, reward: float) -> None:
-    assert gsm8k_reward(text, truth) == reward
+def test_gsm8k_lenient_reward(text: str, truth: str, reward: float) -> None:
+    assert gsm8k_lenient_reward(text, truth) == reward
 
 
 def test_gsm8k_ground_truth_scores_zero_under_the_math_reward() -> None:
     """Why GSM8K rows need their own scorer: the ``math`` reward reads the ground truth whole."""
     assert math_reward("<answer>72</answer>", "#### 72") == 0.0
-    assert gsm8k_reward("<answer>72</answer>", "#### 72") == 1.0
+    assert gsm8k_lenient_reward("<answer>72</answer>", "#### 72") == 1.0

@@ -74,7 +74,18 @@ def a_bool(text: str, ground_truth: Any) -> Any:
 
 
 def test_builtin_names() -> None:
-    assert load_reward("gsm8k", "data.reward")("openai/gsm8k", "#### 72", "#### 72", {}) == 1.0
+    assert load_reward("verl_gsm8k", "data.reward")("x", "#### 72", "72", {}) == 1.0
+    assert load_reward("verl_gsm8k", "data.reward")("x", "#### 72.0", "72", {}) == 0.0
+    assert load_reward("gsm8k_lenient", "data.reward")("x", "#### 72.0", "#### 72", {}) == 1.0
+    assert load_reward("verl_math", "data.reward")("x", "\\boxed{0.5}", "\\frac12", {}) == 1.0
+    assert load_reward("verl_dapo", "data.reward")("x", "Answer: 7", "7", {}) == 1.0  # its dict
+    assert load_reward("verl_dapo", "data.reward")("x", "Answer: 8", "7", {}) == -1.0
+    assert (
+        load_reward("verl_qa_em", "data.reward")(
+            "x", "<answer>A B</answer>", {"target": ["b", "a b"]}, {}
+        )
+        == 1.0
+    )
     assert load_reward("math", "data.reward")("x", "\\boxed{7}", "7", {}) == 1.0
     assert load_reward("format", "data.reward")("x", "<answer>3</answer>", "9", {}) == 1.0
 
@@ -110,9 +121,10 @@ def test_user_function_from_a_file(tmp_path: Path) -> None:
 
 
 BAD_SPECS = {
-    "f1": r"data\.reward='f1' is not a reward; built in: \['format', 'gsm8k', 'math', "
-    r"'reasoning_gym'\], 'judge' \(a model, data\.judge\), or a user function as "
-    r"module:function or path/to/file\.py:function",
+    "f1": r"data\.reward='f1' is not a reward; built in: format, gsm8k_lenient, math, "
+    r"reasoning_gym, verl_dapo, verl_gsm8k, verl_math, verl_qa_em, judge \(a model, "
+    r"data\.judge\); or a user function as module:function or path/to/file\.py:function",
+    "gsm8k": r"data\.reward='gsm8k' is not a reward; built in: .*gsm8k_lenient.*verl_gsm8k",
     "no_such_pkg_xyz.scores:fn": r"data\.reward='no_such_pkg_xyz\.scores:fn': cannot import "
     r"module 'no_such_pkg_xyz\.scores'",
     f"{HERE}:nope": rf"data\.reward='{HERE}:nope': {HERE} has no function 'nope'",
@@ -159,12 +171,17 @@ def _config(*overrides: str) -> JarlConfig:
 ANSWER = "She sold 48 + 24 = 72 clips.\n#### 72"
 
 
-def test_verls_data_sources_pick_verls_scorer_by_default() -> None:
-    """As verl's default_compute_score: openai/gsm8k rows by the GSM8K scorer, MATH rows by
-    the boxed-answer one; other sources by ``data.reward``."""
-    score = make_reward(_config().data)
-    assert _scored(score, "openai/gsm8k", ANSWER, "#### 72", {}) == 1.0
-    assert _scored(score, "my_gsm8k_copy", ANSWER, "#### 72", {}) == 0.0  # data.reward: math
+def test_with_data_reward_unset_rows_are_scored_by_source() -> None:
+    """As verl's default_compute_score: openai/gsm8k rows by verl's strict GSM8K rule, MATH rows
+    by its boxed-answer rule, math/aime rows by its DAPO rule; reasoning-gym rows by their task;
+    other sources by ``math``."""
+    data = _config().data
+    assert data.reward == "" and data.rewards_by_source == {}
+    score = make_reward(data)
+    assert _scored(score, "openai/gsm8k", ANSWER, "72", {}) == 1.0
+    assert _scored(score, "openai/gsm8k", "The answer is 72", "72", {}) == 0.0  # verl: strict
+    assert _scored(score, "openai/gsm8k", "<answer>72</answer>", "72", {}) == 0.0
+    assert _scored(score, "my_gsm8k_copy", ANSWER, "72", {}) == 0.0  # math: no <answer>
     assert _scored(score, "my_gsm8k_copy", "<answer>72</answer>", "72", {}) == 1.0
     for source in (
         "lighteval/MATH",
@@ -173,27 +190,56 @@ def test_verls_data_sources_pick_verls_scorer_by_default() -> None:
     ):
         assert _scored(score, source, "So \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", {}) == 1.0
         assert _scored(score, source, ANSWER, "72", {}) == 0.0  # no boxed answer
+    for source in ("math_dapo", "math", "aime2024"):
+        assert _scored(score, source, "Answer: 72", "72", {}) == 1.0
+        assert _scored(score, source, "<answer>72</answer>", "72", {}) == -1.0
+    for source in ("hiyouga/geometry3k", "codecontests"):  # verl's, scorers not shipped here
+        with pytest.raises(NotImplementedError, match=rf"{source}.*set data\.reward"):
+            _scored(score, source, "\\boxed{1}", "1", {})
 
 
-def test_rewards_by_source_entries_replace_and_add() -> None:
+def test_data_reward_set_overrides_every_source() -> None:
+    """verl's custom_reward_function: the user's reward scores verl's sources too."""
+    score = make_reward(_config(f"data.reward={HERE}:exact_match").data)
+    for source in ("anything", "openai/gsm8k", "lighteval/MATH", "aime2024", "reasoning_gym/x"):
+        assert _scored(score, source, "7", "7", {}) == 1.0
+        assert _scored(score, source, "#### 7", "7", {}) == 0.0
+    assert (
+        _scored(
+            make_reward(_config("data.reward=gsm8k_lenient").data),
+            "openai/gsm8k",
+            "#### 7.0",
+            "7",
+            {},
+        )
+        == 1.0
+    )
+
+
+def test_rewards_by_source_wins_over_data_reward() -> None:
     cfg = _config(
+        f"data.reward={HERE}:exact_match",
         "data.rewards_by_source.openai/gsm8k=format",
         f"data.rewards_by_source.mine={HERE}:compute_score",
     )
-    assert cfg.data.rewards_by_source["lighteval/MATH"] == "math"  # the others stay
     score = make_reward(cfg.data)
-    assert _scored(score, "openai/gsm8k", ANSWER, "#### 72", {}) == 0.0  # format: no <answer> block
-    assert _scored(score, "openai/gsm8k", "<answer>1</answer>", "#### 72", {}) == 1.0
+    assert _scored(score, "openai/gsm8k", ANSWER, "72", {}) == 0.0  # format: no <answer> block
+    assert _scored(score, "openai/gsm8k", "<answer>1</answer>", "72", {}) == 1.0
     assert _scored(score, "mine", "7", "7", {"split": "train"}) == 1.5
+    assert _scored(score, "lighteval/MATH", "7", "7", {}) == 1.0  # not listed: data.reward
+    unset = make_reward(_config("data.rewards_by_source.mine=format").data)
+    assert _scored(unset, "mine", "<answer>1</answer>", "7", {}) == 1.0
+    assert _scored(unset, "openai/gsm8k", ANSWER, "72", {}) == 1.0  # not listed: by source
 
 
-def test_data_reward_scores_the_unlisted_sources() -> None:
-    score = make_reward(_config(f"data.reward={HERE}:exact_match").data)
-    assert _scored(score, "anything", "7", "7", {}) == 1.0
-    assert _scored(score, "anything", "<answer>7</answer>", "7", {}) == 0.0
-    assert (
-        _scored(score, "openai/gsm8k", "<answer>7</answer>", "7", {}) == 1.0
-    )  # still listed: gsm8k
+def test_an_empty_rewards_by_source_entry_is_a_one_line_error() -> None:
+    """An empty entry would leave open whether data.reward or the source's default applies."""
+    data = DataSection(train="t.jsonl", reward="math", rewards_by_source={"openai/gsm8k": " "})
+    with pytest.raises(
+        ConfigError, match=r"^data\.rewards_by_source\.openai/gsm8k is empty: name"
+    ) as e:
+        make_reward(data)
+    assert "\n" not in str(e.value)
 
 
 def test_a_bad_entry_fails_when_the_rewards_are_made() -> None:

@@ -152,8 +152,15 @@ CASES: dict[str, Case] = {
         lambda _f: ["data.reward=maths"],
         lambda _f: (
             f"data.reward='maths' is not a reward; built in: "
-            f"{sorted([*REWARDS, 'reasoning_gym'])}, 'judge' (a model, data.judge), or a user "
-            "function as module:function or path/to/file.py:function"
+            f"{', '.join(sorted([*REWARDS, 'reasoning_gym']))}, judge (a model, data.judge); or a "
+            "user function as module:function or path/to/file.py:function (docs/rewards.md)"
+        ),
+    ),
+    "empty reward entry": (  # ambiguous: data.reward, or the source's default?
+        lambda _f: ["data.reward=format", "data.rewards_by_source.openai/gsm8k="],
+        lambda _f: (
+            "data.rewards_by_source.openai/gsm8k is empty: name its reward, or remove the entry "
+            "to score the source by data.reward (or, with data.reward unset, by source)"
         ),
     ),
     "negative steps": (
