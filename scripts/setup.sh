@@ -40,7 +40,7 @@ if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; the
   fi
 fi
 stamp=$venv/.setup-stamp
-want=$( (echo "$target"; cat "$lock" pyproject.toml scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+want=$( (echo "$target"; cat "$lock" pyproject.toml setup.py scripts/setup.sh) | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

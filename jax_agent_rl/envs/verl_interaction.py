@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,35 @@ from jax_agent_rl.tokenization import Message
 from jax_agent_rl.user_code import load_function
 
 _METHODS = ("start_interaction", "generate_response", "finalize_interaction")
+
+
+class BaseInteraction:
+    """verl's ``BaseInteraction``, for interaction classes to subclass (``verl.interactions.
+    base`` in the `verl` shim): ``config`` as the YAML entry gives it, ``name`` from it. A
+    subclass implements ``generate_response``; the other methods do nothing by default."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.name: str = config.get("name", "interaction_agent")
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        del kwargs
+        return instance_id or str(uuid.uuid4())
+
+    async def generate_response(
+        self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
+        """``(should_terminate_sequence, response_text, turn_score, metrics)`` after a model
+        turn."""
+        del instance_id, messages, kwargs
+        raise NotImplementedError(f"{type(self).__name__} must implement generate_response")
+
+    async def calculate_score(self, instance_id: str | None = None, **kwargs: Any) -> float:
+        del instance_id, kwargs
+        return 0.0
+
+    async def finalize_interaction(self, instance_id: str | None = None, **kwargs: Any) -> None:
+        del instance_id, kwargs
 
 
 class InteractionEnvironment:

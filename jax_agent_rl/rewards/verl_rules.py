@@ -138,10 +138,16 @@ def gsm8k_score(
     score: float = 1.0,
 ) -> float | int:
     """verl's GSM8K rule (see the module docstring)."""
-    answer = _gsm8k_answer(solution_str[-_GSM8K_CLIP:], method)
+    answer = gsm8k_answer(solution_str, method)
     if answer is None:
         return 0
     return score if answer == ground_truth else format_score
+
+
+def gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The answer verl's GSM8K rule reads in a response (verl's ``gsm8k.extract_solution``):
+    a string, or None when there is none."""
+    return _gsm8k_answer(solution_str[-_GSM8K_CLIP:], method)
 
 
 def _gsm8k_answer(text: str, method: str) -> str | None:

@@ -1,7 +1,8 @@
 """Tools: the @tool decorator, stateful tools, the registry and the executor seam.
 
 Tools written for verl import its API (``BaseTool``, ``ToolResponse``, ``function_tool``, ...)
-from `jax_agent_rl.tools.verl`, the module that stands in for ``verl.tools``.
+from ``verl.tools.*`` as they do in verl; `jax_agent_rl.tools.verl` implements it, and the
+`verl` shim (`jax_agent_rl_verl_shim`) serves it under verl's names when verl is not installed.
 """
 
 from jax_agent_rl.tools.base import FunctionTool, Tool, ToolArgumentError, ToolResult, tool

@@ -1,4 +1,4 @@
-"""verl's tool API: tools written for verl run here with one import line changed.
+"""verl's tool API: tools written for verl run here unchanged.
 
 verl (``verl.tools``, checked against its main branch, 0.10.0.dev) declares tools in two
 ways; both run here:
@@ -11,8 +11,9 @@ ways; both run here:
   its ``function_tool_path`` names).
 
 A tool module imports `BaseTool`, `ToolResponse`, `OpenAIFunctionToolSchema` and
-`function_tool` from here instead of ``verl.tools.*``; a `BaseTool` subclass importing verl's
-own classes (verl installed) runs as well, since `VerlTool` only calls its methods.
+`function_tool` from ``verl.tools.*`` unchanged: without verl installed, the `verl` shim
+(`jax_agent_rl_verl_shim`) serves these names from here; with verl installed, its own classes
+run as well, since `VerlTool` only calls their methods.
 
 `VerlTool` calls a tool as verl's tool agent loop does, with two differences. verl creates an
 instance, executes one call and releases it for every call; here the instance lives for the
@@ -33,7 +34,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -68,6 +69,42 @@ class OpenAIFunctionToolSchema(BaseModel):
 
     type: str
     function: OpenAIFunctionSchema
+
+
+class OpenAIFunctionParsedSchema(BaseModel):
+    """A tool call as parsed from the model's text: the arguments still a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class OpenAIFunctionCallSchema(BaseModel):
+    """A tool call with its arguments decoded."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    @staticmethod
+    def from_openai_function_parsed_schema(
+        parsed_schema: OpenAIFunctionParsedSchema,
+    ) -> tuple[OpenAIFunctionCallSchema, bool]:
+        """The call with its arguments decoded, and whether decoding failed (then the
+        arguments are {}: not JSON, or JSON that is not an object)."""
+        try:
+            arguments = json.loads(parsed_schema.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            return OpenAIFunctionCallSchema(name=parsed_schema.name, arguments={}), True
+        return OpenAIFunctionCallSchema(name=parsed_schema.name, arguments=arguments), False
+
+
+class OpenAIFunctionToolCall(BaseModel):
+    """A tool call in OpenAI's chat format."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCallSchema
 
 
 class ToolResponse(BaseModel):

@@ -1,0 +1,1 @@
+"""verl's interaction base class under its module name."""

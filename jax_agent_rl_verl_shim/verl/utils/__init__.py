@@ -1,0 +1,1 @@
+"""The parts of ``verl.utils`` that tool and reward modules import."""

@@ -1,0 +1,164 @@
+"""The `verl` shim (jax_agent_rl_verl_shim): without verl, the names verl tool, interaction and
+reward modules import are ours under verl's module names, and every other ``verl.*`` is an
+ImportError naming the shim. That a real verl anywhere on ``sys.path`` wins is checked where it
+costs no extra process: tests/train/test_verl_tool_module.py trains in a process that appends
+the real verl (``.verl-ref``) to ``sys.path`` after importing jax_agent_rl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jax_agent_rl_verl_shim
+from jax_agent_rl.envs.verl_interaction import BaseInteraction, load_interactions
+from jax_agent_rl.rewards import verl_rules
+from jax_agent_rl.tools import verl as tools_verl
+
+ROOT = Path(__file__).resolve().parents[2]
+PTH = ROOT / "jax_agent_rl-verl-shim.pth"
+
+# module -> {name verl's module has: our object}
+SERVED = {
+    "verl.tools.base_tool": {
+        "BaseTool": tools_verl.BaseTool,
+        "OpenAIFunctionToolSchema": tools_verl.OpenAIFunctionToolSchema,
+        "ToolResponse": tools_verl.ToolResponse,
+    },
+    "verl.tools.schemas": {
+        name: getattr(tools_verl, name)
+        for name in (
+            "OpenAIFunctionPropertySchema",
+            "OpenAIFunctionParametersSchema",
+            "OpenAIFunctionSchema",
+            "OpenAIFunctionToolSchema",
+            "OpenAIFunctionParsedSchema",
+            "OpenAIFunctionCallSchema",
+            "OpenAIFunctionToolCall",
+            "ToolResponse",
+        )
+    },
+    "verl.tools.function_tool": {"function_tool": tools_verl.function_tool},
+    "verl.utils.reward_score": {"default_compute_score": verl_rules.default_compute_score},
+    "verl.utils.reward_score.gsm8k": {
+        "compute_score": verl_rules.gsm8k_score,
+        "extract_solution": verl_rules.gsm8k_answer,
+    },
+    "verl.utils.reward_score.math_reward": {"compute_score": verl_rules.math_score},
+    "verl.utils.reward_score.math_dapo": {"compute_score": verl_rules.dapo_score},
+    "verl.utils.reward_score.search_r1_like_qa_em": {"compute_score": verl_rules.qa_em_score},
+    "verl.interactions.base": {"BaseInteraction": BaseInteraction},
+}
+
+
+def test_the_shim_serves_our_implementations_under_verls_names() -> None:
+    assert set(SERVED) | {"verl.utils.rollout_trace"} == set(jax_agent_rl_verl_shim.PROVIDED)
+    for module, names in SERVED.items():
+        loaded = importlib.import_module(module)
+        assert jax_agent_rl_verl_shim.is_shim(sys.modules["verl"])
+        for name, ours in names.items():
+            assert getattr(loaded, name) is ours, f"{module}.{name}"
+
+
+def test_rollout_trace_op_keeps_a_method_as_it_is() -> None:
+    from verl.utils.rollout_trace import rollout_trace_op
+
+    class Tool:
+        @rollout_trace_op
+        async def execute(self, x: int) -> tuple[int, float]:
+            return x, 0.5
+
+        @rollout_trace_op
+        def name(self) -> str:
+            return "t"
+
+    assert inspect.iscoroutinefunction(Tool.execute)
+    assert asyncio.run(Tool().execute(3)) == (3, 0.5) and Tool().name() == "t"
+
+
+def test_verls_parsed_call_schema_decodes_arguments() -> None:
+    from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionParsedSchema
+
+    def decode(arguments: str) -> tuple[dict, bool]:
+        parsed = OpenAIFunctionParsedSchema(name="f", arguments=arguments)
+        call, failed = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(parsed)
+        assert call.name == "f"
+        return call.arguments, failed
+
+    assert decode('{"a": 1}') == ({"a": 1}, False)
+    assert decode("[1]") == ({}, True) and decode("{") == ({}, True)
+
+
+@pytest.mark.parametrize(
+    ("module", "missing"),
+    [
+        ("verl.protocol", "verl.protocol"),
+        ("verl.trainer.main_ppo", "verl.trainer"),  # the first package the shim lacks
+        ("verl.workers", "verl.workers"),
+        ("verl.tools.gsm8k_tool", "verl.tools.gsm8k_tool"),
+    ],
+)
+def test_what_the_shim_lacks_is_an_import_error_naming_it(module: str, missing: str) -> None:
+    importlib.import_module("verl.tools")  # the shim's verl is the one imported
+    with pytest.raises(ImportError) as e:
+        importlib.import_module(module)
+    assert str(e.value).startswith("jax_agent_rl's verl shim provides only verl.tools.base_tool")
+    assert str(e.value).endswith(f"; install verl for {missing}")
+
+
+class Echo(BaseInteraction):
+    """A verl interaction, as it subclasses verl's base class."""
+
+    async def generate_response(
+        self, instance_id: str, messages: list[dict], **kwargs: object
+    ) -> tuple[bool, str, float, dict]:
+        del instance_id, kwargs
+        return True, messages[-1]["content"], 1.0, {}
+
+
+def test_an_interaction_subclassing_verls_base_loads(tmp_path: Path) -> None:
+    from verl.interactions.base import BaseInteraction as VerlBase
+
+    assert VerlBase is BaseInteraction
+    path = tmp_path / "interaction.yaml"
+    path.write_text(
+        "interaction:\n  - name: echo\n    class_name: tests.tools.test_verl_shim.Echo\n"
+        "    config: {k: 1}\n"
+    )
+    echo = load_interactions(str(path))["echo"]
+    assert echo.config == {"k": 1, "name": "echo"} and echo.name == "echo"
+    assert asyncio.run(echo.start_interaction()) != asyncio.run(echo.start_interaction())
+    reply = asyncio.run(echo.generate_response("i", [{"role": "assistant", "content": "hi"}]))
+    assert reply == (True, "hi", 1.0, {})
+    with pytest.raises(NotImplementedError, match="BaseInteraction must implement"):
+        asyncio.run(BaseInteraction({}).generate_response("i", []))
+
+
+def _python(code: str, pythonpath: list[Path]) -> str:
+    """``code`` run by this environment's Python in a fresh process; its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_pth_line_serves_verl_without_importing_jax_agent_rl(tmp_path: Path) -> None:
+    """What site does with the .pth the wheel installs (setup.py): a plain ``python`` gets the
+    shim, without any import of jax_agent_rl (``verl.utils.rollout_trace`` is the shim's own)."""
+    (tmp_path / PTH.name).write_text(PTH.read_text())
+    out = _python(
+        f"import site, sys; site.addsitedir({str(tmp_path)!r})\n"
+        "import verl.utils.rollout_trace as t, verl\n"
+        "print(verl.__file__); print('jax_agent_rl' in sys.modules)",
+        [ROOT],
+    )
+    assert out.splitlines() == [str(ROOT / "jax_agent_rl_verl_shim/verl/__init__.py"), "False"]
