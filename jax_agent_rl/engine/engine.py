@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -525,33 +525,53 @@ class Engine:
 
         return jax.lax.scan(step, state, None, length=num_steps)
 
-    def warmup(self, params: Weights, num_steps: int) -> None:
+    def warmup(
+        self,
+        params: Weights,
+        num_steps: int,
+        on_program: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Compiles every program serving can need (each prefill bucket at each number of
         pages it can read, ``generate`` at each batch bucket, insert, release
         and copy_page), so that no request stalls on a compilation later: a trace holds the
-        GIL and stalls the whole process. It writes into the pool: call it before serving."""
+        GIL and stalls the whole process. It writes into the pool: call it before serving.
+        ``on_program(done, total)`` hears of each program (or program pair) as it is ready."""
+        report = on_program or (lambda done, total: None)  # noqa: ARG005
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
         pages = list(range(self.pages_per_seq))
-        prefix = None
-        for bucket in self.prefill_buckets:
-            for n_pages in self.page_buckets:
-                # a chunk of this bucket whose padded end lies on the last of those pages
-                start = max(n_pages * self.page_size - bucket, 0)
-                n = min(bucket, self.max_len - 1 - start)
-                if (
-                    n < 1
-                    or self.prefill_bucket(n) != bucket
-                    or self.page_bucket(self.pages_for(start + bucket)) != n_pages
-                ):
-                    continue
-                state, prefix = self.prefill(params, state, pages, start, [0] * n, greedy, 0)
-        if prefix is None:
+        chunks = self._warmup_chunks()
+        if not chunks:
             raise AssertionError("no prefill bucket was compiled")
+        total = len(chunks) + len(self.batch_buckets) + 2  # + insert/copy_page, release
+        prefix = None
+        for done, (start, n) in enumerate(chunks, 1):
+            state, prefix = self.prefill(params, state, pages, start, [0] * n, greedy, 0)
+            report(done, total)
+        assert prefix is not None
         state = self.copy_page(self.insert(prefix, state, 0), 0, 1)
+        report(len(chunks) + 1, total)
         table = self.page_table([pages] * self.max_concurrent_decodes)
-        for rows in self.batch_buckets:
+        for i, rows in enumerate(self.batch_buckets, len(chunks) + 2):
             device_table = self._device_table(table[:rows], ("batch", None))
             state, out = self._generate(params, state, device_table, num_steps=num_steps, rows=rows)
             jax.block_until_ready(out)
+            report(i, total)
         jax.block_until_ready(self.release(state, 0))
+        report(total, total)
+
+    def _warmup_chunks(self) -> list[tuple[int, int]]:
+        """(start, length) of one prefill chunk per compiled prefill program: each bucket at
+        each number of pages it can read, its padded end on the last of those pages."""
+        chunks = []
+        for bucket in self.prefill_buckets:
+            for n_pages in self.page_buckets:
+                start = max(n_pages * self.page_size - bucket, 0)
+                n = min(bucket, self.max_len - 1 - start)
+                if (
+                    n >= 1
+                    and self.prefill_bucket(n) == bucket
+                    and self.page_bucket(self.pages_for(start + bucket)) == n_pages
+                ):
+                    chunks.append((start, n))
+        return chunks

@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -105,6 +106,7 @@ class EmbeddedBackend:
         session_cache_size: int = 128,
         seed: int = 0,
         warmup: bool = False,
+        on_program: Callable[[int, int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.capabilities = Capabilities(
@@ -120,7 +122,7 @@ class EmbeddedBackend:
         self.stats = BackendStats()
         self._params = engine.load_params(params)
         if warmup:  # compile every program now rather than stall a rollout later
-            engine.warmup(self._params, steps_per_call)
+            engine.warmup(self._params, steps_per_call, on_program)
         self._version = weight_version
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call

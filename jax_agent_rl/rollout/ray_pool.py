@@ -166,7 +166,10 @@ class RayPool:
         self._ray = ray
         self._cfg = spec.rollout.ray
         self._owns_ray = connect(self._cfg.address)
-        self._spec = dataclasses.replace(spec, params=cast(Any, None), sharder=None)  # sent apart
+        # params are sent apart; the sharder and the progress callback stay in this process
+        self._spec = dataclasses.replace(
+            spec, params=cast(Any, None), sharder=None, on_program=None
+        )
         self._version = spec.version
         # an engine process of its own (vLLM, JetStream) owns the replica's accelerators: JAX
         # there stays on the CPU rather than take their memory

@@ -36,7 +36,9 @@ class BackendBuild:
     engine on the run's inference mesh (`models.inference_mesh`); backends that own their
     devices (vLLM's processes) ignore it. ``stop_token_ids`` are the ids every request of the
     run stops at (the chat template's end of turn, the parser's stop tokens): a backend that
-    cannot take stop ids per request (JetStream) stops at these server-wide."""
+    cannot take stop ids per request (JetStream) stops at these server-wide.
+    ``on_program(done, total)`` hears of each program an in-process engine compiles before it
+    serves (progress for a start that takes a while); other backends may ignore it."""
 
     rollout: RolloutSection
     model: ModelConfig
@@ -47,6 +49,7 @@ class BackendBuild:
     seed: int = 0
     sharder: Sharder | None = None
     stop_token_ids: tuple[int, ...] = ()
+    on_program: Callable[[int, int], None] | None = None  # (not sent to replicas)
 
 
 def _no_problems(rollout: RolloutSection) -> list[str]:
@@ -93,6 +96,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         steps_per_call=spec.rollout.steps_per_call,
         seed=spec.seed,
         warmup=True,
+        on_program=spec.on_program,
     )
 
 

@@ -403,7 +403,11 @@ async def serve_policy(
         start = make_pool if cfg.rollout.ray.address else make_backend
         with progress.phase(
             console, f"starting the {cfg.rollout.backend} rollout backend (compiling its programs)"
-        ):
+        ) as starting:
+
+            def compiled(done: int, total: int) -> None:
+                starting.update(done, f"{done}/{total} programs compiled")
+
             built = start(
                 BackendBuild(
                     cfg.rollout,
@@ -415,6 +419,7 @@ async def serve_policy(
                     seed=cfg.trainer.seed,
                     sharder=sharder,
                     stop_token_ids=turn_stop_ids(tokenizer, parser),
+                    on_program=compiled,
                 )
             )
         backend = MeteredBackend(built)  # its idle time goes into each step's metrics

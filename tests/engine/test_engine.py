@@ -69,12 +69,18 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: bool) -> None:
     """After warm-up, serving compiles nothing at all: no engine function and no other XLA
     program (JAX's own count of backend compiles, which also sees helpers outside the engine,
-    such as a cache made per request), on one device and on an 8-device inference mesh."""
+    such as a cache made per request), on one device and on an 8-device inference mesh. Its
+    progress counts every compiled program once, in order, ending at the total."""
     sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else None
     backend = _backend(checkpoint, max_len=128, sharder=sharder)
     engine = backend.engine
-    engine.warmup(backend._params, num_steps=4)
+    heard: list[tuple[int, int]] = []
+    engine.warmup(backend._params, num_steps=4, on_program=lambda *n: heard.append(n))
     after_warmup = dict(engine.compile_counts)
+    total = heard[-1][1]
+    assert heard == [(done, total) for done in range(1, total + 1)]
+    prefills, generates = after_warmup["prefill"], after_warmup["generate"]
+    assert total == prefills + generates + 2  # + insert/copy_page, release
     rng = np.random.default_rng(1)
     compiles: list[str] = []
 
