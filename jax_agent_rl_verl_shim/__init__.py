@@ -3,7 +3,8 @@ modules import unchanged, with or without verl installed.
 
 The folder ``verl/`` beside this file holds a package named ``verl`` whose modules are the
 names such files import (``verl.tools.base_tool``, ``verl.tools.schemas``,
-``verl.tools.function_tool``, ``verl.utils.rollout_trace``, ``verl.utils.reward_score`` and its
+``verl.tools.function_tool``, ``verl.tools.gsm8k_tool`` (verl's own GSM8K tool, which its tool
+YAML names), ``verl.utils.rollout_trace``, ``verl.utils.reward_score`` and its
 ``gsm8k`` / ``math_reward`` / ``math_dapo`` / ``search_r1_like_qa_em``, ``verl.interactions.
 base``); each re-exports jax_agent_rl's implementation under verl's name.
 
@@ -35,6 +36,7 @@ PROVIDED = (
     "verl.tools.base_tool",
     "verl.tools.schemas",
     "verl.tools.function_tool",
+    "verl.tools.gsm8k_tool",
     "verl.utils.rollout_trace",
     "verl.utils.reward_score",
     "verl.utils.reward_score.gsm8k",

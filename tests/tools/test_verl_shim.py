@@ -21,6 +21,7 @@ import jax_agent_rl_verl_shim
 from jax_agent_rl.envs.verl_interaction import BaseInteraction, load_interactions
 from jax_agent_rl.rewards import verl_rules
 from jax_agent_rl.tools import verl as tools_verl
+from jax_agent_rl.tools.verl_gsm8k import Gsm8kTool
 
 ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "jax_agent_rl-verl-shim.pth"
@@ -46,6 +47,7 @@ SERVED = {
         )
     },
     "verl.tools.function_tool": {"function_tool": tools_verl.function_tool},
+    "verl.tools.gsm8k_tool": {"Gsm8kTool": Gsm8kTool},
     "verl.utils.reward_score": {"default_compute_score": verl_rules.default_compute_score},
     "verl.utils.reward_score.gsm8k": {
         "compute_score": verl_rules.gsm8k_score,
@@ -102,7 +104,7 @@ def test_verls_parsed_call_schema_decodes_arguments() -> None:
         ("verl.protocol", "verl.protocol"),
         ("verl.trainer.main_ppo", "verl.trainer"),  # the first package the shim lacks
         ("verl.workers", "verl.workers"),
-        ("verl.tools.gsm8k_tool", "verl.tools.gsm8k_tool"),
+        ("verl.tools.search_tool", "verl.tools.search_tool"),
     ],
 )
 def test_what_the_shim_lacks_is_an_import_error_naming_it(module: str, missing: str) -> None:

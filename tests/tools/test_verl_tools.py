@@ -237,6 +237,56 @@ def test_verl_tools_yaml_runs_basetool_classes(tmp_path: Path) -> None:
     assert answers._instance_dict == {}  # released through the tool's own release
 
 
+# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it
+VERL_GSM8K_YAML = """\
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct,\
+ 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+"""
+
+
+def test_verls_own_gsm8k_tool_yaml_runs_unchanged(tmp_path: Path) -> None:
+    """The class verl's GSM8K tool YAML names answers as verl 0.6's ``Gsm8kTool`` does (the
+    expected texts and tool rewards were recorded from it on these calls)."""
+    tools = LocalTools(verl_registry(tmp_path, VERL_GSM8K_YAML))
+    calls = [("15", "14"), ("15", "15"), ("15", "#### 15"), ("15", "abc")]
+    calls += [("1500", "1,500"), ("1500", "$1500"), ("1500", "1500.0")]
+
+    async def scenario() -> list[tuple[str, float]]:
+        out = []
+        for truth, answer in calls:
+            kwargs = {"ground_truth": truth}
+            result = await tools.call(truth, "calc_gsm8k_reward", {"answer": answer}, kwargs)
+            out.append((result.text, result.reward))
+        await tools.release("15")
+        await tools.release("1500")
+        return out
+
+    assert asyncio.run(scenario()) == [
+        ("Current parsed answer='14' reward=0.0", -0.05),
+        ("Current parsed answer='15' reward=1.0", 0.0),
+        ("Current parsed answer='#### 15' reward=1.0", -0.05),  # not an improvement
+        ("Current parsed answer='abc' reward=0", -0.05),  # no number: verl's int 0
+        ("Current parsed answer='1,500' reward=0.0", -0.05),
+        ("Current parsed answer='$1500' reward=1.0", 0.0),
+        ("Current parsed answer='1500.0' reward=0.0", -0.05),
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
