@@ -101,8 +101,10 @@ def _count(value: Any, zero: bool = False) -> int:
 def _one_file(value: Any) -> str:
     """verl's ``*_files``: a path or a list of paths; jarl reads one file."""
     files = value if isinstance(value, list) else [value]
-    if len(files) != 1 or not isinstance(files[0], str):
+    if len(files) > 1:
         raise ConfigError(f"jarl reads one file here, got {len(files)}: join the rows into one")
+    if not files or not isinstance(files[0], str) or not files[0]:
+        raise ConfigError(f"expected a file path, got {value!r}")
     return files[0]
 
 

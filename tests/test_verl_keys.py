@@ -205,6 +205,9 @@ def test_other_traps_convert() -> None:
     assert _to_jarl(["data.train_files=[a.parquet]"]) == {"data.train": '"a.parquet"'}
     with pytest.raises(ConfigError, match="jarl reads one file here, got 2"):
         _to_jarl(["data.train_files=[a.parquet,b.parquet]"])
+    for empty in ("null", "", "[]", "[null]"):  # no path: never "got 1 file"
+        with pytest.raises(ConfigError, match="expected a file path, got "):
+            _to_jarl([f"data.train_files={empty}"])
 
 
 def test_a_jarl_key_set_twice_is_an_error() -> None:
