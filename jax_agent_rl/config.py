@@ -456,7 +456,14 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
     """The schema's defaults, the YAML file's values and then the overrides, merged (missing
     values left missing); every problem a one-line `ConfigError`."""
     layers = [] if path is None else [_read_yaml(Path(path))]
+    # Hydra's +key=v / ++key=v (add / force) set the key as key=v does: every key exists here
+    overrides = [item.lstrip("+") for item in overrides]
     for item in overrides:
+        if item.startswith("~"):
+            raise ConfigError(
+                f"override {_shown(item)}: Hydra's ~key (delete) has nothing to do here: every "
+                "key has a default; drop it"
+            )
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
         key, _, value = item.partition("=")

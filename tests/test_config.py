@@ -72,6 +72,17 @@ def test_bad_values_name_the_key() -> None:
         load_config(None, [])
     with pytest.raises(ConfigError, match=r"not of the form key\.sub=value"):
         load_config(None, ["model.path"])
+    with pytest.raises(
+        ConfigError, match=r"^override '~trainer\.run_dir': Hydra's ~key \(delete\)"
+    ):
+        load_config(None, ["model.path=/a", "~trainer.run_dir"])
+
+
+def test_hydras_add_and_force_prefixes_set_a_key() -> None:
+    plain = load_config(None, ["model.path=/a", "data.train=t", "rollout.n=4"])
+    for prefix in ("+", "++"):
+        cfg = load_config(None, [f"{prefix}model.path=/a", "data.train=t", f"{prefix}rollout.n=4"])
+        assert cfg == plain
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
 
