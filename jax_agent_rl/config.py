@@ -485,6 +485,13 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         key = _full_key(e)
         if key in RENAMED:
             raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}") from None
+        from jax_agent_rl.verl_keys import VERL_SECTIONS  # verl_keys -> config
+
+        if key.split(".")[0] in ("defaults", *VERL_SECTIONS):
+            raise ConfigError(
+                f"unknown config key {key!r}: a verl (Hydra) config file? jarl reads verl's "
+                "keys as command-line overrides only; start from a jarl config (docs/verl.md)"
+            ) from None
         raise ConfigError(
             f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}"
         ) from None
@@ -697,6 +704,8 @@ def _read_yaml(path: Path) -> Any:
     is missing, no UTF-8 text, no single YAML document, nested deeper than `MAX_DEPTH`, or no
     mapping at its top level."""
     where = f"config file {path}"
+    if path.is_dir():
+        raise ConfigError(f"{where} is a folder: name a YAML file")
     if not path.is_file():
         raise ConfigError(f"{where} does not exist")
     try:

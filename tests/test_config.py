@@ -78,6 +78,14 @@ def test_bad_values_name_the_key() -> None:
         load_config(None, ["model.path=/a", "~trainer.run_dir"])
 
 
+def test_a_verl_config_file_is_told_where_verl_keys_go(tmp_path: Path) -> None:
+    for text in ("defaults:\n- ppo_trainer\n", "actor_rollout_ref:\n  rollout:\n    n: 4\n"):
+        path = tmp_path / "verl.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=r"a verl \(Hydra\) config file\? .*docs/verl\.md"):
+            load_config(path, ["model.path=/a", "data.train=t"])
+
+
 def test_hydras_add_and_force_prefixes_set_a_key() -> None:
     plain = load_config(None, ["model.path=/a", "data.train=t", "rollout.n=4"])
     for prefix in ("+", "++"):
@@ -85,6 +93,8 @@ def test_hydras_add_and_force_prefixes_set_a_key() -> None:
         assert cfg == plain
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
+    with pytest.raises(ConfigError, match="is a folder: name a YAML file"):
+        load_config(Path(__file__).parent)
 
 
 def _numeric_keys(cls: type, prefix: str = "") -> set[str]:
