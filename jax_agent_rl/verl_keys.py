@@ -220,6 +220,8 @@ def _epochs(value: Any, given: Given) -> dict[str, Any]:
         return {}  # verl: total_training_steps wins
     epochs, train = _count(value), given.current("data.train")
     prompts = given.current("data.prompts_per_step")
+    if not train:
+        raise ConfigError("steps are epochs of data.train, which is not set: set it first")
     try:
         rows = given.rows(str(train))
     except (OSError, ValueError) as e:
@@ -227,6 +229,12 @@ def _epochs(value: Any, given: Given) -> dict[str, Any]:
             f"steps are epochs of data.train, whose rows could not be counted "
             f"({type(e).__name__}: {train}): set data.train or trainer.steps"
         ) from None
+    if rows < prompts:  # verl drops the incomplete batch: no step at all, and jarl's 0 is SFT only
+        raise ConfigError(
+            f"data.train has {rows} rows, fewer than a step's {prompts} prompts "
+            "(data.prompts_per_step): no training step; lower data.train_batch_size or set "
+            "trainer.steps"
+        )
     return {"trainer.steps": epochs * (rows // prompts)}
 
 

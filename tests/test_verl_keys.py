@@ -180,6 +180,10 @@ def test_other_traps_convert() -> None:
     assert _to_jarl(["trainer.total_epochs=3"], **{"data.train": "t.jsonl"}) == {
         "trainer.steps": "18"  # 3 x (100 rows // 16)
     }
+    with pytest.raises(ConfigError, match="has 100 rows, fewer than a step's 128 prompts"):
+        _to_jarl(["trainer.total_epochs=3", "data.train_batch_size=128"], **{"data.train": "t"})
+    with pytest.raises(ConfigError, match=r"data\.train, which is not set"):
+        _to_jarl(["trainer.total_epochs=3"], **{"data.train": ""})
     both = ["trainer.total_epochs=3", "trainer.total_training_steps=2"]
     assert _to_jarl(both) == {"trainer.steps": "2"}
     # micro-batches per GPU over every data-parallel device; TP devices are not data-parallel
