@@ -706,6 +706,13 @@ TABLE: tuple[VerlKey, ...] = (
         _reward,
     ),
     VerlKey(
+        "custom_reward_function.reward_kwargs.",
+        "",
+        "no equivalent: jarl calls data.reward's function without extra keyword arguments: "
+        "give them defaults in the function",
+        _refuse,
+    ),
+    VerlKey(
         "reward_model.enable",
         "",
         "False: what jarl always does (no scalar reward model; a model as the reward is "

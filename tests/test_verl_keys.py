@@ -207,6 +207,8 @@ def test_other_traps_convert() -> None:
         ["custom_reward_function.path=my/score.py", "custom_reward_function.name=score"]
     ) == {"data.reward": '"my/score.py:score"'}
     assert _to_jarl(["data.train_files=[a.parquet]"]) == {"data.train": '"a.parquet"'}
+    with pytest.raises(ConfigError, match="without extra keyword arguments: give them defaults"):
+        _to_jarl(["custom_reward_function.reward_kwargs.scale=2"])
     with pytest.raises(ConfigError, match="jarl reads one file here, got 2"):
         _to_jarl(["data.train_files=[a.parquet,b.parquet]"])
     for empty in ("null", "", "[]", "[null]"):  # no path: never "got 1 file"
