@@ -203,6 +203,25 @@ def _parser(value: Any, _given: Given) -> dict[str, Any]:
     return {"agent.parser": "hermes"}
 
 
+def _betas(value: Any, _given: Given) -> dict[str, Any]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ConfigError("expected [b1, b2]")
+    b1, b2 = (_fraction(b) for b in value)
+    return {"optim.b1": b1, "optim.b2": b2}
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ConfigError("expected numbers in [0, 1)")
+    return float(value)
+
+
+def _warmup_steps(value: Any, _given: Given) -> dict[str, Any]:
+    if value == -1:
+        return {"optim.warmup_steps": 0}
+    return {"optim.warmup_steps": _count(value, zero=True)}
+
+
 def _trace_backend(value: Any, _given: Given) -> dict[str, Any]:
     if value is None:
         return {}
@@ -428,6 +447,47 @@ TABLE: tuple[VerlKey, ...] = (
         "actor_rollout_ref.actor.optim.weight_decay",
         "optim.weight_decay",
         "the same (verl's default is 0.01, jarl's 0)",
+    ),
+    VerlKey(
+        "actor_rollout_ref.actor.optim.betas", "optim.b1, optim.b2", "[b1, b2] -> b1, b2", _betas
+    ),
+    VerlKey(
+        "actor_rollout_ref.actor.optim.lr_warmup_steps",
+        "optim.warmup_steps",
+        "the same; -1 (verl: use lr_warmup_steps_ratio, 0 by default) -> 0",
+        _warmup_steps,
+    ),
+    VerlKey(
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+        "",
+        "no equivalent ratio: set optim.warmup_steps, a COUNT of steps (verl's is ratio x total "
+        "training steps)",
+        _refuse,
+    ),
+    VerlKey(
+        "actor_rollout_ref.actor.strategy",
+        "",
+        "not needed: jarl shards over the mesh (mesh.*)",
+        _refuse,
+    ),
+    VerlKey(
+        "actor_rollout_ref.rollout.prompt_length",
+        "",
+        "not needed: verl copies it from data.max_prompt_length; set that",
+        _refuse,
+    ),
+    VerlKey(
+        "actor_rollout_ref.rollout.response_length",
+        "",
+        "not needed: verl copies it from data.max_response_length; set that",
+        _refuse,
+    ),
+    VerlKey(
+        "actor_rollout_ref.rollout.agent.num_workers",
+        "",
+        "not needed: jarl runs every episode as a coroutine in one process "
+        "(rollout.max_concurrent at once)",
+        _refuse,
     ),
     VerlKey("actor_rollout_ref.actor.grad_clip", "optim.grad_clip", "the same"),
     VerlKey(
@@ -817,6 +877,24 @@ TABLE: tuple[VerlKey, ...] = (
     ),
     VerlKey("trainer.resume_mode", "trainer.resume", "auto -> true, disable -> false", _resume),
     VerlKey("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints", "the same"),
+    VerlKey(
+        "trainer.device",
+        "",
+        "not needed: JAX uses the accelerator it finds (JAX_PLATFORMS=cpu to force the CPU)",
+        _refuse,
+    ),
+    VerlKey(
+        "trainer.balance_batch",
+        "",
+        "not needed: jarl packs episodes into rows of learner.row_tokens (learner.packing)",
+        _refuse,
+    ),
+    VerlKey(
+        "data.seed",
+        "",
+        "no equivalent: jarl's data order comes from trainer.seed",
+        _refuse,
+    ),
     VerlKey(
         "trainer.log_val_generations",
         "",

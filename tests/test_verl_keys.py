@@ -2,6 +2,7 @@
 jarl's keys (sizes converted to counts) or each get one line naming what to use instead."""
 
 import dataclasses
+import re
 import shlex
 from pathlib import Path
 
@@ -214,6 +215,34 @@ def test_other_traps_convert() -> None:
     for empty in ("null", "", "[]", "[null]"):  # no path: never "got 1 file"
         with pytest.raises(ConfigError, match="expected a file path, got "):
             _to_jarl([f"data.train_files={empty}"])
+
+
+def test_optimizer_and_common_script_keys() -> None:
+    assert _to_jarl(["actor_rollout_ref.actor.optim.betas=[0.9,0.95]"]) == {
+        "optim.b1": "0.9",
+        "optim.b2": "0.95",
+    }
+    with pytest.raises(ConfigError, match=r"betas=\[0.9\]: expected \[b1, b2\]"):
+        _to_jarl(["actor_rollout_ref.actor.optim.betas=[0.9]"])
+    assert _to_jarl(["actor_rollout_ref.actor.optim.lr_warmup_steps=-1"]) == {
+        "optim.warmup_steps": "0"  # verl's default: the ratio, 0 by default
+    }
+    assert _to_jarl(["actor_rollout_ref.actor.optim.lr_warmup_steps=10"]) == {
+        "optim.warmup_steps": "10"
+    }
+    refused = {
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1": "set optim.warmup_steps, a COUNT",
+        "actor_rollout_ref.rollout.prompt_length=1024": "data.max_prompt_length; set that",
+        "actor_rollout_ref.rollout.response_length=1024": "data.max_response_length; set that",
+        "actor_rollout_ref.actor.strategy=fsdp2": "jarl shards over the mesh",
+        "actor_rollout_ref.rollout.agent.num_workers=8": "as a coroutine in one process",
+        "trainer.device=cuda": "JAX uses the accelerator it finds",
+        "trainer.balance_batch=True": "packs episodes into rows",
+        "data.seed=1": "data order comes from trainer.seed",
+    }
+    for override, why in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(f"verl key {override}: ") + ".*" + why):
+            _to_jarl([override])
 
 
 def test_a_jarl_key_set_twice_is_an_error() -> None:
