@@ -6,7 +6,8 @@ names such files import (``verl.tools.base_tool``, ``verl.tools.schemas``,
 ``verl.tools.function_tool``, ``verl.tools.gsm8k_tool`` (verl's own GSM8K tool, which its tool
 YAML names), ``verl.utils.rollout_trace``, ``verl.utils.reward_score`` and its
 ``gsm8k`` / ``math_reward`` / ``math_dapo`` / ``search_r1_like_qa_em``, ``verl.interactions.
-base``); each re-exports jax_agent_rl's implementation under verl's name.
+base`` and ``verl.interactions.gsm8k_interaction`` (verl's own, which its YAML names)); each
+re-exports jax_agent_rl's implementation under verl's name.
 
 `install` appends `VerlShimFinder` to the END of ``sys.meta_path``: Python asks it for ``verl``
 only after every regular finder found none, so a real verl anywhere on ``sys.path`` always wins.
@@ -44,6 +45,7 @@ PROVIDED = (
     "verl.utils.reward_score.math_dapo",
     "verl.utils.reward_score.search_r1_like_qa_em",
     "verl.interactions.base",
+    "verl.interactions.gsm8k_interaction",
 )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import jax_agent_rl_verl_shim
+from jax_agent_rl.envs.verl_gsm8k import CORRECT, INCORRECT, Gsm8kInteraction
 from jax_agent_rl.envs.verl_interaction import BaseInteraction, load_interactions
 from jax_agent_rl.rewards import verl_rules
 from jax_agent_rl.tools import verl as tools_verl
@@ -57,6 +58,7 @@ SERVED = {
     "verl.utils.reward_score.math_dapo": {"compute_score": verl_rules.dapo_score},
     "verl.utils.reward_score.search_r1_like_qa_em": {"compute_score": verl_rules.qa_em_score},
     "verl.interactions.base": {"BaseInteraction": BaseInteraction},
+    "verl.interactions.gsm8k_interaction": {"Gsm8kInteraction": Gsm8kInteraction},
 }
 
 
@@ -141,6 +143,38 @@ def test_an_interaction_subclassing_verls_base_loads(tmp_path: Path) -> None:
     assert reply == (True, "hi", 1.0, {})
     with pytest.raises(NotImplementedError, match="BaseInteraction must implement"):
         asyncio.run(BaseInteraction({}).generate_response("i", []))
+
+
+def test_verls_own_gsm8k_interaction_yaml_runs_unchanged(tmp_path: Path) -> None:
+    """verl's gsm8k_interaction_config.yaml, as verl ships it; the class it names answers as
+    verl 0.6's ``Gsm8kInteraction`` does (the replies below were recorded from it)."""
+    path = tmp_path / "gsm8k_interaction_config.yaml"
+    path.write_text(
+        'interaction:\n  - name: "gsm8k"\n'
+        '    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"\n'
+        "    config: {}\n"
+    )
+    gsm8k = load_interactions(str(path))["gsm8k"]
+
+    async def episode(truth: str, turns: list[str]) -> list[tuple]:
+        iid = await gsm8k.start_interaction(None, ground_truth=truth)
+        messages: list[dict] = [{"role": "user", "content": "#### " + truth}]  # never read
+        replies = []
+        for turn in turns:
+            messages.append({"role": "assistant", "content": turn})
+            replies.append(await gsm8k.generate_response(iid, messages))
+        replies.append(await gsm8k.calculate_score(iid))
+        await gsm8k.finalize_interaction(iid)
+        return replies
+
+    wrong, right = (False, INCORRECT), (True, CORRECT)
+    assert asyncio.run(episode("15", ["The answer is 15", "#### 15.0", "#### 15"])) == [
+        (*wrong, 0, {}),  # no `#### N`: verl's int 0
+        (*wrong, 0.0, {}),
+        (*right, 1.0, {}),
+        1.0,
+    ]
+    assert asyncio.run(episode("1500", ["#### 1,500"])) == [(*right, 1.0, {}), 1.0]
 
 
 def _python(code: str, pythonpath: list[Path]) -> str:
