@@ -587,7 +587,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HYDRA_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    hydra = [a for a in argv if a.split("=", 1)[0] in HYDRA_FLAGS]
+    if hydra:  # pasted from a verl run script, where argparse would print its whole usage
+        return _refuse(
+            [
+                f"{hydra[0]}: Hydra's flag (verl's config files); jarl takes a jarl config file "
+                "first, then verl's or jarl's key=value overrides: jarl train CONFIG key=value "
+                "... (docs/verl.md)"
+            ]
+        )
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

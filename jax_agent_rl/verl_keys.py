@@ -904,6 +904,10 @@ TABLE: tuple[VerlKey, ...] = (
     ),
     VerlKey("global_profiler.", "", "no equivalent: profile with jax.profiler", _refuse),
     VerlKey("ray_kwargs.", "", "not needed: jarl's Ray settings are rollout.ray.*", _refuse),
+    VerlKey("ray_init.", "", "not needed: jarl's Ray settings are rollout.ray.*", _refuse),
+    VerlKey(
+        "hydra.", "", "not needed: jarl has no Hydra (its run folder is trainer.run_dir)", _refuse
+    ),
 )
 
 

@@ -28,6 +28,16 @@ def test_help_lists_commands() -> None:
         assert command in out
 
 
+def test_hydras_config_flags_from_a_verl_script_are_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["train", "c.yaml", "--config-path=/x", "--config-name", "ppo", "model.path=/m"]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("jarl: --config-path=/x: Hydra's flag (verl's config files); jarl ")
+    assert line.endswith("(docs/verl.md)")
+
+
 def test_config_reports_bad_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "model.path=/x", "model.dtyp=bfloat16"]) == 2
     assert "unknown config key 'model.dtyp'" in capsys.readouterr().err

@@ -239,6 +239,8 @@ def test_optimizer_and_common_script_keys() -> None:
         "trainer.device=cuda": "JAX uses the accelerator it finds",
         "trainer.balance_batch=True": "packs episodes into rows",
         "data.seed=1": "data order comes from trainer.seed",
+        "ray_init.num_cpus=4": "rollout.ray",
+        "hydra.run.dir=/tmp/x": "jarl has no Hydra",
     }
     for override, why in refused.items():
         with pytest.raises(ConfigError, match=re.escape(f"verl key {override}: ") + ".*" + why):
