@@ -216,6 +216,12 @@ def _fraction(value: Any) -> float:
     return float(value)
 
 
+def _refills(value: Any, _given: Given) -> dict[str, Any]:
+    if value == 0:
+        raise ConfigError("verl's 0 (unbounded) has no equivalent: set rollout.max_refills")
+    return {"rollout.max_refills": _count(value) - 1}
+
+
 def _warmup_steps(value: Any, _given: Given) -> dict[str, Any]:
     if value == -1:
         return {"optim.warmup_steps": 0}
@@ -737,6 +743,33 @@ TABLE: tuple[VerlKey, ...] = (
         "the same key: grpo, gae (PPO, adds a critic); verl's others have no equivalent",
     ),
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std", "the same"),
+    VerlKey(
+        "algorithm.filter_groups.enable",
+        "rollout.dynamic_sampling",
+        "the same (DAPO: drop groups whose rewards are all equal, refill)",
+    ),
+    VerlKey(
+        "algorithm.filter_groups.metric",
+        "",
+        "acc, score, seq_reward, seq_final_reward: jarl compares a group's rewards (for 0/1 "
+        "rules the same groups as acc)",
+        _fixed("acc", "score", "seq_reward", "seq_final_reward"),
+    ),
+    VerlKey(
+        "algorithm.filter_groups.max_num_gen_batches",
+        "rollout.max_refills",
+        "max_refills = max_num_gen_batches - 1 (verl counts the first batch); verl's 0 "
+        "(unbounded) has no equivalent",
+        _refills,
+        trap=True,
+    ),
+    VerlKey(
+        "data.gen_batch_size",
+        "",
+        "no equivalent: jarl rolls out data.prompts_per_step prompts and refills dropped groups "
+        "with fresh ones (rollout.max_refills)",
+        _refuse,
+    ),
     VerlKey("algorithm.gamma", "algorithm.gamma", "the same key"),
     VerlKey("algorithm.lam", "algorithm.lam", "the same key"),
     VerlKey(

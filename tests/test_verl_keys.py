@@ -230,6 +230,9 @@ def test_optimizer_and_common_script_keys() -> None:
     assert _to_jarl(["actor_rollout_ref.actor.optim.lr_warmup_steps=10"]) == {
         "optim.warmup_steps": "10"
     }
+    dapo = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"]
+    dapo.append("algorithm.filter_groups.max_num_gen_batches=10")
+    assert _to_jarl(dapo) == {"rollout.dynamic_sampling": "true", "rollout.max_refills": "9"}
     refused = {
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1": "set optim.warmup_steps, a COUNT",
         "actor_rollout_ref.rollout.prompt_length=1024": "data.max_prompt_length; set that",
@@ -241,6 +244,9 @@ def test_optimizer_and_common_script_keys() -> None:
         "data.seed=1": "data order comes from trainer.seed",
         "ray_init.num_cpus=4": "rollout.ray",
         "hydra.run.dir=/tmp/x": "jarl has no Hydra",
+        "data.gen_batch_size=512": "refills dropped groups",
+        "algorithm.filter_groups.max_num_gen_batches=0": "0 \\(unbounded\\) has no equivalent",
+        "algorithm.filter_groups.metric=seq_len": "jarl compares a group's rewards",
     }
     for override, why in refused.items():
         with pytest.raises(ConfigError, match=re.escape(f"verl key {override}: ") + ".*" + why):
