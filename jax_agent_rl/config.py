@@ -492,11 +492,16 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
                 f"unknown config key {key!r}: a verl (Hydra) config file? jarl reads verl's "
                 "keys as command-line overrides only; start from a jarl config (docs/verl.md)"
             ) from None
+        verl = "; a verl key? docs/verl.md" if key.split(".")[0] in _VERL_SHARED else ""
         raise ConfigError(
-            f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}"
+            f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}{verl}"
         ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(_bad_value(schema, e)) from None
+
+
+# jarl's sections that verl's config has too: an unknown key there may be a verl key
+_VERL_SHARED = ("data", "trainer", "algorithm")
 
 
 def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:

@@ -86,6 +86,11 @@ def test_a_verl_config_file_is_told_where_verl_keys_go(tmp_path: Path) -> None:
             load_config(path, ["model.path=/a", "data.train=t"])
 
 
+def test_an_unknown_key_in_a_section_verl_shares_points_to_docs_verl_md() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'data\.prompt_key'; .*; a verl key"):
+        load_config(None, ["model.path=/a", "data.train=t", "data.prompt_key=prompt"])
+
+
 def test_hydras_add_and_force_prefixes_set_a_key() -> None:
     plain = load_config(None, ["model.path=/a", "data.train=t", "rollout.n=4"])
     for prefix in ("+", "++"):
