@@ -712,7 +712,9 @@ def _read_yaml(path: Path) -> Any:
     if path.is_dir():
         raise ConfigError(f"{where} is a folder: name a YAML file")
     if not path.is_file():
-        raise ConfigError(f"{where} does not exist")
+        shipped = Path(__file__).resolve().parents[1] / path  # configs/... of the checkout
+        hint = f": did you mean {shipped}?" if shipped.is_file() and path != shipped else ""
+        raise ConfigError(f"{where} does not exist{hint}")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:

@@ -1,6 +1,7 @@
 """Run configs: YAML + dotted overrides into frozen dataclasses; every mistake names its key."""
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -89,6 +90,18 @@ def test_a_verl_config_file_is_told_where_verl_keys_go(tmp_path: Path) -> None:
 def test_an_unknown_key_in_a_section_verl_shares_points_to_docs_verl_md() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'data\.prompt_key'; .*; a verl key"):
         load_config(None, ["model.path=/a", "data.train=t", "data.prompt_key=prompt"])
+
+
+def test_a_shipped_config_named_from_another_folder_is_pointed_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    shipped = Path(jax_agent_rl.__file__).parents[1] / "configs/gsm8k_tools_qwen2.5.yaml"
+    meant = "does not exist: did you mean " + re.escape(str(shipped))
+    with pytest.raises(ConfigError, match=meant):
+        load_config("configs/gsm8k_tools_qwen2.5.yaml")
+    with pytest.raises(ConfigError, match=r"does not exist$"):
+        load_config("configs/no_such.yaml")
 
 
 def test_hydras_add_and_force_prefixes_set_a_key() -> None:
