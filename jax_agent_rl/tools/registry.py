@@ -93,6 +93,8 @@ class ToolRegistry:
 
 
 def _shape(data: Any) -> str:
+    if isinstance(data, dict) and set(data) == {"tools"}:
+        return f"'tools' holding {type(data['tools']).__name__}, not a list"
     return f"a mapping with keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
 
 

@@ -317,6 +317,7 @@ def test_verls_own_gsm8k_tool_yaml_runs_unchanged(tmp_path: Path) -> None:
             r"gives none",
         ),
         ("tool: []\n", r"expected a list of tool entries .* got a mapping with keys \['tool'\]"),
+        ("tools:\n", r"expected a list .* got 'tools' holding NoneType, not a list$"),
         ("- class: jax_agent_rl.tools.calculator\n", r"entry 0: class must be 'module:attr'"),
         (
             "- class: jax_agent_rl.tools.calculator:calculator\n- class: tests.tools:nothing\n",
