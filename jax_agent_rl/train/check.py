@@ -99,8 +99,11 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     default = cfg.agent.default_agent_loop
     train = attempt(lambda: _samples("data.train", cfg.data.train, default))
     val = attempt(lambda: _samples("data.val", cfg.data.val, default)) if cfg.data.val else []
-    attempt(lambda: _environments(cfg, {"data.train": train or [], "data.val": val or []}))
+    rows = {"data.train": train or [], "data.val": val or []}
+    attempt(lambda: _environments(cfg, rows))
     schemas = attempt(lambda: _tool_schemas(cfg.tools.config))
+    if schemas is not None:
+        attempt(lambda: _rows_tools(rows, schemas, cfg))
     if tokenizer is None:
         return problems
     if parser is not None:
@@ -346,6 +349,24 @@ def _tool_schemas(path: str) -> list[dict[str, Any]]:
         return registry.schemas()
     finally:
         asyncio.run(LocalTools(registry).close())
+
+
+def _rows_tools(
+    rows: dict[str, list[Sample]], schemas: Sequence[dict[str, Any]], cfg: JarlConfig
+) -> None:
+    """Every tool the first rows give create kwargs (``extra_info.tools_kwargs``) is one of
+    tools.config's: a verl row set for a tool the run lacks would never reach it."""
+    have = sorted(schema["function"]["name"] for schema in schemas)
+    for key, samples in rows.items():
+        for i, sample in enumerate(samples):
+            named = sample.extra.get("tools_kwargs") or {}
+            missing = sorted(set(named) - set(have)) if isinstance(named, dict) else []
+            if missing:
+                raise _CheckError(
+                    f"{key}: row {i}'s extra_info.tools_kwargs names {missing}, which "
+                    f"tools.config={cfg.tools.config!r} lacks (it has {have}): set tools.config "
+                    "to the YAML of those tools"
+                )
 
 
 def _builder(

@@ -55,6 +55,7 @@ class Files:
     config: Path  # a valid run config over the files above
     bad_columns: Path  # a row without a prompt column
     string_prompt: Path  # parquet, prompt given as a string
+    verl_tool_rows: Path  # create kwargs (extra_info.tools_kwargs) for verl's GSM8K tool
 
 
 def _row(i: int) -> dict:
@@ -102,7 +103,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     string_prompt = root / "string_prompt.parquet"
     pq.write_table(pa.Table.from_pylist([{**_row(0), "prompt": "What is 0 + 0?"}]), string_prompt)
     (root / "empty").mkdir()
-    return Files(root, model, train, sft, config, bad_columns, string_prompt)
+    create = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "0"}}}
+    verl_tool_rows = _write_jsonl(
+        root / "verl_tool_rows.jsonl", [{**_row(0), "extra_info": {"tools_kwargs": create}}]
+    )
+    return Files(root, model, train, sft, config, bad_columns, string_prompt, verl_tool_rows)
 
 
 def test_a_valid_config_passes_and_nothing_runs(
@@ -120,6 +125,15 @@ Case = tuple[Callable[[Files], list[str]], Callable[[Files], str]]
 
 # failure class -> (overrides, the one line expected); each line is what `jarl` prints
 CASES: dict[str, Case] = {
+    "tools_kwargs for a tool the run lacks": (
+        lambda f: [f"data.train={f.verl_tool_rows}"],
+        lambda _f: (
+            "data.train: row 0's extra_info.tools_kwargs names ['calc_gsm8k_reward'], which "
+            f"tools.config={str(package_file(CALCULATOR, 'tools.config'))!r} lacks (it has "
+            "['calculator']): set tools.config to "
+            "the YAML of those tools"
+        ),
+    ),
     "bad data columns": (
         lambda f: [f"data.train={f.bad_columns}"],
         lambda f: (
