@@ -355,11 +355,13 @@ def _rows_tools(
     rows: dict[str, list[Sample]], schemas: Sequence[dict[str, Any]], cfg: JarlConfig
 ) -> None:
     """Every tool the first rows give create kwargs (``extra_info.tools_kwargs``) is one of
-    tools.config's: a verl row set for a tool the run lacks would never reach it."""
+    tools.config's: a verl row set for a tool the run lacks would never reach it (rows run
+    by ``single_turn_agent`` call no tool)."""
     have = sorted(schema["function"]["name"] for schema in schemas)
     for key, samples in rows.items():
         for i, sample in enumerate(samples):
-            named = sample.extra.get("tools_kwargs") or {}
+            single = sample.agent_name == "single_turn_agent"
+            named = {} if single else sample.extra.get("tools_kwargs") or {}
             missing = sorted(set(named) - set(have)) if isinstance(named, dict) else []
             if missing:
                 raise _CheckError(

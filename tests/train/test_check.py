@@ -126,7 +126,7 @@ Case = tuple[Callable[[Files], list[str]], Callable[[Files], str]]
 # failure class -> (overrides, the one line expected); each line is what `jarl` prints
 CASES: dict[str, Case] = {
     "tools_kwargs for a tool the run lacks": (
-        lambda f: [f"data.train={f.verl_tool_rows}"],
+        lambda f: [f"data.train={f.verl_tool_rows}", "agent.default_agent_loop=tool_agent"],
         lambda _f: (
             "data.train: row 0's extra_info.tools_kwargs names ['calc_gsm8k_reward'], which "
             f"tools.config={str(package_file(CALCULATOR, 'tools.config'))!r} lacks (it has "
@@ -242,6 +242,11 @@ def test_bad_input_is_one_line_and_exit_code_2(
     out, err = capsys.readouterr()
     assert out == ""
     assert err == f"jarl: {expected(files)}\n"
+
+
+def test_tools_kwargs_of_single_turn_rows_are_not_checked(files: Files) -> None:
+    overrides = [f"data.train={files.verl_tool_rows}"]  # rows without agent_name: single turn
+    assert main(["train", str(files.config), *overrides, "--dry-run"]) == 0
 
 
 def test_every_problem_is_reported(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
