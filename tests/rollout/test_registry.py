@@ -1,6 +1,6 @@
 """Backends by name: the embedded engine is built in, vLLM comes through an entry point, and the
-layers import only downward (nothing in jax_agent_rl imports gpu_backend; engine/ imports nothing
-from rollout/)."""
+package keeps its shape: layers import only downward (nothing in jax_agent_rl imports the
+backends' homes), no import circles, no file over 500 lines."""
 
 import ast
 import dataclasses
@@ -16,27 +16,144 @@ from jax_agent_rl.rollout.registry import backend_factory
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jax_agent_rl"
 
+# The layers, low to high: a module imports only from its own package or a lower tier. A
+# top-level module (files.py, progress.py) counts as a package of its own.
+TIERS = [
+    ["files", "progress", "ray_cluster", "device_turns"],
+    ["models", "tokenization"],
+    ["config", "verl_keys"],
+    ["user_code"],
+    ["engine", "distributed"],
+    ["rollout"],
+    ["data"],
+    ["rewards"],
+    ["tools"],
+    ["envs"],
+    ["agent"],
+    ["rl"],
+    ["train"],
+    ["demo"],
+    ["cli"],
+]
+TIER = {package: rank for rank, packages in enumerate(TIERS) for package in packages}
+# The external backends' homes sit above rollout and register through entry points.
+BACKEND_HOMES = ("gpu_backend", "backends")
+LARGE_FILES_ALLOWED = {"models/decoder.py"}
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = ("jax_agent_rl", *path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
 
 def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function: `from a.b import c` is
+    module `a.b.c` when that is one of ours, else `a.b`."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return names
 
 
-def test_no_module_imports_upward() -> None:
+def _import_graph() -> dict[str, set[str]]:
+    return {
+        module: {name for name in _imported_modules(path) if name in MODULES and name != module}
+        for module, path in MODULES.items()
+    }
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_import_circle_between_modules() -> None:
+    cycles = _cycles(_import_graph())
+    assert cycles == [], "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_package_has_a_tier() -> None:
+    untiered = sorted({_package(m) for m in MODULES if _package(m) and _package(m) not in TIER})
+    assert untiered == [], f"packages missing from TIERS: {untiered}"
+
+
+def test_no_module_imports_from_a_package_above_it() -> None:
     upward = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for name in _imported_modules(path):
-            if name.split(".")[0] == "gpu_backend":
-                upward.append(f"{path.relative_to(PACKAGE)} imports {name}")
-            if "engine" in path.parts and name.startswith("jax_agent_rl.rollout"):
-                upward.append(f"{path.relative_to(PACKAGE)} imports {name}")
-    assert upward == []
+    for module, imported in sorted(_import_graph().items()):
+        here = _package(module)
+        for name in sorted(imported):
+            there = _package(name)
+            if here in TIER and there in TIER and TIER[there] > TIER[here]:
+                upward.append(f"{module} imports {name} ({here} sits below {there})")
+    assert upward == [], "upward imports:\n" + "\n".join(upward)
+
+
+def test_nothing_imports_the_external_backend_homes() -> None:
+    imports = [
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        for name in sorted(_imported_modules(path))
+        if name.split(".")[0] in BACKEND_HOMES
+    ]
+    assert imports == [], "imports of the backends' homes:\n" + "\n".join(imports)
+
+
+def test_no_file_is_over_500_lines() -> None:
+    long = []
+    for path in MODULES.values():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES and path.relative_to(PACKAGE).as_posix() not in LARGE_FILES_ALLOWED:
+            long.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+    assert long == [], f"files over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
 def test_training_classes_stay_small() -> None:
