@@ -112,10 +112,25 @@ _DEVICES = [
 ]  # fmt: skip
 
 
+def zygote_script() -> str:
+    """The fork server as one ``python -I -S -c`` script. The sandbox has no jax_agent_rl to
+    import from, so `sandbox_reset` is run first into a module of its name in ``sys.modules``,
+    where the zygote's import of it finds it."""
+    files = resources.files("jax_agent_rl.tools")
+    reset = files.joinpath("sandbox_reset.py").read_text()
+    name = "jax_agent_rl.tools.sandbox_reset"
+    return (
+        "import sys, types\n"
+        f"sys.modules[{name!r}] = reset = types.ModuleType({name!r})\n"
+        f"exec(compile({reset!r}, 'sandbox_reset.py', 'exec'), reset.__dict__)\n"
+        "del reset\n" + files.joinpath("sandbox_zygote.py").read_text()
+    )
+
+
 def bwrap_command(bwrap: str, interpreter: str, limits: Limits, seccomp_fd: int) -> list[str]:
     """The bubblewrap command line of one worker's fork server (its pipe fds follow);
     ``seccomp_fd`` holds the filter program."""
-    zygote = resources.files("jax_agent_rl.tools").joinpath("sandbox_zygote.py").read_text()
+    zygote = zygote_script()
     size = str(limits.memory_mb * 1024 * 1024)
     return [
         bwrap,

@@ -42,6 +42,19 @@ import sys
 import time
 import traceback
 
+from jax_agent_rl.tools.sandbox_reset import (
+    SIZES,
+    SOCKSTAT_FDS,
+    WRITABLE,
+    confine_executions,
+    drop_capabilities,
+    hold_counters,
+    metadata,
+    renew,
+    sockstat,
+    sweep,
+)
+
 REQ_FD, REP_FD = 3, 4  # where `_take_pipes` puts the pipes the host hands over
 # Standard-library modules that model-written code imports most, imported once here so that
 # every execution forks with them ready: a fresh interpreter pays e.g. ~5 ms for ``fractions``
@@ -75,14 +88,12 @@ except (ValueError, TypeError) as e:
 finally:
     del y
 """
-WRITABLE = {"/work": 0o755, "/tmp": 0o1777, "/dev/shm": 0o1777}  # and their modes
 PR_SET_DUMPABLE = 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
 SOCKETS_EVERY_S = 0.1
 TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
-SOCKSTAT_FDS: list[int] = []  # /proc/net/sockstat and sockstat6 (if any), opened by `main`
 
 
 def _read_exact(n):
@@ -110,7 +121,7 @@ def _take_pipes(req, rep):
 
 
 def _child(code, limits, out_w, err_w):
-    _drop_capabilities()
+    drop_capabilities()
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     null = os.open("/dev/null", os.O_RDONLY)
@@ -185,28 +196,13 @@ def _socket_bytes():
     counts the data in each queue, UDP the memory of its buffers. A table is read only when
     ``sockstat`` counts sockets in it, and TCP's at most every SOCKETS_EVERY_S: reading it
     walks the host's whole TCP hash table (~10 ms)."""
-    stats = _sockstat()
+    stats = sockstat()
     total = sum(_queued(name) for name in ("udp", "udp6") if stats[name.upper()]["inuse"])
     if stats["TCP"]["inuse"] + stats["TCP6"]["inuse"] == 0:
         TCP_QUEUED.update(at=0.0, bytes=0)
     elif time.monotonic() - TCP_QUEUED["at"] >= SOCKETS_EVERY_S:
         TCP_QUEUED.update(at=time.monotonic(), bytes=_queued("tcp") + _queued("tcp6"))
     return total + TCP_QUEUED["bytes"]
-
-
-def _sockstat():
-    """{protocol: {field: count}} of ``/proc/net/sockstat`` and ``sockstat6``, e.g.
-    ``TCP: inuse 1 orphan 0 tw 2 alloc 1 mem 3``: counts of this network namespace (but
-    ``mem`` and ``orphan``, which are the host's). Read through the fds `main` keeps open
-    (each read at offset 0 renders the file afresh): opening them each time cost ~0.1 ms a
-    call."""
-    stats = {"TCP6": {"inuse": 0}, "UDP6": {"inuse": 0}}  # without IPv6, no sockstat6
-    for fd in SOCKSTAT_FDS:
-        for line in os.pread(fd, 4096, 0).decode().splitlines():
-            proto, _, rest = line.partition(":")
-            words = rest.split()
-            stats[proto] = {k: int(v) for k, v in zip(words[::2], words[1::2], strict=False)}
-    return stats
 
 
 def _queued(name):
@@ -233,180 +229,6 @@ def over_limit(limits):
     if files > limits["files"]:
         return "file count"
     return None
-
-
-def _metadata(root):
-    """What an execution can leave on a writable root besides its entries: (st_mode, uid, gid,
-    atime ns, mtime ns, extended attributes: ``user.*`` and the ACLs, ``system.posix_acl_*``)."""
-    st = os.lstat(root)
-    xattrs = {name: os.getxattr(root, name) for name in os.listxattr(root)}
-    return st.st_mode, st.st_uid, st.st_gid, st.st_atime_ns, st.st_mtime_ns, xattrs
-
-
-def _sweep():
-    """Kills every process but this one and reaps them; True if none is left."""
-    try:
-        os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace, at once
-    except ProcessLookupError:
-        pass  # there was none
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-    return [p for p in os.listdir("/proc") if p.isdigit()] == ["1"]
-
-
-# What the fork server alone may do (bubblewrap ``--cap-add``, in the sandbox's user namespace
-# only, which owns nothing outside it): CAP_SYS_ADMIN to remount the writable places and to set
-# the pid counter, kept; CAP_SYS_RESOURCE to close user namespaces, dropped once that is done.
-# An execution starts with no capability at all (`_drop_capabilities`).
-CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 21, 24
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-MNT_DETACH, MS_NOSUID, MS_NODEV = 2, 2, 4
-LIBC = ctypes.CDLL(None, use_errno=True)
-HELD: dict[str, int] = {}  # "last_pid": a write-only fd on ns_last_pid (`_hold_counters`)
-SIZES: dict[str, bytes] = {}  # each writable place's mount options, as bubblewrap mounted it
-
-
-def _check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _set_capabilities(caps):
-    """Makes ``caps`` (capability numbers under 32) this process's effective and permitted
-    sets, and empties its inheritable and ambient ones."""
-    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
-    mask = sum(1 << cap for cap in caps)
-    data = (ctypes.c_uint32 * 6)(mask, mask, 0, 0, 0, 0)  # {effective, permitted, inheritable} x2
-    _check(LIBC.capset(header, data), "capset")
-    _check(LIBC.capget(header, data), "capget")
-    if list(data) != [mask, mask, 0, 0, 0, 0]:
-        raise OSError(f"capabilities are {list(data)}, not {caps}")
-
-
-def _hold_counters():
-    """Once, before serving: closes user namespaces (``user.max_user_namespaces = 0`` in the
-    sandbox's own one: what ``bwrap --disable-userns`` does, which would have put the fork
-    server in a nested namespace that owns neither its mounts nor its pid namespace), opens
-    the pid counter for `_renew`, and keeps only CAP_SYS_ADMIN."""
-    with open("/proc/sys/user/max_user_namespaces", "r+") as f:
-        f.write("0")
-        f.flush()
-        f.seek(0)
-        if f.read().strip() != "0":
-            raise OSError("user namespaces stayed open")
-    HELD["last_pid"] = os.open("/proc/sys/kernel/ns_last_pid", os.O_WRONLY | os.O_CLOEXEC)
-    os.chdir("/")  # not /work: a cwd there would keep the first /work mount alive
-    _set_capabilities([CAP_SYS_ADMIN])
-
-
-# capset's arguments for "no capability at all", built before any fork: the child makes one
-# call (building them there costs each execution ~70 page faults of copied memory)
-NO_CAPABILITIES = (
-    (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0),
-    (ctypes.c_uint32 * 6)(),
-)
-
-
-def _drop_capabilities():
-    """In the child, before anything of the execution: no capability, or no execution."""
-    if LIBC.capset(*NO_CAPABILITIES) != 0:
-        os._exit(125)
-
-
-def _sockets_left():
-    """Whether a TCP socket outlived the execution's processes (TIME_WAIT lasts a minute):
-    the next execution would see its ports and addresses in ``/proc/net``."""
-    stats = _sockstat()
-    return stats["TCP"]["inuse"] + stats["TCP"]["tw"] + stats["TCP6"]["inuse"] > 0
-
-
-def _renew(pristine):
-    """After the sweep: a fresh tmpfs mount in place of each writable place the execution
-    touched (`_touched`), given the mode and times its root had (`_metadata` must then equal
-    ``pristine``), and the pid counter back to 1. Whatever the execution left goes with the
-    old mount: entries however deep or locked, the root's extended attributes (a default ACL
-    would shape every later file), and the inode counter it moved by creating files, which the
-    next execution would read: each execution finds its first file at the same inode, and its
-    process at pid 2. A place no event shows touched holds nothing and was not changed (every
-    entry starts at its empty root, and unnamed files are denied): it stays. ~35 us of CPU a
-    mount. False if any of it failed or a TCP socket outlived the execution (the host then
-    replaces the sandbox)."""
-    try:
-        for root in _touched():
-            *_, atime, mtime, _ = pristine[root]
-            _check(LIBC.umount2(root.encode(), MNT_DETACH), f"umount {root}")
-            _check(
-                LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, SIZES[root]),
-                f"mount {root}",
-            )
-            os.chmod(root, WRITABLE[root])  # the mount option cannot say sticky
-            os.utime(root, ns=(atime, mtime))
-            if _metadata(root) != pristine[root]:
-                return False
-            _watch(root)  # after chmod and utime, whose events would mark it touched
-        os.pwrite(HELD["last_pid"], b"1", 0)
-    except OSError:
-        return False
-    return not _sockets_left()
-
-
-# inotify: the fork server watches each writable root for any event at all (an entry made,
-# moved or removed, a read of the directory, a change of its mode, times or attributes)
-IN_NONBLOCK, IN_CLOEXEC, IN_ALL_EVENTS, IN_Q_OVERFLOW = 0o4000, 0o2000000, 0xFFF, 0x4000
-INOTIFY = {"fd": -1}
-WATCHES: dict[int, str] = {}  # watch descriptor: root, for the current mounts only
-
-
-def _watch(root):
-    wd = LIBC.inotify_add_watch(INOTIFY["fd"], root.encode(), IN_ALL_EVENTS)
-    if wd < 0:
-        _check(wd, f"inotify_add_watch {root}")
-    for old in [w for w, r in WATCHES.items() if r == root]:
-        del WATCHES[old]  # its mount is gone; its IN_IGNORED may come later
-    WATCHES[wd] = root
-
-
-def _touched():
-    """The writable roots an event was queued for since the last call (all of them if the
-    queue overflowed), in `WRITABLE`'s order."""
-    touched: set[str] = set()
-    while True:
-        try:
-            data = os.read(INOTIFY["fd"], 65536)
-        except BlockingIOError:
-            break
-        at = 0
-        while at < len(data):  # struct inotify_event: wd, mask, cookie, len, name[len]
-            wd, mask, _, size = struct.unpack_from("iIII", data, at)
-            at += 16 + size
-            if mask & IN_Q_OVERFLOW:
-                touched.update(WRITABLE)
-            elif wd in WATCHES:
-                touched.add(WATCHES[wd])
-    return [root for root in WRITABLE if root in touched]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-
-
-def _confine_executions(program):
-    """Watches the writable roots, then adds ``program`` (`seccomp.execution_filter`, which
-    denies inotify and unnamed files) to this process's filters: every execution inherits
-    both, and only the fork server holds an inotify instance."""
-    INOTIFY["fd"] = LIBC.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-    _check(min(INOTIFY["fd"], 0), "inotify_init1")
-    for root in WRITABLE:
-        _watch(root)
-    fprog = _SockFprog(len(program) // 8, program)
-    _check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
 def _result(start, stdout, stderr, exit_code, *, timed_out, truncated, limit, dirty):
@@ -482,7 +304,7 @@ def _run(req, pristine):
         _, status = os.waitpid(pid, 0)
     os.close(out_r)
     os.close(err_r)
-    clean = _sweep() and _renew(pristine)
+    clean = sweep() and renew(pristine)
     if os.WIFSIGNALED(status):
         exit_code = -os.WTERMSIG(status)
     else:
@@ -504,7 +326,7 @@ def main():
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
-    _hold_counters()  # after `_take_pipes`, which closes every other fd
+    hold_counters()  # after `_take_pipes`, which closes every other fd
     for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
         if os.path.exists(path):
             SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
@@ -512,8 +334,8 @@ def main():
         os.chmod(root, mode)
         fs = os.statvfs(root)
         SIZES[root] = f"mode=755,size={fs.f_blocks * fs.f_frsize}".encode()
-    pristine = {root: _metadata(root) for root in WRITABLE}
-    _confine_executions(bytes.fromhex(sys.argv[3]))
+    pristine = {root: metadata(root) for root in WRITABLE}
+    confine_executions(bytes.fromhex(sys.argv[3]))
     for name in PRELOAD:
         __import__(name)
     compile(WARM_COMPILER, "<warm>", "exec")
