@@ -26,7 +26,8 @@ Frames are a 4-byte big-endian length and a JSON object, on the two pipe file de
 given as arguments (requests in, replies out), which the zygote moves to fds 3 and 4; the child
 closes every fd above 2, so it never sees them. After the ready frame the zygote's own stderr is
 ``/dev/null``: nobody reads it, and a full pipe would stop the zygote. Only the standard
-library is used: this file runs under the system Python with ``-I -S``.
+library is used: this file runs under the system Python with ``-I -S``, after
+`sandbox_reset` (the clean-up between executions) in the same script (`tools.sandbox`).
 """
 
 import ctypes
