@@ -332,7 +332,8 @@ def jax_train(
     from jax_agent_rl.config import AlgorithmSection, OptimSection
     from jax_agent_rl.models import load_hf
     from jax_agent_rl.rl.batch import step_batch
-    from jax_agent_rl.rl.learner import Learner, SamplingSpec
+    from jax_agent_rl.rl.learner import Learner
+    from jax_agent_rl.rl.objectives import SamplingSpec
 
     cfg, params = load_hf(ckpt, dtype="float32")
     learner = Learner(

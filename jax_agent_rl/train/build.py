@@ -43,7 +43,9 @@ from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, m
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
-from jax_agent_rl.rl.learner import Learner, LearnerState, SamplingSpec, critic_from_policy
+from jax_agent_rl.rl.learner import Learner, critic_from_policy
+from jax_agent_rl.rl.objectives import SamplingSpec
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool

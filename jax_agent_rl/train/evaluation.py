@@ -30,7 +30,7 @@ from jax_agent_rl.config import JarlConfig, load_config, missing_paths
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
 from jax_agent_rl.rewards import Scorer
-from jax_agent_rl.rl.learner import cast_floats
+from jax_agent_rl.rl.objectives import cast_floats
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.build import (

@@ -24,21 +24,22 @@ from jax_agent_rl.rl.batch import (
     per_turn_samples,
     step_batch,
 )
-from jax_agent_rl.rl.learner import (
+from jax_agent_rl.rl.learner import Learner, critic_from_policy
+from jax_agent_rl.rl.objectives import (
     Denominators,
-    Learner,
-    LearnerState,
-    RLBatch,
     SamplingSpec,
     StepSpec,
-    accumulated_grads,
-    critic_from_policy,
-    make_optimizer,
-    mini_batch_denominators,
     policy_objective,
-    prepare,
     token_stats,
     value_objective,
+)
+from jax_agent_rl.rl.update import (
+    LearnerState,
+    RLBatch,
+    accumulated_grads,
+    make_optimizer,
+    mini_batch_denominators,
+    prepare,
 )
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 

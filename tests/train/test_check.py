@@ -34,7 +34,7 @@ from jax_agent_rl.models.decoder import is_spec, param_specs
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY
 from jax_agent_rl.rewards import REWARDS
 from jax_agent_rl.rl.batch import TrainBatch
-from jax_agent_rl.rl.learner import SamplingSpec, StepSpec, token_stats
+from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, token_stats
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry

@@ -1,0 +1,219 @@
+"""One micro-batch's numbers: the logprobs and values a step computes from its rows, and the
+loss each update kind (policy, critic, SFT) minimises, aggregated with whole-batch
+denominators (`Denominators`) so that micro-batches add up to the whole batch.
+
+Logprobs are recomputed with `sampling_logprobs`, the function the engine samples with, under
+the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
+token (`token_stats`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
+of the vocabulary at a time (the [B, T, V] logits are never made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.config import AlgorithmSection
+from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
+from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import TrainBatch
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """The distribution rollouts sample from (the learner recomputes logprobs under it), and
+    whether the sampler reports its logprobs: without them (JetStream), the learner's
+    old-policy logprobs stand in for them, so TIS weights are 1 and no gap is reported."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    rollout_logprobs: bool = True
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Critic:
+    """A value model: a decoder body and a linear head on its final hidden state."""
+
+    body: Weights
+    head: jax.Array  # [D]
+    bias: jax.Array  # []
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about a step (hashable: it keys the jit cache)."""
+
+    model: ModelConfig
+    compute_dtype: Literal["float32", "bfloat16"]
+    sampling: SamplingSpec
+    algo: AlgorithmSection
+    remat: bool
+    sharder: Sharder | None
+    # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
+    norm_const: float | None = None
+
+    def hidden(self, weights: Weights, mb: TrainBatch) -> tuple[jax.Array, Weights]:
+        """Final hidden states [B, T, D] and the weights cast to the compute dtype."""
+        w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
+        h = forward(
+            w,
+            self.model,
+            mb.tokens,
+            mb.positions,
+            mb.segment_ids,
+            self.sharder,
+            self.remat,
+            window=mb.window or None,
+        )
+        return h, w
+
+
+def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
+    """Logprob of each target under the rollout's sampling distribution, and its entropy.
+
+    Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
+    vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
+    """
+    h, w = spec.hidden(params, mb)
+    s = spec.sampling
+    B, T, D = h.shape
+    if s.top_k <= 0 and s.top_p >= 1.0:
+        head_vd = w.embed if w.lm_head is None else w.lm_head.T
+        logp, entropy = head_logprobs(
+            h.reshape(B * T, D), head_vd, mb.targets.reshape(B * T), s.temperature
+        )
+        return logp.reshape(B, T), entropy.reshape(B, T)
+    logits_btv = lm_logits(w, h)
+    V = logits_btv.shape[-1]
+    full = lambda v: jnp.full((B * T,), v)  # noqa: E731
+    logp_btv = sampling_logprobs(
+        logits_btv.reshape(B * T, V), full(s.temperature), full(s.top_k), full(s.top_p)
+    ).reshape(B, T, V)
+    return token_logprobs(logp_btv, mb.targets), core.entropy_from_logprobs(logp_btv)
+
+
+def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
+    """V(prefix up to and including token t), aligned with targets: [B, T] float32."""
+    h, _ = spec.hidden(critic.body, mb)
+    return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Derived:
+    """What a step computes from its `TrainBatch` before updating, per token [M, b, T]."""
+
+    old_logp: jax.Array  # learner logprobs before this update (0 off the sampled tokens)
+    ref_logp: jax.Array  # reference-model logprobs (the KL term; 0 without a reference)
+    advantages: jax.Array
+    old_values: jax.Array  # critic values before the update (GAE; 0 otherwise)
+    returns: jax.Array  # value targets (GAE; 0 otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Denominators:
+    """Whole-(mini-)batch counts every micro-batch aggregates with, and the static sizes the
+    per-sequence terms need."""
+
+    num_tokens: jax.Array
+    num_seqs: jax.Array
+    norm_const: float = dataclasses.field(metadata=dict(static=True))
+    num_sequences: int = dataclasses.field(metadata=dict(static=True))
+
+
+def policy_objective(
+    spec: StepSpec, params: Weights, mb: TrainBatch, dv: Derived, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch."""
+    a = spec.algo
+    counts: dict[str, Any] = dict(
+        num_tokens=d.num_tokens,
+        num_seqs=d.num_seqs,
+        norm_const=d.norm_const,
+        seq_bt=mb.sequence,
+        num_sequences=d.num_sequences,
+    )
+    logp, entropy = token_stats(spec, params, mb)
+    is_fn = core.masked_is_weights if a.tis_mode == "mask" else core.truncated_is_weights
+    is_weights = (
+        None if a.tis_cap is None else is_fn(dv.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
+    )
+    pg_loss, m = core.policy_loss(
+        logp,
+        dv.old_logp,
+        dv.advantages,
+        mb.mask,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        clip_c=a.clip_c,
+        is_weights_bt=is_weights,
+        agg_mode=a.loss_agg_mode,
+        **counts,
+    )
+    loss = pg_loss
+    metrics = {"pg_loss": pg_loss, **m}
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * core.aggregate_loss(
+            entropy, mb.mask, a.loss_agg_mode, **counts
+        )
+    if a.kl_coef:
+        kl = core.aggregate_loss(
+            core.kl_penalty(logp, dv.ref_logp, a.kl_kind), mb.mask, a.loss_agg_mode, **counts
+        )
+        loss = loss + a.kl_coef * kl
+        metrics["kl_loss"] = kl
+    metrics["entropy"] = core.masked_mean(entropy, mb.mask)
+    if is_weights is not None and a.tis_mode == "mask":
+        metrics["tis_masked_frac"] = core.masked_mean(
+            (is_weights == 0).astype(jnp.float32), mb.mask
+        )
+    return loss, metrics
+
+
+def value_objective(
+    spec: StepSpec, critic: Critic, mb: TrainBatch, dv: Derived, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    values = critic_values(spec, critic, mb)
+    loss, m = core.value_loss(
+        values,
+        dv.old_values,
+        dv.returns,
+        mb.mask,
+        clip_range=spec.algo.vf_clip,
+        agg_mode=spec.algo.loss_agg_mode,
+        num_tokens=d.num_tokens,
+        num_seqs=d.num_seqs,
+        norm_const=d.norm_const,
+        seq_bt=mb.sequence,
+        num_sequences=d.num_sequences,
+    )
+    return loss, {"vf_loss": loss, **m}
+
+
+def sft_objective(
+    spec: StepSpec, params: Weights, mb: TrainBatch, dv: Derived | None, d: Denominators
+) -> tuple[jax.Array, Metrics]:
+    """Masked cross-entropy of the sampled (model) tokens, token-mean over the whole batch."""
+    del dv
+    logp, _ = token_stats(spec, params, mb)
+    loss = -(logp * mb.mask).sum() / d.num_tokens
+    return loss, {"sft_loss": loss}
+
+
+Objective = Callable[[StepSpec, Any, TrainBatch, Any, Denominators], tuple[jax.Array, Metrics]]

@@ -1,0 +1,291 @@
+"""The RL update as one device program: ``state, metrics = rl_update(state, batch)``.
+
+The state (`LearnerState`: policy, critic, reference) stays on the devices; the batch
+(`RLBatch`: token rows and the sequences' rewards and GRPO groups) is uploaded once;
+old-policy and reference logprobs, critic values and advantages (`prepare`) and every PPO
+epoch's mini-batch updates run on the devices, over the real micro-batches only (a loop whose
+trip count the batch carries: the shapes, and so the compiled program, change only when a
+step needs more micro-batch slots than any before); only the metrics come back to the host.
+One update loops over its micro-batches, sums their gradients (`accumulated_grads`) and
+applies one optimizer step (`apply_update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_agent_rl.config import OptimSection
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import TrainBatch
+from jax_agent_rl.rl.objectives import (
+    Denominators,
+    Derived,
+    Metrics,
+    Objective,
+    StepSpec,
+    critic_values,
+    policy_objective,
+    token_stats,
+    value_objective,
+)
+
+# the per-sequence metrics [S] `rl_update` returns besides the scalars
+SEQ_GAP, SEQ_TOKENS = "sequences/logprob_gap_sum", "sequences/sampled_tokens"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any  # Weights (policy) or Critic, float32
+    opt_state: Any
+    step: jax.Array
+
+
+def make_optimizer(
+    lr: float, optim: OptimSection, decay_steps: int | None = None
+) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; linear warmup, then constant (RL) or, with
+    ``decay_steps``, cosine decay to zero at that step (SFT).
+
+    Update ``k`` (counting from 0) uses the schedules' value at ``k + 1``: both start at 0, so
+    unshifted the first update of every run would not move the weights at all (with
+    ``warmup_steps=0`` the first update is at the full rate, as that setting says)."""
+    warmup = max(optim.warmup_steps, 1)
+    if decay_steps is None:
+        ramp = optax.linear_schedule(0.0, lr, warmup)
+    else:
+        ramp = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay_steps, warmup + 1))
+
+    def schedule(count: jax.Array) -> jax.Array:
+        return jnp.asarray(ramp(count + 1))
+
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
+    )
+
+
+def _micro_batch(tree: Any, i: jax.Array) -> Any:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+# metrics that are a micro-batch's share of a whole-batch loss (whole-batch denominators)
+LOSS_TERMS = frozenset({"pg_loss", "kl_loss", "vf_loss", "sft_loss"})
+
+
+def accumulated_grads(
+    objective: Objective,
+    spec: StepSpec,
+    params: Any,
+    rows: TrainBatch,
+    derived: Derived | None,
+    d: Denominators,
+    lo: jax.Array | int,
+    hi: jax.Array | int,
+) -> tuple[jax.Array, Any, Metrics]:
+    """Loss, gradient and metrics of micro-batches ``lo .. hi - 1`` of [M, b, T] ``rows``
+    (bounds known on the device only: the micro-batches after them, padding, are never
+    computed).
+
+    Loss terms are sums with whole-batch denominators, so they add up over micro-batches
+    (the loss metrics, `LOSS_TERMS`, too); the other metrics (masked means within a
+    micro-batch) are averaged weighted by mask tokens.
+    """
+    grad_fn = jax.value_and_grad(lambda p, mb, dv: objective(spec, p, mb, dv, d), has_aux=True)
+
+    def step(i: jax.Array, carry: tuple[jax.Array, Any, Metrics]) -> tuple[Any, Any, Metrics]:
+        loss, grads, metrics = carry
+        mb, dv = _micro_batch(rows, i), _micro_batch(derived, i)
+        (mb_loss, m), g = grad_fn(params, mb, dv)
+        w = mb.mask.sum() / d.num_tokens
+        metrics = {k: metrics[k] + (m[k] if k in LOSS_TERMS else w * m[k]) for k in metrics}
+        return loss + mb_loss, jax.tree.map(jnp.add, grads, g), metrics
+
+    zero = jnp.zeros((), jnp.int32)
+    mb0, dv0 = _micro_batch(rows, zero), _micro_batch(derived, zero)
+    metric_shapes = jax.eval_shape(lambda: objective(spec, params, mb0, dv0, d)[1])
+    zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_metrics)
+    return jax.lax.fori_loop(lo, hi, step, init)
+
+
+def apply_update(
+    objective: Objective,
+    spec: StepSpec,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    rows: TrainBatch,
+    derived: Derived | None,
+    d: Denominators,
+    lo: jax.Array | int,
+    hi: jax.Array | int,
+) -> tuple[TrainState, Metrics]:
+    loss, grads, metrics = accumulated_grads(
+        objective, spec, state.params, rows, derived, d, lo, hi
+    )
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LearnerState:
+    """Every array the learner trains with: the policy's train state, the critic's (GAE) and
+    the KL reference (frozen). One pytree: a step is ``state, metrics = step(state, batch)``."""
+
+    policy: TrainState
+    critic: TrainState | None = None
+    reference: Any | None = None  # Weights
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RLBatch:
+    """One RL step's inputs. ``rows`` [M, b, T] are ``algorithm.mini_batches`` (K) mini-batches
+    of M / K micro-batch slots each, of which the first ``micro_batches`` are real (the same
+    count in every mini-batch); the per-sequence fields [S] are indexed by
+    ``rows.sequence``."""
+
+    rows: TrainBatch
+    rewards: Any  # [S] float32, the (shaped) outcome reward
+    groups: Any  # [S] int32, the GRPO group (padding sequences form groups of their own)
+    weights: Any  # [S] float32, the share of its episode a sequence is (`core.grpo_advantages`)
+    minis: Any  # [S] int32, the mini-batch of each sequence (K for padding)
+    micro_batches: Any  # [] int32
+
+
+def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[..., jax.Array]]:
+    """How many micro-batches are real in all, and the slot of the i-th of them."""
+    cap = batch.rows.mask.shape[0] // K
+    real = batch.micro_batches
+    per = jnp.maximum(real, 1)
+    return K * real, lambda i: (i // per) * cap + i % per
+
+
+def _map_real(spec: StepSpec, f: Callable[[TrainBatch], jax.Array], batch: RLBatch) -> jax.Array:
+    """``f`` of each real micro-batch, [M, b, T] (0 in the padding slots, never computed)."""
+    count, slot = _real_micro_batches(batch, spec.algo.mini_batches)
+    out = jnp.zeros(batch.rows.mask.shape, jnp.float32)
+    if spec.sharder is not None:
+        out = spec.sharder.constrain(out, (None, "batch", None))
+
+    def one(i: jax.Array, out: jax.Array) -> jax.Array:
+        j = slot(i)
+        return jax.lax.dynamic_update_index_in_dim(out, f(_micro_batch(batch.rows, j)), j, 0)
+
+    return jax.lax.fori_loop(0, count, one, out)
+
+
+def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
+    """The update's inputs, computed on the device: old-policy and reference logprobs (0 off
+    the sampled tokens), and advantages: GRPO's group-normalised outcome of each sequence on
+    its sampled tokens, or GAE over the critic's values with the outcome on each sequence's
+    last sampled token (whitened over the batch; returns and old values kept)."""
+    rows, a = batch.rows, spec.algo
+    mask = rows.mask
+    M, b, T = mask.shape
+    S = batch.rewards.shape[0]
+    sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
+    policy = state.policy.params
+    old = jnp.where(
+        sampled, _map_real(spec, lambda mb: token_stats(spec, policy, mb)[0], batch), 0.0
+    )
+    reference = state.reference
+    ref = (
+        jnp.zeros_like(old)
+        if reference is None
+        else jnp.where(
+            sampled,
+            _map_real(spec, lambda mb: token_stats(spec, reference, mb)[0], batch),
+            0.0,
+        )
+    )
+    if a.adv_estimator == "grpo":
+        adv_n = core.grpo_advantages(
+            batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
+        )
+        zeros = jnp.zeros_like(old)
+        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros)
+    assert state.critic is not None, "GAE needs a critic"
+    critic = state.critic.params
+    values = _map_real(spec, lambda mb: critic_values(spec, critic, mb), batch) * mask
+    flat = lambda x: x.reshape(M * b, T)  # noqa: E731
+    token_rewards = core.last_token_rewards(batch.rewards, flat(mask), flat(rows.sequence))
+    adv, returns = core.gae_advantages(
+        token_rewards, flat(values), flat(mask), a.gamma, a.lam, flat(rows.segment_ids)
+    )
+    adv = core.masked_whiten(adv, flat(mask)) * flat(mask)
+    return Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T))
+
+
+def mini_batch_denominators(
+    spec: StepSpec, rows: TrainBatch, minis: jax.Array, k: jax.Array | int
+) -> Denominators:
+    """The counts of mini-batch ``k``: its sampled tokens and its sequences with any."""
+    S = minis.shape[0]
+    seq_tokens = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
+    mine = minis == k
+    return Denominators(
+        num_tokens=jnp.maximum(jnp.sum(jnp.where(mine, seq_tokens, 0.0)), 1.0),
+        num_seqs=jnp.maximum(jnp.sum(mine & (seq_tokens > 0)).astype(jnp.float32), 1.0),
+        norm_const=spec.norm_const or float(rows.mask.shape[-1]),
+        num_sequences=S,
+    )
+
+
+def rl_update(
+    spec: StepSpec,
+    tx: optax.GradientTransformation,
+    critic_tx: optax.GradientTransformation,
+    state: LearnerState,
+    batch: RLBatch,
+) -> tuple[LearnerState, Metrics]:
+    """`prepare`, then ``ppo_epochs`` passes of ``mini_batches`` updates (policy, then critic,
+    on each mini-batch: its real micro-batches), on the device. Metrics: the mean over the
+    updates, and the sampler-vs-learner logprob gap before the first."""
+    a = spec.algo
+    dv = prepare(spec, state, batch)
+    rows = batch.rows
+    if not spec.sampling.rollout_logprobs:  # the sampler gave none: the learner's stand in
+        rows = dataclasses.replace(rows, rollout_logp=dv.old_logp)
+    K, S = a.mini_batches, batch.rewards.shape[0]
+    cap = rows.mask.shape[0] // K
+
+    def one(
+        carry: tuple[TrainState, TrainState | None], k: jax.Array
+    ) -> tuple[tuple[TrainState, TrainState | None], Metrics]:
+        policy, value = carry
+        d = mini_batch_denominators(spec, rows, batch.minis, k)
+        lo = k * cap
+        hi = lo + batch.micro_batches
+        policy, m = apply_update(policy_objective, spec, tx, policy, rows, dv, d, lo, hi)
+        if value is not None:
+            value, vm = apply_update(value_objective, spec, critic_tx, value, rows, dv, d, lo, hi)
+            m = {**m, **{f"critic/{k}": v for k, v in vm.items()}}
+        return (policy, value), m
+
+    carry: tuple[TrainState, TrainState | None] = (state.policy, state.critic)
+    epochs = []
+    for _ in range(a.ppo_epochs):
+        carry, m = jax.lax.scan(one, carry, jnp.arange(K))
+        epochs.append(m)
+    metrics = {k: jnp.mean(jnp.concatenate([m[k] for m in epochs])) for k in epochs[0]}
+    gap = jnp.abs(dv.old_logp - rows.rollout_logp)
+    metrics["logprob_gap/mean"] = core.masked_mean(gap, rows.mask)
+    metrics["logprob_gap/max"] = jnp.max(jnp.where(rows.mask > 0, gap, 0.0))
+    metrics["batch/sampled_tokens"] = jnp.sum(rows.mask)
+    # per sequence [S] (not scalars: `Learner.train_step` groups them by staleness)
+    metrics[SEQ_GAP] = jax.ops.segment_sum(
+        (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S
+    )
+    metrics[SEQ_TOKENS] = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
+    new = LearnerState(carry[0], carry[1], state.reference)
+    return new, metrics
