@@ -1,14 +1,6 @@
 """The JAX inference engine (JetStream-shaped: prefill, insert, generate over decode slots)."""
 
-from jax_agent_rl.engine.engine import (
-    DecodeState,
-    Engine,
-    Prefix,
-    Slots,
-    StepTokens,
-    page_bytes,
-    pool_pages,
-)
+from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.sampling import (
     InvalidRequestError,
@@ -16,6 +8,14 @@ from jax_agent_rl.engine.sampling import (
     sample,
     sampling_logprobs,
     token_logprobs,
+)
+from jax_agent_rl.engine.state import (
+    DecodeState,
+    Prefix,
+    Slots,
+    StepTokens,
+    page_bytes,
+    pool_pages,
 )
 
 __all__ = [

@@ -43,7 +43,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.engine.sampling import SamplingParams, sample, sampling_logprobs, token_logprobs
+from jax_agent_rl.engine.sampling import SamplingParams
+from jax_agent_rl.engine.state import (
+    RUNNING,
+    DecodeState,
+    Prefix,
+    Slots,
+    StepTokens,
+    buckets,
+    finish_code,
+    page_bytes,
+    sample_step,
+    slot_axes,
+)
 from jax_agent_rl.models import (
     KVPages,
     ModelConfig,
@@ -57,103 +69,6 @@ from jax_agent_rl.models import (
     param_specs,
 )
 from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
-
-# finish codes, per slot and step
-RUNNING, STOPPED, LENGTH = 0, 1, 2
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Slots:
-    """Per-slot decoding state, every field with a leading slot axis [N]."""
-
-    token: jax.Array  # int32: the last sampled token, next step's input
-    active: jax.Array  # bool
-    generated: jax.Array  # int32: tokens sampled so far
-    max_tokens: jax.Array  # int32
-    temperature: jax.Array  # float32 (0 = greedy)
-    top_k: jax.Array  # int32 (<= 0 = off)
-    top_p: jax.Array  # float32
-    stop_ids: jax.Array  # int32 [N, max_stop_ids], -1 padded
-    key: jax.Array  # uint32 [N, 2]: raw threefry key data of the request's seed
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    pages: KVPages  # the pool: [G, P, page_size, K] per layer
-    pos: jax.Array  # int32 [N]: tokens each slot's pages hold
-    slots: Slots
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-    """A prefilled sequence (its keys and values are in its pages): its slot state, how many
-    positions its pages hold, its first token's logprob and finish code, [1] each."""
-
-    slots: Slots
-    pos: jax.Array  # int32
-    logprob: jax.Array  # float32
-    finish: jax.Array  # int32: RUNNING, STOPPED or LENGTH after the first token
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepTokens:
-    """What ``generate`` produced, [num_steps, batch] each (the batch: the first slots);
-    ``valid`` marks slots that were active."""
-
-    token: jax.Array
-    logprob: jax.Array
-    valid: jax.Array
-    finish: jax.Array
-
-
-def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:
-    """Bytes of one page of the pool: keys and values of every layer, ``width`` bytes each."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * width
-
-
-def pool_pages(
-    cfg: ModelConfig, page_size: int, width: int, kv_cache_gib: float, slots: int, max_len: int
-) -> int:
-    """The pool's pages: as many as ``kv_cache_gib`` holds, or (0) as many as ``slots``
-    sequences of ``max_len`` tokens need."""
-    if kv_cache_gib > 0:
-        return int(kv_cache_gib * 2**30 // page_bytes(cfg, page_size, width))
-    return slots * -(-max_len // page_size)
-
-
-def _buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    sizes, n = [], smallest
-    while n < largest:
-        sizes.append(n)
-        n *= 2
-    return (*sizes, largest)
-
-
-def _finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) -> jax.Array:
-    """STOPPED if the token is a stop id, LENGTH if the budget or the model length is used up.
-
-    ``pos`` counts cached tokens; the just-sampled token is not cached yet, so the sequence
-    holds ``pos + 1`` tokens and may not grow past ``max_len``.
-    """
-    stopped = jnp.any(token[:, None] == slots.stop_ids, axis=-1)
-    length = (slots.generated >= slots.max_tokens) | (pos + 1 >= max_len)
-    return jnp.where(stopped, STOPPED, jnp.where(length, LENGTH, RUNNING)).astype(jnp.int32)
-
-
-def _slot_axes(x: jax.Array) -> tuple[str | None, ...]:
-    """A per-slot array's logical axes: the leading slot axis is the batch."""
-    return ("batch",) + (None,) * (x.ndim - 1)
-
-
-def _sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Array]:
-    logprobs = sampling_logprobs(logits_bv, slots.temperature, slots.top_k, slots.top_p)
-    keys = jax.random.wrap_key_data(slots.key)
-    token = sample(logprobs, slots.temperature == 0, keys, slots.generated)
-    return token, token_logprobs(logprobs, token)
 
 
 class Engine:
@@ -197,15 +112,15 @@ class Engine:
                 f"max_len={max_len} ({self.pages_per_seq} pages)"
             )
         self.prefill_chunk = min(prefill_chunk, max_len)
-        self.prefill_buckets = _buckets(
+        self.prefill_buckets = buckets(
             min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
         )
-        self.page_buckets = _buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
+        self.page_buckets = buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
         # devices (a `data` mesh axis) keep the whole batch, each device decoding its share
         n = max_concurrent_decodes
         split = sharder is not None and sharder.sharding(("batch",), (n,)).shard_shape((n,))[0] < n
-        self.batch_buckets = _buckets(1, n) if batch_buckets and not split else (n,)
+        self.batch_buckets = buckets(1, n) if batch_buckets and not split else (n,)
         # XLA:CPU writes a 16-bit cache through fp32, converting every page of it at every
         # step: there the pages are fp32 (the same numbers: bf16 values are exact in fp32)
         self.cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else cfg.jnp_dtype
@@ -277,7 +192,7 @@ class Engine:
         if self.sharder is None:
             return state
         sharder = self.sharder
-        slots = jax.tree.map(lambda x: sharder.constrain(x, _slot_axes(x)), state.slots)
+        slots = jax.tree.map(lambda x: sharder.constrain(x, slot_axes(x)), state.slots)
         pages = jax.lax.with_sharding_constraint(state.pages, self._pages_layout)
         pos = sharder.constrain(state.pos, ("batch",))
         return DecodeState(pages=pages, pos=pos, slots=slots)
@@ -298,7 +213,7 @@ class Engine:
             return slots
         sharder = self.sharder
         return jax.tree.map(
-            lambda x: jax.device_put(x, sharder.sharding(_slot_axes(x), x.shape)), slots
+            lambda x: jax.device_put(x, sharder.sharding(slot_axes(x), x.shape)), slots
         )
 
     def init_decode_state(self) -> DecodeState:
@@ -413,9 +328,9 @@ class Engine:
             pages_read=pages_read,
         )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
-        token, logprob = _sample_step(lm_logits(params, last[:, None])[:, 0], slots)
+        token, logprob = sample_step(lm_logits(params, last[:, None])[:, 0], slots)
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
-        finish = _finish_code(slots, token, pos + n, self.max_len)
+        finish = finish_code(slots, token, pos + n, self.max_len)
         state = self._lay_out(dataclasses.replace(state, pages=pages))
         return state, Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish)
 
@@ -511,12 +426,12 @@ class Engine:
                 decode_kernel=self.decode_kernel,
             )
             pos = pos + active.astype(jnp.int32)
-            token, logprob = _sample_step(lm_logits(params, h)[:, 0], slots)
+            token, logprob = sample_step(lm_logits(params, h)[:, 0], slots)
             token = jnp.where(active, token, slots.token)
             slots = dataclasses.replace(
                 slots, token=token, generated=slots.generated + active.astype(jnp.int32)
             )
-            finish = jnp.where(active, _finish_code(slots, token, pos, self.max_len), RUNNING)
+            finish = jnp.where(active, finish_code(slots, token, pos, self.max_len), RUNNING)
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
             out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
             slots = jax.tree.map(lambda all_, part: all_.at[:rows].set(part), every, slots)

@@ -42,8 +42,9 @@ from typing import Any
 import jax
 
 from jax_agent_rl import device_turns
-from jax_agent_rl.engine.engine import RUNNING, STOPPED, Engine
+from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool, prefix_keys
+from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
