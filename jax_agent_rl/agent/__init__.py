@@ -10,7 +10,7 @@ from jax_agent_rl.agent.loop import (
     run_tool_agent,
 )
 from jax_agent_rl.agent.parsers import ParsedCall, ToolCallParser, make_parser, register_parser
-from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import STOP_REASONS, StopReason, Trajectory
 
 __all__ = [
     "AGENT_LOOPS",
@@ -18,7 +18,6 @@ __all__ = [
     "AgentConfig",
     "AgentContext",
     "ParsedCall",
-    "Sample",
     "StopReason",
     "ToolCallParser",
     "Trajectory",

@@ -67,7 +67,8 @@ from jax_agent_rl.agent.loop import (
     tool_service_failed,
 )
 from jax_agent_rl.agent.parsers import ParsedCall
-from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError

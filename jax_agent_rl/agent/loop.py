@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any, cast
 
 from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
-from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.config import AgentSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment, Environments
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend

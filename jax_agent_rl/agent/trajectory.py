@@ -34,20 +34,6 @@ TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
 
 
 @dataclasses.dataclass
-class Sample:
-    """One prompt of a dataset, in verl's column layout."""
-
-    uid: str
-    messages: list[Message]
-    ground_truth: Any = None
-    data_source: str = ""
-    agent_name: str = "tool_agent"
-    env_class: str = ""  # the environment that plays it (SkyRL's column; jax_agent_rl.envs)
-    group_id: str = ""
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
 class Trajectory:
     """A whole multi-turn episode as the model saw it.
 

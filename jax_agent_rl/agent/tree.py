@@ -29,8 +29,9 @@ import time
 import traceback
 
 from jax_agent_rl.agent.loop import AgentContext, Budget, take_turn
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import TreeSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 

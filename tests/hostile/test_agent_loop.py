@@ -30,7 +30,8 @@ from jax_agent_rl.agent.loop import (
     run_sample,
 )
 from jax_agent_rl.agent.parsers import HermesParser, ParsedCall
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
