@@ -21,7 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentContext
+from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config

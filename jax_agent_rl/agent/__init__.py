@@ -1,9 +1,8 @@
 """The agent loop, trajectories and tool-call parsers."""
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import (
     AGENT_LOOPS,
-    AgentConfig,
-    AgentContext,
     register_agent_loop,
     run_sample,
     run_single_turn,

@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jax_agent_rl import device_turns, distributed, progress
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
+from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
+from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.config import (
     ConfigError,

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jax_agent_rl import distributed, progress
-from jax_agent_rl.agent.loop import AgentContext
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config, missing_paths
 from jax_agent_rl.data.sample import Sample

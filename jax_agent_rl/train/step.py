@@ -28,8 +28,9 @@ import jax
 import numpy as np
 
 from jax_agent_rl import distributed
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.filters import apply_filters
-from jax_agent_rl.agent.loop import AgentContext, run_sample
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection

@@ -18,8 +18,9 @@ import numpy as np
 import optax
 import pytest
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.filters import has_void_turn
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.loop import AGENT_LOOPS, run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config

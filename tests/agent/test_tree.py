@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.agent.loop import AgentContext, Budget, run_sample
+from jax_agent_rl.agent.context import AgentContext, Budget
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget

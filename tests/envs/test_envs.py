@@ -442,7 +442,8 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     """A row that names an environment but a loop that cannot play it (a LangGraph graph, an
     OpenAI harness) ends as agent_error naming the loop, its environment never made, rather
     than running as if it had none (loading such a file refuses it before that)."""
-    from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+    from jax_agent_rl.agent.context import AgentConfig, AgentContext
+    from jax_agent_rl.agent.loop import run_sample
     from jax_agent_rl.agent.parsers import make_parser
     from jax_agent_rl.data.sample import Sample
     from jax_agent_rl.engine import Engine

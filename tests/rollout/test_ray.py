@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_agent_rl.agent.loop import AgentContext
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.config import RaySection, RolloutSection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from jax_agent_rl.agent.loop import AgentContext, run_sample
+from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
