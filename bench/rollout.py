@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.agent import AgentConfig, AgentContext, ParsedCall, Sample, run_tool_agent
+from jax_agent_rl.agent import AgentConfig, AgentContext, ParsedCall, run_tool_agent
+from jax_agent_rl.data import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint

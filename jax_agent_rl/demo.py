@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from jax_agent_rl import progress
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.models import ModelConfig, init_params, request_cpu_devices, save_hf
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template

@@ -1,16 +1,15 @@
 """The agent loop, trajectories and tool-call parsers."""
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import (
     AGENT_LOOPS,
-    AgentConfig,
-    AgentContext,
     register_agent_loop,
     run_sample,
     run_single_turn,
     run_tool_agent,
 )
 from jax_agent_rl.agent.parsers import ParsedCall, ToolCallParser, make_parser, register_parser
-from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import STOP_REASONS, StopReason, Trajectory
 
 __all__ = [
     "AGENT_LOOPS",
@@ -18,7 +17,6 @@ __all__ = [
     "AgentConfig",
     "AgentContext",
     "ParsedCall",
-    "Sample",
     "StopReason",
     "ToolCallParser",
     "Trajectory",

@@ -2,7 +2,7 @@
 
 A LangGraph graph decides what happens next; the tokens stay the loop's. `BackendChatModel`,
 a LangChain chat model over one trajectory, never renders the graph's messages into text: each
-call runs one model turn exactly as `run_tool_agent` does (`_model_turn` over the trajectory's
+call runs one model turn exactly as `run_tool_agent` does (`model_turn` over the trajectory's
 ``prompt_ids + response_ids``), reads it with the context's parser (`read_turn`) and answers an
 ``AIMessage`` with the model's text, its ``tool_calls`` and its sampled token ids
 (``response_metadata["token_ids"]``). The graph's tool node runs the calls through
@@ -56,18 +56,19 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from pydantic import InstanceOf
 
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import (
-    AgentContext,
-    _budget_stop,
-    _model_turn,
+    budget_stop,
     call_tool,
+    model_turn,
     read_turn,
     record_results,
     run_episode,
     tool_service_failed,
 )
 from jax_agent_rl.agent.parsers import ParsedCall
-from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
@@ -114,11 +115,11 @@ class Episode:
             observation, stop = self._answer(new)
             if stop is not None:
                 return self._end(stop)
-            self.traj.append(observation, model=False)
-        stop = _budget_stop(self.traj, self.ctx, 0)
+            self.traj.add_observation(observation)
+        stop = budget_stop(self.ctx, self.traj)
         if stop is not None:
             return self._end(stop)
-        turn, finish = await _model_turn(self.traj, self.ctx)
+        turn, finish = await model_turn(self.ctx, self.traj)
         text, calls, stop = read_turn(self.ctx, self.traj, turn, finish)
         metadata: dict[str, Any] = {"token_ids": turn, "finish_reason": finish}
         if stop is not None:
@@ -141,7 +142,7 @@ class Episode:
         """The tool service failed while the graph ran the pending calls."""
         if self.pending is None:
             raise error
-        self.traj.timings["tools_s"] += time.perf_counter() - self.pending.started
+        self.traj.add_time("tools_s", time.perf_counter() - self.pending.started)
         return tool_service_failed(self.traj, self.pending.text, error)
 
     def _tool_call(self, call: ParsedCall, call_id: str) -> ToolCall:
@@ -193,7 +194,7 @@ class Episode:
         """Records the tool messages answering the pending calls (`record_results`)."""
         pending, self.pending = self.pending, None
         assert pending is not None
-        self.traj.timings["tools_s"] += time.perf_counter() - pending.started
+        self.traj.add_time("tools_s", time.perf_counter() - pending.started)
         answers: dict[str, ToolMessage] = {}
         for m in new:
             if not isinstance(m, ToolMessage) or m.tool_call_id not in pending.ids:

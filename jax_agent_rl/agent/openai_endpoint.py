@@ -14,7 +14,7 @@ re-tokenized where the model wrote them:
   ``tool_call_id``); after a turn without calls, ``user`` messages. Those become the template
   delta after the model's sampled tokens (mask 0: `record_results`, `TurnBuilder`), exactly as
   in `run_tool_agent`.
-- Then one model turn, sampled as the tool loop samples it (`_model_turn`: the same budgets,
+- Then one model turn, sampled as the tool loop samples it (`model_turn`: the same budgets,
   stop ids and per-request seeds), read by the context's parser (`read_turn`) and answered as
   an OpenAI ``chat.completion``: ``content`` is the model's whole text, its well-formed calls
   are ``tool_calls`` (ids ``call_<turn>_<i>``, ``arguments`` a JSON string), and
@@ -56,18 +56,19 @@ from typing import Any, NoReturn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import (
-    AgentContext,
-    _budget_stop,
-    _fits,
-    _model_turn,
+    budget_stop,
     call_tool,
+    fits,
+    model_turn,
     read_turn,
     record_results,
     run_episode,
 )
 from jax_agent_rl.agent.parsers import ParsedCall
-from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
@@ -131,7 +132,7 @@ class Session:
     def fail(self, reason: str) -> NoReturn:
         """Ends the episode with ``harness_error`` and raises `HarnessError` ``reason``."""
         self.stop = "harness_error"
-        self.traj.error = f"harness error: {reason}"
+        self.traj.add_error(f"harness error: {reason}")
         raise HarnessError(reason)
 
     async def _complete(self, body: Any) -> dict[str, Any]:
@@ -142,7 +143,7 @@ class Session:
             observation, stop = self._observation(self._new_messages(messages, tools))
             if stop is not None:
                 return self._end(stop, "", "length")
-            self.traj.append(observation, model=False)
+            self.traj.add_observation(observation)
         while True:
             turn, text, calls, stop = await self._turn()
             if stop == "eos":
@@ -163,15 +164,15 @@ class Session:
             observation, stop = record_results(self.ctx, self.traj, turn, text, calls, results)
             if stop is not None:
                 return self._end(stop, text, "length")
-            self.traj.append(observation, model=False)
+            self.traj.add_observation(observation)
 
     async def _turn(self) -> tuple[list[int], str, list[ParsedCall], StopReason | None]:
         """One model turn as the tool loop takes it (`take_turn`): its tokens, text and calls,
         and the stop reason when the episode ends with it (or before it: a budget)."""
-        stop = _budget_stop(self.traj, self.ctx, 0)
+        stop = budget_stop(self.ctx, self.traj)
         if stop is not None:
             return [], "", [], stop
-        turn, finish = await _model_turn(self.traj, self.ctx)
+        turn, finish = await model_turn(self.ctx, self.traj)
         if finish == "budget" and not turn:
             return [], "", [], "budget"
         return turn, *read_turn(self.ctx, self.traj, turn, finish)
@@ -186,8 +187,7 @@ class Session:
                 self.ctx, builder=TurnBuilder(self.ctx.tokenizer, tools or None)
             )
         prompt = [{"role": m["role"], "content": _text(m)} for m in messages]
-        self.traj.prompt_ids = self.ctx.builder.prompt_ids(prompt)
-        self.traj.messages = prompt
+        self.traj.set_prompt(prompt, self.ctx.builder)
         self.conversation, self.tools = [dict(m) for m in messages], tools
 
     def _new_messages(
@@ -226,14 +226,14 @@ class Session:
         builder = self.ctx.builder
         ids = builder.close_assistant_turn(self.text_turn) + builder.messages_delta(messages)
         self.text_turn = None
-        self.traj.messages.extend(messages)
-        return ids, _fits(self.traj, self.ctx, ids)
+        self.traj.add_messages(messages)
+        return ids, fits(self.ctx, self.traj, ids)
 
     def _answer(self, new: list[dict[str, Any]]) -> tuple[list[int], StopReason | None]:
         """Records the tool messages answering the pending calls (`record_results`)."""
         pending, self.pending = self.pending, None
         assert pending is not None
-        self.traj.timings["tools_s"] += time.perf_counter() - pending.started
+        self.traj.add_time("tools_s", time.perf_counter() - pending.started)
         wanted = [i for i in pending.ids if i is not None]
         answers = {m.get("tool_call_id"): m for m in new if m["role"] == "tool"}
         if len(new) != len(wanted) or sorted(answers, key=str) != sorted(wanted):
@@ -245,7 +245,7 @@ class Session:
         for call, i in zip(pending.calls, pending.ids, strict=True):
             if i is None:
                 results.append(ToolResult(f"error: {call.error}", error=True))
-                self.traj.malformed_calls += 1
+                self.traj.add_malformed_call()
             else:
                 ran = self.results.pop(i, None) or ToolResult("")
                 results.append(dataclasses.replace(ran, text=_text(answers[i])))
@@ -489,7 +489,7 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
                 if session.stop is None:
                     raise
                 failed = traceback.format_exc()
-                traj.error = f"{traj.error or ''}\nthen the harness failed:\n{failed}"
+                traj.add_error(f"\nthen the harness failed:\n{failed}")
         try:
             return session.finish()
         except HarnessError:

@@ -1,11 +1,18 @@
-"""What a rollout produces and the learner consumes: one token-exact `Trajectory`."""
+"""What a rollout produces and the learner consumes: one token-exact `Trajectory`, which keeps
+its own books (`Trajectory.add_sample`, `add_turn`, `add_observation`...): the agent loops call
+these and never edit its fields."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tokenization import Message
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.base import ToolResult
 
 StopReason = Literal[
     "eos",  # the model ended its turn without calling a tool
@@ -31,20 +38,6 @@ StopReason = Literal[
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
-
-
-@dataclasses.dataclass
-class Sample:
-    """One prompt of a dataset, in verl's column layout."""
-
-    uid: str
-    messages: list[Message]
-    ground_truth: Any = None
-    data_source: str = ""
-    agent_name: str = "tool_agent"
-    env_class: str = ""  # the environment that plays it (SkyRL's column; jax_agent_rl.envs)
-    group_id: str = ""
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -106,6 +99,84 @@ class Trajectory:
         self.rollout_logprobs.extend(logprobs if model and logprobs else [0.0] * len(ids))
         self.token_versions.extend([version if model else -1] * len(ids))
 
+    def add_sample(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        """The tokens one generate request sampled under weight ``version`` (one weight
+        version is kept per request)."""
+        self.append(ids, model=True, logprobs=logprobs, version=version)
+        self.weight_versions.append(version)
+
+    def add_turn(self, kind: TurnKind | None, text: str | None = None) -> None:
+        """A model turn read: counted, how it ended kept (``kind``; None for a demonstration),
+        and its ``text`` as an assistant message when given (a turn whose calls run has its
+        message recorded with their results)."""
+        self.num_turns += 1
+        if kind is not None:
+            self.turn_kinds.append(kind)
+        if text is not None:
+            self.messages.append({"role": "assistant", "content": text})
+
+    def add_observation(self, ids: list[int]) -> None:
+        """The tokens that answer a model turn (tool results, an environment's observation,
+        template tokens): context, mask 0."""
+        self.append(ids, model=False)
+
+    def add_messages(self, messages: Sequence[Message]) -> None:
+        self.messages.extend(messages)
+
+    def add_malformed_call(self) -> None:
+        self.malformed_calls += 1
+
+    def add_tool_results(self, results: Sequence[ToolResult], messages: Sequence[Message]) -> None:
+        """The results of one turn's calls (one per call): counted, their rewards summed into
+        the turn's, and the ``messages`` they stand for (the turn's own included)."""
+        self.tool_calls += len(results)
+        self.tool_errors += sum(r.error for r in results)
+        self.turn_rewards.append(sum(r.reward for r in results))
+        self.messages.extend(messages)
+
+    def start_env(self, owns_reward: bool) -> None:
+        """An environment plays the episode: its time is kept, and its rewards are the
+        episode's when it ``owns_reward``."""
+        self.timings["env_s"] = 0.0
+        self.env_reward = 0.0 if owns_reward else None
+
+    def add_env_step(self, reward: float, observations: Sequence[Message]) -> None:
+        """An environment's answer to a turn: its reward (the turn's, summed into the episode's
+        when the environment owns it) and its messages."""
+        self.turn_rewards.append(reward)
+        if self.env_reward is not None:
+            self.env_reward += reward
+        self.messages.extend(observations)
+
+    def set_prompt(self, messages: list[Message], builder: TurnBuilder) -> None:
+        """Starts the conversation from ``messages``, rendered by ``builder``."""
+        self.messages = messages
+        self.prompt_ids = builder.prompt_ids(messages)
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
+
+    def add_error(self, error: str) -> None:
+        """Keeps what went wrong (a traceback), after what was kept before."""
+        self.error = (self.error or "") + error
+
+    def end(self, stop: StopReason, error: str | None = None) -> None:
+        """Ends the episode with ``stop``, and keeps ``error`` when given (`add_error`)."""
+        self.stop_reason = stop
+        if error is not None:
+            self.add_error(error)
+
+    def fork(self, uid: str) -> Trajectory:
+        """A copy (at a turn boundary) that goes on as ``uid``, sharing what this one did so
+        far (a tree's branch, agent/tree.py)."""
+        branch = copy.deepcopy(self)
+        branch.uid = uid
+        branch.forked_from = self.uid
+        branch.forked_tokens = len(self.response_ids)
+        branch.forked_calls = self.tool_calls
+        branch.timings = {"tools_s": 0.0}
+        return branch
+
     @property
     def oldest_version(self) -> int | None:
         """The oldest weight version that sampled one of its tokens (None: none sampled)."""
@@ -136,3 +207,37 @@ class Trajectory:
     def own_tool_calls(self) -> int:
         """The tool calls made for this trajectory alone (a branch shares the rest)."""
         return self.tool_calls - self.forked_calls
+
+
+def demonstration_trajectory(
+    sample: Sample,
+    builder: TurnBuilder,
+    turns: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+) -> Trajectory:
+    """The trajectory `run_tool_agent` records when the model writes exactly ``turns``.
+
+    Each turn is (assistant text, [(tool name, tool output), ...]); the text is encoded and
+    ended with eos (mask 1), the tool outputs follow as template deltas (mask 0), exactly as
+    in a rollout of a chat-style parser. Supervised fine-tuning on these trains the very
+    tokens a rollout would score.
+    """
+    traj = Trajectory(
+        uid=sample.uid,
+        group_id=sample.group_id,
+        prompt_ids=builder.prompt_ids(sample.messages),
+        messages=[dict(m) for m in sample.messages],
+        tool_calls=sum(len(outputs) for _, outputs in turns),
+    )
+    for text, outputs in turns:
+        turn = [*builder.tokenizer.encode(text), builder.eos_id]
+        traj.append(turn, model=True)
+        traj.add_turn(None, text)
+        if outputs:
+            tool_messages = [
+                {"role": "tool", "content": out, "name": name} for name, out in outputs
+            ]
+            traj.add_observation(
+                builder.close_assistant_turn(turn) + builder.messages_delta(tool_messages)
+            )
+            traj.add_messages(tool_messages)
+    return traj

@@ -23,14 +23,15 @@ copied): the tree suits tools whose results do not depend on the episode's earli
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import time
 import traceback
 
-from jax_agent_rl.agent.loop import AgentContext, Budget, take_turn
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.context import AgentContext, Budget
+from jax_agent_rl.agent.loop import take_turn
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import TreeSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
 
 
@@ -40,17 +41,6 @@ def tree_budget(tree: TreeSection, n: int, max_response_tokens: int, max_turns: 
         model_tokens=tree.model_tokens or n * max_response_tokens,
         tool_calls=tree.tool_calls or n * max_turns,
     )
-
-
-def fork(traj: Trajectory, uid: str) -> Trajectory:
-    """A copy of ``traj`` (at a turn boundary) that goes on as ``uid``."""
-    branch = copy.deepcopy(traj)
-    branch.uid = uid
-    branch.forked_from = traj.uid
-    branch.forked_tokens = len(traj.response_ids)
-    branch.forked_calls = traj.tool_calls
-    branch.timings = {"tools_s": 0.0}
-    return branch
 
 
 async def run_tree(
@@ -68,18 +58,17 @@ async def run_tree(
         t_start = time.perf_counter()
         branched = 0
         try:
-            while (stop := await take_turn(traj, ctx, create_kwargs)) is None:
+            while (stop := await take_turn(ctx, traj, create_kwargs)) is None:
                 if branched < tree.depth and not budget.spent:
                     branched += 1
                     for j in range(1, tree.branch):
-                        child = fork(traj, f"{traj.uid}.{branched}.{j}")
+                        child = traj.fork(f"{traj.uid}.{branched}.{j}")
                         group.create_task(grow(child, (*path, branched, j), group))
-            traj.stop_reason = stop
+            traj.end(stop)
         except Exception:  # this episode's failure only, as in `run_tool_agent`
-            traj.stop_reason = "agent_error"
-            traj.error = traceback.format_exc()
+            traj.end("agent_error", traceback.format_exc())
         finally:
-            traj.timings["total_s"] = time.perf_counter() - t_start
+            traj.add_time("total_s", time.perf_counter() - t_start)
             await ctx.tools.release(traj.uid)
             leaves[path] = traj
 

@@ -29,7 +29,7 @@ import json
 import random
 from typing import Literal
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 
 Kind = Literal["add", "mul", "chain"]
 KINDS: tuple[Kind, ...] = ("add", "mul", "chain")

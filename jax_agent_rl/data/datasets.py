@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 
 SUFFIXES = (".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")

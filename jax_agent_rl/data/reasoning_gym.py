@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.data.datasets import DatasetError
+from jax_agent_rl.data.sample import Sample
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"

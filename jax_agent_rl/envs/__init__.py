@@ -13,8 +13,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, EnvSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import (
     EnvError,
     EnvFactory,

@@ -36,7 +36,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tokenization import Message
 
 OBSERVATION_ROLES = ("user", "tool", "system")

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvStep
 from jax_agent_rl.tokenization import Message
 

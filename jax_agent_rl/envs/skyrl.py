@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_messages, checked_step
 from jax_agent_rl.tokenization import Message
 

@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 import yaml
 
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_step
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.user_code import load_function

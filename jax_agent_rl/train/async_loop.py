@@ -29,7 +29,8 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
 from jax_agent_rl.train.step import (

@@ -26,9 +26,9 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from jax_agent_rl import device_turns, distributed, progress
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
+from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
+from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import (
     ConfigError,
     JarlConfig,
@@ -38,6 +38,7 @@ from jax_agent_rl.config import (
     to_yaml,
 )
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings

@@ -32,9 +32,9 @@ import jax
 
 from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.parsers import PARSERS, ToolCallParser, make_parser
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs

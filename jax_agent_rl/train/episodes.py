@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from jax_agent_rl.agent.filters import FILTERS
-from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, Trajectory
+from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
+from jax_agent_rl.data.sample import Sample
 
 Totals = dict[str, float]
 

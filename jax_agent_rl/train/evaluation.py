@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 from jax_agent_rl import distributed, progress
-from jax_agent_rl.agent.loop import AgentContext
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config, missing_paths
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
 from jax_agent_rl.rewards import Scorer

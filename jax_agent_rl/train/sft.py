@@ -18,9 +18,9 @@ from typing import Any
 from rich.console import Console
 
 from jax_agent_rl import progress
-from jax_agent_rl.agent.loop import demonstration_trajectory
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory, demonstration_trajectory
 from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import make_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.tokenization import Tokenizer

@@ -28,11 +28,13 @@ import jax
 import numpy as np
 
 from jax_agent_rl import distributed
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.filters import apply_filters
-from jax_agent_rl.agent.loop import AgentContext, run_sample
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import Answer, Scorer, verl_rules
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch

@@ -19,11 +19,13 @@ from langchain_core.tools import BaseTool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import INVALID_CALL, BackendChatModel
-from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AgentSection, ConfigError
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolTransportError

@@ -18,12 +18,14 @@ import numpy as np
 import optax
 import pytest
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.filters import has_void_turn
-from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, run_sample
+from jax_agent_rl.agent.loop import AGENT_LOOPS, run_sample
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.datasets import load_samples
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, forward, init_params, lm_logits
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult

@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.agent.loop import AgentContext, Budget, run_sample
+from jax_agent_rl.agent.context import AgentContext, Budget
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import TreeSection
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
 from tests.agent.test_loop import CONFIG
 

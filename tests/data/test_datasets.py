@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jax_agent_rl.agent.loop import AGENT_LOOPS
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.data.datasets import DatasetError, PromptSampler, load_samples, write_jsonl
+from jax_agent_rl.data.sample import Sample
 
 DEFAULT = AgentSection().default_agent_loop  # what a row without agent_name runs
 

@@ -383,7 +383,7 @@ def test_the_guessing_game_is_won_by_binary_search() -> None:
     """The built-in ``guess_number``: a binary search finds every secret of 1..16 within 4
     guesses (agent.max_turns=5 in its config leaves one slip), each wrong guess answered
     higher / lower, a turn without a number asked again, the win worth 1 and nothing else."""
-    from jax_agent_rl.agent.trajectory import Sample
+    from jax_agent_rl.data.sample import Sample
     from jax_agent_rl.envs.guess import GuessNumber
 
     async def search(secret: int) -> tuple[int, list[float]]:
@@ -442,9 +442,10 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     """A row that names an environment but a loop that cannot play it (a LangGraph graph, an
     OpenAI harness) ends as agent_error naming the loop, its environment never made, rather
     than running as if it had none (loading such a file refuses it before that)."""
-    from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
+    from jax_agent_rl.agent.context import AgentConfig, AgentContext
+    from jax_agent_rl.agent.loop import run_sample
     from jax_agent_rl.agent.parsers import make_parser
-    from jax_agent_rl.agent.trajectory import Sample
+    from jax_agent_rl.data.sample import Sample
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.envs import make_environments
     from jax_agent_rl.models import load_hf

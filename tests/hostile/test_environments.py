@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from jax_agent_rl.agent.trajectory import Sample
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.verl_interaction import InteractionEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Pat
         textwrap.dedent(
             """
             import asyncio, threading
-            from jax_agent_rl.agent.trajectory import Sample
+            from jax_agent_rl.data.sample import Sample
             from jax_agent_rl.envs.base import EnvError
             from jax_agent_rl.envs.skyrl import SkyRLEnvironment
 

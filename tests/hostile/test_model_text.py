@@ -21,7 +21,8 @@ import jax
 import pytest
 from hypothesis import strategies as st
 
-from jax_agent_rl.agent.loop import AgentConfig, AgentContext, finish_turn
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.parsers import PARSERS, make_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
 from jax_agent_rl.engine import Engine

@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import make_reward, verl_rules
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train.step import scored_text, trajectory_reward

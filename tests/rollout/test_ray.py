@@ -19,11 +19,11 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_agent_rl.agent.loop import AgentContext
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import RaySection, RolloutSection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint

@@ -20,9 +20,11 @@ import httpx
 import pytest
 import yaml
 
-from jax_agent_rl.agent.loop import AgentContext, run_sample
+from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.parsers import make_parser
-from jax_agent_rl.agent.trajectory import Sample, Trajectory
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator, evaluate, format_number
