@@ -228,7 +228,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _serve_tools(args: argparse.Namespace) -> int:
-    from jax_agent_rl.agent.parsers import PARSERS
+    from jax_agent_rl.tokenization.tool_calls import PARSERS
     from jax_agent_rl.config import ConfigError, package_file
     from jax_agent_rl.tools.registry import ToolRegistry
     from jax_agent_rl.tools.server import RequestCaps, serve

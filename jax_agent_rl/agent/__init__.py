@@ -1,4 +1,4 @@
-"""The agent loop, trajectories and tool-call parsers."""
+"""The agent loop and trajectories (tool-call parsers: `jax_agent_rl.tokenization`)."""
 
 from jax_agent_rl.agent.loop import (
     AGENT_LOOPS,
@@ -9,7 +9,6 @@ from jax_agent_rl.agent.loop import (
     run_single_turn,
     run_tool_agent,
 )
-from jax_agent_rl.agent.parsers import ParsedCall, ToolCallParser, make_parser, register_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Sample, StopReason, Trajectory
 
 __all__ = [
@@ -17,14 +16,10 @@ __all__ = [
     "STOP_REASONS",
     "AgentConfig",
     "AgentContext",
-    "ParsedCall",
     "Sample",
     "StopReason",
-    "ToolCallParser",
     "Trajectory",
-    "make_parser",
     "register_agent_loop",
-    "register_parser",
     "run_sample",
     "run_single_turn",
     "run_tool_agent",

@@ -28,13 +28,13 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
-from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.agent.trajectory import Sample, StopReason, Trajectory
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment, Environments
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolExecutor, ToolTransportError

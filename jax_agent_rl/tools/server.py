@@ -62,7 +62,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jax_agent_rl.agent.parsers import (
+from jax_agent_rl.tokenization.tool_calls import (
     InlineToolCallParser,
     ParsedCall,
     ToolCallParser,
@@ -552,7 +552,7 @@ def create_app(
     every ``idle_timeout_s / 2`` seconds, waiting with ``sleep``, so idle state lives at most
     1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
     ``body_timeout_s`` go to `BodyLimit`; ``caps`` bound what one request carries
-    (`RequestCaps`). ``action_parser`` (a name of `jax_agent_rl.agent.parsers`) reads the
+    (`RequestCaps`). ``action_parser`` (a name of `jax_agent_rl.tokenization.tool_calls`) reads the
     actions of ``/get_observation`` (`_verl_tool_routes`).
     With ``socket_path``, the app's lifespan also serves the calls on that Unix socket
     (`SocketServer`, under the same token, with the same bounds per frame, ``max_concurrency``

@@ -27,7 +27,7 @@ from rich.console import Console
 
 from jax_agent_rl import device_turns, distributed, progress
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, turn_stop_ids
-from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.agent.trajectory import Sample
 from jax_agent_rl.config import (
     ConfigError,

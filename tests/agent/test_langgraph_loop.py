@@ -21,10 +21,10 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from jax_agent_rl.agent.langgraph_loop import INVALID_CALL, BackendChatModel
 from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import AgentSection, ConfigError
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolTransportError
 from tests.agent.test_loop import CONFIG, Recording, _assert_token_exact

@@ -20,7 +20,7 @@ import pytest
 
 from jax_agent_rl.agent.filters import has_void_turn
 from jax_agent_rl.agent.loop import AGENT_LOOPS, AgentConfig, AgentContext, run_sample
-from jax_agent_rl.agent.parsers import make_parser
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.datasets import load_samples

@@ -443,12 +443,12 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     OpenAI harness) ends as agent_error naming the loop, its environment never made, rather
     than running as if it had none (loading such a file refuses it before that)."""
     from jax_agent_rl.agent.loop import AgentConfig, AgentContext, run_sample
-    from jax_agent_rl.agent.parsers import make_parser
     from jax_agent_rl.agent.trajectory import Sample
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.envs import make_environments
     from jax_agent_rl.models import load_hf
     from jax_agent_rl.rollout import EmbeddedBackend
+    from jax_agent_rl.tokenization.tool_calls import make_parser
     from jax_agent_rl.tools.registry import LocalTools
 
     cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])

@@ -29,9 +29,9 @@ from jax_agent_rl.agent.loop import (
     register_agent_loop,
     run_sample,
 )
-from jax_agent_rl.agent.parsers import HermesParser, ParsedCall
 from jax_agent_rl.agent.trajectory import Sample, Trajectory
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization.tool_calls import HermesParser, ParsedCall
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry

@@ -22,7 +22,6 @@ import pytest
 from hypothesis import strategies as st
 
 from jax_agent_rl.agent.loop import AgentConfig, AgentContext, finish_turn
-from jax_agent_rl.agent.parsers import PARSERS, make_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, init_params
@@ -35,6 +34,7 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tool_calls import PARSERS, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
