@@ -44,13 +44,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.agent import AgentConfig, AgentContext, ParsedCall, run_tool_agent
+from jax_agent_rl.agent import AgentConfig, AgentContext, run_tool_agent
 from jax_agent_rl.data import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend
-from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tokenization import (
+    ParsedCall,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
 from jax_agent_rl.tools import Tool, ToolResult
 from jax_agent_rl.tools.sandbox import PythonSandbox, PythonTool
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, bwrap_command, seccomp_fd
-from jax_agent_rl.tools.server import HttpTools
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = "/usr/bin/python3"

@@ -227,143 +227,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_tools(args: argparse.Namespace) -> int:
-    from jax_agent_rl.agent.parsers import PARSERS
-    from jax_agent_rl.config import ConfigError, package_file
-    from jax_agent_rl.tools.registry import ToolRegistry
-    from jax_agent_rl.tools.server import RequestCaps, serve
-
-    try:
-        tools = package_file(args.tools, "--tools")
-    except ConfigError as e:
-        return _refuse([str(e)])
-    if args.action_parser not in PARSERS:
-        names = sorted(PARSERS)
-        return _refuse(
-            [f"--action-parser={args.action_parser!r} is not a parser: use one of {names}"]
-        )
-    registry = ToolRegistry.from_yaml(tools)
-    where = f"http://{args.host}:{args.port}" + (f" and unix:{args.socket}" if args.socket else "")
-    print(f"serving {registry.names} on {where}", flush=True)
-    try:
-        serve(
-            registry,
-            args.host,
-            args.port,
-            args.token,
-            args.max_concurrency,
-            args.timeout,
-            idle_timeout_s=args.idle_timeout,
-            max_trajectories=args.max_trajectories,
-            max_body_bytes=args.max_body_bytes,
-            body_timeout_s=args.body_timeout,
-            caps=RequestCaps(
-                max_id_bytes=args.max_id_bytes,
-                max_batch_calls=args.max_batch_calls,
-                max_action_calls=args.max_action_calls,
-            ),
-            max_connections=args.max_connections,
-            action_parser=args.action_parser,
-            socket_path=args.socket,
-        )
-    except ValueError as e:
-        print(f"jarl: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "serve-tools",
-        help="serve a tools YAML over HTTP for agent rollouts",
-        description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
-        "State is sticky per trajectory, in the client's namespace (the X-Tool-Namespace "
-        "header; each HttpTools client has its own). A non-loopback --host needs --token; only "
-        "GET /health (which says ok, nothing more) answers without it. What clients can hold "
-        "is bounded: trajectory state, ids, calls per request, request bodies, connections.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--tools",
-        default="pkg://jax_agent_rl/configs/tools_default.yaml",
-        help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8765, help="port to listen on")
-    p.add_argument("--token", default=None, help="bearer token clients must send")
-    p.add_argument("--max-concurrency", type=int, default=64, help="calls running at once")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=600.0,
-        help="seconds after a trajectory's last call ends before its tool state is released "
-        "(clients that crash or never call /release); a later call starts fresh state",
-    )
-    p.add_argument(
-        "--max-trajectories",
-        type=int,
-        default=10_000,
-        help="trajectories holding tool state at once; a call that would open one more gets "
-        "an error result. Set it above the number of trajectories a rollout runs at once",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=8 * 2**20,
-        help="largest request body (an /execute_batch of all its calls); larger gets 413",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=10.0,
-        help="seconds to receive a whole request body; a slower client gets 408",
-    )
-    p.add_argument(
-        "--max-id-bytes",
-        type=int,
-        default=256,
-        help="largest trajectory id (UTF-8 bytes); a request with a longer one gets 422",
-    )
-    p.add_argument(
-        "--max-batch-calls",
-        type=int,
-        default=1024,
-        help="calls in one /execute_batch, and trajectories in one /get_observation; more get "
-        "422. Keep it at or above the clients' batch (HttpTools batches 32)",
-    )
-    p.add_argument(
-        "--max-action-calls",
-        type=int,
-        default=32,
-        help="tool calls in one verl-tool action; an action with more runs none of them and "
-        "its observation is an error naming this cap",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=512,
-        help="open connections (idle keep-alive ones included) at which a new request gets "
-        "503; bounds the request bodies held in memory to this times --max-body-bytes",
-    )
-    p.add_argument(
-        "--action-parser",
-        default="hermes",
-        help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
-        "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
-        "python_tag, tool_tag or fenced_python",
-    )
-    p.add_argument(
-        "--socket",
-        default=None,
-        help="also serve the calls on this Unix socket (mode 0600; its directory must be "
-        "yours and closed to others), for clients on this machine: HttpTools('unix:PATH'). "
-        "Much cheaper per call than HTTP; the same token and bounds apply",
-    )
-    p.set_defaults(func=_serve_tools)
-
-
 def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "eval",
@@ -583,7 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a local HF checkpoint folder")
     p.set_defaults(func=_inspect)
 
-    _add_serve_tools(sub)
+    from jax_agent_rl.tools.server import add_serve_tools
+
+    add_serve_tools(sub)
     return parser
 
 

@@ -190,6 +190,28 @@ class ToolsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolServerSection:
+    """The tool server's settings (`jax_agent_rl.tools.server`): the one definition of their
+    defaults, which ``jarl serve-tools``, `create_app`, `serve` and the Ray tool servers read."""
+
+    host: str = "127.0.0.1"  # the address to listen on; a non-loopback one needs a token
+    port: int = 8765  # the port to listen on
+    max_concurrency: int = 64  # calls running at once (and in flight per socket connection)
+    timeout_s: float = 30.0  # seconds per call; a slower call is an error result
+    # seconds after a trajectory's last call ends before its tool state is released
+    idle_timeout_s: float = 600.0
+    max_trajectories: int = 10_000  # trajectories holding tool state at once
+    max_body_bytes: int = 8 * 2**20  # the largest request body (or socket frame); larger: 413
+    body_timeout_s: float = 10.0  # seconds to receive a whole body (or frame); slower: 408
+    max_id_bytes: int = 256  # the largest trajectory id, in UTF-8 bytes
+    # calls of one /execute_batch and trajectories of one /get_observation
+    max_batch_calls: int = 1024
+    max_action_calls: int = 32  # tool calls of one verl-tool action
+    max_connections: int = 512  # open connections at which a new request gets 503
+    action_parser: str = "hermes"  # the parser that reads verl-tool's actions
+
+
+@dataclasses.dataclass(frozen=True)
 class EnvSection:
     """Environments that answer model turns (`jax_agent_rl.envs`), picked per row by its
     ``env_class`` (SkyRL's column) or verl's ``extra_info.interaction_kwargs.name``."""

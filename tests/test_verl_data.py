@@ -23,7 +23,6 @@ import pytest
 
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.datasets import load_samples
@@ -31,6 +30,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry

@@ -1,4 +1,5 @@
-"""The agent loop, trajectories and tool-call parsers."""
+"""The agent loop and trajectories (tool-call parsers: `jax_agent_rl.tokenization`; the
+sample a loop runs: `jax_agent_rl.data`)."""
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import (
@@ -8,7 +9,6 @@ from jax_agent_rl.agent.loop import (
     run_single_turn,
     run_tool_agent,
 )
-from jax_agent_rl.agent.parsers import ParsedCall, ToolCallParser, make_parser, register_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, StopReason, Trajectory
 
 __all__ = [
@@ -16,13 +16,9 @@ __all__ = [
     "STOP_REASONS",
     "AgentConfig",
     "AgentContext",
-    "ParsedCall",
     "StopReason",
-    "ToolCallParser",
     "Trajectory",
-    "make_parser",
     "register_agent_loop",
-    "register_parser",
     "run_sample",
     "run_single_turn",
     "run_tool_agent",

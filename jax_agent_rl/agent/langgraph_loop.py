@@ -66,10 +66,10 @@ from jax_agent_rl.agent.loop import (
     run_episode,
     tool_service_failed,
 )
-from jax_agent_rl.agent.parsers import ParsedCall
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
+from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool

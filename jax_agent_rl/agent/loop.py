@@ -33,12 +33,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 from jax_agent_rl.agent.context import AgentContext
-from jax_agent_rl.agent.parsers import InlineToolCallParser, ParsedCall
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment
 from jax_agent_rl.rollout.protocol import GenerateRequest
+from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool

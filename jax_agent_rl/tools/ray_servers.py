@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.ray_cluster import connect
 from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import ToolTransportError
-from jax_agent_rl.tools.server import HttpTools
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RaySection, ToolsSection
@@ -52,7 +52,8 @@ class ToolServer:
         import ray
         import uvicorn
 
-        from jax_agent_rl.tools.server import create_app, server_config
+        from jax_agent_rl.tools.app import create_app
+        from jax_agent_rl.tools.server import server_config
 
         host = ray.util.get_node_ip_address()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

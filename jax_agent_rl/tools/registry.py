@@ -1,7 +1,7 @@
 """The tool registry and the executor seam the agent loop calls tools through.
 
 `ToolExecutor` is the seam: `LocalTools` runs a `ToolRegistry` in this process, the HTTP
-client (`jax_agent_rl.tools.server`) reaches the same registry served elsewhere; the agent loop
+client (`jax_agent_rl.tools.client`) reaches the same registry served elsewhere; the agent loop
 cannot tell them apart. An executor turns every tool-level failure (bad arguments, unknown
 tool, an exception, a timeout) into an error `ToolResult` the model reads; only a transport
 failure (the tool server is gone) raises `ToolTransportError`, which ends the trajectory with

@@ -28,7 +28,6 @@ from rich.console import Console
 from jax_agent_rl import device_turns, distributed, progress
 from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.loop import AGENT_LOOPS
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.config import (
     ConfigError,
     JarlConfig,
@@ -52,6 +51,7 @@ from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
 from jax_agent_rl.train.metrics import MetricsLog
@@ -343,7 +343,7 @@ def make_tools(
         if section.token_env:
             raise ConfigError("tools.token_env is set but tools.server_url is not")
         return LocalTools(registry, timeout_s=section.timeout_s)
-    from jax_agent_rl.tools.server import HttpTools
+    from jax_agent_rl.tools.client import HttpTools
 
     token = environ.get(section.token_env) if section.token_env else None
     if section.token_env and not token:

@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 import jax
 
 from jax_agent_rl.agent.loop import AGENT_LOOPS
-from jax_agent_rl.agent.parsers import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample
@@ -42,6 +41,7 @@ from jax_agent_rl.models.decoder import PAGE_AXES, is_spec
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
+from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.build import check_environments

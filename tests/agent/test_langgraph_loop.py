@@ -22,11 +22,11 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import INVALID_CALL, BackendChatModel
 from jax_agent_rl.agent.loop import run_sample
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AgentSection, ConfigError
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolTransportError
 from tests.agent.test_loop import CONFIG, Recording, _assert_token_exact

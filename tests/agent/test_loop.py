@@ -21,7 +21,6 @@ import pytest
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.filters import has_void_turn
 from jax_agent_rl.agent.loop import AGENT_LOOPS, run_sample
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.datasets import load_samples
@@ -36,11 +35,12 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.calculator import calculator
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.tools.server import HttpTools
 from tests.agent.templates import CHATML_TOOLS, LLAMA3_SPECIAL, LLAMA3_STYLE, QWEN3_STYLE
 from tests.tools.test_server import start_server
 

@@ -20,11 +20,11 @@ from jax_agent_rl.agent import openai_endpoint
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.train.episodes import episode_totals
 from tests.agent.test_langgraph_loop import SAMPLED, _assert_same
 from tests.agent.test_loop import CONFIG

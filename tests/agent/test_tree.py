@@ -9,12 +9,12 @@ import pytest
 
 from jax_agent_rl.agent.context import AgentContext, Budget
 from jax_agent_rl.agent.loop import run_sample
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import TreeSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from tests.agent.test_loop import CONFIG
 
 CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)

@@ -444,12 +444,12 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     than running as if it had none (loading such a file refuses it before that)."""
     from jax_agent_rl.agent.context import AgentConfig, AgentContext
     from jax_agent_rl.agent.loop import run_sample
-    from jax_agent_rl.agent.parsers import make_parser
     from jax_agent_rl.data.sample import Sample
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.envs import make_environments
     from jax_agent_rl.models import load_hf
     from jax_agent_rl.rollout import EmbeddedBackend
+    from jax_agent_rl.tokenization.tool_calls import make_parser
     from jax_agent_rl.tools.registry import LocalTools
 
     cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])

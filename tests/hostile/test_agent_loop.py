@@ -23,10 +23,10 @@ from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS, finish_turn, register_agent_loop, run_sample
-from jax_agent_rl.agent.parsers import HermesParser, ParsedCall
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization.tool_calls import HermesParser, ParsedCall
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry

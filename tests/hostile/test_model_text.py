@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import finish_turn
-from jax_agent_rl.agent.parsers import PARSERS, make_parser
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, init_params
@@ -36,6 +35,7 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tool_calls import PARSERS, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry

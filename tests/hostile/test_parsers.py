@@ -5,7 +5,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from jax_agent_rl.agent.parsers import PARSERS, ParsedCall, make_parser
+from jax_agent_rl.tokenization.tool_calls import PARSERS, ParsedCall, make_parser
 
 DEEP = "[" * 1000
 HUGE = "1" * 4301  # past Python's 4,300-digit limit on int("...")

@@ -19,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools, create_app
 from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter
 

@@ -20,7 +20,6 @@ import jax
 import pytest
 
 from jax_agent_rl.agent.context import AgentContext
-from jax_agent_rl.agent.parsers import make_parser
 from jax_agent_rl.config import RaySection, RolloutSection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
@@ -38,6 +37,7 @@ from jax_agent_rl.rollout import (
 )
 from jax_agent_rl.rollout.ray_pool import RayPool, Replica, _check_fits
 from jax_agent_rl.rollout.registry import BackendBuild
+from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.ray_servers import RayToolServers
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.train import train

@@ -18,8 +18,11 @@ import pytest
 import uvicorn
 
 from jax_agent_rl.cli import build_parser
+from jax_agent_rl.tools.app import create_app
+from jax_agent_rl.tools.client import HttpTools
+from jax_agent_rl.tools.protocol import RequestCaps
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools, RequestCaps, create_app, serve
+from jax_agent_rl.tools.server import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_YAML = """

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools, serve
+from jax_agent_rl.tools.server import serve
 from tests.tools.test_server import TOOLS_YAML, killed_mid_call, start_server
 
 WITH_PYTHON = TOOLS_YAML + (

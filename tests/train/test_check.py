@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jax_agent_rl.agent.parsers import PARSERS
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import AlgorithmSection, MeshSection, load_config, package_file
 from jax_agent_rl.models import (
@@ -37,6 +36,7 @@ from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, token_stats
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
+from jax_agent_rl.tokenization.tool_calls import PARSERS
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.check import activation_bytes, memory_plan, mesh_problems
 

@@ -10,8 +10,8 @@ import pytest
 
 from jax_agent_rl.config import ConfigError, ToolsSection
 from jax_agent_rl.tools.calculator import calculator
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry, ToolTransportError
-from jax_agent_rl.tools.server import HttpTools
 from jax_agent_rl.train.build import make_tools
 from tests.tools.test_server import start_server
 

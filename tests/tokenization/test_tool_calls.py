@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_agent_rl.agent.parsers import ParsedCall, make_parser
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 
 
 def test_hermes_calls_and_reasoning() -> None:

@@ -1,0 +1,75 @@
+"""`BodyLimit`: the tool server's ASGI middleware that bounds request bodies, in size and in
+the time they take to arrive (what uvicorn does not bound)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLargeError(Exception):
+    """A request body over the cap."""
+
+
+class BodyLimit:
+    """ASGI middleware that receives each request body whole before the app sees it: a body
+    over ``max_bytes`` is answered 413 (at once when its Content-Length says so, else once the
+    chunks received pass the cap), and a body not received within ``timeout_s`` (a client
+    sending it a byte at a time) is answered 408. Both answers close the connection, since the
+    unread rest of the body cannot be skipped safely. A client that disconnects gets nothing.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._body(scope, receive)
+        except TimeoutError:
+            detail = f"request body not received within {self.timeout_s:g}s (body_timeout_s)"
+            await _refuse(scope, receive, send, 408, detail)
+            return
+        except BodyTooLargeError:
+            detail = f"request body over the cap of {self.max_bytes} bytes (max_body_bytes)"
+            await _refuse(scope, receive, send, 413, detail)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client went away; raises `BodyTooLargeError`."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            raise BodyTooLargeError
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                raise BodyTooLargeError
+            if not message.get("more_body", False):
+                return bytes(body)
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, detail: str) -> None:
+    response = JSONResponse({"detail": detail}, status_code=status, headers={"connection": "close"})
+    await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body already read, then the client's later messages
+    (a disconnect, which a streaming response listens for)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed

@@ -1,0 +1,300 @@
+"""The tool server's client, `HttpTools`: a `ToolExecutor` the agent loop uses exactly like
+`LocalTools`, over HTTP or over the server's Unix socket (`jax_agent_rl.tools.socket_server`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.protocol import FRAME_HEAD, NAMESPACE_HEADER, frame
+from jax_agent_rl.tools.registry import ToolTransportError
+
+# a socket connection idle this long is not reused: the server closes it after KEEP_ALIVE_S
+CLIENT_IDLE_S = 5.0
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """The server's next frame; raises ValueError for one that is not a JSON object (caught
+    as a broken server, so no other error reaches a caller)."""
+    (n,) = FRAME_HEAD.unpack(await reader.readexactly(FRAME_HEAD.size))
+    try:
+        obj = json.loads(await reader.readexactly(n))
+    except RecursionError as e:  # nested too deep to parse: garbage like any other
+        raise ValueError(f"frame is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"frame is not a JSON object: {type(obj).__name__}")
+    return obj
+
+
+class _SocketConnection:
+    """One connection to a `SocketServer`: requests go out as frames, and a reader task hands
+    each answer to the request with its id; when the connection ends, the requests still
+    waiting fail (they may have run)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.ids = itertools.count()
+        self.last_used = time.monotonic()
+        self._reading = asyncio.create_task(self._read(reader))
+
+    @property
+    def reusable(self) -> bool:
+        fresh = time.monotonic() - self.last_used < CLIENT_IDLE_S
+        return not self.writer.is_closing() and (bool(self.waiting) or fresh)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the connection closed"
+        try:
+            while True:
+                answer = await _read_frame(reader)
+                rid = answer.get("id")  # an id that is not ours (not even an int) is no answer
+                future = self.waiting.pop(rid, None) if isinstance(rid, int) else None
+                if future is None:  # the server ends the connection with an unaddressed error
+                    why = f"the server closed the connection: {answer.get('error')}"
+                    break
+                if not future.done():
+                    future.set_result(answer)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            why = f"the connection failed: {e!r}"
+        finally:
+            self.writer.close()
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(ToolTransportError(why))
+            self.waiting.clear()
+
+    async def close(self) -> None:
+        self.writer.close()
+        self._reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reading
+
+
+class HttpTools:
+    """A `ToolExecutor` that calls a tool server over HTTP, or over its Unix socket when
+    ``url`` is ``unix:PATH`` (see `SocketServer`): there every call is one frame on a shared
+    connection, with no HTTP request per call, which makes calls cheap. Over HTTP, calls made
+    in the same event-loop tick share one ``/execute_batch`` request. On both, only failures
+    where the request cannot have reached the server (connection refused or timed out while
+    connecting) are retried, with exponential backoff; any other transport failure, or retries
+    used up, raises `ToolTransportError` (the trajectory ends with stop reason ``tool_error``).
+
+    Each client's calls are in a namespace of their own, random, made with the client (sent
+    as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
+    out of reach of every other client, whatever trajectory ids they use."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        max_batch: int = 32,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self.max_batch = max_batch
+        self._pending: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]] = []
+        self._namespace = secrets.token_urlsafe(16)
+        headers = {NAMESPACE_HEADER: self._namespace}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._headers, self._timeout = headers, timeout_s
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        path = self.url.removeprefix("unix:") if self.url.startswith("unix:") else None
+        self._socket = path[2:] if path is not None and path.startswith("//") else path
+        self._token = token
+        self._connections: dict[asyncio.AbstractEventLoop, _SocketConnection] = {}
+        self._connecting: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+
+    async def _connection(self, path: str) -> _SocketConnection:
+        """The running loop's connection to the socket, (re)opened when needed; retries the
+        connection (the request cannot have reached the server) with exponential backoff."""
+        loop = asyncio.get_running_loop()
+        async with self._connecting.setdefault(loop, asyncio.Lock()):
+            conn = self._connections.get(loop)
+            if conn is not None and conn.reusable:
+                return conn
+            if conn is not None:
+                await conn.close()
+            for attempt in range(self.retries + 1):
+                try:
+                    reader, writer = await asyncio.open_unix_connection(path)
+                    break
+                except OSError as e:
+                    if attempt == self.retries:
+                        raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+            try:
+                writer.write(frame({"token": self._token, "namespace": self._namespace}))
+                async with asyncio.timeout(self._timeout):
+                    hello = await _read_frame(reader)
+            except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
+                writer.close()
+                raise ToolTransportError(f"tool server {self.url} failed at hello: {e!r}") from e
+            if not hello.get("ok"):
+                writer.close()
+                raise ToolTransportError(f"tool server {self.url} refused: {hello.get('error')}")
+            self._connections[loop] = conn = _SocketConnection(reader, writer)
+            return conn
+
+    async def _socket_request(self, path: str, op: str, body: dict[str, Any]) -> Any:
+        conn = await self._connection(path)
+        rid = next(conn.ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        conn.waiting[rid] = future
+        try:
+            conn.writer.write(frame({"id": rid, "op": op, "body": body}))
+            async with asyncio.timeout(self._timeout):
+                await conn.writer.drain()
+                answer = await future
+        except TimeoutError as e:
+            raise ToolTransportError(f"tool server {self.url} {op}: no answer in time") from e
+        except (ConnectionError, ToolTransportError) as e:  # may have run: do not retry
+            raise ToolTransportError(f"tool server {self.url} failed mid-call: {e}") from e
+        finally:
+            conn.waiting.pop(rid, None)
+            conn.last_used = time.monotonic()
+        if "error" in answer:
+            raise ToolTransportError(f"tool server {self.url} {op}: {answer['error']}")
+        if "result" not in answer:
+            raise ToolTransportError(f"tool server {self.url} {op}: an answer without a result")
+        return answer["result"]
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if loop not in self._clients:
+            self._clients[loop] = httpx.AsyncClient(headers=self._headers, timeout=self._timeout)
+        return self._clients[loop]
+
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        if self._socket is not None:
+            return await self._socket_request(self._socket, path.strip("/"), body or {})
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self._client().request(method, self.url + path, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
+                if attempt == self.retries:
+                    raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+                continue
+            except httpx.TransportError as e:  # may have run: do not retry
+                raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
+            if response.status_code != 200:
+                raise ToolTransportError(
+                    f"tool server {self.url}{path} answered {response.status_code}: "
+                    f"{response.text[:200]}"
+                )
+            return response.json()
+        raise AssertionError("unreachable")
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return list(await self._request("GET", "/tools"))
+
+    async def call(
+        self,
+        trajectory_id: str,
+        name: str,
+        arguments: Any,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> ToolResult:
+        """One call. Calls made in the same event-loop tick travel in one HTTP request (up to
+        ``max_batch``): concurrent trajectories share the per-request cost."""
+        body = {
+            "trajectory_id": trajectory_id,
+            "name": name,
+            "arguments": arguments,
+            "create_kwargs": dict(create_kwargs or {}),
+        }
+        if self._socket is not None:  # a frame per call costs little: no batching
+            result = await self._socket_request(self._socket, "execute", body)
+            try:
+                return ToolResult(**result)
+            except TypeError as e:  # not a result: the server is broken, as for a bad frame
+                raise ToolTransportError(f"tool server {self.url} execute: {e}") from e
+        future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((body, future))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            asyncio.get_running_loop().create_task(self._send_batch(batch))
+
+    async def _send_batch(
+        self, batch: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]]
+    ) -> None:
+        try:
+            if len(batch) == 1:
+                reply = await self._request("POST", "/execute", batch[0][0])
+                if not batch[0][1].done():
+                    batch[0][1].set_result(ToolResult(**reply))
+                return
+            await self._stream_batch(batch)
+        except ToolTransportError as e:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+
+    async def _stream_batch(
+        self, batch: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]]
+    ) -> None:
+        body = {"calls": [b for b, _ in batch]}
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._client().stream(
+                    "POST", self.url + "/execute_batch", json=body
+                ) as response:
+                    if response.status_code != 200:
+                        text = (await response.aread()).decode()[:200]
+                        raise ToolTransportError(
+                            f"tool server {self.url}/execute_batch answered "
+                            f"{response.status_code}: {text}"
+                        )
+                    async for line in response.aiter_lines():
+                        if line:
+                            item = json.loads(line)
+                            future = batch[item["index"]][1]
+                            if not future.done():
+                                future.set_result(ToolResult(**item["result"]))
+                return
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if attempt == self.retries:
+                    raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+            except httpx.TransportError as e:
+                raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
+
+    async def release(self, trajectory_id: str) -> None:
+        with contextlib.suppress(ToolTransportError):  # a dead server holds no state
+            await self._request("POST", "/release", {"trajectory_id": trajectory_id})
+
+    async def metrics(self) -> dict[str, Any]:
+        return dict(await self._request("GET", "/metrics"))
+
+    async def close(self) -> None:
+        """Closes the HTTP client of the running event loop. Clients made in event loops that
+        have ended are dropped: their connections cannot be closed from another loop."""
+        clients, self._clients = self._clients, {}
+        client = clients.get(asyncio.get_running_loop())
+        if client is not None:
+            await client.aclose()
+        connections, self._connections = self._connections, {}
+        connection = connections.get(asyncio.get_running_loop())
+        if connection is not None:
+            await connection.close()
