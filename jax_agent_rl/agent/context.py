@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from jax_agent_rl.agent.parsers import ToolCallParser
+from jax_agent_rl.tokenization.tool_calls import ToolCallParser
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.envs.base import Environments
 from jax_agent_rl.rollout.protocol import RolloutBackend
