@@ -15,10 +15,11 @@ come, while the next ones are sampled. Three rules keep the off-policy gap bound
   (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
   new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
 
-``max_staleness=0`` is the synchronous loop: the same prompts, seeds, batches and updates.
-The learner's update runs in a worker thread, so the event loop (agent loops, tool calls)
-keeps going meanwhile. A resumed run starts sampling at the next unsampled prompt; the groups
-that were in flight when it stopped are not sampled again.
+``max_staleness=0`` trains as the synchronous loop does: the same prompts, seeds, batches and
+updates (not in every respect: `jax_agent_rl.train.step`). Both end an update with the same
+tail (`learn.learn_and_push`), which runs the learner in a worker thread, so the event loop
+(agent loops, tool calls) keeps going meanwhile. A resumed run starts sampling at the next
+unsampled prompt; the groups that were in flight when it stopped are not sampled again.
 """
 
 from __future__ import annotations
@@ -32,13 +33,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.train.build import Rollout, Run
-from jax_agent_rl.train.metrics import INCLUDES_COMPILE
-from jax_agent_rl.train.step import (
-    groups_with_signal,
-    learn,
-    pace_metrics,
-    run_episodes,
-)
+from jax_agent_rl.train.learn import learn_and_push
+from jax_agent_rl.train.step import keep_with_signal, run_episodes
 
 # a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
 StepFn = Callable[[int, bool], Awaitable[tuple[dict[str, float], list[Trajectory]]]]
@@ -169,7 +165,7 @@ async def take_groups(
         oldest = got.oldest_version
         if oldest is not None and version - oldest > max_staleness:
             taken.stale.append(got)
-        elif dynamic_sampling and not groups_with_signal([got.trajs]):
+        elif not keep_with_signal([got.trajs], dynamic_sampling)[0]:
             taken.no_signal.append(got)
         else:
             taken.groups.append(got)
@@ -194,36 +190,25 @@ async def async_step(
         cfg.trainer.max_staleness,
         cfg.rollout.dynamic_sampling,
     )
-    t_wait = time.perf_counter() - t0
-    m, totals = await asyncio.to_thread(
-        learn,
+    m, totals = await learn_and_push(
         run,
+        rollout,
         taken.trajectories,
         taken.seen,
-        rollout_s=t_wait,
-        rollout_logprobs=rollout.backend.capabilities.logprobs,
-        version=step,
+        step,
+        compiles,
+        t0=t0,
+        idle0=idle0,
+        waited_s=time.perf_counter() - t0,
     )
-    t1 = time.perf_counter()
-    params = await asyncio.to_thread(run.serving_params)
-    await rollout.backend.update_weights(params, step + 1)
     await producer.admission.advance(step + 1)
-    step_s = time.perf_counter() - t0
     m.update(
         {
             # the rollouts ran all along: their rate is what fed this update, over its span
-            "time/rollout_s": t_wait,
-            "time/rollout_tokens_per_s": totals["model_tokens"] / max(step_s, 1e-9),
+            "time/rollout_tokens_per_s": totals["model_tokens"] / m["time/step_s"],
             "async/groups_stale": len(taken.stale),
             "async/groups_no_signal": len(taken.no_signal),
             "async/groups_in_flight": producer.in_flight,
-            "time/weight_push_s": time.perf_counter() - t1,
-            "time/tools_cumulative_s": totals["tools_s"],
-            **pace_metrics(
-                step_s, rollout.backend.idle_s() - idle0, t_wait, totals["batch/trajectories"]
-            ),
-            **rollout.counted(),
-            INCLUDES_COMPILE: float(compiles),
         }
     )
     return m, taken.trajectories

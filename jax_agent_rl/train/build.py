@@ -58,10 +58,11 @@ from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.train.sft import warm_start
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Every part of one run. ``learner`` holds the train state (updated in place by the
-    steps); ``start`` is the first RL step to run (0, or the resumed checkpoint's step)."""
+    """Every part of one run, built once. ``learner`` holds the train state (updated in place
+    by the steps); ``start`` is the first RL step to run (0, or the resumed checkpoint's
+    step)."""
 
     cfg: JarlConfig
     run_dir: Path
@@ -202,13 +203,14 @@ def save_checkpoint(run: Run, step: int) -> None:
         run.checkpoints.save(step, train_states(run.learner), meta)
 
 
-def _restore(run: Run, step: int) -> None:
-    states, meta = run.checkpoints.restore(step, train_states(run.learner))
-    run.learner.state = LearnerState(
-        states["policy"], states.get("critic"), states.get("reference")
-    )
-    run.sampler.restore(meta["sampler"])
-    run.start = int(meta["step"])
+def _restore(
+    checkpoints: RunCheckpoints, step: int, learner: Learner, sampler: PromptSampler
+) -> int:
+    """Puts the checkpoint of ``step`` into ``learner`` and ``sampler``; returns its step."""
+    states, meta = checkpoints.restore(step, train_states(learner))
+    learner.state = LearnerState(states["policy"], states.get("critic"), states.get("reference"))
+    sampler.restore(meta["sampler"])
+    return int(meta["step"])
 
 
 def run_sharder(cfg: JarlConfig) -> Sharder:
@@ -279,6 +281,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         # the KL reference: the policy RL starts from (the learner keeps a copy)
         reference = params if cfg.algorithm.kl_coef else None
         learner = make_learner(cfg, model, params, sharder, reference=reference)
+        start = 0 if latest is None else _restore(checkpoints, latest, learner, sampler)
         run = Run(
             cfg,
             run_dir,
@@ -293,13 +296,12 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             checkpoints,
             metrics,
             Serving.of(model, sharder.mesh, cfg.model.dtype),
-            start=0,
+            start,
         )
         if latest is None:
             save_checkpoint(run, 0)
         else:
-            _restore(run, latest)
-            console.print(f"resumed from the checkpoint of step {run.start}")
+            console.print(f"resumed from the checkpoint of step {start}")
         return run
     except BaseException:
         checkpoints.close()

@@ -4,6 +4,7 @@ A step's or an evaluation's episodes are spread over the run's processes. Each p
 its own (`episode_totals`, `source_totals`: counts and sums, maxima under ``*/max`` keys), the
 processes exchange only these few numbers (`add_totals`), and the means are taken once
 (`metrics_of_totals`, `success_of_sources`). One process: the same functions over all of them.
+A step's episodes come in groups (one prompt's), consecutive (`split_groups`).
 """
 
 from __future__ import annotations
@@ -140,3 +141,14 @@ def success_of_sources(t: Mapping[str, float]) -> dict[str, float]:
 def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
     """`success_of_sources` of one set of episodes."""
     return success_of_sources(source_totals(trajs, samples))
+
+
+def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Consecutive trajectories of one group (``group_id``) together, in order."""
+    groups: list[list[Trajectory]] = []
+    for t in trajs:
+        if groups and groups[-1][0].group_id == t.group_id:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups

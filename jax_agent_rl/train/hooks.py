@@ -1,9 +1,13 @@
 """What happens around the RL steps, each on its own schedule: metrics, traces, held-out
 evaluation, checkpoints and the console line are hooks with an ``every``, run after a step in
-the order given (an evaluation adds its ``val/*`` figures before the console shows them).
+the order given (an evaluation adds its ``val/*`` figures before the console shows them); the
+plots and the HF export are end hooks, run once the run is over.
 
 ``every=N`` runs a hook after every N-th step and after the last; ``every=0``, after the last
 only. A hook is an async function of the run, its open rollout side and the step's `StepEnd`.
+An end hook is a function of the run, called after the loop (its rollout side closed, its
+checkpoints written) whether or not it had steps left: an SFT-only run (``trainer.steps=0``)
+and a finished run resumed are exported too.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
-from jax_agent_rl.train.metrics import equal_rewards_warning, step_line
+from jax_agent_rl.train.export import export_policy
+from jax_agent_rl.train.metrics import equal_rewards_warning, plot_run, step_line
 from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_record
 
 
@@ -31,6 +36,7 @@ class StepEnd:
 
 
 HookFn = Callable[[Run, Rollout, StepEnd], Awaitable[None]]
+EndHook = Callable[[Run], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +124,25 @@ def default_hooks(run: Run) -> list[Hook]:
         Hook(t.save_every, checkpoint),
         *([Hook(1, console_line)] if primary else []),
     ]
+
+
+def plot_metrics(run: Run) -> None:
+    """The reward and throughput plots of ``metrics.jsonl`` (`metrics.plot_run`)."""
+    plot_run(run.run_dir)
+
+
+def export_hf(run: Run) -> None:
+    """The final policy as an HF checkpoint in ``RUN/hf`` (`export.export_policy`). Every
+    process takes part in copying the params to the host; the first writes, and the others
+    wait for it on the devices (no time limit) rather than in jax.distributed's shutdown,
+    which gives up after a few minutes (a 7B export can take more)."""
+    params = distributed.host_copy(run.learner.params)
+    if distributed.is_primary():
+        with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):
+            export_policy(run.run_dir / "hf", run.cfg, run.model, params)
+    distributed.barrier("exported")
+
+
+def end_hooks() -> list[EndHook]:
+    """Every process exports (copying the params is collective); only the first plots."""
+    return [plot_metrics, export_hf] if distributed.is_primary() else [export_hf]

@@ -4,8 +4,8 @@ synchronous (`jax_agent_rl.train.step.rl_step`) or, with ``trainer.mode=async``,
 continuously sampled groups (`jax_agent_rl.train.async_loop`).
 
 Before the first step of a fresh run the held-out prompts are evaluated (step 0). After the
-last, the metrics are plotted and the policy is exported as an HF checkpoint in ``RUN/hf``. A
-rerun with the same run folder resumes from the last complete checkpoint.
+loop, the end hooks plot the metrics and export the policy as an HF checkpoint in ``RUN/hf``.
+A rerun with the same run folder resumes from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.async_loop import StepFn, async_steps
 from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout
-from jax_agent_rl.train.export import export_policy
-from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, evaluate
-from jax_agent_rl.train.metrics import plot_run
+from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, end_hooks, evaluate
 from jax_agent_rl.train.step import rl_step
 
 
@@ -69,13 +67,12 @@ async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
 
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
-    """Runs (or resumes) the job ``cfg`` describes; returns its run folder. In a multi-process
-    run (`jax_agent_rl.distributed`) every process calls it; only the first prints, plots and
-    exports."""
+    """Runs (or resumes) the job ``cfg`` describes: `rl_loop` with the default hooks, then the
+    end hooks; returns its run folder. In a multi-process run (`jax_agent_rl.distributed`)
+    every process calls it; only the first prints, plots and writes the export."""
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     request_cpu_devices(devices // distributed.joined_processes())
-    primary = distributed.is_primary()
-    run = build_run(cfg, console or Console(quiet=not primary))
+    run = build_run(cfg, console or Console(quiet=not distributed.is_primary()))
     finished = False
     try:
         asyncio.run(rl_loop(run, default_hooks(run)))
@@ -86,12 +83,6 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
         if finished or jax.process_count() == 1:
             run.checkpoints.close()
             run.metrics.close()
-    params = distributed.host_copy(run.learner.params)  # every process takes part
-    if primary:
-        plot_run(run.run_dir)
-        with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):
-            export_policy(run.run_dir / "hf", cfg, run.model, params)
-    # the others wait on the devices (no time limit) while process 0 exports, rather than in
-    # jax.distributed's shutdown, which gives up after a few minutes (a 7B export can take more)
-    distributed.barrier("exported")
+    for hook in end_hooks():
+        hook(run)
     return run.run_dir

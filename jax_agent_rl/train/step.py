@@ -6,13 +6,15 @@
 2. score each trajectory (`scored_text`: its final answer, or for verl data its whole response,
    as verl scores it); DAPO's overlong penalty shapes the reward and its
    dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
-3. `learn`: pack the trainable trajectories (not those cut short by a dead tool service, an
-   abort or an unexpected error) into a batch, upload it once with the rewards and groups,
-   and let the learner do the rest on the device (`Learner.train_step`): old-policy logprobs
-   (and reference / critic values if used), advantages (GRPO's group-normalised outcome or
-   GAE), then ``algorithm.ppo_epochs`` passes of ``algorithm.mini_batches`` optimizer steps;
-   only the metrics come back;
-4. push the new weights to the backend as version ``step + 1``.
+3. `jax_agent_rl.train.learn.learn_and_push`, the tail the asynchronous loop's updates end
+   with too: the learner trains on the kept groups in one update on the device, then the new
+   weights go to the backend as version ``step + 1``.
+
+The asynchronous loop at ``trainer.max_staleness=0`` trains as this one does, but it is not
+this loop: this one runs on several processes, refills a step at most ``rollout.max_refills``
+times (with seeds of its own), scores a step's episodes together (a judge batches them) and
+never draws the next step's prompts before the checkpoint of this one. Both decide what
+dynamic sampling keeps with one function (`keep_with_signal`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import asyncio
 import dataclasses
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import jax
@@ -37,18 +38,10 @@ from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import Answer, Scorer, verl_rules
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
-from jax_agent_rl.train.episodes import (
-    Totals,
-    add_totals,
-    all_failed_error,
-    episode_totals,
-    first_error,
-    metrics_of_totals,
-)
-from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+from jax_agent_rl.train.episodes import split_groups
+from jax_agent_rl.train.learn import learn_and_push
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -93,18 +86,6 @@ async def trajectory_reward(
     )
     outcome = await score(answer)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
-
-
-def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
-    """``batch/groups`` (groups trained) and ``batch/groups_all_equal``: those whose rewards
-    are all equal, so that their GRPO advantages are zero and they teach the policy nothing."""
-    gids_n = np.asarray(group_ids_n, str)
-    signal_n = core.groups_with_signal(np.asarray(rewards_n, np.float32), gids_n)
-    groups = len(set(gids_n.tolist()))
-    return {
-        "batch/groups": groups,
-        "batch/groups_all_equal": groups - len(set(gids_n[signal_n].tolist())),
-    }
 
 
 def episode_seed(seed: int, tag: str) -> int:
@@ -195,17 +176,6 @@ async def score_episodes(
         traj.reward = reward
 
 
-def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """Consecutive trajectories of one group (``group_id``) together, in order."""
-    groups: list[list[Trajectory]] = []
-    for t in trajs:
-        if groups and groups[-1][0].group_id == t.group_id:
-            groups[-1].append(t)
-        else:
-            groups.append([t])
-    return groups
-
-
 async def run_episodes(
     run: Run, rollout: Rollout, samples: Sequence[Sample], n: int, tag: str
 ) -> list[Trajectory]:
@@ -237,28 +207,23 @@ def training_filters(cfg: JarlConfig) -> list[str]:
     return names
 
 
-def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
-    """The trajectories' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
-    rewards = np.array([t.reward for t in trajs], np.float32)
-    d = cfg.data
-    if d.overlong_buffer:
-        lengths = np.array([len(t.response_ids) for t in trajs])
-        rewards = rewards + np.asarray(
-            core.overlong_penalty(
-                lengths, cfg.agent.max_response_tokens, d.overlong_buffer, d.overlong_penalty
-            )
-        )
-    return rewards
-
-
-def groups_with_signal(groups: Sequence[Sequence[Trajectory]]) -> list[int]:
-    """Indices of groups whose trainable members' rewards are not all equal (DAPO)."""
+def keep_with_signal(
+    groups: Sequence[list[Trajectory]], dynamic_sampling: bool
+) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+    """DAPO's dynamic sampling, for both loops: the groups kept and those dropped, each in
+    order. With ``dynamic_sampling``, a group is kept only when its trainable members'
+    rewards are not all equal (dropped, it teaches nothing; the loops sample fresh prompts in
+    its place: `collect` refills, `async_loop.take_groups` replaces); without, every group
+    is kept."""
+    if not dynamic_sampling:
+        return list(groups), []
     members = [(i, t.reward) for i, g in enumerate(groups) for t in g if t.trainable]
-    if not members:
-        return []
-    gids, rewards = (np.array(x) for x in zip(*members, strict=True))
-    signal = core.groups_with_signal(rewards.astype(np.float32), gids)
-    return sorted(set(gids[signal].tolist()))
+    signal: set[int] = set()
+    if members:
+        gids, rewards = (np.array(x) for x in zip(*members, strict=True))
+        signal = set(gids[core.groups_with_signal(rewards.astype(np.float32), gids)].tolist())
+    kept = [g for i, g in enumerate(groups) if i in signal]
+    return kept, [g for i, g in enumerate(groups) if i not in signal]
 
 
 async def collect(
@@ -284,189 +249,31 @@ async def collect(
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
         trajs = await run_episodes(run, rollout, samples, n, tag)
         seen += trajs
-        groups = split_groups(trajs)
-        if cfg.rollout.dynamic_sampling:
-            groups = [groups[i] for i in groups_with_signal(groups)]
+        groups, _ = keep_with_signal(split_groups(trajs), cfg.rollout.dynamic_sampling)
         kept += groups[: want - len(kept)]
     return [t for g in kept for t in g], seen
-
-
-def staleness(traj: Trajectory, version: int) -> int:
-    """How many weight versions behind ``version`` the oldest sampled token of ``traj`` is
-    (0 for a trajectory with none)."""
-    oldest = traj.oldest_version
-    return 0 if oldest is None else version - oldest
-
-
-def training_rows(
-    trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
-) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
-    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory, or with
-    ``turn_mode=per_turn`` one per model turn (`per_turn_samples`). Returns the rows, their
-    rewards and groups (their episode's), and the share of its episode each row is (``1 /
-    turns``, so that GRPO's group statistics count every episode once)."""
-    if turn_mode == "trajectory":
-        return list(trajs), rewards, [t.group_id for t in trajs], np.ones(len(trajs), np.float32)
-    rows: list[Trajectory] = []
-    row_rewards: list[float] = []
-    weights: list[float] = []
-    for traj, reward in zip(trajs, rewards, strict=True):
-        turns = per_turn_samples(traj)
-        rows += turns
-        row_rewards += [float(reward)] * len(turns)
-        weights += [1.0 / len(turns)] * len(turns)
-    return (
-        rows,
-        np.asarray(row_rewards, np.float32),
-        [t.group_id for t in rows],
-        np.asarray(weights, np.float32),
-    )
-
-
-def learn(
-    run: Run,
-    kept: Sequence[Trajectory],
-    seen: Sequence[Trajectory],
-    rollout_s: float = 0.0,
-    rollout_logprobs: bool = True,
-    version: int | None = None,
-) -> tuple[dict[str, float], Totals]:
-    """The learner's half of a step: this process's ``kept`` groups (whole groups of
-    ``rollout.n``) trained on with every other process's, in one update
-    (`Learner.train_step`). ``seen`` (every episode this process sampled) and ``rollout_s``
-    (how long this process's rollout took) go into the metrics, which are those of every
-    process (their `episode_totals` added up); returns them and those totals.
-    ``rollout_logprobs``: whether the trajectories carry the sampler's logprobs (a backend
-    without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
-    version of the policy being updated; with it, how far behind it each trained trajectory
-    was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
-    behind), ``staleness/max`` and the logprob gap per staleness.
-
-    Each process's rows are padded to the same row count and length as every other's. Raises
-    when every episode of every process failed (`episodes.all_failed_error`)."""
-    cfg, learner = run.cfg, run.learner
-    processes, me = jax.process_count(), jax.process_index()
-    trainable = [t for t in kept if t.trainable]
-    rewards = shaped_rewards(trainable, cfg)
-    group_ids = [t.group_id for t in trainable]
-    rows_of, row_rewards, row_groups, row_weights = training_rows(
-        trainable, rewards, cfg.algorithm.turn_mode
-    )
-    mine = {
-        **episode_totals(seen),
-        **reward_groups(rewards, group_ids),  # additive: a group never spans processes
-        "groups_kept": len(split_groups(kept)),
-        "batch/trajectories": len(trainable),
-        "batch/samples": len(rows_of),
-        "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows_of),
-        "rollout_s/max": rollout_s,
-    }
-    behind = [] if version is None else [staleness(t, version) for t in rows_of]
-    mine.update({f"staleness_count/{k}": c for k, c in Counter(behind).items()})
-    mine["staleness/max"] = max(behind, default=0)
-    shares = distributed.gather_objects((mine, first_error(seen)))
-    totals = add_totals(share for share, _ in shares)
-    error = all_failed_error(totals, next((e for _, e in shares if e), None))
-    if error is not None:
-        raise error
-    m = metrics_of_totals(totals)
-    m["groups_kept"] = totals["groups_kept"]
-    m["batch/samples"] = totals["batch/samples"]  # per-turn samples: one per model turn
-    m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
-    if version is not None:
-        trained = max(totals["batch/trajectories"], 1)
-        for key, count in totals.items():
-            if key.startswith("staleness_count/"):
-                m[f"staleness/{key.split('/')[1]}"] = count / trained
-        m["staleness/max"] = totals["staleness/max"]
-    # each mini-batch's sequences packed into rows (or one per row), every process the same
-    # shapes (power-of-two slots: the step compiles again only for a step larger than any)
-    L, K = cfg.learner, cfg.algorithm.mini_batches
-    batch, sequences, real = step_batch(
-        rows_of,
-        row_rewards,
-        row_groups,
-        row_weights,
-        mini_batches=K,
-        row_tokens=L.row_tokens if L.packing else None,
-        bucket=L.seq_bucket,
-        rows_per_micro=learner.micro_batch_size // processes,
-        min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
-        agree=distributed.agree_max,
-        part=me,
-    )
-    m["batch/rows"] = real * K * learner.micro_batch_size
-    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * batch.shape[1])
-    t0 = time.perf_counter()
-    if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
-        staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
-        if staleness_s is not None:
-            staleness_s[: len(behind)] = behind
-        m.update(learner.train_step(batch, sequences, real, rollout_logprobs, staleness_s))
-    jax.block_until_ready(learner.params)
-    t_train = time.perf_counter() - t0
-    m.update(
-        {
-            "time/train_s": t_train,
-            "time/train_tokens_per_s": totals["train_tokens"] / max(t_train, 1e-9),
-            **{k: totals[k] for k in ("batch/trajectories", "batch/groups")},
-            "batch/groups_all_equal": totals["batch/groups_all_equal"],
-        }
-    )
-    return m, totals
 
 
 async def rl_step(
     run: Run, rollout: Rollout, step: int, compiles: bool
 ) -> tuple[dict[str, float], list[Trajectory]]:
-    """One RL step (see the module docstring): `collect`, `learn`, push the weights. Returns
-    its metrics (of every process; the rollout time is the slowest process's) and the
+    """One RL step (see the module docstring): `collect`, then `learn_and_push`. Returns its
+    metrics (of every process; the rollout time is the slowest process's) and the
     trajectories this process sampled. ``compiles``: the first step of this process, whose
     times include compiling the engine and the learner step (kept out of the throughput
     plot)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     kept, seen = await collect(run, rollout, step)
-    t_collect = time.perf_counter() - t0
-    m, totals = learn(
+    m, totals = await learn_and_push(
         run,
+        rollout,
         kept,
         seen,
-        rollout_s=t_collect,
-        rollout_logprobs=rollout.backend.capabilities.logprobs,
-        version=step,
+        step,
+        compiles,
+        t0=t0,
+        idle0=idle0,
+        waited_s=time.perf_counter() - t0,
     )
-    t1 = time.perf_counter()
-    await rollout.backend.update_weights(run.serving_params(), step + 1)
-    t_push = time.perf_counter() - t1
-    t_rollout = totals["rollout_s/max"]
-    m.update(
-        {
-            "time/rollout_s": t_rollout,
-            "time/tools_cumulative_s": totals["tools_s"],
-            "time/weight_push_s": t_push,
-            "time/rollout_tokens_per_s": totals["model_tokens"] / max(t_rollout, 1e-9),
-            **pace_metrics(
-                time.perf_counter() - t0,
-                rollout.backend.idle_s() - idle0,
-                t_collect,
-                totals["batch/trajectories"],
-            ),
-            **rollout.counted(),
-            INCLUDES_COMPILE: float(compiles),
-        }
-    )
+    m["time/rollout_tokens_per_s"] = totals["model_tokens"] / max(m["time/rollout_s"], 1e-9)
     return m, seen
-
-
-def pace_metrics(
-    step_s: float, rollout_idle_s: float, learner_idle_s: float, trajectories: float
-) -> dict[str, float]:
-    """How a step spent its time: the share the rollout backend had nothing in flight, the
-    share the learner waited for trajectories, and trajectories trained per second."""
-    step_s = max(step_s, 1e-9)
-    return {
-        "time/step_s": step_s,
-        "time/rollout_idle_frac": min(rollout_idle_s / step_s, 1.0),
-        "time/learner_idle_frac": min(learner_idle_s / step_s, 1.0),
-        "time/trajectories_per_s": trajectories / step_s,
-    }

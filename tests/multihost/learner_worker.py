@@ -63,8 +63,8 @@ def main() -> None:
 
     from jax_agent_rl.tokenization.turns import TurnBuilder
     from jax_agent_rl.train import build_run
+    from jax_agent_rl.train.learn import learn
     from jax_agent_rl.train.sft import load_demonstrations
-    from jax_agent_rl.train.step import learn
 
     run = build_run(cfg, Console(quiet=True))
     start = distributed.host_copy(run.learner.params)
@@ -83,7 +83,7 @@ def main() -> None:
         if args.rows_as_processes:
             trajs = as_laid_out(trajs, args.rows_as_processes, cfg.learner.micro_batch_size)
         mine = trajs[jax.process_index() * share : (jax.process_index() + 1) * share]
-        learn(run, mine, mine)
+        learn(run.learner, run.cfg, mine, mine)
     end = distributed.host_copy(run.learner.params)
     # what this process's engine would be given: the new params, whole, on its own devices
     served = run.serving_params()

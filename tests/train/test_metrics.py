@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_agent_rl.train.learn import reward_groups
 from jax_agent_rl.train.metrics import (
     INCLUDES_COMPILE,
     equal_rewards_warning,
@@ -15,7 +16,6 @@ from jax_agent_rl.train.metrics import (
     step_line,
     throughput_records,
 )
-from jax_agent_rl.train.step import reward_groups
 
 STEP = {
     "reward": 0.4375,

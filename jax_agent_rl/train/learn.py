@@ -1,0 +1,254 @@
+"""The learner's half of an RL step (`learn`), and the tail both loops end a step with
+(`learn_and_push`): train on the step's groups, push the new weights, time the step.
+
+`learn` packs the trainable trajectories (not those cut short by a dead tool service, an abort
+or an unexpected error) into a batch, uploads it once with the rewards (DAPO's overlong
+penalty shapes them: `shaped_rewards`) and groups, and lets the learner do the rest on the
+device (`Learner.train_step`): old-policy logprobs (and reference / critic values if used),
+advantages (GRPO's group-normalised outcome or GAE), then ``algorithm.ppo_epochs`` passes of
+``algorithm.mini_batches`` optimizer steps; only the metrics come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jax_agent_rl import distributed
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.rl import core
+from jax_agent_rl.rl.batch import per_turn_samples, step_batch
+from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.train.build import Rollout, Run
+from jax_agent_rl.train.episodes import (
+    Totals,
+    add_totals,
+    all_failed_error,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+    split_groups,
+)
+from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+
+
+def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
+    """``batch/groups`` (groups trained) and ``batch/groups_all_equal``: those whose rewards
+    are all equal, so that their GRPO advantages are zero and they teach the policy nothing."""
+    gids_n = np.asarray(group_ids_n, str)
+    signal_n = core.groups_with_signal(np.asarray(rewards_n, np.float32), gids_n)
+    groups = len(set(gids_n.tolist()))
+    return {
+        "batch/groups": groups,
+        "batch/groups_all_equal": groups - len(set(gids_n[signal_n].tolist())),
+    }
+
+
+def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
+    """The trajectories' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    d = cfg.data
+    if d.overlong_buffer:
+        lengths = np.array([len(t.response_ids) for t in trajs])
+        rewards = rewards + np.asarray(
+            core.overlong_penalty(
+                lengths, cfg.agent.max_response_tokens, d.overlong_buffer, d.overlong_penalty
+            )
+        )
+    return rewards
+
+
+def staleness(traj: Trajectory, version: int) -> int:
+    """How many weight versions behind ``version`` the oldest sampled token of ``traj`` is
+    (0 for a trajectory with none)."""
+    oldest = traj.oldest_version
+    return 0 if oldest is None else version - oldest
+
+
+def training_rows(
+    trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
+) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
+    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory, or with
+    ``turn_mode=per_turn`` one per model turn (`per_turn_samples`). Returns the rows, their
+    rewards and groups (their episode's), and the share of its episode each row is (``1 /
+    turns``, so that GRPO's group statistics count every episode once)."""
+    if turn_mode == "trajectory":
+        return list(trajs), rewards, [t.group_id for t in trajs], np.ones(len(trajs), np.float32)
+    rows: list[Trajectory] = []
+    row_rewards: list[float] = []
+    weights: list[float] = []
+    for traj, reward in zip(trajs, rewards, strict=True):
+        turns = per_turn_samples(traj)
+        rows += turns
+        row_rewards += [float(reward)] * len(turns)
+        weights += [1.0 / len(turns)] * len(turns)
+    return (
+        rows,
+        np.asarray(row_rewards, np.float32),
+        [t.group_id for t in rows],
+        np.asarray(weights, np.float32),
+    )
+
+
+def learn(
+    learner: Learner,
+    cfg: JarlConfig,
+    kept: Sequence[Trajectory],
+    seen: Sequence[Trajectory],
+    rollout_s: float = 0.0,
+    rollout_logprobs: bool = True,
+    version: int | None = None,
+) -> tuple[dict[str, float], Totals]:
+    """The learner's half of a step: this process's ``kept`` groups (whole groups of
+    ``rollout.n``) trained on with every other process's, in one update of ``learner``
+    (`Learner.train_step`), batched and shaped as ``cfg`` says. ``seen`` (every episode this
+    process sampled) and ``rollout_s`` (how long this process's rollout took) go into the
+    metrics, which are those of every process (their `episode_totals` added up); returns
+    them and those totals.
+    ``rollout_logprobs``: whether the trajectories carry the sampler's logprobs (a backend
+    without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
+    version of the policy being updated; with it, how far behind it each trained trajectory
+    was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
+    behind), ``staleness/max`` and the logprob gap per staleness.
+
+    Each process's rows are padded to the same row count and length as every other's. Raises
+    when every episode of every process failed (`episodes.all_failed_error`)."""
+    processes, me = jax.process_count(), jax.process_index()
+    trainable = [t for t in kept if t.trainable]
+    rewards = shaped_rewards(trainable, cfg)
+    group_ids = [t.group_id for t in trainable]
+    rows_of, row_rewards, row_groups, row_weights = training_rows(
+        trainable, rewards, cfg.algorithm.turn_mode
+    )
+    mine = {
+        **episode_totals(seen),
+        **reward_groups(rewards, group_ids),  # additive: a group never spans processes
+        "groups_kept": len(split_groups(kept)),
+        "batch/trajectories": len(trainable),
+        "batch/samples": len(rows_of),
+        "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows_of),
+        "rollout_s/max": rollout_s,
+    }
+    behind = [] if version is None else [staleness(t, version) for t in rows_of]
+    mine.update({f"staleness_count/{k}": c for k, c in Counter(behind).items()})
+    mine["staleness/max"] = max(behind, default=0)
+    shares = distributed.gather_objects((mine, first_error(seen)))
+    totals = add_totals(share for share, _ in shares)
+    error = all_failed_error(totals, next((e for _, e in shares if e), None))
+    if error is not None:
+        raise error
+    m = metrics_of_totals(totals)
+    m["groups_kept"] = totals["groups_kept"]
+    m["batch/samples"] = totals["batch/samples"]  # per-turn samples: one per model turn
+    m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
+    if version is not None:
+        trained = max(totals["batch/trajectories"], 1)
+        for key, count in totals.items():
+            if key.startswith("staleness_count/"):
+                m[f"staleness/{key.split('/')[1]}"] = count / trained
+        m["staleness/max"] = totals["staleness/max"]
+    # each mini-batch's sequences packed into rows (or one per row), every process the same
+    # shapes (power-of-two slots: the step compiles again only for a step larger than any)
+    L, K = cfg.learner, cfg.algorithm.mini_batches
+    batch, sequences, real = step_batch(
+        rows_of,
+        row_rewards,
+        row_groups,
+        row_weights,
+        mini_batches=K,
+        row_tokens=L.row_tokens if L.packing else None,
+        bucket=L.seq_bucket,
+        rows_per_micro=learner.micro_batch_size // processes,
+        min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
+        agree=distributed.agree_max,
+        part=me,
+    )
+    m["batch/rows"] = real * K * learner.micro_batch_size
+    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * batch.shape[1])
+    t0 = time.perf_counter()
+    if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
+        staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
+        if staleness_s is not None:
+            staleness_s[: len(behind)] = behind
+        m.update(learner.train_step(batch, sequences, real, rollout_logprobs, staleness_s))
+    jax.block_until_ready(learner.params)
+    t_train = time.perf_counter() - t0
+    m.update(
+        {
+            "time/train_s": t_train,
+            "time/train_tokens_per_s": totals["train_tokens"] / max(t_train, 1e-9),
+            **{k: totals[k] for k in ("batch/trajectories", "batch/groups")},
+            "batch/groups_all_equal": totals["batch/groups_all_equal"],
+        }
+    )
+    return m, totals
+
+
+async def learn_and_push(
+    run: Run,
+    rollout: Rollout,
+    kept: Sequence[Trajectory],
+    seen: Sequence[Trajectory],
+    step: int,
+    compiles: bool,
+    *,
+    t0: float,
+    idle0: float,
+    waited_s: float,
+) -> tuple[dict[str, float], Totals]:
+    """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (in a worker
+    thread, so that the event loop, its agent loops and tool calls, goes on), push the new
+    weights as version ``step + 1``, and the step's times: the rollouts' (the slowest
+    process's ``waited_s``, how long it waited for its groups), the push's, and how the step
+    spent them since ``t0`` (`pace_metrics`; ``idle0``: the backend's idle time then). Returns
+    the metrics and the `learn` totals."""
+    m, totals = await asyncio.to_thread(
+        learn,
+        run.learner,
+        run.cfg,
+        kept,
+        seen,
+        rollout_s=waited_s,
+        rollout_logprobs=rollout.backend.capabilities.logprobs,
+        version=step,
+    )
+    t1 = time.perf_counter()
+    params = await asyncio.to_thread(run.serving_params)
+    await rollout.backend.update_weights(params, step + 1)
+    t_push = time.perf_counter() - t1
+    m.update(
+        {
+            "time/rollout_s": totals["rollout_s/max"],
+            "time/tools_cumulative_s": totals["tools_s"],
+            "time/weight_push_s": t_push,
+            **pace_metrics(
+                time.perf_counter() - t0,
+                rollout.backend.idle_s() - idle0,
+                waited_s,
+                totals["batch/trajectories"],
+            ),
+            **rollout.counted(),
+            INCLUDES_COMPILE: float(compiles),
+        }
+    )
+    return m, totals
+
+
+def pace_metrics(
+    step_s: float, rollout_idle_s: float, learner_idle_s: float, trajectories: float
+) -> dict[str, float]:
+    """How a step spent its time: the share the rollout backend had nothing in flight, the
+    share the learner waited for trajectories, and trajectories trained per second."""
+    step_s = max(step_s, 1e-9)
+    return {
+        "time/step_s": step_s,
+        "time/rollout_idle_frac": min(rollout_idle_s / step_s, 1.0),
+        "time/learner_idle_frac": min(learner_idle_s / step_s, 1.0),
+        "time/trajectories_per_s": trajectories / step_s,
+    }
