@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from jax_agent_rl.tokenization.tool_calls import ToolCallParser
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.envs.base import Environments
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.tool_calls import ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolExecutor
 from jax_agent_rl.user_code import load_function
