@@ -5,8 +5,8 @@
 (`jax_agent_rl.config.check_ranges`). This module loads what the values name, as the run will,
 but reads no weights and compiles nothing:
 
-- every name looked up in a registry (`check_names`): the rollout and judge backends, the
-  filters, the tool-call parser and the reward (user functions too);
+- every name looked up in a registry: the rollout and judge backends and the filters
+  (`check_names`), the reward (user functions too) and the tool-call parser;
 - the model's ``config.json`` (its weight files must exist): ``rollout.max_model_len``
   against ``max_position_embeddings``, the mesh against this process's devices and against
   every parameter dimension it shards (`mesh_problems`);
