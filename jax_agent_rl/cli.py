@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
         return _refuse(problems)
     if args.dry_run:
         from jax_agent_rl.models import ModelConfig
-        from jax_agent_rl.train.check import memory_plan
+        from jax_agent_rl.train.memory import memory_plan
 
         print(to_yaml(cfg), end="")
         model = ModelConfig.from_pretrained(cfg.model.path)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from jax_agent_rl.rollout.protocol import RolloutBackend
 
-if TYPE_CHECKING:  # config.py asks this module for the registered names
+if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
     from jax_agent_rl.models import ModelConfig, Sharder, Weights
 

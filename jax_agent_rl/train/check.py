@@ -5,7 +5,8 @@
 (`jax_agent_rl.config.check_ranges`). This module loads what the values name, as the run will,
 but reads no weights and compiles nothing:
 
-- the reward (user functions too) and the tool-call parser, by name;
+- every name looked up in a registry: the rollout and judge backends and the filters
+  (`check_names`), the reward (user functions too) and the tool-call parser;
 - the model's ``config.json`` (its weight files must exist): ``rollout.max_model_len``
   against ``max_position_embeddings``, the mesh against this process's devices and against
   every parameter dimension it shards (`mesh_problems`);
@@ -30,16 +31,16 @@ from typing import Any, TypeVar
 
 import jax
 
+from jax_agent_rl.agent.filters import check_filters
 from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.config import ConfigError, JarlConfig, MeshSection, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
-from jax_agent_rl.models.decoder import PAGE_AXES, is_spec
+from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.rewards import make_reward
-from jax_agent_rl.rollout.registry import BackendFactory, backend_factory
+from jax_agent_rl.rollout.registry import backend_factory, backend_names
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -73,7 +74,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     """Every problem a run of ``cfg`` over ``processes`` processes would meet before its first
     step; empty when none. The devices are those of every process (each assumed to have as
     many as this one when `jax.distributed` has not joined them: ``--dry-run``)."""
-    problems: list[str] = _processes_fit(cfg, processes)
+    problems: list[str] = _processes_fit(cfg, processes) + check_names(cfg)
 
     def attempt(load: Callable[[], T]) -> T | None:
         try:
@@ -84,9 +85,8 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
 
     attempt(lambda: _reward(cfg))
     parser = attempt(lambda: _parser(cfg.agent.parser))
-    backend = attempt(lambda: _backend(cfg.rollout.backend))
-    if backend is not None:
-        problems += backend.check(cfg.rollout)
+    if cfg.rollout.backend in backend_names():
+        problems += backend_factory(cfg.rollout.backend).check(cfg.rollout)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
         joined = jax.process_count() == processes
@@ -115,6 +115,19 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
         attempt(lambda: _prompts_fit(builder, train, cfg))
     if cfg.sft.data:
         attempt(lambda: _demonstrations(cfg.sft.data, builder))
+    return problems
+
+
+def check_names(cfg: JarlConfig) -> list[str]:
+    """The rollout backend, the judge's backend and the filters, each against its registry."""
+    names, judge = backend_names(), cfg.data.judge.backend
+    problems = check_filters(cfg.agent.filters)
+    if cfg.rollout.backend not in names:
+        problems.insert(0, f"rollout.backend={cfg.rollout.backend!r}: expected one of {names}")
+    if judge != "policy" and judge not in names:
+        problems.append(
+            f"data.judge.backend={judge!r}: use policy or a registered rollout backend {names}"
+        )
     return problems
 
 
@@ -233,13 +246,6 @@ def _parser(name: str) -> ToolCallParser:
             f"use one of {sorted(PARSERS)}"
         )
     return make_parser(name)
-
-
-def _backend(name: str) -> BackendFactory:
-    try:
-        return backend_factory(name)
-    except ValueError as e:
-        raise _CheckError(str(e)) from None
 
 
 def _model(path: str) -> ModelConfig:
@@ -410,105 +416,3 @@ def _demonstrations(path: str, builder: TurnBuilder) -> None:
         raise _CheckError(f"sft.data={path!r}: {str(e).removeprefix(f'{path}: ')}") from None
     if not demos:
         raise _CheckError(f'sft.data={path!r} has no rows: expected JSONL of {{"messages": [...]}}')
-
-
-def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:
-    """Into how many shards `ShardingRules` splits an array with ``logical_axes`` over ``mesh``."""
-    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
-    parts = 1
-    for axes in ShardingRules().spec(logical_axes):
-        for axis in (axes,) if isinstance(axes, str) else axes or ():
-            parts *= sizes[axis]
-    return parts
-
-
-def _per_device_bytes(model: ModelConfig, mesh: MeshSection, bytes_per_value: int) -> float:
-    """Bytes of one copy of the parameters on the busiest device when laid out by
-    `ShardingRules` over ``mesh`` (each tensor divided by the mesh axes that shard it)."""
-    return sum(
-        math.prod(spec.shape) * bytes_per_value / _parts(spec.logical_axes, mesh)
-        for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec)
-    )
-
-
-def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list[str]:
-    """What the run keeps on each device of its mesh, one line a part, for ``--dry-run``:
-    the learner's state (fp32 master weights, AdamW's two fp32 moments, the KL reference, the
-    critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
-    cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
-    weights split over ``tensor`` only, KV pages over ``data x fsdp`` and kv heads over
-    ``tensor``). Then the activations of one micro-batch (`activation_bytes`: its tokens per
-    device, with and without ``learner.remat``); XLA's workspace comes on top. Over several
-    ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share of the
-    devices."""
-    m = cfg.mesh
-    n = m.data * m.fsdp * m.tensor
-    fp32 = _per_device_bytes(model, m, 4)
-    parts = [
-        ("policy weights (fp32 master)", fp32),
-        ("AdamW moments (2 x fp32)", 2 * fp32),
-        ("gradient accumulator (fp32)", fp32),
-    ]
-    if cfg.algorithm.kl_coef:
-        parts.append(("KL reference (fp32)", fp32))
-    if cfg.algorithm.adv_estimator == "gae":
-        parts.append(("critic weights + AdamW moments", 3 * fp32))
-    learner = sum(b for _, b in parts)
-    lines = [f"memory per device, mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} ({n}):"]
-    lines += [f"  learner  {name:<34} {b / 2**30:8.2f} GiB" for name, b in parts]
-    engine: list[tuple[str, float]] = []
-    if cfg.rollout.backend == "embedded":
-        serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
-        width = 2 if cfg.model.dtype == "bfloat16" else 4
-        r = cfg.rollout
-        pages = pool_pages(
-            model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
-        )
-        kv = pages * page_bytes(model, r.page_size, width)
-        engine = [
-            (f"weights ({cfg.model.dtype})", _per_device_bytes(model, serving, width)),
-            (
-                f"KV cache ({pages} pages x {r.page_size}"
-                + (", per process)" if processes > 1 else ")"),
-                kv / _parts(PAGE_AXES, serving),
-            ),
-        ]
-        lines += [f"  engine   {name:<34} {b / 2**30:8.2f} GiB" for name, b in engine]
-    busiest = learner + sum(b for _, b in engine)
-    lines.append(f"  total per device: {busiest / 2**30:.2f} GiB, before activations")
-    L = cfg.learner
-    if L.packing:
-        tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
-    else:
-        rows = max(L.micro_batch_size // (m.data * m.fsdp), 1)
-        tokens = rows * cfg.rollout.max_model_len
-        what = f"{rows} row(s) of rollout.max_model_len={cfg.rollout.max_model_len}"
-    width = 2 if cfg.model.dtype == "bfloat16" else 4
-    chosen, other = (True, False) if L.remat else (False, True)
-    lines.append(
-        f"  activations per micro-batch ({tokens} tokens per device: {what}): "
-        f"{activation_bytes(model, tokens, width, chosen, m.tensor) / 2**30:.2f} GiB"
-        f" (with remat={str(other).lower()}: "
-        f"{activation_bytes(model, tokens, width, other, m.tensor) / 2**30:.2f} GiB)"
-    )
-    return lines
-
-
-def activation_bytes(
-    model: ModelConfig, tokens: int, width: int, remat: bool, tensor: int = 1
-) -> float:
-    """About what one micro-batch of ``tokens`` tokens keeps for its backward pass, per device.
-    Per layer and token, the values a layer's backward reads again: the residual and the two
-    norms (in and out), q / k / v before and after rotary embedding and in the attention's
-    layout, the attention output both ways, the MLP's gate, up, activation and product:
-    ``5 D + 5 H K + 5 G K + 4 F`` in the compute dtype, heads and F split over ``tensor``; with
-    remat only each layer's input (D) plus one layer's set, recomputed in turn. On top: the
-    head's fp32 logits (its vocabulary chunks are all kept for the backward), 4 V per token.
-    XLA:CPU's own plan for the small test model (with the gradient it returns) is within 2x
-    of this (`tests/train/test_check.py`); a TPU's fuses more."""
-    D, F, K = model.hidden_size, model.intermediate_size, model.head_dim
-    H, G = model.num_heads / tensor, max(model.num_kv_heads / tensor, 1)
-    per_layer = width * (5 * D + 5 * H * K + 5 * G * K + 4 * F / tensor)
-    kept = model.num_layers * (width * D if remat else per_layer) + (per_layer if remat else 0)
-    logits = 4 * model.vocab_size / tensor
-    return tokens * (kept + logits)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.protocol import Capabilities, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import build_run, eos_ids, open_rollout
+from jax_agent_rl.train.check import check_names
 from jax_agent_rl.train.step import rl_step
 
 TEMPLATE = "Q: {prompt} A: {response} Score:"
@@ -285,10 +287,16 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     [
         (["data.judge.backend=embedded"], r"data\.judge\.backend='embedded' .* needs data\.judge"),
         (["data.judge.model_path=/j"], r"data\.judge\.model_path='/j' is read only by a separate"),
-        (["data.judge.backend=nope", "data.judge.model_path=/j"], r"use policy or a registered"),
         (["data.judge.max_concurrency=0"], r"data\.judge\.max_concurrency=0: expected >= 1"),
     ],
 )
 def test_a_judge_section_that_cannot_work_is_refused(overrides: list[str], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
+
+
+def test_an_unregistered_judge_backend_is_refused_before_a_run() -> None:
+    overrides = ["data.judge.backend=nope", "data.judge.model_path=/j"]
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
+    (problem,) = check_names(cfg)
+    assert re.search(r"use policy or a registered", problem)

@@ -13,6 +13,7 @@ import pytest
 from jax_agent_rl.config import JarlConfig, RolloutSection, check_ranges
 from jax_agent_rl.rollout import BackendFactory, backend_names, register_backend
 from jax_agent_rl.rollout.registry import backend_factory
+from jax_agent_rl.train.check import check_names
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jax_agent_rl"
 
@@ -187,7 +188,7 @@ def test_backends_are_found_through_their_entry_points_and_loaded_only_when_aske
 
 def test_an_unknown_backend_names_the_registered_ones() -> None:
     cfg = JarlConfig(rollout=RolloutSection(backend="vlm"))
-    assert check_ranges(cfg) == [f"rollout.backend='vlm': expected one of {backend_names()}"]
+    assert check_names(cfg) == [f"rollout.backend='vlm': expected one of {backend_names()}"]
     with pytest.raises(ValueError, match=r"rollout.backend='vlm' is not a registered backend"):
         backend_factory("vlm")
 
@@ -205,7 +206,8 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
     assert "single_replica_test" in backend_names()
     assert backend_factory("single_replica_test") is factory
     rollout = dataclasses.replace(RolloutSection(), backend="single_replica_test", replicas=2)
-    assert check_ranges(JarlConfig(rollout=rollout)) == []
+    cfg = JarlConfig(rollout=rollout)
+    assert check_ranges(cfg) == check_names(cfg) == []
     assert backend_factory(rollout.backend).check(rollout) == ["rollout.replicas=2: one only"]
     for taken in ("embedded", "vllm", "single_replica_test"):
         with pytest.raises(ValueError, match="registered already"):

@@ -1,0 +1,168 @@
+"""The checks every command runs on a loaded config: each number against the range declared on
+its field, then the values that must fit each other. Names checked against registries
+(backends, filters) are left to ``jarl train``'s pre-run check (`jax_agent_rl.train.check`),
+which loads what they name."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+
+from jax_agent_rl.config.ranges import Rule
+from jax_agent_rl.config.sections import JarlConfig
+
+
+def field_ranges(schema: type, prefix: str = "") -> dict[str, Rule]:
+    """The dotted key of every field of ``schema`` (nested sections included) that declares
+    its range, in declaration order, with that range."""
+    ranges: dict[str, Rule] = {}
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[field.name]):
+            ranges |= field_ranges(hints[field.name], f"{prefix}{field.name}.")
+        elif "range" in field.metadata:
+            ranges[f"{prefix}{field.name}"] = field.metadata["range"]
+    return ranges
+
+
+def moved_keys(schema: type, prefix: str = "") -> dict[str, str]:
+    """Old dotted key -> new dotted key of every field of ``schema`` that says where it was."""
+    moved: dict[str, str] = {}
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[field.name]):
+            moved |= moved_keys(hints[field.name], f"{prefix}{field.name}.")
+        elif "was" in field.metadata:
+            moved[field.metadata["was"]] = f"{prefix}{field.name}"
+    return moved
+
+
+def check_ranges(cfg: JarlConfig) -> list[str]:
+    """Every value outside its field's range, one line each; when all are in range, every
+    value that does not fit another (`_FIT_CHECKS`)."""
+    problems = []
+    for key, rule in field_ranges(JarlConfig).items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if not rule.ok(value):
+            problems.append(f"{key}={value!r}: expected {rule.accepted}")
+    if problems:
+        return problems
+    return [p for check in _FIT_CHECKS if (p := check(cfg)) is not None]
+
+
+def _micro_batch_over_mesh(cfg: JarlConfig) -> str | None:
+    dp, micro = cfg.mesh.data * cfg.mesh.fsdp, cfg.learner.micro_batch_size
+    if micro % dp:
+        return (
+            f"learner.micro_batch_size={micro} does not split over mesh.data x mesh.fsdp = {dp} "
+            f"devices: use a multiple of {dp}"
+        )
+    return None
+
+
+def _sft_batch(cfg: JarlConfig) -> str | None:
+    """SFT batches are split into micro-batches of min(sft.batch_size, micro_batch_size) rows."""
+    if not cfg.sft.data or not cfg.sft.steps:
+        return None
+    dp, micro, batch = (
+        cfg.mesh.data * cfg.mesh.fsdp,
+        cfg.learner.micro_batch_size,
+        cfg.sft.batch_size,
+    )
+    if batch % min(batch, micro) or min(batch, micro) % dp:
+        return (
+            f"sft.batch_size={batch} does not split into micro-batches of "
+            f"learner.micro_batch_size={micro} over mesh.data x mesh.fsdp = {dp} devices: use a "
+            f"multiple of {micro}, or a multiple of {dp} below {micro}"
+        )
+    return None
+
+
+def _group_size(cfg: JarlConfig) -> str | None:
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 1:
+        return (
+            "rollout.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
+            "use rollout.n >= 2 (or algorithm.adv_estimator=gae)"
+        )
+    return None
+
+
+def _masked_is(cfg: JarlConfig) -> str | None:
+    cap, mode = cfg.algorithm.tis_cap, cfg.algorithm.tis_mode
+    if mode == "mask" and (cap is None or cap <= 1):
+        return (
+            f"algorithm.tis_mode=mask with algorithm.tis_cap={cap}: masking keeps the tokens "
+            "whose importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1"
+        )
+    return None
+
+
+def _overlong_buffer(cfg: JarlConfig) -> str | None:
+    buffer, budget = cfg.data.overlong_buffer, cfg.agent.max_response_tokens
+    if buffer > budget:
+        return (
+            f"data.overlong_buffer={buffer} is longer than agent.max_response_tokens="
+            f"{budget}: use 0 (off) to {budget}"
+        )
+    return None
+
+
+def _slots_over_mesh(cfg: JarlConfig) -> str | None:
+    """The embedded engine serves on the inference mesh: slots split over data x fsdp."""
+    dp, slots = cfg.mesh.data * cfg.mesh.fsdp, cfg.rollout.max_concurrent
+    if cfg.rollout.backend == "embedded" and slots % dp:
+        return (
+            f"rollout.max_concurrent={slots} does not split over mesh.data x mesh.fsdp = {dp} "
+            f"devices (the embedded engine's decode slots): use a multiple of {dp}"
+        )
+    return None
+
+
+def _vllm_devices(cfg: JarlConfig) -> str | None:
+    r = cfg.rollout
+    devices = [d for d in r.vllm_devices.split(",") if d]
+    if r.backend == "vllm" and devices and len(devices) != r.replicas:
+        return (
+            f"rollout.vllm_devices={r.vllm_devices!r} names {len(devices)} devices for "
+            f"rollout.replicas={r.replicas}: give one per replica, or none"
+        )
+    return None
+
+
+def _tool_servers(cfg: JarlConfig) -> str | None:
+    ray = cfg.rollout.ray
+    if ray.tool_servers and not ray.address:
+        return f"rollout.ray.tool_servers={ray.tool_servers} needs rollout.ray.address (a cluster)"
+    if ray.tool_servers and cfg.tools.server_url:
+        return (
+            f"rollout.ray.tool_servers={ray.tool_servers} and tools.server_url="
+            f"{cfg.tools.server_url!r} both say where tools run: set one"
+        )
+    return None
+
+
+def _judge(cfg: JarlConfig) -> str | None:
+    j = cfg.data.judge
+    if j.backend != "policy" and not j.model_path:
+        return f"data.judge.backend={j.backend!r} (a separate judge) needs data.judge.model_path"
+    if j.backend == "policy" and j.model_path:
+        return (
+            f"data.judge.model_path={j.model_path!r} is read only by a separate judge: set "
+            "data.judge.backend to a rollout backend (embedded, ...), or clear the path"
+        )
+    return None
+
+
+_FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
+    _micro_batch_over_mesh,
+    _slots_over_mesh,
+    _sft_batch,
+    _group_size,
+    _overlong_buffer,
+    _masked_is,
+    _vllm_devices,
+    _tool_servers,
+    _judge,
+)

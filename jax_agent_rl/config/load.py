@@ -1,0 +1,252 @@
+"""Loading a config: the schema's defaults, a YAML file and dotted overrides (verl's spellings
+too) merged, every problem one `ConfigError` line naming its key."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from jax_agent_rl.config.checks import check_ranges, moved_keys
+from jax_agent_rl.config.paths import resolve_packaged
+from jax_agent_rl.config.sections import JarlConfig
+from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_top
+from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.verl_keys import VERL_SECTIONS, to_jarl
+
+T = TypeVar("T")
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    schema: type[T] = JarlConfig,  # type: ignore[assignment]
+) -> T:
+    """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order;
+    ``pkg://`` paths are resolved, and a `JarlConfig`'s numbers are checked (`check_ranges`).
+    A key that moved (a field's ``was``) is an error naming its new key."""
+    merged = _merged(path, overrides, schema)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        settings = " ".join(f"{key}=..." for key in missing)
+        raise ConfigError(
+            f"required config keys not set: {missing}; set them in the YAML or as overrides "
+            f"({settings})"
+        )
+    return _checked(merged, schema)
+
+
+class Preview(NamedTuple):
+    """A config as `preview_config` shows it: its YAML, the required keys still unset marked."""
+
+    yaml: str
+    missing: list[str]  # required keys not set, dotted
+
+
+def preview_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    schema: type[T] = JarlConfig,  # type: ignore[assignment]
+) -> Preview:
+    """As `load_config`, but a required key left unset is shown, not refused: its line reads
+    ``key: ???  # required: set a.b.key=...``. Every other value is checked as it loads."""
+    merged = _merged(path, overrides, schema)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    # required keys are strings; "" passes their checks
+    unset = OmegaConf.from_dotlist([f"{key}=''" for key in missing])
+    lines = to_yaml(_checked(OmegaConf.merge(merged, unset), schema)).splitlines()
+    for i, key in _key_lines(lines):
+        if key in missing:
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            name = key.rpartition(".")[2]
+            lines[i] = f"{indent}{name}: ???  # required: set {key}=..."
+    return Preview("".join(f"{line}\n" for line in lines), missing)
+
+
+def _key_lines(lines: Sequence[str]) -> list[tuple[int, str]]:
+    """(line number, dotted key) of every ``key:`` line of block YAML indented by two spaces
+    per level, as `to_yaml` writes it."""
+    out: list[tuple[int, str]] = []
+    parents: list[str] = []
+    for i, line in enumerate(lines):
+        name, colon, _ = line.strip().partition(":")
+        if not colon or line.lstrip().startswith("- "):
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        parents[depth:] = [name]
+        out.append((i, ".".join(parents)))
+    return out
+
+
+def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> Any:
+    """The schema's defaults, the YAML file's values and then the overrides, merged (missing
+    values left missing); every problem a one-line `ConfigError`."""
+    layers = [] if path is None else [read_yaml(Path(path))]
+    # Hydra's +key=v / ++key=v (add / force) set the key as key=v does: every key exists here
+    overrides = [item.lstrip("+") for item in overrides]
+    for item in overrides:
+        if item.startswith("~"):
+            raise ConfigError(
+                f"override {_shown(item)}: Hydra's ~key (delete) has nothing to do here: every "
+                "key has a default; drop it"
+            )
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        key, _, value = item.partition("=")
+        if not all(key.split(".")):
+            raise ConfigError(f"override {_shown(item)}: {key!r} is not a dotted key (a.b.c)")
+        if key.count(".") >= MAX_DEPTH:
+            raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
+        yaml_top(value, f"override {key}")
+    if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md)
+        overrides = _verl_overrides(overrides, OmegaConf.structured(schema), layers)
+    # `key=` means the empty string (OmegaConf would read it as null)
+    dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
+    try:
+        layers.append(OmegaConf.from_dotlist(dotlist))
+        for layer in layers:
+            _check_sections(schema, layer)
+        return OmegaConf.merge(OmegaConf.structured(schema), *layers)
+    except ConfigKeyError as e:
+        key = _full_key(e)
+        moved = moved_keys(schema)
+        if key in moved:
+            raise ConfigError(f"config key {key!r} is now {moved[key]!r}") from None
+        if key.split(".")[0] in ("defaults", *VERL_SECTIONS):
+            raise ConfigError(
+                f"unknown config key {key!r}: a verl (Hydra) config file? jarl reads verl's "
+                "keys as command-line overrides only; start from a jarl config (docs/verl.md)"
+            ) from None
+        verl = "; a verl key? docs/verl.md" if key.split(".")[0] in _VERL_SHARED else ""
+        raise ConfigError(
+            f"unknown config key {key!r}; allowed here: {_allowed_keys(schema, key)}{verl}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(_bad_value(schema, e)) from None
+
+
+# jarl's sections that verl's config has too: an unknown key there may be a verl key
+_VERL_SHARED = ("data", "trainer", "algorithm")
+
+
+def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
+    """Each section of ``schema`` that ``layer`` sets is a mapping (OmegaConf's own error for
+    ``model: 5`` names no key)."""
+    hints = typing.get_type_hints(schema)
+    for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        hint = hints.get(name)
+        if not dataclasses.is_dataclass(hint):
+            continue
+        if not OmegaConf.is_dict(value):
+            shown = _shown(str(value))
+            raise ConfigError(f"{prefix}{name}={shown}: expected a section (key: value lines)")
+        _check_sections(hint, value, f"{prefix}{name}.")
+
+
+def _checked(merged: Any, schema: type[T]) -> T:
+    """The dataclass of a merged config with every value set, ``pkg://`` paths resolved and
+    (a `JarlConfig`) its numbers checked."""
+    try:
+        cfg: Any = OmegaConf.to_object(merged)
+        OmegaConf.structured(cfg)  # a container where a mapping's value must be a string, ...
+    except OmegaConfBaseException as e:
+        raise ConfigError(_bad_value(schema, e)) from None
+    cfg = resolve_packaged(cfg)
+    problems = check_ranges(cfg) if isinstance(cfg, JarlConfig) else []
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+def _verl_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) -> list[str]:
+    """`jax_agent_rl.verl_keys.to_jarl` over the config before the overrides, each verl key's
+    jarl key told on stderr."""
+
+    @functools.cache  # merged only if a conversion reads a value
+    def config() -> Any:
+        try:
+            return OmegaConf.merge(base, *layers)
+        except OmegaConfBaseException:  # a bad YAML file: `load_config` says why when it merges
+            return base
+
+    return to_jarl(
+        overrides,
+        lambda key: OmegaConf.select(config(), key, throw_on_missing=False),
+        lambda line: print(line, file=sys.stderr),
+    )
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (for run folders and ``--dry-run``)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _full_key(e: OmegaConfBaseException) -> str:
+    for key in (getattr(e, "full_key", None), getattr(e, "key", None)):
+        if key:
+            return str(key)
+    return "<root>"
+
+
+def _bad_value(schema: type, e: OmegaConfBaseException) -> str:
+    """One line for a value OmegaConf refused: the key, the value and what the key takes."""
+    key = _full_key(e)
+    shown = _shown(str(getattr(e, "value", None)))
+    expected = _expected(schema, key)
+    if expected is None:  # not a typed field (a section given a value, ...): OmegaConf's words
+        return f"bad value for config key {key!r}: {(e.msg or type(e).__name__).splitlines()[0]}"
+    return f"{key}={shown}: expected {expected}"
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` quoted, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _expected(schema: type, dotted: str) -> str | None:
+    """What the field ``dotted`` of ``schema`` takes, in words; None for no typed field."""
+    hint: Any = schema
+    for part in dotted.split("."):
+        if typing.get_origin(hint) is dict:  # a mapping's entry: its value type
+            hint = typing.get_args(hint)[1]
+        elif dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part)
+        else:
+            return None
+    if hint is None:
+        return None
+    return "a section (key: value lines)" if dataclasses.is_dataclass(hint) else _describe(hint)
+
+
+def _describe(hint: Any) -> str:
+    """A field's type in words: "a whole number", "one of [...]", "a number or null", ..."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return f"one of {list(args)}"
+    if type(None) in args:
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+    if hint in words:
+        return words[hint]
+    return {dict: "a mapping", list: "a list"}.get(typing.get_origin(hint), str(hint))
+
+
+def _allowed_keys(schema: type, dotted: str) -> list[str]:
+    """Field names of the dataclass that holds ``dotted``'s last part."""
+    cls: Any = schema
+    for part in dotted.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            break
+        inner = fields[part].default_factory
+        if inner is dataclasses.MISSING or not dataclasses.is_dataclass(inner):
+            break
+        cls = inner
+    return sorted(f.name for f in dataclasses.fields(cls))

@@ -1,0 +1,59 @@
+"""What a number of the config accepts, declared on its field: ``setting(8, COUNT)`` is a field
+whose default is 8 and whose values must be at least one. A field that moved keeps its old
+dotted key on the field (``was=``), so a config still spelling it is told the new one."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+T = TypeVar("T")
+
+
+class Rule(NamedTuple):
+    """What a number must satisfy, and how an error message says it."""
+
+    ok: Callable[[Any], bool]
+    accepted: str
+
+
+def interval(
+    lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
+) -> Rule:
+    """``lo <= v <= hi`` (either end open). Infinity and NaN never pass."""
+
+    def ok(v: Any) -> bool:
+        above = lo < v if lo_open else lo <= v
+        below = v < hi if hi_open or hi == math.inf else v <= hi
+        return bool(above and below and math.isfinite(v))
+
+    if hi == math.inf:
+        return Rule(ok, f"{'>' if lo_open else '>='} {lo:g}")
+    return Rule(ok, f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}")
+
+
+def or_(value: Any, rule: Rule) -> Rule:
+    """``value`` itself (an "off" setting), or what ``rule`` accepts."""
+    shown = "null" if value is None else value
+    return Rule(lambda v: v == value or rule.ok(v), f"{shown} or {rule.accepted}")
+
+
+COUNT = interval(1)  # sizes and counts that must be at least one
+NATURAL = interval(0)  # counts where 0 means none / off
+POSITIVE = interval(0, lo_open=True)
+FRACTION = interval(0, 1)
+BELOW_ONE = interval(0, 1, hi_open=True)
+FINITE = Rule(math.isfinite, "a finite number")
+
+
+def setting(default: T, rule: Rule | None = None, *, was: str = "") -> T:
+    """A config field with ``default``, the values it accepts (``rule``; every int and float
+    field has one) and the dotted key it had before it moved (``was``), if it did."""
+    metadata: dict[str, Any] = {}
+    if rule is not None:
+        metadata["range"] = rule
+    if was:
+        metadata["was"] = was
+    return dataclasses.field(default=default, metadata=metadata)

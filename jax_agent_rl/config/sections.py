@@ -1,0 +1,407 @@
+"""The run configuration's sections: one frozen dataclass per concern, each numeric field with
+the values it accepts (`jax_agent_rl.config.ranges.setting`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jax_agent_rl.config.ranges import (
+    BELOW_ONE,
+    COUNT,
+    FINITE,
+    FRACTION,
+    NATURAL,
+    POSITIVE,
+    interval,
+    or_,
+    setting,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint to load and how to compute with it."""
+
+    path: str = "???"  # a local HF checkpoint folder (config.json + safetensors)
+    tokenizer: str = ""  # a tokenizer folder; empty: the checkpoint folder
+    # compute dtype of the learner and the rollout engine; the learner's master weights and
+    # optimizer state are always float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The learner's device mesh over the first data * fsdp * tensor devices."""
+
+    data: int = setting(1, COUNT)
+    fsdp: int = setting(1, COUNT)
+    tensor: int = setting(1, COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySection:
+    """Rollout replicas as Ray actors across a cluster (`jax_agent_rl.rollout.ray_pool`);
+    off while ``address`` is empty. Each replica is one ``rollout.backend`` engine, placed
+    through a placement group of one bundle per replica."""
+
+    # "": no Ray (the backend runs here); "auto": the cluster this machine belongs to;
+    # "local": start a one-node cluster on this machine; else the head's HOST:PORT
+    address: str = ""
+    replicas: int = setting(2, COUNT)
+    num_cpus: float = setting(1.0, NATURAL)  # per replica
+    num_gpus: float = setting(0.0, NATURAL)  # per replica (a vLLM engine: its GPUs)
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {TPU: 4}
+    # how the replicas' bundles spread over the nodes (Ray's placement group strategies)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
+    # per replica (and per tool server); one that dies more often stays down
+    max_restarts: int = setting(3, NATURAL)
+    # tool servers (`jarl serve-tools` of tools.config) as actors, spread over the nodes; the
+    # rollout's tool calls go to them (a trajectory stays on one); 0: tools run in-process
+    tool_servers: int = setting(0, NATURAL)
+    tool_server_cpus: float = setting(1.0, NATURAL)  # per tool server
+    # placing and starting the replicas (compiles included)
+    start_timeout_s: float = setting(600.0, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """The inference backend and how it samples."""
+
+    backend: str = (
+        "embedded"  # a registered backend: embedded, vllm, jetstream (rollout/registry.py)
+    )
+    n: int = setting(8, COUNT)  # samples per prompt (the GRPO group)
+    temperature: float = setting(1.0, NATURAL)
+    top_p: float = setting(1.0, interval(0, 1, lo_open=True))
+    top_k: int = setting(-1, or_(-1, COUNT))  # -1: off
+    max_model_len: int = setting(1024, COUNT)  # prompt + response tokens
+    max_concurrent: int = setting(64, COUNT)  # sequences decoded together (engine slots)
+    # embedded / jetstream: the KV cache is a pool of pages of this many positions, handed
+    # out by real length and shared between sequences with a common prefix
+    page_size: int = setting(32, COUNT)
+    # the pool's size in GiB (keys and values, all layers, over all the engine's devices);
+    # 0: enough for max_concurrent sequences of max_model_len (a dense cache's memory)
+    kv_cache_gib: float = setting(0.0, NATURAL)
+    # a longer prompt is prefilled in chunks between decode steps
+    prefill_chunk: int = setting(512, COUNT)
+    # decode steps per engine call (embedded and jetstream backends)
+    steps_per_call: int = setting(4, COUNT)
+    # embedded: a decode step computes only the slots in use (rounded up to a power of two);
+    # false: always all max_concurrent, so that no number depends on how requests happened
+    # to share a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible
+    # runs, slower when few slots are busy)
+    batch_buckets: bool = True
+    replicas: int = setting(1, COUNT)  # engine processes (vllm backend)
+    vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
+    vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
+    # KV cache of each vllm replica; 0: vLLM's share of free memory
+    vllm_kv_cache_mb: int = setting(0, NATURAL)
+    jetstream_python: str = ""  # the JetStream venv's interpreter; empty: .venv-jetstream's
+    # DAPO: drop groups whose rewards are all equal, refill
+    dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
+    # extra rollouts of fresh prompts per step, at most
+    max_refills: int = setting(3, NATURAL, was="algorithm.max_refills")
+    # an episode whose tool service failed (stop reason tool_error: a dead tool server) is run
+    # again from its prompt, up to this many times; 0: it stays failed (masked, counted)
+    tool_failure_reruns: int = setting(1, NATURAL)
+    ray: RaySection = dataclasses.field(default_factory=RaySection)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSection:
+    """A tree rollout's shape and per-prompt budget (agent.strategy=tree; agent/tree.py)."""
+
+    n_roots: int = setting(2, COUNT)  # episodes started per prompt
+    # an episode that branches goes on as this many (itself and copies)
+    branch: int = setting(2, COUNT)
+    depth: int = setting(2, NATURAL)  # turn boundaries at which an episode branches, at most
+    # per prompt, over the whole tree; 0: what rollout.n chain episodes could use at most
+    # (n x agent.max_response_tokens model tokens, n x agent.max_turns tool calls)
+    model_tokens: int = setting(0, NATURAL)
+    tool_calls: int = setting(0, NATURAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSection:
+    """Budgets of one episode and how tool calls are written."""
+
+    max_turns: int = setting(4, COUNT)
+    max_tokens_per_turn: int = setting(256, COUNT)
+    max_response_tokens: int = setting(768, COUNT)  # model + tool tokens after the prompt
+    max_tool_response_tokens: int = setting(256, COUNT)  # per tool result, before templating
+    tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
+    parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # the loop of a data row that names no agent_name: single_turn_agent (one model turn, no
+    # tool runs), as verl's actor_rollout_ref.rollout.agent.default_agent_loop; tool_agent for
+    # tool calls and interactions over many turns. Rows in SkyRL's layout (an env_class) run
+    # tool_agent, as SkyRL's generator does
+    default_agent_loop: str = "single_turn_agent"
+    # tool calls one trajectory runs at once (a turn can hold dozens); its other calls wait
+    # for these, so one trajectory cannot take every tool worker from its siblings
+    max_parallel_tool_calls: int = setting(4, COUNT)
+    # the LangGraph graph of agent_name react_agent (agent/langgraph_loop.py, the `agents`
+    # extra): package.module:function or path/to/file.py:function, given (chat_model, tools),
+    # returning a compiled graph over MessagesState; empty: the default ReAct graph
+    graph: str = ""
+    # the harness of agent_name openai_agent (agent/openai_endpoint.py, the `harness` extra):
+    # package.module:function or path/to/file.py:function, an async function given a
+    # HarnessTask (the endpoint's base_url and api_key, the prompt, the tools) that drives one
+    # episode through /v1/chat/completions; empty: no harness (openai_agent refuses to run)
+    harness: str = ""
+    # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
+    # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
+    filters: list[str] = dataclasses.field(default_factory=list)
+    # how a prompt's group is sampled: chain (rollout.n independent episodes) or tree
+    # (episodes branching after tool observations, within a per-prompt budget: agent.tree)
+    strategy: Literal["chain", "tree"] = "chain"
+    tree: TreeSection = dataclasses.field(default_factory=TreeSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolsSection:
+    """Where the tools come from."""
+
+    # a tool registry YAML (see jarl serve-tools); the default (calculator + sandboxed python)
+    # ships inside the package
+    config: str = "pkg://jax_agent_rl/configs/tools_default.yaml"
+    server_url: str = ""  # a running `jarl serve-tools`; empty: tools run in-process
+    # the name of an environment variable holding the server's bearer token (the token
+    # itself stays out of the YAML and of the run folder's config.yaml); empty: no token
+    token_env: str = ""
+    timeout_s: float = setting(30.0, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolServerSection:
+    """The tool server's settings (`jax_agent_rl.tools.server`): the one definition of their
+    defaults, which ``jarl serve-tools``, `create_app`, `serve` and the Ray tool servers read."""
+
+    host: str = "127.0.0.1"  # the address to listen on; a non-loopback one needs a token
+    port: int = 8765  # the port to listen on
+    max_concurrency: int = 64  # calls running at once (and in flight per socket connection)
+    timeout_s: float = 30.0  # seconds per call; a slower call is an error result
+    # seconds after a trajectory's last call ends before its tool state is released
+    idle_timeout_s: float = 600.0
+    max_trajectories: int = 10_000  # trajectories holding tool state at once
+    max_body_bytes: int = 8 * 2**20  # the largest request body (or socket frame); larger: 413
+    body_timeout_s: float = 10.0  # seconds to receive a whole body (or frame); slower: 408
+    max_id_bytes: int = 256  # the largest trajectory id, in UTF-8 bytes
+    # calls of one /execute_batch and trajectories of one /get_observation
+    max_batch_calls: int = 1024
+    max_action_calls: int = 32  # tool calls of one verl-tool action
+    max_connections: int = 512  # open connections at which a new request gets 503
+    action_parser: str = "hermes"  # the parser that reads verl-tool's actions
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """Environments that answer model turns (`jax_agent_rl.envs`), picked per row by its
+    ``env_class`` (SkyRL's column) or verl's ``extra_info.interaction_kwargs.name``."""
+
+    # env_class -> a class, package.module:Class or path/to/file.py:Class: a skyrl-gym Env
+    # (made as SkyRL makes it) or a function of the sample returning an Environment. A row's
+    # env_class not listed here names an id registered with skyrl-gym (gsm8k, ...)
+    classes: dict[str, str] = dataclasses.field(default_factory=dict)
+    # env_class -> the env_config a skyrl-gym environment is made with (SkyRL's
+    # environment.skyrl_gym.<env_class>)
+    config: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # verl's interaction config YAML (interaction: [{name, class_name, config}]); empty: none
+    interaction_config: str = ""
+    # an environment call past it ends its episode (env_error)
+    step_timeout_s: float = setting(60.0, POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSection:
+    """A model as the reward (`jax_agent_rl.rewards.judge`), used by rows whose reward is
+    ``judge`` (``data.reward=judge`` or an entry of ``data.rewards_by_source``). The judge reads
+    ``template`` filled in, as one user message of its tokenizer's chat template, answers
+    (greedy by default) and its last number matching ``score_pattern`` is the score. A judge
+    call that fails (no score in its answer, a score outside [0, score_max], an error, a
+    timeout) gives ``fallback`` and is counted (``reward/judge_failures``); it never fails a
+    step."""
+
+    # policy: the rollout backend under training (the judge sees the current weights); else
+    # a registered rollout backend (embedded, vllm, ...) started beside it from model_path,
+    # with rollout.*'s engine settings and max_concurrency slots
+    backend: str = "policy"
+    model_path: str = ""  # the separate judge's HF checkpoint folder (and its tokenizer)
+    # a Python format string: {prompt} (the row's last user message), {response} (the final
+    # answer), {ground_truth} (the row's, as text); literal braces are doubled
+    template: str = (
+        "Rate the response to the question from 0 (wrong or unhelpful) to 10 (correct and "
+        "helpful).\nQuestion: {prompt}\nReference answer: {ground_truth}\nResponse: "
+        "{response}\nReply with the rating, a number from 0 to 10."
+    )
+    # the score: the last match in the judge's answer (its first group if it has one)
+    score_pattern: str = r"-?\d+(?:\.\d+)?"
+    # a score in [0, score_max] is divided by it: rewards in [0, 1]
+    score_max: float = setting(10.0, POSITIVE)
+    fallback: float = setting(0.0, FINITE)  # the reward of an answer whose judge call failed
+    # judge requests in flight at once (a step's go together)
+    max_concurrency: int = setting(16, COUNT)
+    max_tokens: int = setting(32, COUNT)  # of the judge's answer
+    temperature: float = setting(0.0, NATURAL)  # 0: greedy
+    # per judge request, waiting for a free slot excluded
+    timeout_s: float = setting(60.0, POSITIVE)
+    # remember each judged (prompt, response, ground truth)'s score for the rest of the run
+    # (in memory, the newest cache_size kept): the same answer is judged once
+    cache: bool = True
+    cache_size: int = setting(65536, COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Prompts (jsonl or parquet in verl's column layout) and their reward.
+
+    A reward is a built-in name (verl's rules ``verl_gsm8k``, ``verl_math``, ``verl_dapo``,
+    ``verl_qa_em``; ours ``math``, ``gsm8k_lenient``, ``format``, ``reasoning_gym``; ``judge``)
+    or a user function, ``package.module:function`` or ``path/to/file.py:function``, taking
+    ``(text, ground_truth)`` or verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)`` (see `jax_agent_rl.rewards.registry`). A row is scored as verl picks: by its
+    ``data_source``'s entry in ``rewards_by_source`` if it has one, else by ``reward`` if set
+    (it overrides every other source, as verl's ``custom_reward_function`` does), else by
+    source: verl's own rule for the sources verl's ``default_compute_score`` knows (so verl's
+    data is scored as verl scores it, on the whole decoded response), the task's scorer for
+    reasoning-gym rows, ``math`` for the rest. An empty entry in ``rewards_by_source`` is an
+    error (it would leave open whether ``reward`` or the source's default applies).
+    """
+
+    train: str = "???"
+    val: str = ""  # held-out prompts for evaluation; empty: no evaluation
+    prompts_per_step: int = setting(16, COUNT)
+    val_size: int = setting(0, NATURAL)  # 0: the whole validation file
+    reward: str = ""  # every row not in rewards_by_source; empty: by data_source (above)
+    rewards_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the tool rewards of an episode (`ToolResult.reward` of every call), summed, are added to
+    # its reward times this weight. 0 is what verl does: the reward function's score is the
+    # reward, and a function of verl's signature reads the tool rewards, if it wants them, from
+    # extra_info["tool_rewards"] (passed whatever this weight is)
+    tool_reward_weight: float = setting(0.0, FINITE)
+    # DAPO soft overlong penalty over the last N response tokens
+    overlong_buffer: int = setting(0, NATURAL, was="algorithm.overlong_buffer")
+    # the penalty at the budget, scaled linearly over the buffer
+    overlong_penalty: float = setting(1.0, NATURAL, was="algorithm.overlong_penalty")
+    judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # reward ``judge``
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSection:
+    """The RL objective: advantages and loss, every value static in the compiled training step
+    (what to sample and how to shape rewards live in ``rollout`` and ``data``). GRPO:
+    adv_estimator=grpo. Dr.GRPO: norm_adv_by_std=false with
+    loss_agg_mode=seq-mean-token-sum-norm. DAPO: clip_high=0.28, loss_agg_mode=token-mean, with
+    rollout.dynamic_sampling=true and data.overlong_buffer>0. PPO: adv_estimator=gae (adds a
+    critic)."""
+
+    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    norm_adv_by_std: bool = True  # GRPO divides by the group's std; Dr.GRPO does not
+    clip_low: float = setting(0.2, BELOW_ONE)  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = setting(0.2, NATURAL)
+    # dual clip for negative advantages; null: off
+    clip_c: float | None = setting(3.0, or_(None, interval(1, lo_open=True)))
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    # KL(policy || reference) in the loss; 0 keeps no reference model
+    kl_coef: float = setting(0.0, NATURAL)
+    kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
+    entropy_coef: float = setting(0.0, NATURAL)
+    # truncated importance weights rollout -> learner; null: off
+    tis_cap: float | None = setting(2.0, or_(None, POSITIVE))
+    # truncate: weight min(w, tis_cap); mask: weight w within [1/tis_cap, tis_cap], else the
+    # token is dropped (masked IS: for stale data, trainer.mode=async; docs/async.md)
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    gamma: float = setting(1.0, FRACTION)  # GAE (PPO)
+    lam: float = setting(1.0, FRACTION)
+    vf_clip: float = setting(0.5, POSITIVE)
+    # trajectory: one training row per episode; per_turn: one per model turn, its prompt the
+    # token-exact prefix, its loss on that turn only, the episode's advantage shared
+    # (GRPO's group statistics count each episode once: rl/core.py grpo_advantages)
+    turn_mode: Literal["trajectory", "per_turn"] = "trajectory"
+    ppo_epochs: int = setting(1, COUNT)  # passes over each rollout batch
+    mini_batches: int = setting(1, COUNT)  # optimizer steps per pass
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+    """AdamW with warmup; fp32 state."""
+
+    lr: float = setting(1e-6, POSITIVE)
+    critic_lr: float = setting(1e-5, POSITIVE)
+    weight_decay: float = setting(0.0, NATURAL)
+    b1: float = setting(0.9, BELOW_ONE)
+    b2: float = setting(0.999, BELOW_ONE)
+    grad_clip: float = setting(1.0, POSITIVE)
+    warmup_steps: int = setting(0, NATURAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSection:
+    """How a train step is laid out."""
+
+    # packing on: each device's micro-batch is one row of `row_tokens` tokens holding as many
+    # whole trajectories as fit (first-fit decreasing; verl's ppo_max_token_len_per_gpu). A
+    # longer trajectory makes that step's rows the smallest row_tokens * 2**k holding it.
+    packing: bool = True
+    row_tokens: int = setting(4096, COUNT)
+    # packing off: micro-batches of this many rows, one trajectory per row, padded to the
+    # step's longest rounded up to seq_bucket * 2**k (also the SFT warm start's layout)
+    # sequences per forward/backward (gradients accumulate)
+    micro_batch_size: int = setting(8, COUNT)
+    seq_bucket: int = setting(64, COUNT)
+    remat: bool = False  # recompute layer activations in the backward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    """An optional supervised warm start on demonstrations (jsonl rows with ``messages``)."""
+
+    data: str = ""  # empty: no SFT stage
+    steps: int = setting(0, NATURAL)
+    batch_size: int = setting(32, COUNT)
+    lr: float = setting(1e-3, POSITIVE)  # peak; cosine-decayed to 0 over the steps
+    warmup_steps: int = setting(20, NATURAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """The outer loop: steps, evaluation, checkpoints, logs."""
+
+    steps: int = setting(100, NATURAL)
+    seed: int = setting(0, NATURAL)
+    # sync: each step rolls out, then updates, then pushes. async: rollouts run on while the
+    # learner updates (train/async_loop.py), every update taking only trajectories sampled
+    # at most max_staleness weight versions behind the policy it updates (0: the sync loop)
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = setting(1, NATURAL)
+    run_dir: str = "runs/latest"
+    eval_every: int = setting(10, NATURAL)  # 0: only at the start and the end
+    save_every: int = setting(10, COUNT)  # orbax checkpoint every N steps (and at the end)
+    keep_checkpoints: int = setting(2, COUNT)
+    resume: bool = True  # continue from the run folder's last complete checkpoint
+    traces_per_step: int = setting(4, NATURAL)  # trajectories written to traces.jsonl each step
+    # jsonl: traces.jsonl only (`jarl traces`). mlflow: also each of them as an MLflow trace
+    # (a span per turn and per tool message) in <run_dir>/mlflow.db, for the MLflow UI
+    # (`jarl traces RUN --mlflow`; needs the traces extra: train/mlflow_traces.py)
+    trace_backend: Literal["jsonl", "mlflow"] = "jsonl"
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class JarlConfig:
+    """The whole run configuration."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    agent: AgentSection = dataclasses.field(default_factory=AgentSection)
+    tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
+    env: EnvSection = dataclasses.field(default_factory=EnvSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    learner: LearnerSection = dataclasses.field(default_factory=LearnerSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)

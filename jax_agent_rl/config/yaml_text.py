@@ -1,0 +1,94 @@
+"""A config file's text: read, checked to be one YAML mapping of bounded depth, every problem
+one `ConfigError` line naming the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from jax_agent_rl.errors import ConfigError
+
+# Nesting deeper than this is refused before OmegaConf sees it. The schema is three levels deep
+# and its free-form values (env.config, rollout.ray.resources) a few more, while OmegaConf
+# recurses through several Python frames per level and exhausts the interpreter's stack near
+# 150 levels (a RecursionError, not a message).
+MAX_DEPTH = 32
+
+
+def read_yaml(path: Path) -> Any:
+    """The config file ``path`` as an OmegaConf mapping; a `ConfigError` naming the file if it
+    is missing, no UTF-8 text, no single YAML document, nested deeper than `MAX_DEPTH`, or no
+    mapping at its top level."""
+    where = f"config file {path}"
+    if path.is_dir():
+        raise ConfigError(f"{where} is a folder: name a YAML file")
+    if not path.is_file():
+        shipped = Path(__file__).resolve().parents[2] / path  # configs/... of the checkout
+        hint = f": did you mean {shipped}?" if shipped.is_file() and path != shipped else ""
+        raise ConfigError(f"{where} does not exist{hint}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where} is not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror}") from None
+    top = yaml_top(text, where)
+    if top == "nothing":
+        return OmegaConf.create({})
+    if top != "mapping":
+        raise ConfigError(
+            f"{where} holds a {top} at its top level: expected a mapping of sections "
+            "(model:, data:, ...)"
+        )
+    try:
+        return OmegaConf.create(text)
+    except yaml.YAMLError as e:  # what OmegaConf's loader adds: duplicate keys, ...
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {(e.msg or type(e).__name__).splitlines()[0]}") from None
+
+
+def yaml_top(text: str, where: str) -> str:
+    """What the YAML ``text`` holds at its top level: mapping, list, scalar or nothing. A
+    `ConfigError` (``where`` names the text) if it is no YAML, more than one document, or
+    nested deeper than `MAX_DEPTH`. Reads the parser's events, which keeps no stack of its
+    own, so no depth of nesting can exhaust the interpreter's."""
+    top, depth, documents = "nothing", 0, 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.DocumentStartEvent):
+                documents += 1
+                if documents > 1:
+                    line = event.start_mark.line + 1
+                    raise ConfigError(f"{where}: a second YAML document at line {line}")
+            elif isinstance(event, yaml.NodeEvent) and depth == 0:
+                kinds = {yaml.MappingStartEvent: "mapping", yaml.SequenceStartEvent: "list"}
+                top = kinds.get(type(event), "scalar")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    line = event.start_mark.line + 1
+                    raise ConfigError(
+                        f"{where}: nested deeper than {MAX_DEPTH} levels at line {line}"
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    return top
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"invalid YAML: character {chr(e.character)!r} at offset {e.position} is not allowed"
+    return f"invalid YAML: {' '.join(str(e).split())}"
