@@ -36,17 +36,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.data.sample import DatasetError, Sample
 
 SUFFIXES = (".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
 SKYRL_AGENT = "tool_agent"  # SkyRL's generator plays an environment over many turns
 
 Row = dict[str, Any]
-
-
-class DatasetError(ValueError):
-    """A dataset file that is missing, of an unknown kind, or has a malformed row."""
 
 
 Fail = Callable[[str], DatasetError]  # makes the error for one problem of the row at hand

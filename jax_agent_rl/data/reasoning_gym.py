@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-from jax_agent_rl.data.datasets import DatasetError
-from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.data.sample import DatasetError, Sample
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"

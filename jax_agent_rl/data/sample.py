@@ -1,4 +1,5 @@
-"""One prompt of a dataset, as the agent loop plays it: `Sample`."""
+"""One prompt of a dataset, as the agent loop plays it (`Sample`), and the error a dataset that
+cannot give one raises (`DatasetError`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import dataclasses
 from typing import Any
 
 from jax_agent_rl.tokenization import Message
+
+
+class DatasetError(ValueError):
+    """A dataset file that is missing, of an unknown kind, or has a malformed row."""
 
 
 @dataclasses.dataclass
