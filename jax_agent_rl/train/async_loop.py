@@ -38,6 +38,7 @@ from jax_agent_rl.train.step import (
     pace_metrics,
     run_episodes,
 )
+from jax_agent_rl.train.traces import trace_picks
 
 # a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
 StepFn = Callable[[int, bool], Awaitable[tuple[dict[str, float], list[Trajectory]]]]
@@ -202,6 +203,7 @@ async def async_step(
         rollout_s=t_wait,
         rollout_logprobs=rollout.backend.capabilities.logprobs,
         version=step,
+        traced=trace_picks(taken.trajectories, cfg.trainer.traces_per_step),
     )
     t1 = time.perf_counter()
     params = await asyncio.to_thread(run.serving_params)

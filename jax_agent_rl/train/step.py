@@ -35,7 +35,7 @@ from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.rewards import Answer, Scorer, verl_rules
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import per_turn_samples, step_batch
+from jax_agent_rl.rl.batch import TrainBatch, per_turn_samples, step_batch
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import (
@@ -47,6 +47,7 @@ from jax_agent_rl.train.episodes import (
     metrics_of_totals,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+from jax_agent_rl.train.traces import trace_picks
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -321,6 +322,44 @@ def training_rows(
     )
 
 
+def trace_index(
+    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
+) -> np.ndarray:
+    """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
+    traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
+    the batch's sequences in order (a trajectory, or with per-turn samples its turns, uid
+    ``<uid>#<k>``: their prompts hold the response before them)."""
+    T = batch.shape[1]
+    index = np.full((len(traced), T), -1, np.int64)
+    sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
+    slot = {t.uid: s for s, t in enumerate(traced)}
+    for i, row in enumerate(rows):
+        s = slot.get(row.uid.split("#")[0])
+        if s is None:
+            continue
+        start = int(np.flatnonzero(sequence == i)[0])
+        P, n = len(row.prompt_ids), len(row.response_ids)
+        offset = P - len(traced[s].prompt_ids)  # the response before this turn
+        index[s, offset : offset + n] = start + P - 1 + np.arange(n)
+    return index
+
+
+def record_signals(
+    traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
+) -> None:
+    """Sets each traced trajectory's ``learner_signals`` from `Learner.traced_step`'s values."""
+    for s, traj in enumerate(traced):
+        n = len(traj.response_ids)
+        if (index[s, :n] >= 0).any():
+            traj.learner_signals = {
+                name: [
+                    float(v) if at >= 0 else None
+                    for v, at in zip(x[s, :n], index[s, :n], strict=True)
+                ]
+                for name, x in values.items()
+            }
+
+
 def learn(
     run: Run,
     kept: Sequence[Trajectory],
@@ -328,6 +367,7 @@ def learn(
     rollout_s: float = 0.0,
     rollout_logprobs: bool = True,
     version: int | None = None,
+    traced: Sequence[Trajectory] = (),
 ) -> tuple[dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update
@@ -338,7 +378,9 @@ def learn(
     without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
-    behind), ``staleness/max`` and the logprob gap per staleness.
+    behind), ``staleness/max`` and the logprob gap per staleness. ``traced``: the trajectories
+    whose traces are written (one process only); those trained on get their per-token
+    learner logprobs and advantages (`record_signals`), pulled out of the update itself.
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -400,7 +442,13 @@ def learn(
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
         if staleness_s is not None:
             staleness_s[: len(behind)] = behind
-        m.update(learner.train_step(batch, sequences, real, rollout_logprobs, staleness_s))
+        index = trace_index(batch, rows_of, traced) if processes == 1 and traced else None
+        out, values = learner.traced_step(
+            batch, sequences, real, index, rollout_logprobs, staleness_s
+        )
+        m.update(out)
+        if index is not None:
+            record_signals(traced, index, values)
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -432,6 +480,7 @@ async def rl_step(
         rollout_s=t_collect,
         rollout_logprobs=rollout.backend.capabilities.logprobs,
         version=step,
+        traced=trace_picks(seen, run.cfg.trainer.traces_per_step),
     )
     t1 = time.perf_counter()
     await rollout.backend.update_weights(run.serving_params(), step + 1)
