@@ -33,6 +33,7 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/async.py
 	$(PY) bench/learner.py --workload uniform
 	$(PY) bench/learner.py --workload long_tail
+	$(PY) bench/traces.py
 
 clean:
 	rm -rf .venv .venv-vllm .venv-jetstream .verl-ref .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,9 @@ import json
 import math
 import re
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +196,26 @@ def test_jarl_view_says_when_there_are_no_traces(
 ) -> None:
     assert main(["view", str(tmp_path)]) == 2
     assert "no traces.jsonl" in capsys.readouterr().err
+
+
+def test_jarl_view_serves_the_page_on_loopback_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    (tmp_path / "reward.png").write_bytes(b"\x89PNG plot")
+    (tmp_path / "secret.txt").write_text("not served")
+    cmd = [sys.executable, "-m", "jax_agent_rl.cli", "view", str(tmp_path)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as server:
+        try:
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            url = re.search(r"http://127\.0\.0\.1:\d+/", line)
+            assert url, line
+            page = urllib.request.urlopen(url[0], timeout=30).read().decode()
+            assert page.startswith("<!DOCTYPE html>") and "<script>document" not in page
+            assert (
+                urllib.request.urlopen(url[0] + "reward.png", timeout=30).read() == b"\x89PNG plot"
+            )
+            for path in ("secret.txt", "traces.jsonl", "../secret.txt"):
+                with pytest.raises(urllib.error.HTTPError, match="404"):
+                    urllib.request.urlopen(url[0] + path, timeout=30)
+        finally:
+            server.terminate()
