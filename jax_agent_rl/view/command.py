@@ -75,7 +75,7 @@ def view_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_view_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Registers ``jarl view`` on the CLI's subcommands."""
     p = sub.add_parser(
         "view",

@@ -115,7 +115,8 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
         "stop": visible(str(record["stop_reason"])),
         "filter": visible(str(record["filtered_by"] or "")),
         "forked_from": visible(str(record["forked_from"])) if record["forked_from"] else None,
-        "staleness": record["step"] - min(sampled) if sampled else 0,
+        # a record's step counts the steps done: it trained the policy of version step - 1
+        "staleness": record["step"] - 1 - min(sampled) if sampled else 0,
         "turns": record["num_turns"],
         "tool_calls": record["tool_calls"],
         "error": visible(record["error"] or ""),

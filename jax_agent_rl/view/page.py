@@ -44,6 +44,8 @@ tr.pick:hover { background: #fff6d5; } tr.sel { background: #ffe9a8; }
 .tree ul { margin: 0; padding-left: 1.3em; } .tree li { list-style: "\\2514  "; }
 .legend span { margin-right: 1em; padding: 0 .3em; }
 .error { color: #b00; white-space: pre-wrap; }
+.scroll { max-height: 16em; overflow-y: auto; border: 1px solid #eee; }
+summary { cursor: pointer; color: #777; }
 """
 
 
@@ -65,7 +67,7 @@ def render_page(data: dict[str, Any]) -> str:
 <h1 id="title"></h1>
 <div id="plots"></div>
 <h2>Steps</h2><table id="steps"></table>
-<h2>Trajectories</h2><div id="filters"></div><table id="list"></table>
+<h2>Trajectories</h2><div id="filters"></div><div class="scroll"><table id="list"></table></div>
 <h2>Trajectory</h2><div id="detail"></div>
 <h2>Its group, side by side</h2><div id="group"></div>
 <div id="tree" class="tree"></div>

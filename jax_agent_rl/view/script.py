@@ -56,10 +56,10 @@ function colour(tok, mode, step, scale) {
     return [rgb(c), "advantage " + fmt(adv)];
   }
   if (mode === "version") {
-    const behind = step - version;
+    const behind = step - 1 - version;  // the step trained the policy of version step - 1
     const c = [[255, 255, 255], [255, 236, 150], [255, 190, 110]][Math.min(behind, 2)]
       || [255, 140, 120];
-    return [rgb(c), "weight version " + version + " (" + behind + " behind the step)"];
+    return [rgb(c), "weight version " + version + " (" + behind + " behind the policy trained)"];
   }
   return ["#f4f4f4", "entropy: not recorded"];
 }
@@ -155,13 +155,16 @@ function detailView(t, mode) {
   box.appendChild(modes);
   const legend = el("div", null, "legend");
   for (const [cls, name] of [["s", "sampled (trained)"], ["t", "tool output"], ["p", "template"]])
-    legend.appendChild(el("span", name, "tok " + cls));
+    legend.appendChild(el("span", name, "tok " + cls + " key"));
   box.appendChild(legend);
   box.appendChild(el("p", "step " + t.step + " | " + t.uid + " | group " + t.group
     + " | reward " + fmt(num(t.reward)) + " | stop " + t.stop
     + (t.filter ? " | filtered by " + t.filter : "") + " | staleness " + t.staleness
     + (t.forked_from ? " | forked from " + t.forked_from : "")));
-  box.appendChild(el("div", t.prompt, "tokens prompt"));
+  const prompt = el("details");
+  prompt.appendChild(el("summary", "prompt"));
+  prompt.appendChild(el("div", t.prompt, "tokens prompt"));
+  box.appendChild(prompt);
   box.appendChild(tokensView(t, mode));
   if (t.error) box.appendChild(el("pre", t.error, "error"));
   box.appendChild(el("h3", "Messages, tool calls and results"));

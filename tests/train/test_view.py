@@ -97,7 +97,7 @@ def test_the_view_of_a_run_shows_tokens_by_role_ratio_and_groups(
     assert len(same) == 4 == group.count('<div class="col')  # rollout.n = 4, side by side
     chromium(
         out / "index.html",
-        f"t={i}&mode=advantage",
+        f"t={i}&mode=role",
         tmp_path,
         f"--screenshot={SCREENSHOT}",
         "--window-size=1400,1600",
