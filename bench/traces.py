@@ -32,6 +32,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, prepare
+from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.build import build_run
 from jax_agent_rl.train.step import learn
 from jax_agent_rl.train.traces import trace_picks
@@ -58,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     args = parser.parse_args()
+    mesh = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"]).mesh
+    request_cpu_devices(mesh.data * mesh.fsdp * mesh.tensor)  # as `jarl demo` does on CPUs
     with tempfile.TemporaryDirectory() as tmp:
         task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=16, n_val=4, n_sft=16)
         cfg = load_config(
