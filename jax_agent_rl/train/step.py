@@ -35,7 +35,7 @@ from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.rewards import Answer, Scorer, verl_rules
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.batch import TrainBatch, per_turn_samples, step_batch
+from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import (
@@ -47,7 +47,7 @@ from jax_agent_rl.train.episodes import (
     metrics_of_totals,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
-from jax_agent_rl.train.traces import trace_picks
+from jax_agent_rl.train.traces import record_signals, trace_index, trace_picks
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -322,44 +322,6 @@ def training_rows(
     )
 
 
-def trace_index(
-    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
-) -> np.ndarray:
-    """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
-    traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
-    the batch's sequences in order (a trajectory, or with per-turn samples its turns, uid
-    ``<uid>#<k>``: their prompts hold the response before them)."""
-    T = batch.shape[1]
-    index = np.full((len(traced), T), -1, np.int64)
-    sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
-    slot = {t.uid: s for s, t in enumerate(traced)}
-    for i, row in enumerate(rows):
-        s = slot.get(row.uid.split("#")[0])
-        if s is None:
-            continue
-        start = int(np.flatnonzero(sequence == i)[0])
-        P, n = len(row.prompt_ids), len(row.response_ids)
-        offset = P - len(traced[s].prompt_ids)  # the response before this turn
-        index[s, offset : offset + n] = start + P - 1 + np.arange(n)
-    return index
-
-
-def record_signals(
-    traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
-) -> None:
-    """Sets each traced trajectory's ``learner_signals`` from `Learner.traced_step`'s values."""
-    for s, traj in enumerate(traced):
-        n = len(traj.response_ids)
-        if (index[s, :n] >= 0).any():
-            traj.learner_signals = {
-                name: [
-                    float(v) if at >= 0 else None
-                    for v, at in zip(x[s, :n], index[s, :n], strict=True)
-                ]
-                for name, x in values.items()
-            }
-
-
 def learn(
     run: Run,
     kept: Sequence[Trajectory],
@@ -380,7 +342,7 @@ def learn(
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
     behind), ``staleness/max`` and the logprob gap per staleness. ``traced``: the trajectories
     whose traces are written (one process only); those trained on get their per-token
-    learner logprobs and advantages (`record_signals`), pulled out of the update itself.
+    learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""

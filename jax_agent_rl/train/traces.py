@@ -24,10 +24,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.text import Text
 
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.visible import number, visible
 
@@ -82,6 +84,44 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "token_versions": [int(v) for v in traj.token_versions],
         **traj.learner_signals,
     }
+
+
+def trace_index(
+    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
+) -> np.ndarray:
+    """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
+    traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
+    the batch's sequences in order (a trajectory, or with per-turn samples its turns, uid
+    ``<uid>#<k>``: their prompts hold the response before them)."""
+    T = batch.shape[1]
+    index = np.full((len(traced), T), -1, np.int64)
+    sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
+    slot = {t.uid: s for s, t in enumerate(traced)}
+    for i, row in enumerate(rows):
+        s = slot.get(row.uid.split("#")[0])
+        if s is None:
+            continue
+        start = int(np.flatnonzero(sequence == i)[0])
+        P, n = len(row.prompt_ids), len(row.response_ids)
+        offset = P - len(traced[s].prompt_ids)  # the response before this turn
+        index[s, offset : offset + n] = start + P - 1 + np.arange(n)
+    return index
+
+
+def record_signals(
+    traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
+) -> None:
+    """Sets each traced trajectory's ``learner_signals`` from `Learner.traced_step`'s values."""
+    for s, traj in enumerate(traced):
+        n = len(traj.response_ids)
+        if (index[s, :n] >= 0).any():
+            traj.learner_signals = {
+                name: [
+                    float(v) if at >= 0 else None
+                    for v, at in zip(x[s, :n], index[s, :n], strict=True)
+                ]
+                for name, x in values.items()
+            }
 
 
 def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:

@@ -22,8 +22,7 @@ import pytest
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
-from jax_agent_rl.train.step import trace_index
-from jax_agent_rl.train.traces import TRACES_FILE, read_traces
+from jax_agent_rl.train.traces import TRACES_FILE, read_traces, trace_index
 from jax_agent_rl.view import write_view
 
 CHROMIUM = "/usr/bin/chromium"
