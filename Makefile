@@ -10,10 +10,11 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream; verl parity tests import the real verl from .verl-ref)
+test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream; verl parity tests import the real verl from .verl-ref; the view's tests open it in headless chromium)
 	@bash scripts/setup.sh vllm
 	@bash scripts/setup.sh jetstream
 	@bash scripts/setup.sh verl-ref
+	@bash scripts/setup.sh chromium
 	$(PY) -m pytest
 
 lint: setup  ## ruff (lint + format check) and mypy
@@ -32,6 +33,7 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/async.py
 	$(PY) bench/learner.py --workload uniform
 	$(PY) bench/learner.py --workload long_tail
+	$(PY) bench/traces.py
 
 clean:
 	rm -rf .venv .venv-vllm .venv-jetstream .verl-ref .pytest_cache .mypy_cache .ruff_cache

@@ -399,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_traces)
 
+    from jax_agent_rl.view import add_view_parser  # the view's own module registers it
+
+    add_view_parser(sub)
+
     p = sub.add_parser(
         "config",
         help="print a resolved run config",

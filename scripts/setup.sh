@@ -16,10 +16,25 @@
 #                                         tests put on PYTHONPATH of a .venv process to check our
 #                                         verl compatibility against verl's own code; never a
 #                                         runtime dependency (our `verl` shim must not shadow it)
+#   scripts/setup.sh chromium             Debian's chromium, for the tests that open `jarl view`'s
+#                                         page in a headless browser (tests/train/test_view.py);
+#                                         no venv (make test runs it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target=${1:-main}
+if [[ $target == chromium ]]; then  # installed once, as root, like bubblewrap below
+  if command -v chromium >/dev/null; then
+    exit 0
+  elif [[ $(id -u) == 0 ]]; then
+    echo "setup: installing chromium (headless, for the view's browser tests)"
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: chromium is missing; install it (apt-get install chromium) for the view's tests" >&2
+    exit 1
+  fi
+  exit 0
+fi
 case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;

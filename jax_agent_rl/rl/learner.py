@@ -44,6 +44,8 @@ from jax_agent_rl.rl.objectives import (
 from jax_agent_rl.rl.update import (
     SEQ_GAP,
     SEQ_TOKENS,
+    TRACE_ADV,
+    TRACE_LOGP,
     LearnerState,
     RLBatch,
     TrainState,
@@ -249,6 +251,19 @@ class Learner:
         rollout_logprobs: bool = True,
         staleness: np.ndarray | None = None,
     ) -> dict[str, float]:
+        """`traced_step` tracing no token: its metrics."""
+        args = (batch, sequences, micro_batches, None, rollout_logprobs, staleness)
+        return self.traced_step(*args)[0]
+
+    def traced_step(
+        self,
+        batch: TrainBatch,
+        sequences: Sequences,
+        micro_batches: int,
+        trace_index: np.ndarray | None,
+        rollout_logprobs: bool = True,
+        staleness: np.ndarray | None = None,
+    ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """One RL update (`rl_update`) of this process's host rows ``batch``: K mini-batches
         (``algorithm.mini_batches``) of the same number of micro-batch slots, whose first
         ``micro_batches`` are real (see `RLBatch`; every process passes the same count and
@@ -259,7 +274,12 @@ class Learner:
         backend reports none); the learner's old-policy logprobs take their place, and
         ``rollout/logprobs_recomputed`` is 1. ``staleness`` [S] (how many weight versions each
         sequence's oldest token is behind the policy) adds the gap per staleness
-        (`gap_by_staleness`; one process only: the metrics' sequences are every process's)."""
+        (`gap_by_staleness`; one process only: the metrics' sequences are every process's).
+
+        ``trace_index`` [k, T] (one process only): positions in ``batch``'s rows, flattened, of
+        the tokens whose learner logprob and advantage come back (-1: none), [k, T] each under
+        ``learner_logprobs`` and ``advantages``: the update's own values, gathered on the
+        device, so that tracing a few trajectories adds two gathers and a small copy."""
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
                 f"{len(staleness)} staleness values for {len(sequences.rewards)} sequences"
@@ -277,10 +297,14 @@ class Learner:
                 weights,
                 minis,
                 self._replicated(np.int32(micro_batches)),
+                None if trace_index is None else self._replicated(trace_index.astype(np.int32)),
             )
             self.state, metrics = self._rl_steps[rollout_logprobs](self.state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads
             seq = metrics.pop(SEQ_GAP), metrics.pop(SEQ_TOKENS)
+            traced = {
+                k: np.asarray(metrics.pop(k)) for k in (TRACE_LOGP, TRACE_ADV) if k in metrics
+            }
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)
@@ -291,7 +315,7 @@ class Learner:
             seq_gap, seq_tokens = (np.asarray(x) for x in seq)
             out.update(gap_by_staleness(seq_gap, seq_tokens, np.asarray(staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
-        return out
+        return out, traced
 
     def update_sft(self, batch: TrainBatch) -> dict[str, float]:
         self.state, metrics = self._sft_step(self.state, self.device_batch(batch))

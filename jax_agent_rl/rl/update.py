@@ -37,6 +37,7 @@ from jax_agent_rl.rl.objectives import (
 
 # the per-sequence metrics [S] `rl_update` returns besides the scalars
 SEQ_GAP, SEQ_TOKENS = "sequences/logprob_gap_sum", "sequences/sampled_tokens"
+TRACE_LOGP, TRACE_ADV = "learner_logprobs", "advantages"  # per traced token
 
 
 @jax.tree_util.register_dataclass
@@ -160,6 +161,8 @@ class RLBatch:
     weights: Any  # [S] float32, the share of its episode a sequence is (`core.grpo_advantages`)
     minis: Any  # [S] int32, the mini-batch of each sequence (K for padding)
     micro_batches: Any  # [] int32
+    # [k, T] int32: flat [M * b * T] positions of the traced tokens (-1: none); None: no traces
+    trace_index: Any = None
 
 
 def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[..., jax.Array]]:
@@ -287,5 +290,9 @@ def rl_update(
         (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S
     )
     metrics[SEQ_TOKENS] = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
+    if batch.trace_index is not None:  # a few tokens' values, gathered from what is computed
+        at = jnp.maximum(batch.trace_index, 0)
+        metrics[TRACE_LOGP] = dv.old_logp.reshape(-1)[at]
+        metrics[TRACE_ADV] = dv.advantages.reshape(-1)[at]
     new = LearnerState(carry[0], carry[1], state.reference)
     return new, metrics

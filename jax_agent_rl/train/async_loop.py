@@ -35,6 +35,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
 from jax_agent_rl.train.step import keep_with_signal, run_episodes
+from jax_agent_rl.train.traces import trace_picks
 
 # a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
 StepFn = Callable[[int, bool], Awaitable[tuple[dict[str, float], list[Trajectory]]]]
@@ -200,6 +201,7 @@ async def async_step(
         t0=t0,
         idle0=idle0,
         waited_s=time.perf_counter() - t0,
+        traced=trace_picks(taken.trajectories, cfg.trainer.traces_per_step),
     )
     await producer.admission.advance(step + 1)
     m.update(

@@ -21,7 +21,7 @@ from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.metrics import equal_rewards_warning, plot_run, step_line
-from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_record
+from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_picks, trace_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,7 @@ async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     them in a multi-process run), to ``traces.jsonl``, and with ``trainer.trace_backend=mlflow``
     to the run's MLflow store as well."""
     del rollout
-    k = run.cfg.trainer.traces_per_step
-    picks = end.trajectories[:: max(1, len(end.trajectories) // max(k, 1))][:k]
+    picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
     append_traces(
         run.run_dir / TRACES_FILE, (trace_record(t, run.tokenizer, end.step) for t in picks)
     )

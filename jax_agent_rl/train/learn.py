@@ -36,6 +36,7 @@ from jax_agent_rl.train.episodes import (
     split_groups,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+from jax_agent_rl.train.traces import record_signals, trace_index
 
 
 def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
@@ -104,6 +105,7 @@ def learn(
     rollout_s: float = 0.0,
     rollout_logprobs: bool = True,
     version: int | None = None,
+    traced: Sequence[Trajectory] = (),
 ) -> tuple[dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update of ``learner``
@@ -115,7 +117,9 @@ def learn(
     without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
-    behind), ``staleness/max`` and the logprob gap per staleness.
+    behind), ``staleness/max`` and the logprob gap per staleness. ``traced``: the trajectories
+    whose traces are written (one process only); those trained on get their per-token
+    learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -176,7 +180,13 @@ def learn(
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
         if staleness_s is not None:
             staleness_s[: len(behind)] = behind
-        m.update(learner.train_step(batch, sequences, real, rollout_logprobs, staleness_s))
+        index = trace_index(batch, rows_of, traced) if processes == 1 and traced else None
+        out, values = learner.traced_step(
+            batch, sequences, real, index, rollout_logprobs, staleness_s
+        )
+        m.update(out)
+        if index is not None:
+            record_signals(traced, index, values)
     jax.block_until_ready(learner.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -201,13 +211,15 @@ async def learn_and_push(
     t0: float,
     idle0: float,
     waited_s: float,
+    traced: Sequence[Trajectory] = (),
 ) -> tuple[dict[str, float], Totals]:
     """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (in a worker
     thread, so that the event loop, its agent loops and tool calls, goes on), push the new
     weights as version ``step + 1``, and the step's times: the rollouts' (the slowest
     process's ``waited_s``, how long it waited for its groups), the push's, and how the step
-    spent them since ``t0`` (`pace_metrics`; ``idle0``: the backend's idle time then). Returns
-    the metrics and the `learn` totals."""
+    spent them since ``t0`` (`pace_metrics`; ``idle0``: the backend's idle time then).
+    ``traced``: the trajectories whose traces are written (`learn`). Returns the metrics and
+    the `learn` totals."""
     m, totals = await asyncio.to_thread(
         learn,
         run.learner,
@@ -217,6 +229,7 @@ async def learn_and_push(
         rollout_s=waited_s,
         rollout_logprobs=rollout.backend.capabilities.logprobs,
         version=step,
+        traced=traced,
     )
     t1 = time.perf_counter()
     params = await asyncio.to_thread(run.serving_params)

@@ -42,6 +42,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import split_groups
 from jax_agent_rl.train.learn import learn_and_push
+from jax_agent_rl.train.traces import trace_picks
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -274,6 +275,7 @@ async def rl_step(
         t0=t0,
         idle0=idle0,
         waited_s=time.perf_counter() - t0,
+        traced=trace_picks(seen, run.cfg.trainer.traces_per_step),
     )
     m["time/rollout_tokens_per_s"] = totals["model_tokens"] / max(m["time/rollout_s"], 1e-9)
     return m, seen

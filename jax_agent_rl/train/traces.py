@@ -5,7 +5,11 @@ also their text (``prompt_text``, and ``response_pieces``: one string per respon
 that rendering needs no tokenizer. Traces of a run go to ``<run_dir>/traces.jsonl``.
 
 Rendering colours the response by who wrote it: tokens the model sampled (loss mask 1, the ones
-trained on) and tokens it was given (mask 0: tool results, chat-template scaffolding).
+trained on) and tokens it was given (mask 0: tool results, chat-template scaffolding). Text is
+shown through `visible` (escape sequences shown, never obeyed) and numbers through `number`
+(a diverged run's NaN and infinite logprobs render as such). A trajectory the learner trained
+on also records, per response token, its learner logprob and advantage (``learner_logprobs``,
+``advantages``; `jarl view` shows them).
 
 A run with ``trainer.trace_backend=mlflow`` also records them in an MLflow store in the run
 folder (``mlflow.db``, written by `jax_agent_rl.train.mlflow_traces`); ``jarl traces RUN
@@ -20,11 +24,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.text import Text
 
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.visible import number, visible
 
 TRACES_FILE = "traces.jsonl"
 MLFLOW_DB = "mlflow.db"  # the run's MLflow store (SQLite)
@@ -42,6 +49,11 @@ PROB_STYLES = (
     (0.0, "bold red"),
 )
 _MAX_PENDING = 8  # tokens held back while they end inside a multi-byte character
+
+
+def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
+    """The ``k`` trajectories of a step whose traces are written, spread over them."""
+    return list(trajectories[:: max(1, len(trajectories) // max(k, 1))][:k])
 
 
 def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
@@ -69,7 +81,47 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "rollout_logprobs": [float(lp) for lp in traj.rollout_logprobs],
         "prompt_text": tokenizer.decode(traj.prompt_ids),
         "response_pieces": token_pieces(tokenizer, traj.response_ids, traj.loss_mask),
+        "token_versions": [int(v) for v in traj.token_versions],
+        **traj.learner_signals,
     }
+
+
+def trace_index(
+    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
+) -> np.ndarray:
+    """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
+    traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
+    the batch's sequences in order (a trajectory, or with per-turn samples its turns, uid
+    ``<uid>#<k>``: their prompts hold the response before them)."""
+    T = batch.shape[1]
+    index = np.full((len(traced), T), -1, np.int64)
+    sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
+    slot = {t.uid: s for s, t in enumerate(traced)}
+    for i, row in enumerate(rows):
+        s = slot.get(row.uid.split("#")[0])
+        if s is None:
+            continue
+        start = int(np.flatnonzero(sequence == i)[0])
+        P, n = len(row.prompt_ids), len(row.response_ids)
+        offset = P - len(traced[s].prompt_ids)  # the response before this turn
+        index[s, offset : offset + n] = start + P - 1 + np.arange(n)
+    return index
+
+
+def record_signals(
+    traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
+) -> None:
+    """Sets each traced trajectory's ``learner_signals`` from `Learner.traced_step`'s values."""
+    for s, traj in enumerate(traced):
+        n = len(traj.response_ids)
+        if (index[s, :n] >= 0).any():
+            traj.learner_signals = {
+                name: [
+                    float(v) if at >= 0 else None
+                    for v, at in zip(x[s, :n], index[s, :n], strict=True)
+                ]
+                for name, x in values.items()
+            }
 
 
 def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:
@@ -127,7 +179,7 @@ def header_text(record: dict[str, Any]) -> Text:
     parts = [
         f"step {record['step']}",
         f"uid {record['uid']}",
-        f"reward {record['reward']:.4g}",
+        f"reward {number(record['reward'])}",
         f"stop {record['stop_reason']}",
         f"turns {record['num_turns']}",
         f"tool calls {record['tool_calls']} ({record['malformed_calls']} malformed)",
@@ -136,7 +188,7 @@ def header_text(record: dict[str, Any]) -> Text:
     if versions:
         low, high = min(versions), max(versions)
         parts.append(f"weights v{low}" if low == high else f"weights v{low}-v{high}")
-    return Text(" | ".join(parts), style="bold")
+    return Text(visible(" | ".join(parts)), style="bold")
 
 
 def response_text(record: dict[str, Any], show_logprobs: bool = False) -> Text:
@@ -154,17 +206,21 @@ def response_text(record: dict[str, Any], show_logprobs: bool = False) -> Text:
         while end < len(pieces) and mask[end] == mask[start]:
             end += 1
         if not mask[start]:
-            text.append("".join(pieces[start:end]), style=GIVEN_STYLE)
+            text.append(visible("".join(pieces[start:end])), style=GIVEN_STYLE)
         elif show_logprobs:
             for piece, logprob in zip(pieces[start:end], logprobs[start:end], strict=True):
-                text.append(piece, style=probability_style(logprob))
+                text.append(visible(piece), style=probability_style(logprob))
         else:
-            text.append("".join(pieces[start:end]), style=MODEL_STYLE)
+            text.append(visible("".join(pieces[start:end])), style=MODEL_STYLE)
         start = end
     return text
 
 
 def probability_style(logprob: float) -> str:
+    """The `PROB_STYLES` style of a token of ``logprob``; a NaN or a positive logprob (no
+    probability: a diverged run) gets `ERROR_STYLE`."""
+    if not logprob <= 0.0:
+        return ERROR_STYLE
     p = math.exp(logprob)
     return next(style for low, style in PROB_STYLES if p >= low)
 
@@ -191,11 +247,11 @@ def render_trace(record: dict[str, Any], console: Console, show_logprobs: bool =
     console.rule()
     console.print(header_text(record))
     body = Text()
-    body.append(record["prompt_text"], style=PROMPT_STYLE)
+    body.append(visible(record["prompt_text"]), style=PROMPT_STYLE)
     body.append_text(response_text(record, show_logprobs))
     console.print(body)
     if record.get("error"):  # traces written before errors were recorded have none
-        console.print(Text(record["error"], style=ERROR_STYLE))
+        console.print(Text(visible(record["error"]), style=ERROR_STYLE))
     console.print(legend_text(show_logprobs))
 
 

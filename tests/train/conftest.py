@@ -32,7 +32,12 @@ def run(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
     the task's folder, given data.val relative to it, as a user in their project would: the
     readers of the run (export, eval) then run from elsewhere."""
     run_dir = tmp_path_factory.mktemp("run")
-    args = [*_command(task, run_dir)[5:], f"trainer.steps={STEPS}", f"data.val={task.val.name}"]
+    args = [
+        *_command(task, run_dir)[5:],
+        f"trainer.steps={STEPS}",
+        f"data.val={task.val.name}",
+        "trainer.traces_per_step=16",  # every episode: whole groups for `jarl view`
+    ]
     log = io.StringIO()
     with contextlib.chdir(task.val.parent):
         train(load_config(DEMO_CONFIG, args), Console(file=log, force_terminal=False))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,52 @@ def test_traces_command(
     assert "uid arith-0" in capsys.readouterr().out
     assert traces_command(str(tmp_path), 9, 4, False) == 2
     assert "no traces of step 9" in capsys.readouterr().err
+
+
+HOSTILE = [
+    "\x1b[2J\x1b[H",  # clear the screen
+    "\x1b]52;c;cm0gLXJmIH4=\x07",  # set the clipboard (OSC 52)
+    "\x1b]8;;http://evil.example\x1b\\click\x1b]8;;\x1b\\",  # a forged link
+    "\x9b31m",  # a C1 CSI
+    "\u202egnp.exe",  # a bidi override
+    "\x08\x7f\r",
+]
+
+
+def hostile_record(tokenizer: Tokenizer) -> dict[str, object]:
+    """A trace of a diverged run whose model and tool wrote escape sequences."""
+    record = trace_record(trajectory(tokenizer), tokenizer, 3)
+    pieces = list(record["response_pieces"])
+    for i, text in enumerate(HOSTILE):
+        pieces[i] = text  # model tokens (the call)
+        pieces[-1 - i] = text  # and the tool's / answer's
+    record["response_pieces"] = pieces
+    odd = [math.nan, math.inf, -math.inf, -800.0, 800.0, 1e308]
+    record["rollout_logprobs"] = [odd[i % len(odd)] for i in range(len(pieces))]
+    record["reward"] = math.nan
+    record["prompt_text"] += "\x1b]0;title\x07"
+    record["error"] = "Traceback\x1b[31m\x9d"
+    return record
+
+
+@pytest.mark.parametrize("show_logprobs", [False, True])
+def test_jarl_traces_shows_escape_sequences_and_survives_non_finite_logprobs(
+    tokenizer: Tokenizer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    show_logprobs: bool,
+) -> None:
+    append_traces(tmp_path / "traces.jsonl", [hostile_record(tokenizer)])
+    assert traces_command(str(tmp_path), None, 4, show_logprobs) == 0
+    out = capsys.readouterr().out
+    assert "reward nan" in out
+    assert "␛[2J␛[H" in out and "␛]52;c;cm0gLXJmIH4=␇" in out and "\\x9b31m" in out
+    assert "\\u202egnp.exe" in out and "␈␡␍" in out and "\\x9d" in out
+    # in a terminal: the only escape sequences are rich's own colours
+    console = Console(record=True, force_terminal=True, width=100)
+    with console.capture() as capture:
+        render_run(tmp_path, console, show_logprobs=show_logprobs)
+    raw = re.sub(r"\x1b\[[0-9;]*m", "", capture.get())
+    for control in ("\x1b", "\x07", "\x9b", "\x9d", "\u202e", "\x08", "\r"):
+        assert control not in raw, repr(control)
+    assert "␛]8;;http://evil.example" in raw

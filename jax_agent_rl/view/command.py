@@ -1,0 +1,92 @@
+"""``jarl view RUN``: the run's page written to a folder, or served on the loopback interface.
+
+Served, the page and the run's plots are the only things answered (every other path is a
+404); the server binds 127.0.0.1 on a free port (or ``--port``) and prints its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import shutil
+import sys
+from pathlib import Path
+
+from jax_agent_rl.train.traces import TRACES_FILE
+from jax_agent_rl.view.data import run_data
+from jax_agent_rl.view.page import render_page
+
+PAGE = "index.html"
+
+
+def write_view(run_dir: Path, out: Path) -> Path:
+    """``out/index.html`` and a copy of the run's plots beside it; returns the page's path."""
+    data = run_data(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / PAGE
+    page.write_text(render_page(data), encoding="utf-8")
+    for plot in data["plots"]:
+        if (run_dir / plot).resolve() != (out / plot).resolve():
+            shutil.copyfile(run_dir / plot, out / plot)
+    return page
+
+
+def serve(run_dir: Path, port: int = 0) -> None:
+    """Serves the page (built once) and the plots on 127.0.0.1 until interrupted."""
+    data = run_data(run_dir)
+    files = {f"/{PAGE}": (render_page(data).encode(), "text/html; charset=utf-8")}
+    files["/"] = files[f"/{PAGE}"]
+    for plot in data["plots"]:
+        files[f"/{plot}"] = ((run_dir / plot).read_bytes(), "image/png")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = files.get(self.path.split("?")[0].split("#")[0])
+            if found is None:
+                self.send_error(404)
+                return
+            body, kind = found
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            del format, args  # quiet: the address printed is all the console needs
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler) as server:
+        print(f"serving {run_dir} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C ends)")
+        sys.stdout.flush()
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()
+
+
+def view_command(args: argparse.Namespace) -> int:
+    folder = Path(args.run_dir)
+    if not (folder / TRACES_FILE).is_file():
+        print(f"error: no {TRACES_FILE} in {folder}", file=sys.stderr)
+        return 2
+    if args.out:
+        print(write_view(folder, Path(args.out)))
+        return 0
+    serve(folder, args.port)
+    return 0
+
+
+def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``jarl view`` on the CLI's subcommands."""
+    p = sub.add_parser(
+        "view",
+        help="see a run's traces token by token in a browser",
+        description="A static HTML view of RUN (traces.jsonl, metrics.jsonl, plots): steps, "
+        "trajectories filterable by data source, stop reason, reward, filter and staleness; "
+        "each token coloured by role or by rollout logprob, learner/sampler ratio, advantage "
+        "or staleness; groups side by side; tree rollouts as trees. Served on 127.0.0.1, or "
+        "written with --out.",
+    )
+    p.add_argument("run_dir", help="a run folder")
+    p.add_argument("--out", default=None, help="write the page (index.html) into this folder")
+    p.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
+    p.set_defaults(func=view_command)

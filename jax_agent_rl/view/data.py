@@ -1,0 +1,142 @@
+"""A run folder read into what the page shows: one JSON-ready dict, all text made visible.
+
+Each trace record (`jax_agent_rl.train.traces`) becomes a trajectory of tokens, each token
+``[text, role, rollout logprob, learner logprob, advantage, weight version]``: role ``s``
+(sampled, mask 1), ``t`` (a tool's output: inside a tool message's text) or ``p`` (template
+or prompt scaffolding given to the model). Text goes through `visible` (escape sequences
+shown, never obeyed); a non-finite number becomes the string ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"`` (JSON has no such numbers; the page reads them back with ``Number``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.train.traces import TRACES_FILE, read_traces
+from jax_agent_rl.train.visible import visible
+
+PLOTS = ("reward.png", "throughput.png")  # the run's plots (train/metrics.py), linked
+METRICS_FILE = "metrics.jsonl"
+# the step metrics the step list shows, when the run has them
+STEP_METRICS = (
+    "reward",
+    "success",
+    "loss",
+    "logprob_gap/mean",
+    "staleness/max",
+    "batch/trajectories",
+    "time/step_s",
+)
+
+
+def finite(x: float | None) -> float | str | None:
+    """``x`` for JSON: non-finite values as the strings JavaScript's ``Number`` reads."""
+    if x is None or math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def roles(pieces: Sequence[str], mask: Sequence[int], messages: Sequence[dict[str, Any]]) -> str:
+    """One letter per token (see the module docstring): mask-0 tokens whose text lies inside
+    a tool message's content are ``t``, in message order."""
+    tool_texts = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
+    out = ["s" if m else "p" for m in mask]
+    start = 0
+    while start < len(pieces):
+        end = start
+        while end < len(pieces) and mask[end] == mask[start]:
+            end += 1
+        if not mask[start]:
+            text = "".join(pieces[start:end])
+            ends = [0]
+            for piece in pieces[start:end]:
+                ends.append(ends[-1] + len(piece))
+            at = 0
+            while tool_texts and tool_texts[0] and (hit := text.find(tool_texts[0], at)) >= 0:
+                stop = hit + len(tool_texts.pop(0))
+                for i in range(start, end):
+                    lo, hi = ends[i - start], ends[i - start + 1]
+                    if lo < stop and hi > hit:
+                        out[i] = "t"
+                at = stop
+        start = end
+    return "".join(out)
+
+
+def message_blocks(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """The conversation as blocks: role, text and, for an assistant turn, its tool calls."""
+    blocks = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        blocks.append(
+            {
+                "role": visible(str(m.get("role", ""))),
+                "text": visible(str(m.get("content") or "")),
+                "calls": visible(json.dumps(calls, ensure_ascii=False)) if calls else "",
+            }
+        )
+    return blocks
+
+
+def trajectory(record: dict[str, Any]) -> dict[str, Any]:
+    """One trace record as the page reads it (see the module docstring)."""
+    pieces, mask = record["response_pieces"], record["loss_mask"]
+    n = len(pieces)
+    # written before these were recorded, or by a step that did not train the trajectory
+    learner = record.get("learner_logprobs") or [None] * n
+    advantages = record.get("advantages") or [None] * n
+    versions = record.get("token_versions") or [-1] * n
+    kinds = roles(pieces, mask, record["messages"])
+    tokens = [
+        [
+            visible(pieces[i]),
+            kinds[i],
+            finite(record["rollout_logprobs"][i]),
+            finite(learner[i]),
+            finite(advantages[i]),
+            versions[i],
+        ]
+        for i in range(n)
+    ]
+    sampled = [v for v in record["weight_versions"] if v >= 0]
+    group = str(record["group_id"])
+    return {
+        "step": record["step"],
+        "uid": visible(str(record["uid"])),
+        "group": visible(group),
+        # a prompt's id is "<data source>-<row>" (jax_agent_rl.data)
+        "source": visible(group.rsplit("-", 1)[0]),
+        "reward": finite(float(record["reward"])),
+        "stop": visible(str(record["stop_reason"])),
+        "filter": visible(str(record["filtered_by"] or "")),
+        "forked_from": visible(str(record["forked_from"])) if record["forked_from"] else None,
+        # a record's step counts the steps done: it trained the policy of version step - 1
+        "staleness": record["step"] - 1 - min(sampled) if sampled else 0,
+        "turns": record["num_turns"],
+        "tool_calls": record["tool_calls"],
+        "error": visible(record["error"] or ""),
+        "prompt": visible(record["prompt_text"]),
+        "tokens": tokens,
+        "blocks": message_blocks(record["messages"]),
+        "trained": any(v is not None for v in learner),
+    }
+
+
+def run_data(run_dir: Path) -> dict[str, Any]:
+    """Everything the page of ``run_dir`` shows: its trajectories, step metrics and plots."""
+    metrics_path = run_dir / METRICS_FILE
+    steps = {}
+    if metrics_path.is_file():
+        for m in read_metrics(metrics_path, "train"):
+            steps[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
+    return {
+        "run": visible(run_dir.resolve().name),
+        "plots": [p for p in PLOTS if (run_dir / p).is_file()],
+        "steps": [{"step": s, **v} for s, v in sorted(steps.items())],
+        "trajectories": [trajectory(r) for r in read_traces(run_dir / TRACES_FILE)],
+    }
