@@ -22,9 +22,10 @@ from pathlib import Path
 
 import jax
 
-from gpu_backend.backend import DEFAULT_PYTHON, PushStats, VLLMBackend
+from gpu_backend.backend import DEFAULT_PYTHON, VLLMBackend
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.rollout.protocol import PushStats
 
 MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 

@@ -6,14 +6,14 @@ each in its own process group, and talks to each over a pipe (`gpu_backend.wire`
 thread per engine resolves the asyncio futures of the calls waiting on it, so the event loop
 never blocks and any event loop may call in.
 
-Routing: a request with a ``session_id`` goes to the engine that served the session's earlier
-turns (vLLM's prefix cache then holds them), a session's first to the engine of the session it
-continues (``prefix_session``, a tree rollout's branch); any other request goes to the engine
-with the fewest requests in flight.
+Routing is `jax_agent_rl.rollout.router`'s: a session's turns stay on one engine (vLLM's
+prefix cache then holds them), anything else goes to the engine with the fewest requests in
+flight.
 
-Weight updates drain, as the embedded backend does: new requests wait, requests in flight
-finish under the weights they started with, then every engine loads the new weights and resets
-its prefix cache, and the waiting requests go out stamped with the new version. The weights
+Weight updates go through the `WeightGate` every backend shares: new requests wait, requests
+in flight finish under the weights they started with, then every engine loads the new weights
+and resets its prefix cache, and the waiting requests go out stamped with the new version. The
+weights
 travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
 name/transpose table) and read in place by every engine. The CUDA path (IPC handles or NCCL
 through the same ``load`` message) is described in docs/vllm.md and not written yet.
@@ -31,34 +31,33 @@ state cannot run past while the test looks at it; aborts are served meanwhile.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from gpu_backend import wire
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
-from jax_agent_rl.rollout.processes import interpreter_problems, kill_group, log_exceptions
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
+from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    InvalidRequestError,
+    PushStats,
+    logprob_tolerance,
     resolve_from_thread,
     validate_request,
 )
 from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
+from jax_agent_rl.rollout.router import SESSION_MEMORY, Router
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
@@ -66,25 +65,10 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh vllm`"
-# fp32 on CPU, against the learner's recomputation (tests/conformance): both sides compute the
-# same fp32 forward in a different summation order; differences seen are ~1e-5 (see docs/vllm.md)
-FP32_LOGPROB_TOLERANCE = 1e-4
-BF16_LOGPROB_TOLERANCE = 5e-2
 
 
 class EngineStartError(RuntimeError):
     """A vLLM engine that could not start; the message says why and how to fix it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PushStats:
-    """The last weight push: bytes moved, seconds to convert and write them (this process),
-    and the slowest engine's seconds to load them and reset its prefix cache."""
-
-    bytes: int
-    write_s: float
-    load_s: float
-    total_s: float
 
 
 @dataclasses.dataclass
@@ -97,63 +81,57 @@ class _Call:
     version: int = 0
 
 
+def _messages(out: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """An engine's messages; a start failure is the handshake's ``error``."""
+    while (message := wire.read_message(out)) is not None:  # type: ignore[arg-type]
+        if message["op"] == "error":
+            message = {"error": f"vLLM engine failed: {message['message']}"}
+        yield message
+
+
 class _Engine:
-    """One engine process: its pipe, what is in flight on it, and its reader thread."""
+    """One engine process (`EngineProcess`): its pipe and what is in flight on it."""
 
     def __init__(
-        self, index: int, command: list[str], env: dict[str, str], log: Path, on_message: Any
+        self,
+        index: int,
+        python: Path,
+        config: dict[str, Any],
+        env: dict[str, str],
+        log: Path,
+        backend: VLLMBackend,
     ) -> None:
         self.index = index
-        self.log = log
-        with log.open("wb") as stderr:
-            self.proc = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                # spawn, not fork: vLLM's children must not inherit this pipe's write end, or
-                # the engine's death would not end the stream
-                env={
-                    **os.environ,
-                    **env,
-                    "PYTHONPATH": str(ROOT),
-                    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-                },
-                start_new_session=True,  # its own process group: close() reaps its children too
-            )
-        self.ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self.calls: dict[str, _Call] = {}
         self.load: _Call | None = None
         self.dead: str | None = None
         self.paused = False
         self._write_lock = threading.Lock()
-        self._on_message = on_message
-        self.reader = threading.Thread(target=self._read, name=f"vllm-{index}", daemon=True)
-        self.reader.start()
+        self.process = EngineProcess(
+            f"vLLM engine {index}",
+            python,
+            "gpu_backend.vllm_worker",
+            config,
+            root=ROOT,
+            log=log,
+            # spawn, not fork: vLLM's children must not inherit this pipe's write end, or the
+            # engine's death would not end the stream
+            env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+            messages=_messages,
+            on_message=lambda m: backend._on_message(self, m),
+            on_exit=lambda code: backend._on_exit(self, code),
+        )
 
     def send(self, message: dict[str, Any]) -> bool:
         """Whether the message went out (False: the engine is gone)."""
-        assert self.proc.stdin is not None
+        stdin = self.process.proc.stdin
+        assert stdin is not None
         try:
             with self._write_lock:
-                wire.write_message(self.proc.stdin, message)  # type: ignore[arg-type]
+                wire.write_message(stdin, message)  # type: ignore[arg-type]
         except (BrokenPipeError, ValueError):
             return False
         return True
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        while (message := wire.read_message(self.proc.stdout)) is not None:  # type: ignore[arg-type]
-            self._on_message(self, message)
-        self._on_message(self, {"op": "exit"})
-
-    def log_errors(self) -> str:
-        """The exception lines of its log, where vLLM's root cause of a failure is."""
-        return log_exceptions(self.log)
-
-    def kill(self) -> None:
-        """SIGKILL to the whole process group (the engine's own children included)."""
-        kill_group(self.proc)
 
 
 class VLLMBackend:
@@ -184,7 +162,7 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.1,
         kv_cache_bytes: int | None = None,
         startup_timeout_s: float = 900.0,
-        session_cache_size: int = 4096,
+        session_cache_size: int = SESSION_MEMORY,
         pausable: bool = False,
     ) -> None:
         python = Path(python)
@@ -197,9 +175,7 @@ class VLLMBackend:
         self.model = model
         self.capabilities = Capabilities(
             logprobs=True,
-            logprob_tolerance=FP32_LOGPROB_TOLERANCE
-            if dtype == "float32"
-            else BF16_LOGPROB_TOLERANCE,
+            logprob_tolerance=logprob_tolerance(dtype),
             per_request_sampling=True,
             stop_token_ids=True,
             abort=True,
@@ -208,16 +184,9 @@ class VLLMBackend:
             max_model_len=max_model_len,
         )
         self.last_push: PushStats | None = None
-        self._version = weight_version
         self._lock = threading.Lock()
-        self._closed = False
-        self._in_flight = 0
-        self._drained: _Call | None = None
-        self._updating = False
-        self._gated: dict[str, _Call] = {}
-        self._ids: set[str] = set()
-        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._session_cache_size = session_cache_size
+        self._gate = WeightGate(weight_version, self._lock)
+        self._sessions = Router(session_cache_size)
         self._pausable = pausable
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))
         config = dict(
@@ -232,55 +201,42 @@ class VLLMBackend:
         self._engines: list[_Engine] = []
         try:
             for i in range(replicas):
-                command = [str(python), "-m", "gpu_backend.vllm_worker"]
-                command.append(json.dumps({**config, "seed": seed + i}))
                 env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices else {}
+                log = self._logs / f"engine{i}.log"
                 self._engines.append(
-                    _Engine(i, command, env, self._logs / f"engine{i}.log", self._on_message)
+                    _Engine(i, python, {**config, "seed": seed + i}, env, log, self)
                 )
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:
-                self._await_ready(engine, deadline)
+                left = max(deadline - time.monotonic(), 0.0)
+                ready = engine.process.wait_ready(left, EngineStartError)
+                if ready["vocab_size"] != self.model.vocab_size:
+                    raise EngineStartError(
+                        f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
+                        f"the model config {self.model.vocab_size}"
+                    )
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     push = self.update_weights(params, weight_version)
                     pool.submit(asyncio.run, push).result()
         except BaseException:
             for engine in self._engines:
-                engine.kill()
+                engine.process.kill()
             raise
-
-    def _await_ready(self, engine: _Engine, deadline: float) -> None:
-        try:
-            ready = engine.ready.result(timeout=max(deadline - time.monotonic(), 0.0))
-        except concurrent.futures.TimeoutError:
-            engine.kill()
-            message = f"vLLM engine {engine.index} did not start in time"
-        except EngineStartError as e:
-            message = str(e)
-        else:
-            message = ""
-        if message:
-            engine.reader.join()  # the log is complete once the engine's pipe has closed
-            raise EngineStartError(
-                f"{message}\nits log, {engine.log}, says:\n{engine.log_errors()}"
-            )
-        if ready["vocab_size"] != self.model.vocab_size:
-            raise EngineStartError(
-                f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
-                f"the model config {self.model.vocab_size}"
-            )
 
     # ------------------------------------------------------------------ asyncio-facing API
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._gate.version
 
     @property
     def pids(self) -> list[int]:
         """The engine processes (each leads a process group holding vLLM's own children)."""
-        return [engine.proc.pid for engine in self._engines]
+        return [engine.process.pid for engine in self._engines]
+
+    def counters(self) -> dict[str, float]:
+        return {}
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> index of the engine serving it, for every request in flight."""
@@ -297,18 +253,11 @@ class VLLMBackend:
         loop = asyncio.get_running_loop()
         call = _Call(loop.create_future(), loop, request)
         rid = request.request_id
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the backend is closed")
-            if rid in self._ids:
-                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-            self._ids.add(rid)
-            if self._updating:
-                self._gated[rid] = _Call(loop.create_future(), loop)
+        ticket = self._gate.enter(rid)
         try:
-            if rid in self._gated and not await self._gated[rid].future:
-                return self._result(call, [], [], "abort")  # aborted while waiting
-            engine = self._dispatch(call)
+            admitted = await self._gate.admit(ticket)
+            if not admitted or (engine := self._dispatch(call, ticket)) is None:
+                return self._result(call, [], [], "abort")  # aborted before it went out
             if not engine.send(self._message(request)):
                 self._finish(engine, rid, [], [], "abort")
             return await call.future
@@ -316,17 +265,13 @@ class VLLMBackend:
             await self.abort(rid)
             raise
         finally:
-            with self._lock:
-                self._ids.discard(rid)
-                self._gated.pop(rid, None)
+            self._gate.done(ticket)
 
     async def abort(self, request_id: str) -> None:
+        self._gate.abort(request_id)  # not sent yet: it will not be
         with self._lock:
-            gated = self._gated.get(request_id)
             engine = next((e for e in self._engines if request_id in e.calls), None)
-        if gated is not None:
-            resolve_from_thread(gated.future, gated.loop, False)
-        elif engine is not None:
+        if engine is not None:
             engine.send({"op": "abort", "id": request_id})
 
     def pause(self, request_id: str, tokens: int = 1) -> None:
@@ -348,43 +293,17 @@ class VLLMBackend:
             engine.send({"op": "resume"})
 
     async def update_weights(self, params: Weights, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the backend is closed")
-            if self._updating:
-                raise RuntimeError("a weight update is already under way")
-            self._updating = True
-            if self._in_flight:
-                self._drained = _Call(loop.create_future(), loop)
-        try:
-            if self._drained is not None:
-                await self._drained.future
-            await self._push(params, loop)
-            self._version = version
-        finally:
-            with self._lock:
-                self._updating, self._drained = False, None
-                gated = list(self._gated.values())
-            for call in gated:
-                resolve_from_thread(call.future, call.loop, True)
+        await self._gate.update(lambda: self._push(params), version)
 
     async def close(self) -> None:
-        with self._lock:
-            self._closed = True
+        self._gate.close()
         for engine in self._engines:
             engine.send({"op": "shutdown"})
-        await asyncio.gather(*(asyncio.to_thread(self._stop, e) for e in self._engines))
+        # then vLLM's own processes too, whatever state they are in
+        await asyncio.gather(*(asyncio.to_thread(e.process.stop, 60.0) for e in self._engines))
         shutil.rmtree(self._logs, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
-
-    @staticmethod
-    def _stop(engine: _Engine, timeout_s: float = 60.0) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            engine.proc.wait(timeout_s)
-        engine.kill()  # vLLM's own processes too, whatever state they are in
-        engine.reader.join()
 
     def _message(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling
@@ -402,36 +321,25 @@ class VLLMBackend:
             "logprobs": s.logprobs,
         }
 
-    def _dispatch(self, call: _Call) -> _Engine:
-        """Registers ``call`` on its engine: the session's own if it has one alive (for a new
-        session, that of the session it continues, ``prefix_session``, whose prefix vLLM
-        caches), else the engine with the fewest requests in flight."""
+    def _dispatch(self, call: _Call, ticket: Ticket) -> _Engine | None:
+        """Registers ``call`` on the engine the router picks (None: it was aborted)."""
         assert call.request is not None
-        session = call.request.session_id
         with self._lock:
-            alive = [e for e in self._engines if e.dead is None]
-            if not alive:
+            if ticket.aborted:
+                return None
+            live = [e.index for e in self._engines if e.dead is None]
+            index = self._sessions.pick(call.request, live, lambda i: len(self._engines[i].calls))
+            if index is None:
                 reasons = "; ".join(f"engine {e.index}: {e.dead}" for e in self._engines)
                 raise RuntimeError(f"every vLLM engine has exited ({reasons})")
-            ids = (session, call.request.prefix_session)
-            index = next(
-                (self._sessions[s] for s in ids if s is not None and s in self._sessions), None
-            )
-            if index is None or self._engines[index].dead is not None:
-                engine = min(alive, key=lambda e: len(e.calls))
-            else:
-                engine = self._engines[index]
-            if session is not None:
-                self._sessions[session] = engine.index
-                self._sessions.move_to_end(session)
-                while len(self._sessions) > self._session_cache_size:
-                    self._sessions.popitem(last=False)
-            call.version = self._version
+            self._sessions.remember(call.request.session_id, index)
+            engine = self._engines[index]
+            call.version = ticket.version
             engine.calls[call.request.request_id] = call
-            self._in_flight += 1
         return engine
 
-    async def _push(self, params: Weights, loop: asyncio.AbstractEventLoop) -> None:
+    async def _push(self, params: Weights) -> None:
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         fd, name = tempfile.mkstemp(prefix="jarl-weights-", suffix=".bin", dir=wire.SHM_DIR)
         os.close(fd)
@@ -464,22 +372,14 @@ class VLLMBackend:
             self._finish(engine, m["id"], m["tokens"], m["logprobs"], m["finish"])
         elif op == "paused":
             engine.paused = True
-        elif op == "ready":
-            engine.ready.set_result(m)
-        elif op == "error":
-            engine.ready.set_exception(EngineStartError(f"vLLM engine failed: {m['message']}"))
         elif op in ("loaded", "failed") and engine.load is not None:
             load, engine.load = engine.load, None
             value = m["seconds"] if op == "loaded" else RuntimeError(m["message"])
             resolve_from_thread(load.future, load.loop, value)
-        elif op == "exit":
-            self._on_exit(engine)
 
-    def _on_exit(self, engine: _Engine) -> None:
-        code = engine.proc.wait()
+    def _on_exit(self, engine: _Engine, code: int) -> None:
+        """Runs on ``engine``'s reader thread once its process has exited."""
         reason = f"exit code {code}"
-        if not engine.ready.done():
-            engine.ready.set_exception(EngineStartError(f"vLLM engine exited ({reason})"))
         with self._lock:
             engine.dead = reason
             orphans = list(engine.calls)
@@ -489,8 +389,8 @@ class VLLMBackend:
             load, engine.load = engine.load, None
             error = RuntimeError(f"vLLM engine {engine.index} exited ({reason}) during a load")
             resolve_from_thread(load.future, load.loop, error)
-        if not self._closed:  # died on its own: reap vLLM's children it leaves behind
-            engine.kill()
+        if not self._gate.closed:  # died on its own: reap vLLM's children it leaves behind
+            engine.process.kill()
 
     def _finish(
         self,
@@ -502,13 +402,9 @@ class VLLMBackend:
     ) -> None:
         with self._lock:
             call = engine.calls.pop(rid, None)
-            if call is None:
-                return
-            self._in_flight -= 1
-            drained = self._drained if self._in_flight == 0 else None
-        resolve_from_thread(call.future, call.loop, self._result(call, tokens, logprobs, finish))
-        if drained is not None:
-            resolve_from_thread(drained.future, drained.loop, None)
+        if call is not None:
+            result = self._result(call, tokens, logprobs, finish)
+            resolve_from_thread(call.future, call.loop, result)
 
     def _result(
         self,
@@ -523,7 +419,7 @@ class VLLMBackend:
             token_ids=tuple(tokens),
             logprobs=tuple(logprobs or ()) if want else None,
             finish_reason=finish,
-            weight_version=call.version if tokens else self._version,
+            weight_version=call.version if tokens else self._gate.version,
         )
 
 

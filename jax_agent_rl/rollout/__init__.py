@@ -1,6 +1,6 @@
 """The rollout protocol and its backends."""
 
-from jax_agent_rl.rollout.embedded import BackendStats, EmbeddedBackend
+from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -19,6 +19,7 @@ from jax_agent_rl.rollout.registry import (
     make_backend,
     register_backend,
 )
+from jax_agent_rl.rollout.session_pages import BackendStats
 
 __all__ = [
     "BackendBuild",

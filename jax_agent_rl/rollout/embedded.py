@@ -18,9 +18,10 @@ that needs a page preempts the one admitted last, which is computed again later 
 pages usually still cached); nothing fails for want of memory. A long prompt is prefilled
 in chunks that alternate with decode calls.
 
-Weight updates drain: admission pauses, requests in flight finish under the weights they
-started with, then the new weights (same shapes: no recompilation) replace the old, the
-session cache is dropped (its keys/values belong to the old weights), and admission resumes.
+Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
+flight finish under the weights they started with, then the new weights (same shapes: no
+recompilation) replace the old, the session cache is dropped (its keys/values belong to the
+old weights), and admission resumes.
 Every result is stamped with the single weight version it was sampled under.
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
@@ -46,15 +47,18 @@ from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool, prefix_keys
 from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights
+from jax_agent_rl.rollout.gate import WeightGate
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
+    logprob_tolerance,
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.session_pages import BackendStats, SessionPages
 
 
 @dataclasses.dataclass
@@ -75,23 +79,8 @@ class _Job:
 @dataclasses.dataclass
 class _Update:
     params: Weights
-    version: int
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
-
-
-@dataclasses.dataclass
-class BackendStats:
-    requests: int = 0
-    prefilled_tokens: int = 0
-    prefix_hit_tokens: int = 0  # prompt tokens served from a session's cached prefix
-    generated_tokens: int = 0
-    decode_calls: int = 0
-    aborted: int = 0
-    preempted: int = 0  # requests whose pages were taken back to be computed again later
-    page_copies: int = 0  # shared pages copied before a request wrote into them
-    sessions_evicted: int = 0  # kept sessions dropped because the pool ran short
-    peak_pages_in_use: int = 0
 
 
 class EmbeddedBackend:
@@ -112,7 +101,7 @@ class EmbeddedBackend:
         self.engine = engine
         self.capabilities = Capabilities(
             logprobs=True,
-            logprob_tolerance=1e-4 if engine.cfg.dtype == "float32" else 5e-2,
+            logprob_tolerance=logprob_tolerance(engine.cfg.dtype),
             per_request_sampling=True,
             stop_token_ids=True,
             abort=True,
@@ -124,15 +113,11 @@ class EmbeddedBackend:
         self._params = engine.load_params(params)
         if warmup:  # compile every program now rather than stall a rollout later
             engine.warmup(self._params, steps_per_call, on_program)
-        self._version = weight_version
+        self._gate = WeightGate(weight_version)
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call
-        self._session_cache_size = session_cache_size
-        # session -> (the tokens its pages hold, the pages), each page held by the session
-        self._sessions: collections.OrderedDict[str, tuple[tuple[int, ...], list[int]]] = (
-            collections.OrderedDict()
-        )
         self._pool = PagePool(engine.num_pages)
+        self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._prefilling: _Job | None = None  # a long prompt between its chunks
         self._admissions = itertools.count()
@@ -141,7 +126,6 @@ class EmbeddedBackend:
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._slots: dict[int, _Job] = {}
-        self._ids: set[str] = set()
         self._update: _Update | None = None
         self._closed = False
         self._failure: BaseException | None = None
@@ -154,7 +138,10 @@ class EmbeddedBackend:
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._gate.version
+
+    def counters(self) -> dict[str, float]:
+        return {}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._validate(request)
@@ -162,24 +149,23 @@ class EmbeddedBackend:
         future: asyncio.Future[GenerateResult] = loop.create_future()
         seed = request.sampling.seed
         job = _Job(request, future, loop, self._rng.getrandbits(31) if seed is None else seed)
-        with self._cond:
-            if request.request_id in self._ids:
-                raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
-            self._ids.add(request.request_id)
+        ticket = self._gate.enter(request.request_id)
         try:
+            if not await self._gate.admit(ticket):  # aborted while an update ran
+                return GenerateResult((), None, "abort", self._gate.version)
+            job.version = ticket.version
             self._send("generate", job)
-        except RuntimeError:
-            with self._cond:
-                self._ids.discard(request.request_id)
-            raise
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._send("abort", request.request_id)
-            raise
+            try:
+                return await future
+            except asyncio.CancelledError:
+                self._send("abort", request.request_id)
+                raise
+        finally:
+            self._gate.done(ticket)
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        if self._gate.abort(request_id) is not None:  # (one not sent yet will not be)
+            self._send("abort", request_id)
 
     def pause(self, request_id: str | None = None, tokens: int = 1) -> None:
         """Test hook: stops admitting and decoding at once, or (with ``request_id``) once that
@@ -198,12 +184,16 @@ class EmbeddedBackend:
         self._send("resume", None)
 
     async def update_weights(self, params: Any, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._send("update", _Update(params, version, future, loop))
-        await future
+        async def push() -> None:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+            self._send("update", _Update(params, future, loop))
+            await future
+
+        await self._gate.update(push, version)
 
     async def close(self) -> None:
+        self._gate.close()
         self._send("close", None)
         await asyncio.to_thread(self._thread.join)
 
@@ -257,9 +247,10 @@ class EmbeddedBackend:
         return bool(self._slots or self._waiting or self._update or self._prefilling)
 
     def _engine_work(self) -> None:
-        """A pending weight update once nothing is in flight, then admissions (or the next
-        chunk of a long prompt), then a decode call (none of them while paused)."""
-        if self._update is not None and self._drained() and not self._paused.is_set():
+        """A pending weight update (it comes once the gate has drained every request), then
+        admissions (or the next chunk of a long prompt), then a decode call (none of them
+        while paused)."""
+        if self._update is not None and not self._paused.is_set():
             self._apply_update(self._update)
             self._update = None
         if self._paused_now():
@@ -268,7 +259,7 @@ class EmbeddedBackend:
             self._prefill_chunk(self._prefilling)
         while (
             self._prefilling is None
-            and self._admissible()
+            and self._waiting
             and len(self._slots) < self.engine.max_concurrent_decodes
         ):
             if not self._admit(self._waiting[0]):
@@ -277,11 +268,6 @@ class EmbeddedBackend:
         if self._slots and not self._paused_now():
             self._decode()
             self._paused_now()
-
-    def _drained(self) -> bool:
-        """Nothing in flight under the current weights (a preempted request waiting to be
-        computed again counts: it finishes under the weights it started with)."""
-        return not (self._slots or self._prefilling or any(j.tokens for j in self._waiting))
 
     def _paused_now(self) -> bool:
         """Whether generation is paused, pausing it first if the awaited request has produced
@@ -296,19 +282,12 @@ class EmbeddedBackend:
                 self._paused.set()
         return self._paused.is_set()
 
-    def _admissible(self) -> bool:
-        return bool(self._waiting) and (
-            self._update is None or bool(self._waiting[0].tokens)  # a preempted one goes on
-        )
-
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "generate":
             self._waiting.append(payload)
         elif kind == "abort":
             self._abort(payload)
         elif kind == "update":
-            if self._update is not None:  # a newer update supersedes one still draining
-                resolve_from_thread(self._update.future, self._update.loop, None)
             self._update = payload
         elif kind == "pause":
             rid, tokens = payload
@@ -329,11 +308,8 @@ class EmbeddedBackend:
         except ValueError as e:
             resolve_from_thread(update.future, update.loop, e)
             return
-        self._params, self._version = params, update.version
-        # cached prefixes hold keys and values of the old weights
-        while self._sessions:
-            self._pool.release(self._sessions.popitem()[1][1])
-        self._pool.drop_cache()
+        self._params = params
+        self._sessions.drop()  # cached prefixes hold keys and values of the old weights
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:
@@ -362,74 +338,15 @@ class EmbeddedBackend:
         tokens it sampled before (the last of them not cached yet)."""
         return (*job.request.prompt_ids, *job.tokens)
 
-    def _take(self, n: int) -> list[int] | None:
-        """``n`` free pages, evicting kept sessions (least recently used first) if need be."""
-        while n > self._pool.available and self._sessions:
-            self._pool.release(self._sessions.popitem(last=False)[1][1])
-            self.stats.sessions_evicted += 1
-        pages = self._pool.take(n)
-        if pages is not None:
-            self.stats.peak_pages_in_use = max(self.stats.peak_pages_in_use, self._pool.in_use)
-        return pages
-
-    def _cached_prefix(self, job: _Job, seq: tuple[int, ...]) -> tuple[list[int], int]:
-        """Pages (held now, once more) that hold the longest cached prefix of ``seq`` and how
-        many of its tokens they hold: from the request's session (or, for a session not
-        kept, the one it continues: ``prefix_session``), or from any sequence's full pages
-        (the episodes of a group share their prompt's). At least one token is left to
-        prefill. A session continued by its own next request is handed over, not copied."""
-        limit = len(seq) - 1
-        keys = prefix_keys(seq[:limit], self.engine.page_size)
-        shared = self._pool.lookup(keys)
-        request = job.request
-        ids = (request.session_id, request.prefix_session)
-        session_id = next((s for s in ids if s is not None and s in self._sessions), None)
-        if session_id is None:
-            return shared, len(shared) * self.engine.page_size
-        tokens, pages = self._sessions[session_id]
-        self._sessions.move_to_end(session_id)
-        common = 0
-        for a, b in zip(tokens[:limit], seq, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common <= len(shared) * self.engine.page_size:
-            return shared, len(shared) * self.engine.page_size
-        self._pool.release(shared)
-        mine = pages[: self.engine.pages_for(common)]
-        self._pool.retain(mine)
-        if session_id == request.session_id:  # its own next turn: the session moves on
-            self._pool.release(self._sessions.pop(session_id)[1])
-        return mine, common
-
-    def _private_tail(self, pages: list[int], common: int) -> bool:
-        """Makes the page that position ``common`` (the first to be written) falls in the
-        sequence's own: a page someone else holds, or one registered as a cached prefix, is
-        copied first. False if no page is left for the copy."""
-        index = common // self.engine.page_size
-        if index == len(pages):
-            return True
-        page = pages[index]
-        if self._pool.refs(page) == 1 and not self._pool.is_registered(page):
-            return True
-        fresh = self._take(1)
-        if fresh is None:
-            return False
-        self._state = self.engine.copy_page(self._state, page, fresh[0])
-        self._pool.release([page])
-        pages[index] = fresh[0]
-        self.stats.page_copies += 1
-        return True
-
     def _admit(self, job: _Job) -> bool:
         """Starts the waiting request ``job``: its cached prefix, pages for the rest of its
         sequence and its first decode steps, then its prefill (in chunks if it is long).
         False (and nothing held) if the pool has too few pages for now."""
         seq = self._sequence(job)
-        pages, common = self._cached_prefix(job, seq)
+        pages, common = self._sessions.cached_prefix(job.request, seq)
         total = self.engine.pages_for(min(len(seq) + self._steps_per_call, self.engine.max_len))
-        more = self._take(total - len(pages)) if total > len(pages) else []
-        if more is None or not self._private_tail(pages, common):
+        more = self._sessions.take(total - len(pages)) if total > len(pages) else []
+        if more is None or not self._sessions.private_tail(pages, common, self._copy_page):
             self._pool.release(pages + (more or []))
             if not self._slots and self._prefilling is None and not self._sessions:
                 raise RuntimeError(  # the pool is held by no one and still too small
@@ -438,7 +355,6 @@ class EmbeddedBackend:
                 )
             return False
         job.pages, job.done = pages + more, common
-        job.version = self._version
         if job.admitted < 0:
             job.admitted = next(self._admissions)
         self.stats.requests += not job.tokens
@@ -494,7 +410,7 @@ class EmbeddedBackend:
                 continue
             need = self.engine.pages_for(min(job.pos + self._steps_per_call, self.engine.max_len))
             while len(job.pages) < need:
-                more = self._take(need - len(job.pages))
+                more = self._sessions.take(need - len(job.pages))
                 if more is not None:
                     self._table[slot, len(job.pages) : need] = more
                     job.pages += more
@@ -512,6 +428,10 @@ class EmbeddedBackend:
         job.pages = []
         self._waiting.appendleft(job)
         self.stats.preempted += 1
+
+    def _copy_page(self, page: int, fresh: int) -> None:
+        self._state = self.engine.copy_page(self._state, page, fresh)
+        self.stats.page_copies += 1
 
     def _decode(self) -> None:
         self._grow()
@@ -543,23 +463,16 @@ class EmbeddedBackend:
         covered = self._sequence(job)[: job.pos]
         self._pool.register(job.pages, prefix_keys(covered, self.engine.page_size))
         session = job.request.session_id
-        if session is not None and self._session_cache_size > 0:
+        if session is not None and self._sessions.size > 0:
             keep = self.engine.pages_for(job.pos)
             self._pool.release(job.pages[keep:])
-            old = self._sessions.pop(session, None)
-            if old is not None:
-                self._pool.release(old[1])
-            self._sessions[session] = (covered, job.pages[:keep])
-            while len(self._sessions) > self._session_cache_size:
-                self._pool.release(self._sessions.popitem(last=False)[1][1])
+            self._sessions.keep(session, covered, job.pages[:keep])
         else:
             self._pool.release(job.pages)
         job.pages = []
         self._finish(job, reason)
 
     def _finish(self, job: _Job, reason: FinishReason) -> None:
-        with self._cond:
-            self._ids.discard(job.request.request_id)
         self.stats.generated_tokens += len(job.tokens)
         self.stats.aborted += reason == "abort"
         want_logprobs = job.request.sampling.logprobs
@@ -567,7 +480,7 @@ class EmbeddedBackend:
             token_ids=tuple(job.tokens),
             logprobs=tuple(job.logprobs) if want_logprobs else None,
             finish_reason=reason,
-            weight_version=job.version if job.tokens else self._version,
+            weight_version=job.version if job.tokens else self._gate.version,
         )
         resolve_from_thread(job.future, job.loop, result)
 

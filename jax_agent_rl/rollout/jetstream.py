@@ -14,10 +14,10 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
   its stream. A request must stop at every one of the server's ids.
 - ``max_tokens`` and abort (cancelling the RPC) are per request. Sessions bring nothing: the
   server keeps no prefix between requests.
-- Weights are pushed by reload: new requests wait, the ones in flight finish, the new weights
-  go through a folder in ``/dev/shm`` (an HF checkpoint) and the server's control RPC swaps
-  them in without compiling again; then the waiting requests go out stamped with the new
-  version.
+- Weights are pushed by reload, through the `WeightGate` every backend shares: new requests
+  wait, the ones in flight finish, the new weights go through a folder in ``/dev/shm`` (an HF
+  checkpoint) and the server's control RPC swaps them in without compiling again; then the
+  waiting requests go out stamped with the new version.
 
 A server that dies ends the requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories aborted; `JetStreamBackend.exited` says why), and later requests
@@ -37,26 +37,27 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.jetstream_server import TOKEN_ENV, TOKEN_KEY
-from jax_agent_rl.rollout.processes import interpreter_problems, kill_group, log_exceptions
+from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
-    resolve_from_thread,
+    PushStats,
+    logprob_tolerance,
     validate_request,
 )
 from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
@@ -84,26 +85,12 @@ class ServerSampling:
     stop_token_ids: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class PushStats:
-    """The last weight push: bytes written, seconds to write them here and to load them there."""
-
-    bytes: int
-    write_s: float
-    load_s: float
-    total_s: float
-
-
-@dataclasses.dataclass
-class _Call:
-    """A request on its way: the gate it waits at while a weight update runs, its gRPC call
-    once sent, and whether it was aborted (it then sends nothing more)."""
-
-    request: GenerateRequest
-    version: int = 0
-    gate: tuple[asyncio.Future[bool], asyncio.AbstractEventLoop] | None = None
-    rpc: Any = None
-    aborted: bool = False
+def _handshake(out: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """The server's one ready line; then its stdout is read to the end (its exit)."""
+    line = out.readline()
+    if line:
+        yield json.loads(line)
+    out.read()
 
 
 class JetStreamBackend:
@@ -141,7 +128,7 @@ class JetStreamBackend:
             logprobs=False,
             # the server's engine is this project's: were its logprobs returned, they would
             # match the learner's as the embedded backend's do
-            logprob_tolerance=1e-4 if dtype == "float32" else 5e-2,
+            logprob_tolerance=logprob_tolerance(dtype),
             per_request_sampling=False,
             stop_token_ids=True,
             abort=True,
@@ -152,13 +139,9 @@ class JetStreamBackend:
         self.last_push: PushStats | None = None
         self.exited: str | None = None  # why the server is gone, once it is
         self._dtype = dtype
-        self._version = weight_version
         self._lock = threading.Lock()
-        self._closed = False
-        self._calls: dict[str, _Call] = {}  # every request not finished, gated or sent
-        self._sending: set[str] = set()  # those past the gate (an update drains them)
-        self._drained: tuple[asyncio.Future[None], asyncio.AbstractEventLoop] | None = None
-        self._updating = False
+        # each ticket's handle: its gRPC call once sent
+        self._gate = WeightGate(weight_version, self._lock)
         # the test hook `pause`: a request and its token count to hold every stream at
         self._pause_at: tuple[str, int] | None = None
         self._paused = False
@@ -181,20 +164,24 @@ class JetStreamBackend:
             stop_ids=list(sampling.stop_token_ids),
             seed=seed,
         )
-        with self.log.open("wb") as stderr:
-            self.proc = subprocess.Popen(
-                [str(python), "-m", "jax_agent_rl.rollout.jetstream_server", json.dumps(config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env={**os.environ, "PYTHONPATH": str(ROOT), TOKEN_ENV: token},
-                start_new_session=True,  # its own process group: close() reaps all of it
-            )
-        self._ready: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        self._watcher = threading.Thread(target=self._watch, name="jetstream-watch", daemon=True)
-        self._watcher.start()
+        self.server = EngineProcess(
+            "JetStream server",
+            python,
+            "jax_agent_rl.rollout.jetstream_server",
+            config,
+            root=ROOT,
+            log=self.log,
+            env={TOKEN_ENV: token},
+            messages=_handshake,
+            on_exit=self._on_exit,
+        )
         try:
-            ready = self._await_ready(startup_timeout_s)
+            ready = self.server.wait_ready(startup_timeout_s, ServerStartError)
+            if ready["vocab_size"] != self.model.vocab_size:
+                raise ServerStartError(
+                    f"the JetStream server sees vocab_size={ready['vocab_size']}, "
+                    f"the model config {self.model.vocab_size}"
+                )
             import grpc
             from jetstream.core.proto import jetstream_pb2_grpc
 
@@ -206,101 +193,72 @@ class JetStreamBackend:
                 push = self.update_weights(params, weight_version)
                 self._pool.submit(asyncio.run, push).result()
         except BaseException as e:
-            self._kill()
-            self._watcher.join()
+            self.server.kill()
+            self.server.watcher.join()
             self._pool.shutdown(wait=True)
             if not isinstance(e, ServerStartError):  # (its message names the log: kept)
                 shutil.rmtree(self._logs, ignore_errors=True)
             raise
 
-    def _await_ready(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            ready = self._ready.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._kill()
-            message = f"the JetStream server did not start within {timeout_s:.0f} s"
-        else:
-            message = ready.get("error", "")
-        if message:
-            self._kill()
-            self._watcher.join()
-            raise ServerStartError(f"{message}\nits log, {self.log}, says:\n{self.log_errors()}")
-        if ready["vocab_size"] != self.model.vocab_size:
-            raise ServerStartError(
-                f"the JetStream server sees vocab_size={ready['vocab_size']}, "
-                f"the model config {self.model.vocab_size}"
-            )
-        return ready
-
     # ------------------------------------------------------------------ asyncio-facing API
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._gate.version
+
+    @property
+    def proc(self) -> Any:
+        """The server process (it leads a process group)."""
+        return self.server.proc
 
     @property
     def pids(self) -> list[int]:
-        """The server process (it leads a process group)."""
-        return [self.proc.pid]
+        return [self.server.pid]
+
+    def counters(self) -> dict[str, float]:
+        return {}
 
     def in_flight(self) -> list[str]:
         """The requests sent to the server and not finished yet."""
-        with self._lock:
-            return [rid for rid, call in self._calls.items() if call.rpc is not None]
+        return [t.request_id for t in self._gate.tickets() if t.handle is not None]
 
     def log_errors(self) -> str:
         """The exception lines of the server's log."""
-        return log_exceptions(self.log)
+        return self.server.log_errors()
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         validate_request(request, self.model.vocab_size, self.capabilities.max_model_len)
         self._refuse_unservable(request)
         loop = asyncio.get_running_loop()
         rid = request.request_id
-        call = _Call(request)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the backend is closed")
-            if self.exited is not None:
-                raise RuntimeError(f"the JetStream server has exited ({self.exited})")
-            if rid in self._calls:
-                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-            self._calls[rid] = call
-            if self._updating:  # it waits for the update's end (`update_weights` lets it go)
-                call.gate = (loop.create_future(), loop)
-            else:  # stamped with the version it starts under
-                self._send(call)
+        if self.exited is not None and not self._gate.closed:
+            raise RuntimeError(f"the JetStream server has exited ({self.exited})")
+        ticket = self._gate.enter(rid)
         try:
-            if call.gate is not None and not await call.gate[0]:
-                return self._result([], "abort", self._version)  # aborted or closed meanwhile
+            if not await self._gate.admit(ticket):
+                return self._result([], "abort", self._gate.version)  # aborted meanwhile
             try:
-                tokens, finish = await loop.run_in_executor(self._pool, self._stream, call)
+                tokens, finish = await loop.run_in_executor(
+                    self._pool, self._stream, request, ticket
+                )
             except RuntimeError:  # the pool was shut down: the backend closed meanwhile
-                if not self._closed:
+                if not self._gate.closed:
                     raise
                 tokens, finish = [], "abort"
-            return self._result(tokens, finish, call.version)
+            return self._result(tokens, finish, ticket.version)
         except asyncio.CancelledError:
             await self.abort(rid)  # while the call is still known: its stream is cancelled
             raise
         finally:
-            with self._lock:
-                del self._calls[rid]
-                self._sending.discard(rid)
-                drained = self._drained if not self._sending else None
-            if drained is not None:
-                resolve_from_thread(drained[0], drained[1], None)
+            self._gate.done(ticket)
 
     async def abort(self, request_id: str) -> None:
+        ticket = self._gate.abort(request_id)  # one not sent yet will not be
+        if ticket is None:
+            return
         with self._lock:
-            call = self._calls.get(request_id)
-            if call is None:
-                return
-            call.aborted = True  # a call not sent yet will not be
-            gate, rpc = call.gate, call.rpc
+            rpc = ticket.handle
             self._unheld.notify_all()
-        if gate is not None:
-            resolve_from_thread(gate[0], gate[1], False)
         if rpc is not None:
             rpc.cancel()
 
@@ -322,46 +280,16 @@ class JetStreamBackend:
             self._unheld.notify_all()
 
     async def update_weights(self, params: Weights, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the backend is closed")
-            if self._updating:
-                raise RuntimeError("a weight update is already under way")
-            self._updating = True
-            if self._sending:
-                self._drained = (loop.create_future(), loop)
-        try:
-            if self._drained is not None:
-                await self._drained[0]
-            if self._closed:
-                raise RuntimeError("the backend is closed")
+        async def push() -> None:
             if self.exited is not None:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")
             await self._push(params)
-            self._version = version
-        finally:
-            with self._lock:
-                self._updating, self._drained = False, None
-                waiting = [c for c in self._calls.values() if c.gate and not c.gate[0].done()]
-                for call in waiting:  # sent (and counted) before any later update can start
-                    self._send(call)
-            for call in waiting:
-                assert call.gate is not None
-                resolve_from_thread(call.gate[0], call.gate[1], not call.aborted)
+
+        await self._gate.update(push, version)
 
     async def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            calls = list(self._calls.values())
-            for call in calls:
-                call.aborted = True
-            self._unheld.notify_all()
-        for call in calls:
-            if call.gate is not None:
-                resolve_from_thread(call.gate[0], call.gate[1], False)
-            if call.rpc is not None:
-                call.rpc.cancel()
+        tickets = self._gate.close()
+        self._cancel(tickets)
         await asyncio.to_thread(self._stop)
         shutil.rmtree(self._logs, ignore_errors=True)
 
@@ -389,18 +317,20 @@ class JetStreamBackend:
                 f"{list(server.stop_token_ids)}; this request does not stop at {missing}"
             )
 
-    def _send(self, call: _Call) -> None:
-        """Marks ``call`` as going out now, under the current weights (the lock is held)."""
-        call.version = self._version
-        self._sending.add(call.request.request_id)
+    def _cancel(self, tickets: list[Ticket]) -> None:
+        """Ends the streams of ``tickets`` (aborted already): held ones and sent ones."""
+        with self._lock:
+            rpcs = [t.handle for t in tickets if t.handle is not None]
+            self._unheld.notify_all()
+        for rpc in rpcs:
+            rpc.cancel()
 
-    def _stream(self, call: _Call) -> tuple[list[int], FinishReason]:
+    def _stream(self, request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason]:
         """Runs on a pool thread: the request's stream, until its stop id, its budget, its
         end, an abort or the server's death."""
         import grpc
         from jetstream.core.proto import jetstream_pb2
 
-        request = call.request
         room = self.capabilities.max_model_len - len(request.prompt_ids)
         budget = min(request.sampling.max_tokens, room)
         stops = set(request.sampling.stop_token_ids)
@@ -412,21 +342,21 @@ class JetStreamBackend:
             ),
         )
         with self._lock:
-            if call.aborted or self._closed:
+            if ticket.aborted or self._gate.closed:
                 return [], "abort"
             try:
-                call.rpc = self._stub.Decode(decode, metadata=self._metadata)
+                rpc = ticket.handle = self._stub.Decode(decode, metadata=self._metadata)
             except ValueError:  # the channel closed: the backend is closing
                 return [], "abort"
         tokens: list[int] = []
         try:
-            for response in call.rpc:
+            for response in rpc:
                 for token in response.stream_content.samples[0].token_ids:
-                    if not self._take(call, len(tokens)):
+                    if not self._take(ticket, len(tokens)):
                         return tokens, "abort"
                     tokens.append(token)
                     if token in stops or len(tokens) == budget:
-                        call.rpc.cancel()  # the rest of the stream is not wanted
+                        rpc.cancel()  # the rest of the stream is not wanted
                         return tokens, "stop" if token in stops else "length"
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -435,15 +365,15 @@ class JetStreamBackend:
         # the server ended the stream: its model length, or it is going away
         return tokens, "length" if len(tokens) == room else "abort"
 
-    def _take(self, call: _Call, taken: int) -> bool:
+    def _take(self, ticket: Ticket, taken: int) -> bool:
         """Runs on a stream's thread before it takes a token: waits while a `pause` holds the
         stream; False when it was aborted meanwhile."""
         if self._pause_at is None and not self._paused:  # no pause: no lock taken per token
             return True
         with self._lock:
-            while not call.aborted and self._held(call.request.request_id, taken):
+            while not ticket.aborted and self._held(ticket.request_id, taken):
                 self._unheld.wait()
-            return not call.aborted
+            return not ticket.aborted
 
     def _held(self, request_id: str, taken: int) -> bool:
         """Whether a stream that has taken ``taken`` tokens is held (the lock is held)."""
@@ -483,45 +413,30 @@ class JetStreamBackend:
             raise RuntimeError("the backend closed during a weight update") from e
         return json.loads(reply)
 
-    def _watch(self) -> None:
-        """Reads the server's ready line, then waits for its exit and ends what is in flight."""
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        message = json.loads(line) if line else {"error": "the JetStream server exited"}
-        self._ready.set_result(message)
-        self.proc.stdout.read()  # until the server's end
-        code = self.proc.wait()
-        with self._lock:
-            self.exited = f"exit code {code}"
-            rpcs = [c.rpc for c in self._calls.values() if c.rpc is not None]
-            for call in self._calls.values():
-                call.aborted = True
-            self._unheld.notify_all()
-        for rpc in rpcs:
-            rpc.cancel()
+    def _on_exit(self, code: int) -> None:
+        """Runs on the server's watcher thread once it has exited: ends what is in flight."""
+        self.exited = f"exit code {code}"
+        tickets = self._gate.tickets()
+        for ticket in tickets:
+            self._gate.abort(ticket.request_id)
+        self._cancel(tickets)
 
     def _stop(self, timeout_s: float = 30.0) -> None:
-        assert self.proc.stdin is not None
+        stdin = self.server.proc.stdin
+        assert stdin is not None
         if hasattr(self, "_channel"):
             self._channel.close()
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()  # the server's signal to stop
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout_s)
-        self._kill()
-        self._watcher.join()
+            stdin.close()  # the server's signal to stop
+        self.server.stop(timeout_s)
         self._pool.shutdown(wait=True)
-
-    def _kill(self) -> None:
-        """SIGKILL to the server's process group."""
-        kill_group(self.proc)
 
     def _result(self, tokens: list[int], finish: FinishReason, version: int) -> GenerateResult:
         return GenerateResult(
             token_ids=tuple(tokens),
             logprobs=None,
             finish_reason=finish,
-            weight_version=version if tokens else self._version,
+            weight_version=version if tokens else self._gate.version,
         )
 
 

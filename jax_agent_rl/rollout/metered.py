@@ -3,8 +3,8 @@
 A training loop reads `MeteredBackend.idle_s` at the start and end of a step to report the
 rollout engines' idle fraction (the synchronous loop leaves them idle while the learner
 updates; the asynchronous one should not), and `MeteredBackend.counters` to report what the
-backend counts itself (a backend with a ``counters()`` method of running totals, such as the
-Ray pool's replica deaths and re-run requests).
+backend counts itself (its ``counters()``, running totals such as the Ray pool's replica
+deaths and re-run requests).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ class MeteredBackend:
 
     def counters(self) -> dict[str, float]:
         """The backend's own running totals by metric name (none for most backends)."""
-        counters = getattr(self.inner, "counters", None)
-        return dict(counters()) if callable(counters) else {}
+        return dict(self.inner.counters())
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if self._in_flight == 0 and self._idle_since is not None:

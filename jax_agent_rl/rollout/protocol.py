@@ -23,6 +23,17 @@ from jax_agent_rl.engine.sampling import InvalidRequestError, SamplingParams
 FinishReason = Literal["stop", "length", "abort"]
 WeightUpdate = Literal["in_place", "reload", "none"]
 
+# The most |rollout - learner| logprob difference a backend serving in fp32 guarantees: both
+# sides compute the same fp32 forward in a different summation order (differences seen are
+# ~1e-5, see docs/vllm.md). In any narrower dtype, bf16 rounding sets it.
+FP32_LOGPROB_TOLERANCE = 1e-4
+BF16_LOGPROB_TOLERANCE = 5e-2
+
+
+def logprob_tolerance(dtype: str) -> float:
+    """`Capabilities.logprob_tolerance` of a backend whose engine computes in ``dtype``."""
+    return FP32_LOGPROB_TOLERANCE if dtype == "float32" else BF16_LOGPROB_TOLERANCE
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
@@ -84,6 +95,17 @@ class Capabilities:
     max_model_len: int  # prompt + generated tokens of one request
 
 
+@dataclasses.dataclass(frozen=True)
+class PushStats:
+    """A backend's last weight push: bytes moved, seconds to convert and write them (this
+    process), the slowest engine's seconds to load them, and the whole push's seconds."""
+
+    bytes: int
+    write_s: float
+    load_s: float
+    total_s: float
+
+
 @runtime_checkable
 class RolloutBackend(Protocol):
     """An inference engine as the agent loop sees it. All methods are safe to call concurrently
@@ -98,6 +120,11 @@ class RolloutBackend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+    def counters(self) -> dict[str, float]:
+        """The backend's own running totals by metric name (``rollout/...``), reported with
+        each training step; empty for a backend that counts nothing."""
+        ...
 
 
 def resolve_from_thread(

@@ -7,9 +7,12 @@ replica (``num_cpus``, ``num_gpus``, ``resources``; ``strategy`` spreads or pack
 the nodes). The pool is the router:
 
 - a session's turns go to the replica that served its last turn (its prefix cache holds the
-  conversation); a new session goes to the live replica with the fewest requests in flight;
-- a weight push is put into the object store once and loaded by every replica, with its
-  version; a replica restarted meanwhile loads the newest;
+  conversation); a new session goes to the live replica with the fewest requests in flight
+  (`jax_agent_rl.rollout.router`);
+- a weight push goes through the `WeightGate` every backend shares (requests in flight
+  finish, new ones wait, so none is sampled under weights it did not start with): it is put
+  into the object store once and loaded by every replica, with its version; a replica
+  restarted meanwhile loads the newest;
 - a replica that dies (its process killed, its node lost) has its requests sent again to a
   live replica and counted (``rollout/requests_requeued``). A request is token ids in, so
   running it again loses nothing: the trajectory goes on from the same prompt, and its
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import json
@@ -36,18 +38,18 @@ from typing import TYPE_CHECKING, Any, cast
 import jax
 
 from jax_agent_rl.ray_cluster import connect, disconnect
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     GenerateRequest,
     GenerateResult,
     RolloutBackend,
 )
+from jax_agent_rl.rollout.router import Router
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RaySection
     from jax_agent_rl.rollout.registry import BackendBuild
-
-SESSION_MEMORY = 8192  # sessions whose replica the router remembers (least recently used out)
 
 
 class Replica:
@@ -97,15 +99,6 @@ class _Slot:
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     down: bool = False  # restarts spent
     starting: Any = None  # the replica being started in its place
-    pushing: asyncio.Future[None] | None = None  # a weight push in flight, done when loaded
-
-
-def _release(slot: _Slot, push: asyncio.Future[None]) -> None:
-    """Ends ``push`` to ``slot``: the requests waiting on it go on."""
-    if not push.done():
-        push.set_result(None)
-    if slot.pushing is push:
-        slot.pushing = None
 
 
 def bundle_of(ray_cfg: RaySection) -> dict[str, float]:
@@ -170,7 +163,8 @@ class RayPool:
         self._spec = dataclasses.replace(
             spec, params=cast(Any, None), sharder=None, on_program=None
         )
-        self._version = spec.version
+        self._version = spec.version  # of the newest weights (a restarted replica loads them)
+        self._gate = WeightGate(spec.version)
         # an engine process of its own (vLLM, JetStream) owns the replica's accelerators: JAX
         # there stays on the CPU rather than take their memory
         self._env = {} if spec.rollout.backend == "embedded" else {"JAX_PLATFORMS": "cpu"}
@@ -181,7 +175,7 @@ class RayPool:
             disconnect(self._owns_ray)
             raise
         self._slots = [_Slot(i) for i in range(self._cfg.replicas)]
-        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._sessions = Router()
         self._where: dict[str, _Slot] = {}
         self._aborted: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -232,15 +226,10 @@ class RayPool:
         """The replica of the request's session (or of the session it continues), else the
         live one with the fewest requests in flight (waiting for a restart if none is live)."""
         while True:
-            live = [s for s in self._slots if s.actor is not None]
-            for session_id in (request.session_id, request.prefix_session):
-                if session_id is not None and session_id in self._sessions:
-                    sticky = self._slots[self._sessions[session_id]]
-                    if sticky.actor is not None:
-                        self._sessions.move_to_end(session_id)
-                        return sticky
-            if live:
-                return min(live, key=lambda s: (s.in_flight, s.index))
+            live = [s.index for s in self._slots if s.actor is not None]
+            index = self._sessions.pick(request, live, lambda i: self._slots[i].in_flight)
+            if index is not None:
+                return self._slots[index]
             waiting = [s for s in self._slots if not s.down]
             if not waiting:
                 raise RuntimeError(
@@ -256,14 +245,24 @@ class RayPool:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         rid = request.request_id
+        ticket = self._gate.enter(rid)
+        try:
+            # a request sent after `update_weights` began waits for its weights: Ray starts a
+            # call that carries them only once they have reached the replica, so a request
+            # sent meanwhile could overtake it
+            if not await self._gate.admit(ticket):
+                return GenerateResult((), None, "abort", self._gate.version)
+            return await self._serve(request, ticket)
+        finally:
+            self._gate.done(ticket)
+
+    async def _serve(self, request: GenerateRequest, ticket: Ticket) -> GenerateResult:
+        """``request`` on a live replica, again on another while its replica dies under it."""
+        rid = request.request_id
         while True:
             slot = await self._pick(request)
-            if slot.pushing is not None:
-                # a request sent after `update_weights` began is sampled under its version:
-                # Ray starts a call that carries the weights only once they have reached the
-                # replica, so a request sent meanwhile could overtake it
-                await slot.pushing
-                continue  # picked again: the replica may have died during the push
+            if ticket.aborted:  # while no replica was live
+                return GenerateResult((), None, "abort", self._gate.version)
             actor, generation = slot.actor, slot.generation
             slot.in_flight += 1
             self._where[rid] = slot
@@ -276,18 +275,14 @@ class RayPool:
                 self._lost(slot, generation)
                 if rid in self._aborted:
                     self._aborted.discard(rid)
-                    return GenerateResult((), None, "abort", self._version)
+                    return GenerateResult((), None, "abort", self._gate.version)
                 self._counts["requests_requeued"] += 1
                 continue
             finally:
                 slot.in_flight -= 1
                 self._where.pop(rid, None)
             self._aborted.discard(rid)
-            if request.session_id is not None:
-                self._sessions[request.session_id] = slot.index
-                self._sessions.move_to_end(request.session_id)
-                while len(self._sessions) > SESSION_MEMORY:
-                    self._sessions.popitem(last=False)
+            self._sessions.remember(request.session_id, slot.index)
             return result
 
     def _lost(self, slot: _Slot, generation: int) -> None:
@@ -333,29 +328,23 @@ class RayPool:
             return
 
     async def update_weights(self, params: Any, version: int) -> None:
-        self._weights = self._ray.put(jax.device_get(params))
-        self._version = version
-        live = [s for s in self._slots if s.actor is not None]
-        loop = asyncio.get_running_loop()
-        pushes = [loop.create_future() for _ in live]
-        for slot, push in zip(live, pushes, strict=True):  # before a later request is routed
-            slot.pushing = push
-        try:
-            await asyncio.gather(*(self._push(s, p) for s, p in zip(live, pushes, strict=True)))
-        finally:  # loaded, failed or cancelled: requests waiting on the pushes go on
-            for slot, push in zip(live, pushes, strict=True):
-                _release(slot, push)
+        async def push() -> None:
+            self._weights = self._ray.put(jax.device_get(params))
+            self._version = version
+            live = [s for s in self._slots if s.actor is not None]
+            await asyncio.gather(*(self._push(s) for s in live))
 
-    async def _push(self, slot: _Slot, push: asyncio.Future[None]) -> None:
+        await self._gate.update(push, version)
+
+    async def _push(self, slot: _Slot) -> None:
         actor, generation = slot.actor, slot.generation
         try:
             await actor.update_weights.remote(self._weights, self._version)
         except self._ray.exceptions.RayActorError:
             self._lost(slot, generation)  # its restart loads these weights
-        finally:  # this replica's requests need not wait for the others' pushes
-            _release(slot, push)
 
     async def abort(self, request_id: str) -> None:
+        self._gate.abort(request_id)  # one not sent yet will not be
         slot = self._where.get(request_id)
         if slot is None or slot.actor is None:
             return
@@ -365,6 +354,7 @@ class RayPool:
             await slot.actor.abort.remote(request_id)
 
     async def close(self) -> None:
+        self._gate.close()
         for task in list(self._tasks):
             task.cancel()
         closing = [s.actor.close.remote() for s in self._slots if s.actor is not None]

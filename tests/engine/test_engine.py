@@ -14,6 +14,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def _backend(checkpoint: Path, **engine_kw: object) -> EmbeddedBackend:
 # the fp32 parity tests use (against transformers, sampler against learner). Measured here:
 # up to 1.1e-5 (it was 8.8e-6 before decode attention went blockwise); a sharding error (a head
 # or a slot read from the wrong shard) moves logprobs by far more.
-FP32_LOGPROBS = 1e-4
+FP32_LOGPROBS = FP32_LOGPROB_TOLERANCE
 
 
 def _req(rid: str, prompt: tuple[int, ...], max_tokens: int = 8, **kw: object) -> GenerateRequest:

@@ -14,10 +14,11 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
 # fp32 logprobs of one function computed in two reduction orders (a prefill against decode
 # steps): the bound of tests/engine/test_engine.py
-FP32_LOGPROBS = 1e-4
+FP32_LOGPROBS = FP32_LOGPROB_TOLERANCE
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
 

@@ -229,6 +229,76 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
         assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
 
 
+@pytest.fixture
+def pool(cluster: object, tmp_path: Path) -> Iterator[RayPool]:
+    """Two replicas of the embedded backend, one on each node."""
+    path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
+    cfg, weights = load_hf(path)
+    rollout = RolloutSection(
+        max_concurrent=4,
+        max_model_len=128,
+        ray=_spread(cluster.address),  # type: ignore[attr-defined]
+    )
+    started = RayPool(BackendBuild(rollout, cfg, weights, checkpoint=path, dtype="float32"))
+    yield started
+    asyncio.run(started.close())
+
+
+def test_back_to_back_updates_drain_the_requests_the_first_let_go(pool: RayPool) -> None:
+    """(The JetStream client's race, on the pool.) Requests waiting on one update go out when
+    it ends, before a second can start: the second drains them, and each result is sampled
+    wholly under the version it is stamped with. Tasks run in the order they are made: the
+    first request is in flight before the update starts, which holds the ones made after."""
+    original = ray.get(pool._weights)
+    scaled = jax.tree.map(lambda x: x * 1.5, original)
+    prompts = [(5, 6, 7 + i) for i in range(3)]
+    long = SamplingParams(max_tokens=60, temperature=0.0)
+
+    async def scenario() -> tuple[list[GenerateResult], dict[int, list[GenerateResult]]]:
+        first = asyncio.create_task(pool.generate(GenerateRequest("long", (9, 9), long)))
+        up1 = asyncio.create_task(pool.update_weights(original, 1))
+        gated = [
+            asyncio.create_task(pool.generate(GenerateRequest(f"g{i}", p, long)))
+            for i, p in enumerate(prompts)
+        ]
+        await up1
+        await pool.update_weights(scaled, 2)  # at once: the gated ones are out already
+        await first
+        results = list(await asyncio.gather(*gated))
+        reference = {}
+        for version, weights in ((1, original), (2, scaled)):
+            await pool.update_weights(weights, version)
+            reference[version] = list(
+                await asyncio.gather(
+                    *(pool.generate(GenerateRequest(f"ref{version}-{i}", p, long))
+                      for i, p in enumerate(prompts))
+                )
+            )  # fmt: skip
+        return results, reference
+
+    results, reference = asyncio.run(scenario())
+    assert reference[1][0].token_ids != reference[2][0].token_ids
+    for i, result in enumerate(results):
+        assert result.token_ids == reference[result.weight_version][i].token_ids
+
+
+def test_an_abort_right_after_the_awaited_update_still_aborts(pool: RayPool) -> None:
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    weights = ray.get(pool._weights)
+
+    async def scenario() -> GenerateResult:
+        first = asyncio.create_task(pool.generate(GenerateRequest("long", (9, 9), long)))
+        up = asyncio.create_task(pool.update_weights(weights, 4))
+        gated = asyncio.create_task(pool.generate(GenerateRequest("g", (5, 6), long)))
+        await up
+        await pool.abort("g")  # released already, not sent yet
+        await first
+        return await gated
+
+    result = asyncio.run(scenario())
+    assert result.finish_reason == "abort" and len(result.token_ids) < 100
+
+
 def test_an_impossible_placement_names_what_is_missing() -> None:
     nodes = [{"CPU": 4.0, "GPU": 2.0}, {"CPU": 4.0, "GPU": 1.0}]
     gpu = RaySection(replicas=3, num_gpus=1.0)
