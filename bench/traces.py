@@ -1,6 +1,6 @@
 """What recording the traced trajectories' per-token learner logprobs and advantages costs.
 
-The learner half of a step (`jax_agent_rl.train.step.learn`) on the demo's config and model
+The learner half of a step (`jax_agent_rl.train.learn.learn`) on the demo's config and model
 (`jarl demo`'s task, prepared small): 16 prompts x 8 episodes of the demo's shape (a 48-token
 prompt, then turns of sampled tokens and tool results up to 128 response tokens), once
 without traces and once with ``trainer.traces_per_step`` (4) traced, alternating, the first of
@@ -34,7 +34,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.build import build_run
-from jax_agent_rl.train.step import learn
+from jax_agent_rl.train.learn import learn
 from jax_agent_rl.train.traces import trace_picks
 
 
@@ -79,7 +79,7 @@ def main() -> None:
         for i in range(args.steps + 1):
             for kind, traced in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                learn(run, trajs, trajs, traced=traced)
+                learn(run.learner, run.cfg, trajs, trajs, traced=traced)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(t.learner_signals for t in picks)
