@@ -14,15 +14,16 @@ import sys
 from pathlib import Path
 
 from jax_agent_rl.train.traces import TRACES_FILE
-from jax_agent_rl.view.data import run_data
+from jax_agent_rl.view.data import pick_steps, run_data
 from jax_agent_rl.view.page import render_page
 
 PAGE = "index.html"
 
 
-def write_view(run_dir: Path, out: Path) -> Path:
-    """``out/index.html`` and a copy of the run's plots beside it; returns the page's path."""
-    data = run_data(run_dir)
+def write_view(run_dir: Path, out: Path, steps: str | None = None, last: int = 50) -> Path:
+    """``out/index.html`` (the traces of the steps `pick_steps` picks) and a copy of the
+    run's plots beside it; returns the page's path."""
+    data = run_data(run_dir, steps, last)
     out.mkdir(parents=True, exist_ok=True)
     page = out / PAGE
     page.write_text(render_page(data), encoding="utf-8")
@@ -32,9 +33,9 @@ def write_view(run_dir: Path, out: Path) -> Path:
     return page
 
 
-def serve(run_dir: Path, port: int = 0) -> None:
+def serve(run_dir: Path, port: int = 0, steps: str | None = None, last: int = 50) -> None:
     """Serves the page (built once) and the plots on 127.0.0.1 until interrupted."""
-    data = run_data(run_dir)
+    data = run_data(run_dir, steps, last)
     files = {f"/{PAGE}": (render_page(data).encode(), "text/html; charset=utf-8")}
     files["/"] = files[f"/{PAGE}"]
     for plot in data["plots"]:
@@ -68,10 +69,18 @@ def view_command(args: argparse.Namespace) -> int:
     if not (folder / TRACES_FILE).is_file():
         print(f"error: no {TRACES_FILE} in {folder}", file=sys.stderr)
         return 2
-    if args.out:
-        print(write_view(folder, Path(args.out)))
-        return 0
-    serve(folder, args.port)
+    if args.last < 1:
+        print(f"error: --last {args.last}: expected a whole number >= 1", file=sys.stderr)
+        return 2
+    try:
+        pick_steps([], args.steps, args.last)  # a malformed --steps before the file is read
+        if args.out:
+            print(write_view(folder, Path(args.out), args.steps, args.last))
+            return 0
+        serve(folder, args.port, args.steps, args.last)
+    except ValueError as e:  # a malformed --steps, or a traces file that is not a run's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -89,4 +98,17 @@ def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("run_dir", help="a run folder")
     p.add_argument("--out", default=None, help="write the page (index.html) into this folder")
     p.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
+    p.add_argument(
+        "--steps",
+        default=None,
+        help="the steps whose traces to show: N, A:B (both included), A: or :B "
+        "(default: the --last latest)",
+    )
+    p.add_argument(
+        "--last",
+        type=int,
+        default=50,
+        help="without --steps, how many of the latest traced steps to show (default 50: a "
+        "long run's every trace would make a page too large to open)",
+    )
     p.set_defaults(func=view_command)

@@ -127,16 +127,43 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_data(run_dir: Path) -> dict[str, Any]:
-    """Everything the page of ``run_dir`` shows: its trajectories, step metrics and plots."""
+def pick_steps(available: Sequence[int], spec: str | None, last: int) -> list[int]:
+    """The steps of ``available`` that ``spec`` names: ``"7"``, ``"10:20"`` (both included),
+    ``"10:"`` or ``":20"``; without one, the ``last`` latest (a long run's traces would make a
+    page no browser opens). Raises ValueError for a malformed ``spec``."""
+    steps = sorted(set(available))
+    if spec is None:
+        return steps[-last:]
+    lo_text, sep, hi_text = spec.partition(":")
+    try:
+        lo = int(lo_text) if lo_text.strip() else None
+        hi = int(hi_text) if hi_text.strip() else None
+    except ValueError:
+        raise ValueError(f"--steps {spec!r}: expected N, A:B, A: or :B (whole numbers)") from None
+    if not sep:
+        hi = lo
+    return [s for s in steps if (lo is None or s >= lo) and (hi is None or s <= hi)]
+
+
+def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:
+    """Everything the page of ``run_dir`` shows: its trajectories (of the steps `pick_steps`
+    picks), step metrics and plots. Raises ValueError naming the file for a traces file
+    that is not this project's (a record missing a field, a line cut by a killed run)."""
+    records = read_traces(run_dir / TRACES_FILE)
+    shown = set(pick_steps([r["step"] for r in records], steps, last))
+    try:
+        trajectories = [trajectory(r) for r in records if r["step"] in shown]
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{run_dir / TRACES_FILE}: a record is not a trace record ({e!r})") from e
     metrics_path = run_dir / METRICS_FILE
-    steps = {}
+    table = {}
     if metrics_path.is_file():
         for m in read_metrics(metrics_path, "train"):
-            steps[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
+            table[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
     return {
         "run": visible(run_dir.resolve().name),
         "plots": [p for p in PLOTS if (run_dir / p).is_file()],
-        "steps": [{"step": s, **v} for s, v in sorted(steps.items())],
-        "trajectories": [trajectory(r) for r in read_traces(run_dir / TRACES_FILE)],
+        "steps": [{"step": s, **v} for s, v in sorted(table.items())],
+        "trajectories": trajectories,
+        "traced_steps": sorted(shown),
     }

@@ -55,6 +55,14 @@ def embedded_json(data: dict[str, Any]) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def shown_steps(steps: list[int]) -> str:
+    """Which steps' traces the page holds, as a line above the trajectories."""
+    if not steps:
+        return "no traced steps"
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
+    return f"traces of {span} ({len(steps)} traced; jarl view --steps A:B shows others)"
+
+
 def render_page(data: dict[str, Any]) -> str:
     """The page of a run's `run_data`."""
     return f"""<!DOCTYPE html>
@@ -67,7 +75,8 @@ def render_page(data: dict[str, Any]) -> str:
 <h1 id="title"></h1>
 <div id="plots"></div>
 <h2>Steps</h2><table id="steps"></table>
-<h2>Trajectories</h2><div id="filters"></div><div class="scroll"><table id="list"></table></div>
+<h2>Trajectories</h2><p style="color:#666">{shown_steps(data.get("traced_steps", []))}</p>
+<div id="filters"></div><div class="scroll"><table id="list"></table></div>
 <h2>Trajectory</h2><div id="detail"></div>
 <h2>Its group, side by side</h2><div id="group"></div>
 <div id="tree" class="tree"></div>

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -24,13 +25,13 @@ from jax_agent_rl.cli import main
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces, trace_index
 from jax_agent_rl.view import write_view
+from jax_agent_rl.view.data import pick_steps
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
-SCREENSHOT = Path("/work/notes/view.png")
 
 
 def chromium(page: Path, fragment: str, tmp_path: Path, *extra: str) -> str:
@@ -94,14 +95,16 @@ def test_the_view_of_a_run_shows_tokens_by_role_ratio_and_groups(
         if (r["step"], r["group_id"]) == (records[i]["step"], records[i]["group_id"])
     ]
     assert len(same) == 4 == group.count('<div class="col')  # rollout.n = 4, side by side
+    # a screenshot, for a person to look at (JARL_VIEW_SCREENSHOT=path keeps it)
+    screenshot = Path(os.environ.get("JARL_VIEW_SCREENSHOT") or tmp_path / "view.png")
     chromium(
         out / "index.html",
         f"t={i}&mode=role",
         tmp_path,
-        f"--screenshot={SCREENSHOT}",
+        f"--screenshot={screenshot.resolve()}",
         "--window-size=1400,1600",
     )
-    assert SCREENSHOT.stat().st_size > 10_000
+    assert screenshot.stat().st_size > 10_000
 
 
 def test_the_view_filters_by_stop_reason(run: tuple[Path, str], tmp_path: Path) -> None:
@@ -218,3 +221,33 @@ def test_jarl_view_serves_the_page_on_loopback_and_nothing_else(tmp_path: Path) 
                     urllib.request.urlopen(url[0] + path, timeout=30)
         finally:
             server.terminate()
+
+
+def test_the_view_shows_the_latest_steps_or_the_ones_asked_for() -> None:
+    steps = [3, 1, 2, 2, 5, 4]
+    assert pick_steps(steps, None, 2) == [4, 5]  # a long run: the latest, not every trace
+    assert pick_steps(steps, None, 50) == [1, 2, 3, 4, 5]
+    assert pick_steps(steps, "2", 1) == [2]
+    assert pick_steps(steps, "2:4", 1) == [2, 3, 4]
+    assert pick_steps(steps, "4:", 1) == [4, 5]
+    assert pick_steps(steps, ":2", 1) == [1, 2]
+    assert pick_steps(steps, "9:", 1) == []
+    for bad in ("x", "1:y", "1.5"):
+        with pytest.raises(ValueError, match="--steps"):
+            pick_steps(steps, bad, 1)
+
+
+def test_jarl_view_names_a_bad_steps_value_and_a_broken_traces_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / TRACES_FILE).write_text('{"step": 1, "uid": "a"}\n{"step": 2, "ui', "utf-8")
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "o"), "--steps", "a:b"]) == 2
+    assert "--steps 'a:b'" in capsys.readouterr().err
+    # a line cut by a killed run, then a record missing its fields: one line each, exit 2
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert "line 2 is not valid JSON" in capsys.readouterr().err
+    (run_dir / TRACES_FILE).write_text('{"step": 1, "uid": "a"}\n', "utf-8")
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert "is not a trace record" in capsys.readouterr().err
