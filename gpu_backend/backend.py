@@ -429,10 +429,10 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         spec.checkpoint,
         spec.model,
         params=spec.params,
-        python=r.vllm_python or DEFAULT_PYTHON,
-        replicas=r.replicas,
-        devices=[d for d in r.vllm_devices.split(",") if d],
-        kv_cache_bytes=r.vllm_kv_cache_mb * 2**20 or None,
+        python=r.vllm.python or DEFAULT_PYTHON,
+        replicas=r.vllm.replicas,
+        devices=[d for d in r.vllm.devices.split(",") if d],
+        kv_cache_bytes=r.vllm.kv_cache_mb * 2**20 or None,
         max_model_len=r.max_model_len,
         max_num_seqs=r.max_concurrent,
         dtype=spec.dtype,
@@ -442,7 +442,7 @@ def _build(spec: BackendBuild) -> VLLMBackend:
 
 
 def _check(rollout: RolloutSection) -> list[str]:
-    return interpreter_problems("vllm_python", rollout.vllm_python, DEFAULT_PYTHON, "vLLM", "vllm")
+    return interpreter_problems("vllm.python", rollout.vllm.python, DEFAULT_PYTHON, "vLLM", "vllm")
 
 
 # `rollout.backend=vllm`, found through the entry point in pyproject.toml

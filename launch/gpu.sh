@@ -10,7 +10,7 @@
 #
 #   --gpus N          GPUs on the node (default: what nvidia-smi lists)
 #   --learner-gpus L  GPUs for the learner (default: N / 2); the other N - L each run one vLLM
-#                     engine (rollout.replicas = N - L, rollout.vllm_devices = their ids)
+#                     engine (rollout.vllm.replicas = N - L, rollout.vllm.devices = their ids)
 #   --ray ADDRESS     the engines are Ray actors on the cluster at ADDRESS (HOST:PORT of its
 #                     head, or auto), placed by a placement group (rollout.ray.*, SPREAD over
 #                     the GPU nodes); the learner takes all N GPUs here. --dry-run asks the
@@ -94,9 +94,9 @@ command_of() {
     run+=("rollout.ray.address=$ray" "rollout.ray.replicas=$replicas"
       "rollout.ray.num_gpus=$engine_gpus")
   else
-    run+=("rollout.replicas=$replicas" "rollout.vllm_devices=$engine_ids")
+    run+=("rollout.vllm.replicas=$replicas" "rollout.vllm.devices=$engine_ids")
   fi
-  run+=("rollout.vllm_python=$vllm_python" "mesh.data=$((learner * nodes))")
+  run+=("rollout.vllm.python=$vllm_python" "mesh.data=$((learner * nodes))")
   run+=("$@")
   if [[ -n $node ]]; then
     run+=(--coordinator "$coordinator" --num-processes "$nodes" --process-id "$node")

@@ -162,6 +162,27 @@ def test_a_moved_key_names_its_new_name() -> None:
     assert load_config(None, [*base, "data.overlong_buffer=4"]).data.overlong_buffer == 4
 
 
+def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Path) -> None:
+    """The vllm and jetstream backends' options live in rollout.vllm / rollout.jetstream; the
+    old flat spellings, as an override or in a YAML file, are told the new key."""
+    base = ["model.path=/a", "data.train=t"]
+    for old, new in [
+        ("rollout.vllm_python", "rollout.vllm.python"),
+        ("rollout.vllm_devices", "rollout.vllm.devices"),
+        ("rollout.vllm_kv_cache_mb", "rollout.vllm.kv_cache_mb"),
+        ("rollout.jetstream_python", "rollout.jetstream.python"),
+        ("rollout.replicas", "rollout.vllm.replicas"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*base, f"{old}=1"])
+        assert str(e.value) == f"config key {old!r} is now {new!r}"
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "rollout:\n  replicas: 2\n"), base)
+    assert str(e.value) == "config key 'rollout.replicas' is now 'rollout.vllm.replicas'"
+    cfg = load_config(None, [*base, "rollout.vllm.python=x", "rollout.vllm.replicas=2"])
+    assert (cfg.rollout.vllm.python, cfg.rollout.vllm.replicas) == ("x", 2)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -202,9 +223,9 @@ def test_a_moved_key_names_its_new_name() -> None:
             "importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1",
         ),
         (
-            ["rollout.backend=vllm", "rollout.replicas=2", "rollout.vllm_devices=0,1,2"],
-            "rollout.vllm_devices='0,1,2' names 3 devices for rollout.replicas=2: give one per "
-            "replica, or none",
+            ["rollout.backend=vllm", "rollout.vllm.replicas=2", "rollout.vllm.devices=0,1,2"],
+            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2: give one "
+            "per replica, or none",
         ),
     ],
 )

@@ -44,6 +44,7 @@ from jax_agent_rl.config.sections import (
     DataSection,
     EnvSection,
     JarlConfig,
+    JetStreamSection,
     JudgeSection,
     LearnerSection,
     MeshSection,
@@ -56,6 +57,7 @@ from jax_agent_rl.config.sections import (
     ToolsSection,
     TrainerSection,
     TreeSection,
+    VLLMSection,
 )
 from jax_agent_rl.errors import ConfigError
 
@@ -69,6 +71,7 @@ __all__ = [
     "DataSection",
     "EnvSection",
     "JarlConfig",
+    "JetStreamSection",
     "JudgeSection",
     "LearnerSection",
     "MeshSection",
@@ -82,6 +85,7 @@ __all__ = [
     "ToolsSection",
     "TrainerSection",
     "TreeSection",
+    "VLLMSection",
     "absolute_paths",
     "check_ranges",
     "field_ranges",

@@ -121,12 +121,12 @@ def _slots_over_mesh(cfg: JarlConfig) -> str | None:
 
 
 def _vllm_devices(cfg: JarlConfig) -> str | None:
-    r = cfg.rollout
-    devices = [d for d in r.vllm_devices.split(",") if d]
-    if r.backend == "vllm" and devices and len(devices) != r.replicas:
+    vllm = cfg.rollout.vllm
+    devices = [d for d in vllm.devices.split(",") if d]
+    if cfg.rollout.backend == "vllm" and devices and len(devices) != vllm.replicas:
         return (
-            f"rollout.vllm_devices={r.vllm_devices!r} names {len(devices)} devices for "
-            f"rollout.replicas={r.replicas}: give one per replica, or none"
+            f"rollout.vllm.devices={vllm.devices!r} names {len(devices)} devices for "
+            f"rollout.vllm.replicas={vllm.replicas}: give one per replica, or none"
         )
     return None
 

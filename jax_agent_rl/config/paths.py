@@ -52,8 +52,8 @@ def resolve_packaged(cfg: T, prefix: str = "") -> T:
 PATH_KEYS = (
     "model.path",
     "model.tokenizer",
-    "rollout.vllm_python",
-    "rollout.jetstream_python",
+    "rollout.vllm.python",
+    "rollout.jetstream.python",
     "tools.config",
     "env.interaction_config",
     "data.train",

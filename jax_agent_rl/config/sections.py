@@ -65,6 +65,29 @@ class RaySection:
 
 
 @dataclasses.dataclass(frozen=True)
+class VLLMSection:
+    """The vllm backend's engines (``rollout.backend=vllm``): vLLM processes under their own
+    venv, the learner's weights pushed to them."""
+
+    replicas: int = setting(1, COUNT, was="rollout.replicas")  # engine processes
+    # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
+    python: str = setting("", was="rollout.vllm_python")
+    # CUDA devices of the replicas, one each ("2,3"); empty: inherit
+    devices: str = setting("", was="rollout.vllm_devices")
+    # KV cache of each replica; 0: vLLM's share of free memory
+    kv_cache_mb: int = setting(0, NATURAL, was="rollout.vllm_kv_cache_mb")
+
+
+@dataclasses.dataclass(frozen=True)
+class JetStreamSection:
+    """The jetstream backend's engine (``rollout.backend=jetstream``): a JetStream server under
+    its own venv."""
+
+    # the JetStream venv's interpreter; empty: the repo's .venv-jetstream/bin/python
+    python: str = setting("", was="rollout.jetstream_python")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """The inference backend and how it samples."""
 
@@ -92,12 +115,6 @@ class RolloutSection:
     # to share a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible
     # runs, slower when few slots are busy)
     batch_buckets: bool = True
-    replicas: int = setting(1, COUNT)  # engine processes (vllm backend)
-    vllm_python: str = ""  # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
-    vllm_devices: str = ""  # CUDA devices of the vllm replicas, one each ("2,3"); empty: inherit
-    # KV cache of each vllm replica; 0: vLLM's share of free memory
-    vllm_kv_cache_mb: int = setting(0, NATURAL)
-    jetstream_python: str = ""  # the JetStream venv's interpreter; empty: .venv-jetstream's
     # DAPO: drop groups whose rewards are all equal, refill
     dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
     # extra rollouts of fresh prompts per step, at most
@@ -106,6 +123,8 @@ class RolloutSection:
     # again from its prompt, up to this many times; 0: it stays failed (masked, counted)
     tool_failure_reruns: int = setting(1, NATURAL)
     ray: RaySection = dataclasses.field(default_factory=RaySection)
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
+    jetstream: JetStreamSection = dataclasses.field(default_factory=JetStreamSection)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -446,7 +446,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         spec.checkpoint,
         spec.model,
         params=spec.params,
-        python=r.jetstream_python or DEFAULT_PYTHON,
+        python=r.jetstream.python or DEFAULT_PYTHON,
         sampling=ServerSampling(r.temperature, r.top_k, r.top_p, tuple(spec.stop_token_ids)),
         max_model_len=r.max_model_len,
         slots=r.max_concurrent,
@@ -459,7 +459,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
 
 def _check(rollout: RolloutSection) -> list[str]:
     return interpreter_problems(
-        "jetstream_python", rollout.jetstream_python, DEFAULT_PYTHON, "JetStream", "jetstream"
+        "jetstream.python", rollout.jetstream.python, DEFAULT_PYTHON, "JetStream", "jetstream"
     )
 
 

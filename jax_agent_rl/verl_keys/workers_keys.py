@@ -68,7 +68,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.hybrid_engine",
         "",
         "not needed: the rollout backend decides where it runs (the embedded engine on the "
-        "learner's devices, vLLM replicas on rollout.vllm_devices)",
+        "learner's devices, vLLM replicas on rollout.vllm.devices)",
         refuse,
     ),
     # actor
@@ -232,7 +232,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "",
         "no equivalent: jarl sizes the KV cache in GiB, rollout.kv_cache_gib (0: enough for "
-        "rollout.max_concurrent sequences), or rollout.vllm_kv_cache_mb",
+        "rollout.max_concurrent sequences), or rollout.vllm.kv_cache_mb",
         refuse,
     ),
     VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "", LOGPROB, refuse),

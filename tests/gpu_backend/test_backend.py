@@ -52,7 +52,7 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
     two_engines: VLLMBackend,
 ) -> None:
     backend = two_engines
-    # each engine process runs pinned to its own device (rollout.vllm_devices)
+    # each engine process runs pinned to its own device (rollout.vllm.devices)
     for pid, device in zip(backend.pids, ["1", "0"], strict=True):
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ

@@ -20,7 +20,7 @@ def test_dry_run_splits_the_gpus() -> None:
     assert "4 vLLM engine(s) per node on GPUs 4,5,6,7" in out.stdout
     run = next(line for line in out.stdout.splitlines() if line.startswith("run:"))
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in run and "train cfg.yaml rollout.backend=vllm" in run
-    assert "rollout.replicas=4 rollout.vllm_devices=4,5,6,7" in run and run.endswith("steps=5")
+    assert "rollout.vllm.replicas=4 rollout.vllm.devices=4,5,6,7" in run and run.endswith("steps=5")
 
 
 def test_ray_refusals_name_the_flag() -> None:
@@ -53,7 +53,8 @@ def test_dry_run_on_two_nodes_prints_each_nodes_process() -> None:
     for rank, line in enumerate(nodes):
         assert line.startswith(f"node {rank}: env CUDA_VISIBLE_DEVICES=0,1,2,3 ")
         assert "-m jax_agent_rl.cli train cfg.yaml rollout.backend=vllm" in line
-        assert "rollout.replicas=4 rollout.vllm_devices=4,5,6,7" in line and "mesh.data=8" in line
+        assert "rollout.vllm.replicas=4 rollout.vllm.devices=4,5,6,7" in line
+        assert "mesh.data=8" in line
         assert line.endswith(f"--coordinator 10.0.0.2:8476 --num-processes 2 --process-id {rank}")
 
 

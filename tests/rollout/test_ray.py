@@ -337,7 +337,7 @@ def test_gpu_sh_asks_the_cluster_where_its_engines_go(cluster: object) -> None:
                 "rollout.ray.num_gpus=1", "rollout.backend=vllm", "CUDA_VISIBLE_DEVICES=0,1",
                 "mesh.data=2"):  # fmt: skip
         assert arg in run, (arg, run)
-    assert "rollout.vllm_devices" not in run
+    assert "rollout.vllm.devices" not in run
     too_many = _gpu_sh("--gpus", "2", "--ray", address, "--replicas", "5", "--dry-run", "c.yaml")
     assert too_many.returncode == 2
     assert "5 replicas of {'CPU': 1.0, 'GPU': 1.0} (SPREAD) do not fit" in too_many.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.config import JarlConfig, RolloutSection, check_ranges
+from jax_agent_rl.config import JarlConfig, RolloutSection, VLLMSection, check_ranges
 from jax_agent_rl.rollout import BackendFactory, backend_names, register_backend
 from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train.check import check_names
@@ -196,7 +196,8 @@ def test_an_unknown_backend_names_the_registered_ones() -> None:
 
 def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None:
     def check(rollout: RolloutSection) -> list[str]:
-        return [] if rollout.replicas == 1 else [f"rollout.replicas={rollout.replicas}: one only"]
+        replicas = rollout.vllm.replicas
+        return [] if replicas == 1 else [f"rollout.vllm.replicas={replicas}: one only"]
 
     def build(spec: object) -> object:
         del spec
@@ -206,10 +207,12 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
     register_backend("single_replica_test", factory)
     assert "single_replica_test" in backend_names()
     assert backend_factory("single_replica_test") is factory
-    rollout = dataclasses.replace(RolloutSection(), backend="single_replica_test", replicas=2)
+    rollout = dataclasses.replace(
+        RolloutSection(), backend="single_replica_test", vllm=VLLMSection(replicas=2)
+    )
     cfg = JarlConfig(rollout=rollout)
     assert check_ranges(cfg) == check_names(cfg) == []
-    assert backend_factory(rollout.backend).check(rollout) == ["rollout.replicas=2: one only"]
+    assert backend_factory(rollout.backend).check(rollout) == ["rollout.vllm.replicas=2: one only"]
     for taken in ("embedded", "vllm", "single_replica_test"):
         with pytest.raises(ValueError, match="registered already"):
             register_backend(taken, factory)

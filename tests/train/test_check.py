@@ -193,11 +193,22 @@ CASES: dict[str, Case] = {
             "use rollout.max_model_len <= 4096"
         ),
     ),
-    "missing vllm_python": (
-        lambda f: ["rollout.backend=vllm", f"rollout.vllm_python={f.root / 'no' / 'python'}"],
+    "missing vllm.python": (
+        lambda f: ["rollout.backend=vllm", f"rollout.vllm.python={f.root / 'no' / 'python'}"],
         lambda f: (
-            f"rollout.vllm_python='{f.root / 'no' / 'python'}' does not exist: expected "
+            f"rollout.vllm.python='{f.root / 'no' / 'python'}' does not exist: expected "
             "the python of a venv with vLLM (scripts/setup.sh vllm makes .venv-vllm)"
+        ),
+    ),
+    "missing jetstream.python": (
+        lambda f: [
+            "rollout.backend=jetstream",
+            f"rollout.jetstream.python={f.root / 'no' / 'python'}",
+        ],
+        lambda f: (
+            f"rollout.jetstream.python='{f.root / 'no' / 'python'}' does not exist: expected "
+            "the python of a venv with JetStream (scripts/setup.sh jetstream makes "
+            ".venv-jetstream)"
         ),
     ),
     "mesh tensor axis vs KV heads": (
