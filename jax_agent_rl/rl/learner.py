@@ -305,9 +305,8 @@ class Learner:
             self.state, metrics = self._rl_steps[rollout_logprobs](self.state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads
             seq = metrics.pop(SEQ_GAP), metrics.pop(SEQ_TOKENS)
-            traced = {
-                k: np.asarray(metrics.pop(k)) for k in (TRACE_LOGP, TRACE_ADV, TRACE_ENT) if k in metrics
-            }
+            names = (TRACE_LOGP, TRACE_ADV, TRACE_ENT)
+            traced = {k: np.asarray(metrics.pop(k)) for k in names if k in metrics}
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)
