@@ -45,6 +45,7 @@ from jax_agent_rl.rl.update import (
     SEQ_GAP,
     SEQ_TOKENS,
     TRACE_ADV,
+    TRACE_ENT,
     TRACE_LOGP,
     LearnerState,
     RLBatch,
@@ -277,9 +278,11 @@ class Learner:
         (`gap_by_staleness`; one process only: the metrics' sequences are every process's).
 
         ``trace_index`` [k, T] (one process only): positions in ``batch``'s rows, flattened, of
-        the tokens whose learner logprob and advantage come back (-1: none), [k, T] each under
-        ``learner_logprobs`` and ``advantages``: the update's own values, gathered on the
-        device, so that tracing a few trajectories adds two gathers and a small copy."""
+        the tokens whose learner logprob, entropy and advantage come back (-1: none), [k, T]
+        each under ``learner_logprobs``, ``learner_entropy`` and ``advantages``: the update's
+        own values (the entropy of the distribution the logprob is taken under, computed with
+        it, only when tokens are traced), gathered on the device, so that tracing a few
+        trajectories adds three gathers and a small copy."""
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
                 f"{len(staleness)} staleness values for {len(sequences.rewards)} sequences"
@@ -302,9 +305,8 @@ class Learner:
             self.state, metrics = self._rl_steps[rollout_logprobs](self.state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads
             seq = metrics.pop(SEQ_GAP), metrics.pop(SEQ_TOKENS)
-            traced = {
-                k: np.asarray(metrics.pop(k)) for k in (TRACE_LOGP, TRACE_ADV) if k in metrics
-            }
+            names = (TRACE_LOGP, TRACE_ADV, TRACE_ENT)
+            traced = {k: np.asarray(metrics.pop(k)) for k in names if k in metrics}
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)

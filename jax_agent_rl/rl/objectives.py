@@ -123,6 +123,9 @@ class Derived:
     advantages: jax.Array
     old_values: jax.Array  # critic values before the update (GAE; 0 otherwise)
     returns: jax.Array  # value targets (GAE; 0 otherwise)
+    # the learner's entropy before this update (0 off the sampled tokens): only when a few
+    # tokens are traced (`RLBatch.trace_index`), so an untraced step never computes it
+    entropy: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -37,7 +37,8 @@ from jax_agent_rl.rl.objectives import (
 
 # the per-sequence metrics [S] `rl_update` returns besides the scalars
 SEQ_GAP, SEQ_TOKENS = "sequences/logprob_gap_sum", "sequences/sampled_tokens"
-TRACE_LOGP, TRACE_ADV = "learner_logprobs", "advantages"  # per traced token
+# per traced token
+TRACE_LOGP, TRACE_ADV, TRACE_ENT = "learner_logprobs", "advantages", "learner_entropy"
 
 
 @jax.tree_util.register_dataclass
@@ -173,18 +174,28 @@ def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[...
     return K * real, lambda i: (i // per) * cap + i % per
 
 
-def _map_real(spec: StepSpec, f: Callable[[TrainBatch], jax.Array], batch: RLBatch) -> jax.Array:
-    """``f`` of each real micro-batch, [M, b, T] (0 in the padding slots, never computed)."""
+def _map_real(
+    spec: StepSpec,
+    f: Callable[[TrainBatch], tuple[jax.Array, ...]],
+    batch: RLBatch,
+    n: int = 1,
+) -> tuple[jax.Array, ...]:
+    """Each of ``f``'s ``n`` [b, T] outputs over the real micro-batches, [M, b, T] (0 in the
+    padding slots, never computed)."""
     count, slot = _real_micro_batches(batch, spec.algo.mini_batches)
-    out = jnp.zeros(batch.rows.mask.shape, jnp.float32)
+    zeros = jnp.zeros(batch.rows.mask.shape, jnp.float32)
     if spec.sharder is not None:
-        out = spec.sharder.constrain(out, (None, "batch", None))
+        zeros = spec.sharder.constrain(zeros, (None, "batch", None))
 
-    def one(i: jax.Array, out: jax.Array) -> jax.Array:
+    def one(i: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         j = slot(i)
-        return jax.lax.dynamic_update_index_in_dim(out, f(_micro_batch(batch.rows, j)), j, 0)
+        values = f(_micro_batch(batch.rows, j))
+        return tuple(
+            jax.lax.dynamic_update_index_in_dim(o, v, j, 0)
+            for o, v in zip(out, values, strict=True)
+        )
 
-    return jax.lax.fori_loop(0, count, one, out)
+    return jax.lax.fori_loop(0, count, one, (zeros,) * n)
 
 
 def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
@@ -198,8 +209,10 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
     S = batch.rewards.shape[0]
     sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
     policy = state.policy.params
-    old = jnp.where(
-        sampled, _map_real(spec, lambda mb: token_stats(spec, policy, mb)[0], batch), 0.0
+    kept = 2 if batch.trace_index is not None else 1  # entropy only for the traced tokens
+    old, *entropy = (
+        jnp.where(sampled, x, 0.0)
+        for x in _map_real(spec, lambda mb: token_stats(spec, policy, mb)[:kept], batch, kept)
     )
     reference = state.reference
     ref = (
@@ -207,26 +220,27 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
         if reference is None
         else jnp.where(
             sampled,
-            _map_real(spec, lambda mb: token_stats(spec, reference, mb)[0], batch),
+            _map_real(spec, lambda mb: token_stats(spec, reference, mb)[:1], batch)[0],
             0.0,
         )
     )
+    ent = entropy[0] if entropy else None
     if a.adv_estimator == "grpo":
         adv_n = core.grpo_advantages(
             batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
         )
         zeros = jnp.zeros_like(old)
-        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros)
+        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros, ent)
     assert state.critic is not None, "GAE needs a critic"
     critic = state.critic.params
-    values = _map_real(spec, lambda mb: critic_values(spec, critic, mb), batch) * mask
+    values = _map_real(spec, lambda mb: (critic_values(spec, critic, mb),), batch)[0] * mask
     flat = lambda x: x.reshape(M * b, T)  # noqa: E731
     token_rewards = core.last_token_rewards(batch.rewards, flat(mask), flat(rows.sequence))
     adv, returns = core.gae_advantages(
         token_rewards, flat(values), flat(mask), a.gamma, a.lam, flat(rows.segment_ids)
     )
     adv = core.masked_whiten(adv, flat(mask)) * flat(mask)
-    return Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T))
+    return Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T), ent)
 
 
 def mini_batch_denominators(
@@ -294,5 +308,7 @@ def rl_update(
         at = jnp.maximum(batch.trace_index, 0)
         metrics[TRACE_LOGP] = dv.old_logp.reshape(-1)[at]
         metrics[TRACE_ADV] = dv.advantages.reshape(-1)[at]
+        assert dv.entropy is not None  # `prepare` keeps it when tokens are traced
+        metrics[TRACE_ENT] = dv.entropy.reshape(-1)[at]
     new = LearnerState(carry[0], carry[1], state.reference)
     return new, metrics

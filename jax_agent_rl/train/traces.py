@@ -8,8 +8,8 @@ Rendering colours the response by who wrote it: tokens the model sampled (loss m
 trained on) and tokens it was given (mask 0: tool results, chat-template scaffolding). Text is
 shown through `visible` (escape sequences shown, never obeyed) and numbers through `number`
 (a diverged run's NaN and infinite logprobs render as such). A trajectory the learner trained
-on also records, per response token, its learner logprob and advantage (``learner_logprobs``,
-``advantages``; `jarl view` shows them).
+on also records, per response token, its learner logprob, the learner's entropy there and its
+advantage (``learner_logprobs``, ``learner_entropy``, ``advantages``; `jarl view` shows them).
 
 A run with ``trainer.trace_backend=mlflow`` also records them in an MLflow store in the run
 folder (``mlflow.db``, written by `jax_agent_rl.train.mlflow_traces`); ``jarl traces RUN

@@ -1,7 +1,8 @@
 """A run folder read into what the page shows: one JSON-ready dict, all text made visible.
 
 Each trace record (`jax_agent_rl.train.traces`) becomes a trajectory of tokens, each token
-``[text, role, rollout logprob, learner logprob, advantage, weight version]``: role ``s``
+``[text, role, rollout logprob, learner logprob, advantage, weight version, learner
+entropy]``: role ``s``
 (sampled, mask 1), ``t`` (a tool's output: inside a tool message's text) or ``p`` (template
 or prompt scaffolding given to the model). Text goes through `visible` (escape sequences
 shown, never obeyed); a non-finite number becomes the string ``"NaN"``, ``"Infinity"`` or
@@ -90,6 +91,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
     # written before these were recorded, or by a step that did not train the trajectory
     learner = record.get("learner_logprobs") or [None] * n
     advantages = record.get("advantages") or [None] * n
+    entropy = record.get("learner_entropy") or [None] * n
     versions = record.get("token_versions") or [-1] * n
     kinds = roles(pieces, mask, record["messages"])
     tokens = [
@@ -100,6 +102,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
             finite(learner[i]),
             finite(advantages[i]),
             versions[i],
+            finite(entropy[i]),
         ]
         for i in range(n)
     ]

@@ -31,10 +31,11 @@ function go(changes) {
     .map(k => encodeURIComponent(k) + "=" + encodeURIComponent(s[k])).join("&");
 }
 
-// a token's colour and hover text under a mode; tok = [text, role, lp, learner lp, adv, version]
+// a token's colour and hover text under a mode;
+// tok = [text, role, lp, learner lp, adv, version, learner entropy]
 function colour(tok, mode, step, scale) {
-  const [, role, lpRaw, llpRaw, advRaw, version] = tok;
-  const lp = num(lpRaw), llp = num(llpRaw), adv = num(advRaw);
+  const [, role, lpRaw, llpRaw, advRaw, version, entRaw] = tok;
+  const lp = num(lpRaw), llp = num(llpRaw), adv = num(advRaw), ent = num(entRaw);
   const roleName = {s: "sampled", t: "tool output", p: "template"}[role];
   if (mode === "role") return [null, roleName];
   if (role !== "s") return ["#f4f4f4", roleName + " (not trained)"];
@@ -61,7 +62,10 @@ function colour(tok, mode, step, scale) {
       || [255, 140, 120];
     return [rgb(c), "weight version " + version + " (" + behind + " behind the policy trained)"];
   }
-  return ["#f4f4f4", "entropy: not recorded"];
+  if (ent === null) return ["#f4f4f4", "entropy: untrained"];
+  // white (certain) to purple, saturating at 3 nats (about 20 equally likely tokens)
+  const d = Number.isFinite(ent) ? Math.min(Math.max(ent, 0) / 3, 1) : 1;
+  return [rgb([255 - 90 * d, 255 - 170 * d, 255]), "entropy " + fmt(ent) + " nats"];
 }
 function heat(p) {  // red (unlikely) to green (likely)
   return rgb([255 - 175 * p, 90 + 150 * p, 90]);

@@ -42,6 +42,7 @@ from jax_agent_rl.rl.update import (
     prepare,
 )
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.train.traces import trace_index
 
 CFG = ModelConfig.from_hf(TINY["qwen2"])
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -465,6 +466,50 @@ def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
     assert want["rollout/logprobs_recomputed"] == 0.0
     assert want["logprob_gap/staleness_0"] == pytest.approx(0.0, abs=1e-5)
     assert want["logprob_gap/staleness_1"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_traced_step_gives_back_the_update_s_own_values_and_updates_the_same() -> None:
+    """Tracing two trajectories (`traced_step` with a `trace_index`) updates as the plain
+    step does, and gives back at each of their sampled tokens the learner's logprob and
+    entropy before the update (`token_stats` of the old params, fp32: the same computation in
+    another program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens)."""
+    algo = AlgorithmSection(mini_batches=2)
+    params = init_params(jax.random.key(7), CFG)
+    trajs = random_trajectories(8, seed=7)
+    plain, tracing = (_learner(algo, params) for _ in range(2))
+    batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
+    traced = [trajs[5], trajs[1]]
+    index = trace_index(batch, trajs, traced)
+    s = plain.spec
+    logp, entropy = (
+        np.asarray(x).reshape(-1)
+        for x in jax.jit(lambda p, b: token_stats(s, p, b))(plain.params, batch)
+    )
+    want = plain.train_step(batch, sequences, real)
+    got, values = tracing.traced_step(batch, sequences, real, index)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert_close_normwise(tracing.params, plain.params)
+    assert set(values) == {"learner_logprobs", "learner_entropy", "advantages"}
+    mask = np.asarray(batch.mask).reshape(-1)
+    rewards = REWARDS[:8].reshape(2, 4)  # random_trajectories: groups of 4
+    for k, (t, b) in enumerate(zip(traced, (5, 1), strict=True)):
+        n = len(t.response_ids)
+        at = index[k, :n]
+        assert (at >= 0).all() and (index[k, n:] == -1).all()  # whole episodes: all in rows
+        sampled = mask[at] > 0
+        assert sampled.any() and (~sampled).any()
+        names = ("learner_logprobs", "learner_entropy", "advantages")
+        got_logp, got_ent, got_adv = (values[name][k, :n] for name in names)
+        np.testing.assert_allclose(got_logp[sampled], logp[at][sampled], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got_ent[sampled], entropy[at][sampled], atol=1e-5, rtol=0)
+        assert (got_ent[sampled] > 0).all() and (
+            got_ent[sampled] <= np.log(CFG.vocab_size) + 1e-5
+        ).all()
+        group = rewards[b // 4]
+        advantage = (group[b % 4] - group.mean()) / group.std(ddof=1)
+        np.testing.assert_allclose(got_adv[sampled], advantage, rtol=1e-4)
+        assert (got_logp[~sampled] == 0).all() and (got_ent[~sampled] == 0).all()
+        assert (got_adv[~sampled] == 0).all()
 
 
 def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> None:

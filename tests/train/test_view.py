@@ -62,15 +62,16 @@ def test_the_view_of_a_run_shows_tokens_by_role_ratio_and_groups(
     trained = [r for r in records if r.get("advantages")]
     assert trained
     for r in trained:
-        for m, lp, llp, adv in zip(
+        for m, lp, llp, adv, ent in zip(
             r["loss_mask"], r["rollout_logprobs"], r["learner_logprobs"], r["advantages"],
-            strict=True,
+            r["learner_entropy"], strict=True,
         ):  # fmt: skip
             if m:
                 assert abs(llp - lp) < 0.1  # the learner before its update ~ the sampler
                 assert adv == r["advantages"][r["loss_mask"].index(1)]  # one per sequence
+                assert 0.0 < ent < 20.0  # nats, of a vocabulary far below e**20 tokens
             else:
-                assert llp == 0.0 and adv == 0.0  # not trained
+                assert llp == 0.0 and adv == 0.0 and ent == 0.0  # not trained
     i = records.index(
         next(r for r in trained if "\n<tool_response>" in "".join(r["response_pieces"]))
     )
@@ -88,6 +89,9 @@ def test_the_view_of_a_run_shows_tokens_by_role_ratio_and_groups(
     sampled = spans(detail, "s")
     assert sampled and all('style="background' in s and 'title="ratio ' in s for s in sampled)
     assert all('title="tool output (not trained)"' in s for s in spans(detail, "t"))
+    dom = chromium(out / "index.html", f"t={i}&mode=entropy", tmp_path)
+    detail = dom[dom.index('id="detail"') : dom.index('id="group"')]
+    assert all(re.search(r'title="entropy [0-9.e-]+ nats"', s) for s in spans(detail, "s"))
     group = dom[dom.index('id="group"') : dom.index('id="tree"')]
     same = [
         r
@@ -145,6 +149,7 @@ def hostile_record(uid: str, forked_from: str | None) -> dict[str, object]:
         "token_versions": [0, 0, 0, -1, 0, 0],
         "learner_logprobs": [-1.0, math.nan, -1.0, None, -1.0, -1.0],
         "advantages": [math.inf, 1.0, -1.0, None, 1.0, 1.0],
+        "learner_entropy": [math.nan, 1.0, 0.5, None, 1.0, 1.0],
     }  # fmt: skip
 
 
@@ -162,6 +167,7 @@ def test_a_hostile_trajectory_is_shown_inert(tmp_path: Path) -> None:
         assert "␛]52;c;QUFB␇" in dom and "␛[2J" in dom and "\\u202eevil" in dom
         assert "\\x9b" in dom and "reward NaN" in dom
     assert "ratio NaN" in chromium(page, "t=0&mode=ratio", tmp_path)
+    assert "entropy NaN nats" in chromium(page, "t=0&mode=entropy", tmp_path)
     # the tree: the branch under its root
     tree = dom[dom.index('id="tree"') :]
     assert re.search(r"<li><a [^>]*>h/0 \(reward NaN\)</a><ul><li><a [^>]*>h/0\.1\.1", tree)
