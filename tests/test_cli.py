@@ -28,6 +28,20 @@ def test_help_lists_commands() -> None:
         assert command in out
 
 
+def test_parsing_imports_no_command() -> None:
+    """Building the parser (``jarl --help``) imports none of what the commands run: the tool
+    server, the view, the trainer, jax."""
+    code = (
+        "import sys; from jax_agent_rl.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'fastapi') "
+        "or m.startswith(('jax_agent_rl.tools', 'jax_agent_rl.view', 'jax_agent_rl.train'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.strip() == "[]"
+
+
 def test_hydras_config_flags_from_a_verl_script_are_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -61,13 +61,23 @@ def _decode(raw: str) -> tuple[Any, str | None]:
     Besides malformed JSON, decoding can fail on text a policy may well write: nesting past the
     recursion limit (RecursionError), an integer of more than 4,300 digits (ValueError), or a
     document too large for memory; all of them are the model's error, never the loop's crash.
+    So are values Python's JSON reads but no strict JSON writer takes back (the tool server's
+    client sends UTF-8 without NaN): ``NaN``, ``Infinity`` and lone surrogates (``"\\ud800"``).
     """
     try:
-        return json.loads(raw), None
+        obj = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be
     except json.JSONDecodeError as e:
         return None, f"{e.msg} at char {e.pos}"
+    except UnicodeEncodeError as e:
+        return None, f"a lone surrogate {e.object[e.start : e.end]!r} is not text"
     except (ValueError, RecursionError, MemoryError) as e:
         return None, f"{type(e).__name__}: {e}"
+    return obj, None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _json_call(

@@ -210,13 +210,19 @@ class HttpTools:
         create_kwargs: Mapping[str, Any] | None = None,
     ) -> ToolResult:
         """One call. Calls made in the same event-loop tick travel in one HTTP request (up to
-        ``max_batch``): concurrent trajectories share the per-request cost."""
+        ``max_batch``): concurrent trajectories share the per-request cost. Arguments that are
+        not strict JSON (NaN, a lone surrogate, an object) are this call's error result, as
+        `LocalTools` answers bad arguments: they never reach the request its batch shares."""
         body = {
             "trajectory_id": trajectory_id,
             "name": name,
             "arguments": arguments,
             "create_kwargs": dict(create_kwargs or {}),
         }
+        try:  # as httpx writes a body
+            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError included
+            return ToolResult(f"error: the arguments of {name} are not JSON: {e}", error=True)
         if self._socket is not None:  # a frame per call costs little: no batching
             result = await self._socket_request(self._socket, "execute", body)
             try:
@@ -246,10 +252,15 @@ class HttpTools:
                     batch[0][1].set_result(ToolResult(**reply))
                 return
             await self._stream_batch(batch)
-        except ToolTransportError as e:
+        except Exception as e:  # no caller of the batch may wait forever, whatever failed
+            failed = (
+                e
+                if isinstance(e, ToolTransportError)  # else: an answer that is not a result
+                else ToolTransportError(f"tool server {self.url} answered no result: {e!r}")
+            )
             for _, future in batch:
                 if not future.done():
-                    future.set_exception(e)
+                    future.set_exception(failed)
 
     async def _stream_batch(
         self, batch: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]]

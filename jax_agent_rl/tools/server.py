@@ -1,4 +1,5 @@
-"""The tool server: `serve` runs it (``jarl serve-tools``, `add_serve_tools`) under uvicorn.
+"""The tool server: `serve` runs it (``jarl serve-tools``, `jax_agent_rl.cli.serve_tools`) under
+uvicorn.
 
 It is made of the HTTP app (`jax_agent_rl.tools.app`, with verl-tool's routes in
 `jax_agent_rl.tools.verl_tool_routes`), the Unix-socket transport beside it
@@ -10,15 +11,12 @@ without a bearer token, and at most ``max_connections`` connections are served a
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
-import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from jax_agent_rl.config import ConfigError, ToolServerSection, ToolsSection, package_file
-from jax_agent_rl.tokenization.tool_calls import PARSERS
+from jax_agent_rl.config import ToolServerSection
 from jax_agent_rl.tools.app import create_app
-from jax_agent_rl.tools.protocol import DEFAULT_CAPS, KEEP_ALIVE_S, RequestCaps
+from jax_agent_rl.tools.protocol import KEEP_ALIVE_S
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.tools.socket_server import private_socket_path
 
@@ -40,21 +38,15 @@ def serve(
     registry: ToolRegistry,
     host: str = ToolServerSection.host,
     port: int = ToolServerSection.port,
-    token: str | None = None,
-    max_concurrency: int = ToolServerSection.max_concurrency,
-    timeout_s: float = ToolServerSection.timeout_s,
     *,
-    idle_timeout_s: float = ToolServerSection.idle_timeout_s,
-    max_trajectories: int = ToolServerSection.max_trajectories,
-    max_body_bytes: int = ToolServerSection.max_body_bytes,
-    body_timeout_s: float = ToolServerSection.body_timeout_s,
-    caps: RequestCaps = DEFAULT_CAPS,
+    token: str | None = None,
     max_connections: int = ToolServerSection.max_connections,
-    action_parser: str = ToolServerSection.action_parser,
     socket_path: str | None = None,
+    **settings: Any,
 ) -> None:
-    """Runs the server until interrupted; the settings are `create_app`'s. With
-    ``socket_path``, the calls are served on that Unix socket too (`SocketServer`).
+    """Runs the server until interrupted; ``settings`` are `create_app`'s other keywords
+    (the one list of the server's settings). With ``socket_path``, the calls are served on
+    that Unix socket too (`SocketServer`).
 
     Once ``max_connections`` connections are open (idle keep-alive ones included, the one
     asking too) or requests in progress, uvicorn answers a new request 503. Request bodies
@@ -69,18 +61,7 @@ def serve(
     import uvicorn
 
     app = create_app(  # (refuses an empty token; nothing listens yet)
-        registry,
-        max_concurrency=max_concurrency,
-        timeout_s=timeout_s,
-        token=token,
-        idle_timeout_s=idle_timeout_s,
-        max_trajectories=max_trajectories,
-        max_body_bytes=max_body_bytes,
-        body_timeout_s=body_timeout_s,
-        caps=caps,
-        action_parser=action_parser,
-        socket_path=socket_path,
-        max_connections=max_connections,
+        registry, token=token, max_connections=max_connections, socket_path=socket_path, **settings
     )
     if not is_loopback(host) and not token:
         raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
@@ -106,148 +87,3 @@ def server_config(
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=max_connections,
     )
-
-
-def _serve_tools(args: argparse.Namespace) -> int:
-    """``jarl serve-tools``: a bad input is one ``jarl:`` line on stderr, exit code 2."""
-    try:
-        tools = package_file(args.tools, "--tools")
-    except ConfigError as e:
-        return _refuse(str(e))
-    if args.action_parser not in PARSERS:
-        names = sorted(PARSERS)
-        return _refuse(
-            f"--action-parser={args.action_parser!r} is not a parser: use one of {names}"
-        )
-    registry = ToolRegistry.from_yaml(tools)
-    where = f"http://{args.host}:{args.port}" + (f" and unix:{args.socket}" if args.socket else "")
-    print(f"serving {registry.names} on {where}", flush=True)
-    try:
-        serve(
-            registry,
-            args.host,
-            args.port,
-            args.token,
-            args.max_concurrency,
-            args.timeout,
-            idle_timeout_s=args.idle_timeout,
-            max_trajectories=args.max_trajectories,
-            max_body_bytes=args.max_body_bytes,
-            body_timeout_s=args.body_timeout,
-            caps=RequestCaps(
-                max_id_bytes=args.max_id_bytes,
-                max_batch_calls=args.max_batch_calls,
-                max_action_calls=args.max_action_calls,
-            ),
-            max_connections=args.max_connections,
-            action_parser=args.action_parser,
-            socket_path=args.socket,
-        )
-    except ValueError as e:
-        return _refuse(str(e))
-    return 0
-
-
-def _refuse(problem: str) -> int:
-    print(f"jarl: {problem}", file=sys.stderr)
-    return 2
-
-
-def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Adds ``jarl serve-tools`` to the subcommands ``sub``."""
-    p = sub.add_parser(
-        "serve-tools",
-        help="serve a tools YAML over HTTP for agent rollouts",
-        description="Runs the tool server: GET /health, GET /tools, POST /execute, POST /release, "
-        "GET /metrics, and verl-tool's POST /get_observation (actions read by --action-parser). "
-        "State is sticky per trajectory, in the client's namespace (the X-Tool-Namespace "
-        "header; each HttpTools client has its own). A non-loopback --host needs --token; only "
-        "GET /health (which says ok, nothing more) answers without it. What clients can hold "
-        "is bounded: trajectory state, ids, calls per request, request bodies, connections.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--tools",
-        default=ToolsSection.config,
-        help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
-    )
-    p.add_argument("--host", default=ToolServerSection.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=ToolServerSection.port, help="port to listen on")
-    p.add_argument("--token", default=None, help="bearer token clients must send")
-    p.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=ToolServerSection.max_concurrency,
-        help="calls running at once",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=ToolServerSection.timeout_s, help="seconds per call"
-    )
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=ToolServerSection.idle_timeout_s,
-        help="seconds after a trajectory's last call ends before its tool state is released "
-        "(clients that crash or never call /release); a later call starts fresh state",
-    )
-    p.add_argument(
-        "--max-trajectories",
-        type=int,
-        default=ToolServerSection.max_trajectories,
-        help="trajectories holding tool state at once; a call that would open one more gets "
-        "an error result. Set it above the number of trajectories a rollout runs at once",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=ToolServerSection.max_body_bytes,
-        help="largest request body (an /execute_batch of all its calls); larger gets 413",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=ToolServerSection.body_timeout_s,
-        help="seconds to receive a whole request body; a slower client gets 408",
-    )
-    p.add_argument(
-        "--max-id-bytes",
-        type=int,
-        default=ToolServerSection.max_id_bytes,
-        help="largest trajectory id (UTF-8 bytes); a request with a longer one gets 422",
-    )
-    p.add_argument(
-        "--max-batch-calls",
-        type=int,
-        default=ToolServerSection.max_batch_calls,
-        help="calls in one /execute_batch, and trajectories in one /get_observation; more get "
-        "422. Keep it at or above the clients' batch (HttpTools batches 32)",
-    )
-    p.add_argument(
-        "--max-action-calls",
-        type=int,
-        default=ToolServerSection.max_action_calls,
-        help="tool calls in one verl-tool action; an action with more runs none of them and "
-        "its observation is an error naming this cap",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=ToolServerSection.max_connections,
-        help="open connections (idle keep-alive ones included) at which a new request gets "
-        "503; bounds the request bodies held in memory to this times --max-body-bytes",
-    )
-    p.add_argument(
-        "--action-parser",
-        default=ToolServerSection.action_parser,
-        help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
-        "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
-        "python_tag, tool_tag or fenced_python",
-    )
-    p.add_argument(
-        "--socket",
-        default=None,
-        help="also serve the calls on this Unix socket (mode 0600; its directory must be "
-        "yours and closed to others), for clients on this machine: HttpTools('unix:PATH'). "
-        "Much cheaper per call than HTTP; the same token and bounds apply",
-    )
-    p.set_defaults(func=_serve_tools)

@@ -1,6 +1,8 @@
 """Tool-call parsers against text a policy may write to crash them: every parser returns calls
 (or what was wrong with them) for any text, and never raises."""
 
+import json
+
 import hypothesis
 import pytest
 from hypothesis import strategies as st
@@ -26,6 +28,26 @@ HUGE = "1" * 4301  # past Python's 4,300-digit limit on int("...")
 def test_undecodable_calls_are_errors(parser: str, text: str) -> None:
     calls = make_parser(parser).parse(text)
     assert calls and all(c.error for c in calls), calls
+
+
+@pytest.mark.parametrize("value", ["NaN", "-Infinity", '"\\ud800"', '["a\\udfff"]'])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_arguments_no_strict_json_writer_takes_are_errors(parser: str, value: str) -> None:
+    """NaN, Infinity and lone surrogates (``"\\ud800"``) parse in Python's JSON, but no strict
+    JSON writer takes them back (httpx sends bodies with ``allow_nan=False``, as UTF-8), so
+    arguments holding them could not reach a tool server: they are the model's error, also
+    when the arguments are double-encoded; a surrogate pair (an emoji) is text."""
+    name_key = "arguments" if parser == "hermes" else "parameters"
+
+    def text(arguments: str) -> str:
+        call = f'{{"name": "f", "{name_key}": {arguments}}}'
+        return f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+
+    for arguments in (f'{{"x": {value}}}', json.dumps(f'{{"x": {value}}}')):
+        calls = make_parser(parser).parse(text(arguments))
+        assert len(calls) == 1 and calls[0].error, calls
+    (emoji,) = make_parser(parser).parse(text('{"x": "\\ud83d\\ude00"}'))
+    assert emoji == ParsedCall("f", {"x": "\U0001f600"})
 
 
 _PIECES = [

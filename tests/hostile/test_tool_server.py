@@ -21,6 +21,7 @@ import pytest
 
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from tests.tools.test_server import serving, start_server
@@ -418,6 +419,36 @@ def test_calls_per_request_and_per_action_are_capped(shared_server: tuple[str, s
         ["2"],
         [str(i + 1) for i in range(40)],
     ]
+
+
+def test_arguments_no_json_writer_takes_fail_only_their_own_call(tmp_path: Path) -> None:
+    """Arguments a strict JSON writer refuses (NaN, a lone surrogate: a custom loop's, or a
+    parser's that let them through) are that call's error result, on both transports; the
+    calls batched with it in one HTTP request are answered. (They once failed the batch's
+    encoding, and every call of the batch, other trajectories' included, waited forever.)"""
+    sock = tmp_path / "tools.sock"
+    app = create_app(ToolRegistry([calculator]), socket_path=str(sock))
+
+    async def scenario() -> list[Any]:
+        out: list[Any] = []
+        async with serving(app) as url:
+            for address in (url, f"unix:{sock}"):
+                tools = HttpTools(address)
+                for bad in (float("nan"), "\ud800"):
+                    calls = [
+                        tools.call("bad", "calculator", {"expression": bad}),
+                        tools.call("sibling", "calculator", {"expression": "1+1"}),
+                    ]
+                    # (a guard far above the milliseconds this takes: a hang fails, not stalls)
+                    results = await asyncio.wait_for(asyncio.gather(*calls), 60)
+                    out.append([(r.error, r.text.split(": ")[:2]) for r in results])
+                for trajectory_id in ("bad", "sibling"):
+                    await tools.release(trajectory_id)
+                await tools.close()
+        return out
+
+    refused = (True, ["error", "the arguments of calculator are not JSON"])
+    assert asyncio.run(scenario()) == [[refused, (False, ["2"])]] * 4
 
 
 # ----------------------------------------------------------------------------- the token

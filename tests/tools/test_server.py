@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 from jax_agent_rl.cli import build_parser
 from jax_agent_rl.tools.app import create_app
@@ -197,3 +199,32 @@ def test_serve_tools_caps_reach_the_server(tmp_path: Path) -> None:
     assert batch.status_code == 422 and "3 calls in one request, over the cap of 2" in batch.text
     assert [json.loads(line)["result"]["text"] for line in ok.text.splitlines()] == ["1", "1"]
     assert "over the cap of 1 (max_action_calls)" in observed["observations"][0]["invalid_reason"]
+
+
+def test_a_server_answering_no_result_fails_the_calls_it_answered() -> None:
+    """A server (or a proxy) that answers 200 with what is not a result, alone or in a batch:
+    every call waiting on it raises `ToolTransportError`, none waits forever."""
+    broken = FastAPI()
+
+    @broken.post("/execute")
+    async def execute() -> dict[str, Any]:
+        return {"not": "a result"}
+
+    @broken.post("/execute_batch")
+    async def execute_batch() -> PlainTextResponse:
+        return PlainTextResponse("not json\n")
+
+    async def scenario() -> list[str]:
+        async with serving(broken) as url:
+            tools = HttpTools(url, retries=0)
+            one = [tools.call("a", "calculator", {"expression": "1"})]
+            two = [tools.call(t, "calculator", {"expression": "1"}) for t in ("a", "b")]
+            out = []
+            for calls in (one, two):
+                # (a guard far above the milliseconds this takes: a hang fails, not stalls)
+                results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+                out += [type(r).__name__ for r in results]
+            await tools.close()
+            return out
+
+    assert asyncio.run(scenario()) == ["ToolTransportError"] * 3

@@ -1,4 +1,5 @@
-"""The ``jarl`` command line."""
+"""The ``jarl`` command line: its parser and the commands' handlers. Parsing imports nothing
+heavy; each handler imports what its command runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from rich.console import Console
+
+from jax_agent_rl.cli.serve_tools import add_serve_tools
+from jax_agent_rl.cli.view import add_view_parser
 
 
 def _refuse(problems: Sequence[str]) -> int:
@@ -399,8 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_traces)
 
-    from jax_agent_rl.view import add_view_parser  # the view's own module registers it
-
     add_view_parser(sub)
 
     p = sub.add_parser(
@@ -450,8 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a local HF checkpoint folder")
     p.set_defaults(func=_inspect)
 
-    from jax_agent_rl.tools.server import add_serve_tools
-
     add_serve_tools(sub)
     return parser
 
@@ -472,7 +472,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     args = build_parser().parse_args(argv)
     return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
