@@ -263,6 +263,68 @@ def test_request_arriving_during_weight_swap(backend: RolloutBackend, learner: L
     run(backend.update_weights(learner.weights, version=1008))
 
 
+def test_back_to_back_updates_drain_the_requests_the_first_let_go(
+    backend: RolloutBackend, learner: Learner
+) -> None:
+    """Requests waiting on one update go out when it ends, before a second can start: the
+    second drains them, and each result is sampled wholly under the version it is stamped
+    with. (Tasks run in the order they are made, and each takes its place at the weight gate
+    before its first await: the first request is admitted before the update starts, so the
+    update drains it, and the update holds the requests made after it. Greedy decoding makes
+    every result comparable with a reference sampled alone under its version.)"""
+    original, other = learner.weights, perturbed(learner.weights, seed=3)
+    prompts = [(5, 6, 7 + i) for i in range(3)]
+    long = as_served(backend, SamplingParams(max_tokens=60, temperature=0.0))
+
+    async def scenario() -> list[GenerateResult]:
+        first = asyncio.create_task(backend.generate(_req("long", (9, 9), long)))
+        up1 = asyncio.create_task(backend.update_weights(original, 2001))
+        gated = [
+            asyncio.create_task(backend.generate(_req(f"g{i}", p, long)))
+            for i, p in enumerate(prompts)
+        ]
+        await up1
+        await backend.update_weights(other, 2002)  # at once: the gated ones are out already
+        await first
+        return list(await asyncio.gather(*gated))
+
+    async def under(weights: object, version: int) -> list[GenerateResult]:
+        await backend.update_weights(weights, version)
+        requests = [_req(f"ref{version}-{i}", p, long) for i, p in enumerate(prompts)]
+        return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+    results = run(scenario())
+    reference = {v: run(under(w, v)) for v, w in ((2001, original), (2002, other))}
+    assert reference[2001][0].token_ids != reference[2002][0].token_ids
+    for i, result in enumerate(results):
+        assert result.token_ids == reference[result.weight_version][i].token_ids
+    run(backend.update_weights(original, 2003))
+
+
+def test_an_abort_right_after_the_awaited_update_still_aborts(
+    backend: RolloutBackend, learner: Learner
+) -> None:
+    """A request the update held is let through as the update ends, and is not sent yet when
+    the awaited update returns (the ordering above: the first request is admitted and
+    drained, the one made after the update waits at the gate): aborting it then still ends
+    it."""
+    if not backend.capabilities.abort:  # declared absent: test_abort_running_and_queued
+        return  # checks that aborting is refused
+    long = as_served(backend, SamplingParams(max_tokens=100, temperature=0.0))
+
+    async def scenario() -> GenerateResult:
+        first = asyncio.create_task(backend.generate(_req("long", (9, 9), long)))
+        up = asyncio.create_task(backend.update_weights(learner.weights, 2004))
+        gated = asyncio.create_task(backend.generate(_req("g", (5, 6), long)))
+        await up
+        await backend.abort("g")  # released already, not sent yet
+        await first
+        return await gated
+
+    result = run(scenario())
+    assert result.finish_reason == "abort" and len(result.token_ids) < 100
+
+
 def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:
     """A session's next turn (prompt = previous prompt + sampled + new tokens) samples exactly
     what a fresh request would, whether or not the backend reuses the cached prefix."""

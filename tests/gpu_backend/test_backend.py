@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpu_backend.backend import EngineStartError, VLLMBackend
-from jax_agent_rl.models import ModelConfig, load_hf
+from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
 from tests.processes import group_gone
@@ -130,85 +130,3 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
             startup_timeout_s=600,
         )
     assert "safetensors" in str(error.value).lower()
-
-
-# ------------------------------------ the weight gate's races (as the JetStream client's tests)
-
-
-@pytest.fixture(scope="module")
-def one_engine(checkpoint: Path) -> Iterator[VLLMBackend]:
-    backend = VLLMBackend(
-        checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
-    )
-    try:
-        yield backend
-    finally:
-        asyncio.run(backend.close())
-        assert all(group_gone(pid) for pid in backend.pids)
-
-
-def test_back_to_back_updates_drain_the_requests_the_first_let_go(
-    checkpoint: Path, one_engine: VLLMBackend
-) -> None:
-    """Requests waiting on one update go out when it ends, before a second can start: the
-    second drains them, and each result is sampled wholly under the version it is stamped
-    with. (Tasks run in the order they are made: the first request is in flight before the
-    update starts, and the update holds the requests made after it.)"""
-    import jax
-
-    backend = one_engine
-    _, original = load_hf(checkpoint)
-    flipped = jax.tree.map(lambda x: -x, original)
-    prompts = [(5, 6, 7 + i) for i in range(3)]
-    long = SamplingParams(max_tokens=60, temperature=0.0)
-
-    async def scenario() -> list[GenerateResult]:
-        first = asyncio.create_task(backend.generate(GenerateRequest("long", (9, 9), long)))
-        up1 = asyncio.create_task(backend.update_weights(original, 1))
-        gated = [
-            asyncio.create_task(backend.generate(GenerateRequest(f"g{i}", p, long)))
-            for i, p in enumerate(prompts)
-        ]
-        await up1
-        await backend.update_weights(flipped, 2)  # at once: the gated ones are out already
-        await first
-        return list(await asyncio.gather(*gated))
-
-    results = asyncio.run(scenario())
-    reference = {}
-    for version, weights in ((1, original), (2, flipped)):
-        asyncio.run(backend.update_weights(weights, version))
-        requests = [GenerateRequest(f"ref{version}-{i}", p, long) for i, p in enumerate(prompts)]
-        reference[version] = asyncio.run(_all(backend, requests))
-    assert reference[1][0].token_ids != reference[2][0].token_ids
-    for i, result in enumerate(results):
-        assert result.token_ids == reference[result.weight_version][i].token_ids
-    asyncio.run(backend.update_weights(original, 3))
-
-
-def test_an_abort_right_after_the_awaited_update_still_aborts(
-    checkpoint: Path, one_engine: VLLMBackend
-) -> None:
-    backend = one_engine
-    long = SamplingParams(max_tokens=100, temperature=0.0)
-    _, weights = load_hf(checkpoint)
-
-    async def scenario() -> GenerateResult:
-        first = asyncio.create_task(backend.generate(GenerateRequest("long", (9, 9), long)))
-        up = asyncio.create_task(backend.update_weights(weights, 4))
-        gated = asyncio.create_task(backend.generate(GenerateRequest("g", (5, 6), long)))
-        await up
-        await backend.abort("g")  # released already, not sent yet
-        await first
-        return await gated
-
-    result = asyncio.run(scenario())
-    assert result.finish_reason == "abort" and len(result.token_ids) < 100
-
-
-async def _all(backend: VLLMBackend, requests: list[GenerateRequest]) -> list[GenerateResult]:
-    return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
