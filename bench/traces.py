@@ -1,4 +1,5 @@
-"""What recording the traced trajectories' per-token learner logprobs and advantages costs.
+"""What recording the traced trajectories' per-token learner logprobs, entropies and advantages
+costs.
 
 The learner half of a step (`jax_agent_rl.train.learn.learn`) on the demo's config and model
 (`jarl demo`'s task, prepared small): 16 prompts x 8 episodes of the demo's shape (a 48-token

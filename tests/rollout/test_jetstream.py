@@ -26,7 +26,9 @@ from jax_agent_rl.rollout import (
     InvalidRequestError,
     SamplingParams,
 )
+from jax_agent_rl.rollout.gate import Ticket
 from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling, ServerStartError
+from jax_agent_rl.rollout.protocol import FinishReason
 from tests.processes import group_gone
 
 MAX_LEN = 128
@@ -232,14 +234,15 @@ def shared(checkpoint: Path) -> Iterator[JetStreamBackend]:
 
 def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> None:
     ended: dict[str, tuple[list[int], str]] = {}
-    done = threading.Event()
+    started, done = threading.Event(), threading.Event()
     stream = shared._stream
 
-    def spy(call: object) -> tuple[list[int], str]:
-        out = stream(call)  # type: ignore[arg-type]
-        ended[call.request.request_id] = out  # type: ignore[attr-defined]
+    def spy(request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason]:
+        started.set()
+        out = stream(request, ticket)
+        ended[request.request_id] = out
         done.set()
-        return out  # type: ignore[return-value]
+        return out
 
     shared._stream = spy  # type: ignore[method-assign]
     try:
@@ -247,8 +250,7 @@ def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> No
         async def scenario() -> None:
             long = SamplingParams(max_tokens=120, temperature=0.0)
             task = asyncio.create_task(shared.generate(GenerateRequest("c", (5, 6), long)))
-            while not shared.in_flight():
-                await asyncio.sleep(0)
+            assert await asyncio.to_thread(started.wait, 120)  # its stream is on a pool thread
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
