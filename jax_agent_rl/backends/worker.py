@@ -4,8 +4,8 @@ such process runs (vLLM's `jax_agent_rl.backends.vllm.worker`, JetStream's
 `jax_agent_rl.rollout.processes.EngineProcess`, which starts ``python -m MODULE CONFIG_JSON``
 under the backend's venv and reads the process's stdout.
 
-`main` keeps the process's original stdout as the `Channel` to the backend (everything else
-printed, the engine's own logging included, goes to stderr, the engine's log), reads the
+`engine_main` keeps the process's original stdout as the `Channel` to the backend (everything
+else printed, the engine's own logging included, goes to stderr, the engine's log), reads the
 config from the command line, checks that the engine's stack imports, and runs the backend's
 ``serve(config, channel)`` until it returns. The first message on the channel is the
 handshake: what ``serve`` sends with `Channel.ready` once its engine serves, or
