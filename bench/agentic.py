@@ -35,9 +35,10 @@ Same KV budget, ``--kv-gib``, on both sides:
   bytes per page; real = the tokens those hold (the cached positions of the busy slots, plus
   the tokens of kept sessions not being decoded) x bytes per token.
   ``steps_per_call`` 8; every program compiled before the clock starts.
-- vLLM (`gpu_backend`, its own process under .venv-vllm): ``kv_cache_memory_bytes`` = the
-  budget (its paged cache holds the prefix cache too), ``max_num_seqs`` = the number of
-  trajectories. Its real bytes and prefill tokens are not visible from here: null.
+- vLLM (`jax_agent_rl.backends.vllm`, its own process under .venv-vllm):
+  ``kv_cache_memory_bytes`` = the budget (its paged cache holds the prefix cache too),
+  ``max_num_seqs`` = the number of trajectories. Its real bytes and prefill tokens are not
+  visible from here: null.
 
 Figures per backend: ``useful_tok_s`` (sampled tokens / wall time of the whole workload),
 sampled tokens, prefill tokens (embedded: prefilled and served from a session's cache),
@@ -322,7 +323,7 @@ def start(name: str, setup: Setup) -> tuple[RolloutBackend, float]:
     t0 = time.perf_counter()
     backend: RolloutBackend
     if name == "vllm":
-        from gpu_backend.backend import VLLMBackend
+        from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
         backend = VLLMBackend(
             setup.checkpoint,

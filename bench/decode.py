@@ -7,8 +7,9 @@ intermediate 1536, vocab 32000). Workload: batch B of random 32-token prompts, 1
 each, temperature 1, EOS ignored, logprobs returned (JetStream returns none); fp32 and bf16; B
 in 1, 8, 32. Each goes through its full asyncio `RolloutBackend` (``--backends
 embedded,jetstream,vllm``): the embedded engine's continuous batching, JetStream's Driver and
-gRPC server in their own process (`jax_agent_rl.rollout.jetstream`, 8 decode steps per engine
-call like the embedded one's), and vLLM's ``AsyncLLM`` in its own process (`gpu_backend`).
+gRPC server in their own process (`jax_agent_rl.backends.jetstream`, 8 decode steps per engine
+call like the embedded one's), and vLLM's ``AsyncLLM`` in its own process
+(`jax_agent_rl.backends.vllm`).
 ``_ratio`` is jax / vLLM; ``_jetstream_overhead`` is jax / JetStream: what JetStream's serving
 loop (a Python thread per stage, one gRPC stream per request) costs over the same engine.
 
@@ -97,13 +98,13 @@ def decode(
     cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
     backend: RolloutBackend
     if name == "vllm":
-        from gpu_backend.backend import VLLMBackend
+        from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
         backend = VLLMBackend(
             ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, max_num_seqs=max(batches)
         )
     elif name == "jetstream":
-        from jax_agent_rl.rollout.jetstream import JetStreamBackend
+        from jax_agent_rl.backends.jetstream.client import JetStreamBackend
 
         backend = JetStreamBackend(
             ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, slots=max(batches), steps=8

@@ -162,7 +162,7 @@ async def rollout(
 def make_backend(name: str, ckpt: Path, n: int) -> RolloutBackend:
     cfg, weights = load_hf(ckpt)
     if name == "vllm":
-        from gpu_backend.backend import VLLMBackend
+        from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
         return VLLMBackend(ckpt, cfg, max_model_len=1024, max_num_seqs=n)
     engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024)

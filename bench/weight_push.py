@@ -1,11 +1,11 @@
 """Weight push into a running vLLM engine: the JAX learner's parameters to vLLM's CPU build.
 
 The small model (Qwen2-style, ~40M parameters, fp32: ~160 MB) is written here by transformers
-and served by one vLLM engine process (`gpu_backend`); its weights, moved a little each time as
-a train step would, are pushed ``--pushes`` times through the backend's path: the HF
-name/transpose table into one /dev/shm file (this process), then vLLM's ``reload_weights``
-from that file in place and a prefix-cache reset (the engine). Reports the median of each
-phase and the effective bandwidth. Ends with one JSON line.
+and served by one vLLM engine process (`jax_agent_rl.backends.vllm`); its weights, moved a
+little each time as a train step would, are pushed ``--pushes`` times through the backend's
+path: the HF name/transpose table into one /dev/shm file (this process), then vLLM's
+``reload_weights`` from that file in place and a prefix-cache reset (the engine). Reports the
+median of each phase and the effective bandwidth. Ends with one JSON line.
 
     .venv/bin/python bench/weight_push.py [--model small] [--pushes 5]
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from gpu_backend.backend import DEFAULT_PYTHON, VLLMBackend
+from jax_agent_rl.backends.vllm.backend import DEFAULT_PYTHON, VLLMBackend
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout.protocol import PushStats

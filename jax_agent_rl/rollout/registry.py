@@ -1,12 +1,13 @@
 """Rollout backends by name: ``rollout.backend`` picks one from here.
 
-The embedded JAX engine is built in. Every other backend (vLLM in ``gpu_backend``, a user's own)
-registers a `BackendFactory`, either by calling `register_backend` or through the
-``jax_agent_rl.backends`` entry-point group of its package's metadata, so nothing in
-``jax_agent_rl`` imports a backend's package: ``gpu_backend`` declares itself in pyproject.toml
+The embedded JAX engine is built in. Every other backend (vLLM's and JetStream's in
+``jax_agent_rl/backends/``, a user's own) registers a `BackendFactory`, either by calling
+`register_backend` or through the ``jax_agent_rl.backends`` entry-point group of its package's
+metadata, so nothing else in ``jax_agent_rl`` imports a backend's home: each declares itself in
+pyproject.toml
 
     [project.entry-points."jax_agent_rl.backends"]
-    vllm = "gpu_backend.backend:FACTORY"
+    vllm = "jax_agent_rl.backends.vllm.backend:FACTORY"
 
 and is imported only when a run asks for ``rollout.backend=vllm``.
 """

@@ -2,10 +2,10 @@
 
 Each backend is built by a factory registered in ``BACKENDS`` from the same locally written
 checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
-that need their own venv run it in their own processes (vLLM: `gpu_backend`, under
-``.venv-vllm``; JetStream: `jax_agent_rl.rollout.jetstream`, under ``.venv-jetstream``); the
-Ray pool routes over two embedded replicas in Ray actors (`jax_agent_rl.rollout.ray_pool`). The
-suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
+that need their own venv run it in their own processes (vLLM: `jax_agent_rl.backends.vllm`,
+under ``.venv-vllm``; JetStream: `jax_agent_rl.backends.jetstream`, under ``.venv-jetstream``);
+the Ray pool routes over two embedded replicas in Ray actors (`jax_agent_rl.rollout.ray_pool`).
+The suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
 refuses (or, for logprobs, does not make up).
 """
 
@@ -40,7 +40,8 @@ def _embedded(path: Path) -> RolloutBackend:
 
 
 def _vllm(path: Path) -> RolloutBackend:
-    from gpu_backend.backend import VLLMBackend  # starts vLLM in its own venv and processes
+    # starts vLLM in its own venv and processes
+    from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
     return VLLMBackend(
         path,
@@ -53,7 +54,7 @@ def _vllm(path: Path) -> RolloutBackend:
 
 
 def _jetstream(path: Path) -> RolloutBackend:
-    from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling
+    from jax_agent_rl.backends.jetstream.client import JetStreamBackend, ServerSampling
 
     return JetStreamBackend(  # JetStream's server in its own venv and process
         path,

@@ -16,6 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_agent_rl.backends.jetstream.client import (
+    JetStreamBackend,
+    ServerSampling,
+    ServerStartError,
+)
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
@@ -27,7 +32,6 @@ from jax_agent_rl.rollout import (
     SamplingParams,
 )
 from jax_agent_rl.rollout.gate import Ticket
-from jax_agent_rl.rollout.jetstream import JetStreamBackend, ServerSampling, ServerStartError
 from jax_agent_rl.rollout.protocol import FinishReason
 from tests.processes import group_gone
 
@@ -208,7 +212,7 @@ def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
     script = (
         "import os, sys\n"
         "from jax_agent_rl.models import ModelConfig\n"
-        "from jax_agent_rl.rollout.jetstream import JetStreamBackend\n"
+        "from jax_agent_rl.backends.jetstream.client import JetStreamBackend\n"
         f"path = {str(checkpoint)!r}\n"
         "b = JetStreamBackend(path, ModelConfig.from_pretrained(path),"
         f" max_model_len={MAX_LEN}, slots={SLOTS})\n"

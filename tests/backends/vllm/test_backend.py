@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_backend.backend import EngineStartError, VLLMBackend
+from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams

@@ -1,5 +1,5 @@
 """`JetStreamBackend`: this project's engine served by JetStream's orchestrator and gRPC server
-(`jax_agent_rl.rollout.jetstream_server`, in its own process under ``.venv-jetstream``: JetStream
+(`jax_agent_rl.backends.jetstream.server`, in its own process under ``.venv-jetstream``: JetStream
 imports TensorFlow, which stays out of this process), spoken to over JetStream's gRPC API.
 
 What JetStream's API carries decides the `Capabilities`, and the backend refuses, with
@@ -46,9 +46,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from jax_agent_rl.backends.jetstream.server import TOKEN_ENV, TOKEN_KEY
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
-from jax_agent_rl.rollout.jetstream_server import TOKEN_ENV, TOKEN_KEY
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
@@ -65,7 +65,7 @@ from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh jetstream`"
 SHM_DIR = Path("/dev/shm")
@@ -167,7 +167,7 @@ class JetStreamBackend:
         self.server = EngineProcess(
             "JetStream server",
             python,
-            "jax_agent_rl.rollout.jetstream_server",
+            "jax_agent_rl.backends.jetstream.server",
             config,
             root=ROOT,
             log=self.log,

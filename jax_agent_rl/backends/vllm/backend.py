@@ -1,10 +1,10 @@
 """`VLLMBackend`: vLLM engine processes behind the `RolloutBackend` protocol.
 
-The backend starts ``replicas`` engine processes (`gpu_backend.vllm_worker`, under the vLLM
-venv's interpreter: vLLM never loads into this process, so never beside JAX or TensorFlow),
-each in its own process group, and talks to each over a pipe (`gpu_backend.wire`). One reader
-thread per engine resolves the asyncio futures of the calls waiting on it, so the event loop
-never blocks and any event loop may call in.
+The backend starts ``replicas`` engine processes (`worker`, under the vLLM venv's
+interpreter: vLLM never loads into this process, so never beside JAX or TensorFlow), each in
+its own process group, and talks to each over a pipe (`wire`). One reader thread per engine
+resolves the asyncio futures of the calls waiting on it, so the event loop never blocks and
+any event loop may call in.
 
 Routing is `jax_agent_rl.rollout.router`'s: a session's turns stay on one engine (vLLM's
 prefix cache then holds them), anything else goes to the engine with the fewest requests in
@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from gpu_backend import wire
+from jax_agent_rl.backends.vllm import wire
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
@@ -62,7 +62,7 @@ from jax_agent_rl.rollout.router import SESSION_MEMORY, Router
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh vllm`"
 
@@ -84,8 +84,8 @@ class _Call:
 def _messages(out: IO[bytes]) -> Iterator[dict[str, Any]]:
     """An engine's messages; a start failure is the handshake's ``error``."""
     while (message := wire.read_message(out)) is not None:  # type: ignore[arg-type]
-        if message["op"] == "error":
-            message = {"error": f"vLLM engine failed: {message['message']}"}
+        if "error" in message:
+            message = {"error": f"vLLM engine failed: {message['error']}"}
         yield message
 
 
@@ -110,7 +110,7 @@ class _Engine:
         self.process = EngineProcess(
             f"vLLM engine {index}",
             python,
-            "gpu_backend.vllm_worker",
+            "jax_agent_rl.backends.vllm.worker",
             config,
             root=ROOT,
             log=log,

@@ -1,9 +1,9 @@
 """One vLLM engine process: vLLM's v1 ``AsyncLLM`` behind a pipe. Runs under ``.venv-vllm``.
 
-    .venv-vllm/bin/python -m gpu_backend.vllm_worker '{"model": ..., "max_model_len": ...}'
+    .venv-vllm/bin/python -m jax_agent_rl.backends.vllm.worker '{"model": ..., ...}'
 
-Messages (`gpu_backend.wire` framing) come in on stdin and go out on the process's original
-stdout; everything vLLM prints goes to stderr. In:
+Its ``main`` is `jax_agent_rl.backends.worker`'s. Messages (`wire` framing) come in on stdin
+and go out on the process's original stdout; everything vLLM prints goes to stderr. In:
 
 - ``generate`` {id, prompt, temperature, top_k, top_p, seed, max_tokens, stop, logprobs}
 - ``abort`` {id}
@@ -15,8 +15,8 @@ stdout; everything vLLM prints goes to stderr. In:
   ``resume``; aborts are served meanwhile
 - ``shutdown``
 
-Out: ``ready`` {max_model_len, vocab_size}, or ``error`` {message} and exit; ``result`` {id,
-tokens, logprobs, finish}; ``loaded`` {seconds}; ``failed`` {id, message} for a load that
+Out: the handshake, ``ready`` {max_model_len, vocab_size} or {error} and exit; ``result``
+{id, tokens, logprobs, finish}; ``loaded`` {seconds}; ``failed`` {id, message} for a load that
 raised; ``paused`` once a ``pause`` has taken effect. End of stdin means the backend is gone:
 the engine shuts down.
 
@@ -39,8 +39,10 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from gpu_backend import wire
+from jax_agent_rl.backends.vllm import wire
+from jax_agent_rl.backends.worker import Channel, engine_main
 
+_MODULE = "jax_agent_rl.backends.vllm.worker"  # this module's name (``-m`` runs it as __main__)
 PAUSE_KEY = "jarl_pause_at"  # SamplingParams.extra_args: pause once the request has n tokens
 
 
@@ -277,24 +279,20 @@ def _engine(config: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=config["kv_cache_bytes"],  # None: sized from the utilization
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,  # greedy requests with filters ask for the whole distribution
-        worker_extension_cls="gpu_backend.vllm_worker.WeightLoader",
+        worker_extension_cls=f"{_MODULE}.WeightLoader",
         disable_log_stats=True,
-        scheduler_cls="gpu_backend.vllm_worker.PausingScheduler" if config["pausable"] else None,
+        scheduler_cls=f"{_MODULE}.PausingScheduler" if config["pausable"] else None,
         async_scheduling=False if config["pausable"] else None,  # None: vLLM's choice
     )
     return AsyncLLM.from_engine_args(args)
 
 
-async def _main(config: dict[str, Any], out: BinaryIO) -> None:
-    try:
-        engine = _engine(config)
-    except Exception as e:
-        wire.write_message(out, {"op": "error", "message": f"{type(e).__name__}: {e}"})
-        return
+async def _serve(config: dict[str, Any], channel: Channel) -> None:
+    engine = _engine(config)  # a failure here is the handshake's error (`backends.worker`)
     try:
         vocab = engine.model_config.get_vocab_size()
-        worker = Worker(engine, out, vocab)
-        worker.send(
+        worker = Worker(engine, channel.out, vocab)
+        channel.ready(
             {"op": "ready", "max_model_len": engine.model_config.max_model_len, "vocab_size": vocab}
         )
         loop = asyncio.get_running_loop()
@@ -309,19 +307,7 @@ async def _main(config: dict[str, Any], out: BinaryIO) -> None:
 
 def main() -> None:
     # the message channel is the original stdout; vLLM's own output goes to stderr
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    config = json.loads(sys.argv[1])
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        message = (
-            f"vLLM is not importable by {sys.executable} ({e}); "
-            "build its environment with `scripts/setup.sh vllm`"
-        )
-        wire.write_message(out, {"op": "error", "message": message})
-        sys.exit(1)
-    asyncio.run(_main(config, out))
+    engine_main(_serve, wire.write_message, stack="vllm", name="vLLM", setup="vllm")
 
 
 if __name__ == "__main__":

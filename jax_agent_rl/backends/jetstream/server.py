@@ -1,16 +1,17 @@
 """The JetStream server process: this project's engine under JetStream's own orchestrator
 (``Driver``) and gRPC servicer, on loopback. Runs under ``.venv-jetstream``, started by
-`jax_agent_rl.rollout.jetstream.JetStreamBackend`:
+`jax_agent_rl.backends.jetstream.client.JetStreamBackend`:
 
-    .venv-jetstream/bin/python -m jax_agent_rl.rollout.jetstream_server '{"checkpoint": ...}'
+    .venv-jetstream/bin/python -m jax_agent_rl.backends.jetstream.server '{"checkpoint": ...}'
 
 Every call must carry the metadata ``jarl-token`` equal to the ``JARL_JETSTREAM_TOKEN`` the
 server was started with (in its environment, which only its own user can read): loopback is
 open to every local user, and a stranger's ``Load`` would swap the policy being trained.
 
-It writes one JSON line to its stdout once serving, ``{"port", "vocab_size", "max_len"}`` (or
-``{"error"}`` and exits), and serves until its stdin closes: the client is gone, so is the
-server. Everything else it prints (JetStream logs to stdout) goes to stderr.
+Its ``main`` is `jax_agent_rl.backends.worker`'s. Its handshake is one JSON line on its stdout
+once serving, ``{"port", "vocab_size", "max_len"}`` (or ``{"error"}`` and it exits), and it
+serves until its stdin closes: the client is gone, so is the server. Everything else it prints
+(JetStream logs to stdout) goes to stderr.
 
 Services on the port:
 
@@ -37,6 +38,8 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO
+
+from jax_agent_rl.backends.worker import Channel, engine_main
 
 HOST = "127.0.0.1"
 TOKEN_ENV = "JARL_JETSTREAM_TOKEN"
@@ -74,9 +77,13 @@ def _adapter(config: dict[str, Any]) -> Any:
     """Our engine over the checkpoint, compiled, in JetStream's interface."""
     import jax
 
+    from jax_agent_rl.backends.jetstream.engine import (
+        JetStreamEngine,
+        LiveParams,
+        max_prefill_length,
+    )
     from jax_agent_rl.engine import Engine, SamplingParams
     from jax_agent_rl.models import Sharder, load_hf, make_mesh
-    from third_party.jetstream.engine import JetStreamEngine, LiveParams, max_prefill_length
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)
@@ -109,11 +116,11 @@ def _adapter(config: dict[str, Any]) -> Any:
     return adapter
 
 
-async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
+async def _serve(config: dict[str, Any], channel: Channel) -> None:
     import grpc
     import jax
 
-    from third_party.jetstream import compat
+    from jax_agent_rl.backends.jetstream import compat
 
     compat.install()
     from jetstream.core import orchestrator
@@ -180,7 +187,7 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
     server.add_generic_rpc_handlers((control,))
     port = server.add_insecure_port(f"{HOST}:0")
     await server.start()
-    _send(out, {"port": port, "vocab_size": vocab_size, "max_len": max_len})
+    channel.ready({"port": port, "vocab_size": vocab_size, "max_len": max_len})
     try:  # serve until the client closes our stdin (or dies)
         await asyncio.to_thread(sys.stdin.buffer.read)
     finally:
@@ -190,24 +197,13 @@ async def _serve(config: dict[str, Any], out: BinaryIO) -> None:
 
 def main() -> None:
     # the client reads the original stdout; JetStream's own logging goes to stderr
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    config = json.loads(sys.argv[1])
-    try:
-        import jetstream.core.orchestrator  # noqa: F401 - JetStream's stack, TensorFlow included
-    except ImportError as e:
-        message = (
-            f"JetStream is not importable by {sys.executable} ({e}); "
-            "build its environment with `scripts/setup.sh jetstream`"
-        )
-        _send(out, {"error": message})
-        sys.exit(1)
-    try:
-        asyncio.run(_serve(config, out))
-    except Exception as e:
-        logging.exception("the JetStream server failed")
-        _send(out, {"error": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
+    engine_main(
+        _serve,
+        _send,
+        stack="jetstream.core.orchestrator",  # JetStream's stack, TensorFlow included
+        name="JetStream",
+        setup="jetstream",
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 vLLM prefills such a prompt in chunks by default, and its CPU build cannot rewind a seeded
 request's generator after a partial chunk: the engine died, ending every request on it. The
-worker turns chunked prefill off on CPU (`gpu_backend.vllm_worker`); seeds are kept."""
+worker turns chunked prefill off on CPU (`jax_agent_rl.backends.vllm.worker`); seeds are kept."""
 
 import asyncio
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_backend.backend import VLLMBackend
+from jax_agent_rl.backends.vllm.backend import VLLMBackend
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams

@@ -1,1 +1,0 @@
-"""Thin compatibility code for third-party engines, each beside its license notice."""
