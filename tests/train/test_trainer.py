@@ -1,6 +1,7 @@
 """The trainer as a user runs it (`jarl train` in a subprocess): a run killed with SIGKILL,
 while a checkpoint is being written and again in the middle of a step, resumes to exactly the
-parameters of a run that was never interrupted; configs are validated before anything runs."""
+parameters of a run that was never interrupted; configs are validated before anything runs.
+The task is the package's (tests/train/conftest.py), made once for every module here."""
 
 import json
 import signal
@@ -15,20 +16,12 @@ from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import load_config
-from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles
 from jax_agent_rl.train import train
 from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
-    return prepare(
-        tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=200, n_val=16, n_sft=300
-    )
 
 
 def _command(task: TaskFiles, run_dir: Path) -> list[str]:
