@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import secrets
 import time
@@ -15,69 +14,9 @@ from typing import Any
 import httpx
 
 from jax_agent_rl.tools.base import ToolResult
-from jax_agent_rl.tools.protocol import FRAME_HEAD, NAMESPACE_HEADER, frame
+from jax_agent_rl.tools.protocol import NAMESPACE_HEADER, frame
 from jax_agent_rl.tools.registry import ToolTransportError
-
-# a socket connection idle this long is not reused: the server closes it after KEEP_ALIVE_S
-CLIENT_IDLE_S = 5.0
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """The server's next frame; raises ValueError for one that is not a JSON object (caught
-    as a broken server, so no other error reaches a caller)."""
-    (n,) = FRAME_HEAD.unpack(await reader.readexactly(FRAME_HEAD.size))
-    try:
-        obj = json.loads(await reader.readexactly(n))
-    except RecursionError as e:  # nested too deep to parse: garbage like any other
-        raise ValueError(f"frame is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"frame is not a JSON object: {type(obj).__name__}")
-    return obj
-
-
-class _SocketConnection:
-    """One connection to a `SocketServer`: requests go out as frames, and a reader task hands
-    each answer to the request with its id; when the connection ends, the requests still
-    waiting fail (they may have run)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.ids = itertools.count()
-        self.last_used = time.monotonic()
-        self._reading = asyncio.create_task(self._read(reader))
-
-    @property
-    def reusable(self) -> bool:
-        fresh = time.monotonic() - self.last_used < CLIENT_IDLE_S
-        return not self.writer.is_closing() and (bool(self.waiting) or fresh)
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        why = "the connection closed"
-        try:
-            while True:
-                answer = await _read_frame(reader)
-                rid = answer.get("id")  # an id that is not ours (not even an int) is no answer
-                future = self.waiting.pop(rid, None) if isinstance(rid, int) else None
-                if future is None:  # the server ends the connection with an unaddressed error
-                    why = f"the server closed the connection: {answer.get('error')}"
-                    break
-                if not future.done():
-                    future.set_result(answer)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
-            why = f"the connection failed: {e!r}"
-        finally:
-            self.writer.close()
-            for future in self.waiting.values():
-                if not future.done():
-                    future.set_exception(ToolTransportError(why))
-            self.waiting.clear()
-
-    async def close(self) -> None:
-        self.writer.close()
-        self._reading.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reading
+from jax_agent_rl.tools.socket_client import SocketConnection, read_frame
 
 
 class HttpTools:
@@ -115,10 +54,10 @@ class HttpTools:
         path = self.url.removeprefix("unix:") if self.url.startswith("unix:") else None
         self._socket = path[2:] if path is not None and path.startswith("//") else path
         self._token = token
-        self._connections: dict[asyncio.AbstractEventLoop, _SocketConnection] = {}
+        self._connections: dict[asyncio.AbstractEventLoop, SocketConnection] = {}
         self._connecting: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 
-    async def _connection(self, path: str) -> _SocketConnection:
+    async def _connection(self, path: str) -> SocketConnection:
         """The running loop's connection to the socket, (re)opened when needed; retries the
         connection (the request cannot have reached the server) with exponential backoff."""
         loop = asyncio.get_running_loop()
@@ -139,14 +78,14 @@ class HttpTools:
             try:
                 writer.write(frame({"token": self._token, "namespace": self._namespace}))
                 async with asyncio.timeout(self._timeout):
-                    hello = await _read_frame(reader)
+                    hello = await read_frame(reader)
             except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
                 writer.close()
                 raise ToolTransportError(f"tool server {self.url} failed at hello: {e!r}") from e
             if not hello.get("ok"):
                 writer.close()
                 raise ToolTransportError(f"tool server {self.url} refused: {hello.get('error')}")
-            self._connections[loop] = conn = _SocketConnection(reader, writer)
+            self._connections[loop] = conn = SocketConnection(reader, writer)
             return conn
 
     async def _socket_request(self, path: str, op: str, body: dict[str, Any]) -> Any:
