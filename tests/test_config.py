@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import jax_agent_rl
+from jax_agent_rl.agent.context import AgentConfig
 from jax_agent_rl.config import (
     ConfigError,
     JarlConfig,
@@ -151,6 +152,15 @@ def test_values_out_of_range_are_all_reported_one_line_each() -> None:
     ]
     ok = ["algorithm.clip_c=null", "rollout.top_k=-1", "rollout.temperature=0", "trainer.steps=0"]
     assert load_config(None, ["model.path=/a", "data.train=t", *ok]).algorithm.clip_c is None
+
+
+def test_max_tool_calls_per_turn_is_a_count_the_loop_reads() -> None:
+    base = ["model.path=/a", "data.train=t"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "agent.max_tool_calls_per_turn=0"])
+    assert str(e.value) == "agent.max_tool_calls_per_turn=0: expected >= 1"
+    agent = load_config(None, [*base, "agent.max_tool_calls_per_turn=3"]).agent
+    assert AgentConfig.of(agent).max_tool_calls_per_turn == 3
 
 
 def test_a_moved_key_names_its_new_name() -> None:

@@ -253,6 +253,18 @@ def test_optimizer_and_common_script_keys() -> None:
             _to_jarl([override])
 
 
+def test_max_parallel_calls_is_the_per_turn_cap() -> None:
+    """verl's multi_turn.max_parallel_calls is how many of a turn's calls run (verl drops the
+    rest), so it sets jarl's per-turn cap, not how many calls run at once."""
+    key = "actor_rollout_ref.rollout.multi_turn.max_parallel_calls"
+    assert _to_jarl([f"{key}=2"]) == {"agent.max_tool_calls_per_turn": "2"}
+    entry = find(key)
+    assert entry is not None and entry.jarl == "agent.max_tool_calls_per_turn"
+    assert "verl drops" in entry.how and "error observation" in entry.how
+    cfg = load_config(None, ["model.path=/a", "data.train=t", f"{key}=3"])
+    assert cfg.agent.max_tool_calls_per_turn == 3
+
+
 def test_a_jarl_key_set_twice_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.n is set directly and by verl key"):
         _to_jarl(["rollout.n=4", "actor_rollout_ref.rollout.n=8"])

@@ -1,6 +1,7 @@
 """What an agent loop is given: its settings (`AgentConfig`) and the parts it drives
-(`AgentContext`: the backend, the tokenizer, the tools, the parser), the tool call slots its
-trajectories share (`ToolCallSlots`) and a tree rollout's shared `Budget`."""
+(`AgentContext`: the backend, the tokenizer, the tools, the parser), the limits on tool calls
+(`ToolCallSlots` for a trajectory's calls at once, `cap_calls` for a turn's) and a tree
+rollout's shared `Budget`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jax_agent_rl.config import AgentSection
 from jax_agent_rl.envs.base import Environments
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.tokenization.tool_calls import ToolCallParser
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolExecutor
 from jax_agent_rl.user_code import load_function
@@ -39,6 +40,7 @@ class AgentConfig:
     max_tool_response_tokens: int = _AGENT["max_tool_response_tokens"]
     tool_response_truncate: Literal["left", "right", "middle"] = _AGENT["tool_response_truncate"]
     max_parallel_tool_calls: int = _AGENT["max_parallel_tool_calls"]
+    max_tool_calls_per_turn: int = _AGENT["max_tool_calls_per_turn"]
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)
     harness: str = _AGENT["harness"]  # openai_agent's (agent/openai_endpoint.py)
     max_model_len: int = 2048  # prompt + response
@@ -76,6 +78,32 @@ class ToolCallSlots:
                 self._slots[trajectory_id] = (slots, calls)
             else:
                 del self._slots[trajectory_id]
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedCall(ParsedCall):
+    """A well-formed call past its turn's ``agent.max_tool_calls_per_turn``: not run, answered
+    with ``error`` (why) as a malformed call is, but counted in `Trajectory.refused_calls`."""
+
+
+def cap_calls(calls: list[ParsedCall], cap: int) -> list[ParsedCall]:
+    """A turn's ``calls`` with every well-formed one after the first ``cap`` refused
+    (`RefusedCall`); malformed calls run nothing and do not count. verl's
+    ``multi_turn.max_parallel_calls`` drops such calls from the turn; here each is answered,
+    so the model reads the limit and nothing it wrote is silently lost."""
+    out: list[ParsedCall] = []
+    runs = 0
+    for i, call in enumerate(calls):
+        runs += call.error is None
+        if call.error is None and runs > cap:
+            why = (
+                f"tool call {i + 1} of {len(calls)} not run: at most {cap} tool calls per turn "
+                "(agent.max_tool_calls_per_turn)"
+            )
+            out.append(RefusedCall(call.name, call.arguments, why))
+        else:
+            out.append(call)
+    return out
 
 
 @dataclasses.dataclass

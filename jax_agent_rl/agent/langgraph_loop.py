@@ -13,9 +13,10 @@ call runs one model turn exactly as `run_tool_agent` does (`model_turn` over the
 budgets, stop reasons, counters and released tool state (`run_episode`).
 
 A call the tools cannot take as written (malformed, arguments that are not an object, a tool
-that does not exist) goes to one more tool, ``invalid_tool_call``, which answers it as the
-loop does (the parser's error, or the executor's), so the graph routes every call of a turn to
-its tool node and the model reads the loop's observation.
+that does not exist) or will not run (past ``agent.max_tool_calls_per_turn``, `read_turn`)
+goes to one more tool, ``invalid_tool_call``, which answers it as the loop does (the parser's
+error, the cap's, or the executor's), so the graph routes every call of a turn to its tool
+node and the model reads the loop's observation.
 
 When the episode ends between turns (a tool ended it, the observation does not fit, a budget
 is spent), the model answers an empty message without tool calls (``response_metadata``
@@ -56,7 +57,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from pydantic import InstanceOf
 
-from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.context import AgentContext, RefusedCall
 from jax_agent_rl.agent.loop import (
     budget_stop,
     call_tool,
@@ -148,7 +149,12 @@ class Episode:
     def _tool_call(self, call: ParsedCall, call_id: str) -> ToolCall:
         if call.error is None and isinstance(call.arguments, dict) and call.name in self.tool_names:
             return tool_call(name=call.name, args=call.arguments, id=call_id)
-        args = {"name": call.name, "arguments": call.arguments, "error": call.error}
+        args = {
+            "name": call.name,
+            "arguments": call.arguments,
+            "error": call.error,
+            "refused": isinstance(call, RefusedCall),  # past the turn's cap, not malformed
+        }
         return tool_call(name=INVALID_CALL, args=args, id=call_id)
 
     def _message(
@@ -302,7 +308,8 @@ class InvalidCallTool(EpisodeTool):
     """Answers a call the tools cannot take as written, as the loop answers it."""
 
     def _call(self, arguments: dict[str, Any]) -> ParsedCall:
-        return ParsedCall(arguments["name"], arguments["arguments"], arguments["error"])
+        call = RefusedCall if arguments["refused"] else ParsedCall
+        return call(arguments["name"], arguments["arguments"], arguments["error"])
 
 
 def episode_tools(episode: Episode) -> list[BaseTool]:
@@ -318,8 +325,13 @@ def episode_tools(episode: Episode) -> list[BaseTool]:
     ]
     invalid_schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "arguments": {}, "error": {}},
-        "required": ["name", "arguments", "error"],
+        "properties": {
+            "name": {"type": "string"},
+            "arguments": {},
+            "error": {},
+            "refused": {"type": "boolean"},
+        },
+        "required": ["name", "arguments", "error", "refused"],
     }
     return [
         *tools,

@@ -4,8 +4,9 @@
 `ToolExecutor`. Model tokens are appended exactly as sampled (mask 1, with their logprobs);
 every other token comes from the chat template as a delta (mask 0), so ``prompt_ids +
 response_ids`` is what the model saw. Tool calls of one turn run concurrently, at most
-``agent.max_parallel_tool_calls`` of a trajectory at once (`ToolCallSlots`); a malformed
-call is answered with a tool message saying what was wrong. Every trajectory ends with a
+``agent.max_parallel_tool_calls`` of a trajectory at once (`ToolCallSlots`) and at most
+``agent.max_tool_calls_per_turn`` of a turn in all (`cap_calls`); a malformed or refused call
+is answered with a tool message saying what was wrong. Every trajectory ends with a
 `StopReason`, and its tool state is always released; an unexpected exception ends only its own
 trajectory (``agent_error``, see `run_sample`).
 
@@ -32,7 +33,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
-from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.context import AgentContext, RefusedCall, cap_calls
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
@@ -142,14 +143,15 @@ async def model_turn(ctx: AgentContext, traj: Trajectory) -> tuple[list[int], st
 def read_turn(
     ctx: AgentContext, traj: Trajectory, turn: list[int], finish: str
 ) -> tuple[str, list[ParsedCall], StopReason | None]:
-    """A model turn's text and calls, counted in ``traj``, and the stop reason when the
-    episode ends with this turn (no call, or calls past a budget), else None: the calls run
-    (and `record_results` records the turn's message with theirs)."""
+    """A model turn's text and calls (those past its cap refused, `cap_calls`), counted in
+    ``traj``, and the stop reason when the episode ends with this turn (no call, or calls past
+    a budget), else None: the calls run (and `record_results` records the turn's message with
+    theirs)."""
     text = ctx.tokenizer.decode(turn)
     if finish == "abort":
         traj.add_turn("aborted")
         return text, [], "aborted"
-    calls = ctx.parser.parse(text)
+    calls = cap_calls(ctx.parser.parse(text), ctx.config.max_tool_calls_per_turn)
     if not calls:
         ended = bool(turn) and turn[-1] == ctx.builder.eos_id
         cut = None if ended else budget_stop(ctx, traj, len(turn))
@@ -171,11 +173,11 @@ async def call_tool(
     call: ParsedCall,
     create_kwargs: Mapping[str, dict[str, Any]],
 ) -> ToolResult:
-    """One call of a turn: a malformed one is answered with what was wrong, the others by the
-    executor (with the sample's ``create_kwargs`` of that tool) once one of the trajectory's
-    ``max_parallel_tool_calls`` slots is free."""
+    """One call of a turn: a malformed or refused one (`RefusedCall`) is answered with what was
+    wrong, the others by the executor (with the sample's ``create_kwargs`` of that tool) once
+    one of the trajectory's ``max_parallel_tool_calls`` slots is free."""
     if call.error is not None:
-        traj.add_malformed_call()
+        traj.add_unrun_call(refused=isinstance(call, RefusedCall))
         return ToolResult(f"error: {call.error}", error=True)
     kwargs = create_kwargs.get(call.name)
     async with ctx.tool_slots.hold(traj.uid, ctx.config.max_parallel_tool_calls):

@@ -19,10 +19,11 @@ re-tokenized where the model wrote them:
   an OpenAI ``chat.completion``: ``content`` is the model's whole text, its well-formed calls
   are ``tool_calls`` (ids ``call_<turn>_<i>``, ``arguments`` a JSON string), and
   ``finish_reason`` is ``tool_calls``, ``stop`` (an end of turn) or ``length`` (a budget ended
-  the episode). Calls the model wrote malformed are answered by the endpoint as the loop
-  answers them (counted as malformed); a turn of malformed calls only is answered and followed
-  by the next turn within the same request. So for the same model tokens a harness that runs
-  the calls it is given records token for token the trajectory `run_tool_agent` records.
+  the episode). Calls the model wrote malformed, or past ``agent.max_tool_calls_per_turn``, are
+  answered by the endpoint as the loop answers them (counted as malformed or refused); a turn
+  of malformed calls only is answered and followed by the next turn within the same request.
+  So for the same model tokens a harness that runs the calls it is given records token for
+  token the trajectory `run_tool_agent` records.
 
 A request that rewrites an earlier turn, or that the endpoint cannot take (not JSON, no
 messages, unknown roles or fields, a second request while one is in progress, streaming), is
@@ -56,7 +57,7 @@ from typing import Any, NoReturn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.context import AgentContext, RefusedCall
 from jax_agent_rl.agent.loop import (
     budget_stop,
     call_tool,
@@ -97,7 +98,7 @@ class _Calls:
     tokens: list[int]
     text: str
     calls: list[ParsedCall]
-    ids: list[str | None]  # the tool call id of each call; None: malformed, answered here
+    ids: list[str | None]  # each call's tool call id; None: malformed or refused, answered here
     started: float  # when the reply left (perf_counter)
 
 
@@ -245,7 +246,7 @@ class Session:
         for call, i in zip(pending.calls, pending.ids, strict=True):
             if i is None:
                 results.append(ToolResult(f"error: {call.error}", error=True))
-                self.traj.add_malformed_call()
+                self.traj.add_unrun_call(refused=isinstance(call, RefusedCall))
             else:
                 ran = self.results.pop(i, None) or ToolResult("")
                 results.append(dataclasses.replace(ran, text=_text(answers[i])))

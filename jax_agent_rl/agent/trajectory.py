@@ -69,8 +69,11 @@ class Trajectory:
     stop_reason: StopReason = "eos"
     weight_versions: list[int] = dataclasses.field(default_factory=list)
     messages: list[Message] = dataclasses.field(default_factory=list)
+    # the calls its turns answered: run, or answered without running (each also a tool error):
+    # malformed, or refused (well-formed, past the turn's agent.max_tool_calls_per_turn)
     tool_calls: int = 0
     malformed_calls: int = 0
+    refused_calls: int = 0
     tool_errors: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
@@ -126,8 +129,12 @@ class Trajectory:
     def add_messages(self, messages: Sequence[Message]) -> None:
         self.messages.extend(messages)
 
-    def add_malformed_call(self) -> None:
-        self.malformed_calls += 1
+    def add_unrun_call(self, refused: bool) -> None:
+        """A call answered without running: ``refused`` (past its turn's cap), or malformed."""
+        if refused:
+            self.refused_calls += 1
+        else:
+            self.malformed_calls += 1
 
     def add_tool_results(self, results: Sequence[ToolResult], messages: Sequence[Message]) -> None:
         """The results of one turn's calls (one per call): counted, their rewards summed into

@@ -159,6 +159,10 @@ class AgentSection:
     # tool calls one trajectory runs at once (a turn can hold dozens); its other calls wait
     # for these, so one trajectory cannot take every tool worker from its siblings
     max_parallel_tool_calls: int = setting(4, COUNT)
+    # tool calls of one turn that run: each later call of the turn is answered with an error
+    # naming this cap (counted in refused_calls), so one turn of hundreds of calls cannot hold
+    # up a step or flood the tool servers. verl's multi_turn.max_parallel_calls drops them
+    max_tool_calls_per_turn: int = setting(8, COUNT)
     # the LangGraph graph of agent_name react_agent (agent/langgraph_loop.py, the `agents`
     # extra): package.module:function or path/to/file.py:function, given (chat_model, tools),
     # returning a compiled graph over MessagesState; empty: the default ReAct graph

@@ -30,6 +30,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "turns": sum(t.num_turns for t in trajs),
         "tool_calls": sum(t.tool_calls for t in trajs),
         "malformed_calls": sum(t.malformed_calls for t in trajs),
+        "refused_calls": sum(t.refused_calls for t in trajs),
         "tool_errors": sum(t.tool_errors for t in trajs),
         "response_len": sum(lengths),
         "response_len/max": max(lengths, default=0),
@@ -65,6 +66,7 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "turns": t["turns"] / n,
         "tool_calls": t["tool_calls"] / n,
         "malformed_call_rate": t["malformed_calls"] / calls,
+        "refused_call_rate": t["refused_calls"] / calls,  # past agent.max_tool_calls_per_turn
         "tool_error_rate": t["tool_errors"] / calls,
         "response_len/mean": t["response_len"] / n,
         "response_len/max": float(t["response_len/max"]),

@@ -206,6 +206,7 @@ def _episode_attributes(traj: Trajectory, tokenizer: Tokenizer, step: int) -> di
         "num_turns": int(traj.num_turns),
         "tool_calls": int(traj.tool_calls),
         "malformed_calls": int(traj.malformed_calls),
+        "refused_calls": int(traj.refused_calls),
         "filtered_by": traj.filtered_by,
         "weight_versions": [int(v) for v in traj.weight_versions],
         "turn_kinds": list(traj.turn_kinds),

@@ -301,8 +301,10 @@ WORKERS: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "actor_rollout_ref.rollout.multi_turn.max_parallel_calls",
-        "agent.max_parallel_tool_calls",
-        "the same",
+        "agent.max_tool_calls_per_turn",
+        "tool calls of one turn that run (verl's default 1, jarl's 8); verl drops the turn's "
+        "other calls, jarl answers each with an error observation naming the cap. How many "
+        "run at once is agent.max_parallel_tool_calls",
     ),
     VerlKey(
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",

@@ -225,6 +225,25 @@ def test_a_malformed_call_is_answered_with_its_error(setup: dict[str, Any]) -> N
     assert sampled and traj.response_ids[-len(sampled) :] == sampled
 
 
+CAPPED = dataclasses.replace(CONFIG, max_tool_calls_per_turn=1, max_tool_response_tokens=64)
+REFUSED = (
+    "error: tool call 2 of 2 not run: at most 1 tool calls per turn (agent.max_tool_calls_per_turn)"
+)
+
+
+@CHATML
+def test_a_call_past_the_turn_cap_is_refused_as_in_the_loop(setup: dict[str, Any]) -> None:
+    """A turn of two calls under agent.max_tool_calls_per_turn=1: the graph's tool node runs
+    the first and sends the second to invalid_tool_call, which answers it with the cap's
+    error; the trajectory is the tool loop's, the call counted as refused."""
+    question = "Compute 3 + 4 and 6 * 7."
+    react, _ = _episode(setup, question, "react_agent", CAPPED)
+    loop, _ = _episode(setup, question, "tool_agent", CAPPED)
+    _assert_same(react, loop)
+    assert (loop.refused_calls, loop.malformed_calls) == (1, 0)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"][:2] == ["7", REFUSED]
+
+
 @CHATML
 def test_a_user_graph_drives_the_episode(setup: dict[str, Any], tmp_path: Path) -> None:
     """``agent.graph`` as module:function and as path/file.py:function; the graph here ends

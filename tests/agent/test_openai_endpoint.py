@@ -26,7 +26,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.train.episodes import episode_totals
-from tests.agent.test_langgraph_loop import SAMPLED, _assert_same
+from tests.agent.test_langgraph_loop import CAPPED, REFUSED, SAMPLED, _assert_same
 from tests.agent.test_loop import CONFIG
 
 pytestmark = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
@@ -132,6 +132,17 @@ def test_langchain_chat_openai_drives_an_episode(setup: dict[str, Any]) -> None:
         traj = _episode(setup, question, "openai_agent", config)
         _assert_same(traj, loop)
         assert traj.stop_reason == "eos" and traj.tool_calls >= 1
+
+
+def test_a_call_past_the_turn_cap_is_answered_by_the_endpoint(setup: dict[str, Any]) -> None:
+    """Under agent.max_tool_calls_per_turn=1 the harness is given a two-call turn's first
+    call only; the endpoint answers the second with the cap's error, as the loop does."""
+    config = _harness(CAPPED, "openai_harness")
+    question = "Compute 3 + 4 and 6 * 7."
+    loop = _episode(setup, question, "tool_agent", config)
+    _assert_same(_episode(setup, question, "openai_agent", config), loop)
+    assert (loop.refused_calls, loop.malformed_calls) == (1, 0)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"][:2] == ["7", REFUSED]
 
 
 def test_a_rewritten_turn_ends_the_episode_counted(setup: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ beside it finish exactly as they would alone, its tool state is released, the tr
 the metrics show it, and only a rollout where every trajectory failed stops the trainer.
 
 Nor does a trajectory that floods the tools starve its siblings: a turn of many calls runs at
-most ``agent.max_parallel_tool_calls`` of them at once, the sandbox pool takes turns by
+most ``agent.max_parallel_tool_calls`` of them at once and ``agent.max_tool_calls_per_turn`` in
+all (each later call is answered with an error naming the cap), the sandbox pool takes turns by
 trajectory, and a call's timeout counts from when it gets a worker, not while it queues.
 
 Runs on the real embedded engine with the tiny model `tests.agent.test_loop` memorises (its
@@ -23,11 +24,11 @@ from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS, finish_turn, register_agent_loop, run_sample
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import HermesParser, ParsedCall
-from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
@@ -261,10 +262,13 @@ class Gate(Tool):
 def test_a_turn_runs_at_most_max_parallel_tool_calls_at_once(
     setup: dict[str, Any], cap: int | None
 ) -> None:
-    """Two trajectories, each with a turn of nine calls: each runs at most its cap of them at
-    once, and its observation still lists the results in the calls' order."""
+    """Two trajectories, each with a turn of nine calls (all under the per-turn cap): each runs
+    at most its cap of them at once, and its observation still lists the results in the calls'
+    order."""
     gate = Gate()
-    config = CONFIG if cap is None else dataclasses.replace(CONFIG, max_parallel_tool_calls=cap)
+    config = dataclasses.replace(CONFIG, max_tool_calls_per_turn=9)
+    if cap is not None:
+        config = dataclasses.replace(config, max_parallel_tool_calls=cap)
     expected = 4 if cap is None else cap
 
     async def go() -> list[Trajectory]:
@@ -281,6 +285,62 @@ def test_a_turn_runs_at_most_max_parallel_tool_calls_at_once(
         assert gate.most[traj.uid] == expected
         assert _tool_texts(traj) == [str(n) for n in range(9)]
         assert traj.tool_calls == 9 and traj.tool_errors == 0
+
+
+@CHATML
+def test_a_turn_runs_at_most_max_tool_calls_per_turn(setup: dict[str, Any]) -> None:
+    """A turn of twelve well-formed calls and a malformed one, under the defaults (8 a turn, 4
+    at once): the first eight well-formed calls run, at most four at once; the malformed one
+    is answered with its error and does not count; each later call is answered with an error
+    naming the cap, in the observation (mask 0), counted as refused, not malformed."""
+    runs: list[int] = []
+    in_flight = Counter[str]()
+
+    @tool
+    async def count(n: int) -> str:
+        """Count one run.
+
+        Args:
+            n: The call's number.
+        """
+        runs.append(n)
+        in_flight["now"] += 1
+        in_flight["most"] = max(in_flight["most"], in_flight["now"])
+        await asyncio.sleep(0.01)
+        in_flight["now"] -= 1
+        return f"ran {n}"
+
+    # room for the refusals' whole text, and for the turn's observation
+    config = dataclasses.replace(
+        CONFIG, max_tool_response_tokens=64, max_response_tokens=8192, max_model_len=16384
+    )
+    assert (config.max_tool_calls_per_turn, config.max_parallel_tool_calls) == (8, 4)
+    calls = [("count", {"n": n}) for n in range(12)]
+    calls.insert(3, ("", {}))  # malformed: no name
+
+    async def go() -> tuple[Trajectory, list[int], StopReason | None]:
+        ctx = await _context(setup, LocalTools(ToolRegistry([count])), config)
+        traj, turn = _turn_of_calls(ctx, "flood", calls)
+        return traj, turn, await finish_turn(ctx, traj, turn, "stop")
+
+    traj, turn, stop = asyncio.run(go())
+    assert stop is None  # the episode goes on: the model reads the observation
+    assert sorted(runs) == list(range(8)) and in_flight["most"] == 4
+    refusal = "error: tool call {} of 13 not run: at most 8 tool calls per turn"
+    refusals = [refusal.format(i) + " (agent.max_tool_calls_per_turn)" for i in range(10, 14)]
+    texts = _tool_texts(traj)
+    assert texts[:3] == ["ran 0", "ran 1", "ran 2"] and texts[3].startswith("error: ")
+    assert texts[4:9] == [f"ran {n}" for n in range(3, 8)] and texts[9:] == refusals
+    assert (traj.tool_calls, traj.tool_errors) == (13, 5)
+    assert (traj.malformed_calls, traj.refused_calls) == (1, 4)
+    assert traj.turn_kinds == ["call"]
+    # the turn is the model's (mask 1); its observation, refusals included, is context (mask 0)
+    n, total = len(turn), len(traj.response_ids)
+    assert traj.response_ids[:n] == turn and traj.loss_mask == [1] * n + [0] * (total - n)
+    observation = setup["tokenizer"].decode(traj.response_ids[n:])
+    assert all(r in observation for r in refusals)
+    metrics = episode_metrics([traj])
+    assert metrics["refused_call_rate"] == 4 / 13 and metrics["malformed_call_rate"] == 1 / 13
 
 
 class WatchedSandbox(PythonSandbox):
