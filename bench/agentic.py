@@ -228,11 +228,9 @@ def embedded_kv(backend: EmbeddedBackend) -> tuple[int, int, int]:
     engine = backend.engine
     per_token = engine.page_bytes // engine.page_size
     jobs = list(backend._slots.values())
-    sessions = list(backend._sessions.items())
-    decoding = {job.request.session_id for job in jobs}
+    decoding = {job.request.session_id for job in jobs if job.request.session_id is not None}
     reserved = backend._pool.in_use * engine.page_bytes
-    tokens = sum(job.pos for job in jobs)
-    tokens += sum(len(kept) for sid, (kept, _) in sessions if sid not in decoding)
+    tokens = sum(job.pos for job in jobs) + backend._sessions.kept_tokens(decoding)
     return reserved, tokens * per_token, len(jobs)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from jax_agent_rl.engine.pages import PagePool, prefix_keys
 from jax_agent_rl.rollout.protocol import GenerateRequest
@@ -45,6 +45,13 @@ class SessionPages:
 
     def __bool__(self) -> bool:
         return bool(self._kept)
+
+    def kept_tokens(self, excluding: Collection[str] = ()) -> int:
+        """The tokens the kept sessions' pages hold, the sessions in ``excluding`` left out.
+        Safe beside the engine's thread: the ledger is copied by one ``list`` call (atomic
+        under the GIL) before it is read."""
+        kept = list(self._kept.items())
+        return sum(len(tokens) for sid, (tokens, _) in kept if sid not in excluding)
 
     def take(self, n: int) -> list[int] | None:
         """``n`` free pages, evicting kept sessions (least recently used first) if need be."""
