@@ -10,7 +10,8 @@ setup:
 demo: setup  ## the main job on the embedded defaults
 	$(PY) -m jax_agent_rl.cli demo
 
-test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream; verl parity tests import the real verl from .verl-ref; the view's tests open it in headless chromium)
+test: setup  ## the whole suite (the vLLM and JetStream backends' tests run their engines under .venv-vllm, .venv-jetstream; verl parity tests import the real verl from .verl-ref; the view's tests open it in headless chromium; the TPU plan's tests compile for TPU topologies with the locked libtpu)
+	@bash scripts/setup.sh tpu-plan
 	@bash scripts/setup.sh vllm
 	@bash scripts/setup.sh jetstream
 	@bash scripts/setup.sh verl-ref

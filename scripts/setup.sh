@@ -9,8 +9,12 @@
 #   scripts/setup.sh jetstream .venv-jetstream  JetStream (google-jetstream) and its TensorFlow,
 #                                         for the JetStream backend's server process (its own
 #                                         venv: TensorFlow cannot share a process with vLLM)
-#   scripts/setup.sh tpu      .venv       the main environment plus jax[tpu] at the locked jax
-#                                         version (libtpu), on every worker of a TPU VM slice
+#   scripts/setup.sh tpu      .venv       the main environment plus the locked libtpu
+#                                         (requirements/tpu-lock.txt), on every worker of a TPU VM
+#                                         slice
+#   scripts/setup.sh tpu-plan .venv       the locked libtpu added to .venv on any host: `jarl plan`
+#                                         compiles a run for TPU topologies with it, no TPU needed
+#                                         (make test runs it: the plan's tests need it)
 #   scripts/setup.sh verl-ref .verl-ref   the real `verl` package (pinned, --no-deps, plus the two
 #                                         modules its import needs beyond .venv's), a folder the
 #                                         tests put on PYTHONPATH of a .venv process to check our
@@ -35,12 +39,25 @@ if [[ $target == chromium ]]; then  # installed once, as root, like bubblewrap b
   fi
   exit 0
 fi
+if [[ $target == tpu-plan ]]; then  # an addition to .venv, with its own stamp
+  [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
+  stamp=.venv/.tpu-plan-stamp
+  want=$(cat requirements/tpu-lock.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+  [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
+  echo "setup: installing the pinned libtpu into .venv (TPU compilation for jarl plan)"
+  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
+    -r requirements/tpu-lock.txt
+  .venv/bin/python -c 'import libtpu' \
+    || { echo "setup: libtpu does not import; see the errors above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  exit 0
+fi
 case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
   jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
   verl-ref) venv=.verl-ref; lock=requirements/verl-ref-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, verl-ref)" >&2; exit 2 ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, verl-ref, chromium)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}
@@ -56,6 +73,7 @@ if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; the
 fi
 stamp=$venv/.setup-stamp
 want=$( (echo "$target"; cat "$lock" pyproject.toml setup.py scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+[[ $target == tpu ]] && want=$( (echo "$want"; cat requirements/tpu-lock.txt) | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -97,9 +115,8 @@ if [[ $target == main || $target == tpu ]]; then
   check='import jax, torch, transformers, jax_agent_rl'
 fi
 if [[ $target == tpu ]]; then
-  jax_version=$(sed -n 's/^jax==//p' "$lock")
-  # jax[tpu] pins the libtpu release built for this jax
-  "${pip[@]}" install --quiet "jax[tpu]==$jax_version"
+  # the libtpu release built for the locked jax (requests, jax[tpu]'s other need, is locked)
+  "${pip[@]}" install --quiet --no-deps -r requirements/tpu-lock.txt
   check="$check, libtpu"  # (no jax.devices(): on a slice it waits for every worker)
 elif [[ $target == vllm ]]; then
   check='import torch, vllm'

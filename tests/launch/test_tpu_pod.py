@@ -1,7 +1,10 @@
 """launch/tpu_pod.sh: the commands it runs on a TPU VM slice, checked through --dry-run."""
 
+import importlib.metadata
 import subprocess
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 TPU_POD = ROOT / "launch" / "tpu_pod.sh"
@@ -82,11 +85,26 @@ def test_the_workers_scripts_run_detached_and_follow_to_the_exit_code(tmp_path: 
     assert "arg[trainer.run_dir=a b]" in follow.stdout and "arg[--distributed]" in follow.stdout
 
 
-def test_the_setup_it_runs_installs_jax_tpu_at_the_locked_version() -> None:
+def test_the_setup_it_runs_installs_the_libtpu_jax_tpu_pins_for_the_locked_jax() -> None:
+    """A slice's workers (`setup.sh tpu`) and `jarl plan` (`setup.sh tpu-plan`) take libtpu from
+    requirements/tpu-lock.txt: the release jax[tpu] asks for at the locked jax version."""
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert 'install --quiet "jax[tpu]==$jax_version"' in setup
+    assert setup.count("-r requirements/tpu-lock.txt") == 2
     lock = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
-    assert any(line.startswith("jax==") for line in lock)
+    jax_version = next(line.removeprefix("jax==") for line in lock if line.startswith("jax=="))
+    assert importlib.metadata.version("jax") == jax_version
+    wanted = [
+        Requirement(r)
+        for r in importlib.metadata.requires("jax") or []
+        if r.startswith("libtpu") and 'extra == "tpu"' in r
+    ]
+    pins = [
+        line
+        for line in (ROOT / "requirements" / "tpu-lock.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert len(wanted) == 1 and pins and pins[0].startswith("libtpu==")
+    assert wanted[0].specifier.contains(pins[0].removeprefix("libtpu=="))
 
 
 def test_an_existing_slice_is_reused_without_an_accelerator_type() -> None:
