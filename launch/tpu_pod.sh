@@ -14,17 +14,21 @@
 #   --sync PATH          also copy PATH (a model folder, a data file) to the same path on every
 #                        worker; repeatable. Better: a folder every worker mounts (see below)
 #   --dir DIR            where the code goes on the workers (default: ~/jax_agent_rl)
+#   --no-plan            skip step 0 (not advised: a run that does not fit fails on the slice)
 #   --dry-run            print every command, run nothing
 #   -h, --help           this text
 #
-# Steps: create or reuse the slice; copy the repository's tracked files (git ls-files, and
-# the config if untracked) to every worker; `scripts/setup.sh tpu` on every worker (.venv with
-# the locked jax and jax[tpu]; a second run returns at once); then `jarl train CONFIG
-# --distributed ...` started detached on all workers at once (--worker=all), and worker 0's
-# log (process 0: the progress, step lines, the message naming a failed process) followed
-# here until the run ends; the script exits with the run's code. Every worker keeps its log
-# in ~/jarl-train-<time>.log. Ctrl-C (or SIGTERM) stops the run on every worker; rerunning
-# the same command resumes from the last checkpoint.
+# Steps: `jarl plan` here first (every program of the run compiled for the slice's topology,
+# from --accelerator-type or the existing slice's type; the script stops, creating and using
+# nothing, when the run does not fit its chips' memory; this machine needs .venv with libtpu:
+# scripts/setup.sh && scripts/setup.sh tpu-plan); create or reuse the slice; copy the
+# repository's tracked files (git ls-files, and the config if untracked) to every worker;
+# `scripts/setup.sh tpu` on every worker (.venv with the locked jax and its libtpu; a second
+# run returns at once); then `jarl train CONFIG --distributed ...` started detached on all
+# workers at once (--worker=all), and worker 0's log (process 0: the progress, step lines, the
+# message naming a failed process) followed here until the run ends; the script exits with
+# the run's code. Every worker keeps its log in ~/jarl-train-<time>.log. Ctrl-C (or SIGTERM)
+# stops the run on every worker; rerunning the same command resumes from the last checkpoint.
 #
 # trainer.run_dir must be a folder every worker sees at the same path (Filestore/NFS; a
 # gcsfuse mount with --rename-dir-limit raised): all processes write the orbax checkpoints
@@ -33,7 +37,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-name="" zone="" project="" accel="" version="" spot=0 dir='~/jax_agent_rl' dry=0
+name="" zone="" project="" accel="" version="" spot=0 dir='~/jax_agent_rl' dry=0 plan=1
 sync=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -46,7 +50,8 @@ while [[ $# -gt 0 ]]; do
     --sync) sync+=("$2"); shift 2 ;;
     --dir) dir=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    --no-plan) plan=0; shift ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     -*) echo "tpu_pod.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -81,6 +86,22 @@ step() {
 on_all() {
   step "${tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command "$1"
 }
+
+# 0. the plan: the run compiled for the slice's TPU topology here, before a slice is used
+if (( plan )); then
+  if [[ -z $accel ]] && (( ! dry )); then
+    accel=$("${tpu[@]}" describe "$name" "${where[@]}" --format='value(acceleratorType)' 2>/dev/null || true)
+  fi
+  [[ -n $accel ]] || { echo "tpu_pod.sh: no slice $name found to plan for: pass --accelerator-type (or --no-plan)" >&2; exit 2; }
+  topology=${accel/#v5litepod-/v5e-}  # jarl plan's spelling: v5e-16, v5p-32, v6e-8
+  planned=(.venv/bin/python -m jax_agent_rl.cli plan "$config" "$@" --topology "$topology")
+  if (( dry )); then
+    step "${planned[@]}"
+  elif ! step "${planned[@]}"; then
+    echo "tpu_pod.sh: jarl plan refused the run on $accel (above); nothing was started" >&2
+    exit 1
+  fi
+fi
 
 # 1. the slice
 if (( dry )); then

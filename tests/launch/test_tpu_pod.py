@@ -27,7 +27,13 @@ def test_dry_run_creates_syncs_sets_up_and_runs_on_every_worker() -> None:
         "--spot", "--sync", "/data/model", "--dry-run", CONFIG, "mesh.fsdp=16",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    create, bundle, copy, unpack, mkdir, sync, system, setup, start, follow = _commands(out.stdout)
+    plan, create, bundle, copy, unpack, mkdir, sync, system, setup, start, follow = _commands(
+        out.stdout
+    )
+    # before any slice: the run compiled for the slice's topology (jarl plan), here
+    assert plan == (
+        f".venv/bin/python -m jax_agent_rl.cli plan {CONFIG} mesh.fsdp=16 --topology v5e-16"
+    )
     assert create == (
         "gcloud compute tpus tpu-vm create pod --zone us-west4-a --accelerator-type "
         "v5litepod-16 --version v2-alpha-tpuv5-lite --spot"
@@ -38,7 +44,7 @@ def test_dry_run_creates_syncs_sets_up_and_runs_on_every_worker() -> None:
         assert cmd.startswith("gcloud compute tpus tpu-vm ssh pod --zone us-west4-a --worker=all")
     assert "scp --recurse /data/model pod:/data/" in sync
     assert "python3.11" in system and "bubblewrap" in system
-    assert 'bash scripts/setup.sh tpu"' in setup  # .venv with jax[tpu] (scripts/setup.sh)
+    assert 'bash scripts/setup.sh tpu"' in setup  # .venv with the locked libtpu
     assert "setsid nohup bash .jarl/run.sh" in start  # detached: a dropped ssh does not stop it
     assert follow.endswith("--worker=0 --command bash ~/jax_agent_rl/.jarl/follow.sh")
     run = _scripts(out.stdout)["run.sh"]
@@ -62,7 +68,9 @@ def test_the_workers_scripts_run_detached_and_follow_to_the_exit_code(tmp_path: 
     """The run script and the follower, run as a worker runs them (with an interpreter that
     prints its arguments and exits 3 in place of the training): the follower prints the log
     and ends with the run's exit code; quoted overrides arrive as single arguments."""
-    out = _run("--name", "pod", "--zone", "z", "--dry-run", CONFIG, "trainer.run_dir=a b")
+    out = _run(
+        "--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG, "trainer.run_dir=a b"
+    )
     assert out.returncode == 0, out.stderr
     worker = tmp_path / "jax_agent_rl"
     (worker / ".jarl").mkdir(parents=True)
@@ -108,7 +116,7 @@ def test_the_setup_it_runs_installs_the_libtpu_jax_tpu_pins_for_the_locked_jax()
 
 
 def test_an_existing_slice_is_reused_without_an_accelerator_type() -> None:
-    out = _run("--name", "pod", "--zone", "z", "--dry-run", CONFIG)
+    out = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG)
     assert out.returncode == 0, out.stderr
     assert not any(" create " in c for c in _commands(out.stdout))
     assert "--distributed" in _scripts(out.stdout)["run.sh"]
@@ -122,3 +130,7 @@ def test_help_and_refusals() -> None:
     assert no_config.returncode == 2 and "no config file nope.yaml" in no_config.stderr
     unknown = _run("--name", "pod", "--zone", "z", "--accelerator-type", "v9-8", CONFIG)
     assert unknown.returncode == 2 and "--version" in unknown.stderr
+    no_topology = _run("--name", "pod", "--zone", "z", "--dry-run", CONFIG)
+    assert no_topology.returncode == 2 and "pass --accelerator-type (or --no-plan)" in (
+        no_topology.stderr
+    )
