@@ -177,6 +177,8 @@ async def serve_http(handle: Handler, limits: Limits) -> AsyncIterator[int]:
             await connection.run(handle)
         except (ConnectionError, TimeoutError, h11.ProtocolError):
             pass  # the client went away, or would not take its response: nothing to answer
+        except asyncio.CancelledError:
+            pass  # by `close` (evicted, or past the shutdown's grace): the task ends here
         finally:
             writer.transport.abort()  # (every response sent was drained whole)
             connections.pop(connection, None)
