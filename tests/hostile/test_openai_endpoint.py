@@ -110,7 +110,10 @@ async def group_harness(task: HarnessTask) -> None:
             PLAY["replied"].set()
             await PLAY["second_attack"].wait()
 
-        await converse(task, paused)
+        try:
+            await converse(task, paused)
+        finally:
+            PLAY["replied"].set()  # (also when the victim's first request failed)
         return
     await PLAY["found"].wait()
     victim: HarnessTask = PLAY["victim"]
