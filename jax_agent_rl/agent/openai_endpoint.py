@@ -26,15 +26,22 @@ re-tokenized where the model wrote them:
   token the trajectory `run_tool_agent` records.
 
 A request that rewrites an earlier turn, or that the endpoint cannot take (not JSON, no
-messages, unknown roles or fields, a second request while one is in progress, streaming), is
-answered 400 with what was wrong, and its session's episode ends there with stop reason
-``harness_error`` (not trainable, counted as ``stop/harness_error``); other sessions go on. A
-request naming no open session is answered 401 and ends nothing. Once an episode has ended
-(a budget, ``harness_error``), further requests are answered 409 and change nothing.
+messages, an unknown role, a sampling field, a second request while one is in progress,
+streaming: `jax_agent_rl.agent.openai_requests`), is answered 400 with what was wrong (413 for
+a body too large, 408 for one too slow), and its session's episode ends there with stop
+reason ``harness_error`` (not trainable, counted as ``stop/harness_error``); other sessions go
+on. Error messages name what differs, never quoting a turn. A request naming no open session
+is answered 401 from its headers: its body is never read and no session is touched. Once an
+episode has ended (a budget, ``harness_error``), further requests are answered 409 and change
+nothing.
 
 The harness: ``agent.harness`` names an async function taking a `HarnessTask` (the base URL,
 the session's API key, the sample's messages and the tools' schemas); ``openai_agent`` serves
-the endpoint on a free loopback port while that function runs, one session for the episode.
+the endpoint on a free loopback port while that function runs, one session for the episode,
+under `LIMITS` (`jax_agent_rl.agent.endpoint_http`: connections, header and body timeouts,
+body size, and a bounded shutdown, so a request left open cannot hold the episode). The key
+is random (``secrets.token_urlsafe``) and compared in constant time: another episode's
+harness cannot guess it, whatever it knows of the trajectory's uid or the port.
 The harness may run the calls itself (its tool messages carry the results) or through the
 run's tools with `HarnessTask.run_tool`, which keeps each result's reward and flags. An
 exception out of the harness ends the episode with ``agent_error``, unless it had already
@@ -43,21 +50,19 @@ ended (it keeps that stop reason; the harness's error is kept in ``error``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
-import socket
+import secrets
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
 from jax_agent_rl.agent.context import AgentContext, RefusedCall
+from jax_agent_rl.agent.endpoint_http import BodyError, Limits, Request, Response, serve_http
 from jax_agent_rl.agent.loop import (
     budget_stop,
     call_tool,
@@ -66,6 +71,14 @@ from jax_agent_rl.agent.loop import (
     read_turn,
     record_results,
     run_episode,
+)
+from jax_agent_rl.agent.openai_requests import (
+    MAX_TOOLS_BYTES,
+    PARTS,
+    HarnessError,
+    canonical,
+    check_request,
+    message_text,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
@@ -76,15 +89,7 @@ from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
 from jax_agent_rl.user_code import load_function
 
-MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused (413) and ends its session
-ROLES = ("system", "user", "assistant", "tool")
-# the request fields the endpoint takes (stream, n, tool_choice and parallel_tool_calls only
-# at their defaults); any other is refused, since sampling is the run's (rollout.*, agent.*)
-_FIELDS = {"messages", "tools", "model", "tool_choice", "stream", "n", "parallel_tool_calls"}
-
-
-class HarnessError(ValueError):
-    """A request its session cannot take: answered 400, and the session's episode ends."""
+LIMITS = Limits()  # what each episode's endpoint server lets its harness hold (endpoint_http)
 
 
 class EpisodeEndedError(ValueError):
@@ -115,29 +120,38 @@ class Session:
         self.busy = False
         self.results: dict[str, ToolResult] = {}  # calls run by `run_tool`, by id
 
-    async def complete(self, body: Any) -> dict[str, Any]:
-        """Answers one request: a chat.completion, or raises `HarnessError` (the episode ends
-        here with ``harness_error``) or `EpisodeEndedError`."""
+    async def complete(self, request: Request) -> dict[str, Any]:
+        """Answers one request, whose body is read here (one at a time): a chat.completion, or
+        raises `HarnessError` (the episode ends here with ``harness_error``) or
+        `EpisodeEndedError`."""
         if self.stop is not None:
             raise EpisodeEndedError(f"this session's episode has ended ({self.stop})")
         if self.busy:
             self.fail("a second request while one of this session is in progress")
         self.busy = True
         try:
+            try:
+                raw = await request.body()
+            except BodyError as e:
+                raise HarnessError(str(e), e.status) from None
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise HarnessError(f"the request body is not JSON ({e})") from None
             return await self._complete(body)
         except HarnessError as e:
-            self.fail(str(e))
+            self.fail(str(e), e.status)
         finally:
             self.busy = False
 
-    def fail(self, reason: str) -> NoReturn:
+    def fail(self, reason: str, status: int = 400) -> NoReturn:
         """Ends the episode with ``harness_error`` and raises `HarnessError` ``reason``."""
         self.stop = "harness_error"
         self.traj.add_error(f"harness error: {reason}")
-        raise HarnessError(reason)
+        raise HarnessError(reason, status)
 
     async def _complete(self, body: Any) -> dict[str, Any]:
-        messages, tools = _request(body)
+        messages, tools = check_request(body)
         if self.conversation is None:
             self._start(messages, tools)
         else:
@@ -183,11 +197,13 @@ class Session:
         roles = {m["role"] for m in messages}
         if not roles <= {"system", "user"}:
             raise HarnessError(f"the first request holds only system and user messages: {roles}")
+        if len(json.dumps(tools)) > MAX_TOOLS_BYTES:
+            raise HarnessError(f"the request's tools are over {MAX_TOOLS_BYTES} bytes of JSON")
         if (tools or None) != self.ctx.builder.tools:
             self.ctx = dataclasses.replace(
                 self.ctx, builder=TurnBuilder(self.ctx.tokenizer, tools or None)
             )
-        prompt = [{"role": m["role"], "content": _text(m)} for m in messages]
+        prompt = [{"role": m["role"], "content": message_text(m)} for m in messages]
         self.traj.set_prompt(prompt, self.ctx.builder)
         self.conversation, self.tools = [dict(m) for m in messages], tools
 
@@ -199,11 +215,13 @@ class Session:
         if tools != self.tools:
             raise HarnessError("the request's tools differ from the first request's (the prompt)")
         for i, (got, want) in enumerate(zip(messages, self.conversation, strict=False)):
-            if _canonical(got) != _canonical(want):
-                raise HarnessError(
-                    f"message {i} rewrites an earlier turn: got {_canonical(got)}, the "
-                    f"conversation holds {_canonical(want)}"
-                )
+            differ = [
+                part
+                for part, a, b in zip(PARTS, canonical(got), canonical(want), strict=True)
+                if a != b
+            ]
+            if differ:  # (named, never quoted: the reply goes to whoever sent the request)
+                raise HarnessError(f"message {i} rewrites an earlier turn (its {differ} differ)")
         if len(messages) <= len(self.conversation):
             raise HarnessError(
                 f"the request adds no message to the session's {len(self.conversation)}"
@@ -223,7 +241,7 @@ class Session:
                 "after a reply without tool calls only user messages may follow, got "
                 f"{[m['role'] for m in new]}"
             )
-        messages = [{"role": "user", "content": _text(m)} for m in new]
+        messages = [{"role": "user", "content": message_text(m)} for m in new]
         builder = self.ctx.builder
         ids = builder.close_assistant_turn(self.text_turn) + builder.messages_delta(messages)
         self.text_turn = None
@@ -249,7 +267,7 @@ class Session:
                 self.traj.add_unrun_call(refused=isinstance(call, RefusedCall))
             else:
                 ran = self.results.pop(i, None) or ToolResult("")
-                results.append(dataclasses.replace(ran, text=_text(answers[i])))
+                results.append(dataclasses.replace(ran, text=message_text(answers[i])))
         return record_results(
             self.ctx, self.traj, pending.tokens, pending.text, pending.calls, results
         )
@@ -311,138 +329,59 @@ def _tool_call(call: ParsedCall, call_id: str) -> dict[str, Any]:
     }
 
 
-def _request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A request's messages and tools, checked; `HarnessError` says what is wrong."""
-    if not isinstance(body, dict):
-        raise HarnessError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise HarnessError(
-            f"unsupported fields {unknown}: the endpoint samples as the run is set "
-            f"(fields it reads: {sorted(_FIELDS)})"
-        )
-    if body.get("stream") or body.get("n", 1) != 1 or body.get("parallel_tool_calls") is False:
-        raise HarnessError(
-            "the endpoint answers one choice, not streamed, with every call the model wrote "
-            "(stream, n, parallel_tool_calls)"
-        )
-    if body.get("tool_choice", "auto") not in ("auto", None):
-        raise HarnessError("the endpoint cannot force tool use: the model calls tools as it writes")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HarnessError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
-        _text(m)
-    tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise HarnessError("tools must be a list of objects")
-    return messages, tools or None
-
-
-def _text(message: dict[str, Any]) -> str:
-    """A message's content as text (None is empty; a list of text parts is joined)."""
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise HarnessError("a message's content must be a string or a list of text parts")
-
-
-def _canonical(message: dict[str, Any]) -> tuple[Any, ...]:
-    """What of a message the model's tokens hold (its role, text, calls and the call it
-    answers), in one form however a client spells it."""
-    calls = message.get("tool_calls") or []
-    try:
-        canonical_calls = [
-            (c["id"], c["function"]["name"], _arguments(c["function"]["arguments"])) for c in calls
-        ]
-    except (KeyError, TypeError):
-        raise HarnessError(f"malformed tool_calls {calls!r}") from None
-    return (message.get("role"), _text(message), canonical_calls, message.get("tool_call_id"))
-
-
-def _arguments(arguments: Any) -> Any:
-    """A call's arguments as JSON values (clients re-serialize them with their own spacing)."""
-    try:
-        return json.loads(arguments)
-    except (TypeError, ValueError, RecursionError):
-        return arguments
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
+def _error(status: int, message: str, code: str) -> Response:
     """An error in OpenAI's shape."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-    return JSONResponse(body, status_code=status)
+    return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}
 
 
-def _session_key(request: Request) -> str:
-    key = request.headers.get("x-session-id")
+def _session_key(headers: dict[str, str]) -> str:
+    key = headers.get("x-session-id")
     if key:
         return key
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return token if scheme.lower() == "bearer" else ""
 
 
-def create_app(sessions: dict[str, Session]) -> FastAPI:
-    """``POST /v1/chat/completions`` over ``sessions``, by key (see the module docstring)."""
-    app = FastAPI(title="jax_agent_rl policy endpoint", docs_url=None, redoc_url=None)
+def _find(sessions: dict[str, Session], key: str) -> Session | None:
+    """The session of ``key``, compared with every session's key in constant time."""
+    found = None
+    for k, session in sessions.items():
+        if hmac.compare_digest(k.encode(), key.encode()):
+            found = session
+    return found
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        session = sessions.get(_session_key(request))
+
+def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /v1/chat/completions`` over ``sessions``, by key (see the module docstring). A
+    request naming no session is answered from its headers alone; it touches no session."""
+
+    async def handle(request: Request) -> Response:
+        if (request.method, request.target.split("?")[0]) != ("POST", "/v1/chat/completions"):
+            return _error(404, "the endpoint serves POST /v1/chat/completions only", "not_found")
+        session = _find(sessions, _session_key(request.headers))
         if session is None:
             return _error(401, "no open session has this API key or X-Session-Id", "no_session")
         try:
-            raw = bytearray()
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > MAX_BODY_BYTES:
-                    session.fail(f"the request body is over {MAX_BODY_BYTES} bytes")
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                session.fail(f"the request body is not JSON ({e})")
-            return JSONResponse(await session.complete(body))
+            return 200, await session.complete(request)
         except HarnessError as e:
-            return _error(400, f"{e}; this session's episode has ended", "harness_error")
+            message = f"{e}; this session's episode has ended"
+            return _error(e.status, message, "harness_error")
         except EpisodeEndedError as e:
             return _error(409, str(e), "episode_ended")
+        except Exception as e:  # the backend's or a tool's: kept, and the harness is told
+            session.traj.add_error(f"endpoint error:\n{traceback.format_exc()}")
+            return _error(500, f"the endpoint failed: {type(e).__name__}", "server_error")
 
-    return app
+    return handle
 
 
 @contextlib.asynccontextmanager
-async def serve(sessions: dict[str, Session]) -> AsyncIterator[str]:
+async def serve(sessions: dict[str, Session], limits: Limits | None = None) -> AsyncIterator[str]:
     """Serves ``sessions`` on a free loopback port, in this event loop (where the backend
-    samples), while the context is open; yields the base URL (``http://127.0.0.1:port/v1``)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        create_app(sessions), log_level="warning", access_log=False, lifespan="off"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()  # its exception
-                raise RuntimeError("the endpoint stopped before it started")
-            await asyncio.sleep(0.005)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    samples), under ``limits`` (default `LIMITS`) while the context is open; yields the base
+    URL (``http://127.0.0.1:port/v1``). Leaving it takes at most the limits' grace period."""
+    async with serve_http(handler(sessions), limits or LIMITS) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,14 +415,15 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
         del env  # none: run_episode refuses a sample with one (this loop does not drive it)
         session = Session(ctx, traj, create_kwargs_by_tool(sample.extra))
+        key = secrets.token_urlsafe(32)  # unguessable: only this episode's harness holds it
         task = HarnessTask(
             base_url="",
-            api_key=traj.uid,
+            api_key=key,
             messages=[dict(m) for m in sample.messages],
             tools=list(ctx.builder.tools or []),
             run_tool=session.run_tool,
         )
-        async with serve({traj.uid: session}) as base_url:
+        async with serve({key: session}) as base_url:
             try:
                 await harness(dataclasses.replace(task, base_url=base_url))
             except Exception:

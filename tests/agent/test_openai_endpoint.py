@@ -16,8 +16,8 @@ import pytest
 from langchain_core.messages import BaseMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-from jax_agent_rl.agent import openai_endpoint
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.endpoint_http import Limits
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -173,13 +173,11 @@ MALFORMED: dict[str, Any] = {
 }
 
 
-def test_malformed_requests_end_only_their_session(
-    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each malformed request ends its own session (400, harness_error) and later requests of
-    it are refused (409); an unknown key ends nothing (401); a session served beside them,
-    driven by the official client meanwhile, records the tool loop's trajectory."""
-    monkeypatch.setattr(openai_endpoint, "MAX_BODY_BYTES", 4096)
+def test_malformed_requests_end_only_their_session(setup: dict[str, Any]) -> None:
+    """Each malformed request ends its own session (400, or 413 for a body over the limit:
+    harness_error) and later requests of it are refused (409); an unknown key ends nothing
+    (401); a session served beside them, driven by the official client meanwhile, records the
+    tool loop's trajectory."""
     sample = Sample(uid="q0", messages=PROMPT)  # the uid the loop's episode has
 
     async def go() -> tuple[dict[str, Session], Trajectory, list[str]]:
@@ -187,7 +185,11 @@ def test_malformed_requests_end_only_their_session(
         sessions = {name: _fresh(ctx, f"bad-{i}") for i, name in enumerate(MALFORMED)}
         sessions["good"] = _fresh(ctx, sample.uid)
         statuses: list[str] = []
-        async with serve(sessions) as base_url, httpx.AsyncClient(base_url=base_url) as http:
+        limits = Limits(max_body_bytes=4096)
+        async with (
+            serve(sessions, limits) as base_url,
+            httpx.AsyncClient(base_url=base_url) as http,
+        ):
 
             async def misbehave(name: str, body: Any) -> None:
                 raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -218,7 +220,8 @@ def test_malformed_requests_end_only_their_session(
         return sessions, sessions["good"].traj, statuses
 
     sessions, good, statuses = asyncio.run(go())
-    assert sorted(statuses) == sorted(f"{name}: 400 409" for name in MALFORMED)
+    want = {name: 413 if name == "a huge body" else 400 for name in MALFORMED}
+    assert sorted(statuses) == sorted(f"{name}: {status} 409" for name, status in want.items())
     for name in MALFORMED:
         session = sessions[name]
         assert session.stop == "harness_error" and session.traj.loss_mask == [], name

@@ -1,0 +1,113 @@
+"""What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
+hold, checked (`check_request`), and a message's parts in one form however a client spells
+them (`canonical`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
+ROLES = ("system", "user", "assistant", "tool")
+# Request fields that would change sampling, which is the run's (rollout.*, agent.*): a
+# request setting one (to anything but null or the value listed) is refused. The endpoint
+# reads messages, tools, tool_choice, stream, n and parallel_tool_calls (the last four only
+# at their defaults) and ignores every other field (model, user, metadata, store,
+# service_tier, stream_options, prompt_cache_key, ...).
+SAMPLING: dict[str, tuple[Any, ...]] = {
+    **dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "seed", "stop"), ()),
+    **dict.fromkeys(("max_tokens", "max_completion_tokens", "logit_bias", "top_logprobs"), ()),
+    **dict.fromkeys(("frequency_penalty", "presence_penalty", "repetition_penalty"), ()),
+    **dict.fromkeys(("response_format", "reasoning_effort", "verbosity", "prediction"), ()),
+    **dict.fromkeys(("audio", "web_search_options", "functions", "function_call"), ()),
+    "logprobs": (False,),
+    "modalities": (["text"],),
+}
+
+
+class HarnessError(ValueError):
+    """A request its session cannot take: answered ``status`` (400, or 413 / 408 for a body
+    too large or too slow), and the session's episode ends."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A request's messages and tools, checked; `HarnessError` says what is wrong."""
+    if not isinstance(body, dict):
+        raise HarnessError("the request body must be a JSON object")
+    sampling = sorted(
+        f for f in set(body) & set(SAMPLING) if body[f] is not None and body[f] not in SAMPLING[f]
+    )
+    if sampling:
+        raise HarnessError(
+            f"the request sets {sampling}: the endpoint samples as the run is set (rollout.*, "
+            "agent.*), so requests carry no sampling fields"
+        )
+    if body.get("stream") or body.get("n", 1) != 1 or body.get("parallel_tool_calls") is False:
+        raise HarnessError(
+            "the endpoint answers one choice, not streamed, with every call the model wrote "
+            "(stream, n, parallel_tool_calls)"
+        )
+    if body.get("tool_choice", "auto") not in ("auto", None):
+        raise HarnessError("the endpoint cannot force tool use: the model calls tools as it writes")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HarnessError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
+        message_text(m)
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise HarnessError("tools must be a list of objects")
+    return messages, tools or None
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's content as text (None is empty; a list of text parts is joined)."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise HarnessError("a message's content must be a string or a list of text parts")
+
+
+PARTS = ("role", "content", "tool_calls", "tool_call_id")  # `canonical`'s
+
+
+def canonical(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a message the model's tokens hold (its role, text, calls and the call it
+    answers), in one form however a client spells it."""
+    calls = message.get("tool_calls") or []
+    try:
+        canonical_calls = [
+            (c["id"], c["function"]["name"], arguments_value(c["function"]["arguments"]))
+            for c in calls
+        ]
+    except (KeyError, TypeError):
+        raise HarnessError(
+            "malformed tool_calls (each needs an id, a name and arguments)"
+        ) from None
+    return (
+        message.get("role"),
+        message_text(message),
+        canonical_calls,
+        message.get("tool_call_id"),
+    )
+
+
+def arguments_value(arguments: Any) -> Any:
+    """A call's arguments as JSON values (clients re-serialize them with their own spacing)."""
+    try:
+        return json.loads(arguments)
+    except (TypeError, ValueError, RecursionError):
+        return arguments

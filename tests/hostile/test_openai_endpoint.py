@@ -1,0 +1,374 @@
+"""The OpenAI-compatible endpoint (agent/openai_endpoint.py) against a harness that attacks its
+siblings or the trainer. Under GRPO a policy that ends a sibling's episode gains reward, so
+each attack here is a reward hack: a guessed session key, a request left open to hold the
+episode, connections and bodies that exhaust the trainer, requests that stall the event
+loop, and request fields that should not end an episode.
+
+Timeouts under test are configured small; every wait is on a state (a response, a closed
+connection, a finished episode, a session in a request), never on elapsed time."""
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from jax_agent_rl.agent import openai_endpoint
+from jax_agent_rl.agent.context import AgentConfig
+from jax_agent_rl.agent.endpoint_http import Limits, Request, serve_http
+from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
+from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.sample import Sample
+from tests.agent.test_langgraph_loop import _assert_same
+from tests.agent.test_loop import CONFIG
+from tests.agent.test_openai_endpoint import (
+    PROMPT,
+    QUESTION,
+    _context,
+    _episode,
+    _fresh,
+    openai_harness,
+)
+
+CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+HERE = "tests.hostile.test_openai_endpoint"
+PLAY: dict[str, Any] = {}  # what the harnesses of one test share (made in its event loop)
+
+
+def _harness(config: AgentConfig, name: str) -> AgentConfig:
+    return dataclasses.replace(config, harness=f"{HERE}:{name}")
+
+
+async def _post(port: int, key: str, body: bytes, length: int | None = None) -> bytes:
+    """A raw request (``length``: its Content-Length, when the body sent is cut short); the
+    server's whole answer, once it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length or len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closed the connection (an end of file, or a reset), once it has."""
+    try:
+        return await reader.read() == b""
+    except ConnectionResetError:
+        return True
+
+
+def _port(base_url: str) -> int:
+    return int(base_url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+async def converse(task: HarnessTask, paused: Any = None, **fields: Any) -> None:
+    """`openai_harness`'s episode, its requests carrying ``fields``; ``paused`` is awaited
+    after the first reply."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    messages: list[Any] = list(task.messages)
+    while True:
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=task.tools, **fields
+        )
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if paused is not None:
+            await paused(messages[-1])
+            paused = None
+        if choice.finish_reason != "tool_calls":
+            return
+        for call in choice.message.tool_calls or []:
+            text = await task.run_tool(call.model_dump())
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+
+
+async def group_harness(task: HarnessTask) -> None:
+    """The victim (the sample asking QUESTION) plays an ordinary episode, pausing before its
+    first request and after its first reply; meanwhile the attacker (the other sample) finds
+    its port (as a scan of loopback would) and sends requests with guessed keys."""
+    if task.messages[0]["content"] == QUESTION:
+        PLAY["victim"] = task
+        PLAY["found"].set()
+        await PLAY["first_attack"].wait()
+
+        async def paused(turn: dict[str, Any]) -> None:
+            PLAY["turn"] = turn
+            PLAY["replied"].set()
+            await PLAY["second_attack"].wait()
+
+        try:
+            await converse(task, paused)
+        finally:
+            PLAY["replied"].set()  # (also when the victim's first request failed)
+        return
+    await PLAY["found"].wait()
+    victim: HarnessTask = PLAY["victim"]
+    port = _port(victim.base_url)
+    # the victim's trajectory uid (`<row>/<tag>/<i>` is known), and this harness's own key
+    # with its last character changed
+    guesses = [PLAY["victim_uid"], *(task.api_key[:-1] + c for c in "0123456789")]
+    other = json.dumps({"messages": [{"role": "user", "content": "Say nothing."}]}).encode()
+    PLAY["answers"] = [await _post(port, g, other) for g in guesses]
+    PLAY["first_attack"].set()
+    await PLAY["replied"].wait()
+    wrong = {"role": "assistant", "content": "x", "tool_calls": [PLAY["wrong_call"]]}
+    tool = {"role": "tool", "tool_call_id": "call_1_0", "content": "2"}
+    rewrite = json.dumps({"messages": [*victim.messages, wrong, tool]}).encode()
+    PLAY["answers"] += [await _post(port, g, rewrite) for g in guesses]
+    PLAY["second_attack"].set()
+
+
+@CHATML
+def test_a_sibling_cannot_guess_a_session_key(setup: dict[str, Any]) -> None:
+    """The attacker sends the victim's first request with another prompt, then a wrong
+    assistant turn (a 400 would quote the victim's real call): every guess is refused 401,
+    no answer holds the victim's call, and the victim's episode is the tool loop's."""
+    victim_uid = f"q{sorted(setup['expected']).index(QUESTION)}"
+    wrong_call = {
+        "id": "call_1_0",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "1 + 1"}'},
+    }
+
+    async def go() -> list[Trajectory]:
+        PLAY.clear()
+        PLAY.update({e: asyncio.Event() for e in ("found", "first_attack", "replied")})
+        PLAY.update(second_attack=asyncio.Event(), victim_uid=victim_uid, wrong_call=wrong_call)
+        ctx = await _context(setup, _harness(CONFIG, "group_harness"), None)
+        samples = [
+            Sample(uid=victim_uid, messages=PROMPT, agent_name="openai_agent"),
+            Sample(
+                uid=f"{victim_uid}/1",
+                messages=[{"role": "user", "content": "attack"}],
+                agent_name="openai_agent",
+            ),
+        ]
+        trajs = await asyncio.gather(*(run_sample(s, ctx) for s in samples))
+        await ctx.backend.close()
+        return trajs
+
+    victim, _ = asyncio.run(go())
+    answers = PLAY["answers"]
+    assert [_status(a) for a in answers] == [401] * len(answers)
+    real_arguments = PLAY["turn"]["tool_calls"][0]["function"]["arguments"]
+    assert not any(json.loads(real_arguments)["expression"].encode() in a for a in answers)
+    _assert_same(victim, _episode(setup, QUESTION, "tool_agent", CONFIG))
+    assert victim.stop_reason == "eos"
+
+
+async def lingering_harness(task: HarnessTask) -> None:
+    """An ordinary episode, then a request whose body never completes, left open."""
+    await openai_harness(task)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(task.base_url))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        f"{task.api_key}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    writer.write(head.encode() + b'{"messages"')
+    await writer.drain()
+    PLAY["open"] = reader, writer
+
+
+@CHATML
+def test_a_request_left_open_does_not_hold_the_episode(
+    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness returns with a request in progress: the episode ends once the shutdown's
+    grace has passed (the request's connection is closed), and it is the tool loop's."""
+    limits = Limits(shutdown_grace_s=0.01, body_timeout_s=3600.0, header_timeout_s=3600.0)
+    monkeypatch.setattr(openai_endpoint, "LIMITS", limits)
+    config = _harness(CONFIG, "lingering_harness")
+
+    async def go() -> tuple[Trajectory, bool]:
+        PLAY.clear()
+        ctx = await _context(setup, config, None)
+        sample = Sample(
+            uid=f"q{sorted(setup['expected']).index(QUESTION)}",
+            messages=PROMPT,
+            agent_name="openai_agent",
+        )
+        traj = await run_sample(sample, ctx)  # (before the fix: never returns)
+        await ctx.backend.close()
+        reader, writer = PLAY["open"]
+        closed = await _closed(reader)
+        writer.close()
+        return traj, closed
+
+    traj, closed = asyncio.run(go())
+    assert closed
+    assert traj.stop_reason == "eos"
+    _assert_same(traj, _episode(setup, QUESTION, "tool_agent", config))
+
+
+def test_shutdown_waits_for_requests_within_the_grace_then_closes_the_rest() -> None:
+    """Leaving `serve_http`: a request in progress that ends within the grace is answered;
+    past the grace, one still in progress is cancelled and its connection closed."""
+
+    async def go() -> None:
+        entered, release, cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def handle(request: Request) -> tuple[int, dict[str, Any]]:
+            entered.set()
+            if request.target == "/finishing":
+                await release.wait()
+                return 200, {"ok": True}
+            try:
+                await request.body()  # never complete
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            raise AssertionError("the body cannot have arrived")
+
+        async def request(port: int, target: str) -> tuple[asyncio.StreamReader, Any]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n1".encode()
+            )
+            await writer.drain()
+            await entered.wait()
+            entered.clear()
+            return reader, writer
+
+        patient = serve_http(handle, Limits(shutdown_grace_s=3600.0))
+        reader, writer = await request(await patient.__aenter__(), "/finishing")
+        shutdown = asyncio.create_task(patient.__aexit__(None, None, None))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not shutdown.done()  # it waits for the request in progress
+        release.set()
+        answer = await reader.read()
+        await shutdown
+        assert _status(answer) == 200 and answer.endswith(b'{"ok": true}')
+        writer.close()
+
+        hasty = serve_http(handle, Limits(shutdown_grace_s=0.01, body_timeout_s=3600.0))
+        reader, writer = await request(await hasty.__aenter__(), "/stuck")
+        await hasty.__aexit__(None, None, None)  # (would wait for the body forever)
+        assert cancelled.is_set() and await _closed(reader)
+        writer.close()
+
+    asyncio.run(go())
+
+
+def test_connections_past_the_limit_close_the_oldest_idle_ones() -> None:
+    """Twelve connections that send nothing, under a limit of four: the first eight are
+    closed as the later ones come; the last four are served, as is a client arriving then."""
+
+    async def go() -> None:
+        limits = Limits(max_connections=4, header_timeout_s=3600.0)
+        async with serve({}, limits) as base_url:
+            port = _port(base_url)
+            opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(12)]
+            for reader, _ in opened[:8]:
+                assert await _closed(reader)  # by the server
+            served = [_status(await _post(port, "nobody", b"{}"))]  # evicts one of the four
+            for reader, writer in opened[9:]:
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+                writer.write(b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                served.append(_status(await reader.read()))
+            assert served == [401] * 4
+            for _, writer in opened:
+                writer.close()
+
+    asyncio.run(go())
+
+
+def test_headers_must_arrive_in_time() -> None:
+    """A connection that sends a request line and never ends its headers is closed."""
+
+    async def go() -> None:
+        async with serve({}, Limits(header_timeout_s=0.01)) as base_url:
+            reader, writer = await asyncio.open_connection("127.0.0.1", _port(base_url))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            assert await _closed(reader)  # (before the fix: never closed)
+            writer.close()
+
+    asyncio.run(go())
+
+
+@CHATML
+def test_bodies_are_bounded_in_size_time_and_number(setup: dict[str, Any]) -> None:
+    """Bodies are read one at a time per session and only for its key: a wrong key is answered
+    401 from the headers, a second request while one is in progress 400 from its headers
+    (its body is never held), a body over the limit 413 from its Content-Length, and one too
+    slow 408; each of those ends its own session only."""
+
+    async def go() -> dict[str, Session]:
+        ctx = await _context(setup, CONFIG, None)
+        names = ("slow", "busy", "large")
+        sessions = {n: _fresh(ctx, f"s-{n}") for n in names}
+        big = 2 * 2**20
+        async with serve(sessions, Limits(body_timeout_s=3600.0)) as base_url:
+            port = _port(base_url)
+            assert _status(await _post(port, "nobody", b"", length=big)) == 401
+            assert _status(await _post(port, "large", b"", length=5 * 2**20)) == 413
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Session-Id: busy\r\n"
+                f"Content-Length: {big}\r\n\r\n{{".encode()
+            )
+            await writer.drain()
+            while not sessions["busy"].busy:  # the first request is in progress
+                await asyncio.sleep(0)
+            second = await _post(port, "busy", b"", length=big)
+            assert _status(second) == 400 and b"a second request while one" in second
+            writer.close()
+        async with serve(sessions, Limits(body_timeout_s=0.01)) as base_url:
+            answer = await _post(_port(base_url), "slow", b"{", length=100)
+            assert _status(answer) == 408
+        await ctx.backend.close()
+        return sessions
+
+    sessions = asyncio.run(go())
+    for name, session in sessions.items():
+        assert session.stop == "harness_error" and session.traj.prompt_ids == [], name
+
+
+@CHATML
+def test_tools_too_large_are_refused_before_rendering(setup: dict[str, Any]) -> None:
+    """Tools past MAX_TOOLS_BYTES (rendering them into the prompt would stall the event loop)
+    are answered 400 without being rendered; the session ends."""
+
+    async def go() -> tuple[Session, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "tools")
+        schema = dict(ctx.builder.tools[0])  # type: ignore[index]
+        tools = [dict(schema, description="x" * 4096) for _ in range(MAX_TOOLS_BYTES // 4096)]
+        body = json.dumps({"messages": PROMPT, "tools": tools}).encode()
+        async with serve({"tools": session}) as base_url:
+            answer = await _post(_port(base_url), "tools", body)
+        await ctx.backend.close()
+        return session, answer
+
+    session, answer = asyncio.run(go())
+    assert _status(answer) == 400 and b"tools are over" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
+async def chatty_harness(task: HarnessTask) -> None:
+    """`openai_harness` with request fields clients add that do not change sampling, and
+    one from a later version of the API."""
+    extra = {"user": "me", "metadata": {"run": "1"}, "store": False, "service_tier": "auto"}
+    await converse(task, None, **extra, extra_body={"a_field_from_a_later_api": True})
+
+
+@CHATML
+def test_fields_that_do_not_change_sampling_are_ignored(setup: dict[str, Any]) -> None:
+    config = _harness(CONFIG, "chatty_harness")
+    traj = _episode(setup, QUESTION, "openai_agent", config)
+    _assert_same(traj, _episode(setup, QUESTION, "tool_agent", config))
