@@ -235,26 +235,34 @@ def host_layout() -> TpuLayout:
     return TpuLayout(_bounds(HOST_KEY, env[HOST_KEY]), hosts)
 
 
-def chip_problems(text: str, processes: int) -> list[str]:
+def chip_problems(text: str, processes: int, slots: int) -> list[str]:
     """The pre-run check of ``rollout.jetstream.chips=text`` in a run of ``processes``
-    processes: the split on this host, and one trainer process per host of the slice (each
-    starts its own server on the same chips of its host)."""
+    processes whose servers decode ``slots`` sequences each: the split on this host, one
+    trainer process per host of the slice (each starts its own server on the same chips of its
+    host), and the slots split over the server's chips."""
     if not text:
         return []
     try:
         layout = host_layout()
-        split_chips(text, layout)
+        split = split_chips(text, layout)
     except ChipSplitError as e:
         return [str(e)]
+    problems = []
     hosts = math.prod(layout.hosts)
     if processes != hosts:
-        return [
+        problems.append(
             f"{KEY}={text!r}: the run has {processes} processes and the slice {hosts} hosts "
             f"({SLICE_KEY}={_shown(layout.hosts)}): each host runs one trainer process, beside "
             "its own JetStream server on those chips (two processes of a host would start two "
             "servers on them)"
-        ]
-    return []
+        )
+    chips = len(split.server_chips)
+    if slots % chips:
+        problems.append(
+            f"rollout.max_concurrent={slots} does not split over the JetStream server's "
+            f"{chips} chips ({KEY}={text!r}; its decode slots): use a multiple of {chips}"
+        )
+    return problems
 
 
 def trainer_env(text: str) -> dict[str, str]:

@@ -132,6 +132,11 @@ class JetStreamBackend:
         python = Path(python)
         if not python.is_file():
             raise ServerStartError(f"no JetStream interpreter at {python}; {SETUP_HINT}")
+        placement: dict[str, str] = {}
+        if chips:  # (a split that cannot be raises here, before anything starts)
+            split = split_chips(chips, host_layout())
+            placement = split.server_env(free_port())
+            devices = len(split.server_chips)
         self.model = model
         self.sampling = sampling
         self.capabilities = Capabilities(
@@ -161,11 +166,6 @@ class JetStreamBackend:
         token = secrets.token_hex(16)  # the server admits only calls that carry it
         self._metadata = ((TOKEN_KEY, token),)
         self.log = self._logs / "server.log"
-        env = {TOKEN_ENV: token}
-        if chips:
-            split = split_chips(chips, host_layout())
-            env |= split.server_env(free_port())
-            devices = len(split.server_chips)
         config = dict(
             checkpoint=str(checkpoint),
             dtype=dtype,
@@ -186,7 +186,7 @@ class JetStreamBackend:
             config,
             root=ROOT,
             log=self.log,
-            env=env,
+            env={TOKEN_ENV: token, **placement},
             messages=_handshake,
             on_exit=self._on_exit,
         )
@@ -479,7 +479,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
 def _check(rollout: RolloutSection, processes: int) -> list[str]:
     return interpreter_problems(
         "jetstream.python", rollout.jetstream.python, DEFAULT_PYTHON, "JetStream", "jetstream"
-    ) + chip_problems(rollout.jetstream.chips, processes)
+    ) + chip_problems(rollout.jetstream.chips, processes, rollout.max_concurrent)
 
 
 def _trainer_env(rollout: RolloutSection) -> dict[str, str]:

@@ -100,17 +100,22 @@ def test_the_pre_run_check_holds_one_trainer_process_per_host(
 ) -> None:
     monkeypatch.setenv("CHIPS_PER_HOST_BOUNDS", "2,2,1")
     monkeypatch.setenv("HOST_BOUNDS", "1,1,2")
-    assert chip_problems("2,3", 2) == []
-    assert chip_problems("", 3) == []  # no split, nothing to hold
-    (problem,) = chip_problems("2,3", 4)
+    assert chip_problems("2,3", 2, 8) == []
+    assert chip_problems("", 3, 8) == []  # no split, nothing to hold
+    (problem,) = chip_problems("2,3", 4, 8)
     assert problem.startswith("rollout.jetstream.chips='2,3': the run has 4 processes and the ")
     assert "slice 2 hosts (HOST_BOUNDS=1,1,2)" in problem
+    (problem,) = chip_problems("2,3", 2, 5)
+    assert problem == (
+        "rollout.max_concurrent=5 does not split over the JetStream server's 2 chips "
+        "(rollout.jetstream.chips='2,3'; its decode slots): use a multiple of 2"
+    )
     monkeypatch.setenv("HOST_BOUNDS", "2,2,1")
-    (problem,) = chip_problems("2,3", 4)
+    (problem,) = chip_problems("2,3", 4, 8)
     assert "along y" in problem
     monkeypatch.delenv("HOST_BOUNDS")
     monkeypatch.delenv("CHIPS_PER_HOST_BOUNDS")
-    (problem,) = chip_problems("2,3", 1)  # this build host has no TPU
+    (problem,) = chip_problems("2,3", 1, 8)  # this build host has no TPU
     assert "splits a TPU host's chips, and this host has none" in problem
 
 
