@@ -24,7 +24,9 @@
 # scripts/setup.sh && scripts/setup.sh tpu-plan); create or reuse the slice; copy the
 # repository's tracked files (git ls-files, and the config if untracked) to every worker;
 # `scripts/setup.sh tpu` on every worker (.venv with the locked jax and its libtpu; a second
-# run returns at once); then `jarl train CONFIG --distributed ...` started detached on all
+# run returns at once), and `scripts/setup.sh jetstream` too when the run's rollout.backend is
+# jetstream (each worker's server, on the chips rollout.jetstream.chips gives it; see
+# docs/jetstream.md); then `jarl train CONFIG --distributed ...` started detached on all
 # workers at once (--worker=all), and worker 0's log (process 0: the progress, step lines, the
 # message naming a failed process) followed here until the run ends; the script exits with
 # the run's code. Every worker keeps its log in ~/jarl-train-<time>.log. Ctrl-C (or SIGTERM)
@@ -51,7 +53,7 @@ while [[ $# -gt 0 ]]; do
     --dir) dir=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
     --no-plan) plan=0; shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     -*) echo "tpu_pod.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -60,6 +62,13 @@ done
 [[ $# -ge 1 ]] || { echo "tpu_pod.sh: a CONFIG is required (see --help)" >&2; exit 2; }
 config=$1; shift
 [[ -f $config ]] || { echo "tpu_pod.sh: no config file $config" >&2; exit 2; }
+# the run's rollout backend: the config's, then the overrides' (the workers check the rest)
+backend=$(.venv/bin/python -c 'import sys
+from omegaconf import OmegaConf
+dots = OmegaConf.from_dotlist([a.lstrip("+") for a in sys.argv[2:] if "=" in a])
+cfg = OmegaConf.merge(OmegaConf.load(sys.argv[1]), dots)
+print(OmegaConf.select(cfg, "rollout.backend", default="embedded"))' "$config" "$@") \
+  || { echo "tpu_pod.sh: cannot read rollout.backend of $config (see above; needs .venv)" >&2; exit 2; }
 if [[ -z $version && -n $accel ]]; then
   case "$accel" in
     v5litepod-*|v5e-*) version=v2-alpha-tpuv5-lite ;;
@@ -171,6 +180,9 @@ done
 apt="sudo apt-get -o DPkg::Lock::Timeout=600"
 on_all "command -v python3.11 >/dev/null && command -v bwrap >/dev/null || ($apt update -qq && $apt install -y -qq python3.11 python3.11-venv bubblewrap)"
 on_all "cd $dir && PYTHON=python3.11 bash scripts/setup.sh tpu"
+if [[ $backend == jetstream ]]; then  # each worker's JetStream server: its venv, with libtpu
+  on_all "cd $dir && PYTHON=python3.11 bash scripts/setup.sh jetstream"
+fi
 
 # 4. the run: started on every worker at once, worker 0's log followed here; Ctrl-C or
 # SIGTERM stop it on every worker

@@ -8,7 +8,10 @@
 #                                         TensorFlow, and it pins its own stack)
 #   scripts/setup.sh jetstream .venv-jetstream  JetStream (google-jetstream) and its TensorFlow,
 #                                         for the JetStream backend's server process (its own
-#                                         venv: TensorFlow cannot share a process with vLLM)
+#                                         venv: TensorFlow cannot share a process with vLLM); on
+#                                         a TPU VM (/dev/accel* or /dev/vfio/<n>), or with
+#                                         --tpu, plus the locked libtpu, so the server serves on
+#                                         the chips rollout.jetstream.chips gives it
 #   scripts/setup.sh tpu      .venv       the main environment plus the locked libtpu
 #                                         (requirements/tpu-lock.txt), on every worker of a TPU VM
 #                                         slice
@@ -27,6 +30,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target=${1:-main}
+tpu=0  # jetstream: add the locked libtpu (a TPU VM's chips, or --tpu)
+if [[ $target == jetstream ]]; then
+  case "${2:-}" in
+    --tpu) tpu=1 ;;
+    "") if compgen -G '/dev/accel*' >/dev/null || compgen -G '/dev/vfio/[0-9]*' >/dev/null; then
+          tpu=1
+        fi ;;
+    *) echo "setup: unknown option '$2' for jetstream (--tpu)" >&2; exit 2 ;;
+  esac
+fi
 if [[ $target == chromium ]]; then  # installed once, as root, like bubblewrap below
   if command -v chromium >/dev/null; then
     exit 0
@@ -73,7 +86,9 @@ if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; the
 fi
 stamp=$venv/.setup-stamp
 want=$( (echo "$target"; cat "$lock" pyproject.toml setup.py scripts/setup.sh) | sha256sum | cut -d' ' -f1)
-[[ $target == tpu ]] && want=$( (echo "$want"; cat requirements/tpu-lock.txt) | sha256sum | cut -d' ' -f1)
+if [[ $target == tpu ]] || (( tpu )); then
+  want=$( (echo "$want"; cat requirements/tpu-lock.txt) | sha256sum | cut -d' ' -f1)
+fi
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -123,6 +138,10 @@ elif [[ $target == vllm ]]; then
 elif [[ $target == jetstream ]]; then
   # the server imports this repo through PYTHONPATH, as the vLLM engines do
   check='import jax, grpc, jetstream.core.orchestrator, safetensors'
+  if (( tpu )); then  # the server's TPU runtime: the release built for the locked jax
+    "${pip[@]}" install --quiet --no-deps -r requirements/tpu-lock.txt
+    check="$check, libtpu"
+  fi
 fi
 "$venv/bin/python" -c "$check" \
   || { echo "setup: the $target environment does not import; see the errors above" >&2; exit 1; }

@@ -11,12 +11,15 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
 from jax_agent_rl.cli.serve_tools import add_serve_tools
 from jax_agent_rl.cli.view import add_view_parser
+
+if TYPE_CHECKING:
+    from jax_agent_rl.config import JarlConfig
 
 
 def _refuse(problems: Sequence[str]) -> int:
@@ -42,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     """Loads the config, joins the other processes of a multi-process run, then loads
     everything a run reads (`check_run`); a run starts only when nothing is wrong, and
     ``--dry-run`` stops there (joining no one)."""
-    from jax_agent_rl.config import ConfigError, JarlConfig, load_config, to_yaml
+    from jax_agent_rl.config import ConfigError, load_config, to_yaml
     from jax_agent_rl.distributed import ProcessGroup
 
     group = ProcessGroup(
@@ -56,8 +59,10 @@ def _train(args: argparse.Namespace) -> int:
         cfg: JarlConfig = load_config(args.config, list(args.overrides))
     except ConfigError as e:
         return _refuse(str(e).splitlines())
-    if group.problems():
-        return _refuse(group.problems())
+    # (placed before JAX starts a backend: the devices the rollout backend leaves this process)
+    problems = group.problems() or _place_trainer(cfg)
+    if problems:
+        return _refuse(problems)
     if group.auto and args.dry_run:
         return _refuse(
             [
@@ -99,6 +104,25 @@ def _train(args: argparse.Namespace) -> int:
     if distributed.is_primary():
         print(f"run folder: {run_dir}")
     return 0
+
+
+def _place_trainer(cfg: JarlConfig) -> list[str]:
+    """Sets the environment the rollout backend leaves this process (JetStream's server on TPU
+    chips of its own: the host's other chips), before JAX starts a backend, and says so; or
+    the problem that stops it."""
+    from jax_agent_rl.rollout.registry import backend_factory, backend_names
+
+    if cfg.rollout.backend not in backend_names():  # (the pre-run check names it)
+        return []
+    try:
+        placed = backend_factory(cfg.rollout.backend).trainer_env(cfg.rollout)
+    except ValueError as e:
+        return [str(e)]
+    os.environ.update(placed)
+    if placed:
+        shown = " ".join(f"{key}={os.environ[key]}" for key in placed)
+        print(f"# this process's devices beside rollout.backend: {shown}", file=sys.stderr)
+    return []
 
 
 def _stop_process(error: BaseException) -> NoReturn:

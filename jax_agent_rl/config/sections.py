@@ -85,6 +85,11 @@ class JetStreamSection:
 
     # the JetStream venv's interpreter; empty: the repo's .venv-jetstream/bin/python
     python: str = setting("", was="rollout.jetstream_python")
+    # TPU: the host's chips the server opens ("4,5,6,7", a rectangle of the host's grid); the
+    # trainer opens the others, and each host of a slice runs its own server on these chips
+    # (backends/jetstream/chips.py). On CPU the server then has this many devices. Empty: the
+    # server shares the trainer's host without chips of its own (CPU only, one device)
+    chips: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

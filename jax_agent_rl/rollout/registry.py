@@ -53,19 +53,29 @@ class BackendBuild:
     on_program: Callable[[int, int], None] | None = None  # (not sent to replicas)
 
 
-def _no_problems(rollout: RolloutSection) -> list[str]:
-    del rollout
+def _no_problems(rollout: RolloutSection, processes: int) -> list[str]:
+    del rollout, processes
     return []
+
+
+def _no_placement(rollout: RolloutSection) -> dict[str, str]:
+    del rollout
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendFactory:
-    """``build`` starts the backend; ``check`` lists, one line each naming the key, what in the
-    rollout section would make ``build`` fail (``jarl train --dry-run`` and the pre-run check
-    call it, so a missing interpreter is reported before any model loads)."""
+    """``build`` starts the backend; ``check(rollout, processes)`` lists, one line each naming
+    the key, what in the rollout section would make ``build`` fail in a run of ``processes``
+    processes (``jarl train --dry-run`` and the pre-run check call it, so a missing interpreter
+    is reported before any model loads). ``trainer_env(rollout)``: the environment variables
+    `jarl train` sets in its own process before JAX starts a backend, for the devices the
+    backend's engines leave to the trainer (JetStream's server on chips of its own); it raises
+    ``ValueError`` naming the key where ``check`` reports a problem."""
 
     build: Callable[[BackendBuild], RolloutBackend]
-    check: Callable[[RolloutSection], list[str]] = _no_problems
+    check: Callable[[RolloutSection, int], list[str]] = _no_problems
+    trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
 
 
 def _build_embedded(spec: BackendBuild) -> RolloutBackend:

@@ -86,7 +86,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     attempt(lambda: _reward(cfg))
     parser = attempt(lambda: _parser(cfg.agent.parser))
     if cfg.rollout.backend in backend_names():
-        problems += backend_factory(cfg.rollout.backend).check(cfg.rollout)
+        problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
         joined = jax.process_count() == processes

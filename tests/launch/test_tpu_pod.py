@@ -94,12 +94,16 @@ def test_the_workers_scripts_run_detached_and_follow_to_the_exit_code(tmp_path: 
 
 
 def test_the_setup_it_runs_installs_the_libtpu_jax_tpu_pins_for_the_locked_jax() -> None:
-    """A slice's workers (`setup.sh tpu`) and `jarl plan` (`setup.sh tpu-plan`) take libtpu from
-    requirements/tpu-lock.txt: the release jax[tpu] asks for at the locked jax version."""
+    """A slice's workers (`setup.sh tpu`), their JetStream servers (`setup.sh jetstream` on a TPU
+    VM) and `jarl plan` (`setup.sh tpu-plan`) take libtpu from requirements/tpu-lock.txt: the
+    release jax[tpu] asks for at the locked jax version, which both venvs lock."""
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert setup.count("-r requirements/tpu-lock.txt") == 2
-    lock = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
-    jax_version = next(line.removeprefix("jax==") for line in lock if line.startswith("jax=="))
+    assert setup.count("-r requirements/tpu-lock.txt") == 3
+    versions = set()
+    for name in ("lock.txt", "jetstream-lock.txt"):
+        lock = (ROOT / "requirements" / name).read_text().splitlines()
+        versions |= {line.removeprefix("jax==") for line in lock if line.startswith("jax==")}
+    (jax_version,) = versions
     assert importlib.metadata.version("jax") == jax_version
     wanted = [
         Requirement(r)
@@ -134,3 +138,22 @@ def test_help_and_refusals() -> None:
     assert no_topology.returncode == 2 and "pass --accelerator-type (or --no-plan)" in (
         no_topology.stderr
     )
+
+
+def test_a_jetstream_run_sets_up_the_server_venv_on_every_worker() -> None:
+    """rollout.backend=jetstream (from the config or an override): every worker also builds
+    .venv-jetstream, which `scripts/setup.sh jetstream` gives the locked libtpu on a TPU VM, so
+    each worker's server opens the chips rollout.jetstream.chips gives it."""
+    chips = ("rollout.backend=jetstream", "rollout.jetstream.chips=4,5,6,7")
+    out = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG, *chips)
+    assert out.returncode == 0, out.stderr
+    setups = [c for c in _commands(out.stdout) if "scripts/setup.sh" in c]
+    assert [c.split("--worker=all --command ")[1] for c in setups] == [
+        '"cd ~/jax_agent_rl && PYTHON=python3.11 bash scripts/setup.sh tpu"',
+        '"cd ~/jax_agent_rl && PYTHON=python3.11 bash scripts/setup.sh jetstream"',
+    ]
+    run = _scripts(out.stdout)["run.sh"]
+    # (bash's %q quoting: the worker's shell reads 4\,5 as 4,5)
+    assert f"train {CONFIG} rollout.backend=jetstream rollout.jetstream.chips=4\\,5\\,6\\,7 " in run
+    embedded = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG)
+    assert [c for c in _commands(embedded.stdout) if "setup.sh jetstream" in c] == []

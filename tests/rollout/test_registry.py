@@ -203,7 +203,8 @@ def test_an_unknown_backend_names_the_registered_ones() -> None:
 
 
 def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None:
-    def check(rollout: RolloutSection) -> list[str]:
+    def check(rollout: RolloutSection, processes: int) -> list[str]:
+        del processes
         replicas = rollout.vllm.replicas
         return [] if replicas == 1 else [f"rollout.vllm.replicas={replicas}: one only"]
 
@@ -220,7 +221,8 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
     )
     cfg = JarlConfig(rollout=rollout)
     assert check_ranges(cfg) == check_names(cfg) == []
-    assert backend_factory(rollout.backend).check(rollout) == ["rollout.vllm.replicas=2: one only"]
+    problems = backend_factory(rollout.backend).check(rollout, 1)
+    assert problems == ["rollout.vllm.replicas=2: one only"]
     for taken in ("embedded", "vllm", "single_replica_test"):
         with pytest.raises(ValueError, match="registered already"):
             register_backend(taken, factory)

@@ -46,6 +46,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from jax_agent_rl.backends.jetstream.chips import (
+    chip_problems,
+    free_port,
+    host_layout,
+    split_chips,
+    trainer_env,
+)
 from jax_agent_rl.backends.jetstream.server import TOKEN_ENV, TOKEN_KEY
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
@@ -98,7 +105,9 @@ class JetStreamBackend:
 
     The server loads ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
     weights) as ``weight_version``; it decodes ``slots`` sequences together, ``steps`` tokens
-    per engine call, on ``devices`` of its local devices.
+    per engine call, on ``devices`` of its local devices. ``chips`` (``rollout.jetstream.chips``,
+    "4,5,6,7"): the host's TPU chips it opens instead, all of them its devices (on CPU, as many
+    CPU devices); `placement` is then what the server reports of its own environment.
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class JetStreamBackend:
         slots: int,
         steps: int = 4,
         devices: int = 1,
+        chips: str = "",
         dtype: str = "float32",
         weight_version: int = 0,
         seed: int = 0,
@@ -122,6 +132,11 @@ class JetStreamBackend:
         python = Path(python)
         if not python.is_file():
             raise ServerStartError(f"no JetStream interpreter at {python}; {SETUP_HINT}")
+        placement: dict[str, str] = {}
+        if chips:  # (a split that cannot be raises here, before anything starts)
+            split = split_chips(chips, host_layout())
+            placement = split.server_env(free_port())
+            devices = len(split.server_chips)
         self.model = model
         self.sampling = sampling
         self.capabilities = Capabilities(
@@ -171,7 +186,7 @@ class JetStreamBackend:
             config,
             root=ROOT,
             log=self.log,
-            env={TOKEN_ENV: token},
+            env={TOKEN_ENV: token, **placement},
             messages=_handshake,
             on_exit=self._on_exit,
         )
@@ -186,6 +201,9 @@ class JetStreamBackend:
             from jetstream.core.proto import jetstream_pb2_grpc
 
             self.port: int = ready["port"]  # on 127.0.0.1
+            # the server's devices, and its TPU chip variables as its own process sees them
+            self.devices: int = ready["devices"]
+            self.placement: dict[str, str] = ready["placement"]
             self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
             self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
             self._load = self._channel.unary_unary("/jarl.Control/Load")
@@ -451,17 +469,22 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         max_model_len=r.max_model_len,
         slots=r.max_concurrent,
         steps=r.steps_per_call,
+        chips=r.jetstream.chips,
         dtype=spec.dtype,
         weight_version=spec.version,
         seed=spec.seed,
     )
 
 
-def _check(rollout: RolloutSection) -> list[str]:
+def _check(rollout: RolloutSection, processes: int) -> list[str]:
     return interpreter_problems(
         "jetstream.python", rollout.jetstream.python, DEFAULT_PYTHON, "JetStream", "jetstream"
-    )
+    ) + chip_problems(rollout.jetstream.chips, processes, rollout.max_concurrent)
+
+
+def _trainer_env(rollout: RolloutSection) -> dict[str, str]:
+    return trainer_env(rollout.jetstream.chips)
 
 
 # `rollout.backend=jetstream`, found through the entry point in pyproject.toml
-FACTORY = BackendFactory(build=_build, check=_check)
+FACTORY = BackendFactory(build=_build, check=_check, trainer_env=_trainer_env)

@@ -9,7 +9,9 @@ server was started with (in its environment, which only its own user can read): 
 open to every local user, and a stranger's ``Load`` would swap the policy being trained.
 
 Its ``main`` is `jax_agent_rl.backends.worker`'s. Its handshake is one JSON line on its stdout
-once serving, ``{"port", "vocab_size", "max_len"}`` (or ``{"error"}`` and it exits), and it
+once serving, ``{"port", "vocab_size", "max_len", "devices", "placement"}`` (``devices``: how
+many its JAX backend opened; ``placement``: the TPU chip variables of its own environment, see
+`jax_agent_rl.backends.jetstream.chips`), or ``{"error"}`` and it exits, and it
 serves until its stdin closes: the client is gone, so is the server. Everything else it prints
 (JetStream logs to stdout) goes to stderr.
 
@@ -121,12 +123,14 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
     import jax
 
     from jax_agent_rl.backends.jetstream import compat
+    from jax_agent_rl.backends.jetstream.chips import TPU_ENV_KEYS
+    from jax_agent_rl.models import load_hf, request_cpu_devices
+
+    request_cpu_devices(config.get("devices", 1))  # on CPU; on TPU its chips are its devices
 
     compat.install()
     from jetstream.core import orchestrator
     from jetstream.core.proto import jetstream_pb2_grpc
-
-    from jax_agent_rl.models import load_hf
 
     logging.getLogger().setLevel(logging.WARNING)  # JetStream logs every decode step at DEBUG
     token = os.environ.pop(TOKEN_ENV, "")
@@ -187,7 +191,9 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
     server.add_generic_rpc_handlers((control,))
     port = server.add_insecure_port(f"{HOST}:0")
     await server.start()
-    channel.ready({"port": port, "vocab_size": vocab_size, "max_len": max_len})
+    placement = {k: os.environ[k] for k in TPU_ENV_KEYS if k in os.environ}
+    ready = {"port": port, "vocab_size": vocab_size, "max_len": max_len}
+    channel.ready(ready | {"devices": jax.local_device_count(), "placement": placement})
     try:  # serve until the client closes our stdin (or dies)
         await asyncio.to_thread(sys.stdin.buffer.read)
     finally:

@@ -441,7 +441,8 @@ def _build(spec: BackendBuild) -> VLLMBackend:
     )
 
 
-def _check(rollout: RolloutSection) -> list[str]:
+def _check(rollout: RolloutSection, processes: int) -> list[str]:
+    del processes  # every process starts its own engines
     return interpreter_problems("vllm.python", rollout.vllm.python, DEFAULT_PYTHON, "vLLM", "vllm")
 
 
