@@ -64,7 +64,8 @@ def pallas_attention(
     statistics and, in the forward pass, multiplies the fp32 weights by the values converted
     to fp32 (`decoder.attention` rounds the normalized weights to the values' dtype first);
     its backward pass rounds the weights and the score gradients to the inputs' dtype before
-    each matmul, as `decoder.attention`'s does.
+    each matmul, as `decoder.attention`'s does, but takes the row sums ``sum(p * dp)`` from
+    its output rounded to that dtype (`decoder.attention`: from the fp32 weights).
     """
     H, G = q_bthk.shape[2], k_btgk.shape[2]
     if H % G:
@@ -133,6 +134,7 @@ def _attention(
 
     q_bhnk = rows_first((q_bthk * K**-0.5).astype(q_bthk.dtype))
     segments_bn = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
-    # one row after another (a device holds few rows: one with packing)
+    # one row after another (a device holds few rows: one with packing); a vmap would fold
+    # the rows into the kernel's grid, which this jax's TPU interpret mode cannot run
     out_bhnk = jax.lax.map(row, (q_bhnk, rows_first(k_btgk), rows_first(v_btgk), segments_bn))
     return out_bhnk.transpose(0, 2, 1, 3)[:, :T]
