@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
+from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
 from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -297,10 +298,18 @@ def attention(
     v_btgk: jax.Array,
     segment_ids_bt: jax.Array,
     window: int | None = None,
+    sharder: Sharder | None = None,
+    *,
+    kernel: bool | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
     reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
     (segment 0 is padding, attended by none). Scores and softmax in fp32.
+
+    On TPU (the ``sharder``'s mesh devices', else the default backend's) the Pallas TPU
+    kernel computes it (`pallas_attention`, each device on its rows and heads); elsewhere
+    the XLA computation below. ``kernel`` forces the choice (True: the kernel, which off TPU
+    runs only in Pallas's TPU interpret mode).
 
     Queries go in blocks of `ATTN_BLOCK` tokens, each over the keys up to its last token only:
     the blocks above the diagonal, all masked, are never computed (about half the work of a
@@ -318,6 +327,9 @@ def attention(
     fp32 and rounded, for the backward pass (gigabytes at 8 x 512 tokens, written and read
     once each).
     """
+    use_kernel = runs_on_tpu(sharder) if kernel is None else kernel
+    if use_kernel:
+        return pallas_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window)
     B, T, H, K = q_bthk.shape
     G = k_btgk.shape[2]
     q = q_bthk.reshape(B, T, G, H // G, K).transpose(0, 2, 1, 3, 4)  # [B, G, T, R, K]
@@ -729,7 +741,7 @@ def forward(
 
         def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k, v, train_segments, window)
+                return attention(q, k, v, train_segments, window, sharder)
 
             return mlp(lw, attend(lw, x_btd, train_positions, attn)), None
 
