@@ -324,7 +324,7 @@ async def _env_answer(
         step = await env.step(text, conversation)
     finally:
         traj.add_time("env_s", time.perf_counter() - t_env)
-    traj.add_env_step(step.reward, step.observations)
+    traj.add_env_step(step.reward, step.observations, step.success)
     if step.done:
         return "env_done"
     if cut is not None:

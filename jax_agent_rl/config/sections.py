@@ -308,6 +308,9 @@ class DataSection:
     # reward, and a function of verl's signature reads the tool rewards, if it wants them, from
     # extra_info["tool_rewards"] (passed whatever this weight is)
     tool_reward_weight: float = setting(0.0, FINITE)
+    # an episode succeeds (the success, mean@n and pass@k figures) when its reward is at least
+    # this, unless its environment says itself whether it succeeded (EnvStep.success)
+    success_reward: float = setting(1.0, FINITE)
     # DAPO soft overlong penalty over the last N response tokens
     overlong_buffer: int = setting(0, NATURAL, was="algorithm.overlong_buffer")
     # the penalty at the budget, scaled linearly over the buffer

@@ -8,7 +8,8 @@ by the tool loop between model turns (`jax_agent_rl.agent.loop`):
 - after each model turn it answers, ``await env.step(text, messages)`` (the turn's text, the
   conversation so far) returns an `EnvStep`: messages the model reads next (appended as a
   chat-template delta with mask 0, exactly as a tool observation is), a reward for that turn
-  (kept in ``Trajectory.turn_rewards``) and whether the episode is over;
+  (kept in ``Trajectory.turn_rewards``), whether the episode is over and, optionally, whether
+  it succeeded (``success``: the episode's success is then this, not ``data.success_reward``);
 - ``await env.close()`` runs once, however the episode ended.
 
 Two properties say how it shares the loop: ``turns`` is ``"all"`` when it answers every model
@@ -54,6 +55,7 @@ class EnvStep:
     observations: list[Message]  # what the model reads next (empty: nothing)
     reward: float = 0.0
     done: bool = False
+    success: bool | None = None  # whether the episode succeeded (None: not said here)
 
 
 class Environment(Protocol):
@@ -135,15 +137,17 @@ def checked_environment(env: Any, name: str) -> Environment:
 
 
 def checked_step(raw: Any, owner: str) -> EnvStep:
-    """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` as
-    skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying what is wrong otherwise."""
+    """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` and
+    optionally ``success``, as skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying
+    what is wrong otherwise."""
     if isinstance(raw, EnvStep):
-        observations, reward, done = raw.observations, raw.reward, raw.done
+        observations, reward, done, success = raw.observations, raw.reward, raw.done, raw.success
     elif isinstance(raw, Mapping):
         missing = {"observations", "reward", "done"} - set(raw)
         if missing:
             raise EnvError(f"{owner}.step returned a mapping without {sorted(missing)}")
         observations, reward, done = raw["observations"], raw["reward"], raw["done"]
+        success = raw.get("success")
     else:
         raise EnvError(
             f"{owner}.step returned {type(raw).__name__}; expected a mapping with "
@@ -155,7 +159,9 @@ def checked_step(raw: Any, owner: str) -> EnvStep:
         raise EnvError(f"{owner}.step returned reward {reward!r}; expected a finite number")
     if not isinstance(done, bool):
         raise EnvError(f"{owner}.step returned done {done!r}; expected True or False")
-    return EnvStep(checked_messages(observations, owner), float(reward), done)
+    if success is not None and not isinstance(success, bool):
+        raise EnvError(f"{owner}.step returned success {success!r:.40}; expected a bool or None")
+    return EnvStep(checked_messages(observations, owner), float(reward), done, success)
 
 
 def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Message]:

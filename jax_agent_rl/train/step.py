@@ -103,6 +103,7 @@ async def rollout_episodes(
     seed: int,
     score: Scorer,
     tool_reward_weight: float,
+    success_reward: float,
     tool_failure_reruns: int = 0,
     filters: Sequence[str] = (),
     tree: TreeSection | None = None,
@@ -153,7 +154,9 @@ async def rollout_episodes(
         episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
         runs = [grown(e) for e in episodes]
     groups = list(await asyncio.gather(*runs))
-    await score_episodes(groups, episodes, score, tool_reward_weight, ctx.tokenizer)
+    await score_episodes(
+        groups, episodes, score, tool_reward_weight, ctx.tokenizer, success_reward=success_reward
+    )
     trajs = [t for g in groups for t in g]
     for group in split_groups(trajs) if filters else ():
         apply_filters(group, filters)
@@ -166,15 +169,21 @@ async def score_episodes(
     score: Scorer,
     tool_reward_weight: float,
     tokenizer: Tokenizer,
+    *,
+    success_reward: float,
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
-    scored concurrently: a model judge gets the step's requests together."""
+    scored concurrently: a model judge gets the step's requests together, and whether it
+    succeeded: as its environment said, else its reward >= ``success_reward``."""
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
     rewards = await asyncio.gather(
         *(trajectory_reward(e, t, score, tool_reward_weight, tokenizer) for e, t in pairs)
     )
     for (_, traj), reward in zip(pairs, rewards, strict=True):
         traj.reward = reward
+        traj.success = (
+            traj.env_success if traj.env_success is not None else reward >= success_reward
+        )
 
 
 async def run_episodes(
@@ -193,6 +202,7 @@ async def run_episodes(
         seed=cfg.trainer.seed,
         score=rollout.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
+        success_reward=cfg.data.success_reward,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
         filters=training_filters(cfg),
         tree=tree,
