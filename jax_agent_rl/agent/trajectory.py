@@ -35,6 +35,10 @@ StopReason = Literal[
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable
     "harness_error",
+    # its reward (the reward function's, the environment's or the weighted turn rewards' sum)
+    # is not a finite number within rewards.MAX_ABS_REWARD; named in `Trajectory.error`; its
+    # reward is 0 and it is not trainable
+    "reward_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
@@ -211,6 +215,7 @@ class Trajectory:
             "agent_error",
             "env_error",
             "harness_error",
+            "reward_error",
         )
 
     @property

@@ -23,7 +23,8 @@ reward function may read as ``extra_info["tool_rewards"]``).
 entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
 ``extra_info.interaction_kwargs.name`` (verl's) names an interaction of ``env.interaction_config``
 (`verl_interaction`). Whatever an environment does wrong (raises, returns a malformed step,
-takes longer than ``env.step_timeout_s``) ends that trajectory with stop reason ``env_error``
+takes longer than ``env.step_timeout_s``; its every step's answer is checked, `checked_step`,
+whoever made the environment) ends that trajectory with stop reason ``env_error``
 (`EnvError`), counted and not trained on; an environment that never says done is ended by the
 loop's budgets (``agent.max_turns``...).
 """
@@ -32,12 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 
 OBSERVATION_ROLES = ("user", "tool", "system")
@@ -154,9 +155,11 @@ def checked_step(raw: Any, owner: str) -> EnvStep:
             "observations, reward, done"
         )
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a number")
-    if not math.isfinite(float(reward)):
-        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a finite number")
+        raise EnvError(f"{owner}.step returned reward {reward!r:.60}; expected a number")
+    try:
+        reward = checked_reward(reward, f"{owner}.step")
+    except RewardError as e:
+        raise EnvError(str(e)) from e
     if not isinstance(done, bool):
         raise EnvError(f"{owner}.step returned done {done!r}; expected True or False")
     if success is not None and not isinstance(success, bool):
