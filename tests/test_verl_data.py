@@ -183,6 +183,7 @@ def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Traject
                 seed=cfg.trainer.seed,
                 score=make_reward(cfg.data),
                 tool_reward_weight=cfg.data.tool_reward_weight,
+                success_reward=cfg.data.success_reward,
             )
         ]
         await backend.close()

@@ -37,7 +37,7 @@ from jax_agent_rl.agent.context import AgentContext, RefusedCall, cap_calls
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
-from jax_agent_rl.envs.base import EnvError, Environment
+from jax_agent_rl.envs.base import EnvError, Environment, checked_step
 from jax_agent_rl.rollout.protocol import GenerateRequest
 from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall
 from jax_agent_rl.tools.base import ToolResult
@@ -320,11 +320,11 @@ async def _env_answer(
         {**m, "content": m["content"].removesuffix(eos)} if m["role"] == "assistant" else m
         for m in traj.messages
     ]
-    try:
-        step = await env.step(text, conversation)
+    try:  # checked here for every environment, native ones included (reward, messages)
+        step = checked_step(await env.step(text, conversation), type(env).__name__)
     finally:
         traj.add_time("env_s", time.perf_counter() - t_env)
-    traj.add_env_step(step.reward, step.observations)
+    traj.add_env_step(step.reward, step.observations, step.success)
     if step.done:
         return "env_done"
     if cut is not None:

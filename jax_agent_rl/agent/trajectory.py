@@ -35,6 +35,10 @@ StopReason = Literal[
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable
     "harness_error",
+    # its reward (the reward function's, the environment's or the weighted turn rewards' sum)
+    # is not a finite number within rewards.MAX_ABS_REWARD; named in `Trajectory.error`; its
+    # reward is 0 and it is not trainable
+    "reward_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
@@ -65,6 +69,10 @@ class Trajectory:
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     # the episode's reward when its environment owns it (the sum of its step rewards), else None
     env_reward: float | None = None
+    # whether its environment said the episode succeeded (its last step that said), else None
+    env_success: bool | None = None
+    # whether it succeeded: env_success when said, else reward >= data.success_reward
+    success: bool = False
     num_turns: int = 0
     stop_reason: StopReason = "eos"
     weight_versions: list[int] = dataclasses.field(default_factory=list)
@@ -150,9 +158,14 @@ class Trajectory:
         self.timings["env_s"] = 0.0
         self.env_reward = 0.0 if owns_reward else None
 
-    def add_env_step(self, reward: float, observations: Sequence[Message]) -> None:
+    def add_env_step(
+        self, reward: float, observations: Sequence[Message], success: bool | None = None
+    ) -> None:
         """An environment's answer to a turn: its reward (the turn's, summed into the episode's
-        when the environment owns it) and its messages."""
+        when the environment owns it), its messages and whether the episode succeeded (None:
+        not said)."""
+        if success is not None:
+            self.env_success = success
         self.turn_rewards.append(reward)
         if self.env_reward is not None:
             self.env_reward += reward
@@ -202,6 +215,7 @@ class Trajectory:
             "agent_error",
             "env_error",
             "harness_error",
+            "reward_error",
         )
 
     @property

@@ -277,7 +277,8 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "  jarl eval runs/demo                      # the latest checkpoint, greedy\n"
         "  jarl eval runs/demo --step 8 --n 8       # step 8, pass@1..8 of 8 samples\n"
         "  jarl eval runs/demo data.val=test.jsonl data.val_size=0 --checkpoint runs/demo/hf\n"
-        "  jarl eval configs/my.yaml                # the config's model.path, before training",
+        "  jarl eval configs/my.yaml                # the config's model.path, before training\n"
+        "  jarl eval runs/demo data.success_reward=0.5  # a success: reward >= 0.5 (default 1)",
     )
     p.add_argument(
         "target",

@@ -8,7 +8,8 @@ by the tool loop between model turns (`jax_agent_rl.agent.loop`):
 - after each model turn it answers, ``await env.step(text, messages)`` (the turn's text, the
   conversation so far) returns an `EnvStep`: messages the model reads next (appended as a
   chat-template delta with mask 0, exactly as a tool observation is), a reward for that turn
-  (kept in ``Trajectory.turn_rewards``) and whether the episode is over;
+  (kept in ``Trajectory.turn_rewards``), whether the episode is over and, optionally, whether
+  it succeeded (``success``: the episode's success is then this, not ``data.success_reward``);
 - ``await env.close()`` runs once, however the episode ended.
 
 Two properties say how it shares the loop: ``turns`` is ``"all"`` when it answers every model
@@ -22,7 +23,8 @@ reward function may read as ``extra_info["tool_rewards"]``).
 entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
 ``extra_info.interaction_kwargs.name`` (verl's) names an interaction of ``env.interaction_config``
 (`verl_interaction`). Whatever an environment does wrong (raises, returns a malformed step,
-takes longer than ``env.step_timeout_s``) ends that trajectory with stop reason ``env_error``
+takes longer than ``env.step_timeout_s``; its every step's answer is checked, `checked_step`,
+whoever made the environment) ends that trajectory with stop reason ``env_error``
 (`EnvError`), counted and not trained on; an environment that never says done is ended by the
 loop's budgets (``agent.max_turns``...).
 """
@@ -31,12 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 
 OBSERVATION_ROLES = ("user", "tool", "system")
@@ -54,6 +56,7 @@ class EnvStep:
     observations: list[Message]  # what the model reads next (empty: nothing)
     reward: float = 0.0
     done: bool = False
+    success: bool | None = None  # whether the episode succeeded (None: not said here)
 
 
 class Environment(Protocol):
@@ -135,27 +138,33 @@ def checked_environment(env: Any, name: str) -> Environment:
 
 
 def checked_step(raw: Any, owner: str) -> EnvStep:
-    """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` as
-    skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying what is wrong otherwise."""
+    """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` and
+    optionally ``success``, as skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying
+    what is wrong otherwise."""
     if isinstance(raw, EnvStep):
-        observations, reward, done = raw.observations, raw.reward, raw.done
+        observations, reward, done, success = raw.observations, raw.reward, raw.done, raw.success
     elif isinstance(raw, Mapping):
         missing = {"observations", "reward", "done"} - set(raw)
         if missing:
             raise EnvError(f"{owner}.step returned a mapping without {sorted(missing)}")
         observations, reward, done = raw["observations"], raw["reward"], raw["done"]
+        success = raw.get("success")
     else:
         raise EnvError(
             f"{owner}.step returned {type(raw).__name__}; expected a mapping with "
             "observations, reward, done"
         )
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a number")
-    if not math.isfinite(float(reward)):
-        raise EnvError(f"{owner}.step returned reward {reward!r}; expected a finite number")
+        raise EnvError(f"{owner}.step returned reward {reward!r:.60}; expected a number")
+    try:
+        reward = checked_reward(reward, f"{owner}.step")
+    except RewardError as e:
+        raise EnvError(str(e)) from e
     if not isinstance(done, bool):
         raise EnvError(f"{owner}.step returned done {done!r}; expected True or False")
-    return EnvStep(checked_messages(observations, owner), float(reward), done)
+    if success is not None and not isinstance(success, bool):
+        raise EnvError(f"{owner}.step returned success {success!r:.40}; expected a bool or None")
+    return EnvStep(checked_messages(observations, owner), float(reward), done, success)
 
 
 def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Message]:

@@ -14,12 +14,15 @@ from jax_agent_rl.rewards.math import (
 )
 from jax_agent_rl.rewards.registry import (
     JUDGE,
+    MAX_ABS_REWARD,
     REWARDS,
     Answer,
     JudgeFn,
+    RewardError,
     RewardFn,
     ScoreFn,
     Scorer,
+    checked_reward,
     load_reward,
     make_reward,
     uses_judge,
@@ -27,14 +30,17 @@ from jax_agent_rl.rewards.registry import (
 
 __all__ = [
     "JUDGE",
+    "MAX_ABS_REWARD",
     "REWARDS",
     "Answer",
     "Judge",
     "JudgeAnswerError",
     "JudgeFn",
+    "RewardError",
     "RewardFn",
     "ScoreFn",
     "Scorer",
+    "checked_reward",
     "extract_answer",
     "format_reward",
     "gsm8k_answer",

@@ -3,17 +3,36 @@
 The reward named ``judge`` (``data.reward=judge``, or per source in ``data.rewards_by_source``)
 fills ``data.judge.template`` with the row's prompt, the final answer and the ground truth,
 sends it as one user message of the judge's chat template (greedy by default) and reads the
-last match of ``score_pattern`` in what comes back (`parse_score`), divided by ``score_max``.
+number in the first ``<score>N</score>`` of what comes back (`parse_score`), divided by
+``score_max``. Anything else is a failure: a judge that says "Rating: 3/10", or only quotes
+the response's own "10/10", has not rated it.
+
+The policy writes the answer the judge reads, and under GRPO it gains by raising its score, so
+the answer is data the judge cannot mistake for its prompt (`response_block`):
+
+- it sits between ``<response>`` and ``</response>``, and its own spellings of those
+  delimiters and of the score tag are escaped (``&lt;/response>``): it can neither close the
+  block (and add a forged "Reference answer" line after it) nor hand the judge a score tag;
+- special-token spellings in it (``<|im_start|>``) are encoded as plain text
+  (`Tokenizer.encode_text`), never as the tokens: it cannot open turns of its own;
+- invisible characters (Unicode tag characters, zero-width ones, `visible.INVISIBLE`) are
+  removed: no hidden message reaches the judge;
+- a response longer than ``max_response_chars`` is cut to its head and tail, and the prompt
+  is built in a worker thread: huge answers neither fill the judge's context nor stall the
+  event loop.
 
 - Batched, bounded: every answer of a step is scored concurrently, so the judge's requests go
   to its backend together (which batches them), at most ``max_concurrency`` in flight.
-- Cached: the score of each judge prompt (so of each prompt, response and ground truth) is
-  kept in memory for the rest of the run, the newest ``cache_size``; a cached answer is not
-  sent again, nor one being judged already (it waits for that request). Failures are not
-  cached.
+- Cached: the score of each judge prompt (so of each prompt, response and ground truth) under
+  the judge's weight version (``weight_version``: the policy's changes with every push, a
+  separate judge's never) is kept in memory for the rest of the run, the newest
+  ``cache_size``; a cached answer is not sent again, nor one being judged already (it waits
+  for that request, and one waiter cancelled leaves the others waiting). Failures, and scores
+  asked across a weight push, are not cached.
 - Never fatal: an answer with no score in range, a backend error or a request that exceeds
-  ``timeout_s`` gets the ``fallback`` reward; each is counted. `Judge.counters` gives the
-  running totals ``reward/judge_calls`` (requests sent), ``reward/judge_failures`` and
+  ``timeout_s`` gets the ``fallback`` reward (0 unless set: breaking the judge must not pay
+  more than its lowest rating); each is counted. `Judge.counters` gives the running totals
+  ``reward/judge_calls`` (requests sent), ``reward/judge_failures`` and
   ``reward/judge_cache_hits``; each step reports what they grew by.
 
 The judge is the policy's own backend (``backend: policy``: it rates with the weights being
@@ -28,46 +47,68 @@ import collections
 import hashlib
 import itertools
 import re
+from collections.abc import Callable
 
 from jax_agent_rl.config import JudgeSection
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.rewards.registry import Answer
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.visible import without_invisible
+
+_SCORE = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
+# what opens a delimiter or a score tag: "<", fullwidth or small "<", then "response"/"score"
+_TAG = re.compile(r"[<\uff1c\ufe64](?=\s*/?\s*(?:response|score))", re.IGNORECASE)
+_CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat
 
 
 class JudgeAnswerError(ValueError):
     """A judge's answer that holds no score in range."""
 
 
-def parse_score(text: str, pattern: str, score_max: float) -> float:
-    """The last match of ``pattern`` in ``text`` (its first group, if it has groups) as a
-    number in [0, ``score_max``], divided by ``score_max``. Raises `JudgeAnswerError` when there
-    is no match, it is not a number, or it is out of range."""
-    matches = list(re.finditer(pattern, text))
-    if not matches:
-        raise JudgeAnswerError(f"no match of {pattern!r} in the judge's answer {text[-200:]!r}")
-    last = matches[-1]
-    found = last.group(1) if last.re.groups else last.group(0)
+def parse_score(text: str, score_max: float) -> float:
+    """The number in the first ``<score>N</score>`` of ``text``, in [0, ``score_max``],
+    divided by ``score_max``. Raises `JudgeAnswerError` when there is no such tag, it holds
+    no number, or the number is out of range."""
+    found = _SCORE.search(text)
+    if found is None:
+        raise JudgeAnswerError(f"no <score>N</score> in the judge's answer {text[:200]!r}")
     try:
-        value = float(found)
-    except (TypeError, ValueError) as e:
-        raise JudgeAnswerError(f"the judge's score {found!r} is not a number") from e
+        value = float(found.group(1))
+    except ValueError as e:
+        raise JudgeAnswerError(f"the judge's score {found.group(1)!r:.40} is not a number") from e
     if not 0.0 <= value <= score_max:  # NaN fails this too
         raise JudgeAnswerError(f"the judge's score {value:g} is outside [0, {score_max:g}]")
     return value / score_max
 
 
-def judge_prompt(template: str, answer: Answer) -> str:
-    """``template`` filled in with the answer's prompt, response and ground truth."""
+def response_block(text: str, max_chars: int) -> str:
+    """``text`` as the judge reads it: without invisible characters, cut to its first and last
+    ``max_chars / 2`` characters if longer, its ``<response``/``<score`` tags escaped, between
+    ``<response>`` and ``</response>``."""
+    text = without_invisible(text)
+    if len(text) > max_chars:
+        head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
+        text = f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[tail:]}"
+    return f"<response>\n{_TAG.sub('&lt;', text)}\n</response>"
+
+
+def judge_prompt(section: JudgeSection, answer: Answer) -> str:
+    """``section.template`` filled in with the answer's prompt, response (`response_block`),
+    ground truth and the score's scale."""
     truth = "" if answer.ground_truth is None else str(answer.ground_truth)
-    return template.format(prompt=answer.prompt, response=answer.text, ground_truth=truth)
+    return section.template.format(
+        prompt=answer.prompt,
+        response=response_block(answer.text, section.max_response_chars),
+        ground_truth=truth,
+        score_max=section.score_max,
+    )
 
 
 class Judge:
     """Scores answers with ``backend`` (see the module docstring); one per run, called from
     one event loop. ``stop_token_ids``: where a judge's answer ends (its tokenizer's end of
-    turn)."""
+    turn). ``weight_version``: the version of the weights ``backend`` judges with now."""
 
     def __init__(
         self,
@@ -75,19 +116,31 @@ class Judge:
         backend: RolloutBackend,
         tokenizer: Tokenizer,
         stop_token_ids: tuple[int, ...],
+        weight_version: Callable[[], int],
     ) -> None:
         self.section = section
         self.backend = backend
         self.tokenizer = tokenizer
+        self.weight_version = weight_version
         self.sampling = SamplingParams(
             max_tokens=section.max_tokens,
             temperature=section.temperature,
             stop_token_ids=stop_token_ids,
             logprobs=False,
         )
+        chat = tokenizer.render_chat(
+            [{"role": "user", "content": _CONTENT}], add_generation_prompt=True
+        )
+        if chat.count(_CONTENT) != 1:
+            raise ValueError(
+                f"{tokenizer.chat_template_origin} does not write a user message's content "
+                "once as given: the judge cannot keep the answer it rates apart from its turns"
+            )
+        before, after = chat.split(_CONTENT)
+        self._around = (tokenizer.encode(before), tokenizer.encode(after))
         self._slots = asyncio.Semaphore(section.max_concurrency)
-        self._cache: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._asking: dict[bytes, asyncio.Future[float]] = {}
+        self._cache: collections.OrderedDict[tuple[int, bytes], float] = collections.OrderedDict()
+        self._asking: dict[tuple[int, bytes], asyncio.Future[float]] = {}
         self._ids = itertools.count()
         self.calls = 0
         self.failures = 0
@@ -101,39 +154,45 @@ class Judge:
             "reward/judge_cache_hits": self.cache_hits,
         }
 
+    def _prompt(self, answer: Answer) -> tuple[list[int], bytes]:
+        """The judge's prompt ids of ``answer`` (the message as plain text inside the chat
+        template's turn) and their digest."""
+        before, after = self._around
+        ids = before + self.tokenizer.encode_text(judge_prompt(self.section, answer)) + after
+        return ids, hashlib.sha256(repr(ids).encode()).digest()
+
     async def __call__(self, answer: Answer) -> float:
         """The judge's reward of ``answer`` in [0, 1], or ``fallback`` if judging it failed."""
         s = self.section
-        try:
-            prompt_ids = self.tokenizer.encode_chat(
-                [{"role": "user", "content": judge_prompt(s.template, answer)}],
-                add_generation_prompt=True,
-            )
+        try:  # the heavy part (text scans, tokenizing) off the event loop
+            prompt_ids, digest = await asyncio.to_thread(self._prompt, answer)
         except Exception:  # a template that does not fit the answer (a stray brace)
             self.failures += 1
             return s.fallback
         if not s.cache:
             return (await self._score(prompt_ids))[0]
-        key = hashlib.sha256(repr(prompt_ids).encode()).digest()
+        key = (self.weight_version(), digest)
         if key in self._cache:
             self.cache_hits += 1
             self._cache.move_to_end(key)
             return self._cache[key]
-        if key in self._asking:  # the same answer, being judged now: wait for that request
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.ensure_future(self._judged(key, prompt_ids))
+        else:  # the same answer, being judged now: wait for that request
             self.cache_hits += 1
-            return await asyncio.shield(self._asking[key])
-        asking = self._asking[key] = asyncio.get_running_loop().create_future()
+        # one waiter cancelled does not cancel the request the others wait for
+        return await asyncio.shield(asking)
+
+    async def _judged(self, key: tuple[int, bytes], prompt_ids: list[int]) -> float:
+        """`_score`, cached under ``key`` unless it failed or the weights changed meanwhile."""
         try:
             score, judged = await self._score(prompt_ids)
-        except BaseException:  # cancelled: so are those waiting for it
-            asking.cancel()
-            raise
         finally:
             del self._asking[key]
-        asking.set_result(score)
-        if judged:  # a failure is asked again next time
+        if judged and self.weight_version() == key[0]:  # a failure is asked again next time
             self._cache[key] = score
-            if len(self._cache) > s.cache_size:
+            if len(self._cache) > self.section.cache_size:
                 self._cache.popitem(last=False)
         return score
 
@@ -153,4 +212,4 @@ class Judge:
             # a backend frees a cancelled request (the embedded engine aborts it)
             result = await asyncio.wait_for(self.backend.generate(request), s.timeout_s)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return parse_score(text, s.score_pattern, s.score_max)
+        return parse_score(text, s.score_max)

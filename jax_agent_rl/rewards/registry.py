@@ -39,6 +39,12 @@ What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a 
 the prompt, tool responses included, special tokens skipped); for other rows the last assistant
 message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Scorer`), so that a
 step's judge requests are sent together.
+
+Every reward is checked where it enters (`checked_reward`): a real number, finite, within
+``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
+`jax_agent_rl.envs.checked_step`; each episode's final reward in
+`jax_agent_rl.train.step.score_episodes`, which ends a trajectory whose reward fails with stop
+reason ``reward_error`` rather than let a NaN into its group's advantages.
 """
 
 from __future__ import annotations
@@ -75,6 +81,27 @@ JUDGE = "judge"  # the reward name that asks a model (data.judge)
 _BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+# the largest reward magnitude taken: far beyond any task's scale, and small enough that a
+# group's sums and squared deviations (~1e12 * its size) stay finite in float32 (~3.4e38)
+MAX_ABS_REWARD = 1e6
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number within ``MAX_ABS_REWARD`` (the message names where
+    it came from and the value)."""
+
+
+def checked_reward(value: Any, source: str) -> float:
+    """``value`` as a float if it is a real number, finite, within ``MAX_ABS_REWARD``; else a
+    `RewardError` naming ``source`` (what gave it)."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise RewardError(f"{source} gave reward {value!r:.60}: not a finite number")
+    if abs(float(value)) > MAX_ABS_REWARD:
+        raise RewardError(
+            f"{source} gave reward {value!r:.60}: outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
+        )
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,17 +240,12 @@ def _binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
 
 
 def _score(result: Any, spec: str, key: str) -> float:
-    """A user reward's result as a finite float: a number, or a dict's ``score``."""
+    """A user reward's result as a `checked_reward`: a number, or a dict's ``score``."""
     value = result
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(
+            raise RewardError(
                 f"{key}={spec!r} returned a dict without a 'score' key (keys: {list(result)})"
             )
         value = result["score"]
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(
-            f"{key}={spec!r} returned {value!r}; a reward returns a finite number or a dict "
-            "whose 'score' is one"
-        )
-    return float(value)
+    return checked_reward(value, f"{key}={spec!r}")

@@ -4,7 +4,8 @@ A training loop reads `MeteredBackend.idle_s` at the start and end of a step to 
 rollout engines' idle fraction (the synchronous loop leaves them idle while the learner
 updates; the asynchronous one should not), and `MeteredBackend.counters` to report what the
 backend counts itself (its ``counters()``, running totals such as the Ray pool's replica
-deaths and re-run requests).
+deaths and re-run requests). `MeteredBackend.version` is the weight version it serves (the
+newest pushed, from the start of the push): a judge that is the policy keys its scores by it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult, Rollo
 
 
 class MeteredBackend:
-    """``inner`` behind the same protocol, counting its idle time (one event loop's calls)."""
+    """``inner`` behind the same protocol, counting its idle time (one event loop's calls);
+    ``version``: the weight version it starts serving."""
 
-    def __init__(self, inner: RolloutBackend) -> None:
+    def __init__(self, inner: RolloutBackend, version: int = 0) -> None:
         self.inner = inner
+        self.version = version
         self.capabilities = inner.capabilities
         self._in_flight = 0
         self._idle_s = 0.0
@@ -47,6 +50,7 @@ class MeteredBackend:
                 self._idle_since = time.monotonic()
 
     async def update_weights(self, params: Any, version: int) -> None:
+        self.version = version
         await self.inner.update_weights(params, version)
 
     async def abort(self, request_id: str) -> None:

@@ -10,7 +10,9 @@ and there, and a template that would loop for ever or fill the memory fails inst
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,30 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    @functools.cached_property
+    def _special_spellings(self) -> re.Pattern[str] | None:
+        """Where a special token's text occurs (longest first), or None if it has none."""
+        special = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        if not special:
+            return None
+        return re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True))))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: where it spells a special token (a model
+        writing ``<|im_start|>``), that spelling is encoded character by character, so it
+        never becomes the token itself. Decodes back to ``text``."""
+        pattern = self._special_spellings
+        if pattern is None:
+            return self.encode(text)
+        ids: list[int] = []
+        at = 0
+        for found in pattern.finditer(text):
+            ids += self.encode(text[at : found.start()])
+            for char in found.group():
+                ids += self.encode(char)
+            at = found.end()
+        return ids + self.encode(text[at:])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -427,7 +427,7 @@ async def serve_policy(
                     on_program=compiled,
                 )
             )
-        backend = MeteredBackend(built)  # its idle time goes into each step's metrics
+        backend = MeteredBackend(built, version)  # its idle time goes into each step's metrics
         if isinstance(built, RayPool):
             nodes = collections.Counter(built.nodes)
             console.print(
@@ -463,15 +463,16 @@ async def serve_policy(
 
 
 def make_judge(
-    cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder, policy: RolloutBackend
+    cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder, policy: MeteredBackend
 ) -> tuple[Judge, RolloutBackend | None]:
     """The judge ``data.judge`` describes, and the backend started for it, if it has its own:
-    ``policy`` with the run's ``tokenizer``, or a ``data.judge.backend`` engine of
-    ``data.judge.model_path`` (its weights and tokenizer) on the policy's inference devices
-    (``sharder``), with ``rollout.*``'s engine settings and ``max_concurrency`` slots."""
+    ``policy`` with the run's ``tokenizer`` (judging with the weight version it serves), or a
+    ``data.judge.backend`` engine of ``data.judge.model_path`` (its weights and tokenizer) on
+    the policy's inference devices (``sharder``), with ``rollout.*``'s engine settings and
+    ``max_concurrency`` slots."""
     section = cfg.data.judge
     if section.backend == "policy":
-        return Judge(section, policy, tokenizer, eos_ids(tokenizer)), None
+        return Judge(section, policy, tokenizer, eos_ids(tokenizer), lambda: policy.version), None
     judge_tokenizer = Tokenizer.from_pretrained(section.model_path)
     model, params = load_hf(section.model_path, cfg.model.dtype, sharder)
     rollout = dataclasses.replace(
@@ -490,7 +491,7 @@ def make_judge(
             stop_token_ids=stops,
         )
     )
-    return Judge(section, backend, judge_tokenizer, stops), backend
+    return Judge(section, backend, judge_tokenizer, stops, lambda: 0), backend  # fixed weights
 
 
 def eos_ids(tokenizer: Tokenizer) -> tuple[int, ...]:

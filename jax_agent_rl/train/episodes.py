@@ -26,7 +26,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
     out: Totals = {
         "episodes": len(trajs),
         "reward": sum(t.reward for t in trajs),
-        "success": sum(t.reward > 0 for t in trajs),
+        "success": sum(t.success for t in trajs),
         "turns": sum(t.num_turns for t in trajs),
         "tool_calls": sum(t.tool_calls for t in trajs),
         "malformed_calls": sum(t.malformed_calls for t in trajs),
@@ -118,7 +118,7 @@ def source_totals(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> Tot
     out: Counter[str] = Counter()
     for traj, sample in zip(trajs, samples, strict=True):
         source = sample.data_source or "unknown"
-        win = int(traj.reward > 0)
+        win = int(traj.success)
         out[f"episodes|{source}"] += 1
         out[f"success|{source}"] += win
         if traj.tool_calls:

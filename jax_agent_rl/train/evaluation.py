@@ -7,7 +7,9 @@ success rate. With ``n`` samples per prompt (sampled at the run's rollout temper
 ``trainer.seed`` and the step), ``mean@n`` is the success rate over all ``n * prompts``
 episodes and ``pass@k`` (for k = 1, 2, 4, ... up to n, and n) the unbiased estimate of Chen et
 al. (2021) of the chance that at least one of k samples succeeds (`pass_at_k`); pass@n is the
-share of prompts with any success. A success is an episode with a reward above zero.
+share of prompts with any success. A success is an episode whose reward reaches
+``data.success_reward`` (1 by default), or whose environment said it succeeded
+(`Trajectory.success`): a judge's 1/10 is no success.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def pass_totals(trajs: Sequence[Trajectory], n: int, samples: Sequence[Sample]) 
         raise ValueError(f"{len(trajs)} episodes for {len(samples)} prompts x {n}")
     out: dict[str, float] = {}
     for i, sample in enumerate(samples):
-        c = sum(t.reward > 0 for t in trajs[i * n : (i + 1) * n])
+        c = sum(t.success for t in trajs[i * n : (i + 1) * n])
         for source in (sample.data_source or "unknown", ALL):
             for key, value in (
                 ("prompts", 1.0),
@@ -142,6 +144,7 @@ async def evaluate_samples(
         seed=cfg.trainer.seed,
         score=score,
         tool_reward_weight=cfg.data.tool_reward_weight,
+        success_reward=cfg.data.success_reward,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
         episode_done=episode_done,
     )

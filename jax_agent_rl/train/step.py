@@ -36,7 +36,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.rewards import Answer, Scorer, verl_rules
+from jax_agent_rl.rewards import Answer, RewardError, Scorer, checked_reward, verl_rules
 from jax_agent_rl.rl import core
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
@@ -74,7 +74,8 @@ async def trajectory_reward(
     ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
     of the turn rewards (``traj.turn_rewards``: tool calls', a verl interaction's scores). As
     in verl, the reward function also gets them as ``extra_info["tool_rewards"]`` (here one
-    entry per answered turn, the sum of its calls; verl has one per call)."""
+    entry per answered turn, the sum of its calls; verl has one per call). Raises
+    `RewardError` when ``score`` gives no finite number in range."""
     if traj.env_reward is not None:
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
@@ -85,7 +86,7 @@ async def trajectory_reward(
         sample.ground_truth,
         extra,
     )
-    outcome = await score(answer)
+    outcome = checked_reward(await score(answer), f"the reward of {sample.data_source!r}")
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
 
 
@@ -103,6 +104,7 @@ async def rollout_episodes(
     seed: int,
     score: Scorer,
     tool_reward_weight: float,
+    success_reward: float,
     tool_failure_reruns: int = 0,
     filters: Sequence[str] = (),
     tree: TreeSection | None = None,
@@ -153,7 +155,9 @@ async def rollout_episodes(
         episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
         runs = [grown(e) for e in episodes]
     groups = list(await asyncio.gather(*runs))
-    await score_episodes(groups, episodes, score, tool_reward_weight, ctx.tokenizer)
+    await score_episodes(
+        groups, episodes, score, tool_reward_weight, ctx.tokenizer, success_reward=success_reward
+    )
     trajs = [t for g in groups for t in g]
     for group in split_groups(trajs) if filters else ():
         apply_filters(group, filters)
@@ -166,15 +170,33 @@ async def score_episodes(
     score: Scorer,
     tool_reward_weight: float,
     tokenizer: Tokenizer,
+    *,
+    success_reward: float,
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
-    scored concurrently: a model judge gets the step's requests together."""
+    scored concurrently: a model judge gets the step's requests together, and whether it
+    succeeded: as its environment said, else its reward >= ``success_reward``. A reward that
+    is not a finite number in range (`rewards.checked_reward`) ends its trajectory with stop
+    reason ``reward_error`` (reward 0, not trained on), never a NaN in its group."""
+
+    async def checked(sample: Sample, traj: Trajectory) -> float | RewardError:
+        try:
+            reward = await trajectory_reward(sample, traj, score, tool_reward_weight, tokenizer)
+            return checked_reward(reward, f"the episode {traj.uid!r}")
+        except RewardError as e:
+            return e
+
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
-    rewards = await asyncio.gather(
-        *(trajectory_reward(e, t, score, tool_reward_weight, tokenizer) for e, t in pairs)
-    )
+    rewards = await asyncio.gather(*(checked(e, t) for e, t in pairs))
     for (_, traj), reward in zip(pairs, rewards, strict=True):
+        if isinstance(reward, RewardError):
+            traj.end("reward_error", str(reward))
+            traj.reward, traj.success = 0.0, False
+            continue
         traj.reward = reward
+        traj.success = (
+            traj.env_success if traj.env_success is not None else reward >= success_reward
+        )
 
 
 async def run_episodes(
@@ -193,6 +215,7 @@ async def run_episodes(
         seed=cfg.trainer.seed,
         score=rollout.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
+        success_reward=cfg.data.success_reward,
         tool_failure_reruns=cfg.rollout.tool_failure_reruns,
         filters=training_filters(cfg),
         tree=tree,

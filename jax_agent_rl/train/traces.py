@@ -31,7 +31,7 @@ from rich.text import Text
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.train.visible import number, visible
+from jax_agent_rl.visible import number, visible
 
 TRACES_FILE = "traces.jsonl"
 MLFLOW_DB = "mlflow.db"  # the run's MLflow store (SQLite)

@@ -19,7 +19,7 @@ from typing import Any
 
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces
-from jax_agent_rl.train.visible import visible
+from jax_agent_rl.visible import visible
 
 PLOTS = ("reward.png", "throughput.png")  # the run's plots (train/metrics.py), linked
 METRICS_FILE = "metrics.jsonl"
@@ -148,11 +148,20 @@ def pick_steps(available: Sequence[int], spec: str | None, last: int) -> list[in
     return [s for s in steps if (lo is None or s >= lo) and (hi is None or s <= hi)]
 
 
+def whole_step(record: dict[str, Any]) -> bool:
+    """Whether a trace record's ``step`` is a whole number (a bool is not): a record whose
+    step is text, a list, a float... is not one the trainer wrote, and is skipped."""
+    step = record["step"]
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
 def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:
     """Everything the page of ``run_dir`` shows: its trajectories (of the steps `pick_steps`
-    picks), step metrics and plots. Raises ValueError naming the file for a traces file
-    that is not this project's (a record missing a field, a line cut by a killed run)."""
-    records = read_traces(run_dir / TRACES_FILE)
+    picks), step metrics and plots, and how many trace records were ``skipped``
+    (`whole_step`). Raises ValueError naming the file for a traces file that is not this
+    project's (a record missing a field, a line cut by a killed run)."""
+    read = read_traces(run_dir / TRACES_FILE)
+    records = [r for r in read if whole_step(r)]
     shown = set(pick_steps([r["step"] for r in records], steps, last))
     try:
         trajectories = [trajectory(r) for r in records if r["step"] in shown]
@@ -169,4 +178,5 @@ def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[st
         "steps": [{"step": s, **v} for s, v in sorted(table.items())],
         "trajectories": trajectories,
         "traced_steps": sorted(shown),
+        "skipped": len(read) - len(records),
     }

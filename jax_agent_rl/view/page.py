@@ -3,7 +3,8 @@
 The run's data (`jax_agent_rl.view.data`) is embedded as JSON in a ``<script
 type="application/json">`` block with ``<``, ``>`` and ``&`` written as ``\\u003c`` etc., so no
 model text can end the block; the script builds the page from it with ``textContent`` only
-(never ``innerHTML``), so model text is shown as text and never parsed as markup.
+(never ``innerHTML``), so model text is shown as text and never parsed as markup. The one
+line written into the HTML itself (`shown_steps`) is escaped.
 
 What is shown is in the address's fragment (``#t=3&mode=ratio&stop=eos``): the selected
 trajectory, the colouring and the filters, so a view can be linked to (and a test can open
@@ -12,6 +13,7 @@ one with a headless browser).
 
 from __future__ import annotations
 
+import html
 import json
 from typing import Any
 
@@ -75,7 +77,7 @@ def render_page(data: dict[str, Any]) -> str:
 <h1 id="title"></h1>
 <div id="plots"></div>
 <h2>Steps</h2><table id="steps"></table>
-<h2>Trajectories</h2><p style="color:#666">{shown_steps(data.get("traced_steps", []))}</p>
+<h2>Trajectories</h2><p style="color:#666">{html.escape(shown_steps(data["traced_steps"]))}</p>
 <div id="filters"></div><div class="scroll"><table id="list"></table></div>
 <h2>Trajectory</h2><div id="detail"></div>
 <h2>Its group, side by side</h2><div id="group"></div>

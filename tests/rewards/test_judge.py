@@ -45,21 +45,21 @@ def _answer(response: str, prompt: str = "What is 2 + 3?") -> Answer:
     return Answer("arith", prompt, response, "5", {})
 
 
-def test_the_score_is_the_last_number_in_range_normalised() -> None:
-    pattern = JudgeSection().score_pattern
-    assert parse_score("Rating: 7", pattern, 10.0) == 0.7
-    assert parse_score("3 of 4 steps hold; overall 8.5", pattern, 10.0) == 0.85
-    assert parse_score("0", pattern, 10.0) == 0.0
-    assert parse_score("score=4/5", r"score=(\d+)/5", 5.0) == 0.8  # its first group
+def test_the_score_is_the_first_score_tag_in_range_normalised() -> None:
+    assert parse_score("<score>7</score>", 10.0) == 0.7
+    assert parse_score("3 of 4 steps hold; <score>8.5</score> overall", 10.0) == 0.85
+    assert parse_score("<score>0</score> not <score>9</score>", 10.0) == 0.0
+    assert parse_score("<SCORE> 4 </SCORE>", 5.0) == 0.8
     for text, problem in [
-        ("no digits here", "no match"),
-        ("I give it 11", "outside"),
-        ("-2", "outside"),
+        ("no tag here", "no <score>N</score>"),
+        ("Rating: 7", "no <score>N</score>"),
+        ("<score>11</score>", "outside"),
+        ("<score>-2</score>", "outside"),
+        ("<score>nan</score>", "outside"),
+        ("<score>A</score>", "not a number"),
     ]:
         with pytest.raises(JudgeAnswerError, match=problem):
-            parse_score(text, pattern, 10.0)
-    with pytest.raises(JudgeAnswerError, match="not a number"):
-        parse_score("grade: A", r"grade: (\w)", 10.0)
+            parse_score(text, 10.0)
 
 
 class ScriptedJudge:
@@ -88,7 +88,10 @@ class ScriptedJudge:
             await asyncio.Event().wait()
         if "raise" in prompt:
             raise RuntimeError("the judge's server went away")
-        reply = next((r for key, r in REPLIES.items() if f"A: {key} " in prompt), "the rating is 9")
+        reply = next(
+            (r for key, r in REPLIES.items() if f"<response>\n{key}\n</response>" in prompt),
+            "<score>9</score>",
+        )
         ids = tuple(self.tokenizer.encode(reply))
         return GenerateResult(ids, None, "stop", 0)
 
@@ -102,12 +105,17 @@ class ScriptedJudge:
         pass
 
 
-REPLIES = {"garbage": "%%$# ## ~~", "silent": "", "too_high": "a solid 42", "good": "6"}
+REPLIES = {
+    "garbage": "%%$# ## ~~",
+    "silent": "",
+    "too_high": "<score>42</score>",
+    "good": "<score>6</score>",
+}
 
 
 def _judge(tokenizer: Tokenizer, backend: Any, **section: Any) -> Judge:
     s = JudgeSection(**{"template": TEMPLATE, "timeout_s": 0.2, "fallback": -1.0, **section})
-    return Judge(s, backend, tokenizer, eos_ids(tokenizer))
+    return Judge(s, backend, tokenizer, eos_ids(tokenizer), lambda: 0)
 
 
 async def _gather(judge: Judge, responses: list[str]) -> list[float]:
@@ -224,7 +232,7 @@ def test_a_real_engine_judges_within_the_concurrency_bound(
 
     async def go() -> tuple[list[float], InFlight, Judge]:
         backend = InFlight(EmbeddedBackend(engine, params))
-        judge = Judge(section, backend, tokenizer, eos_ids(tokenizer))
+        judge = Judge(section, backend, tokenizer, eos_ids(tokenizer), lambda: 0)
         try:
             return await _gather(judge, [f"{i} + {i}" for i in range(6)]), backend, judge
         finally:
@@ -237,7 +245,7 @@ def test_a_real_engine_judges_within_the_concurrency_bound(
     for result in backend.results:
         text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
         try:
-            parsed.append(parse_score(text, section.score_pattern, section.score_max))
+            parsed.append(parse_score(text, section.score_max))
         except JudgeAnswerError:
             parsed.append(-1.0)
     assert sorted(scores) == sorted(parsed)  # results come back in completion order

@@ -148,8 +148,8 @@ def test_bad_reward_names_the_key_and_what_is_accepted(spec: str) -> None:
     ("name", "problem"),
     [
         ("bad_dict", r"returned a dict without a 'score' key \(keys: \['acc'\]\)"),
-        ("a_string", r"returned 'high'; a reward returns a finite number or a dict whose"),
-        ("not_a_number", r"returned nan; a reward returns a finite number"),
+        ("a_string", r"gave reward 'high': not a finite number"),
+        ("not_a_number", r"gave reward nan: not a finite number"),
     ],
 )
 def test_bad_result_names_the_reward(name: str, problem: str) -> None:

@@ -339,7 +339,7 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
         sample = Sample(uid="q", messages=[{"role": "user", "content": question}])
         trajs = await rollout_episodes(
             [sample], 1, ctx, "t", seed=0, score=_zero, tool_reward_weight=0.0,
-            tool_failure_reruns=1,
+            success_reward=1.0, tool_failure_reruns=1,
         )  # fmt: skip
         await backend.close()
         await servers.close()

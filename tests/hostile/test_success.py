@@ -1,0 +1,90 @@
+"""What counts as a success, attacked by rewards that are positive but low: a judge's 1/10 or a
+partial-credit 0.01 is not a solved task. Success is ``data.success_reward`` (reward >= it, 1
+by default) unless the episode's environment says itself whether it succeeded."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.demo import prepare
+from jax_agent_rl.envs import EnvError, EnvStep, checked_step
+from jax_agent_rl.rewards import Answer
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.episodes import episode_metrics, success_by_source
+from jax_agent_rl.train.evaluation import pass_rates, pass_totals
+from jax_agent_rl.train.step import score_episodes
+
+REWARDS = {"judged 1/10": 0.1, "partial": 0.01, "solved": 1.0, "over": 1.5, "wrong": 0.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    task = prepare(tmp_path_factory.mktemp("t"), ArithmeticTask(), n_train=4, n_val=2, n_sft=4)
+    return Tokenizer.from_pretrained(task.model)
+
+
+async def _reward_of(answer: Answer) -> float:
+    return REWARDS[answer.prompt]
+
+
+def _scored(
+    tokenizer: Tokenizer, overrides: list[str], env_success: list[bool | None]
+) -> tuple[list[Trajectory], list[Sample]]:
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
+    samples = [
+        Sample(uid=name, messages=[{"role": "user", "content": name}], data_source="s")
+        for name in REWARDS
+    ]
+    groups = []
+    for s, env in zip(samples, env_success, strict=True):
+        traj = Trajectory(uid=s.uid, group_id=s.uid, prompt_ids=[1])
+        if env is not None:
+            traj.start_env(owns_reward=False)
+            traj.add_env_step(0.0, [], success=env)
+        groups.append([traj])
+    asyncio.run(
+        score_episodes(
+            groups, samples, _reward_of, 0.0, tokenizer, success_reward=cfg.data.success_reward
+        )
+    )
+    return [g[0] for g in groups], samples
+
+
+def test_a_low_positive_reward_is_no_success(tokenizer: Tokenizer) -> None:
+    trajs, samples = _scored(tokenizer, [], [None] * len(REWARDS))
+    assert [t.success for t in trajs] == [False, False, True, True, False]
+    assert episode_metrics(trajs)["success"] == 2 / 5
+    assert success_by_source(trajs, samples) == {"success/s": 2 / 5}
+    assert pass_rates(pass_totals(trajs, 1, samples), 1)["all"]["pass@1"] == 2 / 5
+    # the judge's 1/10 alone: pass@1 is 0, not 1
+    judged = pass_totals(trajs[:1], 1, samples[:1])
+    assert pass_rates(judged, 1)["all"]["pass@1"] == 0.0
+
+
+def test_the_threshold_is_a_setting(tokenizer: Tokenizer) -> None:
+    trajs, _ = _scored(tokenizer, ["data.success_reward=0.05"], [None] * len(REWARDS))
+    assert [t.success for t in trajs] == [True, False, True, True, False]
+
+
+def test_an_environment_that_says_whether_it_succeeded_is_believed(
+    tokenizer: Tokenizer,
+) -> None:
+    trajs, _ = _scored(tokenizer, [], [True, None, False, None, None])
+    assert [t.success for t in trajs] == [True, False, False, True, False]
+
+
+def test_an_environment_success_flag_is_checked() -> None:
+    step = {"observations": [], "reward": 1.0, "done": True, "success": True}
+    assert checked_step(step, "env") == EnvStep([], 1.0, True, success=True)
+    assert checked_step(EnvStep([], 0.0), "env").success is None
+    for bad in ("yes", 1, None.__class__):
+        with pytest.raises(EnvError, match="success"):
+            checked_step({**step, "success": bad}, "env")
+    assert dataclasses.replace(EnvStep([]), success=None).success is None

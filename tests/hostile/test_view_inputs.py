@@ -1,0 +1,101 @@
+"""`jarl view` fed by an attacker: a traces file whose ``step`` is markup or not a number,
+model text hiding characters a reader cannot see, and a web page elsewhere reaching the served
+view through a DNS name rebound to 127.0.0.1 (its requests carry that name as Host)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import sys
+import threading
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.cli import main
+from jax_agent_rl.train.traces import TRACES_FILE
+from jax_agent_rl.view.command import PAGE, view_server
+from jax_agent_rl.visible import visible
+from tests.train.test_view import hostile_record
+
+MARKUP_STEP = "<img src=x onerror=\"document.title='img'\"><script>document.title='s'</script>"
+
+
+def test_a_step_that_is_not_a_whole_number_is_skipped_counted_and_never_markup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Markup as a step, a list as a step, a float, a bool: each record is skipped, and the
+    warning counts them; the page holds the good record and only its own two scripts."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    bad_steps: list[object] = [MARKUP_STEP, [1, 2], 1.5, True]
+    records = [hostile_record("h/0", None)]
+    records += [{**hostile_record(f"b/{i}", None), "step": s} for i, s in enumerate(bad_steps)]
+    (run_dir / TRACES_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) == 0
+    err = capsys.readouterr().err
+    assert "4 trace records skipped: their step is not a whole number" in err
+    html = (tmp_path / "page" / PAGE).read_text()
+    assert "<img" not in html and html.count("<script") == 2
+    assert "traces of step 1 (1 traced;" in html
+    data = json.loads(re.search(r'id="data">(.*?)</script>', html, re.S)[1])  # type: ignore[index]
+    assert [t["uid"] for t in data["trajectories"]] == ["h/0"]
+
+
+# what a reader sees nothing of: tag characters, zero-width space, non-joiner and joiner,
+# word joiner, byte-order mark, soft hyphen, Hangul fillers, variation selectors
+HIDDEN = [
+    0xE0001, 0xE0041, 0xE007F, 0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF, 0x00AD, 0x115F, 0x1160,
+    0x3164, 0xFFA0, 0xFE00, 0xFE0F, 0xE0100, 0xE01EF, 0x034F, 0x180E,
+]  # fmt: skip
+
+
+def test_characters_a_reader_cannot_see_are_shown_as_escapes() -> None:
+    for code in HIDDEN:
+        shown = visible(f"a{chr(code)}b")
+        escape = f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+        assert shown == f"a{escape}b", hex(code)
+    # every format character Unicode knows (category Cf), by Python's own table
+    formats = [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"]
+    assert len(formats) > 150
+    assert all(visible(chr(c)) != chr(c) for c in formats)
+    assert visible("plain text, tabs\tand\nnewlines, ünïcödé, 中文") == (
+        "plain text, tabs\tand\nnewlines, ünïcödé, 中文"
+    )
+
+
+def _get(port: int, host: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest("GET", "/", skip_host=True)
+        conn.putheader("Host", host)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_the_served_view_refuses_a_host_other_than_its_own_loopback_address(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    server = view_server(tmp_path)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert _get(port, f"127.0.0.1:{port}") == 200
+        assert _get(port, f"localhost:{port}") == 200
+        for host in (
+            f"attacker.example:{port}",  # a rebound name
+            "attacker.example",
+            f"127.0.0.1:{port + 1}",
+            f"127.0.0.1.attacker.example:{port}",
+            "",
+        ):
+            assert _get(port, host) == 400, host
+    finally:
+        server.shutdown()
+        server.server_close()
