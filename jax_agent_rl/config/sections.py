@@ -233,6 +233,9 @@ class EnvSection:
     interaction_config: str = ""
     # an environment call past it ends its episode (env_error)
     step_timeout_s: float = setting(60.0, POSITIVE)
+    # threads running environments' synchronous calls (skyrl-gym's, a user's synchronous
+    # methods) at once; one stuck past its timeout keeps its place until it returns
+    max_threads: int = setting(32, COUNT)
 
 
 @dataclasses.dataclass(frozen=True)
