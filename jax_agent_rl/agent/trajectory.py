@@ -35,6 +35,9 @@ StopReason = Literal[
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable
     "harness_error",
+    # the reward function raised on this episode (data.reward / data.rewards_by_source); the
+    # function, the row and the traceback are in `Trajectory.error`; not trainable
+    "reward_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
@@ -75,6 +78,8 @@ class Trajectory:
     malformed_calls: int = 0
     refused_calls: int = 0
     tool_errors: int = 0
+    # observations (tool results, environment messages) cut to agent.max_observation_chars
+    cut_observations: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
     reruns: int = 0  # times it was run again from its prompt after its tool service failed
@@ -202,6 +207,7 @@ class Trajectory:
             "agent_error",
             "env_error",
             "harness_error",
+            "reward_error",
         )
 
     @property

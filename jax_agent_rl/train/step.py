@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import traceback
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -168,13 +169,39 @@ async def score_episodes(
     tokenizer: Tokenizer,
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
-    scored concurrently: a model judge gets the step's requests together."""
+    scored concurrently: a model judge gets the step's requests together. A reward function
+    that raises on one ends that trajectory with ``reward_error`` (`reward_failed`)."""
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
     rewards = await asyncio.gather(
-        *(trajectory_reward(e, t, score, tool_reward_weight, tokenizer) for e, t in pairs)
+        *(trajectory_reward(e, t, score, tool_reward_weight, tokenizer) for e, t in pairs),
+        return_exceptions=True,
     )
-    for (_, traj), reward in zip(pairs, rewards, strict=True):
-        traj.reward = reward
+    for (sample, traj), reward in zip(pairs, rewards, strict=True):
+        if isinstance(reward, Exception):
+            reward_failed(sample, traj, reward)
+        elif isinstance(reward, BaseException):
+            raise reward
+        else:
+            traj.reward = reward
+
+
+def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
+    """Ends ``traj`` with ``reward_error`` (reward 0, not trained on): its error names the
+    reward setting, the function that raised (its innermost frame) and the row. An episode
+    that had already failed keeps its stop reason, the reward's error added to its own."""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    traj.reward = 0.0
+    message = (
+        f"reward error: the reward function (data.reward, or data.rewards_by_source."
+        f"{sample.data_source}) raised {type(error).__name__}: {error} in {where.name} "
+        f"({where.filename}:{where.lineno}) on row {sample.group_id!r} (episode "
+        f"{sample.uid!r}, data_source {sample.data_source!r})\n"
+        + "".join(traceback.format_exception(error))
+    )
+    if traj.trainable:
+        traj.end("reward_error", message)
+    else:
+        traj.add_error("\n" + message)
 
 
 async def run_episodes(
