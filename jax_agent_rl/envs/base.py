@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
+from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tokenization import Message
 
@@ -110,7 +111,7 @@ class Environments:
         self.lookup = lookup
         self.interaction = interaction
         self.step_timeout_s = step_timeout_s
-        self.threads = threads or EnvThreads(32)
+        self.threads = threads or EnvThreads(EnvSection().max_threads)
 
     def factory(self, env_class: str) -> EnvFactory:
         """The factory of ``env_class``; a `KeyError` naming the known ones if there is none."""
