@@ -39,6 +39,7 @@ class AgentConfig:
     max_response_tokens: int = _AGENT["max_response_tokens"]
     max_tool_response_tokens: int = _AGENT["max_tool_response_tokens"]
     tool_response_truncate: Literal["left", "right", "middle"] = _AGENT["tool_response_truncate"]
+    max_observation_chars: int = _AGENT["max_observation_chars"]
     max_parallel_tool_calls: int = _AGENT["max_parallel_tool_calls"]
     max_tool_calls_per_turn: int = _AGENT["max_tool_calls_per_turn"]
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)

@@ -31,15 +31,16 @@ import time
 import traceback
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 from jax_agent_rl.agent.context import AgentContext, RefusedCall, cap_calls
+from jax_agent_rl.agent.observations import env_observation, tool_observation
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
-from jax_agent_rl.envs.base import EnvError, Environment, checked_step
+from jax_agent_rl.envs.base import EnvError, Environment
 from jax_agent_rl.rollout.protocol import GenerateRequest
-from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall
+from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
@@ -209,7 +210,7 @@ def record_results(
     """Records the results of a turn's ``calls`` in ``traj``. Returns the observation's tokens
     and the stop reason when the episode ends here, else None: the caller then appends them
     (`Trajectory.add_observation`)."""
-    observation, messages = _observation(ctx, turn, text, calls, results)
+    observation, messages = tool_observation(ctx, traj, turn, text, calls, results)
     traj.add_tool_results(results, messages)
     # The sequence ends with the model's last tokens: an observation the model would never
     # read (the episode ends here) is kept in the messages, not in the tokens.
@@ -320,66 +321,23 @@ async def _env_answer(
         {**m, "content": m["content"].removesuffix(eos)} if m["role"] == "assistant" else m
         for m in traj.messages
     ]
-    try:  # checked here for every environment, native ones included (reward, messages)
-        step = checked_step(await env.step(text, conversation), type(env).__name__)
+    try:  # (a `GuardedEnvironment`: its answer is checked, native environments' included)
+        step = await env.step(text, conversation)
     finally:
         traj.add_time("env_s", time.perf_counter() - t_env)
-    traj.add_env_step(step.reward, step.observations, step.success)
+    observations = env_observation(step.observations, ctx.config.max_observation_chars, traj)
+    traj.add_env_step(step.reward, observations, step.success)
     if step.done:
         return "env_done"
     if cut is not None:
         return cut
     if traj.num_turns >= ctx.config.max_turns:
         return "max_turns"
-    observation = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(
-        step.observations
-    )
+    observation = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(observations)
     stop = fits(ctx, traj, observation)
     if stop is None:
         traj.add_observation(observation)
     return stop
-
-
-def _observation(
-    ctx: AgentContext,
-    turn: list[int],
-    text: str,
-    calls: list[ParsedCall],
-    results: list[ToolResult],
-) -> tuple[list[int], list[dict[str, Any]]]:
-    """Tokens appended after a model turn with calls, and the messages they stand for."""
-    if ctx.parser.style == "inline":
-        parser = cast(InlineToolCallParser, ctx.parser)
-        outputs = "".join(parser.format_output(_tool_text(ctx, r)) for r in results)
-        messages = [{"role": "assistant", "content": text}, {"role": "tool", "content": outputs}]
-        return ctx.tokenizer.encode(outputs), messages
-    assistant = {
-        "role": "assistant",
-        "content": text,
-        "tool_calls": [
-            {
-                "type": "function",
-                "function": {"name": c.name or "invalid", "arguments": c.arguments},
-            }
-            for c in calls
-        ],
-    }
-    tool_messages = [
-        _tool_message(c.name, _tool_text(ctx, r)) for c, r in zip(calls, results, strict=True)
-    ]
-    ids = ctx.builder.close_assistant_turn(turn) + ctx.builder.messages_delta(tool_messages)
-    return ids, [assistant, *tool_messages]
-
-
-def _tool_text(ctx: AgentContext, result: ToolResult) -> str:
-    cfg = ctx.config
-    return ctx.builder.truncate_text(
-        result.text, cfg.max_tool_response_tokens, cfg.tool_response_truncate
-    )
-
-
-def _tool_message(name: str, content: str) -> dict[str, Any]:
-    return {"role": "tool", "content": content, "name": name}
 
 
 Play = Callable[[Trajectory, Environment | None], Awaitable[StopReason]]

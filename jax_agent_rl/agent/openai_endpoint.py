@@ -44,8 +44,9 @@ is random (``secrets.token_urlsafe``) and compared in constant time: another epi
 harness cannot guess it, whatever it knows of the trajectory's uid or the port.
 The harness may run the calls itself (its tool messages carry the results) or through the
 run's tools with `HarnessTask.run_tool`, which keeps each result's reward and flags. An
-exception out of the harness ends the episode with ``agent_error``, unless it had already
-ended (it keeps that stop reason; the harness's error is kept in ``error``).
+exception out of the harness ends the episode with ``harness_error`` (its traceback in
+``error``), unless it had already ended (it keeps that stop reason; the harness's error is
+added to ``error``).
 """
 
 from __future__ import annotations
@@ -311,10 +312,10 @@ class Session:
 
     def finish(self) -> StopReason:
         """How the episode ended, once the harness has returned."""
-        if self.conversation is None:
-            self.fail("the harness never called the endpoint")
         if self.stop is not None:
             return self.stop
+        if self.conversation is None:
+            self.fail("the harness never called the endpoint")
         if self.pending is not None:  # the harness ended on its tools' results
             return "tool_done"
         assert self.text_turn is not None  # else the model's last turn ended the episode
@@ -426,11 +427,13 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
         async with serve({key: session}) as base_url:
             try:
                 await harness(dataclasses.replace(task, base_url=base_url))
-            except Exception:
-                if session.stop is None:
-                    raise
+            except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()
-                traj.add_error(f"\nthen the harness failed:\n{failed}")
+                if session.stop is None:
+                    session.stop = "harness_error"
+                    traj.add_error(f"the harness raised:\n{failed}")
+                else:
+                    traj.add_error(f"\nthen the harness failed:\n{failed}")
         try:
             return session.finish()
         except HarnessError:

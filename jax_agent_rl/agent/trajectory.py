@@ -35,9 +35,10 @@ StopReason = Literal[
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable
     "harness_error",
-    # its reward (the reward function's, the environment's or the weighted turn rewards' sum)
-    # is not a finite number within rewards.MAX_ABS_REWARD; named in `Trajectory.error`; its
-    # reward is 0 and it is not trainable
+    # its reward is not a finite number within rewards.MAX_ABS_REWARD (the reward function's,
+    # the environment's or the weighted turn rewards' sum), or the reward function raised
+    # (data.reward / data.rewards_by_source: the function, the row and the traceback); what
+    # went wrong is in `Trajectory.error`; its reward is 0 and it is not trainable
     "reward_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
@@ -83,6 +84,8 @@ class Trajectory:
     malformed_calls: int = 0
     refused_calls: int = 0
     tool_errors: int = 0
+    # observations (tool results, environment messages) cut to agent.max_observation_chars
+    cut_observations: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
     reruns: int = 0  # times it was run again from its prompt after its tool service failed

@@ -155,6 +155,9 @@ class AgentSection:
     max_response_tokens: int = setting(768, COUNT)  # model + tool tokens after the prompt
     max_tool_response_tokens: int = setting(256, COUNT)  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
+    # characters of one observation (a tool result; an environment step's messages together),
+    # cut before it is tokenized (a marker says where; counted in cut_observations)
+    max_observation_chars: int = setting(65536, COUNT)
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
     # the loop of a data row that names no agent_name: single_turn_agent (one model turn, no
     # tool runs), as verl's actor_rollout_ref.rollout.agent.default_agent_loop; tool_agent for
@@ -238,6 +241,9 @@ class EnvSection:
     interaction_config: str = ""
     # an environment call past it ends its episode (env_error)
     step_timeout_s: float = setting(60.0, POSITIVE)
+    # threads running environments' synchronous calls (skyrl-gym's, a user's synchronous
+    # methods) at once; one stuck past its timeout keeps its place until it returns
+    max_threads: int = setting(32, COUNT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,10 @@ from jax_agent_rl.data.sample import DatasetError, Sample
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"
+MAX_ROWS = 100_000  # size: the rows are generated when the data loads, every one of them
+# any other integer option (a task's term count, depth, digits...): a task builds its
+# questions with loops and recursion over these, so a huge one runs for ever or overflows
+MAX_OPTION = 10_000
 
 
 class ReasoningGymError(DatasetError):
@@ -39,12 +43,13 @@ def samples(spec: str, default_agent: str, limit: int | None = None) -> list[Sam
     task, options = _parse(spec)
     try:
         dataset = reasoning_gym.create_dataset(task, **options)
-    except (ValueError, TypeError, KeyError, AssertionError) as e:
-        raise ReasoningGymError(f"{spec}: reasoning-gym cannot make this task: {e}") from e
-    n = len(dataset) if limit is None else min(limit, len(dataset))
+        n = len(dataset) if limit is None else min(limit, len(dataset))
+        entries = [dataset[i] for i in range(n)]
+    except (ValueError, TypeError, KeyError, AssertionError, RecursionError, OverflowError) as e:
+        problem = f"{type(e).__name__}: {e}"
+        raise ReasoningGymError(f"{spec}: reasoning-gym cannot make this task: {problem}") from e
     out = []
-    for i in range(n):
-        entry = dataset[i]
+    for i, entry in enumerate(entries):
         out.append(
             Sample(
                 uid=f"{SOURCE_PREFIX}{task}-{i}",
@@ -84,6 +89,17 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
         given = options.get(key)
         if isinstance(given, bool) or not isinstance(given, int) or given < least:
             raise ReasoningGymError(f"{spec}: {key} must be an integer >= {least}, got {given!r}")
+    if options["size"] > MAX_ROWS:
+        raise ReasoningGymError(
+            f"{spec}: size={options['size']} is over {MAX_ROWS} rows (generated as the data loads)"
+        )
+    for key, value in options.items():
+        too_big = isinstance(value, int | float) and not isinstance(value, bool)
+        if key not in ("size", "seed") and too_big and abs(value) > MAX_OPTION:
+            raise ReasoningGymError(
+                f"{spec}: option {key}={value} is over {MAX_OPTION} in size (the bound on a "
+                "task's options: tasks build questions by loops and recursion over them)"
+            )
     return task, options
 
 

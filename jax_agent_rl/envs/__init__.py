@@ -21,6 +21,7 @@ from jax_agent_rl.envs.base import (
     Environment,
     Environments,
     EnvStep,
+    EnvThreads,
     checked_messages,
     checked_step,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "EnvError",
     "EnvFactory",
     "EnvStep",
+    "EnvThreads",
     "Environment",
     "Environments",
     "checked_messages",
@@ -43,7 +45,6 @@ __all__ = [
 def make_environments(env: EnvSection, max_turns: int) -> Environments:
     """The environments ``env`` configures, each class loaded (and the interaction YAML read)
     here, before anything runs; ``max_turns`` is what skyrl-gym environments are told."""
-    timeout = env.step_timeout_s
     built_in = built_in_environments()
     shadowed = sorted(set(env.classes) & set(built_in))
     if shadowed:
@@ -58,12 +59,13 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
             f"env.config names {unknown}, which are neither in env.classes nor skyrl-gym ids"
         )
     interaction = (
-        interaction_factory(load_interactions(env.interaction_config), timeout)
+        interaction_factory(load_interactions(env.interaction_config))
         if env.interaction_config
         else None
     )
-    lookup = registered_skyrl_env(env.config, max_turns, timeout)
-    return Environments(classes, lookup, interaction, timeout)
+    lookup = registered_skyrl_env(env.config, max_turns)
+    threads = EnvThreads(env.max_threads)
+    return Environments(classes, lookup, interaction, env.step_timeout_s, threads)
 
 
 def built_in_environments() -> dict[str, EnvFactory]:
@@ -76,14 +78,15 @@ def built_in_environments() -> dict[str, EnvFactory]:
 
 def _factory(name: str, spec: str, env: EnvSection, max_turns: int) -> EnvFactory:
     """``env.classes.<name>``: a skyrl-gym environment class (it has a synchronous ``step``
-    and an ``init``), or a function of the sample returning an `Environment`."""
+    and an ``init``), or a function of the sample returning an `Environment` (whose methods
+    may be synchronous too: they then run in threads)."""
     key = f"env.classes.{name}"
     made = load_function(spec, key)
     step = getattr(made, "step", None)
     if inspect.isclass(made) and callable(step) and not inspect.iscoroutinefunction(step):
         if not callable(getattr(made, "init", None)):
             raise ConfigError(f"{key}={spec!r}: a class with step() but no init() (skyrl-gym's)")
-        return skyrl_factory(name, made, env.config.get(name, {}), max_turns, env.step_timeout_s)
+        return skyrl_factory(name, made, env.config.get(name, {}), max_turns)
 
     def factory(sample: Sample) -> Environment:
         try:

@@ -3,40 +3,55 @@
 An `Environment` is one episode's counterpart, made per trajectory from its `Sample` and driven
 by the tool loop between model turns (`jax_agent_rl.agent.loop`):
 
-- ``await env.reset(sample)`` returns the messages the episode starts from (the sample's, or
-  what the environment makes of them, as SkyRL's ``init`` may);
-- after each model turn it answers, ``await env.step(text, messages)`` (the turn's text, the
+- ``env.reset(sample)`` returns the messages the episode starts from (the sample's, or what the
+  environment makes of them, as SkyRL's ``init`` may);
+- after each model turn it answers, ``env.step(text, messages)`` (the turn's text, the
   conversation so far) returns an `EnvStep`: messages the model reads next (appended as a
   chat-template delta with mask 0, exactly as a tool observation is), a reward for that turn
   (kept in ``Trajectory.turn_rewards``), whether the episode is over and, optionally, whether
   it succeeded (``success``: the episode's success is then this, not ``data.success_reward``);
-- ``await env.close()`` runs once, however the episode ended.
+- ``env.close()`` runs once, however the episode ended.
 
-Two properties say how it shares the loop: ``turns`` is ``"all"`` when it answers every model
-turn (it parses the model's actions itself, as skyrl-gym environments do) and ``"text"`` when
-it answers only turns without tool calls (the tools answer the others, as verl's interactions
-do); ``owns_reward`` is True when the episode's reward is the sum of its step rewards (SkyRL)
-rather than the row's reward function's score (verl: the step rewards are turn scores the
-reward function may read as ``extra_info["tool_rewards"]``).
+Each method is ``async`` (run on the event loop: it must not block) or synchronous (run in a
+thread of a bounded pool, `EnvThreads`). Two properties say how it shares the loop: ``turns`` is
+``"all"`` when it answers every model turn (it parses the model's actions itself, as skyrl-gym
+environments do) and ``"text"`` when it answers only turns without tool calls (the tools answer
+the others, as verl's interactions do); ``owns_reward`` is True when the episode's reward is the
+sum of its step rewards (SkyRL) rather than the row's reward function's score (verl: the step
+rewards are turn scores the reward function may read as ``extra_info["tool_rewards"]``).
 
 `Environments` picks the environment of a sample: its ``env_class`` (SkyRL's column) names an
 entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
 ``extra_info.interaction_kwargs.name`` (verl's) names an interaction of ``env.interaction_config``
-(`verl_interaction`). Whatever an environment does wrong (raises, returns a malformed step,
-takes longer than ``env.step_timeout_s``; its every step's answer is checked, `checked_step`,
-whoever made the environment) ends that trajectory with stop reason ``env_error``
-(`EnvError`), counted and not trained on; an environment that never says done is ended by the
-loop's budgets (``agent.max_turns``...).
+(`verl_interaction`). The loop calls every environment through `GuardedEnvironment`: whatever an
+environment does wrong (raises, returns a malformed step, takes longer than
+``env.step_timeout_s``; every answer is checked, `checked_step`, whoever made the
+environment) ends that trajectory with stop reason ``env_error`` (`EnvError`), counted
+and not trained on; an environment that never says done is ended by the loop's budgets
+(``agent.max_turns``...).
+
+Two limits of Python are worked around rather than removed: a thread stuck inside an environment
+cannot be stopped, only abandoned (it keeps its place in the pool until it returns, so
+environments stuck for good hold at most ``env.max_threads`` threads, and once every thread is
+held the calls waiting for one time out); and an ``async`` method that blocks (a ``time.sleep``,
+a synchronous request) holds the whole event loop while it blocks, which no timeout can
+interrupt: such a call is still refused once it returns past its timeout, and the fix is to
+make the method synchronous, so that it runs in a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import inspect
 import numbers
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
+from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
@@ -60,7 +75,8 @@ class EnvStep:
 
 
 class Environment(Protocol):
-    """One episode's environment (see the module docstring)."""
+    """One episode's environment (see the module docstring): as the loop sees it; a user's
+    may have synchronous methods instead (`GuardedEnvironment` runs them in threads)."""
 
     turns: Literal["all", "text"]
     owns_reward: bool
@@ -75,13 +91,16 @@ class Environment(Protocol):
     async def close(self) -> None: ...
 
 
-EnvFactory = Callable[[Sample], Environment]  # one fresh environment per episode
+# one fresh environment per episode: an Environment, or one whose methods are synchronous
+EnvFactory = Callable[[Sample], Any]
 
 
 class Environments:
     """Which environment plays a sample (None: the plain tool loop). ``classes`` maps a row's
     ``env_class`` to a factory; ``lookup`` finds the factory of a name ``classes`` lacks (or
-    None); ``interaction`` makes the environment of rows with verl's ``interaction_kwargs``."""
+    None); ``interaction`` makes the environment of rows with verl's ``interaction_kwargs``.
+    Each environment made is called through `GuardedEnvironment`: every call within
+    ``step_timeout_s``, synchronous ones in the ``threads`` pool."""
 
     def __init__(
         self,
@@ -89,11 +108,13 @@ class Environments:
         lookup: Callable[[str], EnvFactory | None] | None = None,
         interaction: EnvFactory | None = None,
         step_timeout_s: float = 60.0,
+        threads: EnvThreads | None = None,
     ) -> None:
         self.classes = dict(classes or {})
         self.lookup = lookup
         self.interaction = interaction
         self.step_timeout_s = step_timeout_s
+        self.threads = threads or EnvThreads(EnvSection().max_threads)
 
     def factory(self, env_class: str) -> EnvFactory:
         """The factory of ``env_class``; a `KeyError` naming the known ones if there is none."""
@@ -114,25 +135,30 @@ class Environments:
         return self.interaction is not None and "interaction_kwargs" in sample.extra
 
     def make(self, sample: Sample) -> Environment | None:
-        """A fresh environment for one episode of ``sample`` (None: none plays it)."""
+        """A fresh environment for one episode of ``sample``, guarded (None: none plays it)."""
         if sample.env_class:
-            return checked_environment(self.factory(sample.env_class)(sample), sample.env_class)
-        if self._interacts(sample):
+            made = checked_environment(self.factory(sample.env_class)(sample), sample.env_class)
+            name = sample.env_class
+        elif self._interacts(sample):
             assert self.interaction is not None
-            return self.interaction(sample)
-        return None
+            made = self.interaction(sample)
+            name = f"interaction {getattr(made, 'name', '')!r}"
+        else:
+            return None
+        return GuardedEnvironment(made, name, self.step_timeout_s, self.threads)
 
 
 def checked_environment(env: Any, name: str) -> Environment:
-    """``env`` if it has what the loop reads of an `Environment`, else an `EnvError`."""
+    """``env`` if it has what the loop reads of an `Environment` (its methods async or
+    synchronous), else an `EnvError`."""
     methods = ("reset", "step", "close")
-    lacking = [m for m in methods if not inspect.iscoroutinefunction(getattr(env, m, None))]
+    lacking = [m for m in methods if not callable(getattr(env, m, None))]
     turns, owns = getattr(env, "turns", None), getattr(env, "owns_reward", None)
     if lacking or turns not in ("all", "text") or not isinstance(owns, bool):
         raise EnvError(
-            f"env_class {name!r} made {type(env).__name__}, not an Environment: it needs async "
-            f"{methods} (lacking {lacking}), turns 'all' or 'text' (got {turns!r}) and a bool "
-            f"owns_reward (got {owns!r})"
+            f"env_class {name!r} made {type(env).__name__}, not an Environment: it needs "
+            f"methods {methods} (lacking {lacking}), turns 'all' or 'text' (got {turns!r}) and "
+            f"a bool owns_reward (got {owns!r})"
         )
     return cast(Environment, env)
 
@@ -187,3 +213,120 @@ def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Me
             )
         out.append({"role": role, "content": content})
     return out
+
+
+class EnvThreads:
+    """At most ``size`` threads running environments' synchronous calls at once, over every
+    event loop of the process (daemon threads: one stuck past its timeout does not hold up the
+    interpreter's exit). A call waits for a free thread within its own timeout."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    @property
+    def busy(self) -> int:
+        """Threads running a call now (those abandoned past their timeout included)."""
+        return self._busy
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a thread of the pool; cancelled (timed out), the thread is
+        abandoned and keeps its place until ``fn`` returns."""
+        loop = asyncio.get_running_loop()
+        await self._take(loop)
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():  # abandoned after its timeout
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def work() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:
+                result, error = None, e
+            self._give_back()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, result, error)
+
+        try:
+            threading.Thread(target=work, name="env-call", daemon=True).start()
+        except BaseException:
+            self._give_back()
+            raise
+        return await future
+
+    async def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            with self._lock:
+                if self._busy < self.size:
+                    self._busy += 1
+                    return
+                freed: asyncio.Future[None] = loop.create_future()
+                self._waiting.append((loop, freed))
+            await freed
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            waiting, self._waiting = self._waiting, []
+        for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, freed)
+
+
+def _wake(freed: asyncio.Future[None]) -> None:
+    if not freed.done():
+        freed.set_result(None)
+
+
+class GuardedEnvironment:
+    """An `Environment` as the loop calls it (see the module docstring): ``name`` says which
+    in errors."""
+
+    def __init__(self, env: Any, name: str, timeout_s: float, threads: EnvThreads) -> None:
+        self.env, self.name, self.timeout_s, self.threads = env, name, timeout_s, threads
+        self.turns: Literal["all", "text"] = env.turns
+        self.owns_reward: bool = env.owns_reward
+
+    async def _call(self, what: str, *args: Any) -> Any:
+        method = getattr(self.env, what)
+        start = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(method):
+                out = await asyncio.wait_for(method(*args), self.timeout_s)
+            else:
+                out = await asyncio.wait_for(self.threads.run(method, *args), self.timeout_s)
+        except TimeoutError as e:
+            held = self.threads.busy
+            raise EnvError(
+                f"{self.name}.{what} took longer than env.step_timeout_s={self.timeout_s}s "
+                f"({held} of env.max_threads={self.threads.size} environment threads busy)"
+            ) from e
+        except EnvError:  # the adapters' own checks name the environment
+            raise
+        except Exception as e:
+            raise EnvError(f"{self.name}.{what} raised {type(e).__name__}: {e}") from e
+        took = time.perf_counter() - start
+        if took > self.timeout_s:  # an async method that blocked the event loop
+            raise EnvError(
+                f"{self.name}.{what} blocked the event loop for {took:.1f}s, past "
+                f"env.step_timeout_s={self.timeout_s}s: an async method must not block (make "
+                "it synchronous: it then runs in a thread)"
+            )
+        return out
+
+    async def reset(self, sample: Sample) -> list[Message]:
+        return checked_messages(await self._call("reset", sample), self.name, prompt=True)
+
+    async def step(self, text: str, messages: list[Message]) -> EnvStep:
+        return checked_step(await self._call("step", text, messages), self.name)
+
+    async def close(self) -> None:
+        await self._call("close")

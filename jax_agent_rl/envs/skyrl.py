@@ -12,18 +12,14 @@ itself) and owns the episode's reward: the sum of its step rewards. Its ``init``
 prompt; its ``postprocessed_action`` (SkyRL re-tokenizes the turn with it) is not applied: the
 trajectory keeps the tokens the model sampled.
 
-skyrl-gym environments are synchronous: ``init``, ``step`` and ``close`` run in a thread of their
-own, each within ``env.step_timeout_s`` (past it the episode ends with ``env_error``; a thread
-stuck inside an environment cannot be stopped, only abandoned: a daemon thread, it does not hold
-up the process's exit).
+skyrl-gym environments are synchronous, and so is `SkyRLEnvironment`: the loop runs its calls
+(making the environment and ``init``; ``step``; ``close``) in threads of the bounded pool, each
+within ``env.step_timeout_s`` (`jax_agent_rl.envs.base.GuardedEnvironment`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -33,66 +29,30 @@ from jax_agent_rl.tokenization import Message
 
 
 class SkyRLEnvironment:
-    """One skyrl-gym ``Env`` (``init`` / ``step`` / ``close``) as an `Environment`."""
+    """One skyrl-gym ``Env`` (``init`` / ``step`` / ``close``) as a synchronous `Environment`
+    (run in threads by the loop)."""
 
     turns: Literal["all", "text"] = "all"
     owns_reward = True
 
-    def __init__(self, make: Callable[[], Any], name: str, timeout_s: float) -> None:
-        self._make, self.name, self.timeout_s = make, name, timeout_s
+    def __init__(self, make: Callable[[], Any], name: str) -> None:
+        self._make, self.name = make, name
         self._env: Any = None
 
-    async def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return await asyncio.wait_for(in_daemon_thread(fn, *args), self.timeout_s)
-        except TimeoutError as e:
-            raise EnvError(f"{self.name}.{what} took longer than {self.timeout_s}s") from e
-        except EnvError:
-            raise
-        except Exception as e:
-            raise EnvError(f"{self.name}.{what} raised {type(e).__name__}: {e}") from e
-
-    async def reset(self, sample: Sample) -> list[Message]:
-        self._env = await self._call("__init__", self._make)
-        out = await self._call("init", self._env.init, [dict(m) for m in sample.messages])
+    def reset(self, sample: Sample) -> list[Message]:
+        self._env = self._make()
+        out = self._env.init([dict(m) for m in sample.messages])
         if not (isinstance(out, tuple) and len(out) == 2):
             raise EnvError(f"{self.name}.init returned {type(out).__name__}, not (prompt, info)")
         return checked_messages(out[0], f"{self.name}.init", prompt=True)
 
-    async def step(self, text: str, messages: list[Message]) -> EnvStep:
+    def step(self, text: str, messages: list[Message]) -> EnvStep:
         del messages  # a skyrl-gym environment keeps its own state
-        return checked_step(await self._call("step", self._env.step, text), self.name)
+        return checked_step(self._env.step(text), self.name)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         if self._env is not None:
-            await self._call("close", self._env.close)
-
-
-def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-    """``fn(*args)`` in a thread of its own that never holds up the interpreter's exit (an
-    environment stuck past its timeout is abandoned, not joined, as the default executor's
-    threads would be when the event loop closes)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # abandoned after its timeout
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=work, name="skyrl-env", daemon=True).start()
-    return future
+            self._env.close()
 
 
 def skyrl_extras(sample: Sample, max_turns: int) -> dict[str, Any]:
@@ -113,7 +73,6 @@ def skyrl_factory(
     make: Callable[..., Any],
     config: Mapping[str, Any],
     max_turns: int,
-    timeout_s: float,
 ) -> EnvFactory:
     """Environments of ``env_class`` made by ``make(env_config=..., extras=...)``."""
     from omegaconf import DictConfig
@@ -121,13 +80,13 @@ def skyrl_factory(
     def factory(sample: Sample) -> SkyRLEnvironment:
         extras = skyrl_extras(sample, max_turns)
         build = functools.partial(make, env_config=DictConfig(dict(config)), extras=extras)
-        return SkyRLEnvironment(build, env_class, timeout_s)
+        return SkyRLEnvironment(build, env_class)
 
     return factory
 
 
 def registered_skyrl_env(
-    config: Mapping[str, Mapping[str, Any]], max_turns: int, timeout_s: float
+    config: Mapping[str, Mapping[str, Any]], max_turns: int
 ) -> Callable[[str], EnvFactory | None]:
     """A lookup of skyrl-gym's registered ids (None when ``name`` is not one, or skyrl-gym is
     not installed)."""
@@ -140,6 +99,6 @@ def registered_skyrl_env(
         if name not in skyrl_gym.registry:
             return None
         make = functools.partial(skyrl_gym.make, name)
-        return skyrl_factory(name, make, config.get(name, {}), max_turns, timeout_s)
+        return skyrl_factory(name, make, config.get(name, {}), max_turns)
 
     return lookup

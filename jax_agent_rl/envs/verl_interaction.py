@@ -21,7 +21,6 @@ row's reward function's (``owns_reward=False``); the turn scores are its turn re
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import uuid
 from collections.abc import Mapping
@@ -75,18 +74,16 @@ class InteractionEnvironment:
     turns: Literal["all", "text"] = "text"
     owns_reward = False
 
-    def __init__(self, interaction: Any, name: str, timeout_s: float) -> None:
-        self.interaction, self.name, self.timeout_s = interaction, name, timeout_s
+    def __init__(self, interaction: Any, name: str) -> None:
+        self.interaction, self.name = interaction, name
         self.instance_id = ""
         self.kwargs: dict[str, Any] = {}
         self.started = False
 
     async def _call(self, what: str, *args: Any, **kwargs: Any) -> Any:
+        """The interaction's method ``what`` (within the loop's timeout on the whole call)."""
         try:
-            call = getattr(self.interaction, what)(*args, **kwargs)
-            return await asyncio.wait_for(call, self.timeout_s)
-        except TimeoutError as e:
-            raise EnvError(f"interaction {self.name!r}: {what} took over {self.timeout_s}s") from e
+            return await getattr(self.interaction, what)(*args, **kwargs)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
             raise EnvError(f"interaction {self.name!r}: {what} raised {problem}") from e
@@ -157,7 +154,7 @@ def _load_class(spec: str, key: str) -> Any:
         raise ConfigError(f"{key}={spec!r}: cannot import it: {e}") from e
 
 
-def interaction_factory(interactions: Mapping[str, Any], timeout_s: float) -> EnvFactory:
+def interaction_factory(interactions: Mapping[str, Any]) -> EnvFactory:
     """Episodes of the interaction a row's ``extra_info.interaction_kwargs.name`` names."""
 
     def factory(sample: Sample) -> InteractionEnvironment:
@@ -168,6 +165,6 @@ def interaction_factory(interactions: Mapping[str, Any], timeout_s: float) -> En
                 f"row {sample.uid}: extra_info.interaction_kwargs.name is {name!r}; configured "
                 f"interactions: {sorted(interactions)}"
             )
-        return InteractionEnvironment(interactions[name], name, timeout_s)
+        return InteractionEnvironment(interactions[name], name)
 
     return factory

@@ -1,5 +1,11 @@
 """HF tokenizers from a local folder, with their chat templates.
 
+Special tokens come only from where they are meant to: `Tokenizer.encode` reads special-token text
+as the special token (a chat template's own markers, ``<|im_start|>``), and `encode_plain` reads
+it in the spans it is given as plain text (a message's content: an observation that writes
+``<|im_start|>assistant`` must not open a turn), as transformers' ``split_special_tokens=True``
+does.
+
 A folder holds ``tokenizer.json`` (the `tokenizers` model), ``tokenizer_config.json`` (special
 tokens, optionally the chat template) and optionally ``chat_template.jinja`` (transformers 5
 writes the template there). Chat templates render as transformers renders them, bounded in work
@@ -98,28 +104,42 @@ class Tokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     @functools.cached_property
-    def _special_spellings(self) -> re.Pattern[str] | None:
-        """Where a special token's text occurs (longest first), or None if it has none."""
-        special = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
-        if not special:
+    def _special_text(self) -> re.Pattern[str] | None:
+        added = self.backend.get_added_tokens_decoder().values()
+        specials = [t.content for t in added if t.special]
+        if not specials:
             return None
-        return re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True))))
+        return re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether ``text`` holds the text of a special token."""
+        return self._special_text is not None and self._special_text.search(text) is not None
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        """A copy of the backend that reads special-token text as plain text."""
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_plain(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        """``text`` encoded, with the special-token text in its ``plain`` character spans
+        (sorted, disjoint) read as plain text; elsewhere as `encode` reads it."""
+        ids: list[int] = []
+        at = 0
+        for start, end in plain:
+            ids += self.encode(text[at:start])
+            ids += self._plain_backend.encode(text[start:end], add_special_tokens=False).ids
+            at = end
+        return ids + self.encode(text[at:])
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` as plain text: where it spells a special token (a model
-        writing ``<|im_start|>``), that spelling is encoded character by character, so it
-        never becomes the token itself. Decodes back to ``text``."""
-        pattern = self._special_spellings
-        if pattern is None:
-            return self.encode(text)
-        ids: list[int] = []
-        at = 0
-        for found in pattern.finditer(text):
-            ids += self.encode(text[at : found.start()])
-            for char in found.group():
-                ids += self.encode(char)
-            at = found.end()
-        return ids + self.encode(text[at:])
+        writing ``<|im_start|>``), that spelling is encoded as plain text, so it never becomes
+        the token itself (`encode_plain`). Decodes back to ``text``."""
+        pattern = self._special_text
+        spans = [] if pattern is None else [m.span() for m in pattern.finditer(text)]
+        return self.encode_plain(text, spans)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -11,6 +11,12 @@ messages, say) cannot change tokens the model already saw. The template's text a
 assistant message's end-of-turn token (ChatML's ``"\\n"`` after ``<|im_end|>``) is not sampled
 by the model; `close_assistant_turn` supplies it, so the next turn starts exactly where the
 template would put it.
+
+Special tokens come only from the template's own text: a message whose content holds the text of
+a special token (an observation writing ``<|im_start|>assistant``, which would otherwise forge a
+turn) has that content encoded as plain text (`Tokenizer.encode_plain`). Its place in the render
+is found by rendering a stand-in for it; a template that rewrites such a content (so that it
+cannot be found as written) is refused for it with a `ChatTemplateError`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any, Literal
 from jax_agent_rl.tokenization.tokenizer import ChatTemplateError, Message, Tokenizer
 
 TruncateSide = Literal["left", "right", "middle"]
+
+_PROBE = "\ue000{}\ue001"  # a message's content in the probe render (private-use characters)
 
 _STAND_IN: list[Message] = [
     {"role": "user", "content": "X"},
@@ -58,9 +66,55 @@ class TurnBuilder:
             messages, self.tools, add_generation_prompt, **self.template_kwargs
         )
 
+    def _ids(self, messages: Sequence[Message], text: str, start: int = 0) -> list[int]:
+        """The tokens of ``text``, the render of ``messages`` (with the generation prompt), from
+        character ``start`` on, special tokens only where the template writes them (module
+        docstring)."""
+        marked = [
+            i
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), str) and self.tokenizer.has_special_text(m["content"])
+        ]
+        if not marked:
+            return self.tokenizer.encode(text[start:])
+        spans = self._content_spans(messages, marked, text)
+        return self.tokenizer.encode_plain(
+            text[start:], [(max(a, start) - start, b - start) for a, b in spans if b > start]
+        )
+
+    def _content_spans(
+        self, messages: Sequence[Message], marked: list[int], text: str
+    ) -> list[tuple[int, int]]:
+        """Where the contents of ``messages[marked]`` lie in their render ``text``, in order:
+        the render with each replaced by a probe, the probes put back, must give ``text``."""
+        probes = {i: _PROBE.format(i) for i in marked}
+        probed = self._render(
+            [{**m, "content": probes[i]} if i in probes else m for i, m in enumerate(messages)],
+            add_generation_prompt=True,
+        )
+        found = sorted((probed.find(p), i) for i, p in probes.items())
+        pieces: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at = length = 0
+        for where, i in found:
+            if where < at or probed.count(probes[i]) != 1:
+                break
+            content = messages[i]["content"]
+            pieces += [probed[at:where], content]
+            length += where - at
+            spans.append((length, length + len(content)))
+            length += len(content)
+            at = where + len(probes[i])
+        if len(spans) != len(marked) or "".join(pieces) + probed[at:] != text:
+            raise ChatTemplateError(
+                f"{self.tokenizer.chat_template_origin} rewrites a message's content that holds "
+                "special-token text, so that text cannot be kept from acting as special tokens"
+            )
+        return spans
+
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The first request's prompt: the messages and the assistant generation prompt."""
-        return self.tokenizer.encode(self._render(messages, add_generation_prompt=True))
+        return self._ids(messages, self._render(messages, add_generation_prompt=True))
 
     def close_assistant_turn(self, sampled: Sequence[int]) -> list[int]:
         """Tokens that end a model turn the way the template ends an assistant message: eos
@@ -72,13 +126,14 @@ class TurnBuilder:
     def messages_delta(self, messages: Sequence[Message]) -> list[int]:
         """Tokens of ``messages`` (tool results, a user reply) plus the next generation prompt,
         to be appended right after a closed assistant turn."""
-        full = self._render([*_STAND_IN, *messages], add_generation_prompt=True)
+        conversation = [*_STAND_IN, *messages]
+        full = self._render(conversation, add_generation_prompt=True)
         if not full.startswith(self._base):
             raise ChatTemplateError(
                 "the chat template renders earlier messages differently when more follow; "
                 "the turn delta is undefined"
             )
-        return self.tokenizer.encode(full[len(self._base) :])
+        return self._ids(conversation, full, start=len(self._base))
 
     def truncate_text(self, text: str, max_tokens: int, side: TruncateSide) -> str:
         """``text`` cut to at most ``max_tokens`` tokens, marking where it was cut."""

@@ -32,6 +32,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "malformed_calls": sum(t.malformed_calls for t in trajs),
         "refused_calls": sum(t.refused_calls for t in trajs),
         "tool_errors": sum(t.tool_errors for t in trajs),
+        "cut_observations": sum(t.cut_observations for t in trajs),
         "response_len": sum(lengths),
         "response_len/max": max(lengths, default=0),
         "model_tokens": sum(t.num_model_tokens for t in trajs),
@@ -68,6 +69,7 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "malformed_call_rate": t["malformed_calls"] / calls,
         "refused_call_rate": t["refused_calls"] / calls,  # past agent.max_tool_calls_per_turn
         "tool_error_rate": t["tool_errors"] / calls,
+        "cut_observations": t["cut_observations"] / n,  # past agent.max_observation_chars
         "response_len/mean": t["response_len"] / n,
         "response_len/max": float(t["response_len/max"]),
         "model_tokens/mean": t["model_tokens"] / n,
@@ -88,21 +90,48 @@ def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, 
     return metrics_of_totals(episode_totals(trajs), prefix)
 
 
+# how an episode ends when something broke (its outcome says nothing of the policy), and the
+# budgets that cut it short: a step ending mostly in either is said so (`stop_warning`)
+ERRORS = ("agent_error", "env_error", "harness_error", "tool_error", "reward_error")
+LIMITS = ("max_model_len", "max_response_tokens", "max_tokens_per_turn", "max_turns", "budget")
+
+
 def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RuntimeError | None:
-    """One trajectory's unexpected error ends that trajectory only (``agent_error``); when
-    every trajectory of a rollout ended so, the backend, the tools or the loop is broken, not
-    the policy: the error to raise (with the first traceback) rather than train on nothing,
-    step after step."""
-    if t["episodes"] and t["stop/agent_error"] == t["episodes"]:
+    """One episode's error ends that episode only (`ERRORS`); when every episode of a rollout
+    ended so, the backend, the tools, the environments, the reward or the loop is broken, not
+    the policy: the error to raise (its `stop_warning` line, then the first error) rather than
+    train on nothing, step after step."""
+    failed = sum(t[f"stop/{r}"] for r in ERRORS)
+    if t["episodes"] and failed == t["episodes"]:
+        line = stop_warning(metrics_of_totals(t), ()) or ""
         return RuntimeError(
-            f"all {int(t['episodes'])} trajectories of the rollout failed; the first:\n"
-            f"{first_error}"
+            f"all {int(t['episodes'])} trajectories of the rollout failed ({line}); the first "
+            f"error:\n{first_error}"
         )
     return None
 
 
-def first_error(trajs: Sequence[Trajectory]) -> str | None:
-    return next((t.error for t in trajs if t.stop_reason == "agent_error"), None)
+def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
+    """The warning for a step (or an evaluation) whose episodes mostly ended in an error or a
+    budget (`ERRORS`, `LIMITS`; ``m``: their metrics, ``stop/<reason>`` shares): the commonest
+    such stop reason, its share, and for an error one episode's of ``trajs`` (its last line,
+    which names what failed); None when most ended otherwise."""
+    shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
+    if sum(shares.values()) <= 0.5:
+        return None
+    worst = max(shares, key=lambda r: shares[r])
+    line = f"WARNING: {shares[worst]:.0%} of episodes ended {worst}"
+    example = first_error(trajs, worst) if worst in ERRORS else None
+    if example:
+        last = [x.strip() for x in example.splitlines() if x.strip()][-1]
+        line += f" (e.g. {last[:300]})"
+    return line
+
+
+def first_error(trajs: Sequence[Trajectory], stop: str | None = None) -> str | None:
+    """The error of the first episode that ended in one (of stop reason ``stop`` if given)."""
+    reasons = ERRORS if stop is None else (stop,)
+    return next((t.error for t in trajs if t.stop_reason in reasons and t.error), None)
 
 
 def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
+from jax_agent_rl.train.episodes import stop_warning
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.metrics import equal_rewards_warning, plot_run, step_line
@@ -103,12 +104,16 @@ async def checkpoint(run: Run, rollout: Rollout, end: StepEnd) -> None:
 
 async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
     """A log file gets one plain line a step; a terminal (which has the progress bar), the
-    warnings only."""
+    warnings only: the step's episodes mostly ended in an error or a budget
+    (`episodes.stop_warning`), or its rewards were equal in every group."""
     del rollout
     m, console = end.metrics, run.console
     grpo = run.cfg.algorithm.adv_estimator == "grpo"
-    if not console.is_terminal or (grpo and equal_rewards_warning(m)):
+    stops = stop_warning(m, end.trajectories)
+    if not console.is_terminal or stops or (grpo and equal_rewards_warning(m)):
         line = step_line(end.step, run.cfg.trainer.steps, m, grpo)
+        if stops:
+            line += "  " + stops
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 

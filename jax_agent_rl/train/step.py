@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import traceback
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -175,28 +176,52 @@ async def score_episodes(
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
     scored concurrently: a model judge gets the step's requests together, and whether it
-    succeeded: as its environment said, else its reward >= ``success_reward``. A reward that
-    is not a finite number in range (`rewards.checked_reward`) ends its trajectory with stop
-    reason ``reward_error`` (reward 0, not trained on), never a NaN in its group."""
+    succeeded: as its environment said, else its reward >= ``success_reward``. A reward
+    function that raises on one ends that trajectory with ``reward_error`` (`reward_failed`);
+    so does a reward that is not a finite number in range (`rewards.checked_reward`): reward 0,
+    not trained on, never a NaN in its group."""
 
-    async def checked(sample: Sample, traj: Trajectory) -> float | RewardError:
+    async def checked(sample: Sample, traj: Trajectory) -> float | Exception:
         try:
             reward = await trajectory_reward(sample, traj, score, tool_reward_weight, tokenizer)
             return checked_reward(reward, f"the episode {traj.uid!r}")
-        except RewardError as e:
+        except Exception as e:  # RewardError: out of range; else the reward function raised
             return e
 
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
     rewards = await asyncio.gather(*(checked(e, t) for e, t in pairs))
-    for (_, traj), reward in zip(pairs, rewards, strict=True):
-        if isinstance(reward, RewardError):
-            traj.end("reward_error", str(reward))
-            traj.reward, traj.success = 0.0, False
+    for (sample, traj), reward in zip(pairs, rewards, strict=True):
+        if isinstance(reward, Exception):
+            if isinstance(reward, RewardError):
+                traj.end("reward_error", str(reward))
+                traj.reward = 0.0
+            else:
+                reward_failed(sample, traj, reward)
+            traj.success = False
             continue
         traj.reward = reward
         traj.success = (
             traj.env_success if traj.env_success is not None else reward >= success_reward
         )
+
+
+def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
+    """Ends ``traj`` with ``reward_error`` (reward 0, not trained on): its error names the
+    reward setting, the function that raised (its innermost frame) and the row. An episode
+    that had already failed keeps its stop reason, the reward's error added to its own."""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    traj.reward = 0.0
+    message = (
+        f"reward error: the reward function (data.reward, or data.rewards_by_source."
+        f"{sample.data_source}) raised {type(error).__name__}: {error} in {where.name} "
+        f"({where.filename}:{where.lineno}) on row {sample.group_id!r} (episode "
+        f"{sample.uid!r}, data_source {sample.data_source!r})\n"
+        + "".join(traceback.format_exception(error))
+    )
+    if traj.trainable:
+        traj.end("reward_error", message)
+    else:
+        traj.add_error("\n" + message)
 
 
 async def run_episodes(

@@ -84,6 +84,21 @@ async def rewriting_harness(task: HarnessTask) -> None:
     )
 
 
+async def raising_harness(task: HarnessTask) -> None:
+    """Takes one model turn, then fails with a bug of its own."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    await client.chat.completions.create(model="policy", messages=task.messages, tools=task.tools)
+    raise KeyError("harness bug")
+
+
+async def refused_first_harness(task: HarnessTask) -> None:
+    """Its first request is refused (an assistant turn first); the client then raises."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "assistant", "content": "hi"}]
+    )
+
+
 async def _context(setup: dict[str, Any], config: AgentConfig, seed: int | None) -> AgentContext:
     backend = EmbeddedBackend(setup["engine"], setup["weights"])
     parser = make_parser(setup["parser"])
@@ -153,6 +168,20 @@ def test_a_rewritten_turn_ends_the_episode_counted(setup: dict[str, Any]) -> Non
     assert sum(traj.loss_mask) > 0  # the first turn stays, nothing after it
     totals = episode_totals([traj])
     assert totals["stop/harness_error"] == 1 and totals["untrainable"] == 1
+
+
+def test_a_harness_that_raises_ends_with_harness_error(setup: dict[str, Any]) -> None:
+    """An exception inside the harness is the harness's failure (harness_error, its
+    traceback kept), not the loop's; a harness whose first request was refused is not said
+    to have never called the endpoint."""
+    traj = _episode(setup, QUESTION, "openai_agent", _harness(CONFIG, "raising_harness"))
+    assert traj.stop_reason == "harness_error" and not traj.trainable
+    assert traj.error is not None and "KeyError: 'harness bug'" in traj.error
+    assert sum(traj.loss_mask) > 0  # the turn it took is kept
+    refused = _episode(setup, QUESTION, "openai_agent", _harness(CONFIG, "refused_first_harness"))
+    assert refused.stop_reason == "harness_error" and refused.error is not None
+    assert "first request holds only system and user messages" in refused.error
+    assert "never called the endpoint" not in refused.error
 
 
 def _fresh(ctx: AgentContext, uid: str) -> Session:

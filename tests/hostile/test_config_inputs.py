@@ -200,3 +200,23 @@ def test_train_checks_the_checkpoint_config_first(
         f"model:\n  path: {tmp_path / 'ckpt'}\ndata:\n  train: {tmp_path / 't.jsonl'}\n"
     )
     _refused(["train", str(config), "--dry-run"], CHECKPOINTS[case][1], capsys)
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("size=1000000000000&seed=0", "size=1000000000000 is over 100000 rows"),
+        ("size=4&seed=0&max_terms=200000", "option max_terms=200000 is over 10000"),
+    ],
+)
+def test_reasoning_gym_options_are_bounded_at_check_time(spec: str, named: str) -> None:
+    """A reasoning-gym spec with a size or a task option that would run for ever or overflow
+    the stack is one problem of the config check, naming the key and the option."""
+    from jax_agent_rl.config import load_config
+    from jax_agent_rl.demo import DEMO_CONFIG
+    from jax_agent_rl.train.check import check_run
+
+    override = f"data.train=reasoning_gym:basic_arithmetic?{spec}"
+    problems = check_run(load_config(DEMO_CONFIG, ["model.path=/nowhere", override]))
+    mine = [p for p in problems if p.startswith("data.train: reasoning_gym:")]
+    assert len(mine) == 1 and named in mine[0], problems

@@ -1,14 +1,20 @@
 """Environments attacked as a policy (or a broken environment) would: one episode reaching
-another's state through a shared verl interaction, and an environment that never returns
-holding up the process that abandoned it."""
+another's state through a shared verl interaction, an environment that never returns holding up
+the process that abandoned it, the event loop or the threads, and malformed answers."""
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
+import pytest
+
+from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.envs import EnvError, Environments, EnvStep, make_environments
 from jax_agent_rl.envs.verl_interaction import InteractionEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +49,7 @@ def test_episodes_of_one_interaction_never_see_each_others_turns() -> None:
     keeper = Keeper()
 
     async def go() -> tuple[list[str], list[str]]:
-        a, b = (InteractionEnvironment(keeper, "keeper", 5.0) for _ in range(2))
+        a, b = (InteractionEnvironment(keeper, "keeper") for _ in range(2))
         for env, uid in ((a, "p/t/0"), (b, "p/t/1")):
             await env.reset(Sample(uid, [{"role": "user", "content": "hi"}], "1",
                                    extra={"interaction_kwargs": {"name": "keeper"}}))  # fmt: skip
@@ -74,7 +80,7 @@ def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Pat
             """
             import asyncio, threading
             from jax_agent_rl.data.sample import Sample
-            from jax_agent_rl.envs.base import EnvError
+            from jax_agent_rl.envs.base import EnvError, Environments
             from jax_agent_rl.envs.skyrl import SkyRLEnvironment
 
             class Stuck:
@@ -86,8 +92,12 @@ def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Pat
                     pass
 
             async def main():
-                env = SkyRLEnvironment(Stuck, "stuck", timeout_s=0.5)
-                await env.reset(Sample("s", [{"role": "user", "content": "x"}], "1"))
+                envs = Environments(
+                    {"stuck": lambda _: SkyRLEnvironment(Stuck, "stuck")}, step_timeout_s=0.5
+                )
+                sample = Sample("s", [{"role": "user", "content": "x"}], "1", env_class="stuck")
+                env = envs.make(sample)
+                await env.reset(sample)
                 try:
                     await env.step("go", [])
                 except EnvError as e:
@@ -101,9 +111,165 @@ def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Pat
         [sys.executable, str(script)],
         check=False,
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout, not an installed one
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "ended: stuck.step took longer than 0.5s" in done.stdout
+    assert "ended: stuck.step took longer than env.step_timeout_s=0.5s" in done.stdout
+
+
+def _sample(env_class: str = "x") -> Sample:
+    return Sample("s/0", [{"role": "user", "content": "go"}], "1", env_class=env_class)
+
+
+def _environments(env: object, timeout_s: float) -> Environments:
+    """Environments of one class ``x`` that makes ``env``."""
+    return Environments({"x": lambda _sample: env}, step_timeout_s=timeout_s)
+
+
+class AsyncEnv:
+    """A native environment whose step misbehaves as ``kind`` says."""
+
+    turns, owns_reward = "all", True
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    async def reset(self, sample: Sample) -> list[dict]:
+        return [dict(m) for m in sample.messages]
+
+    async def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del text, messages
+        if self.kind == "forever":
+            await asyncio.Event().wait()
+        if self.kind == "blocks":  # a synchronous wait inside an async step
+            threading.Event().wait(0.5)
+        if self.kind == "bad_reward":
+            return EnvStep([], reward="1.0", done=True)  # type: ignore[arg-type]
+        content = {"none": None, "bytes": b"hi", "int": 3}.get(self.kind, "ok")
+        return EnvStep([{"role": "user", "content": content}], 0.0, done=self.kind != "fine")
+
+    async def close(self) -> None:
+        if self.kind == "forever":
+            await asyncio.Event().wait()
+
+
+def _step(env: object, timeout_s: float = 0.2) -> str:
+    """What one reset + step of ``env`` made by the run's `Environments` gives: ``ok`` or the
+    `EnvError` text (the whole test is bounded: a call that hangs fails it)."""
+
+    async def go() -> str:
+        made = _environments(env, timeout_s).make(_sample())
+        assert made is not None
+        await made.reset(_sample())
+        try:
+            await made.step("move", [])
+        except EnvError as e:
+            return str(e)
+        return "ok"
+
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def test_a_native_environment_is_held_to_the_step_timeout() -> None:
+    """A native async step that never returns ends at env.step_timeout_s (EnvError naming the
+    environment); one that blocks the event loop past it is refused once it returns, not
+    taken as done."""
+    assert "x.step took longer than env.step_timeout_s=0.2s" in _step(AsyncEnv("forever"))
+    assert "x.step blocked the event loop" in _step(AsyncEnv("blocks"))
+
+
+@pytest.mark.parametrize("kind", ["none", "bytes", "int", "bad_reward"])
+def test_malformed_observations_and_rewards_are_refused_naming_the_environment(
+    kind: str,
+) -> None:
+    """A native environment's observation content that is None, bytes or a number, and a
+    reward that is a string, end the episode as an env error naming the environment."""
+    error = _step(AsyncEnv(kind), timeout_s=5.0)
+    assert error.startswith("x") and ("content" in error or "reward '1.0'" in error), error
+
+
+class SyncEnv:
+    """A synchronous environment: its step waits for ``gate``, which a coroutine on the event
+    loop opens; on the event loop it would wait for ever."""
+
+    turns, owns_reward = "all", True
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def reset(self, sample: Sample) -> list[dict]:
+        return [dict(m) for m in sample.messages]
+
+    def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del text, messages
+        assert self.gate.wait(10), "the event loop was held while this step ran"
+        return EnvStep([], reward=1.0, done=True)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_synchronous_environment_runs_in_a_thread_beside_the_event_loop() -> None:
+    """A synchronous environment is played (not refused), its calls in a thread of the pool:
+    the event loop goes on while its step runs."""
+    gate = threading.Event()
+
+    async def go() -> EnvStep:
+        made = _environments(SyncEnv(gate), 15.0).make(_sample())
+        assert made is not None
+        await made.reset(_sample())
+        step = asyncio.ensure_future(made.step("move", []))
+        await asyncio.sleep(0)
+        gate.set()  # only the event loop opens it
+        return await step
+
+    assert asyncio.run(go()) == EnvStep([], 1.0, True)
+
+
+def test_environments_stuck_for_good_hold_at_most_the_pool_of_threads(tmp_path: Path) -> None:
+    """20 episodes of a skyrl-gym environment whose step never returns: each ends at its
+    timeout, and at most env.max_threads=4 threads stay stuck (the others never start: they
+    wait for a thread within their timeout), however many episodes run into it."""
+    (tmp_path / "stuck.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+
+            class Stuck:
+                def __init__(self, env_config=None, extras=None):
+                    pass
+                def init(self, prompt):
+                    return prompt, {}
+                def step(self, action):
+                    threading.Event().wait()
+                def close(self):
+                    pass
+            """
+        )
+    )
+    section = EnvSection(
+        classes={"stuck": f"{tmp_path / 'stuck.py'}:Stuck"}, step_timeout_s=0.2, max_threads=4
+    )
+    envs = make_environments(section, 2)
+    before = threading.active_count()
+
+    async def episode() -> str:
+        made = envs.make(_sample("stuck"))
+        assert made is not None
+        await made.reset(_sample("stuck"))
+        try:
+            await made.step("move", [])
+        except EnvError as e:
+            return str(e)
+        return "ok"
+
+    async def go() -> list[str]:
+        return list(await asyncio.gather(*(episode() for _ in range(20))))
+
+    errors = asyncio.run(asyncio.wait_for(go(), 60))
+    assert all("stuck.step took longer than" in e for e in errors), errors
+    assert threading.active_count() - before <= 4
+    assert envs.threads.busy == 4

@@ -1,0 +1,97 @@
+"""A run where everything fails must not look normal: a step whose episodes mostly end in an
+error or a budget says so on the console (the stop reason, its share, one episode's error), a
+step where every episode failed stops the run with that line, and a reward function that raises
+on some rows ends those episodes (reward_error, counted, not trained on) with a trace naming the
+function and the row, instead of killing the run with a traceback."""
+
+import asyncio
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config.sections import DataSection
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
+from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
+from jax_agent_rl.train.step import score_episodes
+from tests.tokenization.test_tokenizer import CORPUS
+
+MISNAMED = (
+    "Traceback (most recent call last):\n  ...\njax_agent_rl.envs.base.EnvError: row p/s1a0/0: "
+    "extra_info.interaction_kwargs.name is 'gsm8kk'; configured interactions: ['gsm8k']\n"
+)
+
+
+def _ended(stop: str, error: str | None = None, uid: str = "p/s1a0/0") -> Trajectory:
+    traj = Trajectory(uid, "p", [1, 2])
+    traj.end(stop, error)  # type: ignore[arg-type]
+    return traj
+
+
+def test_a_step_of_failed_episodes_stops_the_run_with_its_reason() -> None:
+    """Every episode env_error (a misnamed interaction): the run stops, the error naming the
+    stop reason, its share and the first error."""
+    trajs = [_ended("env_error", MISNAMED) for _ in range(4)]
+    with pytest.raises(RuntimeError, match=r"ended env_error") as e:
+        raise_if_all_failed(trajs)
+    assert "'gsm8kk'; configured interactions" in str(e.value)
+    mixed = [_ended("reward_error", "reward error: ...\nValueError: bad row"), _ended("tool_error")]
+    with pytest.raises(RuntimeError, match=r"all 2 trajectories of the rollout failed"):
+        raise_if_all_failed(mixed)
+    raise_if_all_failed([*trajs, _ended("eos")])  # one episode ended well: the step goes on
+
+
+def test_a_step_mostly_failing_or_cut_says_so() -> None:
+    """A step with most episodes in an error (agent/harness errors) or at a budget
+    (max_model_len) is named on the console line, with one error's last line; a step that
+    mostly ended well is not."""
+    harness = "Traceback (most recent call last):\n  ...\nKeyError: 'harness bug'\n"
+    trajs = [
+        *(_ended("harness_error", harness) for _ in range(5)),
+        *(_ended("eos") for _ in [0] * 4),
+    ]
+    line = stop_warning(episode_metrics(trajs), trajs)
+    assert line == "WARNING: 56% of episodes ended harness_error (e.g. KeyError: 'harness bug')"
+    cut = [_ended("max_model_len") for _ in range(3)]
+    assert (
+        stop_warning(episode_metrics(cut), cut) == "WARNING: 100% of episodes ended max_model_len"
+    )
+    fine = [_ended("eos"), _ended("eos"), _ended("agent_error", harness)]
+    assert stop_warning(episode_metrics(fine), fine) is None
+
+
+def test_a_reward_function_that_raises_ends_only_its_episodes(tmp_path: Path) -> None:
+    """data.reward raising on some rows: those episodes end reward_error (reward 0, not
+    trainable) with the function, its file and the row in the error; the others are scored."""
+    (tmp_path / "picky.py").write_text(
+        textwrap.dedent(
+            """
+            def picky(data_source, solution_str, ground_truth, extra_info):
+                if extra_info["index"] % 2:
+                    raise ValueError("cannot read this row")
+                return 1.0
+            """
+        )
+    )
+    score = make_reward(DataSection(train="t.jsonl", reward=f"{tmp_path / 'picky.py'}:picky"))
+    folder = save_tokenizer(tmp_path / "tok", train_bpe(CORPUS, 400), chat_template("chatml_tools"))
+    tokenizer = Tokenizer.from_pretrained(folder)
+    samples = [
+        Sample(f"row{i}/s1a0/0", [{"role": "user", "content": "q"}], "1", extra={"index": i},
+               group_id=f"row{i}")
+        for i in range(4)
+    ]  # fmt: skip
+    groups = [[Trajectory(s.uid, s.group_id, [1])] for s in samples]
+    asyncio.run(score_episodes(groups, samples, score, 0.0, tokenizer))
+    trajs = [g[0] for g in groups]
+    assert [t.stop_reason for t in trajs] == ["eos", "reward_error", "eos", "reward_error"]
+    assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0]
+    bad = trajs[1]
+    assert not bad.trainable and bad.error is not None
+    assert "ValueError: cannot read this row in picky (" in bad.error
+    assert "picky.py" in bad.error and "on row 'row1'" in bad.error and "data.reward" in bad.error
+    m = episode_metrics(trajs)
+    assert m["stop/reward_error"] == 0.5 and m["untrainable"] == 0.5
