@@ -2,17 +2,21 @@
 on Cloud TPU slices, compiled on this CPU host (libtpu): does each run compile, and fit?
 
 Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
-  1.5b      Qwen2.5-1.5B on v5e:2x2 (4 chips of 16 GiB), mesh fsdp=4, 64 decode slots
+  1.5b      Qwen2.5-1.5B on v5e:2x2 (4 chips of 16 GiB), mesh fsdp=2 tensor=2, 64 decode
+            slots, rows of 4096 tokens (one trajectory each)
   7b-v5p    Qwen2.5-7B on v5p:2x2x1 (4 chips of 95 GiB), mesh fsdp=4
-  7b-v5e    Qwen2.5-7B on v5e:4x4 (16 chips of 16 GiB), mesh fsdp=4 tensor=4, 64 decode slots
+  7b-v5e    Qwen2.5-7B on v5e:4x4 (16 chips of 16 GiB), mesh fsdp=4 tensor=4 (kv heads: 4 at
+            most), 64 decode slots: by the memory plan ~19.3 GiB per chip, so expected not to
+            fit (the weight push's gathered and new serving weights beside the served ones)
   32b-v5p   Qwen2.5-32B on v5p:2x2x4 (16 chips of 95 GiB), mesh fsdp=4 tensor=4: the smallest v5p
             slice that can hold it (on v5p:2x2x2, 8 chips, the learner's fp32 weights, AdamW
             moments, KL reference and gradient alone are ~82 GiB per chip, with the engine's
             bf16 weights on top)
 
-The meshes are picked to fit (the engine serves on the same chips, its weights split over
-``tensor`` only). Figures are the compiler's: HBM per chip from its memory analysis, time and
-MFU a roofline estimate of its counts (docs/tpu.md, `jarl plan`), not measurements.
+The meshes are picked to fit by `jarl train --dry-run`'s memory plan (the engine serves on
+the same chips, its weights split over ``tensor`` only); its peaks per chip: 14.5, 77.9,
+19.3 and 84.3 GiB. Figures are the compiler's: HBM per chip from its memory analysis, time
+and MFU a roofline estimate of its counts (docs/tpu.md, `jarl plan`), not measurements.
 
     .venv/bin/python bench/tpu_plan.py --runs 1.5b --compile-timeout 1800 \
         --set learner.row_tokens=1024
@@ -38,7 +42,11 @@ CONFIG = ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml"
 
 # name -> (--model, --topology, overrides)
 RUNS: dict[str, tuple[str, str, list[str]]] = {
-    "1.5b": ("qwen2.5-1.5b", "v5e:2x2", ["mesh.fsdp=4", "rollout.max_concurrent=64"]),
+    "1.5b": (
+        "qwen2.5-1.5b",
+        "v5e:2x2",
+        ["mesh.fsdp=2", "mesh.tensor=2", "rollout.max_concurrent=64", "learner.row_tokens=4096"],
+    ),
     "7b-v5p": ("qwen2.5-7b", "v5p:2x2x1", ["mesh.fsdp=4"]),
     "7b-v5e": (
         "qwen2.5-7b",

@@ -99,8 +99,8 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     embedding's head is a copy of its own) and KV cache on the same devices, laid out on the
     inference mesh (``fsdp`` folded into ``data``: weights split over ``tensor`` only, KV
     pages over ``data x fsdp`` and kv heads over ``tensor``). Then what each of the two
-    largest programs adds while it runs: the RL update (the gradient accumulator, the
-    optimizer's update, a compute-dtype copy of the weights, one micro-batch's activations:
+    largest programs adds while it runs: the RL update (the gradient accumulator, in bf16 a
+    copy of the weights and the micro-batch's gradient, one micro-batch's activations:
     `activation_bytes`, with and without ``learner.remat``) and the weight push (the weights
     gathered for serving, and the new serving weights beside the old). These are the parts
     XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
@@ -121,18 +121,22 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         rows = max(L.micro_batch_size // (m.data * m.fsdp), 1)
         tokens = rows * cfg.rollout.max_model_len
         what = f"{rows} row(s) of rollout.max_model_len={cfg.rollout.max_model_len}"
-    # the update: the gradient summed over micro-batches, the optimizer's update of it, the
-    # weights cast to the compute dtype (bf16: a copy) and one micro-batch's activations
-    update = [
-        ("gradient accumulator (fp32)", fp32),
-        ("optimizer update (fp32)", fp32),
+    # the update: the gradient summed over micro-batches and one micro-batch's activations;
+    # computing in bf16, also the weights cast (a copy) and each micro-batch's fp32 gradient
+    # through that cast, which XLA cannot add into the sum in place as it does in fp32 (TPU,
+    # compiled: tests/plan)
+    update = [("gradient accumulator (fp32)", fp32)]
+    if width == 2:
+        update += [
+            ("micro-batch gradient (fp32)", fp32),
+            ("weights in bfloat16 (a copy)", fp32 / 2),
+        ]
+    update.append(
         (
             f"activations ({'remat' if L.remat else 'no remat'})",
             activation_bytes(model, tokens, width, L.remat, m.tensor),
-        ),
-    ]
-    if width == 2:
-        update.insert(2, ("weights in bfloat16 (a copy)", fp32 / 2))
+        )
+    )
     engine: list[tuple[str, float]] = []
     push: list[tuple[str, float]] = []
     if cfg.rollout.backend == "embedded":
@@ -154,9 +158,12 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
                 kv / _parts(PAGE_AXES, serving),
             ),
         ]
-        # the push: the learner's weights cast and gathered onto the inference mesh, then
-        # laid out for serving, beside the weights the engine still serves
-        push = [("weights gathered for serving", gathered), ("new serving weights", weights)]
+        # the push: the learner's weights cast and gathered onto the inference mesh (a new
+        # buffer unless they are laid out and typed so already), then laid out for serving,
+        # beside the weights the engine still serves
+        push = [("new serving weights", weights)]
+        if m.fsdp > 1 or width != 4:
+            push.insert(0, ("weights gathered for serving", gathered))
     return MemoryPlan(
         m,
         learner,

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_calculator_cpu.yaml"
 GSM8K = ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml"
 # the demo's run on the 4 chips of a v5e:2x2 (its data=2 mesh doubled), its rows shortened so
-# that the RL update compiles in seconds
-TINY_RUN = ["mesh.data=4", "sft.data=demos.jsonl", "learner.row_tokens=256"]
+# that the RL update compiles sooner, with remat as the GSM8K config sets it
+TINY_RUN = ["mesh.data=4", "sft.data=demos.jsonl", "learner.row_tokens=256", "learner.remat=true"]
 
 
 def jarl_plan(*args: str) -> subprocess.CompletedProcess[str]:

@@ -387,7 +387,7 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
             "engine weights (bfloat16)": weights,
             "engine KV cache (16384 pages x 32)": kv,
             "update gradient accumulator (fp32)": fp32,
-            "update optimizer update (fp32)": fp32,
+            "update micro-batch gradient (fp32)": fp32,
             "update weights in bfloat16 (a copy)": fp32 / 2,
             "update activations (remat)": activation_bytes(model, 8192, 2, True, mesh.tensor) / gib,
             "push weights gathered for serving": _sharded_bytes(model, serving, 2) / gib,
