@@ -135,3 +135,24 @@ def test_both_spellings_name_the_same_slice() -> None:
     assert parse_topology("v5p-32") == parse_topology("v5p:2x2x4")
     assert parse_topology("v5p-32").chips == 16
     assert parse_topology("v6e-8").name == "v6e:2x4"
+
+
+def test_the_other_meshes_are_those_the_config_checks_accept() -> None:
+    """A run that does not fit is planned again on the slice's other (data, fsdp, tensor)
+    factorizations, least tensor and data first, skipping those the config refuses (here the
+    2 decode slots, which must split over data x fsdp)."""
+    from jax_agent_rl.plan import other_meshes
+
+    def meshes(*overrides: str) -> list[tuple[int, int, int]]:
+        cfg = load_config(DEMO, list(overrides), unread=("data.train", "data.val", "sft.data"))
+        return [(c.mesh.data, c.mesh.fsdp, c.mesh.tensor) for c in other_meshes(cfg, 4)]
+
+    assert meshes("model.path=m", "mesh.data=4") == [
+        (1, 4, 1),
+        (2, 2, 1),
+        (1, 2, 2),
+        (2, 1, 2),
+        (1, 1, 4),
+    ]
+    slots = ["model.path=m", "mesh.data=1", "mesh.tensor=4", "rollout.max_concurrent=2"]
+    assert meshes(*slots) == [(1, 2, 2), (2, 1, 2)]
