@@ -82,7 +82,11 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         try:
             box["compiled"] = program.fn.lower(*program.args, **program.static).compile()
         except Exception as e:  # a compiler error is a finding, reported on its line
-            box["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            text = str(e).strip()
+            box["error"] = f"{type(e).__name__}: {(text.splitlines() or [''])[0]}"
+            used = _OOM.search(text)  # XLA:TPU's "Ran out of memory ... Used 20.1G of 15.7G hbm"
+            if used and used.group(0) not in box["error"]:
+                box["error"] += f" ({used.group(0)})"
 
     t0 = time.perf_counter()
     thread = threading.Thread(target=work, daemon=True)
