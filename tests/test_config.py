@@ -197,7 +197,7 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
     ("overrides", "message"),
     [
         (
-            ["mesh.data=2", "mesh.fsdp=2", "learner.micro_batch_size=6"],
+            ["mesh.data=2", "mesh.fsdp=2", "learner.packing=false", "learner.micro_batch_size=6"],
             "learner.micro_batch_size=6 does not split over mesh.data x mesh.fsdp = 4 devices: "
             "use a multiple of 4",
         ),
@@ -243,6 +243,33 @@ def test_values_that_must_fit_each_other(overrides: list[str], message: str) -> 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.path=/a", "data.train=t", *overrides])
     assert str(e.value) == message
+
+
+def test_packed_micro_batches_are_a_row_per_device() -> None:
+    """With packing, an RL micro-batch is one row per data-parallel device (what the learner
+    is built with), so learner.micro_batch_size need not split over them; without packing it
+    is that many rows, split over them."""
+    from jax_agent_rl.train.learners import micro_batch_rows
+
+    mesh = ["mesh.data=2", "mesh.fsdp=8", "rollout.max_concurrent=16"]
+    cfg = load_config(None, ["model.path=/a", "data.train=t", *mesh, "learner.micro_batch_size=8"])
+    assert micro_batch_rows(cfg) == 16
+    unpacked = ["learner.packing=false", "learner.micro_batch_size=8"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.path=/a", "data.train=t", *mesh, *unpacked])
+    assert str(e.value) == (
+        "learner.micro_batch_size=8 does not split over mesh.data x mesh.fsdp = 16 devices: "
+        "use a multiple of 16"
+    )
+
+
+def test_unread_required_keys_load_empty() -> None:
+    """A command that reads no data (jarl plan) may leave data.train unset; any other
+    required key still has to be set."""
+    cfg = load_config(None, ["model.path=/a"], unread=("data.train",))
+    assert cfg.data.train == ""
+    with pytest.raises(ConfigError, match=r"required config keys not set: \['model.path'\]"):
+        load_config(None, [], unread=("data.train",))
 
 
 def test_shipped_files_resolve_from_any_directory(

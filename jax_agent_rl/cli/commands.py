@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
+from jax_agent_rl.cli.plan import add_plan_parser
 from jax_agent_rl.cli.serve_tools import add_serve_tools
 from jax_agent_rl.cli.view import add_view_parser
 
@@ -477,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a local HF checkpoint folder")
     p.set_defaults(func=_inspect)
 
+    add_plan_parser(sub)
     add_serve_tools(sub)
     return parser
 

@@ -53,8 +53,11 @@ def check_ranges(cfg: JarlConfig) -> list[str]:
 
 
 def _micro_batch_over_mesh(cfg: JarlConfig) -> str | None:
+    """Packing off, an RL micro-batch is ``learner.micro_batch_size`` rows split over the
+    data-parallel devices; packing on, it is one row per such device whatever that setting
+    (`train.learners.micro_batch_rows`), which then sizes SFT micro-batches only (`_sft_batch`)."""
     dp, micro = cfg.mesh.data * cfg.mesh.fsdp, cfg.learner.micro_batch_size
-    if micro % dp:
+    if not cfg.learner.packing and micro % dp:
         return (
             f"learner.micro_batch_size={micro} does not split over mesh.data x mesh.fsdp = {dp} "
             f"devices: use a multiple of {dp}"

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 
@@ -28,12 +28,17 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     schema: type[T] = JarlConfig,  # type: ignore[assignment]
+    unread: Collection[str] = (),
 ) -> T:
     """Loads ``schema`` from a YAML file (optional), then ``key.sub=value`` overrides in order;
     ``pkg://`` paths are resolved, and a `JarlConfig`'s numbers are checked (`check_ranges`).
-    A key that moved (a field's ``was``) is an error naming its new key."""
+    A key that moved (a field's ``was``) is an error naming its new key. Required keys in
+    ``unread`` (a command that reads no data: ``jarl plan``) may stay unset: they load empty."""
     merged = _merged(path, overrides, schema)
     missing = sorted(OmegaConf.missing_keys(merged))
+    empty = [key for key in missing if key in unread]
+    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}=''" for key in empty]))
+    missing = [key for key in missing if key not in unread]
     if missing:
         settings = " ".join(f"{key}=..." for key in missing)
         raise ConfigError(

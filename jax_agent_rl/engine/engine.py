@@ -88,6 +88,7 @@ class Engine:
         batch_buckets: bool = True,
         sharder: Sharder | None = None,
         decode_kernel: str = "auto",
+        platform: str | None = None,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -121,14 +122,16 @@ class Engine:
         n = max_concurrent_decodes
         split = sharder is not None and sharder.sharding(("batch",), (n,)).shard_shape((n,))[0] < n
         self.batch_buckets = buckets(1, n) if batch_buckets and not split else (n,)
+        # the platform compiled for: JAX's default, or a plan's (`jax_agent_rl.plan`: tpu)
+        platform = platform or jax.default_backend()
         # XLA:CPU writes a 16-bit cache through fp32, converting every page of it at every
         # step: there the pages are fp32 (the same numbers: bf16 values are exact in fp32)
-        self.cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else cfg.jnp_dtype
+        self.cache_dtype = jnp.float32 if platform == "cpu" else cfg.jnp_dtype
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel,
         # which reads a 16-bit cache and runs on one device: the kernel does not split)
         if decode_kernel == "auto":
-            tpu = jax.default_backend() == "tpu" and sharder is None
+            tpu = platform == "tpu" and sharder is None
             decode_kernel = "pallas" if tpu and self.cache_dtype != jnp.float32 else "ragged"
         if decode_kernel not in ("ragged", "pallas"):
             raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
@@ -277,19 +280,7 @@ class Engine:
         bucket = self.prefill_bucket(len(tokens))
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(tokens)] = tokens
-        stop = np.full((1, self.max_stop_ids), -1, np.int32)
-        stop[0, : len(sampling.stop_token_ids)] = sampling.stop_token_ids
-        slots = Slots(
-            token=jnp.zeros((1,), jnp.int32),
-            active=jnp.ones((1,), bool),
-            generated=jnp.array([generated], jnp.int32),
-            max_tokens=jnp.array([sampling.max_tokens], jnp.int32),
-            temperature=jnp.array([sampling.temperature], jnp.float32),
-            top_k=jnp.array([sampling.top_k], jnp.int32),
-            top_p=jnp.array([sampling.top_p], jnp.float32),
-            stop_ids=jnp.asarray(stop),
-            key=jax.random.key_data(jax.random.key(seed))[None],
-        )
+        slots = self._request_slots(sampling, seed, generated)
         table = self._device_table(self.page_table([pages]), (None, None))
         # the chunk's keys: its padded bucket's, within the sequence's pages (the padding of a
         # chunk that ends near max_len would reach past them; it reads and writes nothing)
@@ -302,6 +293,22 @@ class Engine:
             jnp.asarray(padded),
             slots,
             pages_read=pages_read,
+        )
+
+    def _request_slots(self, sampling: SamplingParams, seed: int, generated: int) -> Slots:
+        """One request's slot state [1], as prefill takes it."""
+        stop = np.full((1, self.max_stop_ids), -1, np.int32)
+        stop[0, : len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        return Slots(
+            token=jnp.zeros((1,), jnp.int32),
+            active=jnp.ones((1,), bool),
+            generated=jnp.array([generated], jnp.int32),
+            max_tokens=jnp.array([sampling.max_tokens], jnp.int32),
+            temperature=jnp.array([sampling.temperature], jnp.float32),
+            top_k=jnp.array([sampling.top_k], jnp.int32),
+            top_p=jnp.array([sampling.top_p], jnp.float32),
+            stop_ids=jnp.asarray(stop),
+            key=jax.random.key_data(jax.random.key(seed))[None],
         )
 
     def _prefill_impl(

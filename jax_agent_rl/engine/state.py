@@ -6,12 +6,13 @@ hand back, and the pure per-token steps (sample, finish code) both run.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import KVPages, ModelConfig
+from jax_agent_rl.models import KVPages, ModelConfig, Sharder
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -103,6 +104,22 @@ def finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) ->
 def slot_axes(x: jax.Array) -> tuple[str | None, ...]:
     """A per-slot array's logical axes: the leading slot axis is the batch."""
     return ("batch",) + (None,) * (x.ndim - 1)
+
+
+def laid_out(state: DecodeState, sharder: Sharder | None, pages: KVPages | None) -> DecodeState:
+    """An abstract decode state with the engine's layout: ``pages`` (the pool's shardings),
+    the slots and lengths split over ``batch``."""
+    if sharder is None or pages is None:
+        return state
+
+    def at(x: Any, sharding: Any) -> Any:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return DecodeState(
+        pages=jax.tree.map(at, state.pages, pages),
+        pos=at(state.pos, sharder.sharding(("batch",), state.pos.shape)),
+        slots=jax.tree.map(lambda x: at(x, sharder.sharding(slot_axes(x), x.shape)), state.slots),
+    )
 
 
 def sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Array]:

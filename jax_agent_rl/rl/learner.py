@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
-from jax_agent_rl.models import ModelConfig, Sharder, Weights
+from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
 from jax_agent_rl.rl.objectives import (
@@ -78,19 +78,102 @@ def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
     )
 
 
-def _jit_keeping_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
+def jit_step(fn: Callable[..., Any], layout: Any) -> Any:
     """``state, metrics = fn(state, batch)`` jitted with the state donated and returned laid
-    out exactly as it came in (else the second call, fed the first call's output, would
-    compile the step again); the layout is read at the first call."""
+    out as ``layout`` (a tree of the state's shardings)."""
+    return jax.jit(fn, donate_argnums=0, out_shardings=(layout, None))
+
+
+def _jit_keeping_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`jit_step` of ``fn`` keeping the state laid out exactly as it came in (else the second
+    call, fed the first call's output, would compile the step again); the layout is read at
+    the first call."""
     compiled: list[Callable[..., Any]] = []
 
     def call(state: Any, batch: Any) -> Any:
         if not compiled:
-            layout = jax.tree.map(lambda x: x.sharding, state)
-            compiled.append(jax.jit(fn, donate_argnums=0, out_shardings=(layout, None)))
+            compiled.append(jit_step(fn, jax.tree.map(lambda x: x.sharding, state)))
         return compiled[0](state, batch)
 
     return call
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    """What a learner's steps are functions of: the static step (`StepSpec`) and the
+    optimizers. `rl_step` and `sft_step` are the functions `Learner` jits (``jarl plan``
+    compiles them abstractly)."""
+
+    spec: StepSpec
+    tx: optax.GradientTransformation
+    critic_tx: optax.GradientTransformation
+
+    @classmethod
+    def of(
+        cls,
+        model: ModelConfig,
+        *,
+        algo: AlgorithmSection,
+        optim: OptimSection,
+        sampling: SamplingSpec,
+        compute_dtype: Literal["float32", "bfloat16"] = "float32",
+        remat: bool = False,
+        sharder: Sharder | None = None,
+        norm_const: float | None = None,
+        lr: float | None = None,
+        decay_steps: int | None = None,
+    ) -> StepPrograms:
+        model = dataclasses.replace(model, dtype="float32")
+        spec = StepSpec(model, compute_dtype, sampling, algo, remat, sharder, norm_const)
+        tx = make_optimizer(optim.lr if lr is None else lr, optim, decay_steps)
+        return cls(spec, tx, make_optimizer(optim.critic_lr, optim))
+
+    def rl_step(self, rollout_logprobs: bool) -> Callable[..., Any]:
+        """``state, metrics = step(state, batch)``: `rl_update` (``rollout_logprobs=False``:
+        the learner's old-policy logprobs stand in for the sampler's)."""
+        spec = _with_rollout_logprobs(self.spec, rollout_logprobs)
+        return partial(rl_update, spec, self.tx, self.critic_tx)
+
+    def sft_step(self, state: LearnerState, rows: TrainBatch) -> tuple[LearnerState, Metrics]:
+        """One SFT update of the policy on [M, b, T] ``rows``."""
+        d = Denominators(jnp.maximum(rows.mask.sum(), 1.0), jnp.ones(()), 1.0, 1)
+        M = rows.mask.shape[0]
+        policy, m = apply_update(
+            sft_objective, self.spec, self.tx, state.policy, rows, None, d, 0, M
+        )
+        return dataclasses.replace(state, policy=policy), m
+
+
+def abstract_learner_state(
+    programs: StepPrograms, sharder: Sharder, *, critic: bool, reference: bool
+) -> LearnerState:
+    """The shapes, dtypes and layout of the state a `Learner` of ``programs`` holds on
+    ``sharder``'s mesh, allocating nothing: fp32 weights laid out by their logical axes, the
+    optimizers' moments like their parameters, counters (and a critic's head) replicated."""
+    model = programs.spec.model
+    params = abstract_params(model, sharder)
+    replicated = sharder.sharding(())
+
+    def at(x: Any, sharding: Any) -> Any:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def train_state(tx: optax.GradientTransformation, p: Any) -> TrainState:
+        opt = optax.tree_map_params(
+            tx,
+            lambda s, x: at(s, x.sharding),
+            jax.eval_shape(tx.init, p),
+            p,
+            transform_non_params=lambda s: at(s, replicated),
+        )
+        return TrainState(p, opt, at(jax.ShapeDtypeStruct((), jnp.int32), replicated))
+
+    value = None
+    if critic:
+        D = model.hidden_size
+        head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
+        bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
+        value = train_state(programs.critic_tx, Critic(params, head, bias))
+    return LearnerState(train_state(programs.tx, params), value, params if reference else None)
 
 
 # ------------------------------------------------------------------------------ the class
@@ -117,12 +200,22 @@ class Learner:
         lr: float | None = None,
         decay_steps: int | None = None,
     ) -> None:
-        self.model = dataclasses.replace(model, dtype="float32")
+        programs = StepPrograms.of(
+            model,
+            algo=algo,
+            optim=optim,
+            sampling=sampling,
+            compute_dtype=compute_dtype,
+            remat=remat,
+            sharder=sharder,
+            norm_const=norm_const,
+            lr=lr,
+            decay_steps=decay_steps,
+        )
+        self.model = programs.spec.model
         self.sharder = sharder
         self.micro_batch_size = micro_batch_size
-        self.spec = StepSpec(self.model, compute_dtype, sampling, algo, remat, sharder, norm_const)
-        self.tx = make_optimizer(optim.lr if lr is None else lr, optim, decay_steps)
-        self.critic_tx = make_optimizer(optim.critic_lr, optim)
+        self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
         self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
         policy = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
         value = (
@@ -141,21 +234,10 @@ class Learner:
         # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
         self._batch_sharding = None if sharder is None else sharder.sharding((None, "batch", None))
         self._seq_sharding = None if sharder is None else sharder.sharding(("batch",))
-        spec, tx, critic_tx = self.spec, self.tx, self.critic_tx
         self._rl_steps = {
-            given: _jit_keeping_layout(
-                partial(rl_update, _with_rollout_logprobs(spec, given), tx, critic_tx)
-            )
-            for given in (True, False)
+            given: _jit_keeping_layout(programs.rl_step(given)) for given in (True, False)
         }  # each compiles on first use
-
-        def sft(state: LearnerState, rows: TrainBatch) -> tuple[LearnerState, Metrics]:
-            d = Denominators(jnp.maximum(rows.mask.sum(), 1.0), jnp.ones(()), 1.0, 1)
-            M = rows.mask.shape[0]
-            policy, m = apply_update(sft_objective, spec, tx, state.policy, rows, None, d, 0, M)
-            return dataclasses.replace(state, policy=policy), m
-
-        self._sft_step = _jit_keeping_layout(sft)
+        self._sft_step = _jit_keeping_layout(programs.sft_step)
 
     # --- placement
 

@@ -24,6 +24,7 @@ from jax_agent_rl.rollout.protocol import RolloutBackend
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.engine import Engine
     from jax_agent_rl.models import ModelConfig, Sharder, Weights
 
 ENTRY_POINT_GROUP = "jax_agent_rl.backends"
@@ -78,17 +79,24 @@ class BackendFactory:
     trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
 
 
-def _build_embedded(spec: BackendBuild) -> RolloutBackend:
+def make_engine(
+    rollout: RolloutSection,
+    model: ModelConfig,
+    dtype: str,
+    sharder: Sharder | None,
+    platform: str | None = None,
+) -> Engine:
+    """The embedded engine ``rollout`` describes, serving ``model`` in ``dtype`` on
+    ``sharder``'s mesh, its programs compiled for ``platform`` (default: JAX's backend)."""
     import jax
 
     from jax_agent_rl.engine import Engine, pool_pages
-    from jax_agent_rl.rollout.embedded import EmbeddedBackend
 
-    r = spec.rollout
-    model = dataclasses.replace(spec.model, dtype=spec.dtype)  # type: ignore[arg-type]
+    r = rollout
+    model = dataclasses.replace(model, dtype=dtype)  # type: ignore[arg-type]
     # XLA:CPU's pages are fp32 (`Engine.cache_dtype`)
-    width = 4 if spec.dtype == "float32" or jax.default_backend() == "cpu" else 2
-    engine = Engine(
+    width = 4 if dtype == "float32" or (platform or jax.default_backend()) == "cpu" else 2
+    return Engine(
         model,
         max_concurrent_decodes=r.max_concurrent,
         max_len=r.max_model_len,
@@ -98,8 +106,15 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         ),
         prefill_chunk=r.prefill_chunk,
         batch_buckets=r.batch_buckets,
-        sharder=spec.sharder,
+        sharder=sharder,
+        platform=platform,
     )
+
+
+def _build_embedded(spec: BackendBuild) -> RolloutBackend:
+    from jax_agent_rl.rollout.embedded import EmbeddedBackend
+
+    engine = make_engine(spec.rollout, spec.model, spec.dtype, spec.sharder)
     return EmbeddedBackend(
         engine,
         spec.params,

@@ -43,8 +43,7 @@ from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, m
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
-from jax_agent_rl.rl.learner import Learner, critic_from_policy
-from jax_agent_rl.rl.objectives import SamplingSpec
+from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
@@ -54,6 +53,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
+from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
 from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.train.sft import warm_start
 
@@ -142,43 +142,6 @@ class Rollout:
         grown = {k: v - self.counted_before.get(k, 0.0) for k, v in now.items()}
         self.counted_before.update(now)
         return grown
-
-
-def make_learner(
-    cfg: JarlConfig,
-    model: ModelConfig,
-    params: Any,
-    sharder: Sharder,
-    *,
-    lr: float | None = None,
-    warmup: int | None = None,
-    decay_steps: int | None = None,
-    micro_batch_size: int | None = None,
-    reference: Any | None = None,
-) -> Learner:
-    """The learner over ``params`` (and the KL ``reference``); the keyword arguments override
-    the RL settings (SFT). Packing puts one row per device in a micro-batch."""
-    optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
-    r = cfg.rollout
-    rows_per_micro = (
-        cfg.mesh.data * cfg.mesh.fsdp if cfg.learner.packing else cfg.learner.micro_batch_size
-    )
-    return Learner(
-        model,
-        params,
-        algo=cfg.algorithm,
-        optim=optim,
-        sampling=SamplingSpec(r.temperature, r.top_k, r.top_p),
-        compute_dtype=cfg.model.dtype,
-        micro_batch_size=micro_batch_size or rows_per_micro,
-        remat=cfg.learner.remat,
-        sharder=sharder,
-        critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
-        reference=reference,
-        norm_const=cfg.agent.max_response_tokens,
-        lr=lr,
-        decay_steps=decay_steps,
-    )
 
 
 def train_states(learner: Learner) -> dict[str, Any]:
@@ -275,7 +238,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
                 lr=cfg.sft.lr,
                 warmup=cfg.sft.warmup_steps,
                 decay_steps=cfg.sft.steps,
-                micro_batch_size=min(cfg.sft.batch_size, cfg.learner.micro_batch_size),
+                micro_batch_size=sft_micro_batch_rows(cfg),
             )
             params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
         # the KL reference: the policy RL starts from (the learner keeps a copy)

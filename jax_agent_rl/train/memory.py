@@ -1,9 +1,12 @@
-"""What a run keeps on each device (`memory_plan`, printed by ``jarl train --dry-run``): the
-learner's state and the embedded engine's weights and KV cache, laid out as `ShardingRules`
-lays them, and the activations of one micro-batch (`activation_bytes`)."""
+"""What a run keeps on each device (`plan_memory`; `memory_plan`'s lines are printed by ``jarl
+train --dry-run``): the learner's state and the embedded engine's weights and KV cache, laid
+out as `ShardingRules` lays them, and what the RL update (one micro-batch's activations:
+`activation_bytes`) and the weight push add while they run. ``jarl plan`` holds it to the
+figures compiled for TPU (tests/plan)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -34,51 +37,83 @@ def _per_device_bytes(model: ModelConfig, mesh: MeshSection, bytes_per_value: in
     )
 
 
-def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list[str]:
-    """What the run keeps on each device of its mesh, one line a part, for ``--dry-run``:
-    the learner's state (fp32 master weights, AdamW's two fp32 moments, the KL reference, the
-    critic), sharded by the parameters' logical axes; and the embedded engine's weights and KV
-    cache on the same devices, laid out on the inference mesh (``fsdp`` folded into ``data``:
-    weights split over ``tensor`` only, KV pages over ``data x fsdp`` and kv heads over
-    ``tensor``). Then the activations of one micro-batch (`activation_bytes`: its tokens per
-    device, with and without ``learner.remat``); XLA's workspace comes on top. Over several
-    ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share of the
-    devices."""
-    m = cfg.mesh
-    n = m.data * m.fsdp * m.tensor
-    fp32 = _per_device_bytes(model, m, 4)
-    parts = [
-        ("policy weights (fp32 master)", fp32),
-        ("AdamW moments (2 x fp32)", 2 * fp32),
-        ("gradient accumulator (fp32)", fp32),
-    ]
-    if cfg.algorithm.kl_coef:
-        parts.append(("KL reference (fp32)", fp32))
-    if cfg.algorithm.adv_estimator == "gae":
-        parts.append(("critic weights + AdamW moments", 3 * fp32))
-    learner = sum(b for _, b in parts)
-    lines = [f"memory per device, mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} ({n}):"]
-    lines += [f"  learner  {name:<34} {b / 2**30:8.2f} GiB" for name, b in parts]
-    engine: list[tuple[str, float]] = []
-    if cfg.rollout.backend == "embedded":
-        serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
-        width = 2 if cfg.model.dtype == "bfloat16" else 4
-        r = cfg.rollout
-        pages = pool_pages(
-            model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
-        )
-        kv = pages * page_bytes(model, r.page_size, width)
-        engine = [
-            (f"weights ({cfg.model.dtype})", _per_device_bytes(model, serving, width)),
-            (
-                f"KV cache ({pages} pages x {r.page_size}"
-                + (", per process)" if processes > 1 else ")"),
-                kv / _parts(PAGE_AXES, serving),
-            ),
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What a run keeps on each device (`plan_memory`), bytes per part: resident between
+    programs (the learner's, the engine's), and what the RL update and the weight push need
+    on top while they run (one program runs at a time)."""
+
+    mesh: MeshSection
+    learner: list[tuple[str, float]]
+    engine: list[tuple[str, float]]
+    update: list[tuple[str, float]]  # the RL update's temporaries
+    push: list[tuple[str, float]]  # the weight push's temporaries and new weights
+    other_activations: float  # `update`'s activations with the other remat setting
+    tokens: int  # a micro-batch's tokens per device
+    what: str  # where those come from
+
+    @property
+    def learner_bytes(self) -> float:
+        return sum(b for _, b in self.learner)
+
+    @property
+    def engine_bytes(self) -> float:
+        return sum(b for _, b in self.engine)
+
+    @property
+    def peak_bytes(self) -> float:
+        """Everything resident, and the larger of what the update and the push add."""
+        adds = (sum(b for _, b in self.update), sum(b for _, b in self.push))
+        return self.learner_bytes + self.engine_bytes + max(adds)
+
+    def lines(self, remat: bool) -> list[str]:
+        m = self.mesh
+        n = m.data * m.fsdp * m.tensor
+        gib = 2**30
+        lines = [
+            f"memory per device, mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} ({n}):"
         ]
-        lines += [f"  engine   {name:<34} {b / 2**30:8.2f} GiB" for name, b in engine]
-    busiest = learner + sum(b for _, b in engine)
-    lines.append(f"  total per device: {busiest / 2**30:.2f} GiB, before activations")
+        for part, items in (("learner", self.learner), ("engine", self.engine)):
+            lines += [f"  {part:<8} {name:<34} {b / gib:8.2f} GiB" for name, b in items]
+        resident = self.learner_bytes + self.engine_bytes
+        lines.append(f"  total per device: {resident / gib:.2f} GiB, between programs")
+        for part, items in (("update", self.update), ("push", self.push)):
+            lines += [f"  {part:<8} {name:<34} {b / gib:8.2f} GiB" for name, b in items]
+        lines.append(
+            f"  peak per device: {self.peak_bytes / gib:.2f} GiB (the update's activations: "
+            f"{self.tokens} tokens per device, {self.what}; with remat={str(not remat).lower()}: "
+            f"{self.other_activations / gib:.2f} GiB); XLA's workspace comes on top"
+        )
+        return lines
+
+
+def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list[str]:
+    """`plan_memory`'s lines, for ``--dry-run``."""
+    return plan_memory(cfg, model, processes).lines(cfg.learner.remat)
+
+
+def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> MemoryPlan:
+    """What the run keeps on each device of its mesh between programs: the learner's state
+    (fp32 master weights, AdamW's two fp32 moments, the KL reference, the critic), sharded by
+    the parameters' logical axes; the embedded engine's weights (in the serving layout: a tied
+    embedding's head is a copy of its own) and KV cache on the same devices, laid out on the
+    inference mesh (``fsdp`` folded into ``data``: weights split over ``tensor`` only, KV
+    pages over ``data x fsdp`` and kv heads over ``tensor``). Then what each of the two
+    largest programs adds while it runs: the RL update (the gradient accumulator, in bf16 a
+    copy of the weights and the micro-batch's gradient, one micro-batch's activations:
+    `activation_bytes`, with and without ``learner.remat``) and the weight push (the weights
+    gathered for serving, and the new serving weights beside the old). These are the parts
+    XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
+    several ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share
+    of the devices."""
+    m = cfg.mesh
+    fp32 = _per_device_bytes(model, m, 4)
+    learner = [("policy weights (fp32 master)", fp32), ("AdamW moments (2 x fp32)", 2 * fp32)]
+    if cfg.algorithm.kl_coef:
+        learner.append(("KL reference (fp32)", fp32))
+    if cfg.algorithm.adv_estimator == "gae":
+        learner.append(("critic weights + AdamW moments", 3 * fp32))
+    width = 2 if cfg.model.dtype == "bfloat16" else 4
     L = cfg.learner
     if L.packing:
         tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
@@ -86,15 +121,59 @@ def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list
         rows = max(L.micro_batch_size // (m.data * m.fsdp), 1)
         tokens = rows * cfg.rollout.max_model_len
         what = f"{rows} row(s) of rollout.max_model_len={cfg.rollout.max_model_len}"
-    width = 2 if cfg.model.dtype == "bfloat16" else 4
-    chosen, other = (True, False) if L.remat else (False, True)
-    lines.append(
-        f"  activations per micro-batch ({tokens} tokens per device: {what}): "
-        f"{activation_bytes(model, tokens, width, chosen, m.tensor) / 2**30:.2f} GiB"
-        f" (with remat={str(other).lower()}: "
-        f"{activation_bytes(model, tokens, width, other, m.tensor) / 2**30:.2f} GiB)"
+    # the update: the gradient summed over micro-batches and one micro-batch's activations;
+    # computing in bf16, also the weights cast (a copy) and each micro-batch's fp32 gradient
+    # through that cast, which XLA cannot add into the sum in place as it does in fp32 (TPU,
+    # compiled: tests/plan)
+    update = [("gradient accumulator (fp32)", fp32)]
+    if width == 2:
+        update += [
+            ("micro-batch gradient (fp32)", fp32),
+            ("weights in bfloat16 (a copy)", fp32 / 2),
+        ]
+    update.append(
+        (
+            f"activations ({'remat' if L.remat else 'no remat'})",
+            activation_bytes(model, tokens, width, L.remat, m.tensor),
+        )
     )
-    return lines
+    engine: list[tuple[str, float]] = []
+    push: list[tuple[str, float]] = []
+    if cfg.rollout.backend == "embedded":
+        serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
+        r = cfg.rollout
+        pages = pool_pages(
+            model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
+        )
+        kv = pages * page_bytes(model, r.page_size, width)
+        gathered = _per_device_bytes(model, serving, width)
+        weights = gathered
+        if model.tie_embeddings:  # the serving layout's head [D, V], vocab over tensor
+            weights += model.hidden_size * model.vocab_size * width / m.tensor
+        engine = [
+            (f"weights ({cfg.model.dtype})", weights),
+            (
+                f"KV cache ({pages} pages x {r.page_size}"
+                + (", per process)" if processes > 1 else ")"),
+                kv / _parts(PAGE_AXES, serving),
+            ),
+        ]
+        # the push: the learner's weights cast and gathered onto the inference mesh (a new
+        # buffer unless they are laid out and typed so already), then laid out for serving,
+        # beside the weights the engine still serves
+        push = [("new serving weights", weights)]
+        if m.fsdp > 1 or width != 4:
+            push.insert(0, ("weights gathered for serving", gathered))
+    return MemoryPlan(
+        m,
+        learner,
+        engine,
+        update,
+        push,
+        activation_bytes(model, tokens, width, not L.remat, m.tensor),
+        tokens,
+        what,
+    )
 
 
 def activation_bytes(

@@ -33,6 +33,7 @@ TIERS = [
     ["agent"],
     ["rl"],
     ["train"],
+    ["plan"],
     ["view"],
     ["demo"],
     ["cli"],

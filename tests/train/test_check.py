@@ -353,7 +353,8 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     """For the GSM8K config on Qwen2.5-1.5B: fp32 weights, two AdamW moments, the gradient
     accumulator and the KL reference as JAX lays them out on the mesh; the engine's bf16
     weights and its KV cache (2 x 28 layers x 128 slots x 4096 positions x 2 kv heads x 128 x
-    2 bytes = 14 GiB in all) as JAX lays them out on the inference mesh."""
+    2 bytes = 14 GiB in all) as JAX lays them out on the inference mesh (the serving layout:
+    each layer a buffer, the tied embedding's head a [D, V] copy)."""
     cfg = load_config(
         ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml", ["model.path=m", "data.train=t"]
     )
@@ -367,29 +368,38 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     assert 2 * math.prod(shape) * 2 / gib == 14.0  # keys and values, 2 bytes each
     assert len(pages.k) == 28  # a buffer per layer
     kv = 2 * 28 * math.prod(pages.k[0].shard_shape(shape[1:])) * 2 / gib
+    # the serving layout's head: the tied embedding transposed, [D, V], a buffer of its own
+    head_shape = (model.hidden_size, model.vocab_size)
+    head = serving.sharding(("embed", "vocab"), head_shape).shard_shape(head_shape)
+    weights = (_sharded_bytes(model, serving, 2) + math.prod(head) * 2) / gib
     lines = memory_plan(cfg, model)
     n = mesh.data * mesh.fsdp * mesh.tensor
     assert lines[0] == (
         f"memory per device, mesh data={mesh.data} x fsdp={mesh.fsdp} x tensor={mesh.tensor} ({n}):"
     )
-    parsed = [re.fullmatch(r"  (\w+) +(.+?) +([\d.]+) GiB", line) for line in lines[1:-1]]
+    parsed = [re.fullmatch(r"  (\w+) +(.+?) +([\d.]+) GiB", line) for line in lines[1:]]
     figures = {f"{m[1]} {m[2]}": float(m[3]) for m in parsed if m}
     assert figures == pytest.approx(
         {
             "learner policy weights (fp32 master)": fp32,
             "learner AdamW moments (2 x fp32)": 2 * fp32,
-            "learner gradient accumulator (fp32)": fp32,
             "learner KL reference (fp32)": fp32,
-            "engine weights (bfloat16)": _sharded_bytes(model, serving, 2) / gib,
+            "engine weights (bfloat16)": weights,
             "engine KV cache (16384 pages x 32)": kv,
+            "update gradient accumulator (fp32)": fp32,
+            "update micro-batch gradient (fp32)": fp32,
+            "update weights in bfloat16 (a copy)": fp32 / 2,
+            "update activations (remat)": activation_bytes(model, 8192, 2, True, mesh.tensor) / gib,
+            "push weights gathered for serving": _sharded_bytes(model, serving, 2) / gib,
+            "push new serving weights": weights,
         },
         abs=0.006,  # the plan prints two decimals
     )
     assert model.num_params * 4 / gib == pytest.approx(5.75, abs=0.01)  # 1.54B parameters
     total_line = next(line for line in lines if "total per device" in line)
     total = float(total_line.split("GiB")[0].split()[-1])
-    engine = _sharded_bytes(model, serving, 2) / gib + kv
-    assert total == pytest.approx(5 * fp32 + engine, abs=0.01)
+    engine = weights + kv
+    assert total == pytest.approx(4 * fp32 + engine, abs=0.01)
 
 
 def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixture[str]) -> None:

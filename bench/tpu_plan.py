@@ -1,0 +1,138 @@
+"""`jarl plan` of the GSM8K tools config (configs/gsm8k_tools_qwen2.5.yaml) at real model sizes
+on Cloud TPU slices, compiled on this CPU host (libtpu): does each run compile, and fit?
+
+Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
+  1.5b      Qwen2.5-1.5B on v5e:2x2 (4 chips of 16 GiB), mesh fsdp=2 tensor=2, 64 decode
+            slots, rows of 4096 tokens (one trajectory each)
+  7b-v5p    Qwen2.5-7B on v5p:2x2x1 (4 chips of 95 GiB), mesh fsdp=4
+  7b-v5e    Qwen2.5-7B on v5e:4x4 (16 chips of 16 GiB), mesh fsdp=4 tensor=4 (kv heads: 4 at
+            most), 64 decode slots: by the memory plan ~19.3 GiB per chip, so expected not to
+            fit (the weight push's gathered and new serving weights beside the served ones)
+  32b-v5p   Qwen2.5-32B on v5p:2x2x4 (16 chips of 95 GiB), mesh fsdp=4 tensor=4: the smallest v5p
+            slice that can hold it (on v5p:2x2x2, 8 chips, the learner's fp32 weights, AdamW
+            moments, KL reference and gradient alone are ~82 GiB per chip, with the engine's
+            bf16 weights on top)
+
+The meshes are picked to fit by `jarl train --dry-run`'s memory plan (the engine serves on
+the same chips, its weights split over ``tensor`` only); its peaks per chip: 14.5, 77.9,
+19.3 and 84.3 GiB. Figures are the compiler's: HBM per chip from its memory analysis, time
+and MFU a roofline estimate of its counts (docs/tpu.md, `jarl plan`), not measurements.
+
+    .venv/bin/python bench/tpu_plan.py --runs 1.5b --compile-timeout 1800 \
+        --set learner.row_tokens=1024
+
+Prints each plan's report on stderr and ends with one JSON line on stdout:
+{"runs": [{"name", "topology", "compiled", "fits", "hbm_per_chip_gib", "compile_s",
+"predicted_mfu", "programs": [{"name", "compiled", "compile_s", "hbm_per_chip_gib",
+"flops_per_device", "predicted_s", "predicted_mfu"}, ...]}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml"
+
+# name -> (--model, --topology, overrides)
+RUNS: dict[str, tuple[str, str, list[str]]] = {
+    "1.5b": (
+        "qwen2.5-1.5b",
+        "v5e:2x2",
+        ["mesh.fsdp=2", "mesh.tensor=2", "rollout.max_concurrent=64", "learner.row_tokens=4096"],
+    ),
+    "7b-v5p": ("qwen2.5-7b", "v5p:2x2x1", ["mesh.fsdp=4"]),
+    "7b-v5e": (
+        "qwen2.5-7b",
+        "v5e:4x4",
+        ["mesh.fsdp=4", "mesh.tensor=4", "rollout.max_concurrent=64"],
+    ),
+    "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
+}
+KEYS = ("name", "compiled", "compile_s", "hbm_per_chip_gib", "flops_per_device")
+
+
+def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, object]:
+    """One run's `jarl plan` (its report on stderr) and its record."""
+    model, topology, overrides = RUNS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        command = [
+            sys.executable,
+            "-m",
+            "jax_agent_rl.cli",
+            "plan",
+            str(CONFIG),
+            *overrides,
+            *extra,
+            "--model",
+            model,
+            "--topology",
+            topology,
+            "--no-search",
+            "--json",
+            str(out),
+        ]
+        if timeout_s is not None:
+            command += ["--compile-timeout", str(timeout_s)]
+        print(f"# {' '.join(command[2:])}", file=sys.stderr, flush=True)
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=sys.stderr, check=False)
+        if done.returncode not in (0, 1) or not out.exists():
+            return {
+                "name": name,
+                "topology": topology,
+                "compiled": False,
+                "fits": False,
+                "error": f"jarl plan exited {done.returncode}",
+            }
+        record = json.loads(out.read_text())
+    return {
+        "name": name,
+        "topology": record["topology"],
+        "compiled": record["compiled"],
+        "fits": record["fits"],
+        "hbm_per_chip_gib": round(record["hbm_per_chip_gib"], 2),
+        "compile_s": round(record["compile_s"], 1),
+        "predicted_mfu": record["predicted_mfu"],
+        "programs": [
+            {
+                **{k: p[k] for k in KEYS},
+                "predicted_s": p["predicted_s"],
+                "predicted_mfu": p["predicted_mfu"],
+            }
+            for p in record["programs"]
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="per program: a compilation taking longer is reported as not compiled",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every run (learner.row_tokens=1024, ...)",
+    )
+    args = parser.parse_args()
+    runs = [plan(name, args.set, args.compile_timeout) for name in args.runs]
+    print(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main()

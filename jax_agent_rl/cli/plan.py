@@ -1,0 +1,168 @@
+"""``jarl plan``: compiles a run's programs for a Cloud TPU slice on this host (no TPU needed)
+and says whether they fit its HBM per chip."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax_agent_rl.config import JarlConfig
+    from jax_agent_rl.models import ModelConfig
+    from jax_agent_rl.plan import Plan, Topology
+
+DESCRIPTION = (
+    "Proves, before a TPU slice is rented, that every program of a run compiles for that TPU "
+    "at the model's real size and fits its HBM per chip. libtpu compiles here, for abstract "
+    "devices of the slice; nothing runs and no weights are read: the model's shapes come from "
+    "model.path's config.json or a --model preset. The programs are the trainer's own: the RL "
+    "update (its micro-batches of learner.row_tokens per device, remat, KL reference, "
+    "old-policy pass), the SFT step (if sft is set), the weight push from the learner's layout "
+    "to the engine's, and the embedded engine's longest prefill chunk and a decode call of "
+    "rollout.steps_per_call steps at its largest batch. Per program: compile seconds, HBM per "
+    "chip (arguments + temporaries + outputs - donated/aliased buffers), FLOPs per chip with "
+    "loop trip counts applied (analytic), and a compiler estimate of its time and MFU (a "
+    "roofline of the compiler's counts: an estimate, not a measurement). The run's peak per "
+    "chip is the learner's state + the engine's weights and KV cache + the largest program's "
+    "temporaries. The last line is `fits: ...` or `does not fit: ...`; a run that does not "
+    "fit is planned again on the other (data, fsdp, tensor) meshes of the slice, and the first "
+    "that fits is named. Exit code 0: fits; 1: does not fit; 2: bad input."
+)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="compile a run for a TPU slice here and check that it fits its HBM per chip",
+        description=textwrap.fill(DESCRIPTION, 88),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  jarl plan configs/gsm8k_tools_qwen2.5.yaml mesh.fsdp=4 --model qwen2.5-1.5b \\\n"
+        "      --topology v5e-4\n"
+        "  jarl plan configs/my.yaml model.path=/ckpt/Qwen2.5-7B mesh.fsdp=4 --topology v5p:2x2x1\n"
+        "see docs/tpu.md (`jarl plan`) on reading the output",
+    )
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument(
+        "overrides", nargs="*", help="key.sub=value overrides, right after CONFIG, in order"
+    )
+    p.add_argument(
+        "--topology",
+        required=True,
+        help="the slice: v5e-N / v6e-N (N chips), v5p-N (N TensorCores, 2 per chip), or its "
+        "topology (v5e:4x4, v5p:2x2x4, v6e:2x2); mesh.* must multiply to its chips",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model preset instead of model.path's config.json: qwen2.5-0.5b, -1.5b, -3b, "
+        "-7b, -14b, -32b; qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b",
+    )
+    p.add_argument(
+        "--tokens-per-trajectory",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the RL step's trajectories' length for the FLOPs and the batch's shape "
+        "(default: rollout.max_model_len, the longest)",
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up on a program whose compilation takes longer (reported on its line)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the plan as JSON (per program: compiled, compile_s, HBM per chip, "
+        "FLOPs per device, predicted seconds and MFU)",
+    )
+    p.add_argument(
+        "--no-search",
+        action="store_true",
+        help="when the run does not fit, do not plan it on the slice's other meshes",
+    )
+    p.set_defaults(func=run_plan)
+
+
+def _refuse(problem: str) -> int:
+    print(f"jarl: {problem}", file=sys.stderr)
+    return 2
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from jax_agent_rl.config import ConfigError, load_config
+    from jax_agent_rl.models import ModelConfig
+    from jax_agent_rl.plan import parse_topology, plan_run, preset_model
+
+    try:
+        topology = parse_topology(args.topology)
+        model = preset_model(args.model) if args.model else None
+    except ValueError as e:
+        return _refuse(str(e))
+    if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
+        return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
+    unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
+    try:
+        cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
+        if model is None:
+            model = ModelConfig.from_pretrained(cfg.model.path)
+    except (ConfigError, ValueError, OSError) as e:
+        return _refuse((str(e).splitlines() or [type(e).__name__])[0])
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    try:
+        plan = plan_run(cfg, model, topology, args.tokens_per_trajectory, args.compile_timeout)
+    except ValueError as e:  # the mesh does not cover the slice, or the model does not split
+        return _refuse(str(e).splitlines()[0])
+    for line in plan.lines():
+        say(line)
+    fits, verdict = plan.verdict()
+    if not fits and not args.no_search:
+        verdict += "; " + _search(cfg, model, topology, args, plan)
+    if args.json:
+        record = {**plan.record(), "verdict": verdict}
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    say(verdict)
+    sys.stdout.flush()
+    os._exit(0 if fits else 1)  # a compilation still running past --compile-timeout stops here
+
+
+def _search(
+    cfg: JarlConfig, model: ModelConfig, topology: Topology, args: argparse.Namespace, plan: Plan
+) -> str:
+    """The first other mesh of the slice on which the run fits, as overrides."""
+    from jax_agent_rl.plan import other_meshes, plan_run
+    from jax_agent_rl.plan.topology import GiB
+
+    n, hbm = topology.chips, topology.chip.hbm_bytes
+    most = max(plan.programs, key=lambda p: p.argument_total)
+    least = most.argument_total / n
+    if least > hbm:  # split evenly over every chip, one program's arguments are too many
+        return (
+            f"no mesh of {n} chips fits: {most.name}'s arguments alone, split over all {n}, "
+            f"are {least / GiB:.1f} GiB per chip"
+        )
+    for other in other_meshes(cfg, n):
+        m = other.mesh
+        overrides = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
+        print(f"# planning {overrides}", flush=True)
+        try:
+            candidate = plan_run(
+                other, model, topology, args.tokens_per_trajectory, args.compile_timeout
+            )
+        except ValueError as e:  # the model does not split over this mesh
+            print(f"#   {str(e).splitlines()[0]}", flush=True)
+            continue
+        fits, verdict = candidate.verdict()
+        print(f"#   {verdict}", flush=True)
+        if fits:
+            return f"{overrides} fits: {candidate.peak[0] / GiB:.1f} GiB per chip"
+    return f"no other mesh of {n} chips fits"

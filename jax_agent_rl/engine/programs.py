@@ -1,0 +1,84 @@
+"""The engine's costliest programs as abstract computations, for compiling them for another
+platform than this host's (``jarl plan`` compiles them for TPU topologies on a CPU host):
+each a jitted function of the engine and its arguments as `jax.ShapeDtypeStruct`s laid out as
+the engine lays out the real ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.engine.engine import Engine
+from jax_agent_rl.engine.sampling import SamplingParams
+from jax_agent_rl.engine.state import DecodeState, laid_out
+from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
+from jax_agent_rl.models.decoder import is_spec
+
+Program = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def abstract_decode_state(engine: Engine) -> DecodeState:
+    """`Engine.init_decode_state`'s shapes, dtypes and layout, allocating nothing."""
+    state = jax.eval_shape(engine.init_decode_state)
+    return laid_out(state, engine.sharder, engine._pages_layout)
+
+
+def serving_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
+    """The layout of `serving_layout`'s weights: each layer's by its declared logical axes
+    less the stacked one, the head [D, V] by ("embed", "vocab")."""
+    specs = param_specs(cfg)
+
+    layer: Layer = jax.tree.map(
+        lambda s: sharder.sharding(s.logical_axes[1:], s.shape[1:]), specs.layers, is_leaf=is_spec
+    )
+    head = sharder.sharding(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size))
+    return Weights(
+        embed=sharder.sharding(specs.embed.logical_axes, specs.embed.shape),
+        layers=(layer,) * cfg.num_layers,
+        final_norm=sharder.sharding(specs.final_norm.logical_axes, specs.final_norm.shape),
+        lm_head=head,
+    )
+
+
+def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[str, Program]:
+    """(jitted function, abstract arguments, static arguments) of the costliest programs
+    `Engine.warmup` compiles, by name: ``load_params``, the serving layout of ``params``
+    (abstract weights in the declared layout, as a learner holds them, on the engine's mesh);
+    ``prefill``, the longest chunk reading the most pages; ``generate``, ``num_steps`` decode
+    steps at the largest batch bucket."""
+    state = abstract_decode_state(engine)
+    serving = jax.eval_shape(engine._serving_layout, params)
+    if engine.sharder is not None:
+        serving = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            serving,
+            serving_shardings(engine.cfg, engine.sharder),
+        )
+    slots = jax.eval_shape(lambda: engine._request_slots(SamplingParams(max_tokens=1), 0, 0))
+
+    def table(rows: int, axes: tuple[str | None, ...]) -> jax.ShapeDtypeStruct:
+        shape = (rows, engine.pages_per_seq)
+        sharder = engine.sharder
+        return jax.ShapeDtypeStruct(
+            shape, jnp.int32, sharding=None if sharder is None else sharder.sharding(axes, shape)
+        )
+
+    bucket, rows = engine.prefill_buckets[-1], engine.batch_buckets[-1]
+    padded = jax.ShapeDtypeStruct((1, bucket), jnp.int32)
+    start_n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    return {
+        "load_params": (engine._serving_layout, (params,), {}),
+        "prefill": (
+            engine._prefill,
+            (serving, state, table(1, (None, None)), start_n, padded, slots),
+            {"pages_read": engine.page_buckets[-1]},
+        ),
+        "generate": (
+            engine._generate,
+            (serving, state, table(rows, ("batch", None))),
+            {"num_steps": num_steps, "rows": rows},
+        ),
+    }

@@ -1,0 +1,71 @@
+"""Model shapes by name, for planning without a checkpoint at hand (``jarl plan --model``).
+
+Each preset is the architecture part of the model's ``config.json`` on the Hugging Face Hub
+(Qwen/Qwen2.5-<size>-Instruct and Qwen/Qwen3-<size>: the dense models), read by
+`ModelConfig.from_hf` as a checkpoint's would be. Only shapes matter to a plan: no weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_agent_rl.models import ModelConfig
+
+
+def _qwen25(hidden: int, mlp: int, layers: int, heads: int, kv: int, tied: bool) -> dict[str, Any]:
+    return {
+        "model_type": "qwen2",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": 151936 if tied else 152064,
+        "tie_word_embeddings": tied,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+    }
+
+
+def _qwen3(hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> dict[str, Any]:
+    return {
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": tied,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "hidden_act": "silu",
+    }
+
+
+# name -> config.json (architecture fields) of the Hub checkpoint
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, tied=True),
+    "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, tied=True),
+    "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, tied=True),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, tied=False),
+    "qwen2.5-14b": {**_qwen25(5120, 13824, 48, 40, 8, tied=False), "rms_norm_eps": 1e-5},
+    "qwen2.5-32b": {**_qwen25(5120, 27648, 64, 40, 8, tied=False), "rms_norm_eps": 1e-5},
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
+}
+
+
+def preset_model(name: str) -> ModelConfig:
+    """The preset ``name``'s shapes; a `ValueError` naming the presets otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"--model {name!r} is not a preset: use one of {', '.join(PRESETS)}")
+    return ModelConfig.from_hf(PRESETS[name])

@@ -1,0 +1,241 @@
+"""A run's device programs, assembled abstractly: the trainer's own jitted functions (the RL
+update, the SFT step, the engine's prefill and decode, the learner-to-engine weight push) with
+their arguments as `jax.ShapeDtypeStruct`s laid out on a mesh of a TPU slice's abstract devices,
+ready to lower and compile for it. Nothing is allocated and no weights are read.
+
+Each program carries the FLOPs per device its configured workload runs (`Workload`), computed
+analytically: a compiled program's cost analysis counts a loop body once whatever its trip
+count (the layer scan, the micro-batch loop, the decode steps), so its FLOPs are not the run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.engine.programs import abstract_programs
+from jax_agent_rl.models import (
+    ModelConfig,
+    Sharder,
+    abstract_params,
+    inference_mesh,
+    make_mesh,
+)
+from jax_agent_rl.models.decoder import ATTN_BLOCK
+from jax_agent_rl.plan.topology import Topology
+from jax_agent_rl.rl.batch import TrainBatch, padded_length
+from jax_agent_rl.rl.learner import StepPrograms, abstract_learner_state, jit_step
+from jax_agent_rl.rl.objectives import cast_floats
+from jax_agent_rl.rl.update import RLBatch
+from jax_agent_rl.rollout.registry import make_engine
+from jax_agent_rl.train.learners import learner_settings, micro_batch_rows, sft_micro_batch_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program to compile: ``fn`` (jitted) of ``args`` with static ``static``; ``flops``
+    per device of its configured workload (``model_flops``: without remat's recomputation),
+    ``workload`` saying what that is."""
+
+    name: str
+    fn: Any  # jitted: `.lower(*args, **static)`
+    args: tuple[Any, ...]
+    static: dict[str, Any]
+    flops: float
+    model_flops: float
+    workload: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one RL step trains on and one decode call runs, from the config: ``prompts_per_step
+    x rollout.n`` trajectories of ``tokens`` tokens each (default ``rollout.max_model_len``,
+    the longest a rollout can make)."""
+
+    trajectories: int
+    tokens: int
+    micro_batches: int  # real micro-batches per mini-batch
+    slots: int  # micro-batch slots per mini-batch (a power of two)
+    row_tokens: int  # T of a row
+    rows: int  # rows per micro-batch
+
+    @classmethod
+    def of(cls, cfg: JarlConfig, tokens: int | None) -> Workload:
+        L, K = cfg.learner, cfg.algorithm.mini_batches
+        n = cfg.data.prompts_per_step * cfg.rollout.n
+        length = tokens or cfg.rollout.max_model_len
+        rows = micro_batch_rows(cfg)
+        per_mini = -(-n // K)
+        if L.packing:  # first-fit of equal lengths: whole trajectories per row
+            T = padded_length(length, L.row_tokens)
+            rows_needed = -(-per_mini // (T // length))
+        else:
+            T, rows_needed = padded_length(length, L.seq_bucket), per_mini
+        real = max(1, -(-rows_needed // rows))
+        return cls(n, length, real, 1 << (real - 1).bit_length(), T, rows)
+
+
+def forward_flops(model: ModelConfig, tokens: float, context: float) -> float:
+    """FLOPs of a forward over ``tokens`` tokens each attending to ``context`` keys on average:
+    2 per multiply-add of every matmul (q, k, v, o, the MLP's three, the head) and of the
+    attention's scores and weighted values."""
+    D, F, K, V = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
+    H, G = model.num_heads, model.num_kv_heads
+    matmuls = model.num_layers * (D * K * (2 * H + 2 * G) + 3 * D * F) + D * V
+    attention = model.num_layers * 2 * H * K * context
+    return 2 * tokens * (matmuls + attention)
+
+
+def _sds(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _rows(shape: tuple[int, int, int], sharder: Sharder, window: int) -> TrainBatch:
+    at = sharder.sharding((None, "batch", None), shape)
+    ints = _sds(shape, jnp.int32, at)
+    floats = _sds(shape, jnp.float32, at)
+    return TrainBatch(ints, ints, ints, ints, ints, floats, floats, window)
+
+
+def learner_programs(
+    cfg: JarlConfig, model: ModelConfig, sharder: Sharder, work: Workload
+) -> list[Program]:
+    """The RL update (`StepPrograms.rl_step`, as the learner jits it) over a step of ``work``
+    and, with ``sft`` configured, the SFT step over a batch of ``sft.batch_size`` rows of
+    ``rollout.max_model_len`` tokens."""
+    a, tensor = cfg.algorithm, cfg.mesh.tensor
+    dp = cfg.mesh.data * cfg.mesh.fsdp
+    programs = StepPrograms.of(model, sharder=sharder, **learner_settings(cfg))
+    state = abstract_learner_state(
+        programs, sharder, critic=a.adv_estimator == "gae", reference=bool(a.kl_coef)
+    )
+    layout = jax.tree.map(lambda x: x.sharding, state)
+    K, T = a.mini_batches, work.row_tokens
+    S = max(1 << (work.trajectories - 1).bit_length(), dp)
+    seq = sharder.sharding(("batch",), (S,))
+    window = padded_length(min(work.tokens, T), ATTN_BLOCK)
+    batch = RLBatch(
+        _rows((K * work.slots, work.rows, T), sharder, window),
+        _sds((S,), jnp.float32, seq),
+        _sds((S,), jnp.int32, seq),
+        _sds((S,), jnp.float32, seq),
+        _sds((S,), jnp.int32, seq),
+        _sds((), jnp.int32, sharder.sharding(())),
+    )
+    # per device: a micro-batch's rows split over data x fsdp, its matmuls over tensor
+    tokens = work.micro_batches * K * work.rows * T / dp / tensor
+    forward = forward_flops(model, tokens, work.tokens / 2)  # causal: half the keys
+    bodies = 2 if a.adv_estimator == "gae" else 1  # the critic trains like the policy
+    prepared = (1 + bool(a.kl_coef) + (a.adv_estimator == "gae")) * forward
+    trained = a.ppo_epochs * bodies * forward
+    extra = a.ppo_epochs * bodies * forward if cfg.learner.remat else 0.0
+    rl = Program(
+        "rl_update",
+        jit_step(programs.rl_step(True), layout),
+        (state, batch),
+        {},
+        prepared + 3 * trained + extra,
+        prepared + 3 * trained,
+        f"{work.trajectories} trajectories of {work.tokens} tokens: {work.micro_batches} "
+        f"micro-batch(es) of {work.rows} x {T} tokens per mini-batch, x {K} mini-batches x "
+        f"{a.ppo_epochs} epoch(s)",
+    )
+    out = [rl]
+    if cfg.sft.data and cfg.sft.steps:
+        sft_programs = StepPrograms.of(
+            model,
+            sharder=sharder,
+            **learner_settings(
+                cfg, lr=cfg.sft.lr, warmup=cfg.sft.warmup_steps, decay_steps=cfg.sft.steps
+            ),
+        )
+        sft_state = abstract_learner_state(sft_programs, sharder, critic=False, reference=False)
+        rows = sft_micro_batch_rows(cfg)
+        T = padded_length(cfg.rollout.max_model_len, cfg.learner.seq_bucket)
+        rows_shape = (cfg.sft.batch_size // rows, rows, T)
+        tokens = cfg.sft.batch_size * T / dp / tensor
+        f = forward_flops(model, tokens, T / 2)
+        out.append(
+            Program(
+                "sft_step",
+                jit_step(sft_programs.sft_step, jax.tree.map(lambda x: x.sharding, sft_state)),
+                (sft_state, _rows(rows_shape, sharder, T)),
+                {},
+                (4 if cfg.learner.remat else 3) * f,
+                3 * f,
+                f"{cfg.sft.batch_size} rows of {T} tokens in micro-batches of {rows}",
+            )
+        )
+    return out
+
+
+def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> list[Program]:
+    """The embedded engine's weight push (the learner's fp32 params, laid out on the training
+    mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
+    from the learner's buffers to the engine's), its longest prefill chunk and a decode call
+    of ``rollout.steps_per_call`` steps at its largest batch bucket, built as
+    ``rollout.backend=embedded`` builds its engine, for TPU."""
+    r, tensor = cfg.rollout, cfg.mesh.tensor
+    serving = Sharder(inference_mesh(sharder.mesh))
+    engine = make_engine(r, model, cfg.model.dtype, serving, platform="tpu")
+    served = dataclasses.replace(model, dtype=cfg.model.dtype)
+    programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
+    load_fn, _, _ = programs["load_params"]
+    learner_params = abstract_params(dataclasses.replace(model, dtype="float32"), sharder)
+    out_layout = jax.tree.map(lambda x: x.sharding, programs["generate"][1][0])
+    dtype = served.jnp_dtype
+    push = jax.jit(lambda p: load_fn(cast_floats(p, dtype)), out_shardings=out_layout)
+    dp = sharder.mesh.shape["data"] * sharder.mesh.shape["fsdp"]
+    chunk, pages = engine.prefill_buckets[-1], engine.page_buckets[-1]
+    prefill = forward_flops(model, chunk / tensor, min(pages * engine.page_size, r.max_model_len))
+    rows = engine.batch_buckets[-1]
+    # each of a call's decode steps: every slot of the batch, attending to half the longest
+    decode = r.steps_per_call * forward_flops(model, rows / dp / tensor, r.max_model_len / 2)
+    fn, args, static = programs["prefill"]
+    gen_fn, gen_args, gen_static = programs["generate"]
+    return [
+        Program("weight_push", push, (learner_params,), {}, 0.0, 0.0, "fp32 -> serving layout"),
+        Program(
+            "prefill",
+            fn,
+            args,
+            static,
+            prefill,
+            prefill,
+            f"one chunk of {chunk} tokens reading {pages} pages of {engine.page_size}",
+        ),
+        Program(
+            "decode",
+            gen_fn,
+            gen_args,
+            gen_static,
+            decode,
+            decode,
+            f"{r.steps_per_call} steps x {rows} slots, each at {r.max_model_len // 2} cached "
+            f"tokens on average, {engine.decode_kernel} attention",
+        ),
+    ]
+
+
+def run_programs(
+    cfg: JarlConfig, model: ModelConfig, topology: Topology, tokens: int | None
+) -> tuple[Sharder, list[Program]]:
+    """The run's mesh (``mesh.*`` over the slice's chips) and every program ``cfg``'s run
+    compiles: the learner's, and the embedded engine's (``rollout.backend=embedded``)."""
+    m = cfg.mesh
+    if m.data * m.fsdp * m.tensor != topology.chips:
+        raise ValueError(
+            f"mesh.data x mesh.fsdp x mesh.tensor = {m.data * m.fsdp * m.tensor} but "
+            f"{topology.name} has {topology.chips} chips: set mesh.* to multiply to "
+            f"{topology.chips} (e.g. mesh.data=1 mesh.fsdp={topology.chips} mesh.tensor=1)"
+        )
+    sharder = Sharder(make_mesh(m.data, m.fsdp, m.tensor, devices=topology.devices))
+    work = Workload.of(cfg, tokens)
+    programs = learner_programs(cfg, model, sharder, work)
+    if cfg.rollout.backend == "embedded":
+        programs += engine_programs(cfg, model, sharder)
+    return sharder, programs

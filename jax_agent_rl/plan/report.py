@@ -1,0 +1,310 @@
+"""Compiling a run's programs for a TPU slice and reading the result: `plan_run` compiles each
+program (`jax_agent_rl.plan.programs`) and reads its HBM per chip (`memory_analysis`) and the
+compiler's cost estimate (`cost_analysis`); `Plan.lines` is the report ``jarl plan`` prints.
+
+The whole run's peak per chip: the learner's resident state (the RL update's arguments: the
+train state and the step's batch) plus the engine's (the decode call's arguments: the serving
+weights and the KV pool) plus the largest temporaries and fresh outputs of any one program
+(the programs run one at a time, and the state they donate is reused in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import threading
+import time
+from typing import Any
+
+import jax
+
+from jax_agent_rl.config import JarlConfig, check_ranges
+from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.plan.programs import Program, run_programs
+from jax_agent_rl.plan.topology import GiB, Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One program compiled (or not: ``error``): its bytes per chip and cost figures."""
+
+    name: str
+    workload: str
+    error: str | None = None
+    compile_s: float = 0.0
+    arguments: int = 0
+    outputs: int = 0
+    temps: int = 0
+    aliased: int = 0
+    argument_total: int = 0  # the arguments' bytes over every chip together
+    flops: float = 0.0  # analytic, the configured workload's, per device
+    model_flops: float = 0.0
+    compiler_flops: float = 0.0  # each loop body once
+    compiler_bytes: float = 0.0
+    predicted_s: float = 0.0
+    mfu: float | None = None
+
+    @property
+    def extra(self) -> int:
+        """What the program needs beyond its arguments: temporaries and fresh outputs."""
+        return self.temps + self.outputs - self.aliased
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.extra
+
+
+_OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+
+
+def _compile(program: Program, topology: Topology, timeout_s: float | None) -> Compiled:
+    """Lowers and compiles ``program`` (for at most ``timeout_s`` seconds), then reads it; a
+    program whose arguments alone exceed a chip's HBM is not compiled."""
+    leaves = jax.tree.leaves(program.args)
+    arguments = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for x in leaves
+        if x.sharding is not None
+    )
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    if arguments > topology.chip.hbm_bytes:
+        return Compiled(
+            program.name,
+            program.workload,
+            error=f"its arguments alone need {_g(arguments)} per chip",
+            arguments=arguments,
+            argument_total=total,
+        )
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["compiled"] = program.fn.lower(*program.args, **program.static).compile()
+        except Exception as e:  # a compiler error is a finding, reported on its line
+            text = str(e).strip()
+            box["error"] = f"{type(e).__name__}: {(text.splitlines() or [''])[0]}"
+            used = _OOM.search(text)  # XLA:TPU's "Ran out of memory ... Used 20.1G of 15.7G hbm"
+            if used and used.group(0) not in box["error"]:
+                box["error"] += f" ({used.group(0)})"
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    seconds = time.perf_counter() - t0
+    base = Compiled(
+        program.name,
+        program.workload,
+        compile_s=seconds,
+        argument_total=total,
+        flops=program.flops,
+    )
+    if thread.is_alive():
+        return dataclasses.replace(base, error=f"did not compile within {timeout_s:.0f} s")
+    if "error" in box:
+        return dataclasses.replace(base, error=box["error"])
+    compiled = box["compiled"]
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    chip = topology.chip
+    c_flops = max(float(cost.get("flops", 0.0)), 0.0)
+    c_bytes = max(float(cost.get("bytes accessed", 0.0)), 0.0)
+    # the compiler's counts cover each loop body once: scale them to the workload's FLOPs
+    scale = program.flops / c_flops if program.flops and c_flops else 1.0
+    predicted = max(program.flops / chip.peak_flops, scale * c_bytes / chip.hbm_bandwidth)
+    mfu = program.model_flops / (predicted * chip.peak_flops) if program.flops else None
+    return dataclasses.replace(
+        base,
+        arguments=memory.argument_size_in_bytes,
+        outputs=memory.output_size_in_bytes,
+        temps=memory.temp_size_in_bytes,
+        aliased=memory.alias_size_in_bytes,
+        model_flops=program.model_flops,
+        compiler_flops=c_flops,
+        compiler_bytes=c_bytes,
+        predicted_s=predicted,
+        mfu=mfu,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's programs compiled for ``topology`` on ``mesh`` (data, fsdp, tensor)."""
+
+    topology: Topology
+    mesh: tuple[int, int, int]
+    programs: list[Compiled]
+
+    @property
+    def compiled(self) -> bool:
+        return all(p.error is None for p in self.programs)
+
+    def _named(self, name: str) -> Compiled | None:
+        return next((p for p in self.programs if p.name == name and p.error is None), None)
+
+    @property
+    def resident(self) -> list[tuple[str, int]]:
+        """What stays on each chip between programs: the learner's state and step batch, the
+        engine's weights and KV pool."""
+        parts = []
+        for part, name in (
+            ("learner state + batch", "rl_update"),
+            ("engine weights + KV", "decode"),
+        ):
+            p = self._named(name)
+            if p is not None:
+                parts.append((f"{part} ({name}'s arguments)", p.arguments))
+        return parts
+
+    @property
+    def peak(self) -> tuple[int, Compiled | None]:
+        """The run's peak bytes per chip and the program whose extra sets it."""
+        resident = sum(b for _, b in self.resident)
+        done = [p for p in self.programs if p.error is None]
+        top = max(done, key=lambda p: p.extra, default=None)
+        return resident + (top.extra if top else 0), top
+
+    def verdict(self) -> tuple[bool, str]:
+        """(fits, the one line that says so)."""
+        hbm = self.topology.chip.hbm_bytes
+        for p in self.programs:
+            if p.error is None:
+                continue
+            used = _OOM.search(p.error)
+            if p.arguments > hbm:
+                return False, _over(p.name, p.arguments, hbm)
+            if used:
+                need = float(used.group(1)) * _UNIT[used.group(2)]
+                return False, _over(p.name, need, hbm)
+            return False, f"does not fit: {p.name} did not compile ({p.error})"
+        peak, top = self.peak
+        if peak > hbm:
+            return False, _over(top.name if top else "the run", peak, hbm)
+        return True, (
+            f"fits: {peak / GiB:.1f} GiB per chip of {hbm / GiB:.0f} on {self.topology.name} "
+            f"(mesh data={self.mesh[0]} fsdp={self.mesh[1]} tensor={self.mesh[2]})"
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The plan as JSON-ready values (``jarl plan --json``)."""
+        fits, verdict = self.verdict()
+        rl = self._named("rl_update")
+        return {
+            "topology": self.topology.name,
+            "mesh": dict(zip(("data", "fsdp", "tensor"), self.mesh, strict=True)),
+            "compiled": self.compiled,
+            "fits": fits,
+            "verdict": verdict,
+            "hbm_per_chip_gib": self.peak[0] / GiB,
+            "compile_s": sum(p.compile_s for p in self.programs),
+            "predicted_mfu": None if rl is None else rl.mfu,
+            "programs": [
+                {
+                    "name": p.name,
+                    "compiled": p.error is None,
+                    "error": p.error,
+                    "compile_s": p.compile_s,
+                    "hbm_per_chip_gib": p.total / GiB,
+                    "arguments_gib": p.arguments / GiB,
+                    "temporaries_gib": p.temps / GiB,
+                    "outputs_gib": p.outputs / GiB,
+                    "aliased_gib": p.aliased / GiB,
+                    "flops_per_device": p.flops,
+                    "predicted_s": p.predicted_s,
+                    "predicted_mfu": p.mfu,
+                }
+                for p in self.programs
+            ],
+        }
+
+    def lines(self) -> list[str]:
+        """The report: per program, then the run's peak (its sum made explicit)."""
+        chip = self.topology.chip
+        hbm = chip.hbm_bytes / GiB
+        d, f, t = self.mesh
+        out = [
+            f"{self.topology.name}: {self.topology.chips} chips, {hbm:.0f} GiB HBM and "
+            f"{chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each; mesh data={d} fsdp={f} tensor={t}"
+        ]
+        for p in self.programs:
+            out.append(f"{p.name}: {p.workload}")
+            if p.error is not None:
+                out.append(f"  not compiled ({p.compile_s:.1f} s): {p.error}")
+                continue
+            out.append(
+                f"  compiled in {p.compile_s:.1f} s; HBM per chip: arguments {_g(p.arguments)} "
+                f"+ temporaries {_g(p.temps)} + outputs {_g(p.outputs)} - donated/aliased "
+                f"{_g(p.aliased)} = {_g(p.total)} of {hbm:.0f} GiB"
+            )
+            if p.flops:
+                out.append(
+                    f"  {p.flops:.3g} FLOPs per chip (analytic, loop trip counts applied; the "
+                    f"compiler counted {p.compiler_flops:.3g} with each loop body once); "
+                    f"compiler estimate: {p.predicted_s * 1e3:.1f} ms, MFU {p.mfu:.0%}"
+                )
+            else:
+                out.append(
+                    f"  compiler estimate: {p.predicted_s * 1e3:.1f} ms "
+                    f"({p.compiler_bytes / GiB:.2f} GiB read and written per chip)"
+                )
+        peak, top = self.peak
+        if top is not None:
+            parts = " + ".join(f"{name} {_g(b)}" for name, b in self.resident)
+            out.append(
+                f"run peak per chip: {parts} + the largest program's temporaries and outputs "
+                f"({top.name}) {_g(top.extra)} = {_g(peak)} of {hbm:.0f} GiB"
+            )
+        return out
+
+
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _g(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _over(name: str, need: float, hbm: int) -> str:
+    return (
+        f"does not fit: {name} needs {need / GiB:.1f} GiB per chip of {hbm / GiB:.0f} "
+        f"(over by {(need - hbm) / GiB:.1f})"
+    )
+
+
+def plan_run(
+    cfg: JarlConfig,
+    model: ModelConfig,
+    topology: Topology,
+    tokens: int | None = None,
+    timeout_s: float | None = None,
+    on_program: Any = None,
+) -> Plan:
+    """Compiles every program of ``cfg``'s run for ``topology`` (a `ValueError` if the mesh
+    does not cover its chips or the model does not split over it). ``on_program(compiled)``
+    hears of each as it is done."""
+    _, programs = run_programs(cfg, model, topology, tokens)
+    done = []
+    for program in programs:
+        done.append(_compile(program, topology, timeout_s))
+        if on_program is not None:
+            on_program(done[-1])
+    m = cfg.mesh
+    return Plan(topology, (m.data, m.fsdp, m.tensor), done)
+
+
+def other_meshes(cfg: JarlConfig, chips: int) -> list[JarlConfig]:
+    """``cfg`` with each other (data, fsdp, tensor) factorization of ``chips`` that passes the
+    config's checks (`check_ranges`), least tensor and data parallelism first."""
+    out = []
+    for tensor in (t for t in range(1, chips + 1) if chips % t == 0):
+        for data in (d for d in range(1, chips // tensor + 1) if chips // tensor % d == 0):
+            mesh = dataclasses.replace(
+                cfg.mesh, data=data, fsdp=chips // tensor // data, tensor=tensor
+            )
+            if mesh == cfg.mesh:
+                continue
+            other = dataclasses.replace(cfg, mesh=mesh)
+            if not check_ranges(other):
+                out.append(other)
+    return out

@@ -1,0 +1,158 @@
+"""``jarl plan``: a run's programs compiled for a TPU slice on this CPU host (libtpu), run as
+the command a user types. The tiny demo model's whole run (RL update, SFT step, weight push,
+prefill, decode) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
+the compiled figures; a run that cannot fit is refused naming the program; bad names are
+refused naming the accepted ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jax_agent_rl.config import load_config
+from jax_agent_rl.demo import PRESETS as CHECKPOINTS
+from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.plan import parse_topology
+from jax_agent_rl.train.memory import plan_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo_calculator_cpu.yaml"
+GSM8K = ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml"
+# the demo's run on the 4 chips of a v5e:2x2 (its data=2 mesh doubled), its rows shortened so
+# that the RL update compiles sooner, with remat as the GSM8K config sets it
+TINY_RUN = ["mesh.data=4", "sft.data=demos.jsonl", "learner.row_tokens=256", "learner.remat=true"]
+
+
+def jarl_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jax_agent_rl.cli", "plan", *args],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A checkpoint folder of the demo's model (the tests/train model): its config.json only,
+    all a plan reads."""
+    folder = tmp_path_factory.mktemp("tiny")
+    fields, vocab = CHECKPOINTS["tiny"]
+    (folder / "config.json").write_text(json.dumps({**fields, "vocab_size": vocab}))
+    return folder, [f"model.path={folder}", *TINY_RUN]
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(
+    tiny: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    done = jarl_plan(str(DEMO), *tiny[1], "--topology", "v5e:2x2", "--json", str(out))
+    assert out.exists(), done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
+def test_a_tiny_run_compiles_for_a_tpu_and_fits(
+    tiny_plan: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
+    done, record = tiny_plan
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"fits: [\d.]+ GiB per chip of 16 on v5e:2x2 \(mesh data=4 fsdp=1 tensor=1\)", lines[-1]
+    )
+    names = [p["name"] for p in record["programs"]]
+    assert names == ["rl_update", "sft_step", "weight_push", "prefill", "decode"]
+    assert record["compiled"] and all(p["compiled"] for p in record["programs"])
+    for name in names:  # each program's report: compiled, its bytes per chip
+        i = lines.index(next(line for line in lines if line.startswith(f"{name}: ")))
+        assert lines[i + 1].startswith("  compiled in "), lines[i : i + 3]
+    assert any(line.startswith("run peak per chip: learner state") for line in lines)
+    # the RL update's arguments: its state donated, returned in place (aliased)
+    rl = record["programs"][0]
+    assert rl["aliased_gib"] > 0.9 * rl["arguments_gib"] - 0.001
+
+
+def test_the_memory_plan_agrees_with_the_compiled_run(
+    tiny: tuple[Path, list[str]],
+    tiny_plan: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
+    """`plan_memory` (what ``jarl train --dry-run`` prints) against the compiled programs'
+    memory analysis for TPU: the learner's state, the engine's weights and KV cache, and the
+    run's peak, each within 15%."""
+    _, record = tiny_plan
+    cfg = load_config(DEMO, tiny[1], unread=("data.train", "data.val"))
+    memory = plan_memory(cfg, ModelConfig.from_pretrained(tiny[0]))
+    gib = 2**30
+    by_name = {p["name"]: p for p in record["programs"]}
+    assert memory.learner_bytes / gib == pytest.approx(
+        by_name["rl_update"]["arguments_gib"], rel=0.15
+    )
+    assert memory.engine_bytes / gib == pytest.approx(by_name["decode"]["arguments_gib"], rel=0.15)
+    assert memory.peak_bytes / gib == pytest.approx(record["hbm_per_chip_gib"], rel=0.15)
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_program() -> None:
+    """Qwen2.5-32B's learner alone is ~490 GiB of fp32 state: no mesh of 4 v5e chips holds it."""
+    done = jarl_plan(str(GSM8K), "mesh.fsdp=4", "--model", "qwen2.5-32b", "--topology", "v5e-4")
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"does not fit: rl_update needs [\d.]+ GiB per chip of 16 \(over by [\d.]+\); "
+        r"no mesh of 4 chips fits: rl_update's arguments alone, split over all 4, are "
+        r"[\d.]+ GiB per chip",
+        last,
+    ), last
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--topology", "v5e-3"], "use one of v5e-4, v5e:2x2, v5e-8, v5e:2x4"),
+        (["--topology", "v4-8"], "v5p-8, v5p:2x2x1"),
+        (["--topology", "v5e:4x4", "--model", "llama-9b"], "use one of qwen2.5-0.5b, "),
+    ],
+)
+def test_bad_names_are_refused_naming_the_accepted_ones(args: list[str], named: str) -> None:
+    done = jarl_plan(str(GSM8K), "--model", "qwen2.5-0.5b", *args)
+    assert done.returncode == 2
+    assert done.stderr.startswith("jarl: ") and named in done.stderr, done.stderr
+
+
+def test_both_spellings_name_the_same_slice() -> None:
+    """v5e / v6e names count chips, v5p names TensorCores (two per chip)."""
+    assert parse_topology("v5e-16") == parse_topology("v5e:4x4")
+    assert parse_topology("v5p-32") == parse_topology("v5p:2x2x4")
+    assert parse_topology("v5p-32").chips == 16
+    assert parse_topology("v6e-8").name == "v6e:2x4"
+
+
+def test_the_other_meshes_are_those_the_config_checks_accept() -> None:
+    """A run that does not fit is planned again on the slice's other (data, fsdp, tensor)
+    factorizations, least tensor and data first, skipping those the config refuses (here the
+    2 decode slots, which must split over data x fsdp)."""
+    from jax_agent_rl.plan import other_meshes
+
+    def meshes(*overrides: str) -> list[tuple[int, int, int]]:
+        cfg = load_config(DEMO, list(overrides), unread=("data.train", "data.val", "sft.data"))
+        return [(c.mesh.data, c.mesh.fsdp, c.mesh.tensor) for c in other_meshes(cfg, 4)]
+
+    assert meshes("model.path=m", "mesh.data=4") == [
+        (1, 4, 1),
+        (2, 2, 1),
+        (1, 2, 2),
+        (2, 1, 2),
+        (1, 1, 4),
+    ]
+    slots = ["model.path=m", "mesh.data=1", "mesh.tensor=4", "rollout.max_concurrent=2"]
+    assert meshes(*slots) == [(1, 2, 2), (2, 1, 2)]
