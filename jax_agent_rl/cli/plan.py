@@ -102,12 +102,15 @@ def run_plan(args: argparse.Namespace) -> int:
     from jax_agent_rl.config import ConfigError, load_config
     from jax_agent_rl.models import ModelConfig
     from jax_agent_rl.plan import parse_topology, plan_run, preset_model
+    from jax_agent_rl.plan.topology import libtpu_problem
 
     try:
         topology = parse_topology(args.topology)
         model = preset_model(args.model) if args.model else None
     except ValueError as e:
         return _refuse(str(e))
+    if (problem := libtpu_problem()) is not None:
+        return _refuse(problem)
     if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
         return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))

@@ -8,6 +8,7 @@ TensorCores, two per chip, so 16 chips) or the topology itself (``v5e:4x4``, ``v
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from typing import Any
@@ -74,7 +75,20 @@ class Topology:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         from jax.experimental import topologies
 
+        if (problem := libtpu_problem()) is not None:
+            raise RuntimeError(problem)
+
         return list(topologies.get_topology_desc(platform="tpu", topology_name=self.name).devices)
+
+
+def libtpu_problem() -> str | None:
+    """Why this environment cannot compile for TPU (no libtpu), or None."""
+    if importlib.util.find_spec("libtpu") is None:
+        return (
+            "compiling for TPU needs libtpu in this environment: run `scripts/setup.sh tpu-plan` "
+            "(the pinned release, requirements/tpu-lock.txt)"
+        )
+    return None
 
 
 def accepted_topologies() -> list[str]:
