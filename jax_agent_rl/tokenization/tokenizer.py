@@ -129,9 +129,24 @@ class Tokenizer:
         at = 0
         for start, end in plain:
             ids += self.encode(text[at:start])
-            ids += self._plain_backend.encode(text[start:end], add_special_tokens=False).ids
+            ids += self._plain_ids(text[start:end])
             at = end
         return ids + self.encode(text[at:])
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text`` read as plain text, never as a special token's id: a vocabulary whose
+        merges spell a special token (one trained on text holding its markers) would give the
+        token back from its characters, so such a piece is encoded a character at a time."""
+        ids = self._plain_backend.encode(text, add_special_tokens=False).ids
+        if self._special_ids.isdisjoint(ids):
+            return list(ids)
+        plain = self._plain_backend
+        return [i for char in text for i in plain.encode(char, add_special_tokens=False).ids]
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, t in added.items() if t.special)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` as plain text: where it spells a special token (a model

@@ -140,7 +140,7 @@ def test_a_native_environments_reward_is_checked_by_the_loop(setup: dict[str, An
     assert fine.stop_reason == "env_done" and fine.env_reward == 1.0
     for t, shown in zip(bad, ("nan", "1e+308", "'high'"), strict=True):
         assert t.stop_reason == "env_error" and not t.trainable, t.uid
-        assert "LastWord.step" in str(t.error) and shown in str(t.error)
+        assert "last_word.step" in str(t.error) and shown in str(t.error)
 
 
 def test_an_environment_step_reward_is_a_finite_number_in_range() -> None:
