@@ -71,13 +71,13 @@ class BackendFactory:
 def _build_embedded(spec: BackendBuild) -> RolloutBackend:
     import jax
 
-    from jax_agent_rl.engine import Engine, pool_pages
+    from jax_agent_rl.engine import Engine, cache_dtype, compile_platform, pool_pages
     from jax_agent_rl.rollout.embedded import EmbeddedBackend
 
     r = spec.rollout
     model = dataclasses.replace(spec.model, dtype=spec.dtype)  # type: ignore[arg-type]
-    # XLA:CPU's pages are fp32 (`Engine.cache_dtype`)
-    width = 4 if spec.dtype == "float32" or jax.default_backend() == "cpu" else 2
+    # the pages' dtype on the platform the engine compiles for (`Engine.cache_dtype`)
+    width = jax.numpy.dtype(cache_dtype(model, compile_platform(spec.sharder))).itemsize
     engine = Engine(
         model,
         max_concurrent_decodes=r.max_concurrent,
