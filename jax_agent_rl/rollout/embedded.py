@@ -364,9 +364,8 @@ class EmbeddedBackend:
         return True
 
     def _prefill_chunk(self, job: _Job) -> None:
-        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes
-        (or finishes at its first token). A long sequence's chunks alternate with decode
-        calls, so decoding requests keep going while it is admitted."""
+        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes in
+        its slot (or finishes at its first token). Chunks alternate with decode calls."""
         seq = self._sequence(job)
         chunk = seq[job.done : job.done + self.engine.prefill_chunk]
         self._state, prefix = self.engine.prefill(
