@@ -14,6 +14,8 @@ from jax_agent_rl.engine.state import (
     Prefix,
     Slots,
     StepTokens,
+    cache_dtype,
+    compile_platform,
     page_bytes,
     pool_pages,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "SamplingParams",
     "Slots",
     "StepTokens",
+    "cache_dtype",
+    "compile_platform",
     "page_bytes",
     "pool_pages",
     "sample",

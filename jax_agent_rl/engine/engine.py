@@ -10,25 +10,26 @@ already), writes their keys and values into its pages and samples the next token
 ``insert`` places the result in a decode slot; ``generate`` advances every active slot by
 ``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
 rounded up to a power-of-two batch bucket), and each slot's attention reads its own pages
-only (`models.decoder.ragged_attention`: the work is the sum of the real lengths, so one
-long sequence costs the short ones nothing; on a TPU, unsharded and with a 16-bit cache,
-JAX's Pallas paged-attention kernel instead: `models.decoder.pallas_paged_attention`).
+only (`models.paged.ragged_attention`: the work is the sum of the real lengths; compiled
+for TPU with a 16-bit cache, JAX's Pallas kernel: `models.paged.pallas_paged_attention`).
 ``copy_page`` gives a sequence its own copy of a shared page it is about to write into.
-Each slot carries its own sampling parameters, RNG, stop ids and budget, so requests of any
-mix run side by side.
+Each slot carries its own sampling parameters, RNG, stop ids and budget.
 
 Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
 ``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
 of pages; ``generate`` compiles once per batch bucket (attention loops over the real
 (slot, page) pairs, a count known on the device only); ``warmup`` compiles them all up front.
 ``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
-Weights are arguments, never constants: swapping in new weights of the same shapes reuses
-every compiled program. Each layer's weights and each layer's pages are buffers of their
-own (`serving_layout`, `KVPages`), which the decode step reads and writes without copying.
+Weights are arguments, never constants: new weights of the same shapes reuse every compiled
+program. Each layer's weights and pages are buffers of their own (`serving_layout`,
+`KVPages`), which the decode step reads and writes without copying.
 
 With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
-slots split over ``data`` and so do the pool's pages (kv heads over ``tensor``).
+slots split over ``data`` into ``shards`` and so do the pool's pages (kv heads over
+``tensor``): slot i decodes on shard ``slot_shard(i)`` and names pages of that shard's
+range only (the caller's ledger sees to it; ``generate`` checks it), and each shard's
+attention reads its own pages (`models.paged.decode_steps`): no keys or values cross chips.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ from jax_agent_rl.engine.state import (
     Prefix,
     Slots,
     StepTokens,
+    abstract_decode_state,
     buckets,
+    cache_dtype,
+    check_shards,
+    compile_platform,
+    empty_decode_state,
     finish_code,
     page_bytes,
     sample_step,
@@ -62,13 +68,13 @@ from jax_agent_rl.models import (
     Sharder,
     Weights,
     forward,
-    init_pages,
     lm_logits,
     page_shardings,
     param_shardings,
     param_specs,
 )
 from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
+from jax_agent_rl.models.paged import copy_page
 
 
 class Engine:
@@ -88,7 +94,6 @@ class Engine:
         batch_buckets: bool = True,
         sharder: Sharder | None = None,
         decode_kernel: str = "auto",
-        platform: str | None = None,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -107,10 +112,18 @@ class Engine:
         self.pages_per_seq = -(-max_len // page_size)  # M: a page table's length
         # default: as many pages as every slot at max_len needs (a dense cache's memory)
         self.num_pages = num_pages or max_concurrent_decodes * self.pages_per_seq
-        if self.num_pages < self.pages_per_seq:
+        # the slots split over `batch`'s mesh axes into `shards` contiguous ranges, and the
+        # pool's pages likewise (`PAGE_AXES`): slot i decodes on shard i // slots_per_shard,
+        # reading pages of that shard's range only (`slot_shard`, `shard_pages`)
+        n = max_concurrent_decodes
+        local = n if sharder is None else sharder.sharding(("batch",), (n,)).shard_shape((n,))[0]
+        self.shards, self.slots_per_shard = n // local, local
+        self.shard_pages = self.num_pages // self.shards
+        if self.num_pages % self.shards or self.shard_pages < self.pages_per_seq:
             raise ValueError(
-                f"a pool of {self.num_pages} pages of {page_size} cannot hold one sequence of "
-                f"max_len={max_len} ({self.pages_per_seq} pages)"
+                f"a pool of {self.num_pages} pages of {page_size} over {self.shards} shards "
+                f"cannot hold one sequence of max_len={max_len} ({self.pages_per_seq} pages) "
+                "on each shard"
             )
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.prefill_buckets = buckets(
@@ -118,21 +131,16 @@ class Engine:
         )
         self.page_buckets = buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
-        # devices (a `data` mesh axis) keep the whole batch, each device decoding its share
-        n = max_concurrent_decodes
-        split = sharder is not None and sharder.sharding(("batch",), (n,)).shard_shape((n,))[0] < n
-        self.batch_buckets = buckets(1, n) if batch_buckets and not split else (n,)
-        # the platform compiled for: JAX's default, or a plan's (`jax_agent_rl.plan`: tpu)
-        platform = platform or jax.default_backend()
-        # XLA:CPU writes a 16-bit cache through fp32, converting every page of it at every
-        # step: there the pages are fp32 (the same numbers: bf16 values are exact in fp32)
-        self.cache_dtype = jnp.float32 if platform == "cpu" else cfg.jnp_dtype
+        # devices keep the whole batch, each device decoding its share
+        self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
+        platform = compile_platform(sharder)
+        self.cache_dtype = cache_dtype(cfg, platform)
         self.sharder = sharder
-        # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel,
-        # which reads a 16-bit cache and runs on one device: the kernel does not split)
+        # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel, which
+        # reads a 16-bit cache); sharded, each shard runs it on its own slots and pages
         if decode_kernel == "auto":
-            tpu = platform == "tpu" and sharder is None
-            decode_kernel = "pallas" if tpu and self.cache_dtype != jnp.float32 else "ragged"
+            tpu = platform == "tpu" and self.cache_dtype != jnp.float32
+            decode_kernel = "pallas" if tpu else "ragged"
         if decode_kernel not in ("ragged", "pallas"):
             raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
         self.decode_kernel = decode_kernel
@@ -195,48 +203,41 @@ class Engine:
         if self.sharder is None:
             return state
         sharder = self.sharder
-        slots = jax.tree.map(lambda x: sharder.constrain(x, slot_axes(x)), state.slots)
+        slots = jax.tree.map(lambda x: sharder.constrain(x, slot_axes(x.ndim)), state.slots)
         pages = jax.lax.with_sharding_constraint(state.pages, self._pages_layout)
         pos = sharder.constrain(state.pos, ("batch",))
         return DecodeState(pages=pages, pos=pos, slots=slots)
 
-    def _empty_slots(self, n: int) -> Slots:
-        slots = Slots(
-            token=jnp.zeros((n,), jnp.int32),
-            active=jnp.zeros((n,), bool),
-            generated=jnp.zeros((n,), jnp.int32),
-            max_tokens=jnp.ones((n,), jnp.int32),
-            temperature=jnp.ones((n,), jnp.float32),
-            top_k=jnp.full((n,), -1, jnp.int32),
-            top_p=jnp.ones((n,), jnp.float32),
-            stop_ids=jnp.full((n, self.max_stop_ids), -1, jnp.int32),
-            key=jnp.zeros((n, 2), jnp.uint32),
-        )
-        if self.sharder is None:
-            return slots
-        sharder = self.sharder
-        return jax.tree.map(
-            lambda x: jax.device_put(x, sharder.sharding(slot_axes(x), x.shape)), slots
+    def abstract_decode_state(self) -> DecodeState:
+        """The decode state's shapes, dtypes and layouts (ShapeDtypeStructs): what
+        `init_decode_state` makes, and what a program compiled ahead of time takes."""
+        return abstract_decode_state(
+            self.cfg,
+            self.max_concurrent_decodes,
+            self.max_stop_ids,
+            self.num_pages,
+            self.page_size,
+            self.cache_dtype,
+            self.sharder,
         )
 
     def init_decode_state(self) -> DecodeState:
-        n = self.max_concurrent_decodes
-        pos = jnp.zeros((n,), jnp.int32)
-        if self.sharder is not None:
-            pos = jax.device_put(pos, self.sharder.sharding(("batch",), (n,)))
-        return DecodeState(
-            pages=init_pages(
-                self.cfg, self.num_pages, self.page_size, self.sharder, self.cache_dtype
-            ),
-            pos=pos,
-            slots=self._empty_slots(n),
-        )
+        """An empty decode state (every slot idle, the pool zeros), each part created where
+        it lives."""
+        return empty_decode_state(self.abstract_decode_state())
+
+    def slot_shard(self, slot: int) -> int:
+        """The shard that decodes ``slot`` (whose pages are ``shard_pages`` from
+        ``shard * shard_pages``)."""
+        return slot // self.slots_per_shard
 
     def page_table(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        """Page tables [len(rows), M] of sequences holding the pages ``rows[i]`` (the unused
-        entries point at page 0: never read past a sequence's positions, never written)."""
+        """Page tables [len(rows), M] of sequences holding the pages ``rows[i]``, row i the
+        table of slot i (the unused entries point at the first page of the slot's shard:
+        never read past a sequence's positions, never written)."""
         table = np.zeros((len(rows), self.pages_per_seq), np.int32)
         for i, pages in enumerate(rows):
+            table[i] = self.slot_shard(i) * self.shard_pages
             table[i, : len(pages)] = pages
         return table
 
@@ -368,17 +369,17 @@ class Engine:
 
     def copy_page(self, state: DecodeState, src: int, dst: int) -> DecodeState:
         """Page ``dst`` becomes a copy of page ``src`` in every layer (a shared page a
-        sequence is about to write into gets copied first)."""
+        sequence is about to write into gets copied first); both of one shard's pages, so
+        the copy stays on that shard's devices."""
+        if src // self.shard_pages != dst // self.shard_pages:
+            raise ValueError(
+                f"pages {src} and {dst} are on different shards ({self.shard_pages} pages each)"
+            )
         return self._copy_page(state, jnp.array([src, dst], jnp.int32))
 
     def _copy_page_impl(self, state: DecodeState, src_dst: jax.Array) -> DecodeState:
         self.compile_counts["copy_page"] += 1
-        src, dst = src_dst[0], src_dst[1]
-        p = state.pages
-        pages = KVPages(
-            k=tuple(x.at[:, dst].set(x[:, src]) for x in p.k),
-            v=tuple(x.at[:, dst].set(x[:, src]) for x in p.v),
-        )
+        pages = copy_page(state.pages, src_dst, self.sharder)
         return self._lay_out(dataclasses.replace(state, pages=pages))
 
     # ---------------------------------------------------------------------------- generate
@@ -403,6 +404,7 @@ class Engine:
         slots, [num_steps, batch]; ``slots_in_use`` widens the batch to cover that many slots
         (a caller that reads every slot's row)."""
         rows = self.batch_bucket(max(max(active, default=0) + 1, slots_in_use or 0))
+        check_shards(page_table[:rows], self.slots_per_shard, self.shard_pages)
         table = self._device_table(page_table[:rows], ("batch", None))
         return self._generate(params, state, table, num_steps=num_steps, rows=rows)
 
@@ -473,7 +475,8 @@ class Engine:
         assert prefix is not None
         state = self.copy_page(self.insert(prefix, state, 0), 0, 1)
         report(len(chunks) + 1, total)
-        table = self.page_table([pages] * self.max_concurrent_decodes)
+        first = [self.slot_shard(s) * self.shard_pages for s in range(self.max_concurrent_decodes)]
+        table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
         for i, rows in enumerate(self.batch_buckets, len(chunks) + 2):
             device_table = self._device_table(table[:rows], ("batch", None))
             state, out = self._generate(params, state, device_table, num_steps=num_steps, rows=rows)

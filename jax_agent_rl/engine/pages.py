@@ -8,6 +8,13 @@ a later sequence with the same prefix takes it back (`lookup`) instead of comput
 again; it is reused for new contents only when no free page is left (least recently
 released first). `drop_cache` forgets every prefix (new weights make them stale).
 
+The pool splits into ``shards`` contiguous page ranges, one per shard of the decode slots
+(the pool's page axis splits over the mesh like the slots: `models.PAGE_AXES`): shard d owns
+pages ``d * shard_pages .. (d + 1) * shard_pages - 1``, and a slot decoded on shard d takes
+and shares pages of that range only, so its attention reads its own device's pages. Each
+shard keeps its own free list and prefix cache: a prefix cached on another shard is not
+found (`lookup` names the shard), and is computed again on this one.
+
 Pure bookkeeping over page ids: the engine owns the pool's buffers (`models.KVPages`).
 """
 
@@ -32,27 +39,39 @@ def prefix_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 
 class PagePool:
-    """Reference counts, the free list and the prefix cache of ``num_pages`` pages."""
+    """Reference counts, free lists and prefix caches of ``num_pages`` pages in ``shards``
+    equal contiguous ranges (see the module docstring)."""
 
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
+    def __init__(self, num_pages: int, shards: int = 1) -> None:
+        if shards < 1 or num_pages % shards:
+            raise ValueError(f"{num_pages} pages do not split into {shards} equal shards")
+        self.num_pages, self.shards = num_pages, shards
+        self.shard_pages = num_pages // shards
         self._refs = [0] * num_pages
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
-            range(num_pages)
-        )
-        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._free = [
+            collections.OrderedDict.fromkeys(
+                range(d * self.shard_pages, (d + 1) * self.shard_pages)
+            )
+            for d in range(shards)
+        ]
+        self._cached: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict() for _ in range(shards)
+        ]
         self._key_of: dict[int, bytes] = {}
-        self._page_of: dict[bytes, int] = {}
+        self._page_of: list[dict[bytes, int]] = [{} for _ in range(shards)]
 
-    @property
-    def available(self) -> int:
-        """Pages `take` can hand out now (free, or cached and reusable)."""
-        return len(self._free) + len(self._cached)
+    def shard_of(self, page: int) -> int:
+        """The shard whose range holds ``page``."""
+        return page // self.shard_pages
+
+    def available(self, shard: int) -> int:
+        """Pages `take` can hand out now on ``shard`` (free, or cached and reusable)."""
+        return len(self._free[shard]) + len(self._cached[shard])
 
     @property
     def in_use(self) -> int:
-        """Pages someone holds."""
-        return self.num_pages - self.available
+        """Pages someone holds, on every shard."""
+        return self.num_pages - sum(self.available(d) for d in range(self.shards))
 
     def refs(self, page: int) -> int:
         return self._refs[page]
@@ -61,19 +80,20 @@ class PagePool:
         """Whether the page holds a cached prefix (its contents must not change)."""
         return page in self._key_of
 
-    def take(self, n: int) -> list[int] | None:
-        """``n`` pages, each held once by the caller; ``None`` (and nothing taken) if fewer
-        are available. Free pages go first, then the least recently released cached ones
-        (their prefixes forgotten)."""
-        if n > self.available:
+    def take(self, n: int, shard: int) -> list[int] | None:
+        """``n`` pages of ``shard``, each held once by the caller; ``None`` (and nothing
+        taken) if fewer are available there. Free pages go first, then the least recently
+        released cached ones (their prefixes forgotten)."""
+        if n > self.available(shard):
             return None
+        free, cached = self._free[shard], self._cached[shard]
         pages = []
         for _ in range(n):
-            if self._free:
-                page, _ = self._free.popitem(last=False)
+            if free:
+                page, _ = free.popitem(last=False)
             else:
-                page, _ = self._cached.popitem(last=False)
-                del self._page_of[self._key_of.pop(page)]
+                page, _ = cached.popitem(last=False)
+                del self._page_of[shard][self._key_of.pop(page)]
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -94,37 +114,47 @@ class PagePool:
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if page in self._key_of:
-                    self._cached[page] = None
+                    self._cached[self.shard_of(page)][page] = None
                 else:
-                    self._free[page] = None
+                    self._free[self.shard_of(page)][page] = None
 
     def register(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
         """Records that ``pages[i]`` holds the prefix named ``keys[i]`` (pages held by the
-        caller; a prefix cached in another page already keeps that one)."""
+        caller; a prefix cached in another page of the same shard already keeps that one)."""
         for page, key in zip(pages, keys, strict=False):
-            if key in self._page_of or page in self._key_of:
+            index = self._page_of[self.shard_of(page)]
+            if key in index or page in self._key_of:
                 continue
-            self._page_of[key] = page
+            index[key] = page
             self._key_of[page] = key
 
-    def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The pages of the longest cached prefix among ``keys`` (key 0 first), each now held
-        once more by the caller."""
+    def cached(self, keys: Sequence[bytes], shard: int) -> int:
+        """How many of ``keys`` (key 0 first) ``shard`` holds as a cached prefix (nothing is
+        held by asking)."""
+        index = self._page_of[shard]
+        return next((i for i, key in enumerate(keys) if key not in index), len(keys))
+
+    def lookup(self, keys: Sequence[bytes], shard: int) -> list[int]:
+        """The pages of ``shard`` that hold the longest prefix among ``keys`` cached there
+        (key 0 first), each now held once more by the caller."""
+        index = self._page_of[shard]
         pages = []
         for key in keys:
-            page = self._page_of.get(key)
+            page = index.get(key)
             if page is None:
                 break
             if self._refs[page] == 0:
-                del self._cached[page]
+                del self._cached[shard][page]
             self._refs[page] += 1
             pages.append(page)
         return pages
 
     def drop_cache(self) -> None:
         """Forgets every prefix: cached pages become free, held ones plain pages."""
-        for page in self._cached:
-            self._free[page] = None
-        self._cached.clear()
+        for free, cached in zip(self._free, self._cached, strict=True):
+            for page in cached:
+                free[page] = None
+            cached.clear()
         self._key_of.clear()
-        self._page_of.clear()
+        for index in self._page_of:
+            index.clear()

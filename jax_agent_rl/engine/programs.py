@@ -13,17 +13,10 @@ import jax.numpy as jnp
 
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.sampling import SamplingParams
-from jax_agent_rl.engine.state import DecodeState, laid_out
 from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
 from jax_agent_rl.models.decoder import is_spec
 
 Program = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-
-
-def abstract_decode_state(engine: Engine) -> DecodeState:
-    """`Engine.init_decode_state`'s shapes, dtypes and layout, allocating nothing."""
-    state = jax.eval_shape(engine.init_decode_state)
-    return laid_out(state, engine.sharder, engine._pages_layout)
 
 
 def serving_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
@@ -49,7 +42,7 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     (abstract weights in the declared layout, as a learner holds them, on the engine's mesh);
     ``prefill``, the longest chunk reading the most pages; ``generate``, ``num_steps`` decode
     steps at the largest batch bucket."""
-    state = abstract_decode_state(engine)
+    state = engine.abstract_decode_state()
     serving = jax.eval_shape(engine._serving_layout, params)
     if engine.sharder is not None:
         serving = jax.tree.map(

@@ -10,9 +10,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import KVPages, ModelConfig, Sharder
+from jax_agent_rl.models import KVPages, ModelConfig, Sharder, page_shardings
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -21,24 +22,27 @@ RUNNING, STOPPED, LENGTH = 0, 1, 2
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """Per-slot decoding state, every field with a leading slot axis [N]."""
+    """Per-slot decoding state, every field with a leading slot axis [N]: arrays, or their
+    ShapeDtypeStructs (`abstract_decode_state`)."""
 
-    token: jax.Array  # int32: the last sampled token, next step's input
-    active: jax.Array  # bool
-    generated: jax.Array  # int32: tokens sampled so far
-    max_tokens: jax.Array  # int32
-    temperature: jax.Array  # float32 (0 = greedy)
-    top_k: jax.Array  # int32 (<= 0 = off)
-    top_p: jax.Array  # float32
-    stop_ids: jax.Array  # int32 [N, max_stop_ids], -1 padded
-    key: jax.Array  # uint32 [N, 2]: raw threefry key data of the request's seed
+    token: Any  # int32: the last sampled token, next step's input
+    active: Any  # bool
+    generated: Any  # int32: tokens sampled so far
+    max_tokens: Any  # int32
+    temperature: Any  # float32 (0 = greedy)
+    top_k: Any  # int32 (<= 0 = off)
+    top_p: Any  # float32
+    stop_ids: Any  # int32 [N, max_stop_ids], -1 padded
+    key: Any  # uint32 [N, 2]: raw threefry key data of the request's seed
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
+    """Arrays, or their ShapeDtypeStructs (`abstract_decode_state`)."""
+
     pages: KVPages  # the pool: [G, P, page_size, K] per layer
-    pos: jax.Array  # int32 [N]: tokens each slot's pages hold
+    pos: Any  # int32 [N]: tokens each slot's pages hold
     slots: Slots
 
 
@@ -71,6 +75,19 @@ def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * width
 
 
+def compile_platform(sharder: Sharder | None) -> str:
+    """The platform the engine's programs compile for: the sharder's devices' (a mesh of
+    abstract TPU devices compiles for TPU on any host), else JAX's default backend's."""
+    return jax.default_backend() if sharder is None else sharder.mesh.devices.flat[0].platform
+
+
+def cache_dtype(cfg: ModelConfig, platform: str) -> Any:
+    """The pool's dtype on ``platform``: the model's, but fp32 on XLA:CPU, which writes a
+    16-bit cache through fp32, converting every page of it at every step (the same numbers:
+    bf16 values are exact in fp32)."""
+    return jnp.float32 if platform == "cpu" else cfg.jnp_dtype
+
+
 def pool_pages(
     cfg: ModelConfig, page_size: int, width: int, kv_cache_gib: float, slots: int, max_len: int
 ) -> int:
@@ -101,25 +118,23 @@ def finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) ->
     return jnp.where(stopped, STOPPED, jnp.where(length, LENGTH, RUNNING)).astype(jnp.int32)
 
 
-def slot_axes(x: jax.Array) -> tuple[str | None, ...]:
-    """A per-slot array's logical axes: the leading slot axis is the batch."""
-    return ("batch",) + (None,) * (x.ndim - 1)
+def check_shards(table_bm: np.ndarray, slots_per_shard: int, shard_pages: int) -> None:
+    """Raises unless each row (slot) b of the page tables names pages of its shard only:
+    ``b // slots_per_shard``, whose pages are ``shard_pages`` from ``shard * shard_pages``."""
+    shard_bm = table_bm // shard_pages
+    wrong = np.argwhere(shard_bm != np.arange(len(table_bm))[:, None] // slots_per_shard)
+    if len(wrong):
+        slot, i = wrong[0]
+        raise ValueError(
+            f"slot {slot} (shard {slot // slots_per_shard}) names page {table_bm[slot, i]}, "
+            f"not one of its shard's {shard_pages} pages"
+        )
 
 
-def laid_out(state: DecodeState, sharder: Sharder | None, pages: KVPages | None) -> DecodeState:
-    """An abstract decode state with the engine's layout: ``pages`` (the pool's shardings),
-    the slots and lengths split over ``batch``."""
-    if sharder is None or pages is None:
-        return state
-
-    def at(x: Any, sharding: Any) -> Any:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return DecodeState(
-        pages=jax.tree.map(at, state.pages, pages),
-        pos=at(state.pos, sharder.sharding(("batch",), state.pos.shape)),
-        slots=jax.tree.map(lambda x: at(x, sharder.sharding(slot_axes(x), x.shape)), state.slots),
-    )
+def slot_axes(ndim: int) -> tuple[str | None, ...]:
+    """A per-slot array's logical axes (``ndim`` of them): the leading slot axis is the
+    batch."""
+    return ("batch",) + (None,) * (ndim - 1)
 
 
 def sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Array]:
@@ -128,3 +143,74 @@ def sample_step(logits_bv: jax.Array, slots: Slots) -> tuple[jax.Array, jax.Arra
     keys = jax.random.wrap_key_data(slots.key)
     token = sample(logprobs, slots.temperature == 0, keys, slots.generated)
     return token, token_logprobs(logprobs, token)
+
+
+def abstract_decode_state(
+    cfg: ModelConfig,
+    slots: int,
+    max_stop_ids: int,
+    num_pages: int,
+    page_size: int,
+    dtype: Any,
+    sharder: Sharder | None,
+) -> DecodeState:
+    """ShapeDtypeStructs of the decode state of ``slots`` slots and a pool of ``num_pages``
+    pages in ``dtype``, laid out by ``sharder`` (slots over the batch, pages by
+    `page_shardings`)."""
+    # each slot field's (dtype, shape after the slot axis)
+    fields = Slots(
+        token=(jnp.int32, ()),
+        active=(jnp.bool_, ()),
+        generated=(jnp.int32, ()),
+        max_tokens=(jnp.int32, ()),
+        temperature=(jnp.float32, ()),
+        top_k=(jnp.int32, ()),
+        top_p=(jnp.float32, ()),
+        stop_ids=(jnp.int32, (max_stop_ids,)),
+        key=(jnp.uint32, (2,)),  # raw threefry key data
+    )
+    none: tuple[None, ...] = (None,) * cfg.num_layers
+    layout = KVPages(k=none, v=none)
+    if sharder is not None:
+        layout = page_shardings(cfg, sharder, num_pages, page_size)
+    pages = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+
+    def per_slot(field: tuple[Any, tuple[int, ...]]) -> jax.ShapeDtypeStruct:
+        shape = (slots, *field[1])
+        at = None if sharder is None else sharder.sharding(slot_axes(len(shape)), shape)
+        return jax.ShapeDtypeStruct(shape, field[0], sharding=at)
+
+    return DecodeState(
+        pages=jax.tree.map(
+            lambda at: jax.ShapeDtypeStruct(pages, dtype, sharding=at),
+            layout,
+            is_leaf=lambda x: x is None,
+        ),
+        pos=per_slot((jnp.int32, ())),
+        slots=jax.tree.map(per_slot, fields, is_leaf=lambda x: isinstance(x, tuple)),
+    )
+
+
+def empty_decode_state(abstract: DecodeState) -> DecodeState:
+    """The decode state ``abstract`` describes, every slot idle and the pool zeros, each part
+    created where it lives."""
+    idle = Slots(
+        token=0,
+        active=False,
+        generated=0,
+        max_tokens=1,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        stop_ids=-1,
+        key=0,
+    )
+
+    def full(x: jax.ShapeDtypeStruct, value: Any = 0) -> jax.Array:
+        return jnp.full(x.shape, value, x.dtype, device=x.sharding)
+
+    return DecodeState(
+        pages=jax.tree.map(full, abstract.pages),
+        pos=full(abstract.pos),
+        slots=jax.tree.map(full, abstract.slots, idle),
+    )

@@ -18,10 +18,10 @@ from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
 from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
 from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
+from jax_agent_rl.models.paged import PAGE_AXES, decode_steps, paged_attention
 from jax_agent_rl.models.sharding import Sharder
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -95,10 +95,7 @@ class KVPages:
         return int(self.k[0].shape[1])
 
 
-# the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
-PAGE_AXES = ("kv_heads", "batch", "cache_seq", "head_dim")
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
-PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_block`)
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -440,190 +437,6 @@ def _attention_bwd(
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def pair_block(page_size: int) -> int:
-    """(row, page) pairs per block of `ragged_attention`: blocks of `PAIR_POSITIONS`
-    positions whatever the page size (a padding pair costs a page; pages of a whole
-    sequence make blocks of one pair)."""
-    return max(1, PAIR_POSITIONS // page_size)
-
-
-def paged_attention(
-    q_bthk: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    table_bm: jax.Array,
-    pos_b: jax.Array,
-    pages_read: int,
-) -> jax.Array:
-    """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1`` whose keys and values
-    are in their pages already (at positions ``pos_b + t``), over the row's positions up to
-    their own: each row's first ``pages_read`` pages (static, a bucket that covers every
-    row's positions) gathered from one layer's pool [G, P, page_size, K] by its page table
-    [B, M]. For prefill chunks: T queries over a few pages each.
-
-    Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
-    matmul (as a matmul in that dtype takes them), the denominator summed unrounded.
-    """
-    B, T, H, K = q_bthk.shape
-    G, _, ps, _ = k_pages.shape
-    q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
-    pages_bn = table_bm[:, :pages_read]
-    seen_bts = jnp.arange(pages_read * ps) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]
-    s = jnp.einsum("btgrk,gbnsk->bgrtns", q, k_pages[:, pages_bn].astype(jnp.float32))
-    s = s.reshape(*s.shape[:4], pages_read * ps)
-    s = jnp.where(seen_bts[:, None, None], s * K**-0.5, -1e30)
-    p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
-    p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
-    p_rounded = p_rounded.reshape(*s.shape[:4], pages_read, ps)
-    out = jnp.einsum("bgrtns,gbnsk->bgrtk", p_rounded, v_pages[:, pages_bn].astype(jnp.float32))
-    out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagePairs:
-    """The (row, page) pairs ragged decode attention reads, [J] each, rows in order: row b's
-    pages 0 .. pos_b // page_size, those that hold its positions 0 .. pos_b. Padding pairs
-    carry row B (read into no row)."""
-
-    row: jax.Array  # int32
-    page: jax.Array  # int32: a page of the pool
-    start: jax.Array  # int32: the page's first position in its row
-
-
-def page_pairs(
-    table_bm: jax.Array, pos_b: jax.Array, active_b: jax.Array, num_pairs: int, page_size: int
-) -> PagePairs:
-    """`PagePairs` of the active rows for queries at positions ``pos_b``, padded to
-    ``num_pairs`` (static; at least the pages the rows hold)."""
-    B, M = table_bm.shape
-    n_b = jnp.where(active_b, pos_b // page_size + 1, 0)
-    ends_b = jnp.cumsum(n_b)
-    j = jnp.arange(num_pairs)
-    row_j = jnp.searchsorted(ends_b, j, side="right").astype(jnp.int32)  # B past the last pair
-    row = jnp.minimum(row_j, B - 1)
-    index_j = jnp.clip(j - (ends_b[row] - n_b[row]), 0, M - 1)
-    return PagePairs(row=row_j, page=table_bm[row, index_j], start=index_j * page_size)
-
-
-def ragged_attention(
-    q_bhk: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    pairs: PagePairs,
-    pos_b: jax.Array,
-) -> jax.Array:
-    """Decode attention, one new token per row [B, H, K] at position ``pos_b``, over the
-    row's own pages only: the work is the real pairs', the sum of the rows' real lengths in
-    pages, so a long row costs the short ones nothing, and padding pairs cost nothing.
-
-    Each pair is a partial softmax over its page (its max, sum and weighted values, fp32);
-    a row's pairs are combined at the row's max. A row's numbers depend only on its own
-    pairs, bit for bit, not on which rows share the step or on the padding: XLA:CPU computes
-    an elementwise op (exp) differently by array size, so the pairs go through one program
-    in blocks of `pair_block`, and the blocks add into their rows one pair after another, in
-    pair order. Both passes are loops over the blocks that hold real pairs (a trip count
-    known only on the device): one program serves any mix of lengths.
-    """
-    B, H, K = q_bhk.shape
-    J = pairs.row.shape[0]
-    G, _, ps, _ = k_pages.shape
-    R = H // G
-    C = pair_block(ps)
-    if J % C:
-        raise ValueError(f"{J} pairs: a multiple of {C}")
-    q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
-    seen_bs = jnp.arange(ps)[None, :]
-    blocks = jax.tree.map(lambda x: x.reshape(J // C, C), pairs)
-    real_blocks = (jnp.sum(pairs.row < B) + C - 1) // C  # real pairs come first
-
-    def block_at(i: jax.Array) -> PagePairs:
-        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), blocks)
-
-    def partial_softmax(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        row_top, top_j, total_j, out_j = carry
-        block = block_at(i)
-        row = jnp.minimum(block.row, B - 1)
-        s = jnp.einsum("jgrk,gjsk->jgrs", q_bgrk[row], k_pages[:, block.page].astype(jnp.float32))
-        seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
-        s = jnp.where(seen_js[:, None, None], s * K**-0.5, -1e30)
-        top = s.max(-1)  # [C, G, R]: a page's first position is always seen
-        p = jnp.exp(s - top[..., None])
-        p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
-        out = jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v_pages[:, block.page].astype(jnp.float32))
-        return (
-            row_top.at[block.row].max(top, mode="drop"),
-            jax.lax.dynamic_update_index_in_dim(top_j, top, i, 0),
-            jax.lax.dynamic_update_index_in_dim(total_j, p.sum(-1), i, 0),
-            jax.lax.dynamic_update_index_in_dim(out_j, out, i, 0),
-        )
-
-    n = J // C
-    row_top, top_j, total_j, out_j = jax.lax.fori_loop(
-        0,
-        real_blocks,
-        partial_softmax,
-        (
-            jnp.full((B, G, R), -jnp.inf),
-            jnp.zeros((n, C, G, R)),
-            jnp.zeros((n, C, G, R)),
-            jnp.zeros((n, C, G, R, K)),
-        ),
-    )
-
-    def add_block(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        row_total, row_out = carry
-        rows = block_at(i).row
-        top, total, out = (
-            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (top_j, total_j, out_j)
-        )
-        rescale = jnp.exp(top - row_top[jnp.minimum(rows, B - 1)])
-        row_total = row_total.at[rows].add(total * rescale, mode="drop")
-        row_out = row_out.at[rows].add(out * rescale[..., None], mode="drop")
-        return row_total, row_out
-
-    start = (jnp.zeros((B, G, R)), jnp.zeros((B, G, R, K)))
-    total_b, out_b = jax.lax.fori_loop(0, real_blocks, add_block, start)
-    out_b = out_b / jnp.where(total_b > 0, total_b, 1.0)[..., None]  # a row of no pairs: 0
-    return out_b.astype(q_bhk.dtype).reshape(B, H, K)
-
-
-PALLAS_BLOCK_POSITIONS = 256  # cache positions per compute block of `pallas_paged_attention`
-
-
-def pallas_paged_attention(
-    q_bhk: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    table_bm: jax.Array,
-    pos_b: jax.Array,
-    active_b: jax.Array,
-) -> jax.Array:
-    """Decode attention as `ragged_attention` computes it, by the TPU paged-attention
-    kernel JAX ships (`jax.experimental.pallas.ops.tpu.paged_attention`): row b attends to
-    its positions ``0 .. pos_b`` through its page table, reading its pages in place (one
-    kv head's pages per program, blocks of pages double-buffered into VMEM). Rows not active
-    give zeros.
-
-    The kernel reads keys and values as bfloat16 (it casts them), scores and weights in
-    fp32 (the weights are not rounded before the values' matmul): for a 16-bit cache it is
-    `ragged_attention` up to that rounding. Off TPU it runs only in Pallas's TPU interpret
-    mode (``pltpu.force_tpu_interpret_mode()`` around the trace).
-    """
-    K = q_bhk.shape[2]
-    ps = k_pages.shape[2]
-    block = max(1, PALLAS_BLOCK_POSITIONS // ps)
-    M = table_bm.shape[1]
-    # the kernel steps over a row's pages in blocks: its table padded to whole blocks
-    # (page 0 there, past every row's length, never read)
-    table = jnp.pad(table_bm, ((0, 0), (0, -M % block)))
-    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
-    q = q_bhk.astype(jnp.float32) * K**-0.5  # the kernel does not scale
-    out = tpu_paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
-    return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
-
-
 def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
     """SwiGLU over the tokens flattened to N = B * T rows: the same numbers as over [B, T, D],
     and on XLA:CPU the weight gradients' matmuls then read the activations' gradients as they
@@ -754,6 +567,8 @@ def forward(
         raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
     if T > 1 and pages_read is None:
         raise ValueError("a prefill chunk (T > 1) needs pages_read")
+    if decode_kernel not in ("ragged", "pallas"):
+        raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
     _, P, ps, _ = cache.k[0].shape
     M = page_table_bm.shape[1]
     cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -762,18 +577,23 @@ def forward(
     # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
     page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
     offset_bt = cache_positions % ps
-    if decode_kernel not in ("ragged", "pallas"):
-        raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
-    ragged = T == 1 and decode_kernel == "ragged"
-    # every row's every page fits the pairs; the loops stop after the real ones
-    capacity = -(-B * M // pair_block(ps)) * pair_block(ps)
-    pairs = page_pairs(page_table_bm, pos_b, num_new_b > 0, capacity, ps) if ragged else None
+    # decode (T = 1): each shard of the rows reads and writes its own pages only
+    make_tables, decode_layer = decode_steps(sharder, P, ps, decode_kernel)
+    active_b = num_new_b > 0
+    tables = make_tables(page_table_bm, pos_b, active_b) if T == 1 else None
     new_k, new_v = [], []
     for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
 
         def paged(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
         ) -> jax.Array:
+            if tables is not None:
+                out, ck, cv = decode_layer(
+                    q[:, 0], k[:, 0], v[:, 0], ck, cv, tables, pos_b, active_b
+                )
+                new_k.append(ck)
+                new_v.append(cv)
+                return out[:, None]
             # the chunk's keys and values go into their pages first, then attention reads
             # them (the update is [G, B, T, K], split by the page and offset indices)
             k_gbtk, v_gbtk = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
@@ -781,12 +601,6 @@ def forward(
             cv = cv.at[:, page_bt, offset_bt].set(v_gbtk.astype(cv.dtype), mode="drop")
             new_k.append(ck)
             new_v.append(cv)
-            if pairs is not None:
-                return ragged_attention(q[:, 0], ck, cv, pairs, pos_b)[:, None]
-            if T == 1:
-                return pallas_paged_attention(q[:, 0], ck, cv, page_table_bm, pos_b, num_new_b > 0)[
-                    :, None
-                ]
             assert pages_read is not None
             return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 

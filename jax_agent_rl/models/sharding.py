@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -135,3 +136,17 @@ class Sharder:
         self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None
     ) -> NamedSharding:
         return self.rules.sharding(self.mesh, logical_axes, shape)
+
+    def shards(self, logical_axis: str) -> int:
+        """Into how many parts ``logical_axis`` splits."""
+        return math.prod(self.mesh.shape[m] for m in self._mesh_axes(logical_axis))
+
+    def shard_index(self, logical_axis: str) -> jax.Array:
+        """Inside ``jax.shard_map`` over this mesh: which part of ``logical_axis`` this
+        device holds (0 .. shards - 1, in the order a NamedSharding lays the parts out)."""
+        names = self._mesh_axes(logical_axis)
+        return jax.lax.axis_index(names) if names else jnp.int32(0)
+
+    def _mesh_axes(self, logical_axis: str) -> tuple[str, ...]:
+        axes = self.rules.spec((logical_axis,))[0]
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())

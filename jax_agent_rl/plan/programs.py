@@ -181,7 +181,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     ``rollout.backend=embedded`` builds its engine, for TPU."""
     r, tensor = cfg.rollout, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
-    engine = make_engine(r, model, cfg.model.dtype, serving, platform="tpu")
+    engine = make_engine(r, model, cfg.model.dtype, serving)
     served = dataclasses.replace(model, dtype=cfg.model.dtype)
     programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
     load_fn, _, _ = programs["load_params"]

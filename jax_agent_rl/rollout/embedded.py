@@ -7,22 +7,20 @@ The event loop never blocks: coroutines hand commands to the thread and await fu
 resolves.
 
 Memory is a pool of KV pages (`Engine`), handed out by real length: a request holds the
-pages of its sequence so far plus those of its next decode call. Prefixes are shared by
-reference, never copied or computed twice: when a request with a ``session_id`` finishes,
-its pages are kept for the session (LRU, evicted when the pool runs short) and its next
-request prefills only the tokens after the longest common prefix; every full page of a
-known prefix stays cached after its holders are gone, so the episodes of a group (the same
-prompt) prefill it once, and a tree's branches share their parent's pages
-(``prefix_session``). When the pool runs out, admissions wait, and a decoding request
-that needs a page preempts the one admitted last, which is computed again later (its full
-pages usually still cached); nothing fails for want of memory. A long prompt is prefilled
-in chunks that alternate with decode calls.
+pages of its sequence so far plus its next decode call's, all on its slot's shard
+(`SessionPages.best_slot`). Prefixes are shared by reference within a shard: a finished
+request's pages are kept for its ``session_id`` (LRU, evicted when the pool runs short),
+whose next request prefills only what follows the longest common prefix; every full page of
+a known prefix stays cached, so a group's episodes (one prompt) prefill it once per shard and
+a tree's branches share their parent's pages (``prefix_session``). When the pool runs out,
+admissions wait, and a decoding request that needs a page preempts the one admitted last on
+its shard, computed again later. A long prompt is prefilled in chunks between decode calls.
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
 recompilation) replace the old, the session cache is dropped (its keys/values belong to the
-old weights), and admission resumes.
-Every result is stamped with the single weight version it was sampled under.
+old weights), and admission resumes. Every result is stamped with the single weight version
+it was sampled under.
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
@@ -72,6 +70,7 @@ class _Job:
     pos: int = 0  # positions its pages hold (host mirror of the state's pos)
     version: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # its page table
+    slot: int = -1  # where it decodes (its pages are on that slot's shard)
     done: int = 0  # tokens of its sequence prefilled so far
     admitted: int = -1  # admission order (kept through a preemption)
 
@@ -116,7 +115,7 @@ class EmbeddedBackend:
         self._gate = WeightGate(weight_version)
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call
-        self._pool = PagePool(engine.num_pages)
+        self._pool = PagePool(engine.num_pages, engine.shards)
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._prefilling: _Job | None = None  # a long prompt between its chunks
@@ -342,16 +341,18 @@ class EmbeddedBackend:
         """Starts the waiting request ``job``: its cached prefix, pages for the rest of its
         sequence and its first decode steps, then its prefill (in chunks if it is long).
         False (and nothing held) if the pool has too few pages for now."""
-        seq = self._sequence(job)
-        pages, common = self._sessions.cached_prefix(job.request, seq)
-        total = self.engine.pages_for(min(len(seq) + self._steps_per_call, self.engine.max_len))
-        more = self._sessions.take(total - len(pages)) if total > len(pages) else []
+        seq, engine = self._sequence(job), self.engine
+        total = engine.pages_for(min(len(seq) + self._steps_per_call, engine.max_len))
+        free = (s for s in range(engine.max_concurrent_decodes) if s not in self._slots)
+        job.slot = self._sessions.best_slot(job.request, seq, free, engine.slot_shard, total)
+        shard = engine.slot_shard(job.slot)
+        pages, common = self._sessions.cached_prefix(job.request, seq, shard)
+        more = self._sessions.take(total - len(pages), shard) if total > len(pages) else []
         if more is None or not self._sessions.private_tail(pages, common, self._copy_page):
             self._pool.release(pages + (more or []))
             if not self._slots and self._prefilling is None and not self._sessions:
-                raise RuntimeError(  # the pool is held by no one and still too small
-                    f"{total} pages needed; {self._pool.available} of the pool's "
-                    f"{self.engine.num_pages} available"
+                raise RuntimeError(  # the shard's pages are held by no one and still too few
+                    f"{total} pages needed; {self._pool.available(shard)} free on shard {shard}"
                 )
             return False
         job.pages, job.done = pages + more, common
@@ -363,9 +364,8 @@ class EmbeddedBackend:
         return True
 
     def _prefill_chunk(self, job: _Job) -> None:
-        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes
-        (or finishes at its first token). A long sequence's chunks alternate with decode
-        calls, so decoding requests keep going while it is admitted."""
+        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes in
+        its slot (or finishes at its first token). Chunks alternate with decode calls."""
         seq = self._sequence(job)
         chunk = seq[job.done : job.done + self.engine.prefill_chunk]
         self._state, prefix = self.engine.prefill(
@@ -395,27 +395,28 @@ class EmbeddedBackend:
         if int(finish) != RUNNING:
             self._retire(job, "stop" if int(finish) == STOPPED else "length")
             return
-        slot = next(i for i in range(self.engine.max_concurrent_decodes) if i not in self._slots)
-        self._state = self.engine.insert(prefix, self._state, slot)
-        self._slots[slot] = job
-        self._table[slot, : len(job.pages)] = job.pages
+        self._state = self.engine.insert(prefix, self._state, job.slot)
+        self._slots[job.slot] = job
+        self._table[job.slot, : len(job.pages)] = job.pages
 
     def _grow(self) -> None:
         """Gives every decoding slot the pages its next decode call writes into; when the
-        pool runs out, the request admitted last is preempted (its pages freed, its full
-        pages kept as a cached prefix) and waits to be computed again."""
+        slot's shard runs out, the request admitted last there is preempted (its pages freed,
+        its full pages kept as a cached prefix) and waits to be computed again."""
+        shard = self.engine.slot_shard
         for slot in sorted(self._slots, key=lambda s: self._slots[s].admitted):
             job = self._slots.get(slot)
             if job is None:
                 continue
             need = self.engine.pages_for(min(job.pos + self._steps_per_call, self.engine.max_len))
             while len(job.pages) < need:
-                more = self._sessions.take(need - len(job.pages))
+                more = self._sessions.take(need - len(job.pages), shard(slot))
                 if more is not None:
                     self._table[slot, len(job.pages) : need] = more
                     job.pages += more
                     break
-                self._preempt(max(self._slots, key=lambda s: self._slots[s].admitted))
+                mates = [s for s in self._slots if shard(s) == shard(slot)]
+                self._preempt(max(mates, key=lambda s: self._slots[s].admitted))
                 if slot not in self._slots:
                     break
 

@@ -84,18 +84,18 @@ def make_engine(
     model: ModelConfig,
     dtype: str,
     sharder: Sharder | None,
-    platform: str | None = None,
 ) -> Engine:
     """The embedded engine ``rollout`` describes, serving ``model`` in ``dtype`` on
-    ``sharder``'s mesh, its programs compiled for ``platform`` (default: JAX's backend)."""
+    ``sharder``'s mesh (its programs compiled for the platform of the mesh's devices: TPU for
+    a plan's abstract TPU devices, `engine.compile_platform`)."""
     import jax
 
-    from jax_agent_rl.engine import Engine, pool_pages
+    from jax_agent_rl.engine import Engine, cache_dtype, compile_platform, pool_pages
 
     r = rollout
     model = dataclasses.replace(model, dtype=dtype)  # type: ignore[arg-type]
-    # XLA:CPU's pages are fp32 (`Engine.cache_dtype`)
-    width = 4 if dtype == "float32" or (platform or jax.default_backend()) == "cpu" else 2
+    # the pages' dtype on the platform the engine compiles for (`Engine.cache_dtype`)
+    width = jax.numpy.dtype(cache_dtype(model, compile_platform(sharder))).itemsize
     return Engine(
         model,
         max_concurrent_decodes=r.max_concurrent,
@@ -107,7 +107,6 @@ def make_engine(
         prefill_chunk=r.prefill_chunk,
         batch_buckets=r.batch_buckets,
         sharder=sharder,
-        platform=platform,
     )
 
 

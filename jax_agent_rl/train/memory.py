@@ -15,7 +15,8 @@ import jax
 from jax_agent_rl.config import JarlConfig, MeshSection
 from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
-from jax_agent_rl.models.decoder import PAGE_AXES, is_spec
+from jax_agent_rl.models.decoder import is_spec
+from jax_agent_rl.models.paged import PAGE_AXES
 
 
 def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:

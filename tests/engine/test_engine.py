@@ -280,3 +280,62 @@ def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:
     assert np.abs(np.asarray(few.logprob - every.logprob[:, :4])).max() <= FP32_LOGPROBS
     np.testing.assert_array_equal(part.pos, whole.pos)
     assert engine.compile_counts["generate"] == 2  # one program per batch bucket
+
+
+def test_sharded_sessions_share_prompts_within_their_shards(checkpoint: Path) -> None:
+    """8 slots over data=4 (2 per shard): a group of 6 episodes of one 70-token prompt, each
+    a session; then two branches of one of them (``prefix_session``), then each session's
+    next turn. Episodes on different shards do not share the prompt's pages (each shard
+    prefills it once and its episodes share them there); a branch starts from its parent's
+    pages on the parent's shard (copying the one it writes into); a next turn runs on its
+    session's shard and prefills only what is new. Every decode step checks that each slot
+    names pages of its own shard only (`Engine.generate`), and the tokens are those of one
+    device (logprobs within the fp32 bound)."""
+    sharder = Sharder(inference_mesh(make_mesh(data=2, fsdp=2, tensor=2)))
+    sharded = _backend(checkpoint, sharder=sharder, max_concurrent_decodes=8, page_size=16)
+    local = _backend(checkpoint, max_concurrent_decodes=8, page_size=16)
+    assert sharded.engine.shards == 4 and sharded._pool.shards == 4
+    prompt = tuple(int(t) for t in np.random.default_rng(7).integers(1, 500, 70))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    group = [GenerateRequest(f"e{i}", prompt, greedy, session_id=f"s{i}") for i in range(6)]
+
+    def run(backend: EmbeddedBackend, requests: list[GenerateRequest]) -> list:
+        async def all_() -> list:
+            return list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+
+        return asyncio.run(all_())
+
+    def same(a_results: list, b_results: list) -> None:
+        for a, b in zip(a_results, b_results, strict=True):
+            assert a.token_ids == b.token_ids
+            assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= FP32_LOGPROBS
+
+    first = run(sharded, group)
+    same(first, run(local, group))
+    shard_of = sharded._pool.shard_of
+    kept = {sid: pages for sid, (_, pages) in sharded._sessions._kept.items()}
+    shards = {shard_of(pages[0]) for pages in kept.values()}
+    assert len(shards) > 1  # the group really spread over shards
+    for pages in kept.values():
+        assert len({shard_of(p) for p in pages}) == 1
+    # the prompt's 4 full pages: computed once per shard the group ran on, shared there
+    assert sharded.stats.prefilled_tokens == 70 * len(shards) + 6 * (6 - len(shards))
+    assert local.stats.prefilled_tokens == 70 + 6 * 5
+    history = (*prompt, *first[0].token_ids)
+    branches = [
+        GenerateRequest(f"b{j}", (*history[: 75 + j], 9, 9), greedy, prefix_session="s0")
+        for j in range(2)
+    ]
+    turns = [
+        GenerateRequest(f"t{i}", (*prompt, *r.token_ids, 5, 6, 7), greedy, session_id=f"s{i}")
+        for i, r in enumerate(first)
+    ]
+    before = sharded.stats.prefilled_tokens
+    same(run(sharded, branches), run(local, branches))
+    same(run(sharded, turns), run(local, turns))
+    # each branch prefills its 2 tokens past its parent's pages (on the parent's shard);
+    # each turn, on its session's shard, its 3 new tokens and the last one sampled before
+    assert sharded.stats.prefilled_tokens - before == 2 * 2 + 6 * 4
+    assert sharded.stats.page_copies >= 1
+    asyncio.run(sharded.close())
+    asyncio.run(local.close())

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_agent_rl.models.decoder import (
-    ATTN_BLOCK,
-    attention,
+from jax_agent_rl.models import Sharder, make_mesh
+from jax_agent_rl.models.decoder import ATTN_BLOCK, attention
+from jax_agent_rl.models.paged import (
+    decode_steps,
     page_pairs,
     paged_attention,
     pair_block,
@@ -253,3 +254,69 @@ def test_ragged_attention_rows_are_bitwise_the_same_wherever_their_pairs_fall() 
         alone = run([i == b for i in range(4)], 96)
         np.testing.assert_array_equal(alone[b], every[b])
     np.testing.assert_array_equal(run([False, True, False, True], 32)[[1, 3]], every[[1, 3]])
+
+
+def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> None:
+    """Decode attention under ``shard_map`` (`decode_steps`) on a data=4 x tensor=2 mesh of
+    fake CPU devices: 8 rows, 2 per shard, each row's pages in its shard's range of a pool
+    of 4 x 16 pages (shared within a shard, scattered; one row idle, one of 12 pages). Each
+    shard writes its rows' new keys and values into its own pages and attends over them in
+    its own page ids. Against the same step on one device (`ragged_attention` over global
+    page ids): the pool bit for bit; the sharded ragged kernel and JAX's TPU kernel (Pallas
+    TPU interpret mode) each within the bound of the float64 softmax held above, so within
+    twice that of the one-device result: all read the same bfloat16 pool exactly and
+    compute in fp32 (fp32 queries: none rounds its weights or its output; a kv head's
+    einsums on a device of one kv head round in another order than on a device of two)."""
+    ps, local, shards = 8, 16, 4
+    mesh = make_mesh(data=shards, fsdp=1, tensor=2)
+    sharder = Sharder(mesh)
+    lengths = [5, 12 * ps, 1, ps + 1, 3 * ps, 7, 10 * ps + 3, 2]
+    first = [(b // 2) * local for b in range(8)]  # row b decodes on shard b // 2
+    tables = [
+        [first[0] + 3],
+        [first[1] + p for p in range(3, 15)],
+        [first[2]],
+        [first[3] + 5, first[3] + 9],
+        [first[4] + p for p in (15, 2, 7)],
+        [first[5] + 15],  # shares row 4's first page's shard, its own page
+        [first[6] + p for p in range(11)],
+        [first[7] + 12],
+    ]
+    active = jnp.asarray([True, True, False, True, True, True, True, True])
+    pos = jnp.asarray(lengths) - 1
+    keys = jax.random.split(jax.random.key(8), 5)
+    k16 = jax.random.normal(keys[0], (G, shards * local, ps, K)).astype(jnp.bfloat16)
+    v16 = jax.random.normal(keys[1], (G, shards * local, ps, K)).astype(jnp.bfloat16)
+    q = jax.random.normal(keys[2], (8, H, K))
+    k_new, v_new = (jax.random.normal(k, (8, G, K)) for k in keys[3:])
+    table = jnp.asarray(_table(tables, local))
+    for b, t in enumerate(tables):  # entries past a row's pages: its shard's first page
+        table = table.at[b, len(t) :].set(first[b])
+
+    def step(sharder: Sharder | None, kernel: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+        make_tables, layer = decode_steps(sharder, shards * local, ps, kernel)
+        tables_ = make_tables(table, pos, active)
+        return layer(q, k_new, v_new, k16, v16, tables_, pos, active)
+
+    one, ck, cv = jax.jit(lambda: step(None, "ragged"))()
+    ragged, ck_r, cv_r = jax.jit(lambda: step(sharder, "ragged"))()
+    with pltpu.force_tpu_interpret_mode():
+        pallas, ck_p, cv_p = jax.jit(lambda: step(sharder, "pallas"))()
+    assert ragged.sharding.shard_shape(ragged.shape) == (2, H // 2, K)  # rows, heads split
+    for got in (ck_r, ck_p):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ck, np.float32))
+    for got in (cv_r, cv_p):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(cv, np.float32))
+    live = np.asarray(active)
+    k64, v64 = _rows(ck, tables, lengths), _rows(cv, tables, lengths)
+    last = np.asarray(pos)[:, None]
+    want = _reference(np.asarray(q, np.float64).reshape(8, 1, G, H // G, K), k64, v64, last)
+    bound = (K + max(lengths) + 1) * 2.0**-24 * np.abs(v64).max()
+    for got in (one, pallas):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0
+        )
+    np.testing.assert_allclose(
+        np.asarray(pallas)[live], np.asarray(one)[live], atol=2 * bound, rtol=0
+    )
+    assert not np.asarray(pallas[~live]).any() and not np.asarray(one[~live]).any()

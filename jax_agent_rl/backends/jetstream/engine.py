@@ -141,7 +141,7 @@ class JetStreamEngine(engine_api.Engine):
         # host view of the slots: cached length of each active one, refreshed from the last
         # generate's output (which JetStream copies to the host anyway)
         self._lengths: dict[int, int] = {}
-        self._pool = PagePool(engine.num_pages)
+        self._pool = PagePool(engine.num_pages, engine.shards)
         self._pages: dict[int, list[int]] = {}  # each slot's pages
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._fresh: set[int] = set()  # slots inserted since the last generate
@@ -213,7 +213,8 @@ class JetStreamEngine(engine_api.Engine):
     def insert(self, prefix: Prefilled, decode_state: SlotsState, slot: int) -> SlotsState:
         engine, tokens = self.engine, [int(t) for t in np.asarray(prefix.tokens)]
         self._free(slot)
-        pages = self._pool.take(engine.pages_for(min(len(tokens) + self.steps, engine.max_len)))
+        need = engine.pages_for(min(len(tokens) + self.steps, engine.max_len))
+        pages = self._pool.take(need, engine.slot_shard(slot))  # of the slot's shard
         if pages is None:  # every slot holds at most a whole sequence's pages: never
             raise RuntimeError("the KV page pool is exhausted")
         state = decode_state.state
@@ -298,7 +299,7 @@ class JetStreamEngine(engine_api.Engine):
             pages = self._pages[slot]
             need = self.engine.pages_for(min(length + self.steps, self.engine.max_len))
             if len(pages) < need:
-                more = self._pool.take(need - len(pages))
+                more = self._pool.take(need - len(pages), self.engine.slot_shard(slot))
                 if more is None:
                     raise RuntimeError("the KV page pool is exhausted")
                 self._table[slot, len(pages) : need] = more

@@ -1,0 +1,329 @@
+"""Attention over a paged KV pool (`decoder.KVPages`: per layer [G, P, page_size, K]), for
+prefill chunks (`paged_attention`) and decode steps (`ragged_attention`, or on TPU JAX's
+Pallas kernel, `pallas_paged_attention`), and a decode step's layers sharded
+(`decode_steps`): each shard of the rows reads and writes only its own pages.
+
+Shapes use the letters of `decoder`: B rows, T query tokens, H query heads, G kv heads,
+R = H // G, K head dim, P pages, M a page table's length, J (row, page) pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+
+from jax_agent_rl.models.sharding import Sharder
+
+# the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
+PAGE_AXES = ("kv_heads", "batch", "cache_seq", "head_dim")
+PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_block`)
+
+
+def pair_block(page_size: int) -> int:
+    """(row, page) pairs per block of `ragged_attention`: blocks of `PAIR_POSITIONS`
+    positions whatever the page size (a padding pair costs a page; pages of a whole
+    sequence make blocks of one pair)."""
+    return max(1, PAIR_POSITIONS // page_size)
+
+
+def paged_attention(
+    q_bthk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    pages_read: int,
+) -> jax.Array:
+    """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1`` whose keys and values
+    are in their pages already (at positions ``pos_b + t``), over the row's positions up to
+    their own: each row's first ``pages_read`` pages (static, a bucket that covers every
+    row's positions) gathered from one layer's pool [G, P, page_size, K] by its page table
+    [B, M]. For prefill chunks: T queries over a few pages each.
+
+    Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
+    matmul (as a matmul in that dtype takes them), the denominator summed unrounded.
+    """
+    B, T, H, K = q_bthk.shape
+    G, _, ps, _ = k_pages.shape
+    q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
+    pages_bn = table_bm[:, :pages_read]
+    seen_bts = jnp.arange(pages_read * ps) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]
+    s = jnp.einsum("btgrk,gbnsk->bgrtns", q, k_pages[:, pages_bn].astype(jnp.float32))
+    s = s.reshape(*s.shape[:4], pages_read * ps)
+    s = jnp.where(seen_bts[:, None, None], s * K**-0.5, -1e30)
+    p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
+    p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
+    p_rounded = p_rounded.reshape(*s.shape[:4], pages_read, ps)
+    out = jnp.einsum("bgrtns,gbnsk->bgrtk", p_rounded, v_pages[:, pages_bn].astype(jnp.float32))
+    out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagePairs:
+    """The (row, page) pairs ragged decode attention reads, [J] each, rows in order: row b's
+    pages 0 .. pos_b // page_size, those that hold its positions 0 .. pos_b. Padding pairs
+    carry row B (read into no row)."""
+
+    row: jax.Array  # int32
+    page: jax.Array  # int32: a page of the pool
+    start: jax.Array  # int32: the page's first position in its row
+
+
+def page_pairs(
+    table_bm: jax.Array, pos_b: jax.Array, active_b: jax.Array, num_pairs: int, page_size: int
+) -> PagePairs:
+    """`PagePairs` of the active rows for queries at positions ``pos_b``, padded to
+    ``num_pairs`` (static; at least the pages the rows hold)."""
+    B, M = table_bm.shape
+    n_b = jnp.where(active_b, pos_b // page_size + 1, 0)
+    ends_b = jnp.cumsum(n_b)
+    j = jnp.arange(num_pairs)
+    row_j = jnp.searchsorted(ends_b, j, side="right").astype(jnp.int32)  # B past the last pair
+    row = jnp.minimum(row_j, B - 1)
+    index_j = jnp.clip(j - (ends_b[row] - n_b[row]), 0, M - 1)
+    return PagePairs(row=row_j, page=table_bm[row, index_j], start=index_j * page_size)
+
+
+def ragged_attention(
+    q_bhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    pairs: PagePairs,
+    pos_b: jax.Array,
+) -> jax.Array:
+    """Decode attention, one new token per row [B, H, K] at position ``pos_b``, over the
+    row's own pages only: the work is the real pairs', the sum of the rows' real lengths in
+    pages, so a long row costs the short ones nothing, and padding pairs cost nothing.
+
+    Each pair is a partial softmax over its page (its max, sum and weighted values, fp32);
+    a row's pairs are combined at the row's max. A row's numbers depend only on its own
+    pairs, bit for bit, not on which rows share the step or on the padding: XLA:CPU computes
+    an elementwise op (exp) differently by array size, so the pairs go through one program
+    in blocks of `pair_block`, and the blocks add into their rows one pair after another, in
+    pair order. Both passes are loops over the blocks that hold real pairs (a trip count
+    known only on the device): one program serves any mix of lengths.
+    """
+    B, H, K = q_bhk.shape
+    J = pairs.row.shape[0]
+    G, _, ps, _ = k_pages.shape
+    R = H // G
+    C = pair_block(ps)
+    if J % C:
+        raise ValueError(f"{J} pairs: a multiple of {C}")
+    q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
+    seen_bs = jnp.arange(ps)[None, :]
+    blocks = jax.tree.map(lambda x: x.reshape(J // C, C), pairs)
+    real_blocks = (jnp.sum(pairs.row < B) + C - 1) // C  # real pairs come first
+
+    def block_at(i: jax.Array) -> PagePairs:
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), blocks)
+
+    def partial_softmax(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        row_top, top_j, total_j, out_j = carry
+        block = block_at(i)
+        row = jnp.minimum(block.row, B - 1)
+        s = jnp.einsum("jgrk,gjsk->jgrs", q_bgrk[row], k_pages[:, block.page].astype(jnp.float32))
+        seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
+        s = jnp.where(seen_js[:, None, None], s * K**-0.5, -1e30)
+        top = s.max(-1)  # [C, G, R]: a page's first position is always seen
+        p = jnp.exp(s - top[..., None])
+        p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
+        out = jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v_pages[:, block.page].astype(jnp.float32))
+        return (
+            row_top.at[block.row].max(top, mode="drop"),
+            jax.lax.dynamic_update_index_in_dim(top_j, top, i, 0),
+            jax.lax.dynamic_update_index_in_dim(total_j, p.sum(-1), i, 0),
+            jax.lax.dynamic_update_index_in_dim(out_j, out, i, 0),
+        )
+
+    n = J // C
+    row_top, top_j, total_j, out_j = jax.lax.fori_loop(
+        0,
+        real_blocks,
+        partial_softmax,
+        (
+            jnp.full((B, G, R), -jnp.inf),
+            jnp.zeros((n, C, G, R)),
+            jnp.zeros((n, C, G, R)),
+            jnp.zeros((n, C, G, R, K)),
+        ),
+    )
+
+    def add_block(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        row_total, row_out = carry
+        rows = block_at(i).row
+        top, total, out = (
+            jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (top_j, total_j, out_j)
+        )
+        rescale = jnp.exp(top - row_top[jnp.minimum(rows, B - 1)])
+        row_total = row_total.at[rows].add(total * rescale, mode="drop")
+        row_out = row_out.at[rows].add(out * rescale[..., None], mode="drop")
+        return row_total, row_out
+
+    start = (jnp.zeros((B, G, R)), jnp.zeros((B, G, R, K)))
+    total_b, out_b = jax.lax.fori_loop(0, real_blocks, add_block, start)
+    out_b = out_b / jnp.where(total_b > 0, total_b, 1.0)[..., None]  # a row of no pairs: 0
+    return out_b.astype(q_bhk.dtype).reshape(B, H, K)
+
+
+PALLAS_BLOCK_POSITIONS = 256  # cache positions per compute block of `pallas_paged_attention`
+
+
+def pallas_paged_attention(
+    q_bhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+) -> jax.Array:
+    """Decode attention as `ragged_attention` computes it, by the TPU paged-attention
+    kernel JAX ships (`jax.experimental.pallas.ops.tpu.paged_attention`): row b attends to
+    its positions ``0 .. pos_b`` through its page table, reading its pages in place (one
+    kv head's pages per program, blocks of pages double-buffered into VMEM). Rows not active
+    give zeros.
+
+    The kernel reads keys and values as bfloat16 (it casts them), scores and weights in
+    fp32 (the weights are not rounded before the values' matmul): for a 16-bit cache it is
+    `ragged_attention` up to that rounding. Off TPU it runs only in Pallas's TPU interpret
+    mode (``pltpu.force_tpu_interpret_mode()`` around the trace).
+    """
+    K = q_bhk.shape[2]
+    ps = k_pages.shape[2]
+    block = max(1, PALLAS_BLOCK_POSITIONS // ps)
+    M = table_bm.shape[1]
+    # the kernel steps over a row's pages in blocks: its table padded to whole blocks
+    # (page 0 there, past every row's length, never read)
+    table = jnp.pad(table_bm, ((0, 0), (0, -M % block)))
+    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
+    q = q_bhk.astype(jnp.float32) * K**-0.5  # the kernel does not scale
+    out = tpu_paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
+    return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeTables:
+    """What a decode step's layers share, in page ids of the pool they read (a shard's own,
+    sharded): each row's page table [B, M], the page its new token goes into [B] (past the
+    pool for an idle row: written nowhere), and the (row, page) pairs of `ragged_attention`."""
+
+    table: jax.Array
+    page: jax.Array
+    pairs: PagePairs
+
+
+def decode_tables(
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+    num_pages: int,
+    page_size: int,
+    first_page: jax.Array | int = 0,
+) -> DecodeTables:
+    """`DecodeTables` of rows whose pages are ``first_page .. first_page + num_pages - 1`` of
+    the pool (a shard's range; the ids come out counted from its first page), for new tokens
+    at positions ``pos_b``."""
+    B, M = pos_b.shape[0], table_bm.shape[1]
+    table = table_bm - first_page
+    page_b = table[jnp.arange(B), jnp.minimum(pos_b // page_size, M - 1)]
+    # every row's every page fits the pairs; the loops stop after the real ones
+    capacity = -(-B * M // pair_block(page_size)) * pair_block(page_size)
+    return DecodeTables(
+        table=table,
+        page=jnp.where(active_b, page_b, num_pages),
+        pairs=page_pairs(table, pos_b, active_b, capacity, page_size),
+    )
+
+
+def _decode_layer(
+    q_bhk: jax.Array,
+    k_bgk: jax.Array,
+    v_bgk: jax.Array,
+    ck: jax.Array,
+    cv: jax.Array,
+    tables: DecodeTables,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+    kernel: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's decode attention over a pool's pages [G, P, page_size, K]: the new
+    token's key and value go into its page, then the row attends to its pages (by
+    `ragged_attention` or, ``kernel`` "pallas", `pallas_paged_attention`). Returns the
+    attention [B, H, K] and the layer's pages."""
+    offset_b = pos_b % ck.shape[2]
+    ck = ck.at[:, tables.page, offset_b].set(k_bgk.transpose(1, 0, 2).astype(ck.dtype), mode="drop")
+    cv = cv.at[:, tables.page, offset_b].set(v_bgk.transpose(1, 0, 2).astype(cv.dtype), mode="drop")
+    if kernel == "pallas":
+        return pallas_paged_attention(q_bhk, ck, cv, tables.table, pos_b, active_b), ck, cv
+    return ragged_attention(q_bhk, ck, cv, tables.pairs, pos_b), ck, cv
+
+
+def decode_steps(
+    sharder: Sharder | None, num_pages: int, page_size: int, kernel: str
+) -> tuple[Callable[..., DecodeTables], Callable[..., tuple[jax.Array, ...]]]:
+    """`decode_tables` and `_decode_layer` for a pool of ``num_pages`` pages; with a
+    ``sharder``, each under ``jax.shard_map`` over the mesh axes that split the rows (and
+    the pool's pages: `PAGE_AXES`) and the kv heads: a shard computes its own rows' tables
+    in its own page ids and their attention over its own pages, so nothing crosses devices
+    (a row's pages are on its shard: the host's ledger, `engine.pages`, sees to it). A
+    query's heads split as the kv heads they read."""
+    if sharder is None:
+        tables = partial(decode_tables, num_pages=num_pages, page_size=page_size)
+        return tables, partial(_decode_layer, kernel=kernel)
+    rules, mesh = sharder.rules, sharder.mesh
+    local = num_pages // sharder.shards("batch")  # a shard's pages
+    rows = rules.spec(("batch",))  # every per-row array and table: split on its first axis
+    heads, pages = rules.spec(("batch", "kv_heads", "head_dim")), rules.spec(PAGE_AXES)
+
+    def shard_tables(table_bm: jax.Array, pos_b: jax.Array, active_b: jax.Array) -> DecodeTables:
+        first = sharder.shard_index("batch") * local
+        return decode_tables(table_bm, pos_b, active_b, local, page_size, first)
+
+    return (
+        jax.shard_map(
+            shard_tables,
+            mesh=mesh,
+            in_specs=(rows, rows, rows),
+            out_specs=rows,
+            check_vma=False,
+        ),
+        jax.shard_map(
+            partial(_decode_layer, kernel=kernel),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, pages, pages, rows, rows, rows),
+            out_specs=(heads, pages, pages),
+            check_vma=False,
+        ),
+    )
+
+
+def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder | None) -> Any:
+    """``pages`` (a tree of per-layer pools [G, P, page_size, K]) with page ``src_dst[1]``
+    a copy of page ``src_dst[0]``. Both are pages of one shard's range: with a ``sharder``
+    the copy runs on that shard, in its own page ids, and moves nothing between devices
+    (elsewhere the destination is out of range and nothing is written)."""
+
+    def copy(src_dst: jax.Array, pages: Any) -> Any:
+        num_pages = jax.tree.leaves(pages)[0].shape[1]
+        first = 0 if sharder is None else sharder.shard_index("batch") * num_pages
+        src, dst = src_dst[0] - first, src_dst[1] - first
+        src = jnp.clip(src, 0, num_pages - 1)
+        dst = jnp.where((dst >= 0) & (dst < num_pages), dst, num_pages)
+        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="drop"), pages)
+
+    if sharder is None:
+        return copy(src_dst, pages)
+    spec = sharder.rules.spec(PAGE_AXES)
+    replicated = jax.sharding.PartitionSpec()
+    return jax.shard_map(copy, mesh=sharder.mesh, in_specs=(replicated, spec), out_specs=spec)(
+        src_dst, pages
+    )
