@@ -9,10 +9,9 @@ caller's business (`engine.pages.PagePool` keeps the ledger); the engine compute
 already), writes their keys and values into its pages and samples the next token;
 ``insert`` places the result in a decode slot; ``generate`` advances every active slot by
 ``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
-rounded up to a power-of-two batch bucket), and each slot's attention reads its own pages
-only (`models.paged.ragged_attention`: the work is the sum of the real lengths; compiled
-for TPU with a 16-bit cache, JAX's Pallas kernel: `models.paged.pallas_paged_attention`).
-``copy_page`` gives a sequence its own copy of a shared page it is about to write into.
+rounded up to a power-of-two batch bucket), each slot's attention over its own pages only
+(`models.paged.ragged_attention`, the work the sum of the real lengths; on TPU with a
+16-bit cache, JAX's Pallas kernel). ``copy_page`` copies a shared page before a write.
 Each slot carries its own sampling parameters, RNG, stop ids and budget.
 
 Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
@@ -21,8 +20,8 @@ of pages; ``generate`` compiles once per batch bucket (attention loops over the 
 (slot, page) pairs, a count known on the device only); ``warmup`` compiles them all up front.
 ``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
 Weights are arguments, never constants: new weights of the same shapes reuse every compiled
-program. Each layer's weights and pages are buffers of their own (`serving_layout`,
-`KVPages`), which the decode step reads and writes without copying.
+program. Each layer's weights and pages are buffers of their own (`serving_layout`), read
+and written in place.
 
 With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
@@ -133,13 +132,12 @@ class Engine:
         # decode batches: the first `rows` slots, `rows` a power of two; slots split over
         # devices keep the whole batch, each device decoding its share
         self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
-        platform = compile_platform(sharder)
-        self.cache_dtype = cache_dtype(cfg, platform)
+        self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel, which
         # reads a 16-bit cache); sharded, each shard runs it on its own slots and pages
         if decode_kernel == "auto":
-            tpu = platform == "tpu" and self.cache_dtype != jnp.float32
+            tpu = compile_platform(sharder) == "tpu" and self.cache_dtype != jnp.float32
             decode_kernel = "pallas" if tpu else "ragged"
         if decode_kernel not in ("ragged", "pallas"):
             raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
