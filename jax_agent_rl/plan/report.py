@@ -44,6 +44,7 @@ class Compiled:
     compiler_bytes: float = 0.0
     predicted_s: float = 0.0
     mfu: float | None = None
+    kernels: tuple[str, ...] = ()  # the Pallas (Mosaic) kernels the program runs
 
     @property
     def extra(self) -> int:
@@ -56,6 +57,14 @@ class Compiled:
 
 
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+# a Mosaic kernel in compiled HLO: `%paged_attention.1 = (...) custom-call(...),
+# custom_call_target="tpu_custom_call"`, the instruction named after the kernel
+_KERNEL = re.compile(r"%([A-Za-z_]\w*?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"")
+
+
+def kernels(hlo: str) -> tuple[str, ...]:
+    """The Pallas kernels compiled HLO text runs, by name, each once, in order."""
+    return tuple(dict.fromkeys(_KERNEL.findall(hlo)))
 
 
 def _compile(program: Program, topology: Topology, timeout_s: float | None) -> Compiled:
@@ -125,6 +134,7 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         compiler_bytes=c_bytes,
         predicted_s=predicted,
         mfu=mfu,
+        kernels=kernels(compiled.as_text()),
     )
 
 
@@ -213,6 +223,7 @@ class Plan:
                     "flops_per_device": p.flops,
                     "predicted_s": p.predicted_s,
                     "predicted_mfu": p.mfu,
+                    "pallas_kernels": list(p.kernels),
                 }
                 for p in self.programs
             ],
@@ -248,6 +259,8 @@ class Plan:
                     f"  compiler estimate: {p.predicted_s * 1e3:.1f} ms "
                     f"({p.compiler_bytes / GiB:.2f} GiB read and written per chip)"
                 )
+            if p.kernels:
+                out.append(f"  Pallas kernels: {', '.join(p.kernels)}")
         peak, top = self.peak
         if top is not None:
             parts = " + ".join(f"{name} {_g(b)}" for name, b in self.resident)

@@ -53,6 +53,35 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
 
 
 @pytest.fixture(scope="module")
+def tiny_bf16_plan(
+    tiny: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The tiny run in bfloat16 (a 16-bit KV cache) with heads of 128 (what TPU kernels lay
+    out in lanes, as real models' heads are)."""
+    folder = tmp_path_factory.mktemp("tiny_bf16")
+    config = json.loads((tiny[0] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": 128}))
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    run = [*tiny[1], f"model.path={folder}", "model.dtype=bfloat16"]
+    done = jarl_plan(str(DEMO), *run, "--topology", "v5e:2x2", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "  Pallas kernels: paged_attention" in done.stdout.splitlines()
+    return dict(json.loads(out.read_text()))
+
+
+def test_the_tpu_programs_run_the_pallas_kernels(tiny_bf16_plan: dict[str, Any]) -> None:
+    """On TPU the kernels run, not their XLA stand-ins: splash attention (forward and both
+    backward kernels) in the learner's steps, the paged-attention kernel in the engine's
+    decode (each shard's own, under shard_map)."""
+    kernels = {p["name"]: p["pallas_kernels"] for p in tiny_bf16_plan["programs"]}
+    for name in ("rl_update", "sft_step"):
+        for part in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+            assert any(k.startswith(part) for k in kernels[name]), kernels
+    assert kernels["decode"] == ["paged_attention"], kernels
+    assert kernels["weight_push"] == [] and tiny_bf16_plan["fits"]
+
+
+@pytest.fixture(scope="module")
 def tiny_plan(
     tiny: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
