@@ -1,10 +1,14 @@
 """launch/tpu_pod.sh: the commands it runs on a TPU VM slice, checked through --dry-run."""
 
 import importlib.metadata
+import json
+import os
 import subprocess
 from pathlib import Path
 
 from packaging.requirements import Requirement
+
+from jax_agent_rl.plan.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 TPU_POD = ROOT / "launch" / "tpu_pod.sh"
@@ -157,3 +161,29 @@ def test_a_jetstream_run_sets_up_the_server_venv_on_every_worker() -> None:
     assert f"train {CONFIG} rollout.backend=jetstream rollout.jetstream.chips=4\\,5\\,6\\,7 " in run
     embedded = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG)
     assert [c for c in _commands(embedded.stdout) if "setup.sh jetstream" in c] == []
+
+
+def test_a_run_that_does_not_fit_the_slice_is_refused_before_any_slice(tmp_path: Path) -> None:
+    """The real `jarl plan` runs first (this host compiles for TPU): Qwen2.5-32B on a v5e-4
+    does not fit, so the script stops with its line and never calls gcloud to create, copy
+    or run anything (a `gcloud` on PATH records every call)."""
+    model = tmp_path / "qwen32b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(PRESETS["qwen2.5-32b"]))
+    calls = tmp_path / "gcloud-calls"
+    gcloud = tmp_path / "bin" / "gcloud"
+    gcloud.parent.mkdir()
+    gcloud.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\nexit 1\n')
+    gcloud.chmod(0o755)
+    out = subprocess.run(
+        ["bash", str(TPU_POD), "--name", "pod", "--zone", "z", "--accelerator-type",
+         "v5litepod-4", "configs/gsm8k_tools_qwen2.5.yaml", f"model.path={model}",
+         "mesh.fsdp=4", "data.train=unused.parquet"],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=1200,
+        env={**os.environ, "PATH": f"{gcloud.parent}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "does not fit: rl_update needs" in out.stdout
+    assert "jarl plan refused the run on v5litepod-4" in out.stderr
+    assert not calls.exists() or "create" not in calls.read_text()
+    assert not calls.exists() or "ssh" not in calls.read_text()
