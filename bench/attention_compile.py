@@ -83,7 +83,10 @@ def main() -> None:
         return -jnp.mean(logp)
 
     t0 = time.perf_counter()
-    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, *batch)
+    # the gradients sharded like the weights, as an optimizer update reads them
+    shardings = (NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda x: x.sharding, params))
+    step = jax.jit(jax.value_and_grad(loss), out_shardings=shardings)
+    lowered = step.lower(params, *batch)
     t1, cpu1 = time.perf_counter(), _cpu_seconds()
     compiled = lowered.compile()
     t2, cpu2 = time.perf_counter(), _cpu_seconds()

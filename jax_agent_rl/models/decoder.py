@@ -336,8 +336,9 @@ def attention(
 
 def _key_block(T: int, window: int) -> int:
     """C, the keys per step of `attention`: a query block's keys (``window - 1`` before its
-    first query, to its last; the row's at most) split evenly into steps of at most about
-    `ATTN_KEYS`, whole query blocks each."""
+    first query, to its last; the row's at most) split evenly into steps of at most
+    `ATTN_KEYS`, whole query blocks each. A query block near the row's start reads a whole
+    step of keys all the same (those past its last query masked)."""
     n = ATTN_BLOCK
     span = min(-(-(window - 1 + n) // n) * n, T)
     steps = -(-span // ATTN_KEYS)
