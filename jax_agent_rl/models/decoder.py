@@ -96,6 +96,7 @@ class KVPages:
 
 
 ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
+ATTN_KEYS = 512  # key positions per step of a query block in `attention`, at most
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -300,70 +301,83 @@ def attention(
     kernel: bool | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
-    reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
-    (segment 0 is padding, attended by none). Scores and softmax in fp32.
+        reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
+        (segment 0 is padding, attended by none). Scores and softmax in fp32; the weights rounded
+        to the values' dtype for their matmul (fp32 sums).
 
-    On TPU (the ``sharder``'s mesh devices', else the default backend's) the Pallas TPU
-    kernel computes it (`pallas_attention`, each device on its rows and heads); elsewhere
-    the XLA computation below. ``kernel`` forces the choice (True: the kernel, which off TPU
-    runs only in Pallas's TPU interpret mode).
+    ATTN_KEYS = 512  # key positions per step of a query block in `attention`, at most
 
-    Queries go in blocks of `ATTN_BLOCK` tokens, each over the keys up to its last token only:
-    the blocks above the diagonal, all masked, are never computed (about half the work of a
-    dense T x T attention). ``window`` (static; a row's sequences are all at most this long):
-    a block reads only the keys of its last ``window`` positions before its first query, so
-    rows packed with short sequences cost attention by their sequences' lengths, not the
-    row's. Each block's scores are one batched matmul of (b, g) [R * n, K] x
-    [K, S] (the R query heads of a kv head side by side), a layout XLA:CPU runs without
-    transposing the scores. A query whose row is all masked (padding) gets uniform weights
-    over its block's keys, never NaN; no other token reads it.
-
-    The gradient (a custom VJP) keeps only each row's softmax maximum and sum and computes the
-    scores again, block by block, for the weights ``p`` (the same numbers as the forward's):
-    ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``. Autodiff kept every layer's weights,
-    fp32 and rounded, for the backward pass (gigabytes at 8 x 512 tokens, written and read
-    once each).
+        The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
+        output) and computes the scores again, block by block, for the weights ``p``:
+        ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
+        Autodiff would keep every step's weights for the backward pass.
     """
     use_kernel = runs_on_tpu(sharder) if kernel is None else kernel
     if use_kernel:
         return pallas_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window)
     B, T, H, K = q_bthk.shape
     G = k_btgk.shape[2]
-    q = q_bthk.reshape(B, T, G, H // G, K).transpose(0, 2, 1, 3, 4)  # [B, G, T, R, K]
-    k_bgtk, v_bgtk = k_btgk.transpose(0, 2, 1, 3), v_btgk.transpose(0, 2, 1, 3)
-    out = _attention(q, k_bgtk, v_bgtk, segment_ids_bt, window or T)
-    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a positive number of positions, or None")
+    Tp = -(-T // ATTN_BLOCK) * ATTN_BLOCK
+    pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
+    q = jnp.pad(q_bthk, pad).reshape(B, Tp, G, H // G, K).transpose(0, 2, 1, 3, 4)
+    k_bgtk, v_bgtk = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k_btgk, v_btgk))
+    segments_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, Tp - T)))  # padding: segment 0
+    out_bgtrk = _attention(q, k_bgtk, v_bgtk, segments_bt, min(window or T, T))
+    return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
 
 
-def _attention_blocks(T: int, window: int) -> list[tuple[int, int, int]]:
-    """Query blocks (start, end, first): queries start .. end - 1 see keys first .. end - 1 at
-    most (``window`` before ``start``)."""
-    return [
-        (start, min(start + ATTN_BLOCK, T), max(0, start - window + 1))
-        for start in range(0, T, ATTN_BLOCK)
-    ]
+def _key_block(T: int, window: int) -> int:
+    """C, the keys per step of `attention`: a query block's keys (``window - 1`` before its
+    first query, to its last; the row's at most) split evenly into steps of at most
+    `ATTN_KEYS`, whole query blocks each. A query block near the row's start reads a whole
+    step of keys all the same (those past its last query masked)."""
+    n = ATTN_BLOCK
+    span = min(-(-(window - 1 + n) // n) * n, T)
+    steps = -(-span // ATTN_KEYS)
+    return -(-span // (steps * n)) * n
+
+
+def _key_steps(start: jax.Array, window: int, C: int) -> jax.Array:
+    """The key blocks the query block at ``start`` reads: its keys ``max(0, start - window +
+    1) .. start + ATTN_BLOCK - 1`` in blocks of C counted back from the last."""
+    first = jnp.maximum(start - window + 1, 0)
+    return (start + ATTN_BLOCK - first + C - 1) // C
 
 
 def _block_scores(
-    q_bgtrk: jax.Array,
+    q_bgqk: jax.Array,
     k_bgtk: jax.Array,
     segment_ids_bt: jax.Array,
-    start: int,
-    end: int,
-    first: int,
-) -> jax.Array:
-    """Scaled scores [B, G, n, R, end - first] (fp32) of queries start .. end - 1 over keys
-    first .. end - 1; -1e30 if masked."""
-    B, G, _, R, K = q_bgtrk.shape
-    n, s = end - start, end - first
-    q_i = q_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
-    scores = jnp.einsum(
-        "bgqk,bgsk->bgqs", q_i, k_bgtk[:, :, first:end], preferred_element_type=jnp.float32
-    ).reshape(B, G, n, R, s)
-    seg_q, seg_k = segment_ids_bt[:, start:end, None], segment_ids_bt[:, None, first:end]
-    causal_ns = jnp.arange(start, end)[:, None] >= jnp.arange(first, end)[None, :]
-    mask_bns = causal_ns[None] & (seg_q == seg_k) & (seg_k != 0)
-    return jnp.where(mask_bns[:, None, :, None], scores * (K**-0.5), -1e30)
+    start: jax.Array,
+    step: jax.Array,
+    C: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Scaled scores [B, G, n * R, C] (fp32) of the query block at ``start`` (its n R query
+    rows ``q_bgqk``, [B, G, n * R, K]) over its ``step``-th key block, -inf where masked;
+    and that key block's first position. Key block ``step`` holds the keys ``end - (step +
+    1) C .. end - step C - 1`` (``end`` the query block's end); the last one starts at 0
+    at the earliest, and its keys that the block before holds already are masked."""
+    B, G, nR, K = q_bgqk.shape
+    n = ATTN_BLOCK
+    below = start + n - step * C  # this block's keys are below that position
+    first = jnp.maximum(below - C, 0)
+    k_bgck = jax.lax.dynamic_slice_in_dim(k_bgtk, first, C, axis=2)
+    scores = jnp.einsum("bgqk,bgck->bgqc", q_bgqk, k_bgck, preferred_element_type=jnp.float32)
+    seg_q = jax.lax.dynamic_slice_in_dim(segment_ids_bt, start, n, axis=1)
+    seg_k = jax.lax.dynamic_slice_in_dim(segment_ids_bt, first, C, axis=1)
+    last_n = jnp.minimum(start + jnp.arange(n), below - 1)  # the last key each query reads
+    seen_nc = first + jnp.arange(C)[None, :] <= last_n[:, None]
+    mask_bnc = seen_nc[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None] != 0)
+    scores = scores.reshape(B, G, n, nR // n, C)
+    scores = jnp.where(mask_bnc[:, None, :, None], scores * (K**-0.5), -jnp.inf)
+    return scores.reshape(B, G, nR, C), first
+
+
+# the running maximum's start: below every score, so a query that sees no key keeps a finite
+# maximum and weights exp(-inf - top) = 0
+_NO_SCORE = -1e30
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -374,7 +388,8 @@ def _attention(
     segment_ids_bt: jax.Array,
     window: int,
 ) -> jax.Array:
-    """`attention` in the layout it computes in: out [B, G, T, R, K]."""
+    """`attention` in the layout it computes in, T a multiple of `ATTN_BLOCK`: out [B, G, T,
+    R, K]."""
     return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, window)[0]
 
 
@@ -386,52 +401,99 @@ def _attention_fwd(
     window: int,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     B, G, T, R, K = q_bgtrk.shape
-    outs, tops, totals = [], [], []
-    for start, end, first in _attention_blocks(T, window):
-        n = end - start
-        scores = _block_scores(q_bgtrk, k_bgtk, segment_ids_bt, start, end, first)
-        top = scores.max(-1, keepdims=True)  # the softmax as `jax.nn.softmax` computes it
-        unnormalized = jnp.exp(scores - top)
-        total = unnormalized.sum(-1, keepdims=True)
-        probs = (unnormalized / total).astype(v_bgtk.dtype).reshape(B, G, n * R, end - first)
-        out = jnp.einsum("bgqs,bgsk->bgqk", probs, v_bgtk[:, :, first:end])
-        outs.append(out.reshape(B, G, n, R, K))
-        tops.append(top)
-        totals.append(total)
-    res = (q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, jnp.concatenate(tops, 2))
-    return jnp.concatenate(outs, axis=2), (*res, jnp.concatenate(totals, 2))
+    n, C = ATTN_BLOCK, _key_block(T, window)
+
+    def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        out_bgtrk, top_bgtr, total_bgtr = carry
+        start = i * n
+        q_i = jax.lax.dynamic_slice_in_dim(q_bgtrk, start, n, axis=2).reshape(B, G, n * R, K)
+
+        def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            top, total, out = acc  # [B, G, n * R] (fp32), and out [B, G, n * R, K]
+            scores, first = _block_scores(q_i, k_bgtk, segment_ids_bt, start, step, C)
+            new_top = jnp.maximum(top, scores.max(-1))
+            rescale = jnp.exp(top - new_top)
+            weights = jnp.exp(scores - new_top[..., None])
+            v_j = jax.lax.dynamic_slice_in_dim(v_bgtk, first, C, axis=2)
+            out_j = jnp.einsum(
+                "bgqc,bgck->bgqk",
+                weights.astype(v_bgtk.dtype),
+                v_j,
+                preferred_element_type=jnp.float32,
+            )
+            return new_top, total * rescale + weights.sum(-1), out * rescale[..., None] + out_j
+
+        rows = (jnp.full((B, G, n * R), _NO_SCORE), jnp.zeros((B, G, n * R)))
+        start_acc = (*rows, jnp.zeros((B, G, n * R, K)))
+        top, total, out = jax.lax.fori_loop(0, _key_steps(start, window, C), key_block, start_acc)
+        total = jnp.where(total > 0, total, 1.0)  # a query that sees no key: out 0
+        out = (out / total[..., None]).reshape(B, G, n, R, K)
+
+        def put(x: jax.Array, x_i: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice_in_dim(x, x_i, start, axis=2)
+
+        return (
+            put(out_bgtrk, out),
+            put(top_bgtr, top.reshape(B, G, n, R)),
+            put(total_bgtr, total.reshape(B, G, n, R)),
+        )
+
+    rows = (jnp.zeros((B, G, T, R)), jnp.zeros((B, G, T, R)))
+    out, top, total = jax.lax.fori_loop(0, T // n, query_block, (jnp.zeros((B, G, T, R, K)), *rows))
+    res = (q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, out, top, total)
+    return out.astype(q_bgtrk.dtype), res
 
 
 def _attention_bwd(
     window: int, res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    q, k, v, segment_ids_bt, top, total = res
+    q, k, v, segment_ids_bt, out, top, total = res
     B, G, T, R, K = q.shape
-    dq_blocks = []
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
-    for start, end, first in _attention_blocks(T, window):
-        n, s = end - start, end - first
-        scores = _block_scores(q, k, segment_ids_bt, start, end, first)
-        probs = jnp.exp(scores - top[:, :, start:end]) / total[:, :, start:end]
-        dout = dout_bgtrk[:, :, start:end].reshape(B, G, n * R, K)
-        dprobs = jnp.einsum(
-            "bgqk,bgsk->bgqs", dout, v[:, :, first:end], preferred_element_type=jnp.float32
-        ).reshape(B, G, n, R, s)
-        dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdims=True)) * (K**-0.5)
-        dscores = dscores.astype(q.dtype).reshape(B, G, n * R, s)
-        dq = jnp.einsum(
-            "bgqs,bgsk->bgqk", dscores, k[:, :, first:end], preferred_element_type=jnp.float32
-        )
-        dq_blocks.append(dq.reshape(B, G, n, R, K))
-        q_i = q[:, :, start:end].reshape(B, G, n * R, K)
-        dk_i = jnp.einsum("bgqs,bgqk->bgsk", dscores, q_i, preferred_element_type=jnp.float32)
-        p_i = probs.astype(v.dtype).reshape(B, G, n * R, s)
-        dv_i = jnp.einsum("bgqs,bgqk->bgsk", p_i, dout, preferred_element_type=jnp.float32)
-        dk = dk.at[:, :, first:end].add(dk_i)
-        dv = dv.at[:, :, first:end].add(dv_i)
-    dq_all = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
-    return dq_all, dk.astype(k.dtype), dv.astype(v.dtype), None
+    n, C = ATTN_BLOCK, _key_block(T, window)
+    # sum_s p_s dp_s = dout . sum_s p_s v_s = dout . out, per query [B, G, T, R]
+    dout_dot_out = jnp.einsum("bgtrk,bgtrk->bgtr", dout_bgtrk.astype(jnp.float32), out)
+
+    def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        dq, dk, dv = carry  # fp32
+        start = i * n
+
+        def rows(x: jax.Array) -> jax.Array:
+            """The query block's rows of ``x`` [B, G, T, R, ...], as [B, G, n * R, ...]."""
+            x_i = jax.lax.dynamic_slice_in_dim(x, start, n, axis=2)
+            return x_i.reshape(B, G, n * R, *x.shape[4:])
+
+        q_i, dout_i = rows(q), rows(dout_bgtrk)
+        top_i, total_i, dot_i = rows(top), rows(total), rows(dout_dot_out)
+
+        def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dq_i, dk, dv = acc
+            scores, first = _block_scores(q_i, k, segment_ids_bt, start, step, C)
+            probs = jnp.exp(scores - top_i[..., None]) / total_i[..., None]
+            k_j = jax.lax.dynamic_slice_in_dim(k, first, C, axis=2)
+            v_j = jax.lax.dynamic_slice_in_dim(v, first, C, axis=2)
+            dprobs = jnp.einsum("bgqk,bgck->bgqc", dout_i, v_j, preferred_element_type=jnp.float32)
+            dscores = (probs * (dprobs - dot_i[..., None]) * (K**-0.5)).astype(q.dtype)
+            dq_i = dq_i + jnp.einsum(
+                "bgqc,bgck->bgqk", dscores, k_j, preferred_element_type=jnp.float32
+            )
+            dk_j = jnp.einsum("bgqc,bgqk->bgck", dscores, q_i, preferred_element_type=jnp.float32)
+            p_j = probs.astype(v.dtype)
+            dv_j = jnp.einsum("bgqc,bgqk->bgck", p_j, dout_i, preferred_element_type=jnp.float32)
+
+            def add(x: jax.Array, x_j: jax.Array) -> jax.Array:
+                x_j = x_j + jax.lax.dynamic_slice_in_dim(x, first, C, axis=2)
+                return jax.lax.dynamic_update_slice_in_dim(x, x_j, first, axis=2)
+
+            return dq_i, add(dk, dk_j), add(dv, dv_j)
+
+        start_acc = (jnp.zeros((B, G, n * R, K)), dk, dv)
+        dq_i, dk, dv = jax.lax.fori_loop(0, _key_steps(start, window, C), key_block, start_acc)
+        dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i.reshape(B, G, n, R, K), start, axis=2)
+        return dq, dk, dv
+
+    zeros = (jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape))
+    dq, dk, dv = jax.lax.fori_loop(0, T // n, query_block, zeros)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

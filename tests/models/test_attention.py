@@ -320,3 +320,116 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
         np.asarray(pallas)[live], np.asarray(one)[live], atol=2 * bound, rtol=0
     )
     assert not np.asarray(pallas[~live]).any() and not np.asarray(one[~live]).any()
+
+
+# A longer row for the looped attention: T not a multiple of `ATTN_BLOCK`, query blocks that
+# read several blocks of `ATTN_KEYS` keys (the last one clamped at position 0), GQA with 3
+# query heads per kv head.
+LT, LH, LG = 1100, 6, 2
+
+
+# runs of tokens per row: a segment's length, or padding's as a negative number
+LAYOUTS = {
+    1000: ([40, 600, -5, 400], [1000, -5, 3, 80]),  # longest 1000: no window
+    450: ([40, 450, -5, 200, 390], [449, 3, -5, 450, 180]),  # window 450
+}
+
+
+def _long_segments(longest: int) -> np.ndarray:
+    """Two rows of segments of at most ``longest`` tokens (`LAYOUTS`), padding (segment 0)
+    between segments and at the end; segments cross query and key blocks."""
+    seg = np.zeros((2, LT), np.int32)
+    for row, runs in enumerate(LAYOUTS[longest]):
+        at = 0
+        for i, n in enumerate(runs, 1):
+            seg[row, at : at + abs(n)] = i if n > 0 else 0
+            at += abs(n)
+        assert at < LT and max(runs) <= longest  # padding at the end
+    return seg
+
+
+def _dense64(q, k, v, seg, dout):  # type: ignore[no-untyped-def]
+    """The plain masked softmax in float64 (queries that see no key: zeros), and its
+    gradients by the closed form: with s the scaled scores, p = softmax(s) over the visible
+    keys, out = p v: dv = p^T dout, dp = dout v^T, ds = p (dp - sum(p dp)), dq = ds k / sqrt(K),
+    dk = ds^T q / sqrt(K)."""
+    B, T, H, K = q.shape
+    G = k.shape[2]
+    qg = q.reshape(B, T, G, H // G, K)
+    causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
+    mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    mask = mask[:, None, None]  # [B, 1, 1, T, S]
+    s = np.where(mask, np.einsum("btgrk,bsgk->bgrts", qg, k) * K**-0.5, -np.inf)
+    top = np.where(mask.any(-1, keepdims=True), s.max(-1, keepdims=True), 0.0)
+    e = np.exp(s - top)
+    p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    out = np.einsum("bgrts,bsgk->btgrk", p, v).reshape(B, T, H, K)
+    do = dout.reshape(B, T, G, H // G, K)
+    dv = np.einsum("bgrts,btgrk->bsgk", p, do)
+    dp = np.einsum("btgrk,bsgk->bgrts", do, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * K**-0.5
+    dq = np.einsum("bgrts,bsgk->btgrk", ds, k).reshape(B, T, H, K)
+    dk = np.einsum("bgrts,btgrk->bsgk", ds, qg)
+    return out, (dq, dk, dv)
+
+
+def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
+    """`attention` (loops over query and key blocks, online softmax, custom VJP) against the
+    float64 dense masked softmax and its closed-form gradients, on two packed rows of
+    several segments with padding between and after them, GQA, T = 1100 (not a multiple of
+    the query block; the last query blocks read three key blocks), with and without a
+    ``window`` (the longest sequence: 450 tokens, so a query block reads two key blocks).
+
+    Tolerances, from fp32 rounding (unit roundoff u = 2^-24): each score is a K-term dot
+    product, each output a weighted mean over at most S keys accumulated over fewer than S
+    steps, rescaled once per step: an output is off by at most (K + 2 S) u times the largest
+    value, S <= 1000 the longest sequence (the worst case; rounding errors of random signs
+    grow like sqrt(S) instead). The gradients are sums of the same S products in a
+    different order, each entry off by (K + 2 S) u times its terms' magnitudes: normwise,
+    (K + 2 S) u relative. Queries that see no key (padding) give exact zeros, as do their
+    gradients."""
+    K = 16
+    kq, kk, kv, kd = jax.random.split(jax.random.key(8), 4)
+    q = jax.random.normal(kq, (2, LT, LH, K))
+    k = jax.random.normal(kk, (2, LT, LG, K))
+    v = jax.random.normal(kv, (2, LT, LG, K))
+    dout = jax.random.normal(kd, (2, LT, LH, K))
+    u = 2.0**-24
+    for longest, window in ((1000, None), (450, 450)):
+        seg = _long_segments(longest)
+
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return jnp.sum(attention(q, k, v, jnp.asarray(seg), window) * dout)  # noqa: B023
+
+        out = jax.jit(lambda q, k, v: attention(q, k, v, jnp.asarray(seg), window))(q, k, v)  # noqa: B023
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+        q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+        want, want_grads = _dense64(q64, k64, v64, seg, d64)
+        bound = (K + 2 * longest) * u * np.abs(v64).max()
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=bound, rtol=0)
+        assert not np.asarray(out)[seg == 0].any()
+        for got, ref in zip(grads, want_grads, strict=True):
+            got64 = np.asarray(got, np.float64)
+            assert np.isfinite(got64).all()
+            rel = np.linalg.norm(got64 - ref) / np.linalg.norm(ref)
+            assert rel <= (K + 2 * longest) * u, rel
+        assert not np.asarray(grads[0])[seg == 0].any()  # padding queries: no gradient
+
+
+def test_the_attention_program_does_not_grow_with_the_row() -> None:
+    """Loops over query and key blocks, not blocks unrolled in Python: the program of
+    `attention`'s gradient holds as many matmuls for rows of 256 tokens (one key block) as
+    of 2048 (16 query blocks of up to 4 key blocks)."""
+
+    def dots(T: int) -> int:
+        x = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+        seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+            return jnp.sum(attention(q, k, v, seg))
+
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, kv, kv, seg)
+        return lowered.as_text().count("dot_general")
+
+    assert dots(256) == dots(2048) > 0
