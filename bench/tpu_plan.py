@@ -24,7 +24,7 @@ and MFU a roofline estimate of its counts (docs/tpu.md, `jarl plan`), not measur
 Prints each plan's report on stderr and ends with one JSON line on stdout:
 {"runs": [{"name", "topology", "compiled", "fits", "hbm_per_chip_gib", "compile_s",
 "predicted_mfu", "programs": [{"name", "compiled", "compile_s", "hbm_per_chip_gib",
-"flops_per_device", "predicted_s", "predicted_mfu"}, ...]}, ...]}
+"flops_per_device", "pallas_kernels", "predicted_s", "predicted_mfu"}, ...]}, ...]}
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     ),
     "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
 }
-KEYS = ("name", "compiled", "compile_s", "hbm_per_chip_gib", "flops_per_device")
+KEYS = ("name", "compiled", "compile_s", "hbm_per_chip_gib", "flops_per_device", "pallas_kernels")
 
 
 def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, object]:

@@ -109,8 +109,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _place_trainer(cfg: JarlConfig) -> list[str]:
     """Sets the environment the rollout backend leaves this process (JetStream's server on TPU
-    chips of its own: the host's other chips), before JAX starts a backend, and says so; or
-    the problem that stops it."""
+    chips of its own: the rest), before JAX starts a backend, and says so; or the problem."""
     from jax_agent_rl.rollout.registry import backend_factory, backend_names
 
     if cfg.rollout.backend not in backend_names():  # (the pre-run check names it)
