@@ -6,17 +6,17 @@ Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
             slots, rows of 4096 tokens (one trajectory each)
   7b-v5p    Qwen2.5-7B on v5p:2x2x1 (4 chips of 95 GiB), mesh fsdp=4
   7b-v5e    Qwen2.5-7B on v5e:4x4 (16 chips of 16 GiB), mesh fsdp=4 tensor=4 (kv heads: 4 at
-            most), 64 decode slots: by the memory plan ~19.3 GiB per chip, so expected not to
-            fit (the weight push's gathered and new serving weights beside the served ones)
+            most), 64 decode slots, rows of 2048 tokens (at the config's 8192 the update's
+            activations alone take 9.75 GiB per chip, 21.3 GiB in all)
   32b-v5p   Qwen2.5-32B on v5p:2x2x4 (16 chips of 95 GiB), mesh fsdp=4 tensor=4: the smallest v5p
             slice that can hold it (on v5p:2x2x2, 8 chips, the learner's fp32 weights, AdamW
             moments, KL reference and gradient alone are ~82 GiB per chip, with the engine's
             bf16 weights on top)
 
 The meshes are picked to fit by `jarl train --dry-run`'s memory plan (the engine serves on
-the same chips, its weights split over ``tensor`` only); its peaks per chip: 14.5, 77.9,
-19.3 and 84.3 GiB. Figures are the compiler's: HBM per chip from its memory analysis, time
-and MFU a roofline estimate of its counts (docs/tpu.md, `jarl plan`), not measurements.
+the same chips, its weights split over ``tensor`` only). Figures are the compiler's: HBM per
+chip from its memory analysis, time and MFU a roofline estimate of its counts (docs/tpu.md,
+`jarl plan`), not measurements.
 
     .venv/bin/python bench/tpu_plan.py --runs 1.5b --compile-timeout 1800 \
         --set learner.row_tokens=1024
@@ -51,7 +51,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "7b-v5e": (
         "qwen2.5-7b",
         "v5e:4x4",
-        ["mesh.fsdp=4", "mesh.tensor=4", "rollout.max_concurrent=64"],
+        ["mesh.fsdp=4", "mesh.tensor=4", "rollout.max_concurrent=64", "learner.row_tokens=2048"],
     ),
     "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
 }

@@ -37,7 +37,6 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +69,8 @@ from jax_agent_rl.models import (
     lm_logits,
     page_shardings,
     param_shardings,
-    param_specs,
 )
-from jax_agent_rl.models.decoder import is_spec, serving_layout, training_layout
+from jax_agent_rl.models.decoder import checked_weights, serving_layout
 from jax_agent_rl.models.paged import copy_page
 
 
@@ -180,17 +178,7 @@ class Engine:
     def load_params(self, weights: Weights) -> Weights:
         """Checks ``weights`` against the model's declaration, casts and places them in
         `serving_layout`. Takes the declared layout (a learner's) or this engine's own."""
-        weights = training_layout(weights, self.cfg.tie_embeddings)
-        specs = param_specs(self.cfg)
-        want: Any = jax.tree.structure(specs, is_leaf=is_spec)
-        got: Any = jax.tree.structure(weights)
-        if got != want:
-            raise ValueError(f"weights tree {got} does not match the model's {want}")
-        for spec, x in zip(
-            jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(weights), strict=True
-        ):
-            if tuple(x.shape) != spec.shape:
-                raise ValueError(f"weight of shape {x.shape} where {spec.shape} is declared")
+        weights = checked_weights(self.cfg, weights)
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
         if self.sharder is not None:
             cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))

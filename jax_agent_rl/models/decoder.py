@@ -248,6 +248,21 @@ def training_layout(w: Weights, tie_embeddings: bool) -> Weights:
     )
 
 
+def checked_weights(cfg: ModelConfig, w: Weights) -> Weights:
+    """``w`` in the declared layout (`training_layout`), its tree and every shape checked
+    against `param_specs`: a `ValueError` naming the first that differs."""
+    w = training_layout(w, cfg.tie_embeddings)
+    specs = param_specs(cfg)
+    want: Any = jax.tree.structure(specs, is_leaf=is_spec)
+    got: Any = jax.tree.structure(w)
+    if got != want:
+        raise ValueError(f"weights tree {got} does not match the model's {want}")
+    for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(w), strict=True):
+        if tuple(x.shape) != spec.shape:
+            raise ValueError(f"weight of shape {x.shape} where {spec.shape} is declared")
+    return w
+
+
 # ----------------------------------------------------------------------------------- blocks
 
 

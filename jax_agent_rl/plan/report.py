@@ -46,10 +46,13 @@ class Compiled:
     mfu: float | None = None
     kernels: tuple[str, ...] = ()  # the Pallas (Mosaic) kernels the program runs
 
+    replaces: int = 0  # resident bytes its outputs take the place of, freed before it runs
+
     @property
     def extra(self) -> int:
-        """What the program needs beyond its arguments: temporaries and fresh outputs."""
-        return self.temps + self.outputs - self.aliased
+        """What the program needs beyond the resident state: temporaries and fresh outputs,
+        less what it replaces (the weight push: the engine's old weights, dropped first)."""
+        return self.temps + self.outputs - self.aliased - self.replaces
 
     @property
     def total(self) -> int:
@@ -135,6 +138,8 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         predicted_s=predicted,
         mfu=mfu,
         kernels=kernels(compiled.as_text()),
+        # the engine drops its weights before it builds the new (`EmbeddedBackend`)
+        replaces=memory.output_size_in_bytes if program.name == "weight_push" else 0,
     )
 
 

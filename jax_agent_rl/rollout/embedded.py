@@ -18,9 +18,9 @@ its shard, computed again later. A long prompt is prefilled in chunks between de
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
-recompilation) replace the old, the session cache is dropped (its keys/values belong to the
-old weights), and admission resumes. Every result is stamped with the single weight version
-it was sampled under.
+recompilation) take the old ones' place (dropped first), the session cache is dropped too
+(the old weights' keys/values), and admission resumes. Every result is stamped with the
+single weight version it was sampled under.
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
@@ -44,7 +44,7 @@ from jax_agent_rl import device_turns
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool, prefix_keys
 from jax_agent_rl.engine.state import RUNNING, STOPPED
-from jax_agent_rl.models import Weights
+from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.rollout.gate import WeightGate
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
@@ -303,11 +303,12 @@ class EmbeddedBackend:
 
     def _apply_update(self, update: _Update) -> None:
         try:
-            params = self.engine.load_params(update.params)
+            checked_weights(self.engine.cfg, update.params)
         except ValueError as e:
             resolve_from_thread(update.future, update.loop, e)
             return
-        self._params = params
+        del self._params  # first: the new weights take their place (one copy on the devices)
+        self._params = self.engine.load_params(update.params)
         self._sessions.drop()  # cached prefixes hold keys and values of the old weights
         resolve_from_thread(update.future, update.loop, None)
 

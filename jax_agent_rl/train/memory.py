@@ -103,7 +103,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     largest programs adds while it runs: the RL update (the gradient accumulator, in bf16 a
     copy of the weights and the micro-batch's gradient, one micro-batch's activations:
     `activation_bytes`, with and without ``learner.remat``) and the weight push (the weights
-    gathered for serving, and the new serving weights beside the old). These are the parts
+    gathered for serving; the new serving weights take the old ones' place). These are the parts
     XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
     several ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share
     of the devices."""
@@ -160,11 +160,10 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
             ),
         ]
         # the push: the learner's weights cast and gathered onto the inference mesh (a new
-        # buffer unless they are laid out and typed so already), then laid out for serving,
-        # beside the weights the engine still serves
-        push = [("new serving weights", weights)]
+        # buffer unless they are laid out and typed so already), then laid out for serving in
+        # the place of the old, which the engine drops first
         if m.fsdp > 1 or width != 4:
-            push.insert(0, ("weights gathered for serving", gathered))
+            push = [("weights gathered for serving", gathered)]
     return MemoryPlan(
         m,
         learner,

@@ -5,6 +5,7 @@ The engine's state is read while the backend holds it (`pause`): a paused engine
 decodes nothing, so the pages and the jobs do not move under the test."""
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,37 @@ def test_a_chunk_whose_padding_passes_max_len_is_prefilled(checkpoint: Path) -> 
 
 GREEDY_10 = SamplingParams(max_tokens=10, temperature=0.0)
 GREEDY_5 = SamplingParams(max_tokens=5, temperature=0.0)
+
+
+def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint: Path) -> None:
+    """The backend lets go of the weights it served before the engine lays out the new ones,
+    so a push holds one copy of the serving weights (what `jarl plan` and `plan_memory`
+    count); weights of the wrong shape are refused before that, the old ones kept."""
+    cfg, w = load_hf(checkpoint)
+    held_during_load: list[bool] = []
+
+    class Recording(Engine):
+        backend: EmbeddedBackend | None = None
+
+        def load_params(self, weights):  # type: ignore[no-untyped-def]
+            if self.backend is not None:
+                held_during_load.append(hasattr(self.backend, "_params"))
+            return super().load_params(weights)
+
+    engine = Recording(cfg, max_concurrent_decodes=4, max_len=256)
+    backend = EmbeddedBackend(engine, w)
+    engine.backend = backend
+
+    async def main() -> None:
+        try:
+            await backend.update_weights(w, 1)
+            bad = dataclasses.replace(w, final_norm=w.final_norm[:-1])
+            with pytest.raises(ValueError, match="is declared"):
+                await backend.update_weights(bad, 2)
+            result = await backend.generate(GenerateRequest("r", _prompt(0, 8), GREEDY))
+            assert result.weight_version == 1 and len(result.token_ids) > 0
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+    assert held_during_load == [False]  # one load, with the old weights let go of
