@@ -6,8 +6,9 @@ Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
             slots, rows of 4096 tokens (one trajectory each)
   7b-v5p    Qwen2.5-7B on v5p:2x2x1 (4 chips of 95 GiB), mesh fsdp=4
   7b-v5e    Qwen2.5-7B on v5e:4x4 (16 chips of 16 GiB), mesh fsdp=4 tensor=4 (kv heads: 4 at
-            most), 64 decode slots, rows of 2048 tokens (at the config's 8192 the update's
-            activations alone take 9.75 GiB per chip, 21.3 GiB in all)
+            most), 64 decode slots, episodes and rows of 2048 tokens and no KL reference (the
+            config's 4096-token episodes, 8192-token rows and KL reference need 21.3 GiB per
+            chip; 2048-token rows with the rest kept, 19.1)
   32b-v5p   Qwen2.5-32B on v5p:2x2x4 (16 chips of 95 GiB), mesh fsdp=4 tensor=4: the smallest v5p
             slice that can hold it (on v5p:2x2x2, 8 chips, the learner's fp32 weights, AdamW
             moments, KL reference and gradient alone are ~82 GiB per chip, with the engine's
@@ -51,7 +52,14 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "7b-v5e": (
         "qwen2.5-7b",
         "v5e:4x4",
-        ["mesh.fsdp=4", "mesh.tensor=4", "rollout.max_concurrent=64", "learner.row_tokens=2048"],
+        [
+            "mesh.fsdp=4",
+            "mesh.tensor=4",
+            "rollout.max_concurrent=64",
+            "learner.row_tokens=2048",
+            "rollout.max_model_len=2048",
+            "algorithm.kl_coef=0",
+        ],
     ),
     "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
 }
