@@ -14,6 +14,7 @@ import jax
 
 from jax_agent_rl.config import JarlConfig, MeshSection
 from jax_agent_rl.engine import page_bytes, pool_pages
+from jax_agent_rl.engine.sampling import VOCAB_CHUNK
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.models.paged import PAGE_AXES
@@ -185,12 +186,14 @@ def activation_bytes(
     layout, the attention output both ways, the MLP's gate, up, activation and product:
     ``5 D + 5 H K + 5 G K + 4 F`` in the compute dtype, heads and F split over ``tensor``; with
     remat only each layer's input (D) plus one layer's set, recomputed in turn. On top: the
-    head's fp32 logits (its vocabulary chunks are all kept for the backward), 4 V per token.
-    XLA:CPU's own plan for the small test model (with the gradient it returns) is within 2x
-    of this (`tests/train/test_check.py`); a TPU's fuses more."""
+    head's fp32 logits of one vocabulary chunk at a time and their gradient, 8 C per token
+    (C = min(V, `VOCAB_CHUNK`): `head_logprobs` keeps no logits for its backward, it
+    computes each chunk's again). XLA:CPU's own plan for the small test model (with the
+    gradient it returns) is within 2x of this (`tests/train/test_check.py`); a TPU's fuses
+    more."""
     D, F, K = model.hidden_size, model.intermediate_size, model.head_dim
     H, G = model.num_heads / tensor, max(model.num_kv_heads / tensor, 1)
     per_layer = width * (5 * D + 5 * H * K + 5 * G * K + 4 * F / tensor)
     kept = model.num_layers * (width * D if remat else per_layer) + (per_layer if remat else 0)
-    logits = 4 * model.vocab_size / tensor
+    logits = 8 * min(model.vocab_size / tensor, VOCAB_CHUNK)
     return tokens * (kept + logits)
