@@ -218,7 +218,7 @@ def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: 
     logs = tmp_path / "log"
     codes = finish(start(jarl_train(overrides), 2, logs))
     assert codes == [1, 1]
-    failure = "RuntimeError: the reward failed on purpose on process 1"
+    failure = "HostFailure: the reward failed on purpose on process 1"
     assert f"process 1 of 2 failed: {failure} (its log has the traceback)" in log(logs, 0)
     assert "Traceback" in log(logs, 1)
     assert f"process 1 of 2 failed: {failure} (the traceback above)" in log(logs, 1)
