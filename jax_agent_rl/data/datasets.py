@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from jax_agent_rl.data.sample import DatasetError, Sample
 
@@ -131,6 +129,10 @@ def _jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
 
 
 def _parquet_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
+    # imported here: the learner and the engine import this package, and need no pyarrow
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except pa.ArrowException as e:
