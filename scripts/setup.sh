@@ -23,6 +23,11 @@
 #                                         tests put on PYTHONPATH of a .venv process to check our
 #                                         verl compatibility against verl's own code; never a
 #                                         runtime dependency (our `verl` shim must not shadow it)
+#   scripts/setup.sh gpu-wheels .gpu-wheels  the pinned wheels (Python 3.12, x86-64 Linux) of the
+#                                         project's imports that a bare CUDA JAX image lacks, for
+#                                         bench/gpu_check.py on an air-gapped GPU machine (carry
+#                                         the folder with the tree; the check unpacks those the
+#                                         machine has not); no venv
 #   scripts/setup.sh chromium             Debian's chromium, for the tests that open `jarl view`'s
 #                                         page in a headless browser (tests/train/test_view.py);
 #                                         no venv (make test runs it)
@@ -52,6 +57,32 @@ if [[ $target == chromium ]]; then  # installed once, as root, like bubblewrap b
   fi
   exit 0
 fi
+if [[ $target == gpu-wheels ]]; then  # a folder of wheels, downloaded, not installed
+  # pure-Python but for pydantic_core, MarkupSafe and PyYAML (their cp312 builds); pins from
+  # the lock. The image's torch, transformers, JAX, flax and orbax bring the rest.
+  names=(omegaconf fastapi starlette pydantic pydantic_core annotated-types typing-inspection
+    annotated-doc typing_extensions anyio sniffio httpx httpcore h11 certifi idna rank-bm25
+    Jinja2 MarkupSafe PyYAML rich markdown-it-py mdurl Pygments tqdm pytest pluggy iniconfig
+    packaging pytest-timeout)
+  pins=()
+  for name in "${names[@]}"; do
+    pin=$(grep -i "^$name==" requirements/lock.txt) \
+      || { echo "setup: $name is not in requirements/lock.txt" >&2; exit 1; }
+    pins+=("$pin")
+  done
+  stamp=.gpu-wheels/.setup-stamp
+  want=$( (printf '%s\n' "${pins[@]}"; cat scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+  [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
+  echo "setup: downloading ${#pins[@]} pinned wheels into .gpu-wheels (for bench/gpu_check.py)"
+  rm -rf .gpu-wheels
+  ${PYTHON:-python3} -m pip download --disable-pip-version-check --quiet --no-deps \
+    --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 -d .gpu-wheels "${pins[@]}"
+  echo "$want" > "$stamp"
+  echo "setup: .gpu-wheels is ready ($(du -sh .gpu-wheels | cut -f1))"
+  exit 0
+fi
 if [[ $target == tpu-plan ]]; then  # an addition to .venv, with its own stamp
   [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
   stamp=.venv/.tpu-plan-stamp
@@ -70,7 +101,7 @@ case "$target" in
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
   jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
   verl-ref) venv=.verl-ref; lock=requirements/verl-ref-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, verl-ref, chromium)" >&2; exit 2 ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, verl-ref, gpu-wheels, chromium)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}

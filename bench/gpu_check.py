@@ -1,0 +1,555 @@
+"""One command that checks the project on a machine with one CUDA GPU, in under 8 minutes.
+
+    python3 bench/gpu_check.py              # on the GPU machine, in the repository root
+    python3 bench/gpu_check.py --dry-run    # anywhere: every step at a tiny shape on CPU
+
+It needs nothing but the machine's Python with JAX (CUDA), torch and transformers: the rest
+of the project's imports come from ``.gpu-wheels/`` (``scripts/setup.sh gpu-wheels``, run
+beforehand where a registry is reachable; carried with the tree), whose wheels are unpacked
+into a temporary folder on the steps' ``PYTHONPATH`` only where the machine lacks the
+package (no virtualenv, no pip: an air-gapped image need not have either).
+
+Each step runs in a process of its own (``--step NAME``), time-boxed (its box, and what is
+left of the whole run's `DEADLINE_S`); a failed, crashed or timed-out step is recorded with
+its error and the check goes on. Steps, in order:
+
+    device              JAX's devices and versions; the card's peak bf16 FLOP/s and HBM
+                        bandwidth from `PEAKS` (null for a card not in it); a measured
+                        matmul and reduction for comparison
+    paged_attention     decode attention over a paged KV pool by JAX's Pallas GPU (Triton)
+                        paged-attention kernel, which takes our pool layout [G, P, page, K],
+                        against `models.paged.ragged_attention` (the XLA path the engine
+                        runs off TPU) in fp32 on the same bf16 inputs; both timed
+    hf_parity           tests/models/test_parity.py (the decoder against transformers'
+                        forward on checkpoints transformers writes here) on the GPU
+    sampler_vs_learner  tests/rl/test_learner.py's test_learner_logprobs_equal_the_samplers
+                        (the engine's sampled logprobs against the learner's recomputation)
+    learner_step        the learner's RL step (`Learner.train_step`) at Qwen2.5-1.5B's shape,
+                        random init, bf16 compute, one packed row of 8192 tokens per
+                        micro-batch, remat: tokens/s and MFU
+    decode              the embedded engine (`Engine` behind `EmbeddedBackend`) decoding at
+                        batch 1, 8, 64, 256: tokens/s and the fraction of the roofline
+
+The two test steps run pytest with ``JAX_DEFAULT_MATMUL_PRECISION=highest``: their
+tolerances are derived for fp32 arithmetic, and XLA on NVIDIA GPUs computes fp32 matmuls in
+TF32 (10-bit mantissa) by default. In ``--dry-run`` they only collect (CI runs them on CPU).
+
+MFU = model FLOPs per second / the card's peak bf16 dense FLOP/s, model FLOPs per trained
+token ``8 * N_matmul + 8 * L * S * H * K`` (`bench.learner.flops_per_token`: forward and
+backward 3x the forward, plus the old-policy forward; S the mean keys a token attends to);
+remat's recomputed forward is not counted. Decode's roofline: a step of batch B reads every
+weight once and each row's keys and values, so it takes at least
+max(bytes / bandwidth, 2 * N * B / peak); the fraction is the measured tokens/s (prefill of
+the prompts included) over B / that time.
+
+Prints progress as it goes, ends with one JSON line (``{"gpu_check": ...}``), and with $OUT
+set writes ``$OUT/gpu_check.log`` (everything printed) and ``$OUT/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".gpu-wheels"
+RESULT = "GPU_CHECK_RESULT "  # a step's last line: this, then its JSON
+DEADLINE_S = 450.0  # the whole run, under the 8 minutes it promises
+MEM_FRACTION = "0.90"  # of the card's memory XLA may take (steps run one at a time)
+
+# Peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) by `device_kind`, from NVIDIA's data
+# sheets (H100 Tensor Core GPU datasheet; H200 product brief): the bf16 figures there are
+# with 2:4 sparsity, dense is half. Keys are matched as substrings of the device kind, in
+# order; a card matching none reports null.
+PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989e12, 4.8e12),
+    ("H100 NVL", 835e12, 3.9e12),
+    ("H100 PCIe", 756e12, 2.0e12),
+    ("H100", 989e12, 3.35e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+)
+
+
+def peaks_of(kind: str) -> tuple[float | None, float | None]:
+    """(bf16 FLOP/s, bytes/s) of the card ``kind`` from `PEAKS`, or (None, None)."""
+    for key, flops, bandwidth in PEAKS:
+        if key in kind:
+            return flops, bandwidth
+    return None, None
+
+
+# -------------------------------------------------------------------------------- steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    box_s: float  # its time box on the GPU (the dry run's too)
+    pytest: tuple[str, ...] = ()  # a pytest selection, else the step is `run_step`'s
+
+
+STEPS = (
+    Step("device", 60),
+    Step("paged_attention", 60),
+    Step("hf_parity", 120, ("tests/models/test_parity.py",)),
+    Step(
+        "sampler_vs_learner",
+        100,
+        ("tests/rl/test_learner.py", "-k", "test_learner_logprobs_equal_the_samplers"),
+    ),
+    Step("learner_step", 180),
+    Step("decode", 200),
+)
+
+
+def _card(dry: bool) -> tuple[Any, float | None, float | None]:
+    """JAX's first device and its peaks (`peaks_of`); off the dry run it must be a GPU."""
+    import jax
+
+    dev = jax.devices()[0]
+    if not dry and dev.platform != "gpu":
+        raise RuntimeError(f"JAX's first device is {dev} ({dev.platform}), not a GPU")
+    return (dev, *peaks_of(dev.device_kind))
+
+
+def _device_step(dry: bool) -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    from bench.decode import machine
+
+    dev, flops, bandwidth = _card(dry)
+    out: dict[str, Any] = {
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "devices": len(jax.devices()),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": sys.version.split()[0],
+        "peak_bf16_tflops": None if flops is None else flops / 1e12,
+        "peak_hbm_tb_s": None if bandwidth is None else bandwidth / 1e12,
+    }
+    if not dry:  # a 2048^3 matmul per dtype and a 400 MB reduction (seconds on a CPU)
+        measured = machine()
+        out["measured_bf16_tflops"] = round(measured["peak_bfloat16_gflops"] / 1e3, 1)
+        out["measured_fp32_tflops"] = round(measured["peak_float32_gflops"] / 1e3, 1)
+        out["measured_bandwidth_tb_s"] = round(measured["bandwidth_gb_s"] / 1e3, 3)
+        out["memory_gib"] = round(dev.memory_stats()["bytes_limit"] / 2**30, 1)
+    return out
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    """The best of ``repeats`` wall times of ``fn`` (after one call, which compiles)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _paged_attention_step(dry: bool) -> dict[str, Any]:
+    """JAX's Pallas GPU paged-attention kernel against `ragged_attention`.
+
+    Both read the same bf16 pool; the reference computes in fp32 from the kernel's own
+    (bf16, pre-scaled) queries, so its error is fp32 rounding (~1e-6 relative, negligible).
+    The kernel's error, with u = 2^-8 (the bf16 bound the project's kernel tests use) and
+    W = P|V| (the exact weights times the values' magnitudes, per output entry; |O| <= W):
+    its unnormalised weights rounded to bf16 for the values' matmul (u W); each of the
+    ``k_splits`` partial outputs stored in bf16 (u W), rescaled by a bf16 correction (2 u W)
+    and summed in bf16 ((k_splits - 1) u W); the sum's normaliser and division in bf16
+    (2 u W): at most (k_splits + 5) u W in all.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    from jax_agent_rl.models.paged import page_pairs, pair_block, ragged_attention
+
+    _card(dry)
+    # Qwen2.5-1.5B's attention (12 query heads over 2 kv heads, head dim 128); pages of 16
+    B, H, G, K, ps = (4, 4, 2, 32, 16) if dry else (64, 12, 2, 128, 16)
+    M = 8 if dry else 64  # pages a row's table holds: 1024 positions on the GPU
+    k_splits = 2 if dry else 8
+    P = B * M + 1
+    rng = np.random.default_rng(0)
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (B, H, K), jnp.float32)
+    k_pages = jax.random.normal(kk, (G, P, ps, K), jnp.float32).astype(jnp.bfloat16)
+    v_pages = jax.random.normal(kv, (G, P, ps, K), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, M * ps, B), jnp.int32)  # the query's position per row
+    pos = pos.at[0].set(M * ps - 1)  # one row of full length
+    q_kernel = (q * K**-0.5).astype(jnp.bfloat16)  # the kernel does not scale
+    C = pair_block(ps)
+    num_pairs = -(-B * M // C) * C
+    pairs = page_pairs(table, pos, jnp.ones(B, bool), num_pairs, ps)
+    # the reference gets the kernel's queries, unscaled in fp32 (it scales them back)
+    q_ref = q_kernel.astype(jnp.float32) * K**0.5
+    ref_fn = jax.jit(lambda q, k, v: ragged_attention(q, k, v, pairs, pos))
+    kernel_fn = jax.jit(
+        lambda q, k, v: paged_attention(
+            q, k, v, table, pos + 1, k_splits=k_splits, pages_per_compute_block=4, interpret=dry
+        )
+    )
+    want = np.asarray(ref_fn(q_ref, k_pages, v_pages))
+    weights = np.asarray(ref_fn(q_ref, k_pages, jnp.abs(v_pages)))  # P|V| per entry
+    got = np.asarray(kernel_fn(q_kernel, k_pages, v_pages).astype(jnp.float32))
+    bound = (k_splits + 5) * 2.0**-8 * weights
+    err = np.abs(got - want)
+    out: dict[str, Any] = {
+        "kernel": "jax.experimental.pallas.ops.gpu.paged_attention",
+        "rows": B,
+        "heads": H,
+        "kv_heads": G,
+        "head_dim": K,
+        "page_size": ps,
+        "positions": M * ps,
+        "k_splits": k_splits,
+        "max_abs_err": float(err.max()),
+        "max_err_over_bound": float((err / bound).max()),
+    }
+    if not (err <= bound).all():
+        raise AssertionError(f"kernel vs reference beyond the rounding bound: {out}")
+    if not dry:
+        out["kernel_us"] = round(_timed(lambda: kernel_fn(q_kernel, k_pages, v_pages), 20) * 1e6)
+        out["xla_ragged_us"] = round(_timed(lambda: ref_fn(q_kernel, k_pages, v_pages), 20) * 1e6)
+    return out
+
+
+def _learner_step(dry: bool) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from bench.learner import (
+        CompileCounter,
+        attended_keys,
+        flops_per_token,
+        make_workload,
+        trajectories,
+    )
+    from jax_agent_rl.config import AlgorithmSection, OptimSection
+    from jax_agent_rl.models import ModelConfig, init_params
+    from jax_agent_rl.models.hf_local import TINY_QWEN2
+    from jax_agent_rl.plan.presets import preset_model
+    from jax_agent_rl.rl.batch import step_batch
+    from jax_agent_rl.rl.learner import Learner
+    from jax_agent_rl.rl.objectives import SamplingSpec
+
+    _, peak, _ = _card(dry)
+    counter = CompileCounter()
+    cfg = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
+    row_tokens, seq, steps = (256, 64, 1) if dry else (8192, 512, 3)
+    learner = Learner(
+        cfg,
+        init_params(jax.random.key(0), cfg),  # fp32 master weights
+        algo=AlgorithmSection(clip_low=0.2, clip_high=0.2, clip_c=None, tis_cap=None),
+        optim=OptimSection(lr=1e-6, weight_decay=0.0, grad_clip=1.0),
+        sampling=SamplingSpec(),
+        compute_dtype="bfloat16",
+        micro_batch_size=1,
+        remat=True,
+    )
+    w = make_workload("uniform", row_tokens // seq, cfg.vocab_size, seq)
+    trajs = trajectories(w)
+    batch, sequences, real = step_batch(
+        trajs,
+        w.rewards,
+        w.groups,
+        np.ones(len(trajs), np.float32),
+        mini_batches=1,
+        row_tokens=row_tokens,
+        bucket=64,
+        rows_per_micro=1,
+    )
+    t0 = time.perf_counter()
+    first = learner.train_step(batch, sequences, real)
+    jax.block_until_ready(learner.params)
+    first_s = time.perf_counter() - t0
+    compiles = counter.count
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        learner.train_step(batch, sequences, real)
+        jax.block_until_ready(learner.params)
+        times.append(time.perf_counter() - t0)
+    step_s = min(times)
+    fpt = flops_per_token(cfg, attended_keys(w))
+    tok_s = w.tokens / step_s
+    out = {
+        "params": cfg.num_params,
+        "tokens": w.tokens,
+        "rows": int(batch.shape[0]),
+        "row_tokens": int(batch.shape[-1]),
+        "first_step_s": round(first_s, 2),
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tok_s),
+        "flops_per_token": round(fpt),
+        "mfu": None if peak is None else round(tok_s * fpt / peak, 4),
+        "compiles_in_timed_steps": counter.count - compiles,
+        "loss": float(first["loss"]),
+    }
+    if not np.isfinite(out["loss"]):
+        raise AssertionError(f"the first step's loss is {out['loss']}")
+    return out
+
+
+def _decode_step(dry: bool) -> dict[str, Any]:
+    import asyncio
+
+    import jax
+
+    from bench.decode import throughput
+    from jax_agent_rl.engine import Engine
+    from jax_agent_rl.models import ModelConfig, init_params
+    from jax_agent_rl.models.hf_local import TINY_QWEN2
+    from jax_agent_rl.plan.presets import preset_model
+    from jax_agent_rl.rollout import EmbeddedBackend
+
+    _, peak, bandwidth = _card(dry)
+    base = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
+    cfg = dataclasses.replace(base, dtype="bfloat16")
+    params = init_params(jax.random.key(0), cfg)
+    prompt, new = (8, 16) if dry else (32, 128)
+    batches = (2,) if dry else (1, 8, 64, 256)
+    weight_bytes = 2 * cfg.num_params
+    kv_bytes_per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    out: dict[str, Any] = {"params": cfg.num_params, "prompt": prompt, "new": new}
+    for B in batches:
+        engine = Engine(cfg, max_concurrent_decodes=B, max_len=prompt + new, batch_buckets=False)
+        backend = EmbeddedBackend(engine, params, steps_per_call=8)
+        try:
+            tok_s = throughput(backend, cfg.vocab_size, B, prompt, new)
+        finally:
+            asyncio.run(backend.close())
+        # a step reads the weights and each row's keys and values (mean length over the run)
+        step_bytes = weight_bytes + B * (prompt + new / 2) * kv_bytes_per_position
+        fraction = None
+        if peak is not None and bandwidth is not None:
+            step_s = max(step_bytes / bandwidth, 2 * cfg.num_params * B / peak)
+            fraction = round(tok_s / (B / step_s), 4)
+        out[f"b{B}"] = {"tokens_per_s": round(tok_s, 1), "roofline_fraction": fraction}
+        print(RESULT + json.dumps(out), flush=True)  # so far: kept if a later batch times out
+    return out
+
+
+STEP_FUNCTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "device": _device_step,
+    "paged_attention": _paged_attention_step,
+    "learner_step": _learner_step,
+    "decode": _decode_step,
+}
+
+
+def run_step(name: str, dry: bool) -> None:
+    """The body of a step process: its figures as the last line (`RESULT`)."""
+    sys.path.insert(0, str(ROOT))
+    out = STEP_FUNCTIONS[name](dry)
+    print(RESULT + json.dumps(out), flush=True)
+
+
+# -------------------------------------------------------------------------------- setup
+
+
+def _wheel_modules(wheel: Path) -> set[str]:
+    """The top-level modules and packages a wheel installs."""
+    with zipfile.ZipFile(wheel) as z:
+        tops = {n.split("/")[0] for n in z.namelist()}
+    names = set()
+    for top in tops:
+        if top.endswith((".dist-info", ".data")):
+            continue
+        names.add(top.split(".")[0] if top.endswith((".py", ".so")) else top)
+    return names
+
+
+def unpack_missing_wheels(target: Path, say: Callable[[str], None]) -> list[str]:
+    """Unpacks into ``target`` each wheel of `WHEELS` none of whose modules this Python
+    imports already (the machine's own packages win); returns the wheels unpacked."""
+    unpacked = []
+    for wheel in sorted(WHEELS.glob("*.whl")):
+        modules = _wheel_modules(wheel)
+        if modules and all(importlib.util.find_spec(m) is None for m in modules):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(target)
+            unpacked.append(wheel.name)
+    say(f"unpacked {len(unpacked)} of {len(list(WHEELS.glob('*.whl')))} wheels: {unpacked}")
+    return unpacked
+
+
+# -------------------------------------------------------------------------------- driver
+
+
+class Log:
+    """Prints and keeps every line (written to $OUT/gpu_check.log when $OUT is set)."""
+
+    def __init__(self, out_dir: Path | None) -> None:
+        self.file: TextIO | None = None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.file = (out_dir / "gpu_check.log").open("w")
+        self.lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            print(line, flush=True)
+            if self.file is not None:
+                self.file.write(line + "\n")
+                self.file.flush()
+
+
+def _spawn(cmd: list[str], env: dict[str, str], timeout: float, say: Log) -> tuple[int, list[str]]:
+    """Runs ``cmd`` in its own process group, echoing its output; kills the group at
+    ``timeout``. Returns its exit status (`TIMED_OUT` if killed) and its lines."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            say("  | " + lines[-1])
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = TIMED_OUT
+    reader.join(timeout=5)
+    return rc, lines
+
+
+TIMED_OUT = -1000  # `_spawn`'s status of a process it killed (not one a process can exit with)
+
+
+def _pytest_counts(lines: list[str]) -> dict[str, int]:
+    """pytest's summary counts ("3 passed, 1 failed in 2.0s"; collect-only: "2/27 tests
+    collected (25 deselected)" counts 2)."""
+    import re
+
+    out: dict[str, int] = {}
+    for line in lines[-5:]:
+        for n, what in re.findall(
+            r"(\d+)(?:/\d+)? (passed|failed|errors?|skipped|tests? collected)", line
+        ):
+            out["collected" if "collected" in what else what] = int(n)
+    return out
+
+
+def run_one(step: Step, dry: bool, env: dict[str, str], box: float, say: Log) -> dict[str, Any]:
+    """Runs ``step`` in its own process within ``box`` seconds: its figures and ``status``
+    (passed, failed or timeout) with the ``error`` of a step that did not pass."""
+    if step.pytest:
+        # the tests' tolerances are for fp32 arithmetic (XLA's GPU default is TF32)
+        env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *step.pytest]
+        cmd += ["--collect-only"] if dry else []
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name]
+        cmd += ["--dry-run"] if dry else []
+    t0 = time.monotonic()
+    rc, lines = _spawn(cmd, env, box, say)
+    result: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1)}
+    if step.pytest:
+        result.update(_pytest_counts(lines))
+    found = [ln for ln in lines if ln.startswith(RESULT)]
+    if found:  # the last figures it printed (a timed-out step's so far)
+        result.update(json.loads(found[-1][len(RESULT) :]))
+    ran = result.get("collected" if dry else "passed", 0) > 0
+    if rc == TIMED_OUT:
+        result.update(status="timeout", error=f"killed after its box of {box:.0f}s")
+    elif rc != 0 or (step.pytest and not ran):
+        tail = [ln for ln in lines if ln.strip()][-3:]
+        result.update(status="failed", error=f"exit {rc}: " + " / ".join(tail))
+    else:
+        result["status"] = "passed"
+    return result
+
+
+def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
+    """Every step of `STEPS` in order within `DEADLINE_S`: the summary (also printed as the
+    last line, and written to ``out_dir``)."""
+    say = Log(out_dir)
+    start = time.monotonic()
+    say(f"gpu_check: {'dry run on CPU' if dry else 'GPU run'} in {ROOT}")
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu" if dry else "cuda,cpu",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": MEM_FRACTION,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    summary: dict[str, Any] = {"dry_run": dry, "steps": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_site_") as site:
+        paths = [str(ROOT)]
+        if WHEELS.is_dir():
+            summary["unpacked_wheels"] = unpack_missing_wheels(Path(site), say)
+            paths.append(site)
+        else:
+            say(f"no {WHEELS.name}/: the machine's own packages only")
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+        for step in STEPS:
+            elapsed = time.monotonic() - start
+            box = min(step.box_s, DEADLINE_S - elapsed)
+            if box < 10:
+                result = {"status": "skipped", "error": "no time left in the run"}
+            else:
+                say(f"== {step.name} (box {box:.0f}s, {elapsed:.0f}s into the run)")
+                result = run_one(step, dry, env, box, say)
+            say(f"== {step.name}: {result['status']} ({result.get('seconds', 0)}s)")
+            summary["steps"][step.name] = result
+    summary["seconds"] = round(time.monotonic() - start, 1)
+    summary["passed"] = all(s["status"] == "passed" for s in summary["steps"].values())
+    if out_dir is not None:
+        (out_dir / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    say(json.dumps({"gpu_check": summary}))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--step", choices=sorted(STEP_FUNCTIONS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        run_step(args.step, args.dry_run)
+        return
+    out = os.environ.get("OUT")
+    summary = run_check(args.dry_run, Path(out) if out else None)
+    sys.exit(0 if summary["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
