@@ -163,8 +163,78 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+    rows: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_row: int  # a row's page table: pages_per_row * page_size positions
+    k_splits: int  # the kernel's partitions of a row's pages (they must divide them)
+
+
+# Qwen2.5-1.5B's attention (12 query heads over 2 kv heads, head dim 128), 1024 positions
+PAGED_GPU = PagedShape(64, 12, 2, 128, 16, 64, 8)
+PAGED_DRY = PagedShape(4, 4, 2, 32, 16, 8, 2)
+PAGES_PER_BLOCK = 4  # the kernel's pages per compute block (64 positions: a power of two)
+
+
+def _paged_kernel(s: PagedShape, interpret: bool) -> tuple[Callable[..., Any], str]:
+    """``out = kernel(q [B, H, K] scaled, k_pages, v_pages, table [B, M], lengths [B])`` by
+    JAX's Pallas GPU (Triton) paged-attention kernel, and the warning its import gives."""
+    import warnings
+
+    import jax
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    fn = jax.jit(
+        lambda q, k, v, table, lengths: paged_attention(
+            q,
+            k,
+            v,
+            table,
+            lengths,
+            k_splits=s.k_splits,
+            pages_per_compute_block=PAGES_PER_BLOCK,
+            interpret=interpret,
+        )
+    )
+    return fn, "; ".join(str(w.message) for w in caught)
+
+
+def _lower_for_gpu(s: PagedShape, device_kind: str) -> int:
+    """Lowers the kernel at shape ``s`` through Triton for an abstract ``device_kind`` card
+    (no GPU needed): the size of the program's text, which holds the Triton module."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel, _ = _paged_kernel(s, interpret=False)
+    B, P = s.rows, s.rows * s.pages_per_row
+    pages = jax.ShapeDtypeStruct((s.kv_heads, P, s.page_size, s.head_dim), jnp.bfloat16)
+    args = (
+        jax.ShapeDtypeStruct((B, s.heads, s.head_dim), jnp.bfloat16),
+        pages,
+        pages,
+        jax.ShapeDtypeStruct((B, s.pages_per_row), jnp.int32),
+        jax.ShapeDtypeStruct((B,), jnp.int32),
+    )
+    card = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=card)
+    ):
+        text = kernel.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if "xla.gpu.triton" not in text:
+        raise AssertionError("the kernel did not lower to a Triton call")
+    return len(text)
+
+
 def _paged_attention_step(dry: bool) -> dict[str, Any]:
-    """JAX's Pallas GPU paged-attention kernel against `ragged_attention`.
+    """JAX's Pallas GPU paged-attention kernel against `ragged_attention` (on the dry run in
+    Pallas's interpret mode at a tiny shape, and lowered through Triton at the GPU's shape
+    for an abstract H100).
 
     Both read the same bf16 pool; the reference computes in fp32 from the kernel's own
     (bf16, pre-scaled) queries, so its error is fp32 rounding (~1e-6 relative, negligible).
@@ -178,57 +248,48 @@ def _paged_attention_step(dry: bool) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     from jax_agent_rl.models.paged import page_pairs, pair_block, ragged_attention
 
     _card(dry)
-    # Qwen2.5-1.5B's attention (12 query heads over 2 kv heads, head dim 128); pages of 16
-    B, H, G, K, ps = (4, 4, 2, 32, 16) if dry else (64, 12, 2, 128, 16)
-    M = 8 if dry else 64  # pages a row's table holds: 1024 positions on the GPU
-    k_splits = 2 if dry else 8
-    P = B * M + 1
+    s = PAGED_DRY if dry else PAGED_GPU
+    B, H, G, K, ps, M = s.rows, s.heads, s.kv_heads, s.head_dim, s.page_size, s.pages_per_row
+    P = B * M  # the pool: every row's pages, shuffled
     rng = np.random.default_rng(0)
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (B, H, K), jnp.float32)
     k_pages = jax.random.normal(kk, (G, P, ps, K), jnp.float32).astype(jnp.bfloat16)
     v_pages = jax.random.normal(kv, (G, P, ps, K), jnp.float32).astype(jnp.bfloat16)
-    table = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    table = jnp.asarray(rng.permutation(P).reshape(B, M), jnp.int32)
     pos = jnp.asarray(rng.integers(0, M * ps, B), jnp.int32)  # the query's position per row
     pos = pos.at[0].set(M * ps - 1)  # one row of full length
     q_kernel = (q * K**-0.5).astype(jnp.bfloat16)  # the kernel does not scale
     C = pair_block(ps)
-    num_pairs = -(-B * M // C) * C
-    pairs = page_pairs(table, pos, jnp.ones(B, bool), num_pairs, ps)
+    pairs = page_pairs(table, pos, jnp.ones(B, bool), -(-B * M // C) * C, ps)
     # the reference gets the kernel's queries, unscaled in fp32 (it scales them back)
     q_ref = q_kernel.astype(jnp.float32) * K**0.5
     ref_fn = jax.jit(lambda q, k, v: ragged_attention(q, k, v, pairs, pos))
-    kernel_fn = jax.jit(
-        lambda q, k, v: paged_attention(
-            q, k, v, table, pos + 1, k_splits=k_splits, pages_per_compute_block=4, interpret=dry
-        )
-    )
+    kernel, warned = _paged_kernel(s, interpret=dry)
     want = np.asarray(ref_fn(q_ref, k_pages, v_pages))
     weights = np.asarray(ref_fn(q_ref, k_pages, jnp.abs(v_pages)))  # P|V| per entry
-    got = np.asarray(kernel_fn(q_kernel, k_pages, v_pages).astype(jnp.float32))
-    bound = (k_splits + 5) * 2.0**-8 * weights
+    got = np.asarray(kernel(q_kernel, k_pages, v_pages, table, pos + 1).astype(jnp.float32))
+    bound = (s.k_splits + 5) * 2.0**-8 * weights
     err = np.abs(got - want)
     out: dict[str, Any] = {
         "kernel": "jax.experimental.pallas.ops.gpu.paged_attention",
-        "rows": B,
-        "heads": H,
-        "kv_heads": G,
-        "head_dim": K,
-        "page_size": ps,
-        "positions": M * ps,
-        "k_splits": k_splits,
+        "import_warning": warned or None,
+        **dataclasses.asdict(s),
         "max_abs_err": float(err.max()),
         "max_err_over_bound": float((err / bound).max()),
     }
     if not (err <= bound).all():
         raise AssertionError(f"kernel vs reference beyond the rounding bound: {out}")
-    if not dry:
-        out["kernel_us"] = round(_timed(lambda: kernel_fn(q_kernel, k_pages, v_pages), 20) * 1e6)
+    if dry:
+        out["triton_lowered_h100_chars"] = _lower_for_gpu(PAGED_GPU, "NVIDIA H100 80GB HBM3")
+    else:
+        out["kernel_us"] = round(
+            _timed(lambda: kernel(q_kernel, k_pages, v_pages, table, pos + 1), 20) * 1e6
+        )
         out["xla_ragged_us"] = round(_timed(lambda: ref_fn(q_kernel, k_pages, v_pages), 20) * 1e6)
     return out
 
