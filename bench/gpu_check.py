@@ -561,6 +561,7 @@ def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
     say = Log(out_dir)
     start = time.monotonic()
     say(f"gpu_check: {'dry run on CPU' if dry else 'GPU run'} in {ROOT}")
+    say(f"python: {sys.executable} {sys.version.split()[0]}")
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu" if dry else "cuda,cpu",
@@ -570,6 +571,8 @@ def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
     }
+    if not dry:  # outside the tree: a second run on the same machine skips the compiles
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "gpu_check_jax_cache")
     summary: dict[str, Any] = {"dry_run": dry, "steps": {}}
     with tempfile.TemporaryDirectory(prefix="gpu_check_site_") as site:
         paths = [str(ROOT)]
