@@ -53,6 +53,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,20 +73,22 @@ MEM_FRACTION = "0.90"  # of the card's memory XLA may take (steps run one at a t
 
 # Peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) by `device_kind`, from NVIDIA's data
 # sheets (H100 Tensor Core GPU datasheet; H200 product brief): the bf16 figures there are
-# with 2:4 sparsity, dense is half. Keys are matched as substrings of the device kind, in
-# order; a card matching none reports null.
+# with 2:4 sparsity, dense is half. The first key found in the device kind as a word wins
+# (so "H100" is the SXM5 card, "NVIDIA H100 80GB HBM3", and a GH200 is none of them); a
+# card matching none reports null.
 PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200 NVL", 835e12, 4.8e12),
     ("H200", 989e12, 4.8e12),
     ("H100 NVL", 835e12, 3.9e12),
     ("H100 PCIe", 756e12, 2.0e12),
-    ("H100", 989e12, 3.35e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H100", 989e12, 3.35e12),
 )
 
 
 def peaks_of(kind: str) -> tuple[float | None, float | None]:
     """(bf16 FLOP/s, bytes/s) of the card ``kind`` from `PEAKS`, or (None, None)."""
     for key, flops, bandwidth in PEAKS:
-        if key in kind:
+        if re.search(rf"\b{re.escape(key)}\b", kind):
             return flops, bandwidth
     return None, None
 
@@ -531,8 +534,6 @@ TIMED_OUT = -1000  # `_spawn`'s status of a process it killed (not one a process
 def _pytest_counts(lines: list[str]) -> dict[str, int]:
     """pytest's summary counts ("3 passed, 1 failed in 2.0s"; collect-only: "2/27 tests
     collected (25 deselected)" counts 2)."""
-    import re
-
     out: dict[str, int] = {}
     for line in lines[-5:]:
         for n, what in re.findall(
@@ -594,7 +595,11 @@ def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpu_check_site_") as site:
         paths = [str(ROOT)]
         if WHEELS.is_dir():
-            summary["unpacked_wheels"] = unpack_missing_wheels(Path(site), say)
+            try:
+                summary["unpacked_wheels"] = unpack_missing_wheels(Path(site), say)
+            except (OSError, zipfile.BadZipFile) as e:  # the steps will say what is missing
+                summary["unpack_error"] = repr(e)
+                say(f"unpacking {WHEELS.name}/ failed: {e!r}")
             paths.append(site)
         else:
             say(f"no {WHEELS.name}/: the machine's own packages only")
@@ -606,7 +611,10 @@ def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
                 result = {"status": "skipped", "error": "no time left in the run"}
             else:
                 say(f"== {step.name} (box {box:.0f}s, {elapsed:.0f}s into the run)")
-                result = run_one(step, dry, env, box, say)
+                try:
+                    result = run_one(step, dry, env, box, say)
+                except Exception as e:  # a step that could not even run: the others still do
+                    result = {"status": "failed", "error": f"the check itself: {e!r}"}
             say(f"== {step.name}: {result['status']} ({result.get('seconds', 0)}s)")
             summary["steps"][step.name] = result
     summary["seconds"] = round(time.monotonic() - start, 1)

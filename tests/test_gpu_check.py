@@ -17,6 +17,8 @@ def test_peaks_of_known_and_unknown_cards() -> None:
     assert peaks_of("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
     assert peaks_of("NVIDIA H200") == (989e12, 4.8e12)
     assert peaks_of("NVIDIA H100 PCIe") == (756e12, 2.0e12)
+    assert peaks_of("NVIDIA H200 NVL") == (835e12, 4.8e12)
+    assert peaks_of("NVIDIA GH200 480GB") == (None, None)
     assert peaks_of("NVIDIA A100-SXM4-80GB") == (None, None)
 
 
