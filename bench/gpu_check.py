@@ -127,6 +127,12 @@ def _card(dry: bool) -> tuple[Any, float | None, float | None]:
     return (dev, *peaks_of(dev.device_kind))
 
 
+def _memory_gib(dev: Any, stat: str) -> float | None:
+    """The device's memory statistic ``stat`` in GiB (None where its allocator has none)."""
+    value = (dev.memory_stats() or {}).get(stat)
+    return None if value is None else round(value / 2**30, 1)
+
+
 def _device_step(dry: bool) -> dict[str, Any]:
     import jax
     import jaxlib
@@ -143,13 +149,13 @@ def _device_step(dry: bool) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "peak_bf16_tflops": None if flops is None else flops / 1e12,
         "peak_hbm_tb_s": None if bandwidth is None else bandwidth / 1e12,
+        "memory_gib": _memory_gib(dev, "bytes_limit"),
     }
     if not dry:  # a 2048^3 matmul per dtype and a 400 MB reduction (seconds on a CPU)
         measured = machine()
         out["measured_bf16_tflops"] = round(measured["peak_bfloat16_gflops"] / 1e3, 1)
         out["measured_fp32_tflops"] = round(measured["peak_float32_gflops"] / 1e3, 1)
         out["measured_bandwidth_tb_s"] = round(measured["bandwidth_gb_s"] / 1e3, 3)
-        out["memory_gib"] = round(dev.memory_stats()["bytes_limit"] / 2**30, 1)
     return out
 
 
@@ -316,7 +322,7 @@ def _learner_step(dry: bool) -> dict[str, Any]:
     from jax_agent_rl.rl.learner import Learner
     from jax_agent_rl.rl.objectives import SamplingSpec
 
-    _, peak, _ = _card(dry)
+    dev, peak, _ = _card(dry)
     counter = CompileCounter()
     cfg = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
     row_tokens, seq, steps = (256, 64, 1) if dry else (8192, 512, 3)
@@ -368,6 +374,8 @@ def _learner_step(dry: bool) -> dict[str, Any]:
         "mfu": None if peak is None else round(tok_s * fpt / peak, 4),
         "compiles_in_timed_steps": counter.count - compiles,
         "loss": float(first["loss"]),
+        # what the step held at most on the card (weights, Adam, activations)
+        "peak_memory_gib": _memory_gib(dev, "peak_bytes_in_use"),
     }
     if not np.isfinite(out["loss"]):
         raise AssertionError(f"the first step's loss is {out['loss']}")
