@@ -15,7 +15,7 @@ its error and the check goes on. Steps, in order:
 
     device              JAX's devices and versions; the card's peak bf16 FLOP/s and HBM
                         bandwidth from `PEAKS` (null for a card not in it); a measured
-                        matmul and reduction for comparison
+                        bf16 matmul and fp32 reduction beside them
     paged_attention     decode attention over a paged KV pool by JAX's Pallas GPU (Triton)
                         paged-attention kernel, which takes our pool layout [G, P, page, K],
                         against `models.paged.ragged_attention` (the XLA path the engine
@@ -135,9 +135,8 @@ def _memory_gib(dev: Any, stat: str) -> float | None:
 
 def _device_step(dry: bool) -> dict[str, Any]:
     import jax
+    import jax.numpy as jnp
     import jaxlib
-
-    from bench.decode import machine
 
     dev, flops, bandwidth = _card(dry)
     out: dict[str, Any] = {
@@ -151,11 +150,14 @@ def _device_step(dry: bool) -> dict[str, Any]:
         "peak_hbm_tb_s": None if bandwidth is None else bandwidth / 1e12,
         "memory_gib": _memory_gib(dev, "bytes_limit"),
     }
-    if not dry:  # a 2048^3 matmul per dtype and a 400 MB reduction (seconds on a CPU)
-        measured = machine()
-        out["measured_bf16_tflops"] = round(measured["peak_bfloat16_gflops"] / 1e3, 1)
-        out["measured_fp32_tflops"] = round(measured["peak_float32_gflops"] / 1e3, 1)
-        out["measured_bandwidth_tb_s"] = round(measured["bandwidth_gb_s"] / 1e3, 3)
+    # an n^3 bf16 matmul (fp32 accumulation) and a sum over ``floats`` fp32 numbers, big
+    # enough on the GPU (1.1 TFLOP, 2 GiB) that a call's overhead is small beside them
+    n, floats = (256, 2**20) if dry else (8192, 2**29)
+    a = jnp.ones((n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
+    out["measured_bf16_tflops"] = round(2 * n**3 / _timed(lambda: matmul(a), 5) / 1e12, 1)
+    x = jnp.ones((floats,), jnp.float32)
+    out["measured_bandwidth_tb_s"] = round(x.nbytes / _timed(lambda: jnp.sum(x), 5) / 1e12, 3)
     return out
 
 
