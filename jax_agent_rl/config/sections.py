@@ -234,6 +234,10 @@ class EnvSection:
     """Environments that answer model turns (`jax_agent_rl.envs`), picked per row by its
     ``env_class`` (SkyRL's column) or verl's ``extra_info.interaction_kwargs.name``."""
 
+    # modules imported first, for what they do when imported: package.module or
+    # path/to/file.py (its folder then on sys.path), e.g. one that registers skyrl-gym
+    # environments (skyrl_gym.envs.register(id=..., entry_point=...)), whose ids rows name
+    imports: list[str] = dataclasses.field(default_factory=list)
     # env_class -> a class, package.module:Class or path/to/file.py:Class: a skyrl-gym Env
     # (made as SkyRL makes it) or a function of the sample returning an Environment. A row's
     # env_class not listed here names an id registered with skyrl-gym (gsm8k, ...)

@@ -14,6 +14,9 @@ One row is one prompt::
     env_class     str, optional: the environment that answers its turns (SkyRL's column;
                   `jax_agent_rl.envs`); SkyRL's ``reward_spec`` stands for ``reward_model``
 
+Every column but ``prompt`` and ``env_class`` is also kept as it is (`Sample.columns`): SkyRL's
+environments read theirs (``db_id``, ``data``, ...) from it.
+
 Instead of a file, ``reasoning_gym:<task>?size=N&seed=S`` generates reasoning-gym rows
 (`jax_agent_rl.data.reasoning_gym`).
 
@@ -101,6 +104,7 @@ def write_jsonl(path: str | Path, samples: Sequence[Sample]) -> Path:
 
 def _row(sample: Sample) -> Row:
     return {
+        **sample.columns,
         "data_source": sample.data_source,
         "prompt": sample.messages,
         "reward_model": {"style": "rule", "ground_truth": sample.ground_truth},
@@ -175,6 +179,7 @@ def _sample(
         agent_name=agent_name,
         env_class=env_class,
         extra=extra,
+        columns={k: v for k, v in row.items() if k not in ("prompt", "env_class")},
     )
 
 
