@@ -59,16 +59,14 @@ class SkyRLEnvironment:
 def skyrl_extras(sample: Sample, max_turns: int) -> dict[str, Any]:
     """The ``extras`` SkyRL's generator passes an environment: the row's columns besides its
     prompt and env_class (its dataset's ``env_extras``: ``reward_spec``, ``extra_info``,
-    ``db_id``, ...), copied, with ``max_turns`` set. A row in verl's layout gets the columns
-    SkyRL's rows have: ``reward_spec`` from its ground truth (``method: rule``), and
-    ``reward_model`` (which some built-ins read) as ``reward_spec``; ``extra_info`` and
-    ``data_source`` as the row's (empty when it has none)."""
+    ``data_source``, ``db_id``, ...), copied, with ``max_turns`` set. A row in verl's layout
+    gets ``reward_spec`` from its ground truth (``method: rule``); ``reward_model``, which
+    some built-ins read, is ``reward_spec``."""
     extras = copy.deepcopy(sample.columns)
-    spec = {"method": "rule", "ground_truth": sample.ground_truth}
-    extras.setdefault("reward_spec", extras.get("reward_model", spec))
-    extras.setdefault("reward_model", extras["reward_spec"])
-    extras.setdefault("extra_info", dict(sample.extra))
-    extras.setdefault("data_source", sample.data_source)
+    extras.setdefault("reward_spec", {"method": "rule", "ground_truth": sample.ground_truth})
+    extras["reward_model"] = extras["reward_spec"]
+    extras["extra_info"] = copy.deepcopy(sample.extra)
+    extras["data_source"] = sample.data_source
     extras["max_turns"] = max_turns
     return extras
 

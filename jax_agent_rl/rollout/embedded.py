@@ -15,6 +15,8 @@ a known prefix stays cached, so a group's episodes (one prompt) prefill it once 
 a tree's branches share their parent's pages (``prefix_session``). When the pool runs out,
 admissions wait, and a decoding request that needs a page preempts the one admitted last on
 its shard, computed again later. A long prompt is prefilled in chunks between decode calls.
+Given ``decode`` (the run's tokenizer), a request ends at the decode call that completes one of
+its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
