@@ -6,8 +6,9 @@ it split any way, or as part of a longer token. The cut is token-exact: what is 
 shortest prefix of the sampled tokens whose text holds a stop string, so its last token is the
 one that completes it (that token's text may run on past the stop string's end, as vLLM's
 token ids do), and every later token is dropped with its logprob. `stop_string_end` finds it;
-the agent loop cuts every backend's result with it (`jax_agent_rl.agent.loop`), and a backend
-that decodes in chunks (`EmbeddedBackend`) ends a request at the chunk that completes one.
+the agent loop cuts every backend's result with it (`jax_agent_rl.agent.loop`), and the
+backends given the run's tokenizer end a request early with it: the embedded engine at the
+decode call that completes one, the JetStream client at the response that does.
 """
 
 from __future__ import annotations
