@@ -42,10 +42,10 @@ class BackendBuild:
     cannot take stop ids per request (JetStream) stops at these server-wide.
     ``on_program(done, total)`` hears of each program an in-process engine compiles before it
     serves (progress for a start that takes a while); other backends may ignore it.
-    ``decode``: the run's tokenizer, with which an in-process engine ends a request at the
-    decode call that completes one of its stop strings (`jax_agent_rl.rollout.stops`); without
-    it, or in another backend, the request runs on to a stop id or its length and the agent
-    loop cuts the result at the stop string all the same."""
+    ``decode``: the run's tokenizer, with which the embedded engine and the JetStream client
+    end a request once it completes one of its stop strings (`jax_agent_rl.rollout.stops`);
+    without it (a Ray replica), or in vLLM, the request runs on to a stop id or its length and
+    the agent loop cuts the result at the stop string all the same."""
 
     rollout: RolloutSection
     model: ModelConfig

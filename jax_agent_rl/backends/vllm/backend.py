@@ -318,7 +318,6 @@ class VLLMBackend:
             "seed": s.seed,
             "max_tokens": min(s.max_tokens, room),
             "stop": list(s.stop_token_ids),
-            "stop_strings": list(s.stop),
             "logprobs": s.logprobs,
         }
 

@@ -176,12 +176,9 @@ class Worker:
             top_p=1.0 if greedy else m["top_p"],
             seed=m["seed"],
             stop_token_ids=m["stop"],
-            ignore_eos=True,  # only the request's stop ids (and stop strings) end it
-            # vLLM ends at the token that completes a stop string (rollout/stops.py's cut)
-            stop=m["stop_strings"] or None,
-            include_stop_str_in_output=True,
+            ignore_eos=True,  # only the request's stop ids end it
             logprobs=(-1 if whole else 0) if m["logprobs"] else None,
-            detokenize=bool(m["stop_strings"]),  # stop strings are found in the text
+            detokenize=False,
             extra_args={PAUSE_KEY: pause[1]} if pause else None,
         )
         last = None
