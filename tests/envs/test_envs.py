@@ -505,6 +505,8 @@ def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
         ("env.interaction_config=" + str(tmp_path / "missing.yaml"), "cannot read"),
         ("env.classes.x=json:nothing_here", "env.classes.x"),
         ("env.config.not_an_env.a=1", "not_an_env"),
+        (f"env.imports=[{tmp_path / 'nowhere.py'}]", r"env\.imports\[0\].*no such file"),
+        ("env.imports=[no_such_package.envs]", r"env\.imports\[0\].*cannot import"),
     ):
         bad = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y", override])
         with pytest.raises(ConfigError, match=match):
