@@ -1,10 +1,18 @@
-"""User functions a config names: ``package.module:function`` or ``path/to/file.py:function``
-(a reward, ``data.reward``; a LangGraph graph, ``agent.graph``)."""
+"""User code a config names: functions (and classes), ``package.module:function`` or
+``path/to/file.py:function`` (a reward, ``data.reward``; a LangGraph graph, ``agent.graph``; an
+environment, ``env.classes``), and modules imported for what they do when imported
+(``env.imports``: a module that registers skyrl-gym environments).
+
+A file's folder is put on ``sys.path`` (at its end, so it shadows nothing) before the file
+runs, as running the file would put it first: the file imports its neighbours as it would then
+(``from count_letter_env import CountLetterEnv``), and so does a skyrl-gym entry point it
+registers by name (``"count_letter_env:CountLetterEnv"``), made later."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,15 +20,35 @@ from typing import Any
 from jax_agent_rl.config import ConfigError
 
 
-def load_function(spec: str, key: str) -> Callable[..., Any]:
-    """The function ``spec`` names; a `ConfigError` naming the config ``key`` if there is none."""
+def load_function(spec: str, key: str, what: str = "function") -> Callable[..., Any]:
+    """The function (or class: ``what`` says which the key takes) ``spec`` names; a
+    `ConfigError` naming the config ``key`` if there is none."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise ConfigError(f"{key}={spec!r}: expected module:function or path/to/file.py:function")
+        raise ConfigError(f"{key}={spec!r}: expected module:{what} or path/to/file.py:{what}")
     fn = getattr(_module(where, spec, key), name, None)
     if not callable(fn):
-        raise ConfigError(f"{key}={spec!r}: {where} has no function {name!r}")
+        raise ConfigError(f"{key}={spec!r}: {where} has no {what} {name!r}")
     return fn
+
+
+def import_module(spec: str, key: str) -> None:
+    """Imports the module ``spec`` names (``package.module`` or ``path/to/file.py``) for what
+    it does when imported; a file is imported under its own name (its stem), so an entry point
+    that names it (``"register_letters:LettersEnv"``) finds it imported, not a second copy.
+    A `ConfigError` naming the config ``key`` if it cannot be."""
+    if not spec.endswith(".py"):
+        _module(spec, spec, key)
+        return
+    path = Path(spec).resolve()
+    if _loaded_from(path.stem, path):
+        return  # imported already (make_environments runs more than once in a run)
+    if path.stem in sys.modules:
+        raise ConfigError(
+            f"{key}={spec!r}: a module named {path.stem!r} is imported already "
+            f"({getattr(sys.modules[path.stem], '__file__', None)}); rename the file"
+        )
+    _load_file(path, path.stem, spec, key)
 
 
 def _module(where: str, spec: str, key: str) -> Any:
@@ -30,10 +58,36 @@ def _module(where: str, spec: str, key: str) -> Any:
         except ImportError as e:
             raise ConfigError(f"{key}={spec!r}: cannot import module {where!r}: {e}") from e
     path = Path(where)
+    for name in (path.stem, f"jarl_user_{path.stem}"):  # by env.imports, or an earlier key
+        if _loaded_from(name, path):
+            return sys.modules[name]
+    return _load_file(path, f"jarl_user_{path.stem}", spec, key)
+
+
+def _loaded_from(name: str, path: Path) -> bool:
+    """Whether module ``name`` is imported already, from the file ``path`` (a file is run
+    once: a second run would register its environments twice, which skyrl-gym refuses)."""
+    module = sys.modules.get(name)
+    return module is not None and Path(getattr(module, "__file__", "") or "").resolve() == (
+        path.resolve()
+    )
+
+
+def _load_file(path: Path, name: str, spec: str, key: str) -> Any:
+    """The module of the file ``path``, run as module ``name`` (kept in ``sys.modules``), its
+    folder on ``sys.path``."""
     if not path.is_file():
-        raise ConfigError(f"{key}={spec!r}: no such file {where!r}")
-    module_spec = importlib.util.spec_from_file_location(f"jarl_user_{path.stem}", path)
+        raise ConfigError(f"{key}={spec!r}: no such file {str(path)!r}")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    module_spec = importlib.util.spec_from_file_location(name, path)
     assert module_spec is not None and module_spec.loader is not None  # a .py file always has one
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module

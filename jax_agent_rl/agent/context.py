@@ -42,6 +42,7 @@ class AgentConfig:
     max_observation_chars: int = _AGENT["max_observation_chars"]
     max_parallel_tool_calls: int = _AGENT["max_parallel_tool_calls"]
     max_tool_calls_per_turn: int = _AGENT["max_tool_calls_per_turn"]
+    stop: tuple[str, ...] = ()  # agent.stop: the stop strings of every turn
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)
     harness: str = _AGENT["harness"]  # openai_agent's (agent/openai_endpoint.py)
     max_model_len: int = 2048  # prompt + response
@@ -52,8 +53,9 @@ class AgentConfig:
     @classmethod
     def of(cls, agent: AgentSection, **rollout: Any) -> AgentConfig:
         """What the loop reads of ``agent``, with ``rollout``'s settings on top."""
-        fields = [f.name for f in dataclasses.fields(cls) if f.name in _AGENT]
-        return cls(**{name: getattr(agent, name) for name in fields}, **rollout)
+        fields = [f.name for f in dataclasses.fields(cls) if f.name in _AGENT and f.name != "stop"]
+        settings = {name: getattr(agent, name) for name in fields}
+        return cls(**settings, stop=tuple(agent.stop), **rollout)
 
 
 class ToolCallSlots:
@@ -138,7 +140,9 @@ class AgentContext:
         schemas = await tools.schemas()
         builder = TurnBuilder(tokenizer, schemas or None)
         for tok in parser.stop_tokens:
-            tokenizer.token_id(tok)  # a stop string must be one token: fail at setup, not mid-run
+            tokenizer.token_id(tok)  # a parser's stop must be one token: fail at setup, not mid-run
+        if not all(config.stop):  # agent.stop's strings may be any text but empty
+            raise ValueError(f"agent.stop={list(config.stop)}: a stop string is empty")
         if config.graph:  # react_agent's user graph: a wrong one fails here, not in each episode
             load_function(GRAPH_CHECK, "agent.graph")(config.graph)
         if config.harness:  # openai_agent's harness: likewise

@@ -40,6 +40,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment
 from jax_agent_rl.rollout.protocol import GenerateRequest
+from jax_agent_rl.rollout.stops import stop_string_end
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
@@ -85,7 +86,9 @@ def _request_seed(ctx: AgentContext, tag: str) -> int | None:
 
 async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tuple[list[int], str]:
     """One request for the trajectory's next tokens (its ``n``-th: one weight version is
-    recorded per request), appended to it."""
+    recorded per request), appended to it: those up to the one that completes a stop string
+    (``agent.stop``, `stop_string_end`; finish ``stop_string``), whatever the backend sent
+    after it dropped with their logprobs."""
     cfg = ctx.config
     n = len(traj.weight_versions)
     max_tokens = min(
@@ -104,6 +107,7 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
         top_k=cfg.top_k,
         seed=_request_seed(ctx, f"{traj.uid}/{n}"),
         stop_token_ids=ctx.stop_ids,
+        stop=cfg.stop,
     )
     request = GenerateRequest(
         request_id=f"{traj.uid}/{n}",
@@ -120,9 +124,15 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
         raise
     if ctx.budget is not None:
         await ctx.budget.settle(max_tokens, len(result.token_ids))
-    tokens = list(result.token_ids)
-    traj.add_sample(tokens, list(result.logprobs or [0.0] * len(tokens)), result.weight_version)
-    return tokens, result.finish_reason
+    tokens, finish = list(result.token_ids), str(result.finish_reason)
+    logprobs = list(result.logprobs or [0.0] * len(tokens))
+    turn = [*traj.response_ids[len(traj.response_ids) - turn_tokens :], *tokens]
+    end = stop_string_end(ctx.tokenizer.decode, turn, cfg.stop, len(tokens))
+    if end is not None and finish != "abort":
+        kept = end - turn_tokens
+        tokens, logprobs, finish = tokens[:kept], logprobs[:kept], "stop_string"
+    traj.add_sample(tokens, logprobs, result.weight_version)
+    return tokens, finish
 
 
 async def model_turn(ctx: AgentContext, traj: Trajectory) -> tuple[list[int], str]:
@@ -133,7 +143,7 @@ async def model_turn(ctx: AgentContext, traj: Trajectory) -> tuple[list[int], st
     while True:
         tokens, finish = await _generate(ctx, traj, len(turn))
         turn += tokens
-        if finish in ("abort", "budget"):
+        if finish in ("abort", "budget", "stop_string"):
             return turn, finish
         if not ctx.parser.needs_more(ctx.tokenizer.decode(turn)):
             return turn, finish

@@ -159,6 +159,10 @@ class AgentSection:
     # cut before it is tokenized (a marker says where; counted in cut_observations)
     max_observation_chars: int = setting(65536, COUNT)
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
+    # strings that end a model turn where its text first holds one (SkyRL's
+    # generator.sampling_params.stop, e.g. [</search>, </answer>]): the turn keeps the tokens
+    # up to the one that completes it (vLLM's include_stop_str_in_output), rollout/stops.py
+    stop: list[str] = dataclasses.field(default_factory=list)
     # the loop of a data row that names no agent_name: single_turn_agent (one model turn, no
     # tool runs), as verl's actor_rollout_ref.rollout.agent.default_agent_loop; tool_agent for
     # tool calls and interactions over many turns. Rows in SkyRL's layout (an env_class) run
@@ -230,6 +234,10 @@ class EnvSection:
     """Environments that answer model turns (`jax_agent_rl.envs`), picked per row by its
     ``env_class`` (SkyRL's column) or verl's ``extra_info.interaction_kwargs.name``."""
 
+    # modules imported first, for what they do when imported: package.module or
+    # path/to/file.py (its folder then on sys.path), e.g. one that registers skyrl-gym
+    # environments (skyrl_gym.envs.register(id=..., entry_point=...)), whose ids rows name
+    imports: list[str] = dataclasses.field(default_factory=list)
     # env_class -> a class, package.module:Class or path/to/file.py:Class: a skyrl-gym Env
     # (made as SkyRL makes it) or a function of the sample returning an Environment. A row's
     # env_class not listed here names an id registered with skyrl-gym (gsm8k, ...)

@@ -14,6 +14,9 @@ One row is one prompt::
     env_class     str, optional: the environment that answers its turns (SkyRL's column;
                   `jax_agent_rl.envs`); SkyRL's ``reward_spec`` stands for ``reward_model``
 
+Every other column (SkyRL's ``reward_spec`` among them) is kept as it is (`Sample.columns`):
+SkyRL's environments read theirs (``db_id``, ``data``, ...) from it.
+
 Instead of a file, ``reasoning_gym:<task>?size=N&seed=S`` generates reasoning-gym rows
 (`jax_agent_rl.data.reasoning_gym`).
 
@@ -41,6 +44,9 @@ ROLES = ("system", "user", "assistant", "tool")
 SKYRL_AGENT = "tool_agent"  # SkyRL's generator plays an environment over many turns
 
 Row = dict[str, Any]
+# the columns a `Sample` holds in fields of its own; the others it keeps as they are (columns)
+_READ = {"prompt", "env_class", "data_source", "extra_info", "agent_name"}
+_READ |= {"reward_model", "ground_truth"}
 
 
 Fail = Callable[[str], DatasetError]  # makes the error for one problem of the row at hand
@@ -99,6 +105,7 @@ def write_jsonl(path: str | Path, samples: Sequence[Sample]) -> Path:
 
 def _row(sample: Sample) -> Row:
     return {
+        **sample.columns,
         "data_source": sample.data_source,
         "prompt": sample.messages,
         "reward_model": {"style": "rule", "ground_truth": sample.ground_truth},
@@ -177,6 +184,7 @@ def _sample(
         agent_name=agent_name,
         env_class=env_class,
         extra=extra,
+        columns={k: v for k, v in row.items() if k not in _READ},
     )
 
 

@@ -25,3 +25,6 @@ class Sample:
     env_class: str = ""  # the environment that plays it (SkyRL's column; jax_agent_rl.envs)
     group_id: str = ""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the row's columns that no field above holds, as its file has them (with those fields,
+    # what SkyRL's dataset hands an environment as env_extras: reward_spec, db_id, data, ...)
+    columns: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -32,6 +32,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (`jax_agent_rl.rollout.stops`)
     logprobs: bool = True
 
     def validate(self) -> None:
@@ -43,6 +44,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.top_k != -1 and self.top_k < 1:
             raise InvalidRequestError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError(f"stop={list(self.stop)}: stop strings must be non-empty")
 
 
 def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:

@@ -27,7 +27,7 @@ from jax_agent_rl.envs.base import (
 )
 from jax_agent_rl.envs.skyrl import registered_skyrl_env, skyrl_factory
 from jax_agent_rl.envs.verl_interaction import interaction_factory, load_interactions
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.user_code import import_module, load_function
 
 __all__ = [
     "EnvError",
@@ -44,7 +44,10 @@ __all__ = [
 
 def make_environments(env: EnvSection, max_turns: int) -> Environments:
     """The environments ``env`` configures, each class loaded (and the interaction YAML read)
-    here, before anything runs; ``max_turns`` is what skyrl-gym environments are told."""
+    here, before anything runs, after the modules of ``env.imports`` (which may register
+    skyrl-gym ids); ``max_turns`` is what skyrl-gym environments are told."""
+    for i, spec in enumerate(env.imports):
+        import_module(spec, f"env.imports[{i}]")
     built_in = built_in_environments()
     shadowed = sorted(set(env.classes) & set(built_in))
     if shadowed:
@@ -81,7 +84,7 @@ def _factory(name: str, spec: str, env: EnvSection, max_turns: int) -> EnvFactor
     and an ``init``), or a function of the sample returning an `Environment` (whose methods
     may be synchronous too: they then run in threads)."""
     key = f"env.classes.{name}"
-    made = load_function(spec, key)
+    made = load_function(spec, key, "class or function")
     step = getattr(made, "step", None)
     if inspect.isclass(made) and callable(step) and not inspect.iscoroutinefunction(step):
         if not callable(getattr(made, "init", None)):

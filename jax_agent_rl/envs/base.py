@@ -123,7 +123,12 @@ class Environments:
             raise KeyError(
                 f"unknown env_class {env_class!r}; configured (env.classes): "
                 f"{sorted(self.classes)}"
-                + ("; nor a registered skyrl-gym environment" if self.lookup else "")
+                + (
+                    "; nor a registered skyrl-gym environment (a module of yours that "
+                    "registers it: name it in env.imports)"
+                    if self.lookup
+                    else ""
+                )
             )
         return found
 

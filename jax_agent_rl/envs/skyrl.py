@@ -2,15 +2,15 @@
 
 A row's ``env_class`` names a skyrl-gym environment as SkyRL's generator names it: an id
 registered with ``skyrl_gym.register`` (its built-ins: ``gsm8k``, ``gsm8k_multi_turn``,
-``aime``, ...; a user's, registered by the module ``env.classes`` imports) or, through
+``aime``, ...; a user's, registered by a module ``env.imports`` imports) or, through
 ``env.classes``, a class (``module:Class`` or ``path/to/file.py:Class``). The environment is
 made as SkyRL makes it, ``make(env_class, env_config=..., extras=...)`` with the row's
-``reward_spec`` (and ``reward_model``, which some built-ins read), ``extra_info``,
-``data_source`` and ``max_turns`` (``agent.max_turns``) as extras and ``env.config.<env_class>``
-as its config. It answers every model turn (``turns="all"``: it parses the model's actions
-itself) and owns the episode's reward: the sum of its step rewards. Its ``init`` may rewrite the
-prompt; its ``postprocessed_action`` (SkyRL re-tokenizes the turn with it) is not applied: the
-trajectory keeps the tokens the model sampled.
+columns besides its prompt and env_class (``reward_spec``, ``extra_info``, ``db_id``, ...:
+`skyrl_extras`) and ``max_turns`` (``agent.max_turns``) as extras and
+``env.config.<env_class>`` as its config. It answers every model turn (``turns="all"``: it
+parses the model's actions itself) and owns the episode's reward: the sum of its step rewards.
+Its ``init`` may rewrite the prompt; its ``postprocessed_action`` (SkyRL re-tokenizes the
+turn with it) is not applied: the trajectory keeps the tokens the model sampled.
 
 skyrl-gym environments are synchronous, and so is `SkyRLEnvironment`: the loop runs its calls
 (making the environment and ``init``; ``step``; ``close``) in threads of the bounded pool, each
@@ -19,6 +19,7 @@ within ``env.step_timeout_s`` (`jax_agent_rl.envs.base.GuardedEnvironment`).
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -57,15 +58,17 @@ class SkyRLEnvironment:
 
 def skyrl_extras(sample: Sample, max_turns: int) -> dict[str, Any]:
     """The ``extras`` SkyRL's generator passes an environment: the row's columns besides its
-    prompt, and ``max_turns``."""
-    reward_spec = {"method": "rule", "ground_truth": sample.ground_truth}
-    return {
-        "reward_spec": reward_spec,
-        "reward_model": reward_spec,
-        "extra_info": dict(sample.extra),
-        "data_source": sample.data_source,
-        "max_turns": max_turns,
-    }
+    prompt and env_class (its dataset's ``env_extras``: ``reward_spec``, ``extra_info``,
+    ``data_source``, ``db_id``, ...), copied, with ``max_turns`` set. A row in verl's layout
+    gets ``reward_spec`` from its ground truth (``method: rule``); ``reward_model``, which
+    some built-ins read, is ``reward_spec``."""
+    extras = copy.deepcopy(sample.columns)
+    extras.setdefault("reward_spec", {"method": "rule", "ground_truth": sample.ground_truth})
+    extras["reward_model"] = extras["reward_spec"]
+    extras["extra_info"] = copy.deepcopy(sample.extra)
+    extras["data_source"] = sample.data_source
+    extras["max_turns"] = max_turns
+    return extras
 
 
 def skyrl_factory(

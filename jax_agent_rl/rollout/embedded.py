@@ -15,6 +15,8 @@ a known prefix stays cached, so a group's episodes (one prompt) prefill it once 
 a tree's branches share their parent's pages (``prefix_session``). When the pool runs out,
 admissions wait, and a decoding request that needs a page preempts the one admitted last on
 its shard, computed again later. A long prompt is prefilled in chunks between decode calls.
+Given ``decode`` (the run's tokenizer), a request ends at the decode call that completes one of
+its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import random
 import threading
@@ -46,6 +47,7 @@ from jax_agent_rl.engine.pages import PagePool, prefix_keys
 from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.rollout.gate import WeightGate
+from jax_agent_rl.rollout.jobs import Job, Update
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -57,29 +59,7 @@ from jax_agent_rl.rollout.protocol import (
     validate_request,
 )
 from jax_agent_rl.rollout.session_pages import BackendStats, SessionPages
-
-
-@dataclasses.dataclass
-class _Job:
-    request: GenerateRequest
-    future: asyncio.Future[GenerateResult]
-    loop: asyncio.AbstractEventLoop
-    seed: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    pos: int = 0  # positions its pages hold (host mirror of the state's pos)
-    version: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)  # its page table
-    slot: int = -1  # where it decodes (its pages are on that slot's shard)
-    done: int = 0  # tokens of its sequence prefilled so far
-    admitted: int = -1  # admission order (kept through a preemption)
-
-
-@dataclasses.dataclass
-class _Update:
-    params: Weights
-    future: asyncio.Future[None]
-    loop: asyncio.AbstractEventLoop
+from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
 
 class EmbeddedBackend:
@@ -96,8 +76,10 @@ class EmbeddedBackend:
         seed: int = 0,
         warmup: bool = False,
         on_program: Callable[[int, int], None] | None = None,
+        decode: Decode | None = None,
     ) -> None:
         self.engine = engine
+        self._detokenize = decode  # for stop strings; None: the agent loop cuts at them
         self.capabilities = Capabilities(
             logprobs=True,
             logprob_tolerance=logprob_tolerance(engine.cfg.dtype),
@@ -118,14 +100,14 @@ class EmbeddedBackend:
         self._pool = PagePool(engine.num_pages, engine.shards)
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
-        self._prefilling: _Job | None = None  # a long prompt between its chunks
+        self._prefilling: Job | None = None  # a long prompt between its chunks
         self._admissions = itertools.count()
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
-        self._waiting: collections.deque[_Job] = collections.deque()
-        self._slots: dict[int, _Job] = {}
-        self._update: _Update | None = None
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._slots: dict[int, Job] = {}
+        self._update: Update | None = None
         self._closed = False
         self._failure: BaseException | None = None
         self._pause_at: tuple[str, int] | None = None  # pause once this request has n tokens
@@ -147,7 +129,7 @@ class EmbeddedBackend:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GenerateResult] = loop.create_future()
         seed = request.sampling.seed
-        job = _Job(request, future, loop, self._rng.getrandbits(31) if seed is None else seed)
+        job = Job(request, future, loop, self._rng.getrandbits(31) if seed is None else seed)
         ticket = self._gate.enter(request.request_id)
         try:
             if not await self._gate.admit(ticket):  # aborted while an update ran
@@ -186,7 +168,7 @@ class EmbeddedBackend:
         async def push() -> None:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
-            self._send("update", _Update(params, future, loop))
+            self._send("update", Update(params, future, loop))
             await future
 
         await self._gate.update(push, version)
@@ -301,7 +283,7 @@ class EmbeddedBackend:
         elif kind == "close":
             self._closed = True
 
-    def _apply_update(self, update: _Update) -> None:
+    def _apply_update(self, update: Update) -> None:
         try:
             checked_weights(self.engine.cfg, update.params)
         except ValueError as e:
@@ -333,12 +315,12 @@ class EmbeddedBackend:
 
     # --------------------------------------------------------------------- pages, prefixes
 
-    def _sequence(self, job: _Job) -> tuple[int, ...]:
+    def _sequence(self, job: Job) -> tuple[int, ...]:
         """What the job's next prefill computes: its prompt, and after a preemption the
         tokens it sampled before (the last of them not cached yet)."""
         return (*job.request.prompt_ids, *job.tokens)
 
-    def _admit(self, job: _Job) -> bool:
+    def _admit(self, job: Job) -> bool:
         """Starts the waiting request ``job``: its cached prefix, pages for the rest of its
         sequence and its first decode steps, then its prefill (in chunks if it is long).
         False (and nothing held) if the pool has too few pages for now."""
@@ -364,7 +346,7 @@ class EmbeddedBackend:
         self._prefill_chunk(job)
         return True
 
-    def _prefill_chunk(self, job: _Job) -> None:
+    def _prefill_chunk(self, job: Job) -> None:
         """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes in
         its slot (or finishes at its first token). Chunks alternate with decode calls."""
         seq = self._sequence(job)
@@ -393,8 +375,8 @@ class EmbeddedBackend:
         job.tokens.append(int(token))
         job.logprobs.append(float(logprob))
         job.pos = len(seq)
-        if int(finish) != RUNNING:
-            self._retire(job, "stop" if int(finish) == STOPPED else "length")
+        if int(finish) != RUNNING or self._stop_string(job, 1):
+            self._retire(job, "length" if int(finish) not in (RUNNING, STOPPED) else "stop")
             return
         self._state = self.engine.insert(prefix, self._state, job.slot)
         self._slots[job.slot] = job
@@ -446,20 +428,37 @@ class EmbeddedBackend:
         self.stats.decode_calls += 1
         finished: list[tuple[int, FinishReason]] = []
         for slot, job in self._slots.items():
+            before, code = len(job.tokens), RUNNING
             for t in range(self._steps_per_call):
-                if not out.valid[t, slot]:
+                if not out.valid[t, slot] or code != RUNNING:
                     break
                 job.tokens.append(int(out.token[t, slot]))
                 job.logprobs.append(float(out.logprob[t, slot]))
                 job.pos += 1
                 code = int(out.finish[t, slot])
-                if code != RUNNING:
-                    finished.append((slot, "stop" if code == STOPPED else "length"))
-                    break
+            if self._stop_string(job, len(job.tokens) - before):
+                self._state = self.engine.release(self._state, slot)  # it is running there
+                finished.append((slot, "stop"))
+            elif code != RUNNING:
+                finished.append((slot, "stop" if code == STOPPED else "length"))
         for slot, reason in finished:
             self._retire(self._slots.pop(slot), reason)
 
-    def _retire(self, job: _Job, reason: FinishReason) -> None:
+    def _stop_string(self, job: Job, new: int) -> bool:
+        """Whether the job's last ``new`` tokens complete one of its stop strings; it then
+        keeps the tokens up to the one that does, and those sampled after it in the same
+        decode call are dropped (`stop_string_end`)."""
+        stops = job.request.sampling.stop
+        if self._detokenize is None or not stops:
+            return False
+        end = stop_string_end(self._detokenize, job.tokens, stops, new)
+        if end is None:
+            return False
+        job.pos -= len(job.tokens) - end
+        del job.tokens[end:], job.logprobs[end:]
+        return True
+
+    def _retire(self, job: Job, reason: FinishReason) -> None:
         """A finished job's pages: its full ones registered as a cached prefix; kept for its
         session (by reference: the session holds them now) or released."""
         covered = self._sequence(job)[: job.pos]
@@ -474,7 +473,7 @@ class EmbeddedBackend:
         job.pages = []
         self._finish(job, reason)
 
-    def _finish(self, job: _Job, reason: FinishReason) -> None:
+    def _finish(self, job: Job, reason: FinishReason) -> None:
         self.stats.generated_tokens += len(job.tokens)
         self.stats.aborted += reason == "abort"
         want_logprobs = job.request.sampling.logprobs

@@ -159,9 +159,9 @@ class RayPool:
         self._ray = ray
         self._cfg = spec.rollout.ray
         self._owns_ray = connect(self._cfg.address)
-        # params are sent apart; the sharder and the progress callback stay in this process
+        # params are sent apart; the sharder, the progress callback and the tokenizer stay here
         self._spec = dataclasses.replace(
-            spec, params=cast(Any, None), sharder=None, on_program=None
+            spec, params=cast(Any, None), sharder=None, on_program=None, decode=None
         )
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
         self._gate = WeightGate(spec.version)

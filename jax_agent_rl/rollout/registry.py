@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.rollout.stops import Decode
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
@@ -40,7 +41,11 @@ class BackendBuild:
     run stops at (the chat template's end of turn, the parser's stop tokens): a backend that
     cannot take stop ids per request (JetStream) stops at these server-wide.
     ``on_program(done, total)`` hears of each program an in-process engine compiles before it
-    serves (progress for a start that takes a while); other backends may ignore it."""
+    serves (progress for a start that takes a while); other backends may ignore it.
+    ``decode``: the run's tokenizer, with which the embedded engine and the JetStream client
+    end a request once it completes one of its stop strings (`jax_agent_rl.rollout.stops`);
+    without it (a Ray replica), or in vLLM, the request runs on to a stop id or its length and
+    the agent loop cuts the result at the stop string all the same."""
 
     rollout: RolloutSection
     model: ModelConfig
@@ -52,6 +57,7 @@ class BackendBuild:
     sharder: Sharder | None = None
     stop_token_ids: tuple[int, ...] = ()
     on_program: Callable[[int, int], None] | None = None  # (not sent to replicas)
+    decode: Decode | None = None  # (not sent to replicas)
 
 
 def _no_problems(rollout: RolloutSection, processes: int) -> list[str]:
@@ -122,6 +128,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         seed=spec.seed,
         warmup=True,
         on_program=spec.on_program,
+        decode=spec.decode,
     )
 
 

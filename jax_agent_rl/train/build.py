@@ -388,6 +388,7 @@ async def serve_policy(
                     sharder=sharder,
                     stop_token_ids=turn_stop_ids(tokenizer, parser),
                     on_program=compiled,
+                    decode=tokenizer.decode,
                 )
             )
         backend = MeteredBackend(built, version)  # its idle time goes into each step's metrics

@@ -187,15 +187,131 @@ GRUMPY = ("grumpy_raise", "grumpy_short")  # interactions that raise, answer a 2
 FAILING = ("raises", "garbage", "nan", "bad_role", "not_env", *GRUMPY)
 
 
+COUNT_LETTER_ENV = """
+    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+    class CountLetterEnv(BaseTextEnv):
+        '''SkyRL's docs' example: how often a letter is in a word, read from the row's own
+        columns (letter, word), as SkyRL's generator passes them.'''
+
+        def __init__(self, env_config=None, extras={}):
+            super().__init__()
+            self.answer = str(extras["word"].count(extras["letter"]))
+
+        def step(self, action):
+            reward = float(self.answer in action)
+            return BaseTextEnvStepOutput(observations=[], reward=reward, done=True, metadata={})
+"""
+
+REGISTER_COUNT_LETTER = """
+    from skyrl_gym.envs import register
+
+    from count_letter_env import CountLetterEnv  # its neighbour: the file's folder is on sys.path
+
+    register(id="count_letter", entry_point="count_letter_env:CountLetterEnv")
+"""
+
+SQL_GOLD = "SELECT name FROM employees WHERE salary > 150;"  # one row: Jane Smith
+SYSTEM = {"role": "system", "content": "Think, then act."}
+# the rows of SkyRL's built-ins and of the user's registered environment, by env_class: each
+# with the columns its environment reads (db_id, data; letter, word), as SkyRL's datasets have
+SKYRL_ROWS: dict[str, dict[str, Any]] = {
+    "text2sql": {
+        "prompt": [SYSTEM, {"role": "user", "content": "Who earns more than 150?"}],
+        "db_id": "mini", "data": "spider",
+        "reward_spec": {"method": "rule", "ground_truth": SQL_GOLD},
+    },
+    "search": {
+        "prompt": [SYSTEM, {"role": "user", "content": "What is the capital of Italy?"}],
+        "data_source": "nq",
+        "reward_spec": {"method": "rule", "ground_truth": {"target": ["Rome"]}},
+    },
+    "count_letter": {
+        "prompt": [{"role": "user", "content": "How many r in strawberry?"}],
+        "letter": "r", "word": "strawberry", "reward_spec": {"method": "rule", "ground_truth": "3"},
+    },
+    "count_letter_cls": {
+        "prompt": [{"role": "user", "content": "How many s in mississippi?"}],
+        "letter": "s", "word": "mississippi",
+        "reward_spec": {"method": "rule", "ground_truth": "4"},
+    },
+}  # fmt: skip
+
+
+class SearchStub:
+    """A search server on loopback answering skyrl-gym's retrieval requests ({query, topk,
+    return_scores} -> {result: [[{document: {contents}}]]}), each query kept."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.queries: list[str] = []
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.queries.append(body["query"])
+                text = f"Rome is the capital of Italy ({body['query']})."
+                docs = [{"document": {"contents": text}}]
+                reply = json.dumps({"result": [docs[: body["topk"]]]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/retrieve"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _sql_database(root: Path) -> Path:
+    """A tiny database laid out as skyrl-gym's text2sql reads Spider's (its tests' own)."""
+    import sqlite3
+
+    folder = root / "spider" / "database" / "mini"
+    folder.mkdir(parents=True)
+    with sqlite3.connect(folder / "mini.sqlite") as conn:
+        conn.execute("CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT, salary INTEGER)")
+        conn.executemany(
+            "INSERT INTO employees VALUES (?, ?, ?)", [(1, "John Doe", 100), (2, "Jane Smith", 200)]
+        )
+    return folder / "mini.sqlite"
+
+
 @pytest.fixture(scope="module")
-def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """One run, 2 steps, whose every step holds rows of each environment (each row picks its
-    own): skyrl-gym's built-in ``gsm8k_multi_turn`` and a user's skyrl-gym environment in
-    SkyRL's layout (env_class, reward_spec), a verl interaction (interaction_kwargs), and a
-    hostile environment of each misbehaviour. The traces of every episode, by row kind."""
+def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run, 2 steps, from a user's own folder (the working directory, outside the
+    repository), whose every step holds rows of each environment (each row picks its own):
+    skyrl-gym's built-ins ``gsm8k_multi_turn``, ``text2sql`` (rows with SkyRL's db_id and data
+    columns, a tiny database) and ``search`` (a search server on loopback), with SkyRL's stop
+    strings; a user's skyrl-gym environment in SkyRL's layout (env_class, reward_spec), SkyRL's
+    docs' count-letter environment registered by the user's module (``env.imports``) and named
+    by a class that module imports (``env.classes``); a verl interaction (interaction_kwargs);
+    and a hostile environment of each misbehaviour. The traces of every episode, by row kind,
+    and the search and sql environments played by hand."""
     tmp = tmp_path_factory.mktemp("mixed")
-    for name, text in (("letters_env", USER_ENV), ("teacher", INTERACTION), ("hostile", HOSTILE)):
+    for name, text in (
+        ("letters_env", USER_ENV),
+        ("teacher", INTERACTION),
+        ("hostile", HOSTILE),
+        ("count_letter_env", COUNT_LETTER_ENV),
+        ("register_count_letter", REGISTER_COUNT_LETTER),
+    ):
         (tmp / f"{name}.py").write_text(textwrap.dedent(text))
+    db_file = _sql_database(tmp / "sql_data")
+    stub = SearchStub()
     (tmp / "interaction.yaml").write_text(
         "interaction:\n"
         "  - name: teacher\n"
@@ -208,11 +324,13 @@ def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             for name in GRUMPY
         )
     )
-    kinds = ["gsm8k", "letters", "teacher", *KINDS, *GRUMPY]
+    kinds = ["gsm8k", "letters", "teacher", *KINDS, *GRUMPY, *SKYRL_ROWS]
     rows = []
     for i, kind in enumerate(kinds):
         row: dict[str, Any] = {"prompt": _question(i), "extra_info": {"index": i, "kind": kind}}
-        if kind in ("teacher", *GRUMPY):
+        if kind in SKYRL_ROWS:
+            row = {**SKYRL_ROWS[kind], "env_class": kind, "extra_info": {"index": i}}
+        elif kind in ("teacher", *GRUMPY):
             row["reward_model"] = {"ground_truth": str(2 * i)}
             row["extra_info"]["interaction_kwargs"] = {"name": kind, "ground_truth": str(2 * i)}
         else:
@@ -223,25 +341,39 @@ def mixed(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         if kind == "letters":
             row["reward_spec"]["ground_truth"] = "abcde"
         rows.append(row)
-    traces = _train(
-        task,
-        tmp / "run",
+    overrides = [
         f"data.train={_rows(tmp / 'train.jsonl', rows)}",
         f"data.prompts_per_step={len(rows)}",
         f"trainer.traces_per_step={2 * len(rows)}",
-        f"env.classes.letters={tmp / 'letters_env.py'}:LettersEnv",
+        "env.classes.letters=letters_env.py:LettersEnv",  # paths as a user writes them
         "env.config.letters.bonus=0.5",
-        f"env.classes.hostile={tmp / 'hostile.py'}:Hostile",
-        f"env.classes.not_env={tmp / 'hostile.py'}:not_an_environment",
-        f"env.interaction_config={tmp / 'interaction.yaml'}",
+        "env.classes.hostile=hostile.py:Hostile",
+        "env.classes.not_env=hostile.py:not_an_environment",
+        "env.interaction_config=interaction.yaml",
         "data.reward=format",  # the interaction's rows: verl scores them by the reward function
-    )
+        "env.imports=[register_count_letter.py]",
+        "env.classes.count_letter_cls=register_count_letter.py:CountLetterEnv",
+        f"env.config.text2sql.db_path={tmp / 'sql_data'}",
+        f"env.config.search.search_url={stub.url}",
+        "env.config.search.topk=3",
+        "env.config.search.timeout=30",
+        "env.config.search.log_requests=false",
+        "agent.stop=[</search>,</sql>,</answer>,</solution>]",  # SkyRL's search and sql stops
+    ]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(tmp)  # as a user runs jarl train from their folder
+            traces = _train(task, tmp / "run", *overrides)
+            cfg = load_config(DEMO_CONFIG, ["model.path=x", *overrides])
+            direct = asyncio.run(_direct_steps(cfg, tmp / "train.jsonl"))
+    finally:
+        stub.close()
     assert len(traces) == 2 * 2 * len(rows)
-    by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
+    by_kind: dict[str, Any] = {k: [] for k in kinds}
     for t in traces:
         by_kind[kinds[int(t["group_id"].rsplit("-", 1)[1])]].append(t)
     by_kind["metrics"] = read_metrics(tmp / "run" / "metrics.jsonl", "train")
-    return by_kind
+    return {**by_kind, "direct": direct, "queries": stub.queries, "db_file": db_file}
 
 
 def test_a_skyrl_gym_builtin_trains_unchanged(task: TaskFiles, mixed: dict) -> None:
@@ -349,7 +481,7 @@ def test_hostile_environments_end_only_their_own_episode(mixed: dict) -> None:
     assert all("not an Environment" in t["error"] for t in mixed["not_env"])
     assert all(t["stop_reason"] == "max_turns" for t in mixed["endless"])
     for step in mixed["metrics"]:
-        share = len(FAILING) / (len(KINDS) + len(GRUMPY) + 3)
+        share = len(FAILING) / (len(KINDS) + len(GRUMPY) + 3 + len(SKYRL_ROWS))
         assert step["stop/env_error"] == pytest.approx(share)
         assert step["untrainable"] == pytest.approx(share)
 
@@ -373,6 +505,8 @@ def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
         ("env.interaction_config=" + str(tmp_path / "missing.yaml"), "cannot read"),
         ("env.classes.x=json:nothing_here", "env.classes.x"),
         ("env.config.not_an_env.a=1", "not_an_env"),
+        (f"env.imports=[{tmp_path / 'nowhere.py'}]", r"env\.imports\[0\].*no such file"),
+        ("env.imports=[no_such_package.envs]", r"env\.imports\[0\].*cannot import"),
     ):
         bad = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y", override])
         with pytest.raises(ConfigError, match=match):
@@ -476,3 +610,84 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     traj = asyncio.run(go())
     assert traj.stop_reason == "agent_error" and not traj.response_ids
     assert f"agent_name {agent_name!r} does not drive environments" in traj.error
+
+
+async def _direct_steps(cfg: Any, rows: Path) -> dict[str, list[Any]]:
+    """The same environments made as the run makes them (`make_environments`), played by hand
+    with the actions SkyRL's envs act on: a search, an SQL query, an answer."""
+    from jax_agent_rl.envs import make_environments
+
+    envs = make_environments(cfg.env, 3)
+    loaded = load_samples(rows, agents=AGENTS, default_agent="tool_agent")
+    samples = {s.env_class: s for s in loaded}
+    actions = {
+        "search": ["<search>capital of Italy</search>", "<answer>Rome</answer>"],
+        "text2sql": [
+            "<think>a</think><sql>SELECT name FROM employees WHERE id = 1;</sql>",
+            f"<think>b</think>\n<solution>{SQL_GOLD}</solution>",
+        ],
+    }
+    steps: dict[str, list[Any]] = {}
+    for name, acts in actions.items():
+        env = envs.make(samples[name])
+        assert env is not None
+        await env.reset(samples[name])
+        steps[name] = [await env.step(a, []) for a in acts]
+        await env.close()
+    return steps
+
+
+def _chat_history(trace: dict[str, Any], prompt_len: int, eos: str) -> str:
+    """What SkyRL's search and sql envs score: their actions and observations, joined."""
+    return "".join(m["content"].removesuffix(eos) for m in trace["messages"][prompt_len:])
+
+
+def test_skyrl_text2sql_and_search_train_with_their_columns_and_stop_strings(
+    task: TaskFiles, mixed: dict[str, Any]
+) -> None:
+    """skyrl-gym's ``text2sql`` (which asserts the row's db_id and data columns) and
+    ``search`` run 2 training steps: every episode is answered by the environment itself
+    (its own observations) until it says done at agent.max_turns, and the reward is its
+    score of the episode, recomputed here with skyrl-gym's scorers. Played by hand, the
+    same environments run the query on the database, ask the search server, and score a
+    right answer 1."""
+    from skyrl_gym.envs.search.utils import compute_score
+    from skyrl_gym.envs.sql.utils import compute_score_single
+
+    builder = _builder(task)
+    eos = builder.tokenizer.decode([builder.eos_id])
+    for name in ("text2sql", "search"):
+        assert len(mixed[name]) == 4  # 2 steps x 2 episodes
+        for t in mixed[name]:
+            assert t["stop_reason"] == "env_done" and t["num_turns"] == 3, t["error"]
+            history = _chat_history(t, 2, eos)
+            if name == "text2sql":
+                want = compute_score_single(history, SQL_GOLD, str(mixed["db_file"]))
+                assert "turns left to complete the task" in t["messages"][3]["content"]
+            else:
+                want = compute_score(history, {"target": ["Rome"]})
+                assert t["messages"][3]["content"].startswith("\n<information>")
+            assert t["turn_rewards"] == pytest.approx([0.0, 0.0, want])
+            assert t["reward"] == pytest.approx(want)
+            _assert_token_exact(t, builder, prompt_len=2)
+    search, sql = mixed["direct"]["search"], mixed["direct"]["text2sql"]
+    assert "Rome is the capital of Italy (capital of Italy)" in search[0].observations[0]["content"]
+    assert mixed["queries"] == ["capital of Italy"]
+    assert search[1].done and search[1].reward == 1.0
+    assert "John Doe" in sql[0].observations[0]["content"] and not sql[0].done
+    assert sql[1].done and sql[1].reward == 1.0
+
+
+def test_a_user_module_registers_envs_from_outside_the_repository(
+    mixed: dict[str, Any],
+) -> None:
+    """A user's module in their own folder that registers an environment as SkyRL's docs do
+    (``register(id=..., entry_point="count_letter_env:CountLetterEnv")``) is imported by
+    ``env.imports`` and its id trains; the class that module imports from its neighbour can be
+    named in ``env.classes`` too. The environment reads the row's own columns."""
+    for name, answer in (("count_letter", "3"), ("count_letter_cls", "4")):
+        assert len(mixed[name]) == 4
+        for t in mixed[name]:
+            assert t["stop_reason"] == "env_done" and t["num_turns"] == 1, t["error"]
+            action = t["messages"][1]["content"]
+            assert t["reward"] == float(answer in action)

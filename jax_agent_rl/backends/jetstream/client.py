@@ -10,8 +10,9 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
   request sampling otherwise is refused, and so is one with a ``seed`` (the server draws each
   request's seed from its own seeded generator).
 - Stop ids: the server stops by itself at its own stop ids (the run's end-of-turn tokens);
-  this client ends a request at any other of the request's stop ids, cancelling the rest of
-  its stream. A request must stop at every one of the server's ids.
+  this client ends a request at any other of the request's stop ids, or (given ``decode``) at
+  the response that completes one of its stop strings, cancelling the rest of its stream. A
+  request must stop at every one of the server's ids.
 - ``max_tokens`` and abort (cancelling the RPC) are per request. Sessions bring nothing: the
   server keeps no prefix between requests.
 - Weights are pushed by reload, through the `WeightGate` every backend shares: new requests
@@ -42,9 +43,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.backends.jetstream.chips import (
     chip_problems,
@@ -54,6 +54,12 @@ from jax_agent_rl.backends.jetstream.chips import (
     trainer_env,
 )
 from jax_agent_rl.backends.jetstream.server import TOKEN_ENV, TOKEN_KEY
+from jax_agent_rl.backends.jetstream.start import (
+    SERVER_DEFAULTS,
+    ServerSampling,
+    ServerStartError,
+    handshake,
+)
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
@@ -68,6 +74,7 @@ from jax_agent_rl.rollout.protocol import (
     validate_request,
 )
 from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
+from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import RolloutSection
@@ -76,28 +83,6 @@ ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh jetstream`"
 SHM_DIR = Path("/dev/shm")
-
-
-class ServerStartError(RuntimeError):
-    """A JetStream server that could not start; the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSampling:
-    """How the server samples every request (the rollout section's settings)."""
-
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-
-
-def _handshake(out: IO[bytes]) -> Iterator[dict[str, Any]]:
-    """The server's one ready line; then its stdout is read to the end (its exit)."""
-    line = out.readline()
-    if line:
-        yield json.loads(line)
-    out.read()
 
 
 class JetStreamBackend:
@@ -117,7 +102,7 @@ class JetStreamBackend:
         *,
         params: Weights | None = None,
         python: str | Path = DEFAULT_PYTHON,
-        sampling: ServerSampling = ServerSampling(),
+        sampling: ServerSampling = SERVER_DEFAULTS,
         max_model_len: int,
         slots: int,
         steps: int = 4,
@@ -128,6 +113,7 @@ class JetStreamBackend:
         seed: int = 0,
         startup_timeout_s: float = 900.0,
         max_in_flight: int = 256,
+        decode: Decode | None = None,
     ) -> None:
         python = Path(python)
         if not python.is_file():
@@ -139,6 +125,7 @@ class JetStreamBackend:
             devices = len(split.server_chips)
         self.model = model
         self.sampling = sampling
+        self._detokenize = decode  # for stop strings; None: the agent loop cuts at them
         self.capabilities = Capabilities(
             logprobs=False,
             # the server's engine is this project's: were its logprobs returned, they would
@@ -187,7 +174,7 @@ class JetStreamBackend:
             root=ROOT,
             log=self.log,
             env={TOKEN_ENV: token, **placement},
-            messages=_handshake,
+            messages=handshake,
             on_exit=self._on_exit,
         )
         try:
@@ -351,7 +338,6 @@ class JetStreamBackend:
 
         room = self.capabilities.max_model_len - len(request.prompt_ids)
         budget = min(request.sampling.max_tokens, room)
-        stops = set(request.sampling.stop_token_ids)
         decode = jetstream_pb2.DecodeRequest(
             session_cache="token-ids",  # non-empty: JetStream puts no BOS before the prompt
             max_tokens=budget,
@@ -369,19 +355,38 @@ class JetStreamBackend:
         tokens: list[int] = []
         try:
             for response in rpc:
+                new = 0
                 for token in response.stream_content.samples[0].token_ids:
                     if not self._take(ticket, len(tokens)):
                         return tokens, "abort"
                     tokens.append(token)
-                    if token in stops or len(tokens) == budget:
-                        rpc.cancel()  # the rest of the stream is not wanted
-                        return tokens, "stop" if token in stops else "length"
+                    new += 1
+                    if token in request.sampling.stop_token_ids or len(tokens) == budget:
+                        break
+                end = self._end(request, tokens, new, budget)
+                if end is not None:
+                    rpc.cancel()  # the rest of the stream is not wanted
+                    return tokens[: end[0]], end[1]
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequestError(f"request {request.request_id!r}: {e.details()}") from e
             return tokens, "abort"  # cancelled (aborted) or the server is gone
         # the server ended the stream: its model length, or it is going away
         return tokens, "length" if len(tokens) == room else "abort"
+
+    def _end(
+        self, request: GenerateRequest, tokens: list[int], new: int, budget: int
+    ) -> tuple[int, FinishReason] | None:
+        """Where a stream ends once ``new`` more tokens came, (tokens kept, why): at a stop
+        string (the tokens after the one completing it dropped: `stop_string_end`), a stop
+        id or the budget; None while it goes on."""
+        if self._detokenize is not None:
+            end = stop_string_end(self._detokenize, tokens, request.sampling.stop, new)
+            if end is not None:
+                return end, "stop"
+        if new and tokens[-1] in request.sampling.stop_token_ids:
+            return len(tokens), "stop"
+        return (len(tokens), "length") if len(tokens) == budget else None
 
     def _take(self, ticket: Ticket, taken: int) -> bool:
         """Runs on a stream's thread before it takes a token: waits while a `pause` holds the
@@ -473,6 +478,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         dtype=spec.dtype,
         weight_version=spec.version,
         seed=spec.seed,
+        decode=spec.decode,
     )
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,11 @@ def closing() -> Iterator[list[JetStreamBackend]]:
         assert group_gone(backend.proc.pid)
 
 
+def _text(ids: Sequence[int]) -> str:
+    """A stand-in for a tokenizer's decode (the checkpoint has none): each id as ``<id>``."""
+    return "".join(f"<{t}>" for t in ids)
+
+
 def _prompts() -> list[tuple[int, ...]]:
     rng = np.random.default_rng(0)
     return [tuple(int(t) for t in rng.integers(1, 500, n)) for n in (3, 9, 17, 31, 64, 110)]
@@ -78,12 +83,14 @@ def test_jetstream_serves_the_greedy_tokens_of_the_in_process_backend(
     checkpoint: Path, closing: list[JetStreamBackend]
 ) -> None:
     """The peer check: more prompts than slots, so JetStream's orchestrator queues, inserts
-    and frees slots; its server stops at its own stop id, the client at the request's other."""
+    and frees slots; its server stops at its own stop id, the client at the request's other,
+    and at a stop string over three tokens (the embedded backend in its decode call, the
+    client at the response that completes it: both keep the tokens up to that one)."""
     cfg, weights = load_hf(checkpoint)
     # every step over all slots, as JetStream's generate runs it: the same programs, so the
     # same rounding whichever slots the two put the requests in
     engine = Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN, batch_buckets=False)
-    embedded = EmbeddedBackend(engine, weights)
+    embedded = EmbeddedBackend(engine, weights, decode=_text)
     prompts = _prompts()
     free = SamplingParams(max_tokens=24, temperature=0.0)
     replies = asyncio.run(
@@ -101,9 +108,18 @@ def test_jetstream_serves_the_greedy_tokens_of_the_in_process_backend(
         for i, p in enumerate(prompts)
     ]
     reference = asyncio.run(_all(embedded, requests))
+    # a stop string made by tokens 3, 4 and 5 of a long reply: the prefill samples token 0
+    # and each decode call 4 more, so it starts in one call and ends in the next
+    long = next(r.token_ids for r in reference if len(r.token_ids) >= 10)
+    stop = "".join(f"<{t}>" for t in long[3:6])[1:-1]
+    assert next(k for k in range(1, 11) if stop in _text(long[:k])) == 6
+    stopping = dataclasses.replace(samplings[0], stop=(stop,))
+    requests += [GenerateRequest(f"s-{i}", p, stopping) for i, p in enumerate(prompts)]
+    reference += asyncio.run(_all(embedded, requests[len(reference) :]))
+    assert any(r.token_ids == long[:6] and r.finish_reason == "stop" for r in reference[-6:])
     asyncio.run(embedded.close())
 
-    jetstream = _server(checkpoint, stops=(server_stop,))
+    jetstream = _server(checkpoint, stops=(server_stop,), decode=_text)
     closing.append(jetstream)
     served = asyncio.run(_all(jetstream, requests))
     for ours, theirs in zip(reference, served, strict=True):
