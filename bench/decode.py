@@ -30,6 +30,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -48,7 +49,7 @@ MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 DTYPES = ("float32", "bfloat16")
 
 
-def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
+def _best(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):

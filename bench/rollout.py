@@ -57,6 +57,7 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tool_calls import Style
 from jax_agent_rl.tools import Tool, ToolResult
 from jax_agent_rl.tools.sandbox import PythonSandbox, PythonTool
 
@@ -67,7 +68,7 @@ class EveryTurnCalls:
     """An inline parser for which every model turn is one python call (the bench workload)."""
 
     name = "every_turn_calls"
-    style = "inline"
+    style: Style = "inline"
     stop_tokens: tuple[str, ...] = ()
 
     def parse(self, text: str) -> list[ParsedCall]:
@@ -90,14 +91,15 @@ class DelayedPython(Tool):
         self.median_s, self.sigma, self.seed = median_s, sigma, seed
         self.spent: dict[str, float] = {}
 
-    async def create(self, trajectory_id: str) -> Any:
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> Any:
+        del create_kwargs
         return {"id": trajectory_id, "calls": 0}
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         t0 = time.perf_counter()
         rng = random.Random(f"{self.seed}/{state['id']}/{state['calls']}")
         state["calls"] += 1
-        result = await self.python.execute(None, arguments)
+        result = await self.python.execute(state["id"], arguments)
         await asyncio.sleep(self.median_s * rng.lognormvariate(0.0, self.sigma))
         self.spent[state["id"]] = self.spent.get(state["id"], 0.0) + time.perf_counter() - t0
         return result
@@ -130,6 +132,9 @@ class LocalExecutor:
 
     async def release(self, trajectory_id: str) -> None:
         self.states.pop(trajectory_id, None)
+
+    async def close(self) -> None:
+        self.states.clear()
 
 
 async def rollout(

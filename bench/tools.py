@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,7 @@ SNIPPETS = [
 ]
 
 
-async def _bounded(n: int, concurrency: int, one) -> float:  # type: ignore[no-untyped-def]
+async def _bounded(n: int, concurrency: int, one: Callable[[str], Awaitable[str]]) -> float:
     gate = asyncio.Semaphore(concurrency)
 
     async def run(i: int) -> None:

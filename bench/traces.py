@@ -30,7 +30,7 @@ import numpy as np
 from rich.console import Console
 
 from jax_agent_rl.agent.trajectory import Trajectory
-from jax_agent_rl.config import load_config
+from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.models import request_cpu_devices
@@ -60,11 +60,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     args = parser.parse_args()
-    mesh = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"]).mesh
+    demo: JarlConfig = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"])
+    mesh = demo.mesh
     request_cpu_devices(mesh.data * mesh.fsdp * mesh.tensor)  # as `jarl demo` does on CPUs
     with tempfile.TemporaryDirectory() as tmp:
         task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=16, n_val=4, n_sft=16)
-        cfg = load_config(
+        cfg: JarlConfig = load_config(
             DEMO_CONFIG,
             [
                 f"model.path={task.model}", f"data.train={task.train}", "data.val=",
@@ -78,9 +79,9 @@ def main() -> None:
         picks = trace_picks(trajs, cfg.trainer.traces_per_step)
         times: dict[str, list[float]] = {"untraced": [], "traced": []}
         for i in range(args.steps + 1):
-            for kind, traced in (("untraced", []), ("traced", picks)):
+            for kind, chosen in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                learn(run.learner, run.cfg, trajs, trajs, traced=traced)
+                learn(run.learner, run.cfg, trajs, trajs, traced=chosen)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(t.learner_signals for t in picks)
