@@ -11,7 +11,10 @@ everything else is the same program. ``overhead`` is (traced - untraced) / untra
 median step times: an upper bound on the share of a demo step (the rollout, which tracing
 does not touch, is left out of the denominator).
 
-    .venv/bin/python bench/traces.py [--steps N]
+    .venv/bin/python bench/traces.py [--steps N] [--smoke]
+
+``--smoke``: the smallest run that goes through every part (2 prompts x 2 episodes, one
+traced, one timed step of each kind): it checks the bench works, its figures mean nothing.
 
 Ends with one JSON line.
 """
@@ -59,7 +62,11 @@ def episodes(rng: np.random.Generator, prompts: int, n: int, vocab: int) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
+    smoke = ["data.prompts_per_step=2", "rollout.n=2", "trainer.traces_per_step=1"]
+    if args.smoke:
+        args.steps = 1
     demo: JarlConfig = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"])
     mesh = demo.mesh
     request_cpu_devices(mesh.data * mesh.fsdp * mesh.tensor)  # as `jarl demo` does on CPUs
@@ -70,7 +77,7 @@ def main() -> None:
             [
                 f"model.path={task.model}", f"data.train={task.train}", "data.val=",
                 "sft.data=", f"tools.config={task.tools}", f"trainer.run_dir={tmp}/run",
-                "trainer.tensorboard=false",
+                "trainer.tensorboard=false", *(smoke if args.smoke else []),
             ],
         )  # fmt: skip
         run = build_run(cfg, Console(file=io.StringIO()))
