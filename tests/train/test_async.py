@@ -196,6 +196,7 @@ class Stragglers:
 
     def __init__(self, inner: RolloutBackend) -> None:
         self.inner, self.capabilities = inner, inner.capabilities
+        self.held_back = 0  # turns that did wait for others
         self._others = 0
         self._no_others = asyncio.Event()
         self._no_others.set()
@@ -215,7 +216,8 @@ class Stragglers:
                 self._others -= 1
                 if self._others == 0:
                     self._no_others.set()
-        if held:
+        if held and not self._no_others.is_set():
+            self.held_back += 1
             await self._no_others.wait()
         return result
 
@@ -229,8 +231,12 @@ class Stragglers:
         await self.inner.close()
 
 
+STARTED: list[Stragglers] = []
+
+
 def _stragglers(spec: BackendBuild) -> RolloutBackend:
-    return Stragglers(backend_factory("embedded").build(spec))
+    STARTED.append(Stragglers(backend_factory("embedded").build(spec)))
+    return STARTED[-1]
 
 
 register_backend("embedded_stragglers", BackendFactory(_stragglers))
@@ -264,6 +270,7 @@ def test_a_pinned_schedule_is_the_same_whatever_the_timing(task: TaskFiles, tmp_
             for k in range(1, 5)
         ]
         runs[name] = (traces, [(m["grad_norm"], m["pg_loss"]) for m in steps])
+    assert STARTED[-1].held_back > 0  # the timing did change
     (plain, plain_updates), (held, held_updates) = runs["plain"], runs["stragglers"]
     for k, update in enumerate(plain):
         assert len(update) == 8  # 2 groups of 4, all traced
