@@ -34,8 +34,7 @@ ratios: ``async_over_lockstep`` (below 1: async is faster; 0.8 is a 1.25x speedu
                                       [--smoke]
 
 ``--smoke``: the smallest run that goes through every part (2 trajectories, 1 tool turn of 4
-tokens, 10 ms delays, one sandbox, a 512-token context): it checks the bench works, its
-figures mean nothing.
+tokens, 10 ms delays, one sandbox): it checks the bench works, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -169,13 +168,13 @@ async def rollout(
     return time.perf_counter() - t0, list(trajectories)
 
 
-def make_backend(name: str, ckpt: Path, n: int, max_len: int) -> RolloutBackend:
+def make_backend(name: str, ckpt: Path, n: int) -> RolloutBackend:
     cfg, weights = load_hf(ckpt)
     if name == "vllm":
         from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
-        return VLLMBackend(ckpt, cfg, max_model_len=max_len, max_num_seqs=n)
-    engine = Engine(cfg, max_concurrent_decodes=n, max_len=max_len)
+        return VLLMBackend(ckpt, cfg, max_model_len=1024, max_num_seqs=n)
+    engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024)
     return EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
 
 
@@ -233,10 +232,9 @@ def main() -> None:
     parser.add_argument("--backends", default="embedded", help="comma-separated: embedded,vllm")
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
-    max_len = 1024  # what the tiny model holds: 8 turns and their tool outputs
     if args.smoke:
         args.trajectories, args.turns, args.tokens_per_turn = 2, 1, 4
-        args.median_delay, args.sandboxes, max_len = 0.01, 1, 512
+        args.median_delay, args.sandboxes = 0.01, 1
 
     figures: dict[str, Any] = {
         "bench": "rollout",
@@ -256,7 +254,7 @@ def main() -> None:
         sandbox = PythonSandbox(args.sandboxes)
         python = PythonTool(sandbox)
         for name in args.backends.split(","):
-            backend = make_backend(name, ckpt, args.trajectories, max_len)
+            backend = make_backend(name, ckpt, args.trajectories)
             try:
                 measured = measure(backend, tokenizer, python, args)
             finally:
