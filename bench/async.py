@@ -12,7 +12,11 @@ a ratio to the synchronous one; ``--plot`` draws the reward curves and the throu
 a PNG. Ends with one JSON line.
 
     .venv/bin/python bench/async.py [--steps 10] [--median-delay 1.0] [--sigma 1.2] [--plot F]
-        [--set KEY=VALUE ...]
+        [--set KEY=VALUE ...] [--smoke]
+
+``--smoke``: the smallest run that goes through every mode (SFT of 2 steps, then 2 updates of
+1 prompt x 2 samples each, 4 held-out problems, 10 ms tool delays): it checks the bench
+works, its figures mean nothing.
 
 The ratio grows with the tool latency: the engine and the learner share this machine's cores
 and take turns on them, so async training can only hide the time nobody computes (the tools'
@@ -34,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
+from jax_agent_rl.demo import SMALL_OVERRIDES, SMOKE_OVERRIDES, small_task_sft
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.tools import ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
@@ -158,6 +162,7 @@ def main() -> None:
     parser.add_argument("--median-delay", type=float, default=1.0, help="seconds")
     parser.add_argument("--sigma", type=float, default=1.2, help="of the log of the delay")
     parser.add_argument("--plot", type=Path, help="a PNG of the reward curves and throughputs")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     parser.add_argument(
         "--set",
         action="append",
@@ -166,6 +171,9 @@ def main() -> None:
         help="a config override for every mode, e.g. optim.lr=5e-4 or algorithm.tis_mode=mask",
     )
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.sft_steps, args.median_delay, args.sigma = 2, 2, 0.01, 0.1
+        args.set = [*SMOKE_OVERRIDES, *args.set]
     if args.steps < 2:
         parser.error(
             "--steps must be at least 2: the first update compiles, and is left out of the timings"
@@ -181,7 +189,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        small_task_sft(folder, args.sft_steps)
+        small_task_sft(folder, args.sft_steps, args.set)
         tools = tools_yaml(folder)
         modes = {
             "sync": [],

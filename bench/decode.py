@@ -19,7 +19,11 @@ batch B is max(2 * params * B / peak_flops, param_bytes / bandwidth); each engin
 is reported as a fraction of B / that time. Ends with one JSON line.
 
     .venv/bin/python bench/decode.py [--batches 1,8,32] [--models tiny,small]
-                                     [--backends embedded,jetstream,vllm]
+                                     [--backends embedded,jetstream,vllm] [--smoke]
+
+``--smoke``: the smallest run (the embedded engine alone, tiny model, batch 1, 8 new tokens,
+fp32 only, 256^3 matmul, 4 MB reduction): it checks the bench works, its figures mean
+nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -48,7 +53,7 @@ MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 DTYPES = ("float32", "bfloat16")
 
 
-def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
+def _best(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -58,13 +63,14 @@ def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
-def machine() -> dict[str, float]:
+def machine(dtypes: tuple[str, ...], n: int = 2048, floats: int = 100_000_000) -> dict[str, float]:
+    """Matmul GFLOP/s of an ``n``^3 product per dtype, and GB/s of a sum over ``floats``."""
     out = {}
-    for dtype in DTYPES:
-        a = jnp.ones((2048, 2048), dtype)
+    for dtype in dtypes:
+        a = jnp.ones((n, n), dtype)
         mm = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
-        out[f"peak_{dtype}_gflops"] = 2 * 2048**3 / _best(lambda: mm(a)) / 1e9  # noqa: B023
-    x = jnp.ones((100_000_000,), jnp.float32)
+        out[f"peak_{dtype}_gflops"] = 2 * n**3 / _best(lambda: mm(a)) / 1e9  # noqa: B023
+    x = jnp.ones((floats,), jnp.float32)
     total = jax.jit(jnp.sum)
     out["bandwidth_gb_s"] = x.nbytes / _best(lambda: total(x)) / 1e9
     return out
@@ -118,7 +124,7 @@ def decode(
         asyncio.run(backend.close())
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -129,7 +135,19 @@ def main() -> None:
     parser.add_argument(
         "--backends", default="embedded,jetstream,vllm", help="comma-separated, embedded first"
     )
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
+    args.dtypes = DTYPES
+    if args.smoke:
+        args.batches, args.models, args.prompt, args.new = "1", "tiny", 8, 8
+        args.backends = "embedded"
+        args.dtypes = ("float32",)
+    return args
+
+
+def main() -> None:
+    args = _args()
+    dtypes: tuple[str, ...] = args.dtypes
     batches = [int(b) for b in args.batches.split(",")]
     backends = args.backends.split(",")
     if backends[0] != "embedded" or not set(backends) <= set(LABELS):
@@ -139,13 +157,13 @@ def main() -> None:
             sys.exit(f"bench/decode.py: {VENVS[name]} is missing; run `scripts/setup.sh {name}`")
 
     figures: dict[str, object] = {"bench": "decode", "prompt": args.prompt, "new": args.new}
-    hw = machine()
+    hw = machine(dtypes, 256, 1_000_000) if args.smoke else machine(dtypes)
     figures.update({k: round(v, 1) for k, v in hw.items()})
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             ckpt = write_hf_checkpoint(Path(tmp) / model, MODELS[model])
             n_params = load_hf(ckpt)[0].num_params
-            for dtype in DTYPES:
+            for dtype in dtypes:
                 tok_s = {
                     LABELS[name]: decode(name, ckpt, dtype, batches, args.prompt, args.new)
                     for name in backends
@@ -172,8 +190,8 @@ def main() -> None:
     if "vllm" in backends:
         for model in args.models.split(","):
             for b in batches:
-                best_jax = max(figures[f"{model}_{d}_b{b}_jax_tok_s"] for d in DTYPES)  # type: ignore[type-var]
-                best_vllm = max(figures[f"{model}_{d}_b{b}_vllm_tok_s"] for d in DTYPES)  # type: ignore[type-var]
+                best_jax = max(figures[f"{model}_{d}_b{b}_jax_tok_s"] for d in dtypes)  # type: ignore[type-var]
+                best_vllm = max(figures[f"{model}_{d}_b{b}_vllm_tok_s"] for d in dtypes)  # type: ignore[type-var]
                 figures[f"{model}_b{b}_best_ratio"] = round(best_jax / best_vllm, 2)  # type: ignore[operator]
     print(json.dumps(figures))
 

@@ -6,7 +6,10 @@ sides load the SAME locally written Qwen2-style checkpoint (~40M parameters, hid
 The same run measures the machine's matmul peak per dtype, so each figure comes with its
 model-FLOPs utilisation. Ends with one JSON line.
 
-    .venv/bin/python bench/forward.py [--batch 8] [--seq 512] [--repeats 3]
+    .venv/bin/python bench/forward.py [--batch 8] [--seq 512] [--repeats 3] [--smoke]
+
+``--smoke``: the smallest run that goes through every part (the tiny model, 1 x 16 tokens,
+one repeat, 256^3 matmuls): it checks the bench works, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import transformers
 
 from jax_agent_rl.models import forward, lm_logits, load_hf
-from jax_agent_rl.models.hf_local import SMALL_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -46,7 +49,9 @@ def matmul_peak(dtype: jnp.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / seconds
 
 
-def measure(ckpt: Path, dtype: str, tokens: np.ndarray, repeats: int) -> dict[str, float]:
+def measure(
+    ckpt: Path, dtype: str, tokens: np.ndarray, repeats: int, matmul_n: int = 2048
+) -> dict[str, float]:
     """tokens/s and MFU of both implementations in one dtype, plus that dtype's matmul peak."""
     cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
     flops = 2 * cfg.num_params * tokens.size  # matmul FLOPs, attention excluded
@@ -65,7 +70,7 @@ def measure(ckpt: Path, dtype: str, tokens: np.ndarray, repeats: int) -> dict[st
             model(input_ids=ids)
 
     torch_s = _best_seconds(torch_forward, repeats)
-    peak = matmul_peak(cfg.jnp_dtype)
+    peak = matmul_peak(cfg.jnp_dtype, matmul_n)
     return {
         f"jax_{dtype}_tok_s": tokens.size / jax_s,
         f"torch_{dtype}_tok_s": tokens.size / torch_s,
@@ -83,16 +88,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
+    model, matmul_n = SMALL_QWEN2, 2048
+    if args.smoke:
+        args.batch, args.seq, args.repeats, model, matmul_n = 1, 16, 1, TINY_QWEN2, 256
     transformers.utils.logging.disable_progress_bar()
 
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_hf_checkpoint(Path(tmp) / "small", SMALL_QWEN2)
+        ckpt = write_hf_checkpoint(Path(tmp) / "model", model)
         rng = np.random.default_rng(0)
-        tokens = rng.integers(0, SMALL_QWEN2["vocab_size"], (args.batch, args.seq))
+        tokens = rng.integers(0, model["vocab_size"], (args.batch, args.seq))
         for dtype in ("float32", "bfloat16"):
-            results.update(measure(ckpt, dtype, tokens, args.repeats))
+            results.update(measure(ckpt, dtype, tokens, args.repeats, matmul_n))
     best_jax = max(results["jax_float32_tok_s"], results["jax_bfloat16_tok_s"])
     best_torch = max(results["torch_float32_tok_s"], results["torch_bfloat16_tok_s"])
     out: dict[str, object] = {"bench": "forward", "batch": args.batch, "seq": args.seq}

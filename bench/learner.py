@@ -50,7 +50,11 @@ per token / the matmul peak of the variant's dtype, measured in the same run as 
 torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
 
     .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
-        [--sequences N] [--row-tokens N] [--quick]
+        [--sequences N] [--row-tokens N] [--smoke]
+
+``--smoke``: the smallest run that goes through every variant (`TINY_QWEN2`, 2 uniform
+sequences of 64 tokens or 4 long-tail ones capped at 256, rows of 256, one timed step,
+256^3 matmuls): it checks the bench works, its figures mean nothing.
 
 Ends with one JSON line. Timings are noisy on a shared 2-core machine: compare figures from
 the same run only.
@@ -109,12 +113,12 @@ LENGTHS = {
 }
 
 
-def make_workload(name: str, n: int, vocab: int, seq: int = 512) -> Workload:
+def make_workload(name: str, n: int, vocab: int, seq: int = 512, cap: int = 4096) -> Workload:
     rng = np.random.default_rng(0)
     if name == "uniform":
         lengths = np.full(n, seq)
     else:
-        lengths = np.minimum(np.round(700 * np.exp(0.6 * rng.standard_normal(n))), 4096)
+        lengths = np.minimum(np.round(700 * np.exp(0.6 * rng.standard_normal(n))), cap)
     lengths = np.maximum(lengths.astype(int), 8)
     sequences = [rng.integers(0, vocab, int(L)).astype(np.int32) for L in lengths]
     prompts = [min(int(L) // 5, 256) if name != "uniform" else seq // 2 for L in lengths]
@@ -159,26 +163,26 @@ def step_seconds(step: Callable[[], object], warmup: int, steps: int) -> tuple[f
 # -------------------------------------------------------------------------------- peaks
 
 
-def torch_peak(dtype: Any, repeats: int = 5) -> float:
+def torch_peak(dtype: Any, n: int = MATMUL_N, repeats: int = 5) -> float:
     import torch
 
-    a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
-    b = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t0)
-    return 2 * MATMUL_N**3 / best
+    return 2 * n**3 / best
 
 
-def jax_peak(dtype: Any, repeats: int = 5) -> float:
+def jax_peak(dtype: Any, n: int = MATMUL_N, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((MATMUL_N, MATMUL_N), dtype)
-    b = jnp.ones((MATMUL_N, MATMUL_N), dtype) * 0.5
+    a = jnp.ones((n, n), dtype)
+    b = jnp.ones((n, n), dtype) * 0.5
     mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     mm(a, b).block_until_ready()
     best = float("inf")
@@ -186,7 +190,7 @@ def jax_peak(dtype: Any, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         mm(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * MATMUL_N**3 / best
+    return 2 * n**3 / best
 
 
 # -------------------------------------------------------------------------------- torch
@@ -386,36 +390,44 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (3; long_tail 1)")
     parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 32")
     parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
-    parser.add_argument("--quick", action="store_true", help="smoke run: small, 1 step")
-    return parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
+    args = parser.parse_args()
+    long_tail = args.workload == "long_tail"
+    args.steps = 1 if args.smoke else args.steps or (1 if long_tail else 3)
+    args.sequences = args.sequences or (
+        (4 if args.smoke else 32) if long_tail else (2 if args.smoke else 8)
+    )
+    args.seq, args.cap, args.matmul_n = (64, 256, 256) if args.smoke else (512, 4096, MATMUL_N)
+    if args.smoke:
+        args.row_tokens = 256
+    return args
 
 
 def main() -> None:
     args = _args()
     long_tail = args.workload == "long_tail"
-    steps = 1 if args.quick else args.steps or (1 if long_tail else 3)
-    n = args.sequences or (8 if args.quick else 32) if long_tail else (2 if args.quick else 8)
-    seq = 256 if args.quick else 512
-    row_tokens = 1024 if args.quick else args.row_tokens
+    steps, n, row_tokens, matmul_n = args.steps, args.sequences, args.row_tokens, args.matmul_n
 
     import jax.numpy as jnp
     import torch
     import transformers
 
     from jax_agent_rl.models import load_hf
-    from jax_agent_rl.models.hf_local import SMALL_QWEN2, write_hf_checkpoint
+    from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()
     counter = CompileCounter()
 
-    out: dict[str, Any] = {"bench": "learner", "workload": args.workload, "model": "small_qwen2"}
+    model = "tiny_qwen2" if args.smoke else "small_qwen2"
+    out: dict[str, Any] = {"bench": "learner", "workload": args.workload, "model": model}
     tok_s: dict[str, float] = {}
     extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_hf_checkpoint(Path(tmp) / "small", SMALL_QWEN2)
+        hf = TINY_QWEN2 if args.smoke else SMALL_QWEN2
+        ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
         cfg = load_hf(ckpt)[0]
-        w = make_workload(args.workload, n, cfg.vocab_size, seq)
+        w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap)
         fpt = flops_per_token(cfg, attended_keys(w))
         lengths = [len(s) for s in w.sequences]
         out.update(
@@ -431,8 +443,11 @@ def main() -> None:
         )
 
         peaks = {
-            "fp32": {"torch": torch_peak(torch.float32), "jax": jax_peak(jnp.float32)},
-            "bf16": {"torch": torch_peak(torch.bfloat16), "jax": jax_peak(jnp.bfloat16)},
+            d: {"torch": torch_peak(t, matmul_n), "jax": jax_peak(j, matmul_n)}
+            for d, t, j in (
+                ("fp32", torch.float32, jnp.float32),
+                ("bf16", torch.bfloat16, jnp.bfloat16),
+            )
         }
         for d, p in peaks.items():
             log(f"matmul peak {d}: torch {p['torch'] / 1e9:.1f}, jax {p['jax'] / 1e9:.1f} GFLOP/s")

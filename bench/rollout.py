@@ -31,6 +31,10 @@ ratios: ``async_over_lockstep`` (below 1: async is faster; 0.8 is a 1.25x speedu
 ``async_over_critical_path`` (1.0 is the bound). Ends with one JSON line.
 
     .venv/bin/python bench/rollout.py [--trajectories 64] [--turns 8] [--backends embedded,vllm]
+                                      [--smoke]
+
+``--smoke``: the smallest run that goes through every part (2 trajectories, 1 tool turn of 4
+tokens, 10 ms delays, one sandbox): it checks the bench works, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tool_calls import Style
 from jax_agent_rl.tools import Tool, ToolResult
 from jax_agent_rl.tools.sandbox import PythonSandbox, PythonTool
 
@@ -67,7 +72,7 @@ class EveryTurnCalls:
     """An inline parser for which every model turn is one python call (the bench workload)."""
 
     name = "every_turn_calls"
-    style = "inline"
+    style: Style = "inline"
     stop_tokens: tuple[str, ...] = ()
 
     def parse(self, text: str) -> list[ParsedCall]:
@@ -90,14 +95,15 @@ class DelayedPython(Tool):
         self.median_s, self.sigma, self.seed = median_s, sigma, seed
         self.spent: dict[str, float] = {}
 
-    async def create(self, trajectory_id: str) -> Any:
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> Any:
+        del create_kwargs
         return {"id": trajectory_id, "calls": 0}
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         t0 = time.perf_counter()
         rng = random.Random(f"{self.seed}/{state['id']}/{state['calls']}")
         state["calls"] += 1
-        result = await self.python.execute(None, arguments)
+        result = await self.python.execute(state["id"], arguments)
         await asyncio.sleep(self.median_s * rng.lognormvariate(0.0, self.sigma))
         self.spent[state["id"]] = self.spent.get(state["id"], 0.0) + time.perf_counter() - t0
         return result
@@ -130,6 +136,9 @@ class LocalExecutor:
 
     async def release(self, trajectory_id: str) -> None:
         self.states.pop(trajectory_id, None)
+
+    async def close(self) -> None:
+        self.states.clear()
 
 
 async def rollout(
@@ -221,7 +230,11 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.5)
     parser.add_argument("--sandboxes", type=int, default=8)
     parser.add_argument("--backends", default="embedded", help="comma-separated: embedded,vllm")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
+    if args.smoke:
+        args.trajectories, args.turns, args.tokens_per_turn = 2, 1, 4
+        args.median_delay, args.sandboxes = 0.01, 1
 
     figures: dict[str, Any] = {
         "bench": "rollout",

@@ -14,7 +14,11 @@ per mode: the held-out curve, the model tokens sampled and tool calls made per u
 the budget bounds), episodes (leaves) per update and seconds per update; ``--plot`` draws
 held-out success against updates. Ends with one JSON line.
 
-    .venv/bin/python bench/strategies.py [--steps 10] [--eval-every 2] [--plot F]
+    .venv/bin/python bench/strategies.py [--steps 10] [--eval-every 2] [--plot F] [--smoke]
+
+``--smoke``: the smallest run that goes through every mode (SFT of 2 steps, then 2 updates of
+1 prompt x 2 samples each, 4 held-out problems): it checks the bench works, its figures
+mean nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
+from jax_agent_rl.demo import SMALL_OVERRIDES, SMOKE_OVERRIDES, small_task_sft
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
@@ -39,10 +43,13 @@ MODES = {
 }
 
 
-def run_mode(folder: Path, sft: Path, name: str, steps: int, eval_every: int) -> dict:
+def run_mode(
+    folder: Path, sft: Path, name: str, steps: int, eval_every: int, common: list[str]
+) -> dict:
     run = folder / name
     overrides = [
         *SMALL_OVERRIDES,
+        *common,
         *MODES[name],
         f"model.path={sft}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
@@ -97,7 +104,12 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--modes", default=",".join(MODES), help="which of chain,tree,per_turn")
     parser.add_argument("--plot", type=Path, help="a PNG of held-out success per update")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
+    common = []
+    if args.smoke:
+        args.steps, args.eval_every, args.sft_steps = 2, 2, 2
+        common = SMOKE_OVERRIDES
     if args.steps < 2:
         parser.error(
             "--steps must be at least 2: the first update compiles, and is left out of the timings"
@@ -106,10 +118,10 @@ def main() -> None:
     figures: dict = {"bench": "strategies", "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        small_task_sft(folder, args.sft_steps)
+        small_task_sft(folder, args.sft_steps, common)
         for name in args.modes.split(","):
             sft = folder / "sft" / "hf"
-            figures[name] = run_mode(folder, sft, name, args.steps, args.eval_every)
+            figures[name] = run_mode(folder, sft, name, args.steps, args.eval_every, common)
             print(f"# {name}: {figures[name]}", file=sys.stderr, flush=True)
     if args.plot:
         plot(figures, args.plot)

@@ -8,7 +8,10 @@ transport costs. The alternative existing RL tool servers use: a fresh ``python 
 subprocess per call, bare and under bubblewrap with the same isolation flags. The ratios are
 the Unix-socket path's. Every output is checked. Ends with one JSON line.
 
-    .venv/bin/python bench/tools.py [--calls 400] [--concurrency 8]
+    .venv/bin/python bench/tools.py [--calls 400] [--concurrency 8] [--smoke]
+
+``--smoke``: the smallest run that goes through every part (4 calls each way, 2 at a time):
+it checks the bench works, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -41,7 +45,7 @@ SNIPPETS = [
 ]
 
 
-async def _bounded(n: int, concurrency: int, one) -> float:  # type: ignore[no-untyped-def]
+async def _bounded(n: int, concurrency: int, one: Callable[[str], Awaitable[str]]) -> float:
     gate = asyncio.Semaphore(concurrency)
 
     async def run(i: int) -> None:
@@ -125,8 +129,10 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
-    n, c = args.calls, args.concurrency
+    n, c = (4, 2) if args.smoke else (args.calls, args.concurrency)
+    fresh_n = n if args.smoke else max(n // 4, 40)  # the slow side needs fewer calls
 
     proc, url, unix = start_server(pool=c)
     try:
@@ -135,7 +141,6 @@ def main() -> None:
     finally:
         proc.kill()
         proc.wait()
-    fresh_n = max(n // 4, 40)  # the slow side needs fewer calls for a stable rate
 
     async def bare(code: str) -> str:
         return await fresh_process([PYTHON, "-c"], code)

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml"
@@ -100,7 +101,12 @@ def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, obje
                 "fits": False,
                 "error": f"jarl plan exited {done.returncode}",
             }
-        record = json.loads(out.read_text())
+        return figures(name, json.loads(out.read_text()))
+
+
+def figures(name: str, record: dict[str, Any]) -> dict[str, object]:
+    """The figures of run ``name`` from its `jarl plan --json` record (tests/plan reads those
+    of the tiny run's record with this)."""
     return {
         "name": name,
         "topology": record["topology"],

@@ -11,7 +11,10 @@ everything else is the same program. ``overhead`` is (traced - untraced) / untra
 median step times: an upper bound on the share of a demo step (the rollout, which tracing
 does not touch, is left out of the denominator).
 
-    .venv/bin/python bench/traces.py [--steps N]
+    .venv/bin/python bench/traces.py [--steps N] [--smoke]
+
+``--smoke``: the smallest run that goes through every part (2 prompts x 2 episodes, one
+traced, one timed step of each kind): it checks the bench works, its figures mean nothing.
 
 Ends with one JSON line.
 """
@@ -30,7 +33,7 @@ import numpy as np
 from rich.console import Console
 
 from jax_agent_rl.agent.trajectory import Trajectory
-from jax_agent_rl.config import load_config
+from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.models import request_cpu_devices
@@ -59,17 +62,22 @@ def episodes(rng: np.random.Generator, prompts: int, n: int, vocab: int) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
-    mesh = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"]).mesh
+    smoke = ["data.prompts_per_step=2", "rollout.n=2", "trainer.traces_per_step=1"]
+    if args.smoke:
+        args.steps = 1
+    demo: JarlConfig = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"])
+    mesh = demo.mesh
     request_cpu_devices(mesh.data * mesh.fsdp * mesh.tensor)  # as `jarl demo` does on CPUs
     with tempfile.TemporaryDirectory() as tmp:
         task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=16, n_val=4, n_sft=16)
-        cfg = load_config(
+        cfg: JarlConfig = load_config(
             DEMO_CONFIG,
             [
                 f"model.path={task.model}", f"data.train={task.train}", "data.val=",
                 "sft.data=", f"tools.config={task.tools}", f"trainer.run_dir={tmp}/run",
-                "trainer.tensorboard=false",
+                "trainer.tensorboard=false", *(smoke if args.smoke else []),
             ],
         )  # fmt: skip
         run = build_run(cfg, Console(file=io.StringIO()))
@@ -78,9 +86,9 @@ def main() -> None:
         picks = trace_picks(trajs, cfg.trainer.traces_per_step)
         times: dict[str, list[float]] = {"untraced": [], "traced": []}
         for i in range(args.steps + 1):
-            for kind, traced in (("untraced", []), ("traced", picks)):
+            for kind, chosen in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                learn(run.learner, run.cfg, trajs, trajs, traced=traced)
+                learn(run.learner, run.cfg, trajs, trajs, traced=chosen)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(t.learner_signals for t in picks)

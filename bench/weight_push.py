@@ -8,6 +8,8 @@ path: the HF name/transpose table into one /dev/shm file (this process), then vL
 median of each phase and the effective bandwidth. Ends with one JSON line.
 
     .venv/bin/python bench/weight_push.py [--model small] [--pushes 5]
+
+``--model tiny --pushes 1`` is its smallest run (it checks the bench works).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +225,25 @@ SMALL_OVERRIDES = [
 ]
 
 
-def small_task_sft(folder: Path, sft_steps: int = 600) -> TaskFiles:
+# after SMALL_OVERRIDES: the smallest run of the benchmarks that train on the smaller task
+# (their --smoke: every part runs, the figures mean nothing)
+SMOKE_OVERRIDES = [
+    "data.val_size=4",
+    "data.prompts_per_step=1",
+    "rollout.n=2",
+    "learner.micro_batch_size=2",
+]
+
+
+def small_task_sft(folder: Path, sft_steps: int = 600, overrides: Sequence[str] = ()) -> TaskFiles:
     """The smaller task's files in ``folder/task`` and an SFT-only run of it in ``folder/sft``
-    (its policy exported to ``folder/sft/hf``, its held-out success in its metrics)."""
+    (its policy exported to ``folder/sft/hf``, its held-out success in its metrics);
+    ``overrides`` come after `SMALL_OVERRIDES` (a benchmark's smoke run shrinks it)."""
     files = prepare(
         folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100, n_sft=1500
     )
-    overrides = [*SMALL_OVERRIDES, f"sft.steps={sft_steps}", "trainer.steps=0"]
-    train(demo_config(folder / "sft", files, overrides))
+    sft = [*SMALL_OVERRIDES, *overrides, f"sft.steps={sft_steps}", "trainer.steps=0"]
+    train(demo_config(folder / "sft", files, sft))
     return files
 
 

@@ -427,6 +427,13 @@ class TrainerSection:
     # at most max_staleness weight versions behind the policy it updates (0: the sync loop)
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = setting(1, NATURAL)
+    # async only. as_finished: each update takes the first groups to finish, and a push lands
+    # between turns of the groups in flight (what hides a slow tool call; which groups and
+    # versions an update gets follows the machine's timing). pinned: updates take groups in
+    # prompt order, each sampled whole under the weights served when it started, and a push
+    # waits for the groups of the weights it replaces: the same versions and batches whatever
+    # the machine's load, but a slow group holds back the next ones (train/async_loop.py)
+    async_schedule: Literal["as_finished", "pinned"] = "as_finished"
     run_dir: str = "runs/latest"
     eval_every: int = setting(10, NATURAL)  # 0: only at the start and the end
     save_every: int = setting(10, COUNT)  # orbax checkpoint every N steps (and at the end)

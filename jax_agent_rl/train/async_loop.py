@@ -15,6 +15,16 @@ come, while the next ones are sampled. Three rules keep the off-policy gap bound
   (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
   new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
 
+That is ``trainer.async_schedule=as_finished``: which groups an update gets, and where a push
+lands in a trajectory, follow the machine's timing (the engine's, the learner's and the
+tools' speeds), so two runs of one config differ, the more so on a loaded machine. With
+``pinned`` the schedule follows versions and events only: updates take groups in prompt
+order, and a push waits until every group started under the weights it replaces is done, so
+each group is sampled whole under the weights served when it was admitted (update ``k``
+trains on groups sampled by version ``max(k - max_staleness, first)``; nothing is ever
+stale). The versions and batches are then the same whatever the load, but no push lands
+mid-trajectory: a slow group holds back the next version's groups.
+
 ``max_staleness=0`` trains as the synchronous loop does: the same prompts, seeds, batches and
 updates (not in every respect: `jax_agent_rl.train.step`). Both end an update with the same
 tail (`learn.learn_and_push`), which runs the learner in a worker thread, so the event loop
@@ -54,6 +64,50 @@ class Group:
         return min((v for v in versions if v is not None), default=None)
 
 
+class Finished:
+    """Finished groups (or a failure: a group's, the producer's), handed out as they finished
+    or, ``in_order``, in prompt order from ``first_index``."""
+
+    def __init__(self, first_index: int, in_order: bool) -> None:
+        self.count = 0  # groups finished so far
+        self._next, self._in_order = first_index, in_order
+        self._ready: dict[int, Group] = {}  # by index, in the order they finished
+        self._failure: BaseException | None = None
+        self._changed = asyncio.Condition()
+
+    async def put(self, got: Group | BaseException) -> None:
+        async with self._changed:
+            if isinstance(got, Group):
+                self._ready[got.index] = got
+                self.count += 1
+            else:
+                self._failure = self._failure or got
+            self._changed.notify_all()
+
+    async def next(self) -> Group:
+        """The next group, once it is finished; raises a failure at once."""
+
+        def ready() -> bool:
+            if self._failure is not None:
+                return True
+            return self._next in self._ready if self._in_order else bool(self._ready)
+
+        async with self._changed:
+            await self._changed.wait_for(ready)
+            if self._failure is not None:
+                raise self._failure
+            index = self._next if self._in_order else next(iter(self._ready))
+            self._next += 1
+            return self._ready.pop(index)
+
+    async def wait_count(self, count: int) -> None:
+        """Until ``count`` groups have finished; raises a failure at once."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._failure is not None or self.count >= count)
+            if self._failure is not None:
+                raise self._failure
+
+
 class Admission:
     """Which groups may start: ``(version + max_staleness + 1) * per_update`` of them, plus
     one for each group dropped (`replace`)."""
@@ -85,15 +139,13 @@ class Admission:
 @dataclasses.dataclass
 class Producer:
     """Starts every admitted group and puts it, finished, on ``finished`` (an exception
-    instead, should a group fail as a whole)."""
+    instead, should a group fail as a whole, or the producer itself)."""
 
     run: Run
     rollout: Rollout
     admission: Admission
     first_index: int
-    finished: asyncio.Queue[Group | BaseException] = dataclasses.field(
-        default_factory=asyncio.Queue
-    )
+    finished: Finished
     _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
 
     async def run_forever(self) -> None:
@@ -108,6 +160,9 @@ class Producer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 index += 1
+        except Exception as e:  # (the sampler's): the step waiting for groups raises it
+            await self.finished.put(e)
+            raise
         finally:
             for task in list(self._tasks):
                 task.cancel()
@@ -125,9 +180,9 @@ class Producer:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the learner raises it
-            self.finished.put_nowait(e)
+            await self.finished.put(e)
             return
-        self.finished.put_nowait(Group(index, trajs))
+        await self.finished.put(Group(index, trajs))
 
 
 @dataclasses.dataclass
@@ -148,7 +203,7 @@ class Taken:
 
 
 async def take_groups(
-    finished: asyncio.Queue[Group | BaseException],
+    finished: Finished,
     admission: Admission,
     want: int,
     version: int,
@@ -160,9 +215,7 @@ async def take_groups(
     replaced (`Admission.replace`)."""
     taken = Taken([], [], [])
     while len(taken.groups) < want:
-        got = await finished.get()
-        if isinstance(got, BaseException):
-            raise got
+        got = await finished.next()
         oldest = got.oldest_version
         if oldest is not None and version - oldest > max_staleness:
             taken.stale.append(got)
@@ -179,9 +232,15 @@ async def take_groups(
 async def async_step(
     run: Run, rollout: Rollout, producer: Producer, step: int, compiles: bool
 ) -> tuple[dict[str, float], list[Trajectory]]:
-    """One update of the policy at version ``step`` from finished groups, then its push.
-    Returns its metrics and the trajectories it trained on (those dropped are counted)."""
+    """One update of the policy at version ``step`` from finished groups, then its push
+    (``pinned``: once every group started under the weights it replaces is done). Returns its
+    metrics and the trajectories it trained on (those dropped are counted)."""
     cfg = run.cfg
+
+    async def groups_of_this_version() -> None:
+        allowed = producer.admission.allowed  # every one started (or starting) by now
+        await producer.finished.wait_count(allowed - producer.first_index)
+
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     taken = await take_groups(
         producer.finished,
@@ -202,6 +261,7 @@ async def async_step(
         idle0=idle0,
         waited_s=time.perf_counter() - t0,
         traced=trace_picks(taken.trajectories, cfg.trainer.traces_per_step),
+        before_push=groups_of_this_version if cfg.trainer.async_schedule == "pinned" else None,
     )
     await producer.admission.advance(step + 1)
     m.update(
@@ -222,7 +282,9 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     function of the training loop, `async_step` over them."""
     per_update = run.cfg.data.prompts_per_step
     admission = Admission(run.start, run.cfg.trainer.max_staleness, per_update)
-    producer = Producer(run, rollout, admission, first_index=run.start * per_update)
+    first = run.start * per_update
+    in_order = run.cfg.trainer.async_schedule == "pinned"
+    producer = Producer(run, rollout, admission, first, Finished(first, in_order))
     sampling = asyncio.create_task(producer.run_forever())
 
     async def step_fn(step: int, compiles: bool) -> tuple[dict[str, float], list[Trajectory]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import jax
 import numpy as np
@@ -212,14 +212,15 @@ async def learn_and_push(
     idle0: float,
     waited_s: float,
     traced: Sequence[Trajectory] = (),
+    before_push: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[dict[str, float], Totals]:
     """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (in a worker
     thread, so that the event loop, its agent loops and tool calls, goes on), push the new
-    weights as version ``step + 1``, and the step's times: the rollouts' (the slowest
-    process's ``waited_s``, how long it waited for its groups), the push's, and how the step
-    spent them since ``t0`` (`pace_metrics`; ``idle0``: the backend's idle time then).
-    ``traced``: the trajectories whose traces are written (`learn`). Returns the metrics and
-    the `learn` totals."""
+    weights as version ``step + 1`` (once ``before_push()`` is done, if given), and the step's
+    times: the rollouts' (the slowest process's ``waited_s``, how long it waited for its
+    groups), the push's, and how the step spent them since ``t0`` (`pace_metrics`;
+    ``idle0``: the backend's idle time then). ``traced``: the trajectories whose traces are
+    written (`learn`). Returns the metrics and the `learn` totals."""
     m, totals = await asyncio.to_thread(
         learn,
         run.learner,
@@ -231,6 +232,8 @@ async def learn_and_push(
         version=step,
         traced=traced,
     )
+    if before_push is not None:
+        await before_push()
     t1 = time.perf_counter()
     params = await asyncio.to_thread(run.serving_params)
     await rollout.backend.update_weights(params, step + 1)

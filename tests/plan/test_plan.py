@@ -6,6 +6,7 @@ refused naming the accepted ones."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -110,6 +111,22 @@ def test_a_tiny_run_compiles_for_a_tpu_and_fits(
     # the RL update's arguments: its state donated, returned in place (aliased)
     rl = record["programs"][0]
     assert rl["aliased_gib"] > 0.9 * rl["arguments_gib"] - 0.001
+
+
+def test_the_tpu_plan_bench_reads_the_plan_record(
+    tiny_plan: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
+    """bench/tpu_plan.py runs `jarl plan --json` as this module does (its smoke run would
+    compile the same programs again): its figures come out of the tiny run's record."""
+    spec = importlib.util.spec_from_file_location("bench_tpu_plan", ROOT / "bench" / "tpu_plan.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, record = tiny_plan
+    out = bench.figures("tiny", record)
+    assert out["topology"] == "v5e:2x2" and out["compiled"] and out["fits"]
+    assert [p["name"] for p in out["programs"]] == [p["name"] for p in record["programs"]]
+    json.dumps(out)  # what the bench prints
 
 
 def test_the_memory_plan_agrees_with_the_compiled_run(

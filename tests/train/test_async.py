@@ -14,8 +14,17 @@ from safetensors.numpy import load_file
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, demo_config, prepare
+from jax_agent_rl.rollout import (
+    BackendBuild,
+    BackendFactory,
+    GenerateRequest,
+    GenerateResult,
+    RolloutBackend,
+    register_backend,
+)
+from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train import train
-from jax_agent_rl.train.async_loop import Admission, Group, take_groups
+from jax_agent_rl.train.async_loop import Admission, Finished, Group, take_groups
 from jax_agent_rl.train.traces import read_traces
 
 
@@ -51,7 +60,7 @@ def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
     token (its episodes failed before sampling). Taken groups come back in prompt order."""
 
     async def scenario() -> tuple[list[int], list[int], list[int], int]:
-        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        finished = Finished(first_index=6, in_order=False)
         admission = Admission(version=5, max_staleness=2, per_update=2)
         before = admission.allowed
         for group in [
@@ -60,7 +69,7 @@ def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
             Group(8, [_traj("c/0", [])]),  # nothing sampled
             Group(6, [_traj("d/0", [4])]),  # not needed: left for the next update
         ]:
-            finished.put_nowait(group)
+            await finished.put(group)
         taken = await take_groups(finished, admission, 2, 5, 2, dynamic_sampling=False)
         return (
             [g.index for g in taken.groups],
@@ -76,10 +85,10 @@ def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
 
 def test_dynamic_sampling_drops_groups_without_signal() -> None:
     async def scenario() -> tuple[list[int], list[int]]:
-        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        finished = Finished(first_index=0, in_order=False)
         admission = Admission(version=0, max_staleness=0, per_update=1)
-        finished.put_nowait(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
-        finished.put_nowait(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
+        await finished.put(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
+        await finished.put(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
         taken = await take_groups(finished, admission, 1, 0, 0, dynamic_sampling=True)
         return [g.index for g in taken.groups], [g.index for g in taken.no_signal]
 
@@ -88,12 +97,30 @@ def test_dynamic_sampling_drops_groups_without_signal() -> None:
 
 def test_a_failed_group_fails_the_update() -> None:
     async def scenario() -> None:
-        finished: asyncio.Queue[Group | BaseException] = asyncio.Queue()
-        finished.put_nowait(RuntimeError("the reward function is broken"))
+        finished = Finished(first_index=0, in_order=False)
+        await finished.put(RuntimeError("the reward function is broken"))
         await take_groups(finished, Admission(0, 0, 1), 1, 0, 0, dynamic_sampling=False)
 
     with pytest.raises(RuntimeError, match="reward function is broken"):
         asyncio.run(scenario())
+
+
+def test_pinned_groups_come_in_prompt_order_and_are_counted() -> None:
+    """In order, a group that finished early waits for the ones before it; `wait_count`
+    returns once that many groups have finished (what a pinned push waits for)."""
+
+    async def scenario() -> list[int]:
+        finished = Finished(first_index=4, in_order=True)
+        await finished.put(Group(5, [_traj("b/0", [0])]))
+        first = asyncio.create_task(finished.next())
+        counted = asyncio.create_task(finished.wait_count(2))
+        await asyncio.sleep(0)
+        assert not first.done() and not counted.done()  # group 4 is not finished yet
+        await finished.put(Group(4, [_traj("a/0", [0])]))
+        await asyncio.wait_for(counted, timeout=60)
+        return [(await first).index, (await finished.next()).index]
+
+    assert asyncio.run(scenario()) == [4, 5]
 
 
 # ------------------------------------------------------------------ whole runs
@@ -160,3 +187,94 @@ def test_async_updates_stay_within_max_staleness(task: TaskFiles, tmp_path: Path
         for record in read_traces(run_dir / "traces.jsonl", k):
             versions = record["weight_versions"]
             assert versions and all(k - 1 - 2 <= v <= k - 1 for v in versions), (k, versions)
+
+
+class Stragglers:
+    """The embedded engine, with the first episode of every group made a straggler: each of
+    its turns, once sampled, is returned only when no other request is in flight (an event
+    the last of them sets), so its group finishes after the groups sampled beside it."""
+
+    def __init__(self, inner: RolloutBackend) -> None:
+        self.inner, self.capabilities = inner, inner.capabilities
+        self.held_back = 0  # turns that did wait for others
+        self._others = 0
+        self._no_others = asyncio.Event()
+        self._no_others.set()
+
+    def counters(self) -> dict[str, float]:
+        return dict(self.inner.counters())
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        held = request.request_id.split("/")[-2] == "0"  # "<prompt>/<tag>/<episode>/<turn>"
+        if not held:
+            self._others += 1
+            self._no_others.clear()
+        try:
+            result = await self.inner.generate(request)
+        finally:
+            if not held:
+                self._others -= 1
+                if self._others == 0:
+                    self._no_others.set()
+        if held and not self._no_others.is_set():
+            self.held_back += 1
+            await self._no_others.wait()
+        return result
+
+    async def update_weights(self, params: object, version: int) -> None:
+        await self.inner.update_weights(params, version)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+STARTED: list[Stragglers] = []
+
+
+def _stragglers(spec: BackendBuild) -> RolloutBackend:
+    STARTED.append(Stragglers(backend_factory("embedded").build(spec)))
+    return STARTED[-1]
+
+
+register_backend("embedded_stragglers", BackendFactory(_stragglers))
+
+
+def _uid(record: dict) -> str:
+    return record["uid"]
+
+
+def test_a_pinned_schedule_is_the_same_whatever_the_timing(task: TaskFiles, tmp_path: Path) -> None:
+    """trainer.async_schedule=pinned at max_staleness 1, once as the machine runs it and once
+    with every group's first episode held back to the end of what is in flight: the same
+    trajectories in every update, each token sampled by the same weight version (update k
+    trains on groups sampled by version max(k - 1, 0), never partially), the same tokens, and
+    the same updates."""
+    same = [
+        "trainer.steps=4",
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "trainer.async_schedule=pinned",
+        "rollout.batch_buckets=false",  # numbers that do not depend on who shared a batch
+    ]
+    runs = {}
+    for name, backend in (("plain", "embedded"), ("stragglers", "embedded_stragglers")):
+        steps = _run(task, tmp_path / name, *same, f"rollout.backend={backend}")
+        traces = [
+            [
+                (r["uid"], r["token_versions"], r["response_ids"], r["reward"])
+                for r in sorted(read_traces(tmp_path / name / "traces.jsonl", k), key=_uid)
+            ]
+            for k in range(1, 5)
+        ]
+        runs[name] = (traces, [(m["grad_norm"], m["pg_loss"]) for m in steps])
+    assert STARTED[-1].held_back > 0  # the timing did change
+    (plain, plain_updates), (held, held_updates) = runs["plain"], runs["stragglers"]
+    for k, update in enumerate(plain):
+        assert len(update) == 8  # 2 groups of 4, all traced
+        versions = {v for _, token_versions, _, _ in update for v in token_versions}
+        assert versions == {max(k - 1, 0)}, (k, versions)
+    assert held == plain
+    assert held_updates == plain_updates

@@ -1,0 +1,179 @@
+"""Every benchmark in bench/ runs: its smallest configuration (``--smoke``, or tiny sizes where
+its arguments allow them), in this process through its ``main()``, ends by printing one JSON
+line, and that line holds the figures the docs quote. (The figures themselves are not
+checked: at these sizes they mean nothing.)
+
+bench/tpu_plan.py is not run here: what it runs, `jarl plan` of the tiny run on v5e:2x2, is
+what tests/plan/test_plan.py compiles, and that test reads the bench's figures from the same
+record (`test_the_tpu_plan_bench_reads_the_plan_record`). bench/weight_push.py pushes into a
+vLLM engine, so it needs .venv-vllm, as the tests in tests/backends/vllm do."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def bench_figures(
+    name: str, argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, Any]:
+    """Runs bench/``name``.py's ``main()`` with ``argv``; the JSON object its last stdout line
+    holds (everything before it may be progress)."""
+    path = BENCH / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look it up)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    capsys.readouterr()  # what came before is not the bench's
+    module.main()
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict), lines[-1]
+    return figures
+
+
+# bench name -> (its smallest arguments, keys its JSON line must hold)
+SMOKE: dict[str, tuple[list[str], set[str]]] = {
+    "decode": (
+        ["--smoke"],
+        {
+            "peak_float32_gflops",
+            "bandwidth_gb_s",
+            "tiny_float32_b1_roofline_tok_s",
+            "tiny_float32_b1_jax_tok_s",
+            "tiny_float32_b1_jax_roofline_frac",
+        },
+    ),
+    "forward": (
+        ["--smoke"],
+        {
+            f"{side}_{d}_{what}"
+            for side in ("jax", "torch")
+            for d in ("float32", "bfloat16")
+            for what in ("tok_s", "mfu")
+        }
+        | {"ratio_float32", "ratio_bfloat16", "ratio_best", "matmul_peak_float32_tflops"},
+    ),
+    "tools": (
+        ["--smoke"],
+        {
+            "server_unix_exec_s",
+            "server_http_exec_s",
+            "direct_sandbox_exec_s",
+            "fresh_python_exec_s",
+            "fresh_bwrap_python_exec_s",
+            "ratio_vs_fresh_python",
+            "ratio_vs_fresh_bwrap",
+        },
+    ),
+    "rollout": (
+        ["--smoke"],
+        {
+            f"embedded_{k}"
+            for k in (
+                "async_s",
+                "lockstep_s",
+                "async_over_lockstep",
+                "critical_path_s",
+                "async_over_critical_path",
+                "same_tokens_both_modes",
+                "generated_tokens",
+            )
+        }
+        | {"delay_only_speedup_bound"},
+    ),
+    "agentic": (
+        # tiny sizes: 1 prompt x 2 episodes of at most 2 turns, 256 positions, 1 MiB of KV
+        [
+            *("--model", "tiny", "--max-len", "256", "--kv-gib", "0.0009765625"),
+            *("--prompts", "1", "--n", "2", "--max-turns", "2", "--backends", "embedded,dense"),
+        ],
+        {
+            "final_len_p50",
+            "long_tailed",
+            "embedded_useful_tok_s",
+            "embedded_peak_kv_reserved_bytes",
+            "embedded_peak_kv_real_bytes",
+            "dense_useful_tok_s",
+            "kv_reserved_over_real",
+            "useful_tok_s_ratio_vs_dense",
+            "useful_tok_s_ratio_vs_vllm",
+        },
+    ),
+    # long_tail runs every variant (uniform runs four of them)
+    "learner": (
+        ["--smoke", "--workload", "long_tail"],
+        {
+            *(
+                f"{v}_tok_s"
+                for v in (
+                    "torch_sorted_fp32",
+                    "torch_sorted_bf16",
+                    "jax_packed_fp32",
+                    "jax_packed_bf16",
+                    "torch_packed_bf16",
+                    "jax_padded_fp32",
+                )
+            ),
+            "mfu_jax_packed_bf16",
+            "recompiles_jax_packed_fp32",
+            "real_token_frac",
+            "ratio_vs_torch",
+            "ratio_vs_padded",
+        },
+    ),
+    "traces": (["--smoke"], {"untraced_step_s", "traced_step_s", "overhead"}),
+    "strategies": (
+        ["--smoke"],
+        {"chain", "tree", "per_turn"},
+    ),
+    "async": (
+        ["--smoke"],
+        {
+            *(
+                f"{m}_{k}"
+                for m in ("sync", "async1", "async2")
+                for k in ("trajectories_per_s", "held_out_success", "reward_curve")
+            ),
+            "async1_throughput_ratio",
+            "async2_throughput_ratio",
+            "async2_held_out_minus_sync",
+        },
+    ),
+    "weight_push": (
+        ["--model", "tiny", "--pushes", "1"],
+        {"bytes", "write_s", "load_s", "total_s", "gb_per_s"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_a_bench_ends_with_its_figures_as_one_json_line(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv, keys = SMOKE[name]
+    if name == "async":
+        # its tools config names `async:slow_calculator`: the bench's folder is on the path
+        # when it runs as a script; the delays' setting goes back as it was
+        monkeypatch.syspath_prepend(str(BENCH))
+        monkeypatch.setenv("JARL_BENCH_TOOL_DELAY", "")
+    figures = bench_figures(name, argv, capsys, monkeypatch)
+    assert figures["bench"] == name
+    assert keys <= figures.keys(), sorted(keys - figures.keys())
+    if name == "strategies":
+        for mode in ("chain", "tree", "per_turn"):
+            assert {"held_out", "model_tokens_per_update", "seconds_per_update"} <= set(
+                figures[mode]
+            )
+
+
+def test_every_bench_is_smoked() -> None:
+    assert {p.stem for p in BENCH.glob("*.py")} == {*SMOKE, "tpu_plan"}
