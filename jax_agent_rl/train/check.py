@@ -15,7 +15,8 @@ but reads no weights and compiles nothing:
 - the first `ROWS` rows of each data file (``load_samples`` checks their columns and types)
   and of the SFT demonstrations;
 - every tool of ``tools.config``, built, its schema rendered, and closed again;
-- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter).
+- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter), and the
+  engine settings it cannot honour, when set (`rollout.registry.unhonoured`).
 
 Each problem is one line naming the key, its value and what would be accepted. All problems
 are reported; a check that needs something that failed to load is skipped.
@@ -40,7 +41,7 @@ from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.rewards import make_reward
-from jax_agent_rl.rollout.registry import backend_factory, backend_names
+from jax_agent_rl.rollout.registry import backend_factory, backend_names, unhonoured
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -86,6 +87,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     attempt(lambda: _reward(cfg))
     parser = attempt(lambda: _parser(cfg.agent.parser))
     if cfg.rollout.backend in backend_names():
+        problems += unhonoured(cfg.rollout)
         problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:

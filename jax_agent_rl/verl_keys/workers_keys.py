@@ -235,7 +235,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "",
         "no equivalent: jarl sizes the KV cache in GiB, rollout.kv_cache_gib (0: enough for "
-        "rollout.max_concurrent sequences), or rollout.vllm.kv_cache_mb",
+        "rollout.max_concurrent sequences)",
         refuse,
     ),
     VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "", LOGPROB, not_needed),
