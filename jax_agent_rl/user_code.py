@@ -1,15 +1,28 @@
 """User functions a config names: ``package.module:function`` or ``path/to/file.py:function``
-(a reward, ``data.reward``; a LangGraph graph, ``agent.graph``)."""
+(a reward, ``data.reward``; a LangGraph graph, ``agent.graph``), and the working directory
+importable, as under ``python -m``, for the modules named by their import path."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.config import ConfigError
+
+
+def working_directory_importable() -> None:
+    """Puts the working directory on ``sys.path``, as ``python -m`` does (verl's way in), so a
+    module a config names by its import path is found in the folder jarl runs from: an
+    interaction's ``class_name: tutor_interaction.TutorInteraction``, a reward, a harness, an
+    environment or tool class (a ``jarl`` console script's ``sys.path[0]`` is its bin folder).
+    It goes last, so a stray file there shadows no installed package."""
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def load_function(spec: str, key: str) -> Callable[..., Any]:
