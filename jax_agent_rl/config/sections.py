@@ -306,8 +306,10 @@ class DataSection:
     (it overrides every other source, as verl's ``custom_reward_function`` does), else by
     source: verl's own rule for the sources verl's ``default_compute_score`` knows (so verl's
     data is scored as verl scores it, on the whole decoded response), the task's scorer for
-    reasoning-gym rows, ``math`` for the rest. An empty entry in ``rewards_by_source`` is an
-    error (it would leave open whether ``reward`` or the source's default applies).
+    reasoning-gym rows, ``math`` for the rest: ``jarl train`` (``--dry-run`` too) notes which
+    sources of the first rows that fallback scores, and runs on (verl scores such rows too,
+    by its default). An empty entry in ``rewards_by_source`` is an error (it would leave open
+    whether ``reward`` or the source's default applies).
     """
 
     train: str = "???"
