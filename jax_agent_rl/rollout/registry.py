@@ -72,19 +72,15 @@ class BackendFactory:
     is reported before any model loads). ``trainer_env(rollout)``: the environment variables
     `jarl train` sets in its own process before JAX starts a backend, for the devices the
     backend's engines leave to the trainer (JetStream's server on chips of its own); it raises
-    ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the
-    settings of the rollout section's engine (`ENGINE_SETTINGS`) that the backend cannot
-    honour, each with why; set away from its default, one is refused before the run
-    (`unhonoured`)."""
+    ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the rollout
+    section's engine settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
+    ``steps_per_call``, ``batch_buckets``) that the backend cannot honour, each with why; set
+    away from its default, one is refused before the run (`unhonoured`)."""
 
     build: Callable[[BackendBuild], RolloutBackend]
     check: Callable[[RolloutSection, int], list[str]] = _no_problems
     trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
     unread: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-
-# rollout.* settings of the engine a backend runs; a backend reads each or lists it `unread`
-ENGINE_SETTINGS = ("page_size", "kv_cache_gib", "prefill_chunk", "steps_per_call", "batch_buckets")
 
 
 def unhonoured(rollout: RolloutSection) -> list[str]:
