@@ -6,7 +6,8 @@ environment, ``env.classes``), and modules imported for what they do when import
 A file's folder is put on ``sys.path`` (at its end, so it shadows nothing) before the file
 runs, as running the file would put it first: the file imports its neighbours as it would then
 (``from count_letter_env import CountLetterEnv``), and so does a skyrl-gym entry point it
-registers by name (``"count_letter_env:CountLetterEnv"``), made later."""
+registers by name (``"count_letter_env:CountLetterEnv"``), made later. The working directory is
+importable too, as under ``python -m``, for the modules named by their import path."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.config import ConfigError
+
+
+def working_directory_importable() -> None:
+    """Puts the working directory on ``sys.path``, as ``python -m`` does (verl's way in), so a
+    module a config names by its import path is found in the folder jarl runs from: an
+    interaction's ``class_name: tutor_interaction.TutorInteraction``, a reward, a harness, an
+    environment or tool class (a ``jarl`` console script's ``sys.path[0]`` is its bin folder).
+    It goes last, so a stray file there shadows no installed package."""
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def load_function(spec: str, key: str, what: str = "function") -> Callable[..., Any]:

@@ -156,3 +156,48 @@ def test_checkpoint_make_writes_a_checkpoint_a_shipped_config_runs_on(
     # an existing folder is not written over
     assert main(["checkpoint", "make", "--out", str(ckpt)]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().err
+
+
+TUTOR = """
+class TutorInteraction:
+    def __init__(self, config):
+        self.config = config
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return True, "Done.", 1.0, {}
+
+    async def finalize_interaction(self, instance_id=None, **kwargs):
+        return None
+"""
+
+
+def test_modules_of_the_working_directory_load_as_under_python_m(tmp_path: Path) -> None:
+    """verl runs ``python -m verl.trainer.main_ppo`` from the user's folder, which puts that
+    folder on sys.path: an interaction YAML's ``class_name: tutor_interaction.TutorInteraction``
+    and a reward ``my_reward:score`` name modules there. The ``jarl`` entry point, run from a
+    folder outside the repository, finds them too (its own sys.path[0] is its bin folder)."""
+    assert main(["checkpoint", "make", "--out", str(tmp_path / "ckpt")]) == 0
+    (tmp_path / "tutor_interaction.py").write_text(TUTOR)
+    (tmp_path / "my_reward.py").write_text("def score(text, ground_truth):\n    return 1.0\n")
+    (tmp_path / "interaction.yaml").write_text(
+        "interaction:\n  - name: tutor\n    class_name: tutor_interaction.TutorInteraction\n"
+    )
+    row = {
+        "prompt": [{"role": "user", "content": "2+3?"}],
+        "reward_model": {"ground_truth": "5"},
+        "extra_info": {"interaction_kwargs": {"name": "tutor"}},
+    }
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    jarl = Path(sys.executable).parent / "jarl"  # the console script pyproject.toml declares
+    command = [str(jarl), "train", str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")]
+    command += ["model.path=ckpt", "data.train=t.jsonl", "env.interaction_config=interaction.yaml"]
+    command += ["data.reward=my_reward:score", "--dry-run"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.endswith("nothing was run\n")

@@ -179,7 +179,7 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
     for old, new in [
         ("rollout.vllm_python", "rollout.vllm.python"),
         ("rollout.vllm_devices", "rollout.vllm.devices"),
-        ("rollout.vllm_kv_cache_mb", "rollout.vllm.kv_cache_mb"),
+        ("rollout.vllm.kv_cache_mb", "rollout.kv_cache_gib"),  # (read by every backend)
         ("rollout.jetstream_python", "rollout.jetstream.python"),
         ("rollout.replicas", "rollout.vllm.replicas"),
     ]:

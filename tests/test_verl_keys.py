@@ -67,25 +67,36 @@ VERL_SCRIPT = r"""
     trainer.total_epochs=15 $@
 """
 
-# what jarl refuses of it, and the words each refusal must say
+# what jarl refuses of it (what it cannot honour), and the words each refusal must say
 REFUSED = {
     "data.filter_overlong_prompts": "no equivalent",
     "data.truncation": "never truncates",
-    "actor_rollout_ref.model.use_remove_padding": "learner.packing",
-    "actor_rollout_ref.actor.fsdp_config.param_offload": "mesh.fsdp",
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "mesh.fsdp",
     "global_profiler.tool": "jax.profiler",
     "global_profiler.save_path": "jax.profiler",
     "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": "jax.profiler",
     "global_profiler.global_tool_config.torch_memory.stack_depth": "jax.profiler",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
     "actor_rollout_ref.rollout.name": "rollout.backend",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.kv_cache_gib",
-    "actor_rollout_ref.rollout.multi_stage_wake_up": "not needed",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
-    "actor_rollout_ref.ref.fsdp_config.param_offload": "mesh.fsdp",
     "actor_rollout_ref.rollout.over_sample_rate": "no equivalent",
     "trainer.logger": "trainer.tensorboard",
+}
+# what it accepts with nothing to set (jarl already has their effect), named in one note:
+# verl's worker details ("not needed") and values saying what jarl always does
+NOT_NEEDED = {
+    "actor_rollout_ref.model.use_remove_padding": "learner.packing",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "mesh.fsdp",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "mesh.fsdp",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "rollout engine",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "learner.micro_batch_size",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "mesh.fsdp",
+}
+ALWAYS = {
+    "data.return_raw_chat": "renders the chat itself",
+    "actor_rollout_ref.rollout.mode": "one coroutine per episode",
+    "algorithm.use_kl_in_reward": "its KL is in the loss",
+    "trainer.critic_warmup": "no critic-only steps",
+    "trainer.val_before_train": "when data.val is set",
 }
 
 
@@ -106,6 +117,9 @@ def _script_overrides(tmp_path: Path) -> list[str]:
 def test_a_verl_script_maps_or_says_why_key_by_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Pasted whole, the script is refused for the keys jarl cannot honour only, one line
+    each; without them it loads, each converted key told once and the keys jarl needs
+    nothing for named in one note."""
     overrides = _script_overrides(tmp_path)
     with pytest.raises(ConfigError) as refused:
         load_config(None, overrides)
@@ -114,6 +128,7 @@ def test_a_verl_script_maps_or_says_why_key_by_key(
     for line, (key, says) in zip(lines, REFUSED.items(), strict=True):
         assert line.startswith(f"verl key {key}="), line
         assert says in line, line
+    capsys.readouterr()
 
     kept = [o for o in overrides if o.split("=")[0] not in REFUSED]
     cfg = load_config(None, kept)
@@ -143,7 +158,18 @@ def test_a_verl_script_maps_or_says_why_key_by_key(
         "verl key actor_rollout_ref.actor.ppo_mini_batch_size=256 -> algorithm.mini_batches=1"
         in told
     )
-    assert len(told) == len(kept) - 1  # once each; algorithm.adv_estimator is jarl's own key
+    converted = [line for line in told if line.startswith("verl key ")]
+    # once each; algorithm.adv_estimator is jarl's own key
+    assert len(converted) == len(kept) - 1 - len(NOT_NEEDED) - len(ALWAYS)
+    note = told[len(converted) :]
+    accepted = len(NOT_NEEDED) + len(ALWAYS)
+    assert note[0] == (
+        f"{accepted} verl keys accepted with nothing to set (jarl already has their effect):"
+    )
+    for key, why in (NOT_NEEDED | ALWAYS).items():
+        (line,) = [line for line in note[1:] if f"{key}=" in line]
+        assert why in line.partition(": ")[2], line
+    assert all(line.startswith("  ") for line in note[1:])
 
 
 def _to_jarl(overrides: list[str], **config: object) -> dict[str, str]:
@@ -235,15 +261,10 @@ def test_optimizer_and_common_script_keys() -> None:
     assert _to_jarl(dapo) == {"rollout.dynamic_sampling": "true", "rollout.max_refills": "9"}
     refused = {
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1": "set optim.warmup_steps, a COUNT",
-        "actor_rollout_ref.rollout.prompt_length=1024": "data.max_prompt_length; set that",
-        "actor_rollout_ref.rollout.response_length=1024": "data.max_response_length; set that",
-        "actor_rollout_ref.actor.strategy=fsdp2": "jarl shards over the mesh",
-        "actor_rollout_ref.rollout.agent.num_workers=8": "as a coroutine in one process",
-        "trainer.device=cuda": "JAX uses the accelerator it finds",
-        "trainer.balance_batch=True": "packs episodes into rows",
+        "actor_rollout_ref.rollout.prompt_length=1024": "data.max_prompt_length, which verl",
+        "actor_rollout_ref.rollout.response_length=1024": "data.max_response_length, which",
+        "data.custom_cls.path=my.py": "with no dataset class",
         "data.seed=1": "data order comes from trainer.seed",
-        "ray_init.num_cpus=4": "rollout.ray",
-        "hydra.run.dir=/tmp/x": "jarl has no Hydra",
         "data.gen_batch_size=512": "refills dropped groups",
         "algorithm.filter_groups.max_num_gen_batches=0": "0 \\(unbounded\\) has no equivalent",
         "algorithm.filter_groups.metric=seq_len": "jarl compares a group's rewards",
@@ -251,6 +272,22 @@ def test_optimizer_and_common_script_keys() -> None:
     for override, why in refused.items():
         with pytest.raises(ConfigError, match=re.escape(f"verl key {override}: ") + ".*" + why):
             _to_jarl([override])
+    # an engine or layout detail of verl's workers: accepted, any value, named in the note
+    not_needed = {
+        "actor_rollout_ref.actor.strategy=fsdp2": "jarl shards over the mesh",
+        "actor_rollout_ref.rollout.agent.num_workers=8": "as a coroutine in one process",
+        "trainer.device=cuda": "JAX uses the accelerator it finds",
+        "trainer.balance_batch=True": "packs episodes into rows",
+        "ray_init.num_cpus=4": "rollout.ray",
+        "hydra.run.dir=/tmp/x": "jarl has no Hydra",
+    }
+    told: list[str] = []
+    assert to_jarl(list(not_needed), {}.get, told.append) == []
+    (note,) = told
+    head, *lines = note.splitlines()
+    assert head.startswith("6 verl keys accepted with nothing to set")
+    for (override, why), line in zip(not_needed.items(), lines, strict=True):
+        assert line.startswith(f"  {override}: not needed: ") and why in line, line
 
 
 def test_max_parallel_calls_is_the_per_turn_cap() -> None:

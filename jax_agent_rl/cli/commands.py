@@ -1,5 +1,4 @@
-"""The ``jarl`` command line: its parser and the commands' handlers. Parsing imports nothing
-heavy; each handler imports what its command runs."""
+"""The ``jarl`` command line: its parser and handlers (each imports what its command runs)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from rich.console import Console
 from jax_agent_rl.cli.plan import add_plan_parser
 from jax_agent_rl.cli.serve_tools import add_serve_tools
 from jax_agent_rl.cli.view import add_view_parser
+from jax_agent_rl.user_code import working_directory_importable
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
@@ -43,9 +43,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Loads the config, joins the other processes of a multi-process run, then loads
-    everything a run reads (`check_run`); a run starts only when nothing is wrong, and
-    ``--dry-run`` stops there (joining no one)."""
+    """Loads the config, joins the other processes of a multi-process run, then loads all a run
+    reads (`check_run`); a run starts when nothing is wrong, ``--dry-run`` stops (joining none)."""
     from jax_agent_rl.config import ConfigError, load_config, to_yaml
     from jax_agent_rl.distributed import ProcessGroup
 
@@ -487,6 +486,7 @@ HYDRA_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    working_directory_importable()
     hydra = [a for a in argv if a.split("=", 1)[0] in HYDRA_FLAGS]
     if hydra:  # pasted from a verl run script, where argparse would print its whole usage
         return _refuse(

@@ -74,8 +74,6 @@ class VLLMSection:
     python: str = setting("", was="rollout.vllm_python")
     # CUDA devices of the replicas, one each ("2,3"); empty: inherit
     devices: str = setting("", was="rollout.vllm_devices")
-    # KV cache of each replica; 0: vLLM's share of free memory
-    kv_cache_mb: int = setting(0, NATURAL, was="rollout.vllm_kv_cache_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,20 +103,24 @@ class RolloutSection:
     top_k: int = setting(-1, or_(-1, COUNT))  # -1: off
     max_model_len: int = setting(1024, COUNT)  # prompt + response tokens
     max_concurrent: int = setting(64, COUNT)  # sequences decoded together (engine slots)
-    # embedded / jetstream: the KV cache is a pool of pages of this many positions, handed
-    # out by real length and shared between sequences with a common prefix
+    # The engine's settings below: a backend that cannot honour one refuses it when it is set
+    # away from its default (`jarl train`'s pre-run check; rollout/registry.py `unhonoured`).
+    # the KV cache is a pool of pages of this many positions, handed out by real length and
+    # shared between sequences with a common prefix (vllm: its block_size, 8 to 128)
     page_size: int = setting(32, COUNT)
-    # the pool's size in GiB (keys and values, all layers, over all the engine's devices);
-    # 0: enough for max_concurrent sequences of max_model_len (a dense cache's memory)
-    kv_cache_gib: float = setting(0.0, NATURAL)
-    # a longer prompt is prefilled in chunks between decode steps
+    # the pool's size in GiB (keys and values, all layers, over all the engine's devices; vllm:
+    # each replica's); 0: enough for max_concurrent sequences of max_model_len (a dense cache's
+    # memory)
+    kv_cache_gib: float = setting(0.0, NATURAL, was="rollout.vllm.kv_cache_mb")
+    # a longer prompt is prefilled in chunks between decode steps (embedded, jetstream)
     prefill_chunk: int = setting(512, COUNT)
-    # decode steps per engine call (embedded and jetstream backends)
+    # decode steps per engine call (embedded, jetstream)
     steps_per_call: int = setting(4, COUNT)
-    # embedded: a decode step computes only the slots in use (rounded up to a power of two);
-    # false: always all max_concurrent, so that no number depends on how requests happened
-    # to share a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible
-    # runs, slower when few slots are busy)
+    # a decode step computes only the slots in use (rounded up to a power of two); false:
+    # always all max_concurrent, so that no number depends on how requests happened to share
+    # a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible runs,
+    # slower when few slots are busy). jetstream always computes every slot, as false does;
+    # vllm cannot honour false
     batch_buckets: bool = True
     # DAPO: drop groups whose rewards are all equal, refill
     dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
@@ -312,8 +314,10 @@ class DataSection:
     (it overrides every other source, as verl's ``custom_reward_function`` does), else by
     source: verl's own rule for the sources verl's ``default_compute_score`` knows (so verl's
     data is scored as verl scores it, on the whole decoded response), the task's scorer for
-    reasoning-gym rows, ``math`` for the rest. An empty entry in ``rewards_by_source`` is an
-    error (it would leave open whether ``reward`` or the source's default applies).
+    reasoning-gym rows, ``math`` for the rest: ``jarl train`` (``--dry-run`` too) notes which
+    sources of the first rows that fallback scores, and runs on (verl scores such rows too,
+    by its default). An empty entry in ``rewards_by_source`` is an error (it would leave open
+    whether ``reward`` or the source's default applies).
     """
 
     train: str = "???"

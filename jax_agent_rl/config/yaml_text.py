@@ -3,6 +3,7 @@ one `ConfigError` line naming the file."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,17 @@ def read_yaml(path: Path) -> Any:
 
 def yaml_top(text: str, where: str) -> str:
     """What the YAML ``text`` holds at its top level: mapping, list, scalar or nothing. A
-    `ConfigError` (``where`` names the text) if it is no YAML, more than one document, or
-    nested deeper than `MAX_DEPTH`. Reads the parser's events, which keeps no stack of its
-    own, so no depth of nesting can exhaust the interpreter's."""
+    `ConfigError` (``where`` names the text) if it is no YAML, more than one document, nested
+    deeper than `MAX_DEPTH`, or holds a whole number too long for Python to read (more than
+    `sys.get_int_max_str_digits` digits: YAML's loader would raise a bare ValueError). Reads
+    the parser's events, which keeps no stack of its own, so no depth of nesting can exhaust
+    the interpreter's."""
     top, depth, documents = "nothing", 0, 0
+    resolver = yaml.resolver.Resolver()
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.ScalarEvent):
+                _check_number(event, resolver, where, "\n" in text.rstrip("\n"))
             if isinstance(event, yaml.DocumentStartEvent):
                 documents += 1
                 if documents > 1:
@@ -82,6 +88,23 @@ def yaml_top(text: str, where: str) -> str:
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
     return top
+
+
+def _check_number(
+    event: yaml.ScalarEvent, resolver: yaml.resolver.Resolver, where: str, lines: bool
+) -> None:
+    """A plain scalar that YAML reads as a whole number must have few enough digits for
+    Python's ``int`` (a setting's range is far below that anyway); ``lines``: say its line."""
+    limit = sys.get_int_max_str_digits()
+    if event.style is not None or len(event.value) <= limit:
+        return
+    if resolver.resolve(yaml.ScalarNode, event.value, (True, False)) == "tag:yaml.org,2002:int":
+        digits = sum(c.isdigit() for c in event.value)
+        at = f" at line {event.start_mark.line + 1}" if lines else ""
+        raise ConfigError(
+            f"{where}: a whole number of {digits} digits{at}: too long to be any setting's "
+            f"value (at most {limit} digits are read)"
+        )
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

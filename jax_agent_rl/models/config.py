@@ -153,19 +153,26 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        key = "rope_parameters"
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # stored as floats
-            object.__setattr__(self, name, _check_positive(f"{key}.{name}", getattr(self, name)))
-        low, high = self.low_freq_factor, self.high_freq_factor
-        if high <= low:  # the smooth interpolation divides by their difference
-            raise UnsupportedConfigError(
-                f"{key}.high_freq_factor={high} must exceed low_freq_factor={low}"
-            )
-        _check_size(
-            f"{key}.original_max_position_embeddings",
-            self.original_max_position_embeddings,
-            _SIZE_BOUNDS["max_position_embeddings"][1],
+        for name, value in _llama3_values("rope_parameters", dataclasses.asdict(self)).items():
+            object.__setattr__(self, name, value)
+
+
+def _llama3_values(key: str, values: dict[str, Any]) -> dict[str, Any]:
+    """`Llama3RopeScaling`'s fields checked, the factors as floats; errors name ``key.field``."""
+    out = dict(values)
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):  # stored as floats
+        out[name] = _check_positive(f"{key}.{name}", values[name])
+    low, high = out["low_freq_factor"], out["high_freq_factor"]
+    if high <= low:  # the smooth interpolation divides by their difference
+        raise UnsupportedConfigError(
+            f"{key}.high_freq_factor={high} must exceed low_freq_factor={low}"
         )
+    _check_size(
+        f"{key}.original_max_position_embeddings",
+        values["original_max_position_embeddings"],
+        _SIZE_BOUNDS["max_position_embeddings"][1],
+    )
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,34 +377,63 @@ def _require(hf: dict[str, Any], field: str, expected: object) -> None:
 
 def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     """Reads RoPE from either layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (older checkpoints)."""
+    ``rope_scaling`` (older checkpoints). Errors name the field as config.json spells it; both
+    layouts given must agree, and so must ``rope_type`` and its older spelling ``type``."""
     for field in ("rope_parameters", "rope_scaling"):
         if not isinstance(hf.get(field, {}), dict | None):
             raise UnsupportedConfigError(
                 f"{field}={_shown(hf[field])}: expected a JSON object or null"
             )
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    given = {f: _rope_fields(f, hf[f]) for f in ("rope_parameters", "rope_scaling") if hf.get(f)}
+    for field, params in given.items():
+        if params.get("rope_type", "default") not in ("default", "llama3"):
+            raise UnsupportedConfigError(
+                f"{field}.rope_type={_shown(params['rope_type'])} is not supported (only "
+                "'default', 'llama3')"
+            )
+    if len(given) == 2:
+        new, old = given.values()
+        clash = sorted(k for k in old if new.get(k, old) != old[k])  # (old: absent from new)
+        if clash:
+            raise UnsupportedConfigError(
+                f"rope_parameters and rope_scaling disagree on {_shown(clash)}: give one"
+            )
+    field = next(iter(given), "rope_parameters")
+    params = dict(given.get(field, {}))
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if hf.get("rope_theta", theta) != theta:
+        raise UnsupportedConfigError(
+            f"rope_theta={_shown(hf['rope_theta'])} and {field}.rope_theta={_shown(theta)} "
+            "disagree: give one"
+        )
+    rope_type = params.pop("rope_type", "default")
     if rope_type == "default":
         if params:  # partial_rotary_factor, mrope_section, ...: each changes the forward pass
             raise UnsupportedConfigError(
-                f"rope_parameters: fields {_shown(sorted(params))} are not supported with "
+                f"{field}: fields {_shown(sorted(params))} are not supported with "
                 "rope_type 'default'"
             )
         return theta, None
-    if rope_type != "llama3":
-        raise UnsupportedConfigError(
-            f"rope_parameters.rope_type={_shown(rope_type)} is not supported (only 'default', "
-            "'llama3')"
-        )
     fields = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
     extra, missing = sorted(set(params) - fields), sorted(fields - set(params))
     if extra or missing:
         raise UnsupportedConfigError(
-            f"llama3 rope scaling: unexpected fields {extra}, missing fields {missing}"
+            f"{field}: llama3 rope scaling: unexpected fields {extra}, missing fields {missing}"
         )
-    return theta, Llama3RopeScaling(**params)  # each field checked by its __post_init__
+    return theta, Llama3RopeScaling(**_llama3_values(field, params))
+
+
+def _rope_fields(field: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the older ``type`` read as ``rope_type`` (both given must agree)."""
+    out = dict(params)
+    if "type" in out:
+        older = out.pop("type")
+        if out.setdefault("rope_type", older) != older:
+            raise UnsupportedConfigError(
+                f"{field}.rope_type={_shown(out['rope_type'])} and {field}.type="
+                f"{_shown(older)} disagree: give one"
+            )
+    return out
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

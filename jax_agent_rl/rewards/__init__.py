@@ -25,6 +25,7 @@ from jax_agent_rl.rewards.registry import (
     checked_reward,
     load_reward,
     make_reward,
+    scored_by_fallback,
     uses_judge,
 )
 
@@ -51,5 +52,6 @@ __all__ = [
     "math_equal",
     "math_reward",
     "parse_score",
+    "scored_by_fallback",
     "uses_judge",
 ]

@@ -53,7 +53,7 @@ import dataclasses
 import inspect
 import math
 import numbers
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from jax_agent_rl.config import ConfigError, DataSection
@@ -124,6 +124,22 @@ JudgeFn = Scorer  # a judge (`rewards.judge.Judge`): scores an answer, never rai
 def uses_judge(data: DataSection) -> bool:
     """Whether a row may be scored by the judge (``judge`` named as a reward)."""
     return JUDGE in (data.reward, *data.rewards_by_source.values())
+
+
+def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
+    """The data sources among ``sources`` that the ``math`` fallback scores (``data.reward``
+    unset, no ``data.rewards_by_source`` entry, no verl rule and no reasoning-gym task), sorted."""
+    if data.reward:
+        return []
+    return sorted(
+        {
+            s
+            for s in sources
+            if s not in data.rewards_by_source
+            and not verl_rules.knows_source(s)
+            and not s.startswith(reasoning_gym.SOURCE_PREFIX)
+        }
+    )
 
 
 def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:

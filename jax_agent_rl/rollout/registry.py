@@ -15,7 +15,7 @@ and is imported only when a run asks for ``rollout.backend=vllm``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,11 +78,30 @@ class BackendFactory:
     is reported before any model loads). ``trainer_env(rollout)``: the environment variables
     `jarl train` sets in its own process before JAX starts a backend, for the devices the
     backend's engines leave to the trainer (JetStream's server on chips of its own); it raises
-    ``ValueError`` naming the key where ``check`` reports a problem."""
+    ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the rollout
+    section's engine settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
+    ``steps_per_call``, ``batch_buckets``) that the backend cannot honour, each with why; set
+    away from its default, one is refused before the run (`unhonoured`)."""
 
     build: Callable[[BackendBuild], RolloutBackend]
     check: Callable[[RolloutSection, int], list[str]] = _no_problems
     trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
+    unread: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def unhonoured(rollout: RolloutSection) -> list[str]:
+    """One line for each engine setting of ``rollout`` set away from its default that its
+    backend cannot honour (`BackendFactory.unread`), naming the key and the backend."""
+    from jax_agent_rl.config import RolloutSection
+
+    default = RolloutSection()
+    unread = backend_factory(rollout.backend).unread
+    return [
+        f"rollout.{key}={getattr(rollout, key)!r}: the {rollout.backend} backend cannot honour "
+        f"it ({why}); drop it"
+        for key, why in unread.items()
+        if getattr(rollout, key) != getattr(default, key)
+    ]
 
 
 def make_engine(

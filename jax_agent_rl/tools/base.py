@@ -24,6 +24,7 @@ import contextvars
 import dataclasses
 import inspect
 import re
+import threading
 import types
 import typing
 from collections.abc import Awaitable, Callable, Hashable, Iterable
@@ -139,36 +140,52 @@ class FairPool(Generic[T]):
     longest), and each key's calls are served in their order: the turns go round the keys, so
     a key's backlog of calls delays another key's call by at most one release per resource,
     however many calls it queued first.
+
+    Any event loop may acquire and any thread may release (a tool server's loop and the
+    trainer's share a sandbox; a sandbox job's thread releases its worker): the state is
+    behind a lock, and a resource goes to a call waiting on another loop through that loop's
+    ``call_soon_threadsafe``. One handed to a call that gave up before it took it, or whose loop
+    closed, comes back to the pool.
     """
 
     def __init__(self, items: Iterable[T]) -> None:
+        self._lock = threading.Lock()
         self._free = list(items)
         self._queues: dict[Hashable, collections.deque[asyncio.Future[T]]] = {}  # by arrival
         self._held: collections.Counter[Hashable] = collections.Counter()
         self._served: dict[Hashable, int] = {}  # the turn each key was last served at
         self._turns = 0
+        # granted to a waiting call, on their way to its loop: waiter -> (its key, the resource)
+        self._handed: dict[asyncio.Future[T], tuple[Hashable, T]] = {}
 
     @property
     def waiting(self) -> int:
         """Calls waiting for a resource."""
-        return sum(len(q) for q in self._queues.values())
+        with self._lock:
+            return sum(len(q) for q in self._queues.values())
 
     async def acquire(self, key: Hashable) -> T:
         """A resource for a call of ``key``; give it back with `release`."""
-        if self._free and not self._queues:
-            return self._grant(key, self._free.pop())
-        waiter = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(key, collections.deque()).append(waiter)
+        with self._lock:
+            self._reclaim()
+            if self._free and not self._queues:
+                return self._grant(key, self._free.pop())
+            waiter = asyncio.get_running_loop().create_future()
+            self._queues.setdefault(key, collections.deque()).append(waiter)
         clock = _CLOCK.get()
         if clock is not None:
             clock.stop()
         try:
-            return await waiter  # set by `release`, which granted it
+            return await waiter  # set by `_hand`, once `release` granted it
         except BaseException:
-            if waiter.done() and not waiter.cancelled():  # granted as the call gave up
-                self.release(key, waiter.result())
-            else:
-                self._forget(key, waiter)
+            with self._lock:
+                handed = self._handed.pop(waiter, None)  # granted, not taken yet
+                if handed is None and waiter.done() and not waiter.cancelled():
+                    handed = (key, waiter.result())  # taken as the call gave up
+                if handed is None:
+                    self._forget(key, waiter)
+            if handed is not None:
+                self.release(key, handed[1])
             raise
         finally:
             if clock is not None:
@@ -176,20 +193,52 @@ class FairPool(Generic[T]):
 
     def release(self, key: Hashable, item: T) -> None:
         """Gives back a resource ``key`` acquired: to the next waiting call in turn, if any."""
-        self._held[key] -= 1
+        with self._lock:
+            self._held[key] -= 1
+            self._give(item)
+            self._prune(key)
+
+    def _give(self, item: T) -> None:
+        """Grants ``item`` to the next waiting call in turn whose loop can take it, else frees
+        it (the lock held)."""
         while self._queues:
             turn = min(self._queues, key=lambda k: (self._held[k], self._served.get(k, -1)))
             queue = self._queues[turn]
             waiter = queue.popleft()
             if not queue:
                 del self._queues[turn]
-            if not waiter.done() and not waiter.get_loop().is_closed():
-                waiter.set_result(self._grant(turn, item))
-                break
+            loop = waiter.get_loop()
+            if not waiter.done() and not loop.is_closed():
+                self._handed[waiter] = (turn, self._grant(turn, item))
+                try:
+                    loop.call_soon_threadsafe(self._hand, waiter)
+                    return
+                except RuntimeError:  # its loop closed meanwhile
+                    del self._handed[waiter]
+                    self._held[turn] -= 1
             self._prune(turn)
+        self._free.append(item)
+
+    def _hand(self, waiter: asyncio.Future[T]) -> None:
+        """On the waiter's loop: the resource granted to it, unless its call gave up first."""
+        with self._lock:
+            handed = self._handed.pop(waiter, None)
+        if handed is None:  # the call gave up, and gave it back
+            return
+        if waiter.done():  # cancelled after the grant: the call is going, the resource back
+            self.release(*handed)
         else:
-            self._free.append(item)
-        self._prune(key)
+            waiter.set_result(handed[1])
+
+    def _reclaim(self) -> None:
+        """Takes back the resources granted to calls whose loop closed before they took them
+        (the lock held)."""
+        for waiter, (key, item) in list(self._handed.items()):
+            if waiter.get_loop().is_closed():
+                del self._handed[waiter]
+                self._held[key] -= 1
+                self._prune(key)
+                self._give(item)
 
     def _grant(self, key: Hashable, item: T) -> T:
         self._held[key] += 1

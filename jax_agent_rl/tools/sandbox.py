@@ -348,17 +348,16 @@ class PythonSandbox:
             return ExecResult.failure(f"code longer than {MAX_CODE_BYTES} bytes; not run")
         worker = await self.pool.acquire(key)
         try:
-            job = asyncio.get_running_loop().run_in_executor(
-                self._threads, worker.execute, code, timeout_s or self.timeout_s
-            )
+            job = self._threads.submit(worker.execute, code, timeout_s or self.timeout_s)
         except BaseException:
             self.pool.release(key, worker)
             raise
         # The worker returns to the pool when its thread is done with it (the host deadline
         # bounds that), never when a caller stops waiting: a cancelled call must not hand a
-        # busy worker to the next one.
+        # busy worker to the next one. Its thread gives it back, not the caller's event loop,
+        # which may have ended by then (`asyncio.run` of a call that timed out).
         job.add_done_callback(lambda _: self.pool.release(key, worker))
-        return await asyncio.shield(job)
+        return await asyncio.shield(asyncio.wrap_future(job))
 
     def close(self) -> None:
         for w in self._workers:

@@ -38,7 +38,7 @@ from jax_agent_rl.config import (
 )
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.envs import Environments, make_environments
+from jax_agent_rl.envs import EnvError, Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
@@ -273,11 +273,17 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
 
 
 def check_environments(envs: Environments, samples: Sequence[Sample], key: str) -> None:
-    """Every environment ``samples`` name exists, and plays a loop that drives environments
-    (tool_agent, single_turn_agent): a `ConfigError` naming the first that does not."""
+    """Every environment ``samples`` name exists (an ``env_class``; an interaction the
+    interaction YAML lists), and plays a loop that drives environments (tool_agent,
+    single_turn_agent): a `ConfigError` naming the first that does not."""
     for s in samples:
         if not envs.plays(s):
             continue
+        if not s.env_class and envs.interaction is not None:  # a verl interaction's row
+            try:
+                envs.interaction(s)
+            except EnvError as e:
+                raise ConfigError(f"{key}: {e}") from None
         if s.agent_name not in ("tool_agent", "single_turn_agent"):  # not react/openai_agent
             raise ConfigError(
                 f"{key}: row {s.uid!r} has an environment but agent_name {s.agent_name!r}; "

@@ -14,17 +14,25 @@ but reads no weights and compiles nothing:
   schemas, must leave room for a response; the parser's stop strings must be single tokens;
 - the first `ROWS` rows of each data file (``load_samples`` checks their columns and types)
   and of the SFT demonstrations;
+- every environment the rows read name (an ``env_class``; an interaction name among the
+  interaction YAML's), and ``agent.harness`` loaded (an async function; rows running
+  openai_agent need one);
 - every tool of ``tools.config``, built, its schema rendered, and closed again;
-- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter).
+- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter), and the
+  engine settings it cannot honour, when set (`rollout.registry.unhonoured`).
 
 Each problem is one line naming the key, its value and what would be accepted. All problems
-are reported; a check that needs something that failed to load is skipped.
+are reported; a check that needs something that failed to load is skipped. With none, what the
+run will do unasked is noted (``# note:`` lines): the data sources the ``math`` fallback
+scores, no reward being chosen for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,14 +47,15 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
-from jax_agent_rl.rewards import make_reward
-from jax_agent_rl.rollout.registry import backend_factory, backend_names
+from jax_agent_rl.rewards import make_reward, scored_by_fallback
+from jax_agent_rl.rollout.registry import backend_factory, backend_names, unhonoured
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.sft import load_demonstrations
+from jax_agent_rl.user_code import load_function
 
 ROWS = 16  # rows read from the top of each data file
 
@@ -73,7 +82,16 @@ class _CheckError(Exception):
 def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     """Every problem a run of ``cfg`` over ``processes`` processes would meet before its first
     step; empty when none. The devices are those of every process (each assumed to have as
-    many as this one when `jax.distributed` has not joined them: ``--dry-run``)."""
+    many as this one when `jax.distributed` has not joined them: ``--dry-run``). When there is
+    none, what the run will do that a user may not expect is noted on stderr (`_notes`)."""
+    problems = _problems(cfg, processes)
+    if not problems:
+        for line in _notes(cfg):
+            print(f"# note: {line}", file=sys.stderr)
+    return problems
+
+
+def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     problems: list[str] = _processes_fit(cfg, processes) + check_names(cfg)
 
     def attempt(load: Callable[[], T]) -> T | None:
@@ -86,6 +104,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     attempt(lambda: _reward(cfg))
     parser = attempt(lambda: _parser(cfg.agent.parser))
     if cfg.rollout.backend in backend_names():
+        problems += unhonoured(cfg.rollout)
         problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
@@ -101,6 +120,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     val = attempt(lambda: _samples("data.val", cfg.data.val, default)) if cfg.data.val else []
     rows = {"data.train": train or [], "data.val": val or []}
     attempt(lambda: _environments(cfg, rows))
+    attempt(lambda: _harness(cfg, rows))
     schemas = attempt(lambda: _tool_schemas(cfg.tools.config))
     if schemas is not None:
         attempt(lambda: _rows_tools(rows, schemas, cfg))
@@ -315,13 +335,56 @@ def _stop_tokens(name: str, parser: ToolCallParser, tokenizer: Tokenizer) -> Non
 
 
 def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
-    """The ``env`` section loads, and every environment the first rows name exists."""
+    """The ``env`` section loads, and every environment the first rows name exists (an
+    interaction's name among the interaction YAML's)."""
     try:
         envs = make_environments(cfg.env, cfg.agent.max_turns)
         for key, samples in rows.items():
             check_environments(envs, samples, key)
     except ConfigError as e:
+        raise _CheckError(f"{e} (the check reads the first {ROWS} rows of each file)") from None
+
+
+def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
+    """``agent.harness`` names an async function, loaded as the run loads it; rows that run
+    openai_agent need one."""
+    spec = cfg.agent.harness
+    drives = [
+        f"{k} row {s.uid!r}" for k, ss in rows.items() for s in ss if s.agent_name == "openai_agent"
+    ]
+    if not spec:
+        if drives:
+            raise _CheckError(
+                f"{drives[0]} runs agent_name openai_agent, which needs agent.harness "
+                "(package.module:function or path/to/file.py:function)"
+            )
+        return
+    try:
+        harness = load_function(spec, "agent.harness")
+    except ConfigError as e:
         raise _CheckError(str(e)) from None
+    except Exception as e:  # the user's module runs here: whatever it raises is the config's
+        raise _CheckError(f"agent.harness={spec!r} failed to load: {_one_line(e)}") from None
+    if not inspect.iscoroutinefunction(harness):
+        raise _CheckError(f"agent.harness={spec!r} is not an async function (async def)")
+
+
+def _notes(cfg: JarlConfig) -> list[str]:
+    """What the run will do unasked: the data sources the ``math`` fallback scores (the first
+    rows of data.train and data.val), since no reward was chosen for them."""
+    sources = []
+    for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+        if path:
+            sources += [s.data_source for s in _samples(key, path, cfg.agent.default_agent_loop)]
+    fallback = scored_by_fallback(cfg.data, sources)
+    if not fallback:
+        return []
+    return [
+        f"data sources {fallback} (in the first {ROWS} rows of the data files) have no reward "
+        "of their own and data.reward is unset: they are scored by the math fallback (the "
+        "last <answer> or \\boxed{} against the ground truth); set data.reward or "
+        "data.rewards_by_source to choose"
+    ]
 
 
 def _samples(key: str, path: str, default_agent: str) -> list[Sample]:

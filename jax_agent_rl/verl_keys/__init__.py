@@ -6,8 +6,10 @@ equivalent into jarl overrides, saying so once, one line each::
 
     verl key actor_rollout_ref.rollout.n=16 -> rollout.n=16
 
-and refuses the others with one `ConfigError` line each, naming what to use instead or why
-nothing is needed here (an engine detail of verl's FSDP / Megatron / SGLang workers).
+accepts the keys whose effect jarl already has (an engine, memory or layout detail of verl's
+FSDP / Megatron / SGLang workers, or a value saying what jarl always does), naming them all in
+one note with why each needs nothing here, and refuses the keys jarl cannot honour with one
+`ConfigError` line each, saying why and what to use instead.
 
 Some equivalents are traps, converted rather than copied (``trap`` in `TABLE`): verl's
 ``ppo_mini_batch_size`` is a size in prompts, jarl's ``algorithm.mini_batches`` a count

@@ -64,9 +64,10 @@ def to_jarl(
     rows: Callable[[str], int] = count_rows,
 ) -> list[str]:
     """``overrides`` with every verl key replaced by the jarl overrides it means (`TABLE`), each
-    told through ``say`` once; ``config`` gives a jarl key's value before the overrides, and
-    ``rows`` counts a data file's rows (verl's epochs). Every refused key is a `ConfigError`
-    line, all of them at once."""
+    told through ``say`` once, and the keys accepted with nothing to set (their effect is
+    jarl's already) named together in one note; ``config`` gives a jarl key's value before the
+    overrides, and ``rows`` counts a data file's rows (verl's epochs). Every refused key (one
+    jarl cannot honour) is a `ConfigError` line, all of them at once."""
     kept: list[str] = []  # jarl's own overrides, in their order
     jarl: dict[str, str] = {}  # their key -> raw value, the last one winning
     verl: dict[str, str] = {}
@@ -124,17 +125,27 @@ def to_jarl(
         raise ConfigError("\n".join(problems))
     out = list(kept)
     for key, raw in verl.items():
-        say(_told(key, raw, results[key]))
-        out += [f"{k}={json.dumps(v)}" for k, v in results[key].items()]
+        values = results[key]
+        if values:
+            say(f"verl key {key}={raw} -> " + ", ".join(f"{k}={v}" for k, v in values.items()))
+        out += [f"{k}={json.dumps(v)}" for k, v in values.items()]
+    unset = {key: raw for key, raw in verl.items() if not results[key]}
+    if unset:
+        say(_accepted_note(unset))
     return list(dict.fromkeys(out))  # two verl keys may give one jarl key the same value
 
 
-def _told(key: str, raw: str, values: Mapping[str, Any]) -> str:
-    """The line saying what verl key ``key`` became."""
-    if values:
-        return f"verl key {key}={raw} -> " + ", ".join(f"{k}={v}" for k, v in values.items())
-    entry = find(key)
-    return f"verl key {key}={raw}: {entry.how if entry is not None else ''}"
+def _accepted_note(unset: Mapping[str, str]) -> str:
+    """The one note naming the verl keys accepted with nothing to set (jarl already has their
+    effect: `rules.not_needed`, `rules.fixed`), keys of one reason on one line."""
+    why: dict[str, list[str]] = {}
+    for key, raw in unset.items():
+        entry = find(key)
+        why.setdefault(entry.how if entry is not None else "", []).append(f"{key}={raw}")
+    lines = [f"  {', '.join(keys)}: {how}" for how, keys in why.items()]
+    keys = "verl key" if len(unset) == 1 else f"{len(unset)} verl keys"
+    head = f"{keys} accepted with nothing to set (jarl already has their effect):"
+    return "\n".join([head, *lines])
 
 
 def _clashes(results: Mapping[str, Mapping[str, Any]], jarl: Mapping[str, str]) -> list[str]:

@@ -6,6 +6,7 @@ from jax_agent_rl.verl_keys.rules import (
     VerlKey,
     data_file,
     fixed,
+    not_needed,
     prompt_length,
     refuse,
     response_length,
@@ -62,7 +63,7 @@ DATA: tuple[VerlKey, ...] = (
         "data.dataloader_num_workers",
         "",
         "not needed: jarl reads the rows once, in-process",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "data.sampler.class_path",
@@ -77,9 +78,15 @@ DATA: tuple[VerlKey, ...] = (
         refuse,
     ),
     VerlKey(
-        "data.custom_cls.path", "", "not needed: jarl reads verl's parquet columns itself", refuse
+        "data.custom_cls.path",
+        "",
+        "no equivalent: jarl reads verl's parquet columns itself, with no dataset class",
+        refuse,
     ),
     VerlKey(
-        "data.custom_cls.name", "", "not needed: jarl reads verl's parquet columns itself", refuse
+        "data.custom_cls.name",
+        "",
+        "no equivalent: jarl reads verl's parquet columns itself, with no dataset class",
+        refuse,
     ),
 )

@@ -53,6 +53,13 @@ def refuse(_value: Any, _given: Given) -> dict[str, Any]:
     raise ConfigError("")  # `to_jarl` writes the entry's ``how``
 
 
+def not_needed(_value: Any, _given: Given) -> dict[str, Any]:
+    """Accepts any value of a key whose effect jarl already has its own way (an engine, memory
+    or layout detail of verl's workers that changes nothing the run computes); sets nothing.
+    `to_jarl` lists it, with its entry's ``how``, in its one note of keys accepted as they are."""
+    return {}
+
+
 def fixed(*accepted: Any) -> Rule:
     """Accepts only the values that say what jarl always does; sets nothing."""
 

@@ -9,6 +9,7 @@ from jax_agent_rl.verl_keys.rules import (
     eval_every,
     fixed,
     logger,
+    not_needed,
     refills,
     refuse,
     resume,
@@ -114,13 +115,13 @@ TRAINING: tuple[VerlKey, ...] = (
         "critic.ppo_max_token_len_per_gpu",
         "",
         "not needed: the critic uses the learner's layout (learner.row_tokens)",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "critic.forward_max_token_len_per_gpu",
         "",
         "not needed: the critic uses the learner's layout (learner.row_tokens)",
-        refuse,
+        not_needed,
     ),
     # trainer
     VerlKey("trainer.total_training_steps", "trainer.steps", "the same", steps),
@@ -197,13 +198,13 @@ TRAINING: tuple[VerlKey, ...] = (
         "trainer.device",
         "",
         "not needed: JAX uses the accelerator it finds (JAX_PLATFORMS=cpu to force the CPU)",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "trainer.balance_batch",
         "",
         "not needed: jarl packs episodes into rows of learner.row_tokens (learner.packing)",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "data.seed",
@@ -219,9 +220,12 @@ TRAINING: tuple[VerlKey, ...] = (
         refuse,
     ),
     VerlKey("global_profiler.", "", "no equivalent: profile with jax.profiler", refuse),
-    VerlKey("ray_kwargs.", "", "not needed: jarl's Ray settings are rollout.ray.*", refuse),
-    VerlKey("ray_init.", "", "not needed: jarl's Ray settings are rollout.ray.*", refuse),
+    VerlKey("ray_kwargs.", "", "not needed: jarl's Ray settings are rollout.ray.*", not_needed),
+    VerlKey("ray_init.", "", "not needed: jarl's Ray settings are rollout.ray.*", not_needed),
     VerlKey(
-        "hydra.", "", "not needed: jarl has no Hydra (its run folder is trainer.run_dir)", refuse
+        "hydra.",
+        "",
+        "not needed: jarl has no Hydra (its run folder is trainer.run_dir)",
+        not_needed,
     ),
 )

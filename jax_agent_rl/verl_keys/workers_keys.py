@@ -15,6 +15,7 @@ from jax_agent_rl.verl_keys.rules import (
     max_turns,
     micro_batch,
     mini_batches,
+    not_needed,
     parser,
     refuse,
     trace_backend,
@@ -37,9 +38,9 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.model.use_remove_padding",
         "",
         "not needed: with learner.packing=true (the default) jarl computes on no padding",
-        refuse,
+        not_needed,
     ),
-    VerlKey("actor_rollout_ref.model.enable_activation_offload", "", FSDP, refuse),
+    VerlKey("actor_rollout_ref.model.enable_activation_offload", "", FSDP, not_needed),
     VerlKey(
         "actor_rollout_ref.model.lora_rank",
         "",
@@ -62,14 +63,14 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.model.use_shm",
         "",
         "not needed: jarl reads the checkpoint from its folder once",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.hybrid_engine",
         "",
         "not needed: the rollout backend decides where it runs (the embedded engine on the "
         "learner's devices, vLLM replicas on rollout.vllm.devices)",
-        refuse,
+        not_needed,
     ),
     # actor
     VerlKey("actor_rollout_ref.actor.optim.lr", "optim.lr", "the same"),
@@ -98,18 +99,20 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.actor.strategy",
         "",
         "not needed: jarl shards over the mesh (mesh.*)",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.prompt_length",
         "",
-        "not needed: verl copies it from data.max_prompt_length; set that",
+        "no equivalent: jarl reads data.max_prompt_length, which verl copies here by default; "
+        "set that",
         refuse,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.response_length",
         "",
-        "not needed: verl copies it from data.max_response_length; set that",
+        "no equivalent: jarl reads data.max_response_length, which verl copies here by default; "
+        "set that",
         refuse,
     ),
     VerlKey(
@@ -117,7 +120,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "",
         "not needed: jarl runs every episode as a coroutine in one process "
         "(rollout.max_concurrent at once)",
-        refuse,
+        not_needed,
     ),
     VerlKey("actor_rollout_ref.actor.grad_clip", "optim.grad_clip", "the same"),
     VerlKey(
@@ -185,24 +188,24 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.actor.use_torch_compile",
         "",
         "not needed: jarl's steps are always compiled (XLA)",
-        refuse,
+        not_needed,
     ),
-    VerlKey("actor_rollout_ref.actor.fsdp_config.", "", FSDP, refuse),
+    VerlKey("actor_rollout_ref.actor.fsdp_config.", "", FSDP, not_needed),
     VerlKey(
         "actor_rollout_ref.actor.megatron.",
         "",
         "not needed: jarl shards over the mesh (mesh.*)",
-        refuse,
+        not_needed,
     ),
     # reference model
-    VerlKey("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "", LOGPROB, refuse),
-    VerlKey("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "", LOGPROB, refuse),
-    VerlKey("actor_rollout_ref.ref.fsdp_config.", "", FSDP, refuse),
+    VerlKey("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "", LOGPROB, not_needed),
+    VerlKey("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "", LOGPROB, not_needed),
+    VerlKey("actor_rollout_ref.ref.fsdp_config.", "", FSDP, not_needed),
     VerlKey(
         "actor_rollout_ref.ref.megatron.",
         "",
         "not needed: jarl shards over the mesh (mesh.*)",
-        refuse,
+        not_needed,
     ),
     # rollout
     VerlKey(
@@ -232,36 +235,43 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "",
         "no equivalent: jarl sizes the KV cache in GiB, rollout.kv_cache_gib (0: enough for "
-        "rollout.max_concurrent sequences), or rollout.vllm.kv_cache_mb",
+        "rollout.max_concurrent sequences)",
         refuse,
     ),
-    VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "", LOGPROB, refuse),
-    VerlKey("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "", LOGPROB, refuse),
+    VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "", LOGPROB, not_needed),
+    VerlKey("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "", LOGPROB, not_needed),
     VerlKey(
         "actor_rollout_ref.rollout.multi_stage_wake_up",
         "",
         ENGINE.format("rollout engine"),
-        refuse,
+        not_needed,
     ),
     VerlKey(
-        "actor_rollout_ref.rollout.free_cache_engine", "", ENGINE.format("rollout engine"), refuse
+        "actor_rollout_ref.rollout.free_cache_engine",
+        "",
+        ENGINE.format("rollout engine"),
+        not_needed,
     ),
-    VerlKey("actor_rollout_ref.rollout.enforce_eager", "", ENGINE.format("rollout engine"), refuse),
-    VerlKey("actor_rollout_ref.rollout.load_format", "", ENGINE.format("rollout engine"), refuse),
     VerlKey(
-        "actor_rollout_ref.rollout.layered_summon", "", ENGINE.format("rollout engine"), refuse
+        "actor_rollout_ref.rollout.enforce_eager", "", ENGINE.format("rollout engine"), not_needed
+    ),
+    VerlKey(
+        "actor_rollout_ref.rollout.load_format", "", ENGINE.format("rollout engine"), not_needed
+    ),
+    VerlKey(
+        "actor_rollout_ref.rollout.layered_summon", "", ENGINE.format("rollout engine"), not_needed
     ),
     VerlKey(
         "actor_rollout_ref.rollout.sglang_rollout_mode",
         "",
         ENGINE.format("SGLang rollout"),
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.server.",
         "",
         ENGINE.format("SGLang server"),
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.over_sample_rate",
@@ -275,7 +285,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "",
         "not needed: each row's agent_name picks its loop (rows without one: "
         "agent.default_agent_loop)",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.multi_turn.tool_config_path",
@@ -334,7 +344,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.rollout.trace.token2text",
         "",
         "not needed: jarl's traces always hold the text",
-        refuse,
+        not_needed,
     ),
     VerlKey(
         "actor_rollout_ref.rollout.val_kwargs.n",

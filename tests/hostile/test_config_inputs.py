@@ -58,6 +58,22 @@ CONFIGS = {
     "top-level scalar": ("42\n", [], "holds a scalar at its top level"),
     "top-level null": ("~\n", [], "holds a scalar at its top level"),
     "two documents": ("a: 1\n---\nb: 2\n", [], "a second YAML document at line 2"),
+    # past Python's int-from-text limit (YAML's loader raised a bare ValueError)
+    "5000-digit override": (
+        None,
+        ["rollout.n=" + "9" * 5000],
+        "override rollout.n: a whole number of 5000 digits: too long",
+    ),
+    "5000-digit verl override": (
+        None,
+        ["actor_rollout_ref.rollout.n=-" + "9" * 5000],
+        "override actor_rollout_ref.rollout.n: a whole number of 5000 digits",
+    ),
+    "5000-digit value in a file": (
+        "rollout:\n  n: " + "9" * 5000 + "\n",
+        [],
+        "a whole number of 5000 digits at line 2: too long",
+    ),
     "duplicate key": ("model:\n  path: a\n  path: b\n", [], "found duplicate key path"),
     "binary garbage": (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xd8", [], "is not UTF-8 text: byte 0x89"),
     "latin-1": ("model:\n  path: caf\xe9\n".encode("latin-1"), [], "byte 0xe9 at offset 18"),
@@ -123,6 +139,15 @@ def test_a_terminal_sees_one_line_and_no_traceback(tmp_path: Path) -> None:
 BASE = {**TINY["qwen2"], "head_dim": 16}
 
 
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
 def _patched(**fields: object) -> str:
     return json.dumps({k: v for k, v in {**BASE, **fields}.items() if v is not None})
 
@@ -159,6 +184,35 @@ CHECKPOINTS = {
     "rope extra field": (
         _patched(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
         "fields ['partial_rotary_factor'] are not supported with rope_type 'default'",
+    ),
+    # junk RoPE scaling, named as config.json spells it (older checkpoints: rope_scaling)
+    "rope scaling of an unknown type": (
+        _patched(rope_scaling={"type": "dynamic", "factor": 2.0}),
+        "rope_scaling.rope_type='dynamic' is not supported (only 'default', 'llama3')",
+    ),
+    "rope scaling with a zero factor": (
+        _patched(rope_scaling={**LLAMA3, "factor": 0}),
+        "rope_scaling.factor=0: expected a finite number above 0",
+    ),
+    "rope scaling with a text factor": (
+        _patched(rope_scaling={**LLAMA3, "factor": "8"}),
+        "rope_scaling.factor='8': expected a finite number above 0",
+    ),
+    "rope scaling with a list type": (
+        _patched(rope_scaling={**LLAMA3, "rope_type": ["llama3"], "type": ["llama3"]}),
+        "rope_scaling.rope_type=['llama3'] is not supported",
+    ),
+    "rope scaling of two types": (
+        _patched(rope_scaling={**LLAMA3, "type": "linear"}),
+        "rope_scaling.rope_type='llama3' and rope_scaling.type='linear' disagree",
+    ),
+    "rope scaling beside other rope parameters": (
+        _patched(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling=LLAMA3),
+        "rope_parameters and rope_scaling disagree on ['factor', 'high_freq_factor'",
+    ),
+    "rope theta given twice": (
+        _patched(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        "rope_theta=500000.0 and rope_parameters.rope_theta=10000.0 disagree",
     ),
     "layer types a number": (_patched(layer_types=5), "layer_types=5: only a list of"),
     "model type a list": (_patched(model_type=["qwen2"]), "model_type=['qwen2'] is not supported"),

@@ -118,3 +118,22 @@ def test_python_tool(sandbox: PythonSandbox) -> None:
     assert ok.text == "42" and not ok.error
     bad = asyncio.run(t.execute(None, {"code": "raise ValueError('no')"}))
     assert bad.error and "ValueError: no" in bad.text
+
+
+def test_a_worker_outliving_its_event_loop_returns_to_the_pool() -> None:
+    """A call that gives up ends its event loop (``asyncio.run``) while its worker still runs
+    the code; the worker's thread gives it back when done, so the next loop's call runs."""
+    sb = PythonSandbox(size=1, limits=Limits(cpu_s=2, memory_mb=256, processes=16), timeout_s=5)
+
+    async def gives_up() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sb.run("import time; time.sleep(1); print(1)"), 0.2)
+
+    async def next_call() -> str:
+        return (await asyncio.wait_for(sb.run("print(2)"), 60)).stdout
+
+    try:
+        asyncio.run(gives_up())
+        assert asyncio.run(next_call()) == "2\n"
+    finally:
+        sb.close()

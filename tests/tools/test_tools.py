@@ -3,6 +3,7 @@ the calculator."""
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -315,3 +316,37 @@ def test_a_call_is_timed_from_when_it_gets_its_turn() -> None:
     )
     assert slow.error and slow.text == "error: desk timed out after 0.05s"  # once it runs
     assert desks.started == ["waits", "never opened"] and desks.pool.waiting == 0
+
+
+def test_a_pool_serves_calls_of_several_event_loops() -> None:
+    """A resource released on one thread goes to a call waiting on another thread's event loop
+    (a debug loop: a call from a foreign thread raises there), and one granted to a call whose
+    loop closed before it took it comes back to the pool."""
+    pool = FairPool(["w"])
+    held = asyncio.run(pool.acquire("a"))  # by a loop that has ended since
+    waiting = threading.Event()
+    got: list[str] = []
+
+    async def other_loop() -> None:
+        call = asyncio.ensure_future(pool.acquire("b"))
+        await until(lambda: pool.waiting == 1)
+        waiting.set()
+        got.append(await asyncio.wait_for(call, 60))
+        pool.release("b", got[-1])
+
+    other = threading.Thread(target=asyncio.run, args=(other_loop(),), kwargs={"debug": True})
+    other.start()
+    assert waiting.wait(60)
+    pool.release("a", held)  # from this thread, outside any loop
+    other.join(60)
+    assert got == ["w"]
+
+    # granted to a call whose loop closes before it runs again: the next call gets it
+    loop = asyncio.new_event_loop()
+    held = asyncio.run(pool.acquire("a"))
+    call = loop.create_task(pool.acquire("b"))
+    loop.run_until_complete(until(lambda: pool.waiting == 1))
+    pool.release("a", held)
+    loop.close()
+    assert asyncio.run(asyncio.wait_for(pool.acquire("c"), 10)) == "w"
+    del call  # (its closed loop never runs it again)

@@ -278,6 +278,107 @@ def test_every_problem_is_reported(files: Files, capsys: pytest.CaptureFixture[s
     )
 
 
+def test_engine_settings_a_backend_cannot_honour_are_refused(
+    files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine setting the backend does not read, set away from its default, is one line
+    naming the key and the backend; vLLM's block size takes its own sizes. The jetstream
+    backend reads them all."""
+    engine = ["rollout.steps_per_call=8", "rollout.prefill_chunk=64", "rollout.page_size=48"]
+    engine.append("rollout.batch_buckets=false")
+    argv = ["train", str(files.config), *engine]
+    assert main([*argv, "rollout.backend=vllm", "--dry-run"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    for line in [
+        "jarl: rollout.steps_per_call=8: the vllm backend cannot honour it (vLLM's scheduler "
+        "decides the decode steps between its calls); drop it",
+        "jarl: rollout.prefill_chunk=64: the vllm backend cannot honour it (vLLM's scheduler "
+        "sizes its prefill chunks (on CPU it prefills whole prompts)); drop it",
+        "jarl: rollout.batch_buckets=False: the vllm backend cannot honour it (vLLM batches "
+        "whatever requests are running; no setting makes its numbers independent of that); "
+        "drop it",
+        "jarl: rollout.page_size=48: the vllm backend's KV cache blocks (vLLM's block_size) "
+        "take 8, 16, 32, 64, 128",
+    ]:
+        assert line in lines  # (beside the missing vLLM interpreter's)
+    main([*argv, "rollout.backend=jetstream", "--dry-run"])
+    assert "honour" not in capsys.readouterr().err
+
+
+def test_a_harness_is_resolved_before_the_run(
+    files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """agent.harness is loaded as the run loads it: a function that does not exist, a module
+    that does not import, a function that is not async, or none for openai_agent rows is one
+    line, not a traceback once an episode starts."""
+    (tmp_path / "harness.py").write_text(
+        "async def drive(task):\n    return None\n\ndef plain(task):\n    return None\n"
+    )
+    rows = _write_jsonl(tmp_path / "agent.jsonl", [{**_row(0), "agent_name": "openai_agent"}])
+    argv = ["train", str(files.config), f"data.train={rows}", "data.reward=math"]
+    harness = tmp_path / "harness.py"
+    for setting, line in [
+        (f"{harness}:drvie", f"agent.harness='{harness}:drvie': {harness} has no function 'drvie'"),
+        (f"{harness}:plain", f"agent.harness='{harness}:plain' is not an async function"),
+        ("no_such_module:drive", "agent.harness='no_such_module:drive': cannot import module"),
+        ("", "data.train row 'toy-0' runs agent_name openai_agent, which needs agent.harness"),
+    ]:
+        assert main([*argv, f"agent.harness={setting}", "--dry-run"]) == 2
+        (got,) = capsys.readouterr().err.splitlines()
+        assert got.startswith(f"jarl: {line}"), got
+    assert main([*argv, f"agent.harness={harness}:drive", "--dry-run"]) == 0
+
+
+def test_every_row_names_an_interaction_of_the_yaml(
+    files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A row's extra_info.interaction_kwargs.name missing from the interaction YAML is one
+    line naming the row, the names the YAML has and how many rows the check read."""
+    (tmp_path / "tutor.py").write_text(
+        "class Tutor:\n    def __init__(self, config):\n        pass\n"
+        "    async def start_interaction(self, instance_id=None, **kw):\n        pass\n"
+        "    async def generate_response(self, instance_id, messages, **kw):\n"
+        "        return True, '', 0.0, {}\n"
+        "    async def finalize_interaction(self, instance_id=None, **kw):\n        pass\n"
+    )
+    (tmp_path / "interaction.yaml").write_text(
+        f"interaction:\n  - name: tutor\n    class_name: {tmp_path / 'tutor.py'}:Tutor\n"
+    )
+    named = [
+        {**_row(i), "extra_info": {"index": i, "interaction_kwargs": {"name": name}}}
+        for i, name in enumerate(["tutor", "tutor", "tutr"])
+    ]
+    rows = _write_jsonl(tmp_path / "rows.jsonl", named)
+    argv = ["train", str(files.config), f"data.train={rows}", "data.reward=math"]
+    argv.append(f"env.interaction_config={tmp_path / 'interaction.yaml'}")
+    assert main([*argv, "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "jarl: data.train: row toy-2: extra_info.interaction_kwargs.name is 'tutr'; configured "
+        "interactions: ['tutor'] (the check reads the first 16 rows of each file)\n"
+    )
+    _write_jsonl(rows, named[:2])
+    assert main([*argv, "--dry-run"]) == 0
+
+
+def test_sources_scored_by_the_math_fallback_are_noted(
+    files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows of a source no reward is chosen for (data.reward unset, no rewards_by_source
+    entry, no verl rule) are scored by the math fallback: the check says so, and the run goes
+    on; naming a reward for them silences it."""
+    assert main(["train", str(files.config), "--dry-run"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "# note:" in line]
+    assert notes == [
+        "# note: data sources ['toy'] (in the first 16 rows of the data files) have no reward "
+        "of their own and data.reward is unset: they are scored by the math fallback (the last "
+        "<answer> or \\boxed{} against the ground truth); set data.reward or "
+        "data.rewards_by_source to choose"
+    ]
+    for chosen in ("data.reward=math", "data.rewards_by_source.toy=gsm8k_lenient"):
+        assert main(["train", str(files.config), chosen, "--dry-run"]) == 0
+        assert "# note:" not in capsys.readouterr().err
+
+
 def test_shipped_configs_work_from_another_directory(
     files: Files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

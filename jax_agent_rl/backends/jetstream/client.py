@@ -20,15 +20,13 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
   checkpoint) and the server's control RPC swaps them in without compiling again; then the
   waiting requests go out stamped with the new version.
 
-A server that dies ends the requests in flight with finish reason ``abort`` (the agent loop
-marks those trajectories aborted; `JetStreamBackend.exited` says why), and later requests
-raise. `close` stops the server (it also exits when this process goes: it serves until its
-stdin closes).
+A server that dies ends the requests in flight with finish reason ``abort`` (`exited` says
+why), and later requests raise. `close` stops the server (it also exits when this process
+goes: it serves until its stdin closes).
 
 `pause` / `is_paused` / `resume` hold the backend at a state for tests (the conformance suite
-aborts a request it knows to be running, and one it knows to be waiting). JetStream's server
-cannot be paused, so the hold is on this client's side, which is where an abort takes effect
-here too: a held stream takes no further token (the server's go on waiting in its buffer).
+aborts a request it knows to be running, and one waiting), on this client's side (JetStream's
+server cannot pause), where aborts act too: a held stream takes no further token.
 """
 
 from __future__ import annotations
@@ -90,9 +88,10 @@ class JetStreamBackend:
 
     The server loads ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
     weights) as ``weight_version``; it decodes ``slots`` sequences together, ``steps`` tokens
-    per engine call, on ``devices`` of its local devices. ``chips`` (``rollout.jetstream.chips``,
-    "4,5,6,7"): the host's TPU chips it opens instead, all of them its devices (on CPU, as many
-    CPU devices); `placement` is then what the server reports of its own environment.
+    per engine call, on ``devices`` of its local devices, its pool the embedded engine's
+    (``page_size``, ``kv_cache_gib``, ``prefill_chunk``; `engine`: what it built). ``chips``
+    (``rollout.jetstream.chips``, "4,5,6,7"): the host's TPU chips it opens instead, all its
+    devices (on CPU, as many CPU devices); `placement`: what the server reports of them.
     """
 
     def __init__(
@@ -106,6 +105,9 @@ class JetStreamBackend:
         max_model_len: int,
         slots: int,
         steps: int = 4,
+        page_size: int = 32,
+        kv_cache_gib: float = 0.0,
+        prefill_chunk: int = 512,
         devices: int = 1,
         chips: str = "",
         dtype: str = "float32",
@@ -159,6 +161,9 @@ class JetStreamBackend:
             max_len=max_model_len,
             slots=slots,
             steps=steps,
+            page_size=page_size,
+            kv_cache_gib=kv_cache_gib,
+            prefill_chunk=prefill_chunk,
             devices=devices,
             temperature=sampling.temperature,
             top_k=sampling.top_k,
@@ -191,6 +196,7 @@ class JetStreamBackend:
             # the server's devices, and its TPU chip variables as its own process sees them
             self.devices: int = ready["devices"]
             self.placement: dict[str, str] = ready["placement"]
+            self.engine: dict[str, int] = ready["engine"]  # page_size, num_pages, ...
             self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
             self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
             self._load = self._channel.unary_unary("/jarl.Control/Load")
@@ -474,6 +480,9 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         max_model_len=r.max_model_len,
         slots=r.max_concurrent,
         steps=r.steps_per_call,
+        page_size=r.page_size,
+        kv_cache_gib=r.kv_cache_gib,
+        prefill_chunk=r.prefill_chunk,
         chips=r.jetstream.chips,
         dtype=spec.dtype,
         weight_version=spec.version,

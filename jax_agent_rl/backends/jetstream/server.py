@@ -9,9 +9,11 @@ server was started with (in its environment, which only its own user can read): 
 open to every local user, and a stranger's ``Load`` would swap the policy being trained.
 
 Its ``main`` is `jax_agent_rl.backends.worker`'s. Its handshake is one JSON line on its stdout
-once serving, ``{"port", "vocab_size", "max_len", "devices", "placement"}`` (``devices``: how
-many its JAX backend opened; ``placement``: the TPU chip variables of its own environment, see
-`jax_agent_rl.backends.jetstream.chips`), or ``{"error"}`` and it exits, and it
+once serving, ``{"port", "vocab_size", "max_len", "devices", "placement", "engine"}``
+(``devices``: how many its JAX backend opened; ``placement``: the TPU chip variables of its
+own environment, see `jax_agent_rl.backends.jetstream.chips`; ``engine``: its engine's
+``page_size``, ``num_pages``, ``prefill_chunk`` and ``steps_per_call``, as built from the
+rollout settings), or ``{"error"}`` and it exits, and it
 serves until its stdin closes: the client is gone, so is the server. Everything else it prints
 (JetStream logs to stdout) goes to stderr.
 
@@ -84,7 +86,13 @@ def _adapter(config: dict[str, Any]) -> Any:
         LiveParams,
         max_prefill_length,
     )
-    from jax_agent_rl.engine import Engine, SamplingParams
+    from jax_agent_rl.engine import (
+        Engine,
+        SamplingParams,
+        cache_dtype,
+        compile_platform,
+        pool_pages,
+    )
     from jax_agent_rl.models import Sharder, load_hf, make_mesh
 
     devices = jax.local_devices()[: config.get("devices", 1)]
@@ -95,9 +103,19 @@ def _adapter(config: dict[str, Any]) -> Any:
         else Sharder(make_mesh(len(devices) // tensor, 1, tensor, devices=devices))
     )
     model, weights = load_hf(config["checkpoint"], config["dtype"])
-    max_len = config["max_len"]
+    max_len, slots, page_size = config["max_len"], config["slots"], config["page_size"]
     max_prefill_length(max_len)  # raises now, not in JetStream's thread (which kills us)
-    engine = Engine(model, max_concurrent_decodes=config["slots"], max_len=max_len, sharder=sharder)
+    # the pool as the embedded engine sizes it, in the dtype it holds on this platform
+    width = jax.numpy.dtype(cache_dtype(model, compile_platform(sharder))).itemsize
+    engine = Engine(
+        model,
+        max_concurrent_decodes=slots,
+        max_len=max_len,
+        page_size=page_size,
+        num_pages=pool_pages(model, page_size, width, config["kv_cache_gib"], slots, max_len),
+        prefill_chunk=config["prefill_chunk"],
+        sharder=sharder,
+    )
     if len(config["stop_ids"]) > engine.max_stop_ids:
         raise ValueError(
             f"{len(config['stop_ids'])} stop ids; the engine's slots hold {engine.max_stop_ids}"
@@ -193,7 +211,15 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
     await server.start()
     placement = {k: os.environ[k] for k in TPU_ENV_KEYS if k in os.environ}
     ready = {"port": port, "vocab_size": vocab_size, "max_len": max_len}
-    channel.ready(ready | {"devices": jax.local_device_count(), "placement": placement})
+    layout = {
+        "page_size": engine.page_size,
+        "num_pages": engine.num_pages,
+        "prefill_chunk": engine.prefill_chunk,
+        "steps_per_call": adapter.steps,
+    }
+    channel.ready(
+        ready | {"devices": jax.local_device_count(), "placement": placement, "engine": layout}
+    )
     try:  # serve until the client closes our stdin (or dies)
         await asyncio.to_thread(sys.stdin.buffer.read)
     finally:

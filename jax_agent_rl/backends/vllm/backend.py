@@ -140,7 +140,8 @@ class VLLMBackend:
     The engines load ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
     weights, which may have moved on from the checkpoint) as ``weight_version``. Engine ``i``
     sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``). Its KV cache is ``kv_cache_bytes``
-    when given, else vLLM sizes it from ``gpu_memory_utilization`` (on CPU: the share of the
+    in blocks of ``block_size`` positions (None: vLLM's default) when given, else vLLM sizes it
+    from ``gpu_memory_utilization`` (on CPU: the share of the
     machine's RAM, so it fails when other processes hold that memory; tests give a size).
     ``pausable`` serves the test hook `pause` (it turns vLLM's asynchronous scheduling off).
     """
@@ -161,6 +162,7 @@ class VLLMBackend:
         seed: int = 0,
         gpu_memory_utilization: float = 0.1,
         kv_cache_bytes: int | None = None,
+        block_size: int | None = None,
         startup_timeout_s: float = 900.0,
         session_cache_size: int = SESSION_MEMORY,
         pausable: bool = False,
@@ -196,6 +198,7 @@ class VLLMBackend:
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
             pausable=pausable,
         )
         self._engines: list[_Engine] = []
@@ -432,7 +435,8 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         python=r.vllm.python or DEFAULT_PYTHON,
         replicas=r.vllm.replicas,
         devices=[d for d in r.vllm.devices.split(",") if d],
-        kv_cache_bytes=r.vllm.kv_cache_mb * 2**20 or None,
+        kv_cache_bytes=kv_cache_bytes(r, spec.model, spec.dtype),
+        block_size=r.page_size,
         max_model_len=r.max_model_len,
         max_num_seqs=r.max_concurrent,
         dtype=spec.dtype,
@@ -441,10 +445,46 @@ def _build(spec: BackendBuild) -> VLLMBackend:
     )
 
 
+def kv_cache_bytes(rollout: RolloutSection, model: ModelConfig, dtype: str) -> int:
+    """Each replica's KV cache, as the embedded engine sizes its pool: ``rollout.kv_cache_gib``
+    in blocks of ``rollout.page_size``, or (0) the blocks ``rollout.max_concurrent`` sequences
+    of ``rollout.max_model_len`` need. vLLM's cache holds ``model``'s ``dtype``."""
+    import jax.numpy as jnp
+
+    from jax_agent_rl.engine import page_bytes, pool_pages
+
+    r = rollout
+    width = jnp.dtype(dtype).itemsize
+    pages = pool_pages(model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len)
+    return pages * page_bytes(model, r.page_size, width)
+
+
+# the block sizes vLLM's KV cache takes (its CacheConfig.block_size)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
 def _check(rollout: RolloutSection, processes: int) -> list[str]:
     del processes  # every process starts its own engines
-    return interpreter_problems("vllm.python", rollout.vllm.python, DEFAULT_PYTHON, "vLLM", "vllm")
+    problems = interpreter_problems(
+        "vllm.python", rollout.vllm.python, DEFAULT_PYTHON, "vLLM", "vllm"
+    )
+    if rollout.page_size not in BLOCK_SIZES:
+        problems.append(
+            f"rollout.page_size={rollout.page_size}: the vllm backend's KV cache blocks (vLLM's "
+            f"block_size) take {', '.join(map(str, BLOCK_SIZES))}"
+        )
+    return problems
 
 
 # `rollout.backend=vllm`, found through the entry point in pyproject.toml
-FACTORY = BackendFactory(build=_build, check=_check)
+FACTORY = BackendFactory(
+    build=_build,
+    check=_check,
+    unread={
+        "steps_per_call": "vLLM's scheduler decides the decode steps between its calls",
+        "prefill_chunk": "vLLM's scheduler sizes its prefill chunks (on CPU it prefills "
+        "whole prompts)",
+        "batch_buckets": "vLLM batches whatever requests are running; no setting makes its "
+        "numbers independent of that",
+    },
+)

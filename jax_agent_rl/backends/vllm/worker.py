@@ -277,6 +277,7 @@ def _engine(config: dict[str, Any]) -> Any:
         max_num_batched_tokens=budget if cpu else None,
         gpu_memory_utilization=config["gpu_memory_utilization"],
         kv_cache_memory_bytes=config["kv_cache_bytes"],  # None: sized from the utilization
+        block_size=config["block_size"],  # None: vLLM's default
         logprobs_mode="processed_logprobs",
         max_logprobs=-1,  # greedy requests with filters ask for the whole distribution
         worker_extension_cls=f"{_MODULE}.WeightLoader",

@@ -244,12 +244,39 @@ def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
 # ------------------------------------------------- races and limits (each once a found defect)
 
 
+# the shared server's engine settings, none of them the default (rollout.page_size, ...)
+PAGE_SIZE, POOL_PAGES, PREFILL_CHUNK, STEPS = 16, SLOTS * MAX_LEN // 16 + 3, 32, 3
+
+
 @pytest.fixture(scope="module")
 def shared(checkpoint: Path) -> Iterator[JetStreamBackend]:
-    backend = _server(checkpoint)
+    cfg = ModelConfig.from_pretrained(checkpoint)
+    # a page: keys and values of every layer, 16 positions, float32 (the CPU pool's dtype)
+    page = 2 * cfg.num_layers * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 4
+    backend = _server(
+        checkpoint,
+        page_size=PAGE_SIZE,
+        kv_cache_gib=POOL_PAGES * page / 2**30,
+        prefill_chunk=PREFILL_CHUNK,
+        steps=STEPS,
+    )
     yield backend
     asyncio.run(backend.close())
     assert group_gone(backend.proc.pid)
+
+
+def test_the_server_builds_its_engine_from_the_rollout_settings(shared: JetStreamBackend) -> None:
+    """rollout.page_size, kv_cache_gib, prefill_chunk and steps_per_call reach the server's
+    engine, as it reports from its own process; a 110-token prompt (4 chunks of 32) is served."""
+    assert shared.engine == {
+        "page_size": PAGE_SIZE,
+        "num_pages": POOL_PAGES,
+        "prefill_chunk": PREFILL_CHUNK,
+        "steps_per_call": STEPS,
+    }
+    prompt = _prompts()[-1]
+    done = asyncio.run(shared.generate(GenerateRequest("long", prompt, SamplingParams(8, 0.0))))
+    assert len(done.token_ids) == 8 and done.finish_reason == "length"
 
 
 def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> None:

@@ -130,3 +130,19 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
             startup_timeout_s=600,
         )
     assert "safetensors" in str(error.value).lower()
+
+
+def test_the_rollout_settings_map_to_vllms_cache() -> None:
+    """rollout.kv_cache_gib sizes each replica's KV cache (vLLM's kv_cache_memory_bytes) in
+    blocks of rollout.page_size (its block_size), as the embedded engine sizes its pool: 0 is
+    enough for max_concurrent sequences of max_model_len."""
+    from jax_agent_rl.backends.vllm.backend import kv_cache_bytes
+    from jax_agent_rl.config import RolloutSection
+
+    cfg = ModelConfig.from_hf(TINY_QWEN2)
+    # a block: keys and values of every layer, 16 positions, 2 bytes (bfloat16)
+    block = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2
+    dense = RolloutSection(page_size=16, max_concurrent=8, max_model_len=100)
+    assert kv_cache_bytes(dense, cfg, "bfloat16") == 8 * 7 * block  # 7 blocks hold 100
+    sized = RolloutSection(page_size=16, kv_cache_gib=0.001)
+    assert kv_cache_bytes(sized, cfg, "bfloat16") == (2**30 // 1000 // block) * block
