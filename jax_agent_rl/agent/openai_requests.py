@@ -59,6 +59,8 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
+        if not isinstance(m.get("tool_call_id", ""), str | None):
+            raise HarnessError(f"message {i}'s tool_call_id must be a string")
         message_text(m)
     tools = body.get("tools")
     if tools is not None and not (
