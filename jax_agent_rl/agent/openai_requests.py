@@ -61,7 +61,10 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
         if not isinstance(m.get("tool_call_id", ""), str | None):
             raise HarnessError(f"message {i}'s tool_call_id must be a string")
-        message_text(m)
+        try:  # (JSON's "\ud800" escape gives one: no tokenizer takes it)
+            message_text(m).encode("utf-8")
+        except UnicodeEncodeError:
+            raise HarnessError(f"message {i}'s content holds a lone surrogate: not text") from None
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)

@@ -414,6 +414,27 @@ def test_a_tool_call_id_that_is_not_a_string_ends_its_episode_as_a_harness_error
     assert session.finish() == "harness_error"
 
 
+@CHATML
+def test_a_message_holding_a_lone_surrogate_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any],
+) -> None:
+    """JSON's ``"\\ud800"`` is a string no tokenizer takes: 400, harness_error (before: the
+    tokenizer's TypeError, a 500)."""
+
+    async def go() -> tuple[Session, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "surrogate")
+        body = b'{"messages": [{"role": "user", "content": "What is \\ud800?"}]}'
+        async with serve({"surrogate": session}) as base_url:
+            answer = await _post(_port(base_url), "surrogate", body)
+        await ctx.backend.close()
+        return session, answer
+
+    session, answer = asyncio.run(go())
+    assert _status(answer) == 400 and b"lone surrogate" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
 class Gated:
     """The real backend, whose ``n``-th request waits (``entered`` set) until cancelled."""
 
