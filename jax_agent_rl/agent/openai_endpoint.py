@@ -13,7 +13,9 @@ re-tokenized where the model wrote them:
   add messages: after a turn with tool calls, the ``tool`` messages answering each call (by
   ``tool_call_id``); after a turn without calls, ``user`` messages. Those become the template
   delta after the model's sampled tokens (mask 0: `record_results`, `TurnBuilder`), exactly as
-  in `run_tool_agent`.
+  in `run_tool_agent`; like an environment's messages, the user messages are cut to
+  ``agent.max_observation_chars`` before they are tokenized (`env_observation`), so that a
+  harness passing on huge text (a command's output) cannot hold the event loop.
 - Then one model turn, sampled as the tool loop samples it (`model_turn`: the same budgets,
   stop ids and per-request seeds), read by the context's parser (`read_turn`) and answered as
   an OpenAI ``chat.completion``: ``content`` is the model's whole text, its well-formed calls
@@ -33,7 +35,9 @@ reason ``harness_error`` (not trainable, counted as ``stop/harness_error``); oth
 on. Error messages name what differs, never quoting a turn. A request naming no open session
 is answered 401 from its headers: its body is never read and no session is touched. Once an
 episode has ended (a budget, ``harness_error``), further requests are answered 409 and change
-nothing.
+nothing, and `HarnessTask.run_tool` raises. A request the backend fails is answered 500 and
+ends the episode with ``agent_error`` (as in the tool loop); one still in progress when the
+harness returns ends it with ``harness_error``.
 
 The harness: ``agent.harness`` names an async function taking a `HarnessTask` (the base URL,
 the session's API key, the sample's messages and the tools' schemas); ``openai_agent`` serves
@@ -51,6 +55,7 @@ added to ``error``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -73,6 +78,7 @@ from jax_agent_rl.agent.loop import (
     record_results,
     run_episode,
 )
+from jax_agent_rl.agent.observations import env_observation
 from jax_agent_rl.agent.openai_requests import (
     MAX_TOOLS_BYTES,
     PARTS,
@@ -130,6 +136,7 @@ class Session:
         if self.busy:
             self.fail("a second request while one of this session is in progress")
         self.busy = True
+        raw = None
         try:
             try:
                 raw = await request.body()
@@ -142,6 +149,15 @@ class Session:
             return await self._complete(body)
         except HarnessError as e:
             self.fail(str(e), e.status)
+        except Exception:  # the backend's: the turn stopped anywhere, so the episode ends here
+            self.stop = self.stop or "agent_error"
+            self.traj.add_error(f"endpoint error:\n{traceback.format_exc()}")
+            raise
+        except asyncio.CancelledError:  # closed by the server, past the shutdown's grace: once
+            if raw is not None and self.stop is None:  # its body was taken, the turn is cut
+                self.stop = "harness_error"
+                self.traj.add_error("harness error: it returned while its request was in progress")
+            raise
         finally:
             self.busy = False
 
@@ -242,7 +258,8 @@ class Session:
                 "after a reply without tool calls only user messages may follow, got "
                 f"{[m['role'] for m in new]}"
             )
-        messages = [{"role": "user", "content": message_text(m)} for m in new]
+        said = [{"role": "user", "content": message_text(m)} for m in new]
+        messages = env_observation(said, self.ctx.config.max_observation_chars, self.traj)
         builder = self.ctx.builder
         ids = builder.close_assistant_turn(self.text_turn) + builder.messages_delta(messages)
         self.text_turn = None
@@ -303,7 +320,10 @@ class Session:
 
     async def run_tool(self, tool_call: dict[str, Any]) -> str:
         """Runs one of the returned ``tool_calls`` through the run's tools (as the loop runs
-        it); its result, reward and flags are used when the tool message answering it comes."""
+        it); its result, reward and flags are used when the tool message answering it comes.
+        Raises `EpisodeEndedError` once the episode has ended (the harness has returned)."""
+        if self.stop is not None:
+            raise EpisodeEndedError(f"this session's episode has ended ({self.stop})")
         function = tool_call["function"]
         call = ParsedCall(function["name"], json.loads(function["arguments"]))
         result = await call_tool(self.ctx, self.traj, call, self.create_kwargs)
@@ -311,15 +331,14 @@ class Session:
         return result.text
 
     def finish(self) -> StopReason:
-        """How the episode ended, once the harness has returned."""
-        if self.stop is not None:
-            return self.stop
-        if self.conversation is None:
-            self.fail("the harness never called the endpoint")
-        if self.pending is not None:  # the harness ended on its tools' results
-            return "tool_done"
-        assert self.text_turn is not None  # else the model's last turn ended the episode
-        return "eos"
+        """How the episode ended, once the harness has returned (it has then ended)."""
+        if self.stop is None:
+            if self.conversation is None:
+                self.fail("the harness never called the endpoint")
+            # the harness ended on its tools' results, or on the model's turn without calls
+            assert self.pending is not None or self.text_turn is not None
+            self.stop = "tool_done" if self.pending is not None else "eos"
+        return self.stop
 
 
 def _tool_call(call: ParsedCall, call_id: str) -> dict[str, Any]:
@@ -369,9 +388,9 @@ def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Respo
             return _error(e.status, message, "harness_error")
         except EpisodeEndedError as e:
             return _error(409, str(e), "episode_ended")
-        except Exception as e:  # the backend's or a tool's: kept, and the harness is told
-            session.traj.add_error(f"endpoint error:\n{traceback.format_exc()}")
-            return _error(500, f"the endpoint failed: {type(e).__name__}", "server_error")
+        except Exception as e:  # the backend's: kept in the trajectory, which ended
+            message = f"the endpoint failed: {type(e).__name__}; this session's episode has ended"
+            return _error(500, message, "server_error")
 
     return handle
 

@@ -59,7 +59,12 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
-        message_text(m)
+        if not isinstance(m.get("tool_call_id", ""), str | None):
+            raise HarnessError(f"message {i}'s tool_call_id must be a string")
+        try:  # (JSON's "\ud800" escape gives one: no tokenizer takes it)
+            message_text(m).encode("utf-8")
+        except UnicodeEncodeError:
+            raise HarnessError(f"message {i}'s content holds a lone surrogate: not text") from None
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)

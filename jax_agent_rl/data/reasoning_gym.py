@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from jax_agent_rl.data.sample import DatasetError, Sample
+from jax_agent_rl.rewards.math import tagged
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"
@@ -112,8 +113,6 @@ def _scorer(task: str) -> Callable[[str | None, dict[str, Any]], float]:
 
 def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:
     """The reasoning-gym score of a response (see the module docstring)."""
-    from reasoning_gym.utils import extract_answer
-
     del ground_truth  # the entry holds it, with the metadata the task's scorer reads
     entry = extra_info.get("reasoning_gym")
     if not isinstance(entry, dict):
@@ -122,5 +121,7 @@ def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, 
             "scored by the reasoning_gym reward come from data.train=reasoning_gym:<task>?...)"
         )
     task = entry.get("metadata", {}).get("source_dataset") or data_source[len(SOURCE_PREFIX) :]
-    answer = extract_answer(text)
-    return float(_scorer(task)(answer, entry)) if answer is not None else 0.0
+    # reasoning-gym's extract_answer (the last block, stripped), without its regex's time
+    # quadratic in the response (`tagged`)
+    answers = tagged(text)
+    return float(_scorer(task)(answers[-1].strip(), entry)) if answers else 0.0

@@ -21,19 +21,22 @@ from typing import Literal
 
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvStep
+from jax_agent_rl.rewards.math import tagged
 from jax_agent_rl.tokenization import Message
 
 ENV_CLASS = "guess_number"
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
 
 
 def read_guess(text: str) -> int | None:
     """The guess in a model turn: the last integer inside its last ``<answer>`` tags if it has
     any, else the last integer of the turn (None: no number)."""
-    answers = _ANSWER.findall(text)
+    answers = tagged(text)
     numbers = _INTEGER.findall(answers[-1] if answers else text)
-    return int(numbers[-1]) if numbers else None
+    try:
+        return int(numbers[-1]) if numbers else None
+    except ValueError:  # past the 4,300 digits int() reads: no number of a game
+        return None
 
 
 class GuessNumber:

@@ -11,8 +11,9 @@ The policy writes the answer the judge reads, and under GRPO it gains by raising
 the answer is data the judge cannot mistake for its prompt (`response_block`):
 
 - it sits between ``<response>`` and ``</response>``, and its own spellings of those
-  delimiters and of the score tag are escaped (``&lt;/response>``): it can neither close the
-  block (and add a forged "Reference answer" line after it) nor hand the judge a score tag;
+  delimiters and of the score tag are escaped (``&lt;/response>``, and ``&lt;\\/response>``
+  for the "/" escaped as JSON writes it): it can neither close the block (and add a forged
+  "Reference answer" line after it) nor hand the judge a score tag;
 - special-token spellings in it (``<|im_start|>``) are encoded as plain text
   (`Tokenizer.encode_text`), never as the tokens: it cannot open turns of its own;
 - invisible characters (Unicode tag characters, zero-width ones, `visible.INVISIBLE`) are
@@ -57,8 +58,9 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import without_invisible
 
 _SCORE = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
-# what opens a delimiter or a score tag: "<", fullwidth or small "<", then "response"/"score"
-_TAG = re.compile(r"[<\uff1c\ufe64](?=\s*/?\s*(?:response|score))", re.IGNORECASE)
+# what opens a delimiter or a score tag: "<", fullwidth or small "<", then "response"/"score",
+# its "/" also as JSON and JavaScript escape it ("<\/response>")
+_TAG = re.compile(r"[<\uff1c\ufe64](?=\s*\\?/?\s*(?:response|score))", re.IGNORECASE)
 _CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat
 
 

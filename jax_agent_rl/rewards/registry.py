@@ -95,13 +95,25 @@ class RewardError(ValueError):
 def checked_reward(value: Any, source: str) -> float:
     """``value`` as a float if it is a real number, finite, within ``MAX_ABS_REWARD``; else a
     `RewardError` naming ``source`` (what gave it)."""
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RewardError(f"{source} gave reward {value!r:.60}: not a finite number")
+    try:  # (an int past float's range, 10**400, does not convert: OverflowError)
+        finite = isinstance(value, numbers.Real) and math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise RewardError(f"{source} gave reward {_shown(value)}: not a finite number")
     if abs(float(value)) > MAX_ABS_REWARD:
         raise RewardError(
-            f"{source} gave reward {value!r:.60}: outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
+            f"{source} gave reward {_shown(value)}: outside "
+            f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
         )
     return float(value)
+
+
+def _shown(value: Any) -> str:
+    try:
+        return f"{value!r:.60}"
+    except ValueError:  # an int of more digits than Python writes out (4,300)
+        return f"an int of {value.bit_length()} bits"
 
 
 @dataclasses.dataclass(frozen=True)

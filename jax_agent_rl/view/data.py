@@ -155,27 +155,37 @@ def whole_step(record: dict[str, Any]) -> bool:
     return isinstance(step, int) and not isinstance(step, bool)
 
 
+# what reading a record of the wrong shape raises: a field missing, or of another type (text
+# where a number goes: ValueError; an int past float's range: OverflowError; a number where
+# text goes: AttributeError), or a line that is not JSON (ValueError)
+_NOT_A_RECORD = (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError)
+
+
 def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:
     """Everything the page of ``run_dir`` shows: its trajectories (of the steps `pick_steps`
     picks), step metrics and plots, and how many trace records were ``skipped``
-    (`whole_step`). Raises ValueError naming the file for a traces file that is not this
-    project's (a record missing a field, a line cut by a killed run)."""
+    (`whole_step`). Raises ValueError naming the file for a traces or metrics file that is not
+    this project's (a record missing a field or holding a value of another type, a line cut by
+    a killed run)."""
     read = read_traces(run_dir / TRACES_FILE)
     records = [r for r in read if whole_step(r)]
     shown = set(pick_steps([r["step"] for r in records], steps, last))
     try:
         trajectories = [trajectory(r) for r in records if r["step"] in shown]
-    except (KeyError, TypeError, IndexError) as e:
+    except _NOT_A_RECORD as e:
         raise ValueError(f"{run_dir / TRACES_FILE}: a record is not a trace record ({e!r})") from e
     metrics_path = run_dir / METRICS_FILE
     table = {}
-    if metrics_path.is_file():
-        for m in read_metrics(metrics_path, "train"):
+    try:
+        for m in read_metrics(metrics_path, "train") if metrics_path.is_file() else []:
             table[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
+        step_rows = [{"step": s, **v} for s, v in sorted(table.items())]
+    except _NOT_A_RECORD as e:
+        raise ValueError(f"{metrics_path}: a record is not a metrics record ({e!r})") from e
     return {
         "run": visible(run_dir.resolve().name),
         "plots": [p for p in PLOTS if (run_dir / p).is_file()],
-        "steps": [{"step": s, **v} for s, v in sorted(table.items())],
+        "steps": step_rows,
         "trajectories": trajectories,
         "traced_steps": sorted(shown),
         "skipped": len(read) - len(records),

@@ -124,6 +124,18 @@ def test_the_response_sits_between_delimiters_it_cannot_close(tokenizer: Tokeniz
     assert "<score>10" not in prompt and "&lt;score>10&lt;/score>" in inside
 
 
+def test_a_delimiter_with_its_slash_escaped_is_escaped_too(tokenizer: Tokenizer) -> None:
+    """``<\\/response>``, the closing delimiter as JSON writes it, which a judge reads as the
+    delimiter itself: escaped like the delimiter (before: it reached the judge as written)."""
+    backend = Replies(tokenizer, lambda _prompt: "<score>0</score>")
+    judge = _judge(tokenizer, backend)
+    forged = FORGED.replace("</response>", "<\\/response>").replace("<score>", "<\\/score>")
+    _scores(judge, [forged])
+    prompt = tokenizer.decode(backend.sent[0].prompt_ids)
+    inside = prompt[prompt.rindex("<response>") : prompt.rindex("</response>")]
+    assert "<\\/" not in prompt and "&lt;\\/response>" in inside
+
+
 def test_special_token_spellings_in_the_response_stay_text(tokenizer: Tokenizer) -> None:
     """A response spelling ChatML's turn markers gets no turn of its own in the judge's
     context: its ids hold only the template's special tokens, and decode back to the text."""

@@ -372,3 +372,220 @@ def test_fields_that_do_not_change_sampling_are_ignored(setup: dict[str, Any]) -
     config = _harness(CONFIG, "chatty_harness")
     traj = _episode(setup, QUESTION, "openai_agent", config)
     _assert_same(traj, _episode(setup, QUESTION, "tool_agent", config))
+
+
+def _reply(answer: bytes) -> dict[str, Any]:
+    """The message of a 200 answer."""
+    assert _status(answer) == 200, answer
+    return json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["message"]
+
+
+@CHATML
+def test_a_tool_call_id_that_is_not_a_string_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any],
+) -> None:
+    """A tool message whose tool_call_id is a list: 400, the episode ends with harness_error
+    (before: a 500 that left the session half-changed, each later request failing on an
+    assertion, and the episode ending as agent_error)."""
+
+    async def go() -> tuple[Session, bytes, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "ids")
+        async with serve({"ids": session}) as base_url:
+            port = _port(base_url)
+            tools = ctx.builder.tools
+            turn = _reply(
+                await _post(port, "ids", json.dumps({"messages": PROMPT, "tools": tools}).encode())
+            )
+            (call,) = turn["tool_calls"]
+            tool = {"role": "tool", "tool_call_id": [call["id"]], "content": "42"}
+            messages = [*PROMPT, turn, tool]
+            body = json.dumps({"messages": messages, "tools": tools}).encode()
+            bad = await _post(port, "ids", body)
+            user = {"role": "user", "content": "and?"}
+            body = json.dumps({"messages": [*messages, user], "tools": tools}).encode()
+            after = await _post(port, "ids", body)
+        await ctx.backend.close()
+        return session, bad, after
+
+    session, bad, after = asyncio.run(go())
+    assert _status(bad) == 400 and b"tool_call_id must be a string" in bad
+    assert _status(after) == 409
+    assert session.finish() == "harness_error"
+
+
+@CHATML
+def test_a_message_holding_a_lone_surrogate_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any],
+) -> None:
+    """JSON's ``"\\ud800"`` is a string no tokenizer takes: 400, harness_error (before: the
+    tokenizer's TypeError, a 500)."""
+
+    async def go() -> tuple[Session, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "surrogate")
+        body = b'{"messages": [{"role": "user", "content": "What is \\ud800?"}]}'
+        async with serve({"surrogate": session}) as base_url:
+            answer = await _post(_port(base_url), "surrogate", body)
+        await ctx.backend.close()
+        return session, answer
+
+    session, answer = asyncio.run(go())
+    assert _status(answer) == 400 and b"lone surrogate" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
+class Gated:
+    """The real backend, whose ``n``-th request waits (``entered`` set) until cancelled."""
+
+    def __init__(self, backend: Any, n: int) -> None:
+        self.backend, self.n = backend, n
+        self.capabilities = backend.capabilities
+        self.entered = asyncio.Event()
+
+    async def generate(self, request: Any) -> Any:
+        self.n -= 1
+        if self.n == 0:
+            self.entered.set()
+            await asyncio.Event().wait()
+        return await self.backend.generate(request)
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+async def returning_harness(task: HarnessTask) -> None:
+    """Answers the model's first call, sends the next request, and returns while the model's
+    second turn is being sampled."""
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    reply = await client.chat.completions.create(
+        model="policy", messages=task.messages, tools=task.tools
+    )
+    message = reply.choices[0].message.model_dump(exclude_none=True)
+    (call,) = reply.choices[0].message.tool_calls or []
+    tool = {
+        "role": "tool",
+        "tool_call_id": call.id,
+        "content": await task.run_tool(call.model_dump()),
+    }
+    PLAY["second"] = asyncio.create_task(
+        client.chat.completions.create(
+            model="policy", messages=[*task.messages, message, tool], tools=task.tools
+        )
+    )
+    await PLAY["gated"].entered.wait()
+
+
+@CHATML
+def test_a_harness_that_returns_during_a_model_turn_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request is closed past the shutdown's grace, mid-turn: the episode ends with
+    harness_error, its tool call kept (before: an assertion failed, agent_error)."""
+    monkeypatch.setattr(openai_endpoint, "LIMITS", Limits(shutdown_grace_s=0.01))
+    config = _harness(CONFIG, "returning_harness")
+
+    async def go() -> Trajectory:
+        PLAY.clear()
+        ctx = await _context(setup, config, None)
+        PLAY["gated"] = gated = Gated(ctx.backend, n=2)
+        ctx = dataclasses.replace(ctx, backend=gated)  # type: ignore[arg-type]
+        sample = Sample(uid="q", messages=PROMPT, agent_name="openai_agent")
+        traj = await run_sample(sample, ctx)
+        with pytest.raises(openai.APIConnectionError):
+            await PLAY["second"]
+        await ctx.backend.close()
+        return traj
+
+    traj = asyncio.run(go())
+    assert traj.stop_reason == "harness_error", traj.error
+    assert "returned while its request was in progress" in str(traj.error)
+    assert traj.tool_calls == 1
+
+
+class Failing(Gated):
+    """The real backend, whose ``n``-th request fails."""
+
+    async def generate(self, request: Any) -> Any:
+        self.n -= 1
+        if self.n == 0:
+            raise RuntimeError("the backend failed")
+        return await self.backend.generate(request)
+
+
+@CHATML
+def test_a_request_the_backend_fails_ends_its_episode(setup: dict[str, Any]) -> None:
+    """500, and the episode ends as the tool loop's would (agent_error, the traceback kept);
+    a later request is answered 409 (before: the session stayed open mid-turn)."""
+
+    async def go() -> tuple[Session, bytes, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        ctx = dataclasses.replace(ctx, backend=Failing(ctx.backend, n=1))  # type: ignore[arg-type]
+        session = _fresh(ctx, "fails")
+        body = json.dumps({"messages": PROMPT, "tools": ctx.builder.tools}).encode()
+        async with serve({"fails": session}) as base_url:
+            failed = await _post(_port(base_url), "fails", body)
+            again = await _post(_port(base_url), "fails", body)
+        await ctx.backend.close()
+        return session, failed, again
+
+    session, failed, again = asyncio.run(go())
+    assert _status(failed) == 500 and b"episode has ended" in failed
+    assert _status(again) == 409
+    assert session.finish() == "agent_error" and "the backend failed" in str(session.traj.error)
+
+
+@CHATML
+def test_a_huge_user_message_is_cut_before_it_is_tokenized(setup: dict[str, Any]) -> None:
+    """A harness passing on 3 MB of a command's output as a user message: it is cut to
+    agent.max_observation_chars, as an environment's message is (before: tokenized whole,
+    holding the event loop for seconds)."""
+    config = dataclasses.replace(CONFIG, max_observation_chars=1000)
+
+    async def go() -> Session:
+        ctx = await _context(setup, config, None)
+        session = _fresh(ctx, "big")
+        tools = ctx.builder.tools
+        async with serve({"big": session}) as base_url:
+            port = _port(base_url)
+            messages: list[dict[str, Any]] = list(PROMPT)
+            turn = _reply(
+                await _post(
+                    port, "big", json.dumps({"messages": messages, "tools": tools}).encode()
+                )
+            )
+            (call,) = turn["tool_calls"]
+            messages += [turn, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+            messages.append(
+                _reply(
+                    await _post(
+                        port, "big", json.dumps({"messages": messages, "tools": tools}).encode()
+                    )
+                )
+            )
+            messages.append({"role": "user", "content": "y" * 3 * 2**20})
+            await _post(port, "big", json.dumps({"messages": messages, "tools": tools}).encode())
+        await ctx.backend.close()
+        return session
+
+    session = asyncio.run(go())
+    said = [m for m in session.traj.messages if m["role"] == "user"][-1]["content"]
+    assert len(said) == 1000 and said.startswith("y") and "cut to 1000" in said
+    assert session.traj.cut_observations == 1
+
+
+@CHATML
+def test_run_tool_refuses_once_the_episode_has_ended(setup: dict[str, Any]) -> None:
+    """A harness's task left running after it returned cannot run tools for the trajectory
+    (its tool state was released: before, the call ran and made new state no one released)."""
+
+    async def go() -> None:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "ended")
+        session.stop = "eos"
+        call = {"id": "call_1_0", "function": {"name": "echo", "arguments": '{"text": "x"}'}}
+        with pytest.raises(openai_endpoint.EpisodeEndedError):
+            await session.run_tool(call)
+        await ctx.backend.close()
+
+    asyncio.run(go())

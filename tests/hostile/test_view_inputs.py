@@ -99,3 +99,33 @@ def test_the_served_view_refuses_a_host_other_than_its_own_loopback_address(
     finally:
         server.shutdown()
         server.server_close()
+
+
+GOOD_METRICS = {"phase": "train", "step": 1, "reward": 1.0}
+MALFORMED = {  # (a field of the trace record, or None) -> (its value, a metrics line)
+    "a message that is text": ("messages", ["hi"], None),
+    "an error that is a list": ("error", ["x"], None),
+    "a prompt that is a number": ("prompt_text", 5, None),
+    "a reward past float's range": ("reward", 10**400, None),
+    "a metric that is text": (None, None, {**GOOD_METRICS, "reward": "high"}),
+    "a metrics step that is a list": (None, None, {**GOOD_METRICS, "step": [1]}),
+    "metrics steps of two types": (None, None, {**GOOD_METRICS, "step": "a"}),
+    "a metrics record without a step": (None, None, {"phase": "train", "reward": 1.0}),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_record_of_the_wrong_shape_is_an_error_naming_its_file(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each exits 2 with the file's name (before: a traceback out of `jarl view`)."""
+    field, value, metrics = MALFORMED[case]
+    record = hostile_record("h/0", None)
+    if field is not None:
+        record[field] = value
+    (tmp_path / TRACES_FILE).write_text(json.dumps(record) + "\n")
+    lines = [GOOD_METRICS] + ([metrics] if metrics is not None else [])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert main(["view", str(tmp_path), "--out", str(tmp_path / "page")]) == 2
+    named = "metrics.jsonl" if field is None else TRACES_FILE
+    assert f"{tmp_path / named}: a record is not a" in capsys.readouterr().err
