@@ -130,3 +130,35 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
             startup_timeout_s=600,
         )
     assert "safetensors" in str(error.value).lower()
+
+
+def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
+    checkpoint: Path,
+) -> None:
+    """vLLM's CPU build shards the model over two CPU workers (the worker binds each to half of
+    this process's cores); the engine reports the setting as vLLM took it, and its sampled
+    tokens' logprobs are the learner's recomputation within the fp32 tolerance."""
+    from tests.conformance.conftest import Learner
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    backend = VLLMBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        tensor_parallel_size=2,
+        max_model_len=MAX_LEN,
+        max_num_seqs=4,
+        kv_cache_bytes=KV_CACHE_BYTES,
+    )
+    try:
+        assert [s["tensor_parallel_size"] for s in backend.engine_settings()] == [2]
+        sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=True)
+        prompt = (5, 6, 7, 8, 9)
+        result = asyncio.run(backend.generate(GenerateRequest("tp", prompt, sampling)))
+        assert len(result.token_ids) == 8 and result.logprobs is not None
+        ref = Learner(checkpoint).logprobs(prompt, result.token_ids, sampling, None)
+        diff = max(abs(a - b) for a, b in zip(result.logprobs, ref, strict=True))
+        assert diff <= backend.capabilities.logprob_tolerance, diff
+    finally:
+        asyncio.run(backend.close())
+        assert all(group_gone(pid) for pid in backend.pids)
