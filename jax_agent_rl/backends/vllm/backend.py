@@ -15,8 +15,9 @@ in flight finish under the weights they started with, then every engine loads th
 and resets its prefix cache, and the waiting requests go out stamped with the new version. The
 weights
 travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
-name/transpose table) and read in place by every engine. The CUDA path (IPC handles or NCCL
-through the same ``load`` message) is described in docs/vllm.md and not written yet.
+name/transpose table) and read in place by every engine. The CUDA transport (one CUDA IPC
+handle, `cuda_ipc`) exists and is checked on a GPU without vLLM; this backend does not use it
+yet (docs/vllm.md says why and the rule it will follow).
 
 An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories ``aborted``); new requests go to the engines still alive, and with
