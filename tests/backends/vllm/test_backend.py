@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
+from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend, _device_groups
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
@@ -162,3 +162,11 @@ def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
     finally:
         asyncio.run(backend.close())
         assert all(group_gone(pid) for pid in backend.pids)
+
+
+def test_devices_go_to_engines_tensor_parallel_size_at_a_time() -> None:
+    """rollout.vllm.devices as launch/gpu.sh --tensor-parallel writes it."""
+    assert _device_groups("4,5,6,7", 2) == ["4,5", "6,7"]
+    assert _device_groups("2,3,4,5,6,7", 3) == ["2,3,4", "5,6,7"]
+    assert _device_groups("1,0", 1) == ["1", "0"]
+    assert _device_groups("", 2) == []
