@@ -114,6 +114,11 @@ command_of() {
   fi
 }
 
+cuda_jax=1
+.venv/bin/python -c 'import jax_plugins.xla_cuda12' 2>/dev/null || cuda_jax=0
+if (( dry && ! cuda_jax )); then
+  echo "setup: scripts/setup.sh cuda (.venv has no CUDA JAX: a run installs it first)"
+fi
 over=$( (( nodes > 1 )) && echo " over $nodes nodes" || true)
 echo "plan: $gpus GPUs per node; learner on GPUs $learner_ids (mesh.data=$((learner * nodes))$over);"
 if [[ -n $ray ]]; then
@@ -136,10 +141,7 @@ fi
 node=$( (( nodes > 1 )) && echo "$rank" || true)
 command_of "$@"
 echo "run:  ${run[*]}"
-cuda_jax=1
-.venv/bin/python -c 'import jax_plugins.xla_cuda12' 2>/dev/null || cuda_jax=0
 if (( dry )); then
-  (( cuda_jax )) || echo "setup: scripts/setup.sh cuda (.venv has no CUDA JAX: a run installs it first)"
   exit 0
 fi
 (( cuda_jax )) || bash scripts/setup.sh cuda
