@@ -58,6 +58,10 @@ done
 config=$1; shift
 [[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "gpu.sh: --tensor-parallel $tp is not a positive count" >&2; exit 2; }
 engine_gpus=${engine_gpus:-$tp}
+if (( engine_gpus != tp )); then
+  echo "gpu.sh: --engine-gpus $engine_gpus with --tensor-parallel $tp: an engine shards over all its GPUs" >&2
+  exit 2
+fi
 
 if [[ -z $gpus ]]; then
   command -v nvidia-smi >/dev/null \

@@ -100,6 +100,9 @@ def test_dry_run_gives_each_engine_its_tensor_parallel_gpus() -> None:
     assert "the 4 engine GPUs do not split into --tensor-parallel 3 groups" in uneven.stderr
     bad = _run("--gpus", "8", "--tensor-parallel", "0", "--dry-run", "c.yaml")
     assert bad.returncode == 2 and "not a positive count" in bad.stderr
+    ray = _run("--gpus", "2", "--ray", "auto", "--replicas", "2", "--engine-gpus", "1",
+               "--tensor-parallel", "2", "--dry-run", "c.yaml")  # fmt: skip
+    assert ray.returncode == 2 and "an engine shards over all its GPUs" in ray.stderr
 
 
 def test_a_node_without_cuda_jax_gets_the_locked_one() -> None:
