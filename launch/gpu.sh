@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # Trains on CUDA nodes: on each, the JAX learner on the first GPUs, one vLLM engine per
-# remaining GPU; with --nodes, one learner process per node joined into one mesh
+# --tensor-parallel group of the remaining GPUs; with --nodes, one learner process per node joined into one mesh
 # (jax.distributed), each node rolling out its share of every step on its own engines; with
 # --ray, the learner on every GPU here and the vLLM engines on a Ray cluster's GPU nodes.
 #
-#   launch/gpu.sh [--gpus N] [--learner-gpus L] [--dry-run] CONFIG [key=value ...]
+#   launch/gpu.sh [--gpus N] [--learner-gpus L] [--tensor-parallel T] [--dry-run] CONFIG [...]
 #   launch/gpu.sh --ray ADDRESS --replicas R [--engine-gpus G] [--gpus N] [--dry-run] CONFIG [...]
 #   launch/gpu.sh --nodes N --node-rank R --coordinator HOST:PORT [...] CONFIG [key=value ...]
 #
 #   --gpus N          GPUs on the node (default: what nvidia-smi lists)
-#   --learner-gpus L  GPUs for the learner (default: N / 2); the other N - L each run one vLLM
-#                     engine (rollout.vllm.replicas = N - L, rollout.vllm.devices = their ids)
+#   --learner-gpus L  GPUs for the learner (default: N / 2); the other N - L run the vLLM
+#                     engines, T each (rollout.vllm.replicas = (N - L) / T,
+#                     rollout.vllm.devices = their ids, T by T in engine order)
+#   --tensor-parallel T  GPUs each vLLM engine shards the model over (default 1;
+#                     rollout.vllm.tensor_parallel_size = T); N - L must be a multiple of T
 #   --ray ADDRESS     the engines are Ray actors on the cluster at ADDRESS (HOST:PORT of its
 #                     head, or auto), placed by a placement group (rollout.ray.*, SPREAD over
 #                     the GPU nodes); the learner takes all N GPUs here. --dry-run asks the
 #                     cluster where each engine would go (a reservation, released at once)
 #   --replicas R      vLLM engines on the cluster (with --ray)
-#   --engine-gpus G   GPUs of each engine (with --ray; default 1)
+#   --engine-gpus G   GPUs of each engine (with --ray; default T)
 #   --nodes N         nodes in the run (default 1); run this script on every node, each with
 #                     its --node-rank; mesh.data = learner GPUs x N
 #   --node-rank R     this node's rank, 0 .. N-1 (0 serves the coordinator)
@@ -24,8 +27,8 @@
 #   --dry-run         print the plan and the commands, run nothing (with --nodes and no
 #                     --node-rank: every node's command)
 #
-# Environments: .venv (JAX with CUDA: `pip install "jax[cuda12]==<the locked jax>"` into it)
-# and a vLLM CUDA build for the engines: VLLM_PYTHON=/path/to/venv/bin/python (default
+# Environments: .venv with the locked CUDA JAX (this script runs `scripts/setup.sh cuda`
+# when .venv's jax has no CUDA plugin; --dry-run says whether it would) and a vLLM CUDA build for the engines: VLLM_PYTHON=/path/to/venv/bin/python (default
 # .venv-vllm/bin/python; `scripts/setup.sh vllm` builds the CPU build there, so on a CUDA node
 # install `vllm` itself into a venv and point VLLM_PYTHON at it; with --ray, at that path on
 # every engine node, and jax_agent_rl installed there too). Weights reach the engines through
@@ -33,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpus="" learner="" ray="" replicas="" engine_gpus=1 dry=0 nodes=1 rank="" coordinator=""
+gpus="" learner="" ray="" replicas="" engine_gpus="" tp=1 dry=0 nodes=1 rank="" coordinator=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) nodes=$2; shift 2 ;;
@@ -44,14 +47,21 @@ while [[ $# -gt 0 ]]; do
     --ray) ray=$2; shift 2 ;;
     --replicas) replicas=$2; shift 2 ;;
     --engine-gpus) engine_gpus=$2; shift 2 ;;
+    --tensor-parallel) tp=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
 done
 [[ $# -ge 1 ]] || { echo "gpu.sh: a CONFIG is required (see --help)" >&2; exit 2; }
 config=$1; shift
+[[ $tp =~ ^[1-9][0-9]*$ ]] || { echo "gpu.sh: --tensor-parallel $tp is not a positive count" >&2; exit 2; }
+engine_gpus=${engine_gpus:-$tp}
+if (( engine_gpus != tp )); then
+  echo "gpu.sh: --engine-gpus $engine_gpus with --tensor-parallel $tp: an engine shards over all its GPUs" >&2
+  exit 2
+fi
 
 if [[ -z $gpus ]]; then
   command -v nvidia-smi >/dev/null \
@@ -66,7 +76,11 @@ if [[ -n $ray ]]; then  # every GPU here learns; the engines are on the cluster
 else
   [[ -z $replicas ]] || { echo "gpu.sh: --replicas goes with --ray (here: --learner-gpus)" >&2; exit 2; }
   learner=${learner:-$((gpus / 2))}
-  replicas=$((gpus - learner))
+  if (( gpus > learner && (gpus - learner) % tp )); then
+    echo "gpu.sh: the $((gpus - learner)) engine GPUs do not split into --tensor-parallel $tp groups" >&2
+    exit 2
+  fi
+  replicas=$(((gpus - learner) / tp))
 fi
 if (( learner < 1 || replicas < 1 )); then
   echo "gpu.sh: $gpus GPUs cannot hold $learner learner GPUs and at least one vLLM engine" >&2
@@ -96,6 +110,7 @@ command_of() {
   else
     run+=("rollout.vllm.replicas=$replicas" "rollout.vllm.devices=$engine_ids")
   fi
+  run+=("rollout.vllm.tensor_parallel_size=$tp")
   run+=("rollout.vllm.python=$vllm_python" "mesh.data=$((learner * nodes))")
   run+=("$@")
   if [[ -n $node ]]; then
@@ -103,6 +118,11 @@ command_of() {
   fi
 }
 
+cuda_jax=1
+.venv/bin/python -c 'import jax_plugins.xla_cuda12' 2>/dev/null || cuda_jax=0
+if (( dry && ! cuda_jax )); then
+  echo "setup: scripts/setup.sh cuda (.venv has no CUDA JAX: a run installs it first)"
+fi
 over=$( (( nodes > 1 )) && echo " over $nodes nodes" || true)
 echo "plan: $gpus GPUs per node; learner on GPUs $learner_ids (mesh.data=$((learner * nodes))$over);"
 if [[ -n $ray ]]; then
@@ -113,7 +133,7 @@ if [[ -n $ray ]]; then
       || { echo "gpu.sh: the cluster at $ray cannot place the engines (above)" >&2; exit 2; }
   fi
 else
-  echo "      $replicas vLLM engine(s) per node on GPUs $engine_ids, interpreter $vllm_python"
+  echo "      $replicas vLLM engine(s) of $tp GPU(s) each per node on GPUs $engine_ids, interpreter $vllm_python"
 fi
 if (( nodes > 1 )) && [[ -z $rank ]]; then  # --dry-run: every node's command
   for node in $(seq 0 $((nodes - 1))); do
@@ -128,5 +148,6 @@ echo "run:  ${run[*]}"
 if (( dry )); then
   exit 0
 fi
+(( cuda_jax )) || bash scripts/setup.sh cuda
 [[ -x $vllm_python ]] || { echo "gpu.sh: no vLLM interpreter at $vllm_python (set VLLM_PYTHON)" >&2; exit 2; }
 exec "${run[@]}"

@@ -15,6 +15,10 @@
 #   scripts/setup.sh tpu      .venv       the main environment plus the locked libtpu
 #                                         (requirements/tpu-lock.txt), on every worker of a TPU VM
 #                                         slice
+#   scripts/setup.sh cuda     .venv       the locked CUDA 12 runtime of the locked jax added to
+#                                         .venv (requirements/cuda-lock.txt: jax[cuda12]'s
+#                                         plugin and NVIDIA wheels, pinned), on a CUDA node;
+#                                         launch/gpu.sh runs it when .venv has no CUDA JAX
 #   scripts/setup.sh tpu-plan .venv       the locked libtpu added to .venv on any host: `jarl plan`
 #                                         compiles a run for TPU topologies with it, no TPU needed
 #                                         (make test runs it: the plan's tests need it)
@@ -83,6 +87,19 @@ if [[ $target == gpu-wheels ]]; then  # a folder of wheels, downloaded, not inst
   echo "setup: .gpu-wheels is ready ($(du -sh .gpu-wheels | cut -f1))"
   exit 0
 fi
+if [[ $target == cuda ]]; then  # an addition to .venv, with its own stamp
+  [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
+  stamp=.venv/.cuda-stamp
+  want=$(cat requirements/cuda-lock.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+  [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
+  echo "setup: installing the pinned CUDA 12 JAX runtime into .venv (GBs; minutes)"
+  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
+    -r requirements/cuda-lock.txt
+  .venv/bin/python -c 'import jax_plugins.xla_cuda12' \
+    || { echo "setup: the CUDA plugin does not import; see the errors above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  exit 0
+fi
 if [[ $target == tpu-plan ]]; then  # an addition to .venv, with its own stamp
   [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
   stamp=.venv/.tpu-plan-stamp
@@ -101,7 +118,7 @@ case "$target" in
   vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
   jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
   verl-ref) venv=.verl-ref; lock=requirements/verl-ref-lock.txt ;;
-  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, verl-ref, gpu-wheels, chromium)" >&2; exit 2 ;;
+  *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, cuda, verl-ref, gpu-wheels, chromium)" >&2; exit 2 ;;
 esac
 
 python=${PYTHON:-python3}

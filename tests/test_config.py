@@ -234,8 +234,18 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
         ),
         (
             ["rollout.backend=vllm", "rollout.vllm.replicas=2", "rollout.vllm.devices=0,1,2"],
-            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2: give one "
-            "per replica, or none",
+            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2 of "
+            "rollout.vllm.tensor_parallel_size=1: give 1 per replica, or none",
+        ),
+        (
+            [
+                "rollout.backend=vllm",
+                "rollout.vllm.replicas=2",
+                "rollout.vllm.tensor_parallel_size=2",
+                "rollout.vllm.devices=0,1,2",
+            ],
+            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2 of "
+            "rollout.vllm.tensor_parallel_size=2: give 2 per replica, or none",
         ),
     ],
 )

@@ -213,7 +213,8 @@ def test_other_traps_convert() -> None:
         _to_jarl(["trainer.total_epochs=3"], **{"data.train": ""})
     both = ["trainer.total_epochs=3", "trainer.total_training_steps=2"]
     assert _to_jarl(both) == {"trainer.steps": "2"}
-    # micro-batches per GPU over every data-parallel device; TP devices are not data-parallel
+    # micro-batches per GPU over every data-parallel device; the rollout's tensor parallelism
+    # is vLLM's, each engine's, and leaves the learner's mesh alone
     got = _to_jarl(
         [
             "trainer.n_gpus_per_node=8",
@@ -221,11 +222,11 @@ def test_other_traps_convert() -> None:
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         ]
     )
-    assert (got["mesh.fsdp"], got["mesh.tensor"], got["learner.micro_batch_size"]) == (
-        "4",
-        "2",
-        "16",
-    )
+    assert got == {
+        "mesh.fsdp": "8",
+        "rollout.vllm.tensor_parallel_size": "2",
+        "learner.micro_batch_size": "32",
+    }
     # verl ignores kl_loss_coef without use_kl_loss
     assert _to_jarl(["actor_rollout_ref.actor.use_kl_loss=False"]) == {"algorithm.kl_coef": "0.0"}
     with pytest.raises(ConfigError, match="use_kl_loss=True"):

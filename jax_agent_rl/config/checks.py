@@ -126,10 +126,12 @@ def _slots_over_mesh(cfg: JarlConfig) -> str | None:
 def _vllm_devices(cfg: JarlConfig) -> str | None:
     vllm = cfg.rollout.vllm
     devices = [d for d in vllm.devices.split(",") if d]
-    if cfg.rollout.backend == "vllm" and devices and len(devices) != vllm.replicas:
+    tp = vllm.tensor_parallel_size
+    if cfg.rollout.backend == "vllm" and devices and len(devices) != vllm.replicas * tp:
         return (
             f"rollout.vllm.devices={vllm.devices!r} names {len(devices)} devices for "
-            f"rollout.vllm.replicas={vllm.replicas}: give one per replica, or none"
+            f"rollout.vllm.replicas={vllm.replicas} of rollout.vllm.tensor_parallel_size={tp}: "
+            f"give {tp} per replica, or none"
         )
     return None
 

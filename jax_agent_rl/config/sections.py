@@ -72,8 +72,11 @@ class VLLMSection:
     replicas: int = setting(1, COUNT, was="rollout.replicas")  # engine processes
     # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
     python: str = setting("", was="rollout.vllm_python")
-    # CUDA devices of the replicas, one each ("2,3"); empty: inherit
+    # CUDA devices of the replicas, tensor_parallel_size each, in replica order ("2,3"); empty:
+    # inherit
     devices: str = setting("", was="rollout.vllm_devices")
+    # GPUs each engine shards the model over (vLLM's tensor_parallel_size)
+    tensor_parallel_size: int = setting(1, COUNT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,13 +89,15 @@ def to_ours(rule: TensorRule, x: np.ndarray, ours: tuple[int, ...]) -> np.ndarra
     return x.reshape(ours)
 
 
-def to_hf(rule: TensorRule, y: np.ndarray) -> np.ndarray:
+def to_hf(rule: TensorRule, y: Any) -> Any:
+    """``y`` (host numpy, or a JAX array, which stays where it is) in HF's layout."""
     if rule.layout == "copy":
         return y
     if rule.layout == "flat":
         return y.reshape(-1)
     n_in = math.prod(y.shape[: rule.in_axes])
-    return np.ascontiguousarray(y.reshape(n_in, -1).T)
+    hf = y.reshape(n_in, -1).T
+    return np.ascontiguousarray(hf) if isinstance(hf, np.ndarray) else hf
 
 
 def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tuple[int, ...]]]:
@@ -328,13 +330,16 @@ def load_hf(
     return cfg, jax.device_put(weights, param_shardings(cfg, sharder))
 
 
-def hf_tensors(cfg: ModelConfig, weights: Weights) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of ``weights`` under its HF name and layout (host numpy, model dtype)."""
+def hf_tensors(
+    cfg: ModelConfig, weights: Weights, on_device: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """Every tensor of ``weights`` under its HF name and layout, in the model dtype: host
+    numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push)."""
     for name, rule, layer, _ in _entries(cfg):
         path = rule.ours.split(".")
         value = getattr(weights, path[0]) if len(path) == 1 else getattr(weights.layers, path[1])
-        arr = np.asarray(jax.device_get(value if layer is None else value[layer]))
-        yield name, to_hf(rule, arr)
+        arr = value if layer is None else value[layer]
+        yield name, to_hf(rule, arr if on_device else np.asarray(jax.device_get(arr)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,9 +227,8 @@ WORKERS: tuple[VerlKey, ...] = (
     VerlKey("actor_rollout_ref.rollout.top_k", "rollout.top_k", "the same (-1: off)"),
     VerlKey(
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        "mesh.tensor",
-        "jarl's engine serves on the learner's mesh, so the learner shards tensors the same way",
-        trap=True,
+        "rollout.vllm.tensor_parallel_size",
+        "the same: GPUs per vLLM engine (the learner's mesh is its own, mesh.*)",
     ),
     VerlKey(
         "actor_rollout_ref.rollout.gpu_memory_utilization",

@@ -1,7 +1,10 @@
 """launch/gpu.sh plans a CUDA node's GPUs between the learner and the vLLM engines."""
 
+import importlib.metadata
 import subprocess
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_SH = ROOT / "launch" / "gpu.sh"
@@ -17,7 +20,7 @@ def test_dry_run_splits_the_gpus() -> None:
     out = _run("--gpus", "8", "--learner-gpus", "4", "--dry-run", "cfg.yaml", "trainer.steps=5")
     assert out.returncode == 0, out.stderr
     assert "learner on GPUs 0,1,2,3 (mesh.data=4)" in out.stdout
-    assert "4 vLLM engine(s) per node on GPUs 4,5,6,7" in out.stdout
+    assert "4 vLLM engine(s) of 1 GPU(s) each per node on GPUs 4,5,6,7" in out.stdout
     run = next(line for line in out.stdout.splitlines() if line.startswith("run:"))
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in run and "train cfg.yaml rollout.backend=vllm" in run
     assert "rollout.vllm.replicas=4 rollout.vllm.devices=4,5,6,7" in run and run.endswith("steps=5")
@@ -79,3 +82,55 @@ def test_multi_node_refusals_name_the_missing_flag() -> None:
     ray = _run("--gpus", "2", "--nodes", "2", "--coordinator", "h:1", "--ray", "x", "--replicas",
                "1", "cfg.yaml")  # fmt: skip
     assert ray.returncode == 2 and "one per node" in ray.stderr
+
+
+def test_dry_run_gives_each_engine_its_tensor_parallel_gpus() -> None:
+    """Engine i takes GPUs i*T .. i*T+T-1 of the engine GPUs (the backend groups
+    rollout.vllm.devices T by T, tests/backends/vllm)."""
+    out = _run(
+        "--gpus", "8", "--learner-gpus", "2", "--tensor-parallel", "3", "--dry-run", "c.yaml"
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "2 vLLM engine(s) of 3 GPU(s) each per node on GPUs 2,3,4,5,6,7" in out.stdout
+    run = next(line for line in out.stdout.splitlines() if line.startswith("run:"))
+    assert "rollout.vllm.replicas=2 rollout.vllm.devices=2,3,4,5,6,7" in run
+    assert "rollout.vllm.tensor_parallel_size=3" in run
+    uneven = _run("--gpus", "8", "--tensor-parallel", "3", "--dry-run", "c.yaml")
+    assert uneven.returncode == 2
+    assert "the 4 engine GPUs do not split into --tensor-parallel 3 groups" in uneven.stderr
+    bad = _run("--gpus", "8", "--tensor-parallel", "0", "--dry-run", "c.yaml")
+    assert bad.returncode == 2 and "not a positive count" in bad.stderr
+    ray = _run("--gpus", "2", "--ray", "auto", "--replicas", "2", "--engine-gpus", "1",
+               "--tensor-parallel", "2", "--dry-run", "c.yaml")  # fmt: skip
+    assert ray.returncode == 2 and "an engine shards over all its GPUs" in ray.stderr
+
+
+def test_a_node_without_cuda_jax_gets_the_locked_one() -> None:
+    """This host's .venv has no CUDA plugin: the plan names the setup a run does first."""
+    out = _run("--gpus", "2", "--dry-run", "c.yaml")
+    assert out.returncode == 0, out.stderr
+    assert "setup: scripts/setup.sh cuda (.venv has no CUDA JAX" in out.stdout
+    assert "bash scripts/setup.sh cuda" in GPU_SH.read_text()
+
+
+def test_the_cuda_lock_pins_the_runtime_of_the_locked_jax() -> None:
+    """requirements/cuda-lock.txt (`scripts/setup.sh cuda`) holds what jax[cuda12] asks for at
+    the locked jax version: its plugin (and the plugin's PJRT, the same release)."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert setup.count("-r requirements/cuda-lock.txt") == 1
+    lock = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
+    (jax_version,) = [line.removeprefix("jax==") for line in lock if line.startswith("jax==")]
+    assert importlib.metadata.version("jax") == jax_version
+    wanted = {
+        (r := Requirement(line)).name: r
+        for line in importlib.metadata.requires("jax") or []
+        if 'extra == "cuda12"' in line
+    }
+    lines = (ROOT / "requirements" / "cuda-lock.txt").read_text().splitlines()
+    entries = [line.split("==") for line in lines if line and not line.startswith("#")]
+    pins = dict(entries)
+    assert len(pins) == len(entries)  # one pin per package
+    assert wanted["jax-cuda12-plugin"].specifier.contains(pins["jax-cuda12-plugin"])
+    assert wanted["jaxlib"].specifier.contains(jax_version)
+    assert pins["jax-cuda12-pjrt"] == pins["jax-cuda12-plugin"]
+    assert all(name.startswith("nvidia-") and name.endswith("-cu12") for name in list(pins)[2:])

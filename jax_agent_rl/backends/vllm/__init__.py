@@ -8,5 +8,8 @@ Its two halves run under different interpreters, so this package imports nothing
 - `worker` (``.venv-vllm``, with vLLM and no JAX): one engine process, vLLM's v1 ``AsyncLLM``
   behind a pipe, and the worker extension that loads pushed weights;
 - `wire`: what both sides share, the message framing and the weight-buffer layout (standard
-  library and numpy only).
+  library and numpy only);
+- `cuda_ipc`: the CUDA push's transport, the learner's weights as one CUDA IPC handle (JAX and
+  torch on the sending side, torch on the receiving one), checked by bench/cuda_push_check.py;
+  the backend does not use it yet (docs/vllm.md).
 """

@@ -15,8 +15,9 @@ in flight finish under the weights they started with, then every engine loads th
 and resets its prefix cache, and the waiting requests go out stamped with the new version. The
 weights
 travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
-name/transpose table) and read in place by every engine. The CUDA path (IPC handles or NCCL
-through the same ``load`` message) is described in docs/vllm.md and not written yet.
+name/transpose table) and read in place by every engine. The CUDA transport (one CUDA IPC
+handle, `cuda_ipc`) exists and is checked on a GPU without vLLM; this backend does not use it
+yet (docs/vllm.md says why and the rule it will follow).
 
 An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories ``aborted``); new requests go to the engines still alive, and with
@@ -102,6 +103,7 @@ class _Engine:
         backend: VLLMBackend,
     ) -> None:
         self.index = index
+        self.settings: dict[str, Any] = {}  # the engine's ``ready``: its args as vLLM took them
         self.calls: dict[str, _Call] = {}
         self.load: _Call | None = None
         self.dead: str | None = None
@@ -139,10 +141,11 @@ class VLLMBackend:
 
     The engines load ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
     weights, which may have moved on from the checkpoint) as ``weight_version``. Engine ``i``
-    sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``). Its KV cache is ``kv_cache_bytes``
-    in blocks of ``block_size`` positions (None: vLLM's default) when given, else vLLM sizes it
-    from ``gpu_memory_utilization`` (on CPU: the share of the
-    machine's RAM, so it fails when other processes hold that memory; tests give a size).
+    sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``, e.g. ``"4,5"``) and shards the model
+    over ``tensor_parallel_size`` of them (vLLM's tensor parallelism). Its KV cache is
+    ``kv_cache_bytes`` in blocks of ``block_size`` positions (None: vLLM's default) when given,
+    else vLLM sizes it from ``gpu_memory_utilization`` (on CPU: the share of the machine's RAM,
+    so it fails when other processes hold that memory; tests give a size).
     ``pausable`` serves the test hook `pause` (it turns vLLM's asynchronous scheduling off).
     """
 
@@ -155,6 +158,7 @@ class VLLMBackend:
         python: str | Path = DEFAULT_PYTHON,
         replicas: int = 1,
         devices: Sequence[str] = (),
+        tensor_parallel_size: int = 1,
         max_model_len: int,
         max_num_seqs: int,
         dtype: str = "float32",
@@ -173,7 +177,9 @@ class VLLMBackend:
         if replicas < 1:
             raise ValueError(f"replicas={replicas}: must be at least 1")
         if devices and len(devices) != replicas:
-            raise ValueError(f"{len(devices)} devices for {replicas} replicas: give one each")
+            raise ValueError(f"{len(devices)} device groups for {replicas} replicas: one each")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be at least 1")
         self.model = model
         self.capabilities = Capabilities(
             logprobs=True,
@@ -196,6 +202,7 @@ class VLLMBackend:
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_bytes=kv_cache_bytes,
             block_size=block_size,
@@ -212,11 +219,16 @@ class VLLMBackend:
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:
                 left = max(deadline - time.monotonic(), 0.0)
-                ready = engine.process.wait_ready(left, EngineStartError)
+                ready = engine.settings = engine.process.wait_ready(left, EngineStartError)
                 if ready["vocab_size"] != self.model.vocab_size:
                     raise EngineStartError(
                         f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
                         f"the model config {self.model.vocab_size}"
+                    )
+                if ready["tensor_parallel_size"] != tensor_parallel_size:  # as vLLM took it
+                    raise EngineStartError(
+                        f"vLLM engine {engine.index} runs tensor_parallel_size="
+                        f"{ready['tensor_parallel_size']}, not {tensor_parallel_size}"
                     )
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -237,6 +249,11 @@ class VLLMBackend:
     def pids(self) -> list[int]:
         """The engine processes (each leads a process group holding vLLM's own children)."""
         return [engine.process.pid for engine in self._engines]
+
+    def engine_settings(self) -> list[dict[str, Any]]:
+        """Each engine's settings as its vLLM engine took them (max_model_len, vocab_size,
+        tensor_parallel_size), read back from the engine process."""
+        return [dict(engine.settings) for engine in self._engines]
 
     def counters(self) -> dict[str, float]:
         return {}
@@ -434,7 +451,8 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         params=spec.params,
         python=r.vllm.python or DEFAULT_PYTHON,
         replicas=r.vllm.replicas,
-        devices=[d for d in r.vllm.devices.split(",") if d],
+        devices=_device_groups(r.vllm.devices, r.vllm.tensor_parallel_size),
+        tensor_parallel_size=r.vllm.tensor_parallel_size,
         kv_cache_bytes=kv_cache_bytes(r, spec.model, spec.dtype),
         block_size=r.page_size,
         max_model_len=r.max_model_len,
@@ -461,6 +479,14 @@ def kv_cache_bytes(rollout: RolloutSection, model: ModelConfig, dtype: str) -> i
 
 # the block sizes vLLM's KV cache takes (its CacheConfig.block_size)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def _device_groups(devices: str, tensor_parallel_size: int) -> list[str]:
+    """``rollout.vllm.devices`` ("4,5,6,7") as each engine's ``CUDA_VISIBLE_DEVICES``, in
+    groups of ``tensor_parallel_size`` (["4,5", "6,7"] at 2)."""
+    ids = [d for d in devices.split(",") if d]
+    step = tensor_parallel_size
+    return [",".join(ids[i : i + step]) for i in range(0, len(ids), step)]
 
 
 def _check(rollout: RolloutSection, processes: int) -> list[str]:

@@ -15,10 +15,10 @@ and go out on the process's original stdout; everything vLLM prints goes to stde
   ``resume``; aborts are served meanwhile
 - ``shutdown``
 
-Out: the handshake, ``ready`` {max_model_len, vocab_size} or {error} and exit; ``result``
-{id, tokens, logprobs, finish}; ``loaded`` {seconds}; ``failed`` {id, message} for a load that
-raised; ``paused`` once a ``pause`` has taken effect. End of stdin means the backend is gone:
-the engine shuts down.
+Out: the handshake, ``ready`` {max_model_len, vocab_size, tensor_parallel_size} (as the engine
+took them) or {error} and exit; ``result`` {id, tokens, logprobs, finish}; ``loaded``
+{seconds}; ``failed`` {id, message} for a load that raised; ``paused`` once a ``pause`` has
+taken effect. End of stdin means the backend is gone: the engine shuts down.
 
 Logprobs: the engine runs with ``logprobs_mode="processed_logprobs"``, so a sampled token's
 logprob is taken after temperature, top-k and top-p, as the rollout protocol defines it.
@@ -251,6 +251,18 @@ class Worker:
                 return
 
 
+def _cpu_groups(tp: int) -> str:
+    """This process's cores in ``tp`` groups, one per tensor-parallel CPU worker, as vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND`` takes them ("0,1|2,3"). vLLM's own default binds a worker
+    per NUMA node and refuses more workers than nodes (one node: no tensor parallelism)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"tensor_parallel_size={tp} on CPU needs {tp} cores; this has {cores}")
+    size = len(cores) // tp
+    groups = [cores[i * size : (i + 1) * size] for i in range(tp)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 def _engine(config: dict[str, Any]) -> Any:
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -263,6 +275,9 @@ def _engine(config: dict[str, Any]) -> Any:
     # request on it. On CPU every prompt is prefilled whole: chunked prefill off, and a step's
     # token budget that holds the longest prompt (a prompt waits for a step with room for it).
     cpu = current_platform.is_cpu()
+    tp = config["tensor_parallel_size"]
+    if cpu and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_groups(tp)
     budget = max(config["max_model_len"], SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
     args = AsyncEngineArgs(
         model=config["model"],
@@ -270,6 +285,7 @@ def _engine(config: dict[str, Any]) -> Any:
         dtype=config["dtype"],
         max_model_len=config["max_model_len"],
         max_num_seqs=config["max_num_seqs"],
+        tensor_parallel_size=tp,
         seed=config["seed"],
         enforce_eager=True,
         enable_prefix_caching=True,
@@ -293,8 +309,14 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
     try:
         vocab = engine.model_config.get_vocab_size()
         worker = Worker(engine, channel.out, vocab)
+        parallel = engine.vllm_config.parallel_config  # the engine args as vLLM took them
         channel.ready(
-            {"op": "ready", "max_model_len": engine.model_config.max_model_len, "vocab_size": vocab}
+            {
+                "op": "ready",
+                "max_model_len": engine.model_config.max_model_len,
+                "vocab_size": vocab,
+                "tensor_parallel_size": parallel.tensor_parallel_size,
+            }
         )
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()

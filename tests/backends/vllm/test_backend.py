@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
+from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend, _device_groups
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
@@ -146,3 +146,43 @@ def test_the_rollout_settings_map_to_vllms_cache() -> None:
     assert kv_cache_bytes(dense, cfg, "bfloat16") == 8 * 7 * block  # 7 blocks hold 100
     sized = RolloutSection(page_size=16, kv_cache_gib=0.001)
     assert kv_cache_bytes(sized, cfg, "bfloat16") == (2**30 // 1000 // block) * block
+
+
+def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
+    checkpoint: Path,
+) -> None:
+    """vLLM's CPU build shards the model over two CPU workers (the worker binds each to half of
+    this process's cores); the engine reports the setting as vLLM took it, and its sampled
+    tokens' logprobs are the learner's recomputation within the fp32 tolerance."""
+    from tests.conformance.conftest import Learner
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    backend = VLLMBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        tensor_parallel_size=2,
+        max_model_len=MAX_LEN,
+        max_num_seqs=4,
+        kv_cache_bytes=KV_CACHE_BYTES,
+    )
+    try:
+        assert [s["tensor_parallel_size"] for s in backend.engine_settings()] == [2]
+        sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=True)
+        prompt = (5, 6, 7, 8, 9)
+        result = asyncio.run(backend.generate(GenerateRequest("tp", prompt, sampling)))
+        assert len(result.token_ids) == 8 and result.logprobs is not None
+        ref = Learner(checkpoint).logprobs(prompt, result.token_ids, sampling, None)
+        diff = max(abs(a - b) for a, b in zip(result.logprobs, ref, strict=True))
+        assert diff <= backend.capabilities.logprob_tolerance, diff
+    finally:
+        asyncio.run(backend.close())
+        assert all(group_gone(pid) for pid in backend.pids)
+
+
+def test_devices_go_to_engines_tensor_parallel_size_at_a_time() -> None:
+    """rollout.vllm.devices as launch/gpu.sh --tensor-parallel writes it."""
+    assert _device_groups("4,5,6,7", 2) == ["4,5", "6,7"]
+    assert _device_groups("2,3,4,5,6,7", 3) == ["2,3,4", "5,6,7"]
+    assert _device_groups("1,0", 1) == ["1", "0"]
+    assert _device_groups("", 2) == []
