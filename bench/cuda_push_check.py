@@ -152,7 +152,7 @@ def main() -> None:
         receive(args.receive)
         return
     if args.wheels:
-        from bench.gpu_check import unpack_missing_wheels
+        from gpu_check import unpack_missing_wheels  # its neighbour in bench/
 
         target = Path(tempfile.mkdtemp(prefix="jarl-wheels-"))
         unpack_missing_wheels(target, lambda line: print(line, file=sys.stderr))
