@@ -1,6 +1,9 @@
 # The project's commands. Each one sets up .venv first (idempotent, pinned; see scripts/setup.sh).
 PY := .venv/bin/python
 export JAX_PLATFORMS ?= cpu
+# test processes: each takes whole test files (module fixtures are built once), and the
+# session's memorised models are trained once and shared (tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean
 
@@ -16,7 +19,7 @@ test: setup  ## the whole suite (the vLLM and JetStream backends' tests run thei
 	@bash scripts/setup.sh jetstream
 	@bash scripts/setup.sh verl-ref
 	@bash scripts/setup.sh chromium
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup  ## ruff (lint + format check) and mypy
 	$(PY) -m ruff check .

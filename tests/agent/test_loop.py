@@ -220,6 +220,18 @@ def _memorise(cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: 
 def memorised(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The engine, tokenizer, tools and memorised weights of one chat style: the ``setup``
     fixture (tests/conftest.py, once per session and style for every module that uses it)."""
+    return with_engine(trained(style, tmp_path_factory))
+
+
+def with_engine(made: dict[str, Any]) -> dict[str, Any]:
+    """``made`` (what `trained` returns) with the engine and tools that serve it."""
+    engine = Engine(made["cfg"], max_concurrent_decodes=4, max_len=1024)
+    return {**made, "engine": engine, "tools": LocalTools(ToolRegistry([calculator, echo]))}
+
+
+def trained(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tokenizer, expected sequences and memorised weights of one chat style (plain
+    data: a test run's processes can share them)."""
     spec = STYLES[style]
     tools = LocalTools(ToolRegistry([calculator, echo]))
     extra = (*TOOL_TOKENS, "<answer>", "</answer>")
@@ -265,12 +277,9 @@ def memorised(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         max_position_embeddings=1024,
     )
     weights = _memorise(cfg, list(expected.values()))
-    engine = Engine(cfg, max_concurrent_decodes=4, max_len=1024)
     return {
-        "engine": engine,
         "style": style,
         "tokenizer": tokenizer,
-        "tools": tools,
         "cfg": cfg,
         "weights": weights,
         "expected": expected,
