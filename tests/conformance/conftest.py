@@ -170,8 +170,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("conformance") / "tiny", TINY_QWEN2)
 
 
-@pytest.fixture(scope="session", params=sorted(BACKENDS))
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[RolloutBackend]:
+    """Each backend once for the suite's module; the last one closes with the module, not with
+    the session (the Ray pool's connection would outlive it into other modules' tests)."""
     be = BACKENDS[request.param](checkpoint)
     yield be
     run(be.close())
