@@ -221,7 +221,7 @@ def record_results(
     and the stop reason when the episode ends here, else None: the caller then appends them
     (`Trajectory.add_observation`)."""
     observation, messages = tool_observation(ctx, traj, turn, text, calls, results)
-    traj.add_tool_results(results, messages)
+    traj.add_tool_results(results, [c.name for c in calls], messages)
     # The sequence ends with the model's last tokens: an observation the model would never
     # read (the episode ends here) is kept in the messages, not in the tokens.
     stop = "tool_done" if any(r.done for r in results) else fits(ctx, traj, observation)

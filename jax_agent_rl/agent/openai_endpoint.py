@@ -29,15 +29,16 @@ re-tokenized where the model wrote them:
 
 A request that rewrites an earlier turn, or that the endpoint cannot take (not JSON, no
 messages, an unknown role, a sampling field, a second request while one is in progress,
-streaming: `jax_agent_rl.agent.openai_requests`), is answered 400 with what was wrong (413 for
-a body too large, 408 for one too slow), and its session's episode ends there with stop
-reason ``harness_error`` (not trainable, counted as ``stop/harness_error``); other sessions go
-on. Error messages name what differs, never quoting a turn. A request naming no open session
-is answered 401 from its headers: its body is never read and no session is touched. Once an
-episode has ended (a budget, ``harness_error``), further requests are answered 409 and change
-nothing, and `HarnessTask.run_tool` raises. A request the backend fails is answered 500 and
-ends the episode with ``agent_error`` (as in the tool loop); one still in progress when the
-harness returns ends it with ``harness_error``.
+streaming: `jax_agent_rl.agent.openai_requests`; a first request of more characters than
+``rollout.max_model_len`` tokens could hold, refused before it is tokenized), is answered 400
+with what was wrong (413 for a body too large, 408 for one too slow), and its session's episode
+ends there with stop reason ``harness_error`` (not trainable, counted as
+``stop/harness_error``); other sessions go on. Error messages name what differs, never quoting
+a turn. A request naming no open session is answered 401 from its headers: its body is never
+read and no session is touched. Once an episode has ended (a budget, ``harness_error``),
+further requests are answered 409 and change nothing, and `HarnessTask.run_tool` raises. A
+request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in the
+tool loop); one still in progress when the harness returns ends it with ``harness_error``.
 
 The harness: ``agent.harness`` names an async function taking a `HarnessTask` (the base URL,
 the session's API key, the sample's messages and the tools' schemas); ``openai_agent`` serves
@@ -216,6 +217,17 @@ class Session:
             raise HarnessError(f"the first request holds only system and user messages: {roles}")
         if len(json.dumps(tools)) > MAX_TOOLS_BYTES:
             raise HarnessError(f"the request's tools are over {MAX_TOOLS_BYTES} bytes of JSON")
+        # A prompt of more characters than max_model_len tokens could hold, each token at most
+        # the tokenizer's longest (`Tokenizer.max_token_chars`), cannot fit the context:
+        # refused here, before tokenizing it whole would hold the event loop (3 MB: seconds).
+        limit = self.ctx.tokenizer.max_token_chars * self.ctx.config.max_model_len
+        chars = sum(len(message_text(m)) for m in messages)
+        if chars > limit:
+            raise HarnessError(
+                f"the prompt's {chars} characters cannot fit rollout.max_model_len="
+                f"{self.ctx.config.max_model_len} tokens (at most {limit} characters, "
+                f"{self.ctx.tokenizer.max_token_chars} per token)"
+            )
         if (tools or None) != self.ctx.builder.tools:
             self.ctx = dataclasses.replace(
                 self.ctx, builder=TurnBuilder(self.ctx.tokenizer, tools or None)

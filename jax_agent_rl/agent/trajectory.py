@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rewards import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
@@ -66,8 +67,11 @@ class Trajectory:
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     token_versions: list[int] = dataclasses.field(default_factory=list)
     reward: float = 0.0
-    # each answered turn's reward: its tool calls' (summed), or its environment step's
+    # each answered turn's reward: its tool calls' (summed), or its environment step's; each
+    # checked where it enters (`rewards.checked_reward`): a call's reward that fails counts 0
+    # here, and its error is kept in turn_reward_error (the first such)
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    turn_reward_error: str | None = None
     # the episode's reward when its environment owns it (the sum of its step rewards), else None
     env_reward: float | None = None
     # whether its environment said the episode succeeded (its last step that said), else None
@@ -147,12 +151,22 @@ class Trajectory:
         else:
             self.malformed_calls += 1
 
-    def add_tool_results(self, results: Sequence[ToolResult], messages: Sequence[Message]) -> None:
-        """The results of one turn's calls (one per call): counted, their rewards summed into
-        the turn's, and the ``messages`` they stand for (the turn's own included)."""
+    def add_tool_results(
+        self, results: Sequence[ToolResult], tools: Sequence[str], messages: Sequence[Message]
+    ) -> None:
+        """The results of one turn's calls (one per call, of the ``tools`` named): counted,
+        their rewards checked (`rewards.checked_reward`, naming the tool) and summed into the
+        turn's, and the ``messages`` they stand for (the turn's own included)."""
         self.tool_calls += len(results)
         self.tool_errors += sum(r.error for r in results)
-        self.turn_rewards.append(sum(r.reward for r in results))
+        rewards = []
+        for result, tool in zip(results, tools, strict=True):
+            try:
+                rewards.append(checked_reward(result.reward, f"the tool {tool!r}"))
+            except RewardError as e:
+                self.turn_reward_error = self.turn_reward_error or str(e)
+                rewards.append(0.0)
+        self.turn_rewards.append(sum(rewards))
         self.messages.extend(messages)
 
     def start_env(self, owns_reward: bool) -> None:

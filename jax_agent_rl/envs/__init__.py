@@ -13,15 +13,16 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import (
+    ENV_THREAD,
     EnvError,
     EnvFactory,
     Environment,
     Environments,
     EnvStep,
-    EnvThreads,
     checked_messages,
     checked_step,
 )
@@ -33,7 +34,6 @@ __all__ = [
     "EnvError",
     "EnvFactory",
     "EnvStep",
-    "EnvThreads",
     "Environment",
     "Environments",
     "checked_messages",
@@ -67,7 +67,7 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
         else None
     )
     lookup = registered_skyrl_env(env.config, max_turns)
-    threads = EnvThreads(env.max_threads)
+    threads = CallThreads(env.max_threads, ENV_THREAD)
     return Environments(classes, lookup, interaction, env.step_timeout_s, threads)
 
 

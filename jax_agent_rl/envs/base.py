@@ -13,12 +13,13 @@ by the tool loop between model turns (`jax_agent_rl.agent.loop`):
 - ``env.close()`` runs once, however the episode ended.
 
 Each method is ``async`` (run on the event loop: it must not block) or synchronous (run in a
-thread of a bounded pool, `EnvThreads`). Two properties say how it shares the loop: ``turns`` is
-``"all"`` when it answers every model turn (it parses the model's actions itself, as skyrl-gym
-environments do) and ``"text"`` when it answers only turns without tool calls (the tools answer
-the others, as verl's interactions do); ``owns_reward`` is True when the episode's reward is the
-sum of its step rewards (SkyRL) rather than the row's reward function's score (verl: the step
-rewards are turn scores the reward function may read as ``extra_info["tool_rewards"]``).
+thread of a bounded pool, `jax_agent_rl.call_threads.CallThreads`). Two properties say how it
+shares the loop: ``turns`` is ``"all"`` when it answers every model turn (it parses the model's
+actions itself, as skyrl-gym environments do) and ``"text"`` when it answers only turns without
+tool calls (the tools answer the others, as verl's interactions do); ``owns_reward`` is True
+when the episode's reward is the sum of its step rewards (SkyRL) rather than the row's reward
+function's score (verl: the step rewards are turn scores the reward function may read as
+``extra_info["tool_rewards"]``).
 
 `Environments` picks the environment of a sample: its ``env_class`` (SkyRL's column) names an
 entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
@@ -42,15 +43,14 @@ make the method synchronous, so that it runs in a thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect
 import numbers
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
+from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
@@ -93,6 +93,7 @@ class Environment(Protocol):
 
 # one fresh environment per episode: an Environment, or one whose methods are synchronous
 EnvFactory = Callable[[Sample], Any]
+ENV_THREAD = "env-call"  # the name of the threads that run environments' synchronous calls
 
 
 class Environments:
@@ -108,13 +109,13 @@ class Environments:
         lookup: Callable[[str], EnvFactory | None] | None = None,
         interaction: EnvFactory | None = None,
         step_timeout_s: float = 60.0,
-        threads: EnvThreads | None = None,
+        threads: CallThreads | None = None,
     ) -> None:
         self.classes = dict(classes or {})
         self.lookup = lookup
         self.interaction = interaction
         self.step_timeout_s = step_timeout_s
-        self.threads = threads or EnvThreads(EnvSection().max_threads)
+        self.threads = threads or CallThreads(EnvSection().max_threads, ENV_THREAD)
 
     def factory(self, env_class: str) -> EnvFactory:
         """The factory of ``env_class``; a `KeyError` naming the known ones if there is none."""
@@ -220,82 +221,11 @@ def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Me
     return out
 
 
-class EnvThreads:
-    """At most ``size`` threads running environments' synchronous calls at once, over every
-    event loop of the process (daemon threads: one stuck past its timeout does not hold up the
-    interpreter's exit). A call waits for a free thread within its own timeout."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._lock = threading.Lock()
-        self._busy = 0
-        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-
-    @property
-    def busy(self) -> int:
-        """Threads running a call now (those abandoned past their timeout included)."""
-        return self._busy
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a thread of the pool; cancelled (timed out), the thread is
-        abandoned and keeps its place until ``fn`` returns."""
-        loop = asyncio.get_running_loop()
-        await self._take(loop)
-        future: asyncio.Future[Any] = loop.create_future()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if future.done():  # abandoned after its timeout
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-        def work() -> None:
-            try:
-                result, error = fn(*args), None
-            except BaseException as e:
-                result, error = None, e
-            self._give_back()
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, result, error)
-
-        try:
-            threading.Thread(target=work, name="env-call", daemon=True).start()
-        except BaseException:
-            self._give_back()
-            raise
-        return await future
-
-    async def _take(self, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
-            with self._lock:
-                if self._busy < self.size:
-                    self._busy += 1
-                    return
-                freed: asyncio.Future[None] = loop.create_future()
-                self._waiting.append((loop, freed))
-            await freed
-
-    def _give_back(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            waiting, self._waiting = self._waiting, []
-        for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_wake, freed)
-
-
-def _wake(freed: asyncio.Future[None]) -> None:
-    if not freed.done():
-        freed.set_result(None)
-
-
 class GuardedEnvironment:
     """An `Environment` as the loop calls it (see the module docstring): ``name`` says which
     in errors."""
 
-    def __init__(self, env: Any, name: str, timeout_s: float, threads: EnvThreads) -> None:
+    def __init__(self, env: Any, name: str, timeout_s: float, threads: CallThreads) -> None:
         self.env, self.name, self.timeout_s, self.threads = env, name, timeout_s, threads
         self.turns: Literal["all", "text"] = env.turns
         self.owns_reward: bool = env.owns_reward

@@ -38,7 +38,13 @@ What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a 
 ``default_compute_score`` knows, the whole response decoded as verl decodes it (every token after
 the prompt, tool responses included, special tokens skipped); for other rows the last assistant
 message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Scorer`), so that a
-step's judge requests are sent together.
+step's judge requests are sent together. Every synchronous reward (the built-in rules,
+reasoning-gym's scorers, a user's function) runs in a thread of a bounded pool
+(`CallThreads`, ``REWARD_THREADS`` threads), each call within ``data.reward_timeout_s``, so that
+one that blocks holds no sibling episode; past it the call raises `RewardError` naming the
+setting and the reward (its thread is abandoned, keeping its place in the pool until it
+returns: rewards stuck for good hold at most ``REWARD_THREADS`` threads, and then the calls
+waiting for one time out too).
 
 Every reward is checked where it enters (`checked_reward`): a real number, finite, within
 ``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
@@ -49,6 +55,7 @@ reason ``reward_error`` rather than let a NaN into its group's advantages.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import math
@@ -56,6 +63,7 @@ import numbers
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.rewards import verl_rules
@@ -81,6 +89,7 @@ JUDGE = "judge"  # the reward name that asks a model (data.judge)
 _BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+REWARD_THREADS = 32  # threads running a run's synchronous rewards at once
 
 # the largest reward magnitude taken: far beyond any task's scale, and small enough that a
 # group's sums and squared deviations (~1e12 * its size) stay finite in float32 (~3.4e38)
@@ -164,12 +173,13 @@ def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
                 f"data.rewards_by_source.{source} is empty: name its reward, or remove the entry "
                 "to score the source by data.reward (or, with data.reward unset, by source)"
             )
+    sync = _Sync(CallThreads(REWARD_THREADS, "reward-call"), data.reward_timeout_s)
     by_source = {
-        source: _load(spec, f"data.rewards_by_source.{source}", judge)
+        source: _load(spec, f"data.rewards_by_source.{source}", judge, sync)
         for source, spec in data.rewards_by_source.items()
     }
-    fallback = _load(data.reward or _BY_SOURCE_FALLBACK, "data.reward", judge)
-    source_default = _source_default(fallback)
+    fallback = _load(data.reward or _BY_SOURCE_FALLBACK, "data.reward", judge, sync)
+    source_default = _source_default(fallback, sync)
 
     async def score(answer: Answer) -> float:
         fn = by_source.get(answer.data_source)
@@ -180,7 +190,7 @@ def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
     return score
 
 
-def _source_default(fallback: Scorer) -> Callable[[str], Scorer]:
+def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
     """The reward of a source when ``data.reward`` is unset: verl's rule for sources verl
     knows, the task's scorer for reasoning-gym rows, ``fallback`` for the rest."""
 
@@ -188,8 +198,10 @@ def _source_default(fallback: Scorer) -> Callable[[str], Scorer]:
         result = verl_rules.default_compute_score(source, text, truth, extra)
         return _score(result, f"verl's rule for {source}", "data.reward")
 
-    verl = _rule(verl_rule)
-    generated = _rule(reasoning_gym.score)
+    verl = sync.scorer(verl_rule, "verl's rule (data.reward unset)")
+    generated = sync.scorer(
+        reasoning_gym.score, "the reasoning-gym task's scorer (data.reward unset)"
+    )
 
     def pick(data_source: str) -> Scorer:
         if verl_rules.knows_source(data_source):
@@ -201,18 +213,34 @@ def _source_default(fallback: Scorer) -> Callable[[str], Scorer]:
     return pick
 
 
-def _rule(fn: ScoreFn) -> Scorer:
-    async def rule(a: Answer) -> float:
-        return fn(a.data_source, a.text, a.ground_truth, a.extra)
+class _Sync:
+    """Synchronous rewards as `Scorer`s: each call in a thread of ``threads``, within
+    ``timeout_s`` (``data.reward_timeout_s``)."""
 
-    return rule
+    def __init__(self, threads: CallThreads, timeout_s: float) -> None:
+        self.threads, self.timeout_s = threads, timeout_s
+
+    def scorer(self, fn: ScoreFn, name: str) -> Scorer:
+        """``fn`` awaited; past the timeout a `RewardError` naming ``name``."""
+
+        async def rule(a: Answer) -> float:
+            call = self.threads.run(fn, a.data_source, a.text, a.ground_truth, a.extra)
+            try:
+                return float(await asyncio.wait_for(call, self.timeout_s))
+            except TimeoutError:
+                raise RewardError(
+                    f"{name} took longer than data.reward_timeout_s={self.timeout_s:g}s "
+                    f"({self.threads.busy} of {self.threads.size} reward threads busy)"
+                ) from None
+
+        return rule
 
 
-def _load(spec: str, key: str, judge: JudgeFn | None) -> Scorer:
+def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     """The awaited reward ``spec`` names: the judge, or `load_reward`'s function."""
     if spec == JUDGE:
         return judge or _no_judge
-    return _rule(load_reward(spec, key))
+    return sync.scorer(load_reward(spec, key), f"{key}={spec!r}")
 
 
 async def _no_judge(answer: Answer) -> float:

@@ -85,6 +85,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its longest vocabulary entry,
+        counted as the model stores it, which is never shorter than the text it covers (a
+        byte-level entry has a character per byte, a byte-fallback entry ``<0x41>`` six, a
+        word-piece entry its ``##``). So a text of more than ``max_token_chars * n``
+        characters takes more than ``n`` tokens (unless a normalizer drops or merges
+        characters before the model reads them: accent stripping, NFC)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)))
+
     def token_id(self, token: str) -> int:
         """The id of one token given by its text (a special token, say); raises if absent."""
         tid = self.backend.token_to_id(token)

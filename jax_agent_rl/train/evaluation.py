@@ -7,9 +7,10 @@ success rate. With ``n`` samples per prompt (sampled at the run's rollout temper
 ``trainer.seed`` and the step), ``mean@n`` is the success rate over all ``n * prompts``
 episodes and ``pass@k`` (for k = 1, 2, 4, ... up to n, and n) the unbiased estimate of Chen et
 al. (2021) of the chance that at least one of k samples succeeds (`pass_at_k`); pass@n is the
-share of prompts with any success. A success is an episode whose reward reaches
-``data.success_reward`` (1 by default), or whose environment said it succeeded
-(`Trajectory.success`): a judge's 1/10 is no success.
+share of prompts with any success. A success is an episode whose outcome reward (without
+the tool rewards: `step.outcome_reward`) reaches ``data.success_reward`` (1 by default), or
+whose environment said it succeeded (`Trajectory.success`): a judge's 1/10 is no success, nor
+are many small tool rewards around a wrong answer.
 """
 
 from __future__ import annotations

@@ -67,16 +67,15 @@ def prompt_text(sample: Sample) -> str:
     return next((m["content"] for m in reversed(sample.messages) if m["role"] == "user"), "")
 
 
-async def trajectory_reward(
-    sample: Sample, traj: Trajectory, score: Scorer, tool_reward_weight: float, tokenizer: Tokenizer
+async def outcome_reward(
+    sample: Sample, traj: Trajectory, score: Scorer, tokenizer: Tokenizer
 ) -> float:
-    """The reward the learner trains on: the environment's when it owns the episode's reward
+    """The episode's outcome: the environment's reward when it owns the episode's reward
     (``traj.env_reward``, SkyRL's), else ``score`` of its `scored_text` (by the sample's
-    ``data_source``, ``ground_truth`` and ``extra``) plus ``tool_reward_weight`` times the sum
-    of the turn rewards (``traj.turn_rewards``: tool calls', a verl interaction's scores). As
-    in verl, the reward function also gets them as ``extra_info["tool_rewards"]`` (here one
-    entry per answered turn, the sum of its calls; verl has one per call). Raises
-    `RewardError` when ``score`` gives no finite number in range."""
+    ``data_source``, ``ground_truth`` and ``extra``). As in verl, the reward function also
+    gets the turn rewards as ``extra_info["tool_rewards"]`` (here one entry per answered turn,
+    the sum of its calls; verl has one per call). Raises `RewardError` when ``score`` gives no
+    finite number in range."""
     if traj.env_reward is not None:
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
@@ -87,8 +86,28 @@ async def trajectory_reward(
         sample.ground_truth,
         extra,
     )
-    outcome = checked_reward(await score(answer), f"the reward of {sample.data_source!r}")
+    return checked_reward(await score(answer), f"the reward of {sample.data_source!r}")
+
+
+def with_turn_rewards(outcome: float, traj: Trajectory, tool_reward_weight: float) -> float:
+    """The reward the learner trains on: ``outcome`` (`outcome_reward`), plus, unless the
+    environment owns the reward, ``tool_reward_weight`` times the sum of the turn rewards
+    (``traj.turn_rewards``: tool calls', a verl interaction's scores); at weight 0 they do not
+    enter it at all. Raises `RewardError` when they count and a call's reward failed its check
+    (``traj.turn_reward_error``)."""
+    if traj.env_reward is not None or tool_reward_weight == 0:
+        return outcome
+    if traj.turn_reward_error is not None:
+        raise RewardError(traj.turn_reward_error)
     return outcome + tool_reward_weight * sum(traj.turn_rewards)
+
+
+async def trajectory_reward(
+    sample: Sample, traj: Trajectory, score: Scorer, tool_reward_weight: float, tokenizer: Tokenizer
+) -> float:
+    """`with_turn_rewards` of the `outcome_reward`."""
+    outcome = await outcome_reward(sample, traj, score, tokenizer)
+    return with_turn_rewards(outcome, traj, tool_reward_weight)
 
 
 def episode_seed(seed: int, tag: str) -> int:
@@ -176,33 +195,43 @@ async def score_episodes(
 ) -> None:
     """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
     scored concurrently: a model judge gets the step's requests together, and whether it
-    succeeded: as its environment said, else its reward >= ``success_reward``. A reward
+    succeeded: as its environment said, else its outcome (`outcome_reward`, without the turn
+    rewards: many small tool rewards are no solved task) >= ``success_reward``. A reward
     function that raises on one ends that trajectory with ``reward_error`` (`reward_failed`);
-    so does a reward that is not a finite number in range (`rewards.checked_reward`): reward 0,
-    not trained on, never a NaN in its group."""
+    so does a reward that is not a finite number in range (`rewards.checked_reward`) or one
+    that took longer than ``data.reward_timeout_s``, its error naming the row: reward 0, not
+    trained on, never a NaN in its group."""
 
-    async def checked(sample: Sample, traj: Trajectory) -> float | Exception:
+    async def checked(sample: Sample, traj: Trajectory) -> tuple[float, float] | Exception:
         try:
-            reward = await trajectory_reward(sample, traj, score, tool_reward_weight, tokenizer)
-            return checked_reward(reward, f"the episode {traj.uid!r}")
-        except Exception as e:  # RewardError: out of range; else the reward function raised
+            outcome = await outcome_reward(sample, traj, score, tokenizer)
+            reward = with_turn_rewards(outcome, traj, tool_reward_weight)
+            return checked_reward(reward, f"the episode {traj.uid!r}"), outcome
+        except Exception as e:  # RewardError: out of range, or late; else the function raised
             return e
 
     pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
     rewards = await asyncio.gather(*(checked(e, t) for e, t in pairs))
-    for (sample, traj), reward in zip(pairs, rewards, strict=True):
-        if isinstance(reward, Exception):
-            if isinstance(reward, RewardError):
-                traj.end("reward_error", str(reward))
+    for (sample, traj), scored in zip(pairs, rewards, strict=True):
+        if isinstance(scored, Exception):
+            if isinstance(scored, RewardError):
+                traj.end("reward_error", f"reward error: {scored} {_row(sample)}")
                 traj.reward = 0.0
             else:
-                reward_failed(sample, traj, reward)
+                reward_failed(sample, traj, scored)
             traj.success = False
             continue
-        traj.reward = reward
+        traj.reward, outcome = scored
         traj.success = (
-            traj.env_success if traj.env_success is not None else reward >= success_reward
+            traj.env_success if traj.env_success is not None else outcome >= success_reward
         )
+
+
+def _row(sample: Sample) -> str:
+    """Which row an episode played, in errors."""
+    return (
+        f"on row {sample.group_id!r} (episode {sample.uid!r}, data_source {sample.data_source!r})"
+    )
 
 
 def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
@@ -214,8 +243,7 @@ def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
     message = (
         f"reward error: the reward function (data.reward, or data.rewards_by_source."
         f"{sample.data_source}) raised {type(error).__name__}: {error} in {where.name} "
-        f"({where.filename}:{where.lineno}) on row {sample.group_id!r} (episode "
-        f"{sample.uid!r}, data_source {sample.data_source!r})\n"
+        f"({where.filename}:{where.lineno}) {_row(sample)}\n"
         + "".join(traceback.format_exception(error))
     )
     if traj.trainable:

@@ -589,3 +589,32 @@ def test_run_tool_refuses_once_the_episode_has_ended(setup: dict[str, Any]) -> N
         await ctx.backend.close()
 
     asyncio.run(go())
+
+
+@CHATML
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
+    setup: dict[str, Any],
+) -> None:
+    """A first request of more characters than rollout.max_model_len tokens could hold (each
+    at most the tokenizer's longest token, in characters): 400 naming the limit, the session
+    ends before anything is tokenized (before: tokenized whole on the event loop, 3 MB in
+    seconds, then ended by max_model_len)."""
+
+    async def go() -> tuple[Session, bytes, int]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "long")
+        limit = ctx.tokenizer.max_token_chars * CONFIG.max_model_len
+        messages = [{"role": "user", "content": "y" * (limit + 1)}]
+        body = json.dumps({"messages": messages, "tools": ctx.builder.tools}).encode()
+        async with serve({"long": session}) as base_url:
+            answer = await _post(_port(base_url), "long", body)
+        await ctx.backend.close()
+        return session, answer, limit
+
+    session, answer, limit = asyncio.run(go())
+    assert _status(answer) == 400 and f"at most {limit} characters".encode() in answer
+    assert b"rollout.max_model_len" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+    # the bound: no token's text is longer than max_token_chars
+    tok = setup["tokenizer"]
+    assert max(len(tok.decode([i])) for i in range(tok.vocab_size)) <= tok.max_token_chars

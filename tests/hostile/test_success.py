@@ -1,11 +1,13 @@
 """What counts as a success, attacked by rewards that are positive but low: a judge's 1/10 or a
-partial-credit 0.01 is not a solved task. Success is ``data.success_reward`` (reward >= it, 1
-by default) unless the episode's environment says itself whether it succeeded."""
+partial-credit 0.01 is not a solved task, nor are many small tool rewards around a wrong
+answer. Success is ``data.success_reward`` (the outcome reward >= it, 1 by default; tool
+rewards left out) unless the episode's environment says itself whether it succeeded."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 
 import pytest
 
@@ -17,6 +19,7 @@ from jax_agent_rl.demo import prepare
 from jax_agent_rl.envs import EnvError, EnvStep, checked_step
 from jax_agent_rl.rewards import Answer
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.train.episodes import episode_metrics, success_by_source
 from jax_agent_rl.train.evaluation import pass_rates, pass_totals
 from jax_agent_rl.train.step import score_episodes
@@ -88,3 +91,45 @@ def test_an_environment_success_flag_is_checked() -> None:
         with pytest.raises(EnvError, match="success"):
             checked_step({**step, "success": bad}, "env")
     assert dataclasses.replace(EnvStep([]), success=None).success is None
+
+
+def _tool_rich(tokenizer: Tokenizer, weight: float, tool_reward: float | None) -> Trajectory:
+    """A wrong answer (reward 0) after 20 tool calls of reward ``tool_reward``, one a turn
+    (None: their turn rewards, 0.1 each, as a trajectory holds them), scored with
+    ``data.tool_reward_weight=weight``."""
+    sample = Sample(uid="tools", messages=[{"role": "user", "content": "wrong"}], data_source="s")
+    traj = Trajectory(uid="tools", group_id="tools", prompt_ids=[1])
+    if tool_reward is None:
+        traj.turn_rewards = [0.1] * 20
+    else:
+        for _ in range(20):
+            traj.add_tool_results([ToolResult("ok", reward=tool_reward)], ["calculator"], [])
+    asyncio.run(score_episodes([[traj]], [sample], _reward_of, weight, tokenizer, success_reward=1))
+    return traj
+
+
+def test_tool_rewards_that_add_up_are_no_success(tokenizer: Tokenizer) -> None:
+    """20 tool calls of reward 0.1 around a wrong answer: the reward is 2 (trained on), but
+    success is judged on the outcome alone (before: 2 >= 1, a success), in the training
+    figures and in jarl eval's."""
+    traj = _tool_rich(tokenizer, 1.0, None)
+    assert math.isclose(traj.reward, 20 * 0.1, rel_tol=1e-12) and not traj.success
+    samples = [Sample(uid="tools", messages=[], data_source="s")]
+    assert episode_metrics([traj])["success"] == 0.0
+    assert success_by_source([traj], samples)["success/s"] == 0.0
+    assert pass_rates(pass_totals([traj], 1, samples), 1)["all"]["pass@1"] == 0.0
+
+
+def test_a_bad_tool_reward_is_named_and_counts_only_where_tool_rewards_count(
+    tokenizer: Tokenizer,
+) -> None:
+    """A NaN tool reward is checked as its turn is recorded, naming the tool: at
+    tool_reward_weight 0 it never enters the reward (before: 0 * NaN, reward_error); at 1 the
+    episode ends with reward_error naming the tool."""
+    ignored = _tool_rich(tokenizer, 0.0, math.nan)
+    assert ignored.stop_reason == "eos" and ignored.trainable and ignored.reward == 0.0
+    assert ignored.turn_rewards == [0.0] * 20
+    counted = _tool_rich(tokenizer, 1.0, math.nan)
+    assert counted.stop_reason == "reward_error" and not counted.trainable
+    assert "the tool 'calculator' gave reward nan" in str(counted.error)
+    assert counted.reward == 0.0 and not counted.success

@@ -1,0 +1,88 @@
+"""A bounded pool of daemon threads for synchronous calls made from the event loop
+(`CallThreads`): environments' synchronous methods (`jax_agent_rl.envs`) and synchronous
+reward functions (`jax_agent_rl.rewards`), one pool per use.
+
+A thread stuck inside a call cannot be stopped, only abandoned: the caller's timeout
+(``asyncio.wait_for``) cancels the wait, and the thread keeps its place in the pool until the
+call returns. So calls stuck for good hold at most ``size`` threads, and once every thread is
+held the calls waiting for one time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class CallThreads:
+    """At most ``size`` threads (named ``name``) running synchronous calls at once, over every
+    event loop of the process (daemon threads: one stuck past its timeout does not hold up the
+    interpreter's exit). A call waits for a free thread within its own timeout."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size, self.name = size, name
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    @property
+    def busy(self) -> int:
+        """Threads running a call now (those abandoned past their timeout included)."""
+        return self._busy
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a thread of the pool; cancelled (timed out), the thread is
+        abandoned and keeps its place until ``fn`` returns."""
+        loop = asyncio.get_running_loop()
+        await self._take(loop)
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():  # abandoned after its timeout
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def work() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:
+                result, error = None, e
+            self._give_back()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, result, error)
+
+        try:
+            threading.Thread(target=work, name=self.name, daemon=True).start()
+        except BaseException:
+            self._give_back()
+            raise
+        return await future
+
+    async def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            with self._lock:
+                if self._busy < self.size:
+                    self._busy += 1
+                    return
+                freed: asyncio.Future[None] = loop.create_future()
+                self._waiting.append((loop, freed))
+            await freed
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            waiting, self._waiting = self._waiting, []
+        for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, freed)
+
+
+def _wake(freed: asyncio.Future[None]) -> None:
+    if not freed.done():
+        freed.set_result(None)

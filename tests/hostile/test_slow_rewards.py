@@ -1,0 +1,104 @@
+"""Reward functions that block or never return (a reasoning-gym scorer on a pathological
+answer, a user function waiting on a service): each synchronous reward runs in a thread of a
+bounded pool under ``data.reward_timeout_s``, so one that blocks holds no sibling episode, and
+one that never returns ends its own episode with ``reward_error`` naming the setting, the
+reward and the row, while the rest of the step is scored.
+
+Every wait is on an event, bounded; no test reads the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.demo import prepare
+from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.step import score_episodes
+
+HERE = "tests.hostile.test_slow_rewards"
+BOUND_S = 30.0  # how long a blocked reward waits for its release (the test fails past it)
+EVENTS: dict[str, threading.Event] = {}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    task = prepare(tmp_path_factory.mktemp("t"), ArithmeticTask(), n_train=4, n_val=2, n_sft=4)
+    return Tokenizer.from_pretrained(task.model)
+
+
+@pytest.fixture(autouse=True)
+def events() -> Iterator[dict[str, threading.Event]]:
+    EVENTS.update(entered=threading.Event(), release=threading.Event())
+    yield EVENTS
+    EVENTS["release"].set()  # a reward thread still blocked returns, and its thread ends
+
+
+def blocking(text: str, ground_truth: Any) -> float:
+    """1 for the answer "quick"; the answer "slow" blocks until released (1 if it was, 0 if
+    it waited out the bound)."""
+    del ground_truth
+    if text == "slow":
+        EVENTS["entered"].set()
+        return float(EVENTS["release"].wait(BOUND_S))
+    return 1.0
+
+
+def _score(tokenizer: Tokenizer, overrides: list[str], releaser: bool) -> list[Trajectory]:
+    """The episodes "slow" and "quick", scored by `blocking` in one step; with ``releaser``,
+    a task on the event loop releases the slow one once it has entered."""
+    cfg = load_config(
+        None, ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:blocking", *overrides]
+    )
+    score = make_reward(cfg.data)
+    samples = [
+        Sample(uid=f"row_{k}/0", messages=[], data_source="s", group_id=f"row_{k}")
+        for k in ("slow", "quick")
+    ]
+    groups = []
+    for k in ("slow", "quick"):
+        traj = Trajectory(uid=f"row_{k}/0", group_id=f"row_{k}", prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": k}]
+        groups.append([traj])
+
+    async def release() -> None:
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(None, EVENTS["entered"].wait, BOUND_S):
+            EVENTS["release"].set()
+
+    async def go() -> None:
+        scoring = score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0)
+        await asyncio.gather(scoring, *([release()] if releaser else []))
+
+    asyncio.run(go())
+    return [g[0] for g in groups]
+
+
+def test_a_blocking_reward_holds_no_other_work_of_the_event_loop(tokenizer: Tokenizer) -> None:
+    """While the slow reward blocks, the event loop runs on: its release comes from a task on
+    the loop (before: the reward ran on the loop, so the release could not come until the
+    reward gave up waiting, and scored 0)."""
+    slow, quick = _score(tokenizer, [], releaser=True)
+    assert (slow.reward, slow.stop_reason) == (1.0, "eos")
+    assert (quick.reward, quick.stop_reason) == (1.0, "eos")
+
+
+def test_a_reward_that_never_returns_ends_only_its_episode(tokenizer: Tokenizer) -> None:
+    """Past data.reward_timeout_s the slow episode ends with reward_error naming the setting,
+    the reward and the row; the quick one is scored (before: the step waited on it)."""
+    slow, quick = _score(tokenizer, ["data.reward_timeout_s=0.2"], releaser=False)
+    assert EVENTS["entered"].is_set() and not EVENTS["release"].is_set()
+    assert slow.stop_reason == "reward_error" and not slow.trainable
+    assert slow.reward == 0.0 and not slow.success
+    error = str(slow.error)
+    assert "data.reward_timeout_s=0.2s" in error and f"data.reward='{HERE}:blocking'" in error
+    assert "row 'row_slow'" in error
+    assert (quick.reward, quick.stop_reason, quick.success) == (1.0, "eos", True)
