@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from jax_agent_rl.data.sample import DatasetError, Sample
-from jax_agent_rl.rewards.math import tagged
+from jax_agent_rl.tags import tagged
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"

@@ -21,7 +21,7 @@ from typing import Literal
 
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvStep
-from jax_agent_rl.rewards.math import tagged
+from jax_agent_rl.tags import tagged
 from jax_agent_rl.tokenization import Message
 
 ENV_CLASS = "guess_number"

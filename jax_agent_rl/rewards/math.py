@@ -24,27 +24,13 @@ import math
 import re
 from fractions import Fraction
 
+from jax_agent_rl.tags import tagged
+
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 # LaTeX that does not change a value: sizing, thin spaces, degree signs, dollar signs
 _NO_VALUE = re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]|\^\{?\\circ\}?|\\?\$")
 _MARKED = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")  # GSM8K's final-answer line
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
-
-
-def tagged(text: str, tag: str = "answer") -> list[str]:
-    """The contents of ``text``'s ``<tag>...</tag>`` blocks in order, each ending at the first
-    closing tag after it: what ``re.findall(r"<tag>(.*?)</tag>", text, re.DOTALL)`` finds, in
-    time linear in ``text``. (That regex scans the rest of the text from every opening tag it
-    cannot close, so 20,000 unclosed ``<answer>`` took it most of a minute.)"""
-    opening, closing = f"<{tag}>", f"</{tag}>"
-    found, at = [], 0
-    while (start := text.find(opening, at)) >= 0:
-        end = text.find(closing, start + len(opening))
-        if end < 0:
-            break  # no closing tag after this opening one: none after a later one either
-        found.append(text[start + len(opening) : end])
-        at = end + len(closing)
-    return found
 
 
 def _last_boxed(text: str) -> str | None:

@@ -20,7 +20,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "jax_agent_rl"
 # The layers, low to high: a module imports only from its own package or a lower tier. A
 # top-level module (files.py, progress.py) counts as a package of its own.
 TIERS = [
-    ["errors", "files", "progress", "ray_cluster", "device_turns", "visible", "call_threads"],
+    [
+        "errors",
+        "files",
+        "progress",
+        "ray_cluster",
+        "device_turns",
+        "visible",
+        "call_threads",
+        "tags",
+    ],
     ["models", "tokenization"],
     ["config", "verl_keys"],
     ["user_code"],

@@ -21,8 +21,8 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
   waiting requests go out stamped with the new version.
 
 A server that dies ends the requests in flight with finish reason ``abort`` (`exited` says
-why), and later requests raise. `close` stops the server (it also exits when this process
-goes: it serves until its stdin closes).
+why), and later requests raise. `close` stops it (it also exits with this process: it serves
+until its stdin closes).
 
 `pause` / `is_paused` / `resume` hold the backend at a state for tests (the conformance suite
 aborts a request it knows to be running, and one waiting), on this client's side (JetStream's
@@ -211,8 +211,6 @@ class JetStreamBackend:
                 shutil.rmtree(self._logs, ignore_errors=True)
             raise
 
-    # ------------------------------------------------------------------ asyncio-facing API
-
     @property
     def weight_version(self) -> int:
         return self._gate.version
@@ -303,8 +301,6 @@ class JetStreamBackend:
         self._cancel(tickets)
         await asyncio.to_thread(self._stop)
         shutil.rmtree(self._logs, ignore_errors=True)
-
-    # ------------------------------------------------------------------ internals
 
     def _refuse_unservable(self, request: GenerateRequest) -> None:
         s, server, rid = request.sampling, self.sampling, request.request_id
@@ -497,9 +493,7 @@ def _check(rollout: RolloutSection, processes: int) -> list[str]:
     ) + chip_problems(rollout.jetstream.chips, processes, rollout.max_concurrent)
 
 
-def _trainer_env(rollout: RolloutSection) -> dict[str, str]:
-    return trainer_env(rollout.jetstream.chips)
-
-
 # `rollout.backend=jetstream`, found through the entry point in pyproject.toml
-FACTORY = BackendFactory(build=_build, check=_check, trainer_env=_trainer_env)
+FACTORY = BackendFactory(
+    build=_build, check=_check, trainer_env=lambda r: trainer_env(r.jetstream.chips)
+)

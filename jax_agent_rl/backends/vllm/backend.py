@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from jax_agent_rl.backends.vllm import wire
+from jax_agent_rl.backends.vllm.sizes import BLOCK_SIZES, device_groups, kv_cache_bytes
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
@@ -451,7 +452,7 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         params=spec.params,
         python=r.vllm.python or DEFAULT_PYTHON,
         replicas=r.vllm.replicas,
-        devices=_device_groups(r.vllm.devices, r.vllm.tensor_parallel_size),
+        devices=device_groups(r.vllm.devices, r.vllm.tensor_parallel_size),
         tensor_parallel_size=r.vllm.tensor_parallel_size,
         kv_cache_bytes=kv_cache_bytes(r, spec.model, spec.dtype),
         block_size=r.page_size,
@@ -461,32 +462,6 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         weight_version=spec.version,
         seed=spec.seed,
     )
-
-
-def kv_cache_bytes(rollout: RolloutSection, model: ModelConfig, dtype: str) -> int:
-    """Each replica's KV cache, as the embedded engine sizes its pool: ``rollout.kv_cache_gib``
-    in blocks of ``rollout.page_size``, or (0) the blocks ``rollout.max_concurrent`` sequences
-    of ``rollout.max_model_len`` need. vLLM's cache holds ``model``'s ``dtype``."""
-    import jax.numpy as jnp
-
-    from jax_agent_rl.engine import page_bytes, pool_pages
-
-    r = rollout
-    width = jnp.dtype(dtype).itemsize
-    pages = pool_pages(model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len)
-    return pages * page_bytes(model, r.page_size, width)
-
-
-# the block sizes vLLM's KV cache takes (its CacheConfig.block_size)
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-
-
-def _device_groups(devices: str, tensor_parallel_size: int) -> list[str]:
-    """``rollout.vllm.devices`` ("4,5,6,7") as each engine's ``CUDA_VISIBLE_DEVICES``, in
-    groups of ``tensor_parallel_size`` (["4,5", "6,7"] at 2)."""
-    ids = [d for d in devices.split(",") if d]
-    step = tensor_parallel_size
-    return [",".join(ids[i : i + step]) for i in range(0, len(ids), step)]
 
 
 def _check(rollout: RolloutSection, processes: int) -> list[str]:

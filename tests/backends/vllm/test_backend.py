@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend, _device_groups
+from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
+from jax_agent_rl.backends.vllm.sizes import device_groups
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
@@ -136,7 +137,7 @@ def test_the_rollout_settings_map_to_vllms_cache() -> None:
     """rollout.kv_cache_gib sizes each replica's KV cache (vLLM's kv_cache_memory_bytes) in
     blocks of rollout.page_size (its block_size), as the embedded engine sizes its pool: 0 is
     enough for max_concurrent sequences of max_model_len."""
-    from jax_agent_rl.backends.vllm.backend import kv_cache_bytes
+    from jax_agent_rl.backends.vllm.sizes import kv_cache_bytes
     from jax_agent_rl.config import RolloutSection
 
     cfg = ModelConfig.from_hf(TINY_QWEN2)
@@ -182,7 +183,7 @@ def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
 
 def test_devices_go_to_engines_tensor_parallel_size_at_a_time() -> None:
     """rollout.vllm.devices as launch/gpu.sh --tensor-parallel writes it."""
-    assert _device_groups("4,5,6,7", 2) == ["4,5", "6,7"]
-    assert _device_groups("2,3,4,5,6,7", 3) == ["2,3,4", "5,6,7"]
-    assert _device_groups("1,0", 1) == ["1", "0"]
-    assert _device_groups("", 2) == []
+    assert device_groups("4,5,6,7", 2) == ["4,5", "6,7"]
+    assert device_groups("2,3,4,5,6,7", 3) == ["2,3,4", "5,6,7"]
+    assert device_groups("1,0", 1) == ["1", "0"]
+    assert device_groups("", 2) == []
