@@ -314,14 +314,13 @@ def _learner_step(dry: bool) -> dict[str, Any]:
         attended_keys,
         flops_per_token,
         make_workload,
-        trajectories,
+        packed_batch,
     )
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
     from jax_agent_rl.models import ModelConfig, init_params
     from jax_agent_rl.models.hf_local import TINY_QWEN2
     from jax_agent_rl.plan.presets import preset_model
-    from jax_agent_rl.rl.batch import step_batch
     from jax_agent_rl.rl.learner import Learner
     from jax_agent_rl.rl.objectives import SamplingSpec
 
@@ -340,17 +339,7 @@ def _learner_step(dry: bool) -> dict[str, Any]:
         remat=True,
     )
     w = make_workload("uniform", row_tokens // seq, cfg.vocab_size, seq)
-    trajs = trajectories(w)
-    batch, sequences, real = step_batch(
-        trajs,
-        w.rewards,
-        w.groups,
-        np.ones(len(trajs), np.float32),
-        mini_batches=1,
-        row_tokens=row_tokens,
-        bucket=64,
-        rows_per_micro=1,
-    )
+    batch, sequences, real = packed_batch(w, row_tokens)
     t0 = time.perf_counter()
     first = learner.train_step(batch, sequences, real)
     jax.block_until_ready(learner.params)

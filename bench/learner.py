@@ -138,6 +138,26 @@ def trajectories(w: Workload) -> list[Any]:
     return out
 
 
+def packed_batch(w: Workload, row_tokens: int | None) -> Any:
+    """The workload as one update's batch (`rl.batch.step_batch`): its trajectories packed into
+    rows of ``row_tokens`` (None: one padded row each), a row per micro-batch; returns the
+    batch, its sequences and its real rows."""
+    from jax_agent_rl.rl.batch import step_batch
+
+    trajs = trajectories(w)
+    ones = np.ones(len(trajs), np.float32)
+    return step_batch(
+        trajs,
+        w.rewards,
+        w.groups,
+        ones,
+        mini_batches=1,
+        row_tokens=row_tokens,
+        bucket=64,
+        rows_per_micro=1,
+    )
+
+
 def attended_keys(w: Workload) -> float:
     """The mean number of keys a token attends to (causal, within its sequence)."""
     return sum(len(s) * (len(s) + 1) / 2 for s in w.sequences) / w.tokens
@@ -335,7 +355,6 @@ def jax_train(
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
     from jax_agent_rl.models import load_hf
-    from jax_agent_rl.rl.batch import step_batch
     from jax_agent_rl.rl.learner import Learner
     from jax_agent_rl.rl.objectives import SamplingSpec
 
@@ -350,17 +369,7 @@ def jax_train(
         micro_batch_size=1,
     )
     del params
-    trajs = trajectories(w)
-    batch, sequences, real = step_batch(
-        trajs,
-        w.rewards,
-        w.groups,
-        np.ones(len(trajs), np.float32),
-        mini_batches=1,
-        row_tokens=row_tokens,
-        bucket=64,
-        rows_per_micro=1,
-    )
+    batch, sequences, real = packed_batch(w, row_tokens)
     real_frac = w.tokens / (real * batch.shape[1])
     losses: list[float] = []
     compiles_before = [0]

@@ -87,31 +87,27 @@ if [[ $target == gpu-wheels ]]; then  # a folder of wheels, downloaded, not inst
   echo "setup: .gpu-wheels is ready ($(du -sh .gpu-wheels | cut -f1))"
   exit 0
 fi
-if [[ $target == cuda ]]; then  # an addition to .venv, with its own stamp
+# add_to_venv NAME LOCK MODULE WHAT: LOCK's pins added to .venv (with a stamp of their own),
+# then MODULE imported to check them
+add_to_venv() {
   [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
-  stamp=.venv/.cuda-stamp
-  want=$(cat requirements/cuda-lock.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+  local stamp=.venv/.$1-stamp want
+  want=$(cat "$2" scripts/setup.sh | sha256sum | cut -d' ' -f1)
   [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
-  echo "setup: installing the pinned CUDA 12 JAX runtime into .venv (GBs; minutes)"
-  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
-    -r requirements/cuda-lock.txt
-  .venv/bin/python -c 'import jax_plugins.xla_cuda12' \
-    || { echo "setup: the CUDA plugin does not import; see the errors above" >&2; exit 1; }
+  echo "setup: installing $4 into .venv"
+  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps -r "$2"
+  .venv/bin/python -c "import $3" \
+    || { echo "setup: $3 does not import; see the errors above" >&2; exit 1; }
   echo "$want" > "$stamp"
   exit 0
+}
+if [[ $target == cuda ]]; then
+  add_to_venv cuda requirements/cuda-lock.txt jax_plugins.xla_cuda12 \
+    "the pinned CUDA 12 JAX runtime (GBs; minutes)"
 fi
-if [[ $target == tpu-plan ]]; then  # an addition to .venv, with its own stamp
-  [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
-  stamp=.venv/.tpu-plan-stamp
-  want=$(cat requirements/tpu-lock.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
-  [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
-  echo "setup: installing the pinned libtpu into .venv (TPU compilation for jarl plan)"
-  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
-    -r requirements/tpu-lock.txt
-  .venv/bin/python -c 'import libtpu' \
-    || { echo "setup: libtpu does not import; see the errors above" >&2; exit 1; }
-  echo "$want" > "$stamp"
-  exit 0
+if [[ $target == tpu-plan ]]; then
+  add_to_venv tpu-plan requirements/tpu-lock.txt libtpu \
+    "the pinned libtpu (TPU compilation for jarl plan)"
 fi
 case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
