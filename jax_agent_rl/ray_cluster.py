@@ -27,7 +27,9 @@ def connect(address: str) -> bool:
                 f"rollout.ray.address={address!r}: no Ray head answers there ({e})"
             ) from None
     ray.init(
-        address=None if address == "local" else address,
+        # "local" to Ray itself: a new cluster even when this machine runs one (with None, Ray
+        # joins the cluster /tmp/ray/ray_current_cluster names: another job's, or a dead one)
+        address=address,
         include_dashboard=False,
         logging_level=logging.WARNING,
         configure_logging=False,
