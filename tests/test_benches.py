@@ -176,4 +176,7 @@ def test_a_bench_ends_with_its_figures_as_one_json_line(
 
 
 def test_every_bench_is_smoked() -> None:
-    assert {p.stem for p in BENCH.glob("*.py")} == {*SMOKE, "tpu_plan"}
+    """Each file of bench/ is smoked here, or by a test of its own: tpu_plan (see above), the
+    GPU checks' dry runs (tests/test_gpu_check.py, tests/test_cuda_push_check.py)."""
+    elsewhere = {"tpu_plan", "gpu_check", "cuda_push_check"}
+    assert {p.stem for p in BENCH.glob("*.py")} == {*SMOKE, *elsewhere}

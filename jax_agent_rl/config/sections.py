@@ -107,7 +107,8 @@ class RolloutSection:
     max_model_len: int = setting(1024, COUNT)  # prompt + response tokens
     max_concurrent: int = setting(64, COUNT)  # sequences decoded together (engine slots)
     # The engine's settings below: a backend that cannot honour one refuses it when it is set
-    # away from its default (`jarl train`'s pre-run check; rollout/registry.py `unhonoured`).
+    # away from its default (`jarl train`'s pre-run check; rollout/registry.py `unhonoured`);
+    # one a backend tunes itself (vllm: prefill_chunk, steps_per_call) is noted and left.
     # the KV cache is a pool of pages of this many positions, handed out by real length and
     # shared between sequences with a common prefix (vllm: its block_size, 8 to 128)
     page_size: int = setting(32, COUNT)

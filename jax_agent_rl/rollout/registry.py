@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.stops import Decode
@@ -81,25 +81,43 @@ class BackendFactory:
     ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the rollout
     section's engine settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
     ``steps_per_call``, ``batch_buckets``) that the backend cannot honour, each with why; set
-    away from its default, one is refused before the run (`unhonoured`)."""
+    away from its default, one is refused before the run (`unhonoured`). ``self_tuned``: those
+    it does not read because it tunes them itself (speed only: what the run computes is the
+    same); set, one is noted, not refused (`tuned_by_backend`), so that a config written for
+    the embedded engine runs on this backend as it is."""
 
     build: Callable[[BackendBuild], RolloutBackend]
     check: Callable[[RolloutSection, int], list[str]] = _no_problems
     trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
     unread: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    self_tuned: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def unhonoured(rollout: RolloutSection) -> list[str]:
     """One line for each engine setting of ``rollout`` set away from its default that its
     backend cannot honour (`BackendFactory.unread`), naming the key and the backend."""
+    return [
+        f"rollout.{key}={value!r}: the {rollout.backend} backend cannot honour it ({why}); drop it"
+        for key, value, why in _set(rollout, backend_factory(rollout.backend).unread)
+    ]
+
+
+def tuned_by_backend(rollout: RolloutSection) -> list[str]:
+    """One note for each speed setting of ``rollout`` set away from its default that its
+    backend tunes itself (`BackendFactory.self_tuned`)."""
+    return [
+        f"rollout.{key}={value!r} is not read by the {rollout.backend} backend ({why})"
+        for key, value, why in _set(rollout, backend_factory(rollout.backend).self_tuned)
+    ]
+
+
+def _set(rollout: RolloutSection, keys: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     from jax_agent_rl.config import RolloutSection
 
     default = RolloutSection()
-    unread = backend_factory(rollout.backend).unread
     return [
-        f"rollout.{key}={getattr(rollout, key)!r}: the {rollout.backend} backend cannot honour "
-        f"it ({why}); drop it"
-        for key, why in unread.items()
+        (key, getattr(rollout, key), why)
+        for key, why in keys.items()
         if getattr(rollout, key) != getattr(default, key)
     ]
 

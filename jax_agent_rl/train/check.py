@@ -48,7 +48,12 @@ from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.rewards import make_reward, scored_by_fallback
-from jax_agent_rl.rollout.registry import backend_factory, backend_names, unhonoured
+from jax_agent_rl.rollout.registry import (
+    backend_factory,
+    backend_names,
+    tuned_by_backend,
+    unhonoured,
+)
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -370,20 +375,23 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
 
 
 def _notes(cfg: JarlConfig) -> list[str]:
-    """What the run will do unasked: the data sources the ``math`` fallback scores (the first
-    rows of data.train and data.val), since no reward was chosen for them."""
+    """What the run will do unasked: the speed settings its backend tunes itself, and the data
+    sources the ``math`` fallback scores (the first rows of data.train and data.val), since no
+    reward was chosen for them."""
+    notes = tuned_by_backend(cfg.rollout) if cfg.rollout.backend in backend_names() else []
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:
             sources += [s.data_source for s in _samples(key, path, cfg.agent.default_agent_loop)]
     fallback = scored_by_fallback(cfg.data, sources)
     if not fallback:
-        return []
+        return notes
     return [
+        *notes,
         f"data sources {fallback} (in the first {ROWS} rows of the data files) have no reward "
         "of their own and data.reward is unset: they are scored by the math fallback (the "
         "last <answer> or \\boxed{} against the ground truth); set data.reward or "
-        "data.rewards_by_source to choose"
+        "data.rewards_by_source to choose",
     ]
 
 

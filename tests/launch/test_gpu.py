@@ -117,7 +117,7 @@ def test_the_cuda_lock_pins_the_runtime_of_the_locked_jax() -> None:
     """requirements/cuda-lock.txt (`scripts/setup.sh cuda`) holds what jax[cuda12] asks for at
     the locked jax version: its plugin (and the plugin's PJRT, the same release)."""
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert setup.count("-r requirements/cuda-lock.txt") == 1
+    assert "add_to_venv cuda requirements/cuda-lock.txt jax_plugins.xla_cuda12" in setup
     lock = (ROOT / "requirements" / "lock.txt").read_text().splitlines()
     (jax_version,) = [line.removeprefix("jax==") for line in lock if line.startswith("jax==")]
     assert importlib.metadata.version("jax") == jax_version

@@ -482,10 +482,12 @@ FACTORY = BackendFactory(
     build=_build,
     check=_check,
     unread={
+        "batch_buckets": "vLLM batches whatever requests are running; no setting makes its "
+        "numbers independent of that",
+    },
+    self_tuned={
         "steps_per_call": "vLLM's scheduler decides the decode steps between its calls",
         "prefill_chunk": "vLLM's scheduler sizes its prefill chunks (on CPU it prefills "
         "whole prompts)",
-        "batch_buckets": "vLLM batches whatever requests are running; no setting makes its "
-        "numbers independent of that",
     },
 )
