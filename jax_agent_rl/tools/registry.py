@@ -11,6 +11,7 @@ stop reason ``tool_error``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import importlib
 import logging
@@ -62,7 +63,8 @@ class ToolRegistry:
         return sorted(self._tools)
 
     def schemas(self) -> list[dict[str, Any]]:
-        return [self._tools[n].schema for n in self.names]
+        """The tools' schemas, by name; copies (what a caller changes is not the tools')."""
+        return [copy.deepcopy(self._tools[n].schema) for n in self.names]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ToolRegistry:
@@ -134,7 +136,9 @@ def _our_tool(where: str, entry: Any) -> Tool:
     if isinstance(obj, Tool):
         if config:
             raise ValueError(f"{where}: config: {entry['class']} is a tool, not a class to build")
-        instance = obj
+        # a copy to take the schema: the module's instance is every other registry's too (the
+        # demo's shortened calculator schema once became the process's calculator schema)
+        instance = copy.copy(obj) if "schema" in entry else obj
     else:
         instance = obj(**config)
     if "schema" in entry:

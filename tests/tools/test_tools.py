@@ -177,6 +177,30 @@ def test_tools_yaml(tmp_path: Path) -> None:
         ToolRegistry.from_yaml(path)
 
 
+def test_a_schema_override_is_the_registrys_own(tmp_path: Path) -> None:
+    """A tools file that gives a module's tool instance a schema of its own (the demo's
+    shortened calculator) changes that registry's tool only: the instance every other registry
+    of the process holds keeps its schema and calls through as before; what a caller does to
+    the schemas it was given is not the registry's."""
+    before = json.dumps(calculator.schema)
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "- class: jax_agent_rl.tools.calculator:calculator\n"
+        "  schema: {type: function, function: {name: calc, description: Short.,"
+        " parameters: {type: object, properties: {expression: {type: string}}}}}\n"
+    )
+    short = ToolRegistry.from_yaml(path)
+    assert json.dumps(calculator.schema) == before and calculator.name == "calculator"
+    assert short.names == ["calc"]
+    assert short.schemas()[0]["function"]["description"] == "Short."
+    assert ToolRegistry([calculator]).schemas() == [json.loads(before)]
+    call = short.get("calc").execute(None, {"expression": "6 * 7"})
+    assert asyncio.run(call).text == "42"
+    given = short.schemas()
+    given[0]["function"]["description"] = "changed by a caller"
+    assert short.schemas()[0]["function"]["description"] == "Short."
+
+
 def test_bm25_search(tmp_path: Path) -> None:
     from jax_agent_rl.tools.search import SearchTool
 
