@@ -327,7 +327,7 @@ class Session:
         }
 
     def _end(self, stop: StopReason, text: str, finish_reason: str) -> dict[str, Any]:
-        self.stop = stop
+        self.stop = self.stop or stop  # a harness error met meanwhile stays the episode's end
         return self._reply(text, [], finish_reason)
 
     async def run_tool(self, tool_call: dict[str, Any]) -> str:

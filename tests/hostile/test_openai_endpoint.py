@@ -339,6 +339,53 @@ def test_bodies_are_bounded_in_size_time_and_number(setup: dict[str, Any]) -> No
         assert session.stop == "harness_error" and session.traj.prompt_ids == [], name
 
 
+class Held:
+    """The real backend, whose first request waits until ``release`` is set."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.capabilities = backend, backend.capabilities
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, request: Any) -> Any:
+        if not self.entered.is_set():
+            self.entered.set()
+            await self.release.wait()
+        return await self.backend.generate(request)
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+@CHATML
+def test_a_turn_ending_at_a_budget_keeps_the_harness_error_a_second_request_made(
+    setup: dict[str, Any],
+) -> None:
+    """A second request while the first is sampled ends the episode as harness_error; the
+    first, let go then, ends its turn at max_tokens_per_turn, and the episode stays a harness
+    error, which is not trained on (before: the budget's stop replaced it, a trainable end)."""
+    config = dataclasses.replace(CONFIG, max_tokens_per_turn=5)
+
+    async def go() -> tuple[Session, bytes, bytes]:
+        ctx = await _context(setup, config, None)
+        held = Held(ctx.backend)
+        ctx = dataclasses.replace(ctx, backend=held)  # type: ignore[arg-type]
+        session = _fresh(ctx, "twice")
+        body = json.dumps({"messages": PROMPT, "tools": ctx.builder.tools}).encode()
+        async with serve({"twice": session}) as base_url:
+            first = asyncio.create_task(_post(_port(base_url), "twice", body))
+            await held.entered.wait()
+            second = await _post(_port(base_url), "twice", body)
+            held.release.set()
+            answered = await first
+        await ctx.backend.close()
+        return session, second, answered
+
+    session, second, answered = asyncio.run(go())
+    assert _status(second) == 400 and b"a second request while one" in second
+    assert _status(answered) == 200 and b'"finish_reason":"length"' in answered.replace(b" ", b"")
+    assert session.finish() == "harness_error"
+
+
 @CHATML
 def test_tools_too_large_are_refused_before_rendering(setup: dict[str, Any]) -> None:
     """Tools past MAX_TOOLS_BYTES (rendering them into the prompt would stall the event loop)
