@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.config import JudgeSection, load_config
+from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
 from jax_agent_rl.rewards import Answer, Judge
@@ -214,3 +214,27 @@ def test_a_huge_response_reaches_the_judge_cut_to_its_bound(tokenizer: Tokenizer
     inside = prompt[prompt.rindex("<response>") : prompt.rindex("</response>")]
     assert len(inside) < 1100
     assert "head " in inside and " tail" in inside and "31010 characters cut" in inside
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        ("Rate it: {answer}", "cannot be filled in (KeyError: 'answer')"),
+        ('{response} Reply as JSON: {"score": N}', "cannot be filled in (KeyError: '\"score\"')"),
+        ("{response} out of {}", "cannot be filled in (IndexError"),
+        ("{response} {prompt:d}", "cannot be filled in (ValueError"),
+        ("Rate the answer to {prompt} from 0 to {score_max:g}", "has no {response}"),
+    ],
+)
+def test_a_judge_template_that_cannot_rate_an_answer_is_refused_before_a_run(
+    template: str, problem: str
+) -> None:
+    """A template filled in per answer that fails for every answer (an unknown placeholder, a
+    literal brace not doubled) or never shows the judge the answer is a config error naming
+    data.judge.template (before: each judge call failed and scored the fallback, a run of
+    zero rewards seen only in reward/judge_failures)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None, ["model.path=m", "data.train=t.jsonl", f"data.judge.template={template!r}"]
+        )
+    assert str(e.value).startswith("data.judge.template ") and problem in str(e.value)
