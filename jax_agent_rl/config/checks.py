@@ -161,6 +161,17 @@ def _judge(cfg: JarlConfig) -> str | None:
     return _judge_template(j.template)
 
 
+def _stop_strings(cfg: JarlConfig) -> str | None:
+    """An empty stop string is in every text: each turn would end at its first token (every
+    backend refuses such a request, so the run would fail only once it sampled)."""
+    if "" in cfg.agent.stop:
+        return (
+            f"agent.stop[{cfg.agent.stop.index('')}]='': an empty stop string would end every "
+            "turn at its first token; drop it"
+        )
+    return None
+
+
 _JUDGE_FIELDS = ("prompt", "response", "ground_truth", "score_max")
 
 
@@ -190,5 +201,6 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _masked_is,
     _vllm_devices,
     _tool_servers,
+    _stop_strings,
     _judge,
 )
