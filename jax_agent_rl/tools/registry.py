@@ -14,6 +14,7 @@ import asyncio
 import copy
 import dataclasses
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from jax_agent_rl.tools.base import (
     CallClock,
+    FunctionTool,
     Tool,
     ToolArgumentError,
     ToolResult,
@@ -73,7 +75,8 @@ class ToolRegistry:
         - ours, a list of ``{class: "module:attr", config: {...}, schema: {...}}``: ``attr`` is
           a `Tool` instance (``config`` must then be empty; a verl ``@function_tool`` function
           is one) or a `Tool` subclass built with ``config`` as keyword arguments; ``schema``
-          optionally replaces its schema;
+          optionally replaces its schema (a function tool's names the function's parameters,
+          every one it requires among them);
         - verl's, a mapping ``{tools: [{class_name: "pkg.mod.Class", config: {type: native,
           ...}, tool_schema: {...}}]}``: each class is a verl ``BaseTool``, built with
           ``config`` and ``tool_schema`` as verl builds it and run through `VerlTool`.
@@ -146,9 +149,26 @@ def _our_tool(where: str, entry: Any) -> Tool:
             OpenAIFunctionToolSchema.model_validate(entry["schema"])
         except ValidationError as e:
             raise ValueError(f"{where}: schema: {_problems(e)}") from e
+        if isinstance(instance, FunctionTool):
+            _fits_function(where, instance, entry["schema"])
         instance.schema = entry["schema"]
         instance.name = entry["schema"]["function"]["name"]
     return instance
+
+
+def _fits_function(where: str, t: FunctionTool, schema: dict[str, Any]) -> None:
+    """A function tool's schema override names the function's own parameters, all it
+    requires among them: else every call would fail on its arguments, each an error the
+    model reads and none the user sees."""
+    properties = (schema["function"].get("parameters") or {}).get("properties") or {}
+    signature = inspect.signature(t.fn)
+    try:
+        signature.bind(**dict.fromkeys(properties))
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: schema: its parameters {sorted(properties)} do not fit "
+            f"{t.fn.__name__}{signature} ({e})"
+        ) from None
 
 
 def _verl_tool(where: str, entry: Any) -> Tool:
