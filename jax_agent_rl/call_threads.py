@@ -91,7 +91,7 @@ def _carried(error: BaseException) -> BaseException:
     naming it, with its traceback, as Python turns a generator's `StopIteration`."""
     if isinstance(error, Exception) and not isinstance(error, StopIteration):
         return error
-    carried = RuntimeError(f"the call raised {type(error).__name__}: {error}")
+    carried = RuntimeError(f"the call raised {type(error).__name__}")  # (its text: the cause's)
     carried.__cause__ = error
     return carried.with_traceback(error.__traceback__)
 
