@@ -17,7 +17,7 @@ import importlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -240,7 +240,8 @@ class _Trajectory:
 class LocalTools:
     """A `ToolExecutor` over a registry in this process, with a per-call timeout.
 
-    A call fails (an error result) once it has run ``timeout_s`` seconds. The time it waits
+    A call fails (an error result) once it has run ``timeout_s`` seconds (one that ignores
+    its cancellation is abandoned after as long again, `_ending`). The time it waits
     its turn for a resource its tool shares (a sandbox pool's worker, `FairPool`) is not
     counted: that wait depends on the other trajectories' calls, not on this call, and the
     pool's turns bound it; one wait past ``max_wait_s`` fails the call all the same, before it
@@ -325,7 +326,7 @@ class LocalTools:
         clock = CallClock(self.timeout_s, self.max_wait_s)
         try:
             async with clock:
-                return await t.execute(state, args)
+                return await _ending(t.execute(state, args), self.timeout_s)
         except TimeoutError:
             if clock.ran_out_waiting:
                 return ToolResult(
@@ -423,3 +424,24 @@ class LocalTools:
     def expired(self) -> int:
         """How many trajectories were released for being idle too long."""
         return self._expired
+
+
+async def _ending(call: Coroutine[Any, Any, ToolResult], grace_s: float) -> ToolResult:
+    """``call`` in a task of its own, cancelled with its caller (past its `CallClock`), then
+    given ``grace_s`` to end and abandoned if it has not: a tool whose retry loop catches
+    every exception, the cancellation too, would otherwise hold its trajectory, and the step,
+    for as long as it ran (and its late result would be taken)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task}, timeout=grace_s)
+        task.add_done_callback(_taken)
+        raise
+
+
+def _taken(task: asyncio.Future[Any]) -> None:
+    """An abandoned call's outcome, read so that asyncio does not report it as never read."""
+    if not task.cancelled():
+        task.exception()
