@@ -5,7 +5,8 @@ reward functions (`jax_agent_rl.rewards`), one pool per use.
 A thread stuck inside a call cannot be stopped, only abandoned: the caller's timeout
 (``asyncio.wait_for``) cancels the wait, and the thread keeps its place in the pool until the
 call returns. So calls stuck for good hold at most ``size`` threads, and once every thread is
-held the calls waiting for one time out.
+held the calls waiting for one time out. What a call raises reaches its caller; a
+`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`_carried`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class CallThreads:
             try:
                 result, error = fn(*args), None
             except BaseException as e:
-                result, error = None, e
+                result, error = None, _carried(e)
             self._give_back()
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result, error)
@@ -81,6 +82,18 @@ class CallThreads:
         for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_wake, freed)
+
+
+def _carried(error: BaseException) -> BaseException:
+    """``error`` as the caller receives it: a `StopIteration` (which a future refuses to
+    hold: the caller would wait out its timeout) or an exception that is not an `Exception`
+    (a ``sys.exit()``, which in a thread ends only the thread) becomes a `RuntimeError`
+    naming it, with its traceback, as Python turns a generator's `StopIteration`."""
+    if isinstance(error, Exception) and not isinstance(error, StopIteration):
+        return error
+    carried = RuntimeError(f"the call raised {type(error).__name__}")  # (its text: the cause's)
+    carried.__cause__ = error
+    return carried.with_traceback(error.__traceback__)
 
 
 def _wake(freed: asyncio.Future[None]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import string
 import typing
 from collections.abc import Callable
 
@@ -157,6 +158,37 @@ def _judge(cfg: JarlConfig) -> str | None:
             f"data.judge.model_path={j.model_path!r} is read only by a separate judge: set "
             "data.judge.backend to a rollout backend (embedded, ...), or clear the path"
         )
+    return _judge_template(j.template)
+
+
+def _stop_strings(cfg: JarlConfig) -> str | None:
+    """An empty stop string is in every text: each turn would end at its first token (every
+    backend refuses such a request, so the run would fail only once it sampled)."""
+    if "" in cfg.agent.stop:
+        return (
+            f"agent.stop[{cfg.agent.stop.index('')}]='': an empty stop string would end every "
+            "turn at its first token; drop it"
+        )
+    return None
+
+
+_JUDGE_FIELDS = ("prompt", "response", "ground_truth", "score_max")
+
+
+def _judge_template(template: str) -> str | None:
+    """A judge template that fills in whatever the answer: every placeholder one of
+    ``_JUDGE_FIELDS``, ``{response}`` among them. (Filled in per answer, a template that does
+    not fit would fail every judge call, each scored as the fallback: a run of zeros.)"""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        template.format(prompt="", response="", ground_truth="", score_max=10.0)
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
+        return (
+            f"data.judge.template cannot be filled in ({type(e).__name__}: {e}): its "
+            f"placeholders are {{{'}, {'.join(_JUDGE_FIELDS)}}}, literal braces doubled"
+        )
+    if "response" not in fields:
+        return "data.judge.template has no {response}: the judge would never see the answer"
     return None
 
 
@@ -169,5 +201,6 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _masked_is,
     _vllm_devices,
     _tool_servers,
+    _stop_strings,
     _judge,
 )

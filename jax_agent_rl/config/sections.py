@@ -165,7 +165,7 @@ class AgentSection:
     # cut before it is tokenized (a marker says where; counted in cut_observations)
     max_observation_chars: int = setting(65536, COUNT)
     parser: str = "hermes"  # hermes | llama3_json | python_tag | tool_tag | fenced_python
-    # strings that end a model turn where its text first holds one (SkyRL's
+    # strings (non-empty) that end a model turn where its text first holds one (SkyRL's
     # generator.sampling_params.stop, e.g. [</search>, </answer>]): the turn keeps the tokens
     # up to the one that completes it (vLLM's include_stop_str_in_output), rollout/stops.py
     stop: list[str] = dataclasses.field(default_factory=list)

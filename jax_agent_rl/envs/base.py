@@ -34,10 +34,11 @@ and not trained on; an environment that never says done is ended by the loop's b
 Two limits of Python are worked around rather than removed: a thread stuck inside an environment
 cannot be stopped, only abandoned (it keeps its place in the pool until it returns, so
 environments stuck for good hold at most ``env.max_threads`` threads, and once every thread is
-held the calls waiting for one time out); and an ``async`` method that blocks (a ``time.sleep``,
-a synchronous request) holds the whole event loop while it blocks, which no timeout can
-interrupt: such a call is still refused once it returns past its timeout, and the fix is to
-make the method synchronous, so that it runs in a thread.
+held the calls waiting for one time out; an ``async`` call past its timeout is cancelled, and
+abandoned if it does not end at that, `_within`); and an ``async`` method that blocks (a
+``time.sleep``, a synchronous request) holds the whole event loop while it blocks, which no
+timeout can interrupt: such a call is still refused once it returns past its timeout, and the
+fix is to make the method synchronous, so that it runs in a thread.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import dataclasses
 import inspect
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
 
 from jax_agent_rl.call_threads import CallThreads
@@ -235,7 +236,7 @@ class GuardedEnvironment:
         start = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(method):
-                out = await asyncio.wait_for(method(*args), self.timeout_s)
+                out = await _within(method(*args), self.timeout_s)
             else:
                 out = await asyncio.wait_for(self.threads.run(method, *args), self.timeout_s)
         except TimeoutError as e:
@@ -265,3 +266,28 @@ class GuardedEnvironment:
 
     async def close(self) -> None:
         await self._call("close")
+
+
+async def _within(call: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+    """``call`` awaited for at most ``timeout_s``, else a TimeoutError: it is cancelled then,
+    given as long again to end, and abandoned if it has not (a retry loop that catches every
+    exception, the cancellation too, would hold its episode, and so the step, for as long as
+    it runs: `asyncio.wait_for` waits for the cancelled call to end)."""
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            task.cancel()
+            await asyncio.wait({task}, timeout=timeout_s)
+            task.add_done_callback(_taken)
+            raise TimeoutError
+    except asyncio.CancelledError:  # the episode itself was cancelled: so is its call
+        task.cancel()
+        raise
+    return task.result()
+
+
+def _taken(task: asyncio.Future[Any]) -> None:
+    """An abandoned call's outcome, read so that asyncio does not report it as never read."""
+    if not task.cancelled():
+        task.exception()

@@ -12,8 +12,9 @@ the answer is data the judge cannot mistake for its prompt (`response_block`):
 
 - it sits between ``<response>`` and ``</response>``, and its own spellings of those
   delimiters and of the score tag are escaped (``&lt;/response>``, and ``&lt;\\/response>``
-  for the "/" escaped as JSON writes it): it can neither close the block (and add a forged
-  "Reference answer" line after it) nor hand the judge a score tag;
+  for the "/" escaped as JSON writes it), in any characters NFKC folds to them (fullwidth
+  ``＜／ｒｅｓｐｏｎｓｅ＞``, mathematical letters): it can neither close the block (and add a
+  forged "Reference answer" line after it) nor hand the judge a score tag;
 - special-token spellings in it (``<|im_start|>``) are encoded as plain text
   (`Tokenizer.encode_text`), never as the tokens: it cannot open turns of its own;
 - invisible characters (Unicode tag characters, zero-width ones, `visible.INVISIBLE`) are
@@ -48,6 +49,7 @@ import collections
 import hashlib
 import itertools
 import re
+import unicodedata
 from collections.abc import Callable
 
 from jax_agent_rl.config import JudgeSection
@@ -58,9 +60,9 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import without_invisible
 
 _SCORE = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
-# what opens a delimiter or a score tag: "<", fullwidth or small "<", then "response"/"score",
-# its "/" also as JSON and JavaScript escape it ("<\/response>")
-_TAG = re.compile(r"[<\uff1c\ufe64](?=\s*\\?/?\s*(?:response|score))", re.IGNORECASE)
+# what opens a delimiter or a score tag, in text folded by `_folded`: "<", then
+# "response"/"score", its "/" also as JSON and JavaScript escape it ("<\/response>")
+_TAG = re.compile(r"<(?=\s*\\?/?\s*(?:response|score))", re.IGNORECASE)
 _CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat
 
 
@@ -92,7 +94,21 @@ def response_block(text: str, max_chars: int) -> str:
     if len(text) > max_chars:
         head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
         text = f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[tail:]}"
-    return f"<response>\n{_TAG.sub('&lt;', text)}\n</response>"
+    opens = set(_tag_openings(text))
+    escaped = "".join("&lt;" if i in opens else c for i, c in enumerate(text))
+    return f"<response>\n{escaped}\n</response>"
+
+
+def _tag_openings(text: str) -> list[int]:
+    """Where in ``text`` a ``<response``/``<score`` tag opens, each character read as NFKC
+    folds it: a fullwidth ``＜／ｒｅｓｐｏｎｓｅ＞``, a small ``﹤`` or mathematical letters spell
+    the same delimiter to a reader as ``</response>`` does."""
+    folded, at = [], []
+    for i, c in enumerate(text):
+        f = unicodedata.normalize("NFKC", c)
+        folded.append(f)
+        at += [i] * len(f)
+    return [at[m.start()] for m in _TAG.finditer("".join(folded))]
 
 
 def judge_prompt(section: JudgeSection, answer: Answer) -> str:

@@ -21,9 +21,9 @@ A user function is called in the form its signature accepts:
 - else ours, ``fn(text, ground_truth)``, called positionally (verl's per-dataset scorers such as
   ``gsm8k.compute_score(solution_str, ground_truth)`` fit it).
 
-It returns a number, or (as verl allows) a dict whose ``score`` is the number; the other keys
-of such a dict are not recorded. Anything else, and a reward that is not finite, is an error
-naming the config key.
+It returns a number (a bool, NumPy's too, is 0 or 1), or (as verl allows) a dict whose
+``score`` is the number; the other keys of such a dict are not recorded. Anything else, and a
+reward that is not finite, is an error naming the config key.
 
 Which reward scores a row (`make_reward`), as verl picks one: its source's entry in
 ``data.rewards_by_source``, else ``data.reward`` when set (it overrides every other source, as
@@ -62,6 +62,8 @@ import math
 import numbers
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
@@ -102,10 +104,18 @@ class RewardError(ValueError):
 
 
 def checked_reward(value: Any, source: str) -> float:
-    """``value`` as a float if it is a real number, finite, within ``MAX_ABS_REWARD``; else a
-    `RewardError` naming ``source`` (what gave it)."""
+    """``value`` as a float if it is a real number (a NumPy bool counts, as a Python bool
+    does: ``np.isclose`` gives one), finite, within ``MAX_ABS_REWARD``; else a `RewardError`
+    naming ``source`` (what gave it)."""
+    if isinstance(value, np.bool_):
+        value = bool(value)
+    if not isinstance(value, numbers.Real):
+        raise RewardError(
+            f"{source} gave reward {_shown(value)}, a {type(value).__name__}: expected a "
+            "number (an int or a float)"
+        )
     try:  # (an int past float's range, 10**400, does not convert: OverflowError)
-        finite = isinstance(value, numbers.Real) and math.isfinite(float(value))
+        finite = math.isfinite(float(value))
     except OverflowError:
         finite = False
     if not finite:

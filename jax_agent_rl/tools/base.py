@@ -3,7 +3,8 @@ tools whose state lives for a whole trajectory.
 
 ``@tool`` turns a function (sync or async) into a `FunctionTool`; its schema comes from the
 signature (types) and a Google-style docstring (description and ``Args:``). A sync function
-runs in a worker thread, never on the event loop. A stateful `Tool` has ``create`` (once per
+runs in a thread of a bounded pool (`TOOL_THREADS`), never on the event loop nor in its default
+executor. A stateful `Tool` has ``create`` (once per
 trajectory, on first use, with the sample's create kwargs), ``execute`` (per call) and
 ``release`` (always, also when the trajectory fails); a tool holding resources of its own (a
 process pool, a client) frees them in ``close``. Every call returns a `ToolResult`: the text
@@ -22,6 +23,7 @@ import asyncio
 import collections
 import contextvars
 import dataclasses
+import functools
 import inspect
 import re
 import threading
@@ -29,6 +31,8 @@ import types
 import typing
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar
+
+from jax_agent_rl.call_threads import CallThreads
 
 JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -365,6 +369,13 @@ def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str
     }
 
 
+# The threads of synchronous function tools, every registry's of the process: a call past its
+# timeout is abandoned with its thread (a thread cannot be stopped), which keeps its place
+# until the call returns. Calls stuck for good so hold this pool at most, never the event
+# loop's default executor, which the learner's steps and the judge wait on.
+TOOL_THREADS = CallThreads(32, "tool-call")
+
+
 class FunctionTool(Tool):
     """A stateless tool around one function; its return value becomes the result text (or a
     returned `ToolResult` is used as is). ``schema`` replaces the one inferred from ``fn``."""
@@ -381,10 +392,12 @@ class FunctionTool(Tool):
         self._is_async = inspect.iscoroutinefunction(fn)
 
     async def call(self, arguments: dict[str, Any]) -> Any:
-        """What the function returns for ``arguments`` (a sync one runs in a worker thread)."""
+        """What the function returns for ``arguments`` (a sync one runs in a thread of
+        `TOOL_THREADS`)."""
         if self._is_async:
             return await typing.cast(Callable[..., Awaitable[Any]], self.fn)(**arguments)
-        return await asyncio.to_thread(self.fn, **arguments)
+        call = functools.partial(self.fn, **arguments)
+        return await TOOL_THREADS.run(contextvars.copy_context().run, call)  # as to_thread
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del state

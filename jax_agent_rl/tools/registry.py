@@ -14,9 +14,10 @@ import asyncio
 import copy
 import dataclasses
 import importlib
+import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 from jax_agent_rl.tools.base import (
     CallClock,
+    FunctionTool,
     Tool,
     ToolArgumentError,
     ToolResult,
@@ -73,7 +75,8 @@ class ToolRegistry:
         - ours, a list of ``{class: "module:attr", config: {...}, schema: {...}}``: ``attr`` is
           a `Tool` instance (``config`` must then be empty; a verl ``@function_tool`` function
           is one) or a `Tool` subclass built with ``config`` as keyword arguments; ``schema``
-          optionally replaces its schema;
+          optionally replaces its schema (a function tool's names the function's parameters,
+          every one it requires among them);
         - verl's, a mapping ``{tools: [{class_name: "pkg.mod.Class", config: {type: native,
           ...}, tool_schema: {...}}]}``: each class is a verl ``BaseTool``, built with
           ``config`` and ``tool_schema`` as verl builds it and run through `VerlTool`.
@@ -146,9 +149,26 @@ def _our_tool(where: str, entry: Any) -> Tool:
             OpenAIFunctionToolSchema.model_validate(entry["schema"])
         except ValidationError as e:
             raise ValueError(f"{where}: schema: {_problems(e)}") from e
+        if isinstance(instance, FunctionTool):
+            _fits_function(where, instance, entry["schema"])
         instance.schema = entry["schema"]
         instance.name = entry["schema"]["function"]["name"]
     return instance
+
+
+def _fits_function(where: str, t: FunctionTool, schema: dict[str, Any]) -> None:
+    """A function tool's schema override names the function's own parameters, all it
+    requires among them: else every call would fail on its arguments, each an error the
+    model reads and none the user sees."""
+    properties = (schema["function"].get("parameters") or {}).get("properties") or {}
+    signature = inspect.signature(t.fn)
+    try:
+        signature.bind(**dict.fromkeys(properties))
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: schema: its parameters {sorted(properties)} do not fit "
+            f"{t.fn.__name__}{signature} ({e})"
+        ) from None
 
 
 def _verl_tool(where: str, entry: Any) -> Tool:
@@ -220,7 +240,8 @@ class _Trajectory:
 class LocalTools:
     """A `ToolExecutor` over a registry in this process, with a per-call timeout.
 
-    A call fails (an error result) once it has run ``timeout_s`` seconds. The time it waits
+    A call fails (an error result) once it has run ``timeout_s`` seconds (one that ignores
+    its cancellation is abandoned after as long again, `_ending`). The time it waits
     its turn for a resource its tool shares (a sandbox pool's worker, `FairPool`) is not
     counted: that wait depends on the other trajectories' calls, not on this call, and the
     pool's turns bound it; one wait past ``max_wait_s`` fails the call all the same, before it
@@ -305,7 +326,7 @@ class LocalTools:
         clock = CallClock(self.timeout_s, self.max_wait_s)
         try:
             async with clock:
-                return await t.execute(state, args)
+                return await _ending(t.execute(state, args), self.timeout_s)
         except TimeoutError:
             if clock.ran_out_waiting:
                 return ToolResult(
@@ -403,3 +424,24 @@ class LocalTools:
     def expired(self) -> int:
         """How many trajectories were released for being idle too long."""
         return self._expired
+
+
+async def _ending(call: Coroutine[Any, Any, ToolResult], grace_s: float) -> ToolResult:
+    """``call`` in a task of its own, cancelled with its caller (past its `CallClock`), then
+    given ``grace_s`` to end and abandoned if it has not: a tool whose retry loop catches
+    every exception, the cancellation too, would otherwise hold its trajectory, and the step,
+    for as long as it ran (and its late result would be taken)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task}, timeout=grace_s)
+        task.add_done_callback(_taken)
+        raise
+
+
+def _taken(task: asyncio.Future[Any]) -> None:
+    """An abandoned call's outcome, read so that asyncio does not report it as never read."""
+    if not task.cancelled():
+        task.exception()

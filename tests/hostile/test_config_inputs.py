@@ -95,6 +95,9 @@ CONFIGS = {
     "alias bomb": (ALIAS_BOMB, [], "YAML node expansion exceeds the configured limit"),
     "missing file": (None, [], "does not exist"),
     "out of range": (None, ["rollout.top_p=0"], "rollout.top_p=0.0: expected in (0, 1]"),
+    # in every text: each turn would end at its first token (before: accepted, and every
+    # request of the run refused once it sampled)
+    "empty stop string": (None, ["agent.stop=[</search>, '']"], "agent.stop[1]='': an empty"),
 }
 
 

@@ -181,6 +181,58 @@ def test_a_native_environment_is_held_to_the_step_timeout() -> None:
     assert "x.step blocked the event loop" in _step(AsyncEnv("blocks"))
 
 
+class StubbornEnv:
+    """A native environment whose step retries whatever stops it, its cancellation too (a
+    retry loop catching every exception), until ``released`` is set or BOUND_S have passed."""
+
+    turns, owns_reward = "all", True
+    BOUND_S = 30.0
+
+    def __init__(self) -> None:
+        self.released, self.ended = asyncio.Event(), asyncio.Event()
+        self.cancelled = 0
+
+    async def reset(self, sample: Sample) -> list[dict]:
+        return [dict(m) for m in sample.messages]
+
+    async def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del text, messages
+        for _ in range(2):
+            try:
+                await asyncio.wait_for(self.released.wait(), self.BOUND_S)
+                break
+            except BaseException:  # the cancellation too: the stubborn loop under test
+                self.cancelled += 1
+        self.ended.set()
+        return EnvStep([], reward=1.0, done=True)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_native_environment_that_ignores_its_cancellation_is_abandoned_at_the_timeout() -> None:
+    """Its step is cancelled at env.step_timeout_s, ignores it, and the episode ends then with
+    an EnvError naming the timeout (before: the loop waited for the step to end however long
+    it ran, and then called it an async method that blocked the event loop)."""
+    env = StubbornEnv()
+
+    async def go() -> str:
+        made = _environments(env, 0.05).make(_sample())
+        assert made is not None
+        await made.reset(_sample())
+        try:
+            await made.step("move", [])
+            return "ok"
+        except EnvError as e:
+            return str(e)
+        finally:
+            env.released.set()  # the abandoned step ends
+            await env.ended.wait()
+
+    assert "x.step took longer than env.step_timeout_s=0.05s" in asyncio.run(go())
+    assert env.cancelled == 1
+
+
 @pytest.mark.parametrize("kind", ["none", "bytes", "int", "bad_reward"])
 def test_malformed_observations_and_rewards_are_refused_naming_the_environment(
     kind: str,

@@ -21,7 +21,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import prepare
 from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step
-from jax_agent_rl.rewards import Answer, load_reward
+from jax_agent_rl.rewards import Answer, RewardError, load_reward
 from jax_agent_rl.rl import core
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import Tokenizer
@@ -42,6 +42,17 @@ def nan_score(text: str, ground_truth: Any) -> float:
 def huge_score(text: str, ground_truth: Any) -> float:
     del text, ground_truth
     return 1e308
+
+
+def close_enough(text: str, ground_truth: Any) -> Any:
+    """Whether the answer is the number, as NumPy says: a NumPy bool."""
+    return np.isclose(float(text), float(ground_truth))
+
+
+def mean_of_one(text: str, ground_truth: Any) -> Any:
+    """A NumPy array of no dimensions: not a number."""
+    del text, ground_truth
+    return np.array(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +164,15 @@ def test_an_environment_step_reward_is_a_finite_number_in_range() -> None:
         with pytest.raises(EnvError, match=problem):
             checked_step({"observations": [], "reward": reward, "done": True}, "env")
     assert checked_step(EnvStep([], -1e6, True), "env").reward == -1e6
+
+
+def test_a_numpy_bool_is_a_reward_as_a_python_bool_is() -> None:
+    """``np.isclose``'s answer scores as ``True`` does (before: every row was a reward error
+    saying np.True_ is "not a finite number"); a value that is no number is named by its type."""
+    close = load_reward(f"{HERE}:close_enough", "data.reward")
+    assert (close("s", "5.0", "5", {}), close("s", "4", "5", {})) == (1.0, 0.0)
+    array = load_reward(f"{HERE}:mean_of_one", "data.reward")
+    with pytest.raises(
+        RewardError, match=r"gave reward array\(1\.\), a ndarray: expected a number"
+    ):
+        array("s", "5", "5", {})

@@ -9,6 +9,7 @@ Every wait is on an event, bounded; no test reads the clock."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -50,6 +51,19 @@ def blocking(text: str, ground_truth: Any) -> float:
         EVENTS["entered"].set()
         return float(EVENTS["release"].wait(BOUND_S))
     return 1.0
+
+
+def first_over_five(text: str, ground_truth: Any) -> float:
+    """1 for the answer "quick"; for "slow", the first number over 5 of none: the
+    `StopIteration` of a `next` left without a default."""
+    del ground_truth
+    return 1.0 if text == "quick" else next(x for x in [1.0, 2.0] if x > 5)
+
+
+def exiting(text: str, ground_truth: Any) -> float:
+    """1 for the answer "quick"; for "slow", ``sys.exit``."""
+    del ground_truth
+    return 1.0 if text == "quick" else sys.exit("no answer")
 
 
 def _score(tokenizer: Tokenizer, overrides: list[str], releaser: bool) -> list[Trajectory]:
@@ -101,4 +115,22 @@ def test_a_reward_that_never_returns_ends_only_its_episode(tokenizer: Tokenizer)
     error = str(slow.error)
     assert "data.reward_timeout_s=0.2s" in error and f"data.reward='{HERE}:blocking'" in error
     assert "row 'row_slow'" in error
+    assert (quick.reward, quick.stop_reason, quick.success) == (1.0, "eos", True)
+
+
+@pytest.mark.parametrize(
+    ("reward", "raised"), [("first_over_five", "StopIteration"), ("exiting", "SystemExit")]
+)
+def test_a_reward_raising_what_a_thread_cannot_pass_on_ends_only_its_episode(
+    tokenizer: Tokenizer, reward: str, raised: str
+) -> None:
+    """A reward raising StopIteration (which an asyncio future refuses to hold) or SystemExit
+    (which in a thread ends only that thread) ends its episode with reward_error naming it and
+    the function at once (before: StopIteration was lost, and the episode waited out
+    data.reward_timeout_s to be named a slow reward; SystemExit ended the run)."""
+    overrides = [f"data.reward={HERE}:{reward}", f"data.reward_timeout_s={BOUND_S}"]
+    slow, quick = _score(tokenizer, overrides, releaser=False)
+    assert slow.stop_reason == "reward_error" and slow.reward == 0.0 and not slow.success
+    error = str(slow.error)
+    assert raised in error and f"in {reward} " in error and "reward_timeout_s" not in error
     assert (quick.reward, quick.stop_reason, quick.success) == (1.0, "eos", True)

@@ -148,7 +148,7 @@ def test_bad_reward_names_the_key_and_what_is_accepted(spec: str) -> None:
     ("name", "problem"),
     [
         ("bad_dict", r"returned a dict without a 'score' key \(keys: \['acc'\]\)"),
-        ("a_string", r"gave reward 'high': not a finite number"),
+        ("a_string", r"gave reward 'high', a str: expected a number \(an int or a float\)"),
         ("not_a_number", r"gave reward nan: not a finite number"),
     ],
 )

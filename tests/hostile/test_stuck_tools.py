@@ -1,0 +1,93 @@
+"""Tools that never return on some input (a service that never answers, a pathological
+expression), which a policy finds and calls again and again: each call ends at its timeout as
+an error result. A synchronous one's threads left running inside the function (a thread
+cannot be stopped) hold the tools' own bounded pool, never the event loop's default executor,
+which the learner's steps and the judge wait on; an async one that ignores its cancellation
+is abandoned.
+
+Every wait is on an event, bounded; no test reads the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from jax_agent_rl.tools.base import tool
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+
+BOUND_S = 30.0  # how long the test waits for work on the default executor (it fails past it)
+RELEASE = threading.Event()
+
+
+@tool
+def lookup(query: str) -> str:
+    """Look a query up in a service that never answers.
+
+    Args:
+        query: what to look up.
+    """
+    del query
+    RELEASE.wait(2 * BOUND_S)  # (the test releases it at its end)
+    return "found"
+
+
+def test_stuck_tool_calls_leave_the_default_executor_to_the_rest_of_the_run() -> None:
+    """40 stuck calls (more than any default executor's 32 threads) time out as error results;
+    then work sent to the default executor still runs (before: it waited for ever)."""
+
+    async def go() -> tuple[list[str], str]:
+        tools = LocalTools(ToolRegistry([lookup]), timeout_s=0.01)
+        calls = [tools.call(f"t{i}", "lookup", {"query": "x"}) for i in range(40)]
+        results = [r.text for r in await asyncio.gather(*calls)]
+        ran = await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), BOUND_S)
+        return results, ran
+
+    try:
+        results, ran = asyncio.run(go())
+        assert results == ["error: lookup timed out after 0.01s"] * 40
+        assert ran == "ran"
+    finally:
+        RELEASE.set()  # the stuck threads return, and end
+
+
+class Retrying:
+    """An async tool whose retry loop catches whatever stops it, its cancellation too, until
+    the test releases it (or 2 x BOUND_S pass)."""
+
+    def __init__(self) -> None:
+        self.released, self.ended = asyncio.Event(), asyncio.Event()
+        self.cancelled = 0
+
+    async def fetch(self, url: str) -> str:
+        """Fetch a page, retrying whatever fails.
+
+        Args:
+            url: the page.
+        """
+        del url
+        for _ in range(2):
+            try:
+                await asyncio.wait_for(self.released.wait(), 2 * BOUND_S)
+                break
+            except BaseException:  # the cancellation too: the retry loop under test
+                self.cancelled += 1
+        self.ended.set()
+        return "page"
+
+
+def test_an_async_tool_that_ignores_its_cancellation_is_abandoned_at_the_timeout() -> None:
+    """Its call is an error result at the tool timeout (before: the call ran on, however
+    long, and its late result was taken as the tool's answer)."""
+    retrying = Retrying()
+    fetch = tool(retrying.fetch, name="fetch")
+
+    async def go() -> str:
+        tools = LocalTools(ToolRegistry([fetch]), timeout_s=0.01)
+        try:
+            return (await tools.call("t", "fetch", {"url": "x"})).text
+        finally:
+            retrying.released.set()  # the abandoned call ends
+            await retrying.ended.wait()
+
+    assert asyncio.run(go()) == "error: fetch timed out after 0.01s"
+    assert retrying.cancelled == 1
