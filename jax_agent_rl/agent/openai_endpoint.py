@@ -170,6 +170,13 @@ class Session:
 
     async def _complete(self, body: Any) -> dict[str, Any]:
         messages, tools = check_request(body)
+        # every message renders at least one token (its role's marker): more messages than
+        # max_model_len cannot fit, and comparing or rendering them held the event loop
+        if len(messages) > self.ctx.config.max_model_len:
+            raise HarnessError(
+                f"the request's {len(messages)} messages cannot fit rollout.max_model_len="
+                f"{self.ctx.config.max_model_len} tokens (each takes one at least)"
+            )
         if self.conversation is None:
             self._start(messages, tools)
         else:

@@ -5,7 +5,8 @@ in the model's text, outside ``<think>`` blocks. `math_equal` first drops LaTeX 
 change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``/``\\tfrac`` read as
 ``\\frac``, whitespace, a trailing period), then compares two answers as numbers when both parse
 (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
-``%``), up to a relative tolerance of 1e-6; otherwise as lower-cased strings.
+``%``), whole numbers exactly, others up to a relative tolerance of 1e-6; otherwise as
+lower-cased strings.
 
 `gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
 wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
@@ -87,11 +88,19 @@ def math_equal(predicted: str | None, truth: str | float | int, rel_tol: float =
     a_text, b_text = _normalise(predicted), _normalise(str(truth))
     a, b = parse_number(a_text), parse_number(b_text)
     if a is not None and b is not None:
+        if _integer(a) and _integer(b):  # whole numbers are equal or not: 1000001 is no 1000000
+            return a == b
         try:
             return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
         except OverflowError:  # a fraction past float's range ("1" and 400 zeros): exact
             return a == b
     return a_text == b_text
+
+
+def _integer(value: Fraction | float) -> bool:
+    if isinstance(value, Fraction):
+        return value.denominator == 1
+    return math.isfinite(value) and value.is_integer()  # 1e6, 1.000001e6
 
 
 def math_reward(text: str, ground_truth: str | float | int) -> float:

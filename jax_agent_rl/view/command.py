@@ -49,10 +49,15 @@ def write_view(run_dir: Path, out: Path, steps: str | None = None, last: int = 5
 
 
 def view_server(
-    run_dir: Path, port: int = 0, steps: str | None = None, last: int = 50
+    run_dir: Path,
+    port: int = 0,
+    steps: str | None = None,
+    last: int = 50,
+    idle_timeout_s: float = 30.0,
 ) -> http.server.ThreadingHTTPServer:
     """A server (bound, not yet serving) of the page (built once) and the plots on 127.0.0.1;
-    any other Host than its own address gets 400."""
+    any other Host than its own address gets 400; a connection that sends nothing for
+    ``idle_timeout_s`` is closed (each holds a thread)."""
     data = _run_data(run_dir, steps, last)
     files = {f"/{PAGE}": (render_page(data).encode(), "text/html; charset=utf-8")}
     files["/"] = files[f"/{PAGE}"]
@@ -62,6 +67,8 @@ def view_server(
     hosts: set[str] = set()  # this server's own addresses, once it is bound
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = idle_timeout_s  # on the socket: a read waiting longer ends the connection
+
         def do_GET(self) -> None:
             if self.headers.get("Host") not in hosts:
                 self.send_error(400, "Host is not this server's loopback address")

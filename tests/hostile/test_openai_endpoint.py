@@ -339,6 +339,30 @@ def test_bodies_are_bounded_in_size_time_and_number(setup: dict[str, Any]) -> No
         assert session.stop == "harness_error" and session.traj.prompt_ids == [], name
 
 
+@CHATML
+def test_more_messages_than_the_context_holds_are_refused_before_rendering(
+    setup: dict[str, Any],
+) -> None:
+    """A 4 MB request of empty messages passes the size limits; more messages than
+    max_model_len tokens (one each at least) cannot fit: 400 before they are compared or
+    rendered (before: the template rendered 140k messages on the event loop, seconds each)."""
+
+    async def go() -> tuple[Session, bytes]:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "many")
+        messages = [{"role": "user", "content": ""}] * (CONFIG.max_model_len + 1)
+        body = json.dumps({"messages": messages}).encode()
+        async with serve({"many": session}) as base_url:
+            answer = await _post(_port(base_url), "many", body)
+        await ctx.backend.close()
+        return session, answer
+
+    session, answer = asyncio.run(go())
+    assert _status(answer) == 400
+    assert f"{CONFIG.max_model_len + 1} messages cannot fit".encode() in answer
+    assert session.finish() == "harness_error" and session.traj.prompt_ids == []
+
+
 class Held:
     """The real backend, whose first request waits until ``release`` is set."""
 

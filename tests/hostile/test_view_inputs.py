@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import sys
 import threading
 import unicodedata
@@ -96,6 +97,22 @@ def test_the_served_view_refuses_a_host_other_than_its_own_loopback_address(
             "",
         ):
             assert _get(port, host) == 400, host
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_connection_that_sends_nothing_is_closed(tmp_path: Path) -> None:
+    """Each connection holds a thread of the server: one that never sends its request is
+    closed past the idle timeout (before: held for good, a thread each)."""
+    (tmp_path / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    server = view_server(tmp_path, idle_timeout_s=0.05)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(server.server_address[:2]) as idle:
+            idle.settimeout(60.0)  # a bound for a server that never closes it
+            assert idle.recv(1) == b""  # closed by the server, nothing sent
     finally:
         server.shutdown()
         server.server_close()

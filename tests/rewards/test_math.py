@@ -41,6 +41,11 @@ def test_extract(text: str, answer: str | None) -> None:
         ("0.333", "1/3", False),
         ("0.33333333", "1/3", True),  # within the documented 1e-6 relative tolerance
         ("41", "42", False),
+        # whole numbers are compared exactly: the tolerance would take 1000001 for 1000000
+        ("1000001", "1000000", False),
+        ("1.000001e6", "1000000", False),
+        ("1e6", "1,000,000", True),
+        ("123456789012345678", "123456789012345679", False),
         ("x + 1", "x+1", True),
         (None, "1", False),
         # MATH-style LaTeX that does not change the value
