@@ -30,6 +30,7 @@ scores, no reward being chosen for them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 import sys
@@ -111,6 +112,11 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     if cfg.rollout.backend in backend_names():
         problems += unhonoured(cfg.rollout)
         problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
+    judge = cfg.data.judge.backend
+    if judge not in ("policy", cfg.rollout.backend) and judge in backend_names():
+        # a separate judge's engine takes rollout.*'s settings on a backend of its own
+        as_judge = dataclasses.replace(cfg.rollout, backend=judge)
+        problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model = attempt(lambda: _model(cfg.model.path))
     if model is not None:
         joined = jax.process_count() == processes

@@ -311,6 +311,14 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
         assert line in err.splitlines(), err
     main([*argv, "rollout.backend=jetstream", "--dry-run"])
     assert "honour" not in capsys.readouterr().err
+    # a separate judge on vLLM runs rollout.*'s engine settings too
+    judge = ["data.judge.backend=vllm", f"data.judge.model_path={files.config.parent}"]
+    assert main([*argv, *judge, "--dry-run"]) == 2
+    assert (
+        "jarl: data.judge.backend=vllm: rollout.batch_buckets=False: the vllm backend cannot "
+        "honour it (vLLM batches whatever requests are running; no setting makes its numbers "
+        "independent of that); drop it"
+    ) in capsys.readouterr().err.splitlines()
 
 
 def test_a_harness_is_resolved_before_the_run(
