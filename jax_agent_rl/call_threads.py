@@ -99,3 +99,10 @@ def _carried(error: BaseException) -> BaseException:
 def _wake(freed: asyncio.Future[None]) -> None:
     if not freed.done():
         freed.set_result(None)
+
+
+def abandoned(task: asyncio.Future[Any]) -> None:
+    """Done-callback of a call given up on (past its timeout, after its cancellation's
+    grace): reads its outcome, so that asyncio does not report it as never read."""
+    if not task.cancelled():
+        task.exception()

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
 
-from jax_agent_rl.call_threads import CallThreads
+from jax_agent_rl.call_threads import CallThreads, abandoned
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
@@ -279,15 +279,9 @@ async def _within(call: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
         if not done:
             task.cancel()
             await asyncio.wait({task}, timeout=timeout_s)
-            task.add_done_callback(_taken)
+            task.add_done_callback(abandoned)
             raise TimeoutError
     except asyncio.CancelledError:  # the episode itself was cancelled: so is its call
         task.cancel()
         raise
     return task.result()
-
-
-def _taken(task: asyncio.Future[Any]) -> None:
-    """An abandoned call's outcome, read so that asyncio does not report it as never read."""
-    if not task.cancelled():
-        task.exception()

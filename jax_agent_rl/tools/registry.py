@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
+from jax_agent_rl.call_threads import abandoned
 from jax_agent_rl.tools.base import (
     CallClock,
     FunctionTool,
@@ -437,11 +438,5 @@ async def _ending(call: Coroutine[Any, Any, ToolResult], grace_s: float) -> Tool
     except asyncio.CancelledError:
         task.cancel()
         await asyncio.wait({task}, timeout=grace_s)
-        task.add_done_callback(_taken)
+        task.add_done_callback(abandoned)
         raise
-
-
-def _taken(task: asyncio.Future[Any]) -> None:
-    """An abandoned call's outcome, read so that asyncio does not report it as never read."""
-    if not task.cancelled():
-        task.exception()
