@@ -86,10 +86,11 @@ class CallThreads:
 
 def _carried(error: BaseException) -> BaseException:
     """``error`` as the caller receives it: a `StopIteration` (which a future refuses to
-    hold: the caller would wait out its timeout) or an exception that is not an `Exception`
-    (a ``sys.exit()``, which in a thread ends only the thread) becomes a `RuntimeError`
-    naming it, with its traceback, as Python turns a generator's `StopIteration`."""
-    if isinstance(error, Exception) and not isinstance(error, StopIteration):
+    hold: the caller would wait out its timeout) or a ``sys.exit()`` (which in a thread ends
+    only the thread) becomes a `RuntimeError` naming it, with its traceback, as Python turns a
+    generator's `StopIteration`. Anything else, an exception that is not an `Exception`
+    included (what a broken host raises), reaches the caller as it is."""
+    if not isinstance(error, (StopIteration, SystemExit)):
         return error
     carried = RuntimeError(f"the call raised {type(error).__name__}")  # (its text: the cause's)
     carried.__cause__ = error
