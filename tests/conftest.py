@@ -3,8 +3,17 @@ memorised model as a session fixture (several modules drive it; training it take
 
 import os
 import pickle
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's programs persist between the suite's processes (xdist workers, `jarl train` runs,
+# multi-process runs, Ray actors: they inherit this environment), so the same program compiles
+# once per suite rather than in every process. JAX keys an entry on the program, its compile
+# options, the devices and jaxlib's version; the size bound also makes writers take a file lock.
+# Tests that count compilations count programs loaded from it too (tests/programs.py).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache/xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax
 

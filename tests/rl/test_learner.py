@@ -43,6 +43,7 @@ from jax_agent_rl.rl.update import (
 )
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.train.traces import trace_index
+from tests.programs import programs_built
 
 CFG = ModelConfig.from_hf(TINY["qwen2"])
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -522,15 +523,7 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> No
     params = init_params(jax.random.key(6), CFG)
     algo = dataclasses.replace(ALGO, mini_batches=2)
     learner = _learner(algo, params, sharder, micro_batch_size=4, reference=params)
-    compiles: list[str] = []
-
-    def on_event(event: str, duration: float, **kwargs: object) -> None:
-        del duration, kwargs
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with programs_built() as compiles:
         per_step, reals = [], []
         # 70 to 150 trajectories of up to 40 tokens, in rows of 48: 6 to 8 real micro-batches
         # per mini-batch (8 slots), then 12 and 13 (16 slots)
@@ -543,8 +536,6 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> No
             per_step.append(len(compiles) - before)
             reals.append(real)
             assert np.isfinite(metrics["loss"]) and metrics["kl_loss"] >= 0
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert len(set(reals[:4])) > 1  # the first four differ in real micro-batches, not shapes
     assert per_step[0] > 0 and per_step[1:4] == [0, 0, 0]
     assert per_step[4] > 0 and per_step[5] == 0  # a larger step: one more shape, once
