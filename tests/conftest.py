@@ -1,21 +1,34 @@
 """Test setup: 8 fake CPU devices (so sharding code really runs), and the agent-loop tests'
 memorised model as a session fixture (several modules drive it; training it takes minutes)."""
 
+import hashlib
 import os
 import pickle
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _cpu_kind() -> str:
+    """The host CPU's model and instruction-set flags, hashed: XLA:CPU compiles for the host's
+    features (AMX, AVX-512...), which the compilation cache's key does not hold, so a cache
+    left by another CPU (a checkout moved between machines) is not read."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    kind = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(kind).encode()).hexdigest()[:12]
+
+
 # XLA's programs persist between the suite's processes (xdist workers, `jarl train` runs,
 # multi-process runs, Ray actors: they inherit this environment), so the same program compiles
 # once per suite rather than in every process. JAX keys an entry on the program, its compile
 # options, the devices and jaxlib's version; the size bound also makes writers take a file lock.
 # Tests that count compilations count programs loaded from it too (tests/programs.py).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache/xla"))
+_CACHE = Path(__file__).parents[1] / ".cache" / f"xla-{_cpu_kind()}"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 # Start the backend now, so that a later `request_cpu_devices` (`jarl train`, the demo) in a
