@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
-from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
+from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.paged import PAGE_AXES, decode_steps, paged_attention
+from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
