@@ -22,6 +22,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import (
     CheckpointError,
@@ -343,6 +344,21 @@ def test_sharded_forward_equals_unsharded() -> None:
     assert len(sharded.sharding.device_set) == 8
     np.testing.assert_array_equal(ids, ids_local)
     assert np.abs(np.asarray(sharded) - np.asarray(local)).max() <= 1e-5
+
+
+def test_tiny_moe_preset_loads_here_and_in_transformers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert main(["checkpoint", "make", "--out", str(ckpt), "--preset", "tiny-moe"]) == 0
+    assert "qwen3_moe checkpoint" in capsys.readouterr().out
+    cfg, w = load_hf(ckpt)
+    assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert cfg.moe_layers == (True, False, True)
+    tokens, mask, positions = _batch(cfg.vocab_size)
+    ref = _hf_logits(ckpt, tokens, mask, positions)
+    logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
+    assert np.abs(logits - ref)[mask.astype(bool)].max() <= TOL
 
 
 # ------------------------------------------------------------------------------------ engine
