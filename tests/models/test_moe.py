@@ -11,6 +11,8 @@ error far above the tolerance (another expert's output), never be absorbed by it
 import asyncio
 import dataclasses
 import json
+import os
+import re
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from jax_agent_rl.cli import main
@@ -30,6 +33,7 @@ from jax_agent_rl.models import (
     Sharder,
     UnsupportedConfigError,
     Weights,
+    abstract_params,
     forward,
     init_pages,
     init_params,
@@ -390,3 +394,37 @@ def test_engine_greedy_tokens_equal_transformers_generate(checkpoints: dict[bool
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps
             )
         assert list(result.token_ids) == new[0, len(prompt) :].tolist()
+
+
+def test_loss_and_gradient_compile_for_tpu_with_experts_sharded() -> None:
+    """The training forward's loss and gradient with the experts' ids returned, compiled on
+    this CPU host for an abstract TPU v5e 2x2 (fsdp 2 x tensor 2): the experts' weights split
+    over fsdp, and their matmuls stay grouped: TPU ragged-dot kernels (a dense all-experts
+    einsum would show none)."""
+    # libtpu takes a lock per host unless told that several processes may load it (compiling
+    # only, no chip is touched)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    sharder = Sharder(make_mesh(fsdp=2, tensor=2, devices=topology.devices))
+    # head dim 128, as the TPU attention kernel reads it
+    cfg = dataclasses.replace(ModelConfig.from_hf(TINY_MOE), head_dim=128, dtype="bfloat16")
+    rows, T = 4, 256
+
+    def loss(w: Weights, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+        positions = jnp.broadcast_to(jnp.arange(T), tokens_bt.shape)
+        h, ids = forward(
+            w, cfg, tokens_bt, positions, segment_ids_bt, sharder, return_expert_ids=True
+        )
+        return jnp.mean(lm_logits(w, h)) + 0 * ids.sum()
+
+    params = abstract_params(cfg, sharder)
+    assert params.layers.expert_gate.sharding.spec == PartitionSpec(None, "fsdp", None, "tensor")
+    batch = jax.ShapeDtypeStruct(
+        (rows, T), jnp.int32, sharding=sharder.sharding(("batch", "seq"), (rows, T))
+    )
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(params, batch, batch).compile().as_text()
+    call = r"%(ragged-dot-none)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\""
+    # gate, up and down, and their inputs' gradients in the backward
+    assert len(re.findall(call, hlo)) == 6
