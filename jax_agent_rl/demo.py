@@ -145,9 +145,10 @@ def write_model(
     save_hf(folder, cfg, init_params(jax.random.key(seed), cfg))
 
 
-# `jarl checkpoint make`'s models: the demo's, and a larger one of the same layout (~25M
-# parameters with its 4k-token vocabulary), both reading contexts as long as a real
-# checkpoint's (configs/gsm8k_tools_qwen2.5.yaml's rollout.max_model_len is 4096)
+# `jarl checkpoint make`'s models: the demo's, a larger one of the same layout (~25M
+# parameters with its 4k-token vocabulary) and a Qwen3-MoE of the demo's size, all reading
+# contexts as long as a real checkpoint's (configs/gsm8k_tools_qwen2.5.yaml's
+# rollout.max_model_len is 4096)
 PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabulary to train)
     "tiny": ({**MODEL, "max_position_embeddings": 8192}, 2048),
     "small": (
@@ -161,6 +162,20 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabu
             "max_position_embeddings": 8192,
         },
         4096,
+    ),
+    # the tiny model's size as a Qwen3-MoE: 8 experts, 2 per token; layer 1 a dense MLP
+    "tiny-moe": (
+        {
+            **MODEL,
+            "model_type": "qwen3_moe",
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "max_position_embeddings": 8192,
+        },
+        2048,
     ),
 }
 

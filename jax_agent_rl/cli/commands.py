@@ -460,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="a new (or empty) folder to write")
     p.add_argument(
         "--preset",
-        choices=["tiny", "small"],
+        choices=["tiny", "small", "tiny-moe"],
         default="tiny",
-        help="tiny: the demo's model (~0.8M parameters); small: ~25M parameters",
+        help="tiny: the demo's model (~0.8M parameters); small: ~25M parameters; tiny-moe: a "
+        "Qwen3-MoE of tiny's size (8 experts, 2 per token, one dense layer)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
     p.set_defaults(func=_checkpoint_make)

@@ -1,11 +1,9 @@
-"""The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3): config, weights, forward, checkpoints."""
+"""The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
+checkpoints."""
 
 from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
-from jax_agent_rl.models.config import (
-    Llama3RopeScaling,
-    ModelConfig,
-    UnsupportedConfigError,
-)
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.decoder import (
     KVPages,
     Layer,
@@ -21,6 +19,7 @@ from jax_agent_rl.models.decoder import (
     param_shardings,
     param_specs,
 )
+from jax_agent_rl.models.rope import Llama3RopeScaling
 from jax_agent_rl.models.sharding import (
     MESH_AXES,
     Sharder,

@@ -1,13 +1,18 @@
 """HF safetensors <-> `Weights`, through one declarative table.
 
-Each `TensorRule` names an HF tensor (``{i}`` stands for the layer index), the `Weights` field
-it fills, and its layout:
+Each `TensorRule` names an HF tensor (``{i}`` stands for the layer index, ``{e}`` for the
+expert's), the `Weights` field it fills, the layers that hold it, and its layout:
 
 - ``copy``: same shape on both sides (embeddings, norms);
 - ``flat``: HF keeps it flat, we split heads (biases: [H*K] -> [H, K]);
 - ``linear``: an ``nn.Linear`` weight [out, in]; we store [in..., out...], so import is
   transpose + reshape and export the reverse. ``in_axes`` says how many of our leading
   (per-layer) dimensions form HF's ``in``.
+
+Qwen3-MoE: HF stores each expert's projections on their own (``mlp.experts.{e}.gate_proj``,
+as transformers' ``save_pretrained`` writes them); we stack them on an expert axis
+(`jax_agent_rl.models.moe`). A sparse layer has the router and experts, a dense one the dense
+MLP; the set a layer lacks is zeros on our side.
 
 Import checks every tensor's name, dtype and shape from the safetensors headers before it reads
 any data; a missing, unexpected or duplicated HF tensor is an error that names it, and so is a
@@ -39,6 +44,7 @@ from jax_agent_rl.models.decoder import Layer, Weights, param_shardings, param_s
 from jax_agent_rl.models.sharding import Sharder
 
 Layout = Literal["copy", "flat", "linear"]
+Kind = Literal["every", "dense", "sparse"]  # the layers that hold a tensor
 
 
 class CheckpointError(ValueError):
@@ -51,6 +57,7 @@ class TensorRule:
     ours: str  # a Weights field, or "layers.<Layer field>" for per-layer tensors
     layout: Layout = "copy"
     in_axes: int = 1
+    kind: Kind = "every"
 
 
 _RULES = (
@@ -68,9 +75,28 @@ _RULES = (
     TensorRule("model.layers.{i}.self_attn.q_norm.weight", "layers.q_norm"),
     TensorRule("model.layers.{i}.self_attn.k_norm.weight", "layers.k_norm"),
     TensorRule("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm"),
-    TensorRule("model.layers.{i}.mlp.gate_proj.weight", "layers.gate", "linear"),
-    TensorRule("model.layers.{i}.mlp.up_proj.weight", "layers.up", "linear"),
-    TensorRule("model.layers.{i}.mlp.down_proj.weight", "layers.down", "linear"),
+    TensorRule("model.layers.{i}.mlp.gate_proj.weight", "layers.gate", "linear", kind="dense"),
+    TensorRule("model.layers.{i}.mlp.up_proj.weight", "layers.up", "linear", kind="dense"),
+    TensorRule("model.layers.{i}.mlp.down_proj.weight", "layers.down", "linear", kind="dense"),
+    TensorRule("model.layers.{i}.mlp.gate.weight", "layers.router", "linear", kind="sparse"),
+    TensorRule(
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+        "layers.expert_gate",
+        "linear",
+        kind="sparse",
+    ),
+    TensorRule(
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+        "layers.expert_up",
+        "linear",
+        kind="sparse",
+    ),
+    TensorRule(
+        "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        "layers.expert_down",
+        "linear",
+        kind="sparse",
+    ),
 )
 
 
@@ -100,8 +126,12 @@ def to_hf(rule: TensorRule, y: Any) -> Any:
     return np.ascontiguousarray(hf) if isinstance(hf, np.ndarray) else hf
 
 
-def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tuple[int, ...]]]:
-    """(HF name, rule, layer index or None, our per-layer shape) for every tensor of ``cfg``."""
+Index = tuple[int, ...]  # where a tensor goes in our stacked array: (layer,) or (layer, expert)
+
+
+def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, Index, tuple[int, ...]]]:
+    """(HF name, rule, index in our array (empty for a whole one), the tensor's shape on our
+    side) for every tensor of ``cfg``."""
     specs = param_specs(cfg)
     for rule in _RULES:
         path = rule.ours.split(".")
@@ -109,10 +139,16 @@ def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, int | None, tu
         if spec is None:
             continue
         if len(path) == 1:
-            yield rule.hf, rule, None, spec.shape
-        else:
-            for i in range(cfg.num_layers):
-                yield rule.hf.format(i=i), rule, i, spec.shape[1:]
+            yield rule.hf, rule, (), spec.shape
+            continue
+        for i, sparse in enumerate(cfg.moe_layers):
+            if rule.kind != "every" and (rule.kind == "sparse") != sparse:
+                continue
+            if "{e}" not in rule.hf:
+                yield rule.hf.format(i=i), rule, (i,), spec.shape[1:]
+                continue
+            for e in range(cfg.num_experts):
+                yield rule.hf.format(i=i, e=e), rule, (i, e), spec.shape[2:]
 
 
 def _shard(folder: Path, name: object) -> Path:
@@ -302,15 +338,15 @@ def load_hf(
 
     stacked: dict[str, np.ndarray] = {}
     specs = param_specs(cfg)
-    for name, rule, layer, shape in entries:
+    for name, rule, index, shape in entries:
         y = to_ours(rule, read(name), shape).astype(np_dtype)
-        if layer is None:
+        if not index:
             stacked[rule.ours] = y
         else:
-            if rule.ours not in stacked:
+            if rule.ours not in stacked:  # zeros: a mixed MoE model's unused set stays so
                 full = getattr(specs.layers, rule.ours.split(".")[1]).shape
-                stacked[rule.ours] = np.empty(full, np_dtype)
-            stacked[rule.ours][layer] = y
+                stacked[rule.ours] = np.zeros(full, np_dtype)
+            stacked[rule.ours][index] = y
     if tied_head:
         head = read("lm_head.weight").astype(np_dtype)
         if not np.array_equal(head, stacked["embed"]):
@@ -335,10 +371,10 @@ def hf_tensors(
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor of ``weights`` under its HF name and layout, in the model dtype: host
     numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push)."""
-    for name, rule, layer, _ in _entries(cfg):
+    for name, rule, index, _ in _entries(cfg):
         path = rule.ours.split(".")
         value = getattr(weights, path[0]) if len(path) == 1 else getattr(weights.layers, path[1])
-        arr = value if layer is None else value[layer]
+        arr = value[index] if index else value
         yield name, to_hf(rule, arr if on_device else np.asarray(jax.device_get(arr)))
 
 

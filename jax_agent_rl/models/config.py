@@ -4,13 +4,17 @@ One frozen, hashable dataclass (`ModelConfig`) describes every supported checkpo
 static argument of every jitted model function. `ModelConfig.from_hf` is strict: a field that
 would change the forward pass and that this decoder does not implement is an error naming it,
 and so is a field it has never heard of, so a new architecture never loads silently wrong.
+
+``qwen3_moe`` (Qwen3-MoE) is Qwen3 with a sparse MLP in some layers: a router picks
+``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``
+per token. Layer i is sparse unless it is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+multiple of ``decoder_sparse_step``; the others are dense MLPs of ``intermediate_size``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -18,8 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_agent_rl.files import regular_file
+from jax_agent_rl.models.config_checks import (
+    UnsupportedConfigError,
+    check_positive,
+    check_size,
+    flag,
+    shown,
+)
+from jax_agent_rl.models.rope import MAX_POSITIONS, Llama3RopeScaling, rope_from_hf
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 DType = Literal["float32", "bfloat16"]
 
 # model_type -> (q/k/v bias by default, q/k RMSNorm)
@@ -27,7 +39,9 @@ _FAMILIES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
 }
+_MOE_FAMILIES = frozenset({"qwen3_moe"})
 
 # Fields that describe the checkpoint or the HF runtime but do not change the forward pass.
 _METADATA_FIELDS = frozenset(
@@ -54,6 +68,21 @@ _METADATA_FIELDS = frozenset(
         "torch_dtype",
         "transformers_version",
         "use_cache",
+    }
+)
+# Qwen3-MoE's fields. ``output_router_logits`` only makes HF return the router's logits;
+# ``num_experts`` is also spelt ``num_local_experts`` (transformers >= 5 writes that one).
+_MOE_FIELDS = frozenset(
+    {
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "router_aux_loss_coef",
+        "output_router_logits",
     }
 )
 # Fields that change the forward pass; each is either read into ModelConfig or checked below.
@@ -97,12 +126,16 @@ _SIZE_BOUNDS: dict[str, tuple[str, int]] = {
     "num_heads": ("num_attention_heads", 1024),
     "num_kv_heads": ("num_key_value_heads", 1024),
     "head_dim": ("head_dim", 1024),
-    "max_position_embeddings": ("max_position_embeddings", 1 << 24),
+    "max_position_embeddings": ("max_position_embeddings", MAX_POSITIONS),
 }
-
-
-class UnsupportedConfigError(ValueError):
-    """An HF config field (named in the message) that this decoder cannot honour."""
+# the same for Qwen3-MoE's sizes, checked when the family has experts (DeepSeek-V3: 256
+# experts of 8 per token; Qwen3-235B-A22B: 128 of 8)
+_MOE_BOUNDS: dict[str, tuple[str, int]] = {
+    "num_experts": ("num_experts", 1 << 14),
+    "num_experts_per_tok": ("num_experts_per_tok", 1 << 14),
+    "moe_intermediate_size": ("moe_intermediate_size", 1 << 20),
+    "decoder_sparse_step": ("decoder_sparse_step", 1024),
+}
 
 
 # The smallest normal float32 (and bfloat16): a smaller rms_norm_eps is flushed to zero on
@@ -112,72 +145,12 @@ _MIN_EPS = 2.0**-126
 _MAX_THETA = float(np.finfo(np.float32).max)
 
 
-def _shown(value: object, limit: int = 60) -> str:
-    """``value``'s repr for a one-line message, cut to ``limit`` characters."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long for Python to print
-        return f"<a {type(value).__name__} too long to print>"
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _check_size(key: str, value: object, bound: int) -> int:
-    """``value`` as a size: a whole number (not a bool) from 1 to ``bound``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-        raise UnsupportedConfigError(
-            f"{key}={_shown(value)} is not a size this decoder accepts: expected a whole number "
-            f"from 1 to {bound}"
-        )
-    return value
-
-
-def _check_positive(key: str, value: object, above: float = 0.0, below: float = math.inf) -> float:
-    """``value`` as a float: a finite number (not a bool) above ``above`` and below ``below``."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        x = float(value) if abs(value) < 1e308 else math.inf
-        if math.isfinite(x) and above < x < below:
-            return x
-    limit = "" if below == math.inf else f" and below {below:g}"
-    raise UnsupportedConfigError(
-        f"{key}={_shown(value)}: expected a finite number above {above:g}{limit}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency-dependent RoPE scaling (``rope_type: llama3``)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        for name, value in _llama3_values("rope_parameters", dataclasses.asdict(self)).items():
-            object.__setattr__(self, name, value)
-
-
-def _llama3_values(key: str, values: dict[str, Any]) -> dict[str, Any]:
-    """`Llama3RopeScaling`'s fields checked, the factors as floats; errors name ``key.field``."""
-    out = dict(values)
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):  # stored as floats
-        out[name] = _check_positive(f"{key}.{name}", values[name])
-    low, high = out["low_freq_factor"], out["high_freq_factor"]
-    if high <= low:  # the smooth interpolation divides by their difference
-        raise UnsupportedConfigError(
-            f"{key}.high_freq_factor={high} must exceed low_freq_factor={low}"
-        )
-    _check_size(
-        f"{key}.original_max_position_embeddings",
-        values["original_max_position_embeddings"],
-        _SIZE_BOUNDS["max_position_embeddings"][1],
-    )
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """One Llama 3 / Qwen2 / Qwen3 architecture; ``dtype`` is the parameter and compute dtype."""
+    """One Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE architecture; ``dtype`` is the parameter and
+    compute dtype. The MoE fields (module docstring) keep their defaults in the dense families.
+    ``router_aux_loss_coef`` is HF's weight of the load-balancing loss in its training loss:
+    carried so that an exported checkpoint states it; no loss of ours reads it yet."""
 
     family: Family
     vocab_size: int
@@ -194,16 +167,23 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 32768
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
     dtype: DType = "float32"
 
     def __post_init__(self) -> None:
         for field, (key, bound) in _SIZE_BOUNDS.items():
-            _check_size(key if key == field else f"{key} ({field})", getattr(self, field), bound)
+            check_size(key if key == field else f"{key} ({field})", getattr(self, field), bound)
         # stored as floats (config.json may write 10000 for 10000.0)
-        eps = _check_positive("rms_norm_eps", self.rms_norm_eps, above=_MIN_EPS, below=1.0)
+        eps = check_positive("rms_norm_eps", self.rms_norm_eps, above=_MIN_EPS, below=1.0)
         object.__setattr__(self, "rms_norm_eps", eps)
         # theta <= 1 would make RoPE's wavelengths shrink (or stay) along the head: no model has
-        theta = _check_positive("rope_theta", self.rope_theta, above=1.0, below=_MAX_THETA)
+        theta = check_positive("rope_theta", self.rope_theta, above=1.0, below=_MAX_THETA)
         object.__setattr__(self, "rope_theta", theta)
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
@@ -214,6 +194,60 @@ class ModelConfig:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.dtype not in ("float32", "bfloat16"):
             raise UnsupportedConfigError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE fields: all sizes for a MoE family, all at their defaults for a dense one."""
+        if self.family not in _MOE_FAMILIES:
+            dense = ModelConfig.__dataclass_fields__
+            set_fields = [
+                f
+                for f in (*_MOE_BOUNDS, "norm_topk_prob", "mlp_only_layers", "router_aux_loss_coef")
+                if getattr(self, f) != dense[f].default
+            ]
+            if set_fields:
+                raise UnsupportedConfigError(
+                    f"{set_fields} are Qwen3-MoE fields; a {self.family} model has no experts"
+                )
+            return
+        for field, (key, bound) in _MOE_BOUNDS.items():
+            check_size(key, getattr(self, field), bound)
+        if self.num_experts_per_tok > self.num_experts:
+            raise UnsupportedConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}"
+            )
+        if not isinstance(self.norm_topk_prob, bool):
+            raise UnsupportedConfigError(
+                f"norm_topk_prob={shown(self.norm_topk_prob)}: expected true or false"
+            )
+        layers = self.mlp_only_layers
+        if (
+            not isinstance(layers, tuple)
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+            or not all(0 <= i < self.num_layers for i in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            raise UnsupportedConfigError(
+                f"mlp_only_layers={shown(layers)}: expected distinct layer indices from 0 to "
+                f"{self.num_layers - 1}"
+            )
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < 1e6:
+            raise UnsupportedConfigError(
+                f"router_aux_loss_coef={shown(coef)}: expected a number from 0 to 1e6"
+            )
+        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the sparse one (HF's ``Qwen3MoeDecoderLayer`` rule)."""
+        return tuple(
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
 
     @property
     def jnp_dtype(self) -> Any:
@@ -227,23 +261,29 @@ class ModelConfig:
             attn += hk * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hk
-        per_layer = attn + 3 * d * f + 2 * d
+        sparse = sum(self.moe_layers)
+        moe = d * self.num_experts + 3 * self.num_experts * d * self.moe_intermediate_size
+        per_layer = attn + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.num_layers * per_layer + self.vocab_size * d + head + d
+        mlps = (self.num_layers - sparse) * 3 * d * f + sparse * moe
+        return self.num_layers * per_layer + mlps + self.vocab_size * d + head + d
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: DType = "float32") -> ModelConfig:
         """Builds the config from a parsed HF ``config.json``; raises on anything unsupported."""
         if not isinstance(hf, dict):
             raise UnsupportedConfigError(
-                f"expected a JSON object of config fields, got the {type(hf).__name__} {_shown(hf)}"
+                f"expected a JSON object of config fields, got the {type(hf).__name__} {shown(hf)}"
             )
         model_type = hf.get("model_type")
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise UnsupportedConfigError(
-                f"model_type={_shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"
+                f"model_type={shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"
             )
-        unknown = sorted(set(hf) - _METADATA_FIELDS - _MODEL_FIELDS)
+        allowed = _METADATA_FIELDS | _MODEL_FIELDS
+        if model_type in _MOE_FAMILIES:
+            allowed |= _MOE_FIELDS
+        unknown = sorted(set(hf) - allowed)
         if unknown:
             raise UnsupportedConfigError(
                 f"unknown {model_type} config field(s) {unknown}: refusing to guess their effect"
@@ -258,7 +298,7 @@ class ModelConfig:
             not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)
         ):
             raise UnsupportedConfigError(
-                f"layer_types={_shown(layer_types)}: only a list of 'full_attention'"
+                f"layer_types={shown(layer_types)}: only a list of 'full_attention'"
             )
         required = (
             "vocab_size",
@@ -271,8 +311,8 @@ class ModelConfig:
             if field not in hf:
                 raise UnsupportedConfigError(f"config.json lacks the required field {field!r}")
         # sizes are checked by __post_init__; these two first, as head_dim may derive from them
-        hidden = _check_size("hidden_size", hf["hidden_size"], _SIZE_BOUNDS["hidden_size"][1])
-        num_heads = _check_size(
+        hidden = check_size("hidden_size", hf["hidden_size"], _SIZE_BOUNDS["hidden_size"][1])
+        num_heads = check_size(
             "num_attention_heads", hf["num_attention_heads"], _SIZE_BOUNDS["num_heads"][1]
         )
         head_dim = hf.get("head_dim")
@@ -283,7 +323,7 @@ class ModelConfig:
                     "and config.json gives no head_dim"
                 )
             head_dim = hidden // num_heads
-        theta, scaling = _rope(hf)
+        theta, scaling = rope_from_hf(hf)
         num_kv_heads = hf.get("num_key_value_heads")  # null or absent: one per attention head
         return cls(
             family=cast(Family, model_type),  # one of _FAMILIES, checked above
@@ -297,10 +337,11 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_embeddings=_flag(hf, "tie_word_embeddings", False),
-            qkv_bias=_flag(hf, "attention_bias", default_bias),
+            tie_embeddings=flag(hf, "tie_word_embeddings", False),
+            qkv_bias=flag(hf, "attention_bias", default_bias),
             qk_norm=qk_norm,
             max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            **(_moe_fields(hf) if model_type in _MOE_FAMILIES else {}),
             dtype=dtype,
         )
 
@@ -333,6 +374,7 @@ class ModelConfig:
             "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
         }
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -354,6 +396,16 @@ class ModelConfig:
             "hidden_act": "silu",
             "dtype": self.dtype,
         }
+        if self.family in _MOE_FAMILIES:
+            hf.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+            )
         if self.family != "qwen2":  # Qwen2's bias is fixed by the architecture, not a field
             hf["attention_bias"] = self.qkv_bias
         elif not self.qkv_bias:
@@ -361,102 +413,36 @@ class ModelConfig:
         return hf
 
 
-def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
-    value = hf.get(field, default)
-    if not isinstance(value, bool):
-        raise UnsupportedConfigError(f"{field}={_shown(value)}: expected true or false")
-    return value
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's fields of ``hf`` as `ModelConfig` keywords (checked by its
+    ``__post_init__``): the three sizes are required, the rest default as in HF."""
+    experts = {f: hf[f] for f in ("num_experts", "num_local_experts") if f in hf}
+    if len(experts) == 2 and hf["num_experts"] != hf["num_local_experts"]:
+        raise UnsupportedConfigError(
+            f"num_experts={shown(hf['num_experts'])} and num_local_experts="
+            f"{shown(hf['num_local_experts'])} disagree: give one"
+        )
+    for field in ("num_experts_per_tok", "moe_intermediate_size"):
+        if field not in hf:
+            raise UnsupportedConfigError(f"config.json lacks the required field {field!r}")
+    if not experts:
+        raise UnsupportedConfigError("config.json lacks the required field 'num_experts'")
+    layers = hf.get("mlp_only_layers", [])
+    if not isinstance(layers, list):
+        raise UnsupportedConfigError(f"mlp_only_layers={shown(layers)}: expected a list")
+    return {
+        "num_experts": next(iter(experts.values())),
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": flag(hf, "norm_topk_prob", False),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(layers),
+        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+    }
 
 
 def _require(hf: dict[str, Any], field: str, expected: object) -> None:
     if field in hf and hf[field] is not None and hf[field] != expected:
         raise UnsupportedConfigError(
-            f"{field}={_shown(hf[field])} is not supported (only {expected!r})"
+            f"{field}={shown(hf[field])} is not supported (only {expected!r})"
         )
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """Reads RoPE from either layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (older checkpoints). Errors name the field as config.json spells it; both
-    layouts given must agree, and so must ``rope_type`` and its older spelling ``type``."""
-    for field in ("rope_parameters", "rope_scaling"):
-        if not isinstance(hf.get(field, {}), dict | None):
-            raise UnsupportedConfigError(
-                f"{field}={_shown(hf[field])}: expected a JSON object or null"
-            )
-    given = {f: _rope_fields(f, hf[f]) for f in ("rope_parameters", "rope_scaling") if hf.get(f)}
-    for field, params in given.items():
-        if params.get("rope_type", "default") not in ("default", "llama3"):
-            raise UnsupportedConfigError(
-                f"{field}.rope_type={_shown(params['rope_type'])} is not supported (only "
-                "'default', 'llama3')"
-            )
-    if len(given) == 2:
-        new, old = given.values()
-        clash = sorted(k for k in old if new.get(k, old) != old[k])  # (old: absent from new)
-        if clash:
-            raise UnsupportedConfigError(
-                f"rope_parameters and rope_scaling disagree on {_shown(clash)}: give one"
-            )
-    field = next(iter(given), "rope_parameters")
-    params = dict(given.get(field, {}))
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    if hf.get("rope_theta", theta) != theta:
-        raise UnsupportedConfigError(
-            f"rope_theta={_shown(hf['rope_theta'])} and {field}.rope_theta={_shown(theta)} "
-            "disagree: give one"
-        )
-    rope_type = params.pop("rope_type", "default")
-    if rope_type == "default":
-        if params:  # partial_rotary_factor, mrope_section, ...: each changes the forward pass
-            raise UnsupportedConfigError(
-                f"{field}: fields {_shown(sorted(params))} are not supported with "
-                "rope_type 'default'"
-            )
-        return theta, None
-    fields = {f.name for f in dataclasses.fields(Llama3RopeScaling)}
-    extra, missing = sorted(set(params) - fields), sorted(fields - set(params))
-    if extra or missing:
-        raise UnsupportedConfigError(
-            f"{field}: llama3 rope scaling: unexpected fields {extra}, missing fields {missing}"
-        )
-    return theta, Llama3RopeScaling(**_llama3_values(field, params))
-
-
-def _rope_fields(field: str, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` with the older ``type`` read as ``rope_type`` (both given must agree)."""
-    out = dict(params)
-    if "type" in out:
-        older = out.pop("type")
-        if out.setdefault("rope_type", older) != older:
-            raise UnsupportedConfigError(
-                f"{field}.rope_type={_shown(out['rope_type'])} and {field}.type="
-                f"{_shown(older)} disagree: give one"
-            )
-    return out
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], float32, as HF computes them.
-
-    Default: ``1 / theta ** (2i / d)``. Llama 3 scaling divides the low frequencies (wavelength
-    above ``L / low_freq_factor``, ``L`` the original context) by ``factor``, keeps the high ones
-    (wavelength below ``L / high_freq_factor``) and interpolates smoothly in between.
-    """
-    d = cfg.head_dim
-    inv = (1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))).astype(
-        np.float32
-    )
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    wavelen = 2 * math.pi / inv
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)

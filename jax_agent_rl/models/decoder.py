@@ -1,9 +1,10 @@
-"""The Llama 3 / Qwen2 / Qwen3 decoder as plain functions over pytrees.
+"""The Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE decoder as plain functions over pytrees.
 
 Shapes use these letters: B batch, T query tokens, S key positions, D hidden size,
 H query heads, G kv heads, R = H // G query heads per kv head, K head dim, F MLP size,
-V vocab, L layers, P pages of a KV pool, J (row, page) pairs. Layers are stacked on a
-leading L axis and run under ``lax.scan``.
+V vocab, L layers, P pages of a KV pool, J (row, page) pairs, E experts, M expert MLP size.
+Layers are stacked on a leading L axis and run under ``lax.scan``. Qwen3-MoE's sparse MLP
+and its weights' layout are in `jax_agent_rl.models.moe`.
 
 Every parameter is declared once, in `param_specs` (shape, logical axes, initializer); init,
 shardings, checkpoint import/export and weight sync all derive from that tree.
@@ -14,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
-from jax_agent_rl.models.config import ModelConfig, rope_inv_freq
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
 from jax_agent_rl.models.paged import PAGE_AXES, decode_steps, paged_attention
+from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -47,9 +50,13 @@ class Layer:
     v: Any  # [L, D, G, K]
     o: Any  # [L, H, K, D]
     mlp_norm: Any  # [L, D]
-    gate: Any  # [L, D, F]
-    up: Any  # [L, D, F]
-    down: Any  # [L, F, D]
+    gate: Any = None  # [L, D, F]     (a dense layer in the config)
+    up: Any = None  # [L, D, F]
+    down: Any = None  # [L, F, D]
+    router: Any = None  # [L, D, E]   (a sparse layer in the config: `moe`)
+    expert_gate: Any = None  # [L, E, D, M]
+    expert_up: Any = None  # [L, E, D, M]
+    expert_down: Any = None  # [L, E, M, D]
     q_bias: Any = None  # [L, H, K]      (qkv_bias)
     k_bias: Any = None  # [L, G, K]
     v_bias: Any = None  # [L, G, K]
@@ -117,9 +124,14 @@ def param_specs(cfg: ModelConfig) -> Weights:
     """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`)."""
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    E, M = cfg.num_experts, cfg.moe_intermediate_size
+    dense, sparse = not all(cfg.moe_layers), any(cfg.moe_layers)
 
     def p(shape: tuple[int, ...], axes: tuple[str, ...], init: Initializer = _normal) -> ParamSpec:
         return ParamSpec(shape, axes, init)
+
+    def expert(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec | None:
+        return p((L, E, *shape), ("layers", "experts", *axes)) if sparse else None
 
     layers = Layer(
         attn_norm=p((L, D), ("layers", "embed"), _ones),
@@ -128,9 +140,13 @@ def param_specs(cfg: ModelConfig) -> Weights:
         v=p((L, D, G, K), ("layers", "embed", "kv_heads", "head_dim")),
         o=p((L, H, K, D), ("layers", "heads", "head_dim", "embed")),
         mlp_norm=p((L, D), ("layers", "embed"), _ones),
-        gate=p((L, D, F), ("layers", "embed", "mlp")),
-        up=p((L, D, F), ("layers", "embed", "mlp")),
-        down=p((L, F, D), ("layers", "mlp", "embed")),
+        gate=p((L, D, F), ("layers", "embed", "mlp")) if dense else None,
+        up=p((L, D, F), ("layers", "embed", "mlp")) if dense else None,
+        down=p((L, F, D), ("layers", "mlp", "embed")) if dense else None,
+        router=p((L, D, E), ("layers", "expert_embed", "experts")) if sparse else None,
+        expert_gate=expert((D, M), ("expert_embed", "expert_mlp")),
+        expert_up=expert((D, M), ("expert_embed", "expert_mlp")),
+        expert_down=expert((M, D), ("expert_mlp", "expert_embed")),
         q_bias=p((L, H, K), ("layers", "heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
         k_bias=p((L, G, K), ("layers", "kv_heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
         v_bias=p((L, G, K), ("layers", "kv_heads", "head_dim"), _zeros) if cfg.qkv_bias else None,
@@ -525,6 +541,36 @@ def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
     return matmul("nf,fd->nd", jax.nn.silu(gate) * up, lw.down).reshape(B, T, D)
 
 
+def _attend(
+    cfg: ModelConfig,
+    lw: Layer,
+    x_btd: jax.Array,
+    positions_bt: jax.Array,
+    attn: Callable[..., jax.Array],
+) -> jax.Array:
+    """``x_btd`` plus the layer's attention: ``attn`` of the queries [B, T, H, K] and the
+    chunk's keys and values [B, T, G, K]."""
+    with jax.named_scope("attention"):
+        h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lw, h, positions_bt)
+        return x_btd + matmul("bthk,hkd->btd", attn(q, k, v), lw.o)
+
+
+def _mlp_block(
+    cfg: ModelConfig,
+    sharder: Sharder | None,
+    lw: Layer,
+    x_btd: jax.Array,
+    sparse: bool | jax.Array,
+    given_btk: jax.Array | None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``x_btd`` plus the layer's MLP, and the experts its tokens chose (`mlp_of_kind`)."""
+    with jax.named_scope("mlp"):
+        h = rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps)
+        out, ids = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp)
+    return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), ids
+
+
 def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return x if sharder is None else sharder.constrain(x, axes)
 
@@ -544,7 +590,26 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: Literal[False] = False,
 ) -> jax.Array: ...
+
+
+@overload
+def forward(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    segment_ids_bt: jax.Array,
+    sharder: Sharder | None = None,
+    remat: bool = False,
+    *,
+    cache: None = None,
+    window: int | None = None,
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
@@ -563,7 +628,30 @@ def forward(
     num_new_b: jax.Array,
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: Literal[False] = False,
 ) -> tuple[jax.Array, KVPages]: ...
+
+
+@overload
+def forward(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: None = None,
+    segment_ids_bt: None = None,
+    sharder: Sharder | None = None,
+    remat: bool = False,
+    *,
+    cache: KVPages,
+    page_table_bm: jax.Array,
+    pos_b: jax.Array,
+    num_new_b: jax.Array,
+    pages_read: int | None = None,
+    decode_kernel: str = "ragged",
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: Literal[True],
+) -> tuple[jax.Array, KVPages, jax.Array]: ...
 
 
 def forward(
@@ -582,7 +670,14 @@ def forward(
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
     window: int | None = None,
-) -> jax.Array | tuple[jax.Array, KVPages]:
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: bool = False,
+) -> (
+    jax.Array
+    | tuple[jax.Array, KVPages]
+    | tuple[jax.Array, jax.Array]
+    | tuple[jax.Array, KVPages, jax.Array]
+):
     """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
     logits), and with a ``cache`` the updated pages too.
 
@@ -605,40 +700,78 @@ def forward(
     is stacked first); with one, one after another in Python, each reading and writing its
     own pool buffer in place (weights as `serving_layout` lays them out are read without
     copies too).
+
+    Qwen3-MoE (routing replay, `moe`): ``return_expert_ids`` returns, last, the experts each
+    token chose in each sparse layer, [sparse layers, B, T, k] int32; ``expert_ids`` of that
+    shape are used instead of the router's own top-k (gated by the router's probabilities
+    of those experts).
     """
     B, T = tokens_bt.shape
+    kinds = cfg.moe_layers
+    if expert_ids is not None:
+        check_expert_ids(cfg, expert_ids, B, T)
+    if return_expert_ids and not any(kinds):
+        raise ValueError(f"return_expert_ids with a {cfg.family} model without sparse layers")
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
-
-    def attend(
-        lw: Layer, x_btd: jax.Array, positions_bt: jax.Array, attn: Callable[..., jax.Array]
-    ) -> jax.Array:
-        """``x_btd`` plus the layer's attention: ``attn`` of the queries [B, T, H, K] and the
-        chunk's keys and values [B, T, G, K]."""
-        with jax.named_scope("attention"):
-            h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
-            q, k, v = _qkv(cfg, lw, h, positions_bt)
-            return x_btd + matmul("bthk,hkd->btd", attn(q, k, v), lw.o)
-
-    def mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
-        with jax.named_scope("mlp"):
-            x_btd = x_btd + _mlp(lw, rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps))
-        return _constrain(sharder, x_btd, ("batch", "seq", "act_embed"))
-
+    mlp = partial(_mlp_block, cfg, sharder)
     if cache is None:
         if positions_bt is None or segment_ids_bt is None:
             raise ValueError("forward without a cache needs positions and segment ids")
         train_positions, train_segments = positions_bt, segment_ids_bt
+        # per layer: its weights, its kind where the layers mix both, the experts to replay
+        xs = (stacked_layers(w.layers), *scan_inputs(cfg, expert_ids))
 
-        def layer(x_btd: jax.Array, lw: Layer) -> tuple[jax.Array, None]:
+        def layer(x_btd: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, jax.Array | None]:
+            lw, sparse, given = xs
+
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 return attention(q, k, v, train_segments, window, sharder)
 
-            return mlp(lw, attend(lw, x_btd, train_positions, attn)), None
+            x_btd = _attend(cfg, lw, x_btd, train_positions, attn)
+            return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)
 
         body = jax.checkpoint(layer) if remat else layer
-        x, _ = jax.lax.scan(body, x, stacked_layers(w.layers))
-        return rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        x, ids_all = jax.lax.scan(body, x, xs)
+        h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+        if return_expert_ids:
+            assert ids_all is not None
+            return h_btd, ids_all[jnp.asarray(sparse_layers(cfg))]
+        return h_btd
 
+    return _forward_paged(
+        w,
+        cfg,
+        x,
+        sharder,
+        cache,
+        page_table_bm,
+        pos_b,
+        num_new_b,
+        pages_read,
+        decode_kernel,
+        expert_ids,
+        return_expert_ids,
+    )
+
+
+def _forward_paged(
+    w: Weights,
+    cfg: ModelConfig,
+    x: jax.Array,
+    sharder: Sharder | None,
+    cache: KVPages,
+    page_table_bm: jax.Array | None,
+    pos_b: jax.Array | None,
+    num_new_b: jax.Array | None,
+    pages_read: int | None,
+    decode_kernel: str,
+    expert_ids: jax.Array | None,
+    return_expert_ids: bool,
+) -> tuple[jax.Array, KVPages] | tuple[jax.Array, KVPages, jax.Array]:
+    """`forward` with a cache, from the embedded tokens ``x`` [B, T, D]."""
+    B, T, _ = x.shape
+    kinds = cfg.moe_layers
+    mlp = partial(_mlp_block, cfg, sharder)
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
     if page_table_bm is None or pos_b is None or num_new_b is None:
         raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
@@ -659,7 +792,9 @@ def forward(
     active_b = num_new_b > 0
     tables = make_tables(page_table_bm, pos_b, active_b) if T == 1 else None
     new_k, new_v = [], []
-    for lw, ck, cv in zip(layer_list(w.layers), cache.k, cache.v, strict=True):
+    chosen: list[jax.Array | None] = []  # the experts of each sparse layer
+    given = list(expert_ids) if expert_ids is not None else []
+    for i, (lw, ck, cv) in enumerate(zip(layer_list(w.layers), cache.k, cache.v, strict=True)):
 
         def paged(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
@@ -681,9 +816,14 @@ def forward(
             assert pages_read is not None
             return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 
-        x = mlp(lw, attend(lw, x, cache_positions, paged))
+        replay = given[len(chosen)] if given and kinds[i] else None
+        x, ids = mlp(lw, _attend(cfg, lw, x, cache_positions, paged), kinds[i], replay)
+        chosen += [ids] if kinds[i] else []
     h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-    return h_btd, KVPages(k=tuple(new_k), v=tuple(new_v))
+    pages = KVPages(k=tuple(new_k), v=tuple(new_v))
+    if return_expert_ids:
+        return h_btd, pages, jnp.stack([ids for ids in chosen if ids is not None])
+    return h_btd, pages
 
 
 def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:

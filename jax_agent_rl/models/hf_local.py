@@ -61,6 +61,27 @@ TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
+# A small Qwen3-MoE: 8 experts of which 2 per token; layer 1 is a dense MLP (mlp_only_layers).
+TINY_MOE: dict[str, Any] = dict(
+    model_type="qwen3_moe",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+)
+
 # The conformance and tiny benchmark model: ~0.9M parameters, head_dim 64 (vLLM's CPU attention
 # needs 64 or more, and vLLM's Qwen2 takes head_dim as hidden / heads, ignoring the config's
 # head_dim), GQA, q/k/v bias, tied embeddings.

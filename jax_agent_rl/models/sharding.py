@@ -44,6 +44,11 @@ class ShardingRules:
     kv_heads: MeshAxes = "tensor"
     head_dim: MeshAxes = None
     mlp: MeshAxes = "tensor"
+    # Qwen3-MoE: experts split over fsdp (each device holds E / fsdp experts, their M split
+    # over tensor); an expert's D is not split, as fsdp already splits E
+    experts: MeshAxes = "fsdp"
+    expert_embed: MeshAxes = None
+    expert_mlp: MeshAxes = "tensor"
 
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for an array whose dimensions carry ``logical_axes``."""

@@ -76,6 +76,8 @@ _MODEL_FIELDS = {
     "kv_heads": "num_kv_heads",
     "head_dim": "head_dim",
     "layers": "num_layers",
+    "experts": "num_experts",
+    "expert_mlp": "moe_intermediate_size",
 }
 # the mesh axis to grow when this one must shrink (the device count stays)
 _TRADE = {"tensor": "fsdp", "fsdp": "data"}

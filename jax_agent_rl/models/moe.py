@@ -1,0 +1,152 @@
+"""Qwen3-MoE's sparse MLP: a router and ``E`` SwiGLU experts, of which each token uses ``k``.
+
+Shapes: N tokens (B * T flattened), D hidden size, E experts, k = ``num_experts_per_tok``,
+M = ``moe_intermediate_size``, L layers.
+
+The math is HF's ``Qwen3MoeSparseMoeBlock``: router logits ``x @ router`` [N, E], their
+softmax in fp32, the ``k`` largest probabilities and their experts; with ``norm_topk_prob``
+the ``k`` probabilities are divided by their sum. The output is the gate-weighted sum of the
+chosen experts' SwiGLU MLPs. No capacity limit: every token reaches all its ``k`` experts.
+
+Compute. The N * k (token, expert) assignments are sorted by expert, so each expert's tokens
+are one contiguous group, and ``jax.lax.ragged_dot`` multiplies each group by its expert's
+weights (grouped matmuls: the FLOPs of the ``k`` chosen experts, not of all ``E``); the
+outputs are put back in token order and summed with the gates.
+
+Layout. The experts' weights are stacked [L, E, ...] fields of `Layer` (``router`` [L, D, E],
+``expert_gate`` / ``expert_up`` [L, E, D, M], ``expert_down`` [L, E, M, D]) so the layers stay
+one uniform tree scanned by ``lax.scan``, as for the dense families. A config whose layers are
+all sparse (every released Qwen3-MoE: ``mlp_only_layers`` empty, ``decoder_sparse_step`` 1)
+has no dense MLP fields at all. A config that mixes the two kinds holds both weight sets in
+every layer and picks the layer's kind with ``lax.cond`` (one branch runs); the set a layer
+does not use is never read and never exported (a checkpoint loads it as zeros). That costs
+memory only for such mixed configs, and keeps one scan, one layer body and one set of
+shardings; two interleaved stacks would need a scan per run of same-kind layers.
+
+Routing replay (RL): `forward` can return the experts each token chose in every sparse layer,
+and take such ids instead of its own top-k; the gates are then the router's fresh
+probabilities of the given experts (renormalised as ``norm_topk_prob`` says), so the gradient
+still reaches the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.models.config import ModelConfig
+
+
+def route(
+    cfg: ModelConfig, router_de: jax.Array, x_nd: jax.Array, given_nk: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The gates [N, k] (fp32) and experts [N, k] (int32) of each token: the router's top-k,
+    or with ``given_nk`` those experts, gated by their probabilities."""
+    logits_ne = jnp.einsum("nd,de->ne", x_nd, router_de, preferred_element_type=jnp.float32)
+    # HF rounds the logits to the model dtype before its fp32 softmax
+    probs_ne = jax.nn.softmax(logits_ne.astype(x_nd.dtype).astype(jnp.float32), axis=-1)
+    if given_nk is None:
+        gates_nk, ids_nk = jax.lax.top_k(probs_ne, cfg.num_experts_per_tok)
+    else:
+        ids_nk = given_nk
+        gates_nk = jnp.take_along_axis(probs_ne, ids_nk, axis=-1)
+    if cfg.norm_topk_prob:
+        gates_nk = gates_nk / gates_nk.sum(-1, keepdims=True)
+    return gates_nk, ids_nk.astype(jnp.int32)
+
+
+def experts(lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array) -> jax.Array:
+    """The gate-weighted sum [N, D] of each token's experts, by grouped matmuls over the
+    assignments sorted by expert. ``lw`` holds ``expert_gate``, ``expert_up`` [E, D, M] and
+    ``expert_down`` [E, M, D] (one layer's)."""
+    N, k = ids_nk.shape
+    E = lw.expert_gate.shape[0]
+    flat = ids_nk.reshape(N * k)
+    order = jnp.argsort(flat, stable=True)  # assignment j of the sorted list is order[j]
+    sizes_e = jnp.bincount(flat, length=E).astype(jnp.int32)
+    x_jd = x_nd[order // k]  # each assignment's token, grouped by expert
+
+    def grouped(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = jax.lax.ragged_dot(x, w, sizes_e, preferred_element_type=jnp.float32)
+        return y.astype(x_nd.dtype)
+
+    h_jm = jax.nn.silu(grouped(x_jd, lw.expert_gate)) * grouped(x_jd, lw.expert_up)
+    y_jd = grouped(h_jm, lw.expert_down)
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))
+    y_nkd = y_jd[unsort].reshape(N, k, -1)
+    gates = gates_nk.astype(x_nd.dtype)
+    return jnp.einsum("nkd,nk->nd", y_nkd, gates, preferred_element_type=jnp.float32).astype(
+        x_nd.dtype
+    )
+
+
+def sparse_mlp(
+    cfg: ModelConfig, lw: Any, x_btd: jax.Array, given_btk: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """One layer's sparse MLP over [B, T, D] and the experts each token used [B, T, k]."""
+    B, T, D = x_btd.shape
+    x_nd = x_btd.reshape(B * T, D)
+    given = None if given_btk is None else given_btk.reshape(B * T, -1)
+    gates_nk, ids_nk = route(cfg, lw.router, x_nd, given)
+    out = experts(lw, x_nd, gates_nk, ids_nk)
+    return out.reshape(B, T, D), ids_nk.reshape(B, T, -1)
+
+
+def check_expert_ids(cfg: ModelConfig, ids: jax.Array, B: int, T: int) -> None:
+    """``ids`` must be [sparse layers, B, T, k] (a `ValueError` naming the shapes)."""
+    want = (sum(cfg.moe_layers), B, T, cfg.num_experts_per_tok)
+    if cfg.num_experts == 0 or not want[0]:
+        raise ValueError(f"expert_ids given to a {cfg.family} model without sparse layers")
+    if tuple(ids.shape) != want:
+        raise ValueError(
+            f"expert_ids of shape {tuple(ids.shape)}: expected (sparse layers, B, T, "
+            f"num_experts_per_tok) = {want}"
+        )
+
+
+def mlp_of_kind(
+    cfg: ModelConfig,
+    lw: Any,
+    h_btd: jax.Array,
+    sparse: bool | jax.Array,
+    given_btk: jax.Array | None,
+    dense: Callable[[Any, jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array | None]:
+    """One layer's MLP over [B, T, D] (``dense`` of the layer and ``h_btd``, or `sparse_mlp`)
+    and the experts its tokens chose [B, T, k]: None in a model without sparse layers, zeros
+    in a dense layer of one with. ``sparse``: the layer's kind, a traced bool in a scan over
+    layers of both kinds (`lax.cond` runs one branch)."""
+    if not any(cfg.moe_layers):
+        return dense(lw, h_btd), None
+    B, T, _ = h_btd.shape
+    no_ids = jnp.zeros((B, T, cfg.num_experts_per_tok), jnp.int32)
+    if isinstance(sparse, bool):
+        return sparse_mlp(cfg, lw, h_btd, given_btk) if sparse else (dense(lw, h_btd), no_ids)
+    return jax.lax.cond(
+        sparse,
+        lambda: sparse_mlp(cfg, lw, h_btd, given_btk),
+        lambda: (dense(lw, h_btd), no_ids),
+    )
+
+
+def scan_inputs(
+    cfg: ModelConfig, expert_ids: jax.Array | None
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """For a scan over all L layers: each layer's kind [L] (None unless the kinds mix: the
+    kind is then static), and the experts to replay [L, B, T, k] (None without; a dense
+    layer's rows are zeros, never read)."""
+    kinds = cfg.moe_layers
+    mixed = any(kinds) and not all(kinds)
+    if expert_ids is None:
+        return (jnp.asarray(kinds) if mixed else None), None
+    given = jnp.zeros((cfg.num_layers, *expert_ids.shape[1:]), jnp.int32)
+    given = given.at[jnp.asarray(sparse_layers(cfg))].set(expert_ids)
+    return (jnp.asarray(kinds) if mixed else None), given
+
+
+def sparse_layers(cfg: ModelConfig) -> list[int]:
+    """The indices of the sparse layers."""
+    return [i for i, sparse in enumerate(cfg.moe_layers) if sparse]
