@@ -450,20 +450,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = actions.add_parser(
         "make",
         help="write a random-init model and its tokenizer as an HF checkpoint folder",
-        description="Writes a random-init Qwen2-layout model (config.json, model.safetensors), "
-        "a byte-level BPE tokenizer trained on the demo's calculator transcripts and the ChatML "
-        "tool template (Qwen2.5's <tool_call> format, agent.parser=hermes) into --out, so any "
-        "config can be tried before a real checkpoint is at hand: "
-        "jarl checkpoint make --out ckpt && jarl train CONFIG model.path=ckpt ... "
-        "Its answers are noise: it shows that a config runs, not what it learns.",
+        description="Writes a random-init model (config.json, model.safetensors; Qwen2's "
+        "layout, Qwen3-MoE's for tiny-moe), a byte-level BPE tokenizer trained on the demo's "
+        "calculator transcripts and the ChatML tool template (agent.parser=hermes) into --out, "
+        "so any config can be tried before a real checkpoint is at hand: jarl checkpoint make "
+        "--out ckpt && jarl train CONFIG model.path=ckpt ... Its answers are noise.",
     )
     p.add_argument("--out", required=True, help="a new (or empty) folder to write")
     p.add_argument(
         "--preset",
         choices=["tiny", "small", "tiny-moe"],
         default="tiny",
-        help="tiny: the demo's model (~0.8M parameters); small: ~25M parameters; tiny-moe: a "
-        "Qwen3-MoE of tiny's size (8 experts, 2 per token, one dense layer)",
+        help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe: a Qwen3-MoE "
+        "of tiny's size (8 experts, 2 per token, one dense layer)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
     p.set_defaults(func=_checkpoint_make)

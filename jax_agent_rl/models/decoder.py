@@ -317,7 +317,7 @@ def _qkv(
     if cfg.qk_norm:
         q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     return rope(q, positions_bt, inv_freq), rope(k, positions_bt, inv_freq), v
 
 

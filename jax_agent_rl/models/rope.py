@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,9 +14,6 @@ from jax_agent_rl.models.config_checks import (
     check_size,
     shown,
 )
-
-if TYPE_CHECKING:
-    from jax_agent_rl.models.config import ModelConfig
 
 # the largest max_position_embeddings accepted (far above any real context: 10M positions)
 MAX_POSITIONS = 1 << 24
@@ -115,18 +112,16 @@ def _rope_fields(field: str, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
     """Inverse RoPE frequencies [head_dim // 2], float32, as HF computes them.
 
     Default: ``1 / theta ** (2i / d)``. Llama 3 scaling divides the low frequencies (wavelength
     above ``L / low_freq_factor``, ``L`` the original context) by ``factor``, keeps the high ones
     (wavelength below ``L / high_freq_factor``) and interpolates smoothly in between.
     """
-    d = cfg.head_dim
-    inv = (1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))).astype(
-        np.float32
-    )
-    s = cfg.rope_scaling
+    d = head_dim
+    inv = (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))).astype(np.float32)
+    s = scaling
     if s is None:
         return inv
     wavelen = 2 * math.pi / inv
