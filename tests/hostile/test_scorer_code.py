@@ -3,10 +3,12 @@ attacked by the policy whose answer they read: the scorer runs in the trainer's 
 answer that ran there could set its own reward, reach its siblings' episodes or end the run.
 
 Before the fix each payload below ran (it set an environment variable of the trainer's
-process), and ``9**9**9**9`` was computed, holding the interpreter's lock for good."""
+process), and ``9**9**9**9`` was computed, holding the interpreter's lock for good. An answer
+a scorer raises on is scored as the wrong answer it is, not an episode ended untrained."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -62,3 +64,21 @@ def test_the_usual_answers_of_an_expression_task_still_reach_its_scorer() -> Non
     assert _score(row, str(row.ground_truth)) == 1.0
     assert _score(row, f"{row.ground_truth} + 1") == 1.0  # any constant of integration
     assert _score(row, integrand) < 1.0  # (a wrong answer is scored by the scorer: 0 or more)
+
+
+@pytest.mark.parametrize("answer", ["x", "2 * 3", "seven", "2 x 3"])
+def test_an_answer_the_scorer_cannot_read_is_wrong_not_an_error(answer: str) -> None:
+    """prime_factorization's scorer raises on an answer that is not its "p × q" form: the
+    episode ended as a reward error, which is not trained on, so a policy unsure of its answer
+    escaped its penalty by writing one the scorer cannot read (before: ValueError)."""
+    row = _row("prime_factorization")
+    assert _score(row, answer) == 0.0
+    assert _score(row, str(row.ground_truth)) == 1.0
+
+
+def test_a_scorer_that_cannot_read_its_own_answer_is_an_error() -> None:
+    row = _row("prime_factorization")
+    entry = {**row.extra["reasoning_gym"], "answer": "not a factorization"}
+    broken = dataclasses.replace(row, extra={**row.extra, "reasoning_gym": entry})
+    with pytest.raises(ValueError, match="invalid literal"):
+        _score(broken, "x")
