@@ -56,6 +56,7 @@ import numpy as np
 from jax_agent_rl.call_threads import CallThreads, abandoned
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 
@@ -256,7 +257,7 @@ class GuardedEnvironment:
         except EnvError:  # the adapters' own checks name the environment
             raise
         except Exception as e:
-            raise EnvError(f"{self.name}.{what} raised {type(e).__name__}: {e}") from e
+            raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
         took = time.perf_counter() - start
         if took > self.timeout_s:  # an async method that blocked the event loop
             raise EnvError(

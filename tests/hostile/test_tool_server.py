@@ -535,3 +535,25 @@ def test_serve_tools_refuses_flags_that_would_hang_or_fail_every_call(
     assert exit_.value.code == 2
     assert f"argument {flag}: {problem}" in capsys.readouterr().err
     assert build_parser().parse_args(["serve-tools", flag, "1"]).func is not None
+
+
+class _UnprintableError(ValueError):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot format the value")
+
+
+class Unprintable(Counter):
+    """A tool whose call raises an exception that cannot be written (its __str__ fails)."""
+
+    async def execute(self, state: dict[str, Any], arguments: dict[str, Any]) -> ToolResult:
+        del state, arguments
+        raise _UnprintableError
+
+
+def test_a_tool_error_that_cannot_be_written_is_still_the_models_observation() -> None:
+    """Writing the tool's error called the exception's __str__, whose own error left the call:
+    the episode ended as an agent error instead of the model reading that its call failed."""
+    tools = LocalTools(ToolRegistry([Unprintable()]))
+    result = asyncio.run(tools.call("t", "count", {}))
+    assert result.error
+    assert result.text == "error: count failed: _UnprintableError (its message cannot be written)"
