@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
-from jax_agent_rl.config.ranges import COUNT, POSITIVE, Rule, interval
+from jax_agent_rl.cli.flags import PORT, number
+from jax_agent_rl.config.ranges import COUNT, POSITIVE
 from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
 
 
@@ -62,29 +62,6 @@ def _refuse(problem: str) -> int:
     return 2
 
 
-_PORT = interval(0, 65535)  # 0: a free one
-
-
-def _number(kind: type[int] | type[float], rule: Rule) -> Callable[[str], int | float]:
-    """A flag's type: a ``kind`` number that ``rule`` accepts, else argparse's error naming the
-    flag (a --max-concurrency of 0 made every call wait for good; a --timeout of nan, or of 0,
-    failed every call; an --idle-timeout of 0 swept without pause)."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {_KINDS[kind]}") from None
-        if not rule.ok(value):
-            raise argparse.ArgumentTypeError(f"{text} is not {rule.accepted}")
-        return value
-
-    return parse
-
-
-_KINDS = {int: "a whole number", float: "a number"}
-
-
 def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds ``jarl serve-tools`` to the subcommands ``sub``."""
     p = sub.add_parser(
@@ -105,70 +82,70 @@ def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--host", default=ToolServerSection.host, help="address to listen on")
     p.add_argument(
-        "--port", type=_number(int, _PORT), default=ToolServerSection.port, help="port to listen on"
+        "--port", type=number(int, PORT), default=ToolServerSection.port, help="port to listen on"
     )
     p.add_argument("--token", default=None, help="bearer token clients must send")
     p.add_argument(
         "--max-concurrency",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_concurrency,
         help="calls running at once",
     )
     p.add_argument(
         "--timeout",
-        type=_number(float, POSITIVE),
+        type=number(float, POSITIVE),
         default=ToolServerSection.timeout_s,
         help="seconds per call",
     )
     p.add_argument(
         "--idle-timeout",
-        type=_number(float, POSITIVE),
+        type=number(float, POSITIVE),
         default=ToolServerSection.idle_timeout_s,
         help="seconds after a trajectory's last call ends before its tool state is released "
         "(clients that crash or never call /release); a later call starts fresh state",
     )
     p.add_argument(
         "--max-trajectories",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_trajectories,
         help="trajectories holding tool state at once; a call that would open one more gets "
         "an error result. Set it above the number of trajectories a rollout runs at once",
     )
     p.add_argument(
         "--max-body-bytes",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_body_bytes,
         help="largest request body (an /execute_batch of all its calls); larger gets 413",
     )
     p.add_argument(
         "--body-timeout",
-        type=_number(float, POSITIVE),
+        type=number(float, POSITIVE),
         default=ToolServerSection.body_timeout_s,
         help="seconds to receive a whole request body; a slower client gets 408",
     )
     p.add_argument(
         "--max-id-bytes",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_id_bytes,
         help="largest trajectory id (UTF-8 bytes); a request with a longer one gets 422",
     )
     p.add_argument(
         "--max-batch-calls",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_batch_calls,
         help="calls in one /execute_batch, and trajectories in one /get_observation; more get "
         "422. Keep it at or above the clients' batch (HttpTools batches 32)",
     )
     p.add_argument(
         "--max-action-calls",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_action_calls,
         help="tool calls in one verl-tool action; an action with more runs none of them and "
         "its observation is an error naming this cap",
     )
     p.add_argument(
         "--max-connections",
-        type=_number(int, COUNT),
+        type=number(int, COUNT),
         default=ToolServerSection.max_connections,
         help="open connections (idle keep-alive ones included) at which a new request gets "
         "503; bounds the request bodies held in memory to this times --max-body-bytes",
