@@ -60,8 +60,9 @@ from jax_agent_rl.visible import without_invisible
 
 _SCORE = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
 # what reads as "<": itself, what NFKC or NFKD folds to it or to one with a mark on it
-# (fullwidth, small, "≮"), and its look-alikes in Unicode's confusables.txt
-LESS_THAN = "<\uff1c\ufe64\u226e\u02c2\u1438\u16b2\u2039\u276e\U0001d236"
+# (fullwidth, small, "≮"), its look-alikes in Unicode's confusables.txt, and the left angle
+# brackets (〈 ⟨ 〈) a reader may take for it
+LESS_THAN = "<\uff1c\ufe64\u226e\u02c2\u1438\u16b2\u2039\u276e\U0001d236\u2329\u3008\u27e8"
 _LESS_THAN = re.compile(f"[{LESS_THAN}]")
 _CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat
 
