@@ -381,7 +381,7 @@ async def run_episode(
         if env is not None:
             traj.start_env(env.owns_reward)
             messages = await env.reset(sample)
-        traj.set_prompt(messages, ctx.builder)
+        traj.set_prompt(messages, ctx.builder.prompt_ids(messages))
         traj.end(await play(traj, env))
     except EnvError:  # the environment failed: this episode ends, counted
         traj.end("env_error", traceback.format_exc())

@@ -91,6 +91,7 @@ from jax_agent_rl.agent.openai_requests import (
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
+from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
@@ -178,9 +179,9 @@ class Session:
                 f"{self.ctx.config.max_model_len} tokens (each takes one at least)"
             )
         if self.conversation is None:
-            self._start(messages, tools)
+            await self._start(messages, tools)
         else:
-            observation, stop = self._observation(self._new_messages(messages, tools))
+            observation, stop = await self._observation(self._new_messages(messages, tools))
             if stop is not None:
                 return self._end(stop, "", "length")
             self.traj.add_observation(observation)
@@ -217,8 +218,11 @@ class Session:
             return [], "", [], "budget"
         return turn, *read_turn(self.ctx, self.traj, turn, finish)
 
-    def _start(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
-        """The first request: its messages and tools are the prompt."""
+    async def _start(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """The first request: its messages and tools are the prompt (rendered in a thread:
+        `rendered`)."""
         roles = {m["role"] for m in messages}
         if not roles <= {"system", "user"}:
             raise HarnessError(f"the first request holds only system and user messages: {roles}")
@@ -240,7 +244,7 @@ class Session:
                 self.ctx, builder=TurnBuilder(self.ctx.tokenizer, tools or None)
             )
         prompt = [{"role": m["role"], "content": message_text(m)} for m in messages]
-        self.traj.set_prompt(prompt, self.ctx.builder)
+        self.traj.set_prompt(prompt, await rendered(self.ctx.builder.prompt_ids, prompt))
         self.conversation, self.tools = [dict(m) for m in messages], tools
 
     def _new_messages(
@@ -266,9 +270,10 @@ class Session:
         self.conversation.extend(dict(m) for m in new)
         return new
 
-    def _observation(self, new: list[dict[str, Any]]) -> tuple[list[int], StopReason | None]:
-        """The tokens of the harness's new messages (tool results or a user's reply), and the
-        stop reason when the episode ends here (they do not fit)."""
+    async def _observation(self, new: list[dict[str, Any]]) -> tuple[list[int], StopReason | None]:
+        """The tokens of the harness's new messages (tool results or a user's reply, rendered
+        in a thread: `rendered`), and the stop reason when the episode ends here (they do not
+        fit)."""
         if self.pending is not None:
             return self._answer(new)
         assert self.text_turn is not None
@@ -280,7 +285,8 @@ class Session:
         said = [{"role": "user", "content": message_text(m)} for m in new]
         messages = env_observation(said, self.ctx.config.max_observation_chars, self.traj)
         builder = self.ctx.builder
-        ids = builder.close_assistant_turn(self.text_turn) + builder.messages_delta(messages)
+        delta = await rendered(builder.messages_delta, messages)
+        ids = builder.close_assistant_turn(self.text_turn) + delta
         self.text_turn = None
         self.traj.add_messages(messages)
         return ids, fits(self.ctx, self.traj, ids)
@@ -358,6 +364,16 @@ class Session:
             assert self.pending is not None or self.text_turn is not None
             self.stop = "tool_done" if self.pending is not None else "eos"
         return self.stop
+
+
+async def rendered(
+    render: Callable[[list[Message]], list[int]], messages: list[Message]
+) -> list[int]:
+    """``render(messages)`` in a worker thread: a request may hold as many messages as
+    ``rollout.max_model_len``, which the chat template renders for seconds (32k messages: about
+    6 s), and on the event loop that held every other episode of the step. Nothing of the
+    session changes until it returns, so a request cancelled meanwhile leaves none half done."""
+    return await asyncio.to_thread(render, messages)
 
 
 def _tool_call(call: ParsedCall, call_id: str) -> dict[str, Any]:

@@ -188,10 +188,11 @@ class Trajectory:
             self.env_reward += reward
         self.messages.extend(observations)
 
-    def set_prompt(self, messages: list[Message], builder: TurnBuilder) -> None:
-        """Starts the conversation from ``messages``, rendered by ``builder``."""
+    def set_prompt(self, messages: list[Message], prompt_ids: list[int]) -> None:
+        """Starts the conversation from ``messages``, rendered as ``prompt_ids``
+        (`TurnBuilder.prompt_ids`)."""
         self.messages = messages
-        self.prompt_ids = builder.prompt_ids(messages)
+        self.prompt_ids = prompt_ids
 
     def add_time(self, key: str, seconds: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + seconds

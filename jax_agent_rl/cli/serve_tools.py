@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax_agent_rl.cli.flags import PORT, number
+from jax_agent_rl.config.ranges import COUNT, POSITIVE
 from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
 
 
@@ -79,66 +81,71 @@ def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="tools YAML file (pkg://<package>/<path>: a file inside an installed package)",
     )
     p.add_argument("--host", default=ToolServerSection.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=ToolServerSection.port, help="port to listen on")
+    p.add_argument(
+        "--port", type=number(int, PORT), default=ToolServerSection.port, help="port to listen on"
+    )
     p.add_argument("--token", default=None, help="bearer token clients must send")
     p.add_argument(
         "--max-concurrency",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_concurrency,
         help="calls running at once",
     )
     p.add_argument(
-        "--timeout", type=float, default=ToolServerSection.timeout_s, help="seconds per call"
+        "--timeout",
+        type=number(float, POSITIVE),
+        default=ToolServerSection.timeout_s,
+        help="seconds per call",
     )
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=number(float, POSITIVE),
         default=ToolServerSection.idle_timeout_s,
         help="seconds after a trajectory's last call ends before its tool state is released "
         "(clients that crash or never call /release); a later call starts fresh state",
     )
     p.add_argument(
         "--max-trajectories",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_trajectories,
         help="trajectories holding tool state at once; a call that would open one more gets "
         "an error result. Set it above the number of trajectories a rollout runs at once",
     )
     p.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_body_bytes,
         help="largest request body (an /execute_batch of all its calls); larger gets 413",
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=number(float, POSITIVE),
         default=ToolServerSection.body_timeout_s,
         help="seconds to receive a whole request body; a slower client gets 408",
     )
     p.add_argument(
         "--max-id-bytes",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_id_bytes,
         help="largest trajectory id (UTF-8 bytes); a request with a longer one gets 422",
     )
     p.add_argument(
         "--max-batch-calls",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_batch_calls,
         help="calls in one /execute_batch, and trajectories in one /get_observation; more get "
         "422. Keep it at or above the clients' batch (HttpTools batches 32)",
     )
     p.add_argument(
         "--max-action-calls",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_action_calls,
         help="tool calls in one verl-tool action; an action with more runs none of them and "
         "its observation is an error naming this cap",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=number(int, COUNT),
         default=ToolServerSection.max_connections,
         help="open connections (idle keep-alive ones included) at which a new request gets "
         "503; bounds the request bodies held in memory to this times --max-body-bytes",

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from jax_agent_rl.cli.flags import PORT, number
+from jax_agent_rl.config.ranges import COUNT
+
 
 def _view(args: argparse.Namespace) -> int:
     from jax_agent_rl.view.command import view_command
@@ -25,7 +28,9 @@ def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("run_dir", help="a run folder")
     p.add_argument("--out", default=None, help="write the page (index.html) into this folder")
-    p.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
+    p.add_argument(
+        "--port", type=number(int, PORT), default=0, help="port to serve on (default: a free one)"
+    )
     p.add_argument(
         "--steps",
         default=None,
@@ -34,9 +39,9 @@ def add_view_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--last",
-        type=int,
+        type=number(int, COUNT),
         default=50,
-        help="without --steps, how many of the latest traced steps to show (default 50: a "
-        "long run's every trace would make a page too large to open)",
+        help="without --steps, how many of the latest traced steps to show, at least 1 "
+        "(default 50: a long run's every trace would make a page too large to open)",
     )
     p.set_defaults(func=_view)

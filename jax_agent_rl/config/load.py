@@ -142,17 +142,31 @@ _VERL_SHARED = ("data", "trainer", "algorithm")
 
 
 def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
-    """Each section of ``schema`` that ``layer`` sets is a mapping (OmegaConf's own error for
-    ``model: 5`` names no key)."""
+    """Each section of ``schema`` that ``layer`` sets is a mapping, and each list or mapping
+    setting a list or a mapping (OmegaConf's own errors name no key: ``model: 5``; ``stop:
+    {a: 1}`` raised "Cannot merge incompatible container types", a traceback)."""
     hints = typing.get_type_hints(schema)
     for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
         hint = hints.get(name)
-        if not dataclasses.is_dataclass(hint):
-            continue
-        if not OmegaConf.is_dict(value):
-            shown = _shown(str(value))
-            raise ConfigError(f"{prefix}{name}={shown}: expected a section (key: value lines)")
-        _check_sections(hint, value, f"{prefix}{name}.")
+        if dataclasses.is_dataclass(hint):
+            if not OmegaConf.is_dict(value):
+                shown = _shown(str(value))
+                raise ConfigError(f"{prefix}{name}={shown}: expected a section (key: value lines)")
+            _check_sections(hint, value, f"{prefix}{name}.")
+        else:
+            _check_container(hint, value, f"{prefix}{name}")
+
+
+def _check_container(hint: Any, value: Any, key: str) -> None:
+    """``value`` (a layer's, at ``key``) is a list where ``hint`` is one and a mapping where it
+    is one (OmegaConf names the key of a wrong item inside); null is left to OmegaConf."""
+    origin = typing.get_origin(hint)
+    if value is None or origin not in (list, tuple, dict):
+        return
+    if origin is dict and not OmegaConf.is_dict(value):
+        raise ConfigError(f"{key}={_shown(str(value))}: expected a mapping (key: value)")
+    if origin is not dict and not OmegaConf.is_list(value):
+        raise ConfigError(f"{key}={_shown(str(value))}: expected a list ([a, b])")
 
 
 def _checked(merged: Any, schema: type[T]) -> T:

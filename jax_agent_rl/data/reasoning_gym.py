@@ -9,7 +9,11 @@ gym's default system prompt (think, then ``<answer>...</answer>``) and the quest
 ``data_source`` is ``reasoning_gym/<task>`` and ``extra_info.reasoning_gym`` keeps the entry
 (question, answer, metadata) the scorer reads. With ``data.reward`` unset, such rows are scored
 by the ``reasoning_gym`` reward (`score`): the task's ``score_answer`` of the text inside the
-response's last ``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 without one.
+response's last ``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 without one, 0 for
+an answer that would run as code in a scorer that evaluates it (`answer_code.harmless`), and 0
+for an answer the scorer raises on: a wrong answer, which must be scored as one rather than end
+its episode untrained (a scorer that raises on the task's own answer too is broken: that error
+is raised).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from jax_agent_rl.data.answer_code import harmless
 from jax_agent_rl.data.sample import DatasetError, Sample
 from jax_agent_rl.tags import tagged
 
@@ -124,4 +129,12 @@ def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, 
     # reasoning-gym's extract_answer (the last block, stripped), without its regex's time
     # quadratic in the response (`tagged`)
     answers = tagged(text)
-    return float(_scorer(task)(answers[-1].strip(), entry)) if answers else 0.0
+    if not answers or not harmless(task, answers[-1].strip()):  # (an answer that runs code)
+        return 0.0
+    scorer = _scorer(task)
+    try:
+        value = scorer(answers[-1].strip(), entry)
+    except Exception:  # it cannot read the answer (prime_factorization's int("x")): wrong
+        scorer(entry.get("answer"), entry)  # unless it cannot read its own either: broken
+        return 0.0
+    return float(value)

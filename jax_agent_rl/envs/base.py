@@ -51,9 +51,12 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
 
+import numpy as np
+
 from jax_agent_rl.call_threads import CallThreads, abandoned
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 
@@ -172,8 +175,8 @@ def checked_environment(env: Any, name: str) -> Environment:
 
 def checked_step(raw: Any, owner: str) -> EnvStep:
     """``raw`` (an `EnvStep`, or a mapping with ``observations``, ``reward``, ``done`` and
-    optionally ``success``, as skyrl-gym returns) as a checked `EnvStep`; an `EnvError` saying
-    what is wrong otherwise."""
+    optionally ``success``, as skyrl-gym returns) as a checked `EnvStep` (``done`` and
+    ``success`` may be NumPy bools); an `EnvError` saying what is wrong otherwise."""
     if isinstance(raw, EnvStep):
         observations, reward, done, success = raw.observations, raw.reward, raw.done, raw.success
     elif isinstance(raw, Mapping):
@@ -193,11 +196,17 @@ def checked_step(raw: Any, owner: str) -> EnvStep:
         reward = checked_reward(reward, f"{owner}.step")
     except RewardError as e:
         raise EnvError(str(e)) from e
+    done, success = _plain(done), _plain(success)  # (np.array_equal gives a NumPy bool)
     if not isinstance(done, bool):
         raise EnvError(f"{owner}.step returned done {done!r}; expected True or False")
     if success is not None and not isinstance(success, bool):
         raise EnvError(f"{owner}.step returned success {success!r:.40}; expected a bool or None")
     return EnvStep(checked_messages(observations, owner), float(reward), done, success)
+
+
+def _plain(flag: Any) -> Any:
+    """A NumPy bool as the Python bool it stands for; anything else as it is."""
+    return bool(flag) if isinstance(flag, np.bool_) else flag
 
 
 def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Message]:
@@ -248,7 +257,7 @@ class GuardedEnvironment:
         except EnvError:  # the adapters' own checks name the environment
             raise
         except Exception as e:
-            raise EnvError(f"{self.name}.{what} raised {type(e).__name__}: {e}") from e
+            raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
         took = time.perf_counter() - start
         if took > self.timeout_s:  # an async method that blocked the event loop
             raise EnvError(

@@ -32,6 +32,7 @@ import yaml
 from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_step
+from jax_agent_rl.errors import error_text
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.user_code import load_function
 
@@ -85,8 +86,7 @@ class InteractionEnvironment:
         try:
             return await getattr(self.interaction, what)(*args, **kwargs)
         except Exception as e:
-            problem = f"{type(e).__name__}: {e}"
-            raise EnvError(f"interaction {self.name!r}: {what} raised {problem}") from e
+            raise EnvError(f"interaction {self.name!r}: {what} raised {error_text(e)}") from e
 
     async def reset(self, sample: Sample) -> list[Message]:
         self.instance_id = sample.uid

@@ -10,11 +10,11 @@ the response's own "10/10", has not rated it.
 The policy writes the answer the judge reads, and under GRPO it gains by raising its score, so
 the answer is data the judge cannot mistake for its prompt (`response_block`):
 
-- it sits between ``<response>`` and ``</response>``, and its own spellings of those
-  delimiters and of the score tag are escaped (``&lt;/response>``, and ``&lt;\\/response>``
-  for the "/" escaped as JSON writes it), in any characters NFKC folds to them (fullwidth
-  ``＜／ｒｅｓｐｏｎｓｅ＞``, mathematical letters): it can neither close the block (and add a
-  forged "Reference answer" line after it) nor hand the judge a score tag;
+- it sits between ``<response>`` and ``</response>``, and every "<" in it is written
+  ``&lt;``, as is every character a reader takes for one (`LESS_THAN`: the fullwidth ``＜``,
+  ``‹``, ``˂``...): no tag opens inside it, whatever letters follow (fullwidth, mathematical,
+  Cyrillic or Greek look-alikes, a "/" escaped as JSON writes it), so it can neither close the
+  block (and add a forged "Reference answer" line after it) nor hand the judge a score tag;
 - special-token spellings in it (``<|im_start|>``) are encoded as plain text
   (`Tokenizer.encode_text`), never as the tokens: it cannot open turns of its own;
 - invisible characters (Unicode tag characters, zero-width ones, `visible.INVISIBLE`) are
@@ -49,7 +49,6 @@ import collections
 import hashlib
 import itertools
 import re
-import unicodedata
 from collections.abc import Callable
 
 from jax_agent_rl.config import JudgeSection
@@ -60,9 +59,11 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import without_invisible
 
 _SCORE = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)
-# what opens a delimiter or a score tag, in text folded by `_folded`: "<", then
-# "response"/"score", its "/" also as JSON and JavaScript escape it ("<\/response>")
-_TAG = re.compile(r"<(?=\s*\\?/?\s*(?:response|score))", re.IGNORECASE)
+# what reads as "<": itself, what NFKC or NFKD folds to it or to one with a mark on it
+# (fullwidth, small, "≮"), its look-alikes in Unicode's confusables.txt, and the left angle
+# brackets (〈 ⟨ 〈) a reader may take for it
+LESS_THAN = "<\uff1c\ufe64\u226e\u02c2\u1438\u16b2\u2039\u276e\U0001d236\u2329\u3008\u27e8"
+_LESS_THAN = re.compile(f"[{LESS_THAN}]")
 _CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat
 
 
@@ -88,27 +89,13 @@ def parse_score(text: str, score_max: float) -> float:
 
 def response_block(text: str, max_chars: int) -> str:
     """``text`` as the judge reads it: without invisible characters, cut to its first and last
-    ``max_chars / 2`` characters if longer, its ``<response``/``<score`` tags escaped, between
-    ``<response>`` and ``</response>``."""
+    ``max_chars / 2`` characters if longer, each character of `LESS_THAN` written ``&lt;``,
+    between ``<response>`` and ``</response>``."""
     text = without_invisible(text)
     if len(text) > max_chars:
         head, tail = max_chars // 2, len(text) - (max_chars - max_chars // 2)
         text = f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[tail:]}"
-    opens = set(_tag_openings(text))
-    escaped = "".join("&lt;" if i in opens else c for i, c in enumerate(text))
-    return f"<response>\n{escaped}\n</response>"
-
-
-def _tag_openings(text: str) -> list[int]:
-    """Where in ``text`` a ``<response``/``<score`` tag opens, each character read as NFKC
-    folds it: a fullwidth ``＜／ｒｅｓｐｏｎｓｅ＞``, a small ``﹤`` or mathematical letters spell
-    the same delimiter to a reader as ``</response>`` does."""
-    folded, at = [], []
-    for i, c in enumerate(text):
-        f = unicodedata.normalize("NFKC", c)
-        folded.append(f)
-        at += [i] * len(f)
-    return [at[m.start()] for m in _TAG.finditer("".join(folded))]
+    return f"<response>\n{_LESS_THAN.sub('&lt;', text)}\n</response>"
 
 
 def judge_prompt(section: JudgeSection, answer: Answer) -> str:

@@ -5,8 +5,9 @@ in the model's text, outside ``<think>`` blocks. `math_equal` first drops LaTeX 
 change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``/``\\tfrac`` read as
 ``\\frac``, whitespace, a trailing period), then compares two answers as numbers when both parse
 (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
-``%``), whole numbers exactly, others up to a relative tolerance of 1e-6; otherwise as
-lower-cased strings.
+``%``), otherwise as lower-cased strings. A whole number equals itself only, and a number
+written with float's rounding noise (``56.99999999999999``, 0.57 * 100 as Python prints it);
+two numbers of which neither is whole are equal up to a relative tolerance of 1e-6.
 
 `gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
 wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
@@ -88,8 +89,10 @@ def math_equal(predicted: str | None, truth: str | float | int, rel_tol: float =
     a_text, b_text = _normalise(predicted), _normalise(str(truth))
     a, b = parse_number(a_text), parse_number(b_text)
     if a is not None and b is not None:
-        if _integer(a) and _integer(b):  # whole numbers are equal or not: 1000001 is no 1000000
-            return a == b
+        if _integer(b):  # a whole number is no other: neither 1000001 nor 1000000.5
+            return _is_whole(a, b)
+        if _integer(a):
+            return _is_whole(b, a)
         try:
             return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
         except OverflowError:  # a fraction past float's range ("1" and 400 zeros): exact
@@ -101,6 +104,19 @@ def _integer(value: Fraction | float) -> bool:
     if isinstance(value, Fraction):
         return value.denominator == 1
     return math.isfinite(value) and value.is_integer()  # 1e6, 1.000001e6
+
+
+def _is_whole(value: Fraction | float, whole: Fraction | float) -> bool:
+    """``value`` is the whole number ``whole``, or it but for float's rounding (a few units in
+    the last place), and is nearer to it than to any other whole number: a relative tolerance
+    would let one answer between two whole numbers (1000000.5) score for both."""
+    if _integer(value):
+        return value == whole
+    try:
+        near = round(value) == whole
+        return near and math.isclose(float(value), float(whole), rel_tol=2**-50, abs_tol=0.0)
+    except (OverflowError, ValueError):  # infinite or NaN, or a fraction past float's range
+        return False
 
 
 def math_reward(text: str, ground_truth: str | float | int) -> float:

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from jax_agent_rl.call_threads import abandoned
+from jax_agent_rl.errors import error_text
 from jax_agent_rl.tools.base import (
     CallClock,
     FunctionTool,
@@ -318,7 +319,7 @@ class LocalTools:
             state = await self._state(trajectory, trajectory_id, t, create_kwargs or {})
             return await self._timed(t, state, args)
         except Exception as e:  # a tool bug is the model's observation, not a crash
-            return ToolResult(f"error: {name} failed: {type(e).__name__}: {e}", error=True)
+            return ToolResult(f"error: {name} failed: {error_text(e)}", error=True)
         finally:
             self._leave(trajectory, trajectory_id)
 

@@ -37,6 +37,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards import Answer, RewardError, Scorer, checked_reward, verl_rules
 from jax_agent_rl.rl import core
 from jax_agent_rl.tokenization import Tokenizer
@@ -242,7 +243,7 @@ def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
     traj.reward = 0.0
     message = (
         f"reward error: the reward function (data.reward, or data.rewards_by_source."
-        f"{sample.data_source}) raised {type(error).__name__}: {error} in {where.name} "
+        f"{sample.data_source}) raised {error_text(error)} in {where.name} "
         f"({where.filename}:{where.lineno}) {_row(sample)}\n"
         + "".join(traceback.format_exception(error))
     )

@@ -24,7 +24,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, checked_step
 from jax_agent_rl.envs.guess import GuessNumber, read_guess
 from jax_agent_rl.rewards import RewardError, checked_reward
-from jax_agent_rl.rewards.math import format_reward, math_reward
+from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.rewards.verl_rules import qa_em_score
 from jax_agent_rl.tags import tagged
 
@@ -75,3 +75,35 @@ def test_a_reward_past_float_range_is_a_reward_error() -> None:
             checked_reward(value, "the test")
         with pytest.raises(EnvError, match="not a finite number"):
             checked_step({"observations": [], "reward": value, "done": True}, "env")
+
+
+@pytest.mark.parametrize(
+    ("answer", "truths"),
+    [
+        # one answer between two whole numbers scored for both (the 1e-6 relative tolerance)
+        ("1000000.5", ("1000000", "1000001")),
+        ("1.0000005e6", ("1000000", "1000001")),
+        ("12345678.9", ("12345670", "12345678", "12345679", "12345688")),
+        ("42.00004", ("42",)),
+        ("0.000000001", ("0",)),  # the absolute tolerance of 1e-9 around 0
+        ("1e-12", ("0",)),
+    ],
+)
+def test_a_number_that_is_not_whole_never_scores_for_a_whole_one(
+    answer: str, truths: tuple[str, ...]
+) -> None:
+    """A policy unsure between whole numbers gains by answering one near them all: before,
+    ``1000000.5`` scored 1.0 for both 1000000 and 1000001, ``12345678.9`` for every whole
+    number from 12345666 to 12345691."""
+    for truth in truths:
+        assert math_reward(f"<answer>{answer}</answer>", truth) == 0.0, truth
+        assert gsm8k_lenient_reward(f"#### {answer}", truth) == 0.0, truth
+
+
+def test_a_whole_number_written_with_float_rounding_is_still_that_number() -> None:
+    """What float arithmetic prints for 0.57 * 100 or 0.1 * 3 * 10 is the whole number it
+    rounds (the test reads it from Python itself)."""
+    for product, whole in ((0.57 * 100, "57"), (0.1 * 3 * 10, "3"), (4.35 * 100, "435")):
+        assert str(product) != whole and not product.is_integer()
+        assert math_reward(f"<answer>{product}</answer>", whole) == 1.0
+        assert math_reward(f"<answer>{product}</answer>", str(int(whole) + 1)) == 0.0

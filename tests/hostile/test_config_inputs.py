@@ -43,6 +43,14 @@ CONFIGS = {
         ["data.rewards_by_source={a: [1]}"],
         "data.rewards_by_source.a='[1]': expected a string",
     ),
+    # OmegaConf raised "Cannot merge incompatible container types", a traceback naming no key
+    "mapping for a list": (None, ["agent.stop={a: 1}"], "agent.stop=\"{'a': 1}\": expected a list"),
+    "mapping for a list in a file": (
+        "agent:\n  stop: {a: 1}\n",
+        [],
+        "agent.stop=\"{'a': 1}\": expected a list",
+    ),
+    "list for a mapping": (None, ["env.classes=[1,2]"], "env.classes='[1, 2]': expected a mapping"),
     "scalar section": ("model: 5\n", [], "model='5': expected a section"),
     "scalar override of a section": (
         None,

@@ -10,11 +10,12 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.envs import EnvError, Environments, EnvStep, make_environments
+from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step, make_environments
 from jax_agent_rl.envs.verl_interaction import InteractionEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,3 +326,16 @@ def test_environments_stuck_for_good_hold_at_most_the_pool_of_threads(tmp_path: 
     assert all("stuck.step took longer than" in e for e in errors), errors
     assert threading.active_count() - before <= 4
     assert envs.threads.busy == 4
+
+
+def test_a_step_whose_done_and_success_are_numpy_bools_is_taken() -> None:
+    """``done = np.array_equal(board, goal)`` gives a NumPy bool, which is True or False as a
+    Python bool is (before: every such step was an env error, "expected True or False", so
+    every episode of the environment failed); a reward that is a NumPy float is a number."""
+    for done, success in ((np.True_, np.False_), (np.False_, None), (np.bool_(1), np.True_)):
+        raw = {"observations": [], "reward": np.float32(0.5), "done": done, "success": success}
+        step = checked_step(raw, "env")
+        assert step == EnvStep([], 0.5, bool(done), None if success is None else bool(success))
+        assert type(step.done) is bool and type(step.reward) is float
+    with pytest.raises(EnvError, match="done array"):
+        checked_step({"observations": [], "reward": 0.0, "done": np.array([True])}, "env")

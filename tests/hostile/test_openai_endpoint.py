@@ -10,6 +10,7 @@ connection, a finished episode, a session in a request), never on elapsed time."
 import asyncio
 import dataclasses
 import json
+import threading
 from typing import Any
 
 import openai
@@ -23,6 +24,7 @@ from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.tokenization.turns import TurnBuilder
 from tests.agent.test_langgraph_loop import _assert_same
 from tests.agent.test_loop import CONFIG
 from tests.agent.test_openai_endpoint import (
@@ -689,3 +691,40 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
     # the bound: no token's text is longer than max_token_chars
     tok = setup["tokenizer"]
     assert max(len(tok.decode([i])) for i in range(tok.vocab_size)) <= tok.max_token_chars
+
+
+class Recorded(TurnBuilder):
+    """The chat template's renders as they are, and the threads they ran in."""
+
+    def __init__(self, builder: TurnBuilder) -> None:
+        super().__init__(builder.tokenizer, builder.tools, **builder.template_kwargs)
+        self.threads: list[int] = []
+
+    def prompt_ids(self, messages: Any) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().prompt_ids(messages)
+
+
+@CHATML
+def test_a_request_of_many_messages_is_rendered_off_the_event_loop(
+    setup: dict[str, Any],
+) -> None:
+    """A request may hold as many messages as max_model_len tokens; the template rendered
+    them on the event loop (32k messages: seconds), holding every other episode of the step.
+    The prompt renders in a worker thread; the episode is the same."""
+
+    async def go() -> tuple[Session, Recorded, bytes, int, list[dict[str, str]]]:
+        ctx = await _context(setup, CONFIG, None)
+        builder = Recorded(ctx.builder)
+        session = _fresh(dataclasses.replace(ctx, builder=builder), "many")
+        messages = [{"role": "user", "content": "1"}] * (CONFIG.max_model_len // 16) + PROMPT
+        body = json.dumps({"messages": messages, "tools": ctx.builder.tools}).encode()
+        async with serve({"many": session}) as base_url:
+            answer = await _post(_port(base_url), "many", body)
+        await ctx.backend.close()
+        return session, builder, answer, threading.get_ident(), messages
+
+    session, builder, answer, loop_thread, messages = asyncio.run(go())
+    assert _status(answer) == 200
+    assert builder.threads and loop_thread not in builder.threads
+    assert session.traj.prompt_ids == builder.prompt_ids(messages)

@@ -176,3 +176,40 @@ def test_a_numpy_bool_is_a_reward_as_a_python_bool_is() -> None:
         RewardError, match=r"gave reward array\(1\.\), a ndarray: expected a number"
     ):
         array("s", "5", "5", {})
+
+
+class UnprintableError(ValueError):
+    """An exception whose message cannot be written (a library's error formatting a value it
+    holds: a failing __str__)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("cannot format the value")
+
+
+def unprintable_score(text: str, ground_truth: Any) -> float:
+    del text, ground_truth
+    raise UnprintableError
+
+
+def test_a_reward_raising_an_error_that_cannot_be_written_ends_only_its_episode(
+    tokenizer: Tokenizer,
+) -> None:
+    """Writing the reward error called the exception's __str__, whose own error left
+    score_episodes: the step, and the run, failed for one episode's reward function."""
+    rule = load_reward(f"{HERE}:unprintable_score", "data.reward")
+    checker = load_reward("math", "data.reward")
+
+    async def score(answer: Answer) -> float:
+        fn = rule if answer.prompt == "odd" else checker
+        return fn(answer.data_source, answer.text, answer.ground_truth, answer.extra)
+
+    samples = [Sample(k, [{"role": "user", "content": k}], ground_truth="5") for k in ("odd", "ok")]
+    trajs = [Trajectory(uid=s.uid, group_id="g", prompt_ids=[1]) for s in samples]
+    for t in trajs:
+        t.messages = [{"role": "assistant", "content": "<answer>5</answer>"}]
+    groups = [[t] for t in trajs]
+    asyncio.run(score_episodes(groups, samples, score, 1.0, tokenizer, success_reward=1.0))
+    odd, ok = trajs
+    assert odd.stop_reason == "reward_error" and odd.reward == 0.0 and not odd.trainable
+    assert "raised UnprintableError" in str(odd.error) and "unprintable_score" in str(odd.error)
+    assert ok.stop_reason == "eos" and ok.reward == 1.0 and ok.trainable

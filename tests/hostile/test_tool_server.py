@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
@@ -506,3 +507,53 @@ def test_both_transports_compare_the_token_in_constant_time(
     http_compared, http_counts, unix_compared, unix_counts = asyncio.run(scenario())
     assert guessed in http_compared and guessed in unix_compared
     assert http_counts == unix_counts == ["1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--max-concurrency", "0", "0 is not >= 1"),  # every call waited for good
+        ("--max-concurrency", "-1", "-1 is not >= 1"),
+        ("--timeout", "nan", "nan is not > 0"),
+        ("--timeout", "0", "0 is not > 0"),  # every call an error
+        ("--idle-timeout", "0", "0 is not > 0"),  # the idle sweep ran without pause
+        ("--idle-timeout", "inf", "inf is not > 0"),
+        ("--body-timeout", "-1", "-1 is not > 0"),
+        ("--max-trajectories", "0", "0 is not >= 1"),
+        ("--max-body-bytes", "1e6", "'1e6' is not a whole number"),
+        ("--max-connections", "0", "0 is not >= 1"),
+        ("--port", "65536", "65536 is not in [0, 65535]"),
+    ],
+)
+def test_serve_tools_refuses_flags_that_would_hang_or_fail_every_call(
+    flag: str, value: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bound the server cannot work with is refused naming the flag, before it serves
+    (before: --max-concurrency 0 served, and every call waited for a slot for good)."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve-tools", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {problem}" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve-tools", flag, "1"]).func is not None
+
+
+class _UnprintableError(ValueError):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot format the value")
+
+
+class Unprintable(Counter):
+    """A tool whose call raises an exception that cannot be written (its __str__ fails)."""
+
+    async def execute(self, state: dict[str, Any], arguments: dict[str, Any]) -> ToolResult:
+        del state, arguments
+        raise _UnprintableError
+
+
+def test_a_tool_error_that_cannot_be_written_is_still_the_models_observation() -> None:
+    """Writing the tool's error called the exception's __str__, whose own error left the call:
+    the episode ended as an agent error instead of the model reading that its call failed."""
+    tools = LocalTools(ToolRegistry([Unprintable()]))
+    result = asyncio.run(tools.call("t", "count", {}))
+    assert result.error
+    assert result.text == "error: count failed: _UnprintableError (its message cannot be written)"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.train.traces import TRACES_FILE
 from jax_agent_rl.view.command import PAGE, view_server
 from jax_agent_rl.visible import visible
@@ -146,3 +147,23 @@ def test_a_record_of_the_wrong_shape_is_an_error_naming_its_file(
     assert main(["view", str(tmp_path), "--out", str(tmp_path / "page")]) == 2
     named = "metrics.jsonl" if field is None else TRACES_FILE
     assert f"{tmp_path / named}: a record is not a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--last", "0", "0 is not >= 1"),  # steps[-0:]: every step, the page --last bounds
+        ("--last", "-3", "-3 is not >= 1"),  # every step but the first three
+        ("--port", "-1", "-1 is not in [0, 65535]"),
+    ],
+)
+def test_a_view_flag_out_of_range_is_refused_naming_it(
+    flag: str, value: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--last 0`` read as no steps gave every traced step of the run (before: accepted), the
+    page too large to open that --last is there to prevent."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["view", "run", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {problem}" in capsys.readouterr().err
+    assert build_parser().parse_args(["view", "run", flag, "1"]).func is not None
