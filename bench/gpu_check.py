@@ -22,6 +22,9 @@ its error and the check goes on. Steps, in order:
                         runs off TPU) in fp32 on the same bf16 inputs; both timed
     hf_parity           tests/models/test_parity.py (the decoder against transformers'
                         forward on checkpoints transformers writes here) on the GPU
+    moe_parity          tests/models/test_moe.py's tests against transformers and of the
+                        grouped expert matmuls (`jax.lax.ragged_dot`) and routing replay:
+                        Qwen3-MoE on the GPU
     sampler_vs_learner  tests/rl/test_learner.py's test_learner_logprobs_equal_the_samplers
                         (the engine's sampled logprobs against the learner's recomputation)
     learner_step        the learner's RL step (`Learner.train_step`) at Qwen2.5-1.5B's shape,
@@ -30,7 +33,7 @@ its error and the check goes on. Steps, in order:
     decode              the embedded engine (`Engine` behind `EmbeddedBackend`) decoding at
                         batch 1, 8, 64, 256: decode tokens/s and the fraction of the roofline
 
-The two test steps run pytest with ``JAX_DEFAULT_MATMUL_PRECISION=highest``: their
+The three test steps run pytest with ``JAX_DEFAULT_MATMUL_PRECISION=highest``: their
 tolerances are derived for fp32 arithmetic, and XLA on NVIDIA GPUs computes fp32 matmuls in
 TF32 (10-bit mantissa) by default. In ``--dry-run`` they only collect (CI runs them on CPU).
 
@@ -107,6 +110,11 @@ STEPS = (
     Step("device", 60),
     Step("paged_attention", 60),
     Step("hf_parity", 120, ("tests/models/test_parity.py",)),
+    Step(
+        "moe_parity",
+        120,
+        ("tests/models/test_moe.py", "-k", "matches or cached or grouped or replay or greedy"),
+    ),
     Step(
         "sampler_vs_learner",
         100,
@@ -573,9 +581,11 @@ def run_one(step: Step, dry: bool, env: dict[str, str], box: float, say: Log) ->
     return result
 
 
-def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
-    """Every step of `STEPS` in order within `DEADLINE_S`: the summary (also printed as the
-    last line, and written to ``out_dir``)."""
+def run_check(
+    dry: bool, out_dir: Path | None, only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """Every step of `STEPS` (those named in ``only``) in order within `DEADLINE_S`: the
+    summary (also printed as the last line, and written to ``out_dir``)."""
     say = Log(out_dir)
     start = time.monotonic()
     say(f"gpu_check: {'dry run on CPU' if dry else 'GPU run'} in {ROOT}")
@@ -604,7 +614,7 @@ def run_check(dry: bool, out_dir: Path | None) -> dict[str, Any]:
         else:
             say(f"no {WHEELS.name}/: the machine's own packages only")
         env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
-        for step in STEPS:
+        for step in (s for s in STEPS if only is None or s.name in only):
             elapsed = time.monotonic() - start
             box = min(step.box_s, DEADLINE_S - elapsed)
             if box < 10:
@@ -630,13 +640,20 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[s.name for s in STEPS],
+        help="run these steps only (default: every step), e.g. --only device moe_parity",
+    )
     parser.add_argument("--step", choices=sorted(STEP_FUNCTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
         run_step(args.step, args.dry_run)
         return
     out = os.environ.get("OUT")
-    summary = run_check(args.dry_run, Path(out) if out else None)
+    only = tuple(args.only) if args.only else None
+    summary = run_check(args.dry_run, Path(out) if out else None, only)
     sys.exit(0 if summary["passed"] else 1)
 
 
