@@ -1,7 +1,8 @@
 """The checks every command runs on a loaded config: each number against the range declared on
-its field, then the values that must fit each other. Names checked against registries
-(backends, filters) are left to ``jarl train``'s pre-run check (`jax_agent_rl.train.check`),
-which loads what they name."""
+its field, then the values that must fit each other, and the names of registries that import
+without JAX (the tool-call parser), so that ``jarl eval`` refuses them before it loads weights.
+Names checked against the other registries (backends, filters, rewards) are left to
+``jarl train``'s pre-run check (`jax_agent_rl.train.check`), which loads what they name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 from jax_agent_rl.config.ranges import Rule
 from jax_agent_rl.config.sections import JarlConfig
+from jax_agent_rl.tokenization.tool_calls import PARSERS
 
 
 def field_ranges(schema: type, prefix: str = "") -> dict[str, Rule]:
@@ -172,6 +174,15 @@ def _stop_strings(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _parser(cfg: JarlConfig) -> str | None:
+    if cfg.agent.parser not in PARSERS:
+        return (
+            f"agent.parser={cfg.agent.parser!r} is not a registered tool-call parser: "
+            f"use one of {sorted(PARSERS)}"
+        )
+    return None
+
+
 _JUDGE_FIELDS = ("prompt", "response", "ground_truth", "score_max")
 
 
@@ -202,5 +213,6 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _vllm_devices,
     _tool_servers,
     _stop_strings,
+    _parser,
     _judge,
 )

@@ -155,6 +155,8 @@ def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
             _check_sections(hint, value, f"{prefix}{name}.")
         else:
             _check_container(hint, value, f"{prefix}{name}")
+            if not OmegaConf.is_interpolation(layer, name):
+                _check_bool(hint, value, f"{prefix}{name}")
 
 
 def _check_container(hint: Any, value: Any, key: str) -> None:
@@ -167,6 +169,14 @@ def _check_container(hint: Any, value: Any, key: str) -> None:
         raise ConfigError(f"{key}={_shown(str(value))}: expected a mapping (key: value)")
     if origin is not dict and not OmegaConf.is_list(value):
         raise ConfigError(f"{key}={_shown(str(value))}: expected a list ([a, b])")
+
+
+def _check_bool(hint: Any, value: Any, key: str) -> None:
+    """A true/false setting is given a YAML boolean (``true``, ``false``; OmegaConf's loader
+    reads ``yes``/``on`` as them too): OmegaConf would take ``2``, ``0.5`` or the string
+    ``"yes"`` as true."""
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}={_shown(str(value))}: expected true or false")
 
 
 def _checked(merged: Any, schema: type[T]) -> T:

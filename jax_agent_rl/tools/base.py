@@ -267,7 +267,12 @@ class FairPool(Generic[T]):
 
 
 def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
-    """Checks arguments against the function schema's parameters; raises ToolArgumentError."""
+    """Checks arguments against the function schema's parameters; raises ToolArgumentError.
+
+    Each value is checked for its ``type``, ``enum``, an array's ``items`` and an object's
+    ``properties`` / ``required`` (nested ones too, named by their path, e.g. ``'opts.mode'``);
+    a top-level argument the schema does not name is refused, a nested one only under
+    ``additionalProperties: false``."""
     params = schema["function"].get("parameters", {})  # a function without parameters
     if not isinstance(arguments, dict):
         raise ToolArgumentError(f"arguments must be a JSON object, got {type(arguments).__name__}")
@@ -279,12 +284,47 @@ def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]
     if missing:
         raise ToolArgumentError(f"missing required argument(s) {missing}")
     for name, value in arguments.items():
-        want = props[name].get("type")
-        if want is not None and not _matches(want, value):
-            raise ToolArgumentError(
-                f"argument {name!r} must be of type {want}, got {type(value).__name__} {value!r}"
-            )
+        _check_value(props[name], value, name)
     return arguments
+
+
+def _check_value(schema: dict[str, Any], value: Any, where: str) -> None:
+    """Raises ToolArgumentError naming ``where`` if ``value`` does not fit ``schema``."""
+    want = schema.get("type")
+    if want is not None and not _matches(want, value):
+        raise ToolArgumentError(
+            f"argument {where!r} must be of type {want}, got {type(value).__name__} {value!r}"
+        )
+    enum = schema.get("enum")
+    if enum is not None and not any(_same(value, option) for option in enum):
+        raise ToolArgumentError(f"argument {where!r} must be one of {enum}, got {value!r}")
+    items = schema.get("items")
+    if isinstance(value, list) and isinstance(items, dict):
+        for i, item in enumerate(value):
+            _check_value(items, item, f"{where}[{i}]")
+    if isinstance(value, dict):
+        props: dict[str, Any] = schema.get("properties", {})
+        missing = [p for p in schema.get("required", []) if p not in value]
+        if missing:
+            raise ToolArgumentError(f"argument {where!r} misses required key(s) {missing}")
+        if schema.get("additionalProperties") is False:
+            unknown = sorted(set(value) - set(props))
+            if unknown:
+                raise ToolArgumentError(
+                    f"argument {where!r} has unknown key(s) {unknown}; expected {sorted(props)}"
+                )
+        for key, item in value.items():
+            if key in props:
+                _check_value(props[key], item, f"{where}.{key}")
+
+
+def _same(value: Any, option: Any) -> bool:
+    """JSON equality: ``true`` is not ``1``, as Python's ``True == 1`` would have it."""
+    if isinstance(value, bool) or isinstance(option, bool):
+        return value is option
+    if isinstance(value, int | float) and isinstance(option, int | float):
+        return bool(value == option)
+    return type(value) is type(option) and bool(value == option)
 
 
 def _matches(json_type: str | list[str], value: Any) -> bool:

@@ -6,7 +6,8 @@
 but reads no weights and compiles nothing:
 
 - every name looked up in a registry: the rollout and judge backends and the filters
-  (`check_names`), the reward (user functions too) and the tool-call parser;
+  (`check_names`) and the reward (user functions too); the tool-call parser's name
+  `load_config` checked;
 - the model's ``config.json`` (its weight files must exist): ``rollout.max_model_len``
   against ``max_position_embeddings``, the mesh against this process's devices and against
   every parameter dimension it shards (`mesh_problems`);
@@ -109,8 +110,7 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
             problems.append(str(e))
             return None
 
-    attempt(lambda: _reward(cfg))
-    parser = attempt(lambda: _parser(cfg.agent.parser))
+    parser = make_parser(cfg.agent.parser)  # a registered name: `load_config` checked it
     if cfg.rollout.backend in backend_names():
         problems += unhonoured(cfg.rollout)
         problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
@@ -139,8 +139,7 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         attempt(lambda: _rows_tools(rows, schemas, cfg))
     if tokenizer is None:
         return problems
-    if parser is not None:
-        attempt(lambda: _stop_tokens(cfg.agent.parser, parser, tokenizer))
+    attempt(lambda: _stop_tokens(cfg.agent.parser, parser, tokenizer))
     builder = None if schemas is None else attempt(lambda: _builder(cfg.model, tokenizer, schemas))
     if builder is None:
         return problems
@@ -152,7 +151,8 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
 
 
 def check_names(cfg: JarlConfig) -> list[str]:
-    """The rollout backend, the judge's backend and the filters, each against its registry."""
+    """The rollout backend, the judge's backend and the filters, each against its registry,
+    and the reward loaded (``jarl eval`` checks these too, before it loads weights)."""
     names, judge = backend_names(), cfg.data.judge.backend
     problems = check_filters(cfg.agent.filters)
     if cfg.rollout.backend not in names:
@@ -161,6 +161,10 @@ def check_names(cfg: JarlConfig) -> list[str]:
         problems.append(
             f"data.judge.backend={judge!r}: use policy or a registered rollout backend {names}"
         )
+    try:
+        _reward(cfg)
+    except _CheckError as e:
+        problems.append(str(e))
     return problems
 
 
@@ -270,15 +274,6 @@ def _reward(cfg: JarlConfig) -> None:
             f"data.reward={cfg.data.reward!r} (or data.rewards_by_source) failed to load: "
             f"{_one_line(e)}"
         ) from None
-
-
-def _parser(name: str) -> ToolCallParser:
-    if name not in PARSERS:
-        raise _CheckError(
-            f"agent.parser={name!r} is not a registered tool-call parser: "
-            f"use one of {sorted(PARSERS)}"
-        )
-    return make_parser(name)
 
 
 def _model(path: str) -> ModelConfig:

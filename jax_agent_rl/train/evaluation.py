@@ -29,7 +29,7 @@ from rich.table import Table
 from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.trajectory import Trajectory
-from jax_agent_rl.config import JarlConfig, load_config, missing_paths
+from jax_agent_rl.config import ConfigError, JarlConfig, load_config, missing_paths
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
@@ -44,6 +44,7 @@ from jax_agent_rl.train.build import (
     run_sharder,
     serve_policy,
 )
+from jax_agent_rl.train.check import check_names
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -214,17 +215,7 @@ def eval_target(
     if step is not None and checkpoint is not None:
         raise EvalInputError("--step and --checkpoint both name weights: give one")
     path = Path(target)
-    if path.is_dir():
-        if not (path / RUN_CONFIG).is_file():
-            raise EvalInputError(f"{path} is not a run folder: it has no {RUN_CONFIG}")
-        run_dir: Path | None = path
-        cfg: JarlConfig = load_config(path / RUN_CONFIG, list(overrides))
-    elif path.is_file():
-        if step is not None:
-            raise EvalInputError(f"--step {step} needs a run folder, not the config {path}")
-        run_dir, cfg = None, load_config(path, list(overrides))
-    else:
-        raise EvalInputError(f"{path}: no such run folder or config file")
+    run_dir, cfg = _read_config(path, step, overrides)
     if not cfg.data.val:
         raise EvalInputError("data.val is empty: nothing to evaluate (give data.val=FILE)")
     mesh = cfg.mesh
@@ -249,6 +240,28 @@ def eval_target(
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
+
+
+def _read_config(
+    path: Path, step: int | None, overrides: Sequence[str]
+) -> tuple[Path | None, JarlConfig]:
+    """The run folder (None for a config file) and the config ``path`` names, its registry
+    names checked as ``jarl train --dry-run`` checks them (`check_names`), weights unread."""
+    if path.is_dir():
+        if not (path / RUN_CONFIG).is_file():
+            raise EvalInputError(f"{path} is not a run folder: it has no {RUN_CONFIG}")
+        run_dir: Path | None = path
+        cfg: JarlConfig = load_config(path / RUN_CONFIG, list(overrides))
+    elif path.is_file():
+        if step is not None:
+            raise EvalInputError(f"--step {step} needs a run folder, not the config {path}")
+        run_dir, cfg = None, load_config(path, list(overrides))
+    else:
+        raise EvalInputError(f"{path}: no such run folder or config file")
+    problems = check_names(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return run_dir, cfg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -263,12 +263,12 @@ def test_tools_kwargs_of_single_turn_rows_are_not_checked(files: Files) -> None:
 
 def test_every_problem_is_reported(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
     """Independent problems are all reported, one line each, not only the first."""
-    overrides = ["agent.parser=hermez", "data.reward=maths", f"data.train={files.bad_columns}"]
+    overrides = ["rollout.backend=vlm", "data.reward=maths", f"data.train={files.bad_columns}"]
     assert main(["train", str(files.config), *overrides, "mesh.tensor=4", "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("=")[0] for line in lines] == [
+        "jarl: rollout.backend",
         "jarl: data.reward",
-        "jarl: agent.parser",
         "jarl: mesh.tensor",
         "jarl: data.train",
     ]
