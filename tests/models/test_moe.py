@@ -217,7 +217,8 @@ def test_missing_expert_tensor_is_named(checkpoints: dict[bool, Path], tmp_path:
 def test_grouped_experts_and_their_gradients_equal_a_dense_reference() -> None:
     """`sparse_mlp` (sorted tokens, ragged_dot) against every expert run on every token and
     masked by a one-hot of the chosen ones: outputs and gradients (tokens, router, experts)
-    agree to fp32 rounding (1e-5 on values of order 1)."""
+    agree to fp32 rounding: 1e-5 of the largest entry (summed in another order, as ragged_dot
+    does on a GPU, gradients of order 5 differ by ~2e-5)."""
     cfg = ModelConfig.from_hf(TINY_MOE)
     layer = jax.tree.map(lambda x: x[0], init_params(jax.random.key(1), cfg).layers)
     layer = jax.tree.map(lambda x: x * 10 if x.ndim >= 2 else x, layer)  # std 0.2: O(1) outputs
@@ -241,14 +242,20 @@ def test_grouped_experts_and_their_gradients_equal_a_dense_reference() -> None:
 
     out, ref = grouped(layer, x_btd), dense(layer, x_btd)
     assert np.abs(np.asarray(ref)).max() > 0.5
-    assert np.abs(np.asarray(out - ref)).max() <= 1e-5
+    assert _off(out, ref) <= 1e-5
     grads = jax.grad(partial(loss, grouped), argnums=(0, 1))(layer, x_btd)
     ref_grads = jax.grad(partial(loss, dense), argnums=(0, 1))(layer, x_btd)
     for name in ("router", "expert_gate", "expert_up", "expert_down"):
         g, r = getattr(grads[0], name), getattr(ref_grads[0], name)
         assert np.abs(np.asarray(r)).max() > 1e-2, name
-        assert np.abs(np.asarray(g - r)).max() <= 1e-5, name
-    assert np.abs(np.asarray(grads[1] - ref_grads[1])).max() <= 1e-5
+        assert _off(g, r) <= 1e-5, name
+    assert _off(grads[1], ref_grads[1]) <= 1e-5
+
+
+def _off(got: jax.Array, want: jax.Array) -> float:
+    """The largest difference, over the largest entry of ``want`` (at least 1)."""
+    want_np = np.asarray(want)
+    return float(np.abs(np.asarray(got) - want_np).max() / max(1.0, np.abs(want_np).max()))
 
 
 # ------------------------------------------------------------------------------------ replay
