@@ -45,6 +45,7 @@ from jax_agent_rl.models import (
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import route, sparse_mlp
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from tests.models.hf_reference import hf_logits, padded_batch
 
 TOL = 1e-4
 
@@ -57,17 +58,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
         norm: write_hf_checkpoint(root / f"norm{norm}", {**TINY_MOE, "norm_topk_prob": norm})
         for norm in (True, False)
     }
-
-
-def _batch(vocab: int, T: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Three rows: full, right-padded, left-padded; returns tokens, mask, positions."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (3, T))
-    mask = np.ones((3, T), np.int64)
-    mask[1, 13:] = 0
-    mask[2, :6] = 0
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return tokens, mask, positions
 
 
 # ------------------------------------------------------------------------------------ config
@@ -125,27 +115,12 @@ def test_missing_moe_field_is_named() -> None:
 # ----------------------------------------------------------------------------------- forward
 
 
-def _hf_logits(
-    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray
-) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions),
-        )
-    return out.logits.numpy()
-
-
 @pytest.mark.parametrize("norm", [True, False])
 def test_forward_matches_transformers(norm: bool, checkpoints: dict[bool, Path]) -> None:
     cfg, w = load_hf(checkpoints[norm])
     assert cfg.norm_topk_prob == norm and cfg.moe_layers == (True, False, True)
-    tokens, mask, positions = _batch(cfg.vocab_size)
-    ref = _hf_logits(checkpoints[norm], tokens, mask, positions)
+    tokens, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(checkpoints[norm], tokens, mask, positions)
     logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
@@ -265,7 +240,7 @@ def test_replaying_the_chosen_experts_reproduces_the_forward(
     checkpoints: dict[bool, Path],
 ) -> None:
     cfg, w = load_hf(checkpoints[True])
-    tokens, mask, positions = _batch(cfg.vocab_size)
+    tokens, mask, positions = padded_batch(cfg.vocab_size)
     h, ids = forward(w, cfg, tokens, positions, mask, return_expert_ids=True)
     assert ids.shape == (2, 3, 20, 2) and ids.dtype == jnp.int32
     assert len(np.unique(np.asarray(ids))) == cfg.num_experts  # every expert gets tokens
@@ -281,7 +256,7 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     first layer: the free forward's experts change; the replayed forward keeps the original
     experts, so its logits there move only by the gates' small change."""
     cfg, w = load_hf(checkpoints[True])
-    tokens, mask, positions = _batch(cfg.vocab_size)
+    tokens, mask, positions = padded_batch(cfg.vocab_size)
     h, ids = forward(w, cfg, tokens, positions, mask, return_expert_ids=True)
     # layer 0's router input: the normed embeddings after layer 0's attention, taken from a
     # one-layer model (layer 0 is sparse: its MLP input does not depend on its own router)
@@ -366,8 +341,8 @@ def test_tiny_moe_preset_loads_here_and_in_transformers(
     cfg, w = load_hf(ckpt)
     assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
     assert cfg.moe_layers == (True, False, True)
-    tokens, mask, positions = _batch(cfg.vocab_size)
-    ref = _hf_logits(ckpt, tokens, mask, positions)
+    tokens, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(ckpt, tokens, mask, positions)
     logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
     assert np.abs(logits - ref)[mask.astype(bool)].max() <= TOL
 

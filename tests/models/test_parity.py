@@ -12,44 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
+from tests.models.hf_reference import hf_logits, padded_batch
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 TOL = 1e-4
 
 
-def _batch(vocab: int, T: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Three rows: full, right-padded, left-padded; returns tokens, mask, positions."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (3, T))
-    mask = np.ones((3, T), np.int64)
-    mask[1, 13:] = 0
-    mask[2, :6] = 0
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return tokens, mask, positions
-
-
-def _hf_logits(
-    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray
-) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions),
-        )
-    return out.logits.numpy()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_matches_transformers(family: str, hf_checkpoints: dict[str, Path]) -> None:
     cfg, w = load_hf(hf_checkpoints[family])
-    tokens, mask, positions = _batch(cfg.vocab_size)
-    ref = _hf_logits(hf_checkpoints[family], tokens, mask, positions)
+    tokens, mask, positions = padded_batch(cfg.vocab_size)
+    ref = hf_logits(hf_checkpoints[family], tokens, mask, positions)
     logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
@@ -125,7 +100,7 @@ def test_bf16_forward_tracks_fp32(family: str, hf_checkpoints: dict[str, Path]) 
     cfg32, _ = load_hf(hf_checkpoints[family], dtype="float32")
     cfg16, w16 = load_hf(hf_checkpoints[family], dtype="bfloat16")
     w_rounded = jax.tree.map(lambda x: x.astype(jnp.float32), w16)
-    tokens, mask, positions = _batch(cfg32.vocab_size)
+    tokens, mask, positions = padded_batch(cfg32.vocab_size)
     ref = np.asarray(lm_logits(w_rounded, forward(w_rounded, cfg32, tokens, positions, mask)))
     h16 = forward(w16, cfg16, tokens, positions, mask)
     assert h16.dtype == jnp.bfloat16
