@@ -13,7 +13,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
-from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.models.hf_local import TINY, TINY_MOE
 from jax_agent_rl.rl.batch import (
     Sequences,
     TrainBatch,
@@ -46,6 +46,7 @@ from jax_agent_rl.train.traces import trace_index
 from tests.programs import programs_built
 
 CFG = ModelConfig.from_hf(TINY["qwen2"])
+MOE_CFG = ModelConfig.from_hf(TINY_MOE)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -133,9 +134,12 @@ FILTERED = SamplingSpec(0.8, 20, 0.9)
 
 
 def spec(
-    algo: AlgorithmSection, sharder: Sharder | None = None, sampling: SamplingSpec = FILTERED
+    algo: AlgorithmSection,
+    sharder: Sharder | None = None,
+    sampling: SamplingSpec = FILTERED,
+    cfg: ModelConfig = CFG,
 ) -> StepSpec:
-    return StepSpec(CFG, "float32", sampling, algo, False, sharder)
+    return StepSpec(cfg, "float32", sampling, algo, False, sharder)
 
 
 ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=2.0)
@@ -154,14 +158,24 @@ def test_micro_batches_sum_to_the_whole_batch(mode: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("objective", "sampling"),
-    [("policy", FILTERED), ("policy", SamplingSpec(0.8)), ("value", FILTERED)],
+    ("objective", "sampling", "cfg"),
+    [
+        ("policy", FILTERED, CFG),
+        ("policy", SamplingSpec(0.8), CFG),
+        ("value", FILTERED, CFG),
+        ("policy", FILTERED, MOE_CFG),
+    ],
+    ids=["policy", "policy-unfiltered", "value", "policy-moe"],
 )
-def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -> None:
+def test_sharded_step_equals_unsharded(
+    objective: str, sampling: SamplingSpec, cfg: ModelConfig
+) -> None:
     """8 fake CPU devices, data=2 x fsdp=2 x tensor=2: loss and every gradient equal the
     single-device computation within 1e-5, normwise (only the reduction order differs). The
-    policy without top-k / top-p takes `head_logprobs` (its vocabulary sharded over tensor)."""
-    params = init_params(jax.random.key(1), CFG)
+    policy without top-k / top-p takes `head_logprobs` (its vocabulary sharded over tensor).
+    Qwen3-MoE: its experts split over fsdp (4 whole experts a device), their width over
+    tensor, and every token routed to the same experts on both sides."""
+    params = init_params(jax.random.key(1), cfg)
     batch, given = random_batch(seed=1)
     sharder = Sharder(make_mesh(2, 2, 2))
     target, fn = (
@@ -170,12 +184,12 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
         else (critic_from_policy(params), value_objective)
     )
     if objective == "value":  # a non-zero head so the body gets gradients
-        target = dataclasses.replace(target, head=jnp.linspace(-1, 1, CFG.hidden_size))
-    plain = jax.jit(lambda p: grads_of(fn, spec(ALGO, None, sampling), p, batch, given, 2))
+        target = dataclasses.replace(target, head=jnp.linspace(-1, 1, cfg.hidden_size))
+    plain = jax.jit(lambda p: grads_of(fn, spec(ALGO, None, sampling, cfg), p, batch, given, 2))
     loss0, g0, m0 = plain(target)
 
     learner = Learner(
-        CFG,
+        cfg,
         params,
         algo=ALGO,
         optim=OptimSection(),
@@ -188,7 +202,7 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
     placed = state.params  # type: ignore[union-attr]
     sharded_batch = learner.device_batch(batch)
     assert sharded_batch.tokens.sharding.spec[1] == ("data", "fsdp")
-    s = spec(ALGO, sharder, sampling)
+    s = spec(ALGO, sharder, sampling, cfg)
     mask = jnp.asarray(batch.mask)
     d = Denominators(mask.sum(), (mask.sum(-1) > 0).sum().astype(jnp.float32), 32.0, 8)
     sharded = jax.jit(
@@ -201,6 +215,9 @@ def test_sharded_step_equals_unsharded(objective: str, sampling: SamplingSpec) -
     # the parameters really are laid out over the mesh (not replicated)
     q = placed.layers.q if objective == "policy" else placed.body.layers.q
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    if cfg.num_experts:  # [L, E, D, M]: whole experts over fsdp
+        P = jax.sharding.PartitionSpec
+        assert placed.layers.expert_gate.sharding.spec == P(None, "fsdp", None, "tensor")  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (-1, 1.0)])
