@@ -48,9 +48,11 @@ CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yam
 
 # measured with the default settings on 2 CPU cores: 16.9 min while other jobs loaded them
 # (SFT 12.5, the engine's start 1, RL 2.7), 7.4 min on idle ones (README)
-EXPECTED_DURATION = (
-    "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.5 on idle ones"
-)
+EXPECTED_DURATION = {
+    "tiny": "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.5 on "
+    "idle ones",
+    "tiny-moe": "longer than the dense demo's (its grouped expert matmuls)",
+}
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
 MODEL = dict(
@@ -112,13 +114,15 @@ def prepare(
     n_sft: int = 3000,
     vocab_size: int = 2048,
     seed: int = 0,
+    model: dict[str, Any] = MODEL,
 ) -> TaskFiles:
-    """Writes the task data, demonstrations, tokenizer and initial checkpoint into ``folder``."""
+    """Writes the task data, demonstrations, tokenizer and initial checkpoint (``model``'s HF
+    fields) into ``folder``."""
     task = task or ArithmeticTask()
     folder.mkdir(parents=True, exist_ok=True)
     conversations = _demonstrations(task, n_sft, seed)
     files = task_files(folder)
-    write_model(files.model, conversations, MODEL, vocab_size, seed)
+    write_model(files.model, conversations, model, vocab_size, seed)
     write_jsonl(files.train, task.samples(n_train, seed, "train"))
     write_jsonl(files.val, task.samples(n_val, seed, "val"))
     write_demonstrations(files.sft, conversations)
@@ -180,6 +184,16 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabu
 }
 
 
+# `jarl demo --model NAME`: the model it makes (HF fields) and the config it trains it with
+DEMOS: dict[str, tuple[dict[str, Any], Path]] = {
+    "tiny": (MODEL, DEMO_CONFIG),
+    "tiny-moe": (
+        {**PRESETS["tiny-moe"][0], "max_position_embeddings": MODEL["max_position_embeddings"]},
+        DEMO_CONFIG.with_name("moe_calculator_cpu.yaml"),
+    ),
+}
+
+
 def make_checkpoint(out: Path, preset: str = "tiny", seed: int = 0) -> ModelConfig:
     """A random-init checkpoint folder ``out`` of the ``preset`` model, with a tokenizer and
     the ChatML tool template (Qwen2.5's ``<tool_call>`` format: agent.parser hermes) beside
@@ -190,7 +204,9 @@ def make_checkpoint(out: Path, preset: str = "tiny", seed: int = 0) -> ModelConf
     return ModelConfig.from_pretrained(out)
 
 
-def demo_config(run_dir: Path, files: TaskFiles, overrides: list[str] | None = None) -> JarlConfig:
+def demo_config(
+    run_dir: Path, files: TaskFiles, overrides: Sequence[str] = (), config: Path = DEMO_CONFIG
+) -> JarlConfig:
     paths = [
         f"model.path={files.model}",
         f"data.train={files.train}",
@@ -199,7 +215,7 @@ def demo_config(run_dir: Path, files: TaskFiles, overrides: list[str] | None = N
         f"tools.config={files.tools}",
         f"trainer.run_dir={run_dir}",
     ]
-    return load_config(DEMO_CONFIG, [*paths, *(overrides or [])])
+    return load_config(config, [*paths, *overrides])
 
 
 def summarize(run_dir: Path, console: Console) -> dict[str, float]:
@@ -250,15 +266,24 @@ SMOKE_OVERRIDES = [
 ]
 
 
-def small_task_sft(folder: Path, sft_steps: int = 600, overrides: Sequence[str] = ()) -> TaskFiles:
+def small_task_sft(
+    folder: Path, sft_steps: int = 600, overrides: Sequence[str] = (), demo: str = "tiny"
+) -> TaskFiles:
     """The smaller task's files in ``folder/task`` and an SFT-only run of it in ``folder/sft``
-    (its policy exported to ``folder/sft/hf``, its held-out success in its metrics);
-    ``overrides`` come after `SMALL_OVERRIDES` (a benchmark's smoke run shrinks it)."""
+    with the ``demo`` model (`DEMOS`; its policy exported to ``folder/sft/hf``, its held-out
+    success in its metrics); ``overrides`` come after `SMALL_OVERRIDES` (a benchmark's smoke
+    run shrinks it)."""
+    model, config = DEMOS[demo]
     files = prepare(
-        folder / "task", ArithmeticTask(mix=(0.5, 0.5, 0.0)), n_train=400, n_val=100, n_sft=1500
+        folder / "task",
+        ArithmeticTask(mix=(0.5, 0.5, 0.0)),
+        n_train=400,
+        n_val=100,
+        n_sft=1500,
+        model=model,
     )
     sft = [*SMALL_OVERRIDES, *overrides, f"sft.steps={sft_steps}", "trainer.steps=0"]
-    train(demo_config(folder / "sft", files, sft))
+    train(demo_config(folder / "sft", files, sft, config))
     return files
 
 
@@ -292,12 +317,16 @@ def run_outputs(run_dir: Path) -> list[str]:
     return lines
 
 
-def run(run_dir: Path, console: Console, overrides: list[str] | None = None) -> dict[str, float]:
-    cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides)  # bad keys fail first
-    console.print(f"jarl demo: {EXPECTED_DURATION}", highlight=False, soft_wrap=True)
+def run(
+    run_dir: Path, console: Console, overrides: Sequence[str] = (), demo: str = "tiny"
+) -> dict[str, float]:
+    """The demo with the ``demo`` model of `DEMOS` (its config) in ``run_dir``."""
+    model, config = DEMOS[demo]
+    cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides, config)  # bad keys first
+    console.print(f"jarl demo: {EXPECTED_DURATION[demo]}", highlight=False, soft_wrap=True)
     request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
-        files = prepare(run_dir / "task")
+        files = prepare(run_dir / "task", model=model)
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )

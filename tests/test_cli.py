@@ -91,7 +91,7 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"sft_success", "rl_success"}
     out = capsys.readouterr().out
-    assert out.startswith(f"jarl demo: {EXPECTED_DURATION}\n")
+    assert out.startswith(f"jarl demo: {EXPECTED_DURATION['tiny']}\n")
     assert "jarl traces" in out and f"\n  {tmp_path / 'hf'}/ " in out  # the closing list
     assert main(["traces", str(tmp_path), "--limit", "1"]) == 0
     assert main(["demo", "--run-dir", str(tmp_path / "x"), "algorithm.clip_hihg=1"]) == 2

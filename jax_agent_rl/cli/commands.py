@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
+from jax_agent_rl.cli.checkpoint import add_checkpoint_parsers
 from jax_agent_rl.cli.plan import add_plan_parser
 from jax_agent_rl.cli.serve_tools import add_serve_tools
 from jax_agent_rl.cli.view import add_view_parser
@@ -36,7 +37,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        demo.run(run_dir, Console(), list(args.overrides))
+        demo.run(run_dir, Console(), args.overrides, args.model)
     except ConfigError as e:
         return _refuse(str(e).splitlines())
     return 0
@@ -226,34 +227,6 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_make(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return _refuse([f"--out {out} exists and is not an empty folder: name a new one"])
-    from jax_agent_rl.demo import make_checkpoint
-
-    model = make_checkpoint(out, args.preset, args.seed)
-    print(
-        f"wrote a random-init {model.num_params:,}-parameter {model.family} checkpoint with its "
-        f"tokenizer to {out}\ntry a config with it: jarl train CONFIG model.path={out} ..."
-    )
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from jax_agent_rl.models import ModelConfig
-
-    try:
-        cfg = ModelConfig.from_pretrained(args.checkpoint)
-    except (ValueError, OSError) as e:  # a config it cannot use, invalid JSON, no regular file
-        print(f"jarl: {e}", file=sys.stderr)
-        return 2
-    for field, value in vars(cfg).items():
-        print(f"{field:>24}: {value}")
-    print(f"{'parameters':>24}: {cfg.num_params:,}")
-    return 0
-
-
 def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "eval",
@@ -333,9 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Makes a synthetic multi-step arithmetic task, a tokenizer and a small model "
         "here, warm-starts it on imperfect demonstrations, then trains it with GRPO over "
         "multi-turn calculator rollouts and reports held-out success before and after. "
-        "Overrides (key.sub=value) apply to configs/demo_calculator_cpu.yaml.",
+        "Overrides (key.sub=value) apply to configs/demo_calculator_cpu.yaml "
+        "(--model tiny-moe: configs/moe_calculator_cpu.yaml).",
     )
     p.add_argument("--run-dir", help="where to write the run (default: runs/demo-<time>)")
+    p.add_argument(
+        "--model",
+        choices=["tiny", "tiny-moe"],
+        default="tiny",
+        help="tiny: a Qwen2-layout model of ~0.85M parameters; tiny-moe: a Qwen3-MoE of its "
+        "size (8 experts, 2 per token)",
+    )
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the demo config")
     p.set_defaults(func=_demo)
 
@@ -441,41 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     p.set_defaults(func=_config)
 
-    p = sub.add_parser(
-        "checkpoint",
-        help="make a small local checkpoint to try a config with",
-        description="Checkpoint folders made here, nothing downloaded.",
-    )
-    actions = p.add_subparsers(dest="action", required=True)
-    p = actions.add_parser(
-        "make",
-        help="write a random-init model and its tokenizer as an HF checkpoint folder",
-        description="Writes a random-init model (config.json, model.safetensors; Qwen2's "
-        "layout, Qwen3-MoE's for tiny-moe), a byte-level BPE tokenizer trained on the demo's "
-        "calculator transcripts and the ChatML tool template (agent.parser=hermes) into --out, "
-        "so any config can be tried before a real checkpoint is at hand: jarl checkpoint make "
-        "--out ckpt && jarl train CONFIG model.path=ckpt ... Its answers are noise.",
-    )
-    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
-    p.add_argument(
-        "--preset",
-        choices=["tiny", "small", "tiny-moe"],
-        default="tiny",
-        help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe: a Qwen3-MoE "
-        "of tiny's size (8 experts, 2 per token, one dense layer)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
-    p.set_defaults(func=_checkpoint_make)
-
-    p = sub.add_parser(
-        "inspect",
-        help="show how a local HF checkpoint maps onto the JAX decoder",
-        description="Reads config.json of a local HF checkpoint folder and prints the decoder "
-        "config it maps to, or the field that is not supported.",
-    )
-    p.add_argument("checkpoint", help="a local HF checkpoint folder")
-    p.set_defaults(func=_inspect)
-
+    add_checkpoint_parsers(sub)
     add_plan_parser(sub)
     add_serve_tools(sub)
     return parser

@@ -6,6 +6,7 @@ donated buffers).
 """
 
 import io
+import json
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ from rich.console import Console
 
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import TaskFiles, prepare
+from jax_agent_rl.demo import DEMOS, TaskFiles, make_checkpoint, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.train import build_run, train
 from jax_agent_rl.train.metrics import read_metrics
@@ -51,13 +52,23 @@ def test_the_shipped_run_configs_are_all_exercised() -> None:
     assert {"demo_calculator_cpu.yaml", "gsm8k_tools_qwen2.5.yaml"} <= names
 
 
+# the configs written for another model than the demo's: its `jarl demo --model` name
+CONFIG_MODELS = {"moe_calculator_cpu": "tiny-moe"}
+
+
 @pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_config_trains(config: Path, task: TaskFiles, tmp_path: Path) -> None:
-    train(load_config(config, tiny(task, tmp_path, steps=2)))
+    overrides = tiny(task, tmp_path, steps=2)
+    demo_model = CONFIG_MODELS.get(config.stem, "tiny")
+    if demo_model != "tiny":  # its own model (and tokenizer)
+        make_checkpoint(tmp_path / "model", demo_model)
+        overrides.append(f"model.path={tmp_path / 'model'}")
+    train(load_config(config, overrides))
     steps = read_metrics(tmp_path / "metrics.jsonl", "train")
     assert [r["step"] for r in steps] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in steps)
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["model_type"] == DEMOS[demo_model][0]["model_type"]
 
 
 def odd_length(text: str, ground_truth: object) -> float:

@@ -1,12 +1,14 @@
 """Learning, measured: on a smaller version of the demo task (sums and products, one call each),
 a short SFT warm start on imperfect demonstrations gives a baseline that answers sums from
 memory and fails them; GRPO and PPO over real multi-turn rollouts (the JAX engine, the
-calculator tool) then raise held-out greedy success by a clear margin.
+calculator tool) then raise held-out greedy success by a clear margin, with the demo's dense
+model and with a Qwen3-MoE of its size.
 
 The margin: the held-out set is 100 problems, about half of them sums that the baseline fails.
 Greedy evaluation of the same problems has no sampling noise, so a rise of 0.2 means twenty
 more problems solved, which only a policy that learned to call the tool on sums produces."""
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,13 +25,23 @@ def held_out(run_dir: Path) -> list[float]:
     return [r["success"] for r in read_metrics(run_dir / "metrics.jsonl", "val")]
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
-    """The task files, an SFT-only run (its policy exported to run/hf) and its success."""
-    folder = tmp_path_factory.mktemp("learning")
-    small_task_sft(folder)
+def _sft_run(folder: Path, demo: str) -> tuple[Path, Path, float]:
+    """The task files, an SFT-only run of the ``demo`` model (its policy exported to
+    run/hf) and its success."""
+    small_task_sft(folder, demo=demo)
     (baseline,) = held_out(folder / "sft")
     return folder, folder / "sft" / "hf", baseline
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
+    return _sft_run(tmp_path_factory.mktemp("learning"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def moe_sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
+    """The same, for the Qwen3-MoE of configs/moe_calculator_cpu.yaml."""
+    return _sft_run(tmp_path_factory.mktemp("learning-moe"), "tiny-moe")
 
 
 # pinned: the same groups and weight versions in every update whatever the machine's load
@@ -37,18 +49,10 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=2", "trainer.async_schedule=pinned"]
 
 
-@pytest.mark.parametrize(
-    ("config", "mode"),
-    [
-        ("demo_calculator_cpu.yaml", []),
-        ("demo_calculator_ppo_cpu.yaml", []),
-        ("demo_calculator_cpu.yaml", ASYNC),  # off-policy by up to 2 versions, TIS-corrected
-    ],
-    ids=["grpo", "ppo", "grpo-async"],
-)
-def test_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path, float], config: str, mode: list[str]
-) -> None:
+def _assert_rl_raises_held_out_success(
+    sft_run: tuple[Path, Path, float], config: str, mode: Sequence[str] = ()
+) -> Path:
+    """10 RL steps of ``config`` from the SFT policy raise held-out success by 0.2; the run."""
     folder, sft_model, baseline = sft_run
     run = folder / (config.removesuffix(".yaml") + ("-async" if mode else ""))
     overrides = [
@@ -68,9 +72,31 @@ def test_rl_raises_held_out_success(
     assert success[0] == baseline  # the same model, evaluated the same way
     assert baseline < 0.75, "the SFT baseline should fail most sums"
     assert success[-1] >= baseline + 0.2, (baseline, success)
+    return run
+
+
+@pytest.mark.parametrize(
+    ("config", "mode"),
+    [
+        ("demo_calculator_cpu.yaml", []),
+        ("demo_calculator_ppo_cpu.yaml", []),
+        ("demo_calculator_cpu.yaml", ASYNC),  # off-policy by up to 2 versions, TIS-corrected
+    ],
+    ids=["grpo", "ppo", "grpo-async"],
+)
+def test_rl_raises_held_out_success(
+    sft_run: tuple[Path, Path, float], config: str, mode: list[str]
+) -> None:
+    run = _assert_rl_raises_held_out_success(sft_run, config, mode)
     if mode:
         steps = read_metrics(run / "metrics.jsonl", "train")
         assert all(m["staleness/max"] <= 2 for m in steps)
+
+
+def test_rl_raises_a_moe_policys_held_out_success(moe_sft_run: tuple[Path, Path, float]) -> None:
+    """The same with a Qwen3-MoE policy (8 experts, 2 per token): GRPO through its grouped
+    expert matmuls, each update replaying the experts the engine sampled with."""
+    _assert_rl_raises_held_out_success(moe_sft_run, "moe_calculator_cpu.yaml")
 
 
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
