@@ -370,6 +370,10 @@ class AlgorithmSection:
     kl_coef: float = setting(0.0, NATURAL)
     kl_kind: Literal["k1", "abs", "k2", "k3"] = "k3"
     entropy_coef: float = setting(0.0, NATURAL)
+    # a mixture-of-experts policy's router load-balancing loss (HF's router_aux_loss_coef,
+    # transformers' load_balancing_loss_func over all real tokens) added to the policy loss
+    # with this weight; 0: off, as verl's GRPO recipes leave it
+    router_aux_loss_coef: float = setting(0.0, NATURAL)
     # truncated importance weights rollout -> learner; null: off
     tis_cap: float | None = setting(2.0, or_(None, POSITIVE))
     # truncate: weight min(w, tis_cap); mask: weight w within [1/tis_cap, tis_cap], else the

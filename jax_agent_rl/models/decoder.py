@@ -563,12 +563,12 @@ def _mlp_block(
     x_btd: jax.Array,
     sparse: bool | jax.Array,
     given_btk: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """``x_btd`` plus the layer's MLP, and the experts its tokens chose (`mlp_of_kind`)."""
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """``x_btd`` plus the layer's MLP, and its routing (experts, router logits: `mlp_of_kind`)."""
     with jax.named_scope("mlp"):
         h = rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps)
-        out, ids = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp)
-    return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), ids
+        out, routing = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp)
+    return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), routing
 
 
 def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -592,6 +592,7 @@ def forward(
     window: int | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[False] = False,
+    return_router_logits: Literal[False] = False,
 ) -> jax.Array: ...
 
 
@@ -609,7 +610,26 @@ def forward(
     window: int | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[True],
+    return_router_logits: Literal[False] = False,
 ) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def forward(
+    w: Weights,
+    cfg: ModelConfig,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array,
+    segment_ids_bt: jax.Array,
+    sharder: Sharder | None = None,
+    remat: bool = False,
+    *,
+    cache: None = None,
+    window: int | None = None,
+    expert_ids: jax.Array | None = None,
+    return_expert_ids: bool = False,
+    return_router_logits: Literal[True],
+) -> tuple[jax.Array, ...]: ...
 
 
 @overload
@@ -672,11 +692,13 @@ def forward(
     window: int | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: bool = False,
+    return_router_logits: bool = False,
 ) -> (
     jax.Array
     | tuple[jax.Array, KVPages]
     | tuple[jax.Array, jax.Array]
     | tuple[jax.Array, KVPages, jax.Array]
+    | tuple[jax.Array, ...]
 ):
     """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
     logits), and with a ``cache`` the updated pages too.
@@ -704,14 +726,21 @@ def forward(
     Qwen3-MoE (routing replay, `moe`): ``return_expert_ids`` returns, last, the experts each
     token chose in each sparse layer, [sparse layers, B, T, k] int32; ``expert_ids`` of that
     shape are used instead of the router's own top-k (gated by the router's probabilities
-    of those experts).
+    of those experts). ``return_router_logits`` (training only) returns, after them, the
+    router logits of each sparse layer [sparse layers, B, T, E] fp32 (`moe.load_balancing_loss`).
     """
     B, T = tokens_bt.shape
     kinds = cfg.moe_layers
     if expert_ids is not None:
         check_expert_ids(cfg, expert_ids, B, T)
-    if return_expert_ids and not any(kinds):
-        raise ValueError(f"return_expert_ids with a {cfg.family} model without sparse layers")
+    for flag, on in (
+        ("return_expert_ids", return_expert_ids),
+        ("return_router_logits", return_router_logits),
+    ):
+        if on and not any(kinds):
+            raise ValueError(f"{flag} with a {cfg.family} model without sparse layers")
+    if return_router_logits and cache is not None:
+        raise ValueError("return_router_logits is for the training forward (no cache)")
     x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
     mlp = partial(_mlp_block, cfg, sharder)
     if cache is None:
@@ -721,7 +750,7 @@ def forward(
         # per layer: its weights, its kind where the layers mix both, the experts to replay
         xs = (stacked_layers(w.layers), *scan_inputs(cfg, expert_ids))
 
-        def layer(x_btd: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, jax.Array | None]:
+        def layer(x_btd: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, Any]:
             lw, sparse, given = xs
 
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -731,12 +760,15 @@ def forward(
             return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)
 
         body = jax.checkpoint(layer) if remat else layer
-        x, ids_all = jax.lax.scan(body, x, xs)
+        x, routing = jax.lax.scan(body, x, xs)
         h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-        if return_expert_ids:
-            assert ids_all is not None
-            return h_btd, ids_all[jnp.asarray(sparse_layers(cfg))]
-        return h_btd
+        if not (return_expert_ids or return_router_logits):
+            return h_btd
+        assert routing is not None
+        sparse_rows = jnp.asarray(sparse_layers(cfg))
+        ids_all, logits_all = routing
+        wanted = (ids_all, return_expert_ids), (logits_all, return_router_logits)
+        return h_btd, *(x_all[sparse_rows] for x_all, on in wanted if on)
 
     return _forward_paged(
         w,
@@ -817,8 +849,8 @@ def _forward_paged(
             return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
 
         replay = given[len(chosen)] if given and kinds[i] else None
-        x, ids = mlp(lw, _attend(cfg, lw, x, cache_positions, paged), kinds[i], replay)
-        chosen += [ids] if kinds[i] else []
+        x, routing = mlp(lw, _attend(cfg, lw, x, cache_positions, paged), kinds[i], replay)
+        chosen += [routing[0]] if routing is not None and kinds[i] else []
     h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
     pages = KVPages(k=tuple(new_k), v=tuple(new_v))
     if return_expert_ids:

@@ -26,7 +26,9 @@ shardings; two interleaved stacks would need a scan per run of same-kind layers.
 Routing replay (RL): `forward` can return the experts each token chose in every sparse layer,
 and take such ids instead of its own top-k; the gates are then the router's fresh
 probabilities of the given experts (renormalised as ``norm_topk_prob`` says), so the gradient
-still reaches the router.
+still reaches the router. It can also return the router logits of every sparse layer, from
+which `load_balancing_loss` is HF's auxiliary loss (``router_aux_loss_coef`` in HF's config;
+``algorithm.router_aux_loss_coef`` in the RL loss).
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ import jax.numpy as jnp
 from jax_agent_rl.models.config import ModelConfig
 
 
-def route(
-    cfg: ModelConfig, router_de: jax.Array, x_nd: jax.Array, given_nk: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """The gates [N, k] (fp32) and experts [N, k] (int32) of each token: the router's top-k,
-    or with ``given_nk`` those experts, gated by their probabilities."""
+def router_logits(router_de: jax.Array, x_nd: jax.Array) -> jax.Array:
+    """The router's logits [N, E] in fp32, rounded to the model dtype first as HF's are."""
     logits_ne = jnp.einsum("nd,de->ne", x_nd, router_de, preferred_element_type=jnp.float32)
-    # HF rounds the logits to the model dtype before its fp32 softmax
-    probs_ne = jax.nn.softmax(logits_ne.astype(x_nd.dtype).astype(jnp.float32), axis=-1)
+    return logits_ne.astype(x_nd.dtype).astype(jnp.float32)
+
+
+def route(
+    cfg: ModelConfig, logits_ne: jax.Array, given_nk: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The gates [N, k] (fp32) and experts [N, k] (int32) of each token from its router
+    logits [N, E]: the router's top-k, or with ``given_nk`` those experts, gated by their
+    probabilities."""
+    probs_ne = jax.nn.softmax(logits_ne, axis=-1)
     if given_nk is None:
         gates_nk, ids_nk = jax.lax.top_k(probs_ne, cfg.num_experts_per_tok)
     else:
@@ -85,14 +92,41 @@ def experts(lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array) ->
 
 def sparse_mlp(
     cfg: ModelConfig, lw: Any, x_btd: jax.Array, given_btk: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """One layer's sparse MLP over [B, T, D] and the experts each token used [B, T, k]."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's sparse MLP over [B, T, D], the experts each token used [B, T, k] and its
+    router logits [B, T, E] (fp32)."""
     B, T, D = x_btd.shape
     x_nd = x_btd.reshape(B * T, D)
     given = None if given_btk is None else given_btk.reshape(B * T, -1)
-    gates_nk, ids_nk = route(cfg, lw.router, x_nd, given)
+    logits_ne = router_logits(lw.router, x_nd)
+    gates_nk, ids_nk = route(cfg, logits_ne, given)
     out = experts(lw, x_nd, gates_nk, ids_nk)
-    return out.reshape(B, T, D), ids_nk.reshape(B, T, -1)
+    return out.reshape(B, T, D), ids_nk.reshape(B, T, -1), logits_ne.reshape(B, T, -1)
+
+
+def load_balancing_loss(cfg: ModelConfig, logits_sbte: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    """The router's auxiliary load-balancing loss (Switch Transformer, eqs. 4-6), as HF's
+    ``load_balancing_loss_func`` computes it for Qwen3-MoE, from the router logits of the S
+    sparse layers [S, B, T, E] and the tokens HF's ``attention_mask`` covers [B, T] (1: a real
+    token, 0: padding)::
+
+        aux = E * sum_e f_e * P_e
+        f_e = (assignments of real tokens to e by the top-k of every sparse layer) / (S * n)
+        P_e = (sum over real tokens and sparse layers of softmax(logits)_e) / (S * n)
+
+    with n the real tokens. ``f`` sums to k (each token makes k assignments), so perfectly
+    balanced routing gives aux = k. The top-k is the router's own (what it would choose, also
+    when routing replay gives the forward other experts); only ``P`` carries a gradient."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    S = logits_sbte.shape[0]
+    mask = mask_bt.astype(jnp.float32)[None, :, :, None]  # [1, B, T, 1]
+    probs_sbte = jax.nn.softmax(logits_sbte.astype(jnp.float32), axis=-1)
+    _, ids_sbtk = jax.lax.top_k(probs_sbte, k)
+    assigned_sbte = jax.nn.one_hot(ids_sbtk, E, dtype=jnp.float32).sum(-2)
+    rows = S * jnp.maximum(mask.sum(), 1.0)
+    f_e = (assigned_sbte * mask).sum((0, 1, 2)) / rows
+    p_e = (probs_sbte * mask).sum((0, 1, 2)) / rows
+    return E * jnp.sum(f_e * p_e)
 
 
 def check_expert_ids(cfg: ModelConfig, ids: jax.Array, B: int, T: int) -> None:
@@ -114,22 +148,27 @@ def mlp_of_kind(
     sparse: bool | jax.Array,
     given_btk: jax.Array | None,
     dense: Callable[[Any, jax.Array], jax.Array],
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """One layer's MLP over [B, T, D] (``dense`` of the layer and ``h_btd``, or `sparse_mlp`)
-    and the experts its tokens chose [B, T, k]: None in a model without sparse layers, zeros
-    in a dense layer of one with. ``sparse``: the layer's kind, a traced bool in a scan over
-    layers of both kinds (`lax.cond` runs one branch)."""
+    and its routing: the experts its tokens chose [B, T, k] and the router logits [B, T, E];
+    None in a model without sparse layers, zeros in a dense layer of one with. ``sparse``:
+    the layer's kind, a traced bool in a scan over layers of both kinds (`lax.cond` runs one
+    branch)."""
     if not any(cfg.moe_layers):
         return dense(lw, h_btd), None
     B, T, _ = h_btd.shape
-    no_ids = jnp.zeros((B, T, cfg.num_experts_per_tok), jnp.int32)
-    if isinstance(sparse, bool):
-        return sparse_mlp(cfg, lw, h_btd, given_btk) if sparse else (dense(lw, h_btd), no_ids)
-    return jax.lax.cond(
-        sparse,
-        lambda: sparse_mlp(cfg, lw, h_btd, given_btk),
-        lambda: (dense(lw, h_btd), no_ids),
+    none = (
+        jnp.zeros((B, T, cfg.num_experts_per_tok), jnp.int32),
+        jnp.zeros((B, T, cfg.num_experts), jnp.float32),
     )
+
+    def sparse_branch() -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        out, ids, logits = sparse_mlp(cfg, lw, h_btd, given_btk)
+        return out, (ids, logits)
+
+    if isinstance(sparse, bool):
+        return sparse_branch() if sparse else (dense(lw, h_btd), none)
+    return jax.lax.cond(sparse, sparse_branch, lambda: (dense(lw, h_btd), none))
 
 
 def scan_inputs(

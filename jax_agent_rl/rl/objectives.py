@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
+from jax_agent_rl.models.moe import load_balancing_loss
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 
@@ -67,29 +68,34 @@ class StepSpec:
     # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
     norm_const: float | None = None
 
-    def hidden(self, weights: Weights, mb: TrainBatch) -> tuple[jax.Array, Weights]:
-        """Final hidden states [B, T, D] and the weights cast to the compute dtype."""
+    def hidden(
+        self, weights: Weights, mb: TrainBatch, router_aux: bool = False
+    ) -> tuple[jax.Array, Weights, jax.Array]:
+        """Final hidden states [B, T, D], the weights cast to the compute dtype, and with
+        ``router_aux`` the router's load-balancing loss over the rows' real tokens (every
+        token of a segment, prompt and tool tokens too: HF's ``attention_mask``), else 0."""
         w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
-        h = forward(
-            w,
-            self.model,
-            mb.tokens,
-            mb.positions,
-            mb.segment_ids,
-            self.sharder,
-            self.remat,
-            window=mb.window or None,
-        )
-        return h, w
+        args = (w, self.model, mb.tokens, mb.positions, mb.segment_ids, self.sharder, self.remat)
+        if not router_aux:
+            return forward(*args, window=mb.window or None), w, jnp.zeros((), jnp.float32)
+        h, logits = forward(*args, window=mb.window or None, return_router_logits=True)
+        return h, w, load_balancing_loss(self.model, logits, mb.segment_ids > 0)
 
 
 def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under the rollout's sampling distribution, and its entropy.
+    """Logprob of each target under the rollout's sampling distribution, and its entropy."""
+    h, w, _ = spec.hidden(params, mb)
+    return head_stats(spec, h, w, mb)
+
+
+def head_stats(
+    spec: StepSpec, h: jax.Array, w: Weights, mb: TrainBatch
+) -> tuple[jax.Array, jax.Array]:
+    """`token_stats` from the final hidden states ``h`` and the cast weights ``w``.
 
     Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
     vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
     """
-    h, w = spec.hidden(params, mb)
     s = spec.sampling
     B, T, D = h.shape
     if s.top_k <= 0 and s.top_p >= 1.0:
@@ -109,7 +115,7 @@ def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Ar
 
 def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
     """V(prefix up to and including token t), aligned with targets: [B, T] float32."""
-    h, _ = spec.hidden(critic.body, mb)
+    h, _, _ = spec.hidden(critic.body, mb)
     return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
 
 
@@ -143,7 +149,13 @@ class Denominators:
 def policy_objective(
     spec: StepSpec, params: Weights, mb: TrainBatch, dv: Derived, d: Denominators
 ) -> tuple[jax.Array, Metrics]:
-    """PPO-clip policy loss (+ KL to the reference, - entropy bonus) of one micro-batch."""
+    """PPO-clip policy loss (+ KL to the reference, - entropy bonus, + the router's
+    load-balancing loss) of one micro-batch.
+
+    The router loss (``algorithm.router_aux_loss_coef``, a mixture-of-experts policy) is HF's
+    of this micro-batch's forward, as HF computes it per forward; weighted by the micro-batch's
+    share of the batch's sampled tokens, so the micro-batches add up to their token-weighted
+    mean (HF's value when the batch is one micro-batch)."""
     a = spec.algo
     counts: dict[str, Any] = dict(
         num_tokens=d.num_tokens,
@@ -152,7 +164,8 @@ def policy_objective(
         seq_bt=mb.sequence,
         num_sequences=d.num_sequences,
     )
-    logp, entropy = token_stats(spec, params, mb)
+    h, w, router_aux = spec.hidden(params, mb, router_aux=bool(a.router_aux_loss_coef))
+    logp, entropy = head_stats(spec, h, w, mb)
     is_fn = core.masked_is_weights if a.tis_mode == "mask" else core.truncated_is_weights
     is_weights = (
         None if a.tis_cap is None else is_fn(dv.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
@@ -181,6 +194,9 @@ def policy_objective(
         )
         loss = loss + a.kl_coef * kl
         metrics["kl_loss"] = kl
+    if a.router_aux_loss_coef:
+        loss = loss + a.router_aux_loss_coef * router_aux * mb.mask.sum() / d.num_tokens
+        metrics["router_aux_loss"] = router_aux
     metrics["entropy"] = core.masked_mean(entropy, mb.mask)
     if is_weights is not None and a.tis_mode == "mask":
         metrics["tis_masked_frac"] = core.masked_mean(

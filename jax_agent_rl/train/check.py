@@ -214,6 +214,12 @@ def _spans_every_device(cfg: JarlConfig, processes: int, devices: int) -> list[s
 def _model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
     """How the run's settings fit the model: the context length, then the mesh."""
     problems = []
+    coef = cfg.algorithm.router_aux_loss_coef
+    if coef and not any(model.moe_layers):
+        problems.append(
+            f"algorithm.router_aux_loss_coef={coef}: the {model.family} model has no "
+            "mixture-of-experts layers, so no router to balance: use 0"
+        )
     limit = model.max_position_embeddings
     if cfg.rollout.max_model_len > limit:
         problems.append(

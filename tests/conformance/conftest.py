@@ -1,7 +1,8 @@
 """One conformance suite for every rollout backend.
 
 Each backend is built by a factory registered in ``BACKENDS`` from the same locally written
-checkpoint (a Qwen2-style model, head_dim 64, which every engine here can serve). Backends
+checkpoint, once for each model of ``MODELS`` (a Qwen2-style model and a Qwen3-MoE, head_dim
+64, which every engine here can serve). Backends
 that need their own venv run it in their own processes (vLLM: `jax_agent_rl.backends.vllm`,
 under ``.venv-vllm``; JetStream: `jax_agent_rl.backends.jetstream`, under ``.venv-jetstream``);
 the Ray pool routes over two embedded replicas in Ray actors (`jax_agent_rl.rollout.ray_pool`).
@@ -22,7 +23,7 @@ import pytest
 
 from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Weights, forward, lm_logits, load_hf
-from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.hf_local import TINY_QWEN2, TINY_QWEN3_MOE, write_hf_checkpoint
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend, SamplingParams
 
 T = TypeVar("T")
@@ -165,9 +166,14 @@ def _replicas(pool: Any) -> list[Any]:
     return [ray.get_actor(f"jarl-replica-{i}.0") for i in range(len(pool.in_flight()))]
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_hf_checkpoint(tmp_path_factory.mktemp("conformance") / "tiny", TINY_QWEN2)
+# the suite's models (HF fields): a dense one, and a mixture of experts with a dense layer
+MODELS: dict[str, dict[str, Any]] = {"qwen2": TINY_QWEN2, "qwen3_moe": TINY_QWEN3_MOE}
+
+
+@pytest.fixture(scope="session", params=sorted(MODELS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("conformance") / request.param
+    return write_hf_checkpoint(folder, MODELS[request.param])
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))

@@ -43,7 +43,7 @@ from jax_agent_rl.models import (
     save_hf,
 )
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE, write_hf_checkpoint
-from jax_agent_rl.models.moe import route, sparse_mlp
+from jax_agent_rl.models.moe import route, router_logits, sparse_mlp
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.models.hf_reference import hf_logits, padded_batch
 
@@ -200,7 +200,7 @@ def test_grouped_experts_and_their_gradients_equal_a_dense_reference() -> None:
     x_btd = jax.random.normal(jax.random.key(2), (2, 7, cfg.hidden_size))
 
     def dense(lw, x_btd):  # type: ignore[no-untyped-def]
-        gates_nk, ids_nk = route(cfg, lw.router, x_btd.reshape(14, -1))
+        gates_nk, ids_nk = route(cfg, router_logits(lw.router, x_btd.reshape(14, -1)))
         weight_ne = (jax.nn.one_hot(ids_nk, cfg.num_experts) * gates_nk[..., None]).sum(1)
         x_nd = x_btd.reshape(14, -1)
         h = jax.nn.silu(jnp.einsum("nd,edm->nem", x_nd, lw.expert_gate)) * jnp.einsum(

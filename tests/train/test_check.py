@@ -211,6 +211,17 @@ CASES: dict[str, Case] = {
             ".venv-jetstream)"
         ),
     ),
+    "router loss of a dense model": (
+        lambda _f: ["algorithm.router_aux_loss_coef=0.001"],
+        lambda _f: (
+            "algorithm.router_aux_loss_coef=0.001: the qwen2 model has no mixture-of-experts "
+            "layers, so no router to balance: use 0"
+        ),
+    ),
+    "negative router loss": (
+        lambda _f: ["algorithm.router_aux_loss_coef=-0.01"],
+        lambda _f: "algorithm.router_aux_loss_coef=-0.01: expected >= 0",
+    ),
     "mesh tensor axis vs KV heads": (
         lambda _f: ["mesh.tensor=4"],
         lambda _f: (

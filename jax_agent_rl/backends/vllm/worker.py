@@ -104,12 +104,33 @@ class WeightLoader:
 
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        _repack_experts(model)
         if model.config.tie_word_embeddings:
             # the layerwise reload re-processes only the modules that received tensors; a tied
             # head receives none (its tensor is the embedding's), so on CPU it keeps the matmul
             # weights it packed from the old embedding: tie it again and re-pack it
             model.lm_head.weight = model.model.embed_tokens.weight
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _repack_experts(model: Any) -> None:
+    """On CPU, packs each mixture-of-experts layer's reloaded weights for the CPU kernels again.
+
+    vLLM's CPU experts keep ``w13_weight`` / ``w2_weight`` in a packed grouped-GEMM layout
+    (``cpu_prepack_moe_weight``, done by their ``process_weights_after_loading``). A reload
+    processes the layer again, but vLLM 0.32's unquantized MoE method skips that step once
+    its kernel exists (a weight update copies the weights in and keeps the kernel), so the
+    reloaded weights stay in the checkpoint's layout and the CPU kernel reads them as packed:
+    even re-pushing the same weights changed greedy outputs. Other platforms' experts do
+    not repack (their step is a no-op) and are left alone."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _filtered_logprob(logprobs: dict[int, Any], token: int, top_k: int, top_p: float) -> float:
