@@ -19,6 +19,16 @@ from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.socket_client import SocketConnection, read_frame
 
 
+class _TooLargeError(ToolTransportError):
+    """The server refused a request for its size (413), before running any of its calls."""
+
+
+def _refused(url: str, response: httpx.Response, text: str) -> ToolTransportError:
+    """The error of a request ``response`` did not answer with a result (``text``: its body)."""
+    error = _TooLargeError if response.status_code == 413 else ToolTransportError
+    return error(f"tool server {url} answered {response.status_code}: {text[:200]}")
+
+
 class HttpTools:
     """A `ToolExecutor` that calls a tool server over HTTP, or over its Unix socket when
     ``url`` is ``unix:PATH`` (see `SocketServer`): there every call is one frame on a shared
@@ -27,6 +37,9 @@ class HttpTools:
     where the request cannot have reached the server (connection refused or timed out while
     connecting) are retried, with exponential backoff; any other transport failure, or retries
     used up, raises `ToolTransportError` (the trajectory ends with stop reason ``tool_error``).
+    A request the server refuses for its size (413) ran nothing: a batch's calls are sent
+    again in halves, and a call too large on its own is its error result (the model's, like
+    arguments that are not JSON): calls batched with long ones do not fail for them.
 
     Each client's calls are in a namespace of their own, random, made with the client (sent
     as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
@@ -131,10 +144,7 @@ class HttpTools:
             except httpx.TransportError as e:  # may have run: do not retry
                 raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
             if response.status_code != 200:
-                raise ToolTransportError(
-                    f"tool server {self.url}{path} answered {response.status_code}: "
-                    f"{response.text[:200]}"
-                )
+                raise _refused(f"{self.url}{path}", response, response.text)
             return response.json()
         raise AssertionError("unreachable")
 
@@ -191,6 +201,14 @@ class HttpTools:
                     batch[0][1].set_result(ToolResult(**reply))
                 return
             await self._stream_batch(batch)
+        except _TooLargeError as e:  # refused unread: nothing ran
+            if len(batch) > 1:
+                half = len(batch) // 2
+                await asyncio.gather(self._send_batch(batch[:half]), self._send_batch(batch[half:]))
+            elif not batch[0][1].done():
+                name = batch[0][0]["name"]
+                text = f"error: the call to {name} is over the tool server's cap on a request ({e})"
+                batch[0][1].set_result(ToolResult(text, error=True))
         except Exception as e:  # no caller of the batch may wait forever, whatever failed
             failed = (
                 e
@@ -211,11 +229,8 @@ class HttpTools:
                     "POST", self.url + "/execute_batch", json=body
                 ) as response:
                     if response.status_code != 200:
-                        text = (await response.aread()).decode()[:200]
-                        raise ToolTransportError(
-                            f"tool server {self.url}/execute_batch answered "
-                            f"{response.status_code}: {text}"
-                        )
+                        text = (await response.aread()).decode(errors="replace")
+                        raise _refused(f"{self.url}/execute_batch", response, text)
                     async for line in response.aiter_lines():
                         if line:
                             item = json.loads(line)

@@ -557,3 +557,33 @@ def test_a_tool_error_that_cannot_be_written_is_still_the_models_observation() -
     result = asyncio.run(tools.call("t", "count", {}))
     assert result.error
     assert result.text == "error: count failed: _UnprintableError (its message cannot be written)"
+
+
+def test_calls_batched_past_the_body_cap_still_each_get_their_own_result() -> None:
+    """Calls made in one event-loop tick share one /execute_batch request, so calls that each
+    fit the server's body cap could together pass it: the 413 failed every call of the batch
+    (a ToolTransportError: each episode ended as tool_error, out of training), so a policy
+    writing long arguments ended its siblings' episodes. A request refused for its size ran
+    nothing: its calls are sent again in halves, and a call over the cap on its own is that
+    call's error result, which its model reads."""
+    cap = 100_000
+    long = "1+" * 20_000 + "1"  # 40 kB: three of them pass the cap together
+
+    async def scenario() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([calculator]), max_body_bytes=cap)) as url:
+            tools = HttpTools(url)
+            try:
+                calls = [tools.call("t0", "calculator", {"expression": "6 * 7"})]
+                calls += [
+                    tools.call(f"t{i}", "calculator", {"expression": long}) for i in (1, 2, 3)
+                ]
+                calls.append(tools.call("t4", "calculator", {"expression": "1+" * cap + "1"}))
+                return list(await asyncio.gather(*calls))
+            finally:
+                await tools.close()
+
+    small, *longer, over = asyncio.run(scenario())
+    assert small == ToolResult("42")
+    assert [r.text for r in longer] == ["error: expression longer than 1000 characters"] * 3
+    assert over.error and "over the tool server's cap on a request" in over.text
+    assert f"the cap of {cap} bytes" in over.text
