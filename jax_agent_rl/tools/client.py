@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from jax_agent_rl.tools.base import ToolResult
-from jax_agent_rl.tools.protocol import NAMESPACE_HEADER, frame
+from jax_agent_rl.tools.protocol import FRAME_HEAD, NAMESPACE_HEADER, frame
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.socket_client import SocketConnection, read_frame
 
@@ -29,6 +29,14 @@ def _refused(url: str, response: httpx.Response, text: str) -> ToolTransportErro
     return error(f"tool server {url} answered {response.status_code}: {text[:200]}")
 
 
+def _too_large(name: str, error: _TooLargeError) -> ToolResult:
+    """The result of a call too large for the server on its own: the model's error."""
+    return ToolResult(
+        f"error: the call to {name} is over the tool server's cap on a request ({error})",
+        error=True,
+    )
+
+
 class HttpTools:
     """A `ToolExecutor` that calls a tool server over HTTP, or over its Unix socket when
     ``url`` is ``unix:PATH`` (see `SocketServer`): there every call is one frame on a shared
@@ -39,7 +47,9 @@ class HttpTools:
     used up, raises `ToolTransportError` (the trajectory ends with stop reason ``tool_error``).
     A request the server refuses for its size (413) ran nothing: a batch's calls are sent
     again in halves, and a call too large on its own is its error result (the model's, like
-    arguments that are not JSON): calls batched with long ones do not fail for them.
+    arguments that are not JSON): calls batched with long ones do not fail for them. On the
+    socket, a call over the cap the server's hello gave is not sent (its frame would close the
+    connection the client's other calls share), and is its error result too.
 
     Each client's calls are in a namespace of their own, random, made with the client (sent
     as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
@@ -98,16 +108,26 @@ class HttpTools:
             if not hello.get("ok"):
                 writer.close()
                 raise ToolTransportError(f"tool server {self.url} refused: {hello.get('error')}")
-            self._connections[loop] = conn = SocketConnection(reader, writer)
+            cap = hello.get("max_frame_bytes")
+            cap = cap if isinstance(cap, int) else None
+            self._connections[loop] = conn = SocketConnection(reader, writer, cap)
             return conn
 
     async def _socket_request(self, path: str, op: str, body: dict[str, Any]) -> Any:
         conn = await self._connection(path)
         rid = next(conn.ids)
+        message = frame({"id": rid, "op": op, "body": body})
+        over = len(message) - FRAME_HEAD.size
+        if conn.max_frame_bytes is not None and over > conn.max_frame_bytes:
+            # not sent: the server would close the connection, and the calls in flight on it
+            raise _TooLargeError(
+                f"tool server {self.url}: a frame of {over} bytes, over the cap of "
+                f"{conn.max_frame_bytes} bytes"
+            )
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         conn.waiting[rid] = future
         try:
-            conn.writer.write(frame({"id": rid, "op": op, "body": body}))
+            conn.writer.write(message)
             async with asyncio.timeout(self._timeout):
                 await conn.writer.drain()
                 answer = await future
@@ -173,7 +193,10 @@ class HttpTools:
         except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError included
             return ToolResult(f"error: the arguments of {name} are not JSON: {e}", error=True)
         if self._socket is not None:  # a frame per call costs little: no batching
-            result = await self._socket_request(self._socket, "execute", body)
+            try:
+                result = await self._socket_request(self._socket, "execute", body)
+            except _TooLargeError as e:
+                return _too_large(name, e)
             try:
                 return ToolResult(**result)
             except TypeError as e:  # not a result: the server is broken, as for a bad frame
@@ -206,9 +229,7 @@ class HttpTools:
                 half = len(batch) // 2
                 await asyncio.gather(self._send_batch(batch[:half]), self._send_batch(batch[half:]))
             elif not batch[0][1].done():
-                name = batch[0][0]["name"]
-                text = f"error: the call to {name} is over the tool server's cap on a request ({e})"
-                batch[0][1].set_result(ToolResult(text, error=True))
+                batch[0][1].set_result(_too_large(batch[0][0]["name"], e))
         except Exception as e:  # no caller of the batch may wait forever, whatever failed
             failed = (
                 e

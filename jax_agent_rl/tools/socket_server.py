@@ -70,8 +70,8 @@ class SocketServer:
     A frame is a 4-byte big-endian length and a JSON object. The client's first frame is
     ``{"token": ..., "namespace": ...}``: with a server token, a wrong or missing one is
     answered ``{"error": ...}`` and the connection closed, as is a malformed namespace (see
-    `checked_namespace`; none: the unnamed one); else ``{"ok": true}``, and every request of the
-    connection is in that namespace. Then each request is ``{"id": n,
+    `checked_namespace`; none: the unnamed one); else ``{"ok": true, "max_frame_bytes": cap}``,
+    and every request of the connection is in that namespace. Then each request is ``{"id": n,
     "op": op, "body": {...}}``, ``op`` one of ``execute``, ``release``, ``tools``, ``metrics``
     (the HTTP routes of the same name, through the same handlers: concurrency cap, metrics),
     answered ``{"id": n, "result": ...}`` or ``{"id": n, "error": "..."}``. A frame that breaks
@@ -151,7 +151,9 @@ class SocketServer:
             if namespace is None:
                 writer.write(frame({"error": "missing or wrong bearer token"}))
                 return
-            writer.write(frame({"ok": True}))
+            # the cap, so that a client sends no frame over it: it would close the connection
+            # and fail every call in flight on it
+            writer.write(frame({"ok": True, "max_frame_bytes": self.limits.max_frame_bytes}))
             gate = asyncio.Semaphore(self.limits.max_in_flight)
             while True:
                 await gate.acquire()

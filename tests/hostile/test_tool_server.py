@@ -21,7 +21,7 @@ import pytest
 
 from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.tools.app import create_app
-from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
@@ -587,3 +587,41 @@ def test_calls_batched_past_the_body_cap_still_each_get_their_own_result() -> No
     assert [r.text for r in longer] == ["error: expression longer than 1000 characters"] * 3
     assert over.error and "over the tool server's cap on a request" in over.text
     assert f"the cap of {cap} bytes" in over.text
+
+
+def test_a_call_over_the_frame_cap_on_the_socket_fails_alone(tmp_path: Path) -> None:
+    """Over the Unix socket every call of a client is a frame on one shared connection, and a
+    frame over the server's cap closed it: each call in flight on it (other trajectories')
+    failed as a transport error, their episodes ended tool_error, so a policy's long
+    arguments ended its siblings' episodes. The server says its cap in its hello, and a call
+    over it is not sent: it is its model's error result, and the calls beside it run on."""
+    cap = 100_000
+    started, opened = asyncio.Event(), asyncio.Event()
+
+    async def gate() -> str:
+        """Wait until the test opens the gate."""
+        started.set()
+        await opened.wait()
+        return "passed"
+
+    async def scenario() -> tuple[ToolResult, ToolResult]:
+        socket_path = str(tmp_path / "tools.sock")
+        tmp_path.chmod(0o700)
+        app = create_app(
+            ToolRegistry([calculator, tool(gate)]), max_body_bytes=cap, socket_path=socket_path
+        )
+        async with serving(app):
+            tools = HttpTools(f"unix:{socket_path}")
+            try:
+                sibling = asyncio.ensure_future(tools.call("t0", "gate", {}))
+                await started.wait()
+                long = {"expression": "1+" * cap + "1"}
+                over = await tools.call("t1", "calculator", long)
+                opened.set()
+                return over, await sibling
+            finally:
+                await tools.close()
+
+    over, sibling = asyncio.run(scenario())
+    assert over.error and "over the tool server's cap on a request" in over.text, over
+    assert sibling == ToolResult("passed")
