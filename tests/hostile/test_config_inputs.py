@@ -285,3 +285,25 @@ def test_reasoning_gym_options_are_bounded_at_check_time(spec: str, named: str) 
     problems = check_run(load_config(DEMO_CONFIG, ["model.path=/nowhere", override]))
     mine = [p for p in problems if p.startswith("data.train: reasoning_gym:")]
     assert len(mine) == 1 and named in mine[0], problems
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--coordinator", "host0"], "--coordinator='host0': expected HOST:PORT"),
+        (["--coordinator", "host0:"], "--coordinator='host0:': expected HOST:PORT"),
+        (["--coordinator", "host0:99999999"], "port in [1, 65535]"),
+        (["--coordinator", "host0:0"], "port in [1, 65535]"),
+        (["--coordinator", "host0:1", "--heartbeat-timeout", "-1"], "--heartbeat-timeout=-1"),
+    ],
+)
+def test_a_process_group_flag_that_cannot_work_is_one_line(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A coordinator address without a port (a traceback out of jax.distributed: IndexError),
+    a port outside TCP's, or a heartbeat timeout below a second was accepted by the pre-run
+    check (--dry-run said ok), and the run then failed, or waited, inside JAX."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    group = ["--num-processes", "2", "--process-id", "0", *flags]
+    _refused(["train", str(config), *group, "--dry-run"], named, capsys)
