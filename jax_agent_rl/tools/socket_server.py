@@ -33,7 +33,12 @@ def private_socket_path(path: str) -> str:
     else (mode 0700 or stricter), and nothing but a stale socket of ours is there already
     (which is removed). Raises ValueError otherwise."""
     where = Path(path).absolute().parent
-    st = where.stat()
+    try:
+        st = where.stat()
+    except FileNotFoundError:
+        raise ValueError(
+            f"refusing to serve on socket {path}: its directory {where} does not exist"
+        ) from None
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ValueError(
             f"refusing to serve on socket {path}: its directory {where} must be owned by this "

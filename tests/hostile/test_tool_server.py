@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import Tool, ToolResult, tool
@@ -625,3 +626,30 @@ def test_a_call_over_the_frame_cap_on_the_socket_fails_alone(tmp_path: Path) -> 
     over, sibling = asyncio.run(scenario())
     assert over.error and "over the tool server's cap on a request" in over.text, over
     assert sibling == ToolResult("passed")
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--tools", "{dir}/none.yaml"], "--tools '{dir}/none.yaml' does not exist"),
+        (["--tools", "{dir}/broken.yaml"], "--tools '{dir}/broken.yaml': "),
+        (["--tools", "{dir}/wrong.yaml"], "--tools '{dir}/wrong.yaml': "),
+        (["--socket", "{dir}/none/tools.sock"], "its directory {dir}/none does not exist"),
+    ],
+    ids=["missing", "not-yaml", "no-such-class", "socket-folder-missing"],
+)
+def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
+    flags: list[str], problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tools file that is not there, not YAML or names no class, and a socket in a folder
+    that is not there: each was a traceback (FileNotFoundError, a YAML scanner error, an
+    import error) out of jarl serve-tools; now one line naming the flag, exit 2, nothing
+    served (the socket's line comes after the line saying what it would serve)."""
+    (tmp_path / "broken.yaml").write_text("- class: [unclosed\n")
+    (tmp_path / "wrong.yaml").write_text("- class: no_such_module:tool\n")
+    tmp_path.chmod(0o700)
+    argv = ["serve-tools", "--port", "0", *(f.format(dir=tmp_path) for f in flags)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jarl: ") and problem.format(dir=tmp_path) in err, err
