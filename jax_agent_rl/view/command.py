@@ -91,7 +91,10 @@ def view_server(
         def log_message(self, format: str, *args: object) -> None:
             del format, args  # quiet: the address printed is all the console needs
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as e:  # the port taken, or one this user may not bind
+        raise ValueError(f"cannot serve on 127.0.0.1:{port}: {e.strerror or e}") from None
     hosts.update(f"{name}:{server.server_address[1]}" for name in ("127.0.0.1", "localhost"))
     return server
 
