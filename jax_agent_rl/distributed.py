@@ -56,11 +56,13 @@ class ProcessGroup:
         return self.auto or self.num_processes > 1
 
     def problems(self) -> list[str]:
+        out = []
+        if self.heartbeat_timeout_s < 1:
+            out.append(f"--heartbeat-timeout={self.heartbeat_timeout_s} must be >= 1 (seconds)")
         if self.auto:
             if self.coordinator is not None or self.num_processes != 1:
-                return ["--distributed finds the cluster: drop --coordinator, --num-processes"]
-            return []
-        out = []
+                out.append("--distributed finds the cluster: drop --coordinator, --num-processes")
+            return out
         if self.num_processes < 1:
             out.append(f"--num-processes={self.num_processes} must be >= 1")
         elif not 0 <= self.process_id < self.num_processes:
@@ -69,7 +71,20 @@ class ProcessGroup:
             out.append("--num-processes > 1 needs --coordinator HOST:PORT (process 0's address)")
         if self.coordinator and self.num_processes == 1:
             out.append("--coordinator needs --num-processes > 1")
+        if self.coordinator:
+            out += _address_problems(self.coordinator)
         return out
+
+
+def _address_problems(coordinator: str) -> list[str]:
+    """What makes ``coordinator`` no ``HOST:PORT`` JAX can join (without a port, JAX's
+    address parser raised IndexError)."""
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdecimal():
+        return [f"--coordinator={coordinator!r}: expected HOST:PORT (process 0's address)"]
+    if not 1 <= int(port) <= 65535:
+        return [f"--coordinator={coordinator!r}: expected a port in [1, 65535]"]
+    return []
 
 
 def initialize(group: ProcessGroup) -> int:

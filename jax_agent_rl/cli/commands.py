@@ -177,12 +177,11 @@ def _stop_process(error: BaseException) -> NoReturn:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from jax_agent_rl.config import ConfigError
     from jax_agent_rl.train.export import export_run
 
     try:
         out = export_run(args.run_dir, args.step, args.out)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # config, checkpoint (a file corrupt) and file errors
         print(f"jarl: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

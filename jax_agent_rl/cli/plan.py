@@ -11,6 +11,9 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jax_agent_rl.cli.flags import number
+from jax_agent_rl.config.ranges import POSITIVE
+
 if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
     from jax_agent_rl.models import ModelConfig
@@ -73,7 +76,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--compile-timeout",
-        type=float,
+        type=number(float, POSITIVE),
         default=None,
         metavar="SECONDS",
         help="give up on a program whose compilation takes longer (reported on its line)",
@@ -113,6 +116,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return _refuse(problem)
     if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
         return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
+    if args.json and not Path(args.json).absolute().parent.is_dir():  # (written at the end)
+        return _refuse(f"--json {args.json}: its folder does not exist")
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jax_agent_rl.cli.flags import PORT, number
 from jax_agent_rl.config.ranges import COUNT, POSITIVE
@@ -14,6 +15,7 @@ from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
 def _serve_tools(args: argparse.Namespace) -> int:
     """``jarl serve-tools``: a bad input is one ``jarl:`` line on stderr, exit code 2."""
     from jax_agent_rl.config import ConfigError, package_file
+    from jax_agent_rl.errors import error_text
     from jax_agent_rl.tokenization.tool_calls import PARSERS
     from jax_agent_rl.tools.protocol import RequestCaps
     from jax_agent_rl.tools.registry import ToolRegistry
@@ -28,7 +30,13 @@ def _serve_tools(args: argparse.Namespace) -> int:
         return _refuse(
             f"--action-parser={args.action_parser!r} is not a parser: use one of {names}"
         )
-    registry = ToolRegistry.from_yaml(tools)
+    if not Path(tools).is_file():
+        return _refuse(f"--tools {tools!r} does not exist: expected a tools YAML")
+    try:
+        registry = ToolRegistry.from_yaml(tools)
+    except Exception as e:  # the file names any class with any arguments: its failure is ours
+        first = (error_text(e).splitlines() or [type(e).__name__])[0]
+        return _refuse(f"--tools {tools!r}: {first}")
     where = f"http://{args.host}:{args.port}" + (f" and unix:{args.socket}" if args.socket else "")
     print(f"serving {registry.names} on {where}", flush=True)
     try:

@@ -46,6 +46,7 @@ POSITIVE = interval(0, lo_open=True)
 FRACTION = interval(0, 1)
 BELOW_ONE = interval(0, 1, hi_open=True)
 FINITE = Rule(math.isfinite, "a finite number")
+NOT_POSITIVE = Rule(lambda v: bool(math.isfinite(v) and v <= 0), "<= 0")
 
 
 def setting(default: T, rule: Rule | None = None, *, was: str = "") -> T:

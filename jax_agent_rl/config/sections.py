@@ -12,6 +12,7 @@ from jax_agent_rl.config.ranges import (
     FINITE,
     FRACTION,
     NATURAL,
+    NOT_POSITIVE,
     POSITIVE,
     interval,
     or_,
@@ -289,7 +290,9 @@ class JudgeSection:
     # the number in the first <score>N</score> of the judge's answer, in [0, score_max], is
     # divided by it: rewards in [0, 1]
     score_max: float = setting(10.0, POSITIVE)
-    fallback: float = setting(0.0, FINITE)  # the reward of an answer whose judge call failed
+    # the reward of an answer whose judge call failed: at most the lowest rating (0), or
+    # breaking the judge is a reward the policy can choose
+    fallback: float = setting(0.0, NOT_POSITIVE)
     # a longer response is cut to its first and last max_response_chars / 2 characters
     max_response_chars: int = setting(8000, COUNT)
     # judge requests in flight at once (a step's go together)

@@ -116,18 +116,27 @@ def _row(sample: Sample) -> Row:
 
 
 def _jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
-    """(where, row) per non-blank line; ``where`` names the row number and the line."""
+    """(where, row) per non-blank line; ``where`` names the row number and the line. A line
+    that is not UTF-8, or that JSON cannot read (nested past the recursion limit, a number
+    past the 4,300 digits int() reads), is a `DatasetError` naming it."""
     n = 0
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
             if limit is not None and n >= limit:
                 return
-            if not line.strip():
+            if not raw.strip():
                 continue
             where = f"row {n} (line {line_number})"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"{path}: {where}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset "
+                    f"{e.start} of the line"
+                ) from None
+            except RecursionError:
+                raise DatasetError(f"{path}: {where}: not valid JSON: nested too deep") from None
+            except ValueError as e:  # JSONDecodeError, or an int of too many digits
                 raise DatasetError(f"{path}: {where}: not valid JSON: {e}") from e
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}: {where}: a row must be a JSON object")

@@ -48,7 +48,8 @@ Kind = Literal["every", "dense", "sparse"]  # the layers that hold a tensor
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match its config (the message names the tensor)."""
+    """A checkpoint that does not match its config, or cannot be read (the message names the
+    tensor, the file or the folder)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,9 @@ the answer is data the judge cannot mistake for its prompt (`response_block`):
   for that request, and one waiter cancelled leaves the others waiting). Failures, and scores
   asked across a weight push, are not cached.
 - Never fatal: an answer with no score in range, a backend error or a request that exceeds
-  ``timeout_s`` gets the ``fallback`` reward (0 unless set: breaking the judge must not pay
-  more than its lowest rating); each is counted. `Judge.counters` gives the running totals
-  ``reward/judge_calls`` (requests sent), ``reward/judge_failures`` and
+  ``timeout_s`` gets the ``fallback`` reward (0 unless set, never above 0: breaking the
+  judge must not pay more than its lowest rating); each is counted. `Judge.counters` gives
+  the running totals ``reward/judge_calls`` (requests sent), ``reward/judge_failures`` and
   ``reward/judge_cache_hits``; each step reports what they grew by.
 
 The judge is the policy's own backend (``backend: policy``: it rates with the weights being

@@ -24,6 +24,10 @@ from typing import Any, Literal, Protocol
 
 Style = Literal["chat", "inline"]
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+# how deep a tool call's JSON may nest (the call's object is one level): far past any tool's
+# schema, and far short of the recursion limit every JSON reader and writer on the way to a
+# tool server hits (its client encodes the call three levels deeper, in a deeper stack)
+MAX_JSON_DEPTH = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +66,15 @@ def _decode(raw: str) -> tuple[Any, str | None]:
     recursion limit (RecursionError), an integer of more than 4,300 digits (ValueError), or a
     document too large for memory; all of them are the model's error, never the loop's crash.
     So are values Python's JSON reads but no strict JSON writer takes back (the tool server's
-    client sends UTF-8 without NaN): ``NaN``, ``Infinity`` and lone surrogates (``"\\ud800"``).
+    client sends UTF-8 without NaN): ``NaN``, ``Infinity`` and lone surrogates (``"\\ud800"``),
+    and nesting past `MAX_JSON_DEPTH` (read here, it failed to encode deeper in the client's
+    stack: a transport failure, which takes the episode out of training).
     """
     try:
         obj = json.loads(raw, parse_constant=_no_constant)
+        depth = _depth(obj)
+        if depth > MAX_JSON_DEPTH:
+            return None, f"nested {depth} levels deep, past the {MAX_JSON_DEPTH} levels a call has"
         json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be
     except json.JSONDecodeError as e:
         return None, f"{e.msg} at char {e.pos}"
@@ -74,6 +83,19 @@ def _decode(raw: str) -> tuple[Any, str | None]:
     except (ValueError, RecursionError, MemoryError) as e:
         return None, f"{type(e).__name__}: {e}"
     return obj, None
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s lists and objects nest (a number or string: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend(
+                (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def _no_constant(name: str) -> Any:

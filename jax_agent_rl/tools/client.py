@@ -14,9 +14,27 @@ from typing import Any
 import httpx
 
 from jax_agent_rl.tools.base import ToolResult
-from jax_agent_rl.tools.protocol import NAMESPACE_HEADER, frame
+from jax_agent_rl.tools.protocol import FRAME_HEAD, NAMESPACE_HEADER, frame
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.socket_client import SocketConnection, read_frame
+
+
+class _TooLargeError(ToolTransportError):
+    """The server refused a request for its size (413), before running any of its calls."""
+
+
+def _refused(url: str, response: httpx.Response, text: str) -> ToolTransportError:
+    """The error of a request ``response`` did not answer with a result (``text``: its body)."""
+    error = _TooLargeError if response.status_code == 413 else ToolTransportError
+    return error(f"tool server {url} answered {response.status_code}: {text[:200]}")
+
+
+def _too_large(name: str, error: _TooLargeError) -> ToolResult:
+    """The result of a call too large for the server on its own: the model's error."""
+    return ToolResult(
+        f"error: the call to {name} is over the tool server's cap on a request ({error})",
+        error=True,
+    )
 
 
 class HttpTools:
@@ -27,6 +45,11 @@ class HttpTools:
     where the request cannot have reached the server (connection refused or timed out while
     connecting) are retried, with exponential backoff; any other transport failure, or retries
     used up, raises `ToolTransportError` (the trajectory ends with stop reason ``tool_error``).
+    A request the server refuses for its size (413) ran nothing: a batch's calls are sent
+    again in halves, and a call too large on its own is its error result (the model's, like
+    arguments that are not JSON): calls batched with long ones do not fail for them. On the
+    socket, a call over the cap the server's hello gave is not sent (its frame would close the
+    connection the client's other calls share), and is its error result too.
 
     Each client's calls are in a namespace of their own, random, made with the client (sent
     as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
@@ -85,16 +108,26 @@ class HttpTools:
             if not hello.get("ok"):
                 writer.close()
                 raise ToolTransportError(f"tool server {self.url} refused: {hello.get('error')}")
-            self._connections[loop] = conn = SocketConnection(reader, writer)
+            cap = hello.get("max_frame_bytes")
+            cap = cap if isinstance(cap, int) else None
+            self._connections[loop] = conn = SocketConnection(reader, writer, cap)
             return conn
 
     async def _socket_request(self, path: str, op: str, body: dict[str, Any]) -> Any:
         conn = await self._connection(path)
         rid = next(conn.ids)
+        message = frame({"id": rid, "op": op, "body": body})
+        over = len(message) - FRAME_HEAD.size
+        if conn.max_frame_bytes is not None and over > conn.max_frame_bytes:
+            # not sent: the server would close the connection, and the calls in flight on it
+            raise _TooLargeError(
+                f"tool server {self.url}: a frame of {over} bytes, over the cap of "
+                f"{conn.max_frame_bytes} bytes"
+            )
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         conn.waiting[rid] = future
         try:
-            conn.writer.write(frame({"id": rid, "op": op, "body": body}))
+            conn.writer.write(message)
             async with asyncio.timeout(self._timeout):
                 await conn.writer.drain()
                 answer = await future
@@ -131,10 +164,7 @@ class HttpTools:
             except httpx.TransportError as e:  # may have run: do not retry
                 raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
             if response.status_code != 200:
-                raise ToolTransportError(
-                    f"tool server {self.url}{path} answered {response.status_code}: "
-                    f"{response.text[:200]}"
-                )
+                raise _refused(f"{self.url}{path}", response, response.text)
             return response.json()
         raise AssertionError("unreachable")
 
@@ -163,7 +193,10 @@ class HttpTools:
         except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError included
             return ToolResult(f"error: the arguments of {name} are not JSON: {e}", error=True)
         if self._socket is not None:  # a frame per call costs little: no batching
-            result = await self._socket_request(self._socket, "execute", body)
+            try:
+                result = await self._socket_request(self._socket, "execute", body)
+            except _TooLargeError as e:
+                return _too_large(name, e)
             try:
                 return ToolResult(**result)
             except TypeError as e:  # not a result: the server is broken, as for a bad frame
@@ -191,6 +224,12 @@ class HttpTools:
                     batch[0][1].set_result(ToolResult(**reply))
                 return
             await self._stream_batch(batch)
+        except _TooLargeError as e:  # refused unread: nothing ran
+            if len(batch) > 1:
+                half = len(batch) // 2
+                await asyncio.gather(self._send_batch(batch[:half]), self._send_batch(batch[half:]))
+            elif not batch[0][1].done():
+                batch[0][1].set_result(_too_large(batch[0][0]["name"], e))
         except Exception as e:  # no caller of the batch may wait forever, whatever failed
             failed = (
                 e
@@ -211,11 +250,8 @@ class HttpTools:
                     "POST", self.url + "/execute_batch", json=body
                 ) as response:
                     if response.status_code != 200:
-                        text = (await response.aread()).decode()[:200]
-                        raise ToolTransportError(
-                            f"tool server {self.url}/execute_batch answered "
-                            f"{response.status_code}: {text}"
-                        )
+                        text = (await response.aread()).decode(errors="replace")
+                        raise _refused(f"{self.url}/execute_batch", response, text)
                     async for line in response.aiter_lines():
                         if line:
                             item = json.loads(line)

@@ -2,7 +2,10 @@
 
 The corpus is a JSONL file of ``{"id": ..., "title": ..., "text": ...}`` documents (or a list
 given directly). Queries and documents are lower-cased and split into word tokens; the top
-``k`` documents come back as numbered passages, each cut to ``max_chars``.
+``k`` documents come back as numbered passages, each cut to ``max_chars``. Scoring (a Python
+loop over every document per query word) runs in a thread of `TOOL_THREADS`, never on the event
+loop: a long query over a large corpus runs for minutes, and on the loop it held every other
+episode and its call's timeout could not fire.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from rank_bm25 import BM25Okapi
 
-from jax_agent_rl.tools.base import Tool, ToolResult, function_schema
+from jax_agent_rl.tools.base import TOOL_THREADS, Tool, ToolResult, function_schema
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -70,7 +73,7 @@ class SearchTool(Tool):
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del state
-        hits = self.top(arguments["query"])
+        hits = await TOOL_THREADS.run(self.top, arguments["query"])
         if not hits:
             return ToolResult("no results")
         lines = []

@@ -36,8 +36,14 @@ class SocketConnection:
     each answer to the request with its id; when the connection ends, the requests still
     waiting fail (they may have run)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_frame_bytes: int | None = None,
+    ) -> None:
         self.writer = writer
+        self.max_frame_bytes = max_frame_bytes  # the server's cap (its hello says it), if any
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.ids = itertools.count()
         self.last_used = time.monotonic()

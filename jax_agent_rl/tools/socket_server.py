@@ -33,7 +33,12 @@ def private_socket_path(path: str) -> str:
     else (mode 0700 or stricter), and nothing but a stale socket of ours is there already
     (which is removed). Raises ValueError otherwise."""
     where = Path(path).absolute().parent
-    st = where.stat()
+    try:
+        st = where.stat()
+    except FileNotFoundError:
+        raise ValueError(
+            f"refusing to serve on socket {path}: its directory {where} does not exist"
+        ) from None
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ValueError(
             f"refusing to serve on socket {path}: its directory {where} must be owned by this "
@@ -70,8 +75,8 @@ class SocketServer:
     A frame is a 4-byte big-endian length and a JSON object. The client's first frame is
     ``{"token": ..., "namespace": ...}``: with a server token, a wrong or missing one is
     answered ``{"error": ...}`` and the connection closed, as is a malformed namespace (see
-    `checked_namespace`; none: the unnamed one); else ``{"ok": true}``, and every request of the
-    connection is in that namespace. Then each request is ``{"id": n,
+    `checked_namespace`; none: the unnamed one); else ``{"ok": true, "max_frame_bytes": cap}``,
+    and every request of the connection is in that namespace. Then each request is ``{"id": n,
     "op": op, "body": {...}}``, ``op`` one of ``execute``, ``release``, ``tools``, ``metrics``
     (the HTTP routes of the same name, through the same handlers: concurrency cap, metrics),
     answered ``{"id": n, "result": ...}`` or ``{"id": n, "error": "..."}``. A frame that breaks
@@ -151,7 +156,9 @@ class SocketServer:
             if namespace is None:
                 writer.write(frame({"error": "missing or wrong bearer token"}))
                 return
-            writer.write(frame({"ok": True}))
+            # the cap, so that a client sends no frame over it: it would close the connection
+            # and fail every call in flight on it
+            writer.write(frame({"ok": True, "max_frame_bytes": self.limits.max_frame_bytes}))
             gate = asyncio.Semaphore(self.limits.max_in_flight)
             while True:
                 await gate.acquire()

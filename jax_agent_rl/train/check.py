@@ -60,6 +60,7 @@ from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.verl import create_kwargs_by_tool
 from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.sft import load_demonstrations
 from jax_agent_rl.user_code import load_function
@@ -440,15 +441,19 @@ def _tool_schemas(path: str) -> list[dict[str, Any]]:
 def _rows_tools(
     rows: dict[str, list[Sample]], schemas: Sequence[dict[str, Any]], cfg: JarlConfig
 ) -> None:
-    """Every tool the first rows give create kwargs (``extra_info.tools_kwargs``) is one of
-    tools.config's: a verl row set for a tool the run lacks would never reach it (rows run
-    by ``single_turn_agent`` call no tool)."""
+    """The first rows' create kwargs (``extra_info.tools_kwargs``) are of verl's shape (each
+    episode reads them first), and every tool they name is one of tools.config's: a verl row
+    set for a tool the run lacks would never reach it (rows run by ``single_turn_agent`` call
+    no tool)."""
     have = sorted(schema["function"]["name"] for schema in schemas)
     for key, samples in rows.items():
         for i, sample in enumerate(samples):
-            single = sample.agent_name == "single_turn_agent"
-            named = {} if single else sample.extra.get("tools_kwargs") or {}
-            missing = sorted(set(named) - set(have)) if isinstance(named, dict) else []
+            try:
+                single = sample.agent_name == "single_turn_agent"
+                named = {} if single else create_kwargs_by_tool(sample.extra)
+            except ValueError as e:
+                raise _CheckError(f"{key}: row {i}: {e}") from None
+            missing = sorted(set(named) - set(have))
             if missing:
                 raise _CheckError(
                     f"{key}: row {i}'s extra_info.tools_kwargs names {missing}, which "

@@ -2,11 +2,15 @@
 
 A checkpoint is written asynchronously (training goes on while it is written) into a
 temporary folder that orbax renames only once every file is on disk, so a run killed at any
-moment leaves either a complete checkpoint or none; `latest_step` only sees complete ones.
+moment leaves either a complete checkpoint or none; `latest_step` only sees complete ones. A
+complete checkpoint that cannot be read back (a file of it corrupted or cut short since, a
+config whose model it does not fit) is a `CheckpointError` naming its folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_agent_rl.config import JarlConfig
-from jax_agent_rl.models import ModelConfig, Weights, abstract_params
+from jax_agent_rl.errors import error_text
+from jax_agent_rl.models import CheckpointError, ModelConfig, Weights, abstract_params
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
 
@@ -44,9 +49,9 @@ class RunCheckpoints:
     def restore(self, step: int, targets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """States shaped and sharded like ``targets`` (abstract or concrete), and the metadata."""
         args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
-        out = self.manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args)
-        )
+        composite = ocp.args.Composite(meta=ocp.args.JsonRestore(), **args)
+        with self._reading(step):
+            out = self.manager.restore(step, args=composite)
         return {name: out[name] for name in targets}, dict(out["meta"])
 
     def restore_part(self, step: int, name: str, target: Any) -> Any:
@@ -54,7 +59,24 @@ class RunCheckpoints:
         without its optimizer state, say), as host numpy arrays shaped like ``target``."""
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
         item = ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)
-        return self.manager.restore(step, args=ocp.args.Composite(**{name: item}))[name]
+        with self._reading(step):
+            return self.manager.restore(step, args=ocp.args.Composite(**{name: item}))[name]
+
+    @contextlib.contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """What orbax raises reading the checkpoint of ``step`` (a bare JSONDecodeError for a
+        cut metadata file, TensorStore's spec for a cut array: neither names the checkpoint)
+        as a `CheckpointError` naming its folder."""
+        try:
+            yield
+        except Exception as e:
+            first = (error_text(e).splitlines() or [type(e).__name__])[0][:300]
+            folder = self.manager.directory / str(step)
+            raise CheckpointError(
+                f"the checkpoint of step {step} ({folder}) cannot be restored: {first}; a file "
+                "of it is corrupt or cut short, or the config's model is not the one it saved "
+                f"(remove the folder to resume from an earlier one; saved steps: {self.steps()})"
+            ) from e
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

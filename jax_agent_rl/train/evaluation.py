@@ -214,6 +214,13 @@ def eval_target(
         raise EvalInputError(f"--n {n}: samples per prompt must be at least 1")
     if step is not None and checkpoint is not None:
         raise EvalInputError("--step and --checkpoint both name weights: give one")
+    if out is not None:  # written once every prompt is evaluated: checked before
+        if Path(out).is_dir():
+            raise EvalInputError(f"--out {out} is a folder: name the JSON file to write")
+        try:
+            Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise EvalInputError(f"--out {out}: its folder cannot be made: {e.strerror}") from None
     path = Path(target)
     run_dir, cfg = _read_config(path, step, overrides)
     if not cfg.data.val:

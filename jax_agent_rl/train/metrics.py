@@ -14,17 +14,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jax_agent_rl.files import drop_cut_line
+
 INCLUDES_COMPILE = "time/includes_compile"
 
 
 class MetricsLog:
     """Appends ``{"step": s, "phase": p, **scalars}`` records; TensorBoard tags are
-    ``phase/name``. Appending (not truncating) keeps the history of a resumed run. Not
-    ``enabled`` (every process of a multi-process run but the first), it writes nothing."""
+    ``phase/name``. Appending (not truncating) keeps the history of a resumed run, after its
+    last complete line (`drop_cut_line`). Not ``enabled`` (every process of a multi-process
+    run but the first), it writes nothing."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a") if enabled else None
+        self._file = None
+        if enabled:
+            drop_cut_line(self.path)
+            self._file = self.path.open("a")
         self._tb = None
         if tensorboard and enabled:
             from tensorboardX import SummaryWriter

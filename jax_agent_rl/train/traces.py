@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.text import Text
 
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import number, visible
@@ -148,8 +149,10 @@ def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) 
 
 
 def append_traces(path: Path, records: Iterable[dict[str, Any]]) -> None:
-    """Appends ``records`` to the JSONL file ``path``; they are on disk when this returns."""
+    """Appends ``records`` to the JSONL file ``path``, after its last complete line (a record a
+    killed run cut short is dropped: `drop_cut_line`); they are on disk when this returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    drop_cut_line(path)
     with path.open("a", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")

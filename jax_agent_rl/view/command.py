@@ -37,14 +37,18 @@ def _run_data(run_dir: Path, steps: str | None, last: int) -> dict[str, Any]:
 
 def write_view(run_dir: Path, out: Path, steps: str | None = None, last: int = 50) -> Path:
     """``out/index.html`` (the traces of the steps `pick_steps` picks) and a copy of the
-    run's plots beside it; returns the page's path."""
+    run's plots beside it; returns the page's path. Raises ValueError when ``out`` cannot
+    hold them."""
     data = _run_data(run_dir, steps, last)
-    out.mkdir(parents=True, exist_ok=True)
     page = out / PAGE
-    page.write_text(render_page(data), encoding="utf-8")
-    for plot in data["plots"]:
-        if (run_dir / plot).resolve() != (out / plot).resolve():
-            shutil.copyfile(run_dir / plot, out / plot)
+    try:  # (a file there, a folder that cannot be made or written)
+        out.mkdir(parents=True, exist_ok=True)
+        page.write_text(render_page(data), encoding="utf-8")
+        for plot in data["plots"]:
+            if (run_dir / plot).resolve() != (out / plot).resolve():
+                shutil.copyfile(run_dir / plot, out / plot)
+    except OSError as e:
+        raise ValueError(f"cannot write the page into {out}: {e.strerror or e}") from None
     return page
 
 
@@ -87,7 +91,10 @@ def view_server(
         def log_message(self, format: str, *args: object) -> None:
             del format, args  # quiet: the address printed is all the console needs
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as e:  # the port taken, or one this user may not bind
+        raise ValueError(f"cannot serve on 127.0.0.1:{port}: {e.strerror or e}") from None
     hosts.update(f"{name}:{server.server_address[1]}" for name in ("127.0.0.1", "localhost"))
     return server
 

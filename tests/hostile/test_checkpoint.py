@@ -7,6 +7,7 @@ read or allocated."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -364,3 +365,49 @@ def test_header_shapes_are_checked_against_the_config_before_any_data_is_read(
         load_hf(single)
     assert e.type is CheckpointError
     assert "'model.embed_tokens.weight' has shape (64, 32), config implies (65, 32)" in str(e.value)
+
+
+# --- a run's orbax checkpoints ---------------------------------------------------------------
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "part"),
+    [
+        (_cut, "meta/metadata"),  # orbax raised a bare JSONDecodeError
+        (_cut, "policy/_METADATA"),
+        (lambda p: p.unlink(), "policy/manifest.ocdbt"),  # a ValueError quoting TensorStore
+        (_cut, "policy/ocdbt.process_0/d/*"),  # a plain Exception: eval's check missed it
+    ],
+)
+def test_a_damaged_run_checkpoint_is_an_error_naming_its_folder(
+    tmp_path: Path, damage: Callable[[Path], None], part: str
+) -> None:
+    """A complete checkpoint whose file was later cut short or removed (a copy interrupted, a
+    disk filled): restoring it raised orbax's own error, which names neither the checkpoint
+    nor its step (a bare ``Expecting value: line 1 column 1``), and one of them is no
+    ValueError, so ``jarl eval`` and ``jarl export`` printed a traceback. Now it is a
+    `CheckpointError` naming the step's folder, for the whole state and for the policy's
+    parameters alone."""
+    from jax_agent_rl.train.checkpoints import RunCheckpoints
+
+    state = {"w": np.arange(4096, dtype=np.float32), "b": np.ones(8, np.float32)}
+    checkpoints = RunCheckpoints(tmp_path, keep=2)
+    checkpoints.save(3, {"policy": state}, {"step": 3})
+    checkpoints.close()
+    for path in (tmp_path / "3").glob(part):  # the data files: every one of them
+        damage(path)
+    checkpoints = RunCheckpoints(tmp_path, keep=2)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in state.items()}
+    folder = f"checkpoint of step 3 ({tmp_path / '3'}) cannot be restored"
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(folder)):
+            checkpoints.restore(3, {"policy": target})
+        if part != "meta/metadata":  # (the policy alone does not read the metadata)
+            with pytest.raises(CheckpointError, match=re.escape(folder)):
+                checkpoints.restore_part(3, "policy", target)
+    finally:
+        checkpoints.close()

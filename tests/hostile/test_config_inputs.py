@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.models.hf_local import TINY
 
 DEEP = 200
@@ -285,3 +286,50 @@ def test_reasoning_gym_options_are_bounded_at_check_time(spec: str, named: str) 
     problems = check_run(load_config(DEMO_CONFIG, ["model.path=/nowhere", override]))
     mine = [p for p in problems if p.startswith("data.train: reasoning_gym:")]
     assert len(mine) == 1 and named in mine[0], problems
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--coordinator", "host0"], "--coordinator='host0': expected HOST:PORT"),
+        (["--coordinator", "host0:"], "--coordinator='host0:': expected HOST:PORT"),
+        (["--coordinator", "host0:99999999"], "port in [1, 65535]"),
+        (["--coordinator", "host0:0"], "port in [1, 65535]"),
+        (["--coordinator", "host0:1", "--heartbeat-timeout", "-1"], "--heartbeat-timeout=-1"),
+    ],
+)
+def test_a_process_group_flag_that_cannot_work_is_one_line(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A coordinator address without a port (a traceback out of jax.distributed: IndexError),
+    a port outside TCP's, or a heartbeat timeout below a second was accepted by the pre-run
+    check (--dry-run said ok), and the run then failed, or waited, inside JAX."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    group = ["--num-processes", "2", "--process-id", "0", *flags]
+    _refused(["train", str(config), *group, "--dry-run"], named, capsys)
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_plan_compile_timeout_below_a_moment_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: taken, and every program was reported 'did not compile within -1 s'."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(
+            ["plan", "c.yaml", "--topology", "v5e-4", "--compile-timeout", value]
+        )
+    assert exit_.value.code == 2
+    assert f"argument --compile-timeout: {value} is not > 0" in capsys.readouterr().err
+
+
+def test_a_plan_json_file_that_cannot_be_written_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan is written once every program has compiled (minutes): a --json file in a
+    folder that is not there was a traceback after all of them (FileNotFoundError)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    out = tmp_path / "none" / "plan.json"
+    argv = ["plan", str(config), "--topology", "v5e-4", "--json", str(out)]
+    _refused(argv, f"--json {out}: its folder does not exist", capsys)

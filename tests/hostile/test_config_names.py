@@ -59,3 +59,19 @@ def test_eval_checks_the_other_registries_before_loading_weights(
     assert main(["eval", str(config), override]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jarl: {named}"), err
+
+
+def test_eval_refuses_an_out_file_it_cannot_write_before_evaluating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON is written once every prompt is evaluated: an --out that is a folder, or
+    under a file, was a traceback after the whole evaluation (IsADirectoryError,
+    NotADirectoryError)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  train: train.jsonl\n  val: val.jsonl\nmodel:\n  path: model\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out, problem in ((tmp_path, "is a folder"), (a_file / "x.json", "cannot be made")):
+        assert main(["eval", str(config), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jarl: --out {out}") and problem in err and err.count("\n") == 1

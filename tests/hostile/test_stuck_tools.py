@@ -14,6 +14,7 @@ import threading
 
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.search import SearchTool
 
 BOUND_S = 30.0  # how long the test waits for work on the default executor (it fails past it)
 RELEASE = threading.Event()
@@ -91,3 +92,31 @@ def test_an_async_tool_that_ignores_its_cancellation_is_abandoned_at_the_timeout
 
     assert asyncio.run(go()) == "error: fetch timed out after 0.01s"
     assert retrying.cancelled == 1
+
+
+def test_a_search_of_a_large_corpus_ends_at_the_timeout_and_holds_no_event_loop() -> None:
+    """BM25 scores a query word by word over every document (rank_bm25 loops in Python), so a
+    query of thousands of words over a large corpus runs for minutes: scored on the event loop,
+    the call's timeout never fired and every other episode stood still. Here the scoring is
+    held until the test releases it: the call ends at its timeout as an error result, and
+    the event loop is free meanwhile."""
+    search = SearchTool([{"title": "Paris", "text": "Paris is the capital of France."}])
+    scores, release, scored = search.index.get_scores, threading.Event(), threading.Event()
+
+    def held_scores(words: list[str]) -> object:
+        release.wait(BOUND_S)  # (the test releases it at its end)
+        scored.set()
+        return scores(words)
+
+    search.index.get_scores = held_scores  # type: ignore[method-assign]
+
+    async def go() -> str:
+        tools = LocalTools(ToolRegistry([search]), timeout_s=0.01)
+        result = await tools.call("t0", "search", {"query": "capital"})
+        return result.text
+
+    try:
+        assert asyncio.run(go()) == "error: search timed out after 0.01s"
+        assert not scored.is_set()  # the result came while the scoring was still held
+    finally:
+        release.set()

@@ -19,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.tools.app import create_app
-from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
@@ -557,3 +558,98 @@ def test_a_tool_error_that_cannot_be_written_is_still_the_models_observation() -
     result = asyncio.run(tools.call("t", "count", {}))
     assert result.error
     assert result.text == "error: count failed: _UnprintableError (its message cannot be written)"
+
+
+def test_calls_batched_past_the_body_cap_still_each_get_their_own_result() -> None:
+    """Calls made in one event-loop tick share one /execute_batch request, so calls that each
+    fit the server's body cap could together pass it: the 413 failed every call of the batch
+    (a ToolTransportError: each episode ended as tool_error, out of training), so a policy
+    writing long arguments ended its siblings' episodes. A request refused for its size ran
+    nothing: its calls are sent again in halves, and a call over the cap on its own is that
+    call's error result, which its model reads."""
+    cap = 100_000
+    long = "1+" * 20_000 + "1"  # 40 kB: three of them pass the cap together
+
+    async def scenario() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([calculator]), max_body_bytes=cap)) as url:
+            tools = HttpTools(url)
+            try:
+                calls = [tools.call("t0", "calculator", {"expression": "6 * 7"})]
+                calls += [
+                    tools.call(f"t{i}", "calculator", {"expression": long}) for i in (1, 2, 3)
+                ]
+                calls.append(tools.call("t4", "calculator", {"expression": "1+" * cap + "1"}))
+                return list(await asyncio.gather(*calls))
+            finally:
+                await tools.close()
+
+    small, *longer, over = asyncio.run(scenario())
+    assert small == ToolResult("42")
+    assert [r.text for r in longer] == ["error: expression longer than 1000 characters"] * 3
+    assert over.error and "over the tool server's cap on a request" in over.text
+    assert f"the cap of {cap} bytes" in over.text
+
+
+def test_a_call_over_the_frame_cap_on_the_socket_fails_alone(tmp_path: Path) -> None:
+    """Over the Unix socket every call of a client is a frame on one shared connection, and a
+    frame over the server's cap closed it: each call in flight on it (other trajectories')
+    failed as a transport error, their episodes ended tool_error, so a policy's long
+    arguments ended its siblings' episodes. The server says its cap in its hello, and a call
+    over it is not sent: it is its model's error result, and the calls beside it run on."""
+    cap = 100_000
+    started, opened = asyncio.Event(), asyncio.Event()
+
+    async def gate() -> str:
+        """Wait until the test opens the gate."""
+        started.set()
+        await opened.wait()
+        return "passed"
+
+    async def scenario() -> tuple[ToolResult, ToolResult]:
+        socket_path = str(tmp_path / "tools.sock")
+        tmp_path.chmod(0o700)
+        app = create_app(
+            ToolRegistry([calculator, tool(gate)]), max_body_bytes=cap, socket_path=socket_path
+        )
+        async with serving(app):
+            tools = HttpTools(f"unix:{socket_path}")
+            try:
+                sibling = asyncio.ensure_future(tools.call("t0", "gate", {}))
+                await started.wait()
+                long = {"expression": "1+" * cap + "1"}
+                over = await tools.call("t1", "calculator", long)
+                opened.set()
+                return over, await sibling
+            finally:
+                await tools.close()
+
+    over, sibling = asyncio.run(scenario())
+    assert over.error and "over the tool server's cap on a request" in over.text, over
+    assert sibling == ToolResult("passed")
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--tools", "{dir}/none.yaml"], "--tools '{dir}/none.yaml' does not exist"),
+        (["--tools", "{dir}/broken.yaml"], "--tools '{dir}/broken.yaml': "),
+        (["--tools", "{dir}/wrong.yaml"], "--tools '{dir}/wrong.yaml': "),
+        (["--socket", "{dir}/none/tools.sock"], "its directory {dir}/none does not exist"),
+    ],
+    ids=["missing", "not-yaml", "no-such-class", "socket-folder-missing"],
+)
+def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
+    flags: list[str], problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tools file that is not there, not YAML or names no class, and a socket in a folder
+    that is not there: each was a traceback (FileNotFoundError, a YAML scanner error, an
+    import error) out of jarl serve-tools; now one line naming the flag, exit 2, nothing
+    served (the socket's line comes after the line saying what it would serve)."""
+    (tmp_path / "broken.yaml").write_text("- class: [unclosed\n")
+    (tmp_path / "wrong.yaml").write_text("- class: no_such_module:tool\n")
+    tmp_path.chmod(0o700)
+    argv = ["serve-tools", "--port", "0", *(f.format(dir=tmp_path) for f in flags)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jarl: ") and problem.format(dir=tmp_path) in err, err

@@ -167,3 +167,34 @@ def test_a_view_flag_out_of_range_is_refused_naming_it(
     assert exit_.value.code == 2
     assert f"argument {flag}: {problem}" in capsys.readouterr().err
     assert build_parser().parse_args(["view", "run", flag, "1"]).func is not None
+
+
+def test_an_out_folder_that_cannot_hold_the_page_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out naming a file, or a folder under one: a traceback (FileExistsError,
+    NotADirectoryError); now one line saying where the page could not be written."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out in (a_file, a_file / "page"):
+        assert main(["view", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot write the page into {out}: ") and err.count("\n") == 1
+
+
+def test_a_port_taken_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--port naming a port another process listens on: a traceback (OSError: Address
+    already in use); now one line naming the address."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["view", str(run_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot serve on 127.0.0.1:{port}: ") and err.count("\n") == 1

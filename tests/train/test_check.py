@@ -135,6 +135,27 @@ CASES: dict[str, Case] = {
             "the YAML of those tools"
         ),
     ),
+    "tools_kwargs of the wrong shape": (  # before: passed, and every episode failed
+        lambda f: [
+            "data.train="
+            + str(
+                _write_jsonl(
+                    f.root / "create_kwargs_not_a_dict.jsonl",
+                    [
+                        {
+                            **_row(0),
+                            "extra_info": {"tools_kwargs": {"calculator": {"create_kwargs": 5}}},
+                        }
+                    ],
+                )
+            ),
+            "agent.default_agent_loop=tool_agent",
+        ],
+        lambda _f: (
+            "data.train: row 0: extra_info.tools_kwargs['calculator']['create_kwargs'] must be "
+            "a dict, got int"
+        ),
+    ),
     "bad data columns": (
         lambda f: [f"data.train={f.bad_columns}"],
         lambda f: (
