@@ -6,6 +6,13 @@ Logprobs are recomputed with `sampling_logprobs`, the function the engine sample
 the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
 token (`token_stats`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
 of the vocabulary at a time (the [B, T, V] logits are never made).
+
+Routing replay (a MoE policy, ``algorithm.routing_replay``): the forward of a batch that
+carries the sampler's experts (`TrainBatch.expert_ids`) uses them at every position the
+sampler computed a sampled token from, with the router's fresh gates for those experts (the
+R3 rule, `models.moe.route`); the other positions (prompt and tool tokens: no experts were
+kept for them) route themselves. `own_routing_stats` is the forward without replay, for the
+metrics that compare the two routings.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax.numpy as jnp
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
+from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 
@@ -67,9 +75,15 @@ class StepSpec:
     # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
     norm_const: float | None = None
 
-    def hidden(self, weights: Weights, mb: TrainBatch) -> tuple[jax.Array, Weights]:
-        """Final hidden states [B, T, D] and the weights cast to the compute dtype."""
-        w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
+    def hidden(
+        self, weights: Weights, mb: TrainBatch, replay: bool | None = None
+    ) -> tuple[jax.Array, Weights]:
+        """Final hidden states [B, T, D] and the weights cast to the compute dtype. ``replay``
+        (None: ``algorithm.routing_replay``): the batch's sampled experts, if it carries
+        any, are replayed (see the module docstring)."""
+        replay = self.algo.routing_replay if replay is None else replay
+        given = sampled_experts(mb) if replay else None
+        w = self.cast(weights)
         h = forward(
             w,
             self.model,
@@ -79,17 +93,64 @@ class StepSpec:
             self.sharder,
             self.remat,
             window=mb.window or None,
+            expert_ids=given,
         )
         return h, w
 
+    def cast(self, weights: Weights) -> Weights:
+        return cast_floats(
+            weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16
+        )
 
-def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under the rollout's sampling distribution, and its entropy.
+
+def sampled_experts(mb: TrainBatch) -> jax.Array | None:
+    """The sampler's experts [sparse layers, B, T, k] of a batch that carries them, as
+    `forward` takes them (-1 where none was sampled), else None."""
+    return None if mb.expert_ids is None else jnp.moveaxis(mb.expert_ids, 2, 0)
+
+
+def token_stats(
+    spec: StepSpec, params: Weights, mb: TrainBatch, replay: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Logprob of each target under the rollout's sampling distribution, and its entropy
+    (``replay``: `StepSpec.hidden`'s).
 
     Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
     vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
     """
-    h, w = spec.hidden(params, mb)
+    h, w = spec.hidden(params, mb, replay)
+    return _head_stats(spec, w, h, mb)
+
+
+def own_routing_stats(
+    spec: StepSpec, params: Weights, mb: TrainBatch
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_stats` of a batch carrying sampled experts with the policy routing every token
+    itself, and [B, T] 1.0 where its experts (as sets, in any sparse layer) differ from the
+    sampler's (0 where the sampler kept none)."""
+    given = sampled_experts(mb)
+    assert given is not None, "own_routing_stats of a batch without sampled experts"
+    w = spec.cast(params)
+    h, own = forward(
+        w,
+        spec.model,
+        mb.tokens,
+        mb.positions,
+        mb.segment_ids,
+        spec.sharder,
+        spec.remat,
+        window=mb.window or None,
+        return_expert_ids=True,
+    )
+    sampled = given[0, ..., 0] != NO_EXPERTS
+    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=(0, -1))
+    return (*_head_stats(spec, w, h, mb), (differs & sampled).astype(jnp.float32))
+
+
+def _head_stats(
+    spec: StepSpec, w: Weights, h: jax.Array, mb: TrainBatch
+) -> tuple[jax.Array, jax.Array]:
+    """`token_stats` from the final hidden states ``h`` [B, T, D]."""
     s = spec.sampling
     B, T, D = h.shape
     if s.top_k <= 0 and s.top_p >= 1.0:
@@ -108,8 +169,9 @@ def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Ar
 
 
 def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
-    """V(prefix up to and including token t), aligned with targets: [B, T] float32."""
-    h, _ = spec.hidden(critic.body, mb)
+    """V(prefix up to and including token t), aligned with targets: [B, T] float32 (the
+    critic routes every token itself: replay is the policy's)."""
+    h, _ = spec.hidden(critic.body, mb, replay=False)
     return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
 
 
