@@ -236,7 +236,10 @@ def test_replay_holds_the_gap_to_the_dense_tolerance_under_flipped_routing(
     tokens = sum(t.num_model_tokens for t in sampled)
     for m in (replayed, own):  # measured the same way whichever routing trains
         assert m["routing/differs"] >= 1 / tokens
-        assert m["routing/logprob_gap_replayed"] <= TOL < m["routing/logprob_gap_own"] * tokens
+        assert m["routing/logprob_gap_replayed"] <= TOL
+        assert m["routing/logprob_gap_own"] > m["routing/logprob_gap_replayed"]
+    # measured here: max |delta| 1.6e-5 flips 2 of 84 sampled positions; max gap 9.5e-7
+    # replayed (as unperturbed), 5.3e-3 routed by the learner itself
     assert replayed["logprob_gap/max"] <= TOL
     assert own["logprob_gap/max"] > TOL
     # the replayed experts are exactly the sampler's; positions without them route themselves
