@@ -126,12 +126,14 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
         await ctx.budget.settle(max_tokens, len(result.token_ids))
     tokens, finish = list(result.token_ids), str(result.finish_reason)
     logprobs = list(result.logprobs or [0.0] * len(tokens))
+    experts = result.expert_ids
     turn = [*traj.response_ids[len(traj.response_ids) - turn_tokens :], *tokens]
     end = stop_string_end(ctx.tokenizer.decode, turn, cfg.stop, len(tokens))
     if end is not None and finish != "abort":
         kept = end - turn_tokens
         tokens, logprobs, finish = tokens[:kept], logprobs[:kept], "stop_string"
-    traj.add_sample(tokens, logprobs, result.weight_version)
+        experts = None if experts is None else experts[:kept]
+    traj.add_sample(tokens, logprobs, result.weight_version, experts)
     return tokens, finish
 
 

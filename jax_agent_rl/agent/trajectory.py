@@ -9,7 +9,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
+
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rewards import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -57,6 +60,13 @@ class Trajectory:
     demonstrations); ``weight_versions`` has one entry per sampled turn. ``prompt_ids +
     response_ids`` is exactly the last sequence the model was conditioned on plus what it
     sampled.
+
+    ``expert_ids`` (a mixture-of-experts policy whose backend reports them, routing replay):
+    [len(response_ids), sparse layers, k] ints, aligned as ``rollout_logprobs``: row i holds
+    the experts, in each sparse layer, of the position response token i was sampled from;
+    every id is -1 (`models.moe.NO_EXPERTS`: the learner routes that position itself) where
+    the model did not sample the token here (tool and template tokens, demonstrations).
+    None for a dense policy (and while no sampled token has come with experts).
     """
 
     uid: str
@@ -66,6 +76,7 @@ class Trajectory:
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     token_versions: list[int] = dataclasses.field(default_factory=list)
+    expert_ids: np.ndarray | None = None
     reward: float = 0.0
     # each answered turn's reward: its tool calls' (summed), or its environment step's; each
     # checked where it enters (`rewards.checked_reward`): a call's reward that fails counts 0
@@ -112,18 +123,40 @@ class Trajectory:
         model: bool,
         logprobs: list[float] | None = None,
         version: int = -1,
+        experts: np.ndarray | None = None,
     ) -> None:
         """Appends ``ids``: sampled by the model (``model``) under weight ``version`` with
-        ``logprobs``, or context (tool results, template tokens)."""
+        ``logprobs`` and (a MoE model's) ``experts`` [len(ids), sparse layers, k], or context
+        (tool results, template tokens)."""
+        self._append_experts(len(ids), experts if model else None)
         self.response_ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
         self.rollout_logprobs.extend(logprobs if model and logprobs else [0.0] * len(ids))
         self.token_versions.extend([version if model else -1] * len(ids))
 
-    def add_sample(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def _append_experts(self, n: int, experts: np.ndarray | None) -> None:
+        """``expert_ids`` grown by ``n`` tokens: ``experts``, or `NO_EXPERTS` rows (the
+        tokens before the first with experts get them too)."""
+        if experts is None and self.expert_ids is None:
+            return
+        if experts is not None and (experts.ndim != 3 or len(experts) != n):
+            raise ValueError(f"expert ids of shape {experts.shape} for {n} sampled tokens")
+        like = experts if experts is not None else self.expert_ids
+        assert like is not None
+        rows = lambda m: np.full((m, *like.shape[1:]), NO_EXPERTS, like.dtype)  # noqa: E731
+        before = rows(len(self.response_ids)) if self.expert_ids is None else self.expert_ids
+        self.expert_ids = np.concatenate([before, rows(n) if experts is None else experts])
+
+    def add_sample(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        version: int,
+        experts: np.ndarray | None = None,
+    ) -> None:
         """The tokens one generate request sampled under weight ``version`` (one weight
-        version is kept per request)."""
-        self.append(ids, model=True, logprobs=logprobs, version=version)
+        version is kept per request), with a MoE model's ``experts``."""
+        self.append(ids, model=True, logprobs=logprobs, version=version, experts=experts)
         self.weight_versions.append(version)
 
     def add_turn(self, kind: TurnKind | None, text: str | None = None) -> None:

@@ -391,6 +391,12 @@ class AlgorithmSection:
     turn_mode: Literal["trajectory", "per_turn"] = "trajectory"
     ppo_epochs: int = setting(1, COUNT)  # passes over each rollout batch
     mini_batches: int = setting(1, COUNT)  # optimizer steps per pass
+    # a mixture-of-experts policy: the learner's forward uses the experts the sampler chose for
+    # each sampled token (with fresh gates), so a near-tie the two sides break differently
+    # cannot garble that token's ratio (rl/objectives.py). A dense model has no routing: the
+    # key has no effect there. The sampler must report experts (the embedded engine does;
+    # with a backend that does not, the run says so and the learner routes every token)
+    routing_replay: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

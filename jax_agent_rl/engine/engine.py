@@ -12,7 +12,8 @@ already), writes their keys and values into its pages and samples the next token
 rounded up to a power-of-two batch bucket), each slot's attention over its own pages only
 (`models.paged.ragged_attention`, the work the sum of the real lengths; on TPU with a
 16-bit cache, JAX's Pallas kernel). ``copy_page`` copies a shared page before a write.
-Each slot carries its own sampling parameters, RNG, stop ids and budget.
+Each slot carries its own sampling parameters, RNG, stop ids and budget. A MoE model's
+prefill and generate also return the experts each sampled token came from (routing replay).
 
 Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
 ``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
@@ -57,6 +58,7 @@ from jax_agent_rl.engine.state import (
     empty_decode_state,
     finish_code,
     page_bytes,
+    paged_forward,
     sample_step,
     slot_axes,
 )
@@ -65,7 +67,6 @@ from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
     Weights,
-    forward,
     lm_logits,
     page_shardings,
     param_shardings,
@@ -310,7 +311,7 @@ class Engine:
     ) -> tuple[DecodeState, Prefix]:
         self.compile_counts["prefill"] += 1  # runs at trace time only
         pos, n = start_n[:1], start_n[1:]
-        h, pages = forward(
+        h, pages, ids = paged_forward(
             params,
             self.cfg,
             padded_bt,
@@ -326,7 +327,10 @@ class Engine:
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
         finish = finish_code(slots, token, pos + n, self.max_len)
         state = self._lay_out(dataclasses.replace(state, pages=pages))
-        return state, Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish)
+        # the experts of the chunk's last position [S, 1, T, k] -> [1, S, k]
+        experts = None if ids is None else jnp.take(ids, n - 1, axis=2)[:, :, 0].swapaxes(0, 1)
+        prefix = Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish, experts=experts)
+        return state, prefix
 
     # -------------------------------------------------------------------- insert / release
 
@@ -409,7 +413,7 @@ class Engine:
             slots = jax.tree.map(lambda x: x[:rows], every)
             active = slots.active
             pos = state.pos[:rows]
-            h, pages = forward(
+            h, pages, ids = paged_forward(
                 params,
                 self.cfg,
                 slots.token[:, None],
@@ -428,7 +432,8 @@ class Engine:
             )
             finish = jnp.where(active, finish_code(slots, token, pos, self.max_len), RUNNING)
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
-            out = StepTokens(token=token, logprob=logprob, valid=active, finish=finish)
+            experts = None if ids is None else ids[:, :, 0].swapaxes(0, 1)  # [rows, S, k]
+            out = StepTokens(token, logprob, valid=active, finish=finish, experts=experts)
             slots = jax.tree.map(lambda all_, part: all_.at[:rows].set(part), every, slots)
             state = DecodeState(pages=pages, pos=state.pos.at[:rows].set(pos), slots=slots)
             return self._lay_out(state), out

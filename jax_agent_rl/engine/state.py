@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import KVPages, ModelConfig, Sharder, page_shardings
+from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, forward, page_shardings
+from jax_agent_rl.models.moe import expert_id_dtype
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -56,18 +57,36 @@ class Prefix:
     pos: jax.Array  # int32
     logprob: jax.Array  # float32
     finish: jax.Array  # int32: RUNNING, STOPPED or LENGTH after the first token
+    # a MoE model's: the experts [1, sparse layers, k] of the position that sampled the first
+    # token (the chunk's last), `expert_id_dtype`; None for a dense model
+    experts: Any = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepTokens:
     """What ``generate`` produced, [num_steps, batch] each (the batch: the first slots);
-    ``valid`` marks slots that were active."""
+    ``valid`` marks slots that were active. A MoE model's ``experts`` [num_steps, batch, sparse
+    layers, k] (`expert_id_dtype`) are those of the position each token was sampled from
+    (the step's input, the token before it); None for a dense model."""
 
     token: jax.Array
     logprob: jax.Array
     valid: jax.Array
     finish: jax.Array
+    experts: Any = None
+
+
+def paged_forward(
+    params: Weights, cfg: ModelConfig, tokens_bt: jax.Array, **paged: Any
+) -> tuple[jax.Array, KVPages, jax.Array | None]:
+    """`forward` over the pages (``paged``: its cache arguments): final hidden, pages, and a
+    MoE model's experts [sparse layers, B, T, k] (`expert_id_dtype`; None for a dense one)."""
+    if not any(cfg.moe_layers):
+        h, pages = forward(params, cfg, tokens_bt, **paged)
+        return h, pages, None
+    h, pages, ids = forward(params, cfg, tokens_bt, **paged, return_expert_ids=True)
+    return h, pages, ids.astype(expert_id_dtype(cfg.num_experts))
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:

@@ -725,9 +725,10 @@ def forward(
 
     Qwen3-MoE (routing replay, `moe`): ``return_expert_ids`` returns, last, the experts each
     token chose in each sparse layer, [sparse layers, B, T, k] int32; ``expert_ids`` of that
-    shape are used instead of the router's own top-k (gated by the router's probabilities
-    of those experts). ``return_router_logits`` (training only) returns, after them, the
-    router logits of each sparse layer [sparse layers, B, T, E] fp32 (`moe.load_balancing_loss`).
+    shape (any int dtype) are used instead of the router's own top-k (gated by the router's
+    probabilities of those experts); a token given -1 (`moe.NO_EXPERTS`) routes itself.
+    ``return_router_logits`` (training only) returns, after them, the router logits of each
+    sparse layer [sparse layers, B, T, E] fp32 (`moe.load_balancing_loss`).
     """
     B, T = tokens_bt.shape
     kinds = cfg.moe_layers

@@ -26,9 +26,11 @@ shardings; two interleaved stacks would need a scan per run of same-kind layers.
 Routing replay (RL): `forward` can return the experts each token chose in every sparse layer,
 and take such ids instead of its own top-k; the gates are then the router's fresh
 probabilities of the given experts (renormalised as ``norm_topk_prob`` says), so the gradient
-still reaches the router. It can also return the router logits of every sparse layer, from
-which `load_balancing_loss` is HF's auxiliary loss (``router_aux_loss_coef`` in HF's config;
-``algorithm.router_aux_loss_coef`` in the RL loss).
+still reaches the router. A token given ``NO_EXPERTS`` (-1) routes itself (its own top-k): a
+rollout knows the experts of the tokens the sampler computed, not of a prompt's or a tool's.
+Stored ids are compact (`expert_id_dtype`). `forward` can also return the router logits of
+every sparse layer, from which `load_balancing_loss` is HF's auxiliary loss
+(``router_aux_loss_coef`` in HF's config; ``algorithm.router_aux_loss_coef`` in the RL loss).
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ import jax.numpy as jnp
 
 from jax_agent_rl.models.config import ModelConfig
 
+# the expert id of a token with no given experts: it routes itself
+NO_EXPERTS = -1
+
+
+def expert_id_dtype(num_experts: int) -> Any:
+    """The narrowest signed int holding ids ``0 .. num_experts - 1`` and `NO_EXPERTS`: what a
+    rollout stores per token and sparse layer (int8 up to 128 experts, Qwen3-MoE's)."""
+    for dtype in (jnp.int8, jnp.int16):
+        if num_experts <= jnp.iinfo(dtype).max + 1:
+            return dtype
+    return jnp.int32
+
 
 def router_logits(router_de: jax.Array, x_nd: jax.Array) -> jax.Array:
     """The router's logits [N, E] in fp32, rounded to the model dtype first as HF's are."""
@@ -52,13 +66,14 @@ def route(
     cfg: ModelConfig, logits_ne: jax.Array, given_nk: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """The gates [N, k] (fp32) and experts [N, k] (int32) of each token from its router
-    logits [N, E]: the router's top-k, or with ``given_nk`` those experts, gated by their
-    probabilities."""
+    logits [N, E]: the router's top-k, or with ``given_nk`` those experts (a token given
+    `NO_EXPERTS` takes its top-k), gated by their probabilities."""
     probs_ne = jax.nn.softmax(logits_ne, axis=-1)
-    if given_nk is None:
-        gates_nk, ids_nk = jax.lax.top_k(probs_ne, cfg.num_experts_per_tok)
-    else:
-        ids_nk = given_nk
+    gates_nk, ids_nk = jax.lax.top_k(probs_ne, cfg.num_experts_per_tok)
+    if given_nk is not None:
+        given = given_nk.astype(jnp.int32)
+        ids_nk = jnp.where(given[:, :1] == NO_EXPERTS, ids_nk, given)
+        # a top-k token's gates are its top-k probabilities again, gathered
         gates_nk = jnp.take_along_axis(probs_ne, ids_nk, axis=-1)
     if cfg.norm_topk_prob:
         gates_nk = gates_nk / gates_nk.sum(-1, keepdims=True)
@@ -130,14 +145,14 @@ def load_balancing_loss(cfg: ModelConfig, logits_sbte: jax.Array, mask_bt: jax.A
 
 
 def check_expert_ids(cfg: ModelConfig, ids: jax.Array, B: int, T: int) -> None:
-    """``ids`` must be [sparse layers, B, T, k] (a `ValueError` naming the shapes)."""
+    """``ids`` must be [sparse layers, B, T, k] of ints (a `ValueError` naming the shapes)."""
     want = (sum(cfg.moe_layers), B, T, cfg.num_experts_per_tok)
     if cfg.num_experts == 0 or not want[0]:
         raise ValueError(f"expert_ids given to a {cfg.family} model without sparse layers")
-    if tuple(ids.shape) != want:
+    if tuple(ids.shape) != want or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(
-            f"expert_ids of shape {tuple(ids.shape)}: expected (sparse layers, B, T, "
-            f"num_experts_per_tok) = {want}"
+            f"expert_ids of shape {tuple(ids.shape)} ({ids.dtype}): expected ints of (sparse "
+            f"layers, B, T, num_experts_per_tok) = {want}"
         )
 
 

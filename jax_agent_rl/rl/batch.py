@@ -11,7 +11,10 @@ own (`step_batch`), so a mini-batch is the same set of sequences however rows fa
 Everything per token is stored at the position that *predicts* it: ``targets[t] =
 tokens[t + 1]`` within a sequence, and ``mask[t]`` is 1 when that target is a model-sampled
 token (the trajectory's loss mask), so the logits at ``t`` score ``targets[t]`` with no
-further shifting anywhere. Nothing is re-tokenized.
+further shifting anywhere. Nothing is re-tokenized. So are a MoE policy's sampled experts
+(`Trajectory.expert_ids`): ``expert_ids[t]`` are those of the position ``t`` the sampler
+computed ``targets[t]`` from, -1 (`NO_EXPERTS`: the learner routes itself) where the target
+was not sampled (prompt, tool and padding positions).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.models.decoder import ATTN_BLOCK
+from jax_agent_rl.models.moe import NO_EXPERTS
 
 Array = Any  # np.ndarray on the host, jax.Array on the devices
 
@@ -45,6 +49,9 @@ class TrainBatch:
     rollout_logp: Array  # float32, the sampler's logprob of each target
     # no sequence is longer (static: attention reads this many keys back at most)
     window: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # [R, T, sparse layers, k] ints: the sampler's experts for each target (routing replay),
+    # NO_EXPERTS where it sampled none; None when no trajectory carries any (a dense policy)
+    expert_ids: Array = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,6 +92,7 @@ def per_turn_samples(traj: Trajectory) -> list[Trajectory]:
                 loss_mask=traj.loss_mask[a:b],
                 rollout_logprobs=traj.rollout_logprobs[a:b],
                 token_versions=traj.token_versions[a:b],
+                expert_ids=None if traj.expert_ids is None else traj.expert_ids[a:b],
             )
         )
     return samples or [traj]
@@ -191,6 +199,7 @@ def make_batch(
     targets = np.zeros((B, T), np.int32)
     mask = np.zeros((B, T), np.float32)
     rollout_logp = np.zeros((B, T), np.float32)
+    experts = batch_expert_ids(trajectories, B, T)
     for b, row in enumerate(layout):
         at = 0
         for segment, i in enumerate(row, 1):
@@ -206,12 +215,43 @@ def make_batch(
             # response token i sits at sequence position P + i and is predicted from P + i - 1
             mask[b, at + P - 1 : at + n - 1] = traj.loss_mask
             rollout_logp[b, at + P - 1 : at + n - 1] = traj.rollout_logprobs
+            if experts is not None and traj.expert_ids is not None:
+                experts[b, at + P - 1 : at + n - 1] = traj.expert_ids
             at += n
     if window is None:
         window = padded_length(longest_sequence(trajectories), ATTN_BLOCK)
     return TrainBatch(
-        tokens, positions, segment_ids, sequence, targets, mask, rollout_logp, min(window, T)
+        tokens,
+        positions,
+        segment_ids,
+        sequence,
+        targets,
+        mask,
+        rollout_logp,
+        min(window, T),
+        experts,
     )
+
+
+def batch_expert_ids(trajectories: Sequence[Trajectory], B: int, T: int) -> np.ndarray | None:
+    """[B, T, sparse layers, k] of `NO_EXPERTS`, the dtype and sizes of the trajectories'
+    expert ids, or None if none carries any. Raises ValueError naming a trajectory whose ids
+    are not one row per response token of the same sparse layers and k as the others'."""
+    carrying = [t for t in trajectories if t.expert_ids is not None]
+    if not carrying:
+        return None
+    first = carrying[0].expert_ids
+    assert first is not None
+    for traj in carrying:
+        ids = traj.expert_ids
+        assert ids is not None
+        want = (len(traj.response_ids), *first.shape[1:])
+        if ids.ndim != 3 or ids.shape != want or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"trajectory {traj.uid!r}: expert_ids of shape {ids.shape} ({ids.dtype}); "
+                f"expected ints of (response tokens, sparse layers, k) = {want}"
+            )
+    return np.full((B, T, *first.shape[1:]), NO_EXPERTS, first.dtype)
 
 
 def mini_batch_layouts(

@@ -31,6 +31,7 @@ from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
 from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
 from jax_agent_rl.rl.objectives import (
     Critic,
@@ -70,6 +71,31 @@ def gap_by_staleness(
                 seq_gap[chosen].sum() / seq_tokens[chosen].sum()
             )
     return out
+
+
+def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
+    """Raises ValueError unless the sampled experts a batch carries (`TrainBatch.expert_ids`)
+    are ints of the model's sparse layers and experts per token, ids within its experts."""
+    ids = batch.expert_ids
+    if ids is None:
+        return
+    want = (sum(model.moe_layers), model.num_experts_per_tok)
+    if not want[0]:
+        raise ValueError(
+            f"the trajectories carry expert_ids (per token {tuple(ids.shape[2:])}), but the "
+            f"{model.family} policy has no sparse layers"
+        )
+    if ids.ndim != 4 or tuple(ids.shape[2:]) != want or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"the trajectories' expert_ids hold {tuple(ids.shape[2:])} ({ids.dtype}) per "
+            f"token; the policy has (sparse layers, num_experts_per_tok) = {want}"
+        )
+    bad = ids[(ids != NO_EXPERTS) & ((ids < 0) | (ids >= model.num_experts))]
+    if bad.size:
+        raise ValueError(
+            f"the trajectories' expert_ids hold expert {int(bad[0])}; the policy's experts "
+            f"are 0 .. {model.num_experts - 1} (-1: none sampled)"
+        )
 
 
 def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
@@ -365,6 +391,7 @@ class Learner:
         own values (the entropy of the distribution the logprob is taken under, computed with
         it, only when tokens are traced), gathered on the device, so that tracing a few
         trajectories adds three gathers and a small copy."""
+        check_batch_experts(self.model, batch)
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
                 f"{len(staleness)} staleness values for {len(sequences.rewards)} sequences"
@@ -395,6 +422,8 @@ class Learner:
             jax.block_until_ready(self.state)
         if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
+            for key in ("routing/logprob_gap_replayed", "routing/logprob_gap_own"):
+                out.pop(key, None)
         elif staleness is not None and jax.process_count() == 1:
             seq_gap, seq_tokens = (np.asarray(x) for x in seq)
             out.update(gap_by_staleness(seq_gap, seq_tokens, np.asarray(staleness)))

@@ -6,6 +6,13 @@ Logprobs are recomputed with `sampling_logprobs`, the function the engine sample
 the rollout's temperature / top-k / top-p, so learner and sampler logprobs compare token for
 token (`token_stats`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
 of the vocabulary at a time (the [B, T, V] logits are never made).
+
+Routing replay (a MoE policy, ``algorithm.routing_replay``): the forward of a batch that
+carries the sampler's experts (`TrainBatch.expert_ids`) uses them at every position the
+sampler computed a sampled token from, with the router's fresh gates for those experts (the
+R3 rule, `models.moe.route`); the other positions (prompt and tool tokens: no experts were
+kept for them) route themselves. `own_routing_stats` is the forward without replay, for the
+metrics that compare the two routings.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import jax.numpy as jnp
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
-from jax_agent_rl.models.moe import load_balancing_loss
+from jax_agent_rl.models.moe import NO_EXPERTS, load_balancing_loss
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 
@@ -69,33 +76,82 @@ class StepSpec:
     norm_const: float | None = None
 
     def hidden(
-        self, weights: Weights, mb: TrainBatch, router_aux: bool = False
+        self,
+        weights: Weights,
+        mb: TrainBatch,
+        replay: bool | None = None,
+        router_aux: bool = False,
     ) -> tuple[jax.Array, Weights, jax.Array]:
         """Final hidden states [B, T, D], the weights cast to the compute dtype, and with
         ``router_aux`` the router's load-balancing loss over the rows' real tokens (every
-        token of a segment, prompt and tool tokens too: HF's ``attention_mask``), else 0."""
-        w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
+        token of a segment, prompt and tool tokens too: HF's ``attention_mask``), else 0.
+        ``replay`` (None: ``algorithm.routing_replay``): the batch's sampled experts, if it
+        carries any, are replayed (see the module docstring)."""
+        replay = self.algo.routing_replay if replay is None else replay
+        given = sampled_experts(mb) if replay else None
+        w = self.cast(weights)
         args = (w, self.model, mb.tokens, mb.positions, mb.segment_ids, self.sharder, self.remat)
+        window = mb.window or None
         if not router_aux:
-            return forward(*args, window=mb.window or None), w, jnp.zeros((), jnp.float32)
-        h, logits = forward(*args, window=mb.window or None, return_router_logits=True)
+            h = forward(*args, window=window, expert_ids=given)
+            return h, w, jnp.zeros((), jnp.float32)
+        h, logits = forward(*args, window=window, expert_ids=given, return_router_logits=True)
         return h, w, load_balancing_loss(self.model, logits, mb.segment_ids > 0)
 
+    def cast(self, weights: Weights) -> Weights:
+        return cast_floats(
+            weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16
+        )
 
-def token_stats(spec: StepSpec, params: Weights, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logprob of each target under the rollout's sampling distribution, and its entropy."""
-    h, w, _ = spec.hidden(params, mb)
+
+def sampled_experts(mb: TrainBatch) -> jax.Array | None:
+    """The sampler's experts [sparse layers, B, T, k] of a batch that carries them, as
+    `forward` takes them (-1 where none was sampled), else None."""
+    return None if mb.expert_ids is None else jnp.moveaxis(mb.expert_ids, 2, 0)
+
+
+def token_stats(
+    spec: StepSpec, params: Weights, mb: TrainBatch, replay: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Logprob of each target under the rollout's sampling distribution, and its entropy
+    (``replay``: `StepSpec.hidden`'s).
+
+    Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
+    vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
+    """
+    h, w, _ = spec.hidden(params, mb, replay)
     return head_stats(spec, h, w, mb)
+
+
+def own_routing_stats(
+    spec: StepSpec, params: Weights, mb: TrainBatch
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_stats` of a batch carrying sampled experts with the policy routing every token
+    itself, and [B, T] 1.0 where its experts (as sets, in any sparse layer) differ from the
+    sampler's (0 where the sampler kept none)."""
+    given = sampled_experts(mb)
+    assert given is not None, "own_routing_stats of a batch without sampled experts"
+    w = spec.cast(params)
+    h, own = forward(
+        w,
+        spec.model,
+        mb.tokens,
+        mb.positions,
+        mb.segment_ids,
+        spec.sharder,
+        spec.remat,
+        window=mb.window or None,
+        return_expert_ids=True,
+    )
+    sampled = given[0, ..., 0] != NO_EXPERTS
+    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=(0, -1))
+    return (*head_stats(spec, h, w, mb), (differs & sampled).astype(jnp.float32))
 
 
 def head_stats(
     spec: StepSpec, h: jax.Array, w: Weights, mb: TrainBatch
 ) -> tuple[jax.Array, jax.Array]:
-    """`token_stats` from the final hidden states ``h`` and the cast weights ``w``.
-
-    Without top-k / top-p (the usual case) `head_logprobs` computes both a chunk of the
-    vocabulary at a time; with them the vocabulary is sorted, so all the logits are made.
-    """
+    """`token_stats` from the final hidden states ``h`` [B, T, D] and the cast weights ``w``."""
     s = spec.sampling
     B, T, D = h.shape
     if s.top_k <= 0 and s.top_p >= 1.0:
@@ -114,8 +170,9 @@ def head_stats(
 
 
 def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
-    """V(prefix up to and including token t), aligned with targets: [B, T] float32."""
-    h, _, _ = spec.hidden(critic.body, mb)
+    """V(prefix up to and including token t), aligned with targets: [B, T] float32 (the
+    critic routes every token itself: replay is the policy's)."""
+    h, _, _ = spec.hidden(critic.body, mb, replay=False)
     return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
 
 

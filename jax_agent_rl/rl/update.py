@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_agent_rl.config import OptimSection
+from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import (
@@ -30,6 +31,7 @@ from jax_agent_rl.rl.objectives import (
     Objective,
     StepSpec,
     critic_values,
+    own_routing_stats,
     policy_objective,
     token_stats,
     value_objective,
@@ -198,11 +200,49 @@ def _map_real(
     return jax.lax.fori_loop(0, count, one, (zeros,) * n)
 
 
-def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
+def _policy_stats(
+    spec: StepSpec, policy: Any, batch: RLBatch, kept: int
+) -> tuple[tuple[jax.Array, ...], Metrics]:
+    """The policy's logprob (and with ``kept`` 2 its entropy) of each target, [M, b, T] each,
+    routed as ``algorithm.routing_replay`` says; for a batch carrying sampled experts, also
+    the routing metrics (`routing_metrics`), from a second forward under the other routing."""
+    if batch.rows.expert_ids is None:
+        return _map_real(spec, lambda mb: token_stats(spec, policy, mb)[:kept], batch, kept), {}
+
+    def both(mb: TrainBatch) -> tuple[jax.Array, ...]:
+        replayed = token_stats(spec, policy, mb, replay=True)
+        *own, differs = own_routing_stats(spec, policy, mb)
+        chosen = replayed if spec.algo.routing_replay else own
+        return (*chosen[:kept], replayed[0], own[0], differs)
+
+    *stats, replayed, own, differs = _map_real(spec, both, batch, kept + 3)
+    return tuple(stats), routing_metrics(batch.rows, replayed, own, differs)
+
+
+def routing_metrics(
+    rows: TrainBatch, replayed: jax.Array, own: jax.Array, differs: jax.Array
+) -> Metrics:
+    """Over the sampled tokens whose experts the sampler kept: the share whose experts the
+    policy's own routing changes in some sparse layer (``routing/differs``), and the mean
+    |sampler - learner| logprob gap with the sampler's experts replayed and with the policy's
+    own routing (``routing/logprob_gap_replayed``, ``routing/logprob_gap_own``)."""
+    assert rows.expert_ids is not None
+    tokens = rows.mask * (rows.expert_ids[..., 0, 0] != NO_EXPERTS)
+    return {
+        "routing/differs": core.masked_mean(differs, tokens),
+        "routing/logprob_gap_replayed": core.masked_mean(
+            jnp.abs(replayed - rows.rollout_logp), tokens
+        ),
+        "routing/logprob_gap_own": core.masked_mean(jnp.abs(own - rows.rollout_logp), tokens),
+    }
+
+
+def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> tuple[Derived, Metrics]:
     """The update's inputs, computed on the device: old-policy and reference logprobs (0 off
     the sampled tokens), and advantages: GRPO's group-normalised outcome of each sequence on
     its sampled tokens, or GAE over the critic's values with the outcome on each sequence's
-    last sampled token (whitened over the batch; returns and old values kept)."""
+    last sampled token (whitened over the batch; returns and old values kept). Also the
+    routing metrics of a batch carrying sampled experts (`routing_metrics`)."""
     rows, a = batch.rows, spec.algo
     mask = rows.mask
     M, b, T = mask.shape
@@ -210,10 +250,8 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
     sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
     policy = state.policy.params
     kept = 2 if batch.trace_index is not None else 1  # entropy only for the traced tokens
-    old, *entropy = (
-        jnp.where(sampled, x, 0.0)
-        for x in _map_real(spec, lambda mb: token_stats(spec, policy, mb)[:kept], batch, kept)
-    )
+    stats, routing = _policy_stats(spec, policy, batch, kept)
+    old, *entropy = (jnp.where(sampled, x, 0.0) for x in stats)
     reference = state.reference
     ref = (
         jnp.zeros_like(old)
@@ -230,7 +268,7 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
             batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
         )
         zeros = jnp.zeros_like(old)
-        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros, ent)
+        return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros, ent), routing
     assert state.critic is not None, "GAE needs a critic"
     critic = state.critic.params
     values = _map_real(spec, lambda mb: (critic_values(spec, critic, mb),), batch)[0] * mask
@@ -240,7 +278,8 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> Derived:
         token_rewards, flat(values), flat(mask), a.gamma, a.lam, flat(rows.segment_ids)
     )
     adv = core.masked_whiten(adv, flat(mask)) * flat(mask)
-    return Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T), ent)
+    derived = Derived(old, ref, adv.reshape(M, b, T), values, returns.reshape(M, b, T), ent)
+    return derived, routing
 
 
 def mini_batch_denominators(
@@ -269,7 +308,7 @@ def rl_update(
     on each mini-batch: its real micro-batches), on the device. Metrics: the mean over the
     updates, and the sampler-vs-learner logprob gap before the first."""
     a = spec.algo
-    dv = prepare(spec, state, batch)
+    dv, routing = prepare(spec, state, batch)
     rows = batch.rows
     if not spec.sampling.rollout_logprobs:  # the sampler gave none: the learner's stand in
         rows = dataclasses.replace(rows, rollout_logp=dv.old_logp)
@@ -299,6 +338,7 @@ def rl_update(
     metrics["logprob_gap/mean"] = core.masked_mean(gap, rows.mask)
     metrics["logprob_gap/max"] = jnp.max(jnp.where(rows.mask > 0, gap, 0.0))
     metrics["batch/sampled_tokens"] = jnp.sum(rows.mask)
+    metrics.update(routing)
     # per sequence [S] (not scalars: `Learner.train_step` groups them by staleness)
     metrics[SEQ_GAP] = jax.ops.segment_sum(
         (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S

@@ -22,7 +22,8 @@ Weight updates drain (the `WeightGate` every backend shares): new requests wait,
 flight finish under the weights they started with, then the new weights (same shapes: no
 recompilation) take the old ones' place (dropped first), the session cache is dropped too
 (the old weights' keys/values), and admission resumes. Every result is stamped with the
-single weight version it was sampled under.
+single weight version it was sampled under. A mixture-of-experts model's results carry
+each sampled token's experts (`GenerateResult.expert_ids`).
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
@@ -89,6 +90,7 @@ class EmbeddedBackend:
             prefix_cache=True,
             weight_update="in_place",
             max_model_len=engine.max_len,
+            expert_ids=any(engine.cfg.moe_layers),
         )
         self.stats = BackendStats()
         self._params = engine.load_params(params)
@@ -372,8 +374,8 @@ class EmbeddedBackend:
         token, logprob, finish = (
             x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
         )
-        job.tokens.append(int(token))
-        job.logprobs.append(float(logprob))
+        experts = None if prefix.experts is None else jax.device_get(prefix.experts)[0]
+        job.add(int(token), float(logprob), experts)
         job.pos = len(seq)
         if int(finish) != RUNNING or self._stop_string(job, 1):
             self._retire(job, "length" if int(finish) not in (RUNNING, STOPPED) else "stop")
@@ -432,8 +434,8 @@ class EmbeddedBackend:
             for t in range(self._steps_per_call):
                 if not out.valid[t, slot] or code != RUNNING:
                     break
-                job.tokens.append(int(out.token[t, slot]))
-                job.logprobs.append(float(out.logprob[t, slot]))
+                experts = None if out.experts is None else out.experts[t, slot]
+                job.add(int(out.token[t, slot]), float(out.logprob[t, slot]), experts)
                 job.pos += 1
                 code = int(out.finish[t, slot])
             if self._stop_string(job, len(job.tokens) - before):
@@ -454,8 +456,7 @@ class EmbeddedBackend:
         end = stop_string_end(self._detokenize, job.tokens, stops, new)
         if end is None:
             return False
-        job.pos -= len(job.tokens) - end
-        del job.tokens[end:], job.logprobs[end:]
+        job.cut(end)
         return True
 
     def _retire(self, job: Job, reason: FinishReason) -> None:
@@ -476,13 +477,7 @@ class EmbeddedBackend:
     def _finish(self, job: Job, reason: FinishReason) -> None:
         self.stats.generated_tokens += len(job.tokens)
         self.stats.aborted += reason == "abort"
-        want_logprobs = job.request.sampling.logprobs
-        result = GenerateResult(
-            token_ids=tuple(job.tokens),
-            logprobs=tuple(job.logprobs) if want_logprobs else None,
-            finish_reason=reason,
-            weight_version=job.version if job.tokens else self._gate.version,
-        )
+        result = job.result(reason, job.version if job.tokens else self._gate.version)
         resolve_from_thread(job.future, job.loop, result)
 
     def _shutdown(self) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
+
 from jax_agent_rl.models import Weights
-from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult
+from jax_agent_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
 
 
 @dataclasses.dataclass
@@ -19,12 +21,36 @@ class Job:
     seed: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    # a MoE model's: the experts [sparse layers, k] of each sampled token (routing replay)
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)
     pos: int = 0  # positions its pages hold (host mirror of the state's pos)
     version: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # its page table
     slot: int = -1  # where it decodes (its pages are on that slot's shard)
     done: int = 0  # tokens of its sequence prefilled so far
     admitted: int = -1  # admission order (kept through a preemption)
+
+    def add(self, token: int, logprob: float, experts: np.ndarray | None) -> None:
+        """A sampled token, its logprob and (a MoE model's) experts."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if experts is not None:
+            self.experts.append(experts)
+
+    def cut(self, end: int) -> None:
+        """Keeps the first ``end`` sampled tokens (a stop string ends at the last of them)."""
+        self.pos -= len(self.tokens) - end
+        del self.tokens[end:], self.logprobs[end:], self.experts[end:]
+
+    def result(self, reason: FinishReason, version: int) -> GenerateResult:
+        """What it sampled (the logprobs if asked for), under weight ``version``."""
+        return GenerateResult(
+            token_ids=tuple(self.tokens),
+            logprobs=tuple(self.logprobs) if self.request.sampling.logprobs else None,
+            finish_reason=reason,
+            weight_version=version,
+            expert_ids=np.stack(self.experts) if self.experts else None,
+        )
 
 
 @dataclasses.dataclass

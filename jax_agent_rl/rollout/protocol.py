@@ -1,6 +1,7 @@
 """The rollout protocol: the one seam between the agent loop and every inference backend.
 
-Token ids in; token ids, their logprobs and a finish reason out. Logprobs are those of each
+Token ids in; token ids, their logprobs (and a mixture-of-experts model's experts) and a
+finish reason out. Logprobs are those of each
 sampled token under the distribution it was actually sampled from: logits / temperature, then
 top-k, then top-p, renormalised. Greedy requests (temperature 0) report logprobs under the
 same top-k/top-p filtering at temperature 1. The learner recomputes logprobs the same way, so
@@ -17,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
 
 from jax_agent_rl.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -73,12 +76,17 @@ def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: i
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
-    """What was sampled. ``logprobs`` is ``None`` when the request did not ask for them."""
+    """What was sampled. ``logprobs`` is ``None`` when the request did not ask for them.
+    ``expert_ids`` (routing replay): a mixture-of-experts model's experts, [len(token_ids),
+    sparse layers, k] ints (`models.moe.expert_id_dtype`), row i those of the position token i
+    was sampled from (aligned as its logprob is); None from a dense model or a backend that
+    does not report them (`Capabilities.expert_ids`)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
     finish_reason: FinishReason
     weight_version: int
+    expert_ids: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,8 @@ class Capabilities:
     prefix_cache: bool  # turn N+1 of a session does not re-prefill turns 1..N
     weight_update: WeightUpdate
     max_model_len: int  # prompt + generated tokens of one request
+    # a mixture-of-experts model's sampled tokens come with their experts (routing replay)
+    expert_ids: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

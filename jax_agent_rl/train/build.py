@@ -412,6 +412,15 @@ async def serve_policy(
                 f"rollout.backend={cfg.rollout.backend} samples as its server was set "
                 f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
             )
+        if any(model.moe_layers) and cfg.algorithm.routing_replay:
+            replayed = backend.capabilities.expert_ids
+            console.print(
+                f"algorithm.routing_replay: the learner replays the experts {cfg.rollout.backend} "
+                "sampled with"
+                if replayed
+                else f"algorithm.routing_replay: rollout.backend={cfg.rollout.backend} reports "
+                "no experts: the learner routes every token itself"
+            )
         judge_backend: RolloutBackend | None = None
         try:
             ctx = await AgentContext.create(

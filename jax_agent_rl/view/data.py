@@ -2,11 +2,12 @@
 
 Each trace record (`jax_agent_rl.train.traces`) becomes a trajectory of tokens, each token
 ``[text, role, rollout logprob, learner logprob, advantage, weight version, learner
-entropy]``: role ``s``
+entropy, experts]``: role ``s``
 (sampled, mask 1), ``t`` (a tool's output: inside a tool message's text) or ``p`` (template
 or prompt scaffolding given to the model). Text goes through `visible` (escape sequences
 shown, never obeyed); a non-finite number becomes the string ``"NaN"``, ``"Infinity"`` or
 ``"-Infinity"`` (JSON has no such numbers; the page reads them back with ``Number``).
+``experts``: a MoE policy's sampled token's experts (`expert_text`), else ``""``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def roles(pieces: Sequence[str], mask: Sequence[int], messages: Sequence[dict[st
     return "".join(out)
 
 
+def expert_text(experts: Sequence[Sequence[int]] | None) -> str:
+    """A token's experts as the page shows them, one group per sparse layer (``"3 5 | 0 7"``);
+    ``""`` for none (a dense policy's token, or one the model did not sample)."""
+    if not experts or any(i < 0 for layer in experts for i in layer):
+        return ""
+    return " | ".join(" ".join(str(int(i)) for i in layer) for layer in experts)
+
+
 def message_blocks(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """The conversation as blocks: role, text and, for an assistant turn, its tool calls."""
     blocks = []
@@ -93,6 +102,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
     advantages = record.get("advantages") or [None] * n
     entropy = record.get("learner_entropy") or [None] * n
     versions = record.get("token_versions") or [-1] * n
+    experts = record.get("expert_ids") or [None] * n
     kinds = roles(pieces, mask, record["messages"])
     tokens = [
         [
@@ -103,6 +113,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
             finite(advantages[i]),
             versions[i],
             finite(entropy[i]),
+            expert_text(experts[i]),
         ]
         for i in range(n)
     ]

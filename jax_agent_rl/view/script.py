@@ -32,7 +32,7 @@ function go(changes) {
 }
 
 // a token's colour and hover text under a mode;
-// tok = [text, role, lp, learner lp, adv, version, learner entropy]
+// tok = [text, role, lp, learner lp, adv, version, learner entropy, experts]
 function colour(tok, mode, step, scale) {
   const [, role, lpRaw, llpRaw, advRaw, version, entRaw] = tok;
   const lp = num(lpRaw), llp = num(llpRaw), adv = num(advRaw), ent = num(entRaw);
@@ -92,7 +92,7 @@ function tokensView(t, mode) {
     const span = el("span", tok[0], "tok " + tok[1]);
     const [bg, hover] = colour(tok, mode, t.step, scale);
     if (bg) span.style.background = bg;
-    span.title = hover;
+    span.title = tok[7] ? hover + "; experts " + tok[7] : hover;
     turn.appendChild(span);
     prev = tok[1];
   }

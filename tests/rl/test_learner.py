@@ -430,7 +430,7 @@ def first_update(
     )
 
     def grads(state: LearnerState, rb: RLBatch) -> tuple[object, object]:
-        dv = prepare(spec, state, rb)
+        dv, _ = prepare(spec, state, rb)
         d = mini_batch_denominators(spec, rb.rows, rb.minis, 0)
         out = [
             accumulated_grads(policy_objective, spec, state.policy.params, rb.rows, dv, d, 0, real)
