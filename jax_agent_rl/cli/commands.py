@@ -93,10 +93,21 @@ def _train(args: argparse.Namespace) -> int:
             print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0
+    return _run_training(cfg, group.multi)
+
+
+def _run_training(cfg: JarlConfig, multi: bool) -> int:
+    """`train` in this process: one of a multi-process run stops every process (each saying
+    why); a single one refuses a checkpoint it cannot resume from in one line."""
+    from jax_agent_rl import distributed
+    from jax_agent_rl.models.checkpoint import CheckpointError
     from jax_agent_rl.train import train
 
-    if not group.multi:
-        run_dir = train(cfg, Console())
+    if not multi:
+        try:
+            run_dir = train(cfg, Console())
+        except CheckpointError as e:  # the run's own checkpoint, cut short: one line names it
+            return _refuse([str(e)])
     else:
         try:
             run_dir = train(cfg)

@@ -91,6 +91,16 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_pat
         assert whole_m[step]["response_len/mean"] == killed_m[step]["response_len/mean"]
     assert any(whole_m[s]["grad_norm"] > 0 for s in (1, 2, 3))  # the updates did something
 
+    # 4) the last checkpoint damaged afterwards (a copy cut short): resuming from it is one
+    # line naming its step and folder, not orbax's traceback
+    meta = whole / "checkpoints" / "3" / "meta" / "metadata"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    more = [*_command(task, whole), "trainer.steps=4"]
+    done = subprocess.run(more, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"checkpoint of step 3 ({whole / 'checkpoints' / '3'})" in done.stderr.splitlines()[-1]
+
 
 def test_dynamic_sampling_trains_only_groups_with_a_reward_signal(
     task: TaskFiles, tmp_path: Path
