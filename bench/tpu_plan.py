@@ -63,6 +63,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         ],
     ),
     "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
+    "30b-a3b-v5p": ("qwen3-30b-a3b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
 }
 KEYS = ("name", "compiled", "compile_s", "hbm_per_chip_gib", "flops_per_device", "pallas_kernels")
 
