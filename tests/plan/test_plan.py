@@ -207,10 +207,11 @@ def test_the_other_meshes_are_those_the_config_checks_accept() -> None:
 def test_the_qwen3_moe_preset_and_its_run_in_the_tpu_plan_bench() -> None:
     """The Qwen3-30B-A3B preset counts the parameters its model card states (30.5B, 29.9B
     without the embedding and the head, 3.3B activated: one decimal, truncated), and the bench's
-    run of it (bench/tpu_plan.py, which compiles it for v5p:2x2x4 in about an hour on a loaded
-    2-core host: docs/tpu.md) covers the slice's chips, splits its 128 experts over fsdp, and
-    fits by the memory plan; on the 8 chips of a v5p:2x2x2 it does not, even without the KL
-    reference."""
+    run of it (bench/tpu_plan.py; compiling it took 55 minutes on a loaded 2-core host:
+    docs/tpu.md) covers the slice's 16 chips and splits the 128 experts over fsdp. On the 8
+    chips of a v5p:2x2x2 even the memory plan, which counts less than the compiled run (65.6
+    against 98.4 GiB per chip on the bench's slice: the MoE update's temporaries), is over
+    the HBM without the KL reference."""
     from jax_agent_rl.plan import preset_model
 
     spec = importlib.util.spec_from_file_location("bench_tpu_plan", ROOT / "bench" / "tpu_plan.py")
@@ -229,7 +230,6 @@ def test_the_qwen3_moe_preset_and_its_run_in_the_tpu_plan_bench() -> None:
     slice_ = parse_topology(topology)
     assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor == slice_.chips == 16
     assert model.num_experts % cfg.mesh.fsdp == 0
-    assert plan_memory(cfg, model).peak_bytes < slice_.chip.hbm_bytes
     smaller = ["mesh.fsdp=2", "mesh.tensor=4", "algorithm.kl_coef=0"]
     assert plan_memory(load_config(GSM8K, smaller, unread=unread), model).peak_bytes > (
         parse_topology("v5p:2x2x2").chip.hbm_bytes
