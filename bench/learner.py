@@ -39,22 +39,36 @@ compiling in it (measured by JAX's compile events). Useful tokens/s = real (unpa
 the batch / median step time; ``real_token_frac`` = real tokens / positions the packed step
 computes.
 
+Mixture of experts (``--model tiny-moe`` or ``small-moe``: `jarl checkpoint make`'s Qwen3-MoE
+presets, `jax_agent_rl.demo.PRESETS`, with their vocabularies): the same variants on that
+model, torch's being transformers' Qwen3MoeForCausalLM (its default experts implementation,
+named in the JSON line), and ``dense_jax_packed_fp32`` / ``_bf16``: the JAX step on the
+MoE's dense twin (`jax_agent_rl.models.hf_local.dense_twin`: a Qwen3 of the same attention,
+embeddings and head whose MLP width makes its active parameters the MoE's, to within the
+rounding of the width), on the same trajectories. ``moe_over_dense_*`` is JAX MoE / JAX
+dense tokens/s (1.0: the experts cost what a dense MLP of their active size does);
+``ratio_vs_torch`` is, as for the dense model, the best JAX over the best torch, here both
+on the MoE, with ``ratio_vs_torch_fp32`` / ``_bf16`` per dtype.
+
 FLOPs per trained token, for MFU (forward + backward = 3x the forward, plus the old-logprob
 forward: 4x)::
 
     8 * N_matmul + 8 * L * S * H * K
     N_matmul = L * (D * K * (2 H + 2 KV) + 3 * D * F) + V * D   (layer weights + the tied head)
 
+(a sparse layer's 3 * D * F is its router's D * E and its k experts' 3 * D * M each:
+`ModelConfig.matmul_params_per_token`.)
+
 S the mean number of keys a token attends to in its sequence. MFU = useful tokens/s * FLOPs
 per token / the matmul peak of the variant's dtype, measured in the same run as the best of
 torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
 
     .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
-        [--sequences N] [--row-tokens N] [--smoke]
+        [--sequences N] [--row-tokens N] [--model tiny-moe|small-moe] [--smoke]
 
-``--smoke``: the smallest run that goes through every variant (`TINY_QWEN2`, 2 uniform
-sequences of 64 tokens or 4 long-tail ones capped at 256, rows of 256, one timed step,
-256^3 matmuls): it checks the bench works, its figures mean nothing.
+``--smoke``: the smallest run that goes through every variant (`TINY_QWEN2`, or the
+``--model`` given, 2 uniform sequences of 64 tokens or 4 long-tail ones capped at 256, rows
+of 256, one timed step, 256^3 matmuls): it checks the bench works, its figures mean nothing.
 
 Ends with one JSON line. Timings are noisy on a shared 2-core machine: compare figures from
 the same run only.
@@ -164,10 +178,9 @@ def attended_keys(w: Workload) -> float:
 
 
 def flops_per_token(cfg: Any, keys: float) -> float:
-    D, F, K, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
-    H, KV, V = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
-    n_matmul = L * (D * K * (2 * H + 2 * KV) + 3 * D * F) + V * D
-    return 8 * n_matmul + 8 * L * keys * H * K
+    return 8 * cfg.matmul_params_per_token + 8 * cfg.num_layers * keys * cfg.num_heads * (
+        cfg.head_dim
+    )
 
 
 def step_seconds(step: Callable[[], object], warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -211,6 +224,23 @@ def jax_peak(dtype: Any, n: int = MATMUL_N, repeats: int = 5) -> float:
         mm(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def matmul_peaks(n: int) -> dict[str, dict[str, float]]:
+    """dtype -> framework -> FLOP/s of an ``n``^3 matmul (logged)."""
+    import jax.numpy as jnp
+    import torch
+
+    peaks = {
+        d: {"torch": torch_peak(t, n), "jax": jax_peak(j, n)}
+        for d, t, j in (
+            ("fp32", torch.float32, jnp.float32),
+            ("bf16", torch.bfloat16, jnp.bfloat16),
+        )
+    }
+    for d, p in peaks.items():
+        log(f"matmul peak {d}: torch {p['torch'] / 1e9:.1f}, jax {p['jax'] / 1e9:.1f} GFLOP/s")
+    return peaks
 
 
 # -------------------------------------------------------------------------------- torch
@@ -271,17 +301,23 @@ def torch_micro_batches(w: Workload, layout: str, row_tokens: int) -> list[dict[
     return out
 
 
+def torch_model(ckpt: Path) -> Any:
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+
+
 def torch_train(
     ckpt: Path, w: Workload, layout: str, row_tokens: int, bf16: bool, steps: int
 ) -> tuple[float, list[float], float, int]:
     """First and timed step times, the first step's loss (and 0 compilations) of the PyTorch
     implementation: one warm-up step (nothing to compile)."""
+    model = torch_model(ckpt)
     import contextlib
 
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=True
@@ -391,6 +427,45 @@ def jax_train(
 # -------------------------------------------------------------------------------- main
 
 
+def bench_model(name: str | None, smoke: bool) -> tuple[str, dict[str, Any]]:
+    """The model's name in the JSON line and its HF fields: the dense Qwen2 (tiny for
+    ``smoke``) or the MoE preset ``name``."""
+    from jax_agent_rl.demo import PRESETS
+    from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2
+
+    if name is None:
+        return ("tiny_qwen2", TINY_QWEN2) if smoke else ("small_qwen2", SMALL_QWEN2)
+    fields, vocab = PRESETS[name]
+    return name, {**fields, "vocab_size": vocab}
+
+
+def dense_twin_of(
+    moe: dict[str, Any], ckpt: Path, w: Workload, out: Path
+) -> tuple[Path, float, dict[str, Any]]:
+    """The dense twin of the MoE of HF fields ``moe`` (checkpoint ``ckpt``) written to
+    ``out``, its FLOPs per token on ``w``, and the figures of both models for the JSON line."""
+    from jax_agent_rl.models import load_hf
+    from jax_agent_rl.models.hf_local import dense_twin, write_hf_checkpoint
+
+    cfg = load_hf(ckpt)[0]
+    twin = write_hf_checkpoint(out, dense_twin(moe))
+    twin_cfg = load_hf(twin)[0]
+    fpt = flops_per_token(twin_cfg, attended_keys(w))
+    return (
+        twin,
+        fpt,
+        {
+            "active_params": cfg.active_params,
+            "experts": f"{cfg.num_experts} of width {cfg.moe_intermediate_size}, "
+            f"{cfg.num_experts_per_tok} per token",
+            "torch_experts_implementation": torch_model(ckpt).config._experts_implementation,
+            "dense_intermediate_size": twin_cfg.intermediate_size,
+            "dense_params": twin_cfg.num_params,
+            "dense_flops_per_token": round(fpt),
+        },
+    )
+
+
 def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -399,6 +474,12 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (3; long_tail 1)")
     parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 32")
     parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
+    parser.add_argument(
+        "--model",
+        choices=("tiny-moe", "small-moe"),
+        default=None,
+        help="a Qwen3-MoE preset, timed beside its dense twin (default: the dense small model)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
     long_tail = args.workload == "long_tail"
@@ -417,27 +498,24 @@ def main() -> None:
     long_tail = args.workload == "long_tail"
     steps, n, row_tokens, matmul_n = args.steps, args.sequences, args.row_tokens, args.matmul_n
 
-    import jax.numpy as jnp
     import torch
-    import transformers
 
     from jax_agent_rl.models import load_hf
-    from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
+    from jax_agent_rl.models.hf_local import write_hf_checkpoint
 
-    torch.set_num_threads(2)
-    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(2)  # (write_hf_checkpoint turns transformers' progress bars off)
     counter = CompileCounter()
 
-    model = "tiny_qwen2" if args.smoke else "small_qwen2"
+    model, hf = bench_model(args.model, args.smoke)
     out: dict[str, Any] = {"bench": "learner", "workload": args.workload, "model": model}
     tok_s: dict[str, float] = {}
     extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        hf = TINY_QWEN2 if args.smoke else SMALL_QWEN2
         ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
         cfg = load_hf(ckpt)[0]
         w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap)
-        fpt = flops_per_token(cfg, attended_keys(w))
+        # variant name's prefix -> FLOPs per token of its model
+        fpts = {"": flops_per_token(cfg, attended_keys(w))}
         lengths = [len(s) for s in w.sequences]
         out.update(
             params=cfg.num_params,
@@ -447,29 +525,24 @@ def main() -> None:
             longest=max(lengths),
             median_length=int(np.median(lengths)),
             row_tokens=row_tokens,
-            flops_per_token=round(fpt),
+            flops_per_token=round(fpts[""]),
             lengths=LENGTHS[args.workload],
         )
+        if args.model is not None:
+            twin, fpts["dense_"], figures = dense_twin_of(hf, ckpt, w, Path(tmp) / "dense")
+            out.update(figures)
 
-        peaks = {
-            d: {"torch": torch_peak(t, matmul_n), "jax": jax_peak(j, matmul_n)}
-            for d, t, j in (
-                ("fp32", torch.float32, jnp.float32),
-                ("bf16", torch.bfloat16, jnp.bfloat16),
-            )
-        }
-        for d, p in peaks.items():
-            log(f"matmul peak {d}: torch {p['torch'] / 1e9:.1f}, jax {p['jax'] / 1e9:.1f} GFLOP/s")
+        peaks = matmul_peaks(matmul_n)
 
         Run = Callable[[], tuple[float, list[float], float, int, float]]
 
         def torch_run(layout: str, bf16: bool) -> Run:
             return lambda: (*torch_train(ckpt, w, layout, row_tokens, bf16, steps), 1.0)
 
-        def jax_run(packed: bool, dtype: str) -> Run:
+        def jax_run(packed: bool, dtype: str, model: Path = ckpt) -> Run:
             rows = row_tokens if packed else None
             timed = steps if packed or not long_tail else 0
-            return lambda: jax_train(ckpt, w, rows, dtype, timed, counter)
+            return lambda: jax_train(model, w, rows, dtype, timed, counter)
 
         variants: list[tuple[str, Run]] = [
             ("torch_sorted_fp32", torch_run("sorted", False)),
@@ -482,15 +555,21 @@ def main() -> None:
                 ("torch_packed_bf16", torch_run("packed", True)),
                 ("jax_padded_fp32", jax_run(False, "float32")),
             ]
+        if args.model is not None:
+            variants += [
+                ("dense_jax_packed_fp32", jax_run(True, "float32", twin)),
+                ("dense_jax_packed_bf16", jax_run(True, "bfloat16", twin)),
+            ]
         for name, run in variants:
             first, timed, loss, recompiles, real_frac = run()
             tok_s[name] = w.tokens / statistics.median(timed)
             dtype = "bf16" if name.endswith("bf16") else "fp32"
             peak = max(peaks[dtype].values())
-            extra[f"mfu_{name}"] = round(tok_s[name] * fpt / peak, 4)
+            flops = fpts["dense_" if name.startswith("dense_") else ""]
+            extra[f"mfu_{name}"] = round(tok_s[name] * flops / peak, 4)
             extra[f"first_step_s_{name}"] = round(first, 2)
             extra[f"loss_{name}"] = round(loss, 6)
-            if name.startswith("jax"):
+            if "jax" in name:
                 extra[f"recompiles_{name}"] = recompiles
             if name.startswith("jax_packed"):
                 out["real_token_frac"] = round(real_frac, 4)
@@ -521,6 +600,12 @@ def _report(
     out["ratio_vs_torch"] = round(best("jax_packed") / best("torch"), 3)
     if "jax_padded_fp32" in tok_s:
         out["ratio_vs_padded"] = round(tok_s["jax_packed_fp32"] / tok_s["jax_padded_fp32"], 3)
+    if "dense_jax_packed_fp32" in tok_s:  # a MoE beside its dense twin
+        for d in ("fp32", "bf16"):
+            moe = tok_s[f"jax_packed_{d}"]
+            out[f"moe_over_dense_{d}"] = round(moe / tok_s[f"dense_jax_packed_{d}"], 3)
+            out[f"ratio_vs_torch_{d}"] = round(moe / tok_s[f"torch_sorted_{d}"], 3)
+        out["moe_over_dense_best"] = round(best("jax_packed") / best("dense_jax_packed"), 3)
     print(json.dumps(out))
 
 

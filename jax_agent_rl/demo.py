@@ -150,23 +150,21 @@ def write_model(
 
 
 # `jarl checkpoint make`'s models: the demo's, a larger one of the same layout (~25M
-# parameters with its 4k-token vocabulary) and a Qwen3-MoE of the demo's size, all reading
+# parameters with its 4k-token vocabulary) and a Qwen3-MoE of each size, all reading
 # contexts as long as a real checkpoint's (configs/gsm8k_tools_qwen2.5.yaml's
-# rollout.max_model_len is 4096)
+# rollout.max_model_len is 4096); bench/learner.py and bench/decode.py time the MoE ones
+SMALL = {
+    **MODEL,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
 PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabulary to train)
     "tiny": ({**MODEL, "max_position_embeddings": 8192}, 2048),
-    "small": (
-        {
-            **MODEL,
-            "hidden_size": 512,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 8192,
-        },
-        4096,
-    ),
+    "small": (SMALL, 4096),
     # the tiny model's size as a Qwen3-MoE: 8 experts, 2 per token; layer 1 a dense MLP
     "tiny-moe": (
         {
@@ -180,6 +178,20 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabu
             "max_position_embeddings": 8192,
         },
         2048,
+    ),
+    # small's size as a Qwen3-MoE laid out as the released ones (every layer sparse): 8
+    # experts of a quarter of small's MLP width, 2 per token; ~46M parameters, ~17M active
+    "small-moe": (
+        {
+            **SMALL,
+            "model_type": "qwen3_moe",
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 384,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [],
+        },
+        4096,
     ),
 }
 

@@ -155,6 +155,60 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
 }
 
 
+# the MoE presets (bench/learner.py --model, bench/decode.py --models): the MoE beside its dense
+# twin of the same active parameters, and for the learner beside transformers' Qwen3-MoE
+MOE_SMOKE: dict[str, tuple[list[str], set[str]]] = {
+    "learner": (
+        ["--smoke", "--model", "tiny-moe"],
+        {
+            *(
+                f"{v}_tok_s"
+                for v in (
+                    "torch_sorted_fp32",
+                    "torch_sorted_bf16",
+                    "jax_packed_fp32",
+                    "jax_packed_bf16",
+                    "dense_jax_packed_fp32",
+                    "dense_jax_packed_bf16",
+                )
+            ),
+            "mfu_dense_jax_packed_bf16",
+            "recompiles_dense_jax_packed_fp32",
+            "active_params",
+            "dense_params",
+            "torch_experts_implementation",
+            "moe_over_dense_fp32",
+            "moe_over_dense_bf16",
+            "moe_over_dense_best",
+            "ratio_vs_torch",
+            "ratio_vs_torch_fp32",
+            "ratio_vs_torch_bf16",
+        },
+    ),
+    "decode": (
+        ["--smoke", "--models", "tiny-moe"],
+        {
+            "tiny-moe_active_params",
+            "tiny-moe_dense_active_params",
+            "tiny-moe_float32_b1_roofline_tok_s",
+            "tiny-moe_float32_b1_jax_tok_s",
+            "tiny-moe_float32_b1_dense_jax_tok_s",
+            "tiny-moe_float32_b1_moe_over_dense",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_SMOKE))
+def test_the_learner_and_decode_benches_time_a_moe_beside_its_dense_twin(
+    name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv, keys = MOE_SMOKE[name]
+    figures = bench_figures(name, argv, capsys, monkeypatch)
+    assert figures["bench"] == name
+    assert keys <= figures.keys(), sorted(keys - figures.keys())
+
+
 @pytest.mark.parametrize("name", list(SMOKE))
 def test_a_bench_ends_with_its_figures_as_one_json_line(
     name: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

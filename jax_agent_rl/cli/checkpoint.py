@@ -50,7 +50,7 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "make",
         help="write a random-init model and its tokenizer as an HF checkpoint folder",
         description="Writes a random-init model (config.json, model.safetensors; Qwen2's "
-        "layout, Qwen3-MoE's for tiny-moe), a byte-level BPE tokenizer trained on the demo's "
+        "layout, Qwen3-MoE's for *-moe), a byte-level BPE tokenizer trained on the demo's "
         "calculator transcripts and the ChatML tool template (agent.parser=hermes) into --out, "
         "so any config can be tried before a real checkpoint is at hand: jarl checkpoint make "
         "--out ckpt && jarl train CONFIG model.path=ckpt ... Its answers are noise.",
@@ -58,10 +58,10 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--out", required=True, help="a new (or empty) folder to write")
     p.add_argument(
         "--preset",
-        choices=["tiny", "small", "tiny-moe"],
+        choices=["tiny", "small", "tiny-moe", "small-moe"],
         default="tiny",
-        help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe: a Qwen3-MoE "
-        "of tiny's size (8 experts, 2 per token, one dense layer)",
+        help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe / small-moe: a "
+        "Qwen3-MoE of their size (8 experts, 2 per token; tiny-moe has one dense layer)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
     p.set_defaults(func=_checkpoint_make)

@@ -64,7 +64,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--model",
         default=None,
         help="a model preset instead of model.path's config.json: qwen2.5-0.5b, -1.5b, -3b, "
-        "-7b, -14b, -32b; qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b",
+        "-7b, -14b, -32b; qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b; qwen3-30b-a3b (MoE)",
     )
     p.add_argument(
         "--tokens-per-trajectory",

@@ -268,6 +268,28 @@ class ModelConfig:
         mlps = (self.num_layers - sparse) * 3 * d * f + sparse * moe
         return self.num_layers * per_layer + mlps + self.vocab_size * d + head + d
 
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses: `num_params` less the experts a sparse layer does
+        not choose (Qwen3-30B-A3B: 3.3B of 30.5B)."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params - sum(self.moe_layers) * 3 * idle * self.hidden_size * (
+            self.moe_intermediate_size
+        )
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """The matmul weights one token multiplies with, its FLOPs per forward being twice that
+        (plus attention's scores): the q/k/v/o projections, each layer's MLP (a sparse layer's
+        router and ``num_experts_per_tok`` of its experts) and the head. Qwen3-30B-A3B's
+        3.3B active parameters are these plus the embedding table."""
+        d, hk = self.hidden_size, self.head_dim
+        attn = d * hk * (2 * self.num_heads + 2 * self.num_kv_heads)
+        sparse = sum(self.moe_layers)
+        moe = d * self.num_experts + 3 * self.num_experts_per_tok * d * self.moe_intermediate_size
+        mlps = (self.num_layers - sparse) * 3 * d * self.intermediate_size + sparse * moe
+        return self.num_layers * attn + mlps + self.vocab_size * d
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], dtype: DType = "float32") -> ModelConfig:
         """Builds the config from a parsed HF ``config.json``; raises on anything unsupported."""

@@ -136,6 +136,36 @@ SMALL_QWEN2: dict[str, Any] = dict(
 )
 
 
+# Qwen3-MoE's fields, dropped from a MoE model's fields to make its dense twin
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
+
+
+def dense_twin(moe: dict[str, Any]) -> dict[str, Any]:
+    """The dense Qwen3 model (HF fields) of a Qwen3-MoE's active parameter count, to time a
+    MoE against: the same attention, norms, embeddings and head, and in every layer a dense
+    MLP whose width is the MoE's active MLP parameters per token (a sparse layer's router,
+    D x E, and k experts, 3 x D x moe_intermediate_size each; a dense layer's 3 x D x
+    intermediate_size) over 3 x D x layers, rounded: the twin's active parameters differ from
+    the MoE's by at most 1.5 x D x layers (the rounding)."""
+    from jax_agent_rl.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(moe)
+    D, L = cfg.hidden_size, cfg.num_layers
+    sparse = sum(cfg.moe_layers)
+    expert = D * cfg.num_experts + 3 * cfg.num_experts_per_tok * D * cfg.moe_intermediate_size
+    mlp = sparse * expert + (L - sparse) * 3 * D * cfg.intermediate_size
+    fields = {k: v for k, v in moe.items() if k not in _MOE_FIELDS}
+    return {**fields, "model_type": "qwen3", "intermediate_size": round(mlp / (3 * D * L))}
+
+
 def write_hf_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> Path:
     """Writes ``config`` (HF fields, ``model_type`` included) as a random-init fp32 checkpoint."""
     import torch

@@ -1,7 +1,8 @@
 """Model shapes by name, for planning without a checkpoint at hand (``jarl plan --model``).
 
 Each preset is the architecture part of the model's ``config.json`` on the Hugging Face Hub
-(Qwen/Qwen2.5-<size>-Instruct and Qwen/Qwen3-<size>: the dense models), read by
+(Qwen/Qwen2.5-<size>-Instruct and Qwen/Qwen3-<size>: the dense models; Qwen/Qwen3-30B-A3B: the
+mixture of experts), read by
 `ModelConfig.from_hf` as a checkpoint's would be. Only shapes matter to a plan: no weights.
 """
 
@@ -61,6 +62,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
     "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
+    # 128 experts of width 768, 8 per token, every layer sparse: 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": {
+        **_qwen3(2048, 6144, 48, 32, tied=False),
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+    },
 }
 
 

@@ -81,13 +81,10 @@ class Workload:
 
 def forward_flops(model: ModelConfig, tokens: float, context: float) -> float:
     """FLOPs of a forward over ``tokens`` tokens each attending to ``context`` keys on average:
-    2 per multiply-add of every matmul (q, k, v, o, the MLP's three, the head) and of the
-    attention's scores and weighted values."""
-    D, F, K, V = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
-    H, G = model.num_heads, model.num_kv_heads
-    matmuls = model.num_layers * (D * K * (2 * H + 2 * G) + 3 * D * F) + D * V
-    attention = model.num_layers * 2 * H * K * context
-    return 2 * tokens * (matmuls + attention)
+    2 per multiply-add of every matmul (q, k, v, o, the MLP's three or a sparse layer's router
+    and chosen experts, the head) and of the attention's scores and weighted values."""
+    attention = model.num_layers * 2 * model.num_heads * model.head_dim * context
+    return 2 * tokens * (model.matmul_params_per_token + attention)
 
 
 def _sds(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
