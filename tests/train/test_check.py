@@ -38,7 +38,7 @@ from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 from jax_agent_rl.tools.registry import ToolRegistry
-from jax_agent_rl.train.check import mesh_problems
+from jax_agent_rl.train.check_mesh import mesh_problems
 from jax_agent_rl.train.memory import activation_bytes, memory_plan
 
 ROOT = Path(__file__).resolve().parents[2]
