@@ -38,7 +38,6 @@ def _serve_tools(args: argparse.Namespace) -> int:
         first = (error_text(e).splitlines() or [type(e).__name__])[0]
         return _refuse(f"--tools {tools!r}: {first}")
     where = f"http://{args.host}:{args.port}" + (f" and unix:{args.socket}" if args.socket else "")
-    print(f"serving {registry.names} on {where}", flush=True)
     try:
         serve(
             registry,
@@ -59,6 +58,7 @@ def _serve_tools(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             action_parser=args.action_parser,
             socket_path=args.socket,
+            announce=lambda: print(f"serving {registry.names} on {where}", flush=True),
         )
     except ValueError as e:
         return _refuse(str(e))

@@ -12,6 +12,7 @@ without a bearer token, and at most ``max_connections`` connections are served a
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.config import ToolServerSection
@@ -42,11 +43,13 @@ def serve(
     token: str | None = None,
     max_connections: int = ToolServerSection.max_connections,
     socket_path: str | None = None,
+    announce: Callable[[], None] | None = None,
     **settings: Any,
 ) -> None:
     """Runs the server until interrupted; ``settings`` are `create_app`'s other keywords
     (the one list of the server's settings). With ``socket_path``, the calls are served on
-    that Unix socket too (`SocketServer`).
+    that Unix socket too (`SocketServer`). ``announce`` runs once every setting was accepted,
+    right before the server starts listening (a refused one raises `ValueError` first).
 
     Once ``max_connections`` connections are open (idle keep-alive ones included, the one
     asking too) or requests in progress, uvicorn answers a new request 503. Request bodies
@@ -67,6 +70,8 @@ def serve(
         raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
     if socket_path is not None:
         private_socket_path(socket_path)  # refused here, before anything listens
+    if announce is not None:
+        announce()
     uvicorn.Server(server_config(app, host, port, max_connections)).run()
 
 

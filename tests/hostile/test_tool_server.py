@@ -635,8 +635,9 @@ def test_a_call_over_the_frame_cap_on_the_socket_fails_alone(tmp_path: Path) -> 
         (["--tools", "{dir}/broken.yaml"], "--tools '{dir}/broken.yaml': "),
         (["--tools", "{dir}/wrong.yaml"], "--tools '{dir}/wrong.yaml': "),
         (["--socket", "{dir}/none/tools.sock"], "its directory {dir}/none does not exist"),
+        (["--host", "0.0.0.0"], "non-loopback address 0.0.0.0 without --token"),
     ],
-    ids=["missing", "not-yaml", "no-such-class", "socket-folder-missing"],
+    ids=["missing", "not-yaml", "no-such-class", "socket-folder-missing", "open-without-token"],
 )
 def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
     flags: list[str], problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -644,12 +645,14 @@ def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
     """A tools file that is not there, not YAML or names no class, and a socket in a folder
     that is not there: each was a traceback (FileNotFoundError, a YAML scanner error, an
     import error) out of jarl serve-tools; now one line naming the flag, exit 2, nothing
-    served (the socket's line comes after the line saying what it would serve)."""
+    served, and nothing announced (the socket's and the token's refusals once came after a
+    line saying the tools were being served)."""
     (tmp_path / "broken.yaml").write_text("- class: [unclosed\n")
     (tmp_path / "wrong.yaml").write_text("- class: no_such_module:tool\n")
     tmp_path.chmod(0o700)
     argv = ["serve-tools", "--port", "0", *(f.format(dir=tmp_path) for f in flags)]
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("jarl: ") and problem.format(dir=tmp_path) in err, err
+    assert "serving" not in out, out
