@@ -1,6 +1,7 @@
 """Run configs: YAML + dotted overrides into frozen dataclasses; every mistake names its key."""
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -114,6 +115,14 @@ def test_hydras_add_and_force_prefixes_set_a_key() -> None:
         load_config("/no/such.yaml")
     with pytest.raises(ConfigError, match="is a folder: name a YAML file"):
         load_config(Path(__file__).parent)
+
+
+def test_a_config_file_that_is_a_fifo_is_named_as_not_a_regular_file(tmp_path: Path) -> None:
+    """A named pipe (or a device) exists but is no file: it was reported as missing."""
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=re.escape("run.yaml is not a regular file: name a")):
+        load_config(fifo)
 
 
 def _numeric_keys(cls: type, prefix: str = "") -> set[str]:

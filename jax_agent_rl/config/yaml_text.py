@@ -27,6 +27,8 @@ def read_yaml(path: Path) -> Any:
     where = f"config file {path}"
     if path.is_dir():
         raise ConfigError(f"{where} is a folder: name a YAML file")
+    if path.exists() and not path.is_file():  # a FIFO, a device, a socket
+        raise ConfigError(f"{where} is not a regular file: name a YAML file")
     if not path.is_file():
         shipped = Path(__file__).resolve().parents[2] / path  # configs/... of the checkout
         hint = f": did you mean {shipped}?" if shipped.is_file() and path != shipped else ""
