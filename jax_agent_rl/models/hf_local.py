@@ -101,25 +101,16 @@ TINY_QWEN2: dict[str, Any] = dict(
 
 # The conformance suite's Qwen3-MoE: TINY_QWEN2's attention shape (head_dim 64, as vLLM's CPU
 # attention needs), 8 experts of which 2 per token, layer 1 a dense MLP (mlp_only_layers)
-TINY_QWEN3_MOE: dict[str, Any] = dict(
-    model_type="qwen3_moe",
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=256,
-    moe_intermediate_size=128,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[1],
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-)
+TINY_QWEN3_MOE: dict[str, Any] = {
+    **TINY_MOE,
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
 
 # The benchmark model: Qwen2-style, ~40M parameters.
 SMALL_QWEN2: dict[str, Any] = dict(

@@ -4,6 +4,7 @@ own logits for it (fp32, eager attention: the reference implementation)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,16 +22,24 @@ def padded_batch(vocab: int, T: int = 20) -> tuple[np.ndarray, np.ndarray, np.nd
     return tokens, mask, positions
 
 
-def hf_logits(
-    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray
-) -> np.ndarray:
+def hf_forward(
+    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray, **kwargs: Any
+) -> Any:
+    """transformers' fp32 forward of the checkpoint ``path`` on the batch (``kwargs``: the
+    model call's own, e.g. ``output_router_logits``): its output."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     with torch.no_grad():
-        out = model(
+        return model(
             input_ids=torch.tensor(tokens),
             attention_mask=torch.tensor(mask),
             position_ids=torch.tensor(positions),
+            **kwargs,
         )
-    return out.logits.numpy()
+
+
+def hf_logits(
+    path: Path, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    return hf_forward(path, tokens, mask, positions).logits.numpy()

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jax_agent_rl.config import AlgorithmSection, OptimSection
@@ -25,7 +24,7 @@ from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import load_balancing_loss
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, policy_objective
-from tests.models.hf_reference import padded_batch
+from tests.models.hf_reference import hf_forward, padded_batch
 from tests.rl.test_learner import (
     REWARDS,
     _step,
@@ -47,16 +46,7 @@ def test_router_loss_equals_transformers(tmp_path: object) -> None:
     path = write_hf_checkpoint(tmp_path / "moe", TINY_MOE)  # type: ignore[operator]
     cfg, w = load_hf(path)
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions),
-            output_router_logits=True,
-        )
+    out = hf_forward(path, tokens, mask, positions, output_router_logits=True)
     hf_aux = float(out.aux_loss)
     B, T = tokens.shape
     hf_logits = np.stack([x.numpy().reshape(B, T, -1) for x in out.router_logits])
