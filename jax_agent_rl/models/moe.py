@@ -23,6 +23,17 @@ does not use is never read and never exported (a checkpoint loads it as zeros). 
 memory only for such mixed configs, and keeps one scan, one layer body and one set of
 shardings; two interleaved stacks would need a scan per run of same-kind layers.
 
+Expert parallelism, as it compiles today: the experts are split over ``fsdp`` (their width
+over ``tensor``) and GSPMD places the collectives. Compiled for a TPU (v5e:2x2, fsdp 2 x
+tensor 2, the tiny MoE's training forward and gradient), each sparse layer all-gathers the
+router's chosen ids of the whole fsdp group (``s32[N*k]``), assembles the group's sorted
+token rows with an all-reduce (``[N*k, D]``), all-gathers its experts' weights over fsdp
+(``[E, D, M/tensor]``, FSDP-style: the weights travel, not the tokens) and all-reduces the
+down projection over tensor. So every fsdp device runs every expert on the whole group's
+tokens: the MoE layer's compute and its sorted buffers are repeated fsdp times. What removes
+that: the sort and grouped matmuls per shard (``shard_map`` over the token axes, the weights
+gathered as now), or a true all-to-all of each token to its experts' owner.
+
 Routing replay (RL): `forward` can return the experts each token chose in every sparse layer,
 and take such ids instead of its own top-k; the gates are then the router's fresh
 probabilities of the given experts (renormalised as ``norm_topk_prob`` says), so the gradient
