@@ -72,7 +72,7 @@ _METADATA_FIELDS = frozenset(
 )
 # Qwen3-MoE's fields. ``output_router_logits`` only makes HF return the router's logits;
 # ``num_experts`` is also spelt ``num_local_experts`` (transformers >= 5 writes that one).
-_MOE_FIELDS = frozenset(
+MOE_FIELDS = frozenset(
     {
         "num_experts",
         "num_local_experts",
@@ -304,7 +304,7 @@ class ModelConfig:
             )
         allowed = _METADATA_FIELDS | _MODEL_FIELDS
         if model_type in _MOE_FAMILIES:
-            allowed |= _MOE_FIELDS
+            allowed |= MOE_FIELDS
         unknown = sorted(set(hf) - allowed)
         if unknown:
             raise UnsupportedConfigError(

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jax_agent_rl.models.config import MOE_FIELDS
+
 # Small members of each family; every one uses grouped-query attention.
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -127,18 +129,6 @@ SMALL_QWEN2: dict[str, Any] = dict(
 )
 
 
-# Qwen3-MoE's fields, dropped from a MoE model's fields to make its dense twin
-_MOE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "router_aux_loss_coef",
-)
-
-
 def dense_twin(moe: dict[str, Any]) -> dict[str, Any]:
     """The dense Qwen3 model (HF fields) of a Qwen3-MoE's active parameter count, to time a
     MoE against: the same attention, norms, embeddings and head, and in every layer a dense
@@ -153,7 +143,7 @@ def dense_twin(moe: dict[str, Any]) -> dict[str, Any]:
     sparse = sum(cfg.moe_layers)
     expert = D * cfg.num_experts + 3 * cfg.num_experts_per_tok * D * cfg.moe_intermediate_size
     mlp = sparse * expert + (L - sparse) * 3 * D * cfg.intermediate_size
-    fields = {k: v for k, v in moe.items() if k not in _MOE_FIELDS}
+    fields = {k: v for k, v in moe.items() if k not in MOE_FIELDS}  # Qwen3-MoE's fields dropped
     return {**fields, "model_type": "qwen3", "intermediate_size": round(mlp / (3 * D * L))}
 
 
