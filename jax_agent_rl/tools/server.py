@@ -11,6 +11,7 @@ without a bearer token, and at most ``max_connections`` connections are served a
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from jax_agent_rl.config import ToolServerSection
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.protocol import KEEP_ALIVE_S
-from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.socket_server import private_socket_path
 
 if TYPE_CHECKING:
@@ -63,13 +64,23 @@ def serve(
     """
     import uvicorn
 
-    app = create_app(  # (refuses an empty token; nothing listens yet)
-        registry, token=token, max_connections=max_connections, socket_path=socket_path, **settings
-    )
-    if not is_loopback(host) and not token:
-        raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
-    if socket_path is not None:
-        private_socket_path(socket_path)  # refused here, before anything listens
+    try:
+        app = create_app(  # (refuses an empty token; nothing listens yet)
+            registry,
+            token=token,
+            max_connections=max_connections,
+            socket_path=socket_path,
+            **settings,
+        )
+        if not is_loopback(host) and not token:
+            raise ValueError(f"refusing to listen on non-loopback address {host} without --token")
+        if socket_path is not None:
+            private_socket_path(socket_path)  # refused here, before anything listens
+    except ValueError:
+        # the registry's tools are running (a python tool's sandbox pool) and nothing will
+        # serve them: stopped here, as the app stops them when it ends
+        asyncio.run(LocalTools(registry).close())
+        raise
     if announce is not None:
         announce()
     uvicorn.Server(server_config(app, host, port, max_connections)).run()

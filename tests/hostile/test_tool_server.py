@@ -28,6 +28,7 @@ from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter
+from tests.tools.test_verl_tools import sandbox_processes
 
 
 class FakeClock:
@@ -651,8 +652,10 @@ def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
     (tmp_path / "wrong.yaml").write_text("- class: no_such_module:tool\n")
     tmp_path.chmod(0o700)
     argv = ["serve-tools", "--port", "0", *(f.format(dir=tmp_path) for f in flags)]
+    before = set(sandbox_processes())
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("jarl: ") and problem.format(dir=tmp_path) in err, err
     assert "serving" not in out, out
+    assert set(sandbox_processes()) <= before  # the refused tools' sandboxes were stopped
