@@ -567,7 +567,7 @@ def _mlp_block(
     """``x_btd`` plus the layer's MLP, and its routing (experts, router logits: `mlp_of_kind`)."""
     with jax.named_scope("mlp"):
         h = rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps)
-        out, routing = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp)
+        out, routing = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp, runs_on_tpu(sharder))
     return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), routing
 
 

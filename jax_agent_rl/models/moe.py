@@ -9,9 +9,14 @@ the ``k`` probabilities are divided by their sum. The output is the gate-weighte
 chosen experts' SwiGLU MLPs. No capacity limit: every token reaches all its ``k`` experts.
 
 Compute. The N * k (token, expert) assignments are sorted by expert, so each expert's tokens
-are one contiguous group, and ``jax.lax.ragged_dot`` multiplies each group by its expert's
-weights (grouped matmuls: the FLOPs of the ``k`` chosen experts, not of all ``E``); the
-outputs are put back in token order and summed with the gates.
+are one contiguous group, and each group is multiplied by its expert's weights (grouped
+matmuls: the FLOPs of the ``k`` chosen experts, not of all ``E``); the outputs are put back in
+token order and summed with the gates. On TPU the grouped matmuls are ``jax.lax.ragged_dot``
+(a grouped-matmul lowering). XLA:CPU lowers ``ragged_dot`` densely (every expert on every
+assignment, E times the FLOPs), so elsewhere each group is padded to whole blocks of rows and
+every block multiplied by its expert's weights in one batched matmul (`_blocked_mlp`: at most
+``E * (block - 1)`` padding rows; ~3x faster than ``ragged_dot`` for the tiny MoE's training
+step on CPU, docs/speed.md).
 
 Layout. The experts' weights are stacked [L, E, ...] fields of `Layer` (``router`` [L, D, E],
 ``expert_gate`` / ``expert_up`` [L, E, D, M], ``expert_down`` [L, E, M, D]) so the layers stay
@@ -91,9 +96,12 @@ def route(
     return gates_nk, ids_nk.astype(jnp.int32)
 
 
-def experts(lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array) -> jax.Array:
+def experts(
+    lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array, ragged: bool
+) -> jax.Array:
     """The gate-weighted sum [N, D] of each token's experts, by grouped matmuls over the
-    assignments sorted by expert. ``lw`` holds ``expert_gate``, ``expert_up`` [E, D, M] and
+    assignments sorted by expert: ``jax.lax.ragged_dot`` with ``ragged`` (TPU), else
+    `_blocked_mlp`. ``lw`` holds ``expert_gate``, ``expert_up`` [E, D, M] and
     ``expert_down`` [E, M, D] (one layer's)."""
     N, k = ids_nk.shape
     E = lw.expert_gate.shape[0]
@@ -101,13 +109,7 @@ def experts(lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array) ->
     order = jnp.argsort(flat, stable=True)  # assignment j of the sorted list is order[j]
     sizes_e = jnp.bincount(flat, length=E).astype(jnp.int32)
     x_jd = x_nd[order // k]  # each assignment's token, grouped by expert
-
-    def grouped(x: jax.Array, w: jax.Array) -> jax.Array:
-        y = jax.lax.ragged_dot(x, w, sizes_e, preferred_element_type=jnp.float32)
-        return y.astype(x_nd.dtype)
-
-    h_jm = jax.nn.silu(grouped(x_jd, lw.expert_gate)) * grouped(x_jd, lw.expert_up)
-    y_jd = grouped(h_jm, lw.expert_down)
+    y_jd = (_ragged_mlp if ragged else _blocked_mlp)(lw, x_jd, sizes_e)
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype))
     y_nkd = y_jd[unsort].reshape(N, k, -1)
     gates = gates_nk.astype(x_nd.dtype)
@@ -116,17 +118,72 @@ def experts(lw: Any, x_nd: jax.Array, gates_nk: jax.Array, ids_nk: jax.Array) ->
     )
 
 
+def _swiglu(
+    lw: Any, x: jax.Array, matmul: Callable[[jax.Array, jax.Array], jax.Array]
+) -> jax.Array:
+    """The experts' SwiGLU MLP of ``x`` by ``matmul`` (of rows and stacked expert weights)."""
+    return matmul(jax.nn.silu(matmul(x, lw.expert_gate)) * matmul(x, lw.expert_up), lw.expert_down)
+
+
+def _ragged_mlp(lw: Any, x_jd: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Each sorted assignment's expert MLP [J, D], by ``ragged_dot`` over the groups of
+    ``sizes_e`` [E] rows."""
+
+    def grouped(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = jax.lax.ragged_dot(x, w, sizes_e, preferred_element_type=jnp.float32)
+        return y.astype(x_jd.dtype)
+
+    return _swiglu(lw, x_jd, grouped)
+
+
+def block_rows(J: int, E: int) -> int:
+    """Rows per block of `_blocked_mlp` for J assignments over E experts: the power of two at
+    least an expert's mean share J / E, within [8, 256] (padding stays under ~J; blocks stay
+    large enough for an efficient matmul)."""
+    return int(min(256, max(8, 1 << max(0, J // E - 1).bit_length())))
+
+
+def _blocked_mlp(lw: Any, x_jd: jax.Array, sizes_e: jax.Array) -> jax.Array:
+    """Each sorted assignment's expert MLP [J, D]: every group of ``sizes_e`` [E] rows is
+    padded to whole blocks of `block_rows` rows, so each block belongs to one expert; the
+    blocks are multiplied by their experts' weights in one batched matmul. The buffer holds
+    every group padded (J + E * (b - 1) rows, rounded up to blocks: static); blocks past the
+    last group hold zeros, are given the last expert, and are never read back."""
+    J, D = x_jd.shape
+    E = sizes_e.shape[0]
+    b = block_rows(J, E)
+    P = -(-(J + E * (b - 1)) // b) * b
+    padded_e = (sizes_e + b - 1) // b * b
+    ends_e = jnp.cumsum(padded_e)
+    expert_j = jnp.repeat(jnp.arange(E), sizes_e, total_repeat_length=J)
+    rank_j = jnp.arange(J) - (jnp.cumsum(sizes_e) - sizes_e)[expert_j]
+    row_j = (ends_e - padded_e)[expert_j] + rank_j  # each assignment's row in the buffer
+    first_rows = jnp.arange(P // b) * b
+    expert_p = jnp.minimum(jnp.searchsorted(ends_e, first_rows, side="right"), E - 1)
+
+    def blocks(x: jax.Array, w: jax.Array) -> jax.Array:
+        y = jnp.einsum("pbd,pdm->pbm", x, w[expert_p], preferred_element_type=jnp.float32)
+        return y.astype(x_jd.dtype)
+
+    x_pbd = jnp.zeros((P, D), x_jd.dtype).at[row_j].set(x_jd).reshape(P // b, b, D)
+    return _swiglu(lw, x_pbd, blocks).reshape(P, D)[row_j]
+
+
 def sparse_mlp(
-    cfg: ModelConfig, lw: Any, x_btd: jax.Array, given_btk: jax.Array | None = None
+    cfg: ModelConfig,
+    lw: Any,
+    x_btd: jax.Array,
+    given_btk: jax.Array | None = None,
+    ragged: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's sparse MLP over [B, T, D], the experts each token used [B, T, k] and its
-    router logits [B, T, E] (fp32)."""
+    router logits [B, T, E] (fp32); ``ragged``: `experts`' grouped matmuls."""
     B, T, D = x_btd.shape
     x_nd = x_btd.reshape(B * T, D)
     given = None if given_btk is None else given_btk.reshape(B * T, -1)
     logits_ne = router_logits(lw.router, x_nd)
     gates_nk, ids_nk = route(cfg, logits_ne, given)
-    out = experts(lw, x_nd, gates_nk, ids_nk)
+    out = experts(lw, x_nd, gates_nk, ids_nk, ragged)
     return out.reshape(B, T, D), ids_nk.reshape(B, T, -1), logits_ne.reshape(B, T, -1)
 
 
@@ -174,12 +231,13 @@ def mlp_of_kind(
     sparse: bool | jax.Array,
     given_btk: jax.Array | None,
     dense: Callable[[Any, jax.Array], jax.Array],
+    ragged: bool,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """One layer's MLP over [B, T, D] (``dense`` of the layer and ``h_btd``, or `sparse_mlp`)
-    and its routing: the experts its tokens chose [B, T, k] and the router logits [B, T, E];
-    None in a model without sparse layers, zeros in a dense layer of one with. ``sparse``:
-    the layer's kind, a traced bool in a scan over layers of both kinds (`lax.cond` runs one
-    branch)."""
+    """One layer's MLP over [B, T, D] (``dense`` of the layer and ``h_btd``, or `sparse_mlp`
+    with ``ragged``) and its routing: the experts its tokens chose [B, T, k] and the router
+    logits [B, T, E]; None in a model without sparse layers, zeros in a dense layer of one
+    with. ``sparse``: the layer's kind, a traced bool in a scan over layers of both kinds
+    (`lax.cond` runs one branch)."""
     if not any(cfg.moe_layers):
         return dense(lw, h_btd), None
     B, T, _ = h_btd.shape
@@ -189,7 +247,7 @@ def mlp_of_kind(
     )
 
     def sparse_branch() -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        out, ids, logits = sparse_mlp(cfg, lw, h_btd, given_btk)
+        out, ids, logits = sparse_mlp(cfg, lw, h_btd, given_btk, ragged)
         return out, (ids, logits)
 
     if isinstance(sparse, bool):

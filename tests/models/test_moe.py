@@ -43,7 +43,7 @@ from jax_agent_rl.models import (
     save_hf,
 )
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE, write_hf_checkpoint
-from jax_agent_rl.models.moe import route, router_logits, sparse_mlp
+from jax_agent_rl.models.moe import block_rows, route, router_logits, sparse_mlp
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.models.hf_reference import hf_logits, padded_batch
 
@@ -189,20 +189,29 @@ def test_missing_expert_tensor_is_named(checkpoints: dict[bool, Path], tmp_path:
         load_hf(tmp_path)
 
 
-def test_grouped_experts_and_their_gradients_equal_a_dense_reference() -> None:
-    """`sparse_mlp` (sorted tokens, ragged_dot) against every expert run on every token and
-    masked by a one-hot of the chosen ones: outputs and gradients (tokens, router, experts)
-    agree to fp32 rounding: 1e-5 of the largest entry (summed in another order, as ragged_dot
-    does on a GPU, gradients of order 5 differ by ~2e-5)."""
+@pytest.mark.parametrize(
+    ("ragged", "tokens"),
+    [(True, 7), (False, 7), (False, 520)],
+    ids=["ragged_dot", "blocks-of-8", "blocks-of-256"],
+)
+def test_grouped_experts_and_their_gradients_equal_a_dense_reference(
+    ragged: bool, tokens: int
+) -> None:
+    """`sparse_mlp` (sorted tokens; ragged_dot as on TPU, or padded blocks as elsewhere: 28
+    assignments in blocks of 8, 2080 in blocks of 256, groups spanning two) against every
+    expert run on every token and masked by a one-hot of the chosen ones: outputs and gradients
+    (tokens, router, experts) agree to fp32 rounding: 1e-5 of the largest entry (summed in
+    another order, as ragged_dot does on a GPU, gradients of order 5 differ by ~2e-5)."""
     cfg = ModelConfig.from_hf(TINY_MOE)
     layer = jax.tree.map(lambda x: x[0], init_params(jax.random.key(1), cfg).layers)
     layer = jax.tree.map(lambda x: x * 10 if x.ndim >= 2 else x, layer)  # std 0.2: O(1) outputs
-    x_btd = jax.random.normal(jax.random.key(2), (2, 7, cfg.hidden_size))
+    x_btd = jax.random.normal(jax.random.key(2), (2, tokens, cfg.hidden_size))
+    N = 2 * tokens
 
     def dense(lw, x_btd):  # type: ignore[no-untyped-def]
-        gates_nk, ids_nk = route(cfg, router_logits(lw.router, x_btd.reshape(14, -1)))
+        gates_nk, ids_nk = route(cfg, router_logits(lw.router, x_btd.reshape(N, -1)))
         weight_ne = (jax.nn.one_hot(ids_nk, cfg.num_experts) * gates_nk[..., None]).sum(1)
-        x_nd = x_btd.reshape(14, -1)
+        x_nd = x_btd.reshape(N, -1)
         h = jax.nn.silu(jnp.einsum("nd,edm->nem", x_nd, lw.expert_gate)) * jnp.einsum(
             "nd,edm->nem", x_nd, lw.expert_up
         )
@@ -213,8 +222,13 @@ def test_grouped_experts_and_their_gradients_equal_a_dense_reference() -> None:
         return jnp.sum(jnp.sin(fn(lw, x_btd)))
 
     def grouped(lw, x_btd):  # type: ignore[no-untyped-def]
-        return sparse_mlp(cfg, lw, x_btd)[0]
+        return sparse_mlp(cfg, lw, x_btd, ragged=ragged)[0]
 
+    if not ragged:  # the blocks and groups are as the case's id says
+        _, ids_nk = route(cfg, router_logits(layer.router, x_btd.reshape(N, -1)))
+        b = block_rows(N * cfg.num_experts_per_tok, cfg.num_experts)
+        assert b == (8 if tokens == 7 else 256)
+        assert (np.bincount(np.asarray(ids_nk).ravel()).max() > b) == (tokens == 520)
     out, ref = grouped(layer, x_btd), dense(layer, x_btd)
     assert np.abs(np.asarray(ref)).max() > 0.5
     assert _off(out, ref) <= 1e-5
