@@ -40,4 +40,4 @@ bench: setup  ## benchmarks; each ends by printing one JSON line of its figures
 	$(PY) bench/traces.py
 
 clean:
-	rm -rf .venv .venv-vllm .venv-jetstream .verl-ref .pytest_cache .mypy_cache .ruff_cache .cache
+	rm -rf .venv .venv-vllm .venv-jetstream .verl-ref .uv .pytest_cache .mypy_cache .ruff_cache .cache

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates or refreshes a pinned virtual environment. Idempotent: a stamp holds the hash of the
-# inputs, so a second run with nothing changed returns at once.
+# inputs, so a second run with nothing changed returns at once. Installs are made by the pinned
+# uv (requirements/uv-lock.txt, put into the folder .uv by pip on first use), which downloads,
+# unpacks and compiles in parallel: on a fresh 2-core machine, about half of pip's time.
 #
 #   scripts/setup.sh          .venv       the project, parity references (torch, transformers), lint
 #   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build, for the vLLM backend and benchmarks
@@ -87,6 +89,51 @@ if [[ $target == gpu-wheels ]]; then  # a folder of wheels, downloaded, not inst
   echo "setup: .gpu-wheels is ready ($(du -sh .gpu-wheels | cut -f1))"
   exit 0
 fi
+python=${PYTHON:-python3}
+uv=.uv/bin/uv
+# need_uv: the pinned uv in .uv, installed there by pip when .uv lacks that version
+need_uv() {
+  local pin
+  pin=$(grep '^uv==' requirements/uv-lock.txt)
+  [[ -x $uv && "$("$uv" --version)" == "uv ${pin#uv==} "* ]] && return
+  echo "setup: installing $pin into .uv (the installer)"
+  rm -rf .uv
+  "$python" -m pip install --disable-pip-version-check --quiet --root-user-action=ignore \
+    --no-deps --target .uv "$pin"
+}
+# pip's effective options (`pip config list` on stdin: [install] over [global], PIP_* over both)
+# as uv's arguments, one a line: its indexes, find-links and CA bundle
+pip_sources='
+import ast, sys
+rank = {"global": 0, "install": 1, ":env:": 2}
+flags = {"index-url": "--default-index", "extra-index-url": "--index",
+         "find-links": "--find-links", "cert": "--cert"}
+best = {}
+for line in sys.stdin:
+    key, _, value = line.rstrip("\n").partition("=")
+    section, _, name = key.rpartition(".")
+    if name in flags and rank.get(section, -1) >= best.get(name, (-1, ""))[0]:
+        best[name] = (rank[section], ast.literal_eval(value))
+for name, (_, value) in best.items():
+    for item in value.split() if name in ("extra-index-url", "find-links") else [value]:
+        print(flags[name], item, sep="\n")
+'
+# uv_install PYTHON ARGS...: `uv pip install ARGS` into PYTHON's environment. uv reads no pip
+# configuration, so it is handed the sources and CA bundle PYTHON's pip is configured with (on
+# this machine kind: a local wheel of the CPU torch and a local mirror of PyPI), and makes pip's
+# choice among them, the best match over every source (unsafe-best-match; every pin is exact):
+# torch==2.13.0 takes 2.13.0+cpu wherever a source has it, as pip does. The installed files are
+# compiled to bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set, every import of an
+# uncompiled torch or vLLM would compile it anew.
+uv_install() {
+  local py=$1 config sources=()
+  shift
+  need_uv
+  config=$("$py" -m pip config list | "$py" -c "$pip_sources")
+  [[ -z $config ]] || mapfile -t sources <<< "$config"
+  "$uv" pip install --quiet --python "$py" --index-strategy unsafe-best-match --compile-bytecode \
+    "${sources[@]}" "$@"
+}
 # add_to_venv NAME LOCK MODULE WHAT: LOCK's pins added to .venv (with a stamp of their own),
 # then MODULE imported to check them
 add_to_venv() {
@@ -95,7 +142,7 @@ add_to_venv() {
   want=$(cat "$2" scripts/setup.sh | sha256sum | cut -d' ' -f1)
   [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && exit 0
   echo "setup: installing $4 into .venv"
-  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps -r "$2"
+  uv_install .venv/bin/python --no-deps -r "$2"
   .venv/bin/python -c "import $3" \
     || { echo "setup: $3 does not import; see the errors above" >&2; exit 1; }
   echo "$want" > "$stamp"
@@ -117,8 +164,6 @@ case "$target" in
   *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, cuda, verl-ref, gpu-wheels, chromium)" >&2; exit 2 ;;
 esac
 
-python=${PYTHON:-python3}
-
 # The python tool's sandbox needs bubblewrap (Debian package; installed once, as root).
 if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
@@ -138,12 +183,11 @@ if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
 fi
 
 if [[ $target == verl-ref ]]; then
-  # a plain folder, installed with .venv's pip and imported by .venv's python (tests only)
+  # a plain folder, installed for .venv's python and imported by it (tests only)
   [[ -x .venv/bin/python ]] || { echo "setup: run scripts/setup.sh first (.venv)" >&2; exit 1; }
   echo "setup: installing the pinned verl reference into $venv"
   rm -rf "$venv"
-  .venv/bin/python -m pip install --disable-pip-version-check --quiet --no-deps \
-    --target "$venv" -r "$lock"
+  uv_install .venv/bin/python --no-deps --target "$venv" -r "$lock"
   PYTHONPATH=$venv .venv/bin/python -c 'import verl.utils.reward_score, verl.tools.base_tool' \
     || { echo "setup: the verl reference does not import; see the errors above" >&2; exit 1; }
   echo "$want" > "$stamp"
@@ -154,28 +198,23 @@ fi
 "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
   || { echo "setup: Python 3.11 is required ($python is $("$python" --version))" >&2; exit 1; }
 [[ -x $venv/bin/python ]] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 echo "setup: installing the pinned $target environment into $venv (first run takes minutes)"
 # The lock lists every package, so dependencies are not resolved again (--no-deps): nothing
 # unpinned can slip in, and vLLM's declared torchvision/torchaudio/torchcodec stay out.
 index=()
 # elsewhere torch==X resolves to the CUDA build (GBs, and its CUDA libraries are not in the
 # lock): on a TPU VM take the CPU build, which sorts above it (X+cpu)
-[[ $target == tpu ]] && index=(--extra-index-url https://download.pytorch.org/whl/cpu)
-"${pip[@]}" install --quiet --no-deps "${index[@]}" -r "$lock"
+[[ $target == tpu ]] && index=(--index https://download.pytorch.org/whl/cpu)
+uv_install "$venv/bin/python" --no-deps "${index[@]}" -r "$lock"
 # torchvision/torchaudio/torchcodec from PyPI break `import torch` beside the CPU wheel.
-for pkg in torchvision torchaudio torchcodec; do
-  if "${pip[@]}" show --quiet "$pkg" 2>/dev/null; then
-    "${pip[@]}" uninstall --quiet -y "$pkg"
-  fi
-done
+"$uv" pip uninstall --quiet --python "$venv/bin/python" torchvision torchaudio torchcodec
 if [[ $target == main || $target == tpu ]]; then
-  "${pip[@]}" install --quiet --no-deps --no-build-isolation -e .
+  uv_install "$venv/bin/python" --no-deps --no-build-isolation -e .
   check='import jax, torch, transformers, jax_agent_rl'
 fi
 if [[ $target == tpu ]]; then
   # the libtpu release built for the locked jax (requests, jax[tpu]'s other need, is locked)
-  "${pip[@]}" install --quiet --no-deps -r requirements/tpu-lock.txt
+  uv_install "$venv/bin/python" --no-deps -r requirements/tpu-lock.txt
   check="$check, libtpu"  # (no jax.devices(): on a slice it waits for every worker)
 elif [[ $target == vllm ]]; then
   check='import torch, vllm'
@@ -183,7 +222,7 @@ elif [[ $target == jetstream ]]; then
   # the server imports this repo through PYTHONPATH, as the vLLM engines do
   check='import jax, grpc, jetstream.core.orchestrator, safetensors'
   if (( tpu )); then  # the server's TPU runtime: the release built for the locked jax
-    "${pip[@]}" install --quiet --no-deps -r requirements/tpu-lock.txt
+    uv_install "$venv/bin/python" --no-deps -r requirements/tpu-lock.txt
     check="$check, libtpu"
   fi
 fi

@@ -104,7 +104,7 @@ def test_the_setup_it_runs_installs_the_libtpu_jax_tpu_pins_for_the_locked_jax()
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert "add_to_venv tpu-plan requirements/tpu-lock.txt libtpu" in setup
     # the tpu and jetstream environments
-    assert setup.count("install --quiet --no-deps -r requirements/tpu-lock.txt") == 2
+    assert setup.count('uv_install "$venv/bin/python" --no-deps -r requirements/tpu-lock.txt') == 2
     versions = set()
     for name in ("lock.txt", "jetstream-lock.txt"):
         lock = (ROOT / "requirements" / name).read_text().splitlines()
