@@ -23,7 +23,7 @@ its error and the check goes on. Steps, in order:
     hf_parity           tests/models/test_parity.py (the decoder against transformers'
                         forward on checkpoints transformers writes here) on the GPU
     moe_parity          tests/models/test_moe.py's tests against transformers and of the
-                        grouped expert matmuls (`jax.lax.ragged_dot`) and routing replay:
+                        grouped expert matmuls (padded blocks, off TPU) and routing replay:
                         Qwen3-MoE on the GPU
     sampler_vs_learner  tests/rl/test_learner.py's test_learner_logprobs_equal_the_samplers
                         (the engine's sampled logprobs against the learner's recomputation)

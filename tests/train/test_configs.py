@@ -43,7 +43,7 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "rollout.n=2", "data.prompts_per_step=2",
         "rollout.max_model_len=192", "rollout.max_concurrent=8", "agent.max_tokens_per_turn=32",
         "agent.max_response_tokens=96", "agent.max_tool_response_tokens=16",
-        "learner.micro_batch_size=4", "learner.seq_bucket=64",
+        "learner.micro_batch_size=4", "learner.seq_bucket=64", "learner.row_tokens=512",
     ]  # fmt: skip
 
 
