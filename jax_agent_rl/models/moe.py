@@ -16,7 +16,9 @@ token order and summed with the gates. On TPU the grouped matmuls are ``jax.lax.
 assignment, E times the FLOPs), so elsewhere each group is padded to whole blocks of rows and
 every block multiplied by its expert's weights in one batched matmul (`_blocked_mlp`: at most
 ``E * (block - 1)`` padding rows; ~3x faster than ``ragged_dot`` for the tiny MoE's training
-step on CPU, docs/speed.md).
+layer on CPU, docs/speed.md). Each block reads its expert's weights: with many experts and
+long rows (Qwen3-30B-A3B: 128 experts, a few hundred blocks a layer) that is a few times the
+experts' bytes per layer, moved but not kept. Neither path has been timed on a GPU here.
 
 Layout. The experts' weights are stacked [L, E, ...] fields of `Layer` (``router`` [L, D, E],
 ``expert_gate`` / ``expert_up`` [L, E, D, M], ``expert_down`` [L, E, M, D]) so the layers stay
