@@ -31,7 +31,9 @@ from jax_agent_rl.tags import tagged
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 # LaTeX that does not change a value: sizing, thin spaces, degree signs, dollar signs
 _NO_VALUE = re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]|\^\{?\\circ\}?|\\?\$")
-_MARKED = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")  # GSM8K's final-answer line
+# GSM8K's final-answer line; the "$" and its spaces are one optional group: "\s*\$?\s*" splits
+# a run of spaces between its two halves every way, tried in turn (quadratic in the run)
+_MARKED = re.compile(r"####\s*(?:\$\s*)?(-?\d[\d,]*(?:\.\d+)?)")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
