@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any, Literal, Protocol
 
@@ -66,12 +67,13 @@ def _decode(raw: str) -> tuple[Any, str | None]:
     recursion limit (RecursionError), an integer of more than 4,300 digits (ValueError), or a
     document too large for memory; all of them are the model's error, never the loop's crash.
     So are values Python's JSON reads but no strict JSON writer takes back (the tool server's
-    client sends UTF-8 without NaN): ``NaN``, ``Infinity`` and lone surrogates (``"\\ud800"``),
-    and nesting past `MAX_JSON_DEPTH` (read here, it failed to encode deeper in the client's
-    stack: a transport failure, which takes the episode out of training).
+    client sends UTF-8 without NaN): ``NaN``, ``Infinity``, a number past float's range that
+    Python reads as infinity (``1e999``), lone surrogates (``"\\ud800"``), and nesting past
+    `MAX_JSON_DEPTH` (read here, it failed to encode deeper in the client's stack: a transport
+    failure, which takes the episode out of training).
     """
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
         depth = _depth(obj)
         if depth > MAX_JSON_DEPTH:
             return None, f"nested {depth} levels deep, past the {MAX_JSON_DEPTH} levels a call has"
@@ -100,6 +102,13 @@ def _depth(value: Any) -> int:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text:.40} is past a float's range")
+    return value
 
 
 def _json_call(

@@ -8,9 +8,12 @@ way, quadratic in the run; a reward thread is abandoned at the timeout, not free
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 
 
 @pytest.mark.timeout(60)  # a bound on a hang: the linear scan takes milliseconds
@@ -22,3 +25,28 @@ def test_a_final_answer_mark_followed_by_a_long_run_of_spaces_is_read_in_linear_
     # every way GSM8K's line is written still reads
     for line in ("####42", "#### 42", "#### $42", "####$ 42", "#### \n $ \t42", "#### $1,042.5"):
         assert gsm8k_answer(f"so {line}") == line.rpartition("$")[2].split()[-1].lstrip("#")
+
+
+@pytest.mark.parametrize("number", ["1e999", "-1e400", "1" + "0" * 400 + ".0"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_number_past_float_range_in_a_call_is_an_error_as_infinity_is(
+    parser: str, number: str
+) -> None:
+    """``1e999`` is the ``Infinity`` the parsers refuse, spelled as a number: Python's JSON
+    reads it as ``inf``, which reached a tool run in-process as ``inf`` and a harness behind the
+    OpenAI endpoint as ``Infinity`` in the call's arguments (no strict JSON reader takes it).
+    Also when the arguments are double-encoded; the largest finite float still reads."""
+    name_key = "arguments" if parser == "hermes" else "parameters"
+
+    def parsed(arguments: str) -> list[ParsedCall]:
+        call = f'{{"name": "f", "{name_key}": {arguments}}}'
+        return make_parser(parser).parse(
+            f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+        )
+
+    for arguments in (f'{{"x": {number}}}', json.dumps(f'{{"x": {number}}}')):
+        (call,) = parsed(arguments)
+        assert call.error is not None and "past a float's range" in call.error, call
+    assert parsed('{"x": 1.7976931348623157e308}') == [
+        ParsedCall("f", {"x": 1.7976931348623157e308})
+    ]
