@@ -7,7 +7,8 @@ change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``
 (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
 ``%``), otherwise as lower-cased strings. A whole number equals itself only, and a number
 written with float's rounding noise (``56.99999999999999``, 0.57 * 100 as Python prints it);
-two numbers of which neither is whole are equal up to a relative tolerance of 1e-6.
+two numbers of which neither is whole are equal up to a relative tolerance of 1e-6 (and no
+absolute one: ``3e-10`` is not ``7e-10``).
 
 `gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
 wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
@@ -95,8 +96,9 @@ def math_equal(predicted: str | None, truth: str | float | int, rel_tol: float =
             return _is_whole(a, b)
         if _integer(a):
             return _is_whole(b, a)
-        try:
-            return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=1e-9)
+        try:  # neither is whole, so neither is 0: no absolute tolerance (1e-9 made every
+            # answer within 1e-9 of a tiny ground truth right, 5e-10 for -5e-10 too)
+            return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=0.0)
         except OverflowError:  # a fraction past float's range ("1" and 400 zeros): exact
             return a == b
     return a_text == b_text

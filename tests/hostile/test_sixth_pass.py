@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward
+from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 
 
@@ -50,3 +50,17 @@ def test_a_number_past_float_range_in_a_call_is_an_error_as_infinity_is(
     assert parsed('{"x": 1.7976931348623157e308}') == [
         ParsedCall("f", {"x": 1.7976931348623157e308})
     ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "truth"), [("7e-10", "3e-10"), ("-5e-10", "5e-10"), ("1e-300", "0.0000000004")]
+)
+def test_an_answer_near_a_tiny_ground_truth_in_absolute_terms_only_is_wrong(
+    answer: str, truth: str
+) -> None:
+    """Two numbers neither of which is whole were equal within an absolute 1e-9, so any answer
+    of magnitude under 1e-9 (the opposite sign too) scored for a ground truth that small; the
+    relative tolerance still takes float's rounding of the same number."""
+    assert math_reward(f"<answer>{answer}</answer>", truth) == 0.0
+    assert math_reward(f"<answer>{truth}</answer>", truth) == 1.0
+    assert math_reward("<answer>3.0000000000000001e-10</answer>", "3e-10") == 1.0
