@@ -363,9 +363,19 @@ class LocalTools:
         t: Tool,
         create_kwargs: Mapping[str, Any],
     ) -> Any:
+        """``t``'s state in ``trajectory``, created on first use. A trajectory released while
+        its state was being created (a client's release crossing its call) has no owner left
+        to release that state: it is released here, and the call fails."""
         async with trajectory.creating:
             if t.name not in trajectory.states:
-                trajectory.states[t.name] = await t.create(trajectory_id, **create_kwargs)
+                state = await t.create(trajectory_id, **create_kwargs)
+                if self._open.get(trajectory_id) is not trajectory:
+                    await t.release(state)
+                    raise RuntimeError(
+                        f"trajectory {trajectory_id!r} was released while this call created its "
+                        "state (released too)"
+                    )
+                trajectory.states[t.name] = state
             return trajectory.states[t.name]
 
     async def expire_idle(self) -> None:

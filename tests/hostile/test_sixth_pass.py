@@ -8,12 +8,16 @@ way, quadratic in the run; a reward thread is abandoned at the timeout, not free
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
 
 from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
+from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 
 
 @pytest.mark.timeout(60)  # a bound on a hang: the linear scan takes milliseconds
@@ -64,3 +68,60 @@ def test_an_answer_near_a_tiny_ground_truth_in_absolute_terms_only_is_wrong(
     assert math_reward(f"<answer>{answer}</answer>", truth) == 0.0
     assert math_reward(f"<answer>{truth}</answer>", truth) == 1.0
     assert math_reward("<answer>3.0000000000000001e-10</answer>", "3e-10") == 1.0
+
+
+class _HeldCreate(Tool):
+    """A tool whose ``create`` waits for ``go`` (a container starting, say); ``live`` holds the
+    states created and not yet released."""
+
+    def __init__(self) -> None:
+        self.name = "held"
+        self.schema = {
+            "type": "function",
+            "function": {
+                "name": "held",
+                "description": "Runs after a slow start.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+        self.creating, self.go = asyncio.Event(), asyncio.Event()
+        self.live: set[str] = set()
+
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> str:
+        del create_kwargs
+        self.creating.set()
+        await self.go.wait()
+        self.live.add(trajectory_id)
+        return trajectory_id
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        del arguments
+        return ToolResult(f"ran on {state}")
+
+    async def release(self, state: Any) -> None:
+        self.live.discard(state)
+
+
+def test_state_created_after_its_trajectory_was_released_is_released_too() -> None:
+    """A release that crosses a call still creating its state (a client that gave up on the
+    call, as the tool server's callers do at an episode's timeout, while the server ran it on)
+    found no state to release; the state was then created into a trajectory no longer open and
+    held for the rest of the server's life, closing it included."""
+
+    async def crossed() -> tuple[ToolResult, set[str], set[str]]:
+        t = _HeldCreate()
+        tools = LocalTools(ToolRegistry([t]))
+        call = asyncio.ensure_future(tools.call("a", "held", {}))
+        await t.creating.wait()
+        await tools.release("a")
+        t.go.set()
+        result = await call
+        after_call = set(t.live)
+        again = await tools.call("a", "held", {})  # the id's next call starts fresh, as usual
+        assert again == ToolResult("ran on a")
+        await tools.close()
+        return result, after_call, t.live
+
+    result, after_call, after_close = asyncio.run(crossed())
+    assert result.error and "was released while this call created its state" in result.text
+    assert after_call == set() and after_close == set()
