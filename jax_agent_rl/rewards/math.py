@@ -5,10 +5,11 @@ in the model's text, outside ``<think>`` blocks. `math_equal` first drops LaTeX 
 change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``/``\\tfrac`` read as
 ``\\frac``, whitespace, a trailing period), then compares two answers as numbers when both parse
 (integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
-``%``), otherwise as lower-cased strings. A whole number equals itself only, and a number
-written with float's rounding noise (``56.99999999999999``, 0.57 * 100 as Python prints it);
-two numbers of which neither is whole are equal up to a relative tolerance of 1e-6 (and no
-absolute one: ``3e-10`` is not ``7e-10``).
+``%``), otherwise as lower-cased strings; an answer left empty by this is no answer, whatever
+the ground truth. A whole number equals itself only, and a number written with float's rounding
+noise (``56.99999999999999``, 0.57 * 100 as Python prints it); two numbers of which neither is
+whole are equal up to a relative tolerance of 1e-6 (and no absolute one: ``3e-10`` is not
+``7e-10``).
 
 `gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
 wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
@@ -87,9 +88,9 @@ def _normalise(answer: str) -> str:
 
 
 def math_equal(predicted: str | None, truth: str | float | int, rel_tol: float = 1e-6) -> bool:
-    if predicted is None:
+    a_text, b_text = _normalise(predicted or ""), _normalise(str(truth))
+    if not a_text:  # no answer, or one of nothing but spaces, "$" or "." ("" matched "")
         return False
-    a_text, b_text = _normalise(predicted), _normalise(str(truth))
     a, b = parse_number(a_text), parse_number(b_text)
     if a is not None and b is not None:
         if _integer(b):  # a whole number is no other: neither 1000001 nor 1000000.5

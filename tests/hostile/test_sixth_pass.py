@@ -125,3 +125,13 @@ def test_state_created_after_its_trajectory_was_released_is_released_too() -> No
     result, after_call, after_close = asyncio.run(crossed())
     assert result.error and "was released while this call created its state" in result.text
     assert after_call == set() and after_close == set()
+
+
+@pytest.mark.parametrize(
+    "answer", ["<answer></answer>", "<answer> . </answer>", "<answer>$$</answer>", "\\boxed{}"]
+)
+@pytest.mark.parametrize("truth", ["", " ", "$"])
+def test_an_answer_of_nothing_never_matches(answer: str, truth: str) -> None:
+    """An answer that normalises to nothing compared equal, as strings, with a ground truth
+    that does too: a row whose ground truth was left empty paid an empty answer."""
+    assert math_reward(answer, truth) == 0.0
