@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
+from jax_agent_rl.rewards.judge import JudgeAnswerError, parse_score
 from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 from jax_agent_rl.tools.base import Tool, ToolResult
@@ -135,3 +140,60 @@ def test_an_answer_of_nothing_never_matches(answer: str, truth: str) -> None:
     """An answer that normalises to nothing compared equal, as strings, with a ground truth
     that does too: a row whose ground truth was left empty paid an empty answer."""
     assert math_reward(answer, truth) == 0.0
+
+
+_SCORE_REGEX = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)  # the old
+
+
+def _score_by_regex(text: str, score_max: float) -> float | None:
+    """`parse_score` as it read a judge's answer with ``_SCORE_REGEX``; None for an error."""
+    found = _SCORE_REGEX.search(text)
+    try:
+        value = float(found.group(1)) if found else math.nan
+    except ValueError:
+        return None
+    return value / score_max if 0.0 <= value <= score_max else None
+
+
+def _score_or_none(text: str, score_max: float) -> float | None:
+    try:
+        return parse_score(text, score_max)
+    except JudgeAnswerError:
+        return None
+
+
+@pytest.mark.timeout(60)  # a bound on a hang: the linear scan takes milliseconds
+def test_a_judges_score_tag_followed_by_a_long_run_of_spaces_is_read_in_linear_time() -> None:
+    """The judge's answer is parsed on the trainer's event loop; a tag never closed followed
+    by spaces or newlines (a judge talked into writing them) took time cubic in their number."""
+    spaces = " \n" * 50_000  # cubic: 4,000 took 44 s
+    for text in (f"<score>{spaces}", f"<score>{spaces}x", "<score>" * 50_000 + spaces):
+        with pytest.raises(JudgeAnswerError, match="no <score>N</score>"):
+            parse_score(text, 10)
+    assert parse_score(f"<SCORE>{spaces}7{spaces}</Score>", 10) == 0.7
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(
+    st.lists(
+        st.sampled_from(
+            [
+                "<score>",
+                "</score>",
+                "<SCORE>",
+                "</Score>",
+                " ",
+                "\n",
+                "\xa0",
+                "7",
+                "1.5",
+                "x",
+                "<",
+                "nan",
+            ]
+        ),
+        max_size=10,
+    ).map("".join)
+)
+def test_a_judges_score_reads_as_the_regex_read_it(text: str) -> None:
+    assert _score_or_none(text, 10) == _score_by_regex(text, 10)
