@@ -4,12 +4,12 @@
 in the model's text, outside ``<think>`` blocks. `math_equal` first drops LaTeX that does not
 change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``/``\\tfrac`` read as
 ``\\frac``, whitespace, a trailing period), then compares two answers as numbers when both parse
-(integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, thousands separators, a trailing
-``%``), otherwise as lower-cased strings; an answer left empty by this is no answer, whatever
-the ground truth. A whole number equals itself only, and a number written with float's rounding
-noise (``56.99999999999999``, 0.57 * 100 as Python prints it); two numbers of which neither is
-whole are equal up to a relative tolerance of 1e-6 (and no absolute one: ``3e-10`` is not
-``7e-10``).
+(integers, decimals, fractions like ``3/4``, ``\\frac{3}{4}``, commas between groups of three
+digits, a trailing ``%``), otherwise as lower-cased strings; an answer left empty by this is no
+answer, whatever the ground truth. A whole number equals itself only, and a number written with
+float's rounding noise (``56.99999999999999``, 0.57 * 100 as Python prints it); two numbers of
+which neither is whole are equal up to a relative tolerance of 1e-6 (and no absolute one:
+``3e-10`` is not ``7e-10``).
 
 `gsm8k_lenient_reward` (the ``gsm8k_lenient`` reward) reads a GSM8K answer however the model
 wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed), else the last
@@ -37,6 +37,9 @@ _NO_VALUE = re.compile(r"\\(?:left|right)(?![a-zA-Z])|\\[!,;]|\^\{?\\circ\}?|\\?
 # a run of spaces between its two halves every way, tried in turn (quadratic in the run)
 _MARKED = re.compile(r"####\s*(?:\$\s*)?(-?\d[\d,]*(?:\.\d+)?)")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+# a whole number's digits in groups of three: its commas are thousands separators (any other
+# comma is no number's: "3, 5" is two answers, not 35)
+_GROUPED = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d,])")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -65,7 +68,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def parse_number(s: str) -> Fraction | float | None:
-    s = s.strip().strip("$").replace(",", "").replace("\\!", "").strip()
+    s = s.strip().strip("$").replace("\\!", "").strip()
+    s = _GROUPED.sub(lambda m: m.group().replace(",", ""), s)
     s = re.sub(r"^\\boxed\{(.*)\}$", r"\1", s)
     m = re.fullmatch(r"\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", s)
     if m:

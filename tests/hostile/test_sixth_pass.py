@@ -197,3 +197,26 @@ def test_a_judges_score_tag_followed_by_a_long_run_of_spaces_is_read_in_linear_t
 )
 def test_a_judges_score_reads_as_the_regex_read_it(text: str) -> None:
     assert _score_or_none(text, 10) == _score_by_regex(text, 10)
+
+
+@pytest.mark.parametrize(
+    ("answer", "truth"),
+    [
+        ("35", "3, 5"),
+        ("-21", "-2, 1"),
+        ("123", "1,2,3"),
+        ("15", "1,5"),
+        ("1,5", "15"),
+        ("1000", "10,00"),
+    ],
+)
+def test_a_comma_that_separates_no_thousands_joins_no_digits(answer: str, truth: str) -> None:
+    """Every comma was dropped before an answer was read as a number, so the digits of a list
+    of answers ran together: ``35`` scored for the two solutions ``3, 5``, and ``1,5`` (a
+    decimal comma) for 15. A comma between groups of three digits still separates thousands."""
+    assert math_reward(f"<answer>{answer}</answer>", truth) == 0.0
+    assert math_reward(f"<answer>{truth}</answer>", truth) == 1.0
+    for grouped, whole in (("1,234", "1234"), ("-1,000,000.5", "-1000000.5"), ("$1,200", "1200")):
+        assert math_reward(f"<answer>{grouped}</answer>", whole) == 1.0
+    assert gsm8k_lenient_reward("#### 1,042", "1042") == 1.0
+    assert gsm8k_lenient_reward("#### 1,2", "12") == 0.0
