@@ -242,8 +242,9 @@ class _Trajectory:
 class LocalTools:
     """A `ToolExecutor` over a registry in this process, with a per-call timeout.
 
-    A call fails (an error result) once it has run ``timeout_s`` seconds (one that ignores
-    its cancellation is abandoned after as long again, `_ending`). The time it waits
+    A call fails (an error result) once it has run ``timeout_s`` seconds, the creation of its
+    trajectory's state included (one that ignores its cancellation is abandoned after as long
+    again, `_ending`). The time it waits
     its turn for a resource its tool shares (a sandbox pool's worker, `FairPool`) is not
     counted: that wait depends on the other trajectories' calls, not on this call, and the
     pool's turns bound it; one wait past ``max_wait_s`` fails the call all the same, before it
@@ -316,19 +317,31 @@ class LocalTools:
                 error=True,
             )
         try:
-            state = await self._state(trajectory, trajectory_id, t, create_kwargs or {})
-            return await self._timed(t, state, args)
+            run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
+            return await self._timed(t, run)
         except Exception as e:  # a tool bug is the model's observation, not a crash
             return ToolResult(f"error: {name} failed: {error_text(e)}", error=True)
         finally:
             self._leave(trajectory, trajectory_id)
 
-    async def _timed(self, t: Tool, state: Any, args: dict[str, Any]) -> ToolResult:
-        """``t``'s execution under a `CallClock`: past it, the call's error result."""
+    async def _run(
+        self,
+        trajectory: _Trajectory,
+        trajectory_id: str,
+        t: Tool,
+        create_kwargs: Mapping[str, Any],
+        args: dict[str, Any],
+    ) -> ToolResult:
+        """The call: ``t``'s state in ``trajectory`` (`_state`), then its execution."""
+        state = await self._state(trajectory, trajectory_id, t, create_kwargs)
+        return await t.execute(state, args)
+
+    async def _timed(self, t: Tool, run: Coroutine[Any, Any, ToolResult]) -> ToolResult:
+        """``run`` (``t``'s call) under a `CallClock`: past it, the call's error result."""
         clock = CallClock(self.timeout_s, self.max_wait_s)
         try:
             async with clock:
-                return await _ending(t.execute(state, args), self.timeout_s)
+                return await _ending(run, self.timeout_s)
         except TimeoutError:
             if clock.ran_out_waiting:
                 return ToolResult(

@@ -220,3 +220,23 @@ def test_a_comma_that_separates_no_thousands_joins_no_digits(answer: str, truth:
         assert math_reward(f"<answer>{grouped}</answer>", whole) == 1.0
     assert gsm8k_lenient_reward("#### 1,042", "1042") == 1.0
     assert gsm8k_lenient_reward("#### 1,2", "12") == 0.0
+
+
+def test_a_state_whose_creation_never_ends_fails_the_call_at_its_timeout() -> None:
+    """The tool timeout bounded ``execute`` only: a ``create`` waiting on a service that never
+    answers held its call, so its episode and the step gathering it, for ever (the test
+    bounds it at 30 s). It is the call's error result at the timeout now; the trajectory's
+    next call tries again."""
+
+    async def stuck() -> tuple[ToolResult, ToolResult, set[str]]:
+        t = _HeldCreate()  # its create waits for `go`, which this test sets only at the end
+        tools = LocalTools(ToolRegistry([t]), timeout_s=0.01)
+        first = await asyncio.wait_for(tools.call("a", "held", {}), 30)
+        t.go.set()
+        second = await asyncio.wait_for(tools.call("a", "held", {}), 30)
+        await tools.close()
+        return first, second, t.live
+
+    first, second, live = asyncio.run(stuck())
+    assert first == ToolResult("error: held timed out after 0.01s", error=True)
+    assert second == ToolResult("ran on a") and live == set()
