@@ -1,10 +1,15 @@
-"""Model text against the rewards and parsers, a sixth pass: what a policy can write to make a
-reward take unbounded time, score an answer that is not the ground truth, or reach a tool
-with values no strict JSON writer takes.
+"""Model text against the rewards, the judge, the parsers and the tool executor, a sixth pass:
+what a policy can write to make a reward take unbounded time, score an answer that is not the
+ground truth, or reach a tool with values no strict JSON writer takes; and tool state that
+outlived its trajectory or held a call for ever.
 
 Before the fixes: ``####`` followed by 100,000 spaces held the ``gsm8k_lenient`` reward for
 about three minutes (its final-answer regex split the run of spaces between two ``\\s*`` every
-way, quadratic in the run; a reward thread is abandoned at the timeout, not freed)."""
+way); the judge's score regex took 44 s for 4,000 spaces after an unclosed ``<score>``, on the
+event loop; ``1e999`` in a tool call reached tools as ``inf``; ``7e-10`` scored for ``3e-10``,
+``35`` for ``3, 5`` and ``<answer></answer>`` for an empty ground truth; a state created after
+its trajectory's release was never released; and a ``create`` that never returned held its call
+past the tool timeout, for ever."""
 
 from __future__ import annotations
 
