@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from jax_agent_rl.rewards.judge import JudgeAnswerError, parse_score
 from jax_agent_rl.rewards.math import gsm8k_answer, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
-from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.base import Tool, ToolResult, function_schema
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 
 
@@ -80,20 +80,18 @@ def test_an_answer_near_a_tiny_ground_truth_in_absolute_terms_only_is_wrong(
     assert math_reward("<answer>3.0000000000000001e-10</answer>", "3e-10") == 1.0
 
 
+def _held() -> str:
+    """Runs after a slow start."""
+    return ""
+
+
 class _HeldCreate(Tool):
     """A tool whose ``create`` waits for ``go`` (a container starting, say); ``live`` holds the
     states created and not yet released."""
 
     def __init__(self) -> None:
         self.name = "held"
-        self.schema = {
-            "type": "function",
-            "function": {
-                "name": "held",
-                "description": "Runs after a slow start.",
-                "parameters": {"type": "object", "properties": {}},
-            },
-        }
+        self.schema = function_schema(_held)
         self.creating, self.go = asyncio.Event(), asyncio.Event()
         self.live: set[str] = set()
 
