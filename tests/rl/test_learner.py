@@ -348,14 +348,19 @@ def _step(
 
 
 REWARDS = np.array([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 0.0, 0.0, 0.3, 0.9, 0.1, 0.6], np.float32)
+# each of the four aggregation modes once, over 2 mini-batches (whole-mini-batch denominators):
+# token-mean in the first case, seq-mean-token-sum in the second, seq-mean-token-sum-norm in
+# Dr.GRPO's and seq-mean-token-mean in GAE's
 EQUIVALENT = {
     "grpo_kl_tis_entropy_2x2": dataclasses.replace(ALGO, mini_batches=2, ppo_epochs=2),
-    **{
-        f"agg_{mode}": dataclasses.replace(ALGO, loss_agg_mode=mode, mini_batches=2)  # type: ignore[arg-type]
-        for mode in AGG_MODES
-    },
+    "agg_seq-mean-token-sum": dataclasses.replace(
+        ALGO, loss_agg_mode="seq-mean-token-sum", mini_batches=2
+    ),
     "dr_grpo": AlgorithmSection(
-        norm_adv_by_std=False, loss_agg_mode="seq-mean-token-sum-norm", tis_cap=None
+        norm_adv_by_std=False,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        tis_cap=None,
+        mini_batches=2,
     ),
     "mis": AlgorithmSection(tis_cap=1.5, tis_mode="mask", kl_coef=0.05, kl_kind="k3"),
     "gae_value_loss": AlgorithmSection(
