@@ -1,5 +1,5 @@
-"""Every run config shipped in configs/ trains, as a user runs it, for a few steps (those that
-tests/train/test_learning.py trains to a held-out rise, there): the real
+"""Every run config shipped in configs/ trains, as a user runs it, for a few steps (or in
+the test that trains it further: `TRAINED_ELSEWHERE`): the real
 tokenizer, model, tools and data shapes, with overrides that swap in a tiny locally written
 checkpoint and tiny data of the right layout. A shipped config can never crash unnoticed again
 (the GSM8K config once died at its second RL step: the KL reference shared the policy's
@@ -48,23 +48,28 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-# configs that tests/train/test_learning.py trains, as they are shipped apart from the smaller
-# task's sizes, until held-out success rises: training them here for 2 steps adds nothing
-LEARNING = ROOT / "tests" / "train" / "test_learning.py"
-TRAINED_TO_A_RISE = {"demo_calculator_cpu", "demo_calculator_ppo_cpu", "moe_calculator_cpu"}
+# configs that another test trains as shipped (apart from the model and the data's sizes), and
+# checks further: to a held-out rise (test_learning), or game by game (test_envs); training
+# them here for 2 steps adds nothing
+TRAINED_ELSEWHERE = {
+    "demo_calculator_cpu": "train/test_learning.py",
+    "demo_calculator_ppo_cpu": "train/test_learning.py",
+    "moe_calculator_cpu": "train/test_learning.py",
+    "guess_number_cpu": "envs/test_envs.py",
+}
 
 
 def test_the_shipped_run_configs_are_all_exercised() -> None:
     names = {p.stem for p in RUN_CONFIGS}
     assert {"demo_calculator_cpu", "gsm8k_tools_qwen2.5"} <= names
-    assert names >= TRAINED_TO_A_RISE
-    learning = LEARNING.read_text()
-    for name in TRAINED_TO_A_RISE:
-        assert f'"{name}.yaml"' in learning, f"{name}: no longer trained by {LEARNING.name}"
+    assert names >= TRAINED_ELSEWHERE.keys()
+    for name, test in TRAINED_ELSEWHERE.items():
+        where = ROOT / "tests" / test
+        assert f'"{name}.yaml"' in where.read_text(), f"{name}: no longer trained by {test}"
 
 
 @pytest.mark.parametrize(
-    "config", [p for p in RUN_CONFIGS if p.stem not in TRAINED_TO_A_RISE], ids=lambda p: p.stem
+    "config", [p for p in RUN_CONFIGS if p.stem not in TRAINED_ELSEWHERE], ids=lambda p: p.stem
 )
 def test_every_shipped_config_trains(config: Path, task: TaskFiles, tmp_path: Path) -> None:
     train(load_config(config, tiny(task, tmp_path, steps=2)))
