@@ -44,8 +44,10 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
 def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
     """The demo config shrunk to the tiny checkpoint, on a data=2 x fsdp=4 mesh: 8 devices,
     whole micro-batches of 8 rows (4 per process), 8 decode slots (4 per process). Tests that
-    check no held-out figure add ``data.val=``: no evaluation before the first step and after
-    the last (its episodes are waited on by every process)."""
+    check no held-out figure and nothing of SFT (the first test checks its update) add
+    `RL_ONLY`: no evaluation before the first step and after the last (its episodes are waited
+    on by every process), and no SFT (its program, compiled in each process, took half of
+    such a run)."""
     return [
         f"model.path={task.model}", "model.tokenizer=", f"data.train={task.train}",
         f"data.val={task.val}", "data.val_size=4", f"sft.data={task.sft}", "sft.steps=2",
@@ -58,6 +60,8 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         "learner.micro_batch_size=8", "learner.seq_bucket=64", "algorithm.mini_batches=2",
     ]  # fmt: skip
 
+
+RL_ONLY = ["data.val=", "sft.data="]
 
 SLURM_PORTS = range(61440, 65536)  # where JAX puts a SLURM job's coordinator
 
@@ -172,7 +176,7 @@ def test_jarl_train_on_two_processes_then_resumed_on_one(task: TaskFiles, tmp_pa
     from which 1 process with 8 devices resumes (the arrays' shapes do not depend on the
     process count, only their layout)."""
     run = tmp_path / "run"
-    overrides = [*tiny(task, run, 2), "trainer.eval_every=2"]
+    overrides = [*tiny(task, run, 2), "trainer.eval_every=2", "sft.data="]
     logs = tmp_path / "log"
     codes = finish(start(jarl_train(overrides), 2, logs))
     assert codes == [0, 0], log(logs, 0)[-3000:] + log(logs, 1)[-3000:]
@@ -200,7 +204,7 @@ def test_jarl_train_distributed_in_a_slurm_job_step(task: TaskFiles, tmp_path: P
     processes from the environment; here a SLURM job step's, one process per device (JAX's
     SLURM convention), so each process's engine serves on a single device."""
     run = tmp_path / "run"
-    overrides = [*tiny(task, run, 2), "mesh.data=1", "mesh.fsdp=2", "data.val="]
+    overrides = [*tiny(task, run, 2), "mesh.data=1", "mesh.fsdp=2", *RL_ONLY]
     logs = tmp_path / "log"
     codes = finish(start(jarl_train(overrides), 2, logs, slurm=True))
     assert codes == [0, 0], log(logs, 0)[-3000:] + log(logs, 1)[-3000:]
@@ -216,7 +220,7 @@ def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: 
     overrides = [
         *tiny(task, tmp_path / "run", 2),
         "data.reward=tests.multihost.faulty:fails_on_process_1",
-        "data.val=",
+        *RL_ONLY,
     ]
     logs = tmp_path / "log"
     codes = finish(start(jarl_train(overrides), 2, logs))
@@ -270,7 +274,7 @@ def test_a_killed_process_is_named_and_the_rerun_resumes(task: TaskFiles, tmp_pa
     process 0 stops with a message naming process 1; the same command rerun resumes from the
     last complete checkpoint and finishes."""
     run = tmp_path / "run"
-    argv = [*jarl_train([*tiny(task, run, 4), "data.val="]), "--heartbeat-timeout", "30"]
+    argv = [*jarl_train([*tiny(task, run, 4), *RL_ONLY]), "--heartbeat-timeout", "30"]
     logs = tmp_path / "log"
     procs = start(argv, 2, logs)
     try:

@@ -207,11 +207,11 @@ def test_the_other_meshes_are_those_the_config_checks_accept() -> None:
 def test_the_qwen3_moe_preset_and_its_run_in_the_tpu_plan_bench() -> None:
     """The Qwen3-30B-A3B preset counts the parameters its model card states (30.5B, 29.9B
     without the embedding and the head, 3.3B activated: one decimal, truncated), and the bench's
-    run of it (bench/tpu_plan.py; compiling it took 55 minutes on a loaded 2-core host:
-    docs/tpu.md) covers the slice's 16 chips and splits the 128 experts over fsdp. On the 8
-    chips of a v5p:2x2x2 even the memory plan, which counts less than the compiled run (65.6
-    against 98.4 GiB per chip on the bench's slice: the MoE update's temporaries), is over
-    the HBM without the KL reference."""
+    run of it (bench/tpu_plan.py; compiling it took 6 minutes on a 2-core host: docs/tpu.md)
+    covers the slice's 16 chips and splits the 128 experts over fsdp. On the 8 chips of a
+    v5p:2x2x2 even the memory plan, which counts less than the compiled run (65.6 against 98.4
+    GiB per chip on the bench's slice with 8192-token rows: the MoE update's temporaries), is
+    over the HBM without the KL reference."""
     from jax_agent_rl.plan import preset_model
 
     spec = importlib.util.spec_from_file_location("bench_tpu_plan", ROOT / "bench" / "tpu_plan.py")
