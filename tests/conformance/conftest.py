@@ -5,8 +5,7 @@ checkpoint, once for each model of ``MODELS`` (a Qwen2-style model and a Qwen3-M
 64, which every engine here can serve). Backends
 that need their own venv run it in their own processes (vLLM: `jax_agent_rl.backends.vllm`,
 under ``.venv-vllm``; JetStream: `jax_agent_rl.backends.jetstream`, under ``.venv-jetstream``);
-the Ray pool routes over embedded replicas in Ray actors (`jax_agent_rl.rollout.ray_pool`;
-two for the dense model, one for the MoE).
+the Ray pool serves from an embedded replica in a Ray actor (`jax_agent_rl.rollout.ray_pool`).
 The suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
 refuses (or, for logprobs, does not make up).
 """
@@ -73,15 +72,15 @@ def _ray(path: Path) -> RolloutBackend:
     from jax_agent_rl.rollout.registry import BackendBuild
 
     cfg, w = load_hf(path)
-    # embedded replicas as Ray actors on a one-node cluster here: two for the dense model (the
-    # pool's routing between replicas does not depend on the model), one for the MoE (what the
-    # model changes is what crosses the actor: expert ids), whose engine warmup, compiled in
-    # every replica at once, cost the suite 448 s of setup with two on a loaded 2-core machine
-    replicas = 1 if cfg.num_experts else 2
+    # one embedded replica as a Ray actor on a one-node cluster: the protocol through the pool
+    # and the actor boundary (for the MoE: its expert ids cross it). Routing between replicas
+    # (sessions spread by requests in flight, kept on one replica, moved off a dead one) is
+    # tests/rollout/test_ray.py's, on two nodes; two replicas here compiled their engines at
+    # once, and their setup was the conformance suite's longest (233 s in a fresh-clone run)
     rollout = RolloutSection(
         max_concurrent=SLOTS,
         max_model_len=MAX_LEN,
-        ray=RaySection(address="local", replicas=replicas, num_cpus=0.5),
+        ray=RaySection(address="local", replicas=1, num_cpus=0.5),
     )
     return RayPool(BackendBuild(rollout, cfg, w, checkpoint=path, dtype="float32"))
 
