@@ -48,11 +48,13 @@ CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yam
 
 # measured with the default settings on 2 CPU cores: 16.9 min while other jobs loaded them
 # (SFT 12.5, the engine's start 1, RL 2.7), 7.4 min on idle ones (README); tiny-moe 16.0 min
-# while other jobs loaded them (SFT 11.9, the engine's start 0.5, RL 3.0), not yet idle
+# while other jobs loaded them (SFT 11.9, the engine's start 0.5, RL 3.0), 8.9 on idle ones
+# (SFT 5.5, RL 2.6; its expert matmuls as padded blocks off TPU)
 EXPECTED_DURATION = {
     "tiny": "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.5 on "
     "idle ones",
-    "tiny-moe": "about 16 minutes on 2 CPU cores shared with other jobs (SFT most of it)",
+    "tiny-moe": "about 16 minutes on 2 CPU cores shared with other jobs (SFT most of it), 9 on "
+    "idle ones",
 }
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
