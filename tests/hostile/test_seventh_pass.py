@@ -7,17 +7,24 @@ numbers (``3 1/2``, a mixed number, scored for 15.5 and not for 3.5; ``3 5`` and
 for 35); and they read a number with an exponent, or past int's 4,300 digits, as float reads
 it, so ``1e-400`` (and ``0.`` followed by 5,000 zeros and a 1) scored for 0, the float it
 underflows to; ``9.007199254740993e15`` for 2**53, the float it rounds to; ``1e400`` for
-``1e401`` and 5,000 nines for ``inf``, all of them float's infinity."""
+``1e401`` and 5,000 nines for ``inf``, all of them float's infinity. A first request to the
+OpenAI-compatible endpoint whose tools held a lone surrogate, or nested as deep as its JSON
+reader reads, failed past its checks (in the tokenizer, in encoding the tools a call deeper):
+the endpoint's own failure, answered 500 and ended as ``agent_error`` with a traceback, rather
+than the harness's bad request (400, ``harness_error``)."""
 
 from __future__ import annotations
 
+import json
 import math
 from fractions import Fraction
+from typing import Any
 
 import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from jax_agent_rl.agent.openai_requests import HarnessError, check_request
 from jax_agent_rl.rewards.math import gsm8k_lenient_reward, math_reward
 
 
@@ -107,3 +114,60 @@ def test_a_number_that_is_not_whole_scores_for_one_whole_number_at_most(
     for w, score in zip((math.floor(value), math.ceil(value)), scores, strict=True):
         assert score <= float(abs(value - w) <= abs(w) * Fraction(1, 2**50)), w
     assert sum(scores) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [{"type": "function", "function": {"name": "f\ud800", "parameters": {}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"\udc00": {}}}}],
+        [{"type": "function", "function": {"name": "f", "description": ["\ud83d"]}}],
+    ],
+)
+def test_a_lone_surrogate_in_the_tools_of_a_request_is_the_harness_error(
+    tools: list[dict[str, Any]],
+) -> None:
+    """The tools go into the prompt, whose tokenizer takes no lone surrogate: checked as the
+    messages are, they were rendered, and the tokenizer's TypeError ended the episode as the
+    endpoint's own failure (``agent_error``, answered 500) rather than the request's (400)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with pytest.raises(HarnessError, match="tools hold a lone surrogate") as refused:
+        check_request(json.loads(json.dumps(body)))
+    assert refused.value.status == 400
+    paired = json.loads('"\\ud83d\\ude00"')  # a surrogate pair, read as JSON writes it
+    pair = [{"type": "function", "function": {"name": "f", "description": paired}}]
+    assert paired == "\U0001f600" and check_request({**body, "tools": pair})[1] == pair
+
+
+def _tools_nested(depth: int) -> str:
+    """A first request whose one tool's parameters are lists ``depth`` deep."""
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": ' + "[" * depth
+    return (
+        f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}{"]" * depth}}}}}]}}'
+    )
+
+
+def _complete(raw: str) -> Any:
+    """What `Session.complete` does with a body: reads it, then checks it a call deeper."""
+    return _checked(json.loads(raw))
+
+
+def _checked(body: Any) -> Any:
+    return check_request(body)
+
+
+def test_tools_nested_as_deep_as_the_body_reader_reads_are_the_harness_error() -> None:
+    """A first request's tools nested as deep as the endpoint's JSON reader reads: checked, they
+    went on to be measured a call deeper (`Session._start`: ``json.dumps(tools)``), where their
+    encoding ran past the recursion limit: a RecursionError, the endpoint's own failure (500,
+    ``agent_error``) rather than the request's (400)."""
+    depth = 2_000
+    while True:  # the deepest body read
+        try:
+            with pytest.raises(HarnessError, match="tools nest too deep"):
+                _complete(_tools_nested(depth))
+            break
+        except RecursionError:  # (the reader's)
+            depth -= 1
+    assert depth > 100
+    assert _complete(_tools_nested(100))[1] is not None
