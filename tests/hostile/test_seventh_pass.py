@@ -11,7 +11,9 @@ underflows to; ``9.007199254740993e15`` for 2**53, the float it rounds to; ``1e4
 OpenAI-compatible endpoint whose tools held a lone surrogate, or nested as deep as its JSON
 reader reads, failed past its checks (in the tokenizer, in encoding the tools a call deeper):
 the endpoint's own failure, answered 500 and ended as ``agent_error`` with a traceback, rather
-than the harness's bad request (400, ``harness_error``)."""
+than the harness's bad request (400, ``harness_error``). ``jarl view`` on a traces file of
+100,000 one-character tool messages in one span took minutes to mark the tool tokens (each was
+tested against every tool text found: quadratic)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 
 from jax_agent_rl.agent.openai_requests import HarnessError, check_request
 from jax_agent_rl.rewards.math import gsm8k_lenient_reward, math_reward
+from jax_agent_rl.view.data import roles
 
 
 @pytest.mark.parametrize(
@@ -171,3 +174,52 @@ def test_tools_nested_as_deep_as_the_body_reader_reads_are_the_harness_error() -
             depth -= 1
     assert depth > 100
     assert _complete(_tools_nested(100))[1] is not None
+
+
+def _roles_by_scan(pieces: list[str], mask: list[int], tool_texts: list[str]) -> str:
+    """The view's token roles by the direct reading of its rule (each tool text found in turn
+    in a mask-0 span, each token overlapping it ``t``): every token of the span is tested
+    against every hit, which is quadratic."""
+    out = ["s" if m else "p" for m in mask]
+    texts, start = list(tool_texts), 0
+    while start < len(pieces):
+        end = start
+        while end < len(pieces) and mask[end] == mask[start]:
+            end += 1
+        if not mask[start]:
+            text, ends = "".join(pieces[start:end]), [0]
+            for piece in pieces[start:end]:
+                ends.append(ends[-1] + len(piece))
+            at = 0
+            while texts and texts[0] and (hit := text.find(texts[0], at)) >= 0:
+                stop = hit + len(texts.pop(0))
+                for i in range(start, end):
+                    if ends[i - start] < stop and ends[i - start + 1] > hit:
+                        out[i] = "t"
+                at = stop
+        start = end
+    return "".join(out)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    st.lists(st.tuples(st.sampled_from(["", "a", "b", "ab", "ba", "aab"]), st.integers(0, 1))),
+    st.lists(st.sampled_from(["", "a", "b", "ab", "aa", "bab"]), max_size=8),
+)
+def test_token_roles_are_those_of_the_rule_read_directly(
+    tokens: list[tuple[str, int]], tool_texts: list[str]
+) -> None:
+    pieces, mask = [p for p, _ in tokens], [m for _, m in tokens]
+    messages = [{"role": "tool", "content": t} for t in tool_texts]
+    assert roles(pieces, mask, messages) == _roles_by_scan(pieces, mask, tool_texts)
+
+
+@pytest.mark.timeout(60)  # a bound on a hang: the walk takes a fraction of a second
+def test_many_tool_messages_in_one_span_are_shown_in_linear_time() -> None:
+    """A traces file of 100,000 one-character tool messages in one span of as many tokens (3
+    MB): every token was tested against every tool text found, minutes before the page was
+    written (4,000 of them: a second)."""
+    n = 100_000
+    messages = [{"role": "tool", "content": "a"}] * n
+    assert roles(["a"] * n, [0] * n, messages) == "t" * n
+    assert roles(["a"] * n + ["b"], [0] * n + [1], messages[:10]) == "t" * 10 + "p" * (n - 10) + "s"
