@@ -11,12 +11,15 @@ underflows to; ``9.007199254740993e15`` for 2**53, the float it rounds to; ``1e4
 OpenAI-compatible endpoint whose tools held a lone surrogate, or nested as deep as its JSON
 reader reads, failed past its checks (in the tokenizer, in encoding the tools a call deeper):
 the endpoint's own failure, answered 500 and ended as ``agent_error`` with a traceback, rather
-than the harness's bad request (400, ``harness_error``). ``jarl view`` on a traces file of
+than the harness's bad request (400, ``harness_error``); and a body holding ``NaN`` or ``1e999``
+(Python's JSON reader takes them, no strict one does) was taken, a NaN in the tools then making
+every later request's tools differ from the first's. ``jarl view`` on a traces file of
 100,000 one-character tool messages in one span took minutes to mark the tool tokens (each was
 tested against every tool text found: quadratic)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from fractions import Fraction
@@ -26,9 +29,13 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from jax_agent_rl.agent.openai_endpoint import Session, serve
 from jax_agent_rl.agent.openai_requests import HarnessError, check_request
 from jax_agent_rl.rewards.math import gsm8k_lenient_reward, math_reward
 from jax_agent_rl.view.data import roles
+from tests.agent.test_loop import CONFIG
+from tests.agent.test_openai_endpoint import PROMPT, _context, _fresh
+from tests.hostile.test_openai_endpoint import _port, _post, _status
 
 
 @pytest.mark.parametrize(
@@ -223,3 +230,48 @@ def test_many_tool_messages_in_one_span_are_shown_in_linear_time() -> None:
     messages = [{"role": "tool", "content": "a"}] * n
     assert roles(["a"] * n, [0] * n, messages) == "t" * n
     assert roles(["a"] * n + ["b"], [0] * n + [1], messages[:10]) == "t" * 10 + "p" * (n - 10) + "s"
+
+
+async def _first_request(setup: dict[str, Any], key: str, body: bytes) -> tuple[Session, bytes]:
+    """A fresh session's answer to ``body``, its first request, over HTTP."""
+    ctx = await _context(setup, CONFIG, None)
+    session = _fresh(ctx, key)
+    async with serve({key: session}) as base_url:
+        answer = await _post(_port(base_url), key, body)
+    await ctx.backend.close()
+    return session, answer
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_lone_surrogate_in_a_first_requests_tools_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any],
+) -> None:
+    tools = '[{"type": "function", "function": {"name": "f\\ud800", "parameters": {}}}]'
+    body = f'{{"messages": {json.dumps(PROMPT)}, "tools": {tools}}}'.encode()
+    session, answer = asyncio.run(_first_request(setup, "surrogate", body))
+    assert _status(answer) == 400 and b"tools hold a lone surrogate" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
+@pytest.mark.parametrize(
+    ("number", "problem"),
+    [("NaN", b"NaN is not a JSON number"), ("1e999", b"1e999 is past a float's range")],
+)
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_request_body_of_numbers_strict_json_has_not_is_refused(
+    setup: dict[str, Any], number: str, problem: bytes
+) -> None:
+    """``NaN`` and ``1e999`` (Python's reader takes them; no OpenAI client writes them) in a
+    first request's tools were rendered into the prompt as no strict reader reads them back,
+    and a NaN, unequal to itself, made every later request's tools differ from the first's: a
+    harness error on the second request naming the wrong problem."""
+    schema = '{"type": "number", "default": ' + number + "}"
+    tools = (
+        '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+        f'"properties": {{"x": {schema}}}}}}}}}]'
+    )
+    body = f'{{"messages": {json.dumps(PROMPT)}, "tools": {tools}}}'.encode()
+    json.loads(body)  # (Python's reader takes it)
+    session, answer = asyncio.run(_first_request(setup, "strict", body))
+    assert _status(answer) == 400 and problem in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
