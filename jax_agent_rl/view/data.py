@@ -120,7 +120,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
             finite(record["rollout_logprobs"][i]),
             finite(learner[i]),
             finite(advantages[i]),
-            versions[i],
+            int(versions[i]),
             finite(entropy[i]),
             expert_text(experts[i]),
         ]
@@ -140,8 +140,10 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
         "forked_from": visible(str(record["forked_from"])) if record["forked_from"] else None,
         # a record's step counts the steps done: it trained the policy of version step - 1
         "staleness": record["step"] - 1 - min(sampled) if sampled else 0,
-        "turns": record["num_turns"],
-        "tool_calls": record["tool_calls"],
+        # counts as whole numbers: a value passed through as read (a list nested as deep as
+        # the reader reads) failed to encode into the page
+        "turns": int(record["num_turns"]),
+        "tool_calls": int(record["tool_calls"]),
         "error": visible(record["error"] or ""),
         "prompt": visible(record["prompt_text"]),
         "tokens": tokens,
@@ -177,8 +179,17 @@ def whole_step(record: dict[str, Any]) -> bool:
 
 # what reading a record of the wrong shape raises: a field missing, or of another type (text
 # where a number goes: ValueError; an int past float's range: OverflowError; a number where
-# text goes: AttributeError), or a line that is not JSON (ValueError)
-_NOT_A_RECORD = (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError)
+# text goes: AttributeError), a line that is not JSON (ValueError), or a value nested as deep
+# as the reader reads, which writing out (as text, as JSON) takes deeper (RecursionError)
+_NOT_A_RECORD = (
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    ValueError,
+    OverflowError,
+    RecursionError,
+)
 
 
 def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:

@@ -15,7 +15,9 @@ than the harness's bad request (400, ``harness_error``); and a body holding ``Na
 (Python's JSON reader takes them, no strict one does) was taken, a NaN in the tools then making
 every later request's tools differ from the first's. ``jarl view`` on a traces file of
 100,000 one-character tool messages in one span took minutes to mark the tool tokens (each was
-tested against every tool text found: quadratic)."""
+tested against every tool text found: quadratic); on a record nested past what the JSON reader
+reads, or just within it in a count passed through into the page, it ended in a RecursionError
+traceback."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import asyncio
 import json
 import math
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import hypothesis
@@ -31,11 +34,14 @@ from hypothesis import strategies as st
 
 from jax_agent_rl.agent.openai_endpoint import Session, serve
 from jax_agent_rl.agent.openai_requests import HarnessError, check_request
+from jax_agent_rl.cli import main
 from jax_agent_rl.rewards.math import gsm8k_lenient_reward, math_reward
+from jax_agent_rl.train.traces import TRACES_FILE, read_traces
 from jax_agent_rl.view.data import roles
 from tests.agent.test_loop import CONFIG
 from tests.agent.test_openai_endpoint import PROMPT, _context, _fresh
 from tests.hostile.test_openai_endpoint import _port, _post, _status
+from tests.train.test_view import hostile_record
 
 
 @pytest.mark.parametrize(
@@ -275,3 +281,45 @@ def test_a_request_body_of_numbers_strict_json_has_not_is_refused(
     session, answer = asyncio.run(_first_request(setup, "strict", body))
     assert _status(answer) == 400 and problem in answer
     assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
+def _nested_record(field: str, depth: int) -> str:
+    """A trace record whose ``field`` (``tool_calls`` of its assistant message when the field
+    is ``message_calls``) is a list nested ``depth`` deep."""
+    record = hostile_record("h/0", None)
+    deep = "[" * depth + "]" * depth
+    if field == "message_calls":
+        record["messages"][1]["tool_calls"] = "DEEP"  # type: ignore[index]
+    else:
+        record[field] = "DEEP"
+    return json.dumps(record).replace('"DEEP"', deep) + "\n"
+
+
+@pytest.mark.parametrize(
+    "field", ["num_turns", "tool_calls", "token_versions", "uid", "message_calls"]
+)
+def test_a_trace_record_nested_as_deep_as_the_reader_reads_is_a_named_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """``jarl view`` on a traces file whose record nests a value ever deeper: past what the
+    reader reads, the RecursionError of reading it; just within it, the RecursionError of
+    writing it out deeper (a count passed through into the page's JSON, a uid written as
+    text, a message's calls written as JSON), a traceback either way. Each is refused naming
+    the file (exit 2)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    traces = run_dir / TRACES_FILE
+    lo, hi = 100, 5000  # the reader reads lo deep here, not hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        traces.write_text(_nested_record(field, mid))
+        try:
+            read_traces(traces)
+            lo = mid
+        except (RecursionError, ValueError):  # (before the fix; after it)
+            hi = mid
+    for depth in range(lo - 20, lo + 3):  # jarl view reads a few calls deeper than here
+        traces.write_text(_nested_record(field, depth))
+        assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) in (0, 2), depth
+        err = capsys.readouterr().err
+        assert not err or str(traces) in err, err
