@@ -17,7 +17,9 @@ every later request's tools differ from the first's. ``jarl view`` on a traces f
 100,000 one-character tool messages in one span took minutes to mark the tool tokens (each was
 tested against every tool text found: quadratic); on a record nested past what the JSON reader
 reads, or just within it in a count passed through into the page, it ended in a RecursionError
-traceback."""
+traceback. Held, and kept here as regressions: the calculator past its bounds, the tool-call
+parsers on text made of JSON's and the tags' pieces, answers hedged between numbers, and
+100,000-character answers of each piece the number readers' patterns repeat."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from jax_agent_rl.agent.openai_endpoint import Session, serve
 from jax_agent_rl.agent.openai_requests import HarnessError, check_request
 from jax_agent_rl.cli import main
 from jax_agent_rl.rewards.math import gsm8k_lenient_reward, math_reward
+from jax_agent_rl.tokenization.tool_calls import PARSERS, make_parser
+from jax_agent_rl.tools.calculator import CalculatorError, evaluate
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces
 from jax_agent_rl.view.data import roles
 from tests.agent.test_loop import CONFIG
@@ -323,3 +327,77 @@ def test_a_trace_record_nested_as_deep_as_the_reader_reads_is_a_named_error(
         assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) in (0, 2), depth
         err = capsys.readouterr().err
         assert not err or str(traces) in err, err
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "1e308 // 1e-308",  # float floor division to infinity
+        "1 / 5e-324",
+        "2 ** -(10**3900)",  # an int exponent past float's range, for a float result
+        "1.0000001 ** (10**3900)",
+        "(10**3900) % 7.0",
+        "1.5 ** 1e308",
+        "0.1 ** -1000",
+        "(2**12999 + 2**12999) // 1",  # a sum one bit past the bound
+        "round(2**12999 * 1.0)",
+    ],
+)
+def test_calculator_arguments_past_its_bounds_are_its_errors(expression: str) -> None:
+    """Held: each is a `CalculatorError` the model reads, at once."""
+    with pytest.raises(CalculatorError):
+        evaluate(expression)
+
+
+ATOMS = [
+    *("<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "<|eom_id|>"),
+    *("{", "}", "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "\x00", '"\\"'),
+    *('"name"', '"f"', '"arguments"', '"parameters"', "NaN", "1e999", "-0", "1", "null"),
+    *("\\ud800", "\\udc00", "\\ud83d\\ude00", "```python\n", "```", "<python>", "</python>"),
+]
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(ATOMS), max_size=16).map("".join))
+def test_a_parsed_call_is_strict_json_or_an_error_and_nothing_raises(text: str) -> None:
+    """Held: whatever a turn writes, every parser returns calls, and each call it accepts
+    has a name and arguments a strict JSON writer takes (no NaN, no infinity, no lone
+    surrogate)."""
+    for name in PARSERS:
+        parser = make_parser(name)
+        parser.needs_more(text)
+        for call in parser.parse(text):
+            if call.error is None:
+                assert isinstance(call.name, str) and call.name
+                json.dumps([call.name, call.arguments], allow_nan=False).encode("utf-8")
+
+
+ANSWER_ATOMS = [
+    *("1", "2", "0", "5", "9", " ", ",", ".", "e", "-", "+", "%", "\\%", "/", "_", "$"),
+    *("\\frac{", "}{", "}", "\\!", "\\,", "\uff11", "inf", "nan", "000", "\\boxed{", "e-400"),
+]
+TRUTHS = ["0", "1", "2", "5", "10", "12", "15", "21", "25", "50", "100", "1000", "0.5", "1.5"]
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(ANSWER_ATOMS), min_size=1, max_size=7).map("".join))
+def test_no_answer_scores_for_two_different_numbers(answer: str) -> None:
+    """Held: an answer a policy unsure of the number writes scores for one of these ground
+    truths at most (by the math and the lenient GSM8K rewards)."""
+    for reward, text in (
+        (math_reward, f"<answer>{answer}</answer>"),
+        (gsm8k_lenient_reward, f"#### {answer}"),
+    ):
+        assert sum(reward(text, truth) for truth in TRUTHS) <= 1.0
+
+
+@pytest.mark.timeout(60)  # a bound on a hang: each reading is linear, milliseconds
+@pytest.mark.parametrize(
+    "piece", ["1 ", "1 000", "111 ", "1 000 ", "\\,", "1\\,000\\,", "1,000,", "#### $", "e", "1e"]
+)
+def test_answers_of_a_repeated_piece_are_read_in_linear_time(piece: str) -> None:
+    """Held: 100,000 characters of each piece the number readers' patterns repeat."""
+    text = piece * (100_000 // len(piece))
+    assert math_reward(f"<answer>{text}</answer>", "42") == 0.0
+    assert math_reward("<answer>42</answer>", text) == 0.0
+    assert gsm8k_lenient_reward(text + "x", "42") == 0.0
