@@ -6,7 +6,7 @@ change a value (``\\left``/``\\right``, ``\\!``, ``^\\circ``, ``$``, ``\\dfrac``
 ``\\frac``, ``\\,`` and ``\\;`` read as spaces, a trailing period) and every space but one
 between two digits (``1 000``, digits in groups of three, is one number; ``3 5`` and the mixed
 number ``3 1/2`` are no number, not 35 or 31/2), then compares two answers as numbers when both
-parse (integers, decimals, exponents up to ``e±4300``, fractions like ``3/4``,
+parse (integers, decimals, exponents of a magnitude within 10**±4300, fractions like ``3/4``,
 ``\\frac{3}{4}``, commas between groups of three digits, a trailing ``%``), exactly, otherwise
 as lower-cased strings (``inf``, ``nan`` and numbers past int's 4,300 digits too); an answer
 left empty by this is no answer, whatever the ground truth. A whole number equals itself only,
@@ -49,8 +49,9 @@ _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 # a whole number's digits in groups of three: its commas are thousands separators (any other
 # comma is no number's: "3, 5" is two answers, not 35)
 _GROUPED = re.compile(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d,])")
-# the largest exponent of ten read (e4300: the digits int() reads); past it a number is
-# compared as written (Fraction("1e100000000") builds 10**100000000)
+# the largest magnitude, as a power of ten, of a number written with an exponent that is read
+# (10**4300: the digits int() reads); past it the number is compared as written
+# (Fraction("1e100000000") builds 10**100000000)
 _MAX_EXPONENT = 4300
 # a whole number's float rounding noise: a few units in float's last place, relatively
 _FLOAT_NOISE = Fraction(1, 2**50)
@@ -83,8 +84,9 @@ def extract_answer(text: str) -> str | None:
 
 def parse_number(s: str) -> Fraction | None:
     """``s``'s exact value, or None when it is no number or none read exactly (``inf``,
-    ``nan``, more digits than int reads, an exponent past ±`_MAX_EXPONENT`): float's reading
-    made ``1e-400`` the 0 it underflows to and ``9.007199254740993e15`` the 2**53 it rounds to."""
+    ``nan``, more digits than int reads, a magnitude past 10**±`_MAX_EXPONENT` written with an
+    exponent): float's reading made ``1e-400`` the 0 it underflows to and
+    ``9.007199254740993e15`` the 2**53 it rounds to."""
     s = s.strip().strip("$").replace("\\!", "").strip()
     s = _GROUPED.sub(lambda m: m.group().replace(",", ""), s)
     s = re.sub(r"^\\boxed\{(.*)\}$", r"\1", s)
