@@ -27,9 +27,10 @@ re-tokenized where the model wrote them:
   So for the same model tokens a harness that runs the calls it is given records token for
   token the trajectory `run_tool_agent` records.
 
-A request that rewrites an earlier turn, or that the endpoint cannot take (not JSON, no
-messages, an unknown role, a sampling field, a second request while one is in progress,
-streaming: `jax_agent_rl.agent.openai_requests`; a first request of more characters than
+A request that rewrites an earlier turn, or that the endpoint cannot take (not strict JSON:
+``NaN``, ``Infinity`` and ``1e999`` are no numbers; no messages, an unknown role, a sampling
+field, a second request while one is in progress, streaming, tools holding a lone surrogate:
+`jax_agent_rl.agent.openai_requests`; a first request of more characters than
 ``rollout.max_model_len`` tokens could hold, refused before it is tokenized), is answered 400
 with what was wrong (413 for a body too large, 408 for one too slow), and its session's episode
 ends there with stop reason ``harness_error`` (not trainable, counted as
@@ -92,7 +93,7 @@ from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization import Message
-from jax_agent_rl.tokenization.tool_calls import ParsedCall
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, finite_json_float, no_json_constant
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
@@ -144,8 +145,10 @@ class Session:
                 raw = await request.body()
             except BodyError as e:
                 raise HarnessError(str(e), e.status) from None
-            try:
-                body = json.loads(raw)
+            try:  # strict: a NaN in the tools, unequal to itself, made later requests' differ
+                body = json.loads(
+                    raw, parse_constant=no_json_constant, parse_float=finite_json_float
+                )
             except (ValueError, RecursionError) as e:
                 raise HarnessError(f"the request body is not JSON ({e})") from None
             return await self._complete(body)

@@ -70,6 +70,12 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise HarnessError("tools must be a list of objects")
+    try:  # (rendered into the prompt, a lone surrogate failed in the tokenizer: a 500)
+        json.dumps(tools, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise HarnessError("the request's tools hold a lone surrogate: not text") from None
+    except RecursionError:
+        raise HarnessError("the request's tools nest too deep") from None
     return messages, tools or None
 
 

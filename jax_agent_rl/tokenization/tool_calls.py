@@ -73,7 +73,7 @@ def _decode(raw: str) -> tuple[Any, str | None]:
     failure, which takes the episode out of training).
     """
     try:
-        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+        obj = json.loads(raw, parse_constant=no_json_constant, parse_float=finite_json_float)
         depth = _depth(obj)
         if depth > MAX_JSON_DEPTH:
             return None, f"nested {depth} levels deep, past the {MAX_JSON_DEPTH} levels a call has"
@@ -100,11 +100,15 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _no_constant(name: str) -> Any:
+def no_json_constant(name: str) -> Any:
+    """``json.loads``'s ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity``, which
+    Python's reader takes and no strict JSON writer writes, are an error."""
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _finite_float(text: str) -> float:
+def finite_json_float(text: str) -> float:
+    """``json.loads``'s ``parse_float``: a number past float's range (``1e999``, which
+    Python's reader takes as infinity) is an error."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"{text:.40} is past a float's range")

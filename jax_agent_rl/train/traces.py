@@ -172,7 +172,7 @@ def read_traces(path: Path, step: int | None = None) -> list[dict[str, Any]]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # (nested past what it reads)
                 raise ValueError(f"{path}: line {line_number} is not valid JSON: {e}") from e
             if not isinstance(record, dict) or "step" not in record:
                 raise ValueError(f"{path}: line {line_number} is not a trace record")

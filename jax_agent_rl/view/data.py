@@ -45,26 +45,35 @@ def finite(x: float | None) -> float | str | None:
 
 def roles(pieces: Sequence[str], mask: Sequence[int], messages: Sequence[dict[str, Any]]) -> str:
     """One letter per token (see the module docstring): mask-0 tokens whose text lies inside
-    a tool message's content are ``t``, in message order."""
+    a tool message's content are ``t``, in message order. Linear in the tokens and the tool
+    messages: each span's tokens are walked once, from one tool text found to the next (a
+    walk over the whole span for each made 100,000 one-character tool messages minutes)."""
     tool_texts = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
     out = ["s" if m else "p" for m in mask]
-    start = 0
+    start, next_text = 0, 0
     while start < len(pieces):
         end = start
         while end < len(pieces) and mask[end] == mask[start]:
             end += 1
         if not mask[start]:
             text = "".join(pieces[start:end])
-            ends = [0]
+            ends = [0]  # ends[k]: where the span's token start + k - 1 ends in text
             for piece in pieces[start:end]:
                 ends.append(ends[-1] + len(piece))
-            at = 0
-            while tool_texts and tool_texts[0] and (hit := text.find(tool_texts[0], at)) >= 0:
-                stop = hit + len(tool_texts.pop(0))
-                for i in range(start, end):
-                    lo, hi = ends[i - start], ends[i - start + 1]
-                    if lo < stop and hi > hit:
-                        out[i] = "t"
+            at, first = 0, start  # first: the first token that may overlap a later hit
+            while (
+                next_text < len(tool_texts)
+                and tool_texts[next_text]
+                and (hit := text.find(tool_texts[next_text], at)) >= 0
+            ):
+                stop = hit + len(tool_texts[next_text])
+                next_text += 1
+                while first < end and ends[first - start + 1] <= hit:
+                    first += 1
+                i = first
+                while i < end and ends[i - start] < stop:  # the tokens overlapping the hit
+                    out[i] = "t"
+                    i += 1
                 at = stop
         start = end
     return "".join(out)
@@ -111,7 +120,7 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
             finite(record["rollout_logprobs"][i]),
             finite(learner[i]),
             finite(advantages[i]),
-            versions[i],
+            int(versions[i]),
             finite(entropy[i]),
             expert_text(experts[i]),
         ]
@@ -131,8 +140,10 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
         "forked_from": visible(str(record["forked_from"])) if record["forked_from"] else None,
         # a record's step counts the steps done: it trained the policy of version step - 1
         "staleness": record["step"] - 1 - min(sampled) if sampled else 0,
-        "turns": record["num_turns"],
-        "tool_calls": record["tool_calls"],
+        # counts as whole numbers: a value passed through as read (a list nested as deep as
+        # the reader reads) failed to encode into the page
+        "turns": int(record["num_turns"]),
+        "tool_calls": int(record["tool_calls"]),
         "error": visible(record["error"] or ""),
         "prompt": visible(record["prompt_text"]),
         "tokens": tokens,
@@ -168,8 +179,17 @@ def whole_step(record: dict[str, Any]) -> bool:
 
 # what reading a record of the wrong shape raises: a field missing, or of another type (text
 # where a number goes: ValueError; an int past float's range: OverflowError; a number where
-# text goes: AttributeError), or a line that is not JSON (ValueError)
-_NOT_A_RECORD = (KeyError, TypeError, IndexError, AttributeError, ValueError, OverflowError)
+# text goes: AttributeError), a line that is not JSON (ValueError), or a value nested as deep
+# as the reader reads, which writing out (as text, as JSON) takes deeper (RecursionError)
+_NOT_A_RECORD = (
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    ValueError,
+    OverflowError,
+    RecursionError,
+)
 
 
 def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:
