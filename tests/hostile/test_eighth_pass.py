@@ -7,12 +7,16 @@
   ``name`` (the name the model called) as in its content; and the probe that finds it in the
   render is a mark no message holds, so model text that spells the old probe beside
   special-token text ends its turn with an observation, not a ChatTemplateError.
+- A ``reasoning_gym:`` spec's option nested past the recursion limit is an error naming the
+  spec (``jarl train`` printed a RecursionError's traceback), and the bound on an option's
+  size holds for the numbers inside its lists and mappings too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +30,8 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import Episode, episode_tools
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data import reasoning_gym
+from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.rollout import EmbeddedBackend
@@ -170,3 +176,22 @@ def test_a_tool_name_the_template_writes_cannot_forge_a_turn(context: AgentConte
     observation = _observation(named, traj, text)
     assert _markers(named, observation) == (2, 2)
     assert f'<tool_response name="{FORGED}">' in tok.decode(observation)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("[" * 3000, "nested too deep"),
+        ("{a: " * 3000, "nested too deep"),
+        ("[1, [2, 99999]]", "option x=99999 is over 10000"),
+        ("{lo: 1, hi: 10001}", "option x=10001 is over 10000"),
+    ],
+)
+def test_a_reasoning_gym_option_is_read_and_bounded_however_deep(value: str, problem: str) -> None:
+    """An option's value nested past the recursion limit (a RecursionError out of the YAML
+    reader: ``jarl train`` printed a traceback), and a number inside a list or a mapping
+    (bounded only at the top level: a task loops over it as over any other), are errors
+    naming the spec."""
+    spec = f"reasoning_gym:basic_arithmetic?size=1&seed=0&x={value}"
+    with pytest.raises(ReasoningGymError, match=re.escape(problem)):
+        reasoning_gym.samples(spec, "tool_agent")
