@@ -9,7 +9,8 @@
   special-token text ends its turn with an observation, not a ChatTemplateError.
 - A ``reasoning_gym:`` spec's option nested past the recursion limit is an error naming the
   spec (``jarl train`` printed a RecursionError's traceback), and the bound on an option's
-  size holds for the numbers inside its lists and mappings too.
+  size holds for the numbers inside its lists and mappings too; an interaction config nested
+  as deep is a ConfigError.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import Episode, episode_tools
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.engine import Engine
+from jax_agent_rl.envs.verl_interaction import load_interactions
 from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
@@ -195,3 +198,13 @@ def test_a_reasoning_gym_option_is_read_and_bounded_however_deep(value: str, pro
     spec = f"reasoning_gym:basic_arithmetic?size=1&seed=0&x={value}"
     with pytest.raises(ReasoningGymError, match=re.escape(problem)):
         reasoning_gym.samples(spec, "tool_agent")
+
+
+def test_an_interaction_config_nested_too_deep_is_a_config_error(tmp_path: Path) -> None:
+    """``env.interaction_config`` nested past the recursion limit: a RecursionError out of
+    the YAML reader (``jarl train`` printed its traceback), now a `ConfigError` naming the
+    key and the file."""
+    path = tmp_path / "interaction.yaml"
+    path.write_text("interaction: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(ConfigError, match=r"env\.interaction_config=.*nested too deep"):
+        load_interactions(str(path))
