@@ -11,6 +11,10 @@
   spec (``jarl train`` printed a RecursionError's traceback), and the bound on an option's
   size holds for the numbers inside its lists and mappings too; an interaction config nested
   as deep is a ConfigError.
+- A folder a command writes that cannot be made (``trainer.run_dir``, ``jarl checkpoint make
+  --out``, ``jarl demo --run-dir``, under a file or on a read-only file system) is one line
+  naming the key or flag, and ``--seed`` past what ``jax.random.key`` takes is argparse's
+  error, never a traceback.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import pytest
 from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
+from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import Episode, episode_tools
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import Trajectory
-from jax_agent_rl.config import ConfigError
+from jax_agent_rl.cli import main
+from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.engine import Engine
@@ -50,6 +56,9 @@ from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.build import build_run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +217,35 @@ def test_an_interaction_config_nested_too_deep_is_a_config_error(tmp_path: Path)
     path.write_text("interaction: " + "[" * 3000 + "]" * 3000 + "\n")
     with pytest.raises(ConfigError, match=r"env\.interaction_config=.*nested too deep"):
         load_interactions(str(path))
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> None:
+    """``trainer.run_dir`` under a file: every check of ``jarl train`` passed, then making the
+    folder raised NotADirectoryError (a traceback); now a `ConfigError` naming the key, which
+    ``jarl train`` prints as one line."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run_dir = a_file / "run"
+    config = ROOT / "configs" / "demo_calculator_cpu.yaml"
+    given = ["model.path=ckpt", "data.train=t.jsonl", "data.val=t.jsonl", "sft.data=x.jsonl"]
+    cfg = load_config(str(config), [*given, f"trainer.run_dir={run_dir}"])
+    want = f"trainer.run_dir={str(run_dir)!r}: cannot make the folder: Not a directory"
+    with pytest.raises(ConfigError, match=f"^{re.escape(want)}$"):
+        build_run(cfg, Console(quiet=True))
+
+
+def test_checkpoint_make_refuses_a_folder_it_cannot_make_and_a_seed_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` under a file (NotADirectoryError) and ``--seed`` past an int64 (OverflowError
+    in ``jax.random.key``) were tracebacks; now one line each, before anything is made."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    out = a_file / "ckpt"
+    assert main(["checkpoint", "make", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jarl: --out {out}: cannot make the folder: ") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "make", "--out", str(tmp_path / "c"), "--seed", str(2**64)])
+    assert f"argument --seed: {2**64} is not in [0, " in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
