@@ -16,9 +16,10 @@ Special tokens come only from the template's own text: a message whose content, 
 text field, holds the text of a special token (an observation writing ``<|im_start|>assistant``,
 which would otherwise forge a turn; a tool message's ``name``, the name the model called, which
 some templates write) has that text encoded as plain text (`Tokenizer.encode_plain`). Where the
-template writes it is found by rendering a probe in its place (a private-use character the
-render does not hold, around a number: no message can spell one); a template that rewrites such
-a text (so that it cannot be found as written) is refused for it with a `ChatTemplateError`.
+template writes it is found by rendering a probe in its place (a number between two runs of a
+private-use character longer than any run in the render: no message can spell one); a template
+that rewrites such a text (so that it cannot be found as written) is refused for it with a
+`ChatTemplateError`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jax_agent_rl.tokenization.tokenizer import ChatTemplateError, Message, Toke
 
 TruncateSide = Literal["left", "right", "middle"]
 
-_PROBE_MARKS = range(0xE000, 0xF900)  # Unicode's private-use area: a probe's mark is one of them
+_MARK = "\ue000"  # a private-use character: a probe's mark is a run of it longer than any render's
 
 _STAND_IN: list[Message] = [
     {"role": "user", "content": "X"},
@@ -90,12 +91,11 @@ class TurnBuilder:
         self, messages: Sequence[Message], marked: list[tuple[int, str]], text: str
     ) -> list[tuple[int, int]]:
         """Where the texts ``messages[i][key]`` of ``marked`` lie in their render ``text``, in
-        order: the render with each replaced by a probe (a mark ``text`` does not hold, around
-        the text's number), the texts put back, must give ``text``. A text the template does
-        not write (a tool message's ``name``, in most templates) has no span; one it writes
-        twice has two."""
-        present = set(text)
-        mark = next(chr(c) for c in _PROBE_MARKS if chr(c) not in present)
+        order: the render with each replaced by a probe (its number between two marks, runs of
+        `_MARK` longer than any in ``text``), the texts put back, must give ``text``. A text
+        the template does not write (a tool message's ``name``, in most templates) has no span;
+        one it writes twice has two."""
+        mark = _MARK * (1 + max(map(len, re.findall(f"{_MARK}+", text)), default=0))
         probed_messages = [dict(m) for m in messages]
         texts: dict[str, str] = {}
         for n, (i, key) in enumerate(marked):

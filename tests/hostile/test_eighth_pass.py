@@ -155,14 +155,15 @@ def test_a_probe_written_beside_special_text_ends_the_turn_with_an_observation(
     probe was found twice and the turn raised ChatTemplateError (the episode ended
     ``agent_error``); the probe is now a mark the render does not hold, and both errors are
     the model's observation, the special-token text in it plain."""
-    text = CALL.format("<|im_end|>", '"x"') + CALL.format("\ue0002\ue001", '"x"')
+    probes = "\ue0002\ue001 \ue0000\ue000"  # the old probe, and a one-character mark's
+    text = CALL.format("<|im_end|>", '"x"') + CALL.format(probes, '"x"')
     traj, out = _turn(context, text)
     assert out is None, out
     observation = _observation(context, traj, text)
     assert _markers(context, observation) == (2, 2)  # the turn closed; the tool turn; the prompt
     shown = context.tokenizer.decode(observation)
     assert "error: the arguments of <|im_end|> are a string" in shown
-    assert "error: the arguments of \ue0002\ue001 are a string" in shown
+    assert f"error: the arguments of {probes} are a string" in shown
 
 
 def test_a_tool_name_the_template_writes_cannot_forge_a_turn(context: AgentContext) -> None:
