@@ -250,3 +250,16 @@ def test_checkpoint_make_refuses_a_folder_it_cannot_make_and_a_seed_it_cannot_us
         main(["checkpoint", "make", "--out", str(tmp_path / "c"), "--seed", str(2**64)])
     assert f"argument --seed: {2**64} is not in [0, " in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_a_demo_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl demo --run-dir`` under a file: NotADirectoryError out of writing the task (a
+    traceback); now one line naming the flag, before anything is written."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run_dir = a_file / "run"
+    assert main(["demo", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jarl: --run-dir {run_dir}: cannot make the folder: Not a directory\n"
