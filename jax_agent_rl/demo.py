@@ -35,6 +35,7 @@ from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.files import made_folder
 from jax_agent_rl.models import ModelConfig, init_params, request_cpu_devices, save_hf
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
@@ -340,6 +341,7 @@ def run(
     cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides, config)  # bad keys first
     console.print(f"jarl demo: {EXPECTED_DURATION[demo]}", highlight=False, soft_wrap=True)
     request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
+    made_folder(run_dir / "task", f"--run-dir {run_dir}")
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
         files = prepare(run_dir / "task", model=model)
     console.print(

@@ -295,7 +295,8 @@ class EpisodeTool(BaseTool):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{self.name} runs asynchronously: use ainvoke")
 
-    async def _arun(self, **arguments: Any) -> tuple[str, ToolResult]:
+    async def _arun(self, /, **arguments: Any) -> tuple[str, ToolResult]:
+        # (``self`` positional-only: the model's arguments may hold any key, "self" too)
         ep = self.episode
         result = await call_tool(ep.ctx, ep.traj, self._call(arguments), ep.create_kwargs)
         return result.text, result

@@ -7,6 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from jax_agent_rl.cli.flags import number
+from jax_agent_rl.config.ranges import interval
+
 
 def _checkpoint_make(args: argparse.Namespace) -> int:
     out = Path(args.out)
@@ -15,7 +18,13 @@ def _checkpoint_make(args: argparse.Namespace) -> int:
         print(f"jarl: {problem}", file=sys.stderr)
         return 2
     from jax_agent_rl.demo import make_checkpoint
+    from jax_agent_rl.files import made_folder
 
+    try:
+        made_folder(out, f"--out {out}")
+    except ValueError as e:
+        print(f"jarl: {e}", file=sys.stderr)
+        return 2
     model = make_checkpoint(out, args.preset, args.seed)
     print(
         f"wrote a random-init {model.num_params:,}-parameter {model.family} checkpoint with its "
@@ -63,7 +72,12 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPars
         help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe / small-moe: a "
         "Qwen3-MoE of their size (8 experts, 2 per token; tiny-moe has one dense layer)",
     )
-    p.add_argument("--seed", type=int, default=0, help="of the weights and the tokenizer's corpus")
+    p.add_argument(
+        "--seed",
+        type=number(int, interval(0, 2**63 - 1)),  # (jax.random.key takes an int64)
+        default=0,
+        help="of the weights and the tokenizer's corpus",
+    )
     p.set_defaults(func=_checkpoint_make)
 
     p = sub.add_parser(

@@ -98,15 +98,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run_training(cfg: JarlConfig, multi: bool) -> int:
     """`train` in this process: one of a multi-process run stops every process (each saying
-    why); a single one refuses a checkpoint it cannot resume from in one line."""
+    why); a single one refuses a checkpoint it cannot resume from, or a run folder it cannot
+    make, in one line."""
     from jax_agent_rl import distributed
+    from jax_agent_rl.config import ConfigError
     from jax_agent_rl.models.checkpoint import CheckpointError
     from jax_agent_rl.train import train
 
     if not multi:
         try:
             run_dir = train(cfg, Console())
-        except CheckpointError as e:  # the run's own checkpoint, cut short: one line names it
+        except (CheckpointError, ConfigError) as e:  # (its checkpoint cut short, its folder)
             return _refuse([str(e)])
     else:
         try:

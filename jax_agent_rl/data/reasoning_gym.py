@@ -32,8 +32,8 @@ from jax_agent_rl.tags import tagged
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"
 MAX_ROWS = 100_000  # size: the rows are generated when the data loads, every one of them
-# any other integer option (a task's term count, depth, digits...): a task builds its
-# questions with loops and recursion over these, so a huge one runs for ever or overflows
+# any other number of an option (a task's term count, depth, digits, a range's bounds): a task
+# builds its questions with loops and recursion over these, so a huge one runs for ever or overflows
 MAX_OPTION = 10_000
 
 
@@ -91,6 +91,8 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
             options[key] = yaml.safe_load(value) if value else value
         except yaml.YAMLError as e:
             raise ReasoningGymError(f"{spec}: option {key}={value!r} is not a value: {e}") from e
+        except RecursionError:  # (the YAML reader recurses once per level)
+            raise ReasoningGymError(f"{spec}: option {key} is nested too deep") from None
     for key, least in (("size", 1), ("seed", 0)):
         given = options.get(key)
         if isinstance(given, bool) or not isinstance(given, int) or given < least:
@@ -99,14 +101,29 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
         raise ReasoningGymError(
             f"{spec}: size={options['size']} is over {MAX_ROWS} rows (generated as the data loads)"
         )
-    for key, value in options.items():
-        too_big = isinstance(value, int | float) and not isinstance(value, bool)
-        if key not in ("size", "seed") and too_big and abs(value) > MAX_OPTION:
-            raise ReasoningGymError(
-                f"{spec}: option {key}={value} is over {MAX_OPTION} in size (the bound on a "
-                "task's options: tasks build questions by loops and recursion over them)"
-            )
+    for key, option in options.items():
+        for number in () if key in ("size", "seed") else _numbers(option):
+            if abs(number) > MAX_OPTION:
+                raise ReasoningGymError(
+                    f"{spec}: option {key}={number} is over {MAX_OPTION} in size (the bound on a "
+                    "task's options: tasks build questions by loops and recursion over them)"
+                )
     return task, options
+
+
+def _numbers(value: Any) -> list[int | float]:
+    """The numbers in an option's value, those in its lists and mappings too (a range's
+    bounds): a task loops over them as over a number given alone."""
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int | float) and not isinstance(item, bool):
+            found.append(item)
+        elif isinstance(item, list | tuple | set):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend([*item, *item.values()])
+    return found
 
 
 @functools.cache

@@ -120,6 +120,8 @@ def load_interactions(path: str, key: str = "env.interaction_config") -> dict[st
         doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{key}={path!r}: cannot read it: {e}") from e
+    except RecursionError:  # (the YAML reader recurses once per level)
+        raise ConfigError(f"{key}={path!r}: cannot read it: nested too deep") from None
     entries = doc.get("interaction") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{key}={path!r}: expected a mapping with a non-empty 'interaction' list")

@@ -12,15 +12,19 @@ assistant message's end-of-turn token (ChatML's ``"\\n"`` after ``<|im_end|>``) 
 by the model; `close_assistant_turn` supplies it, so the next turn starts exactly where the
 template would put it.
 
-Special tokens come only from the template's own text: a message whose content holds the text of
-a special token (an observation writing ``<|im_start|>assistant``, which would otherwise forge a
-turn) has that content encoded as plain text (`Tokenizer.encode_plain`). Its place in the render
-is found by rendering a stand-in for it; a template that rewrites such a content (so that it
-cannot be found as written) is refused for it with a `ChatTemplateError`.
+Special tokens come only from the template's own text: a message whose content, or any other
+text field, holds the text of a special token (an observation writing ``<|im_start|>assistant``,
+which would otherwise forge a turn; a tool message's ``name``, the name the model called, which
+some templates write) has that text encoded as plain text (`Tokenizer.encode_plain`). Where the
+template writes it is found by rendering a probe in its place (a number between two runs of a
+private-use character longer than any run in the render: no message can spell one); a template
+that rewrites such a text (so that it cannot be found as written) is refused for it with a
+`ChatTemplateError`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -28,7 +32,7 @@ from jax_agent_rl.tokenization.tokenizer import ChatTemplateError, Message, Toke
 
 TruncateSide = Literal["left", "right", "middle"]
 
-_PROBE = "\ue000{}\ue001"  # a message's content in the probe render (private-use characters)
+_MARK = "\ue000"  # a private-use character: a probe's mark is a run of it longer than any render's
 
 _STAND_IN: list[Message] = [
     {"role": "user", "content": "X"},
@@ -71,43 +75,48 @@ class TurnBuilder:
         character ``start`` on, special tokens only where the template writes them (module
         docstring)."""
         marked = [
-            i
+            (i, key)
             for i, m in enumerate(messages)
-            if isinstance(m.get("content"), str) and self.tokenizer.has_special_text(m["content"])
+            for key, value in m.items()
+            if key != "role" and isinstance(value, str) and self.tokenizer.has_special_text(value)
         ]
         if not marked:
             return self.tokenizer.encode(text[start:])
-        spans = self._content_spans(messages, marked, text)
+        spans = self._special_spans(messages, marked, text)
         return self.tokenizer.encode_plain(
             text[start:], [(max(a, start) - start, b - start) for a, b in spans if b > start]
         )
 
-    def _content_spans(
-        self, messages: Sequence[Message], marked: list[int], text: str
+    def _special_spans(
+        self, messages: Sequence[Message], marked: list[tuple[int, str]], text: str
     ) -> list[tuple[int, int]]:
-        """Where the contents of ``messages[marked]`` lie in their render ``text``, in order:
-        the render with each replaced by a probe, the probes put back, must give ``text``."""
-        probes = {i: _PROBE.format(i) for i in marked}
-        probed = self._render(
-            [{**m, "content": probes[i]} if i in probes else m for i, m in enumerate(messages)],
-            add_generation_prompt=True,
-        )
-        found = sorted((probed.find(p), i) for i, p in probes.items())
+        """Where the texts ``messages[i][key]`` of ``marked`` lie in their render ``text``, in
+        order: the render with each replaced by a probe (its number between two marks, runs of
+        `_MARK` longer than any in ``text``), the texts put back, must give ``text``. A text
+        the template does not write (a tool message's ``name``, in most templates) has no span;
+        one it writes twice has two."""
+        mark = _MARK * (1 + max(map(len, re.findall(f"{_MARK}+", text)), default=0))
+        probed_messages = [dict(m) for m in messages]
+        texts: dict[str, str] = {}
+        for n, (i, key) in enumerate(marked):
+            probe = probed_messages[i][key] = f"{mark}{n}{mark}"
+            texts[probe] = messages[i][key]
+        probed = self._render(probed_messages, add_generation_prompt=True)
         pieces: list[str] = []
         spans: list[tuple[int, int]] = []
         at = length = 0
-        for where, i in found:
-            if where < at or probed.count(probes[i]) != 1:
+        for found in re.finditer(f"{mark}[0-9]+{mark}", probed):
+            value = texts.get(found.group())
+            if value is None:
                 break
-            content = messages[i]["content"]
-            pieces += [probed[at:where], content]
-            length += where - at
-            spans.append((length, length + len(content)))
-            length += len(content)
-            at = where + len(probes[i])
-        if len(spans) != len(marked) or "".join(pieces) + probed[at:] != text:
+            pieces += [probed[at : found.start()], value]
+            length += found.start() - at
+            spans.append((length, length + len(value)))
+            length += len(value)
+            at = found.end()
+        if "".join(pieces) + probed[at:] != text:
             raise ChatTemplateError(
-                f"{self.tokenizer.chat_template_origin} rewrites a message's content that holds "
+                f"{self.tokenizer.chat_template_origin} rewrites a message's text that holds "
                 "special-token text, so that text cannot be kept from acting as special tokens"
             )
         return spans

@@ -39,6 +39,7 @@ from jax_agent_rl.config import (
 from jax_agent_rl.data.datasets import PromptSampler, load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments, make_environments
+from jax_agent_rl.files import made_folder
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
@@ -205,8 +206,7 @@ def held_out_samples(cfg: JarlConfig) -> list[Sample]:
 def build_run(cfg: JarlConfig, console: Console) -> Run:
     """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
     make_reward(cfg.data)  # user reward functions fail here, before anything is written
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = made_folder(Path(cfg.trainer.run_dir), f"trainer.run_dir={cfg.trainer.run_dir!r}")
     if distributed.is_primary():
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
