@@ -425,7 +425,7 @@ def test_a_verl_interaction_trains_from_its_yaml(task: TaskFiles, mixed: dict) -
 
 
 def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
-    task: TaskFiles, tmp_path: Path
+    task: TaskFiles, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """``data.train=reasoning_gym:<task>?...`` generates the same rows for the same spec; the
     task's ``score_answer`` of the text in the last <answer> tags is the reward; a run trains
@@ -443,6 +443,7 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
     cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}"])
     scorer = make_reward(cfg.data)  # data.reward unset: reasoning-gym rows by their task
+    request.addfinalizer(scorer.close)  # (its worker process stops)
 
     def score(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
         return asyncio.run(scorer(Answer(source, "", text, truth, extra)))
