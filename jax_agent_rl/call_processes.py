@@ -88,12 +88,20 @@ class CallProcesses:
         return outcome[1]
 
     def close(self) -> None:
-        """Kills every worker (calls in flight raise); later calls raise `RuntimeError`."""
+        """Kills every worker; calls in flight, those waiting for a worker and later ones
+        raise `RuntimeError`."""
         with self._lock:
             self._closed = True
-            workers, self._workers, self._idle = list(self._workers), set(), []
-        for worker in workers:
+            busy = self._workers.difference(self._idle)
+            idle, self._workers, self._idle = self._idle, set(), []
+            waiting, self._waiting = self._waiting, []
+        for worker in idle:
             worker.kill()
+        for worker in busy:  # (its call sees the end of the connection, and closes it)
+            worker.stop()
+        for loop, freed in waiting:  # each finds the pool closed
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake, freed)
 
     async def _take(self) -> _Worker:
         loop = asyncio.get_running_loop()
@@ -179,12 +187,18 @@ class _Worker:
             ) from None
         return message
 
+    def stop(self) -> None:
+        """Ends the process (its connection stays open, for the call in flight to read)."""
+        if self.process.returncode is None:
+            self.process.kill()
+            self.process.wait()
+
     def kill(self) -> None:
+        """Ends the process and closes its connection and lifeline."""
         if not self.alive:
             return
         self.alive = False
-        self.process.kill()
-        self.process.wait()
+        self.stop()
         self.connection.close()
         os.close(self.lifeline)
 

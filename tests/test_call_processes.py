@@ -118,3 +118,22 @@ def test_a_closed_pool_refuses_calls() -> None:
     pool.close()
     with pytest.raises(RuntimeError, match="test worker: the pool is closed"):
         _run(pool, "adds", 1, 1)
+
+
+def test_closing_ends_the_calls_in_flight_and_those_waiting() -> None:
+    """Closed while a call is stuck in the only worker and another waits for it: both raise
+    at once (the stuck one: its worker died), and no worker is left."""
+    before = children()
+    pool = CallProcesses(1, "test worker")
+
+    async def go() -> list[Any]:
+        stuck = asyncio.ensure_future(pool.run(functools.partial(load, "hangs"), (), 600.0))
+        waiting = asyncio.ensure_future(pool.run(functools.partial(load, "adds"), (1, 2), 600.0))
+        await asyncio.sleep(0)  # each runs to its first wait: the worker's answer, a worker
+        pool.close()
+        return await asyncio.gather(stuck, waiting, return_exceptions=True)
+
+    stuck, waiting = asyncio.run(go())
+    assert isinstance(stuck, RuntimeError) and "died during the call" in str(stuck)
+    assert isinstance(waiting, RuntimeError) and "the pool is closed" in str(waiting)
+    assert children() <= before
