@@ -22,6 +22,7 @@ from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
+from tests.processes import children
 
 AGENTS = {"tool_agent": None, "single_turn_agent": None}
 
@@ -459,7 +460,9 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
         with pytest.raises(DatasetError):
             load_samples("reasoning_gym:" + bad, agents=AGENTS, default_agent="tool_agent")
 
+    before = children()
     traces = _train(task, tmp_path / "run", f"data.train={spec}")
+    assert children() <= before  # the run's reward workers stopped with it
     by_uid = {s.uid: s for s in samples}
     for t in traces:
         s = by_uid[t["group_id"]]
