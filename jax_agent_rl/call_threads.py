@@ -1,11 +1,13 @@
 """A bounded pool of daemon threads for synchronous calls made from the event loop
-(`CallThreads`): environments' synchronous methods (`jax_agent_rl.envs`) and synchronous
-reward functions (`jax_agent_rl.rewards`), one pool per use.
+(`CallThreads`): environments' synchronous methods (`jax_agent_rl.envs`), tools, and the
+built-in reward rules (`jax_agent_rl.rewards`), one pool per use.
 
 A thread stuck inside a call cannot be stopped, only abandoned: the caller's timeout
 (``asyncio.wait_for``) cancels the wait, and the thread keeps its place in the pool until the
 call returns. So calls stuck for good hold at most ``size`` threads, and once every thread is
-held the calls waiting for one time out. What a call raises reaches its caller; a
+held the calls waiting for one time out. (Calls that a policy's text can keep running for
+good, reasoning-gym's scorers and users' reward functions, run in worker processes instead,
+which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches its caller; a
 `StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`carried`).
 """
 
