@@ -1,12 +1,14 @@
 """A bounded pool of daemon threads for synchronous calls made from the event loop
-(`CallThreads`): environments' synchronous methods (`jax_agent_rl.envs`) and synchronous
-reward functions (`jax_agent_rl.rewards`), one pool per use.
+(`CallThreads`): environments' synchronous methods (`jax_agent_rl.envs`), tools, and the
+built-in reward rules (`jax_agent_rl.rewards`), one pool per use.
 
 A thread stuck inside a call cannot be stopped, only abandoned: the caller's timeout
 (``asyncio.wait_for``) cancels the wait, and the thread keeps its place in the pool until the
 call returns. So calls stuck for good hold at most ``size`` threads, and once every thread is
-held the calls waiting for one time out. What a call raises reaches its caller; a
-`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`_carried`).
+held the calls waiting for one time out. (Calls that a policy's text can keep running for
+good, reasoning-gym's scorers and users' reward functions, run in worker processes instead,
+which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches its caller; a
+`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`carried`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class CallThreads:
             try:
                 result, error = fn(*args), None
             except BaseException as e:
-                result, error = None, _carried(e)
+                result, error = None, carried(e)
             self._give_back()
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result, error)
@@ -81,10 +83,10 @@ class CallThreads:
             waiting, self._waiting = self._waiting, []
         for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_wake, freed)
+                loop.call_soon_threadsafe(wake, freed)
 
 
-def _carried(error: BaseException) -> BaseException:
+def carried(error: BaseException) -> BaseException:
     """``error`` as the caller receives it: a `StopIteration` (which a future refuses to
     hold: the caller would wait out its timeout) or a ``sys.exit()`` (which in a thread ends
     only the thread) becomes a `RuntimeError` naming it, with its traceback, as Python turns a
@@ -97,7 +99,7 @@ def _carried(error: BaseException) -> BaseException:
     return carried.with_traceback(error.__traceback__)
 
 
-def _wake(freed: asyncio.Future[None]) -> None:
+def wake(freed: asyncio.Future[None]) -> None:
     if not freed.done():
         freed.set_result(None)
 

@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 
 def group_gone(pid: int, wait_s: float = 30.0) -> bool:
@@ -16,3 +17,17 @@ def group_gone(pid: int, wait_s: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def children() -> set[int]:
+    """The process ids of this process's children, living or not yet reaped (Linux: read from
+    ``/proc``, each process's parent being the fourth field of its ``stat``)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # (its name may hold spaces)
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found

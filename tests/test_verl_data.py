@@ -133,8 +133,8 @@ def test_by_default_the_reward_function_decides_what_tool_rewards_count_as_in_ve
     unweighted = trajectory_reward(sample, traj, score, builtin.data.tool_reward_weight, tok)
     assert asyncio.run(unweighted) == 0.0
     verl_fn = _config("data.reward=tests.test_verl_data:tool_aware_score")
-    score = make_reward(verl_fn.data)
-    assert asyncio.run(trajectory_reward(sample, traj, score, 0.0, tok)) == pytest.approx(1.075)
+    with make_reward(verl_fn.data) as score:
+        assert asyncio.run(trajectory_reward(sample, traj, score, 0.0, tok)) == pytest.approx(1.075)
     assert sample.extra == {"k": 1}  # the row's own extra_info is not changed
 
 

@@ -333,9 +333,12 @@ class DataSection:
     val_size: int = setting(0, NATURAL)  # 0: the whole validation file
     reward: str = ""  # every row not in rewards_by_source; empty: by data_source (above)
     rewards_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
-    # a synchronous reward call (a rule, a reasoning-gym scorer, a user function; each runs in
-    # a thread) past it ends its episode (reward_error); the judge has judge.timeout_s
+    # a synchronous reward call (a rule, a reasoning-gym scorer, a user function) past it ends
+    # its episode (reward_error); the judge has judge.timeout_s
     reward_timeout_s: float = setting(60.0, POSITIVE)
+    # worker processes running reasoning-gym's scorers and user reward functions at once (each
+    # started when first needed, then kept; one past reward_timeout_s is killed and replaced)
+    reward_workers: int = setting(8, COUNT)
     # the tool rewards of an episode (`ToolResult.reward` of every call), summed, are added to
     # its reward times this weight. 0 is what verl does: the reward function's score is the
     # reward, and a function of verl's signature reads the tool rewards, if it wants them, from

@@ -19,6 +19,7 @@ is raised).
 from __future__ import annotations
 
 import functools
+import importlib
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -131,6 +132,13 @@ def _scorer(task: str) -> Callable[[str | None, dict[str, Any]], float]:
     import reasoning_gym
 
     return reasoning_gym.get_score_answer_fn(task)
+
+
+def loaded_score() -> Callable[[str, str, Any, dict[str, Any]], float]:
+    """`score`, reasoning-gym imported (seconds): what a reward worker process loads before its
+    first call is timed (`jax_agent_rl.call_processes`)."""
+    importlib.import_module("reasoning_gym")
+    return score
 
 
 def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:

@@ -37,14 +37,25 @@ back to ``data.reward`` or to its source's default.
 What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a source verl's
 ``default_compute_score`` knows, the whole response decoded as verl decodes it (every token after
 the prompt, tool responses included, special tokens skipped); for other rows the last assistant
-message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Scorer`), so that a
-step's judge requests are sent together. Every synchronous reward (the built-in rules,
-reasoning-gym's scorers, a user's function) runs in a thread of a bounded pool
-(`CallThreads`, ``REWARD_THREADS`` threads), each call within ``data.reward_timeout_s``, so that
-one that blocks holds no sibling episode; past it the call raises `RewardError` naming the
-setting and the reward (its thread is abandoned, keeping its place in the pool until it
-returns: rewards stuck for good hold at most ``REWARD_THREADS`` threads, and then the calls
-waiting for one time out too).
+message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Rewards`), so that a
+step's judge requests are sent together, and no synchronous reward runs on the event loop:
+
+- ours (the built-in rules, verl's included) in a thread of a bounded pool (`CallThreads`,
+  ``REWARD_THREADS`` threads): pure functions over bounded text, written and attacked here
+  (``tests/hostile``), that return;
+- reasoning-gym's scorers and a user's function in a worker process (`CallProcesses`, at most
+  ``data.reward_workers``): code not written here, reading the policy's text, which the policy
+  can make run for ever (sympy simplifying the derivative of a product of a dozen sines). A
+  call past ``data.reward_timeout_s`` kills its worker, and a later call starts another, so
+  such answers never use up the pool. A user's function is loaded in each worker by its spec
+  (imported once there, before the worker's first call is timed): its module's state is the
+  worker's own.
+
+Each call has ``data.reward_timeout_s``; past it, it raises `RewardError` naming the setting
+and the reward. In a thread, the wait for a free one counts, and a thread cannot be stopped,
+only abandoned (it keeps its place until it returns); in a worker, only the call counts (a
+busy worker is free again within the timeout). `Rewards.close` (the run's end) stops the
+worker processes.
 
 Every reward is checked where it enters (`checked_reward`): a real number, finite, within
 ``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
@@ -57,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -65,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.data import reasoning_gym
@@ -91,7 +104,7 @@ JUDGE = "judge"  # the reward name that asks a model (data.judge)
 _BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
-REWARD_THREADS = 32  # threads running a run's synchronous rewards at once
+REWARD_THREADS = 32  # threads running a run's built-in rules at once
 
 # the largest reward magnitude taken: far beyond any task's scale, and small enough that a
 # group's sums and squared deviations (~1e12 * its size) stay finite in float32 (~3.4e38)
@@ -173,17 +186,22 @@ def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
     )
 
 
-def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
+def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Rewards:
     """The reward of every row (the module docstring says which). Every named reward is loaded
     and checked here, before anything runs; rows whose reward is ``judge`` go to ``judge``
-    (required when `uses_judge`; without it, this only checks the names)."""
+    (required when `uses_judge`; without it, this only checks the names). No worker process
+    starts until a call needs one."""
     for source, spec in data.rewards_by_source.items():
         if not spec.strip():
             raise ConfigError(
                 f"data.rewards_by_source.{source} is empty: name its reward, or remove the entry "
                 "to score the source by data.reward (or, with data.reward unset, by source)"
             )
-    sync = _Sync(CallThreads(REWARD_THREADS, "reward-call"), data.reward_timeout_s)
+    sync = _Sync(
+        CallThreads(REWARD_THREADS, "reward-call"),
+        CallProcesses(data.reward_workers, "reward worker"),
+        data.reward_timeout_s,
+    )
     by_source = {
         source: _load(spec, f"data.rewards_by_source.{source}", judge, sync)
         for source, spec in data.rewards_by_source.items()
@@ -191,13 +209,33 @@ def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Scorer:
     fallback = _load(data.reward or _BY_SOURCE_FALLBACK, "data.reward", judge, sync)
     source_default = _source_default(fallback, sync)
 
-    async def score(answer: Answer) -> float:
+    def pick(answer: Answer) -> Scorer:
         fn = by_source.get(answer.data_source)
         if fn is None:
             fn = fallback if data.reward else source_default(answer.data_source)
-        return await fn(answer)
+        return fn
 
-    return score
+    return Rewards(pick, sync.processes)
+
+
+class Rewards:
+    """The rewards of a run (`make_reward`): awaited, an `Answer`'s reward (a `Scorer`);
+    `close` (or leaving ``with``) stops the worker processes."""
+
+    def __init__(self, pick: Callable[[Answer], Scorer], processes: CallProcesses) -> None:
+        self._pick, self._processes = pick, processes
+
+    async def __call__(self, answer: Answer) -> float:
+        return await self._pick(answer)(answer)
+
+    def close(self) -> None:
+        self._processes.close()
+
+    def __enter__(self) -> Rewards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
@@ -208,9 +246,9 @@ def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
         result = verl_rules.default_compute_score(source, text, truth, extra)
         return _score(result, f"verl's rule for {source}", "data.reward")
 
-    verl = sync.scorer(verl_rule, "verl's rule (data.reward unset)")
-    generated = sync.scorer(
-        reasoning_gym.score, "the reasoning-gym task's scorer (data.reward unset)"
+    verl = sync.in_thread(verl_rule, "verl's rule (data.reward unset)")
+    generated = sync.in_process(
+        reasoning_gym.loaded_score, "the reasoning-gym task's scorer (data.reward unset)"
     )
 
     def pick(data_source: str) -> Scorer:
@@ -224,33 +262,58 @@ def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
 
 
 class _Sync:
-    """Synchronous rewards as `Scorer`s: each call in a thread of ``threads``, within
-    ``timeout_s`` (``data.reward_timeout_s``)."""
+    """Synchronous rewards as `Scorer`s, each call within ``timeout_s``
+    (``data.reward_timeout_s``): in a thread of ``threads``, or in a worker of ``processes``."""
 
-    def __init__(self, threads: CallThreads, timeout_s: float) -> None:
-        self.threads, self.timeout_s = threads, timeout_s
+    def __init__(self, threads: CallThreads, processes: CallProcesses, timeout_s: float) -> None:
+        self.threads, self.processes, self.timeout_s = threads, processes, timeout_s
 
-    def scorer(self, fn: ScoreFn, name: str) -> Scorer:
-        """``fn`` awaited; past the timeout a `RewardError` naming ``name``."""
+    def in_thread(self, fn: ScoreFn, name: str) -> Scorer:
+        """``fn`` awaited; past the timeout (its wait for a thread included) a `RewardError`
+        naming ``name``."""
 
         async def rule(a: Answer) -> float:
             call = self.threads.run(fn, a.data_source, a.text, a.ground_truth, a.extra)
             try:
                 return float(await asyncio.wait_for(call, self.timeout_s))
             except TimeoutError:
-                raise RewardError(
-                    f"{name} took longer than data.reward_timeout_s={self.timeout_s:g}s "
-                    f"({self.threads.busy} of {self.threads.size} reward threads busy)"
+                raise self._late(
+                    name, f"{self.threads.busy} of {self.threads.size} reward threads busy"
                 ) from None
 
         return rule
+
+    def in_process(self, load: Callable[[], ScoreFn], name: str) -> Scorer:
+        """``load()``'s function (``load`` a picklable function of no arguments: a worker
+        loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
+        names ``name``."""
+
+        async def isolated(a: Answer) -> float:
+            args = (a.data_source, a.text, a.ground_truth, a.extra)
+            try:
+                return float(await self.processes.run(load, args, self.timeout_s))
+            except CallTimeoutError:  # (not a TimeoutError the function raised: that is its error)
+                raise self._late(name, "its worker process was stopped") from None
+
+        return isolated
+
+    def _late(self, name: str, what: str) -> RewardError:
+        return RewardError(
+            f"{name} took longer than data.reward_timeout_s={self.timeout_s:g}s ({what})"
+        )
 
 
 def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     """The awaited reward ``spec`` names: the judge, or `load_reward`'s function."""
     if spec == JUDGE:
         return judge or _no_judge
-    return sync.scorer(load_reward(spec, key), f"{key}={spec!r}")
+    name = f"{key}={spec!r}"
+    if spec in REWARDS:
+        return sync.in_thread(load_reward(spec, key), name)
+    if spec == "reasoning_gym":
+        return sync.in_process(reasoning_gym.loaded_score, name)
+    load_reward(spec, key)  # its errors here, as the config is read (a worker loads it again)
+    return sync.in_process(functools.partial(load_reward, spec, key), name)
 
 
 async def _no_judge(answer: Answer) -> float:

@@ -430,8 +430,8 @@ async def serve_policy(
             judge = None
             if uses_judge(cfg.data):
                 judge, judge_backend = make_judge(cfg, tokenizer, sharder, backend)
-            score = make_reward(cfg.data, judge)
-            yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
+            with make_reward(cfg.data, judge) as score:  # (closed: its worker processes stop)
+                yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
         finally:
             await backend.close()
             await tools.close()

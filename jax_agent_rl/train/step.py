@@ -35,6 +35,7 @@ from jax_agent_rl.agent.filters import apply_filters
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
+from jax_agent_rl.call_processes import raised_in
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.errors import error_text
@@ -239,7 +240,7 @@ def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
     """Ends ``traj`` with ``reward_error`` (reward 0, not trained on): its error names the
     reward setting, the function that raised (its innermost frame) and the row. An episode
     that had already failed keeps its stop reason, the reward's error added to its own."""
-    where = traceback.extract_tb(error.__traceback__)[-1]
+    where = raised_in(error)  # (in the worker process, for a function run in one)
     traj.reward = 0.0
     message = (
         f"reward error: the reward function (data.reward, or data.rewards_by_source."

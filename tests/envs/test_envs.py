@@ -22,6 +22,7 @@ from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
+from tests.processes import children
 
 AGENTS = {"tool_agent": None, "single_turn_agent": None}
 
@@ -425,7 +426,7 @@ def test_a_verl_interaction_trains_from_its_yaml(task: TaskFiles, mixed: dict) -
 
 
 def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
-    task: TaskFiles, tmp_path: Path
+    task: TaskFiles, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """``data.train=reasoning_gym:<task>?...`` generates the same rows for the same spec; the
     task's ``score_answer`` of the text in the last <answer> tags is the reward; a run trains
@@ -443,6 +444,7 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
     data = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=3, max_terms=3)
     cfg = load_config(DEMO_CONFIG, ["model.path=x", f"data.train={spec}"])
     scorer = make_reward(cfg.data)  # data.reward unset: reasoning-gym rows by their task
+    request.addfinalizer(scorer.close)  # (its worker process stops)
 
     def score(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
         return asyncio.run(scorer(Answer(source, "", text, truth, extra)))
@@ -458,7 +460,9 @@ def test_reasoning_gym_rows_are_scored_by_their_tasks_scorer(
         with pytest.raises(DatasetError):
             load_samples("reasoning_gym:" + bad, agents=AGENTS, default_agent="tool_agent")
 
+    before = children()
     traces = _train(task, tmp_path / "run", f"data.train={spec}")
+    assert children() <= before  # the run's reward workers stopped with it
     by_uid = {s.uid: s for s in samples}
     for t in traces:
         s = by_uid[t["group_id"]]

@@ -76,7 +76,7 @@ def test_a_reward_function_that_raises_ends_only_its_episodes(tmp_path: Path) ->
             """
         )
     )
-    score = make_reward(DataSection(train="t.jsonl", reward=f"{tmp_path / 'picky.py'}:picky"))
+    picky = DataSection(train="t.jsonl", reward=f"{tmp_path / 'picky.py'}:picky")
     folder = save_tokenizer(tmp_path / "tok", train_bpe(CORPUS, 400), chat_template("chatml_tools"))
     tokenizer = Tokenizer.from_pretrained(folder)
     samples = [
@@ -85,7 +85,8 @@ def test_a_reward_function_that_raises_ends_only_its_episodes(tmp_path: Path) ->
         for i in range(4)
     ]  # fmt: skip
     groups = [[Trajectory(s.uid, s.group_id, [1])] for s in samples]
-    asyncio.run(score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0))
+    with make_reward(picky) as score:
+        asyncio.run(score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0))
     trajs = [g[0] for g in groups]
     assert [t.stop_reason for t in trajs] == ["eos", "reward_error", "eos", "reward_error"]
     assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0]

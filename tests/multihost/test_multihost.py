@@ -26,6 +26,7 @@ import pytest
 
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
+from tests.multihost.faulty import FAIL_HERE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_calculator_cpu.yaml"
@@ -84,18 +85,20 @@ def start(
     logs: Path,
     slurm: bool = False,
     cwds: Sequence[Path] | None = None,
+    envs: Sequence[dict[str, str]] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """``argv`` once per process, joined through a coordinator on loopback (``processes`` 1:
     a plain single-process run); each process's output to ``logs.<id>``. The processes get
     ``--coordinator``, ``--num-processes`` and ``--process-id``; with ``slurm``, instead,
     ``--distributed`` and the environment of a SLURM job step, which JAX reads. ``cwds``: each
-    process's working directory (default: the repository), as hosts differ."""
+    process's working directory (default: the repository), as hosts differ; ``envs``: each
+    process's own environment variables."""
     port = free_port(SLURM_PORTS if slurm else None)
     group = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
     procs = []
     for i in range(processes):
         flags = [*group, "--process-id", str(i)] if processes > 1 else []
-        env = dict(os.environ)
+        env = dict(os.environ) | (envs[i] if envs else {})
         if slurm:
             flags = ["--distributed"]
             env |= {
@@ -223,7 +226,7 @@ def test_a_process_that_fails_is_named_by_the_others(task: TaskFiles, tmp_path: 
         *RL_ONLY,
     ]
     logs = tmp_path / "log"
-    codes = finish(start(jarl_train(overrides), 2, logs))
+    codes = finish(start(jarl_train(overrides), 2, logs, envs=[{}, {FAIL_HERE: "1"}]))
     assert codes == [1, 1]
     failure = "HostFailure: the reward failed on purpose on process 1"
     assert f"process 1 of 2 failed: {failure} (its log has the traceback)" in log(logs, 0)

@@ -200,10 +200,10 @@ def test_with_data_reward_unset_rows_are_scored_by_source() -> None:
 
 def test_data_reward_set_overrides_every_source() -> None:
     """verl's custom_reward_function: the user's reward scores verl's sources too."""
-    score = make_reward(_config(f"data.reward={HERE}:exact_match").data)
-    for source in ("anything", "openai/gsm8k", "lighteval/MATH", "aime2024", "reasoning_gym/x"):
-        assert _scored(score, source, "7", "7", {}) == 1.0
-        assert _scored(score, source, "#### 7", "7", {}) == 0.0
+    with make_reward(_config(f"data.reward={HERE}:exact_match").data) as score:
+        for source in ("anything", "openai/gsm8k", "lighteval/MATH", "aime2024", "reasoning_gym/x"):
+            assert _scored(score, source, "7", "7", {}) == 1.0
+            assert _scored(score, source, "#### 7", "7", {}) == 0.0
     assert (
         _scored(
             make_reward(_config("data.reward=gsm8k_lenient").data),
@@ -222,11 +222,11 @@ def test_rewards_by_source_wins_over_data_reward() -> None:
         "data.rewards_by_source.openai/gsm8k=format",
         f"data.rewards_by_source.mine={HERE}:compute_score",
     )
-    score = make_reward(cfg.data)
-    assert _scored(score, "openai/gsm8k", ANSWER, "72", {}) == 0.0  # format: no <answer> block
-    assert _scored(score, "openai/gsm8k", "<answer>1</answer>", "72", {}) == 1.0
-    assert _scored(score, "mine", "7", "7", {"split": "train"}) == 1.5
-    assert _scored(score, "lighteval/MATH", "7", "7", {}) == 1.0  # not listed: data.reward
+    with make_reward(cfg.data) as score:
+        assert _scored(score, "openai/gsm8k", ANSWER, "72", {}) == 0.0  # format: no <answer>
+        assert _scored(score, "openai/gsm8k", "<answer>1</answer>", "72", {}) == 1.0
+        assert _scored(score, "mine", "7", "7", {"split": "train"}) == 1.5
+        assert _scored(score, "lighteval/MATH", "7", "7", {}) == 1.0  # not listed: data.reward
     unset = make_reward(_config("data.rewards_by_source.mine=format").data)
     assert _scored(unset, "mine", "<answer>1</answer>", "7", {}) == 1.0
     assert _scored(unset, "openai/gsm8k", ANSWER, "72", {}) == 1.0  # not listed: by source

@@ -455,7 +455,8 @@ def _two_turns(tok: Tokenizer, sample: Sample, first: str, last: str) -> Traject
 
 def _reward(sample: Sample, traj: Trajectory, tok: Tokenizer, *overrides: str) -> float:
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
-    return asyncio.run(trajectory_reward(sample, traj, make_reward(cfg.data), 0.0, tok))
+    with make_reward(cfg.data) as score:
+        return asyncio.run(trajectory_reward(sample, traj, score, 0.0, tok))
 
 
 def test_verl_rows_are_scored_on_the_whole_response_as_verl_decodes_it(
