@@ -4,9 +4,11 @@ skyrl-gym's built-ins that run the model's code outside any sandbox. Each episod
 lives in a process of its own (`jax_agent_rl.envs.skyrl`): what it does ends that episode."""
 
 import asyncio
+import json
 import os
-import resource
 import sqlite3
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +22,8 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import DEMO_CONFIG
 from jax_agent_rl.envs import EnvError, Environments, make_environments
 from jax_agent_rl.envs.skyrl import REPLY_MAX_BYTES
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GOLD = "SELECT name FROM employees WHERE salary > 150;"
 # 100 MB of zeros in one cell: text2sql renders it as an 800M-character observation (2.5 GB)
@@ -100,25 +104,53 @@ async def _sql_step(envs: Environments, sql: str) -> Any:
         await env.close()
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (Linux: KiB)
+TRAINER = """
+    import asyncio, json, resource, sys
+    from pathlib import Path
+
+    from tests.hostile.test_skyrl_isolation import BLOBS, ZEROBLOB, _sql_envs, _sql_step
+
+
+    def peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (Linux: KiB)
+
+
+    if __name__ == "__main__":  # (each environment's process imports this module)
+        envs = _sql_envs(Path(sys.argv[1]), 512)
+        warm = asyncio.run(_sql_step(envs, "SELECT 1"))  # the forkserver started, all imported
+        before = peak_mib()
+        ended = [str(asyncio.run(_sql_step(envs, bomb))) for bomb in (ZEROBLOB, BLOBS)]
+        after = peak_mib()
+        answered = asyncio.run(_sql_step(envs, "SELECT name FROM employees WHERE id = 1"))
+        print(json.dumps({"ended": ended, "grew_mib": after - before,
+                          "answered": answered.observations[0]["content"]}))
+"""
 
 
 def test_sql_bombs_end_their_episode_not_the_trainer(tmp_path: Path) -> None:
     """A zeroblob and a recursive CTE of blobs, as the model's SQL, each end their episode with
-    an env error naming the memory bound; the trainer's peak memory does not grow by anything
-    near the 800 MB observation the zeroblob renders (which the trainer held, 2.5 GB peak,
-    when text2sql ran in its process); the next episode answers normally."""
+    an env error naming the memory bound; the peak memory of the process that plays them (a
+    fresh one, so that its peak is its own) does not grow by anything near the 800 MB
+    observation the zeroblob renders (2.5 GB peak when text2sql ran in the trainer); the next
+    episode answers normally."""
     _database(tmp_path)
-    envs = _sql_envs(tmp_path, 512)
-    before = _peak_rss_mib()
-    for bomb in (ZEROBLOB, BLOBS):
-        ended = asyncio.run(_sql_step(envs, bomb))
-        assert isinstance(ended, EnvError), ended
-        assert "env.memory_limit_mib=512" in str(ended) and "text2sql.step" in str(ended)
-    assert _peak_rss_mib() - before < 400  # half of what the observation alone needs
-    answered = asyncio.run(_sql_step(envs, "SELECT name FROM employees WHERE id = 1"))
-    assert "John Doe" in answered.observations[0]["content"] and not answered.done
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(TRAINER))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout, not an installed one
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    for ended in out["ended"]:
+        assert ended.startswith("text2sql.step ") and "env.memory_limit_mib=512" in ended, ended
+    assert out["grew_mib"] < 400  # half of what the observation alone needs
+    assert "John Doe" in out["answered"]
 
 
 def test_the_memory_bound_is_the_setting(tmp_path: Path) -> None:
