@@ -8,11 +8,13 @@ from the trainer's ``sys.path`` (the forkserver's own may find another copy of t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import resource
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -40,12 +42,16 @@ class Recipe:
     extras: dict[str, Any]
 
 
-def serve(conn: Connection, recipe: Recipe, name: str, memory_limit_mib: int) -> None:
+def serve(
+    conn: Connection, lifeline: Connection, recipe: Recipe, name: str, memory_limit_mib: int
+) -> None:
     """An episode's process: makes the environment and answers the trainer's calls (init,
-    step, close) with JSON ``[status, value]`` until close, or until the trainer is gone.
+    step, close) with JSON ``[status, value]`` until close, or until the trainer is gone (its
+    end of ``lifeline`` closed: the process then kills its session, a stuck call and all).
     Its address space may grow by ``memory_limit_mib`` past what it starts with; a call in
     which a `MemoryError` was raised answers an error, even if the environment caught it."""
     os.setsid()  # its own session, so that killing it kills what it starts
+    threading.Thread(target=_end_with_the_trainer, args=(lifeline,), daemon=True).start()
     start = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = start + (memory_limit_mib << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -76,6 +82,14 @@ def serve(conn: Connection, recipe: Recipe, name: str, memory_limit_mib: int) ->
         conn.send_bytes(answer)
         if what == "close":
             return
+
+
+def _end_with_the_trainer(lifeline: Connection) -> None:
+    """Waits for the trainer to be gone (nothing is ever sent on ``lifeline``: it ends when the
+    trainer does, killed outright too), then kills this process's session."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()
+    os.killpg(0, signal.SIGKILL)
 
 
 class RefusedAnswerError(Exception):

@@ -80,8 +80,9 @@ class SkyRLEnvironment:
 
     def reset(self, sample: Sample) -> list[Message]:
         ours, theirs = multiprocessing.Pipe()
-        args = (theirs, self.recipe, self.name, self.memory_limit_mib)
-        process = _context().Process(target=serve, args=args, daemon=True)
+        context, lifeline, _ = _context()
+        args = (theirs, lifeline, self.recipe, self.name, self.memory_limit_mib)
+        process = context.Process(target=serve, args=args, daemon=True)
         process.start()
         theirs.close()
         self._process, self._conn = process, ours
@@ -151,14 +152,19 @@ class SkyRLEnvironment:
 
 
 @functools.cache
-def _context() -> Any:
+def _context() -> tuple[Any, Connection, Connection]:
     """The forkserver episodes' processes fork from, with skyrl-gym and omegaconf imported
-    once. (Python 3.11's forkserver preloads neither ``__main__`` nor the trainer's
-    ``sys.path``: each process imports the main module, as multiprocessing's spawn does, and
-    the process side of this adapter, `jax_agent_rl.env_process`, from the trainer's path.)"""
+    once, and the lifeline each of them holds. (Python 3.11's forkserver preloads neither
+    ``__main__`` nor the trainer's ``sys.path``: each process imports the main module, as
+    multiprocessing's spawn does, and the process side of this adapter,
+    `jax_agent_rl.env_process`, from the trainer's path.)"""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["skyrl_gym", "omegaconf"])
-    return context
+    # every episode's process holds the first end of a pipe; the second, never written to,
+    # lives as long as the trainer (in this cache): its end (the trainer's, killed outright
+    # too) ends them. (The forkserver runs on while any of its processes does, so their
+    # parent's end cannot tell them.)
+    return context, *multiprocessing.Pipe(duplex=False)
 
 
 def skyrl_extras(sample: Sample, max_turns: int) -> dict[str, Any]:

@@ -4,8 +4,10 @@ skyrl-gym's built-ins that run the model's code outside any sandbox. Each episod
 lives in a process of its own (`jax_agent_rl.envs.skyrl`): what it does ends that episode."""
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -230,6 +232,54 @@ def test_a_step_that_never_returns_is_killed_with_what_it_started(tmp_path: Path
     sleep_pid = int((tmp_path / "stuck.sleep").read_text())
     assert env_pid != os.getpid()
     assert _gone(env_pid) and _gone(sleep_pid)
+
+
+STUCK_TRAINER = """
+    import asyncio, sys
+    from pathlib import Path
+
+    from tests.hostile.test_skyrl_isolation import _pids_envs, _pids_sample
+
+
+    if __name__ == "__main__":  # (each environment's process imports this module)
+        out = Path(sys.argv[1])
+        envs = _pids_envs(out, 600.0)
+        sample = _pids_sample(out / "stuck", "stuck")
+        env = envs.make(sample)
+        asyncio.run(env.reset(sample))
+        asyncio.run(env.step("move", []))  # never returns: the test kills this process
+"""
+
+
+def test_a_trainer_killed_outright_takes_its_environments_with_it(tmp_path: Path) -> None:
+    """A trainer killed (SIGKILL) while an environment's step is stuck: the environment's
+    process, and the process its step started, end with it (not orphaned)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(STUCK_TRAINER))
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    sleeper = tmp_path / "stuck.sleep"
+    try:
+        deadline = time.monotonic() + 120  # until the step is under way (a state, not a time)
+        while not sleeper.exists() or not sleeper.read_text():
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        env_pid = int((tmp_path / "stuck.env").read_text())
+        assert _alive(env_pid)
+        trainer.kill()
+        trainer.wait()
+        assert _gone(env_pid) and _gone(int(sleeper.read_text()))
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if sleeper.exists() and sleeper.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(sleeper.read_text()), signal.SIGKILL)
 
 
 def test_no_process_outlives_its_episode(tmp_path: Path) -> None:
