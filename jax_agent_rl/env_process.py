@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import multiprocessing
 import os
 import resource
 import signal
@@ -51,6 +52,10 @@ def serve(
     Its address space may grow by ``memory_limit_mib`` past what it starts with; a call in
     which a `MemoryError` was raised answers an error, even if the environment caught it."""
     os.setsid()  # its own session, so that killing it kills what it starts
+    # it may start processes (lcb does, with multiprocessing): forked from it (it holds no
+    # JAX), in its session and its memory bound, they go with it
+    multiprocessing.current_process().daemon = False
+    multiprocessing.set_start_method("fork", force=True)
     threading.Thread(target=_end_with_the_trainer, args=(lifeline,), daemon=True).start()
     start = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = start + (memory_limit_mib << 20)

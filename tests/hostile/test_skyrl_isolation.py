@@ -37,13 +37,18 @@ BLOBS = (
 )
 
 PIDS_ENV = """
-    import os, subprocess, threading
+    import multiprocessing, os, subprocess, threading
     from pathlib import Path
+
+
+    def _ids(queue):
+        queue.put([os.getppid(), os.getsid(0)])
 
 
     class Pids:
         '''Writes its process id at init; its step starts a process of its own (its id written
-        too) and, for kind "stuck", then never returns.'''
+        too) and, for kind "stuck", then never returns; for kind "multiprocessing" it starts
+        a multiprocessing.Process instead and says its parent and session ids, and its own.'''
 
         def __init__(self, env_config=None, extras={}):
             self.out = Path(extras["extra_info"]["out"])
@@ -54,6 +59,15 @@ PIDS_ENV = """
             return prompt, {}
 
         def step(self, action):
+            if self.kind == "multiprocessing":  # as lcb runs the model's code
+                queue = multiprocessing.Queue()
+                worker = multiprocessing.Process(target=_ids, args=(queue,))
+                worker.start()
+                ids = queue.get()
+                worker.join()
+                said = f"{ids} {os.getpid()}"
+                return {"observations": [{"role": "user", "content": said}], "reward": 0.0,
+                        "done": True}
             sleeper = subprocess.Popen(["sleep", "1000"])
             self.out.with_suffix(".sleep").write_text(str(sleeper.pid))
             if self.kind == "stuck":
@@ -304,6 +318,25 @@ def test_no_process_outlives_its_episode(tmp_path: Path) -> None:
     pids = {int((tmp_path / f"ep{i}.env").read_text()) for i in range(4)}
     assert len(pids) == 4 and os.getpid() not in pids
     assert all(not _alive(pid) for pid in pids)  # reaped before close returned
+
+
+def test_an_environment_may_start_processes_of_its_own(tmp_path: Path) -> None:
+    """A step that starts a multiprocessing.Process (as lcb does) gets one forked from the
+    environment's process, in its session (so killed with it, and within its memory bound)."""
+    envs = _pids_envs(tmp_path, 60.0)
+    sample = _pids_sample(tmp_path / "mp", "multiprocessing")
+
+    async def go() -> str:
+        env = envs.make(sample)
+        assert env is not None
+        await env.reset(sample)
+        try:
+            return (await env.step("move", [])).observations[0]["content"]
+        finally:
+            await env.close()
+
+    ids, env_pid = asyncio.run(go()).rsplit(" ", 1)
+    assert ids == f"[{env_pid}, {env_pid}]"
 
 
 @pytest.mark.parametrize("env_class", ["searchcode", "lcb"])
