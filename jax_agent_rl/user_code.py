@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.config import ConfigError
+from jax_agent_rl.errors import ConfigError
 
 
 def working_directory_importable() -> None:

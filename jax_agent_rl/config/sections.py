@@ -256,6 +256,9 @@ class EnvSection:
     interaction_config: str = ""
     # an environment call past it ends its episode (env_error)
     step_timeout_s: float = setting(60.0, POSITIVE)
+    # MiB of address space a skyrl-gym environment's process (one per episode) may add to what
+    # it starts with (RLIMIT_AS); past it, its episode ends (env_error), not the trainer
+    memory_limit_mib: int = setting(2048, COUNT)
     # threads running environments' synchronous calls (skyrl-gym's, a user's synchronous
     # methods) at once; one stuck past its timeout keeps its place until it returns
     max_threads: int = setting(32, COUNT)

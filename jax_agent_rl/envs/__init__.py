@@ -66,7 +66,7 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
         if env.interaction_config
         else None
     )
-    lookup = registered_skyrl_env(env.config, max_turns)
+    lookup = registered_skyrl_env(env, max_turns)
     threads = CallThreads(env.max_threads, ENV_THREAD)
     return Environments(classes, lookup, interaction, env.step_timeout_s, threads)
 
@@ -89,7 +89,7 @@ def _factory(name: str, spec: str, env: EnvSection, max_turns: int) -> EnvFactor
     if inspect.isclass(made) and callable(step) and not inspect.iscoroutinefunction(step):
         if not callable(getattr(made, "init", None)):
             raise ConfigError(f"{key}={spec!r}: a class with step() but no init() (skyrl-gym's)")
-        return skyrl_factory(name, made, env.config.get(name, {}), max_turns)
+        return skyrl_factory(name, spec, False, env, max_turns)
 
     def factory(sample: Sample) -> Environment:
         try:

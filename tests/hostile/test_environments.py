@@ -72,9 +72,10 @@ def test_episodes_of_one_interaction_never_see_each_others_turns() -> None:
 
 
 def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Path) -> None:
-    """A skyrl-gym step that never returns: the episode's call ends at its timeout
+    """A synchronous step that never returns: the episode's call ends at its timeout
     (EnvError) and the process still exits (the stuck thread is a daemon, not joined at the
-    event loop's close, as the default executor's would be)."""
+    event loop's close, as the default executor's would be). (A skyrl-gym one is killed with
+    its process: tests/hostile/test_skyrl_isolation.py.)"""
     script = tmp_path / "stuck.py"
     script.write_text(
         textwrap.dedent(
@@ -82,20 +83,18 @@ def test_an_environment_stuck_forever_does_not_hold_up_the_process(tmp_path: Pat
             import asyncio, threading
             from jax_agent_rl.data.sample import Sample
             from jax_agent_rl.envs.base import EnvError, Environments
-            from jax_agent_rl.envs.skyrl import SkyRLEnvironment
 
             class Stuck:
-                def init(self, prompt):
-                    return prompt, {}
-                def step(self, action):
+                turns, owns_reward = "all", True
+                def reset(self, sample):
+                    return sample.messages
+                def step(self, text, messages):
                     threading.Event().wait()
                 def close(self):
                     pass
 
             async def main():
-                envs = Environments(
-                    {"stuck": lambda _: SkyRLEnvironment(Stuck, "stuck")}, step_timeout_s=0.5
-                )
+                envs = Environments({"stuck": lambda _: Stuck()}, step_timeout_s=0.5)
                 sample = Sample("s", [{"role": "user", "content": "x"}], "1", env_class="stuck")
                 env = envs.make(sample)
                 await env.reset(sample)
@@ -283,28 +282,31 @@ def test_a_synchronous_environment_runs_in_a_thread_beside_the_event_loop() -> N
 
 
 def test_environments_stuck_for_good_hold_at_most_the_pool_of_threads(tmp_path: Path) -> None:
-    """20 episodes of a skyrl-gym environment whose step never returns: each ends at its
-    timeout, and at most env.max_threads=4 threads stay stuck (the others never start: they
-    wait for a thread within their timeout), however many episodes run into it."""
+    """20 episodes of a synchronous environment (a user's own, not skyrl-gym's, whose
+    processes are killed) whose step never returns: each ends at its timeout, and at most
+    env.max_threads=4 threads stay stuck (the others never start: they wait for a thread
+    within their timeout), however many episodes run into it."""
     (tmp_path / "stuck.py").write_text(
         textwrap.dedent(
             """
             import threading
 
             class Stuck:
-                def __init__(self, env_config=None, extras=None):
-                    pass
-                def init(self, prompt):
-                    return prompt, {}
-                def step(self, action):
+                turns, owns_reward = "all", True
+                def reset(self, sample):
+                    return sample.messages
+                def step(self, text, messages):
                     threading.Event().wait()
                 def close(self):
                     pass
+
+            def stuck(sample):
+                return Stuck()
             """
         )
     )
     section = EnvSection(
-        classes={"stuck": f"{tmp_path / 'stuck.py'}:Stuck"}, step_timeout_s=0.2, max_threads=4
+        classes={"stuck": f"{tmp_path / 'stuck.py'}:stuck"}, step_timeout_s=0.2, max_threads=4
     )
     envs = make_environments(section, 2)
     before = threading.active_count()
