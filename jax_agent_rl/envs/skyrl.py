@@ -151,8 +151,19 @@ class SkyRLEnvironment:
         self._process.join()
 
 
-@functools.cache
+_CONTEXT_LOCK = threading.Lock()
+
+
 def _context() -> tuple[Any, Connection, Connection]:
+    """`_made_context`, made once: episodes reset in threads, and two threads making it at once
+    got two lifelines, one of which (not cached) closed as its caller returned, ending the
+    processes started with it mid-episode."""
+    with _CONTEXT_LOCK:
+        return _made_context()
+
+
+@functools.cache
+def _made_context() -> tuple[Any, Connection, Connection]:
     """The forkserver episodes' processes fork from, with skyrl-gym and omegaconf imported
     once, and the lifeline each of them holds. (Python 3.11's forkserver preloads neither
     ``__main__`` nor the trainer's ``sys.path``: each process imports the main module, as

@@ -356,3 +356,31 @@ def test_builtins_that_run_model_code_unsandboxed_are_refused(env_class: str) ->
     named = EnvSection(classes={"mine": f"skyrl_gym.envs.{entry}"})
     mine = Sample("r/0", [{"role": "user", "content": "x"}], "1", env_class="mine")
     check_environments(make_environments(named, 2), [mine], "data.train")
+
+
+def test_episodes_reset_at_once_share_one_lifeline() -> None:
+    """Episodes reset in threads (the loop's pool), many at once when a step starts. The
+    forkserver and the lifeline were made on first use by a cached function, with no lock: two
+    threads making them at once got two lifelines, and the one not cached closed as its caller
+    returned, killing the processes started with it mid-episode (in a fresh-clone run beside a
+    CPU hog: `gsm8k_multi_turn.step: its process died (killed by signal 9)`). Eight threads at a
+    barrier, twenty times: made once each time (the cache alone gave 2-5 lifelines in half the
+    tries)."""
+    import threading
+
+    from jax_agent_rl.envs import skyrl
+
+    for _ in range(20):
+        skyrl._made_context.cache_clear()
+        barrier, lifelines = threading.Barrier(8), []
+
+        def reset() -> None:
+            barrier.wait()
+            lifelines.append(skyrl._context()[1])
+
+        threads = [threading.Thread(target=reset) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({id(x) for x in lifelines}) == 1
