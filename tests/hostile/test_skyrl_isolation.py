@@ -374,11 +374,11 @@ def test_episodes_reset_at_once_share_one_lifeline() -> None:
         skyrl._made_context.cache_clear()
         barrier, lifelines = threading.Barrier(8), []
 
-        def reset() -> None:
+        def reset(barrier: threading.Barrier, lifelines: list[Any]) -> None:
             barrier.wait()
             lifelines.append(skyrl._context()[1])
 
-        threads = [threading.Thread(target=reset) for _ in range(8)]
+        threads = [threading.Thread(target=reset, args=(barrier, lifelines)) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
