@@ -32,7 +32,8 @@ TIERS = [
     ],
     ["models", "tokenization"],
     ["config", "verl_keys"],
-    ["user_code"],
+    ["user_code", "call_processes"],
+    ["env_process"],  # the process side of envs/skyrl.py: neither envs nor JAX
     ["engine", "distributed"],
     ["rollout"],
     ["data"],
