@@ -263,3 +263,36 @@ def test_a_demo_folder_that_cannot_be_made_is_one_line(
     assert main(["demo", "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err == f"jarl: --run-dir {run_dir}: cannot make the folder: Not a directory\n"
+
+
+def test_a_user_reward_run_in_a_worker_is_still_checked(tmp_path: Path) -> None:
+    """User reward functions now run in worker processes: what comes back is checked as before
+    (a NaN, 1e308 or a string is refused naming the setting), and a worker that exits mid-call
+    fails that call only (the next is scored by a new worker)."""
+    import asyncio
+
+    from jax_agent_rl.config import load_config
+    from jax_agent_rl.rewards import make_reward
+    from jax_agent_rl.rewards.registry import Answer
+
+    (tmp_path / "rw.py").write_text(
+        "import os\n"
+        "def nan(*a): return float('nan')\n"
+        "def huge(*a): return 1e308\n"
+        "def text(*a): return '1.0'\n"
+        "def once(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'die': os._exit(3)\n"
+        "    return 1.0\n"
+    )
+    refused = {"nan": "not a finite number", "huge": "outside", "text": "expected a number"}
+    for fn, why in refused.items():
+        spec = f"data.reward={tmp_path / 'rw.py'}:{fn}"
+        cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec])
+        with make_reward(cfg.data) as score, pytest.raises(Exception, match=why):
+            asyncio.run(score(Answer("x", "", "5", "5", {})))
+    spec = f"data.reward={tmp_path / 'rw.py'}:once"
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec])
+    with make_reward(cfg.data) as score:
+        with pytest.raises(RuntimeError, match="died during the call"):
+            asyncio.run(score(Answer("x", "", "die", "5", {})))
+        assert asyncio.run(score(Answer("x", "", "5", "5", {}))) == 1.0
