@@ -26,6 +26,7 @@ import pytest
 
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
+from jax_agent_rl.train.metrics import read_metrics
 from tests.multihost.faulty import FAIL_HERE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,35 +174,6 @@ def test_two_processes_train_as_one_with_eight_devices(task: TaskFiles, tmp_path
     assert moved >= 100 * PARAM_TOLERANCE  # the RL steps really moved the parameters
 
 
-def test_jarl_train_on_two_processes_then_resumed_on_one(task: TaskFiles, tmp_path: Path) -> None:
-    """The whole loop with rollouts on 2 processes: process 0 alone writes metrics (each step
-    once, with the episodes of both), traces, plots and the export; both write the checkpoints,
-    from which 1 process with 8 devices resumes (the arrays' shapes do not depend on the
-    process count, only their layout)."""
-    run = tmp_path / "run"
-    overrides = [*tiny(task, run, 2), "trainer.eval_every=2", "sft.data="]
-    logs = tmp_path / "log"
-    codes = finish(start(jarl_train(overrides), 2, logs))
-    assert codes == [0, 0], log(logs, 0)[-3000:] + log(logs, 1)[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["phase"] == "train"]
-    assert [r["step"] for r in train] == [1, 2]
-    assert all(r["episodes_sampled"] == 16 and r["batch/trajectories"] <= 16 for r in train)
-    assert [r["step"] for r in records if r["phase"] == "val"] == [0, 2]
-    assert (run / "traces.jsonl").is_file() and (run / "reward.png").is_file()
-    assert (run / "hf" / "model.safetensors").is_file()
-    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [0, 1, 2]
-    assert "step 2/2" in log(logs, 0) and "run folder" in log(logs, 0)
-    assert "step 2/2" not in log(logs, 1) and "run folder" not in log(logs, 1)
-
-    overrides = [*tiny(task, run, 3), "trainer.eval_every=0"]
-    codes = finish(start(jarl_train(overrides), 1, tmp_path / "resume"))
-    assert codes == [0], log(tmp_path / "resume", 0)[-3000:]
-    assert "resumed from the checkpoint of step 2" in log(tmp_path / "resume", 0)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["phase"] == "train"] == [1, 2, 3]
-
-
 def test_jarl_train_distributed_in_a_slurm_job_step(task: TaskFiles, tmp_path: Path) -> None:
     """``--distributed`` (what `launch/tpu_pod.sh` runs on every TPU worker) takes the
     processes from the environment; here a SLURM job step's, one process per device (JAX's
@@ -272,12 +244,18 @@ def wait_for(path: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:
         time.sleep(0.2)
 
 
-def test_a_killed_process_is_named_and_the_rerun_resumes(task: TaskFiles, tmp_path: Path) -> None:
-    """Process 1 dies (SIGKILL, as a host does) once the checkpoint of step 1 is complete:
-    process 0 stops with a message naming process 1; the same command rerun resumes from the
-    last complete checkpoint and finishes."""
+def test_a_killed_process_is_named_the_rerun_resumes_and_one_process_goes_on(
+    task: TaskFiles, tmp_path: Path
+) -> None:
+    """The whole loop with rollouts on 2 processes. Process 1 dies (SIGKILL, as a host does)
+    once the checkpoint of step 1 is complete: process 0 stops with a message naming process 1.
+    The same command rerun resumes from the last complete checkpoint and finishes: process 0
+    alone writes metrics (each step once, with the episodes of both), traces, plots and the
+    export; both write the checkpoints, from which 1 process with 8 devices goes on (the arrays'
+    shapes do not depend on the process count, only their layout)."""
     run = tmp_path / "run"
-    argv = [*jarl_train([*tiny(task, run, 4), *RL_ONLY]), "--heartbeat-timeout", "30"]
+    overrides = [*tiny(task, run, 4), "trainer.eval_every=2", "sft.data="]
+    argv = [*jarl_train(overrides), "--heartbeat-timeout", "30"]
     logs = tmp_path / "log"
     procs = start(argv, 2, logs)
     try:
@@ -294,9 +272,27 @@ def test_a_killed_process_is_named_and_the_rerun_resumes(task: TaskFiles, tmp_pa
     saved = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert 1 <= saved < 4
 
+    before = len((run / "metrics.jsonl").read_text().splitlines())
     logs = tmp_path / "rerun"
     codes = finish(start(argv, 2, logs))
     assert codes == [0, 0], log(logs, 0)[-3000:] + log(logs, 1)[-3000:]
     assert f"resumed from the checkpoint of step {saved}" in log(logs, 0)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in records if r["phase"] == "train") == 4
+    lines = (run / "metrics.jsonl").read_text().splitlines()[before:]
+    records = [json.loads(line) for line in lines]
+    train = [r for r in records if r["phase"] == "train"]
+    assert [r["step"] for r in train] == list(range(saved + 1, 5))
+    assert all(r["episodes_sampled"] == 16 and r["batch/trajectories"] <= 16 for r in train)
+    assert [r["step"] for r in records if r["phase"] == "val"][-1] == 4
+    assert (run / "traces.jsonl").is_file() and (run / "reward.png").is_file()
+    assert (run / "hf" / "model.safetensors").is_file()
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
+        *range(5)
+    ]
+    assert "step 4/4" in log(logs, 0) and "run folder" in log(logs, 0)
+    assert "step 4/4" not in log(logs, 1) and "run folder" not in log(logs, 1)
+
+    overrides = [*tiny(task, run, 5), "trainer.eval_every=0", "sft.data="]
+    codes = finish(start(jarl_train(overrides), 1, tmp_path / "one"))
+    assert codes == [0], log(tmp_path / "one", 0)[-3000:]
+    assert "resumed from the checkpoint of step 4" in log(tmp_path / "one", 0)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")] == [1, 2, 3, 4, 5]
