@@ -66,9 +66,10 @@ torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
     .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
         [--sequences N] [--row-tokens N] [--model tiny-moe|small-moe] [--smoke]
 
-``--smoke``: the smallest run that goes through every variant (`TINY_QWEN2`, or the
-``--model`` given, 2 uniform sequences of 64 tokens or 4 long-tail ones capped at 256, rows
-of 256, one timed step, 256^3 matmuls): it checks the bench works, its figures mean nothing.
+``--smoke``: the smallest run that goes through every variant, in fp32 only (`TINY_QWEN2`,
+or the ``--model`` given, 2 uniform sequences of 64 tokens or 4 long-tail ones capped at 256,
+rows of 256, one timed step, 256^3 matmuls; long_tail's torch_packed in fp32): it checks the
+bench works, its figures mean nothing.
 
 Ends with one JSON line. Timings are noisy on a shared 2-core machine: compare figures from
 the same run only.
@@ -490,6 +491,8 @@ def _args() -> argparse.Namespace:
     args.seq, args.cap, args.matmul_n = (64, 256, 256) if args.smoke else (512, 4096, MATMUL_N)
     if args.smoke:
         args.row_tokens = 256
+    # --smoke: fp32 alone (the bf16 variants are the same code with another dtype)
+    args.dtypes = ("fp32",) if args.smoke else ("fp32", "bf16")
     return args
 
 
@@ -544,22 +547,18 @@ def main() -> None:
             timed = steps if packed or not long_tail else 0
             return lambda: jax_train(model, w, rows, dtype, timed, counter)
 
+        dtypes, compute = args.dtypes, {"fp32": "float32", "bf16": "bfloat16"}
         variants: list[tuple[str, Run]] = [
-            ("torch_sorted_fp32", torch_run("sorted", False)),
-            ("torch_sorted_bf16", torch_run("sorted", True)),
-            ("jax_packed_fp32", jax_run(True, "float32")),
-            ("jax_packed_bf16", jax_run(True, "bfloat16")),
+            *((f"torch_sorted_{d}", torch_run("sorted", d == "bf16")) for d in dtypes),
+            *((f"jax_packed_{d}", jax_run(True, compute[d])) for d in dtypes),
         ]
-        if long_tail:
+        if long_tail:  # torch on the packed rows in its faster dtype; JAX unpacked in fp32
             variants += [
-                ("torch_packed_bf16", torch_run("packed", True)),
+                (f"torch_packed_{dtypes[-1]}", torch_run("packed", dtypes[-1] == "bf16")),
                 ("jax_padded_fp32", jax_run(False, "float32")),
             ]
         if args.model is not None:
-            variants += [
-                ("dense_jax_packed_fp32", jax_run(True, "float32", twin)),
-                ("dense_jax_packed_bf16", jax_run(True, "bfloat16", twin)),
-            ]
+            variants += [(f"dense_jax_packed_{d}", jax_run(True, compute[d], twin)) for d in dtypes]
         for name, run in variants:
             first, timed, loss, recompiles, real_frac = run()
             tok_s[name] = w.tokens / statistics.median(timed)
@@ -580,7 +579,7 @@ def main() -> None:
                 f"{', '.join(f'{t:.2f}' for t in timed)} s; first {first:.1f} s), loss {loss:.6f}"
             )
 
-    _report(out, tok_s, peaks, extra)
+    _report(out, tok_s, peaks, extra, dtypes)
 
 
 def _report(
@@ -588,6 +587,7 @@ def _report(
     tok_s: dict[str, float],
     peaks: dict[str, dict[str, float]],
     extra: dict[str, Any],
+    dtypes: tuple[str, ...],
 ) -> None:
     """Adds the throughputs, peaks and ratios to ``out`` and prints it as the JSON line."""
     for name, v in tok_s.items():
@@ -601,7 +601,7 @@ def _report(
     if "jax_padded_fp32" in tok_s:
         out["ratio_vs_padded"] = round(tok_s["jax_packed_fp32"] / tok_s["jax_padded_fp32"], 3)
     if "dense_jax_packed_fp32" in tok_s:  # a MoE beside its dense twin
-        for d in ("fp32", "bf16"):
+        for d in dtypes:
             moe = tok_s[f"jax_packed_{d}"]
             out[f"moe_over_dense_{d}"] = round(moe / tok_s[f"dense_jax_packed_{d}"], 3)
             out[f"ratio_vs_torch_{d}"] = round(moe / tok_s[f"torch_sorted_{d}"], 3)

@@ -108,7 +108,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
             "useful_tok_s_ratio_vs_vllm",
         },
     ),
-    # long_tail runs every variant (uniform runs four of them)
+    # long_tail runs every variant (uniform runs two of them), in fp32 only when smoked
     "learner": (
         ["--smoke", "--workload", "long_tail"],
         {
@@ -116,14 +116,12 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
                 f"{v}_tok_s"
                 for v in (
                     "torch_sorted_fp32",
-                    "torch_sorted_bf16",
                     "jax_packed_fp32",
-                    "jax_packed_bf16",
-                    "torch_packed_bf16",
+                    "torch_packed_fp32",
                     "jax_padded_fp32",
                 )
             ),
-            "mfu_jax_packed_bf16",
+            "mfu_jax_packed_fp32",
             "recompiles_jax_packed_fp32",
             "real_token_frac",
             "ratio_vs_torch",
@@ -165,24 +163,19 @@ MOE_SMOKE: dict[str, tuple[list[str], set[str]]] = {
                 f"{v}_tok_s"
                 for v in (
                     "torch_sorted_fp32",
-                    "torch_sorted_bf16",
                     "jax_packed_fp32",
-                    "jax_packed_bf16",
                     "dense_jax_packed_fp32",
-                    "dense_jax_packed_bf16",
                 )
             ),
-            "mfu_dense_jax_packed_bf16",
+            "mfu_dense_jax_packed_fp32",
             "recompiles_dense_jax_packed_fp32",
             "active_params",
             "dense_params",
             "torch_experts_implementation",
             "moe_over_dense_fp32",
-            "moe_over_dense_bf16",
             "moe_over_dense_best",
             "ratio_vs_torch",
             "ratio_vs_torch_fp32",
-            "ratio_vs_torch_bf16",
         },
     ),
     "decode": (
