@@ -19,8 +19,10 @@ what it imports (reasoning-gym: about 1.5 s) is the worker's start-up, bounded b
 What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it on: a
 `StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it), with the worker's
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
-arrives as a `RuntimeError` with its type and message. `CallProcesses.close` kills every
-worker; a worker whose parent process is gone exits too (its lifeline pipe closes).
+arrives as a `RuntimeError` with its type and message. A worker leads a process group: killing
+it (past a timeout, at `CallProcesses.close`) kills what its calls started too (a reward that
+runs the policy's code in a subprocess); a worker whose parent process is gone ends its group
+(its lifeline pipe closes).
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class _Worker:
                     [sys.executable, "-c", _BOOT, path, *map(str, fds)],
                     stdin=subprocess.DEVNULL,
                     pass_fds=fds,
+                    start_new_session=True,  # its own group: killed with what a call started
                     env=os.environ | {"JAX_PLATFORMS": "cpu"},  # (the accelerator is the trainer's)
                 )
             except BaseException:
@@ -188,9 +191,13 @@ class _Worker:
         return message
 
     def stop(self) -> None:
-        """Ends the process (its connection stays open, for the call in flight to read)."""
+        """Ends the process and every process a call started there (its group, in which
+        a reward running the policy's code with ``subprocess`` starts it: that code, left
+        running, outlived the worker); its connection stays open, for the call in flight to
+        read. (Before it is reaped its id is not reused.)"""
         if self.process.returncode is None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
     def kill(self) -> None:
@@ -279,8 +286,8 @@ def raised_in(error: BaseException) -> traceback.FrameSummary:
 
 
 def _exit_with_parent(lifeline: int) -> None:
-    """Waits for the lifeline's end (the parent closed it, or is gone), then ends the worker,
-    a call it is running included."""
+    """Waits for the lifeline's end (the parent closed it, or is gone), then ends the worker's
+    process group: the worker, a call it is running and what that call started."""
     while os.read(lifeline, 1):
         pass
-    os._exit(0)
+    os.killpg(0, signal.SIGKILL)

@@ -6,17 +6,30 @@
   process after it and ran ``init``: the process lived, unclosed, until the trainer exited.
   Now a reset after close, or one that close finds starting, ends with an `EnvError` and
   leaves no process.
+- A user's reward that runs the policy's code in a subprocess (as code rewards do) and waits
+  on it past ``data.reward_timeout_s``: its worker was killed, the subprocess was not (it ran
+  on, adopted by init, for as long as the policy's code did; so did one left by a worker that
+  died mid-call). A worker now leads a process group, killed whole.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from jax_agent_rl.config import load_config
 from jax_agent_rl.envs import EnvError, skyrl
-from tests.hostile.test_skyrl_isolation import _pids_envs, _pids_sample
+from jax_agent_rl.rewards import RewardError, make_reward
+from jax_agent_rl.rewards.registry import Answer
+from tests.hostile.test_skyrl_isolation import _alive, _gone, _pids_envs, _pids_sample
+
+HERE = "tests.hostile.test_ninth_pass"
 
 
 def test_a_skyrl_episode_closed_before_its_reset_starts_no_process(tmp_path: Path) -> None:
@@ -77,3 +90,29 @@ def test_a_skyrl_episode_closed_while_its_reset_starts_leaves_no_process(
     assert isinstance(outcome[0], EnvError) and "process is gone" in str(outcome[0])
     assert env._process is not None and env._process.exitcode is not None
     assert not (tmp_path / "racing.env").exists()
+
+
+def running_code(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    """A reward that runs the policy's code (here a process that never ends) in a subprocess,
+    writes its pid to the file ``ground_truth`` names, and waits on it ("wait") or ends its
+    own process at once ("die")."""
+    del data_source, extra_info
+    code = subprocess.Popen(["sleep", "100000"])
+    Path(ground_truth).write_text(str(code.pid))
+    if solution_str == "die":
+        os._exit(3)
+    return float(code.wait() == 0)
+
+
+def test_what_a_reward_started_goes_with_its_worker(tmp_path: Path) -> None:
+    """Past the timeout, and when the worker dies mid-call, the subprocess goes too."""
+    spec = f"data.reward={HERE}:running_code"
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec, "data.reward_timeout_s=2"])
+    with make_reward(cfg.data) as score:
+        for answer, why in (("wait", "reward_timeout_s=2s"), ("die", "died during the call")):
+            pid_file = tmp_path / answer
+            with pytest.raises((RewardError, RuntimeError), match=why):
+                asyncio.run(score(Answer("x", "", answer, str(pid_file), {})))
+            pid = int(pid_file.read_text())
+            assert _gone(pid), f"the reward's subprocess {pid} ({answer}) outlived its worker"
+            assert not _alive(pid)
