@@ -10,6 +10,11 @@
   on it past ``data.reward_timeout_s``: its worker was killed, the subprocess was not (it ran
   on, adopted by init, for as long as the policy's code did; so did one left by a worker that
   died mid-call). A worker now leads a process group, killed whole.
+- A timeout set to mean "never" (``env.step_timeout_s=1e300``) was taken, and every skyrl-gym
+  episode then ended with an OverflowError (a pipe's poll takes at most 2**31 ms, 24.8 days),
+  naming no setting; ``env.memory_limit_mib=10000000000000`` was taken, and every episode's process
+  died at its start (setrlimit overflowed) with an error blaming memory. Each timeout is now
+  at most 1e6 s and the memory bound at most 1e9 MiB, refused past that naming the key.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.config import load_config
+from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.envs import EnvError, skyrl
 from jax_agent_rl.rewards import RewardError, make_reward
 from jax_agent_rl.rewards.registry import Answer
@@ -116,3 +121,44 @@ def test_what_a_reward_started_goes_with_its_worker(tmp_path: Path) -> None:
             pid = int(pid_file.read_text())
             assert _gone(pid), f"the reward's subprocess {pid} ({answer}) outlived its worker"
             assert not _alive(pid)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "env.step_timeout_s=1e300",
+        "env.step_timeout_s=3e6",
+        "data.reward_timeout_s=1e300",
+        "tools.timeout_s=1e300",
+        "data.judge.timeout_s=1e300",
+        "env.memory_limit_mib=10000000000000",
+    ],
+)
+def test_a_bound_past_what_its_wait_or_limit_takes_is_refused(setting: str) -> None:
+    key = setting.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=.*: expected in .*1e\+0[69]\]$"):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", setting])
+
+
+def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
+    """The largest timeout and memory bound taken still let an episode run (before, past 24.8
+    days a poll raised OverflowError; past 2**43 MiB the process died at its start)."""
+    cfg = load_config(
+        None,
+        [
+            "model.path=m",
+            "data.train=t.jsonl",
+            "env.step_timeout_s=1e6",
+            "env.memory_limit_mib=1000000000",
+        ],
+    )
+    envs = _pids_envs(tmp_path, cfg.env.step_timeout_s)
+    sample = _pids_sample(tmp_path / "long", "plain")
+    env = envs.factory("pids")(sample)
+    assert isinstance(env, skyrl.SkyRLEnvironment)
+    env.memory_limit_mib = cfg.env.memory_limit_mib
+    try:
+        env.reset(sample)
+        assert env.step("move", []).reward == 1.0
+    finally:
+        env.close()
