@@ -15,6 +15,13 @@
   naming no setting; ``env.memory_limit_mib=10000000000000`` was taken, and every episode's process
   died at its start (setrlimit overflowed) with an error blaming memory. Each timeout is now
   at most 1e6 s and the memory bound at most 1e9 MiB, refused past that naming the key.
+- A lone surrogate in a trajectory's messages (a data file's ``"\\ud83d"``, half an emoji; an
+  environment's observation, which ends the episode unrendered when it says done): writing
+  the step's traces raised UnicodeEncodeError and ended the run. It is now written as its JSON
+  escape (read back the same), and `visible` shows it as one (a console cannot print it).
+  At their sources it is now refused: a data file's prompt holding one is a DatasetError naming
+  the row (each of its episodes failed in the tokenizer, "TextInputSequence must be str"), an
+  environment's observation or prompt an EnvError naming the environment.
 """
 
 from __future__ import annotations
@@ -28,10 +35,22 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.envs import EnvError, skyrl
+from jax_agent_rl.envs.base import checked_messages
 from jax_agent_rl.rewards import RewardError, make_reward
 from jax_agent_rl.rewards.registry import Answer
+from jax_agent_rl.tokenization import (
+    CHATML_SPECIAL_TOKENS,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
+from jax_agent_rl.train.traces import append_traces, read_traces, trace_record
+from jax_agent_rl.visible import visible
 from tests.hostile.test_skyrl_isolation import _alive, _gone, _pids_envs, _pids_sample
 
 HERE = "tests.hostile.test_ninth_pass"
@@ -162,3 +181,40 @@ def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
         assert env.step("move", []).reward == 1.0
     finally:
         env.close()
+
+
+def test_a_lone_surrogate_in_a_trajectory_is_traced_and_shown(tmp_path: Path) -> None:
+    backend = train_bpe(["plain text"] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(tmp_path / "tok", backend, chat_template("chatml_tools"))
+    tokenizer = Tokenizer.from_pretrained(Path(folder))
+    traj = Trajectory(uid="r/0", group_id="r", prompt_ids=tokenizer.encode("plain"))
+    traj.messages = [
+        {"role": "user", "content": "What is 2+2? \ud83d"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "\\\udc80 (an observation)"},
+    ]
+    traj.end("env_done")
+    path = tmp_path / "traces.jsonl"
+    append_traces(path, [trace_record(traj, tokenizer, 1)])
+    assert read_traces(path)[0]["messages"] == traj.messages
+    shown = visible(traj.messages[0]["content"])
+    assert shown == "What is 2+2? \\ud83d"
+    shown.encode("utf-8")  # (a console writing the old text raised here)
+
+
+def test_a_lone_surrogate_is_refused_where_it_comes_in(tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        '{"prompt": [{"role": "user", "content": "ok"}], "reward_model": {"ground_truth": "4"}}\n'
+        '{"prompt": [{"role": "user", "content": "2+2? \\ud83d"}], '
+        '"reward_model": {"ground_truth": "4"}}\n'
+    )
+    with pytest.raises(DatasetError, match=r"row 1 .*prompt message 0 \(user\) holds a lone"):
+        load_samples(data, agents=["tool_agent"], default_agent="tool_agent")
+    for prompt in (True, False):
+        with pytest.raises(EnvError, match=r"^mine: .* message 1 holds a lone surrogate"):
+            checked_messages(
+                [{"role": "user", "content": "a"}, {"role": "user", "content": "b\udc80"}],
+                "mine",
+                prompt,
+            )
