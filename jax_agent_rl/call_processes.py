@@ -32,14 +32,16 @@ import contextlib
 import json
 import os
 import pickle
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.call_threads import carried, wake
@@ -69,11 +71,17 @@ class CallProcesses:
         self._closed = False
 
     async def run(
-        self, load: Callable[[], Callable[..., Any]], args: tuple[Any, ...], timeout_s: float
+        self,
+        load: Callable[[], Callable[..., Any]],
+        args: tuple[Any, ...],
+        timeout_s: float,
+        memory_mib: int | None = None,
     ) -> Any:
         """``load()(*args)`` in a worker (``load()`` once per worker, before the timeout
-        starts); past ``timeout_s`` the worker is killed and `CallTimeoutError` raised."""
-        request = pickle.dumps((pickle.dumps(load), args))  # (unpicklable: raises here)
+        starts); past ``timeout_s`` the worker is killed and `CallTimeoutError` raised. With
+        ``memory_mib``, the call may grow the worker's address space by at most that much
+        (past it, what allocates raises `MemoryError` in the call)."""
+        request = pickle.dumps((pickle.dumps(load), args, memory_mib))  # (unpicklable: here)
         worker = await self._take()
         try:
             worker.connection.send_bytes(request)
@@ -242,7 +250,7 @@ def _answer(
     connection: Connection, request: bytes, loaded: dict[bytes, Callable[..., Any]]
 ) -> tuple[Any, ...]:
     try:
-        load, args = pickle.loads(request)
+        load, args, memory_mib = pickle.loads(request)
         if load not in loaded:
             loaded[load] = pickle.loads(load)()
         fn = loaded[load]
@@ -250,10 +258,29 @@ def _answer(
         return _raised(e)
     connection.send(("started",))
     try:
-        result = fn(*args)
+        with _address_space(memory_mib):
+            result = fn(*args)
     except BaseException as e:
         return _raised(e)
     return ("returned", result)
+
+
+@contextlib.contextmanager
+def _address_space(memory_mib: int | None) -> Iterator[None]:
+    """The worker's address space bounded, while it lasts, to ``memory_mib`` MiB past its size
+    now (``RLIMIT_AS``; None: unbounded)."""
+    if memory_mib is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    now = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    bound = now + (memory_mib << 20)
+    unbounded = hard == resource.RLIM_INFINITY
+    resource.setrlimit(resource.RLIMIT_AS, (bound if unbounded else min(bound, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _raised(error: BaseException) -> tuple[Any, ...]:

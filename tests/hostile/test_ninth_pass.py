@@ -22,6 +22,11 @@
   At their sources it is now refused: a data file's prompt holding one is a DatasetError naming
   the row (each of its episodes failed in the tokenizer, "TextInputSequence must be str"), an
   environment's observation or prompt an EnvError naming the environment.
+- An answer `answer_code.harmless` lets through to simple_integration's scorer,
+  ``(a+b+c+d+e+f+g+h+X)**100``, has sympy's simplify grow its worker's memory without end (35
+  MiB a second here) until ``data.reward_timeout_s``, in every worker at once: no bound but the
+  host's memory. A scorer's call may now grow its worker by at most
+  `reasoning_gym.SCORER_MEMORY_MIB`; past it, the MemoryError scores 0.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from typing import Any
 import pytest
 
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.call_processes import CallProcesses
 from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.envs import EnvError, skyrl
 from jax_agent_rl.envs.base import checked_messages
@@ -218,3 +225,42 @@ def test_a_lone_surrogate_is_refused_where_it_comes_in(tmp_path: Path) -> None:
                 "mine",
                 prompt,
             )
+
+
+def allocating(mib: int) -> int:
+    """The length of a buffer of ``mib`` MiB, made."""
+    return len(bytearray(mib << 20))
+
+
+def load_allocating() -> Any:
+    """`allocating`, as a worker loads it."""
+    return allocating
+
+
+def test_a_bounded_call_raises_memory_error_and_leaves_its_worker_unbounded() -> None:
+    pool = CallProcesses(1, "worker")
+    try:
+        with pytest.raises(MemoryError):
+            asyncio.run(pool.run(load_allocating, (256,), 60.0, memory_mib=64))
+        assert asyncio.run(pool.run(load_allocating, (256,), 60.0)) == 256 << 20
+    finally:
+        pool.close()
+
+
+def test_an_answer_that_grows_sympy_without_end_scores_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(The bound lowered to 64 MiB, for the test to reach it in seconds; the timeout is a
+    minute: before, the answer took all of it and ended as a RewardError.)"""
+    monkeypatch.setattr(reasoning_gym, "SCORER_MEMORY_MIB", 64)
+    row = reasoning_gym.samples("reasoning_gym:simple_integration?size=1&seed=0", "x")[0]
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "data.reward_workers=1"])
+    growing = "<answer>(a+b+c+d+e+f+g+h+X)**100</answer>"
+    with make_reward(cfg.data) as score:
+        answer = Answer(row.data_source, "", growing, row.ground_truth, row.extra)
+        assert asyncio.run(score(answer)) == 0.0
+        right = f"<answer>{row.ground_truth}</answer>"
+        assert (
+            asyncio.run(score(Answer(row.data_source, "", right, row.ground_truth, row.extra)))
+            == 1.0
+        )
