@@ -19,8 +19,10 @@ what it imports (reasoning-gym: about 1.5 s) is the worker's start-up, bounded b
 What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it on: a
 `StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it), with the worker's
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
-arrives as a `RuntimeError` with its type and message. `CallProcesses.close` kills every
-worker; a worker whose parent process is gone exits too (its lifeline pipe closes).
+arrives as a `RuntimeError` with its type and message. A worker leads a process group: killing
+it (past a timeout, at `CallProcesses.close`) kills what its calls started too (a reward that
+runs the policy's code in a subprocess); a worker whose parent process is gone ends its group
+(its lifeline pipe closes).
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ import contextlib
 import json
 import os
 import pickle
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.call_threads import carried, wake
@@ -67,11 +71,17 @@ class CallProcesses:
         self._closed = False
 
     async def run(
-        self, load: Callable[[], Callable[..., Any]], args: tuple[Any, ...], timeout_s: float
+        self,
+        load: Callable[[], Callable[..., Any]],
+        args: tuple[Any, ...],
+        timeout_s: float,
+        memory_mib: int | None = None,
     ) -> Any:
         """``load()(*args)`` in a worker (``load()`` once per worker, before the timeout
-        starts); past ``timeout_s`` the worker is killed and `CallTimeoutError` raised."""
-        request = pickle.dumps((pickle.dumps(load), args))  # (unpicklable: raises here)
+        starts); past ``timeout_s`` the worker is killed and `CallTimeoutError` raised. With
+        ``memory_mib``, the call may grow the worker's address space by at most that much
+        (past it, what allocates raises `MemoryError` in the call)."""
+        request = pickle.dumps((pickle.dumps(load), args, memory_mib))  # (unpicklable: here)
         worker = await self._take()
         try:
             worker.connection.send_bytes(request)
@@ -151,6 +161,7 @@ class _Worker:
                     [sys.executable, "-c", _BOOT, path, *map(str, fds)],
                     stdin=subprocess.DEVNULL,
                     pass_fds=fds,
+                    start_new_session=True,  # its own group: killed with what a call started
                     env=os.environ | {"JAX_PLATFORMS": "cpu"},  # (the accelerator is the trainer's)
                 )
             except BaseException:
@@ -188,9 +199,13 @@ class _Worker:
         return message
 
     def stop(self) -> None:
-        """Ends the process (its connection stays open, for the call in flight to read)."""
+        """Ends the process and every process a call started there (its group, in which
+        a reward running the policy's code with ``subprocess`` starts it: that code, left
+        running, outlived the worker); its connection stays open, for the call in flight to
+        read. (Before it is reaped its id is not reused.)"""
         if self.process.returncode is None:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
     def kill(self) -> None:
@@ -235,7 +250,7 @@ def _answer(
     connection: Connection, request: bytes, loaded: dict[bytes, Callable[..., Any]]
 ) -> tuple[Any, ...]:
     try:
-        load, args = pickle.loads(request)
+        load, args, memory_mib = pickle.loads(request)
         if load not in loaded:
             loaded[load] = pickle.loads(load)()
         fn = loaded[load]
@@ -243,10 +258,29 @@ def _answer(
         return _raised(e)
     connection.send(("started",))
     try:
-        result = fn(*args)
+        with _address_space(memory_mib):
+            result = fn(*args)
     except BaseException as e:
         return _raised(e)
     return ("returned", result)
+
+
+@contextlib.contextmanager
+def _address_space(memory_mib: int | None) -> Iterator[None]:
+    """The worker's address space bounded, while it lasts, to ``memory_mib`` MiB past its size
+    now (``RLIMIT_AS``; None: unbounded)."""
+    if memory_mib is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    now = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    bound = now + (memory_mib << 20)
+    unbounded = hard == resource.RLIM_INFINITY
+    resource.setrlimit(resource.RLIMIT_AS, (bound if unbounded else min(bound, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _raised(error: BaseException) -> tuple[Any, ...]:
@@ -279,8 +313,8 @@ def raised_in(error: BaseException) -> traceback.FrameSummary:
 
 
 def _exit_with_parent(lifeline: int) -> None:
-    """Waits for the lifeline's end (the parent closed it, or is gone), then ends the worker,
-    a call it is running included."""
+    """Waits for the lifeline's end (the parent closed it, or is gone), then ends the worker's
+    process group: the worker, a call it is running and what that call started."""
     while os.read(lifeline, 1):
         pass
-    os._exit(0)
+    os.killpg(0, signal.SIGKILL)

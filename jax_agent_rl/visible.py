@@ -7,8 +7,9 @@ Unicode tag characters, which can spell a whole hidden message, zero-width space
 byte-order marks, Hangul fillers, variation selectors). `visible` maps each such character to
 a printable stand-in, so a trace shows what was written instead of doing or hiding it: C0
 controls and DEL as their Unicode control pictures (ESC as ``␛``), C1 controls as ``\\x9b``,
-bidi controls and invisible characters as ``\\u202e`` / ``\\U000e0041`` escapes. Newlines and
-tabs stay. `without_invisible` drops the invisible ones instead (what a judge model reads).
+bidi controls, invisible characters and lone surrogates (not text: no terminal prints one)
+as ``\\u202e`` / ``\\U000e0041`` escapes. Newlines and tabs stay. `without_invisible` drops
+the invisible ones instead (what a judge model reads).
 `number` writes a float, NaN and infinities included, the way a person reads it.
 """
 
@@ -54,12 +55,15 @@ def _stand_in(code: int) -> str | None:
         return "\u2421"  # ␡
     if 0x80 <= code <= 0x9F:
         return f"\\x{code:02x}"
-    if code in _BIDI or code in INVISIBLE:
+    if code in _BIDI or code in INVISIBLE or code in _SURROGATES:
         return _escape(code)
     return None
 
 
-_TABLE = {c: s for c in [*range(0xA0), *INVISIBLE] if (s := _stand_in(c)) is not None}
+# lone surrogates: no terminal or UTF-8 file takes them (a console printing one raises); a
+# data file's JSON (``"\ud83d"``, half an emoji) or an environment can hold them
+_SURROGATES = range(0xD800, 0xE000)
+_TABLE = {c: s for c in [*range(0xA0), *INVISIBLE, *_SURROGATES] if (s := _stand_in(c)) is not None}
 _DROP = dict.fromkeys(INVISIBLE)
 
 

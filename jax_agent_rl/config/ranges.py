@@ -44,6 +44,13 @@ COUNT = interval(1)  # sizes and counts that must be at least one
 NATURAL = interval(0)  # counts where 0 means none / off
 POSITIVE = interval(0, lo_open=True)
 FRACTION = interval(0, 1)
+# a timeout: positive, at most a million seconds (11.6 days: "never", in practice); the waits
+# it bounds overflow past that (a pipe's poll takes a C int of milliseconds, 24.8 days; a
+# lock's acquire about 9.2e9 s: OverflowError)
+TIMEOUT = interval(0, 1e6, lo_open=True)
+# MiB of address space: at most a billion (about a petabyte); past 2**43 MiB the byte count
+# overflows setrlimit's C long, and the process it bounds died at its start
+MEBIBYTES = interval(1, 1e9)
 BELOW_ONE = interval(0, 1, hi_open=True)
 FINITE = Rule(math.isfinite, "a finite number")
 NOT_POSITIVE = Rule(lambda v: bool(math.isfinite(v) and v <= 0), "<= 0")

@@ -11,9 +11,11 @@ from jax_agent_rl.config.ranges import (
     COUNT,
     FINITE,
     FRACTION,
+    MEBIBYTES,
     NATURAL,
     NOT_POSITIVE,
     POSITIVE,
+    TIMEOUT,
     interval,
     or_,
     setting,
@@ -62,7 +64,7 @@ class RaySection:
     tool_servers: int = setting(0, NATURAL)
     tool_server_cpus: float = setting(1.0, NATURAL)  # per tool server
     # placing and starting the replicas (compiles included)
-    start_timeout_s: float = setting(600.0, POSITIVE)
+    start_timeout_s: float = setting(600.0, TIMEOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +213,7 @@ class ToolsSection:
     # the name of an environment variable holding the server's bearer token (the token
     # itself stays out of the YAML and of the run folder's config.yaml); empty: no token
     token_env: str = ""
-    timeout_s: float = setting(30.0, POSITIVE)
+    timeout_s: float = setting(30.0, TIMEOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +257,10 @@ class EnvSection:
     # verl's interaction config YAML (interaction: [{name, class_name, config}]); empty: none
     interaction_config: str = ""
     # an environment call past it ends its episode (env_error)
-    step_timeout_s: float = setting(60.0, POSITIVE)
+    step_timeout_s: float = setting(60.0, TIMEOUT)
     # MiB of address space a skyrl-gym environment's process (one per episode) may add to what
     # it starts with (RLIMIT_AS); past it, its episode ends (env_error), not the trainer
-    memory_limit_mib: int = setting(2048, COUNT)
+    memory_limit_mib: int = setting(2048, MEBIBYTES)
     # threads running environments' synchronous calls (skyrl-gym's, a user's synchronous
     # methods) at once; one stuck past its timeout keeps its place until it returns
     max_threads: int = setting(32, COUNT)
@@ -303,7 +305,7 @@ class JudgeSection:
     max_tokens: int = setting(32, COUNT)  # of the judge's answer
     temperature: float = setting(0.0, NATURAL)  # 0: greedy
     # per judge request, waiting for a free slot excluded
-    timeout_s: float = setting(60.0, POSITIVE)
+    timeout_s: float = setting(60.0, TIMEOUT)
     # remember each judged (prompt, response, ground truth)'s score under the judge's weight
     # version for the rest of the run (in memory, the newest cache_size kept): the same answer
     # is judged once by the same weights
@@ -338,7 +340,7 @@ class DataSection:
     rewards_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
     # a synchronous reward call (a rule, a reasoning-gym scorer, a user function) past it ends
     # its episode (reward_error); the judge has judge.timeout_s
-    reward_timeout_s: float = setting(60.0, POSITIVE)
+    reward_timeout_s: float = setting(60.0, TIMEOUT)
     # worker processes running reasoning-gym's scorers and user reward functions at once (each
     # started when first needed, then kept; one past reward_timeout_s is killed and replaced)
     reward_workers: int = setting(8, COUNT)

@@ -212,6 +212,13 @@ def _messages(prompt: Any, fail: Fail) -> list[dict[str, Any]]:
             raise fail(f"prompt message {i} has role {role!r}; allowed: {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise fail(f"prompt message {i} ({role}) has no string 'content'")
+        try:  # (the tokenizer cannot take one: each episode of the row failed)
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise fail(
+                f"prompt message {i} ({role}) holds a lone surrogate at character {e.start} "
+                "(half of a JSON \\ud83d\\ude00 pair): not text"
+            ) from None
         messages.append(message)
     return messages
 

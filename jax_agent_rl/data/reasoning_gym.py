@@ -36,6 +36,11 @@ MAX_ROWS = 100_000  # size: the rows are generated when the data loads, every on
 # any other number of an option (a task's term count, depth, digits, a range's bounds): a task
 # builds its questions with loops and recursion over these, so a huge one runs for ever or overflows
 MAX_OPTION = 10_000
+# MiB a scorer's call may grow its worker's address space by (`CallProcesses.run`): an answer
+# `harmless` lets through can still make sympy's simplify grow without end (the integral of
+# ``(a+b+c+d+e+f+g+h+X)**100``: 35 MiB a second, for as long as data.reward_timeout_s lets it,
+# in each of data.reward_workers at once); past it, the scorer's MemoryError scores 0
+SCORER_MEMORY_MIB = 2048
 
 
 class ReasoningGymError(DatasetError):

@@ -227,6 +227,13 @@ def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Me
                 f"{owner}: {what} message {i} must have a role in {roles} and string content, "
                 f"got role {role!r:.40} and content {type(content).__name__}"
             )
+        try:  # (the tokenizer cannot take one, nor a trace file)
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise EnvError(
+                f"{owner}: {what} message {i} holds a lone surrogate at character {e.start}: "
+                "not text"
+            ) from None
         out.append({"role": role, "content": content})
     return out
 

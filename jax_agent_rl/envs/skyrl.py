@@ -79,13 +79,16 @@ class SkyRLEnvironment:
         self._gone = False  # the process was killed (or died)
 
     def reset(self, sample: Sample) -> list[Message]:
-        ours, theirs = multiprocessing.Pipe()
-        context, lifeline, _ = _context()
-        args = (theirs, lifeline, self.recipe, self.name, self.memory_limit_mib)
-        process = context.Process(target=serve, args=args, daemon=True)
-        process.start()
-        theirs.close()
-        self._process, self._conn = process, ours
+        with self._lock:  # (a close meanwhile, the loop's after reset took too long, kills it)
+            if self._gone:  # (the loop closes an episode whose reset took too long)
+                raise EnvError(f"{self.name}.init: the episode was closed before it started")
+            ours, theirs = multiprocessing.Pipe()
+            context, lifeline, _ = _context()
+            args = (theirs, lifeline, self.recipe, self.name, self.memory_limit_mib)
+            process = context.Process(target=serve, args=args, daemon=True)
+            process.start()
+            theirs.close()
+            self._process, self._conn = process, ours
         prompt = self._call("init", [dict(m) for m in sample.messages])
         return checked_messages(prompt, f"{self.name}.init", prompt=True)
 
@@ -94,26 +97,25 @@ class SkyRLEnvironment:
         return checked_step(self._call("step", text), self.name)
 
     def close(self) -> None:
-        if self._process is None:
-            return
-        if not self._lock.acquire(blocking=False):  # a call is stuck: its process goes
-            self._kill()  # (the stuck call then finds it gone)
+        if not self._lock.acquire(blocking=False):  # a call is stuck, or reset is starting
+            self._kill()  # the process: the stuck call (or reset's init) then finds it gone
             return
         self._lock.release()
         try:
-            if not self._gone:
+            if not self._gone and self._process is not None:
                 self._call("close", None)
         finally:
-            self._kill()
-            assert self._conn is not None
-            self._conn.close()
+            self._kill()  # (before reset: a reset after it finds the episode closed)
+            if self._conn is not None:
+                self._conn.close()
 
     def _call(self, what: str, arg: Any) -> Any:
         """``what`` done by the environment's process; an `EnvError` if it fails, takes longer
         than the timeout (the process is killed then) or dies (out of memory)."""
         assert self._conn is not None
         with self._lock:
-            if self._gone:
+            if self._gone:  # (killed; or closed while reset started it: it goes now)
+                self._kill()
                 raise EnvError(f"{self.name}.{what}: its process is gone")
             try:
                 self._conn.send((what, arg))
@@ -142,13 +144,17 @@ class SkyRLEnvironment:
         )
 
     def _kill(self) -> None:
-        """The process (and what it started: its session) killed and reaped."""
+        """The process (and what it started: its session) killed and reaped; none started
+        later (`_call` refuses)."""
         self._gone = True
-        if self._process.exitcode is None:
+        process = self._process  # (None: reset has not started it; its init is then refused)
+        if process is None:
+            return
+        if process.exitcode is None:
             for kill in (os.killpg, os.kill):  # before its setsid, killpg finds no group
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    kill(self._process.pid, signal.SIGKILL)
-        self._process.join()
+                    kill(process.pid, signal.SIGKILL)
+        process.join()
 
 
 _CONTEXT_LOCK = threading.Lock()

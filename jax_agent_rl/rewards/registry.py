@@ -248,7 +248,9 @@ def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
 
     verl = sync.in_thread(verl_rule, "verl's rule (data.reward unset)")
     generated = sync.in_process(
-        reasoning_gym.loaded_score, "the reasoning-gym task's scorer (data.reward unset)"
+        reasoning_gym.loaded_score,
+        "the reasoning-gym task's scorer (data.reward unset)",
+        reasoning_gym.SCORER_MEMORY_MIB,
     )
 
     def pick(data_source: str) -> Scorer:
@@ -283,7 +285,9 @@ class _Sync:
 
         return rule
 
-    def in_process(self, load: Callable[[], ScoreFn], name: str) -> Scorer:
+    def in_process(
+        self, load: Callable[[], ScoreFn], name: str, memory_mib: int | None = None
+    ) -> Scorer:
         """``load()``'s function (``load`` a picklable function of no arguments: a worker
         loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
         names ``name``."""
@@ -291,7 +295,7 @@ class _Sync:
         async def isolated(a: Answer) -> float:
             args = (a.data_source, a.text, a.ground_truth, a.extra)
             try:
-                return float(await self.processes.run(load, args, self.timeout_s))
+                return float(await self.processes.run(load, args, self.timeout_s, memory_mib))
             except CallTimeoutError:  # (not a TimeoutError the function raised: that is its error)
                 raise self._late(name, "its worker process was stopped") from None
 
@@ -311,7 +315,7 @@ def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     if spec in REWARDS:
         return sync.in_thread(load_reward(spec, key), name)
     if spec == "reasoning_gym":
-        return sync.in_process(reasoning_gym.loaded_score, name)
+        return sync.in_process(reasoning_gym.loaded_score, name, reasoning_gym.SCORER_MEMORY_MIB)
     load_reward(spec, key)  # its errors here, as the config is read (a worker loads it again)
     return sync.in_process(functools.partial(load_reward, spec, key), name)
 

@@ -155,7 +155,9 @@ def append_traces(path: Path, records: Iterable[dict[str, Any]]) -> None:
     killed run cut short is dropped: `drop_cut_line`); they are on disk when this returns."""
     path.parent.mkdir(parents=True, exist_ok=True)
     drop_cut_line(path)
-    with path.open("a", encoding="utf-8") as f:
+    # (a lone surrogate, which UTF-8 cannot hold, is written as its JSON escape: read back the
+    # same; a prompt or an environment's observation can hold one)
+    with path.open("a", encoding="utf-8", errors="backslashreplace") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
