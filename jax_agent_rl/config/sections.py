@@ -344,6 +344,9 @@ class DataSection:
     # worker processes running reasoning-gym's scorers and user reward functions at once (each
     # started when first needed, then kept; one past reward_timeout_s is killed and replaced)
     reward_workers: int = setting(8, COUNT)
+    # MiB one call of a user's reward function may grow its worker's memory by (RLIMIT_AS; past
+    # it the call's MemoryError is its episode's reward_error); 0: unbounded
+    reward_memory_limit_mib: int = setting(4096, or_(0, MEBIBYTES))
     # the tool rewards of an episode (`ToolResult.reward` of every call), summed, are added to
     # its reward times this weight. 0 is what verl does: the reward function's score is the
     # reward, and a function of verl's signature reads the tool rewards, if it wants them, from

@@ -201,6 +201,7 @@ def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Rewards:
         CallThreads(REWARD_THREADS, "reward-call"),
         CallProcesses(data.reward_workers, "reward worker"),
         data.reward_timeout_s,
+        data.reward_memory_limit_mib or None,
     )
     by_source = {
         source: _load(spec, f"data.rewards_by_source.{source}", judge, sync)
@@ -267,8 +268,15 @@ class _Sync:
     """Synchronous rewards as `Scorer`s, each call within ``timeout_s``
     (``data.reward_timeout_s``): in a thread of ``threads``, or in a worker of ``processes``."""
 
-    def __init__(self, threads: CallThreads, processes: CallProcesses, timeout_s: float) -> None:
+    def __init__(
+        self,
+        threads: CallThreads,
+        processes: CallProcesses,
+        timeout_s: float,
+        user_memory_mib: int | None,
+    ) -> None:
         self.threads, self.processes, self.timeout_s = threads, processes, timeout_s
+        self.user_memory_mib = user_memory_mib  # (data.reward_memory_limit_mib; None: unbounded)
 
     def in_thread(self, fn: ScoreFn, name: str) -> Scorer:
         """``fn`` awaited; past the timeout (its wait for a thread included) a `RewardError`
@@ -317,7 +325,7 @@ def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     if spec == "reasoning_gym":
         return sync.in_process(reasoning_gym.loaded_score, name, reasoning_gym.SCORER_MEMORY_MIB)
     load_reward(spec, key)  # its errors here, as the config is read (a worker loads it again)
-    return sync.in_process(functools.partial(load_reward, spec, key), name)
+    return sync.in_process(functools.partial(load_reward, spec, key), name, sync.user_memory_mib)
 
 
 async def _no_judge(answer: Answer) -> float:

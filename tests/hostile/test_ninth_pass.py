@@ -264,3 +264,30 @@ def test_an_answer_that_grows_sympy_without_end_scores_zero(
             asyncio.run(score(Answer(row.data_source, "", right, row.ground_truth, row.extra)))
             == 1.0
         )
+
+
+def hoarding(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    """A user's reward that holds ``solution_str`` MiB while it scores (a policy's answer that
+    makes a parser build a huge structure)."""
+    del data_source, ground_truth, extra_info
+    held = bytearray(int(solution_str) << 20)
+    return float(len(held) > 0)
+
+
+@pytest.mark.parametrize(("limit", "bounded"), [("64", True), ("0", False)])
+def test_a_user_reward_is_bounded_by_data_reward_memory_limit_mib(
+    limit: str, bounded: bool
+) -> None:
+    """data.reward_memory_limit_mib bounds what one call of a user's function may grow its
+    worker by (before, only reasoning-gym's scorers had a bound): past it the call raises (its
+    episode's reward error) and the next call of the same worker is scored; 0 is unbounded."""
+    spec = f"data.reward={HERE}:hoarding"
+    overrides = ["model.path=m", "data.train=t.jsonl", spec, "data.reward_workers=1"]
+    cfg = load_config(None, [*overrides, f"data.reward_memory_limit_mib={limit}"])
+    with make_reward(cfg.data) as score:
+        if bounded:
+            with pytest.raises(MemoryError):
+                asyncio.run(score(Answer("x", "", "256", None, {})))
+        else:
+            assert asyncio.run(score(Answer("x", "", "256", None, {}))) == 1.0
+        assert asyncio.run(score(Answer("x", "", "8", None, {}))) == 1.0
