@@ -92,12 +92,13 @@ def _moe_params() -> object:
     return dataclasses.replace(w, layers=dataclasses.replace(w.layers, router=w.layers.router * 50))
 
 
-@pytest.mark.parametrize("m", [1, 2])
-def test_the_policy_loss_adds_coef_times_the_router_loss(m: int) -> None:
+def test_the_policy_loss_adds_coef_times_the_router_loss() -> None:
     """Off, the loss is the policy loss alone and no router metric is reported; on, it adds
-    ``coef * aux`` of each micro-batch weighted by its share of the sampled tokens (with one
-    micro-batch: HF's loss of the batch, over every real token: prompt and tool tokens too),
-    the metric is that weighted mean, and the router weights receive its gradient."""
+    ``coef * aux`` of each micro-batch (over its every real token: prompt and tool tokens too)
+    weighted by its share of the sampled tokens, the metric is that weighted mean, and the
+    router weights receive its gradient. Two micro-batches (one is the same accumulation loop
+    run once, its weight 1)."""
+    m = 2
     params = _moe_params()
     batch, given = random_batch(B=4, T=24, seed=1)
     coef = 0.3
