@@ -230,6 +230,21 @@ class ToolExecutor(Protocol):
     async def close(self) -> None: ...
 
 
+def _text_checked(name: str, result: ToolResult) -> ToolResult:
+    """``result``, or the call's error result when its text holds a lone surrogate (as
+    ``os.listdir`` gives an undecodable byte of a file name): no tokenizer takes one, and the
+    episode ended in the tokenizer rendering the observation."""
+    try:
+        result.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ToolResult(
+            f"error: {name} returned text holding a lone surrogate {result.text[e.start]!r} at "
+            f"character {e.start}: not text",
+            error=True,
+        )
+    return result
+
+
 @dataclasses.dataclass
 class _Trajectory:
     """One open trajectory: its tools' states (created on first use) and its calls running."""
@@ -318,7 +333,7 @@ class LocalTools:
             )
         try:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
-            return await self._timed(t, run)
+            return _text_checked(name, await self._timed(t, run))
         except Exception as e:  # a tool bug is the model's observation, not a crash
             return ToolResult(f"error: {name} failed: {error_text(e)}", error=True)
         finally:
