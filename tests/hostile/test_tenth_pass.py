@@ -5,6 +5,11 @@
   the result reached the loop as it was, and the tokenizer rendering the observation raised
   ("TextInputSequence must be str"), ending the episode with ``agent_error``. It is now the
   call's error result, naming the tool and the character, and the episode goes on.
+- A config override OmegaConf's reader refuses though the check's parser took it (a duplicate
+  key, a recursive alias, a tag with no constructor, a lone surrogate's ``"\\ud83d"``), and an
+  interpolation naming no key or itself (``data.reward=${foo}``, in an override or in the
+  file): ``jarl train`` ended in a YAML or OmegaConf traceback. Each is a `ConfigError` line
+  naming the key.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
+from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 
@@ -39,3 +47,47 @@ def test_a_tool_text_holding_a_lone_surrogate_is_the_calls_error(tmp_path: Path)
         "error: listing returned text holding a lone surrogate '\\udce9' at character 3: not text"
     )
     result.text.encode("utf-8")  # (the tokenizer takes it)
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("agent.stop={a: 1, a: 2}", "found duplicate key a"),
+        ("data.rewards_by_source={a: x, a: y}", "found duplicate key a"),
+        ("agent.stop=[&a [*a]]", "YAML recursive aliases are not supported"),
+        ("agent.stop=!!python/object:os.system x", "could not determine a constructor"),
+        ('agent.stop=["\\ud83d"]', "found invalid Unicode character escape code"),
+    ],
+)
+def test_an_override_omegaconfs_reader_refuses_is_a_config_error(
+    override: str, problem: str
+) -> None:
+    key = override.partition("=")[0]
+    with pytest.raises(
+        ConfigError, match=rf"^override {key}: invalid YAML at line 1, column \d+: {problem}"
+    ):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", override])
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("data.reward=${foo}", "Interpolation key 'foo' not found"),
+        ("trainer.run_dir=${trainer.run_dir}", "Recursive interpolation detected"),
+    ],
+)
+def test_an_interpolation_that_resolves_to_nothing_is_a_config_error(
+    tmp_path: Path, setting: str, problem: str
+) -> None:
+    key, _, value = setting.partition("=")
+    match = rf"^config key '{key}': {problem}$"
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", setting])
+    with pytest.raises(ConfigError, match=match):
+        preview_config(None, [setting])
+    section, _, name = key.partition(".")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(path, ["model.path=m", "data.train=t.jsonl"])
+    assert load_config(None, ["model.path=m", "data.train=t.jsonl", f"{key}=${{model.path}}"])
