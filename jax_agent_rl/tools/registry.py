@@ -145,7 +145,10 @@ def _our_tool(where: str, entry: Any) -> Tool:
         # demo's shortened calculator schema once became the process's calculator schema)
         instance = copy.copy(obj) if "schema" in entry else obj
     else:
-        instance = obj(**config)
+        try:
+            instance = obj(**config)
+        except (TypeError, ValueError) as e:  # a setting it does not take, or out of its range
+            raise ValueError(f"{where}: config: {e}") from e
     if "schema" in entry:
         try:
             OpenAIFunctionToolSchema.model_validate(entry["schema"])

@@ -10,6 +10,11 @@
   interpolation naming no key or itself (``data.reward=${foo}``, in an override or in the
   file): ``jarl train`` ended in a YAML or OmegaConf traceback. Each is a `ConfigError` line
   naming the key.
+- A tools file's python sandbox set past what its waits and limits take (``timeout_s: 1e300``,
+  ``.inf``, ``.nan``; ``cpu_s: 2.5``; ``memory_mb: 1e13``): taken, then every execution
+  failed, each the model's error naming no setting (a poll's OverflowError, the zygote's
+  TypeError traceback) or the sandbox did not start; ``pool_size: 0`` was concurrent.futures'
+  error. Each is now a ValueError naming the file, the entry and the setting.
 """
 
 from __future__ import annotations
@@ -91,3 +96,26 @@ def test_an_interpolation_that_resolves_to_nothing_is_a_config_error(
     with pytest.raises(ConfigError, match=match):
         load_config(path, ["model.path=m", "data.train=t.jsonl"])
     assert load_config(None, ["model.path=m", "data.train=t.jsonl", f"{key}=${{model.path}}"])
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("timeout_s: 1.0e300", "timeout_s=1e+300: expected in (0, 1e+06]"),
+        ("timeout_s: .inf", "timeout_s=inf: expected in (0, 1e+06]"),
+        ("timeout_s: .nan", "timeout_s=nan: expected in (0, 1e+06]"),
+        ("timeout_s: x", "timeout_s='x': expected in (0, 1e+06]"),
+        ("cpu_s: 2.5", "cpu_s=2.5: expected a whole number in [1, 1e9]"),
+        ("cpu_s: 0", "cpu_s=0: expected a whole number in [1, 1e9]"),
+        ("memory_mb: 10000000000000", "memory_mb=10000000000000: expected a whole number in"),
+        ("pool_size: 0", "pool_size=0: expected a whole number >= 1"),
+    ],
+)
+def test_a_sandbox_set_past_what_it_takes_is_refused_naming_the_setting(
+    tmp_path: Path, setting: str, problem: str
+) -> None:
+    path = tmp_path / "tools.yaml"
+    path.write_text(f"- class: jax_agent_rl.tools.sandbox:PythonTool\n  config:\n    {setting}\n")
+    with pytest.raises(ValueError) as refused:
+        ToolRegistry.from_yaml(path)
+    assert str(refused.value).startswith(f"{path}: entry 0: config: the python sandbox's {problem}")
