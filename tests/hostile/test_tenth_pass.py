@@ -15,19 +15,35 @@
   failed, each the model's error naming no setting (a poll's OverflowError, the zygote's
   TypeError traceback) or the sandbox did not start; ``pool_size: 0`` was concurrent.futures'
   error. Each is now a ValueError naming the file, the entry and the setting.
+- An SFT demonstration (``sft.data``) holding a lone surrogate, a content that is no string
+  (null, a number), a message with no role, or nested past the recursion limit: the
+  tokenizer's TypeError ("TextInputSequence must be str") or a RecursionError, naming no file
+  or line, out of ``jarl train``'s check (which catches the ValueErrors that name them) or, on
+  a row past those it reads, out of the run's SFT stage after the model loaded. Each is now
+  the ValueError naming the file, the line and the message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from jax_agent_rl.config import ConfigError, load_config, preview_config
+from jax_agent_rl.tokenization import (
+    CHATML_SPECIAL_TOKENS,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
+from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.sft import load_demonstrations
 
 
 @tool
@@ -119,3 +135,39 @@ def test_a_sandbox_set_past_what_it_takes_is_refused_naming_the_setting(
     with pytest.raises(ValueError) as refused:
         ToolRegistry.from_yaml(path)
     assert str(refused.value).startswith(f"{path}: entry 0: config: the python sandbox's {problem}")
+
+
+_USER = {"role": "user", "content": "2+2?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        (
+            [_USER, {"role": "assistant", "content": "4 \ud83d"}],
+            "message 1 (assistant) holds a lone surrogate at character 2",
+        ),
+        (
+            [_USER, {"role": "assistant", "content": "x"}, {"role": "tool", "content": "\udc80"}],
+            "message 2 (tool) holds a lone surrogate at character 0",
+        ),
+        ([_USER, {"role": "assistant", "content": None}], "message 1 (assistant) has no string"),
+        ([_USER, {"role": "assistant", "content": 4}], "message 1 (assistant) has no string"),
+        ([_USER, {"content": "4"}], "message 1 must be an object with a role among"),
+        ("DEEP", "nested too deep"),
+    ],
+)
+def test_a_demonstration_the_tokenizer_cannot_take_is_named(
+    tmp_path: Path, messages: object, problem: str
+) -> None:
+    backend = train_bpe(["plain text"] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(tmp_path / "tok", backend, chat_template("chatml_tools"))
+    builder = TurnBuilder(Tokenizer.from_pretrained(Path(folder)), None)
+    path = tmp_path / "sft.jsonl"
+    fine = json.dumps({"messages": [_USER, {"role": "assistant", "content": "4"}]})
+    row = json.dumps({"messages": messages}).replace('"DEEP"', "[" * 100_000 + "]" * 100_000)
+    path.write_text(f"{fine}\n{row}\n")
+    assert len(load_demonstrations(path, builder, limit=1)) == 1
+    with pytest.raises(ValueError) as refused:
+        load_demonstrations(path, builder)
+    assert str(refused.value).startswith(f"{path}: line 2: not a demonstration ({problem}")
