@@ -219,8 +219,22 @@ def _messages(prompt: Any, fail: Fail) -> list[dict[str, Any]]:
                 f"prompt message {i} ({role}) holds a lone surrogate at character {e.start} "
                 "(half of a JSON \\ud83d\\ude00 pair): not text"
             ) from None
+        for key, value in message.items():  # (tool_calls, name: the template writes them too)
+            if key != "content" and _holds_lone_surrogate(value):
+                raise fail(f"prompt message {i} ({role}) holds a lone surrogate in {key!r}")
         messages.append(message)
     return messages
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (JSON's values, nested) holds a lone surrogate."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (TypeError, ValueError, RecursionError):  # no JSON (a parquet value): not checked here
+        return False
+    return False
 
 
 def _describe(value: Any) -> str:

@@ -21,6 +21,11 @@
   or line, out of ``jarl train``'s check (which catches the ValueErrors that name them) or, on
   a row past those it reads, out of the run's SFT stage after the model loaded. Each is now
   the ValueError naming the file, the line and the message.
+- A data row's prompt message holding a lone surrogate outside its content (an assistant
+  turn's ``tool_calls``, a message's ``name``: the chat template writes them): every episode
+  of the row failed in the tokenizer ("TextInputSequence must be str"), and ``jarl train``'s
+  check ended in that TypeError's traceback; the ninth pass refused one in ``content`` only.
+  It is now the DatasetError naming the row, the message and the field.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import ConfigError, load_config, preview_config
+from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
     Tokenizer,
@@ -171,3 +177,43 @@ def test_a_demonstration_the_tokenizer_cannot_take_is_named(
     with pytest.raises(ValueError) as refused:
         load_demonstrations(path, builder)
     assert str(refused.value).startswith(f"{path}: line 2: not a demonstration ({problem}")
+
+
+def _called(name: str, arguments: object) -> dict[str, object]:
+    """An assistant turn calling ``name`` with ``arguments``."""
+    function = {"name": name, "arguments": arguments}
+    return {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": function}]}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "problem"),
+    [
+        (
+            [_USER, _called("f\ud83d", "{}")],
+            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+        ),
+        (
+            [_USER, _called("f", '{"x": "\udc80"}')],
+            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+        ),
+        (
+            [_USER, _called("f", {"x": "\udc80"})],
+            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+        ),
+        (
+            [_USER, _called("f", "{}"), {"role": "tool", "content": "4", "name": "f\ud83d"}],
+            "message 2 (tool) holds a lone surrogate in 'name'",
+        ),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_prompt_message_is_refused(
+    tmp_path: Path, prompt: list[dict[str, object]], problem: str
+) -> None:
+    path = tmp_path / "rows.jsonl"
+    fine = [_USER, _called("f", '{"x": "\\ud83d is the escape"}'), {"role": "tool", "content": "4"}]
+    rows = [{"prompt": p, "reward_model": {"ground_truth": "4"}} for p in (fine, prompt)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert len(load_samples(path, agents=["tool_agent"], default_agent="tool_agent", limit=1)) == 1
+    with pytest.raises(DatasetError) as refused:
+        load_samples(path, agents=["tool_agent"], default_agent="tool_agent")
+    assert str(refused.value) == f"{path}: row 1 (line 2): prompt {problem}"
