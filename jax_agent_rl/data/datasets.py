@@ -255,6 +255,8 @@ def _optional_str(row: Row, key: str, default: str, fail: Fail) -> str:
         return default
     if not isinstance(value, str):
         raise fail(f"{key} must be a string, got {type(value).__name__}")
+    if _holds_lone_surrogate(value):  # (data_source names the episodes: their ids, metrics)
+        raise fail(f"{key} holds a lone surrogate: not text")
     return value
 
 

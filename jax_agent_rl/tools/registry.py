@@ -338,7 +338,9 @@ class LocalTools:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
             return _text_checked(name, await self._timed(t, run))
         except Exception as e:  # a tool bug is the model's observation, not a crash
-            return ToolResult(f"error: {name} failed: {error_text(e)}", error=True)
+            # (a lone surrogate in its words, a file name's undecodable byte: written escaped)
+            why = error_text(e).encode("utf-8", "backslashreplace").decode("utf-8")
+            return ToolResult(f"error: {name} failed: {why}", error=True)
         finally:
             self._leave(trajectory, trajectory_id)
 

@@ -4,7 +4,9 @@
   undecodable byte of a file name as one, and the policy's own code can make such a name):
   the result reached the loop as it was, and the tokenizer rendering the observation raised
   ("TextInputSequence must be str"), ending the episode with ``agent_error``. It is now the
-  call's error result, naming the tool and the character, and the episode goes on.
+  call's error result, naming the tool and the character, and the episode goes on; a tool's
+  error whose words hold one (``ValueError(f"no file {name}")``) is written escaped. A data
+  row's ``data_source`` holding one (it names the row's episodes) is a DatasetError.
 - A config override OmegaConf's reader refuses though the check's parser took it (a duplicate
   key, a recursive alias, a tag with no constructor, a lone surrogate's ``"\\ud83d"``), and an
   interpolation naming no key or itself (``data.reward=${foo}``, in an override or in the
@@ -217,3 +219,25 @@ def test_a_lone_surrogate_anywhere_in_a_prompt_message_is_refused(
     with pytest.raises(DatasetError) as refused:
         load_samples(path, agents=["tool_agent"], default_agent="tool_agent")
     assert str(refused.value) == f"{path}: row 1 (line 2): prompt {problem}"
+
+
+@tool
+def opening(name: str) -> str:
+    """Reads a file of the folder the model listed.
+
+    Args:
+        name: the file's name, as listed
+    """
+    listed = os.fsdecode(b"caf\xe9")  # (an undecodable byte of a name, as a listing gives it)
+    raise ValueError(f"no file {listed} beside {name}")
+
+
+def test_a_tool_error_holding_a_lone_surrogate_is_written_escaped(tmp_path: Path) -> None:
+    result = asyncio.run(LocalTools(ToolRegistry([opening])).call("t/0", "opening", {"name": "x"}))
+    assert result.error
+    assert result.text == "error: opening failed: ValueError: no file caf\\udce9 beside x"
+    path = tmp_path / "rows.jsonl"
+    row = {"data_source": "math\ud83d", "prompt": [_USER], "reward_model": {"ground_truth": "4"}}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DatasetError, match=r"row 0 .*: data_source holds a lone surrogate"):
+        load_samples(path, agents=["tool_agent"], default_agent="tool_agent")
