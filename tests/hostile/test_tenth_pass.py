@@ -28,6 +28,10 @@
   of the row failed in the tokenizer ("TextInputSequence must be str"), and ``jarl train``'s
   check ended in that TypeError's traceback; the ninth pass refused one in ``content`` only.
   It is now the DatasetError naming the row, the message and the field.
+- A user's reward that runs the policy's code in a subprocess, the code leaving the worker's
+  process group (``os.setsid()``, as a daemon does): killed with its worker's group past the
+  timeout and at close, it was not in the group, and ran on, adopted by init. A worker is now
+  its descendants' subreaper, and killing it kills every descendant first.
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.data.datasets import DatasetError, load_samples
+from jax_agent_rl.rewards import RewardError, make_reward
+from jax_agent_rl.rewards.registry import Answer
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
     Tokenizer,
@@ -52,6 +60,9 @@ from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.sft import load_demonstrations
+from tests.hostile.test_skyrl_isolation import _gone
+
+HERE = "tests.hostile.test_tenth_pass"
 
 
 @tool
@@ -241,3 +252,27 @@ def test_a_tool_error_holding_a_lone_surrogate_is_written_escaped(tmp_path: Path
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(DatasetError, match=r"row 0 .*: data_source holds a lone surrogate"):
         load_samples(path, agents=["tool_agent"], default_agent="tool_agent")
+
+
+def leaving_code(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    """A reward that runs the policy's code in a subprocess that starts a session of its own
+    (out of the worker's group), writes its pid to the file ``ground_truth`` names, and waits
+    on it ("wait") or returns at once ("return")."""
+    del data_source, extra_info
+    code = subprocess.Popen(["sleep", "100000"], start_new_session=True)
+    Path(ground_truth).write_text(str(code.pid))
+    return 1.0 if solution_str == "return" else float(code.wait() == 0)
+
+
+def test_what_a_reward_started_in_a_session_of_its_own_goes_with_its_worker(
+    tmp_path: Path,
+) -> None:
+    spec = f"data.reward={HERE}:leaving_code"
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec, "data.reward_timeout_s=2"])
+    with make_reward(cfg.data) as score:
+        with pytest.raises(RewardError, match="reward_timeout_s=2s"):  # (its worker killed)
+            asyncio.run(score(Answer("x", "", "wait", str(tmp_path / "wait"), {})))
+        assert asyncio.run(score(Answer("x", "", "return", str(tmp_path / "return"), {}))) == 1.0
+    for answer in ("wait", "return"):  # (the second, at the pool's close)
+        pid = int((tmp_path / answer).read_text())
+        assert _gone(pid), f"the reward's subprocess {pid} ({answer}) outlived its worker"
