@@ -21,8 +21,10 @@ What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it 
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
 arrives as a `RuntimeError` with its type and message. A worker leads a process group: killing
 it (past a timeout, at `CallProcesses.close`) kills what its calls started too (a reward that
-runs the policy's code in a subprocess); a worker whose parent process is gone ends its group
-(its lifeline pipe closes).
+runs the policy's code in a subprocess), and every descendant first: a worker is its
+descendants' subreaper, so a process that left its group (``setsid``, a daemon's double fork)
+is still found as one; a worker whose parent process is gone ends its descendants and its
+group (its lifeline pipe closes).
 """
 
 from __future__ import annotations
@@ -334,13 +336,15 @@ def _kill_descendants(pid: int) -> None:
     """Kills every descendant of ``pid`` (a worker: a subreaper, its orphaned descendants are
     its children), the processes that left its group included, until none is left: a killed
     process's children become the worker's, found by the next look."""
-    while True:
-        found = _descendants(pid)
+    killed: set[int] = set()
+    while True:  # (one killed and not yet dead, in uninterruptible sleep, is not waited on)
+        found = set(_descendants(pid)) - killed
         if not found:
             return
         for descendant in found:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(descendant, signal.SIGKILL)
+        killed |= found
 
 
 def _descendants(pid: int) -> list[int]:
