@@ -21,14 +21,17 @@ What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it 
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
 arrives as a `RuntimeError` with its type and message. A worker leads a process group: killing
 it (past a timeout, at `CallProcesses.close`) kills what its calls started too (a reward that
-runs the policy's code in a subprocess); a worker whose parent process is gone ends its group
-(its lifeline pipe closes).
+runs the policy's code in a subprocess), and every descendant first: a worker is its
+descendants' subreaper, so a process that left its group (``setsid``, a daemon's double fork)
+is still found as one; a worker whose parent process is gone ends its descendants and its
+group (its lifeline pipe closes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import pickle
@@ -51,6 +54,7 @@ from jax_agent_rl.errors import error_text
 # a user's reward module may load a model when imported
 START_TIMEOUT_S = 300.0
 _WORKER_FRAME = "jarl_worker_frame"  # the attribute of an error raised in a worker
+_PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h)
 
 
 class CallTimeoutError(TimeoutError):
@@ -205,6 +209,9 @@ class _Worker:
         read. (Before it is reaped its id is not reused.)"""
         if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGSTOP)  # (none forks while they go)
+            _kill_descendants(self.process.pid)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
@@ -231,6 +238,10 @@ def serve(channel: int, lifeline: int) -> None:
     ``("started",)`` once the loader's function is at hand, then ``("returned", value)`` or
     ``("raised", error, innermost frame, traceback text)`` (a loader that raises: that only)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops workers
+    # what a call started and left (a daemon, a process that made a session of its own: out of
+    # the group) becomes this process's child, not init's, so that `_kill_descendants` finds it
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
     connection = Connection(channel)
     loaded: dict[bytes, Callable[..., Any]] = {}
@@ -317,4 +328,40 @@ def _exit_with_parent(lifeline: int) -> None:
     process group: the worker, a call it is running and what that call started."""
     while os.read(lifeline, 1):
         pass
+    _kill_descendants(os.getpid())
     os.killpg(0, signal.SIGKILL)
+
+
+def _kill_descendants(pid: int) -> None:
+    """Kills every descendant of ``pid`` (a worker: a subreaper, its orphaned descendants are
+    its children), the processes that left its group included, until none is left: a killed
+    process's children become the worker's, found by the next look."""
+    killed: set[int] = set()
+    while True:  # (one killed and not yet dead, in uninterruptible sleep, is not waited on)
+        found = set(_descendants(pid)) - killed
+        if not found:
+            return
+        for descendant in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(descendant, signal.SIGKILL)
+        killed |= found
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live (not zombie) descendants of ``pid``, from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # (gone meanwhile)
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return found

@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+)
 
 from jax_agent_rl.config.checks import check_ranges, moved_keys
 from jax_agent_rl.config.paths import resolve_packaged
 from jax_agent_rl.config.sections import JarlConfig
-from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_top
+from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_read, yaml_top
 from jax_agent_rl.errors import ConfigError
 from jax_agent_rl.verl_keys import VERL_SECTIONS, to_jarl
 
@@ -35,7 +39,7 @@ def load_config(
     A key that moved (a field's ``was``) is an error naming its new key. Required keys in
     ``unread`` (a command that reads no data: ``jarl plan``) may stay unset: they load empty."""
     merged = _merged(path, overrides, schema)
-    missing = sorted(OmegaConf.missing_keys(merged))
+    missing = _missing_keys(merged)
     empty = [key for key in missing if key in unread]
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}=''" for key in empty]))
     missing = [key for key in missing if key not in unread]
@@ -63,7 +67,7 @@ def preview_config(
     """As `load_config`, but a required key left unset is shown, not refused: its line reads
     ``key: ???  # required: set a.b.key=...``. Every other value is checked as it loads."""
     merged = _merged(path, overrides, schema)
-    missing = sorted(OmegaConf.missing_keys(merged))
+    missing = _missing_keys(merged)
     # required keys are strings; "" passes their checks
     unset = OmegaConf.from_dotlist([f"{key}=''" for key in missing])
     lines = to_yaml(_checked(OmegaConf.merge(merged, unset), schema)).splitlines()
@@ -110,6 +114,7 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         if key.count(".") >= MAX_DEPTH:
             raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
         yaml_top(value, f"override {key}")
+        yaml_read(value, f"override {key}")
     if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md)
         overrides = _verl_overrides(overrides, OmegaConf.structured(schema), layers)
     # `key=` means the empty string (OmegaConf would read it as null)
@@ -135,6 +140,17 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(_bad_value(schema, e)) from None
+
+
+def _missing_keys(merged: Any) -> list[str]:
+    """The required keys ``merged`` leaves unset, dotted and sorted. Finding them resolves
+    every value: an interpolation naming no key (``${foo}``), or itself, is a `ConfigError`
+    naming its key (it was OmegaConf's traceback)."""
+    try:
+        return sorted(OmegaConf.missing_keys(merged))
+    except InterpolationResolutionError as e:
+        why = (e.msg or type(e).__name__).splitlines()[0]
+        raise ConfigError(f"config key {_full_key(e)!r}: {why}") from None
 
 
 # jarl's sections that verl's config has too: an unknown key there may be a verl key

@@ -92,6 +92,17 @@ def yaml_top(text: str, where: str) -> str:
     return top
 
 
+def yaml_read(text: str, where: str) -> None:
+    """A `ConfigError` (``where`` names the text) if OmegaConf's reader of an override's value
+    refuses what `yaml_top`'s parser took: a duplicate key, a recursive alias, a tag it has no
+    constructor for, a lone surrogate's escape (``"\\ud83d"``); each ended ``jarl`` in a
+    traceback."""
+    try:
+        OmegaConf.from_dotlist([f"value={text}"])
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+
+
 def _check_number(
     event: yaml.ScalarEvent, resolver: yaml.resolver.Resolver, where: str, lines: bool
 ) -> None:

@@ -219,8 +219,22 @@ def _messages(prompt: Any, fail: Fail) -> list[dict[str, Any]]:
                 f"prompt message {i} ({role}) holds a lone surrogate at character {e.start} "
                 "(half of a JSON \\ud83d\\ude00 pair): not text"
             ) from None
+        for key, value in message.items():  # (tool_calls, name: the template writes them too)
+            if key != "content" and _holds_lone_surrogate(value):
+                raise fail(f"prompt message {i} ({role}) holds a lone surrogate in {key!r}")
         messages.append(message)
     return messages
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (JSON's values, nested) holds a lone surrogate."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (TypeError, ValueError, RecursionError):  # no JSON (a parquet value): not checked here
+        return False
+    return False
 
 
 def _describe(value: Any) -> str:
@@ -241,6 +255,8 @@ def _optional_str(row: Row, key: str, default: str, fail: Fail) -> str:
         return default
     if not isinstance(value, str):
         raise fail(f"{key} must be a string, got {type(value).__name__}")
+    if _holds_lone_surrogate(value):  # (data_source names the episodes: their ids, metrics)
+        raise fail(f"{key} holds a lone surrogate: not text")
     return value
 
 

@@ -145,7 +145,10 @@ def _our_tool(where: str, entry: Any) -> Tool:
         # demo's shortened calculator schema once became the process's calculator schema)
         instance = copy.copy(obj) if "schema" in entry else obj
     else:
-        instance = obj(**config)
+        try:
+            instance = obj(**config)
+        except (TypeError, ValueError) as e:  # a setting it does not take, or out of its range
+            raise ValueError(f"{where}: config: {e}") from e
     if "schema" in entry:
         try:
             OpenAIFunctionToolSchema.model_validate(entry["schema"])
@@ -228,6 +231,21 @@ class ToolExecutor(Protocol):
     async def release(self, trajectory_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def _text_checked(name: str, result: ToolResult) -> ToolResult:
+    """``result``, or the call's error result when its text holds a lone surrogate (as
+    ``os.listdir`` gives an undecodable byte of a file name): no tokenizer takes one, and the
+    episode ended in the tokenizer rendering the observation."""
+    try:
+        result.text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ToolResult(
+            f"error: {name} returned text holding a lone surrogate {result.text[e.start]!r} at "
+            f"character {e.start}: not text",
+            error=True,
+        )
+    return result
 
 
 @dataclasses.dataclass
@@ -318,9 +336,11 @@ class LocalTools:
             )
         try:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
-            return await self._timed(t, run)
+            return _text_checked(name, await self._timed(t, run))
         except Exception as e:  # a tool bug is the model's observation, not a crash
-            return ToolResult(f"error: {name} failed: {error_text(e)}", error=True)
+            # (a lone surrogate in its words, a file name's undecodable byte: written escaped)
+            why = error_text(e).encode("utf-8", "backslashreplace").decode("utf-8")
+            return ToolResult(f"error: {name} failed: {why}", error=True)
         finally:
             self._leave(trajectory, trajectory_id)
 

@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from jax_agent_rl.config.ranges import TIMEOUT
 from jax_agent_rl.tools.base import FairPool, Tool, ToolResult, function_schema
 from jax_agent_rl.tools.seccomp import execution_filter, filter_program
 
@@ -57,6 +58,17 @@ class Limits:
     files: int = 10000
     file_size_mb: int = 16
     output_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        """Each a whole number in [1, 1e9]: a fraction failed every execution in the zygote
+        (setrlimit takes none), and so did a bound past what it takes."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or not 1 <= value <= 10**9:
+                raise ValueError(
+                    f"the python sandbox's {field.name}={value!r}: expected a whole number in "
+                    "[1, 1e9]"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +336,14 @@ class PythonSandbox:
         interpreter: str = "/usr/bin/python3",
         first_uid: int = 61000,
     ) -> None:
+        if type(size) is not int or size < 1:
+            raise ValueError(
+                f"the python sandbox's pool_size={size!r}: expected a whole number >= 1"
+            )
+        if type(timeout_s) not in (int, float) or not TIMEOUT.ok(timeout_s):
+            raise ValueError(  # (past 24.8 days, or not a number: every execution failed)
+                f"the python sandbox's timeout_s={timeout_s!r}: expected {TIMEOUT.accepted}"
+            )
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise SandboxUnavailableError("bubblewrap (bwrap) is not installed; run make setup")

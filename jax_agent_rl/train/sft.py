@@ -20,6 +20,7 @@ from rich.console import Console
 from jax_agent_rl import progress
 from jax_agent_rl.agent.trajectory import Trajectory, demonstration_trajectory
 from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.data.datasets import ROLES
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import make_batch
 from jax_agent_rl.rl.learner import Learner
@@ -32,7 +33,24 @@ Turns = list[tuple[str, list[tuple[str, str]]]]
 
 
 def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], Turns]:
-    """(prompt messages, [(assistant text, [(tool name, tool output), ...]), ...])."""
+    """(prompt messages, [(assistant text, [(tool name, tool output), ...]), ...]). A message
+    that is no object with a role and text content is a ValueError naming it (the tokenizer
+    refused it later, a TypeError naming nothing: "TextInputSequence must be str")."""
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"message {i} must be an object with a role among {ROLES}")
+        if not isinstance(m.get("content"), str) or not isinstance(m.get("name", ""), str):
+            raise ValueError(f"message {i} ({m['role']}) has no string 'content'")
+        try:
+            m["content"].encode("utf-8")
+            m.get("name", "").encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"message {i} ({m['role']}) holds a lone surrogate at character {e.start} "
+                "(half of a JSON \\ud83d\\ude00 pair): not text"
+            ) from None
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a demonstration needs at least one assistant message")
@@ -52,13 +70,23 @@ def load_demonstrations(
 ) -> list[Trajectory]:
     """The first ``limit`` demonstrations (all when None) as trajectories."""
     out: list[Trajectory] = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}"
+        ) from None
+    for i, line in enumerate(text.splitlines()):
         if len(out) == limit:
             break
         if not line.strip():
             continue
         try:
             prompt, turns = split_conversation(json.loads(line)["messages"])
+        except RecursionError:
+            raise ValueError(
+                f"{path}: line {i + 1}: not a demonstration (nested too deep)"
+            ) from None
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"{path}: line {i + 1}: not a demonstration ({e})") from None
         out.append(
