@@ -66,3 +66,41 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             shared.write_bytes(pickle.dumps(made))
         made = pickle.loads(shared.read_bytes())
     return with_engine({**made, "weights": jax.device_put(made["weights"])})
+
+
+# The files that take longest (they train, start clusters or compile many programs), longest
+# first, as measured in a whole run of the suite. The Makefile's workers take whole files in
+# collection order (pytest-xdist's --dist loadfile --no-loadscope-reorder; by default it orders
+# files by their number of tests, which puts these few-test files last), so with these first
+# the two workers end together instead of one running a long file alone at the end.
+LONGEST_FIRST = [
+    "conformance/test_conformance.py",
+    "train/test_learning.py",
+    "multihost/test_multihost.py",
+    "rl/test_learner.py",
+    "test_benches.py",
+    "rollout/test_ray.py",
+    "train/test_configs.py",
+    "models/test_moe.py",
+    "train/test_trainer.py",
+    "engine/test_engine.py",
+    "agent/test_langgraph_loop.py",
+    "envs/test_envs.py",
+    "train/test_verl_tool_module.py",
+    "rl/test_routing_replay.py",
+    "rl/test_router_aux.py",
+    "backends/vllm/test_backend.py",
+    "plan/test_plan.py",
+    "models/test_attention.py",
+    "train/test_async.py",
+    "backends/jetstream/test_jetstream.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    missing = [name for name in LONGEST_FIRST if not (tests / name).is_file()]
+    if missing:  # a renamed file would silently go back to the end
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no such file: {missing}")
+    rank = {tests / name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep order

@@ -137,16 +137,18 @@ def test_cached_prefill_and_decode_route_as_the_training_forward(
     B, T = 2, 9
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)))
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    h_full, ids_full = forward(
+    # jitted (run eagerly, each of the forward's operations would compile on its own: minutes)
+    fwd = jax.jit(forward, static_argnums=1, static_argnames=("pages_read", "return_expert_ids"))
+    h_full, ids_full = fwd(
         w, cfg, tokens, positions, jnp.ones((B, T), jnp.int32), return_expert_ids=True
     )
     pages = init_pages(cfg, num_pages=2 * B, page_size=8)
     table = jnp.arange(2 * B, dtype=jnp.int32).reshape(B, 2)
-    h_pre, pages, ids_pre = forward(
+    h_pre, pages, ids_pre = fwd(
         w, cfg, tokens[:, :-1], cache=pages, page_table_bm=table, pos_b=jnp.zeros(B, jnp.int32),
         num_new_b=jnp.full(B, T - 1), pages_read=2, return_expert_ids=True,
     )  # fmt: skip
-    h_dec, _, ids_dec = forward(
+    h_dec, _, ids_dec = fwd(
         w, cfg, tokens[:, -1:], cache=pages, page_table_bm=table, pos_b=jnp.full(B, T - 1),
         num_new_b=jnp.ones(B, jnp.int32), return_expert_ids=True,
     )  # fmt: skip
@@ -229,11 +231,12 @@ def test_grouped_experts_and_their_gradients_equal_a_dense_reference(
         b = block_rows(N * cfg.num_experts_per_tok, cfg.num_experts)
         assert b == (8 if tokens == 7 else 256)
         assert (np.bincount(np.asarray(ids_nk).ravel()).max() > b) == (tokens == 520)
-    out, ref = grouped(layer, x_btd), dense(layer, x_btd)
+    # jitted (run eagerly, each operation would compile on its own: a minute a case)
+    out, ref = jax.jit(grouped)(layer, x_btd), jax.jit(dense)(layer, x_btd)
     assert np.abs(np.asarray(ref)).max() > 0.5
     assert _off(out, ref) <= 1e-5
-    grads = jax.grad(partial(loss, grouped), argnums=(0, 1))(layer, x_btd)
-    ref_grads = jax.grad(partial(loss, dense), argnums=(0, 1))(layer, x_btd)
+    grads = jax.jit(jax.grad(partial(loss, grouped), argnums=(0, 1)))(layer, x_btd)
+    ref_grads = jax.jit(jax.grad(partial(loss, dense), argnums=(0, 1)))(layer, x_btd)
     for name in ("router", "expert_gate", "expert_up", "expert_down"):
         g, r = getattr(grads[0], name), getattr(ref_grads[0], name)
         assert np.abs(np.asarray(r)).max() > 1e-2, name
