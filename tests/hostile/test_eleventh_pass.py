@@ -3,14 +3,48 @@
 - A lone surrogate is found by one helper (`visible.lone_surrogate`) wherever text comes in (a
   data row, an SFT demonstration, an environment's messages, a tool's text, a call's
   arguments, an endpoint request), each refusal naming the character and where it is.
+- A batch of prompts that runs past an epoch's end can draw a row twice (`PromptSampler`: 7
+  of 100 batches of 4 over 10 rows). The episodes of both were named by the row's uid and the
+  step's tag alone, so they shared their uids, and with them their tool state: one episode's
+  calls changed the other's (a sandbox's files, a counter), and the first to end released the
+  other's state mid-episode, silently; they also shared their requests' seeds (the same
+  tokens twice) and their group. The second draw now plays under a uid of its own
+  (``<uid>#1``), in the synchronous loop, the asynchronous one and `rollout_episodes`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import jax
 import pytest
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.datasets import PromptSampler
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.models import ModelConfig, init_params
+from jax_agent_rl.rewards import Answer
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import (
+    CHATML_SPECIAL_TOKENS,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
+from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.base import Tool, ToolResult
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.step import distinct_samples, rollout_episodes
 from jax_agent_rl.visible import lone_surrogate
 
 
@@ -31,7 +65,131 @@ def test_one_helper_finds_a_lone_surrogate_in_text_and_json_values(
     value: object, where: str | None
 ) -> None:
     assert lone_surrogate(value) == where
+
+
+def test_a_lone_surrogate_nested_past_the_recursion_limit_is_found() -> None:
     deep: list[object] = ["x\ud83d"]
     for _ in range(100_000):  # (past the recursion limit: walked without recursion)
         deep = [deep]
     assert lone_surrogate(deep) == "at character 1 ('\\ud83d')"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(
+        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
+    )
+    return Tokenizer.from_pretrained(Path(folder))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
+    """A real engine, never asked to generate (the loops under test play the model)."""
+    cfg = ModelConfig(
+        family="qwen2",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256)
+    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg))
+
+
+class Counter(Tool):
+    """A stateful tool: each call counts the calls of its trajectory's state."""
+
+    def __init__(self) -> None:
+        self.name = "counter"
+        self.schema = {
+            "type": "function",
+            "function": {
+                "name": "counter",
+                "description": "Counts this trajectory's calls.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> list[int]:
+        del trajectory_id, create_kwargs
+        return [0]
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        del arguments
+        state[0] += 1
+        return ToolResult(str(state[0]))
+
+
+def _counting_loop(episodes: int) -> Any:
+    """A user loop: a call of the counter, then (once ``episodes`` episodes have made theirs)
+    another; its answer is the two counts."""
+    first_calls: list[str] = []
+    all_called = asyncio.Event()
+
+    async def counting(sample: Sample, ctx: AgentContext) -> Trajectory:
+        first = await ctx.tools.call(sample.uid, "counter", {})
+        first_calls.append(sample.uid)
+        if len(first_calls) == episodes:
+            all_called.set()
+        await all_called.wait()
+        second = await ctx.tools.call(sample.uid, "counter", {})
+        await ctx.tools.release(sample.uid)
+        traj = Trajectory(uid=sample.uid, group_id=sample.group_id, prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": f"{first.text},{second.text}"}]
+        traj.end("eos")
+        return traj
+
+    return counting
+
+
+async def _unscored(answer: Answer) -> float:
+    del answer
+    return 0.0
+
+
+def test_a_row_drawn_twice_for_a_step_plays_apart(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    rows = [Sample(f"r-{i}", [{"role": "user", "content": "2+2?"}], "4") for i in range(10)]
+    sampler = PromptSampler(rows, seed=0)
+    batches = [[s.uid for s in sampler.next_batch(4)] for _ in range(100)]
+    twice = [b for b in batches if len(set(b)) < len(b)]
+    assert len(twice) == 7  # (batches past an epoch's end drew a row again)
+    row = dataclasses.replace(rows[1], agent_name="counting")
+    register_agent_loop("counting", _counting_loop(episodes=4))
+    try:
+        tools = LocalTools(ToolRegistry([Counter()]))
+        ctx = AgentContext(
+            backend, tokenizer, tools, make_parser("hermes"), AgentConfig(), TurnBuilder(tokenizer)
+        )
+        trajs = asyncio.run(
+            rollout_episodes(
+                [row, row],
+                2,
+                ctx,
+                "s3a0",
+                seed=0,
+                score=_unscored,
+                tool_reward_weight=0.0,
+                success_reward=1.0,
+            )
+        )
+    finally:
+        del AGENT_LOOPS["counting"]
+    assert [(t.uid, t.group_id) for t in trajs] == [
+        ("r-1/s3a0/0", "r-1"),
+        ("r-1/s3a0/1", "r-1"),
+        ("r-1#1/s3a0/0", "r-1#1"),
+        ("r-1#1/s3a0/1", "r-1#1"),
+    ]
+    assert [t.messages[-1]["content"] for t in trajs] == ["1,2"] * 4  # (each its own state)
+    assert tools.open_trajectories == 0
+    drawn: set[str] = set()  # (a step's refill, and a name a row may itself have)
+    again = distinct_samples([rows[1], Sample("r-1#1", [], "4")], drawn)
+    assert [s.uid for s in distinct_samples([rows[1]], drawn)] == ["r-1#2"]
+    assert [s.uid for s in again] == ["r-1", "r-1#1"] and drawn == {"r-1", "r-1#1", "r-1#2"}
