@@ -10,6 +10,8 @@
   other's state mid-episode, silently; they also shared their requests' seeds (the same
   tokens twice) and their group. The second draw now plays under a uid of its own
   (``<uid>#1``), in the synchronous loop, the asynchronous one and `rollout_episodes`.
+- ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
+  1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli import main
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
@@ -193,3 +196,11 @@ def test_a_row_drawn_twice_for_a_step_plays_apart(
     again = distinct_samples([rows[1], Sample("r-1#1", [], "4")], drawn)
     assert [s.uid for s in distinct_samples([rows[1]], drawn)] == ["r-1#2"]
     assert [s.uid for s in again] == ["r-1", "r-1#1"] and drawn == {"r-1", "r-1#1", "r-1#2"}
+
+
+def test_jarl_eval_says_what_a_success_is(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "a success is an outcome reward of at least data.success_reward" in said
+    assert "above 0" not in said
