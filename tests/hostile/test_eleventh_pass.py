@@ -10,6 +10,11 @@
   other's state mid-episode, silently; they also shared their requests' seeds (the same
   tokens twice) and their group. The second draw now plays under a uid of its own
   (``<uid>#1``), in the synchronous loop, the asynchronous one and `rollout_episodes`.
+- An override whose YAML tag OmegaConf's reader constructs but cannot hold as a value
+  (``model.path=!!timestamp 2001-12-14``, ``!!set {a}``, inside a list or a mapping too) ended
+  ``jarl train`` (and ``jarl config``) in a 36-line OmegaConf traceback, exit status 1; the
+  tenth pass caught only what the YAML reader itself refuses. It is a `ConfigError` line
+  naming the key.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -30,6 +35,7 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
+from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
@@ -204,3 +210,23 @@ def test_jarl_eval_says_what_a_success_is(capsys: pytest.CaptureFixture[str]) ->
     said = " ".join(capsys.readouterr().out.split())
     assert "a success is an outcome reward of at least data.success_reward" in said
     assert "above 0" not in said
+
+
+@pytest.mark.parametrize(
+    ("override", "kind"),
+    [
+        ("model.path=!!timestamp 2001-12-14", "date"),
+        ("model.path=!!set {a, b}", "set"),
+        ("agent.stop=[!!timestamp 2001-12-14 10:00:00]", "datetime"),
+        ("data.rewards_by_source={a: !!set {x}}", "set"),
+    ],
+)
+def test_an_override_of_a_value_omegaconf_cannot_hold_is_a_config_error(
+    override: str, kind: str
+) -> None:
+    key = override.partition("=")[0]
+    match = rf"^override {key}: Value '{kind}' is not a supported primitive type: give a string"
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", override])
+    with pytest.raises(ConfigError, match=match):
+        preview_config(None, [override])
