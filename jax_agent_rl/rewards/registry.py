@@ -142,10 +142,17 @@ def checked_reward(value: Any, source: str) -> float:
 
 
 def _shown(value: Any) -> str:
+    """``value``'s repr, cut; for a number too long to write out (more than the 4,300 digits
+    Python writes: an int, or a `Fraction` of such ints), its size instead."""
     try:
         return f"{value!r:.60}"
-    except ValueError:  # an int of more digits than Python writes out (4,300)
-        return f"an int of {value.bit_length()} bits"
+    except ValueError:
+        if isinstance(value, int):
+            return f"an int of {value.bit_length()} bits"
+        if isinstance(value, numbers.Rational):  # (the ratio of two such ints)
+            bits = max(int(value.numerator).bit_length(), int(value.denominator).bit_length())
+            return f"a {type(value).__name__} of {bits}-bit terms"
+        return f"a {type(value).__name__} too long to write out"
 
 
 @dataclasses.dataclass(frozen=True)

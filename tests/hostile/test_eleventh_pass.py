@@ -15,6 +15,12 @@
   ``jarl train`` (and ``jarl config``) in a 36-line OmegaConf traceback, exit status 1; the
   tenth pass caught only what the YAML reader itself refuses. It is a `ConfigError` line
   naming the key.
+- A reward that is a `Fraction` of more digits than Python writes out (a user's exact-ratio
+  reward of a policy's 5,000-digit answer, an environment's): writing it into the error
+  raised AttributeError ("'Fraction' object has no attribute 'bit_length'"), so the reward
+  function's or the environment's error named jarl's own helper, and an environment's step
+  ended its episode ``agent_error`` rather than ``env_error``. It is the `RewardError` (an
+  `EnvError` for a step) naming the value's size.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -25,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +46,9 @@ from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
+from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
 from jax_agent_rl.models import ModelConfig, init_params
-from jax_agent_rl.rewards import Answer
+from jax_agent_rl.rewards import Answer, RewardError, checked_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -230,3 +238,21 @@ def test_an_override_of_a_value_omegaconf_cannot_hold_is_a_config_error(
         load_config(None, ["model.path=m", "data.train=t.jsonl", override])
     with pytest.raises(ConfigError, match=match):
         preview_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("reward", "shown"),
+    [
+        (Fraction(10**5000, 3), "a Fraction of 16610-bit terms"),
+        (Fraction(-(10**5000), 7), "a Fraction of 16610-bit terms"),
+        (10**5000, "an int of 16610 bits"),
+    ],
+    ids=["fraction", "negative-fraction", "int"],
+)
+def test_a_reward_too_long_to_write_out_is_a_reward_error(reward: object, shown: str) -> None:
+    with pytest.raises(RewardError, match=f"^mine gave reward {shown}: not a finite number$"):
+        checked_reward(reward, "mine")
+    step = EnvStep([{"role": "user", "content": "again"}], reward=reward, done=False)
+    with pytest.raises(EnvError, match=f"^env.step gave reward {shown}: not a finite number$"):
+        checked_step(step, "env")
+    assert checked_reward(Fraction(10**5000 + 1, 10**5000), "mine") == 1.0  # (it converts)
