@@ -21,6 +21,13 @@
   function's or the environment's error named jarl's own helper, and an environment's step
   ended its episode ``agent_error`` rather than ``env_error``. It is the `RewardError` (an
   `EnvError` for a step) naming the value's size.
+- An answer that keeps a reasoning-gym scorer running past ``data.reward_timeout_s`` (a
+  product of a dozen sines for simple_integration's sympy) ended its episode with
+  ``reward_error``: not trained on, so in its group it was no worse than the right answer,
+  while a wrong one got a negative advantage. Hanging the scorer was the policy's way out of a
+  wrong answer (and every such step took the whole timeout). It now scores 0 once the row's
+  own answer is scored in time; a row whose own answer hangs the scorer too is still the
+  `RewardError`.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -43,12 +50,13 @@ from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import ConfigError, load_config, preview_config
+from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
 from jax_agent_rl.models import ModelConfig, init_params
-from jax_agent_rl.rewards import Answer, RewardError, checked_reward
+from jax_agent_rl.rewards import Answer, RewardError, checked_reward, make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -256,3 +264,31 @@ def test_a_reward_too_long_to_write_out_is_a_reward_error(reward: object, shown:
     with pytest.raises(EnvError, match=f"^env.step gave reward {shown}: not a finite number$"):
         checked_step(step, "env")
     assert checked_reward(Fraction(10**5000 + 1, 10**5000), "mine") == 1.0  # (it converts)
+
+
+# an answer simple_integration's scorer reads (`answer_code.harmless`) and sympy hangs on
+HANGING = "*".join(f"sin({k}*X)" for k in range(1, 13))
+
+
+def test_an_answer_that_hangs_a_reasoning_gym_scorer_scores_zero() -> None:
+    row = reasoning_gym.samples("reasoning_gym:simple_integration?size=1&seed=0", "x")[0]
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", "data.reward_timeout_s=2", "data.reward_workers=1"],
+    )
+
+    def answer(text: str, entry: dict[str, Any]) -> Answer:
+        extra = {**row.extra, "reasoning_gym": entry}
+        return Answer(row.data_source, "", f"<answer>{text}</answer>", row.ground_truth, extra)
+
+    entry = row.extra["reasoning_gym"]
+    broken = {**entry, "answer": HANGING}  # (a task whose own answer hangs its scorer)
+    with make_reward(cfg.data) as score:
+        assert asyncio.run(score(answer(HANGING, entry))) == 0.0
+        assert asyncio.run(score(answer(row.ground_truth, entry))) == 1.0
+        late = (
+            r"^the reasoning-gym task's scorer \(data\.reward unset\) took longer than "
+            r"data\.reward_timeout_s=2s \(its worker process was stopped\)$"
+        )
+        with pytest.raises(RewardError, match=late):
+            asyncio.run(score(answer(HANGING, broken)))
