@@ -1,6 +1,6 @@
 """What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
-hold, checked (`check_request`), and a message's parts in one form however a client spells
-them (`canonical`)."""
+hold, checked (`check_request`), the session it names (`session_key`), and a message's parts
+in one form however a client spells them (`canonical`)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,15 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     except RecursionError:
         raise HarnessError("the request's tools nest too deep") from None
     return messages, tools or None
+
+
+def session_key(headers: dict[str, str]) -> str:
+    """The session a request names: its ``X-Session-Id`` header, else its bearer API key."""
+    key = headers.get("x-session-id")
+    if key:
+        return key
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else ""
 
 
 def message_text(message: dict[str, Any]) -> str:

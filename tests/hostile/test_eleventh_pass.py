@@ -28,6 +28,11 @@
   wrong answer (and every such step took the whole timeout). It now scores 0 once the row's
   own answer is scored in time; a row whose own answer hangs the scorer too is still the
   `RewardError`.
+- An OpenAI-endpoint harness that returned while calls it started with ``run_tool`` were still
+  running (an agent framework's own timeout, abandoning them): a call that waited for the
+  trajectory's tool slot (``agent.max_parallel_tool_calls``) entered the tools after the
+  episode had released its state, made it afresh, and nothing released it again (in process,
+  it lived until the run's end). Such a call now releases what it made.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -46,7 +51,8 @@ import jax
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
-from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
+from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop, run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import ConfigError, load_config, preview_config
@@ -292,3 +298,67 @@ def test_an_answer_that_hangs_a_reasoning_gym_scorer_scores_zero() -> None:
         )
         with pytest.raises(RewardError, match=late):
             asyncio.run(score(answer(HANGING, broken)))
+
+
+HERE = "tests.hostile.test_eleventh_pass"
+_HELD: dict[str, asyncio.Event] = {}  # the gated tool's events, made in the test's loop
+_LEFT: list[asyncio.Future[str]] = []  # the calls the abandoning harness left running
+
+
+class Gated(Tool):
+    """A stateful tool whose calls wait for ``_HELD["gate"]`` (``_HELD["entered"]``: one has)."""
+
+    def __init__(self) -> None:
+        self.name = "gated"
+        self.schema = {
+            "type": "function",
+            "function": {
+                "name": "gated",
+                "description": "Waits for the test.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+
+    async def create(self, trajectory_id: str, **create_kwargs: Any) -> str:
+        del create_kwargs
+        return trajectory_id
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        del arguments
+        _HELD["entered"].set()
+        await _HELD["gate"].wait()
+        return ToolResult(f"ran for {state}")
+
+
+async def abandoning(task: HarnessTask) -> None:
+    """A harness that starts two of the run's tool calls, and returns once one is running."""
+    for i in range(2):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "gated", "arguments": "{}"}}
+        _LEFT.append(asyncio.ensure_future(task.run_tool(call)))
+    await _HELD["entered"].wait()  # (the other waits for the trajectory's one tool slot)
+
+
+def test_a_tool_call_a_harness_left_running_releases_the_state_it_made(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    tools = LocalTools(ToolRegistry([Gated()]))
+    config = AgentConfig(harness=f"{HERE}:abandoning", max_parallel_tool_calls=1)
+
+    async def go() -> tuple[Trajectory, int, list[str]]:
+        _HELD.update(entered=asyncio.Event(), gate=asyncio.Event())
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
+        sample = Sample(
+            "h-0", [{"role": "user", "content": "2+2?"}], "4", agent_name="openai_agent"
+        )
+        traj = await run_sample(sample, ctx)
+        _HELD["gate"].set()
+        texts = list(await asyncio.gather(*_LEFT))
+        return traj, tools.open_trajectories, texts
+
+    try:
+        traj, still_open, texts = asyncio.run(go())
+    finally:
+        _LEFT.clear()
+    assert traj.stop_reason == "harness_error"  # (it never called the endpoint)
+    assert texts == ["ran for h-0"] * 2
+    assert still_open == 0
