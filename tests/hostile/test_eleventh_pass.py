@@ -33,6 +33,12 @@
   trajectory's tool slot (``agent.max_parallel_tool_calls``) entered the tools after the
   episode had released its state, made it afresh, and nothing released it again (in process,
   it lived until the run's end). Such a call now releases what it made.
+- The console's warning for a step whose episodes mostly failed quotes one episode's error,
+  and the error that stops a run whose episodes all failed quotes the first: an error that
+  quotes the policy's text (sqlite's ``near "...": syntax error`` for a skyrl-gym text2sql
+  step, a reward function's message) wrote its escape sequences to the terminal raw (rich
+  drops BEL only): clear the screen, set the clipboard (OSC 52 ended by ESC \\), forge a link.
+  Both are now `visible`, as traces are.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -75,6 +81,13 @@ from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.episodes import (
+    all_failed_error,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+    stop_warning,
+)
 from jax_agent_rl.train.step import distinct_samples, rollout_episodes
 from jax_agent_rl.visible import lone_surrogate
 
@@ -362,3 +375,18 @@ def test_a_tool_call_a_harness_left_running_releases_the_state_it_made(
     assert traj.stop_reason == "harness_error"  # (it never called the endpoint)
     assert texts == ["ran for h-0"] * 2
     assert still_open == 0
+
+
+def test_a_failed_episodes_error_reaches_the_console_visible() -> None:
+    sql = 'SELECT "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x1b\\"'  # clear the screen, set the clipboard
+    error = f"env error: text2sql.step raised OperationalError: near {sql}: syntax error"
+    trajs = [Trajectory(uid=f"r-{i}/s1a0/0", group_id=f"r-{i}", prompt_ids=[1]) for i in range(2)]
+    for traj in trajs:
+        traj.end("env_error", error)
+    totals = episode_totals(trajs)
+    warning = stop_warning(metrics_of_totals(totals), trajs)
+    stopped = all_failed_error(totals, first_error(trajs))
+    assert warning is not None and stopped is not None
+    for line in (warning, str(stopped)):
+        assert "\x1b" not in line
+        assert 'near SELECT "\u241b[2J\u241b]52;c;cm0gLXJmIH4=\u241b\\": syntax error' in line
