@@ -114,17 +114,18 @@ async def trajectory_reward(
 
 def distinct_samples(samples: Sequence[Sample], drawn: set[str]) -> list[Sample]:
     """``samples`` with each one whose uid is in ``drawn`` (the uids drawn before for the same
-    step, counted on here) renamed ``<uid>#<k>``, the first such name not drawn: a batch that
-    runs past an epoch's end can draw a sample twice (`PromptSampler`), and the episodes of
-    both, named by the sample's uid and the step's tag, shared their uids, and with them their
-    tool state (one's calls changed the other's sandbox, and the first to end released the
-    other's), their requests' seeds (the same tokens twice) and their group."""
+    step, counted on here) renamed ``<uid>~<k>``, the first such name not drawn (``#`` marks
+    a trajectory's per-turn samples): a batch that runs past an epoch's end can draw a sample
+    twice (`PromptSampler`), and the episodes of both, named by the sample's uid and the
+    step's tag, shared their uids, and with them their tool state (one's calls changed the
+    other's sandbox, and the first to end released the other's), their requests' seeds (the
+    same tokens twice) and their group."""
     out = []
     for s in samples:
         uid, k = s.uid, 0
         while uid in drawn:
             k += 1
-            uid = f"{s.uid}#{k}"
+            uid = f"{s.uid}~{k}"
         drawn.add(uid)
         out.append(s if uid == s.uid else dataclasses.replace(s, uid=uid))
     return out

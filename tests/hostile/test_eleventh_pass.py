@@ -7,9 +7,11 @@
   of 100 batches of 4 over 10 rows). The episodes of both were named by the row's uid and the
   step's tag alone, so they shared their uids, and with them their tool state: one episode's
   calls changed the other's (a sandbox's files, a counter), and the first to end released the
-  other's state mid-episode, silently; they also shared their requests' seeds (the same
-  tokens twice) and their group. The second draw now plays under a uid of its own
-  (``<uid>#1``), in the synchronous loop, the asynchronous one and `rollout_episodes`.
+  other's state mid-episode, silently; a verl interaction, shared by every episode under its
+  uid, started the second over the first and ended both at the first's end; they also shared
+  their requests' seeds (the same tokens twice) and their group. The second draw now plays
+  under a uid of its own (``<uid>~1``), in the synchronous loop, the asynchronous one and
+  `rollout_episodes`.
 - An override whose YAML tag OmegaConf's reader constructs but cannot hold as a value
   (``model.path=!!timestamp 2001-12-14``, ``!!set {a}``, inside a list or a mapping too) ended
   ``jarl train`` (and ``jarl config``) in a 36-line OmegaConf traceback, exit status 1; the
@@ -237,15 +239,15 @@ def test_a_row_drawn_twice_for_a_step_plays_apart(
     assert [(t.uid, t.group_id) for t in trajs] == [
         ("r-1/s3a0/0", "r-1"),
         ("r-1/s3a0/1", "r-1"),
-        ("r-1#1/s3a0/0", "r-1#1"),
-        ("r-1#1/s3a0/1", "r-1#1"),
+        ("r-1~1/s3a0/0", "r-1~1"),
+        ("r-1~1/s3a0/1", "r-1~1"),
     ]
     assert [t.messages[-1]["content"] for t in trajs] == ["1,2"] * 4  # (each its own state)
     assert tools.open_trajectories == 0
     drawn: set[str] = set()  # (a step's refill, and a name a row may itself have)
-    again = distinct_samples([rows[1], Sample("r-1#1", [], "4")], drawn)
-    assert [s.uid for s in distinct_samples([rows[1]], drawn)] == ["r-1#2"]
-    assert [s.uid for s in again] == ["r-1", "r-1#1"] and drawn == {"r-1", "r-1#1", "r-1#2"}
+    again = distinct_samples([rows[1], Sample("r-1~1", [], "4")], drawn)
+    assert [s.uid for s in distinct_samples([rows[1]], drawn)] == ["r-1~2"]
+    assert [s.uid for s in again] == ["r-1", "r-1~1"] and drawn == {"r-1", "r-1~1", "r-1~2"}
 
 
 def test_jarl_eval_says_what_a_success_is(capsys: pytest.CaptureFixture[str]) -> None:
