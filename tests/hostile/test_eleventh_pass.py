@@ -49,6 +49,10 @@
   sibling's lower reward is the searcher's advantage). It now reads each distinct query
   word's postings once: at most one pass over the corpus (100,000 words: 0.6 s), scores
   unchanged.
+- A data row whose ``data_source`` holds ``#`` (``gsm8k#test``) names its episodes with it,
+  and the traces mapped a batch's rows back to their trajectories by the uid before its first
+  ``#`` (the marker of a trajectory's per-turn samples): such a traced episode got no learner
+  signals (ratio, advantage, entropy in ``jarl view``), silently. The marker is the last ``#``.
 - ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
   1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment).
 """
@@ -64,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
@@ -79,6 +84,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
 from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.rewards import Answer, RewardError, checked_reward, make_reward
+from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -100,6 +106,7 @@ from jax_agent_rl.train.episodes import (
     stop_warning,
 )
 from jax_agent_rl.train.step import distinct_samples, rollout_episodes
+from jax_agent_rl.train.traces import trace_index
 from jax_agent_rl.visible import lone_surrogate
 
 
@@ -437,3 +444,24 @@ def test_a_search_reads_each_query_word_once_however_long_the_query() -> None:
     search._postings = reads
     assert search.top(flood) == [docs[i] for i in ranked]
     assert sorted(reads.looked_up) == ["capital", "france", "nowhere", "of"]
+
+
+def test_a_traced_episode_whose_uid_holds_a_hash_is_found_in_the_batch() -> None:
+    trajs = []
+    for k in range(2):
+        t = Trajectory(uid=f"gsm8k#test-{k}/s1a0/0", group_id=f"gsm8k#test-{k}", prompt_ids=[1, 2])
+        t.append([10 + k, 11], model=True, logprobs=[-0.1, -0.2])
+        t.append([5, 6], model=False)
+        t.append([20 + k], model=True, logprobs=[-0.3])
+        trajs.append(t)
+    for rows in (trajs, [s for t in trajs for s in per_turn_samples(t)]):
+        batch, _, _ = step_batch(
+            rows, np.zeros(len(rows)), [r.group_id for r in rows], np.ones(len(rows)),
+            mini_batches=1, row_tokens=32, bucket=8, rows_per_micro=2,
+        )  # fmt: skip
+        index = trace_index(batch, rows, trajs)
+        targets = batch.targets.reshape(-1)
+        for s, t in enumerate(trajs):
+            for j, (token, m) in enumerate(zip(t.response_ids, t.loss_mask, strict=True)):
+                if m or rows is trajs:  # (per-turn rows hold only the sampled tokens)
+                    assert index[s, j] >= 0 and targets[index[s, j]] == token
