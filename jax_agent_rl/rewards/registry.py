@@ -313,10 +313,9 @@ class _Sync:
         loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
         names ``name``. With ``own_answer`` (a scorer written for the task, which only an
         answer can keep running: reasoning-gym's), a call past the timeout scores 0, a wrong
-        answer, once the row's own answer (``own_answer(a)``) is scored within it: an
-        episode ended untrained instead (reward_error) was no worse for the policy than a
-        correct one among its group's wrong answers, so an answer that hangs the scorer was
-        a way out of a wrong answer's negative advantage."""
+        answer, once the row's own answer (``own_answer(a)``) is scored within it: ended
+        untrained instead (reward_error), it took none of the negative advantage a wrong
+        answer takes in its group, so hanging the scorer was the policy's way out of one."""
 
         async def run(a: Answer) -> float:
             args = (a.data_source, a.text, a.ground_truth, a.extra)
