@@ -9,13 +9,16 @@ a printable stand-in, so a trace shows what was written instead of doing or hidi
 controls and DEL as their Unicode control pictures (ESC as ``␛``), C1 controls as ``\\x9b``,
 bidi controls, invisible characters and lone surrogates (not text: no terminal prints one)
 as ``\\u202e`` / ``\\U000e0041`` escapes. Newlines and tabs stay. `without_invisible` drops
-the invisible ones instead (what a judge model reads).
+the invisible ones instead (what a judge model reads). `lone_surrogate` finds text that is no
+text at all: where a string, or JSON's values of strings, holds a lone surrogate, which no
+tokenizer and no UTF-8 file takes (every place text comes in refuses it with it).
 `number` writes a float, NaN and infinities included, the way a person reads it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 
 _BIDI = frozenset(
@@ -65,6 +68,7 @@ def _stand_in(code: int) -> str | None:
 _SURROGATES = range(0xD800, 0xE000)
 _TABLE = {c: s for c in [*range(0xA0), *INVISIBLE, *_SURROGATES] if (s := _stand_in(c)) is not None}
 _DROP = dict.fromkeys(INVISIBLE)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def visible(text: str) -> str:
@@ -76,6 +80,27 @@ def visible(text: str) -> str:
 def without_invisible(text: str) -> str:
     """``text`` without its `INVISIBLE` characters."""
     return text.translate(_DROP)
+
+
+def lone_surrogate(value: object) -> str | None:
+    """Where ``value`` holds a lone surrogate (JSON's ``"\\ud83d"``, half of an emoji's escaped
+    pair; a file name's undecodable byte, as ``os.fsdecode`` gives it), which no UTF-8 encoder
+    takes, so neither a tokenizer nor a trace file: ``"at character 3 ('\\ud83d')"`` of the
+    first string holding one, else None. ``value`` is a string or JSON's lists and objects of
+    them, keys included, nested to any depth (walked without recursion); other values hold
+    none."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found is not None:
+                return f"at character {found.start()} ({found.group()!r})"
+        elif isinstance(item, list | tuple):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed([x for pair in item.items() for x in pair]))
+    return None
 
 
 def number(x: float, digits: int = 4) -> str:

@@ -88,6 +88,7 @@ from jax_agent_rl.agent.openai_requests import (
     canonical,
     check_request,
     message_text,
+    session_key,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
@@ -349,12 +350,17 @@ class Session:
     async def run_tool(self, tool_call: dict[str, Any]) -> str:
         """Runs one of the returned ``tool_calls`` through the run's tools (as the loop runs
         it); its result, reward and flags are used when the tool message answering it comes.
-        Raises `EpisodeEndedError` once the episode has ended (the harness has returned)."""
+        Raises `EpisodeEndedError` once the episode has ended (the harness has returned);
+        one the harness left running then releases the tool state it made."""
         if self.stop is not None:
             raise EpisodeEndedError(f"this session's episode has ended ({self.stop})")
         function = tool_call["function"]
         call = ParsedCall(function["name"], json.loads(function["arguments"]))
-        result = await call_tool(self.ctx, self.traj, call, self.create_kwargs)
+        try:
+            result = await call_tool(self.ctx, self.traj, call, self.create_kwargs)
+        finally:  # (past the episode's release, a call that waited for a slot made it anew)
+            if self.stop is not None:
+                await self.ctx.tools.release(self.traj.uid)
         self.results[tool_call["id"]] = result
         return result.text
 
@@ -392,14 +398,6 @@ def _error(status: int, message: str, code: str) -> Response:
     return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}
 
 
-def _session_key(headers: dict[str, str]) -> str:
-    key = headers.get("x-session-id")
-    if key:
-        return key
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token if scheme.lower() == "bearer" else ""
-
-
 def _find(sessions: dict[str, Session], key: str) -> Session | None:
     """The session of ``key``, compared with every session's key in constant time."""
     found = None
@@ -416,7 +414,7 @@ def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Respo
     async def handle(request: Request) -> Response:
         if (request.method, request.target.split("?")[0]) != ("POST", "/v1/chat/completions"):
             return _error(404, "the endpoint serves POST /v1/chat/completions only", "not_found")
-        session = _find(sessions, _session_key(request.headers))
+        session = _find(sessions, session_key(request.headers))
         if session is None:
             return _error(401, "no open session has this API key or X-Session-Id", "no_session")
         try:

@@ -1,11 +1,13 @@
 """What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
-hold, checked (`check_request`), and a message's parts in one form however a client spells
-them (`canonical`)."""
+hold, checked (`check_request`), the session it names (`session_key`), and a message's parts
+in one form however a client spells them (`canonical`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from jax_agent_rl.visible import lone_surrogate
 
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
 ROLES = ("system", "user", "assistant", "tool")
@@ -61,22 +63,31 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             raise HarnessError(f"message {i} must be an object with a role among {ROLES}")
         if not isinstance(m.get("tool_call_id", ""), str | None):
             raise HarnessError(f"message {i}'s tool_call_id must be a string")
-        try:  # (JSON's "\ud800" escape gives one: no tokenizer takes it)
-            message_text(m).encode("utf-8")
-        except UnicodeEncodeError:
-            raise HarnessError(f"message {i}'s content holds a lone surrogate: not text") from None
+        where = lone_surrogate(message_text(m))  # (JSON's "\ud800" escape: no tokenizer takes it)
+        if where is not None:
+            raise HarnessError(f"message {i}'s content holds a lone surrogate {where}: not text")
     tools = body.get("tools")
     if tools is not None and not (
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise HarnessError("tools must be a list of objects")
-    try:  # (rendered into the prompt, a lone surrogate failed in the tokenizer: a 500)
-        json.dumps(tools, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise HarnessError("the request's tools hold a lone surrogate: not text") from None
+    where = lone_surrogate(tools)  # (rendered into the prompt, it failed in the tokenizer: a 500)
+    if where is not None:
+        raise HarnessError(f"the request's tools hold a lone surrogate {where}: not text")
+    try:
+        json.dumps(tools)
     except RecursionError:
         raise HarnessError("the request's tools nest too deep") from None
     return messages, tools or None
+
+
+def session_key(headers: dict[str, str]) -> str:
+    """The session a request names: its ``X-Session-Id`` header, else its bearer API key."""
+    key = headers.get("x-session-id")
+    if key:
+        return key
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else ""
 
 
 def message_text(message: dict[str, Any]) -> str:

@@ -338,8 +338,8 @@ class DataSection:
     val_size: int = setting(0, NATURAL)  # 0: the whole validation file
     reward: str = ""  # every row not in rewards_by_source; empty: by data_source (above)
     rewards_by_source: dict[str, str] = dataclasses.field(default_factory=dict)
-    # a synchronous reward call (a rule, a reasoning-gym scorer, a user function) past it ends
-    # its episode (reward_error); the judge has judge.timeout_s
+    # a synchronous reward call past it ends its episode (reward_error; a reasoning-gym scorer's
+    # that the answer kept running scores 0, a wrong answer); the judge has judge.timeout_s
     reward_timeout_s: float = setting(60.0, TIMEOUT)
     # worker processes running reasoning-gym's scorers and user reward functions at once (each
     # started when first needed, then kept; one past reward_timeout_s is killed and replaced)

@@ -95,12 +95,17 @@ def yaml_top(text: str, where: str) -> str:
 def yaml_read(text: str, where: str) -> None:
     """A `ConfigError` (``where`` names the text) if OmegaConf's reader of an override's value
     refuses what `yaml_top`'s parser took: a duplicate key, a recursive alias, a tag it has no
-    constructor for, a lone surrogate's escape (``"\\ud83d"``); each ended ``jarl`` in a
-    traceback."""
+    constructor for, a lone surrogate's escape (``"\\ud83d"``), or a value it reads but cannot
+    hold (``!!timestamp 2001-12-14``, ``!!set {a}``); each ended ``jarl`` in a traceback."""
     try:
         OmegaConf.from_dotlist([f"value={text}"])
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    except OmegaConfBaseException as e:
+        problem = (e.msg or type(e).__name__).splitlines()[0]
+        raise ConfigError(
+            f"{where}: {problem}: give a string, number, boolean, list or mapping"
+        ) from None
 
 
 def _check_number(

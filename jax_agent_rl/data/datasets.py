@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from jax_agent_rl.data.sample import DatasetError, Sample
+from jax_agent_rl.visible import lone_surrogate
 
 SUFFIXES = (".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")
@@ -212,29 +213,17 @@ def _messages(prompt: Any, fail: Fail) -> list[dict[str, Any]]:
             raise fail(f"prompt message {i} has role {role!r}; allowed: {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
             raise fail(f"prompt message {i} ({role}) has no string 'content'")
-        try:  # (the tokenizer cannot take one: each episode of the row failed)
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise fail(
-                f"prompt message {i} ({role}) holds a lone surrogate at character {e.start} "
-                "(half of a JSON \\ud83d\\ude00 pair): not text"
-            ) from None
-        for key, value in message.items():  # (tool_calls, name: the template writes them too)
-            if key != "content" and _holds_lone_surrogate(value):
-                raise fail(f"prompt message {i} ({role}) holds a lone surrogate in {key!r}")
+        # (the tokenizer cannot take one: each episode of the row failed; tool_calls, name:
+        # the template writes them too)
+        for key, value in message.items():
+            where = lone_surrogate(value)
+            if where is not None:
+                raise fail(
+                    f"prompt message {i} ({role}) holds a lone surrogate {where} in {key!r} "
+                    "(half of a JSON \\ud83d\\ude00 pair): not text"
+                )
         messages.append(message)
     return messages
-
-
-def _holds_lone_surrogate(value: Any) -> bool:
-    """Whether a string in ``value`` (JSON's values, nested) holds a lone surrogate."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    except (TypeError, ValueError, RecursionError):  # no JSON (a parquet value): not checked here
-        return False
-    return False
 
 
 def _describe(value: Any) -> str:
@@ -255,8 +244,9 @@ def _optional_str(row: Row, key: str, default: str, fail: Fail) -> str:
         return default
     if not isinstance(value, str):
         raise fail(f"{key} must be a string, got {type(value).__name__}")
-    if _holds_lone_surrogate(value):  # (data_source names the episodes: their ids, metrics)
-        raise fail(f"{key} holds a lone surrogate: not text")
+    where = lone_surrogate(value)  # (data_source names the episodes: their ids, metrics)
+    if where is not None:
+        raise fail(f"{key} holds a lone surrogate {where}: not text")
     return value
 
 

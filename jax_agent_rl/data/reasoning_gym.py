@@ -13,7 +13,8 @@ response's last ``<answer>`` tags (reasoning-gym's ``extract_answer``), 0 withou
 an answer that would run as code in a scorer that evaluates it (`answer_code.harmless`), and 0
 for an answer the scorer raises on: a wrong answer, which must be scored as one rather than end
 its episode untrained (a scorer that raises on the task's own answer too is broken: that error
-is raised).
+is raised). So is an answer that keeps the scorer running past ``data.reward_timeout_s``, once
+the task's own answer (`answer_text`) is scored in time (`rewards.registry`).
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def loaded_score() -> Callable[[str, str, Any, dict[str, Any]], float]:
     first call is timed (`jax_agent_rl.call_processes`)."""
     importlib.import_module("reasoning_gym")
     return score
+
+
+def answer_text(extra_info: dict[str, Any]) -> str:
+    """A response that gives the row's own answer (what its entry in ``extra_info`` holds)."""
+    entry = extra_info.get("reasoning_gym")
+    return f"<answer>{entry.get('answer') if isinstance(entry, dict) else ''}</answer>"
 
 
 def score(data_source: str, text: str, ground_truth: Any, extra_info: dict[str, Any]) -> float:

@@ -59,6 +59,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
+from jax_agent_rl.visible import lone_surrogate
 
 OBSERVATION_ROLES = ("user", "tool", "system")
 
@@ -227,13 +228,9 @@ def checked_messages(messages: Any, owner: str, prompt: bool = False) -> list[Me
                 f"{owner}: {what} message {i} must have a role in {roles} and string content, "
                 f"got role {role!r:.40} and content {type(content).__name__}"
             )
-        try:  # (the tokenizer cannot take one, nor a trace file)
-            content.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise EnvError(
-                f"{owner}: {what} message {i} holds a lone surrogate at character {e.start}: "
-                "not text"
-            ) from None
+        where = lone_surrogate(content)  # (the tokenizer cannot take one, nor a trace file)
+        if where is not None:
+            raise EnvError(f"{owner}: {what} message {i} holds a lone surrogate {where}: not text")
         out.append({"role": role, "content": content})
     return out
 

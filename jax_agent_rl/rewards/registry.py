@@ -52,10 +52,11 @@ step's judge requests are sent together, and no synchronous reward runs on the e
   worker's own.
 
 Each call has ``data.reward_timeout_s``; past it, it raises `RewardError` naming the setting
-and the reward. In a thread, the wait for a free one counts, and a thread cannot be stopped,
-only abandoned (it keeps its place until it returns); in a worker, only the call counts (a
-busy worker is free again within the timeout). `Rewards.close` (the run's end) stops the
-worker processes.
+and the reward, except a reasoning-gym scorer's: the answer kept it running, and scores 0 once
+the row's own answer is scored in time (`_Sync.in_process`). In a thread, the wait for a free
+one counts, and a thread cannot be stopped, only abandoned (it keeps its place until it
+returns); in a worker, only the call counts (a busy worker is free again within the timeout).
+`Rewards.close` (the run's end) stops the worker processes.
 
 Every reward is checked where it enters (`checked_reward`): a real number, finite, within
 ``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
@@ -142,10 +143,17 @@ def checked_reward(value: Any, source: str) -> float:
 
 
 def _shown(value: Any) -> str:
+    """``value``'s repr, cut; for a number too long to write out (more than the 4,300 digits
+    Python writes: an int, or a `Fraction` of such ints), its size instead."""
     try:
         return f"{value!r:.60}"
-    except ValueError:  # an int of more digits than Python writes out (4,300)
-        return f"an int of {value.bit_length()} bits"
+    except ValueError:
+        if isinstance(value, int):
+            return f"an int of {value.bit_length()} bits"
+        if isinstance(value, numbers.Rational):  # (the ratio of two such ints)
+            bits = max(int(value.numerator).bit_length(), int(value.denominator).bit_length())
+            return f"a {type(value).__name__} of {bits}-bit terms"
+        return f"a {type(value).__name__} too long to write out"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +260,7 @@ def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
         reasoning_gym.loaded_score,
         "the reasoning-gym task's scorer (data.reward unset)",
         reasoning_gym.SCORER_MEMORY_MIB,
+        _own_answer,
     )
 
     def pick(data_source: str) -> Scorer:
@@ -294,18 +303,37 @@ class _Sync:
         return rule
 
     def in_process(
-        self, load: Callable[[], ScoreFn], name: str, memory_mib: int | None = None
+        self,
+        load: Callable[[], ScoreFn],
+        name: str,
+        memory_mib: int | None = None,
+        own_answer: Callable[[Answer], Answer] | None = None,
     ) -> Scorer:
         """``load()``'s function (``load`` a picklable function of no arguments: a worker
         loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
-        names ``name``."""
+        names ``name``. With ``own_answer`` (a scorer written for the task, which only an
+        answer can keep running: reasoning-gym's), a call past the timeout scores 0, a wrong
+        answer, once the row's own answer (``own_answer(a)``) is scored within it: ended
+        untrained instead (reward_error), it took none of the negative advantage a wrong
+        answer takes in its group, so hanging the scorer was the policy's way out of one."""
+
+        async def run(a: Answer) -> float:
+            args = (a.data_source, a.text, a.ground_truth, a.extra)
+            return float(await self.processes.run(load, args, self.timeout_s, memory_mib))
 
         async def isolated(a: Answer) -> float:
-            args = (a.data_source, a.text, a.ground_truth, a.extra)
             try:
-                return float(await self.processes.run(load, args, self.timeout_s, memory_mib))
+                return await run(a)
             except CallTimeoutError:  # (not a TimeoutError the function raised: that is its error)
-                raise self._late(name, "its worker process was stopped") from None
+                pass
+            if own_answer is not None:
+                try:
+                    await run(own_answer(a))
+                except CallTimeoutError:  # it cannot score its own answer in time either
+                    pass
+                else:
+                    return 0.0
+            raise self._late(name, "its worker process was stopped")
 
         return isolated
 
@@ -323,9 +351,16 @@ def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     if spec in REWARDS:
         return sync.in_thread(load_reward(spec, key), name)
     if spec == "reasoning_gym":
-        return sync.in_process(reasoning_gym.loaded_score, name, reasoning_gym.SCORER_MEMORY_MIB)
+        return sync.in_process(
+            reasoning_gym.loaded_score, name, reasoning_gym.SCORER_MEMORY_MIB, _own_answer
+        )
     load_reward(spec, key)  # its errors here, as the config is read (a worker loads it again)
     return sync.in_process(functools.partial(load_reward, spec, key), name, sync.user_memory_mib)
+
+
+def _own_answer(answer: Answer) -> Answer:
+    """``answer`` with the text of its reasoning-gym row's own answer (`in_process`)."""
+    return dataclasses.replace(answer, text=reasoning_gym.answer_text(answer.extra))
 
 
 async def _no_judge(answer: Answer) -> float:

@@ -23,6 +23,8 @@ import math
 import re
 from typing import Any, Literal, Protocol
 
+from jax_agent_rl.visible import lone_surrogate
+
 Style = Literal["chat", "inline"]
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 # how deep a tool call's JSON may nest (the call's object is one level): far past any tool's
@@ -77,13 +79,13 @@ def _decode(raw: str) -> tuple[Any, str | None]:
         depth = _depth(obj)
         if depth > MAX_JSON_DEPTH:
             return None, f"nested {depth} levels deep, past the {MAX_JSON_DEPTH} levels a call has"
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be
     except json.JSONDecodeError as e:
         return None, f"{e.msg} at char {e.pos}"
-    except UnicodeEncodeError as e:
-        return None, f"a lone surrogate {e.object[e.start : e.end]!r} is not text"
     except (ValueError, RecursionError, MemoryError) as e:
         return None, f"{type(e).__name__}: {e}"
+    where = lone_surrogate(obj)  # (no JSON writer to a tool server takes one)
+    if where is not None:
+        return None, f"a lone surrogate {where} of a string is not text"
     return obj, None
 
 

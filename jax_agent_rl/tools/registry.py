@@ -35,6 +35,7 @@ from jax_agent_rl.tools.base import (
     validate_arguments,
 )
 from jax_agent_rl.tools.verl import OpenAIFunctionToolSchema, VerlTool
+from jax_agent_rl.visible import lone_surrogate
 
 _log = logging.getLogger(__name__)
 
@@ -237,13 +238,10 @@ def _text_checked(name: str, result: ToolResult) -> ToolResult:
     """``result``, or the call's error result when its text holds a lone surrogate (as
     ``os.listdir`` gives an undecodable byte of a file name): no tokenizer takes one, and the
     episode ended in the tokenizer rendering the observation."""
-    try:
-        result.text.encode("utf-8")
-    except UnicodeEncodeError as e:
+    where = lone_surrogate(result.text)
+    if where is not None:
         return ToolResult(
-            f"error: {name} returned text holding a lone surrogate {result.text[e.start]!r} at "
-            f"character {e.start}: not text",
-            error=True,
+            f"error: {name} returned text holding a lone surrogate {where}: not text", error=True
         )
     return result
 

@@ -44,7 +44,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.step import keep_with_signal, run_episodes
+from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_episodes
 from jax_agent_rl.train.traces import trace_picks
 
 # a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
@@ -147,6 +147,9 @@ class Producer:
     first_index: int
     finished: Finished
     _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+    # the uids drawn under the latest tag (`step.distinct_samples`: a prompt drawn twice for
+    # one update is played under another uid the second time)
+    _drawn: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
     async def run_forever(self) -> None:
         per_update = self.run.cfg.data.prompts_per_step
@@ -156,6 +159,9 @@ class Producer:
                 await self.admission.wait_for(index)
                 (sample,) = self.run.sampler.next_batch(1)
                 tag = f"s{index // per_update}a0"  # the synchronous loop's tag for this prompt
+                if tag not in self._drawn:
+                    self._drawn = {tag: set()}
+                (sample,) = distinct_samples([sample], self._drawn[tag])
                 task = asyncio.create_task(self._group(index, sample, tag))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)

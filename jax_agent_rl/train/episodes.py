@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from jax_agent_rl.agent.filters import FILTERS
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.visible import visible
 
 Totals = dict[str, float]
 
@@ -99,14 +100,14 @@ LIMITS = ("max_model_len", "max_response_tokens", "max_tokens_per_turn", "max_tu
 def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RuntimeError | None:
     """One episode's error ends that episode only (`ERRORS`); when every episode of a rollout
     ended so, the backend, the tools, the environments, the reward or the loop is broken, not
-    the policy: the error to raise (its `stop_warning` line, then the first error) rather than
-    train on nothing, step after step."""
+    the policy: the error to raise (its `stop_warning` line, then the first error, `visible`:
+    it may quote the policy's text) rather than train on nothing, step after step."""
     failed = sum(t[f"stop/{r}"] for r in ERRORS)
     if t["episodes"] and failed == t["episodes"]:
         line = stop_warning(metrics_of_totals(t), ()) or ""
         return RuntimeError(
             f"all {int(t['episodes'])} trajectories of the rollout failed ({line}); the first "
-            f"error:\n{first_error}"
+            f"error:\n{visible(str(first_error))}"
         )
     return None
 
@@ -115,7 +116,9 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     """The warning for a step (or an evaluation) whose episodes mostly ended in an error or a
     budget (`ERRORS`, `LIMITS`; ``m``: their metrics, ``stop/<reason>`` shares): the commonest
     such stop reason, its share, and for an error one episode's of ``trajs`` (its last line,
-    which names what failed); None when most ended otherwise."""
+    which names what failed, `visible`: an environment's or a reward's error may quote the
+    policy's text, escape sequences included, and this line goes to the console); None when
+    most ended otherwise."""
     shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
     if sum(shares.values()) <= 0.5:
         return None
@@ -124,7 +127,7 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     example = first_error(trajs, worst) if worst in ERRORS else None
     if example:
         last = [x.strip() for x in example.splitlines() if x.strip()][-1]
-        line += f" (e.g. {last[:300]})"
+        line += f" (e.g. {visible(last[:300])})"
     return line
 
 

@@ -28,6 +28,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.metrics import MetricsLog
+from jax_agent_rl.visible import lone_surrogate
 
 Turns = list[tuple[str, list[tuple[str, str]]]]
 
@@ -43,14 +44,13 @@ def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[st
             raise ValueError(f"message {i} must be an object with a role among {ROLES}")
         if not isinstance(m.get("content"), str) or not isinstance(m.get("name", ""), str):
             raise ValueError(f"message {i} ({m['role']}) has no string 'content'")
-        try:
-            m["content"].encode("utf-8")
-            m.get("name", "").encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"message {i} ({m['role']}) holds a lone surrogate at character {e.start} "
-                "(half of a JSON \\ud83d\\ude00 pair): not text"
-            ) from None
+        for key in ("content", "name"):
+            where = lone_surrogate(m.get(key, ""))
+            if where is not None:
+                raise ValueError(
+                    f"message {i} ({m['role']}) holds a lone surrogate {where} in {key!r} "
+                    "(half of a JSON \\ud83d\\ude00 pair): not text"
+                )
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a demonstration needs at least one assistant message")

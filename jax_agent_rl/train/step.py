@@ -112,6 +112,25 @@ async def trajectory_reward(
     return with_turn_rewards(outcome, traj, tool_reward_weight)
 
 
+def distinct_samples(samples: Sequence[Sample], drawn: set[str]) -> list[Sample]:
+    """``samples`` with each one whose uid is in ``drawn`` (the uids drawn before for the same
+    step, counted on here) renamed ``<uid>~<k>``, the first such name not drawn (``#`` marks
+    a trajectory's per-turn samples): a batch that runs past an epoch's end can draw a sample
+    twice (`PromptSampler`), and the episodes of both, named by the sample's uid and the
+    step's tag, shared their uids, and with them their tool state (one's calls changed the
+    other's sandbox, and the first to end released the other's), their requests' seeds (the
+    same tokens twice) and their group."""
+    out = []
+    for s in samples:
+        uid, k = s.uid, 0
+        while uid in drawn:
+            k += 1
+            uid = f"{s.uid}~{k}"
+        drawn.add(uid)
+        out.append(s if uid == s.uid else dataclasses.replace(s, uid=uid))
+    return out
+
+
 def episode_seed(seed: int, tag: str) -> int:
     """The sampling seed of the rollout ``tag`` names (a step's attempt, an evaluation)."""
     return zlib.crc32(f"{seed}/{tag}".encode())
@@ -135,13 +154,15 @@ async def rollout_episodes(
     """One group of episodes per sample, run concurrently, sampled with
     ``episode_seed(seed, tag)``, and scored, in sample order: ``n`` chain episodes, or with
     ``tree`` the leaves of a tree rollout (`jax_agent_rl.agent.tree`) within a budget of
-    ``n`` chain episodes' unless the section sets one. A chain episode whose tool service
+    ``n`` chain episodes' unless the section sets one. A sample given twice is played twice,
+    the second time under another uid (`distinct_samples`). A chain episode whose tool service
     failed is run again from its prompt, up to ``tool_failure_reruns`` times
     (`Trajectory.reruns`); then the ``filters`` (`jax_agent_rl.agent.filters`) mark what
     updates leave out. ``episode_done`` is called with each chain episode as it ends, before
     it is scored (a progress bar). Whether they all failed is for the caller to check
     (`episodes.all_failed_error`), over every process's episodes."""
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
+    samples = distinct_samples(samples, set())
 
     async def episode(e: Sample) -> list[Trajectory]:
         traj = await run_sample(e, ctx)
@@ -320,11 +341,13 @@ async def collect(
     want, n = cfg.data.prompts_per_step // processes, cfg.rollout.n
     kept: list[list[Trajectory]] = []
     seen: list[Trajectory] = []
+    drawn: set[str] = set()  # (renamed over every process's prompts: each renames alike)
     for attempt in range(cfg.rollout.max_refills + 1 if cfg.rollout.dynamic_sampling else 1):
         k = distributed.agree_max([want - len(kept)])[0] if attempt else want
         if k == 0:
             break
-        samples = run.sampler.next_batch(k * processes)[me * k : (me + 1) * k]
+        batch = distinct_samples(run.sampler.next_batch(k * processes), drawn)
+        samples = batch[me * k : (me + 1) * k]
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
         trajs = await run_episodes(run, rollout, samples, n, tag)
         seen += trajs

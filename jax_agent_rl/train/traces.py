@@ -97,13 +97,15 @@ def trace_index(
     """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
     traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
     the batch's sequences in order (a trajectory, or with per-turn samples its turns, uid
-    ``<uid>#<k>``: their prompts hold the response before them)."""
+    ``<uid>#<k>``: their prompts hold the response before them; a uid may hold ``#`` itself,
+    a row's data_source's)."""
     T = batch.shape[1]
     index = np.full((len(traced), T), -1, np.int64)
     sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
     slot = {t.uid: s for s, t in enumerate(traced)}
     for i, row in enumerate(rows):
-        s = slot.get(row.uid.split("#")[0])
+        s = slot.get(row.uid)
+        s = slot.get(row.uid.rpartition("#")[0]) if s is None else s
         if s is None:
             continue
         start = int(np.flatnonzero(sequence == i)[0])

@@ -5,28 +5,23 @@ then stopped). In a thread such a call could only be abandoned: 32 such answers 
 reward thread for the rest of the run, and every later reward timed out (this test's last
 assertion failed so, "32 of 32 reward threads busy"). In a worker process, a call past
 ``data.reward_timeout_s`` kills its worker, so more hanging answers than the pool has workers
-leave it whole: a correct answer scored after them scores 1. Closing the rewards stops every
-worker: no child process of this one is left."""
+leave it whole: a correct answer scored after them scores 1. Such an answer is wrong, and
+scores 0 (`tests/hostile/test_eleventh_pass.py`). Closing the rewards stops every worker: no
+child process of this one is left."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.reasoning_gym import samples
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.rewards import Answer, RewardError, Rewards, make_reward
+from jax_agent_rl.rewards import Answer, Rewards, make_reward
 from tests.processes import children
 
 WORKERS = 2
 # an answer the scorer reads (`answer_code.harmless`: arithmetic of sines), and sympy hangs on
 HANGING = "*".join(f"sin({k}*X)" for k in range(1, 13))
-LATE = (
-    r"the reasoning-gym task's scorer \(data\.reward unset\) took longer than "
-    r"data\.reward_timeout_s=2s \(its worker process was stopped\)"
-)
 
 
 def _answer(row: Sample, text: str) -> Answer:
@@ -52,10 +47,9 @@ def test_answers_that_hang_the_scorer_are_stopped_and_leave_the_pool_whole() -> 
     before = children()
     with make_reward(cfg.data) as score:
         assert children() == before  # no worker until a call needs one
-        with pytest.raises(RewardError, match=LATE):
-            asyncio.run(score(_answer(row, HANGING)))
+        assert asyncio.run(score(_answer(row, HANGING))) == 0.0
         hanging = asyncio.run(_scored(score, [_answer(row, HANGING)] * (WORKERS + 1)))
-        assert all(isinstance(e, RewardError) and "reward_timeout_s=2s" in str(e) for e in hanging)
+        assert hanging == [0.0] * (WORKERS + 1)
         correct = _answer(row, row.ground_truth)
         assert asyncio.run(_scored(score, [correct] * WORKERS)) == [1.0] * WORKERS
         assert asyncio.run(score(_answer(row, "-5*X**9 + C"))) == 0.0  # wrong: scored 0

@@ -95,20 +95,20 @@ def test_an_async_tool_that_ignores_its_cancellation_is_abandoned_at_the_timeout
 
 
 def test_a_search_of_a_large_corpus_ends_at_the_timeout_and_holds_no_event_loop() -> None:
-    """BM25 scores a query word by word over every document (rank_bm25 loops in Python), so a
-    query of thousands of words over a large corpus runs for minutes: scored on the event loop,
+    """BM25 scored a query word by word over every document (rank_bm25 loops in Python), so a
+    query of thousands of words over a large corpus ran for minutes: scored on the event loop,
     the call's timeout never fired and every other episode stood still. Here the scoring is
     held until the test releases it: the call ends at its timeout as an error result, and
     the event loop is free meanwhile."""
     search = SearchTool([{"title": "Paris", "text": "Paris is the capital of France."}])
-    scores, release, scored = search.index.get_scores, threading.Event(), threading.Event()
+    scores, release, scored = search.scores, threading.Event(), threading.Event()
 
-    def held_scores(words: list[str]) -> object:
+    def held_scores(words: list[str]) -> dict[int, float]:
         release.wait(BOUND_S)  # (the test releases it at its end)
         scored.set()
         return scores(words)
 
-    search.index.get_scores = held_scores  # type: ignore[method-assign]
+    search.scores = held_scores  # type: ignore[method-assign]
 
     async def go() -> str:
         tools = LocalTools(ToolRegistry([search]), timeout_s=0.01)

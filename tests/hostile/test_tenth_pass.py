@@ -84,7 +84,7 @@ def test_a_tool_text_holding_a_lone_surrogate_is_the_calls_error(tmp_path: Path)
     result = asyncio.run(tools.call("t/1", "listing", {"folder": str(tmp_path)}))
     assert result.error
     assert result.text == (
-        "error: listing returned text holding a lone surrogate '\\udce9' at character 3: not text"
+        "error: listing returned text holding a lone surrogate at character 3 ('\\udce9'): not text"
     )
     result.text.encode("utf-8")  # (the tokenizer takes it)
 
@@ -203,19 +203,22 @@ def _called(name: str, arguments: object) -> dict[str, object]:
     [
         (
             [_USER, _called("f\ud83d", "{}")],
-            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+            "message 1 (assistant) holds a lone surrogate at character 1 ('\\ud83d') in "
+            "'tool_calls'",
         ),
         (
             [_USER, _called("f", '{"x": "\udc80"}')],
-            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+            "message 1 (assistant) holds a lone surrogate at character 7 ('\\udc80') in "
+            "'tool_calls'",
         ),
         (
             [_USER, _called("f", {"x": "\udc80"})],
-            "message 1 (assistant) holds a lone surrogate in 'tool_calls'",
+            "message 1 (assistant) holds a lone surrogate at character 0 ('\\udc80') in "
+            "'tool_calls'",
         ),
         (
             [_USER, _called("f", "{}"), {"role": "tool", "content": "4", "name": "f\ud83d"}],
-            "message 2 (tool) holds a lone surrogate in 'name'",
+            "message 2 (tool) holds a lone surrogate at character 1 ('\\ud83d') in 'name'",
         ),
     ],
 )
@@ -229,7 +232,9 @@ def test_a_lone_surrogate_anywhere_in_a_prompt_message_is_refused(
     assert len(load_samples(path, agents=["tool_agent"], default_agent="tool_agent", limit=1)) == 1
     with pytest.raises(DatasetError) as refused:
         load_samples(path, agents=["tool_agent"], default_agent="tool_agent")
-    assert str(refused.value) == f"{path}: row 1 (line 2): prompt {problem}"
+    assert str(refused.value) == (
+        f"{path}: row 1 (line 2): prompt {problem} (half of a JSON \\ud83d\\ude00 pair): not text"
+    )
 
 
 @tool
