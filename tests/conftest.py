@@ -21,12 +21,40 @@ def _cpu_kind() -> str:
 # XLA's programs persist between the suite's processes (xdist workers, `jarl train` runs,
 # multi-process runs, Ray actors: they inherit this environment), so the same program compiles
 # once per suite rather than in every process. JAX keys an entry on the program, its compile
-# options, the devices and jaxlib's version; the size bound also makes writers take a file lock.
-# Tests that count compilations count programs loaded from it too (tests/programs.py).
+# options, the devices and jaxlib's version. Tests that count compilations count programs
+# loaded from it too (tests/programs.py).
+# No size bound for JAX to keep: with one, every write takes a file lock and reads the size and
+# last use of every entry (0.25 s a write at 5,000 entries; the suite writes ~4,000): two test
+# files writing 776 new entries into a full folder took 294 s with the bound, 90 s without.
+# Without it, writes take no lock: a process that reads an entry while another writes it finds
+# it truncated, which JAX reports as a warning and answers by compiling the program itself. The
+# folder is kept under `_CACHE_KEEP` once a run, below.
 _CACHE = Path(__file__).parents[1] / ".cache" / f"xla-{_cpu_kind()}"
+_CACHE_KEEP = 4 << 30
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """The oldest files of ``folder`` (by last write) out until it holds at most ``keep``
+    bytes."""
+    files = []
+    for f in folder.glob("*") if folder.is_dir() else ():
+        try:
+            files.append((f.stat().st_mtime, f.stat().st_size, f))
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    total = sum(size for _, size, _ in files)
+    for _, size, f in sorted(files):
+        if total <= keep:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):  # once a run: the main process, before workers
+    _prune(_CACHE, _CACHE_KEEP)
 # The device count is part of that key: a one-device program compiled where JAX has 8 CPU
 # devices is not found where it has 1. Child processes that start JAX without asking for a
 # count (Ray actors: the rollout replicas) get the tests' 8, so that a replica's engine loads
