@@ -12,6 +12,7 @@ import string
 import typing
 from collections.abc import Callable
 
+from jax_agent_rl.config.model import lora_targets_problem
 from jax_agent_rl.config.ranges import Rule
 from jax_agent_rl.config.sections import JarlConfig
 from jax_agent_rl.tokenization.tool_calls import PARSERS
@@ -215,4 +216,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _stop_strings,
     _parser,
     _judge,
+    lambda cfg: lora_targets_problem(cfg.model.lora),
 )
