@@ -54,6 +54,7 @@ from jax_agent_rl.rl.update import (
     apply_update,
     make_optimizer,
     rl_update,
+    trainable,
 )
 
 
@@ -184,11 +185,12 @@ def abstract_learner_state(
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     def train_state(tx: optax.GradientTransformation, p: Any) -> TrainState:
+        t = trainable(model, p)
         opt = optax.tree_map_params(
             tx,
             lambda s, x: at(s, x.sharding),
-            jax.eval_shape(tx.init, p),
-            p,
+            jax.eval_shape(tx.init, t),
+            t,
             transform_non_params=lambda s: at(s, replicated),
         )
         return TrainState(p, opt, at(jax.ShapeDtypeStruct((), jnp.int32), replicated))
@@ -199,7 +201,8 @@ def abstract_learner_state(
         head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
         bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
         value = train_state(programs.critic_tx, Critic(params, head, bias))
-    return LearnerState(train_state(programs.tx, params), value, params if reference else None)
+    frozen = params if reference and model.lora is None else None  # LoRA: `reference_of`
+    return LearnerState(train_state(programs.tx, params), value, frozen)
 
 
 # ------------------------------------------------------------------------------ the class
@@ -243,6 +246,11 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
         self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
+        if reference is not None and self.model.lora is not None:
+            raise ValueError(
+                "a LoRA policy's KL reference is its own base weights with the adapters left "
+                "out (rl.update.reference_of): pass no reference"
+            )
         policy = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
         value = (
             None
@@ -285,7 +293,7 @@ class Learner:
 
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
         # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
-        state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+        state = TrainState(params, tx.init(trainable(self.model, params)), jnp.zeros((), jnp.int32))
         if self.sharder is None:  # committed to the device, as the step's outputs are
             return jax.device_put(state, jax.devices()[0])
         # the counters (scalars on one device) replicated over the mesh

@@ -54,7 +54,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
-from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
+from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows, with_run_lora
 from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.train.sft import warm_start
 
@@ -211,7 +211,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
-    model, params = load_hf(cfg.model.path, "float32", sharder)
+    model, params = with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
     train = load_samples(
         cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
     )
@@ -241,8 +241,9 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
                 micro_batch_size=sft_micro_batch_rows(cfg),
             )
             params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
-        # the KL reference: the policy RL starts from (the learner keeps a copy)
-        reference = params if cfg.algorithm.kl_coef else None
+        # the KL reference: the policy RL starts from (the learner keeps a copy); a LoRA
+        # policy's is its base, the adapters left out (no copy: `rl.update.reference_of`)
+        reference = params if cfg.algorithm.kl_coef and model.lora is None else None
         learner = make_learner(cfg, model, params, sharder, reference=reference)
         start = 0 if latest is None else _restore(checkpoints, latest, learner, sampler)
         run = Run(

@@ -18,6 +18,7 @@ from jax_agent_rl.engine.sampling import VOCAB_CHUNK
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.models.paged import PAGE_AXES
+from jax_agent_rl.train.learners import run_model
 
 
 def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:
@@ -53,6 +54,7 @@ class MemoryPlan:
     other_activations: float  # `update`'s activations with the other remat setting
     tokens: int  # a micro-batch's tokens per device
     what: str  # where those come from
+    lora_saved: float = 0.0  # a LoRA run: what training every weight would keep on top
 
     @property
     def learner_bytes(self) -> float:
@@ -86,6 +88,12 @@ class MemoryPlan:
             f"{self.tokens} tokens per device, {self.what}; with remat={str(not remat).lower()}: "
             f"{self.other_activations / gib:.2f} GiB); XLA's workspace comes on top"
         )
+        if self.lora_saved:
+            lines.append(
+                f"  LoRA saves {self.lora_saved / gib:.2f} GiB per device against training "
+                "every weight: the frozen base has no gradient, no AdamW moments and no KL "
+                "reference copy"
+            )
         return lines
 
 
@@ -109,9 +117,16 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     several ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share
     of the devices."""
     m = cfg.mesh
+    model = run_model(cfg, model)
+    base = _per_device_bytes(dataclasses.replace(model, lora=None), m, 4)
     fp32 = _per_device_bytes(model, m, 4)
-    learner = [("policy weights (fp32 master)", fp32), ("AdamW moments (2 x fp32)", 2 * fp32)]
-    if cfg.algorithm.kl_coef:
+    trained = fp32 - base if model.lora is not None else fp32  # what gets gradients
+    if model.lora is None:
+        learner = [("policy weights (fp32 master)", fp32)]
+    else:  # the KL reference is the base itself (`rl.update.reference_of`)
+        learner = [("base weights (fp32, frozen)", base), ("LoRA adapters (fp32)", trained)]
+    learner.append(("AdamW moments (2 x fp32)", 2 * trained))
+    if cfg.algorithm.kl_coef and model.lora is None:
         learner.append(("KL reference (fp32)", fp32))
     if cfg.algorithm.adv_estimator == "gae":
         learner.append(("critic weights + AdamW moments", 3 * fp32))
@@ -127,10 +142,10 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     # computing in bf16, also the weights cast (a copy) and each micro-batch's fp32 gradient
     # through that cast, which XLA cannot add into the sum in place as it does in fp32 (TPU,
     # compiled: tests/plan)
-    update = [("gradient accumulator (fp32)", fp32)]
+    update = [("gradient accumulator (fp32)", trained)]
     if width == 2:
         update += [
-            ("micro-batch gradient (fp32)", fp32),
+            ("micro-batch gradient (fp32)", trained),
             ("weights in bfloat16 (a copy)", fp32 / 2),
         ]
     update.append(
@@ -174,7 +189,18 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         activation_bytes(model, tokens, width, not L.remat, m.tensor),
         tokens,
         what,
+        _lora_saved(model, base, trained, width == 2, bool(cfg.algorithm.kl_coef)),
     )
+
+
+def _lora_saved(model: ModelConfig, base: float, adapters: float, bf16: bool, kl: bool) -> float:
+    """Bytes per device that training every weight of the base (its weights, AdamW's two
+    moments, the gradient accumulator, in bf16 a micro-batch's gradient; a KL reference copy)
+    keeps beyond a LoRA run (the frozen base, then the same four for the adapters)."""
+    if model.lora is None:
+        return 0.0
+    per_trained = 4 + bf16  # weights, 2 moments, accumulator (+ micro-batch gradient)
+    return base * (per_trained + kl) - (base + adapters * per_trained)
 
 
 def activation_bytes(
