@@ -368,3 +368,24 @@ def test_lora_section_refuses_bad_values_naming_the_key() -> None:
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, [*base, bad])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        (["rollout.backend=vllm"], "rollout.backend=vllm"),
+        (["rollout.backend=jetstream"], "rollout.backend=jetstream"),
+        (["rollout.ray.address=auto"], "rollout.backend=embedded on Ray replicas"),
+    ],
+)
+def test_backends_without_lora_refuse_a_lora_run(overrides: list[str], where: str) -> None:
+    """A backend that cannot take adapter pushes refuses a LoRA config when it loads, in one
+    line naming model.lora and the backend, rather than being pushed the whole model."""
+    base = ["model.path=/a", "data.train=t", "model.lora.rank=8"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *overrides])
+    assert str(e.value) == (
+        f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
+        "(rollout.backend=embedded, no rollout.ray.address) or model.lora.rank=0"
+    )
+    load_config(None, [*base[:2], *overrides])  # without adapters: fine

@@ -360,6 +360,18 @@ class Learner:
                 )
             )
 
+    def pushed_params(self, dtype: str) -> Any:
+        """What a weight push sends (`rollout_params`' copy rules): the trained part only, a
+        LoRA policy's adapters (the engine keeps the base it started with), else the policy."""
+        want = jnp.dtype(dtype)
+        with device_turns.TURN:
+            return jax.block_until_ready(
+                jax.tree.map(
+                    lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
+                    trainable(self.model, self.params),
+                )
+            )
+
     def train_step(
         self,
         batch: TrainBatch,

@@ -45,7 +45,7 @@ from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
 from jax_agent_rl.rl.learner import Learner
-from jax_agent_rl.rl.update import LearnerState
+from jax_agent_rl.rl.update import LearnerState, trainable
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
@@ -84,6 +84,11 @@ class Run:
         """The learner's current policy for this process's rollout backend."""
         return self.serving.params(self.learner)
 
+    def pushed_params(self) -> Any:
+        """What a weight push sends this process's rollout backend: the policy, or a LoRA
+        policy's adapters only (`Learner.pushed_params`)."""
+        return self.serving.pushed(self.learner)
+
 
 @dataclasses.dataclass(frozen=True)
 class Serving:
@@ -97,6 +102,7 @@ class Serving:
     global_layout: Any
     local_layout: Any
     dtype: str
+    model: ModelConfig
 
     @classmethod
     def of(cls, model: ModelConfig, mesh: Mesh, dtype: str) -> Serving:
@@ -106,11 +112,20 @@ class Serving:
             param_shardings(model, Sharder(inference_mesh(mesh))),
             param_shardings(model, local),
             dtype,
+            model,
         )
 
     def params(self, learner: Learner) -> Any:
         return distributed.local_replica(
             learner.rollout_params(self.dtype), self.global_layout, self.local_layout
+        )
+
+    def pushed(self, learner: Learner) -> Any:
+        m = self.model
+        return distributed.local_replica(
+            learner.pushed_params(self.dtype),
+            trainable(m, self.global_layout),
+            trainable(m, self.local_layout),
         )
 
 

@@ -4,20 +4,24 @@ itself, read from the same arrays with the adapters left out."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import OptimSection
+from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, init_params, make_mesh
 from jax_agent_rl.models.adapters import adapters_of, base_of, init_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters, Lora
-from jax_agent_rl.rl.batch import make_batch
+from jax_agent_rl.rl.batch import TrainBatch, make_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, token_stats
 from jax_agent_rl.rl.update import reference_of
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.rl.test_learner import ALGO, CFG, REWARDS, _step, random_trajectories, spec
 
 LORA_CFG = dataclasses.replace(CFG, lora=Lora(4, 8.0))
@@ -97,3 +101,56 @@ def test_a_lora_learner_refuses_a_reference_copy() -> None:
             LORA_CFG, params, algo=ALGO, optim=OptimSection(), sampling=SamplingSpec(0.8),
             reference=params,
         )  # fmt: skip
+
+
+def _sampled(backend: EmbeddedBackend, seed: int) -> TrainBatch:
+    """Four requests sampled at temperature 0.8, packed into one row with their logprobs."""
+    sampling = SamplingParams(max_tokens=16, temperature=0.8, seed=seed)
+
+    async def go() -> list[tuple[GenerateRequest, object]]:
+        reqs = [GenerateRequest(f"r{i}", tuple(range(3 + i, 9 + i)), sampling) for i in range(4)]
+        return list(
+            zip(reqs, await asyncio.gather(*(backend.generate(r) for r in reqs)), strict=True)
+        )
+
+    trajs = []
+    for req, res in asyncio.run(go()):
+        t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
+        t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))  # type: ignore[attr-defined]
+        trajs.append(t)
+    return make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
+
+
+def test_adapter_pushes_keep_sampler_and_learner_logprobs_equal() -> None:
+    """The embedded engine serving a LoRA policy, updated after each of two RL steps by a push
+    of the adapters alone: the bytes pushed are the adapters' (8% of the tiny model's here),
+    and the learner's logprobs of what the engine samples after each push equal the sampler's
+    within the fp32 tolerance (1e-4, the backend's stated one)."""
+    learner = Learner(
+        LORA_CFG, _lora_params(), algo=ALGO, optim=OptimSection(lr=1e-2),
+        sampling=SamplingSpec(0.8), micro_batch_size=4,
+    )  # fmt: skip
+    engine = Engine(LORA_CFG, max_concurrent_decodes=4, max_len=64)
+    backend = EmbeddedBackend(engine, learner.rollout_params("float32"))
+    s = spec(ALGO, sampling=SamplingSpec(0.8), cfg=LORA_CFG)
+    logp = jax.jit(lambda p, b: token_stats(s, p, b)[0])
+    full = sum(x.nbytes for x in jax.tree.leaves(learner.params))
+    trajs = random_trajectories(12, seed=6)
+    try:
+        for version in (1, 2):
+            learner.train_step(*_step(trajs, REWARDS, 1, None, 4))
+            pushed = learner.pushed_params("float32")
+            assert isinstance(pushed, LayerAdapters)
+            asyncio.run(backend.update_weights(pushed, version))
+            assert backend.last_push is not None
+            n_adapters = sum(x.nbytes for x in jax.tree.leaves(adapters_of(learner.params)))
+            assert backend.last_push.bytes == n_adapters < 0.1 * full  # 8.0%: rank 4 of D = 64
+            batch = _sampled(backend, seed=version)
+            mask = np.asarray(batch.mask) > 0
+            learned = np.asarray(logp(learner.params, batch))[mask]
+            np.testing.assert_allclose(learned, np.asarray(batch.rollout_logp)[mask], atol=1e-4)
+        wrong = jax.tree.map(lambda x: x[:, :1], pushed)
+        with pytest.raises(ValueError, match="adapter of shape"):
+            asyncio.run(backend.update_weights(wrong, 3))
+    finally:
+        asyncio.run(backend.close())
