@@ -178,7 +178,10 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         # the push: the learner's weights cast and gathered onto the inference mesh (a new
         # buffer unless they are laid out and typed so already), then laid out for serving in
         # the place of the old, which the engine drops first
-        if m.fsdp > 1 or width != 4:
+        if model.lora is not None:  # a LoRA push: the adapters alone, onto the base held
+            base_served = _per_device_bytes(dataclasses.replace(model, lora=None), serving, width)
+            push = [("adapters gathered for serving", gathered - base_served)]
+        elif m.fsdp > 1 or width != 4:
             push = [("weights gathered for serving", gathered)]
     return MemoryPlan(
         m,

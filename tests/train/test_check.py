@@ -571,7 +571,7 @@ def test_the_memory_plan_of_a_lora_run_trains_the_adapters_only() -> None:
     cfg = dataclasses.replace(cfg, mesh=mesh)
     model = ModelConfig.from_hf(QWEN25_1_5B)
     lora_model = dataclasses.replace(model, lora=Lora(16, 16.0))
-    learner, _ = _sharders(mesh)
+    learner, serving = _sharders(mesh)
     base = _sharded_bytes(model, learner, 4)
     adapters = _sharded_bytes(lora_model, learner, 4) - base
     n_adapters = sum(
@@ -594,6 +594,9 @@ def test_the_memory_plan_of_a_lora_run_trains_the_adapters_only() -> None:
         }
     )
     assert dict(plan.update)["gradient accumulator (fp32)"] == pytest.approx(adapters)
+    # a push sends the adapters alone (bf16, as the engine serves them)
+    served = _sharded_bytes(lora_model, serving, 2) - _sharded_bytes(model, serving, 2)
+    assert plan.push == [("adapters gathered for serving", pytest.approx(served))]
     held = lambda p: p.learner_bytes + sum(b for name, b in p.update if "gradient" in name)  # noqa: E731
     assert plan.lora_saved == pytest.approx(held(full) - held(plan))
     assert plan.lora_saved > 3.5 * base  # moments, accumulator, micro-batch gradient, KL copy
