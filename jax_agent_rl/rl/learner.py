@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
+from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
@@ -97,6 +98,16 @@ def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
             f"the trajectories' expert_ids hold expert {int(bad[0])}; the policy's experts "
             f"are 0 .. {model.num_experts - 1} (-1: none sampled)"
         )
+
+
+def master_weights(spec: StepSpec, params: Weights) -> Weights:
+    """The policy as the learner holds it: float32; a LoRA policy computing in bfloat16 holds
+    its frozen base in bfloat16 (the forward casts it so anyway: the same numbers, half the
+    memory), its adapters in float32."""
+    params = cast_floats(params, jnp.float32)
+    if spec.model.lora is None or spec.compute_dtype != "bfloat16":
+        return params
+    return with_adapters(cast_floats(base_of(params), jnp.bfloat16), adapters_of(params))
 
 
 def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
@@ -175,14 +186,18 @@ def abstract_learner_state(
     programs: StepPrograms, sharder: Sharder, *, critic: bool, reference: bool
 ) -> LearnerState:
     """The shapes, dtypes and layout of the state a `Learner` of ``programs`` holds on
-    ``sharder``'s mesh, allocating nothing: fp32 weights laid out by their logical axes, the
-    optimizers' moments like their parameters, counters (and a critic's head) replicated."""
+    ``sharder``'s mesh, allocating nothing: fp32 weights (`master_weights`) laid out by their
+    logical axes, the optimizers' moments like their parameters, counters (and a critic's
+    head) replicated."""
     model = programs.spec.model
-    params = abstract_params(model, sharder)
     replicated = sharder.sharding(())
 
     def at(x: Any, sharding: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    full = abstract_params(model, sharder)  # float32
+    held = jax.eval_shape(partial(master_weights, programs.spec), full)
+    params = jax.tree.map(lambda x, f: at(x, f.sharding), held, full)  # `master_weights`
 
     def train_state(tx: optax.GradientTransformation, p: Any) -> TrainState:
         t = trainable(model, p)
@@ -200,7 +215,7 @@ def abstract_learner_state(
         D = model.hidden_size
         head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
         bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
-        value = train_state(programs.critic_tx, Critic(params, head, bias))
+        value = train_state(programs.critic_tx, Critic(full, head, bias))
     frozen = params if reference and model.lora is None else None  # LoRA: `reference_of`
     return LearnerState(train_state(programs.tx, params), value, frozen)
 
@@ -251,7 +266,7 @@ class Learner:
                 "a LoRA policy's KL reference is its own base weights with the adapters left "
                 "out (rl.update.reference_of): pass no reference"
             )
-        policy = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
+        policy = self._init_state(self.tx, self._place(master_weights(self.spec, params)))
         value = (
             None
             if critic is None

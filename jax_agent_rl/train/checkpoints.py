@@ -109,6 +109,8 @@ def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig
     try:
         model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
         target = {"params": abstract_params(model)}
-        return model, checkpoints.restore_part(step, "policy", target)["params"]
+        params = checkpoints.restore_part(step, "policy", target)["params"]
+        # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)
+        return model, jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     finally:
         checkpoints.close()

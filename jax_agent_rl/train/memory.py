@@ -121,16 +121,18 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     base = _per_device_bytes(dataclasses.replace(model, lora=None), m, 4)
     fp32 = _per_device_bytes(model, m, 4)
     trained = fp32 - base if model.lora is not None else fp32  # what gets gradients
+    width = 2 if cfg.model.dtype == "bfloat16" else 4
     if model.lora is None:
         learner = [("policy weights (fp32 master)", fp32)]
-    else:  # the KL reference is the base itself (`rl.update.reference_of`)
-        learner = [("base weights (fp32, frozen)", base), ("LoRA adapters (fp32)", trained)]
+    else:  # the KL reference is the base itself (`rl.update.reference_of`); computing in
+        # bf16, the base is held so (`rl.learner.master_weights`)
+        held = f"base weights ({'bf16' if width == 2 else 'fp32'}, frozen)"
+        learner = [(held, base * width / 4), ("LoRA adapters (fp32)", trained)]
     learner.append(("AdamW moments (2 x fp32)", 2 * trained))
     if cfg.algorithm.kl_coef and model.lora is None:
         learner.append(("KL reference (fp32)", fp32))
     if cfg.algorithm.adv_estimator == "gae":
         learner.append(("critic weights + AdamW moments", 3 * fp32))
-    width = 2 if cfg.model.dtype == "bfloat16" else 4
     L = cfg.learner
     if L.packing:
         tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
@@ -146,7 +148,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     if width == 2:
         update += [
             ("micro-batch gradient (fp32)", trained),
-            ("weights in bfloat16 (a copy)", fp32 / 2),
+            ("weights in bfloat16 (a copy)", (fp32 if model.lora is None else trained) / 2),
         ]
     update.append(
         (
@@ -197,13 +199,15 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
 
 
 def _lora_saved(model: ModelConfig, base: float, adapters: float, bf16: bool, kl: bool) -> float:
-    """Bytes per device that training every weight of the base (its weights, AdamW's two
-    moments, the gradient accumulator, in bf16 a micro-batch's gradient; a KL reference copy)
-    keeps beyond a LoRA run (the frozen base, then the same four for the adapters)."""
+    """Bytes per device that training every weight of the base (its fp32 weights, AdamW's two
+    moments, the gradient accumulator; in bf16 a micro-batch's gradient and the weights cast;
+    a KL reference copy) keeps beyond a LoRA run (the frozen base, in bf16 when computing so,
+    then the same parts for the adapters)."""
     if model.lora is None:
         return 0.0
-    per_trained = 4 + bf16  # weights, 2 moments, accumulator (+ micro-batch gradient)
-    return base * (per_trained + kl) - (base + adapters * per_trained)
+    per_trained = 4 + 1.5 * bf16  # weights, 2 moments, accumulator (+ gradient, bf16 copy)
+    frozen = base / 2 if bf16 else base
+    return base * (per_trained + kl) - (frozen + adapters * per_trained)
 
 
 def activation_bytes(

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -154,3 +155,21 @@ def test_adapter_pushes_keep_sampler_and_learner_logprobs_equal() -> None:
             asyncio.run(backend.update_weights(wrong, 3))
     finally:
         asyncio.run(backend.close())
+
+
+def test_a_bf16_lora_learner_holds_its_frozen_base_in_bf16() -> None:
+    """Computing in bfloat16, the frozen base is held in bfloat16 (the forward casts it so
+    anyway) and the adapters in float32; a step leaves the base bitwise as it was."""
+    params = _lora_params()
+    learner = Learner(
+        LORA_CFG, params, algo=ALGO, optim=OptimSection(lr=1e-2), sampling=SamplingSpec(0.8),
+        micro_batch_size=4, compute_dtype="bfloat16",
+    )  # fmt: skip
+    dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree)}  # noqa: E731
+    before = jax.tree.map(np.asarray, base_of(learner.params))
+    assert dtypes(before) == {jnp.dtype(jnp.bfloat16)}
+    assert dtypes(adapters_of(learner.params)) == {jnp.dtype(jnp.float32)}
+    learner.train_step(*_step(random_trajectories(12, seed=7), REWARDS, 1, None, 4))
+    after = jax.tree.map(np.asarray, base_of(learner.params))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, after, before)))
+    assert dtypes(adapters_of(learner.params)) == {jnp.dtype(jnp.float32)}
