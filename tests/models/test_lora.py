@@ -33,6 +33,7 @@ from jax_agent_rl.models.adapters import (
 )
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.lora import TARGETS, Lora
 from jax_agent_rl.models.sharding import Sharder, make_mesh
 from tests.models.hf_reference import padded_batch
@@ -74,15 +75,25 @@ def _ours(
 
 @pytest.mark.parametrize(
     ("family", "targets"),
-    [("llama", HF_TARGETS), ("qwen2", HF_TARGETS), ("qwen3", ["q_proj", "v_proj", "down_proj"])],
+    [
+        ("llama", HF_TARGETS),
+        ("qwen2", HF_TARGETS),
+        ("qwen3", ["q_proj", "v_proj", "down_proj"]),
+        ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # attention only (the MLPs:
+    ],  # experts, refused below)
 )
 def test_peft_adapter_gives_peft_logits(
     family: str, targets: list[str], hf_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """A PEFT adapter saved by PEFT, loaded into our decoder: PEFT's logits within 1e-4."""
-    model = _peft_model(hf_checkpoints[family], targets)
+    checkpoint = (
+        write_hf_checkpoint(tmp_path / "moe", TINY_MOE)
+        if family == "qwen3_moe"
+        else hf_checkpoints[family]
+    )
+    model = _peft_model(checkpoint, targets)
     model.save_pretrained(tmp_path / "adapter")
-    base_cfg, base = load_hf(hf_checkpoints[family])
+    base_cfg, base = load_hf(checkpoint)
     cfg, adapters = load_peft(tmp_path / "adapter", base_cfg)
     assert cfg.lora == Lora(4, 12.0, tuple(t for t in TARGETS if f"{t}_proj" in targets))
     tokens, mask, pos = padded_batch(cfg.vocab_size)
