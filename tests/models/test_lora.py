@@ -79,8 +79,8 @@ def _ours(
         ("llama", HF_TARGETS),
         ("qwen2", HF_TARGETS),
         ("qwen3", ["q_proj", "v_proj", "down_proj"]),
-        ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # attention only (the MLPs:
-    ],  # experts, refused below)
+        ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"]),  # (expert MLPs: refused)
+    ],
 )
 def test_peft_adapter_gives_peft_logits(
     family: str, targets: list[str], hf_checkpoints: dict[str, Path], tmp_path: Path
