@@ -10,6 +10,13 @@ median of each phase and the effective bandwidth. Ends with one JSON line.
     .venv/bin/python bench/weight_push.py [--model small] [--pushes 5]
 
 ``--model tiny --pushes 1`` is its smallest run (it checks the bench works).
+
+``--lora``: a LoRA policy (rank ``--rank`` on every projection, alpha = 2 x rank) served by the
+embedded engine, which takes the adapters alone: the bytes and seconds of a push of the whole
+model against a push of the adapters (``adapter_over_full``), and decode tokens/s (batch 8,
+32-token prompts, 64 new tokens, fp32) with the adapters applied unmerged (``x W + s (x A) B``,
+what the engine does) against merged into the weights (a plain model, what merge-on-push would
+serve), with the seconds such a merge takes per push.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jax_agent_rl.backends.vllm.backend import DEFAULT_PYTHON, VLLMBackend
+from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.adapters import adapters_of, add_lora, merge, with_adapters
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.protocol import PushStats
 
 MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
@@ -38,7 +51,12 @@ def main() -> None:
     )
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--lora", action="store_true", help="the embedded engine, LoRA pushes")
+    parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
+    if args.lora:
+        lora_bench(args.model, args.rank, args.pushes)
+        return
     if not DEFAULT_PYTHON.exists():
         sys.exit("bench/weight_push.py: .venv-vllm is missing; run `scripts/setup.sh vllm` first")
 
@@ -73,6 +91,81 @@ def main() -> None:
                 "total_s": round(median("total_s"), 4),
                 "first_total_s": round(stats[0].total_s, 4),
                 "gb_per_s": round(size / median("total_s") / 1e9, 3),
+            }
+        )
+    )
+
+
+def _decode_tok_s(backend: EmbeddedBackend, vocab: int, batch: int = 8, new: int = 64) -> float:
+    """Tokens/s of ``batch`` requests of 32 random prompt tokens, ``new`` tokens each (the
+    median of three runs after one that compiles)."""
+    rng = np.random.default_rng(0)
+
+    async def one_run(run: int) -> float:
+        reqs = [
+            GenerateRequest(
+                f"r{run}-{i}",
+                tuple(int(t) for t in rng.integers(0, vocab, 32)),
+                SamplingParams(max_tokens=new, temperature=1.0, seed=i),
+            )
+            for i in range(batch)
+        ]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(backend.generate(r) for r in reqs))
+        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
+
+    asyncio.run(one_run(0))  # compiles
+    return statistics.median(asyncio.run(one_run(run)) for run in (1, 2, 3))
+
+
+def lora_bench(model: str, rank: int, pushes: int) -> None:
+    """`--lora` (module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_hf_checkpoint(Path(tmp) / model, MODELS[model])
+        base_cfg, base = load_hf(ckpt)
+    cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(rank, 2.0 * rank))
+    adapters = jax.tree.map(lambda x: x + 0.01, adapters_of(w))  # B nonzero: a trained one
+    w = with_adapters(base, adapters)
+    full: list[PushStats] = []
+    lora: list[PushStats] = []
+    backend = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=8, max_len=128), w)
+    try:
+        for version in range(1, pushes + 1):
+            for stats, sent in ((full, w), (lora, adapters)):
+                moved = jax.tree.map(lambda x, v=version: x * (1.0 + 1e-3 * v), sent)
+                asyncio.run(backend.update_weights(moved, 2 * version - (stats is full)))
+                assert backend.last_push is not None
+                stats.append(backend.last_push)
+        unmerged = _decode_tok_s(backend, cfg.vocab_size)
+    finally:
+        asyncio.run(backend.close())
+    merge_fn = jax.jit(lambda w: merge(cfg, w)[1])
+    jax.block_until_ready(merge_fn(w))  # compiled
+    t0 = time.perf_counter()
+    merged_w = jax.block_until_ready(merge_fn(w))
+    merge_s = time.perf_counter() - t0
+    plain = EmbeddedBackend(Engine(base_cfg, max_concurrent_decodes=8, max_len=128), merged_w)
+    try:
+        merged = _decode_tok_s(plain, cfg.vocab_size)
+    finally:
+        asyncio.run(plain.close())
+    full_bytes, lora_bytes = full[0].bytes, lora[0].bytes
+    median = lambda xs: statistics.median(s.total_s for s in xs)  # noqa: E731
+    print(
+        json.dumps(
+            {
+                "bench": "weight_push_lora",
+                "model": model,
+                "params": base_cfg.num_params,
+                "rank": rank,
+                "full_bytes": full_bytes,
+                "adapter_bytes": lora_bytes,
+                "adapter_over_full": round(lora_bytes / full_bytes, 4),
+                "full_push_s": round(median(full), 4),
+                "adapter_push_s": round(median(lora), 4),
+                "unmerged_decode_tok_s": round(unmerged, 1),
+                "merged_decode_tok_s": round(merged, 1),
+                "merge_s": round(merge_s, 4),
             }
         )
     )

@@ -48,7 +48,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
 def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
-        match=r"unknown config key 'model\.dtpye'; allowed here: \['dtype', 'path', 'tokenizer'\]",
+        match=r"unknown config key 'model\.dtpye'; allowed here: "
+        r"\['dtype', 'lora', 'path', 'tokenizer'\]",
     ):
         load_config(None, ["model.path=/a", "model.dtpye=bfloat16"])
     path = _yaml(tmp_path, "modle:\n  path: /x\n")
@@ -346,3 +347,45 @@ def test_a_run_folder_config_holds_absolute_paths(
         f"model.path={str(started / 'ckpt')!r} does not exist",
         "data.val='/abs/val.jsonl' does not exist",
     ]
+
+
+def test_lora_section_refuses_bad_values_naming_the_key() -> None:
+    """``model.lora``: rank 0 is off; targets are names of the decoder's projections (the same
+    list as the model's, `models.lora.TARGETS`); dropout, not implemented, is refused."""
+    from jax_agent_rl.config.model import LORA_TARGETS
+    from jax_agent_rl.models.lora import TARGETS
+
+    assert LORA_TARGETS == TARGETS
+    base = ["model.path=/a", "data.train=t", "model.lora.rank=8"]
+    lora = load_config(None, [*base, "model.lora.targets=[q,v]"]).model.lora
+    assert (lora.rank, lora.alpha, lora.targets) == (8, 16.0, ["q", "v"])
+    for bad, message in (
+        ("model.lora.dropout=0.05", "model.lora.dropout=0.05: expected 0 (LoRA dropout is not"),
+        ("model.lora.targets=[q,qkv]", "model.lora.targets=['q', 'qkv']: expected distinct"),
+        ("model.lora.targets=[q,q]", "model.lora.targets=['q', 'q']: expected distinct"),
+        ("model.lora.alpha=0", "model.lora.alpha=0.0: expected > 0"),
+        ("model.lora.rnk=8", "unknown config key 'model.lora.rnk'"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [*base, bad])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        (["rollout.backend=vllm"], "rollout.backend=vllm"),
+        (["rollout.backend=jetstream"], "rollout.backend=jetstream"),
+        (["rollout.ray.address=auto"], "rollout.backend=embedded on Ray replicas"),
+    ],
+)
+def test_backends_without_lora_refuse_a_lora_run(overrides: list[str], where: str) -> None:
+    """A backend that cannot take adapter pushes refuses a LoRA config when it loads, in one
+    line naming model.lora and the backend, rather than being pushed the whole model."""
+    base = ["model.path=/a", "data.train=t", "model.lora.rank=8"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *overrides])
+    assert str(e.value) == (
+        f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
+        "(rollout.backend=embedded, no rollout.ray.address) or model.lora.rank=0"
+    )
+    load_config(None, [*base[:2], *overrides])  # without adapters: fine

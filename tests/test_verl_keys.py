@@ -336,3 +336,30 @@ def test_no_verl_key_of_the_table_is_a_jarl_key() -> None:
         for target in filter(None, entry.jarl.split(", ")):
             assert target in jarl, target
         assert find(entry.verl) is entry
+
+
+def test_verl_lora_keys_map_to_model_lora() -> None:
+    """verl's LoRA keys: rank and alpha as they are, target_modules from PEFT's module names
+    (``all-linear``, verl's default, is every projection); the result loads as a config."""
+    verl = [
+        "actor_rollout_ref.model.lora_rank=32",
+        "actor_rollout_ref.model.lora_alpha=64",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj,down_proj]",
+    ]
+    got = _to_jarl(verl)
+    assert got == {
+        "model.lora.rank": "32",
+        "model.lora.alpha": "64",
+        "model.lora.targets": '["q", "v", "down"]',
+    }
+    lora = load_config(
+        None, ["model.path=/a", "data.train=t", *(f"{k}={v}" for k, v in got.items())]
+    ).model.lora
+    assert (lora.rank, lora.alpha, lora.targets) == (32, 64.0, ["q", "v", "down"])
+    assert _to_jarl(["actor_rollout_ref.model.target_modules=all-linear"]) == {
+        "model.lora.targets": '["q", "k", "v", "o", "gate", "up", "down"]'
+    }
+    with pytest.raises(ConfigError, match=r"target_modules=\[qkv\]: expected all-linear or a"):
+        _to_jarl(["actor_rollout_ref.model.target_modules=[qkv]"])
+    with pytest.raises(ConfigError, match="starts its adapters afresh"):
+        _to_jarl(["actor_rollout_ref.model.lora_adapter_path=/a"])

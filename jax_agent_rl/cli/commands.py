@@ -193,7 +193,7 @@ def _export(args: argparse.Namespace) -> int:
     from jax_agent_rl.train.export import export_run
 
     try:
-        out = export_run(args.run_dir, args.step, args.out)
+        out = export_run(args.run_dir, args.step, args.out, args.merge)
     except (ValueError, OSError) as e:  # config, checkpoint (a file corrupt) and file errors
         print(f"jarl: {e}", file=sys.stderr)
         return 2
@@ -399,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run folder")
     p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
     p.add_argument("--out", default=None, help="where to write (default: RUN/hf-step-<step>)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run (model.lora): write its adapters merged into the base weights as a "
+        "plain HF checkpoint (default: an HF PEFT adapter folder, adapter_config.json + "
+        "adapter_model.safetensors)",
+    )
     p.set_defaults(func=_export)
 
     _add_eval(sub)

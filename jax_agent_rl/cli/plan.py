@@ -121,6 +121,11 @@ def run_plan(args: argparse.Namespace) -> int:
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
+        if cfg.model.lora.rank:
+            raise ConfigError(
+                "model.lora: jarl plan compiles runs that train every weight; LoRA runs are "
+                "not planned yet (jarl train --dry-run gives their memory)"
+            )
         if model is None:
             model = ModelConfig.from_pretrained(cfg.model.path)
     except (ConfigError, ValueError, OSError) as e:

@@ -23,13 +23,14 @@ A run folder's ``config.yaml`` holds every path absolute (`absolute_paths`, agai
 directory the run started in), so ``jarl export RUN``, ``jarl eval RUN``, ``jarl traces RUN``
 and a resume from ``RUN/config.yaml`` work from any directory.
 
-Modules: `sections` (the dataclasses), `ranges` (what a number accepts, declared on its field),
-`checks` (ranges and values that must fit), `load` (YAML and overrides), `yaml_text` (a config
-file's text), `paths` (``pkg://`` and run-folder paths).
+Modules: `sections` (the dataclasses; `model` the model's, LoRA's among them), `ranges` (what a
+number accepts, declared on its field), `checks` (ranges and values that must fit), `load` (YAML
+and overrides), `yaml_text` (a config file's text), `paths` (``pkg://`` and run-folder paths).
 """
 
 from jax_agent_rl.config.checks import check_ranges, field_ranges
 from jax_agent_rl.config.load import Preview, load_config, preview_config, to_yaml
+from jax_agent_rl.config.model import LoraSection, ModelSection
 from jax_agent_rl.config.paths import (
     CODE_KEYS,
     CODE_MAP_KEYS,
@@ -48,7 +49,6 @@ from jax_agent_rl.config.sections import (
     JudgeSection,
     LearnerSection,
     MeshSection,
-    ModelSection,
     OptimSection,
     RaySection,
     RolloutSection,
@@ -74,6 +74,7 @@ __all__ = [
     "JetStreamSection",
     "JudgeSection",
     "LearnerSection",
+    "LoraSection",
     "MeshSection",
     "ModelSection",
     "OptimSection",

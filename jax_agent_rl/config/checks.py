@@ -12,6 +12,7 @@ import string
 import typing
 from collections.abc import Callable
 
+from jax_agent_rl.config.model import lora_targets_problem
 from jax_agent_rl.config.ranges import Rule
 from jax_agent_rl.config.sections import JarlConfig
 from jax_agent_rl.tokenization.tool_calls import PARSERS
@@ -203,6 +204,19 @@ def _judge_template(template: str) -> str | None:
     return None
 
 
+def _lora_backend(cfg: JarlConfig) -> str | None:
+    """Only the embedded engine takes a LoRA policy's pushes (its adapters alone); another
+    backend would need the whole model pushed each step, which a LoRA run never does."""
+    r = cfg.rollout
+    if not cfg.model.lora.rank or (r.backend == "embedded" and not r.ray.address):
+        return None
+    where = f"rollout.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
+    return (
+        f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
+        "(rollout.backend=embedded, no rollout.ray.address) or model.lora.rank=0"
+    )
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -215,4 +229,6 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _stop_strings,
     _parser,
     _judge,
+    lambda cfg: lora_targets_problem(cfg.model.lora),
+    _lora_backend,
 )

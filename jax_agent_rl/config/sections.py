@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from jax_agent_rl.config.model import ModelSection
 from jax_agent_rl.config.ranges import (
     BELOW_ONE,
     COUNT,
@@ -20,17 +21,6 @@ from jax_agent_rl.config.ranges import (
     or_,
     setting,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    """Which checkpoint to load and how to compute with it."""
-
-    path: str = "???"  # a local HF checkpoint folder (config.json + safetensors)
-    tokenizer: str = ""  # a tokenizer folder; empty: the checkpoint folder
-    # compute dtype of the learner and the rollout engine; the learner's master weights and
-    # optimizer state are always float32
-    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclasses.dataclass(frozen=True)

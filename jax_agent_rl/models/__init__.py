@@ -1,5 +1,6 @@
 """The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
-checkpoints."""
+checkpoints; LoRA adapters (`Lora`; `jax_agent_rl.models.adapters` for PEFT folders and
+merging)."""
 
 from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
 from jax_agent_rl.models.config import ModelConfig
@@ -19,6 +20,7 @@ from jax_agent_rl.models.decoder import (
     param_shardings,
     param_specs,
 )
+from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.rope import Llama3RopeScaling
 from jax_agent_rl.models.sharding import (
     MESH_AXES,
@@ -35,6 +37,7 @@ __all__ = [
     "KVPages",
     "Layer",
     "Llama3RopeScaling",
+    "Lora",
     "ModelConfig",
     "ParamSpec",
     "Sharder",

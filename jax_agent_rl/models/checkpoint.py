@@ -101,6 +101,13 @@ _RULES = (
 )
 
 
+def rule_of(ours: str) -> TensorRule:
+    """The rule of our field ``ours`` ("layers.q", ...); LoRA adapters are named after the HF
+    module of the weight they wrap (`jax_agent_rl.models.adapters`)."""
+    (rule,) = (r for r in _RULES if r.ours == ours)
+    return rule
+
+
 def hf_shape(rule: TensorRule, ours: tuple[int, ...]) -> tuple[int, ...]:
     """HF's shape for one tensor whose shape on our side (per layer) is ``ours``."""
     if rule.layout == "copy":
@@ -355,7 +362,9 @@ def load_hf(
                 "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings=true"
             )
 
-    layer_fields = {f.name: stacked.get(f"layers.{f.name}") for f in dataclasses.fields(Layer)}
+    layer_fields: dict[str, Any] = {
+        f.name: stacked.get(f"layers.{f.name}") for f in dataclasses.fields(Layer)
+    }
     weights = Weights(
         embed=stacked["embed"],
         layers=Layer(**layer_fields),
@@ -371,7 +380,13 @@ def hf_tensors(
     cfg: ModelConfig, weights: Weights, on_device: bool = False
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor of ``weights`` under its HF name and layout, in the model dtype: host
-    numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push)."""
+    numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push). A model
+    with LoRA adapters has none: merge them first (`adapters.merge`) or write them apart."""
+    if cfg.lora is not None:
+        raise ValueError(
+            "the weights carry LoRA adapters, which an HF checkpoint has no tensor for: merge "
+            "them into the base (adapters.merge) or write them as a PEFT adapter (save_peft)"
+        )
     for name, rule, index, _ in _entries(cfg):
         path = rule.ours.split(".")
         value = getattr(weights, path[0]) if len(path) == 1 else getattr(weights.layers, path[1])

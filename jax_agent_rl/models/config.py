@@ -29,6 +29,7 @@ from jax_agent_rl.models.config_checks import (
     flag,
     shown,
 )
+from jax_agent_rl.models.lora import MLP_TARGETS, Lora
 from jax_agent_rl.models.rope import MAX_POSITIONS, Llama3RopeScaling, rope_from_hf
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -150,7 +151,9 @@ class ModelConfig:
     """One Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE architecture; ``dtype`` is the parameter and
     compute dtype. The MoE fields (module docstring) keep their defaults in the dense families.
     ``router_aux_loss_coef`` is HF's weight of the load-balancing loss in its training loss:
-    carried so that an exported checkpoint states it; no loss of ours reads it yet."""
+    carried so that an exported checkpoint states it; no loss of ours reads it yet. ``lora``:
+    the adapters the layers carry (`jax_agent_rl.models.lora`), none in a checkpoint's own
+    config (``model.lora`` of a run adds them)."""
 
     family: Family
     vocab_size: int
@@ -175,6 +178,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     dtype: DType = "float32"
+    lora: Lora | None = None
 
     def __post_init__(self) -> None:
         for field, (key, bound) in _SIZE_BOUNDS.items():
@@ -195,6 +199,12 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise UnsupportedConfigError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
         self._check_moe()
+        mlp_targets = sorted(MLP_TARGETS & set(self.lora.targets if self.lora else ()))
+        if self.family in _MOE_FAMILIES and mlp_targets:
+            raise UnsupportedConfigError(
+                f"LoRA targets {mlp_targets} on {self.family}: adapters on the MLPs of a model "
+                "with experts are not supported; target the attention projections q, k, v, o"
+            )
 
     def _check_moe(self) -> None:
         """The MoE fields: all sizes for a MoE family, all at their defaults for a dense one."""

@@ -7,7 +7,9 @@ Layers are stacked on a leading L axis and run under ``lax.scan``. Qwen3-MoE's s
 and its weights' layout are in `jax_agent_rl.models.moe`.
 
 Every parameter is declared once, in `param_specs` (shape, logical axes, initializer); init,
-shardings, checkpoint import/export and weight sync all derive from that tree.
+shardings, checkpoint import/export and weight sync all derive from that tree. LoRA adapters
+(`jax_agent_rl.models.lora`, a config's ``lora``) are layer parameters like the others
+(``Layer.lora``); a projection they target adds ``s (x A) B`` to ``x W`` (`_project`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 
 from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
 from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
 from jax_agent_rl.models.paged import PAGE_AXES, decode_steps, paged_attention
 from jax_agent_rl.models.rope import rope_inv_freq
@@ -62,6 +65,7 @@ class Layer:
     v_bias: Any = None  # [L, G, K]
     q_norm: Any = None  # [L, K]         (qk_norm)
     k_norm: Any = None  # [L, K]
+    lora: LayerAdapters | None = None  # (a config's ``lora``) q: a [L, D, r], b [L, r, H, K]...
 
 
 @jax.tree_util.register_dataclass
@@ -133,6 +137,16 @@ def param_specs(cfg: ModelConfig) -> Weights:
     def expert(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec | None:
         return p((L, E, *shape), ("layers", "experts", *axes)) if sparse else None
 
+    def adapter(base: ParamSpec, n_in: int) -> Adapter:
+        """A [L, in..., r] (PEFT's init) and B [L, r, out...] (zeros) of ``base``'s
+        [L, in..., out...]; the rank dimension is replicated (`ShardingRules.lora_rank`)."""
+        assert cfg.lora is not None
+        r, shape, axes = cfg.lora.rank, base.shape, base.logical_axes
+        return Adapter(
+            a=p((*shape[: 1 + n_in], r), (*axes[: 1 + n_in], "lora_rank"), peft_uniform),
+            b=p((L, r, *shape[1 + n_in :]), ("layers", "lora_rank", *axes[1 + n_in :]), _zeros),
+        )
+
     layers = Layer(
         attn_norm=p((L, D), ("layers", "embed"), _ones),
         q=p((L, D, H, K), ("layers", "embed", "heads", "head_dim")),
@@ -153,6 +167,9 @@ def param_specs(cfg: ModelConfig) -> Weights:
         q_norm=p((L, K), ("layers", "head_dim"), _ones) if cfg.qk_norm else None,
         k_norm=p((L, K), ("layers", "head_dim"), _ones) if cfg.qk_norm else None,
     )
+    if cfg.lora is not None:
+        targets = {t: adapter(getattr(layers, t), 2 if t == "o" else 1) for t in cfg.lora.targets}
+        layers = dataclasses.replace(layers, lora=LayerAdapters(**targets))
     return Weights(
         embed=p((V, D), ("vocab", "embed")),
         layers=layers,
@@ -306,12 +323,23 @@ def rope(x_btnk: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax
     return x_btnk * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
+def _project(cfg: ModelConfig, lw: Layer, name: str, spec: str, x: jax.Array) -> jax.Array:
+    """``matmul(spec, x, W)`` of the layer's projection ``name``, plus its LoRA adapter's
+    ``s (x A) B`` (`lora_delta`) where the layer carries one."""
+    y = matmul(spec, x, getattr(lw, name))
+    adapter = None if lw.lora is None else getattr(lw.lora, name)
+    if adapter is None:
+        return y
+    assert cfg.lora is not None
+    return y + lora_delta(spec, x, adapter, cfg.lora.scale)
+
+
 def _qkv(
     cfg: ModelConfig, lw: Layer, x_btd: jax.Array, positions_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = matmul("btd,dhk->bthk", x_btd, lw.q)
-    k = matmul("btd,dgk->btgk", x_btd, lw.k)
-    v = matmul("btd,dgk->btgk", x_btd, lw.v)
+    q = _project(cfg, lw, "q", "btd,dhk->bthk", x_btd)
+    k = _project(cfg, lw, "k", "btd,dgk->btgk", x_btd)
+    v = _project(cfg, lw, "v", "btd,dgk->btgk", x_btd)
     if cfg.qkv_bias:
         q, k, v = q + lw.q_bias, k + lw.k_bias, v + lw.v_bias
     if cfg.qk_norm:
@@ -530,15 +558,15 @@ def _attention_bwd(
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _mlp(lw: Layer, x_btd: jax.Array) -> jax.Array:
+def _mlp(cfg: ModelConfig, lw: Layer, x_btd: jax.Array) -> jax.Array:
     """SwiGLU over the tokens flattened to N = B * T rows: the same numbers as over [B, T, D],
     and on XLA:CPU the weight gradients' matmuls then read the activations' gradients as they
     are (with B and T apart, each [B, T, F] one was first copied transposed, slowly)."""
     B, T, D = x_btd.shape
     x_nd = x_btd.reshape(B * T, D)
-    gate = matmul("nd,df->nf", x_nd, lw.gate)
-    up = matmul("nd,df->nf", x_nd, lw.up)
-    return matmul("nf,fd->nd", jax.nn.silu(gate) * up, lw.down).reshape(B, T, D)
+    gate = _project(cfg, lw, "gate", "nd,df->nf", x_nd)
+    up = _project(cfg, lw, "up", "nd,df->nf", x_nd)
+    return _project(cfg, lw, "down", "nf,fd->nd", jax.nn.silu(gate) * up).reshape(B, T, D)
 
 
 def _attend(
@@ -553,7 +581,7 @@ def _attend(
     with jax.named_scope("attention"):
         h = rms_norm(x_btd, lw.attn_norm, cfg.rms_norm_eps)
         q, k, v = _qkv(cfg, lw, h, positions_bt)
-        return x_btd + matmul("bthk,hkd->btd", attn(q, k, v), lw.o)
+        return x_btd + _project(cfg, lw, "o", "bthk,hkd->btd", attn(q, k, v))
 
 
 def _mlp_block(
@@ -567,7 +595,9 @@ def _mlp_block(
     """``x_btd`` plus the layer's MLP, and its routing (experts, router logits: `mlp_of_kind`)."""
     with jax.named_scope("mlp"):
         h = rms_norm(x_btd, lw.mlp_norm, cfg.rms_norm_eps)
-        out, routing = mlp_of_kind(cfg, lw, h, sparse, given_btk, _mlp, runs_on_tpu(sharder))
+        out, routing = mlp_of_kind(
+            cfg, lw, h, sparse, given_btk, partial(_mlp, cfg), runs_on_tpu(sharder)
+        )
     return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), routing
 
 

@@ -43,6 +43,7 @@ class ShardingRules:
     heads: MeshAxes = "tensor"
     kv_heads: MeshAxes = "tensor"
     head_dim: MeshAxes = None
+    lora_rank: MeshAxes = None  # a LoRA adapter's rank r (tens): never split
     mlp: MeshAxes = "tensor"
     # Qwen3-MoE: experts split over fsdp (each device holds E / fsdp experts, their M split
     # over tensor); an expert's D is not split, as fsdp already splits E

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax_agent_rl import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
+from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
@@ -54,6 +55,7 @@ from jax_agent_rl.rl.update import (
     apply_update,
     make_optimizer,
     rl_update,
+    trainable,
 )
 
 
@@ -96,6 +98,16 @@ def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
             f"the trajectories' expert_ids hold expert {int(bad[0])}; the policy's experts "
             f"are 0 .. {model.num_experts - 1} (-1: none sampled)"
         )
+
+
+def master_weights(spec: StepSpec, params: Weights) -> Weights:
+    """The policy as the learner holds it: float32; a LoRA policy computing in bfloat16 holds
+    its frozen base in bfloat16 (the forward casts it so anyway: the same numbers, half the
+    memory), its adapters in float32."""
+    params = cast_floats(params, jnp.float32)
+    if spec.model.lora is None or spec.compute_dtype != "bfloat16":
+        return params
+    return with_adapters(cast_floats(base_of(params), jnp.bfloat16), adapters_of(params))
 
 
 def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
@@ -174,21 +186,26 @@ def abstract_learner_state(
     programs: StepPrograms, sharder: Sharder, *, critic: bool, reference: bool
 ) -> LearnerState:
     """The shapes, dtypes and layout of the state a `Learner` of ``programs`` holds on
-    ``sharder``'s mesh, allocating nothing: fp32 weights laid out by their logical axes, the
-    optimizers' moments like their parameters, counters (and a critic's head) replicated."""
+    ``sharder``'s mesh, allocating nothing: fp32 weights (`master_weights`) laid out by their
+    logical axes, the optimizers' moments like their parameters, counters (and a critic's
+    head) replicated."""
     model = programs.spec.model
-    params = abstract_params(model, sharder)
     replicated = sharder.sharding(())
 
     def at(x: Any, sharding: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
+    full = abstract_params(model, sharder)  # float32
+    held = jax.eval_shape(partial(master_weights, programs.spec), full)
+    params = jax.tree.map(lambda x, f: at(x, f.sharding), held, full)  # `master_weights`
+
     def train_state(tx: optax.GradientTransformation, p: Any) -> TrainState:
+        t = trainable(model, p)
         opt = optax.tree_map_params(
             tx,
             lambda s, x: at(s, x.sharding),
-            jax.eval_shape(tx.init, p),
-            p,
+            jax.eval_shape(tx.init, t),
+            t,
             transform_non_params=lambda s: at(s, replicated),
         )
         return TrainState(p, opt, at(jax.ShapeDtypeStruct((), jnp.int32), replicated))
@@ -198,8 +215,9 @@ def abstract_learner_state(
         D = model.hidden_size
         head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
         bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
-        value = train_state(programs.critic_tx, Critic(params, head, bias))
-    return LearnerState(train_state(programs.tx, params), value, params if reference else None)
+        value = train_state(programs.critic_tx, Critic(full, head, bias))
+    frozen = params if reference and model.lora is None else None  # LoRA: `reference_of`
+    return LearnerState(train_state(programs.tx, params), value, frozen)
 
 
 # ------------------------------------------------------------------------------ the class
@@ -243,7 +261,12 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
         self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
-        policy = self._init_state(self.tx, self._place(cast_floats(params, jnp.float32)))
+        if reference is not None and self.model.lora is not None:
+            raise ValueError(
+                "a LoRA policy's KL reference is its own base weights with the adapters left "
+                "out (rl.update.reference_of): pass no reference"
+            )
+        policy = self._init_state(self.tx, self._place(master_weights(self.spec, params)))
         value = (
             None
             if critic is None
@@ -285,7 +308,7 @@ class Learner:
 
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
         # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
-        state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+        state = TrainState(params, tx.init(trainable(self.model, params)), jnp.zeros((), jnp.int32))
         if self.sharder is None:  # committed to the device, as the step's outputs are
             return jax.device_put(state, jax.devices()[0])
         # the counters (scalars on one device) replicated over the mesh
@@ -349,6 +372,18 @@ class Learner:
                 jax.tree.map(
                     lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
                     self.params,
+                )
+            )
+
+    def pushed_params(self, dtype: str) -> Any:
+        """What a weight push sends (`rollout_params`' copy rules): the trained part only, a
+        LoRA policy's adapters (the engine keeps the base it started with), else the policy."""
+        want = jnp.dtype(dtype)
+        with device_turns.TURN:
+            return jax.block_until_ready(
+                jax.tree.map(
+                    lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
+                    trainable(self.model, self.params),
                 )
             )
 

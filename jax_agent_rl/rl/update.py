@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from jax_agent_rl.config import OptimSection
+from jax_agent_rl.models import ModelConfig, Weights
+from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
@@ -46,9 +48,27 @@ TRACE_LOGP, TRACE_ADV, TRACE_ENT = "learner_logprobs", "advantages", "learner_en
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-    params: Any  # Weights (policy) or Critic, float32
+    """A trained model: ``params`` (a policy's `Weights` or a `Critic`, float32), the
+    optimizer's state of its `trainable` part, and the update count."""
+
+    params: Any
     opt_state: Any
     step: jax.Array
+
+
+def trainable(model: ModelConfig, params: Any) -> Any:
+    """What the optimizer updates in ``params``: a LoRA policy's adapters only (its base
+    weights frozen: no gradient, no optimizer state), else every parameter."""
+    if model.lora is not None and isinstance(params, Weights):
+        return adapters_of(params)
+    return params
+
+
+def with_trained(model: ModelConfig, params: Any, part: Any) -> Any:
+    """``params`` with its `trainable` part replaced by ``part``."""
+    if model.lora is not None and isinstance(params, Weights):
+        return with_adapters(base_of(params), part)
+    return part
 
 
 def make_optimizer(
@@ -101,21 +121,25 @@ def accumulated_grads(
     (the loss metrics, `LOSS_TERMS`, too); the other metrics (masked means within a
     micro-batch) are averaged weighted by mask tokens.
     """
-    grad_fn = jax.value_and_grad(lambda p, mb, dv: objective(spec, p, mb, dv, d), has_aux=True)
+    m = spec.model
+    grad_fn = jax.value_and_grad(
+        lambda t, mb, dv: objective(spec, with_trained(m, params, t), mb, dv, d), has_aux=True
+    )
 
     def step(i: jax.Array, carry: tuple[jax.Array, Any, Metrics]) -> tuple[Any, Any, Metrics]:
         loss, grads, metrics = carry
         mb, dv = _micro_batch(rows, i), _micro_batch(derived, i)
-        (mb_loss, m), g = grad_fn(params, mb, dv)
+        (mb_loss, mb_m), g = grad_fn(trainable(m, params), mb, dv)
         w = mb.mask.sum() / d.num_tokens
-        metrics = {k: metrics[k] + (m[k] if k in LOSS_TERMS else w * m[k]) for k in metrics}
+        metrics = {k: metrics[k] + (mb_m[k] if k in LOSS_TERMS else w * mb_m[k]) for k in metrics}
         return loss + mb_loss, jax.tree.map(jnp.add, grads, g), metrics
 
     zero = jnp.zeros((), jnp.int32)
     mb0, dv0 = _micro_batch(rows, zero), _micro_batch(derived, zero)
     metric_shapes = jax.eval_shape(lambda: objective(spec, params, mb0, dv0, d)[1])
     zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
-    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), zero_metrics)
+    zero_grads = jax.tree.map(jnp.zeros_like, trainable(m, params))
+    init = (jnp.zeros((), jnp.float32), zero_grads, zero_metrics)
     return jax.lax.fori_loop(lo, hi, step, init)
 
 
@@ -133,8 +157,9 @@ def apply_update(
     loss, grads, metrics = accumulated_grads(
         objective, spec, state.params, rows, derived, d, lo, hi
     )
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    trained = trainable(spec.model, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = with_trained(spec.model, state.params, optax.apply_updates(trained, updates))
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(params, opt_state, state.step + 1), metrics
 
@@ -147,7 +172,15 @@ class LearnerState:
 
     policy: TrainState
     critic: TrainState | None = None
-    reference: Any | None = None  # Weights
+    reference: Any | None = None  # Weights; a LoRA policy's is its own base (`reference_of`)
+
+
+def reference_of(spec: StepSpec, state: LearnerState) -> Weights | None:
+    """The KL reference's weights: a LoRA policy's base with its adapters left out (the same
+    arrays, no copy), else the frozen copy ``state.reference`` (``None``: no KL term)."""
+    if spec.model.lora is not None and spec.algo.kl_coef:
+        return base_of(state.policy.params)
+    return state.reference
 
 
 @jax.tree_util.register_dataclass
@@ -252,7 +285,7 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> tuple[Derive
     kept = 2 if batch.trace_index is not None else 1  # entropy only for the traced tokens
     stats, routing = _policy_stats(spec, policy, batch, kept)
     old, *entropy = (jnp.where(sampled, x, 0.0) for x in stats)
-    reference = state.reference
+    reference = reference_of(spec, state)
     ref = (
         jnp.zeros_like(old)
         if reference is None

@@ -21,9 +21,11 @@ its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
 recompilation) take the old ones' place (dropped first), the session cache is dropped too
-(the old weights' keys/values), and admission resumes. Every result is stamped with the
-single weight version it was sampled under. A mixture-of-experts model's results carry
-each sampled token's experts (`GenerateResult.expert_ids`).
+(the old weights' keys/values), and admission resumes. A LoRA policy's push sends its
+adapters only (`LayerAdapters`): the engine keeps its base and runs the adapters unmerged.
+Every result is stamped with the single weight version it was sampled under. A
+mixture-of-experts model's results carry each sampled token's experts
+(`GenerateResult.expert_ids`).
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
@@ -37,6 +39,7 @@ import collections
 import itertools
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +50,7 @@ from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool, prefix_keys
 from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights, checked_weights
+from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.rollout.gate import WeightGate
 from jax_agent_rl.rollout.jobs import Job, Update
 from jax_agent_rl.rollout.protocol import (
@@ -55,6 +59,7 @@ from jax_agent_rl.rollout.protocol import (
     GenerateRequest,
     GenerateResult,
     InvalidRequestError,
+    PushStats,
     logprob_tolerance,
     resolve_from_thread,
     validate_request,
@@ -93,6 +98,9 @@ class EmbeddedBackend:
             expert_ids=any(engine.cfg.moe_layers),
         )
         self.stats = BackendStats()
+        # the last weight push: the bytes it sent (a LoRA policy's adapters only), the seconds
+        # the engine took to take them (in process: nothing is written)
+        self.last_push: PushStats | None = None
         self._params = engine.load_params(params)
         if warmup:  # compile every program now rather than stall a rollout later
             engine.warmup(self._params, steps_per_call, on_program)
@@ -286,14 +294,23 @@ class EmbeddedBackend:
             self._closed = True
 
     def _apply_update(self, update: Update) -> None:
+        t0 = time.perf_counter()
+        new = update.params
         try:
-            checked_weights(self.engine.cfg, update.params)
+            if isinstance(new, LayerAdapters):  # LoRA: new adapters on the base it holds
+                self._params = self.engine.load_adapters(self._params, new)
+            else:
+                checked_weights(self.engine.cfg, new)
+                del self._params  # first: the new weights take the old ones' place (one copy)
+                self._params = self.engine.load_params(new)
         except ValueError as e:
             resolve_from_thread(update.future, update.loop, e)
             return
-        del self._params  # first: the new weights take their place (one copy on the devices)
-        self._params = self.engine.load_params(update.params)
+        jax.block_until_ready(self._params)
         self._sessions.drop()  # cached prefixes hold keys and values of the old weights
+        seconds = time.perf_counter() - t0
+        pushed = sum(x.nbytes for x in jax.tree.leaves(new))
+        self.last_push = PushStats(pushed, 0.0, seconds, seconds)
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from jax_agent_rl.models import Weights
+from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
 
 
@@ -55,6 +56,6 @@ class Job:
 
 @dataclasses.dataclass
 class Update:
-    params: Weights
+    params: Weights | LayerAdapters  # a LoRA policy's push: its adapters only
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop

@@ -45,7 +45,7 @@ from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
 from jax_agent_rl.rl.learner import Learner
-from jax_agent_rl.rl.update import LearnerState
+from jax_agent_rl.rl.update import LearnerState, trainable
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
@@ -54,7 +54,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
-from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
+from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows, with_run_lora
 from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.train.sft import warm_start
 
@@ -84,6 +84,11 @@ class Run:
         """The learner's current policy for this process's rollout backend."""
         return self.serving.params(self.learner)
 
+    def pushed_params(self) -> Any:
+        """What a weight push sends this process's rollout backend: the policy, or a LoRA
+        policy's adapters only (`Learner.pushed_params`)."""
+        return self.serving.pushed(self.learner)
+
 
 @dataclasses.dataclass(frozen=True)
 class Serving:
@@ -97,6 +102,7 @@ class Serving:
     global_layout: Any
     local_layout: Any
     dtype: str
+    model: ModelConfig
 
     @classmethod
     def of(cls, model: ModelConfig, mesh: Mesh, dtype: str) -> Serving:
@@ -106,11 +112,20 @@ class Serving:
             param_shardings(model, Sharder(inference_mesh(mesh))),
             param_shardings(model, local),
             dtype,
+            model,
         )
 
     def params(self, learner: Learner) -> Any:
         return distributed.local_replica(
             learner.rollout_params(self.dtype), self.global_layout, self.local_layout
+        )
+
+    def pushed(self, learner: Learner) -> Any:
+        m = self.model
+        return distributed.local_replica(
+            learner.pushed_params(self.dtype),
+            trainable(m, self.global_layout),
+            trainable(m, self.local_layout),
         )
 
 
@@ -211,7 +226,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
-    model, params = load_hf(cfg.model.path, "float32", sharder)
+    model, params = with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
     train = load_samples(
         cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
     )
@@ -241,8 +256,9 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
                 micro_batch_size=sft_micro_batch_rows(cfg),
             )
             params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
-        # the KL reference: the policy RL starts from (the learner keeps a copy)
-        reference = params if cfg.algorithm.kl_coef else None
+        # the KL reference: the policy RL starts from (the learner keeps a copy); a LoRA
+        # policy's is its base, the adapters left out (no copy: `rl.update.reference_of`)
+        reference = params if cfg.algorithm.kl_coef and model.lora is None else None
         learner = make_learner(cfg, model, params, sharder, reference=reference)
         start = 0 if latest is None else _restore(checkpoints, latest, learner, sampler)
         run = Run(

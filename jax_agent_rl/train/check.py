@@ -61,6 +61,7 @@ from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
 from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.check_mesh import model_fit, processes_fit, spans_every_device
+from jax_agent_rl.train.learners import run_model
 from jax_agent_rl.train.sft import load_demonstrations
 from jax_agent_rl.user_code import load_function
 
@@ -105,6 +106,11 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         as_judge = dataclasses.replace(cfg.rollout, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model = attempt(lambda: _model(cfg.model.path))
+    if model is not None and cfg.model.lora.rank:
+        try:  # adapters the model cannot carry (a MoE's expert MLPs)
+            run_model(cfg, model)
+        except ValueError as e:
+            problems.append(f"model.lora: {e}")
     if model is not None:
         joined = jax.process_count() == processes
         devices = jax.device_count() if joined else jax.local_device_count() * processes

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.models import CheckpointError, ModelConfig, Weights, abstract_params
+from jax_agent_rl.train.learners import run_model
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
 
@@ -102,11 +103,14 @@ def checkpoint_step(run_dir: Path, cfg: JarlConfig, step: int | None = None) -> 
 
 def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig, Weights]:
     """The model ``cfg`` names and the policy's parameters of ``run_dir``'s checkpoint of
-    ``step`` (not its optimizer state), as host float32 arrays, as the learner keeps them."""
+    ``step`` (not its optimizer state), as host float32 arrays, as the learner keeps them
+    (a LoRA run's: its base and adapters)."""
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     try:
-        model = ModelConfig.from_pretrained(cfg.model.path)
+        model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
         target = {"params": abstract_params(model)}
-        return model, checkpoints.restore_part(step, "policy", target)["params"]
+        params = checkpoints.restore_part(step, "policy", target)["params"]
+        # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)
+        return model, jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     finally:
         checkpoints.close()

@@ -11,6 +11,12 @@ the distribution the policy was trained to sample from.
 The trainer exports its final policy to ``RUN/hf``; `export_run` (``jarl export RUN --step N``)
 exports any saved orbax checkpoint of a run, reading only the policy's parameters (not the
 optimizer state) with the model and tokenizer the run's ``config.yaml`` names.
+
+A LoRA run (``model.lora``) exports its adapters as an HF PEFT adapter folder
+(``adapter_config.json`` + ``adapter_model.safetensors``, on top of ``model.path``, with the
+tokenizer files), or with ``merge`` (``jarl export --merge``) the adapters merged into the base
+weights as a plain HF checkpoint; its final policy goes to both, ``RUN/hf`` merged (what
+``jarl eval RUN`` and vLLM load) and ``RUN/hf-adapter``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 
 from jax_agent_rl.config import JarlConfig, RolloutSection, load_config, missing_paths
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
+from jax_agent_rl.models.adapters import merge as merge_adapters
+from jax_agent_rl.models.adapters import save_peft
 from jax_agent_rl.models.checkpoint import GenerationConfig
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
@@ -60,23 +68,39 @@ def generation_config(
     )
 
 
-def export_policy(out: str | Path, cfg: JarlConfig, model: ModelConfig, params: Weights) -> Path:
-    """Writes ``params`` (host arrays) of the run ``cfg`` as an HF checkpoint folder ``out``."""
+def export_policy(
+    out: str | Path, cfg: JarlConfig, model: ModelConfig, params: Weights, merge: bool = False
+) -> Path:
+    """Writes ``params`` (host arrays) of the run ``cfg`` as an HF checkpoint folder ``out``;
+    a LoRA policy's as a PEFT adapter folder, or with ``merge`` merged into its base."""
     out = Path(out)
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
-    generation = generation_config(
-        Tokenizer.from_pretrained(tokenizer_dir), cfg.rollout, source_eos_ids(cfg.model.path)
-    )
-    save_hf(out, model, params, generation=generation)
+    if merge and model.lora is None:
+        raise ValueError("--merge merges LoRA adapters: this run has none (model.lora.rank=0)")
+    if merge:
+        model, params = merge_adapters(model, params)
+    if model.lora is not None:
+        save_peft(out, model, params, base_model=str(cfg.model.path))
+    else:
+        generation = generation_config(
+            Tokenizer.from_pretrained(tokenizer_dir), cfg.rollout, source_eos_ids(cfg.model.path)
+        )
+        save_hf(out, model, params, generation=generation)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
 
 
-def export_run(run_dir: str | Path, step: int | None = None, out: str | Path | None = None) -> Path:
+def export_run(
+    run_dir: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    merge: bool = False,
+) -> Path:
     """Exports the policy of ``run_dir``'s checkpoint of ``step`` (default: the latest) to
-    ``out`` (default: ``run_dir/hf-step-<step>``); returns ``out``."""
+    ``out`` (default: ``run_dir/hf-step-<step>``, ``-merged`` with ``merge``); returns
+    ``out``."""
     run_dir = Path(run_dir)
     config_file = run_dir / RUN_CONFIG
     if not config_file.is_file():
@@ -87,4 +111,5 @@ def export_run(run_dir: str | Path, step: int | None = None, out: str | Path | N
         raise FileNotFoundError(f"{config_file}: {missing[0]}")
     step = checkpoint_step(run_dir, cfg, step)
     model, params = saved_policy(run_dir, cfg, step)
-    return export_policy(out or run_dir / f"hf-step-{step}", cfg, model, params)
+    default = run_dir / f"hf-step-{step}{'-merged' if merge else ''}"
+    return export_policy(out or default, cfg, model, params, merge)

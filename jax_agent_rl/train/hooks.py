@@ -136,14 +136,18 @@ def plot_metrics(run: Run) -> None:
 
 
 def export_hf(run: Run) -> None:
-    """The final policy as an HF checkpoint in ``RUN/hf`` (`export.export_policy`). Every
+    """The final policy as an HF checkpoint in ``RUN/hf`` (`export.export_policy`; a LoRA
+    run's merged, and its adapters as a PEFT folder in ``RUN/hf-adapter``). Every
     process takes part in copying the params to the host; the first writes, and the others
     wait for it on the devices (no time limit) rather than in jax.distributed's shutdown,
     which gives up after a few minutes (a 7B export can take more)."""
     params = distributed.host_copy(run.learner.params)
     if distributed.is_primary():
         with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):
-            export_policy(run.run_dir / "hf", run.cfg, run.model, params)
+            lora = run.model.lora is not None  # RUN/hf merged, RUN/hf-adapter the adapters
+            export_policy(run.run_dir / "hf", run.cfg, run.model, params, merge=lora)
+            if lora:
+                export_policy(run.run_dir / "hf-adapter", run.cfg, run.model, params)
     distributed.barrier("exported")
 
 

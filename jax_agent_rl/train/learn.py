@@ -235,7 +235,7 @@ async def learn_and_push(
     if before_push is not None:
         await before_push()
     t1 = time.perf_counter()
-    params = await asyncio.to_thread(run.serving_params)
+    params = await asyncio.to_thread(run.pushed_params)
     await rollout.backend.update_weights(params, step + 1)
     t_push = time.perf_counter() - t1
     m.update(

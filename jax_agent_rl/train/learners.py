@@ -1,16 +1,42 @@
 """The learner a run trains with, from its config: `make_learner` (the trainer's), and the
 settings it is made of (`learner_settings`, `micro_batch_rows`), which ``jarl plan`` reads to
-compile the same steps abstractly."""
+compile the same steps abstractly; the model a run trains (`run_model`: the checkpoint's, with
+``model.lora``'s adapters) and fresh adapters on loaded weights (`with_run_lora`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jax_agent_rl.config import JarlConfig
-from jax_agent_rl.models import ModelConfig, Sharder
+import jax
+
+from jax_agent_rl.config import JarlConfig, LoraSection
+from jax_agent_rl.models import ModelConfig, Sharder, Weights
+from jax_agent_rl.models.adapters import init_adapters, with_adapters
+from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.rl.learner import Learner, critic_from_policy
 from jax_agent_rl.rl.objectives import SamplingSpec
+
+
+def lora_of(section: LoraSection) -> Lora | None:
+    """``model.lora`` as the decoder's `Lora` (``None``: rank 0, no adapters)."""
+    return Lora(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
+
+
+def run_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
+    """The model a run trains: the checkpoint's, with ``model.lora``'s adapters if any."""
+    return dataclasses.replace(checkpoint, lora=lora_of(cfg.model.lora))
+
+
+def with_run_lora(
+    cfg: JarlConfig, checkpoint: ModelConfig, params: Weights
+) -> tuple[ModelConfig, Weights]:
+    """`run_model` and the checkpoint's ``params`` with fresh adapters of it (PEFT's init,
+    seeded by ``trainer.seed``); both as they are without ``model.lora``."""
+    model = run_model(cfg, checkpoint)
+    if model.lora is None:
+        return model, params
+    return model, with_adapters(params, init_adapters(jax.random.key(cfg.trainer.seed), model))
 
 
 def learner_settings(

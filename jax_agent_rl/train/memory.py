@@ -18,6 +18,7 @@ from jax_agent_rl.engine.sampling import VOCAB_CHUNK
 from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.models.paged import PAGE_AXES
+from jax_agent_rl.train.learners import run_model
 
 
 def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:
@@ -53,6 +54,7 @@ class MemoryPlan:
     other_activations: float  # `update`'s activations with the other remat setting
     tokens: int  # a micro-batch's tokens per device
     what: str  # where those come from
+    lora_saved: float = 0.0  # a LoRA run: what training every weight would keep on top
 
     @property
     def learner_bytes(self) -> float:
@@ -86,6 +88,12 @@ class MemoryPlan:
             f"{self.tokens} tokens per device, {self.what}; with remat={str(not remat).lower()}: "
             f"{self.other_activations / gib:.2f} GiB); XLA's workspace comes on top"
         )
+        if self.lora_saved:
+            lines.append(
+                f"  LoRA saves {self.lora_saved / gib:.2f} GiB per device against training "
+                "every weight: the frozen base has no gradient, no AdamW moments and no KL "
+                "reference copy"
+            )
         return lines
 
 
@@ -109,13 +117,22 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     several ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share
     of the devices."""
     m = cfg.mesh
+    model = run_model(cfg, model)
+    base = _per_device_bytes(dataclasses.replace(model, lora=None), m, 4)
     fp32 = _per_device_bytes(model, m, 4)
-    learner = [("policy weights (fp32 master)", fp32), ("AdamW moments (2 x fp32)", 2 * fp32)]
-    if cfg.algorithm.kl_coef:
+    trained = fp32 - base if model.lora is not None else fp32  # what gets gradients
+    width = 2 if cfg.model.dtype == "bfloat16" else 4
+    if model.lora is None:
+        learner = [("policy weights (fp32 master)", fp32)]
+    else:  # the KL reference is the base itself (`rl.update.reference_of`); computing in
+        # bf16, the base is held so (`rl.learner.master_weights`)
+        held = f"base weights ({'bf16' if width == 2 else 'fp32'}, frozen)"
+        learner = [(held, base * width / 4), ("LoRA adapters (fp32)", trained)]
+    learner.append(("AdamW moments (2 x fp32)", 2 * trained))
+    if cfg.algorithm.kl_coef and model.lora is None:
         learner.append(("KL reference (fp32)", fp32))
     if cfg.algorithm.adv_estimator == "gae":
         learner.append(("critic weights + AdamW moments", 3 * fp32))
-    width = 2 if cfg.model.dtype == "bfloat16" else 4
     L = cfg.learner
     if L.packing:
         tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
@@ -127,11 +144,11 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     # computing in bf16, also the weights cast (a copy) and each micro-batch's fp32 gradient
     # through that cast, which XLA cannot add into the sum in place as it does in fp32 (TPU,
     # compiled: tests/plan)
-    update = [("gradient accumulator (fp32)", fp32)]
+    update = [("gradient accumulator (fp32)", trained)]
     if width == 2:
         update += [
-            ("micro-batch gradient (fp32)", fp32),
-            ("weights in bfloat16 (a copy)", fp32 / 2),
+            ("micro-batch gradient (fp32)", trained),
+            ("weights in bfloat16 (a copy)", (fp32 if model.lora is None else trained) / 2),
         ]
     update.append(
         (
@@ -163,7 +180,10 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         # the push: the learner's weights cast and gathered onto the inference mesh (a new
         # buffer unless they are laid out and typed so already), then laid out for serving in
         # the place of the old, which the engine drops first
-        if m.fsdp > 1 or width != 4:
+        if model.lora is not None:  # a LoRA push: the adapters alone, onto the base held
+            base_served = _per_device_bytes(dataclasses.replace(model, lora=None), serving, width)
+            push = [("adapters gathered for serving", gathered - base_served)]
+        elif m.fsdp > 1 or width != 4:
             push = [("weights gathered for serving", gathered)]
     return MemoryPlan(
         m,
@@ -174,7 +194,20 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         activation_bytes(model, tokens, width, not L.remat, m.tensor),
         tokens,
         what,
+        _lora_saved(model, base, trained, width == 2, bool(cfg.algorithm.kl_coef)),
     )
+
+
+def _lora_saved(model: ModelConfig, base: float, adapters: float, bf16: bool, kl: bool) -> float:
+    """Bytes per device that training every weight of the base (its fp32 weights, AdamW's two
+    moments, the gradient accumulator; in bf16 a micro-batch's gradient and the weights cast;
+    a KL reference copy) keeps beyond a LoRA run (the frozen base, in bf16 when computing so,
+    then the same parts for the adapters)."""
+    if model.lora is None:
+        return 0.0
+    per_trained = 4 + 1.5 * bf16  # weights, 2 moments, accumulator (+ gradient, bf16 copy)
+    frozen = base / 2 if bf16 else base
+    return base * (per_trained + kl) - (frozen + adapters * per_trained)
 
 
 def activation_bytes(

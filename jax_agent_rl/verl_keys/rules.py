@@ -201,6 +201,19 @@ def refills(value: Any, _given: Given) -> dict[str, Any]:
     return {"rollout.max_refills": _count(value) - 1}
 
 
+# verl's (PEFT's) LoRA module names -> jarl's model.lora.targets
+_LORA_MODULES = {f"{t}_proj": t for t in ("q", "k", "v", "o", "gate", "up", "down")}
+
+
+def lora_targets(value: Any, _given: Given) -> dict[str, Any]:
+    """``all-linear`` (verl's default) or a list of ``q_proj`` ... ``down_proj``."""
+    if value == "all-linear":
+        return {"model.lora.targets": list(_LORA_MODULES.values())}
+    if not isinstance(value, list) or not value or any(m not in _LORA_MODULES for m in value):
+        raise ConfigError(f"expected all-linear or a list of {', '.join(_LORA_MODULES)}")
+    return {"model.lora.targets": [_LORA_MODULES[m] for m in value]}
+
+
 def warmup_steps(value: Any, _given: Given) -> dict[str, Any]:
     if value == -1:
         return {"optim.warmup_steps": 0}

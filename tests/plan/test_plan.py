@@ -175,6 +175,14 @@ def test_bad_names_are_refused_naming_the_accepted_ones(args: list[str], named: 
     assert done.stderr.startswith("jarl: ") and named in done.stderr, done.stderr
 
 
+def test_a_lora_run_is_refused_naming_model_lora() -> None:
+    done = jarl_plan(
+        str(GSM8K), "model.lora.rank=8", "--model", "qwen2.5-0.5b", "--topology", "v5e-4"
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("jarl: model.lora: jarl plan compiles runs"), done.stderr
+
+
 def test_both_spellings_name_the_same_slice() -> None:
     """v5e / v6e names count chips, v5p names TensorCores (two per chip)."""
     assert parse_topology("v5e-16") == parse_topology("v5e:4x4")

@@ -19,7 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.config import AlgorithmSection, MeshSection, load_config, package_file
+from jax_agent_rl.config import (
+    AlgorithmSection,
+    LoraSection,
+    MeshSection,
+    load_config,
+    package_file,
+)
 from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
@@ -31,6 +37,7 @@ from jax_agent_rl.models import (
 )
 from jax_agent_rl.models.decoder import is_spec, param_specs
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY
+from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.rewards import REWARDS
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, token_stats
@@ -39,7 +46,7 @@ from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.check_mesh import mesh_problems
-from jax_agent_rl.train.memory import activation_bytes, memory_plan
+from jax_agent_rl.train.memory import activation_bytes, memory_plan, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = "pkg://jax_agent_rl/configs/tools_calculator.yaml"
@@ -549,6 +556,53 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     total = float(total_line.split("GiB")[0].split()[-1])
     engine = weights + kv
     assert total == pytest.approx(4 * fp32 + engine, abs=0.01)
+
+
+def test_the_memory_plan_of_a_lora_run_trains_the_adapters_only() -> None:
+    """GSM8K's config with rank-16 adapters on every projection of Qwen2.5-1.5B (18.5M
+    parameters, 1.2% of its 1.54B): the base frozen (in bf16, as the run computes), AdamW
+    moments and the gradient accumulator of the adapters only, no KL reference copy; the line
+    of what it saves is the difference to the same run training every weight."""
+    mesh = MeshSection(fsdp=4, tensor=2)
+    cfg = load_config(
+        ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml",
+        ["model.path=m", "data.train=t", "model.lora.rank=16"],
+    )
+    cfg = dataclasses.replace(cfg, mesh=mesh)
+    model = ModelConfig.from_hf(QWEN25_1_5B)
+    lora_model = dataclasses.replace(model, lora=Lora(16, 16.0))
+    learner, serving = _sharders(mesh)
+    base = _sharded_bytes(model, learner, 4)
+    adapters = _sharded_bytes(lora_model, learner, 4) - base
+    n_adapters = sum(
+        math.prod(s.shape)
+        for s in jax.tree.leaves(param_specs(lora_model).layers.lora, is_leaf=is_spec)  # type: ignore[union-attr]
+    )
+    assert n_adapters == 28 * 16 * (2 * 3072 + 2 * 1792 + 2 * 10496 + 10496)
+    plan, full = (
+        plan_memory(cfg, model),
+        plan_memory(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraSection())),
+            model,
+        ),
+    )
+    assert dict(plan.learner) == pytest.approx(
+        {
+            "base weights (bf16, frozen)": base / 2,  # the config computes in bf16
+            "LoRA adapters (fp32)": adapters,
+            "AdamW moments (2 x fp32)": 2 * adapters,
+        }
+    )
+    assert dict(plan.update)["gradient accumulator (fp32)"] == pytest.approx(adapters)
+    assert dict(plan.update)["weights in bfloat16 (a copy)"] == pytest.approx(adapters / 2)
+    # a push sends the adapters alone (bf16, as the engine serves them)
+    served = _sharded_bytes(lora_model, serving, 2) - _sharded_bytes(model, serving, 2)
+    assert plan.push == [("adapters gathered for serving", pytest.approx(served))]
+    held = lambda p: p.learner_bytes + sum(b for name, b in p.update if "activations" not in name)  # noqa: E731
+    assert plan.lora_saved == pytest.approx(held(full) - held(plan))
+    assert plan.lora_saved > 3.5 * base  # moments, accumulator, micro-batch gradient, KL copy
+    (line,) = (x for x in memory_plan(cfg, model) if "LoRA saves" in x)
+    assert f"LoRA saves {plan.lora_saved / 2**30:.2f} GiB per device" in line
 
 
 def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixture[str]) -> None:

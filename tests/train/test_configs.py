@@ -54,6 +54,7 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
 TRAINED_ELSEWHERE = {
     "demo_calculator_cpu": "train/test_learning.py",
     "demo_calculator_ppo_cpu": "train/test_learning.py",
+    "demo_calculator_lora_cpu": "train/test_learning.py",
     "moe_calculator_cpu": "train/test_learning.py",
     "guess_number_cpu": "envs/test_envs.py",
 }

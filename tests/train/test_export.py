@@ -15,7 +15,10 @@ import functools
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -26,13 +29,17 @@ from jax_agent_rl.config import PATH_KEYS, JarlConfig, ModelSection, load_config
 from jax_agent_rl.demo import TaskFiles
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.adapters import adapters_of, with_adapters
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
+from jax_agent_rl.rl.update import TrainState
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.export import export_policy
+from jax_agent_rl.train.learners import with_run_lora
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE, read_metrics
 from tests.train.conftest import STEPS
 
@@ -278,3 +285,59 @@ def test_auto_tokenizer_and_generate_on_an_export(family: str, tmp_path: Path) -
 
     (result,) = _engine_greedy(out, [prompt], (im_end, endoftext))
     assert _hf_greedy(out, [prompt]) == [list(result.token_ids)]
+
+
+def test_jarl_export_of_a_lora_run_writes_a_peft_adapter_and_with_merge_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A LoRA run's saved checkpoint (base + trained adapters): ``jarl export`` writes a PEFT
+    adapter folder that PEFT loads on the base, ``--merge`` an HF checkpoint transformers loads
+    alone; the two give the same logits within 1e-5 (fp32, the same function reassociated:
+    `tests/models/test_lora.py`)."""
+    source = tmp_path / "source"
+    backend = train_bpe(CORPUS, vocab_size=512, digit_groups=3, merge_across_words=True)
+    save_tokenizer(source, backend, chat_template("chatml_tools"))
+    write_hf_checkpoint(source, {**TINY["qwen3"], "vocab_size": backend.get_vocab_size()})
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            *(f"model.path={source}", "data.train=t", f"trainer.run_dir={run_dir}"),
+            *("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,o,down]"),
+        ],
+    )
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    base_cfg, base = load_hf(source)
+    _, params = with_run_lora(cfg, base_cfg, base)
+    trained = jax.tree.map(lambda x: x + 0.05, adapters_of(params))  # B nonzero
+    params = with_adapters(base, trained)
+    checkpoints = RunCheckpoints(run_dir / "checkpoints", 2)
+    step0 = jnp.zeros((), jnp.int32)
+    checkpoints.save(3, {"policy": TrainState(params, {}, step0)}, {"step": 3})
+    checkpoints.close()
+    assert main(["export", str(run_dir)]) == 0
+    assert main(["export", str(run_dir), "--merge"]) == 0
+    out = capsys.readouterr().out
+    adapter, merged = run_dir / "hf-step-3", run_dir / "hf-step-3-merged"
+    assert f"exported to {adapter}\n" in out and f"exported to {merged}\n" in out
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == [
+        "q_proj", "o_proj", "down_proj"
+    ]  # fmt: skip
+    assert not (merged / "adapter_config.json").exists()
+    tokens = torch.tensor(np.random.default_rng(0).integers(0, 512, (2, 12)))
+
+    def logits(model: torch.nn.Module) -> np.ndarray:
+        with torch.no_grad():
+            return model(input_ids=tokens).logits.numpy()
+
+    load = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
+    with_adapter = logits(peft.PeftModel.from_pretrained(load(source), adapter).eval())
+    assert np.abs(with_adapter - logits(load(source).eval())).max() > 1e-2
+    assert np.abs(logits(load(merged).eval()) - with_adapter).max() <= 1e-5
+    # --merge of a run without adapters is refused, naming the setting
+    (run_dir / "config.yaml").write_text(
+        to_yaml(load_config(run_dir / "config.yaml", ["model.lora.rank=0"]))
+    )
+    assert main(["export", str(run_dir), "--merge"]) == 2
+    assert "this run has none (model.lora.rank=0)" in capsys.readouterr().err

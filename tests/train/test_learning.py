@@ -2,7 +2,8 @@
 a short SFT warm start on imperfect demonstrations gives a baseline that answers sums from
 memory and fails them; GRPO and PPO over real multi-turn rollouts (the JAX engine, the
 calculator tool) then raise held-out greedy success by a clear margin, with the demo's dense
-model and with a Qwen3-MoE of its size.
+model (GRPO also training LoRA adapters alone, the base frozen) and with a Qwen3-MoE of its
+size.
 
 The margin: the held-out set is 100 problems, about half of them sums that the baseline fails.
 Greedy evaluation of the same problems has no sampling noise, so a rise of 0.2 means twenty
@@ -84,8 +85,9 @@ def _assert_rl_raises_held_out_success(
         ("demo_calculator_cpu.yaml", []),
         ("demo_calculator_ppo_cpu.yaml", []),
         ("demo_calculator_cpu.yaml", ASYNC),  # off-policy by up to 2 versions, TIS-corrected
+        ("demo_calculator_lora_cpu.yaml", []),  # rank-16 adapters on the SFT policy, base frozen
     ],
-    ids=["grpo", "ppo", "grpo-async"],
+    ids=["grpo", "ppo", "grpo-async", "grpo-lora"],
 )
 def test_rl_raises_held_out_success(
     sft_run: tuple[Path, Path, float], config: str, mode: list[str]

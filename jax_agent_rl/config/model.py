@@ -1,0 +1,51 @@
+"""The ``model`` section: the checkpoint, its compute dtype, and the LoRA adapters a run
+trains instead of the whole model (``model.lora``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jax_agent_rl.config.ranges import NATURAL, POSITIVE, Rule, setting
+
+# the projections an adapter may wrap (`jax_agent_rl.models.lora.TARGETS`; PEFT's q_proj ...)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA (HF PEFT's): the learner trains only adapters ``W + (alpha / rank) A B`` on the
+    ``targets`` projections of every layer; the base weights stay frozen. ``rank`` 0: off,
+    the whole model is trained."""
+
+    rank: int = setting(0, NATURAL)
+    alpha: float = setting(16.0, POSITIVE)
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    # dropout on the adapters' input (PEFT's lora_dropout): not implemented, so only 0
+    dropout: float = setting(0.0, Rule(lambda v: v == 0, "0 (LoRA dropout is not implemented)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint to load and how to compute with it."""
+
+    path: str = "???"  # a local HF checkpoint folder (config.json + safetensors)
+    tokenizer: str = ""  # a tokenizer folder; empty: the checkpoint folder
+    # compute dtype of the learner and the rollout engine; the learner's master weights and
+    # optimizer state are always float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+
+
+def lora_targets_problem(section: LoraSection) -> str | None:
+    """A LoRA run's targets: distinct names of `LORA_TARGETS`, at least one."""
+    if not section.rank:
+        return None
+    targets = list(section.targets)
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets or len(set(targets)) != len(targets):
+        none = f" ({unknown[0]!r} is none)" if unknown else ""
+        return (
+            f"model.lora.targets={targets}: expected distinct names of {list(LORA_TARGETS)}{none}"
+        )
+    return None

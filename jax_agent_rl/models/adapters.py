@@ -1,0 +1,221 @@
+"""LoRA adapters around a decoder's weights: adding fresh ones, taking them apart from the base
+(the learner trains one, the engine receives one), merging them in, and HF PEFT's adapter
+folder (``adapter_config.json`` + ``adapter_model.safetensors``) both ways.
+
+PEFT names an adapter's tensors after the module it wraps: for the HF tensor
+``model.layers.{i}.self_attn.q_proj.weight`` (`checkpoint._RULES`), A is
+``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and B
+``...lora_B.weight`` [out, r], the ``nn.Linear`` layout: import is transpose + reshape, the
+same ``linear`` layout as the base weights. Every tensor is checked (name, shape) before use;
+a missing or unexpected one is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jax_agent_rl.models.checkpoint import (
+    CheckpointError,
+    TensorRule,
+    hf_shape,
+    rule_of,
+    to_hf,
+    to_ours,
+)
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.decoder import Layer, Weights, is_spec, param_specs
+from jax_agent_rl.models.lora import TARGETS, Adapter, LayerAdapters, Lora, merged
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+def adapters_of(w: Weights) -> LayerAdapters:
+    """The adapters ``w``'s (stacked) layers carry: a `ValueError` if they carry none."""
+    layers = w.layers
+    if not isinstance(layers, Layer) or layers.lora is None:
+        raise ValueError("these weights carry no LoRA adapters (stacked layers expected)")
+    return layers.lora
+
+
+def base_of(w: Weights) -> Weights:
+    """``w`` without its adapters: the base model, its arrays shared, not copied."""
+    layers = w.layers
+    if isinstance(layers, tuple):
+        return dataclasses.replace(
+            w, layers=tuple(dataclasses.replace(lw, lora=None) for lw in layers)
+        )
+    return dataclasses.replace(w, layers=dataclasses.replace(layers, lora=None))
+
+
+def with_adapters(base: Weights, adapters: LayerAdapters) -> Weights:
+    """The base weights (stacked layers) with ``adapters`` in their layers."""
+    assert isinstance(base.layers, Layer)
+    return dataclasses.replace(base, layers=dataclasses.replace(base.layers, lora=adapters))
+
+
+def init_adapters(key: jax.Array, cfg: ModelConfig) -> LayerAdapters:
+    """Fresh adapters of ``cfg.lora`` (fp32): A as PEFT initialises it, B zeros."""
+    specs = param_specs(cfg).layers
+    assert isinstance(specs, Layer) and specs.lora is not None, "cfg carries no lora"
+    leaves, treedef = jax.tree.flatten(specs.lora, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(
+        treedef, [s.init(k, s.shape, jnp.float32) for s, k in zip(leaves, keys, strict=True)]
+    )
+
+
+def add_lora(
+    key: jax.Array, cfg: ModelConfig, base: Weights, lora: Lora
+) -> tuple[ModelConfig, Weights]:
+    """``cfg`` with ``lora`` and ``base`` with fresh adapters (`init_adapters`)."""
+    if cfg.lora is not None:
+        raise ValueError("the model carries LoRA adapters already")
+    cfg = dataclasses.replace(cfg, lora=lora)
+    return cfg, with_adapters(base, init_adapters(key, cfg))
+
+
+def merge(cfg: ModelConfig, w: Weights) -> tuple[ModelConfig, Weights]:
+    """The base model with every adapter merged in (``W + s A B``, fp32 sums): the same
+    function as the unmerged forward, as plain weights (an HF checkpoint, a plain engine)."""
+    assert cfg.lora is not None, "cfg carries no lora"
+    adapters, layers = adapters_of(w), w.layers
+    assert isinstance(layers, Layer)
+    new = {
+        t: merged(getattr(layers, t), a, cfg.lora.scale)
+        for t in TARGETS
+        if (a := getattr(adapters, t)) is not None
+    }
+    layers = dataclasses.replace(layers, lora=None, **new)
+    return dataclasses.replace(cfg, lora=None), dataclasses.replace(w, layers=layers)
+
+
+# ----------------------------------------------------------------------------------- PEFT
+
+
+def _module(target: str) -> TensorRule:
+    """The base weight's rule of ``target`` (its HF name ends in ``.weight``)."""
+    return rule_of(f"layers.{target}")
+
+
+def _peft_entries(
+    cfg: ModelConfig,
+) -> Iterator[tuple[str, TensorRule, str, str, int, tuple[int, ...]]]:
+    """(PEFT name, layout rule, target, "a" or "b", layer, our per-layer shape) of every adapter
+    tensor of ``cfg.lora``."""
+    assert cfg.lora is not None
+    specs = param_specs(cfg).layers
+    assert isinstance(specs, Layer) and specs.lora is not None
+    for target in cfg.lora.targets:
+        base = _module(target)
+        module = base.hf.removesuffix(".weight")
+        spec = getattr(specs.lora, target)
+        for part, name in (("a", "lora_A"), ("b", "lora_B")):
+            shape = getattr(spec, part).shape[1:]
+            in_axes = len(shape) - 1 if part == "a" else 1
+            rule = TensorRule(name, f"{target}.{part}", "linear", in_axes=in_axes)
+            for i in range(cfg.num_layers):
+                yield f"{_PREFIX}{module.format(i=i)}.{name}.weight", rule, target, part, i, shape
+
+
+def peft_config(cfg: ModelConfig, base_model: str = "") -> dict[str, Any]:
+    """``adapter_config.json`` for the adapters of ``cfg.lora``."""
+    assert cfg.lora is not None
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.lora.rank,
+        "lora_alpha": cfg.lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": [_module(t).hf.split(".")[-2] for t in cfg.lora.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+
+
+def save_peft(path: str | Path, cfg: ModelConfig, w: Weights, base_model: str = "") -> Path:
+    """Writes ``w``'s adapters as a PEFT adapter folder ``path`` (fp32 tensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    adapters = jax.device_get(adapters_of(w))
+    tensors = {}
+    for name, rule, target, part, i, _ in _peft_entries(cfg):
+        arr = np.asarray(getattr(getattr(adapters, target), part)[i], np.float32)
+        tensors[name] = to_hf(rule, arr)
+    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = peft_config(cfg, base_model)
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def _lora_of(config: dict[str, Any], file: Path) -> Lora:
+    """Our `Lora` for a PEFT ``adapter_config.json``; what we do not implement is an error."""
+    names = {_module(t).hf.split(".")[-2]: t for t in TARGETS}
+    for key, want in (("peft_type", "LORA"), ("bias", "none"), ("use_rslora", False),
+                      ("use_dora", False), ("fan_in_fan_out", False)):  # fmt: skip
+        if config.get(key, want) != want:
+            raise CheckpointError(f"{file}: {key}={config[key]!r} is not supported ({want!r})")
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(key):
+            raise CheckpointError(f"{file}: {key}={config[key]!r} is not supported")
+    modules = config.get("target_modules")
+    if not isinstance(modules, list) or any(m not in names for m in modules):
+        raise CheckpointError(
+            f"{file}: target_modules={modules!r}: expected a list of {sorted(names)}"
+        )
+    order = [t for t in TARGETS if t in {names[m] for m in modules}]
+    return Lora(int(config["r"]), float(config["lora_alpha"]), tuple(order))
+
+
+def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAdapters]:
+    """A PEFT adapter folder for the base model ``cfg``: ``cfg`` with its `Lora` and the
+    adapters (fp32, host-side numpy)."""
+    path = Path(path)
+    config_file = path / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    if cfg.lora is not None:
+        raise ValueError("the base model carries LoRA adapters already")
+    lora = _lora_of(json.loads(config_file.read_text()), config_file)
+    cfg = dataclasses.replace(cfg, lora=lora)
+    with safe_open(str(path / ADAPTER_WEIGHTS), framework="numpy") as f:
+        stored = set(f.keys())
+        entries = list(_peft_entries(cfg))
+        expected = {name for name, *_ in entries}
+        if stored != expected:
+            raise CheckpointError(
+                f"{path / ADAPTER_WEIGHTS}: missing {sorted(expected - stored)}, "
+                f"unexpected {sorted(stored - expected)}"
+            )
+        specs = param_specs(cfg).layers
+        assert isinstance(specs, Layer) and specs.lora is not None
+        full = {
+            (t, part): np.zeros(getattr(getattr(specs.lora, t), part).shape, np.float32)
+            for t in lora.targets
+            for part in ("a", "b")
+        }
+        for name, rule, target, part, i, shape in entries:
+            x = f.get_tensor(name)
+            if x.shape != hf_shape(rule, shape):
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {x.shape}, the config implies "
+                    f"{hf_shape(rule, shape)}"
+                )
+            full[target, part][i] = to_ours(rule, x.astype(np.float32), shape)
+    adapters = LayerAdapters(**{t: Adapter(full[t, "a"], full[t, "b"]) for t in lora.targets})
+    return cfg, adapters
