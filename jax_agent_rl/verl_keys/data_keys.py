@@ -56,7 +56,9 @@ DATA: tuple[VerlKey, ...] = (
     VerlKey(
         "data.shuffle",
         "",
-        "True: what jarl always does (a fresh order each epoch, from trainer.seed)",
+        "True: what jarl always does (a fresh order each epoch, from trainer.seed; a step whose"
+        " prompts run past an epoch's end may draw a row twice: the second draw is its own"
+        " group, its episodes named `<uid>~1/...`, with their own tool state and seeds)",
         fixed(True),
     ),
     VerlKey(
