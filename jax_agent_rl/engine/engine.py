@@ -38,7 +38,6 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,13 +71,8 @@ from jax_agent_rl.models import (
     page_shardings,
     param_shardings,
 )
-from jax_agent_rl.models.decoder import (
-    Layer,
-    checked_weights,
-    is_spec,
-    param_specs,
-    serving_layout,
-)
+from jax_agent_rl.models.adapters import served_adapters
+from jax_agent_rl.models.decoder import checked_weights, serving_layout
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import copy_page
 
@@ -172,11 +166,6 @@ class Engine:
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
         self._serving_layout = jax.jit(serving_layout)
-        # a LoRA push: the stacked adapters split into each layer's (`load_adapters`)
-        n = cfg.num_layers
-        self._per_layer = jax.jit(
-            lambda a: tuple(jax.tree.map(lambda x, i=i: x[i], a) for i in range(n))
-        )
 
     @property
     def page_bytes(self) -> int:
@@ -199,39 +188,9 @@ class Engine:
         return self._serving_layout(cast)
 
     def load_adapters(self, params: Weights, adapters: LayerAdapters) -> Weights:
-        """``params`` (this engine's, `load_params`'s) with new LoRA ``adapters`` (stacked, as
-        a learner holds them: what a LoRA push sends), checked against the declaration, cast
-        and placed; the base arrays are the same ones, untouched."""
-        layers = params.layers
-        assert isinstance(layers, tuple)
-        per_layer = self._per_layer(self._checked_adapters(adapters))
-        new = tuple(
-            dataclasses.replace(lw, lora=a) for lw, a in zip(layers, per_layer, strict=True)
-        )
-        return dataclasses.replace(params, layers=new)
-
-    def _checked_adapters(self, adapters: LayerAdapters) -> LayerAdapters:
-        specs = param_specs(self.cfg).layers
-        want = specs.lora if isinstance(specs, Layer) else None
-        if want is None or not isinstance(adapters, LayerAdapters):
-            raise ValueError(
-                f"a push of LoRA adapters ({type(adapters).__name__}) to an engine whose model "
-                f"has {'none' if want is None else 'them'}"
-            )
-        got: Any = jax.tree.structure(adapters)
-        if got != jax.tree.structure(want, is_leaf=is_spec):
-            raise ValueError(f"adapters {got} do not match the model's")
-        for spec, x in zip(
-            jax.tree.leaves(want, is_leaf=is_spec), jax.tree.leaves(adapters), strict=True
-        ):
-            if tuple(x.shape) != spec.shape:
-                raise ValueError(f"adapter of shape {x.shape} where {spec.shape} is declared")
-        cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), adapters)
-        if self.sharder is not None:
-            layout = param_shardings(self.cfg, self.sharder).layers
-            assert isinstance(layout, Layer)
-            cast = jax.device_put(cast, layout.lora)
-        return cast
+        """``params`` (this engine's, `load_params`'s) with new LoRA ``adapters`` (what a LoRA
+        push sends: `served_adapters`); the base arrays are the same ones, untouched."""
+        return served_adapters(self.cfg, params, adapters, self.sharder)
 
     def _lay_out(self, state: DecodeState) -> DecodeState:
         """Pins a decode state to its layout inside a jitted function (a no-op unsharded)."""

@@ -33,8 +33,9 @@ from jax_agent_rl.models.checkpoint import (
     to_ours,
 )
 from jax_agent_rl.models.config import ModelConfig
-from jax_agent_rl.models.decoder import Layer, Weights, is_spec, param_specs
+from jax_agent_rl.models.decoder import Layer, Weights, is_spec, param_shardings, param_specs
 from jax_agent_rl.models.lora import TARGETS, Adapter, LayerAdapters, Lora, merged
+from jax_agent_rl.models.sharding import Sharder
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,6 +64,45 @@ def with_adapters(base: Weights, adapters: LayerAdapters) -> Weights:
     """The base weights (stacked layers) with ``adapters`` in their layers."""
     assert isinstance(base.layers, Layer)
     return dataclasses.replace(base, layers=dataclasses.replace(base.layers, lora=adapters))
+
+
+def served_adapters(
+    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
+) -> Weights:
+    """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
+    LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) on its
+    layers, checked against ``cfg``'s declaration, cast to its dtype and placed on
+    ``sharder``'s mesh; the base arrays are the same ones, untouched."""
+    specs = param_specs(cfg).layers
+    want = specs.lora if isinstance(specs, Layer) else None
+    if want is None or not isinstance(adapters, LayerAdapters):
+        raise ValueError(
+            f"a push of LoRA adapters ({type(adapters).__name__}) to an engine whose model "
+            f"has {'none' if want is None else 'them'}"
+        )
+    got: Any = jax.tree.structure(adapters)
+    if got != jax.tree.structure(want, is_leaf=is_spec):
+        raise ValueError(f"adapters {got} do not match the model's")
+    leaves = zip(jax.tree.leaves(want, is_leaf=is_spec), jax.tree.leaves(adapters), strict=True)
+    for spec, x in leaves:
+        if tuple(x.shape) != spec.shape:
+            raise ValueError(f"adapter of shape {x.shape} where {spec.shape} is declared")
+    cast = jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype), adapters)
+    if sharder is not None:
+        layout = param_shardings(cfg, sharder).layers
+        assert isinstance(layout, Layer)
+        cast = jax.device_put(cast, layout.lora)
+    layers = served.layers
+    assert isinstance(layers, tuple)
+    new = zip(layers, _per_layer(cast), strict=True)
+    return dataclasses.replace(served, layers=tuple(dataclasses.replace(w, lora=a) for w, a in new))
+
+
+@jax.jit
+def _per_layer(adapters: LayerAdapters) -> tuple[LayerAdapters, ...]:
+    """Stacked [L, ...] adapters as each layer's."""
+    n = jax.tree.leaves(adapters)[0].shape[0]
+    return tuple(jax.tree.map(lambda x, i=i: x[i], adapters) for i in range(n))
 
 
 def init_adapters(key: jax.Array, cfg: ModelConfig) -> LayerAdapters:

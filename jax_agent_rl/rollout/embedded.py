@@ -65,7 +65,7 @@ from jax_agent_rl.rollout.protocol import (
     validate_request,
 )
 from jax_agent_rl.rollout.session_pages import BackendStats, SessionPages
-from jax_agent_rl.rollout.stops import Decode, stop_string_end
+from jax_agent_rl.rollout.stops import Decode
 
 
 class EmbeddedBackend:
@@ -394,7 +394,7 @@ class EmbeddedBackend:
         experts = None if prefix.experts is None else jax.device_get(prefix.experts)[0]
         job.add(int(token), float(logprob), experts)
         job.pos = len(seq)
-        if int(finish) != RUNNING or self._stop_string(job, 1):
+        if int(finish) != RUNNING or job.cut_at_stop_string(self._detokenize, 1):
             self._retire(job, "length" if int(finish) not in (RUNNING, STOPPED) else "stop")
             return
         self._state = self.engine.insert(prefix, self._state, job.slot)
@@ -455,26 +455,13 @@ class EmbeddedBackend:
                 job.add(int(out.token[t, slot]), float(out.logprob[t, slot]), experts)
                 job.pos += 1
                 code = int(out.finish[t, slot])
-            if self._stop_string(job, len(job.tokens) - before):
+            if job.cut_at_stop_string(self._detokenize, len(job.tokens) - before):
                 self._state = self.engine.release(self._state, slot)  # it is running there
                 finished.append((slot, "stop"))
             elif code != RUNNING:
                 finished.append((slot, "stop" if code == STOPPED else "length"))
         for slot, reason in finished:
             self._retire(self._slots.pop(slot), reason)
-
-    def _stop_string(self, job: Job, new: int) -> bool:
-        """Whether the job's last ``new`` tokens complete one of its stop strings; it then
-        keeps the tokens up to the one that does, and those sampled after it in the same
-        decode call are dropped (`stop_string_end`)."""
-        stops = job.request.sampling.stop
-        if self._detokenize is None or not stops:
-            return False
-        end = stop_string_end(self._detokenize, job.tokens, stops, new)
-        if end is None:
-            return False
-        job.cut(end)
-        return True
 
     def _retire(self, job: Job, reason: FinishReason) -> None:
         """A finished job's pages: its full ones registered as a cached prefix; kept for its

@@ -12,6 +12,7 @@ import numpy as np
 from jax_agent_rl.models import Weights
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
+from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
 
 @dataclasses.dataclass
@@ -38,10 +39,20 @@ class Job:
         if experts is not None:
             self.experts.append(experts)
 
-    def cut(self, end: int) -> None:
-        """Keeps the first ``end`` sampled tokens (a stop string ends at the last of them)."""
+    def cut_at_stop_string(self, decode: Decode | None, new: int) -> bool:
+        """Whether the last ``new`` sampled tokens complete one of the request's stop strings
+        (read with ``decode``; without it, never); the job then keeps the tokens up to the one
+        that does, and those sampled after it in the same decode call are dropped
+        (`stop_string_end`)."""
+        stops = self.request.sampling.stop
+        if decode is None or not stops:
+            return False
+        end = stop_string_end(decode, self.tokens, stops, new)
+        if end is None:
+            return False
         self.pos -= len(self.tokens) - end
         del self.tokens[end:], self.logprobs[end:], self.experts[end:]
+        return True
 
     def result(self, reason: FinishReason, version: int) -> GenerateResult:
         """What it sampled (the logprobs if asked for), under weight ``version``."""
