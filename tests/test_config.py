@@ -373,8 +373,11 @@ def test_lora_section_refuses_bad_values_naming_the_key() -> None:
 @pytest.mark.parametrize(
     ("overrides", "where"),
     [
-        (["rollout.backend=vllm"], "rollout.backend=vllm"),
         (["rollout.backend=jetstream"], "rollout.backend=jetstream"),
+        (
+            ["rollout.backend=vllm", "rollout.ray.address=auto"],
+            "rollout.backend=vllm on Ray replicas",
+        ),
         (["rollout.ray.address=auto"], "rollout.backend=embedded on Ray replicas"),
     ],
 )
@@ -386,6 +389,13 @@ def test_backends_without_lora_refuse_a_lora_run(overrides: list[str], where: st
         load_config(None, [*base, *overrides])
     assert str(e.value) == (
         f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
-        "(rollout.backend=embedded, no rollout.ray.address) or model.lora.rank=0"
+        "or vllm (rollout.backend=embedded|vllm, no rollout.ray.address) or model.lora.rank=0"
     )
     load_config(None, [*base[:2], *overrides])  # without adapters: fine
+
+
+def test_vllm_takes_a_lora_run() -> None:
+    """vLLM serves a LoRA policy's adapters (its own LoRA support) on one machine."""
+    cfg = load_config(None, ["model.path=/a", "data.train=t", "model.lora.rank=8",
+                             "rollout.backend=vllm"])  # fmt: skip
+    assert cfg.model.lora.rank == 8 and cfg.rollout.backend == "vllm"

@@ -205,15 +205,16 @@ def _judge_template(template: str) -> str | None:
 
 
 def _lora_backend(cfg: JarlConfig) -> str | None:
-    """Only the embedded engine takes a LoRA policy's pushes (its adapters alone); another
-    backend would need the whole model pushed each step, which a LoRA run never does."""
+    """The embedded engine and vLLM (its own LoRA support) take a LoRA policy's pushes (its
+    adapters alone); another backend would need the whole model pushed each step, which a
+    LoRA run never does."""
     r = cfg.rollout
-    if not cfg.model.lora.rank or (r.backend == "embedded" and not r.ray.address):
+    if not cfg.model.lora.rank or (r.backend in ("embedded", "vllm") and not r.ray.address):
         return None
     where = f"rollout.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
     return (
         f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
-        "(rollout.backend=embedded, no rollout.ray.address) or model.lora.rank=0"
+        "or vllm (rollout.backend=embedded|vllm, no rollout.ray.address) or model.lora.rank=0"
     )
 
 

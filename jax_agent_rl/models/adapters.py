@@ -66,13 +66,9 @@ def with_adapters(base: Weights, adapters: LayerAdapters) -> Weights:
     return dataclasses.replace(base, layers=dataclasses.replace(base.layers, lora=adapters))
 
 
-def served_adapters(
-    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
-) -> Weights:
-    """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
-    LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) on its
-    layers, checked against ``cfg``'s declaration, cast to its dtype and placed on
-    ``sharder``'s mesh; the base arrays are the same ones, untouched."""
+def check_adapters(cfg: ModelConfig, adapters: Any) -> None:
+    """A `ValueError` unless ``adapters`` are `LayerAdapters` (stacked, as a learner holds them:
+    what a LoRA push sends) of the structure and shapes ``cfg`` declares."""
     specs = param_specs(cfg).layers
     want = specs.lora if isinstance(specs, Layer) else None
     if want is None or not isinstance(adapters, LayerAdapters):
@@ -87,6 +83,16 @@ def served_adapters(
     for spec, x in leaves:
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"adapter of shape {x.shape} where {spec.shape} is declared")
+
+
+def served_adapters(
+    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
+) -> Weights:
+    """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
+    LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) on its
+    layers, checked against ``cfg``'s declaration, cast to its dtype and placed on
+    ``sharder``'s mesh; the base arrays are the same ones, untouched."""
+    check_adapters(cfg, adapters)
     cast = jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype), adapters)
     if sharder is not None:
         layout = param_shardings(cfg, sharder).layers
@@ -190,9 +196,18 @@ def peft_config(cfg: ModelConfig, base_model: str = "") -> dict[str, Any]:
 
 def save_peft(path: str | Path, cfg: ModelConfig, w: Weights, base_model: str = "") -> Path:
     """Writes ``w``'s adapters as a PEFT adapter folder ``path`` (fp32 tensors)."""
+    write_peft(path, cfg, adapters_of(w), base_model)
+    return Path(path)
+
+
+def write_peft(
+    path: str | Path, cfg: ModelConfig, adapters: LayerAdapters, base_model: str = ""
+) -> int:
+    """Writes ``adapters`` (stacked, as a learner holds them) as a PEFT adapter folder ``path``
+    (fp32 tensors); returns the bytes of its tensors."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    adapters = jax.device_get(adapters_of(w))
+    adapters = jax.device_get(adapters)
     tensors = {}
     for name, rule, target, part, i, _ in _peft_entries(cfg):
         arr = np.asarray(getattr(getattr(adapters, target), part)[i], np.float32)
@@ -200,7 +215,7 @@ def save_peft(path: str | Path, cfg: ModelConfig, w: Weights, base_model: str = 
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_config(cfg, base_model)
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return path
+    return sum(x.nbytes for x in tensors.values())
 
 
 def _lora_of(config: dict[str, Any], file: Path) -> Lora:

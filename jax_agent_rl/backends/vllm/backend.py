@@ -13,9 +13,12 @@ flight.
 Weight updates go through the `WeightGate` every backend shares: new requests wait, requests
 in flight finish under the weights they started with, then every engine loads the new weights
 and resets its prefix cache, and the waiting requests go out stamped with the new version. The
-weights
-travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
-name/transpose table) and read in place by every engine. The CUDA transport (one CUDA IPC
+weights travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
+name/transpose table) and read in place by every engine. A LoRA model's engines run vLLM's own
+LoRA support on the checkpoint's base: a push (the adapters alone, `LayerAdapters`) is written
+as a PEFT folder (`write_peft`), one per push under the backend's temporary folder (the one
+before it deleted once the engines hold the new one), which every engine loads under a new
+adapter id; every later request runs under the latest. The CUDA transport (one CUDA IPC
 handle, `cuda_ipc`) exists and is checked on a GPU without vLLM; this backend does not use it
 yet (docs/vllm.md says why and the rule it will follow).
 
@@ -33,21 +36,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.backends.vllm import wire
-from jax_agent_rl.backends.vllm.sizes import BLOCK_SIZES, device_groups, kv_cache_bytes
+from jax_agent_rl.backends.vllm.engines import Call, Engine
+from jax_agent_rl.backends.vllm.sizes import (
+    BLOCK_SIZES,
+    device_groups,
+    kv_cache_bytes,
+    max_lora_rank,
+)
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
+from jax_agent_rl.models.adapters import adapters_of, check_adapters, write_peft
+from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
-from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
+from jax_agent_rl.rollout.processes import interpreter_problems
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -73,75 +83,12 @@ class EngineStartError(RuntimeError):
     """A vLLM engine that could not start; the message says why and how to fix it."""
 
 
-@dataclasses.dataclass
-class _Call:
-    """A caller awaiting an engine: its future, its loop, and (generate) what it asked."""
-
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-    request: GenerateRequest | None = None
-    version: int = 0
-
-
-def _messages(out: IO[bytes]) -> Iterator[dict[str, Any]]:
-    """An engine's messages; a start failure is the handshake's ``error``."""
-    while (message := wire.read_message(out)) is not None:  # type: ignore[arg-type]
-        if "error" in message:
-            message = {"error": f"vLLM engine failed: {message['error']}"}
-        yield message
-
-
-class _Engine:
-    """One engine process (`EngineProcess`): its pipe and what is in flight on it."""
-
-    def __init__(
-        self,
-        index: int,
-        python: Path,
-        config: dict[str, Any],
-        env: dict[str, str],
-        log: Path,
-        backend: VLLMBackend,
-    ) -> None:
-        self.index = index
-        self.settings: dict[str, Any] = {}  # the engine's ``ready``: its args as vLLM took them
-        self.calls: dict[str, _Call] = {}
-        self.load: _Call | None = None
-        self.dead: str | None = None
-        self.paused = False
-        self._write_lock = threading.Lock()
-        self.process = EngineProcess(
-            f"vLLM engine {index}",
-            python,
-            "jax_agent_rl.backends.vllm.worker",
-            config,
-            root=ROOT,
-            log=log,
-            # spawn, not fork: vLLM's children must not inherit this pipe's write end, or the
-            # engine's death would not end the stream
-            env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
-            messages=_messages,
-            on_message=lambda m: backend._on_message(self, m),
-            on_exit=lambda code: backend._on_exit(self, code),
-        )
-
-    def send(self, message: dict[str, Any]) -> bool:
-        """Whether the message went out (False: the engine is gone)."""
-        stdin = self.process.proc.stdin
-        assert stdin is not None
-        try:
-            with self._write_lock:
-                wire.write_message(stdin, message)  # type: ignore[arg-type]
-        except (BrokenPipeError, ValueError):
-            return False
-        return True
-
-
 class VLLMBackend:
     """`RolloutBackend` over vLLM engine processes (see the module docstring).
 
     The engines load ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
-    weights, which may have moved on from the checkpoint) as ``weight_version``. Engine ``i``
+    weights, which may have moved on from the checkpoint; a LoRA ``model``'s adapters on the
+    checkpoint's base) as ``weight_version``. Engine ``i``
     sees only ``devices[i]`` (``CUDA_VISIBLE_DEVICES``, e.g. ``"4,5"``) and shards the model
     over ``tensor_parallel_size`` of them (vLLM's tensor parallelism). Its KV cache is
     ``kv_cache_bytes`` in blocks of ``block_size`` positions (None: vLLM's default) when given,
@@ -197,7 +144,8 @@ class VLLMBackend:
         self._gate = WeightGate(weight_version, self._lock)
         self._sessions = Router(session_cache_size)
         self._pausable = pausable
-        self._logs = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))  # logs, pushed adapters
+        self._adapter: tuple[int, Path] | None = None  # the engines' adapters: id, folder
         config = dict(
             model=str(checkpoint),
             dtype=dtype,
@@ -208,14 +156,15 @@ class VLLMBackend:
             kv_cache_bytes=kv_cache_bytes,
             block_size=block_size,
             pausable=pausable,
+            max_lora_rank=max_lora_rank(model),
         )
-        self._engines: list[_Engine] = []
+        self._engines: list[Engine] = []
         try:
             for i in range(replicas):
                 env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices else {}
-                log = self._logs / f"engine{i}.log"
+                log = self._dir / f"engine{i}.log"
                 self._engines.append(
-                    _Engine(i, python, {**config, "seed": seed + i}, env, log, self)
+                    Engine(i, python, {**config, "seed": seed + i}, env, log, ROOT, self)
                 )
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:
@@ -233,7 +182,8 @@ class VLLMBackend:
                     )
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    push = self.update_weights(params, weight_version)
+                    pushed = params if model.lora is None else adapters_of(params)
+                    push = self.update_weights(pushed, weight_version)
                     pool.submit(asyncio.run, push).result()
         except BaseException:
             for engine in self._engines:
@@ -272,7 +222,7 @@ class VLLMBackend:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         validate_request(request, self.model.vocab_size, self.capabilities.max_model_len)
         loop = asyncio.get_running_loop()
-        call = _Call(loop.create_future(), loop, request)
+        call = Call(loop.create_future(), loop, request)
         rid = request.request_id
         ticket = self._gate.enter(rid)
         try:
@@ -313,7 +263,7 @@ class VLLMBackend:
             engine.paused = False
             engine.send({"op": "resume"})
 
-    async def update_weights(self, params: Weights, version: int) -> None:
+    async def update_weights(self, params: Weights | LayerAdapters, version: int) -> None:
         await self._gate.update(lambda: self._push(params), version)
 
     async def close(self) -> None:
@@ -322,7 +272,7 @@ class VLLMBackend:
             engine.send({"op": "shutdown"})
         # then vLLM's own processes too, whatever state they are in
         await asyncio.gather(*(asyncio.to_thread(e.process.stop, 60.0) for e in self._engines))
-        shutil.rmtree(self._logs, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
 
@@ -342,7 +292,7 @@ class VLLMBackend:
             "logprobs": s.logprobs,
         }
 
-    def _dispatch(self, call: _Call, ticket: Ticket) -> _Engine | None:
+    def _dispatch(self, call: Call, ticket: Ticket) -> Engine | None:
         """Registers ``call`` on the engine the router picks (None: it was aborted)."""
         assert call.request is not None
         with self._lock:
@@ -359,8 +309,9 @@ class VLLMBackend:
             engine.calls[call.request.request_id] = call
         return engine
 
-    async def _push(self, params: Weights) -> None:
-        loop = asyncio.get_running_loop()
+    async def _push(self, params: Weights | LayerAdapters) -> None:
+        if self.model.lora is not None or isinstance(params, LayerAdapters):
+            return await self._push_adapters(params)
         t0 = time.perf_counter()
         fd, name = tempfile.mkstemp(prefix="jarl-weights-", suffix=".bin", dir=wire.SHM_DIR)
         os.close(fd)
@@ -370,23 +321,49 @@ class VLLMBackend:
                 wire.write_tensors, path, hf_tensors(self.model, params)
             )
             t1 = time.perf_counter()
-            engines = [e for e in self._engines if e.dead is None]
-            calls = []
-            for engine in engines:
-                call = _Call(loop.create_future(), loop)
-                engine.load = call
-                calls.append(call.future)
-                if not engine.send({"op": "load", "path": name, "index": index}):
-                    resolve_from_thread(
-                        call.future, loop, RuntimeError(f"vLLM engine {engine.index} exited")
-                    )
-            load_s = max(await asyncio.gather(*calls))
+            load_s = await self._load({"op": "load", "path": name, "index": index})
             size = path.stat().st_size
         finally:
             path.unlink(missing_ok=True)
         self.last_push = PushStats(size, t1 - t0, load_s, time.perf_counter() - t0)
 
-    def _on_message(self, engine: _Engine, m: dict[str, Any]) -> None:
+    async def _push_adapters(self, adapters: Weights | LayerAdapters) -> None:
+        """A new PEFT folder and adapter id for ``adapters``; the previous folder goes once
+        every engine has loaded the new one (a failed load keeps it: the engines still serve
+        it). The push's bytes are the adapter tensors' (fp32)."""
+        check_adapters(self.model, adapters)
+        assert isinstance(adapters, LayerAdapters)
+        t0 = time.perf_counter()
+        n = self._adapter[0] + 1 if self._adapter else 1  # vLLM caches adapters by id
+        path = self._dir / f"adapter-{n}"
+        try:
+            size = await asyncio.to_thread(write_peft, path, self.model, adapters)
+            t1 = time.perf_counter()
+            message = {"op": "adapter", "name": path.name, "id": n, "path": str(path)}
+            load_s = await self._load(message)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter[1], ignore_errors=True)
+        self._adapter = (n, path)
+        self.last_push = PushStats(size, t1 - t0, load_s, time.perf_counter() - t0)
+
+    async def _load(self, message: dict[str, Any]) -> float:
+        """Sends a ``load`` or ``adapter`` message to every live engine; the slowest's seconds."""
+        loop = asyncio.get_running_loop()
+        calls = []
+        for engine in [e for e in self._engines if e.dead is None]:
+            call = Call(loop.create_future(), loop)
+            engine.load = call
+            calls.append(call.future)
+            if not engine.send(message):
+                resolve_from_thread(
+                    call.future, loop, RuntimeError(f"vLLM engine {engine.index} exited")
+                )
+        return max(await asyncio.gather(*calls))
+
+    def _on_message(self, engine: Engine, m: dict[str, Any]) -> None:
         """Runs on ``engine``'s reader thread."""
         op = m["op"]
         if op == "result":
@@ -398,7 +375,7 @@ class VLLMBackend:
             value = m["seconds"] if op == "loaded" else RuntimeError(m["message"])
             resolve_from_thread(load.future, load.loop, value)
 
-    def _on_exit(self, engine: _Engine, code: int) -> None:
+    def _on_exit(self, engine: Engine, code: int) -> None:
         """Runs on ``engine``'s reader thread once its process has exited."""
         reason = f"exit code {code}"
         with self._lock:
@@ -415,7 +392,7 @@ class VLLMBackend:
 
     def _finish(
         self,
-        engine: _Engine,
+        engine: Engine,
         rid: str,
         tokens: list[int],
         logprobs: list[float] | None,
@@ -429,7 +406,7 @@ class VLLMBackend:
 
     def _result(
         self,
-        call: _Call,
+        call: Call,
         tokens: list[int],
         logprobs: list[float] | None,
         finish: FinishReason,

@@ -1,6 +1,6 @@
-"""How the rollout settings become a vLLM engine's arguments: its KV cache in bytes and blocks
+"""How the run's settings become a vLLM engine's arguments: its KV cache in bytes and blocks
 (sized as the embedded engine sizes its pool) and each engine's GPUs under tensor
-parallelism."""
+parallelism, the bound on its LoRA adapters' rank."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def device_groups(devices: str, tensor_parallel_size: int) -> list[str]:
     ids = [d for d in devices.split(",") if d]
     step = tensor_parallel_size
     return [",".join(ids[i : i + step]) for i in range(0, len(ids), step)]
+
+
+# the LoRA ranks vLLM's engine takes as its bound (its LoRAConfig.max_lora_rank)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank(model: ModelConfig) -> int | None:
+    """The smallest bound vLLM takes that holds ``model``'s adapters' rank (None: no LoRA)."""
+    if model.lora is None:
+        return None
+    fits = [r for r in LORA_RANKS if r >= model.lora.rank]
+    if not fits:
+        raise ValueError(f"model.lora.rank={model.lora.rank}: vLLM serves ranks up to 512")
+    return fits[0]

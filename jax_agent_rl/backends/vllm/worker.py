@@ -9,6 +9,9 @@ and go out on the process's original stdout; everything vLLM prints goes to stde
 - ``abort`` {id}
 - ``load`` {path, index}: new weights from a `wire.write_tensors` file; the prefix cache is
   reset after them (its keys and values belong to the old weights)
+- ``adapter`` {name, id, path}: (an engine started with ``max_lora_rank``) new LoRA adapters,
+  a PEFT folder, loaded by vLLM's own LoRA support; every later ``generate`` runs under them
+  (a ``LoRARequest``), the previous adapters are dropped and the prefix cache reset
 - ``pause`` {id, tokens} and ``resume``: a test hook, served when the engine runs with
   ``pausable`` (`PausingScheduler`): the engine stops scheduling anything once request ``id``
   (whose ``generate`` comes after this message) has produced ``tokens`` tokens, and goes on at
@@ -158,6 +161,7 @@ class Worker:
         self.vocab_size = vocab_size
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.pause_at: tuple[str, int] | None = None  # (request id, tokens) of a ``pause``
+        self.lora: Any = None  # the LoRARequest of the adapters every request runs under
 
     def send(self, message: dict[str, Any]) -> None:
         wire.write_message(self.out, message)
@@ -205,7 +209,10 @@ class Worker:
         last = None
         try:
             async for output in self.engine.generate(
-                TokensPrompt(prompt_token_ids=m["prompt"]), params, request_id=m["id"]
+                TokensPrompt(prompt_token_ids=m["prompt"]),
+                params,
+                request_id=m["id"],
+                lora_request=self.lora,
             ):
                 last = output.outputs[0]
                 if pause and len(last.token_ids) >= pause[1]:  # the engine has paused
@@ -249,6 +256,25 @@ class Worker:
             return
         self.send({"op": "loaded", "seconds": time.perf_counter() - t0})
 
+    async def load_adapter(self, m: dict[str, Any]) -> None:
+        """Loads the adapters now (an unreadable folder fails the push, not a later request)
+        under a new id and name: vLLM caches adapters by id and keys prefix-cache blocks by
+        name and path, so nothing of the previous adapters can be served again."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        request = LoRARequest(m["name"], m["id"], m["path"])
+        try:
+            await self.engine.add_lora(request)
+            if self.lora is not None:
+                await self.engine.remove_lora(self.lora.lora_int_id)
+            await self.engine.reset_prefix_cache()
+        except Exception as e:  # the engine keeps serving; the backend reports the failure
+            self.send({"op": "failed", "message": f"{type(e).__name__}: {e}"})
+            return
+        self.lora = request
+        self.send({"op": "loaded", "seconds": time.perf_counter() - t0})
+
     async def serve(self, reader: asyncio.StreamReader) -> None:
         while True:
             try:
@@ -263,6 +289,8 @@ class Worker:
                 self.abort(m["id"])
             elif m["op"] == "load":
                 await self.load(m)
+            elif m["op"] == "adapter":
+                await self.load_adapter(m)
             elif m["op"] == "pause":
                 self.pause_at = (m["id"], m["tokens"])
             elif m["op"] == "resume":
@@ -300,6 +328,8 @@ def _engine(config: dict[str, Any]) -> Any:
     if cpu and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_groups(tp)
     budget = max(config["max_model_len"], SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    rank = config["max_lora_rank"]  # None: no LoRA; else one adapter at a time, of rank <= it
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank) if rank else {}
     args = AsyncEngineArgs(
         model=config["model"],
         skip_tokenizer_init=True,
@@ -321,6 +351,7 @@ def _engine(config: dict[str, Any]) -> Any:
         disable_log_stats=True,
         scheduler_cls=f"{_MODULE}.PausingScheduler" if config["pausable"] else None,
         async_scheduling=False if config["pausable"] else None,  # None: vLLM's choice
+        **lora,
     )
     return AsyncLLM.from_engine_args(args)
 

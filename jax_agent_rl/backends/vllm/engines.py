@@ -1,0 +1,82 @@
+"""The vLLM backend's view of one engine process: its pipe, the calls waiting on it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from jax_agent_rl.backends.vllm import wire
+from jax_agent_rl.rollout.processes import EngineProcess
+from jax_agent_rl.rollout.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from jax_agent_rl.backends.vllm.backend import VLLMBackend
+
+
+@dataclasses.dataclass
+class Call:
+    """A caller awaiting an engine: its future, its loop, and (generate) what it asked."""
+
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    request: GenerateRequest | None = None
+    version: int = 0
+
+
+def _messages(out: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """An engine's messages; a start failure is the handshake's ``error``."""
+    while (message := wire.read_message(out)) is not None:  # type: ignore[arg-type]
+        if "error" in message:
+            message = {"error": f"vLLM engine failed: {message['error']}"}
+        yield message
+
+
+class Engine:
+    """One engine process (`EngineProcess`): its pipe and what is in flight on it."""
+
+    def __init__(
+        self,
+        index: int,
+        python: Path,
+        config: dict[str, Any],
+        env: dict[str, str],
+        log: Path,
+        root: Path,
+        backend: VLLMBackend,
+    ) -> None:
+        self.index = index
+        self.settings: dict[str, Any] = {}  # the engine's ``ready``: its args as vLLM took them
+        self.calls: dict[str, Call] = {}
+        self.load: Call | None = None
+        self.dead: str | None = None
+        self.paused = False
+        self._write_lock = threading.Lock()
+        self.process = EngineProcess(
+            f"vLLM engine {index}",
+            python,
+            "jax_agent_rl.backends.vllm.worker",
+            config,
+            root=root,
+            log=log,
+            # spawn, not fork: vLLM's children must not inherit this pipe's write end, or the
+            # engine's death would not end the stream
+            env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+            messages=_messages,
+            on_message=lambda m: backend._on_message(self, m),
+            on_exit=lambda code: backend._on_exit(self, code),
+        )
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Whether the message went out (False: the engine is gone)."""
+        stdin = self.process.proc.stdin
+        assert stdin is not None
+        try:
+            with self._write_lock:
+                wire.write_message(stdin, message)  # type: ignore[arg-type]
+        except (BrokenPipeError, ValueError):
+            return False
+        return True
