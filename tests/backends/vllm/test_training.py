@@ -1,5 +1,6 @@
-"""`jarl train` with ``rollout.backend=vllm``: the demo config trains on trajectories sampled
-by vLLM engine processes, and the learner's recomputed logprobs match vLLM's on every token."""
+"""`jarl train` with ``rollout.backend=vllm``: the demo config, and its LoRA twin (vLLM pushed
+the adapters alone, as PEFT folders), train on trajectories sampled by vLLM engine processes,
+and the learner's recomputed logprobs match vLLM's on every token."""
 
 import json
 import subprocess
@@ -13,6 +14,7 @@ from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[3]
+LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +22,11 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
     return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
 
 
-def test_demo_trains_with_vllm_rollouts(task: TaskFiles, tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", [DEMO_CONFIG, LORA_CONFIG], ids=["full", "lora"])
+def test_demo_trains_with_vllm_rollouts(task: TaskFiles, tmp_path: Path, config: Path) -> None:
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
+        sys.executable, "-m", "jax_agent_rl.cli", "train", str(config),
         f"model.path={task.model}", f"data.train={task.train}", "data.val=",
         f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
         "rollout.backend=vllm", "rollout.kv_cache_gib=0.03125", "sft.steps=2", "sft.batch_size=8",
@@ -46,3 +49,5 @@ def test_demo_trains_with_vllm_rollouts(task: TaskFiles, tmp_path: Path) -> None
         # re-tokenized token would be off by whole nats, not by rounding)
         assert m["logprob_gap/max"] <= FP32_LOGPROB_TOLERANCE, m["logprob_gap/max"]
     assert (run_dir / "hf" / "model.safetensors").is_file()
+    if config == LORA_CONFIG:  # the run's policy: its adapters, which vLLM was pushed
+        assert (run_dir / "hf-adapter" / "adapter_config.json").is_file()
