@@ -331,8 +331,12 @@ class VLLMBackend:
         """A new PEFT folder and adapter id for ``adapters``; the previous folder goes once
         every engine has loaded the new one (a failed load keeps it: the engines still serve
         it). The push's bytes are the adapter tensors' (fp32)."""
+        if not isinstance(adapters, LayerAdapters):
+            raise ValueError(
+                f"a LoRA model's vLLM engines take its adapters alone (LayerAdapters), not "
+                f"{type(adapters).__name__}"
+            )
         check_adapters(self.model, adapters)
-        assert isinstance(adapters, LayerAdapters)
         t0 = time.perf_counter()
         n = self._adapter[0] + 1 if self._adapter else 1  # vLLM caches adapters by id
         path = self._dir / f"adapter-{n}"
