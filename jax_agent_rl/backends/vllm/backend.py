@@ -164,7 +164,16 @@ class VLLMBackend:
                 env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices else {}
                 log = self._dir / f"engine{i}.log"
                 self._engines.append(
-                    Engine(i, python, {**config, "seed": seed + i}, env, log, ROOT, self)
+                    Engine(
+                        i,
+                        python,
+                        {**config, "seed": seed + i},
+                        env,
+                        log,
+                        ROOT,
+                        self._on_message,
+                        self._on_exit,
+                    )
                 )
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:

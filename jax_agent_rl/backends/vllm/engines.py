@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from jax_agent_rl.backends.vllm import wire
 from jax_agent_rl.rollout.processes import EngineProcess
 from jax_agent_rl.rollout.protocol import GenerateRequest
-
-if TYPE_CHECKING:
-    from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
 
 @dataclasses.dataclass
@@ -46,7 +43,8 @@ class Engine:
         env: dict[str, str],
         log: Path,
         root: Path,
-        backend: VLLMBackend,
+        on_message: Callable[[Engine, dict[str, Any]], None],
+        on_exit: Callable[[Engine, int], None],
     ) -> None:
         self.index = index
         self.settings: dict[str, Any] = {}  # the engine's ``ready``: its args as vLLM took them
@@ -66,8 +64,8 @@ class Engine:
             # engine's death would not end the stream
             env={**env, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
             messages=_messages,
-            on_message=lambda m: backend._on_message(self, m),
-            on_exit=lambda code: backend._on_exit(self, code),
+            on_message=lambda m: on_message(self, m),
+            on_exit=lambda code: on_exit(self, code),
         )
 
     def send(self, message: dict[str, Any]) -> bool:
