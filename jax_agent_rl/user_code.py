@@ -7,7 +7,14 @@ A file's folder is put on ``sys.path`` (at its end, so it shadows nothing) befor
 runs, as running the file would put it first: the file imports its neighbours as it would then
 (``from count_letter_env import CountLetterEnv``), and so does a skyrl-gym entry point it
 registers by name (``"count_letter_env:CountLetterEnv"``), made later. The working directory is
-importable too, as under ``python -m``, for the modules named by their import path."""
+importable too, as under ``python -m``, for the modules named by their import path.
+
+User code written for verl imports ``verl.*`` (a tool's ``BaseTool``, an interaction's base, a
+reward's ``verl.utils.reward_score`` helpers): every import here first turns on the `verl` shim
+(`jax_agent_rl_verl_shim`; a real verl on ``sys.path`` still wins), so the shim exists only in a
+run that loads user code, never merely by importing jax_agent_rl or starting the environment's
+Python. A ``verl`` folder in the working directory that is not verl would shadow both: it is
+refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax_agent_rl_verl_shim
 from jax_agent_rl.errors import ConfigError
 
 
@@ -63,10 +71,38 @@ def import_module(spec: str, key: str) -> None:
     _load_file(path, path.stem, spec, key)
 
 
+def import_named(module: str, key: str) -> Any:
+    """``importlib.import_module(module)`` for a module a config or YAML file names (``key``
+    says where), with the `verl` shim on (module docstring); its ImportError propagates, or a
+    `ConfigError` if a ``verl`` folder in the working directory made it."""
+    jax_agent_rl_verl_shim.install()
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        _refuse_verl_folder(e, key)
+        raise
+
+
+def _refuse_verl_folder(e: ImportError, key: str) -> None:
+    """A one-line `ConfigError` naming ``key`` and the folder if ``e`` is an import of verl
+    that a ``verl`` folder in the working directory answered (it comes before the shim, and
+    before an installed verl once the working directory is importable: ``No module named
+    'verl.tools'``); nothing for any other ImportError."""
+    verl = sys.modules.get("verl")
+    here = Path.cwd() / "verl"
+    if (e.name or "").split(".")[0] != "verl" or verl is None or not here.is_dir():
+        return
+    if here.resolve() in {Path(p).resolve() for p in getattr(verl, "__path__", ())}:
+        raise ConfigError(
+            f"{key}: the folder {str(here)!r} in the working directory was imported as verl "
+            f"({e}); rename it or run jarl from another folder"
+        ) from e
+
+
 def _module(where: str, spec: str, key: str) -> Any:
     if not where.endswith(".py"):
         try:
-            return importlib.import_module(where)
+            return import_named(where, key)
         except ImportError as e:
             raise ConfigError(f"{key}={spec!r}: cannot import module {where!r}: {e}") from e
     path = Path(where)
@@ -90,6 +126,7 @@ def _load_file(path: Path, name: str, spec: str, key: str) -> Any:
     folder on ``sys.path``."""
     if not path.is_file():
         raise ConfigError(f"{key}={spec!r}: no such file {str(path)!r}")
+    jax_agent_rl_verl_shim.install()
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.append(folder)
@@ -99,7 +136,9 @@ def _load_file(path: Path, name: str, spec: str, key: str) -> Any:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except BaseException:
+    except BaseException as e:
         del sys.modules[name]
+        if isinstance(e, ImportError):
+            _refuse_verl_folder(e, key)
         raise
     return module

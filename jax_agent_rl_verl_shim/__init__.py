@@ -15,11 +15,12 @@ Once the shim's ``verl`` is imported, its ``__path__`` serves its submodules; an
 ``verl.*`` (``verl.protocol``, trainers, workers) is refused with an ImportError naming the
 shim.
 
-`install` runs on ``import jax_agent_rl`` and, through the ``jax_agent_rl-verl-shim.pth`` file
-the project's wheel puts into site-packages (setup.py), at every start of the environment's
-Python. This package is apart from ``jax_agent_rl`` so that the .pth imports only this file
-(stdlib imports, about a millisecond), never jax_agent_rl itself, which then still comes from
-wherever ``sys.path`` finds it later (a checkout in the current directory, PYTHONPATH).
+`install` runs where user code is loaded (`jax_agent_rl.user_code`: every module or file a
+config or YAML names), never on ``import jax_agent_rl`` nor at the environment's start-up, so
+``import verl`` fails where verl is not installed and nothing loaded it. A script of one's own
+turns it on with ``import jax_agent_rl_verl_shim; jax_agent_rl_verl_shim.install()``. This
+package is apart from ``jax_agent_rl`` so that turning it on imports only this file (stdlib
+imports).
 """
 
 from __future__ import annotations

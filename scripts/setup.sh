@@ -174,7 +174,7 @@ if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; the
   fi
 fi
 stamp=$venv/.setup-stamp
-want=$( (echo "$target"; cat "$lock" pyproject.toml setup.py scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+want=$( (echo "$target"; cat "$lock" pyproject.toml scripts/setup.sh) | sha256sum | cut -d' ' -f1)
 if [[ $target == tpu ]] || (( tpu )); then
   want=$( (echo "$want"; cat requirements/tpu-lock.txt) | sha256sum | cut -d' ' -f1)
 fi

@@ -21,7 +21,6 @@ row's reward function's (``owns_reward=False``); the turn scores are its turn re
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +33,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_step
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.tokenization import Message
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.user_code import import_named, load_function
 
 _METHODS = ("start_interaction", "generate_response", "finalize_interaction")
 
@@ -151,7 +150,7 @@ def _load_class(spec: str, key: str) -> Any:
         return load_function(spec, key)
     module, _, name = spec.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(import_named(module, key), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{key}={spec!r}: cannot import it: {e}") from e
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import importlib
 import inspect
 import logging
 import time
@@ -35,6 +34,7 @@ from jax_agent_rl.tools.base import (
     validate_arguments,
 )
 from jax_agent_rl.tools.verl import OpenAIFunctionToolSchema, VerlTool
+from jax_agent_rl.user_code import import_named
 from jax_agent_rl.visible import lone_surrogate
 
 _log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _problems(e: ValidationError) -> str:
 
 def _import(where: str, key: str, module: str, attr: str) -> Any:
     try:
-        return getattr(importlib.import_module(module), attr)
+        return getattr(import_named(module, f"{where}: {key}"), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{where}: {key}: cannot import {attr!r} from {module!r}: {e}") from e
 

@@ -25,7 +25,7 @@ from jax_agent_rl.tools import verl as tools_verl
 from jax_agent_rl.tools.verl_gsm8k import Gsm8kTool
 
 ROOT = Path(__file__).resolve().parents[2]
-PTH = ROOT / "jax_agent_rl-verl-shim.pth"
+jax_agent_rl_verl_shim.install()  # the one-liner for code importing verl's modules directly
 
 # module -> {name verl's module has: our object}
 SERVED = {
@@ -177,24 +177,67 @@ def test_verls_own_gsm8k_interaction_yaml_runs_unchanged(tmp_path: Path) -> None
     assert asyncio.run(episode("1500", ["#### 1,500"])) == [(*right, 1.0, {}), 1.0]
 
 
-def _python(code: str, pythonpath: list[Path]) -> str:
-    """``code`` run by this environment's Python in a fresh process; its stdout."""
+def _python(code: str, pythonpath: list[Path], cwd: Path) -> str:
+    """``code`` run by this environment's Python in a fresh process in ``cwd``; its stdout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-def test_the_pth_line_serves_verl_without_importing_jax_agent_rl(tmp_path: Path) -> None:
-    """What site does with the .pth the wheel installs (setup.py): a plain ``python`` gets the
-    shim, without any import of jax_agent_rl (``verl.utils.rollout_trace`` is the shim's own)."""
-    (tmp_path / PTH.name).write_text(PTH.read_text())
+def test_verl_is_not_importable_merely_in_the_environment() -> None:
+    """No start-up hook and no ``import jax_agent_rl`` turns the shim on: where verl is not
+    installed, ``import verl`` fails as it should; the documented one-liner turns it on."""
     out = _python(
-        f"import site, sys; site.addsitedir({str(tmp_path)!r})\n"
-        "import verl.utils.rollout_trace as t, verl\n"
-        "print(verl.__file__); print('jax_agent_rl' in sys.modules)",
+        "import jax_agent_rl\n"
+        "try:\n    import verl\nexcept ImportError:\n    print('refused')\n"
+        "import jax_agent_rl_verl_shim; jax_agent_rl_verl_shim.install()\n"
+        "import verl.tools.base_tool, verl\nprint(verl.__file__)",
         [ROOT],
+        cwd=ROOT,
     )
-    assert out.splitlines() == [str(ROOT / "jax_agent_rl_verl_shim/verl/__init__.py"), "False"]
+    assert out.splitlines() == ["refused", str(ROOT / "jax_agent_rl_verl_shim/verl/__init__.py")]
+
+
+def test_a_verl_folder_in_the_working_directory_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A folder named verl where jarl runs comes before the shim (the working directory is
+    importable, as under ``python -m``); verl's own interaction YAML then gets one line naming
+    the folder and the key, not ``No module named 'verl.interactions'``."""
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "verl" / "notes.txt").write_text("a user's folder")
+    (tmp_path / "i.yaml").write_text(
+        "interaction:\n  - name: gsm8k\n"
+        "    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
+    )
+    out = _python(
+        "from jax_agent_rl.user_code import working_directory_importable\n"
+        "from jax_agent_rl.errors import ConfigError\n"
+        "from jax_agent_rl.envs.verl_interaction import load_interactions\n"
+        "working_directory_importable()\n"
+        "try:\n    load_interactions('i.yaml')\nexcept ConfigError as e:\n    print(e)",
+        [ROOT],
+        cwd=tmp_path,
+    )
+    assert len(out.splitlines()) == 1, out
+    assert out.startswith("env.interaction_config='i.yaml': interaction 0 (gsm8k) class_name=")
+    assert f"{str(tmp_path / 'verl')!r} in the working directory was imported as verl" in out
+
+
+def test_a_verl_user_module_loaded_by_a_config_gets_the_shim(tmp_path: Path) -> None:
+    """A reward file importing verl's helpers (``data.reward: file.py:fn``) runs unchanged in a
+    process where nothing turned the shim on before."""
+    (tmp_path / "score.py").write_text(
+        "from verl.utils.reward_score import gsm8k\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return gsm8k.compute_score(solution_str, ground_truth)\n"
+    )
+    out = _python(
+        "from jax_agent_rl.user_code import load_function\n"
+        "fn = load_function('score.py:compute_score', 'data.reward')\n"
+        "print(fn('openai/gsm8k', '#### 7', '7'))",
+        [ROOT],
+        cwd=tmp_path,
+    )
+    assert out.splitlines() == ["1.0"]

@@ -128,10 +128,11 @@ def test_the_same_module_trains_with_the_real_verl(
 ) -> None:
     assert (VERL_REF / "verl").is_dir(), "no real verl in .verl-ref: run scripts/setup.sh verl-ref"
     args, truths = _args(run, task, tmp_path)
-    # jarl train, the real verl appended to sys.path only after jax_agent_rl (and so the
-    # shim's finder) is imported; first it says which verl the tool module will import
+    # jarl train, the real verl appended to sys.path only after the shim's finder is on (as
+    # loading the tool YAML turns it on); first it says which verl the tool module will import
     script = (
-        f"import sys, jax_agent_rl; sys.path.append({str(VERL_REF)!r}); "
+        "import sys, jax_agent_rl_verl_shim; jax_agent_rl_verl_shim.install(); "
+        f"sys.path.append({str(VERL_REF)!r}); "
         "import verl, verl.utils.reward_score.gsm8k as g; print('verl from', verl.__file__); "
         "from jax_agent_rl.cli import main; sys.exit(main(sys.argv[1:]))"
     )
