@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jax_agent_rl import progress
-from jax_agent_rl.config import JarlConfig, load_config
+from jax_agent_rl.config import ConfigError, JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
 from jax_agent_rl.data.sample import Sample
@@ -45,6 +45,7 @@ from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.sft import write_demonstrations
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
+LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
 CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml"
 
 # measured with the default settings on 2 CPU cores: 16.9 min while other jobs loaded them
@@ -57,6 +58,7 @@ EXPECTED_DURATION = {
     "tiny-moe": "about 16 minutes on 2 CPU cores shared with other jobs (SFT most of it), 9 on "
     "idle ones",
 }
+LORA_DURATION = "; with --lora the RL phase trains adapters (rank 16) on the SFT policy"
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
 MODEL = dict(
@@ -314,6 +316,7 @@ OUTPUTS = {
     "hf": "final policy, HF checkpoint (transformers, vLLM)",
     "config.yaml": "the run's config, every key as it ran",
     "summary.json": "held-out success after SFT and after RL",
+    "sft": "--lora: the SFT phase's run (every weight): its hf/ is the base the adapters train on",
     "task": "the task: data, demonstrations, tokenizer, initial model",
 }
 
@@ -334,20 +337,44 @@ def run_outputs(run_dir: Path) -> list[str]:
 
 
 def run(
-    run_dir: Path, console: Console, overrides: Sequence[str] = (), demo: str = "tiny"
+    run_dir: Path,
+    console: Console,
+    overrides: Sequence[str] = (),
+    demo: str = "tiny",
+    lora: bool = False,
 ) -> dict[str, float]:
-    """The demo with the ``demo`` model of `DEMOS` (its config) in ``run_dir``."""
+    """The demo with the ``demo`` model of `DEMOS` (its config) in ``run_dir``. With ``lora``
+    (the tiny model only), SFT trains every weight of the random-init model in
+    ``run_dir/sft``, as the demo does (adapters on a random base learn nothing: the base is
+    what a real run's pretrained model is), and RL then trains LoRA adapters on that policy
+    with configs/demo_calculator_lora_cpu.yaml, its base frozen; ``overrides`` apply to both
+    phases (the SFT phase keeps ``model.lora.rank=0``)."""
     model, config = DEMOS[demo]
-    cfg = demo_config(run_dir, task_files(run_dir / "task"), overrides, config)  # bad keys first
-    console.print(f"jarl demo: {EXPECTED_DURATION[demo]}", highlight=False, soft_wrap=True)
-    request_cpu_devices(cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor)
+    if lora and demo != "tiny":
+        raise ConfigError(f"jarl demo --lora: the tiny model only (not --model {demo})")
+    files = task_files(run_dir / "task")
+    sft_cfg = demo_config(run_dir, files, overrides, config)  # bad keys first
+    if lora:
+        sft_phase = [*overrides, f"trainer.run_dir={run_dir / 'sft'}", "model.lora.rank=0"]
+        sft_cfg = demo_config(run_dir, files, [*sft_phase, "trainer.steps=0"], config)
+        rl = [f"model.path={run_dir / 'sft' / 'hf'}", "sft.data=", "sft.steps=0"]
+        rl_cfg = demo_config(run_dir, files, [*overrides, *rl], LORA_CONFIG)
+    console.print(
+        f"jarl demo: {EXPECTED_DURATION[demo]}{LORA_DURATION if lora else ''}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    request_cpu_devices(sft_cfg.mesh.data * sft_cfg.mesh.fsdp * sft_cfg.mesh.tensor)
     made_folder(run_dir / "task", f"--run-dir {run_dir}")
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
         files = prepare(run_dir / "task", model=model)
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )
-    train(cfg, console)
+    train(sft_cfg, console)
+    if lora:
+        console.print(f"RL with LoRA adapters on the SFT policy ({run_dir / 'sft' / 'hf'})")
+        train(rl_cfg, console)
     result = summarize(run_dir, console)
     (run_dir / "summary.json").write_text(json.dumps(result) + "\n")
     console.print("\nrun folder:", *run_outputs(run_dir), sep="\n", highlight=False, soft_wrap=True)

@@ -37,7 +37,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        demo.run(run_dir, Console(), args.overrides, args.model)
+        demo.run(run_dir, Console(), args.overrides, args.model, args.lora)
     except ConfigError as e:
         return _refuse(str(e).splitlines())
     return 0
@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         "here, warm-starts it on imperfect demonstrations, then trains it with GRPO over "
         "multi-turn calculator rollouts and reports held-out success before and after. "
         "Overrides (key.sub=value) apply to configs/demo_calculator_cpu.yaml "
-        "(--model tiny-moe: configs/moe_calculator_cpu.yaml).",
+        "(--model tiny-moe: configs/moe_calculator_cpu.yaml; --lora: to both of its phases, "
+        "the RL phase's config being configs/demo_calculator_lora_cpu.yaml).",
     )
     p.add_argument("--run-dir", help="where to write the run (default: runs/demo-<time>)")
     p.add_argument(
@@ -329,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="tiny: a Qwen2-layout model of ~0.85M parameters; tiny-moe: a Qwen3-MoE of its "
         "size (8 experts, 2 per token)",
+    )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="RL trains rank-16 LoRA adapters on the SFT policy (its base frozen, only the "
+        "adapters pushed to the engine); SFT still trains every weight of the random-init model "
+        "(run-dir/sft), as a real run's base would come pretrained",
     )
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the demo config")
     p.set_defaults(func=_demo)
