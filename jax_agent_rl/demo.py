@@ -353,12 +353,12 @@ def run(
     if lora and demo != "tiny":
         raise ConfigError(f"jarl demo --lora: the tiny model only (not --model {demo})")
     files = task_files(run_dir / "task")
-    sft_cfg = demo_config(run_dir, files, overrides, config)  # bad keys first
-    if lora:
-        sft_phase = [*overrides, f"trainer.run_dir={run_dir / 'sft'}", "model.lora.rank=0"]
-        sft_cfg = demo_config(run_dir, files, [*sft_phase, "trainer.steps=0"], config)
-        rl = [f"model.path={run_dir / 'sft' / 'hf'}", "sft.data=", "sft.steps=0"]
-        rl_cfg = demo_config(run_dir, files, [*overrides, *rl], LORA_CONFIG)
+    phases = (  # bad keys first
+        lora_phases(run_dir, files, overrides)
+        if lora
+        else [demo_config(run_dir, files, overrides, config)]
+    )
+    sft_cfg = phases[0]
     console.print(
         f"jarl demo: {EXPECTED_DURATION[demo]}{LORA_DURATION if lora else ''}",
         highlight=False,
@@ -371,14 +371,25 @@ def run(
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )
-    train(sft_cfg, console)
-    if lora:
-        console.print(f"RL with LoRA adapters on the SFT policy ({run_dir / 'sft' / 'hf'})")
-        train(rl_cfg, console)
+    for phase in phases:
+        if phase.model.lora.rank:
+            console.print(f"RL with LoRA adapters on the SFT policy ({phase.model.path})")
+        train(phase, console)
     result = summarize(run_dir, console)
     (run_dir / "summary.json").write_text(json.dumps(result) + "\n")
     console.print("\nrun folder:", *run_outputs(run_dir), sep="\n", highlight=False, soft_wrap=True)
     return result
+
+
+def lora_phases(run_dir: Path, files: TaskFiles, overrides: Sequence[str]) -> list[JarlConfig]:
+    """`jarl demo --lora`'s two runs (`run`): the demo's SFT of every weight in ``run_dir/sft``
+    (no RL), then RL of LoRA adapters on its exported policy in ``run_dir`` (no SFT)."""
+    sft = [*overrides, f"trainer.run_dir={run_dir / 'sft'}", "model.lora.rank=0"]
+    rl = [*overrides, f"model.path={run_dir / 'sft' / 'hf'}", "sft.data=", "sft.steps=0"]
+    return [
+        demo_config(run_dir, files, [*sft, "trainer.steps=0"]),
+        demo_config(run_dir, files, rl, LORA_CONFIG),
+    ]
 
 
 def _params(model_dir: Path) -> int:
