@@ -314,6 +314,7 @@ OUTPUTS = {
     "traces.jsonl": "rollout traces: jarl traces {run}",
     "checkpoints": "checkpoints: jarl eval {run} --n 8 (pass@k of 8 samples per prompt)",
     "hf": "final policy, HF checkpoint (transformers, vLLM)",
+    "hf-adapter": "a LoRA run's final adapters, a PEFT folder (peft, vLLM's LoRARequest)",
     "config.yaml": "the run's config, every key as it ran",
     "summary.json": "held-out success after SFT and after RL",
     "sft": "--lora: the SFT phase's run (every weight): its hf/ is the base the adapters train on",
