@@ -8,7 +8,8 @@ call returns. So calls stuck for good hold at most ``size`` threads, and once ev
 held the calls waiting for one time out. (Calls that a policy's text can keep running for
 good, reasoning-gym's scorers and users' reward functions, run in worker processes instead,
 which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches its caller; a
-`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`carried`).
+`StopIteration`, a ``sys.exit()`` or anything else that is not an `Exception` as a
+`RuntimeError` naming it (`carried`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from jax_agent_rl.errors import error_text
+
+T = TypeVar("T")
 
 
 class CallThreads:
@@ -87,16 +92,39 @@ class CallThreads:
 
 
 def carried(error: BaseException) -> BaseException:
-    """``error`` as the caller receives it: a `StopIteration` (which a future refuses to
-    hold: the caller would wait out its timeout) or a ``sys.exit()`` (which in a thread ends
-    only the thread) becomes a `RuntimeError` naming it, with its traceback, as Python turns a
-    generator's `StopIteration`. Anything else, an exception that is not an `Exception`
-    included (what a broken host raises), reaches the caller as it is."""
-    if not isinstance(error, (StopIteration, SystemExit)):
+    """``error`` as the caller receives it: an `Exception` as it is; a `StopIteration` (which
+    a future refuses to hold: the caller would wait out its timeout) or anything that is not an
+    `Exception` becomes a `RuntimeError` naming it, with its traceback, as Python turns a
+    generator's `StopIteration`. What is not an `Exception` is the call's own doing here: a
+    ``sys.exit()`` (which in a thread ends only the thread), a library's timeout that derives
+    from `BaseException` (func_timeout's ``FunctionTimedOut``, which a reward or a tool raises
+    on an answer it gave up on), a ``KeyboardInterrupt`` or an asyncio ``CancelledError`` it
+    raised itself (no signal reaches a worker thread or a worker process's call): as it was,
+    it ended the caller's whole run, or cancelled its step."""
+    if isinstance(error, Exception) and not isinstance(error, StopIteration):
         return error
-    carried = RuntimeError(f"the call raised {type(error).__name__}")  # (its text: the cause's)
+    said = error_text(error).removesuffix(": ")  # (its traceback: the cause's)
+    carried = RuntimeError(f"the call raised {said}")
     carried.__cause__ = error
     return carried.with_traceback(error.__traceback__)
+
+
+async def own_errors(call: Awaitable[T]) -> T:
+    """``call`` (user code: an async tool, environment method or harness) awaited, what it
+    raises that is not an `Exception` made its error as `carried` makes it, but for this
+    task's own cancellation (a timeout's too), which passes on. A ``SystemExit`` (argparse
+    reading a policy's arguments) or a ``KeyboardInterrupt`` raised in a task ends the event
+    loop itself, asyncio re-raising them out of it: the whole run; an asyncio
+    `CancelledError` the call raised on its own, with no one cancelling it, cancelled its
+    caller, the episode and with it the step."""
+    try:
+        return await call
+    except BaseException as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() > 0:
+            raise
+        error = carried(e)  # (an Exception: itself; else a RuntimeError naming it)
+    raise error
 
 
 def wake(freed: asyncio.Future[None]) -> None:

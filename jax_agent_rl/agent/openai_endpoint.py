@@ -91,6 +91,7 @@ from jax_agent_rl.agent.openai_requests import (
     session_key,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.call_threads import own_errors
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization import Message
@@ -481,7 +482,7 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
         )
         async with serve({key: session}) as base_url:
             try:
-                await harness(dataclasses.replace(task, base_url=base_url))
+                await own_errors(harness(dataclasses.replace(task, base_url=base_url)))
             except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()
                 if session.stop is None:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from jax_agent_rl.call_threads import abandoned
+from jax_agent_rl.call_threads import abandoned, own_errors
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.tools.base import (
     CallClock,
@@ -474,7 +474,7 @@ async def _ending(call: Coroutine[Any, Any, ToolResult], grace_s: float) -> Tool
     given ``grace_s`` to end and abandoned if it has not: a tool whose retry loop catches
     every exception, the cancellation too, would otherwise hold its trajectory, and the step,
     for as long as it ran (and its late result would be taken)."""
-    task = asyncio.ensure_future(call)
+    task = asyncio.ensure_future(own_errors(call))  # (what it raises: its error)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

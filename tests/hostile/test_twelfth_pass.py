@@ -1,0 +1,239 @@
+"""Twelfth pass: attacks on what a policy or a user controls, kept as regression tests.
+
+- What user code raises that is not an `Exception` ended the whole run, or cancelled its step:
+  func_timeout's ``FunctionTimedOut`` (a `BaseException`, which a reward or a tool that wraps
+  its work in ``func_timeout`` raises on an answer it gave up on: the policy's answer chose
+  it), a ``KeyboardInterrupt`` or asyncio ``CancelledError`` the code raised itself, and, in a
+  task of its own (an async tool's call, an async environment method), a ``SystemExit``
+  (argparse reading a policy's arguments), which asyncio re-raises out of the event loop. A
+  reward function's in its worker process reached the step as it was; a synchronous tool's or
+  environment's from its thread too. Each is now the call's error, as a `RuntimeError`
+  naming it (`call_threads.carried`, `call_threads.own_errors`): a reward error, an
+  environment error, a tool's error result the model reads, a harness error; the episode's own
+  cancellation still passes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.engine import Engine
+from jax_agent_rl.envs.base import EnvError, Environments
+from jax_agent_rl.models import ModelConfig, init_params
+from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import (
+    CHATML_SPECIAL_TOKENS,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
+from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tools.base import tool
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.step import score_episodes
+
+HERE = "tests.hostile.test_twelfth_pass"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(
+        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
+    )
+    return Tokenizer.from_pretrained(Path(folder))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
+    """A real engine, never asked to generate (the harnesses under test never call it)."""
+    cfg = ModelConfig(
+        family="qwen2",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256)
+    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg))
+
+
+class FunctionTimedOut(BaseException):
+    """func_timeout's exception (``func_timeout.exceptions.FunctionTimedOut``): not an
+    `Exception`."""
+
+
+def not_an_exception(what: str) -> BaseException:
+    """What user code raises that is not an `Exception`, by name."""
+    return {
+        "timed_out": FunctionTimedOut("func_timeout gave up after 5 seconds"),
+        "interrupted": KeyboardInterrupt(),
+        "cancelled": asyncio.CancelledError(),
+        "exited": SystemExit(2),  # (argparse's, on arguments it cannot read)
+    }[what]
+
+
+RAISED = {
+    "timed_out": "FunctionTimedOut: func_timeout gave up after 5 seconds",
+    "interrupted": "KeyboardInterrupt",
+    "cancelled": "CancelledError",
+    "exited": "SystemExit: 2",
+}
+
+
+def giving_up(text: str, ground_truth: Any) -> float:
+    """A user's reward: 1 for the right answer; what is not an `Exception` for the answers
+    naming one (as a scorer under func_timeout gives up on an answer it cannot finish)."""
+    if text in RAISED:
+        raise not_an_exception(text)
+    return float(text == ground_truth)
+
+
+def test_a_reward_raising_what_is_not_an_exception_ends_only_its_episode(
+    tokenizer: Tokenizer,
+) -> None:
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:giving_up",
+         "data.reward_workers=1"],
+    )  # fmt: skip
+    texts = ["timed_out", "interrupted", "cancelled", "exited", "4"]
+    sample = Sample("r", [{"role": "user", "content": "2+2?"}], "4", data_source="s")
+    group = []
+    for i, text in enumerate(texts):
+        traj = Trajectory(uid=f"r/s1a0/{i}", group_id="r", prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": text}]
+        group.append(traj)
+
+    async def go() -> None:
+        with make_reward(cfg.data) as score:
+            await score_episodes([group], [sample], score, 0.0, tokenizer, success_reward=1.0)
+
+    asyncio.run(go())  # (before: FunctionTimedOut, or KeyboardInterrupt, out of the step)
+    for traj, text in zip(group[:-1], texts, strict=False):
+        assert traj.stop_reason == "reward_error" and traj.reward == 0.0
+        assert f"raised RuntimeError: the call raised {RAISED[text]} in giving_up " in str(
+            traj.error
+        )
+    assert (group[-1].stop_reason, group[-1].reward, group[-1].success) == ("eos", 1.0, True)
+
+
+class Raising:
+    """An environment whose step raises what ``kind`` names (synchronous methods)."""
+
+    turns, owns_reward = "all", True
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def reset(self, sample: Sample) -> list[dict[str, str]]:
+        return sample.messages
+
+    def step(self, text: str, messages: list[dict[str, str]]) -> Any:
+        del text, messages
+        raise not_an_exception(self.kind)
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRaising(Raising):
+    """The same, async."""
+
+    async def reset(self, sample: Sample) -> list[dict[str, str]]:  # type: ignore[override]
+        return sample.messages
+
+    async def step(self, text: str, messages: list[dict[str, str]]) -> Any:
+        del text, messages
+        raise not_an_exception(self.kind)
+
+    async def close(self) -> None:  # type: ignore[override]
+        pass
+
+
+@tool
+def parse(kind: str) -> str:
+    """A tool that reads its arguments as a command line (argparse exits on bad ones).
+
+    Args:
+        kind: what to raise.
+    """
+    raise not_an_exception(kind)
+
+
+@tool(name="parse_async")
+async def parse_async(kind: str) -> str:
+    """The same, async.
+
+    Args:
+        kind: what to raise.
+    """
+    raise not_an_exception(kind)
+
+
+@pytest.mark.parametrize("kind", list(RAISED))
+@pytest.mark.parametrize("style", ["sync", "async"])
+def test_an_environment_or_tool_raising_what_is_not_an_exception_fails_only_its_call(
+    kind: str, style: str
+) -> None:
+    """Before: from a thread (sync) it reached the episode as it was, and in an async call's
+    task a SystemExit or KeyboardInterrupt ended the event loop itself: the whole run."""
+    env_class = Raising if style == "sync" else AsyncRaising
+    tool_name = "parse" if style == "sync" else "parse_async"
+
+    async def go() -> tuple[str, str]:
+        envs = Environments({"raising": lambda _: env_class(kind)}, step_timeout_s=60)
+        sample = Sample("s", [{"role": "user", "content": "x"}], "1", env_class="raising")
+        env = envs.make(sample)
+        assert env is not None
+        await env.reset(sample)
+        with pytest.raises(EnvError) as raised:
+            await env.step("go", [])
+        tools = LocalTools(ToolRegistry([parse, parse_async]))
+        result = await tools.call("t", tool_name, {"kind": kind})
+        assert result.error
+        return str(raised.value), result.text
+
+    env_error, tool_text = asyncio.run(go())
+    assert env_error == f"raising.step raised RuntimeError: the call raised {RAISED[kind]}"
+    assert tool_text == f"error: {tool_name} failed: RuntimeError: the call raised {RAISED[kind]}"
+
+
+async def raising_harness(task: HarnessTask) -> None:
+    """A harness (an agent framework) that raises what the prompt names."""
+    raise not_an_exception(task.messages[-1]["content"])
+
+
+@pytest.mark.parametrize("kind", list(RAISED))
+def test_a_harness_raising_what_is_not_an_exception_ends_its_episode(
+    tokenizer: Tokenizer, backend: EmbeddedBackend, kind: str
+) -> None:
+    config = AgentConfig(harness=f"{HERE}:raising_harness")
+    tools = LocalTools(ToolRegistry([]))
+
+    async def go() -> Trajectory:
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
+        sample = Sample("h", [{"role": "user", "content": kind}], "4", agent_name="openai_agent")
+        return await run_sample(sample, ctx)
+
+    traj = asyncio.run(go())
+    assert traj.stop_reason == "harness_error" and not traj.trainable
+    assert f"RuntimeError: the call raised {RAISED[kind]}" in str(traj.error)
