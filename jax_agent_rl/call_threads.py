@@ -15,25 +15,39 @@ which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 from jax_agent_rl.errors import error_text
 
 T = TypeVar("T")
 
+# the key the synchronous calls made in this context count against in a pool with a bound per
+# key (`CallThreads`): an executor's tool call sets it to its trajectory's (None: no key)
+CALLER: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("CALLER", default=None)
+
 
 class CallThreads:
     """At most ``size`` threads (named ``name``) running synchronous calls at once, over every
     event loop of the process (daemon threads: one stuck past its timeout does not hold up the
-    interpreter's exit). A call waits for a free thread within its own timeout."""
+    interpreter's exit). A call waits for a free thread within its own timeout.
 
-    def __init__(self, size: int, name: str) -> None:
-        self.size, self.name = size, name
+    With ``per_key``, the calls made under one key (`CALLER`: a trajectory's tool calls) hold
+    at most that many threads at once, those abandoned past their timeout included: a call of
+    a key holding as many waits for one of them. A policy's calls that hang a tool for good
+    (a query that runs for ever) then hold at most ``per_key`` threads of their episode's,
+    where before one episode's turns of such calls held the whole pool, and every sibling's
+    call of every synchronous tool timed out waiting for a thread."""
+
+    def __init__(self, size: int, name: str, per_key: int | None = None) -> None:
+        self.size, self.name, self.per_key = size, name, per_key
         self._lock = threading.Lock()
         self._busy = 0
+        self._held: collections.Counter[Hashable] = collections.Counter()  # threads by key
         self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     @property
@@ -42,10 +56,12 @@ class CallThreads:
         return self._busy
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a thread of the pool; cancelled (timed out), the thread is
-        abandoned and keeps its place until ``fn`` returns."""
+        """``fn(*args)`` in a thread of the pool, counted against the key `CALLER` holds;
+        cancelled (timed out), the thread is abandoned and keeps its place until ``fn``
+        returns."""
         loop = asyncio.get_running_loop()
-        await self._take(loop)
+        key = CALLER.get() if self.per_key is not None else None
+        await self._take(loop, key)
         future: asyncio.Future[Any] = loop.create_future()
 
         def settle(result: Any, error: BaseException | None) -> None:
@@ -61,30 +77,37 @@ class CallThreads:
                 result, error = fn(*args), None
             except BaseException as e:
                 result, error = None, carried(e)
-            self._give_back()
+            self._give_back(key)
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result, error)
 
         try:
             threading.Thread(target=work, name=self.name, daemon=True).start()
         except BaseException:
-            self._give_back()
+            self._give_back(key)
             raise
         return await future
 
-    async def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _take(self, loop: asyncio.AbstractEventLoop, key: Hashable | None) -> None:
         while True:
             with self._lock:
-                if self._busy < self.size:
+                mine = self._held[key] if key is not None else 0
+                if self._busy < self.size and (self.per_key is None or mine < self.per_key):
                     self._busy += 1
+                    if key is not None:
+                        self._held[key] += 1
                     return
                 freed: asyncio.Future[None] = loop.create_future()
                 self._waiting.append((loop, freed))
             await freed
 
-    def _give_back(self) -> None:
+    def _give_back(self, key: Hashable | None) -> None:
         with self._lock:
             self._busy -= 1
+            if key is not None:
+                self._held[key] -= 1
+                if not self._held[key]:
+                    del self._held[key]
             waiting, self._waiting = self._waiting, []
         for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
             with contextlib.suppress(RuntimeError):

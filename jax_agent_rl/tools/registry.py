@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from jax_agent_rl.call_threads import abandoned, own_errors
+from jax_agent_rl.call_threads import CALLER, abandoned, own_errors
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.tools.base import (
     CallClock,
@@ -303,6 +303,7 @@ class LocalTools:
         self._open: dict[str, _Trajectory] = {}
         self._idle_since: dict[str, float] = {}  # no call in flight; oldest first
         self._expired = 0
+        self._keys = object()  # (a trajectory's key in a shared pool: with its id, `CALLER`)
 
     async def schemas(self) -> list[dict[str, Any]]:
         return self.registry.schemas()
@@ -332,6 +333,7 @@ class LocalTools:
                 f"{self.max_trajectories}); retry after others end",
                 error=True,
             )
+        caller = CALLER.set((self._keys, trajectory_id))  # (its synchronous calls' threads)
         try:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
             return _text_checked(name, await self._timed(t, run))
@@ -340,6 +342,7 @@ class LocalTools:
             why = error_text(e).encode("utf-8", "backslashreplace").decode("utf-8")
             return ToolResult(f"error: {name} failed: {why}", error=True)
         finally:
+            CALLER.reset(caller)
             self._leave(trajectory, trajectory_id)
 
     async def _run(

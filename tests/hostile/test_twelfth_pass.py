@@ -11,11 +11,18 @@
   naming it (`call_threads.carried`, `call_threads.own_errors`): a reward error, an
   environment error, a tool's error result the model reads, a harness error; the episode's own
   cancellation still passes on.
+- Synchronous tools share one pool of 32 threads (`TOOL_THREADS`), and a call past its timeout
+  keeps its thread until it returns. One episode's calls that hang a tool for good (a query
+  that runs for ever: sqlite has no timeout), 4 turns of 8, held all 32, and from then on every
+  sibling's call of every synchronous tool timed out waiting for a thread (a sibling's lower
+  reward is the episode's advantage). A trajectory's calls now hold at most 4 threads
+  (`TOOL_THREADS_PER_TRAJECTORY`), those abandoned included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +49,7 @@ from jax_agent_rl.tokenization import (
     train_bpe,
 )
 from jax_agent_rl.tokenization.tool_calls import make_parser
-from jax_agent_rl.tools.base import tool
+from jax_agent_rl.tools.base import TOOL_THREADS_PER_TRAJECTORY, tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.step import score_episodes
 
@@ -237,3 +244,49 @@ def test_a_harness_raising_what_is_not_an_exception_ends_its_episode(
     traj = asyncio.run(go())
     assert traj.stop_reason == "harness_error" and not traj.trainable
     assert f"RuntimeError: the call raised {RAISED[kind]}" in str(traj.error)
+
+
+BOUND_S = 30.0  # how long a wait on a thread's event may take (the test fails past it)
+_QUERY: dict[str, Any] = {"gate": threading.Event(), "entered": 0, "lock": threading.Lock()}
+_ALL_ENTERED = threading.Event()  # the hostile episode's calls holding threads all entered
+
+
+@tool
+def query(sql: str) -> str:
+    """Runs a query on the task's database.
+
+    Args:
+        sql: the query.
+    """
+    if "RECURSIVE" in sql:  # the policy's query that runs for ever (until the test's end)
+        with _QUERY["lock"]:
+            _QUERY["entered"] += 1
+            if _QUERY["entered"] == TOOL_THREADS_PER_TRAJECTORY:
+                _ALL_ENTERED.set()
+        _QUERY["gate"].wait(2 * BOUND_S)
+    return "1 row"
+
+
+def test_one_episodes_stuck_tool_calls_leave_its_siblings_threads() -> None:
+    hostile = LocalTools(ToolRegistry([query]), timeout_s=0.01)  # (its calls time out at once)
+    honest = LocalTools(ToolRegistry([query]), timeout_s=BOUND_S)
+
+    async def go() -> tuple[list[str], str]:
+        turn = asyncio.Semaphore(4)  # (agent.max_parallel_tool_calls)
+
+        async def stuck() -> str:
+            async with turn:
+                return (await hostile.call("evil/s1a0/0", "query", {"sql": "WITH RECURSIVE"})).text
+
+        texts = [t for _ in range(4) for t in await asyncio.gather(*(stuck() for _ in range(8)))]
+        sibling = await honest.call("fine/s1a0/1", "query", {"sql": "SELECT 1"})
+        return texts, sibling.text
+
+    try:
+        texts, sibling = asyncio.run(go())
+        assert _ALL_ENTERED.wait(BOUND_S)
+        assert texts == ["error: query timed out after 0.01s"] * 32
+        assert sibling == "1 row"  # (before: it timed out waiting for a thread)
+        assert _QUERY["entered"] == TOOL_THREADS_PER_TRAJECTORY  # (before: 32)
+    finally:
+        _QUERY["gate"].set()
