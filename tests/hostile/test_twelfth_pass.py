@@ -17,18 +17,34 @@
   sibling's call of every synchronous tool timed out waiting for a thread (a sibling's lower
   reward is the episode's advantage). A trajectory's calls now hold at most 4 threads
   (`TOOL_THREADS_PER_TRAJECTORY`), those abandoned included.
+- ``model.lora.rank=1000000000000`` (a typo) passed every check and ended ``jarl train`` in a
+  traceback allocating 1.5 PB; an adapter's rank past its projection's smaller side adds
+  parameters and no function (A B's rank is at most min(in, out)), so it is refused, naming
+  the projection and the largest rank that fits (the config check says it as a line).
+- A hostile PEFT adapter folder (`load_peft`): ``r: 4.9`` loaded as rank 4 and ``r: true`` as
+  1, NaN or infinite adapters loaded silently (every logit of their layers NaN), integer
+  tensors were cast; a malformed config (not JSON, a list, ``r: "abc"``, a missing key, a
+  nested list of targets) and a file that is no safetensors file raised JSONDecodeError,
+  AttributeError, ValueError, KeyError, TypeError or SafetensorError without naming the file.
+  Each is a `CheckpointError` naming the file, the header checked before any tensor is read
+  (as for a base checkpoint: `checkpoint.stored_tensors`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import run_sample
@@ -39,6 +55,10 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs.base import EnvError, Environments
 from jax_agent_rl.models import ModelConfig, init_params
+from jax_agent_rl.models.adapters import add_lora, load_peft, save_peft
+from jax_agent_rl.models.checkpoint import CheckpointError
+from jax_agent_rl.models.config_checks import UnsupportedConfigError
+from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
@@ -290,3 +310,72 @@ def test_one_episodes_stuck_tool_calls_leave_its_siblings_threads() -> None:
         assert _QUERY["entered"] == TOOL_THREADS_PER_TRAJECTORY  # (before: 32)
     finally:
         _QUERY["gate"].set()
+
+
+TINY = ModelConfig(
+    family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128,
+)  # fmt: skip
+
+
+def test_a_lora_rank_past_a_projections_smaller_side_is_refused() -> None:
+    fits = dataclasses.replace(TINY, lora=Lora(16, 8.0))  # (k, v: in 32, out 16)
+    assert fits.lora is not None and fits.lora.rank == 16
+    assert dataclasses.replace(TINY, lora=Lora(32, 8.0, ("q", "o"))).lora is not None
+    side = r"k projection's smaller side \(in 32, out 16\).*use a rank <= 16$"
+    for rank in (17, 10**12):
+        with pytest.raises(UnsupportedConfigError, match=rf"^LoRA rank={rank} exceeds the {side}"):
+            dataclasses.replace(TINY, lora=Lora(rank, 8.0))
+
+
+@pytest.fixture(scope="module")
+def peft_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT adapter folder of rank 4 on q and v of `TINY`, as `save_peft` writes it."""
+    cfg, w = add_lora(
+        jax.random.key(1), TINY, init_params(jax.random.key(0), TINY), Lora(4, 8.0, ("q", "v"))
+    )
+    return save_peft(tmp_path_factory.mktemp("peft") / "adapter", cfg, w)
+
+
+HOSTILE_PEFT: dict[str, tuple[Any, str]] = {
+    # name: (a change to the folder, what the error says after the file's name)
+    "r-not-a-number": ({"r": "abc"}, r"adapter_config.json: r='abc': expected a whole number"),
+    "r-a-fraction": ({"r": 4.9}, r"adapter_config.json: r=4.9: expected a whole number"),
+    "r-a-bool": ({"r": True}, r"adapter_config.json: r=True: expected a whole number"),
+    "r-missing": ({"r": None}, r"adapter_config.json: r=None: expected a whole number"),
+    "r-huge": ({"r": 10**12}, r"adapter_config.json: LoRA rank=1000000000000 exceeds the v "),
+    "alpha-a-list": ({"lora_alpha": [8]}, r"adapter_config.json: lora_alpha=\[8\]: expected a "),
+    "targets-nested": ({"target_modules": [["q_proj"]]}, r"adapter_config.json: target_modules="),
+    "config-a-list": (b"[1, 2]", r"adapter_config.json is not a JSON object"),
+    "config-not-json": (b"{r: 4", r"adapter_config.json is not JSON: "),
+    "weights-nan": (np.nan, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
+    "weights-inf": (-np.inf, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
+    "weights-int": (np.int64, r"adapter_model.safetensors: tensor '.*' is stored as 'I64'"),
+    "weights-garbage": (b"\x08" + bytes(7) + b'{"a":1}', r"adapter_model.safetensors is not a "),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_PEFT))
+def test_a_hostile_peft_folder_is_a_checkpoint_error_naming_its_file(
+    peft_folder: Path, tmp_path: Path, case: str
+) -> None:
+    change, said = HOSTILE_PEFT[case]
+    folder = tmp_path / "adapter"
+    shutil.copytree(peft_folder, folder)
+    config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if isinstance(change, dict):
+        config = json.loads(config_file.read_text())
+        config.update(change)
+        config_file.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    elif isinstance(change, bytes):
+        (config_file if case.startswith("config") else weights).write_bytes(change)
+    else:
+        tensors = load_file(str(weights))
+        changed = {
+            k: v.astype(change) if isinstance(change, type) else np.full_like(v, change)
+            for k, v in tensors.items()
+        }
+        save_file(changed, str(weights))
+    with pytest.raises(CheckpointError, match=f"^{folder}/{said}"):
+        load_peft(folder, TINY)
+    assert load_peft(peft_folder, TINY)[0].lora == Lora(4, 8.0, ("q", "v"))  # (the folder: fine)
