@@ -16,11 +16,13 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import numbers
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
@@ -234,16 +236,27 @@ class ToolExecutor(Protocol):
     async def close(self) -> None: ...
 
 
-def _text_checked(name: str, result: ToolResult) -> ToolResult:
-    """``result``, or the call's error result when its text holds a lone surrogate (as
-    ``os.listdir`` gives an undecodable byte of a file name): no tokenizer takes one, and the
-    episode ended in the tokenizer rendering the observation."""
-    where = lone_surrogate(result.text)
-    if where is not None:
-        return ToolResult(
-            f"error: {name} returned text holding a lone surrogate {where}: not text", error=True
-        )
-    return result
+def _checked(name: str, result: Any) -> ToolResult:
+    """``result`` as plain values (text, a float reward, bool flags), else the call's error
+    result: NumPy's ``float32`` reward or ``bool_`` done flag (a tool's comparisons give them)
+    does not serialize, and the tool server's answer to a batch of several trajectories' calls
+    broke off at one, ending every sibling's episode (tool_error); text holding a lone
+    surrogate (``os.listdir``'s undecodable byte) ended its episode in the tokenizer."""
+    if not isinstance(result, ToolResult):
+        why = f"a {type(result).__name__}, not a ToolResult"
+        return ToolResult(f"error: {name} returned {why}", error=True)
+    flags = (result.done, result.error)
+    if not isinstance(result.text, str):
+        why = f"text that is a {type(result.text).__name__}, not a string"
+    elif not isinstance(result.reward, (numbers.Real, np.bool_)):
+        why = f"a reward that is a {type(result.reward).__name__}, not a number"
+    elif not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        why = f"done and error flags of types {[type(f).__name__ for f in flags]}, not bools"
+    elif (where := lone_surrogate(result.text)) is not None:
+        why = f"text holding a lone surrogate {where}: not text"
+    else:
+        return ToolResult(result.text, float(result.reward), bool(flags[0]), bool(flags[1]))
+    return ToolResult(f"error: {name} returned {why}", error=True)
 
 
 @dataclasses.dataclass
@@ -336,7 +349,7 @@ class LocalTools:
         caller = CALLER.set((self._keys, trajectory_id))  # (its synchronous calls' threads)
         try:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
-            return _text_checked(name, await self._timed(t, run))
+            return _checked(name, await self._timed(t, run))
         except Exception as e:  # a tool bug is the model's observation, not a crash
             # (a lone surrogate in its words, a file name's undecodable byte: written escaped)
             why = error_text(e).encode("utf-8", "backslashreplace").decode("utf-8")

@@ -28,6 +28,13 @@
   AttributeError, ValueError, KeyError, TypeError or SafetensorError without naming the file.
   Each is a `CheckpointError` naming the file, the header checked before any tensor is read
   (as for a base checkpoint: `checkpoint.stored_tensors`).
+- A tool's result whose reward or flags were NumPy's (``np.float32(...)``, the ``bool_`` of
+  ``np.isclose``: a careful user's grader) did not serialize: on the tool server, the answer to
+  a batch of several trajectories' calls (calls made in one event-loop tick share one
+  ``/execute_batch`` request) broke off at it, and every sibling's call in that batch raised
+  `ToolTransportError`, ending its episode ``tool_error``. The executor now hands on plain
+  values (a float reward, bool flags), and a result that is no `ToolResult`, or whose text is
+  no string, is the call's error result.
 """
 
 from __future__ import annotations
@@ -69,9 +76,12 @@ from jax_agent_rl.tokenization import (
     train_bpe,
 )
 from jax_agent_rl.tokenization.tool_calls import make_parser
-from jax_agent_rl.tools.base import TOOL_THREADS_PER_TRAJECTORY, tool
+from jax_agent_rl.tools.app import create_app
+from jax_agent_rl.tools.base import TOOL_THREADS_PER_TRAJECTORY, ToolResult, tool
+from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.step import score_episodes
+from tests.tools.test_server import serving
 
 HERE = "tests.hostile.test_twelfth_pass"
 
@@ -379,3 +389,63 @@ def test_a_hostile_peft_folder_is_a_checkpoint_error_naming_its_file(
     with pytest.raises(CheckpointError, match=f"^{folder}/{said}"):
         load_peft(folder, TINY)
     assert load_peft(peft_folder, TINY)[0].lora == Lora(4, 8.0, ("q", "v"))  # (the folder: fine)
+
+
+@tool
+def grade(answer: str) -> Any:
+    """Grades an answer with NumPy, as a careful user's grader does; other answers name a
+    malformed result.
+
+    Args:
+        answer: the answer.
+    """
+    malformed = {"bytes": ToolResult(b"graded"), "text-reward": ToolResult("graded", "1"),
+                 "string-flag": ToolResult("graded", done="yes")}  # type: ignore[arg-type]  # fmt: skip
+    if answer in malformed:
+        return malformed[answer]
+    right = np.isclose(float(answer), 4.0)
+    return ToolResult("graded", reward=np.float32(right), done=right)
+
+
+@tool
+def echo(text: str) -> str:
+    """Echoes the text.
+
+    Args:
+        text: what to echo.
+    """
+    return text
+
+
+def test_a_tools_numpy_result_leaves_its_batchs_sibling_calls_alone() -> None:
+    async def go() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([grade, echo]), token="t")) as url:
+            client = HttpTools(url, token="t")
+            try:  # (made in one tick: one /execute_batch request)
+                return list(
+                    await asyncio.gather(
+                        client.call("graded/s1a0/0", "grade", {"answer": "4"}),
+                        *(client.call(f"sib/s1a0/{i}", "echo", {"text": "hi"}) for i in (1, 2)),
+                    )
+                )
+            finally:
+                await client.close()
+
+    graded, *siblings = asyncio.run(go())  # (before: ToolTransportError, every one)
+    assert graded == ToolResult("graded", 1.0, True, False)
+    assert type(graded.reward) is float and type(graded.done) is bool
+    assert siblings == [ToolResult("hi")] * 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ("bytes", "text that is a bytes, not a string"),
+        ("text-reward", "a reward that is a str, not a number"),
+        ("string-flag", "done and error flags of types ['str', 'bool'], not bools"),
+    ],
+)
+def test_a_malformed_tool_result_is_the_calls_error(answer: str, said: str) -> None:
+    tools = LocalTools(ToolRegistry([grade]))
+    result = asyncio.run(tools.call("t", "grade", {"answer": answer}))
+    assert result == ToolResult(f"error: grade returned {said}", error=True)
