@@ -35,6 +35,12 @@
   `ToolTransportError`, ending its episode ``tool_error``. The executor now hands on plain
   values (a float reward, bool flags), and a result that is no `ToolResult`, or whose text is
   no string, is the call's error result.
+- Calls made in one event-loop tick share one ``/execute_batch`` request of up to 32 calls,
+  whatever their size: ten calls of 1 MB each (a file a tool writes), each well within the
+  server's bound on a body (8 MiB), made a body over it, which the server cut off as it came,
+  and the client read a broken connection, not the 413 it splits a batch on: every call of
+  the batch, siblings' too, raised `ToolTransportError` (tool_error). A batch now carries at
+  most `BATCH_BYTES` (1 MiB) of calls, a longer call going alone.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ from jax_agent_rl.tokenization import (
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import TOOL_THREADS_PER_TRAJECTORY, ToolResult, tool
-from jax_agent_rl.tools.client import HttpTools
+from jax_agent_rl.tools.client import BATCH_BYTES, HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.step import score_episodes
 from tests.tools.test_server import serving
@@ -449,3 +455,24 @@ def test_a_malformed_tool_result_is_the_calls_error(answer: str, said: str) -> N
     tools = LocalTools(ToolRegistry([grade]))
     result = asyncio.run(tools.call("t", "grade", {"answer": answer}))
     assert result == ToolResult(f"error: grade returned {said}", error=True)
+
+
+def test_long_calls_made_together_are_not_sent_as_one_body_over_the_servers_bound() -> None:
+    long_text = "a" * 1_000_000  # (10 of them: 10 MB, over the server's 8 MiB bound)
+    assert len(long_text) < BATCH_BYTES  # (a batch holds each: they go one a batch)
+
+    async def go() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([echo]), token="t")) as url:
+            client = HttpTools(url, token="t")
+            try:  # (made in one tick)
+                return list(
+                    await asyncio.gather(
+                        *(client.call(f"w/{i}", "echo", {"text": long_text}) for i in range(10)),
+                        *(client.call(f"sib/s1a0/{i}", "echo", {"text": "hi"}) for i in range(2)),
+                    )
+                )
+            finally:
+                await client.close()
+
+    results = asyncio.run(go())  # (before: ToolTransportError, every one)
+    assert results == [ToolResult(long_text)] * 10 + [ToolResult("hi")] * 2
