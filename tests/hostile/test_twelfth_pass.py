@@ -10,7 +10,9 @@
   environment's from its thread too. Each is now the call's error, as a `RuntimeError`
   naming it (`call_threads.carried`, `call_threads.own_errors`): a reward error, an
   environment error, a tool's error result the model reads, a harness error; the episode's own
-  cancellation still passes on.
+  cancellation still passes on. A skyrl-gym environment's in its own process ended that
+  process, its episode's error saying it died "out of memory ..., or broken"; it names what
+  was raised now.
 - Synchronous tools share one pool of 32 threads (`TOOL_THREADS`), and a call past its timeout
   keeps its thread until it returns. One episode's calls that hang a tool for good (a query
   that runs for ever: sqlite has no timeout), 4 turns of 8, held all 32, and from then on every
@@ -64,8 +66,10 @@ from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
+from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
+from jax_agent_rl.envs import make_environments
 from jax_agent_rl.envs.base import EnvError, Environments
 from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.models.adapters import add_lora, load_peft, save_peft
@@ -258,6 +262,47 @@ def test_an_environment_or_tool_raising_what_is_not_an_exception_fails_only_its_
     env_error, tool_text = asyncio.run(go())
     assert env_error == f"raising.step raised RuntimeError: the call raised {RAISED[kind]}"
     assert tool_text == f"error: {tool_name} failed: RuntimeError: the call raised {RAISED[kind]}"
+
+
+SKYRL_ENV = """
+class FunctionTimedOut(BaseException):
+    pass
+
+
+class GivingUp:  # a skyrl-gym environment whose step gives up (func_timeout's exception)
+    def __init__(self, env_config=None, extras={}):
+        pass
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        raise FunctionTimedOut("func_timeout gave up after 5 seconds")
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_skyrl_environment_raising_what_is_not_an_exception_is_named(tmp_path: Path) -> None:
+    (tmp_path / "giving_up.py").write_text(SKYRL_ENV)
+    section = EnvSection(classes={"giving_up": f"{tmp_path / 'giving_up.py'}:GivingUp"})
+    envs = make_environments(section, 1)
+    sample = Sample("s", [{"role": "user", "content": "go"}], "1", env_class="giving_up")
+
+    async def go() -> str:
+        env = envs.make(sample)
+        assert env is not None
+        await env.reset(sample)
+        try:
+            with pytest.raises(EnvError) as raised:
+                await env.step("7", [])
+        finally:
+            await env.close()
+        return str(raised.value)
+
+    said = f"giving_up.step raised RuntimeError: the call raised {RAISED['timed_out']}"
+    assert asyncio.run(go()) == said  # (before: "its process died (exit 1): out of memory...")
 
 
 async def raising_harness(task: HarnessTask) -> None:
