@@ -150,6 +150,24 @@ async def own_errors(call: Awaitable[T]) -> T:
     raise error
 
 
+async def until_set(call: Awaitable[Any], stop: asyncio.Event, grace_s: float) -> None:
+    """``call`` awaited until it ends, or, once ``stop`` is set, cancelled: given ``grace_s``
+    to end, then abandoned (`abandoned`). What it raises, it raises here; stopped, it raises
+    nothing. Cancelled itself, it cancels ``call`` the same way."""
+    task = asyncio.ensure_future(call)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=grace_s)
+            task.add_done_callback(abandoned)
+    if not task.cancelled():
+        task.result()
+
+
 def wake(freed: asyncio.Future[None]) -> None:
     if not freed.done():
         freed.set_result(None)

@@ -43,6 +43,11 @@
   and the client read a broken connection, not the 413 it splits a batch on: every call of
   the batch, siblings' too, raised `ToolTransportError` (tool_error). A batch now carries at
   most `BATCH_BYTES` (1 MiB) of calls, a longer call going alone.
+- A harness that retries every failed request (a careful user's loop: ask again until the
+  model says it is done) once the episode had ended at a budget was answered 409 for ever, and
+  its episode, and with it the step, never ended (4,440 requests in 60 s). Once the episode
+  has ended, the harness has nothing left to do: its next request (or ``run_tool``) has it
+  cancelled (`call_threads.until_set`), the episode keeping its stop reason.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -521,3 +527,49 @@ def test_long_calls_made_together_are_not_sent_as_one_body_over_the_servers_boun
 
     results = asyncio.run(go())  # (before: ToolTransportError, every one)
     assert results == [ToolResult(long_text)] * 10 + [ToolResult("hi")] * 2
+
+
+_ASKED: list[int] = []  # the statuses the retrying harness got
+_STOPPED: list[bool] = []  # it was cancelled
+
+
+async def retrying_harness(task: HarnessTask) -> None:
+    """Asks until the model says FINAL, asking again after any error (for ever)."""
+    messages = list(task.messages)
+    headers = {"Authorization": f"Bearer {task.api_key}"}
+    try:
+        async with httpx.AsyncClient() as client:
+            while True:
+                body = {"messages": messages, "model": "m"}
+                url = f"{task.base_url}/chat/completions"
+                r = await client.post(url, json=body, headers=headers)
+                _ASKED.append(r.status_code)
+                if r.status_code != 200:
+                    continue  # (again, whatever went wrong)
+                said = r.json()["choices"][0]["message"]["content"]
+                if "FINAL" in said:
+                    return
+                messages.append({"role": "assistant", "content": said})
+                messages.append({"role": "user", "content": "Go on; say FINAL when done."})
+    except asyncio.CancelledError:
+        _STOPPED.append(True)
+        raise
+
+
+def test_a_harness_that_asks_on_after_its_episode_ended_is_stopped(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    config = AgentConfig(
+        harness=f"{HERE}:retrying_harness", max_turns=1, max_tokens_per_turn=1, max_model_len=256
+    )  # (one turn of one token: no call, so the episode ends at a budget)
+
+    async def go() -> Trajectory:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
+        sample = Sample("r", [{"role": "user", "content": "2+2?"}], "4", agent_name="openai_agent")
+        return await asyncio.wait_for(run_sample(sample, ctx), BOUND_S)  # (a bound on failing)
+
+    traj = asyncio.run(go())  # (before: it never returned)
+    assert traj.stop_reason in ("max_tokens_per_turn", "max_turns")
+    assert _ASKED[0] == 200 and set(_ASKED[1:]) <= {409}  # (stopped as its request was refused)
+    assert _STOPPED == [True]
