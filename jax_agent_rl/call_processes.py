@@ -17,7 +17,8 @@ what it imports (reasoning-gym: about 1.5 s) is the worker's start-up, bounded b
 ``START_TIMEOUT_S``, not the call's time.
 
 What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it on: a
-`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it), with the worker's
+`StopIteration`, or what is not an `Exception`, func_timeout's ``FunctionTimedOut`` say, as a
+`RuntimeError` naming it: nothing but the call raises in its worker), with the worker's
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
 arrives as a `RuntimeError` with its type and message. A worker leads a process group: killing
 it (past a timeout, at `CallProcesses.close`) kills what its calls started too (a reward that

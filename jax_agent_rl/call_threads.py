@@ -8,27 +8,46 @@ call returns. So calls stuck for good hold at most ``size`` threads, and once ev
 held the calls waiting for one time out. (Calls that a policy's text can keep running for
 good, reasoning-gym's scorers and users' reward functions, run in worker processes instead,
 which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches its caller; a
-`StopIteration` or a ``sys.exit()`` as a `RuntimeError` naming it (`carried`).
+`StopIteration`, a ``sys.exit()`` or anything else that is not an `Exception` as a
+`RuntimeError` naming it (`carried`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
+
+from jax_agent_rl.errors import error_text
+
+T = TypeVar("T")
+
+# the key the synchronous calls made in this context count against in a pool with a bound per
+# key (`CallThreads`): an executor's tool call sets it to its trajectory's (None: no key)
+CALLER: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("CALLER", default=None)
 
 
 class CallThreads:
     """At most ``size`` threads (named ``name``) running synchronous calls at once, over every
     event loop of the process (daemon threads: one stuck past its timeout does not hold up the
-    interpreter's exit). A call waits for a free thread within its own timeout."""
+    interpreter's exit). A call waits for a free thread within its own timeout.
 
-    def __init__(self, size: int, name: str) -> None:
-        self.size, self.name = size, name
+    With ``per_key``, the calls made under one key (`CALLER`: a trajectory's tool calls) hold
+    at most that many threads at once, those abandoned past their timeout included: a call of
+    a key holding as many waits for one of them. A policy's calls that hang a tool for good
+    (a query that runs for ever) then hold at most ``per_key`` threads of their episode's,
+    where before one episode's turns of such calls held the whole pool, and every sibling's
+    call of every synchronous tool timed out waiting for a thread."""
+
+    def __init__(self, size: int, name: str, per_key: int | None = None) -> None:
+        self.size, self.name, self.per_key = size, name, per_key
         self._lock = threading.Lock()
         self._busy = 0
+        self._held: collections.Counter[Hashable] = collections.Counter()  # threads by key
         self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     @property
@@ -37,10 +56,12 @@ class CallThreads:
         return self._busy
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a thread of the pool; cancelled (timed out), the thread is
-        abandoned and keeps its place until ``fn`` returns."""
+        """``fn(*args)`` in a thread of the pool, counted against the key `CALLER` holds;
+        cancelled (timed out), the thread is abandoned and keeps its place until ``fn``
+        returns."""
         loop = asyncio.get_running_loop()
-        await self._take(loop)
+        key = CALLER.get() if self.per_key is not None else None
+        await self._take(loop, key)
         future: asyncio.Future[Any] = loop.create_future()
 
         def settle(result: Any, error: BaseException | None) -> None:
@@ -56,30 +77,37 @@ class CallThreads:
                 result, error = fn(*args), None
             except BaseException as e:
                 result, error = None, carried(e)
-            self._give_back()
+            self._give_back(key)
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result, error)
 
         try:
             threading.Thread(target=work, name=self.name, daemon=True).start()
         except BaseException:
-            self._give_back()
+            self._give_back(key)
             raise
         return await future
 
-    async def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _take(self, loop: asyncio.AbstractEventLoop, key: Hashable | None) -> None:
         while True:
             with self._lock:
-                if self._busy < self.size:
+                mine = self._held[key] if key is not None else 0
+                if self._busy < self.size and (self.per_key is None or mine < self.per_key):
                     self._busy += 1
+                    if key is not None:
+                        self._held[key] += 1
                     return
                 freed: asyncio.Future[None] = loop.create_future()
                 self._waiting.append((loop, freed))
             await freed
 
-    def _give_back(self) -> None:
+    def _give_back(self, key: Hashable | None) -> None:
         with self._lock:
             self._busy -= 1
+            if key is not None:
+                self._held[key] -= 1
+                if not self._held[key]:
+                    del self._held[key]
             waiting, self._waiting = self._waiting, []
         for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
             with contextlib.suppress(RuntimeError):
@@ -87,16 +115,57 @@ class CallThreads:
 
 
 def carried(error: BaseException) -> BaseException:
-    """``error`` as the caller receives it: a `StopIteration` (which a future refuses to
-    hold: the caller would wait out its timeout) or a ``sys.exit()`` (which in a thread ends
-    only the thread) becomes a `RuntimeError` naming it, with its traceback, as Python turns a
-    generator's `StopIteration`. Anything else, an exception that is not an `Exception`
-    included (what a broken host raises), reaches the caller as it is."""
-    if not isinstance(error, (StopIteration, SystemExit)):
+    """``error`` as the caller receives it: an `Exception` as it is; a `StopIteration` (which
+    a future refuses to hold: the caller would wait out its timeout) or anything that is not an
+    `Exception` becomes a `RuntimeError` naming it, with its traceback, as Python turns a
+    generator's `StopIteration`. What is not an `Exception` is the call's own doing here: a
+    ``sys.exit()`` (which in a thread ends only the thread), a library's timeout that derives
+    from `BaseException` (func_timeout's ``FunctionTimedOut``, which a reward or a tool raises
+    on an answer it gave up on), a ``KeyboardInterrupt`` or an asyncio ``CancelledError`` it
+    raised itself (no signal reaches a worker thread or a worker process's call): as it was,
+    it ended the caller's whole run, or cancelled its step."""
+    if isinstance(error, Exception) and not isinstance(error, StopIteration):
         return error
-    carried = RuntimeError(f"the call raised {type(error).__name__}")  # (its text: the cause's)
+    said = error_text(error).removesuffix(": ")  # (its traceback: the cause's)
+    carried = RuntimeError(f"the call raised {said}")
     carried.__cause__ = error
     return carried.with_traceback(error.__traceback__)
+
+
+async def own_errors(call: Awaitable[T]) -> T:
+    """``call`` (user code: an async tool, environment method or harness) awaited, what it
+    raises that is not an `Exception` made its error as `carried` makes it, but for this
+    task's own cancellation (a timeout's too), which passes on. A ``SystemExit`` (argparse
+    reading a policy's arguments) or a ``KeyboardInterrupt`` raised in a task ends the event
+    loop itself, asyncio re-raising them out of it: the whole run; an asyncio
+    `CancelledError` the call raised on its own, with no one cancelling it, cancelled its
+    caller, the episode and with it the step."""
+    try:
+        return await call
+    except BaseException as e:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() > 0:
+            raise
+        error = carried(e)  # (an Exception: itself; else a RuntimeError naming it)
+    raise error
+
+
+async def until_set(call: Awaitable[Any], stop: asyncio.Event, grace_s: float) -> None:
+    """``call`` awaited until it ends, or, once ``stop`` is set, cancelled: given ``grace_s``
+    to end, then abandoned (`abandoned`). What it raises, it raises here; stopped, it raises
+    nothing. Cancelled itself, it cancels ``call`` the same way."""
+    task = asyncio.ensure_future(call)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=grace_s)
+            task.add_done_callback(abandoned)
+    if not task.cancelled():
+        task.result()
 
 
 def wake(freed: asyncio.Future[None]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from jax_agent_rl.call_threads import carried
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.user_code import import_module, load_function
 
@@ -82,8 +83,9 @@ def serve(
             ).encode()
         except RefusedAnswerError as e:
             answer = json.dumps(["error", str(e)]).encode()
-        except Exception as e:
-            answer = json.dumps(["error", f"{name}.{what} raised {error_text(e)}"]).encode()
+        except BaseException as e:  # (what is not an `Exception` too: the environment's own)
+            said = error_text(carried(e))  # (func_timeout's: "its process died ... memory")
+            answer = json.dumps(["error", f"{name}.{what} raised {said}"]).encode()
         conn.send_bytes(answer)
         if what == "close":
             return

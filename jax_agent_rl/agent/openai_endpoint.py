@@ -37,7 +37,9 @@ ends there with stop reason ``harness_error`` (not trainable, counted as
 ``stop/harness_error``); other sessions go on. Error messages name what differs, never quoting
 a turn. A request naming no open session is answered 401 from its headers: its body is never
 read and no session is touched. Once an episode has ended (a budget, ``harness_error``),
-further requests are answered 409 and change nothing, and `HarnessTask.run_tool` raises. A
+further requests are answered 409 and change nothing, and `HarnessTask.run_tool` raises; the
+harness, which has nothing left to do, is then cancelled (`call_threads.until_set`): one
+retrying every error held its episode, and the step, for ever. A
 request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in the
 tool loop); one still in progress when the harness returns ends it with ``harness_error``.
 
@@ -87,10 +89,13 @@ from jax_agent_rl.agent.openai_requests import (
     HarnessError,
     canonical,
     check_request,
+    error_response,
     message_text,
     session_key,
+    tool_call_message,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.call_threads import own_errors, until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization import Message
@@ -128,6 +133,7 @@ class Session:
         self.pending: _Calls | None = None
         self.text_turn: list[int] | None = None  # the last turn, when it ended without calls
         self.stop: StopReason | None = None  # set once the episode has ended
+        self.asked_after_end = asyncio.Event()  # a request, a run_tool since: answered 409
         self.busy = False
         self.results: dict[str, ToolResult] = {}  # calls run by `run_tool`, by id
 
@@ -136,7 +142,7 @@ class Session:
         raises `HarnessError` (the episode ends here with ``harness_error``) or
         `EpisodeEndedError`."""
         if self.stop is not None:
-            raise EpisodeEndedError(f"this session's episode has ended ({self.stop})")
+            raise self._ended()
         if self.busy:
             self.fail("a second request while one of this session is in progress")
         self.busy = True
@@ -202,7 +208,7 @@ class Session:
             ]
             if any(i is not None for i in ids):
                 self.pending = _Calls(turn, text, calls, ids, time.perf_counter())
-                tool_calls = [_tool_call(c, i) for c, i in zip(calls, ids, strict=True) if i]
+                tool_calls = [tool_call_message(c, i) for c, i in zip(calls, ids, strict=True) if i]
                 return self._reply(text, tool_calls, "tool_calls")
             # every call malformed: answered here, as the loop answers it, and the model goes on
             results = [await call_tool(self.ctx, self.traj, c, self.create_kwargs) for c in calls]
@@ -343,6 +349,10 @@ class Session:
             },
         }
 
+    def _ended(self) -> EpisodeEndedError:
+        self.asked_after_end.set()  # (the harness goes on past the end: `until_set` stops it)
+        return EpisodeEndedError(f"this session's episode has ended ({self.stop})")
+
     def _end(self, stop: StopReason, text: str, finish_reason: str) -> dict[str, Any]:
         self.stop = self.stop or stop  # a harness error met meanwhile stays the episode's end
         return self._reply(text, [], finish_reason)
@@ -353,7 +363,7 @@ class Session:
         Raises `EpisodeEndedError` once the episode has ended (the harness has returned);
         one the harness left running then releases the tool state it made."""
         if self.stop is not None:
-            raise EpisodeEndedError(f"this session's episode has ended ({self.stop})")
+            raise self._ended()
         function = tool_call["function"]
         call = ParsedCall(function["name"], json.loads(function["arguments"]))
         try:
@@ -385,19 +395,6 @@ async def rendered(
     return await asyncio.to_thread(render, messages)
 
 
-def _tool_call(call: ParsedCall, call_id: str) -> dict[str, Any]:
-    return {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-    }
-
-
-def _error(status: int, message: str, code: str) -> Response:
-    """An error in OpenAI's shape."""
-    return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-
-
 def _find(sessions: dict[str, Session], key: str) -> Session | None:
     """The session of ``key``, compared with every session's key in constant time."""
     found = None
@@ -413,20 +410,22 @@ def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Respo
 
     async def handle(request: Request) -> Response:
         if (request.method, request.target.split("?")[0]) != ("POST", "/v1/chat/completions"):
-            return _error(404, "the endpoint serves POST /v1/chat/completions only", "not_found")
+            only = "the endpoint serves POST /v1/chat/completions only"
+            return error_response(404, only, "not_found")
         session = _find(sessions, session_key(request.headers))
         if session is None:
-            return _error(401, "no open session has this API key or X-Session-Id", "no_session")
+            unknown = "no open session has this API key or X-Session-Id"
+            return error_response(401, unknown, "no_session")
         try:
             return 200, await session.complete(request)
         except HarnessError as e:
             message = f"{e}; this session's episode has ended"
-            return _error(e.status, message, "harness_error")
+            return error_response(e.status, message, "harness_error")
         except EpisodeEndedError as e:
-            return _error(409, str(e), "episode_ended")
+            return error_response(409, str(e), "episode_ended")
         except Exception as e:  # the backend's: kept in the trajectory, which ended
             message = f"the endpoint failed: {type(e).__name__}; this session's episode has ended"
-            return _error(500, message, "server_error")
+            return error_response(500, message, "server_error")
 
     return handle
 
@@ -481,7 +480,8 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
         )
         async with serve({key: session}) as base_url:
             try:
-                await harness(dataclasses.replace(task, base_url=base_url))
+                running = own_errors(harness(dataclasses.replace(task, base_url=base_url)))
+                await until_set(running, session.asked_after_end, LIMITS.shutdown_grace_s)
             except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()
                 if session.stop is None:

@@ -1,12 +1,14 @@
 """What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
 hold, checked (`check_request`), the session it names (`session_key`), and a message's parts
-in one form however a client spells them (`canonical`)."""
+in one form however a client spells them (`canonical`); and the shapes of OpenAI's answers
+the endpoint writes (`tool_call_message`, `error_response`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.visible import lone_surrogate
 
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
@@ -133,3 +135,17 @@ def arguments_value(arguments: Any) -> Any:
         return json.loads(arguments)
     except (TypeError, ValueError, RecursionError):
         return arguments
+
+
+def tool_call_message(call: ParsedCall, call_id: str) -> dict[str, Any]:
+    """A well-formed call of the model's as an OpenAI ``tool_calls`` entry."""
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+    }
+
+
+def error_response(status: int, message: str, code: str) -> tuple[int, dict[str, Any]]:
+    """An error in OpenAI's shape, with its HTTP status."""
+    return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}

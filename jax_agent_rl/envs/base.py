@@ -53,7 +53,7 @@ from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from jax_agent_rl.call_threads import CallThreads, abandoned
+from jax_agent_rl.call_threads import CallThreads, abandoned, own_errors
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.errors import error_text
@@ -249,7 +249,7 @@ class GuardedEnvironment:
         start = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(method):
-                out = await _within(method(*args), self.timeout_s)
+                out = await _within(own_errors(method(*args)), self.timeout_s)
             else:
                 out = await asyncio.wait_for(self.threads.run(method, *args), self.timeout_s)
         except TimeoutError as e:

@@ -29,6 +29,7 @@ from jax_agent_rl.models.checkpoint import (
     TensorRule,
     hf_shape,
     rule_of,
+    stored_tensors,
     to_hf,
     to_ours,
 )
@@ -218,59 +219,82 @@ def write_peft(
     return sum(x.nbytes for x in tensors.values())
 
 
-def _lora_of(config: dict[str, Any], file: Path) -> Lora:
-    """Our `Lora` for a PEFT ``adapter_config.json``; what we do not implement is an error."""
+def _lora_of(file: Path) -> Lora:
+    """Our `Lora` for a PEFT ``adapter_config.json``; what is malformed, or what we do not
+    implement, is a `CheckpointError` naming the file."""
+    try:
+        config = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
     names = {_module(t).hf.split(".")[-2]: t for t in TARGETS}
     for key, want in (("peft_type", "LORA"), ("bias", "none"), ("use_rslora", False),
                       ("use_dora", False), ("fan_in_fan_out", False)):  # fmt: skip
         if config.get(key, want) != want:
-            raise CheckpointError(f"{file}: {key}={config[key]!r} is not supported ({want!r})")
+            raise CheckpointError(f"{file}: {key}={config[key]!r:.80} is not supported ({want!r})")
     for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
         if config.get(key):
-            raise CheckpointError(f"{file}: {key}={config[key]!r} is not supported")
+            raise CheckpointError(f"{file}: {key}={config[key]!r:.80} is not supported")
     modules = config.get("target_modules")
-    if not isinstance(modules, list) or any(m not in names for m in modules):
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m in names for m in modules):
         raise CheckpointError(
-            f"{file}: target_modules={modules!r}: expected a list of {sorted(names)}"
+            f"{file}: target_modules={modules!r:.80}: expected a list of {sorted(names)}"
         )
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool):  # (4.9 was read as 4, true as 1)
+        raise CheckpointError(f"{file}: r={rank!r:.80}: expected a whole number")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise CheckpointError(f"{file}: lora_alpha={alpha!r:.80}: expected a number")
     order = [t for t in TARGETS if t in {names[m] for m in modules}]
-    return Lora(int(config["r"]), float(config["lora_alpha"]), tuple(order))
+    try:
+        return Lora(rank, float(alpha), tuple(order))
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAdapters]:
     """A PEFT adapter folder for the base model ``cfg``: ``cfg`` with its `Lora` and the
-    adapters (fp32, host-side numpy)."""
+    adapters (fp32, host-side numpy). The tensors' names, dtypes (floats) and shapes are
+    checked from the file's header before any is read, and their values must be finite (a NaN
+    adapter makes every logit of its layers NaN)."""
     path = Path(path)
-    config_file = path / ADAPTER_CONFIG
+    config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_file.is_file():
         raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
     if cfg.lora is not None:
         raise ValueError("the base model carries LoRA adapters already")
-    lora = _lora_of(json.loads(config_file.read_text()), config_file)
-    cfg = dataclasses.replace(cfg, lora=lora)
-    with safe_open(str(path / ADAPTER_WEIGHTS), framework="numpy") as f:
-        stored = set(f.keys())
-        entries = list(_peft_entries(cfg))
-        expected = {name for name, *_ in entries}
-        if stored != expected:
+    lora = _lora_of(config_file)
+    try:  # (a rank past a projection's side: parameters and no function)
+        cfg = dataclasses.replace(cfg, lora=lora)
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
+    stored = stored_tensors(weights)  # (a CheckpointError naming what does not fit)
+    entries = list(_peft_entries(cfg))
+    expected = {name for name, *_ in entries}
+    if set(stored) != expected:
+        raise CheckpointError(
+            f"{weights}: missing {sorted(expected - set(stored))}, "
+            f"unexpected {sorted(set(stored) - expected)}"
+        )
+    for name, rule, _, _, _, shape in entries:
+        if stored[name].shape != hf_shape(rule, shape):
             raise CheckpointError(
-                f"{path / ADAPTER_WEIGHTS}: missing {sorted(expected - stored)}, "
-                f"unexpected {sorted(stored - expected)}"
+                f"tensor {name!r} has shape {stored[name].shape}, the config implies "
+                f"{hf_shape(rule, shape)}"
             )
-        specs = param_specs(cfg).layers
-        assert isinstance(specs, Layer) and specs.lora is not None
-        full = {
-            (t, part): np.zeros(getattr(getattr(specs.lora, t), part).shape, np.float32)
-            for t in lora.targets
-            for part in ("a", "b")
-        }
+    specs = param_specs(cfg).layers
+    assert isinstance(specs, Layer) and specs.lora is not None
+    full = {
+        (t, part): np.zeros(getattr(getattr(specs.lora, t), part).shape, np.float32)
+        for t in lora.targets
+        for part in ("a", "b")
+    }
+    with safe_open(str(weights), framework="numpy") as f:
         for name, rule, target, part, i, shape in entries:
-            x = f.get_tensor(name)
-            if x.shape != hf_shape(rule, shape):
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {x.shape}, the config implies "
-                    f"{hf_shape(rule, shape)}"
-                )
-            full[target, part][i] = to_ours(rule, x.astype(np.float32), shape)
+            x = f.get_tensor(name).astype(np.float32)
+            if not np.isfinite(x).all():
+                raise CheckpointError(f"{weights}: tensor {name!r} holds values not finite")
+            full[target, part][i] = to_ours(rule, x, shape)
     adapters = LayerAdapters(**{t: Adapter(full[t, "a"], full[t, "b"]) for t in lora.targets})
     return cfg, adapters

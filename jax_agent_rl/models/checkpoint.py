@@ -196,7 +196,7 @@ def _regular(file: Path) -> bool:
         raise CheckpointError(str(e)) from None
 
 
-def _header(file: Path) -> dict[str, _Stored]:
+def stored_tensors(file: Path) -> dict[str, _Stored]:
     """The tensors a safetensors file holds, from its header alone: an 8-byte little-endian
     length, then that many bytes of JSON giving each tensor's dtype, shape and data offsets
     (relative to the end of the header). As the safetensors library requires, each tensor's
@@ -291,7 +291,7 @@ def _locate(path: Path) -> dict[str, _Stored]:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     seen: dict[str, _Stored] = {}
     for file in files:
-        for name, stored in _header(file).items():
+        for name, stored in stored_tensors(file).items():
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} is stored twice: {seen[name].file}, {file}")
             seen[name] = stored

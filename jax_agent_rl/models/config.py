@@ -205,6 +205,26 @@ class ModelConfig:
                 f"LoRA targets {mlp_targets} on {self.family}: adapters on the MLPs of a model "
                 "with experts are not supported; target the attention projections q, k, v, o"
             )
+        self._check_lora_rank()
+
+    def _check_lora_rank(self) -> None:
+        """An adapter's rank at most its projection's smaller side, min(in, out), A B's rank
+        at most: past it, parameters and no function (a typo's 10**12 ended in a traceback)."""
+        if self.lora is None:
+            return
+        attn, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        d, f = self.hidden_size, self.intermediate_size
+        sides = {"q": (d, attn), "k": (d, kv), "v": (d, kv), "o": (attn, d), "gate": (d, f),
+                 "up": (d, f), "down": (f, d)}  # fmt: skip
+        target = min(self.lora.targets, key=lambda t: min(sides[t]))
+        side = min(sides[target])
+        if self.lora.rank > side:
+            raise UnsupportedConfigError(
+                f"LoRA rank={self.lora.rank} exceeds the {target} projection's smaller side "
+                f"(in {sides[target][0]}, out {sides[target][1]}): an adapter's A B has rank at "
+                f"most min(in, out), so a larger rank adds parameters and nothing else; use a "
+                f"rank <= {side}"
+            )
 
     def _check_moe(self) -> None:
         """The MoE fields: all sizes for a MoE family, all at their defaults for a dense one."""

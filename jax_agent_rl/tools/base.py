@@ -412,8 +412,12 @@ def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str
 # The threads of synchronous function tools, every registry's of the process: a call past its
 # timeout is abandoned with its thread (a thread cannot be stopped), which keeps its place
 # until the call returns. Calls stuck for good so hold this pool at most, never the event
-# loop's default executor, which the learner's steps and the judge wait on.
-TOOL_THREADS = CallThreads(32, "tool-call")
+# loop's default executor, which the learner's steps and the judge wait on; one trajectory's
+# calls hold at most TOOL_THREADS_PER_TRAJECTORY of its threads (agent.max_parallel_tool_calls'
+# default), abandoned ones included, so that one episode's calls stuck for good never hold
+# the threads its siblings' calls wait for (`CallThreads`'s ``per_key``).
+TOOL_THREADS_PER_TRAJECTORY = 4
+TOOL_THREADS = CallThreads(32, "tool-call", per_key=TOOL_THREADS_PER_TRAJECTORY)
 
 
 class FunctionTool(Tool):

@@ -18,6 +18,13 @@ from jax_agent_rl.tools.protocol import FRAME_HEAD, NAMESPACE_HEADER, frame
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.socket_client import SocketConnection, read_frame
 
+# the most bytes of calls one /execute_batch request carries (a call longer on its own goes
+# alone), well within the server's bound on a body (max_body_bytes, 8 MiB by default): a body
+# over the bound is cut off as it is sent, so the client reads no 413 to split the batch on,
+# only a broken connection, and ten calls of 1 MB each, each one well within the bound, all
+# failed for their batch's sum (tool_error), siblings' episodes with them
+BATCH_BYTES = 2**20
+
 
 class _TooLargeError(ToolTransportError):
     """The server refused a request for its size (413), before running any of its calls."""
@@ -41,7 +48,8 @@ class HttpTools:
     """A `ToolExecutor` that calls a tool server over HTTP, or over its Unix socket when
     ``url`` is ``unix:PATH`` (see `SocketServer`): there every call is one frame on a shared
     connection, with no HTTP request per call, which makes calls cheap. Over HTTP, calls made
-    in the same event-loop tick share one ``/execute_batch`` request. On both, only failures
+    in the same event-loop tick share one ``/execute_batch`` request (at most ``max_batch``
+    calls, of at most `BATCH_BYTES` in all but for one longer call alone). On both, only failures
     where the request cannot have reached the server (connection refused or timed out while
     connecting) are retried, with exponential backoff; any other transport failure, or retries
     used up, raises `ToolTransportError` (the trajectory ends with stop reason ``tool_error``).
@@ -68,6 +76,7 @@ class HttpTools:
         self.retries, self.backoff_s = retries, backoff_s
         self.max_batch = max_batch
         self._pending: list[tuple[dict[str, Any], asyncio.Future[ToolResult]]] = []
+        self._pending_bytes = 0  # their bodies' (a batch's body stays within BATCH_BYTES)
         self._namespace = secrets.token_urlsafe(16)
         headers = {NAMESPACE_HEADER: self._namespace}
         if token:
@@ -189,7 +198,7 @@ class HttpTools:
             "create_kwargs": dict(create_kwargs or {}),
         }
         try:  # as httpx writes a body
-            json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+            size = len(json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8"))
         except (ValueError, TypeError, RecursionError) as e:  # UnicodeEncodeError included
             return ToolResult(f"error: the arguments of {name} are not JSON: {e}", error=True)
         if self._socket is not None:  # a frame per call costs little: no batching
@@ -202,15 +211,18 @@ class HttpTools:
             except TypeError as e:  # not a result: the server is broken, as for a bad frame
                 raise ToolTransportError(f"tool server {self.url} execute: {e}") from e
         future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
+        if self._pending_bytes + size > BATCH_BYTES:  # (a long call goes in a batch of its own)
+            self._flush()
         self._pending.append((body, future))
+        self._pending_bytes += size
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
-        if len(self._pending) >= self.max_batch:
+        if len(self._pending) >= self.max_batch or self._pending_bytes > BATCH_BYTES:
             self._flush()
         return await future
 
     def _flush(self) -> None:
-        batch, self._pending = self._pending, []
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
         if batch:
             asyncio.get_running_loop().create_task(self._send_batch(batch))
 

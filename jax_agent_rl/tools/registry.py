@@ -15,15 +15,17 @@ import copy
 import dataclasses
 import inspect
 import logging
+import numbers
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from jax_agent_rl.call_threads import abandoned
+from jax_agent_rl.call_threads import CALLER, abandoned, own_errors
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.tools.base import (
     CallClock,
@@ -234,16 +236,27 @@ class ToolExecutor(Protocol):
     async def close(self) -> None: ...
 
 
-def _text_checked(name: str, result: ToolResult) -> ToolResult:
-    """``result``, or the call's error result when its text holds a lone surrogate (as
-    ``os.listdir`` gives an undecodable byte of a file name): no tokenizer takes one, and the
-    episode ended in the tokenizer rendering the observation."""
-    where = lone_surrogate(result.text)
-    if where is not None:
-        return ToolResult(
-            f"error: {name} returned text holding a lone surrogate {where}: not text", error=True
-        )
-    return result
+def _checked(name: str, result: Any) -> ToolResult:
+    """``result`` as plain values (text, a float reward, bool flags), else the call's error
+    result: NumPy's ``float32`` reward or ``bool_`` done flag (a tool's comparisons give them)
+    does not serialize, and the tool server's answer to a batch of several trajectories' calls
+    broke off at one, ending every sibling's episode (tool_error); text holding a lone
+    surrogate (``os.listdir``'s undecodable byte) ended its episode in the tokenizer."""
+    if not isinstance(result, ToolResult):
+        why = f"a {type(result).__name__}, not a ToolResult"
+        return ToolResult(f"error: {name} returned {why}", error=True)
+    flags = (result.done, result.error)
+    if not isinstance(result.text, str):
+        why = f"text that is a {type(result.text).__name__}, not a string"
+    elif not isinstance(result.reward, (numbers.Real, np.bool_)):
+        why = f"a reward that is a {type(result.reward).__name__}, not a number"
+    elif not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        why = f"done and error flags of types {[type(f).__name__ for f in flags]}, not bools"
+    elif (where := lone_surrogate(result.text)) is not None:
+        why = f"text holding a lone surrogate {where}: not text"
+    else:
+        return ToolResult(result.text, float(result.reward), bool(flags[0]), bool(flags[1]))
+    return ToolResult(f"error: {name} returned {why}", error=True)
 
 
 @dataclasses.dataclass
@@ -303,6 +316,7 @@ class LocalTools:
         self._open: dict[str, _Trajectory] = {}
         self._idle_since: dict[str, float] = {}  # no call in flight; oldest first
         self._expired = 0
+        self._keys = object()  # (a trajectory's key in a shared pool: with its id, `CALLER`)
 
     async def schemas(self) -> list[dict[str, Any]]:
         return self.registry.schemas()
@@ -332,14 +346,16 @@ class LocalTools:
                 f"{self.max_trajectories}); retry after others end",
                 error=True,
             )
+        caller = CALLER.set((self._keys, trajectory_id))  # (its synchronous calls' threads)
         try:
             run = self._run(trajectory, trajectory_id, t, create_kwargs or {}, args)
-            return _text_checked(name, await self._timed(t, run))
+            return _checked(name, await self._timed(t, run))
         except Exception as e:  # a tool bug is the model's observation, not a crash
             # (a lone surrogate in its words, a file name's undecodable byte: written escaped)
             why = error_text(e).encode("utf-8", "backslashreplace").decode("utf-8")
             return ToolResult(f"error: {name} failed: {why}", error=True)
         finally:
+            CALLER.reset(caller)
             self._leave(trajectory, trajectory_id)
 
     async def _run(
@@ -474,7 +490,7 @@ async def _ending(call: Coroutine[Any, Any, ToolResult], grace_s: float) -> Tool
     given ``grace_s`` to end and abandoned if it has not: a tool whose retry loop catches
     every exception, the cancellation too, would otherwise hold its trajectory, and the step,
     for as long as it ran (and its late result would be taken)."""
-    task = asyncio.ensure_future(call)
+    task = asyncio.ensure_future(own_errors(call))  # (what it raises: its error)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

@@ -78,18 +78,6 @@ def dying(text: str, ground_truth: Any) -> float:
     return 1.0 if text == "quick" else os._exit(3)
 
 
-class HostFailure(BaseException):
-    """Not an `Exception`: what a broken host raises (`tests/multihost/faulty.py`)."""
-
-
-def failing_host(text: str, ground_truth: Any) -> float:
-    """1 for the answer "quick"; for "slow", the host's failure."""
-    del ground_truth
-    if text == "slow":
-        raise HostFailure("the host failed")
-    return 1.0
-
-
 def _score(
     tokenizer: Tokenizer, overrides: list[str], releaser: bool
 ) -> tuple[Trajectory, Trajectory, bool]:
@@ -168,15 +156,6 @@ def test_a_reward_raising_what_a_thread_cannot_pass_on_ends_only_its_episode(
     error = str(slow.error)
     assert raised in error and f"in {reward} " in error and "reward_timeout_s" not in error
     assert (quick.reward, quick.stop_reason, quick.success) == (1.0, "eos", True)
-
-
-def test_a_reward_raising_what_is_not_an_exception_stops_the_step(tokenizer: Tokenizer) -> None:
-    """Past StopIteration and SystemExit, what is not an `Exception` (a broken host's failure)
-    is not a reward's error: it reaches the caller of the step as it is, so that the run stops
-    and, on several processes, the others name it (`tests/multihost`)."""
-    overrides = [f"data.reward={HERE}:failing_host", f"data.reward_timeout_s={BOUND_S}"]
-    with pytest.raises(HostFailure, match="the host failed"):
-        _score(tokenizer, overrides, releaser=False)
 
 
 def test_a_reward_whose_process_dies_ends_only_its_episode(tokenizer: Tokenizer) -> None:
