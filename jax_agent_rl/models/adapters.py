@@ -237,16 +237,22 @@ def _lora_of(config: dict[str, Any], file: Path) -> Lora:
     return Lora(int(config["r"]), float(config["lora_alpha"]), tuple(order))
 
 
+def peft_lora(path: str | Path) -> Lora:
+    """The `Lora` (rank, alpha, targets) of the PEFT adapter folder ``path``, from its
+    ``adapter_config.json`` (its tensors are not read)."""
+    config_file = Path(path) / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    return _lora_of(json.loads(config_file.read_text()), config_file)
+
+
 def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAdapters]:
     """A PEFT adapter folder for the base model ``cfg``: ``cfg`` with its `Lora` and the
     adapters (fp32, host-side numpy)."""
     path = Path(path)
-    config_file = path / ADAPTER_CONFIG
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    lora = peft_lora(path)
     if cfg.lora is not None:
         raise ValueError("the base model carries LoRA adapters already")
-    lora = _lora_of(json.loads(config_file.read_text()), config_file)
     cfg = dataclasses.replace(cfg, lora=lora)
     with safe_open(str(path / ADAPTER_WEIGHTS), framework="numpy") as f:
         stored = set(f.keys())
