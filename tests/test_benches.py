@@ -6,7 +6,9 @@ checked: at these sizes they mean nothing.)
 bench/tpu_plan.py is not run here: what it runs, `jarl plan` of the tiny run on v5e:2x2, is
 what tests/plan/test_plan.py compiles, and that test reads the bench's figures from the same
 record (`test_the_tpu_plan_bench_reads_the_plan_record`). bench/weight_push.py pushes into a
-vLLM engine, so it needs .venv-vllm, as the tests in tests/backends/vllm do."""
+vLLM engine, so it needs .venv-vllm, as the tests in tests/backends/vllm do; its ``--lora`` run
+(the embedded engine) is smoked on its own, its push share checked against the parameter
+count (`test_the_lora_weight_push_bench_pushes_the_adapters_alone`)."""
 
 import importlib.util
 import json
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from jax_agent_rl.models.decoder import Layer
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -227,3 +231,43 @@ def test_every_bench_is_smoked() -> None:
     GPU checks' dry runs (tests/test_gpu_check.py, tests/test_cuda_push_check.py)."""
     elsewhere = {"tpu_plan", "gpu_check", "cuda_push_check"}
     assert {p.stem for p in BENCH.glob("*.py")} == {*SMOKE, *elsewhere}
+
+
+def _adapter_share(hf: dict[str, Any], rank: int) -> float:
+    """The share of a LoRA policy's parameters (rank ``rank`` on every projection of the model
+    ``hf``) that its adapters are: what a push of the adapters alone moves, over a push of the
+    whole policy, both fp32."""
+    import dataclasses
+    import math
+
+    import jax
+
+    from jax_agent_rl.models import Lora, ModelConfig
+    from jax_agent_rl.models.decoder import is_spec, param_specs
+
+    cfg = dataclasses.replace(ModelConfig.from_hf(hf), lora=Lora(rank, 2.0 * rank))
+    specs = param_specs(cfg)
+    assert isinstance(specs.layers, Layer)
+
+    def size(tree: object) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(tree, is_leaf=is_spec))
+
+    return size(specs.layers.lora) / size(specs)
+
+
+def test_the_lora_weight_push_bench_pushes_the_adapters_alone(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/weight_push.py --lora at its smallest (the tiny model, one push, rank 16): its
+    adapter push moves the adapters' share of the policy's bytes, 10.4% there (2 layers of
+    width 256, a 512-token vocabulary); the small model it runs by default, whose figure the
+    docs quote (docs/engine.md: 2.9%), pushes under 5% of its bytes."""
+    from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2
+
+    argv = ["--lora", "--model", "tiny", "--pushes", "1"]
+    figures = bench_figures("weight_push", argv, capsys, monkeypatch)
+    assert figures["bench"] == "weight_push_lora" and figures["rank"] == 16
+    keys = {"full_bytes", "adapter_bytes", "unmerged_decode_tok_s", "merged_decode_tok_s"}
+    assert keys <= figures.keys(), sorted(keys - figures.keys())
+    assert figures["adapter_over_full"] == round(_adapter_share(TINY_QWEN2, 16), 4) == 0.1038
+    assert _adapter_share(SMALL_QWEN2, 16) < 0.05

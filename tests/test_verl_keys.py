@@ -361,5 +361,6 @@ def test_verl_lora_keys_map_to_model_lora() -> None:
     }
     with pytest.raises(ConfigError, match=r"target_modules=\[qkv\]: expected all-linear or a"):
         _to_jarl(["actor_rollout_ref.model.target_modules=[qkv]"])
-    with pytest.raises(ConfigError, match="starts its adapters afresh"):
-        _to_jarl(["actor_rollout_ref.model.lora_adapter_path=/a"])
+    assert _to_jarl(["actor_rollout_ref.model.lora_adapter_path=/a"]) == {
+        "model.lora.adapter_path": '"/a"'
+    }

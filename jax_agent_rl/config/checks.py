@@ -204,20 +204,6 @@ def _judge_template(template: str) -> str | None:
     return None
 
 
-def _lora_backend(cfg: JarlConfig) -> str | None:
-    """The embedded engine and vLLM (its own LoRA support) take a LoRA policy's pushes (its
-    adapters alone); another backend would need the whole model pushed each step, which a
-    LoRA run never does."""
-    r = cfg.rollout
-    if not cfg.model.lora.rank or (r.backend in ("embedded", "vllm") and not r.ray.address):
-        return None
-    where = f"rollout.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
-    return (
-        f"model.lora: {where} cannot serve LoRA adapters yet; use the embedded engine "
-        "or vllm (rollout.backend=embedded|vllm, no rollout.ray.address) or model.lora.rank=0"
-    )
-
-
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -231,5 +217,4 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _parser,
     _judge,
     lambda cfg: lora_targets_problem(cfg.model.lora),
-    _lora_backend,
 )

@@ -16,11 +16,15 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 class LoraSection:
     """LoRA (HF PEFT's): the learner trains only adapters ``W + (alpha / rank) A B`` on the
     ``targets`` projections of every layer; the base weights stay frozen. ``rank`` 0: off,
-    the whole model is trained."""
+    the whole model is trained. ``adapter_path``: a PEFT adapter folder
+    (``adapter_config.json`` + ``adapter_model.safetensors``, as ``jarl export`` writes a LoRA
+    run's) whose adapters training starts from, instead of fresh ones; ``rank`` 0 takes its
+    rank, alpha and targets, any other must agree with the folder's (`train.learners.lora_of`)."""
 
     rank: int = setting(0, NATURAL)
     alpha: float = setting(16.0, POSITIVE)
     targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    adapter_path: str = ""
     # dropout on the adapters' input (PEFT's lora_dropout): not implemented, so only 0
     dropout: float = setting(0.0, Rule(lambda v: v == 0, "0 (LoRA dropout is not implemented)"))
 

@@ -52,6 +52,7 @@ def resolve_packaged(cfg: T, prefix: str = "") -> T:
 PATH_KEYS = (
     "model.path",
     "model.tokenizer",
+    "model.lora.adapter_path",
     "rollout.vllm.python",
     "rollout.jetstream.python",
     "tools.config",

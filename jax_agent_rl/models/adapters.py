@@ -253,6 +253,15 @@ def _lora_of(file: Path) -> Lora:
         raise CheckpointError(f"{file}: {e}") from None
 
 
+def peft_lora(path: str | Path) -> Lora:
+    """The `Lora` (rank, alpha, targets) of the PEFT adapter folder ``path``, from its
+    ``adapter_config.json`` (its tensors are not read)."""
+    config_file = Path(path) / ADAPTER_CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    return _lora_of(config_file)
+
+
 def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAdapters]:
     """A PEFT adapter folder for the base model ``cfg``: ``cfg`` with its `Lora` and the
     adapters (fp32, host-side numpy). The tensors' names, dtypes (floats) and shapes are
@@ -260,11 +269,9 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAda
     adapter makes every logit of its layers NaN)."""
     path = Path(path)
     config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
-    if not config_file.is_file():
-        raise CheckpointError(f"{path} is not a PEFT adapter folder: it has no {ADAPTER_CONFIG}")
+    lora = peft_lora(path)
     if cfg.lora is not None:
         raise ValueError("the base model carries LoRA adapters already")
-    lora = _lora_of(config_file)
     try:  # (a rank past a projection's side: parameters and no function)
         cfg = dataclasses.replace(cfg, lora=lora)
     except ValueError as e:

@@ -96,6 +96,7 @@ class EmbeddedBackend:
             weight_update="in_place",
             max_model_len=engine.max_len,
             expert_ids=any(engine.cfg.moe_layers),
+            lora=engine.cfg.lora is not None,
         )
         self.stats = BackendStats()
         # the last weight push: the bytes it sent (a LoRA policy's adapters only), the seconds

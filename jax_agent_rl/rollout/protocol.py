@@ -103,6 +103,9 @@ class Capabilities:
     max_model_len: int  # prompt + generated tokens of one request
     # a mixture-of-experts model's sampled tokens come with their experts (routing replay)
     expert_ids: bool = False
+    # serves a LoRA policy: its base frozen, its adapters applied unmerged, each push the
+    # adapters alone (`models.lora.LayerAdapters`); a backend without it refuses such a push
+    lora: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

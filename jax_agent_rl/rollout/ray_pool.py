@@ -12,7 +12,9 @@ the nodes). The pool is the router:
 - a weight push goes through the `WeightGate` every backend shares (requests in flight
   finish, new ones wait, so none is sampled under weights it did not start with): it is put
   into the object store once and loaded by every replica, with its version; a replica
-  restarted meanwhile loads the newest;
+  restarted meanwhile loads the newest. A LoRA policy's push is its adapters alone
+  (`LayerAdapters`, to replicas serving a LoRA model: `Capabilities.lora`): a restarted
+  replica starts from the base it started with and the newest adapters;
 - a replica that dies (its process killed, its node lost) has its requests sent again to a
   live replica and counted (``rollout/requests_requeued``). A request is token ids in, so
   running it again loses nothing: the trajectory goes on from the same prompt, and its
@@ -37,12 +39,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import jax
 
+from jax_agent_rl.models.adapters import base_of, check_adapters, with_adapters
+from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     GenerateRequest,
     GenerateResult,
+    PushStats,
     RolloutBackend,
 )
 from jax_agent_rl.rollout.router import Router
@@ -54,13 +59,16 @@ if TYPE_CHECKING:
 
 class Replica:
     """One rollout backend inside a Ray actor (``ray.remote(Replica)``; async methods run on
-    the actor's event loop, so its requests are served concurrently)."""
+    the actor's event loop, so its requests are served concurrently), serving ``params``, or
+    their base with ``adapters`` (a LoRA policy's, pushed since ``params``)."""
 
-    def __init__(self, spec: BackendBuild, params: Any) -> None:
+    def __init__(self, spec: BackendBuild, params: Any, adapters: Any = None) -> None:
         import ray
 
         from jax_agent_rl.rollout.registry import make_backend
 
+        if adapters is not None:
+            params = with_adapters(base_of(params), adapters)
         self.backend: RolloutBackend = make_backend(dataclasses.replace(spec, params=params))
         self.node = ray.get_runtime_context().get_node_id()
         self.requests = 0  # in flight here
@@ -75,8 +83,11 @@ class Replica:
         finally:
             self.requests -= 1
 
-    async def update_weights(self, params: Any, version: int) -> None:
+    async def update_weights(self, params: Any, version: int) -> float:
+        """Seconds this replica took to load ``params``."""
+        t0 = time.perf_counter()
         await self.backend.update_weights(params, version)
+        return time.perf_counter() - t0
 
     async def abort(self, request_id: str) -> None:
         await self.backend.abort(request_id)
@@ -164,7 +175,11 @@ class RayPool:
             spec, params=cast(Any, None), sharder=None, on_program=None, decode=None
         )
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
+        self._adapters: Any = None  # the newest LoRA adapters pushed (on `_weights`' base)
         self._gate = WeightGate(spec.version)
+        # the last push: its bytes (a LoRA policy's adapters alone), the seconds to put them
+        # into the object store, the slowest replica's to load them, the whole push's
+        self.last_push: PushStats | None = None
         # an engine process of its own (vLLM, JetStream) owns the replica's accelerators: JAX
         # there stays on the CPU rather than take their memory
         self._env = {} if spec.rollout.backend == "embedded" else {"JAX_PLATFORMS": "cpu"}
@@ -208,7 +223,7 @@ class RayPool:
             runtime_env={"env_vars": self._env},
         )
         return actor_cls.remote(
-            dataclasses.replace(self._spec, version=self._version), self._weights
+            dataclasses.replace(self._spec, version=self._version), self._weights, self._adapters
         )
 
     def counters(self) -> dict[str, float]:
@@ -312,7 +327,8 @@ class RayPool:
                 _, node = await actor.describe.remote()
                 while self._version != version:  # pushed while it started: load the newest
                     version = self._version
-                    await actor.update_weights.remote(self._weights, version)
+                    newest = self._weights if self._adapters is None else self._adapters
+                    await actor.update_weights.remote(newest, version)
             except self._ray.exceptions.RayActorError:
                 self._counts["replica_deaths"] += 1
                 if slot.restarts >= self._cfg.max_restarts:
@@ -328,20 +344,48 @@ class RayPool:
             return
 
     async def update_weights(self, params: Any, version: int) -> None:
+        """``params``: the policy's weights, or a LoRA policy's adapters alone
+        (`LayerAdapters`), which replicas serving no LoRA model refuse, as here."""
+        lora = isinstance(params, LayerAdapters)
+        if lora:
+            if not self.capabilities.lora:
+                raise ValueError(
+                    "a push of LoRA adapters (LayerAdapters) to Ray replicas whose model has "
+                    "none: push the whole model's weights"
+                )
+            check_adapters(self._spec.model, params)
+
         async def push() -> None:
-            self._weights = self._ray.put(jax.device_get(params))
+            t0 = time.perf_counter()
+            host = jax.device_get(params)
+            ref = self._ray.put(host)
+            if lora:
+                self._adapters = ref
+            else:
+                self._weights, self._adapters = ref, None
             self._version = version
+            t1 = time.perf_counter()
             live = [s for s in self._slots if s.actor is not None]
-            await asyncio.gather(*(self._push(s) for s in live))
+            loads = await asyncio.gather(*(self._push(s, ref) for s in live))
+            size = sum(x.nbytes for x in jax.tree.leaves(host))
+            self.last_push = PushStats(
+                size, t1 - t0, max(loads, default=0.0), time.perf_counter() - t0
+            )
 
         await self._gate.update(push, version)
 
-    async def _push(self, slot: _Slot) -> None:
+    async def _push(self, slot: _Slot, ref: Any) -> float:
+        """``slot``'s replica loads the pushed ``ref``: its seconds (0 if it died meanwhile)."""
         actor, generation = slot.actor, slot.generation
         try:
-            await actor.update_weights.remote(self._weights, self._version)
+            seconds: float = await actor.update_weights.remote(ref, self._version)
+        except self._ray.exceptions.RayTaskError as e:  # the replica's backend refused them
+            cause = e.cause
+            raise (cause if isinstance(cause, Exception) else e) from None
         except self._ray.exceptions.RayActorError:
             self._lost(slot, generation)  # its restart loads these weights
+            return 0.0
+        return seconds
 
     async def abort(self, request_id: str) -> None:
         self._gate.abort(request_id)  # one not sent yet will not be

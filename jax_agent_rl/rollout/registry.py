@@ -207,6 +207,19 @@ def backend_factory(name: str) -> BackendFactory:
     return _REGISTERED[name]
 
 
+def lora_problem(spec: BackendBuild, backend: RolloutBackend) -> str | None:
+    """Why ``backend``, built from ``spec``, cannot serve the run (None: it can): its policy
+    carries LoRA adapters (``model.lora``), which a run pushes alone, and the backend does not
+    declare `Capabilities.lora` (every built-in backend does)."""
+    if spec.model.lora is None or backend.capabilities.lora:
+        return None
+    return (
+        f"model.lora: rollout.backend={spec.rollout.backend} does not serve LoRA adapters "
+        "(its capabilities.lora is false): use a backend that does (embedded, vllm, "
+        "jetstream) or model.lora.rank=0"
+    )
+
+
 def make_backend(spec: BackendBuild) -> RolloutBackend:
     """The backend ``spec.rollout.backend`` names, started and serving ``spec.params``."""
     return backend_factory(spec.rollout.backend).build(spec)

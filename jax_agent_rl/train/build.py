@@ -49,7 +49,7 @@ from jax_agent_rl.rl.update import LearnerState, trainable
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
-from jax_agent_rl.rollout.registry import BackendBuild, make_backend
+from jax_agent_rl.rollout.registry import BackendBuild, lora_problem, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
@@ -398,21 +398,23 @@ async def serve_policy(
             def compiled(done: int, total: int) -> None:
                 starting.update(done, f"{done}/{total} programs compiled")
 
-            built = start(
-                BackendBuild(
-                    cfg.rollout,
-                    model,
-                    params,
-                    checkpoint=cfg.model.path,
-                    dtype=cfg.model.dtype,
-                    version=version,
-                    seed=cfg.trainer.seed,
-                    sharder=sharder,
-                    stop_token_ids=turn_stop_ids(tokenizer, parser),
-                    on_program=compiled,
-                    decode=tokenizer.decode,
-                )
+            spec = BackendBuild(
+                cfg.rollout,
+                model,
+                params,
+                checkpoint=cfg.model.path,
+                dtype=cfg.model.dtype,
+                version=version,
+                seed=cfg.trainer.seed,
+                sharder=sharder,
+                stop_token_ids=turn_stop_ids(tokenizer, parser),
+                on_program=compiled,
+                decode=tokenizer.decode,
             )
+            built = start(spec)
+        if (problem := lora_problem(spec, built)) is not None:
+            await built.close()
+            raise ValueError(problem)
         backend = MeteredBackend(built, version)  # its idle time goes into each step's metrics
         if isinstance(built, RayPool):
             nodes = collections.Counter(built.nodes)

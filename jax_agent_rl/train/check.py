@@ -106,8 +106,8 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         as_judge = dataclasses.replace(cfg.rollout, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model = attempt(lambda: _model(cfg.model.path))
-    if model is not None and cfg.model.lora.rank:
-        try:  # adapters the model cannot carry (a MoE's expert MLPs)
+    if model is not None and (cfg.model.lora.rank or cfg.model.lora.adapter_path):
+        try:  # adapters the model cannot carry (a MoE's expert MLPs), or not the folder's
             run_model(cfg, model)
         except ValueError as e:
             problems.append(f"model.lora: {e}")

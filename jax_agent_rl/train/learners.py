@@ -1,7 +1,8 @@
 """The learner a run trains with, from its config: `make_learner` (the trainer's), and the
 settings it is made of (`learner_settings`, `micro_batch_rows`), which ``jarl plan`` reads to
 compile the same steps abstractly; the model a run trains (`run_model`: the checkpoint's, with
-``model.lora``'s adapters) and fresh adapters on loaded weights (`with_run_lora`)."""
+``model.lora``'s adapters) and its adapters on loaded weights (`with_run_lora`: fresh ones, or
+an adapter folder's)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,38 @@ import jax
 
 from jax_agent_rl.config import JarlConfig, LoraSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights
-from jax_agent_rl.models.adapters import init_adapters, with_adapters
-from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.models.adapters import init_adapters, load_peft, peft_lora, with_adapters
+from jax_agent_rl.models.lora import TARGETS, Lora
 from jax_agent_rl.rl.learner import Learner, critic_from_policy
 from jax_agent_rl.rl.objectives import SamplingSpec
 
 
 def lora_of(section: LoraSection) -> Lora | None:
-    """``model.lora`` as the decoder's `Lora` (``None``: rank 0, no adapters)."""
-    return Lora(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
+    """``model.lora`` as the decoder's `Lora` (``None``: rank 0 and no adapter folder, no
+    adapters). With ``adapter_path``, the folder's (`peft_lora`): rank 0 takes it as it is;
+    otherwise ``rank``, ``alpha`` and ``targets`` must be the folder's, a `ValueError` naming
+    each that is not."""
+    asked = Lora(section.rank, section.alpha, tuple(section.targets)) if section.rank else None
+    if not section.adapter_path:
+        return asked
+    lora = peft_lora(section.adapter_path)
+    if asked is None:
+        return lora
+    ordered = [t for t in TARGETS if t in asked.targets]  # (the folder's are in this order)
+    mine = {"rank": asked.rank, "alpha": asked.alpha, "targets": ordered}
+    theirs = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+    differ = [
+        f"model.lora.{key}={mine[key]!r} where its adapter_config.json has {theirs[key]!r}"
+        for key in mine
+        if mine[key] != theirs[key]
+    ]
+    if differ:
+        raise ValueError(
+            f"model.lora.adapter_path={section.adapter_path!r}: "
+            + "; ".join(differ)
+            + ": set them so, or model.lora.rank=0 to take the folder's"
+        )
+    return lora
 
 
 def run_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
@@ -31,12 +55,18 @@ def run_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
 def with_run_lora(
     cfg: JarlConfig, checkpoint: ModelConfig, params: Weights
 ) -> tuple[ModelConfig, Weights]:
-    """`run_model` and the checkpoint's ``params`` with fresh adapters of it (PEFT's init,
-    seeded by ``trainer.seed``); both as they are without ``model.lora``."""
+    """`run_model` and the checkpoint's ``params`` with its adapters: those of
+    ``model.lora.adapter_path`` (`load_peft`, fp32), else fresh ones (PEFT's init, seeded by
+    ``trainer.seed``); both as they are without ``model.lora``."""
     model = run_model(cfg, checkpoint)
     if model.lora is None:
         return model, params
-    return model, with_adapters(params, init_adapters(jax.random.key(cfg.trainer.seed), model))
+    path = cfg.model.lora.adapter_path
+    if path:
+        _, adapters = load_peft(path, checkpoint)
+    else:
+        adapters = init_adapters(jax.random.key(cfg.trainer.seed), model)
+    return model, with_adapters(params, adapters)
 
 
 def learner_settings(

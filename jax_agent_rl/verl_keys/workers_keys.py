@@ -56,9 +56,9 @@ WORKERS: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "actor_rollout_ref.model.lora_adapter_path",
-        "",
-        "no equivalent: a jarl run starts its adapters afresh (PEFT's initialisation)",
-        refuse,
+        "model.lora.adapter_path",
+        "the same: a PEFT adapter folder training starts from (its rank, alpha and targets "
+        "taken with model.lora.rank=0, else checked against model.lora's)",
     ),
     VerlKey(
         "actor_rollout_ref.model.use_shm",

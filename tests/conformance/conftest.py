@@ -8,6 +8,10 @@ under ``.venv-vllm``; JetStream: `jax_agent_rl.backends.jetstream`, under ``.ven
 the Ray pool serves from an embedded replica in a Ray actor (`jax_agent_rl.rollout.ray_pool`).
 The suite itself does not change. What a backend's `Capabilities` exclude, the suite checks it
 refuses (or, for logprobs, does not make up).
+
+Each backend is also built serving a LoRA policy (`lora_policy`: the dense model with adapters
+of `LORA`), once, for the weight-update tests (test_lora_conformance.py): there a push is the
+adapters alone and the learner recomputes logprobs with the base and the adapters (`Pushes`).
 """
 
 import asyncio
@@ -22,8 +26,10 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import ModelConfig, Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import Lora, ModelConfig, Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models.adapters import init_adapters, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, TINY_QWEN3_MOE, write_hf_checkpoint
+from jax_agent_rl.models.lora import Adapter, LayerAdapters
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend, SamplingParams
 
 T = TypeVar("T")
@@ -35,18 +41,49 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def _embedded(path: Path) -> RolloutBackend:
+# the suite's LoRA policy: rank 4 on every projection of the dense model
+LORA = Lora(rank=4, alpha=8.0)
+
+
+def lora_adapters(cfg: ModelConfig, seed: int) -> LayerAdapters:
+    """Adapters of ``cfg.lora``: A as PEFT initialises it, B drawn too (PEFT's zeros would
+    change nothing, so a backend that dropped the adapters would pass)."""
+    fresh = init_adapters(jax.random.key(seed), cfg)
+    leaves, treedef = jax.tree.flatten(fresh, is_leaf=lambda x: isinstance(x, Adapter))
+    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
+    drawn = [
+        Adapter(a.a, 0.3 * jax.random.normal(k, a.b.shape))
+        for a, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, drawn)
+
+
+def lora_policy(path: Path) -> tuple[ModelConfig, Weights]:
+    """The checkpoint's model with `LORA`'s adapters (`lora_adapters` of seed 0) on it."""
     cfg, w = load_hf(path)
+    cfg = dataclasses.replace(cfg, lora=LORA)
+    return cfg, with_adapters(w, lora_adapters(cfg, seed=0))
+
+
+def _served(path: Path, lora: bool) -> tuple[ModelConfig, Weights]:
+    """The model and weights a backend is started with: the checkpoint's, or `lora_policy`."""
+    return lora_policy(path) if lora else load_hf(path)
+
+
+def _embedded(path: Path, lora: bool) -> RolloutBackend:
+    cfg, w = _served(path, lora)
     return EmbeddedBackend(Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN), w, seed=0)
 
 
-def _vllm(path: Path) -> RolloutBackend:
-    # starts vLLM in its own venv and processes
+def _vllm(path: Path, lora: bool) -> RolloutBackend:
+    # starts vLLM in its own venv and processes (a LoRA policy: its adapters pushed at start)
     from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
+    cfg, w = _served(path, lora)
     return VLLMBackend(
         path,
-        ModelConfig.from_pretrained(path),
+        cfg,
+        params=w if lora else None,
         max_model_len=MAX_LEN,
         max_num_seqs=SLOTS,
         kv_cache_bytes=32 * 2**20,  # fixed and small: no dependence on the machine's free RAM
@@ -54,24 +91,26 @@ def _vllm(path: Path) -> RolloutBackend:
     )
 
 
-def _jetstream(path: Path) -> RolloutBackend:
+def _jetstream(path: Path, lora: bool) -> RolloutBackend:
     from jax_agent_rl.backends.jetstream.client import JetStreamBackend, ServerSampling
 
+    cfg, w = _served(path, lora)
     return JetStreamBackend(  # JetStream's server in its own venv and process
         path,
-        ModelConfig.from_pretrained(path),
+        cfg,
+        params=w if lora else None,
         sampling=ServerSampling(SERVER_SAMPLING.temperature, SERVER_SAMPLING.top_k),
         max_model_len=MAX_LEN,
         slots=SLOTS,
     )
 
 
-def _ray(path: Path) -> RolloutBackend:
+def _ray(path: Path, lora: bool) -> RolloutBackend:
     from jax_agent_rl.config import RaySection, RolloutSection
     from jax_agent_rl.rollout.ray_pool import RayPool
     from jax_agent_rl.rollout.registry import BackendBuild
 
-    cfg, w = load_hf(path)
+    cfg, w = _served(path, lora)
     # one embedded replica as a Ray actor on a one-node cluster: the protocol through the pool
     # and the actor boundary (for the MoE: its expert ids cross it). Routing between replicas
     # (sessions spread by requests in flight, kept on one replica, moved off a dead one) is
@@ -85,7 +124,8 @@ def _ray(path: Path) -> RolloutBackend:
     return RayPool(BackendBuild(rollout, cfg, w, checkpoint=path, dtype="float32"))
 
 
-BACKENDS: dict[str, Callable[[Path], RolloutBackend]] = {
+# name -> build(checkpoint, lora): the backend serving the checkpoint, or `lora_policy`
+BACKENDS: dict[str, Callable[[Path, bool], RolloutBackend]] = {
     "embedded": _embedded,
     "ray": _ray,
     "vllm": _vllm,
@@ -185,7 +225,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def backend(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[RolloutBackend]:
     """Each backend once for the suite's module; the last one closes with the module, not with
     the session (the Ray pool's connection would outlive it into other modules' tests)."""
-    be = BACKENDS[request.param](checkpoint)
+    be = BACKENDS[request.param](checkpoint, False)
     yield be
     run(be.close())
 
@@ -227,7 +267,35 @@ def learner(checkpoint: Path) -> Learner:
     return Learner(checkpoint)
 
 
-def perturbed(weights: Weights, seed: int) -> Weights:
+@pytest.fixture(scope="session")
+def pushes(learner: Learner) -> "Pushes":
+    return Pushes(learner)
+
+
+class Pushes:
+    """What the weight-update tests push, and the weights the learner recomputes logprobs
+    under: the whole model (``adapters`` None), or a LoRA policy's adapters alone, served on
+    the learner's base (the learner's config carrying the `Lora`)."""
+
+    def __init__(self, learner: Learner, adapters: LayerAdapters | None = None) -> None:
+        self.learner = learner
+        self.start: Weights | LayerAdapters = learner.weights if adapters is None else adapters
+        self._lora = adapters is not None
+
+    def other(self, seed: int) -> Weights | LayerAdapters:
+        """Another push of the same shapes (what a training step sends)."""
+        return perturbed(self.start, seed)
+
+    def weights(self, pushed: Weights | LayerAdapters) -> Weights:
+        """The whole weights a backend serves after the push ``pushed``."""
+        if self._lora:
+            assert isinstance(pushed, LayerAdapters)
+            return with_adapters(self.learner.weights, pushed)
+        assert isinstance(pushed, Weights)
+        return pushed
+
+
+def perturbed(weights: T, seed: int) -> T:
     """Other weights of the same shapes (what a training step pushes)."""
     leaves, treedef = jax.tree.flatten(weights)
     keys = jax.random.split(jax.random.key(seed), len(leaves))

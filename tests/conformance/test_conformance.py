@@ -3,9 +3,11 @@
 import asyncio
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
+from jax_agent_rl.models.adapters import init_adapters
 from jax_agent_rl.rollout import (
     GenerateRequest,
     GenerateResult,
@@ -14,8 +16,10 @@ from jax_agent_rl.rollout import (
     SamplingParams,
 )
 from tests.conformance.conftest import (
+    LORA,
     MAX_LEN,
     Learner,
+    Pushes,
     as_served,
     is_paused,
     pause,
@@ -214,12 +218,13 @@ def test_abort_running_and_queued(backend: RolloutBackend) -> None:
 
 
 def test_update_weights_changes_outputs_and_stamps_versions(
-    backend: RolloutBackend, learner: Learner
+    backend: RolloutBackend, learner: Learner, pushes: Pushes
 ) -> None:
+    """(With a LoRA policy, test_lora_conformance.py: the pushes are its adapters alone.)"""
     prompt = _prompt(6, 8)
     before = run(backend.generate(_req("v0", prompt, GREEDY)))
     v = before.weight_version
-    new = perturbed(learner.weights, seed=1)
+    new = pushes.other(seed=1)
     run(backend.update_weights(new, version=v + 1))
     after = run(backend.generate(_req("v1", prompt, GREEDY)))
     assert after.weight_version == v + 1
@@ -227,15 +232,18 @@ def test_update_weights_changes_outputs_and_stamps_versions(
     sampling = as_served(backend, SamplingParams(max_tokens=20, temperature=1.0, seed=3))
     result = run(backend.generate(_req("v1s", prompt, sampling)))
     if backend.capabilities.logprobs:
-        _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=new)
-    run(backend.update_weights(learner.weights, version=v + 2))
+        weights = pushes.weights(new)
+        _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=weights)
+    run(backend.update_weights(pushes.start, version=v + 2))
     restored = run(backend.generate(_req("v2", prompt, GREEDY)))
     assert restored.token_ids == before.token_ids and restored.weight_version == v + 2
 
 
-def test_request_arriving_during_weight_swap(backend: RolloutBackend, learner: Learner) -> None:
+def test_request_arriving_during_weight_swap(
+    backend: RolloutBackend, learner: Learner, pushes: Pushes
+) -> None:
     """Every result is sampled under exactly the version it is stamped with."""
-    new = perturbed(learner.weights, seed=2)
+    new = pushes.other(seed=2)
     sampling = as_served(backend, SamplingParams(max_tokens=40, temperature=1.0, seed=11))
     prompts = [_prompt(20 + i, 6) for i in range(6)]
 
@@ -257,10 +265,10 @@ def test_request_arriving_during_weight_swap(backend: RolloutBackend, learner: L
     results = run(scenario())
     assert {r.weight_version for r in results[3:]} == {1007}
     for prompt, result in zip(prompts, results, strict=True):
-        weights = new if result.weight_version == 1007 else learner.weights
+        weights = pushes.weights(new if result.weight_version == 1007 else pushes.start)
         if backend.capabilities.logprobs:
             _assert_logprobs_match(backend, learner, prompt, result, sampling, weights=weights)
-    run(backend.update_weights(learner.weights, version=1008))
+    run(backend.update_weights(pushes.start, version=1008))
 
 
 def test_back_to_back_updates_drain_the_requests_the_first_let_go(
@@ -323,6 +331,21 @@ def test_an_abort_right_after_the_awaited_update_still_aborts(
 
     result = run(scenario())
     assert result.finish_reason == "abort" and len(result.token_ids) < 100
+
+
+def test_a_lora_push_is_refused_unless_declared(backend: RolloutBackend, learner: Learner) -> None:
+    """A backend serving no LoRA policy (`Capabilities.lora` false) refuses a push of adapters
+    in words that say so, keeps its version and serves on. (Those that declare it are pushed
+    adapters in test_lora_conformance.py.)"""
+    assert not backend.capabilities.lora
+    lora = dataclasses.replace(LORA, targets=("q", "v"))  # (the MoE's MLPs take none)
+    adapters = init_adapters(jax.random.key(0), dataclasses.replace(learner.cfg, lora=lora))
+    before = run(backend.generate(_req("before-lora", _prompt(0, 5), GREEDY)))
+    with pytest.raises(ValueError, match="push of LoRA adapters"):
+        run(backend.update_weights(adapters, version=before.weight_version + 1))
+    after = run(backend.generate(_req("after-lora", _prompt(0, 5), GREEDY)))
+    assert after.weight_version == before.weight_version  # the failed push changed nothing
+    assert after.token_ids == before.token_ids
 
 
 def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:

@@ -237,3 +237,36 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
     for taken in ("embedded", "vllm", "single_replica_test"):
         with pytest.raises(ValueError, match="registered already"):
             register_backend(taken, factory)
+
+
+def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path: Path) -> None:
+    """A run whose policy carries LoRA adapters needs a backend declaring `Capabilities.lora`
+    (it will be pushed the adapters alone): here the embedded engine serving the checkpoint's
+    base model whatever the run's (as a factory ignoring the run's model would) does not."""
+    import asyncio
+
+    import jax
+
+    from jax_agent_rl.engine import Engine
+    from jax_agent_rl.models import Lora, load_hf
+    from jax_agent_rl.models.adapters import add_lora
+    from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+    from jax_agent_rl.rollout import EmbeddedBackend
+    from jax_agent_rl.rollout.registry import BackendBuild, lora_problem
+
+    base_cfg, base = load_hf(write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2))
+    cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(4, 8.0))
+    spec = BackendBuild(RolloutSection(), cfg, w, checkpoint=tmp_path / "tiny", dtype="float32")
+    served = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=2, max_len=64), w)
+    base_only = EmbeddedBackend(Engine(base_cfg, max_concurrent_decodes=2, max_len=64), base)
+    try:
+        assert served.capabilities.lora and lora_problem(spec, served) is None
+        assert not base_only.capabilities.lora
+        assert lora_problem(spec, base_only) == (
+            "model.lora: rollout.backend=embedded does not serve LoRA adapters (its "
+            "capabilities.lora is false): use a backend that does (embedded, vllm, jetstream) "
+            "or model.lora.rank=0"
+        )
+    finally:
+        for backend in (served, base_only):
+            asyncio.run(backend.close())

@@ -16,13 +16,12 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
 - ``max_tokens`` and abort (cancelling the RPC) are per request. Sessions bring nothing: the
   server keeps no prefix between requests.
 - Weights are pushed by reload, through the `WeightGate` every backend shares: new requests
-  wait, the ones in flight finish, the new weights go through a folder in ``/dev/shm`` (an HF
-  checkpoint) and the server's control RPC swaps them in without compiling again; then the
-  waiting requests go out stamped with the new version.
+  wait, the ones in flight finish, the new weights (a LoRA model's adapters alone: `push`) go
+  through a folder in ``/dev/shm`` that the server's control RPC swaps in without compiling
+  again; then the waiting requests go out stamped with the new version.
 
 A server that dies ends the requests in flight with finish reason ``abort`` (`exited` says
-why), and later requests raise. `close` stops it (it also exits with this process: it serves
-until its stdin closes).
+why), and later requests raise. `close` stops it (it also exits with this process).
 
 `pause` / `is_paused` / `resume` hold the backend at a state for tests (the conformance suite
 aborts a request it knows to be running, and one waiting), on this client's side (JetStream's
@@ -51,6 +50,7 @@ from jax_agent_rl.backends.jetstream.chips import (
     split_chips,
     trainer_env,
 )
+from jax_agent_rl.backends.jetstream.push import write_push
 from jax_agent_rl.backends.jetstream.server import TOKEN_ENV, TOKEN_KEY
 from jax_agent_rl.backends.jetstream.start import (
     SERVER_DEFAULTS,
@@ -58,7 +58,8 @@ from jax_agent_rl.backends.jetstream.start import (
     ServerStartError,
     handshake,
 )
-from jax_agent_rl.models import ModelConfig, Weights, save_hf
+from jax_agent_rl.models import ModelConfig, Weights
+from jax_agent_rl.models.adapters import LayerAdapters, adapters_of
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.protocol import (
@@ -80,18 +81,18 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh jetstream`"
-SHM_DIR = Path("/dev/shm")
 
 
 class JetStreamBackend:
     """`RolloutBackend` over a JetStream server process (see the module docstring).
 
     The server loads ``checkpoint`` (an HF folder), then ``params`` when given (the learner's
-    weights) as ``weight_version``; it decodes ``slots`` sequences together, ``steps`` tokens
-    per engine call, on ``devices`` of its local devices, its pool the embedded engine's
-    (``page_size``, ``kv_cache_gib``, ``prefill_chunk``; `engine`: what it built). ``chips``
-    (``rollout.jetstream.chips``, "4,5,6,7"): the host's TPU chips it opens instead, all its
-    devices (on CPU, as many CPU devices); `placement`: what the server reports of them.
+    weights; a LoRA ``model``'s adapters alone) as ``weight_version``; it decodes ``slots``
+    sequences together, ``steps`` tokens per engine call, on ``devices`` of its local devices,
+    its pool the embedded engine's (``page_size``, ``kv_cache_gib``, ``prefill_chunk``;
+    `engine`: what it built). ``chips`` (``rollout.jetstream.chips``, "4,5,6,7"): the host's
+    TPU chips it opens instead, all its devices (on CPU, as many CPU devices); `placement`:
+    what the server reports of them.
     """
 
     def __init__(
@@ -139,6 +140,7 @@ class JetStreamBackend:
             prefix_cache=False,
             weight_update="reload",
             max_model_len=max_model_len,
+            lora=model.lora is not None,
         )
         self.last_push: PushStats | None = None
         self.exited: str | None = None  # why the server is gone, once it is
@@ -170,6 +172,7 @@ class JetStreamBackend:
             top_p=sampling.top_p,
             stop_ids=list(sampling.stop_token_ids),
             seed=seed,
+            lora=None if model.lora is None else dataclasses.asdict(model.lora),
         )
         self.server = EngineProcess(
             "JetStream server",
@@ -201,7 +204,9 @@ class JetStreamBackend:
             self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
             self._load = self._channel.unary_unary("/jarl.Control/Load")
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
-                push = self.update_weights(params, weight_version)
+                push = self.update_weights(
+                    params if model.lora is None else adapters_of(params), weight_version
+                )
                 self._pool.submit(asyncio.run, push).result()
         except BaseException as e:
             self.server.kill()
@@ -288,7 +293,7 @@ class JetStreamBackend:
             self._pause_at, self._paused = None, False
             self._unheld.notify_all()
 
-    async def update_weights(self, params: Weights, version: int) -> None:
+    async def update_weights(self, params: Weights | LayerAdapters, version: int) -> None:
         async def push() -> None:
             if self.exited is not None:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")
@@ -412,25 +417,21 @@ class JetStreamBackend:
             return True
         return self._paused
 
-    async def _push(self, params: Weights) -> None:
+    async def _push(self, params: Weights | LayerAdapters) -> None:
         t0 = time.perf_counter()
-        folder = Path(tempfile.mkdtemp(prefix="jarl-weights-", dir=SHM_DIR))
+        load, size = await asyncio.to_thread(write_push, self.model, self._dtype, params)
         try:
-            cfg = dataclasses.replace(self.model, dtype=self._dtype)  # type: ignore[arg-type]
-            await asyncio.to_thread(save_hf, folder, cfg, params)
             t1 = time.perf_counter()
-            size = sum(f.stat().st_size for f in folder.iterdir())
-            reply = await asyncio.to_thread(self._load_on_server, folder)
+            reply = await asyncio.to_thread(self._load_on_server, load)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(load["path"], ignore_errors=True)
         self.last_push = PushStats(size, t1 - t0, reply["seconds"], time.perf_counter() - t0)
 
-    def _load_on_server(self, folder: Path) -> dict[str, Any]:
+    def _load_on_server(self, load: dict[str, Any]) -> dict[str, Any]:
         import grpc
 
         try:
-            request = json.dumps({"path": str(folder)}).encode()
-            reply = self._load(request, metadata=self._metadata)
+            reply = self._load(json.dumps(load).encode(), metadata=self._metadata)
         except grpc.RpcError as e:
             details = e.details()
             raise RuntimeError(f"the JetStream server could not load the weights: {details}") from e

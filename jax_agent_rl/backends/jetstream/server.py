@@ -25,15 +25,19 @@ Services on the port:
   ids), ids outside the vocabulary, prompts leaving no room to generate, and requests without
   a ``session_cache`` (JetStream 0.2.2 prepends a BOS token to those; any non-empty string
   turns that off).
-- ``jarl.Control/Load``: the request is JSON ``{"path"}``, an HF checkpoint folder (config.json
-  and safetensors, as `models.save_hf` writes it) whose weights replace the served ones; the
-  reply is JSON ``{"seconds"}``. The weights keep their shapes, so nothing compiles again. The
-  client drains its requests first, so no request sees two versions.
+- ``jarl.Control/Load``: the request is JSON ``{"path", "adapters"}``, an HF checkpoint folder
+  (config.json and safetensors, as `models.save_hf` writes it) whose weights replace the
+  served ones, or (``adapters``: a LoRA model, started with the config's ``lora``) a PEFT
+  adapter folder (`models.adapters.write_peft`) whose adapters replace the served ones on the
+  same base, applied unmerged as the embedded engine does; the reply is JSON ``{"seconds"}``.
+  The weights keep their shapes, so nothing compiles again. The client drains its requests
+  first, so no request sees two versions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -78,7 +82,9 @@ def _problem(request: Any, vocab_size: int, max_len: int) -> str | None:  # noqa
 
 
 def _adapter(config: dict[str, Any]) -> Any:
-    """Our engine over the checkpoint, compiled, in JetStream's interface."""
+    """Our engine over the checkpoint (with LoRA adapters of the config's ``lora``: fresh ones,
+    which change nothing until the client pushes its own), compiled, in JetStream's
+    interface."""
     import jax
 
     from jax_agent_rl.backends.jetstream.engine import (
@@ -93,7 +99,8 @@ def _adapter(config: dict[str, Any]) -> Any:
         compile_platform,
         pool_pages,
     )
-    from jax_agent_rl.models import Sharder, load_hf, make_mesh
+    from jax_agent_rl.models import Lora, Sharder, load_hf, make_mesh
+    from jax_agent_rl.models.adapters import init_adapters, with_adapters
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)
@@ -103,6 +110,12 @@ def _adapter(config: dict[str, Any]) -> Any:
         else Sharder(make_mesh(len(devices) // tensor, 1, tensor, devices=devices))
     )
     model, weights = load_hf(config["checkpoint"], config["dtype"])
+    if config["lora"] is not None:
+        lora = config["lora"]
+        model = dataclasses.replace(
+            model, lora=Lora(lora["rank"], lora["alpha"], tuple(lora["targets"]))
+        )
+        weights = with_adapters(weights, init_adapters(jax.random.key(0), model))
     max_len, slots, page_size = config["max_len"], config["slots"], config["page_size"]
     max_prefill_length(max_len)  # raises now, not in JetStream's thread (which kills us)
     # the pool as the embedded engine sizes it, in the dtype it holds on this platform
@@ -142,7 +155,8 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
 
     from jax_agent_rl.backends.jetstream import compat
     from jax_agent_rl.backends.jetstream.chips import TPU_ENV_KEYS
-    from jax_agent_rl.models import load_hf, request_cpu_devices
+    from jax_agent_rl.backends.jetstream.push import read_push
+    from jax_agent_rl.models import request_cpu_devices
 
     request_cpu_devices(config.get("devices", 1))  # on CPU; on TPU its chips are its devices
 
@@ -184,19 +198,17 @@ async def _serve(config: dict[str, Any], channel: Channel) -> None:
             async for response in super().Decode(request, context):
                 yield response
 
-    def load(folder: str) -> float:
+    def load(asked: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        cfg, new = load_hf(folder, config["dtype"])
-        if cfg != engine.cfg:
-            raise ValueError(f"{folder} holds a {cfg}, this server serves a {engine.cfg}")
-        params.swap(jax.block_until_ready(engine.load_params(new)))
+        new = read_push(engine, params.current, config["dtype"], asked)
+        params.swap(jax.block_until_ready(new))
         return time.perf_counter() - t0
 
     async def control_load(request: bytes, context: Any) -> bytes:
         if not admitted(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"no valid {TOKEN_KEY}")
         try:
-            seconds = await asyncio.to_thread(load, json.loads(request)["path"])
+            seconds = await asyncio.to_thread(load, json.loads(request))
         except Exception as e:  # the old weights keep serving; the client reports it
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         return json.dumps({"seconds": seconds}).encode()

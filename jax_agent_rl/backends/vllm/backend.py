@@ -138,6 +138,7 @@ class VLLMBackend:
             prefix_cache=True,
             weight_update="in_place",
             max_model_len=max_model_len,
+            lora=model.lora is not None,
         )
         self.last_push: PushStats | None = None
         self._lock = threading.Lock()
