@@ -6,6 +6,8 @@ The whole run's peak per chip: the learner's resident state (the RL update's arg
 train state and the step's batch) plus the engine's (the decode call's arguments: the serving
 weights and the KV pool) plus the largest temporaries and fresh outputs of any one program
 (the programs run one at a time, and the state they donate is reused in place).
+
+A LoRA run's plan is shown beside the same run training every weight (`beside`), both compiled.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Compiled:
     predicted_s: float = 0.0
     mfu: float | None = None
     kernels: tuple[str, ...] = ()  # the Pallas (Mosaic) kernels the program runs
+    trained: int = 0  # a training step's: the parameters its optimizer updates
+    optimizer: int = 0  # ... and its optimizer state's bytes per chip
 
     replaces: int = 0  # resident bytes its outputs take the place of, freed before it runs
 
@@ -87,6 +91,8 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
             error=f"its arguments alone need {_g(arguments)} per chip",
             arguments=arguments,
             argument_total=total,
+            trained=program.trained,
+            optimizer=program.optimizer,
         )
     box: dict[str, Any] = {}
 
@@ -111,6 +117,8 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         compile_s=seconds,
         argument_total=total,
         flops=program.flops,
+        trained=program.trained,
+        optimizer=program.optimizer,
     )
     if thread.is_alive():
         return dataclasses.replace(base, error=f"did not compile within {timeout_s:.0f} s")
@@ -139,7 +147,7 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         mfu=mfu,
         kernels=kernels(compiled.as_text()),
         # the engine drops its weights before it builds the new (`EmbeddedBackend`)
-        replaces=memory.output_size_in_bytes if program.name == "weight_push" else 0,
+        replaces=memory.output_size_in_bytes if program.replaces else 0,
     )
 
 
@@ -229,6 +237,8 @@ class Plan:
                     "predicted_s": p.predicted_s,
                     "predicted_mfu": p.mfu,
                     "pallas_kernels": list(p.kernels),
+                    "trained_params": p.trained,
+                    "optimizer_gib": p.optimizer / GiB,
                 }
                 for p in self.programs
             ],
@@ -266,6 +276,11 @@ class Plan:
                 )
             if p.kernels:
                 out.append(f"  Pallas kernels: {', '.join(p.kernels)}")
+            if p.trained:
+                out.append(
+                    f"  trains {p.trained:,} parameters; their AdamW state: "
+                    f"{_size(p.optimizer)} per chip"
+                )
         peak, top = self.peak
         if top is not None:
             parts = " + ".join(f"{name} {_g(b)}" for name, b in self.resident)
@@ -281,6 +296,11 @@ _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 def _g(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in GiB, or in MiB below one GiB (a small model's, an adapter's)."""
+    return _g(n) if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 def _over(name: str, need: float, hbm: int) -> str:
@@ -325,4 +345,50 @@ def other_meshes(cfg: JarlConfig, chips: int) -> list[JarlConfig]:
             other = dataclasses.replace(cfg, mesh=mesh)
             if not check_ranges(other):
                 out.append(other)
+    return out
+
+
+def full_parameter(cfg: JarlConfig) -> JarlConfig:
+    """``cfg``'s run training every weight: ``model.lora`` off (rank 0), the rest the same."""
+    lora = dataclasses.replace(cfg.model.lora, rank=0)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora))
+
+
+def beside(lora: Plan, full: Plan) -> list[str]:
+    """A LoRA run's plan beside the same run's training every weight (`full_parameter`),
+    both compiled: HBM per chip of each program and the run's peak, the parameters the RL
+    update trains and their AdamW state per chip, and the full run's verdict."""
+    hbm = lora.topology.chip.hbm_bytes
+
+    def cell(p: Compiled | None) -> str:
+        if p is None:
+            return "-"
+        if p.error is None:
+            return _size(p.total)
+        if p.arguments > hbm:
+            return f"over: its arguments alone {_g(p.arguments)}"
+        used = _OOM.search(p.error)
+        return f"over: {used.group(1)}{used.group(2)}iB" if used else "not compiled"
+
+    def named(plan: Plan, name: str) -> Compiled | None:
+        return next((p for p in plan.programs if p.name == name), None)
+
+    def peak(plan: Plan) -> str:
+        return _size(plan.peak[0]) if plan.compiled else "-"
+
+    def row(label: str, a: str, b: str) -> str:
+        return f"  {label:<24}{a:<16}{b}"
+
+    rl, rl_full = named(lora, "rl_update"), named(full, "rl_update")
+    out = [
+        f"LoRA beside training every weight (model.lora.rank=0), both compiled for "
+        f"{lora.topology.name}:",
+        row("HBM per chip", "LoRA", "every weight"),
+    ]
+    out += [row(p.name, cell(p), cell(named(full, p.name))) for p in lora.programs]
+    out.append(row("run peak", peak(lora), peak(full)))
+    if rl is not None and rl_full is not None:
+        out.append(row("trained parameters", f"{rl.trained:,}", f"{rl_full.trained:,}"))
+        out.append(row("AdamW state per chip", _size(rl.optimizer), _size(rl_full.optimizer)))
+    out.append(f"  every weight: {full.verdict()[1]}")
     return out
