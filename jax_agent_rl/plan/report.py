@@ -62,8 +62,22 @@ class Compiled:
     def total(self) -> int:
         return self.arguments + self.extra
 
+    @property
+    def needs(self) -> tuple[float, bool] | None:
+        """What a program the compiler found out of memory needs per chip, and whether that
+        is all of it (XLA:TPU's "Used 20.1G of 15.7G hbm") or a floor (its "HLO temporaries
+        (23.5G) exceeds available HBM": those plus the arguments); None if it did not say."""
+        if self.error is None:
+            return None
+        if used := _OOM.search(self.error):
+            return float(used.group(1)) * _UNIT[used.group(2)], True
+        if temps := _OOM_TEMPS.search(self.error):
+            return self.arguments + float(temps.group(1)) * _UNIT[temps.group(2)], False
+        return None
+
 
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds")
 # a Mosaic kernel in compiled HLO: `%paged_attention.1 = (...) custom-call(...),
 # custom_call_target="tpu_custom_call"`, the instruction named after the kernel
 _KERNEL = re.compile(r"%([A-Za-z_]\w*?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"")
@@ -115,6 +129,7 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         program.name,
         program.workload,
         compile_s=seconds,
+        arguments=arguments,  # the compiler's figure replaces it once compiled
         argument_total=total,
         flops=program.flops,
         trained=program.trained,
@@ -194,12 +209,10 @@ class Plan:
         for p in self.programs:
             if p.error is None:
                 continue
-            used = _OOM.search(p.error)
             if p.arguments > hbm:
                 return False, _over(p.name, p.arguments, hbm)
-            if used:
-                need = float(used.group(1)) * _UNIT[used.group(2)]
-                return False, _over(p.name, need, hbm)
+            if (needs := p.needs) is not None:
+                return False, _over(p.name, needs[0], hbm, exact=needs[1])
             return False, f"does not fit: {p.name} did not compile ({p.error})"
         peak, top = self.peak
         if peak > hbm:
@@ -303,10 +316,11 @@ def _size(n: float) -> str:
     return _g(n) if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
-def _over(name: str, need: float, hbm: int) -> str:
+def _over(name: str, need: float, hbm: int, exact: bool = True) -> str:
     return (
-        f"does not fit: {name} needs {need / GiB:.1f} GiB per chip of {hbm / GiB:.0f} "
-        f"(over by {(need - hbm) / GiB:.1f})"
+        f"does not fit: {name} needs {'' if exact else 'at least '}{need / GiB:.1f} GiB per "
+        f"chip of {hbm / GiB:.0f} (over by {'' if exact else 'at least '}"
+        f"{(need - hbm) / GiB:.1f})"
     )
 
 
@@ -367,8 +381,9 @@ def beside(lora: Plan, full: Plan) -> list[str]:
             return _size(p.total)
         if p.arguments > hbm:
             return f"over: its arguments alone {_g(p.arguments)}"
-        used = _OOM.search(p.error)
-        return f"over: {used.group(1)}{used.group(2)}iB" if used else "not compiled"
+        if (needs := p.needs) is not None:
+            return f"over: {'' if needs[1] else 'at least '}{_g(needs[0])}"
+        return "not compiled"
 
     def named(plan: Plan, name: str) -> Compiled | None:
         return next((p for p in plan.programs if p.name == name), None)

@@ -283,3 +283,30 @@ def test_the_qwen3_moe_preset_and_its_run_in_the_tpu_plan_bench() -> None:
     assert plan_memory(load_config(GSM8K, smaller, unread=unread), model).peak_bytes > (
         parse_topology("v5p:2x2x2").chip.hbm_bytes
     )
+
+
+def test_an_out_of_memory_compile_is_read_for_what_it_needs() -> None:
+    """XLA:TPU says how much a program that does not fit needs in two ways: the whole ("Used
+    20.1G of 15.7G hbm") or its temporaries alone, to which the arguments add (a floor). Both
+    become the verdict and the LoRA table's cell; another compiler error is named as is."""
+    from jax_agent_rl.plan import Compiled, Plan
+
+    slice_, gib = parse_topology("v5e:2x4"), 2**30
+    temps = (
+        "JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (23.47G) exceeds available HBM (15.75G)."
+    )
+    floor = Compiled("rl_update", "", error=temps, arguments=int(14.25 * gib))
+    assert floor.needs == ((14.25 + 23.47) * gib, False)
+    assert Plan(slice_, (1, 2, 4), [floor]).verdict() == (
+        False,
+        "does not fit: rl_update needs at least 37.7 GiB per chip of 16 (over by at least 21.7)",
+    )
+    used = Compiled(
+        "decode", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm"
+    )
+    assert used.needs == (20.1 * gib, True)
+    assert (
+        Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: decode needs 20.1 ")
+    )
+    assert Compiled("decode", "", error="ValueError: bad").needs is None
