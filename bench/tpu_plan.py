@@ -138,12 +138,13 @@ def figures(name: str, record: dict[str, Any]) -> dict[str, object]:
     of the tiny runs' records with this); a LoRA run's with those of the same run training
     every weight."""
     full = record.get("full_parameter")
+    peak = record["hbm_per_chip_gib"]  # None: a program did not compile
     return {
         "name": name,
         "topology": record["topology"],
         "compiled": record["compiled"],
         "fits": record["fits"],
-        "hbm_per_chip_gib": round(record["hbm_per_chip_gib"], 2),
+        "hbm_per_chip_gib": None if peak is None else round(peak, 2),
         "compile_s": round(record["compile_s"], 1),
         "predicted_mfu": record["predicted_mfu"],
         "programs": [

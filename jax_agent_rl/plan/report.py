@@ -232,7 +232,8 @@ class Plan:
             "compiled": self.compiled,
             "fits": fits,
             "verdict": verdict,
-            "hbm_per_chip_gib": self.peak[0] / GiB,
+            # the run's peak: None unless every program compiled (else it would sum a part)
+            "hbm_per_chip_gib": self.peak[0] / GiB if self.compiled else None,
             "compile_s": sum(p.compile_s for p in self.programs),
             "predicted_mfu": None if rl is None else rl.mfu,
             "programs": [
