@@ -13,6 +13,11 @@ Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
             slice that can hold it (on v5p:2x2x2, 8 chips, the learner's fp32 weights, AdamW
             moments, KL reference and gradient alone are ~82 GiB per chip, with the engine's
             bf16 weights on top)
+  7b-lora-v5e
+            Qwen2.5-7B with LoRA adapters of rank 32 on every projection on v5e:2x4 (8 chips, a
+            v5e-8), mesh fsdp=2 tensor=4; the config's episodes, rows and KL reference (the
+            LoRA run's is its own base, no copy). Its plan carries the same run training every
+            weight, compiled beside it ("full_parameter")
   30b-a3b-v5p
             Qwen3-30B-A3B (48 layers, 128 experts of which 8 per token, 30.5B parameters, 3.3B
             active) on v5p:2x2x4, mesh fsdp=4 tensor=4 (the 128 experts split over fsdp), rows
@@ -30,7 +35,8 @@ chip from its memory analysis, time and MFU a roofline estimate of its counts (d
 Prints each plan's report on stderr and ends with one JSON line on stdout:
 {"runs": [{"name", "topology", "compiled", "fits", "hbm_per_chip_gib", "compile_s",
 "predicted_mfu", "programs": [{"name", "compiled", "compile_s", "hbm_per_chip_gib",
-"flops_per_device", "pallas_kernels", "predicted_s", "predicted_mfu"}, ...]}, ...]}
+"flops_per_device", "pallas_kernels", "trained_params", "predicted_s", "predicted_mfu"}, ...],
+"full_parameter" (a LoRA run's: the same figures of the run training every weight)}, ...]}
 """
 
 from __future__ import annotations
@@ -68,13 +74,26 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         ],
     ),
     "32b-v5p": ("qwen2.5-32b", "v5p:2x2x4", ["mesh.fsdp=4", "mesh.tensor=4"]),
+    "7b-lora-v5e": (
+        "qwen2.5-7b",
+        "v5e:2x4",
+        ["model.lora.rank=32", "mesh.fsdp=2", "mesh.tensor=4"],
+    ),
     "30b-a3b-v5p": (
         "qwen3-30b-a3b",
         "v5p:2x2x4",
         ["mesh.fsdp=4", "mesh.tensor=4", "learner.row_tokens=4096"],
     ),
 }
-KEYS = ("name", "compiled", "compile_s", "hbm_per_chip_gib", "flops_per_device", "pallas_kernels")
+KEYS = (
+    "name",
+    "compiled",
+    "compile_s",
+    "hbm_per_chip_gib",
+    "flops_per_device",
+    "pallas_kernels",
+    "trained_params",
+)
 
 
 def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, object]:
@@ -116,13 +135,16 @@ def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, obje
 
 def figures(name: str, record: dict[str, Any]) -> dict[str, object]:
     """The figures of run ``name`` from its `jarl plan --json` record (tests/plan reads those
-    of the tiny run's record with this)."""
+    of the tiny runs' records with this); a LoRA run's with those of the same run training
+    every weight."""
+    full = record.get("full_parameter")
+    peak = record["hbm_per_chip_gib"]  # None: a program did not compile
     return {
         "name": name,
         "topology": record["topology"],
         "compiled": record["compiled"],
         "fits": record["fits"],
-        "hbm_per_chip_gib": round(record["hbm_per_chip_gib"], 2),
+        "hbm_per_chip_gib": None if peak is None else round(peak, 2),
         "compile_s": round(record["compile_s"], 1),
         "predicted_mfu": record["predicted_mfu"],
         "programs": [
@@ -133,6 +155,7 @@ def figures(name: str, record: dict[str, Any]) -> dict[str, object]:
             }
             for p in record["programs"]
         ],
+        **({"full_parameter": figures(name, full)} if full is not None else {}),
     }
 
 

@@ -20,21 +20,25 @@ if TYPE_CHECKING:
     from jax_agent_rl.plan import Plan, Topology
 
 DESCRIPTION = (
-    "Proves, before a TPU slice is rented, that every program of a run compiles for that TPU "
-    "at the model's real size and fits its HBM per chip. libtpu compiles here, for abstract "
-    "devices of the slice; nothing runs and no weights are read: the model's shapes come from "
-    "model.path's config.json or a --model preset. The programs are the trainer's own: the RL "
-    "update (its micro-batches of learner.row_tokens per device, remat, KL reference, "
-    "old-policy pass), the SFT step (if sft is set), the weight push from the learner's layout "
-    "to the engine's, and the embedded engine's longest prefill chunk and a decode call of "
-    "rollout.steps_per_call steps at its largest batch. Per program: compile seconds, HBM per "
-    "chip (arguments + temporaries + outputs - donated/aliased buffers), FLOPs per chip with "
-    "loop trip counts applied (analytic), and a compiler estimate of its time and MFU (a "
-    "roofline of the compiler's counts: an estimate, not a measurement). The run's peak per "
-    "chip is the learner's state + the engine's weights and KV cache + the largest program's "
+    "Proves, before a TPU slice is rented, that every program of a run compiles for that TPU"
+    " at the model's real size and fits its HBM per chip. libtpu compiles here, for abstract"
+    " devices of the slice; nothing runs and no weights are read: the model's shapes come "
+    "from model.path's config.json or a --model preset. The programs are the trainer's own: "
+    "the RL update (its micro-batches of learner.row_tokens per device, remat, KL reference,"
+    " old-policy pass), the SFT step (if sft is set), the weight push from the learner's "
+    "layout to the engine's, and the embedded engine's longest prefill chunk and a decode "
+    "call of rollout.steps_per_call steps at its largest batch. A LoRA run (model.lora.rank "
+    "> 0) compiles its own: the update trains the adapters alone (the optimizer state is "
+    "theirs, the base frozen), the engine runs them unmerged and the push sends them alone; "
+    "then the same run training every weight is compiled too, and a table shows both runs' "
+    "HBM per chip side by side. Per program: compile seconds, HBM per chip (arguments + "
+    "temporaries + outputs - donated/aliased buffers), FLOPs per chip with loop trip counts "
+    "applied (analytic), and a compiler estimate of its time and MFU (a roofline of the "
+    "compiler's counts: an estimate, not a measurement). The run's peak per chip is the "
+    "learner's state + the engine's weights and KV cache + the largest program's "
     "temporaries. The last line is `fits: ...` or `does not fit: ...`; a run that does not "
-    "fit is planned again on the other (data, fsdp, tensor) meshes of the slice, and the first "
-    "that fits is named. Exit code 0: fits; 1: does not fit; 2: bad input."
+    "fit is planned again on the other (data, fsdp, tensor) meshes of the slice, and the "
+    "first that fits is named. Exit code 0: fits; 1: does not fit; 2: bad input."
 )
 
 
@@ -121,11 +125,6 @@ def run_plan(args: argparse.Namespace) -> int:
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
-        if cfg.model.lora.rank:
-            raise ConfigError(
-                "model.lora: jarl plan compiles runs that train every weight; LoRA runs are "
-                "not planned yet (jarl train --dry-run gives their memory)"
-            )
         if model is None:
             model = ModelConfig.from_pretrained(cfg.model.path)
     except (ConfigError, ValueError, OSError) as e:
@@ -137,15 +136,33 @@ def run_plan(args: argparse.Namespace) -> int:
         return _refuse(str(e).splitlines()[0])
     for line in plan.lines():
         say(line)
+    full = _beside_full(cfg, model, topology, args, plan) if cfg.model.lora.rank else None
     fits, verdict = plan.verdict()
     if not fits and not args.no_search:
         verdict += "; " + _search(cfg, model, topology, args, plan)
     if args.json:
         record = {**plan.record(), "verdict": verdict}
+        record.update({"full_parameter": full.record()} if full is not None else {})
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     say(verdict)
     sys.stdout.flush()
     os._exit(0 if fits else 1)  # a compilation still running past --compile-timeout stops here
+
+
+def _beside_full(
+    cfg: JarlConfig, model: ModelConfig, topology: Topology, args: argparse.Namespace, plan: Plan
+) -> Plan:
+    """A LoRA run's ``plan`` beside the same run training every weight, on the same mesh
+    (compiled: its plan, returned, goes into the JSON record)."""
+    from jax_agent_rl.plan import beside, full_parameter, plan_run
+
+    print("# planning the same run training every weight (model.lora.rank=0)", flush=True)
+    full = plan_run(
+        full_parameter(cfg), model, topology, args.tokens_per_trajectory, args.compile_timeout
+    )
+    for line in beside(plan, full):
+        print(line, flush=True)
+    return full
 
 
 def _search(

@@ -86,22 +86,31 @@ def check_adapters(cfg: ModelConfig, adapters: Any) -> None:
             raise ValueError(f"adapter of shape {x.shape} where {spec.shape} is declared")
 
 
-def served_adapters(
-    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
-) -> Weights:
-    """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
-    LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) on its
-    layers, checked against ``cfg``'s declaration, cast to its dtype and placed on
-    ``sharder``'s mesh; the base arrays are the same ones, untouched."""
+def serving_adapters(
+    cfg: ModelConfig, adapters: LayerAdapters, sharder: Sharder | None
+) -> tuple[LayerAdapters, ...]:
+    """LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) as an
+    engine serves them: checked against ``cfg``'s declaration, cast to its dtype, placed on
+    ``sharder``'s mesh and split into each layer's (``jarl plan`` compiles this as a LoRA
+    run's weight push)."""
     check_adapters(cfg, adapters)
     cast = jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype), adapters)
     if sharder is not None:
         layout = param_shardings(cfg, sharder).layers
         assert isinstance(layout, Layer)
         cast = jax.device_put(cast, layout.lora)
+    return _per_layer(cast)
+
+
+def served_adapters(
+    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
+) -> Weights:
+    """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
+    LoRA ``adapters`` on its layers (`serving_adapters`); the base arrays are the same ones,
+    untouched."""
     layers = served.layers
     assert isinstance(layers, tuple)
-    new = zip(layers, _per_layer(cast), strict=True)
+    new = zip(layers, serving_adapters(cfg, adapters, sharder), strict=True)
     return dataclasses.replace(served, layers=tuple(dataclasses.replace(w, lora=a) for w, a in new))
 
 

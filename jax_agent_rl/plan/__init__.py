@@ -4,12 +4,19 @@ of their time.
 
 Modules: `topology` (slices by name, chips' HBM and peak FLOP/s), `presets` (model shapes by
 name), `programs` (the trainer's programs with abstract arguments), `report` (compiling them,
-the report and the verdict).
+the report and the verdict; a LoRA run's beside the same run training every weight).
 """
 
 from jax_agent_rl.plan.presets import PRESETS, preset_model
 from jax_agent_rl.plan.programs import Program, Workload, run_programs
-from jax_agent_rl.plan.report import Compiled, Plan, other_meshes, plan_run
+from jax_agent_rl.plan.report import (
+    Compiled,
+    Plan,
+    beside,
+    full_parameter,
+    other_meshes,
+    plan_run,
+)
 from jax_agent_rl.plan.topology import Topology, accepted_topologies, parse_topology
 
 __all__ = [
@@ -20,6 +27,8 @@ __all__ = [
     "Topology",
     "Workload",
     "accepted_topologies",
+    "beside",
+    "full_parameter",
     "other_meshes",
     "parse_topology",
     "plan_run",

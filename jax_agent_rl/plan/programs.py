@@ -1,7 +1,10 @@
 """A run's device programs, assembled abstractly: the trainer's own jitted functions (the RL
 update, the SFT step, the engine's prefill and decode, the learner-to-engine weight push) with
 their arguments as `jax.ShapeDtypeStruct`s laid out on a mesh of a TPU slice's abstract devices,
-ready to lower and compile for it. Nothing is allocated and no weights are read.
+ready to lower and compile for it. Nothing is allocated and no weights are read. A LoRA run's
+(``model.lora``) are its own: the learner trains the adapters alone (its optimizer state is
+theirs, its frozen base in bfloat16 when computing so), the engine runs them unmerged, and the
+push sends them alone.
 
 Each program carries the FLOPs per device its configured workload runs (`Workload`), computed
 analytically: a compiled program's cost analysis counts a loop body once whatever its trip
@@ -11,6 +14,7 @@ count (the layer scan, the micro-batch loop, the decode steps), so its FLOPs are
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -25,21 +29,29 @@ from jax_agent_rl.models import (
     inference_mesh,
     make_mesh,
 )
+from jax_agent_rl.models.adapters import adapters_of, serving_adapters
 from jax_agent_rl.models.decoder import ATTN_BLOCK
 from jax_agent_rl.plan.topology import Topology
 from jax_agent_rl.rl.batch import TrainBatch, padded_length
 from jax_agent_rl.rl.learner import StepPrograms, abstract_learner_state, jit_step
 from jax_agent_rl.rl.objectives import cast_floats
-from jax_agent_rl.rl.update import RLBatch
+from jax_agent_rl.rl.update import RLBatch, TrainState, trainable
 from jax_agent_rl.rollout.registry import make_engine
-from jax_agent_rl.train.learners import learner_settings, micro_batch_rows, sft_micro_batch_rows
+from jax_agent_rl.train.learners import (
+    learner_settings,
+    micro_batch_rows,
+    run_model,
+    sft_micro_batch_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program to compile: ``fn`` (jitted) of ``args`` with static ``static``; ``flops``
     per device of its configured workload (``model_flops``: without remat's recomputation),
-    ``workload`` saying what that is."""
+    ``workload`` saying what that is. A training step's ``trained`` parameters (what its
+    optimizer updates) and its ``optimizer`` state's bytes per device; ``replaces``: its
+    outputs take the place of resident buffers dropped before it runs."""
 
     name: str
     fn: Any  # jitted: `.lower(*args, **static)`
@@ -48,6 +60,9 @@ class Program:
     flops: float
     model_flops: float
     workload: str
+    trained: int = 0
+    optimizer: int = 0
+    replaces: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +106,24 @@ def _sds(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStr
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def _per_device(tree: Any) -> int:
+    """Bytes of ``tree``'s abstract arrays on the busiest device of their layout."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def _trains(model: ModelConfig, compute_dtype: str, state: TrainState) -> dict[str, Any]:
+    """`Program`'s ``trained`` and ``optimizer`` of a policy's train ``state``, and what the
+    step trains in words."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable(model, state.params)))
+    what = "every weight"
+    if model.lora is not None:
+        base = "bfloat16" if compute_dtype == "bfloat16" else "float32"
+        what = f"the LoRA adapters (rank {model.lora.rank}), the base frozen in {base}"
+    return {"trained": n, "optimizer": _per_device(state.opt_state), "what": what}
+
+
 def _rows(shape: tuple[int, int, int], sharder: Sharder, window: int) -> TrainBatch:
     at = sharder.sharding((None, "batch", None), shape)
     ints = _sds(shape, jnp.int32, at)
@@ -103,7 +136,10 @@ def learner_programs(
 ) -> list[Program]:
     """The RL update (`StepPrograms.rl_step`, as the learner jits it) over a step of ``work``
     and, with ``sft`` configured, the SFT step over a batch of ``sft.batch_size`` rows of
-    ``rollout.max_model_len`` tokens."""
+    ``rollout.max_model_len`` tokens. A trained pass's backward costs two forwards (the
+    inputs' and the weights' gradients); a LoRA policy's one (its frozen base's weights get
+    no gradient; the adapters' own FLOPs, about 2 rank / hidden of the projections', are not
+    counted)."""
     a, tensor = cfg.algorithm, cfg.mesh.tensor
     dp = cfg.mesh.data * cfg.mesh.fsdp
     programs = StepPrograms.of(model, sharder=sharder, **learner_settings(cfg))
@@ -111,6 +147,8 @@ def learner_programs(
         programs, sharder, critic=a.adv_estimator == "gae", reference=bool(a.kl_coef)
     )
     layout = jax.tree.map(lambda x: x.sharding, state)
+    trains = _trains(programs.spec.model, cfg.model.dtype, state.policy)
+    backward = 1 if model.lora is not None else 2  # forwards' worth
     K, T = a.mini_batches, work.row_tokens
     S = max(1 << (work.trajectories - 1).bit_length(), dp)
     seq = sharder.sharding(("batch",), (S,))
@@ -126,20 +164,22 @@ def learner_programs(
     # per device: a micro-batch's rows split over data x fsdp, its matmuls over tensor
     tokens = work.micro_batches * K * work.rows * T / dp / tensor
     forward = forward_flops(model, tokens, work.tokens / 2)  # causal: half the keys
-    bodies = 2 if a.adv_estimator == "gae" else 1  # the critic trains like the policy
-    prepared = (1 + bool(a.kl_coef) + (a.adv_estimator == "gae")) * forward
-    trained = a.ppo_epochs * bodies * forward
-    extra = a.ppo_epochs * bodies * forward if cfg.learner.remat else 0.0
+    gae = a.adv_estimator == "gae"  # the critic trains every weight of its body
+    prepared = (1 + bool(a.kl_coef) + gae) * forward
+    trained = a.ppo_epochs * (1 + backward + gae * 3) * forward
+    extra = a.ppo_epochs * (1 + gae) * forward if cfg.learner.remat else 0.0
     rl = Program(
         "rl_update",
         jit_step(programs.rl_step(True), layout),
         (state, batch),
         {},
-        prepared + 3 * trained + extra,
-        prepared + 3 * trained,
+        prepared + trained + extra,
+        prepared + trained,
         f"{work.trajectories} trajectories of {work.tokens} tokens: {work.micro_batches} "
         f"micro-batch(es) of {work.rows} x {T} tokens per mini-batch, x {K} mini-batches x "
-        f"{a.ppo_epochs} epoch(s)",
+        f"{a.ppo_epochs} epoch(s); trains {trains['what']}",
+        trains["trained"],
+        trains["optimizer"],
     )
     out = [rl]
     if cfg.sft.data and cfg.sft.steps:
@@ -151,6 +191,7 @@ def learner_programs(
             ),
         )
         sft_state = abstract_learner_state(sft_programs, sharder, critic=False, reference=False)
+        sft_trains = _trains(sft_programs.spec.model, cfg.model.dtype, sft_state.policy)
         rows = sft_micro_batch_rows(cfg)
         T = padded_length(cfg.rollout.max_model_len, cfg.learner.seq_bucket)
         rows_shape = (cfg.sft.batch_size // rows, rows, T)
@@ -162,9 +203,12 @@ def learner_programs(
                 jit_step(sft_programs.sft_step, jax.tree.map(lambda x: x.sharding, sft_state)),
                 (sft_state, _rows(rows_shape, sharder, T)),
                 {},
-                (4 if cfg.learner.remat else 3) * f,
-                3 * f,
-                f"{cfg.sft.batch_size} rows of {T} tokens in micro-batches of {rows}",
+                (1 + backward + cfg.learner.remat) * f,
+                (1 + backward) * f,
+                f"{cfg.sft.batch_size} rows of {T} tokens in micro-batches of {rows}; trains "
+                f"{sft_trains['what']}",
+                sft_trains["trained"],
+                sft_trains["optimizer"],
             )
         )
     return out
@@ -173,9 +217,10 @@ def learner_programs(
 def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> list[Program]:
     """The embedded engine's weight push (the learner's fp32 params, laid out on the training
     mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
-    from the learner's buffers to the engine's), its longest prefill chunk and a decode call
-    of ``rollout.steps_per_call`` steps at its largest batch bucket, built as
-    ``rollout.backend=embedded`` builds its engine, for TPU."""
+    from the learner's buffers to the engine's; a LoRA policy's adapters alone, onto the base
+    the engine keeps: `serving_adapters`), its longest prefill chunk and a decode call of
+    ``rollout.steps_per_call`` steps at its largest batch bucket (a LoRA model's adapters
+    unmerged), built as ``rollout.backend=embedded`` builds its engine, for TPU."""
     r, tensor = cfg.rollout, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, model, cfg.model.dtype, serving)
@@ -185,7 +230,17 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     learner_params = abstract_params(dataclasses.replace(model, dtype="float32"), sharder)
     out_layout = jax.tree.map(lambda x: x.sharding, programs["generate"][1][0])
     dtype = served.jnp_dtype
-    push = jax.jit(lambda p: load_fn(cast_floats(p, dtype)), out_shardings=out_layout)
+    pushed: Any  # the learner's weights, or a LoRA policy's adapters
+    if model.lora is None:
+        push = jax.jit(lambda p: load_fn(cast_floats(p, dtype)), out_shardings=out_layout)
+        pushed, what = learner_params, "fp32 -> serving layout"
+    else:  # the engine keeps its base; the new adapters live beside the old until placed
+        layers = out_layout.layers
+        push = jax.jit(
+            lambda a: serving_adapters(served, a, serving),
+            out_shardings=tuple(w.lora for w in layers),
+        )
+        pushed, what = adapters_of(learner_params), "the LoRA adapters, fp32 -> serving layout"
     dp = sharder.mesh.shape["data"] * sharder.mesh.shape["fsdp"]
     chunk, pages = engine.prefill_buckets[-1], engine.page_buckets[-1]
     prefill = forward_flops(model, chunk / tensor, min(pages * engine.page_size, r.max_model_len))
@@ -195,7 +250,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     fn, args, static = programs["prefill"]
     gen_fn, gen_args, gen_static = programs["generate"]
     return [
-        Program("weight_push", push, (learner_params,), {}, 0.0, 0.0, "fp32 -> serving layout"),
+        Program("weight_push", push, (pushed,), {}, 0.0, 0.0, what, replaces=model.lora is None),
         Program(
             "prefill",
             fn,
@@ -222,7 +277,8 @@ def run_programs(
     cfg: JarlConfig, model: ModelConfig, topology: Topology, tokens: int | None
 ) -> tuple[Sharder, list[Program]]:
     """The run's mesh (``mesh.*`` over the slice's chips) and every program ``cfg``'s run
-    compiles: the learner's, and the embedded engine's (``rollout.backend=embedded``)."""
+    compiles: the learner's, and the embedded engine's (``rollout.backend=embedded``), of
+    the checkpoint's ``model`` with ``model.lora``'s adapters if any (`run_model`)."""
     m = cfg.mesh
     if m.data * m.fsdp * m.tensor != topology.chips:
         raise ValueError(
@@ -232,6 +288,7 @@ def run_programs(
         )
     sharder = Sharder(make_mesh(m.data, m.fsdp, m.tensor, devices=topology.devices))
     work = Workload.of(cfg, tokens)
+    model = run_model(cfg, model)
     programs = learner_programs(cfg, model, sharder, work)
     if cfg.rollout.backend == "embedded":
         programs += engine_programs(cfg, model, sharder)

@@ -6,6 +6,8 @@ The whole run's peak per chip: the learner's resident state (the RL update's arg
 train state and the step's batch) plus the engine's (the decode call's arguments: the serving
 weights and the KV pool) plus the largest temporaries and fresh outputs of any one program
 (the programs run one at a time, and the state they donate is reused in place).
+
+A LoRA run's plan is shown beside the same run training every weight (`beside`), both compiled.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Compiled:
     predicted_s: float = 0.0
     mfu: float | None = None
     kernels: tuple[str, ...] = ()  # the Pallas (Mosaic) kernels the program runs
+    trained: int = 0  # a training step's: the parameters its optimizer updates
+    optimizer: int = 0  # ... and its optimizer state's bytes per chip
 
     replaces: int = 0  # resident bytes its outputs take the place of, freed before it runs
 
@@ -58,8 +62,22 @@ class Compiled:
     def total(self) -> int:
         return self.arguments + self.extra
 
+    @property
+    def needs(self) -> tuple[float, bool] | None:
+        """What a program the compiler found out of memory needs per chip, and whether that
+        is all of it (XLA:TPU's "Used 20.1G of 15.7G hbm") or a floor (its "HLO temporaries
+        (23.5G) exceeds available HBM": those plus the arguments); None if it did not say."""
+        if self.error is None:
+            return None
+        if used := _OOM.search(self.error):
+            return float(used.group(1)) * _UNIT[used.group(2)], True
+        if temps := _OOM_TEMPS.search(self.error):
+            return self.arguments + float(temps.group(1)) * _UNIT[temps.group(2)], False
+        return None
+
 
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds")
 # a Mosaic kernel in compiled HLO: `%paged_attention.1 = (...) custom-call(...),
 # custom_call_target="tpu_custom_call"`, the instruction named after the kernel
 _KERNEL = re.compile(r"%([A-Za-z_]\w*?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"")
@@ -87,6 +105,8 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
             error=f"its arguments alone need {_g(arguments)} per chip",
             arguments=arguments,
             argument_total=total,
+            trained=program.trained,
+            optimizer=program.optimizer,
         )
     box: dict[str, Any] = {}
 
@@ -109,8 +129,11 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         program.name,
         program.workload,
         compile_s=seconds,
+        arguments=arguments,  # the compiler's figure replaces it once compiled
         argument_total=total,
         flops=program.flops,
+        trained=program.trained,
+        optimizer=program.optimizer,
     )
     if thread.is_alive():
         return dataclasses.replace(base, error=f"did not compile within {timeout_s:.0f} s")
@@ -139,7 +162,7 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         mfu=mfu,
         kernels=kernels(compiled.as_text()),
         # the engine drops its weights before it builds the new (`EmbeddedBackend`)
-        replaces=memory.output_size_in_bytes if program.name == "weight_push" else 0,
+        replaces=memory.output_size_in_bytes if program.replaces else 0,
     )
 
 
@@ -186,12 +209,10 @@ class Plan:
         for p in self.programs:
             if p.error is None:
                 continue
-            used = _OOM.search(p.error)
             if p.arguments > hbm:
                 return False, _over(p.name, p.arguments, hbm)
-            if used:
-                need = float(used.group(1)) * _UNIT[used.group(2)]
-                return False, _over(p.name, need, hbm)
+            if (needs := p.needs) is not None:
+                return False, _over(p.name, needs[0], hbm, exact=needs[1])
             return False, f"does not fit: {p.name} did not compile ({p.error})"
         peak, top = self.peak
         if peak > hbm:
@@ -211,7 +232,8 @@ class Plan:
             "compiled": self.compiled,
             "fits": fits,
             "verdict": verdict,
-            "hbm_per_chip_gib": self.peak[0] / GiB,
+            # the run's peak: None unless every program compiled (else it would sum a part)
+            "hbm_per_chip_gib": self.peak[0] / GiB if self.compiled else None,
             "compile_s": sum(p.compile_s for p in self.programs),
             "predicted_mfu": None if rl is None else rl.mfu,
             "programs": [
@@ -229,6 +251,8 @@ class Plan:
                     "predicted_s": p.predicted_s,
                     "predicted_mfu": p.mfu,
                     "pallas_kernels": list(p.kernels),
+                    "trained_params": p.trained,
+                    "optimizer_gib": p.optimizer / GiB,
                 }
                 for p in self.programs
             ],
@@ -266,6 +290,11 @@ class Plan:
                 )
             if p.kernels:
                 out.append(f"  Pallas kernels: {', '.join(p.kernels)}")
+            if p.trained:
+                out.append(
+                    f"  trains {p.trained:,} parameters; their AdamW state: "
+                    f"{_size(p.optimizer)} per chip"
+                )
         peak, top = self.peak
         if top is not None:
             parts = " + ".join(f"{name} {_g(b)}" for name, b in self.resident)
@@ -283,10 +312,16 @@ def _g(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def _over(name: str, need: float, hbm: int) -> str:
+def _size(n: float) -> str:
+    """``n`` bytes in GiB, or in MiB below one GiB (a small model's, an adapter's)."""
+    return _g(n) if n >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def _over(name: str, need: float, hbm: int, exact: bool = True) -> str:
     return (
-        f"does not fit: {name} needs {need / GiB:.1f} GiB per chip of {hbm / GiB:.0f} "
-        f"(over by {(need - hbm) / GiB:.1f})"
+        f"does not fit: {name} needs {'' if exact else 'at least '}{need / GiB:.1f} GiB per "
+        f"chip of {hbm / GiB:.0f} (over by {'' if exact else 'at least '}"
+        f"{(need - hbm) / GiB:.1f})"
     )
 
 
@@ -325,4 +360,51 @@ def other_meshes(cfg: JarlConfig, chips: int) -> list[JarlConfig]:
             other = dataclasses.replace(cfg, mesh=mesh)
             if not check_ranges(other):
                 out.append(other)
+    return out
+
+
+def full_parameter(cfg: JarlConfig) -> JarlConfig:
+    """``cfg``'s run training every weight: ``model.lora`` off (rank 0), the rest the same."""
+    lora = dataclasses.replace(cfg.model.lora, rank=0)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora))
+
+
+def beside(lora: Plan, full: Plan) -> list[str]:
+    """A LoRA run's plan beside the same run's training every weight (`full_parameter`),
+    both compiled: HBM per chip of each program and the run's peak, the parameters the RL
+    update trains and their AdamW state per chip, and the full run's verdict."""
+    hbm = lora.topology.chip.hbm_bytes
+
+    def cell(p: Compiled | None) -> str:
+        if p is None:
+            return "-"
+        if p.error is None:
+            return _size(p.total)
+        if p.arguments > hbm:
+            return f"over: its arguments alone {_g(p.arguments)}"
+        if (needs := p.needs) is not None:
+            return f"over: {'' if needs[1] else 'at least '}{_g(needs[0])}"
+        return "not compiled"
+
+    def named(plan: Plan, name: str) -> Compiled | None:
+        return next((p for p in plan.programs if p.name == name), None)
+
+    def peak(plan: Plan) -> str:
+        return _size(plan.peak[0]) if plan.compiled else "-"
+
+    def row(label: str, a: str, b: str) -> str:
+        return f"  {label:<24}{a:<16}{b}"
+
+    rl, rl_full = named(lora, "rl_update"), named(full, "rl_update")
+    out = [
+        f"LoRA beside training every weight (model.lora.rank=0), both compiled for "
+        f"{lora.topology.name}:",
+        row("HBM per chip", "LoRA", "every weight"),
+    ]
+    out += [row(p.name, cell(p), cell(named(full, p.name))) for p in lora.programs]
+    out.append(row("run peak", peak(lora), peak(full)))
+    if rl is not None and rl_full is not None:
+        out.append(row("trained parameters", f"{rl.trained:,}", f"{rl_full.trained:,}"))
+        out.append(row("AdamW state per chip", _size(rl.optimizer), _size(rl_full.optimizer)))
+    out.append(f"  every weight: {full.verdict()[1]}")
     return out

@@ -1,8 +1,9 @@
 """``jarl plan``: a run's programs compiled for a TPU slice on this CPU host (libtpu), run as
 the command a user types. The tiny demo model's whole run (RL update, SFT step, weight push,
 prefill, decode) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
-the compiled figures; a run that cannot fit is refused naming the program; bad names are
-refused naming the accepted ones."""
+the compiled figures; its LoRA run in bfloat16 compiles beside the same run training every
+weight, its update smaller, its optimizer state the adapters'; a run that cannot fit is refused
+naming the program; bad names are refused naming the accepted ones."""
 
 from __future__ import annotations
 
@@ -53,33 +54,73 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return folder, [f"model.path={folder}", *TINY_RUN]
 
 
+LORA_RANK = 8
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16_plan(
     tiny: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
+) -> tuple[ModelConfig, subprocess.CompletedProcess[str], dict[str, Any]]:
     """The tiny run in bfloat16 (a 16-bit KV cache) with heads of 128 (what TPU kernels lay
-    out in lanes, as real models' heads are)."""
+    out in lanes, as real models' heads are), training LoRA adapters of rank 8 on every
+    projection: its plan, and beside it the same run's training every weight."""
     folder = tmp_path_factory.mktemp("tiny_bf16")
     config = json.loads((tiny[0] / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "head_dim": 128}))
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    run = [*tiny[1], f"model.path={folder}", "model.dtype=bfloat16"]
+    run = [*tiny[1], f"model.path={folder}", "model.dtype=bfloat16", f"model.lora.rank={LORA_RANK}"]
     done = jarl_plan(str(DEMO), *run, "--topology", "v5e:2x2", "--json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "  Pallas kernels: paged_attention" in done.stdout.splitlines()
-    return dict(json.loads(out.read_text()))
+    return ModelConfig.from_pretrained(folder), done, dict(json.loads(out.read_text()))
 
 
-def test_the_tpu_programs_run_the_pallas_kernels(tiny_bf16_plan: dict[str, Any]) -> None:
+def test_the_tpu_programs_run_the_pallas_kernels(
+    tiny_bf16_plan: tuple[ModelConfig, subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
     """On TPU the kernels run, not their XLA stand-ins: splash attention (forward and both
     backward kernels) in the learner's steps, the paged-attention kernel in the engine's
-    decode (each shard's own, under shard_map)."""
-    kernels = {p["name"]: p["pallas_kernels"] for p in tiny_bf16_plan["programs"]}
+    decode (each shard's own, under shard_map), with LoRA adapters as without."""
+    _, _, lora = tiny_bf16_plan
+    for record in (lora, lora["full_parameter"]):
+        kernels = {p["name"]: p["pallas_kernels"] for p in record["programs"]}
+        for name in ("rl_update", "sft_step"):
+            for part in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+                assert any(k.startswith(part) for k in kernels[name]), kernels
+        assert kernels["decode"] == ["paged_attention"], kernels
+        assert kernels["weight_push"] == [] and record["fits"]
+
+
+def test_a_lora_run_is_planned_beside_training_every_weight(
+    tiny_bf16_plan: tuple[ModelConfig, subprocess.CompletedProcess[str], dict[str, Any]],
+) -> None:
+    """The LoRA run's update trains the adapters alone: r (in + out) parameters per target
+    projection and layer, their AdamW state two fp32 moments each (replicated over the mesh's
+    4 data devices; a few scalar counters beside), and its push sends them alone (fp32).
+    Its update needs less HBM per chip than the same run's training every weight, compiled
+    beside it, whose optimizer covers every parameter; the table prints both."""
+    model, done, lora = tiny_bf16_plan
+    full = lora["full_parameter"]
+    D, F, L = model.hidden_size, model.intermediate_size, model.num_layers
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    # (in, out) of q, k, v, o, gate, up, down
+    shapes = [(D, q), (D, kv), (D, kv), (q, D), (D, F), (D, F), (F, D)]
+    adapters = L * LORA_RANK * sum(i + o for i, o in shapes)
+    by_name = {p["name"]: p for p in lora["programs"]}
+    full_by_name = {p["name"]: p for p in full["programs"]}
+    gib, counters = 2**30, 64  # bytes: AdamW's and the schedule's step counts
     for name in ("rl_update", "sft_step"):
-        for part in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
-            assert any(k.startswith(part) for k in kernels[name]), kernels
-    assert kernels["decode"] == ["paged_attention"], kernels
-    assert kernels["weight_push"] == [] and tiny_bf16_plan["fits"]
+        p, f = by_name[name], full_by_name[name]
+        assert p["trained_params"] == adapters and f["trained_params"] == model.num_params
+        assert 8 * adapters <= p["optimizer_gib"] * gib <= 8 * adapters + counters
+        assert 8 * model.num_params <= f["optimizer_gib"] * gib <= 8 * model.num_params + counters
+    assert by_name["weight_push"]["arguments_gib"] * gib == 4 * adapters
+    assert by_name["rl_update"]["hbm_per_chip_gib"] < full_by_name["rl_update"]["hbm_per_chip_gib"]
+    lines = done.stdout.splitlines()
+    table = lines.index("  HBM per chip            LoRA            every weight")
+    assert lines[table - 1].startswith("LoRA beside training every weight")
+    assert re.fullmatch(r"  rl_update +[\d.]+ MiB +[\d.]+ MiB", lines[table + 1]), lines[table + 1]
+    assert re.fullmatch(rf"  trained parameters +{adapters:,} +{model.num_params:,}", lines[-4])
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +156,11 @@ def test_a_tiny_run_compiles_for_a_tpu_and_fits(
 
 def test_the_tpu_plan_bench_reads_the_plan_record(
     tiny_plan: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+    tiny_bf16_plan: tuple[ModelConfig, subprocess.CompletedProcess[str], dict[str, Any]],
 ) -> None:
     """bench/tpu_plan.py runs `jarl plan --json` as this module does (its smoke run would
-    compile the same programs again): its figures come out of the tiny run's record."""
+    compile the same programs again): its figures come out of the tiny runs' records, a LoRA
+    run's with those of the run training every weight."""
     spec = importlib.util.spec_from_file_location("bench_tpu_plan", ROOT / "bench" / "tpu_plan.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -127,6 +170,12 @@ def test_the_tpu_plan_bench_reads_the_plan_record(
     assert out["topology"] == "v5e:2x2" and out["compiled"] and out["fits"]
     assert [p["name"] for p in out["programs"]] == [p["name"] for p in record["programs"]]
     json.dumps(out)  # what the bench prints
+    lora = bench.figures("tiny-lora", tiny_bf16_plan[2])
+    assert (
+        lora["programs"][0]["trained_params"]
+        < lora["full_parameter"]["programs"][0]["trained_params"]
+    )
+    assert lora["fits"] and lora["full_parameter"]["fits"] and "full_parameter" not in out
 
 
 def test_the_memory_plan_agrees_with_the_compiled_run(
@@ -173,14 +222,6 @@ def test_bad_names_are_refused_naming_the_accepted_ones(args: list[str], named: 
     done = jarl_plan(str(GSM8K), "--model", "qwen2.5-0.5b", *args)
     assert done.returncode == 2
     assert done.stderr.startswith("jarl: ") and named in done.stderr, done.stderr
-
-
-def test_a_lora_run_is_refused_naming_model_lora() -> None:
-    done = jarl_plan(
-        str(GSM8K), "model.lora.rank=8", "--model", "qwen2.5-0.5b", "--topology", "v5e-4"
-    )
-    assert done.returncode == 2
-    assert done.stderr.startswith("jarl: model.lora: jarl plan compiles runs"), done.stderr
 
 
 def test_both_spellings_name_the_same_slice() -> None:
@@ -242,3 +283,30 @@ def test_the_qwen3_moe_preset_and_its_run_in_the_tpu_plan_bench() -> None:
     assert plan_memory(load_config(GSM8K, smaller, unread=unread), model).peak_bytes > (
         parse_topology("v5p:2x2x2").chip.hbm_bytes
     )
+
+
+def test_an_out_of_memory_compile_is_read_for_what_it_needs() -> None:
+    """XLA:TPU says how much a program that does not fit needs in two ways: the whole ("Used
+    20.1G of 15.7G hbm") or its temporaries alone, to which the arguments add (a floor). Both
+    become the verdict and the LoRA table's cell; another compiler error is named as is."""
+    from jax_agent_rl.plan import Compiled, Plan
+
+    slice_, gib = parse_topology("v5e:2x4"), 2**30
+    temps = (
+        "JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (23.47G) exceeds available HBM (15.75G)."
+    )
+    floor = Compiled("rl_update", "", error=temps, arguments=int(14.25 * gib))
+    assert floor.needs == ((14.25 + 23.47) * gib, False)
+    assert Plan(slice_, (1, 2, 4), [floor]).verdict() == (
+        False,
+        "does not fit: rl_update needs at least 37.7 GiB per chip of 16 (over by at least 21.7)",
+    )
+    used = Compiled(
+        "decode", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm"
+    )
+    assert used.needs == (20.1 * gib, True)
+    assert (
+        Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: decode needs 20.1 ")
+    )
+    assert Compiled("decode", "", error="ValueError: bad").needs is None
