@@ -126,6 +126,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
             "real_token_frac",
             "ratio_vs_torch",
             "ratio_vs_padded",
+            "skipped",
         },
     ),
     "traces": (["--smoke"], {"untraced_step_s", "traced_step_s", "overhead"}),
