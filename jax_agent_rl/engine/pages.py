@@ -11,10 +11,12 @@ released first).
 Keys and values depend on the weights that computed them, so the pool stamps each page with
 the weight version current when it was taken (``version``; a copy takes its source's stamp):
 `oldest` says which weights computed the oldest keys and values a sequence attends to. A
-prefix's key is salted with the version (`keys`), so a prefix computed under other weights
-is never found, and ages out as pages run short; with ``keep_across_versions`` (the engine
-keeps its KV over a weight push: ``rollout.keep_kv_on_update``) keys are not salted, and a
-prefix of any version is found and reused.
+prefix's key is salted with a version (`keys`): a sequence registers its pages under the
+oldest version of its keys and values and looks prefixes up under the current one, so a
+prefix computed (wholly or in part) under other weights is never found, and ages out as
+pages run short. (An engine that keeps KV over a push, ``rollout.keep_kv_on_update``, keeps
+it for running requests and kept sessions, never for the shared prefixes: a prefix every
+prompt starts with, a system prompt, would be reused from the first weights on forever.)
 
 The pool splits into ``shards`` contiguous page ranges, one per shard of the decode slots
 (the pool's page axis splits over the mesh like the slots: `models.PAGE_AXES`): shard d owns
@@ -35,11 +37,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 
-def prefix_keys(tokens: Sequence[int], page_size: int, salt: int | None) -> list[bytes]:
+def prefix_keys(tokens: Sequence[int], page_size: int, salt: int) -> list[bytes]:
     """A key per full page of ``tokens``: key i names tokens ``0 .. (i + 1) * page_size - 1``
     (a chain of BLAKE2b digests, so equal keys mean equal prefixes, not just equal pages),
-    computed under weight version ``salt`` (None: under any: `PagePool.keys`)."""
-    keys, key = [], b"" if salt is None else salt.to_bytes(8, "little", signed=True)
+    computed under weight version ``salt`` (`PagePool.keys`)."""
+    keys, key = [], salt.to_bytes(8, "little", signed=True)
     for end in range(page_size, len(tokens) + 1, page_size):
         page = np.asarray(tokens[end - page_size : end], np.int64).tobytes()
         key = hashlib.blake2b(key + page, digest_size=16).digest()
@@ -51,13 +53,11 @@ class PagePool:
     """Reference counts, free lists and prefix caches of ``num_pages`` pages in ``shards``
     equal contiguous ranges, stamped with weight ``version`` (see the module docstring)."""
 
-    def __init__(
-        self, num_pages: int, shards: int = 1, version: int = 0, keep_across_versions: bool = False
-    ) -> None:
+    def __init__(self, num_pages: int, shards: int = 1, version: int = 0) -> None:
         if shards < 1 or num_pages % shards:
             raise ValueError(f"{num_pages} pages do not split into {shards} equal shards")
         self.num_pages, self.shards = num_pages, shards
-        self.version, self.keep_across_versions = version, keep_across_versions
+        self.version = version
         self._stamp = [version] * num_pages  # the version current when each page was taken
         self.shard_pages = num_pages // shards
         self._refs = [0] * num_pages
@@ -89,10 +89,13 @@ class PagePool:
     def refs(self, page: int) -> int:
         return self._refs[page]
 
-    def keys(self, tokens: Sequence[int], page_size: int) -> list[bytes]:
-        """`prefix_keys` of ``tokens`` salted with the version (not salted: the keys of every
-        version match, ``keep_across_versions``)."""
-        return prefix_keys(tokens, page_size, None if self.keep_across_versions else self.version)
+    def keys(
+        self, tokens: Sequence[int], page_size: int, version: int | None = None
+    ) -> list[bytes]:
+        """`prefix_keys` of ``tokens`` salted with weight ``version`` (None: the current one):
+        pages are registered under the oldest version of their keys and values, looked up
+        under the current one."""
+        return prefix_keys(tokens, page_size, self.version if version is None else version)
 
     def oldest(self, pages: Iterable[int]) -> int:
         """The oldest weight version that computed keys and values in ``pages`` (the current

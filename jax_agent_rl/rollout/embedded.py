@@ -21,11 +21,11 @@ its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
 recompilation) take the old ones' place (dropped first), kept sessions are dropped (cached
-prefixes need not be: their keys are salted with the version, `PagePool.keys`), and
-admission resumes. With ``keep_kv_on_update`` nothing drains or is dropped: the push lands
-between two engine calls, and running requests, sessions and prefixes go on under the new
-weights over the old ones' keys and values. A LoRA policy's push sends its adapters only
-(`LayerAdapters`): the engine keeps its base and runs the adapters unmerged. Each sampled
+prefixes are salted with the version, `PagePool.keys`), and admission resumes. With
+``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
+and running requests and kept sessions go on under the new weights over the old ones' keys
+and values (shared prefixes never cross versions). A LoRA policy's push sends its adapters
+only (`LayerAdapters`): the engine keeps its base and runs the adapters unmerged. Each sampled
 token carries the weight version that sampled it and the oldest that computed its KV
 (`GenerateResult.token_versions`, ``kv_versions``; pages are stamped, `PagePool.oldest`). A
 MoE model's results carry each sampled token's experts (`GenerateResult.expert_ids`).
@@ -111,7 +111,7 @@ class EmbeddedBackend:
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call
         # the engine thread's ledger, and the weight version it serves (`PagePool.version`)
-        self._pool = PagePool(engine.num_pages, engine.shards, weight_version, keep_kv_on_update)
+        self._pool = PagePool(engine.num_pages, engine.shards, weight_version)
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._prefilling: Job | None = None  # a long prompt between its chunks
@@ -304,7 +304,7 @@ class EmbeddedBackend:
             return
         jax.block_until_ready(self._params)
         self._pool.version = update.version  # the stamp of the pages taken from now on
-        if not self._pool.keep_across_versions:
+        if self._gate.drain:
             self._sessions.drop()  # their pages hold keys and values of the old weights
         seconds = time.perf_counter() - t0
         pushed = sum(x.nbytes for x in jax.tree.leaves(new))
@@ -385,7 +385,7 @@ class EmbeddedBackend:
             self._prefilling = job
             return
         self._prefilling = None
-        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size))
+        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
         # whole [1] arrays to the host, indexed there (indexing on the device runs a program)
         token, logprob, finish = (
             x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
@@ -425,7 +425,7 @@ class EmbeddedBackend:
         job = self._slots.pop(slot)
         self._state = self.engine.release(self._state, slot)
         seq = self._sequence(job)[: job.pos]
-        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size))
+        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
         self._pool.release(job.pages)
         job.pages = []
         self._waiting.appendleft(job)
@@ -467,7 +467,9 @@ class EmbeddedBackend:
         """A finished job's pages: its full ones registered as a cached prefix; kept for its
         session (by reference: the session holds them now) or released."""
         covered = self._sequence(job)[: job.pos]
-        self._pool.register(job.pages, self._pool.keys(covered, self.engine.page_size))
+        self._pool.register(
+            job.pages, self._pool.keys(covered, self.engine.page_size, job.kv_version)
+        )
         session = job.request.session_id
         if session is not None and self._sessions.size > 0:
             keep = self.engine.pages_for(job.pos)

@@ -1,5 +1,5 @@
 """A weight push with and without ``keep_kv_on_update``: what a running request, a kept
-session and a cached prefix do with the keys and values the old weights computed.
+session and a shared prefix do with the keys and values the old weights computed.
 
 The push lands while the engine is held (`pause`) after the request's 5th token (its first
 from prefill, four from one decode call): kept, the request goes on from its pages under the
@@ -128,32 +128,32 @@ def test_without_keeping_the_push_waits_and_the_session_is_computed_again(
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_cached_prefix_matches_across_versions_only_when_kept(
-    checkpoint: Path, keep: bool
-) -> None:
-    """Two requests of one 70-token prompt (4 full pages of 16), a push between them: the
-    second finds the first's pages only when the KV is kept (then its tokens' KV is of
-    version 0); otherwise the prefix's keys, salted with the version, do not match."""
+def test_a_shared_prefix_never_matches_across_versions(checkpoint: Path, keep: bool) -> None:
+    """Two requests of one 70-token prompt (4 full pages of 16), no session, a push between
+    them: kept or not, the second does not find the first's pages (their keys are salted with
+    the version) and prefills the whole prompt under the new weights. Without the push it
+    would take 64 tokens from them."""
     backend, other = _backend(checkpoint, keep)
     prompt = _prompt(2, 70)
 
-    async def scenario() -> GenerateResult:
-        await backend.generate(GenerateRequest("a", prompt, GREEDY))
+    async def scenario() -> list[GenerateResult]:
+        out = [await backend.generate(GenerateRequest("a", prompt, GREEDY))]
+        out.append(await backend.generate(GenerateRequest("b", prompt, GREEDY)))
         await backend.update_weights(other, 1)
-        result = await backend.generate(GenerateRequest("b", prompt, GREEDY))
+        out.append(await backend.generate(GenerateRequest("c", prompt, GREEDY)))
         await backend.close()
-        return result
+        return out
 
-    second = asyncio.run(scenario())
-    assert backend.stats.prefix_hit_tokens == (64 if keep else 0)
-    assert backend.stats.prefilled_tokens == 70 + (6 if keep else 70)
-    assert second.token_versions == (1,) * 40
-    assert second.kv_versions == ((0,) if keep else (1,)) * 40
+    _, same_version, after_push = asyncio.run(scenario())
+    assert backend.stats.prefix_hit_tokens == 64  # b's only
+    assert backend.stats.prefilled_tokens == 70 + 6 + 70
+    assert same_version.kv_versions == (0,) * 40
+    assert after_push.token_versions == after_push.kv_versions == (1,) * 40
 
 
 def test_the_pool_stamps_pages_with_the_version_they_were_taken_under() -> None:
     """`PagePool.oldest` is the oldest stamp of a sequence's pages; a copy takes its source's
-    stamp; keys are salted with the version unless kept across versions."""
+    stamp; keys are salted with a version (the current one unless named)."""
     pool = PagePool(8)
     first = pool.take(2, 0)
     assert first is not None
@@ -164,6 +164,5 @@ def test_the_pool_stamps_pages_with_the_version_they_were_taken_under() -> None:
     pool.copied(first[0], second[0])
     assert pool.oldest(second) == 0
     tokens = list(range(32))
-    kept = PagePool(8, version=3, keep_across_versions=True)
-    assert pool.keys(tokens, 16) != PagePool(8).keys(tokens, 16)
-    assert kept.keys(tokens, 16) == PagePool(8, keep_across_versions=True).keys(tokens, 16)
+    assert pool.keys(tokens, 16) == pool.keys(tokens, 16, 3) != pool.keys(tokens, 16, 0)
+    assert pool.keys(tokens, 16, 0) == PagePool(8).keys(tokens, 16)
