@@ -88,6 +88,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -543,9 +544,15 @@ def variant_in_process(name: str, args: argparse.Namespace, folder: Path) -> Res
     """`run_variant` in a process of its own (this script with ``--variant``), killed after
     ``--variant-budget-s``: its figures, or why there are none."""
     argv = [sys.executable, __file__, *sys.argv[1:], "--variant", name, "--checkpoint", str(folder)]
+    path = os.pathsep.join(p for p in sys.path if p)  # it imports what this process does
     try:
         done = subprocess.run(
-            argv, stdout=subprocess.PIPE, text=True, timeout=args.variant_budget_s, check=False
+            argv,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=args.variant_budget_s,
+            check=False,
+            env={**os.environ, "PYTHONPATH": path},
         )
     except subprocess.TimeoutExpired:
         return f"killed after its budget of {args.variant_budget_s:.0f} s (--variant-budget-s)"
