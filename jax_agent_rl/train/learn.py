@@ -130,10 +130,10 @@ def learn(
     without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
-    behind), ``staleness/max``, the logprob gap per staleness (the oldest KV a token was
-    sampled over counts as its age: `Trajectory.oldest_version`) and
-    ``staleness/kv_older_tokens``, the share of sampled tokens whose KV was older than the
-    weights that sampled them. ``traced``: the trajectories
+    behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
+    sampled over counts as its age: `Trajectory.oldest_version`). Always:
+    ``staleness/kv_older_tokens``, the share of trained sampled tokens whose KV was older
+    than the weights that sampled them. ``traced``: the trajectories
     whose traces are written (one process only); those trained on get their per-token
     learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
 
@@ -174,8 +174,8 @@ def learn(
             if key.startswith("staleness_count/"):
                 m[f"staleness/{key.split('/')[1]}"] = count / trained
         m["staleness/max"] = totals["staleness/max"]
-        sampled = max(totals["staleness_sampled_tokens"], 1)
-        m["staleness/kv_older_tokens"] = totals["staleness_kv_tokens"] / sampled
+    sampled = max(totals["staleness_sampled_tokens"], 1)
+    m["staleness/kv_older_tokens"] = totals["staleness_kv_tokens"] / sampled
     # each mini-batch's sequences packed into rows (or one per row), every process the same
     # shapes (power-of-two slots: the step compiles again only for a step larger than any)
     L, K = cfg.learner, cfg.algorithm.mini_batches
