@@ -3,16 +3,21 @@
 The learning test's task (sums and products; the calculator tool), with every calculator call
 delayed by a seeded lognormal draw (median ``--median-delay`` s, ``--sigma``): a search engine
 or a slow API, where a synchronous step waits for its slowest trajectory. One SFT warm start,
-then from the same policy: the synchronous loop, and ``trainer.mode=async`` at
-``max_staleness`` 1 and 2, each ``--steps`` updates of 8 prompts x 8 samples on the embedded
-engine. Reported per mode: trajectories trained per second over the RL updates (the figure
-async training is for), held-out greedy success after the last update, the mean rollout and
-learner idle fractions, and the per-step reward curve; then each async mode's throughput as
-a ratio to the synchronous one; ``--plot`` draws the reward curves and the throughputs into
-a PNG. Ends with one JSON line.
+then from the same policy: the synchronous loop, ``trainer.mode=async`` at ``max_staleness``
+1 and 2, and at 1 with ``rollout.keep_kv_on_update`` (``async1_keepkv``: a push lands
+mid-turn, which goes on over the old weights' KV instead of waiting), each ``--steps`` updates
+of 8 prompts x 8 samples on the embedded engine (``--modes``: some of them; sync is always
+run). Reported per mode: trajectories trained per second over the RL updates (the figure
+async training is for), rollout tokens per second (async: model tokens sampled per second of
+update, the first update left out, every later one following a push; sync: per second of its
+rollouts), held-out greedy success after the
+last update, the mean rollout and learner idle fractions, the share of trained tokens sampled
+over KV older than their weights, and the per-step reward curve; then each async mode's
+throughput as a ratio to the synchronous one and its held-out success minus sync's; ``--plot``
+draws the reward curves and the throughputs into a PNG. Ends with one JSON line.
 
     .venv/bin/python bench/async.py [--steps 10] [--median-delay 1.0] [--sigma 1.2] [--plot F]
-        [--set KEY=VALUE ...] [--smoke]
+        [--modes async1,async2,async1_keepkv] [--set KEY=VALUE ...] [--smoke]
 
 ``--smoke``: the smallest run that goes through every mode (SFT of 2 steps, then 2 updates of
 1 prompt x 2 samples each, 4 held-out problems, 10 ms tool delays): it checks the bench
@@ -48,6 +53,16 @@ from jax_agent_rl.train.metrics import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 DELAY_ENV = "JARL_BENCH_TOOL_DELAY"  # "median,sigma,seed"
 _draws: list[random.Random] = []
+# the async modes' overrides (each run beside the synchronous loop)
+ASYNC_MODES = {
+    "async1": ["trainer.mode=async", "trainer.max_staleness=1"],
+    "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
+    "async1_keepkv": [
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "rollout.keep_kv_on_update=true",
+    ],
+}
 
 
 @tool(name="calculator")
@@ -119,11 +134,13 @@ def run_mode(
 
     return {
         "trajectories_per_s": round(trained / seconds, 2),
+        "rollout_tokens_per_s": mean("time/rollout_tokens_per_s"),
         "held_out_success": held_out[-1],
         "held_out_start": held_out[0],
         "rollout_idle_frac": mean("time/rollout_idle_frac"),
         "learner_idle_frac": mean("time/learner_idle_frac"),
         "staleness_max": max(m["staleness/max"] for m in updates),
+        "kv_older_tokens": mean("staleness/kv_older_tokens"),
         "reward_curve": [round(m["reward"], 3) for m in updates],
     }
 
@@ -135,7 +152,7 @@ def plot(figures: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = ("sync", "async1", "async2")
+    modes = ["sync", *figures["modes"]]
     fig, (curves, rates) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in modes:
         rewards = figures[f"{mode}_reward_curve"]
@@ -162,6 +179,11 @@ def main() -> None:
     parser.add_argument("--median-delay", type=float, default=1.0, help="seconds")
     parser.add_argument("--sigma", type=float, default=1.2, help="of the log of the delay")
     parser.add_argument("--plot", type=Path, help="a PNG of the reward curves and throughputs")
+    parser.add_argument(
+        "--modes",
+        default=",".join(ASYNC_MODES),
+        help=f"the async modes run beside sync, of {', '.join(ASYNC_MODES)}",
+    )
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     parser.add_argument(
         "--set",
@@ -171,6 +193,9 @@ def main() -> None:
         help="a config override for every mode, e.g. optim.lr=5e-4 or algorithm.tis_mode=mask",
     )
     args = parser.parse_args()
+    chosen = [m for m in args.modes.split(",") if m]
+    if not chosen or set(chosen) - set(ASYNC_MODES):
+        parser.error(f"--modes {args.modes!r}: some of {', '.join(ASYNC_MODES)}")
     if args.smoke:
         args.steps, args.sft_steps, args.median_delay, args.sigma = 2, 2, 0.01, 0.1
         args.set = [*SMOKE_OVERRIDES, *args.set]
@@ -186,16 +211,13 @@ def main() -> None:
         "median_delay_s": args.median_delay,
         "sigma": args.sigma,
         "overrides": args.set,
+        "modes": chosen,
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         small_task_sft(folder, args.sft_steps, args.set)
         tools = tools_yaml(folder)
-        modes = {
-            "sync": [],
-            "async1": ["trainer.mode=async", "trainer.max_staleness=1"],
-            "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
-        }
+        modes = {"sync": [], **{m: ASYNC_MODES[m] for m in chosen}}
         for name, mode in modes.items():
             result = run_mode(
                 folder, folder / "sft" / "hf", tools, name, mode, args.steps, args.set
@@ -205,7 +227,7 @@ def main() -> None:
     if args.plot:
         plot(figures, args.plot)
     sync_rate = figures["sync_trajectories_per_s"]
-    for name in ("async1", "async2"):
+    for name in chosen:
         rate = figures[f"{name}_trajectories_per_s"]
         figures[f"{name}_throughput_ratio"] = round(rate / sync_rate, 2)  # type: ignore[operator]
         gap = figures[f"{name}_held_out_success"] - figures["sync_held_out_success"]  # type: ignore[operator]

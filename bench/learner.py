@@ -71,8 +71,16 @@ or the ``--model`` given, 2 uniform sequences of 64 tokens or 4 long-tail ones c
 rows of 256, one timed step, 256^3 matmuls; long_tail's torch_packed in fp32): it checks the
 bench works, its figures mean nothing.
 
-Ends with one JSON line. Timings are noisy on a shared 2-core machine: compare figures from
-the same run only.
+Each variant runs in a process of its own, killed once it has run ``--variant-budget-s``
+seconds (default 1200); before it starts, a variant whose warm-up and timed steps could not
+end within that budget even at its dtype's measured matmul peak in its framework (all of its
+FLOPs at 100% MFU) is not run: a dtype whose matmuls crawl on this machine (one AMD EPYC ran
+torch's bf16 matmul at 0.3 GFLOP/s, a long_tail step for hours) costs nothing. Either way the
+JSON line names the variant under ``skipped``, with why, and its figures are left out (a
+ratio that needs them too).
+
+Ends with one JSON line, always. Timings are noisy on a shared 2-core machine: compare figures
+from the same run only.
 """
 
 from __future__ import annotations
@@ -80,7 +88,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,6 +101,7 @@ from typing import Any
 import numpy as np
 
 MATMUL_N = 2048
+COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def log(msg: str) -> None:
@@ -481,7 +492,17 @@ def _args() -> argparse.Namespace:
         default=None,
         help="a Qwen3-MoE preset, timed beside its dense twin (default: the dense small model)",
     )
+    parser.add_argument(
+        "--variant-budget-s",
+        type=float,
+        default=1200.0,
+        help="seconds a variant may run (warm-up, compiles and timed steps) before it is "
+        "killed and skipped; one its dtype's matmul peak could not fit in them is not run",
+    )
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
+    # how the bench runs one variant in a process of its own (not for the command line)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     long_tail = args.workload == "long_tail"
     args.steps = 1 if args.smoke else args.steps or (1 if long_tail else 3)
@@ -496,6 +517,62 @@ def _args() -> argparse.Namespace:
     return args
 
 
+Result = tuple[float, list[float], float, int, float]
+
+
+def run_variant(name: str, args: argparse.Namespace, folder: Path) -> Result:
+    """Variant ``name`` on the checkpoints in ``folder`` (``model``, a MoE's twin ``dense``):
+    its first and timed step times, first loss, compilations in the timed steps and the
+    packed layout's real-token fraction."""
+    from jax_agent_rl.models import load_hf
+
+    ckpt = folder / ("dense" if name.startswith("dense_") else "model")
+    w = make_workload(
+        args.workload, args.sequences, load_hf(ckpt)[0].vocab_size, args.seq, args.cap
+    )
+    dtype = name.rsplit("_", 1)[1]
+    if name.startswith("torch_"):
+        layout = name.split("_")[1]
+        return (*torch_train(ckpt, w, layout, args.row_tokens, dtype == "bf16", args.steps), 1.0)
+    packed = "_packed_" in name
+    timed = args.steps if packed or args.workload != "long_tail" else 0
+    rows = args.row_tokens if packed else None
+    return jax_train(ckpt, w, rows, COMPUTE[dtype], timed, CompileCounter())
+
+
+def variant_in_process(name: str, args: argparse.Namespace, folder: Path) -> Result | str:
+    """`run_variant` in a process of its own (this script with ``--variant``), killed after
+    ``--variant-budget-s``: its figures, or why there are none."""
+    argv = [sys.executable, __file__, *sys.argv[1:], "--variant", name, "--checkpoint", str(folder)]
+    path = os.pathsep.join(p for p in sys.path if p)  # it imports what this process does
+    try:
+        done = subprocess.run(
+            argv,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=args.variant_budget_s,
+            check=False,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+    except subprocess.TimeoutExpired:
+        return f"killed after its budget of {args.variant_budget_s:.0f} s (--variant-budget-s)"
+    if done.returncode != 0:
+        return f"failed (exit status {done.returncode}; its error is in the log above)"
+    first, timed, loss, recompiles, real_frac = json.loads(done.stdout.strip().split("\n")[-1])
+    return first, timed, loss, recompiles, real_frac
+
+
+def fits_budget(seconds_at_peak: float, peak: float, budget: float) -> str | None:
+    """Why a variant is not run (None: it is): its steps' FLOPs at the ``peak`` (FLOP/s) of
+    its framework and dtype take ``seconds_at_peak`` at least, over its ``budget``."""
+    if seconds_at_peak <= budget:
+        return None
+    return (
+        f"its matmul peak here ({peak / 1e9:.2f} GFLOP/s) needs {seconds_at_peak:.0f} s at "
+        f"least for its steps, over its budget of {budget:.0f} s (--variant-budget-s)"
+    )
+
+
 def main() -> None:
     args = _args()
     long_tail = args.workload == "long_tail"
@@ -507,12 +584,15 @@ def main() -> None:
     from jax_agent_rl.models.hf_local import write_hf_checkpoint
 
     torch.set_num_threads(2)  # (write_hf_checkpoint turns transformers' progress bars off)
-    counter = CompileCounter()
+    if args.variant is not None:  # one variant, in this process of its own
+        print(json.dumps(run_variant(args.variant, args, args.checkpoint)))
+        return
 
     model, hf = bench_model(args.model, args.smoke)
     out: dict[str, Any] = {"bench": "learner", "workload": args.workload, "model": model}
     tok_s: dict[str, float] = {}
     extra: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
         cfg = load_hf(ckpt)[0]
@@ -530,56 +610,58 @@ def main() -> None:
             row_tokens=row_tokens,
             flops_per_token=round(fpts[""]),
             lengths=LENGTHS[args.workload],
+            variant_budget_s=args.variant_budget_s,
         )
         if args.model is not None:
-            twin, fpts["dense_"], figures = dense_twin_of(hf, ckpt, w, Path(tmp) / "dense")
+            _, fpts["dense_"], figures = dense_twin_of(hf, ckpt, w, Path(tmp) / "dense")
             out.update(figures)
 
         peaks = matmul_peaks(matmul_n)
 
-        Run = Callable[[], tuple[float, list[float], float, int, float]]
-
-        def torch_run(layout: str, bf16: bool) -> Run:
-            return lambda: (*torch_train(ckpt, w, layout, row_tokens, bf16, steps), 1.0)
-
-        def jax_run(packed: bool, dtype: str, model: Path = ckpt) -> Run:
-            rows = row_tokens if packed else None
-            timed = steps if packed or not long_tail else 0
-            return lambda: jax_train(model, w, rows, dtype, timed, counter)
-
-        dtypes, compute = args.dtypes, {"fp32": "float32", "bf16": "bfloat16"}
-        variants: list[tuple[str, Run]] = [
-            *((f"torch_sorted_{d}", torch_run("sorted", d == "bf16")) for d in dtypes),
-            *((f"jax_packed_{d}", jax_run(True, compute[d])) for d in dtypes),
-        ]
+        dtypes = args.dtypes
+        variants = [f"torch_sorted_{d}" for d in dtypes] + [f"jax_packed_{d}" for d in dtypes]
         if long_tail:  # torch on the packed rows in its faster dtype; JAX unpacked in fp32
-            variants += [
-                (f"torch_packed_{dtypes[-1]}", torch_run("packed", dtypes[-1] == "bf16")),
-                ("jax_padded_fp32", jax_run(False, "float32")),
-            ]
+            variants += [f"torch_packed_{dtypes[-1]}", "jax_padded_fp32"]
         if args.model is not None:
-            variants += [(f"dense_jax_packed_{d}", jax_run(True, compute[d], twin)) for d in dtypes]
-        for name, run in variants:
-            first, timed, loss, recompiles, real_frac = run()
-            tok_s[name] = w.tokens / statistics.median(timed)
+            variants += [f"dense_jax_packed_{d}" for d in dtypes]
+        for name in variants:
             dtype = "bf16" if name.endswith("bf16") else "fp32"
-            peak = max(peaks[dtype].values())
             flops = fpts["dense_" if name.startswith("dense_") else ""]
-            extra[f"mfu_{name}"] = round(tok_s[name] * flops / peak, 4)
-            extra[f"first_step_s_{name}"] = round(first, 2)
-            extra[f"loss_{name}"] = round(loss, 6)
-            if "jax" in name:
-                extra[f"recompiles_{name}"] = recompiles
-            if name.startswith("jax_packed"):
-                out["real_token_frac"] = round(real_frac, 4)
-            if name.startswith("jax_padded"):
-                out["padded_real_token_frac"] = round(real_frac, 4)
-            log(
-                f"{name}: {tok_s[name]:.0f} useful tok/s (steps "
-                f"{', '.join(f'{t:.2f}' for t in timed)} s; first {first:.1f} s), loss {loss:.6f}"
-            )
+            own_peak = peaks[dtype]["torch" if name.startswith("torch") else "jax"]
+            runs = 1 + (steps if "jax_padded" not in name or not long_tail else 0)
+            why = fits_budget(runs * w.tokens * flops / own_peak, own_peak, args.variant_budget_s)
+            got = why if why is not None else variant_in_process(name, args, Path(tmp))
+            if isinstance(got, str):
+                skipped[name] = got
+                log(f"{name}: skipped, {got}")
+            else:
+                tok_s[name] = w.tokens / statistics.median(got[1])
+                mfu = tok_s[name] * flops / max(peaks[dtype].values())
+                _record(name, got, tok_s[name], mfu, out, extra)
 
+    out["skipped"] = skipped
     _report(out, tok_s, peaks, extra, dtypes)
+
+
+def _record(
+    name: str, got: Result, tok_s: float, mfu: float, out: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """A variant's figures (``got``: `run_variant`'s) into the JSON line's ``out`` and
+    ``extra``, and the log."""
+    first, timed, loss, recompiles, real_frac = got
+    extra[f"mfu_{name}"] = round(mfu, 4)
+    extra[f"first_step_s_{name}"] = round(first, 2)
+    extra[f"loss_{name}"] = round(loss, 6)
+    if "jax" in name:
+        extra[f"recompiles_{name}"] = recompiles
+    if name.startswith("jax_packed"):
+        out["real_token_frac"] = round(real_frac, 4)
+    if name.startswith("jax_padded"):
+        out["padded_real_token_frac"] = round(real_frac, 4)
+    log(
+        f"{name}: {tok_s:.0f} useful tok/s (steps {', '.join(f'{t:.2f}' for t in timed)} s; "
+        f"first {first:.1f} s), loss {loss:.6f}"
+    )
 
 
 def _report(
@@ -596,16 +678,21 @@ def _report(
         out[f"peak_{d}_gflops_torch"] = round(p["torch"] / 1e9, 1)
         out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
     out.update(extra)
-    best = lambda prefix: max(v for k, v in tok_s.items() if k.startswith(prefix))  # noqa: E731
-    out["ratio_vs_torch"] = round(best("jax_packed") / best("torch"), 3)
-    if "jax_padded_fp32" in tok_s:
-        out["ratio_vs_padded"] = round(tok_s["jax_packed_fp32"] / tok_s["jax_padded_fp32"], 3)
-    if "dense_jax_packed_fp32" in tok_s:  # a MoE beside its dense twin
+
+    def ratio(key: str, a: str, b: str) -> None:
+        """``out[key]``: the best throughput of the variants named ``a...`` over that of
+        ``b...`` (left out while either has none: skipped)."""
+        best = [max((v for k, v in tok_s.items() if k.startswith(x)), default=0.0) for x in (a, b)]
+        if best[0] and best[1]:
+            out[key] = round(best[0] / best[1], 3)
+
+    ratio("ratio_vs_torch", "jax_packed", "torch")
+    ratio("ratio_vs_padded", "jax_packed_fp32", "jax_padded_fp32")
+    if out.get("dense_params") is not None:  # a MoE beside its dense twin
         for d in dtypes:
-            moe = tok_s[f"jax_packed_{d}"]
-            out[f"moe_over_dense_{d}"] = round(moe / tok_s[f"dense_jax_packed_{d}"], 3)
-            out[f"ratio_vs_torch_{d}"] = round(moe / tok_s[f"torch_sorted_{d}"], 3)
-        out["moe_over_dense_best"] = round(best("jax_packed") / best("dense_jax_packed"), 3)
+            ratio(f"moe_over_dense_{d}", f"jax_packed_{d}", f"dense_jax_packed_{d}")
+            ratio(f"ratio_vs_torch_{d}", f"jax_packed_{d}", f"torch_sorted_{d}")
+        ratio("moe_over_dense_best", "jax_packed", "dense_jax_packed")
     print(json.dumps(out))
 
 

@@ -130,6 +130,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
             "real_token_frac",
             "ratio_vs_torch",
             "ratio_vs_padded",
+            "skipped",
         },
     ),
     "traces": (["--smoke"], {"untraced_step_s", "traced_step_s", "overhead"}),
@@ -142,12 +143,19 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
         {
             *(
                 f"{m}_{k}"
-                for m in ("sync", "async1", "async2")
-                for k in ("trajectories_per_s", "held_out_success", "reward_curve")
+                for m in ("sync", "async1", "async2", "async1_keepkv")
+                for k in (
+                    "trajectories_per_s",
+                    "rollout_tokens_per_s",
+                    "held_out_success",
+                    "kv_older_tokens",
+                    "reward_curve",
+                )
             ),
             "async1_throughput_ratio",
             "async2_throughput_ratio",
             "async2_held_out_minus_sync",
+            "async1_keepkv_held_out_minus_sync",
         },
     ),
     "weight_push": (

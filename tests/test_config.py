@@ -387,3 +387,26 @@ def test_every_built_in_backend_takes_a_lora_run(overrides: list[str]) -> None:
     (`rollout.registry.lora_problem`)."""
     cfg = load_config(None, ["model.path=/a", "data.train=t", "model.lora.rank=8", *overrides])
     assert cfg.model.lora.rank == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        (["rollout.backend=vllm"], "rollout.backend=vllm"),
+        (["rollout.ray.address=auto"], "rollout.backend=embedded on Ray replicas"),
+    ],
+)
+def test_only_the_embedded_engine_keeps_its_kv_over_a_push(
+    overrides: list[str], where: str
+) -> None:
+    """rollout.keep_kv_on_update on a backend that drains before a push is refused when the
+    config loads, in one line naming the key and the backend; the embedded engine takes it."""
+    base = ["model.path=/a", "data.train=t"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "rollout.keep_kv_on_update=true", *overrides])
+    assert str(e.value) == (
+        f"rollout.keep_kv_on_update=true: {where} drains its requests before a weight push "
+        "and keeps no KV over it; use rollout.backend=embedded without rollout.ray.address, "
+        "or keep_kv_on_update=false"
+    )
+    assert load_config(None, [*base, "rollout.keep_kv_on_update=true"]).rollout.keep_kv_on_update

@@ -126,14 +126,15 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
         await ctx.budget.settle(max_tokens, len(result.token_ids))
     tokens, finish = list(result.token_ids), str(result.finish_reason)
     logprobs = list(result.logprobs or [0.0] * len(tokens))
-    experts = result.expert_ids
+    experts, versions, kv = result.expert_ids, result.token_versions, result.kv_versions
     turn = [*traj.response_ids[len(traj.response_ids) - turn_tokens :], *tokens]
     end = stop_string_end(ctx.tokenizer.decode, turn, cfg.stop, len(tokens))
     if end is not None and finish != "abort":
         kept = end - turn_tokens
         tokens, logprobs, finish = tokens[:kept], logprobs[:kept], "stop_string"
         experts = None if experts is None else experts[:kept]
-    traj.add_sample(tokens, logprobs, result.weight_version, experts)
+        versions, kv = (None if x is None else x[:kept] for x in (versions, kv))
+    traj.add_sample(tokens, logprobs, result.weight_version, experts, versions, kv)
     return tokens, finish
 
 

@@ -57,7 +57,10 @@ class Trajectory:
     on sampled tokens and 0 elsewhere; ``rollout_logprobs`` holds the sampler's logprob of each
     sampled token (0 where the mask is 0), and ``token_versions`` the weight version that
     sampled it (-1 where the model did not sample the token here: tool and template tokens,
-    demonstrations); ``weight_versions`` has one entry per sampled turn. ``prompt_ids +
+    demonstrations), and ``kv_versions`` the oldest weight version that computed a key or
+    value it was sampled over (its KV version range runs from there to its own version: older
+    where the engine kept its KV over a weight push, ``rollout.keep_kv_on_update``; -1 where
+    ``token_versions`` is); ``weight_versions`` has one entry per sampled request. ``prompt_ids +
     response_ids`` is exactly the last sequence the model was conditioned on plus what it
     sampled.
 
@@ -76,6 +79,7 @@ class Trajectory:
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     rollout_logprobs: list[float] = dataclasses.field(default_factory=list)
     token_versions: list[int] = dataclasses.field(default_factory=list)
+    kv_versions: list[int] = dataclasses.field(default_factory=list)
     expert_ids: np.ndarray | None = None
     reward: float = 0.0
     # each answered turn's reward: its tool calls' (summed), or its environment step's; each
@@ -124,15 +128,23 @@ class Trajectory:
         logprobs: list[float] | None = None,
         version: int = -1,
         experts: np.ndarray | None = None,
+        versions: Sequence[int] | None = None,
+        kv_versions: Sequence[int] | None = None,
     ) -> None:
-        """Appends ``ids``: sampled by the model (``model``) under weight ``version`` with
-        ``logprobs`` and (a MoE model's) ``experts`` [len(ids), sparse layers, k], or context
-        (tool results, template tokens)."""
+        """Appends ``ids``: sampled by the model (``model``) under weight ``version`` (or
+        per token ``versions``, over keys and values of ``kv_versions`` and later; None: the
+        token's own) with ``logprobs`` and (a MoE model's) ``experts`` [len(ids), sparse
+        layers, k], or context (tool results, template tokens)."""
         self._append_experts(len(ids), experts if model else None)
         self.response_ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
         self.rollout_logprobs.extend(logprobs if model and logprobs else [0.0] * len(ids))
-        self.token_versions.extend([version if model else -1] * len(ids))
+        sampled = list(versions) if versions is not None else [version] * len(ids)
+        kv = list(kv_versions) if kv_versions is not None else sampled
+        if model and not len(sampled) == len(kv) == len(ids):
+            raise ValueError(f"{len(sampled)} and {len(kv)} KV versions for {len(ids)} tokens")
+        self.token_versions.extend(sampled if model else [-1] * len(ids))
+        self.kv_versions.extend(kv if model else [-1] * len(ids))
 
     def _append_experts(self, n: int, experts: np.ndarray | None) -> None:
         """``expert_ids`` grown by ``n`` tokens: ``experts``, or `NO_EXPERTS` rows (the
@@ -153,10 +165,13 @@ class Trajectory:
         logprobs: list[float],
         version: int,
         experts: np.ndarray | None = None,
+        versions: Sequence[int] | None = None,
+        kv_versions: Sequence[int] | None = None,
     ) -> None:
-        """The tokens one generate request sampled under weight ``version`` (one weight
-        version is kept per request), with a MoE model's ``experts``."""
-        self.append(ids, model=True, logprobs=logprobs, version=version, experts=experts)
+        """The tokens one generate request sampled under weight ``version`` (its first
+        token's), with a MoE model's ``experts``; ``versions`` and ``kv_versions`` per token
+        where a push landed during the request (`GenerateResult.token_versions`)."""
+        self.append(ids, True, logprobs, version, experts, versions, kv_versions)
         self.weight_versions.append(version)
 
     def add_turn(self, kind: TurnKind | None, text: str | None = None) -> None:
@@ -253,8 +268,9 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest weight version that sampled one of its tokens (None: none sampled)."""
-        return min((v for v in self.token_versions if v >= 0), default=None)
+        """The oldest weight version that sampled one of its tokens or computed a key or value
+        one was sampled over (None: none sampled)."""
+        return min((v for v in (*self.token_versions, *self.kv_versions) if v >= 0), default=None)
 
     @property
     def trainable(self) -> bool:

@@ -204,6 +204,20 @@ def _judge_template(template: str) -> str | None:
     return None
 
 
+def _keep_kv(cfg: JarlConfig) -> str | None:
+    """Only the embedded engine keeps its KV over a push: every other backend (and the Ray
+    pool in front of replicas) drains its requests before one."""
+    r = cfg.rollout
+    if r.keep_kv_on_update and (r.backend != "embedded" or r.ray.address):
+        where = f"rollout.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
+        return (
+            f"rollout.keep_kv_on_update=true: {where} drains its requests before a weight push "
+            "and keeps no KV over it; use rollout.backend=embedded without rollout.ray.address, "
+            "or keep_kv_on_update=false"
+        )
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -217,4 +231,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _parser,
     _judge,
     lambda cfg: lora_targets_problem(cfg.model.lora),
+    _keep_kv,
 )

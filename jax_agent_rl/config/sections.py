@@ -119,6 +119,14 @@ class RolloutSection:
     # slower when few slots are busy). jetstream always computes every slot, as false does;
     # vllm cannot honour false
     batch_buckets: bool = True
+    # a weight push keeps the KV of running requests and kept sessions (a trajectory's earlier
+    # turns): they go on under the new weights over keys and values the old ones computed (no
+    # drain, no prefill again); each sampled token records its weights' version and its KV's
+    # oldest (staleness, the freshness rule and the logprob gap count the older one). Prefixes
+    # shared between requests never cross versions either way. false: a push waits for
+    # requests in flight, and no KV outlives the weights that computed it. The embedded engine
+    # only (not on Ray replicas)
+    keep_kv_on_update: bool = False
     # DAPO: drop groups whose rewards are all equal, refill
     dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
     # extra rollouts of fresh prompts per step, at most

@@ -6,7 +6,17 @@ session, a sequence sharing a prefix). A page that no one holds but whose conten
 known prefix (`register`: a chain hash of every token up to the page's end) stays *cached*:
 a later sequence with the same prefix takes it back (`lookup`) instead of computing it
 again; it is reused for new contents only when no free page is left (least recently
-released first). `drop_cache` forgets every prefix (new weights make them stale).
+released first).
+
+Keys and values depend on the weights that computed them, so the pool stamps each page with
+the weight version current when it was taken (``version``; a copy takes its source's stamp):
+`oldest` says which weights computed the oldest keys and values a sequence attends to. A
+prefix's key is salted with a version (`keys`): a sequence registers its pages under the
+oldest version of its keys and values and looks prefixes up under the current one, so a
+prefix computed (wholly or in part) under other weights is never found, and ages out as
+pages run short. (An engine that keeps KV over a push, ``rollout.keep_kv_on_update``, keeps
+it for running requests and kept sessions, never for the shared prefixes: a prefix every
+prompt starts with, a system prompt, would be reused from the first weights on forever.)
 
 The pool splits into ``shards`` contiguous page ranges, one per shard of the decode slots
 (the pool's page axis splits over the mesh like the slots: `models.PAGE_AXES`): shard d owns
@@ -27,10 +37,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 
-def prefix_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
+def prefix_keys(tokens: Sequence[int], page_size: int, salt: int) -> list[bytes]:
     """A key per full page of ``tokens``: key i names tokens ``0 .. (i + 1) * page_size - 1``
-    (a chain of BLAKE2b digests, so equal keys mean equal prefixes, not just equal pages)."""
-    keys, key = [], b""
+    (a chain of BLAKE2b digests, so equal keys mean equal prefixes, not just equal pages),
+    computed under weight version ``salt`` (`PagePool.keys`)."""
+    keys, key = [], salt.to_bytes(8, "little", signed=True)
     for end in range(page_size, len(tokens) + 1, page_size):
         page = np.asarray(tokens[end - page_size : end], np.int64).tobytes()
         key = hashlib.blake2b(key + page, digest_size=16).digest()
@@ -40,12 +51,14 @@ def prefix_keys(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 class PagePool:
     """Reference counts, free lists and prefix caches of ``num_pages`` pages in ``shards``
-    equal contiguous ranges (see the module docstring)."""
+    equal contiguous ranges, stamped with weight ``version`` (see the module docstring)."""
 
-    def __init__(self, num_pages: int, shards: int = 1) -> None:
+    def __init__(self, num_pages: int, shards: int = 1, version: int = 0) -> None:
         if shards < 1 or num_pages % shards:
             raise ValueError(f"{num_pages} pages do not split into {shards} equal shards")
         self.num_pages, self.shards = num_pages, shards
+        self.version = version
+        self._stamp = [version] * num_pages  # the version current when each page was taken
         self.shard_pages = num_pages // shards
         self._refs = [0] * num_pages
         self._free = [
@@ -76,6 +89,23 @@ class PagePool:
     def refs(self, page: int) -> int:
         return self._refs[page]
 
+    def keys(
+        self, tokens: Sequence[int], page_size: int, version: int | None = None
+    ) -> list[bytes]:
+        """`prefix_keys` of ``tokens`` salted with weight ``version`` (None: the current one):
+        pages are registered under the oldest version of their keys and values, looked up
+        under the current one."""
+        return prefix_keys(tokens, page_size, self.version if version is None else version)
+
+    def oldest(self, pages: Iterable[int]) -> int:
+        """The oldest weight version that computed keys and values in ``pages`` (the current
+        one for none)."""
+        return min((self._stamp[page] for page in pages), default=self.version)
+
+    def copied(self, src: int, dst: int) -> None:
+        """Page ``dst`` now holds ``src``'s keys and values: it takes ``src``'s stamp."""
+        self._stamp[dst] = self._stamp[src]
+
     def is_registered(self, page: int) -> bool:
         """Whether the page holds a cached prefix (its contents must not change)."""
         return page in self._key_of
@@ -95,6 +125,7 @@ class PagePool:
                 page, _ = cached.popitem(last=False)
                 del self._page_of[shard][self._key_of.pop(page)]
             self._refs[page] = 1
+            self._stamp[page] = self.version
             pages.append(page)
         return pages
 
@@ -148,13 +179,3 @@ class PagePool:
             self._refs[page] += 1
             pages.append(page)
         return pages
-
-    def drop_cache(self) -> None:
-        """Forgets every prefix: cached pages become free, held ones plain pages."""
-        for free, cached in zip(self._free, self._cached, strict=True):
-            for page in cached:
-                free[page] = None
-            cached.clear()
-        self._key_of.clear()
-        for index in self._page_of:
-            index.clear()

@@ -92,6 +92,7 @@ def per_turn_samples(traj: Trajectory) -> list[Trajectory]:
                 loss_mask=traj.loss_mask[a:b],
                 rollout_logprobs=traj.rollout_logprobs[a:b],
                 token_versions=traj.token_versions[a:b],
+                kv_versions=traj.kv_versions[a:b],
                 expert_ids=None if traj.expert_ids is None else traj.expert_ids[a:b],
             )
         )

@@ -20,12 +20,15 @@ its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
-recompilation) take the old ones' place (dropped first), the session cache is dropped too
-(the old weights' keys/values), and admission resumes. A LoRA policy's push sends its
-adapters only (`LayerAdapters`): the engine keeps its base and runs the adapters unmerged.
-Every result is stamped with the single weight version it was sampled under. A
-mixture-of-experts model's results carry each sampled token's experts
-(`GenerateResult.expert_ids`).
+recompilation) take the old ones' place (dropped first), kept sessions are dropped (cached
+prefixes are salted with the version, `PagePool.keys`), and admission resumes. With
+``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
+and running requests and kept sessions go on under the new weights over the old ones' keys
+and values (shared prefixes never cross versions). A LoRA policy's push sends its adapters
+only (`LayerAdapters`): the engine keeps its base and runs the adapters unmerged. Each sampled
+token carries the weight version that sampled it and the oldest that computed its KV
+(`GenerateResult.token_versions`, ``kv_versions``; pages are stamped, `PagePool.oldest`). A
+MoE model's results carry each sampled token's experts (`GenerateResult.expert_ids`).
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
@@ -47,7 +50,7 @@ import jax
 
 from jax_agent_rl import device_turns
 from jax_agent_rl.engine.engine import Engine
-from jax_agent_rl.engine.pages import PagePool, prefix_keys
+from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.models.lora import LayerAdapters
@@ -58,7 +61,6 @@ from jax_agent_rl.rollout.protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    InvalidRequestError,
     PushStats,
     logprob_tolerance,
     resolve_from_thread,
@@ -83,6 +85,7 @@ class EmbeddedBackend:
         warmup: bool = False,
         on_program: Callable[[int, int], None] | None = None,
         decode: Decode | None = None,
+        keep_kv_on_update: bool = False,
     ) -> None:
         self.engine = engine
         self._detokenize = decode  # for stop strings; None: the agent loop cuts at them
@@ -105,10 +108,11 @@ class EmbeddedBackend:
         self._params = engine.load_params(params)
         if warmup:  # compile every program now rather than stall a rollout later
             engine.warmup(self._params, steps_per_call, on_program)
-        self._gate = WeightGate(weight_version)
+        self._gate = WeightGate(weight_version, drain=not keep_kv_on_update)
         self._state = engine.init_decode_state()
         self._steps_per_call = steps_per_call
-        self._pool = PagePool(engine.num_pages, engine.shards)
+        # the engine thread's ledger, and the weight version it serves (`PagePool.version`)
+        self._pool = PagePool(engine.num_pages, engine.shards, weight_version)
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._prefilling: Job | None = None  # a long prompt between its chunks
@@ -136,7 +140,8 @@ class EmbeddedBackend:
         return {}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        self._validate(request)
+        engine = self.engine
+        validate_request(request, engine.cfg.vocab_size, engine.max_len, engine.max_stop_ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GenerateResult] = loop.create_future()
         seed = request.sampling.seed
@@ -145,7 +150,6 @@ class EmbeddedBackend:
         try:
             if not await self._gate.admit(ticket):  # aborted while an update ran
                 return GenerateResult((), None, "abort", self._gate.version)
-            job.version = ticket.version
             self._send("generate", job)
             try:
                 return await future
@@ -179,7 +183,7 @@ class EmbeddedBackend:
         async def push() -> None:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
-            self._send("update", Update(params, future, loop))
+            self._send("update", Update(params, version, future, loop))
             await future
 
         await self._gate.update(push, version)
@@ -197,14 +201,6 @@ class EmbeddedBackend:
                 raise RuntimeError("the backend is closed")
             self._inbox.append((kind, payload))
             self._cond.notify()
-
-    def _validate(self, request: GenerateRequest) -> None:
-        validate_request(request, self.engine.cfg.vocab_size, self.engine.max_len)
-        stops = request.sampling.stop_token_ids
-        if len(stops) > self.engine.max_stop_ids:
-            raise InvalidRequestError(
-                f"{len(stops)} stop_token_ids; this engine takes at most {self.engine.max_stop_ids}"
-            )
 
     # ------------------------------------------------------------------------ engine thread
 
@@ -308,7 +304,9 @@ class EmbeddedBackend:
             resolve_from_thread(update.future, update.loop, e)
             return
         jax.block_until_ready(self._params)
-        self._sessions.drop()  # cached prefixes hold keys and values of the old weights
+        self._pool.version = update.version  # the stamp of the pages taken from now on
+        if self._gate.drain:
+            self._sessions.drop()  # their pages hold keys and values of the old weights
         seconds = time.perf_counter() - t0
         pushed = sum(x.nbytes for x in jax.tree.leaves(new))
         self.last_push = PushStats(pushed, 0.0, seconds, seconds)
@@ -359,6 +357,7 @@ class EmbeddedBackend:
                 )
             return False
         job.pages, job.done = pages + more, common
+        job.kv_version = self._pool.oldest(job.pages)
         if job.admitted < 0:
             job.admitted = next(self._admissions)
         self.stats.requests += not job.tokens
@@ -387,13 +386,13 @@ class EmbeddedBackend:
             self._prefilling = job
             return
         self._prefilling = None
-        self._pool.register(job.pages, prefix_keys(seq, self.engine.page_size))
+        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
         # whole [1] arrays to the host, indexed there (indexing on the device runs a program)
         token, logprob, finish = (
             x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
         )
         experts = None if prefix.experts is None else jax.device_get(prefix.experts)[0]
-        job.add(int(token), float(logprob), experts)
+        job.add(int(token), float(logprob), experts, self._pool.version)
         job.pos = len(seq)
         if int(finish) != RUNNING or job.cut_at_stop_string(self._detokenize, 1):
             self._retire(job, "length" if int(finish) not in (RUNNING, STOPPED) else "stop")
@@ -427,7 +426,7 @@ class EmbeddedBackend:
         job = self._slots.pop(slot)
         self._state = self.engine.release(self._state, slot)
         seq = self._sequence(job)[: job.pos]
-        self._pool.register(job.pages, prefix_keys(seq, self.engine.page_size))
+        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
         self._pool.release(job.pages)
         job.pages = []
         self._waiting.appendleft(job)
@@ -453,7 +452,8 @@ class EmbeddedBackend:
                 if not out.valid[t, slot] or code != RUNNING:
                     break
                 experts = None if out.experts is None else out.experts[t, slot]
-                job.add(int(out.token[t, slot]), float(out.logprob[t, slot]), experts)
+                token, logprob = int(out.token[t, slot]), float(out.logprob[t, slot])
+                job.add(token, logprob, experts, self._pool.version)
                 job.pos += 1
                 code = int(out.finish[t, slot])
             if job.cut_at_stop_string(self._detokenize, len(job.tokens) - before):
@@ -468,7 +468,9 @@ class EmbeddedBackend:
         """A finished job's pages: its full ones registered as a cached prefix; kept for its
         session (by reference: the session holds them now) or released."""
         covered = self._sequence(job)[: job.pos]
-        self._pool.register(job.pages, prefix_keys(covered, self.engine.page_size))
+        self._pool.register(
+            job.pages, self._pool.keys(covered, self.engine.page_size, job.kv_version)
+        )
         session = job.request.session_id
         if session is not None and self._sessions.size > 0:
             keep = self.engine.pages_for(job.pos)
@@ -482,7 +484,7 @@ class EmbeddedBackend:
     def _finish(self, job: Job, reason: FinishReason) -> None:
         self.stats.generated_tokens += len(job.tokens)
         self.stats.aborted += reason == "abort"
-        result = job.result(reason, job.version if job.tokens else self._gate.version)
+        result = job.result(reason, self._gate.version)
         resolve_from_thread(job.future, job.loop, result)
 
     def _shutdown(self) -> None:

@@ -9,6 +9,10 @@ can start. An abort (`abort`) marks the request: one waiting at the gate, or let
 not yet sent, is not sent at all (the backend checks `Ticket.aborted` under the gate's lock
 where it sends). `close` aborts everything and refuses what comes later.
 
+A gate made with ``drain=False`` (an engine that keeps its KV over a push and goes on with
+the new weights: ``rollout.keep_kv_on_update``) neither holds nor drains: the push runs while
+requests are in flight, and the backend says which weights sampled each token.
+
 The gate is thread-safe, and any event loop may call in: a backend whose engine answers on
 threads shares its lock with the gate (``lock=``), so its send and an abort are one step.
 """
@@ -41,8 +45,10 @@ class Ticket:
 class WeightGate:
     """Admission, drain and version for one backend (see the module docstring)."""
 
-    def __init__(self, version: int = 0, lock: threading.Lock | None = None) -> None:
-        self.version = version
+    def __init__(
+        self, version: int = 0, lock: threading.Lock | None = None, drain: bool = True
+    ) -> None:
+        self.version, self.drain = version, drain
         self.lock = lock or threading.Lock()
         self.closed = False
         self._tickets: dict[str, Ticket] = {}  # every request not done, waiting or admitted
@@ -59,7 +65,7 @@ class WeightGate:
             if request_id in self._tickets:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             ticket = self._tickets[request_id] = Ticket(request_id)
-            if self._updating:  # it waits for the update's end (`update` lets it through)
+            if self._updating and self.drain:  # it waits for the update's end (`update`)
                 loop = asyncio.get_running_loop()
                 ticket._wait = (loop.create_future(), loop)
             else:
@@ -118,9 +124,9 @@ class WeightGate:
         return tickets
 
     async def update(self, push: Callable[[], Awaitable[None]], version: int) -> None:
-        """Holds new requests, drains the admitted ones, awaits ``push()`` (the backend's
-        load of the new weights), then serves ``version``. A failed push keeps the old
-        version; either way the requests held meanwhile go out."""
+        """Holds new requests, drains the admitted ones (neither without ``drain``), awaits
+        ``push()`` (the backend's load of the new weights), then serves ``version``. A failed
+        push keeps the old version; either way the requests held meanwhile go out."""
         loop = asyncio.get_running_loop()
         with self.lock:
             if self.closed:
@@ -128,7 +134,7 @@ class WeightGate:
             if self._updating:
                 raise RuntimeError("a weight update is already under way")
             self._updating = True
-            if self._admitted:
+            if self._admitted and self.drain:
                 self._drained = (loop.create_future(), loop)
         try:
             if self._drained is not None:

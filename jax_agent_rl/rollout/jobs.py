@@ -25,17 +25,24 @@ class Job:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     # a MoE model's: the experts [sparse layers, k] of each sampled token (routing replay)
     experts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # per sampled token: the weight version that sampled it, and the oldest that computed a
+    # key or value it was sampled over (`GenerateResult.kv_versions`)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    kv_versions: list[int] = dataclasses.field(default_factory=list)
+    kv_version: int = 0  # the oldest version of the keys and values its pages hold now
     pos: int = 0  # positions its pages hold (host mirror of the state's pos)
-    version: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # its page table
     slot: int = -1  # where it decodes (its pages are on that slot's shard)
     done: int = 0  # tokens of its sequence prefilled so far
     admitted: int = -1  # admission order (kept through a preemption)
 
-    def add(self, token: int, logprob: float, experts: np.ndarray | None) -> None:
-        """A sampled token, its logprob and (a MoE model's) experts."""
+    def add(self, token: int, logprob: float, experts: np.ndarray | None, version: int) -> None:
+        """A sampled token, its logprob and (a MoE model's) experts, sampled under weight
+        ``version`` over the keys and values its pages hold now (``kv_version``)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(version)
+        self.kv_versions.append(self.kv_version)
         if experts is not None:
             self.experts.append(experts)
 
@@ -52,21 +59,26 @@ class Job:
             return False
         self.pos -= len(self.tokens) - end
         del self.tokens[end:], self.logprobs[end:], self.experts[end:]
+        del self.versions[end:], self.kv_versions[end:]
         return True
 
     def result(self, reason: FinishReason, version: int) -> GenerateResult:
-        """What it sampled (the logprobs if asked for), under weight ``version``."""
+        """What it sampled (the logprobs if asked for) and under which weights: its first
+        token's version (``version`` if it sampled none) and each token's."""
         return GenerateResult(
             token_ids=tuple(self.tokens),
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs else None,
             finish_reason=reason,
-            weight_version=version,
+            weight_version=self.versions[0] if self.versions else version,
             expert_ids=np.stack(self.experts) if self.experts else None,
+            token_versions=tuple(self.versions),
+            kv_versions=tuple(self.kv_versions),
         )
 
 
 @dataclasses.dataclass
 class Update:
     params: Weights | LayerAdapters  # a LoRA policy's push: its adapters only
+    version: int  # what they are served as
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop

@@ -53,8 +53,11 @@ class GenerateRequest:
     prefix_session: str | None = None
 
 
-def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: int) -> None:
-    """Raises `InvalidRequestError` for what no backend can serve (the message names it)."""
+def validate_request(
+    request: GenerateRequest, vocab_size: int, max_model_len: int, max_stop_ids: int | None = None
+) -> None:
+    """Raises `InvalidRequestError` for what no backend can serve (the message names it), and
+    for more stop ids than a backend takes (``max_stop_ids``: its limit, if it has one)."""
     prompt, rid = request.prompt_ids, request.request_id
     if not prompt:
         raise InvalidRequestError(f"request {rid!r}: prompt_ids is empty")
@@ -72,6 +75,10 @@ def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: i
     stops = request.sampling.stop_token_ids
     if any(not 0 <= t < vocab_size for t in stops):
         raise InvalidRequestError(f"stop_token_ids {stops} reach outside the vocabulary")
+    if max_stop_ids is not None and len(stops) > max_stop_ids:
+        raise InvalidRequestError(
+            f"{len(stops)} stop_token_ids; this engine takes at most {max_stop_ids}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +87,22 @@ class GenerateResult:
     ``expert_ids`` (routing replay): a mixture-of-experts model's experts, [len(token_ids),
     sparse layers, k] ints (`models.moe.expert_id_dtype`), row i those of the position token i
     was sampled from (aligned as its logprob is); None from a dense model or a backend that
-    does not report them (`Capabilities.expert_ids`)."""
+    does not report them (`Capabilities.expert_ids`).
+
+    ``weight_version``: the weights that sampled the first token. A backend that keeps its KV
+    over a weight push (the embedded engine with ``rollout.keep_kv_on_update``) may sample the
+    rest under later ones, over keys and values of earlier ones: ``token_versions`` holds,
+    per token, the version that sampled it, and ``kv_versions`` the oldest version that
+    computed a key or value it was sampled over (the token's KV version range runs from that
+    one to its own). None: ``weight_version`` for every token."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
     finish_reason: FinishReason
     weight_version: int
     expert_ids: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    token_versions: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+    kv_versions: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -166,6 +166,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         warmup=True,
         on_program=spec.on_program,
         decode=spec.decode,
+        keep_kv_on_update=spec.rollout.keep_kv_on_update,
     )
 
 

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Collection, Iterable
 
-from jax_agent_rl.engine.pages import PagePool, prefix_keys
+from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.rollout.protocol import GenerateRequest
 
 
@@ -93,7 +93,7 @@ class SessionPages:
             first.setdefault(slot_shard(slot), slot)
         if len(first) == 1:
             return next(iter(first.values()))
-        keys = prefix_keys(seq[: len(seq) - 1], self.page_size)
+        keys = self.pool.keys(seq[: len(seq) - 1], self.page_size)
 
         def rank(shard: int) -> tuple[bool, int, int]:
             session_id = self._session(request, shard)
@@ -129,7 +129,8 @@ class SessionPages:
         or from any sequence's full pages (the episodes of a group share their prompt's). At
         least one token is left to prefill. A session continued by its own next request is
         handed over, not copied."""
-        shared = self.pool.lookup(prefix_keys(seq[: len(seq) - 1], self.page_size), shard)
+        keys = self.pool.keys(seq[: len(seq) - 1], self.page_size)
+        shared = self.pool.lookup(keys, shard)
         session_id = self._session(request, shard)
         if session_id is None:
             return shared, len(shared) * self.page_size
@@ -159,6 +160,7 @@ class SessionPages:
         if fresh is None:
             return False
         copy(page, fresh[0])
+        self.pool.copied(page, fresh[0])
         self.pool.release([page])
         pages[index] = fresh[0]
         return True
@@ -173,7 +175,7 @@ class SessionPages:
             self.pool.release(self._kept.popitem(last=False)[1][1])
 
     def drop(self) -> None:
-        """Forgets every kept session and cached prefix (they belong to old weights)."""
+        """Forgets every kept session (their pages hold keys and values of old weights; the
+        pool's cached prefixes need no dropping: new keys are salted with the new version)."""
         while self._kept:
             self.pool.release(self._kept.popitem()[1][1])
-        self.pool.drop_cache()

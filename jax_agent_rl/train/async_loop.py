@@ -9,9 +9,13 @@ come, while the next ones are sampled. Three rules keep the off-policy gap bound
   ``max_staleness + 1`` updates' worth of groups is ever sampled ahead of the policy.
 - **Partial rollouts.** A weight push lands between turns: the turn in flight finishes under
   the weights it started with, the trajectory's next turns use the new ones, and every token
-  records the version that sampled it (`Trajectory.token_versions`).
+  records the version that sampled it (`Trajectory.token_versions`). With
+  ``rollout.keep_kv_on_update`` the push lands mid-turn instead: the turn goes on under the new
+  weights over the old ones' keys and values, and so do the next turns (no prefill again);
+  each token also records the oldest version of its KV (`Trajectory.kv_versions`), which the
+  freshness rule and the staleness metrics count as its age.
 - **Freshness.** An update of the policy at version ``v`` trains only on groups whose oldest
-  token was sampled at ``v - max_staleness`` or later; a group that fell further behind
+  token (or KV) was sampled at ``v - max_staleness`` or later; a group that fell further behind
   (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
   new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
 

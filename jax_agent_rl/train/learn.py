@@ -72,6 +72,19 @@ def staleness(traj: Trajectory, version: int) -> int:
     return 0 if oldest is None else version - oldest
 
 
+def kv_behind(trajs: Sequence[Trajectory]) -> tuple[int, int]:
+    """Of the sampled tokens of ``trajs``: how many were sampled over keys and values older
+    than the weights that sampled them (an engine that kept its KV over a push,
+    ``rollout.keep_kv_on_update``), and how many there are."""
+    pairs = [
+        (v, kv)
+        for t in trajs
+        for v, kv in zip(t.token_versions, t.kv_versions, strict=False)
+        if v >= 0
+    ]
+    return sum(kv < v for v, kv in pairs), len(pairs)
+
+
 def training_rows(
     trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
 ) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
@@ -117,7 +130,10 @@ def learn(
     without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
-    behind), ``staleness/max`` and the logprob gap per staleness. ``traced``: the trajectories
+    behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
+    sampled over counts as its age: `Trajectory.oldest_version`). Always:
+    ``staleness/kv_older_tokens``, the share of trained sampled tokens whose KV was older
+    than the weights that sampled them. ``traced``: the trajectories
     whose traces are written (one process only); those trained on get their per-token
     learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
 
@@ -142,6 +158,7 @@ def learn(
     behind = [] if version is None else [staleness(t, version) for t in rows_of]
     mine.update({f"staleness_count/{k}": c for k, c in Counter(behind).items()})
     mine["staleness/max"] = max(behind, default=0)
+    mine["staleness_kv_tokens"], mine["staleness_sampled_tokens"] = kv_behind(rows_of)
     shares = distributed.gather_objects((mine, first_error(seen)))
     totals = add_totals(share for share, _ in shares)
     error = all_failed_error(totals, next((e for _, e in shares if e), None))
@@ -157,6 +174,8 @@ def learn(
             if key.startswith("staleness_count/"):
                 m[f"staleness/{key.split('/')[1]}"] = count / trained
         m["staleness/max"] = totals["staleness/max"]
+    sampled = max(totals["staleness_sampled_tokens"], 1)
+    m["staleness/kv_older_tokens"] = totals["staleness_kv_tokens"] / sampled
     # each mini-batch's sequences packed into rows (or one per row), every process the same
     # shapes (power-of-two slots: the step compiles again only for a step larger than any)
     L, K = cfg.learner, cfg.algorithm.mini_batches

@@ -85,6 +85,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "prompt_text": tokenizer.decode(traj.prompt_ids),
         "response_pieces": token_pieces(tokenizer, traj.response_ids, traj.loss_mask),
         "token_versions": [int(v) for v in traj.token_versions],
+        "kv_versions": [int(v) for v in traj.kv_versions],
         # a MoE policy's: per response token, its experts [sparse layers][k] (-1: none)
         "expert_ids": None if traj.expert_ids is None else traj.expert_ids.tolist(),
         **traj.learner_signals,

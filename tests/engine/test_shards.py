@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_agent_rl.engine import Engine, PagePool
-from jax_agent_rl.engine.pages import prefix_keys
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params, make_mesh
 from jax_agent_rl.models.hf_local import TINY_QWEN2
 from jax_agent_rl.rollout import GenerateRequest, SamplingParams
@@ -41,10 +40,10 @@ def test_the_ledger_hands_each_shard_its_own_pages() -> None:
         if rng.random() < 0.5 and held:
             _, pages = held.pop(int(rng.integers(len(held))))
             if rng.random() < 0.5:
-                pool.register(pages, prefix_keys(list(range(step, step + 8 * len(pages))), 8))
+                pool.register(pages, pool.keys(list(range(step, step + 8 * len(pages))), 8))
             pool.release(pages)
             continue
-        keys = prefix_keys(list(range(int(rng.integers(0, 400)), 400)), 8)[:3]
+        keys = pool.keys(list(range(int(rng.integers(0, 400)), 400)), 8)[:3]
         found = pool.lookup(keys, shard)
         taken = pool.take(int(rng.integers(1, 4)), shard)
         pages = found + (taken or [])
@@ -60,7 +59,7 @@ def test_the_ledger_hands_each_shard_its_own_pages() -> None:
     # a shard's cached prefix is its own
     pages = pool.take(2, 1)
     assert pages is not None
-    keys = prefix_keys(list(range(16)), 8)
+    keys = pool.keys(list(range(16)), 8)
     pool.register(pages, keys)
     pool.release(pages)
     assert pool.lookup(keys, 0) == [] and pool.cached(keys, 0) == 0
@@ -86,7 +85,7 @@ def test_sessions_start_on_the_shard_that_holds_their_prefix() -> None:
     first = tuple(range(1, 11))  # 10 tokens: 2 full pages and 2 tokens
     pages = sessions.take(3, 1)
     assert pages is not None and all(8 <= p < 16 for p in pages)
-    pool.register(pages, prefix_keys(first, 4))
+    pool.register(pages, pool.keys(first, 4))
     sessions.keep("s", first, pages)
     turn = GenerateRequest("t", (*first, 11, 12), SamplingParams(max_tokens=4), session_id="s")
     slot = sessions.best_slot(turn, turn.prompt_ids, [0, 1, 2, 3], shard_of, need=4)

@@ -173,9 +173,17 @@ def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_pa
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
-def test_async_updates_stay_within_max_staleness(task: TaskFiles, tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_async_updates_stay_within_max_staleness(
+    task: TaskFiles, tmp_path: Path, keep_kv: bool
+) -> None:
+    """Every trained token, and (rollout.keep_kv_on_update) every key and value it was
+    sampled over, comes from a policy at most max_staleness versions behind."""
     run_dir = tmp_path / "async2"
-    steps = _run(task, run_dir, "trainer.steps=5", "trainer.mode=async", "trainer.max_staleness=2")
+    keep = f"rollout.keep_kv_on_update={str(keep_kv).lower()}"
+    steps = _run(
+        task, run_dir, "trainer.steps=5", "trainer.mode=async", "trainer.max_staleness=2", keep
+    )
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
     assert any(m["staleness/max"] > 0 for m in steps)  # it did run ahead of the learner
     for m in steps:
@@ -187,6 +195,15 @@ def test_async_updates_stay_within_max_staleness(task: TaskFiles, tmp_path: Path
         for record in read_traces(run_dir / "traces.jsonl", k):
             versions = record["weight_versions"]
             assert versions and all(k - 1 - 2 <= v <= k - 1 for v in versions), (k, versions)
+            pairs = [
+                (v, kv)
+                for v, kv in zip(record["token_versions"], record["kv_versions"], strict=True)
+                if v >= 0
+            ]
+            assert all(k - 1 - 2 <= kv <= v for v, kv in pairs), (k, pairs)
+            if not keep_kv:
+                assert all(kv == v for v, kv in pairs)
+    assert all(m["staleness/kv_older_tokens"] == 0 for m in steps) or keep_kv
 
 
 class Stragglers:
