@@ -24,11 +24,10 @@ recompilation) take the old ones' place (dropped first), kept sessions are dropp
 prefixes are salted with the version, `PagePool.keys`), and admission resumes. With
 ``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
 and running requests and kept sessions go on under the new weights over the old ones' keys
-and values (shared prefixes never cross versions). A LoRA policy's push sends its adapters
-only (`LayerAdapters`): the engine keeps its base and runs the adapters unmerged. Each sampled
-token carries the weight version that sampled it and the oldest that computed its KV
-(`GenerateResult.token_versions`, ``kv_versions``; pages are stamped, `PagePool.oldest`). A
-MoE model's results carry each sampled token's experts (`GenerateResult.expert_ids`).
+and values (shared prefixes never cross versions). A LoRA push is its adapters alone
+(`LayerAdapters`, run unmerged on the kept base). Each sampled token carries the version that
+sampled it and the oldest that computed its KV (`GenerateResult.token_versions`,
+``kv_versions``; `PagePool.oldest`), and a MoE's its experts (`GenerateResult.expert_ids`).
 
 `pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
 aborts a request it knows to be running, and one it knows to be queued): paused, the engine
