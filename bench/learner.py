@@ -77,7 +77,8 @@ end within that budget even at its dtype's measured matmul peak in its framework
 FLOPs at 100% MFU) is not run: a dtype whose matmuls crawl on this machine (one AMD EPYC ran
 torch's bf16 matmul at 0.3 GFLOP/s, a long_tail step for hours) costs nothing. Either way the
 JSON line names the variant under ``skipped``, with why, and its figures are left out (a
-ratio that needs them too).
+ratio that needs them too). ``--variant-budget-s 0`` (``--smoke``'s default) runs every variant
+in this process, unbounded.
 
 Ends with one JSON line, always. Timings are noisy on a shared 2-core machine: compare figures
 from the same run only.
@@ -495,9 +496,11 @@ def _args() -> argparse.Namespace:
     parser.add_argument(
         "--variant-budget-s",
         type=float,
-        default=1200.0,
+        default=None,
         help="seconds a variant may run (warm-up, compiles and timed steps) before it is "
-        "killed and skipped; one its dtype's matmul peak could not fit in them is not run",
+        "killed and skipped; one its dtype's matmul peak could not fit in them is not run; "
+        "0: unbounded, every variant in this process (default 1200; --smoke: 0, whose "
+        "variants take less than a process's start)",
     )
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     # how the bench runs one variant in a process of its own (not for the command line)
@@ -510,6 +513,8 @@ def _args() -> argparse.Namespace:
         (4 if args.smoke else 32) if long_tail else (2 if args.smoke else 8)
     )
     args.seq, args.cap, args.matmul_n = (64, 256, 256) if args.smoke else (512, 4096, MATMUL_N)
+    if args.variant_budget_s is None:
+        args.variant_budget_s = 0.0 if args.smoke else 1200.0
     if args.smoke:
         args.row_tokens = 256
     # --smoke: fp32 alone (the bf16 variants are the same code with another dtype)
@@ -629,8 +634,12 @@ def main() -> None:
             flops = fpts["dense_" if name.startswith("dense_") else ""]
             own_peak = peaks[dtype]["torch" if name.startswith("torch") else "jax"]
             runs = 1 + (steps if "jax_padded" not in name or not long_tail else 0)
-            why = fits_budget(runs * w.tokens * flops / own_peak, own_peak, args.variant_budget_s)
-            got = why if why is not None else variant_in_process(name, args, Path(tmp))
+            if not args.variant_budget_s:  # unbounded: here
+                got: Result | str = run_variant(name, args, Path(tmp))
+            else:
+                seconds = runs * w.tokens * flops / own_peak
+                why = fits_budget(seconds, own_peak, args.variant_budget_s)
+                got = why if why is not None else variant_in_process(name, args, Path(tmp))
             if isinstance(got, str):
                 skipped[name] = got
                 log(f"{name}: skipped, {got}")
