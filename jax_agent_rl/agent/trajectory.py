@@ -103,6 +103,9 @@ class Trajectory:
     cut_observations: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
+    # why its outcome is 0 when the reward failed on its answer and not on the row's own (a
+    # wrong answer, trained on: `rewards.AnswerFaultError`), else None
+    answer_fault: str | None = None
     reruns: int = 0  # times it was run again from its prompt after its tool service failed
     # how each model turn ended: "call" (a well-formed tool call), "malformed" (calls, none
     # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"

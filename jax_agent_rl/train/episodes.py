@@ -41,6 +41,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "own_model_tokens": sum(t.own_model_tokens for t in trajs),
         "own_tool_calls": sum(t.own_tool_calls for t in trajs),
         "untrainable": sum(not t.trainable for t in trajs),
+        "answer_faults": sum(t.answer_fault is not None for t in trajs),
         "reruns": sum(t.reruns for t in trajs),
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
     }
@@ -75,6 +76,8 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "response_len/max": float(t["response_len/max"]),
         "model_tokens/mean": t["model_tokens"] / n,
         "untrainable": t["untrainable"] / n,
+        # answers the reward failed on (and not on the row's own): scored 0, trained on
+        "rewards/answer_faults": t["answer_faults"] / n,
         "rollout/trajectories_rerun": float(t["reruns"]),  # a count, not a rate
         # counts: episodes (a tree's leaves), model tokens sampled and tool calls made
         "rollout/episodes": t["episodes"],
@@ -121,7 +124,7 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     most ended otherwise."""
     shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
     if sum(shares.values()) <= 0.5:
-        return None
+        return answer_fault_warning(m, trajs)
     worst = max(shares, key=lambda r: shares[r])
     line = f"WARNING: {shares[worst]:.0%} of episodes ended {worst}"
     example = first_error(trajs, worst) if worst in ERRORS else None
@@ -129,6 +132,18 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
         last = [x.strip() for x in example.splitlines() if x.strip()][-1]
         line += f" (e.g. {visible(last[:300])})"
     return line
+
+
+def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
+    """The warning for a step whose answers mostly made the reward fail, scored 0 as wrong
+    answers (``rewards/answer_faults``, `rewards.AnswerFaultError`): a reward that fails on every
+    answer of some form the policy writes is worth a look. None when most did not."""
+    share = m["rewards/answer_faults"]
+    if share <= 0.5:
+        return None
+    example = next((t.answer_fault for t in trajs if t.answer_fault), None)
+    line = f"WARNING: the reward failed on {share:.0%} of answers (scored 0, trained on)"
+    return line + (f" (e.g. {visible(example[:300])})" if example else "")
 
 
 def first_error(trajs: Sequence[Trajectory], stop: str | None = None) -> str | None:

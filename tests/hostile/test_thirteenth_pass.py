@@ -1,0 +1,175 @@
+"""The thirteenth adversarial pass: failures the policy's own text causes, and numbers that
+do not stay finite.
+
+- A reward that raised or ran past ``data.reward_timeout_s`` on the policy's answer ended that
+  episode ``reward_error``: dropped from its group, it took none of the negative advantage a
+  wrong answer takes, so a policy that made the reward raise or hang escaped being wrong. Now a
+  reward failing on the answer twice, and scoring the row's own answer (the ground truth
+  written out), scores the answer 0 as a wrong answer, trained on (`rewards.AnswerFaultError`,
+  ``rewards/answer_faults``); a reward failing on every text stays ``reward_error`` and still
+  stops a run whose every episode hits it; one failing once is not the answer's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.call_processes import CallProcesses
+from jax_agent_rl.call_threads import CallThreads
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
+from jax_agent_rl.rewards.registry import _Sync
+from jax_agent_rl.tokenization import CHATML_SPECIAL_TOKENS, Tokenizer, chat_template
+from jax_agent_rl.tokenization.local import save_tokenizer, train_bpe
+from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
+from jax_agent_rl.train.step import score_episodes
+
+HERE = "tests.hostile.test_thirteenth_pass"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(
+        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
+    )
+    return Tokenizer.from_pretrained(Path(folder))
+
+
+def picky(text: str, ground_truth: Any) -> float:
+    """A user's reward that the policy's text can break: it raises on an answer that is not a
+    number (``float`` of it), and hangs on one naming ``hang`` (as a scorer that evaluates
+    the answer can be kept running)."""
+    if "hang" in text:
+        threading.Event().wait()  # for ever: the worker is killed past the timeout
+    return float(float(text) == float(ground_truth))
+
+
+def broken(text: str, ground_truth: Any) -> float:
+    """A user's reward that fails on every text (its service is down)."""
+    del text, ground_truth
+    raise ConnectionError("the scoring service refused the connection")
+
+
+_CALLS: dict[str, int] = {}
+
+
+def flaky(text: str, ground_truth: Any) -> float:
+    """A user's reward whose first call on each text fails (a flaky service), in one worker."""
+    _CALLS[text] = _CALLS.get(text, 0) + 1
+    if _CALLS[text] == 1:
+        raise ConnectionError(f"reset by peer (worker {os.getpid()})")
+    return float(text == str(ground_truth))
+
+
+def _group(texts: list[str]) -> list[Trajectory]:
+    group = []
+    for i, text in enumerate(texts):
+        traj = Trajectory(uid=f"r/s1a0/{i}", group_id="r", prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": text}]
+        group.append(traj)
+    return group
+
+
+def _scored(
+    reward: str, texts: list[str], tokenizer: Tokenizer, truth: Any = "4"
+) -> list[Trajectory]:
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:{reward}",
+         "data.reward_workers=2", "data.reward_timeout_s=0.5"],
+    )  # fmt: skip
+    sample = Sample("r", [{"role": "user", "content": "2+2?"}], truth, data_source="s")
+    group = _group(texts)
+
+    async def go() -> None:
+        with make_reward(cfg.data) as score:
+            await score_episodes([group], [sample], score, 0.0, tokenizer, success_reward=1.0)
+
+    asyncio.run(go())
+    return group
+
+
+def test_an_answer_that_makes_the_reward_raise_or_hang_is_a_wrong_answer(
+    tokenizer: Tokenizer,
+) -> None:
+    group = _scored("picky", ["four", "hang on", "5", "4"], tokenizer)
+    raised, hung, wrong, right = group
+    # (before: both ended reward_error, untrained: no negative advantage for either)
+    for traj in (raised, hung):
+        assert (traj.stop_reason, traj.trainable, traj.reward, traj.success) == (
+            "eos", True, 0.0, False
+        )  # fmt: skip
+        assert "failed on the answer twice" in str(traj.answer_fault)
+        assert "scored the row's own answer ('4')" in str(traj.answer_fault)
+        assert "data_source 's'" in str(traj.answer_fault)
+    assert "ValueError: could not convert string to float: 'four'" in str(raised.answer_fault)
+    assert "data.reward_timeout_s=0.5s" in str(hung.answer_fault)
+    assert (wrong.reward, wrong.answer_fault, right.reward, right.success) == (0.0, None, 1.0, True)
+    metrics = episode_metrics(group)
+    assert metrics["rewards/answer_faults"] == 0.5 and metrics["untrainable"] == 0.0
+    assert stop_warning(metrics, group) is None  # half: no warning yet
+    mostly = _scored("picky", ["four", "five", "4"], tokenizer)
+    line = stop_warning(episode_metrics(mostly), mostly)
+    assert line is not None and line.startswith("WARNING: the reward failed on 67% of answers")
+
+
+def test_a_reward_that_fails_on_every_text_is_still_the_rewards_error(
+    tokenizer: Tokenizer,
+) -> None:
+    group = _scored("broken", ["4", "four"], tokenizer)
+    for traj in group:
+        assert (traj.stop_reason, traj.trainable, traj.answer_fault) == (
+            "reward_error", False, None
+        )  # fmt: skip
+        assert "ConnectionError: the scoring service refused the connection" in str(traj.error)
+    with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed"):
+        raise_if_all_failed(group)
+
+
+def test_a_ground_truth_no_text_answers_leaves_the_error_the_rewards(
+    tokenizer: Tokenizer,
+) -> None:
+    # (a list: no probe, so no telling the answer's fault from the reward's)
+    (traj,) = _scored("picky", ["four"], tokenizer, truth=["4", "four"])
+    assert traj.stop_reason == "reward_error" and traj.answer_fault is None
+
+
+def test_a_failure_that_does_not_repeat_is_not_the_answers() -> None:
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:flaky",
+         "data.reward_workers=1"],
+    )  # fmt: skip
+    with make_reward(cfg.data) as score:
+        answer = Answer("s", "", "4", "4", {})
+        assert asyncio.run(score(answer)) == 1.0  # failed once, scored on the second call
+
+
+def test_a_rule_in_a_thread_is_attributed_as_a_worker_is() -> None:
+    release = threading.Event()
+
+    def rule(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+        del source, extra
+        if text == "hang":
+            release.wait()  # (a thread is abandoned past the timeout; released at the end)
+        return float(int(text) == truth)
+
+    sync = _Sync(CallThreads(4, "test-reward"), CallProcesses(1, "unused"), 0.5, None)
+    scorer = sync.in_thread(rule, "data.reward='rule'")
+    with pytest.raises(AnswerFaultError, match=r"ValueError: invalid literal for int\(\)"):
+        asyncio.run(scorer(Answer("s", "", "four", 4, {})))
+    with pytest.raises(AnswerFaultError, match=r"took longer than data\.reward_timeout_s=0\.5s"):
+        asyncio.run(scorer(Answer("s", "", "hang", 4, {})))
+    assert asyncio.run(scorer(Answer("s", "", "4", 4, {}))) == 1.0
+    with pytest.raises(RewardError):  # (a bool ground truth: no text answers it)
+        asyncio.run(scorer(Answer("s", "", "hang", True, {})))
+    release.set()
