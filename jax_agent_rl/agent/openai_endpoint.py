@@ -54,8 +54,12 @@ harness cannot guess it, whatever it knows of the trajectory's uid or the port.
 The harness may run the calls itself (its tool messages carry the results) or through the
 run's tools with `HarnessTask.run_tool`, which keeps each result's reward and flags. An
 exception out of the harness ends the episode with ``harness_error`` (its traceback in
-``error``), unless it had already ended (it keeps that stop reason; the harness's error is
-added to ``error``).
+``error``) before any model turn reached it, and after one with ``caused_error``: the policy's
+text is what changed, the harness cannot be run again to tell, and left untrained such an
+episode would escape the negative advantage of a wrong answer (a policy writing what the
+harness's parser raises on); trained, outcome 0 (docs/harness.md). A request the endpoint
+refuses stays ``harness_error`` (the harness wrote it). An episode that had already ended keeps
+its stop reason (the harness's error is added to ``error``).
 """
 
 from __future__ import annotations
@@ -482,7 +486,7 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
             except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()
                 if session.stop is None:
-                    session.stop = "harness_error"
+                    session.stop = "caused_error" if traj.num_turns else "harness_error"
                     traj.add_error(f"the harness raised:\n{failed}")
                 else:
                     traj.add_error(f"\nthen the harness failed:\n{failed}")

@@ -35,6 +35,12 @@ StopReason = Literal[
     # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
     # this trajectory only; its traceback is in `Trajectory.error`; not trainable
     "agent_error",
+    # the policy's own text made what it reached fail, where nothing can be run again to tell
+    # otherwise: the environment's step on its action (raised, hung, answered malformed), or
+    # the harness after a model turn reached it (it raised): its error is in
+    # `Trajectory.error`; its outcome is 0 (at most, an environment's reward so far) and it
+    # is trained on, as a wrong answer (docs/environments.md, docs/harness.md)
+    "caused_error",
     # a harness behind the OpenAI endpoint rewrote earlier turns or sent a request the endpoint
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable

@@ -105,7 +105,9 @@ def all_failed_error(t: Mapping[str, float], first_error: str | None) -> Runtime
     ended so, the backend, the tools, the environments, the reward or the loop is broken, not
     the policy: the error to raise (its `stop_warning` line, then the first error, `visible`:
     it may quote the policy's text) rather than train on nothing, step after step."""
-    failed = sum(t[f"stop/{r}"] for r in ERRORS)
+    # (and the episodes whose environment or harness failed on the policy's text, trained on:
+    # every episode so is a broken environment or harness, far likelier than such a policy)
+    failed = sum(t[f"stop/{r}"] for r in (*ERRORS, "caused_error"))
     if t["episodes"] and failed == t["episodes"]:
         line = stop_warning(metrics_of_totals(t), ()) or ""
         return RuntimeError(
@@ -135,14 +137,19 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
 
 
 def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
-    """The warning for a step whose answers mostly made the reward fail, scored 0 as wrong
-    answers (``rewards/answer_faults``, `rewards.AnswerFaultError`): a reward that fails on every
-    answer of some form the policy writes is worth a look. None when most did not."""
-    share = m["rewards/answer_faults"]
+    """The warning for a step whose episodes' text mostly made the reward fail
+    (``rewards/answer_faults``, `rewards.AnswerFaultError`) or the environment or the harness
+    (``stop/caused_error``), scored 0 as wrong answers: a reward, environment or harness that
+    fails on every text of some form the policy writes is worth a look. None when most did
+    not."""
+    share = m["rewards/answer_faults"] + m["stop/caused_error"]
     if share <= 0.5:
         return None
-    example = next((t.answer_fault for t in trajs if t.answer_fault), None)
-    line = f"WARNING: the reward failed on {share:.0%} of answers (scored 0, trained on)"
+    caused = (t.error for t in trajs if t.stop_reason == "caused_error" and t.error)
+    example = next((t.answer_fault for t in trajs if t.answer_fault), None) or next(caused, None)
+    if example:
+        example = [x.strip() for x in example.splitlines() if x.strip()][-1]
+    line = f"WARNING: the policy's text made {share:.0%} of episodes fail (scored 0, trained on)"
     return line + (f" (e.g. {visible(example[:300])})" if example else "")
 
 

@@ -84,7 +84,11 @@ async def outcome_reward(
     ``data_source``, ``ground_truth`` and ``extra``). As in verl, the reward function also
     gets the turn rewards as ``extra_info["tool_rewards"]`` (here one entry per answered turn,
     the sum of its calls; verl has one per call). Raises `RewardError` when ``score`` gives no
-    finite number in range."""
+    finite number in range. An episode whose environment or harness the policy's text made fail
+    (``caused_error``) scores 0, or its environment's reward so far when that is lower: a wrong
+    answer, never more than going on would have given."""
+    if traj.stop_reason == "caused_error":
+        return min(0.0, traj.env_reward) if traj.env_reward is not None else 0.0
     if traj.env_reward is not None:
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
@@ -257,7 +261,8 @@ async def score_episodes(
             traj.success = False
             continue
         traj.reward, outcome = scored
-        traj.success = traj.answer_fault is None and (
+        fault = traj.answer_fault is not None or traj.stop_reason == "caused_error"
+        traj.success = not fault and (
             traj.env_success if traj.env_success is not None else outcome >= success_reward
         )
 

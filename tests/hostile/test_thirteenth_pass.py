@@ -12,6 +12,10 @@ do not stay finite.
   weights NaN); a scale alpha / rank past `models.lora.MAX_SCALE` is refused. An update whose
   loss or gradient norm was not finite wrote NaN into every weight and Adam moment, and the
   engine got them; now it is skipped on the device, counted in ``nonfinite_updates``.
+- An environment's step that raised, hung or answered malformed on the policy's action ended
+  the episode ``env_error``, untrained: the same escape. Now it ends ``caused_error``, trained,
+  outcome 0 (or the environment's reward so far, when lower); a reset's failure, and a call
+  that never got a thread, stay ``env_error``; a rollout whose every episode so ended stops.
 - A harness that, once its episode ended at a budget, awaited for ever without asking again
   held its episode, and the step, for ever (one that asked again was stopped, the twelfth
   pass); now it is cancelled ``AFTER_END_S`` after the end.
@@ -32,14 +36,15 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
-from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.loop import run_episode, run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.call_processes import CallProcesses
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import AlgorithmSection, load_config
 from jax_agent_rl.config.model import MAX_LORA_SCALE, LoraSection, lora_targets_problem
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.envs.base import Environment, Environments, EnvStep
 from jax_agent_rl.models import init_params
 from jax_agent_rl.models.lora import MAX_SCALE, Lora
 from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
@@ -141,7 +146,9 @@ def test_an_answer_that_makes_the_reward_raise_or_hang_is_a_wrong_answer(
     assert stop_warning(metrics, group) is None  # half: no warning yet
     mostly = _scored("picky", ["four", "five", "4"], tokenizer)
     line = stop_warning(episode_metrics(mostly), mostly)
-    assert line is not None and line.startswith("WARNING: the reward failed on 67% of answers")
+    assert line is not None and line.startswith(
+        "WARNING: the policy's text made 67% of episodes fail"
+    )
 
 
 def test_a_reward_that_fails_on_every_text_is_still_the_rewards_error(
@@ -266,3 +273,89 @@ def test_a_harness_awaiting_for_ever_after_its_episode_ended_is_cancelled(
     traj = asyncio.run(go())  # (before: it never returned)
     assert traj.stop_reason in ("max_tokens_per_turn", "max_turns") and traj.trainable
     assert _WAITING == ["length", "cancelled"]
+
+
+_HELD = threading.Event()  # the fragile environment's "hold" steps wait on it
+
+
+class Fragile:
+    """A skyrl-style environment (synchronous, owns the reward) that parses the action as a
+    number: 1 for "4", 0 for another number; it raises on what is not one, hangs on "hold"
+    (until the test releases it), and fails to reset a prompt saying "no reset"."""
+
+    turns, owns_reward = "all", True
+
+    def reset(self, sample: Sample) -> list[dict[str, str]]:
+        if sample.messages[-1]["content"] == "no reset":
+            raise ConnectionError("the environment's container did not start")
+        return sample.messages
+
+    def step(self, text: str, messages: list[dict[str, str]]) -> EnvStep:
+        del messages
+        if text == "hold":
+            _HELD.wait()
+        return EnvStep([], 0.5 if text == "half" else float(float(text) == 4), text != "half")
+
+    def close(self) -> None:
+        pass
+
+
+def _played(
+    envs: Environments,
+    tokenizer: Tokenizer,
+    backend: EmbeddedBackend,
+    actions: list[str],
+    prompt: str = "2+2?",
+) -> Trajectory:
+    """One episode of ``Fragile`` whose policy's actions are ``actions``, one a turn, scored."""
+
+    async def play(traj: Trajectory, env: Environment | None) -> StopReason:
+        assert env is not None
+        for action in actions:
+            step = await env.step(action, [])
+            traj.add_env_step(step.reward, [], step.success)
+            if step.done:
+                return "env_done"
+        return "max_turns"
+
+    async def go() -> Trajectory:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(
+            backend, tokenizer, tools, make_parser("hermes"), AgentConfig(), envs=envs
+        )
+        sample = Sample("e", [{"role": "user", "content": prompt}], "4", env_class="fragile")
+        traj = await run_episode(sample, ctx, play, drives_envs=True)
+        cfg = load_config(None, ["model.path=m", "data.train=t.jsonl"])
+        with make_reward(cfg.data) as score:
+            await score_episodes([[traj]], [sample], score, 0.0, tokenizer, success_reward=1.0)
+        return traj
+
+    return asyncio.run(go())
+
+
+def test_an_environment_step_failing_on_the_action_is_a_wrong_answer(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    envs = Environments(
+        {"fragile": lambda _: Fragile()}, step_timeout_s=0.5, threads=CallThreads(1, "env")
+    )
+    right = _played(envs, tokenizer, backend, ["4"])
+    assert (right.stop_reason, right.reward, right.success) == ("env_done", 1.0, True)
+    # (before: env_error, untrained: no negative advantage for either)
+    raised = _played(envs, tokenizer, backend, ["four"])
+    assert (raised.stop_reason, raised.trainable, raised.reward, raised.success) == (
+        "caused_error", True, 0.0, False
+    )  # fmt: skip
+    assert "fragile.step raised ValueError: could not convert string to float" in str(raised.error)
+    half = _played(envs, tokenizer, backend, ["half", "four"])  # (0.5 so far: not kept)
+    assert (half.stop_reason, half.reward) == ("caused_error", 0.0)
+    hung = _played(envs, tokenizer, backend, ["hold"])  # (holds the one thread till released)
+    assert (hung.stop_reason, hung.trainable, hung.reward) == ("caused_error", True, 0.0)
+    assert "took longer than env.step_timeout_s=0.5s" in str(hung.error)
+    waited = _played(envs, tokenizer, backend, ["4"])  # never got a thread: not its action's
+    assert (waited.stop_reason, waited.trainable) == ("env_error", False)
+    _HELD.set()
+    unreset = _played(envs, tokenizer, backend, ["4"], prompt="no reset")
+    assert (unreset.stop_reason, unreset.trainable) == ("env_error", False)
+    with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed"):
+        raise_if_all_failed([raised, hung])  # (every one so: the environment is broken)
