@@ -59,8 +59,10 @@ processes.
 
 Whose fault a failed call is (`_Sync.attributed`): a reward that raises or times out on the
 policy's answer is called on it once more, and on the row's own answer (a reasoning-gym row's
-answer, else the ground truth written out, ``str(ground_truth)`` of a string or a number; no
-such probe for other ground truths). Failing on the answer twice and not on the probe, the
+answer, else the ground truth written out, ``str(ground_truth)`` of a string or a number, bare
+and as an answer is marked (``<answer>``, ``\\boxed{}``, ``####``), so that a reward that
+raises on an unmarked answer has one it reads; no such probe for other ground truths). Failing
+on the answer twice and not on a probe, the
 answer is at fault: `AnswerFaultError`, which scores it 0 and trains on it as the wrong answer it is
 (`jax_agent_rl.train.step.score_episodes`, counted in ``rewards/answer_faults``). Ended
 untrained instead (``reward_error``), it would take none of the negative advantage a wrong
@@ -125,6 +127,10 @@ MAX_ABS_REWARD = 1e6
 class RewardError(ValueError):
     """A reward that is not a finite number within ``MAX_ABS_REWARD`` (the message names where
     it came from and the value)."""
+
+
+class _LateError(RewardError):
+    """A reward call past ``data.reward_timeout_s``."""
 
 
 class AnswerFaultError(Exception):
@@ -316,18 +322,18 @@ class _Sync:
                     name, f"{self.threads.busy} of {self.threads.size} reward threads busy"
                 ) from None
 
-        return self.attributed(rule, name, _truth_answer)
+        return self.attributed(rule, name, _truth_answers)
 
     def in_process(
         self,
         load: Callable[[], ScoreFn],
         name: str,
         memory_mib: int | None = None,
-        probe: Callable[[Answer], Answer | None] | None = None,
+        probe: Callable[[Answer], list[Answer]] | None = None,
     ) -> Scorer:
         """``load()``'s function (``load`` a picklable function of no arguments: a worker
         loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
-        names ``name``. Its failures are `attributed` by ``probe`` (default `_truth_answer`)."""
+        names ``name``. Its failures are `attributed` by ``probe`` (default `_truth_answers`)."""
 
         async def run(a: Answer) -> float:
             args = (a.data_source, a.text, a.ground_truth, a.extra)
@@ -336,15 +342,16 @@ class _Sync:
             except CallTimeoutError:  # (not a TimeoutError the function raised: that is its error)
                 raise self._late(name, "its worker process was stopped") from None
 
-        return self.attributed(run, name, probe or _truth_answer)
+        return self.attributed(run, name, probe or _truth_answers)
 
     @staticmethod
-    def attributed(score: Scorer, name: str, probe: Callable[[Answer], Answer | None]) -> Scorer:
+    def attributed(score: Scorer, name: str, probe: Callable[[Answer], list[Answer]]) -> Scorer:
         """``score``, whose failure on an answer (it raised, or ran past its timeout) is the
-        answer's when ``score`` fails on it once more and scores ``probe(a)``, the row's own
-        answer: an `AnswerFaultError` (a wrong answer, 0, trained on). Otherwise its first error:
-        when the probe fails too, or there is none (``probe`` gives None), the reward or its
-        service is broken, not the answer (``reward_error``, untrained).
+        answer's when ``score`` fails on it once more and scores one of ``probe(a)``, the row's
+        own answer written out (tried in turn; a probe past the timeout ends the trial): an
+        `AnswerFaultError` (a wrong answer, 0, trained on). Otherwise its first error: when every
+        probe fails too, or there is none, the reward or its service is broken, not the answer
+        (``reward_error``, untrained).
 
         Why once more: a reward that fails now and then (a flaky service, a worker lost) at
         rate p would otherwise score a right answer 0 whenever it failed on it and then
@@ -358,26 +365,31 @@ class _Sync:
                 return await score(a)
             except Exception as e:  # (the function's error, a RewardError: late or not a number)
                 first = e
-            own = probe(a)
-            if own is None:
+            probes = probe(a)
+            if not probes:
                 raise first
             try:
                 return await score(a)  # a failure that does not repeat was not the answer's
             except Exception:
                 pass
-            try:
-                await score(own)
-            except Exception:
-                raise first from None
-            raise AnswerFaultError(
-                f"{name} failed on the answer twice ({error_line(first)}) and scored the row's "
-                f"own answer ({own.text[:80]!r}): the answer's fault, scored 0 as a wrong answer"
-            )
+            for own in probes:
+                try:
+                    await score(own)
+                except _LateError:  # (slow on the row's own answer: no telling)
+                    break
+                except Exception:
+                    continue
+                raise AnswerFaultError(
+                    f"{name} failed on the answer twice ({error_line(first)}) and scored the "
+                    f"row's own answer ({own.text[:80]!r}): the answer's fault, scored 0 as a "
+                    "wrong answer"
+                )
+            raise first
 
         return scored
 
     def _late(self, name: str, what: str) -> RewardError:
-        return RewardError(
+        return _LateError(
             f"{name} took longer than data.reward_timeout_s={self.timeout_s:g}s ({what})"
         )
 
@@ -397,18 +409,20 @@ def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     return sync.in_process(functools.partial(load_reward, spec, key), name, sync.user_memory_mib)
 
 
-def _own_answer(answer: Answer) -> Answer:
+def _own_answer(answer: Answer) -> list[Answer]:
     """``answer`` with the text of its reasoning-gym row's own answer (`_Sync.attributed`)."""
-    return dataclasses.replace(answer, text=reasoning_gym.answer_text(answer.extra))
+    return [dataclasses.replace(answer, text=reasoning_gym.answer_text(answer.extra))]
 
 
-def _truth_answer(answer: Answer) -> Answer | None:
-    """``answer`` with its ground truth as the text (`_Sync.attributed`): a string's, a number's
-    (not a bool's); None for other ground truths (a list, a dict: no one text answers them)."""
+def _truth_answers(answer: Answer) -> list[Answer]:
+    """``answer`` with its ground truth as the text (`_Sync.attributed`), bare and marked as the
+    built-in rules find an answer: a string's, a number's (not a bool's); none for other ground
+    truths (a list, a dict: no one text answers them)."""
     truth = answer.ground_truth
-    if isinstance(truth, str | numbers.Real) and not isinstance(truth, bool | np.bool_):
-        return dataclasses.replace(answer, text=str(truth))
-    return None
+    if not isinstance(truth, str | numbers.Real) or isinstance(truth, bool | np.bool_):
+        return []
+    forms = ("{}", "<answer>{}</answer>", "\\boxed{{{}}}", "#### {}")
+    return [dataclasses.replace(answer, text=form.format(truth)) for form in forms]
 
 
 def error_line(error: BaseException) -> str:

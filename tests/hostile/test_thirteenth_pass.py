@@ -359,3 +359,22 @@ def test_an_environment_step_failing_on_the_action_is_a_wrong_answer(
     assert (unreset.stop_reason, unreset.trainable) == ("env_error", False)
     with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed"):
         raise_if_all_failed([raised, hung])  # (every one so: the environment is broken)
+
+
+def strict_gsm8k(text: str, ground_truth: Any) -> float:
+    """A user's reward that reads only a ``#### N`` line (and raises without one)."""
+    return float(text.split("####")[1].strip() == str(ground_truth))
+
+
+def test_a_reward_raising_on_an_unmarked_answer_still_finds_the_answer_at_fault() -> None:
+    """The bare ground truth is no answer this reward reads; its marked forms are tried in turn
+    (before them: reward_error, untrained, for every answer without ``####``)."""
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:strict_gsm8k",
+         "data.reward_workers=1"],
+    )  # fmt: skip
+    with make_reward(cfg.data) as score:
+        with pytest.raises(AnswerFaultError, match=r"own answer \('#### 4'\)"):
+            asyncio.run(score(Answer("s", "", "The answer is 4.", "4", {})))
+        assert asyncio.run(score(Answer("s", "", "#### 4", "4", {}))) == 1.0
