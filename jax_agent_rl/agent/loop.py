@@ -38,7 +38,7 @@ from jax_agent_rl.agent.observations import env_observation, tool_observation
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
-from jax_agent_rl.envs.base import EnvError, Environment
+from jax_agent_rl.envs.base import EnvError, Environment, EnvStepError
 from jax_agent_rl.rollout.protocol import GenerateRequest
 from jax_agent_rl.rollout.stops import stop_string_end
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
@@ -362,8 +362,10 @@ async def run_episode(
     """A trajectory of ``sample`` played by ``play`` (which returns how it ended) from its
     prompt, or, by a loop that ``drives_envs``, against its environment (`jax_agent_rl.envs`)
     from the messages the environment starts it with (another loop refuses a sample with one):
-    timed, an environment's failure kept as ``env_error`` and any other exception as
-    ``agent_error``, its environment closed and its tool state released."""
+    timed, an environment's failure kept as ``env_error`` (its step's on the policy's action
+    as ``caused_error``) and any other exception as ``agent_error``, its environment closed
+    (a close that fails after a trainable end keeps it: the steps decided the outcome, and a
+    policy that made the close fail would otherwise escape it) and its tool state released."""
     t_start = time.perf_counter()
     traj = Trajectory(
         uid=sample.uid,
@@ -386,6 +388,8 @@ async def run_episode(
             messages = await env.reset(sample)
         traj.set_prompt(messages, ctx.builder.prompt_ids(messages))
         traj.end(await play(traj, env))
+    except EnvStepError:  # on the policy's action: its fault (`GuardedEnvironment.step`)
+        traj.end("caused_error", traceback.format_exc())
     except EnvError:  # the environment failed: this episode ends, counted
         traj.end("env_error", traceback.format_exc())
     except Exception:  # this trajectory's failure, kept with what it did until then
@@ -394,8 +398,11 @@ async def run_episode(
         try:
             if env is not None:
                 await env.close()
-        except EnvError:
-            traj.end("env_error", traceback.format_exc())
+        except EnvError:  # after its outcome was decided by its steps, it keeps it, else ends
+            if traj.trainable:  # (trained on its real outcome: no escape, no false penalty)
+                traj.add_error(f"\nthen its environment's close failed:\n{traceback.format_exc()}")
+            else:
+                traj.end("env_error", traceback.format_exc())
         finally:
             traj.add_time("total_s", time.perf_counter() - t_start)
             await ctx.tools.release(traj.uid)

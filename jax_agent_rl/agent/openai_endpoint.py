@@ -39,7 +39,8 @@ a turn. A request naming no open session is answered 401 from its headers: its b
 read and no session is touched. Once an episode has ended (a budget, ``harness_error``),
 further requests are answered 409 and change nothing, and `HarnessTask.run_tool` raises; the
 harness, which has nothing left to do, is then cancelled (`call_threads.until_set`): one
-retrying every error held its episode, and the step, for ever. A
+retrying every error held its episode, and the step, for ever. So is one that has not returned
+``AFTER_END_S`` after its episode ended, asking nothing (awaiting what never comes). A
 request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in the
 tool loop); one still in progress when the harness returns ends it with ``harness_error``.
 
@@ -53,8 +54,12 @@ harness cannot guess it, whatever it knows of the trajectory's uid or the port.
 The harness may run the calls itself (its tool messages carry the results) or through the
 run's tools with `HarnessTask.run_tool`, which keeps each result's reward and flags. An
 exception out of the harness ends the episode with ``harness_error`` (its traceback in
-``error``), unless it had already ended (it keeps that stop reason; the harness's error is
-added to ``error``).
+``error``) before any model turn reached it, and after one with ``caused_error``: the policy's
+text is what changed, the harness cannot be run again to tell, and left untrained such an
+episode would escape the negative advantage of a wrong answer (a policy writing what the
+harness's parser raises on); trained, outcome 0 (docs/harness.md). A request the endpoint
+refuses stays ``harness_error`` (the harness wrote it). An episode that had already ended keeps
+its stop reason (the harness's error is added to ``error``).
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import hmac
 import json
 import secrets
@@ -87,10 +91,13 @@ from jax_agent_rl.agent.openai_requests import (
     MAX_TOOLS_BYTES,
     PARTS,
     HarnessError,
+    HarnessTask,
     canonical,
     check_request,
     error_response,
+    harness_function,
     message_text,
+    rendered,
     session_key,
     tool_call_message,
 )
@@ -98,14 +105,16 @@ from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.call_threads import own_errors, until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
-from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, finite_json_float, no_json_constant
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
-from jax_agent_rl.user_code import load_function
 
 LIMITS = Limits()  # what each episode's endpoint server lets its harness hold (endpoint_http)
+# seconds a harness may go on after its episode ended without asking on (to log, to close its
+# client): a budget or an error ends the episode whatever the harness awaits; past them it is
+# cancelled (`nothing_left`)
+AFTER_END_S = LIMITS.shutdown_grace_s
 
 
 class EpisodeEndedError(ValueError):
@@ -132,10 +141,22 @@ class Session:
         self.tools: list[dict[str, Any]] | None = None  # the first request's
         self.pending: _Calls | None = None
         self.text_turn: list[int] | None = None  # the last turn, when it ended without calls
-        self.stop: StopReason | None = None  # set once the episode has ended
+        self._stop: StopReason | None = None
+        self.ended = asyncio.Event()  # set with `stop`
         self.asked_after_end = asyncio.Event()  # a request, a run_tool since: answered 409
         self.busy = False
         self.results: dict[str, ToolResult] = {}  # calls run by `run_tool`, by id
+
+    @property
+    def stop(self) -> StopReason | None:
+        """How the episode ended; None while it goes on."""
+        return self._stop
+
+    @stop.setter
+    def stop(self, reason: StopReason | None) -> None:
+        self._stop = reason
+        if reason is not None:
+            self.ended.set()
 
     async def complete(self, request: Request) -> dict[str, Any]:
         """Answers one request, whose body is read here (one at a time): a chat.completion, or
@@ -385,16 +406,6 @@ class Session:
         return self.stop
 
 
-async def rendered(
-    render: Callable[[list[Message]], list[int]], messages: list[Message]
-) -> list[int]:
-    """``render(messages)`` in a worker thread: a request may hold as many messages as
-    ``rollout.max_model_len``, which the chat template renders for seconds (32k messages: about
-    6 s), and on the event loop that held every other episode of the step. Nothing of the
-    session changes until it returns, so a request cancelled meanwhile leaves none half done."""
-    return await asyncio.to_thread(render, messages)
-
-
 def _find(sessions: dict[str, Session], key: str) -> Session | None:
     """The session of ``key``, compared with every session's key in constant time."""
     found = None
@@ -439,27 +450,15 @@ async def serve(sessions: dict[str, Session], limits: Limits | None = None) -> A
         yield f"http://127.0.0.1:{port}/v1"
 
 
-@dataclasses.dataclass(frozen=True)
-class HarnessTask:
-    """What a harness gets for one episode: point an OpenAI client at ``base_url`` with
-    ``api_key``, start from ``messages`` (the prompt) and ``tools`` (their schemas in OpenAI's
-    format; send them as the requests' ``tools`` so the prompt lists them as the tool loop's
-    does), and run the calls yourself or with ``run_tool``."""
-
-    base_url: str
-    api_key: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    run_tool: Callable[[dict[str, Any]], Awaitable[str]]
-
-
-Harness = Callable[[HarnessTask], Awaitable[None]]
-
-
-@functools.cache
-def harness_function(spec: str) -> Harness:
-    """The harness ``agent.harness`` names (loaded once)."""
-    return load_function(spec, "agent.harness")
+async def nothing_left(session: Session, done: asyncio.Event) -> None:
+    """Sets ``done`` once the harness has nothing left to do: its episode ended and it asked on
+    (a request answered 409, a ``run_tool`` refused), or it ended ``AFTER_END_S`` ago and the
+    harness has not returned (it awaits what never comes: a reply it missed, a queue no one
+    fills); then it is cancelled (`run_openai_agent`). The episode keeps how it ended."""
+    await session.ended.wait()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(session.asked_after_end.wait(), AFTER_END_S)
+    done.set()
 
 
 async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
@@ -478,17 +477,21 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
             tools=list(ctx.builder.tools or []),
             run_tool=session.run_tool,
         )
+        done = asyncio.Event()
+        watch = asyncio.ensure_future(nothing_left(session, done))
         async with serve({key: session}) as base_url:
             try:
                 running = own_errors(harness(dataclasses.replace(task, base_url=base_url)))
-                await until_set(running, session.asked_after_end, LIMITS.shutdown_grace_s)
+                await until_set(running, done, LIMITS.shutdown_grace_s)
             except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()
                 if session.stop is None:
-                    session.stop = "harness_error"
+                    session.stop = "caused_error" if traj.num_turns else "harness_error"
                     traj.add_error(f"the harness raised:\n{failed}")
                 else:
                     traj.add_error(f"\nthen the harness failed:\n{failed}")
+            finally:
+                watch.cancel()
         try:
             return session.finish()
         except HarnessError:

@@ -1,14 +1,22 @@
 """What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
 hold, checked (`check_request`), the session it names (`session_key`), and a message's parts
 in one form however a client spells them (`canonical`); and the shapes of OpenAI's answers
-the endpoint writes (`tool_call_message`, `error_response`)."""
+the endpoint writes (`tool_call_message`, `error_response`); what a harness gets
+(`HarnessTask`), the harness ``agent.harness`` names (`harness_function`), and a request's
+messages rendered off the event loop (`rendered`)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
+from jax_agent_rl.user_code import load_function
 from jax_agent_rl.visible import lone_surrogate
 
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
@@ -149,3 +157,36 @@ def tool_call_message(call: ParsedCall, call_id: str) -> dict[str, Any]:
 def error_response(status: int, message: str, code: str) -> tuple[int, dict[str, Any]]:
     """An error in OpenAI's shape, with its HTTP status."""
     return status, {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class HarnessTask:
+    """What a harness gets for one episode: point an OpenAI client at ``base_url`` with
+    ``api_key``, start from ``messages`` (the prompt) and ``tools`` (their schemas in OpenAI's
+    format; send them as the requests' ``tools`` so the prompt lists them as the tool loop's
+    does), and run the calls yourself or with ``run_tool``."""
+
+    base_url: str
+    api_key: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    run_tool: Callable[[dict[str, Any]], Awaitable[str]]
+
+
+Harness = Callable[[HarnessTask], Awaitable[None]]
+
+
+@functools.cache
+def harness_function(spec: str) -> Harness:
+    """The harness ``agent.harness`` names (loaded once)."""
+    return load_function(spec, "agent.harness")
+
+
+async def rendered(
+    render: Callable[[list[Message]], list[int]], messages: list[Message]
+) -> list[int]:
+    """``render(messages)`` in a worker thread: a request may hold as many messages as
+    ``rollout.max_model_len``, which the chat template renders for seconds (32k messages: about
+    6 s), and on the event loop that held every other episode of the step. Nothing of the
+    session changes until it returns, so a request cancelled meanwhile leaves none half done."""
+    return await asyncio.to_thread(render, messages)

@@ -35,6 +35,12 @@ StopReason = Literal[
     # an unexpected exception (a parser, a tool executor, a custom loop, the tokenizer...) ended
     # this trajectory only; its traceback is in `Trajectory.error`; not trainable
     "agent_error",
+    # the policy's own text made what it reached fail, where nothing can be run again to tell
+    # otherwise: the environment's step on its action (raised, hung, answered malformed), or
+    # the harness after a model turn reached it (it raised): its error is in
+    # `Trajectory.error`; its outcome is 0 (at most, an environment's reward so far) and it
+    # is trained on, as a wrong answer (docs/environments.md, docs/harness.md)
+    "caused_error",
     # a harness behind the OpenAI endpoint rewrote earlier turns or sent a request the endpoint
     # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
     # trainable
@@ -107,6 +113,9 @@ class Trajectory:
     cut_observations: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
+    # why its outcome is 0 when the reward failed on its answer and not on the row's own (a
+    # wrong answer, trained on: `rewards.AnswerFaultError`), else None
+    answer_fault: str | None = None
     reruns: int = 0  # times it was run again from its prompt after its tool service failed
     # how each model turn ended: "call" (a well-formed tool call), "malformed" (calls, none
     # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"

@@ -23,6 +23,7 @@ from jax_agent_rl.envs.base import (
     Environment,
     Environments,
     EnvStep,
+    EnvStepError,
     checked_messages,
     checked_step,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "EnvError",
     "EnvFactory",
     "EnvStep",
+    "EnvStepError",
     "Environment",
     "Environments",
     "checked_messages",

@@ -47,6 +47,7 @@ import asyncio
 import dataclasses
 import inspect
 import numbers
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal, Protocol, cast
@@ -67,6 +68,17 @@ OBSERVATION_ROLES = ("user", "tool", "system")
 class EnvError(RuntimeError):
     """An environment failed (raised, hung, or returned something malformed): its episode ends
     with stop reason ``env_error``."""
+
+
+class EnvStepError(EnvError):
+    """An environment's ``step`` failed on the policy's action (raised, ran past its timeout,
+    answered malformed): its episode ends ``caused_error``, trained on as a wrong answer (see
+    `GuardedEnvironment.step`)."""
+
+
+class EnvBusyError(EnvError):
+    """A synchronous call past its timeout that never started (it waited for an environment
+    thread the whole time): it says nothing of the call's arguments (``env_error``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,14 +259,21 @@ class GuardedEnvironment:
     async def _call(self, what: str, *args: Any) -> Any:
         method = getattr(self.env, what)
         start = time.perf_counter()
+        started = threading.Event()  # (a synchronous call: once a thread runs it)
+
+        def begun(*args: Any) -> Any:
+            started.set()
+            return method(*args)
+
         try:
             if inspect.iscoroutinefunction(method):
+                started.set()
                 out = await _within(own_errors(method(*args)), self.timeout_s)
             else:
-                out = await asyncio.wait_for(self.threads.run(method, *args), self.timeout_s)
+                out = await asyncio.wait_for(self.threads.run(begun, *args), self.timeout_s)
         except TimeoutError as e:
             held = self.threads.busy
-            raise EnvError(
+            raise (EnvError if started.is_set() else EnvBusyError)(
                 f"{self.name}.{what} took longer than env.step_timeout_s={self.timeout_s}s "
                 f"({held} of env.max_threads={self.threads.size} environment threads busy)"
             ) from e
@@ -275,7 +294,20 @@ class GuardedEnvironment:
         return checked_messages(await self._call("reset", sample), self.name, prompt=True)
 
     async def step(self, text: str, messages: list[Message]) -> EnvStep:
-        return checked_step(await self._call("step", text, messages), self.name)
+        """The environment's checked answer to the policy's action ``text``. Its failure here
+        is an `EnvStepError`, the policy's: the action is the one thing that changed since
+        the environment's last good answer, a stateful environment cannot be stepped again to
+        tell a transient failure from its action's, and an episode ended untrained
+        (``env_error``) takes none of the negative advantage a wrong answer takes in its
+        group, so a policy that learns to make the step raise or hang escapes being wrong.
+        Not the policy's: a call that never got a thread (`EnvBusyError`), and ``reset`` and
+        ``close`` (no action of its own: ``env_error``)."""
+        try:
+            return checked_step(await self._call("step", text, messages), self.name)
+        except EnvBusyError:
+            raise
+        except EnvError as e:
+            raise EnvStepError(str(e)) from e
 
     async def close(self) -> None:
         await self._call("close")

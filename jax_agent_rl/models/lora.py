@@ -23,6 +23,10 @@ import jax.numpy as jnp
 # the projections an adapter may wrap, in PEFT's order (HF module names in `adapters`)
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 MLP_TARGETS = frozenset({"gate", "up", "down"})
+# the largest scale alpha / rank taken: two orders past the largest in use (alpha 1024 over
+# rank 8, 128), and far below where float32 overflows (~3.4e38): a huge scale (alpha 1e308 is
+# inf in float32) turns the first nonzero adapter gradient into inf or NaN weights
+MAX_SCALE = 1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,11 @@ class Lora:
             raise ValueError(f"LoRA rank={self.rank}: expected >= 1")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"LoRA alpha={self.alpha}: expected a finite number > 0")
+        if self.scale > MAX_SCALE:
+            raise ValueError(
+                f"LoRA alpha={self.alpha:g} / rank={self.rank} = {self.scale:g}: expected a "
+                f"scale <= {MAX_SCALE:g}"
+            )
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(

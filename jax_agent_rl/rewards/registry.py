@@ -52,11 +52,23 @@ step's judge requests are sent together, and no synchronous reward runs on the e
   worker's own.
 
 Each call has ``data.reward_timeout_s``; past it, it raises `RewardError` naming the setting
-and the reward, except a reasoning-gym scorer's: the answer kept it running, and scores 0 once
-the row's own answer is scored in time (`_Sync.in_process`). In a thread, the wait for a free
-one counts, and a thread cannot be stopped, only abandoned (it keeps its place until it
-returns); in a worker, only the call counts (a busy worker is free again within the timeout).
-`Rewards.close` (the run's end) stops the worker processes.
+and the reward. In a thread, the wait for a free one counts, and a thread cannot be stopped,
+only abandoned (it keeps its place until it returns); in a worker, only the call counts (a busy
+worker is free again within the timeout). `Rewards.close` (the run's end) stops the worker
+processes.
+
+Whose fault a failed call is (`_Sync.attributed`): a reward that raises or times out on the
+policy's answer is called on it once more, and on the row's own answer (a reasoning-gym row's
+answer, else the ground truth written out, ``str(ground_truth)`` of a string or a number, bare
+and as an answer is marked (``<answer>``, ``\\boxed{}``, ``####``), so that a reward that
+raises on an unmarked answer has one it reads; no such probe for other ground truths). Failing
+on the answer twice and not on a probe, the
+answer is at fault: `AnswerFaultError`, which scores it 0 and trains on it as the wrong answer it is
+(`jax_agent_rl.train.step.score_episodes`, counted in ``rewards/answer_faults``). Ended
+untrained instead (``reward_error``), it would take none of the negative advantage a wrong
+answer takes in its group: a policy that learns to make the reward raise or hang escapes the
+penalty of being wrong. Otherwise (the probe fails too: the reward, or what it calls, is
+broken; or there is no probe) the first error stands: ``reward_error``, untrained, as before.
 
 Every reward is checked where it enters (`checked_reward`): a real number, finite, within
 ``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
@@ -78,7 +90,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError
+from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError, raised_in
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.data import reasoning_gym
@@ -115,6 +127,16 @@ MAX_ABS_REWARD = 1e6
 class RewardError(ValueError):
     """A reward that is not a finite number within ``MAX_ABS_REWARD`` (the message names where
     it came from and the value)."""
+
+
+class _LateError(RewardError):
+    """A reward call past ``data.reward_timeout_s``."""
+
+
+class AnswerFaultError(Exception):
+    """The reward failed (raised, or ran past its timeout) on an answer twice and scored the
+    row's own answer: the answer is at fault, a wrong answer scored 0 (`_Sync.attributed`; the
+    message says why)."""
 
 
 def checked_reward(value: Any, source: str) -> float:
@@ -300,45 +322,74 @@ class _Sync:
                     name, f"{self.threads.busy} of {self.threads.size} reward threads busy"
                 ) from None
 
-        return rule
+        return self.attributed(rule, name, _truth_answers)
 
     def in_process(
         self,
         load: Callable[[], ScoreFn],
         name: str,
         memory_mib: int | None = None,
-        own_answer: Callable[[Answer], Answer] | None = None,
+        probe: Callable[[Answer], list[Answer]] | None = None,
     ) -> Scorer:
         """``load()``'s function (``load`` a picklable function of no arguments: a worker
         loads it once) awaited; past the timeout its worker is killed, and a `RewardError`
-        names ``name``. With ``own_answer`` (a scorer written for the task, which only an
-        answer can keep running: reasoning-gym's), a call past the timeout scores 0, a wrong
-        answer, once the row's own answer (``own_answer(a)``) is scored within it: ended
-        untrained instead (reward_error), it took none of the negative advantage a wrong
-        answer takes in its group, so hanging the scorer was the policy's way out of one."""
+        names ``name``. Its failures are `attributed` by ``probe`` (default `_truth_answers`)."""
 
         async def run(a: Answer) -> float:
             args = (a.data_source, a.text, a.ground_truth, a.extra)
-            return float(await self.processes.run(load, args, self.timeout_s, memory_mib))
-
-        async def isolated(a: Answer) -> float:
             try:
-                return await run(a)
+                return float(await self.processes.run(load, args, self.timeout_s, memory_mib))
             except CallTimeoutError:  # (not a TimeoutError the function raised: that is its error)
-                pass
-            if own_answer is not None:
-                try:
-                    await run(own_answer(a))
-                except CallTimeoutError:  # it cannot score its own answer in time either
-                    pass
-                else:
-                    return 0.0
-            raise self._late(name, "its worker process was stopped")
+                raise self._late(name, "its worker process was stopped") from None
 
-        return isolated
+        return self.attributed(run, name, probe or _truth_answers)
+
+    @staticmethod
+    def attributed(score: Scorer, name: str, probe: Callable[[Answer], list[Answer]]) -> Scorer:
+        """``score``, whose failure on an answer (it raised, or ran past its timeout) is the
+        answer's when ``score`` fails on it once more and scores one of ``probe(a)``, the row's
+        own answer written out (tried in turn; a probe past the timeout ends the trial): an
+        `AnswerFaultError` (a wrong answer, 0, trained on). Otherwise its first error: when every
+        probe fails too, or there is none, the reward or its service is broken, not the answer
+        (``reward_error``, untrained).
+
+        Why once more: a reward that fails now and then (a flaky service, a worker lost) at
+        rate p would otherwise score a right answer 0 whenever it failed on it and then
+        scored the probe, about p of them; failing twice on it, about p^2. Why the probe: a
+        reward that fails on every text (broken, misconfigured, its service down) must stay
+        an error, which stops a run whose every episode hits it (`train.episodes.
+        all_failed_error`), not become a run of wrong answers."""
+
+        async def scored(a: Answer) -> float:
+            try:
+                return await score(a)
+            except Exception as e:  # (the function's error, a RewardError: late or not a number)
+                first = e
+            probes = probe(a)
+            if not probes:
+                raise first
+            try:
+                return await score(a)  # a failure that does not repeat was not the answer's
+            except Exception:
+                pass
+            for own in probes:
+                try:
+                    await score(own)
+                except _LateError:  # (slow on the row's own answer: no telling)
+                    break
+                except Exception:
+                    continue
+                raise AnswerFaultError(
+                    f"{name} failed on the answer twice ({error_line(first)}) and scored the "
+                    f"row's own answer ({own.text[:80]!r}): the answer's fault, scored 0 as a "
+                    "wrong answer"
+                )
+            raise first
+
+        return scored
 
     def _late(self, name: str, what: str) -> RewardError:
-        return RewardError(
+        return _LateError(
             f"{name} took longer than data.reward_timeout_s={self.timeout_s:g}s ({what})"
         )
 
@@ -358,9 +409,31 @@ def _load(spec: str, key: str, judge: JudgeFn | None, sync: _Sync) -> Scorer:
     return sync.in_process(functools.partial(load_reward, spec, key), name, sync.user_memory_mib)
 
 
-def _own_answer(answer: Answer) -> Answer:
-    """``answer`` with the text of its reasoning-gym row's own answer (`in_process`)."""
-    return dataclasses.replace(answer, text=reasoning_gym.answer_text(answer.extra))
+def _own_answer(answer: Answer) -> list[Answer]:
+    """``answer`` with the text of its reasoning-gym row's own answer (`_Sync.attributed`)."""
+    return [dataclasses.replace(answer, text=reasoning_gym.answer_text(answer.extra))]
+
+
+def _truth_answers(answer: Answer) -> list[Answer]:
+    """``answer`` with its ground truth as the text (`_Sync.attributed`), bare and marked as the
+    built-in rules find an answer: a string's, a number's (not a bool's); none for other ground
+    truths (a list, a dict: no one text answers them)."""
+    truth = answer.ground_truth
+    if not isinstance(truth, str | numbers.Real) or isinstance(truth, bool | np.bool_):
+        return []
+    forms = ("{}", "<answer>{}</answer>", "\\boxed{{{}}}", "#### {}")
+    return [dataclasses.replace(answer, text=form.format(truth)) for form in forms]
+
+
+def error_line(error: BaseException) -> str:
+    """``error``'s type, the first line of its message (cut) and where it was raised (the
+    function's frame, in its worker for a call run in one), for one line of a message."""
+    lines = str(error).splitlines()
+    where = raised_in(error)
+    return (
+        f"{type(error).__name__}: {lines[0][:200] if lines else ''} in {where.name} "
+        f"({where.filename}:{where.lineno})"
+    )
 
 
 async def _no_judge(answer: Answer) -> float:

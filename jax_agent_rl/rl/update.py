@@ -7,7 +7,9 @@ epoch's mini-batch updates run on the devices, over the real micro-batches only 
 trip count the batch carries: the shapes, and so the compiled program, change only when a
 step needs more micro-batch slots than any before); only the metrics come back to the host.
 One update loops over its micro-batches, sums their gradients (`accumulated_grads`) and
-applies one optimizer step (`apply_update`).
+applies one optimizer step (`apply_update`), unless its loss or gradient norm is not finite:
+then the weights and the optimizer's state stay as they were (``nonfinite_updates`` counts
+such updates), decided on the device, so that a NaN never reaches the weights the engine gets.
 """
 
 from __future__ import annotations
@@ -154,14 +156,33 @@ def apply_update(
     lo: jax.Array | int,
     hi: jax.Array | int,
 ) -> tuple[TrainState, Metrics]:
+    """One optimizer step of ``objective``'s gradients over micro-batches [lo, hi), or none
+    when the loss or the gradient norm is not finite (a NaN or inf from the batch: a huge
+    reward scale, a logprob of a token the policy gives probability 0): Adam would write NaN
+    into every weight and moment, for good, and push them to the engine. The choice is a
+    `jnp.where` over the trees, on the device (no host sync); ``nonfinite_updates`` is 1 for
+    a skipped one, and the update count does not advance."""
     loss, grads, metrics = accumulated_grads(
         objective, spec, state.params, rows, derived, d, lo, hi
     )
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     trained = trainable(spec.model, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
-    params = with_trained(spec.model, state.params, optax.apply_updates(trained, updates))
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
-    return TrainState(params, opt_state, state.step + 1), metrics
+
+    def kept(new: Any, old: Any) -> Any:
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    stepped = kept(optax.apply_updates(trained, updates), trained)
+    params = with_trained(spec.model, state.params, stepped)
+    opt_state = kept(opt_state, state.opt_state)
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "nonfinite_updates": (~finite).astype(jnp.float32),
+    }
+    return TrainState(params, opt_state, state.step + finite.astype(state.step.dtype)), metrics
 
 
 @jax.tree_util.register_dataclass
@@ -366,7 +387,13 @@ def rl_update(
     for _ in range(a.ppo_epochs):
         carry, m = jax.lax.scan(one, carry, jnp.arange(K))
         epochs.append(m)
-    metrics = {k: jnp.mean(jnp.concatenate([m[k] for m in epochs])) for k in epochs[0]}
+    # means over the updates; the skipped ones counted (`apply_update`)
+    metrics = {
+        k: (jnp.sum if k.endswith("nonfinite_updates") else jnp.mean)(
+            jnp.concatenate([m[k] for m in epochs])
+        )
+        for k in epochs[0]
+    }
     gap = jnp.abs(dv.old_logp - rows.rollout_logp)
     metrics["logprob_gap/mean"] = core.masked_mean(gap, rows.mask)
     metrics["logprob_gap/max"] = jnp.max(jnp.where(rows.mask > 0, gap, 0.0))

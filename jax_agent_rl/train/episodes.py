@@ -41,6 +41,7 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         "own_model_tokens": sum(t.own_model_tokens for t in trajs),
         "own_tool_calls": sum(t.own_tool_calls for t in trajs),
         "untrainable": sum(not t.trainable for t in trajs),
+        "answer_faults": sum(t.answer_fault is not None for t in trajs),
         "reruns": sum(t.reruns for t in trajs),
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
     }
@@ -75,6 +76,8 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
         "response_len/max": float(t["response_len/max"]),
         "model_tokens/mean": t["model_tokens"] / n,
         "untrainable": t["untrainable"] / n,
+        # answers the reward failed on (and not on the row's own): scored 0, trained on
+        "rewards/answer_faults": t["answer_faults"] / n,
         "rollout/trajectories_rerun": float(t["reruns"]),  # a count, not a rate
         # counts: episodes (a tree's leaves), model tokens sampled and tool calls made
         "rollout/episodes": t["episodes"],
@@ -102,7 +105,9 @@ def all_failed_error(t: Mapping[str, float], first_error: str | None) -> Runtime
     ended so, the backend, the tools, the environments, the reward or the loop is broken, not
     the policy: the error to raise (its `stop_warning` line, then the first error, `visible`:
     it may quote the policy's text) rather than train on nothing, step after step."""
-    failed = sum(t[f"stop/{r}"] for r in ERRORS)
+    # (and the episodes whose environment or harness failed on the policy's text, trained on:
+    # every episode so is a broken environment or harness, far likelier than such a policy)
+    failed = sum(t[f"stop/{r}"] for r in (*ERRORS, "caused_error"))
     if t["episodes"] and failed == t["episodes"]:
         line = stop_warning(metrics_of_totals(t), ()) or ""
         return RuntimeError(
@@ -121,7 +126,7 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     most ended otherwise."""
     shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
     if sum(shares.values()) <= 0.5:
-        return None
+        return answer_fault_warning(m, trajs)
     worst = max(shares, key=lambda r: shares[r])
     line = f"WARNING: {shares[worst]:.0%} of episodes ended {worst}"
     example = first_error(trajs, worst) if worst in ERRORS else None
@@ -129,6 +134,23 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
         last = [x.strip() for x in example.splitlines() if x.strip()][-1]
         line += f" (e.g. {visible(last[:300])})"
     return line
+
+
+def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
+    """The warning for a step whose episodes' text mostly made the reward fail
+    (``rewards/answer_faults``, `rewards.AnswerFaultError`) or the environment or the harness
+    (``stop/caused_error``), scored 0 as wrong answers: a reward, environment or harness that
+    fails on every text of some form the policy writes is worth a look. None when most did
+    not."""
+    share = m["rewards/answer_faults"] + m["stop/caused_error"]
+    if share <= 0.5:
+        return None
+    caused = (t.error for t in trajs if t.stop_reason == "caused_error" and t.error)
+    example = next((t.answer_fault for t in trajs if t.answer_fault), None) or next(caused, None)
+    if example:
+        example = [x.strip() for x in example.splitlines() if x.strip()][-1]
+    line = f"WARNING: the policy's text made {share:.0%} of episodes fail (scored 0, trained on)"
+    return line + (f" (e.g. {visible(example[:300])})" if example else "")
 
 
 def first_error(trajs: Sequence[Trajectory], stop: str | None = None) -> str | None:

@@ -105,11 +105,17 @@ async def checkpoint(run: Run, rollout: Rollout, end: StepEnd) -> None:
 async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
     """A log file gets one plain line a step; a terminal (which has the progress bar), the
     warnings only: the step's episodes mostly ended in an error or a budget
-    (`episodes.stop_warning`), or its rewards were equal in every group."""
+    (`episodes.stop_warning`), its rewards were equal in every group, or some of its updates
+    were skipped for a loss or gradient norm that was not finite (`rl.update.apply_update`;
+    no update ran: no such metric)."""
     del rollout
     m, console = end.metrics, run.console
     grpo = run.cfg.algorithm.adv_estimator == "grpo"
     stops = stop_warning(m, end.trajectories)
+    skipped = int(m["nonfinite_updates"]) if "nonfinite_updates" in m else 0
+    if skipped:
+        line = f"WARNING: {skipped} update(s) skipped: the loss or gradient norm was not finite"
+        stops = f"{stops}  {line}" if stops else line
     if not console.is_terminal or stops or (grpo and equal_rewards_warning(m)):
         line = step_line(end.step, run.cfg.trainer.steps, m, grpo)
         if stops:

@@ -39,7 +39,14 @@ from jax_agent_rl.call_processes import raised_in
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.errors import error_text
-from jax_agent_rl.rewards import Answer, RewardError, Scorer, checked_reward, verl_rules
+from jax_agent_rl.rewards import (
+    Answer,
+    AnswerFaultError,
+    RewardError,
+    Scorer,
+    checked_reward,
+    verl_rules,
+)
 from jax_agent_rl.rl import core
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
@@ -77,7 +84,11 @@ async def outcome_reward(
     ``data_source``, ``ground_truth`` and ``extra``). As in verl, the reward function also
     gets the turn rewards as ``extra_info["tool_rewards"]`` (here one entry per answered turn,
     the sum of its calls; verl has one per call). Raises `RewardError` when ``score`` gives no
-    finite number in range."""
+    finite number in range. An episode whose environment or harness the policy's text made fail
+    (``caused_error``) scores 0, or its environment's reward so far when that is lower: a wrong
+    answer, never more than going on would have given."""
+    if traj.stop_reason == "caused_error":
+        return min(0.0, traj.env_reward) if traj.env_reward is not None else 0.0
     if traj.env_reward is not None:
         return traj.env_reward
     extra = {**sample.extra, "tool_rewards": list(traj.turn_rewards)}
@@ -223,11 +234,16 @@ async def score_episodes(
     function that raises on one ends that trajectory with ``reward_error`` (`reward_failed`);
     so does a reward that is not a finite number in range (`rewards.checked_reward`) or one
     that took longer than ``data.reward_timeout_s``, its error naming the row: reward 0, not
-    trained on, never a NaN in its group."""
+    trained on, never a NaN in its group. A reward that failed on the answer and not on the
+    row's own (`rewards.AnswerFaultError`) scores the answer 0, trained on as a wrong answer, its
+    ``answer_fault`` saying why."""
 
     async def checked(sample: Sample, traj: Trajectory) -> tuple[float, float] | Exception:
         try:
-            outcome = await outcome_reward(sample, traj, score, tokenizer)
+            try:
+                outcome = await outcome_reward(sample, traj, score, tokenizer)
+            except AnswerFaultError as fault:
+                outcome, traj.answer_fault = 0.0, f"{fault} {_row(sample)}"
             reward = with_turn_rewards(outcome, traj, tool_reward_weight)
             return checked_reward(reward, f"the episode {traj.uid!r}"), outcome
         except Exception as e:  # RewardError: out of range, or late; else the function raised
@@ -245,7 +261,8 @@ async def score_episodes(
             traj.success = False
             continue
         traj.reward, outcome = scored
-        traj.success = (
+        fault = traj.answer_fault is not None or traj.stop_reason == "caused_error"
+        traj.success = not fault and (
             traj.env_success if traj.env_success is not None else outcome >= success_reward
         )
 

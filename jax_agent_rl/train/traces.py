@@ -69,6 +69,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "forked_from": traj.forked_from,  # a tree rollout's branch: whose prefix it shares
         "turn_kinds": list(traj.turn_kinds),
         "error": traj.error,
+        "answer_fault": traj.answer_fault,
         "num_turns": int(traj.num_turns),
         "tool_calls": int(traj.tool_calls),
         "malformed_calls": int(traj.malformed_calls),

@@ -474,20 +474,25 @@ def test_hostile_environments_end_only_their_own_episode(mixed: dict) -> None:
     """An environment that raises, answers garbage (a non-list observation, a string reward, a
     NaN reward, an assistant-role observation) or is not an environment at all (one that hangs
     past env.step_timeout_s: tests/hostile/test_environments.py), and a verl interaction that
-    raises or answers a malformed tuple, end their own episode with env_error (counted, not
-    trained); one that never says done runs into agent.max_turns; the other rows of the same
-    steps are untouched (the tests above)."""
+    raises or answers a malformed tuple, end their own episode: on the policy's action (a
+    step's failure) with caused_error (counted, trained on as a wrong answer, 0), and as an
+    environment that could not be made with env_error (counted, not trained); one that never
+    says done runs into agent.max_turns; the other rows of the same steps are untouched (the
+    tests above)."""
     for kind in FAILING:
-        assert all(t["stop_reason"] == "env_error" for t in mixed[kind]), kind
+        want = "env_error" if kind == "not_env" else "caused_error"
+        assert all(t["stop_reason"] == want for t in mixed[kind]), kind
+        assert all(t["reward"] == 0.0 for t in mixed[kind]), kind
     assert all("the environment broke" in t["error"] for t in mixed["raises"])
     assert all("the simulated user broke" in t["error"] for t in mixed["grumpy_raise"])
     assert all("expected (should_terminate" in t["error"] for t in mixed["grumpy_short"])
     assert all("not an Environment" in t["error"] for t in mixed["not_env"])
     assert all(t["stop_reason"] == "max_turns" for t in mixed["endless"])
     for step in mixed["metrics"]:
-        share = len(FAILING) / (len(KINDS) + len(GRUMPY) + 3 + len(SKYRL_ROWS))
-        assert step["stop/env_error"] == pytest.approx(share)
+        share = 1 / (len(KINDS) + len(GRUMPY) + 3 + len(SKYRL_ROWS))  # (one kind each)
+        assert step["stop/env_error"] == pytest.approx(share)  # not_env
         assert step["untrainable"] == pytest.approx(share)
+        assert step["stop/caused_error"] == pytest.approx((len(FAILING) - 1) * share)
 
 
 def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:

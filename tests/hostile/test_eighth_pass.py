@@ -272,7 +272,7 @@ def test_a_user_reward_run_in_a_worker_is_still_checked(tmp_path: Path) -> None:
     import asyncio
 
     from jax_agent_rl.config import load_config
-    from jax_agent_rl.rewards import make_reward
+    from jax_agent_rl.rewards import AnswerFaultError, make_reward
     from jax_agent_rl.rewards.registry import Answer
 
     (tmp_path / "rw.py").write_text(
@@ -293,6 +293,7 @@ def test_a_user_reward_run_in_a_worker_is_still_checked(tmp_path: Path) -> None:
     spec = f"data.reward={tmp_path / 'rw.py'}:once"
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec])
     with make_reward(cfg.data) as score:
-        with pytest.raises(RuntimeError, match="died during the call"):
+        # (it dies on this answer alone: the answer's fault, `test_thirteenth_pass`)
+        with pytest.raises(AnswerFaultError, match="died during the call"):
             asyncio.run(score(Answer("x", "", "die", "5", {})))
         assert asyncio.run(score(Answer("x", "", "5", "5", {}))) == 1.0

@@ -83,7 +83,13 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
 from jax_agent_rl.models import ModelConfig, init_params
-from jax_agent_rl.rewards import Answer, RewardError, checked_reward, make_reward
+from jax_agent_rl.rewards import (
+    Answer,
+    AnswerFaultError,
+    RewardError,
+    checked_reward,
+    make_reward,
+)
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
@@ -321,7 +327,8 @@ def test_an_answer_that_hangs_a_reasoning_gym_scorer_scores_zero() -> None:
     entry = row.extra["reasoning_gym"]
     broken = {**entry, "answer": HANGING}  # (a task whose own answer hangs its scorer)
     with make_reward(cfg.data) as score:
-        assert asyncio.run(score(answer(HANGING, entry))) == 0.0
+        with pytest.raises(AnswerFaultError, match="the answer's fault, scored 0"):
+            asyncio.run(score(answer(HANGING, entry)))  # (a wrong answer: `score_episodes`)
         assert asyncio.run(score(answer(row.ground_truth, entry))) == 1.0
         late = (
             r"^the reasoning-gym task's scorer \(data\.reward unset\) took longer than "

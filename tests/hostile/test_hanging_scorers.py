@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.reasoning_gym import samples
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.rewards import Answer, Rewards, make_reward
+from jax_agent_rl.rewards import Answer, AnswerFaultError, Rewards, make_reward
 from tests.processes import children
 
 WORKERS = 2
@@ -47,9 +49,10 @@ def test_answers_that_hang_the_scorer_are_stopped_and_leave_the_pool_whole() -> 
     before = children()
     with make_reward(cfg.data) as score:
         assert children() == before  # no worker until a call needs one
-        assert asyncio.run(score(_answer(row, HANGING))) == 0.0
+        with pytest.raises(AnswerFaultError):  # (a wrong answer, 0: `score_episodes`)
+            asyncio.run(score(_answer(row, HANGING)))
         hanging = asyncio.run(_scored(score, [_answer(row, HANGING)] * (WORKERS + 1)))
-        assert hanging == [0.0] * (WORKERS + 1)
+        assert all(isinstance(h, AnswerFaultError) for h in hanging), hanging
         correct = _answer(row, row.ground_truth)
         assert asyncio.run(_scored(score, [correct] * WORKERS)) == [1.0] * WORKERS
         assert asyncio.run(score(_answer(row, "-5*X**9 + C"))) == 0.0  # wrong: scored 0

@@ -150,7 +150,8 @@ def test_a_native_environments_reward_is_checked_by_the_loop(setup: dict[str, An
     fine, *bad = asyncio.run(go())
     assert fine.stop_reason == "env_done" and fine.env_reward == 1.0
     for t, shown in zip(bad, ("nan", "1e+308", "'high'"), strict=True):
-        assert t.stop_reason == "env_error" and not t.trainable, t.uid
+        # (the policy's last word made the step's reward fail: a wrong answer, trained on)
+        assert t.stop_reason == "caused_error" and t.trainable, t.uid
         assert "last_word.step" in str(t.error) and shown in str(t.error)
 
 

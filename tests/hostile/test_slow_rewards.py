@@ -38,9 +38,11 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def blocking(text: str, ground_truth: Any) -> float:
-    """1 for the answer "quick"; the answer "slow" connects to the test's port (the ground
-    truth) and waits for a byte there: 1 if it came, 0 if it waited out the bound."""
-    if text != "slow":
+    """1 for the answer "quick"; any other (the row's own answer, the ground truth, too: these
+    tests' failures are the reward's, not the answer's, `test_thirteenth_pass`) connects to the
+    test's port (the ground truth) and waits for a byte there: 1 if it came, 0 if it waited out
+    the bound."""
+    if text == "quick":
         return 1.0
     with socket.create_connection(("127.0.0.1", ground_truth), timeout=BOUND_S) as entered:
         try:
@@ -63,10 +65,10 @@ def exiting(text: str, ground_truth: Any) -> float:
 
 
 def timing_out(text: str, ground_truth: Any) -> float:
-    """1 for the answer "quick"; for "slow", the `TimeoutError` of a service that did not
+    """1 for the answer "quick"; for any other, the `TimeoutError` of a service that did not
     answer (its own, at once)."""
     del ground_truth
-    if text == "slow":
+    if text != "quick":
         raise TimeoutError("the service did not answer")
     return 1.0
 
@@ -113,7 +115,7 @@ def _score(
         return [g[0] for g in groups]
 
     slow, quick = asyncio.run(go())
-    return slow, quick, entered == [True]
+    return slow, quick, bool(entered)
 
 
 def test_a_blocking_reward_holds_no_other_work_of_the_event_loop(tokenizer: Tokenizer) -> None:

@@ -182,9 +182,11 @@ def test_a_reward_raising_what_is_not_an_exception_ends_only_its_episode(
 
     asyncio.run(go())  # (before: FunctionTimedOut, or KeyboardInterrupt, out of the step)
     for traj, text in zip(group[:-1], texts, strict=False):
-        assert traj.stop_reason == "reward_error" and traj.reward == 0.0
-        assert f"raised RuntimeError: the call raised {RAISED[text]} in giving_up " in str(
-            traj.error
+        # (it scores the row's own answer: the answer's fault, a wrong answer, trained on,
+        # `test_thirteenth_pass`; the thirteenth pass ended these reward_error, untrained)
+        assert (traj.stop_reason, traj.reward, traj.trainable) == ("eos", 0.0, True)
+        assert f"(RuntimeError: the call raised {RAISED[text]} in giving_up" in str(
+            traj.answer_fault
         )
     assert (group[-1].stop_reason, group[-1].reward, group[-1].success) == ("eos", 1.0, True)
 

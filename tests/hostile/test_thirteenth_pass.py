@@ -1,0 +1,380 @@
+"""The thirteenth adversarial pass: failures the policy's own text causes, and numbers that
+do not stay finite.
+
+- A reward that raised or ran past ``data.reward_timeout_s`` on the policy's answer ended that
+  episode ``reward_error``: dropped from its group, it took none of the negative advantage a
+  wrong answer takes, so a policy that made the reward raise or hang escaped being wrong. Now a
+  reward failing on the answer twice, and scoring the row's own answer (the ground truth
+  written out), scores the answer 0 as a wrong answer, trained on (`rewards.AnswerFaultError`,
+  ``rewards/answer_faults``); a reward failing on every text stays ``reward_error`` and still
+  stops a run whose every episode hits it; one failing once is not the answer's fault.
+- ``model.lora.alpha=1e308`` was taken (inf in float32: the first adapter gradient made the
+  weights NaN); a scale alpha / rank past `models.lora.MAX_SCALE` is refused. An update whose
+  loss or gradient norm was not finite wrote NaN into every weight and Adam moment, and the
+  engine got them; now it is skipped on the device, counted in ``nonfinite_updates``.
+- An environment's step that raised, hung or answered malformed on the policy's action ended
+  the episode ``env_error``, untrained: the same escape. Now it ends ``caused_error``, trained,
+  outcome 0 (or the environment's reward so far, when lower); a reset's failure, and a call
+  that never got a thread, stay ``env_error``; a rollout whose every episode so ended stops.
+- A harness that, once its episode ended at a budget, awaited for ever without asking again
+  held its episode, and the step, for ever (one that asked again was stopped, the twelfth
+  pass); now it is cancelled ``AFTER_END_S`` after the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import run_episode, run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.call_processes import CallProcesses
+from jax_agent_rl.call_threads import CallThreads
+from jax_agent_rl.config import AlgorithmSection, load_config
+from jax_agent_rl.config.model import MAX_LORA_SCALE, LoraSection, lora_targets_problem
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.envs.base import Environment, Environments, EnvStep
+from jax_agent_rl.models import init_params
+from jax_agent_rl.models.lora import MAX_SCALE, Lora
+from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
+from jax_agent_rl.rewards.registry import _Sync
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import CHATML_SPECIAL_TOKENS, Tokenizer, chat_template
+from jax_agent_rl.tokenization.local import save_tokenizer, train_bpe
+from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
+from jax_agent_rl.train.step import score_episodes
+from tests.hostile.test_twelfth_pass import BOUND_S, backend
+from tests.rl.test_learner import CFG, REWARDS, _learner, _step, random_trajectories
+
+HERE = "tests.hostile.test_thirteenth_pass"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
+    folder = save_tokenizer(
+        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
+    )
+    return Tokenizer.from_pretrained(Path(folder))
+
+
+def picky(text: str, ground_truth: Any) -> float:
+    """A user's reward that the policy's text can break: it raises on an answer that is not a
+    number (``float`` of it), and hangs on one naming ``hang`` (as a scorer that evaluates
+    the answer can be kept running)."""
+    if "hang" in text:
+        threading.Event().wait()  # for ever: the worker is killed past the timeout
+    return float(float(text) == float(ground_truth))
+
+
+def broken(text: str, ground_truth: Any) -> float:
+    """A user's reward that fails on every text (its service is down)."""
+    del text, ground_truth
+    raise ConnectionError("the scoring service refused the connection")
+
+
+_CALLS: dict[str, int] = {}
+
+
+def flaky(text: str, ground_truth: Any) -> float:
+    """A user's reward whose first call on each text fails (a flaky service), in one worker."""
+    _CALLS[text] = _CALLS.get(text, 0) + 1
+    if _CALLS[text] == 1:
+        raise ConnectionError(f"reset by peer (worker {os.getpid()})")
+    return float(text == str(ground_truth))
+
+
+def _group(texts: list[str]) -> list[Trajectory]:
+    group = []
+    for i, text in enumerate(texts):
+        traj = Trajectory(uid=f"r/s1a0/{i}", group_id="r", prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": text}]
+        group.append(traj)
+    return group
+
+
+def _scored(
+    reward: str, texts: list[str], tokenizer: Tokenizer, truth: Any = "4"
+) -> list[Trajectory]:
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:{reward}",
+         "data.reward_workers=2", "data.reward_timeout_s=0.5"],
+    )  # fmt: skip
+    sample = Sample("r", [{"role": "user", "content": "2+2?"}], truth, data_source="s")
+    group = _group(texts)
+
+    async def go() -> None:
+        with make_reward(cfg.data) as score:
+            await score_episodes([group], [sample], score, 0.0, tokenizer, success_reward=1.0)
+
+    asyncio.run(go())
+    return group
+
+
+def test_an_answer_that_makes_the_reward_raise_or_hang_is_a_wrong_answer(
+    tokenizer: Tokenizer,
+) -> None:
+    group = _scored("picky", ["four", "hang on", "5", "4"], tokenizer)
+    raised, hung, wrong, right = group
+    # (before: both ended reward_error, untrained: no negative advantage for either)
+    for traj in (raised, hung):
+        assert (traj.stop_reason, traj.trainable, traj.reward, traj.success) == (
+            "eos", True, 0.0, False
+        )  # fmt: skip
+        assert "failed on the answer twice" in str(traj.answer_fault)
+        assert "scored the row's own answer ('4')" in str(traj.answer_fault)
+        assert "data_source 's'" in str(traj.answer_fault)
+    assert "ValueError: could not convert string to float: 'four'" in str(raised.answer_fault)
+    assert "data.reward_timeout_s=0.5s" in str(hung.answer_fault)
+    assert (wrong.reward, wrong.answer_fault, right.reward, right.success) == (0.0, None, 1.0, True)
+    metrics = episode_metrics(group)
+    assert metrics["rewards/answer_faults"] == 0.5 and metrics["untrainable"] == 0.0
+    assert stop_warning(metrics, group) is None  # half: no warning yet
+    mostly = _scored("picky", ["four", "five", "4"], tokenizer)
+    line = stop_warning(episode_metrics(mostly), mostly)
+    assert line is not None and line.startswith(
+        "WARNING: the policy's text made 67% of episodes fail"
+    )
+
+
+def test_a_reward_that_fails_on_every_text_is_still_the_rewards_error(
+    tokenizer: Tokenizer,
+) -> None:
+    group = _scored("broken", ["4", "four"], tokenizer)
+    for traj in group:
+        assert (traj.stop_reason, traj.trainable, traj.answer_fault) == (
+            "reward_error", False, None
+        )  # fmt: skip
+        assert "ConnectionError: the scoring service refused the connection" in str(traj.error)
+    with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed"):
+        raise_if_all_failed(group)
+
+
+def test_a_ground_truth_no_text_answers_leaves_the_error_the_rewards(
+    tokenizer: Tokenizer,
+) -> None:
+    # (a list: no probe, so no telling the answer's fault from the reward's)
+    (traj,) = _scored("picky", ["four"], tokenizer, truth=["4", "four"])
+    assert traj.stop_reason == "reward_error" and traj.answer_fault is None
+
+
+def test_a_failure_that_does_not_repeat_is_not_the_answers() -> None:
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:flaky",
+         "data.reward_workers=1"],
+    )  # fmt: skip
+    with make_reward(cfg.data) as score:
+        answer = Answer("s", "", "4", "4", {})
+        assert asyncio.run(score(answer)) == 1.0  # failed once, scored on the second call
+
+
+def test_a_rule_in_a_thread_is_attributed_as_a_worker_is() -> None:
+    release = threading.Event()
+
+    def rule(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+        del source, extra
+        if text == "hang":
+            release.wait()  # (a thread is abandoned past the timeout; released at the end)
+        return float(int(text) == truth)
+
+    sync = _Sync(CallThreads(4, "test-reward"), CallProcesses(1, "unused"), 0.5, None)
+    scorer = sync.in_thread(rule, "data.reward='rule'")
+    with pytest.raises(AnswerFaultError, match=r"ValueError: invalid literal for int\(\)"):
+        asyncio.run(scorer(Answer("s", "", "four", 4, {})))
+    with pytest.raises(AnswerFaultError, match=r"took longer than data\.reward_timeout_s=0\.5s"):
+        asyncio.run(scorer(Answer("s", "", "hang", 4, {})))
+    assert asyncio.run(scorer(Answer("s", "", "4", 4, {}))) == 1.0
+    with pytest.raises(RewardError):  # (a bool ground truth: no text answers it)
+        asyncio.run(scorer(Answer("s", "", "hang", True, {})))
+    release.set()
+
+
+@pytest.mark.parametrize(("rank", "alpha"), [(4, 1e308), (1, 2e4), (8, 1e5)])
+def test_a_lora_scale_past_the_bound_is_refused(rank: int, alpha: float) -> None:
+    assert MAX_LORA_SCALE == MAX_SCALE  # (the config's copy of the model's bound)
+    problem = lora_targets_problem(LoraSection(rank=rank, alpha=alpha))
+    assert problem is not None and f"expected at most {MAX_SCALE:g}" in problem
+    with pytest.raises(ValueError, match=f"expected a scale <= {MAX_SCALE:g}"):
+        Lora(rank, alpha)
+    assert lora_targets_problem(LoraSection(rank=rank, alpha=rank * MAX_SCALE)) is None
+
+
+def test_an_update_whose_loss_is_not_finite_is_skipped() -> None:
+    """A sampler logprob that is NaN makes the truncated importance weight, and so the loss,
+    NaN: the update is skipped (weights and optimizer state as they were), counted; the next
+    finite batch updates as ever."""
+    params = init_params(jax.random.key(7), CFG)
+    learner = _learner(AlgorithmSection(tis_cap=2.0), params)
+    trajs = random_trajectories(8, seed=7)
+    batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)
+    nan = np.where(np.asarray(batch.mask) > 0, np.nan, 0.0).astype(np.float32)
+    poisoned = dataclasses.replace(batch, rollout_logp=nan)
+    before = jax.tree.map(np.array, (learner.state.policy.params, learner.state.policy.opt_state))
+    m = learner.train_step(poisoned, sequences, real)
+    assert not np.isfinite(m["loss"]) and m["nonfinite_updates"] == 1.0
+    after = jax.tree.map(np.array, (learner.state.policy.params, learner.state.policy.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)  # (before: NaN everywhere)
+    m = learner.train_step(batch, sequences, real)
+    assert m["nonfinite_updates"] == 0.0 and np.isfinite(m["loss"])
+    moved = jax.tree.map(np.asarray, learner.state.policy.params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(moved))
+    assert any(
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(moved), jax.tree.leaves(before[0]), strict=True)
+    )
+
+
+__all__ = ["backend"]  # (the real engine the harness test asks, a fixture)
+_WAITING: list[str] = []  # what the waiting harness did
+
+
+async def waiting_harness(task: HarnessTask) -> None:
+    """Asks once, then awaits a reply it will never get (a queue no one fills)."""
+    headers = {"Authorization": f"Bearer {task.api_key}"}
+    body = {"messages": task.messages, "model": "m"}
+    async with httpx.AsyncClient() as client:
+        r = await client.post(f"{task.base_url}/chat/completions", json=body, headers=headers)
+    _WAITING.append(r.json()["choices"][0]["finish_reason"])
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        _WAITING.append("cancelled")
+        raise
+
+
+def test_a_harness_awaiting_for_ever_after_its_episode_ended_is_cancelled(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    config = AgentConfig(
+        harness=f"{HERE}:waiting_harness", max_turns=1, max_tokens_per_turn=1, max_model_len=256
+    )  # (one turn of one token: no call, so the episode ends at a budget)
+
+    async def go() -> Trajectory:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
+        sample = Sample("w", [{"role": "user", "content": "2+2?"}], "4", agent_name="openai_agent")
+        return await asyncio.wait_for(run_sample(sample, ctx), BOUND_S)  # (a bound on failing)
+
+    traj = asyncio.run(go())  # (before: it never returned)
+    assert traj.stop_reason in ("max_tokens_per_turn", "max_turns") and traj.trainable
+    assert _WAITING == ["length", "cancelled"]
+
+
+_HELD = threading.Event()  # the fragile environment's "hold" steps wait on it
+
+
+class Fragile:
+    """A skyrl-style environment (synchronous, owns the reward) that parses the action as a
+    number: 1 for "4", 0 for another number; it raises on what is not one, hangs on "hold"
+    (until the test releases it), and fails to reset a prompt saying "no reset"."""
+
+    turns, owns_reward = "all", True
+
+    def reset(self, sample: Sample) -> list[dict[str, str]]:
+        if sample.messages[-1]["content"] == "no reset":
+            raise ConnectionError("the environment's container did not start")
+        return sample.messages
+
+    def step(self, text: str, messages: list[dict[str, str]]) -> EnvStep:
+        del messages
+        if text == "hold":
+            _HELD.wait()
+        return EnvStep([], 0.5 if text == "half" else float(float(text) == 4), text != "half")
+
+    def close(self) -> None:
+        pass
+
+
+def _played(
+    envs: Environments,
+    tokenizer: Tokenizer,
+    backend: EmbeddedBackend,
+    actions: list[str],
+    prompt: str = "2+2?",
+) -> Trajectory:
+    """One episode of ``Fragile`` whose policy's actions are ``actions``, one a turn, scored."""
+
+    async def play(traj: Trajectory, env: Environment | None) -> StopReason:
+        assert env is not None
+        for action in actions:
+            step = await env.step(action, [])
+            traj.add_env_step(step.reward, [], step.success)
+            if step.done:
+                return "env_done"
+        return "max_turns"
+
+    async def go() -> Trajectory:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(
+            backend, tokenizer, tools, make_parser("hermes"), AgentConfig(), envs=envs
+        )
+        sample = Sample("e", [{"role": "user", "content": prompt}], "4", env_class="fragile")
+        traj = await run_episode(sample, ctx, play, drives_envs=True)
+        cfg = load_config(None, ["model.path=m", "data.train=t.jsonl"])
+        with make_reward(cfg.data) as score:
+            await score_episodes([[traj]], [sample], score, 0.0, tokenizer, success_reward=1.0)
+        return traj
+
+    return asyncio.run(go())
+
+
+def test_an_environment_step_failing_on_the_action_is_a_wrong_answer(
+    tokenizer: Tokenizer, backend: EmbeddedBackend
+) -> None:
+    envs = Environments(
+        {"fragile": lambda _: Fragile()}, step_timeout_s=0.5, threads=CallThreads(1, "env")
+    )
+    right = _played(envs, tokenizer, backend, ["4"])
+    assert (right.stop_reason, right.reward, right.success) == ("env_done", 1.0, True)
+    # (before: env_error, untrained: no negative advantage for either)
+    raised = _played(envs, tokenizer, backend, ["four"])
+    assert (raised.stop_reason, raised.trainable, raised.reward, raised.success) == (
+        "caused_error", True, 0.0, False
+    )  # fmt: skip
+    assert "fragile.step raised ValueError: could not convert string to float" in str(raised.error)
+    half = _played(envs, tokenizer, backend, ["half", "four"])  # (0.5 so far: not kept)
+    assert (half.stop_reason, half.reward) == ("caused_error", 0.0)
+    hung = _played(envs, tokenizer, backend, ["hold"])  # (holds the one thread till released)
+    assert (hung.stop_reason, hung.trainable, hung.reward) == ("caused_error", True, 0.0)
+    assert "took longer than env.step_timeout_s=0.5s" in str(hung.error)
+    waited = _played(envs, tokenizer, backend, ["4"])  # never got a thread: not its action's
+    assert (waited.stop_reason, waited.trainable) == ("env_error", False)
+    _HELD.set()
+    unreset = _played(envs, tokenizer, backend, ["4"], prompt="no reset")
+    assert (unreset.stop_reason, unreset.trainable) == ("env_error", False)
+    with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed"):
+        raise_if_all_failed([raised, hung])  # (every one so: the environment is broken)
+
+
+def strict_gsm8k(text: str, ground_truth: Any) -> float:
+    """A user's reward that reads only a ``#### N`` line (and raises without one)."""
+    return float(text.split("####")[1].strip() == str(ground_truth))
+
+
+def test_a_reward_raising_on_an_unmarked_answer_still_finds_the_answer_at_fault() -> None:
+    """The bare ground truth is no answer this reward reads; its marked forms are tried in turn
+    (before them: reward_error, untrained, for every answer without ``####``)."""
+    cfg = load_config(
+        None,
+        ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:strict_gsm8k",
+         "data.reward_workers=1"],
+    )  # fmt: skip
+    with make_reward(cfg.data) as score:
+        with pytest.raises(AnswerFaultError, match=r"own answer \('#### 4'\)"):
+            asyncio.run(score(Answer("s", "", "The answer is 4.", "4", {})))
+        assert asyncio.run(score(Answer("s", "", "#### 4", "4", {}))) == 1.0
