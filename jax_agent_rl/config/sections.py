@@ -422,6 +422,9 @@ class LearnerSection:
     # longer trajectory makes that step's rows the smallest row_tokens * 2**k holding it.
     packing: bool = True
     row_tokens: int = setting(4096, COUNT)
+    # packing on: sequences sharing a prefix (a group's prompt, a conversation's earlier turns)
+    # share a row whose forward computes the prefix once (rl/tree.py); losses exactly as apart
+    tree_packing: bool = True
     # packing off: micro-batches of this many rows, one trajectory per row, padded to the
     # step's longest rounded up to seq_bucket * 2**k (also the SFT warm start's layout)
     # sequences per forward/backward (gradients accumulate)

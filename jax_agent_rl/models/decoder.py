@@ -358,20 +358,26 @@ def attention(
     sharder: Sharder | None = None,
     *,
     kernel: bool | None = None,
+    reach_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
-        reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
-        (segment 0 is padding, attended by none). Scores and softmax in fp32; the weights rounded
-        to the values' dtype for their matmul (fp32 sums).
+    reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
+    (segment 0 is padding, attended by none). Scores and softmax in fp32; the weights rounded
+    to the values' dtype for their matmul (fp32 sums).
 
-    ATTN_KEYS = 512  # key positions per step of a query block in `attention`, at most
+    The mask is computed from each key's reach: query ``q`` reads key ``k`` iff ``k <= q <
+    reach[k]``. Packed segments give ``reach[k]`` = the end of ``k``'s segment (0 on padding,
+    `segment_reach`); tree rows (`rl.tree`) pass ``reach_bt`` themselves: a prefix shared by
+    several sequences, laid out before their continuations (depth first), reaches to the end
+    of its last continuation, so each continuation reads its prefix and itself and no other
+    branch. Tree rows run on this XLA path only (the TPU kernel masks by segment ids).
 
-        The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
-        output) and computes the scores again, block by block, for the weights ``p``:
-        ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
-        Autodiff would keep every step's weights for the backward pass.
+    The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
+    output) and computes the scores again, block by block, for the weights ``p``:
+    ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
+    Autodiff would keep every step's weights for the backward pass.
     """
-    use_kernel = runs_on_tpu(sharder) if kernel is None else kernel
+    use_kernel = (runs_on_tpu(sharder) if kernel is None else kernel) and reach_bt is None
     if use_kernel:
         return pallas_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window)
     B, T, H, K = q_bthk.shape
@@ -382,9 +388,22 @@ def attention(
     pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
     q = jnp.pad(q_bthk, pad).reshape(B, Tp, G, H // G, K).transpose(0, 2, 1, 3, 4)
     k_bgtk, v_bgtk = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k_btgk, v_btgk))
-    segments_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, Tp - T)))  # padding: segment 0
-    out_bgtrk = _attention(q, k_bgtk, v_bgtk, segments_bt, min(window or T, T))
+    reach = segment_reach(segment_ids_bt) if reach_bt is None else reach_bt
+    reach = jnp.pad(reach.astype(jnp.int32), ((0, 0), (0, Tp - T)))  # padding: read by none
+    out_bgtrk = _attention(q, k_bgtk, v_bgtk, reach, min(window or T, T))
     return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
+
+
+def segment_reach(segment_ids_bt: jax.Array) -> jax.Array:
+    """[B, T] int32: one past the last position of each token's segment (its segment's
+    tokens read it), 0 on padding (segment 0: read by none). Segments are contiguous runs."""
+    B, T = segment_ids_bt.shape
+    ends = jnp.concatenate(
+        [segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1], jnp.ones((B, 1), bool)], axis=1
+    )
+    end_bt = jnp.where(ends, jnp.arange(1, T + 1, dtype=jnp.int32), T)
+    reach = jax.lax.cummin(end_bt, axis=1, reverse=True)
+    return jnp.where(segment_ids_bt > 0, reach, 0)
 
 
 def _key_block(T: int, window: int) -> int:
@@ -408,7 +427,7 @@ def _key_steps(start: jax.Array, window: int, C: int) -> jax.Array:
 def _block_scores(
     q_bgqk: jax.Array,
     k_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
+    reach_bt: jax.Array,
     start: jax.Array,
     step: jax.Array,
     C: int,
@@ -424,11 +443,11 @@ def _block_scores(
     first = jnp.maximum(below - C, 0)
     k_bgck = jax.lax.dynamic_slice_in_dim(k_bgtk, first, C, axis=2)
     scores = jnp.einsum("bgqk,bgck->bgqc", q_bgqk, k_bgck, preferred_element_type=jnp.float32)
-    seg_q = jax.lax.dynamic_slice_in_dim(segment_ids_bt, start, n, axis=1)
-    seg_k = jax.lax.dynamic_slice_in_dim(segment_ids_bt, first, C, axis=1)
-    last_n = jnp.minimum(start + jnp.arange(n), below - 1)  # the last key each query reads
+    reach_k = jax.lax.dynamic_slice_in_dim(reach_bt, first, C, axis=1)
+    q_n = start + jnp.arange(n)
+    last_n = jnp.minimum(q_n, below - 1)  # the last key each query reads
     seen_nc = first + jnp.arange(C)[None, :] <= last_n[:, None]
-    mask_bnc = seen_nc[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None] != 0)
+    mask_bnc = seen_nc[None] & (q_n[None, :, None] < reach_k[:, None, :])
     scores = scores.reshape(B, G, n, nR // n, C)
     scores = jnp.where(mask_bnc[:, None, :, None], scores * (K**-0.5), -jnp.inf)
     return scores.reshape(B, G, nR, C), first
@@ -444,19 +463,19 @@ def _attention(
     q_bgtrk: jax.Array,
     k_bgtk: jax.Array,
     v_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
+    reach_bt: jax.Array,
     window: int,
 ) -> jax.Array:
     """`attention` in the layout it computes in, T a multiple of `ATTN_BLOCK`: out [B, G, T,
     R, K]."""
-    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, window)[0]
+    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, reach_bt, window)[0]
 
 
 def _attention_fwd(
     q_bgtrk: jax.Array,
     k_bgtk: jax.Array,
     v_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
+    reach_bt: jax.Array,
     window: int,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     B, G, T, R, K = q_bgtrk.shape
@@ -469,7 +488,7 @@ def _attention_fwd(
 
         def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             top, total, out = acc  # [B, G, n * R] (fp32), and out [B, G, n * R, K]
-            scores, first = _block_scores(q_i, k_bgtk, segment_ids_bt, start, step, C)
+            scores, first = _block_scores(q_i, k_bgtk, reach_bt, start, step, C)
             new_top = jnp.maximum(top, scores.max(-1))
             rescale = jnp.exp(top - new_top)
             weights = jnp.exp(scores - new_top[..., None])
@@ -499,14 +518,14 @@ def _attention_fwd(
 
     rows = (jnp.zeros((B, G, T, R)), jnp.zeros((B, G, T, R)))
     out, top, total = jax.lax.fori_loop(0, T // n, query_block, (jnp.zeros((B, G, T, R, K)), *rows))
-    res = (q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, out, top, total)
+    res = (q_bgtrk, k_bgtk, v_bgtk, reach_bt, out, top, total)
     return out.astype(q_bgtrk.dtype), res
 
 
 def _attention_bwd(
     window: int, res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    q, k, v, segment_ids_bt, out, top, total = res
+    q, k, v, reach_bt, out, top, total = res
     B, G, T, R, K = q.shape
     n, C = ATTN_BLOCK, _key_block(T, window)
     # sum_s p_s dp_s = dout . sum_s p_s v_s = dout . out, per query [B, G, T, R]
@@ -526,7 +545,7 @@ def _attention_bwd(
 
         def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             dq_i, dk, dv = acc
-            scores, first = _block_scores(q_i, k, segment_ids_bt, start, step, C)
+            scores, first = _block_scores(q_i, k, reach_bt, start, step, C)
             probs = jnp.exp(scores - top_i[..., None]) / total_i[..., None]
             k_j = jax.lax.dynamic_slice_in_dim(k, first, C, axis=2)
             v_j = jax.lax.dynamic_slice_in_dim(v, first, C, axis=2)
@@ -620,6 +639,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[False] = False,
     return_router_logits: Literal[False] = False,
@@ -638,6 +658,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[True],
     return_router_logits: Literal[False] = False,
@@ -656,6 +677,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: bool = False,
     return_router_logits: Literal[True],
@@ -720,6 +742,7 @@ def forward(
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: bool = False,
     return_router_logits: bool = False,
@@ -736,7 +759,9 @@ def forward(
     Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
     sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
     its own segment. ``positions`` restart at 0 in every segment. ``window`` (static): no
-    sequence is longer (`attention` then reads fewer keys).
+    sequence is longer (`attention` then reads fewer keys). ``reach_bt`` (tree rows, where
+    sequences share their prefix's positions): a token is read by the queries at or after it
+    and before ``reach[t]`` (`attention`); it replaces the segments' mask.
 
     With a cache (prefill and decode): row b's pages are ``page_table[b]`` and it holds
     ``pos[b]`` tokens already; its chunk's tokens take positions ``pos[b] + t`` and attend to
@@ -785,7 +810,7 @@ def forward(
             lw, sparse, given = xs
 
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k, v, train_segments, window, sharder)
+                return attention(q, k, v, train_segments, window, sharder, reach_bt=reach_bt)
 
             x_btd = _attend(cfg, lw, x_btd, train_positions, attn)
             return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)

@@ -172,9 +172,11 @@ def learn(
         min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
         agree=distributed.agree_max,
         part=me,
+        tree=L.tree_packing,
     )
     m["batch/rows"] = real * K * learner.micro_batch_size
-    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * batch.shape[1])
+    width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
+    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * width)
     t0 = time.perf_counter()
     if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)

@@ -348,16 +348,21 @@ def _long_segments(longest: int) -> np.ndarray:
     return seg
 
 
-def _dense64(q, k, v, seg, dout):  # type: ignore[no-untyped-def]
-    """The plain masked softmax in float64 (queries that see no key: zeros), and its
+def _segment_mask(seg: np.ndarray) -> np.ndarray:
+    """[B, T, S]: causal within each segment, padding (segment 0) read by none."""
+    T = seg.shape[1]
+    causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
+    return causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+
+
+def _dense64(q, k, v, mask, dout):  # type: ignore[no-untyped-def]
+    """The softmax under ``mask`` [B, T, S] in float64 (queries that see no key: zeros), and its
     gradients by the closed form: with s the scaled scores, p = softmax(s) over the visible
     keys, out = p v: dv = p^T dout, dp = dout v^T, ds = p (dp - sum(p dp)), dq = ds k / sqrt(K),
     dk = ds^T q / sqrt(K)."""
     B, T, H, K = q.shape
     G = k.shape[2]
     qg = q.reshape(B, T, G, H // G, K)
-    causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
-    mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
     mask = mask[:, None, None]  # [B, 1, 1, T, S]
     s = np.where(mask, np.einsum("btgrk,bsgk->bgrts", qg, k) * K**-0.5, -np.inf)
     top = np.where(mask.any(-1, keepdims=True), s.max(-1, keepdims=True), 0.0)
@@ -404,7 +409,7 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
         out = jax.jit(lambda q, k, v: attention(q, k, v, jnp.asarray(seg), window))(q, k, v)  # noqa: B023
         grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
         q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-        want, want_grads = _dense64(q64, k64, v64, seg, d64)
+        want, want_grads = _dense64(q64, k64, v64, _segment_mask(seg), d64)
         bound = (K + 2 * longest) * u * np.abs(v64).max()
         np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=bound, rtol=0)
         assert not np.asarray(out)[seg == 0].any()
@@ -414,6 +419,63 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
             rel = np.linalg.norm(got64 - ref) / np.linalg.norm(ref)
             assert rel <= (K + 2 * longest) * u, rel
         assert not np.asarray(grads[0])[seg == 0].any()  # padding queries: no gradient
+
+
+def _tree_reach() -> np.ndarray:
+    """Two rows of `LT` slots: row 0 a tree laid out depth first (a prefix of 300 read by
+    its two branches; the second branch a prefix of 200 with two branches of its own),
+    then padding; row 1 packed segments (`segment_reach` of `_long_segments`)."""
+    reach = np.zeros((2, LT), np.int32)
+    for lo, hi, end in ((0, 300, 1000), (300, 500, 500), (500, 700, 1000), (700, 850, 850)):
+        reach[0, lo:hi] = end
+    reach[0, 850:1000] = 1000
+    seg = _long_segments(1000)[1]
+    for i in np.unique(seg[seg > 0]):
+        at = np.flatnonzero(seg == i)
+        reach[1, at] = at[-1] + 1
+    return reach
+
+
+def test_attention_over_tree_rows_reads_each_branch_s_prefixes_and_itself() -> None:
+    """``reach_bt``: query q reads key k iff k <= q < reach[k]. Against the float64 softmax
+    under that mask and its closed-form gradients, at the bounds of the test above (S <=
+    1000 keys a query). A branch's queries read no key of a sibling branch: its outputs
+    and gradients do not move when the sibling's keys and values do."""
+    K, u = 16, 2.0**-24
+    kq, kk, kv, kd = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(kq, (2, LT, LH, K))
+    k = jax.random.normal(kk, (2, LT, LG, K))
+    v = jax.random.normal(kv, (2, LT, LG, K))
+    dout = jax.random.normal(kd, (2, LT, LH, K))
+    reach = _tree_reach()
+    seg = (reach > 0).astype(np.int32)
+
+    @jax.jit
+    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+            return jnp.sum(out * dout)
+
+        out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+        return out, *jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    out, *grads = run(q, k, v)
+    pos = np.arange(LT)
+    mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < reach[:, None, :])
+    q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    want, want_grads = _dense64(q64, k64, v64, mask, d64)
+    bound = (K + 2 * 1000) * u
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), want, atol=bound * np.abs(v64).max(), rtol=0
+    )
+    for got, ref in zip(grads, want_grads, strict=True):
+        rel = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+        assert rel <= bound, rel
+    # the first branch (300..499) moved: the second's queries (500..999) see none of it
+    moved = [x.at[0, 300:500].multiply(-3.0) for x in (k, v)]
+    out2, dq2, _, _ = run(q, *moved)
+    np.testing.assert_array_equal(np.asarray(out2)[0, 500:], np.asarray(out)[0, 500:])
+    np.testing.assert_array_equal(np.asarray(dq2)[0, 500:], np.asarray(grads[0])[0, 500:])
 
 
 def test_the_attention_program_does_not_grow_with_the_row() -> None:
