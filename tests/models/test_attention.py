@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_agent_rl.models import Sharder, make_mesh
-from jax_agent_rl.models.decoder import ATTN_BLOCK, attention
+from jax_agent_rl.models.decoder import ATTN_BLOCK, attention, key_blocks
 from jax_agent_rl.models.paged import (
     decode_steps,
     page_pairs,
@@ -323,8 +323,8 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
 
 
 # A longer row for the looped attention: T not a multiple of `ATTN_BLOCK`, query blocks that
-# read several blocks of `ATTN_KEYS` keys (the last one clamped at position 0), GQA with 3
-# query heads per kv head.
+# read several key blocks, and skip those of the sequences before theirs; GQA with 3 query
+# heads per kv head.
 LT, LH, LG = 1100, 6, 2
 
 
@@ -382,8 +382,8 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
     """`attention` (loops over query and key blocks, online softmax, custom VJP) against the
     float64 dense masked softmax and its closed-form gradients, on two packed rows of
     several segments with padding between and after them, GQA, T = 1100 (not a multiple of
-    the query block; the last query blocks read three key blocks), with and without a
-    ``window`` (the longest sequence: 450 tokens, so a query block reads two key blocks).
+    the query block; a query block reads up to eight key blocks), with and without a
+    ``window`` (the TPU kernel's bound: changes nothing here).
 
     Tolerances, from fp32 rounding (unit roundoff u = 2^-24): each score is a K-term dot
     product, each output a weighted mean over at most S keys accumulated over fewer than S
@@ -478,10 +478,38 @@ def test_attention_over_tree_rows_reads_each_branch_s_prefixes_and_itself() -> N
     np.testing.assert_array_equal(np.asarray(dq2)[0, 500:], np.asarray(grads[0])[0, 500:])
 
 
+def test_a_query_block_reads_only_the_key_blocks_its_mask_reaches() -> None:
+    """`key_blocks`, in blocks of 128: packed sequences [0, 256), [256, 768), [768, 1024)
+    and a tree (prefix [0, 256) read by branches [256, 512) and [512, 1024)). A query block
+    reads its own sequence's blocks and its prefix's, not a neighbour's or a sibling's."""
+    n = ATTN_BLOCK
+    reach = np.zeros((2, 8 * n), np.int32)
+    for lo, hi in ((0, 256), (256, 768), (768, 1024)):
+        reach[0, lo:hi] = hi
+    reach[1, :256], reach[1, 256:512], reach[1, 512:] = 1024, 512, 1024
+    order, count = (np.asarray(x) for x in jax.jit(key_blocks)(jnp.asarray(reach)))
+
+    def read(b: int, i: int) -> list[int]:
+        return sorted(order[b, i, : count[b, i]].tolist())
+
+    assert [read(0, i) for i in range(8)] == [
+        [0],
+        [0, 1],
+        [2],
+        [2, 3],
+        [2, 3, 4],
+        [2, 3, 4, 5],
+        [6],
+        [6, 7],
+    ]
+    assert read(1, 3) == [0, 1, 2, 3] and read(1, 4) == [0, 1, 4]
+    assert read(1, 7) == [0, 1, 4, 5, 6, 7]
+
+
 def test_the_attention_program_does_not_grow_with_the_row() -> None:
     """Loops over query and key blocks, not blocks unrolled in Python: the program of
     `attention`'s gradient holds as many matmuls for rows of 256 tokens (one key block) as
-    of 2048 (16 query blocks of up to 4 key blocks)."""
+    of 2048 (16 query blocks of up to 16 key blocks)."""
 
     def dots(T: int) -> int:
         x = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32)
