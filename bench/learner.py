@@ -17,6 +17,9 @@ Workloads (``--workload``):
     uniform    8 sequences x 512 tokens (prompt 256): the one-row-per-sequence case
     long_tail  --sequences (32) with lengths ~ lognormal(median 700, sigma 0.6), capped at
                4096: the length mix of agentic rollouts (a few long episodes, many short)
+    grpo_groups  --sequences (16) in GRPO groups of 8, each group's after one 1024-token
+               prompt, responses ~ lognormal(median 400, sigma 0.8), capped at 4096: what
+               tree packing (`learner.tree_packing`) computes once
 
 Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the torch side):
 
@@ -31,6 +34,10 @@ Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the to
     torch_packed    the same model on packed rows (the JAX layout): position ids restarting
                     per sequence, which transformers turns into attention within each
                     sequence (long_tail only)
+    jax_tree        jax_packed with tree packing: rows of sequences sharing a prefix, each
+                    shared position computed once (grpo_groups only; there torch is not run:
+                    the figures are jax_tree against jax_packed, ``tree_speedup_*``, and the
+                    positions each computes per real token, ``positions_per_token_*``)
 
 Each variant warms up (torch: 1 step; JAX: 1 step, compiling; the timed steps must not
 compile again, checked), then times --steps steps one by one. jax_padded on long_tail is slow
@@ -63,7 +70,7 @@ S the mean number of keys a token attends to in its sequence. MFU = useful token
 per token / the matmul peak of the variant's dtype, measured in the same run as the best of
 torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
 
-    .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
+    .venv/bin/python bench/learner.py [--workload uniform|long_tail|grpo_groups] [--steps N]
         [--sequences N] [--row-tokens N] [--model tiny-moe|small-moe] [--smoke]
 
 ``--smoke``: the smallest run that goes through every variant, in fp32 only (`TINY_QWEN2`,
@@ -125,11 +132,27 @@ class Workload:
 LENGTHS = {
     "uniform": "all 512 tokens",
     "long_tail": "lognormal(median 700, sigma 0.6), cap 4096, seed 0",
+    "grpo_groups": "groups of 8 after one 1024-token prompt, responses lognormal(median 400, "
+    "sigma 0.8), cap 4096, seed 0",
 }
+PROMPT, RESPONSE = 1024, 400  # grpo_groups: a group's prompt, the responses' median
 
 
-def make_workload(name: str, n: int, vocab: int, seq: int = 512, cap: int = 4096) -> Workload:
+def make_workload(
+    name: str, n: int, vocab: int, seq: int = 512, cap: int = 4096, scale: float = 1.0
+) -> Workload:
+    """``scale`` shrinks grpo_groups' prompt and median response (--smoke)."""
     rng = np.random.default_rng(0)
+    if name == "grpo_groups":
+        prompt, median = int(PROMPT * scale), RESPONSE * scale
+        heads = [rng.integers(0, vocab, prompt) for _ in range(-(-n // 8))]
+        responses = np.minimum(np.round(median * np.exp(0.8 * rng.standard_normal(n))), cap)
+        sequences = [
+            np.concatenate([heads[i // 8], rng.integers(0, vocab, max(int(r), 1))]).astype(np.int32)
+            for i, r in enumerate(responses)
+        ]
+        rewards = rng.integers(0, 2, n).astype(np.float32)
+        return Workload(name, sequences, [prompt] * n, rewards, [str(i // 8) for i in range(n)])
     if name == "uniform":
         lengths = np.full(n, seq)
     else:
@@ -153,10 +176,10 @@ def trajectories(w: Workload) -> list[Any]:
     return out
 
 
-def packed_batch(w: Workload, row_tokens: int | None) -> Any:
+def packed_batch(w: Workload, row_tokens: int | None, tree: bool = False) -> Any:
     """The workload as one update's batch (`rl.batch.step_batch`): its trajectories packed into
-    rows of ``row_tokens`` (None: one padded row each), a row per micro-batch; returns the
-    batch, its sequences and its real rows."""
+    rows of ``row_tokens`` (None: one padded row each; ``tree``: tree-packed), a row per
+    micro-batch; returns the batch, its sequences and its real rows."""
     from jax_agent_rl.rl.batch import step_batch
 
     trajs = trajectories(w)
@@ -170,6 +193,7 @@ def packed_batch(w: Workload, row_tokens: int | None) -> Any:
         row_tokens=row_tokens,
         bucket=64,
         rows_per_micro=1,
+        tree=tree,
     )
 
 
@@ -384,10 +408,12 @@ def jax_train(
     dtype: str,
     steps: int,
     counter: CompileCounter,
+    tree: bool = False,
 ) -> tuple[float, list[float], float, int, float]:
     """First and timed step times, the first step's loss, the compilations seen during the
-    timed steps, and the packed layout's real-token fraction. ``row_tokens`` None: packing
-    off. ``steps`` 0: one step only, timed without the XLA compile time spent in it."""
+    timed steps, and the layout's real tokens per position its forward computes.
+    ``row_tokens`` None: packing off; ``tree``: tree packing. ``steps`` 0: one step only,
+    timed without the XLA compile time spent in it."""
     import jax
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
@@ -406,8 +432,9 @@ def jax_train(
         micro_batch_size=1,
     )
     del params
-    batch, sequences, real = packed_batch(w, row_tokens)
-    real_frac = w.tokens / (real * batch.shape[1])
+    batch, sequences, real = packed_batch(w, row_tokens, tree)
+    width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
+    real_frac = w.tokens / (real * width)
     losses: list[float] = []
     compiles_before = [0]
 
@@ -471,9 +498,13 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", choices=("uniform", "long_tail"), default="uniform")
+    parser.add_argument(
+        "--workload", choices=("uniform", "long_tail", "grpo_groups"), default="uniform"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (3; long_tail 1)")
-    parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 32")
+    parser.add_argument(
+        "--sequences", type=int, default=None, help="long_tail: default 32; grpo_groups: 16"
+    )
     parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
     parser.add_argument(
         "--model",
@@ -485,9 +516,8 @@ def _args() -> argparse.Namespace:
     args = parser.parse_args()
     long_tail = args.workload == "long_tail"
     args.steps = 1 if args.smoke else args.steps or (1 if long_tail else 3)
-    args.sequences = args.sequences or (
-        (4 if args.smoke else 32) if long_tail else (2 if args.smoke else 8)
-    )
+    default = {"long_tail": (4, 32), "grpo_groups": (8, 16)}.get(args.workload, (2, 8))
+    args.sequences = args.sequences or default[0 if args.smoke else 1]
     args.seq, args.cap, args.matmul_n = (64, 256, 256) if args.smoke else (512, 4096, MATMUL_N)
     if args.smoke:
         args.row_tokens = 256
@@ -516,7 +546,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
         cfg = load_hf(ckpt)[0]
-        w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap)
+        scale = 1 / 16 if args.smoke else 1.0
+        w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap, scale)
         # variant name's prefix -> FLOPs per token of its model
         fpts = {"": flops_per_token(cfg, attended_keys(w))}
         lengths = [len(s) for s in w.sequences]
@@ -542,15 +573,21 @@ def main() -> None:
         def torch_run(layout: str, bf16: bool) -> Run:
             return lambda: (*torch_train(ckpt, w, layout, row_tokens, bf16, steps), 1.0)
 
-        def jax_run(packed: bool, dtype: str, model: Path = ckpt) -> Run:
+        def jax_run(packed: bool, dtype: str, model: Path = ckpt, tree: bool = False) -> Run:
             rows = row_tokens if packed else None
             timed = steps if packed or not long_tail else 0
-            return lambda: jax_train(model, w, rows, dtype, timed, counter)
+            return lambda: jax_train(model, w, rows, dtype, timed, counter, tree)
 
         dtypes, compute = args.dtypes, {"fp32": "float32", "bf16": "bfloat16"}
+        groups = args.workload == "grpo_groups"
         variants: list[tuple[str, Run]] = [
-            *((f"torch_sorted_{d}", torch_run("sorted", d == "bf16")) for d in dtypes),
+            *(
+                (f"torch_sorted_{d}", torch_run("sorted", d == "bf16"))
+                for d in dtypes
+                if not groups
+            ),
             *((f"jax_packed_{d}", jax_run(True, compute[d])) for d in dtypes),
+            *((f"jax_tree_{d}", jax_run(True, compute[d], tree=True)) for d in dtypes if groups),
         ]
         if long_tail:  # torch on the packed rows in its faster dtype; JAX unpacked in fp32
             variants += [
@@ -560,26 +597,42 @@ def main() -> None:
         if args.model is not None:
             variants += [(f"dense_jax_packed_{d}", jax_run(True, compute[d], twin)) for d in dtypes]
         for name, run in variants:
-            first, timed, loss, recompiles, real_frac = run()
-            tok_s[name] = w.tokens / statistics.median(timed)
-            dtype = "bf16" if name.endswith("bf16") else "fp32"
-            peak = max(peaks[dtype].values())
             flops = fpts["dense_" if name.startswith("dense_") else ""]
-            extra[f"mfu_{name}"] = round(tok_s[name] * flops / peak, 4)
-            extra[f"first_step_s_{name}"] = round(first, 2)
-            extra[f"loss_{name}"] = round(loss, 6)
-            if "jax" in name:
-                extra[f"recompiles_{name}"] = recompiles
-            if name.startswith("jax_packed"):
-                out["real_token_frac"] = round(real_frac, 4)
-            if name.startswith("jax_padded"):
-                out["padded_real_token_frac"] = round(real_frac, 4)
-            log(
-                f"{name}: {tok_s[name]:.0f} useful tok/s (steps "
-                f"{', '.join(f'{t:.2f}' for t in timed)} s; first {first:.1f} s), loss {loss:.6f}"
+            _record(
+                name, run(), w.tokens, max(peaks[name[-4:]].values()) / flops, out, tok_s, extra
             )
 
     _report(out, tok_s, peaks, extra, dtypes)
+
+
+def _record(
+    name: str,
+    result: tuple[float, list[float], float, int, float],
+    tokens: int,
+    peak_tokens_s: float,
+    out: dict[str, Any],
+    tok_s: dict[str, float],
+    extra: dict[str, Any],
+) -> None:
+    """A variant's figures into ``out``, ``tok_s`` and ``extra`` (``peak_tokens_s``: the
+    tokens per second its dtype's matmul peak would give: MFU's denominator)."""
+    first, timed, loss, recompiles, real_frac = result
+    tok_s[name] = tokens / statistics.median(timed)
+    extra[f"mfu_{name}"] = round(tok_s[name] / peak_tokens_s, 4)
+    extra[f"first_step_s_{name}"] = round(first, 2)
+    extra[f"loss_{name}"] = round(loss, 6)
+    if "jax" in name:
+        extra[f"recompiles_{name}"] = recompiles
+    if name.startswith("jax_packed"):
+        out["real_token_frac"] = round(real_frac, 4)
+    if name.startswith(("jax_packed", "jax_tree")):
+        out[f"positions_per_token_{name.split('_')[1]}"] = round(1 / real_frac, 4)
+    if name.startswith("jax_padded"):
+        out["padded_real_token_frac"] = round(real_frac, 4)
+    log(
+        f"{name}: {tok_s[name]:.0f} useful tok/s (steps "
+        f"{', '.join(f'{t:.2f}' for t in timed)} s; first {first:.1f} s), loss {loss:.6f}"
+    )
 
 
 def _report(
@@ -597,7 +650,13 @@ def _report(
         out[f"peak_{d}_gflops_jax"] = round(p["jax"] / 1e9, 1)
     out.update(extra)
     best = lambda prefix: max(v for k, v in tok_s.items() if k.startswith(prefix))  # noqa: E731
-    out["ratio_vs_torch"] = round(best("jax_packed") / best("torch"), 3)
+    if any(k.startswith("torch") for k in tok_s):
+        out["ratio_vs_torch"] = round(best("jax_packed") / best("torch"), 3)
+    if "jax_tree_fp32" in tok_s:  # grpo_groups: tree packing against today's packing
+        for d in dtypes:
+            out[f"tree_speedup_{d}"] = round(tok_s[f"jax_tree_{d}"] / tok_s[f"jax_packed_{d}"], 3)
+        drop = out["positions_per_token_packed"] / out["positions_per_token_tree"]
+        out["positions_drop"] = round(drop, 3)
     if "jax_padded_fp32" in tok_s:
         out["ratio_vs_padded"] = round(tok_s["jax_packed_fp32"] / tok_s["jax_padded_fp32"], 3)
     if "dense_jax_packed_fp32" in tok_s:  # a MoE beside its dense twin
