@@ -279,14 +279,16 @@ def mini_batch_layouts(
 
 
 def tree_layouts(
-    trajectories: Sequence[Trajectory], mini_batches: int, row_tokens: int
+    seqs: Sequence[np.ndarray],
+    experts: Sequence[np.ndarray | None],
+    mini_batches: int,
+    row_tokens: int,
 ) -> list[Layout]:
-    """`mini_batch_layouts` for tree packing: each mini-batch's sequences grouped into runs
-    sharing a prefix (`tree.units`) and the runs packed into rows (first-fit decreasing) by
-    the positions their tree computes, at most ``row_tokens`` a row."""
-    seqs, experts = sequence_arrays(trajectories)
+    """`mini_batch_layouts` for tree packing (`sequence_arrays`): each mini-batch's sequences
+    grouped into runs sharing a prefix (`tree.units`) and the runs packed into rows
+    (first-fit decreasing) by the positions their tree computes, at most ``row_tokens``."""
     layouts = []
-    for chunk in np.array_split(np.arange(len(trajectories)), mini_batches):
+    for chunk in np.array_split(np.arange(len(seqs)), mini_batches):
         runs, sizes = units(seqs, experts, [int(i) for i in chunk], row_tokens)
         layouts.append([[i for u in row for i in runs[u]] for row in pack_rows(sizes, row_tokens)])
     return layouts
@@ -390,7 +392,8 @@ def step_batch(
     # the others are packed into rows that long too (as full as rows of row_tokens)
     row_length = None if row_tokens is None else padded_length(longest, row_tokens)
     if tree and row_length is not None:
-        layouts = tree_layouts(trajectories, mini_batches, row_length)
+        seqs, experts = sequence_arrays(trajectories)
+        layouts = tree_layouts(seqs, experts, mini_batches, row_length)
     else:
         layouts = mini_batch_layouts(lengths, mini_batches, row_length)
     most_rows, fill = agree(
@@ -414,10 +417,11 @@ def step_batch(
         first_sequence=part * size,
         window=padded_length(longest, ATTN_BLOCK),
     )
-    if tree and row_tokens is not None:
-        seqs, experts = sequence_arrays(trajectories)
+    if tree and row_length is not None:  # the tree rows of the same layout
         rows = tree_rows(seqs, experts, slots, batch.shape[1])
         (positions,) = agree([rows.shape[1]])
-        batch = dataclasses.replace(batch, tree=widened(rows, padded_length(positions, row_tokens)))
+        batch = dataclasses.replace(
+            batch, tree=widened(rows, padded_length(positions, row_tokens or bucket))
+        )
     outcomes = sequence_outcomes(rewards, group_ids, weights, layouts, size, first=part * size)
     return batch, outcomes, real
