@@ -17,6 +17,9 @@ Workloads (``--workload``):
     uniform    8 sequences x 512 tokens (prompt 256): the one-row-per-sequence case
     long_tail  --sequences (32) with lengths ~ lognormal(median 700, sigma 0.6), capped at
                4096: the length mix of agentic rollouts (a few long episodes, many short)
+    grpo_groups  --sequences (16) in GRPO groups of 8, each group's after one 1024-token
+               prompt, responses ~ lognormal(median 400, sigma 0.8), capped at 4096: what
+               tree packing (`learner.tree_packing`) computes once
 
 Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the torch side):
 
@@ -31,6 +34,10 @@ Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the to
     torch_packed    the same model on packed rows (the JAX layout): position ids restarting
                     per sequence, which transformers turns into attention within each
                     sequence (long_tail only)
+    jax_tree        jax_packed with tree packing: rows of sequences sharing a prefix, each
+                    shared position computed once (grpo_groups only; there torch is not run:
+                    the figures are jax_tree against jax_packed, ``tree_speedup_*``, and the
+                    positions each computes per real token, ``positions_per_token_*``)
 
 Each variant warms up (torch: 1 step; JAX: 1 step, compiling; the timed steps must not
 compile again, checked), then times --steps steps one by one. jax_padded on long_tail is slow
@@ -63,7 +70,7 @@ S the mean number of keys a token attends to in its sequence. MFU = useful token
 per token / the matmul peak of the variant's dtype, measured in the same run as the best of
 torch's ``a @ b`` and a jitted ``jnp.dot`` on 2048 x 2048 operands.
 
-    .venv/bin/python bench/learner.py [--workload uniform|long_tail] [--steps N]
+    .venv/bin/python bench/learner.py [--workload uniform|long_tail|grpo_groups] [--steps N]
         [--sequences N] [--row-tokens N] [--model tiny-moe|small-moe] [--smoke]
 
 ``--smoke``: the smallest run that goes through every variant, in fp32 only (`TINY_QWEN2`,
@@ -137,11 +144,27 @@ class Workload:
 LENGTHS = {
     "uniform": "all 512 tokens",
     "long_tail": "lognormal(median 700, sigma 0.6), cap 4096, seed 0",
+    "grpo_groups": "groups of 8 after one 1024-token prompt, responses lognormal(median 400, "
+    "sigma 0.8), cap 4096, seed 0",
 }
+PROMPT, RESPONSE = 1024, 400  # grpo_groups: a group's prompt, the responses' median
 
 
-def make_workload(name: str, n: int, vocab: int, seq: int = 512, cap: int = 4096) -> Workload:
+def make_workload(
+    name: str, n: int, vocab: int, seq: int = 512, cap: int = 4096, scale: float = 1.0
+) -> Workload:
+    """``scale`` shrinks grpo_groups' prompt and median response (--smoke)."""
     rng = np.random.default_rng(0)
+    if name == "grpo_groups":
+        prompt, median = int(PROMPT * scale), RESPONSE * scale
+        heads = [rng.integers(0, vocab, prompt) for _ in range(-(-n // 8))]
+        responses = np.minimum(np.round(median * np.exp(0.8 * rng.standard_normal(n))), cap)
+        sequences = [
+            np.concatenate([heads[i // 8], rng.integers(0, vocab, max(int(r), 1))]).astype(np.int32)
+            for i, r in enumerate(responses)
+        ]
+        rewards = rng.integers(0, 2, n).astype(np.float32)
+        return Workload(name, sequences, [prompt] * n, rewards, [str(i // 8) for i in range(n)])
     if name == "uniform":
         lengths = np.full(n, seq)
     else:
@@ -165,10 +188,10 @@ def trajectories(w: Workload) -> list[Any]:
     return out
 
 
-def packed_batch(w: Workload, row_tokens: int | None) -> Any:
+def packed_batch(w: Workload, row_tokens: int | None, tree: bool = False) -> Any:
     """The workload as one update's batch (`rl.batch.step_batch`): its trajectories packed into
-    rows of ``row_tokens`` (None: one padded row each), a row per micro-batch; returns the
-    batch, its sequences and its real rows."""
+    rows of ``row_tokens`` (None: one padded row each; ``tree``: tree-packed), a row per
+    micro-batch; returns the batch, its sequences and its real rows."""
     from jax_agent_rl.rl.batch import step_batch
 
     trajs = trajectories(w)
@@ -182,6 +205,7 @@ def packed_batch(w: Workload, row_tokens: int | None) -> Any:
         row_tokens=row_tokens,
         bucket=64,
         rows_per_micro=1,
+        tree=tree,
     )
 
 
@@ -396,10 +420,12 @@ def jax_train(
     dtype: str,
     steps: int,
     counter: CompileCounter,
+    tree: bool = False,
 ) -> tuple[float, list[float], float, int, float]:
     """First and timed step times, the first step's loss, the compilations seen during the
-    timed steps, and the packed layout's real-token fraction. ``row_tokens`` None: packing
-    off. ``steps`` 0: one step only, timed without the XLA compile time spent in it."""
+    timed steps, and the layout's real tokens per position its forward computes.
+    ``row_tokens`` None: packing off; ``tree``: tree packing. ``steps`` 0: one step only,
+    timed without the XLA compile time spent in it."""
     import jax
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
@@ -418,8 +444,9 @@ def jax_train(
         micro_batch_size=1,
     )
     del params
-    batch, sequences, real = packed_batch(w, row_tokens)
-    real_frac = w.tokens / (real * batch.shape[1])
+    batch, sequences, real = packed_batch(w, row_tokens, tree)
+    width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
+    real_frac = w.tokens / (real * width)
     losses: list[float] = []
     compiles_before = [0]
 
@@ -483,9 +510,13 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", choices=("uniform", "long_tail"), default="uniform")
+    parser.add_argument(
+        "--workload", choices=("uniform", "long_tail", "grpo_groups"), default="uniform"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (3; long_tail 1)")
-    parser.add_argument("--sequences", type=int, default=None, help="long_tail: default 32")
+    parser.add_argument(
+        "--sequences", type=int, default=None, help="long_tail: default 32; grpo_groups: 16"
+    )
     parser.add_argument("--row-tokens", type=int, default=4096, help="packed row length")
     parser.add_argument(
         "--model",
@@ -509,9 +540,8 @@ def _args() -> argparse.Namespace:
     args = parser.parse_args()
     long_tail = args.workload == "long_tail"
     args.steps = 1 if args.smoke else args.steps or (1 if long_tail else 3)
-    args.sequences = args.sequences or (
-        (4 if args.smoke else 32) if long_tail else (2 if args.smoke else 8)
-    )
+    default = {"long_tail": (4, 32), "grpo_groups": (8, 16)}.get(args.workload, (2, 8))
+    args.sequences = args.sequences or default[0 if args.smoke else 1]
     args.seq, args.cap, args.matmul_n = (64, 256, 256) if args.smoke else (512, 4096, MATMUL_N)
     if args.variant_budget_s is None:
         args.variant_budget_s = 0.0 if args.smoke else 1200.0
@@ -532,17 +562,17 @@ def run_variant(name: str, args: argparse.Namespace, folder: Path) -> Result:
     from jax_agent_rl.models import load_hf
 
     ckpt = folder / ("dense" if name.startswith("dense_") else "model")
-    w = make_workload(
-        args.workload, args.sequences, load_hf(ckpt)[0].vocab_size, args.seq, args.cap
-    )
+    vocab, scale = load_hf(ckpt)[0].vocab_size, 1 / 16 if args.smoke else 1.0
+    w = make_workload(args.workload, args.sequences, vocab, args.seq, args.cap, scale)
     dtype = name.rsplit("_", 1)[1]
     if name.startswith("torch_"):
         layout = name.split("_")[1]
         return (*torch_train(ckpt, w, layout, args.row_tokens, dtype == "bf16", args.steps), 1.0)
-    packed = "_packed_" in name
+    packed = "_packed_" in name or name.startswith("jax_tree")
     timed = args.steps if packed or args.workload != "long_tail" else 0
     rows = args.row_tokens if packed else None
-    return jax_train(ckpt, w, rows, COMPUTE[dtype], timed, CompileCounter())
+    tree = name.startswith("jax_tree")
+    return jax_train(ckpt, w, rows, COMPUTE[dtype], timed, CompileCounter(), tree)
 
 
 def variant_in_process(name: str, args: argparse.Namespace, folder: Path) -> Result | str:
@@ -578,9 +608,43 @@ def fits_budget(seconds_at_peak: float, peak: float, budget: float) -> str | Non
     )
 
 
+def variant_names(args: argparse.Namespace) -> list[str]:
+    """The variants the workload and ``--model`` call for, in the order they run."""
+    dtypes = args.dtypes
+    groups = args.workload == "grpo_groups"  # tree packing against today's packing
+    variants = [f"torch_sorted_{d}" for d in dtypes if not groups]
+    variants += [f"jax_packed_{d}" for d in dtypes]
+    variants += [f"jax_tree_{d}" for d in dtypes if groups]
+    if args.workload == "long_tail":  # torch on the packed rows in its faster dtype; JAX unpacked
+        variants += [f"torch_packed_{dtypes[-1]}", "jax_padded_fp32"]
+    if args.model is not None:
+        variants += [f"dense_jax_packed_{d}" for d in dtypes]
+    return variants
+
+
+def bounded_variant(
+    name: str,
+    args: argparse.Namespace,
+    folder: Path,
+    tokens: int,
+    fpts: dict[str, float],
+    peaks: dict[str, dict[str, float]],
+) -> Result | str:
+    """Variant ``name``'s figures, run here (``--variant-budget-s 0``) or in a process of its
+    own within the budget; or why it was not run or did not finish (module docstring)."""
+    if not args.variant_budget_s:
+        return run_variant(name, args, folder)
+    dtype = "bf16" if name.endswith("bf16") else "fp32"
+    flops = fpts["dense_" if name.startswith("dense_") else ""]
+    own_peak = peaks[dtype]["torch" if name.startswith("torch") else "jax"]
+    padded_once = "jax_padded" in name and args.workload == "long_tail"
+    runs = 1 + (0 if padded_once else args.steps)
+    why = fits_budget(runs * tokens * flops / own_peak, own_peak, args.variant_budget_s)
+    return why if why is not None else variant_in_process(name, args, folder)
+
+
 def main() -> None:
     args = _args()
-    long_tail = args.workload == "long_tail"
     steps, n, row_tokens, matmul_n = args.steps, args.sequences, args.row_tokens, args.matmul_n
 
     import torch
@@ -601,7 +665,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
         cfg = load_hf(ckpt)[0]
-        w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap)
+        scale = 1 / 16 if args.smoke else 1.0
+        w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap, scale)
         # variant name's prefix -> FLOPs per token of its model
         fpts = {"": flops_per_token(cfg, attended_keys(w))}
         lengths = [len(s) for s in w.sequences]
@@ -624,26 +689,14 @@ def main() -> None:
         peaks = matmul_peaks(matmul_n)
 
         dtypes = args.dtypes
-        variants = [f"torch_sorted_{d}" for d in dtypes] + [f"jax_packed_{d}" for d in dtypes]
-        if long_tail:  # torch on the packed rows in its faster dtype; JAX unpacked in fp32
-            variants += [f"torch_packed_{dtypes[-1]}", "jax_padded_fp32"]
-        if args.model is not None:
-            variants += [f"dense_jax_packed_{d}" for d in dtypes]
-        for name in variants:
-            dtype = "bf16" if name.endswith("bf16") else "fp32"
-            flops = fpts["dense_" if name.startswith("dense_") else ""]
-            own_peak = peaks[dtype]["torch" if name.startswith("torch") else "jax"]
-            runs = 1 + (steps if "jax_padded" not in name or not long_tail else 0)
-            if not args.variant_budget_s:  # unbounded: here
-                got: Result | str = run_variant(name, args, Path(tmp))
-            else:
-                seconds = runs * w.tokens * flops / own_peak
-                why = fits_budget(seconds, own_peak, args.variant_budget_s)
-                got = why if why is not None else variant_in_process(name, args, Path(tmp))
+        for name in variant_names(args):
+            got = bounded_variant(name, args, Path(tmp), w.tokens, fpts, peaks)
             if isinstance(got, str):
                 skipped[name] = got
                 log(f"{name}: skipped, {got}")
             else:
+                dtype = "bf16" if name.endswith("bf16") else "fp32"
+                flops = fpts["dense_" if name.startswith("dense_") else ""]
                 tok_s[name] = w.tokens / statistics.median(got[1])
                 mfu = tok_s[name] * flops / max(peaks[dtype].values())
                 _record(name, got, tok_s[name], mfu, out, extra)
@@ -665,6 +718,8 @@ def _record(
         extra[f"recompiles_{name}"] = recompiles
     if name.startswith("jax_packed"):
         out["real_token_frac"] = round(real_frac, 4)
+    if name.startswith(("jax_packed", "jax_tree")):
+        out[f"positions_per_token_{name.split('_')[1]}"] = round(1 / real_frac, 4)
     if name.startswith("jax_padded"):
         out["padded_real_token_frac"] = round(real_frac, 4)
     log(
@@ -696,6 +751,11 @@ def _report(
             out[key] = round(best[0] / best[1], 3)
 
     ratio("ratio_vs_torch", "jax_packed", "torch")
+    for d in dtypes:  # grpo_groups
+        ratio(f"tree_speedup_{d}", f"jax_tree_{d}", f"jax_packed_{d}")
+    if "positions_per_token_tree" in out and "positions_per_token_packed" in out:
+        drop = out["positions_per_token_packed"] / out["positions_per_token_tree"]
+        out["positions_drop"] = round(drop, 3)
     ratio("ratio_vs_padded", "jax_packed_fp32", "jax_padded_fp32")
     if out.get("dense_params") is not None:  # a MoE beside its dense twin
         for d in dtypes:

@@ -39,25 +39,22 @@ from jax_agent_rl.config.paths import (
     missing_paths,
     package_file,
 )
+from jax_agent_rl.config.rollout import JetStreamSection, RaySection, RolloutSection, VLLMSection
 from jax_agent_rl.config.sections import (
     AgentSection,
     AlgorithmSection,
     DataSection,
     EnvSection,
     JarlConfig,
-    JetStreamSection,
     JudgeSection,
     LearnerSection,
     MeshSection,
     OptimSection,
-    RaySection,
-    RolloutSection,
     SFTSection,
     ToolServerSection,
     ToolsSection,
     TrainerSection,
     TreeSection,
-    VLLMSection,
 )
 from jax_agent_rl.errors import ConfigError
 

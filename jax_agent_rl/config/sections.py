@@ -21,6 +21,7 @@ from jax_agent_rl.config.ranges import (
     or_,
     setting,
 )
+from jax_agent_rl.config.rollout import RolloutSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,113 +31,6 @@ class MeshSection:
     data: int = setting(1, COUNT)
     fsdp: int = setting(1, COUNT)
     tensor: int = setting(1, COUNT)
-
-
-@dataclasses.dataclass(frozen=True)
-class RaySection:
-    """Rollout replicas as Ray actors across a cluster (`jax_agent_rl.rollout.ray_pool`);
-    off while ``address`` is empty. Each replica is one ``rollout.backend`` engine, placed
-    through a placement group of one bundle per replica."""
-
-    # "": no Ray (the backend runs here); "auto": the cluster this machine belongs to;
-    # "local": start a one-node cluster on this machine; else the head's HOST:PORT
-    address: str = ""
-    replicas: int = setting(2, COUNT)
-    num_cpus: float = setting(1.0, NATURAL)  # per replica
-    num_gpus: float = setting(0.0, NATURAL)  # per replica (a vLLM engine: its GPUs)
-    resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {TPU: 4}
-    # how the replicas' bundles spread over the nodes (Ray's placement group strategies)
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
-    # per replica (and per tool server); one that dies more often stays down
-    max_restarts: int = setting(3, NATURAL)
-    # tool servers (`jarl serve-tools` of tools.config) as actors, spread over the nodes; the
-    # rollout's tool calls go to them (a trajectory stays on one); 0: tools run in-process
-    tool_servers: int = setting(0, NATURAL)
-    tool_server_cpus: float = setting(1.0, NATURAL)  # per tool server
-    # placing and starting the replicas (compiles included)
-    start_timeout_s: float = setting(600.0, TIMEOUT)
-
-
-@dataclasses.dataclass(frozen=True)
-class VLLMSection:
-    """The vllm backend's engines (``rollout.backend=vllm``): vLLM processes under their own
-    venv, the learner's weights pushed to them."""
-
-    replicas: int = setting(1, COUNT, was="rollout.replicas")  # engine processes
-    # the vLLM venv's interpreter; empty: the repo's .venv-vllm/bin/python
-    python: str = setting("", was="rollout.vllm_python")
-    # CUDA devices of the replicas, tensor_parallel_size each, in replica order ("2,3"); empty:
-    # inherit
-    devices: str = setting("", was="rollout.vllm_devices")
-    # GPUs each engine shards the model over (vLLM's tensor_parallel_size)
-    tensor_parallel_size: int = setting(1, COUNT)
-
-
-@dataclasses.dataclass(frozen=True)
-class JetStreamSection:
-    """The jetstream backend's engine (``rollout.backend=jetstream``): a JetStream server under
-    its own venv."""
-
-    # the JetStream venv's interpreter; empty: the repo's .venv-jetstream/bin/python
-    python: str = setting("", was="rollout.jetstream_python")
-    # TPU: the host's chips the server opens ("4,5,6,7", a rectangle of the host's grid); the
-    # trainer opens the others, and each host of a slice runs its own server on these chips
-    # (backends/jetstream/chips.py). On CPU the server then has this many devices. Empty: the
-    # server shares the trainer's host without chips of its own (CPU only, one device)
-    chips: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """The inference backend and how it samples."""
-
-    backend: str = (
-        "embedded"  # a registered backend: embedded, vllm, jetstream (rollout/registry.py)
-    )
-    n: int = setting(8, COUNT)  # samples per prompt (the GRPO group)
-    temperature: float = setting(1.0, NATURAL)
-    top_p: float = setting(1.0, interval(0, 1, lo_open=True))
-    top_k: int = setting(-1, or_(-1, COUNT))  # -1: off
-    max_model_len: int = setting(1024, COUNT)  # prompt + response tokens
-    max_concurrent: int = setting(64, COUNT)  # sequences decoded together (engine slots)
-    # The engine's settings below: a backend that cannot honour one refuses it when it is set
-    # away from its default (`jarl train`'s pre-run check; rollout/registry.py `unhonoured`);
-    # one a backend tunes itself (vllm: prefill_chunk, steps_per_call) is noted and left.
-    # the KV cache is a pool of pages of this many positions, handed out by real length and
-    # shared between sequences with a common prefix (vllm: its block_size, 8 to 128)
-    page_size: int = setting(32, COUNT)
-    # the pool's size in GiB (keys and values, all layers, over all the engine's devices; vllm:
-    # each replica's); 0: enough for max_concurrent sequences of max_model_len (a dense cache's
-    # memory)
-    kv_cache_gib: float = setting(0.0, NATURAL, was="rollout.vllm.kv_cache_mb")
-    # a longer prompt is prefilled in chunks between decode steps (embedded, jetstream)
-    prefill_chunk: int = setting(512, COUNT)
-    # decode steps per engine call (embedded, jetstream)
-    steps_per_call: int = setting(4, COUNT)
-    # a decode step computes only the slots in use (rounded up to a power of two); false:
-    # always all max_concurrent, so that no number depends on how requests happened to share
-    # a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible runs,
-    # slower when few slots are busy). jetstream always computes every slot, as false does;
-    # vllm cannot honour false
-    batch_buckets: bool = True
-    # a weight push keeps the KV of running requests and kept sessions (a trajectory's earlier
-    # turns): they go on under the new weights over keys and values the old ones computed (no
-    # drain, no prefill again); each sampled token records its weights' version and its KV's
-    # oldest (staleness, the freshness rule and the logprob gap count the older one). Prefixes
-    # shared between requests never cross versions either way. false: a push waits for
-    # requests in flight, and no KV outlives the weights that computed it. The embedded engine
-    # only (not on Ray replicas)
-    keep_kv_on_update: bool = False
-    # DAPO: drop groups whose rewards are all equal, refill
-    dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
-    # extra rollouts of fresh prompts per step, at most
-    max_refills: int = setting(3, NATURAL, was="algorithm.max_refills")
-    # an episode whose tool service failed (stop reason tool_error: a dead tool server) is run
-    # again from its prompt, up to this many times; 0: it stays failed (masked, counted)
-    tool_failure_reruns: int = setting(1, NATURAL)
-    ray: RaySection = dataclasses.field(default_factory=RaySection)
-    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
-    jetstream: JetStreamSection = dataclasses.field(default_factory=JetStreamSection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,6 +324,10 @@ class LearnerSection:
     # longer trajectory makes that step's rows the smallest row_tokens * 2**k holding it.
     packing: bool = True
     row_tokens: int = setting(4096, COUNT)
+    # packing on: sequences sharing a prefix (a group's prompt, a conversation's earlier turns)
+    # share a row whose forward computes the prefix once (rl/tree.py); losses exactly as apart.
+    # Not on TPU: its attention kernel masks by segment ids, not trees (rows pack as with false)
+    tree_packing: bool = True
     # packing off: micro-batches of this many rows, one trajectory per row, padded to the
     # step's longest rounded up to seq_bucket * 2**k (also the SFT warm start's layout)
     # sequences per forward/backward (gradients accumulate)

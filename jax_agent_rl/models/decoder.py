@@ -106,8 +106,7 @@ class KVPages:
         return int(self.k[0].shape[1])
 
 
-ATTN_BLOCK = 128  # query tokens per block of (training) `attention`
-ATTN_KEYS = 512  # key positions per step of a query block in `attention`, at most
+ATTN_BLOCK = 128  # query tokens per block, and keys per step, of (training) `attention`
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -358,20 +357,32 @@ def attention(
     sharder: Sharder | None = None,
     *,
     kernel: bool | None = None,
+    reach_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
-        reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
-        (segment 0 is padding, attended by none). Scores and softmax in fp32; the weights rounded
-        to the values' dtype for their matmul (fp32 sums).
+    reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
+    (segment 0 is padding, attended by none). Scores and softmax in fp32; the weights rounded
+    to the values' dtype for their matmul (fp32 sums).
 
-    ATTN_KEYS = 512  # key positions per step of a query block in `attention`, at most
+    The mask is computed from each key's reach: query ``q`` reads key ``k`` iff ``k <= q <
+    reach[k]``. Packed segments give ``reach[k]`` = the end of ``k``'s segment (0 on padding,
+    `segment_reach`); tree rows (`rl.tree`) pass ``reach_bt`` themselves: a prefix shared by
+    several sequences, laid out before their continuations (depth first), reaches to the end
+    of its last continuation, so each continuation reads its prefix and itself and no other
+    branch. Tree rows run on this XLA path only (the TPU kernel masks by segment ids).
 
-        The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
-        output) and computes the scores again, block by block, for the weights ``p``:
-        ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
-        Autodiff would keep every step's weights for the backward pass.
+    Work: a loop over query blocks of `ATTN_BLOCK`, each over only the key blocks its mask
+    reaches (`key_blocks`), with an online softmax: a query block reads its own sequence's
+    blocks (and its prefixes'), never a packed neighbour's or a sibling branch's, so a row
+    costs what its sequences cost apart, plus at most a block per sequence boundary.
+    ``window`` (no sequence is longer) is the TPU kernel's bound; the mask makes it here.
+
+    The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
+    output) and computes the scores again, block by block, for the weights ``p``:
+    ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
+    Autodiff would keep every step's weights for the backward pass.
     """
-    use_kernel = runs_on_tpu(sharder) if kernel is None else kernel
+    use_kernel = (runs_on_tpu(sharder) if kernel is None else kernel) and reach_bt is None
     if use_kernel:
         return pallas_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window)
     B, T, H, K = q_bthk.shape
@@ -382,56 +393,86 @@ def attention(
     pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
     q = jnp.pad(q_bthk, pad).reshape(B, Tp, G, H // G, K).transpose(0, 2, 1, 3, 4)
     k_bgtk, v_bgtk = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k_btgk, v_btgk))
-    segments_bt = jnp.pad(segment_ids_bt, ((0, 0), (0, Tp - T)))  # padding: segment 0
-    out_bgtrk = _attention(q, k_bgtk, v_bgtk, segments_bt, min(window or T, T))
+    reach = segment_reach(segment_ids_bt) if reach_bt is None else reach_bt
+    reach = jnp.pad(reach.astype(jnp.int32), ((0, 0), (0, Tp - T)))  # padding: read by none
+    out_bgtrk = _attention(q, k_bgtk, v_bgtk, reach)
     return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
 
 
-def _key_block(T: int, window: int) -> int:
-    """C, the keys per step of `attention`: a query block's keys (``window - 1`` before its
-    first query, to its last; the row's at most) split evenly into steps of at most
-    `ATTN_KEYS`, whole query blocks each. A query block near the row's start reads a whole
-    step of keys all the same (those past its last query masked)."""
+def segment_reach(segment_ids_bt: jax.Array) -> jax.Array:
+    """[B, T] int32: one past the last position of each token's segment (its segment's
+    tokens read it), 0 on padding (segment 0: read by none). Segments are contiguous runs."""
+    B, T = segment_ids_bt.shape
+    ends = jnp.concatenate(
+        [segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1], jnp.ones((B, 1), bool)], axis=1
+    )
+    end_bt = jnp.where(ends, jnp.arange(1, T + 1, dtype=jnp.int32), T)
+    reach = jax.lax.cummin(end_bt, axis=1, reverse=True)
+    return jnp.where(segment_ids_bt > 0, reach, 0)
+
+
+def key_blocks(reach_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key blocks each query block of `attention` reads, T a multiple of `ATTN_BLOCK`:
+    [B, Q, Q] block indices, for row b and query block i those it reads first in
+    increasing order, and [B, Q] how many. Block j (j <= i) is read when some key in it
+    reaches past the query block's first position (a key of an earlier sequence, or of a
+    sibling branch, reaches no further than that sequence's end): a query block reads its
+    own sequence's (and prefixes') blocks, never a neighbour's."""
+    B, T = reach_bt.shape
     n = ATTN_BLOCK
-    span = min(-(-(window - 1 + n) // n) * n, T)
-    steps = -(-span // ATTN_KEYS)
-    return -(-span // (steps * n)) * n
+    blocks = jnp.arange(T // n)
+    reach_bj = reach_bt.reshape(B, T // n, n).max(-1)
+    read_bij = (blocks[None, None, :] <= blocks[None, :, None]) & (
+        reach_bj[:, None, :] > blocks[None, :, None] * n
+    )
+    order = jnp.argsort(~read_bij, axis=-1, stable=True).astype(jnp.int32)
+    return order, read_bij.sum(-1, dtype=jnp.int32)
 
 
-def _key_steps(start: jax.Array, window: int, C: int) -> jax.Array:
-    """The key blocks the query block at ``start`` reads: its keys ``max(0, start - window +
-    1) .. start + ATTN_BLOCK - 1`` in blocks of C counted back from the last."""
-    first = jnp.maximum(start - window + 1, 0)
-    return (start + ATTN_BLOCK - first + C - 1) // C
+def _block_of(x: jax.Array, first_b: jax.Array, axis: int) -> jax.Array:
+    """Row b's ``ATTN_BLOCK`` entries from ``first_b[b]`` along ``axis`` (of the row)."""
+    take = lambda x, f: jax.lax.dynamic_slice_in_dim(x, f, ATTN_BLOCK, axis=axis)  # noqa: E731
+    if x.shape[0] == 1:  # a single row: a slice, not a gather
+        return take(x[0], first_b[0])[None]
+    return jax.vmap(take)(x, first_b)
+
+
+def _add_block(x: jax.Array, x_j: jax.Array, first_b: jax.Array) -> jax.Array:
+    """``x`` [B, G, T, K] with ``x_j`` [B, G, n, K] added at each row's ``first_b``."""
+
+    def add(x: jax.Array, x_j: jax.Array, f: jax.Array) -> jax.Array:
+        x_j = x_j + jax.lax.dynamic_slice_in_dim(x, f, ATTN_BLOCK, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(x, x_j, f, axis=1)
+
+    if x.shape[0] == 1:
+        return add(x[0], x_j[0], first_b[0])[None]
+    return jax.vmap(add)(x, x_j, first_b)
 
 
 def _block_scores(
     q_bgqk: jax.Array,
-    k_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
+    k_bgck: jax.Array,
+    reach_bc: jax.Array,
     start: jax.Array,
-    step: jax.Array,
-    C: int,
-) -> tuple[jax.Array, jax.Array]:
-    """Scaled scores [B, G, n * R, C] (fp32) of the query block at ``start`` (its n R query
-    rows ``q_bgqk``, [B, G, n * R, K]) over its ``step``-th key block, -inf where masked;
-    and that key block's first position. Key block ``step`` holds the keys ``end - (step +
-    1) C .. end - step C - 1`` (``end`` the query block's end); the last one starts at 0
-    at the earliest, and its keys that the block before holds already are masked."""
+    first_b: jax.Array,
+    live_b: jax.Array,
+) -> jax.Array:
+    """Scaled scores [B, G, n * R, n] (fp32) of the query block at ``start`` (its n R query
+    rows ``q_bgqk``, [B, G, n * R, K]) over each row's key block at ``first_b`` (its keys
+    ``k_bgck`` and their reach), -inf where masked (all of it in rows not ``live_b``)."""
     B, G, nR, K = q_bgqk.shape
     n = ATTN_BLOCK
-    below = start + n - step * C  # this block's keys are below that position
-    first = jnp.maximum(below - C, 0)
-    k_bgck = jax.lax.dynamic_slice_in_dim(k_bgtk, first, C, axis=2)
     scores = jnp.einsum("bgqk,bgck->bgqc", q_bgqk, k_bgck, preferred_element_type=jnp.float32)
-    seg_q = jax.lax.dynamic_slice_in_dim(segment_ids_bt, start, n, axis=1)
-    seg_k = jax.lax.dynamic_slice_in_dim(segment_ids_bt, first, C, axis=1)
-    last_n = jnp.minimum(start + jnp.arange(n), below - 1)  # the last key each query reads
-    seen_nc = first + jnp.arange(C)[None, :] <= last_n[:, None]
-    mask_bnc = seen_nc[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None] != 0)
-    scores = scores.reshape(B, G, n, nR // n, C)
+    q_n = start + jnp.arange(n)
+    k_bc = first_b[:, None] + jnp.arange(n)
+    mask_bnc = (
+        (k_bc[:, None, :] <= q_n[None, :, None])
+        & (q_n[None, :, None] < reach_bc[:, None, :])
+        & live_b[:, None, None]
+    )
+    scores = scores.reshape(B, G, n, nR // n, n)
     scores = jnp.where(mask_bnc[:, None, :, None], scores * (K**-0.5), -jnp.inf)
-    return scores.reshape(B, G, nR, C), first
+    return scores.reshape(B, G, nR, n)
 
 
 # the running maximum's start: below every score, so a query that sees no key keeps a finite
@@ -439,28 +480,21 @@ def _block_scores(
 _NO_SCORE = -1e30
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
+@jax.custom_vjp
 def _attention(
-    q_bgtrk: jax.Array,
-    k_bgtk: jax.Array,
-    v_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
-    window: int,
+    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, reach_bt: jax.Array
 ) -> jax.Array:
     """`attention` in the layout it computes in, T a multiple of `ATTN_BLOCK`: out [B, G, T,
     R, K]."""
-    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, window)[0]
+    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, reach_bt)[0]
 
 
 def _attention_fwd(
-    q_bgtrk: jax.Array,
-    k_bgtk: jax.Array,
-    v_bgtk: jax.Array,
-    segment_ids_bt: jax.Array,
-    window: int,
+    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, reach_bt: jax.Array
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     B, G, T, R, K = q_bgtrk.shape
-    n, C = ATTN_BLOCK, _key_block(T, window)
+    n = ATTN_BLOCK
+    order, count = key_blocks(reach_bt)
 
     def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         out_bgtrk, top_bgtr, total_bgtr = carry
@@ -469,11 +503,15 @@ def _attention_fwd(
 
         def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             top, total, out = acc  # [B, G, n * R] (fp32), and out [B, G, n * R, K]
-            scores, first = _block_scores(q_i, k_bgtk, segment_ids_bt, start, step, C)
+            first_b = order[:, i, step] * n
+            k_j, v_j = (_block_of(x, first_b, 1) for x in (k_bgtk, v_bgtk))
+            live_b = step < count[:, i]
+            scores = _block_scores(
+                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b
+            )
             new_top = jnp.maximum(top, scores.max(-1))
             rescale = jnp.exp(top - new_top)
             weights = jnp.exp(scores - new_top[..., None])
-            v_j = jax.lax.dynamic_slice_in_dim(v_bgtk, first, C, axis=2)
             out_j = jnp.einsum(
                 "bgqc,bgck->bgqk",
                 weights.astype(v_bgtk.dtype),
@@ -484,7 +522,7 @@ def _attention_fwd(
 
         rows = (jnp.full((B, G, n * R), _NO_SCORE), jnp.zeros((B, G, n * R)))
         start_acc = (*rows, jnp.zeros((B, G, n * R, K)))
-        top, total, out = jax.lax.fori_loop(0, _key_steps(start, window, C), key_block, start_acc)
+        top, total, out = jax.lax.fori_loop(0, count[:, i].max(), key_block, start_acc)
         total = jnp.where(total > 0, total, 1.0)  # a query that sees no key: out 0
         out = (out / total[..., None]).reshape(B, G, n, R, K)
 
@@ -499,16 +537,17 @@ def _attention_fwd(
 
     rows = (jnp.zeros((B, G, T, R)), jnp.zeros((B, G, T, R)))
     out, top, total = jax.lax.fori_loop(0, T // n, query_block, (jnp.zeros((B, G, T, R, K)), *rows))
-    res = (q_bgtrk, k_bgtk, v_bgtk, segment_ids_bt, out, top, total)
+    res = (q_bgtrk, k_bgtk, v_bgtk, reach_bt, out, top, total)
     return out.astype(q_bgtrk.dtype), res
 
 
 def _attention_bwd(
-    window: int, res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
+    res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    q, k, v, segment_ids_bt, out, top, total = res
+    q, k, v, reach_bt, out, top, total = res
     B, G, T, R, K = q.shape
-    n, C = ATTN_BLOCK, _key_block(T, window)
+    n = ATTN_BLOCK
+    order, count = key_blocks(reach_bt)
     # sum_s p_s dp_s = dout . sum_s p_s v_s = dout . out, per query [B, G, T, R]
     dout_dot_out = jnp.einsum("bgtrk,bgtrk->bgtr", dout_bgtrk.astype(jnp.float32), out)
 
@@ -526,10 +565,13 @@ def _attention_bwd(
 
         def key_block(step: jax.Array, acc: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             dq_i, dk, dv = acc
-            scores, first = _block_scores(q_i, k, segment_ids_bt, start, step, C)
+            first_b = order[:, i, step] * n
+            k_j, v_j = (_block_of(x, first_b, 1) for x in (k, v))
+            live_b = step < count[:, i]
+            scores = _block_scores(
+                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b
+            )
             probs = jnp.exp(scores - top_i[..., None]) / total_i[..., None]
-            k_j = jax.lax.dynamic_slice_in_dim(k, first, C, axis=2)
-            v_j = jax.lax.dynamic_slice_in_dim(v, first, C, axis=2)
             dprobs = jnp.einsum("bgqk,bgck->bgqc", dout_i, v_j, preferred_element_type=jnp.float32)
             dscores = (probs * (dprobs - dot_i[..., None]) * (K**-0.5)).astype(q.dtype)
             dq_i = dq_i + jnp.einsum(
@@ -538,15 +580,10 @@ def _attention_bwd(
             dk_j = jnp.einsum("bgqc,bgqk->bgck", dscores, q_i, preferred_element_type=jnp.float32)
             p_j = probs.astype(v.dtype)
             dv_j = jnp.einsum("bgqc,bgqk->bgck", p_j, dout_i, preferred_element_type=jnp.float32)
-
-            def add(x: jax.Array, x_j: jax.Array) -> jax.Array:
-                x_j = x_j + jax.lax.dynamic_slice_in_dim(x, first, C, axis=2)
-                return jax.lax.dynamic_update_slice_in_dim(x, x_j, first, axis=2)
-
-            return dq_i, add(dk, dk_j), add(dv, dv_j)
+            return dq_i, _add_block(dk, dk_j, first_b), _add_block(dv, dv_j, first_b)
 
         start_acc = (jnp.zeros((B, G, n * R, K)), dk, dv)
-        dq_i, dk, dv = jax.lax.fori_loop(0, _key_steps(start, window, C), key_block, start_acc)
+        dq_i, dk, dv = jax.lax.fori_loop(0, count[:, i].max(), key_block, start_acc)
         dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_i.reshape(B, G, n, R, K), start, axis=2)
         return dq, dk, dv
 
@@ -620,6 +657,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[False] = False,
     return_router_logits: Literal[False] = False,
@@ -638,6 +676,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[True],
     return_router_logits: Literal[False] = False,
@@ -656,6 +695,7 @@ def forward(
     *,
     cache: None = None,
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: bool = False,
     return_router_logits: Literal[True],
@@ -720,6 +760,7 @@ def forward(
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
     window: int | None = None,
+    reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: bool = False,
     return_router_logits: bool = False,
@@ -736,7 +777,9 @@ def forward(
     Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
     sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
     its own segment. ``positions`` restart at 0 in every segment. ``window`` (static): no
-    sequence is longer (`attention` then reads fewer keys).
+    sequence is longer (the TPU kernel then reads fewer keys). ``reach_bt`` (tree rows, where
+    sequences share their prefix's positions): a token is read by the queries at or after it
+    and before ``reach[t]`` (`attention`); it replaces the segments' mask.
 
     With a cache (prefill and decode): row b's pages are ``page_table[b]`` and it holds
     ``pos[b]`` tokens already; its chunk's tokens take positions ``pos[b] + t`` and attend to
@@ -785,7 +828,7 @@ def forward(
             lw, sparse, given = xs
 
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k, v, train_segments, window, sharder)
+                return attention(q, k, v, train_segments, window, sharder, reach_bt=reach_bt)
 
             x_btd = _attend(cfg, lw, x_btd, train_positions, attn)
             return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)

@@ -6,7 +6,9 @@ off, and SFT), or several one after another (`pack_rows`: first-fit decreasing i
 attention never crosses from one to the next; ``sequence`` names each token's sequence for
 the per-sequence terms (GRPO groups, sequence-mean losses, GAE, the last token's reward).
 A step's sequences are split into its mini-batches first and each mini-batch packed on its
-own (`step_batch`), so a mini-batch is the same set of sequences however rows fall.
+own (`step_batch`), so a mini-batch is the same set of sequences however rows fall. With
+tree packing (`rl.tree`) the rows hold sequences that share a prefix, and the batch carries
+the forward's rows besides, where each shared position is computed once.
 
 Everything per token is stored at the position that *predicts* it: ``targets[t] =
 tokens[t + 1]`` within a sequence, and ``mask[t]`` is 1 when that target is a model-sampled
@@ -29,6 +31,7 @@ import numpy as np
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.models.decoder import ATTN_BLOCK
 from jax_agent_rl.models.moe import NO_EXPERTS
+from jax_agent_rl.rl.tree import TreeRows, tree_rows, units, widened
 
 Array = Any  # np.ndarray on the host, jax.Array on the devices
 
@@ -52,6 +55,8 @@ class TrainBatch:
     # [R, T, sparse layers, k] ints: the sampler's experts for each target (routing replay),
     # NO_EXPERTS where it sampled none; None when no trajectory carries any (a dense policy)
     expert_ids: Array = None
+    # the rows the forward runs on when the sequences share positions (`rl.tree`); None: these
+    tree: TreeRows | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -274,6 +279,41 @@ def mini_batch_layouts(
     return layouts
 
 
+def tree_layouts(
+    seqs: Sequence[np.ndarray],
+    experts: Sequence[np.ndarray | None],
+    mini_batches: int,
+    row_tokens: int,
+) -> list[Layout]:
+    """`mini_batch_layouts` for tree packing (`sequence_arrays`): each mini-batch's sequences
+    grouped into runs sharing a prefix (`tree.units`) and the runs packed into rows
+    (first-fit decreasing) by the positions their tree computes, at most ``row_tokens``."""
+    layouts = []
+    for chunk in np.array_split(np.arange(len(seqs)), mini_batches):
+        runs, sizes = units(seqs, experts, [int(i) for i in chunk], row_tokens)
+        layouts.append([[i for u in row for i in runs[u]] for row in pack_rows(sizes, row_tokens)])
+    return layouts
+
+
+def sequence_arrays(
+    trajectories: Sequence[Trajectory],
+) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    """Each trajectory's tokens, and its experts at each position ([n, sparse layers, k],
+    `NO_EXPERTS` off the sampled tokens; None for all if none carries any)."""
+    seqs = [np.asarray([*t.prompt_ids, *t.response_ids], np.int32) for t in trajectories]
+    carrying = batch_expert_ids(trajectories, 1, 1)
+    experts: list[np.ndarray | None] = []
+    for t, seq in zip(trajectories, seqs, strict=True):
+        if carrying is None:
+            experts.append(None)
+            continue
+        e = np.full((len(seq), *carrying.shape[2:]), NO_EXPERTS, carrying.dtype)
+        if t.expert_ids is not None:
+            e[len(t.prompt_ids) - 1 : len(seq) - 1] = t.expert_ids
+        experts.append(e)
+    return seqs, experts
+
+
 @dataclasses.dataclass
 class Sequences:
     """One process's per-sequence outcomes for a step, [S] each (padding sequences after the
@@ -330,12 +370,18 @@ def step_batch(
     min_sequences: int = 1,
     agree: Callable[[list[int]], list[int]] = lambda values: values,
     part: int = 0,
+    tree: bool = False,
 ) -> tuple[TrainBatch, Sequences, int]:
     """One process's share of an RL step's batch: each mini-batch's sequences packed into
     rows of ``row_tokens`` (None: one per row, padded to the longest rounded up to ``bucket *
     2**k``) and dealt to micro-batches of ``rows_per_micro`` rows; returns the rows
     (`TrainBatch` [K * cap * rows_per_micro, T]), the sequences' outcomes and the count of
     real micro-batches per mini-batch (of ``cap`` slots, a power of two).
+
+    ``tree`` (with ``row_tokens``): rows hold sequences sharing a prefix (`tree_layouts`), at
+    most ``row_tokens`` positions of their tree each; the batch carries the tree rows
+    (`TrainBatch.tree`, as long as the fullest, rounded as rows are) and its own rows, as
+    long as their sequences laid out one after another need, are where the losses are taken.
 
     ``agree``: the element-wise maximum of a list of sizes over every process (identity for
     one); every process then lays out the same shapes. ``part``: this process's index (its
@@ -346,7 +392,11 @@ def step_batch(
     # a trajectory longer than row_tokens makes the step's rows the bucket holding it, and
     # the others are packed into rows that long too (as full as rows of row_tokens)
     row_length = None if row_tokens is None else padded_length(longest, row_tokens)
-    layouts = mini_batch_layouts(lengths, mini_batches, row_length)
+    if tree and row_length is not None:
+        seqs, experts = sequence_arrays(trajectories)
+        layouts = tree_layouts(seqs, experts, mini_batches, row_length)
+    else:
+        layouts = mini_batch_layouts(lengths, mini_batches, row_length)
     most_rows, fill = agree(
         [max(len(x) for x in layouts), max(row_fill(x, lengths) for x in layouts)]
     )
@@ -368,5 +418,11 @@ def step_batch(
         first_sequence=part * size,
         window=padded_length(longest, ATTN_BLOCK),
     )
+    if tree and row_length is not None:  # the tree rows of the same layout
+        rows = tree_rows(seqs, experts, slots, batch.shape[1])
+        (positions,) = agree([rows.shape[1]])
+        batch = dataclasses.replace(
+            batch, tree=widened(rows, padded_length(positions, row_tokens or bucket))
+        )
     outcomes = sequence_outcomes(rewards, group_ids, weights, layouts, size, first=part * size)
     return batch, outcomes, real

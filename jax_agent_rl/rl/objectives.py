@@ -7,6 +7,9 @@ the rollout's temperature / top-k / top-p, so learner and sampler logprobs compa
 token (`token_stats`); without top-k / top-p, by `head_logprobs`, the same numbers a chunk
 of the vocabulary at a time (the [B, T, V] logits are never made).
 
+A batch of tree rows (`TrainBatch.tree`, `rl.tree`) runs its forward on them and gathers
+each per-token result into its loss rows (`on_loss_rows`): everything after is as without.
+
 Routing replay (a MoE policy, ``algorithm.routing_replay``): the forward of a batch that
 carries the sampler's experts (`TrainBatch.expert_ids`) uses them at every position the
 sampler computed a sampled token from, with the router's fresh gates for those experts (the
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,7 @@ from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logit
 from jax_agent_rl.models.moe import NO_EXPERTS, load_balancing_loss
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
+from jax_agent_rl.rl.tree import TreeRows
 
 Metrics = dict[str, jax.Array]
 
@@ -90,13 +94,15 @@ class StepSpec:
         replay = self.algo.routing_replay if replay is None else replay
         given = sampled_experts(mb) if replay else None
         w = self.cast(weights)
-        args = (w, self.model, mb.tokens, mb.positions, mb.segment_ids, self.sharder, self.remat)
-        window = mb.window or None
+        f = forward_rows(mb)
+        args = (w, self.model, f.tokens, f.positions, f.segment_ids, self.sharder, self.remat)
         if not router_aux:
-            h = forward(*args, window=window, expert_ids=given)
+            h = forward(*args, window=f.window, reach_bt=f.reach, expert_ids=given)
             return h, w, jnp.zeros((), jnp.float32)
-        h, logits = forward(*args, window=window, expert_ids=given, return_router_logits=True)
-        return h, w, load_balancing_loss(self.model, logits, mb.segment_ids > 0)
+        h, logits = forward(
+            *args, window=f.window, reach_bt=f.reach, expert_ids=given, return_router_logits=True
+        )
+        return h, w, load_balancing_loss(self.model, logits, f.real)
 
     def cast(self, weights: Weights) -> Weights:
         return cast_floats(
@@ -104,10 +110,41 @@ class StepSpec:
         )
 
 
+class ForwardRows(NamedTuple):
+    """What `forward` reads of the rows it runs on (the batch's, or its tree rows), and how
+    many sequences hold each position [B, T] (the router loss's token weights: a shared
+    position counts for each sequence holding it, as when each stood alone)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    window: int | None
+    reach: jax.Array | None
+    real: jax.Array
+
+
+def forward_rows(mb: TrainBatch) -> ForwardRows:
+    t = mb.tree
+    if t is None:
+        return ForwardRows(
+            mb.tokens, mb.positions, mb.segment_ids, mb.window or None, None, mb.segment_ids > 0
+        )
+    segments = (t.reach > 0).astype(jnp.int32)
+    return ForwardRows(t.tokens, t.positions, segments, None, t.reach, t.count)
+
+
+def on_loss_rows(mb: TrainBatch, x_bu: jax.Array) -> jax.Array:
+    """A per-position result of the forward [B, U] as the loss rows' [B, T]: itself, or for
+    tree rows gathered from the slot computing each position (`TreeRows.index`)."""
+    t: TreeRows | None = mb.tree
+    return x_bu if t is None else jnp.take_along_axis(x_bu, t.index, axis=1)
+
+
 def sampled_experts(mb: TrainBatch) -> jax.Array | None:
-    """The sampler's experts [sparse layers, B, T, k] of a batch that carries them, as
-    `forward` takes them (-1 where none was sampled), else None."""
-    return None if mb.expert_ids is None else jnp.moveaxis(mb.expert_ids, 2, 0)
+    """The sampler's experts [sparse layers, B, T, k] of the rows the forward runs on, if the
+    batch carries them, as `forward` takes them (-1 where none was sampled), else None."""
+    ids = mb.expert_ids if mb.tree is None else mb.tree.expert_ids
+    return None if ids is None else jnp.moveaxis(ids, 2, 0)
 
 
 def token_stats(
@@ -132,48 +169,57 @@ def own_routing_stats(
     given = sampled_experts(mb)
     assert given is not None, "own_routing_stats of a batch without sampled experts"
     w = spec.cast(params)
+    f = forward_rows(mb)
     h, own = forward(
         w,
         spec.model,
-        mb.tokens,
-        mb.positions,
-        mb.segment_ids,
+        f.tokens,
+        f.positions,
+        f.segment_ids,
         spec.sharder,
         spec.remat,
-        window=mb.window or None,
+        window=f.window,
+        reach_bt=f.reach,
         return_expert_ids=True,
     )
     sampled = given[0, ..., 0] != NO_EXPERTS
     differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=(0, -1))
-    return (*head_stats(spec, h, w, mb), (differs & sampled).astype(jnp.float32))
+    return (*head_stats(spec, h, w, mb), on_loss_rows(mb, (differs & sampled).astype(jnp.float32)))
 
 
 def head_stats(
     spec: StepSpec, h: jax.Array, w: Weights, mb: TrainBatch
 ) -> tuple[jax.Array, jax.Array]:
-    """`token_stats` from the final hidden states ``h`` [B, T, D] and the cast weights ``w``."""
+    """`token_stats` from the final hidden states ``h`` [B, T, D] and the cast weights ``w``
+    (of the tree rows for a batch of them: then gathered into its loss rows)."""
     s = spec.sampling
     B, T, D = h.shape
+    targets = mb.targets if mb.tree is None else mb.tree.targets
     if s.top_k <= 0 and s.top_p >= 1.0:
         head_vd = w.embed if w.lm_head is None else w.lm_head.T
         logp, entropy = head_logprobs(
-            h.reshape(B * T, D), head_vd, mb.targets.reshape(B * T), s.temperature
+            h.reshape(B * T, D), head_vd, targets.reshape(B * T), s.temperature
         )
-        return logp.reshape(B, T), entropy.reshape(B, T)
+        return on_loss_rows(mb, logp.reshape(B, T)), on_loss_rows(mb, entropy.reshape(B, T))
     logits_btv = lm_logits(w, h)
     V = logits_btv.shape[-1]
     full = lambda v: jnp.full((B * T,), v)  # noqa: E731
     logp_btv = sampling_logprobs(
         logits_btv.reshape(B * T, V), full(s.temperature), full(s.top_k), full(s.top_p)
     ).reshape(B, T, V)
-    return token_logprobs(logp_btv, mb.targets), core.entropy_from_logprobs(logp_btv)
+    return (
+        on_loss_rows(mb, token_logprobs(logp_btv, targets)),
+        on_loss_rows(mb, core.entropy_from_logprobs(logp_btv)),
+    )
 
 
 def critic_values(spec: StepSpec, critic: Critic, mb: TrainBatch) -> jax.Array:
     """V(prefix up to and including token t), aligned with targets: [B, T] float32 (the
     critic routes every token itself: replay is the policy's)."""
     h, _, _ = spec.hidden(critic.body, mb, replay=False)
-    return jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
+    return on_loss_rows(
+        mb, jnp.einsum("btd,d->bt", h.astype(jnp.float32), critic.head) + critic.bias
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -22,6 +22,7 @@ import numpy as np
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.models.attention_kernels import runs_on_tpu
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
@@ -191,9 +192,11 @@ def learn(
         min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
         agree=distributed.agree_max,
         part=me,
+        tree=L.tree_packing and not runs_on_tpu(learner.sharder),  # (the kernel: no trees)
     )
     m["batch/rows"] = real * K * learner.micro_batch_size
-    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * batch.shape[1])
+    width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
+    m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * width)
     t0 = time.perf_counter()
     if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_agent_rl.models import Sharder, make_mesh
-from jax_agent_rl.models.decoder import ATTN_BLOCK, attention
+from jax_agent_rl.models.decoder import ATTN_BLOCK, attention, key_blocks
 from jax_agent_rl.models.paged import (
     decode_steps,
     page_pairs,
@@ -323,8 +323,8 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
 
 
 # A longer row for the looped attention: T not a multiple of `ATTN_BLOCK`, query blocks that
-# read several blocks of `ATTN_KEYS` keys (the last one clamped at position 0), GQA with 3
-# query heads per kv head.
+# read several key blocks, and skip those of the sequences before theirs; GQA with 3 query
+# heads per kv head.
 LT, LH, LG = 1100, 6, 2
 
 
@@ -348,16 +348,21 @@ def _long_segments(longest: int) -> np.ndarray:
     return seg
 
 
-def _dense64(q, k, v, seg, dout):  # type: ignore[no-untyped-def]
-    """The plain masked softmax in float64 (queries that see no key: zeros), and its
+def _segment_mask(seg: np.ndarray) -> np.ndarray:
+    """[B, T, S]: causal within each segment, padding (segment 0) read by none."""
+    T = seg.shape[1]
+    causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
+    return causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+
+
+def _dense64(q, k, v, mask, dout):  # type: ignore[no-untyped-def]
+    """The softmax under ``mask`` [B, T, S] in float64 (queries that see no key: zeros), and its
     gradients by the closed form: with s the scaled scores, p = softmax(s) over the visible
     keys, out = p v: dv = p^T dout, dp = dout v^T, ds = p (dp - sum(p dp)), dq = ds k / sqrt(K),
     dk = ds^T q / sqrt(K)."""
     B, T, H, K = q.shape
     G = k.shape[2]
     qg = q.reshape(B, T, G, H // G, K)
-    causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
-    mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
     mask = mask[:, None, None]  # [B, 1, 1, T, S]
     s = np.where(mask, np.einsum("btgrk,bsgk->bgrts", qg, k) * K**-0.5, -np.inf)
     top = np.where(mask.any(-1, keepdims=True), s.max(-1, keepdims=True), 0.0)
@@ -377,8 +382,8 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
     """`attention` (loops over query and key blocks, online softmax, custom VJP) against the
     float64 dense masked softmax and its closed-form gradients, on two packed rows of
     several segments with padding between and after them, GQA, T = 1100 (not a multiple of
-    the query block; the last query blocks read three key blocks), with and without a
-    ``window`` (the longest sequence: 450 tokens, so a query block reads two key blocks).
+    the query block; a query block reads up to eight key blocks), with and without a
+    ``window`` (the TPU kernel's bound: changes nothing here).
 
     Tolerances, from fp32 rounding (unit roundoff u = 2^-24): each score is a K-term dot
     product, each output a weighted mean over at most S keys accumulated over fewer than S
@@ -404,7 +409,7 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
         out = jax.jit(lambda q, k, v: attention(q, k, v, jnp.asarray(seg), window))(q, k, v)  # noqa: B023
         grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
         q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-        want, want_grads = _dense64(q64, k64, v64, seg, d64)
+        want, want_grads = _dense64(q64, k64, v64, _segment_mask(seg), d64)
         bound = (K + 2 * longest) * u * np.abs(v64).max()
         np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=bound, rtol=0)
         assert not np.asarray(out)[seg == 0].any()
@@ -416,10 +421,95 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
         assert not np.asarray(grads[0])[seg == 0].any()  # padding queries: no gradient
 
 
+def _tree_reach() -> np.ndarray:
+    """Two rows of `LT` slots: row 0 a tree laid out depth first (a prefix of 300 read by
+    its two branches; the second branch a prefix of 200 with two branches of its own),
+    then padding; row 1 packed segments (`segment_reach` of `_long_segments`)."""
+    reach = np.zeros((2, LT), np.int32)
+    for lo, hi, end in ((0, 300, 1000), (300, 500, 500), (500, 700, 1000), (700, 850, 850)):
+        reach[0, lo:hi] = end
+    reach[0, 850:1000] = 1000
+    seg = _long_segments(1000)[1]
+    for i in np.unique(seg[seg > 0]):
+        at = np.flatnonzero(seg == i)
+        reach[1, at] = at[-1] + 1
+    return reach
+
+
+def test_attention_over_tree_rows_reads_each_branch_s_prefixes_and_itself() -> None:
+    """``reach_bt``: query q reads key k iff k <= q < reach[k]. Against the float64 softmax
+    under that mask and its closed-form gradients, at the bounds of the test above (S <=
+    1000 keys a query). A branch's queries read no key of a sibling branch: its outputs
+    and gradients do not move when the sibling's keys and values do."""
+    K, u = 16, 2.0**-24
+    kq, kk, kv, kd = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(kq, (2, LT, LH, K))
+    k = jax.random.normal(kk, (2, LT, LG, K))
+    v = jax.random.normal(kv, (2, LT, LG, K))
+    dout = jax.random.normal(kd, (2, LT, LH, K))
+    reach = _tree_reach()
+    seg = (reach > 0).astype(np.int32)
+
+    @jax.jit
+    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+            return jnp.sum(out * dout)
+
+        out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+        return out, *jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    out, *grads = run(q, k, v)
+    pos = np.arange(LT)
+    mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, :, None] < reach[:, None, :])
+    q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    want, want_grads = _dense64(q64, k64, v64, mask, d64)
+    bound = (K + 2 * 1000) * u
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), want, atol=bound * np.abs(v64).max(), rtol=0
+    )
+    for got, ref in zip(grads, want_grads, strict=True):
+        rel = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+        assert rel <= bound, rel
+    # the first branch (300..499) moved: the second's queries (500..999) see none of it
+    moved = [x.at[0, 300:500].multiply(-3.0) for x in (k, v)]
+    out2, dq2, _, _ = run(q, *moved)
+    np.testing.assert_array_equal(np.asarray(out2)[0, 500:], np.asarray(out)[0, 500:])
+    np.testing.assert_array_equal(np.asarray(dq2)[0, 500:], np.asarray(grads[0])[0, 500:])
+
+
+def test_a_query_block_reads_only_the_key_blocks_its_mask_reaches() -> None:
+    """`key_blocks`, in blocks of 128: packed sequences [0, 256), [256, 768), [768, 1024)
+    and a tree (prefix [0, 256) read by branches [256, 512) and [512, 1024)). A query block
+    reads its own sequence's blocks and its prefix's, not a neighbour's or a sibling's."""
+    n = ATTN_BLOCK
+    reach = np.zeros((2, 8 * n), np.int32)
+    for lo, hi in ((0, 256), (256, 768), (768, 1024)):
+        reach[0, lo:hi] = hi
+    reach[1, :256], reach[1, 256:512], reach[1, 512:] = 1024, 512, 1024
+    order, count = (np.asarray(x) for x in jax.jit(key_blocks)(jnp.asarray(reach)))
+
+    def read(b: int, i: int) -> list[int]:
+        return sorted(order[b, i, : count[b, i]].tolist())
+
+    assert [read(0, i) for i in range(8)] == [
+        [0],
+        [0, 1],
+        [2],
+        [2, 3],
+        [2, 3, 4],
+        [2, 3, 4, 5],
+        [6],
+        [6, 7],
+    ]
+    assert read(1, 3) == [0, 1, 2, 3] and read(1, 4) == [0, 1, 4]
+    assert read(1, 7) == [0, 1, 4, 5, 6, 7]
+
+
 def test_the_attention_program_does_not_grow_with_the_row() -> None:
     """Loops over query and key blocks, not blocks unrolled in Python: the program of
     `attention`'s gradient holds as many matmuls for rows of 256 tokens (one key block) as
-    of 2048 (16 query blocks of up to 4 key blocks)."""
+    of 2048 (16 query blocks of up to 16 key blocks)."""
 
     def dots(T: int) -> int:
         x = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32)
