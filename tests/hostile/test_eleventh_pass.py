@@ -62,12 +62,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import pytest
 
@@ -80,9 +77,7 @@ from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
-from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.rewards import (
     Answer,
     AnswerFaultError,
@@ -93,11 +88,7 @@ from jax_agent_rl.rewards import (
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
-    CHATML_SPECIAL_TOKENS,
     Tokenizer,
-    chat_template,
-    save_tokenizer,
-    train_bpe,
 )
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -140,33 +131,6 @@ def test_a_lone_surrogate_nested_past_the_recursion_limit_is_found() -> None:
     for _ in range(100_000):  # (past the recursion limit: walked without recursion)
         deep = [deep]
     assert lone_surrogate(deep) == "at character 1 ('\\ud83d')"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
-    folder = save_tokenizer(
-        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
-    )
-    return Tokenizer.from_pretrained(Path(folder))
-
-
-@pytest.fixture(scope="module")
-def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
-    """A real engine, never asked to generate (the loops under test play the model)."""
-    cfg = ModelConfig(
-        family="qwen2",
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256)
-    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg))
 
 
 class Counter(Tool):

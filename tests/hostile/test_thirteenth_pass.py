@@ -27,7 +27,6 @@ import asyncio
 import dataclasses
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,25 +49,15 @@ from jax_agent_rl.models.lora import MAX_SCALE, Lora
 from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
 from jax_agent_rl.rewards.registry import _Sync
 from jax_agent_rl.rollout import EmbeddedBackend
-from jax_agent_rl.tokenization import CHATML_SPECIAL_TOKENS, Tokenizer, chat_template
-from jax_agent_rl.tokenization.local import save_tokenizer, train_bpe
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
 from jax_agent_rl.train.step import score_episodes
-from tests.hostile.test_twelfth_pass import BOUND_S, backend
+from tests.hostile.test_twelfth_pass import BOUND_S
 from tests.rl.test_learner import CFG, REWARDS, _learner, _step, random_trajectories
 
 HERE = "tests.hostile.test_thirteenth_pass"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
-    folder = save_tokenizer(
-        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
-    )
-    return Tokenizer.from_pretrained(Path(folder))
 
 
 def picky(text: str, ground_truth: Any) -> float:
@@ -239,7 +228,6 @@ def test_an_update_whose_loss_is_not_finite_is_skipped() -> None:
     )
 
 
-__all__ = ["backend"]  # (the real engine the harness test asks, a fixture)
 _WAITING: list[str] = []  # what the waiting harness did
 
 

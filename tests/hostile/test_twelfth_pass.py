@@ -57,7 +57,6 @@ import dataclasses
 import json
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,6 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.engine import Engine
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.envs.base import EnvError, Environments
 from jax_agent_rl.models import ModelConfig, init_params
@@ -85,11 +83,7 @@ from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
-    CHATML_SPECIAL_TOKENS,
     Tokenizer,
-    chat_template,
-    save_tokenizer,
-    train_bpe,
 )
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.app import create_app
@@ -100,33 +94,6 @@ from jax_agent_rl.train.step import score_episodes
 from tests.tools.test_server import serving
 
 HERE = "tests.hostile.test_twelfth_pass"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    backend_tok = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
-    folder = save_tokenizer(
-        tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
-    )
-    return Tokenizer.from_pretrained(Path(folder))
-
-
-@pytest.fixture(scope="module")
-def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
-    """A real engine, never asked to generate (the harnesses under test never call it)."""
-    cfg = ModelConfig(
-        family="qwen2",
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256)
-    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg))
 
 
 class FunctionTimedOut(BaseException):
