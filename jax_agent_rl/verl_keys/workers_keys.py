@@ -47,7 +47,12 @@ WORKERS: tuple[VerlKey, ...] = (
         "model.lora.rank",
         "the same (0: no LoRA, every weight trained)",
     ),
-    VerlKey("actor_rollout_ref.model.lora_alpha", "model.lora.alpha", "the same"),
+    VerlKey(
+        "actor_rollout_ref.model.lora_alpha",
+        "model.lora.alpha",
+        "the same; `alpha / rank` at most 1e4 "
+        "(larger scales overflow float32 once the adapters train)",
+    ),
     VerlKey(
         "actor_rollout_ref.model.target_modules",
         "model.lora.targets",
