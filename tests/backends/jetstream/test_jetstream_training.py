@@ -1,7 +1,8 @@
-"""`jarl train` with ``rollout.backend=jetstream``: the demo config, and its LoRA twin (the
-server pushed the adapters alone), trains on trajectories that JetStream's server sampled, the
-learner stands in for the logprobs it does not return, and the step after a weight push
-samples under the pushed weights."""
+"""`jarl train` with ``rollout.backend=jetstream``: the demo config trains on trajectories that
+JetStream's server sampled, the learner stands in for the logprobs it does not return, and the
+step after a weight push samples under the pushed weights. (The server serving a LoRA policy,
+its adapters pushed alone, is tests/conformance/test_lora_conformance.py's; `jarl train` with a
+LoRA config on a server backend, tests/backends/vllm/test_training.py's.)"""
 
 import json
 import subprocess
@@ -15,7 +16,6 @@ from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.train.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[3]
-LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,10 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
     return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
 
 
-@pytest.mark.parametrize("config", [DEMO_CONFIG, LORA_CONFIG], ids=["full", "lora"])
-def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path, config: Path) -> None:
+def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "jax_agent_rl.cli", "train", str(config),
+        sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
         f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}",
         f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
         "rollout.backend=jetstream", "sft.steps=2", "sft.batch_size=8",
@@ -56,5 +55,3 @@ def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path, co
         traces = read_traces(run_dir / "traces.jsonl", step)
         assert traces and all(set(t["weight_versions"]) == {step - 1} for t in traces)
     assert (run_dir / "hf" / "model.safetensors").is_file()
-    if config == LORA_CONFIG:  # the run's policy: its adapters, which the server was pushed
-        assert (run_dir / "hf-adapter" / "adapter_config.json").is_file()
