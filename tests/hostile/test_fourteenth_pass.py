@@ -9,6 +9,10 @@
   harness, a synchronous harness on a synchronous client) held the rollout's event loop, every
   episode and the backend with it, where nothing could stop it: each harness now runs in a
   thread and event loop of its own (`agent.harness_thread`), abandoned at the deadline.
+- A request the endpoint refused after a model turn ended ``harness_error``, untrained, though
+  the harness wrote it from the policy's text (its own tool's huge output: 413; an echo of the
+  policy's JSON ``"\\ud800"``: 400): the escape the thirteenth pass closed for a harness that
+  raises. It now ends ``caused_error`` (trained, outcome 0), as a raise does.
 """
 
 from __future__ import annotations
