@@ -207,7 +207,7 @@ def test_a_harness_timeout_outside_its_range_is_a_config_error(value: str) -> No
         )
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "agent.harness_timeout_s=30"])
     assert AgentConfig.of(cfg.agent).harness_timeout_s == 30.0  # (read by openai_agent)
-    assert AgentConfig().harness_timeout_s == 600.0
+    assert AgentConfig().harness_timeout_s == 300.0
 
 
 @pytest.mark.parametrize("prompt", ["huge", "surrogate"])
