@@ -28,8 +28,9 @@ import pytest
 
 from jax_agent_rl.agent import harness_thread
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.harness_thread import nothing_left
 from jax_agent_rl.agent.loop import run_sample
-from jax_agent_rl.agent.openai_endpoint import HarnessTask
+from jax_agent_rl.agent.openai_endpoint import AFTER_END_S, HarnessTask, Session, serve
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data.sample import Sample
@@ -41,9 +42,6 @@ from tests.hostile.test_twelfth_pass import BOUND_S
 
 HERE = "tests.hostile.test_fourteenth_pass"
 TINY_S = 0.05  # the deadline under test (what it is, not how long anything takes, is tested)
-# the deadline of a harness that must first ask (its thread starts, its client connects) in time:
-# the test waits it out once
-ROOMY_S = 2.0
 SEEN: list[str] = []  # what the harnesses did, in order (appended from their threads)
 RELEASE = threading.Event()  # the blocking harnesses' threads wait on it (released at the end)
 
@@ -53,17 +51,6 @@ async def silent(task: HarnessTask) -> None:
     del task
     try:
         await asyncio.Event().wait()
-    except asyncio.CancelledError:
-        SEEN.append("cancelled")
-        raise
-
-
-async def spinning(task: HarnessTask) -> None:
-    """Asks once; then loops for ever without asking again (awaiting, so it can be cancelled)."""
-    SEEN.append(await _ask(task))
-    try:
-        while True:
-            await asyncio.sleep(0)
     except asyncio.CancelledError:
         SEEN.append("cancelled")
         raise
@@ -102,7 +89,7 @@ def _request(task: HarnessTask) -> dict[str, Any]:
     }
 
 
-def _live_after_a_turn(tokenizer: Tokenizer) -> tuple[str, ...]:
+def _live(tokenizer: Tokenizer) -> tuple[str, ...]:
     """Stop strings that end a model turn at its first token with text (every token's first
     character): the turn ends as a text turn would, so the episode goes on after it."""
     return tuple(sorted({t[0] for t in map(tokenizer.decode, ([i] for i in range(300))) if t}))
@@ -145,8 +132,8 @@ async def relaying(task: HarnessTask) -> None:
             SEEN.append(str((await client.post(**request)).status_code))
 
 
-def _stopped_at_the_deadline(traj: Trajectory, deadline_s: float = TINY_S) -> bool:
-    return f"agent.harness_timeout_s={deadline_s:g}s without a request" in str(traj.error)
+def _stopped_at_the_deadline(traj: Trajectory) -> bool:
+    return f"agent.harness_timeout_s={TINY_S:g}s without a request" in str(traj.error)
 
 
 def test_a_harness_awaiting_for_ever_before_its_first_request_is_stopped(
@@ -157,16 +144,32 @@ def test_a_harness_awaiting_for_ever_before_its_first_request_is_stopped(
     assert _stopped_at_the_deadline(traj) and SEEN == ["cancelled"]
 
 
-def test_a_harness_looping_without_asking_after_a_turn_is_a_wrong_answer(
+def test_a_harness_holding_its_episode_after_a_turn_is_a_wrong_answer(
     tokenizer: Tokenizer, backend: EmbeddedBackend
 ) -> None:
-    stop = _live_after_a_turn(tokenizer)
-    traj = _episode(backend, tokenizer, "spinning", harness_timeout_s=ROOMY_S, stop=stop)
-    assert SEEN == ["stop", "cancelled"], (
-        traj.error
-    )  # (its turn left the episode live; before: hung)
-    assert (traj.stop_reason, traj.trainable, traj.num_turns) == ("caused_error", True, 1)
-    assert _stopped_at_the_deadline(traj, ROOMY_S)
+    """Its first request answered (a text turn: the episode goes on), the harness asks nothing
+    more (it awaits, or loops without asking): past the deadline its episode ends
+    caused_error, trained as a wrong answer (before: nothing watched a live episode)."""
+    config = AgentConfig(max_tokens_per_turn=4, max_model_len=256, stop=_live(tokenizer))
+
+    async def go() -> tuple[Session, str]:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
+        session = Session(ctx, Trajectory(uid="h", group_id="h", prompt_ids=[]), {})
+        done = asyncio.Event()
+        async with serve({"k": session}) as base_url:
+            task = HarnessTask(base_url, "k", [{"role": "user", "content": "2+2?"}], [], _none)
+            finish = await _ask(task)
+            await nothing_left(session, done, TINY_S, AFTER_END_S)  # (no request follows)
+        return session, finish
+
+    session, finish = asyncio.run(go())
+    assert (finish, session.stop, session.traj.num_turns) == ("stop", "caused_error", 1)
+    assert _stopped_at_the_deadline(session.traj) and session.traj.trainable
+
+
+async def _none(tool_call: dict[str, Any]) -> str:
+    raise AssertionError(f"no tool runs here: {tool_call}")
 
 
 def test_a_harness_blocking_its_thread_holds_neither_the_loop_nor_the_step(
@@ -179,7 +182,7 @@ def test_a_harness_blocking_its_thread_holds_neither_the_loop_nor_the_step(
         assert (traj.stop_reason, traj.trainable) == ("harness_error", False)
         assert _stopped_at_the_deadline(traj) and "woke" not in SEEN
         assert harness_thread.THREADS.stuck == 1
-        stop = _live_after_a_turn(tokenizer)
+        stop = _live(tokenizer)
         other = _episode(backend, tokenizer, "synchronous", max_turns=1, stop=stop)
         assert (other.stop_reason, SEEN) == ("eos", ["stop"]), other.error  # (before: deadlocked)
     finally:
@@ -217,7 +220,7 @@ def test_a_request_refused_after_a_turn_is_a_wrong_answer(
     """The refused request carries what the policy's text led the harness to write: as
     harness_error (untrained, before) the episode escaped the negative advantage of a wrong
     answer; before any model turn a refusal stays harness_error."""
-    stop = _live_after_a_turn(tokenizer)
+    stop = _live(tokenizer)
     traj = _episode(backend, tokenizer, "relaying", prompt, stop=stop)
     assert (traj.stop_reason, traj.trainable, traj.num_turns) == ("caused_error", True, 1)
     said = "request body is over" if prompt == "huge" else "holds a lone surrogate"
