@@ -45,6 +45,7 @@ class AgentConfig:
     stop: tuple[str, ...] = ()  # agent.stop: the stop strings of every turn
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)
     harness: str = _AGENT["harness"]  # openai_agent's (agent/openai_endpoint.py)
+    harness_timeout_s: float = _AGENT["harness_timeout_s"]
     max_model_len: int = 2048  # prompt + response
     temperature: float = 1.0
     top_p: float = 1.0

@@ -33,33 +33,35 @@ field, a second request while one is in progress, streaming, tools holding a lon
 `jax_agent_rl.agent.openai_requests`; a first request of more characters than
 ``rollout.max_model_len`` tokens could hold, refused before it is tokenized), is answered 400
 with what was wrong (413 for a body too large, 408 for one too slow), and its session's episode
-ends there with stop reason ``harness_error`` (not trainable, counted as
-``stop/harness_error``); other sessions go on. Error messages name what differs, never quoting
-a turn. A request naming no open session is answered 401 from its headers: its body is never
-read and no session is touched. Once an episode has ended (a budget, ``harness_error``),
-further requests are answered 409 and change nothing, and `HarnessTask.run_tool` raises; the
-harness, which has nothing left to do, is then cancelled (`call_threads.until_set`): one
-retrying every error held its episode, and the step, for ever. So is one that has not returned
-``AFTER_END_S`` after its episode ended, asking nothing (awaiting what never comes). A
-request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in the
-tool loop); one still in progress when the harness returns ends it with ``harness_error``.
+ends there as a harness failure (`Session.fail`, below); other sessions go on. Error messages
+name what differs, never quoting a turn. A request naming no open session is answered 401
+from its headers: its body is never read and no session is touched. Once an episode has ended
+(a budget, a failure), further requests are answered 409 and change nothing, and
+`HarnessTask.run_tool` raises; the harness, which has nothing left to do, is then cancelled
+(`call_threads.until_set`): one retrying every error held its episode, and the step, for ever.
+So is one that has not returned ``AFTER_END_S`` after its episode ended, asking nothing, and
+one holding its live episode ``agent.harness_timeout_s`` without a request (`nothing_left`).
+A request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in
+the tool loop); one still in progress when the harness returns ends it with ``harness_error``.
 
 The harness: ``agent.harness`` names an async function taking a `HarnessTask` (the base URL,
-the session's API key, the sample's messages and the tools' schemas); ``openai_agent`` serves
-the endpoint on a free loopback port while that function runs, one session for the episode,
-under `LIMITS` (`jax_agent_rl.agent.endpoint_http`: connections, header and body timeouts,
-body size, and a bounded shutdown, so a request left open cannot hold the episode). The key
-is random (``secrets.token_urlsafe``) and compared in constant time: another episode's
-harness cannot guess it, whatever it knows of the trajectory's uid or the port.
+the session's API key, the sample's messages and the tools' schemas), run in a thread and
+event loop of its own (`harness_thread`: one blocking its thread holds no other episode);
+``openai_agent`` serves the endpoint on a free loopback port while it runs, one session for
+the episode, under `LIMITS` (`jax_agent_rl.agent.endpoint_http`: connections, header and
+body timeouts, body size, and a bounded shutdown, so a request left open cannot hold the
+episode). The key is random (``secrets.token_urlsafe``) and compared in constant time:
+another episode's harness cannot guess it, whatever it knows of the trajectory's uid or port.
 The harness may run the calls itself (its tool messages carry the results) or through the
 run's tools with `HarnessTask.run_tool`, which keeps each result's reward and flags. An
-exception out of the harness ends the episode with ``harness_error`` (its traceback in
-``error``) before any model turn reached it, and after one with ``caused_error``: the policy's
-text is what changed, the harness cannot be run again to tell, and left untrained such an
-episode would escape the negative advantage of a wrong answer (a policy writing what the
-harness's parser raises on); trained, outcome 0 (docs/harness.md). A request the endpoint
-refuses stays ``harness_error`` (the harness wrote it). An episode that had already ended keeps
-its stop reason (the harness's error is added to ``error``).
+exception out of the harness, or a request the endpoint refuses, ends the episode with
+``harness_error`` (its traceback or reason in ``error``) before any model turn reached it, and
+after one with ``caused_error``: the policy's text is what changed (the harness's parser
+raised on it; the refused request held its own tool's huge output, an echo of a lone surrogate
+in the policy's arguments), the harness cannot be run again to tell, and left untrained such
+an episode escaped the negative advantage of a wrong answer; trained, outcome 0
+(docs/harness.md). An episode that had already ended keeps its stop reason (the harness's
+error is added to ``error``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import secrets
 import time
@@ -77,6 +78,7 @@ from typing import Any, NoReturn
 
 from jax_agent_rl.agent.context import AgentContext, RefusedCall
 from jax_agent_rl.agent.endpoint_http import BodyError, Limits, Request, Response, serve_http
+from jax_agent_rl.agent.harness_thread import nothing_left, run_harness
 from jax_agent_rl.agent.loop import (
     budget_stop,
     call_tool,
@@ -95,6 +97,7 @@ from jax_agent_rl.agent.openai_requests import (
     canonical,
     check_request,
     error_response,
+    find_session,
     harness_function,
     message_text,
     rendered,
@@ -102,7 +105,7 @@ from jax_agent_rl.agent.openai_requests import (
     tool_call_message,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
-from jax_agent_rl.call_threads import own_errors, until_set
+from jax_agent_rl.call_threads import until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, finite_json_float, no_json_constant
@@ -145,6 +148,9 @@ class Session:
         self.ended = asyncio.Event()  # set with `stop`
         self.asked_after_end = asyncio.Event()  # a request, a run_tool since: answered 409
         self.busy = False
+        self.idle = asyncio.Event()  # set while no request is in progress
+        self.idle.set()
+        self.asked = asyncio.Event()  # set as a request starts (`held_too_long`)
         self.results: dict[str, ToolResult] = {}  # calls run by `run_tool`, by id
 
     @property
@@ -167,6 +173,8 @@ class Session:
         if self.busy:
             self.fail("a second request while one of this session is in progress")
         self.busy = True
+        self.idle.clear()
+        self.asked.set()
         raw = None
         try:
             try:
@@ -193,10 +201,13 @@ class Session:
             raise
         finally:
             self.busy = False
+            self.idle.set()
 
     def fail(self, reason: str, status: int = 400) -> NoReturn:
-        """Ends the episode with ``harness_error`` and raises `HarnessError` ``reason``."""
-        self.stop = "harness_error"
+        """Ends the episode as the harness's failure and raises `HarnessError` ``reason``:
+        ``harness_error`` before any model turn, ``caused_error`` after one (the request holds
+        what the policy's text led the harness to write: its tools' output, its rewrites)."""
+        self.stop = "caused_error" if self.traj.num_turns else "harness_error"
         self.traj.add_error(f"harness error: {reason}")
         raise HarnessError(reason, status)
 
@@ -382,7 +393,7 @@ class Session:
         """Runs one of the returned ``tool_calls`` through the run's tools (as the loop runs
         it); its result, reward and flags are used when the tool message answering it comes.
         Raises `EpisodeEndedError` once the episode has ended (the harness has returned);
-        one the harness left running then releases the tool state it made."""
+        one still running then (cancelled or not) releases the tool state it made."""
         if self.stop is not None:
             raise self._ended()
         function = tool_call["function"]
@@ -406,15 +417,6 @@ class Session:
         return self.stop
 
 
-def _find(sessions: dict[str, Session], key: str) -> Session | None:
-    """The session of ``key``, compared with every session's key in constant time."""
-    found = None
-    for k, session in sessions.items():
-        if hmac.compare_digest(k.encode(), key.encode()):
-            found = session
-    return found
-
-
 def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Response]]:
     """``POST /v1/chat/completions`` over ``sessions``, by key (see the module docstring). A
     request naming no session is answered from its headers alone; it touches no session."""
@@ -423,7 +425,7 @@ def handler(sessions: dict[str, Session]) -> Callable[[Request], Awaitable[Respo
         if (request.method, request.target.split("?")[0]) != ("POST", "/v1/chat/completions"):
             only = "the endpoint serves POST /v1/chat/completions only"
             return error_response(404, only, "not_found")
-        session = _find(sessions, session_key(request.headers))
+        session = find_session(sessions, session_key(request.headers))
         if session is None:
             unknown = "no open session has this API key or X-Session-Id"
             return error_response(401, unknown, "no_session")
@@ -450,17 +452,6 @@ async def serve(sessions: dict[str, Session], limits: Limits | None = None) -> A
         yield f"http://127.0.0.1:{port}/v1"
 
 
-async def nothing_left(session: Session, done: asyncio.Event) -> None:
-    """Sets ``done`` once the harness has nothing left to do: its episode ended and it asked on
-    (a request answered 409, a ``run_tool`` refused), or it ended ``AFTER_END_S`` ago and the
-    harness has not returned (it awaits what never comes: a reply it missed, a queue no one
-    fills); then it is cancelled (`run_openai_agent`). The episode keeps how it ended."""
-    await session.ended.wait()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(session.asked_after_end.wait(), AFTER_END_S)
-    done.set()
-
-
 async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     """The episode of ``sample`` driven by the harness ``agent.harness`` names through the
     endpoint: see the module docstring."""
@@ -478,10 +469,12 @@ async def run_openai_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
             run_tool=session.run_tool,
         )
         done = asyncio.Event()
-        watch = asyncio.ensure_future(nothing_left(session, done))
+        watch = asyncio.ensure_future(
+            nothing_left(session, done, ctx.config.harness_timeout_s, AFTER_END_S)
+        )
         async with serve({key: session}) as base_url:
             try:
-                running = own_errors(harness(dataclasses.replace(task, base_url=base_url)))
+                running = run_harness(harness, dataclasses.replace(task, base_url=base_url))
                 await until_set(running, done, LIMITS.shutdown_grace_s)
             except Exception:  # the harness's own failure, not the loop's
                 failed = traceback.format_exc()

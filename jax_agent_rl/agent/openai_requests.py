@@ -1,24 +1,26 @@
 """What a request to the OpenAI-compatible endpoint (`jax_agent_rl.agent.openai_endpoint`) may
-hold, checked (`check_request`), the session it names (`session_key`), and a message's parts
-in one form however a client spells them (`canonical`); and the shapes of OpenAI's answers
-the endpoint writes (`tool_call_message`, `error_response`); what a harness gets
-(`HarnessTask`), the harness ``agent.harness`` names (`harness_function`), and a request's
-messages rendered off the event loop (`rendered`)."""
+hold, checked (`check_request`), the session it names (`session_key`, `find_session`), and a
+message's parts in one form however a client spells them (`canonical`); and the shapes of
+OpenAI's answers the endpoint writes (`tool_call_message`, `error_response`); what a harness
+gets (`HarnessTask`), the harness ``agent.harness`` names (`harness_function`), and a
+request's messages rendered off the event loop (`rendered`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import functools
+import hmac
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.user_code import load_function
 from jax_agent_rl.visible import lone_surrogate
 
+T = TypeVar("T")
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
 ROLES = ("system", "user", "assistant", "tool")
 # Request fields that would change sampling, which is the run's (rollout.*, agent.*): a
@@ -98,6 +100,15 @@ def session_key(headers: dict[str, str]) -> str:
         return key
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return token if scheme.lower() == "bearer" else ""
+
+
+def find_session(sessions: Mapping[str, T], key: str) -> T | None:
+    """The session of ``key``, compared with every session's key in constant time."""
+    found = None
+    for k, session in sessions.items():
+        if hmac.compare_digest(k.encode(), key.encode()):
+            found = session
+    return found
 
 
 def message_text(message: dict[str, Any]) -> str:

@@ -37,13 +37,14 @@ StopReason = Literal[
     "agent_error",
     # the policy's own text made what it reached fail, where nothing can be run again to tell
     # otherwise: the environment's step on its action (raised, hung, answered malformed), or
-    # the harness after a model turn reached it (it raised): its error is in
+    # the harness after a model turn reached it (it raised, sent a request the endpoint
+    # refused, held its episode past agent.harness_timeout_s): its error is in
     # `Trajectory.error`; its outcome is 0 (at most, an environment's reward so far) and it
     # is trained on, as a wrong answer (docs/environments.md, docs/harness.md)
     "caused_error",
-    # a harness behind the OpenAI endpoint rewrote earlier turns or sent a request the endpoint
-    # cannot take (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not
-    # trainable
+    # a harness behind the OpenAI endpoint failed before any model turn reached it: it raised,
+    # sent a request the endpoint cannot take, never asked within agent.harness_timeout_s
+    # (agent/openai_endpoint.py); what went wrong is in `Trajectory.error`; not trainable
     "harness_error",
     # its reward is not a finite number within rewards.MAX_ABS_REWARD (the reward function's,
     # the environment's or the weighted turn rewards' sum), or the reward function raised

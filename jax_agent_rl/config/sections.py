@@ -85,6 +85,14 @@ class AgentSection:
     # HarnessTask (the endpoint's base_url and api_key, the prompt, the tools) that drives one
     # episode through /v1/chat/completions; empty: no harness (openai_agent refuses to run)
     harness: str = ""
+    # seconds the harness may hold its live episode without a request in progress: from its
+    # start, or the endpoint's last answer, to its next request or its return (what it runs
+    # itself, run_tool calls included; model turns excluded). Past it the harness is cancelled
+    # (a thread blocked in a call is abandoned) and the episode ends as a harness failure:
+    # harness_error before any model turn, else caused_error (trained, outcome 0). The default
+    # covers a turn's 8 calls run one after another at tools.timeout_s each (240 s); a policy
+    # whose text blocks the harness holds its step this long
+    harness_timeout_s: float = setting(300.0, TIMEOUT)
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 from fractions import Fraction
 from typing import Any
 
@@ -303,8 +304,10 @@ def test_an_answer_that_hangs_a_reasoning_gym_scorer_scores_zero() -> None:
 
 
 HERE = "tests.hostile.test_eleventh_pass"
-_HELD: dict[str, asyncio.Event] = {}  # the gated tool's events, made in the test's loop
-_LEFT: list[asyncio.Future[str]] = []  # the calls the abandoning harness left running
+BOUND_S = 30.0  # how long a wait on another thread's event may take (the test fails past it)
+_HELD: dict[str, Any] = {}  # the gated tool's events: entered (a thread's), gate (the test's loop)
+_CANCELLED: list[str] = []  # the gated calls cancelled
+_LEFT: list[asyncio.Future[str]] = []  # the calls the abandoning harness left (in its loop)
 
 
 class Gated(Tool):
@@ -328,7 +331,11 @@ class Gated(Tool):
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del arguments
         _HELD["entered"].set()
-        await _HELD["gate"].wait()
+        try:
+            await _HELD["gate"].wait()
+        except asyncio.CancelledError:
+            _CANCELLED.append(state)
+            raise
         return ToolResult(f"ran for {state}")
 
 
@@ -337,32 +344,35 @@ async def abandoning(task: HarnessTask) -> None:
     for i in range(2):
         call = {"id": f"c{i}", "type": "function", "function": {"name": "gated", "arguments": "{}"}}
         _LEFT.append(asyncio.ensure_future(task.run_tool(call)))
-    await _HELD["entered"].wait()  # (the other waits for the trajectory's one tool slot)
+    # (the other waits for the trajectory's one tool slot)
+    assert await asyncio.to_thread(_HELD["entered"].wait, BOUND_S)
 
 
 def test_a_tool_call_a_harness_left_running_releases_the_state_it_made(
     tokenizer: Tokenizer, backend: EmbeddedBackend
 ) -> None:
+    """The calls the harness left are cancelled as its event loop closes (its tasks are), and
+    the state the running one made is released with the episode's."""
     tools = LocalTools(ToolRegistry([Gated()]))
     config = AgentConfig(harness=f"{HERE}:abandoning", max_parallel_tool_calls=1)
 
-    async def go() -> tuple[Trajectory, int, list[str]]:
-        _HELD.update(entered=asyncio.Event(), gate=asyncio.Event())
+    async def go() -> tuple[Trajectory, int]:
+        _HELD.update(entered=threading.Event(), gate=asyncio.Event())
         ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
         sample = Sample(
             "h-0", [{"role": "user", "content": "2+2?"}], "4", agent_name="openai_agent"
         )
         traj = await run_sample(sample, ctx)
-        _HELD["gate"].set()
-        texts = list(await asyncio.gather(*_LEFT))
-        return traj, tools.open_trajectories, texts
+        _HELD["gate"].set()  # (nothing waits on it any more)
+        return traj, tools.open_trajectories
 
+    _CANCELLED.clear()
     try:
-        traj, still_open, texts = asyncio.run(go())
+        traj, still_open = asyncio.run(go())
     finally:
         _LEFT.clear()
     assert traj.stop_reason == "harness_error"  # (it never called the endpoint)
-    assert texts == ["ran for h-0"] * 2
+    assert _CANCELLED == ["h-0"]  # the running call; the waiting one never ran
     assert still_open == 0
 
 

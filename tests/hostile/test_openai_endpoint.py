@@ -10,6 +10,7 @@ connection, a finished episode, a session in a request), never on elapsed time."
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 from typing import Any
 
@@ -38,7 +39,13 @@ from tests.agent.test_openai_endpoint import (
 
 CHATML = pytest.mark.parametrize("setup", ["chatml"], indirect=True)
 HERE = "tests.hostile.test_openai_endpoint"
-PLAY: dict[str, Any] = {}  # what the harnesses of one test share (made in its event loop)
+PLAY: dict[str, Any] = {}  # what the harnesses of one test share (each runs in its own thread)
+BOUND_S = 30.0  # how long a wait on another thread's event may take (the test fails past it)
+
+
+async def _waited(event: threading.Event) -> None:
+    """``event`` waited for from a harness's event loop (it is set from another thread)."""
+    assert await asyncio.to_thread(event.wait, BOUND_S), "waited past BOUND_S"
 
 
 def _harness(config: AgentConfig, name: str) -> AgentConfig:
@@ -105,19 +112,19 @@ async def group_harness(task: HarnessTask) -> None:
     if task.messages[0]["content"] == QUESTION:
         PLAY["victim"] = task
         PLAY["found"].set()
-        await PLAY["first_attack"].wait()
+        await _waited(PLAY["first_attack"])
 
         async def paused(turn: dict[str, Any]) -> None:
             PLAY["turn"] = turn
             PLAY["replied"].set()
-            await PLAY["second_attack"].wait()
+            await _waited(PLAY["second_attack"])
 
         try:
             await converse(task, paused)
         finally:
             PLAY["replied"].set()  # (also when the victim's first request failed)
         return
-    await PLAY["found"].wait()
+    await _waited(PLAY["found"])
     victim: HarnessTask = PLAY["victim"]
     port = _port(victim.base_url)
     # the victim's trajectory uid (`<row>/<tag>/<i>` is known), and this harness's own key
@@ -126,7 +133,7 @@ async def group_harness(task: HarnessTask) -> None:
     other = json.dumps({"messages": [{"role": "user", "content": "Say nothing."}]}).encode()
     PLAY["answers"] = [await _post(port, g, other) for g in guesses]
     PLAY["first_attack"].set()
-    await PLAY["replied"].wait()
+    await _waited(PLAY["replied"])
     wrong = {"role": "assistant", "content": "x", "tool_calls": [PLAY["wrong_call"]]}
     tool = {"role": "tool", "tool_call_id": "call_1_0", "content": "2"}
     rewrite = json.dumps({"messages": [*victim.messages, wrong, tool]}).encode()
@@ -148,8 +155,8 @@ def test_a_sibling_cannot_guess_a_session_key(setup: dict[str, Any]) -> None:
 
     async def go() -> list[Trajectory]:
         PLAY.clear()
-        PLAY.update({e: asyncio.Event() for e in ("found", "first_attack", "replied")})
-        PLAY.update(second_attack=asyncio.Event(), victim_uid=victim_uid, wrong_call=wrong_call)
+        PLAY.update({e: threading.Event() for e in ("found", "first_attack", "replied")})
+        PLAY.update(second_attack=threading.Event(), victim_uid=victim_uid, wrong_call=wrong_call)
         ctx = await _context(setup, _harness(CONFIG, "group_harness"), None)
         samples = [
             Sample(uid=victim_uid, messages=PROMPT, agent_name="openai_agent"),
@@ -173,16 +180,16 @@ def test_a_sibling_cannot_guess_a_session_key(setup: dict[str, Any]) -> None:
 
 
 async def lingering_harness(task: HarnessTask) -> None:
-    """An ordinary episode, then a request whose body never completes, left open."""
+    """An ordinary episode, then a request whose body never completes, left open (on a plain
+    socket, which outlives the harness's event loop)."""
     await openai_harness(task)
-    reader, writer = await asyncio.open_connection("127.0.0.1", _port(task.base_url))
+    sock = socket.create_connection(("127.0.0.1", _port(task.base_url)))
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
         f"{task.api_key}\r\nContent-Length: 1000\r\n\r\n"
     )
-    writer.write(head.encode() + b'{"messages"')
-    await writer.drain()
-    PLAY["open"] = reader, writer
+    sock.sendall(head.encode() + b'{"messages"')
+    PLAY["open"] = sock
 
 
 @CHATML
@@ -205,9 +212,13 @@ def test_a_request_left_open_does_not_hold_the_episode(
         )
         traj = await run_sample(sample, ctx)  # (before the fix: never returns)
         await ctx.backend.close()
-        reader, writer = PLAY["open"]
-        closed = await _closed(reader)
-        writer.close()
+        sock = PLAY["open"]
+        sock.settimeout(BOUND_S)  # (a bound on failing)
+        try:
+            closed = await asyncio.to_thread(sock.recv, 1) == b""
+        except ConnectionResetError:
+            closed = True
+        sock.close()
         return traj, closed
 
     traj, closed = asyncio.run(go())
@@ -454,12 +465,13 @@ def _reply(answer: bytes) -> dict[str, Any]:
 
 
 @CHATML
-def test_a_tool_call_id_that_is_not_a_string_ends_its_episode_as_a_harness_error(
+def test_a_tool_call_id_that_is_not_a_string_ends_its_episode_as_a_harness_failure(
     setup: dict[str, Any],
 ) -> None:
-    """A tool message whose tool_call_id is a list: 400, the episode ends with harness_error
-    (before: a 500 that left the session half-changed, each later request failing on an
-    assertion, and the episode ending as agent_error)."""
+    """A tool message whose tool_call_id is a list: 400, the episode ends as a harness's
+    failure, caused_error after the model's turn (before: a 500 that left the session
+    half-changed, each later request failing on an assertion, and the episode ending as
+    agent_error)."""
 
     async def go() -> tuple[Session, bytes, bytes]:
         ctx = await _context(setup, CONFIG, None)
@@ -484,7 +496,7 @@ def test_a_tool_call_id_that_is_not_a_string_ends_its_episode_as_a_harness_error
     session, bad, after = asyncio.run(go())
     assert _status(bad) == 400 and b"tool_call_id must be a string" in bad
     assert _status(after) == 409
-    assert session.finish() == "harness_error"
+    assert session.finish() == "caused_error"
 
 
 @CHATML
@@ -514,7 +526,7 @@ class Gated:
     def __init__(self, backend: Any, n: int) -> None:
         self.backend, self.n = backend, n
         self.capabilities = backend.capabilities
-        self.entered = asyncio.Event()
+        self.entered = threading.Event()  # (a harness waits for it from its own thread)
 
     async def generate(self, request: Any) -> Any:
         self.n -= 1
@@ -541,12 +553,13 @@ async def returning_harness(task: HarnessTask) -> None:
         "tool_call_id": call.id,
         "content": await task.run_tool(call.model_dump()),
     }
-    PLAY["second"] = asyncio.create_task(
+    second = asyncio.create_task(  # (cancelled as the harness's event loop closes)
         client.chat.completions.create(
             model="policy", messages=[*task.messages, message, tool], tools=task.tools
         )
     )
-    await PLAY["gated"].entered.wait()
+    await _waited(PLAY["gated"].entered)
+    assert not second.done()
 
 
 @CHATML
@@ -565,8 +578,6 @@ def test_a_harness_that_returns_during_a_model_turn_ends_its_episode_as_a_harnes
         ctx = dataclasses.replace(ctx, backend=gated)  # type: ignore[arg-type]
         sample = Sample(uid="q", messages=PROMPT, agent_name="openai_agent")
         traj = await run_sample(sample, ctx)
-        with pytest.raises(openai.APIConnectionError):
-            await PLAY["second"]
         await ctx.backend.close()
         return traj
 
