@@ -27,12 +27,12 @@
 #   --dry-run         print the plan and the commands, run nothing (with --nodes and no
 #                     --node-rank: every node's command)
 #
-# Environments: .venv with the locked CUDA JAX (this script runs `scripts/setup.sh cuda`
-# when .venv's jax has no CUDA plugin; --dry-run says whether it would) and a vLLM CUDA build for the engines: VLLM_PYTHON=/path/to/venv/bin/python (default
-# .venv-vllm/bin/python; `scripts/setup.sh vllm` builds the CPU build there, so on a CUDA node
-# install `vllm` itself into a venv and point VLLM_PYTHON at it; with --ray, at that path on
-# every engine node, and jax_agent_rl installed there too). Weights reach the engines through
-# /dev/shm, on each engine's node (see docs/vllm.md for the CUDA IPC / NCCL path).
+# Environments: .venv with the locked CUDA JAX (this script runs `scripts/setup.sh cuda` when .venv's jax
+# has no CUDA plugin; --dry-run says whether it would) and a vLLM CUDA build for the engines: VLLM_PYTHON=
+# /path/to/venv/bin/python (default .venv-vllm/bin/python; `scripts/setup.sh vllm` builds the CPU build there,
+# so on a CUDA node install `vllm` itself into a venv, then the engine's side, `pip install --no-deps -e
+# gpu_backend`, and point VLLM_PYTHON at it; with --ray, at that path on every engine node, and jax_agent_rl
+# installed there too). Weights reach the engines through /dev/shm, on each engine's node (docs/vllm.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

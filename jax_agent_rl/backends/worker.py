@@ -1,5 +1,5 @@
 """The engine side of a backend whose engine runs in a process of its own: the ``main`` every
-such process runs (vLLM's `jax_agent_rl.backends.vllm.worker`, JetStream's
+such process runs (vLLM's ``jarl_gpu_backend.worker``, in ``gpu_backend/``, JetStream's
 `jax_agent_rl.backends.jetstream.server`). Its counterpart in the trainer's process is
 `jax_agent_rl.rollout.processes.EngineProcess`, which starts ``python -m MODULE CONFIG_JSON``
 under the backend's venv and reads the process's stdout.

@@ -81,17 +81,16 @@ def test_a_missing_stack_names_the_setup_that_builds_it(tmp_path: Path) -> None:
     assert (code, messages) == (1, [{"error": why}])
 
 
-@pytest.mark.parametrize(
-    "module", ["jax_agent_rl.backends.vllm.worker", "jax_agent_rl.backends.worker"]
-)
+@pytest.mark.parametrize("module", ["jarl_gpu_backend.worker", "jax_agent_rl.backends.worker"])
 def test_the_engine_side_imports_no_jax(module: str) -> None:
-    """The vLLM engine's interpreter has no JAX: its worker, and the package above it, must not
-    import any."""
+    """The vLLM engine's interpreter has no JAX: its worker (gpu_backend/, the jarl-gpu-backend
+    distribution), and what it imports of this package, must not import any. (Run here, where
+    JAX is installed, so that an import of it would succeed and be seen.)"""
     code = (
         "import sys\n"
         f"import {module}\n"
         "jax = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib'))\n"
         "assert jax == [], jax\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "gpu_backend")])}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

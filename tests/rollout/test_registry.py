@@ -1,6 +1,7 @@
 """Backends by name: the embedded engine is built in, vLLM comes through an entry point, and the
 package keeps its shape: layers import only downward (nothing in jax_agent_rl outside
-jax_agent_rl/backends/ imports the backends' homes), no import circles, no file over 500 lines."""
+jax_agent_rl/backends/ imports the backends' homes), no import circles, no file over 500 lines;
+the vLLM engine's distribution (gpu_backend/) shares only the wire and the engine main with it."""
 
 import ast
 import dataclasses
@@ -16,6 +17,10 @@ from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train.check import check_names
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jax_agent_rl"
+# the jarl-gpu-backend distribution: the vLLM engine process, run under the vLLM venv
+GPU_BACKEND = PACKAGE.parent / "gpu_backend" / "jarl_gpu_backend"
+# what the engine process imports of this package (standard library and numpy only)
+SHARED_WITH_THE_ENGINE = {"jax_agent_rl.backends.worker", "jax_agent_rl.backends.vllm.wire"}
 
 # The layers, low to high: a module imports only from its own package or a lower tier. A
 # top-level module (files.py, progress.py) counts as a package of its own.
@@ -65,11 +70,12 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, at the top or inside a function: `from a.b import c` is
-    module `a.b.c` when that is one of ours, else `a.b`."""
+def _imported_modules(path: Path, module: str | None = None) -> set[str]:
+    """Every module `path` (module ``module``, by default its name in the package) imports, at
+    the top or inside a function: `from a.b import c` is module `a.b.c` when that is one of
+    ours, else `a.b`."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    module = _module_name(path)
+    module = module or _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -169,11 +175,34 @@ def test_nothing_imports_the_external_backend_homes() -> None:
 
 def test_no_file_is_over_500_lines() -> None:
     long = []
-    for path in MODULES.values():
+    for path in [*MODULES.values(), *sorted(GPU_BACKEND.rglob("*.py"))]:
         lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES and path.relative_to(PACKAGE).as_posix() not in LARGE_FILES_ALLOWED:
-            long.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+        name = path.relative_to(PACKAGE.parent).as_posix()
+        if lines > MAX_LINES and name.removeprefix("jax_agent_rl/") not in LARGE_FILES_ALLOWED:
+            long.append(f"{name}: {lines} lines")
     assert long == [], f"files over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_engine_distribution_shares_only_the_wire_and_the_engine_main() -> None:
+    """gpu_backend/ runs under the vLLM venv with this repository on its path: of this package
+    it imports only what both sides of the pipe share; and this package never imports it (the
+    backend runs it as ``python -m``)."""
+    assert sorted(GPU_BACKEND.glob("*.py")), f"no modules under {GPU_BACKEND}"
+    reached = set()
+    for path in sorted(GPU_BACKEND.rglob("*.py")):
+        module = ".".join(
+            ("jarl_gpu_backend", *path.relative_to(GPU_BACKEND).with_suffix("").parts)
+        )
+        imported = _imported_modules(path, module.removesuffix(".__init__"))
+        reached |= {name for name in imported if name.split(".")[0] == "jax_agent_rl"}
+    assert reached == SHARED_WITH_THE_ENGINE
+    into = sorted(
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        for name in _imported_modules(path)
+        if name.split(".")[0] == "jarl_gpu_backend"
+    )
+    assert into == []
 
 
 def test_training_classes_stay_small() -> None:

@@ -228,6 +228,16 @@ CASES: dict[str, Case] = {
             "the python of a venv with vLLM (scripts/setup.sh vllm makes .venv-vllm)"
         ),
     ),
+    "vllm.python without the engine's distribution": (
+        # this process's interpreter: a real Python without jarl-gpu-backend (gpu_backend/)
+        lambda _f: ["rollout.backend=vllm", f"rollout.vllm.python={sys.executable}"],
+        lambda _f: (
+            f"rollout.vllm.python: the vLLM interpreter {sys.executable} has no "
+            "jarl-gpu-backend (jarl_gpu_backend) installed; build it with `scripts/setup.sh "
+            "vllm` (a venv of your own, e.g. with vLLM's CUDA build: `pip install --no-deps -e "
+            "gpu_backend` into it)"
+        ),
+    ),
     "missing jetstream.python": (
         lambda f: [
             "rollout.backend=jetstream",

@@ -1,10 +1,11 @@
 """`VLLMBackend`: vLLM engine processes behind the `RolloutBackend` protocol.
 
-The backend starts ``replicas`` engine processes (`worker`, under the vLLM venv's
-interpreter: vLLM never loads into this process, so never beside JAX or TensorFlow), each in
-its own process group, and talks to each over a pipe (`wire`). One reader thread per engine
-resolves the asyncio futures of the calls waiting on it, so the event loop never blocks and
-any event loop may call in.
+The backend starts ``replicas`` engine processes (``jarl_gpu_backend.worker``, of the
+jarl-gpu-backend distribution in ``gpu_backend/``, under the vLLM venv's interpreter: vLLM
+never loads into this process, so never beside JAX or TensorFlow), each in its own process
+group, and talks to each over a pipe (`wire`). One reader thread per engine resolves the
+asyncio futures of the calls waiting on it, so the event loop never blocks and any event loop
+may call in.
 
 Routing is `jax_agent_rl.rollout.router`'s: a session's turns stay on one engine (vLLM's
 prefix cache then holds them), anything else goes to the engine with the fewest requests in
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.backends.vllm import wire
-from jax_agent_rl.backends.vllm.engines import Call, Engine
+from jax_agent_rl.backends.vllm.engines import Call, Engine, interpreter_problem
 from jax_agent_rl.backends.vllm.sizes import (
     BLOCK_SIZES,
     device_groups,
@@ -76,7 +77,10 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-SETUP_HINT = "build it with `scripts/setup.sh vllm`"
+SETUP_HINT = (
+    "build it with `scripts/setup.sh vllm` (a venv of your own, e.g. with vLLM's CUDA build: "
+    "`pip install --no-deps -e gpu_backend` into it)"
+)
 
 
 class EngineStartError(RuntimeError):
@@ -120,8 +124,8 @@ class VLLMBackend:
         pausable: bool = False,
     ) -> None:
         python = Path(python)
-        if not python.is_file():
-            raise EngineStartError(f"no vLLM interpreter at {python}; {SETUP_HINT}")
+        if (problem := interpreter_problem(python)) is not None:
+            raise EngineStartError(f"{problem}; {SETUP_HINT}")
         if replicas < 1:
             raise ValueError(f"replicas={replicas}: must be at least 1")
         if devices and len(devices) != replicas:
@@ -457,9 +461,10 @@ def _build(spec: BackendBuild) -> VLLMBackend:
 
 def _check(rollout: RolloutSection, processes: int) -> list[str]:
     del processes  # every process starts its own engines
-    problems = interpreter_problems(
-        "vllm.python", rollout.vllm.python, DEFAULT_PYTHON, "vLLM", "vllm"
-    )
+    python = rollout.vllm.python
+    problems = interpreter_problems("vllm.python", python, DEFAULT_PYTHON, "vLLM", "vllm")
+    if not problems and (problem := interpreter_problem(Path(python or DEFAULT_PYTHON))):
+        problems.append(f"rollout.vllm.python: {problem}; {SETUP_HINT}")
     if rollout.page_size not in BLOCK_SIZES:
         problems.append(
             f"rollout.page_size={rollout.page_size}: the vllm backend's KV cache blocks (vLLM's "

@@ -1,9 +1,11 @@
-"""The vLLM backend's view of one engine process: its pipe, the calls waiting on it."""
+"""The vLLM backend's view of one engine process: its pipe, the calls waiting on it; and
+whether an interpreter can run one."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +14,24 @@ from typing import IO, Any
 from jax_agent_rl.backends.vllm import wire
 from jax_agent_rl.rollout.processes import EngineProcess
 from jax_agent_rl.rollout.protocol import GenerateRequest
+
+# The engine process's code: the jarl-gpu-backend distribution (gpu_backend/ in the
+# repository), installed into the vLLM venv, not part of this package
+WORKER = "jarl_gpu_backend.worker"
+
+
+def interpreter_problem(python: Path) -> str | None:
+    """Why ``python`` cannot run an engine process, or None: it is missing, or the
+    distribution that holds `WORKER` is not installed in its environment. (Whether vLLM
+    itself imports is the engine's first check, its handshake: an import of vLLM takes
+    seconds, a look-up of the distribution a fraction of one.)"""
+    if not python.is_file():
+        return f"no vLLM interpreter at {python}"
+    package = WORKER.partition(".")[0]
+    find = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"
+    if subprocess.run([str(python), "-I", "-c", find], check=False).returncode:
+        return f"the vLLM interpreter {python} has no jarl-gpu-backend ({package}) installed"
+    return None
 
 
 @dataclasses.dataclass
@@ -56,7 +76,7 @@ class Engine:
         self.process = EngineProcess(
             f"vLLM engine {index}",
             python,
-            "jax_agent_rl.backends.vllm.worker",
+            WORKER,
             config,
             root=root,
             log=log,

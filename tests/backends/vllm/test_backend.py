@@ -4,7 +4,8 @@ die, and the ways it must refuse to start. Every test leaves no engine process b
 import asyncio
 import os
 import signal
-import sys
+import sysconfig
+import venv
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
 from tests.processes import group_gone
 
+ROOT = Path(__file__).resolve().parents[3]
 MAX_LEN = 128
 KV_CACHE_BYTES = 32 * 2**20  # fixed and small: no dependence on the machine's free RAM
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -101,13 +103,37 @@ def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> 
         )
 
 
-def test_interpreter_without_vllm_names_the_fix(checkpoint: Path) -> None:
-    # this test process's own interpreter is a real Python that has no vLLM
+def _venv(where: Path, *paths: Path) -> Path:
+    """A real venv's python whose path also holds ``paths`` (a .pth file, as an editable
+    install writes one)."""
+    venv.create(where, with_pip=False)
+    (site,) = where.glob("lib/python*/site-packages")
+    (site / "paths.pth").write_text("".join(f"{path}\n" for path in paths))
+    return where / "bin" / "python"
+
+
+def test_interpreter_without_the_engine_distribution_names_the_fix(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    python = _venv(tmp_path / "bare")
+    with pytest.raises(EngineStartError, match=r"has no jarl-gpu-backend.*scripts/setup.sh vllm"):
+        VLLMBackend(
+            checkpoint,
+            ModelConfig.from_pretrained(checkpoint),
+            python=python,
+            max_model_len=MAX_LEN,
+            max_num_seqs=4,
+        )
+
+
+def test_interpreter_without_vllm_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
+    # the engine's distribution and this process's packages (numpy, for the wire), no vLLM
+    python = _venv(tmp_path / "no-vllm", ROOT / "gpu_backend", Path(sysconfig.get_path("purelib")))
     with pytest.raises(EngineStartError, match=r"vLLM is not importable.*scripts/setup.sh vllm"):
         VLLMBackend(
             checkpoint,
             ModelConfig.from_pretrained(checkpoint),
-            python=sys.executable,
+            python=python,
             max_model_len=MAX_LEN,
             max_num_seqs=4,
         )

@@ -2,7 +2,7 @@
 
 vLLM prefills such a prompt in chunks by default, and its CPU build cannot rewind a seeded
 request's generator after a partial chunk: the engine died, ending every request on it. The
-worker turns chunked prefill off on CPU (`jax_agent_rl.backends.vllm.worker`); seeds are kept."""
+worker turns chunked prefill off on CPU (`jarl_gpu_backend.worker`); seeds are kept."""
 
 import asyncio
 from pathlib import Path

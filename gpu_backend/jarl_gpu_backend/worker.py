@@ -1,6 +1,7 @@
-"""One vLLM engine process: vLLM's v1 ``AsyncLLM`` behind a pipe. Runs under ``.venv-vllm``.
+"""One vLLM engine process: vLLM's v1 ``AsyncLLM`` behind a pipe. Runs under ``.venv-vllm``,
+with the repository root on its path (the backend sets ``PYTHONPATH``):
 
-    .venv-vllm/bin/python -m jax_agent_rl.backends.vllm.worker '{"model": ..., ...}'
+    .venv-vllm/bin/python -m jarl_gpu_backend.worker '{"model": ..., ...}'
 
 Its ``main`` is `jax_agent_rl.backends.worker`'s. Messages (`wire` framing) come in on stdin
 and go out on the process's original stdout; everything vLLM prints goes to stderr. In:
@@ -45,7 +46,7 @@ from typing import Any, BinaryIO
 from jax_agent_rl.backends.vllm import wire
 from jax_agent_rl.backends.worker import Channel, engine_main
 
-_MODULE = "jax_agent_rl.backends.vllm.worker"  # this module's name (``-m`` runs it as __main__)
+_MODULE = "jarl_gpu_backend.worker"  # this module's name (``-m`` runs it as __main__)
 PAUSE_KEY = "jarl_pause_at"  # SamplingParams.extra_args: pause once the request has n tokens
 
 
