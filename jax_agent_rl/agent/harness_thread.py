@@ -23,13 +23,13 @@ import dataclasses
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jax_agent_rl.agent.openai_requests import Harness, HarnessTask
 from jax_agent_rl.call_threads import carried, own_errors
 
-if TYPE_CHECKING:  # (it imports this module)
-    from jax_agent_rl.agent.openai_endpoint import Session
+if TYPE_CHECKING:
+    from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 
 MAX_STUCK = 32  # harness threads running past their episodes' end, at most (module docstring)
 
@@ -176,8 +176,19 @@ async def held_too_long(idle: asyncio.Event, asked: asyncio.Event, timeout_s: fl
             return
 
 
+class Watched(Protocol):
+    """What `nothing_left` watches of an endpoint session (`openai_endpoint.Session`)."""
+
+    ended: asyncio.Event  # its episode ended
+    idle: asyncio.Event  # set while no request of the harness is in progress
+    asked: asyncio.Event  # set as a request starts
+    asked_after_end: asyncio.Event  # a request came after the episode ended
+    stop: StopReason | None
+    traj: Trajectory
+
+
 async def nothing_left(
-    session: Session, done: asyncio.Event, timeout_s: float, after_end_s: float
+    session: Watched, done: asyncio.Event, timeout_s: float, after_end_s: float
 ) -> None:
     """Sets ``done`` once the harness has nothing left to do, to cancel it (`run_harness`):
     its episode ended and it asked on (a request answered 409, a ``run_tool`` refused), or it
