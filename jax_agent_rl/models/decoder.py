@@ -38,7 +38,7 @@ class ParamSpec:
     """One parameter: its shape, the logical name of each dimension, and how to initialise it."""
 
     shape: tuple[int, ...]
-    logical_axes: tuple[str, ...]
+    logical_axes: tuple[str | None, ...]  # None: a dimension never split
     init: Initializer
 
 
@@ -124,13 +124,19 @@ def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def param_specs(cfg: ModelConfig) -> Weights:
-    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`)."""
+    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`); a
+    custom policy's (``cfg.module``, `policy`) is its own tree of them."""
+    if cfg.module is not None:
+        specs: Weights = cfg.module.specs()
+        return specs
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     E, M = cfg.num_experts, cfg.moe_intermediate_size
     dense, sparse = not all(cfg.moe_layers), any(cfg.moe_layers)
 
-    def p(shape: tuple[int, ...], axes: tuple[str, ...], init: Initializer = _normal) -> ParamSpec:
+    def p(
+        shape: tuple[int, ...], axes: tuple[str | None, ...], init: Initializer = _normal
+    ) -> ParamSpec:
         return ParamSpec(shape, axes, init)
 
     def expert(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec | None:
@@ -283,7 +289,7 @@ def training_layout(w: Weights, tie_embeddings: bool) -> Weights:
 def checked_weights(cfg: ModelConfig, w: Weights) -> Weights:
     """``w`` in the declared layout (`training_layout`), its tree and every shape checked
     against `param_specs`: a `ValueError` naming the first that differs."""
-    w = training_layout(w, cfg.tie_embeddings)
+    w = w if cfg.module is not None else training_layout(w, cfg.tie_embeddings)
     specs = param_specs(cfg)
     want: Any = jax.tree.structure(specs, is_leaf=is_spec)
     got: Any = jax.tree.structure(w)
