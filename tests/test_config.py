@@ -327,9 +327,10 @@ def test_a_run_folder_config_holds_absolute_paths(
         "data.reward=rewards/mine.py:score", "data.rewards_by_source.src=my_pkg.rewards:score",
         "data.rewards_by_source.openai/gsm8k=verl_gsm8k",
         "env.classes.guess=envs/guess.py:Guess", "env.interaction_config=interaction.yaml",
-        "agent.graph=graphs.py:graph", "trainer.run_dir=runs/x",
+        "agent.graph=graphs.py:graph", "trainer.run_dir=runs/x", "model.module=nets/lm.py:make",
     ]  # fmt: skip
     cfg = absolute_paths(load_config(None, overrides), Path.cwd())
+    assert cfg.model.module == f"{started / 'nets/lm.py'}:make"
     assert cfg.model.path == str(started / "ckpt") and cfg.model.tokenizer == ""
     assert cfg.data.train == str(started / "data/train.jsonl") and cfg.data.val == "/abs/val.jsonl"
     assert cfg.data.reward == f"{started / 'rewards/mine.py'}:score"

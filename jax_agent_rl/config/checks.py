@@ -218,6 +218,29 @@ def _keep_kv(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _module(cfg: JarlConfig) -> str | None:
+    """A custom policy (``model.module``) starts from its own init and runs on the embedded
+    engine only: no HF checkpoint to load adapters onto, serve elsewhere or copy a critic of."""
+    m = cfg.model
+    if not m.module:
+        return None
+    if ":" not in m.module:
+        return f"model.module={m.module!r}: expected path/to/file.py:function or module:function"
+    refused = {
+        "model.lora.rank": m.lora.rank,
+        "rollout.backend": "" if cfg.rollout.backend == "embedded" else cfg.rollout.backend,
+        "rollout.ray.address": cfg.rollout.ray.address,  # replicas would unpickle the module
+        "algorithm.adv_estimator": "gae" if cfg.algorithm.adv_estimator == "gae" else "",
+    }
+    set_keys = [f"{k}={v}" for k, v in refused.items() if v]
+    if set_keys:
+        return (
+            f"model.module={m.module!r} (a custom policy) does not support {', '.join(set_keys)}: "
+            "it trains with the embedded engine, without LoRA adapters, experts or a critic"
+        )
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -232,4 +255,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _judge,
     lambda cfg: lora_targets_problem(cfg.model.lora),
     _keep_kv,
+    _module,
 )

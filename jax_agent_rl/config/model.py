@@ -37,6 +37,11 @@ class ModelSection:
 
     path: str = "???"  # a local HF checkpoint folder (config.json + safetensors)
     tokenizer: str = ""  # a tokenizer folder; empty: the checkpoint folder
+    # a custom policy instead of the checkpoint: path/to/file.py:make_policy (or module:fn),
+    # called with the tokenizer's vocabulary size, returning a `models.policy.Policy` (a
+    # Flax NNX module through `models.nnx_policy.NnxPolicy`); its parameters start from its
+    # own init (trainer.seed), and model.path is then only the tokenizer's folder
+    module: str = ""
     # compute dtype of the learner and the rollout engine; the learner's master weights and
     # optimizer state are always float32
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -63,7 +63,7 @@ PATH_KEYS = (
     "sft.data",
     "trainer.run_dir",
 )
-CODE_KEYS = ("agent.graph", "agent.harness", "data.reward")
+CODE_KEYS = ("agent.graph", "agent.harness", "data.reward", "model.module")
 CODE_MAP_KEYS = ("env.classes", "data.rewards_by_source")
 
 

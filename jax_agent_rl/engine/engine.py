@@ -67,14 +67,13 @@ from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
     Weights,
-    lm_logits,
     page_shardings,
     param_shardings,
 )
 from jax_agent_rl.models.adapters import served_adapters
-from jax_agent_rl.models.decoder import checked_weights, serving_layout
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import copy_page
+from jax_agent_rl.models.policy import policy_of
 
 
 class Engine:
@@ -104,7 +103,7 @@ class Engine:
             raise ValueError(
                 f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1"
             )
-        self.cfg = cfg
+        self.cfg, self.policy = cfg, policy_of(cfg)  # what computes: `models.policy`
         self.max_concurrent_decodes = max_concurrent_decodes
         self.max_len = max_len
         self.max_stop_ids = max_stop_ids
@@ -165,7 +164,7 @@ class Engine:
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
-        self._serving_layout = jax.jit(serving_layout)
+        self._serving_layout = jax.jit(self.policy.serving_layout)
 
     @property
     def page_bytes(self) -> int:
@@ -181,7 +180,7 @@ class Engine:
     def load_params(self, weights: Weights) -> Weights:
         """Checks ``weights`` against the model's declaration, casts and places them in
         `serving_layout`. Takes the declared layout (a learner's) or this engine's own."""
-        weights = checked_weights(self.cfg, weights)
+        weights = self.policy.checked(weights)
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
         if self.sharder is not None:
             cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))
@@ -330,7 +329,7 @@ class Engine:
             pages_read=pages_read,
         )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
-        token, logprob = sample_step(lm_logits(params, last[:, None])[:, 0], slots)
+        token, logprob = sample_step(self.policy.logits(params, last[:, None])[:, 0], slots)
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
         finish = finish_code(slots, token, pos + n, self.max_len)
         state = self._lay_out(dataclasses.replace(state, pages=pages))
@@ -432,7 +431,7 @@ class Engine:
                 decode_kernel=self.decode_kernel,
             )
             pos = pos + active.astype(jnp.int32)
-            token, logprob = sample_step(lm_logits(params, h)[:, 0], slots)
+            token, logprob = sample_step(self.policy.logits(params, h)[:, 0], slots)
             token = jnp.where(active, token, slots.token)
             slots = dataclasses.replace(
                 slots, token=token, generated=slots.generated + active.astype(jnp.int32)

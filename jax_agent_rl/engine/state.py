@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, forward, page_shardings
+from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, page_shardings
 from jax_agent_rl.models.moe import expert_id_dtype
+from jax_agent_rl.models.policy import policy_of
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -82,10 +83,11 @@ def paged_forward(
 ) -> tuple[jax.Array, KVPages, jax.Array | None]:
     """`forward` over the pages (``paged``: its cache arguments): final hidden, pages, and a
     MoE model's experts [sparse layers, B, T, k] (`expert_id_dtype`; None for a dense one)."""
+    forward = policy_of(cfg).forward
     if not any(cfg.moe_layers):
-        h, pages = forward(params, cfg, tokens_bt, **paged)
+        h, pages = forward(params, tokens_bt, **paged)
         return h, pages, None
-    h, pages, ids = forward(params, cfg, tokens_bt, **paged, return_expert_ids=True)
+    h, pages, ids = forward(params, tokens_bt, **paged, return_expert_ids=True)
     return h, pages, ids.astype(expert_id_dtype(cfg.num_experts))
 
 

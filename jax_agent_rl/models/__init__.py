@@ -1,6 +1,7 @@
 """The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
 checkpoints; LoRA adapters (`Lora`; `jax_agent_rl.models.adapters` for PEFT folders and
-merging)."""
+merging); the model seam the engine and the learner run (`Policy`, `policy_of`; a Flax NNX
+module's adapter: `jax_agent_rl.models.nnx_policy`, which imports flax)."""
 
 from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
 from jax_agent_rl.models.config import ModelConfig
@@ -21,6 +22,7 @@ from jax_agent_rl.models.decoder import (
     param_specs,
 )
 from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.models.policy import DecoderPolicy, Policy, UnsupportedPolicyError, policy_of
 from jax_agent_rl.models.rope import Llama3RopeScaling
 from jax_agent_rl.models.sharding import (
     MESH_AXES,
@@ -34,15 +36,18 @@ from jax_agent_rl.models.sharding import (
 __all__ = [
     "MESH_AXES",
     "CheckpointError",
+    "DecoderPolicy",
     "KVPages",
     "Layer",
     "Llama3RopeScaling",
     "Lora",
     "ModelConfig",
     "ParamSpec",
+    "Policy",
     "Sharder",
     "ShardingRules",
     "UnsupportedConfigError",
+    "UnsupportedPolicyError",
     "Weights",
     "abstract_params",
     "checked_weights",
@@ -57,6 +62,7 @@ __all__ = [
     "page_shardings",
     "param_shardings",
     "param_specs",
+    "policy_of",
     "request_cpu_devices",
     "save_hf",
 ]

@@ -26,7 +26,7 @@ from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
-from jax_agent_rl.models.paged import PAGE_AXES, decode_steps, paged_attention
+from jax_agent_rl.models.paged import PAGE_AXES, PagedChunk
 from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -38,7 +38,7 @@ class ParamSpec:
     """One parameter: its shape, the logical name of each dimension, and how to initialise it."""
 
     shape: tuple[int, ...]
-    logical_axes: tuple[str, ...]
+    logical_axes: tuple[str | None, ...]  # None: a dimension never split
     init: Initializer
 
 
@@ -124,13 +124,19 @@ def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def param_specs(cfg: ModelConfig) -> Weights:
-    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`)."""
+    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`); a
+    custom policy's (``cfg.module``, `policy`) is its own tree of them."""
+    if cfg.module is not None:
+        specs: Weights = cfg.module.specs()
+        return specs
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     E, M = cfg.num_experts, cfg.moe_intermediate_size
     dense, sparse = not all(cfg.moe_layers), any(cfg.moe_layers)
 
-    def p(shape: tuple[int, ...], axes: tuple[str, ...], init: Initializer = _normal) -> ParamSpec:
+    def p(
+        shape: tuple[int, ...], axes: tuple[str | None, ...], init: Initializer = _normal
+    ) -> ParamSpec:
         return ParamSpec(shape, axes, init)
 
     def expert(shape: tuple[int, ...], axes: tuple[str, ...]) -> ParamSpec | None:
@@ -283,7 +289,7 @@ def training_layout(w: Weights, tie_embeddings: bool) -> Weights:
 def checked_weights(cfg: ModelConfig, w: Weights) -> Weights:
     """``w`` in the declared layout (`training_layout`), its tree and every shape checked
     against `param_specs`: a `ValueError` naming the first that differs."""
-    w = training_layout(w, cfg.tie_embeddings)
+    w = w if cfg.module is not None else training_layout(w, cfg.tie_embeddings)
     specs = param_specs(cfg)
     want: Any = jax.tree.structure(specs, is_leaf=is_spec)
     got: Any = jax.tree.structure(w)
@@ -881,52 +887,18 @@ def _forward_paged(
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
     if page_table_bm is None or pos_b is None or num_new_b is None:
         raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
-    if T > 1 and pages_read is None:
-        raise ValueError("a prefill chunk (T > 1) needs pages_read")
-    if decode_kernel not in ("ragged", "pallas"):
-        raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
-    _, P, ps, _ = cache.k[0].shape
-    M = page_table_bm.shape[1]
-    cache_positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    page_bt = page_table_bm[rows_bt, jnp.minimum(cache_positions // ps, M - 1)]
-    # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
-    page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
-    offset_bt = cache_positions % ps
-    # decode (T = 1): each shard of the rows reads and writes its own pages only
-    make_tables, decode_layer = decode_steps(sharder, P, ps, decode_kernel)
-    active_b = num_new_b > 0
-    tables = make_tables(page_table_bm, pos_b, active_b) if T == 1 else None
-    new_k, new_v = [], []
+    chunk = PagedChunk(
+        sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read, decode_kernel, B, T
+    )
     chosen: list[jax.Array | None] = []  # the experts of each sparse layer
     given = list(expert_ids) if expert_ids is not None else []
-    for i, (lw, ck, cv) in enumerate(zip(layer_list(w.layers), cache.k, cache.v, strict=True)):
-
-        def paged(
-            q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv
-        ) -> jax.Array:
-            if tables is not None:
-                out, ck, cv = decode_layer(
-                    q[:, 0], k[:, 0], v[:, 0], ck, cv, tables, pos_b, active_b
-                )
-                new_k.append(ck)
-                new_v.append(cv)
-                return out[:, None]
-            # the chunk's keys and values go into their pages first, then attention reads
-            # them (the update is [G, B, T, K], split by the page and offset indices)
-            k_gbtk, v_gbtk = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
-            ck = ck.at[:, page_bt, offset_bt].set(k_gbtk.astype(ck.dtype), mode="drop")
-            cv = cv.at[:, page_bt, offset_bt].set(v_gbtk.astype(cv.dtype), mode="drop")
-            new_k.append(ck)
-            new_v.append(cv)
-            assert pages_read is not None
-            return paged_attention(q, ck, cv, page_table_bm, pos_b, pages_read)
-
+    for i, lw in enumerate(layer_list(w.layers)):
+        paged = partial(chunk.attend, i)
         replay = given[len(chosen)] if given and kinds[i] else None
-        x, routing = mlp(lw, _attend(cfg, lw, x, cache_positions, paged), kinds[i], replay)
+        x, routing = mlp(lw, _attend(cfg, lw, x, chunk.positions, paged), kinds[i], replay)
         chosen += [routing[0]] if routing is not None and kinds[i] else []
     h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-    pages = KVPages(k=tuple(new_k), v=tuple(new_v))
+    pages = KVPages(k=chunk.k, v=chunk.v)
     if return_expert_ids:
         return h_btd, pages, jnp.stack([ids for ids in chosen if ids is not None])
     return h_btd, pages

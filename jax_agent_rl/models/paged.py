@@ -327,3 +327,76 @@ def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder | None) -> Any:
     return jax.shard_map(copy, mesh=sharder.mesh, in_specs=(replicated, spec), out_specs=spec)(
         src_dst, pages
     )
+
+
+class PagedChunk:
+    """One chunk's attention over every layer's pool buffer, for a forward that runs its
+    layers one after another (the decoder's with a cache, a custom policy's: `policy`).
+
+    Row b's pages are ``page_table[b]`` and it holds ``pos[b]`` tokens already; the chunk's
+    tokens take ``positions`` ``pos[b] + t``. Only the row's first ``num_new[b]`` tokens are
+    real (their keys and values are written into its pages); the rest are padding, written
+    nowhere (a row of none is idle). ``attend(i, q, k, v)`` (queries [B, T, H, K], the chunk's
+    keys and values [B, T, G, K]) writes layer i's chunk into its buffer and attends over the
+    row's positions up to each query's: a chunk of T = 1 (decode) with `decode_steps`' layer
+    (each shard its own pages), a longer one (prefill) with `paged_attention` over
+    ``pages_read`` pages. ``k`` and ``v`` then hold every layer's updated buffer, in order.
+    """
+
+    def __init__(
+        self,
+        sharder: Sharder | None,
+        k_pools: tuple[jax.Array, ...],
+        v_pools: tuple[jax.Array, ...],
+        page_table_bm: jax.Array,
+        pos_b: jax.Array,
+        num_new_b: jax.Array,
+        pages_read: int | None,
+        decode_kernel: str,
+        B: int,
+        T: int,
+    ) -> None:
+        if T > 1 and pages_read is None:
+            raise ValueError("a prefill chunk (T > 1) needs pages_read")
+        if decode_kernel not in ("ragged", "pallas"):
+            raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
+        _, P, ps, _ = k_pools[0].shape
+        M = page_table_bm.shape[1]
+        self.positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        page_bt = page_table_bm[rows_bt, jnp.minimum(self.positions // ps, M - 1)]
+        # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
+        self._page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
+        self._offset_bt = self.positions % ps
+        # decode (T = 1): each shard of the rows reads and writes its own pages only
+        make_tables, self._decode_layer = decode_steps(sharder, P, ps, decode_kernel)
+        self._active_b = num_new_b > 0
+        self._tables = make_tables(page_table_bm, pos_b, self._active_b) if T == 1 else None
+        self._pools = list(k_pools), list(v_pools)
+        self._table_bm, self._pos_b, self._pages_read = page_table_bm, pos_b, pages_read
+
+    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        ck, cv = self._pools[0][i], self._pools[1][i]
+        if self._tables is not None:
+            out, ck, cv = self._decode_layer(
+                q[:, 0], k[:, 0], v[:, 0], ck, cv, self._tables, self._pos_b, self._active_b
+            )
+            self._pools[0][i], self._pools[1][i] = ck, cv
+            return out[:, None]
+        # the chunk's keys and values go into their pages first, then attention reads them
+        # (the update is [G, B, T, K], split by the page and offset indices)
+        k_gbtk, v_gbtk = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)
+        at = (slice(None), self._page_bt, self._offset_bt)
+        ck = ck.at[at].set(k_gbtk.astype(ck.dtype), mode="drop")
+        cv = cv.at[at].set(v_gbtk.astype(cv.dtype), mode="drop")
+        self._pools[0][i], self._pools[1][i] = ck, cv
+        assert self._pages_read is not None
+        return paged_attention(q, ck, cv, self._table_bm, self._pos_b, self._pages_read)
+
+    @property
+    def k(self) -> tuple[jax.Array, ...]:
+        return tuple(self._pools[0])
+
+    @property
+    def v(self) -> tuple[jax.Array, ...]:
+        return tuple(self._pools[1])

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import ModelConfig, Sharder, Weights, forward, lm_logits
+from jax_agent_rl.models import ModelConfig, Sharder, Weights
 from jax_agent_rl.models.moe import NO_EXPERTS, load_balancing_loss
+from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.tree import TreeRows
@@ -95,7 +96,8 @@ class StepSpec:
         given = sampled_experts(mb) if replay else None
         w = self.cast(weights)
         f = forward_rows(mb)
-        args = (w, self.model, f.tokens, f.positions, f.segment_ids, self.sharder, self.remat)
+        forward = policy_of(self.model).forward
+        args = (w, f.tokens, f.positions, f.segment_ids, self.sharder, self.remat)
         if not router_aux:
             h = forward(*args, window=f.window, reach_bt=f.reach, expert_ids=given)
             return h, w, jnp.zeros((), jnp.float32)
@@ -170,9 +172,8 @@ def own_routing_stats(
     assert given is not None, "own_routing_stats of a batch without sampled experts"
     w = spec.cast(params)
     f = forward_rows(mb)
-    h, own = forward(
+    h, own = policy_of(spec.model).forward(
         w,
-        spec.model,
         f.tokens,
         f.positions,
         f.segment_ids,
@@ -196,12 +197,12 @@ def head_stats(
     B, T, D = h.shape
     targets = mb.targets if mb.tree is None else mb.tree.targets
     if s.top_k <= 0 and s.top_p >= 1.0:
-        head_vd = w.embed if w.lm_head is None else w.lm_head.T
+        head_vd = policy_of(spec.model).head_vd(w)
         logp, entropy = head_logprobs(
             h.reshape(B * T, D), head_vd, targets.reshape(B * T), s.temperature
         )
         return on_loss_rows(mb, logp.reshape(B, T)), on_loss_rows(mb, entropy.reshape(B, T))
-    logits_btv = lm_logits(w, h)
+    logits_btv = policy_of(spec.model).logits(w, h)
     V = logits_btv.shape[-1]
     full = lambda v: jnp.full((B * T,), v)  # noqa: E731
     logp_btv = sampling_logprobs(

@@ -54,8 +54,9 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
-from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows, with_run_lora
+from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
 from jax_agent_rl.train.metrics import MetricsLog
+from jax_agent_rl.train.run_policy import run_policy
 from jax_agent_rl.train.sft import warm_start
 
 
@@ -226,7 +227,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
-    model, params = with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
+    model, params = run_policy(cfg, tokenizer, sharder)
     train = load_samples(
         cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
     )

@@ -147,6 +147,9 @@ def export_hf(run: Run) -> None:
     process takes part in copying the params to the host; the first writes, and the others
     wait for it on the devices (no time limit) rather than in jax.distributed's shutdown,
     which gives up after a few minutes (a 7B export can take more)."""
+    if run.model.module is not None:  # a custom policy (model.module) has no HF layout
+        run.console.print(f"{run.model.module!r}: no HF export; its weights: RUN/checkpoints")
+        return
     params = distributed.host_copy(run.learner.params)
     if distributed.is_primary():
         with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):

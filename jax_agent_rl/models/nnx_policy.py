@@ -1,0 +1,200 @@
+"""A Flax NNX module as a `policy.Policy`: what ``model.module`` of a run names.
+
+The module a user writes (``examples/flax_nnx_policy``) has this shape:
+
+    module(tokens_bt, positions_bt, attend) -> final hidden [B, T, D]
+    module.head_vd() -> the output head [V, D]
+
+``attend(i, q, k, v)`` is layer i's attention of its queries [B, T, H, K] over the keys and
+values [B, T, G, K] of the chunk (and, in the engine, of the row's earlier positions): the
+run gives the module its own attention for training (`decoder.attention`, packed segments)
+and for the engine (`paged.PagedChunk`, a paged KV pool laid out as the config's
+``num_layers`` x ``num_kv_heads`` x ``head_dim`` say), so the module never owns a cache.
+
+Its parameters (`nnx.Param`, logical axes as their ``out_sharding``; eager sharding is off
+while the module is built) are held as a plain nested dict of arrays (string keys), the tree
+`specs` declares; `nnx.merge` of the module's graph with them happens when ``forward`` is
+traced, inside the jitted program, never per step on the host.
+
+Not supported, refused by name (`policy.UnsupportedPolicyError` / the run's ConfigError):
+LoRA adapters, Qwen3-MoE routing (experts, routing replay), HF checkpoint import / export
+(and so the vLLM and JetStream backends, which load HF tensors), a module with state other
+than its parameters (batch statistics, RNG streams: the forward is deterministic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.decoder import KVPages, ParamSpec, attention, checked_weights
+from jax_agent_rl.models.paged import PagedChunk
+from jax_agent_rl.models.policy import UnsupportedPolicyError, head_logits
+from jax_agent_rl.models.sharding import Sharder
+
+ModuleFactory = Callable[[nnx.Rngs], nnx.Module]
+Path = tuple[str, ...]
+_REFUSED = ("expert_ids", "return_expert_ids", "return_router_logits")
+
+
+def _built(make: ModuleFactory, key: jax.Array) -> nnx.Module:
+    with nnx.use_eager_sharding(False):  # the run lays parameters out (`specs`' axes)
+        return make(nnx.Rngs(params=key))
+
+
+class NnxPolicy:
+    """``make(rngs)`` builds the module (its own initialisers); the sizes are the config's
+    (`policy` module docstring): a paged pool of ``num_layers`` layers of ``num_kv_heads`` x
+    ``head_dim``, a head of ``vocab_size`` x ``hidden_size``, positions below ``max_len``."""
+
+    def __init__(
+        self,
+        make: ModuleFactory,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: str = "float32",
+    ) -> None:
+        self._make = make
+        module = nnx.eval_shape(lambda: _built(make, jax.random.key(0)))
+        parts: tuple[Any, ...] = nnx.split(module, nnx.Param, ...)
+        self._graph: Any = parts[0]
+        state, rest = parts[1], parts[2]
+        if jax.tree.leaves(rest):
+            raise UnsupportedPolicyError(
+                f"the module holds state other than nnx.Param ({jax.tree.structure(rest)}): "
+                "a policy's forward is a function of its parameters alone"
+            )
+        self._flat = list(nnx.to_flat_state(state))  # (path, abstract nnx.Param)
+        specs: dict[str, Any] = {}
+        for path, var in self._flat:
+            shape = tuple(var.get_value().shape)
+            axes: tuple[str | None, ...] = tuple(
+                var.get_metadata().get("out_sharding") or (None,) * len(shape)
+            )
+            init = partial(self._init_leaf, path)
+            _nested_set(specs, _names(path), ParamSpec(shape, axes, init))
+        self._specs = specs
+        self.cfg = ModelConfig(
+            family="llama",  # sizes only: a custom policy has no HF family (to_hf refuses)
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_len,
+            dtype="bfloat16" if dtype == "bfloat16" else "float32",
+            module=self,
+        )
+
+    def __repr__(self) -> str:
+        return f"NnxPolicy({getattr(self._make, '__qualname__', self._make)!r})"
+
+    def _init_leaf(self, path: Any, key: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The module's own initial value of ``path`` under ``key`` (traced under `init_params`'
+        jit: the rest of that module's initialisation is dead code and compiled away)."""
+        _, state = nnx.split(_built(self._make, key), nnx.Param)
+        value = dict(nnx.to_flat_state(state))[path].get_value()
+        assert tuple(value.shape) == shape
+        return value.astype(dtype)
+
+    def specs(self) -> dict[str, Any]:
+        return self._specs
+
+    def checked(self, params: Any) -> Any:
+        return checked_weights(self.cfg, params)
+
+    def serving_layout(self, params: Any) -> Any:
+        return params
+
+    def _module(self, params: Any) -> Any:
+        """The module holding ``params`` (`nnx.merge`: at trace time only)."""
+        flat = [(p, var.replace(_nested_get(params, _names(p)))) for p, var in self._flat]
+        return nnx.merge(self._graph, nnx.from_flat_state(flat))
+
+    def forward(
+        self,
+        params: Any,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
+        sharder: Sharder | None = None,
+        remat: bool = False,
+        *,
+        cache: KVPages | None = None,
+        page_table_bm: jax.Array | None = None,
+        pos_b: jax.Array | None = None,
+        num_new_b: jax.Array | None = None,
+        pages_read: int | None = None,
+        decode_kernel: str = "ragged",
+        window: int | None = None,
+        reach_bt: jax.Array | None = None,
+        **moe: Any,
+    ) -> Any:
+        """`decoder.forward`'s contract (`policy.Policy.forward`) for the module."""
+        refused = sorted(k for k in moe if k in _REFUSED and moe[k] not in (None, False))
+        if refused or set(moe) - set(_REFUSED):
+            raise UnsupportedPolicyError(f"{refused or sorted(moe)}: a {self!r} has no experts")
+        if cache is None:
+            if positions_bt is None or segment_ids_bt is None:
+                raise ValueError("forward without a cache needs positions and segment ids")
+            segments, positions = segment_ids_bt, positions_bt
+
+            def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+                del i  # every layer attends within the same segments
+                return attention(q, k, v, segments, window, sharder, reach_bt=reach_bt)
+
+            def run(params: Any) -> jax.Array:
+                h: jax.Array = self._module(params)(tokens_bt, positions, attend)
+                return h
+
+            return (jax.checkpoint(run) if remat else run)(params)
+        if page_table_bm is None or pos_b is None or num_new_b is None:
+            raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
+        B, T = tokens_bt.shape
+        chunk = PagedChunk(
+            sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read,
+            decode_kernel, B, T,
+        )  # fmt: skip
+        h = self._module(params)(tokens_bt, chunk.positions, chunk.attend)
+        return h, KVPages(k=chunk.k, v=chunk.v)
+
+    def head_vd(self, params: Any) -> jax.Array:
+        head: jax.Array = self._module(params).head_vd()
+        return head
+
+    def logits(self, params: Any, h_btd: jax.Array) -> jax.Array:
+        return head_logits(self.head_vd(params), h_btd)
+
+    def hf_tensors(self, params: Any, on_device: bool = False) -> Iterator[tuple[str, Any]]:
+        del params, on_device
+        raise UnsupportedPolicyError(f"{self!r} has no HF checkpoint layout to export")
+
+
+def _names(path: tuple[Any, ...]) -> Path:
+    """A parameter's path as string keys (an `nnx.List`'s indices too: checkpoints want them)."""
+    return tuple(str(p) for p in path)
+
+
+def _nested_set(tree: dict[str, Any], path: Path, value: Any) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+def _nested_get(tree: Any, path: Path) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree

@@ -1,0 +1,121 @@
+"""The model seam: what the engine, the learner and the weight push need of a policy.
+
+A `Policy` is reached from the `ModelConfig` every part already receives (`policy_of`): the
+config states the sizes the rest of the run reads (the KV layout: ``num_layers`` pools of
+``num_kv_heads`` x ``head_dim``; ``vocab_size``, ``hidden_size``, ``dtype``), and its
+``module`` is the policy that computes, or ``None`` for this package's decoder families
+(`DecoderPolicy`, a thin object over `decoder`'s functions). A custom policy (``model.module``
+of a run: `nnx_policy.NnxPolicy` adapts a Flax NNX module) implements the same methods.
+
+What the two hot paths need, and no more:
+- the parameter tree, declared once (`specs`: `decoder.ParamSpec` leaves with logical axes),
+  from which init, shardings, checkpoint restore targets and weight-push targets derive
+  (`decoder.param_specs` returns a custom policy's own);
+- ``forward``: the training forward over packed rows (tokens, positions, segment ids ->
+  final hidden [B, T, D]) and, with a ``cache``, the engine's paged prefill / decode chunk
+  (-> hidden, updated `decoder.KVPages`); the keyword arguments are `decoder.forward`'s;
+- ``head_vd`` ([V, D], what the learner's chunked logprobs read) and ``logits`` (the
+  engine's sampling head, fp32);
+- ``serving_layout`` / ``checked`` (the engine's copy of pushed weights, and their check);
+- ``hf_tensors``: the HF export table (the vLLM push and ``jarl export`` read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jax_agent_rl.models import decoder
+from jax_agent_rl.models.checkpoint import hf_tensors
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.sharding import Sharder
+
+
+class UnsupportedPolicyError(ValueError):
+    """A feature a custom policy does not implement (LoRA, experts, HF export...)."""
+
+
+class Policy(Protocol):
+    """A model as the engine, the learner and the weight push use it (module docstring)."""
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+
+    def specs(self) -> Any: ...
+
+    def checked(self, params: Any) -> Any: ...
+
+    def serving_layout(self, params: Any) -> Any: ...
+
+    def forward(
+        self,
+        params: Any,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
+        sharder: Sharder | None = None,
+        remat: bool = False,
+        **kw: Any,
+    ) -> Any: ...
+
+    def head_vd(self, params: Any) -> jax.Array: ...
+
+    def logits(self, params: Any, h_btd: jax.Array) -> jax.Array: ...
+
+    def hf_tensors(self, params: Any, on_device: bool = False) -> Iterator[tuple[str, Any]]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderPolicy:
+    """The Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE decoder of ``cfg`` (`decoder`) as a `Policy`."""
+
+    cfg: ModelConfig
+
+    def specs(self) -> decoder.Weights:
+        return decoder.param_specs(self.cfg)
+
+    def checked(self, params: Any) -> decoder.Weights:
+        return decoder.checked_weights(self.cfg, params)
+
+    def serving_layout(self, params: Any) -> decoder.Weights:
+        return decoder.serving_layout(params)
+
+    def forward(
+        self,
+        params: Any,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
+        sharder: Sharder | None = None,
+        remat: bool = False,
+        **kw: Any,
+    ) -> Any:
+        forward: Any = decoder.forward  # its overloads: the keywords pick the result's shape
+        return forward(
+            params, self.cfg, tokens_bt, positions_bt, segment_ids_bt, sharder, remat, **kw
+        )
+
+    def head_vd(self, params: Any) -> jax.Array:
+        head: jax.Array = params.embed if params.lm_head is None else params.lm_head.T
+        return head
+
+    def logits(self, params: Any, h_btd: jax.Array) -> jax.Array:
+        return decoder.lm_logits(params, h_btd)
+
+    def hf_tensors(self, params: Any, on_device: bool = False) -> Iterator[tuple[str, Any]]:
+        return hf_tensors(self.cfg, params, on_device)
+
+
+def policy_of(cfg: ModelConfig) -> Policy:
+    """The policy ``cfg`` describes: its custom ``module``, else its decoder family's."""
+    module: Policy | None = cfg.module
+    return DecoderPolicy(cfg) if module is None else module
+
+
+def head_logits(head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
+    """Logits [B, T, V] in fp32 from a head [V, D] (a custom policy's `Policy.logits`)."""
+    return jnp.einsum("btd,vd->btv", h_btd, head_vd, preferred_element_type=jnp.float32)

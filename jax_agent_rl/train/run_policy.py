@@ -1,0 +1,39 @@
+"""The policy a run trains and its first parameters: the HF checkpoint ``model.path`` (with
+``model.lora``'s adapters, `learners.with_run_lora`), or the custom policy ``model.module``
+names (`models.policy`), initialised by its own initialisers from ``trainer.seed``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.models import ModelConfig, Sharder, init_params, load_hf
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.learners import with_run_lora
+from jax_agent_rl.user_code import load_function
+
+
+def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple[ModelConfig, Any]:
+    """The run's model (its `ModelConfig`; a custom policy's is ``policy.cfg``) and its float32
+    parameters laid out by ``sharder``."""
+    spec = cfg.model.module
+    if not spec:
+        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
+    policy = load_function(spec, "model.module")(tokenizer.vocab_size)
+    model = getattr(policy, "cfg", None)
+    if not isinstance(model, ModelConfig) or model.module is not policy:
+        raise ConfigError(
+            f"model.module={spec!r} returned {policy!r}, not a policy (models.policy.Policy: "
+            "e.g. models.nnx_policy.NnxPolicy over a Flax NNX module)"
+        )
+    if model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.module={spec!r}: its vocabulary ({model.vocab_size}) is smaller than the "
+            f"tokenizer's ({tokenizer.vocab_size}, model.path={cfg.model.path!r})"
+        )
+    model = dataclasses.replace(model, dtype="float32")
+    return model, init_params(jax.random.key(cfg.trainer.seed), model, sharder)

@@ -1,0 +1,132 @@
+"""A Flax NNX module trained through the model seam (`models.policy`, `models.nnx_policy`):
+``jarl train`` with ``model.module`` naming examples/flax_nnx_policy/policy.py samples it on
+the embedded engine (its paged KV cache) and trains it with the learner (packed rows).
+
+Tolerance. The engine (paged prefill / ragged decode attention) and the learner (blocked
+training attention) compute the same fp32 function in another order: the sampled-vs-learner
+logprob gap that leaves is `FP32_LOGPROB_TOLERANCE` (1e-4), what the decoder families are
+held to (tests/rl/test_learner.py); nothing in the seam may widen it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_agent_rl.cli import main
+from jax_agent_rl.config import load_config
+from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.models import init_params, save_hf
+from jax_agent_rl.models.config_checks import UnsupportedConfigError
+from jax_agent_rl.models.policy import UnsupportedPolicyError, policy_of
+from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
+from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.user_code import load_function
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = f"{ROOT / 'examples' / 'flax_nnx_policy' / 'policy.py'}:make_policy"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
+    return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=40, n_val=4, n_sft=8)
+
+
+# a reward an untrained model's episodes differ in (the groups then carry an advantage)
+REWARD = (
+    "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n"
+)
+
+
+def overrides(task: TaskFiles, run_dir: Path) -> list[str]:
+    reward = task.train.parent / "digits.py"
+    reward.write_text(REWARD)
+    return [
+        f"model.path={task.model}", f"model.module={MODULE}", f"data.train={task.train}",
+        f"data.reward={reward}:score",
+        "data.val=", "sft.steps=0", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
+        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_model_len=128",
+        "agent.max_response_tokens=48", "agent.max_tokens_per_turn=24",
+        "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=0",
+        "trainer.tensorboard=false",
+    ]  # fmt: skip
+
+
+def test_jarl_train_trains_a_flax_nnx_module(task: TaskFiles, tmp_path: Path) -> None:
+    """Two RL steps: the sampler's logprobs are the learner's within the fp32 tolerance, and
+    the parameters move (the update reaches the module's weights)."""
+    run_dir = tmp_path / "run"
+    assert main(["train", str(DEMO_CONFIG), *overrides(task, run_dir)]) == 0
+    steps = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["batch/trajectories"] == 16
+        assert 0 <= r["logprob_gap/max"] <= FP32_LOGPROB_TOLERANCE, r["logprob_gap/max"]
+        assert r["grad_norm"] > 0
+
+
+def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
+    """The module's paged forward (a prefill chunk, then one decode step) against its training
+    forward over the whole sequence: the same logits within fp32 rounding."""
+    from jax_agent_rl.engine import Engine
+
+    policy = load_function(MODULE, "model.module")(300)
+    cfg = policy.cfg
+    w = init_params(jax.random.key(0), cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 13)), jnp.int32)
+    want = policy.logits(w, policy.forward(w, tokens, jnp.arange(13)[None], jnp.ones_like(tokens)))
+    engine = Engine(cfg, max_concurrent_decodes=2, max_len=64, page_size=8, prefill_chunk=16)
+    assert engine.policy is policy
+    served = engine.load_params(w)
+    pages = engine.abstract_decode_state().pages
+    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), pages)
+    table = jnp.arange(engine.pages_per_seq, dtype=jnp.int32)[None]
+    h, cache = policy.forward(
+        served, tokens[:, :12], cache=cache, page_table_bm=table, pos_b=jnp.array([0]),
+        num_new_b=jnp.array([12]), pages_read=2,
+    )  # fmt: skip
+    h1, _ = policy.forward(
+        served, tokens[:, 12:], cache=cache, page_table_bm=table, pos_b=jnp.array([12]),
+        num_new_b=jnp.array([1]),
+    )  # fmt: skip
+    got = jnp.concatenate([policy.logits(served, h), policy.logits(served, h1)], axis=1)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_what_a_module_policy_does_not_support_is_refused_by_name(
+    task: TaskFiles, tmp_path: Path
+) -> None:
+    base = overrides(task, tmp_path / "r")
+    for bad, named in (
+        ("model.lora.rank=4", "model.lora.rank=4"),
+        ("rollout.backend=vllm", "rollout.backend=vllm"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
+        ("rollout.ray.address=auto", "rollout.ray.address=auto"),
+        ("model.module=policy.py", "expected path/to/file.py:function"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            load_config(DEMO_CONFIG, [*base, bad])
+    policy = load_function(MODULE, "model.module")(64)
+    assert policy_of(policy.cfg) is policy
+    with pytest.raises(UnsupportedPolicyError, match="no experts"):
+        policy.forward(None, jnp.zeros((1, 1), jnp.int32), return_expert_ids=True)
+    w = init_params(jax.random.key(0), policy.cfg)
+    with pytest.raises(UnsupportedPolicyError, match="no HF checkpoint"):
+        save_hf(tmp_path / "out", policy.cfg, w)  # its table is the policy's (none)
+    with pytest.raises(UnsupportedConfigError, match="custom policy"):
+        policy.cfg.to_hf()
+    # a module that returns no policy: named at the run's start
+    (tmp_path / "not_a_policy.py").write_text("def make(vocab_size):\n    return 3\n")
+    spec = f"model.module={tmp_path / 'not_a_policy.py'}:make"
+    cfg = load_config(DEMO_CONFIG, [*base, spec])
+    from jax_agent_rl.train import train
+
+    with pytest.raises(ConfigError, match="not a policy"):
+        train(cfg)
