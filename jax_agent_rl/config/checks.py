@@ -231,12 +231,18 @@ def _module(cfg: JarlConfig) -> str | None:
         "rollout.backend": "" if cfg.rollout.backend == "embedded" else cfg.rollout.backend,
         "rollout.ray.address": cfg.rollout.ray.address,  # replicas would unpickle the module
         "algorithm.adv_estimator": "gae" if cfg.algorithm.adv_estimator == "gae" else "",
+        # an SFT warm start then RL in one process left 2 devices waiting on different
+        # all-reduces in the first RL step (an XLA:CPU collective timeout), not understood
+        # yet: SFT in a run of its own (trainer.steps=0), the same run dir resumed, trains
+        "sft.steps": cfg.sft.steps if cfg.sft.data and cfg.sft.steps and cfg.trainer.steps else 0,
     }
     set_keys = [f"{k}={v}" for k, v in refused.items() if v]
     if set_keys:
         return (
             f"model.module={m.module!r} (a custom policy) does not support {', '.join(set_keys)}: "
-            "it trains with the embedded engine, without LoRA adapters, experts or a critic"
+            "it trains with the embedded engine, without LoRA adapters, experts or a critic, "
+            "and takes its SFT warm start in a run of its own (trainer.steps=0, then the same "
+            "trainer.run_dir resumed)"
         )
     return None
 
