@@ -226,23 +226,23 @@ def _module(cfg: JarlConfig) -> str | None:
         return None
     if ":" not in m.module:
         return f"model.module={m.module!r}: expected path/to/file.py:function or module:function"
+    devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     refused = {
         "model.lora.rank": m.lora.rank,
         "rollout.backend": "" if cfg.rollout.backend == "embedded" else cfg.rollout.backend,
         "rollout.ray.address": cfg.rollout.ray.address,  # replicas would unpickle the module
         "algorithm.adv_estimator": "gae" if cfg.algorithm.adv_estimator == "gae" else "",
-        # an SFT warm start then RL in one process left 2 devices waiting on different
-        # all-reduces in the first RL step (an XLA:CPU collective timeout), not understood
-        # yet: SFT in a run of its own (trainer.steps=0), the same run dir resumed, trains
-        "sft.steps": cfg.sft.steps if cfg.sft.data and cfg.sft.steps and cfg.trainer.steps else 0,
+        # after an SFT warm start on a mesh of several devices, the first RL step left 2
+        # devices waiting on different all-reduces (an XLA:CPU collective timeout), in one
+        # process or resumed: cause not found; on one device SFT then RL trains
+        "sft.steps": cfg.sft.steps if cfg.sft.data and cfg.sft.steps and devices > 1 else 0,
     }
     set_keys = [f"{k}={v}" for k, v in refused.items() if v]
     if set_keys:
         return (
             f"model.module={m.module!r} (a custom policy) does not support {', '.join(set_keys)}: "
             "it trains with the embedded engine, without LoRA adapters, experts or a critic, "
-            "and takes its SFT warm start in a run of its own (trainer.steps=0, then the same "
-            "trainer.run_dir resumed)"
+            "and takes an SFT warm start on a mesh of one device (mesh.data=1, fsdp=1, tensor=1)"
         )
     return None
 

@@ -110,7 +110,7 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
         ("rollout.ray.address=auto", "rollout.ray.address=auto"),
         ("model.module=policy.py", "expected path/to/file.py:function"),
-        (f"sft.steps=4 sft.data={task.sft}", "sft.steps=4"),  # SFT in a run of its own
+        (f"sft.steps=4 sft.data={task.sft} mesh.data=2", "sft.steps=4"),  # SFT: one device
     ):
         with pytest.raises(ConfigError, match=named):
             load_config(DEMO_CONFIG, [*base, *bad.split()])
