@@ -9,18 +9,29 @@
   ``env.step_timeout_s``: the call that blocks ends at its timeout (the policy's, as any step
   past it), the calls it held up end as not the policy's (``env_error``, naming it), and a loop
   blocked for good ends every later episode so, which stops the run with that error.
+- A ``react_agent`` graph (``agent.graph``, user code as a harness is) ran on the rollout's
+  loop with no deadline: one that awaited for ever held its episode and the step for ever, one
+  that blocked its thread held every episode and the backend, and one that raised after a
+  model turn (a node parsing the policy's text) ended ``agent_error``, untrained: a policy
+  escaped being wrong by writing what the graph choked on. A graph now runs as a harness
+  does, in a thread and event loop of its own, its model turns and tool calls on the
+  rollout's loop, stopped once it holds its episode ``agent.harness_timeout_s`` without one
+  in progress; failing after a live model turn ends ``caused_error`` (trained, outcome 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
+from langgraph.graph import END, START, MessagesState, StateGraph
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.langgraph_loop import Episode
 from jax_agent_rl.agent.loop import run_sample
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments, EnvStep
 from jax_agent_rl.envs.base import EnvBusyError, EnvStepError, GuardedEnvironment
@@ -283,3 +294,129 @@ def test_an_env_error_stays_an_env_error() -> None:
 
     with pytest.raises(EnvError, match=r"r.reset raised .*SystemExit"):
         asyncio.run(go())
+
+
+# react_agent's graphs (agent.graph): user code, as a harness is, now run as a harness runs
+
+
+def awaiting(model: Any, tools: Any) -> Any:
+    """A graph whose node awaits for ever before the model's first turn."""
+    del model, tools
+
+    async def node(state: MessagesState) -> dict:
+        del state
+        await asyncio.Event().wait()
+        return {}
+
+    return _one_node(node)
+
+
+GRAPH_RELEASE, GRAPH_WOKE = threading.Event(), threading.Event()
+
+
+def blocking(model: Any, tools: Any) -> Any:
+    """A graph whose async node blocks its thread (a synchronous call) until released."""
+    del model, tools
+
+    async def node(state: MessagesState) -> dict:
+        del state
+        GRAPH_RELEASE.wait(2 * BOUND_S)
+        GRAPH_WOKE.set()
+        return {}
+
+    return _one_node(node)
+
+
+def stalling(model: Any, tools: Any) -> Any:
+    """A graph that asks for one model turn, then awaits for ever."""
+    del tools
+
+    async def node(state: MessagesState) -> dict:
+        await model.ainvoke(state["messages"])
+        await asyncio.Event().wait()
+        return {}
+
+    return _one_node(node)
+
+
+def _one_node(node: Any) -> Any:
+    graph = StateGraph(MessagesState)
+    graph.add_node("n", node)
+    graph.add_edge(START, "n")
+    graph.add_edge("n", END)
+    return graph.compile()
+
+
+def _react(backend: EmbeddedBackend, tokenizer: Tokenizer, graph: str) -> Trajectory:
+    async def go() -> Trajectory:
+        tools = LocalTools(ToolRegistry([]))
+        cfg = AgentConfig(
+            graph=f"{HERE}:{graph}",
+            harness_timeout_s=TINY_S,
+            max_turns=2,
+            max_tokens_per_turn=4,
+            max_model_len=256,
+        )
+        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), cfg)
+        sample = Sample("g", [{"role": "user", "content": "2+2?"}], "4", agent_name="react_agent")
+        return await asyncio.wait_for(run_sample(sample, ctx), 3 * BOUND_S)  # (a bound on failing)
+
+    return asyncio.run(go())
+
+
+HERE = "tests.hostile.test_fifteenth_pass"
+TINY_S = 0.05  # the graph's deadline under test (what it is, not how long anything takes)
+STOPPED = f"agent.harness_timeout_s={TINY_S:g}s without a model turn or tool call"
+
+
+def test_a_graph_awaiting_for_ever_is_stopped_at_its_deadline(
+    backend: EmbeddedBackend, tokenizer: Tokenizer
+) -> None:
+    """Before the model's first turn: the graph's own failure (agent_error), naming the
+    deadline (before: the episode, and the step, waited for ever)."""
+    traj = _react(backend, tokenizer, "awaiting")
+    assert traj.stop_reason == "agent_error" and STOPPED in str(traj.error)
+
+
+def test_a_graph_blocking_its_thread_holds_not_the_rollout_loop(
+    backend: EmbeddedBackend, tokenizer: Tokenizer
+) -> None:
+    """A graph that blocks its thread runs in a thread of its own: the rollout's loop goes on,
+    stops it at its deadline and the episode ends (before: the loop itself was held)."""
+    try:
+        traj = _react(backend, tokenizer, "blocking")
+    finally:
+        GRAPH_RELEASE.set()
+        assert GRAPH_WOKE.wait(BOUND_S)
+    assert traj.stop_reason == "agent_error" and STOPPED in str(traj.error)
+
+
+def test_a_graph_stalling_after_the_episode_ended_keeps_its_end(
+    backend: EmbeddedBackend, tokenizer: Tokenizer
+) -> None:
+    """One model turn (it ends the episode: no calls), then the graph awaits for ever: the
+    episode keeps how that turn ended it, the graph's stall added to its error."""
+    traj = _react(backend, tokenizer, "stalling")
+    assert traj.num_turns == 1 and traj.stop_reason in ("eos", "max_tokens_per_turn")
+    assert f"then the graph failed:\nit held its episode past {STOPPED}" in str(traj.error)
+
+
+def test_a_graph_failing_after_a_live_model_turn_is_a_wrong_answer(
+    backend: EmbeddedBackend, tokenizer: Tokenizer
+) -> None:
+    """A graph that raises (or is stopped) after a model turn that left the episode going (its
+    calls pending): it read the policy's text, so the episode ends caused_error (trained,
+    outcome 0), as a harness's does (before: agent_error, untrained: a policy that made a
+    user graph raise on its text escaped being wrong)."""
+
+    async def go() -> tuple[StopReason, str]:
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(
+            backend, tokenizer, tools, make_parser("hermes"), AgentConfig(max_model_len=256)
+        )
+        traj = Trajectory(uid="g/0", group_id="g", prompt_ids=[1], messages=[])
+        traj.add_turn("call")
+        return Episode(ctx, traj, {}).failed("ValueError: not JSON"), str(traj.error)
+
+    stop, error = asyncio.run(go())
+    assert stop == "caused_error" and "the graph failed after a model turn" in error
