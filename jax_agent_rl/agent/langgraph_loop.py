@@ -24,6 +24,14 @@ holds the stop reason), so a graph that stops on a message without calls stops; 
 model again after that is an error. A graph that ends right after its tool node (a
 ``return_direct`` tool) ends the episode with ``tool_done``.
 
+The graph is user code, as a harness is, and runs as one does (`harness_thread.run_apart`): in
+a thread and event loop of its own, its model turns and tool calls run on the rollout's loop
+(`Episode.on_rollout`), stopped once it holds its episode ``agent.harness_timeout_s`` without
+one in progress (it awaits for ever, loops, blocks its thread). A graph that fails so or raises
+after a model turn that left the episode going ends it ``caused_error`` (trained, outcome 0: it
+read the policy's text, and an episode ended untrained would escape being wrong); before any,
+``agent_error``; after the episode ended, that end is kept (`Episode.failed`).
+
 ``agent.graph`` names a user graph, ``fn(chat_model, tools)`` returning a compiled graph over
 ``MessagesState`` (its ``messages`` in and out); empty: `react_graph`. The model reads only the
 conversation its tokens hold: the sample's messages, its own messages and the tool messages
