@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine, Generator, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any
 
 from jax_agent_rl.call_threads import own_errors
@@ -53,19 +53,36 @@ class _Call:
         self.task: asyncio.Task[Any] | None = None
 
 
-class _Timed(Coroutine[Any, Any, Any]):
-    """``call``'s coroutine, each of its steps counted as the loop's holding (`EnvLoop`)."""
+Outcome = tuple[bool, Any, BaseException | None]  # a call's (cancelled, result, exception)
 
-    def __init__(self, call: _Call, owner: EnvLoop) -> None:
-        self.call, self.owner, self.inner = call, owner, own_errors(call.coro)
+
+class _Timed(Coroutine[Any, Any, Any]):
+    """``call``'s coroutine, each of its steps counted as the loop's holding (`EnvLoop`); its
+    outcome passed to ``ended`` the moment it has one (not once its task's callbacks run,
+    which code it left on the loop may hold up)."""
+
+    def __init__(self, call: _Call, owner: EnvLoop, ended: Callable[[Outcome], None]) -> None:
+        self.call, self.owner, self.ended = call, owner, ended
+        self.inner = own_errors(call.coro)
 
     def send(self, value: Any) -> Any:
-        with self.owner.holding(self.call):
-            return self.inner.send(value)
+        return self._step(self.inner.send, value)
 
     def throw(self, typ: Any, val: Any = None, _tb: Any = None) -> Any:
-        with self.owner.holding(self.call):
-            return self.inner.throw(typ if val is None else val)
+        return self._step(self.inner.throw, typ if val is None else val)
+
+    def _step(self, step: Callable[[Any], Any], arg: Any) -> Any:
+        try:
+            with self.owner.holding(self.call):
+                return step(arg)
+        except StopIteration as e:
+            self.ended((False, e.value, None))
+            raise
+        except asyncio.CancelledError:
+            raise  # (its task's callback says so)
+        except BaseException as e:
+            self.ended((False, None, e))
+            raise
 
     def close(self) -> None:
         self.inner.close()
@@ -117,8 +134,11 @@ class EnvLoop:
     def holder(self) -> str:
         """Which call's synchronous code holds the loop now, and since when."""
         with self._lock:
-            if self._holder is None:
-                return "nothing holds it now"
+            if self._holder is None:  # (so code of no call's: a task or callback one left)
+                return (
+                    "no call's code holds it now (a task or callback an environment left "
+                    "running may have)"
+                )
             held = time.perf_counter() - self._since
             return (
                 f"{self._holder.name} has held it for {held:.1f}s (its synchronous code: a "
@@ -134,7 +154,7 @@ class EnvLoop:
         call = _Call(name, coro, self._held())
         ended: asyncio.Future[Any] = here.create_future()
 
-        def settle(outcome: tuple[bool, Any, BaseException | None]) -> None:
+        def settle(outcome: Outcome) -> None:
             cancelled, value, error = outcome
             if ended.done():
                 return
@@ -150,7 +170,7 @@ class EnvLoop:
                 if call.state != "queued":
                     return
                 call.state = "running"
-            call.task = loop.create_task(_Timed(call, self))
+            call.task = loop.create_task(_Timed(call, self, lambda out: _soon(here, settle, out)))
             call.task.add_done_callback(lambda task: _soon(here, settle, _outcome(task)))
 
         loop.call_soon_threadsafe(start)
@@ -209,7 +229,7 @@ def _soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
 
 
-def _outcome(task: asyncio.Task[Any]) -> tuple[bool, Any, BaseException | None]:
+def _outcome(task: asyncio.Task[Any]) -> Outcome:
     """A done task's (cancelled, result, exception), read where it ran."""
     if task.cancelled():
         return True, None, None

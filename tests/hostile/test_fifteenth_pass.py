@@ -184,6 +184,58 @@ def test_a_call_stalled_midway_by_another_that_blocks_is_not_the_policys() -> No
     assert "other calls' synchronous code held the environments' event loop" in str(error)
 
 
+class Leaving:
+    """A native environment whose async step answers at once, leaving a task on the loop that
+    blocks it (until ``release``)."""
+
+    turns, owns_reward = "all", True
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release, self.woke = release, threading.Event()
+
+    async def reset(self, sample: Sample) -> list[dict]:
+        return [dict(m) for m in sample.messages]
+
+    async def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del text, messages
+
+        async def left() -> None:
+            self.release.wait(BOUND_S)
+            self.woke.set()
+
+        asyncio.get_running_loop().create_task(left())
+        return EnvStep([], 1.0, False)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_call_that_answered_is_taken_though_a_task_it_left_blocks_the_loop() -> None:
+    """Its answer is taken as its coroutine gives it (not once its task's callbacks run, behind
+    the task it left), and a call after it, never started, ends as not the policy's, naming no
+    call as holding the loop (before: the task it left held the rollout's loop, every episode
+    with it)."""
+    release = threading.Event()
+    env = Leaving(release)
+    envs = Environments({"l": lambda _: env}, step_timeout_s=0.5, loop=EnvLoop())
+
+    async def go() -> tuple[EnvStep, BaseException]:
+        a, b = _made(envs, "l"), _made(envs, "l")
+        await a.reset(_sample("l"))
+        await b.reset(_sample("l"))
+        answered = await a.step("move", [])
+        held = (await asyncio.gather(b.step("move", []), return_exceptions=True))[0]
+        return answered, held
+
+    try:
+        answered, held = asyncio.run(go())
+    finally:
+        release.set()
+        assert env.woke.wait(BOUND_S)
+    assert answered == EnvStep([], 1.0, False)
+    assert isinstance(held, EnvBusyError) and "no call's code holds it now" in str(held)
+
+
 def test_a_shared_interaction_runs_on_the_environments_loop() -> None:
     """Every episode's calls of the one interaction instance verl shares run on the
     environments' loop thread, one loop for all (before: on the rollout's)."""
