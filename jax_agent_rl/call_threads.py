@@ -164,7 +164,7 @@ async def until_set(call: Awaitable[Any], stop: asyncio.Event, grace_s: float) -
             task.cancel()
             await asyncio.wait({task}, timeout=grace_s)
             task.add_done_callback(abandoned)
-    if not task.cancelled():
+    if task.done() and not task.cancelled():  # (abandoned past its grace: still running)
         task.result()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
@@ -47,8 +48,8 @@ class HarnessThreads:
             if self.stuck >= self.max_stuck:
                 raise RuntimeError(
                     f"{self.stuck} harness threads are still running past their episodes' end "
-                    "(blocked: a time.sleep, a synchronous call, code that never awaits); no "
-                    "more harnesses start until they return"
+                    "(harnesses' or react_agent graphs', blocked: a time.sleep, a synchronous "
+                    "call, code that never awaits); no more start until they return"
                 )
 
     def add(self, n: int) -> None:
@@ -96,13 +97,13 @@ class _Run:
         self._lock = threading.Lock()
         self._ended = self._stuck = False
 
-    def work(self, harness: Harness, task: HarnessTask) -> None:
+    def work(self, call: Callable[[], Any]) -> None:
         error: BaseException | None = None
         with asyncio.Runner(loop_factory=lambda: self.own) as runner:
             runner.get_loop()
             asyncio.set_event_loop(self.own)
             try:
-                result = harness(task)  # (a synchronous harness runs here, whole)
+                result = call()  # (a synchronous harness runs here, whole)
                 if inspect.iscoroutine(result) and self.stopping.is_set():
                     result.close()  # (stopped before it started)
                 elif inspect.isawaitable(result) and not self.stopping.is_set():
@@ -142,17 +143,22 @@ async def _awaited(result: Awaitable[Any]) -> None:
 
 
 async def run_harness(harness: Harness, task: HarnessTask) -> None:
-    """``harness(task)`` in a thread and event loop of its own (see the module docstring),
-    ``task.run_tool`` run on this loop; what it raises, raised here as `own_errors` makes it.
-    Cancelled, it cancels the harness's tasks and waits for its thread to end; cancelled again
-    (its grace passed), it leaves the thread running, counted in `THREADS` until it ends."""
-    THREADS.refuse_if_full()
+    """``harness(task)`` in a thread and event loop of its own (`run_apart`), ``task.run_tool``
+    run on this loop."""
     loop = asyncio.get_running_loop()
-    run = _Run(loop)
     task = dataclasses.replace(task, run_tool=_bridged(task.run_tool, loop))
-    threading.Thread(
-        target=run.work, args=(harness, task), name="jarl-harness", daemon=True
-    ).start()
+    await run_apart(functools.partial(harness, task))
+
+
+async def run_apart(call: Callable[[], Any]) -> None:
+    """``call()`` (a harness, or a ``react_agent`` graph's run, and what it returns awaited) in
+    a thread and event loop of its own (see the module docstring); what it raises, raised here
+    as `own_errors` makes it. Cancelled, it cancels the call's tasks and waits for its thread
+    to end; cancelled again (its grace passed), it leaves the thread running, counted in
+    `THREADS` until it ends."""
+    THREADS.refuse_if_full()
+    run = _Run(asyncio.get_running_loop())
+    threading.Thread(target=run.work, args=(call,), name="jarl-harness", daemon=True).start()
     try:
         await asyncio.shield(run.finished)
     except asyncio.CancelledError:

@@ -24,6 +24,14 @@ holds the stop reason), so a graph that stops on a message without calls stops; 
 model again after that is an error. A graph that ends right after its tool node (a
 ``return_direct`` tool) ends the episode with ``tool_done``.
 
+The graph is user code, as a harness is, and runs as one does (`harness_thread.run_apart`): in
+a thread and event loop of its own, its model turns and tool calls run on the rollout's loop
+(`Episode.on_rollout`), stopped once it holds its episode ``agent.harness_timeout_s`` without
+one in progress (it awaits for ever, loops, blocks its thread). A graph that fails so or raises
+after a model turn that left the episode going ends it ``caused_error`` (trained, outcome 0: it
+read the policy's text, and an episode ended untrained would escape being wrong); before any,
+``agent_error``; after the episode ended, that end is kept (`Episode.failed`).
+
 ``agent.graph`` names a user graph, ``fn(chat_model, tools)`` returning a compiled graph over
 ``MessagesState`` (its ``messages`` in and out); empty: `react_graph`. The model reads only the
 conversation its tokens hold: the sample's messages, its own messages and the tool messages
@@ -33,11 +41,13 @@ an error, never silently left out of the tokens.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+import traceback
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -58,6 +68,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from pydantic import InstanceOf
 
 from jax_agent_rl.agent.context import AgentContext, RefusedCall
+from jax_agent_rl.agent.harness_thread import held_too_long, run_apart
 from jax_agent_rl.agent.loop import (
     budget_stop,
     call_tool,
@@ -68,6 +79,7 @@ from jax_agent_rl.agent.loop import (
     tool_service_failed,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.call_threads import until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
@@ -76,7 +88,9 @@ from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.verl import create_kwargs_by_tool
 from jax_agent_rl.user_code import load_function
 
+T = TypeVar("T")
 INVALID_CALL = "invalid_tool_call"  # the tool that answers calls the tools cannot take
+GRACE_S = 5.0  # how long a graph stopped at its deadline has to end, before it is abandoned
 GraphBuilder = Callable[[BaseChatModel, list[BaseTool]], Any]  # -> a compiled graph
 
 
@@ -105,6 +119,42 @@ class Episode:
         self.pending: _Calls | None = None
         self.stop: StopReason | None = None
         self.replies: list[str] = []  # ids of the model's messages
+        # the rollout's loop, where the episode's calls run when the graph runs in a loop of its
+        # own (`run_react_agent`); None: the loop that awaits them
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.idle = asyncio.Event()  # set while no model turn or tool call is in progress
+        self.idle.set()
+        self.asked = asyncio.Event()  # set as one starts (`held_too_long`)
+
+    async def on_rollout(self, call: Coroutine[Any, Any, T]) -> T:
+        """``call`` (a model turn or a tool call) run on the rollout's loop, awaited from the
+        graph's; it counts as the graph's request (``idle``, ``asked``)."""
+
+        async def tracked() -> T:
+            self.idle.clear()
+            self.asked.set()
+            try:
+                return await call
+            finally:
+                self.idle.set()
+
+        if self.loop is None or self.loop is asyncio.get_running_loop():
+            return await tracked()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(tracked(), self.loop))
+
+    def failed(self, error: str) -> StopReason:
+        """The graph raised (or held its episode past its deadline): after the episode ended,
+        that end kept; after a model turn the policy's (``caused_error``: the graph read its
+        text, and an episode ended untrained would escape being wrong); before, the graph's
+        own (raised: ``agent_error``)."""
+        if self.stop is not None:
+            self.traj.add_error(f"\nthen the graph failed:\n{error}")
+            return self.stop
+        if not self.traj.num_turns:
+            raise RuntimeError(f"the graph failed before the model's first turn:\n{error}")
+        self.traj.add_error(f"the graph failed after a model turn:\n{error}")
+        self.stop = "caused_error"
+        return self.stop
 
     async def reply(self, messages: Sequence[BaseMessage]) -> AIMessage:
         """The model's next message: the observation of its last calls appended, then a model
@@ -258,7 +308,7 @@ class BackendChatModel(BaseChatModel):
                 f"BackendChatModel samples as agent.* and rollout.* say; it takes no stop "
                 f"sequences or other options (got stop={stop}, {sorted(kwargs)})"
             )
-        message = await self.episode.reply(messages)
+        message = await self.episode.on_rollout(self.episode.reply(messages))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def bind_tools(
@@ -298,7 +348,8 @@ class EpisodeTool(BaseTool):
     async def _arun(self, /, **arguments: Any) -> tuple[str, ToolResult]:
         # (``self`` positional-only: the model's arguments may hold any key, "self" too)
         ep = self.episode
-        result = await call_tool(ep.ctx, ep.traj, self._call(arguments), ep.create_kwargs)
+        call = self._call(arguments)
+        result = await ep.on_rollout(call_tool(ep.ctx, ep.traj, call, ep.create_kwargs))
         return result.text, result
 
     def _call(self, arguments: dict[str, Any]) -> ParsedCall:
@@ -375,12 +426,37 @@ async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
         del env  # none: run_episode refuses a sample with one (this loop does not drive it)
         episode = Episode(ctx, traj, create_kwargs_by_tool(sample.extra))
+        episode.loop = asyncio.get_running_loop()
         model = BackendChatModel(episode=episode)
         graph = graph_builder(ctx.config.graph)(model, episode_tools(episode))
+        ended: list[dict[str, Any]] = []
+
+        async def invoke() -> None:  # (in the graph's thread and loop)
+            ended.append(await graph.ainvoke({"messages": [dict(m) for m in sample.messages]}))
+
+        timeout_s = ctx.config.harness_timeout_s
+        done = asyncio.Event()
+        watch = asyncio.ensure_future(_held(episode, done, timeout_s))
         try:
-            state = await graph.ainvoke({"messages": [dict(m) for m in sample.messages]})
+            await until_set(run_apart(invoke), done, GRACE_S)
         except ToolTransportError as e:
             return episode.tools_failed(e)
-        return episode.finish(state["messages"])
+        except Exception:
+            return episode.failed(traceback.format_exc())
+        finally:
+            watch.cancel()
+        if not ended:
+            return episode.failed(
+                f"it held its episode past agent.harness_timeout_s={timeout_s:g}s without a "
+                "model turn or tool call (it awaited, looped or blocked its thread): stopped"
+            )
+        return episode.finish(ended[0]["messages"])
 
     return await run_episode(sample, ctx, play)
+
+
+async def _held(episode: Episode, done: asyncio.Event, timeout_s: float) -> None:
+    """Sets ``done`` once the graph has held ``episode`` ``timeout_s`` on end without a model
+    turn or tool call in progress."""
+    await held_too_long(episode.idle, episode.asked, timeout_s)
+    done.set()

@@ -85,7 +85,8 @@ class AgentSection:
     # HarnessTask (the endpoint's base_url and api_key, the prompt, the tools) that drives one
     # episode through /v1/chat/completions; empty: no harness (openai_agent refuses to run)
     harness: str = ""
-    # seconds the harness may hold its live episode without a request in progress: from its
+    # seconds the harness (or react_agent's graph: without a model turn or tool call in
+    # progress) may hold its live episode without a request in progress: from its
     # start, or the endpoint's last answer, to its next request or its return (what it runs
     # itself, run_tool calls included; model turns excluded). Past it the harness is cancelled
     # (a thread blocked in a call is abandoned) and the episode ends as a harness failure:

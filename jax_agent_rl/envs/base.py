@@ -12,8 +12,9 @@ by the tool loop between model turns (`jax_agent_rl.agent.loop`):
   it succeeded (``success``: the episode's success is then this, not ``data.success_reward``);
 - ``env.close()`` runs once, however the episode ended.
 
-Each method is ``async`` (run on the event loop: it must not block) or synchronous (run in a
-thread of a bounded pool, `jax_agent_rl.call_threads.CallThreads`). Two properties say how it
+Each method is ``async`` (run on the environments' own event loop, in a thread of its own,
+`jax_agent_rl.envs.env_loop`) or synchronous (run in a thread of a bounded pool,
+`jax_agent_rl.call_threads.CallThreads`). Two properties say how it
 shares the loop: ``turns`` is ``"all"`` when it answers every model turn (it parses the model's
 actions itself, as skyrl-gym environments do) and ``"text"`` when it answers only turns without
 tool calls (the tools answer the others, as verl's interactions do); ``owns_reward`` is True
@@ -31,14 +32,17 @@ environment) ends that trajectory with stop reason ``env_error`` (`EnvError`), c
 and not trained on; an environment that never says done is ended by the loop's budgets
 (``agent.max_turns``...).
 
-Two limits of Python are worked around rather than removed: a thread stuck inside an environment
-cannot be stopped, only abandoned (it keeps its place in the pool until it returns, so
-environments stuck for good hold at most ``env.max_threads`` threads, and once every thread is
-held the calls waiting for one time out; an ``async`` call past its timeout is cancelled, and
-abandoned if it does not end at that, `_within`); and an ``async`` method that blocks (a
-``time.sleep``, a synchronous request) holds the whole event loop while it blocks, which no
-timeout can interrupt: such a call is still refused once it returns past its timeout, and the
-fix is to make the method synchronous, so that it runs in a thread.
+A limit of Python is worked around rather than removed: a thread stuck inside an environment
+cannot be stopped, only abandoned. A synchronous call stuck for good keeps its place in the pool
+until it returns, so environments stuck for good hold at most ``env.max_threads`` threads, and
+once every thread is held the calls waiting for one time out. An ``async`` call past its
+timeout is cancelled, and abandoned if it does not end at that; one that blocks its thread (a
+``time.sleep``, a synchronous request) holds the environments' loop, never the rollout's: its
+own call ends at its timeout (the policy's, as any step past it), and the others on that loop
+that it held end at theirs as not the policy's (`EnvBusyError`, naming it); one that blocks for
+good holds that loop for good, so every later async call ends so, and the run stops (every
+episode failed) with that error rather than hanging. The fix then is to make the method
+synchronous, so that it runs in a thread.
 """
 
 from __future__ import annotations
@@ -48,15 +52,15 @@ import dataclasses
 import inspect
 import numbers
 import threading
-import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from jax_agent_rl.call_threads import CallThreads, abandoned, own_errors
+from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.envs.env_loop import ENV_LOOP, CallTimeoutError, EnvLoop
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
@@ -77,8 +81,10 @@ class EnvStepError(EnvError):
 
 
 class EnvBusyError(EnvError):
-    """A synchronous call past its timeout that never started (it waited for an environment
-    thread the whole time): it says nothing of the call's arguments (``env_error``)."""
+    """A call past its timeout for want of a place to run, which says nothing of its arguments
+    (``env_error``): a synchronous one that waited for an environment thread the whole time, an
+    async one that the environments' event loop never started, or that other calls held that
+    loop from for most of its time (`jax_agent_rl.envs.env_loop`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +124,7 @@ class Environments:
     ``env_class`` to a factory; ``lookup`` finds the factory of a name ``classes`` lacks (or
     None); ``interaction`` makes the environment of rows with verl's ``interaction_kwargs``.
     Each environment made is called through `GuardedEnvironment`: every call within
-    ``step_timeout_s``, synchronous ones in the ``threads`` pool."""
+    ``step_timeout_s``, synchronous ones in the ``threads`` pool, async ones on ``loop``."""
 
     def __init__(
         self,
@@ -127,12 +133,14 @@ class Environments:
         interaction: EnvFactory | None = None,
         step_timeout_s: float = 60.0,
         threads: CallThreads | None = None,
+        loop: EnvLoop = ENV_LOOP,
     ) -> None:
         self.classes = dict(classes or {})
         self.lookup = lookup
         self.interaction = interaction
         self.step_timeout_s = step_timeout_s
         self.threads = threads or CallThreads(EnvSection().max_threads, ENV_THREAD)
+        self.loop = loop
 
     def factory(self, env_class: str) -> EnvFactory:
         """The factory of ``env_class``; a `KeyError` naming the known ones if there is none."""
@@ -168,7 +176,7 @@ class Environments:
             name = f"interaction {getattr(made, 'name', '')!r}"
         else:
             return None
-        return GuardedEnvironment(made, name, self.step_timeout_s, self.threads)
+        return GuardedEnvironment(made, name, self.step_timeout_s, self.threads, self.loop)
 
 
 def checked_environment(env: Any, name: str) -> Environment:
@@ -251,14 +259,16 @@ class GuardedEnvironment:
     """An `Environment` as the loop calls it (see the module docstring): ``name`` says which
     in errors."""
 
-    def __init__(self, env: Any, name: str, timeout_s: float, threads: CallThreads) -> None:
-        self.env, self.name, self.timeout_s, self.threads = env, name, timeout_s, threads
+    def __init__(
+        self, env: Any, name: str, timeout_s: float, threads: CallThreads, loop: EnvLoop
+    ) -> None:
+        self.env, self.name, self.timeout_s = env, name, timeout_s
+        self.threads, self.loop = threads, loop
         self.turns: Literal["all", "text"] = env.turns
         self.owns_reward: bool = env.owns_reward
 
     async def _call(self, what: str, *args: Any) -> Any:
         method = getattr(self.env, what)
-        start = time.perf_counter()
         started = threading.Event()  # (a synchronous call: once a thread runs it)
 
         def begun(*args: Any) -> Any:
@@ -267,10 +277,14 @@ class GuardedEnvironment:
 
         try:
             if inspect.iscoroutinefunction(method):
-                started.set()
-                out = await _within(own_errors(method(*args)), self.timeout_s)
-            else:
-                out = await asyncio.wait_for(self.threads.run(begun, *args), self.timeout_s)
+                call = f"{self.name}.{what}"
+                return await self.loop.run(call, method(*args), self.timeout_s)
+            return await asyncio.wait_for(self.threads.run(begun, *args), self.timeout_s)
+        except CallTimeoutError as e:
+            raise (EnvError if e.blamed else EnvBusyError)(
+                f"{self.name}.{what} took longer than env.step_timeout_s={self.timeout_s}s "
+                f"({e.why})"
+            ) from e
         except TimeoutError as e:
             held = self.threads.busy
             raise (EnvError if started.is_set() else EnvBusyError)(
@@ -281,14 +295,6 @@ class GuardedEnvironment:
             raise
         except Exception as e:
             raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
-        took = time.perf_counter() - start
-        if took > self.timeout_s:  # an async method that blocked the event loop
-            raise EnvError(
-                f"{self.name}.{what} blocked the event loop for {took:.1f}s, past "
-                f"env.step_timeout_s={self.timeout_s}s: an async method must not block (make "
-                "it synchronous: it then runs in a thread)"
-            )
-        return out
 
     async def reset(self, sample: Sample) -> list[Message]:
         return checked_messages(await self._call("reset", sample), self.name, prompt=True)
@@ -300,7 +306,7 @@ class GuardedEnvironment:
         tell a transient failure from its action's, and an episode ended untrained
         (``env_error``) takes none of the negative advantage a wrong answer takes in its
         group, so a policy that learns to make the step raise or hang escapes being wrong.
-        Not the policy's: a call that never got a thread (`EnvBusyError`), and ``reset`` and
+        Not the policy's: a call held up by others (`EnvBusyError`), and ``reset`` and
         ``close`` (no action of its own: ``env_error``)."""
         try:
             return checked_step(await self._call("step", text, messages), self.name)
@@ -311,22 +317,3 @@ class GuardedEnvironment:
 
     async def close(self) -> None:
         await self._call("close")
-
-
-async def _within(call: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
-    """``call`` awaited for at most ``timeout_s``, else a TimeoutError: it is cancelled then,
-    given as long again to end, and abandoned if it has not (a retry loop that catches every
-    exception, the cancellation too, would hold its episode, and so the step, for as long as
-    it runs: `asyncio.wait_for` waits for the cancelled call to end)."""
-    task = asyncio.ensure_future(call)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if not done:
-            task.cancel()
-            await asyncio.wait({task}, timeout=timeout_s)
-            task.add_done_callback(abandoned)
-            raise TimeoutError
-    except asyncio.CancelledError:  # the episode itself was cancelled: so is its call
-        task.cancel()
-        raise
-    return task.result()
