@@ -60,25 +60,39 @@ class HarnessThreads:
 THREADS = HarnessThreads(MAX_STUCK)
 
 
-def _bridged(
-    run_tool: Callable[[dict[str, Any]], Awaitable[str]], loop: asyncio.AbstractEventLoop
-) -> Callable[[dict[str, Any]], Awaitable[str]]:
-    """``run_tool`` awaited from the harness's loop, run in the rollout's ``loop``; cancelled
-    there when the harness's await is."""
+class _Bridge:
+    """The harness's ``run_tool`` awaited from its own loop and run in the rollout's ``loop``
+    (`call`); `cancel_left`, on the rollout's loop, cancels every call still running there at
+    once, as the harness ends: cancelled one by one as its loop closes, a call waiting for the
+    trajectory's tool slot could take it from a cancelled one and run before its own turn."""
 
-    async def there(tool_call: dict[str, Any]) -> str:
-        return await run_tool(tool_call)
+    def __init__(
+        self, run_tool: Callable[[dict[str, Any]], Awaitable[str]], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.run_tool, self.loop = run_tool, loop
+        self.left: set[asyncio.Task[str]] = set()  # (touched on the rollout's loop only)
 
-    async def run_tool_there(tool_call: dict[str, Any]) -> str:
-        call = there(tool_call)
+    async def _there(self, tool_call: dict[str, Any]) -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        self.left.add(task)
         try:
-            future = asyncio.run_coroutine_threadsafe(call, loop)
+            return await self.run_tool(tool_call)
+        finally:
+            self.left.discard(task)
+
+    async def call(self, tool_call: dict[str, Any]) -> str:
+        there = self._there(tool_call)
+        try:
+            future = asyncio.run_coroutine_threadsafe(there, self.loop)
         except RuntimeError:  # the rollout's loop closed
-            call.close()
+            there.close()
             raise
         return await asyncio.wrap_future(future)
 
-    return run_tool_there
+    def cancel_left(self) -> None:
+        for task in self.left:
+            task.cancel()
 
 
 def _cancel_all() -> None:
@@ -90,8 +104,8 @@ class _Run:
     """One harness's thread: it runs the harness (`work`) and settles ``finished`` on the
     rollout's ``loop``; `stop` asks it to end, counting it in `THREADS` until it does."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.own = loop, asyncio.new_event_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None]) -> None:
+        self.loop, self.own, self.on_end = loop, asyncio.new_event_loop(), on_end
         self.finished: asyncio.Future[None] = loop.create_future()
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -113,6 +127,9 @@ class _Run:
                     error = RuntimeError("the harness raised CancelledError")
             except BaseException as e:
                 error = carried(e)
+            finally:  # (before the runner cancels the tasks it left, one by one)
+                with contextlib.suppress(RuntimeError):  # the rollout's loop closed
+                    self.loop.call_soon_threadsafe(self.on_end)
         with self._lock:
             self._ended = True
             if self._stuck:
@@ -121,6 +138,7 @@ class _Run:
             self.loop.call_soon_threadsafe(self._settle, error)
 
     def stop(self) -> None:
+        self.on_end()  # (on the rollout's loop)
         self.stopping.set()
         with contextlib.suppress(RuntimeError):  # (closed: it has ended)
             self.own.call_soon_threadsafe(_cancel_all)
@@ -145,19 +163,24 @@ async def _awaited(result: Awaitable[Any]) -> None:
 async def run_harness(harness: Harness, task: HarnessTask) -> None:
     """``harness(task)`` in a thread and event loop of its own (`run_apart`), ``task.run_tool``
     run on this loop."""
-    loop = asyncio.get_running_loop()
-    task = dataclasses.replace(task, run_tool=_bridged(task.run_tool, loop))
-    await run_apart(functools.partial(harness, task))
+    bridge = _Bridge(task.run_tool, asyncio.get_running_loop())
+    task = dataclasses.replace(task, run_tool=bridge.call)
+    await run_apart(functools.partial(harness, task), bridge.cancel_left)
 
 
-async def run_apart(call: Callable[[], Any]) -> None:
+def _nothing() -> None:
+    pass
+
+
+async def run_apart(call: Callable[[], Any], on_end: Callable[[], None] = _nothing) -> None:
     """``call()`` (a harness, or a ``react_agent`` graph's run, and what it returns awaited) in
     a thread and event loop of its own (see the module docstring); what it raises, raised here
     as `own_errors` makes it. Cancelled, it cancels the call's tasks and waits for its thread
     to end; cancelled again (its grace passed), it leaves the thread running, counted in
-    `THREADS` until it ends."""
+    `THREADS` until it ends. ``on_end()`` runs on this loop as the call ends or is stopped,
+    before its loop cancels what it left."""
     THREADS.refuse_if_full()
-    run = _Run(asyncio.get_running_loop())
+    run = _Run(asyncio.get_running_loop(), on_end)
     threading.Thread(target=run.work, args=(call,), name="jarl-harness", daemon=True).start()
     try:
         await asyncio.shield(run.finished)
