@@ -226,7 +226,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     sharder = run_sharder(cfg)
-    model, params = with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
+    model, params = with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))
     train = load_samples(
         cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
     )
@@ -471,7 +471,7 @@ def make_judge(
     if section.backend == "policy":
         return Judge(section, policy, tokenizer, eos_ids(tokenizer), lambda: policy.version), None
     judge_tokenizer = Tokenizer.from_pretrained(section.model_path)
-    model, params = load_hf(section.model_path, cfg.model.dtype, sharder)
+    model, params = load_hf(section.model_path, cfg.model.dtype, sharder=sharder)
     rollout = dataclasses.replace(
         cfg.rollout, backend=section.backend, max_concurrent=section.max_concurrency
     )
