@@ -138,6 +138,9 @@ class LocalExecutor:
     async def release(self, trajectory_id: str) -> None:
         self.states.pop(trajectory_id, None)
 
+    def counters(self) -> dict[str, float]:
+        return {}
+
     async def close(self) -> None:
         self.states.clear()
 
