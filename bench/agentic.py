@@ -73,6 +73,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jax_agent_rl.engine import Engine, page_bytes
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import (
     EmbeddedBackend,
     GenerateRequest,
@@ -311,7 +312,9 @@ class Setup:
 
     def dense_slots(self) -> tuple[int, int, int]:
         """(bytes per cached token, bytes of one dense row, rows that fit the budget)."""
-        dtype = Engine(self.cfg, max_concurrent_decodes=1, max_len=self.max_len).cache_dtype
+        dtype = Engine(
+            self.cfg, max_concurrent_decodes=1, max_len=self.max_len, sharder=one_device_sharder()
+        ).cache_dtype
         row = page_bytes(self.cfg, self.max_len, np.dtype(dtype).itemsize)
         return row // self.max_len, row, self.kv_bytes // row
 
@@ -331,7 +334,7 @@ def start(name: str, setup: Setup) -> tuple[RolloutBackend, float]:
             kv_cache_bytes=setup.kv_bytes,
         )
     else:
-        _, weights = load_hf(setup.checkpoint)
+        _, weights = load_hf(setup.checkpoint, sharder=one_device_sharder())
         per_token, _, slots = setup.dense_slots()
         if name == "dense":  # one page of max_len per slot, no chunks
             engine = Engine(
@@ -341,6 +344,7 @@ def start(name: str, setup: Setup) -> tuple[RolloutBackend, float]:
                 page_size=setup.max_len,
                 num_pages=slots,
                 prefill_chunk=setup.max_len,
+                sharder=one_device_sharder(),
             )
         else:
             engine = Engine(
@@ -350,6 +354,7 @@ def start(name: str, setup: Setup) -> tuple[RolloutBackend, float]:
                 page_size=PAGE_SIZE,
                 num_pages=setup.kv_bytes // (per_token * PAGE_SIZE),
                 prefill_chunk=512,
+                sharder=one_device_sharder(),
             )
         backend = EmbeddedBackend(
             engine,

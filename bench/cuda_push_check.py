@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jax_agent_rl.models.sharding import one_device_sharder
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -75,7 +77,7 @@ def _weights(dry: bool) -> tuple[Any, Any]:
 
     cfg = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
     cfg = dataclasses.replace(cfg, dtype="bfloat16")
-    return cfg, init_params(jax.random.key(0), cfg)
+    return cfg, init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
 
 
 def _host_digest(array: Any) -> str:

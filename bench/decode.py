@@ -53,6 +53,7 @@ from jax_agent_rl.demo import PRESETS
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, dense_twin, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, RolloutBackend, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +128,7 @@ def decode(
     name: str, ckpt: Path, dtype: str, batches: list[int], prompt_len: int, new: int
 ) -> dict[int, float]:
     """Tokens per second at each batch size on backend ``name`` (one backend for all)."""
-    cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
+    cfg, w = load_hf(ckpt, dtype=dtype, sharder=one_device_sharder())  # type: ignore[arg-type]
     backend: RolloutBackend
     if name == "vllm":
         from jax_agent_rl.backends.vllm.backend import VLLMBackend
@@ -142,7 +143,12 @@ def decode(
             ckpt, cfg, dtype=dtype, max_model_len=prompt_len + new, slots=max(batches), steps=8
         )
     else:
-        engine = Engine(cfg, max_concurrent_decodes=max(batches), max_len=prompt_len + new)
+        engine = Engine(
+            cfg,
+            max_concurrent_decodes=max(batches),
+            max_len=prompt_len + new,
+            sharder=one_device_sharder(),
+        )
         backend = EmbeddedBackend(engine, w, steps_per_call=8)
     try:
         return {b: throughput(backend, cfg.vocab_size, b, prompt_len, new) for b in batches}
@@ -162,12 +168,14 @@ def model_figures(
     on the embedded engine), its checkpoints written under ``tmp``."""
     figures: dict[str, object] = {}
     ckpt = write_hf_checkpoint(tmp / model, MODELS[model])
-    cfg = load_hf(ckpt)[0]
+    cfg = load_hf(ckpt, sharder=one_device_sharder())[0]
     twin = None
     if cfg.num_experts:
         twin = write_hf_checkpoint(tmp / f"{model}-dense", dense_twin(MODELS[model]))
         figures[f"{model}_active_params"] = cfg.active_params
-        figures[f"{model}_dense_active_params"] = load_hf(twin)[0].active_params
+        figures[f"{model}_dense_active_params"] = load_hf(twin, sharder=one_device_sharder())[
+            0
+        ].active_params
     for dtype in args.dtypes:
         tok_s = {
             LABELS[name]: decode(name, ckpt, dtype, batches, args.prompt, args.new)

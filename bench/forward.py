@@ -29,6 +29,7 @@ import transformers
 
 from jax_agent_rl.models import forward, lm_logits, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -53,11 +54,15 @@ def measure(
     ckpt: Path, dtype: str, tokens: np.ndarray, repeats: int, matmul_n: int = 2048
 ) -> dict[str, float]:
     """tokens/s and MFU of both implementations in one dtype, plus that dtype's matmul peak."""
-    cfg, w = load_hf(ckpt, dtype=dtype)  # type: ignore[arg-type]
+    cfg, w = load_hf(ckpt, dtype=dtype, sharder=one_device_sharder())  # type: ignore[arg-type]
     flops = 2 * cfg.num_params * tokens.size  # matmul FLOPs, attention excluded
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     segments = jnp.ones(tokens.shape, jnp.int32)
-    run = jax.jit(lambda w, t: lm_logits(w, forward(w, cfg, t, positions, segments)))
+    run = jax.jit(
+        lambda w, t: lm_logits(
+            w, forward(w, cfg, t, positions, segments, sharder=one_device_sharder())
+        )
+    )
     toks = jnp.asarray(tokens)
     jax_s = _best_seconds(lambda: run(w, toks).block_until_ready(), repeats)
 

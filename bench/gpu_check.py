@@ -68,6 +68,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from jax_agent_rl.models.sharding import one_device_sharder
+
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".gpu-wheels"
 RESULT = "GPU_CHECK_RESULT "  # a step's last line: this, then its JSON
@@ -338,13 +340,14 @@ def _learner_step(dry: bool) -> dict[str, Any]:
     row_tokens, seq, steps = (256, 64, 1) if dry else (8192, 512, 3)
     learner = Learner(
         cfg,
-        init_params(jax.random.key(0), cfg),  # fp32 master weights
+        init_params(jax.random.key(0), cfg, sharder=one_device_sharder()),  # fp32 master weights
         algo=AlgorithmSection(clip_low=0.2, clip_high=0.2, clip_c=None, tis_cap=None),
         optim=OptimSection(lr=1e-6, weight_decay=0.0, grad_clip=1.0),
         sampling=SamplingSpec(),
         compute_dtype="bfloat16",
         micro_batch_size=1,
         remat=True,
+        sharder=one_device_sharder(),
     )
     w = make_workload("uniform", row_tokens // seq, cfg.vocab_size, seq)
     batch, sequences, real = packed_batch(w, row_tokens)
@@ -410,12 +413,18 @@ def _decode_step(dry: bool) -> dict[str, Any]:
     _, peak, bandwidth = _card(dry)
     base = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
     cfg = dataclasses.replace(base, dtype="bfloat16")
-    params = init_params(jax.random.key(0), cfg)
+    params = init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
     prompt, short, long = (8, 8, 24) if dry else (32, 32, 160)
     batches = (2,) if dry else (1, 8, 64, 256)
     out: dict[str, Any] = {"params": cfg.num_params, "prompt": prompt, "new": [short, long]}
     for B in batches:
-        engine = Engine(cfg, max_concurrent_decodes=B, max_len=prompt + long, batch_buckets=False)
+        engine = Engine(
+            cfg,
+            max_concurrent_decodes=B,
+            max_len=prompt + long,
+            batch_buckets=False,
+            sharder=one_device_sharder(),
+        )
         backend = EmbeddedBackend(engine, params, steps_per_call=8)
         try:
             seconds = {

@@ -108,6 +108,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_agent_rl.models.sharding import one_device_sharder
+
 MATMUL_N = 2048
 COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -433,7 +435,7 @@ def jax_train(
     from jax_agent_rl.rl.learner import Learner
     from jax_agent_rl.rl.objectives import SamplingSpec
 
-    cfg, params = load_hf(ckpt, dtype="float32")
+    cfg, params = load_hf(ckpt, dtype="float32", sharder=one_device_sharder())
     learner = Learner(
         cfg,
         params,
@@ -442,6 +444,7 @@ def jax_train(
         sampling=SamplingSpec(),
         compute_dtype=dtype,  # type: ignore[arg-type]
         micro_batch_size=1,
+        sharder=one_device_sharder(),
     )
     del params
     batch, sequences, real = packed_batch(w, row_tokens, tree)
@@ -487,9 +490,9 @@ def dense_twin_of(
     from jax_agent_rl.models import load_hf
     from jax_agent_rl.models.hf_local import dense_twin, write_hf_checkpoint
 
-    cfg = load_hf(ckpt)[0]
+    cfg = load_hf(ckpt, sharder=one_device_sharder())[0]
     twin = write_hf_checkpoint(out, dense_twin(moe))
-    twin_cfg = load_hf(twin)[0]
+    twin_cfg = load_hf(twin, sharder=one_device_sharder())[0]
     fpt = flops_per_token(twin_cfg, attended_keys(w))
     return (
         twin,
@@ -562,7 +565,10 @@ def run_variant(name: str, args: argparse.Namespace, folder: Path) -> Result:
     from jax_agent_rl.models import load_hf
 
     ckpt = folder / ("dense" if name.startswith("dense_") else "model")
-    vocab, scale = load_hf(ckpt)[0].vocab_size, 1 / 16 if args.smoke else 1.0
+    vocab, scale = (
+        load_hf(ckpt, sharder=one_device_sharder())[0].vocab_size,
+        1 / 16 if args.smoke else 1.0,
+    )
     w = make_workload(args.workload, args.sequences, vocab, args.seq, args.cap, scale)
     dtype = name.rsplit("_", 1)[1]
     if name.startswith("torch_"):
@@ -664,7 +670,7 @@ def main() -> None:
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / "model", hf)
-        cfg = load_hf(ckpt)[0]
+        cfg = load_hf(ckpt, sharder=one_device_sharder())[0]
         scale = 1 / 16 if args.smoke else 1.0
         w = make_workload(args.workload, n, cfg.vocab_size, args.seq, args.cap, scale)
         # variant name's prefix -> FLOPs per token of its model

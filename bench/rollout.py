@@ -53,6 +53,7 @@ from jax_agent_rl.data import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend
 from jax_agent_rl.tokenization import (
     ParsedCall,
@@ -137,6 +138,9 @@ class LocalExecutor:
     async def release(self, trajectory_id: str) -> None:
         self.states.pop(trajectory_id, None)
 
+    def counters(self) -> dict[str, float]:
+        return {}
+
     async def close(self) -> None:
         self.states.clear()
 
@@ -169,12 +173,12 @@ async def rollout(
 
 
 def make_backend(name: str, ckpt: Path, n: int) -> RolloutBackend:
-    cfg, weights = load_hf(ckpt)
+    cfg, weights = load_hf(ckpt, sharder=one_device_sharder())
     if name == "vllm":
         from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
         return VLLMBackend(ckpt, cfg, max_model_len=1024, max_num_seqs=n)
-    engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024)
+    engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024, sharder=one_device_sharder())
     return EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
 
 

@@ -39,6 +39,7 @@ from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.adapters import adapters_of, add_lora, merge, with_adapters
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.protocol import PushStats
 
@@ -62,7 +63,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / args.model, MODELS[args.model])
-        cfg, weights = load_hf(ckpt)
+        cfg, weights = load_hf(ckpt, sharder=one_device_sharder())
         backend = VLLMBackend(ckpt, cfg, max_model_len=256, max_num_seqs=8)
         stats: list[PushStats] = []
         try:
@@ -122,13 +123,15 @@ def lora_bench(model: str, rank: int, pushes: int) -> None:
     """`--lora` (module docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_hf_checkpoint(Path(tmp) / model, MODELS[model])
-        base_cfg, base = load_hf(ckpt)
+        base_cfg, base = load_hf(ckpt, sharder=one_device_sharder())
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(rank, 2.0 * rank))
     adapters = jax.tree.map(lambda x: x + 0.01, adapters_of(w))  # B nonzero: a trained one
     w = with_adapters(base, adapters)
     full: list[PushStats] = []
     lora: list[PushStats] = []
-    backend = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=8, max_len=128), w)
+    backend = EmbeddedBackend(
+        Engine(cfg, max_concurrent_decodes=8, max_len=128, sharder=one_device_sharder()), w
+    )
     try:
         for version in range(1, pushes + 1):
             for stats, sent in ((full, w), (lora, adapters)):
@@ -144,7 +147,10 @@ def lora_bench(model: str, rank: int, pushes: int) -> None:
     t0 = time.perf_counter()
     merged_w = jax.block_until_ready(merge_fn(w))
     merge_s = time.perf_counter() - t0
-    plain = EmbeddedBackend(Engine(base_cfg, max_concurrent_decodes=8, max_len=128), merged_w)
+    plain = EmbeddedBackend(
+        Engine(base_cfg, max_concurrent_decodes=8, max_len=128, sharder=one_device_sharder()),
+        merged_w,
+    )
     try:
         merged = _decode_tok_s(plain, cfg.vocab_size)
     finally:

@@ -36,7 +36,13 @@ from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.files import made_folder
-from jax_agent_rl.models import ModelConfig, init_params, request_cpu_devices, save_hf
+from jax_agent_rl.models import (
+    ModelConfig,
+    init_params,
+    one_device_sharder,
+    request_cpu_devices,
+    save_hf,
+)
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -152,7 +158,7 @@ def write_model(
     backend = train_bpe(texts, vocab_size, digit_groups=3, merge_across_words=True)
     save_tokenizer(folder, backend, template)
     cfg = ModelConfig.from_hf({**model, "vocab_size": backend.get_vocab_size()})
-    save_hf(folder, cfg, init_params(jax.random.key(seed), cfg))
+    save_hf(folder, cfg, init_params(jax.random.key(seed), cfg, one_device_sharder()))
 
 
 # `jarl checkpoint make`'s models: the demo's, a larger one of the same layout (~25M

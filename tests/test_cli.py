@@ -12,6 +12,7 @@ from jax_agent_rl.cli import main
 from jax_agent_rl.demo import EXPECTED_DURATION
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.tokenization import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def test_checkpoint_make_writes_a_checkpoint_a_shipped_config_runs_on(
     assert f"jarl train CONFIG model.path={ckpt}" in capsys.readouterr().out
     assert main(["inspect", str(ckpt)]) == 0
     assert "qwen2" in capsys.readouterr().out
-    model, params = load_hf(ckpt, "float32")
+    model, params = load_hf(ckpt, "float32", sharder=one_device_sharder())
     assert model.max_position_embeddings >= 4096 and params.embed.shape[0] == model.vocab_size
     tokenizer = Tokenizer.from_pretrained(ckpt)
     assert tokenizer.decode(tokenizer.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."

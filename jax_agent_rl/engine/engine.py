@@ -24,7 +24,8 @@ Weights are arguments, never constants: new weights of the same shapes reuse eve
 program. Each layer's weights and pages are buffers of their own (`serving_layout`), read
 and written in place.
 
-With a ``sharder`` (an inference mesh, see `models.inference_mesh`), the params follow the
+On ``sharder``'s mesh (an inference mesh, see `models.inference_mesh`; alone, a
+`models.one_device_sharder`), the params follow the
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
 slots split over ``data`` into ``shards`` and so do the pool's pages (kv heads over
 ``tensor``): slot i decodes on shard ``slot_shard(i)`` and names pages of that shard's
@@ -63,7 +64,6 @@ from jax_agent_rl.engine.state import (
     slot_axes,
 )
 from jax_agent_rl.models import (
-    KVPages,
     ModelConfig,
     Sharder,
     Weights,
@@ -83,6 +83,7 @@ class Engine:
         self,
         cfg: ModelConfig,
         *,
+        sharder: Sharder,
         max_concurrent_decodes: int = 32,
         max_len: int = 2048,
         page_size: int = 32,
@@ -91,7 +92,6 @@ class Engine:
         min_prefill_bucket: int = 16,
         max_stop_ids: int = 8,
         batch_buckets: bool = True,
-        sharder: Sharder | None = None,
         decode_kernel: str = "auto",
     ) -> None:
         if max_len > cfg.max_position_embeddings:
@@ -115,7 +115,7 @@ class Engine:
         # pool's pages likewise (`PAGE_AXES`): slot i decodes on shard i // slots_per_shard,
         # reading pages of that shard's range only (`slot_shard`, `shard_pages`)
         n = max_concurrent_decodes
-        local = n if sharder is None else sharder.sharding(("batch",), (n,)).shard_shape((n,))[0]
+        local = sharder.sharding(("batch",), (n,)).shard_shape((n,))[0]
         self.shards, self.slots_per_shard = n // local, local
         self.shard_pages = self.num_pages // self.shards
         if self.num_pages % self.shards or self.shard_pages < self.pages_per_seq:
@@ -143,14 +143,11 @@ class Engine:
             raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
         self.decode_kernel = decode_kernel
         # a prefill chunk (one row) cannot split over `data`: its activations replicate
-        self._row_sharder = (
-            None
-            if sharder is None
-            else dataclasses.replace(sharder, rules=dataclasses.replace(sharder.rules, batch=None))
+        self._row_sharder = dataclasses.replace(
+            sharder, rules=dataclasses.replace(sharder.rules, batch=None)
         )
-        self._pages_layout: KVPages | None = None
-        if sharder is not None:  # (building it checks that the pages split over the mesh)
-            self._pages_layout = page_shardings(cfg, sharder, self.num_pages, page_size)
+        # (building it checks that the pages split over the mesh)
+        self._pages_layout = page_shardings(cfg, sharder, self.num_pages, page_size)
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self._prefill = jax.jit(
             self._prefill_impl, static_argnames=("pages_read",), donate_argnames=("state",)
@@ -182,8 +179,7 @@ class Engine:
         `serving_layout`. Takes the declared layout (a learner's) or this engine's own."""
         weights = self.policy.checked(weights)
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
-        if self.sharder is not None:
-            cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))
+        cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))
         return self._serving_layout(cast)
 
     def load_adapters(self, params: Weights, adapters: LayerAdapters) -> Weights:
@@ -192,9 +188,7 @@ class Engine:
         return served_adapters(self.cfg, params, adapters, self.sharder)
 
     def _lay_out(self, state: DecodeState) -> DecodeState:
-        """Pins a decode state to its layout inside a jitted function (a no-op unsharded)."""
-        if self.sharder is None:
-            return state
+        """Pins a decode state to its layout inside a jitted function."""
         sharder = self.sharder
         slots = jax.tree.map(lambda x: sharder.constrain(x, slot_axes(x.ndim)), state.slots)
         pages = jax.lax.with_sharding_constraint(state.pages, self._pages_layout)
@@ -235,8 +229,6 @@ class Engine:
         return table
 
     def _device_table(self, table: np.ndarray, axes: tuple[str | None, ...]) -> jax.Array:
-        if self.sharder is None:
-            return jnp.asarray(table)
         return jax.device_put(table, self.sharder.sharding(axes, table.shape))
 
     # ----------------------------------------------------------------------------- prefill

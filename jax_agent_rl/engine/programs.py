@@ -44,20 +44,16 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     steps at the largest batch bucket."""
     state = engine.abstract_decode_state()
     serving = jax.eval_shape(engine._serving_layout, params)
-    if engine.sharder is not None:
-        serving = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            serving,
-            serving_shardings(engine.cfg, engine.sharder),
-        )
+    serving = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        serving,
+        serving_shardings(engine.cfg, engine.sharder),
+    )
     slots = jax.eval_shape(lambda: engine._request_slots(SamplingParams(max_tokens=1), 0, 0))
 
     def table(rows: int, axes: tuple[str | None, ...]) -> jax.ShapeDtypeStruct:
         shape = (rows, engine.pages_per_seq)
-        sharder = engine.sharder
-        return jax.ShapeDtypeStruct(
-            shape, jnp.int32, sharding=None if sharder is None else sharder.sharding(axes, shape)
-        )
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=engine.sharder.sharding(axes, shape))
 
     bucket, rows = engine.prefill_buckets[-1], engine.batch_buckets[-1]
     padded = jax.ShapeDtypeStruct((1, bucket), jnp.int32)

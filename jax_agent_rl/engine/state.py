@@ -96,10 +96,10 @@ def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * width
 
 
-def compile_platform(sharder: Sharder | None) -> str:
+def compile_platform(sharder: Sharder) -> str:
     """The platform the engine's programs compile for: the sharder's devices' (a mesh of
-    abstract TPU devices compiles for TPU on any host), else JAX's default backend's."""
-    return jax.default_backend() if sharder is None else sharder.mesh.devices.flat[0].platform
+    abstract TPU devices compiles for TPU on any host)."""
+    return str(sharder.mesh.devices.flat[0].platform)
 
 
 def cache_dtype(cfg: ModelConfig, platform: str) -> Any:
@@ -173,7 +173,7 @@ def abstract_decode_state(
     num_pages: int,
     page_size: int,
     dtype: Any,
-    sharder: Sharder | None,
+    sharder: Sharder,
 ) -> DecodeState:
     """ShapeDtypeStructs of the decode state of ``slots`` slots and a pool of ``num_pages``
     pages in ``dtype``, laid out by ``sharder`` (slots over the batch, pages by
@@ -190,15 +190,12 @@ def abstract_decode_state(
         stop_ids=(jnp.int32, (max_stop_ids,)),
         key=(jnp.uint32, (2,)),  # raw threefry key data
     )
-    none: tuple[None, ...] = (None,) * cfg.num_layers
-    layout = KVPages(k=none, v=none)
-    if sharder is not None:
-        layout = page_shardings(cfg, sharder, num_pages, page_size)
+    layout = page_shardings(cfg, sharder, num_pages, page_size)
     pages = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
     def per_slot(field: tuple[Any, tuple[int, ...]]) -> jax.ShapeDtypeStruct:
         shape = (slots, *field[1])
-        at = None if sharder is None else sharder.sharding(slot_axes(len(shape)), shape)
+        at = sharder.sharding(slot_axes(len(shape)), shape)
         return jax.ShapeDtypeStruct(shape, field[0], sharding=at)
 
     return DecodeState(

@@ -114,6 +114,12 @@ class Environment(Protocol):
     async def close(self) -> None: ...
 
 
+class NamedEnvironment(Environment, Protocol):
+    """An environment with a name its failures give (a verl interaction's)."""
+
+    name: str
+
+
 # one fresh environment per episode: an Environment, or one whose methods are synchronous
 EnvFactory = Callable[[Sample], Any]
 ENV_THREAD = "env-call"  # the name of the threads that run environments' synchronous calls
@@ -130,7 +136,7 @@ class Environments:
         self,
         classes: Mapping[str, EnvFactory] | None = None,
         lookup: Callable[[str], EnvFactory | None] | None = None,
-        interaction: EnvFactory | None = None,
+        interaction: Callable[[Sample], NamedEnvironment] | None = None,
         step_timeout_s: float = 60.0,
         threads: CallThreads | None = None,
         loop: EnvLoop = ENV_LOOP,
@@ -173,7 +179,7 @@ class Environments:
         elif self._interacts(sample):
             assert self.interaction is not None
             made = self.interaction(sample)
-            name = f"interaction {getattr(made, 'name', '')!r}"
+            name = f"interaction {made.name!r}"
         else:
             return None
         return GuardedEnvironment(made, name, self.step_timeout_s, self.threads, self.loop)

@@ -22,7 +22,7 @@ row's reward function's (``owns_reward=False``); the turn scores are its turn re
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ import yaml
 
 from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_step
+from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.user_code import import_named, load_function
@@ -155,7 +155,9 @@ def _load_class(spec: str, key: str) -> Any:
         raise ConfigError(f"{key}={spec!r}: cannot import it: {e}") from e
 
 
-def interaction_factory(interactions: Mapping[str, Any]) -> EnvFactory:
+def interaction_factory(
+    interactions: Mapping[str, Any],
+) -> Callable[[Sample], InteractionEnvironment]:
     """Episodes of the interaction a row's ``extra_info.interaction_kwargs.name`` names."""
 
     def factory(sample: Sample) -> InteractionEnvironment:

@@ -30,6 +30,7 @@ from jax_agent_rl.models.sharding import (
     ShardingRules,
     inference_mesh,
     make_mesh,
+    one_device_sharder,
     request_cpu_devices,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "lm_logits",
     "load_hf",
     "make_mesh",
+    "one_device_sharder",
     "page_shardings",
     "param_shardings",
     "param_specs",

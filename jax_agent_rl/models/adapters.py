@@ -87,7 +87,7 @@ def check_adapters(cfg: ModelConfig, adapters: Any) -> None:
 
 
 def serving_adapters(
-    cfg: ModelConfig, adapters: LayerAdapters, sharder: Sharder | None
+    cfg: ModelConfig, adapters: LayerAdapters, sharder: Sharder
 ) -> tuple[LayerAdapters, ...]:
     """LoRA ``adapters`` (stacked, as a learner holds them: what a LoRA push sends) as an
     engine serves them: checked against ``cfg``'s declaration, cast to its dtype, placed on
@@ -95,15 +95,14 @@ def serving_adapters(
     run's weight push)."""
     check_adapters(cfg, adapters)
     cast = jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype), adapters)
-    if sharder is not None:
-        layout = param_shardings(cfg, sharder).layers
-        assert isinstance(layout, Layer)
-        cast = jax.device_put(cast, layout.lora)
+    layout = param_shardings(cfg, sharder).layers
+    assert isinstance(layout, Layer)
+    cast = jax.device_put(cast, layout.lora)
     return _per_layer(cast)
 
 
 def served_adapters(
-    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder | None
+    cfg: ModelConfig, served: Weights, adapters: LayerAdapters, sharder: Sharder
 ) -> Weights:
     """``served`` (an engine's weights, each layer its own: `decoder.serving_layout`) with new
     LoRA ``adapters`` on its layers (`serving_adapters`); the base arrays are the same ones,

@@ -29,11 +29,9 @@ ROW_AXES = ("batch", "seq")
 HEAD_AXES = ("batch", "seq", "act_heads", "head_dim")  # q, k, v and out alike
 
 
-def runs_on_tpu(sharder: Sharder | None) -> bool:
+def runs_on_tpu(sharder: Sharder) -> bool:
     """Whether the computation is laid out on TPUs: the mesh's devices' platform (so a program
-    compiled on a CPU host for an abstract TPU topology counts), else the default backend's."""
-    if sharder is None:
-        return jax.default_backend() == "tpu"
+    compiled on a CPU host for an abstract TPU topology counts)."""
     return bool(sharder.mesh.devices.flat[0].platform == "tpu")
 
 
@@ -48,7 +46,7 @@ def pallas_attention(
     k_btgk: jax.Array,
     v_btgk: jax.Array,
     segment_ids_bt: jax.Array,
-    sharder: Sharder | None = None,
+    sharder: Sharder,
     window: int | None = None,
 ) -> jax.Array:
     """`decoder.attention` by the splash-attention kernel: out [B, T, H, K] in q's dtype.
@@ -73,8 +71,6 @@ def pallas_attention(
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a positive number of positions, or None")
     local = partial(_attention, window=window)
-    if sharder is None:
-        return local(q_bthk, k_btgk, v_btgk, segment_ids_bt)
     heads = sharder.sharding(HEAD_AXES, q_bthk.shape).spec  # the shapes' divisibility checked
     kv_heads = sharder.sharding(HEAD_AXES, k_btgk.shape).spec
     rows = sharder.sharding(ROW_AXES, segment_ids_bt.shape).spec

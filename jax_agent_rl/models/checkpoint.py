@@ -304,13 +304,13 @@ def _locate(path: Path) -> dict[str, _Stored]:
 
 
 def load_hf(
-    path: str | Path, dtype: DType = "float32", sharder: Sharder | None = None
+    path: str | Path, dtype: DType = "float32", *, sharder: Sharder
 ) -> tuple[ModelConfig, Weights]:
     """Loads a local HF checkpoint folder (config.json + safetensors) into `Weights`.
 
     Every tensor's name, dtype and shape are checked against the config from the files'
-    headers before any data is read. Tensors are cast to ``dtype`` and, with a ``sharder``,
-    placed with their shardings.
+    headers before any data is read. Tensors are cast to ``dtype`` and placed with their
+    shardings on ``sharder``'s mesh.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype=dtype)
@@ -371,8 +371,6 @@ def load_hf(
         final_norm=stacked["final_norm"],
         lm_head=stacked.get("lm_head"),
     )
-    if sharder is None:
-        return cfg, jax.tree.map(jax.numpy.asarray, weights)
     return cfg, jax.device_put(weights, param_shardings(cfg, sharder))
 
 

@@ -194,27 +194,23 @@ def param_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
     )
 
 
-def abstract_params(cfg: ModelConfig, sharder: Sharder | None = None) -> Weights:
+def abstract_params(cfg: ModelConfig, sharder: Sharder) -> Weights:
     """ShapeDtypeStructs for every parameter (restore and weight-sync targets)."""
-    specs = param_specs(cfg)
-    shardings = jax.tree.map(lambda _: None, specs, is_leaf=is_spec)
-    if sharder is not None:
-        shardings = param_shardings(cfg, sharder)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype, sharding=sh),
-        specs,
-        shardings,
+        param_specs(cfg),
+        param_shardings(cfg, sharder),
         is_leaf=is_spec,
     )
 
 
-def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder | None = None) -> Weights:
+def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> Weights:
     """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases)."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
 
-    @partial(jax.jit, out_shardings=None if sharder is None else param_shardings(cfg, sharder))
+    @partial(jax.jit, out_shardings=param_shardings(cfg, sharder))
     def init(keys: jax.Array) -> Weights:
         return jax.tree.unflatten(
             treedef, [s.init(k, s.shape, cfg.jnp_dtype) for s, k in zip(leaves, keys, strict=True)]
@@ -235,16 +231,14 @@ def init_pages(
     cfg: ModelConfig,
     num_pages: int,
     page_size: int,
-    sharder: Sharder | None = None,
+    sharder: Sharder,
     dtype: Any = None,
 ) -> KVPages:
     """An empty pool of ``num_pages`` pages of ``page_size`` positions, laid out by
     ``sharder``: each part is created where it lives. Keys and values in ``dtype`` (default:
     the model's)."""
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    at: tuple[Any, ...] = (None,) * cfg.num_layers
-    if sharder is not None:
-        at = page_shardings(cfg, sharder, num_pages, page_size).k
+    at = page_shardings(cfg, sharder, num_pages, page_size).k
     return KVPages(
         k=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at),
         v=tuple(jnp.zeros(shape, dtype or cfg.jnp_dtype, device=d) for d in at),
@@ -360,8 +354,8 @@ def attention(
     v_btgk: jax.Array,
     segment_ids_bt: jax.Array,
     window: int | None = None,
-    sharder: Sharder | None = None,
     *,
+    sharder: Sharder,
     kernel: bool | None = None,
     reach_bt: jax.Array | None = None,
 ) -> jax.Array:
@@ -629,7 +623,7 @@ def _attend(
 
 def _mlp_block(
     cfg: ModelConfig,
-    sharder: Sharder | None,
+    sharder: Sharder,
     lw: Layer,
     x_btd: jax.Array,
     sparse: bool | jax.Array,
@@ -641,11 +635,7 @@ def _mlp_block(
         out, routing = mlp_of_kind(
             cfg, lw, h, sparse, given_btk, partial(_mlp, cfg), runs_on_tpu(sharder)
         )
-    return _constrain(sharder, x_btd + out, ("batch", "seq", "act_embed")), routing
-
-
-def _constrain(sharder: Sharder | None, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return x if sharder is None else sharder.constrain(x, axes)
+    return sharder.constrain(x_btd + out, ("batch", "seq", "act_embed")), routing
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -658,9 +648,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: jax.Array,
     segment_ids_bt: jax.Array,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: None = None,
     window: int | None = None,
     reach_bt: jax.Array | None = None,
@@ -677,9 +667,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: jax.Array,
     segment_ids_bt: jax.Array,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: None = None,
     window: int | None = None,
     reach_bt: jax.Array | None = None,
@@ -696,9 +686,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: jax.Array,
     segment_ids_bt: jax.Array,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: None = None,
     window: int | None = None,
     reach_bt: jax.Array | None = None,
@@ -715,9 +705,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: None = None,
     segment_ids_bt: None = None,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: KVPages,
     page_table_bm: jax.Array,
     pos_b: jax.Array,
@@ -736,9 +726,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: None = None,
     segment_ids_bt: None = None,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: KVPages,
     page_table_bm: jax.Array,
     pos_b: jax.Array,
@@ -756,9 +746,9 @@ def forward(
     tokens_bt: jax.Array,
     positions_bt: jax.Array | None = None,
     segment_ids_bt: jax.Array | None = None,
-    sharder: Sharder | None = None,
-    remat: bool = False,
     *,
+    sharder: Sharder,
+    remat: bool = False,
     cache: KVPages | None = None,
     page_table_bm: jax.Array | None = None,
     pos_b: jax.Array | None = None,
@@ -821,7 +811,7 @@ def forward(
             raise ValueError(f"{flag} with a {cfg.family} model without sparse layers")
     if return_router_logits and cache is not None:
         raise ValueError("return_router_logits is for the training forward (no cache)")
-    x = _constrain(sharder, w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+    x = sharder.constrain(w.embed[tokens_bt], ("batch", "seq", "act_embed"))
     mlp = partial(_mlp_block, cfg, sharder)
     if cache is None:
         if positions_bt is None or segment_ids_bt is None:
@@ -834,7 +824,9 @@ def forward(
             lw, sparse, given = xs
 
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                return attention(q, k, v, train_segments, window, sharder, reach_bt=reach_bt)
+                return attention(
+                    q, k, v, train_segments, window, sharder=sharder, reach_bt=reach_bt
+                )
 
             x_btd = _attend(cfg, lw, x_btd, train_positions, attn)
             return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)
@@ -870,7 +862,7 @@ def _forward_paged(
     w: Weights,
     cfg: ModelConfig,
     x: jax.Array,
-    sharder: Sharder | None,
+    sharder: Sharder,
     cache: KVPages,
     page_table_bm: jax.Array | None,
     pos_b: jax.Array | None,

@@ -130,9 +130,9 @@ class NnxPolicy:
         tokens_bt: jax.Array,
         positions_bt: jax.Array | None = None,
         segment_ids_bt: jax.Array | None = None,
-        sharder: Sharder | None = None,
-        remat: bool = False,
         *,
+        sharder: Sharder,
+        remat: bool = False,
         cache: KVPages | None = None,
         page_table_bm: jax.Array | None = None,
         pos_b: jax.Array | None = None,
@@ -154,7 +154,7 @@ class NnxPolicy:
 
             def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 del i  # every layer attends within the same segments
-                return attention(q, k, v, segments, window, sharder, reach_bt=reach_bt)
+                return attention(q, k, v, segments, window, sharder=sharder, reach_bt=reach_bt)
 
             def run(params: Any) -> jax.Array:
                 h: jax.Array = self._module(params)(tokens_bt, positions, attend)

@@ -268,17 +268,14 @@ def _decode_layer(
 
 
 def decode_steps(
-    sharder: Sharder | None, num_pages: int, page_size: int, kernel: str
+    sharder: Sharder, num_pages: int, page_size: int, kernel: str
 ) -> tuple[Callable[..., DecodeTables], Callable[..., tuple[jax.Array, ...]]]:
-    """`decode_tables` and `_decode_layer` for a pool of ``num_pages`` pages; with a
-    ``sharder``, each under ``jax.shard_map`` over the mesh axes that split the rows (and
+    """`decode_tables` and `_decode_layer` for a pool of ``num_pages`` pages, each under
+    ``jax.shard_map`` over ``sharder``'s mesh axes that split the rows (and
     the pool's pages: `PAGE_AXES`) and the kv heads: a shard computes its own rows' tables
     in its own page ids and their attention over its own pages, so nothing crosses devices
     (a row's pages are on its shard: the host's ledger, `engine.pages`, sees to it). A
     query's heads split as the kv heads they read."""
-    if sharder is None:
-        tables = partial(decode_tables, num_pages=num_pages, page_size=page_size)
-        return tables, partial(_decode_layer, kernel=kernel)
     rules, mesh = sharder.rules, sharder.mesh
     local = num_pages // sharder.shards("batch")  # a shard's pages
     rows = rules.spec(("batch",))  # every per-row array and table: split on its first axis
@@ -306,7 +303,7 @@ def decode_steps(
     )
 
 
-def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder | None) -> Any:
+def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder) -> Any:
     """``pages`` (a tree of per-layer pools [G, P, page_size, K]) with page ``src_dst[1]``
     a copy of page ``src_dst[0]``. Both are pages of one shard's range: with a ``sharder``
     the copy runs on that shard, in its own page ids, and moves nothing between devices
@@ -314,14 +311,12 @@ def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder | None) -> Any:
 
     def copy(src_dst: jax.Array, pages: Any) -> Any:
         num_pages = jax.tree.leaves(pages)[0].shape[1]
-        first = 0 if sharder is None else sharder.shard_index("batch") * num_pages
+        first = sharder.shard_index("batch") * num_pages
         src, dst = src_dst[0] - first, src_dst[1] - first
         src = jnp.clip(src, 0, num_pages - 1)
         dst = jnp.where((dst >= 0) & (dst < num_pages), dst, num_pages)
         return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src], mode="drop"), pages)
 
-    if sharder is None:
-        return copy(src_dst, pages)
     spec = sharder.rules.spec(PAGE_AXES)
     replicated = jax.sharding.PartitionSpec()
     return jax.shard_map(copy, mesh=sharder.mesh, in_specs=(replicated, spec), out_specs=spec)(
@@ -345,7 +340,7 @@ class PagedChunk:
 
     def __init__(
         self,
-        sharder: Sharder | None,
+        sharder: Sharder,
         k_pools: tuple[jax.Array, ...],
         v_pools: tuple[jax.Array, ...],
         page_table_bm: jax.Array,

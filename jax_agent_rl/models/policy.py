@@ -57,7 +57,8 @@ class Policy(Protocol):
         tokens_bt: jax.Array,
         positions_bt: jax.Array | None = None,
         segment_ids_bt: jax.Array | None = None,
-        sharder: Sharder | None = None,
+        *,
+        sharder: Sharder,
         remat: bool = False,
         **kw: Any,
     ) -> Any: ...
@@ -90,13 +91,21 @@ class DecoderPolicy:
         tokens_bt: jax.Array,
         positions_bt: jax.Array | None = None,
         segment_ids_bt: jax.Array | None = None,
-        sharder: Sharder | None = None,
+        *,
+        sharder: Sharder,
         remat: bool = False,
         **kw: Any,
     ) -> Any:
         forward: Any = decoder.forward  # its overloads: the keywords pick the result's shape
         return forward(
-            params, self.cfg, tokens_bt, positions_bt, segment_ids_bt, sharder, remat, **kw
+            params,
+            self.cfg,
+            tokens_bt,
+            positions_bt,
+            segment_ids_bt,
+            sharder=sharder,
+            remat=remat,
+            **kw,
         )
 
     def head_vd(self, params: Any) -> jax.Array:

@@ -120,6 +120,13 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def one_device_sharder() -> Sharder:
+    """A `Sharder` over a one-device mesh of this process's first device: where no mesh is
+    configured (a test, a bench, a Ray replica), the code runs the same layouts as on a pod,
+    each of them whole on that device."""
+    return Sharder(make_mesh(devices=jax.local_devices()[:1]))
+
+
 def inference_mesh(mesh: Mesh) -> Mesh:
     """The same devices as ``mesh`` with ``fsdp`` folded into ``data``, for serving: every
     ``tensor`` group holds whole weights (no all-gather of parameters per decoded token) and

@@ -155,8 +155,8 @@ class StepPrograms:
         optim: OptimSection,
         sampling: SamplingSpec,
         compute_dtype: Literal["float32", "bfloat16"] = "float32",
+        sharder: Sharder,
         remat: bool = False,
-        sharder: Sharder | None = None,
         norm_const: float | None = None,
         lr: float | None = None,
         decay_steps: int | None = None,
@@ -231,13 +231,13 @@ class Learner:
         model: ModelConfig,
         params: Weights,
         *,
+        sharder: Sharder,
         algo: AlgorithmSection,
         optim: OptimSection,
         sampling: SamplingSpec,
         compute_dtype: Literal["float32", "bfloat16"] = "float32",
         micro_batch_size: int = 8,
         remat: bool = False,
-        sharder: Sharder | None = None,
         critic: Critic | None = None,
         reference: Weights | None = None,
         norm_const: float | None = None,
@@ -260,7 +260,7 @@ class Learner:
         self.sharder = sharder
         self.micro_batch_size = micro_batch_size
         self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
-        self._param_shardings = None if sharder is None else param_shardings(self.model, sharder)
+        self._param_shardings = param_shardings(self.model, sharder)
         if reference is not None and self.model.lora is not None:
             raise ValueError(
                 "a LoRA policy's KL reference is its own base weights with the adapters left "
@@ -278,11 +278,10 @@ class Learner:
         frozen = None if reference is None else self._place(cast_floats(reference, jnp.float32))
         if frozen is not None:
             frozen = jax.tree.map(jnp.copy, frozen)
-            frozen = frozen if sharder else jax.device_put(frozen, jax.devices()[0])
         self.state = LearnerState(policy, value, frozen)
         # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
-        self._batch_sharding = None if sharder is None else sharder.sharding((None, "batch", None))
-        self._seq_sharding = None if sharder is None else sharder.sharding(("batch",))
+        self._batch_sharding = sharder.sharding((None, "batch", None))
+        self._seq_sharding = sharder.sharding(("batch",))
         self._rl_steps = {
             given: _jit_keeping_layout(programs.rl_step(given)) for given in (True, False)
         }  # each compiles on first use
@@ -291,17 +290,13 @@ class Learner:
     # --- placement
 
     def _place(self, weights: Weights) -> Weights:
-        if self._param_shardings is None:
-            return weights
         return jax.device_put(weights, self._param_shardings)
 
     def _place_critic(self, critic: Critic) -> Critic:
         return Critic(self._place(critic.body), critic.head, critic.bias)
 
     def _replicated(self, x: Any) -> jax.Array:
-        """A host value every process gives alike, on every device (one device unsharded)."""
-        if self.sharder is None:
-            return jax.device_put(np.asarray(x))
+        """A host value every process gives alike, on every device."""
         replicated = self.sharder.sharding(())
         # `device_put` builds a broken array when a process has one device
         return jax.make_array_from_process_local_data(replicated, np.asarray(x))
@@ -309,8 +304,6 @@ class Learner:
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
         # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
         state = TrainState(params, tx.init(trainable(self.model, params)), jnp.zeros((), jnp.int32))
-        if self.sharder is None:  # committed to the device, as the step's outputs are
-            return jax.device_put(state, jax.devices()[0])
         # the counters (scalars on one device) replicated over the mesh
         return jax.tree.map(
             lambda x: x if isinstance(x.sharding, NamedSharding) else self._replicated(x), state
@@ -341,11 +334,9 @@ class Learner:
         return self._upload(split, self._batch_sharding, axis=1)
 
     @staticmethod
-    def _upload(tree: Any, sharding: NamedSharding | None, axis: int) -> Any:
+    def _upload(tree: Any, sharding: NamedSharding, axis: int) -> Any:
         """This process's share (along ``axis``) of every leaf onto the devices as global
         arrays."""
-        if sharding is None:
-            return jax.device_put(tree)
         processes = jax.process_count()
 
         def place(x: np.ndarray) -> jax.Array:

@@ -76,7 +76,7 @@ class StepSpec:
     sampling: SamplingSpec
     algo: AlgorithmSection
     remat: bool
-    sharder: Sharder | None
+    sharder: Sharder
     # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
     norm_const: float | None = None
 
@@ -97,12 +97,21 @@ class StepSpec:
         w = self.cast(weights)
         f = forward_rows(mb)
         forward = policy_of(self.model).forward
-        args = (w, f.tokens, f.positions, f.segment_ids, self.sharder, self.remat)
+        args = (w, f.tokens, f.positions, f.segment_ids)
+        sharder, remat, window, reach = self.sharder, self.remat, f.window, f.reach
         if not router_aux:
-            h = forward(*args, window=f.window, reach_bt=f.reach, expert_ids=given)
+            h = forward(
+                *args, sharder=sharder, remat=remat, window=window, reach_bt=reach, expert_ids=given
+            )
             return h, w, jnp.zeros((), jnp.float32)
         h, logits = forward(
-            *args, window=f.window, reach_bt=f.reach, expert_ids=given, return_router_logits=True
+            *args,
+            sharder=sharder,
+            remat=remat,
+            window=window,
+            reach_bt=reach,
+            expert_ids=given,
+            return_router_logits=True,
         )
         return h, w, load_balancing_loss(self.model, logits, f.real)
 
@@ -177,8 +186,8 @@ def own_routing_stats(
         f.tokens,
         f.positions,
         f.segment_ids,
-        spec.sharder,
-        spec.remat,
+        sharder=spec.sharder,
+        remat=spec.remat,
         window=f.window,
         reach_bt=f.reach,
         return_expert_ids=True,

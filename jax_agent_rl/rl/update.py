@@ -240,8 +240,7 @@ def _map_real(
     padding slots, never computed)."""
     count, slot = _real_micro_batches(batch, spec.algo.mini_batches)
     zeros = jnp.zeros(batch.rows.mask.shape, jnp.float32)
-    if spec.sharder is not None:
-        zeros = spec.sharder.constrain(zeros, (None, "batch", None))
+    zeros = spec.sharder.constrain(zeros, (None, "batch", None))
 
     def one(i: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         j = slot(i)

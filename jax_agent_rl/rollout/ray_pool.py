@@ -41,6 +41,7 @@ import jax
 
 from jax_agent_rl.models.adapters import base_of, check_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.protocol import (
@@ -69,7 +70,9 @@ class Replica:
 
         if adapters is not None:
             params = with_adapters(base_of(params), adapters)
-        self.backend: RolloutBackend = make_backend(dataclasses.replace(spec, params=params))
+        # the replica's engine on a mesh of its own first device (the pool's stays behind)
+        spec = dataclasses.replace(spec, params=params, sharder=one_device_sharder())
+        self.backend: RolloutBackend = make_backend(spec)
         self.node = ray.get_runtime_context().get_node_id()
         self.requests = 0  # in flight here
 
@@ -170,9 +173,10 @@ class RayPool:
         self._ray = ray
         self._cfg = spec.rollout.ray
         self._owns_ray = connect(self._cfg.address)
-        # params are sent apart; the sharder, the progress callback and the tokenizer stay here
+        # params are sent apart; the sharder (its devices are this process's: a replica lays
+        # its engine out on its own, `Replica`), the progress callback and the tokenizer stay
         self._spec = dataclasses.replace(
-            spec, params=cast(Any, None), sharder=None, on_program=None, decode=None
+            spec, params=cast(Any, None), sharder=cast(Any, None), on_program=None, decode=None
         )
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
         self._adapters: Any = None  # the newest LoRA adapters pushed (on `_weights`' base)

@@ -52,9 +52,9 @@ class BackendBuild:
     params: Weights
     checkpoint: str | Path
     dtype: str
+    sharder: Sharder
     version: int = 0
     seed: int = 0
-    sharder: Sharder | None = None
     stop_token_ids: tuple[int, ...] = ()
     on_program: Callable[[int, int], None] | None = None  # (not sent to replicas)
     decode: Decode | None = None  # (not sent to replicas)
@@ -126,7 +126,7 @@ def make_engine(
     rollout: RolloutSection,
     model: ModelConfig,
     dtype: str,
-    sharder: Sharder | None,
+    sharder: Sharder,
 ) -> Engine:
     """The embedded engine ``rollout`` describes, serving ``model`` in ``dtype`` on
     ``sharder``'s mesh (its programs compiled for the platform of the mesh's devices: TPU for

@@ -285,6 +285,9 @@ class HttpTools:
     async def metrics(self) -> dict[str, Any]:
         return dict(await self._request("GET", "/metrics"))
 
+    def counters(self) -> dict[str, float]:
+        return {}
+
     async def close(self) -> None:
         """Closes the HTTP client of the running event loop. Clients made in event loops that
         have ended are dropped: their connections cannot be closed from another loop."""

@@ -218,7 +218,8 @@ class ToolExecutor(Protocol):
     ``create_kwargs`` are the sample's for tool ``name`` (see `Tool.create`); a call passes
     them every time and they are used when the call creates the tool's state for the
     trajectory. ``close`` frees the executor's own resources (clients, the tools' processes)
-    once the run is over.
+    once the run is over. ``counters`` are running totals the executor keeps of itself, by
+    metric name (Ray's tool servers: restarts, re-sent calls); none for one process or server.
     """
 
     async def schemas(self) -> list[dict[str, Any]]: ...
@@ -234,6 +235,8 @@ class ToolExecutor(Protocol):
     async def release(self, trajectory_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+    def counters(self) -> dict[str, float]: ...
 
 
 def _checked(name: str, result: Any) -> ToolResult:
@@ -461,6 +464,9 @@ class LocalTools:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise RuntimeError(f"releasing tool state of {trajectory_id} failed: {errors!r}")
+
+    def counters(self) -> dict[str, float]:
+        return {}
 
     async def close(self) -> None:
         """Releases every trajectory still open, then closes every tool (`Tool.close`); a

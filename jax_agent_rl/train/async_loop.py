@@ -240,11 +240,17 @@ async def take_groups(
 
 
 async def async_step(
-    run: Run, rollout: Rollout, producer: Producer, step: int, compiles: bool
+    run: Run,
+    rollout: Rollout,
+    producer: Producer,
+    reported: dict[str, float],
+    step: int,
+    compiles: bool,
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """One update of the policy at version ``step`` from finished groups, then its push
     (``pinned``: once every group started under the weights it replaces is done). Returns its
-    metrics and the trajectories it trained on (those dropped are counted)."""
+    metrics and the trajectories it trained on (those dropped are counted). ``reported``: the
+    rollout's counters reported so far (`learn_and_push`)."""
     cfg = run.cfg
 
     async def groups_of_this_version() -> None:
@@ -267,6 +273,7 @@ async def async_step(
         taken.seen,
         step,
         compiles,
+        reported=reported,
         t0=t0,
         idle0=idle0,
         waited_s=time.perf_counter() - t0,
@@ -296,11 +303,12 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     in_order = run.cfg.trainer.async_schedule == "pinned"
     producer = Producer(run, rollout, admission, first, Finished(first, in_order))
     sampling = asyncio.create_task(producer.run_forever())
+    reported: dict[str, float] = {}
 
     async def step_fn(step: int, compiles: bool) -> tuple[dict[str, float], list[Trajectory]]:
         if sampling.done():  # it only ends by failing
             sampling.result()
-        return await async_step(run, rollout, producer, step, compiles)
+        return await async_step(run, rollout, producer, reported, step, compiles)
 
     try:
         yield step_fn

@@ -143,22 +143,24 @@ class Rollout:
     score: Scorer
     judge: Judge | None = None
 
-    counted_before: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def counted(self) -> dict[str, float]:
-        """What the backend, the tools and the judge counted themselves (Ray: deaths, re-run
-        requests, restarts; the judge: calls, failures, cache hits) since the last call, by
-        metric name: each step reports it once, so the counts of all steps add up to the
-        run's (evaluations' go to the next step)."""
-        tools = getattr(self.tools, "counters", None)
-        now = {
+    def counters(self) -> dict[str, float]:
+        """The running totals the backend, the tools and the judge keep of themselves (Ray:
+        deaths, re-run requests, restarts; the judge: calls, failures, cache hits), by metric
+        name (`counted_since` makes a step's share of them)."""
+        return {
             **self.backend.counters(),
-            **(tools() if callable(tools) else {}),
+            **self.tools.counters(),
             **(self.judge.counters() if self.judge is not None else {}),
         }
-        grown = {k: v - self.counted_before.get(k, 0.0) for k, v in now.items()}
-        self.counted_before.update(now)
-        return grown
+
+
+def counted_since(now: Mapping[str, float], reported: dict[str, float]) -> dict[str, float]:
+    """How much each of the totals ``now`` (`Rollout.counters`) grew since ``reported``, the
+    totals reported so far, which it brings up to date: each step reports its growth once,
+    so the counts of all steps add up to the run's (evaluations' go to the next step)."""
+    grown = {k: v - reported.get(k, 0.0) for k, v in now.items()}
+    reported.update(now)
+    return grown
 
 
 def train_states(learner: Learner) -> dict[str, Any]:
@@ -472,7 +474,7 @@ def make_judge(
     if section.backend == "policy":
         return Judge(section, policy, tokenizer, eos_ids(tokenizer), lambda: policy.version), None
     judge_tokenizer = Tokenizer.from_pretrained(section.model_path)
-    model, params = load_hf(section.model_path, cfg.model.dtype, sharder)
+    model, params = load_hf(section.model_path, cfg.model.dtype, sharder=sharder)
     rollout = dataclasses.replace(
         cfg.rollout, backend=section.backend, max_concurrent=section.max_concurrency
     )

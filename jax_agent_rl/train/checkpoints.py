@@ -20,7 +20,13 @@ import orbax.checkpoint as ocp
 
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.errors import error_text
-from jax_agent_rl.models import CheckpointError, ModelConfig, Weights, abstract_params
+from jax_agent_rl.models import (
+    CheckpointError,
+    ModelConfig,
+    Weights,
+    abstract_params,
+    one_device_sharder,
+)
 from jax_agent_rl.train.learners import run_model
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
@@ -108,7 +114,7 @@ def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     try:
         model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
-        target = {"params": abstract_params(model)}
+        target = {"params": abstract_params(model, one_device_sharder())}
         params = checkpoints.restore_part(step, "policy", target)["params"]
         # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)
         return model, jax.tree.map(lambda x: np.asarray(x, np.float32), params)

@@ -32,7 +32,13 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config, missing_paths
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
-from jax_agent_rl.models import ModelConfig, Weights, load_hf, request_cpu_devices
+from jax_agent_rl.models import (
+    ModelConfig,
+    Weights,
+    load_hf,
+    one_device_sharder,
+    request_cpu_devices,
+)
 from jax_agent_rl.rewards import Scorer
 from jax_agent_rl.rl.objectives import cast_floats
 from jax_agent_rl.tokenization import Tokenizer
@@ -289,7 +295,7 @@ def load_policy(target: EvalTarget) -> Policy:
         assert target.run_dir is not None
         model, params = saved_policy(target.run_dir, cfg, target.step)
     else:
-        model, params = load_hf(cfg.model.path, "float32")
+        model, params = load_hf(cfg.model.path, "float32", sharder=one_device_sharder())
     return Policy(model, params, tokenizer)
 
 

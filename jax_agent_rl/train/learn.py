@@ -26,7 +26,7 @@ from jax_agent_rl.models.attention_kernels import runs_on_tpu
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
-from jax_agent_rl.train.build import Rollout, Run
+from jax_agent_rl.train.build import Rollout, Run, counted_since
 from jax_agent_rl.train.episodes import (
     Totals,
     add_totals,
@@ -230,6 +230,7 @@ async def learn_and_push(
     step: int,
     compiles: bool,
     *,
+    reported: dict[str, float],
     t0: float,
     idle0: float,
     waited_s: float,
@@ -242,7 +243,9 @@ async def learn_and_push(
     times: the rollouts' (the slowest process's ``waited_s``, how long it waited for its
     groups), the push's, and how the step spent them since ``t0`` (`pace_metrics`;
     ``idle0``: the backend's idle time then). ``traced``: the trajectories whose traces are
-    written (`learn`). Returns the metrics and the `learn` totals."""
+    written (`learn`). ``reported``: the counters of ``rollout`` its loop reported so far,
+    brought up to date with this step's share (`counted_since`). Returns the metrics and the
+    `learn` totals."""
     m, totals = await asyncio.to_thread(
         learn,
         run.learner,
@@ -271,7 +274,7 @@ async def learn_and_push(
                 waited_s,
                 totals["batch/trajectories"],
             ),
-            **rollout.counted(),
+            **counted_since(rollout.counters(), reported),
             INCLUDES_COMPILE: float(compiles),
         }
     )

@@ -38,7 +38,7 @@ def _status(m: dict[str, float]) -> str:
 @contextlib.asynccontextmanager
 async def sync_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     """The synchronous step function: `rl_step` (roll out, update, push)."""
-    yield functools.partial(rl_step, run, rollout)
+    yield functools.partial(rl_step, run, rollout, {})
 
 
 async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:

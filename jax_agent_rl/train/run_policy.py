@@ -22,7 +22,7 @@ def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple
     parameters laid out by ``sharder``."""
     spec = cfg.model.module
     if not spec:
-        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder))
+        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))
     policy = load_function(spec, "model.module")(tokenizer.vocab_size)
     model = getattr(policy, "cfg", None)
     if not isinstance(model, ModelConfig) or model.module is not policy:

@@ -374,13 +374,13 @@ async def collect(
 
 
 async def rl_step(
-    run: Run, rollout: Rollout, step: int, compiles: bool
+    run: Run, rollout: Rollout, reported: dict[str, float], step: int, compiles: bool
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """One RL step (see the module docstring): `collect`, then `learn_and_push`. Returns its
     metrics (of every process; the rollout time is the slowest process's) and the
     trajectories this process sampled. ``compiles``: the first step of this process, whose
     times include compiling the engine and the learner step (kept out of the throughput
-    plot)."""
+    plot). ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     kept, seen = await collect(run, rollout, step)
     m, totals = await learn_and_push(
@@ -390,6 +390,7 @@ async def rl_step(
         seen,
         step,
         compiles,
+        reported=reported,
         t0=t0,
         idle0=idle0,
         waited_s=time.perf_counter() - t0,

@@ -27,6 +27,7 @@ from jax_agent_rl.data.datasets import load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, forward, init_params, lm_logits
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -193,12 +194,14 @@ def _memorise(cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: 
         mask[i, : len(s) - 1] = m[1:]  # predict token t+1 where t+1 is a model token
         segs[i, : len(s)] = 1
     positions = np.broadcast_to(np.arange(T), tokens.shape)
-    w = init_params(jax.random.key(0), cfg)
+    w = init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
     opt = optax.adam(3e-3)
     state = opt.init(w)
 
     def loss_fn(w: Any) -> jax.Array:
-        logits = lm_logits(w, forward(w, cfg, tokens, positions, segs))
+        logits = lm_logits(
+            w, forward(w, cfg, tokens, positions, segs, sharder=one_device_sharder())
+        )
         lp = jax.nn.log_softmax(logits[:, :-1])
         nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
         return (nll * mask[:, :-1]).sum() / mask.sum()
@@ -225,7 +228,9 @@ def memorised(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 def with_engine(made: dict[str, Any]) -> dict[str, Any]:
     """``made`` (what `trained` returns) with the engine and tools that serve it."""
-    engine = Engine(made["cfg"], max_concurrent_decodes=4, max_len=1024)
+    engine = Engine(
+        made["cfg"], max_concurrent_decodes=4, max_len=1024, sharder=one_device_sharder()
+    )
     return {**made, "engine": engine, "tools": LocalTools(ToolRegistry([calculator, echo]))}
 
 

@@ -30,6 +30,7 @@ from jax_agent_rl.models import Lora, ModelConfig, Weights, forward, lm_logits, 
 from jax_agent_rl.models.adapters import init_adapters, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, TINY_QWEN3_MOE, write_hf_checkpoint
 from jax_agent_rl.models.lora import Adapter, LayerAdapters
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, RolloutBackend, SamplingParams
 
 T = TypeVar("T")
@@ -60,19 +61,23 @@ def lora_adapters(cfg: ModelConfig, seed: int) -> LayerAdapters:
 
 def lora_policy(path: Path) -> tuple[ModelConfig, Weights]:
     """The checkpoint's model with `LORA`'s adapters (`lora_adapters` of seed 0) on it."""
-    cfg, w = load_hf(path)
+    cfg, w = load_hf(path, sharder=one_device_sharder())
     cfg = dataclasses.replace(cfg, lora=LORA)
     return cfg, with_adapters(w, lora_adapters(cfg, seed=0))
 
 
 def _served(path: Path, lora: bool) -> tuple[ModelConfig, Weights]:
     """The model and weights a backend is started with: the checkpoint's, or `lora_policy`."""
-    return lora_policy(path) if lora else load_hf(path)
+    return lora_policy(path) if lora else load_hf(path, sharder=one_device_sharder())
 
 
 def _embedded(path: Path, lora: bool) -> RolloutBackend:
     cfg, w = _served(path, lora)
-    return EmbeddedBackend(Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN), w, seed=0)
+    return EmbeddedBackend(
+        Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN, sharder=one_device_sharder()),
+        w,
+        seed=0,
+    )
 
 
 def _vllm(path: Path, lora: bool) -> RolloutBackend:
@@ -121,7 +126,11 @@ def _ray(path: Path, lora: bool) -> RolloutBackend:
         max_model_len=MAX_LEN,
         ray=RaySection(address="local", replicas=1, num_cpus=0.5),
     )
-    return RayPool(BackendBuild(rollout, cfg, w, checkpoint=path, dtype="float32"))
+    return RayPool(
+        BackendBuild(
+            rollout, cfg, w, checkpoint=path, dtype="float32", sharder=one_device_sharder()
+        )
+    )
 
 
 # name -> build(checkpoint, lora): the backend serving the checkpoint, or `lora_policy`
@@ -234,13 +243,23 @@ class Learner:
     """The learner's side: recompute sampled tokens' logprobs with the training forward."""
 
     def __init__(self, path: Path) -> None:
-        self.cfg, self.weights = load_hf(path)
+        self.cfg, self.weights = load_hf(path, sharder=one_device_sharder())
         self._logits = jax.jit(self._logits_impl)
 
     def _logits_impl(self, w: Weights, tokens: jax.Array) -> jax.Array:
         T = tokens.shape[1]
         positions = jnp.arange(T)[None]
-        return lm_logits(w, forward(w, self.cfg, tokens, positions, jnp.ones((1, T), jnp.int32)))
+        return lm_logits(
+            w,
+            forward(
+                w,
+                self.cfg,
+                tokens,
+                positions,
+                jnp.ones((1, T), jnp.int32),
+                sharder=one_device_sharder(),
+            ),
+        )
 
     def logprobs(
         self,

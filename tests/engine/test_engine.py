@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 from tests.programs import programs_built
@@ -24,8 +25,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _backend(checkpoint: Path, **engine_kw: object) -> EmbeddedBackend:
-    cfg, w = load_hf(checkpoint)
-    kw = {"max_concurrent_decodes": 4, "max_len": 256, **engine_kw}
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    kw = {"max_concurrent_decodes": 4, "max_len": 256, "sharder": one_device_sharder(), **engine_kw}
     return EmbeddedBackend(Engine(cfg, **kw), w)  # type: ignore[arg-type]
 
 
@@ -74,7 +75,7 @@ def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: boo
     also sees helpers outside the engine, such as a cache made per request), on one device and
     on an 8-device inference mesh. Its progress counts every compiled program once, in order,
     ending at the total."""
-    sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else None
+    sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else one_device_sharder()
     backend = _backend(checkpoint, max_len=128, sharder=sharder)
     engine = backend.engine
     heard: list[tuple[int, int]] = []
@@ -176,7 +177,7 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
 
     same(asyncio.run(run_all(sharded)), asyncio.run(run_all(local)))
     compiled = dict(sharded.engine.compile_counts)
-    _, w = load_hf(checkpoint)
+    _, w = load_hf(checkpoint, sharder=one_device_sharder())
     scaled = jax.tree.map(lambda x: x * 1.5, w)
     on_learner = jax.device_put(scaled, param_shardings(cfg, learner_sharder))
     asyncio.run(sharded.update_weights(on_learner, version=1))
@@ -189,17 +190,17 @@ def test_sharded_engine_equals_unsharded(checkpoint: Path) -> None:
 
 
 def test_sharded_engine_needs_slots_that_split_over_data(checkpoint: Path) -> None:
-    cfg, _ = load_hf(checkpoint)
+    cfg, _ = load_hf(checkpoint, sharder=one_device_sharder())
     sharder = Sharder(inference_mesh(make_mesh(data=2, fsdp=2, tensor=2)))
     with pytest.raises(ValueError, match="'batch' of size 6 does not divide over mesh axes"):
         Engine(cfg, max_concurrent_decodes=6, max_len=64, sharder=sharder)
 
 
 def test_bad_engine_settings_are_refused(checkpoint: Path) -> None:
-    cfg, w = load_hf(checkpoint)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        Engine(cfg, max_len=cfg.max_position_embeddings + 1)
-    engine = Engine(cfg, max_len=64)
+        Engine(cfg, max_len=cfg.max_position_embeddings + 1, sharder=one_device_sharder())
+    engine = Engine(cfg, max_len=64, sharder=one_device_sharder())
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim > 1 else x, w)
     with pytest.raises(ValueError, match="weight of shape"):
         engine.load_params(wrong)
@@ -211,9 +212,16 @@ def test_a_slots_tokens_do_not_depend_on_its_batch_mates(checkpoint: Path) -> No
     decodes alone or beside a longer request: each slot reads its own pages only, and a run
     does not depend on how its requests happened to be batched. (The batch is fixed here:
     XLA:CPU's matmuls round differently by row count, which ``batch_buckets=False`` pins.)"""
-    cfg, w = load_hf(checkpoint)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     cfg = dataclasses.replace(cfg, max_position_embeddings=1024)  # (RoPE has no bound)
-    engine = Engine(cfg, max_concurrent_decodes=2, max_len=1024, page_size=8, batch_buckets=False)
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=2,
+        max_len=1024,
+        page_size=8,
+        batch_buckets=False,
+        sharder=one_device_sharder(),
+    )
     params = engine.load_params(w)
     sampling = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
     prompt = list(range(5, 35))
@@ -244,11 +252,15 @@ def test_a_decode_step_computes_only_the_slots_in_use(checkpoint: Path) -> None:
     """Requests in slots 0-2 of 8: a step computes a batch of 4 (the bucket that covers
     them), and gives the tokens and logprobs of the whole 8-slot step (logprobs to the fp32
     bound: only the row count of the matmuls differs, which changes their rounding)."""
-    cfg, w = load_hf(checkpoint)
-    engine = Engine(cfg, max_concurrent_decodes=8, max_len=128)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    engine = Engine(cfg, max_concurrent_decodes=8, max_len=128, sharder=one_device_sharder())
     assert engine.batch_buckets == (1, 2, 4, 8)
     assert Engine(
-        cfg, max_concurrent_decodes=8, max_len=128, batch_buckets=False
+        cfg,
+        max_concurrent_decodes=8,
+        max_len=128,
+        batch_buckets=False,
+        sharder=one_device_sharder(),
     ).batch_buckets == (8,)
     params = engine.load_params(w)
     greedy = SamplingParams(max_tokens=16, temperature=0.0)

@@ -17,6 +17,7 @@ import pytest
 from jax_agent_rl.engine import Engine, PagePool
 from jax_agent_rl.models import Weights, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
@@ -31,8 +32,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _backend(checkpoint: Path, keep: bool) -> tuple[EmbeddedBackend, Weights]:
     """A backend on the tiny model, and other weights to push (every tensor moved by 10% of
     its own scale: the greedy tokens change)."""
-    cfg, w = load_hf(checkpoint)
-    engine = Engine(cfg, max_concurrent_decodes=4, max_len=256, page_size=16)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    engine = Engine(
+        cfg, max_concurrent_decodes=4, max_len=256, page_size=16, sharder=one_device_sharder()
+    )
     rng = np.random.default_rng(0)
     other = jax.tree.map(
         lambda x: x + 0.1 * (np.std(x) + 1e-3) * rng.standard_normal(x.shape).astype(x.dtype), w

@@ -14,6 +14,7 @@ import pytest
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
@@ -29,8 +30,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _backend(checkpoint: Path, **engine_kw: object) -> EmbeddedBackend:
-    cfg, w = load_hf(checkpoint)
-    kw = {"max_concurrent_decodes": 4, "max_len": 256, "page_size": 16, **engine_kw}
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    kw = {
+        "max_concurrent_decodes": 4,
+        "max_len": 256,
+        "page_size": 16,
+        "sharder": one_device_sharder(),
+        **engine_kw,
+    }
     return EmbeddedBackend(Engine(cfg, **kw), w)  # type: ignore[arg-type]
 
 
@@ -189,7 +196,7 @@ def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint
     """The backend lets go of the weights it served before the engine lays out the new ones,
     so a push holds one copy of the serving weights (what `jarl plan` and `plan_memory`
     count); weights of the wrong shape are refused before that, the old ones kept."""
-    cfg, w = load_hf(checkpoint)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     held_during_load: list[bool] = []
 
     class Recording(Engine):
@@ -200,7 +207,7 @@ def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint
                 held_during_load.append(hasattr(self.backend, "_params"))
             return super().load_params(weights)
 
-    engine = Recording(cfg, max_concurrent_decodes=4, max_len=256)
+    engine = Recording(cfg, max_concurrent_decodes=4, max_len=256, sharder=one_device_sharder())
     backend = EmbeddedBackend(engine, w)
     engine.backend = backend
 

@@ -16,6 +16,7 @@ from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer, make_reward
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
@@ -596,11 +597,14 @@ def test_loops_that_do_not_drive_environments_refuse_their_rows(
     from jax_agent_rl.tools.registry import LocalTools
 
     cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])
-    model, weights = load_hf(task.model)
+    model, weights = load_hf(task.model, sharder=one_device_sharder())
     sample = Sample("g-0", _question(0), "12", agent_name=agent_name, env_class="guess_number")
 
     async def go() -> Any:
-        backend = EmbeddedBackend(Engine(model, max_concurrent_decodes=1, max_len=256), weights)
+        backend = EmbeddedBackend(
+            Engine(model, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder()),
+            weights,
+        )
         tools = LocalTools(ToolRegistry.from_yaml(task.tools))
         ctx = await AgentContext.create(
             backend,

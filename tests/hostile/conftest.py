@@ -10,6 +10,7 @@ import pytest
 
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, init_params
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -43,5 +44,5 @@ def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
         head_dim=16,
         max_position_embeddings=512,
     )
-    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256)
-    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg))
+    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder())
+    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg, sharder=one_device_sharder()))

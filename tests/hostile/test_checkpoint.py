@@ -28,6 +28,7 @@ from jax_agent_rl.models import (
     save_hf,
 )
 from jax_agent_rl.models import checkpoint as checkpoint_module
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from tests.tokenization.test_tokenizer import CORPUS
 
@@ -52,7 +53,12 @@ CFG = ModelConfig(
 def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A sharded checkpoint written by `save_hf`."""
     folder = tmp_path_factory.mktemp("export") / "ckpt"
-    save_hf(folder, CFG, init_params(jax.random.key(0), CFG), max_shard_bytes=20_000)
+    save_hf(
+        folder,
+        CFG,
+        init_params(jax.random.key(0), CFG, sharder=one_device_sharder()),
+        max_shard_bytes=20_000,
+    )
     assert len(set(json.loads((folder / INDEX).read_text())["weight_map"].values())) > 1
     return folder
 
@@ -67,7 +73,7 @@ def exported(export: Path, tmp_path: Path) -> Path:
 def export_single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-file checkpoint (``model.safetensors``) written by `save_hf`."""
     folder = tmp_path_factory.mktemp("export") / "ckpt"
-    save_hf(folder, CFG, init_params(jax.random.key(0), CFG))
+    save_hf(folder, CFG, init_params(jax.random.key(0), CFG, sharder=one_device_sharder()))
     return folder
 
 
@@ -106,20 +112,20 @@ def test_shards_outside_the_folder_are_refused(exported: Path, escape: str) -> N
     }[escape]
     _rename_shard(exported, shard, name)
     with pytest.raises(CheckpointError) as e:
-        load_hf(exported)
+        load_hf(exported, sharder=one_device_sharder())
     assert repr(name) in str(e.value) and str(exported.resolve()) in str(e.value)
 
 
 def test_linked_files_load_as_in_the_hf_cache(exported: Path, tmp_path: Path) -> None:
     """The Hugging Face cache keeps a snapshot's files as links to ``../../blobs``: the names
     in the index are plain, and the links they resolve through may point out of the folder."""
-    _, before = load_hf(exported)
+    _, before = load_hf(exported, sharder=one_device_sharder())
     blobs = tmp_path / "blobs"
     blobs.mkdir()
     for shard in sorted(set(json.loads((exported / INDEX).read_text())["weight_map"].values())):
         shutil.move(exported / shard, blobs / shard)
         (exported / shard).symlink_to(Path("..") / "blobs" / shard)
-    _, after = load_hf(exported)
+    _, after = load_hf(exported, sharder=one_device_sharder())
     leaves, leaves_after = jax.tree.leaves(before), jax.tree.leaves(after)
     assert all(np.array_equal(a, b) for a, b in zip(leaves, leaves_after, strict=True))
 
@@ -188,7 +194,7 @@ def test_checkpoint_files_must_be_regular_files(
     target = folder / (_first_shard(folder) if file == "shard" else file)
     _replace_with(target, kind)
     with _unblocked(target), pytest.raises(ValueError) as e:
-        load_hf(folder)
+        load_hf(folder, sharder=one_device_sharder())
     assert e.type is error
     assert f"{target} is not a regular file" in str(e.value)
 
@@ -252,7 +258,7 @@ def test_absurd_config_sizes_fail_before_anything_is_read(
     config.write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
     monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
     with pytest.raises(UnsupportedConfigError) as e:
-        load_hf(single)
+        load_hf(single, sharder=one_device_sharder())
     assert e.type is UnsupportedConfigError
     assert str(e.value).startswith(f"{config}: ") and named in str(e.value)
 
@@ -335,7 +341,7 @@ def test_safetensors_headers_are_checked_before_any_data_is_read(
     file.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
     monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
     with pytest.raises(CheckpointError) as e:
-        load_hf(single)
+        load_hf(single, sharder=one_device_sharder())
     assert e.type is CheckpointError
     assert str(file) in str(e.value) and named in str(e.value)
 
@@ -350,7 +356,7 @@ def test_a_header_over_the_size_limit_is_not_read(
         f.truncate(200 * 2**20)
     monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
     with pytest.raises(CheckpointError) as e:
-        load_hf(single)
+        load_hf(single, sharder=one_device_sharder())
     assert e.type is CheckpointError
     assert f"{file} is not a safetensors file" in str(e.value) and "over 104857600" in str(e.value)
 
@@ -362,7 +368,7 @@ def test_header_shapes_are_checked_against_the_config_before_any_data_is_read(
     config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": 65}))
     monkeypatch.setattr(checkpoint_module, "safe_open", _no_read)
     with pytest.raises(CheckpointError) as e:
-        load_hf(single)
+        load_hf(single, sharder=one_device_sharder())
     assert e.type is CheckpointError
     assert "'model.embed_tokens.weight' has shape (64, 32), config implies (65, 32)" in str(e.value)
 

@@ -26,6 +26,7 @@ from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, init_params
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
@@ -76,7 +77,8 @@ def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentContext]:
     )
     # the backend is never asked to generate: the fuzz plays the model
     backend = EmbeddedBackend(
-        Engine(cfg, max_concurrent_decodes=1, max_len=256), init_params(jax.random.key(0), cfg)
+        Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder()),
+        init_params(jax.random.key(0), cfg, sharder=one_device_sharder()),
     )
     schemas = asyncio.run(tools.schemas())
     config = AgentConfig(max_turns=3, max_model_len=4096, max_response_tokens=4000)

@@ -12,6 +12,7 @@ import pytest
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -23,8 +24,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _backend(checkpoint: Path) -> EmbeddedBackend:
-    cfg, w = load_hf(checkpoint)
-    return EmbeddedBackend(Engine(cfg, max_concurrent_decodes=4, max_len=256, page_size=16), w)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    return EmbeddedBackend(
+        Engine(
+            cfg, max_concurrent_decodes=4, max_len=256, page_size=16, sharder=one_device_sharder()
+        ),
+        w,
+    )
 
 
 def _alone(checkpoint: Path, request: GenerateRequest) -> tuple[int, ...]:

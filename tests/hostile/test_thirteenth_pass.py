@@ -46,6 +46,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment, Environments, EnvStep
 from jax_agent_rl.models import init_params
 from jax_agent_rl.models.lora import MAX_SCALE, Lora
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
 from jax_agent_rl.rewards.registry import _Sync
 from jax_agent_rl.rollout import EmbeddedBackend
@@ -207,7 +208,7 @@ def test_an_update_whose_loss_is_not_finite_is_skipped() -> None:
     """A sampler logprob that is NaN makes the truncated importance weight, and so the loss,
     NaN: the update is skipped (weights and optimizer state as they were), counted; the next
     finite batch updates as ever."""
-    params = init_params(jax.random.key(7), CFG)
+    params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
     learner = _learner(AlgorithmSection(tis_cap=2.0), params)
     trajs = random_trajectories(8, seed=7)
     batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)

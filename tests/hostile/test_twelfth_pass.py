@@ -80,6 +80,7 @@ from jax_agent_rl.models.adapters import add_lora, load_peft, save_peft
 from jax_agent_rl.models.checkpoint import CheckpointError
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
@@ -368,7 +369,10 @@ def test_a_lora_rank_past_a_projections_smaller_side_is_refused() -> None:
 def peft_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PEFT adapter folder of rank 4 on q and v of `TINY`, as `save_peft` writes it."""
     cfg, w = add_lora(
-        jax.random.key(1), TINY, init_params(jax.random.key(0), TINY), Lora(4, 8.0, ("q", "v"))
+        jax.random.key(1),
+        TINY,
+        init_params(jax.random.key(0), TINY, sharder=one_device_sharder()),
+        Lora(4, 8.0, ("q", "v")),
     )
     return save_peft(tmp_path_factory.mktemp("peft") / "adapter", cfg, w)
 

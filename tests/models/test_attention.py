@@ -16,6 +16,7 @@ scales with the terms (the tensor's norm), 1e-5 as in tests/rl/test_learner.py.
 """
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax_agent_rl.models.paged import (
     pallas_paged_attention,
     ragged_attention,
 )
+from jax_agent_rl.models.sharding import one_device_sharder
 
 B, T, H, G, K = 2, 300, 4, 2, 16
 
@@ -69,7 +71,10 @@ def test_blocked_attention_equals_dense_on_packed_segments() -> None:
     assert T > 2 * ATTN_BLOCK and T % ATTN_BLOCK  # several blocks, the last one partial
     seg = _segments()
     q, k, v = _inputs()
-    got = np.asarray(jax.jit(attention)(q, k, v, jnp.asarray(seg)), np.float64)
+    got = np.asarray(
+        jax.jit(partial(attention, sharder=one_device_sharder()))(q, k, v, jnp.asarray(seg)),
+        np.float64,
+    )
     assert np.isfinite(got).all()  # padding queries (all masked) too
 
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -94,7 +99,12 @@ def test_blocked_attention_gradients_equal_dense() -> None:
         return jnp.sum(fn(*args) * weights)
 
     blocked = jax.jit(
-        jax.grad(lambda q, k, v: loss(attention, q, k, v, jnp.asarray(seg)), (0, 1, 2))
+        jax.grad(
+            lambda q, k, v: loss(
+                partial(attention, sharder=one_device_sharder()), q, k, v, jnp.asarray(seg)
+            ),
+            (0, 1, 2),
+        )
     )
     dense = jax.jit(
         jax.grad(lambda q, k, v: loss(_dense, q, k, v, jnp.asarray(_mask(seg))), (0, 1, 2))
@@ -293,12 +303,12 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
     for b, t in enumerate(tables):  # entries past a row's pages: its shard's first page
         table = table.at[b, len(t) :].set(first[b])
 
-    def step(sharder: Sharder | None, kernel: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def step(sharder: Sharder, kernel: str) -> tuple[jax.Array, jax.Array, jax.Array]:
         make_tables, layer = decode_steps(sharder, shards * local, ps, kernel)
         tables_ = make_tables(table, pos, active)
         return layer(q, k_new, v_new, k16, v16, tables_, pos, active)
 
-    one, ck, cv = jax.jit(lambda: step(None, "ragged"))()
+    one, ck, cv = jax.jit(lambda: step(one_device_sharder(), "ragged"))()
     ragged, ck_r, cv_r = jax.jit(lambda: step(sharder, "ragged"))()
     with pltpu.force_tpu_interpret_mode():
         pallas, ck_p, cv_p = jax.jit(lambda: step(sharder, "pallas"))()
@@ -400,13 +410,15 @@ def test_looped_attention_equals_the_dense_softmax_with_gradients() -> None:
     v = jax.random.normal(kv, (2, LT, LG, K))
     dout = jax.random.normal(kd, (2, LT, LH, K))
     u = 2.0**-24
+    one = one_device_sharder()
     for longest, window in ((1000, None), (450, 450)):
         seg = _long_segments(longest)
 
         def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return jnp.sum(attention(q, k, v, jnp.asarray(seg), window) * dout)  # noqa: B023
+            return jnp.sum(attention(q, k, v, jnp.asarray(seg), window, sharder=one) * dout)  # noqa: B023
 
-        out = jax.jit(lambda q, k, v: attention(q, k, v, jnp.asarray(seg), window))(q, k, v)  # noqa: B023
+        run = jax.jit(lambda q, k, v: attention(q, k, v, jnp.asarray(seg), window, sharder=one))  # noqa: B023
+        out = run(q, k, v)
         grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
         q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
         want, want_grads = _dense64(q64, k64, v64, _segment_mask(seg), d64)
@@ -453,10 +465,14 @@ def test_attention_over_tree_rows_reads_each_branch_s_prefixes_and_itself() -> N
     @jax.jit
     def run(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
         def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+            out = attention(
+                q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach), sharder=one_device_sharder()
+            )
             return jnp.sum(out * dout)
 
-        out = attention(q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach))
+        out = attention(
+            q, k, v, jnp.asarray(seg), reach_bt=jnp.asarray(reach), sharder=one_device_sharder()
+        )
         return out, *jax.grad(loss, (0, 1, 2))(q, k, v)
 
     out, *grads = run(q, k, v)
@@ -517,7 +533,7 @@ def test_the_attention_program_does_not_grow_with_the_row() -> None:
         seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
 
         def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
-            return jnp.sum(attention(q, k, v, seg))
+            return jnp.sum(attention(q, k, v, seg, sharder=one_device_sharder()))
 
         lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, kv, kv, seg)
         return lowered.as_text().count("dot_general")

@@ -56,6 +56,7 @@ from jax_agent_rl.models.attention_kernels import (
 )
 from jax_agent_rl.models.decoder import attention
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.models.sharding import one_device_sharder
 
 B, T, H, G, K = 2, 300, 4, 2, 16
 R = H // G
@@ -153,10 +154,10 @@ def test_kernel_equals_xla_attention_in_interpret_mode(dtype: jnp.dtype) -> None
     segments = jnp.asarray(seg)
 
     def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, segments, WINDOW, kernel=False)
+        return attention(q, k, v, segments, WINDOW, kernel=False, sharder=one_device_sharder())
 
     def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, segments, WINDOW, kernel=True)
+        return attention(q, k, v, segments, WINDOW, kernel=True, sharder=one_device_sharder())
 
     with pltpu.force_tpu_interpret_mode():
         got = jax.jit(_out_and_grads, static_argnums=0)(kernel, *args)
@@ -186,7 +187,7 @@ def test_kernel_under_a_sharded_mesh_equals_xla_attention() -> None:
         return attention(q, k, v, segments, sharder=sharder, kernel=True)
 
     def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, jnp.asarray(seg))
+        return attention(q, k, v, jnp.asarray(seg), sharder=one_device_sharder())
 
     with pltpu.force_tpu_interpret_mode():
         got = jax.jit(_out_and_grads, static_argnums=0)(kernel, *placed)
@@ -224,7 +225,7 @@ def test_training_loss_compiles_for_tpu_with_the_kernel() -> None:
 
     def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder, window=128)
+        h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, window=128)
         return jnp.mean(lm_logits(w, h))
 
     batch = jax.ShapeDtypeStruct(

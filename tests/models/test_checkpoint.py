@@ -19,6 +19,7 @@ from jax_agent_rl.models import (
     save_hf,
 )
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.models.sharding import one_device_sharder
 
 
 def _state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -31,7 +32,7 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
 def test_round_trip_gives_identical_tensors(
     family: str, max_shard_bytes: int, hf_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    cfg, w = load_hf(hf_checkpoints[family])
+    cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     save_hf(tmp_path, cfg, w, max_shard_bytes=max_shard_bytes)
     sharded = (tmp_path / "model.safetensors.index.json").is_file()
     assert sharded == (max_shard_bytes < 2**31)
@@ -40,7 +41,7 @@ def test_round_trip_gives_identical_tensors(
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
     # and back into JAX: the (possibly sharded) export loads to the same weights
-    cfg2, w2 = load_hf(tmp_path)
+    cfg2, w2 = load_hf(tmp_path, sharder=one_device_sharder())
     assert cfg2 == cfg
     leaves, leaves2 = jax.tree.leaves(w), jax.tree.leaves(w2)
     assert len(leaves) == len(leaves2)
@@ -70,7 +71,7 @@ def test_missing_tensor_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path
     with pytest.raises(
         CheckpointError, match=r"missing tensors.*model\.layers\.1\.self_attn\.k_proj\.bias"
     ):
-        load_hf(path)
+        load_hf(path, sharder=one_device_sharder())
 
 
 def test_wrong_shape_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -83,7 +84,7 @@ def test_wrong_shape_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path) -
     with pytest.raises(
         CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(127, 64\).*\(128, 64\)"
     ):
-        load_hf(path)
+        load_hf(path, sharder=one_device_sharder())
 
 
 def test_unexpected_tensor_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -94,11 +95,11 @@ def test_unexpected_tensor_is_named(hf_checkpoints: dict[str, Path], tmp_path: P
     with pytest.raises(
         CheckpointError, match=r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight"
     ):
-        load_hf(path)
+        load_hf(path, sharder=one_device_sharder())
 
 
 def test_tensor_stored_twice_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    cfg, w = load_hf(hf_checkpoints["qwen3"])
+    cfg, w = load_hf(hf_checkpoints["qwen3"], sharder=one_device_sharder())
     save_hf(tmp_path, cfg, w, max_shard_bytes=40_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     first, second = sorted(set(index["weight_map"].values()))[:2]
@@ -107,14 +108,14 @@ def test_tensor_stored_twice_is_named(hf_checkpoints: dict[str, Path], tmp_path:
     b[name] = a[name]
     save_file(b, str(tmp_path / second))
     with pytest.raises(CheckpointError, match=rf"{name}.*stored twice"):
-        load_hf(tmp_path)
+        load_hf(tmp_path, sharder=one_device_sharder())
 
 
 def test_unknown_architecture_is_named(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     path = _copy(hf_checkpoints["llama"], tmp_path / "ckpt")
     _edit_config(path, model_type="gpt_neox")
     with pytest.raises(UnsupportedConfigError, match="model_type='gpt_neox'"):
-        load_hf(path)
+        load_hf(path, sharder=one_device_sharder())
 
 
 @pytest.mark.parametrize(

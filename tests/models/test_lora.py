@@ -35,7 +35,7 @@ from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.lora import TARGETS, Lora
-from jax_agent_rl.models.sharding import Sharder, make_mesh
+from jax_agent_rl.models.sharding import Sharder, make_mesh, one_device_sharder
 from tests.models.hf_reference import padded_batch
 
 TOL, MERGE_TOL = 1e-4, 1e-5
@@ -70,7 +70,9 @@ def _logits(
 def _ours(
     cfg: ModelConfig, w: object, tokens: np.ndarray, mask: np.ndarray, pos: np.ndarray
 ) -> np.ndarray:
-    return np.asarray(lm_logits(w, forward(w, cfg, tokens, pos, mask)))
+    return np.asarray(
+        lm_logits(w, forward(w, cfg, tokens, pos, mask, sharder=one_device_sharder()))
+    )
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,7 @@ def test_peft_adapter_gives_peft_logits(
     )
     model = _peft_model(checkpoint, targets)
     model.save_pretrained(tmp_path / "adapter")
-    base_cfg, base = load_hf(checkpoint)
+    base_cfg, base = load_hf(checkpoint, sharder=one_device_sharder())
     cfg, adapters = load_peft(tmp_path / "adapter", base_cfg)
     assert cfg.lora == Lora(4, 12.0, tuple(t for t in TARGETS if f"{t}_proj" in targets))
     tokens, mask, pos = padded_batch(cfg.vocab_size)
@@ -124,7 +126,7 @@ def test_our_adapter_loads_in_peft_and_merges(
 ) -> None:
     """Our adapter written as a PEFT folder: PEFT loads it and gives our logits; merged into
     the base weights it gives the unmerged forward's."""
-    base_cfg, base = load_hf(hf_checkpoints[family])
+    base_cfg, base = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(8, 16.0))
     w = _trained_like(w)
     tokens, mask, pos = padded_batch(cfg.vocab_size)
@@ -145,7 +147,7 @@ def test_our_adapter_loads_in_peft_and_merges(
 def test_fresh_adapter_is_peft_init(hf_checkpoints: dict[str, Path]) -> None:
     """A fresh adapter: B zero (the model's function unchanged), A uniform within PEFT's
     kaiming bound 1/sqrt(in) and filling it (max over 64 x 4 draws above 0.9 of the bound)."""
-    base_cfg, base = load_hf(hf_checkpoints["llama"])
+    base_cfg, base = load_hf(hf_checkpoints["llama"], sharder=one_device_sharder())
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(4, 8.0, ("q", "o")))
     adapters = adapters_of(w)
     assert adapters.k is None and adapters.gate is None

@@ -44,6 +44,7 @@ from jax_agent_rl.models import (
 )
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import block_rows, route, router_logits, sparse_mlp
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.models.hf_reference import hf_logits, padded_batch
 
@@ -117,11 +118,13 @@ def test_missing_moe_field_is_named() -> None:
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_forward_matches_transformers(norm: bool, checkpoints: dict[bool, Path]) -> None:
-    cfg, w = load_hf(checkpoints[norm])
+    cfg, w = load_hf(checkpoints[norm], sharder=one_device_sharder())
     assert cfg.norm_topk_prob == norm and cfg.moe_layers == (True, False, True)
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(checkpoints[norm], tokens, mask, positions)
-    logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
+    logits = np.asarray(
+        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
+    )
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
     assert np.abs(logits - ref)[valid].max() <= TOL
@@ -132,17 +135,21 @@ def test_cached_prefill_and_decode_route_as_the_training_forward(
 ) -> None:
     """The paged path (prefill, then one decode step) chooses the experts the training
     forward chooses for the same tokens, and gives the same hidden states."""
-    cfg, w = load_hf(checkpoints[True])
+    cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     rng = np.random.default_rng(3)
     B, T = 2, 9
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)))
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     # jitted (run eagerly, each of the forward's operations would compile on its own: minutes)
-    fwd = jax.jit(forward, static_argnums=1, static_argnames=("pages_read", "return_expert_ids"))
+    fwd = jax.jit(
+        partial(forward, sharder=one_device_sharder()),
+        static_argnums=1,
+        static_argnames=("pages_read", "return_expert_ids"),
+    )
     h_full, ids_full = fwd(
         w, cfg, tokens, positions, jnp.ones((B, T), jnp.int32), return_expert_ids=True
     )
-    pages = init_pages(cfg, num_pages=2 * B, page_size=8)
+    pages = init_pages(cfg, num_pages=2 * B, page_size=8, sharder=one_device_sharder())
     table = jnp.arange(2 * B, dtype=jnp.int32).reshape(B, 2)
     h_pre, pages, ids_pre = fwd(
         w, cfg, tokens[:, :-1], cache=pages, page_table_bm=table, pos_b=jnp.zeros(B, jnp.int32),
@@ -164,7 +171,7 @@ def test_export_round_trips_bitwise(checkpoints: dict[bool, Path], tmp_path: Pat
     """HF -> ours -> HF gives transformers the same tensors; ours -> HF -> ours the same
     arrays. The dense layer's unused expert arrays (and the sparse layers' unused dense
     ones) load as zeros and are written nowhere."""
-    cfg, w = load_hf(checkpoints[True])
+    cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     assert not np.asarray(w.layers.expert_gate[1]).any()
     assert not np.asarray(w.layers.gate[0]).any() and not np.asarray(w.layers.gate[2]).any()
     save_hf(tmp_path, cfg, w)
@@ -174,7 +181,7 @@ def test_export_round_trips_bitwise(checkpoints: dict[bool, Path], tmp_path: Pat
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
-    cfg2, w2 = load_hf(tmp_path)
+    cfg2, w2 = load_hf(tmp_path, sharder=one_device_sharder())
     assert cfg2 == cfg
     leaves, leaves2 = jax.tree.leaves(w), jax.tree.leaves(w2)
     assert len(leaves) == len(leaves2)
@@ -182,13 +189,13 @@ def test_export_round_trips_bitwise(checkpoints: dict[bool, Path], tmp_path: Pat
 
 
 def test_missing_expert_tensor_is_named(checkpoints: dict[bool, Path], tmp_path: Path) -> None:
-    cfg, w = load_hf(checkpoints[True])
+    cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     save_hf(tmp_path, cfg, w)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.2.mlp.experts.7.up_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.7\.up_proj"):
-        load_hf(tmp_path)
+        load_hf(tmp_path, sharder=one_device_sharder())
 
 
 @pytest.mark.parametrize(
@@ -205,7 +212,9 @@ def test_grouped_experts_and_their_gradients_equal_a_dense_reference(
     (tokens, router, experts) agree to fp32 rounding: 1e-5 of the largest entry (summed in
     another order, as ragged_dot does on a GPU, gradients of order 5 differ by ~2e-5)."""
     cfg = ModelConfig.from_hf(TINY_MOE)
-    layer = jax.tree.map(lambda x: x[0], init_params(jax.random.key(1), cfg).layers)
+    layer = jax.tree.map(
+        lambda x: x[0], init_params(jax.random.key(1), cfg, sharder=one_device_sharder()).layers
+    )
     layer = jax.tree.map(lambda x: x * 10 if x.ndim >= 2 else x, layer)  # std 0.2: O(1) outputs
     x_btd = jax.random.normal(jax.random.key(2), (2, tokens, cfg.hidden_size))
     N = 2 * tokens
@@ -256,13 +265,22 @@ def _off(got: jax.Array, want: jax.Array) -> float:
 def test_replaying_the_chosen_experts_reproduces_the_forward(
     checkpoints: dict[bool, Path],
 ) -> None:
-    cfg, w = load_hf(checkpoints[True])
+    cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    h, ids = forward(w, cfg, tokens, positions, mask, return_expert_ids=True)
+    h, ids = forward(
+        w, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
+    )
     assert ids.shape == (2, 3, 20, 2) and ids.dtype == jnp.int32
     assert len(np.unique(np.asarray(ids))) == cfg.num_experts  # every expert gets tokens
     h_replay, ids_replay = forward(
-        w, cfg, tokens, positions, mask, expert_ids=ids, return_expert_ids=True
+        w,
+        cfg,
+        tokens,
+        positions,
+        mask,
+        expert_ids=ids,
+        return_expert_ids=True,
+        sharder=one_device_sharder(),
     )
     np.testing.assert_array_equal(ids_replay, ids)
     np.testing.assert_array_equal(h_replay, h)
@@ -272,9 +290,11 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     """A router change under 1e-3 per weight, built to flip one token's k-th expert in the
     first layer: the free forward's experts change; the replayed forward keeps the original
     experts, so its logits there move only by the gates' small change."""
-    cfg, w = load_hf(checkpoints[True])
+    cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    h, ids = forward(w, cfg, tokens, positions, mask, return_expert_ids=True)
+    h, ids = forward(
+        w, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
+    )
     # layer 0's router input: the normed embeddings after layer 0's attention, taken from a
     # one-layer model (layer 0 is sparse: its MLP input does not depend on its own router)
     one = dataclasses.replace(cfg, num_layers=1, mlp_only_layers=())
@@ -294,10 +314,19 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     w2 = dataclasses.replace(
         w, layers=dataclasses.replace(w.layers, router=w.layers.router + delta)
     )
-    h_free, ids_free = forward(w2, cfg, tokens, positions, mask, return_expert_ids=True)
+    h_free, ids_free = forward(
+        w2, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
+    )
     assert loser in np.asarray(ids_free[0, b, t]) and loser not in np.asarray(ids[0, b, t])
     h_replay, ids_replay = forward(
-        w2, cfg, tokens, positions, mask, expert_ids=ids, return_expert_ids=True
+        w2,
+        cfg,
+        tokens,
+        positions,
+        mask,
+        expert_ids=ids,
+        return_expert_ids=True,
+        sharder=one_device_sharder(),
     )
     np.testing.assert_array_equal(ids_replay, ids)
     free_moved = np.abs(np.asarray(h_free[b, t]) - np.asarray(h[b, t])).max()
@@ -314,7 +343,7 @@ def _layer0_router_input(
     input."""
     no_mlp = dataclasses.replace(w.layers, expert_down=jnp.zeros_like(w.layers.expert_down))
     w0 = dataclasses.replace(w, layers=no_mlp, final_norm=w.layers.mlp_norm[0])
-    return forward(w0, cfg, tokens, positions, mask)
+    return forward(w0, cfg, tokens, positions, mask, sharder=one_device_sharder())
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -338,12 +367,14 @@ def test_sharded_forward_equals_unsharded() -> None:
     segments = jnp.ones((B, T), jnp.int32).at[1, 9:].set(0)
 
     def run(w, tokens, sharder):  # type: ignore[no-untyped-def]
-        h, ids = forward(w, cfg, tokens, positions, segments, sharder, return_expert_ids=True)
+        h, ids = forward(
+            w, cfg, tokens, positions, segments, sharder=sharder, return_expert_ids=True
+        )
         return lm_logits(w, h), ids
 
     batch_sharding = sharder.sharding(("batch", "seq"), (B, T))
     sharded, ids = jax.jit(partial(run, sharder=sharder))(w, jax.device_put(tokens, batch_sharding))
-    local, ids_local = jax.jit(partial(run, sharder=None))(w_local, tokens)
+    local, ids_local = jax.jit(partial(run, sharder=one_device_sharder()))(w_local, tokens)
     assert len(sharded.sharding.device_set) == 8
     np.testing.assert_array_equal(ids, ids_local)
     assert np.abs(np.asarray(sharded) - np.asarray(local)).max() <= 1e-5
@@ -355,12 +386,14 @@ def test_tiny_moe_preset_loads_here_and_in_transformers(
     ckpt = tmp_path / "ckpt"
     assert main(["checkpoint", "make", "--out", str(ckpt), "--preset", "tiny-moe"]) == 0
     assert "qwen3_moe checkpoint" in capsys.readouterr().out
-    cfg, w = load_hf(ckpt)
+    cfg, w = load_hf(ckpt, sharder=one_device_sharder())
     assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
     assert cfg.moe_layers == (True, False, True)
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(ckpt, tokens, mask, positions)
-    logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
+    logits = np.asarray(
+        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
+    )
     assert np.abs(logits - ref)[mask.astype(bool)].max() <= TOL
 
 
@@ -370,11 +403,13 @@ def test_tiny_moe_preset_loads_here_and_in_transformers(
 def test_engine_greedy_tokens_equal_transformers_generate(checkpoints: dict[bool, Path]) -> None:
     """The engine's paged prefill and decode on a MoE checkpoint: greedy tokens as HF's."""
     path = checkpoints[True]
-    cfg, w = load_hf(path)
+    cfg, w = load_hf(path, sharder=one_device_sharder())
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 11, 17)]
     steps = 8
-    backend = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=4, max_len=64), w)
+    backend = EmbeddedBackend(
+        Engine(cfg, max_concurrent_decodes=4, max_len=64, sharder=one_device_sharder()), w
+    )
     greedy = SamplingParams(max_tokens=steps, temperature=0.0)
 
     async def generate() -> list:
@@ -414,7 +449,7 @@ def test_loss_and_gradient_compile_for_tpu_with_experts_sharded() -> None:
     def loss(w: Weights, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(T), tokens_bt.shape)
         h, ids = forward(
-            w, cfg, tokens_bt, positions, segment_ids_bt, sharder, return_expert_ids=True
+            w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, return_expert_ids=True
         )
         return jnp.mean(lm_logits(w, h)) + 0 * ids.sum()
 

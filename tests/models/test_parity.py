@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from tests.models.hf_reference import hf_logits, padded_batch
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -22,10 +23,12 @@ TOL = 1e-4
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_matches_transformers(family: str, hf_checkpoints: dict[str, Path]) -> None:
-    cfg, w = load_hf(hf_checkpoints[family])
+    cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(hf_checkpoints[family], tokens, mask, positions)
-    logits = np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, mask)))
+    logits = np.asarray(
+        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
+    )
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
     assert np.abs(logits - ref)[valid].max() <= TOL
@@ -35,16 +38,26 @@ def test_forward_matches_transformers(family: str, hf_checkpoints: dict[str, Pat
 def test_packed_segments_equal_separate_sequences(
     family: str, hf_checkpoints: dict[str, Path]
 ) -> None:
-    cfg, w = load_hf(hf_checkpoints[family])
+    cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     rng = np.random.default_rng(1)
     a, b = rng.integers(0, cfg.vocab_size, 7), rng.integers(0, cfg.vocab_size, 9)
     packed = np.concatenate([a, b, [0, 0]])[None]
     segments = np.array([[1] * 7 + [2] * 9 + [0, 0]])
     positions = np.array([list(range(7)) + list(range(9)) + [0, 0]])
-    logits = np.asarray(lm_logits(w, forward(w, cfg, packed, positions, segments)))[0]
+    logits = np.asarray(
+        lm_logits(w, forward(w, cfg, packed, positions, segments, sharder=one_device_sharder()))
+    )[0]
     for seq, sl in ((a, slice(0, 7)), (b, slice(7, 16))):
         alone = lm_logits(
-            w, forward(w, cfg, seq[None], np.arange(len(seq))[None], np.ones((1, len(seq))))
+            w,
+            forward(
+                w,
+                cfg,
+                seq[None],
+                np.arange(len(seq))[None],
+                np.ones((1, len(seq))),
+                sharder=one_device_sharder(),
+            ),
         )
         assert np.abs(logits[sl] - np.asarray(alone)[0]).max() <= TOL
 
@@ -55,24 +68,32 @@ def test_prefill_and_decode_reproduce_full_sequence(
 ) -> None:
     """Rows of different lengths in pages; prefill, decode, a second prefill on top (a new
     turn), decode."""
-    cfg, w = load_hf(hf_checkpoints[family])
+    cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     T = 16
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, T))
     full = np.asarray(
         lm_logits(
-            w, forward(w, cfg, tokens, np.broadcast_to(np.arange(T), (2, T)), np.ones((2, T)))
+            w,
+            forward(
+                w,
+                cfg,
+                tokens,
+                np.broadcast_to(np.arange(T), (2, T)),
+                np.ones((2, T)),
+                sharder=one_device_sharder(),
+            ),
         )
     )
     step = jax.jit(
         lambda w, cfg, tokens, pos, n, pages, reads: forward(
             w, cfg, tokens, cache=pages, page_table_bm=table, pos_b=pos, num_new_b=n,
-            pages_read=reads,
-        ),
+            pages_read=reads, sharder=one_device_sharder(),
+),
         static_argnames=("cfg", "reads"),
     )  # fmt: skip
     # pages of 4 positions, the two rows' pages interleaved and out of order in the pool
     table = jnp.asarray([[5, 0, 7, 2, 9, 11, 13, 15], [1, 6, 3, 4, 8, 10, 12, 14]])
-    pages = init_pages(cfg, num_pages=16, page_size=4)
+    pages = init_pages(cfg, num_pages=16, page_size=4, sharder=one_device_sharder())
     got = np.zeros_like(full)
     # chunk plan per row: (start, n) pairs; row 1 prefills fewer tokens than row 0 at first
     plan = [((0, 6), (0, 4)), ((6, 1), (4, 1)), ((7, 5), (5, 7)), ((12, 1), (12, 1))]
@@ -97,12 +118,17 @@ def test_bf16_forward_tracks_fp32(family: str, hf_checkpoints: dict[str, Path]) 
     steps per layer adds at most that relative error to the residual stream, so over 2 layers
     the logits may move by a few percent of their scale, never by more than ~5%.
     """
-    cfg32, _ = load_hf(hf_checkpoints[family], dtype="float32")
-    cfg16, w16 = load_hf(hf_checkpoints[family], dtype="bfloat16")
+    cfg32, _ = load_hf(hf_checkpoints[family], dtype="float32", sharder=one_device_sharder())
+    cfg16, w16 = load_hf(hf_checkpoints[family], dtype="bfloat16", sharder=one_device_sharder())
     w_rounded = jax.tree.map(lambda x: x.astype(jnp.float32), w16)
     tokens, mask, positions = padded_batch(cfg32.vocab_size)
-    ref = np.asarray(lm_logits(w_rounded, forward(w_rounded, cfg32, tokens, positions, mask)))
-    h16 = forward(w16, cfg16, tokens, positions, mask)
+    ref = np.asarray(
+        lm_logits(
+            w_rounded,
+            forward(w_rounded, cfg32, tokens, positions, mask, sharder=one_device_sharder()),
+        )
+    )
+    h16 = forward(w16, cfg16, tokens, positions, mask, sharder=one_device_sharder())
     assert h16.dtype == jnp.bfloat16
     logits = lm_logits(w16, h16)
     assert logits.dtype == jnp.float32  # logits (and so logprobs) stay fp32

@@ -19,6 +19,7 @@ from jax_agent_rl.models import (
     make_mesh,
 )
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.models.sharding import one_device_sharder
 
 # Heads, kv heads, MLP and vocab divide by tensor=4; hidden divides by fsdp=2.
 CFG = dataclasses.replace(
@@ -54,11 +55,11 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     segments = jnp.ones((B, T), jnp.int32).at[1, 9:].set(0)
 
     def run(w, tokens, sharder):  # type: ignore[no-untyped-def]
-        return lm_logits(w, forward(w, CFG, tokens, positions, segments, sharder))
+        return lm_logits(w, forward(w, CFG, tokens, positions, segments, sharder=sharder))
 
     batch_sharding = sharder.sharding(("batch", "seq"), (B, T))
     sharded = jax.jit(partial(run, sharder=sharder))(w, jax.device_put(tokens, batch_sharding))
-    local = jax.jit(partial(run, sharder=None))(w_local, tokens)
+    local = jax.jit(partial(run, sharder=one_device_sharder()))(w_local, tokens)
     assert len(sharded.sharding.device_set) == 8
     assert np.abs(np.asarray(sharded) - np.asarray(local)).max() <= 1e-5
 
@@ -77,7 +78,12 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     )  # fmt: skip
     h, pages = step(w, CFG, tokens, jnp.full((B,), T), pages, sharder)
     h_local, _ = step(
-        w_local, CFG, tokens, jnp.full((B,), T), init_pages(CFG, 4 * B, page_size=16), None
+        w_local,
+        CFG,
+        tokens,
+        jnp.full((B,), T),
+        init_pages(CFG, 4 * B, page_size=16, sharder=one_device_sharder()),
+        one_device_sharder(),
     )
     assert np.abs(np.asarray(h) - np.asarray(h_local)).max() <= 1e-5
 

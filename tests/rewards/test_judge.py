@@ -20,6 +20,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer, Judge, JudgeAnswerError, make_reward, parse_score
 from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.protocol import Capabilities, GenerateRequest, GenerateResult
@@ -226,8 +227,14 @@ def test_a_real_engine_judges_within_the_concurrency_bound(
     """A random-weight embedded engine: what it writes is arbitrary, so each answer is either
     its parsed score or a counted failure; never more than max_concurrency requests are in
     flight, and that many are."""
-    model, params = load_hf(task.model, "float32")
-    engine = Engine(model, max_concurrent_decodes=2, max_len=128, batch_buckets=False)
+    model, params = load_hf(task.model, "float32", sharder=one_device_sharder())
+    engine = Engine(
+        model,
+        max_concurrent_decodes=2,
+        max_len=128,
+        batch_buckets=False,
+        sharder=one_device_sharder(),
+    )
     section = JudgeSection(template=TEMPLATE, max_concurrency=2, max_tokens=8, fallback=-1.0)
 
     async def go() -> tuple[list[float], InFlight, Judge]:

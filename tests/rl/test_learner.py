@@ -14,6 +14,7 @@ from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import (
     Sequences,
     TrainBatch,
@@ -139,7 +140,7 @@ def spec(
     sampling: SamplingSpec = FILTERED,
     cfg: ModelConfig = CFG,
 ) -> StepSpec:
-    return StepSpec(cfg, "float32", sampling, algo, False, sharder)
+    return StepSpec(cfg, "float32", sampling, algo, False, sharder or one_device_sharder())
 
 
 ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=2.0)
@@ -148,7 +149,7 @@ ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_micro_batches_sum_to_the_whole_batch(mode: str) -> None:
     """Accumulating 4 micro-batches (whole-batch denominators) = one pass over all rows."""
-    params = init_params(jax.random.key(0), CFG)
+    params = init_params(jax.random.key(0), CFG, sharder=one_device_sharder())
     batch, given = random_batch()
     s = spec(dataclasses.replace(ALGO, loss_agg_mode=mode))
     loss1, g1, _ = jax.jit(lambda p: grads_of(policy_objective, s, p, batch, given, 1))(params)
@@ -175,7 +176,7 @@ def test_sharded_step_equals_unsharded(
     policy without top-k / top-p takes `head_logprobs` (its vocabulary sharded over tensor).
     Qwen3-MoE: its experts split over fsdp (4 whole experts a device), their width over
     tensor, and every token routed to the same experts on both sides."""
-    params = init_params(jax.random.key(1), cfg)
+    params = init_params(jax.random.key(1), cfg, sharder=one_device_sharder())
     batch, given = random_batch(seed=1)
     sharder = Sharder(make_mesh(2, 2, 2))
     target, fn = (
@@ -226,8 +227,10 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
     takes the full-vocabulary path) or without filters (its chunked `head_logprobs`) get the
     same logprobs from the learner's recomputation (fp32: 1e-4, the backend's stated
     tolerance)."""
-    params = init_params(jax.random.key(2), CFG)
-    backend = EmbeddedBackend(Engine(CFG, max_concurrent_decodes=4, max_len=128), params)
+    params = init_params(jax.random.key(2), CFG, sharder=one_device_sharder())
+    backend = EmbeddedBackend(
+        Engine(CFG, max_concurrent_decodes=4, max_len=128, sharder=one_device_sharder()), params
+    )
     sampling = SamplingParams(max_tokens=24, temperature=0.8, top_k=top_k, top_p=top_p, seed=3)
 
     async def go() -> list:
@@ -257,7 +260,7 @@ def test_updates_reduce_their_losses() -> None:
     """A few SFT steps lower the cross-entropy; RL steps raise the logprob of the rewarded
     trajectories' tokens over the others' in their group, and bring the critic's values
     towards the returns (its loss falls)."""
-    params = init_params(jax.random.key(3), CFG)
+    params = init_params(jax.random.key(3), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=3)
     learner = _learner(
         AlgorithmSection(adv_estimator="gae", tis_cap=None), params, micro_batch_size=4
@@ -318,7 +321,7 @@ def _learner(
         optim=OptimSection(lr=lr, critic_lr=lr / 10),
         sampling=SamplingSpec(0.8),  # no filter: the random tokens were not sampled
         micro_batch_size=micro_batch_size,
-        sharder=sharder,
+        sharder=sharder or one_device_sharder(),
         critic=critic_from_policy(params) if algo.adv_estimator == "gae" else None,  # type: ignore[arg-type]
         reference=reference,  # type: ignore[arg-type]
         norm_const=48.0,  # Dr.GRPO's constant: the generation budget, whatever the layout
@@ -391,7 +394,7 @@ def test_the_packed_step_equals_the_padded_step(algo: AlgorithmSection, per_turn
     group statistics, the four aggregation modes with whole-mini-batch denominators, KL to the
     reference, TIS and MIS weights, GAE (which must not carry from one packed sequence into
     the one before it) and the clipped value loss, per-turn samples weighted 1 / turns."""
-    params = init_params(jax.random.key(5), CFG)
+    params = init_params(jax.random.key(5), CFG, sharder=one_device_sharder())
     reference = jax.tree.map(lambda x: x * 0.9, params) if algo.kl_coef else None
     trajs = random_trajectories(12, longest=40, seed=5)
     rewards, weights = REWARDS, np.ones(12, np.float32)
@@ -472,7 +475,7 @@ def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
     if the sampler's logprobs were the learner's old-policy ones (TIS weights 1), and reports
     no gap. Also: the gap per staleness, from each sequence's staleness."""
     algo = AlgorithmSection(tis_cap=2.0)
-    params = init_params(jax.random.key(6), CFG)
+    params = init_params(jax.random.key(6), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=6)
     blind, told = (_learner(algo, params) for _ in range(2))
     s = told.spec
@@ -497,7 +500,7 @@ def test_a_traced_step_gives_back_the_update_s_own_values_and_updates_the_same()
     entropy before the update (`token_stats` of the old params, fp32: the same computation in
     another program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens)."""
     algo = AlgorithmSection(mini_batches=2)
-    params = init_params(jax.random.key(7), CFG)
+    params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=7)
     plain, tracing = (_learner(algo, params) for _ in range(2))
     batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
@@ -542,7 +545,7 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> No
     compile again, however many of the slots their sequences fill: 6 steps, 2 shapes."""
     # the trajectories' count sets the sequence slots too: 70..90 -> 128, 140..150 -> 256
     sharder = Sharder(make_mesh(2, 2, 2))
-    params = init_params(jax.random.key(6), CFG)
+    params = init_params(jax.random.key(6), CFG, sharder=one_device_sharder())
     algo = dataclasses.replace(ALGO, mini_batches=2)
     learner = _learner(algo, params, sharder, micro_batch_size=4, reference=params)
     with programs_built() as compiles:

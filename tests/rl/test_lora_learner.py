@@ -18,6 +18,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, init_params, make_mesh
 from jax_agent_rl.models.adapters import adapters_of, base_of, init_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters, Lora
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import TrainBatch, make_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, token_stats
@@ -29,7 +30,7 @@ LORA_CFG = dataclasses.replace(CFG, lora=Lora(4, 8.0))
 
 
 def _lora_params() -> object:
-    base = init_params(jax.random.key(0), CFG)
+    base = init_params(jax.random.key(0), CFG, sharder=one_device_sharder())
     return with_adapters(base, init_adapters(jax.random.key(1), LORA_CFG))
 
 
@@ -75,7 +76,14 @@ def test_the_reference_is_the_base_model() -> None:
     params = _lora_params()
     adapters = jax.tree.map(lambda x: x + 0.05, adapters_of(params))  # B nonzero
     params = with_adapters(base_of(params), adapters)
-    learner = Learner(LORA_CFG, params, algo=ALGO, optim=OptimSection(), sampling=SamplingSpec(0.8))
+    learner = Learner(
+        LORA_CFG,
+        params,
+        algo=ALGO,
+        optim=OptimSection(),
+        sampling=SamplingSpec(0.8),
+        sharder=one_device_sharder(),
+    )
     s = spec(ALGO, sampling=SamplingSpec(0.8), cfg=LORA_CFG)
     reference = reference_of(s, learner.state)
     assert reference is not None
@@ -100,8 +108,8 @@ def test_a_lora_learner_refuses_a_reference_copy() -> None:
     with pytest.raises(ValueError, match="pass no reference"):
         Learner(
             LORA_CFG, params, algo=ALGO, optim=OptimSection(), sampling=SamplingSpec(0.8),
-            reference=params,
-        )  # fmt: skip
+            reference=params, sharder=one_device_sharder(),
+)  # fmt: skip
 
 
 def _sampled(backend: EmbeddedBackend, seed: int) -> TrainBatch:
@@ -129,9 +137,9 @@ def test_adapter_pushes_keep_sampler_and_learner_logprobs_equal() -> None:
     within the fp32 tolerance (1e-4, the backend's stated one)."""
     learner = Learner(
         LORA_CFG, _lora_params(), algo=ALGO, optim=OptimSection(lr=1e-2),
-        sampling=SamplingSpec(0.8), micro_batch_size=4,
-    )  # fmt: skip
-    engine = Engine(LORA_CFG, max_concurrent_decodes=4, max_len=64)
+        sampling=SamplingSpec(0.8), micro_batch_size=4, sharder=one_device_sharder(),
+)  # fmt: skip
+    engine = Engine(LORA_CFG, max_concurrent_decodes=4, max_len=64, sharder=one_device_sharder())
     backend = EmbeddedBackend(engine, learner.rollout_params("float32"))
     s = spec(ALGO, sampling=SamplingSpec(0.8), cfg=LORA_CFG)
     logp = jax.jit(lambda p, b: token_stats(s, p, b)[0])
@@ -163,8 +171,8 @@ def test_a_bf16_lora_learner_holds_its_frozen_base_in_bf16() -> None:
     params = _lora_params()
     learner = Learner(
         LORA_CFG, params, algo=ALGO, optim=OptimSection(lr=1e-2), sampling=SamplingSpec(0.8),
-        micro_batch_size=4, compute_dtype="bfloat16",
-    )  # fmt: skip
+        micro_batch_size=4, compute_dtype="bfloat16", sharder=one_device_sharder(),
+)  # fmt: skip
     dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree)}  # noqa: E731
     before = jax.tree.map(np.asarray, base_of(learner.params))
     assert dtypes(before) == {jnp.dtype(jnp.bfloat16)}

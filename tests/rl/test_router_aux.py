@@ -22,6 +22,7 @@ from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, forward, init_params, load_hf
 from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import load_balancing_loss
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, policy_objective
 from tests.models.hf_reference import hf_forward, padded_batch
@@ -44,7 +45,7 @@ def _rounding(n_terms: int, value: float) -> float:
 
 def test_router_loss_equals_transformers(tmp_path: object) -> None:
     path = write_hf_checkpoint(tmp_path / "moe", TINY_MOE)  # type: ignore[operator]
-    cfg, w = load_hf(path)
+    cfg, w = load_hf(path, sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     out = hf_forward(path, tokens, mask, positions, output_router_logits=True)
     hf_aux = float(out.aux_loss)
@@ -57,6 +58,7 @@ def test_router_loss_equals_transformers(tmp_path: object) -> None:
         jnp.asarray(positions),
         jnp.asarray(mask, jnp.int32),  # segment 1 for real tokens, 0 for padding
         return_router_logits=True,
+        sharder=one_device_sharder(),
     )
     ours = np.asarray(logits)
     S, E, k = sum(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
@@ -83,12 +85,14 @@ def test_router_loss_equals_transformers(tmp_path: object) -> None:
 
 def _spec(coef: float) -> StepSpec:
     algo = AlgorithmSection(router_aux_loss_coef=coef, tis_cap=None)
-    return StepSpec(MOE, "float32", SamplingSpec(0.8), algo, remat=False, sharder=None)
+    return StepSpec(
+        MOE, "float32", SamplingSpec(0.8), algo, remat=False, sharder=one_device_sharder()
+    )
 
 
 def _moe_params() -> object:
     """Random weights with router logits of order 1 (HF's 0.02 init routes almost uniformly)."""
-    w = init_params(jax.random.key(3), MOE)
+    w = init_params(jax.random.key(3), MOE, sharder=one_device_sharder())
     return dataclasses.replace(w, layers=dataclasses.replace(w.layers, router=w.layers.router * 50))
 
 
@@ -121,6 +125,7 @@ def test_the_policy_loss_adds_coef_times_the_router_loss() -> None:
             jnp.asarray(batch.positions)[r],
             jnp.asarray(batch.segment_ids)[r],
             return_router_logits=True,
+            sharder=one_device_sharder(),
         )
         aux = float(load_balancing_loss(MOE, logits, jnp.asarray(real[r])))
         want += aux * float(sampled[r].sum() / sampled.sum())
@@ -149,6 +154,7 @@ def test_the_learner_reports_the_router_loss_only_when_on() -> None:
             optim=OptimSection(lr=1e-3),
             sampling=SamplingSpec(0.8),
             micro_batch_size=2,
+            sharder=one_device_sharder(),
         )
         metrics[coef] = learner.train_step(batch, sequences, real)
     assert "router_aux_loss" not in metrics[0.0]

@@ -35,6 +35,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.errors import ConfigError
 from jax_agent_rl.models import ModelConfig, Weights, forward, init_params, load_hf
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import make_batch, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, sampled_experts
@@ -58,7 +59,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def moe(checkpoint: Path) -> tuple[ModelConfig, Weights]:
-    cfg, w = load_hf(checkpoint)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     assert cfg.norm_topk_prob and cfg.moe_layers == (True, False, True)
     return dataclasses.replace(cfg, dtype="float32"), w
 
@@ -67,7 +68,14 @@ def sample_trajectories(cfg: ModelConfig, w: Weights) -> list[Trajectory]:
     """Two-turn episodes sampled by the embedded engine (temperature 1): a prompt, a model
     turn, tool-like tokens, a second model turn of the same session (prefilled after the
     cached first turn)."""
-    engine = Engine(cfg, max_concurrent_decodes=4, max_len=128, page_size=8, prefill_chunk=16)
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=4,
+        max_len=128,
+        page_size=8,
+        prefill_chunk=16,
+        sharder=one_device_sharder(),
+    )
     backend = EmbeddedBackend(engine, w, steps_per_call=4)
     assert backend.capabilities.expert_ids == any(cfg.moe_layers)
     rng = np.random.default_rng(0)
@@ -109,6 +117,7 @@ def learner(cfg: ModelConfig, w: Weights, replay: bool) -> Learner:
         optim=OptimSection(),
         sampling=SamplingSpec(1.0),
         micro_batch_size=4,
+        sharder=one_device_sharder(),
     )
 
 
@@ -145,7 +154,13 @@ def test_the_trajectory_carries_the_samplers_experts(
         assert (ids[~mask] == -1).all() and (ids[mask] >= 0).all()
     batch = make_batch(sampled, bucket=16)
     _, own = forward(
-        w, cfg, batch.tokens, batch.positions, batch.segment_ids, return_expert_ids=True
+        w,
+        cfg,
+        batch.tokens,
+        batch.positions,
+        batch.segment_ids,
+        return_expert_ids=True,
+        sharder=one_device_sharder(),
     )
     for b, traj in enumerate(sampled):  # one trajectory per row
         mask = np.asarray(traj.loss_mask, bool)
@@ -158,7 +173,9 @@ def test_the_trajectory_carries_the_samplers_experts(
 
 def test_dense_trajectories_carry_no_experts() -> None:
     cfg = ModelConfig.from_hf(TINY["qwen2"])
-    (traj,) = sample_trajectories(cfg, init_params(jax.random.key(0), cfg))[:1]
+    (traj,) = sample_trajectories(
+        cfg, init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
+    )[:1]
     assert traj.expert_ids is None and traj.num_model_tokens > 0
     assert make_batch([traj], bucket=16).expert_ids is None
 
@@ -173,7 +190,11 @@ def layer0_router_input(cfg: ModelConfig, w: Weights, batch: object) -> np.ndarr
     layers = jax.tree.map(lambda x: x[:1], w.layers)
     layers = dataclasses.replace(layers, expert_down=jnp.zeros_like(layers.expert_down))
     w0 = dataclasses.replace(w, layers=layers, final_norm=layers.mlp_norm[0])
-    return np.asarray(forward(w0, one, batch.tokens, batch.positions, batch.segment_ids))
+    return np.asarray(
+        forward(
+            w0, one, batch.tokens, batch.positions, batch.segment_ids, sharder=one_device_sharder()
+        )
+    )
 
 
 def flipping_perturbation(cfg: ModelConfig, w: Weights, batch: object) -> tuple[np.ndarray, int]:
@@ -245,8 +266,8 @@ def test_replay_holds_the_gap_to_the_dense_tolerance_under_flipped_routing(
     # the replayed experts are exactly the sampler's; positions without them route themselves
     given = sampled_experts(jax.tree.map(jnp.asarray, batch))
     args = (w2, cfg, batch.tokens, batch.positions, batch.segment_ids)
-    _, free = forward(*args, return_expert_ids=True)
-    _, used = forward(*args, expert_ids=given, return_expert_ids=True)
+    _, free = forward(*args, return_expert_ids=True, sharder=one_device_sharder())
+    _, used = forward(*args, expert_ids=given, return_expert_ids=True, sharder=one_device_sharder())
     has = np.asarray(given) >= 0
     np.testing.assert_array_equal(np.asarray(used)[has], np.asarray(given)[has])
     np.testing.assert_array_equal(np.asarray(used)[~has], np.asarray(free)[~has])
@@ -272,7 +293,12 @@ def test_expert_ids_of_the_wrong_shape_are_refused(
         Trajectory("x", "g", [1]).add_sample([1, 2, 3, 4], [0.0] * 4, 0, np.zeros((3, 2, 2)))
     dense = ModelConfig.from_hf(TINY["qwen2"])
     with pytest.raises(ValueError, match="qwen2 policy has no sparse layers"):
-        step_metrics(dense, init_params(jax.random.key(0), dense), sampled, replay=True)
+        step_metrics(
+            dense,
+            init_params(jax.random.key(0), dense, sharder=one_device_sharder()),
+            sampled,
+            replay=True,
+        )
 
 
 def test_the_routing_replay_key_round_trips_and_bad_values_are_named(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import Sharder, init_params, make_mesh
 from jax_agent_rl.models.moe import NO_EXPERTS
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import Sequences, TrainBatch, per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec
@@ -148,7 +149,7 @@ def test_the_tree_packed_step_equals_the_packed_step(algo: str, work: str) -> No
     and tree rollouts (shared positions whose targets are sampled tokens, of sequences of
     different advantages). The tree rows compute under 70% of the positions."""
     a = ALGOS[algo]
-    params = init_params(jax.random.key(5), CFG)
+    params = init_params(jax.random.key(5), CFG, sharder=one_device_sharder())
     reference = jax.tree.map(lambda x: x * 0.9, params) if a.kl_coef else None
     trajs, rewards, weights = workload(work)
     tree, plain = (_step(trajs, rewards, weights, a.mini_batches, on) for on in (True, False))
@@ -188,7 +189,7 @@ def test_a_moe_policy_s_replayed_routing_and_router_loss_are_those_of_the_packed
     tree, plain = (_step(flat, rewards, weights, 1, on, per_micro=16) for on in (True, False))
     assert tree[2] == plain[2] == 1
     assert tree[0].tree is not None and tree[0].tree.expert_ids is not None
-    params = init_params(jax.random.key(6), MOE_CFG)
+    params = init_params(jax.random.key(6), MOE_CFG, sharder=one_device_sharder())
     algo = AlgorithmSection(routing_replay=True, router_aux_loss_coef=0.01)
     learners = [
         Learner(
@@ -198,6 +199,7 @@ def test_a_moe_policy_s_replayed_routing_and_router_loss_are_those_of_the_packed
             optim=OptimSection(lr=1e-6),
             sampling=SamplingSpec(0.8),
             micro_batch_size=16,
+            sharder=one_device_sharder(),
         )
         for _ in range(2)
     ]
@@ -218,7 +220,7 @@ def test_the_sharded_tree_step_equals_the_unsharded() -> None:
     and gradients equal one device's within 1e-5, normwise."""
     trajs, rewards, weights = workload("groups")
     batch = _step(trajs, rewards, weights, 1, True, per_micro=4)
-    params = init_params(jax.random.key(5), CFG)
+    params = init_params(jax.random.key(5), CFG, sharder=one_device_sharder())
     algo = AlgorithmSection(entropy_coef=0.01, clip_high=0.28)
     sharded = _learner(algo, params, Sharder(make_mesh(2, 2, 2)), micro_batch_size=4, lr=1e-6)
     plain = _learner(algo, params, micro_batch_size=4, lr=1e-6)

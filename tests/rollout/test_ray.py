@@ -26,6 +26,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.ray_cluster import connect
 from jax_agent_rl.rewards import Answer
 from jax_agent_rl.rollout import (
@@ -148,13 +149,17 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
     # replica 1 serves 4 of each batch of 8 (below): it dies as its second batch comes
     monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-1.0", on_request=6))
     path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
-    cfg, weights = load_hf(path)
+    cfg, weights = load_hf(path, sharder=one_device_sharder())
     rollout = RolloutSection(
         max_concurrent=4,
         max_model_len=128,
         ray=_spread(cluster.address),  # type: ignore[attr-defined]
     )
-    pool = RayPool(BackendBuild(rollout, cfg, weights, checkpoint=path, dtype="float32"))
+    pool = RayPool(
+        BackendBuild(
+            rollout, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
+        )
+    )
 
     async def scenario() -> None:
         assert len(set(pool.nodes)) == 2  # one replica on each node

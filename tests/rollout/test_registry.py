@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import JarlConfig, RolloutSection, VLLMSection, check_ranges
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import BackendFactory, backend_names, register_backend
 from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train.check import check_names
@@ -283,11 +284,24 @@ def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path
     from jax_agent_rl.rollout import EmbeddedBackend
     from jax_agent_rl.rollout.registry import BackendBuild, lora_problem
 
-    base_cfg, base = load_hf(write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2))
+    base_cfg, base = load_hf(
+        write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2), sharder=one_device_sharder()
+    )
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(4, 8.0))
-    spec = BackendBuild(RolloutSection(), cfg, w, checkpoint=tmp_path / "tiny", dtype="float32")
-    served = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=2, max_len=64), w)
-    base_only = EmbeddedBackend(Engine(base_cfg, max_concurrent_decodes=2, max_len=64), base)
+    spec = BackendBuild(
+        RolloutSection(),
+        cfg,
+        w,
+        checkpoint=tmp_path / "tiny",
+        dtype="float32",
+        sharder=one_device_sharder(),
+    )
+    served = EmbeddedBackend(
+        Engine(cfg, max_concurrent_decodes=2, max_len=64, sharder=one_device_sharder()), w
+    )
+    base_only = EmbeddedBackend(
+        Engine(base_cfg, max_concurrent_decodes=2, max_len=64, sharder=one_device_sharder()), base
+    )
     try:
         assert served.capabilities.lora and lora_problem(spec, served) is None
         assert not base_only.capabilities.lora

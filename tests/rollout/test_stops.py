@@ -17,6 +17,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult, SamplingParams
 from jax_agent_rl.rollout.stops import stop_string_end
 from jax_agent_rl.tokenization import Tokenizer
@@ -43,12 +44,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_stop_string_over_several_tokens_and_decode_calls_cuts_exactly(files: Path) -> None:
     tokenizer = Tokenizer.from_pretrained(files)
-    model, weights = load_hf(files)
+    model, weights = load_hf(files, sharder=one_device_sharder())
     prompt = tuple(TurnBuilder(tokenizer).prompt_ids(MESSAGES))
     seed = zlib.crc32(f"{SEED}/g-0/0".encode())  # the loop's seed of this sample's request
     stop_ids = turn_stop_ids(tokenizer, make_parser("hermes"))  # and its stop ids
 
-    engine = Engine(model, max_concurrent_decodes=1, max_len=256)  # its programs, once
+    engine = Engine(
+        model, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder()
+    )  # its programs, once
 
     def backend(decode: bool) -> EmbeddedBackend:
         return EmbeddedBackend(

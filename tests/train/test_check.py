@@ -38,6 +38,7 @@ from jax_agent_rl.models import (
 from jax_agent_rl.models.decoder import is_spec, param_specs
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY
 from jax_agent_rl.models.lora import Lora
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import REWARDS
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, token_stats
@@ -95,7 +96,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     model = root / "model"
     save_tokenizer(model, train_bpe(corpus, 1000, merge_across_words=True), template)
     cfg = ModelConfig.from_hf(MODEL)
-    save_hf(model, cfg, init_params(jax.random.key(0), cfg))
+    save_hf(model, cfg, init_params(jax.random.key(0), cfg, sharder=one_device_sharder()))
     train = _write_jsonl(root / "train.jsonl", rows)
     answer = {"role": "assistant", "content": "<answer>2</answer>"}
     sft = _write_jsonl(root / "sft.jsonl", [{"messages": [*r["prompt"], answer]} for r in rows])
@@ -654,8 +655,10 @@ def test_the_activation_estimate_is_within_2x_of_xlas_plan(remat: bool) -> None:
     never run; its temporaries and the gradient it returns), at 1024 and 4096 tokens: within a
     factor of 2 either way."""
     cfg = ModelConfig.from_hf(SMALL_QWEN2)
-    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
-    spec = StepSpec(cfg, "float32", SamplingSpec(), AlgorithmSection(), remat, None)
+    params = jax.eval_shape(
+        lambda: init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
+    )
+    spec = StepSpec(cfg, "float32", SamplingSpec(), AlgorithmSection(), remat, one_device_sharder())
     for T in (1024, 4096):
         z = jnp.zeros((1, T), jnp.int32)
         row = TrainBatch(z, z + jnp.arange(T), z + 1, z, z, z + 1.0, z + 0.0, T)

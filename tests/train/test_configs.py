@@ -19,6 +19,7 @@ from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import DEMOS, TaskFiles, prepare
 from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train import build_run, train
 from jax_agent_rl.train.metrics import read_metrics
 
@@ -120,7 +121,7 @@ def test_a_resumed_run_restores_its_kl_reference(task: TaskFiles, tmp_path: Path
     resumed.checkpoints.close()
     resumed.metrics.close()
     assert (fresh.start, resumed.start) == (0, 0)
-    _, untrained = load_hf(task.model)
+    _, untrained = load_hf(task.model, sharder=one_device_sharder())
     leaves = jax.tree.leaves
     fresh_ref, resumed_ref = fresh.learner.state.reference, resumed.learner.state.reference
     for a, b in zip(leaves(fresh_ref), leaves(resumed_ref), strict=True):

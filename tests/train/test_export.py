@@ -31,6 +31,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.adapters import adapters_of, with_adapters
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.update import TrainState
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
@@ -164,8 +165,13 @@ def test_a_run_folder_is_read_from_any_directory(
 
 
 def _engine_greedy(folder: Path, prompts: list[list[int]], stops: tuple[int, ...]) -> list:
-    cfg, weights = load_hf(folder)
-    engine = Engine(cfg, max_concurrent_decodes=4, max_len=cfg.max_position_embeddings)
+    cfg, weights = load_hf(folder, sharder=one_device_sharder())
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=4,
+        max_len=cfg.max_position_embeddings,
+        sharder=one_device_sharder(),
+    )
     backend = EmbeddedBackend(engine, weights)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=stops)
 
@@ -268,7 +274,7 @@ def test_auto_tokenizer_and_generate_on_an_export(family: str, tmp_path: Path) -
     im_end, endoftext = tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
     cfg = dataclasses.replace(JarlConfig(), model=ModelSection(path=str(source)))
-    model, params = load_hf(source)
+    model, params = load_hf(source, sharder=one_device_sharder())
     out = export_policy(tmp_path / "export", cfg, model, params)
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -308,7 +314,7 @@ def test_jarl_export_of_a_lora_run_writes_a_peft_adapter_and_with_merge_a_checkp
     )
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    base_cfg, base = load_hf(source)
+    base_cfg, base = load_hf(source, sharder=one_device_sharder())
     _, params = with_run_lora(cfg, base_cfg, base)
     trained = jax.tree.map(lambda x: x + 0.05, adapters_of(params))  # B nonzero
     params = with_adapters(base, trained)

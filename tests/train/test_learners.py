@@ -19,6 +19,7 @@ from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.models import ModelConfig, Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.adapters import adapters_of, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.learners import run_model, with_run_lora
 
@@ -28,7 +29,11 @@ TOL = 1e-6
 def _logits(cfg: ModelConfig, w: Weights) -> np.ndarray:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
     positions = np.broadcast_to(np.arange(12), (2, 12))
-    return np.asarray(lm_logits(w, forward(w, cfg, tokens, positions, np.ones((2, 12)))))
+    return np.asarray(
+        lm_logits(
+            w, forward(w, cfg, tokens, positions, np.ones((2, 12)), sharder=one_device_sharder())
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, np.n
             *("model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q,o,down]"),
         ],
     )
-    base_cfg, base = load_hf(source)
+    base_cfg, base = load_hf(source, sharder=one_device_sharder())
     model, params = with_run_lora(cfg, base_cfg, base)
     trained = jax.tree.map(lambda x: x + 0.05, adapters_of(params))
     params = with_adapters(base, trained)
@@ -64,7 +69,7 @@ def test_a_run_starts_from_an_exported_adapter(exported: tuple[Path, Path, np.nd
     """Rank 0 takes the folder's rank, alpha and targets; set, they must agree with it (the
     targets in any order): either way the policy is the exported one."""
     source, folder, want = exported
-    base_cfg, base = load_hf(source)
+    base_cfg, base = load_hf(source, sharder=one_device_sharder())
     for lora in ([], ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[down,q,o]"]):
         cfg = _config(source, folder, *lora)
         model, params = with_run_lora(cfg, base_cfg, base)

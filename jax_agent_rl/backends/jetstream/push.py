@@ -82,7 +82,7 @@ def read_push(engine: Engine, served: Weights, dtype: DType, load: dict[str, Any
             f"server {'without' if adapters else 'of'} LoRA adapters"
         )
     if not adapters:
-        cfg, weights = load_hf(folder, dtype)
+        cfg, weights = load_hf(folder, dtype, sharder=engine.sharder)
         if cfg != engine.cfg:
             raise ValueError(f"{folder} holds a {cfg}, this server serves a {engine.cfg}")
         return engine.load_params(weights)

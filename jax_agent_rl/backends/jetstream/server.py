@@ -104,12 +104,8 @@ def _adapter(config: dict[str, Any]) -> Any:
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)
-    sharder = (
-        None
-        if len(devices) == 1
-        else Sharder(make_mesh(len(devices) // tensor, 1, tensor, devices=devices))
-    )
-    model, weights = load_hf(config["checkpoint"], config["dtype"])
+    sharder = Sharder(make_mesh(len(devices) // tensor, 1, tensor, devices=devices))
+    model, weights = load_hf(config["checkpoint"], config["dtype"], sharder=sharder)
     if config["lora"] is not None:
         lora = config["lora"]
         model = dataclasses.replace(

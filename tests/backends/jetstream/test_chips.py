@@ -28,6 +28,7 @@ from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, load_hf, make_mesh
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.processes import group_gone
 
@@ -154,7 +155,7 @@ def test_the_server_runs_under_its_half_on_its_own_devices(checkpoint: Path) -> 
         port = int(backend.placement["TPU_PROCESS_PORT"])
         assert backend.placement == split_chips("4,5,6,7", V6E_8).server_env(port)
         assert backend.devices == 4
-        _, weights = load_hf(checkpoint)
+        _, weights = load_hf(checkpoint, sharder=one_device_sharder())
         pushed = jax.tree.map(lambda x: x * 1.5, weights)  # greedy tokens change
         prompts = [tuple(range(3, 3 + n)) for n in (5, 11, 23)]
         served = asyncio.run(_greedy(backend, prompts))

@@ -24,6 +24,7 @@ from jax_agent_rl.backends.jetstream.client import (
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import (
     EmbeddedBackend,
     GenerateRequest,
@@ -86,10 +87,16 @@ def test_jetstream_serves_the_greedy_tokens_of_the_in_process_backend(
     and frees slots; its server stops at its own stop id, the client at the request's other,
     and at a stop string over three tokens (the embedded backend in its decode call, the
     client at the response that completes it: both keep the tokens up to that one)."""
-    cfg, weights = load_hf(checkpoint)
+    cfg, weights = load_hf(checkpoint, sharder=one_device_sharder())
     # every step over all slots, as JetStream's generate runs it: the same programs, so the
     # same rounding whichever slots the two put the requests in
-    engine = Engine(cfg, max_concurrent_decodes=SLOTS, max_len=MAX_LEN, batch_buckets=False)
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=SLOTS,
+        max_len=MAX_LEN,
+        batch_buckets=False,
+        sharder=one_device_sharder(),
+    )
     embedded = EmbeddedBackend(engine, weights, decode=_text)
     prompts = _prompts()
     free = SamplingParams(max_tokens=24, temperature=0.0)
@@ -317,7 +324,7 @@ def test_an_empty_request_id_is_served(shared: JetStreamBackend) -> None:
 
 def test_closing_during_an_update_aborts_and_raises_plainly(checkpoint: Path) -> None:
     backend = _server(checkpoint)
-    _, weights = load_hf(checkpoint)
+    _, weights = load_hf(checkpoint, sharder=one_device_sharder())
     long = SamplingParams(max_tokens=100, temperature=0.0)
 
     async def scenario() -> tuple[BaseException | None, GenerateResult, GenerateResult]:
@@ -354,7 +361,7 @@ def test_a_context_beyond_jetstreams_buckets_fails_at_start(tmp_path: Path) -> N
 def test_a_start_that_fails_leaves_no_thread(checkpoint: Path) -> None:
     import jax
 
-    _, weights = load_hf(checkpoint)
+    _, weights = load_hf(checkpoint, sharder=one_device_sharder())
     wrong = dataclasses.replace(weights, embed=jax.numpy.zeros((7, 7)))
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="could not load the weights"):

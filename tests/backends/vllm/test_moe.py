@@ -15,6 +15,7 @@ from jax_agent_rl.backends.vllm.backend import VLLMBackend
 from jax_agent_rl.demo import make_checkpoint
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Weights, load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from tests.processes import group_gone
 
@@ -52,9 +53,13 @@ async def _greedy(backend: object, tag: str) -> list[tuple[int, ...]]:
 
 
 def test_vllm_serves_the_tiny_moe_and_takes_pushed_experts(checkpoint: Path) -> None:
-    cfg, w = load_hf(checkpoint)
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     assert cfg.num_experts == 8 and cfg.moe_layers == (True, False, True)
-    engine = EmbeddedBackend(Engine(cfg, max_concurrent_decodes=2, max_len=MAX_LEN), w, seed=0)
+    engine = EmbeddedBackend(
+        Engine(cfg, max_concurrent_decodes=2, max_len=MAX_LEN, sharder=one_device_sharder()),
+        w,
+        seed=0,
+    )
     vllm = VLLMBackend(
         checkpoint, cfg, max_model_len=MAX_LEN, max_num_seqs=2, kv_cache_bytes=32 * 2**20
     )
