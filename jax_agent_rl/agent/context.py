@@ -17,7 +17,7 @@ from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder
-from jax_agent_rl.tools.registry import ToolExecutor
+from jax_agent_rl.tools.base import ToolExecutor
 from jax_agent_rl.user_code import load_function
 
 _AGENT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentSection)}

@@ -6,10 +6,17 @@ from ``verl.tools.*`` as they do in verl; `jax_agent_rl.tools.verl` implements i
 """
 
 from jax_agent_rl.tools.app import create_app
-from jax_agent_rl.tools.base import FunctionTool, Tool, ToolArgumentError, ToolResult, tool
+from jax_agent_rl.tools.base import (
+    FunctionTool,
+    Tool,
+    ToolArgumentError,
+    ToolExecutor,
+    ToolResult,
+    tool,
+)
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import HttpTools
-from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 from jax_agent_rl.tools.search import SearchTool
 

@@ -29,8 +29,8 @@ import re
 import threading
 import types
 import typing
-from collections.abc import Awaitable, Callable, Hashable, Iterable
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 from jax_agent_rl.call_threads import CallThreads
 
@@ -454,3 +454,30 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> An
     if fn is None:
         return lambda f: FunctionTool(f, name)
     return FunctionTool(fn, name)
+
+
+class ToolExecutor(Protocol):
+    """How the agent loop calls tools: per-trajectory sticky state, always released.
+
+    ``create_kwargs`` are the sample's for tool ``name`` (see `Tool.create`); a call passes
+    them every time and they are used when the call creates the tool's state for the
+    trajectory. ``close`` frees the executor's own resources (clients, the tools' processes)
+    once the run is over. ``counters`` are running totals the executor keeps of itself, by
+    metric name (Ray's tool servers: restarts, re-sent calls); none for one process or server.
+    """
+
+    async def schemas(self) -> list[dict[str, Any]]: ...
+
+    async def call(
+        self,
+        trajectory_id: str,
+        name: str,
+        arguments: Any,
+        create_kwargs: Mapping[str, Any] | None = None,
+    ) -> ToolResult: ...
+
+    async def release(self, trajectory_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def counters(self) -> dict[str, float]: ...

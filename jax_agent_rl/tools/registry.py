@@ -19,7 +19,7 @@ import numbers
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -210,33 +210,6 @@ def _verl_tool(where: str, entry: Any) -> Tool:
     except Exception as e:
         e.add_note(f"while building {where}")
         raise
-
-
-class ToolExecutor(Protocol):
-    """How the agent loop calls tools: per-trajectory sticky state, always released.
-
-    ``create_kwargs`` are the sample's for tool ``name`` (see `Tool.create`); a call passes
-    them every time and they are used when the call creates the tool's state for the
-    trajectory. ``close`` frees the executor's own resources (clients, the tools' processes)
-    once the run is over. ``counters`` are running totals the executor keeps of itself, by
-    metric name (Ray's tool servers: restarts, re-sent calls); none for one process or server.
-    """
-
-    async def schemas(self) -> list[dict[str, Any]]: ...
-
-    async def call(
-        self,
-        trajectory_id: str,
-        name: str,
-        arguments: Any,
-        create_kwargs: Mapping[str, Any] | None = None,
-    ) -> ToolResult: ...
-
-    async def release(self, trajectory_id: str) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def counters(self) -> dict[str, float]: ...
 
 
 def _checked(name: str, result: Any) -> ToolResult:

@@ -52,7 +52,8 @@ from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, lora_problem, make_backend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
-from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.tools.base import ToolExecutor
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
 from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
 from jax_agent_rl.train.metrics import MetricsLog

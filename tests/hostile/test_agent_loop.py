@@ -28,9 +28,9 @@ from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import HermesParser, ParsedCall
-from jax_agent_rl.tools.base import Tool, ToolResult, tool
+from jax_agent_rl.tools.base import Tool, ToolExecutor, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
-from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed
 from jax_agent_rl.train.traces import render_trace, trace_record

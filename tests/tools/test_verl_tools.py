@@ -27,10 +27,10 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.app import create_app
-from jax_agent_rl.tools.base import Tool, ToolResult, tool
+from jax_agent_rl.tools.base import Tool, ToolExecutor, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator, evaluate, format_number
 from jax_agent_rl.tools.client import HttpTools
-from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 from jax_agent_rl.tools.verl import (
     BaseTool,

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import ConfigError, ToolsSection
+from jax_agent_rl.tools.base import ToolExecutor
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import HttpTools
-from jax_agent_rl.tools.registry import LocalTools, ToolExecutor, ToolRegistry, ToolTransportError
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from jax_agent_rl.train.build import make_tools
 from tests.tools.test_server import start_server
 
