@@ -160,8 +160,10 @@ def test_a_call_stalled_midway_by_another_that_blocks_is_not_the_policys() -> No
     other calls held the loop for most of its time), not as a wrong answer."""
     release = threading.Event()
     blocker, waiter = Blocking(release), Waiting()
+    # the blocker must take the loop within half the waiter's timeout of its start (this
+    # thread's hand-off, milliseconds idle): 3 s of slack for a machine other jobs load
     envs = Environments(
-        {"b": lambda _: blocker, "w": lambda _: waiter}, step_timeout_s=2.0, loop=EnvLoop()
+        {"b": lambda _: blocker, "w": lambda _: waiter}, step_timeout_s=6.0, loop=EnvLoop()
     )
 
     async def go() -> BaseException | EnvStep:
