@@ -14,7 +14,7 @@ from jax_agent_rl.config.ranges import (
     FRACTION,
     MEBIBYTES,
     NATURAL,
-    NOT_POSITIVE,
+    PENALTY,
     POSITIVE,
     TIMEOUT,
     interval,
@@ -197,8 +197,9 @@ class JudgeSection:
     # divided by it: rewards in [0, 1]
     score_max: float = setting(10.0, POSITIVE)
     # the reward of an answer whose judge call failed: at most the lowest rating (0), or
-    # breaking the judge is a reward the policy can choose
-    fallback: float = setting(0.0, NOT_POSITIVE)
+    # breaking the judge is a reward the policy can choose, and at least -MAX_ABS_REWARD,
+    # or no reward check takes it (the answer ends untrained: no penalty at all)
+    fallback: float = setting(0.0, PENALTY)
     # a longer response is cut to its first and last max_response_chars / 2 characters
     max_response_chars: int = setting(8000, COUNT)
     # judge requests in flight at once (a step's go together)

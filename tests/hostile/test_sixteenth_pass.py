@@ -13,6 +13,7 @@ import pytest
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.rewards import MAX_ABS_REWARD, RewardError, checked_reward
 from jax_agent_rl.train.traces import TRACES_FILE
 from jax_agent_rl.view.data import METRICS_FILE
 from tests.train.test_view import hostile_record
@@ -66,3 +67,17 @@ def test_a_success_threshold_a_failed_judge_call_reaches_is_refused(
 def test_a_success_threshold_below_the_fallback_is_kept_without_a_judge() -> None:
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "data.success_reward=0"])
     assert cfg.data.success_reward == 0
+
+
+def test_a_judge_fallback_no_reward_check_takes_is_refused() -> None:
+    """A fallback below -MAX_ABS_REWARD failed every episode's reward check: each answer that
+    broke the judge ended ``reward_error``, untrained, so it escaped the penalty of a wrong
+    answer instead of taking the fallback the run asked for."""
+    assert checked_reward(-MAX_ABS_REWARD, "a fallback at the bound") == -MAX_ABS_REWARD
+    with pytest.raises(RewardError):
+        checked_reward(-2 * MAX_ABS_REWARD, "a fallback past the bound")
+    refused = r"data\.judge\.fallback=-2000000\.0: expected in \[-1e\+06, 0\]"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", "data.judge.fallback=-2e6"])
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "data.judge.fallback=-1e6"])
+    assert cfg.data.judge.fallback == -MAX_ABS_REWARD
