@@ -60,6 +60,9 @@ MAX_ABS_REWARD = 1e6
 # a penalty: at most 0, and one the reward check takes (below it, every episode given it
 # ended as a reward error, untrained: the penalty never reached the learner)
 PENALTY = interval(-MAX_ABS_REWARD, 0)
+# a penalty's size, added to rewards after their check (DAPO's overlong penalty): within
+# the same bound, or a reward went -inf in float32 and its group's advantages NaN
+PENALTY_SIZE = interval(0, MAX_ABS_REWARD)
 
 
 def setting(default: T, rule: Rule | None = None, *, was: str = "") -> T:

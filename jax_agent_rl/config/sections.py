@@ -15,6 +15,7 @@ from jax_agent_rl.config.ranges import (
     MEBIBYTES,
     NATURAL,
     PENALTY,
+    PENALTY_SIZE,
     POSITIVE,
     TIMEOUT,
     interval,
@@ -260,7 +261,7 @@ class DataSection:
     # DAPO soft overlong penalty over the last N response tokens
     overlong_buffer: int = setting(0, NATURAL, was="algorithm.overlong_buffer")
     # the penalty at the budget, scaled linearly over the buffer
-    overlong_penalty: float = setting(1.0, NATURAL, was="algorithm.overlong_penalty")
+    overlong_penalty: float = setting(1.0, PENALTY_SIZE, was="algorithm.overlong_penalty")
     judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # reward ``judge``
 
 

@@ -1,7 +1,14 @@
-"""The sixteenth adversarial pass: `jarl view` fed a traces or metrics file holding a value
-JSON cannot carry into the page (an infinite weight version, a step that is NaN or infinite).
-Before, the page's JSON refused it and the view ended with "Out of range float values are not
-JSON compliant", naming no file; now the record is named as not one the trainer wrote."""
+"""The sixteenth adversarial pass: the judge's fallback and the success threshold beside it,
+the bounds of penalties added to rewards, and `jarl view` fed values JSON cannot carry.
+
+- A traces or metrics file holding an infinite weight version or a step that is NaN or
+  infinite: the page's JSON refused it and the view ended with "Out of range float values
+  are not JSON compliant", naming no file; now the record is named as not the trainer's.
+- ``data.success_reward`` at or below ``data.judge.fallback``: every answer that broke the
+  judge counted as a success in ``jarl eval``; now refused where the judge scores answers.
+- ``data.judge.fallback`` below -MAX_ABS_REWARD: every answer that broke the judge failed the
+  reward check and ended untrained, escaping the penalty; ``data.overlong_penalty`` past it
+  made rewards -inf in float32. Both are now refused by their ranges."""
 
 from __future__ import annotations
 
@@ -9,11 +16,13 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.rewards import MAX_ABS_REWARD, RewardError, checked_reward
+from jax_agent_rl.rl import core
 from jax_agent_rl.train.traces import TRACES_FILE
 from jax_agent_rl.view.data import METRICS_FILE
 from tests.train.test_view import hostile_record
@@ -81,3 +90,17 @@ def test_a_judge_fallback_no_reward_check_takes_is_refused() -> None:
         load_config(None, ["model.path=m", "data.train=t.jsonl", "data.judge.fallback=-2e6"])
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "data.judge.fallback=-1e6"])
     assert cfg.data.judge.fallback == -MAX_ABS_REWARD
+
+
+def test_an_overlong_penalty_past_the_reward_bound_is_refused() -> None:
+    """DAPO's overlong penalty is added to rewards after their check, in float32: a factor of
+    1e39 made an overlong answer's reward -inf and its group's advantages NaN."""
+    with np.errstate(over="ignore"):  # the overflow shown
+        penalty = core.overlong_penalty(np.array([8]), 8, 4, 1e39)
+    assert not np.isfinite(np.asarray(penalty, np.float32)).all()  # what it would have added
+    with pytest.raises(
+        ConfigError, match=r"data\.overlong_penalty=1e\+39: expected in \[0, 1e\+06\]"
+    ):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", "data.overlong_penalty=1e39"])
+    at_bound = ["model.path=m", "data.train=t.jsonl", "data.overlong_penalty=1e6"]
+    assert load_config(None, at_bound).data.overlong_penalty == MAX_ABS_REWARD
