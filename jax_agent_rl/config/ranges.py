@@ -53,7 +53,16 @@ TIMEOUT = interval(0, 1e6, lo_open=True)
 MEBIBYTES = interval(1, 1e9)
 BELOW_ONE = interval(0, 1, hi_open=True)
 FINITE = Rule(math.isfinite, "a finite number")
-NOT_POSITIVE = Rule(lambda v: bool(math.isfinite(v) and v <= 0), "<= 0")
+# the largest reward magnitude taken (`rewards.checked_reward`): far beyond any task's scale,
+# and small enough that a group's sums and squared deviations (~1e12 * its size) stay finite
+# in float32 (~3.4e38)
+MAX_ABS_REWARD = 1e6
+# a penalty: at most 0, and one the reward check takes (below it, every episode given it
+# ended as a reward error, untrained: the penalty never reached the learner)
+PENALTY = interval(-MAX_ABS_REWARD, 0)
+# a penalty's size, added to rewards after their check (DAPO's overlong penalty): within
+# the same bound, or a reward went -inf in float32 and its group's advantages NaN
+PENALTY_SIZE = interval(0, MAX_ABS_REWARD)
 
 
 def setting(default: T, rule: Rule | None = None, *, was: str = "") -> T:

@@ -14,7 +14,8 @@ from jax_agent_rl.config.ranges import (
     FRACTION,
     MEBIBYTES,
     NATURAL,
-    NOT_POSITIVE,
+    PENALTY,
+    PENALTY_SIZE,
     POSITIVE,
     TIMEOUT,
     interval,
@@ -197,8 +198,9 @@ class JudgeSection:
     # divided by it: rewards in [0, 1]
     score_max: float = setting(10.0, POSITIVE)
     # the reward of an answer whose judge call failed: at most the lowest rating (0), or
-    # breaking the judge is a reward the policy can choose
-    fallback: float = setting(0.0, NOT_POSITIVE)
+    # breaking the judge is a reward the policy can choose, and at least -MAX_ABS_REWARD,
+    # or no reward check takes it (the answer ends untrained: no penalty at all)
+    fallback: float = setting(0.0, PENALTY)
     # a longer response is cut to its first and last max_response_chars / 2 characters
     max_response_chars: int = setting(8000, COUNT)
     # judge requests in flight at once (a step's go together)
@@ -259,7 +261,7 @@ class DataSection:
     # DAPO soft overlong penalty over the last N response tokens
     overlong_buffer: int = setting(0, NATURAL, was="algorithm.overlong_buffer")
     # the penalty at the budget, scaled linearly over the buffer
-    overlong_penalty: float = setting(1.0, NATURAL, was="algorithm.overlong_penalty")
+    overlong_penalty: float = setting(1.0, PENALTY_SIZE, was="algorithm.overlong_penalty")
     judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # reward ``judge``
 
 

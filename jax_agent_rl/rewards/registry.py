@@ -93,6 +93,7 @@ import numpy as np
 from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError, raised_in
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
+from jax_agent_rl.config.ranges import MAX_ABS_REWARD
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.rewards import verl_rules
 from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
@@ -118,10 +119,6 @@ _BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
 
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 REWARD_THREADS = 32  # threads running a run's built-in rules at once
-
-# the largest reward magnitude taken: far beyond any task's scale, and small enough that a
-# group's sums and squared deviations (~1e12 * its size) stay finite in float32 (~3.4e38)
-MAX_ABS_REWARD = 1e6
 
 
 class RewardError(ValueError):

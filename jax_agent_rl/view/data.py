@@ -126,7 +126,9 @@ def trajectory(record: dict[str, Any]) -> dict[str, Any]:
         ]
         for i in range(n)
     ]
-    sampled = [v for v in record["weight_versions"] if v >= 0]
+    # whole numbers: an infinite version (JSON reads "Infinity") made the staleness one the
+    # page's JSON refused, naming no file (int() of it raises: a record of the wrong shape)
+    sampled = [int(v) for v in record["weight_versions"] if v >= 0]
     group = str(record["group_id"])
     return {
         "step": record["step"],
@@ -209,6 +211,8 @@ def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[st
     table = {}
     try:
         for m in read_metrics(metrics_path, "train") if metrics_path.is_file() else []:
+            if not whole_step(m):  # a NaN or infinite step: no JSON the page can hold
+                raise ValueError(f"step {m['step']!r} is not a whole number")
             table[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
         step_rows = [{"step": s, **v} for s, v in sorted(table.items())]
     except _NOT_A_RECORD as e:
