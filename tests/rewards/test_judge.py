@@ -284,7 +284,7 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
 
     async def step() -> dict[str, float]:
         async with open_rollout(run) as rollout:
-            m, _ = await rl_step(run, rollout, 0, compiles=True)
+            m, _ = await rl_step(run, rollout, {}, 0, compiles=True)
             return m
 
     try:
