@@ -382,16 +382,13 @@ def rl_update(
         return (policy, value), m
 
     carry: tuple[TrainState, TrainState | None] = (state.policy, state.critic)
-    epochs = []
-    for _ in range(a.ppo_epochs):
-        carry, m = jax.lax.scan(one, carry, jnp.arange(K))
-        epochs.append(m)
+    # one scan over every update, epoch after epoch: the program holds the update once, so its
+    # compile time does not grow with ppo_epochs
+    updates = jnp.arange(a.ppo_epochs * K) % K
+    carry, m = jax.lax.scan(one, carry, updates)
     # means over the updates; the skipped ones counted (`apply_update`)
     metrics = {
-        k: (jnp.sum if k.endswith("nonfinite_updates") else jnp.mean)(
-            jnp.concatenate([m[k] for m in epochs])
-        )
-        for k in epochs[0]
+        k: (jnp.sum if k.endswith("nonfinite_updates") else jnp.mean)(v) for k, v in m.items()
     }
     gap = jnp.abs(dv.old_logp - rows.rollout_logp)
     metrics["logprob_gap/mean"] = core.masked_mean(gap, rows.mask)
