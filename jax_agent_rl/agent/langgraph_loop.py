@@ -124,6 +124,7 @@ class Episode:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.idle = asyncio.Event()  # set while no model turn or tool call is in progress
         self.idle.set()
+        self.in_progress = 0  # (a turn's tool calls run together: idle once all have ended)
         self.asked = asyncio.Event()  # set as one starts (`held_too_long`)
 
     async def on_rollout(self, call: Coroutine[Any, Any, T]) -> T:
@@ -131,12 +132,15 @@ class Episode:
         graph's; it counts as the graph's request (``idle``, ``asked``)."""
 
         async def tracked() -> T:
+            self.in_progress += 1
             self.idle.clear()
             self.asked.set()
             try:
                 return await call
             finally:
-                self.idle.set()
+                self.in_progress -= 1
+                if not self.in_progress:
+                    self.idle.set()
 
         if self.loop is None or self.loop is asyncio.get_running_loop():
             return await tracked()

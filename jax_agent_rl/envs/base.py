@@ -28,7 +28,9 @@ entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`sky
 (`verl_interaction`). The loop calls every environment through `GuardedEnvironment`: whatever an
 environment does wrong (raises, returns a malformed step, takes longer than
 ``env.step_timeout_s``; every answer is checked, `checked_step`, whoever made the
-environment) ends that trajectory with stop reason ``env_error`` (`EnvError`), counted
+environment) ends that trajectory: a failed ``step`` with stop reason ``caused_error``
+(`EnvStepError`: the policy's action made it fail, trained on as a wrong answer), a failed
+``reset`` or ``close`` or a call held up by others with ``env_error`` (`EnvError`), counted
 and not trained on; an environment that never says done is ended by the loop's budgets
 (``agent.max_turns``...).
 
@@ -60,7 +62,7 @@ import numpy as np
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.envs.env_loop import ENV_LOOP, CallTimeoutError, EnvLoop
+from jax_agent_rl.envs.env_loop import ENV_LOOP, EnvCallTimeoutError, EnvLoop
 from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
@@ -274,19 +276,26 @@ class GuardedEnvironment:
         self.owns_reward: bool = env.owns_reward
 
     async def _call(self, what: str, *args: Any) -> Any:
+        """The environment's ``what(*args)``, its failures as `EnvError`: past the timeout, an
+        `EnvBusyError` when the call was held up by others. A ``TimeoutError`` the method
+        raises itself (its own ``asyncio.wait_for`` around a request, say) is its failure like
+        any other, not this call's timeout."""
         method = getattr(self.env, what)
         started = threading.Event()  # (a synchronous call: once a thread runs it)
 
         def begun(*args: Any) -> Any:
             started.set()
-            return method(*args)
+            try:
+                return method(*args)
+            except TimeoutError as e:  # its own, told apart from `wait_for`'s below
+                raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
 
         try:
             if inspect.iscoroutinefunction(method):
                 call = f"{self.name}.{what}"
-                return await self.loop.run(call, method(*args), self.timeout_s)
+                return await self.loop.run(call, self._own(what, method(*args)), self.timeout_s)
             return await asyncio.wait_for(self.threads.run(begun, *args), self.timeout_s)
-        except CallTimeoutError as e:
+        except EnvCallTimeoutError as e:
             raise (EnvError if e.blamed else EnvBusyError)(
                 f"{self.name}.{what} took longer than env.step_timeout_s={self.timeout_s}s "
                 f"({e.why})"
@@ -300,6 +309,13 @@ class GuardedEnvironment:
         except EnvError:  # the adapters' own checks name the environment
             raise
         except Exception as e:
+            raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
+
+    async def _own(self, what: str, coro: Any) -> Any:
+        """``coro``, a ``TimeoutError`` of its own an `EnvError` (see `_call`)."""
+        try:
+            return await coro
+        except TimeoutError as e:
             raise EnvError(f"{self.name}.{what} raised {error_text(e)}") from e
 
     async def reset(self, sample: Sample) -> list[Message]:

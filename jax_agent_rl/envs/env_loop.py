@@ -15,7 +15,7 @@ so every episode fails and the run stops with that error rather than hanging.
 
 The loop counts how long each call's synchronous code holds it (each step of its coroutine):
 a call that times out while another call held the loop for most of its time is not blamed on
-its own action (`CallTimeoutError.blamed`).
+its own action (`EnvCallTimeoutError.blamed`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax_agent_rl.call_threads import own_errors
 THREAD = "jarl-env-loop"  # the name of the thread that runs the environments' loop
 
 
-class CallTimeoutError(TimeoutError):
+class EnvCallTimeoutError(TimeoutError):
     """A call past its timeout: ``blamed`` when it is its own doing (it held the loop itself,
     or ran with the loop free for it at least half its time), ``why`` says what held it."""
 
@@ -87,8 +87,8 @@ class _Timed(Coroutine[Any, Any, Any]):
     def close(self) -> None:
         self.inner.close()
 
-    def __await__(self) -> Generator[Any, None, Any]:
-        return (yield from self.inner.__await__())
+    def __await__(self) -> Generator[Any, None, Any]:  # (the ABC's; a task drives it by send)
+        raise TypeError("a _Timed call is run as a task (EnvLoop.run), not awaited")
 
 
 class EnvLoop:
@@ -147,9 +147,9 @@ class EnvLoop:
 
     async def run(self, name: str, coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
         """``coro`` (the call ``name``) run on this loop and awaited here, what it raises raised
-        as `own_errors` makes it; past ``timeout_s`` a `CallTimeoutError`: cancelled there, given as
-        long again to end, then abandoned (a call never started never starts). Cancelled here,
-        it is cancelled there."""
+        as `own_errors` makes it; past ``timeout_s`` an `EnvCallTimeoutError`: cancelled there,
+        given as long again to end, then abandoned (a call never started never starts).
+        Cancelled here, it is cancelled there."""
         loop, here = self._started(), asyncio.get_running_loop()
         call = _Call(name, coro, self._held())
         ended: asyncio.Future[Any] = here.create_future()
@@ -182,29 +182,29 @@ class EnvLoop:
         except asyncio.CancelledError:
             self._give_up(call, loop)
             raise
-        except CallTimeoutError:
+        except EnvCallTimeoutError:
             if self._give_up(call, loop):
                 await asyncio.wait({ended}, timeout=timeout_s)  # (its grace)
             raise
         finally:
             ended.add_done_callback(_read)
 
-    def _timed_out(self, call: _Call, timeout_s: float) -> CallTimeoutError:
+    def _timed_out(self, call: _Call, timeout_s: float) -> EnvCallTimeoutError:
         with self._lock:
             state, holds = call.state, self._holder is call
         if state == "queued":
             why = f"the environments' event loop never started it: {self.holder()}"
-            return CallTimeoutError(False, why)
+            return EnvCallTimeoutError(False, why)
         others = self._held() - call.held_before - self._held(call)
         if holds:
-            return CallTimeoutError(
+            return EnvCallTimeoutError(
                 True,
                 "it blocks the environments' event loop itself: an async method must not block "
                 "(make it synchronous: it then runs in a thread)",
             )
         if others <= timeout_s / 2:
-            return CallTimeoutError(True, "it was still running")
-        return CallTimeoutError(
+            return EnvCallTimeoutError(True, "it was still running")
+        return EnvCallTimeoutError(
             False,
             f"other calls' synchronous code held the environments' event loop for "
             f"{others:.1f}s of it: {self.holder()}",

@@ -63,7 +63,6 @@ class NnxPolicy:
         num_kv_heads: int,
         head_dim: int,
         max_len: int,
-        dtype: str = "float32",
     ) -> None:
         self._make = make
         module = nnx.eval_shape(lambda: _built(make, jax.random.key(0)))
@@ -95,7 +94,7 @@ class NnxPolicy:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             max_position_embeddings=max_len,
-            dtype="bfloat16" if dtype == "bfloat16" else "float32",
+            dtype="float32",  # (the learner's; the engine serves in the run's model.dtype)
             module=self,
         )
 

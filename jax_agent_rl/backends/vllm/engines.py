@@ -20,6 +20,9 @@ from jax_agent_rl.rollout.protocol import GenerateRequest
 WORKER = "jarl_gpu_backend.worker"
 
 
+LOOKUP_S = 60.0  # for the interpreter to start and look a module up (a loaded machine's)
+
+
 def interpreter_problem(python: Path) -> str | None:
     """Why ``python`` cannot run an engine process, or None: it is missing, or the
     distribution that holds `WORKER` is not installed in its environment. (Whether vLLM
@@ -29,7 +32,11 @@ def interpreter_problem(python: Path) -> str | None:
         return f"no vLLM interpreter at {python}"
     package = WORKER.partition(".")[0]
     find = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({package!r}) is None)"
-    if subprocess.run([str(python), "-I", "-c", find], check=False).returncode:
+    try:
+        found = subprocess.run([str(python), "-I", "-c", find], check=False, timeout=LOOKUP_S)
+    except subprocess.TimeoutExpired:
+        return f"the vLLM interpreter {python} did not answer within {LOOKUP_S:g}s (hung)"
+    if found.returncode:
         return f"the vLLM interpreter {python} has no jarl-gpu-backend ({package}) installed"
     return None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.backends.vllm import engines
 from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
 from jax_agent_rl.backends.vllm.sizes import device_groups
 from jax_agent_rl.models import ModelConfig
@@ -110,6 +111,21 @@ def _venv(where: Path, *paths: Path) -> Path:
     (site,) = where.glob("lib/python*/site-packages")
     (site / "paths.pth").write_text("".join(f"{path}\n" for path in paths))
     return where / "bin" / "python"
+
+
+def test_an_interpreter_that_hangs_is_named_not_waited_on_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The distribution's look-up runs the interpreter (in the pre-run checks and before an
+    engine starts): one that never answers (a hung NFS mount, a wrapper script waiting on a
+    lock) is named past its bound; before, `jarl train` waited on it for ever."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec sleep 3600\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(engines, "LOOKUP_S", 0.5)
+    assert engines.interpreter_problem(python) == (
+        f"the vLLM interpreter {python} did not answer within 0.5s (hung)"
+    )
 
 
 def test_interpreter_without_the_engine_distribution_names_the_fix(
