@@ -6,16 +6,21 @@
   malformed calls, and two valid calls, the first holding ``"{``, were read as one malformed
   call: the model's well-formed calls were answered as its errors (and counted malformed).
 - ``jarl eval`` over held-out rows whose data_source is ``all``, the name of its report's line
-  of every source together: their prompts counted twice in that line, their own line lost."""
+  of every source together: their prompts counted twice in that line, their own line lost.
+- The python sandbox's CPU bound: children of a process ignoring SIGCHLD are reaped by the
+  kernel, their CPU time counted nowhere, so an execution forking children in turn used CPU
+  past ``cpu_s`` until its wall-clock timeout (up to ``processes`` cores for all of it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
+from jax_agent_rl.tools.sandbox import Limits, PythonSandbox
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 
 
@@ -53,3 +58,45 @@ def test_a_held_out_source_named_all_is_refused_before_the_weights_load(tmp_path
     config.write_text(f"model:\n  path: {tmp_path}\ndata:\n  train: {val}\n  val: {val}\n")
     with pytest.raises(EvalInputError, match=r"data\.val row 'all-1' has data_source 'all'"):
         eval_target(str(config))
+
+
+# children forked one after another, each spinning 0.3 s of CPU and exiting: 2.4 s in all,
+# past the execution's cpu_s of 1 (each alone far under it)
+AUTOREAPED = """
+import os, resource, signal
+try:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited children: reaped by the kernel
+except OSError as e:
+    print("SIGCHLD:", e.strerror, flush=True)
+for _ in range(8):
+    if os.fork() == 0:
+        while resource.getrusage(resource.RUSAGE_SELF).ru_utime < 0.3:
+            pass
+        os._exit(0)
+    try:
+        os.waitpid(-1, 0)  # (with SIGCHLD ignored: ECHILD once the child has gone)
+    except ChildProcessError:
+        pass
+print("spun 2.4 CPU seconds")
+"""
+
+
+READS = "import signal; print(signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL)"
+
+
+def test_children_reaped_by_the_kernel_count_toward_the_executions_cpu_time() -> None:
+    """A process whose parent ignores SIGCHLD is reaped by the kernel as it exits, and its
+    CPU time was then no one's: the fork server's accounting of the execution never saw it,
+    and children spinning in turn ran past ``cpu_s`` for as long as the wall clock allowed.
+    Now setting SIGCHLD's action is denied to executions (reading it is not), so every child's
+    time is counted: as its own while it lives or is a zombie, then as its parent's."""
+    limits = Limits(cpu_s=1, memory_mb=256, processes=16, files=2000)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)  # (the CPU bound ends it first)
+    try:
+        result = asyncio.run(sb.run(AUTOREAPED))
+        reads = asyncio.run(sb.run(READS))
+    finally:
+        sb.close()
+    assert "SIGCHLD: Operation not permitted" in result.stdout
+    assert result.limit == "CPU time" and "spun" not in result.stdout
+    assert reads.stdout == "True\n"
