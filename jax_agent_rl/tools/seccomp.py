@@ -20,7 +20,9 @@ reach outside its own execution:
   (reads of a shared file in one sandbox are events in another) is denied to executions
   (`execution_filter`); sockets are only
   ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (the sandbox's own loopback) and ``AF_NETLINK`` for
-  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks): ``AF_VSOCK`` would
+  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks) and socket
+  diagnostics (``NETLINK_SOCK_DIAG``: the fork server reads its Unix sockets' queues with it;
+  `execution_filter` refuses it to executions): ``AF_VSOCK`` would
   reach a virtual machine's host, and the other families are kernel surface no code needs;
 - kernel surface a sandboxed interpreter never needs: the new mount API, keyrings, BPF,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, module loading, ``kexec``, clock and
@@ -78,7 +80,7 @@ CLONE_NAMESPACE_FLAGS |= 0x20000000 | 0x40000000
 # socket families any code may open (the others answer EAFNOSUPPORT): AF_UNIX, AF_INET,
 # AF_INET6; AF_NETLINK (16) only with protocol NETLINK_ROUTE (0)
 SOCKET_FAMILIES = (1, 2, 10)
-AF_NETLINK, NETLINK_ROUTE = 16, 0
+AF_NETLINK, NETLINK_ROUTE, NETLINK_SOCK_DIAG = 16, 0, 4
 # fcntl commands that take or drop a lock: F_SETLK F_SETLKW (the same numbers as their 64-bit
 # forms on 64-bit machines), F_OFD_SETLK F_OFD_SETLKW. The tests (F_GETLK, F_OFD_GETLK) run:
 # with no lock ever taken in a sandbox they find none but the host's, and SQLite's WAL mode
@@ -234,7 +236,8 @@ def filter_program(machine: str | None = None) -> bytes:
         *(_is(family, "allow") for family in SOCKET_FAMILIES),
         _is(AF_NETLINK, 0, "eafnosupport"),
         _load(_arg_low(2)),
-        _is(NETLINK_ROUTE, "allow", "eafnosupport"),
+        _is(NETLINK_ROUTE, "allow"),
+        _is(NETLINK_SOCK_DIAG, "allow", "eafnosupport"),  # the fork server's (executions: no)
         # fcntl: the commands that take a lock (args[1]) do nothing and succeed
         "fcntl",
         _load(_arg_low(1)),
@@ -272,7 +275,14 @@ def execution_filter(machine: str | None = None) -> bytes:
         lines.append(_is(table["open"], "flags_in_1"))
     lines += [
         _is(table["rt_sigaction"], "sigaction"),
+        _is(table["socket"], "socket"),
         _ret(RET_ALLOW),
+        # socket: netlink's socket diagnostics (args[0], args[2]) are the fork server's alone
+        "socket",
+        _load(_arg_low(0)),
+        _is(AF_NETLINK, 0, "allow"),
+        _load(_arg_low(2)),
+        _is(NETLINK_SOCK_DIAG, "eafnosupport", "allow"),
         # rt_sigaction: setting SIGCHLD's action (args[0], a non-NULL act pointer in args[1],
         # both of its words) is denied; reading it (act NULL) is allowed
         "sigaction",
@@ -296,5 +306,7 @@ def execution_filter(machine: str | None = None) -> bytes:
         _ret(_RET_ERRNO | errno.ENOSYS),
         "eopnotsupp",
         _ret(_RET_ERRNO | errno.EOPNOTSUPP),
+        "eafnosupport",
+        _ret(_RET_ERRNO | errno.EAFNOSUPPORT),
     ]
     return _assemble(lines)

@@ -9,7 +9,9 @@
   of every source together: their prompts counted twice in that line, their own line lost.
 - The python sandbox's CPU bound: children of a process ignoring SIGCHLD are reaped by the
   kernel, their CPU time counted nowhere, so an execution forking children in turn used CPU
-  past ``cpu_s`` until its wall-clock timeout (up to ``processes`` cores for all of it)."""
+  past ``cpu_s`` until its wall-clock timeout (up to ``processes`` cores for all of it).
+- The python sandbox's memory bound: data queued in Unix socket pairs (kernel memory in no
+  process's resident set) was not counted: 219 MB held under ``memory_mb=64``."""
 
 from __future__ import annotations
 
@@ -100,3 +102,57 @@ def test_children_reaped_by_the_kernel_count_toward_the_executions_cpu_time() ->
     assert "SIGCHLD: Operation not permitted" in result.stdout
     assert result.limit == "CPU time" and "spun" not in result.stdout
     assert reads.stdout == "True\n"
+
+
+FILL_UNIX_QUEUES = """
+import socket, time
+held, queued = [], 0
+for _ in range(28):  # (64 file descriptors a process)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 24)  # (the kernel caps it)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+    a.setblocking(False)
+    while True:
+        try:
+            queued += a.send(b"x" * 65536)
+        except BlockingIOError:
+            break
+    held += [a, b]
+print(f"queued {queued >> 20} MB", flush=True)
+time.sleep(1)  # held: the watchdog reads the queues at least every 0.1 s
+print("kept them")
+"""
+
+
+def test_unix_socket_queues_count_toward_the_memory_limit() -> None:
+    """Data queued in Unix socket pairs is kernel memory in no process's resident set, and the
+    watchdog counted only TCP and UDP queues: 28 pairs of one process held 219 MB under
+    ``memory_mb=64``. The fork server now reads every Unix socket's queue (the kernel's socket
+    diagnostics, a netlink socket executions cannot open)."""
+    limits = Limits(cpu_s=5, memory_mb=64, processes=16, files=2000)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)  # (the memory bound ends it first)
+    try:
+        result = asyncio.run(sb.run(FILL_UNIX_QUEUES))
+        small = asyncio.run(sb.run(SMALL_QUEUE))
+    finally:
+        sb.close()
+    assert small.stdout == "queued 100000\nread 10\nno diagnostics\n", small
+    if result.limit != "memory":
+        assert result.stdout.endswith("kept them\n"), result
+        queued = int(result.stdout.split()[1])
+        assert queued < limits.memory_mb, result
+        pytest.skip(f"this kernel queued only {queued} MB (< {limits.memory_mb})")
+    assert "kept them" not in result.stdout
+
+
+SMALL_QUEUE = """
+import socket
+a, b = socket.socketpair()
+a.setblocking(False)
+print("queued", a.send(b"x" * 100000))
+print("read", len(b.recv(10)))
+try:
+    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4)  # NETLINK_SOCK_DIAG
+except OSError:
+    print("no diagnostics")
+"""
