@@ -367,6 +367,7 @@ def main():
     hold_counters()  # after `_take_pipes`, which closes every other fd
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
+    _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
     for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
         if os.path.exists(path):
             SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
