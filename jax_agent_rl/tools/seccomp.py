@@ -45,6 +45,13 @@ forked one after another, each exiting within the limit, burned any CPU time the
 timeout left (3.2 CPU seconds under ``cpu_s=2`` in 7 s on two cores; ``processes`` cores for
 the whole timeout on a larger machine). Without it every exited process stays a zombie,
 counted, until its parent waits for it (its time is then the parent's children's time).
+Executions are also denied shared anonymous memory (``mmap`` with ``MAP_SHARED |
+MAP_ANONYMOUS``: EPERM; a private mapping, or a shared one of a file in ``/dev/shm``, still
+works), and the sandbox has no ``/dev/zero``, whose shared mappings are the same memory: its
+pages are in no mount's usage, and in the resident set only of the processes that touched
+them, so children filling a holder's mapping chunk by chunk, each exiting, left 4 holders
+with 576 MB under ``memory_mb=256`` (the fork server, pid 1, is not dumpable, nor are the
+executions it forks, so it cannot read their maps to count such mappings).
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -88,6 +95,7 @@ AF_NETLINK, NETLINK_ROUTE, NETLINK_SOCK_DIAG = 16, 0, 4
 LOCK_COMMANDS = (6, 7, 37, 38)
 __O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
 SIGCHLD = 17  # on x86-64 and aarch64 alike
+MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
 
 DENIED = (
     # other processes' memory
@@ -128,7 +136,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
             "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
-            "openat2": 437, "rt_sigaction": 13,
+            "openat2": 437, "rt_sigaction": 13, "mmap": 9,
         },
     ),
     "aarch64": (
@@ -150,7 +158,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
-            "openat": 56, "openat2": 437, "rt_sigaction": 134,
+            "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222,
         },
     ),
 }  # fmt: skip
@@ -276,7 +284,13 @@ def execution_filter(machine: str | None = None) -> bytes:
     lines += [
         _is(table["rt_sigaction"], "sigaction"),
         _is(table["socket"], "socket"),
+        _is(table["mmap"], "mmap"),
         _ret(RET_ALLOW),
+        # mmap: shared anonymous memory (its flags, args[3]) is denied
+        "mmap",
+        _load(_arg_low(3)),
+        (_JSET_K, MAP_ANONYMOUS, 0, "allow"),
+        (_JSET_K, MAP_SHARED, "eperm", "allow"),
         # socket: netlink's socket diagnostics (args[0], args[2]) are the fork server's alone
         "socket",
         _load(_arg_low(0)),

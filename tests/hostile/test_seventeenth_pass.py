@@ -11,7 +11,9 @@
   kernel, their CPU time counted nowhere, so an execution forking children in turn used CPU
   past ``cpu_s`` until its wall-clock timeout (up to ``processes`` cores for all of it).
 - The python sandbox's memory bound: data queued in Unix socket pairs (kernel memory in no
-  process's resident set) was not counted: 219 MB held under ``memory_mb=64``."""
+  process's resident set) was not counted: 219 MB held under ``memory_mb=64``; nor were shared
+  anonymous pages (``mmap(-1, n)``, ``/dev/zero``) filled by children that then exited: 576 MB
+  held by 4 processes under ``memory_mb=256``."""
 
 from __future__ import annotations
 
@@ -155,4 +157,72 @@ try:
     socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4)  # NETLINK_SOCK_DIAG
 except OSError:
     print("no diagnostics")
+"""
+
+
+# three holders each map shared anonymous memory (within their address space's rlimit), and
+# short-lived children fill it chunk by chunk, each exiting: the pages stay, in the resident
+# set of no process alive (the holders never touch them)
+FILL_SHARED_ANONYMOUS = """
+import mmap, os, time
+SIZE, CHUNK = 24 << 20, 8 << 20
+try:
+    os.open("/dev/zero", os.O_RDWR)
+except OSError as e:
+    print("/dev/zero:", e.strerror, flush=True)
+r, w = os.pipe()
+for _ in range(3):
+    if os.fork() == 0:
+        try:
+            m = mmap.mmap(-1, SIZE, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            print("shared anonymous:", e.strerror, flush=True)
+            os._exit(1)
+        for off in range(0, SIZE, CHUNK):
+            if os.fork() == 0:
+                for i in range(off, off + CHUNK, 4096):
+                    m[i] = 1
+                os._exit(0)
+            os.wait()
+        os.write(w, b"x")
+        time.sleep(2)
+        os._exit(0)
+os.close(w)
+held = len(os.read(r, 3) + os.read(r, 3) + os.read(r, 3))
+print(f"held {held * SIZE >> 20} MB", flush=True)
+time.sleep(1)  # held: the watchdog reads the memory at least every 10 ms
+print("kept them")
+"""
+
+
+def test_shared_anonymous_memory_is_refused_to_executions() -> None:
+    """Shared anonymous pages (``mmap(-1, ...)``'s default, or a shared map of ``/dev/zero``)
+    are in no mount's usage and only in the resident set of the processes that touched them:
+    4 holders whose children filled their mappings and exited held 576 MB under
+    ``memory_mb=256``. Executions now get EPERM for such a mapping and find no ``/dev/zero``;
+    private mappings and shared ones of files (counted) still work. (At this test's small
+    scale the children's own resident sets may cross the bound first: the refusal is what
+    it checks.)"""
+    limits = Limits(cpu_s=5, memory_mb=64, processes=16, files=2000)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)
+    try:
+        result = asyncio.run(sb.run(FILL_SHARED_ANONYMOUS))
+        works = asyncio.run(sb.run(PRIVATE_AND_FILE_MAPPINGS))
+    finally:
+        sb.close()
+    out = result.stdout
+    assert "shared anonymous: Operation not permitted" in out, result
+    assert "/dev/zero: No such file or directory" in out and "held 0 MB" in out, result
+    assert works.stdout == "1 9\n", works
+
+
+PRIVATE_AND_FILE_MAPPINGS = """
+import mmap, os
+private = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+private[0] = 1
+fd = os.open("/dev/shm/f", os.O_RDWR | os.O_CREAT)
+os.ftruncate(fd, 4096)
+shared = mmap.mmap(fd, 4096)
+shared[0] = 9
+print(private[0], shared[0])
 """
