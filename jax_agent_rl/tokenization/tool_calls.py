@@ -186,11 +186,18 @@ class Llama3JsonParser:
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside JSON strings, objects and arrays. Inside a
+    string, a character after a backslash is escaped: ``\\"`` does not close it (read as a
+    close, the brackets and separators after it were counted outside the string, and a call
+    holding ``"s = '\\"}}'; t = 1"`` was split into two malformed ones)."""
     parts, depth, start, in_str, esc = [], 0, 0, False, False
     for i, ch in enumerate(text):
         if in_str:
-            esc = not esc and ch == "\\"
-            if ch == '"' and not esc:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
                 in_str = False
             continue
         if ch == '"':

@@ -114,9 +114,10 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
-# /dev: the device nodes --dev binds (but no pseudo-terminals) and its links
+# /dev: the device nodes --dev binds (but no pseudo-terminals, and no /dev/zero, whose shared
+# mappings are memory the execution's accounting cannot see: `seccomp`) and its links
 _DEVICES = [
-    *(a for node in ("null", "zero", "full", "random", "urandom", "tty")
+    *(a for node in ("null", "full", "random", "urandom", "tty")
       for a in ("--dev-bind", f"/dev/{node}", f"/dev/{node}")),
     *(a for fd, name in enumerate(("stdin", "stdout", "stderr"))
       for a in ("--symlink", f"/proc/self/fd/{fd}", f"/dev/{name}")),

@@ -38,6 +38,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -95,6 +96,14 @@ TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
 SOCKETS_EVERY_S = 0.1
 TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
+# the last reading of the Unix and netlink sockets' queues (`_unix_queued`, `_netlink_queued`)
+LOCAL_QUEUED = {"at": 0.0, "bytes": 0}
+UNIX_DIAG: list[socket.socket] = []  # the fork server's NETLINK_SOCK_DIAG socket, made once
+# sock_diag's request of every Unix socket's queues: nlmsghdr (SOCK_DIAG_BY_FAMILY,
+# NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state, UDIAG_SHOW_RQLEN)
+UNIX_DUMP = struct.pack("=IHHII", 40, 20, 0x301, 0, 0) + struct.pack(
+    "=BBHIIIII", 1, 0, 0, 0xFFFFFFFF, 0, 0x10, 0, 0
+)
 
 
 def _read_exact(n):
@@ -199,11 +208,49 @@ def _socket_bytes():
     walks the host's whole TCP hash table (~10 ms)."""
     stats = sockstat()
     total = sum(_queued(name) for name in ("udp", "udp6") if stats[name.upper()]["inuse"])
+    if time.monotonic() - LOCAL_QUEUED["at"] >= SOCKETS_EVERY_S:
+        LOCAL_QUEUED.update(at=time.monotonic(), bytes=_unix_queued() + _netlink_queued())
+    total += LOCAL_QUEUED["bytes"]
     if stats["TCP"]["inuse"] + stats["TCP6"]["inuse"] == 0:
         TCP_QUEUED.update(at=0.0, bytes=0)
     elif time.monotonic() - TCP_QUEUED["at"] >= SOCKETS_EVERY_S:
         TCP_QUEUED.update(at=time.monotonic(), bytes=_queued("tcp") + _queued("tcp6"))
     return total + TCP_QUEUED["bytes"]
+
+
+def _unix_queued():
+    """Bytes the sandbox's Unix sockets have sent that their peers have not read (each one's
+    write queue, as the kernel's socket diagnostics give it; a listening socket's figures
+    count connections, and are left out). Queued Unix data is kernel memory in no process's
+    resident set: 28 socket pairs of one process held 219 MB under a 64 MB limit."""
+    sock = UNIX_DIAG[0]
+    sock.send(UNIX_DUMP)
+    total = 0
+    while True:
+        data, at = sock.recv(1 << 16), 0
+        while at + 16 <= len(data):
+            length, kind = struct.unpack_from("=IH", data, at)
+            if kind == 3:  # NLMSG_DONE
+                return total
+            if kind == 2:  # NLMSG_ERROR
+                raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "sock_diag")
+            listening = data[at + 18] == 10  # unix_diag_msg's state: TCP_LISTEN
+            attr = at + 32  # after nlmsghdr (16 bytes) and unix_diag_msg (16)
+            while attr + 4 <= at + length:
+                size, name = struct.unpack_from("=HH", data, attr)
+                if name == 4 and not listening:  # UNIX_DIAG_RQLEN: (rqueue, wqueue)
+                    total += struct.unpack_from("=I", data, attr + 8)[0]
+                attr += max((size + 3) & ~3, 4)
+            at += max((length + 3) & ~3, 16)
+
+
+def _netlink_queued():
+    """Bytes in the sandbox's netlink sockets' queues (``/proc/net/netlink``: Rmem, Wmem):
+    replies to requests never read stay queued, up to each socket's receive buffer: 28
+    routing sockets of one process held 224 MB under a 64 MB limit."""
+    with open("/proc/net/netlink", "rb") as f:
+        lines = f.read().splitlines()[1:]  # after the header
+    return sum(int(line.split()[4]) + int(line.split()[5]) for line in lines)
 
 
 def _queued(name):
@@ -328,6 +375,9 @@ def main():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
     hold_counters()  # after `_take_pipes`, which closes every other fd
+    # (before `confine_executions`, whose filter refuses executions this kind of socket)
+    UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
+    _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
     for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
         if os.path.exists(path):
             SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))

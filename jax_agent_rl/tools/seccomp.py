@@ -20,7 +20,9 @@ reach outside its own execution:
   (reads of a shared file in one sandbox are events in another) is denied to executions
   (`execution_filter`); sockets are only
   ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (the sandbox's own loopback) and ``AF_NETLINK`` for
-  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks): ``AF_VSOCK`` would
+  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks) and socket
+  diagnostics (``NETLINK_SOCK_DIAG``: the fork server reads its Unix sockets' queues with it;
+  `execution_filter` refuses it to executions): ``AF_VSOCK`` would
   reach a virtual machine's host, and the other families are kernel surface no code needs;
 - kernel surface a sandboxed interpreter never needs: the new mount API, keyrings, BPF,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, module loading, ``kexec``, clock and
@@ -35,7 +37,21 @@ execution that touched none of them needs no fresh mounts), then denies executio
 ``inotify_init``/``inotify_init1``, and ``open``/``openat`` with ``O_TMPFILE`` (an unnamed
 file is an inode no watch sees: EOPNOTSUPP, which Python's ``tempfile`` takes as "use a named
 file"); ``openat2`` passes its flags in memory and answers ENOSYS (libc and Python fall back
-to ``openat``).
+to ``openat``); and setting ``SIGCHLD``'s action (``rt_sigaction`` with an action: EPERM;
+reading it is allowed). A process whose parent ignores ``SIGCHLD`` (or sets
+``SA_NOCLDWAIT``) is reaped by the kernel as it exits, and its CPU time goes to no one's
+children's time, so the fork server's CPU accounting of the execution never saw it: children
+forked one after another, each exiting within the limit, burned any CPU time the wall-clock
+timeout left (3.2 CPU seconds under ``cpu_s=2`` in 7 s on two cores; ``processes`` cores for
+the whole timeout on a larger machine). Without it every exited process stays a zombie,
+counted, until its parent waits for it (its time is then the parent's children's time).
+Executions are also denied shared anonymous memory (``mmap`` with ``MAP_SHARED |
+MAP_ANONYMOUS``: EPERM; a private mapping, or a shared one of a file in ``/dev/shm``, still
+works), and the sandbox has no ``/dev/zero``, whose shared mappings are the same memory: its
+pages are in no mount's usage, and in the resident set only of the processes that touched
+them, so children filling a holder's mapping chunk by chunk, each exiting, left 4 holders
+with 576 MB under ``memory_mb=256`` (the fork server, pid 1, is not dumpable, nor are the
+executions it forks, so it cannot read their maps to count such mappings).
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -71,13 +87,15 @@ CLONE_NAMESPACE_FLAGS |= 0x20000000 | 0x40000000
 # socket families any code may open (the others answer EAFNOSUPPORT): AF_UNIX, AF_INET,
 # AF_INET6; AF_NETLINK (16) only with protocol NETLINK_ROUTE (0)
 SOCKET_FAMILIES = (1, 2, 10)
-AF_NETLINK, NETLINK_ROUTE = 16, 0
+AF_NETLINK, NETLINK_ROUTE, NETLINK_SOCK_DIAG = 16, 0, 4
 # fcntl commands that take or drop a lock: F_SETLK F_SETLKW (the same numbers as their 64-bit
 # forms on 64-bit machines), F_OFD_SETLK F_OFD_SETLKW. The tests (F_GETLK, F_OFD_GETLK) run:
 # with no lock ever taken in a sandbox they find none but the host's, and SQLite's WAL mode
 # needs an answer of "unlocked" to take a database over.
 LOCK_COMMANDS = (6, 7, 37, 38)
 __O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
+SIGCHLD = 17  # on x86-64 and aarch64 alike
+MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
 
 DENIED = (
     # other processes' memory
@@ -118,7 +136,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
             "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
-            "openat2": 437,
+            "openat2": 437, "rt_sigaction": 13, "mmap": 9,
         },
     ),
     "aarch64": (
@@ -140,7 +158,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
-            "openat": 56, "openat2": 437,
+            "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222,
         },
     ),
 }  # fmt: skip
@@ -226,7 +244,8 @@ def filter_program(machine: str | None = None) -> bytes:
         *(_is(family, "allow") for family in SOCKET_FAMILIES),
         _is(AF_NETLINK, 0, "eafnosupport"),
         _load(_arg_low(2)),
-        _is(NETLINK_ROUTE, "allow", "eafnosupport"),
+        _is(NETLINK_ROUTE, "allow"),
+        _is(NETLINK_SOCK_DIAG, "allow", "eafnosupport"),  # the fork server's (executions: no)
         # fcntl: the commands that take a lock (args[1]) do nothing and succeed
         "fcntl",
         _load(_arg_low(1)),
@@ -263,7 +282,30 @@ def execution_filter(machine: str | None = None) -> bytes:
     if "open" in table:
         lines.append(_is(table["open"], "flags_in_1"))
     lines += [
+        _is(table["rt_sigaction"], "sigaction"),
+        _is(table["socket"], "socket"),
+        _is(table["mmap"], "mmap"),
         _ret(RET_ALLOW),
+        # mmap: shared anonymous memory (its flags, args[3]) is denied
+        "mmap",
+        _load(_arg_low(3)),
+        (_JSET_K, MAP_ANONYMOUS, 0, "allow"),
+        (_JSET_K, MAP_SHARED, "eperm", "allow"),
+        # socket: netlink's socket diagnostics (args[0], args[2]) are the fork server's alone
+        "socket",
+        _load(_arg_low(0)),
+        _is(AF_NETLINK, 0, "allow"),
+        _load(_arg_low(2)),
+        _is(NETLINK_SOCK_DIAG, "eafnosupport", "allow"),
+        # rt_sigaction: setting SIGCHLD's action (args[0], a non-NULL act pointer in args[1],
+        # both of its words) is denied; reading it (act NULL) is allowed
+        "sigaction",
+        _load(_arg_low(0)),
+        _is(SIGCHLD, 0, "allow"),
+        _load(_arg_low(1)),
+        _is(0, 0, "eperm"),
+        _load(_arg_low(1) + 4),
+        _is(0, "allow", "eperm"),
         "flags_in_1",
         _load(_arg_low(1)),
         (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
@@ -278,5 +320,7 @@ def execution_filter(machine: str | None = None) -> bytes:
         _ret(_RET_ERRNO | errno.ENOSYS),
         "eopnotsupp",
         _ret(_RET_ERRNO | errno.EOPNOTSUPP),
+        "eafnosupport",
+        _ret(_RET_ERRNO | errno.EAFNOSUPPORT),
     ]
     return _assemble(lines)

@@ -250,6 +250,13 @@ def eval_target(
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
     default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")
     samples = held_out_samples(cfg)
+    named_all = next((s for s in samples if s.data_source == ALL), None)
+    if named_all is not None:  # (its rows and every row would share one line of the report)
+        raise EvalInputError(
+            f"data.val row {named_all.uid!r} has data_source {ALL!r}, the name of the report's "
+            "line of every source together: its prompts would count twice there and its own "
+            "line would be lost; rename the source"
+        )
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
