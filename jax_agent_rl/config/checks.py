@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import string
 import typing
 from collections.abc import Callable
@@ -192,6 +193,7 @@ def _parser(cfg: JarlConfig) -> str | None:
 
 
 _JUDGE_FIELDS = ("prompt", "response", "ground_truth", "score_max")
+_JUDGE_NUMBER = re.compile(r"(\.\d)?[gfde]?")  # {score_max}'s formats: no width, no fill
 
 
 def _judge_template(template: str) -> str | None:
@@ -199,13 +201,25 @@ def _judge_template(template: str) -> str | None:
     ``_JUDGE_FIELDS``, ``{response}`` among them. (Filled in per answer, a template that does
     not fit would fail every judge call, each scored as the fallback: a run of zeros.)"""
     try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        parts = [p for p in string.Formatter().parse(template) if p[1] is not None]
         template.format(prompt="", response="", ground_truth="", score_max=10.0)
     except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
         return (
             f"data.judge.template cannot be filled in ({type(e).__name__}: {e}): its "
             f"placeholders are {{{'}, {'.join(_JUDGE_FIELDS)}}}, literal braces doubled"
         )
+    fields = {name for _, name, _, _ in parts}
+    for _, name, spec, conversion in parts:
+        # a text's spec cuts it ({response:.10} drops the answer's end and its closing
+        # delimiter) or pads it ({response:>2000000000}: 2 GB on every judge call)
+        numeric = name == "score_max" and not conversion and _JUDGE_NUMBER.fullmatch(spec or "")
+        if (spec or conversion) and not numeric:
+            shown = "{" + name + (f"!{conversion}" if conversion else "")
+            shown += (f":{spec}" if spec else "") + "}"
+            return (
+                f"data.judge.template {shown} formats its text; write {{{name}}} as it is "
+                "({score_max} alone may take a number's format such as :g or :.1f)"
+            )
     if "response" not in fields:
         return "data.judge.template has no {response}: the judge would never see the answer"
     return None

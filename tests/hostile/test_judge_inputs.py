@@ -262,6 +262,11 @@ def test_a_huge_response_reaches_the_judge_cut_to_its_bound(tokenizer: Tokenizer
         ("{response} out of {}", "cannot be filled in (IndexError"),
         ("{response} {prompt:d}", "cannot be filled in (ValueError"),
         ("Rate the answer to {prompt} from 0 to {score_max:g}", "has no {response}"),
+        # a text's format cuts it (and its closing delimiter) or pads it: 2 GB a judge call
+        ("<response>{response:.10}</response>", "{response:.10} formats its text"),
+        ("{response:>2000000000}", "{response:>2000000000} formats its text"),
+        ("{response!r} {prompt}", "{response!r} formats its text"),
+        ("{response} out of {score_max:>999999999}", "{score_max:>999999999} formats its text"),
     ],
 )
 def test_a_judge_template_that_cannot_rate_an_answer_is_refused_before_a_run(
