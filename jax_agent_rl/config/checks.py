@@ -214,7 +214,7 @@ def _judge_template(template: str) -> str | None:
         # delimiter) or pads it ({response:>2000000000}: 2 GB on every judge call)
         numeric = name == "score_max" and not conversion and _JUDGE_NUMBER.fullmatch(spec or "")
         if (spec or conversion) and not numeric:
-            shown = "{" + name + (f"!{conversion}" if conversion else "")
+            shown = "{" + str(name) + (f"!{conversion}" if conversion else "")
             shown += (f":{spec}" if spec else "") + "}"
             return (
                 f"data.judge.template {shown} formats its text; write {{{name}}} as it is "
