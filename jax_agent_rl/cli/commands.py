@@ -88,7 +88,14 @@ def _train(args: argparse.Namespace) -> int:
         from jax_agent_rl.train.memory import memory_plan
 
         print(to_yaml(cfg), end="")
-        model = ModelConfig.from_pretrained(cfg.model.path)
+        if cfg.model.module:  # (its model is made for the tokenizer: checked above)
+            from jax_agent_rl.tokenization import Tokenizer
+            from jax_agent_rl.train.run_policy import module_model
+
+            tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+            model = module_model(cfg, tokenizer)
+        else:
+            model = ModelConfig.from_pretrained(cfg.model.path)
         for line in memory_plan(cfg, model, processes):
             print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)

@@ -125,6 +125,11 @@ def run_plan(args: argparse.Namespace) -> int:
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
+        if cfg.model.module:
+            raise ConfigError(
+                f"model.module={cfg.model.module!r}: jarl plan compiles the decoder families "
+                "(--model or an HF model.path), not a custom policy"
+            )
         if model is None:
             model = ModelConfig.from_pretrained(cfg.model.path)
     except (ConfigError, ValueError, OSError) as e:

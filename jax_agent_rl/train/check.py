@@ -62,6 +62,7 @@ from jax_agent_rl.tools.verl import create_kwargs_by_tool
 from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.check_mesh import model_fit, processes_fit, spans_every_device
 from jax_agent_rl.train.learners import run_model
+from jax_agent_rl.train.run_policy import module_model
 from jax_agent_rl.train.sft import load_demonstrations
 from jax_agent_rl.user_code import load_function
 
@@ -105,7 +106,7 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         # a separate judge's engine takes rollout.*'s settings on a backend of its own
         as_judge = dataclasses.replace(cfg.rollout, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
-    model = attempt(lambda: _model(cfg.model.path))
+    model, tokenizer = _model_and_tokenizer(cfg, attempt)
     if model is not None and (cfg.model.lora.rank or cfg.model.lora.adapter_path):
         try:  # adapters the model cannot carry (a MoE's expert MLPs), or not the folder's
             run_model(cfg, model)
@@ -116,9 +117,6 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         devices = jax.device_count() if joined else jax.local_device_count() * processes
         problems += model_fit(cfg, model, devices)
         problems += spans_every_device(cfg, processes, devices)
-    tokenizer = None
-    if cfg.model.tokenizer or model is not None:  # not from a folder already found wrong
-        tokenizer = attempt(lambda: _tokenizer(cfg.model, model))
     default = cfg.agent.default_agent_loop
     train = attempt(lambda: _samples("data.train", cfg.data.train, default))
     val = attempt(lambda: _samples("data.val", cfg.data.val, default)) if cfg.data.val else []
@@ -172,6 +170,32 @@ def _reward(cfg: JarlConfig) -> None:
         raise _CheckError(
             f"data.reward={cfg.data.reward!r} (or data.rewards_by_source) failed to load: "
             f"{_one_line(e)}"
+        ) from None
+
+
+def _model_and_tokenizer(
+    cfg: JarlConfig, attempt: Callable[[Callable[[], Any]], Any]
+) -> tuple[ModelConfig | None, Tokenizer | None]:
+    """The run's model and tokenizer, each None where it failed its check: the checkpoint's
+    (model.path), or the one model.module makes for the tokenizer of model.path (then only
+    the tokenizer's folder)."""
+    if cfg.model.module:
+        tokenizer = attempt(lambda: _tokenizer(cfg.model, None))
+        return (None if tokenizer is None else attempt(lambda: _module(cfg, tokenizer))), tokenizer
+    model = attempt(lambda: _model(cfg.model.path))
+    if not (cfg.model.tokenizer or model is not None):  # (not from a folder found wrong)
+        return model, None
+    return model, attempt(lambda: _tokenizer(cfg.model, model))
+
+
+def _module(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:
+    try:
+        return module_model(cfg, tokenizer)
+    except Exception as e:  # a user's module runs here: whatever it raises is the config's
+        raise _CheckError(
+            _one_line(e)
+            if isinstance(e, ConfigError)
+            else (f"model.module={cfg.model.module!r} failed: {_one_line(e)}")
         ) from None
 
 

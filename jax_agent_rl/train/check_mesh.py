@@ -105,12 +105,20 @@ def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[s
         fits = ", ".join(str(v) for v in range(1, common + 1) if common % v == 0)
         hint = f" (and more {_TRADE[axis]})" if axis in _TRADE else ""
         problems += [
-            f"mesh.{axis}={sizes[axis]} does not divide model {_MODEL_FIELDS[logical]}={size}: "
+            f"mesh.{axis}={sizes[axis]} does not divide {_dimension(model, logical, size)}: "
             f"use mesh.{axis} in {{{fits}}}{hint}"
             for logical, size in dims.items()
             if size % sizes[axis]
         ]
     return problems
+
+
+def _dimension(model: ModelConfig, logical: str, size: int) -> str:
+    """A sharded dimension as the user knows it: a decoder's config field, a custom policy's
+    logical axis (its sizes are its module's, not the config's fields)."""
+    if model.module is not None or logical not in _MODEL_FIELDS:
+        return f"the policy's {logical!r} dimension ({size})"
+    return f"model {_MODEL_FIELDS[logical]}={size}"
 
 
 def _sharded_dims(model: ModelConfig) -> dict[str, dict[str, int]]:
@@ -119,6 +127,8 @@ def _sharded_dims(model: ModelConfig) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
         for logical, size in zip(spec.logical_axes, spec.shape, strict=True):
+            if logical is None:  # (a custom policy's dimension that no mesh axis splits)
+                continue
             axes = getattr(rules, logical)
             for axis in (axes,) if isinstance(axes, str) else axes or ():
                 out.setdefault(axis, {})[logical] = size

@@ -27,7 +27,9 @@ from jax_agent_rl.models import (
     abstract_params,
     one_device_sharder,
 )
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.learners import run_model
+from jax_agent_rl.train.run_policy import module_model
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
 
@@ -113,7 +115,11 @@ def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig
     (a LoRA run's: its base and adapters)."""
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     try:
-        model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
+        if cfg.model.module:  # a custom policy: the model its module makes, as the run did
+            tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+            model = module_model(cfg, tokenizer)
+        else:
+            model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
         target = {"params": abstract_params(model, one_device_sharder())}
         params = checkpoints.restore_part(step, "policy", target)["params"]
         # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)

@@ -301,6 +301,11 @@ def load_policy(target: EvalTarget) -> Policy:
     if target.step is not None:
         assert target.run_dir is not None
         model, params = saved_policy(target.run_dir, cfg, target.step)
+    elif cfg.model.module:
+        raise EvalInputError(
+            f"model.module={cfg.model.module!r}: a custom policy's weights are a run's "
+            "checkpoints only: evaluate its run folder (jarl eval RUN)"
+        )
     else:
         model, params = load_hf(cfg.model.path, "float32", sharder=one_device_sharder())
     return Policy(model, params, tokenizer)

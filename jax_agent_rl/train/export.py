@@ -109,6 +109,11 @@ def export_run(
     missing = missing_paths(cfg, ("model.path", "model.tokenizer"))
     if missing:
         raise FileNotFoundError(f"{config_file}: {missing[0]}")
+    if cfg.model.module:
+        raise ValueError(
+            f"{config_file}: model.module={cfg.model.module!r} is a custom policy, which has no "
+            "HF layout to export: its weights are the run's checkpoints (jarl eval RUN reads them)"
+        )
     step = checkpoint_step(run_dir, cfg, step)
     model, params = saved_policy(run_dir, cfg, step)
     default = run_dir / f"hf-step-{step}{'-merged' if merge else ''}"

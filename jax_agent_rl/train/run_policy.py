@@ -17,14 +17,13 @@ from jax_agent_rl.train.learners import with_run_lora
 from jax_agent_rl.user_code import load_function
 
 
-def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple[ModelConfig, Any]:
-    """The run's model (its `ModelConfig`; a custom policy's is ``policy.cfg``) and its float32
-    parameters laid out by ``sharder``."""
+def module_model(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The `ModelConfig` of the custom policy ``model.module`` names (its ``policy.cfg``, in
+    float32 as the learner holds it), made for ``tokenizer``'s vocabulary; a `ConfigError`
+    when the function returns no policy or one whose vocabulary the tokenizer overruns."""
     spec = cfg.model.module
-    if not spec:
-        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))
     policy = load_function(spec, "model.module")(tokenizer.vocab_size)
-    model = getattr(policy, "cfg", None)
+    model = getattr(policy, "cfg", None)  # (a user's object, not yet known to be a Policy)
     if not isinstance(model, ModelConfig) or model.module is not policy:
         raise ConfigError(
             f"model.module={spec!r} returned {policy!r}, not a policy (models.policy.Policy: "
@@ -35,5 +34,13 @@ def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple
             f"model.module={spec!r}: its vocabulary ({model.vocab_size}) is smaller than the "
             f"tokenizer's ({tokenizer.vocab_size}, model.path={cfg.model.path!r})"
         )
-    model = dataclasses.replace(model, dtype="float32")
+    return dataclasses.replace(model, dtype="float32")
+
+
+def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple[ModelConfig, Any]:
+    """The run's model (its `ModelConfig`; a custom policy's is ``policy.cfg``) and its float32
+    parameters laid out by ``sharder``."""
+    if not cfg.model.module:
+        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))
+    model = module_model(cfg, tokenizer)
     return model, init_params(jax.random.key(cfg.trainer.seed), model, sharder)

@@ -10,6 +10,8 @@ held to (tests/rl/test_learner.py); nothing in the seam may widen it.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -70,6 +72,33 @@ def test_jarl_train_trains_a_flax_nnx_module(task: TaskFiles, tmp_path: Path) ->
         assert r["batch/trajectories"] == 16
         assert 0 <= r["logprob_gap/max"] <= FP32_LOGPROB_TOLERANCE, r["logprob_gap/max"]
         assert r["grad_norm"] > 0
+    # its checkpoint evaluates through the same module (before: restored as the HF decoder
+    # of model.path's folder); it has no HF layout to export, which is said by name
+    report = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), f"data.val={task.val}", "--out", str(report)]) == 0
+    assert json.loads(report.read_text())["step"] == 2
+    assert main(["export", str(run_dir)]) == 2
+
+
+def test_a_module_policy_needs_only_a_tokenizer_folder(
+    task: TaskFiles, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """model.path is then only the tokenizer's folder: `jarl train --dry-run` checks the
+    module's model (its memory plan printed) with no checkpoint there (before: refused as a
+    folder without config.json, and the plan was that of the folder's decoder); `jarl plan`
+    says by name that it compiles the decoder families only."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for f in task.model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    assert not (folder / "config.json").exists()
+    argv = [*overrides(task, tmp_path / "r"), f"model.path={folder}"]
+    assert main(["train", str(DEMO_CONFIG), *argv, "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "# ok:" in err and "memory per device" in err, err[-2000:]
+    assert main(["plan", str(DEMO_CONFIG), *argv, "--topology", "v5e:2x2"]) == 2
+    assert "jarl plan compiles the decoder families" in capsys.readouterr().err
 
 
 def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
