@@ -162,8 +162,7 @@ def _judge(cfg: JarlConfig) -> str | None:
             f"data.judge.model_path={j.model_path!r} is read only by a separate judge: set "
             "data.judge.backend to a rollout backend (embedded, ...), or clear the path"
         )
-    judged = "judge" in (cfg.data.reward, *cfg.data.rewards_by_source.values())
-    if judged and cfg.data.success_reward <= j.fallback:
+    if cfg.data.judged and cfg.data.success_reward <= j.fallback:
         return (  # the reward `rewards.JUDGE`: a failed judge call would count as a success
             f"data.success_reward={cfg.data.success_reward:g} is at most data.judge.fallback="
             f"{j.fallback:g}, the reward of a failed judge call (no score, an error, a timeout): "

@@ -264,6 +264,11 @@ class DataSection:
     overlong_penalty: float = setting(1.0, PENALTY_SIZE, was="algorithm.overlong_penalty")
     judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # reward ``judge``
 
+    @property
+    def judged(self) -> bool:
+        """Whether a row may be scored by the judge (the reward ``judge`` named)."""
+        return "judge" in (self.reward, *self.rewards_by_source.values())
+
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:

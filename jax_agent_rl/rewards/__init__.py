@@ -28,7 +28,6 @@ from jax_agent_rl.rewards.registry import (
     load_reward,
     make_reward,
     scored_by_fallback,
-    uses_judge,
 )
 
 __all__ = [
@@ -57,5 +56,4 @@ __all__ = [
     "math_reward",
     "parse_score",
     "scored_by_fallback",
-    "uses_judge",
 ]

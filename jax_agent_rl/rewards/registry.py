@@ -192,11 +192,6 @@ Scorer = Callable[[Answer], Awaitable[float]]  # the reward of one answer, await
 JudgeFn = Scorer  # a judge (`rewards.judge.Judge`): scores an answer, never raises
 
 
-def uses_judge(data: DataSection) -> bool:
-    """Whether a row may be scored by the judge (``judge`` named as a reward)."""
-    return JUDGE in (data.reward, *data.rewards_by_source.values())
-
-
 def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
     """The data sources among ``sources`` that the ``math`` fallback scores (``data.reward``
     unset, no ``data.rewards_by_source`` entry, no verl rule and no reasoning-gym task), sorted."""
@@ -216,7 +211,7 @@ def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
 def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Rewards:
     """The reward of every row (the module docstring says which). Every named reward is loaded
     and checked here, before anything runs; rows whose reward is ``judge`` go to ``judge``
-    (required when `uses_judge`; without it, this only checks the names). No worker process
+    (required when ``data.judged``; without it, this only checks the names). No worker process
     starts until a call needs one."""
     for source, spec in data.rewards_by_source.items():
         if not spec.strip():

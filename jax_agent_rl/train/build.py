@@ -43,7 +43,7 @@ from jax_agent_rl.files import made_folder
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
-from jax_agent_rl.rewards import Judge, Scorer, make_reward, uses_judge
+from jax_agent_rl.rewards import Judge, Scorer, make_reward
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.update import LearnerState, trainable
 from jax_agent_rl.rollout.metered import MeteredBackend
@@ -450,7 +450,7 @@ async def serve_policy(
             )
             eval_ctx = dataclasses.replace(ctx, config=agent_config(cfg, greedy_eval))
             judge = None
-            if uses_judge(cfg.data):
+            if cfg.data.judged:
                 judge, judge_backend = make_judge(cfg, tokenizer, sharder, backend)
             with make_reward(cfg.data, judge) as score:  # (closed: its worker processes stop)
                 yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
