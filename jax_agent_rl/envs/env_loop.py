@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any
 
 from jax_agent_rl.call_threads import own_errors
+from jax_agent_rl.errors import error_text
 
 THREAD = "jarl-env-loop"  # the name of the thread that runs the environments' loop
 
@@ -91,6 +93,32 @@ class _Timed(Coroutine[Any, Any, Any]):
         raise TypeError("a _Timed call is run as a task (EnvLoop.run), not awaited")
 
 
+def _task(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+    """The environments' loop's task factory: a task an environment starts has what it raises
+    that is no ``Exception`` made its error (`own_errors`), as its calls' have. A left task's
+    ``SystemExit`` or ``KeyboardInterrupt`` was re-raised by asyncio out of ``run_forever``:
+    the loop's thread ended, and every later call of every episode timed out against it."""
+    if isinstance(coro, _Timed):  # a call's: `own_errors` already
+        return asyncio.Task(coro, loop=loop, **kwargs)
+    task = asyncio.Task(own_errors(coro), loop=loop, **kwargs)
+    task.add_done_callback(_say_error)
+    return task
+
+
+def _say_error(task: asyncio.Task[Any]) -> None:
+    """A task's error is said now, on the loop, and taken. Left to asyncio it is logged when
+    the task is collected, which may be inside another thread's ``ast.parse`` (formatting a
+    traceback parses too, and Python 3.11's parser entered again from within itself raises
+    SystemError there: seen under pytest after an environment's task exited)."""
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        print(
+            f"jarl: a task an environment started on its loop raised {error_text(error)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class EnvLoop:
     """An event loop in a daemon thread of its own, started at its first call (again in a
     forked child, which has no such thread), running environments' coroutines (`run`)."""
@@ -108,6 +136,7 @@ class EnvLoop:
             if self._loop is None or self._pid != os.getpid():
                 self._loop, self._pid = asyncio.new_event_loop(), os.getpid()
                 self._holder, self._held_s = None, 0.0
+                self._loop.set_task_factory(_task)
                 threading.Thread(target=self._loop.run_forever, name=THREAD, daemon=True).start()
             return self._loop
 

@@ -66,3 +66,51 @@ def test_an_environments_own_timeout_is_the_policys_step_failure(env_class: Any)
         assert "env.step_timeout_s" not in str(e.value)  # not this call's own timeout
 
     asyncio.run(go())
+    said = "a task an environment started on its loop raised RuntimeError: the call raised SystemExit"
+    assert said in capfd.readouterr().err
+
+
+class LeavesAnExit:
+    """An async environment whose step leaves a task on the loop that raises SystemExit (a
+    library's background task calling sys.exit), once its own call has answered."""
+
+    turns, owns_reward = "all", True
+
+    async def reset(self, sample: Sample) -> list[dict]:
+        return [dict(m) for m in sample.messages]
+
+    async def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del messages
+
+        async def exits() -> None:
+            raise SystemExit(3)
+
+        if text == "leave":
+            asyncio.get_running_loop().create_task(exits())
+        return EnvStep([], 1.0, True)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_task_an_environment_left_that_exits_leaves_the_loop_running(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """asyncio re-raises a task's SystemExit out of the loop's run_forever: before, that
+    ended the environments' loop thread, and every later async call of every episode timed
+    out against a dead loop ("no call's code holds it now"). Now a task on that loop has such
+    an exit made its error, as a call's is, said at once, and the next episodes' calls
+    answer."""
+    sample = Sample("s/0", [{"role": "user", "content": "go"}], "1", env_class="x")
+    envs = Environments({"x": lambda _: LeavesAnExit()}, step_timeout_s=5.0, loop=EnvLoop())
+
+    async def go() -> None:
+        for text in ("leave", "again", "and again"):
+            made = envs.make(sample)
+            assert isinstance(made, GuardedEnvironment)
+            await made.reset(sample)
+            assert await made.step(text, []) == EnvStep([], 1.0, True)
+
+    asyncio.run(go())
+    said = "a task an environment started on its loop raised RuntimeError: the call raised SystemExit"
+    assert said in capfd.readouterr().err
