@@ -66,8 +66,6 @@ def test_an_environments_own_timeout_is_the_policys_step_failure(env_class: Any)
         assert "env.step_timeout_s" not in str(e.value)  # not this call's own timeout
 
     asyncio.run(go())
-    said = "a task an environment started on its loop raised RuntimeError: the call raised SystemExit"
-    assert said in capfd.readouterr().err
 
 
 class LeavesAnExit:
@@ -112,5 +110,5 @@ def test_a_task_an_environment_left_that_exits_leaves_the_loop_running(
             assert await made.step(text, []) == EnvStep([], 1.0, True)
 
     asyncio.run(go())
-    said = "a task an environment started on its loop raised RuntimeError: the call raised SystemExit"
+    said = "started on its loop raised RuntimeError: the call raised SystemExit: 3"
     assert said in capfd.readouterr().err
