@@ -27,7 +27,7 @@ its error and the check goes on. Steps, in order:
                         Qwen3-MoE on the GPU
     sampler_vs_learner  tests/rl/test_learner.py's test_learner_logprobs_equal_the_samplers
                         (the engine's sampled logprobs against the learner's recomputation)
-    learner_step        the learner's RL step (`Learner.train_step`) at Qwen2.5-1.5B's shape,
+    learner_step        the learner's RL step (`Learner.rl_update`) at Qwen2.5-1.5B's shape,
                         random init, bf16 compute, one packed row of 8192 tokens per
                         micro-batch, remat: tokens/s and MFU
     decode              the embedded engine (`Engine` behind `EmbeddedBackend`) decoding at
@@ -340,7 +340,6 @@ def _learner_step(dry: bool) -> dict[str, Any]:
     row_tokens, seq, steps = (256, 64, 1) if dry else (8192, 512, 3)
     learner = Learner(
         cfg,
-        init_params(jax.random.key(0), cfg, sharder=one_device_sharder()),  # fp32 master weights
         algo=AlgorithmSection(clip_low=0.2, clip_high=0.2, clip_c=None, tis_cap=None),
         optim=OptimSection(lr=1e-6, weight_decay=0.0, grad_clip=1.0),
         sampling=SamplingSpec(),
@@ -349,18 +348,20 @@ def _learner_step(dry: bool) -> dict[str, Any]:
         remat=True,
         sharder=one_device_sharder(),
     )
+    # fp32 master weights
+    state = learner.init_state(init_params(jax.random.key(0), cfg, sharder=one_device_sharder()))
     w = make_workload("uniform", row_tokens // seq, cfg.vocab_size, seq)
     batch, sequences, real = packed_batch(w, row_tokens)
     t0 = time.perf_counter()
-    first = learner.train_step(batch, sequences, real)
-    jax.block_until_ready(learner.params)
+    state, first, _ = learner.rl_update(state, batch, sequences, real)
+    jax.block_until_ready(state.policy.params)
     first_s = time.perf_counter() - t0
     compiles = counter.count
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        learner.train_step(batch, sequences, real)
-        jax.block_until_ready(learner.params)
+        state, _, _ = learner.rl_update(state, batch, sequences, real)
+        jax.block_until_ready(state.policy.params)
         times.append(time.perf_counter() - t0)
     step_s = min(times)
     fpt = flops_per_token(cfg, attended_keys(w))

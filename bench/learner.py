@@ -23,7 +23,7 @@ Workloads (``--workload``):
 
 Variants (``_fp32`` / ``_bf16``: compute dtype; bf16 is torch.autocast on the torch side):
 
-    jax_packed      `Learner.train_step` on `rl.batch.step_batch`'s layout: sequences packed
+    jax_packed      `Learner.rl_update` on `rl.batch.step_batch`'s layout: sequences packed
                     into rows of --row-tokens (4096), one row per micro-batch
     jax_padded      the same step, packing off: one sequence per row, every row padded to the
                     longest rounded up to 64 * 2**k (the layout before packing), 1 row per
@@ -438,7 +438,6 @@ def jax_train(
     cfg, params = load_hf(ckpt, dtype="float32", sharder=one_device_sharder())
     learner = Learner(
         cfg,
-        params,
         algo=AlgorithmSection(clip_low=0.2, clip_high=0.2, clip_c=None, tis_cap=None),
         optim=OptimSection(lr=1e-6, weight_decay=0.0, grad_clip=1.0),
         sampling=SamplingSpec(),
@@ -446,6 +445,7 @@ def jax_train(
         micro_batch_size=1,
         sharder=one_device_sharder(),
     )
+    state = learner.init_state(params)  # each step donates it and takes the next
     del params
     batch, sequences, real = packed_batch(w, row_tokens, tree)
     width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
@@ -454,10 +454,12 @@ def jax_train(
     compiles_before = [0]
 
     def step() -> None:
+        nonlocal state
         if len(losses) == 1:  # warm-up done: from here on nothing may compile
             compiles_before[0] = counter.count
-        losses.append(learner.train_step(batch, sequences, real)["loss"])
-        jax.block_until_ready(learner.params)
+        state, metrics, _ = learner.rl_update(state, batch, sequences, real)
+        losses.append(metrics["loss"])
+        jax.block_until_ready(state.policy.params)
 
     if steps == 0:
         seconds = counter.seconds

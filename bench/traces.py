@@ -80,7 +80,7 @@ def main() -> None:
                 "trainer.tensorboard=false", *(smoke if args.smoke else []),
             ],
         )  # fmt: skip
-        run = build_run(cfg, Console(file=io.StringIO()))
+        run, state = build_run(cfg, Console(file=io.StringIO()))
         rng = np.random.default_rng(0)
         trajs = episodes(rng, cfg.data.prompts_per_step, cfg.rollout.n, run.tokenizer.vocab_size)
         picks = trace_picks(trajs, cfg.trainer.traces_per_step)
@@ -88,7 +88,7 @@ def main() -> None:
         for i in range(args.steps + 1):
             for kind, chosen in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                learn(run.learner, run.cfg, trajs, trajs, traced=chosen)
+                state, _, _ = learn(run.learner, state, run.cfg, trajs, trajs, traced=chosen)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(t.learner_signals for t in picks)

@@ -1,4 +1,4 @@
-"""The sharded JAX learner: owns the learner's state on a mesh, puts host batches on the
+"""The sharded JAX learner: lays the learner's state out on a mesh, puts host batches on the
 devices and runs the jitted steps (the RL update of `rl.update`, an SFT update) over them.
 
 Master weights and AdamW state are float32; the forward and backward run in the compute dtype
@@ -10,8 +10,10 @@ applies one optimizer update. Every loss term is aggregated with *whole-batch* d
 (token and sequence counts of all its micro-batches), so the accumulated gradient equals the
 gradient of the whole batch at once.
 
-An RL step is one program, ``state, metrics = step(state, batch)`` (`Learner.train_step`,
+An RL step is one program, ``state, metrics = step(state, batch)`` (`Learner.rl_update`,
 `rl.update.rl_update`): the batch crosses to the devices once and only the metrics come back.
+The state is the caller's: `Learner.init_state` makes it, each update takes it (donating its
+buffers) and gives back the next; the learner keeps only the programs.
 """
 
 from __future__ import annotations
@@ -185,10 +187,10 @@ class StepPrograms:
 def abstract_learner_state(
     programs: StepPrograms, sharder: Sharder, *, critic: bool, reference: bool
 ) -> LearnerState:
-    """The shapes, dtypes and layout of the state a `Learner` of ``programs`` holds on
-    ``sharder``'s mesh, allocating nothing: fp32 weights (`master_weights`) laid out by their
-    logical axes, the optimizers' moments like their parameters, counters (and a critic's
-    head) replicated."""
+    """The shapes, dtypes and layout of the state a `Learner` of ``programs`` makes on
+    ``sharder``'s mesh (`Learner.init_state`), allocating nothing: fp32 weights
+    (`master_weights`) laid out by their logical axes, the optimizers' moments like their
+    parameters, counters (and a critic's head) replicated."""
     model = programs.spec.model
     replicated = sharder.sharding(())
 
@@ -224,12 +226,14 @@ def abstract_learner_state(
 
 
 class Learner:
-    """Owns the learner's state (`LearnerState`) on a mesh and the jitted steps over it."""
+    """The jitted steps over a learner's state (`LearnerState`) on a mesh, and what they are
+    made of: the state itself is the caller's, made by `init_state` and passed in and out of
+    every update (``state, metrics, traced = learner.rl_update(state, ...)``); an update
+    donates the state it is given, which must not be used after it."""
 
     def __init__(
         self,
         model: ModelConfig,
-        params: Weights,
         *,
         sharder: Sharder,
         algo: AlgorithmSection,
@@ -238,8 +242,6 @@ class Learner:
         compute_dtype: Literal["float32", "bfloat16"] = "float32",
         micro_batch_size: int = 8,
         remat: bool = False,
-        critic: Critic | None = None,
-        reference: Weights | None = None,
         norm_const: float | None = None,
         lr: float | None = None,
         decay_steps: int | None = None,
@@ -261,6 +263,20 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
         self._param_shardings = param_shardings(self.model, sharder)
+        # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
+        self._batch_sharding = sharder.sharding((None, "batch", None))
+        self._seq_sharding = sharder.sharding(("batch",))
+        self._rl_steps = {
+            given: _jit_keeping_layout(programs.rl_step(given)) for given in (True, False)
+        }  # each compiles on first use
+        self._sft_step = _jit_keeping_layout(programs.sft_step)
+
+    def init_state(
+        self, params: Weights, *, critic: Critic | None = None, reference: Weights | None = None
+    ) -> LearnerState:
+        """The state an update starts from: the policy ``params`` (as `master_weights`), the
+        ``critic`` (GAE) and the KL ``reference``, laid out on the mesh, with fresh optimizer
+        states."""
         if reference is not None and self.model.lora is not None:
             raise ValueError(
                 "a LoRA policy's KL reference is its own base weights with the adapters left "
@@ -278,14 +294,7 @@ class Learner:
         frozen = None if reference is None else self._place(cast_floats(reference, jnp.float32))
         if frozen is not None:
             frozen = jax.tree.map(jnp.copy, frozen)
-        self.state = LearnerState(policy, value, frozen)
-        # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
-        self._batch_sharding = sharder.sharding((None, "batch", None))
-        self._seq_sharding = sharder.sharding(("batch",))
-        self._rl_steps = {
-            given: _jit_keeping_layout(programs.rl_step(given)) for given in (True, False)
-        }  # each compiles on first use
-        self._sft_step = _jit_keeping_layout(programs.sft_step)
+        return LearnerState(policy, value, frozen)
 
     # --- placement
 
@@ -348,25 +357,21 @@ class Learner:
 
     # --- public steps
 
-    @property
-    def params(self) -> Weights:
-        return self.state.policy.params
-
-    def rollout_params(self, dtype: str) -> Weights:
-        """The policy in the rollout backend's dtype (what `update_weights` receives): new
-        buffers always, never the train state's own, which the next update donates (an
-        engine still serving them, as rollouts do during an asynchronous update, would read
-        freed memory)."""
+    def rollout_params(self, state: LearnerState, dtype: str) -> Weights:
+        """The policy of ``state`` in the rollout backend's dtype (what `update_weights`
+        receives): new buffers always, never the state's own, which the next update donates
+        (an engine still serving them, as rollouts do during an asynchronous update, would
+        read freed memory)."""
         want = jnp.dtype(dtype)
         with device_turns.TURN:
             return jax.block_until_ready(
                 jax.tree.map(
                     lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
-                    self.params,
+                    state.policy.params,
                 )
             )
 
-    def pushed_params(self, dtype: str) -> Any:
+    def pushed_params(self, state: LearnerState, dtype: str) -> Any:
         """What a weight push sends (`rollout_params`' copy rules): the trained part only, a
         LoRA policy's adapters (the engine keeps the base it started with), else the policy."""
         want = jnp.dtype(dtype)
@@ -374,37 +379,28 @@ class Learner:
             return jax.block_until_ready(
                 jax.tree.map(
                     lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
-                    trainable(self.model, self.params),
+                    trainable(self.model, state.policy.params),
                 )
             )
 
-    def train_step(
+    def rl_update(
         self,
+        state: LearnerState,
         batch: TrainBatch,
         sequences: Sequences,
         micro_batches: int,
+        *,
         rollout_logprobs: bool = True,
         staleness: np.ndarray | None = None,
-    ) -> dict[str, float]:
-        """`traced_step` tracing no token: its metrics."""
-        args = (batch, sequences, micro_batches, None, rollout_logprobs, staleness)
-        return self.traced_step(*args)[0]
-
-    def traced_step(
-        self,
-        batch: TrainBatch,
-        sequences: Sequences,
-        micro_batches: int,
-        trace_index: np.ndarray | None,
-        rollout_logprobs: bool = True,
-        staleness: np.ndarray | None = None,
-    ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-        """One RL update (`rl_update`) of this process's host rows ``batch``: K mini-batches
-        (``algorithm.mini_batches``) of the same number of micro-batch slots, whose first
-        ``micro_batches`` are real (see `RLBatch`; every process passes the same count and
-        shapes), with its sequences' outcomes [S] (``batch.sequence`` indexes them from this
-        process's first, ``process_index * S``). The batch crosses to the devices once, is
-        prepared and trained on there, and only the metrics come back.
+        trace_index: np.ndarray | None = None,
+    ) -> tuple[LearnerState, dict[str, float], dict[str, np.ndarray]]:
+        """One RL update (`rl_update`) of ``state`` (donated) on this process's host rows
+        ``batch``: K mini-batches (``algorithm.mini_batches``) of the same number of
+        micro-batch slots, whose first ``micro_batches`` are real (see `RLBatch`; every process
+        passes the same count and shapes), with its sequences' outcomes [S]
+        (``batch.sequence`` indexes them from this process's first, ``process_index * S``).
+        The batch crosses to the devices once, is prepared and trained on there, and only the
+        metrics come back. Returns the new state, the metrics and the traced values.
         ``rollout_logprobs=False``: the batch's rollout logprobs are not the sampler's (its
         backend reports none); the learner's old-policy logprobs take their place, and
         ``rollout/logprobs_recomputed`` is 1. ``staleness`` [S] (how many weight versions each
@@ -413,10 +409,10 @@ class Learner:
 
         ``trace_index`` [k, T] (one process only): positions in ``batch``'s rows, flattened, of
         the tokens whose learner logprob, entropy and advantage come back (-1: none), [k, T]
-        each under ``learner_logprobs``, ``learner_entropy`` and ``advantages``: the update's
-        own values (the entropy of the distribution the logprob is taken under, computed with
-        it, only when tokens are traced), gathered on the device, so that tracing a few
-        trajectories adds three gathers and a small copy."""
+        each under ``learner_logprobs``, ``learner_entropy`` and ``advantages`` (without it,
+        none: ``{}``): the update's own values (the entropy of the distribution the logprob
+        is taken under, computed with it, only when tokens are traced), gathered on the
+        device, so that tracing a few trajectories adds three gathers and a small copy."""
         check_batch_experts(self.model, batch)
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
@@ -437,7 +433,7 @@ class Learner:
                 self._replicated(np.int32(micro_batches)),
                 None if trace_index is None else self._replicated(trace_index.astype(np.int32)),
             )
-            self.state, metrics = self._rl_steps[rollout_logprobs](self.state, device)
+            state, metrics = self._rl_steps[rollout_logprobs](state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads
             seq = metrics.pop(SEQ_GAP), metrics.pop(SEQ_TOKENS)
             names = (TRACE_LOGP, TRACE_ADV, TRACE_ENT)
@@ -445,7 +441,7 @@ class Learner:
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)
-            jax.block_until_ready(self.state)
+            jax.block_until_ready(state)
         if not out["batch/sampled_tokens"] or not rollout_logprobs:  # no gap to report
             del out["logprob_gap/mean"], out["logprob_gap/max"]
             for key in ("routing/logprob_gap_replayed", "routing/logprob_gap_own"):
@@ -454,11 +450,15 @@ class Learner:
             seq_gap, seq_tokens = (np.asarray(x) for x in seq)
             out.update(gap_by_staleness(seq_gap, seq_tokens, np.asarray(staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
-        return out, traced
+        return state, out, traced
 
-    def update_sft(self, batch: TrainBatch) -> dict[str, float]:
-        self.state, metrics = self._sft_step(self.state, self.device_batch(batch))
-        return {k: float(v) for k, v in metrics.items()}
+    def sft_update(
+        self, state: LearnerState, batch: TrainBatch
+    ) -> tuple[LearnerState, dict[str, float]]:
+        """One SFT update of ``state`` (donated) on the whole host batch ``batch``
+        (`device_batch`): the new state and the metrics."""
+        state, metrics = self._sft_step(state, self.device_batch(batch))
+        return state, {k: float(v) for k, v in metrics.items()}
 
 
 def critic_from_policy(params: Weights) -> Critic:

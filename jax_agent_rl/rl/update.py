@@ -395,7 +395,7 @@ def rl_update(
     metrics["logprob_gap/max"] = jnp.max(jnp.where(rows.mask > 0, gap, 0.0))
     metrics["batch/sampled_tokens"] = jnp.sum(rows.mask)
     metrics.update(routing)
-    # per sequence [S] (not scalars: `Learner.train_step` groups them by staleness)
+    # per sequence [S] (not scalars: `Learner.rl_update` groups them by staleness)
     metrics[SEQ_GAP] = jax.ops.segment_sum(
         (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S
     )

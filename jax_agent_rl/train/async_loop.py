@@ -46,13 +46,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
 from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_episodes
 from jax_agent_rl.train.traces import trace_picks
 
-# a training step: (step, whether it compiles) -> its metrics and the trajectories it sampled
-StepFn = Callable[[int, bool], Awaitable[tuple[dict[str, float], list[Trajectory]]]]
+# a training step: (the learner's state, step, whether it compiles) -> the new state, its
+# metrics and the trajectories it sampled; the state it is given is donated
+StepFn = Callable[
+    [LearnerState, int, bool],
+    Awaitable[tuple[LearnerState, dict[str, float], list[Trajectory]]],
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,13 +249,15 @@ async def async_step(
     rollout: Rollout,
     producer: Producer,
     reported: dict[str, float],
+    state: LearnerState,
     step: int,
     compiles: bool,
-) -> tuple[dict[str, float], list[Trajectory]]:
-    """One update of the policy at version ``step`` from finished groups, then its push
-    (``pinned``: once every group started under the weights it replaces is done). Returns its
-    metrics and the trajectories it trained on (those dropped are counted). ``reported``: the
-    rollout's counters reported so far (`learn_and_push`)."""
+) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+    """One update of ``state`` (the policy at version ``step``, donated) from finished groups,
+    then its push (``pinned``: once every group started under the weights it replaces is
+    done). Returns the new state, its metrics and the trajectories it trained on (those
+    dropped are counted). ``reported``: the rollout's counters reported so far
+    (`learn_and_push`)."""
     cfg = run.cfg
 
     async def groups_of_this_version() -> None:
@@ -266,9 +273,10 @@ async def async_step(
         cfg.trainer.max_staleness,
         cfg.rollout.dynamic_sampling,
     )
-    m, totals = await learn_and_push(
+    state, m, totals = await learn_and_push(
         run,
         rollout,
+        state,
         taken.trajectories,
         taken.seen,
         step,
@@ -290,7 +298,7 @@ async def async_step(
             "async/groups_in_flight": producer.in_flight,
         }
     )
-    return m, taken.trajectories
+    return state, m, taken.trajectories
 
 
 @contextlib.asynccontextmanager
@@ -305,10 +313,12 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     sampling = asyncio.create_task(producer.run_forever())
     reported: dict[str, float] = {}
 
-    async def step_fn(step: int, compiles: bool) -> tuple[dict[str, float], list[Trajectory]]:
+    async def step_fn(
+        state: LearnerState, step: int, compiles: bool
+    ) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
         if sampling.done():  # it only ends by failing
             sampling.result()
-        return await async_step(run, rollout, producer, reported, step, compiles)
+        return await async_step(run, rollout, producer, reported, state, step, compiles)
 
     try:
         yield step_fn

@@ -7,8 +7,8 @@ one, ``mesh.*`` devices) and the policy's weights on it; the data (train prompts
 resumable `PromptSampler`, held-out prompts); the tool registry; checkpoints and metrics; then
 the SFT warm start (unless resuming); the learner (and a critic for GAE); the KL reference (a
 copy); then either the resumed state of the last complete checkpoint, or a checkpoint of step
-0. The loops (`jax_agent_rl.train.loop`) and the hooks (`jax_agent_rl.train.hooks`) only read
-what is built here.
+0. The loops (`jax_agent_rl.train.loop`) hold the learner's state that `build_run` returns
+and pass it on; they and the hooks (`jax_agent_rl.train.hooks`) only read what is built here.
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ from jax_agent_rl.train.sft import warm_start
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Every part of one run, built once. ``learner`` holds the train state (updated in place
-    by the steps); ``start`` is the first RL step to run (0, or the resumed checkpoint's
-    step)."""
+    """Every part of one run, built once. ``learner``: the steps (the state they update is
+    the loop's); ``start`` is the first RL step to run (0, or the resumed checkpoint's step)."""
 
     cfg: JarlConfig
     run_dir: Path
@@ -82,14 +81,14 @@ class Run:
     serving: Serving
     start: int
 
-    def serving_params(self) -> Any:
-        """The learner's current policy for this process's rollout backend."""
-        return self.serving.params(self.learner)
+    def serving_params(self, state: LearnerState) -> Any:
+        """The policy of ``state`` for this process's rollout backend."""
+        return self.serving.params(self.learner, state)
 
-    def pushed_params(self) -> Any:
-        """What a weight push sends this process's rollout backend: the policy, or a LoRA
-        policy's adapters only (`Learner.pushed_params`)."""
-        return self.serving.pushed(self.learner)
+    def pushed_params(self, state: LearnerState) -> Any:
+        """What a weight push of ``state`` sends this process's rollout backend: the policy,
+        or a LoRA policy's adapters only (`Learner.pushed_params`)."""
+        return self.serving.pushed(self.learner, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +116,15 @@ class Serving:
             model,
         )
 
-    def params(self, learner: Learner) -> Any:
+    def params(self, learner: Learner, state: LearnerState) -> Any:
         return distributed.local_replica(
-            learner.rollout_params(self.dtype), self.global_layout, self.local_layout
+            learner.rollout_params(state, self.dtype), self.global_layout, self.local_layout
         )
 
-    def pushed(self, learner: Learner) -> Any:
+    def pushed(self, learner: Learner, state: LearnerState) -> Any:
         m = self.model
         return distributed.local_replica(
-            learner.pushed_params(self.dtype),
+            learner.pushed_params(state, self.dtype),
             trainable(m, self.global_layout),
             trainable(m, self.local_layout),
         )
@@ -164,10 +163,9 @@ def counted_since(now: Mapping[str, float], reported: dict[str, float]) -> dict[
     return grown
 
 
-def train_states(learner: Learner) -> dict[str, Any]:
+def train_states(state: LearnerState) -> dict[str, Any]:
     """What a checkpoint holds of the model side: the policy's train state, the critic's, and
     the KL reference (the policy RL started from, after SFT: a resumed run cannot rebuild it)."""
-    state = learner.state
     states: dict[str, Any] = {"policy": state.policy}
     if state.critic is not None:
         states["critic"] = state.critic
@@ -176,24 +174,24 @@ def train_states(learner: Learner) -> dict[str, Any]:
     return states
 
 
-def save_checkpoint(run: Run, step: int) -> None:
-    """The train states, the step, the prompt sampler's position and the seed."""
+def save_checkpoint(run: Run, state: LearnerState, step: int) -> None:
+    """The train states of ``state``, the step, the prompt sampler's position and the seed."""
     meta = {"step": step, "sampler": run.sampler.state(), "seed": run.cfg.trainer.seed}
     with (
         progress.phase(run.console, f"saving the checkpoint of step {step}"),
         device_turns.TURN,  # copying the arrays off the devices runs programs on them
     ):
-        run.checkpoints.save(step, train_states(run.learner), meta)
+        run.checkpoints.save(step, train_states(state), meta)
 
 
 def _restore(
-    checkpoints: RunCheckpoints, step: int, learner: Learner, sampler: PromptSampler
-) -> int:
-    """Puts the checkpoint of ``step`` into ``learner`` and ``sampler``; returns its step."""
-    states, meta = checkpoints.restore(step, train_states(learner))
-    learner.state = LearnerState(states["policy"], states.get("critic"), states.get("reference"))
+    checkpoints: RunCheckpoints, step: int, fresh: LearnerState, sampler: PromptSampler
+) -> tuple[LearnerState, int]:
+    """The checkpoint of ``step``'s state (laid out as ``fresh``) and step; sets ``sampler``."""
+    states, meta = checkpoints.restore(step, train_states(fresh))
     sampler.restore(meta["sampler"])
-    return int(meta["step"])
+    state = LearnerState(states["policy"], states.get("critic"), states.get("reference"))
+    return state, int(meta["step"])
 
 
 def run_sharder(cfg: JarlConfig) -> Sharder:
@@ -222,8 +220,8 @@ def held_out_samples(cfg: JarlConfig) -> list[Sample]:
     )
 
 
-def build_run(cfg: JarlConfig, console: Console) -> Run:
-    """Builds (or resumes, see the module docstring) the run ``cfg`` describes."""
+def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
+    """Builds (or resumes, see the module docstring) the run ``cfg`` describes, and its state."""
     make_reward(cfg.data)  # user reward functions fail here, before anything is written
     run_dir = made_folder(Path(cfg.trainer.run_dir), f"trainer.run_dir={cfg.trainer.run_dir!r}")
     if distributed.is_primary():
@@ -249,7 +247,7 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             f"the last complete checkpoint in {run_dir}",
         )
         if latest is None and cfg.sft.data and cfg.sft.steps > 0:
-            sft_learner = make_learner(
+            sft, sft_state = make_learner(
                 cfg,
                 model,
                 params,
@@ -259,12 +257,14 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
                 decay_steps=cfg.sft.steps,
                 micro_batch_size=sft_micro_batch_rows(cfg),
             )
-            params = warm_start(cfg, sft_learner, tokenizer, registry, metrics, console)
+            params = warm_start(cfg, sft, sft_state, tokenizer, registry, metrics, console)
         # the KL reference: the policy RL starts from (the learner keeps a copy); a LoRA
         # policy's is its base, the adapters left out (no copy: `rl.update.reference_of`)
         reference = params if cfg.algorithm.kl_coef and model.lora is None else None
-        learner = make_learner(cfg, model, params, sharder, reference=reference)
-        start = 0 if latest is None else _restore(checkpoints, latest, learner, sampler)
+        learner, state = make_learner(cfg, model, params, sharder, reference=reference)
+        start = 0
+        if latest is not None:
+            state, start = _restore(checkpoints, latest, state, sampler)
         run = Run(
             cfg,
             run_dir,
@@ -282,10 +282,10 @@ def build_run(cfg: JarlConfig, console: Console) -> Run:
             start,
         )
         if latest is None:
-            save_checkpoint(run, 0)
+            save_checkpoint(run, state, 0)
         else:
             console.print(f"resumed from the checkpoint of step {start}")
-        return run
+        return run, state
     except BaseException:
         checkpoints.close()
         metrics.close()
@@ -357,12 +357,12 @@ def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
 
 
 @contextlib.asynccontextmanager
-async def open_rollout(run: Run) -> AsyncIterator[Rollout]:
-    """`serve_policy` of the learner's current params as weight version ``run.start``."""
+async def open_rollout(run: Run, state: LearnerState) -> AsyncIterator[Rollout]:
+    """`serve_policy` of the policy of ``state`` as weight version ``run.start``."""
     async with serve_policy(
         run.cfg,
         run.model,
-        run.serving_params(),
+        run.serving_params(state),
         version=run.start,
         sharder=run.serving.sharder,
         tokenizer=run.tokenizer,

@@ -5,9 +5,9 @@ plots and the HF export are end hooks, run once the run is over.
 
 ``every=N`` runs a hook after every N-th step and after the last; ``every=0``, after the last
 only. A hook is an async function of the run, its open rollout side and the step's `StepEnd`.
-An end hook is a function of the run, called after the loop (its rollout side closed, its
-checkpoints written) whether or not it had steps left: an SFT-only run (``trainer.steps=0``)
-and a finished run resumed are exported too.
+An end hook is a function of the run and its last state, called after the loop (its rollout
+side closed, its checkpoints written) whether or not it had steps left: an SFT-only run
+(``trainer.steps=0``) and a finished run resumed are exported too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.episodes import stop_warning
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
@@ -28,16 +29,18 @@ from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_picks, t
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to) and every trajectory this process sampled."""
+    to), every trajectory this process sampled, and the learner's ``state`` after it (the
+    loop's: the next step donates it, so a hook reads it and keeps none of it)."""
 
     step: int
     last: bool
     metrics: dict[str, float]
     trajectories: list[Trajectory]
+    state: LearnerState
 
 
 HookFn = Callable[[Run, Rollout, StepEnd], Awaitable[None]]
-EndHook = Callable[[Run], None]
+EndHook = Callable[[Run, LearnerState], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +102,7 @@ async def evaluate_held_out(run: Run, rollout: Rollout, end: StepEnd) -> None:
 
 async def checkpoint(run: Run, rollout: Rollout, end: StepEnd) -> None:
     del rollout
-    save_checkpoint(run, end.step)
+    save_checkpoint(run, end.state, end.step)
 
 
 async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
@@ -136,21 +139,23 @@ def default_hooks(run: Run) -> list[Hook]:
     ]
 
 
-def plot_metrics(run: Run) -> None:
+def plot_metrics(run: Run, state: LearnerState) -> None:
     """The reward and throughput plots of ``metrics.jsonl`` (`metrics.plot_run`)."""
+    del state
     plot_run(run.run_dir)
 
 
-def export_hf(run: Run) -> None:
-    """The final policy as an HF checkpoint in ``RUN/hf`` (`export.export_policy`; a LoRA
-    run's merged, and its adapters as a PEFT folder in ``RUN/hf-adapter``). Every
-    process takes part in copying the params to the host; the first writes, and the others
-    wait for it on the devices (no time limit) rather than in jax.distributed's shutdown,
-    which gives up after a few minutes (a 7B export can take more)."""
+def export_hf(run: Run, state: LearnerState) -> None:
+    """The final policy (of ``state``) as an HF checkpoint in ``RUN/hf``
+    (`export.export_policy`; a LoRA run's merged, and its adapters as a PEFT folder in
+    ``RUN/hf-adapter``). Every process takes part in copying the params to the host; the
+    first writes, and the others wait for it on the devices (no time limit) rather than in
+    jax.distributed's shutdown, which gives up after a few minutes (a 7B export can take
+    more)."""
     if run.model.module is not None:  # a custom policy (model.module) has no HF layout
         run.console.print(f"{run.model.module!r}: no HF export; its weights: RUN/checkpoints")
         return
-    params = distributed.host_copy(run.learner.params)
+    params = distributed.host_copy(state.policy.params)
     if distributed.is_primary():
         with progress.phase(run.console, f"exporting the policy to {run.run_dir / 'hf'}"):
             lora = run.model.lora is not None  # RUN/hf merged, RUN/hf-adapter the adapters

@@ -4,9 +4,10 @@
 `learn` packs the trainable trajectories (not those cut short by a dead tool service, an abort
 or an unexpected error) into a batch, uploads it once with the rewards (DAPO's overlong
 penalty shapes them: `shaped_rewards`) and groups, and lets the learner do the rest on the
-device (`Learner.train_step`): old-policy logprobs (and reference / critic values if used),
+device (`Learner.rl_update`): old-policy logprobs (and reference / critic values if used),
 advantages (GRPO's group-normalised outcome or GAE), then ``algorithm.ppo_epochs`` passes of
-``algorithm.mini_batches`` optimizer steps; only the metrics come back.
+``algorithm.mini_batches`` optimizer steps; only the metrics come back. The learner's state is
+the loop's: each takes it and gives back the next.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jax_agent_rl.models.attention_kernels import runs_on_tpu
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run, counted_since
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -113,6 +115,7 @@ def training_rows(
 
 def learn(
     learner: Learner,
+    state: LearnerState,
     cfg: JarlConfig,
     kept: Sequence[Trajectory],
     seen: Sequence[Trajectory],
@@ -120,15 +123,15 @@ def learn(
     rollout_logprobs: bool = True,
     version: int | None = None,
     traced: Sequence[Trajectory] = (),
-) -> tuple[dict[str, float], Totals]:
+) -> tuple[LearnerState, dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
-    ``rollout.n``) trained on with every other process's, in one update of ``learner``
-    (`Learner.train_step`), batched and shaped as ``cfg`` says. ``seen`` (every episode this
-    process sampled) and ``rollout_s`` (how long this process's rollout took) go into the
-    metrics, which are those of every process (their `episode_totals` added up); returns
-    them and those totals.
+    ``rollout.n``) trained on with every other process's, in one update of ``state``
+    (donated) by ``learner`` (`Learner.rl_update`), batched and shaped as ``cfg`` says.
+    ``seen`` (every episode this process sampled) and ``rollout_s`` (how long this process's
+    rollout took) go into the metrics, which are those of every process (their
+    `episode_totals` added up); returns the new state, the metrics and those totals.
     ``rollout_logprobs``: whether the trajectories carry the sampler's logprobs (a backend
-    without them has the learner's stand in, `Learner.train_step`). ``version``: the weight
+    without them has the learner's stand in, `Learner.rl_update`). ``version``: the weight
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
     behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
@@ -203,13 +206,19 @@ def learn(
         if staleness_s is not None:
             staleness_s[: len(behind)] = behind
         index = trace_index(batch, rows_of, traced) if processes == 1 and traced else None
-        out, values = learner.traced_step(
-            batch, sequences, real, index, rollout_logprobs, staleness_s
+        state, out, values = learner.rl_update(
+            state,
+            batch,
+            sequences,
+            real,
+            rollout_logprobs=rollout_logprobs,
+            staleness=staleness_s,
+            trace_index=index,
         )
         m.update(out)
         if index is not None:
             record_signals(traced, index, values)
-    jax.block_until_ready(learner.params)
+    jax.block_until_ready(state.policy.params)
     t_train = time.perf_counter() - t0
     m.update(
         {
@@ -219,12 +228,13 @@ def learn(
             "batch/groups_all_equal": totals["batch/groups_all_equal"],
         }
     )
-    return m, totals
+    return state, m, totals
 
 
 async def learn_and_push(
     run: Run,
     rollout: Rollout,
+    state: LearnerState,
     kept: Sequence[Trajectory],
     seen: Sequence[Trajectory],
     step: int,
@@ -236,19 +246,20 @@ async def learn_and_push(
     waited_s: float,
     traced: Sequence[Trajectory] = (),
     before_push: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[dict[str, float], Totals]:
-    """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (in a worker
-    thread, so that the event loop, its agent loops and tool calls, goes on), push the new
-    weights as version ``step + 1`` (once ``before_push()`` is done, if given), and the step's
-    times: the rollouts' (the slowest process's ``waited_s``, how long it waited for its
-    groups), the push's, and how the step spent them since ``t0`` (`pace_metrics`;
-    ``idle0``: the backend's idle time then). ``traced``: the trajectories whose traces are
-    written (`learn`). ``reported``: the counters of ``rollout`` its loop reported so far,
-    brought up to date with this step's share (`counted_since`). Returns the metrics and the
-    `learn` totals."""
-    m, totals = await asyncio.to_thread(
+) -> tuple[LearnerState, dict[str, float], Totals]:
+    """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (an update
+    of ``state``, in a worker thread, so that the event loop, its agent loops and tool calls,
+    goes on), push the new weights as version ``step + 1`` (once ``before_push()`` is done,
+    if given), and the step's times: the rollouts' (the slowest process's ``waited_s``, how
+    long it waited for its groups), the push's, and how the step spent them since ``t0``
+    (`pace_metrics`; ``idle0``: the backend's idle time then). ``traced``: the trajectories
+    whose traces are written (`learn`). ``reported``: the counters of ``rollout`` its loop
+    reported so far, brought up to date with this step's share (`counted_since`). Returns
+    the new state, the metrics and the `learn` totals."""
+    state, m, totals = await asyncio.to_thread(
         learn,
         run.learner,
+        state,
         run.cfg,
         kept,
         seen,
@@ -260,7 +271,7 @@ async def learn_and_push(
     if before_push is not None:
         await before_push()
     t1 = time.perf_counter()
-    params = await asyncio.to_thread(run.pushed_params)
+    params = await asyncio.to_thread(run.pushed_params, state)
     await rollout.backend.update_weights(params, step + 1)
     t_push = time.perf_counter() - t1
     m.update(
@@ -278,7 +289,7 @@ async def learn_and_push(
             INCLUDES_COMPILE: float(compiles),
         }
     )
-    return m, totals
+    return state, m, totals
 
 
 def pace_metrics(

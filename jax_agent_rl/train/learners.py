@@ -1,8 +1,8 @@
-"""The learner a run trains with, from its config: `make_learner` (the trainer's), and the
-settings it is made of (`learner_settings`, `micro_batch_rows`), which ``jarl plan`` reads to
-compile the same steps abstractly; the model a run trains (`run_model`: the checkpoint's, with
-``model.lora``'s adapters) and its adapters on loaded weights (`with_run_lora`: fresh ones, or
-an adapter folder's)."""
+"""The learner a run trains with, from its config: `make_learner` (the trainer's, with the
+state it starts from), and the settings it is made of (`learner_settings`,
+`micro_batch_rows`), which ``jarl plan`` reads to compile the same steps abstractly; the
+model a run trains (`run_model`: the checkpoint's, with ``model.lora``'s adapters) and its
+adapters on loaded weights (`with_run_lora`: fresh ones, or an adapter folder's)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from jax_agent_rl.models.adapters import init_adapters, load_peft, peft_lora, wi
 from jax_agent_rl.models.lora import TARGETS, Lora
 from jax_agent_rl.rl.learner import Learner, critic_from_policy
 from jax_agent_rl.rl.objectives import SamplingSpec
+from jax_agent_rl.rl.update import LearnerState
 
 
 def lora_of(section: LoraSection) -> Lora | None:
@@ -115,15 +116,14 @@ def make_learner(
     decay_steps: int | None = None,
     micro_batch_size: int | None = None,
     reference: Any | None = None,
-) -> Learner:
-    """The learner over ``params`` (and the KL ``reference``); the keyword arguments override
-    the RL settings (SFT)."""
-    return Learner(
+) -> tuple[Learner, LearnerState]:
+    """The learner and the state it starts from: ``params`` (with a critic of them for GAE)
+    and the KL ``reference``; the keyword arguments override the RL settings (SFT)."""
+    learner = Learner(
         model,
-        params,
         micro_batch_size=micro_batch_size or micro_batch_rows(cfg),
         sharder=sharder,
-        critic=critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None,
-        reference=reference,
         **learner_settings(cfg, lr=lr, warmup=warmup, decay_steps=decay_steps),
     )
+    critic = critic_from_policy(params) if cfg.algorithm.adv_estimator == "gae" else None
+    return learner, learner.init_state(params, critic=critic, reference=reference)

@@ -22,6 +22,7 @@ from rich.console import Console
 from jax_agent_rl import distributed, progress
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.async_loop import StepFn, async_steps
 from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, end_hooks, evaluate
@@ -41,12 +42,14 @@ async def sync_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     yield functools.partial(rl_step, run, rollout, {})
 
 
-async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
-    """Steps ``run.start`` .. ``trainer.steps``, each followed by its due hooks; the steps
-    are synchronous or asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.mode``."""
+async def rl_loop(run: Run, state: LearnerState, hooks: Sequence[Hook]) -> LearnerState:
+    """Steps ``run.start`` .. ``trainer.steps`` from the learner's ``state`` (donated), each
+    followed by its due hooks; returns the last state. The steps are synchronous or
+    asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.mode``; the loop holds the
+    state and hands each step's to the next and to the hooks (`StepEnd.state`)."""
     steps = run.cfg.trainer.steps
     stepper = async_steps if run.cfg.trainer.mode == "async" else sync_steps
-    async with open_rollout(run) as rollout:
+    async with open_rollout(run, state) as rollout:
         if run.start == 0 and run.val_samples:
             await evaluate(run, rollout, 0)
         if run.start < steps:
@@ -58,12 +61,13 @@ async def rl_loop(run: Run, hooks: Sequence[Hook]) -> None:
             with progress.phase(run.console, "rl step", steps, lines=False) as bar:
                 bar.update(run.start)
                 for step in range(run.start, steps):
-                    m, trajs = await step_fn(step, step == run.start)
-                    end = StepEnd(step + 1, step + 1 == steps, m, trajs)
+                    state, m, trajs = await step_fn(state, step, step == run.start)
+                    end = StepEnd(step + 1, step + 1 == steps, m, trajs, state)
                     for hook in hooks:
                         if hook.due(end):
                             await hook.fn(run, rollout, end)
                     bar.update(end.step, _status(m))
+    return state
 
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
@@ -72,10 +76,10 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     every process calls it; only the first prints, plots and writes the export."""
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     request_cpu_devices(devices // distributed.joined_processes())
-    run = build_run(cfg, console or Console(quiet=not distributed.is_primary()))
+    run, state = build_run(cfg, console or Console(quiet=not distributed.is_primary()))
     finished = False
     try:
-        asyncio.run(rl_loop(run, default_hooks(run)))
+        state = asyncio.run(rl_loop(run, state, default_hooks(run)))
         finished = True
     finally:
         # a failed multi-process run is stopped at once (`jarl train`): closing the
@@ -84,5 +88,5 @@ def train(cfg: JarlConfig, console: Console | None = None) -> Path:
             run.checkpoints.close()
             run.metrics.close()
     for hook in end_hooks():
-        hook(run)
+        hook(run, state)
     return run.run_dir

@@ -24,6 +24,7 @@ from jax_agent_rl.data.datasets import ROLES
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import make_batch
 from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -105,6 +106,7 @@ def write_demonstrations(
 
 def run_sft(
     learner: Learner,
+    state: LearnerState,
     demos: Sequence[Trajectory],
     *,
     steps: int,
@@ -112,8 +114,9 @@ def run_sft(
     bucket: int,
     seed: int,
     on_step: Callable[[int, dict[str, float]], None] = lambda _step, _metrics: None,
-) -> None:
-    """``steps`` updates on batches drawn by epochs (a fresh shuffle each epoch)."""
+) -> LearnerState:
+    """``steps`` updates of ``state`` (donated) on batches drawn by epochs (a fresh shuffle
+    each epoch); returns the last state."""
     rng = random.Random(seed)
     order: list[int] = []
     for step in range(steps):
@@ -122,21 +125,25 @@ def run_sft(
             rng.shuffle(perm)
             order += perm
         chosen, order = order[:batch_size], order[batch_size:]
-        metrics = learner.update_sft(make_batch([demos[i] for i in chosen], bucket))
+        batch = make_batch([demos[i] for i in chosen], bucket)
+        state, metrics = learner.sft_update(state, batch)
         on_step(step, metrics)
+    return state
 
 
 def warm_start(
     cfg: JarlConfig,
     learner: Learner,
+    state: LearnerState,
     tokenizer: Tokenizer,
     registry: ToolRegistry,
     metrics: MetricsLog,
     console: Console,
 ) -> Any:
-    """The SFT stage of a run: ``sft.steps`` updates of ``learner`` on the demonstrations of
-    ``sft.data`` (rendered with the tools' schemas, as rollouts see them), with its progress
-    on ``console`` and ``sft`` metrics; returns the warm-started params."""
+    """The SFT stage of a run: ``sft.steps`` updates of ``state`` (donated) by ``learner`` on
+    the demonstrations of ``sft.data`` (rendered with the tools' schemas, as rollouts see
+    them), with its progress on ``console`` and ``sft`` metrics; returns the warm-started
+    params."""
     demos = load_demonstrations(cfg.sft.data, TurnBuilder(tokenizer, registry.schemas() or None))
     console.print(
         f"SFT: {cfg.sft.steps} steps on {len(demos)} demonstrations "
@@ -148,8 +155,9 @@ def warm_start(
             metrics.write(step + 1, "sft", scalars)
             bar.update(step + 1, f"loss {scalars['sft_loss']:.3f}")
 
-        run_sft(
+        state = run_sft(
             learner,
+            state,
             demos,
             steps=cfg.sft.steps,
             batch_size=cfg.sft.batch_size,
@@ -157,4 +165,4 @@ def warm_start(
             seed=cfg.trainer.seed,
             on_step=on_step,
         )
-    return learner.params
+    return state.policy.params

@@ -48,6 +48,7 @@ from jax_agent_rl.rewards import (
     verl_rules,
 )
 from jax_agent_rl.rl import core
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import split_groups
@@ -374,18 +375,25 @@ async def collect(
 
 
 async def rl_step(
-    run: Run, rollout: Rollout, reported: dict[str, float], step: int, compiles: bool
-) -> tuple[dict[str, float], list[Trajectory]]:
-    """One RL step (see the module docstring): `collect`, then `learn_and_push`. Returns its
-    metrics (of every process; the rollout time is the slowest process's) and the
-    trajectories this process sampled. ``compiles``: the first step of this process, whose
-    times include compiling the engine and the learner step (kept out of the throughput
-    plot). ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
+    run: Run,
+    rollout: Rollout,
+    reported: dict[str, float],
+    state: LearnerState,
+    step: int,
+    compiles: bool,
+) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+    """One RL step (see the module docstring) of the learner's ``state`` (donated): `collect`,
+    then `learn_and_push`. Returns the new state, its metrics (of every process; the rollout
+    time is the slowest process's) and the trajectories this process sampled. ``compiles``:
+    the first step of this process, whose times include compiling the engine and the
+    learner step (kept out of the throughput plot). ``reported``: the rollout's counters
+    reported so far (`learn_and_push`)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     kept, seen = await collect(run, rollout, step)
-    m, totals = await learn_and_push(
+    state, m, totals = await learn_and_push(
         run,
         rollout,
+        state,
         kept,
         seen,
         step,
@@ -397,4 +405,4 @@ async def rl_step(
         traced=trace_picks(seen, run.cfg.trainer.traces_per_step),
     )
     m["time/rollout_tokens_per_s"] = totals["model_tokens"] / max(m["time/rollout_s"], 1e-9)
-    return m, seen
+    return state, m, seen

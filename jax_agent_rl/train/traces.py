@@ -120,7 +120,8 @@ def trace_index(
 def record_signals(
     traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
 ) -> None:
-    """Sets each traced trajectory's ``learner_signals`` from `Learner.traced_step`'s values."""
+    """Sets each traced trajectory's ``learner_signals`` from the traced values
+    `Learner.rl_update` returns."""
     for s, traj in enumerate(traced):
         n = len(traj.response_ids)
         if (index[s, :n] >= 0).any():

@@ -209,19 +209,19 @@ def test_an_update_whose_loss_is_not_finite_is_skipped() -> None:
     NaN: the update is skipped (weights and optimizer state as they were), counted; the next
     finite batch updates as ever."""
     params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
-    learner = _learner(AlgorithmSection(tis_cap=2.0), params)
+    learner, state = _learner(AlgorithmSection(tis_cap=2.0), params)
     trajs = random_trajectories(8, seed=7)
     batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)
     nan = np.where(np.asarray(batch.mask) > 0, np.nan, 0.0).astype(np.float32)
     poisoned = dataclasses.replace(batch, rollout_logp=nan)
-    before = jax.tree.map(np.array, (learner.state.policy.params, learner.state.policy.opt_state))
-    m = learner.train_step(poisoned, sequences, real)
+    before = jax.tree.map(np.array, (state.policy.params, state.policy.opt_state))
+    state, m, _ = learner.rl_update(state, poisoned, sequences, real)
     assert not np.isfinite(m["loss"]) and m["nonfinite_updates"] == 1.0
-    after = jax.tree.map(np.array, (learner.state.policy.params, learner.state.policy.opt_state))
+    after = jax.tree.map(np.array, (state.policy.params, state.policy.opt_state))
     jax.tree.map(np.testing.assert_array_equal, after, before)  # (before: NaN everywhere)
-    m = learner.train_step(batch, sequences, real)
+    state, m, _ = learner.rl_update(state, batch, sequences, real)
     assert m["nonfinite_updates"] == 0.0 and np.isfinite(m["loss"])
-    moved = jax.tree.map(np.asarray, learner.state.policy.params)
+    moved = jax.tree.map(np.asarray, state.policy.params)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(moved))
     assert any(
         not np.array_equal(x, y)

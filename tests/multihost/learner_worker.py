@@ -66,8 +66,8 @@ def main() -> None:
     from jax_agent_rl.train.learn import learn
     from jax_agent_rl.train.sft import load_demonstrations
 
-    run = build_run(cfg, Console(quiet=True))
-    start = distributed.host_copy(run.learner.params)
+    run, state = build_run(cfg, Console(quiet=True))
+    start = distributed.host_copy(state.policy.params)
     demos = load_demonstrations(cfg.sft.data, TurnBuilder(run.tokenizer, run.registry.schemas()))
     share = GROUPS * N // jax.process_count()
     for step in range(2):
@@ -83,11 +83,11 @@ def main() -> None:
         if args.rows_as_processes:
             trajs = as_laid_out(trajs, args.rows_as_processes, cfg.learner.micro_batch_size)
         mine = trajs[jax.process_index() * share : (jax.process_index() + 1) * share]
-        learn(run.learner, run.cfg, mine, mine)
-    end = distributed.host_copy(run.learner.params)
+        state, _, _ = learn(run.learner, state, run.cfg, mine, mine)
+    end = distributed.host_copy(state.policy.params)
     # what this process's engine would be given: the new params, whole, on its own devices
-    served = run.serving_params()
-    want = distributed.host_copy(run.learner.rollout_params(cfg.model.dtype))
+    served = run.serving_params(state)
+    want = distributed.host_copy(run.learner.rollout_params(state, cfg.model.dtype))
     for got, ref in zip(jax.tree.leaves(served), jax.tree.leaves(want), strict=True):
         assert {d.process_index for d in got.sharding.device_set} == {jax.process_index()}
         assert np.array_equal(np.asarray(got), ref), "served params differ from the learner's"

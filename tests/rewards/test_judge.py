@@ -277,14 +277,14 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     ]  # fmt: skip
     cfg = load_config(DEMO_CONFIG, overrides)
     judge = dataclasses.replace(cfg.data.judge, template=TEMPLATE)  # fits max_model_len
-    run = build_run(
+    run, state = build_run(
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, judge=judge)),
         Console(file=io.StringIO()),
     )
 
     async def step() -> dict[str, float]:
-        async with open_rollout(run) as rollout:
-            m, _ = await rl_step(run, rollout, {}, 0, compiles=True)
+        async with open_rollout(run, state) as rollout:
+            _, m, _ = await rl_step(run, rollout, {}, state, 0, compiles=True)
             return m
 
     try:

@@ -190,17 +190,11 @@ def test_sharded_step_equals_unsharded(
     loss0, g0, m0 = plain(target)
 
     learner = Learner(
-        cfg,
-        params,
-        algo=ALGO,
-        optim=OptimSection(),
-        sampling=sampling,
-        micro_batch_size=4,
-        sharder=sharder,
-        critic=target if objective == "value" else None,
+        cfg, algo=ALGO, optim=OptimSection(), sampling=sampling, micro_batch_size=4, sharder=sharder
     )
-    state = learner.state.policy if objective == "policy" else learner.state.critic
-    placed = state.params  # type: ignore[union-attr]
+    state = learner.init_state(params, critic=target if objective == "value" else None)
+    trained = state.policy if objective == "policy" else state.critic
+    placed = trained.params  # type: ignore[union-attr]
     sharded_batch = learner.device_batch(batch)
     assert sharded_batch.tokens.sharding.spec[1] == ("data", "fsdp")
     s = spec(ALGO, sharder, sampling, cfg)
@@ -262,14 +256,15 @@ def test_updates_reduce_their_losses() -> None:
     towards the returns (its loss falls)."""
     params = init_params(jax.random.key(3), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=3)
-    learner = _learner(
+    learner, state = _learner(
         AlgorithmSection(adv_estimator="gae", tis_cap=None), params, micro_batch_size=4
     )
     sft = make_batch(trajs, bucket=8)
-    first = learner.update_sft(sft)["sft_loss"]
+    state, m = learner.sft_update(state, sft)
+    first = m["sft_loss"]
     for _ in range(5):
-        last = learner.update_sft(sft)["sft_loss"]
-    assert last < first - 0.1
+        state, m = learner.sft_update(state, sft)
+    assert m["sft_loss"] < first - 0.1
 
     rewards = np.tile([1.0, 0.0], 4)
     s = learner.spec
@@ -278,15 +273,16 @@ def test_updates_reduce_their_losses() -> None:
     won = np.tile([True, False], 4)[:, None] & (mask > 0)
     lost = ~np.tile([True, False], 4)[:, None] & (mask > 0)
 
-    def margin() -> float:
-        lp = np.asarray(logp(learner.params, sft))
+    def margin(state: LearnerState) -> float:
+        lp = np.asarray(logp(state.policy.params, sft))
         return float(lp[won].mean() - lp[lost].mean())
 
-    before, losses = margin(), []
+    before, losses = margin(state), []
     for _ in range(4):
-        m = learner.train_step(*_step(trajs, rewards, 1, 16, learner.micro_batch_size))
+        step = _step(trajs, rewards, 1, 16, learner.micro_batch_size)
+        state, m, _ = learner.rl_update(state, *step)
         losses.append(m["critic/vf_loss"])
-    assert margin() > before
+    assert margin(state) > before
     assert losses[-1] < losses[0]
 
 
@@ -313,19 +309,22 @@ def _learner(
     micro_batch_size: int = 2,
     reference: object = None,
     lr: float = 1e-2,
-) -> Learner:
-    return Learner(
+) -> tuple[Learner, LearnerState]:
+    learner = Learner(
         CFG,
-        jax.tree.map(jnp.copy, params),  # each learner its own: an update donates its state
         algo=algo,
         optim=OptimSection(lr=lr, critic_lr=lr / 10),
         sampling=SamplingSpec(0.8),  # no filter: the random tokens were not sampled
         micro_batch_size=micro_batch_size,
         sharder=sharder or one_device_sharder(),
-        critic=critic_from_policy(params) if algo.adv_estimator == "gae" else None,  # type: ignore[arg-type]
-        reference=reference,  # type: ignore[arg-type]
         norm_const=48.0,  # Dr.GRPO's constant: the generation budget, whatever the layout
     )
+    state = learner.init_state(
+        jax.tree.map(jnp.copy, params),  # each state its own: an update donates it
+        critic=critic_from_policy(params) if algo.adv_estimator == "gae" else None,  # type: ignore[arg-type]
+        reference=reference,  # type: ignore[arg-type]
+    )
+    return learner, state
 
 
 def _step(
@@ -336,7 +335,7 @@ def _step(
     rows_per_micro: int,
     weights: np.ndarray | None = None,
 ) -> tuple[TrainBatch, Sequences, int]:
-    """`train_step`'s arguments as the trainer lays them out: packed into rows of
+    """`rl_update`'s arguments after the state, as the trainer lays them out: packed into rows of
     ``row_tokens`` (None: one trajectory per row, padded)."""
     return step_batch(
         trajs,
@@ -412,23 +411,25 @@ def test_the_packed_step_equals_the_padded_step(algo: AlgorithmSection, per_turn
     # RL's usual rate: Adam moves each entry by about +-lr whatever its gradient's size, so
     # an entry whose gradient is ~0 may move either way: the later updates' metrics differ
     # by such moves, the first update's loss and gradients by rounding only
-    a, b = (
+    (a, state_a), (b, state_b) = (
         _learner(algo, params, micro_batch_size=m, reference=reference, lr=1e-6) for m in (2, 3)
     )
-    (loss_a, grads_a), (loss_b, grads_b) = first_update(a, *packed), first_update(b, *padded)
+    loss_a, grads_a = first_update(a, state_a, *packed)
+    loss_b, grads_b = first_update(b, state_b, *padded)
     assert_close_normwise(loss_a, loss_b)
     assert_close_normwise(grads_a, grads_b)
-    got, want = a.train_step(*packed), b.train_step(*padded)
+    _, got, _ = a.rl_update(state_a, *packed)
+    _, want, _ = b.rl_update(state_b, *padded)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
 
 
 def first_update(
-    learner: Learner, batch: TrainBatch, sequences: Sequences, real: int
+    learner: Learner, state: LearnerState, batch: TrainBatch, sequences: Sequences, real: int
 ) -> tuple[object, object]:
     """Loss and gradients (policy, and critic with GAE) of the step's first mini-batch
-    update, as `rl_update` computes them."""
+    update of ``state``, as `rl_update` computes them."""
     spec = learner.spec
     rb = RLBatch(
         learner.device_batch(batch, local=True),
@@ -450,7 +451,7 @@ def first_update(
             )
         return [o[0] for o in out], [o[1] for o in out]
 
-    return jax.jit(grads)(learner.state, rb)
+    return jax.jit(grads)(state, rb)
 
 
 def test_packing_fills_rows_and_balances_micro_batches() -> None:
@@ -470,23 +471,29 @@ def test_packing_fills_rows_and_balances_micro_batches() -> None:
 
 
 def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
-    """A backend with no logprobs (JetStream): `train_step(rollout_logprobs=False)` updates as
+    """A backend with no logprobs (JetStream): `rl_update(rollout_logprobs=False)` updates as
     if the sampler's logprobs were the learner's old-policy ones (TIS weights 1), and reports
     no gap. Also: the gap per staleness, from each sequence's staleness."""
     algo = AlgorithmSection(tis_cap=2.0)
     params = init_params(jax.random.key(6), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=6)
-    blind, told = (_learner(algo, params) for _ in range(2))
+    (blind, blind_state), (told, told_state) = (_learner(algo, params) for _ in range(2))
     s = told.spec
     batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)
-    old = np.asarray(jax.jit(lambda p, b: token_stats(s, p, b)[0])(told.params, batch))
+    old = np.asarray(jax.jit(lambda p, b: token_stats(s, p, b)[0])(told_state.policy.params, batch))
     old = old * np.asarray(batch.mask)  # the policy before the update
-    got = blind.train_step(batch, sequences, real, rollout_logprobs=False)
-    staleness = np.arange(len(sequences.rewards)) % 2
-    want = told.train_step(
-        dataclasses.replace(batch, rollout_logp=old), sequences, real, staleness=staleness
+    blind_state, got, _ = blind.rl_update(
+        blind_state, batch, sequences, real, rollout_logprobs=False
     )
-    assert_close_normwise(blind.params, told.params)
+    staleness = np.arange(len(sequences.rewards)) % 2
+    told_state, want, _ = told.rl_update(
+        told_state,
+        dataclasses.replace(batch, rollout_logp=old),
+        sequences,
+        real,
+        staleness=staleness,
+    )
+    assert_close_normwise(blind_state.policy.params, told_state.policy.params)
     assert got["rollout/logprobs_recomputed"] == 1.0 and "logprob_gap/mean" not in got
     assert want["rollout/logprobs_recomputed"] == 0.0
     assert want["logprob_gap/staleness_0"] == pytest.approx(0.0, abs=1e-5)
@@ -494,26 +501,29 @@ def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
 
 
 def test_a_traced_step_gives_back_the_update_s_own_values_and_updates_the_same() -> None:
-    """Tracing two trajectories (`traced_step` with a `trace_index`) updates as the plain
+    """Tracing two trajectories (`rl_update` with a ``trace_index``) updates as the plain
     step does, and gives back at each of their sampled tokens the learner's logprob and
     entropy before the update (`token_stats` of the old params, fp32: the same computation in
     another program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens)."""
     algo = AlgorithmSection(mini_batches=2)
     params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=7)
-    plain, tracing = (_learner(algo, params) for _ in range(2))
+    (plain, plain_state), (tracing, tracing_state) = (_learner(algo, params) for _ in range(2))
     batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
     traced = [trajs[5], trajs[1]]
     index = trace_index(batch, trajs, traced)
     s = plain.spec
     logp, entropy = (
         np.asarray(x).reshape(-1)
-        for x in jax.jit(lambda p, b: token_stats(s, p, b))(plain.params, batch)
+        for x in jax.jit(lambda p, b: token_stats(s, p, b))(plain_state.policy.params, batch)
     )
-    want = plain.train_step(batch, sequences, real)
-    got, values = tracing.traced_step(batch, sequences, real, index)
+    plain_state, want, untraced = plain.rl_update(plain_state, batch, sequences, real)
+    tracing_state, got, values = tracing.rl_update(
+        tracing_state, batch, sequences, real, trace_index=index
+    )
+    assert untraced == {}
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
-    assert_close_normwise(tracing.params, plain.params)
+    assert_close_normwise(tracing_state.policy.params, plain_state.policy.params)
     assert set(values) == {"learner_logprobs", "learner_entropy", "advantages"}
     mask = np.asarray(batch.mask).reshape(-1)
     rewards = REWARDS[:8].reshape(2, 4)  # random_trajectories: groups of 4
@@ -546,7 +556,7 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> No
     sharder = Sharder(make_mesh(2, 2, 2))
     params = init_params(jax.random.key(6), CFG, sharder=one_device_sharder())
     algo = dataclasses.replace(ALGO, mini_batches=2)
-    learner = _learner(algo, params, sharder, micro_batch_size=4, reference=params)
+    learner, state = _learner(algo, params, sharder, micro_batch_size=4, reference=params)
     with programs_built() as compiles:
         per_step, reals = [], []
         # 70 to 150 trajectories of up to 40 tokens, in rows of 48: 6 to 8 real micro-batches
@@ -556,7 +566,7 @@ def test_the_step_crosses_to_the_device_once_and_compiles_once_per_shape() -> No
             batch, sequences, real = _step(trajs, np.resize(REWARDS, n), 2, 48, 4)
             before = len(compiles)
             with jax.transfer_guard("disallow"):
-                metrics = learner.train_step(batch, sequences, real)
+                state, metrics, _ = learner.rl_update(state, batch, sequences, real)
             per_step.append(len(compiles) - before)
             reals.append(real)
             assert np.isfinite(metrics["loss"]) and metrics["kl_loss"] >= 0

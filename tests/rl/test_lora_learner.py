@@ -42,19 +42,19 @@ def test_three_steps_train_only_the_adapters() -> None:
     before = jax.tree.map(np.asarray, params)
     learner = Learner(
         LORA_CFG,
-        params,
         algo=ALGO,
         optim=OptimSection(lr=1e-2),
         sampling=SamplingSpec(0.8),
         micro_batch_size=4,
         sharder=Sharder(make_mesh(data=2, fsdp=2, tensor=2)),
     )
-    assert learner.state.reference is None
+    state = learner.init_state(params)
+    assert state.reference is None
     trajs = random_trajectories(12, seed=4)
     for _ in range(3):
-        metrics = learner.train_step(*_step(trajs, REWARDS, 2, None, 4))
+        state, metrics, _ = learner.rl_update(state, *_step(trajs, REWARDS, 2, None, 4))
         assert np.isfinite(metrics["loss"])
-    after = jax.tree.map(np.asarray, learner.params)
+    after = jax.tree.map(np.asarray, state.policy.params)
     base_equal = jax.tree.map(np.array_equal, base_of(after), base_of(before))
     assert all(jax.tree.leaves(base_equal))
     moved = jax.tree.map(
@@ -62,10 +62,10 @@ def test_three_steps_train_only_the_adapters() -> None:
     )
     assert all(jax.tree.leaves(moved))
     # Adam's moments (optax's chain(clip, adamw)): one per adapter leaf, nothing of the base
-    mu = learner.state.policy.opt_state[1][0].mu
+    mu = state.policy.opt_state[1][0].mu
     assert isinstance(mu, LayerAdapters)
     assert jax.tree.map(np.shape, mu) == jax.tree.map(np.shape, adapters_of(after))
-    n_opt = sum(x.size for x in jax.tree.leaves(learner.state.policy.opt_state))
+    n_opt = sum(x.size for x in jax.tree.leaves(state.policy.opt_state))
     n_adapters = sum(x.size for x in jax.tree.leaves(adapters_of(after)))
     assert n_opt == 2 * n_adapters + 2  # mu, nu and the two counters (clip's and Adam's)
 
@@ -76,28 +76,27 @@ def test_the_reference_is_the_base_model() -> None:
     params = _lora_params()
     adapters = jax.tree.map(lambda x: x + 0.05, adapters_of(params))  # B nonzero
     params = with_adapters(base_of(params), adapters)
-    learner = Learner(
+    state = Learner(
         LORA_CFG,
-        params,
         algo=ALGO,
         optim=OptimSection(),
         sampling=SamplingSpec(0.8),
         sharder=one_device_sharder(),
-    )
+    ).init_state(params)
     s = spec(ALGO, sampling=SamplingSpec(0.8), cfg=LORA_CFG)
-    reference = reference_of(s, learner.state)
+    reference = reference_of(s, state)
     assert reference is not None
     assert all(
         x is y
         for x, y in zip(
-            jax.tree.leaves(reference), jax.tree.leaves(base_of(learner.params)), strict=True
+            jax.tree.leaves(reference), jax.tree.leaves(base_of(state.policy.params)), strict=True
         )
     )
     batch = make_batch(random_trajectories(4, seed=5), bucket=8)
     logp = jax.jit(lambda sp, p, b: token_stats(sp, p, b)[0], static_argnums=0)
     ref = np.asarray(logp(s, reference, batch))
     plain = np.asarray(logp(spec(ALGO, sampling=SamplingSpec(0.8)), base_of(params), batch))
-    policy = np.asarray(logp(s, learner.params, batch))
+    policy = np.asarray(logp(s, state.policy.params, batch))
     mask = np.asarray(batch.mask) > 0
     assert np.array_equal(ref[mask], plain[mask])
     assert np.abs(policy - ref)[mask].max() > 1e-3  # the adapters do change the policy
@@ -105,11 +104,15 @@ def test_the_reference_is_the_base_model() -> None:
 
 def test_a_lora_learner_refuses_a_reference_copy() -> None:
     params = _lora_params()
+    learner = Learner(
+        LORA_CFG,
+        algo=ALGO,
+        optim=OptimSection(),
+        sampling=SamplingSpec(0.8),
+        sharder=one_device_sharder(),
+    )
     with pytest.raises(ValueError, match="pass no reference"):
-        Learner(
-            LORA_CFG, params, algo=ALGO, optim=OptimSection(), sampling=SamplingSpec(0.8),
-            reference=params, sharder=one_device_sharder(),
-)  # fmt: skip
+        learner.init_state(params, reference=params)
 
 
 def _sampled(backend: EmbeddedBackend, seed: int) -> TrainBatch:
@@ -136,27 +139,28 @@ def test_adapter_pushes_keep_sampler_and_learner_logprobs_equal() -> None:
     and the learner's logprobs of what the engine samples after each push equal the sampler's
     within the fp32 tolerance (1e-4, the backend's stated one)."""
     learner = Learner(
-        LORA_CFG, _lora_params(), algo=ALGO, optim=OptimSection(lr=1e-2),
+        LORA_CFG, algo=ALGO, optim=OptimSection(lr=1e-2),
         sampling=SamplingSpec(0.8), micro_batch_size=4, sharder=one_device_sharder(),
 )  # fmt: skip
+    state = learner.init_state(_lora_params())
     engine = Engine(LORA_CFG, max_concurrent_decodes=4, max_len=64, sharder=one_device_sharder())
-    backend = EmbeddedBackend(engine, learner.rollout_params("float32"))
+    backend = EmbeddedBackend(engine, learner.rollout_params(state, "float32"))
     s = spec(ALGO, sampling=SamplingSpec(0.8), cfg=LORA_CFG)
     logp = jax.jit(lambda p, b: token_stats(s, p, b)[0])
-    full = sum(x.nbytes for x in jax.tree.leaves(learner.params))
+    full = sum(x.nbytes for x in jax.tree.leaves(state.policy.params))
     trajs = random_trajectories(12, seed=6)
     try:
         for version in (1, 2):
-            learner.train_step(*_step(trajs, REWARDS, 1, None, 4))
-            pushed = learner.pushed_params("float32")
+            state, _, _ = learner.rl_update(state, *_step(trajs, REWARDS, 1, None, 4))
+            pushed = learner.pushed_params(state, "float32")
             assert isinstance(pushed, LayerAdapters)
             asyncio.run(backend.update_weights(pushed, version))
             assert backend.last_push is not None
-            n_adapters = sum(x.nbytes for x in jax.tree.leaves(adapters_of(learner.params)))
+            n_adapters = sum(x.nbytes for x in jax.tree.leaves(adapters_of(state.policy.params)))
             assert backend.last_push.bytes == n_adapters < 0.1 * full  # 8.0%: rank 4 of D = 64
             batch = _sampled(backend, seed=version)
             mask = np.asarray(batch.mask) > 0
-            learned = np.asarray(logp(learner.params, batch))[mask]
+            learned = np.asarray(logp(state.policy.params, batch))[mask]
             np.testing.assert_allclose(learned, np.asarray(batch.rollout_logp)[mask], atol=1e-4)
         wrong = jax.tree.map(lambda x: x[:, :1], pushed)
         with pytest.raises(ValueError, match="adapter of shape"):
@@ -170,14 +174,16 @@ def test_a_bf16_lora_learner_holds_its_frozen_base_in_bf16() -> None:
     anyway) and the adapters in float32; a step leaves the base bitwise as it was."""
     params = _lora_params()
     learner = Learner(
-        LORA_CFG, params, algo=ALGO, optim=OptimSection(lr=1e-2), sampling=SamplingSpec(0.8),
+        LORA_CFG, algo=ALGO, optim=OptimSection(lr=1e-2), sampling=SamplingSpec(0.8),
         micro_batch_size=4, compute_dtype="bfloat16", sharder=one_device_sharder(),
 )  # fmt: skip
+    state = learner.init_state(params)
     dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree)}  # noqa: E731
-    before = jax.tree.map(np.asarray, base_of(learner.params))
+    before = jax.tree.map(np.asarray, base_of(state.policy.params))
     assert dtypes(before) == {jnp.dtype(jnp.bfloat16)}
-    assert dtypes(adapters_of(learner.params)) == {jnp.dtype(jnp.float32)}
-    learner.train_step(*_step(random_trajectories(12, seed=7), REWARDS, 1, None, 4))
-    after = jax.tree.map(np.asarray, base_of(learner.params))
+    assert dtypes(adapters_of(state.policy.params)) == {jnp.dtype(jnp.float32)}
+    trajs = random_trajectories(12, seed=7)
+    state, _, _ = learner.rl_update(state, *_step(trajs, REWARDS, 1, None, 4))
+    after = jax.tree.map(np.asarray, base_of(state.policy.params))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, after, before)))
-    assert dtypes(adapters_of(learner.params)) == {jnp.dtype(jnp.float32)}
+    assert dtypes(adapters_of(state.policy.params)) == {jnp.dtype(jnp.float32)}

@@ -149,14 +149,14 @@ def test_the_learner_reports_the_router_loss_only_when_on() -> None:
     for coef in (0.0, 0.1):
         learner = Learner(
             MOE,
-            _moe_params(),  # type: ignore[arg-type]
             algo=AlgorithmSection(router_aux_loss_coef=coef),
             optim=OptimSection(lr=1e-3),
             sampling=SamplingSpec(0.8),
             micro_batch_size=2,
             sharder=one_device_sharder(),
         )
-        metrics[coef] = learner.train_step(batch, sequences, real)
+        state = learner.init_state(_moe_params())  # type: ignore[arg-type]
+        _, metrics[coef], _ = learner.rl_update(state, batch, sequences, real)
     assert "router_aux_loss" not in metrics[0.0]
     aux = metrics[0.1]["router_aux_loss"]
     assert MOE.num_experts_per_tok * 0.9 < aux < MOE.num_experts

@@ -109,10 +109,9 @@ def sampled(moe: tuple[ModelConfig, Weights]) -> list[Trajectory]:
     return sample_trajectories(*moe)
 
 
-def learner(cfg: ModelConfig, w: Weights, replay: bool) -> Learner:
+def learner(cfg: ModelConfig, replay: bool) -> Learner:
     return Learner(
         cfg,
-        jax.tree.map(jnp.copy, w),
         algo=AlgorithmSection(routing_replay=replay),
         optim=OptimSection(),
         sampling=SamplingSpec(1.0),
@@ -122,7 +121,7 @@ def learner(cfg: ModelConfig, w: Weights, replay: bool) -> Learner:
 
 
 def step_metrics(cfg: ModelConfig, w: Weights, trajs: list[Trajectory], replay: bool) -> dict:
-    """One RL step of a learner holding ``w``: its metrics (the gaps are taken before it)."""
+    """One RL step of ``w``: its metrics (the gaps are taken before it)."""
     batch, sequences, real = step_batch(
         trajs,
         np.arange(len(trajs), dtype=np.float32),
@@ -133,7 +132,9 @@ def step_metrics(cfg: ModelConfig, w: Weights, trajs: list[Trajectory], replay: 
         bucket=16,
         rows_per_micro=4,
     )
-    return learner(cfg, w, replay).train_step(batch, sequences, real)
+    replaying = learner(cfg, replay)
+    state = replaying.init_state(jax.tree.map(jnp.copy, w))  # its own: the update donates it
+    return replaying.rl_update(state, batch, sequences, real)[1]
 
 
 # ----------------------------------------------------------------- sampler -> trajectory

@@ -157,11 +157,14 @@ def test_the_tree_packed_step_equals_the_packed_step(algo: str, work: str) -> No
     assert (rows.count > 0).sum() < 0.7 * (plain[0].segment_ids > 0).sum()
     learners = [_learner(a, params, reference=reference, lr=1e-6) for _ in range(2)]
     (loss_a, grads_a), (loss_b, grads_b) = (
-        first_update(x, *b) for x, b in zip(learners, (tree, plain), strict=True)
+        first_update(*x, *b) for x, b in zip(learners, (tree, plain), strict=True)
     )
     assert_close_normwise(loss_a, loss_b)
     assert_close_normwise(grads_a, grads_b)
-    got, want = learners[0].train_step(*tree), learners[1].train_step(*plain)
+    (_, got, _), (_, want, _) = (
+        learner.rl_update(state, *b)
+        for (learner, state), b in zip(learners, (tree, plain), strict=True)
+    )
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
@@ -190,24 +193,24 @@ def test_a_moe_policy_s_replayed_routing_and_router_loss_are_those_of_the_packed
     assert tree[0].tree is not None and tree[0].tree.expert_ids is not None
     params = init_params(jax.random.key(6), MOE_CFG, sharder=one_device_sharder())
     algo = AlgorithmSection(routing_replay=True, router_aux_loss_coef=0.01)
-    learners = [
-        Learner(
-            MOE_CFG,
-            jax.tree.map(jnp.copy, params),
-            algo=algo,
-            optim=OptimSection(lr=1e-6),
-            sampling=SamplingSpec(0.8),
-            micro_batch_size=16,
-            sharder=one_device_sharder(),
-        )
-        for _ in range(2)
-    ]
+    learner = Learner(
+        MOE_CFG,
+        algo=algo,
+        optim=OptimSection(lr=1e-6),
+        sampling=SamplingSpec(0.8),
+        micro_batch_size=16,
+        sharder=one_device_sharder(),
+    )
+    # each its own state: an update donates it
+    states = [learner.init_state(jax.tree.map(jnp.copy, params)) for _ in range(2)]
     (loss_a, grads_a), (loss_b, grads_b) = (
-        first_update(x, *b) for x, b in zip(learners, (tree, plain), strict=True)
+        first_update(learner, s, *b) for s, b in zip(states, (tree, plain), strict=True)
     )
     assert_close_normwise(loss_a, loss_b)
     assert_close_normwise(grads_a, grads_b)
-    got, want = learners[0].train_step(*tree), learners[1].train_step(*plain)
+    (_, got, _), (_, want, _) = (
+        learner.rl_update(s, *b) for s, b in zip(states, (tree, plain), strict=True)
+    )
     assert got.keys() == want.keys() and "router_aux_loss" in want
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
@@ -223,13 +226,13 @@ def test_the_sharded_tree_step_equals_the_unsharded() -> None:
     algo = AlgorithmSection(entropy_coef=0.01, clip_high=0.28)
     sharded = _learner(algo, params, Sharder(make_mesh(2, 2, 2)), micro_batch_size=4, lr=1e-6)
     plain = _learner(algo, params, micro_batch_size=4, lr=1e-6)
-    assert sharded.device_batch(batch[0], local=True).tree.tokens.sharding.spec[1] == (
+    assert sharded[0].device_batch(batch[0], local=True).tree.tokens.sharding.spec[1] == (
         "data",
         "fsdp",
     )
     (loss_a, grads_a), (loss_b, grads_b) = (
-        first_update(sharded, *batch),
-        first_update(plain, *batch),
+        first_update(*sharded, *batch),
+        first_update(*plain, *batch),
     )
     assert_close_normwise(loss_a, loss_b)
     assert_close_normwise(grads_a, grads_b)

@@ -154,13 +154,16 @@ def _run(task: TaskFiles, run_dir: Path, *overrides: str) -> list[dict[str, floa
 
 
 def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_path: Path) -> None:
+    """Three steps of the synchronous loop and of the asynchronous one at max_staleness 0: the
+    same metrics every step and bitwise the same parameters at the end."""
     # every decode step computes all slots: bit-equal runs need numbers that do not depend on
     # how requests shared a batch, and XLA:CPU's matmuls round differently by row count
-    same = ["trainer.steps=2", "rollout.batch_buckets=false"]
+    same = ["trainer.steps=3", "rollout.batch_buckets=false"]
     sync = _run(task, tmp_path / "sync", *same)
     asynchronous = _run(
         task, tmp_path / "async", *same, "trainer.mode=async", "trainer.max_staleness=0"
     )
+    assert [m["step"] for m in sync] == [m["step"] for m in asynchronous] == [1, 2, 3]
     for a, b in zip(sync, asynchronous, strict=True):
         for key in ("reward", "grad_norm", "pg_loss", "response_len/mean", "model_tokens/mean"):
             assert a[key] == b[key], key

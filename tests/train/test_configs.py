@@ -114,16 +114,16 @@ def test_a_resumed_run_restores_its_kl_reference(task: TaskFiles, tmp_path: Path
     config = ROOT / "configs" / "demo_calculator_cpu.yaml"
     cfg = load_config(config, [*tiny(task, tmp_path, steps=1), "algorithm.kl_coef=0.01"])
     quiet = Console(file=io.StringIO())
-    fresh = build_run(cfg, quiet)  # SFT, then a checkpoint of step 0
+    fresh, fresh_state = build_run(cfg, quiet)  # SFT, then a checkpoint of step 0
     fresh.checkpoints.close()
     fresh.metrics.close()
-    resumed = build_run(cfg, quiet)
+    resumed, resumed_state = build_run(cfg, quiet)
     resumed.checkpoints.close()
     resumed.metrics.close()
     assert (fresh.start, resumed.start) == (0, 0)
     _, untrained = load_hf(task.model, sharder=one_device_sharder())
     leaves = jax.tree.leaves
-    fresh_ref, resumed_ref = fresh.learner.state.reference, resumed.learner.state.reference
+    fresh_ref, resumed_ref = fresh_state.reference, resumed_state.reference
     for a, b in zip(leaves(fresh_ref), leaves(resumed_ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(

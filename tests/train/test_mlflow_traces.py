@@ -275,7 +275,7 @@ def test_the_hook_records_mlflow_traces_only_with_the_mlflow_backend(tmp_path: P
         "trainer.tensorboard=false", "trainer.traces_per_step=2",
     ]  # fmt: skip
     cfg = load_config(DEMO_CONFIG, overrides)
-    run = build_run(cfg, Console(file=io.StringIO()))
+    run, state = build_run(cfg, Console(file=io.StringIO()))
     run.checkpoints.close()
     run.metrics.close()
     trajs = [episode(run.tokenizer, f"u{i}", float(i), (1,)) for i in range(4)]
@@ -284,7 +284,7 @@ def test_the_hook_records_mlflow_traces_only_with_the_mlflow_backend(tmp_path: P
         traced = dataclasses.replace(
             run, cfg=dataclasses.replace(cfg, trainer=trainer), run_dir=tmp_path / backend
         )
-        asyncio.run(write_traces(traced, None, StepEnd(3, False, {}, trajs)))
+        asyncio.run(write_traces(traced, None, StepEnd(3, False, {}, trajs, state)))
     for backend in ("jsonl", "mlflow"):
         records = read_traces(tmp_path / backend / TRACES_FILE)
         assert [r["uid"] for r in records] == ["u0", "u2"]  # written with either backend
