@@ -369,8 +369,16 @@ class PagedChunk:
         self._tables = make_tables(page_table_bm, pos_b, self._active_b) if T == 1 else None
         self._pools = list(k_pools), list(v_pools)
         self._table_bm, self._pos_b, self._pages_read = page_table_bm, pos_b, pages_read
+        self._attended = [0] * len(k_pools)  # calls of `attend` per layer: once each
 
     def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        if not 0 <= i < len(self._attended) or self._attended[i]:
+            raise ValueError(
+                f"attend({i}, ...): each of the {len(self._attended)} layers attends once a "
+                "forward, with its own index (a layer given another's index would overwrite "
+                "that layer's keys and values and leave its own stale)"
+            )
+        self._attended[i] += 1
         ck, cv = self._pools[0][i], self._pools[1][i]
         if self._tables is not None:
             out, ck, cv = self._decode_layer(
@@ -390,8 +398,18 @@ class PagedChunk:
 
     @property
     def k(self) -> tuple[jax.Array, ...]:
+        self._all_attended()
         return tuple(self._pools[0])
 
     @property
     def v(self) -> tuple[jax.Array, ...]:
+        self._all_attended()
         return tuple(self._pools[1])
+
+    def _all_attended(self) -> None:
+        missing = [i for i, n in enumerate(self._attended) if not n]
+        if missing:
+            raise ValueError(
+                f"layers {missing} never called attend in this forward: their keys and values "
+                "would stay those of the last chunk"
+            )

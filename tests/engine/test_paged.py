@@ -8,12 +8,14 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.paged import PagedChunk
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
@@ -224,3 +226,31 @@ def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint
 
     asyncio.run(main())
     assert held_during_load == [False]  # one load, with the old weights let go of
+
+
+def test_a_forward_attends_with_each_layer_once() -> None:
+    """`PagedChunk` (what a custom policy's forward attends through): a layer that attends
+    with another's index would overwrite that layer's keys and values and leave its own
+    stale, silently; now attending twice with one index, and reading the buffers with a
+    layer never attended, are errors naming the layer."""
+    G, P, ps, K, B, T = 1, 4, 4, 8, 1, 2
+    pools = tuple(jnp.zeros((G, P, ps, K)) for _ in range(2))
+
+    def chunk() -> PagedChunk:
+        table = jnp.zeros((B, 2), jnp.int32)
+        pos, new = jnp.zeros((B,), jnp.int32), jnp.full((B,), T, jnp.int32)
+        return PagedChunk(one_device_sharder(), pools, pools, table, pos, new, 1, "ragged", B, T)
+
+    q, kv = jnp.ones((B, T, 1, K)), jnp.ones((B, T, G, K))
+    twice = chunk()
+    twice.attend(0, q, kv, kv)
+    with pytest.raises(ValueError, match=r"attend\(0, \.\.\.\): each of the 2 layers"):
+        twice.attend(0, q, kv, kv)
+    once = chunk()
+    once.attend(1, q, kv, kv)
+    with pytest.raises(ValueError, match=r"layers \[0\] never called attend"):
+        _ = once.k
+    both = chunk()
+    both.attend(0, q, kv, kv)
+    both.attend(1, q, kv, kv)
+    assert len(both.k) == len(both.v) == 2
