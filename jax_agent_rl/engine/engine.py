@@ -9,7 +9,8 @@ caller's business (`engine.pages.PagePool` keeps the ledger); the engine compute
 already), writes their keys and values into its pages and samples the next token;
 ``insert`` places the result in a decode slot; ``generate`` advances every active slot by
 ``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
-rounded up to a power-of-two batch bucket), each slot's attention over its own pages only
+rounded up to a power-of-two batch bucket, or the active ones gathered into a smaller
+bucket: `state.decode_rows`), each slot's attention over its own pages only
 (`models.paged.ragged_attention`, the work the sum of the real lengths; on TPU with a
 16-bit cache, JAX's Pallas kernel). ``copy_page`` copies a shared page before a write.
 Each slot carries its own sampling parameters, RNG, stop ids and budget. A MoE model's
@@ -56,10 +57,12 @@ from jax_agent_rl.engine.state import (
     cache_dtype,
     check_shards,
     compile_platform,
+    decode_rows,
     empty_decode_state,
     finish_code,
     page_bytes,
     paged_forward,
+    row_access,
     sample_step,
     slot_axes,
 )
@@ -129,8 +132,7 @@ class Engine:
             min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
         )
         self.page_buckets = buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
-        # decode batches: the first `rows` slots, `rows` a power of two; slots split over
-        # devices keep the whole batch, each device decoding its share
+        # decode batches of a power of two (`decode_rows`); sharded, the whole batch
         self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
@@ -155,7 +157,7 @@ class Engine:
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
         self._generate = jax.jit(
             self._generate_impl,
-            static_argnames=("num_steps", "rows"),
+            static_argnames=("num_steps",),
             donate_argnames=("state",),
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
@@ -373,7 +375,7 @@ class Engine:
     # ---------------------------------------------------------------------------- generate
 
     def batch_bucket(self, slots_in_use: int) -> int:
-        """The decode batch that covers slots ``0 .. slots_in_use - 1``."""
+        """The decode batch that covers ``slots_in_use`` slots."""
         return self.batch_buckets[bisect.bisect_left(self.batch_buckets, slots_in_use)]
 
     def generate(
@@ -386,31 +388,36 @@ class Engine:
         slots_in_use: int | None = None,
     ) -> tuple[DecodeState, StepTokens]:
         """Advances every active slot ``num_steps`` tokens. ``page_table`` [N, M] names each
-        slot's pages, which must cover its positions for the ``num_steps`` tokens;
-        ``active``, the active slots, picks the decode batch (the slots up to the highest
-        active one, rounded up to a batch bucket). The tokens come back for the batch's
-        slots, [num_steps, batch]; ``slots_in_use`` widens the batch to cover that many slots
-        (a caller that reads every slot's row)."""
-        rows = self.batch_bucket(max(max(active, default=0) + 1, slots_in_use or 0))
-        check_shards(page_table[:rows], self.slots_per_shard, self.shard_pages)
-        table = self._device_table(page_table[:rows], ("batch", None))
-        return self._generate(params, state, table, num_steps=num_steps, rows=rows)
+        slot's pages (its first rows: the slots after them are idle), which must cover its
+        positions for the ``num_steps`` tokens; ``active``, the active slots, picks the decode
+        batch (`state.decode_rows`), whose rows the tokens come back for, [num_steps, batch],
+        ``slot`` [batch] naming each row's slot; ``slots_in_use`` widens it to the first that
+        many slots (a caller that reads every slot's row by its index)."""
+        order = decode_rows(active, slots_in_use, self.batch_buckets, self.max_concurrent_decodes)
+        table_bm = self.page_table([[]] * self.max_concurrent_decodes)  # slots left out: idle
+        table_bm[: len(page_table)] = page_table
+        table_bm = table_bm[order]
+        check_shards(table_bm, self.slots_per_shard, self.shard_pages)
+        table = self._device_table(table_bm, ("batch", None))
+        slot_b = self._device_table(order, ("batch",))
+        return self._generate(params, state, table, slot_b, num_steps=num_steps)
 
     def _generate_impl(
         self,
         params: Weights,
         state: DecodeState,
         table_bm: jax.Array,
+        slot_b: jax.Array,
         num_steps: int,
-        rows: int,
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
+        take, put = row_access(slot_b, gather=self.shards == 1)
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
             every = state.slots
-            slots = jax.tree.map(lambda x: x[:rows], every)
+            slots = jax.tree.map(take, every)
             active = slots.active
-            pos = state.pos[:rows]
+            pos = take(state.pos)
             h, pages, ids = paged_forward(
                 params,
                 self.cfg,
@@ -432,11 +439,12 @@ class Engine:
             slots = dataclasses.replace(slots, active=active & (finish == RUNNING))
             experts = None if ids is None else ids[:, :, 0].swapaxes(0, 1)  # [rows, S, k]
             out = StepTokens(token, logprob, valid=active, finish=finish, experts=experts)
-            slots = jax.tree.map(lambda all_, part: all_.at[:rows].set(part), every, slots)
-            state = DecodeState(pages=pages, pos=state.pos.at[:rows].set(pos), slots=slots)
+            slots = jax.tree.map(put, every, slots)
+            state = DecodeState(pages=pages, pos=put(state.pos, pos), slots=slots)
             return self._lay_out(state), out
 
-        return jax.lax.scan(step, state, None, length=num_steps)
+        state, out = jax.lax.scan(step, state, None, length=num_steps)
+        return state, dataclasses.replace(out, slot=slot_b)
 
     def warmup(
         self,
@@ -468,7 +476,8 @@ class Engine:
         table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
         for i, rows in enumerate(self.batch_buckets, len(chunks) + 2):
             device_table = self._device_table(table[:rows], ("batch", None))
-            state, out = self._generate(params, state, device_table, num_steps=num_steps, rows=rows)
+            order = self._device_table(np.arange(rows, dtype=np.int32), ("batch",))
+            state, out = self._generate(params, state, device_table, order, num_steps=num_steps)
             jax.block_until_ready(out)
             report(i, total)
         jax.block_until_ready(self.release(state, 0))

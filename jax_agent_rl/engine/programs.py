@@ -58,6 +58,9 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     bucket, rows = engine.prefill_buckets[-1], engine.batch_buckets[-1]
     padded = jax.ShapeDtypeStruct((1, bucket), jnp.int32)
     start_n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    slot_b = jax.ShapeDtypeStruct(
+        (rows,), jnp.int32, sharding=engine.sharder.sharding(("batch",), (rows,))
+    )
     return {
         "load_params": (engine._serving_layout, (params,), {}),
         "prefill": (
@@ -67,7 +70,7 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
         ),
         "generate": (
             engine._generate,
-            (serving, state, table(rows, ("batch", None))),
-            {"num_steps": num_steps, "rows": rows},
+            (serving, state, table(rows, ("batch", None)), slot_b),
+            {"num_steps": num_steps},
         ),
     }

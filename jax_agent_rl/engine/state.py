@@ -5,7 +5,10 @@ hand back, and the pure per-token steps (sample, finish code) both run.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -66,8 +69,9 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepTokens:
-    """What ``generate`` produced, [num_steps, batch] each (the batch: the first slots);
-    ``valid`` marks slots that were active. A MoE model's ``experts`` [num_steps, batch, sparse
+    """What ``generate`` produced, [num_steps, batch] each (the batch: the rows of
+    `Engine.decode_rows`, whose slots ``slot`` [batch] names); ``valid`` marks rows that were
+    active. A MoE model's ``experts`` [num_steps, batch, sparse
     layers, k] (`expert_id_dtype`) are those of the position each token was sampled from
     (the step's input, the token before it); None for a dense model."""
 
@@ -76,6 +80,7 @@ class StepTokens:
     valid: jax.Array
     finish: jax.Array
     experts: Any = None
+    slot: Any = None  # int32 [batch]: each row's slot
 
 
 def paged_forward(
@@ -150,6 +155,43 @@ def check_shards(table_bm: np.ndarray, slots_per_shard: int, shard_pages: int) -
             f"slot {slot} (shard {slot // slots_per_shard}) names page {table_bm[slot, i]}, "
             f"not one of its shard's {shard_pages} pages"
         )
+
+
+def decode_rows(
+    active: Collection[int],
+    slots_in_use: int | None,
+    batch_buckets: Sequence[int],
+    slots: int,
+) -> np.ndarray:
+    """The slots a decode call computes, row by row [batch]: the first slots, the batch
+    bucket that covers the highest active one (and ``slots_in_use``); or, where the active
+    slots are scattered so that a smaller bucket holds them all, the active slots in order,
+    then idle ones as padding (sharded slots have one bucket, all of them: they keep their
+    rows)."""
+
+    def bucket(n: int) -> int:
+        return batch_buckets[bisect.bisect_left(batch_buckets, n)]
+
+    covered = bucket(max(max(active, default=0) + 1, slots_in_use or 0))
+    rows = bucket(max(len(active), slots_in_use or 0, 1))
+    if rows == covered:
+        return np.arange(covered, dtype=np.int32)
+    busy = sorted(active)
+    idle = (s for s in range(slots) if s not in set(busy))
+    return np.array([*busy, *itertools.islice(idle, rows - len(busy))], np.int32)
+
+
+def row_access(
+    slot_b: jax.Array, gather: bool
+) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
+    """How a decode step reads the rows ``slot_b`` [batch] of a per-slot array [N, ...] and
+    writes them back: by gathering those slots, or (``gather`` false: sharded slots, whose
+    rows are the first ones, `decode_rows`) by slicing the first rows, which keeps each
+    shard's rows on it (a gather by index would cross shards)."""
+    rows = slot_b.shape[0]
+    if gather:
+        return (lambda x: x[slot_b]), (lambda every, part: every.at[slot_b].set(part))
+    return (lambda x: x[:rows]), (lambda every, part: every.at[:rows].set(part))
 
 
 def slot_axes(ndim: int) -> tuple[str | None, ...]:

@@ -445,16 +445,19 @@ class EmbeddedBackend:
         out = jax.device_get(out)
         self.stats.decode_calls += 1
         finished: list[tuple[int, FinishReason]] = []
-        for slot, job in self._slots.items():
+        for row, slot in enumerate(out.slot.tolist()):
+            job = self._slots.get(slot)
+            if job is None:
+                continue  # an idle slot padding the batch
             before, code = len(job.tokens), RUNNING
             for t in range(self._steps_per_call):
-                if not out.valid[t, slot] or code != RUNNING:
+                if not out.valid[t, row] or code != RUNNING:
                     break
-                experts = None if out.experts is None else out.experts[t, slot]
-                token, logprob = int(out.token[t, slot]), float(out.logprob[t, slot])
+                experts = None if out.experts is None else out.experts[t, row]
+                token, logprob = int(out.token[t, row]), float(out.logprob[t, row])
                 job.add(token, logprob, experts, self._pool.version)
                 job.pos += 1
-                code = int(out.finish[t, slot])
+                code = int(out.finish[t, row])
             if job.cut_at_stop_string(self._detokenize, len(job.tokens) - before):
                 self._state = self.engine.release(self._state, slot)  # it is running there
                 finished.append((slot, "stop"))

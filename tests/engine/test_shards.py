@@ -211,7 +211,8 @@ def _decode_hlo(topology: object, data: int, tensor: int, kernel: str) -> tuple[
     table = jax.ShapeDtypeStruct(
         (n, m), jnp.int32, sharding=sharder.sharding(("batch", None), (n, m))
     )
-    compiled = engine._generate.lower(params, state, table, num_steps=2, rows=n).compile()
+    slot_b = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharder.sharding(("batch",), (n,)))
+    compiled = engine._generate.lower(params, state, table, slot_b, num_steps=2).compile()
     return compiled.as_text(), engine
 
 
