@@ -15,8 +15,9 @@ a known prefix stays cached, so a group's episodes (one prompt) prefill it once 
 a tree's branches share their parent's pages (``prefix_session``). When the pool runs out,
 admissions wait, and a decoding request that needs a page preempts the one admitted last on
 its shard, computed again later. A long prompt is prefilled in chunks between decode calls.
-Given ``decode`` (the run's tokenizer), a request ends at the decode call that completes one of
-its stop strings, cut at the token that does (`jax_agent_rl.rollout.stops`).
+A decode call computes the running slots alone, gathered into the smallest batch bucket
+(`engine.state.decode_rows`). Given ``decode`` (the run's tokenizer), a request ends at the
+decode call that completes one of its stop strings, cut at the token that does (`stops`).
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
@@ -29,9 +30,8 @@ and values (shared prefixes never cross versions). A LoRA push is its adapters a
 sampled it and the oldest that computed its KV (`GenerateResult.token_versions`,
 ``kv_versions``; `PagePool.oldest`), and a MoE's its experts (`GenerateResult.expert_ids`).
 
-`pause` / `is_paused` / `resume` hold the engine at a state for tests (the conformance suite
-aborts a request it knows to be running, and one it knows to be queued): paused, the engine
-admits and decodes nothing, and still serves aborts.
+`pause` / `is_paused` / `resume` hold the engine for tests (aborting a request known to run,
+or to wait): paused, it admits and decodes nothing, and serves aborts.
 """
 
 from __future__ import annotations
@@ -101,8 +101,7 @@ class EmbeddedBackend:
             lora=engine.cfg.lora is not None,
         )
         self.stats = BackendStats()
-        # the last weight push: the bytes it sent (a LoRA policy's adapters only), the seconds
-        # the engine took to take them (in process: nothing is written)
+        # the last weight push: its bytes (a LoRA policy's adapters only), the engine's seconds
         self.last_push: PushStats | None = None
         self._params = engine.load_params(params)
         if warmup:  # compile every program now rather than stall a rollout later
@@ -115,8 +114,7 @@ class EmbeddedBackend:
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
         self._prefilling: Job | None = None  # a long prompt between its chunks
-        self._admissions = itertools.count()
-        self._rng = random.Random(seed)
+        self._admissions, self._rng = itertools.count(), random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -446,8 +444,7 @@ class EmbeddedBackend:
         self.stats.decode_calls += 1
         finished: list[tuple[int, FinishReason]] = []
         for row, slot in enumerate(out.slot.tolist()):
-            job = self._slots.get(slot)
-            if job is None:
+            if (job := self._slots.get(slot)) is None:
                 continue  # an idle slot padding the batch
             before, code = len(job.tokens), RUNNING
             for t in range(self._steps_per_call):
