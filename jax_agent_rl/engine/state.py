@@ -177,7 +177,8 @@ def decode_rows(
     if rows == covered:
         return np.arange(covered, dtype=np.int32)
     busy = sorted(active)
-    idle = (s for s in range(slots) if s not in set(busy))
+    taken = set(busy)
+    idle = (s for s in range(slots) if s not in taken)
     return np.array([*busy, *itertools.islice(idle, rows - len(busy))], np.int32)
 
 
