@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -58,21 +58,37 @@ if TYPE_CHECKING:
     from jax_agent_rl.rollout.registry import BackendBuild
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What of a `BackendBuild` travels to a replica: the weights go apart (the object store),
+    and the sharder (its devices are the pool's process's), the progress callback and the
+    tokenizer stay behind."""
+
+    build: dict[str, Any]  # the BackendBuild's other fields, by name
+
+    @classmethod
+    def of(cls, spec: BackendBuild) -> ReplicaSpec:
+        kept = ("params", "sharder", "on_program", "decode")
+        return cls(
+            {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in kept}
+        )
+
+
 class Replica:
     """One rollout backend inside a Ray actor (``ray.remote(Replica)``; async methods run on
     the actor's event loop, so its requests are served concurrently), serving ``params``, or
     their base with ``adapters`` (a LoRA policy's, pushed since ``params``)."""
 
-    def __init__(self, spec: BackendBuild, params: Any, adapters: Any = None) -> None:
+    def __init__(self, spec: ReplicaSpec, params: Any, adapters: Any = None) -> None:
         import ray
 
-        from jax_agent_rl.rollout.registry import make_backend
+        from jax_agent_rl.rollout.registry import BackendBuild, make_backend
 
         if adapters is not None:
             params = with_adapters(base_of(params), adapters)
         # the replica's engine on a mesh of its own first device (the pool's stays behind)
-        spec = dataclasses.replace(spec, params=params, sharder=one_device_sharder())
-        self.backend: RolloutBackend = make_backend(spec)
+        build = BackendBuild(**spec.build, params=params, sharder=one_device_sharder())
+        self.backend: RolloutBackend = make_backend(build)
         self.node = ray.get_runtime_context().get_node_id()
         self.requests = 0  # in flight here
 
@@ -173,11 +189,7 @@ class RayPool:
         self._ray = ray
         self._cfg = spec.rollout.ray
         self._owns_ray = connect(self._cfg.address)
-        # params are sent apart; the sharder (its devices are this process's: a replica lays
-        # its engine out on its own, `Replica`), the progress callback and the tokenizer stay
-        self._spec = dataclasses.replace(
-            spec, params=cast(Any, None), sharder=cast(Any, None), on_program=None, decode=None
-        )
+        self._spec = ReplicaSpec.of(spec)
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
         self._adapters: Any = None  # the newest LoRA adapters pushed (on `_weights`' base)
         self._gate = WeightGate(spec.version)
@@ -227,7 +239,9 @@ class RayPool:
             runtime_env={"env_vars": self._env},
         )
         return actor_cls.remote(
-            dataclasses.replace(self._spec, version=self._version), self._weights, self._adapters
+            ReplicaSpec({**self._spec.build, "version": self._version}),
+            self._weights,
+            self._adapters,
         )
 
     def counters(self) -> dict[str, float]:
@@ -357,7 +371,7 @@ class RayPool:
                     "a push of LoRA adapters (LayerAdapters) to Ray replicas whose model has "
                     "none: push the whole model's weights"
                 )
-            check_adapters(self._spec.model, params)
+            check_adapters(self._spec.build["model"], params)
 
         async def push() -> None:
             t0 = time.perf_counter()
