@@ -19,8 +19,7 @@ tmpfs mounts (``memory_mb``), CPU seconds (``cpu_s``) and files on the tmpfs mou
 (``files``). An execution over a bound is killed and its result names the bound.
 
 If the fork server cannot prove the sandbox clean (a process survived, a mount could not be
-replaced, a TCP socket outlived the execution), the reply says ``dirty`` and the zygote exits:
-the host starts a fresh sandbox.
+replaced), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
 
 Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
 given as arguments (requests in, replies out), which the zygote moves to fds 3 and 4; the child
@@ -46,14 +45,12 @@ import traceback
 
 from jax_agent_rl.tools.sandbox_reset import (
     SIZES,
-    SOCKSTAT_FDS,
     WRITABLE,
     confine_executions,
     drop_capabilities,
     hold_counters,
     metadata,
     renew,
-    sockstat,
     sweep,
 )
 
@@ -90,14 +87,13 @@ except (ValueError, TypeError) as e:
 finally:
     del y
 """
-PR_SET_DUMPABLE = 4
+PR_SET_DUMPABLE, PR_SET_THP_DISABLE = 4, 41
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
 SOCKETS_EVERY_S = 0.1
-TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
 # the last reading of the Unix and netlink sockets' queues (`_unix_queued`, `_netlink_queued`)
-LOCAL_QUEUED = {"at": 0.0, "bytes": 0}
+QUEUED = {"at": 0.0, "bytes": 0}
 UNIX_DIAG: list[socket.socket] = []  # the fork server's NETLINK_SOCK_DIAG socket, made once
 # sock_diag's request of every Unix socket's queues: nlmsghdr (SOCK_DIAG_BY_FAMILY,
 # NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state, UDIAG_SHOW_RQLEN)
@@ -144,6 +140,9 @@ def _child(code, limits, out_w, err_w):
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    # POSIX timers and queued signals: kernel memory in no resident set, each one counted here
+    # (the host's limit let one process make 96,365 timers, about 55 MB)
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (256, 256))
     os.chdir("/work")
     status = 1
     try:
@@ -201,21 +200,12 @@ def usage():
 
 
 def _socket_bytes():
-    """Bytes queued in the sandbox's TCP and UDP sockets (its own network namespace): kernel
-    memory in no process's resident set, ~100 MB of it on loopback under a 64 MB limit. TCP
-    counts the data in each queue, UDP the memory of its buffers. A table is read only when
-    ``sockstat`` counts sockets in it, and TCP's at most every SOCKETS_EVERY_S: reading it
-    walks the host's whole TCP hash table (~10 ms)."""
-    stats = sockstat()
-    total = sum(_queued(name) for name in ("udp", "udp6") if stats[name.upper()]["inuse"])
-    if time.monotonic() - LOCAL_QUEUED["at"] >= SOCKETS_EVERY_S:
-        LOCAL_QUEUED.update(at=time.monotonic(), bytes=_unix_queued() + _netlink_queued())
-    total += LOCAL_QUEUED["bytes"]
-    if stats["TCP"]["inuse"] + stats["TCP6"]["inuse"] == 0:
-        TCP_QUEUED.update(at=0.0, bytes=0)
-    elif time.monotonic() - TCP_QUEUED["at"] >= SOCKETS_EVERY_S:
-        TCP_QUEUED.update(at=time.monotonic(), bytes=_queued("tcp") + _queued("tcp6"))
-    return total + TCP_QUEUED["bytes"]
+    """Bytes queued in the sandbox's sockets, Unix and netlink (the only families executions
+    can open: `seccomp`), read at most every SOCKETS_EVERY_S: kernel memory in no process's
+    resident set."""
+    if time.monotonic() - QUEUED["at"] >= SOCKETS_EVERY_S:
+        QUEUED.update(at=time.monotonic(), bytes=_unix_queued() + _netlink_queued())
+    return QUEUED["bytes"]
 
 
 def _unix_queued():
@@ -251,20 +241,6 @@ def _netlink_queued():
     with open("/proc/net/netlink", "rb") as f:
         lines = f.read().splitlines()[1:]  # after the header
     return sum(int(line.split()[4]) + int(line.split()[5]) for line in lines)
-
-
-def _queued(name):
-    """tx_queue + rx_queue over the sockets of ``/proc/net/<name>``."""
-    try:
-        with open(f"/proc/net/{name}", "rb") as f:
-            lines = f.read().splitlines()[1:]  # after the header
-    except FileNotFoundError:
-        return 0
-    total = 0
-    for line in lines:
-        tx, rx = line.split()[4].split(b":")  # tx_queue:rx_queue, hex
-        total += int(tx, 16) + int(rx, 16)
-    return total
 
 
 def over_limit(limits):
@@ -371,16 +347,19 @@ def _run(req, pristine):
 
 
 def main():
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    # no transparent huge pages, here and (inherited) in every execution, which cannot undo it
+    # (`seccomp.execution_filter`): a huge page stays whole while 4 KB of it is mapped, and only
+    # those 4 KB are in a resident set (400 kept so held 826 MB while 13 MB were counted)
+    if libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE, 1) failed")
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
     hold_counters()  # after `_take_pipes`, which closes every other fd
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
     _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
-    for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
-        if os.path.exists(path):
-            SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     for root, mode in WRITABLE.items():
         os.chmod(root, mode)
         fs = os.statvfs(root)
