@@ -96,10 +96,14 @@ SOCKETS_EVERY_S = 0.1
 QUEUED = {"at": 0.0, "bytes": 0}
 UNIX_DIAG: list[socket.socket] = []  # the fork server's NETLINK_SOCK_DIAG socket, made once
 # sock_diag's request of every Unix socket's queues: nlmsghdr (SOCK_DIAG_BY_FAMILY,
-# NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state, UDIAG_SHOW_RQLEN)
+# NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state,
+# UDIAG_SHOW_PEER | UDIAG_SHOW_RQLEN)
 UNIX_DUMP = struct.pack("=IHHII", 40, 20, 0x301, 0, 0) + struct.pack(
-    "=BBHIIIII", 1, 0, 0, 0xFFFFFFFF, 0, 0x10, 0, 0
+    "=BBHIIIII", 1, 0, 0, 0xFFFFFFFF, 0, 0x14, 0, 0
 )
+# What a Unix socket with data to read and no live peer is charged (`_unix_queued`), by type
+# (SOCK_STREAM 1, SOCK_DGRAM 2, SOCK_SEQPACKET 5); set by `main` from the kernel's sysctls
+ORPHANED: dict[int, int] = {}
 
 
 def _read_exact(n):
@@ -209,29 +213,61 @@ def _socket_bytes():
 
 
 def _unix_queued():
-    """Bytes the sandbox's Unix sockets have sent that their peers have not read (each one's
-    write queue, as the kernel's socket diagnostics give it; a listening socket's figures
-    count connections, and are left out). Queued Unix data is kernel memory in no process's
-    resident set: 28 socket pairs of one process held 219 MB under a 64 MB limit."""
+    """Memory in the sandbox's Unix socket queues. Sent data is charged to its sender, whose
+    write queue the kernel's socket diagnostics give: 28 socket pairs of one process held
+    219 MB under a 64 MB limit. Once a sender closes, its data stays in the receiver's queue,
+    charged to a socket no dump lists, and the receiver's figures give its bytes (a one-byte
+    send takes ~1 KB) or its first datagram: 56 pairs whose sending ends one process closed
+    held 439 MB under a 64 MB limit. So a socket with data to read and no live peer (a
+    datagram socket with any) is charged the most dead senders can have left it
+    (`ORPHANED`), and a listening socket as much for each connection it has not accepted,
+    which no dump lists either (500 of them, their clients closed, held 111 MB)."""
     sock = UNIX_DIAG[0]
     sock.send(UNIX_DUMP)
-    total = 0
+    total, live = 0, set()
+    unread: list[tuple[int, int]] = []  # (peer inode, socket type) of each socket with data
     while True:
         data, at = sock.recv(1 << 16), 0
         while at + 16 <= len(data):
             length, kind = struct.unpack_from("=IH", data, at)
             if kind == 3:  # NLMSG_DONE
-                return total
+                # (a datagram socket may hold others' datagrams beside its live peer's)
+                orphaned = [k for peer, k in unread if peer not in live or k == 2]
+                return total + sum(ORPHANED[k] for k in orphaned)
             if kind == 2:  # NLMSG_ERROR
                 raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "sock_diag")
-            listening = data[at + 18] == 10  # unix_diag_msg's state: TCP_LISTEN
+            # unix_diag_msg: family, type, state, pad, inode
+            sock_type, listening = data[at + 17], data[at + 18] == 10  # (state TCP_LISTEN)
+            ino, peer = struct.unpack_from("=I", data, at + 20)[0], 0
+            live.add(ino)
             attr = at + 32  # after nlmsghdr (16 bytes) and unix_diag_msg (16)
             while attr + 4 <= at + length:
                 size, name = struct.unpack_from("=HH", data, attr)
-                if name == 4 and not listening:  # UNIX_DIAG_RQLEN: (rqueue, wqueue)
-                    total += struct.unpack_from("=I", data, attr + 8)[0]
+                if name == 2:  # UNIX_DIAG_PEER: its inode (0 once closed)
+                    peer = struct.unpack_from("=I", data, attr + 4)[0]
+                if name == 4:  # UNIX_DIAG_RQLEN: (rqueue, wqueue)
+                    rqueue, wqueue = struct.unpack_from("=II", data, attr + 4)
+                    if listening:  # rqueue: connections not accepted, which no dump lists
+                        total += rqueue * ORPHANED[sock_type]
+                    else:
+                        total += wqueue
+                        if rqueue:
+                            unread.append((peer, sock_type))
                 attr += max((size + 3) & ~3, 4)
             at += max((length + 3) & ~3, 16)
+
+
+def _orphan_bounds():
+    """`ORPHANED`: what a dead sender can have left in a receiver's queue. Executions cannot
+    raise a send buffer (`seccomp`: SO_SNDBUF), so each sender's is ``net.core.wmem_default``,
+    which its queued data passes by at most one send (half a buffer). A stream or seqpacket
+    socket has one peer; a datagram socket also takes up to ``max_dgram_qlen`` + 1 datagrams
+    from senders that are not its peer, each at most a buffer."""
+    with open("/proc/sys/net/core/wmem_default") as f:
+        buffer = int(f.read())
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        backlog = int(f.read()) + 1
+    ORPHANED.update({1: 2 * buffer, 5: 2 * buffer, 2: (2 + backlog) * buffer})
 
 
 def _netlink_queued():
@@ -359,6 +395,7 @@ def main():
     hold_counters()  # after `_take_pipes`, which closes every other fd
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
+    _orphan_bounds()
     _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
     for root, mode in WRITABLE.items():
         os.chmod(root, mode)

@@ -66,7 +66,10 @@ transparent huge pages (the fork server sets ``PR_SET_THP_DISABLE`` before it se
 every fork inherits, and ``execution_filter`` denies setting it): a 2 MB huge page stays
 whole while any 4 KB of it is mapped, and the resident set counts only what is mapped, so
 one process that kept 4 KB of each of 400 huge pages showed 13 MB and held 826 MB until
-memory pressure splits them.
+memory pressure splits them. Nor can they set a socket's send buffer (``setsockopt``
+``SO_SNDBUF``, ``SO_SNDBUFFORCE``: EPERM): it stays ``net.core.wmem_default``, which bounds
+what a closed sender leaves queued for its receiver, memory the fork server charges without
+seeing it (`sandbox_zygote._unix_queued`).
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -112,6 +115,7 @@ __O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
 SIGCHLD = 17  # on x86-64 and aarch64 alike
 MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
 PR_SET_THP_DISABLE = 41
+SOL_SOCKET, SO_SNDBUF, SO_SNDBUFFORCE = 1, 7, 32
 
 DENIED = (
     # other processes' memory
@@ -155,7 +159,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
             "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
             "openat2": 437, "rt_sigaction": 13, "mmap": 9, "vmsplice": 278, "splice": 275,
-            "tee": 276, "sendfile": 40, "prctl": 157,
+            "tee": 276, "sendfile": 40, "prctl": 157, "setsockopt": 54,
         },
     ),
     "aarch64": (
@@ -178,7 +182,7 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
             "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222, "vmsplice": 75,
-            "splice": 76, "tee": 77, "sendfile": 71, "prctl": 167,
+            "splice": 76, "tee": 77, "sendfile": 71, "prctl": 167, "setsockopt": 208,
         },
     ),
 }  # fmt: skip
@@ -306,7 +310,16 @@ def execution_filter(machine: str | None = None) -> bytes:
         _is(table["socket"], "socket"),
         _is(table["mmap"], "mmap"),
         _is(table["prctl"], "prctl"),
+        _is(table["setsockopt"], "setsockopt"),
         _ret(RET_ALLOW),
+        # setsockopt: a socket's send buffer (SOL_SOCKET, args[1]; SO_SNDBUF or its forced
+        # form, args[2]) stays the kernel's default, the most a closed sender leaves queued
+        "setsockopt",
+        _load(_arg_low(1)),
+        _is(SOL_SOCKET, 0, "allow"),
+        _load(_arg_low(2)),
+        _is(SO_SNDBUF, "eperm"),
+        _is(SO_SNDBUFFORCE, "eperm", "allow"),
         # prctl: the fork server disabled transparent huge pages for itself and every execution
         # it forks; PR_SET_THP_DISABLE (args[0]) would let one turn them back on
         "prctl",

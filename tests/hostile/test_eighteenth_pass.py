@@ -46,17 +46,23 @@ for family in (socket.AF_INET, socket.AF_INET6):
             print("opened")
         except OSError as e:
             print(e.errno)
-a, b = socket.socketpair()  # (AF_UNIX: its queues are counted whole)
+a, b = socket.socketpair()  # (AF_UNIX: its queues are counted)
 a.sendall(b"unix works")
 print(b.recv(100).decode())
+try:
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+except OSError as e:
+    print("SO_SNDBUF", e.errno)
+a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # (any other option still works)
 """
 
 
 def test_executions_open_no_inet_socket(sandbox: PythonSandbox) -> None:
     """The pages behind a TCP or UDP queue are shared 32 KB page fragments charged by the byte,
     so no reading of the queues bounds them (3.3 GB held behind 200 KB counted). The sandbox
-    has no network beyond its own loopback; inet and inet6 sockets now answer EAFNOSUPPORT."""
-    assert run(sandbox, INET).stdout == "97\n97\n97\n97\nunix works\n"
+    has no network beyond its own loopback; inet and inet6 sockets now answer EAFNOSUPPORT.
+    (A Unix socket's send buffer cannot be raised either: see the test of closed senders.)"""
+    assert run(sandbox, INET).stdout == "97\n97\n97\n97\nunix works\nSO_SNDBUF 1\n"
 
 
 PAGE_REFERENCES = """
@@ -140,3 +146,71 @@ def test_posix_timers_are_bounded_per_execution(sandbox: PythonSandbox) -> None:
     RLIMIT_SIGPENDING: one process made 96,365 of them, about 55 MB. Executions now get 256
     timers and queued signals in all, shared by their processes."""
     assert run(sandbox, TIMERS).stdout == "200 56\n200\n"
+
+
+CLOSED_SENDERS = """
+import socket, time
+held, queued = [], 0
+for _ in range(56):  # (64 file descriptors a process: the senders close)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_KIND)
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 24)  # (before: up to 8 MB)
+    except OSError:
+        pass
+    a.setblocking(False)
+    while True:
+        try:
+            queued += a.send(b"x" * 16384)
+        except OSError:  # (full)
+            break
+    a.close()  # its data stays in b's queue
+    held.append(b)
+time.sleep(1)  # held: the watchdog reads the queues at least every 0.1 s
+print("kept them")
+"""
+
+NOT_ACCEPTED = """
+import socket, time
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind("\\0server")
+server.listen(128)
+for _ in range(60):
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect("\\0server")
+    client.setblocking(False)
+    while True:
+        try:
+            client.send(b"x" * 16384)
+        except OSError:  # (full)
+            break
+    client.close()  # its data stays in the connection the server never accepts
+print("connected", flush=True)
+time.sleep(1)
+print("kept them")
+"""
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        CLOSED_SENDERS.replace("SOCK_KIND", "SOCK_STREAM"),
+        CLOSED_SENDERS.replace("SOCK_KIND", "SOCK_DGRAM"),
+        NOT_ACCEPTED,
+    ],
+    ids=["stream", "datagram", "not-accepted"],
+)
+def test_data_a_closed_sender_left_counts_toward_the_memory_limit(code: str) -> None:
+    """Unix data is charged to its sender, and the watchdog read each sender's write queue;
+    once a sender closes, its data stays with the receiver, charged to a socket no dump lists:
+    56 pairs whose sending ends one process closed held 439 MB (stream) and 395 MB (datagram)
+    under ``memory_mb=64``, and so did connections a listening socket never accepted (500 held
+    111 MB). Executions now cannot raise a send buffer (EPERM), and a socket with data to read
+    and no live peer, or a connection not accepted, is charged the most its dead sender can
+    have left it: two default send buffers, ~0.4 MB (here 56 or 60 of them, past a bound of
+    22 MB that the process's ~12 MB resident set alone stays under)."""
+    sb = PythonSandbox(size=1, limits=Limits(cpu_s=5, memory_mb=22, processes=16), timeout_s=60.0)
+    try:
+        result = run(sb, code)
+    finally:
+        sb.close()
+    assert result.limit == "memory" and "kept them" not in result.stdout, result
