@@ -4,9 +4,9 @@ library is used; `tools.sandbox` puts it in ``sys.modules`` before the zygote im
 
 Between executions the fork server kills every process but itself (`sweep`) and replaces each
 writable place an execution touched with a fresh tmpfs mount (`renew`), which it knows from an
-inotify watch on each (`confine_executions`); it sets the pid counter back and checks that no
-TCP socket outlived the execution. It keeps only the capabilities that takes
-(`hold_counters`) and an execution starts with none (`drop_capabilities`).
+inotify watch on each (`confine_executions`), and sets the pid counter back. It keeps only
+the capabilities that takes (`hold_counters`) and an execution starts with none
+(`drop_capabilities`).
 """
 
 import ctypes
@@ -15,22 +15,6 @@ import signal
 import struct
 
 WRITABLE = {"/work": 0o755, "/tmp": 0o1777, "/dev/shm": 0o1777}  # and their modes
-SOCKSTAT_FDS: list[int] = []  # /proc/net/sockstat and sockstat6 (if any), opened by the zygote
-
-
-def sockstat():
-    """{protocol: {field: count}} of ``/proc/net/sockstat`` and ``sockstat6``, e.g.
-    ``TCP: inuse 1 orphan 0 tw 2 alloc 1 mem 3``: counts of this network namespace (but
-    ``mem`` and ``orphan``, which are the host's). Read through the fds `main` keeps open
-    (each read at offset 0 renders the file afresh): opening them each time cost ~0.1 ms a
-    call."""
-    stats = {"TCP6": {"inuse": 0}, "UDP6": {"inuse": 0}}  # without IPv6, no sockstat6
-    for fd in SOCKSTAT_FDS:
-        for line in os.pread(fd, 4096, 0).decode().splitlines():
-            proto, _, rest = line.partition(":")
-            words = rest.split()
-            stats[proto] = {k: int(v) for k, v in zip(words[::2], words[1::2], strict=False)}
-    return stats
 
 
 def metadata(root):
@@ -115,13 +99,6 @@ def drop_capabilities():
         os._exit(125)
 
 
-def _sockets_left():
-    """Whether a TCP socket outlived the execution's processes (TIME_WAIT lasts a minute):
-    the next execution would see its ports and addresses in ``/proc/net``."""
-    stats = sockstat()
-    return stats["TCP"]["inuse"] + stats["TCP"]["tw"] + stats["TCP6"]["inuse"] > 0
-
-
 def renew(pristine):
     """After the sweep: a fresh tmpfs mount in place of each writable place the execution
     touched (`_touched`), given the mode and times its root had (`metadata` must then equal
@@ -131,8 +108,7 @@ def renew(pristine):
     next execution would read: each execution finds its first file at the same inode, and its
     process at pid 2. A place no event shows touched holds nothing and was not changed (every
     entry starts at its empty root, and unnamed files are denied): it stays. ~35 us of CPU a
-    mount. False if any of it failed or a TCP socket outlived the execution (the host then
-    replaces the sandbox)."""
+    mount. False if any of it failed (the host then replaces the sandbox)."""
     try:
         for root in _touched():
             *_, atime, mtime, _ = pristine[root]
@@ -149,7 +125,7 @@ def renew(pristine):
         os.pwrite(HELD["last_pid"], b"1", 0)
     except OSError:
         return False
-    return not _sockets_left()
+    return True
 
 
 # inotify: the fork server watches each writable root for any event at all (an entry made,

@@ -19,8 +19,7 @@ tmpfs mounts (``memory_mb``), CPU seconds (``cpu_s``) and files on the tmpfs mou
 (``files``). An execution over a bound is killed and its result names the bound.
 
 If the fork server cannot prove the sandbox clean (a process survived, a mount could not be
-replaced, a TCP socket outlived the execution), the reply says ``dirty`` and the zygote exits:
-the host starts a fresh sandbox.
+replaced), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
 
 Frames are a 4-byte big-endian length and a JSON object, on the two pipe file descriptors
 given as arguments (requests in, replies out), which the zygote moves to fds 3 and 4; the child
@@ -46,14 +45,12 @@ import traceback
 
 from jax_agent_rl.tools.sandbox_reset import (
     SIZES,
-    SOCKSTAT_FDS,
     WRITABLE,
     confine_executions,
     drop_capabilities,
     hold_counters,
     metadata,
     renew,
-    sockstat,
     sweep,
 )
 
@@ -90,20 +87,23 @@ except (ValueError, TypeError) as e:
 finally:
     del y
 """
-PR_SET_DUMPABLE = 4
+PR_SET_DUMPABLE, PR_SET_THP_DISABLE = 4, 41
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 WATCH_EVERY_S = 0.01
 SOCKETS_EVERY_S = 0.1
-TCP_QUEUED = {"at": 0.0, "bytes": 0}  # the last reading of the TCP tables (`_socket_bytes`)
 # the last reading of the Unix and netlink sockets' queues (`_unix_queued`, `_netlink_queued`)
-LOCAL_QUEUED = {"at": 0.0, "bytes": 0}
+QUEUED = {"at": 0.0, "bytes": 0}
 UNIX_DIAG: list[socket.socket] = []  # the fork server's NETLINK_SOCK_DIAG socket, made once
 # sock_diag's request of every Unix socket's queues: nlmsghdr (SOCK_DIAG_BY_FAMILY,
-# NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state, UDIAG_SHOW_RQLEN)
+# NLM_F_REQUEST | NLM_F_DUMP), then unix_diag_req (AF_UNIX, every state,
+# UDIAG_SHOW_PEER | UDIAG_SHOW_RQLEN)
 UNIX_DUMP = struct.pack("=IHHII", 40, 20, 0x301, 0, 0) + struct.pack(
-    "=BBHIIIII", 1, 0, 0, 0xFFFFFFFF, 0, 0x10, 0, 0
+    "=BBHIIIII", 1, 0, 0, 0xFFFFFFFF, 0, 0x14, 0, 0
 )
+# What a Unix socket with data to read and no live peer is charged (`_unix_queued`), by type
+# (SOCK_STREAM 1, SOCK_DGRAM 2, SOCK_SEQPACKET 5); set by `main` from the kernel's sysctls
+ORPHANED: dict[int, int] = {}
 
 
 def _read_exact(n):
@@ -144,6 +144,9 @@ def _child(code, limits, out_w, err_w):
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    # POSIX timers and queued signals: kernel memory in no resident set, each one counted here
+    # (the host's limit let one process make 96,365 timers, about 55 MB)
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (256, 256))
     os.chdir("/work")
     status = 1
     try:
@@ -201,47 +204,70 @@ def usage():
 
 
 def _socket_bytes():
-    """Bytes queued in the sandbox's TCP and UDP sockets (its own network namespace): kernel
-    memory in no process's resident set, ~100 MB of it on loopback under a 64 MB limit. TCP
-    counts the data in each queue, UDP the memory of its buffers. A table is read only when
-    ``sockstat`` counts sockets in it, and TCP's at most every SOCKETS_EVERY_S: reading it
-    walks the host's whole TCP hash table (~10 ms)."""
-    stats = sockstat()
-    total = sum(_queued(name) for name in ("udp", "udp6") if stats[name.upper()]["inuse"])
-    if time.monotonic() - LOCAL_QUEUED["at"] >= SOCKETS_EVERY_S:
-        LOCAL_QUEUED.update(at=time.monotonic(), bytes=_unix_queued() + _netlink_queued())
-    total += LOCAL_QUEUED["bytes"]
-    if stats["TCP"]["inuse"] + stats["TCP6"]["inuse"] == 0:
-        TCP_QUEUED.update(at=0.0, bytes=0)
-    elif time.monotonic() - TCP_QUEUED["at"] >= SOCKETS_EVERY_S:
-        TCP_QUEUED.update(at=time.monotonic(), bytes=_queued("tcp") + _queued("tcp6"))
-    return total + TCP_QUEUED["bytes"]
+    """Bytes queued in the sandbox's sockets, Unix and netlink (the only families executions
+    can open: `seccomp`), read at most every SOCKETS_EVERY_S: kernel memory in no process's
+    resident set."""
+    if time.monotonic() - QUEUED["at"] >= SOCKETS_EVERY_S:
+        QUEUED.update(at=time.monotonic(), bytes=_unix_queued() + _netlink_queued())
+    return QUEUED["bytes"]
 
 
 def _unix_queued():
-    """Bytes the sandbox's Unix sockets have sent that their peers have not read (each one's
-    write queue, as the kernel's socket diagnostics give it; a listening socket's figures
-    count connections, and are left out). Queued Unix data is kernel memory in no process's
-    resident set: 28 socket pairs of one process held 219 MB under a 64 MB limit."""
+    """Memory in the sandbox's Unix socket queues. Sent data is charged to its sender, whose
+    write queue the kernel's socket diagnostics give: 28 socket pairs of one process held
+    219 MB under a 64 MB limit. Once a sender closes, its data stays in the receiver's queue,
+    charged to a socket no dump lists, and the receiver's figures give its bytes (a one-byte
+    send takes ~1 KB) or its first datagram: 56 pairs whose sending ends one process closed
+    held 439 MB under a 64 MB limit. So a socket with data to read and no live peer (a
+    datagram socket with any) is charged the most dead senders can have left it
+    (`ORPHANED`), and a listening socket as much for each connection it has not accepted,
+    which no dump lists either (500 of them, their clients closed, held 111 MB)."""
     sock = UNIX_DIAG[0]
     sock.send(UNIX_DUMP)
-    total = 0
+    total, live = 0, set()
+    unread: list[tuple[int, int]] = []  # (peer inode, socket type) of each socket with data
     while True:
         data, at = sock.recv(1 << 16), 0
         while at + 16 <= len(data):
             length, kind = struct.unpack_from("=IH", data, at)
             if kind == 3:  # NLMSG_DONE
-                return total
+                # (a datagram socket may hold others' datagrams beside its live peer's)
+                orphaned = [k for peer, k in unread if peer not in live or k == 2]
+                return total + sum(ORPHANED[k] for k in orphaned)
             if kind == 2:  # NLMSG_ERROR
                 raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "sock_diag")
-            listening = data[at + 18] == 10  # unix_diag_msg's state: TCP_LISTEN
+            # unix_diag_msg: family, type, state, pad, inode
+            sock_type, listening = data[at + 17], data[at + 18] == 10  # (state TCP_LISTEN)
+            ino, peer = struct.unpack_from("=I", data, at + 20)[0], 0
+            live.add(ino)
             attr = at + 32  # after nlmsghdr (16 bytes) and unix_diag_msg (16)
             while attr + 4 <= at + length:
                 size, name = struct.unpack_from("=HH", data, attr)
-                if name == 4 and not listening:  # UNIX_DIAG_RQLEN: (rqueue, wqueue)
-                    total += struct.unpack_from("=I", data, attr + 8)[0]
+                if name == 2:  # UNIX_DIAG_PEER: its inode (0 once closed)
+                    peer = struct.unpack_from("=I", data, attr + 4)[0]
+                if name == 4:  # UNIX_DIAG_RQLEN: (rqueue, wqueue)
+                    rqueue, wqueue = struct.unpack_from("=II", data, attr + 4)
+                    if listening:  # rqueue: connections not accepted, which no dump lists
+                        total += rqueue * ORPHANED[sock_type]
+                    else:
+                        total += wqueue
+                        if rqueue:
+                            unread.append((peer, sock_type))
                 attr += max((size + 3) & ~3, 4)
             at += max((length + 3) & ~3, 16)
+
+
+def _orphan_bounds():
+    """`ORPHANED`: what a dead sender can have left in a receiver's queue. Executions cannot
+    raise a send buffer (`seccomp`: SO_SNDBUF), so each sender's is ``net.core.wmem_default``,
+    which its queued data passes by at most one send (half a buffer). A stream or seqpacket
+    socket has one peer; a datagram socket also takes up to ``max_dgram_qlen`` + 1 datagrams
+    from senders that are not its peer, each at most a buffer."""
+    with open("/proc/sys/net/core/wmem_default") as f:
+        buffer = int(f.read())
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        backlog = int(f.read()) + 1
+    ORPHANED.update({1: 2 * buffer, 5: 2 * buffer, 2: (2 + backlog) * buffer})
 
 
 def _netlink_queued():
@@ -251,20 +277,6 @@ def _netlink_queued():
     with open("/proc/net/netlink", "rb") as f:
         lines = f.read().splitlines()[1:]  # after the header
     return sum(int(line.split()[4]) + int(line.split()[5]) for line in lines)
-
-
-def _queued(name):
-    """tx_queue + rx_queue over the sockets of ``/proc/net/<name>``."""
-    try:
-        with open(f"/proc/net/{name}", "rb") as f:
-            lines = f.read().splitlines()[1:]  # after the header
-    except FileNotFoundError:
-        return 0
-    total = 0
-    for line in lines:
-        tx, rx = line.split()[4].split(b":")  # tx_queue:rx_queue, hex
-        total += int(tx, 16) + int(rx, 16)
-    return total
 
 
 def over_limit(limits):
@@ -371,16 +383,20 @@ def _run(req, pristine):
 
 
 def main():
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    # no transparent huge pages, here and (inherited) in every execution, which cannot undo it
+    # (`seccomp.execution_filter`): a huge page stays whole while 4 KB of it is mapped, and only
+    # those 4 KB are in a resident set (400 kept so held 826 MB while 13 MB were counted)
+    if libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE, 1) failed")
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
     hold_counters()  # after `_take_pipes`, which closes every other fd
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
+    _orphan_bounds()
     _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
-    for path in ("/proc/net/sockstat", "/proc/net/sockstat6"):
-        if os.path.exists(path):
-            SOCKSTAT_FDS.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     for root, mode in WRITABLE.items():
         os.chmod(root, mode)
         fs = os.statvfs(root)

@@ -19,11 +19,21 @@ reach outside its own execution:
   ``/dev`` nodes) succeed without doing anything, so no lock is ever taken; ``inotify``
   (reads of a shared file in one sandbox are events in another) is denied to executions
   (`execution_filter`); sockets are only
-  ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (the sandbox's own loopback) and ``AF_NETLINK`` for
-  routing queries (``NETLINK_ROUTE``, what libc's ``getaddrinfo`` asks) and socket
-  diagnostics (``NETLINK_SOCK_DIAG``: the fork server reads its Unix sockets' queues with it;
-  `execution_filter` refuses it to executions): ``AF_VSOCK`` would
-  reach a virtual machine's host, and the other families are kernel surface no code needs;
+  ``AF_UNIX`` and ``AF_NETLINK`` for routing queries (``NETLINK_ROUTE``, what libc's
+  ``getaddrinfo`` asks) and socket diagnostics (``NETLINK_SOCK_DIAG``: the fork server reads
+  its Unix sockets' queues with it; `execution_filter` refuses it to executions): ``AF_VSOCK``
+  would reach a virtual machine's host, and the other families are kernel surface no code
+  needs. ``AF_INET`` and ``AF_INET6`` (the sandbox's own loopback, its only network) are
+  refused too: a TCP or UDP queue holds pieces of 32 KB pages its sender's task shares
+  between all its sockets, and the kernel charges each piece its bytes, so one byte queued
+  can keep a whole page: 200 KB queued on one loopback connection held 3.3 GB, and no
+  reading of the queues (``/proc/net/tcp``, socket diagnostics) sees the pages;
+- page references handed to pipes and sockets: ``vmsplice`` puts the process's own pages in
+  a pipe (a 4 KB slot kept a whole 2 MB huge page after the process unmapped it: 28 pipes of
+  one process held 974 MB under ``memory_mb=64``); ``splice``, ``tee`` and ``sendfile`` hand
+  on page-cache pages, which outlive the file they came from (a deleted ``/tmp`` file's pages
+  stay, in no mount's usage). Python's ``shutil`` and ``socket.sendfile`` fall back to
+  copying;
 - kernel surface a sandboxed interpreter never needs: the new mount API, keyrings, BPF,
   ``perf_event_open``, ``userfaultfd``, ``io_uring``, module loading, ``kexec``, clock and
   host-name setters, handles by inode, ``syslog``.
@@ -51,7 +61,15 @@ works), and the sandbox has no ``/dev/zero``, whose shared mappings are the same
 pages are in no mount's usage, and in the resident set only of the processes that touched
 them, so children filling a holder's mapping chunk by chunk, each exiting, left 4 holders
 with 576 MB under ``memory_mb=256`` (the fork server, pid 1, is not dumpable, nor are the
-executions it forks, so it cannot read their maps to count such mappings).
+executions it forks, so it cannot read their maps to count such mappings). Executions get no
+transparent huge pages (the fork server sets ``PR_SET_THP_DISABLE`` before it serves, which
+every fork inherits, and ``execution_filter`` denies setting it): a 2 MB huge page stays
+whole while any 4 KB of it is mapped, and the resident set counts only what is mapped, so
+one process that kept 4 KB of each of 400 huge pages showed 13 MB and held 826 MB until
+memory pressure splits them. Nor can they set a socket's send buffer (``setsockopt``
+``SO_SNDBUF``, ``SO_SNDBUFFORCE``: EPERM): it stays ``net.core.wmem_default``, which bounds
+what a closed sender leaves queued for its receiver, memory the fork server charges without
+seeing it (`sandbox_zygote._unix_queued`).
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -84,9 +102,9 @@ _X32_SYSCALL_BIT = 0x40000000
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 CLONE_NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
 CLONE_NAMESPACE_FLAGS |= 0x20000000 | 0x40000000
-# socket families any code may open (the others answer EAFNOSUPPORT): AF_UNIX, AF_INET,
-# AF_INET6; AF_NETLINK (16) only with protocol NETLINK_ROUTE (0)
-SOCKET_FAMILIES = (1, 2, 10)
+# socket families any code may open (the others answer EAFNOSUPPORT): AF_UNIX; AF_NETLINK
+# (16) only with protocol NETLINK_ROUTE (0)
+SOCKET_FAMILIES = (1,)
 AF_NETLINK, NETLINK_ROUTE, NETLINK_SOCK_DIAG = 16, 0, 4
 # fcntl commands that take or drop a lock: F_SETLK F_SETLKW (the same numbers as their 64-bit
 # forms on 64-bit machines), F_OFD_SETLK F_OFD_SETLKW. The tests (F_GETLK, F_OFD_GETLK) run:
@@ -96,6 +114,8 @@ LOCK_COMMANDS = (6, 7, 37, 38)
 __O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
 SIGCHLD = 17  # on x86-64 and aarch64 alike
 MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
+PR_SET_THP_DISABLE = 41
+SOL_SOCKET, SO_SNDBUF, SO_SNDBUFFORCE = 1, 7, 32
 
 DENIED = (
     # other processes' memory
@@ -105,6 +125,8 @@ DENIED = (
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
     # IPC objects that outlive their creator; memory files no mount's usage shows
     "shmget", "semget", "msgget", "mq_open", "memfd_create", "memfd_secret",
+    # pages handed by reference to pipes and sockets, outliving their mapping or file
+    "vmsplice", "splice", "tee", "sendfile",
     # kernel surface
     "add_key", "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
@@ -136,7 +158,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
             "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
-            "openat2": 437, "rt_sigaction": 13, "mmap": 9,
+            "openat2": 437, "rt_sigaction": 13, "mmap": 9, "vmsplice": 278, "splice": 275,
+            "tee": 276, "sendfile": 40, "prctl": 157, "setsockopt": 54,
         },
     ),
     "aarch64": (
@@ -158,7 +181,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
-            "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222,
+            "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222, "vmsplice": 75,
+            "splice": 76, "tee": 77, "sendfile": 71, "prctl": 167, "setsockopt": 208,
         },
     ),
 }  # fmt: skip
@@ -285,7 +309,22 @@ def execution_filter(machine: str | None = None) -> bytes:
         _is(table["rt_sigaction"], "sigaction"),
         _is(table["socket"], "socket"),
         _is(table["mmap"], "mmap"),
+        _is(table["prctl"], "prctl"),
+        _is(table["setsockopt"], "setsockopt"),
         _ret(RET_ALLOW),
+        # setsockopt: a socket's send buffer (SOL_SOCKET, args[1]; SO_SNDBUF or its forced
+        # form, args[2]) stays the kernel's default, the most a closed sender leaves queued
+        "setsockopt",
+        _load(_arg_low(1)),
+        _is(SOL_SOCKET, 0, "allow"),
+        _load(_arg_low(2)),
+        _is(SO_SNDBUF, "eperm"),
+        _is(SO_SNDBUFFORCE, "eperm", "allow"),
+        # prctl: the fork server disabled transparent huge pages for itself and every execution
+        # it forks; PR_SET_THP_DISABLE (args[0]) would let one turn them back on
+        "prctl",
+        _load(_arg_low(0)),
+        _is(PR_SET_THP_DISABLE, "eperm", "allow"),
         # mmap: shared anonymous memory (its flags, args[3]) is denied
         "mmap",
         _load(_arg_low(3)),

@@ -4,8 +4,7 @@ Under GRPO a rollout that signals to a sibling's execution (or reads what a sibl
 shapes that sibling's reward, so a bit carried is a reward hack. Each test below is a channel
 that was open before: the pid and inode counters an execution moved were read by the next one
 on its worker; byte-range locks on the files every sandbox shares (``/usr``) were visible to
-every other sandbox and to the host; ``AF_VSOCK`` reached a virtual machine's host; and TCP
-queues held ~100 MB that no memory bound counted.
+every other sandbox and to the host; and ``AF_VSOCK`` reached a virtual machine's host.
 """
 
 from __future__ import annotations
@@ -202,45 +201,10 @@ print(found[0][4])
 
 def test_only_the_socket_families_code_needs(pool: PythonSandbox) -> None:
     """``AF_VSOCK`` reaches the host of a virtual machine (a CI runner's, a cloud TPU VM's):
-    outside every namespace. Only unix, inet, inet6 and netlink's routing queries (what
-    ``getaddrinfo`` asks) open; the rest answer EAFNOSUPPORT (97)."""
+    outside every namespace. Only unix and netlink's routing queries (what ``getaddrinfo``
+    asks) open; the rest answer EAFNOSUPPORT (97), inet and inet6 included
+    (`tests.hostile.test_eighteenth_pass`: what a loopback queue holds is not countable)."""
     assert attack_beside_normal(pool, SOCKETS) == (
         "vsock 97\npacket 97\nalg 97\nnetlink sock_diag 97\nnetlink route ok\nunix ok 2\n"
-        "inet ok ok\n('127.0.0.1', 80)"
+        "inet 97 97\n('127.0.0.1', 80)"
     )
-
-
-# --- memory held in socket queues -------------------------------------------------------------
-
-FILL_TCP_QUEUES = """
-import socket, time
-server = socket.socket()
-server.bind(("127.0.0.1", 0))
-server.listen(64)
-held, queued = [], 0
-for _ in range(25):  # ~10 MB a connection: the sender's and the receiver's buffers
-    client = socket.create_connection(server.getsockname())
-    peer, _ = server.accept()  # never read
-    client.setblocking(False)
-    while True:
-        try:
-            queued += client.send(b"x" * 65536)
-        except BlockingIOError:
-            break
-    held += [client, peer]
-    print(f"queued {queued >> 20} MB", flush=True)
-time.sleep(2)  # held: the watchdog reads the queues at least every 0.1 s
-print("kept them")
-"""
-
-
-def test_socket_queues_count_toward_the_memory_limit(pool: PythonSandbox) -> None:
-    """Data queued in loopback TCP sockets is kernel memory in no process's resident set: 94
-    MB of it stayed queued under ``memory_mb=64``. The watchdog now counts the queues."""
-    out = attack_beside_normal(pool, FILL_TCP_QUEUES)  # the pool serves on, whatever it did
-    if not out.endswith("error: memory limit exceeded; execution killed"):
-        assert out.endswith("kept them"), out  # then the kernel queued less than the bound
-        queued = int(out.splitlines()[-2].split()[1])
-        assert queued < LIMITS.memory_mb, out
-        pytest.skip(f"this kernel queued only {queued} MB (< {LIMITS.memory_mb})")
-    assert "kept them" not in out

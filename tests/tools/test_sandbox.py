@@ -50,15 +50,17 @@ def test_preloaded_modules_are_per_execution(sandbox: PythonSandbox) -> None:
 
 
 def test_no_network(sandbox: PythonSandbox) -> None:
+    """No inet socket opens (`seccomp`), not even to the sandbox's own loopback; the host's
+    loopback is another network namespace's anyway."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     port = server.getsockname()[1]
     threading.Thread(target=server.accept, daemon=True).start()
     out = run(sandbox, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
-    assert "ConnectionRefusedError" in out  # the host's loopback is not the sandbox's
+    assert "Address family not supported" in out
     out = run(sandbox, "import socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)")
-    assert "Network is unreachable" in out
+    assert "Address family not supported" in out
     server.close()
 
 
