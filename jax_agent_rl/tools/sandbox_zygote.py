@@ -42,6 +42,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 
 from jax_agent_rl.tools.sandbox_reset import (
     SIZES,
@@ -159,15 +160,23 @@ def _child(code, limits, out_w, err_w):
 
 def _execute(code):
     """Compiles and runs ``code``; returns its exit status. Compiling happens here, under the
-    child's limits, and its warnings (``SyntaxWarning``) go to the execution's stderr."""
+    child's limits, and its warnings (``SyntaxWarning``) go to the execution's stderr.
+
+    ``code`` runs as ``python -c`` runs it: in a fresh module that is ``sys.modules["__main__"]``.
+    Run in a bare dict named ``__main__`` while that entry was this fork server's own module,
+    whatever looked the code's names up by module failed on them: ``pickle`` of its classes and
+    functions (so ``multiprocessing.Pool.map`` of its function), ``typing.get_type_hints`` of
+    its forward references, ``import __main__``."""
     try:
         compiled = compile(code, "<sandbox>", "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
         return 1
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = module
     try:
-        exec(compiled, scope)
+        exec(compiled, module.__dict__)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # the traceback is the model's observation
