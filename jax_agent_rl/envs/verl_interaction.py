@@ -114,7 +114,10 @@ class InteractionEnvironment:
 
 def load_interactions(path: str, key: str = "env.interaction_config") -> dict[str, Any]:
     """The interactions of a verl interaction config YAML, one instance per name; a
-    `ConfigError` naming ``key`` and what is wrong otherwise."""
+    `ConfigError` naming ``key`` and what is wrong otherwise (a FIFO or a device, whose read
+    would block the run's start for ever, is no YAML file)."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise ConfigError(f"{key}={path!r}: not a regular file: name a YAML file")
     try:
         doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

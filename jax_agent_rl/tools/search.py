@@ -42,6 +42,10 @@ class SearchTool(Tool):
         max_chars: int = 400,
     ) -> None:
         if isinstance(corpus, str):
+            if Path(corpus).exists() and not Path(corpus).is_file():  # its read never ends
+                raise ValueError(
+                    f"the search corpus {corpus} is not a regular file: name a JSONL file"
+                )
             lines = Path(corpus).read_text().splitlines()
             docs = [json.loads(line) for line in lines if line.strip()]
         else:

@@ -5,16 +5,26 @@
   failed where ``python -c`` runs it: ``pickle`` of its classes and functions (so
   ``multiprocessing.Pool.map`` of a function it defines), ``typing.get_type_hints`` of its
   forward references, ``import __main__``. Code now runs in a fresh module that is
-  ``sys.modules["__main__"]``."""
+  ``sys.modules["__main__"]``.
+- A FIFO named as a verl interaction config (``env.interaction_config``) or as the search
+  tool's corpus was read as a file: the read blocked the run's start for ever (the config
+  file, tokenizers, checkpoints and datasets were already checked). Now each is refused as
+  not a regular file."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.config import ConfigError
+from jax_agent_rl.envs.verl_interaction import load_interactions
+from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox
+from tests.hostile.test_checkpoint import _unblocked
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +60,21 @@ def test_code_finds_its_own_names_through_its_main_module(
     code, printed = OWN_NAMES[name]
     result = asyncio.run(sandbox.run(code))
     assert (result.exit_code, result.stdout.strip()) == (0, printed), result.stderr
+
+
+def test_a_fifo_named_as_the_interaction_config_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "interactions.yaml"
+    os.mkfifo(fifo)
+    with _unblocked(fifo), pytest.raises(ConfigError, match="not a regular file"):
+        load_interactions(str(fifo))
+
+
+def test_a_fifo_named_as_the_search_corpus_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "corpus.jsonl"
+    os.mkfifo(fifo)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(
+        f"- class: jax_agent_rl.tools.search:SearchTool\n  config:\n    corpus: {fifo}\n"
+    )
+    with _unblocked(fifo), pytest.raises(ValueError, match=r"corpus .* is not a regular file"):
+        ToolRegistry.from_yaml(tools)
