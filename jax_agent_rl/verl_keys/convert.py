@@ -48,7 +48,10 @@ def _parse(raw: str) -> Any:
 
 
 def count_rows(path: str) -> int:
-    """Rows of a ``.parquet`` (its metadata) or ``.jsonl`` (its non-blank lines) file."""
+    """Rows of a ``.parquet`` (its metadata) or ``.jsonl`` (its non-blank lines) file; a
+    ValueError for a path that is there and no regular file (a FIFO's read never ends)."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise ValueError(f"{path} is not a regular file")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 

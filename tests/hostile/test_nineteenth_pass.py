@@ -6,10 +6,11 @@
   ``multiprocessing.Pool.map`` of a function it defines), ``typing.get_type_hints`` of its
   forward references, ``import __main__``. Code now runs in a fresh module that is
   ``sys.modules["__main__"]``.
-- A FIFO named as a verl interaction config (``env.interaction_config``) or as the search
-  tool's corpus was read as a file: the read blocked the run's start for ever (the config
-  file, tokenizers, checkpoints and datasets were already checked). Now each is refused as
-  not a regular file."""
+- A FIFO named as a verl interaction config (``env.interaction_config``), as the search
+  tool's corpus, or as ``data.train`` under verl's ``trainer.total_epochs`` (its rows are
+  counted as the config loads) was read as a file: the read blocked the run's start for ever
+  (the config file, tokenizers, checkpoints and the datasets' own loading were already
+  checked). Now each is refused as not a regular file."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.config import ConfigError
+from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.envs.verl_interaction import load_interactions
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox
@@ -78,3 +79,11 @@ def test_a_fifo_named_as_the_search_corpus_is_refused(tmp_path: Path) -> None:
     )
     with _unblocked(fifo), pytest.raises(ValueError, match=r"corpus .* is not a regular file"):
         ToolRegistry.from_yaml(tools)
+
+
+def test_a_fifo_as_the_data_whose_rows_verl_epochs_count_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "train.jsonl"
+    os.mkfifo(fifo)
+    overrides = [f"data.train={fifo}", "trainer.total_epochs=2", "model.path=x"]
+    with _unblocked(fifo), pytest.raises(ConfigError, match="rows could not be counted"):
+        load_config(None, overrides)
