@@ -4,8 +4,10 @@
   was the fork server's own module: ordinary code that looks its own names up by module
   failed where ``python -c`` runs it: ``pickle`` of its classes and functions (so
   ``multiprocessing.Pool.map`` of a function it defines), ``typing.get_type_hints`` of its
-  forward references, ``import __main__``. Code now runs in a fresh module that is
-  ``sys.modules["__main__"]``.
+  forward references, ``import __main__``; and ``unittest.main()`` and ``doctest.testmod()``
+  looked for tests in the fork server's module, found none and reported success ("Ran 0
+  tests ... OK"): a policy checking its code with tests was told they passed. Code now runs
+  in a fresh module that is ``sys.modules["__main__"]``.
 - A FIFO named as a verl interaction config (``env.interaction_config``), as the search
   tool's corpus, or as ``data.train`` under verl's ``trainer.total_epochs`` (its rows are
   counted as the config loads) was read as a file: the read blocked the run's start for ever
@@ -51,6 +53,18 @@ OWN_NAMES = {
         "Node",
     ),
     "import __main__": ("import __main__\nX = 5\nprint(__main__.X)", "5"),
+    # these found nothing and said so quietly: "Ran 0 tests ... OK", "attempted=0"
+    "unittest.main": (
+        "import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n"
+        "        self.assertEqual(1 + 1, 2)\n"
+        "print(unittest.main(exit=False, argv=['x']).result.testsRun)",
+        "1",
+    ),
+    "doctest.testmod": (
+        'def f(x):\n    """\n    >>> f(2)\n    4\n    """\n    return x * x\n'
+        "import doctest\nprint(doctest.testmod().attempted)",
+        "1",
+    ),
 }
 
 
