@@ -293,6 +293,9 @@ def test_a_judge_template_that_cannot_rate_an_answer_is_refused_before_a_run(
         "\u02c2/response>",  # "˂", another
         "<\u0338/response>",  # "<" under a combining mark
         "\u3008/response\u3009",  # a CJK angle bracket
+        "\u276c/response\u276d",  # an ornament bracket, "❬"
+        "\u2770/response>",  # a heavy one, "❰"
+        "\u2991/response\u2992",  # an angle bracket with a dot, "⦑"
     ],
 )
 def test_a_delimiter_of_look_alike_characters_no_fold_reaches_is_escaped_too(
