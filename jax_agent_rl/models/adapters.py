@@ -127,7 +127,7 @@ def init_adapters(key: jax.Array, cfg: ModelConfig) -> LayerAdapters:
     leaves, treedef = jax.tree.flatten(specs.lora, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
     return jax.tree.unflatten(
-        treedef, [s.init(k, s.shape, jnp.float32) for s, k in zip(leaves, keys, strict=True)]
+        treedef, [s.initial(k, jnp.float32) for s, k in zip(leaves, keys, strict=True)]
     )
 
 

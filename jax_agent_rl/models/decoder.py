@@ -39,7 +39,12 @@ class ParamSpec:
 
     shape: tuple[int, ...]
     logical_axes: tuple[str | None, ...]  # None: a dimension never split
-    init: Initializer
+    init: Initializer | None  # None: the policy initialises its tree whole (`Policy.init`)
+
+    def initial(self, key: jax.Array, dtype: Any) -> jax.Array:
+        """This parameter's initial value under ``key``."""
+        assert self.init is not None, f"{self} is initialised with its policy's whole tree"
+        return self.init(key, self.shape, dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -204,19 +209,24 @@ def abstract_params(cfg: ModelConfig, sharder: Sharder) -> Weights:
     )
 
 
-def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> Weights:
-    """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases)."""
-    specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+def initial_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Weights:
+    """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases; a custom
+    policy's own, `Policy.init`), each parameter under its own key."""
+    if cfg.module is not None:
+        weights: Weights = cfg.module.init(key, dtype)
+        return weights
+    leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
+    values = [s.initial(k, dtype) for s, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, values)
 
-    @partial(jax.jit, out_shardings=param_shardings(cfg, sharder))
-    def init(keys: jax.Array) -> Weights:
-        return jax.tree.unflatten(
-            treedef, [s.init(k, s.shape, cfg.jnp_dtype) for s, k in zip(leaves, keys, strict=True)]
-        )
 
-    return init(keys)
+def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> Weights:
+    """`initial_params` in the model's dtype, laid out by ``sharder``."""
+    init = jax.jit(
+        partial(initial_params, cfg), static_argnums=1, out_shardings=param_shardings(cfg, sharder)
+    )
+    return init(key, cfg.jnp_dtype)
 
 
 def page_shardings(cfg: ModelConfig, sharder: Sharder, num_pages: int, page_size: int) -> KVPages:

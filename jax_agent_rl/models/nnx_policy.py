@@ -25,7 +25,6 @@ than its parameters (batch statistics, RNG streams: the forward is deterministic
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import jax
@@ -81,8 +80,7 @@ class NnxPolicy:
             axes: tuple[str | None, ...] = tuple(
                 var.get_metadata().get("out_sharding") or (None,) * len(shape)
             )
-            init = partial(self._init_leaf, path)
-            _nested_set(specs, _names(path), ParamSpec(shape, axes, init))
+            _nested_set(specs, _names(path), ParamSpec(shape, axes, None))
         self._specs = specs
         self.cfg = ModelConfig(
             family="llama",  # sizes only: a custom policy has no HF family (to_hf refuses)
@@ -101,13 +99,14 @@ class NnxPolicy:
     def __repr__(self) -> str:
         return f"NnxPolicy({getattr(self._make, '__qualname__', self._make)!r})"
 
-    def _init_leaf(self, path: Any, key: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The module's own initial value of ``path`` under ``key`` (traced under `init_params`'
-        jit: the rest of that module's initialisation is dead code and compiled away)."""
+    def init(self, key: jax.Array, dtype: Any) -> dict[str, Any]:
+        """The module's own initialisation under ``key`` (built once, under `init_params`'
+        jit), as the nested dict of arrays `specs` declares."""
         _, state = nnx.split(_built(self._make, key), nnx.Param)
-        value = dict(nnx.to_flat_state(state))[path].get_value()
-        assert tuple(value.shape) == shape
-        return value.astype(dtype)
+        params: dict[str, Any] = {}
+        for path, var in nnx.to_flat_state(state):
+            _nested_set(params, _names(path), var.get_value().astype(dtype))
+        return params
 
     def specs(self) -> dict[str, Any]:
         return self._specs

@@ -9,8 +9,9 @@ of a run: `nnx_policy.NnxPolicy` adapts a Flax NNX module) implements the same m
 
 What the two hot paths need, and no more:
 - the parameter tree, declared once (`specs`: `decoder.ParamSpec` leaves with logical axes),
-  from which init, shardings, checkpoint restore targets and weight-push targets derive
-  (`decoder.param_specs` returns a custom policy's own);
+  from which shardings, checkpoint restore targets and weight-push targets derive
+  (`decoder.param_specs` returns a custom policy's own), and its random initialisation
+  (``init``: traced once under `decoder.init_params`' jit);
 - ``forward``: the training forward over packed rows (tokens, positions, segment ids ->
   final hidden [B, T, D]) and, with a ``cache``, the engine's paged prefill / decode chunk
   (-> hidden, updated `decoder.KVPages`); the keyword arguments are `decoder.forward`'s;
@@ -47,6 +48,8 @@ class Policy(Protocol):
 
     def specs(self) -> Any: ...
 
+    def init(self, key: jax.Array, dtype: Any) -> Any: ...
+
     def checked(self, params: Any) -> Any: ...
 
     def serving_layout(self, params: Any) -> Any: ...
@@ -78,6 +81,9 @@ class DecoderPolicy:
 
     def specs(self) -> decoder.Weights:
         return decoder.param_specs(self.cfg)
+
+    def init(self, key: jax.Array, dtype: Any) -> decoder.Weights:
+        return decoder.initial_params(self.cfg, key, dtype)
 
     def checked(self, params: Any) -> decoder.Weights:
         return decoder.checked_weights(self.cfg, params)
