@@ -16,7 +16,11 @@ A call the tools cannot take as written (malformed, arguments that are not an ob
 that does not exist) or will not run (past ``agent.max_tool_calls_per_turn``, `read_turn`)
 goes to one more tool, ``invalid_tool_call``, which answers it as the loop does (the parser's
 error, the cap's, or the executor's), so the graph routes every call of a turn to its tool
-node and the model reads the loop's observation.
+node and the model reads the loop's observation. The graph runs each call of the model's last
+turn once, as the loop does (`Episode.take_run`): any other tool run (a call run again, a run
+of the graph's own, one after the episode ended) raises. Each run counts as the graph's
+activity, so a graph that ran tools without end (retrying a call until its result holds no
+error) held its episode, and the step, for ever.
 
 When the episode ends between turns (a tool ended it, the observation does not fit, a budget
 is spent), the model answers an empty message without tool calls (``response_metadata``
@@ -44,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import threading
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -126,6 +131,8 @@ class Episode:
         self.idle.set()
         self.in_progress = 0  # (a turn's tool calls run together: idle once all have ended)
         self.asked = asyncio.Event()  # set as one starts (`held_too_long`)
+        self._runs_left = 0  # tool runs the graph may still make: the pending calls not run
+        self._runs_lock = threading.Lock()  # (taken in the graph's thread, set in the rollout's)
 
     async def on_rollout(self, call: Coroutine[Any, Any, T]) -> T:
         """``call`` (a model turn or a tool call) run on the rollout's loop, awaited from the
@@ -166,6 +173,7 @@ class Episode:
         if self.stop is not None:
             raise RuntimeError(f"the graph called the model after the episode ended ({self.stop})")
         new = self._new_messages(messages)
+        self.allow_runs(0)
         if self.pending is not None:
             observation, stop = self._answer(new)
             if stop is not None:
@@ -181,8 +189,25 @@ class Episode:
             return self._end(stop, text, metadata)
         ids = [f"call_{self.traj.num_turns}_{i}" for i in range(len(calls))]
         self.pending = _Calls(turn, text, calls, ids, time.perf_counter())
+        self.allow_runs(len(calls))
         tool_calls = [self._tool_call(c, i) for c, i in zip(calls, ids, strict=True)]
         return self._message(text, metadata, tool_calls)
+
+    def allow_runs(self, n: int) -> None:
+        """Lets the graph run ``n`` tool calls (a model turn's: `reply`), and no others."""
+        with self._runs_lock:
+            self._runs_left = n
+
+    def take_run(self, name: str) -> None:
+        """Counts a tool run of the graph's (in its thread); raises once it has run as many as
+        the model's last turn made calls (see the module docstring)."""
+        with self._runs_lock:
+            if self._runs_left <= 0:
+                raise RuntimeError(
+                    f"the graph ran a tool call the model's last turn did not make ({name}): "
+                    "each of the model's calls runs once, as in the tool loop"
+                )
+            self._runs_left -= 1
 
     def finish(self, messages: Sequence[BaseMessage]) -> StopReason:
         """How the episode ended, once the graph has."""
@@ -353,6 +378,7 @@ class EpisodeTool(BaseTool):
         # (``self`` positional-only: the model's arguments may hold any key, "self" too)
         ep = self.episode
         call = self._call(arguments)
+        ep.take_run(self.name)
         result = await ep.on_rollout(call_tool(ep.ctx, ep.traj, call, ep.create_kwargs))
         return result.text, result
 

@@ -62,10 +62,11 @@ _OPEN_SCORE = re.compile("<score>", re.IGNORECASE)
 _CLOSE_SCORE = re.compile("</score>", re.IGNORECASE)
 # what reads as "<": itself, what NFKC or NFKD folds to it or to one with a mark on it
 # (fullwidth, small, "≮"), its look-alikes in Unicode's confusables.txt, and the left angle
-# brackets (〈 ⟨ 〈, the ornaments ❬ ❰, ⦑ ⦓ and the vertical ︿) a reader may take for it
+# brackets (〈 ⟨ 〈, the ornaments ❬ ❰, ⦑ ⦓, the curved ⧼ and the vertical ︿: every single
+# left angle bracket Unicode names) a reader may take for it
 LESS_THAN = (
     "<\uff1c\ufe64\u226e\u02c2\u1438\u16b2\u2039\u276e\U0001d236\u2329\u3008\u27e8"
-    "\u276c\u2770\u2991\u2993\ufe3f"
+    "\u276c\u2770\u2991\u2993\u29fc\ufe3f"
 )
 _LESS_THAN = re.compile(f"[{LESS_THAN}]")
 _CONTENT = "\x00judge-content\x00"  # where the message goes in the rendered chat

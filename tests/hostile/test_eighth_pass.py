@@ -104,6 +104,7 @@ def test_a_react_call_with_an_argument_named_self_is_an_error_observation(
     the tool node: the episode ended ``agent_error``). Now every key reaches the executor,
     which refuses the unknown argument as the tool loop does."""
     episode = Episode(context, Trajectory(uid="t", group_id="g", prompt_ids=[]), {})
+    episode.allow_runs(1)  # (as the model's turn with the one call does)
     graph = StateGraph(MessagesState)
     graph.add_node("tools", ToolNode(episode_tools(episode)))
     graph.add_edge(START, "tools")

@@ -296,6 +296,7 @@ def test_a_judge_template_that_cannot_rate_an_answer_is_refused_before_a_run(
         "\u276c/response\u276d",  # an ornament bracket, "❬"
         "\u2770/response>",  # a heavy one, "❰"
         "\u2991/response\u2992",  # an angle bracket with a dot, "⦑"
+        "\u29fc/response\u29fd",  # a curved angle bracket, "⧼"
     ],
 )
 def test_a_delimiter_of_look_alike_characters_no_fold_reaches_is_escaped_too(
