@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from jax_agent_rl.envs.verl_interaction import BaseInteraction
-from jax_agent_rl.rewards.verl_rules import gsm8k_score
+from jax_agent_rl.compat.verl.interaction import BaseInteraction
+from jax_agent_rl.compat.verl.rules import gsm8k_score
 
 CORRECT = "Your response is correct!"
 INCORRECT = "Your response is incorrect! You need to reflect on your answer and try again."

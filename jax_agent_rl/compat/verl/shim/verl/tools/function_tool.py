@@ -1,5 +1,5 @@
 """``verl.tools.function_tool``: the ``@function_tool`` decorator."""
 
-from jax_agent_rl.tools.verl import function_tool
+from jax_agent_rl.compat.verl.tools import function_tool
 
 __all__ = ["function_tool"]

@@ -1,6 +1,6 @@
 """``verl.tools.schemas``: verl's pydantic schemas of tools, tool calls and tool responses."""
 
-from jax_agent_rl.tools.verl import (
+from jax_agent_rl.compat.verl.tools import (
     OpenAIFunctionCallSchema,
     OpenAIFunctionParametersSchema,
     OpenAIFunctionParsedSchema,

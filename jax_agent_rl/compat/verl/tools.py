@@ -5,14 +5,15 @@ ways; both run here:
 
 - a `BaseTool` subclass listed in verl's tools YAML (``tools: [{class_name: pkg.mod.Class,
   config: {type: native, ...}, tool_schema: {...}}]``), which `ToolRegistry.from_yaml` reads
-  beside our own format and wraps in `VerlTool`;
+  beside our own format (the verl wing registers `verl_tool` as its reader), each wrapped in
+  `VerlTool`;
 - a plain function decorated with `function_tool`, listed in our YAML format
   (``- class: my_tools:get_weather``; verl instead loads every decorated function of the file
   its ``function_tool_path`` names).
 
 A tool module imports `BaseTool`, `ToolResponse`, `OpenAIFunctionToolSchema` and
 `function_tool` from ``verl.tools.*`` unchanged: without verl installed, the `verl` shim
-(`jax_agent_rl_verl_shim`) serves these names from here; with verl installed, its own classes
+(`jax_agent_rl.compat.verl.shim`) serves these names from here; with verl installed, its own classes
 run as well, since `VerlTool` only calls their methods.
 
 `VerlTool` calls a tool as verl's tool agent loop does, with two differences. verl creates an
@@ -26,49 +27,46 @@ it from ``execute``, as verl's own tools do).
 
 A sample's create kwargs travel as in verl: ``extra_info.tools_kwargs`` is ``{tool name:
 {"create_kwargs": {...}}}`` and reaches that tool's ``create(create_kwargs={...})``
-(`create_kwargs_by_tool` reads it).
+(`jax_agent_rl.tools.row_kwargs.create_kwargs_by_tool` reads it, for every tool).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ValidationError
 
 from jax_agent_rl.tools.base import FunctionTool, Tool, ToolResult
+from jax_agent_rl.tools.registry import entry_mapping, import_attr, schema_problems
+from jax_agent_rl.tools.schemas import (
+    OpenAIFunctionParametersSchema,
+    OpenAIFunctionPropertySchema,
+    OpenAIFunctionSchema,
+    OpenAIFunctionToolSchema,
+)
+
+# verl's tool API (``verl.tools.base_tool``, ``.schemas``, ``.function_tool``), the schemas too
+__all__ = [
+    "BaseTool",
+    "OpenAIFunctionCallSchema",
+    "OpenAIFunctionParametersSchema",
+    "OpenAIFunctionParsedSchema",
+    "OpenAIFunctionPropertySchema",
+    "OpenAIFunctionSchema",
+    "OpenAIFunctionToolCall",
+    "OpenAIFunctionToolSchema",
+    "ToolResponse",
+    "VerlFunctionTool",
+    "VerlTool",
+    "function_tool",
+    "response_text",
+    "verl_tool",
+]
 
 # ----------------------------------------------------------------------------- verl's API
-
-
-class OpenAIFunctionPropertySchema(BaseModel):
-    type: str | list[str]
-    description: str | None = None
-    enum: list[Any] | None = None
-
-
-class OpenAIFunctionParametersSchema(BaseModel):
-    type: str
-    properties: dict[str, OpenAIFunctionPropertySchema]
-    required: list[str] = Field(default_factory=list)
-
-
-class OpenAIFunctionSchema(BaseModel):
-    name: str
-    description: str
-    parameters: OpenAIFunctionParametersSchema = Field(
-        default_factory=lambda: OpenAIFunctionParametersSchema(type="object", properties={})
-    )
-    strict: bool = False
-
-
-class OpenAIFunctionToolSchema(BaseModel):
-    """A tool's schema in OpenAI's function format, as verl validates it."""
-
-    type: str
-    function: OpenAIFunctionSchema
 
 
 class OpenAIFunctionParsedSchema(BaseModel):
@@ -269,42 +267,34 @@ class VerlFunctionTool(FunctionTool):
         return ToolResult(response_text(out[0]), reward=float(reward or 0.0))
 
 
-# ----------------------------------------------------------------------------- dataset rows
-
-TOOLS_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
-
-
-def create_kwargs_by_tool(extra_info: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each tool's create kwargs from a dataset row's ``extra_info["tools_kwargs"]`` (verl's
-    layout: ``{tool name: {"create_kwargs": {...}}}``); {} when the row has none.
-
-    verl's tool agent loop reads ``create_kwargs`` only. The other keys verl's data scripts
-    write (``execute_kwargs``, ``calc_reward_kwargs``, ``release_kwargs``) are accepted when
-    empty and refused otherwise, since nothing would read them; so is any other key or shape.
-    """
-    tools_kwargs = extra_info.get("tools_kwargs") or {}
-    where = "extra_info.tools_kwargs"
-    if not isinstance(tools_kwargs, Mapping):
-        raise ValueError(f"{where} must map tool names to dicts, got {type(tools_kwargs).__name__}")
-    out: dict[str, dict[str, Any]] = {}
-    for tool, entry in tools_kwargs.items():
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}[{tool!r}] must be a dict, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - set(TOOLS_KWARGS_KEYS))
-        if unknown:
-            raise ValueError(
-                f"{where}[{tool!r}]: unknown key(s) {unknown}; allowed: {TOOLS_KWARGS_KEYS}"
-            )
-        unread = sorted(k for k in TOOLS_KWARGS_KEYS[1:] if entry.get(k))
-        if unread:
-            raise ValueError(
-                f"{where}[{tool!r}]: {unread} are not read (verl's tool agent loop reads only "
-                "create_kwargs); pass what the tool needs in create_kwargs"
-            )
-        create = entry.get("create_kwargs") or {}
-        if not isinstance(create, Mapping):
-            raise ValueError(
-                f"{where}[{tool!r}]['create_kwargs'] must be a dict, got {type(create).__name__}"
-            )
-        out[str(tool)] = dict(create)
-    return out
+def verl_tool(where: str, entry: Any) -> Tool:
+    """One entry of verl's format (see `ToolRegistry.from_yaml`)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
+    if unknown or "class_name" not in entry:
+        raise ValueError(
+            f"{where}: keys must be class_name (required), config, tool_schema; "
+            f"got unknown {unknown}"
+        )
+    module, _, attr = str(entry["class_name"]).rpartition(".")
+    if not module:
+        raise ValueError(f"{where}: class_name must be 'pkg.module.Class', got {attr!r}")
+    where = f"{where} ({entry['class_name']})"
+    config = entry_mapping(where, entry, "config")
+    if config.get("type") != "native":
+        raise ValueError(
+            f"{where}: config.type must be 'native' (verl's MCP tools are not supported), "
+            f"got {config.get('type')!r}"
+        )
+    tool_cls = import_attr(where, "class_name", module, attr)
+    raw = entry.get("tool_schema")
+    try:
+        schema = None if raw is None else OpenAIFunctionToolSchema.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(f"{where}: tool_schema: {schema_problems(e)}") from e
+    try:
+        return VerlTool(tool_cls(config=config, tool_schema=schema))  # as verl builds it
+    except Exception as e:
+        e.add_note(f"while building {where}")
+        raise

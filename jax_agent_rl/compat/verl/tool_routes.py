@@ -1,4 +1,5 @@
-"""verl-tool's protocol on the tool server: ``POST /get_observation`` (`add_verl_tool_routes`).
+"""verl-tool's protocol on the tool server: ``POST /get_observation`` (`add_verl_tool_routes`,
+which the verl wing registers with `jax_agent_rl.tools.app.register_routes`).
 
 verl-tool (``verl_tool/servers/tool_server.py``) sends the text of a model turn per trajectory;
 the server reads its tool calls with one parser (``action_parser``), runs them as ``/execute``
@@ -17,7 +18,7 @@ from pydantic import BaseModel, Field, model_validator
 from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.protocol import ExecuteRequest, RequestCaps, RequestNamespace
-from jax_agent_rl.tools.verl import create_kwargs_by_tool
+from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 
 
 class ObservationRequest(BaseModel):

@@ -1,15 +1,15 @@
 """verl's own GSM8K tool, ``verl.tools.gsm8k_tool.Gsm8kTool``: the class verl's GSM8K tool YAML
 (``gsm8k_tool_config.yaml``) names, so that file runs here unchanged (the `verl` shim serves
-this class under verl's module name). Apart from `jax_agent_rl.tools.verl` because the gsm8k
-rule's package imports the tool registry."""
+this class under verl's module name). Apart from `jax_agent_rl.compat.verl.tools`, which is
+verl's tool API, not one of its tools."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-from jax_agent_rl.rewards.verl_rules import gsm8k_score
-from jax_agent_rl.tools.verl import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+from jax_agent_rl.compat.verl.rules import gsm8k_score
+from jax_agent_rl.compat.verl.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
 
 
 class Gsm8kTool(BaseTool):
