@@ -38,7 +38,7 @@ TIERS = [
         "wings",
     ],
     ["models", "tokenization"],
-    ["config", "verl_keys"],
+    ["config"],
     ["user_code", "call_processes"],
     ["env_process"],  # the process side of envs/skyrl.py: neither envs nor JAX
     ["engine", "distributed"],

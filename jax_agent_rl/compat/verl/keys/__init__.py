@@ -22,12 +22,12 @@ for mini-batches, ...), whichever spelling set it and in whatever order the over
 as Hydra applies a command line's overrides together. A jarl key set both directly and through
 a verl key is an error: keep one.
 
-``python -m jax_agent_rl.verl_keys`` prints `TABLE` as the markdown table of docs/verl.md
+``python -m jax_agent_rl.compat.verl.keys`` prints `TABLE` as the markdown table of docs/verl.md
 (tests/test_verl_keys.py checks that the two agree).
 """
 
-from jax_agent_rl.verl_keys.convert import TABLE, count_rows, find, markdown_table, to_jarl
-from jax_agent_rl.verl_keys.rules import VERL_SECTIONS, Given, VerlKey
+from jax_agent_rl.compat.verl.keys.convert import TABLE, count_rows, find, markdown_table, to_jarl
+from jax_agent_rl.compat.verl.keys.rules import VERL_SECTIONS, Given, VerlKey
 
 __all__ = [
     "TABLE",

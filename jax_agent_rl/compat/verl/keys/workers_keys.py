@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jax_agent_rl.verl_keys.rules import (
+from jax_agent_rl.compat.verl.keys.rules import (
     ENGINE,
     FSDP,
     LOGPROB,
