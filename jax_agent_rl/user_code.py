@@ -11,10 +11,10 @@ importable too, as under ``python -m``, for the modules named by their import pa
 
 User code written for verl imports ``verl.*`` (a tool's ``BaseTool``, an interaction's base, a
 reward's ``verl.utils.reward_score`` helpers): every import here first turns on the `verl` shim
-(`jax_agent_rl_verl_shim`; a real verl on ``sys.path`` still wins), so the shim exists only in a
-run that loads user code, never merely by importing jax_agent_rl or starting the environment's
-Python. A ``verl`` folder in the working directory that is not verl would shadow both: it is
-refused in one line naming it."""
+(`jax_agent_rl.compat.verl.shim`; a real verl on ``sys.path`` still wins), so the shim exists
+only in a run that loads user code, never merely by importing jax_agent_rl or starting the
+environment's Python. A ``verl`` folder in the working directory that is not verl would
+shadow both: it is refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax_agent_rl_verl_shim
 from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.wings import install_shims
 
 
 def working_directory_importable() -> None:
@@ -75,7 +75,7 @@ def import_named(module: str, key: str) -> Any:
     """``importlib.import_module(module)`` for a module a config or YAML file names (``key``
     says where), with the `verl` shim on (module docstring); its ImportError propagates, or a
     `ConfigError` if a ``verl`` folder in the working directory made it."""
-    jax_agent_rl_verl_shim.install()
+    install_shims()
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -126,7 +126,7 @@ def _load_file(path: Path, name: str, spec: str, key: str) -> Any:
     folder on ``sys.path``."""
     if not path.is_file():
         raise ConfigError(f"{key}={spec!r}: no such file {str(path)!r}")
-    jax_agent_rl_verl_shim.install()
+    install_shims()
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.append(folder)

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jax_agent_rl.compat.verl.keys import TABLE, find, markdown_table, to_jarl
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config
-from jax_agent_rl.verl_keys import TABLE, find, markdown_table, to_jarl
 
 ROOT = Path(__file__).parents[1]
 

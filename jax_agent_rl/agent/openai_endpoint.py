@@ -111,7 +111,7 @@ from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, finite_json_float, no_json_constant
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
-from jax_agent_rl.tools.verl import create_kwargs_by_tool
+from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 
 LIMITS = Limits()  # what each episode's endpoint server lets its harness hold (endpoint_http)
 # seconds a harness may go on after its episode ended without asking on (to log, to close its

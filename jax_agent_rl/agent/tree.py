@@ -32,7 +32,7 @@ from jax_agent_rl.agent.loop import take_turn
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import TreeSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.tools.verl import create_kwargs_by_tool
+from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 
 
 def tree_budget(tree: TreeSection, n: int, max_response_tokens: int, max_turns: int) -> Budget:

@@ -19,11 +19,12 @@ from omegaconf.errors import (
 )
 
 from jax_agent_rl.config.checks import check_ranges, moved_keys
+from jax_agent_rl.config.foreign_keys import foreign_keys
 from jax_agent_rl.config.paths import resolve_packaged
 from jax_agent_rl.config.sections import JarlConfig
 from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_read, yaml_top
 from jax_agent_rl.errors import ConfigError
-from jax_agent_rl.verl_keys import VERL_SECTIONS, to_jarl
+from jax_agent_rl.wings import load_wing
 
 T = TypeVar("T")
 
@@ -115,8 +116,9 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
             raise ConfigError(f"override {_shown(key)}: nested deeper than {MAX_DEPTH} levels")
         yaml_top(value, f"override {key}")
         yaml_read(value, f"override {key}")
-    if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md)
-        overrides = _verl_overrides(overrides, OmegaConf.structured(schema), layers)
+    if schema is JarlConfig:  # verl's spellings of its keys (docs/verl.md), from the verl wing
+        load_wing("verl_keys")
+        overrides = _foreign_overrides(overrides, OmegaConf.structured(schema), layers)
     # `key=` means the empty string (OmegaConf would read it as null)
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
@@ -129,7 +131,8 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         moved = moved_keys(schema)
         if key in moved:
             raise ConfigError(f"config key {key!r} is now {moved[key]!r}") from None
-        if key.split(".")[0] in ("defaults", *VERL_SECTIONS):
+        foreign = [s for keys in foreign_keys() for s in keys.sections]
+        if key.split(".")[0] in ("defaults", *foreign):
             raise ConfigError(
                 f"unknown config key {key!r}: a verl (Hydra) config file? jarl reads verl's "
                 "keys as command-line overrides only; start from a jarl config (docs/verl.md)"
@@ -210,9 +213,9 @@ def _checked(merged: Any, schema: type[T]) -> T:
     return cfg
 
 
-def _verl_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) -> list[str]:
-    """`jax_agent_rl.verl_keys.to_jarl` over the config before the overrides, each verl key's
-    jarl key told on stderr."""
+def _foreign_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) -> list[str]:
+    """Each registered framework's ``to_jarl`` (verl's: `jax_agent_rl.compat.verl.keys.to_jarl`)
+    over the config before the overrides, each of its keys' jarl key told on stderr."""
 
     @functools.cache  # merged only if a conversion reads a value
     def config() -> Any:
@@ -221,11 +224,13 @@ def _verl_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any]) 
         except OmegaConfBaseException:  # a bad YAML file: `load_config` says why when it merges
             return base
 
-    return to_jarl(
-        overrides,
-        lambda key: OmegaConf.select(config(), key, throw_on_missing=False),
-        lambda line: print(line, file=sys.stderr),
-    )
+    for keys in foreign_keys():
+        overrides = keys.to_jarl(
+            overrides,
+            lambda key: OmegaConf.select(config(), key, throw_on_missing=False),
+            lambda line: print(line, file=sys.stderr),
+        )
+    return list(overrides)
 
 
 def to_yaml(cfg: Any) -> str:

@@ -3,7 +3,9 @@
 `make_environments` assembles a run's from its ``env`` section: the built-in ones
 (`built_in_environments`: ``guess_number``, `jax_agent_rl.envs.guess`), skyrl-gym environments
 (`jax_agent_rl.envs.skyrl`) by a row's ``env_class``, verl interactions
-(`jax_agent_rl.envs.verl_interaction`) by its ``interaction_kwargs``, and a user's own. Task
+by its ``interaction_kwargs`` (``env.interaction_config``, read by the verl wing:
+`jax_agent_rl.compat.verl.interaction`, registered with `register_interactions`), and a user's
+own. Task
 generators with their own scorers (reasoning-gym) are data, not environments:
 `jax_agent_rl.data.reasoning_gym`.
 """
@@ -11,6 +13,7 @@ generators with their own scorers (reasoning-gym) are data, not environments:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from jax_agent_rl.call_threads import CallThreads
@@ -24,12 +27,18 @@ from jax_agent_rl.envs.base import (
     Environments,
     EnvStep,
     EnvStepError,
+    NamedEnvironment,
     checked_messages,
     checked_step,
 )
 from jax_agent_rl.envs.skyrl import registered_skyrl_env, skyrl_factory
-from jax_agent_rl.envs.verl_interaction import interaction_factory, load_interactions
 from jax_agent_rl.user_code import import_module, load_function
+from jax_agent_rl.wings import load_wing
+
+# env.interaction_config's reader: the file -> the environment of a row's interaction; the verl
+# wing registers verl's interaction config (`load_wing`)
+ReadInteractions = Callable[[str], Callable[[Sample], NamedEnvironment]]
+_INTERACTIONS: list[ReadInteractions] = []
 
 __all__ = [
     "EnvError",
@@ -41,7 +50,13 @@ __all__ = [
     "checked_messages",
     "checked_step",
     "make_environments",
+    "register_interactions",
 ]
+
+
+def register_interactions(read: ReadInteractions) -> None:
+    """Reads ``env.interaction_config`` with ``read`` (the verl wing's)."""
+    _INTERACTIONS[:] = [read]
 
 
 def make_environments(env: EnvSection, max_turns: int) -> Environments:
@@ -63,11 +78,11 @@ def make_environments(env: EnvSection, max_turns: int) -> Environments:
         raise ConfigError(
             f"env.config names {unknown}, which are neither in env.classes nor skyrl-gym ids"
         )
-    interaction = (
-        interaction_factory(load_interactions(env.interaction_config))
-        if env.interaction_config
-        else None
-    )
+    interaction = None
+    if env.interaction_config:
+        load_wing("verl")  # verl's interaction config
+        (read,) = _INTERACTIONS
+        interaction = read(env.interaction_config)
     lookup = registered_skyrl_env(env, max_turns)
     threads = CallThreads(env.max_threads, ENV_THREAD)
     return Environments(classes, lookup, interaction, env.step_timeout_s, threads)

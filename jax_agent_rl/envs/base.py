@@ -25,10 +25,10 @@ function's score (verl: the step rewards are turn scores the reward function may
 `Environments` picks the environment of a sample: its ``env_class`` (SkyRL's column) names an
 entry of ``env.classes`` or, when that is empty, a skyrl-gym registered id (`skyrl_env`);
 ``extra_info.interaction_kwargs.name`` (verl's) names an interaction of ``env.interaction_config``
-(`verl_interaction`). The loop calls every environment through `GuardedEnvironment`: whatever an
-environment does wrong (raises, returns a malformed step, takes longer than
-``env.step_timeout_s``; every answer is checked, `checked_step`, whoever made the
-environment) ends that trajectory: a failed ``step`` with stop reason ``caused_error``
+(the verl wing's, `jax_agent_rl.compat.verl.interaction`). The loop calls every environment
+through `GuardedEnvironment`: whatever an environment does wrong (raises, returns a malformed
+step, takes longer than ``env.step_timeout_s``; every answer is checked, `checked_step`, whoever
+made the environment) ends that trajectory: a failed ``step`` with stop reason ``caused_error``
 (`EnvStepError`: the policy's action made it fail, trained on as a wrong answer), a failed
 ``reset`` or ``close`` or a call held up by others with ``env_error`` (`EnvError`), counted
 and not trained on; an environment that never says done is ended by the loop's budgets

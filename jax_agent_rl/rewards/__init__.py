@@ -1,8 +1,9 @@
-"""Rewards: verl's rule scorers (`jax_agent_rl.rewards.verl_rules`, checked against verl's own),
-our answer checkers (math, lenient GSM8K, format), user functions named in the config (ours or
-verl's ``compute_score`` signature), a model as the judge, and the choice of reward per
-``data_source``."""
+"""Rewards: verl's rule scorers (registered by the verl wing, `jax_agent_rl.compat.verl.rules`,
+checked against verl's own; `jax_agent_rl.rewards.hooks`), our answer checkers (math, lenient
+GSM8K, format), user functions named in the config (ours or verl's ``compute_score``
+signature), a model as the judge, and the choice of reward per ``data_source``."""
 
+from jax_agent_rl.rewards.hooks import REWARDS, RewardFn, reads_whole_response
 from jax_agent_rl.rewards.judge import Judge, JudgeAnswerError, judge_prompt, parse_score
 from jax_agent_rl.rewards.math import (
     extract_answer,
@@ -15,12 +16,10 @@ from jax_agent_rl.rewards.math import (
 from jax_agent_rl.rewards.registry import (
     JUDGE,
     MAX_ABS_REWARD,
-    REWARDS,
     Answer,
     AnswerFaultError,
     JudgeFn,
     RewardError,
-    RewardFn,
     Rewards,
     ScoreFn,
     Scorer,
@@ -55,5 +54,6 @@ __all__ = [
     "math_equal",
     "math_reward",
     "parse_score",
+    "reads_whole_response",
     "scored_by_fallback",
 ]

@@ -20,7 +20,7 @@ wrote it: the number after the model's last ``####`` (spaces and a ``$`` allowed
 number of its ``<answer>``/``\\boxed{}`` answer, else the last number it wrote; the ground truth
 may be the bare number (verl's preprocessing) or a whole GSM8K solution ending in
 ``#### <number>``; numbers are compared as numbers (``72.0`` equals ``72``). It is not verl's
-rule (`jax_agent_rl.rewards.verl_rules.gsm8k_score`, the ``verl_gsm8k`` reward and the default
+rule (`jax_agent_rl.compat.verl.rules.gsm8k_score`, the ``verl_gsm8k`` reward and the default
 for ``openai/gsm8k`` rows), which takes only ``#### N`` in the last 300 characters and compares
 it as a string: ``The answer is 15``, ``#### 15.0``, ``\\boxed{15}`` and ``<answer>15</answer>``
 score 1.0 here and 0 there.

@@ -4,9 +4,10 @@ A reward is named by a built-in name (`REWARDS`) or by a user function, ``packag
 or ``path/to/file.py:function`` (verl's ``custom_reward_function.path`` / ``.name`` in one
 string). The built-in names:
 
-- ``verl_gsm8k``, ``verl_math``, ``verl_dapo``, ``verl_qa_em``: verl's own rules
-  (`jax_agent_rl.rewards.verl_rules`: GSM8K's strict ``#### N``, MATH's boxed answer, DAPO's
-  ``Answer:`` line, Search-R1's exact match), results as verl's (dapo's dict gives its score);
+- ``verl_gsm8k``, ``verl_math``, ``verl_dapo``, ``verl_qa_em``: verl's own rules, registered
+  by the verl wing (`jax_agent_rl.compat.verl.rules`: GSM8K's strict ``#### N``, MATH's boxed
+  answer, DAPO's ``Answer:`` line, Search-R1's exact match), results as verl's (dapo's dict
+  gives its score);
 - ``math``: ours, the last ``<answer>`` or ``\\boxed{}`` compared as a number or string;
 - ``gsm8k_lenient``: ours, GSM8K's number however it is written (``#### 15.0``, ``<answer>``,
   ``\\boxed{}``, the last number); not verl's rule;
@@ -28,11 +29,11 @@ reward that is not finite, is an error naming the config key.
 Which reward scores a row (`make_reward`), as verl picks one: its source's entry in
 ``data.rewards_by_source``, else ``data.reward`` when set (it overrides every other source, as
 verl's ``custom_reward_function`` does), else, with ``data.reward`` unset (empty), by source:
-verl's rule for the sources verl's ``default_compute_score`` knows (`verl_rules.
-default_compute_score`; those it routes to scorers not shipped here raise, naming the source),
-the task's scorer for reasoning-gym rows (``reasoning_gym/<task>``), ``math`` for the rest. An
-empty entry in ``data.rewards_by_source`` is an error: it would leave open whether the row falls
-back to ``data.reward`` or to its source's default.
+verl's rule for the sources verl's ``default_compute_score`` knows (`jax_agent_rl.compat.
+verl.rules.default_compute_score`; those it routes to scorers not shipped here raise, naming
+the source), the task's scorer for reasoning-gym rows (``reasoning_gym/<task>``), ``math``
+for the rest. An empty entry in ``data.rewards_by_source`` is an error: it would leave open
+whether the row falls back to ``data.reward`` or to its source's default.
 
 What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a source verl's
 ``default_compute_score`` knows, the whole response decoded as verl decodes it (every token after
@@ -95,24 +96,17 @@ from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.config.ranges import MAX_ABS_REWARD
 from jax_agent_rl.data import reasoning_gym
-from jax_agent_rl.rewards import verl_rules
+from jax_agent_rl.rewards.hooks import REWARDS, register_reward, source_rule
 from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.user_code import load_function
+from jax_agent_rl.wings import load_wing
 
-# a built-in rule: (text, ground truth) -> a number, or a dict whose "score" is one
-RewardFn = Callable[[str, Any], Any]
 # every loaded reward: (data_source, text, ground truth, extra_info) -> reward
 ScoreFn = Callable[[str, str, Any, dict[str, Any]], float]
 
-REWARDS: dict[str, RewardFn] = {
-    "verl_gsm8k": verl_rules.gsm8k_score,
-    "verl_math": verl_rules.math_score,
-    "verl_dapo": verl_rules.dapo_score,
-    "verl_qa_em": verl_rules.qa_em_score,
-    "math": math_reward,
-    "gsm8k_lenient": gsm8k_lenient_reward,
-    "format": lambda text, _truth: format_reward(text),
-}
+register_reward("math", math_reward)
+register_reward("gsm8k_lenient", gsm8k_lenient_reward)
+register_reward("format", lambda text, _truth: format_reward(text))
 
 JUDGE = "judge"  # the reward name that asks a model (data.judge)
 _BY_SOURCE_FALLBACK = "math"  # rows of no known source, with data.reward unset
@@ -197,12 +191,13 @@ def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
     unset, no ``data.rewards_by_source`` entry, no verl rule and no reasoning-gym task), sorted."""
     if data.reward:
         return []
+    load_wing("verl")  # verl's rules score the sources verl knows
     return sorted(
         {
             s
             for s in sources
             if s not in data.rewards_by_source
-            and not verl_rules.knows_source(s)
+            and source_rule(s) is None
             and not s.startswith(reasoning_gym.SOURCE_PREFIX)
         }
     )
@@ -212,7 +207,9 @@ def make_reward(data: DataSection, judge: JudgeFn | None = None) -> Rewards:
     """The reward of every row (the module docstring says which). Every named reward is loaded
     and checked here, before anything runs; rows whose reward is ``judge`` go to ``judge``
     (required when ``data.judged``; without it, this only checks the names). No worker process
-    starts until a call needs one."""
+    starts until a call needs one. The verl wing's rules are registered first: they score the
+    sources verl knows, by name (``verl_gsm8k`` ...) or with ``data.reward`` unset."""
+    load_wing("verl")
     for source, spec in data.rewards_by_source.items():
         if not spec.strip():
             raise ConfigError(
@@ -262,14 +259,17 @@ class Rewards:
 
 
 def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
-    """The reward of a source when ``data.reward`` is unset: verl's rule for sources verl
-    knows, the task's scorer for reasoning-gym rows, ``fallback`` for the rest."""
+    """The reward of a source when ``data.reward`` is unset: the rule registered for it
+    (verl's, for the sources verl knows: `jax_agent_rl.rewards.hooks`), the task's scorer for
+    reasoning-gym rows, ``fallback`` for the rest."""
 
-    def verl_rule(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
-        result = verl_rules.default_compute_score(source, text, truth, extra)
-        return _score(result, f"verl's rule for {source}", "data.reward")
+    def rule_score(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:
+        rule = source_rule(source)
+        assert rule is not None  # picked below only for a source a rule knows
+        result = rule.score(source, text, truth, extra)
+        return _score(result, f"{rule.what} for {source}", "data.reward")
 
-    verl = sync.in_thread(verl_rule, "verl's rule (data.reward unset)")
+    by_rule = sync.in_thread(rule_score, "the source's rule (data.reward unset)")
     generated = sync.in_process(
         reasoning_gym.loaded_score,
         "the reasoning-gym task's scorer (data.reward unset)",
@@ -278,8 +278,8 @@ def _source_default(fallback: Scorer, sync: _Sync) -> Callable[[str], Scorer]:
     )
 
     def pick(data_source: str) -> Scorer:
-        if verl_rules.knows_source(data_source):
-            return verl
+        if source_rule(data_source) is not None:
+            return by_rule
         if data_source.startswith(reasoning_gym.SOURCE_PREFIX):
             return generated
         return fallback
@@ -436,6 +436,8 @@ def load_reward(spec: str, key: str) -> ScoreFn:
     """The reward ``spec`` names (see the module docstring); errors name ``key``."""
     if spec == "reasoning_gym":
         return reasoning_gym.score
+    if ":" not in spec:
+        load_wing("verl")  # verl's rule names (verl_gsm8k ...)
     if spec in REWARDS:
         builtin = REWARDS[spec]
         return lambda _source, text, truth, _extra: _score(builtin(text, truth), spec, key)

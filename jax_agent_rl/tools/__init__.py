@@ -1,8 +1,9 @@
 """Tools: the @tool decorator, stateful tools, the registry and the executor seam.
 
 Tools written for verl import its API (``BaseTool``, ``ToolResponse``, ``function_tool``, ...)
-from ``verl.tools.*`` as they do in verl; `jax_agent_rl.tools.verl` implements it, and the
-`verl` shim (`jax_agent_rl_verl_shim`) serves it under verl's names when verl is not installed.
+from ``verl.tools.*`` as they do in verl; the verl wing implements it
+(`jax_agent_rl.compat.verl.tools`), and its `verl` shim (`jax_agent_rl.compat.verl.shim`) serves
+it under verl's names when verl is not installed.
 """
 
 from jax_agent_rl.tools.app import create_app

@@ -3,8 +3,9 @@
 Endpoints: ``GET /health`` (``{"status": "ok"}`` and nothing else: the one route open
 without the token), ``GET /tools`` (schemas), ``POST /execute`` (one call; state is sticky per
 trajectory; its ``create_kwargs`` reach the tool's ``create``), ``POST /execute_batch``,
-``POST /release`` (free a trajectory's state), ``GET /metrics``, and verl-tool's
-``POST /get_observation`` (`add_verl_tool_routes`); no docs or OpenAPI routes. Calls run
+``POST /release`` (free a trajectory's state), ``GET /metrics``, and the routes a wing
+registers (`register_routes`: the verl wing's verl-tool ``POST /get_observation``,
+`jax_agent_rl.compat.verl.tool_routes`); no docs or OpenAPI routes. Calls run
 through `LocalTools` (per-call timeout, failures become error results) behind a concurrency
 cap; when the app stops, every tool is closed. The token is compared in constant time on both
 transports (`token_matches`).
@@ -30,7 +31,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jax_agent_rl.config import ToolServerSection
-from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tokenization.tool_calls import ToolCallParser, make_parser
 from jax_agent_rl.tools.body_limit import BodyLimit
 from jax_agent_rl.tools.protocol import (
     DEFAULT_CAPS,
@@ -46,7 +47,28 @@ from jax_agent_rl.tools.protocol import (
 )
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.socket_server import SocketLimits, SocketServer
-from jax_agent_rl.tools.verl_tool_routes import add_verl_tool_routes
+from jax_agent_rl.wings import load_wing
+
+# more routes, each added over /execute's calls and /release's releases (its arguments: the
+# app, the action parser, the caps, run, free and the token check); a wing registers them
+AddRoutes = Callable[
+    [
+        FastAPI,
+        ToolCallParser,
+        RequestCaps,
+        Callable[[str, ExecuteRequest], Awaitable[dict[str, Any]]],
+        Callable[[str, str], Awaitable[dict[str, Any]]],
+        Callable[..., Awaitable[None]],
+    ],
+    None,
+]
+_ROUTES: list[AddRoutes] = []
+
+
+def register_routes(add: AddRoutes) -> None:
+    """Adds ``add``'s routes to every app `create_app` builds from now on (once)."""
+    if add not in _ROUTES:
+        _ROUTES.append(add)
 
 
 @dataclasses.dataclass
@@ -114,7 +136,7 @@ def create_app(
     1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
     ``body_timeout_s`` go to `BodyLimit`; ``caps`` bound what one request carries
     (`RequestCaps`). ``action_parser`` (a name of `jax_agent_rl.tokenization.tool_calls`)
-    reads the actions of ``/get_observation`` (`add_verl_tool_routes`).
+    reads the actions of verl-tool's ``/get_observation`` (the verl wing's route).
     With ``socket_path``, the app's lifespan also serves the calls on that Unix socket
     (`SocketServer`, under the same token, with the same bounds per frame, ``max_concurrency``
     calls in flight per connection and at most ``max_connections`` connections). An empty
@@ -191,7 +213,9 @@ def create_app(
         caps.check_id(req.trajectory_id)
         return await free(namespace, req.trajectory_id)
 
-    add_verl_tool_routes(app, parser, caps, run, free, authorize)
+    load_wing("verl")  # verl-tool's route
+    for add in _ROUTES:
+        add(app, parser, caps, run, free, authorize)
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def get_metrics() -> dict[str, Any]:

@@ -35,9 +35,20 @@ from jax_agent_rl.tools.base import (
     ToolResult,
     validate_arguments,
 )
-from jax_agent_rl.tools.verl import OpenAIFunctionToolSchema, VerlTool
+from jax_agent_rl.tools.schemas import OpenAIFunctionToolSchema
 from jax_agent_rl.user_code import import_named
 from jax_agent_rl.visible import lone_surrogate
+from jax_agent_rl.wings import load_wing
+
+# a tools file's other formats, by their one top-level key: the function that builds a `Tool`
+# from an entry (where, entry); the verl wing registers verl's (``tools:``, `load_wing`)
+_FORMATS: dict[str, Callable[[str, Any], Tool]] = {}
+
+
+def register_tool_format(key: str, build: Callable[[str, Any], Tool]) -> None:
+    """Reads a tools file whose one top-level key is ``key`` (a list) with ``build``."""
+    _FORMATS[key] = build
+
 
 _log = logging.getLogger(__name__)
 
@@ -84,7 +95,8 @@ class ToolRegistry:
           every one it requires among them);
         - verl's, a mapping ``{tools: [{class_name: "pkg.mod.Class", config: {type: native,
           ...}, tool_schema: {...}}]}``: each class is a verl ``BaseTool``, built with
-          ``config`` and ``tool_schema`` as verl builds it and run through `VerlTool`.
+          ``config`` and ``tool_schema`` as verl builds it and run through verl's adapter (the
+          verl wing's format, `jax_agent_rl.compat.verl.tools.verl_tool`).
 
         ``${...}`` interpolations resolve as in verl's loader (OmegaConf). Anything malformed
         is a ValueError naming the file, the entry and the key.
@@ -93,7 +105,9 @@ class ToolRegistry:
         if isinstance(data, list):
             return cls(_our_tool(f"{path}: entry {i}", e) for i, e in enumerate(data))
         if isinstance(data, dict) and set(data) == {"tools"} and isinstance(data["tools"], list):
-            return cls(_verl_tool(f"{path}: tools[{i}]", e) for i, e in enumerate(data["tools"]))
+            load_wing("verl")  # verl's format: its wing builds the entries
+            build = _FORMATS["tools"]
+            return cls(build(f"{path}: tools[{i}]", e) for i, e in enumerate(data["tools"]))
         if data == {}:
             return cls()
         raise ValueError(
@@ -108,19 +122,19 @@ def _shape(data: Any) -> str:
     return f"a mapping with keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
 
 
-def _problems(e: ValidationError) -> str:
+def schema_problems(e: ValidationError) -> str:
     """A schema's problems on one line: ``function.description: Field required; ...``."""
     return "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
 
 
-def _import(where: str, key: str, module: str, attr: str) -> Any:
+def import_attr(where: str, key: str, module: str, attr: str) -> Any:
     try:
         return getattr(import_named(module, f"{where}: {key}"), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{where}: {key}: cannot import {attr!r} from {module!r}: {e}") from e
 
 
-def _mapping(where: str, entry: Any, key: str) -> dict[str, Any]:
+def entry_mapping(where: str, entry: Any, key: str) -> dict[str, Any]:
     value = entry.get(key) or {}
     if not isinstance(value, dict):
         raise ValueError(f"{where}: {key} must be a mapping, got {type(value).__name__}")
@@ -139,8 +153,8 @@ def _our_tool(where: str, entry: Any) -> Tool:
     module, _, attr = str(entry["class"]).partition(":")
     if not (module and attr):
         raise ValueError(f"{where}: class must be 'module:attr', got {entry['class']!r}")
-    obj = _import(where, "class", module, attr)
-    config = _mapping(where, entry, "config")
+    obj = import_attr(where, "class", module, attr)
+    config = entry_mapping(where, entry, "config")
     if isinstance(obj, Tool):
         if config:
             raise ValueError(f"{where}: config: {entry['class']} is a tool, not a class to build")
@@ -156,7 +170,7 @@ def _our_tool(where: str, entry: Any) -> Tool:
         try:
             OpenAIFunctionToolSchema.model_validate(entry["schema"])
         except ValidationError as e:
-            raise ValueError(f"{where}: schema: {_problems(e)}") from e
+            raise ValueError(f"{where}: schema: {schema_problems(e)}") from e
         if isinstance(instance, FunctionTool):
             _fits_function(where, instance, entry["schema"])
         instance.schema = entry["schema"]
@@ -177,39 +191,6 @@ def _fits_function(where: str, t: FunctionTool, schema: dict[str, Any]) -> None:
             f"{where}: schema: its parameters {sorted(properties)} do not fit "
             f"{t.fn.__name__}{signature} ({e})"
         ) from None
-
-
-def _verl_tool(where: str, entry: Any) -> Tool:
-    """One entry of verl's format (see `ToolRegistry.from_yaml`)."""
-    if not isinstance(entry, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(entry).__name__}")
-    unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
-    if unknown or "class_name" not in entry:
-        raise ValueError(
-            f"{where}: keys must be class_name (required), config, tool_schema; "
-            f"got unknown {unknown}"
-        )
-    module, _, attr = str(entry["class_name"]).rpartition(".")
-    if not module:
-        raise ValueError(f"{where}: class_name must be 'pkg.module.Class', got {attr!r}")
-    where = f"{where} ({entry['class_name']})"
-    config = _mapping(where, entry, "config")
-    if config.get("type") != "native":
-        raise ValueError(
-            f"{where}: config.type must be 'native' (verl's MCP tools are not supported), "
-            f"got {config.get('type')!r}"
-        )
-    tool_cls = _import(where, "class_name", module, attr)
-    raw = entry.get("tool_schema")
-    try:
-        schema = None if raw is None else OpenAIFunctionToolSchema.model_validate(raw)
-    except ValidationError as e:
-        raise ValueError(f"{where}: tool_schema: {_problems(e)}") from e
-    try:
-        return VerlTool(tool_cls(config=config, tool_schema=schema))  # as verl builds it
-    except Exception as e:
-        e.add_note(f"while building {where}")
-        raise
 
 
 def _checked(name: str, result: Any) -> ToolResult:

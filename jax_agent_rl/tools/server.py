@@ -2,7 +2,7 @@
 uvicorn.
 
 It is made of the HTTP app (`jax_agent_rl.tools.app`, with verl-tool's routes in
-`jax_agent_rl.tools.verl_tool_routes`), the Unix-socket transport beside it
+`jax_agent_rl.compat.verl.tool_routes`), the Unix-socket transport beside it
 (`jax_agent_rl.tools.socket_server`) and what both share with the client
 (`jax_agent_rl.tools.protocol`); `HttpTools` (`jax_agent_rl.tools.client`) calls it. Its
 settings' defaults are `ToolServerSection`'s. It refuses to listen on a non-loopback address

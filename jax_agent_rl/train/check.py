@@ -58,7 +58,7 @@ from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.tools.verl import create_kwargs_by_tool
+from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.check_mesh import model_fit, processes_fit, spans_every_device
 from jax_agent_rl.train.learners import run_model

@@ -45,7 +45,7 @@ from jax_agent_rl.rewards import (
     RewardError,
     Scorer,
     checked_reward,
-    verl_rules,
+    reads_whole_response,
 )
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.update import LearnerState
@@ -67,7 +67,7 @@ def scored_text(sample: Sample, traj: Trajectory, tokenizer: Tokenizer) -> str:
     (every token after the prompt, tool calls and tool responses included, special tokens
     skipped): a ``#### 15`` in an earlier turn counts when it lies where verl's rule looks; for
     other rows the last assistant message."""
-    if verl_rules.knows_source(sample.data_source):
+    if reads_whole_response(sample.data_source):  # a rule the verl wing registered
         return tokenizer.decode(traj.response_ids, skip_special_tokens=True)
     return final_answer_text(traj)
 

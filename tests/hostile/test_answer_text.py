@@ -19,13 +19,13 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from jax_agent_rl.compat.verl.rules import qa_em_score
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, checked_step
 from jax_agent_rl.envs.guess import GuessNumber, read_guess
 from jax_agent_rl.rewards import RewardError, checked_reward
 from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
-from jax_agent_rl.rewards.verl_rules import qa_em_score
 from jax_agent_rl.tags import tagged
 
 UNCLOSED = "<answer>" * 50_000  # the old regexes: minutes each

@@ -37,11 +37,11 @@ from jax_agent_rl.agent.langgraph_loop import Episode, episode_tools
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
+from jax_agent_rl.compat.verl.interaction import load_interactions
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.envs.verl_interaction import load_interactions
 from jax_agent_rl.models import ModelConfig, init_params
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_agent_rl.compat.verl.interaction import InteractionEnvironment
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step, make_environments
-from jax_agent_rl.envs.verl_interaction import InteractionEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
 

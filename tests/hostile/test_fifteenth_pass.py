@@ -32,11 +32,11 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import Episode
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
+from jax_agent_rl.compat.verl.interaction import interaction_factory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments, EnvStep
 from jax_agent_rl.envs.base import EnvBusyError, EnvStepError, GuardedEnvironment
 from jax_agent_rl.envs.env_loop import THREAD, EnvLoop
-from jax_agent_rl.envs.verl_interaction import interaction_factory
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.compat.verl.interaction import load_interactions
 from jax_agent_rl.config import ConfigError, load_config
-from jax_agent_rl.envs.verl_interaction import load_interactions
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox
 from tests.hostile.test_checkpoint import _unblocked

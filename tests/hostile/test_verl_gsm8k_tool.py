@@ -1,6 +1,6 @@
-"""verl's GSM8K tool (`jax_agent_rl.tools.verl_gsm8k`, served as verl.tools.gsm8k_tool) under a
-policy that wants its reward: one trajectory's instance never scores against another's ground
-truth, whatever the model puts in its arguments, and arguments of the wrong shape or size are
+"""verl's GSM8K tool (`jax_agent_rl.compat.verl.gsm8k_tool`, served as verl.tools.gsm8k_tool)
+under a policy that wants its reward: one trajectory's instance never scores against another's
+ground truth, whatever the model puts in its arguments, and arguments of the wrong shape or size are
 error observations or ordinary wrong answers, never a crash or a reward."""
 
 from __future__ import annotations

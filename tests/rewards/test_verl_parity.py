@@ -1,5 +1,5 @@
 """verl's rule scorers, ours against verl's own: every case below (hand-written, then seeded
-fuzz) is scored by `jax_agent_rl.rewards.verl_rules` here and by the real verl 0.9.1
+fuzz) is scored by `jax_agent_rl.compat.verl.rules` here and by the real verl 0.9.1
 (``.verl-ref``, `scripts/setup.sh verl-ref`) in one subprocess for the module, and the results
 must be equal, types included (verl's int ``0`` is not ``0.0``; dapo's dict field by field).
 verl is imported only in that subprocess: in this process it would be found as ``verl`` by the
@@ -24,11 +24,13 @@ from typing import Any
 import pytest
 
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.compat.verl import rules as verl_rules
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.rewards import make_reward, verl_rules
+from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train.step import scored_text, trajectory_reward
+from jax_agent_rl.wings import load_wing
 
 VERL_REF = Path(__file__).resolve().parents[2] / ".verl-ref"
 FUZZ_PER_SCORER = 200
@@ -465,6 +467,7 @@ def test_verl_rows_are_scored_on_the_whole_response_as_verl_decodes_it(
     """A verl GSM8K row whose final message lacks ``#### 15`` but whose first turn has it scores
     1.0, as in verl (its whole decoded response, tool turns included); the same episode of a
     source verl does not know is scored on its final message."""
+    load_wing("verl")  # as a run's make_reward does: verl's rule knows openai/gsm8k
     question = [{"role": "user", "content": "What is 7 + 8?"}]
     gsm8k = Sample("g", question, ground_truth="15", data_source="openai/gsm8k")
     traj = _two_turns(tokenizer, gsm8k, "#### 15", "So it is 15.")

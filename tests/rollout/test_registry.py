@@ -35,9 +35,10 @@ TIERS = [
         "visible",
         "call_threads",
         "tags",
+        "wings",
     ],
     ["models", "tokenization"],
-    ["config", "verl_keys"],
+    ["config"],
     ["user_code", "call_processes"],
     ["env_process"],  # the process side of envs/skyrl.py: neither envs nor JAX
     ["engine", "distributed"],
@@ -54,11 +55,15 @@ TIERS = [
     ["demo"],
     ["cli"],
     ["backends"],
+    ["compat"],
 ]
 TIER = {package: rank for rank, packages in enumerate(TIERS) for package in packages}
 # The external backends' homes sit on top and register through entry points: nothing outside
 # them imports them.
 BACKENDS = "jax_agent_rl.backends"
+# The wings (compatibility with other frameworks) sit on top too: the core loads one by name
+# (jax_agent_rl/wings.py) and it registers hooks; no module outside it imports it.
+WINGS = "jax_agent_rl.compat"
 LARGE_FILES_ALLOWED = {"models/decoder.py"}
 MAX_LINES = 500
 
@@ -172,6 +177,27 @@ def test_nothing_imports_the_external_backend_homes() -> None:
         if _in_backends(name)
     ]
     assert imports == [], "imports of the backends' homes:\n" + "\n".join(imports)
+
+
+def test_nothing_outside_a_wing_imports_it() -> None:
+    """The agent loop, the train step and every other core module reach verl's compatibility
+    only through the hooks its wing registers; only the wing names its modules."""
+    assert any(module.startswith(f"{WINGS}.verl.") for module in MODULES)
+    imports = [
+        f"{module} imports {name}"
+        for module, path in MODULES.items()
+        if not module.startswith(f"{WINGS}.") and module != WINGS
+        for name in sorted(_imported_modules(path))
+        if name == WINGS or name.startswith(f"{WINGS}.")
+    ]
+    assert imports == [], "imports of the wings:\n" + "\n".join(imports)
+
+
+def test_the_wings_module_names_every_wing_that_exists() -> None:
+    """`jax_agent_rl.wings` imports the wings by name: each name it holds is a module here."""
+    from jax_agent_rl import wings
+
+    assert set(wings.WINGS.values()) | set(wings.SHIMS) <= set(MODULES)
 
 
 def test_no_file_is_over_500_lines() -> None:

@@ -1,8 +1,8 @@
-"""The `verl` shim (jax_agent_rl_verl_shim): without verl, the names verl tool, interaction and
-reward modules import are ours under verl's module names, and every other ``verl.*`` is an
-ImportError naming the shim. That a real verl anywhere on ``sys.path`` wins is checked where it
-costs no extra process: tests/train/test_verl_tool_module.py trains in a process that appends
-the real verl (``.verl-ref``) to ``sys.path`` after importing jax_agent_rl.
+"""The `verl` shim (jax_agent_rl.compat.verl.shim): without verl, the names verl tool,
+interaction and reward modules import are ours under verl's module names, and every other
+``verl.*`` is an ImportError naming the shim. That a real verl anywhere on ``sys.path`` wins is
+checked where it costs no extra process: tests/train/test_verl_tool_module.py trains in a process
+that appends the real verl (``.verl-ref``) to ``sys.path`` after importing jax_agent_rl.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-import jax_agent_rl_verl_shim
-from jax_agent_rl.envs.verl_gsm8k import CORRECT, INCORRECT, Gsm8kInteraction
-from jax_agent_rl.envs.verl_interaction import BaseInteraction, load_interactions
-from jax_agent_rl.rewards import verl_rules
-from jax_agent_rl.tools import verl as tools_verl
-from jax_agent_rl.tools.verl_gsm8k import Gsm8kTool
+from jax_agent_rl.compat.verl import rules as verl_rules
+from jax_agent_rl.compat.verl import shim
+from jax_agent_rl.compat.verl import tools as tools_verl
+from jax_agent_rl.compat.verl.gsm8k_interaction import CORRECT, INCORRECT, Gsm8kInteraction
+from jax_agent_rl.compat.verl.gsm8k_tool import Gsm8kTool
+from jax_agent_rl.compat.verl.interaction import BaseInteraction, load_interactions
 
 ROOT = Path(__file__).resolve().parents[2]
-jax_agent_rl_verl_shim.install()  # the one-liner for code importing verl's modules directly
+shim.install()  # the one-liner for code importing verl's modules directly
 
 # module -> {name verl's module has: our object}
 SERVED = {
@@ -63,10 +63,10 @@ SERVED = {
 
 
 def test_the_shim_serves_our_implementations_under_verls_names() -> None:
-    assert set(SERVED) | {"verl.utils.rollout_trace"} == set(jax_agent_rl_verl_shim.PROVIDED)
+    assert set(SERVED) | {"verl.utils.rollout_trace"} == set(shim.PROVIDED)
     for module, names in SERVED.items():
         loaded = importlib.import_module(module)
-        assert jax_agent_rl_verl_shim.is_shim(sys.modules["verl"])
+        assert shim.is_shim(sys.modules["verl"])
         for name, ours in names.items():
             assert getattr(loaded, name) is ours, f"{module}.{name}"
 
@@ -193,12 +193,15 @@ def test_verl_is_not_importable_merely_in_the_environment() -> None:
     out = _python(
         "import jax_agent_rl\n"
         "try:\n    import verl\nexcept ImportError:\n    print('refused')\n"
-        "import jax_agent_rl_verl_shim; jax_agent_rl_verl_shim.install()\n"
+        "import jax_agent_rl.compat.verl.shim as shim; shim.install()\n"
         "import verl.tools.base_tool, verl\nprint(verl.__file__)",
         [ROOT],
         cwd=ROOT,
     )
-    assert out.splitlines() == ["refused", str(ROOT / "jax_agent_rl_verl_shim/verl/__init__.py")]
+    assert out.splitlines() == [
+        "refused",
+        str(ROOT / "jax_agent_rl" / "compat" / "verl" / "shim" / "verl" / "__init__.py"),
+    ]
 
 
 def test_a_verl_folder_in_the_working_directory_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -214,7 +217,7 @@ def test_a_verl_folder_in_the_working_directory_is_refused_in_one_line(tmp_path:
     out = _python(
         "from jax_agent_rl.user_code import working_directory_importable\n"
         "from jax_agent_rl.errors import ConfigError\n"
-        "from jax_agent_rl.envs.verl_interaction import load_interactions\n"
+        "from jax_agent_rl.compat.verl.interaction import load_interactions\n"
         "working_directory_importable()\n"
         "try:\n    load_interactions('i.yaml')\nexcept ConfigError as e:\n    print(e)",
         [ROOT],

@@ -23,6 +23,12 @@ import yaml
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.compat.verl.tools import (
+    BaseTool,
+    OpenAIFunctionToolSchema,
+    ToolResponse,
+    function_tool,
+)
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import make_parser
@@ -31,14 +37,8 @@ from jax_agent_rl.tools.base import Tool, ToolExecutor, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator, evaluate, format_number
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
-from jax_agent_rl.tools.verl import (
-    BaseTool,
-    OpenAIFunctionToolSchema,
-    ToolResponse,
-    create_kwargs_by_tool,
-    function_tool,
-)
 from tests.agent import test_loop
 from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter

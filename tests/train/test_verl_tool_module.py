@@ -26,12 +26,12 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from jax_agent_rl.compat.verl import shim
+from jax_agent_rl.compat.verl.rules import gsm8k_score
 from jax_agent_rl.config import load_config
 from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles
-from jax_agent_rl.rewards.verl_rules import gsm8k_score
 from jax_agent_rl.train import train
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces
-from tests.train.verl_gsm8k_tool import IMPROVEMENT_PENALTY
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_REF = ROOT / ".verl-ref"
@@ -91,6 +91,9 @@ def _tool_calls(run_dir: Path, truths: dict[str, str]) -> list[tuple[str, float]
     """(answer, reward) of every call of both steps' trajectories, each checked against verl's
     gsm8k rule and the tool's improvement rule (the half-trained checkpoint cuts many calls
     off: those never reach the tool)."""
+    shim.install()  # the tool module imports verl.* (the one-liner of a script of one's own)
+    from tests.train.verl_gsm8k_tool import IMPROVEMENT_PENALTY
+
     records = read_traces(run_dir / TRACES_FILE)
     assert sorted({r["step"] for r in records}) == [1, 2] and len(records) == 2 * PROMPTS * N
     calls = []
@@ -131,7 +134,7 @@ def test_the_same_module_trains_with_the_real_verl(
     # jarl train, the real verl appended to sys.path only after the shim's finder is on (as
     # loading the tool YAML turns it on); first it says which verl the tool module will import
     script = (
-        "import sys, jax_agent_rl_verl_shim; jax_agent_rl_verl_shim.install(); "
+        "import sys, jax_agent_rl.compat.verl.shim as shim; shim.install(); "
         f"sys.path.append({str(VERL_REF)!r}); "
         "import verl, verl.utils.reward_score.gsm8k as g; print('verl from', verl.__file__); "
         "from jax_agent_rl.cli import main; sys.exit(main(sys.argv[1:]))"

@@ -1,0 +1,1 @@
+"""verl's tool API (`jax_agent_rl.compat.verl.tools`) under verl's module names."""

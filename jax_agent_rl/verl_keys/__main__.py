@@ -1,5 +1,0 @@
-"""``python -m jax_agent_rl.verl_keys``: prints `TABLE` as docs/verl.md's table."""
-
-from jax_agent_rl.verl_keys.convert import markdown_table
-
-print(markdown_table(), end="")

@@ -1,3 +1,0 @@
-"""jax_agent_rl's stand-in for the ``verl`` package (see `jax_agent_rl_verl_shim`): the names
-verl tool, interaction and reward modules import, served by jax_agent_rl. It is imported only
-when no real verl is on ``sys.path``."""

@@ -1,6 +1,0 @@
-"""``verl.interactions.gsm8k_interaction``: the interaction class verl's GSM8K interaction YAML
-names."""
-
-from jax_agent_rl.envs.verl_gsm8k import Gsm8kInteraction
-
-__all__ = ["Gsm8kInteraction"]

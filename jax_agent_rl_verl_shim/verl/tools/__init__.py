@@ -1,1 +1,0 @@
-"""verl's tool API (`jax_agent_rl.tools.verl`) under verl's module names."""

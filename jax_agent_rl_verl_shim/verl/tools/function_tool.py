@@ -1,5 +1,0 @@
-"""``verl.tools.function_tool``: the ``@function_tool`` decorator."""
-
-from jax_agent_rl.tools.verl import function_tool
-
-__all__ = ["function_tool"]

@@ -1,5 +1,0 @@
-"""``verl.tools.gsm8k_tool``: the tool class verl's GSM8K tool YAML names."""
-
-from jax_agent_rl.tools.verl_gsm8k import Gsm8kTool
-
-__all__ = ["Gsm8kTool"]
