@@ -61,6 +61,12 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):  # once a run: the main process, b
 # what the tests' engines of its shape compiled (the Ray conformance tests: 217 s -> 144 s).
 DEVICES = 8
 os.environ["JAX_NUM_CPU_DEVICES"] = str(DEVICES)
+# Ray starts its worker processes (the rollout replicas, the tool servers) at niceness 15 by
+# default: beside the other test process's compilations they got almost no CPU, and a replica's
+# engine compiled 5x slower than the same engine in the test's own process (the LoRA
+# conformance suite's Ray backend: 298 s to start in a two-process run, 47 s alone). The tests'
+# clusters (ray.init, ray.cluster_utils) inherit this and start them at the tests' own.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import jax  # noqa: E402
 
