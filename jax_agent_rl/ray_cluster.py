@@ -5,6 +5,7 @@ the rollout replicas (`jax_agent_rl.rollout.ray_pool`) and the tool servers
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 REACH_TIMEOUT_S = 10.0  # a head that does not accept a connection within this is unreachable
@@ -26,6 +27,12 @@ def connect(address: str) -> bool:
             raise RuntimeError(
                 f"rollout.ray.address={address!r}: no Ray head answers there ({e})"
             ) from None
+    if address == "local":
+        # Ray starts its workers at niceness 15: the replicas (the run's rollout engines) and
+        # the tool servers then got almost no CPU beside the learner on a CPU machine (an
+        # engine compiled 5x slower than in the trainer's own process); a cluster of the user's
+        # own ("auto", HOST:PORT) keeps what its head was started with
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         # "local" to Ray itself: a new cluster even when this machine runs one (with None, Ray
         # joins the cluster /tmp/ray/ray_current_cluster names: another job's, or a dead one)
