@@ -10,7 +10,7 @@ Every number is then checked against the range declared on its field (``setting(
 steps >= 0, temperature >= 0, top_p in (0, 1], ...) and against the values it must fit
 (`check_ranges`: micro-batches split over the mesh, ...), so every command refuses a bad value,
 not only ``jarl train``; all such problems are reported at once, one line each. A field that
-moved says where it was (``setting(..., was="group.max_refills")``), and a config still
+moved says where it was (``setting(..., was="rollout.max_refills")``), and a config still
 spelling the old key is told the new one. Names looked up in registries (backends, filters,
 parsers) are checked by ``jarl train``'s pre-run check (`jax_agent_rl.train.check`).
 

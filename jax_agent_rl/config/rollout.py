@@ -22,7 +22,7 @@ from jax_agent_rl.config.ranges import (
 @dataclasses.dataclass(frozen=True)
 class RaySection:
     """Rollout replicas as Ray actors across a cluster (`jax_agent_rl.rollout.ray_pool`);
-    off while ``address`` is empty. Each replica is one ``rollout.backend`` engine, placed
+    off while ``address`` is empty. Each replica is one ``engine.backend`` engine, placed
     through a placement group of one bundle per replica."""
 
     # "": no Ray (the backend runs here); "auto": the cluster this machine belongs to;
@@ -46,7 +46,7 @@ class RaySection:
 
 @dataclasses.dataclass(frozen=True)
 class VLLMSection:
-    """The vllm backend's engines (``rollout.backend=vllm``): vLLM processes under their own
+    """The vllm backend's engines (``engine.backend=vllm``): vLLM processes under their own
     venv, the learner's weights pushed to them."""
 
     replicas: int = setting(1, COUNT, was="rollout.replicas")  # engine processes
@@ -61,7 +61,7 @@ class VLLMSection:
 
 @dataclasses.dataclass(frozen=True)
 class JetStreamSection:
-    """The jetstream backend's engine (``rollout.backend=jetstream``): a JetStream server under
+    """The jetstream backend's engine (``engine.backend=jetstream``): a JetStream server under
     its own venv."""
 
     # the JetStream venv's interpreter; empty: the repo's .venv-jetstream/bin/python
