@@ -4,7 +4,7 @@ The learning test's task (sums and products; the calculator tool), with every ca
 delayed by a seeded lognormal draw (median ``--median-delay`` s, ``--sigma``): a search engine
 or a slow API, where a synchronous step waits for its slowest trajectory. One SFT warm start,
 then from the same policy: the synchronous loop, ``trainer.mode=async`` at ``max_staleness``
-1 and 2, and at 1 with ``rollout.keep_kv_on_update`` (``async1_keepkv``: a push lands
+1 and 2, and at 1 with ``engine.keep_kv_on_update`` (``async1_keepkv``: a push lands
 mid-turn, which goes on over the old weights' KV instead of waiting), each ``--steps`` updates
 of 8 prompts x 8 samples on the embedded engine (``--modes``: some of them; sync is always
 run). Reported per mode: trajectories trained per second over the RL updates (the figure
@@ -60,7 +60,7 @@ ASYNC_MODES = {
     "async1_keepkv": [
         "trainer.mode=async",
         "trainer.max_staleness=1",
-        "rollout.keep_kv_on_update=true",
+        "engine.keep_kv_on_update=true",
     ],
 }
 

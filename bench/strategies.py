@@ -3,9 +3,9 @@
 The learning test's task (sums and products; the calculator tool): one SFT warm start, then
 from the same policy and seeds, ``--steps`` GRPO updates of 8 prompts each, with
 
-- ``chain``: 8 independent episodes per prompt (``agent.strategy=chain``),
+- ``chain``: 8 independent episodes per prompt (``group.strategy=chain``),
 - ``tree``: 2 roots branching into 2 at each of their first 2 tool observations
-  (``agent.strategy=tree``), within the budget of 8 chain episodes per prompt (8 x
+  (``group.strategy=tree``), within the budget of 8 chain episodes per prompt (8 x
   ``agent.max_response_tokens`` model tokens, 8 x ``agent.max_turns`` tool calls),
 - ``per_turn``: chains trained as one sample per model turn (``algorithm.turn_mode=per_turn``).
 
@@ -38,7 +38,7 @@ from jax_agent_rl.train.metrics import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
     "chain": [],
-    "tree": ["agent.strategy=tree", "agent.tree.n_roots=2", "agent.tree.branch=2"],
+    "tree": ["group.strategy=tree", "group.tree.n_roots=2", "group.tree.branch=2"],
     "per_turn": ["algorithm.turn_mode=per_turn"],
 }
 

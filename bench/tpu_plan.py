@@ -58,7 +58,7 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
     "1.5b": (
         "qwen2.5-1.5b",
         "v5e:2x2",
-        ["mesh.fsdp=2", "mesh.tensor=2", "rollout.max_concurrent=64", "learner.row_tokens=4096"],
+        ["mesh.fsdp=2", "mesh.tensor=2", "engine.max_concurrent=64", "learner.row_tokens=4096"],
     ),
     "7b-v5p": ("qwen2.5-7b", "v5p:2x2x1", ["mesh.fsdp=4"]),
     "7b-v5e": (
@@ -67,9 +67,9 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         [
             "mesh.fsdp=4",
             "mesh.tensor=4",
-            "rollout.max_concurrent=64",
+            "engine.max_concurrent=64",
             "learner.row_tokens=2048",
-            "rollout.max_model_len=2048",
+            "engine.max_model_len=2048",
             "algorithm.kl_coef=0",
         ],
     ),

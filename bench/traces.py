@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     args = parser.parse_args()
-    smoke = ["data.prompts_per_step=2", "rollout.n=2", "trainer.traces_per_step=1"]
+    smoke = ["data.prompts_per_step=2", "group.n=2", "trainer.traces_per_step=1"]
     if args.smoke:
         args.steps = 1
     demo: JarlConfig = load_config(DEMO_CONFIG, ["model.path=unset", "data.train=unset"])
@@ -82,7 +82,7 @@ def main() -> None:
         )  # fmt: skip
         run, state = build_run(cfg, Console(file=io.StringIO()))
         rng = np.random.default_rng(0)
-        trajs = episodes(rng, cfg.data.prompts_per_step, cfg.rollout.n, run.tokenizer.vocab_size)
+        trajs = episodes(rng, cfg.data.prompts_per_step, cfg.group.n, run.tokenizer.vocab_size)
         picks = trace_picks(trajs, cfg.trainer.traces_per_step)
         times: dict[str, list[float]] = {"untraced": [], "traced": []}
         for i in range(args.steps + 1):

@@ -164,7 +164,7 @@ def write_model(
 # `jarl checkpoint make`'s models: the demo's, a larger one of the same layout (~25M
 # parameters with its 4k-token vocabulary) and a Qwen3-MoE of each size, all reading
 # contexts as long as a real checkpoint's (configs/gsm8k_tools_qwen2.5.yaml's
-# rollout.max_model_len is 4096); bench/learner.py and bench/decode.py time the MoE ones
+# engine.max_model_len is 4096); bench/learner.py and bench/decode.py time the MoE ones
 SMALL = {
     **MODEL,
     "hidden_size": 512,
@@ -271,8 +271,8 @@ def summarize(run_dir: Path, console: Console) -> dict[str, float]:
 SMALL_OVERRIDES = [
     "data.val_size=100",
     "data.prompts_per_step=8",
-    "rollout.n=8",
-    "rollout.max_model_len=128",
+    "group.n=8",
+    "engine.max_model_len=128",
     "agent.max_turns=3",
     "agent.max_response_tokens=64",
     "learner.micro_batch_size=32",
@@ -285,7 +285,7 @@ SMALL_OVERRIDES = [
 SMOKE_OVERRIDES = [
     "data.val_size=4",
     "data.prompts_per_step=1",
-    "rollout.n=2",
+    "group.n=2",
     "learner.micro_batch_size=2",
 ]
 

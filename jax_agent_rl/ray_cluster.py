@@ -1,4 +1,4 @@
-"""Joining the Ray cluster of ``rollout.ray.address``: one connection per process, shared by
+"""Joining the Ray cluster of ``engine.ray.address``: one connection per process, shared by
 the rollout replicas (`jax_agent_rl.rollout.ray_pool`) and the tool servers
 (`jax_agent_rl.tools.ray_servers`); whoever connected disconnects."""
 
@@ -25,7 +25,7 @@ def connect(address: str) -> bool:
             socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
         except (OSError, ValueError) as e:
             raise RuntimeError(
-                f"rollout.ray.address={address!r}: no Ray head answers there ({e})"
+                f"engine.ray.address={address!r}: no Ray head answers there ({e})"
             ) from None
     if address == "local":
         # Ray starts its workers at niceness 15: the replicas (the run's rollout engines) and

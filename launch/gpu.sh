@@ -10,12 +10,12 @@
 #
 #   --gpus N          GPUs on the node (default: what nvidia-smi lists)
 #   --learner-gpus L  GPUs for the learner (default: N / 2); the other N - L run the vLLM
-#                     engines, T each (rollout.vllm.replicas = (N - L) / T,
-#                     rollout.vllm.devices = their ids, T by T in engine order)
+#                     engines, T each (engine.vllm.replicas = (N - L) / T,
+#                     engine.vllm.devices = their ids, T by T in engine order)
 #   --tensor-parallel T  GPUs each vLLM engine shards the model over (default 1;
-#                     rollout.vllm.tensor_parallel_size = T); N - L must be a multiple of T
+#                     engine.vllm.tensor_parallel_size = T); N - L must be a multiple of T
 #   --ray ADDRESS     the engines are Ray actors on the cluster at ADDRESS (HOST:PORT of its
-#                     head, or auto), placed by a placement group (rollout.ray.*, SPREAD over
+#                     head, or auto), placed by a placement group (engine.ray.*, SPREAD over
 #                     the GPU nodes); the learner takes all N GPUs here. --dry-run asks the
 #                     cluster where each engine would go (a reservation, released at once)
 #   --replicas R      vLLM engines on the cluster (with --ray)
@@ -103,15 +103,15 @@ fi
 # The command of node $node (empty: a single-node run).
 command_of() {
   run=(env "CUDA_VISIBLE_DEVICES=$learner_ids" JAX_PLATFORMS=cuda .venv/bin/python -m jax_agent_rl.cli
-    train "$config" rollout.backend=vllm)
+    train "$config" engine.backend=vllm)
   if [[ -n $ray ]]; then
-    run+=("rollout.ray.address=$ray" "rollout.ray.replicas=$replicas"
-      "rollout.ray.num_gpus=$engine_gpus")
+    run+=("engine.ray.address=$ray" "engine.ray.replicas=$replicas"
+      "engine.ray.num_gpus=$engine_gpus")
   else
-    run+=("rollout.vllm.replicas=$replicas" "rollout.vllm.devices=$engine_ids")
+    run+=("engine.vllm.replicas=$replicas" "engine.vllm.devices=$engine_ids")
   fi
-  run+=("rollout.vllm.tensor_parallel_size=$tp")
-  run+=("rollout.vllm.python=$vllm_python" "mesh.data=$((learner * nodes))")
+  run+=("engine.vllm.tensor_parallel_size=$tp")
+  run+=("engine.vllm.python=$vllm_python" "mesh.data=$((learner * nodes))")
   run+=("$@")
   if [[ -n $node ]]; then
     run+=(--coordinator "$coordinator" --num-processes "$nodes" --process-id "$node")

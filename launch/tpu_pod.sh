@@ -24,8 +24,8 @@
 # scripts/setup.sh && scripts/setup.sh tpu-plan); create or reuse the slice; copy the
 # repository's tracked files (git ls-files, and the config if untracked) to every worker;
 # `scripts/setup.sh tpu` on every worker (.venv with the locked jax and its libtpu; a second
-# run returns at once), and `scripts/setup.sh jetstream` too when the run's rollout.backend is
-# jetstream (each worker's server, on the chips rollout.jetstream.chips gives it; see
+# run returns at once), and `scripts/setup.sh jetstream` too when the run's engine.backend is
+# jetstream (each worker's server, on the chips engine.jetstream.chips gives it; see
 # docs/jetstream.md); then `jarl train CONFIG --distributed ...` started detached on all
 # workers at once (--worker=all), and worker 0's log (process 0: the progress, step lines, the
 # message naming a failed process) followed here until the run ends; the script exits with
@@ -67,8 +67,8 @@ backend=$(.venv/bin/python -c 'import sys
 from omegaconf import OmegaConf
 dots = OmegaConf.from_dotlist([a.lstrip("+") for a in sys.argv[2:] if "=" in a])
 cfg = OmegaConf.merge(OmegaConf.load(sys.argv[1]), dots)
-print(OmegaConf.select(cfg, "rollout.backend", default="embedded"))' "$config" "$@") \
-  || { echo "tpu_pod.sh: cannot read rollout.backend of $config (see above; needs .venv)" >&2; exit 2; }
+print(OmegaConf.select(cfg, "engine.backend", default="embedded"))' "$config" "$@") \
+  || { echo "tpu_pod.sh: cannot read engine.backend of $config (see above; needs .venv)" >&2; exit 2; }
 if [[ -z $version && -n $accel ]]; then
   case "$accel" in
     v5litepod-*|v5e-*) version=v2-alpha-tpuv5-lite ;;

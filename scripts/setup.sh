@@ -16,7 +16,7 @@
 #                                         venv: TensorFlow cannot share a process with vLLM); on
 #                                         a TPU VM (/dev/accel* or /dev/vfio/<n>), or with
 #                                         --tpu, plus the locked libtpu, so the server serves on
-#                                         the chips rollout.jetstream.chips gives it
+#                                         the chips engine.jetstream.chips gives it
 #   scripts/setup.sh tpu      .venv       the main environment plus the locked libtpu
 #                                         (requirements/tpu-lock.txt), on every worker of a TPU VM
 #                                         slice

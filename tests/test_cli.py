@@ -82,7 +82,7 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     learning is asserted in tests/train/test_learning.py)."""
     overrides = [
         "sft.steps=4", "sft.batch_size=8", "trainer.steps=1", "data.val_size=4",
-        "data.prompts_per_step=2", "rollout.n=2", "learner.micro_batch_size=4",
+        "data.prompts_per_step=2", "group.n=2", "learner.micro_batch_size=4",
     ]  # fmt: skip
     assert main(["demo", "--run-dir", str(tmp_path), *overrides]) == 0
     for name in ("metrics.jsonl", "reward.png", "throughput.png", "traces.jsonl", "config.yaml"):
@@ -101,13 +101,13 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_every_command_refuses_values_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
     """Ranges are checked when a config loads, so `jarl config` refuses them as `jarl train`
     does: every problem on its own line, exit code 2."""
-    bad = ["rollout.temperature=-1", "trainer.steps=-1"]
+    bad = ["sampling.temperature=-1", "trainer.steps=-1"]
     assert main(["config", "model.path=/x", "data.train=t", *bad]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert (
         err
-        == "jarl: rollout.temperature=-1.0: expected >= 0\njarl: trainer.steps=-1: expected >= 0\n"
+        == "jarl: sampling.temperature=-1.0: expected >= 0\njarl: trainer.steps=-1: expected >= 0\n"
     )
 
 
@@ -124,13 +124,13 @@ def test_config_previews_a_shipped_config_with_required_keys_unset(
     assert "  train: ???  # required: set data.train=..." in lines
     assert lines[-1] == "# set before jarl train runs: data.train=... model.path=..."
     shown = yaml.safe_load(out)  # still YAML, the unset keys as OmegaConf writes them
-    assert shown["model"]["path"] == "???" and shown["rollout"]["max_model_len"] == 4096
+    assert shown["model"]["path"] == "???" and shown["engine"]["max_model_len"] == 4096
     assert shown["tools"]["config"].endswith("jax_agent_rl/configs/tools_default.yaml")
     # set, nothing is marked; a bad value is still refused
     assert main(["config", config, "model.path=/ckpt", "data.train=t.jsonl"]) == 0
     assert "???" not in capsys.readouterr().out
-    assert main(["config", config, "rollout.n=0"]) == 2
-    assert capsys.readouterr().err == "jarl: rollout.n=0: expected >= 1\n"
+    assert main(["config", config, "group.n=0"]) == 2
+    assert capsys.readouterr().err == "jarl: group.n=0: expected >= 1\n"
 
 
 def test_checkpoint_make_writes_a_checkpoint_a_shipped_config_runs_on(

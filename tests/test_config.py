@@ -56,7 +56,8 @@ def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown config key 'modle'; allowed here: \['agent', 'algorithm', 'data', "
-        r"'env', 'learner', 'mesh', 'model', 'optim', 'rollout', 'sft', 'tools', 'trainer'\]",
+        r"'engine', 'env', 'group', 'learner', 'mesh', 'model', 'optim', 'sampling', 'sft', "
+        r"'tools', 'trainer'\]",
     ):
         load_config(path)
 
@@ -108,9 +109,9 @@ def test_a_shipped_config_named_from_another_folder_is_pointed_to(
 
 
 def test_hydras_add_and_force_prefixes_set_a_key() -> None:
-    plain = load_config(None, ["model.path=/a", "data.train=t", "rollout.n=4"])
+    plain = load_config(None, ["model.path=/a", "data.train=t", "group.n=4"])
     for prefix in ("+", "++"):
-        cfg = load_config(None, [f"{prefix}model.path=/a", "data.train=t", f"{prefix}rollout.n=4"])
+        cfg = load_config(None, [f"{prefix}model.path=/a", "data.train=t", f"{prefix}group.n=4"])
         assert cfg == plain
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.yaml")
@@ -146,21 +147,21 @@ def test_every_number_has_a_range() -> None:
 
 def test_values_out_of_range_are_all_reported_one_line_each() -> None:
     bad = [
-        "rollout.top_p=0", "rollout.top_k=0", "algorithm.clip_c=1.0", "optim.lr=nan",
+        "sampling.top_p=0", "sampling.top_k=0", "algorithm.clip_c=1.0", "optim.lr=nan",
         "optim.b2=1.0", "trainer.save_every=0", "trainer.steps=-3",
     ]  # fmt: skip
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.path=/a", "data.train=t", *bad])
     assert str(e.value).splitlines() == [
-        "rollout.top_p=0.0: expected in (0, 1]",
-        "rollout.top_k=0: expected -1 or >= 1",
+        "sampling.top_p=0.0: expected in (0, 1]",
+        "sampling.top_k=0: expected -1 or >= 1",
         "algorithm.clip_c=1.0: expected null or > 1",
         "optim.lr=nan: expected > 0",
         "optim.b2=1.0: expected in [0, 1)",
         "trainer.steps=-3: expected >= 0",
         "trainer.save_every=0: expected >= 1",
     ]
-    ok = ["algorithm.clip_c=null", "rollout.top_k=-1", "rollout.temperature=0", "trainer.steps=0"]
+    ok = ["algorithm.clip_c=null", "sampling.top_k=-1", "sampling.temperature=0", "trainer.steps=0"]
     assert load_config(None, ["model.path=/a", "data.train=t", *ok]).algorithm.clip_c is None
 
 
@@ -175,7 +176,7 @@ def test_max_tool_calls_per_turn_is_a_count_the_loop_reads() -> None:
 
 def test_a_moved_key_names_its_new_name() -> None:
     base = ["model.path=/a", "data.train=t"]
-    with pytest.raises(ConfigError, match=r"'algorithm.dynamic_sampling' is now 'rollout.dynamic"):
+    with pytest.raises(ConfigError, match=r"'algorithm.dynamic_sampling' is now 'group.dynamic"):
         load_config(None, [*base, "algorithm.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match=r"'algorithm.overlong_buffer' is now 'data.overlong_buf"):
         load_config(None, [*base, "algorithm.overlong_buffer=4"])
@@ -183,24 +184,56 @@ def test_a_moved_key_names_its_new_name() -> None:
 
 
 def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Path) -> None:
-    """The vllm and jetstream backends' options live in rollout.vllm / rollout.jetstream; the
+    """The vllm and jetstream backends' options live in engine.vllm / engine.jetstream; the
     old flat spellings, as an override or in a YAML file, are told the new key."""
     base = ["model.path=/a", "data.train=t"]
     for old, new in [
-        ("rollout.vllm_python", "rollout.vllm.python"),
-        ("rollout.vllm_devices", "rollout.vllm.devices"),
-        ("rollout.vllm.kv_cache_mb", "rollout.kv_cache_gib"),  # (read by every backend)
-        ("rollout.jetstream_python", "rollout.jetstream.python"),
-        ("rollout.replicas", "rollout.vllm.replicas"),
+        ("rollout.vllm_python", "engine.vllm.python"),
+        ("rollout.vllm_devices", "engine.vllm.devices"),
+        ("rollout.vllm.kv_cache_mb", "engine.kv_cache_gib"),  # (read by every backend)
+        ("rollout.jetstream_python", "engine.jetstream.python"),
+        ("rollout.replicas", "engine.vllm.replicas"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(None, [*base, f"{old}=1"])
         assert str(e.value) == f"config key {old!r} is now {new!r}"
     with pytest.raises(ConfigError) as e:
         load_config(_yaml(tmp_path, "rollout:\n  replicas: 2\n"), base)
-    assert str(e.value) == "config key 'rollout.replicas' is now 'rollout.vllm.replicas'"
-    cfg = load_config(None, [*base, "rollout.vllm.python=x", "rollout.vllm.replicas=2"])
-    assert (cfg.rollout.vllm.python, cfg.rollout.vllm.replicas) == ("x", 2)
+    assert str(e.value) == "config key 'rollout.replicas' is now 'engine.vllm.replicas'"
+    cfg = load_config(None, [*base, "engine.vllm.python=x", "engine.vllm.replicas=2"])
+    assert (cfg.engine.vllm.python, cfg.engine.vllm.replicas) == ("x", 2)
+
+
+def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path) -> None:
+    """The rollout section's keys live in engine (the backend and its memory), sampling and
+    group (with agent.strategy and agent.tree); each old key, a moved section's included, as an
+    override or in a YAML file, is told the new key."""
+    base = ["model.path=/a", "data.train=t"]
+    for old, new in [
+        ("rollout.backend", "engine.backend"),
+        ("rollout.page_size", "engine.page_size"),
+        ("rollout.ray.address", "engine.ray.address"),
+        ("rollout.vllm.tensor_parallel_size", "engine.vllm.tensor_parallel_size"),
+        ("rollout.temperature", "sampling.temperature"),
+        ("rollout.top_k", "sampling.top_k"),
+        ("rollout.n", "group.n"),
+        ("rollout.max_refills", "group.max_refills"),
+        ("rollout.tool_failure_reruns", "group.tool_failure_reruns"),
+        ("agent.strategy", "group.strategy"),
+        ("agent.tree.n_roots", "group.tree.n_roots"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*base, f"{old}=1"])
+        assert str(e.value) == f"config key {old!r} is now {new!r}"
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "rollout:\n  ray:\n    replicas: 2\n"), base)
+    assert str(e.value) == "config key 'rollout.ray.replicas' is now 'engine.ray.replicas'"
+    with pytest.raises(ConfigError) as e:
+        load_config(_yaml(tmp_path, "agent:\n  tree: {}\n"), base)
+    assert str(e.value) == "config key 'agent.tree' is now 'group.tree'"
+    new_keys = ["engine.ray.replicas=3", "sampling.temperature=0.5", "group.tree.branch=4"]
+    cfg = load_config(None, [*base, *new_keys])
+    assert (cfg.engine.ray.replicas, cfg.sampling.temperature, cfg.group.tree.branch) == (3, 0.5, 4)
 
 
 @pytest.mark.parametrize(
@@ -216,9 +249,9 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
                 "mesh.data=2",
                 "mesh.fsdp=2",
                 "learner.micro_batch_size=8",
-                "rollout.max_concurrent=6",
+                "engine.max_concurrent=6",
             ],
-            "rollout.max_concurrent=6 does not split over mesh.data x mesh.fsdp = 4 devices (the "
+            "engine.max_concurrent=6 does not split over mesh.data x mesh.fsdp = 4 devices (the "
             "embedded engine's decode slots): use a multiple of 4",
         ),
         (
@@ -228,9 +261,9 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
             "below 8",
         ),
         (
-            ["rollout.n=1"],
-            "rollout.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
-            "use rollout.n >= 2 (or algorithm.adv_estimator=gae)",
+            ["group.n=1"],
+            "group.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
+            "use group.n >= 2 (or algorithm.adv_estimator=gae)",
         ),
         (
             ["data.overlong_buffer=800", "agent.max_response_tokens=768"],
@@ -243,19 +276,19 @@ def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Pat
             "importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1",
         ),
         (
-            ["rollout.backend=vllm", "rollout.vllm.replicas=2", "rollout.vllm.devices=0,1,2"],
-            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2 of "
-            "rollout.vllm.tensor_parallel_size=1: give 1 per replica, or none",
+            ["engine.backend=vllm", "engine.vllm.replicas=2", "engine.vllm.devices=0,1,2"],
+            "engine.vllm.devices='0,1,2' names 3 devices for engine.vllm.replicas=2 of "
+            "engine.vllm.tensor_parallel_size=1: give 1 per replica, or none",
         ),
         (
             [
-                "rollout.backend=vllm",
-                "rollout.vllm.replicas=2",
-                "rollout.vllm.tensor_parallel_size=2",
-                "rollout.vllm.devices=0,1,2",
+                "engine.backend=vllm",
+                "engine.vllm.replicas=2",
+                "engine.vllm.tensor_parallel_size=2",
+                "engine.vllm.devices=0,1,2",
             ],
-            "rollout.vllm.devices='0,1,2' names 3 devices for rollout.vllm.replicas=2 of "
-            "rollout.vllm.tensor_parallel_size=2: give 2 per replica, or none",
+            "engine.vllm.devices='0,1,2' names 3 devices for engine.vllm.replicas=2 of "
+            "engine.vllm.tensor_parallel_size=2: give 2 per replica, or none",
         ),
     ],
 )
@@ -271,7 +304,7 @@ def test_packed_micro_batches_are_a_row_per_device() -> None:
     is that many rows, split over them."""
     from jax_agent_rl.train.learners import micro_batch_rows
 
-    mesh = ["mesh.data=2", "mesh.fsdp=8", "rollout.max_concurrent=16"]
+    mesh = ["mesh.data=2", "mesh.fsdp=8", "engine.max_concurrent=16"]
     cfg = load_config(None, ["model.path=/a", "data.train=t", *mesh, "learner.micro_batch_size=8"])
     assert micro_batch_rows(cfg) == 16
     unpacked = ["learner.packing=false", "learner.micro_batch_size=8"]
@@ -374,11 +407,11 @@ def test_lora_section_refuses_bad_values_naming_the_key() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["rollout.backend=vllm"],
-        ["rollout.backend=jetstream"],
-        ["rollout.ray.address=auto"],
-        ["rollout.backend=vllm", "rollout.ray.address=auto"],
-        ["rollout.backend=jetstream", "rollout.ray.address=auto"],
+        ["engine.backend=vllm"],
+        ["engine.backend=jetstream"],
+        ["engine.ray.address=auto"],
+        ["engine.backend=vllm", "engine.ray.address=auto"],
+        ["engine.backend=jetstream", "engine.ray.address=auto"],
     ],
 )
 def test_every_built_in_backend_takes_a_lora_run(overrides: list[str]) -> None:
@@ -393,21 +426,21 @@ def test_every_built_in_backend_takes_a_lora_run(overrides: list[str]) -> None:
 @pytest.mark.parametrize(
     ("overrides", "where"),
     [
-        (["rollout.backend=vllm"], "rollout.backend=vllm"),
-        (["rollout.ray.address=auto"], "rollout.backend=embedded on Ray replicas"),
+        (["engine.backend=vllm"], "engine.backend=vllm"),
+        (["engine.ray.address=auto"], "engine.backend=embedded on Ray replicas"),
     ],
 )
 def test_only_the_embedded_engine_keeps_its_kv_over_a_push(
     overrides: list[str], where: str
 ) -> None:
-    """rollout.keep_kv_on_update on a backend that drains before a push is refused when the
+    """engine.keep_kv_on_update on a backend that drains before a push is refused when the
     config loads, in one line naming the key and the backend; the embedded engine takes it."""
     base = ["model.path=/a", "data.train=t"]
     with pytest.raises(ConfigError) as e:
-        load_config(None, [*base, "rollout.keep_kv_on_update=true", *overrides])
+        load_config(None, [*base, "engine.keep_kv_on_update=true", *overrides])
     assert str(e.value) == (
-        f"rollout.keep_kv_on_update=true: {where} drains its requests before a weight push "
-        "and keeps no KV over it; use rollout.backend=embedded without rollout.ray.address, "
+        f"engine.keep_kv_on_update=true: {where} drains its requests before a weight push "
+        "and keeps no KV over it; use engine.backend=embedded without engine.ray.address, "
         "or keep_kv_on_update=false"
     )
-    assert load_config(None, [*base, "rollout.keep_kv_on_update=true"]).rollout.keep_kv_on_update
+    assert load_config(None, [*base, "engine.keep_kv_on_update=true"]).engine.keep_kv_on_update

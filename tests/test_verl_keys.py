@@ -75,8 +75,8 @@ REFUSED = {
     "global_profiler.save_path": "jax.profiler",
     "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries": "jax.profiler",
     "global_profiler.global_tool_config.torch_memory.stack_depth": "jax.profiler",
-    "actor_rollout_ref.rollout.name": "rollout.backend",
-    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.kv_cache_gib",
+    "actor_rollout_ref.rollout.name": "engine.backend",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "engine.kv_cache_gib",
     "actor_rollout_ref.rollout.over_sample_rate": "no equivalent",
     "trainer.logger": "trainer.tensorboard",
 }
@@ -135,7 +135,7 @@ def test_a_verl_script_maps_or_says_why_key_by_key(
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.data.prompts_per_step == 256
     assert cfg.agent.max_response_tokens == cfg.agent.max_tokens_per_turn == 1024
-    assert cfg.rollout.max_model_len == 1024 + 1024
+    assert cfg.engine.max_model_len == 1024 + 1024
     assert cfg.model.path == "Qwen/Qwen2.5-3B-Instruct"
     assert cfg.optim.lr == 1e-6
     assert cfg.algorithm.mini_batches == 1  # 256 prompts a step in mini-batches of 256
@@ -144,7 +144,7 @@ def test_a_verl_script_maps_or_says_why_key_by_key(
     assert (cfg.algorithm.kl_coef, cfg.algorithm.kl_kind) == (0.001, "k3")
     assert cfg.algorithm.entropy_coef == 0.0
     assert cfg.learner.remat is True
-    assert cfg.rollout.n == 16
+    assert cfg.group.n == 16
     assert cfg.trainer.run_dir == "runs/multi-turn-grpo-qwen2.5-3b-sglang/qwen2.5-3b_baseline"
     assert cfg.trainer.steps == 15 * (600 // 256)  # 15 epochs of 2 steps, as verl counts
     assert cfg.trainer.save_every == cfg.trainer.steps  # -1: jarl saves at the end only
@@ -153,7 +153,7 @@ def test_a_verl_script_maps_or_says_why_key_by_key(
     assert cfg.data.val == f"{tmp_path}/data/gsm8k/test.parquet"
     assert cfg.tools.config.endswith("config/tool_config/gsm8k_tool_config.yaml")
     told = capsys.readouterr().err.splitlines()
-    assert "verl key actor_rollout_ref.rollout.n=16 -> rollout.n=16" in told
+    assert "verl key actor_rollout_ref.rollout.n=16 -> group.n=16" in told
     assert (
         "verl key actor_rollout_ref.actor.ppo_mini_batch_size=256 -> algorithm.mini_batches=1"
         in told
@@ -224,7 +224,7 @@ def test_other_traps_convert() -> None:
     )
     assert got == {
         "mesh.fsdp": "8",
-        "rollout.vllm.tensor_parallel_size": "2",
+        "engine.vllm.tensor_parallel_size": "2",
         "learner.micro_batch_size": "32",
     }
     # verl ignores kl_loss_coef without use_kl_loss
@@ -259,7 +259,7 @@ def test_optimizer_and_common_script_keys() -> None:
     }
     dapo = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"]
     dapo.append("algorithm.filter_groups.max_num_gen_batches=10")
-    assert _to_jarl(dapo) == {"rollout.dynamic_sampling": "true", "rollout.max_refills": "9"}
+    assert _to_jarl(dapo) == {"group.dynamic_sampling": "true", "group.max_refills": "9"}
     refused = {
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1": "set optim.warmup_steps, a COUNT",
         "actor_rollout_ref.rollout.prompt_length=1024": "data.max_prompt_length, which verl",
@@ -279,7 +279,7 @@ def test_optimizer_and_common_script_keys() -> None:
         "actor_rollout_ref.rollout.agent.num_workers=8": "as a coroutine in one process",
         "trainer.device=cuda": "JAX uses the accelerator it finds",
         "trainer.balance_batch=True": "packs episodes into rows",
-        "ray_init.num_cpus=4": "rollout.ray",
+        "ray_init.num_cpus=4": "engine.ray",
         "hydra.run.dir=/tmp/x": "jarl has no Hydra",
     }
     told: list[str] = []
@@ -304,12 +304,12 @@ def test_max_parallel_calls_is_the_per_turn_cap() -> None:
 
 
 def test_a_jarl_key_set_twice_is_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"rollout\.n is set directly and by verl key"):
-        _to_jarl(["rollout.n=4", "actor_rollout_ref.rollout.n=8"])
+    with pytest.raises(ConfigError, match=r"group\.n is set directly and by verl key"):
+        _to_jarl(["group.n=4", "actor_rollout_ref.rollout.n=8"])
 
 
 def test_jarl_overrides_pass_untouched() -> None:
-    overrides = ["env.classes={a: b}", "env.classes.a=c", "rollout.n=4"]
+    overrides = ["env.classes={a: b}", "env.classes.a=c", "group.n=4"]
     assert to_jarl(overrides, {}.get, lambda _line: None) == overrides
 
 

@@ -31,8 +31,8 @@ HARNESS_CHECK = "jax_agent_rl.agent.openai_endpoint:harness_function"
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """What the loop reads: the ``agent`` section's budgets (their defaults are the
-    section's), and what the run takes from ``rollout``: the sequence limit and how every turn
-    samples."""
+    section's), and what the run takes from ``engine`` and ``sampling``: the sequence limit and how
+    every turn samples."""
 
     max_turns: int = _AGENT["max_turns"]
     max_tokens_per_turn: int = _AGENT["max_tokens_per_turn"]
@@ -52,11 +52,11 @@ class AgentConfig:
     top_k: int = -1
 
     @classmethod
-    def of(cls, agent: AgentSection, **rollout: Any) -> AgentConfig:
-        """What the loop reads of ``agent``, with ``rollout``'s settings on top."""
+    def of(cls, agent: AgentSection, **run: Any) -> AgentConfig:
+        """What the loop reads of ``agent``, with the run's settings (``run``) on top."""
         fields = [f.name for f in dataclasses.fields(cls) if f.name in _AGENT and f.name != "stop"]
         settings = {name: getattr(agent, name) for name in fields}
-        return cls(**settings, stop=tuple(agent.stop), **rollout)
+        return cls(**settings, stop=tuple(agent.stop), **run)
 
 
 class ToolCallSlots:

@@ -15,7 +15,7 @@ each step counts it (``filter/<name>``) and its trace shows why.
 - ``repetition``: the model's tokens loop: one n-gram (n <= `REPEAT_MAX_N`) repeated back to
   back over `REPEAT_MIN_SPAN` tokens or more (and at least 3 times).
 - ``equal_reward`` (DAPO): every member of the group has the same reward, so GRPO gives it
-  no advantage; ``rollout.dynamic_sampling`` turns it on and refills the step with fresh
+  no advantage; ``group.dynamic_sampling`` turns it on and refills the step with fresh
   prompts.
 """
 

@@ -334,7 +334,7 @@ class BackendChatModel(BaseChatModel):
         del run_manager
         if stop or kwargs:
             raise ValueError(
-                f"BackendChatModel samples as agent.* and rollout.* say; it takes no stop "
+                f"BackendChatModel samples as agent.* and sampling.* say; it takes no stop "
                 f"sequences or other options (got stop={stop}, {sorted(kwargs)})"
             )
         message = await self.episode.on_rollout(self.episode.reply(messages))

@@ -31,7 +31,7 @@ A request that rewrites an earlier turn, or that the endpoint cannot take (not s
 ``NaN``, ``Infinity`` and ``1e999`` are no numbers; no messages, an unknown role, a sampling
 field, a second request while one is in progress, streaming, tools holding a lone surrogate:
 `jax_agent_rl.agent.openai_requests`; a first request of more characters than
-``rollout.max_model_len`` tokens could hold, refused before it is tokenized), is answered 400
+``engine.max_model_len`` tokens could hold, refused before it is tokenized), is answered 400
 with what was wrong (413 for a body too large, 408 for one too slow), and its session's episode
 ends there as a harness failure (`Session.fail`, below); other sessions go on. Error messages
 name what differs, never quoting a turn. A request naming no open session is answered 401
@@ -217,7 +217,7 @@ class Session:
         # max_model_len cannot fit, and comparing or rendering them held the event loop
         if len(messages) > self.ctx.config.max_model_len:
             raise HarnessError(
-                f"the request's {len(messages)} messages cannot fit rollout.max_model_len="
+                f"the request's {len(messages)} messages cannot fit engine.max_model_len="
                 f"{self.ctx.config.max_model_len} tokens (each takes one at least)"
             )
         if self.conversation is None:
@@ -277,7 +277,7 @@ class Session:
         chars = sum(len(message_text(m)) for m in messages)
         if chars > limit:
             raise HarnessError(
-                f"the prompt's {chars} characters cannot fit rollout.max_model_len="
+                f"the prompt's {chars} characters cannot fit engine.max_model_len="
                 f"{self.ctx.config.max_model_len} tokens (at most {limit} characters, "
                 f"{self.ctx.tokenizer.max_token_chars} per token)"
             )

@@ -23,7 +23,7 @@ from jax_agent_rl.visible import lone_surrogate
 T = TypeVar("T")
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
 ROLES = ("system", "user", "assistant", "tool")
-# Request fields that would change sampling, which is the run's (rollout.*, agent.*): a
+# Request fields that would change sampling, which is the run's (sampling.*, agent.*): a
 # request setting one (to anything but null or the value listed) is refused. The endpoint
 # reads messages, tools, tool_choice, stream, n and parallel_tool_calls (the last four only
 # at their defaults) and ignores every other field (model, user, metadata, store,
@@ -57,7 +57,7 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     )
     if sampling:
         raise HarnessError(
-            f"the request sets {sampling}: the endpoint samples as the run is set (rollout.*, "
+            f"the request sets {sampling}: the endpoint samples as the run is set (sampling.*, "
             "agent.*), so requests carry no sampling fields"
         )
     if body.get("stream") or body.get("n", 1) != 1 or body.get("parallel_tool_calls") is False:
@@ -197,7 +197,7 @@ async def rendered(
     render: Callable[[list[Message]], list[int]], messages: list[Message]
 ) -> list[int]:
     """``render(messages)`` in a worker thread: a request may hold as many messages as
-    ``rollout.max_model_len``, which the chat template renders for seconds (32k messages: about
+    ``engine.max_model_len``, which the chat template renders for seconds (32k messages: about
     6 s), and on the event loop that held every other episode of the step. Nothing of the
     session changes until it returns, so a request cancelled meanwhile leaves none half done."""
     return await asyncio.to_thread(render, messages)

@@ -66,7 +66,7 @@ class Trajectory:
     sampled it (-1 where the model did not sample the token here: tool and template tokens,
     demonstrations), and ``kv_versions`` the oldest weight version that computed a key or
     value it was sampled over (its KV version range runs from there to its own version: older
-    where the engine kept its KV over a weight push, ``rollout.keep_kv_on_update``; -1 where
+    where the engine kept its KV over a weight push, ``engine.keep_kv_on_update``; -1 where
     ``token_versions`` is); ``weight_versions`` has one entry per sampled request. ``prompt_ids +
     response_ids`` is exactly the last sequence the model was conditioned on plus what it
     sampled.

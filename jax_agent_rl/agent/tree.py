@@ -1,4 +1,4 @@
-"""Tree rollouts (``agent.strategy=tree``): episodes that branch at turn boundaries.
+"""Tree rollouts (``group.strategy=tree``): episodes that branch at turn boundaries.
 
 A prompt's tree starts ``n_roots`` episodes. Whenever one of them ends a turn with a tool
 observation (a turn boundary) and has branched fewer than ``depth`` times, ``branch - 1``

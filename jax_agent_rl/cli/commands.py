@@ -132,16 +132,16 @@ def _place_trainer(cfg: JarlConfig) -> list[str]:
     chips of its own: the rest), before JAX starts a backend, and says so; or the problem."""
     from jax_agent_rl.rollout.registry import backend_factory, backend_names
 
-    if cfg.rollout.backend not in backend_names():  # (the pre-run check names it)
+    if cfg.engine.backend not in backend_names():  # (the pre-run check names it)
         return []
     try:
-        placed = backend_factory(cfg.rollout.backend).trainer_env(cfg.rollout)
+        placed = backend_factory(cfg.engine.backend).trainer_env(cfg.engine)
     except ValueError as e:
         return [str(e)]
     os.environ.update(placed)
     if placed:
         shown = " ".join(f"{key}={os.environ[key]}" for key in placed)
-        print(f"# this process's devices beside rollout.backend: {shown}", file=sys.stderr)
+        print(f"# this process's devices beside engine.backend: {shown}", file=sys.stderr)
     return []
 
 
@@ -259,7 +259,7 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "n (the unbiased estimate of Chen et al. 2021 that one of k samples succeeds). "
             "With --n 1 (default) decoding is greedy and the figures equal the training run's "
             "held-out evaluation (the `val` records of metrics.jsonl) for the same weights; "
-            "with --n N each prompt is sampled N times at rollout.temperature, seeded by "
+            "with --n N each prompt is sampled N times at sampling.temperature, seeded by "
             "trainer.seed (reproducible). Prints a table and writes a JSON file (pass rates "
             "and every `val` figure). A bad input is one line on stderr, exit code 2.",
             88,
@@ -282,7 +282,7 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "overrides",
         nargs="*",
         help="key.sub=value overrides of the config, right after CONFIG|RUN (data.val=FILE, "
-        "data.val_size=N, rollout.temperature=T, ...)",
+        "data.val_size=N, sampling.temperature=T, ...)",
     )
     p.add_argument(
         "--step",

@@ -27,7 +27,7 @@ DESCRIPTION = (
     "the RL update (its micro-batches of learner.row_tokens per device, remat, KL reference,"
     " old-policy pass), the SFT step (if sft is set), the weight push from the learner's "
     "layout to the engine's, and the embedded engine's longest prefill chunk and a decode "
-    "call of rollout.steps_per_call steps at its largest batch. A LoRA run (model.lora.rank "
+    "call of engine.steps_per_call steps at its largest batch. A LoRA run (model.lora.rank "
     "> 0) compiles its own: the update trains the adapters alone (the optimizer state is "
     "theirs, the base frozen), the engine runs them unmerged and the push sends them alone; "
     "then the same run training every weight is compiled too, and a table shows both runs' "
@@ -76,7 +76,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         metavar="N",
         help="the RL step's trajectories' length for the FLOPs and the batch's shape "
-        "(default: rollout.max_model_len, the longest)",
+        "(default: engine.max_model_len, the longest)",
     )
     p.add_argument(
         "--compile-timeout",

@@ -10,7 +10,7 @@ Every number is then checked against the range declared on its field (``setting(
 steps >= 0, temperature >= 0, top_p in (0, 1], ...) and against the values it must fit
 (`check_ranges`: micro-batches split over the mesh, ...), so every command refuses a bad value,
 not only ``jarl train``; all such problems are reported at once, one line each. A field that
-moved says where it was (``setting(..., was="algorithm.max_refills")``), and a config still
+moved says where it was (``setting(..., was="rollout.max_refills")``), and a config still
 spelling the old key is told the new one. Names looked up in registries (backends, filters,
 parsers) are checked by ``jarl train``'s pre-run check (`jax_agent_rl.train.check`).
 
@@ -39,7 +39,15 @@ from jax_agent_rl.config.paths import (
     missing_paths,
     package_file,
 )
-from jax_agent_rl.config.rollout import JetStreamSection, RaySection, RolloutSection, VLLMSection
+from jax_agent_rl.config.rollout import (
+    EngineSection,
+    GroupSection,
+    JetStreamSection,
+    RaySection,
+    SamplingSection,
+    TreeSection,
+    VLLMSection,
+)
 from jax_agent_rl.config.sections import (
     AgentSection,
     AlgorithmSection,
@@ -54,7 +62,6 @@ from jax_agent_rl.config.sections import (
     ToolServerSection,
     ToolsSection,
     TrainerSection,
-    TreeSection,
 )
 from jax_agent_rl.errors import ConfigError
 
@@ -66,7 +73,9 @@ __all__ = [
     "AlgorithmSection",
     "ConfigError",
     "DataSection",
+    "EngineSection",
     "EnvSection",
+    "GroupSection",
     "JarlConfig",
     "JetStreamSection",
     "JudgeSection",
@@ -77,8 +86,8 @@ __all__ = [
     "OptimSection",
     "Preview",
     "RaySection",
-    "RolloutSection",
     "SFTSection",
+    "SamplingSection",
     "ToolServerSection",
     "ToolsSection",
     "TrainerSection",

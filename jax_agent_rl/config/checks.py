@@ -33,15 +33,27 @@ def field_ranges(schema: type, prefix: str = "") -> dict[str, Rule]:
 
 
 def moved_keys(schema: type, prefix: str = "") -> dict[str, str]:
-    """Old dotted key -> new dotted key of every field of ``schema`` that says where it was."""
+    """Old dotted key -> new dotted key of every field of ``schema`` that says where it was
+    (nested sections included: a moved section's old key maps to its new one)."""
     moved: dict[str, str] = {}
     hints = typing.get_type_hints(schema)
     for field in dataclasses.fields(schema):
+        new = f"{prefix}{field.name}"
+        moved |= dict.fromkeys(field.metadata.get("was", ()), new)
         if dataclasses.is_dataclass(hints[field.name]):
-            moved |= moved_keys(hints[field.name], f"{prefix}{field.name}.")
-        elif "was" in field.metadata:
-            moved[field.metadata["was"]] = f"{prefix}{field.name}"
+            moved |= moved_keys(hints[field.name], f"{new}.")
     return moved
+
+
+def moved_to(key: str, moved: dict[str, str]) -> str | None:
+    """The new key of ``key`` (dotted) if it moved: itself in ``moved``, else the key under the
+    new key of the longest moved section holding it; None if it did not move."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        new = moved.get(".".join(parts[:i]))
+        if new is not None:
+            return ".".join([new, *parts[i:]])
+    return None
 
 
 def check_ranges(cfg: JarlConfig) -> list[str]:
@@ -89,10 +101,10 @@ def _sft_batch(cfg: JarlConfig) -> str | None:
 
 
 def _group_size(cfg: JarlConfig) -> str | None:
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 1:
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.group.n == 1:
         return (
-            "rollout.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
-            "use rollout.n >= 2 (or algorithm.adv_estimator=gae)"
+            "group.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
+            "use group.n >= 2 (or algorithm.adv_estimator=gae)"
         )
     return None
 
@@ -119,35 +131,35 @@ def _overlong_buffer(cfg: JarlConfig) -> str | None:
 
 def _slots_over_mesh(cfg: JarlConfig) -> str | None:
     """The embedded engine serves on the inference mesh: slots split over data x fsdp."""
-    dp, slots = cfg.mesh.data * cfg.mesh.fsdp, cfg.rollout.max_concurrent
-    if cfg.rollout.backend == "embedded" and slots % dp:
+    dp, slots = cfg.mesh.data * cfg.mesh.fsdp, cfg.engine.max_concurrent
+    if cfg.engine.backend == "embedded" and slots % dp:
         return (
-            f"rollout.max_concurrent={slots} does not split over mesh.data x mesh.fsdp = {dp} "
+            f"engine.max_concurrent={slots} does not split over mesh.data x mesh.fsdp = {dp} "
             f"devices (the embedded engine's decode slots): use a multiple of {dp}"
         )
     return None
 
 
 def _vllm_devices(cfg: JarlConfig) -> str | None:
-    vllm = cfg.rollout.vllm
+    vllm = cfg.engine.vllm
     devices = [d for d in vllm.devices.split(",") if d]
     tp = vllm.tensor_parallel_size
-    if cfg.rollout.backend == "vllm" and devices and len(devices) != vllm.replicas * tp:
+    if cfg.engine.backend == "vllm" and devices and len(devices) != vllm.replicas * tp:
         return (
-            f"rollout.vllm.devices={vllm.devices!r} names {len(devices)} devices for "
-            f"rollout.vllm.replicas={vllm.replicas} of rollout.vllm.tensor_parallel_size={tp}: "
+            f"engine.vllm.devices={vllm.devices!r} names {len(devices)} devices for "
+            f"engine.vllm.replicas={vllm.replicas} of engine.vllm.tensor_parallel_size={tp}: "
             f"give {tp} per replica, or none"
         )
     return None
 
 
 def _tool_servers(cfg: JarlConfig) -> str | None:
-    ray = cfg.rollout.ray
+    ray = cfg.engine.ray
     if ray.tool_servers and not ray.address:
-        return f"rollout.ray.tool_servers={ray.tool_servers} needs rollout.ray.address (a cluster)"
+        return f"engine.ray.tool_servers={ray.tool_servers} needs engine.ray.address (a cluster)"
     if ray.tool_servers and cfg.tools.server_url:
         return (
-            f"rollout.ray.tool_servers={ray.tool_servers} and tools.server_url="
+            f"engine.ray.tool_servers={ray.tool_servers} and tools.server_url="
             f"{cfg.tools.server_url!r} both say where tools run: set one"
         )
     return None
@@ -227,12 +239,12 @@ def _judge_template(template: str) -> str | None:
 def _keep_kv(cfg: JarlConfig) -> str | None:
     """Only the embedded engine keeps its KV over a push: every other backend (and the Ray
     pool in front of replicas) drains its requests before one."""
-    r = cfg.rollout
+    r = cfg.engine
     if r.keep_kv_on_update and (r.backend != "embedded" or r.ray.address):
-        where = f"rollout.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
+        where = f"engine.backend={r.backend}" + (" on Ray replicas" if r.ray.address else "")
         return (
-            f"rollout.keep_kv_on_update=true: {where} drains its requests before a weight push "
-            "and keeps no KV over it; use rollout.backend=embedded without rollout.ray.address, "
+            f"engine.keep_kv_on_update=true: {where} drains its requests before a weight push "
+            "and keeps no KV over it; use engine.backend=embedded without engine.ray.address, "
             "or keep_kv_on_update=false"
         )
     return None
@@ -249,8 +261,8 @@ def _module(cfg: JarlConfig) -> str | None:
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     refused = {
         "model.lora.rank": m.lora.rank,
-        "rollout.backend": "" if cfg.rollout.backend == "embedded" else cfg.rollout.backend,
-        "rollout.ray.address": cfg.rollout.ray.address,  # replicas would unpickle the module
+        "engine.backend": "" if cfg.engine.backend == "embedded" else cfg.engine.backend,
+        "engine.ray.address": cfg.engine.ray.address,  # replicas would unpickle the module
         "algorithm.adv_estimator": "gae" if cfg.algorithm.adv_estimator == "gae" else "",
         # after an SFT warm start on a mesh of several devices, the first RL step left 2
         # devices waiting on different all-reduces (an XLA:CPU collective timeout), in one

@@ -18,7 +18,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from jax_agent_rl.config.checks import check_ranges, moved_keys
+from jax_agent_rl.config.checks import check_ranges, moved_keys, moved_to
 from jax_agent_rl.config.foreign_keys import foreign_keys
 from jax_agent_rl.config.paths import resolve_packaged
 from jax_agent_rl.config.sections import JarlConfig
@@ -123,14 +123,13 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
     dotlist = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(dotlist))
+        moved = moved_keys(schema)
         for layer in layers:
+            _refuse_moved(moved, layer)
             _check_sections(schema, layer)
         return OmegaConf.merge(OmegaConf.structured(schema), *layers)
     except ConfigKeyError as e:
         key = _full_key(e)
-        moved = moved_keys(schema)
-        if key in moved:
-            raise ConfigError(f"config key {key!r} is now {moved[key]!r}") from None
         foreign = [s for keys in foreign_keys() for s in keys.sections]
         if key.split(".")[0] in ("defaults", *foreign):
             raise ConfigError(
@@ -158,6 +157,17 @@ def _missing_keys(merged: Any) -> list[str]:
 
 # jarl's sections that verl's config has too: an unknown key there may be a verl key
 _VERL_SHARED = ("data", "trainer", "algorithm")
+
+
+def _refuse_moved(moved: dict[str, str], layer: Any, prefix: str = "") -> None:
+    """A key of ``layer`` (a YAML file's or the overrides') that moved (`moved_keys`) is an
+    error naming its new key."""
+    for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        key = f"{prefix}{name}"
+        if OmegaConf.is_dict(value) and len(value):
+            _refuse_moved(moved, value, f"{key}.")
+        elif (new := moved_to(key, moved)) is not None:
+            raise ConfigError(f"config key {key!r} is now {new!r}")
 
 
 def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:

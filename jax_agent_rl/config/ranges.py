@@ -1,6 +1,7 @@
 """What a number of the config accepts, declared on its field: ``setting(8, COUNT)`` is a field
 whose default is 8 and whose values must be at least one. A field that moved keeps its old
-dotted key on the field (``was=``), so a config still spelling it is told the new one."""
+dotted keys on the field (``was=``; a moved section's on its field, `moved_from`), so a config
+still spelling one is told the new key."""
 
 from __future__ import annotations
 
@@ -65,12 +66,19 @@ PENALTY = interval(-MAX_ABS_REWARD, 0)
 PENALTY_SIZE = interval(0, MAX_ABS_REWARD)
 
 
-def setting(default: T, rule: Rule | None = None, *, was: str = "") -> T:
+def setting(default: T, rule: Rule | None = None, *, was: str | tuple[str, ...] = "") -> T:
     """A config field with ``default``, the values it accepts (``rule``; every int and float
-    field has one) and the dotted key it had before it moved (``was``), if it did."""
+    field has one) and the dotted keys it had before it moved (``was``), if it did."""
     metadata: dict[str, Any] = {}
     if rule is not None:
         metadata["range"] = rule
     if was:
-        metadata["was"] = was
+        metadata["was"] = (was,) if isinstance(was, str) else was
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def moved_from(*keys: str) -> dict[str, Any]:
+    """The metadata of a config section that moved (``dataclasses.field(default_factory=...,
+    metadata=moved_from("rollout.ray"))``): each of its keys under an old dotted key is told
+    its new one."""
+    return {"was": keys}

@@ -1,6 +1,7 @@
-"""The ``rollout`` section: the inference backend, its engine's memory and steps, how it
-samples and groups, what a failed rollout gets, and each backend's own settings (``ray``,
-``vllm``, ``jetstream``)."""
+"""The rollout's sections: ``engine`` (the inference backend, its engine's memory and steps,
+and each backend's own settings: ``ray``, ``vllm``, ``jetstream``), ``sampling`` (how tokens are
+sampled) and ``group`` (a prompt's episodes: how many, chain or tree, which groups are kept, what
+a failed episode gets)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from jax_agent_rl.config.ranges import (
     NATURAL,
     TIMEOUT,
     interval,
+    moved_from,
     or_,
     setting,
 )
@@ -20,7 +22,7 @@ from jax_agent_rl.config.ranges import (
 @dataclasses.dataclass(frozen=True)
 class RaySection:
     """Rollout replicas as Ray actors across a cluster (`jax_agent_rl.rollout.ray_pool`);
-    off while ``address`` is empty. Each replica is one ``rollout.backend`` engine, placed
+    off while ``address`` is empty. Each replica is one ``engine.backend`` engine, placed
     through a placement group of one bundle per replica."""
 
     # "": no Ray (the backend runs here); "auto": the cluster this machine belongs to;
@@ -44,7 +46,7 @@ class RaySection:
 
 @dataclasses.dataclass(frozen=True)
 class VLLMSection:
-    """The vllm backend's engines (``rollout.backend=vllm``): vLLM processes under their own
+    """The vllm backend's engines (``engine.backend=vllm``): vLLM processes under their own
     venv, the learner's weights pushed to them."""
 
     replicas: int = setting(1, COUNT, was="rollout.replicas")  # engine processes
@@ -59,7 +61,7 @@ class VLLMSection:
 
 @dataclasses.dataclass(frozen=True)
 class JetStreamSection:
-    """The jetstream backend's engine (``rollout.backend=jetstream``): a JetStream server under
+    """The jetstream backend's engine (``engine.backend=jetstream``): a JetStream server under
     its own venv."""
 
     # the JetStream venv's interpreter; empty: the repo's .venv-jetstream/bin/python
@@ -72,38 +74,39 @@ class JetStreamSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """The inference backend and how it samples."""
+class EngineSection:
+    """The inference backend, its engine's memory and steps, and each backend's own settings
+    (``ray``, ``vllm``, ``jetstream``)."""
 
-    backend: str = (
-        "embedded"  # a registered backend: embedded, vllm, jetstream (rollout/registry.py)
+    backend: str = setting(
+        "embedded",  # a registered backend: embedded, vllm, jetstream (rollout/registry.py)
+        was="rollout.backend",
     )
-    n: int = setting(8, COUNT)  # samples per prompt (the GRPO group)
-    temperature: float = setting(1.0, NATURAL)
-    top_p: float = setting(1.0, interval(0, 1, lo_open=True))
-    top_k: int = setting(-1, or_(-1, COUNT))  # -1: off
-    max_model_len: int = setting(1024, COUNT)  # prompt + response tokens
-    max_concurrent: int = setting(64, COUNT)  # sequences decoded together (engine slots)
+    max_model_len: int = setting(1024, COUNT, was="rollout.max_model_len")  # prompt + response
+    # sequences decoded together (engine slots)
+    max_concurrent: int = setting(64, COUNT, was="rollout.max_concurrent")
     # The engine's settings below: a backend that cannot honour one refuses it when it is set
     # away from its default (`jarl train`'s pre-run check; rollout/registry.py `unhonoured`);
     # one a backend tunes itself (vllm: prefill_chunk, steps_per_call) is noted and left.
     # the KV cache is a pool of pages of this many positions, handed out by real length and
     # shared between sequences with a common prefix (vllm: its block_size, 8 to 128)
-    page_size: int = setting(32, COUNT)
+    page_size: int = setting(32, COUNT, was="rollout.page_size")
     # the pool's size in GiB (keys and values, all layers, over all the engine's devices; vllm:
     # each replica's); 0: enough for max_concurrent sequences of max_model_len (a dense cache's
     # memory)
-    kv_cache_gib: float = setting(0.0, NATURAL, was="rollout.vllm.kv_cache_mb")
+    kv_cache_gib: float = setting(
+        0.0, NATURAL, was=("rollout.kv_cache_gib", "rollout.vllm.kv_cache_mb")
+    )
     # a longer prompt is prefilled in chunks between decode steps (embedded, jetstream)
-    prefill_chunk: int = setting(512, COUNT)
+    prefill_chunk: int = setting(512, COUNT, was="rollout.prefill_chunk")
     # decode steps per engine call (embedded, jetstream)
-    steps_per_call: int = setting(4, COUNT)
+    steps_per_call: int = setting(4, COUNT, was="rollout.steps_per_call")
     # a decode step computes only the slots in use (rounded up to a power of two); false:
     # always all max_concurrent, so that no number depends on how requests happened to share
     # a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible runs,
     # slower when few slots are busy). jetstream always computes every slot, as false does;
     # vllm cannot honour false
-    batch_buckets: bool = True
+    batch_buckets: bool = setting(True, was="rollout.batch_buckets")
     # a weight push keeps the KV of running requests and kept sessions (a trajectory's earlier
     # turns): they go on under the new weights over keys and values the old ones computed (no
     # drain, no prefill again); each sampled token records its weights' version and its KV's
@@ -111,14 +114,59 @@ class RolloutSection:
     # shared between requests never cross versions either way. false: a push waits for
     # requests in flight, and no KV outlives the weights that computed it. The embedded engine
     # only (not on Ray replicas)
-    keep_kv_on_update: bool = False
+    keep_kv_on_update: bool = setting(False, was="rollout.keep_kv_on_update")
+    ray: RaySection = dataclasses.field(
+        default_factory=RaySection, metadata=moved_from("rollout.ray")
+    )
+    vllm: VLLMSection = dataclasses.field(
+        default_factory=VLLMSection, metadata=moved_from("rollout.vllm")
+    )
+    jetstream: JetStreamSection = dataclasses.field(
+        default_factory=JetStreamSection, metadata=moved_from("rollout.jetstream")
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    """How the policy's tokens are sampled in rollouts."""
+
+    temperature: float = setting(1.0, NATURAL, was="rollout.temperature")
+    top_p: float = setting(1.0, interval(0, 1, lo_open=True), was="rollout.top_p")
+    top_k: int = setting(-1, or_(-1, COUNT), was="rollout.top_k")  # -1: off
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSection:
+    """A tree rollout's shape and per-prompt budget (group.strategy=tree; agent/tree.py)."""
+
+    n_roots: int = setting(2, COUNT)  # episodes started per prompt
+    # an episode that branches goes on as this many (itself and copies)
+    branch: int = setting(2, COUNT)
+    depth: int = setting(2, NATURAL)  # turn boundaries at which an episode branches, at most
+    # per prompt, over the whole tree; 0: what group.n chain episodes could use at most
+    # (n x agent.max_response_tokens model tokens, n x agent.max_turns tool calls)
+    model_tokens: int = setting(0, NATURAL)
+    tool_calls: int = setting(0, NATURAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSection:
+    """A prompt's group of episodes: how many, how they are sampled, which groups are kept, and
+    what a failed episode gets."""
+
+    n: int = setting(8, COUNT, was="rollout.n")  # samples per prompt (the GRPO group)
+    # how a prompt's group is sampled: chain (n independent episodes) or tree (episodes
+    # branching after tool observations, within a per-prompt budget: group.tree)
+    strategy: Literal["chain", "tree"] = setting("chain", was="agent.strategy")
+    tree: TreeSection = dataclasses.field(
+        default_factory=TreeSection, metadata=moved_from("agent.tree")
+    )
     # DAPO: drop groups whose rewards are all equal, refill
-    dynamic_sampling: bool = setting(False, was="algorithm.dynamic_sampling")
+    dynamic_sampling: bool = setting(
+        False, was=("rollout.dynamic_sampling", "algorithm.dynamic_sampling")
+    )
     # extra rollouts of fresh prompts per step, at most
-    max_refills: int = setting(3, NATURAL, was="algorithm.max_refills")
+    max_refills: int = setting(3, NATURAL, was=("rollout.max_refills", "algorithm.max_refills"))
     # an episode whose tool service failed (stop reason tool_error: a dead tool server) is run
     # again from its prompt, up to this many times; 0: it stays failed (masked, counted)
-    tool_failure_reruns: int = setting(1, NATURAL)
-    ray: RaySection = dataclasses.field(default_factory=RaySection)
-    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
-    jetstream: JetStreamSection = dataclasses.field(default_factory=JetStreamSection)
+    tool_failure_reruns: int = setting(1, NATURAL, was="rollout.tool_failure_reruns")

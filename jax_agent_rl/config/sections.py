@@ -22,7 +22,7 @@ from jax_agent_rl.config.ranges import (
     or_,
     setting,
 )
-from jax_agent_rl.config.rollout import RolloutSection
+from jax_agent_rl.config.rollout import EngineSection, GroupSection, SamplingSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,20 +32,6 @@ class MeshSection:
     data: int = setting(1, COUNT)
     fsdp: int = setting(1, COUNT)
     tensor: int = setting(1, COUNT)
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSection:
-    """A tree rollout's shape and per-prompt budget (agent.strategy=tree; agent/tree.py)."""
-
-    n_roots: int = setting(2, COUNT)  # episodes started per prompt
-    # an episode that branches goes on as this many (itself and copies)
-    branch: int = setting(2, COUNT)
-    depth: int = setting(2, NATURAL)  # turn boundaries at which an episode branches, at most
-    # per prompt, over the whole tree; 0: what rollout.n chain episodes could use at most
-    # (n x agent.max_response_tokens model tokens, n x agent.max_turns tool calls)
-    model_tokens: int = setting(0, NATURAL)
-    tool_calls: int = setting(0, NATURAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +84,6 @@ class AgentSection:
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)
-    # how a prompt's group is sampled: chain (rollout.n independent episodes) or tree
-    # (episodes branching after tool observations, within a per-prompt budget: agent.tree)
-    strategy: Literal["chain", "tree"] = "chain"
-    tree: TreeSection = dataclasses.field(default_factory=TreeSection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +162,7 @@ class JudgeSection:
 
     # policy: the rollout backend under training (the judge sees the current weights); else
     # a registered rollout backend (embedded, vllm, ...) started beside it from model_path,
-    # with rollout.*'s engine settings and max_concurrency slots
+    # with engine.*'s settings and max_concurrency slots
     backend: str = "policy"
     model_path: str = ""  # the separate judge's HF checkpoint folder (and its tokenizer)
     # a Python format string: {prompt} (the row's last user message), {response} (the final
@@ -273,10 +255,10 @@ class DataSection:
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
     """The RL objective: advantages and loss, every value static in the compiled training step
-    (what to sample and how to shape rewards live in ``rollout`` and ``data``). GRPO:
+    (what to sample and how to shape rewards live in ``sampling``, ``group`` and ``data``). GRPO:
     adv_estimator=grpo. Dr.GRPO: norm_adv_by_std=false with
     loss_agg_mode=seq-mean-token-sum-norm. DAPO: clip_high=0.28, loss_agg_mode=token-mean, with
-    rollout.dynamic_sampling=true and data.overlong_buffer>0. PPO: adv_estimator=gae (adds a
+    group.dynamic_sampling=true and data.overlong_buffer>0. PPO: adv_estimator=gae (adds a
     critic)."""
 
     adv_estimator: Literal["grpo", "gae"] = "grpo"
@@ -400,7 +382,9 @@ class JarlConfig:
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
-    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    engine: EngineSection = dataclasses.field(default_factory=EngineSection)
+    sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
+    group: GroupSection = dataclasses.field(default_factory=GroupSection)
     agent: AgentSection = dataclasses.field(default_factory=AgentSection)
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
     env: EnvSection = dataclasses.field(default_factory=EnvSection)

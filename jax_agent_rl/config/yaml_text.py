@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from jax_agent_rl.errors import ConfigError
 
 # Nesting deeper than this is refused before OmegaConf sees it. The schema is three levels deep
-# and its free-form values (env.config, rollout.ray.resources) a few more, while OmegaConf
+# and its free-form values (env.config, engine.ray.resources) a few more, while OmegaConf
 # recurses through several Python frames per level and exhausts the interpreter's stack near
 # 150 levels (a RecursionError, not a message).
 MAX_DEPTH = 32

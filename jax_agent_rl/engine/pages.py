@@ -14,7 +14,7 @@ the weight version current when it was taken (``version``; a copy takes its sour
 prefix's key is salted with a version (`keys`): a sequence registers its pages under the
 oldest version of its keys and values and looks prefixes up under the current one, so a
 prefix computed (wholly or in part) under other weights is never found, and ages out as
-pages run short. (An engine that keeps KV over a push, ``rollout.keep_kv_on_update``, keeps
+pages run short. (An engine that keeps KV over a push, ``engine.keep_kv_on_update``, keeps
 it for running requests and kept sessions, never for the shared prefixes: a prefix every
 prompt starts with, a system prompt, would be reused from the first weights on forever.)
 

@@ -68,7 +68,7 @@ class Program:
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What one RL step trains on and one decode call runs, from the config: ``prompts_per_step
-    x rollout.n`` trajectories of ``tokens`` tokens each (default ``rollout.max_model_len``,
+    x group.n`` trajectories of ``tokens`` tokens each (default ``engine.max_model_len``,
     the longest a rollout can make)."""
 
     trajectories: int
@@ -81,8 +81,8 @@ class Workload:
     @classmethod
     def of(cls, cfg: JarlConfig, tokens: int | None) -> Workload:
         L, K = cfg.learner, cfg.algorithm.mini_batches
-        n = cfg.data.prompts_per_step * cfg.rollout.n
-        length = tokens or cfg.rollout.max_model_len
+        n = cfg.data.prompts_per_step * cfg.group.n
+        length = tokens or cfg.engine.max_model_len
         rows = micro_batch_rows(cfg)
         per_mini = -(-n // K)
         if L.packing:  # first-fit of equal lengths: whole trajectories per row
@@ -136,7 +136,7 @@ def learner_programs(
 ) -> list[Program]:
     """The RL update (`StepPrograms.rl_step`, as the learner jits it) over a step of ``work``
     and, with ``sft`` configured, the SFT step over a batch of ``sft.batch_size`` rows of
-    ``rollout.max_model_len`` tokens. A trained pass's backward costs two forwards (the
+    ``engine.max_model_len`` tokens. A trained pass's backward costs two forwards (the
     inputs' and the weights' gradients); a LoRA policy's one (its frozen base's weights get
     no gradient; the adapters' own FLOPs, about 2 rank / hidden of the projections', are not
     counted)."""
@@ -193,7 +193,7 @@ def learner_programs(
         sft_state = abstract_learner_state(sft_programs, sharder, critic=False, reference=False)
         sft_trains = _trains(sft_programs.spec.model, cfg.model.dtype, sft_state.policy)
         rows = sft_micro_batch_rows(cfg)
-        T = padded_length(cfg.rollout.max_model_len, cfg.learner.seq_bucket)
+        T = padded_length(cfg.engine.max_model_len, cfg.learner.seq_bucket)
         rows_shape = (cfg.sft.batch_size // rows, rows, T)
         tokens = cfg.sft.batch_size * T / dp / tensor
         f = forward_flops(model, tokens, T / 2)
@@ -219,9 +219,9 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
     from the learner's buffers to the engine's; a LoRA policy's adapters alone, onto the base
     the engine keeps: `serving_adapters`), its longest prefill chunk and a decode call of
-    ``rollout.steps_per_call`` steps at its largest batch bucket (a LoRA model's adapters
-    unmerged), built as ``rollout.backend=embedded`` builds its engine, for TPU."""
-    r, tensor = cfg.rollout, cfg.mesh.tensor
+    ``engine.steps_per_call`` steps at its largest batch bucket (a LoRA model's adapters
+    unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
+    r, tensor = cfg.engine, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, model, cfg.model.dtype, serving)
     served = dataclasses.replace(model, dtype=cfg.model.dtype)
@@ -277,7 +277,7 @@ def run_programs(
     cfg: JarlConfig, model: ModelConfig, topology: Topology, tokens: int | None
 ) -> tuple[Sharder, list[Program]]:
     """The run's mesh (``mesh.*`` over the slice's chips) and every program ``cfg``'s run
-    compiles: the learner's, and the embedded engine's (``rollout.backend=embedded``), of
+    compiles: the learner's, and the embedded engine's (``engine.backend=embedded``), of
     the checkpoint's ``model`` with ``model.lora``'s adapters if any (`run_model`)."""
     m = cfg.mesh
     if m.data * m.fsdp * m.tensor != topology.chips:
@@ -290,6 +290,6 @@ def run_programs(
     work = Workload.of(cfg, tokens)
     model = run_model(cfg, model)
     programs = learner_programs(cfg, model, sharder, work)
-    if cfg.rollout.backend == "embedded":
+    if cfg.engine.backend == "embedded":
         programs += engine_programs(cfg, model, sharder)
     return sharder, programs

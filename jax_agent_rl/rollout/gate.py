@@ -10,7 +10,7 @@ not yet sent, is not sent at all (the backend checks `Ticket.aborted` under the 
 where it sends). `close` aborts everything and refuses what comes later.
 
 A gate made with ``drain=False`` (an engine that keeps its KV over a push and goes on with
-the new weights: ``rollout.keep_kv_on_update``) neither holds nor drains: the push runs while
+the new weights: ``engine.keep_kv_on_update``) neither holds nor drains: the push runs while
 requests are in flight, and the backend says which weights sampled each token.
 
 The gate is thread-safe, and any event loop may call in: a backend whose engine answers on

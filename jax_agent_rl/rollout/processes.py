@@ -46,7 +46,7 @@ def interpreter_problems(key: str, given: str, default: Path, what: str, setup: 
         return []
     shown = repr(given) if given else f"'' (the default, {default})"
     return [
-        f"rollout.{key}={shown} does not exist: expected the python of a venv with {what} "
+        f"engine.{key}={shown} does not exist: expected the python of a venv with {what} "
         f"(scripts/setup.sh {setup} makes {default.parent.parent.name})"
     ]
 

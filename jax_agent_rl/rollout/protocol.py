@@ -90,7 +90,7 @@ class GenerateResult:
     does not report them (`Capabilities.expert_ids`).
 
     ``weight_version``: the weights that sampled the first token. A backend that keeps its KV
-    over a weight push (the embedded engine with ``rollout.keep_kv_on_update``) may sample the
+    over a weight push (the embedded engine with ``engine.keep_kv_on_update``) may sample the
     rest under later ones, over keys and values of earlier ones: ``token_versions`` holds,
     per token, the version that sampled it, and ``kv_versions`` the oldest version that
     computed a key or value it was sampled over (the token's KV version range runs from that

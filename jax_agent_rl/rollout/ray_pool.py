@@ -1,7 +1,7 @@
 """Rollout replicas on a Ray cluster: `RayPool`, one `RolloutBackend` in front of many.
 
-With ``rollout.ray.address`` set, each of ``rollout.ray.replicas`` replicas is a Ray actor
-(`Replica`) holding one engine of ``rollout.backend`` (embedded, vllm, ...: built by the
+With ``engine.ray.address`` set, each of ``engine.ray.replicas`` replicas is a Ray actor
+(`Replica`) holding one engine of ``engine.backend`` (embedded, vllm, ...: built by the
 backend registry inside the actor), placed through a placement group of one bundle per
 replica (``num_cpus``, ``num_gpus``, ``resources``; ``strategy`` spreads or packs them over
 the nodes). The pool is the router:
@@ -173,7 +173,7 @@ def _check_fits(ray_cfg: RaySection, bundle: dict[str, float], nodes: list[dict]
     if room < need:
         where = "nodes with room for one" if strategy == "STRICT_SPREAD" else "room for"
         raise RuntimeError(
-            f"rollout.ray: {need} replicas of {bundle} ({strategy}) do not fit the cluster: "
+            f"engine.ray: {need} replicas of {bundle} ({strategy}) do not fit the cluster: "
             f"{where} {room} on {len(nodes)} live nodes "
             f"(resources per node: {[{k: n.get(k, 0.0) for k in bundle} for n in nodes]})"
         )
@@ -187,7 +187,7 @@ class RayPool:
         import ray
 
         self._ray = ray
-        self._cfg = spec.rollout.ray
+        self._cfg = spec.engine.ray
         self._owns_ray = connect(self._cfg.address)
         self._spec = ReplicaSpec.of(spec)
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
@@ -198,7 +198,7 @@ class RayPool:
         self.last_push: PushStats | None = None
         # an engine process of its own (vLLM, JetStream) owns the replica's accelerators: JAX
         # there stays on the CPU rather than take their memory
-        self._env = {} if spec.rollout.backend == "embedded" else {"JAX_PLATFORMS": "cpu"}
+        self._env = {} if spec.engine.backend == "embedded" else {"JAX_PLATFORMS": "cpu"}
         try:
             self._weights = ray.put(jax.device_get(spec.params))
             self._pg, self.nodes = plan_placement(self._cfg, keep=True)
@@ -267,7 +267,7 @@ class RayPool:
             if not waiting:
                 raise RuntimeError(
                     f"every rollout replica died and spent its {self._cfg.max_restarts} "
-                    "restarts (rollout.ray.max_restarts)"
+                    "restarts (engine.ray.max_restarts)"
                 )
             waits = [asyncio.ensure_future(s.ready.wait()) for s in waiting]
             try:
@@ -442,7 +442,7 @@ async def _quiet(ref: Any) -> None:
 
 
 def make_pool(spec: BackendBuild) -> RayPool:
-    """The replicas ``spec.rollout.ray`` asks for, started and serving ``spec.params``."""
+    """The replicas ``spec.engine.ray`` asks for, started and serving ``spec.params``."""
     return RayPool(spec)
 
 

@@ -1,4 +1,4 @@
-"""Rollout backends by name: ``rollout.backend`` picks one from here.
+"""Rollout backends by name: ``engine.backend`` picks one from here.
 
 The embedded JAX engine is built in. Every other backend (vLLM's and JetStream's in
 ``jax_agent_rl/backends/``, a user's own) registers a `BackendFactory`, either by calling
@@ -9,7 +9,7 @@ pyproject.toml
     [project.entry-points."jax_agent_rl.backends"]
     vllm = "jax_agent_rl.backends.vllm.backend:FACTORY"
 
-and is imported only when a run asks for ``rollout.backend=vllm``.
+and is imported only when a run asks for ``engine.backend=vllm``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jax_agent_rl.config.rollout import SamplingSection
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.stops import Decode
 
 if TYPE_CHECKING:
-    from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.config import EngineSection
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.models import ModelConfig, Sharder, Weights
 
@@ -47,7 +48,7 @@ class BackendBuild:
     without it (a Ray replica), or in vLLM, the request runs on to a stop id or its length and
     the agent loop cuts the result at the stop string all the same."""
 
-    rollout: RolloutSection
+    engine: EngineSection
     model: ModelConfig
     params: Weights
     checkpoint: str | Path
@@ -58,28 +59,31 @@ class BackendBuild:
     stop_token_ids: tuple[int, ...] = ()
     on_program: Callable[[int, int], None] | None = None  # (not sent to replicas)
     decode: Decode | None = None  # (not sent to replicas)
+    # how every request samples, for a backend that samples server-wide (JetStream); the
+    # others take each request's own
+    sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
 
 
-def _no_problems(rollout: RolloutSection, processes: int) -> list[str]:
-    del rollout, processes
+def _no_problems(engine: EngineSection, processes: int) -> list[str]:
+    del engine, processes
     return []
 
 
-def _no_placement(rollout: RolloutSection) -> dict[str, str]:
-    del rollout
+def _no_placement(engine: EngineSection) -> dict[str, str]:
+    del engine
     return {}
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendFactory:
-    """``build`` starts the backend; ``check(rollout, processes)`` lists, one line each naming
-    the key, what in the rollout section would make ``build`` fail in a run of ``processes``
+    """``build`` starts the backend; ``check(engine, processes)`` lists, one line each naming
+    the key, what in the engine section would make ``build`` fail in a run of ``processes``
     processes (``jarl train --dry-run`` and the pre-run check call it, so a missing interpreter
-    is reported before any model loads). ``trainer_env(rollout)``: the environment variables
+    is reported before any model loads). ``trainer_env(engine)``: the environment variables
     `jarl train` sets in its own process before JAX starts a backend, for the devices the
     backend's engines leave to the trainer (JetStream's server on chips of its own); it raises
-    ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the rollout
-    section's engine settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
+    ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the engine
+    section's settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
     ``steps_per_call``, ``batch_buckets``) that the backend cannot honour, each with why; set
     away from its default, one is refused before the run (`unhonoured`). ``self_tuned``: those
     it does not read because it tunes them itself (speed only: what the run computes is the
@@ -87,55 +91,55 @@ class BackendFactory:
     the embedded engine runs on this backend as it is."""
 
     build: Callable[[BackendBuild], RolloutBackend]
-    check: Callable[[RolloutSection, int], list[str]] = _no_problems
-    trainer_env: Callable[[RolloutSection], dict[str, str]] = _no_placement
+    check: Callable[[EngineSection, int], list[str]] = _no_problems
+    trainer_env: Callable[[EngineSection], dict[str, str]] = _no_placement
     unread: Mapping[str, str] = dataclasses.field(default_factory=dict)
     self_tuned: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def unhonoured(rollout: RolloutSection) -> list[str]:
-    """One line for each engine setting of ``rollout`` set away from its default that its
+def unhonoured(engine: EngineSection) -> list[str]:
+    """One line for each setting of ``engine`` set away from its default that its
     backend cannot honour (`BackendFactory.unread`), naming the key and the backend."""
     return [
-        f"rollout.{key}={value!r}: the {rollout.backend} backend cannot honour it ({why}); drop it"
-        for key, value, why in _set(rollout, backend_factory(rollout.backend).unread)
+        f"engine.{key}={value!r}: the {engine.backend} backend cannot honour it ({why}); drop it"
+        for key, value, why in _set(engine, backend_factory(engine.backend).unread)
     ]
 
 
-def tuned_by_backend(rollout: RolloutSection) -> list[str]:
-    """One note for each speed setting of ``rollout`` set away from its default that its
+def tuned_by_backend(engine: EngineSection) -> list[str]:
+    """One note for each speed setting of ``engine`` set away from its default that its
     backend tunes itself (`BackendFactory.self_tuned`)."""
     return [
-        f"rollout.{key}={value!r} is not read by the {rollout.backend} backend ({why})"
-        for key, value, why in _set(rollout, backend_factory(rollout.backend).self_tuned)
+        f"engine.{key}={value!r} is not read by the {engine.backend} backend ({why})"
+        for key, value, why in _set(engine, backend_factory(engine.backend).self_tuned)
     ]
 
 
-def _set(rollout: RolloutSection, keys: Mapping[str, str]) -> list[tuple[str, Any, str]]:
-    from jax_agent_rl.config import RolloutSection
+def _set(engine: EngineSection, keys: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    from jax_agent_rl.config import EngineSection
 
-    default = RolloutSection()
+    default = EngineSection()
     return [
-        (key, getattr(rollout, key), why)
+        (key, getattr(engine, key), why)
         for key, why in keys.items()
-        if getattr(rollout, key) != getattr(default, key)
+        if getattr(engine, key) != getattr(default, key)
     ]
 
 
 def make_engine(
-    rollout: RolloutSection,
+    engine: EngineSection,
     model: ModelConfig,
     dtype: str,
     sharder: Sharder,
 ) -> Engine:
-    """The embedded engine ``rollout`` describes, serving ``model`` in ``dtype`` on
+    """The embedded engine ``engine`` describes, serving ``model`` in ``dtype`` on
     ``sharder``'s mesh (its programs compiled for the platform of the mesh's devices: TPU for
     a plan's abstract TPU devices, `engine.compile_platform`)."""
     import jax
 
     from jax_agent_rl.engine import Engine, cache_dtype, compile_platform, pool_pages
 
-    r = rollout
+    r = engine
     model = dataclasses.replace(model, dtype=dtype)  # type: ignore[arg-type]
     # the pages' dtype on the platform the engine compiles for (`Engine.cache_dtype`)
     width = jax.numpy.dtype(cache_dtype(model, compile_platform(sharder))).itemsize
@@ -156,17 +160,17 @@ def make_engine(
 def _build_embedded(spec: BackendBuild) -> RolloutBackend:
     from jax_agent_rl.rollout.embedded import EmbeddedBackend
 
-    engine = make_engine(spec.rollout, spec.model, spec.dtype, spec.sharder)
+    engine = make_engine(spec.engine, spec.model, spec.dtype, spec.sharder)
     return EmbeddedBackend(
         engine,
         spec.params,
         weight_version=spec.version,
-        steps_per_call=spec.rollout.steps_per_call,
+        steps_per_call=spec.engine.steps_per_call,
         seed=spec.seed,
         warmup=True,
         on_program=spec.on_program,
         decode=spec.decode,
-        keep_kv_on_update=spec.rollout.keep_kv_on_update,
+        keep_kv_on_update=spec.engine.keep_kv_on_update,
     )
 
 
@@ -174,7 +178,7 @@ _REGISTERED: dict[str, BackendFactory] = {"embedded": BackendFactory(_build_embe
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:
-    """Makes ``rollout.backend=name`` build with ``factory`` (a name taken already is an error)."""
+    """Makes ``engine.backend=name`` build with ``factory`` (a name taken already is an error)."""
     if name in _REGISTERED or name in _entry_points():
         raise ValueError(f"rollout backend {name!r} is registered already")
     _REGISTERED[name] = factory
@@ -185,7 +189,7 @@ def _entry_points() -> dict[str, str]:
 
 
 def backend_names() -> list[str]:
-    """Every name ``rollout.backend`` accepts, sorted."""
+    """Every name ``engine.backend`` accepts, sorted."""
     return sorted({*_REGISTERED, *_entry_points()})
 
 
@@ -195,8 +199,7 @@ def backend_factory(name: str) -> BackendFactory:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
             raise ValueError(
-                f"rollout.backend={name!r} is not a registered backend: use one of "
-                f"{backend_names()}"
+                f"engine.backend={name!r} is not a registered backend: use one of {backend_names()}"
             )
         factory = found[0].load()
         if not isinstance(factory, BackendFactory):
@@ -215,12 +218,12 @@ def lora_problem(spec: BackendBuild, backend: RolloutBackend) -> str | None:
     if spec.model.lora is None or backend.capabilities.lora:
         return None
     return (
-        f"model.lora: rollout.backend={spec.rollout.backend} does not serve LoRA adapters "
+        f"model.lora: engine.backend={spec.engine.backend} does not serve LoRA adapters "
         "(its capabilities.lora is false): use a backend that does (embedded, vllm, "
         "jetstream) or model.lora.rank=0"
     )
 
 
 def make_backend(spec: BackendBuild) -> RolloutBackend:
-    """The backend ``spec.rollout.backend`` names, started and serving ``spec.params``."""
-    return backend_factory(spec.rollout.backend).build(spec)
+    """The backend ``spec.engine.backend`` names, started and serving ``spec.params``."""
+    return backend_factory(spec.engine.backend).build(spec)

@@ -1,6 +1,6 @@
 """Tool servers as Ray actors: `RayToolServers`, one `ToolExecutor` in front of several.
 
-With ``rollout.ray.tool_servers`` > 0, each tool server is a Ray actor (`ToolServer`) running
+With ``engine.ray.tool_servers`` > 0, each tool server is a Ray actor (`ToolServer`) running
 the app of ``jarl serve-tools`` over ``tools.config`` on its node's address, at a free port,
 behind a bearer token the run makes up (a non-loopback server never runs without one; it is
 compared in constant time, and nothing but ``/health`` answers without it). Each server's
@@ -12,7 +12,7 @@ A server that dies takes its trajectories' tool state with it, so their next cal
 (`ToolTransportError`: the trajectory ends with stop reason ``tool_error``) and the rollout
 runs those trajectories again from their prompts (`jax_agent_rl.train.step.rollout_episodes`,
 counted in ``rollout/trajectories_rerun``). The server is restarted (a new actor, a new port)
-up to ``rollout.ray.max_restarts`` times; new trajectories go to the live ones meanwhile.
+up to ``engine.ray.max_restarts`` times; new trajectories go to the live ones meanwhile.
 """
 
 from __future__ import annotations

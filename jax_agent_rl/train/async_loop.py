@@ -1,6 +1,6 @@
 """Asynchronous off-policy training with bounded staleness (``trainer.mode=async``).
 
-Rollouts never wait for the learner: groups (one prompt, ``rollout.n`` episodes) run on the
+Rollouts never wait for the learner: groups (one prompt, ``group.n`` episodes) run on the
 backend continuously, and each update takes ``data.prompts_per_step`` finished groups as they
 come, while the next ones are sampled. Three rules keep the off-policy gap bounded:
 
@@ -10,7 +10,7 @@ come, while the next ones are sampled. Three rules keep the off-policy gap bound
 - **Partial rollouts.** A weight push lands between turns: the turn in flight finishes under
   the weights it started with, the trajectory's next turns use the new ones, and every token
   records the version that sampled it (`Trajectory.token_versions`). With
-  ``rollout.keep_kv_on_update`` the push lands mid-turn instead: the turn goes on under the new
+  ``engine.keep_kv_on_update`` the push lands mid-turn instead: the turn goes on under the new
   weights over the old ones' keys and values, and so do the next turns (no prefill again);
   each token also records the oldest version of its KV (`Trajectory.kv_versions`), which the
   freshness rule and the staleness metrics count as its age.
@@ -189,9 +189,7 @@ class Producer:
 
     async def _group(self, index: int, sample: Sample, tag: str) -> None:
         try:
-            trajs = await run_episodes(
-                self.run, self.rollout, [sample], self.run.cfg.rollout.n, tag
-            )
+            trajs = await run_episodes(self.run, self.rollout, [sample], self.run.cfg.group.n, tag)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the learner raises it
@@ -271,7 +269,7 @@ async def async_step(
         cfg.data.prompts_per_step,
         step,
         cfg.trainer.max_staleness,
-        cfg.rollout.dynamic_sampling,
+        cfg.group.dynamic_sampling,
     )
     state, m, totals = await learn_and_push(
         run,

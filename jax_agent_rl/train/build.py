@@ -345,14 +345,13 @@ def make_tools(
 
 
 def agent_config(cfg: JarlConfig, greedy: bool) -> AgentConfig:
-    """The agent loop's settings: ``rollout``'s sampling, or greedy decoding (evaluation)."""
-    r = cfg.rollout
+    """The agent loop's settings: ``sampling``, or greedy decoding (evaluation)."""
     return AgentConfig.of(
         cfg.agent,
-        max_model_len=r.max_model_len,
-        temperature=0.0 if greedy else r.temperature,
-        top_p=1.0 if greedy else r.top_p,
-        top_k=-1 if greedy else r.top_k,
+        max_model_len=cfg.engine.max_model_len,
+        temperature=0.0 if greedy else cfg.sampling.temperature,
+        top_p=1.0 if greedy else cfg.sampling.top_p,
+        top_k=-1 if greedy else cfg.sampling.top_k,
     )
 
 
@@ -386,24 +385,24 @@ async def serve_policy(
     envs: Environments,
     console: Console,
 ) -> AsyncIterator[Rollout]:
-    """Starts ``rollout.backend`` serving ``params`` (in ``model.dtype``, laid out by
+    """Starts ``engine.backend`` serving ``params`` (in ``model.dtype``, laid out by
     ``sharder``: the run's `Serving`) as weight ``version``, the tools and the reward (with
     its judge, if ``data.judge`` is used); closes them on the way out. With
-    ``rollout.ray.address``, the replicas (and tool servers) are actors on that cluster, which
+    ``engine.ray.address``, the replicas (and tool servers) are actors on that cluster, which
     the process joins here."""
-    joined = bool(cfg.rollout.ray.address) and connect(cfg.rollout.ray.address)
+    joined = bool(cfg.engine.ray.address) and connect(cfg.engine.ray.address)
     try:
         parser = make_parser(cfg.agent.parser)
-        start = make_pool if cfg.rollout.ray.address else make_backend
+        start = make_pool if cfg.engine.ray.address else make_backend
         with progress.phase(
-            console, f"starting the {cfg.rollout.backend} rollout backend (compiling its programs)"
+            console, f"starting the {cfg.engine.backend} rollout backend (compiling its programs)"
         ) as starting:
 
             def compiled(done: int, total: int) -> None:
                 starting.update(done, f"{done}/{total} programs compiled")
 
             spec = BackendBuild(
-                cfg.rollout,
+                cfg.engine,
                 model,
                 params,
                 checkpoint=cfg.model.path,
@@ -414,6 +413,7 @@ async def serve_policy(
                 stop_token_ids=turn_stop_ids(tokenizer, parser),
                 on_program=compiled,
                 decode=tokenizer.decode,
+                sampling=cfg.sampling,
             )
             built = start(spec)
         if (problem := lora_problem(spec, built)) is not None:
@@ -423,24 +423,24 @@ async def serve_policy(
         if isinstance(built, RayPool):
             nodes = collections.Counter(built.nodes)
             console.print(
-                f"rollout: {cfg.rollout.ray.replicas} {cfg.rollout.backend} replicas on Ray "
-                f"({cfg.rollout.ray.address}), over {len(nodes)} node(s): "
+                f"rollout: {cfg.engine.ray.replicas} {cfg.engine.backend} replicas on Ray "
+                f"({cfg.engine.ray.address}), over {len(nodes)} node(s): "
                 + ", ".join(f"{n[:12]} x{k}" for n, k in nodes.items())
             )
-        tools = make_tools(cfg.tools, registry, os.environ, cfg.rollout.ray)
+        tools = make_tools(cfg.tools, registry, os.environ, cfg.engine.ray)
         greedy_eval = backend.capabilities.per_request_sampling
         if not greedy_eval:
             console.print(
-                f"rollout.backend={cfg.rollout.backend} samples as its server was set "
-                f"(temperature={cfg.rollout.temperature}): evaluation samples so too, not greedily"
+                f"engine.backend={cfg.engine.backend} samples as its server was set "
+                f"(temperature={cfg.sampling.temperature}): evaluation samples so too, not greedily"
             )
         if any(model.moe_layers) and cfg.algorithm.routing_replay:
             replayed = backend.capabilities.expert_ids
             console.print(
-                f"algorithm.routing_replay: the learner replays the experts {cfg.rollout.backend} "
+                f"algorithm.routing_replay: the learner replays the experts {cfg.engine.backend} "
                 "sampled with"
                 if replayed
-                else f"algorithm.routing_replay: rollout.backend={cfg.rollout.backend} reports "
+                else f"algorithm.routing_replay: engine.backend={cfg.engine.backend} reports "
                 "no experts: the learner routes every token itself"
             )
         judge_backend: RolloutBackend | None = None
@@ -469,20 +469,19 @@ def make_judge(
     """The judge ``data.judge`` describes, and the backend started for it, if it has its own:
     ``policy`` with the run's ``tokenizer`` (judging with the weight version it serves), or a
     ``data.judge.backend`` engine of ``data.judge.model_path`` (its weights and tokenizer) on
-    the policy's inference devices (``sharder``), with ``rollout.*``'s engine settings and
+    the policy's inference devices (``sharder``), with ``engine.*``'s settings and
     ``max_concurrency`` slots."""
     section = cfg.data.judge
     if section.backend == "policy":
         return Judge(section, policy, tokenizer, eos_ids(tokenizer), lambda: policy.version), None
     judge_tokenizer = Tokenizer.from_pretrained(section.model_path)
     model, params = load_hf(section.model_path, cfg.model.dtype, sharder=sharder)
-    rollout = dataclasses.replace(
-        cfg.rollout, backend=section.backend, max_concurrent=section.max_concurrency
-    )
     stops = eos_ids(judge_tokenizer)
     backend = make_backend(
         BackendBuild(
-            rollout,
+            dataclasses.replace(
+                cfg.engine, backend=section.backend, max_concurrent=section.max_concurrency
+            ),
             model,
             params,
             checkpoint=section.model_path,
@@ -490,6 +489,7 @@ def make_judge(
             seed=cfg.trainer.seed,
             sharder=sharder,
             stop_token_ids=stops,
+            sampling=cfg.sampling,
         )
     )
     return Judge(section, backend, judge_tokenizer, stops, lambda: 0), backend  # fixed weights

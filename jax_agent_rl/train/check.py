@@ -8,7 +8,7 @@ but reads no weights and compiles nothing:
 - every name looked up in a registry: the rollout and judge backends and the filters
   (`check_names`) and the reward (user functions too); the tool-call parser's name
   `load_config` checked;
-- the model's ``config.json`` (its weight files must exist): ``rollout.max_model_len``
+- the model's ``config.json`` (its weight files must exist): ``engine.max_model_len``
   against ``max_position_embeddings``, the mesh against this process's devices and against
   every parameter dimension it shards (`check_mesh`);
 - the tokenizer and its chat template: the prompt of every row read, rendered with the tool
@@ -19,7 +19,7 @@ but reads no weights and compiles nothing:
   interaction YAML's), and ``agent.harness`` loaded (an async function; rows running
   openai_agent need one);
 - every tool of ``tools.config``, built, its schema rendered, and closed again;
-- the backend's own check (with ``rollout.backend=vllm``, the vLLM interpreter), and the
+- the backend's own check (with ``engine.backend=vllm``, the vLLM interpreter), and the
   engine settings it cannot honour, when set (`rollout.registry.unhonoured`).
 
 Each problem is one line naming the key, its value and what would be accepted. All problems
@@ -98,13 +98,13 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
             return None
 
     parser = make_parser(cfg.agent.parser)  # a registered name: `load_config` checked it
-    if cfg.rollout.backend in backend_names():
-        problems += unhonoured(cfg.rollout)
-        problems += backend_factory(cfg.rollout.backend).check(cfg.rollout, processes)
+    if cfg.engine.backend in backend_names():
+        problems += unhonoured(cfg.engine)
+        problems += backend_factory(cfg.engine.backend).check(cfg.engine, processes)
     judge = cfg.data.judge.backend
-    if judge not in ("policy", cfg.rollout.backend) and judge in backend_names():
-        # a separate judge's engine takes rollout.*'s settings on a backend of its own
-        as_judge = dataclasses.replace(cfg.rollout, backend=judge)
+    if judge not in ("policy", cfg.engine.backend) and judge in backend_names():
+        # a separate judge's engine takes engine.*'s settings on a backend of its own
+        as_judge = dataclasses.replace(cfg.engine, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model, tokenizer = _model_and_tokenizer(cfg, attempt)
     if model is not None and (cfg.model.lora.rank or cfg.model.lora.adapter_path):
@@ -144,8 +144,8 @@ def check_names(cfg: JarlConfig) -> list[str]:
     and the reward loaded (``jarl eval`` checks these too, before it loads weights)."""
     names, judge = backend_names(), cfg.data.judge.backend
     problems = check_filters(cfg.agent.filters)
-    if cfg.rollout.backend not in names:
-        problems.insert(0, f"rollout.backend={cfg.rollout.backend!r}: expected one of {names}")
+    if cfg.engine.backend not in names:
+        problems.insert(0, f"engine.backend={cfg.engine.backend!r}: expected one of {names}")
     if judge != "policy" and judge not in names:
         problems.append(
             f"data.judge.backend={judge!r}: use policy or a registered rollout backend {names}"
@@ -304,7 +304,7 @@ def _notes(cfg: JarlConfig) -> list[str]:
     """What the run will do unasked: the speed settings its backend tunes itself, and the data
     sources the ``math`` fallback scores (the first rows of data.train and data.val), since no
     reward was chosen for them."""
-    notes = tuned_by_backend(cfg.rollout) if cfg.rollout.backend in backend_names() else []
+    notes = tuned_by_backend(cfg.engine) if cfg.engine.backend in backend_names() else []
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:
@@ -399,11 +399,11 @@ def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfi
                 f"data.train={cfg.data.train!r}: the chat template cannot render the prompt of "
                 f"{sample.uid!r}: {e}"
             ) from None
-    longest, limit = max(lengths), cfg.rollout.max_model_len
+    longest, limit = max(lengths), cfg.engine.max_model_len
     if longest >= limit:
         raise _CheckError(
-            f"rollout.max_model_len={limit} leaves no room for a response: a prompt of "
-            f"data.train is {longest} tokens with the tool schemas; use rollout.max_model_len "
+            f"engine.max_model_len={limit} leaves no room for a response: a prompt of "
+            f"data.train is {longest} tokens with the tool schemas; use engine.max_model_len "
             f"> {longest}"
         )
 

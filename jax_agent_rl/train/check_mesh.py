@@ -38,10 +38,10 @@ def processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
             f"trainer.mode=async runs in one process; {processes} processes train with "
             "trainer.mode=sync"
         )
-    if cfg.rollout.ray.address:
+    if cfg.engine.ray.address:
         problems.append(
-            f"rollout.ray.address={cfg.rollout.ray.address!r} serves one process's rollouts; "
-            f"{processes} processes each roll out on their own engines (rollout.ray.address=)"
+            f"engine.ray.address={cfg.engine.ray.address!r} serves one process's rollouts; "
+            f"{processes} processes each roll out on their own engines (engine.ray.address=)"
         )
     prompts = cfg.data.prompts_per_step
     if prompts % processes:
@@ -80,10 +80,10 @@ def model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
             "mixture-of-experts layers, so no router to balance: use 0"
         )
     limit = model.max_position_embeddings
-    if cfg.rollout.max_model_len > limit:
+    if cfg.engine.max_model_len > limit:
         problems.append(
-            f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
-            f"max_position_embeddings={limit}: use rollout.max_model_len <= {limit}"
+            f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
+            f"max_position_embeddings={limit}: use engine.max_model_len <= {limit}"
         )
     return problems + mesh_problems(cfg.mesh, model, devices)
 

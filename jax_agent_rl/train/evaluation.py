@@ -153,7 +153,7 @@ async def evaluate_samples(
         score=score,
         tool_reward_weight=cfg.data.tool_reward_weight,
         success_reward=cfg.data.success_reward,
-        tool_failure_reruns=cfg.rollout.tool_failure_reruns,
+        tool_failure_reruns=cfg.group.tool_failure_reruns,
         episode_done=episode_done,
     )
     each = [s for s in mine for _ in range(n)]

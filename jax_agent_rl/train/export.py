@@ -25,7 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-from jax_agent_rl.config import JarlConfig, RolloutSection, load_config, missing_paths
+from jax_agent_rl.config import JarlConfig, SamplingSection, load_config, missing_paths
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.models.adapters import merge as merge_adapters
 from jax_agent_rl.models.adapters import save_peft
@@ -49,7 +49,7 @@ def source_eos_ids(checkpoint: str | Path) -> tuple[int, ...]:
 
 
 def generation_config(
-    tokenizer: Tokenizer, rollout: RolloutSection, source_eos: tuple[int, ...] = ()
+    tokenizer: Tokenizer, sampling: SamplingSection, source_eos: tuple[int, ...] = ()
 ) -> GenerationConfig:
     """Stop at the end of a turn (the tokenizer's eos) or at ``source_eos``; pad with the
     tokenizer's pad token (else the end-of-turn token); sample as the rollouts did."""
@@ -62,9 +62,9 @@ def generation_config(
         eos_token_ids=tuple(dict.fromkeys((end_of_turn, *source_eos))),
         pad_token_id=end_of_turn if pad is None else pad,
         bos_token_id=bos,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
     )
 
 
@@ -83,7 +83,7 @@ def export_policy(
         save_peft(out, model, params, base_model=str(cfg.model.path))
     else:
         generation = generation_config(
-            Tokenizer.from_pretrained(tokenizer_dir), cfg.rollout, source_eos_ids(cfg.model.path)
+            Tokenizer.from_pretrained(tokenizer_dir), cfg.sampling, source_eos_ids(cfg.model.path)
         )
         save_hf(out, model, params, generation=generation)
     for name in TOKENIZER_FILES:

@@ -78,7 +78,7 @@ def staleness(traj: Trajectory, version: int) -> int:
 def kv_behind(trajs: Sequence[Trajectory]) -> tuple[int, int]:
     """Of the sampled tokens of ``trajs``: how many were sampled over keys and values older
     than the weights that sampled them (an engine that kept its KV over a push,
-    ``rollout.keep_kv_on_update``), and how many there are."""
+    ``engine.keep_kv_on_update``), and how many there are."""
     pairs = [
         (v, kv)
         for t in trajs
@@ -125,7 +125,7 @@ def learn(
     traced: Sequence[Trajectory] = (),
 ) -> tuple[LearnerState, dict[str, float], Totals]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
-    ``rollout.n``) trained on with every other process's, in one update of ``state``
+    ``group.n``) trained on with every other process's, in one update of ``state``
     (donated) by ``learner`` (`Learner.rl_update`), batched and shaped as ``cfg`` says.
     ``seen`` (every episode this process sampled) and ``rollout_s`` (how long this process's
     rollout took) go into the metrics, which are those of every process (their
@@ -192,7 +192,7 @@ def learn(
         row_tokens=L.row_tokens if L.packing else None,
         bucket=L.seq_bucket,
         rows_per_micro=learner.micro_batch_size // processes,
-        min_sequences=cfg.data.prompts_per_step * cfg.rollout.n // processes,
+        min_sequences=cfg.data.prompts_per_step * cfg.group.n // processes,
         agree=distributed.agree_max,
         part=me,
         tree=L.tree_packing and not runs_on_tpu(learner.sharder),  # (the kernel: no trees)

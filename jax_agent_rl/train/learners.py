@@ -80,11 +80,11 @@ def learner_settings(
     """The learner's step settings (`StepPrograms.of`'s keywords) from ``cfg``; the keyword
     arguments override the RL ones (SFT)."""
     optim = cfg.optim if warmup is None else dataclasses.replace(cfg.optim, warmup_steps=warmup)
-    r = cfg.rollout
+    s = cfg.sampling
     return {
         "algo": cfg.algorithm,
         "optim": optim,
-        "sampling": SamplingSpec(r.temperature, r.top_k, r.top_p),
+        "sampling": SamplingSpec(s.temperature, s.top_k, s.top_p),
         "compute_dtype": cfg.model.dtype,
         "remat": cfg.learner.remat,
         "norm_const": cfg.agent.max_response_tokens,

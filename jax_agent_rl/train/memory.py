@@ -114,7 +114,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     `activation_bytes`, with and without ``learner.remat``) and the weight push (the weights
     gathered for serving; the new serving weights take the old ones' place). These are the parts
     XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
-    several ``processes``, each serves its own ``rollout.max_concurrent`` slots on its share
+    several ``processes``, each serves its own ``engine.max_concurrent`` slots on its share
     of the devices."""
     m = cfg.mesh
     model = run_model(cfg, model)
@@ -138,8 +138,8 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         tokens, what = L.row_tokens, f"learner.row_tokens={L.row_tokens}"
     else:
         rows = max(L.micro_batch_size // (m.data * m.fsdp), 1)
-        tokens = rows * cfg.rollout.max_model_len
-        what = f"{rows} row(s) of rollout.max_model_len={cfg.rollout.max_model_len}"
+        tokens = rows * cfg.engine.max_model_len
+        what = f"{rows} row(s) of engine.max_model_len={cfg.engine.max_model_len}"
     # the update: the gradient summed over micro-batches and one micro-batch's activations;
     # computing in bf16, also the weights cast (a copy) and each micro-batch's fp32 gradient
     # through that cast, which XLA cannot add into the sum in place as it does in fp32 (TPU,
@@ -158,9 +158,9 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     )
     engine: list[tuple[str, float]] = []
     push: list[tuple[str, float]] = []
-    if cfg.rollout.backend == "embedded":
+    if cfg.engine.backend == "embedded":
         serving = MeshSection(data=m.data * m.fsdp // processes, fsdp=1, tensor=m.tensor)
-        r = cfg.rollout
+        r = cfg.engine
         pages = pool_pages(
             model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
         )

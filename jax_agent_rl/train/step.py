@@ -1,7 +1,7 @@
 """One RL step over a built run (`rl_step`), and the functions it is made of.
 
-1. draw ``data.prompts_per_step`` prompts, roll each out ``rollout.n`` times through the agent
-   loop on the backend, or as a tree (``agent.strategy=tree``), all episodes concurrently
+1. draw ``data.prompts_per_step`` prompts, roll each out ``group.n`` times through the agent
+   loop on the backend, or as a tree (``group.strategy=tree``), all episodes concurrently
    (the backend batches them);
 2. score each trajectory (`scored_text`: its final answer, or for verl data its whole response,
    as verl scores it); DAPO's overlong penalty shapes the reward and its
@@ -11,7 +11,7 @@
    weights go to the backend as version ``step + 1``.
 
 The asynchronous loop at ``trainer.max_staleness=0`` trains as this one does, but it is not
-this loop: this one runs on several processes, refills a step at most ``rollout.max_refills``
+this loop: this one runs on several processes, refills a step at most ``group.max_refills``
 times (with seeds of its own), scores a step's episodes together (a judge batches them) and
 never draws the next step's prompts before the checkpoint of this one. Both decide what
 dynamic sampling keeps with one function (`keep_with_signal`).
@@ -191,7 +191,7 @@ async def rollout_episodes(
         assert tree is not None
         if s.agent_name != "tool_agent" or ctx.envs.plays(s):
             raise ValueError(
-                f"agent.strategy=tree branches tool_agent episodes without an environment; "
+                f"group.strategy=tree branches tool_agent episodes without an environment; "
                 f"sample {s.uid!r} names agent_name {s.agent_name!r}"
                 + (f", env_class {s.env_class!r}" if s.env_class else "")
             )
@@ -300,7 +300,7 @@ async def run_episodes(
     rollout's reward, the tool-reward weight, filters and rollout strategy (held-out
     evaluations run chains: `evaluation.evaluate_samples`)."""
     cfg = run.cfg
-    tree = cfg.agent.tree if cfg.agent.strategy == "tree" else None
+    tree = cfg.group.tree if cfg.group.strategy == "tree" else None
     return await rollout_episodes(
         samples,
         n,
@@ -310,7 +310,7 @@ async def run_episodes(
         score=rollout.score,
         tool_reward_weight=cfg.data.tool_reward_weight,
         success_reward=cfg.data.success_reward,
-        tool_failure_reruns=cfg.rollout.tool_failure_reruns,
+        tool_failure_reruns=cfg.group.tool_failure_reruns,
         filters=training_filters(cfg),
         tree=tree,
     )
@@ -320,7 +320,7 @@ def training_filters(cfg: JarlConfig) -> list[str]:
     """``agent.filters``, with ``equal_reward`` last under dynamic sampling (which drops the
     groups it excludes and refills the step)."""
     names = list(cfg.agent.filters)
-    if cfg.rollout.dynamic_sampling and "equal_reward" not in names:
+    if cfg.group.dynamic_sampling and "equal_reward" not in names:
         names.append("equal_reward")
     return names
 
@@ -349,18 +349,18 @@ async def collect(
 ) -> tuple[list[Trajectory], list[Trajectory]]:
     """This process's groups for one step (its share of ``data.prompts_per_step``), and every
     episode it sampled. With dynamic sampling, only groups with a reward signal are kept,
-    and more prompts are drawn (at most ``rollout.max_refills`` times) until there are enough.
+    and more prompts are drawn (at most ``group.max_refills`` times) until there are enough.
 
     Every process draws the same prompts from the same sampler and rolls out its own slice,
     so the sampler's state is one for the run (whatever the process count) and a group never
     spans processes; a refill draws as many prompts per process as the neediest one lacks."""
     cfg = run.cfg
     processes, me = jax.process_count(), jax.process_index()
-    want, n = cfg.data.prompts_per_step // processes, cfg.rollout.n
+    want, n = cfg.data.prompts_per_step // processes, cfg.group.n
     kept: list[list[Trajectory]] = []
     seen: list[Trajectory] = []
     drawn: set[str] = set()  # (renamed over every process's prompts: each renames alike)
-    for attempt in range(cfg.rollout.max_refills + 1 if cfg.rollout.dynamic_sampling else 1):
+    for attempt in range(cfg.group.max_refills + 1 if cfg.group.dynamic_sampling else 1):
         k = distributed.agree_max([want - len(kept)])[0] if attempt else want
         if k == 0:
             break
@@ -369,7 +369,7 @@ async def collect(
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
         trajs = await run_episodes(run, rollout, samples, n, tag)
         seen += trajs
-        groups, _ = keep_with_signal(split_groups(trajs), cfg.rollout.dynamic_sampling)
+        groups, _ = keep_with_signal(split_groups(trajs), cfg.group.dynamic_sampling)
         kept += groups[: want - len(kept)]
     return [t for g in kept for t in g], seen
 

@@ -111,7 +111,7 @@ def _jetstream(path: Path, lora: bool) -> RolloutBackend:
 
 
 def _ray(path: Path, lora: bool) -> RolloutBackend:
-    from jax_agent_rl.config import RaySection, RolloutSection
+    from jax_agent_rl.config import EngineSection, RaySection
     from jax_agent_rl.rollout.ray_pool import RayPool
     from jax_agent_rl.rollout.registry import BackendBuild
 
@@ -121,15 +121,13 @@ def _ray(path: Path, lora: bool) -> RolloutBackend:
     # (sessions spread by requests in flight, kept on one replica, moved off a dead one) is
     # tests/rollout/test_ray.py's, on two nodes; two replicas here compiled their engines at
     # once, and their setup was the conformance suite's longest (233 s in a fresh-clone run)
-    rollout = RolloutSection(
+    engine = EngineSection(
         max_concurrent=SLOTS,
         max_model_len=MAX_LEN,
         ray=RaySection(address="local", replicas=1, num_cpus=0.5),
     )
     return RayPool(
-        BackendBuild(
-            rollout, cfg, w, checkpoint=path, dtype="float32", sharder=one_device_sharder()
-        )
+        BackendBuild(engine, cfg, w, checkpoint=path, dtype="float32", sharder=one_device_sharder())
     )
 
 

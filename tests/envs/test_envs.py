@@ -46,8 +46,8 @@ def _train(task: TaskFiles, run_dir: Path, *overrides: str, steps: int = 2) -> l
     """``steps`` steps of 2 prompts x 2 episodes, every trajectory traced; the traces."""
     args = [
         f"model.path={task.model}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
-        "sft.steps=0", "data.val=", "data.prompts_per_step=2", "rollout.n=2",
-        "rollout.max_model_len=512", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
+        "sft.steps=0", "data.val=", "data.prompts_per_step=2", "group.n=2",
+        "engine.max_model_len=512", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
         "agent.max_response_tokens=320", f"trainer.steps={steps}", "trainer.save_every=10",
         "trainer.eval_every=0", "trainer.tensorboard=false", "trainer.traces_per_step=8",
         *overrides,
@@ -563,7 +563,7 @@ def test_the_guessing_game_config_trains(task: TaskFiles, tmp_path: Path) -> Non
         f"model.path={task.model}", f"data.train={tmp_path / 'train.jsonl'}",
         f"data.val={tmp_path / 'val.jsonl'}", f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-        "data.prompts_per_step=4", "rollout.n=4", "trainer.tensorboard=false",
+        "data.prompts_per_step=4", "group.n=4", "trainer.tensorboard=false",
         "trainer.traces_per_step=16",
     ]  # fmt: skip
     train(load_config(config, args))

@@ -33,8 +33,8 @@ def _refused(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) ->
 # -- run configs: (YAML file contents or None, overrides, what the line names) -------------
 
 CONFIGS = {
-    "wrong type": (None, ["rollout.n=four"], "rollout.n='four': expected a whole number"),
-    "float for int": (None, ["rollout.n=1.5"], "rollout.n='1.5': expected a whole number"),
+    "wrong type": (None, ["group.n=four"], "group.n='four': expected a whole number"),
+    "float for int": (None, ["group.n=1.5"], "group.n='1.5': expected a whole number"),
     "bool": (None, ["trainer.resume=maybe"], "trainer.resume='maybe': expected true or false"),
     "enum": (None, ["algorithm.kl_kind=k9"], "algorithm.kl_kind='k9': expected one of ['k1'"),
     "optional number": (None, ["algorithm.clip_c=x"], "clip_c='x': expected a number or null"),
@@ -55,8 +55,8 @@ CONFIGS = {
     "scalar section": ("model: 5\n", [], "model='5': expected a section"),
     "scalar override of a section": (
         None,
-        ["rollout.ray=3"],
-        "rollout.ray='3': expected a section",
+        ["engine.ray=3"],
+        "engine.ray='3': expected a section",
     ),
     "unknown key": (None, ["model.dtpye=float32"], "unknown config key 'model.dtpye'; allowed"),
     "unknown nested key": (f"{'a.' * 300}b: 1\n", [], "unknown config key"),
@@ -70,8 +70,8 @@ CONFIGS = {
     # past Python's int-from-text limit (YAML's loader raised a bare ValueError)
     "5000-digit override": (
         None,
-        ["rollout.n=" + "9" * 5000],
-        "override rollout.n: a whole number of 5000 digits: too long",
+        ["group.n=" + "9" * 5000],
+        "override group.n: a whole number of 5000 digits: too long",
     ),
     "5000-digit verl override": (
         None,
@@ -79,7 +79,7 @@ CONFIGS = {
         "override actor_rollout_ref.rollout.n: a whole number of 5000 digits",
     ),
     "5000-digit value in a file": (
-        "rollout:\n  n: " + "9" * 5000 + "\n",
+        "group:\n  n: " + "9" * 5000 + "\n",
         [],
         "a whole number of 5000 digits at line 2: too long",
     ),
@@ -103,7 +103,7 @@ CONFIGS = {
     "empty key": (None, ["=x"], "'' is not a dotted key"),
     "alias bomb": (ALIAS_BOMB, [], "YAML node expansion exceeds the configured limit"),
     "missing file": (None, [], "does not exist"),
-    "out of range": (None, ["rollout.top_p=0"], "rollout.top_p=0.0: expected in (0, 1]"),
+    "out of range": (None, ["sampling.top_p=0"], "sampling.top_p=0.0: expected in (0, 1]"),
     # in every text: each turn would end at its first token (before: accepted, and every
     # request of the run refused once it sampled)
     "empty stop string": (None, ["agent.stop=[</search>, '']"], "agent.stop[1]='': an empty"),

@@ -44,7 +44,7 @@ def test_eval_refuses_an_unknown_parser_before_loading_weights(
     ("override", "named"),
     [
         ("data.reward=maths", "data.reward='maths' is not a reward"),
-        ("rollout.backend=vlm", "rollout.backend='vlm': expected one of"),
+        ("engine.backend=vlm", "engine.backend='vlm': expected one of"),
         ("agent.filters=[overlng]", "agent.filters"),
     ],
 )

@@ -679,7 +679,7 @@ def test_run_tool_refuses_once_the_episode_has_ended(setup: dict[str, Any]) -> N
 def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
     setup: dict[str, Any],
 ) -> None:
-    """A first request of more characters than rollout.max_model_len tokens could hold (each
+    """A first request of more characters than engine.max_model_len tokens could hold (each
     at most the tokenizer's longest token, in characters): 400 naming the limit, the session
     ends before anything is tokenized (before: tokenized whole on the event loop, 3 MB in
     seconds, then ended by max_model_len)."""
@@ -697,7 +697,7 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
 
     session, answer, limit = asyncio.run(go())
     assert _status(answer) == 400 and f"at most {limit} characters".encode() in answer
-    assert b"rollout.max_model_len" in answer
+    assert b"engine.max_model_len" in answer
     assert session.stop == "harness_error" and session.traj.prompt_ids == []
     # the bound: no token's text is longer than max_token_chars
     tok = setup["tokenizer"]

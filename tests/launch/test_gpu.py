@@ -22,8 +22,8 @@ def test_dry_run_splits_the_gpus() -> None:
     assert "learner on GPUs 0,1,2,3 (mesh.data=4)" in out.stdout
     assert "4 vLLM engine(s) of 1 GPU(s) each per node on GPUs 4,5,6,7" in out.stdout
     run = next(line for line in out.stdout.splitlines() if line.startswith("run:"))
-    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in run and "train cfg.yaml rollout.backend=vllm" in run
-    assert "rollout.vllm.replicas=4 rollout.vllm.devices=4,5,6,7" in run and run.endswith("steps=5")
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in run and "train cfg.yaml engine.backend=vllm" in run
+    assert "engine.vllm.replicas=4 engine.vllm.devices=4,5,6,7" in run and run.endswith("steps=5")
 
 
 def test_ray_refusals_name_the_flag() -> None:
@@ -55,8 +55,8 @@ def test_dry_run_on_two_nodes_prints_each_nodes_process() -> None:
     assert len(nodes) == 2
     for rank, line in enumerate(nodes):
         assert line.startswith(f"node {rank}: env CUDA_VISIBLE_DEVICES=0,1,2,3 ")
-        assert "-m jax_agent_rl.cli train cfg.yaml rollout.backend=vllm" in line
-        assert "rollout.vllm.replicas=4 rollout.vllm.devices=4,5,6,7" in line
+        assert "-m jax_agent_rl.cli train cfg.yaml engine.backend=vllm" in line
+        assert "engine.vllm.replicas=4 engine.vllm.devices=4,5,6,7" in line
         assert "mesh.data=8" in line
         assert line.endswith(f"--coordinator 10.0.0.2:8476 --num-processes 2 --process-id {rank}")
 
@@ -86,15 +86,15 @@ def test_multi_node_refusals_name_the_missing_flag() -> None:
 
 def test_dry_run_gives_each_engine_its_tensor_parallel_gpus() -> None:
     """Engine i takes GPUs i*T .. i*T+T-1 of the engine GPUs (the backend groups
-    rollout.vllm.devices T by T, tests/backends/vllm)."""
+    engine.vllm.devices T by T, tests/backends/vllm)."""
     out = _run(
         "--gpus", "8", "--learner-gpus", "2", "--tensor-parallel", "3", "--dry-run", "c.yaml"
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "2 vLLM engine(s) of 3 GPU(s) each per node on GPUs 2,3,4,5,6,7" in out.stdout
     run = next(line for line in out.stdout.splitlines() if line.startswith("run:"))
-    assert "rollout.vllm.replicas=2 rollout.vllm.devices=2,3,4,5,6,7" in run
-    assert "rollout.vllm.tensor_parallel_size=3" in run
+    assert "engine.vllm.replicas=2 engine.vllm.devices=2,3,4,5,6,7" in run
+    assert "engine.vllm.tensor_parallel_size=3" in run
     uneven = _run("--gpus", "8", "--tensor-parallel", "3", "--dry-run", "c.yaml")
     assert uneven.returncode == 2
     assert "the 4 engine GPUs do not split into --tensor-parallel 3 groups" in uneven.stderr

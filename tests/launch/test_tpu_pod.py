@@ -147,10 +147,10 @@ def test_help_and_refusals() -> None:
 
 
 def test_a_jetstream_run_sets_up_the_server_venv_on_every_worker() -> None:
-    """rollout.backend=jetstream (from the config or an override): every worker also builds
+    """engine.backend=jetstream (from the config or an override): every worker also builds
     .venv-jetstream, which `scripts/setup.sh jetstream` gives the locked libtpu on a TPU VM, so
-    each worker's server opens the chips rollout.jetstream.chips gives it."""
-    chips = ("rollout.backend=jetstream", "rollout.jetstream.chips=4,5,6,7")
+    each worker's server opens the chips engine.jetstream.chips gives it."""
+    chips = ("engine.backend=jetstream", "engine.jetstream.chips=4,5,6,7")
     out = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG, *chips)
     assert out.returncode == 0, out.stderr
     setups = [c for c in _commands(out.stdout) if "scripts/setup.sh" in c]
@@ -160,7 +160,7 @@ def test_a_jetstream_run_sets_up_the_server_venv_on_every_worker() -> None:
     ]
     run = _scripts(out.stdout)["run.sh"]
     # (bash's %q quoting: the worker's shell reads 4\,5 as 4,5)
-    assert f"train {CONFIG} rollout.backend=jetstream rollout.jetstream.chips=4\\,5\\,6\\,7 " in run
+    assert f"train {CONFIG} engine.backend=jetstream engine.jetstream.chips=4\\,5\\,6\\,7 " in run
     embedded = _run("--name", "pod", "--zone", "z", "--no-plan", "--dry-run", CONFIG)
     assert [c for c in _commands(embedded.stdout) if "setup.sh jetstream" in c] == []
 

@@ -54,7 +54,7 @@ def overrides(task: TaskFiles, run_dir: Path) -> list[str]:
         f"model.path={task.model}", f"model.module={MODULE}", f"data.train={task.train}",
         f"data.reward={reward}:score",
         "data.val=", "sft.steps=0", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
-        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_model_len=128",
+        "data.prompts_per_step=4", "group.n=4", "engine.max_model_len=128",
         "agent.max_response_tokens=48", "agent.max_tokens_per_turn=24",
         "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=0",
         "trainer.tensorboard=false",
@@ -139,9 +139,9 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
     base = overrides(task, tmp_path / "r")
     for bad, named in (
         ("model.lora.rank=4", "model.lora.rank=4"),
-        ("rollout.backend=vllm", "rollout.backend=vllm"),
+        ("engine.backend=vllm", "engine.backend=vllm"),
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
-        ("rollout.ray.address=auto", "rollout.ray.address=auto"),
+        ("engine.ray.address=auto", "engine.ray.address=auto"),
         ("model.module=policy.py", "expected path/to/file.py:function"),
         (f"sft.steps=4 sft.data={task.sft} mesh.data=2", "sft.steps=4"),  # SFT: one device
     ):

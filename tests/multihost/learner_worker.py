@@ -23,7 +23,7 @@ from jax_agent_rl.config import load_config
 from jax_agent_rl.models import request_cpu_devices
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_calculator_cpu.yaml"
-GROUPS, N = 4, 4  # the test's config: data.prompts_per_step=4, rollout.n=4
+GROUPS, N = 4, 4  # the test's config: data.prompts_per_step=4, group.n=4
 
 
 def as_laid_out(trajs: list, processes: int, micro_batch_size: int) -> list:

@@ -56,8 +56,8 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         "sft.batch_size=8", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
         "trainer.eval_every=0", "trainer.save_every=1", "trainer.keep_checkpoints=10",
         "trainer.tensorboard=false", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1",
-        "rollout.n=4", "data.prompts_per_step=4", "rollout.max_model_len=192",
-        "rollout.max_concurrent=8", "agent.max_tokens_per_turn=32",
+        "group.n=4", "data.prompts_per_step=4", "engine.max_model_len=192",
+        "engine.max_concurrent=8", "agent.max_tokens_per_turn=32",
         "agent.max_response_tokens=96", "agent.max_tool_response_tokens=16",
         "learner.micro_batch_size=8", "learner.seq_bucket=64", "algorithm.mini_batches=2",
     ]  # fmt: skip

@@ -249,7 +249,7 @@ def test_the_other_meshes_are_those_the_config_checks_accept() -> None:
         (2, 1, 2),
         (1, 1, 4),
     ]
-    slots = ["model.path=m", "mesh.data=1", "mesh.tensor=4", "rollout.max_concurrent=2"]
+    slots = ["model.path=m", "mesh.data=1", "mesh.tensor=4", "engine.max_concurrent=2"]
     assert meshes(*slots) == [(1, 2, 2), (2, 1, 2)]
 
 

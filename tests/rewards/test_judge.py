@@ -268,9 +268,9 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     overrides = [
         f"model.path={task.model}", f"data.train={task.train}", "data.val=", "sft.data=",
         f"tools.config={task.tools}", f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.tensorboard=false", f"data.prompts_per_step={prompts}", f"rollout.n={n}",
-        "rollout.max_model_len=128", "rollout.max_concurrent=4", "rollout.prefill_chunk=128",
-        "rollout.batch_buckets=false",
+        "trainer.tensorboard=false", f"data.prompts_per_step={prompts}", f"group.n={n}",
+        "engine.max_model_len=128", "engine.max_concurrent=4", "engine.prefill_chunk=128",
+        "engine.batch_buckets=false",
         "agent.max_turns=1", "agent.max_tokens_per_turn=8", "agent.max_response_tokens=8",
         "learner.micro_batch_size=4", "data.reward=judge", "data.judge.max_tokens=4",
         "data.judge.fallback=-1",

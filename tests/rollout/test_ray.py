@@ -20,7 +20,7 @@ import jax
 import pytest
 
 from jax_agent_rl.agent.context import AgentContext
-from jax_agent_rl.config import RaySection, RolloutSection, ToolsSection
+from jax_agent_rl.config import EngineSection, RaySection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import demo_config, prepare
@@ -150,14 +150,14 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
     monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-1.0", on_request=6))
     path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
     cfg, weights = load_hf(path, sharder=one_device_sharder())
-    rollout = RolloutSection(
+    engine = EngineSection(
         max_concurrent=4,
         max_model_len=128,
         ray=_spread(cluster.address),  # type: ignore[attr-defined]
     )
     pool = RayPool(
         BackendBuild(
-            rollout, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
+            engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
         )
     )
 
@@ -204,7 +204,7 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
     step still trains on every trajectory of its prompts, none cut short, and the metrics
     count the death and the requests run again."""
     task = prepare(tmp_path / "task", ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
-    ray_keys = [f"rollout.ray.{k}={v}" for k, v in (
+    ray_keys = [f"engine.ray.{k}={v}" for k, v in (
         ("address", cluster.address), ("replicas", 2), ("strategy", "STRICT_SPREAD"),  # type: ignore[attr-defined]
     )]  # fmt: skip
     cfg = demo_config(
@@ -215,9 +215,9 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
             "sft.steps=0",
             "data.val=",
             "data.prompts_per_step=2",
-            "rollout.n=4",
-            "rollout.max_model_len=128",
-            "rollout.max_concurrent=8",
+            "group.n=4",
+            "engine.max_model_len=128",
+            "engine.max_concurrent=8",
             "agent.max_response_tokens=64",
             "learner.micro_batch_size=8",
             "trainer.steps=2",
@@ -269,11 +269,11 @@ def test_gpu_sh_asks_the_cluster_where_its_engines_go(cluster: object) -> None:
     assert plan["bundle"] == {"CPU": 1.0, "GPU": 1.0} and plan["strategy"] == "SPREAD"
     assert sorted(plan["nodes"].count(n) for n in set(plan["nodes"])) == [2, 2]
     run = out.stdout.splitlines()[-1]
-    for arg in (f"rollout.ray.address={address}", "rollout.ray.replicas=4",
-                "rollout.ray.num_gpus=1", "rollout.backend=vllm", "CUDA_VISIBLE_DEVICES=0,1",
+    for arg in (f"engine.ray.address={address}", "engine.ray.replicas=4",
+                "engine.ray.num_gpus=1", "engine.backend=vllm", "CUDA_VISIBLE_DEVICES=0,1",
                 "mesh.data=2"):  # fmt: skip
         assert arg in run, (arg, run)
-    assert "rollout.vllm.devices" not in run
+    assert "engine.vllm.devices" not in run
     too_many = _gpu_sh("--gpus", "2", "--ray", address, "--replicas", "5", "--dry-run", "c.yaml")
     assert too_many.returncode == 2
     assert "5 replicas of {'CPU': 1.0, 'GPU': 1.0} (SPREAD) do not fit" in too_many.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.config import JarlConfig, RolloutSection, VLLMSection, check_ranges
+from jax_agent_rl.config import EngineSection, JarlConfig, VLLMSection, check_ranges
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import BackendFactory, backend_names, register_backend
 from jax_agent_rl.rollout.registry import backend_factory
@@ -263,17 +263,17 @@ def test_backends_are_found_through_their_entry_points_and_loaded_only_when_aske
 
 
 def test_an_unknown_backend_names_the_registered_ones() -> None:
-    cfg = JarlConfig(rollout=RolloutSection(backend="vlm"))
-    assert check_names(cfg) == [f"rollout.backend='vlm': expected one of {backend_names()}"]
-    with pytest.raises(ValueError, match=r"rollout.backend='vlm' is not a registered backend"):
+    cfg = JarlConfig(engine=EngineSection(backend="vlm"))
+    assert check_names(cfg) == [f"engine.backend='vlm': expected one of {backend_names()}"]
+    with pytest.raises(ValueError, match=r"engine.backend='vlm' is not a registered backend"):
         backend_factory("vlm")
 
 
 def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None:
-    def check(rollout: RolloutSection, processes: int) -> list[str]:
+    def check(engine: EngineSection, processes: int) -> list[str]:
         del processes
-        replicas = rollout.vllm.replicas
-        return [] if replicas == 1 else [f"rollout.vllm.replicas={replicas}: one only"]
+        replicas = engine.vllm.replicas
+        return [] if replicas == 1 else [f"engine.vllm.replicas={replicas}: one only"]
 
     def build(spec: object) -> object:
         del spec
@@ -283,13 +283,13 @@ def test_a_registered_backend_is_checked_and_names_are_not_taken_twice() -> None
     register_backend("single_replica_test", factory)
     assert "single_replica_test" in backend_names()
     assert backend_factory("single_replica_test") is factory
-    rollout = dataclasses.replace(
-        RolloutSection(), backend="single_replica_test", vllm=VLLMSection(replicas=2)
+    engine = dataclasses.replace(
+        EngineSection(), backend="single_replica_test", vllm=VLLMSection(replicas=2)
     )
-    cfg = JarlConfig(rollout=rollout)
+    cfg = JarlConfig(engine=engine)
     assert check_ranges(cfg) == check_names(cfg) == []
-    problems = backend_factory(rollout.backend).check(rollout, 1)
-    assert problems == ["rollout.vllm.replicas=2: one only"]
+    problems = backend_factory(engine.backend).check(engine, 1)
+    assert problems == ["engine.vllm.replicas=2: one only"]
     for taken in ("embedded", "vllm", "single_replica_test"):
         with pytest.raises(ValueError, match="registered already"):
             register_backend(taken, factory)
@@ -315,7 +315,7 @@ def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path
     )
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(4, 8.0))
     spec = BackendBuild(
-        RolloutSection(),
+        EngineSection(),
         cfg,
         w,
         checkpoint=tmp_path / "tiny",
@@ -332,7 +332,7 @@ def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path
         assert served.capabilities.lora and lora_problem(spec, served) is None
         assert not base_only.capabilities.lora
         assert lora_problem(spec, base_only) == (
-            "model.lora: rollout.backend=embedded does not serve LoRA adapters (its "
+            "model.lora: engine.backend=embedded does not serve LoRA adapters (its "
             "capabilities.lora is false): use a backend that does (embedded, vllm, jetstream) "
             "or model.lora.rank=0"
         )

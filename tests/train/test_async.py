@@ -130,9 +130,9 @@ TINY = [
     "sft.batch_size=8",
     "data.prompts_per_step=2",
     "data.val=",
-    "rollout.n=4",
-    "rollout.max_model_len=128",
-    "rollout.max_concurrent=8",
+    "group.n=4",
+    "engine.max_model_len=128",
+    "engine.max_concurrent=8",
     "agent.max_response_tokens=64",
     # a length penalty gives every group a reward signal, so each update moves the policy
     "data.overlong_buffer=48",
@@ -158,7 +158,7 @@ def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_pa
     same metrics every step and bitwise the same parameters at the end."""
     # every decode step computes all slots: bit-equal runs need numbers that do not depend on
     # how requests shared a batch, and XLA:CPU's matmuls round differently by row count
-    same = ["trainer.steps=3", "rollout.batch_buckets=false"]
+    same = ["trainer.steps=3", "engine.batch_buckets=false"]
     sync = _run(task, tmp_path / "sync", *same)
     asynchronous = _run(
         task, tmp_path / "async", *same, "trainer.mode=async", "trainer.max_staleness=0"
@@ -180,10 +180,10 @@ def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_pa
 def test_async_updates_stay_within_max_staleness(
     task: TaskFiles, tmp_path: Path, keep_kv: bool
 ) -> None:
-    """Every trained token, and (rollout.keep_kv_on_update) every key and value it was
+    """Every trained token, and (engine.keep_kv_on_update) every key and value it was
     sampled over, comes from a policy at most max_staleness versions behind."""
     run_dir = tmp_path / "async2"
-    keep = f"rollout.keep_kv_on_update={str(keep_kv).lower()}"
+    keep = f"engine.keep_kv_on_update={str(keep_kv).lower()}"
     steps = _run(
         task, run_dir, "trainer.steps=5", "trainer.mode=async", "trainer.max_staleness=2", keep
     )
@@ -277,11 +277,11 @@ def test_a_pinned_schedule_is_the_same_whatever_the_timing(task: TaskFiles, tmp_
         "trainer.mode=async",
         "trainer.max_staleness=1",
         "trainer.async_schedule=pinned",
-        "rollout.batch_buckets=false",  # numbers that do not depend on who shared a batch
+        "engine.batch_buckets=false",  # numbers that do not depend on who shared a batch
     ]
     runs = {}
     for name, backend in (("plain", "embedded"), ("stragglers", "embedded_stragglers")):
-        steps = _run(task, tmp_path / name, *same, f"rollout.backend={backend}")
+        steps = _run(task, tmp_path / name, *same, f"engine.backend={backend}")
         traces = [
             [
                 (r["uid"], r["token_versions"], r["response_ids"], r["reward"])

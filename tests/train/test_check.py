@@ -103,7 +103,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     config = root / "run.yaml"
     config.write_text(
         f"model:\n  path: {model}\ndata:\n  train: {train}\n"
-        f"tools:\n  config: {CALCULATOR}\nrollout:\n  max_model_len: 1024\n"
+        f"tools:\n  config: {CALCULATOR}\nengine:\n  max_model_len: 1024\n"
     )
     bad_columns = _write_jsonl(
         root / "bad_columns.jsonl",
@@ -212,28 +212,28 @@ CASES: dict[str, Case] = {
         lambda _f: "trainer.steps=-1: expected >= 0",
     ),
     "negative temperature": (
-        lambda _f: ["rollout.temperature=-0.5"],
-        lambda _f: "rollout.temperature=-0.5: expected >= 0",
+        lambda _f: ["sampling.temperature=-0.5"],
+        lambda _f: "sampling.temperature=-0.5: expected >= 0",
     ),
     "max_model_len above the model's": (
-        lambda _f: ["rollout.max_model_len=8192"],
+        lambda _f: ["engine.max_model_len=8192"],
         lambda _f: (
-            "rollout.max_model_len=8192 exceeds the model's max_position_embeddings=4096: "
-            "use rollout.max_model_len <= 4096"
+            "engine.max_model_len=8192 exceeds the model's max_position_embeddings=4096: "
+            "use engine.max_model_len <= 4096"
         ),
     ),
     "missing vllm.python": (
-        lambda f: ["rollout.backend=vllm", f"rollout.vllm.python={f.root / 'no' / 'python'}"],
+        lambda f: ["engine.backend=vllm", f"engine.vllm.python={f.root / 'no' / 'python'}"],
         lambda f: (
-            f"rollout.vllm.python='{f.root / 'no' / 'python'}' does not exist: expected "
+            f"engine.vllm.python='{f.root / 'no' / 'python'}' does not exist: expected "
             "the python of a venv with vLLM (scripts/setup.sh vllm makes .venv-vllm)"
         ),
     ),
     "vllm.python without the engine's distribution": (
         # this process's interpreter: a real Python without jarl-gpu-backend (gpu_backend/)
-        lambda _f: ["rollout.backend=vllm", f"rollout.vllm.python={sys.executable}"],
+        lambda _f: ["engine.backend=vllm", f"engine.vllm.python={sys.executable}"],
         lambda _f: (
-            f"rollout.vllm.python: the vLLM interpreter {sys.executable} has no "
+            f"engine.vllm.python: the vLLM interpreter {sys.executable} has no "
             "jarl-gpu-backend (jarl_gpu_backend) installed; build it with `scripts/setup.sh "
             "vllm` (a venv of your own, e.g. with vLLM's CUDA build: `pip install --no-deps -e "
             "gpu_backend` into it)"
@@ -241,11 +241,11 @@ CASES: dict[str, Case] = {
     ),
     "missing jetstream.python": (
         lambda f: [
-            "rollout.backend=jetstream",
-            f"rollout.jetstream.python={f.root / 'no' / 'python'}",
+            "engine.backend=jetstream",
+            f"engine.jetstream.python={f.root / 'no' / 'python'}",
         ],
         lambda f: (
-            f"rollout.jetstream.python='{f.root / 'no' / 'python'}' does not exist: expected "
+            f"engine.jetstream.python='{f.root / 'no' / 'python'}' does not exist: expected "
             "the python of a venv with JetStream (scripts/setup.sh jetstream makes "
             ".venv-jetstream)"
         ),
@@ -276,11 +276,11 @@ CASES: dict[str, Case] = {
         ),
     ),
     "prompt longer than max_model_len": (
-        lambda _f: ["rollout.max_model_len=4"],
+        lambda _f: ["engine.max_model_len=4"],
         lambda f: (
-            "rollout.max_model_len=4 leaves no room for a response: a prompt of "
+            "engine.max_model_len=4 leaves no room for a response: a prompt of "
             f"data.train is {_prompt_tokens(f)} tokens with the tool schemas; use "
-            f"rollout.max_model_len > {_prompt_tokens(f)}"
+            f"engine.max_model_len > {_prompt_tokens(f)}"
         ),
     ),
 }
@@ -313,18 +313,18 @@ def test_tools_kwargs_of_single_turn_rows_are_not_checked(files: Files) -> None:
 
 def test_every_problem_is_reported(files: Files, capsys: pytest.CaptureFixture[str]) -> None:
     """Independent problems are all reported, one line each, not only the first."""
-    overrides = ["rollout.backend=vlm", "data.reward=maths", f"data.train={files.bad_columns}"]
+    overrides = ["engine.backend=vlm", "data.reward=maths", f"data.train={files.bad_columns}"]
     assert main(["train", str(files.config), *overrides, "mesh.tensor=4", "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("=")[0] for line in lines] == [
-        "jarl: rollout.backend",
+        "jarl: engine.backend",
         "jarl: data.reward",
         "jarl: mesh.tensor",
         "jarl: data.train",
     ]
-    assert main(["train", str(files.config), "trainer.steps=-1", "rollout.top_p=0"]) == 2
+    assert main(["train", str(files.config), "trainer.steps=-1", "sampling.top_p=0"]) == 2
     assert capsys.readouterr().err == (
-        "jarl: rollout.top_p=0.0: expected in (0, 1]\njarl: trainer.steps=-1: expected >= 0\n"
+        "jarl: sampling.top_p=0.0: expected in (0, 1]\njarl: trainer.steps=-1: expected >= 0\n"
     )
 
 
@@ -335,37 +335,37 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
     naming the key and the backend; vLLM's block size takes its own sizes; the speed settings
     vLLM tunes itself are noted, not refused (a config written for the embedded engine runs
     on it). The jetstream backend reads them all."""
-    engine = ["rollout.steps_per_call=8", "rollout.prefill_chunk=64", "rollout.page_size=48"]
-    engine.append("rollout.batch_buckets=false")
+    engine = ["engine.steps_per_call=8", "engine.prefill_chunk=64", "engine.page_size=48"]
+    engine.append("engine.batch_buckets=false")
     argv = ["train", str(files.config), *engine]
-    assert main([*argv, "rollout.backend=vllm", "--dry-run"]) == 2
+    assert main([*argv, "engine.backend=vllm", "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
     for line in [
-        "jarl: rollout.batch_buckets=False: the vllm backend cannot honour it (vLLM batches "
+        "jarl: engine.batch_buckets=False: the vllm backend cannot honour it (vLLM batches "
         "whatever requests are running; no setting makes its numbers independent of that); "
         "drop it",
-        "jarl: rollout.page_size=48: the vllm backend's KV cache blocks (vLLM's block_size) "
+        "jarl: engine.page_size=48: the vllm backend's KV cache blocks (vLLM's block_size) "
         "take 8, 16, 32, 64, 128",
     ]:
         assert line in lines  # (beside the missing vLLM interpreter's)
     assert not any("steps_per_call" in line or "prefill_chunk" in line for line in lines)
-    tuned = ["rollout.steps_per_call=8", "rollout.prefill_chunk=64"]
-    assert main(["train", str(files.config), *tuned, "rollout.backend=vllm", "--dry-run"]) == 0
+    tuned = ["engine.steps_per_call=8", "engine.prefill_chunk=64"]
+    assert main(["train", str(files.config), *tuned, "engine.backend=vllm", "--dry-run"]) == 0
     err = capsys.readouterr().err
     for line in [
-        "# note: rollout.steps_per_call=8 is not read by the vllm backend (vLLM's scheduler "
+        "# note: engine.steps_per_call=8 is not read by the vllm backend (vLLM's scheduler "
         "decides the decode steps between its calls)",
-        "# note: rollout.prefill_chunk=64 is not read by the vllm backend (vLLM's scheduler "
+        "# note: engine.prefill_chunk=64 is not read by the vllm backend (vLLM's scheduler "
         "sizes its prefill chunks (on CPU it prefills whole prompts))",
     ]:
         assert line in err.splitlines(), err
-    main([*argv, "rollout.backend=jetstream", "--dry-run"])
+    main([*argv, "engine.backend=jetstream", "--dry-run"])
     assert "honour" not in capsys.readouterr().err
-    # a separate judge on vLLM runs rollout.*'s engine settings too
+    # a separate judge on vLLM runs engine.*'s settings too
     judge = ["data.judge.backend=vllm", f"data.judge.model_path={files.config.parent}"]
     assert main([*argv, *judge, "--dry-run"]) == 2
     assert (
-        "jarl: data.judge.backend=vllm: rollout.batch_buckets=False: the vllm backend cannot "
+        "jarl: data.judge.backend=vllm: engine.batch_buckets=False: the vllm backend cannot "
         "honour it (vLLM batches whatever requests are running; no setting makes its numbers "
         "independent of that); drop it"
     ) in capsys.readouterr().err.splitlines()
@@ -633,10 +633,10 @@ def test_a_multi_process_run_is_checked_over_every_process(
     two = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
     base = ["train", str(files.config), "trainer.run_dir=/nonexistent/run"]
     # this test process has 8 devices, so 2 such processes have 16
-    fits = ["mesh.data=2", "mesh.fsdp=8", "data.prompts_per_step=4", "rollout.max_concurrent=16"]
+    fits = ["mesh.data=2", "mesh.fsdp=8", "data.prompts_per_step=4", "engine.max_concurrent=16"]
     assert main([*base, *fits, "learner.micro_batch_size=16", "--dry-run", *two]) == 0
     capsys.readouterr()
-    odd = ["mesh.fsdp=3", "learner.micro_batch_size=3", "rollout.max_concurrent=3"]
+    odd = ["mesh.fsdp=3", "learner.micro_batch_size=3", "engine.max_concurrent=3"]
     assert main([*base, *odd, "data.prompts_per_step=3", "--dry-run", *two]) == 2
     err = capsys.readouterr().err
     assert "jarl: data.prompts_per_step=3 does not split over 2 processes" in err

@@ -42,8 +42,8 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         f"data.val={task.val}", "data.val_size=4", f"sft.data={task.sft}", "sft.steps=2",
         "sft.batch_size=4", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
         "trainer.eval_every=0", f"trainer.save_every={steps}", "trainer.tensorboard=false",
-        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "rollout.n=2", "data.prompts_per_step=2",
-        "rollout.max_model_len=192", "rollout.max_concurrent=8", "agent.max_tokens_per_turn=32",
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "group.n=2", "data.prompts_per_step=2",
+        "engine.max_model_len=192", "engine.max_concurrent=8", "agent.max_tokens_per_turn=32",
         "agent.max_response_tokens=96", "agent.max_tool_response_tokens=16",
         "learner.micro_batch_size=4", "learner.seq_bucket=64", "learner.row_tokens=512",
     ]  # fmt: skip
@@ -99,7 +99,7 @@ def test_kl_to_the_reference_survives_every_step(
     config = ROOT / "configs" / "demo_calculator_cpu.yaml"
     overrides = tiny(task, tmp_path, steps=3)
     overrides += ["algorithm.kl_coef=0.01", f"algorithm.adv_estimator={estimator}"]
-    overrides += ["optim.lr=1e-2", f"data.reward={__name__}:odd_length", "rollout.n=4"]
+    overrides += ["optim.lr=1e-2", f"data.reward={__name__}:odd_length", "group.n=4"]
     train(load_config(config, overrides))
     steps = read_metrics(tmp_path / "metrics.jsonl", "train")
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -127,8 +127,8 @@ def test_tree_rollouts_branch_after_tool_calls_within_the_budget(
     """Trees of 2 roots branching twice into 2 on the SFT policy (which calls the calculator):
     they branch, every leaf is trained on, and no step exceeds its per-prompt budgets."""
     folder, sft_model, _ = sft_run
-    budget = ["agent.tree.model_tokens=300", "agent.tree.tool_calls=5"]
-    tree = ["agent.strategy=tree", "agent.tree.n_roots=2", "agent.tree.branch=2", *budget]
+    budget = ["group.tree.model_tokens=300", "group.tree.tool_calls=5"]
+    tree = ["group.strategy=tree", "group.tree.n_roots=2", "group.tree.branch=2", *budget]
     steps = _short_run(folder, sft_model, "tree", "trainer.steps=2", *tree)
     prompts = 8
     for m in steps:

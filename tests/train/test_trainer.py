@@ -31,7 +31,7 @@ def _command(task: TaskFiles, run_dir: Path) -> list[str]:
         f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
         "sft.steps=60", "sft.batch_size=16",
         "data.reward=format",  # a half-trained model gets the format right only sometimes
-        "data.prompts_per_step=4", "rollout.n=4", "rollout.max_model_len=128",
+        "data.prompts_per_step=4", "group.n=4", "engine.max_model_len=128",
         "agent.max_response_tokens=64", "learner.micro_batch_size=16",
         "trainer.steps=3", "trainer.save_every=1", "trainer.eval_every=0",
         "trainer.tensorboard=false", "optim.lr=1e-3",
@@ -110,8 +110,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_signal(
     format reward some groups are mixed and some are not."""
     n, want = 4, 4
     args = _command(task, tmp_path / "run")[5:]  # the overrides
-    args += ["trainer.steps=2", "trainer.save_every=2", "rollout.dynamic_sampling=true"]
-    args += ["rollout.max_refills=3", f"rollout.n={n}", f"data.prompts_per_step={want}"]
+    args += ["trainer.steps=2", "trainer.save_every=2", "group.dynamic_sampling=true"]
+    args += ["group.max_refills=3", f"group.n={n}", f"data.prompts_per_step={want}"]
     train(load_config(DEMO_CONFIG, args))
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in steps] == [1, 2]
@@ -128,7 +128,7 @@ def test_dry_run_validates_configs(task: TaskFiles, capsys: pytest.CaptureFixtur
     gsm8k = str(ROOT / "configs" / "gsm8k_tools_qwen2.5.yaml")
     ok = [f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}"]
     # the demo model's context is 512 tokens (the dry run compares the config's with it)
-    assert main(["train", gsm8k, *ok, "rollout.max_model_len=512", "--dry-run"]) == 0
+    assert main(["train", gsm8k, *ok, "engine.max_model_len=512", "--dry-run"]) == 0
     assert "adv_estimator: grpo" in capsys.readouterr().out
     assert main(["train", str(DEMO_CONFIG), *ok, f"sft.data={task.sft}", "--dry-run"]) == 0
     ppo = str(ROOT / "configs" / "demo_calculator_ppo_cpu.yaml")

@@ -77,8 +77,8 @@ def _args(run: tuple[Path, str], task: TaskFiles, folder: Path) -> tuple[list[st
     args = [
         f"model.path={run[0] / 'hf'}", f"data.train={train_file}", "data.val=", "sft.steps=0",
         f"tools.config={_tools_yaml(folder, task)}", f"trainer.run_dir={folder / 'run'}",
-        f"data.prompts_per_step={PROMPTS}", f"rollout.n={N}", "rollout.max_concurrent=4",
-        "rollout.max_model_len=192", "agent.max_response_tokens=128",
+        f"data.prompts_per_step={PROMPTS}", f"group.n={N}", "engine.max_concurrent=4",
+        "engine.max_model_len=192", "agent.max_response_tokens=128",
         "agent.max_tool_response_tokens=64",
         "learner.micro_batch_size=4", "learner.row_tokens=512", "trainer.steps=2",
         "trainer.save_every=2", "trainer.eval_every=0", "trainer.tensorboard=false",

@@ -98,7 +98,7 @@ def test_the_view_of_a_run_shows_tokens_by_role_ratio_and_groups(
         for r in records
         if (r["step"], r["group_id"]) == (records[i]["step"], records[i]["group_id"])
     ]
-    assert len(same) == 4 == group.count('<div class="col')  # rollout.n = 4, side by side
+    assert len(same) == 4 == group.count('<div class="col')  # group.n = 4, side by side
     # a screenshot, for a person to look at (JARL_VIEW_SCREENSHOT=path keeps it)
     screenshot = Path(os.environ.get("JARL_VIEW_SCREENSHOT") or tmp_path / "view.png")
     chromium(

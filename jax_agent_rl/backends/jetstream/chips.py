@@ -1,5 +1,5 @@
 """A TPU host's chips split between its JetStream server and the trainer
-(``rollout.jetstream.chips``): the server opens the listed chips, the trainer the others.
+(``engine.jetstream.chips``): the server opens the listed chips, the trainer the others.
 
 Only one process can open a TPU chip, and the trainer's process opens every chip of its host
 unless told otherwise. libtpu reads the chips a process opens from its environment before the
@@ -42,7 +42,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-KEY = "rollout.jetstream.chips"
+KEY = "engine.jetstream.chips"
 # the TPU VM's description of its host and slice (its `tpu-env` metadata)
 HOST_KEY, SLICE_KEY = "CHIPS_PER_HOST_BOUNDS", "HOST_BOUNDS"
 _METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/tpu-env"
@@ -51,7 +51,7 @@ Bounds = tuple[int, int, int]
 
 
 class ChipSplitError(ValueError):
-    """A chip split that cannot be: the message names ``rollout.jetstream.chips``."""
+    """A chip split that cannot be: the message names ``engine.jetstream.chips``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +236,7 @@ def host_layout() -> TpuLayout:
 
 
 def chip_problems(text: str, processes: int, slots: int) -> list[str]:
-    """The pre-run check of ``rollout.jetstream.chips=text`` in a run of ``processes``
+    """The pre-run check of ``engine.jetstream.chips=text`` in a run of ``processes``
     processes whose servers decode ``slots`` sequences each: the split on this host, one
     trainer process per host of the slice (each starts its own server on the same chips of its
     host), and the slots split over the server's chips."""
@@ -259,7 +259,7 @@ def chip_problems(text: str, processes: int, slots: int) -> list[str]:
     chips = len(split.server_chips)
     if slots % chips:
         problems.append(
-            f"rollout.max_concurrent={slots} does not split over the JetStream server's "
+            f"engine.max_concurrent={slots} does not split over the JetStream server's "
             f"{chips} chips ({KEY}={text!r}; its decode slots): use a multiple of {chips}"
         )
     return problems
@@ -267,7 +267,7 @@ def chip_problems(text: str, processes: int, slots: int) -> list[str]:
 
 def trainer_env(text: str) -> dict[str, str]:
     """What `jarl train` sets in its own process before JAX starts: the host's chips the
-    server of ``rollout.jetstream.chips=text`` leaves to the trainer (empty: nothing)."""
+    server of ``engine.jetstream.chips=text`` leaves to the trainer (empty: nothing)."""
     return split_chips(text, host_layout()).trainer_env() if text else {}
 
 

@@ -76,7 +76,7 @@ from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
 from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
 if TYPE_CHECKING:
-    from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.config import EngineSection
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
@@ -90,7 +90,7 @@ class JetStreamBackend:
     weights; a LoRA ``model``'s adapters alone) as ``weight_version``; it decodes ``slots``
     sequences together, ``steps`` tokens per engine call, on ``devices`` of its local devices,
     its pool the embedded engine's (``page_size``, ``kv_cache_gib``, ``prefill_chunk``;
-    `engine`: what it built). ``chips`` (``rollout.jetstream.chips``, "4,5,6,7"): the host's
+    `engine`: what it built). ``chips`` (``engine.jetstream.chips``, "4,5,6,7"): the host's
     TPU chips it opens instead, all its devices (on CPU, as many CPU devices); `placement`:
     what the server reports of them.
     """
@@ -315,7 +315,7 @@ class JetStreamBackend:
             if value != served[key]:
                 raise InvalidRequestError(
                     f"request {rid!r}: {key}={value}, but the JetStream server samples every "
-                    f"request with {key}={served[key]} (set when it starts: rollout.{key})"
+                    f"request with {key}={served[key]} (set when it starts: engine.{key})"
                 )
         if s.seed is not None:
             raise InvalidRequestError(
@@ -467,13 +467,13 @@ class JetStreamBackend:
 
 
 def _build(spec: BackendBuild) -> JetStreamBackend:
-    r = spec.rollout
+    r, s = spec.engine, spec.sampling
     return JetStreamBackend(
         spec.checkpoint,
         spec.model,
         params=spec.params,
         python=r.jetstream.python or DEFAULT_PYTHON,
-        sampling=ServerSampling(r.temperature, r.top_k, r.top_p, tuple(spec.stop_token_ids)),
+        sampling=ServerSampling(s.temperature, s.top_k, s.top_p, tuple(spec.stop_token_ids)),
         max_model_len=r.max_model_len,
         slots=r.max_concurrent,
         steps=r.steps_per_call,
@@ -488,13 +488,13 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
     )
 
 
-def _check(rollout: RolloutSection, processes: int) -> list[str]:
+def _check(engine: EngineSection, processes: int) -> list[str]:
     return interpreter_problems(
-        "jetstream.python", rollout.jetstream.python, DEFAULT_PYTHON, "JetStream", "jetstream"
-    ) + chip_problems(rollout.jetstream.chips, processes, rollout.max_concurrent)
+        "jetstream.python", engine.jetstream.python, DEFAULT_PYTHON, "JetStream", "jetstream"
+    ) + chip_problems(engine.jetstream.chips, processes, engine.max_concurrent)
 
 
-# `rollout.backend=jetstream`, found through the entry point in pyproject.toml
+# `engine.backend=jetstream`, found through the entry point in pyproject.toml
 FACTORY = BackendFactory(
     build=_build, check=_check, trainer_env=lambda r: trainer_env(r.jetstream.chips)
 )

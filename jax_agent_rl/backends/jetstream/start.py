@@ -15,7 +15,7 @@ class ServerStartError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerSampling:
-    """How the server samples every request (the rollout section's settings)."""
+    """How the server samples every request (the sampling section's settings)."""
 
     temperature: float = 1.0
     top_k: int = -1

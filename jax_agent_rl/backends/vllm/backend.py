@@ -73,7 +73,7 @@ from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
 from jax_agent_rl.rollout.router import SESSION_MEMORY, Router
 
 if TYPE_CHECKING:
-    from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.config import EngineSection
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -440,7 +440,7 @@ class VLLMBackend:
 
 
 def _build(spec: BackendBuild) -> VLLMBackend:
-    r = spec.rollout
+    r = spec.engine
     return VLLMBackend(
         spec.checkpoint,
         spec.model,
@@ -459,21 +459,21 @@ def _build(spec: BackendBuild) -> VLLMBackend:
     )
 
 
-def _check(rollout: RolloutSection, processes: int) -> list[str]:
+def _check(engine: EngineSection, processes: int) -> list[str]:
     del processes  # every process starts its own engines
-    python = rollout.vllm.python
+    python = engine.vllm.python
     problems = interpreter_problems("vllm.python", python, DEFAULT_PYTHON, "vLLM", "vllm")
     if not problems and (problem := interpreter_problem(Path(python or DEFAULT_PYTHON))):
-        problems.append(f"rollout.vllm.python: {problem}; {SETUP_HINT}")
-    if rollout.page_size not in BLOCK_SIZES:
+        problems.append(f"engine.vllm.python: {problem}; {SETUP_HINT}")
+    if engine.page_size not in BLOCK_SIZES:
         problems.append(
-            f"rollout.page_size={rollout.page_size}: the vllm backend's KV cache blocks (vLLM's "
+            f"engine.page_size={engine.page_size}: the vllm backend's KV cache blocks (vLLM's "
             f"block_size) take {', '.join(map(str, BLOCK_SIZES))}"
         )
     return problems
 
 
-# `rollout.backend=vllm`, found through the entry point in pyproject.toml
+# `engine.backend=vllm`, found through the entry point in pyproject.toml
 FACTORY = BackendFactory(
     build=_build,
     check=_check,

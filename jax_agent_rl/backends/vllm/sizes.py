@@ -4,19 +4,19 @@ parallelism, the bound on its LoRA adapters' rank."""
 
 from __future__ import annotations
 
-from jax_agent_rl.config import RolloutSection
+from jax_agent_rl.config import EngineSection
 from jax_agent_rl.models import ModelConfig
 
 
-def kv_cache_bytes(rollout: RolloutSection, model: ModelConfig, dtype: str) -> int:
-    """Each replica's KV cache, as the embedded engine sizes its pool: ``rollout.kv_cache_gib``
-    in blocks of ``rollout.page_size``, or (0) the blocks ``rollout.max_concurrent`` sequences
-    of ``rollout.max_model_len`` need. vLLM's cache holds ``model``'s ``dtype``."""
+def kv_cache_bytes(engine: EngineSection, model: ModelConfig, dtype: str) -> int:
+    """Each replica's KV cache, as the embedded engine sizes its pool: ``engine.kv_cache_gib``
+    in blocks of ``engine.page_size``, or (0) the blocks ``engine.max_concurrent`` sequences
+    of ``engine.max_model_len`` need. vLLM's cache holds ``model``'s ``dtype``."""
     import jax.numpy as jnp
 
     from jax_agent_rl.engine import page_bytes, pool_pages
 
-    r = rollout
+    r = engine
     width = jnp.dtype(dtype).itemsize
     pages = pool_pages(model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len)
     return pages * page_bytes(model, r.page_size, width)
@@ -27,7 +27,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 def device_groups(devices: str, tensor_parallel_size: int) -> list[str]:
-    """``rollout.vllm.devices`` ("4,5,6,7") as each engine's ``CUDA_VISIBLE_DEVICES``, in
+    """``engine.vllm.devices`` ("4,5,6,7") as each engine's ``CUDA_VISIBLE_DEVICES``, in
     groups of ``tensor_parallel_size`` (["4,5", "6,7"] at 2)."""
     ids = [d for d in devices.split(",") if d]
     step = tensor_parallel_size

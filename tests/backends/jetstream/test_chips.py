@@ -1,4 +1,4 @@
-"""``rollout.jetstream.chips``: a TPU host's chips split between its JetStream server and the
+"""``engine.jetstream.chips``: a TPU host's chips split between its JetStream server and the
 trainer. The split itself against layouts worked out by hand (chip i of an X x Y x Z host at
 (i mod X, i div X mod Y, i div XY)), the refusals, the pre-run check over a slice's hosts, then
 the processes: the real server started with the setting reports, from its own environment,
@@ -104,12 +104,12 @@ def test_the_pre_run_check_holds_one_trainer_process_per_host(
     assert chip_problems("2,3", 2, 8) == []
     assert chip_problems("", 3, 8) == []  # no split, nothing to hold
     (problem,) = chip_problems("2,3", 4, 8)
-    assert problem.startswith("rollout.jetstream.chips='2,3': the run has 4 processes and the ")
+    assert problem.startswith("engine.jetstream.chips='2,3': the run has 4 processes and the ")
     assert "slice 2 hosts (HOST_BOUNDS=1,1,2)" in problem
     (problem,) = chip_problems("2,3", 2, 5)
     assert problem == (
-        "rollout.max_concurrent=5 does not split over the JetStream server's 2 chips "
-        "(rollout.jetstream.chips='2,3'; its decode slots): use a multiple of 2"
+        "engine.max_concurrent=5 does not split over the JetStream server's 2 chips "
+        "(engine.jetstream.chips='2,3'; its decode slots): use a multiple of 2"
     )
     monkeypatch.setenv("HOST_BOUNDS", "2,2,1")
     (problem,) = chip_problems("2,3", 4, 8)
@@ -190,8 +190,8 @@ def _dry_run(task: TaskFiles, *extra: str, host: str = "2,4,1") -> subprocess.Co
     command = [
         sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
         f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}",
-        f"sft.data={task.sft}", f"tools.config={task.tools}", "rollout.backend=jetstream",
-        "rollout.max_model_len=128", *extra, "--dry-run",
+        f"sft.data={task.sft}", f"tools.config={task.tools}", "engine.backend=jetstream",
+        "engine.max_model_len=128", *extra, "--dry-run",
     ]  # fmt: skip
     env = {**_clean_env(), "CHIPS_PER_HOST_BOUNDS": host}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -206,19 +206,19 @@ def test_jarl_train_takes_the_trainers_half_before_jax_starts(task: TaskFiles) -
     """The trainer's process sets the split's trainer half in its own environment (its line
     reads the variables back) before the checks start JAX; a split that cannot be, and a run
     of more processes than the slice has hosts, stop it naming the key."""
-    done = _dry_run(task, "rollout.jetstream.chips=4,5,6,7")
+    done = _dry_run(task, "engine.jetstream.chips=4,5,6,7")
     assert done.returncode == 0, done.stderr[-3000:]
     trainer = split_chips("4,5,6,7", V6E_8).trainer_env()
     shown = " ".join(f"{k}={v}" for k, v in trainer.items())
-    assert f"# this process's devices beside rollout.backend: {shown}\n" in done.stderr
+    assert f"# this process's devices beside engine.backend: {shown}\n" in done.stderr
     assert "TPU_VISIBLE_CHIPS=0,1,2,3 " in shown  # none of the server's
 
-    bad = _dry_run(task, "rollout.jetstream.chips=1,2")
+    bad = _dry_run(task, "engine.jetstream.chips=1,2")
     assert bad.returncode == 2
     assert (
-        "jarl: rollout.jetstream.chips='1,2': the server's chips are not a rectangle" in bad.stderr
+        "jarl: engine.jetstream.chips='1,2': the server's chips are not a rectangle" in bad.stderr
     )
     two = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]
-    many = _dry_run(task, "rollout.jetstream.chips=4,5,6,7", "data.prompts_per_step=2", *two)
+    many = _dry_run(task, "engine.jetstream.chips=4,5,6,7", "data.prompts_per_step=2", *two)
     assert many.returncode == 2
     assert "the run has 2 processes and the slice 1 hosts (HOST_BOUNDS=1,1,1)" in many.stderr

@@ -251,7 +251,7 @@ def test_a_client_that_dies_leaves_no_server(checkpoint: Path) -> None:
 # ------------------------------------------------- races and limits (each once a found defect)
 
 
-# the shared server's engine settings, none of them the default (rollout.page_size, ...)
+# the shared server's engine settings, none of them the default (engine.page_size, ...)
 PAGE_SIZE, POOL_PAGES, PREFILL_CHUNK, STEPS = 16, SLOTS * MAX_LEN // 16 + 3, 32, 3
 
 
@@ -273,7 +273,7 @@ def shared(checkpoint: Path) -> Iterator[JetStreamBackend]:
 
 
 def test_the_server_builds_its_engine_from_the_rollout_settings(shared: JetStreamBackend) -> None:
-    """rollout.page_size, kv_cache_gib, prefill_chunk and steps_per_call reach the server's
+    """engine.page_size, kv_cache_gib, prefill_chunk and steps_per_call reach the server's
     engine, as it reports from its own process; a 110-token prompt (4 chunks of 32) is served."""
     assert shared.engine == {
         "page_size": PAGE_SIZE,

@@ -1,4 +1,4 @@
-"""`jarl train` with ``rollout.backend=jetstream``: the demo config trains on trajectories that
+"""`jarl train` with ``engine.backend=jetstream``: the demo config trains on trajectories that
 JetStream's server sampled, the learner stands in for the logprobs it does not return, and the
 step after a weight push samples under the pushed weights. (The server serving a LoRA policy,
 its adapters pushed alone, is tests/conformance/test_lora_conformance.py's; `jarl train` with a
@@ -29,9 +29,9 @@ def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path) ->
         sys.executable, "-m", "jax_agent_rl.cli", "train", str(DEMO_CONFIG),
         f"model.path={task.model}", f"data.train={task.train}", f"data.val={task.val}",
         f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
-        "rollout.backend=jetstream", "sft.steps=2", "sft.batch_size=8",
-        "data.prompts_per_step=2", "rollout.n=4", "rollout.max_model_len=128",
-        "rollout.max_concurrent=8", "agent.max_response_tokens=64", "learner.micro_batch_size=8",
+        "engine.backend=jetstream", "sft.steps=2", "sft.batch_size=8",
+        "data.prompts_per_step=2", "group.n=4", "engine.max_model_len=128",
+        "engine.max_concurrent=8", "agent.max_response_tokens=64", "learner.micro_batch_size=8",
         "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=1",
         "trainer.tensorboard=false",
     ]  # fmt: skip

@@ -56,7 +56,7 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
     two_engines: VLLMBackend,
 ) -> None:
     backend = two_engines
-    # each engine process runs pinned to its own device (rollout.vllm.devices)
+    # each engine process runs pinned to its own device (engine.vllm.devices)
     for pid, device in zip(backend.pids, ["1", "0"], strict=True):
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ
@@ -176,18 +176,18 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
 
 
 def test_the_rollout_settings_map_to_vllms_cache() -> None:
-    """rollout.kv_cache_gib sizes each replica's KV cache (vLLM's kv_cache_memory_bytes) in
-    blocks of rollout.page_size (its block_size), as the embedded engine sizes its pool: 0 is
+    """engine.kv_cache_gib sizes each replica's KV cache (vLLM's kv_cache_memory_bytes) in
+    blocks of engine.page_size (its block_size), as the embedded engine sizes its pool: 0 is
     enough for max_concurrent sequences of max_model_len."""
     from jax_agent_rl.backends.vllm.sizes import kv_cache_bytes
-    from jax_agent_rl.config import RolloutSection
+    from jax_agent_rl.config import EngineSection
 
     cfg = ModelConfig.from_hf(TINY_QWEN2)
     # a block: keys and values of every layer, 16 positions, 2 bytes (bfloat16)
     block = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2
-    dense = RolloutSection(page_size=16, max_concurrent=8, max_model_len=100)
+    dense = EngineSection(page_size=16, max_concurrent=8, max_model_len=100)
     assert kv_cache_bytes(dense, cfg, "bfloat16") == 8 * 7 * block  # 7 blocks hold 100
-    sized = RolloutSection(page_size=16, kv_cache_gib=0.001)
+    sized = EngineSection(page_size=16, kv_cache_gib=0.001)
     assert kv_cache_bytes(sized, cfg, "bfloat16") == (2**30 // 1000 // block) * block
 
 
@@ -224,7 +224,7 @@ def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
 
 
 def test_devices_go_to_engines_tensor_parallel_size_at_a_time() -> None:
-    """rollout.vllm.devices as launch/gpu.sh --tensor-parallel writes it."""
+    """engine.vllm.devices as launch/gpu.sh --tensor-parallel writes it."""
     assert device_groups("4,5,6,7", 2) == ["4,5", "6,7"]
     assert device_groups("2,3,4,5,6,7", 3) == ["2,3,4", "5,6,7"]
     assert device_groups("1,0", 1) == ["1", "0"]

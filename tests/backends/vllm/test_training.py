@@ -1,4 +1,4 @@
-"""`jarl train` with ``rollout.backend=vllm``: the demo config, and its LoRA twin (vLLM pushed
+"""`jarl train` with ``engine.backend=vllm``: the demo config, and its LoRA twin (vLLM pushed
 the adapters alone, as PEFT folders), train on trajectories sampled by vLLM engine processes,
 and the learner's recomputed logprobs match vLLM's on every token."""
 
@@ -29,9 +29,9 @@ def test_demo_trains_with_vllm_rollouts(task: TaskFiles, tmp_path: Path, config:
         sys.executable, "-m", "jax_agent_rl.cli", "train", str(config),
         f"model.path={task.model}", f"data.train={task.train}", "data.val=",
         f"sft.data={task.sft}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
-        "rollout.backend=vllm", "rollout.kv_cache_gib=0.03125", "sft.steps=2", "sft.batch_size=8",
-        "data.prompts_per_step=2", "rollout.n=4", "rollout.max_model_len=128",
-        "rollout.max_concurrent=8", "agent.max_response_tokens=64", "learner.micro_batch_size=8",
+        "engine.backend=vllm", "engine.kv_cache_gib=0.03125", "sft.steps=2", "sft.batch_size=8",
+        "data.prompts_per_step=2", "group.n=4", "engine.max_model_len=128",
+        "engine.max_concurrent=8", "agent.max_response_tokens=64", "learner.micro_batch_size=8",
         "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=0",
         "trainer.tensorboard=false",
     ]  # fmt: skip

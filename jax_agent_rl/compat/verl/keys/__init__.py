@@ -4,7 +4,7 @@ A verl run script's overrides (``actor_rollout_ref.rollout.n=16``, ``data.train_
 can be passed to any jarl command as they are. `to_jarl` rewrites each verl key that has an
 equivalent into jarl overrides, saying so once, one line each::
 
-    verl key actor_rollout_ref.rollout.n=16 -> rollout.n=16
+    verl key actor_rollout_ref.rollout.n=16 -> group.n=16
 
 accepts the keys whose effect jarl already has (an engine, memory or layout detail of verl's
 FSDP / Megatron / SGLang workers, or a value saying what jarl always does), naming them all in
@@ -15,7 +15,7 @@ Some equivalents are traps, converted rather than copied (``trap`` in `TABLE`): 
 ``ppo_mini_batch_size`` is a size in prompts, jarl's ``algorithm.mini_batches`` a count
 (``data.prompts_per_step / ppo_mini_batch_size``, which must divide); verl's ``*_per_gpu`` sizes
 are per device, jarl's ``learner.micro_batch_size`` is over the data-parallel devices;
-``max_prompt_length`` becomes part of ``rollout.max_model_len``; epochs become steps.
+``max_prompt_length`` becomes part of ``engine.max_model_len``; epochs become steps.
 
 A conversion reads the final value of the jarl keys it depends on (``data.prompts_per_step``
 for mini-batches, ...), whichever spelling set it and in whatever order the overrides came,

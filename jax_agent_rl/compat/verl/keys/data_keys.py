@@ -28,7 +28,7 @@ DATA: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "data.max_prompt_length",
-        "rollout.max_model_len",
+        "engine.max_model_len",
         "max_model_len = max_prompt_length + agent.max_response_tokens",
         prompt_length,
         trap=True,
@@ -49,7 +49,7 @@ DATA: tuple[VerlKey, ...] = (
         "data.truncation",
         "",
         "no equivalent: jarl never truncates a prompt; `jarl train` refuses a file whose first "
-        "rows leave no room in rollout.max_model_len, and a later such prompt ends its episode "
+        "rows leave no room in engine.max_model_len, and a later such prompt ends its episode "
         "at once (stop reason max_model_len)",
         refuse,
     ),

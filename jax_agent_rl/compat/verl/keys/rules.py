@@ -97,7 +97,7 @@ def response_length(value: Any, _given: Given) -> dict[str, Any]:
 
 
 def prompt_length(value: Any, given: Given) -> dict[str, Any]:
-    return {"rollout.max_model_len": _count(value) + given.current("agent.max_response_tokens")}
+    return {"engine.max_model_len": _count(value) + given.current("agent.max_response_tokens")}
 
 
 def mini_batches(value: Any, given: Given) -> dict[str, Any]:
@@ -165,9 +165,9 @@ def backend(value: Any, _given: Given) -> dict[str, Any]:
     if value != "vllm":
         raise ConfigError(
             "jarl has no such backend: drop it (the embedded JAX engine is the default) or set "
-            "rollout.backend=vllm|jetstream"
+            "engine.backend=vllm|jetstream"
         )
-    return {"rollout.backend": "vllm"}
+    return {"engine.backend": "vllm"}
 
 
 def max_turns(value: Any, _given: Given) -> dict[str, Any]:
@@ -197,8 +197,8 @@ def _fraction(value: Any) -> float:
 
 def refills(value: Any, _given: Given) -> dict[str, Any]:
     if value == 0:
-        raise ConfigError("verl's 0 (unbounded) has no equivalent: set rollout.max_refills")
-    return {"rollout.max_refills": _count(value) - 1}
+        raise ConfigError("verl's 0 (unbounded) has no equivalent: set group.max_refills")
+    return {"group.max_refills": _count(value) - 1}
 
 
 # verl's (PEFT's) LoRA module names -> jarl's model.lora.targets

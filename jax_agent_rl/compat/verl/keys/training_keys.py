@@ -29,7 +29,7 @@ TRAINING: tuple[VerlKey, ...] = (
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std", "the same"),
     VerlKey(
         "algorithm.filter_groups.enable",
-        "rollout.dynamic_sampling",
+        "group.dynamic_sampling",
         "the same (DAPO: drop groups whose rewards are all equal, refill)",
     ),
     VerlKey(
@@ -41,7 +41,7 @@ TRAINING: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "algorithm.filter_groups.max_num_gen_batches",
-        "rollout.max_refills",
+        "group.max_refills",
         "max_refills = max_num_gen_batches - 1 (verl counts the first batch); verl's 0 "
         "(unbounded) has no equivalent",
         refills,
@@ -51,7 +51,7 @@ TRAINING: tuple[VerlKey, ...] = (
         "data.gen_batch_size",
         "",
         "no equivalent: jarl rolls out data.prompts_per_step prompts and refills dropped groups "
-        "with fresh ones (rollout.max_refills)",
+        "with fresh ones (group.max_refills)",
         refuse,
     ),
     VerlKey("algorithm.gamma", "algorithm.gamma", "the same key"),
@@ -220,8 +220,8 @@ TRAINING: tuple[VerlKey, ...] = (
         refuse,
     ),
     VerlKey("global_profiler.", "", "no equivalent: profile with jax.profiler", refuse),
-    VerlKey("ray_kwargs.", "", "not needed: jarl's Ray settings are rollout.ray.*", not_needed),
-    VerlKey("ray_init.", "", "not needed: jarl's Ray settings are rollout.ray.*", not_needed),
+    VerlKey("ray_kwargs.", "", "not needed: jarl's Ray settings are engine.ray.*", not_needed),
+    VerlKey("ray_init.", "", "not needed: jarl's Ray settings are engine.ray.*", not_needed),
     VerlKey(
         "hydra.",
         "",

@@ -75,7 +75,7 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.hybrid_engine",
         "",
         "not needed: the rollout backend decides where it runs (the embedded engine on the "
-        "learner's devices, vLLM replicas on rollout.vllm.devices)",
+        "learner's devices, vLLM replicas on engine.vllm.devices)",
         not_needed,
     ),
     # actor
@@ -125,14 +125,14 @@ WORKERS: tuple[VerlKey, ...] = (
         "actor_rollout_ref.rollout.agent.num_workers",
         "",
         "not needed: jarl runs every episode as a coroutine in one process "
-        "(rollout.max_concurrent at once)",
+        "(engine.max_concurrent at once)",
         not_needed,
     ),
     VerlKey("actor_rollout_ref.actor.grad_clip", "optim.grad_clip", "the same"),
     VerlKey(
         "actor_rollout_ref.actor.ppo_mini_batch_size",
         "algorithm.mini_batches",
-        "a SIZE in prompts (verl multiplies it by rollout.n); jarl's is a COUNT: "
+        "a SIZE in prompts (verl multiplies it by group.n); jarl's is a COUNT: "
         "mini_batches = data.prompts_per_step / ppo_mini_batch_size, which must divide",
         mini_batches,
         trap=True,
@@ -216,7 +216,7 @@ WORKERS: tuple[VerlKey, ...] = (
     # rollout
     VerlKey(
         "actor_rollout_ref.rollout.name",
-        "rollout.backend",
+        "engine.backend",
         "vllm -> vllm; jarl has no SGLang backend (the embedded JAX engine is its default)",
         backend,
     ),
@@ -227,20 +227,20 @@ WORKERS: tuple[VerlKey, ...] = (
         "off-policy training",
         fixed("async"),
     ),
-    VerlKey("actor_rollout_ref.rollout.n", "rollout.n", "samples per prompt"),
-    VerlKey("actor_rollout_ref.rollout.temperature", "rollout.temperature", "the same"),
-    VerlKey("actor_rollout_ref.rollout.top_p", "rollout.top_p", "the same"),
-    VerlKey("actor_rollout_ref.rollout.top_k", "rollout.top_k", "the same (-1: off)"),
+    VerlKey("actor_rollout_ref.rollout.n", "group.n", "samples per prompt"),
+    VerlKey("actor_rollout_ref.rollout.temperature", "sampling.temperature", "the same"),
+    VerlKey("actor_rollout_ref.rollout.top_p", "sampling.top_p", "the same"),
+    VerlKey("actor_rollout_ref.rollout.top_k", "sampling.top_k", "the same (-1: off)"),
     VerlKey(
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        "rollout.vllm.tensor_parallel_size",
+        "engine.vllm.tensor_parallel_size",
         "the same: GPUs per vLLM engine (the learner's mesh is its own, mesh.*)",
     ),
     VerlKey(
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "",
-        "no equivalent: jarl sizes the KV cache in GiB, rollout.kv_cache_gib (0: enough for "
-        "rollout.max_concurrent sequences)",
+        "no equivalent: jarl sizes the KV cache in GiB, engine.kv_cache_gib (0: enough for "
+        "engine.max_concurrent sequences)",
         refuse,
     ),
     VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "", LOGPROB, not_needed),
@@ -281,7 +281,7 @@ WORKERS: tuple[VerlKey, ...] = (
     VerlKey(
         "actor_rollout_ref.rollout.over_sample_rate",
         "",
-        "no equivalent: jarl waits for every episode of a step (rollout.dynamic_sampling refills "
+        "no equivalent: jarl waits for every episode of a step (group.dynamic_sampling refills "
         "groups instead)",
         refuse,
     ),
