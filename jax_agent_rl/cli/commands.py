@@ -219,7 +219,10 @@ def _eval(args: argparse.Namespace) -> int:
         policy = load_policy(target)
     except (ValueError, OSError) as e:  # config, data and checkpoint errors included
         return _refuse([(str(e).splitlines() or [type(e).__name__])[0]])
-    eval_command(target, policy, Console())
+    try:
+        eval_command(target, policy, Console())
+    except OSError as e:  # the JSON's write (a full disk): the table is printed above
+        return _refuse([f"cannot write {args.out or 'the JSON'}: {e}"])
     return 0
 
 

@@ -6,15 +6,22 @@
   records whose step is not a whole number as ``jarl view`` does, and prints nothing of a
   step until every record shown is read.
 - A traces line holding a number of more digits than ``int()`` reads (Python's 4300) was
-  refused by ``jarl view`` and ``jarl traces`` naming neither the file nor the line."""
+  refused by ``jarl view`` and ``jarl traces`` naming neither the file nor the line.
+- ``jarl eval --out`` naming a FIFO passed its check (not a folder): the JSON's write, once
+  every prompt was evaluated, waited for a reader for ever; a FIFO, socket or block device
+  there (or as the default file) is refused before the weights load, and a write that fails
+  at the end (a full disk) is one line, the table already printed."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 from jax_agent_rl.train.traces import TRACES_FILE
 
 BAD_TRACES = {
@@ -53,3 +60,17 @@ def test_a_number_past_int_digits_names_the_file_and_line(
     assert main([command, str(tmp_path), *out]) == 2
     err = " ".join(capsys.readouterr().err.split())  # (rich wraps no path: soft_wrap)
     assert f"{TRACES_FILE}: line 2 is not valid JSON" in err
+
+
+def test_eval_refuses_a_fifo_as_its_out_file_before_the_weights_load(tmp_path: Path) -> None:
+    """``jarl eval`` writes its JSON once every prompt is evaluated: a FIFO named by ``--out``
+    passed the check (not a folder) and the write then waited for a reader for ever."""
+    val = tmp_path / "val.jsonl"
+    row = {"prompt": [{"role": "user", "content": "1 + 1?"}], "ground_truth": "2"}
+    val.write_text(json.dumps(row) + "\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {tmp_path}\ndata:\n  train: {val}\n  val: {val}\n")
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    with pytest.raises(EvalInputError, match=r"--out .*out\.json is not a regular file"):
+        eval_target(str(config), out=str(fifo))
