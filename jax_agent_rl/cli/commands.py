@@ -481,5 +481,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "... (docs/verl.md)"
             ]
         )
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a command's overrides at its first flag: `train CONFIG --dry-run a=b` left
+    # a=b unrecognized; key=value words after a flag are overrides too, in the order given
+    takes = isinstance(getattr(args, "overrides", None), list)
+    if extra and takes and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+        extra = []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))

@@ -111,6 +111,24 @@ def tuned_by_backend(rollout: RolloutSection) -> list[str]:
     ]
 
 
+def unread_sections(rollout: RolloutSection) -> list[str]:
+    """One note for each setting of a backend's own section (``rollout.vllm``,
+    ``rollout.jetstream``) set away from its default while ``rollout.backend`` is another:
+    no backend reads it (``rollout.vllm.replicas=4`` beside the default backend ran one
+    embedded engine, silently)."""
+    from jax_agent_rl.config import RolloutSection
+
+    default = RolloutSection()
+    return [
+        f"rollout.{name}.{f.name}={getattr(getattr(rollout, name), f.name)!r} is read by the "
+        f"{name} backend only, and rollout.backend={rollout.backend}: nothing reads it"
+        for name in ("vllm", "jetstream")
+        if rollout.backend != name
+        for f in dataclasses.fields(getattr(rollout, name))
+        if getattr(getattr(rollout, name), f.name) != getattr(getattr(default, name), f.name)
+    ]
+
+
 def _set(rollout: RolloutSection, keys: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     from jax_agent_rl.config import RolloutSection
 

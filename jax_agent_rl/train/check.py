@@ -53,6 +53,7 @@ from jax_agent_rl.rollout.registry import (
     backend_names,
     tuned_by_backend,
     unhonoured,
+    unread_sections,
 )
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
@@ -301,10 +302,12 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
 
 
 def _notes(cfg: JarlConfig) -> list[str]:
-    """What the run will do unasked: the speed settings its backend tunes itself, and the data
+    """What the run will do unasked: the speed settings its backend tunes itself, the settings
+    of a backend's section another backend leaves unread, and the data
     sources the ``math`` fallback scores (the first rows of data.train and data.val), since no
     reward was chosen for them."""
     notes = tuned_by_backend(cfg.rollout) if cfg.rollout.backend in backend_names() else []
+    notes += unread_sections(cfg.rollout)
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:

@@ -10,10 +10,16 @@
 - ``jarl eval --out`` naming a FIFO passed its check (not a folder): the JSON's write, once
   every prompt was evaluated, waited for a reader for ever; a FIFO, socket or block device
   there (or as the default file) is refused before the weights load, and a write that fails
-  at the end (a full disk) is one line, the table already printed."""
+  at the end (a full disk) is one line, the table already printed.
+- ``jarl train CONFIG --dry-run key=value``: argparse ended the overrides at the flag and
+  refused the rest as "unrecognized arguments"; key=value words after a flag are overrides.
+- A setting of ``rollout.vllm`` or ``rollout.jetstream`` beside another ``rollout.backend``
+  was read by nothing, with no word (``rollout.vllm.replicas=3``: one embedded engine ran);
+  the pre-run check notes each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,6 +27,9 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.config import RolloutSection
+from jax_agent_rl.config.rollout import JetStreamSection, VLLMSection
+from jax_agent_rl.rollout.registry import unread_sections
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 from jax_agent_rl.train.traces import TRACES_FILE
 
@@ -74,3 +83,30 @@ def test_eval_refuses_a_fifo_as_its_out_file_before_the_weights_load(tmp_path: P
     os.mkfifo(fifo)
     with pytest.raises(EvalInputError, match=r"--out .*out\.json is not a regular file"):
         eval_target(str(config), out=str(fifo))
+
+
+def test_overrides_after_a_flag_are_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl train CONFIG --dry-run key=value`` ended in argparse's "unrecognized arguments":
+    a command's overrides stopped at its first flag. The override is read now (here refused
+    by name), and a word after a flag that is no override is still refused."""
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  steps: 1\n")
+    assert main(["train", str(config), "--dry-run", "trainer.stepz=2"]) == 2
+    assert "unknown config key 'trainer.stepz'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(config), "--dry-run", "stray"])
+
+
+def test_a_backend_section_no_backend_reads_is_noted() -> None:
+    """``rollout.vllm.replicas=3`` (or ``rollout.jetstream.chips``) beside another backend
+    passed the pre-run check with no word: one embedded engine ran."""
+    rollout = RolloutSection(vllm=VLLMSection(replicas=3), jetstream=JetStreamSection(chips="0,1"))
+    notes = unread_sections(rollout)
+    assert [n.split(" is read")[0] for n in notes] == [
+        "rollout.vllm.replicas=3",
+        "rollout.jetstream.chips='0,1'",
+    ]
+    on_vllm = unread_sections(dataclasses.replace(rollout, backend="vllm"))
+    assert [n.split(" is read")[0] for n in on_vllm] == ["rollout.jetstream.chips='0,1'"]
