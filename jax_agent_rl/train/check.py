@@ -278,8 +278,8 @@ def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
 
 
 def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
-    """``agent.harness`` names an async function, loaded as the run loads it; rows that run
-    openai_agent need one."""
+    """``agent.harness`` names an async function of one argument, loaded as the run loads it;
+    rows that run openai_agent need one."""
     spec = cfg.agent.harness
     drives = [
         f"{k} row {s.uid!r}" for k, ss in rows.items() for s in ss if s.agent_name == "openai_agent"
@@ -299,6 +299,13 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
         raise _CheckError(f"agent.harness={spec!r} failed to load: {_one_line(e)}") from None
     if not inspect.iscoroutinefunction(harness):
         raise _CheckError(f"agent.harness={spec!r} is not an async function (async def)")
+    try:  # each episode calls it with its HarnessTask: another signature failed every episode
+        inspect.signature(harness).bind(None)
+    except TypeError as e:
+        raise _CheckError(
+            f"agent.harness={spec!r} cannot be called with one argument, the episode's "
+            f"HarnessTask ({e})"
+        ) from None
 
 
 def _notes(cfg: JarlConfig) -> list[str]:
