@@ -100,7 +100,13 @@ ERRORS = ("agent_error", "env_error", "harness_error", "tool_error", "reward_err
 LIMITS = ("max_model_len", "max_response_tokens", "max_tokens_per_turn", "max_turns", "budget")
 
 
-def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RuntimeError | None:
+class RolloutFailedError(RuntimeError):
+    """Every episode of a rollout failed (`all_failed_error`): its first line is the stop
+    reason's warning, its second the first error's own first line (what failed, where, on
+    which row); the rest that error's traceback."""
+
+
+def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RolloutFailedError | None:
     """One episode's error ends that episode only (`ERRORS`); when every episode of a rollout
     ended so, the backend, the tools, the environments, the reward or the loop is broken, not
     the policy: the error to raise (its `stop_warning` line, then the first error, `visible`:
@@ -110,7 +116,7 @@ def all_failed_error(t: Mapping[str, float], first_error: str | None) -> Runtime
     failed = sum(t[f"stop/{r}"] for r in (*ERRORS, "caused_error"))
     if t["episodes"] and failed == t["episodes"]:
         line = stop_warning(metrics_of_totals(t), ()) or ""
-        return RuntimeError(
+        return RolloutFailedError(
             f"all {int(t['episodes'])} trajectories of the rollout failed ({line}); the first "
             f"error:\n{visible(str(first_error))}"
         )

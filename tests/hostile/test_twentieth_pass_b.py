@@ -15,7 +15,12 @@
   refused the rest as "unrecognized arguments"; key=value words after a flag are overrides.
 - A setting of ``rollout.vllm`` or ``rollout.jetstream`` beside another ``rollout.backend``
   was read by nothing, with no word (``rollout.vllm.replicas=3``: one embedded engine ran);
-  the pre-run check notes each."""
+  the pre-run check notes each.
+- A run whose every episode failed stopped with a traceback of ~90 lines (jarl's frames, then
+  the first error's); ``jarl train`` and ``jarl eval`` print its two lines: the stop reason's
+  share, and what failed, where, on which row.
+- An ``agent.harness`` of another signature than one argument passed ``--dry-run`` (every
+  episode then failed): tests/train/test_check.py."""
 
 from __future__ import annotations
 
@@ -26,10 +31,17 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import RolloutSection
 from jax_agent_rl.config.rollout import JetStreamSection, VLLMSection
 from jax_agent_rl.rollout.registry import unread_sections
+from jax_agent_rl.train.episodes import (
+    RolloutFailedError,
+    all_failed_error,
+    episode_totals,
+    first_error,
+)
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 from jax_agent_rl.train.traces import TRACES_FILE
 
@@ -110,3 +122,22 @@ def test_a_backend_section_no_backend_reads_is_noted() -> None:
     ]
     on_vllm = unread_sections(dataclasses.replace(rollout, backend="vllm"))
     assert [n.split(" is read")[0] for n in on_vllm] == ["rollout.jetstream.chips='0,1'"]
+
+
+def test_a_rollout_whose_every_episode_failed_is_two_lines_of_the_cli() -> None:
+    """A run whose every episode failed (a reward raising on every row) ended in a traceback
+    of ~90 lines, jarl's own frames first; `jarl train` and `jarl eval` now catch the
+    `RolloutFailedError` and print its first two lines: the stop reason's share and what failed,
+    where, on which row."""
+    first = (
+        "reward error: the reward function (data.reward) raised KeyError: 'nope' in always "
+        "(/u/my.py:6) on row 'a-2'\nTraceback (most recent call last):\n  ...\nKeyError: 'nope'"
+    )
+    trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(4)]
+    for traj in trajs:
+        traj.end("reward_error", first)
+    error = all_failed_error(episode_totals(trajs), first_error(trajs))
+    assert isinstance(error, RolloutFailedError)
+    headline, what = str(error).splitlines()[:2]
+    assert headline.startswith("all 4 trajectories of the rollout failed (WARNING: 100%")
+    assert what == first.splitlines()[0]
