@@ -127,7 +127,8 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     """The warning for a step (or an evaluation) whose episodes mostly ended in an error or a
     budget (`ERRORS`, `LIMITS`; ``m``: their metrics, ``stop/<reason>`` shares): the commonest
     such stop reason, its share, and for an error one episode's of ``trajs`` (its last line,
-    which names what failed, `visible`: an environment's or a reward's error may quote the
+    which names what failed; a reward's error its first, naming data.reward, the function
+    and the row; `visible`: an environment's or a reward's error may quote the
     policy's text, escape sequences included, and this line goes to the console); None when
     most ended otherwise."""
     shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
@@ -137,8 +138,10 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     line = f"WARNING: {shares[worst]:.0%} of episodes ended {worst}"
     example = first_error(trajs, worst) if worst in ERRORS else None
     if example:
-        last = [x.strip() for x in example.splitlines() if x.strip()][-1]
-        line += f" (e.g. {visible(last[:300])})"
+        lines = [x.strip() for x in example.splitlines() if x.strip()]
+        # a reward's error leads with what raised, where and on which row (train/step.py)
+        shown = lines[0] if worst == "reward_error" else lines[-1]
+        line += f" (e.g. {visible(shown[:300])})"
     return line
 
 

@@ -19,6 +19,9 @@
 - A run whose every episode failed stopped with a traceback of ~90 lines (jarl's frames, then
   the first error's); ``jarl train`` and ``jarl eval`` print its two lines: the stop reason's
   share, and what failed, where, on which row.
+- A step whose episodes mostly ended in a reward error showed the error's last line
+  ("ZeroDivisionError: boom"): its headline, naming data.reward, the function and the row,
+  is shown now.
 - An ``agent.harness`` of another signature than one argument passed ``--dry-run`` (every
   episode then failed): tests/train/test_check.py."""
 
@@ -39,8 +42,10 @@ from jax_agent_rl.rollout.registry import unread_sections
 from jax_agent_rl.train.episodes import (
     RolloutFailedError,
     all_failed_error,
+    episode_metrics,
     episode_totals,
     first_error,
+    stop_warning,
 )
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 from jax_agent_rl.train.traces import TRACES_FILE
@@ -141,3 +146,19 @@ def test_a_rollout_whose_every_episode_failed_is_two_lines_of_the_cli() -> None:
     headline, what = str(error).splitlines()[:2]
     assert headline.startswith("all 4 trajectories of the rollout failed (WARNING: 100%")
     assert what == first.splitlines()[0]
+
+
+def test_a_step_of_reward_errors_names_the_setting_and_the_row() -> None:
+    """A step whose episodes mostly ended in a reward error said "(e.g. ZeroDivisionError:
+    boom)", the error's last line: neither data.reward, nor the function, nor the row; the
+    headline the error leads with names all three."""
+    error = (
+        "reward error: the reward function (data.reward, or data.rewards_by_source.a) raised "
+        "ZeroDivisionError: boom in score (/u/my.py:3) on row 'a-2' (episode 'a-2/s0', "
+        "data_source 'a')\nTraceback (most recent call last):\n  ...\nZeroDivisionError: boom"
+    )
+    trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(2)]
+    trajs[0].end("reward_error", error)
+    trajs[1].end("reward_error", error)
+    line = stop_warning(episode_metrics(trajs), trajs)
+    assert line == f"WARNING: 100% of episodes ended reward_error (e.g. {error.splitlines()[0]})"
