@@ -111,12 +111,15 @@ def _run_training(cfg: JarlConfig, multi: bool) -> int:
     from jax_agent_rl.config import ConfigError
     from jax_agent_rl.models.checkpoint import CheckpointError
     from jax_agent_rl.train import train
+    from jax_agent_rl.train.episodes import RolloutFailedError
 
     if not multi:
         try:
             run_dir = train(cfg, Console())
         except (CheckpointError, ConfigError) as e:  # (its checkpoint cut short, its folder)
             return _refuse([str(e)])
+        except RolloutFailedError as e:  # its two lines say what failed: no traceback of jarl's
+            return _refuse(str(e).splitlines()[:2])
     else:
         try:
             run_dir = train(cfg)
@@ -210,6 +213,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """Reads what to evaluate and loads it (a bad input: one line, exit 2), then evaluates."""
+    from jax_agent_rl.train.episodes import RolloutFailedError
     from jax_agent_rl.train.evaluation import eval_command, eval_target, load_policy
 
     try:
@@ -219,7 +223,12 @@ def _eval(args: argparse.Namespace) -> int:
         policy = load_policy(target)
     except (ValueError, OSError) as e:  # config, data and checkpoint errors included
         return _refuse([(str(e).splitlines() or [type(e).__name__])[0]])
-    eval_command(target, policy, Console())
+    try:
+        eval_command(target, policy, Console())
+    except RolloutFailedError as e:  # every episode failed: its two lines say what
+        return _refuse(str(e).splitlines()[:2])
+    except OSError as e:  # the JSON's write (a full disk): the table is printed above
+        return _refuse([f"cannot write {args.out or 'the JSON'}: {e}"])
     return 0
 
 
@@ -478,5 +487,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "... (docs/verl.md)"
             ]
         )
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a command's overrides at its first flag: `train CONFIG --dry-run a=b` left
+    # a=b unrecognized; key=value words after a flag are overrides too, in the order given
+    takes = isinstance(getattr(args, "overrides", None), list)
+    if extra and takes and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+        extra = []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))

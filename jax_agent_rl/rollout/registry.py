@@ -115,6 +115,24 @@ def tuned_by_backend(engine: EngineSection) -> list[str]:
     ]
 
 
+def unread_sections(engine: EngineSection) -> list[str]:
+    """One note for each setting of a backend's own section (``engine.vllm``,
+    ``engine.jetstream``) set away from its default while ``engine.backend`` is another:
+    no backend reads it (``engine.vllm.replicas=4`` beside the default backend ran one
+    embedded engine, silently)."""
+    from jax_agent_rl.config import EngineSection
+
+    default = EngineSection()
+    return [
+        f"engine.{name}.{f.name}={getattr(getattr(engine, name), f.name)!r} is read by the "
+        f"{name} backend only, and engine.backend={engine.backend}: nothing reads it"
+        for name in ("vllm", "jetstream")
+        if engine.backend != name
+        for f in dataclasses.fields(getattr(engine, name))
+        if getattr(getattr(engine, name), f.name) != getattr(getattr(default, name), f.name)
+    ]
+
+
 def _set(engine: EngineSection, keys: Mapping[str, str]) -> list[tuple[str, Any, str]]:
     from jax_agent_rl.config import EngineSection
 

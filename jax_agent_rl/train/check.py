@@ -53,6 +53,7 @@ from jax_agent_rl.rollout.registry import (
     backend_names,
     tuned_by_backend,
     unhonoured,
+    unread_sections,
 )
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
@@ -277,8 +278,8 @@ def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
 
 
 def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
-    """``agent.harness`` names an async function, loaded as the run loads it; rows that run
-    openai_agent need one."""
+    """``agent.harness`` names an async function of one argument, loaded as the run loads it;
+    rows that run openai_agent need one."""
     spec = cfg.agent.harness
     drives = [
         f"{k} row {s.uid!r}" for k, ss in rows.items() for s in ss if s.agent_name == "openai_agent"
@@ -298,13 +299,22 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
         raise _CheckError(f"agent.harness={spec!r} failed to load: {_one_line(e)}") from None
     if not inspect.iscoroutinefunction(harness):
         raise _CheckError(f"agent.harness={spec!r} is not an async function (async def)")
+    try:  # each episode calls it with its HarnessTask: another signature failed every episode
+        inspect.signature(harness).bind(None)
+    except TypeError as e:
+        raise _CheckError(
+            f"agent.harness={spec!r} cannot be called with one argument, the episode's "
+            f"HarnessTask ({e})"
+        ) from None
 
 
 def _notes(cfg: JarlConfig) -> list[str]:
-    """What the run will do unasked: the speed settings its backend tunes itself, and the data
+    """What the run will do unasked: the speed settings its backend tunes itself, the settings
+    of a backend's section another backend leaves unread, and the data
     sources the ``math`` fallback scores (the first rows of data.train and data.val), since no
     reward was chosen for them."""
     notes = tuned_by_backend(cfg.engine) if cfg.engine.backend in backend_names() else []
+    notes += unread_sections(cfg.engine)
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:

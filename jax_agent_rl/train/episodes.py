@@ -100,7 +100,13 @@ ERRORS = ("agent_error", "env_error", "harness_error", "tool_error", "reward_err
 LIMITS = ("max_model_len", "max_response_tokens", "max_tokens_per_turn", "max_turns", "budget")
 
 
-def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RuntimeError | None:
+class RolloutFailedError(RuntimeError):
+    """Every episode of a rollout failed (`all_failed_error`): its first line is the stop
+    reason's warning, its second the first error's own first line (what failed, where, on
+    which row); the rest that error's traceback."""
+
+
+def all_failed_error(t: Mapping[str, float], first_error: str | None) -> RolloutFailedError | None:
     """One episode's error ends that episode only (`ERRORS`); when every episode of a rollout
     ended so, the backend, the tools, the environments, the reward or the loop is broken, not
     the policy: the error to raise (its `stop_warning` line, then the first error, `visible`:
@@ -110,7 +116,7 @@ def all_failed_error(t: Mapping[str, float], first_error: str | None) -> Runtime
     failed = sum(t[f"stop/{r}"] for r in (*ERRORS, "caused_error"))
     if t["episodes"] and failed == t["episodes"]:
         line = stop_warning(metrics_of_totals(t), ()) or ""
-        return RuntimeError(
+        return RolloutFailedError(
             f"all {int(t['episodes'])} trajectories of the rollout failed ({line}); the first "
             f"error:\n{visible(str(first_error))}"
         )
@@ -121,7 +127,8 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     """The warning for a step (or an evaluation) whose episodes mostly ended in an error or a
     budget (`ERRORS`, `LIMITS`; ``m``: their metrics, ``stop/<reason>`` shares): the commonest
     such stop reason, its share, and for an error one episode's of ``trajs`` (its last line,
-    which names what failed, `visible`: an environment's or a reward's error may quote the
+    which names what failed; a reward's error its first, naming data.reward, the function
+    and the row; `visible`: an environment's or a reward's error may quote the
     policy's text, escape sequences included, and this line goes to the console); None when
     most ended otherwise."""
     shares = {r: m[f"stop/{r}"] for r in (*ERRORS, *LIMITS)}
@@ -131,8 +138,10 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     line = f"WARNING: {shares[worst]:.0%} of episodes ended {worst}"
     example = first_error(trajs, worst) if worst in ERRORS else None
     if example:
-        last = [x.strip() for x in example.splitlines() if x.strip()][-1]
-        line += f" (e.g. {visible(last[:300])})"
+        lines = [x.strip() for x in example.splitlines() if x.strip()]
+        # a reward's error leads with what raised, where and on which row (train/step.py)
+        shown = lines[0] if worst == "reward_error" else lines[-1]
+        line += f" (e.g. {visible(shown[:300])})"
     return line
 
 

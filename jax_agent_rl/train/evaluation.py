@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -249,6 +250,7 @@ def eval_target(
     name = f"step_{step}" if step is not None else (hf.name if hf is not None else "base")
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
     default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")
+    _check_out(Path(out) if out else default, "--out " if out else "the report's file ")
     samples = held_out_samples(cfg)
     named_all = next((s for s in samples if s.data_source == ALL), None)
     if named_all is not None:  # (its rows and every row would share one line of the report)
@@ -260,6 +262,20 @@ def eval_target(
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
+
+
+def _check_out(out: Path, named: str) -> None:
+    """Refuses an ``out`` the JSON could not be written to once every prompt is evaluated: a
+    FIFO (its write waits for a reader for ever), a socket or a block device, or one under a
+    folder this user may not write."""
+    if out.exists() and not (out.is_file() or out.is_char_device()):  # (/dev/null: discarded)
+        raise EvalInputError(f"{named}{out} is not a regular file: name the JSON file to write")
+    folder = out.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not os.access(out if out.exists() else folder, os.W_OK):
+        where = out if out.exists() else folder
+        raise EvalInputError(f"{named}{out}: this user may not write {where}")
 
 
 def _read_config(

@@ -179,7 +179,8 @@ def read_traces(path: Path, step: int | None = None) -> list[dict[str, Any]]:
                 continue
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:  # (nested past what it reads)
+            # (nested past what it reads; a number of more digits than int() reads: ValueError)
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"{path}: line {line_number} is not valid JSON: {e}") from e
             if not isinstance(record, dict) or "step" not in record:
                 raise ValueError(f"{path}: line {line_number} is not a trace record")
@@ -255,18 +256,45 @@ def legend_text(show_logprobs: bool) -> Text:
     return legend
 
 
-def render_trace(record: dict[str, Any], console: Console, show_logprobs: bool = False) -> None:
-    """Prints the header, the prompt (dimmed), the coloured response, the traceback that ended
-    the trajectory if one did, and a legend."""
-    console.rule()
-    console.print(header_text(record))
+def trace_texts(record: dict[str, Any], show_logprobs: bool = False) -> list[Text]:
+    """What `render_trace` prints: the header, the prompt (dimmed) and the coloured response,
+    the traceback that ended the trajectory if one did, and a legend."""
     body = Text()
     body.append(visible(record["prompt_text"]), style=PROMPT_STYLE)
     body.append_text(response_text(record, show_logprobs))
-    console.print(body)
+    texts = [header_text(record), body]
     if record.get("error"):  # traces written before errors were recorded have none
-        console.print(Text(visible(record["error"]), style=ERROR_STYLE))
-    console.print(legend_text(show_logprobs))
+        texts.append(Text(visible(str(record["error"])), style=ERROR_STYLE))
+    return [*texts, legend_text(show_logprobs)]
+
+
+def render_trace(record: dict[str, Any], console: Console, show_logprobs: bool = False) -> None:
+    """Prints `trace_texts` of ``record`` below a rule."""
+    console.rule()
+    for text in trace_texts(record, show_logprobs):
+        console.print(text)
+
+
+def whole_step(record: dict[str, Any]) -> bool:
+    """Whether a trace record's ``step`` is a whole number (a bool is not): a record whose
+    step is text, a list, a float... is not one the trainer wrote, and is skipped."""
+    step = record["step"]
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
+# what reading a record of the wrong shape raises: a field missing, or of another type (text
+# where a number goes: ValueError; an int past float's range: OverflowError; a number where
+# text goes: AttributeError), or a value nested as deep as the reader reads, which writing
+# out (as text, as JSON) takes deeper (RecursionError)
+NOT_A_RECORD = (
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    ValueError,
+    OverflowError,
+    RecursionError,
+)
 
 
 def render_run(
@@ -279,12 +307,15 @@ def render_run(
     """Renders up to ``limit`` traces of ``step`` (default: the last step traced) of a run.
 
     Returns how many were rendered (0 when nothing is traced yet); a step that was not traced
-    is a ValueError naming the steps that were.
+    is a ValueError naming the steps that were, and so is a record of the wrong shape (a field
+    missing or of another type), naming the file. Records whose step is not a whole number
+    (`whole_step`) are skipped.
     """
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     path = run_dir / TRACES_FILE
-    records = read_traces(path)
+    read = read_traces(path)
+    records = [r for r in read if whole_step(r)]  # (a step of text and one of int: no order)
     if not records:
         return 0
     steps = sorted({r["step"] for r in records})
@@ -295,8 +326,14 @@ def render_run(
             f"({len(steps)} in all)"
         )
     selected = [r for r in records if r["step"] == chosen][:limit]
-    for record in selected:
-        render_trace(record, console, show_logprobs)
+    try:  # all built before any is printed: a bad record leaves no page half drawn
+        shown = [trace_texts(r, show_logprobs) for r in selected]
+    except NOT_A_RECORD as e:
+        raise ValueError(f"{path}: a record is not a trace record ({e!r})") from e
+    for texts in shown:
+        console.rule()
+        for text in texts:
+            console.print(text)
     return len(selected)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.train.metrics import read_metrics
-from jax_agent_rl.train.traces import TRACES_FILE, read_traces
+from jax_agent_rl.train.traces import NOT_A_RECORD, TRACES_FILE, read_traces, whole_step
 from jax_agent_rl.visible import visible
 
 PLOTS = ("reward.png", "throughput.png")  # the run's plots (train/metrics.py), linked
@@ -172,28 +172,6 @@ def pick_steps(available: Sequence[int], spec: str | None, last: int) -> list[in
     return [s for s in steps if (lo is None or s >= lo) and (hi is None or s <= hi)]
 
 
-def whole_step(record: dict[str, Any]) -> bool:
-    """Whether a trace record's ``step`` is a whole number (a bool is not): a record whose
-    step is text, a list, a float... is not one the trainer wrote, and is skipped."""
-    step = record["step"]
-    return isinstance(step, int) and not isinstance(step, bool)
-
-
-# what reading a record of the wrong shape raises: a field missing, or of another type (text
-# where a number goes: ValueError; an int past float's range: OverflowError; a number where
-# text goes: AttributeError), a line that is not JSON (ValueError), or a value nested as deep
-# as the reader reads, which writing out (as text, as JSON) takes deeper (RecursionError)
-_NOT_A_RECORD = (
-    KeyError,
-    TypeError,
-    IndexError,
-    AttributeError,
-    ValueError,
-    OverflowError,
-    RecursionError,
-)
-
-
 def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[str, Any]:
     """Everything the page of ``run_dir`` shows: its trajectories (of the steps `pick_steps`
     picks), step metrics and plots, and how many trace records were ``skipped``
@@ -205,7 +183,7 @@ def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[st
     shown = set(pick_steps([r["step"] for r in records], steps, last))
     try:
         trajectories = [trajectory(r) for r in records if r["step"] in shown]
-    except _NOT_A_RECORD as e:
+    except NOT_A_RECORD as e:
         raise ValueError(f"{run_dir / TRACES_FILE}: a record is not a trace record ({e!r})") from e
     metrics_path = run_dir / METRICS_FILE
     table = {}
@@ -215,7 +193,7 @@ def run_data(run_dir: Path, steps: str | None = None, last: int = 50) -> dict[st
                 raise ValueError(f"step {m['step']!r} is not a whole number")
             table[m["step"]] = {k: finite(m[k]) for k in STEP_METRICS if k in m}
         step_rows = [{"step": s, **v} for s, v in sorted(table.items())]
-    except _NOT_A_RECORD as e:
+    except NOT_A_RECORD as e:
         raise ValueError(f"{metrics_path}: a record is not a metrics record ({e!r})") from e
     return {
         "run": visible(run_dir.resolve().name),

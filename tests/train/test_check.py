@@ -375,10 +375,11 @@ def test_a_harness_is_resolved_before_the_run(
     files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """agent.harness is loaded as the run loads it: a function that does not exist, a module
-    that does not import, a function that is not async, or none for openai_agent rows is one
-    line, not a traceback once an episode starts."""
+    that does not import, a function that is not async or not of one argument, or none for
+    openai_agent rows is one line, not a traceback once an episode starts."""
     (tmp_path / "harness.py").write_text(
         "async def drive(task):\n    return None\n\ndef plain(task):\n    return None\n"
+        "async def bare():\n    return None\n\nasync def pair(task, more):\n    return None\n"
     )
     rows = _write_jsonl(tmp_path / "agent.jsonl", [{**_row(0), "agent_name": "openai_agent"}])
     argv = ["train", str(files.config), f"data.train={rows}", "data.reward=math"]
@@ -387,6 +388,9 @@ def test_a_harness_is_resolved_before_the_run(
         (f"{harness}:drvie", f"agent.harness='{harness}:drvie': {harness} has no function 'drvie'"),
         (f"{harness}:plain", f"agent.harness='{harness}:plain' is not an async function"),
         ("no_such_module:drive", "agent.harness='no_such_module:drive': cannot import module"),
+        # each episode calls it with its HarnessTask: these failed every episode of the run
+        (f"{harness}:bare", f"agent.harness='{harness}:bare' cannot be called with one argument"),
+        (f"{harness}:pair", f"agent.harness='{harness}:pair' cannot be called with one argument"),
         ("", "data.train row 'toy-0' runs agent_name openai_agent, which needs agent.harness"),
     ]:
         assert main([*argv, f"agent.harness={setting}", "--dry-run"]) == 2
