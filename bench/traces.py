@@ -4,12 +4,12 @@ costs.
 The learner half of a step (`jax_agent_rl.train.learn.learn`) on the demo's config and model
 (`jarl demo`'s task, prepared small): 16 prompts x 8 episodes of the demo's shape (a 48-token
 prompt, then turns of sampled tokens and tool results up to 128 response tokens), once
-without traces and once with ``trainer.traces_per_step`` (4) traced, alternating, the first of
-each compiling (not timed). The traced step gathers the traced tokens' values out of the
-update on the device and maps them back on the host (`trace_index`, `record_signals`);
-everything else is the same program. ``overhead`` is (traced - untraced) / untraced of the
-median step times: an upper bound on the share of a demo step (the rollout, which tracing
-does not touch, is left out of the denominator).
+without traces and once with ``trainer.traces_per_step`` (4) traced, alternating, the first
+compiling (not timed). Both run the one update program, which leaves every token's values on
+the devices; the traced step then copies them off and reads the traced trajectories' tokens
+out of them on the host (`UpdateTokens.record`, what the trace hook does). ``overhead`` is
+(traced - untraced) / untraced of the median step times: an upper bound on the share of a demo
+step (the rollout, which tracing does not touch, is left out of the denominator).
 
     .venv/bin/python bench/traces.py [--steps N] [--smoke]
 
@@ -88,7 +88,10 @@ def main() -> None:
         for i in range(args.steps + 1):
             for kind, chosen in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                state, _, _ = learn(run.learner, state, run.cfg, trajs, trajs, traced=chosen)
+                state, _, _, tokens = learn(run.learner, state, run.cfg, trajs, trajs)
+                if chosen:
+                    assert tokens is not None
+                    tokens.record(chosen)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(t.learner_signals for t in picks)

@@ -228,7 +228,7 @@ def abstract_learner_state(
 class Learner:
     """The jitted steps over a learner's state (`LearnerState`) on a mesh, and what they are
     made of: the state itself is the caller's, made by `init_state` and passed in and out of
-    every update (``state, metrics, traced = learner.rl_update(state, ...)``); an update
+    every update (``state, metrics, tokens = learner.rl_update(state, ...)``); an update
     donates the state it is given, which must not be used after it."""
 
     def __init__(
@@ -392,27 +392,26 @@ class Learner:
         *,
         rollout_logprobs: bool = True,
         staleness: np.ndarray | None = None,
-        trace_index: np.ndarray | None = None,
-    ) -> tuple[LearnerState, dict[str, float], dict[str, np.ndarray]]:
+    ) -> tuple[LearnerState, dict[str, float], dict[str, jax.Array]]:
         """One RL update (`rl_update`) of ``state`` (donated) on this process's host rows
         ``batch``: K mini-batches (``algorithm.mini_batches``) of the same number of
         micro-batch slots, whose first ``micro_batches`` are real (see `RLBatch`; every process
         passes the same count and shapes), with its sequences' outcomes [S]
         (``batch.sequence`` indexes them from this process's first, ``process_index * S``).
         The batch crosses to the devices once, is prepared and trained on there, and only the
-        metrics come back. Returns the new state, the metrics and the traced values.
+        metrics come back. Returns the new state, the metrics and the per-token values.
         ``rollout_logprobs=False``: the batch's rollout logprobs are not the sampler's (its
         backend reports none); the learner's old-policy logprobs take their place, and
         ``rollout/logprobs_recomputed`` is 1. ``staleness`` [S] (how many weight versions each
         sequence's oldest token is behind the policy) adds the gap per staleness
         (`gap_by_staleness`; one process only: the metrics' sequences are every process's).
 
-        ``trace_index`` [k, T] (one process only): positions in ``batch``'s rows, flattened, of
-        the tokens whose learner logprob, entropy and advantage come back (-1: none), [k, T]
-        each under ``learner_logprobs``, ``learner_entropy`` and ``advantages`` (without it,
-        none: ``{}``): the update's own values (the entropy of the distribution the logprob
-        is taken under, computed with it, only when tokens are traced), gathered on the
-        device, so that tracing a few trajectories adds three gathers and a small copy."""
+        The per-token values come back as they are, [M, b, T] arrays left on the devices,
+        under ``learner_logprobs``, ``learner_entropy`` and ``advantages``: the update's own
+        values before it steps (the entropy of the distribution the logprob is taken under,
+        computed with it); a trace reads its trajectories' tokens out of them
+        (`jax_agent_rl.train.traces.UpdateTokens`), and an untraced step copies nothing, so
+        that one program serves steps traced or not."""
         check_batch_experts(self.model, batch)
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
@@ -431,13 +430,12 @@ class Learner:
                 weights,
                 minis,
                 self._replicated(np.int32(micro_batches)),
-                None if trace_index is None else self._replicated(trace_index.astype(np.int32)),
             )
             state, metrics = self._rl_steps[rollout_logprobs](state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads
             seq = metrics.pop(SEQ_GAP), metrics.pop(SEQ_TOKENS)
             names = (TRACE_LOGP, TRACE_ADV, TRACE_ENT)
-            traced = {k: np.asarray(metrics.pop(k)) for k in names if k in metrics}
+            tokens = {k: metrics.pop(k) for k in names}
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
             # the metrics come from one device; the update may still run on the others, and
             # the turn must not pass before it is done everywhere (`device_turns`)
@@ -450,7 +448,7 @@ class Learner:
             seq_gap, seq_tokens = (np.asarray(x) for x in seq)
             out.update(gap_by_staleness(seq_gap, seq_tokens, np.asarray(staleness)))
         out["rollout/logprobs_recomputed"] = float(not rollout_logprobs)
-        return state, out, traced
+        return state, out, tokens
 
     def sft_update(
         self, state: LearnerState, batch: TrainBatch

@@ -242,9 +242,8 @@ class Derived:
     advantages: jax.Array
     old_values: jax.Array  # critic values before the update (GAE; 0 otherwise)
     returns: jax.Array  # value targets (GAE; 0 otherwise)
-    # the learner's entropy before this update (0 off the sampled tokens): only when a few
-    # tokens are traced (`RLBatch.trace_index`), so an untraced step never computes it
-    entropy: jax.Array | None = None
+    # the learner's entropy before this update (0 off the sampled tokens): what traces show
+    entropy: jax.Array
 
 
 @jax.tree_util.register_dataclass

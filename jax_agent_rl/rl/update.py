@@ -43,7 +43,7 @@ from jax_agent_rl.rl.objectives import (
 
 # the per-sequence metrics [S] `rl_update` returns besides the scalars
 SEQ_GAP, SEQ_TOKENS = "sequences/logprob_gap_sum", "sequences/sampled_tokens"
-# per traced token
+# per token [M, b, T], the update's own values before it steps (what a trace shows)
 TRACE_LOGP, TRACE_ADV, TRACE_ENT = "learner_logprobs", "advantages", "learner_entropy"
 
 
@@ -218,8 +218,6 @@ class RLBatch:
     weights: Any  # [S] float32, the share of its episode a sequence is (`core.grpo_advantages`)
     minis: Any  # [S] int32, the mini-batch of each sequence (K for padding)
     micro_batches: Any  # [] int32
-    # [k, T] int32: flat [M * b * T] positions of the traced tokens (-1: none); None: no traces
-    trace_index: Any = None
 
 
 def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[..., jax.Array]]:
@@ -302,9 +300,8 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> tuple[Derive
     S = batch.rewards.shape[0]
     sampled = mask > 0  # elsewhere a target may be outside top-k / top-p: -inf, stored as 0
     policy = state.policy.params
-    kept = 2 if batch.trace_index is not None else 1  # entropy only for the traced tokens
-    stats, routing = _policy_stats(spec, policy, batch, kept)
-    old, *entropy = (jnp.where(sampled, x, 0.0) for x in stats)
+    stats, routing = _policy_stats(spec, policy, batch, 2)
+    old, ent = (jnp.where(sampled, x, 0.0) for x in stats)
     reference = reference_of(spec, state)
     ref = (
         jnp.zeros_like(old)
@@ -315,7 +312,6 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> tuple[Derive
             0.0,
         )
     )
-    ent = entropy[0] if entropy else None
     if a.adv_estimator == "grpo":
         adv_n = core.grpo_advantages(
             batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
@@ -400,11 +396,8 @@ def rl_update(
         (gap * rows.mask).reshape(-1), rows.sequence.reshape(-1), S
     )
     metrics[SEQ_TOKENS] = jax.ops.segment_sum(rows.mask.reshape(-1), rows.sequence.reshape(-1), S)
-    if batch.trace_index is not None:  # a few tokens' values, gathered from what is computed
-        at = jnp.maximum(batch.trace_index, 0)
-        metrics[TRACE_LOGP] = dv.old_logp.reshape(-1)[at]
-        metrics[TRACE_ADV] = dv.advantages.reshape(-1)[at]
-        assert dv.entropy is not None  # `prepare` keeps it when tokens are traced
-        metrics[TRACE_ENT] = dv.entropy.reshape(-1)[at]
+    # every token's (a trace hook picks its trajectories' out of them, on the host)
+    metrics[TRACE_LOGP], metrics[TRACE_ADV] = dv.old_logp, dv.advantages
+    metrics[TRACE_ENT] = dv.entropy
     new = LearnerState(carry[0], carry[1], state.reference)
     return new, metrics

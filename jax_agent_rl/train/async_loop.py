@@ -50,14 +50,13 @@ from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
 from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_episodes
-from jax_agent_rl.train.traces import trace_picks
+from jax_agent_rl.train.traces import UpdateTokens
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
-# metrics and the trajectories it sampled; the state it is given is donated
-StepFn = Callable[
-    [LearnerState, int, bool],
-    Awaitable[tuple[LearnerState, dict[str, float], list[Trajectory]]],
-]
+# metrics, the trajectories it sampled and its update's per-token values (`learn.learn`);
+# the state it is given is donated
+StepResult = tuple[LearnerState, dict[str, float], list[Trajectory], UpdateTokens | None]
+StepFn = Callable[[LearnerState, int, bool], Awaitable[StepResult]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,12 +249,12 @@ async def async_step(
     state: LearnerState,
     step: int,
     compiles: bool,
-) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+) -> StepResult:
     """One update of ``state`` (the policy at version ``step``, donated) from finished groups,
     then its push (``pinned``: once every group started under the weights it replaces is
-    done). Returns the new state, its metrics and the trajectories it trained on (those
-    dropped are counted). ``reported``: the rollout's counters reported so far
-    (`learn_and_push`)."""
+    done). Returns the new state, its metrics, the trajectories it trained on (those
+    dropped are counted) and the update's per-token values. ``reported``: the rollout's
+    counters reported so far (`learn_and_push`)."""
     cfg = run.cfg
 
     async def groups_of_this_version() -> None:
@@ -271,7 +270,7 @@ async def async_step(
         cfg.trainer.max_staleness,
         cfg.group.dynamic_sampling,
     )
-    state, m, totals = await learn_and_push(
+    state, m, totals, tokens = await learn_and_push(
         run,
         rollout,
         state,
@@ -283,7 +282,6 @@ async def async_step(
         t0=t0,
         idle0=idle0,
         waited_s=time.perf_counter() - t0,
-        traced=trace_picks(taken.trajectories, cfg.trainer.traces_per_step),
         before_push=groups_of_this_version if cfg.trainer.async_schedule == "pinned" else None,
     )
     await producer.admission.advance(step + 1)
@@ -296,7 +294,7 @@ async def async_step(
             "async/groups_in_flight": producer.in_flight,
         }
     )
-    return state, m, taken.trajectories
+    return state, m, taken.trajectories, tokens
 
 
 @contextlib.asynccontextmanager
@@ -311,9 +309,7 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     sampling = asyncio.create_task(producer.run_forever())
     reported: dict[str, float] = {}
 
-    async def step_fn(
-        state: LearnerState, step: int, compiles: bool
-    ) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+    async def step_fn(state: LearnerState, step: int, compiles: bool) -> StepResult:
         if sampling.done():  # it only ends by failing
             sampling.result()
         return await async_step(run, rollout, producer, reported, state, step, compiles)

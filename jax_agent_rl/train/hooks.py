@@ -23,20 +23,29 @@ from jax_agent_rl.train.episodes import stop_warning
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.metrics import equal_rewards_warning, plot_run, step_line
-from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_picks, trace_record
+from jax_agent_rl.train.traces import (
+    TRACES_FILE,
+    UpdateTokens,
+    append_traces,
+    trace_picks,
+    trace_record,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to), every trajectory this process sampled, and the learner's ``state`` after it (the
-    loop's: the next step donates it, so a hook reads it and keeps none of it)."""
+    to), every trajectory this process sampled, the learner's ``state`` after it (the
+    loop's: the next step donates it, so a hook reads it and keeps none of it), and the
+    update's per-token values (`traces.UpdateTokens`; None: no update, or several processes).
+    """
 
     step: int
     last: bool
     metrics: dict[str, float]
     trajectories: list[Trajectory]
     state: LearnerState
+    tokens: UpdateTokens | None = None
 
 
 HookFn = Callable[[Run, Rollout, StepEnd], Awaitable[None]]
@@ -83,9 +92,12 @@ async def write_metrics(run: Run, rollout: Rollout, end: StepEnd) -> None:
 async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     """``trainer.traces_per_step`` trajectories, spread over the step's (process 0's share of
     them in a multi-process run), to ``traces.jsonl``, and with ``trainer.trace_backend=mlflow``
-    to the run's MLflow store as well."""
+    to the run's MLflow store as well; those the update trained on with its per-token values
+    (`traces.UpdateTokens.record`)."""
     del rollout
     picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
+    if end.tokens is not None and picks:
+        end.tokens.record(picks)
     append_traces(
         run.run_dir / TRACES_FILE, (trace_record(t, run.tokenizer, end.step) for t in picks)
     )

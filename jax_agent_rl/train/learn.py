@@ -39,7 +39,7 @@ from jax_agent_rl.train.episodes import (
     split_groups,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
-from jax_agent_rl.train.traces import record_signals, trace_index
+from jax_agent_rl.train.traces import UpdateTokens
 
 
 def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
@@ -122,8 +122,7 @@ def learn(
     rollout_s: float = 0.0,
     rollout_logprobs: bool = True,
     version: int | None = None,
-    traced: Sequence[Trajectory] = (),
-) -> tuple[LearnerState, dict[str, float], Totals]:
+) -> tuple[LearnerState, dict[str, float], Totals, UpdateTokens | None]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``group.n``) trained on with every other process's, in one update of ``state``
     (donated) by ``learner`` (`Learner.rl_update`), batched and shaped as ``cfg`` says.
@@ -137,9 +136,8 @@ def learn(
     behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
     sampled over counts as its age: `Trajectory.oldest_version`). Always:
     ``staleness/kv_older_tokens``, the share of trained sampled tokens whose KV was older
-    than the weights that sampled them. ``traced``: the trajectories
-    whose traces are written (one process only); those trained on get their per-token
-    learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
+    than the weights that sampled them. Also returns the update's per-token values, where a
+    trace reads them (`traces.UpdateTokens`; in a one-process run that updated, else None).
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -201,11 +199,11 @@ def learn(
     width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
     m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * width)
     t0 = time.perf_counter()
+    tokens = None
     if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
         if staleness_s is not None:
             staleness_s[: len(behind)] = behind
-        index = trace_index(batch, rows_of, traced) if processes == 1 and traced else None
         state, out, values = learner.rl_update(
             state,
             batch,
@@ -213,11 +211,9 @@ def learn(
             real,
             rollout_logprobs=rollout_logprobs,
             staleness=staleness_s,
-            trace_index=index,
         )
         m.update(out)
-        if index is not None:
-            record_signals(traced, index, values)
+        tokens = UpdateTokens(values, batch, rows_of) if processes == 1 else None
     jax.block_until_ready(state.policy.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -228,7 +224,7 @@ def learn(
             "batch/groups_all_equal": totals["batch/groups_all_equal"],
         }
     )
-    return state, m, totals
+    return state, m, totals, tokens
 
 
 async def learn_and_push(
@@ -244,19 +240,18 @@ async def learn_and_push(
     t0: float,
     idle0: float,
     waited_s: float,
-    traced: Sequence[Trajectory] = (),
     before_push: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[LearnerState, dict[str, float], Totals]:
+) -> tuple[LearnerState, dict[str, float], Totals, UpdateTokens | None]:
     """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (an update
     of ``state``, in a worker thread, so that the event loop, its agent loops and tool calls,
     goes on), push the new weights as version ``step + 1`` (once ``before_push()`` is done,
     if given), and the step's times: the rollouts' (the slowest process's ``waited_s``, how
     long it waited for its groups), the push's, and how the step spent them since ``t0``
-    (`pace_metrics`; ``idle0``: the backend's idle time then). ``traced``: the trajectories
-    whose traces are written (`learn`). ``reported``: the counters of ``rollout`` its loop
-    reported so far, brought up to date with this step's share (`counted_since`). Returns
-    the new state, the metrics and the `learn` totals."""
-    state, m, totals = await asyncio.to_thread(
+    (`pace_metrics`; ``idle0``: the backend's idle time then). ``reported``: the counters of
+    ``rollout`` its loop reported so far, brought up to date with this step's share
+    (`counted_since`). Returns
+    the new state, the metrics, the `learn` totals and the update's per-token values."""
+    state, m, totals, tokens = await asyncio.to_thread(
         learn,
         run.learner,
         state,
@@ -266,7 +261,6 @@ async def learn_and_push(
         rollout_s=waited_s,
         rollout_logprobs=rollout.backend.capabilities.logprobs,
         version=step,
-        traced=traced,
     )
     if before_push is not None:
         await before_push()
@@ -289,7 +283,7 @@ async def learn_and_push(
             INCLUDES_COMPILE: float(compiles),
         }
     )
-    return state, m, totals
+    return state, m, totals, tokens
 
 
 def pace_metrics(

@@ -18,16 +18,19 @@ folder (``mlflow.db``, written by `jax_agent_rl.train.mlflow_traces`); ``jarl tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from rich.console import Console
 from rich.text import Text
 
+from jax_agent_rl import device_turns
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
@@ -120,8 +123,8 @@ def trace_index(
 def record_signals(
     traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
 ) -> None:
-    """Sets each traced trajectory's ``learner_signals`` from the traced values
-    `Learner.rl_update` returns."""
+    """Sets each traced trajectory's ``learner_signals`` from ``values`` [len(traced), T], an
+    update's per-token values at ``index`` (`UpdateTokens.record`)."""
     for s, traj in enumerate(traced):
         n = len(traj.response_ids)
         if (index[s, :n] >= 0).any():
@@ -132,6 +135,28 @@ def record_signals(
                 ]
                 for name, x in values.items()
             }
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateTokens:
+    """What an update gives a trace: its per-token values (`Learner.rl_update`'s learner
+    logprobs, entropies and advantages, [M, b, T] arrays on the devices) and where a
+    trajectory's tokens lie in them: the host ``batch`` and its ``rows`` in order
+    (`trace_index`). One process's: a multi-process update's arrays span processes."""
+
+    values: dict[str, jax.Array]
+    batch: TrainBatch
+    rows: Sequence[Trajectory]
+
+    def record(self, traced: Sequence[Trajectory]) -> None:
+        """Sets the ``learner_signals`` of each of ``traced`` the update trained on
+        (`record_signals`): the arrays are copied off the devices here, for traced steps
+        only."""
+        index = trace_index(self.batch, self.rows, traced)
+        at = np.maximum(index, 0)
+        with device_turns.TURN:  # an engine's thread may share the devices (async training)
+            flat = {k: np.asarray(v).reshape(-1) for k, v in self.values.items()}
+        record_signals(traced, index, {k: v[at] for k, v in flat.items()})
 
 
 def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:

@@ -43,7 +43,7 @@ from jax_agent_rl.rl.update import (
     prepare,
 )
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
-from jax_agent_rl.train.traces import trace_index
+from jax_agent_rl.train.traces import UpdateTokens, trace_index
 from tests.programs import programs_built
 
 CFG = ModelConfig.from_hf(TINY["qwen2"])
@@ -500,31 +500,32 @@ def test_without_rollout_logprobs_the_old_ones_stand_in() -> None:
     assert want["logprob_gap/staleness_1"] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_a_traced_step_gives_back_the_update_s_own_values_and_updates_the_same() -> None:
-    """Tracing two trajectories (`rl_update` with a ``trace_index``) updates as the plain
-    step does, and gives back at each of their sampled tokens the learner's logprob and
-    entropy before the update (`token_stats` of the old params, fp32: the same computation in
-    another program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens)."""
+def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() -> None:
+    """`rl_update` gives back, per token [M, b, T], the learner's logprob and entropy before
+    the update (`token_stats` of the old params, fp32: the same computation in another
+    program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens); a trace of two
+    trajectories reads theirs out of them (`UpdateTokens.record`), at their sampled tokens
+    only, and the update is the same program whether a step is traced or not."""
     algo = AlgorithmSection(mini_batches=2)
     params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
     trajs = random_trajectories(8, seed=7)
-    (plain, plain_state), (tracing, tracing_state) = (_learner(algo, params) for _ in range(2))
+    learner, state = _learner(algo, params)
     batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
     traced = [trajs[5], trajs[1]]
     index = trace_index(batch, trajs, traced)
-    s = plain.spec
+    s = learner.spec
     logp, entropy = (
         np.asarray(x).reshape(-1)
-        for x in jax.jit(lambda p, b: token_stats(s, p, b))(plain_state.policy.params, batch)
+        for x in jax.jit(lambda p, b: token_stats(s, p, b))(state.policy.params, batch)
     )
-    plain_state, want, untraced = plain.rl_update(plain_state, batch, sequences, real)
-    tracing_state, got, values = tracing.rl_update(
-        tracing_state, batch, sequences, real, trace_index=index
-    )
-    assert untraced == {}
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
-    assert_close_normwise(tracing_state.policy.params, plain_state.policy.params)
-    assert set(values) == {"learner_logprobs", "learner_entropy", "advantages"}
+    state, _, values = learner.rl_update(state, batch, sequences, real)
+    names = ("learner_logprobs", "learner_entropy", "advantages")
+    assert set(values) == set(names)
+    B, T = batch.mask.shape  # the host's rows; on the devices [M, b, T] micro-batches
+    assert all(values[name].shape[1:] == (learner.micro_batch_size, T) for name in names)
+    assert all(values[name].size == B * T for name in names)
+    UpdateTokens(values, batch, trajs).record(traced)
+    assert all(not t.learner_signals for t in trajs if t not in traced)
     mask = np.asarray(batch.mask).reshape(-1)
     rewards = REWARDS[:8].reshape(2, 4)  # random_trajectories: groups of 4
     for k, (t, b) in enumerate(zip(traced, (5, 1), strict=True)):
@@ -533,8 +534,7 @@ def test_a_traced_step_gives_back_the_update_s_own_values_and_updates_the_same()
         assert (at >= 0).all() and (index[k, n:] == -1).all()  # whole episodes: all in rows
         sampled = mask[at] > 0
         assert sampled.any() and (~sampled).any()
-        names = ("learner_logprobs", "learner_entropy", "advantages")
-        got_logp, got_ent, got_adv = (values[name][k, :n] for name in names)
+        got_logp, got_ent, got_adv = (np.array(t.learner_signals[name]) for name in names)
         np.testing.assert_allclose(got_logp[sampled], logp[at][sampled], atol=1e-5, rtol=0)
         np.testing.assert_allclose(got_ent[sampled], entropy[at][sampled], atol=1e-5, rtol=0)
         assert (got_ent[sampled] > 0).all() and (
