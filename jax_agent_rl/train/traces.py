@@ -31,6 +31,7 @@ from rich.text import Text
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import number, visible
 
@@ -94,7 +95,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
 
 
 def trace_index(
-    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
+    batch: TrainBatch, rows: Sequence[TrainSequence], traced: Sequence[Trajectory]
 ) -> np.ndarray:
     """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
     traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are

@@ -34,6 +34,7 @@ from jax_agent_rl.rl.objectives import (
     token_stats,
     value_objective,
 )
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.update import (
     LearnerState,
     RLBatch,
@@ -51,9 +52,9 @@ MOE_CFG = ModelConfig.from_hf(TINY_MOE)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Trajectory]:
+def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[TrainSequence]:
     """Trajectories of random tokens with a model/tool mask pattern and sampler logprobs, in
-    groups of 4."""
+    groups of 4, as the learner reads them."""
     rng = np.random.default_rng(seed)
     trajs = []
     for b in range(n):
@@ -65,7 +66,7 @@ def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Tr
             model = (i // 4) % 2 == 0
             ids = list(rng.integers(0, 256, 4))
             traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
-        trajs.append(traj)
+        trajs.append(traj.train_sequence())
     return trajs
 
 
@@ -239,7 +240,7 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
     for req, res in asyncio.run(go()):
         t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
         t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))
-        trajs.append(t)
+        trajs.append(t.train_sequence())
     # all four packed in one row: positions restart and attention stays within each
     batch = make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
     s = spec(ALGO, sampling=SamplingSpec(0.8, top_k, top_p))
@@ -328,7 +329,7 @@ def _learner(
 
 
 def _step(
-    trajs: list[Trajectory],
+    trajs: list[TrainSequence],
     rewards: np.ndarray,
     mini_batches: int,
     row_tokens: int | None,
