@@ -6,7 +6,7 @@ The learner half of a step (`jax_agent_rl.train.learn.learn`) on the demo's conf
 prompt, then turns of sampled tokens and tool results up to 128 response tokens), once
 without traces and once with ``trainer.traces_per_step`` (4) traced, alternating, the first of
 each compiling (not timed). The traced step gathers the traced tokens' values out of the
-update on the device and maps them back on the host (`trace_index`, `record_signals`);
+update on the device and maps them back on the host (`trace_index`, `learner_signals`);
 everything else is the same program. ``overhead`` is (traced - untraced) / untraced of the
 median step times: an upper bound on the share of a demo step (the rollout, which tracing
 does not touch, is left out of the denominator).
@@ -88,10 +88,12 @@ def main() -> None:
         for i in range(args.steps + 1):
             for kind, chosen in (("untraced", []), ("traced", picks)):
                 t0 = time.perf_counter()
-                state, _, _ = learn(run.learner, state, run.cfg, trajs, trajs, traced=chosen)
+                state, _, _, signals = learn(
+                    run.learner, state, run.cfg, trajs, trajs, traced=chosen
+                )
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
-        assert all(t.learner_signals for t in picks)
+        assert all(signals.get(t.uid) for t in picks)
         run.checkpoints.close()
         run.metrics.close()
     untraced, traced = (statistics.median(times[k]) for k in ("untraced", "traced"))

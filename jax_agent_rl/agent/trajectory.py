@@ -128,9 +128,6 @@ class Trajectory:
     forked_from: str | None = None
     forked_tokens: int = 0
     forked_calls: int = 0
-    # per response token, for traced trajectories the learner trained on (`train.step.learn`):
-    # its "learner_logprobs" and "advantages" (None where it trained no such token)
-    learner_signals: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)
 
     def append(
         self,

@@ -50,14 +50,13 @@ from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
 from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_episodes
-from jax_agent_rl.train.traces import trace_picks
+from jax_agent_rl.train.traces import TokenSignals, trace_picks
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
-# metrics and the trajectories it sampled; the state it is given is donated
-StepFn = Callable[
-    [LearnerState, int, bool],
-    Awaitable[tuple[LearnerState, dict[str, float], list[Trajectory]]],
-]
+# metrics, the trajectories it sampled and the learner's signals at the traced ones' tokens
+# (`learn.learn`); the state it is given is donated
+StepResult = tuple[LearnerState, dict[str, float], list[Trajectory], dict[str, TokenSignals]]
+StepFn = Callable[[LearnerState, int, bool], Awaitable[StepResult]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,12 +251,12 @@ async def async_step(
     state: LearnerState,
     step: int,
     compiles: bool,
-) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+) -> StepResult:
     """One update of ``state`` (the policy at version ``step``, donated) from finished groups,
     then its push (``pinned``: once every group started under the weights it replaces is
-    done). Returns the new state, its metrics and the trajectories it trained on (those
-    dropped are counted). ``reported``: the rollout's counters reported so far
-    (`learn_and_push`)."""
+    done). Returns the new state, its metrics, the trajectories it trained on (those
+    dropped are counted) and the learner's signals at the traced ones' tokens.
+    ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
     cfg = run.cfg
 
     async def groups_of_this_version() -> None:
@@ -273,7 +272,7 @@ async def async_step(
         cfg.trainer.max_staleness,
         cfg.rollout.dynamic_sampling,
     )
-    state, m, totals = await learn_and_push(
+    state, m, totals, signals = await learn_and_push(
         run,
         rollout,
         state,
@@ -298,7 +297,7 @@ async def async_step(
             "async/groups_in_flight": producer.in_flight,
         }
     )
-    return state, m, taken.trajectories
+    return state, m, taken.trajectories, signals
 
 
 @contextlib.asynccontextmanager
@@ -313,9 +312,7 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     sampling = asyncio.create_task(producer.run_forever())
     reported: dict[str, float] = {}
 
-    async def step_fn(
-        state: LearnerState, step: int, compiles: bool
-    ) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+    async def step_fn(state: LearnerState, step: int, compiles: bool) -> StepResult:
         if sampling.done():  # it only ends by failing
             sampling.result()
         return await async_step(run, rollout, producer, reported, state, step, compiles)

@@ -23,20 +23,29 @@ from jax_agent_rl.train.episodes import stop_warning
 from jax_agent_rl.train.evaluation import evaluate_samples, process_share
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.metrics import equal_rewards_warning, plot_run, step_line
-from jax_agent_rl.train.traces import TRACES_FILE, append_traces, trace_picks, trace_record
+from jax_agent_rl.train.traces import (
+    TRACES_FILE,
+    TokenSignals,
+    append_traces,
+    trace_picks,
+    trace_record,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to), every trajectory this process sampled, and the learner's ``state`` after it (the
-    loop's: the next step donates it, so a hook reads it and keeps none of it)."""
+    to), every trajectory this process sampled, the learner's ``state`` after it (the
+    loop's: the next step donates it, so a hook reads it and keeps none of it) and what the
+    learner computed at the tokens of the traced trajectories it trained on, by uid
+    (`traces.learner_signals`)."""
 
     step: int
     last: bool
     metrics: dict[str, float]
     trajectories: list[Trajectory]
     state: LearnerState
+    signals: dict[str, TokenSignals] = dataclasses.field(default_factory=dict)
 
 
 HookFn = Callable[[Run, Rollout, StepEnd], Awaitable[None]]
@@ -87,7 +96,8 @@ async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     del rollout
     picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
     append_traces(
-        run.run_dir / TRACES_FILE, (trace_record(t, run.tokenizer, end.step) for t in picks)
+        run.run_dir / TRACES_FILE,
+        (trace_record(t, run.tokenizer, end.step, end.signals.get(t.uid)) for t in picks),
     )
     if run.cfg.trainer.trace_backend == "mlflow":
         from jax_agent_rl.train.mlflow_traces import record_traces  # mlflow: an optional extra

@@ -40,7 +40,7 @@ from jax_agent_rl.train.episodes import (
     split_groups,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
-from jax_agent_rl.train.traces import record_signals, trace_index
+from jax_agent_rl.train.traces import TokenSignals, learner_signals, trace_index
 
 
 def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str, float]:
@@ -126,7 +126,7 @@ def learn(
     rollout_logprobs: bool = True,
     version: int | None = None,
     traced: Sequence[Trajectory] = (),
-) -> tuple[LearnerState, dict[str, float], Totals]:
+) -> tuple[LearnerState, dict[str, float], Totals, dict[str, TokenSignals]]:
     """The learner's half of a step: this process's ``kept`` groups (whole groups of
     ``rollout.n``) trained on with every other process's, in one update of ``state``
     (donated) by ``learner`` (`Learner.rl_update`), batched and shaped as ``cfg`` says.
@@ -140,9 +140,10 @@ def learn(
     behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
     sampled over counts as its age: `TrainSequence.oldest_version`). Always:
     ``staleness/kv_older_tokens``, the share of trained sampled tokens whose KV was older
-    than the weights that sampled them. ``traced``: the trajectories
-    whose traces are written (one process only); those trained on get their per-token
-    learner logprobs and advantages (`traces.record_signals`), pulled out of the update itself.
+    than the weights that sampled them. ``traced``: the trajectories whose traces are written
+    (one process only); for those trained on, it returns their per-token learner logprobs,
+    entropies and advantages by uid (`traces.learner_signals`), pulled out of the update
+    itself: the new state, the metrics, the totals and those signals.
 
     Each process's rows are padded to the same row count and length as every other's. Raises
     when every episode of every process failed (`episodes.all_failed_error`)."""
@@ -204,6 +205,7 @@ def learn(
     width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
     m["batch/real_token_frac"] = totals["train_tokens"] / (m["batch/rows"] * width)
     t0 = time.perf_counter()
+    signals: dict[str, TokenSignals] = {}
     if totals["batch/samples"]:  # one upload; old / reference logprobs, advantages, updates
         staleness_s = None if version is None else np.zeros(len(sequences.rewards), np.int32)
         if staleness_s is not None:
@@ -220,7 +222,7 @@ def learn(
         )
         m.update(out)
         if index is not None:
-            record_signals(traced, index, values)
+            signals = learner_signals(traced, index, values)
     jax.block_until_ready(state.policy.params)
     t_train = time.perf_counter() - t0
     m.update(
@@ -231,7 +233,7 @@ def learn(
             "batch/groups_all_equal": totals["batch/groups_all_equal"],
         }
     )
-    return state, m, totals
+    return state, m, totals, signals
 
 
 async def learn_and_push(
@@ -249,7 +251,7 @@ async def learn_and_push(
     waited_s: float,
     traced: Sequence[Trajectory] = (),
     before_push: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[LearnerState, dict[str, float], Totals]:
+) -> tuple[LearnerState, dict[str, float], Totals, dict[str, TokenSignals]]:
     """A step's tail once its groups are in, in either loop: `learn` from ``kept`` (an update
     of ``state``, in a worker thread, so that the event loop, its agent loops and tool calls,
     goes on), push the new weights as version ``step + 1`` (once ``before_push()`` is done,
@@ -258,8 +260,9 @@ async def learn_and_push(
     (`pace_metrics`; ``idle0``: the backend's idle time then). ``traced``: the trajectories
     whose traces are written (`learn`). ``reported``: the counters of ``rollout`` its loop
     reported so far, brought up to date with this step's share (`counted_since`). Returns
-    the new state, the metrics and the `learn` totals."""
-    state, m, totals = await asyncio.to_thread(
+    the new state, the metrics, the `learn` totals and the traced trajectories' learner
+    signals."""
+    state, m, totals, signals = await asyncio.to_thread(
         learn,
         run.learner,
         state,
@@ -292,7 +295,7 @@ async def learn_and_push(
             INCLUDES_COMPILE: float(compiles),
         }
     )
-    return state, m, totals
+    return state, m, totals, signals
 
 
 def pace_metrics(

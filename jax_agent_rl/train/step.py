@@ -53,7 +53,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import split_groups
 from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.traces import trace_picks
+from jax_agent_rl.train.traces import TokenSignals, trace_picks
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -381,16 +381,17 @@ async def rl_step(
     state: LearnerState,
     step: int,
     compiles: bool,
-) -> tuple[LearnerState, dict[str, float], list[Trajectory]]:
+) -> tuple[LearnerState, dict[str, float], list[Trajectory], dict[str, TokenSignals]]:
     """One RL step (see the module docstring) of the learner's ``state`` (donated): `collect`,
     then `learn_and_push`. Returns the new state, its metrics (of every process; the rollout
-    time is the slowest process's) and the trajectories this process sampled. ``compiles``:
+    time is the slowest process's), the trajectories this process sampled and the learner's
+    signals at the traced ones' tokens (`learn.learn`). ``compiles``:
     the first step of this process, whose times include compiling the engine and the
     learner step (kept out of the throughput plot). ``reported``: the rollout's counters
     reported so far (`learn_and_push`)."""
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
     kept, seen = await collect(run, rollout, step)
-    state, m, totals = await learn_and_push(
+    state, m, totals, signals = await learn_and_push(
         run,
         rollout,
         state,
@@ -405,4 +406,4 @@ async def rl_step(
         traced=trace_picks(seen, run.cfg.trainer.traces_per_step),
     )
     m["time/rollout_tokens_per_s"] = totals["model_tokens"] / max(m["time/rollout_s"], 1e-9)
-    return state, m, seen
+    return state, m, seen, signals

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ PROB_STYLES = (
     (0.0, "bold red"),
 )
 _MAX_PENDING = 8  # tokens held back while they end inside a multi-byte character
+# what the learner computed at each response token of a traced trajectory, by name
+# ("learner_logprobs", "learner_entropy", "advantages"; None where it trained no such token)
+TokenSignals = dict[str, list[float | None]]
 
 
 def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
@@ -58,8 +61,14 @@ def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
     return list(trajectories[:: max(1, len(trajectories) // max(k, 1))][:k])
 
 
-def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
-    """A JSON-serialisable record of ``traj`` taken at training step ``step``."""
+def trace_record(
+    traj: Trajectory,
+    tokenizer: Tokenizer,
+    step: int,
+    signals: Mapping[str, Sequence[float | None]] | None = None,
+) -> dict[str, Any]:
+    """A JSON-serialisable record of ``traj`` taken at training step ``step``, with the
+    learner's ``signals`` at its tokens when it trained on it (`learner_signals`)."""
     return {
         "step": int(step),
         "uid": traj.uid,
@@ -90,7 +99,7 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "kv_versions": [int(v) for v in traj.kv_versions],
         # a MoE policy's: per response token, its experts [sparse layers][k] (-1: none)
         "expert_ids": None if traj.expert_ids is None else traj.expert_ids.tolist(),
-        **traj.learner_signals,
+        **(signals or {}),
     }
 
 
@@ -118,21 +127,23 @@ def trace_index(
     return index
 
 
-def record_signals(
+def learner_signals(
     traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
-) -> None:
-    """Sets each traced trajectory's ``learner_signals`` from the traced values
-    `Learner.rl_update` returns."""
+) -> dict[str, TokenSignals]:
+    """The `TokenSignals` of each traced trajectory the learner trained on, by uid, from the
+    traced values `Learner.rl_update` returns (``index``: `trace_index`)."""
+    signals: dict[str, TokenSignals] = {}
     for s, traj in enumerate(traced):
         n = len(traj.response_ids)
         if (index[s, :n] >= 0).any():
-            traj.learner_signals = {
+            signals[traj.uid] = {
                 name: [
                     float(v) if at >= 0 else None
                     for v, at in zip(x[s, :n], index[s, :n], strict=True)
                 ]
                 for name, x in values.items()
             }
+    return signals
 
 
 def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:

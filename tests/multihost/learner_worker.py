@@ -83,7 +83,7 @@ def main() -> None:
         if args.rows_as_processes:
             trajs = as_laid_out(trajs, args.rows_as_processes, cfg.learner.micro_batch_size)
         mine = trajs[jax.process_index() * share : (jax.process_index() + 1) * share]
-        state, _, _ = learn(run.learner, state, run.cfg, mine, mine)
+        state, _, _, _ = learn(run.learner, state, run.cfg, mine, mine)
     end = distributed.host_copy(state.policy.params)
     # what this process's engine would be given: the new params, whole, on its own devices
     served = run.serving_params(state)

@@ -284,7 +284,7 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
 
     async def step() -> dict[str, float]:
         async with open_rollout(run, state) as rollout:
-            _, m, _ = await rl_step(run, rollout, {}, state, 0, compiles=True)
+            _, m, _, _ = await rl_step(run, rollout, {}, state, 0, compiles=True)
             return m
 
     try:
