@@ -282,7 +282,8 @@ class Trajectory:
 
     def train_sequence(self) -> TrainSequence:
         """What the learner reads of it: its tokens, what came with each, its group and
-        reward (copies: the record does not change with the trajectory)."""
+        reward. The lists are copied and ``expert_ids`` is never edited in place (`append`
+        makes a new array), so the record does not change as the trajectory goes on."""
         return TrainSequence(
             uid=self.uid,
             group_id=self.group_id,
