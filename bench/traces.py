@@ -7,7 +7,7 @@ prompt, then turns of sampled tokens and tool results up to 128 response tokens)
 without traces and once with ``trainer.traces_per_step`` (4) traced, alternating, the first
 compiling (not timed). Both run the one update program, which leaves every token's values on
 the devices; the traced step then copies them off and reads the traced trajectories' tokens
-out of them on the host (`UpdateTokens.record`, what the trace hook does). ``overhead`` is
+out of them on the host (`UpdateTokens.signals`, what the trace hook does). ``overhead`` is
 (traced - untraced) / untraced of the median step times: an upper bound on the share of a demo
 step (the rollout, which tracing does not touch, is left out of the denominator).
 
@@ -91,10 +91,10 @@ def main() -> None:
                 state, _, _, tokens = learn(run.learner, state, run.cfg, trajs, trajs)
                 if chosen:
                     assert tokens is not None
-                    tokens.record(chosen)
+                    signals = tokens.signals(chosen)
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
-        assert all(t.learner_signals for t in picks)
+        assert all(signals.get(t.uid) for t in picks)
         run.checkpoints.close()
         run.metrics.close()
     untraced, traced = (statistics.median(times[k]) for k in ("untraced", "traced"))

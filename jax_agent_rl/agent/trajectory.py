@@ -1,6 +1,6 @@
-"""What a rollout produces and the learner consumes: one token-exact `Trajectory`, which keeps
-its own books (`Trajectory.add_sample`, `add_turn`, `add_observation`...): the agent loops call
-these and never edit its fields."""
+"""What a rollout produces: one token-exact `Trajectory`, which keeps its own books
+(`Trajectory.add_sample`, `add_turn`, `add_observation`...): the agent loops call these and
+never edit its fields. What the learner reads of it is its `Trajectory.train_sequence`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rewards import RewardError, checked_reward
+from jax_agent_rl.rl.sequence import TrainSequence, oldest_version
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
@@ -127,9 +128,6 @@ class Trajectory:
     forked_from: str | None = None
     forked_tokens: int = 0
     forked_calls: int = 0
-    # per response token, for traced trajectories the learner trained on (`train.step.learn`):
-    # its "learner_logprobs" and "advantages" (None where it trained no such token)
-    learner_signals: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)
 
     def append(
         self,
@@ -280,7 +278,24 @@ class Trajectory:
     def oldest_version(self) -> int | None:
         """The oldest weight version that sampled one of its tokens or computed a key or value
         one was sampled over (None: none sampled)."""
-        return min((v for v in (*self.token_versions, *self.kv_versions) if v >= 0), default=None)
+        return oldest_version(self.token_versions, self.kv_versions)
+
+    def train_sequence(self) -> TrainSequence:
+        """What the learner reads of it: its tokens, what came with each, its group and
+        reward. The lists are copied and ``expert_ids`` is never edited in place (`append`
+        makes a new array), so the record does not change as the trajectory goes on."""
+        return TrainSequence(
+            uid=self.uid,
+            group_id=self.group_id,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            loss_mask=list(self.loss_mask),
+            rollout_logprobs=list(self.rollout_logprobs),
+            token_versions=list(self.token_versions),
+            kv_versions=list(self.kv_versions),
+            expert_ids=self.expert_ids,
+            reward=self.reward,
+        )
 
     @property
     def trainable(self) -> bool:

@@ -1,4 +1,5 @@
-"""Trajectories -> learner rows: the only place token lists become a learner batch.
+"""Sampled sequences (`rl.sequence.TrainSequence`) -> learner rows: the only place token lists
+become a learner batch.
 
 A sequence is ``prompt_ids + response_ids``. A row holds one sequence, right-padded (packing
 off, and SFT), or several one after another (`pack_rows`: first-fit decreasing into rows of
@@ -14,7 +15,7 @@ Everything per token is stored at the position that *predicts* it: ``targets[t] 
 tokens[t + 1]`` within a sequence, and ``mask[t]`` is 1 when that target is a model-sampled
 token (the trajectory's loss mask), so the logits at ``t`` score ``targets[t]`` with no
 further shifting anywhere. Nothing is re-tokenized. So are a MoE policy's sampled experts
-(`Trajectory.expert_ids`): ``expert_ids[t]`` are those of the position ``t`` the sampler
+(`TrainSequence.expert_ids`): ``expert_ids[t]`` are those of the position ``t`` the sampler
 computed ``targets[t]`` from, -1 (`NO_EXPERTS`: the learner routes itself) where the target
 was not sampled (prompt, tool and padding positions).
 """
@@ -28,9 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.models.decoder import ATTN_BLOCK
 from jax_agent_rl.models.moe import NO_EXPERTS
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.tree import TreeRows, tree_rows, units, widened
 
 Array = Any  # np.ndarray on the host, jax.Array on the devices
@@ -80,28 +81,29 @@ def turn_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def per_turn_samples(traj: Trajectory) -> list[Trajectory]:
-    """``traj`` as one training sample per model turn (``algorithm.turn_mode=per_turn``):
+def per_turn_samples(seq: TrainSequence) -> list[TrainSequence]:
+    """``seq`` as one training sample per model turn (``algorithm.turn_mode=per_turn``):
     sample ``k``'s prompt is the token-exact prefix up to turn ``k`` (``prompt_ids`` and the
     response before it), its response that turn's tokens only, with their logprobs and
     versions; uid ``<uid>#<k>``, group and reward the episode's. An episode without a model
     token stays one sample."""
     samples = []
-    for k, (a, b) in enumerate(turn_spans(traj.loss_mask)):
+    for k, (a, b) in enumerate(turn_spans(seq.loss_mask)):
         samples.append(
-            dataclasses.replace(
-                traj,
-                uid=f"{traj.uid}#{k}",
-                prompt_ids=[*traj.prompt_ids, *traj.response_ids[:a]],
-                response_ids=traj.response_ids[a:b],
-                loss_mask=traj.loss_mask[a:b],
-                rollout_logprobs=traj.rollout_logprobs[a:b],
-                token_versions=traj.token_versions[a:b],
-                kv_versions=traj.kv_versions[a:b],
-                expert_ids=None if traj.expert_ids is None else traj.expert_ids[a:b],
+            TrainSequence(
+                uid=f"{seq.uid}#{k}",
+                group_id=seq.group_id,
+                prompt_ids=[*seq.prompt_ids, *seq.response_ids[:a]],
+                response_ids=seq.response_ids[a:b],
+                loss_mask=seq.loss_mask[a:b],
+                rollout_logprobs=seq.rollout_logprobs[a:b],
+                token_versions=seq.token_versions[a:b],
+                kv_versions=seq.kv_versions[a:b],
+                expert_ids=None if seq.expert_ids is None else seq.expert_ids[a:b],
+                reward=seq.reward,
             )
         )
-    return samples or [traj]
+    return samples or [seq]
 
 
 def padded_length(n: int, bucket: int) -> int:
@@ -112,11 +114,11 @@ def padded_length(n: int, bucket: int) -> int:
     return bucket * (1 << (blocks - 1).bit_length())
 
 
-def sequence_length(traj: Trajectory) -> int:
+def sequence_length(traj: TrainSequence) -> int:
     return len(traj.prompt_ids) + len(traj.response_ids)
 
 
-def longest_sequence(trajectories: Sequence[Trajectory]) -> int:
+def longest_sequence(trajectories: Sequence[TrainSequence]) -> int:
     return max((sequence_length(t) for t in trajectories), default=1)
 
 
@@ -173,7 +175,7 @@ def balanced_slots(
 
 
 def make_batch(
-    trajectories: Sequence[Trajectory],
+    trajectories: Sequence[TrainSequence],
     bucket: int,
     rows: int | None = None,
     longest: int | None = None,
@@ -181,7 +183,7 @@ def make_batch(
     first_sequence: int = 0,
     window: int | None = None,
 ) -> TrainBatch:
-    """The trajectories as a `TrainBatch`: row ``r`` holds the sequences ``layout[r]`` one
+    """The sequences as a `TrainBatch`: row ``r`` holds the sequences ``layout[r]`` one
     after another (default `one_per_row`), then ``rows - len(layout)`` rows of padding (mask
     0; a batch can so be filled to a divisible size). Rows are ``padded_length(longest,
     bucket)`` long, ``longest`` defaulting to the fullest row's tokens (processes whose rows
@@ -239,7 +241,7 @@ def make_batch(
     )
 
 
-def batch_expert_ids(trajectories: Sequence[Trajectory], B: int, T: int) -> np.ndarray | None:
+def batch_expert_ids(trajectories: Sequence[TrainSequence], B: int, T: int) -> np.ndarray | None:
     """[B, T, sparse layers, k] of `NO_EXPERTS`, the dtype and sizes of the trajectories'
     expert ids, or None if none carries any. Raises ValueError naming a trajectory whose ids
     are not one row per response token of the same sparse layers and k as the others'."""
@@ -296,7 +298,7 @@ def tree_layouts(
 
 
 def sequence_arrays(
-    trajectories: Sequence[Trajectory],
+    trajectories: Sequence[TrainSequence],
 ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
     """Each trajectory's tokens, and its experts at each position ([n, sparse layers, k],
     `NO_EXPERTS` off the sampled tokens; None for all if none carries any)."""
@@ -358,7 +360,7 @@ def pow2(n: int) -> int:
 
 
 def step_batch(
-    trajectories: Sequence[Trajectory],
+    trajectories: Sequence[TrainSequence],
     rewards: Sequence[float] | np.ndarray,
     group_ids: Sequence[str],
     weights: Sequence[float] | np.ndarray,

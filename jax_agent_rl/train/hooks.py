@@ -93,13 +93,13 @@ async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     """``trainer.traces_per_step`` trajectories, spread over the step's (process 0's share of
     them in a multi-process run), to ``traces.jsonl``, and with ``trainer.trace_backend=mlflow``
     to the run's MLflow store as well; those the update trained on with its per-token values
-    (`traces.UpdateTokens.record`)."""
+    (`traces.UpdateTokens.signals`)."""
     del rollout
     picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
-    if end.tokens is not None and picks:
-        end.tokens.record(picks)
+    signals = end.tokens.signals(picks) if end.tokens is not None and picks else {}
     append_traces(
-        run.run_dir / TRACES_FILE, (trace_record(t, run.tokenizer, end.step) for t in picks)
+        run.run_dir / TRACES_FILE,
+        (trace_record(t, run.tokenizer, end.step, signals.get(t.uid)) for t in picks),
     )
     if run.cfg.trainer.trace_backend == "mlflow":
         from jax_agent_rl.train.mlflow_traces import record_traces  # mlflow: an optional extra

@@ -27,6 +27,7 @@ from jax_agent_rl.models.attention_kernels import runs_on_tpu
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run, counted_since
 from jax_agent_rl.train.episodes import (
@@ -68,20 +69,20 @@ def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
     return rewards
 
 
-def staleness(traj: Trajectory, version: int) -> int:
-    """How many weight versions behind ``version`` the oldest sampled token of ``traj`` is
-    (0 for a trajectory with none)."""
-    oldest = traj.oldest_version
+def staleness(seq: TrainSequence, version: int) -> int:
+    """How many weight versions behind ``version`` the oldest sampled token of ``seq`` is
+    (0 for a sequence with none)."""
+    oldest = seq.oldest_version
     return 0 if oldest is None else version - oldest
 
 
-def kv_behind(trajs: Sequence[Trajectory]) -> tuple[int, int]:
-    """Of the sampled tokens of ``trajs``: how many were sampled over keys and values older
+def kv_behind(seqs: Sequence[TrainSequence]) -> tuple[int, int]:
+    """Of the sampled tokens of ``seqs``: how many were sampled over keys and values older
     than the weights that sampled them (an engine that kept its KV over a push,
     ``engine.keep_kv_on_update``), and how many there are."""
     pairs = [
         (v, kv)
-        for t in trajs
+        for t in seqs
         for v, kv in zip(t.token_versions, t.kv_versions, strict=False)
         if v >= 0
     ]
@@ -90,18 +91,20 @@ def kv_behind(trajs: Sequence[Trajectory]) -> tuple[int, int]:
 
 def training_rows(
     trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
-) -> tuple[list[Trajectory], np.ndarray, list[str], np.ndarray]:
-    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory, or with
-    ``turn_mode=per_turn`` one per model turn (`per_turn_samples`). Returns the rows, their
-    rewards and groups (their episode's), and the share of its episode each row is (``1 /
-    turns``, so that GRPO's group statistics count every episode once)."""
+) -> tuple[list[TrainSequence], np.ndarray, list[str], np.ndarray]:
+    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory (its
+    `Trajectory.train_sequence`), or with ``turn_mode=per_turn`` one per model turn
+    (`per_turn_samples`). Returns the rows, their rewards and groups (their episode's), and
+    the share of its episode each row is (``1 / turns``, so that GRPO's group statistics
+    count every episode once)."""
+    seqs = [t.train_sequence() for t in trajs]
     if turn_mode == "trajectory":
-        return list(trajs), rewards, [t.group_id for t in trajs], np.ones(len(trajs), np.float32)
-    rows: list[Trajectory] = []
+        return seqs, rewards, [t.group_id for t in seqs], np.ones(len(seqs), np.float32)
+    rows: list[TrainSequence] = []
     row_rewards: list[float] = []
     weights: list[float] = []
-    for traj, reward in zip(trajs, rewards, strict=True):
-        turns = per_turn_samples(traj)
+    for seq, reward in zip(seqs, rewards, strict=True):
+        turns = per_turn_samples(seq)
         rows += turns
         row_rewards += [float(reward)] * len(turns)
         weights += [1.0 / len(turns)] * len(turns)
@@ -134,7 +137,7 @@ def learn(
     version of the policy being updated; with it, how far behind it each trained trajectory
     was sampled (`staleness`) goes into the metrics: ``staleness/<k>`` (the share k versions
     behind), ``staleness/max`` and the logprob gap per staleness (the oldest KV a token was
-    sampled over counts as its age: `Trajectory.oldest_version`). Always:
+    sampled over counts as its age: `TrainSequence.oldest_version`). Always:
     ``staleness/kv_older_tokens``, the share of trained sampled tokens whose KV was older
     than the weights that sampled them. Also returns the update's per-token values, where a
     trace reads them (`traces.UpdateTokens`; in a one-process run that updated, else None).

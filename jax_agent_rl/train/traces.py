@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from jax_agent_rl import device_turns
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.visible import number, visible
 
@@ -53,6 +54,9 @@ PROB_STYLES = (
     (0.0, "bold red"),
 )
 _MAX_PENDING = 8  # tokens held back while they end inside a multi-byte character
+# what the learner computed at each response token of a traced trajectory, by name
+# ("learner_logprobs", "learner_entropy", "advantages"; None where it trained no such token)
+TokenSignals = dict[str, list[float | None]]
 
 
 def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
@@ -60,8 +64,14 @@ def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
     return list(trajectories[:: max(1, len(trajectories) // max(k, 1))][:k])
 
 
-def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
-    """A JSON-serialisable record of ``traj`` taken at training step ``step``."""
+def trace_record(
+    traj: Trajectory,
+    tokenizer: Tokenizer,
+    step: int,
+    signals: Mapping[str, Sequence[float | None]] | None = None,
+) -> dict[str, Any]:
+    """A JSON-serialisable record of ``traj`` taken at training step ``step``, with the
+    learner's ``signals`` at its tokens when it trained on it (`learner_signals`)."""
     return {
         "step": int(step),
         "uid": traj.uid,
@@ -92,12 +102,12 @@ def trace_record(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str,
         "kv_versions": [int(v) for v in traj.kv_versions],
         # a MoE policy's: per response token, its experts [sparse layers][k] (-1: none)
         "expert_ids": None if traj.expert_ids is None else traj.expert_ids.tolist(),
-        **traj.learner_signals,
+        **(signals or {}),
     }
 
 
 def trace_index(
-    batch: TrainBatch, rows: Sequence[Trajectory], traced: Sequence[Trajectory]
+    batch: TrainBatch, rows: Sequence[TrainSequence], traced: Sequence[Trajectory]
 ) -> np.ndarray:
     """[len(traced), T]: where in ``batch``'s rows (flattened) each response token of each
     traced trajectory is predicted (-1: nowhere, e.g. an untrained trajectory's). ``rows`` are
@@ -120,21 +130,23 @@ def trace_index(
     return index
 
 
-def record_signals(
+def learner_signals(
     traced: Sequence[Trajectory], index: np.ndarray, values: dict[str, np.ndarray]
-) -> None:
-    """Sets each traced trajectory's ``learner_signals`` from ``values`` [len(traced), T], an
-    update's per-token values at ``index`` (`UpdateTokens.record`)."""
+) -> dict[str, TokenSignals]:
+    """The `TokenSignals` of each traced trajectory the learner trained on, by uid, from
+    ``values`` [len(traced), T], an update's per-token values at ``index`` (`trace_index`)."""
+    signals: dict[str, TokenSignals] = {}
     for s, traj in enumerate(traced):
         n = len(traj.response_ids)
         if (index[s, :n] >= 0).any():
-            traj.learner_signals = {
+            signals[traj.uid] = {
                 name: [
                     float(v) if at >= 0 else None
                     for v, at in zip(x[s, :n], index[s, :n], strict=True)
                 ]
                 for name, x in values.items()
             }
+    return signals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,17 +158,17 @@ class UpdateTokens:
 
     values: dict[str, jax.Array]
     batch: TrainBatch
-    rows: Sequence[Trajectory]
+    rows: Sequence[TrainSequence]
 
-    def record(self, traced: Sequence[Trajectory]) -> None:
-        """Sets the ``learner_signals`` of each of ``traced`` the update trained on
-        (`record_signals`): the arrays are copied off the devices here, for traced steps
+    def signals(self, traced: Sequence[Trajectory]) -> dict[str, TokenSignals]:
+        """The `TokenSignals` of each of ``traced`` the update trained on, by uid
+        (`learner_signals`): the arrays are copied off the devices here, for traced steps
         only."""
         index = trace_index(self.batch, self.rows, traced)
         at = np.maximum(index, 0)
         with device_turns.TURN:  # an engine's thread may share the devices (async training)
             flat = {k: np.asarray(v).reshape(-1) for k, v in self.values.items()}
-        record_signals(traced, index, {k: v[at] for k, v in flat.items()})
+        return learner_signals(traced, index, {k: v[at] for k, v in flat.items()})
 
 
 def token_pieces(tokenizer: Tokenizer, ids: Sequence[int], mask: Sequence[int]) -> list[str]:

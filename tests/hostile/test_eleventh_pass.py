@@ -435,7 +435,8 @@ def test_a_traced_episode_whose_uid_holds_a_hash_is_found_in_the_batch() -> None
         t.append([5, 6], model=False)
         t.append([20 + k], model=True, logprobs=[-0.3])
         trajs.append(t)
-    for rows in (trajs, [s for t in trajs for s in per_turn_samples(t)]):
+    seqs = [t.train_sequence() for t in trajs]
+    for rows in (seqs, [s for t in seqs for s in per_turn_samples(t)]):
         batch, _, _ = step_batch(
             rows, np.zeros(len(rows)), [r.group_id for r in rows], np.ones(len(rows)),
             mini_batches=1, row_tokens=32, bucket=8, rows_per_micro=2,
@@ -444,5 +445,5 @@ def test_a_traced_episode_whose_uid_holds_a_hash_is_found_in_the_batch() -> None
         targets = batch.targets.reshape(-1)
         for s, t in enumerate(trajs):
             for j, (token, m) in enumerate(zip(t.response_ids, t.loss_mask, strict=True)):
-                if m or rows is trajs:  # (per-turn rows hold only the sampled tokens)
+                if m or rows is seqs:  # (per-turn rows hold only the sampled tokens)
                     assert index[s, j] >= 0 and targets[index[s, j]] == token

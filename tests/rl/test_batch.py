@@ -23,7 +23,7 @@ def test_turn_spans_are_the_runs_of_sampled_tokens() -> None:
 
 def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
     traj = _episode()
-    samples = per_turn_samples(traj)
+    samples = per_turn_samples(traj.train_sequence())
     full = traj.prompt_ids + traj.response_ids
     assert [s.uid for s in samples] == ["e#0", "e#1", "e#2"]
     for s, (a, b) in zip(samples, turn_spans(traj.loss_mask), strict=True):
@@ -39,7 +39,7 @@ def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
         t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m
     ]
     # as learner rows: each sample scores its turn's targets with the trajectory's logprobs
-    whole = make_batch([traj], bucket=8)
+    whole = make_batch([traj.train_sequence()], bucket=8)
     rows = make_batch(samples, bucket=8, longest=len(full))
     assert rows.mask.sum() == whole.mask.sum() == 5
     for r, s in enumerate(samples):
@@ -52,4 +52,4 @@ def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
 
 def test_an_episode_without_model_tokens_stays_one_sample() -> None:
     traj = Trajectory(uid="e", group_id="g", prompt_ids=[1, 2])
-    assert per_turn_samples(traj) == [traj]
+    assert per_turn_samples(traj.train_sequence()) == [traj.train_sequence()]

@@ -34,6 +34,7 @@ from jax_agent_rl.rl.objectives import (
     token_stats,
     value_objective,
 )
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.update import (
     LearnerState,
     RLBatch,
@@ -51,9 +52,9 @@ MOE_CFG = ModelConfig.from_hf(TINY_MOE)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Trajectory]:
+def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[TrainSequence]:
     """Trajectories of random tokens with a model/tool mask pattern and sampler logprobs, in
-    groups of 4."""
+    groups of 4, as the learner reads them."""
     rng = np.random.default_rng(seed)
     trajs = []
     for b in range(n):
@@ -65,7 +66,7 @@ def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Tr
             model = (i // 4) % 2 == 0
             ids = list(rng.integers(0, 256, 4))
             traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
-        trajs.append(traj)
+        trajs.append(traj.train_sequence())
     return trajs
 
 
@@ -239,7 +240,7 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
     for req, res in asyncio.run(go()):
         t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
         t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))
-        trajs.append(t)
+        trajs.append(t.train_sequence())
     # all four packed in one row: positions restart and attention stays within each
     batch = make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
     s = spec(ALGO, sampling=SamplingSpec(0.8, top_k, top_p))
@@ -328,7 +329,7 @@ def _learner(
 
 
 def _step(
-    trajs: list[Trajectory],
+    trajs: list[TrainSequence],
     rewards: np.ndarray,
     mini_batches: int,
     row_tokens: int | None,
@@ -504,7 +505,7 @@ def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() ->
     """`rl_update` gives back, per token [M, b, T], the learner's logprob and entropy before
     the update (`token_stats` of the old params, fp32: the same computation in another
     program, 1e-5) and the GRPO advantage of its sequence (0 on tool tokens); a trace of two
-    trajectories reads theirs out of them (`UpdateTokens.record`), at their sampled tokens
+    trajectories reads theirs out of them (`UpdateTokens.signals`), at their sampled tokens
     only, and the update is the same program whether a step is traced or not."""
     algo = AlgorithmSection(mini_batches=2)
     params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
@@ -512,7 +513,8 @@ def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() ->
     learner, state = _learner(algo, params)
     batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
     traced = [trajs[5], trajs[1]]
-    index = trace_index(batch, trajs, traced)
+    rows = trajs
+    index = trace_index(batch, rows, traced)
     s = learner.spec
     logp, entropy = (
         np.asarray(x).reshape(-1)
@@ -524,8 +526,8 @@ def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() ->
     B, T = batch.mask.shape  # the host's rows; on the devices [M, b, T] micro-batches
     assert all(values[name].shape[1:] == (learner.micro_batch_size, T) for name in names)
     assert all(values[name].size == B * T for name in names)
-    UpdateTokens(values, batch, trajs).record(traced)
-    assert all(not t.learner_signals for t in trajs if t not in traced)
+    signals = UpdateTokens(values, batch, rows).signals(traced)
+    assert set(signals) == {t.uid for t in traced}
     mask = np.asarray(batch.mask).reshape(-1)
     rewards = REWARDS[:8].reshape(2, 4)  # random_trajectories: groups of 4
     for k, (t, b) in enumerate(zip(traced, (5, 1), strict=True)):
@@ -534,7 +536,7 @@ def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() ->
         assert (at >= 0).all() and (index[k, n:] == -1).all()  # whole episodes: all in rows
         sampled = mask[at] > 0
         assert sampled.any() and (~sampled).any()
-        got_logp, got_ent, got_adv = (np.array(t.learner_signals[name]) for name in names)
+        got_logp, got_ent, got_adv = (np.array(signals[t.uid][name]) for name in names)
         np.testing.assert_allclose(got_logp[sampled], logp[at][sampled], atol=1e-5, rtol=0)
         np.testing.assert_allclose(got_ent[sampled], entropy[at][sampled], atol=1e-5, rtol=0)
         assert (got_ent[sampled] > 0).all() and (

@@ -16,6 +16,7 @@ from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import Sequences, TrainBatch, per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec
+from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.tree import shared, slots
 from tests.rl.test_learner import (
     ALGO,
@@ -81,10 +82,11 @@ def tree_rollouts(num: int = 3, n: int = 4, seed: int = 0) -> list[Trajectory]:
 REWARDS = np.array([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 0.0, 0.0, 0.3, 0.9, 0.1, 0.6], np.float32)
 
 
-def workload(name: str) -> tuple[list[Trajectory], np.ndarray, np.ndarray]:
+def workload(name: str) -> tuple[list[TrainSequence], np.ndarray, np.ndarray]:
     """Trajectories, rewards and weights: GRPO groups, their per-turn samples (sample k a
     prefix of sample k + 1; weights 1 / turns), or tree rollouts."""
-    trajs = tree_rollouts() if name == "tree_rollouts" else groups()
+    played = tree_rollouts() if name == "tree_rollouts" else groups()
+    trajs = [t.train_sequence() for t in played]
     if name != "per_turn":
         return trajs, REWARDS, np.ones(len(trajs), np.float32)
     samples = [per_turn_samples(t) for t in trajs]
@@ -94,7 +96,7 @@ def workload(name: str) -> tuple[list[Trajectory], np.ndarray, np.ndarray]:
 
 
 def _step(
-    trajs: list[Trajectory],
+    trajs: list[TrainSequence],
     rewards: np.ndarray,
     weights: np.ndarray,
     K: int,
@@ -184,7 +186,7 @@ def test_a_moe_policy_s_replayed_routing_and_router_loss_are_those_of_the_packed
         mask = np.asarray(t.loss_mask, bool)[:, None, None]
         drawn = rng.integers(0, MOE_CFG.num_experts, (len(t.response_ids), 2, 2))
         t.expert_ids = np.where(mask, drawn, NO_EXPERTS).astype(np.int8)
-    samples = [per_turn_samples(t) for t in trajs]
+    samples = [per_turn_samples(t.train_sequence()) for t in trajs]
     rewards = np.repeat(REWARDS, [len(x) for x in samples])
     weights = np.concatenate([np.full(len(x), 1 / len(x)) for x in samples]).astype(np.float32)
     flat = [t for x in samples for t in x]

@@ -42,13 +42,14 @@ TIERS = [
     ["user_code", "call_processes"],
     ["env_process"],  # the process side of envs/skyrl.py: neither envs nor JAX
     ["engine", "distributed"],
+    # the learner: it reads sampled sequences (`rl.sequence`), never the agent or its tools
+    ["rl"],
     ["rollout"],
     ["data"],
     ["rewards"],
     ["tools"],
     ["envs"],
     ["agent"],
-    ["rl"],
     ["train"],
     ["plan"],
     ["view"],
@@ -162,6 +163,19 @@ def test_no_module_imports_from_a_package_above_it() -> None:
             if here in TIER and there in TIER and TIER[there] > TIER[here]:
                 upward.append(f"{module} imports {name} ({here} sits below {there})")
     assert upward == [], "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_learner_sits_below_the_agent_and_its_tools() -> None:
+    """`rl/` builds its rows from sampled sequences alone: an import of the agent loop or its
+    tools from there is an upward import (`test_no_module_imports_from_a_package_above_it`)."""
+    assert TIER["rl"] < min(TIER["agent"], TIER["tools"], TIER["rollout"])
+    reached = {
+        _package(name)
+        for module, imported in _import_graph().items()
+        if _package(module) == "rl"
+        for name in imported
+    }
+    assert reached.isdisjoint({"agent", "tools", "tokenization", "rollout"}), reached
 
 
 def _in_backends(module: str) -> bool:

@@ -181,7 +181,8 @@ def test_trace_index_points_at_each_traced_token_in_per_turn_rows() -> None:
         t.append([5, 6, 7], model=False)
         t.append([20 + k], model=True, logprobs=[-0.3])
         trajs.append(t)
-    for rows in (trajs, [s for t in trajs for s in per_turn_samples(t)]):
+    seqs = [t.train_sequence() for t in trajs]
+    for rows in (seqs, [s for t in seqs for s in per_turn_samples(t)]):
         batch, _, _ = step_batch(
             rows, np.zeros(len(rows)), [r.group_id for r in rows], np.ones(len(rows)),
             mini_batches=1, row_tokens=32, bucket=8, rows_per_micro=2,
@@ -193,7 +194,7 @@ def test_trace_index_points_at_each_traced_token_in_per_turn_rows() -> None:
             n = len(t.response_ids)
             assert (index[s, n:] == -1).all()
             for j, (token, m) in enumerate(zip(t.response_ids, t.loss_mask, strict=True)):
-                if m or rows is trajs:  # per-turn rows hold only the sampled tokens
+                if m or rows is seqs:  # per-turn rows hold only the sampled tokens
                     assert targets[index[s, j]] == token and mask[index[s, j]] == m
                 else:
                     assert index[s, j] == -1
