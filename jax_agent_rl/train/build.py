@@ -2,13 +2,17 @@
 the rollout side (backend, tools, agent contexts) opened around the loop (`open_rollout`; for
 weights from elsewhere, as ``jarl eval`` serves them, `serve_policy`).
 
-Building, in order: the run folder and its ``config.yaml``; the tokenizer; the mesh (always
-one, ``mesh.*`` devices) and the policy's weights on it; the data (train prompts through a
-resumable `PromptSampler`, held-out prompts); the tool registry; checkpoints and metrics; then
-the SFT warm start (unless resuming); the learner (and a critic for GAE); the KL reference (a
-copy); then either the resumed state of the last complete checkpoint, or a checkpoint of step
-0. The loops (`jax_agent_rl.train.loop`) hold the learner's state that `build_run` returns
-and pass it on; they and the hooks (`jax_agent_rl.train.hooks`) only read what is built here.
+Building, in order: the reward (loaded, to fail early); the run folder and its
+``config.yaml``; the model and the tokenizer; the mesh (always one, ``mesh.*`` devices) and
+the policy's weights on it (`run_policy`, the one heavy load); the data (train prompts through
+a resumable `PromptSampler`, held-out prompts); the tool registry; the environments;
+checkpoints and metrics; then the SFT warm start (unless resuming); the learner (and a critic
+for GAE); the KL reference (a copy); then either the resumed state of the last complete
+checkpoint, or a checkpoint of step 0. The loops (`jax_agent_rl.train.loop`) hold the
+learner's state that `build_run` returns and pass it on; they and the hooks
+(`jax_agent_rl.train.hooks`) only read what is built here. Every part but the weights,
+checkpoints and metrics comes from `jax_agent_rl.train.parts`, whose functions the pre-run
+check (`jax_agent_rl.train.check`) calls too.
 """
 
 from __future__ import annotations
@@ -17,17 +21,15 @@ import collections
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 from rich.console import Console
 
 from jax_agent_rl import device_turns, distributed, progress
 from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
-from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.config import (
     ConfigError,
     JarlConfig,
@@ -36,11 +38,11 @@ from jax_agent_rl.config import (
     absolute_paths,
     to_yaml,
 )
-from jax_agent_rl.data.datasets import PromptSampler, load_samples
+from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.envs import EnvError, Environments, make_environments
+from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.files import made_folder
-from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf, make_mesh
+from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
@@ -57,6 +59,15 @@ from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, RunCheckpoints
 from jax_agent_rl.train.learners import make_learner, sft_micro_batch_rows
 from jax_agent_rl.train.metrics import MetricsLog
+from jax_agent_rl.train.parts import (
+    check_environments,
+    check_reward,
+    held_out_samples,
+    policy_and_tokenizer,
+    prompt_samples,
+    run_sharder,
+    tool_registry,
+)
 from jax_agent_rl.train.run_policy import run_policy
 from jax_agent_rl.train.sft import warm_start
 
@@ -194,47 +205,19 @@ def _restore(
     return state, int(meta["step"])
 
 
-def run_sharder(cfg: JarlConfig) -> Sharder:
-    """The run's mesh (``mesh.*``) over the first devices of every process, in order."""
-    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-    if n > jax.device_count():
-        raise ValueError(f"mesh needs {n} devices, the run sees {jax.device_count()}")
-    if jax.process_count() > 1 and n != jax.device_count():
-        raise ValueError(
-            f"mesh has {n} devices but the {jax.process_count()} processes have "
-            f"{jax.device_count()}: a multi-process mesh spans them all"
-        )
-    devices = distributed.ordered_devices()[:n]
-    return Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices))
-
-
-def held_out_samples(cfg: JarlConfig) -> list[Sample]:
-    """The first ``data.val_size`` rows of ``data.val`` (all of them for 0; none without a file)."""
-    if not cfg.data.val:
-        return []
-    return load_samples(
-        cfg.data.val,
-        agents=AGENT_LOOPS,
-        default_agent=cfg.agent.default_agent_loop,
-        limit=cfg.data.val_size or None,
-    )
-
-
 def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
     """Builds (or resumes, see the module docstring) the run ``cfg`` describes, and its state."""
-    make_reward(cfg.data)  # user reward functions fail here, before anything is written
+    check_reward(cfg)  # user reward functions fail here, before anything is written
     run_dir = made_folder(Path(cfg.trainer.run_dir), f"trainer.run_dir={cfg.trainer.run_dir!r}")
     if distributed.is_primary():
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
-    tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    model, tokenizer = policy_and_tokenizer(cfg)
     sharder = run_sharder(cfg)
-    model, params = run_policy(cfg, tokenizer, sharder)
-    train = load_samples(
-        cfg.data.train, agents=AGENT_LOOPS, default_agent=cfg.agent.default_agent_loop
-    )
-    sampler = PromptSampler(train, cfg.trainer.seed)
+    params = run_policy(cfg, model, sharder)
+    default = cfg.agent.default_agent_loop
+    sampler = PromptSampler(prompt_samples("data.train", cfg.data.train, default), cfg.trainer.seed)
     val_samples = held_out_samples(cfg)
-    registry = ToolRegistry.from_yaml(cfg.tools.config)
+    registry = tool_registry(cfg.tools.config)
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     for key, samples in (("data.train", sampler.samples), ("data.val", val_samples)):
         check_environments(envs, samples, key)
@@ -290,30 +273,6 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
         checkpoints.close()
         metrics.close()
         raise
-
-
-def check_environments(envs: Environments, samples: Sequence[Sample], key: str) -> None:
-    """Every environment ``samples`` name exists (an ``env_class``; an interaction the
-    interaction YAML lists), and plays a loop that drives environments (tool_agent,
-    single_turn_agent): a `ConfigError` naming the first that does not."""
-    for s in samples:
-        if not envs.plays(s):
-            continue
-        if not s.env_class and envs.interaction is not None:  # a verl interaction's row
-            try:
-                envs.interaction(s)
-            except EnvError as e:
-                raise ConfigError(f"{key}: {e}") from None
-        if s.agent_name not in ("tool_agent", "single_turn_agent"):  # not react/openai_agent
-            raise ConfigError(
-                f"{key}: row {s.uid!r} has an environment but agent_name {s.agent_name!r}; "
-                "environments are played by tool_agent and single_turn_agent"
-            )
-        if s.env_class:
-            try:
-                envs.factory(s.env_class)
-            except KeyError as e:
-                raise ConfigError(f"{key}: row {s.uid!r}: {e.args[0]}") from None
 
 
 def make_tools(

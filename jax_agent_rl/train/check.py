@@ -2,8 +2,9 @@
 
 `jarl train` runs `check_run` before anything heavy, and ``--dry-run`` stops after it. By then
 `load_config` has checked every number's range and how the numbers fit each other
-(`jax_agent_rl.config.check_ranges`). This module loads what the values name, as the run will,
-but reads no weights and compiles nothing:
+(`jax_agent_rl.config.check_ranges`). This module loads what the values name through the
+functions `build_run` builds the run with (`jax_agent_rl.train.parts`), but reads no weights,
+writes no file and compiles nothing:
 
 - every name looked up in a registry: the rollout and judge backends and the filters
   (`check_names`) and the reward (user functions too); the tool-call parser's name
@@ -41,13 +42,11 @@ from typing import Any, TypeVar
 import jax
 
 from jax_agent_rl.agent.filters import check_filters
-from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
-from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig
-from jax_agent_rl.rewards import make_reward, scored_by_fallback
+from jax_agent_rl.rewards import scored_by_fallback
 from jax_agent_rl.rollout.registry import (
     backend_factory,
     backend_names,
@@ -58,22 +57,27 @@ from jax_agent_rl.rollout.registry import (
 from jax_agent_rl.tokenization import ChatTemplateError, Tokenizer
 from jax_agent_rl.tokenization.tool_calls import PARSERS, ToolCallParser, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
-from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
+from jax_agent_rl.tools.registry import LocalTools
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
-from jax_agent_rl.train.build import check_environments
 from jax_agent_rl.train.check_mesh import model_fit, processes_fit, spans_every_device
-from jax_agent_rl.train.learners import run_model
-from jax_agent_rl.train.run_policy import module_model
+from jax_agent_rl.train.parts import (
+    check_environments,
+    check_reward,
+    checkpoint_model,
+    custom_model,
+    lora_model,
+    one_line,
+    prompt_samples,
+    run_tokenizer,
+    tokenizer_source,
+    tool_registry,
+)
 from jax_agent_rl.train.sft import load_demonstrations
 from jax_agent_rl.user_code import load_function
 
 ROWS = 16  # rows read from the top of each data file
 
 T = TypeVar("T")
-
-
-class _CheckError(Exception):
-    """One line for the user: the key, its value and what would be accepted."""
 
 
 def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
@@ -94,7 +98,7 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     def attempt(load: Callable[[], T]) -> T | None:
         try:
             return load()
-        except _CheckError as e:
+        except ConfigError as e:
             problems.append(str(e))
             return None
 
@@ -108,19 +112,18 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         as_judge = dataclasses.replace(cfg.engine, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model, tokenizer = _model_and_tokenizer(cfg, attempt)
-    if model is not None and (cfg.model.lora.rank or cfg.model.lora.adapter_path):
-        try:  # adapters the model cannot carry (a MoE's expert MLPs), or not the folder's
-            run_model(cfg, model)
-        except ValueError as e:
-            problems.append(f"model.lora: {e}")
     if model is not None:
         joined = jax.process_count() == processes
         devices = jax.device_count() if joined else jax.local_device_count() * processes
         problems += model_fit(cfg, model, devices)
         problems += spans_every_device(cfg, processes, devices)
     default = cfg.agent.default_agent_loop
-    train = attempt(lambda: _samples("data.train", cfg.data.train, default))
-    val = attempt(lambda: _samples("data.val", cfg.data.val, default)) if cfg.data.val else []
+    train = attempt(lambda: prompt_samples("data.train", cfg.data.train, default, ROWS))
+    val = (
+        attempt(lambda: prompt_samples("data.val", cfg.data.val, default, ROWS))
+        if cfg.data.val
+        else []
+    )
     rows = {"data.train": train or [], "data.val": val or []}
     attempt(lambda: _environments(cfg, rows))
     attempt(lambda: _harness(cfg, rows))
@@ -140,6 +143,22 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     return problems
 
 
+def _model_and_tokenizer(
+    cfg: JarlConfig, attempt: Callable[[Callable[[], Any]], Any]
+) -> tuple[ModelConfig | None, Tokenizer | None]:
+    """The run's parts of `parts.policy_and_tokenizer`, each None where it failed: the model
+    the mesh must fit (the checkpoint's, its adapters checked apart; or the custom policy's)
+    and the tokenizer (not one of a checkpoint folder found wrong)."""
+    checkpoint = None if cfg.model.module else attempt(lambda: checkpoint_model(cfg.model.path))
+    if not (cfg.model.module or cfg.model.tokenizer or checkpoint is not None):
+        return None, None
+    tokenizer = attempt(lambda: run_tokenizer(cfg.model, checkpoint))
+    if checkpoint is not None:
+        attempt(lambda: lora_model(cfg, checkpoint))
+        return checkpoint, tokenizer
+    return (None if tokenizer is None else attempt(lambda: custom_model(cfg, tokenizer))), tokenizer
+
+
 def check_names(cfg: JarlConfig) -> list[str]:
     """The rollout backend, the judge's backend and the filters, each against its registry,
     and the reward loaded (``jarl eval`` checks these too, before it loads weights)."""
@@ -152,97 +171,10 @@ def check_names(cfg: JarlConfig) -> list[str]:
             f"data.judge.backend={judge!r}: use policy or a registered rollout backend {names}"
         )
     try:
-        _reward(cfg)
-    except _CheckError as e:
+        check_reward(cfg)
+    except ConfigError as e:
         problems.append(str(e))
     return problems
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
-
-
-def _reward(cfg: JarlConfig) -> None:
-    try:
-        make_reward(cfg.data)
-    except ConfigError as e:
-        raise _CheckError(str(e)) from None
-    except Exception as e:  # a user's reward module runs here: whatever it raises is the config's
-        raise _CheckError(
-            f"data.reward={cfg.data.reward!r} (or data.rewards_by_source) failed to load: "
-            f"{_one_line(e)}"
-        ) from None
-
-
-def _model_and_tokenizer(
-    cfg: JarlConfig, attempt: Callable[[Callable[[], Any]], Any]
-) -> tuple[ModelConfig | None, Tokenizer | None]:
-    """The run's model and tokenizer, each None where it failed its check: the checkpoint's
-    (model.path), or the one model.module makes for the tokenizer of model.path (then only
-    the tokenizer's folder)."""
-    if cfg.model.module:
-        tokenizer = attempt(lambda: _tokenizer(cfg.model, None))
-        return (None if tokenizer is None else attempt(lambda: _module(cfg, tokenizer))), tokenizer
-    model = attempt(lambda: _model(cfg.model.path))
-    if not (cfg.model.tokenizer or model is not None):  # (not from a folder found wrong)
-        return model, None
-    return model, attempt(lambda: _tokenizer(cfg.model, model))
-
-
-def _module(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:
-    try:
-        return module_model(cfg, tokenizer)
-    except Exception as e:  # a user's module runs here: whatever it raises is the config's
-        raise _CheckError(
-            _one_line(e)
-            if isinstance(e, ConfigError)
-            else (f"model.module={cfg.model.module!r} failed: {_one_line(e)}")
-        ) from None
-
-
-def _model(path: str) -> ModelConfig:
-    folder = Path(path)
-    if not folder.is_dir():
-        raise _CheckError(f"model.path={path!r} does not exist: expected an HF checkpoint folder")
-    if not (folder / "config.json").is_file():
-        raise _CheckError(
-            f"model.path={path!r} has no config.json: expected an HF checkpoint folder "
-            "(config.json, model.safetensors or its index, the tokenizer)"
-        )
-    try:
-        model = ModelConfig.from_pretrained(folder)
-    except (ValueError, KeyError) as e:  # UnsupportedConfigError, bad JSON, a missing field
-        raise _CheckError(f"model.path={path!r}: config.json: {_one_line(e)}") from None
-    weights = ("model.safetensors", "model.safetensors.index.json")
-    if not any((folder / name).is_file() for name in weights):
-        raise _CheckError(f"model.path={path!r} has no weights: expected {' or '.join(weights)}")
-    return model
-
-
-def _tokenizer_source(section: ModelSection) -> tuple[str, str]:
-    """(key, folder) of the tokenizer: model.tokenizer, else the checkpoint folder."""
-    if section.tokenizer:
-        return "model.tokenizer", section.tokenizer
-    return "model.path", section.path
-
-
-def _tokenizer(section: ModelSection, model: ModelConfig | None) -> Tokenizer:
-    key, folder = _tokenizer_source(section)
-    if not (Path(folder) / "tokenizer.json").is_file():
-        raise _CheckError(
-            f"{key}={folder!r} has no tokenizer.json: expected a tokenizer folder "
-            "(tokenizer.json, tokenizer_config.json with the chat template)"
-        )
-    try:
-        tokenizer = Tokenizer.from_pretrained(folder)
-    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
-        raise _CheckError(f"{key}={folder!r}: cannot load the tokenizer: {_one_line(e)}") from None
-    if model is not None and tokenizer.vocab_size > model.vocab_size:
-        raise _CheckError(
-            f"{key}={folder!r}: the tokenizer has {tokenizer.vocab_size} tokens, more than the "
-            f"model's vocab_size={model.vocab_size}: use the checkpoint's own tokenizer"
-        )
-    return tokenizer
 
 
 def _is_token(tokenizer: Tokenizer, text: str) -> bool:
@@ -260,7 +192,7 @@ def _stop_tokens(name: str, parser: ToolCallParser, tokenizer: Tokenizer) -> Non
         usable = sorted(
             n for n in PARSERS if all(_is_token(tokenizer, t) for t in make_parser(n).stop_tokens)
         )
-        raise _CheckError(
+        raise ConfigError(
             f"agent.parser={name!r} stops generation at {missing[0]!r}, which is not one token "
             f"of the tokenizer: use one of {usable}"
         )
@@ -274,7 +206,7 @@ def _environments(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
         for key, samples in rows.items():
             check_environments(envs, samples, key)
     except ConfigError as e:
-        raise _CheckError(f"{e} (the check reads the first {ROWS} rows of each file)") from None
+        raise ConfigError(f"{e} (the check reads the first {ROWS} rows of each file)") from None
 
 
 def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
@@ -286,23 +218,23 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
     ]
     if not spec:
         if drives:
-            raise _CheckError(
+            raise ConfigError(
                 f"{drives[0]} runs agent_name openai_agent, which needs agent.harness "
                 "(package.module:function or path/to/file.py:function)"
             )
         return
     try:
         harness = load_function(spec, "agent.harness")
-    except ConfigError as e:
-        raise _CheckError(str(e)) from None
+    except ConfigError:
+        raise
     except Exception as e:  # the user's module runs here: whatever it raises is the config's
-        raise _CheckError(f"agent.harness={spec!r} failed to load: {_one_line(e)}") from None
+        raise ConfigError(f"agent.harness={spec!r} failed to load: {one_line(e)}") from None
     if not inspect.iscoroutinefunction(harness):
-        raise _CheckError(f"agent.harness={spec!r} is not an async function (async def)")
+        raise ConfigError(f"agent.harness={spec!r} is not an async function (async def)")
     try:  # each episode calls it with its HarnessTask: another signature failed every episode
         inspect.signature(harness).bind(None)
     except TypeError as e:
-        raise _CheckError(
+        raise ConfigError(
             f"agent.harness={spec!r} cannot be called with one argument, the episode's "
             f"HarnessTask ({e})"
         ) from None
@@ -318,7 +250,8 @@ def _notes(cfg: JarlConfig) -> list[str]:
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:
-            sources += [s.data_source for s in _samples(key, path, cfg.agent.default_agent_loop)]
+            rows = prompt_samples(key, path, cfg.agent.default_agent_loop, ROWS)
+            sources += [s.data_source for s in rows]
     fallback = scored_by_fallback(cfg.data, sources)
     if not fallback:
         return notes
@@ -331,33 +264,9 @@ def _notes(cfg: JarlConfig) -> list[str]:
     ]
 
 
-def _samples(key: str, path: str, default_agent: str) -> list[Sample]:
-    if path.startswith("reasoning_gym:"):
-        try:
-            return load_samples(path, agents=AGENT_LOOPS, default_agent=default_agent, limit=ROWS)
-        except DatasetError as e:
-            raise _CheckError(f"{key}: {e}") from None
-    if not Path(path).exists():
-        raise _CheckError(f"{key}={path!r} does not exist")
-    if Path(path).suffix not in SUFFIXES:
-        raise _CheckError(f"{key}={path!r}: expected a .jsonl or .parquet file")
-    try:
-        samples = load_samples(path, agents=AGENT_LOOPS, default_agent=default_agent, limit=ROWS)
-    except DatasetError as e:
-        raise _CheckError(f"{key}={path!r}: {str(e).removeprefix(f'{Path(path)}: ')}") from None
-    if not samples:
-        raise _CheckError(f"{key}={path!r} has no rows: expected at least one prompt")
-    return samples
-
-
 def _tool_schemas(path: str) -> list[dict[str, Any]]:
     """Builds every tool of the file, reads its schema and closes it again."""
-    if not Path(path).is_file():
-        raise _CheckError(f"tools.config={path!r} does not exist: expected a tools YAML")
-    try:
-        registry = ToolRegistry.from_yaml(path)
-    except Exception as e:  # the file names any class with any arguments: its failure is ours
-        raise _CheckError(f"tools.config={path!r}: {_one_line(e)}") from None
+    registry = tool_registry(path)
     try:
         return registry.schemas()
     finally:
@@ -378,10 +287,10 @@ def _rows_tools(
                 single = sample.agent_name == "single_turn_agent"
                 named = {} if single else create_kwargs_by_tool(sample.extra)
             except ValueError as e:
-                raise _CheckError(f"{key}: row {i}: {e}") from None
+                raise ConfigError(f"{key}: row {i}: {e}") from None
             missing = sorted(set(named) - set(have))
             if missing:
-                raise _CheckError(
+                raise ConfigError(
                     f"{key}: row {i}'s extra_info.tools_kwargs names {missing}, which "
                     f"tools.config={cfg.tools.config!r} lacks (it has {have}): set tools.config "
                     "to the YAML of those tools"
@@ -394,8 +303,8 @@ def _builder(
     try:
         return TurnBuilder(tokenizer, schemas or None)
     except ChatTemplateError as e:
-        key, folder = _tokenizer_source(section)
-        raise _CheckError(f"{key}={folder!r}: {e}") from None
+        key, folder = tokenizer_source(section)
+        raise ConfigError(f"{key}={folder!r}: {e}") from None
 
 
 def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfig) -> None:
@@ -405,13 +314,13 @@ def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfi
         try:
             lengths.append(len(builder.prompt_ids(sample.messages)))
         except ChatTemplateError as e:
-            raise _CheckError(
+            raise ConfigError(
                 f"data.train={cfg.data.train!r}: the chat template cannot render the prompt of "
                 f"{sample.uid!r}: {e}"
             ) from None
     longest, limit = max(lengths), cfg.engine.max_model_len
     if longest >= limit:
-        raise _CheckError(
+        raise ConfigError(
             f"engine.max_model_len={limit} leaves no room for a response: a prompt of "
             f"data.train is {longest} tokens with the tool schemas; use engine.max_model_len "
             f"> {longest}"
@@ -420,10 +329,10 @@ def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfi
 
 def _demonstrations(path: str, builder: TurnBuilder) -> None:
     if not Path(path).is_file():
-        raise _CheckError(f"sft.data={path!r} does not exist")
+        raise ConfigError(f"sft.data={path!r} does not exist")
     try:
         demos = load_demonstrations(path, builder, limit=ROWS)
     except ValueError as e:
-        raise _CheckError(f"sft.data={path!r}: {str(e).removeprefix(f'{path}: ')}") from None
+        raise ConfigError(f"sft.data={path!r}: {str(e).removeprefix(f'{path}: ')}") from None
     if not demos:
-        raise _CheckError(f'sft.data={path!r} has no rows: expected JSONL of {{"messages": [...]}}')
+        raise ConfigError(f'sft.data={path!r} has no rows: expected JSONL of {{"messages": [...]}}')

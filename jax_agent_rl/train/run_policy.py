@@ -1,6 +1,7 @@
 """The policy a run trains and its first parameters: the HF checkpoint ``model.path`` (with
 ``model.lora``'s adapters, `learners.with_run_lora`), or the custom policy ``model.module``
-names (`models.policy`), initialised by its own initialisers from ``trainer.seed``."""
+names (`models.policy`, `module_model`), initialised by its own initialisers from
+``trainer.seed``. Reading the weights is the one heavy step: `run_policy`."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def module_model(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:
     return dataclasses.replace(model, dtype="float32")
 
 
-def run_policy(cfg: JarlConfig, tokenizer: Tokenizer, sharder: Sharder) -> tuple[ModelConfig, Any]:
-    """The run's model (its `ModelConfig`; a custom policy's is ``policy.cfg``) and its float32
-    parameters laid out by ``sharder``."""
+def run_policy(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> Any:
+    """The float32 parameters of the run's ``model`` (`train.parts`: the checkpoint's with
+    ``model.lora``'s adapters, or the custom policy's), laid out by ``sharder``: the
+    checkpoint's weights, or the custom policy's own initialisers from ``trainer.seed``."""
     if not cfg.model.module:
-        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))
-    model = module_model(cfg, tokenizer)
-    return model, init_params(jax.random.key(cfg.trainer.seed), model, sharder)
+        return with_run_lora(cfg, *load_hf(cfg.model.path, "float32", sharder=sharder))[1]
+    return init_params(jax.random.key(cfg.trainer.seed), model, sharder)

@@ -500,7 +500,7 @@ def test_environment_config_errors_name_the_key(tmp_path: Path) -> None:
     """An unknown env_class, a class that is not an environment, a bad interaction YAML: one
     error naming the key or the row, before anything runs."""
     from jax_agent_rl.envs import make_environments
-    from jax_agent_rl.train.build import check_environments
+    from jax_agent_rl.train.parts import check_environments
 
     cfg = load_config(DEMO_CONFIG, ["model.path=x", "data.train=y"])
     envs = make_environments(cfg.env, 2)

@@ -343,7 +343,7 @@ def test_an_environment_may_start_processes_of_its_own(tmp_path: Path) -> None:
 def test_builtins_that_run_model_code_unsandboxed_are_refused(env_class: str) -> None:
     """A row whose env_class is skyrl-gym's searchcode or lcb is refused with one line naming
     it and why; the same class named in env.classes (the user's own risk) is taken."""
-    from jax_agent_rl.train.build import check_environments
+    from jax_agent_rl.train.parts import check_environments
 
     envs = make_environments(EnvSection(), 2)
     sample = Sample("r/0", [{"role": "user", "content": "x"}], "1", env_class=env_class)
