@@ -84,18 +84,14 @@ def _train(args: argparse.Namespace) -> int:
     if problems:
         return _refuse(problems)
     if args.dry_run:
-        from jax_agent_rl.models import ModelConfig
+        from jax_agent_rl.train import parts
         from jax_agent_rl.train.memory import memory_plan
 
         print(to_yaml(cfg), end="")
-        if cfg.model.module:  # (its model is made for the tokenizer: checked above)
-            from jax_agent_rl.tokenization import Tokenizer
-            from jax_agent_rl.train.run_policy import module_model
-
-            tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-            model = module_model(cfg, tokenizer)
-        else:
-            model = ModelConfig.from_pretrained(cfg.model.path)
+        if cfg.model.module:  # (its model is made for the tokenizer: both checked above)
+            model = parts.custom_model(cfg, parts.run_tokenizer(cfg.model, None))
+        else:  # (the plan adds model.lora's adapters itself)
+            model = parts.checkpoint_model(cfg.model.path)
         for line in memory_plan(cfg, model, processes):
             print(f"# {line}", file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
