@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import (
     AlgorithmSection,
+    ConfigError,
     LoraSection,
     MeshSection,
     load_config,
@@ -46,6 +48,8 @@ from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.build import build_run
+from jax_agent_rl.train.check import check_run
 from jax_agent_rl.train.check_mesh import mesh_problems
 from jax_agent_rl.train.memory import activation_bytes, memory_plan, plan_memory
 
@@ -650,6 +654,29 @@ def test_a_multi_process_run_is_checked_over_every_process(
     assert "--num-processes > 1 needs --coordinator" in capsys.readouterr().err
     assert main([*base, "--dry-run", *two[:4], "--process-id", "2"]) == 2
     assert "--process-id=2 must be in [0, 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        lambda f: f"data.train={f.root / 'missing.jsonl'}",
+        lambda f: f"tools.config={f.root / 'missing.yaml'}",
+        lambda f: f"model.tokenizer={f.root}",  # a folder without tokenizer.json
+    ],
+    ids=["data.train", "tools.config", "model.tokenizer"],
+)
+def test_build_run_stops_at_the_line_the_check_reports(
+    files: Files, override: Callable[[Files], str]
+) -> None:
+    """`build_run` makes the run's parts with the functions the check calls: a config with one
+    problem stops it with the very line `check_run` lists."""
+    run_dir = files.root / f"run-{override(files).split('=')[0]}"
+    cfg = load_config(files.config, [f"trainer.run_dir={run_dir}", override(files)])
+    problems = check_run(cfg)
+    assert len(problems) == 1
+    with pytest.raises(ConfigError) as stopped:
+        build_run(cfg, Console(quiet=True))
+    assert str(stopped.value) == problems[0]
 
 
 @pytest.mark.parametrize("remat", [False, True])
