@@ -125,7 +125,7 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         layers.append(OmegaConf.from_dotlist(dotlist))
         moved = moved_keys(schema)
         for layer in layers:
-            _refuse_moved(moved, layer)
+            _refuse_moved(moved, layer, schema)
             _check_sections(schema, layer)
         return OmegaConf.merge(OmegaConf.structured(schema), *layers)
     except ConfigKeyError as e:
@@ -159,15 +159,25 @@ def _missing_keys(merged: Any) -> list[str]:
 _VERL_SHARED = ("data", "trainer", "algorithm")
 
 
-def _refuse_moved(moved: dict[str, str], layer: Any, prefix: str = "") -> None:
+def _refuse_moved(moved: dict[str, str], layer: Any, schema: type, prefix: str = "") -> None:
     """A key of ``layer`` (a YAML file's or the overrides') that moved (`moved_keys`) is an
-    error naming its new key."""
+    error naming its new key; one of ``schema``'s no more whose keys moved, naming where."""
     for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
         key = f"{prefix}{name}"
         if OmegaConf.is_dict(value) and len(value):
-            _refuse_moved(moved, value, f"{key}.")
+            _refuse_moved(moved, value, schema, f"{key}.")
         elif (new := moved_to(key, moved)) is not None:
             raise ConfigError(f"config key {key!r} is now {new!r}")
+        elif _expected(schema, key) is None and (split := _split_into(key, moved)):
+            raise ConfigError(f"config key {key!r} split: its keys are now under {split}")
+
+
+def _split_into(key: str, moved: dict[str, str]) -> str:
+    """The sections the keys under ``key`` moved to ("engine, group, sampling"), where ``key``
+    held moved keys but did not move itself (``rollout:``, empty, split into three sections);
+    "" where none did."""
+    new = {moved[old].split(".")[0] for old in moved if old.startswith(f"{key}.")}
+    return ", ".join(sorted(new))
 
 
 def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
