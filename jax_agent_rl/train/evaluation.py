@@ -51,7 +51,7 @@ from jax_agent_rl.train.build import (
     run_sharder,
     serve_policy,
 )
-from jax_agent_rl.train.check import check_names
+from jax_agent_rl.train.check import check_names, prompts_fit
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -259,6 +259,9 @@ def eval_target(
             "line of every source together: its prompts would count twice there and its own "
             "line would be lost; rename the source"
         )
+    fit = prompts_fit(cfg, samples, "data.val")
+    if fit:
+        raise EvalInputError(fit[0])
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)

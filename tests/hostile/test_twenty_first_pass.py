@@ -3,16 +3,24 @@ learner's TrainSequence and verl's wing).
 
 - A config's bare ``rollout:`` (every line under it commented out, ``rollout: {}``, or the
   override ``rollout=...``) was refused as an unknown key, naming none of the sections its
-  keys moved to; it names engine, group and sampling now, as ``rollout.n`` names group.n."""
+  keys moved to; it names engine, group and sampling now, as ``rollout.n`` names group.n.
+- ``jarl eval`` of data.val prompts longer than engine.max_model_len ran every episode to
+  ``max_model_len`` before its first token and printed a pass table of wrong answers, with no
+  word (``jarl train --dry-run`` checked data.train's prompts only); both now refuse it,
+  naming data.val, before the weights load."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from jax_agent_rl.config import load_config
+from jax_agent_rl.demo import make_checkpoint
 from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.train.check import check_run
+from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 
 REQUIRED = "model:\n  path: /m\ndata:\n  train: /d\n"
 
@@ -27,3 +35,22 @@ def test_the_split_rollout_section_names_where_its_keys_went(tmp_path: Path, sec
 def test_an_empty_section_that_still_exists_loads(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(REQUIRED + "agent: {}\n")
     assert load_config(tmp_path / "run.yaml").group.n == 8
+
+
+def test_held_out_prompts_that_leave_no_room_are_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "ckpt", "tiny", 0)
+    short = {"prompt": [{"role": "user", "content": "1 + 1?"}], "ground_truth": "2"}
+    long = {"prompt": [{"role": "user", "content": "1 + 1? " * 200}], "ground_truth": "2"}
+    (tmp_path / "train.jsonl").write_text(json.dumps(short) + "\n")
+    (tmp_path / "val.jsonl").write_text(json.dumps(short) + "\n" + json.dumps(long) + "\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model:\n  path: {tmp_path / 'ckpt'}\nengine:\n  max_model_len: 512\n"
+        f"data:\n  train: {tmp_path / 'train.jsonl'}\n  val: {tmp_path / 'val.jsonl'}\n"
+    )
+    no_room = r"engine.max_model_len=512 leaves no room .* a prompt of data.val is \d+ tokens"
+    with pytest.raises(EvalInputError, match=no_room):
+        eval_target(str(config))
+    problems = check_run(load_config(config))
+    assert [p for p in problems if "leaves no room" in p and "data.val" in p], problems
+    assert not [p for p in problems if "data.train is" in p], problems
