@@ -7,18 +7,24 @@ learner's TrainSequence and verl's wing).
 - ``jarl eval`` of data.val prompts longer than engine.max_model_len ran every episode to
   ``max_model_len`` before its first token and printed a pass table of wrong answers, with no
   word (``jarl train --dry-run`` checked data.train's prompts only); both now refuse it,
-  naming data.val, before the weights load."""
+  naming data.val, before the weights load.
+- ``engine.ray.replicas=4`` (or any engine.ray setting but tool_servers, refused) with
+  ``engine.ray.address`` empty ran one engine here, with no word, as ``engine.vllm.*`` beside
+  another backend did before the twentieth pass; the pre-run check notes each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from jax_agent_rl.config import load_config
+from jax_agent_rl.config import EngineSection, load_config
+from jax_agent_rl.config.rollout import RaySection
 from jax_agent_rl.demo import make_checkpoint
 from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.rollout.registry import unread_sections
 from jax_agent_rl.train.check import check_run
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 
@@ -54,3 +60,12 @@ def test_held_out_prompts_that_leave_no_room_are_refused(tmp_path: Path) -> None
     problems = check_run(load_config(config))
     assert [p for p in problems if "leaves no room" in p and "data.val" in p], problems
     assert not [p for p in problems if "data.train is" in p], problems
+
+
+def test_ray_settings_without_a_cluster_are_noted() -> None:
+    ray = RaySection(replicas=4, num_gpus=1.0)
+    notes = unread_sections(EngineSection(ray=ray))
+    assert len(notes) == 2 and all("engine.ray.address is empty" in n for n in notes), notes
+    assert "engine.ray.replicas=4" in notes[0] and "engine.ray.num_gpus=1.0" in notes[1]
+    on_a_cluster = dataclasses.replace(ray, address="auto")
+    assert unread_sections(EngineSection(ray=on_a_cluster)) == []
