@@ -10,7 +10,10 @@ learner's TrainSequence and verl's wing).
   naming data.val, before the weights load.
 - ``engine.ray.replicas=4`` (or any engine.ray setting but tool_servers, refused) with
   ``engine.ray.address`` empty ran one engine here, with no word, as ``engine.vllm.*`` beside
-  another backend did before the twentieth pass; the pre-run check notes each."""
+  another backend did before the twentieth pass; the pre-run check notes each.
+- ``jarl eval RUN`` of a run made before the split refused its config.yaml's old key
+  ("config key 'rollout.backend' is now 'engine.backend'") naming no file, where the user had
+  named only the folder; a problem of the run's file names it (an override's does not)."""
 
 from __future__ import annotations
 
@@ -69,3 +72,15 @@ def test_ray_settings_without_a_cluster_are_noted() -> None:
     assert "engine.ray.replicas=4" in notes[0] and "engine.ray.num_gpus=1.0" in notes[1]
     on_a_cluster = dataclasses.replace(ray, address="auto")
     assert unread_sections(EngineSection(ray=on_a_cluster)) == []
+
+
+def test_eval_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(REQUIRED + "rollout:\n  backend: embedded\n")
+    with pytest.raises(ConfigError, match=r"run/config\.yaml: config key 'rollout\.backend'"):
+        eval_target(str(run))
+    (run / "config.yaml").write_text(REQUIRED)
+    with pytest.raises(ConfigError) as refused:
+        eval_target(str(run), overrides=["group.x=1"])
+    assert "config.yaml" not in str(refused.value)
