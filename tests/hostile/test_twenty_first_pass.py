@@ -11,9 +11,10 @@ learner's TrainSequence and verl's wing).
 - ``engine.ray.replicas=4`` (or any engine.ray setting but tool_servers, refused) with
   ``engine.ray.address`` empty ran one engine here, with no word, as ``engine.vllm.*`` beside
   another backend did before the twentieth pass; the pre-run check notes each.
-- ``jarl eval RUN`` of a run made before the split refused its config.yaml's old key
-  ("config key 'rollout.backend' is now 'engine.backend'") naming no file, where the user had
-  named only the folder; a problem of the run's file names it (an override's does not)."""
+- ``jarl eval RUN`` and ``jarl export RUN`` of a run made before the split refused its
+  config.yaml's old key ("config key 'rollout.backend' is now 'engine.backend'") naming no
+  file, where the user had named only the folder; a problem of the run's file names it (an
+  override's does not)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from jax_agent_rl.errors import ConfigError
 from jax_agent_rl.rollout.registry import unread_sections
 from jax_agent_rl.train.check import check_run
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
+from jax_agent_rl.train.export import export_run
 
 REQUIRED = "model:\n  path: /m\ndata:\n  train: /d\n"
 
@@ -84,3 +86,9 @@ def test_eval_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -> 
     with pytest.raises(ConfigError) as refused:
         eval_target(str(run), overrides=["group.x=1"])
     assert "config.yaml" not in str(refused.value)
+
+
+def test_export_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(REQUIRED + "rollout:\n  n: 4\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: config key 'rollout\.n' is now"):
+        export_run(tmp_path)
