@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 import typing
 from collections.abc import Collection, Sequence
@@ -40,7 +41,7 @@ def load_config(
     A key that moved (a field's ``was``) is an error naming its new key. Required keys in
     ``unread`` (a command that reads no data: ``jarl plan``) may stay unset: they load empty."""
     merged = _merged(path, overrides, schema)
-    missing = _missing_keys(merged)
+    missing = _missing_keys(merged, schema)
     empty = [key for key in missing if key in unread]
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}=''" for key in empty]))
     missing = [key for key in missing if key not in unread]
@@ -68,7 +69,7 @@ def preview_config(
     """As `load_config`, but a required key left unset is shown, not refused: its line reads
     ``key: ???  # required: set a.b.key=...``. Every other value is checked as it loads."""
     merged = _merged(path, overrides, schema)
-    missing = _missing_keys(merged)
+    missing = _missing_keys(merged, schema)
     # required keys are strings; "" passes their checks
     unset = OmegaConf.from_dotlist([f"{key}=''" for key in missing])
     lines = to_yaml(_checked(OmegaConf.merge(merged, unset), schema)).splitlines()
@@ -144,15 +145,19 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         raise ConfigError(_bad_value(schema, e)) from None
 
 
-def _missing_keys(merged: Any) -> list[str]:
+def _missing_keys(merged: Any, schema: type) -> list[str]:
     """The required keys ``merged`` leaves unset, dotted and sorted. Finding them resolves
     every value: an interpolation naming no key (``${foo}``), or itself, is a `ConfigError`
-    naming its key (it was OmegaConf's traceback)."""
+    naming its key (it was OmegaConf's traceback), and the new key of one that moved."""
     try:
         return sorted(OmegaConf.missing_keys(merged))
     except InterpolationResolutionError as e:
         why = (e.msg or type(e).__name__).splitlines()[0]
-        raise ConfigError(f"config key {_full_key(e)!r}: {why}") from None
+        found = re.search(r"Interpolation key '([^']+)' not found", why)
+        named = "" if found is None else found[1]
+        new = moved_to(named, moved_keys(schema)) if named else None
+        moved = "" if new is None else f" ({named!r} is now {new!r})"
+        raise ConfigError(f"config key {_full_key(e)!r}: {why}{moved}") from None
 
 
 # jarl's sections that verl's config has too: an unknown key there may be a verl key

@@ -14,7 +14,9 @@ learner's TrainSequence and verl's wing).
 - ``jarl eval RUN`` and ``jarl export RUN`` of a run made before the split refused its
   config.yaml's old key ("config key 'rollout.backend' is now 'engine.backend'") naming no
   file, where the user had named only the folder; a problem of the run's file names it (an
-  override's does not)."""
+  override's does not).
+- An interpolation of a moved key (``${rollout.temperature}``) said only that the key was not
+  found; it names the key's new one."""
 
 from __future__ import annotations
 
@@ -92,3 +94,11 @@ def test_export_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -
     (tmp_path / "config.yaml").write_text(REQUIRED + "rollout:\n  n: 4\n")
     with pytest.raises(ConfigError, match=r"config\.yaml: config key 'rollout\.n' is now"):
         export_run(tmp_path)
+
+
+def test_an_interpolation_of_a_moved_key_names_its_new_key(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(
+        REQUIRED + "sampling:\n  temperature: ${rollout.temperature}\n"
+    )
+    with pytest.raises(ConfigError, match=r"'rollout\.temperature' is now 'sampling\.temperature'"):
+        load_config(tmp_path / "run.yaml")
