@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 import typing
 from collections.abc import Collection, Sequence
@@ -40,7 +41,7 @@ def load_config(
     A key that moved (a field's ``was``) is an error naming its new key. Required keys in
     ``unread`` (a command that reads no data: ``jarl plan``) may stay unset: they load empty."""
     merged = _merged(path, overrides, schema)
-    missing = _missing_keys(merged)
+    missing = _missing_keys(merged, schema)
     empty = [key for key in missing if key in unread]
     merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}=''" for key in empty]))
     missing = [key for key in missing if key not in unread]
@@ -68,7 +69,7 @@ def preview_config(
     """As `load_config`, but a required key left unset is shown, not refused: its line reads
     ``key: ???  # required: set a.b.key=...``. Every other value is checked as it loads."""
     merged = _merged(path, overrides, schema)
-    missing = _missing_keys(merged)
+    missing = _missing_keys(merged, schema)
     # required keys are strings; "" passes their checks
     unset = OmegaConf.from_dotlist([f"{key}=''" for key in missing])
     lines = to_yaml(_checked(OmegaConf.merge(merged, unset), schema)).splitlines()
@@ -125,7 +126,7 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         layers.append(OmegaConf.from_dotlist(dotlist))
         moved = moved_keys(schema)
         for layer in layers:
-            _refuse_moved(moved, layer)
+            _refuse_moved(moved, layer, schema)
             _check_sections(schema, layer)
         return OmegaConf.merge(OmegaConf.structured(schema), *layers)
     except ConfigKeyError as e:
@@ -144,30 +145,44 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
         raise ConfigError(_bad_value(schema, e)) from None
 
 
-def _missing_keys(merged: Any) -> list[str]:
+def _missing_keys(merged: Any, schema: type) -> list[str]:
     """The required keys ``merged`` leaves unset, dotted and sorted. Finding them resolves
     every value: an interpolation naming no key (``${foo}``), or itself, is a `ConfigError`
-    naming its key (it was OmegaConf's traceback)."""
+    naming its key (it was OmegaConf's traceback), and the new key of one that moved."""
     try:
         return sorted(OmegaConf.missing_keys(merged))
     except InterpolationResolutionError as e:
         why = (e.msg or type(e).__name__).splitlines()[0]
-        raise ConfigError(f"config key {_full_key(e)!r}: {why}") from None
+        found = re.search(r"Interpolation key '([^']+)' not found", why)
+        named = "" if found is None else found[1]
+        new = moved_to(named, moved_keys(schema)) if named else None
+        moved = "" if new is None else f" ({named!r} is now {new!r})"
+        raise ConfigError(f"config key {_full_key(e)!r}: {why}{moved}") from None
 
 
 # jarl's sections that verl's config has too: an unknown key there may be a verl key
 _VERL_SHARED = ("data", "trainer", "algorithm")
 
 
-def _refuse_moved(moved: dict[str, str], layer: Any, prefix: str = "") -> None:
+def _refuse_moved(moved: dict[str, str], layer: Any, schema: type, prefix: str = "") -> None:
     """A key of ``layer`` (a YAML file's or the overrides') that moved (`moved_keys`) is an
-    error naming its new key."""
+    error naming its new key; one of ``schema``'s no more whose keys moved, naming where."""
     for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
         key = f"{prefix}{name}"
         if OmegaConf.is_dict(value) and len(value):
-            _refuse_moved(moved, value, f"{key}.")
+            _refuse_moved(moved, value, schema, f"{key}.")
         elif (new := moved_to(key, moved)) is not None:
             raise ConfigError(f"config key {key!r} is now {new!r}")
+        elif _expected(schema, key) is None and (split := _split_into(key, moved)):
+            raise ConfigError(f"config key {key!r} split: its keys are now under {split}")
+
+
+def _split_into(key: str, moved: dict[str, str]) -> str:
+    """The sections the keys under ``key`` moved to ("engine, group, sampling"), where ``key``
+    held moved keys but did not move itself (``rollout:``, empty, split into three sections);
+    "" where none did."""
+    new = {moved[old].split(".")[0] for old in moved if old.startswith(f"{key}.")}
+    return ", ".join(sorted(new))
 
 
 def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:

@@ -117,19 +117,29 @@ def tuned_by_backend(engine: EngineSection) -> list[str]:
 
 def unread_sections(engine: EngineSection) -> list[str]:
     """One note for each setting of a backend's own section (``engine.vllm``,
-    ``engine.jetstream``) set away from its default while ``engine.backend`` is another:
-    no backend reads it (``engine.vllm.replicas=4`` beside the default backend ran one
-    embedded engine, silently)."""
+    ``engine.jetstream``) set away from its default while ``engine.backend`` is another, and
+    of ``engine.ray`` while its address is empty: nothing reads it (``engine.vllm.replicas=4``
+    beside the default backend ran one embedded engine, silently)."""
     from jax_agent_rl.config import EngineSection
 
     default = EngineSection()
-    return [
+    notes = [
         f"engine.{name}.{f.name}={getattr(getattr(engine, name), f.name)!r} is read by the "
         f"{name} backend only, and engine.backend={engine.backend}: nothing reads it"
         for name in ("vllm", "jetstream")
         if engine.backend != name
         for f in dataclasses.fields(getattr(engine, name))
         if getattr(getattr(engine, name), f.name) != getattr(getattr(default, name), f.name)
+    ]
+    # engine.ray's settings place replicas on a cluster: with its address empty (no Ray),
+    # engine.ray.replicas=4 ran one engine here, silently (tool_servers is refused instead)
+    return notes + [
+        f"engine.ray.{f.name}={getattr(engine.ray, f.name)!r} is read on a Ray cluster only, "
+        "and engine.ray.address is empty (no Ray: one engine runs here): nothing reads it"
+        for f in dataclasses.fields(engine.ray)
+        if not engine.ray.address
+        and f.name not in ("address", "tool_servers")
+        and getattr(engine.ray, f.name) != getattr(default.ray, f.name)
     ]
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -136,8 +137,9 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     builder = None if schemas is None else attempt(lambda: _builder(cfg.model, tokenizer, schemas))
     if builder is None:
         return problems
-    if train:
-        attempt(lambda: _prompts_fit(builder, train, cfg))
+    for key, samples in rows.items():
+        if samples:
+            attempt(functools.partial(_prompts_fit, builder, samples, cfg, key))
     if cfg.sft.data:
         attempt(lambda: _demonstrations(cfg.sft.data, builder))
     return problems
@@ -307,22 +309,40 @@ def _builder(
         raise ConfigError(f"{key}={folder!r}: {e}") from None
 
 
-def _prompts_fit(builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfig) -> None:
-    """Each prompt, rendered with the tool schemas, leaves room for a response."""
+def prompts_fit(cfg: JarlConfig, samples: Sequence[Sample], key: str) -> list[str]:
+    """The problem (one line; none: []) of ``samples`` (``key``'s rows) whose prompt, rendered
+    with tools.config's schemas by model.path's (or model.tokenizer's) tokenizer, leaves no
+    room for a response within engine.max_model_len (`jarl eval`'s check of data.val: each
+    such episode ended before its first token, scored as a wrong answer, with no word)."""
+    try:
+        tokenizer = run_tokenizer(cfg.model, None)
+        builder = _builder(cfg.model, tokenizer, _tool_schemas(cfg.tools.config))
+        _prompts_fit(builder, samples, cfg, key)
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
+def _prompts_fit(
+    builder: TurnBuilder, samples: Sequence[Sample], cfg: JarlConfig, key: str
+) -> None:
+    """Each prompt of ``key``'s rows, rendered with the tool schemas, leaves room for a
+    response."""
     lengths = []
     for sample in samples:
         try:
             lengths.append(len(builder.prompt_ids(sample.messages)))
         except ChatTemplateError as e:
             raise ConfigError(
-                f"data.train={cfg.data.train!r}: the chat template cannot render the prompt of "
+                f"{key}={getattr(cfg.data, key.removeprefix('data.'))!r}: the chat template "
+                "cannot render the prompt of "
                 f"{sample.uid!r}: {e}"
             ) from None
     longest, limit = max(lengths), cfg.engine.max_model_len
     if longest >= limit:
         raise ConfigError(
             f"engine.max_model_len={limit} leaves no room for a response: a prompt of "
-            f"data.train is {longest} tokens with the tool schemas; use engine.max_model_len "
+            f"{key} is {longest} tokens with the tool schemas; use engine.max_model_len "
             f"> {longest}"
         )
 

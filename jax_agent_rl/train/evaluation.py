@@ -51,7 +51,7 @@ from jax_agent_rl.train.build import (
     run_sharder,
     serve_policy,
 )
-from jax_agent_rl.train.check import check_names
+from jax_agent_rl.train.check import check_names, prompts_fit
 from jax_agent_rl.train.checkpoints import RUN_CONFIG, checkpoint_step, saved_policy
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -259,6 +259,9 @@ def eval_target(
             "line of every source together: its prompts would count twice there and its own "
             "line would be lost; rename the source"
         )
+    fit = prompts_fit(cfg, samples, "data.val")
+    if fit:
+        raise EvalInputError(fit[0])
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
@@ -287,7 +290,7 @@ def _read_config(
         if not (path / RUN_CONFIG).is_file():
             raise EvalInputError(f"{path} is not a run folder: it has no {RUN_CONFIG}")
         run_dir: Path | None = path
-        cfg: JarlConfig = load_config(path / RUN_CONFIG, list(overrides))
+        cfg: JarlConfig = _run_config(path / RUN_CONFIG, overrides)
     elif path.is_file():
         if step is not None:
             raise EvalInputError(f"--step {step} needs a run folder, not the config {path}")
@@ -298,6 +301,20 @@ def _read_config(
     if problems:
         raise ConfigError("\n".join(problems))
     return run_dir, cfg
+
+
+def _run_config(path: Path, overrides: Sequence[str]) -> JarlConfig:
+    """A run folder's config file with ``overrides``; a problem of the file itself names it (a
+    run made before a key moved: "config key 'rollout.backend' is now 'engine.backend'" named
+    no file, and the user had named only the folder)."""
+    try:
+        return load_config(path, list(overrides))
+    except ConfigError as e:
+        try:
+            load_config(path)
+        except ConfigError as own:
+            raise ConfigError(f"{path}: {own}") from None
+        raise e from None
 
 
 @dataclasses.dataclass(frozen=True)

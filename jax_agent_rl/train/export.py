@@ -25,7 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-from jax_agent_rl.config import JarlConfig, SamplingSection, load_config, missing_paths
+from jax_agent_rl.config import ConfigError, JarlConfig, SamplingSection, load_config, missing_paths
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.models.adapters import merge as merge_adapters
 from jax_agent_rl.models.adapters import save_peft
@@ -105,7 +105,10 @@ def export_run(
     config_file = run_dir / RUN_CONFIG
     if not config_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no {RUN_CONFIG}")
-    cfg: JarlConfig = load_config(config_file)
+    try:
+        cfg: JarlConfig = load_config(config_file)
+    except ConfigError as e:  # (a run made before a key moved: name the file the user did not)
+        raise ConfigError(f"{config_file}: {e}") from None
     missing = missing_paths(cfg, ("model.path", "model.tokenizer"))
     if missing:
         raise FileNotFoundError(f"{config_file}: {missing[0]}")

@@ -315,7 +315,7 @@ class JetStreamBackend:
             if value != served[key]:
                 raise InvalidRequestError(
                     f"request {rid!r}: {key}={value}, but the JetStream server samples every "
-                    f"request with {key}={served[key]} (set when it starts: engine.{key})"
+                    f"request with {key}={served[key]} (set when it starts: sampling.{key})"
                 )
         if s.seed is not None:
             raise InvalidRequestError(

@@ -367,3 +367,11 @@ def test_a_start_that_fails_leaves_no_thread(checkpoint: Path) -> None:
     with pytest.raises(RuntimeError, match="could not load the weights"):
         _server(checkpoint, params=wrong)
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("jetstream")]
+
+
+def test_a_request_sampling_otherwise_names_the_sampling_key(shared: JetStreamBackend) -> None:
+    """The refusal names the key that sets the server's sampling: sampling.temperature (it
+    named engine.temperature, a key the rollout section's split never made)."""
+    hot = SamplingParams(max_tokens=3, temperature=0.5)
+    with pytest.raises(InvalidRequestError, match=r"set when it starts: sampling\.temperature"):
+        asyncio.run(shared.generate(GenerateRequest("hot", (5, 6), hot)))
