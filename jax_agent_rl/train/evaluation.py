@@ -146,7 +146,7 @@ async def evaluate_samples(
     scored by the run's reward and tool-reward weight, seeded by ``trainer.seed`` and
     ``step``. Raises when every episode failed (`episodes.all_failed_error`)."""
     mine = process_share(samples)
-    trajs = await rollout_episodes(
+    episodes = await rollout_episodes(
         mine,
         n,
         ctx,
@@ -161,10 +161,10 @@ async def evaluate_samples(
     each = [s for s in mine for _ in range(n)]
     shares = distributed.gather_objects(
         (
-            episode_totals(trajs),
-            source_totals(trajs, each),
-            pass_totals(trajs, n, mine),
-            first_error(trajs),
+            episode_totals(episodes),
+            source_totals(episodes, each),
+            pass_totals(episodes, n, mine),
+            first_error(episodes),
         )
     )
     totals = add_totals(share[0] for share in shares)
