@@ -186,7 +186,7 @@ def trajectories(w: Workload) -> list[Any]:
         t = Trajectory(uid=str(i), group_id=w.groups[i], prompt_ids=seq[:P].tolist())
         response = seq[P:].tolist()
         t.append(response, model=True, logprobs=[-1.0] * len(response))
-        out.append(t.train_sequence())
+        out.append(t.train_sequence(float(w.rewards[i])))
     return out
 
 

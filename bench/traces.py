@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
@@ -42,7 +43,7 @@ from jax_agent_rl.train.learn import learn
 from jax_agent_rl.train.traces import trace_picks
 
 
-def episodes(rng: np.random.Generator, prompts: int, n: int, vocab: int) -> list[Trajectory]:
+def episodes(rng: np.random.Generator, prompts: int, n: int, vocab: int) -> list[Episode]:
     """Demo-shaped episodes: turns of up to 40 sampled tokens, each but the last followed
     by a 12-token tool result, 128 response tokens at most; rewards 0 / 1 at random."""
     out = []
@@ -54,8 +55,7 @@ def episodes(rng: np.random.Generator, prompts: int, n: int, vocab: int) -> list
                     t.append(rng.integers(3, vocab, 12).tolist(), model=False)
                 k = int(rng.integers(8, 41))
                 t.append(rng.integers(3, vocab, k).tolist(), model=True, logprobs=[-1.0] * k)
-            t.reward = float(rng.integers(0, 2))
-            out.append(t)
+            out.append(Episode(t, reward=float(rng.integers(0, 2))))
     return out
 
 
@@ -91,7 +91,7 @@ def main() -> None:
                 state, _, _, tokens = learn(run.learner, state, run.cfg, trajs, trajs)
                 if chosen:
                     assert tokens is not None
-                    signals = tokens.signals(chosen)
+                    signals = tokens.signals([e.traj for e in chosen])
                 if i:  # the first of each compiles
                     times[kind].append(time.perf_counter() - t0)
         assert all(signals.get(t.uid) for t in picks)

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import AGENT_LOOPS
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import JarlConfig, load_config
@@ -153,7 +154,7 @@ class PaidCalculator(Tool):
         return dataclasses.replace(result, reward=TOOL_REWARD)
 
 
-def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Trajectory], np.ndarray]:
+def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Episode], np.ndarray]:
     """The trainer's rollout of two episodes of the calculator question, one with each of verl's
     loops; returns the trajectories and the rewards the learner's advantages are computed from."""
     cfg = _config(f"data.tool_reward_weight={weight}")
@@ -163,7 +164,7 @@ def _trainer_rollout(setup: dict[str, Any], weight: float) -> tuple[list[Traject
         Sample("single", question, ground_truth="42", agent_name="single_turn_agent"),
     ]
 
-    async def go() -> list[Trajectory]:
+    async def go() -> list[Episode]:
         backend = EmbeddedBackend(setup["engine"], setup["weights"])
         tools = LocalTools(ToolRegistry([PaidCalculator(), echo]))
         ctx = await AgentContext.create(
@@ -201,10 +202,11 @@ def test_tool_rewards_reach_the_reward_the_learner_trains_on(setup: dict[str, An
     for weight in (0.0, 2.0):
         (tools, single), learner_rewards = _trainer_rollout(setup, weight)
         # tool_agent: a calculator call (a tool reward), then the right <answer>
-        assert tools.stop_reason == "eos" and tools.tool_calls == 1
-        assert tools.turn_rewards == [TOOL_REWARD]
+        assert tools.stop_reason == "eos" and tools.traj.tool_calls == 1
+        assert tools.traj.turn_rewards == [TOOL_REWARD]
         assert tools.reward == 1.0 + weight * TOOL_REWARD
         # single_turn_agent: one model turn (the call is its last word), no tool runs
-        assert single.stop_reason == "max_turns" and single.num_turns == 1
-        assert single.tool_calls == 0 and single.turn_rewards == [] and single.reward == 0.0
+        assert single.stop_reason == "max_turns" and single.traj.num_turns == 1
+        assert single.traj.tool_calls == 0 and single.traj.turn_rewards == []
+        assert single.reward == 0.0
         np.testing.assert_array_equal(learner_rewards, [1.0 + weight * TOOL_REWARD, 0.0])

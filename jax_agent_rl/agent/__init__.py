@@ -2,6 +2,7 @@
 sample a loop runs: `jax_agent_rl.data`)."""
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import (
     AGENT_LOOPS,
     register_agent_loop,
@@ -16,6 +17,7 @@ __all__ = [
     "STOP_REASONS",
     "AgentConfig",
     "AgentContext",
+    "Episode",
     "StopReason",
     "Trajectory",
     "register_agent_loop",

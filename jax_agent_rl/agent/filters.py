@@ -1,8 +1,8 @@
 """Trajectory filters (``agent.filters``): which sampled episodes an update leaves out.
 
 A filter looks at one group (the episodes of one prompt) and names the members it excludes.
-`apply_filters` runs the configured filters in order on a group, and marks each excluded
-trajectory with the first filter that excluded it (`Trajectory.filtered_by`): it is then not
+`apply_filters` runs the configured filters in order on a group, and returns each excluded
+episode marked with the first filter that excluded it (`Episode.filtered_by`): it is then not
 trainable, so the update drops it (GRPO's group statistics are taken over the members left),
 each step counts it (``filter/<name>``) and its trace shows why.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.rewards.math import extract_answer
 
@@ -37,11 +38,11 @@ class TrajectoryFilter:
     """``excludes(group)`` flags the members of one group to leave out."""
 
     name: str
-    excludes: Callable[[Sequence[Trajectory]], list[bool]]
+    excludes: Callable[[Sequence[Episode]], list[bool]]
 
 
-def _each(test: Callable[[Trajectory], bool]) -> Callable[[Sequence[Trajectory]], list[bool]]:
-    return lambda group: [test(t) for t in group]
+def _each(test: Callable[[Episode], bool]) -> Callable[[Sequence[Episode]], list[bool]]:
+    return lambda group: [test(e) for e in group]
 
 
 def has_void_turn(traj: Trajectory) -> bool:
@@ -80,18 +81,18 @@ def model_segments(traj: Trajectory) -> list[list[int]]:
     return segments
 
 
-def _equal_rewards(group: Sequence[Trajectory]) -> list[bool]:
-    rewards = {t.reward for t in group if t.trainable}
+def _equal_rewards(group: Sequence[Episode]) -> list[bool]:
+    rewards = {e.reward for e in group if e.trainable}
     return [len(rewards) <= 1] * len(group)
 
 
 FILTERS: dict[str, TrajectoryFilter] = {
     f.name: f
     for f in (
-        TrajectoryFilter("void_turn", _each(has_void_turn)),
-        TrajectoryFilter("overlong", _each(lambda t: t.stop_reason in OVERLONG)),
-        TrajectoryFilter("tool_error", _each(lambda t: t.stop_reason == "tool_error")),
-        TrajectoryFilter("repetition", _each(lambda t: any(map(repeats, model_segments(t))))),
+        TrajectoryFilter("void_turn", _each(lambda e: has_void_turn(e.traj))),
+        TrajectoryFilter("overlong", _each(lambda e: e.stop_reason in OVERLONG)),
+        TrajectoryFilter("tool_error", _each(lambda e: e.stop_reason == "tool_error")),
+        TrajectoryFilter("repetition", _each(lambda e: any(map(repeats, model_segments(e.traj))))),
         TrajectoryFilter("equal_reward", _equal_rewards),
     )
 }
@@ -106,12 +107,15 @@ def check_filters(names: Sequence[str]) -> list[str]:
     ]
 
 
-def apply_filters(group: Sequence[Trajectory], names: Sequence[str]) -> None:
-    """Marks each member of ``group`` excluded by one of the filters ``names`` (in order) with
-    the first that excluded it (a member marked already keeps its mark). ``equal_reward``
+def apply_filters(group: Sequence[Episode], names: Sequence[str]) -> list[Episode]:
+    """``group`` with each member excluded by one of the filters ``names`` (in order) marked
+    with the first that excluded it (a member marked already keeps its mark). ``equal_reward``
     looks at the members no earlier filter excluded: list it last."""
+    out = list(group)
     for name in names:
-        flags = FILTERS[name].excludes(group)
-        for traj, excluded in zip(group, flags, strict=True):
-            if excluded and traj.filtered_by is None:
-                traj.filtered_by = name
+        flags = FILTERS[name].excludes(out)
+        out = [
+            dataclasses.replace(e, filtered_by=name) if excluded and e.filtered_by is None else e
+            for e, excluded in zip(out, flags, strict=True)
+        ]
+    return out

@@ -1,6 +1,8 @@
 """What a rollout produces: one token-exact `Trajectory`, which keeps its own books
 (`Trajectory.add_sample`, `add_turn`, `add_observation`...): the agent loops call these and
-never edit its fields. What the learner reads of it is its `Trajectory.train_sequence`."""
+never edit its fields, nor does the trainer, which returns what it adds (reward, success, filters,
+reruns: `jax_agent_rl.agent.episode.Episode`). What the learner reads of it is its
+`Trajectory.train_sequence`."""
 
 from __future__ import annotations
 
@@ -49,11 +51,15 @@ StopReason = Literal[
     "harness_error",
     # its reward is not a finite number within rewards.MAX_ABS_REWARD (the reward function's,
     # the environment's or the weighted turn rewards' sum), or the reward function raised
-    # (data.reward / data.rewards_by_source: the function, the row and the traceback); what
-    # went wrong is in `Trajectory.error`; its reward is 0 and it is not trainable
+    # (data.reward / data.rewards_by_source: the function, the row and the traceback); the
+    # trainer's, never a loop's (`Episode.stop_reason`): what went wrong is in `Episode.error`;
+    # its reward is 0 and it is not trainable
     "reward_error",
 ]
 STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+# the stop reasons of episodes cut short by infrastructure, or whose reward failed: their
+# outcome says nothing of the policy, and updates leave them out
+UNTRAINABLE = ("tool_error", "aborted", "agent_error", "env_error", "harness_error", "reward_error")
 TurnKind = Literal["call", "malformed", "text", "cut", "aborted"]
 
 
@@ -89,7 +95,6 @@ class Trajectory:
     token_versions: list[int] = dataclasses.field(default_factory=list)
     kv_versions: list[int] = dataclasses.field(default_factory=list)
     expert_ids: np.ndarray | None = None
-    reward: float = 0.0
     # each answered turn's reward: its tool calls' (summed), or its environment step's; each
     # checked where it enters (`rewards.checked_reward`): a call's reward that fails counts 0
     # here, and its error is kept in turn_reward_error (the first such)
@@ -99,8 +104,6 @@ class Trajectory:
     env_reward: float | None = None
     # whether its environment said the episode succeeded (its last step that said), else None
     env_success: bool | None = None
-    # whether it succeeded: env_success when said, else reward >= data.success_reward
-    success: bool = False
     num_turns: int = 0
     stop_reason: StopReason = "eos"
     weight_versions: list[int] = dataclasses.field(default_factory=list)
@@ -115,14 +118,9 @@ class Trajectory:
     cut_observations: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # what ended it (stop reasons agent_error, harness_error)
-    # why its outcome is 0 when the reward failed on its answer and not on the row's own (a
-    # wrong answer, trained on: `rewards.AnswerFaultError`), else None
-    answer_fault: str | None = None
-    reruns: int = 0  # times it was run again from its prompt after its tool service failed
     # how each model turn ended: "call" (a well-formed tool call), "malformed" (calls, none
     # well-formed), "text" (no call, an end of turn), "cut" (no call, a budget), "aborted"
     turn_kinds: list[TurnKind] = dataclasses.field(default_factory=list)
-    filtered_by: str | None = None  # the filter (agent.filters) that left it out of updates
     # a branch of a tree rollout (agent/tree.py): the trajectory whose first
     # ``forked_tokens`` response tokens (and ``forked_calls`` tool calls) it shares
     forked_from: str | None = None
@@ -280,10 +278,11 @@ class Trajectory:
         one was sampled over (None: none sampled)."""
         return oldest_version(self.token_versions, self.kv_versions)
 
-    def train_sequence(self) -> TrainSequence:
-        """What the learner reads of it: its tokens, what came with each, its group and
-        reward. The lists are copied and ``expert_ids`` is never edited in place (`append`
-        makes a new array), so the record does not change as the trajectory goes on."""
+    def train_sequence(self, reward: float) -> TrainSequence:
+        """What the learner reads of it: its tokens, what came with each, its group, and
+        ``reward`` (the trainer's, `Episode.reward`). The lists are copied and ``expert_ids``
+        is never edited in place (`append` makes a new array), so the record does not change
+        as the trajectory goes on."""
         return TrainSequence(
             uid=self.uid,
             group_id=self.group_id,
@@ -294,21 +293,13 @@ class Trajectory:
             token_versions=list(self.token_versions),
             kv_versions=list(self.kv_versions),
             expert_ids=self.expert_ids,
-            reward=self.reward,
+            reward=reward,
         )
 
     @property
     def trainable(self) -> bool:
-        """False for episodes cut short by infrastructure (their outcome says nothing), and
-        for those a filter left out."""
-        return self.filtered_by is None and self.stop_reason not in (
-            "tool_error",
-            "aborted",
-            "agent_error",
-            "env_error",
-            "harness_error",
-            "reward_error",
-        )
+        """False for episodes cut short by infrastructure (their outcome says nothing)."""
+        return self.stop_reason not in UNTRAINABLE
 
     @property
     def num_model_tokens(self) -> int:

@@ -44,7 +44,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
@@ -53,9 +53,9 @@ from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_epis
 from jax_agent_rl.train.traces import UpdateTokens
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
-# metrics, the trajectories it sampled and its update's per-token values (`learn.learn`);
+# metrics, the episodes it sampled and its update's per-token values (`learn.learn`);
 # the state it is given is donated
-StepResult = tuple[LearnerState, dict[str, float], list[Trajectory], UpdateTokens | None]
+StepResult = tuple[LearnerState, dict[str, float], list[Episode], UpdateTokens | None]
 StepFn = Callable[[LearnerState, int, bool], Awaitable[StepResult]]
 
 
@@ -64,11 +64,11 @@ class Group:
     """The episodes of one prompt, and its place in the run's prompt order."""
 
     index: int
-    trajs: list[Trajectory]
+    episodes: list[Episode]
 
     @property
     def oldest_version(self) -> int | None:
-        versions = [t.oldest_version for t in self.trajs]
+        versions = [e.traj.oldest_version for e in self.episodes]
         return min((v for v in versions if v is not None), default=None)
 
 
@@ -188,13 +188,15 @@ class Producer:
 
     async def _group(self, index: int, sample: Sample, tag: str) -> None:
         try:
-            trajs = await run_episodes(self.run, self.rollout, [sample], self.run.cfg.group.n, tag)
+            episodes = await run_episodes(
+                self.run, self.rollout, [sample], self.run.cfg.group.n, tag
+            )
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the learner raises it
             await self.finished.put(e)
             return
-        await self.finished.put(Group(index, trajs))
+        await self.finished.put(Group(index, episodes))
 
 
 @dataclasses.dataclass
@@ -206,12 +208,12 @@ class Taken:
     no_signal: list[Group]
 
     @property
-    def trajectories(self) -> list[Trajectory]:
-        return [t for g in self.groups for t in g.trajs]
+    def episodes(self) -> list[Episode]:
+        return [e for g in self.groups for e in g.episodes]
 
     @property
-    def seen(self) -> list[Trajectory]:
-        return [t for g in (*self.groups, *self.stale, *self.no_signal) for t in g.trajs]
+    def seen(self) -> list[Episode]:
+        return [e for g in (*self.groups, *self.stale, *self.no_signal) for e in g.episodes]
 
 
 async def take_groups(
@@ -231,7 +233,7 @@ async def take_groups(
         oldest = got.oldest_version
         if oldest is not None and version - oldest > max_staleness:
             taken.stale.append(got)
-        elif not keep_with_signal([got.trajs], dynamic_sampling)[0]:
+        elif not keep_with_signal([got.episodes], dynamic_sampling)[0]:
             taken.no_signal.append(got)
         else:
             taken.groups.append(got)
@@ -274,7 +276,7 @@ async def async_step(
         run,
         rollout,
         state,
-        taken.trajectories,
+        taken.episodes,
         taken.seen,
         step,
         compiles,
@@ -294,7 +296,7 @@ async def async_step(
             "async/groups_in_flight": producer.in_flight,
         }
     )
-    return state, m, taken.trajectories, tokens
+    return state, m, taken.episodes, tokens
 
 
 @contextlib.asynccontextmanager

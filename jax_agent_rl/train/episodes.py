@@ -12,22 +12,24 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.filters import FILTERS
-from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
+from jax_agent_rl.agent.trajectory import STOP_REASONS
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.visible import visible
 
 Totals = dict[str, float]
 
 
-def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
+def episode_totals(episodes: Sequence[Episode]) -> Totals:
     """Sums over the episodes of what `metrics_of_totals` reports."""
-    stops: Counter[str] = Counter(t.stop_reason for t in trajs)
+    stops: Counter[str] = Counter(e.stop_reason for e in episodes)
+    trajs = [e.traj for e in episodes]
     lengths = [len(t.response_ids) for t in trajs]
     out: Totals = {
         "episodes": len(trajs),
-        "reward": sum(t.reward for t in trajs),
-        "success": sum(t.success for t in trajs),
+        "reward": sum(e.reward for e in episodes),
+        "success": sum(e.success for e in episodes),
         "turns": sum(t.num_turns for t in trajs),
         "tool_calls": sum(t.tool_calls for t in trajs),
         "malformed_calls": sum(t.malformed_calls for t in trajs),
@@ -40,13 +42,13 @@ def episode_totals(trajs: Sequence[Trajectory]) -> Totals:
         # what was sampled and called (a tree's branches share their prefix's)
         "own_model_tokens": sum(t.own_model_tokens for t in trajs),
         "own_tool_calls": sum(t.own_tool_calls for t in trajs),
-        "untrainable": sum(not t.trainable for t in trajs),
-        "answer_faults": sum(t.answer_fault is not None for t in trajs),
-        "reruns": sum(t.reruns for t in trajs),
+        "untrainable": sum(not e.trainable for e in episodes),
+        "answer_faults": sum(e.answer_fault is not None for e in episodes),
+        "reruns": sum(e.reruns for e in episodes),
         "tools_s": sum(t.timings.get("tools_s", 0.0) for t in trajs),
     }
     out.update({f"stop/{r}": stops.get(r, 0) for r in STOP_REASONS})
-    filtered: Counter[str | None] = Counter(t.filtered_by for t in trajs)
+    filtered: Counter[str | None] = Counter(e.filtered_by for e in episodes)
     out.update({f"filter/{f}": filtered.get(f, 0) for f in FILTERS})
     return out
 
@@ -89,7 +91,7 @@ def metrics_of_totals(t: Mapping[str, float], prefix: str = "") -> dict[str, flo
     return {prefix + k: float(v) for k, v in out.items()}
 
 
-def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "") -> dict[str, float]:
+def episode_metrics(trajs: Sequence[Episode], prefix: str = "") -> dict[str, float]:
     """`metrics_of_totals` of one set of episodes."""
     return metrics_of_totals(episode_totals(trajs), prefix)
 
@@ -123,7 +125,7 @@ def all_failed_error(t: Mapping[str, float], first_error: str | None) -> Rollout
     return None
 
 
-def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
+def stop_warning(m: Mapping[str, float], trajs: Sequence[Episode]) -> str | None:
     """The warning for a step (or an evaluation) whose episodes mostly ended in an error or a
     budget (`ERRORS`, `LIMITS`; ``m``: their metrics, ``stop/<reason>`` shares): the commonest
     such stop reason, its share, and for an error one episode's of ``trajs`` (its last line,
@@ -145,7 +147,7 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | N
     return line
 
 
-def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) -> str | None:
+def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Episode]) -> str | None:
     """The warning for a step whose episodes' text mostly made the reward fail
     (``rewards/answer_faults``, `rewards.AnswerFaultError`) or the environment or the harness
     (``stop/caused_error``), scored 0 as wrong answers: a reward, environment or harness that
@@ -162,29 +164,29 @@ def answer_fault_warning(m: Mapping[str, float], trajs: Sequence[Trajectory]) ->
     return line + (f" (e.g. {visible(example[:300])})" if example else "")
 
 
-def first_error(trajs: Sequence[Trajectory], stop: str | None = None) -> str | None:
+def first_error(trajs: Sequence[Episode], stop: str | None = None) -> str | None:
     """The error of the first episode that ended in one (of stop reason ``stop`` if given)."""
     reasons = ERRORS if stop is None else (stop,)
     return next((t.error for t in trajs if t.stop_reason in reasons and t.error), None)
 
 
-def raise_if_all_failed(trajs: Sequence[Trajectory]) -> None:
+def raise_if_all_failed(trajs: Sequence[Episode]) -> None:
     """`all_failed_error` of one set of episodes, raised."""
     error = all_failed_error(episode_totals(trajs), first_error(trajs))
     if error is not None:
         raise error
 
 
-def source_totals(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> Totals:
+def source_totals(episodes: Sequence[Episode], samples: Sequence[Sample]) -> Totals:
     """Per ``data_source``: episodes and successes, overall and among the episodes that called
     a tool."""
     out: Counter[str] = Counter()
-    for traj, sample in zip(trajs, samples, strict=True):
+    for episode, sample in zip(episodes, samples, strict=True):
         source = sample.data_source or "unknown"
-        win = int(traj.success)
+        win = int(episode.success)
         out[f"episodes|{source}"] += 1
         out[f"success|{source}"] += win
-        if traj.tool_calls:
+        if episode.traj.tool_calls:
             out[f"episodes_with_tool|{source}"] += 1
             out[f"success_with_tool|{source}"] += win
     return dict(out)
@@ -203,15 +205,15 @@ def success_of_sources(t: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def success_by_source(trajs: Sequence[Trajectory], samples: Sequence[Sample]) -> dict[str, float]:
+def success_by_source(episodes: Sequence[Episode], samples: Sequence[Sample]) -> dict[str, float]:
     """`success_of_sources` of one set of episodes."""
-    return success_of_sources(source_totals(trajs, samples))
+    return success_of_sources(source_totals(episodes, samples))
 
 
-def split_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """Consecutive trajectories of one group (``group_id``) together, in order."""
-    groups: list[list[Trajectory]] = []
-    for t in trajs:
+def split_groups(episodes: Sequence[Episode]) -> list[list[Episode]]:
+    """Consecutive episodes of one group (``group_id``) together, in order."""
+    groups: list[list[Episode]] = []
+    for t in episodes:
         if groups and groups[-1][0].group_id == t.group_id:
             groups[-1].append(t)
         else:

@@ -9,7 +9,7 @@ episodes and ``pass@k`` (for k = 1, 2, 4, ... up to n, and n) the unbiased estim
 al. (2021) of the chance that at least one of k samples succeeds (`pass_at_k`); pass@n is the
 share of prompts with any success. A success is an episode whose outcome reward (without
 the tool rewards: `step.outcome_reward`) reaches ``data.success_reward`` (1 by default), or
-whose environment said it succeeded (`Trajectory.success`): a judge's 1/10 is no success, nor
+whose environment said it succeeded (`Episode.success`): a judge's 1/10 is no success, nor
 are many small tool rewards around a wrong answer.
 """
 
@@ -29,6 +29,7 @@ from rich.table import Table
 
 from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config, missing_paths
 from jax_agent_rl.data.sample import Sample
@@ -82,14 +83,14 @@ def pass_ks(n: int) -> list[int]:
     return [*(2**i for i in range(n.bit_length()) if 2**i < n), n]
 
 
-def pass_totals(trajs: Sequence[Trajectory], n: int, samples: Sequence[Sample]) -> Totals:
+def pass_totals(episodes: Sequence[Episode], n: int, samples: Sequence[Sample]) -> Totals:
     """Per ``data_source`` and over all (``|all``): prompts, successes, and the sums of
-    `pass_at_k` over prompts. ``trajs``: ``n`` consecutive episodes per sample, in order."""
-    if len(trajs) != n * len(samples):
-        raise ValueError(f"{len(trajs)} episodes for {len(samples)} prompts x {n}")
+    `pass_at_k` over prompts. ``episodes``: ``n`` consecutive ones per sample, in order."""
+    if len(episodes) != n * len(samples):
+        raise ValueError(f"{len(episodes)} episodes for {len(samples)} prompts x {n}")
     out: dict[str, float] = {}
     for i, sample in enumerate(samples):
-        c = sum(t.success for t in trajs[i * n : (i + 1) * n])
+        c = sum(e.success for e in episodes[i * n : (i + 1) * n])
         for source in (sample.data_source or "unknown", ALL):
             for key, value in (
                 ("prompts", 1.0),
@@ -145,7 +146,7 @@ async def evaluate_samples(
     scored by the run's reward and tool-reward weight, seeded by ``trainer.seed`` and
     ``step``. Raises when every episode failed (`episodes.all_failed_error`)."""
     mine = process_share(samples)
-    trajs = await rollout_episodes(
+    episodes = await rollout_episodes(
         mine,
         n,
         ctx,
@@ -160,10 +161,10 @@ async def evaluate_samples(
     each = [s for s in mine for _ in range(n)]
     shares = distributed.gather_objects(
         (
-            episode_totals(trajs),
-            source_totals(trajs, each),
-            pass_totals(trajs, n, mine),
-            first_error(trajs),
+            episode_totals(episodes),
+            source_totals(episodes, each),
+            pass_totals(episodes, n, mine),
+            first_error(episodes),
         )
     )
     totals = add_totals(share[0] for share in shares)

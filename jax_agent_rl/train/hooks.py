@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 from jax_agent_rl import distributed, progress
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.episodes import stop_warning
@@ -35,15 +35,16 @@ from jax_agent_rl.train.traces import (
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to), every trajectory this process sampled, the learner's ``state`` after it (the
-    loop's: the next step donates it, so a hook reads it and keeps none of it), and the
+    to), every episode this process sampled (its trajectory and outcome), the learner's
+    ``state`` after it (the loop's: the next step donates it, so a hook reads it and keeps
+    none of it), and the
     update's per-token values (`traces.UpdateTokens`; None: no update, or several processes).
     """
 
     step: int
     last: bool
     metrics: dict[str, float]
-    trajectories: list[Trajectory]
+    trajectories: list[Episode]
     state: LearnerState
     tokens: UpdateTokens | None = None
 
@@ -96,7 +97,8 @@ async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     (`traces.UpdateTokens.signals`)."""
     del rollout
     picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
-    signals = end.tokens.signals(picks) if end.tokens is not None and picks else {}
+    traced = [e.traj for e in picks]
+    signals = end.tokens.signals(traced) if end.tokens is not None and picks else {}
     append_traces(
         run.run_dir / TRACES_FILE,
         (trace_record(t, run.tokenizer, end.step, signals.get(t.uid)) for t in picks),

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jax_agent_rl import distributed
-from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models.attention_kernels import runs_on_tpu
 from jax_agent_rl.rl import core
@@ -55,12 +55,12 @@ def reward_groups(rewards_n: np.ndarray, group_ids_n: Sequence[str]) -> dict[str
     }
 
 
-def shaped_rewards(trajs: Sequence[Trajectory], cfg: JarlConfig) -> np.ndarray:
-    """The trajectories' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
-    rewards = np.array([t.reward for t in trajs], np.float32)
+def shaped_rewards(episodes: Sequence[Episode], cfg: JarlConfig) -> np.ndarray:
+    """The episodes' rewards, with DAPO's overlong penalty when ``overlong_buffer`` is set."""
+    rewards = np.array([e.reward for e in episodes], np.float32)
     d = cfg.data
     if d.overlong_buffer:
-        lengths = np.array([len(t.response_ids) for t in trajs])
+        lengths = np.array([len(e.traj.response_ids) for e in episodes])
         rewards = rewards + np.asarray(
             core.overlong_penalty(
                 lengths, cfg.agent.max_response_tokens, d.overlong_buffer, d.overlong_penalty
@@ -90,14 +90,14 @@ def kv_behind(seqs: Sequence[TrainSequence]) -> tuple[int, int]:
 
 
 def training_rows(
-    trajs: Sequence[Trajectory], rewards: np.ndarray, turn_mode: str
+    episodes: Sequence[Episode], rewards: np.ndarray, turn_mode: str
 ) -> tuple[list[TrainSequence], np.ndarray, list[str], np.ndarray]:
-    """The learner's rows for ``trajs`` (scored ``rewards``): one per trajectory (its
-    `Trajectory.train_sequence`), or with ``turn_mode=per_turn`` one per model turn
-    (`per_turn_samples`). Returns the rows, their rewards and groups (their episode's), and
-    the share of its episode each row is (``1 / turns``, so that GRPO's group statistics
-    count every episode once)."""
-    seqs = [t.train_sequence() for t in trajs]
+    """The learner's rows for ``episodes`` (shaped ``rewards``): one per trajectory (its
+    `Trajectory.train_sequence`, with its `Episode.reward`), or with ``turn_mode=per_turn``
+    one per model turn (`per_turn_samples`). Returns the rows, their rewards and groups
+    (their episode's), and the share of its episode each row is (``1 / turns``, so that
+    GRPO's group statistics count every episode once)."""
+    seqs = [e.traj.train_sequence(e.reward) for e in episodes]
     if turn_mode == "trajectory":
         return seqs, rewards, [t.group_id for t in seqs], np.ones(len(seqs), np.float32)
     rows: list[TrainSequence] = []
@@ -120,8 +120,8 @@ def learn(
     learner: Learner,
     state: LearnerState,
     cfg: JarlConfig,
-    kept: Sequence[Trajectory],
-    seen: Sequence[Trajectory],
+    kept: Sequence[Episode],
+    seen: Sequence[Episode],
     rollout_s: float = 0.0,
     rollout_logprobs: bool = True,
     version: int | None = None,
@@ -234,8 +234,8 @@ async def learn_and_push(
     run: Run,
     rollout: Rollout,
     state: LearnerState,
-    kept: Sequence[Trajectory],
-    seen: Sequence[Trajectory],
+    kept: Sequence[Episode],
+    seen: Sequence[Episode],
     step: int,
     compiles: bool,
     *,

@@ -61,8 +61,8 @@ async def rl_loop(run: Run, state: LearnerState, hooks: Sequence[Hook]) -> Learn
             with progress.phase(run.console, "rl step", steps, lines=False) as bar:
                 bar.update(run.start)
                 for step in range(run.start, steps):
-                    state, m, trajs, tokens = await step_fn(state, step, step == run.start)
-                    end = StepEnd(step + 1, step + 1 == steps, m, trajs, state, tokens)
+                    state, m, episodes, tokens = await step_fn(state, step, step == run.start)
+                    end = StepEnd(step + 1, step + 1 == steps, m, episodes, state, tokens)
                     for hook in hooks:
                         if hook.due(end):
                             await hook.fn(run, rollout, end)

@@ -37,6 +37,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Span, SpanType
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.tokenization import Message, Tokenizer
 from jax_agent_rl.train.traces import ARTIFACTS_DIR, tracking_uri
@@ -108,9 +109,9 @@ def _model_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def record_traces(
-    run_dir: Path, trajectories: Sequence[Trajectory], tokenizer: Tokenizer, step: int
+    run_dir: Path, episodes: Sequence[Episode], tokenizer: Tokenizer, step: int
 ) -> None:
-    """Records ``trajectories``, sampled at training step ``step``, as MLflow traces in
+    """Records ``episodes``, sampled at training step ``step``, as MLflow traces in
     ``run_dir``'s store; they are in it when this returns."""
     uri = tracking_uri(run_dir)
     # mlflow's tracer exports spans to the process's tracking URI, not to a client's
@@ -118,8 +119,8 @@ def record_traces(
     client = MlflowClient(uri)
     experiment_id = _experiment_id(client, run_dir)
     end_ns = time.time_ns()
-    for traj in trajectories:
-        _record(client, experiment_id, traj, tokenizer, step, end_ns)
+    for episode in episodes:
+        _record(client, experiment_id, episode, tokenizer, step, end_ns)
     mlflow.flush_trace_async_logging()
 
 
@@ -138,12 +139,13 @@ def _experiment_id(client: MlflowClient, run_dir: Path) -> str:
 def _record(
     client: MlflowClient,
     experiment_id: str,
-    traj: Trajectory,
+    episode: Episode,
     tokenizer: Tokenizer,
     step: int,
     end_ns: int,
 ) -> None:
-    """One trajectory as a trace ending at ``end_ns`` (the layout of the module docstring)."""
+    """One episode as a trace ending at ``end_ns`` (the layout of the module docstring)."""
+    traj = episode.traj
     prompt, exchanges = split_messages(traj)
     turns = model_turns(traj)
     total_ns = int(traj.timings.get("total_s", 0.0) * 1e9)
@@ -158,8 +160,8 @@ def _record(
         tags={
             "step": str(step),
             "uid": traj.uid,
-            "reward": f"{traj.reward:g}",
-            "stop_reason": traj.stop_reason,
+            "reward": f"{episode.reward:g}",
+            "stop_reason": episode.stop_reason,
         },
         experiment_id=experiment_id,
         start_time_ns=clock,
@@ -189,30 +191,31 @@ def _record(
     client.end_trace(
         root.trace_id,
         outputs=answers[-1] if answers else None,
-        attributes=_episode_attributes(traj, tokenizer, step),
-        status="ERROR" if traj.error else "OK",
+        attributes=_episode_attributes(episode, tokenizer, step),
+        status="ERROR" if episode.error else "OK",
         end_time_ns=end_ns,
     )
 
 
-def _episode_attributes(traj: Trajectory, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
+def _episode_attributes(episode: Episode, tokenizer: Tokenizer, step: int) -> dict[str, Any]:
     """The attributes of an episode's root span."""
+    traj = episode.traj
     return {
         "uid": traj.uid,
         "group_id": traj.group_id,
         "step": int(step),
-        "reward": float(traj.reward),
-        "stop_reason": traj.stop_reason,
+        "reward": float(episode.reward),
+        "stop_reason": episode.stop_reason,
         "num_turns": int(traj.num_turns),
         "tool_calls": int(traj.tool_calls),
         "malformed_calls": int(traj.malformed_calls),
         "refused_calls": int(traj.refused_calls),
-        "filtered_by": traj.filtered_by,
+        "filtered_by": episode.filtered_by,
         "weight_versions": [int(v) for v in traj.weight_versions],
         "turn_kinds": list(traj.turn_kinds),
         "prompt_text": tokenizer.decode(traj.prompt_ids),
         "timings": dict(traj.timings),
-        "error": traj.error,
+        "error": episode.error,
     }
 
 

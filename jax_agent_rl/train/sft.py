@@ -125,7 +125,7 @@ def run_sft(
             rng.shuffle(perm)
             order += perm
         chosen, order = order[:batch_size], order[batch_size:]
-        batch = make_batch([demos[i].train_sequence() for i in chosen], bucket)
+        batch = make_batch([demos[i].train_sequence(0.0) for i in chosen], bucket)
         state, metrics = learner.sft_update(state, batch)
         on_step(step, metrics)
     return state

@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.filters import apply_filters
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -162,19 +163,20 @@ async def rollout_episodes(
     filters: Sequence[str] = (),
     tree: TreeSection | None = None,
     episode_done: Callable[[Trajectory], None] | None = None,
-) -> list[Trajectory]:
+) -> list[Episode]:
     """One group of episodes per sample, run concurrently, sampled with
     ``episode_seed(seed, tag)``, and scored, in sample order: ``n`` chain episodes, or with
     ``tree`` the leaves of a tree rollout (`jax_agent_rl.agent.tree`) within a budget of
     ``n`` chain episodes' unless the section sets one. A sample given twice is played twice,
     the second time under another uid (`distinct_samples`). A chain episode whose tool service
     failed is run again from its prompt, up to ``tool_failure_reruns`` times
-    (`Trajectory.reruns`); then the ``filters`` (`jax_agent_rl.agent.filters`) mark what
+    (`Episode.reruns`); then the ``filters`` (`jax_agent_rl.agent.filters`) mark what
     updates leave out. ``episode_done`` is called with each chain episode as it ends, before
     it is scored (a progress bar). Whether they all failed is for the caller to check
     (`episodes.all_failed_error`), over every process's episodes."""
     ctx = dataclasses.replace(ctx, seed=episode_seed(seed, tag))
     samples = distinct_samples(samples, set())
+    reruns: dict[str, int] = {}
 
     async def episode(e: Sample) -> list[Trajectory]:
         traj = await run_sample(e, ctx)
@@ -182,7 +184,7 @@ async def rollout_episodes(
             if traj.stop_reason != "tool_error":
                 break
             traj = await run_sample(e, ctx)  # its failed attempt's tool state was released
-            traj.reruns = rerun
+            reruns[traj.uid] = rerun
         if episode_done is not None:
             episode_done(traj)
         return [traj]
@@ -210,13 +212,13 @@ async def rollout_episodes(
         episodes = [dataclasses.replace(s, uid=f"{s.uid}/{tag}", group_id=s.uid) for s in samples]
         runs = [grown(e) for e in episodes]
     groups = list(await asyncio.gather(*runs))
-    await score_episodes(
+    scored = await score_episodes(
         groups, episodes, score, tool_reward_weight, ctx.tokenizer, success_reward=success_reward
     )
-    trajs = [t for g in groups for t in g]
-    for group in split_groups(trajs) if filters else ():
-        apply_filters(group, filters)
-    return trajs
+    out = [dataclasses.replace(e, reruns=reruns.get(e.uid, 0)) for g in scored for e in g]
+    if filters:
+        out = [e for group in split_groups(out) for e in apply_filters(group, filters)]
+    return out
 
 
 async def score_episodes(
@@ -227,45 +229,44 @@ async def score_episodes(
     tokenizer: Tokenizer,
     *,
     success_reward: float,
-) -> None:
-    """Sets each trajectory's `trajectory_reward` (``groups[i]`` played ``episodes[i]``), all
-    scored concurrently: a model judge gets the step's requests together, and whether it
-    succeeded: as its environment said, else its outcome (`outcome_reward`, without the turn
-    rewards: many small tool rewards are no solved task) >= ``success_reward``. A reward
-    function that raises on one ends that trajectory with ``reward_error`` (`reward_failed`);
-    so does a reward that is not a finite number in range (`rewards.checked_reward`) or one
-    that took longer than ``data.reward_timeout_s``, its error naming the row: reward 0, not
-    trained on, never a NaN in its group. A reward that failed on the answer and not on the
-    row's own (`rewards.AnswerFaultError`) scores the answer 0, trained on as a wrong answer, its
-    ``answer_fault`` saying why."""
+) -> list[list[Episode]]:
+    """The `Episode` of each trajectory, in its group: its `trajectory_reward` (``groups[i]``
+    played ``episodes[i]``), all scored concurrently: a model judge gets the step's requests
+    together, and whether it succeeded: as its environment said, else its outcome
+    (`outcome_reward`, without the turn rewards: many small tool rewards are no solved task)
+    >= ``success_reward``. A reward function that raises on one ends that episode with
+    ``reward_error`` (`reward_failed`); so does a reward that is not a finite number in range
+    (`rewards.checked_reward`) or one that took longer than ``data.reward_timeout_s``, its
+    error naming the row: reward 0, not trained on, never a NaN in its group. A reward that
+    failed on the answer and not on the row's own (`rewards.AnswerFaultError`) scores the
+    answer 0, trained on as a wrong answer, its ``answer_fault`` saying why. The trajectories
+    are not edited: what the reward adds is the episode's."""
 
-    async def checked(sample: Sample, traj: Trajectory) -> tuple[float, float] | Exception:
+    async def scored(sample: Sample, traj: Trajectory) -> Episode:
+        fault = None
         try:
             try:
                 outcome = await outcome_reward(sample, traj, score, tokenizer)
-            except AnswerFaultError as fault:
-                outcome, traj.answer_fault = 0.0, f"{fault} {_row(sample)}"
+            except AnswerFaultError as e:
+                outcome, fault = 0.0, f"{e} {_row(sample)}"
             reward = with_turn_rewards(outcome, traj, tool_reward_weight)
-            return checked_reward(reward, f"the episode {traj.uid!r}"), outcome
-        except Exception as e:  # RewardError: out of range, or late; else the function raised
-            return e
-
-    pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
-    rewards = await asyncio.gather(*(checked(e, t) for e, t in pairs))
-    for (sample, traj), scored in zip(pairs, rewards, strict=True):
-        if isinstance(scored, Exception):
-            if isinstance(scored, RewardError):
-                traj.end("reward_error", f"reward error: {scored} {_row(sample)}")
-                traj.reward = 0.0
-            else:
-                reward_failed(sample, traj, scored)
-            traj.success = False
-            continue
-        traj.reward, outcome = scored
-        fault = traj.answer_fault is not None or traj.stop_reason == "caused_error"
-        traj.success = not fault and (
+            reward = checked_reward(reward, f"the episode {traj.uid!r}")
+        except RewardError as e:  # out of range, or late
+            message = f"reward error: {e} {_row(sample)}"
+            return Episode(
+                traj, answer_fault=fault, reward_error=message, reward_stop="reward_error"
+            )
+        except Exception as e:  # the function raised
+            return reward_failed(sample, Episode(traj, answer_fault=fault), e)
+        success = fault is None and traj.stop_reason != "caused_error"
+        success = success and (
             traj.env_success if traj.env_success is not None else outcome >= success_reward
         )
+        return Episode(traj, reward, success, fault)
+
+    pairs = [(e, t) for group, e in zip(groups, episodes, strict=True) for t in group]
+    flat = iter(await asyncio.gather(*(scored(e, t) for e, t in pairs)))
+    return [[next(flat) for _ in group] for group in groups]
 
 
 def _row(sample: Sample) -> str:
@@ -275,27 +276,27 @@ def _row(sample: Sample) -> str:
     )
 
 
-def reward_failed(sample: Sample, traj: Trajectory, error: Exception) -> None:
-    """Ends ``traj`` with ``reward_error`` (reward 0, not trained on): its error names the
+def reward_failed(sample: Sample, episode: Episode, error: Exception) -> Episode:
+    """``episode`` ended with ``reward_error`` (reward 0, not trained on): its error names the
     reward setting, the function that raised (its innermost frame) and the row. An episode
     that had already failed keeps its stop reason, the reward's error added to its own."""
     where = raised_in(error)  # (in the worker process, for a function run in one)
-    traj.reward = 0.0
     message = (
         f"reward error: the reward function (data.reward, or data.rewards_by_source."
         f"{sample.data_source}) raised {error_text(error)} in {where.name} "
         f"({where.filename}:{where.lineno}) {_row(sample)}\n"
         + "".join(traceback.format_exception(error))
     )
-    if traj.trainable:
-        traj.end("reward_error", message)
-    else:
-        traj.add_error("\n" + message)
+    if episode.trainable:
+        return dataclasses.replace(
+            episode, reward=0.0, reward_error=message, reward_stop="reward_error"
+        )
+    return dataclasses.replace(episode, reward=0.0, reward_error="\n" + message)
 
 
 async def run_episodes(
     run: Run, rollout: Rollout, samples: Sequence[Sample], n: int, tag: str
-) -> list[Trajectory]:
+) -> list[Episode]:
     """`rollout_episodes` for training: sampled (``rollout.ctx``), with the run's seed, the
     rollout's reward, the tool-reward weight, filters and rollout strategy (held-out
     evaluations run chains: `evaluation.evaluate_samples`)."""
@@ -326,8 +327,8 @@ def training_filters(cfg: JarlConfig) -> list[str]:
 
 
 def keep_with_signal(
-    groups: Sequence[list[Trajectory]], dynamic_sampling: bool
-) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
+    groups: Sequence[list[Episode]], dynamic_sampling: bool
+) -> tuple[list[list[Episode]], list[list[Episode]]]:
     """DAPO's dynamic sampling, for both loops: the groups kept and those dropped, each in
     order. With ``dynamic_sampling``, a group is kept only when its trainable members'
     rewards are not all equal (dropped, it teaches nothing; the loops sample fresh prompts in
@@ -344,9 +345,7 @@ def keep_with_signal(
     return kept, [g for i, g in enumerate(groups) if i not in signal]
 
 
-async def collect(
-    run: Run, rollout: Rollout, step: int
-) -> tuple[list[Trajectory], list[Trajectory]]:
+async def collect(run: Run, rollout: Rollout, step: int) -> tuple[list[Episode], list[Episode]]:
     """This process's groups for one step (its share of ``data.prompts_per_step``), and every
     episode it sampled. With dynamic sampling, only groups with a reward signal are kept,
     and more prompts are drawn (at most ``group.max_refills`` times) until there are enough.
@@ -357,8 +356,8 @@ async def collect(
     cfg = run.cfg
     processes, me = jax.process_count(), jax.process_index()
     want, n = cfg.data.prompts_per_step // processes, cfg.group.n
-    kept: list[list[Trajectory]] = []
-    seen: list[Trajectory] = []
+    kept: list[list[Episode]] = []
+    seen: list[Episode] = []
     drawn: set[str] = set()  # (renamed over every process's prompts: each renames alike)
     for attempt in range(cfg.group.max_refills + 1 if cfg.group.dynamic_sampling else 1):
         k = distributed.agree_max([want - len(kept)])[0] if attempt else want
@@ -367,11 +366,11 @@ async def collect(
         batch = distinct_samples(run.sampler.next_batch(k * processes), drawn)
         samples = batch[me * k : (me + 1) * k]
         tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
-        trajs = await run_episodes(run, rollout, samples, n, tag)
-        seen += trajs
-        groups, _ = keep_with_signal(split_groups(trajs), cfg.group.dynamic_sampling)
+        episodes = await run_episodes(run, rollout, samples, n, tag)
+        seen += episodes
+        groups, _ = keep_with_signal(split_groups(episodes), cfg.group.dynamic_sampling)
         kept += groups[: want - len(kept)]
-    return [t for g in kept for t in g], seen
+    return [e for g in kept for e in g], seen
 
 
 async def rl_step(
@@ -381,10 +380,10 @@ async def rl_step(
     state: LearnerState,
     step: int,
     compiles: bool,
-) -> tuple[LearnerState, dict[str, float], list[Trajectory], UpdateTokens | None]:
+) -> tuple[LearnerState, dict[str, float], list[Episode], UpdateTokens | None]:
     """One RL step (see the module docstring) of the learner's ``state`` (donated): `collect`,
     then `learn_and_push`. Returns the new state, its metrics (of every process; the rollout
-    time is the slowest process's), the trajectories this process sampled and the update's
+    time is the slowest process's), the episodes this process sampled and the update's
     per-token values (`learn`). ``compiles``:
     the first step of this process, whose times include compiling the engine and the
     learner step (kept out of the throughput plot). ``reported``: the rollout's counters

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.text import Text
 
 from jax_agent_rl import device_turns
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
@@ -59,30 +60,32 @@ _MAX_PENDING = 8  # tokens held back while they end inside a multi-byte characte
 TokenSignals = dict[str, list[float | None]]
 
 
-def trace_picks(trajectories: Sequence[Trajectory], k: int) -> list[Trajectory]:
-    """The ``k`` trajectories of a step whose traces are written, spread over them."""
-    return list(trajectories[:: max(1, len(trajectories) // max(k, 1))][:k])
+def trace_picks(episodes: Sequence[Episode], k: int) -> list[Episode]:
+    """The ``k`` episodes of a step whose traces are written, spread over them."""
+    return list(episodes[:: max(1, len(episodes) // max(k, 1))][:k])
 
 
 def trace_record(
-    traj: Trajectory,
+    episode: Episode,
     tokenizer: Tokenizer,
     step: int,
     signals: Mapping[str, Sequence[float | None]] | None = None,
 ) -> dict[str, Any]:
-    """A JSON-serialisable record of ``traj`` taken at training step ``step``, with the
-    learner's ``signals`` at its tokens when it trained on it (`learner_signals`)."""
+    """A JSON-serialisable record of ``episode`` (its trajectory and outcome) taken at
+    training step ``step``, with the learner's ``signals`` at its tokens when it trained on it
+    (`learner_signals`)."""
+    traj = episode.traj
     return {
         "step": int(step),
         "uid": traj.uid,
         "group_id": traj.group_id,
-        "reward": float(traj.reward),
-        "stop_reason": traj.stop_reason,
-        "filtered_by": traj.filtered_by,
+        "reward": float(episode.reward),
+        "stop_reason": episode.stop_reason,
+        "filtered_by": episode.filtered_by,
         "forked_from": traj.forked_from,  # a tree rollout's branch: whose prefix it shares
         "turn_kinds": list(traj.turn_kinds),
-        "error": traj.error,
-        "answer_fault": traj.answer_fault,
+        "error": episode.error,
+        "answer_fault": episode.answer_fault,
         "num_turns": int(traj.num_turns),
         "tool_calls": int(traj.tool_calls),
         "malformed_calls": int(traj.malformed_calls),

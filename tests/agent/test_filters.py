@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.filters import (
     FILTERS,
     REPEAT_MIN_SPAN,
@@ -25,7 +26,6 @@ def _traj(
     kinds: list[str],
     last_text: str = "",
     stop: str = "eos",
-    reward: float = 0.0,
     turns: list[list[int]] | None = None,
 ) -> Trajectory:
     t = Trajectory(uid="u", group_id="g", prompt_ids=[1], stop_reason=stop)  # type: ignore[arg-type]
@@ -34,8 +34,17 @@ def _traj(
     for ids in turns or [[5, 6]]:
         t.append(ids, model=True, logprobs=[0.0] * len(ids), version=0)
         t.append([9], model=False)  # a tool observation between turns
-    t.reward = reward
     return t
+
+
+def _ep(
+    kinds: list[str],
+    last_text: str = "",
+    stop: str = "eos",
+    reward: float = 0.0,
+    turns: list[list[int]] | None = None,
+) -> Episode:
+    return Episode(_traj(kinds, last_text, stop, turns), reward=reward)
 
 
 def test_void_turn_is_a_turn_with_neither_a_call_nor_an_answer() -> None:
@@ -64,39 +73,38 @@ def test_a_loop_across_a_tool_observation_is_not_the_models() -> None:
     result are two short loops, not one of 40."""
     split = _traj(["call", "text"], turns=[[7] * 20, [7] * 20])
     assert model_segments(split) == [[7] * 20, [7] * 20]
-    assert FILTERS["repetition"].excludes([split]) == [False]
-    assert FILTERS["repetition"].excludes([_traj(["text"], turns=[[7] * 40])]) == [True]
+    assert FILTERS["repetition"].excludes([Episode(split)]) == [False]
+    assert FILTERS["repetition"].excludes([_ep(["text"], turns=[[7] * 40])]) == [True]
 
 
 def test_overlong_and_tool_error() -> None:
     group = [
-        _traj(["cut"], stop="max_tokens_per_turn"),
-        _traj(["call"], stop="max_response_tokens"),
-        _traj(["call"], stop="max_model_len"),
-        _traj(["call"], stop="tool_error"),
-        _traj(["text"], "<answer>1</answer>"),
+        _ep(["cut"], stop="max_tokens_per_turn"),
+        _ep(["call"], stop="max_response_tokens"),
+        _ep(["call"], stop="max_model_len"),
+        _ep(["call"], stop="tool_error"),
+        _ep(["text"], "<answer>1</answer>"),
     ]
     assert FILTERS["overlong"].excludes(group) == [True, True, True, False, False]
     assert FILTERS["tool_error"].excludes(group) == [False, False, False, True, False]
 
 
 def test_equal_reward_looks_at_the_members_left() -> None:
-    same = [_traj(["text"], reward=1.0), _traj(["text"], reward=1.0)]
+    same = [_ep(["text"], reward=1.0), _ep(["text"], reward=1.0)]
     assert FILTERS["equal_reward"].excludes(same) == [True, True]
-    mixed = [_traj(["text"], reward=1.0), _traj(["text"], reward=0.0)]
+    mixed = [_ep(["text"], reward=1.0), _ep(["text"], reward=0.0)]
     assert FILTERS["equal_reward"].excludes(mixed) == [False, False]
     # the one with another reward was left out by an earlier filter: no signal is left
-    mixed[1].stop_reason = "max_model_len"
-    apply_filters(mixed, ["overlong", "equal_reward"])
+    mixed[1].traj.stop_reason = "max_model_len"
+    mixed = apply_filters(mixed, ["overlong", "equal_reward"])
     assert [t.filtered_by for t in mixed] == ["equal_reward", "overlong"]
 
 
 def test_the_first_filter_names_it_and_it_is_not_trained_on() -> None:
-    looping_and_long = _traj(["cut"], stop="max_response_tokens", turns=[[4] * 40])
-    fine = _traj(["call", "text"], "<answer>3</answer>", reward=1.0)
-    void = _traj(["call", "text"], "hmm")
-    group = [looping_and_long, fine, void]
-    apply_filters(group, ["repetition", "overlong", "void_turn"])
+    looping_and_long = _ep(["cut"], stop="max_response_tokens", turns=[[4] * 40])
+    fine = _ep(["call", "text"], "<answer>3</answer>", reward=1.0)
+    void = _ep(["call", "text"], "hmm")
+    group = apply_filters([looping_and_long, fine, void], ["repetition", "overlong", "void_turn"])
     assert [t.filtered_by for t in group] == ["repetition", None, "void_turn"]
     assert [t.trainable for t in group] == [False, True, False]
     totals = episode_totals(group)

@@ -19,6 +19,7 @@ from langchain_openai import ChatOpenAI
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.endpoint_http import Limits
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -169,7 +170,7 @@ def test_a_rewritten_turn_ends_the_episode_counted(setup: dict[str, Any]) -> Non
     assert traj.error is not None and "message 1 rewrites an earlier turn" in traj.error
     assert "BadRequestError" in traj.error  # the harness was answered 400
     assert sum(traj.loss_mask) > 0  # the first turn stays, nothing after it
-    totals = episode_totals([traj])
+    totals = episode_totals([Episode(traj)])
     assert totals["stop/caused_error"] == 1 and totals["untrainable"] == 0
 
 

@@ -23,6 +23,7 @@ import pytest
 from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import AGENT_LOOPS, finish_turn, register_agent_loop, run_sample
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.data.sample import Sample
@@ -123,15 +124,16 @@ def test_one_failure_does_not_affect_its_siblings(
     assert executor.response_ids and parser.response_ids and executor.num_turns == 1
     assert loop.response_ids == [] and loop.messages == [{"role": "user", "content": QUESTION}]
     assert tools.open_trajectories == 0 and broken.open_trajectories == 0
-    metrics = episode_metrics([good, loop, executor, parser])
+    episodes = [Episode(t) for t in (good, loop, executor, parser)]
+    metrics = episode_metrics(episodes)
     assert metrics["stop/agent_error"] == 0.75 and metrics["untrainable"] == 0.75
-    raise_if_all_failed([good, loop, executor, parser])  # a working sibling: no raise
+    raise_if_all_failed(episodes)  # a working sibling: no raise
 
 
 @CHATML
 def test_trace_record_carries_the_traceback(setup: dict[str, Any]) -> None:
     (traj,) = _rollout(setup, [("parser", "tool_agent", _tools(), ParserBug())])
-    record = json.loads(json.dumps(trace_record(traj, setup["tokenizer"], step=3)))
+    record = json.loads(json.dumps(trace_record(Episode(traj), setup["tokenizer"], step=3)))
     assert record["stop_reason"] == "agent_error"
     assert record["error"] == traj.error and "ValueError: parser bug" in record["error"]
     console = Console(record=True, width=100, color_system="standard")
@@ -148,7 +150,7 @@ def test_a_rollout_where_every_trajectory_failed_raises(
     runs = [(f"crash-{i}", crashing_agent, _tools(), HermesParser()) for i in range(2)]
     trajs = _rollout(setup, runs)
     with pytest.raises(RuntimeError, match="all 2 trajectories of the rollout failed") as e:
-        raise_if_all_failed(trajs)
+        raise_if_all_failed([Episode(t) for t in trajs])
     assert "RuntimeError: loop bug" in str(e.value)
 
 
@@ -339,7 +341,7 @@ def test_a_turn_runs_at_most_max_tool_calls_per_turn(setup: dict[str, Any]) -> N
     assert traj.response_ids[:n] == turn and traj.loss_mask == [1] * n + [0] * (total - n)
     observation = setup["tokenizer"].decode(traj.response_ids[n:])
     assert all(r in observation for r in refusals)
-    metrics = episode_metrics([traj])
+    metrics = episode_metrics([Episode(traj)])
     assert metrics["refused_call_rate"] == 4 / 13 and metrics["malformed_call_rate"] == 1 / 13
 
 

@@ -70,6 +70,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop, run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -220,7 +221,7 @@ def test_a_row_drawn_twice_for_a_step_plays_apart(
         ("r-1~1/s3a0/0", "r-1~1"),
         ("r-1~1/s3a0/1", "r-1~1"),
     ]
-    assert [t.messages[-1]["content"] for t in trajs] == ["1,2"] * 4  # (each its own state)
+    assert [e.traj.messages[-1]["content"] for e in trajs] == ["1,2"] * 4  # (each its own state)
     assert tools.open_trajectories == 0
     drawn: set[str] = set()  # (a step's refill, and a name a row may itself have)
     again = distinct_samples([rows[1], Sample("r-1~1", [], "4")], drawn)
@@ -382,9 +383,10 @@ def test_a_failed_episodes_error_reaches_the_console_visible() -> None:
     trajs = [Trajectory(uid=f"r-{i}/s1a0/0", group_id=f"r-{i}", prompt_ids=[1]) for i in range(2)]
     for traj in trajs:
         traj.end("env_error", error)
-    totals = episode_totals(trajs)
-    warning = stop_warning(metrics_of_totals(totals), trajs)
-    stopped = all_failed_error(totals, first_error(trajs))
+    episodes = [Episode(t) for t in trajs]
+    totals = episode_totals(episodes)
+    warning = stop_warning(metrics_of_totals(totals), episodes)
+    stopped = all_failed_error(totals, first_error(episodes))
     assert warning is not None and stopped is not None
     for line in (warning, str(stopped)):
         assert "\x1b" not in line
@@ -435,7 +437,7 @@ def test_a_traced_episode_whose_uid_holds_a_hash_is_found_in_the_batch() -> None
         t.append([5, 6], model=False)
         t.append([20 + k], model=True, logprobs=[-0.3])
         trajs.append(t)
-    seqs = [t.train_sequence() for t in trajs]
+    seqs = [t.train_sequence(0.0) for t in trajs]
     for rows in (seqs, [s for t in seqs for s in per_turn_samples(t)]):
         batch, _, _ = step_batch(
             rows, np.zeros(len(rows)), [r.group_id for r in rows], np.ones(len(rows)),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config.sections import DataSection
 from jax_agent_rl.data.sample import Sample
@@ -25,10 +26,10 @@ MISNAMED = (
 )
 
 
-def _ended(stop: str, error: str | None = None, uid: str = "p/s1a0/0") -> Trajectory:
+def _ended(stop: str, error: str | None = None, uid: str = "p/s1a0/0") -> Episode:
     traj = Trajectory(uid, "p", [1, 2])
     traj.end(stop, error)  # type: ignore[arg-type]
-    return traj
+    return Episode(traj)
 
 
 def test_a_step_of_failed_episodes_stops_the_run_with_its_reason() -> None:
@@ -86,8 +87,10 @@ def test_a_reward_function_that_raises_ends_only_its_episodes(tmp_path: Path) ->
     ]  # fmt: skip
     groups = [[Trajectory(s.uid, s.group_id, [1])] for s in samples]
     with make_reward(picky) as score:
-        asyncio.run(score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0))
-    trajs = [g[0] for g in groups]
+        scored = asyncio.run(
+            score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0)
+        )
+    trajs = [g[0] for g in scored]
     assert [t.stop_reason for t in trajs] == ["eos", "reward_error", "eos", "reward_error"]
     assert [t.reward for t in trajs] == [1.0, 0.0, 1.0, 0.0]
     bad = trajs[1]

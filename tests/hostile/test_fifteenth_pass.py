@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from langgraph.graph import END, START, MessagesState, StateGraph
 
+from jax_agent_rl.agent import episode as played
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.langgraph_loop import Episode
 from jax_agent_rl.agent.loop import run_sample
@@ -317,7 +318,7 @@ def test_an_env_loop_blocked_for_good_stops_the_run_naming_it(
         assert blocker.woke.wait(BOUND_S)
     assert [t.stop_reason for t in trajs] == ["caused_error", *["env_error"] * 3]
     with pytest.raises(RuntimeError) as failed:
-        raise_if_all_failed(trajs)
+        raise_if_all_failed([played.Episode(t) for t in trajs])
     said = str(failed.value)
     assert "75% of episodes ended env_error" in said, said
     assert "w.reset took longer than env.step_timeout_s=1.0s" in said

@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.call_processes import CallProcesses
 from jax_agent_rl.config import ConfigError, load_config
@@ -202,7 +203,7 @@ def test_a_lone_surrogate_in_a_trajectory_is_traced_and_shown(tmp_path: Path) ->
     ]
     traj.end("env_done")
     path = tmp_path / "traces.jsonl"
-    append_traces(path, [trace_record(traj, tokenizer, 1)])
+    append_traces(path, [trace_record(Episode(traj), tokenizer, 1)])
     assert read_traces(path)[0]["messages"] == traj.messages
     shown = visible(traj.messages[0]["content"])
     assert shown == "What is 2+2? \\ud83d"

@@ -86,20 +86,21 @@ def test_a_bad_reward_ends_its_trajectory_not_its_group(tokenizer: Tokenizer) ->
     trajs[5].env_reward = math.nan  # an environment's own reward, summed from its steps
     trajs[6].turn_rewards = [1e308, 1e308]
     groups = [[t] for t in trajs]
-    asyncio.run(score_episodes(groups, samples, score, 1.0, tokenizer, success_reward=1.0))
+    scored = asyncio.run(score_episodes(groups, samples, score, 1.0, tokenizer, success_reward=1.0))
+    episodes = [e for g in scored for e in g]
     ok = {"right": 1.0, "wrong": 0.0}
-    for t in trajs:
-        if t.uid in ok:
-            assert t.reward == ok[t.uid] and t.trainable and t.stop_reason == "eos"
+    for e in episodes:
+        if e.uid in ok:
+            assert e.reward == ok[e.uid] and e.trainable and e.stop_reason == "eos"
             continue
-        assert t.stop_reason == "reward_error" and not t.trainable, t.uid
-        assert t.reward == 0.0 and not t.success
-        assert t.error is not None and "reward" in t.error
-    assert "nan_score" in str(trajs[2].error) and "nan" in str(trajs[2].error)
-    assert "1e+308" in str(trajs[3].error) and "'high'" in str(trajs[4].error)
-    assert "inf" in str(trajs[6].error)
-    assert episode_metrics(trajs)["stop/reward_error"] == 5 / 7
-    trained = [t.reward for t in trajs if t.trainable]
+        assert e.stop_reason == "reward_error" and not e.trainable, e.uid
+        assert e.reward == 0.0 and not e.success
+        assert e.error is not None and "reward" in e.error
+    assert "nan_score" in str(episodes[2].error) and "nan" in str(episodes[2].error)
+    assert "1e+308" in str(episodes[3].error) and "'high'" in str(episodes[4].error)
+    assert "inf" in str(episodes[6].error)
+    assert episode_metrics(episodes)["stop/reward_error"] == 5 / 7
+    trained = [e.reward for e in episodes if e.trainable]
     adv = core.grpo_advantages(np.array(trained), np.zeros(len(trained), int), 1)
     assert np.isfinite(np.asarray(adv)).all()
 
@@ -209,8 +210,9 @@ def test_a_reward_raising_an_error_that_cannot_be_written_ends_only_its_episode(
     for t in trajs:
         t.messages = [{"role": "assistant", "content": "<answer>5</answer>"}]
     groups = [[t] for t in trajs]
-    asyncio.run(score_episodes(groups, samples, score, 1.0, tokenizer, success_reward=1.0))
-    odd, ok = trajs
+    scored = asyncio.run(score_episodes(groups, samples, score, 1.0, tokenizer, success_reward=1.0))
+    episodes = [e for g in scored for e in g]
+    odd, ok = episodes
     assert odd.stop_reason == "reward_error" and odd.reward == 0.0 and not odd.trainable
     assert "raised UnprintableError" in str(odd.error) and "unprintable_score" in str(odd.error)
     assert ok.stop_reason == "eos" and ok.reward == 1.0 and ok.trainable

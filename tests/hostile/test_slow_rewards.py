@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
@@ -82,7 +83,7 @@ def dying(text: str, ground_truth: Any) -> float:
 
 def _score(
     tokenizer: Tokenizer, overrides: list[str], releaser: bool
-) -> tuple[Trajectory, Trajectory, bool]:
+) -> tuple[Episode, Episode, bool]:
     """The episodes "slow" and "quick", scored by `blocking` in one step, and whether the slow
     one entered its wait: a server on the event loop takes its connection and, with
     ``releaser``, releases it."""
@@ -97,7 +98,7 @@ def _score(
             writer.write(b"1")
             await writer.drain()
 
-    async def go() -> list[Trajectory]:
+    async def go() -> list[Episode]:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         samples = [
@@ -111,8 +112,10 @@ def _score(
             groups.append([traj])
         async with server:
             with make_reward(cfg.data) as score:
-                await score_episodes(groups, samples, score, 0.0, tokenizer, success_reward=1.0)
-        return [g[0] for g in groups]
+                scored = await score_episodes(
+                    groups, samples, score, 0.0, tokenizer, success_reward=1.0
+                )
+        return [g[0] for g in scored]
 
     slow, quick = asyncio.run(go())
     return slow, quick, bool(entered)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
@@ -39,7 +40,7 @@ async def _reward_of(answer: Answer) -> float:
 
 def _scored(
     tokenizer: Tokenizer, overrides: list[str], env_success: list[bool | None]
-) -> tuple[list[Trajectory], list[Sample]]:
+) -> tuple[list[Episode], list[Sample]]:
     cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", *overrides])
     samples = [
         Sample(uid=name, messages=[{"role": "user", "content": name}], data_source="s")
@@ -52,12 +53,12 @@ def _scored(
             traj.start_env(owns_reward=False)
             traj.add_env_step(0.0, [], success=env)
         groups.append([traj])
-    asyncio.run(
+    scored = asyncio.run(
         score_episodes(
             groups, samples, _reward_of, 0.0, tokenizer, success_reward=cfg.data.success_reward
         )
     )
-    return [g[0] for g in groups], samples
+    return [g[0] for g in scored], samples
 
 
 def test_a_low_positive_reward_is_no_success(tokenizer: Tokenizer) -> None:
@@ -93,7 +94,7 @@ def test_an_environment_success_flag_is_checked() -> None:
     assert dataclasses.replace(EnvStep([]), success=None).success is None
 
 
-def _tool_rich(tokenizer: Tokenizer, weight: float, tool_reward: float | None) -> Trajectory:
+def _tool_rich(tokenizer: Tokenizer, weight: float, tool_reward: float | None) -> Episode:
     """A wrong answer (reward 0) after 20 tool calls of reward ``tool_reward``, one a turn
     (None: their turn rewards, 0.1 each, as a trajectory holds them), scored with
     ``data.tool_reward_weight=weight``."""
@@ -104,8 +105,10 @@ def _tool_rich(tokenizer: Tokenizer, weight: float, tool_reward: float | None) -
     else:
         for _ in range(20):
             traj.add_tool_results([ToolResult("ok", reward=tool_reward)], ["calculator"], [])
-    asyncio.run(score_episodes([[traj]], [sample], _reward_of, weight, tokenizer, success_reward=1))
-    return traj
+    (scored,) = asyncio.run(
+        score_episodes([[traj]], [sample], _reward_of, weight, tokenizer, success_reward=1)
+    )
+    return scored[0]
 
 
 def test_tool_rewards_that_add_up_are_no_success(tokenizer: Tokenizer) -> None:
@@ -128,7 +131,7 @@ def test_a_bad_tool_reward_is_named_and_counts_only_where_tool_rewards_count(
     episode ends with reward_error naming the tool."""
     ignored = _tool_rich(tokenizer, 0.0, math.nan)
     assert ignored.stop_reason == "eos" and ignored.trainable and ignored.reward == 0.0
-    assert ignored.turn_rewards == [0.0] * 20
+    assert ignored.traj.turn_rewards == [0.0] * 20
     counted = _tool_rich(tokenizer, 1.0, math.nan)
     assert counted.stop_reason == "reward_error" and not counted.trainable
     assert "the tool 'calculator' gave reward nan" in str(counted.error)

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import run_episode, run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
@@ -96,9 +97,7 @@ def _group(texts: list[str]) -> list[Trajectory]:
     return group
 
 
-def _scored(
-    reward: str, texts: list[str], tokenizer: Tokenizer, truth: Any = "4"
-) -> list[Trajectory]:
+def _scored(reward: str, texts: list[str], tokenizer: Tokenizer, truth: Any = "4") -> list[Episode]:
     cfg = load_config(
         None,
         ["model.path=m", "data.train=t.jsonl", f"data.reward={HERE}:{reward}",
@@ -107,12 +106,14 @@ def _scored(
     sample = Sample("r", [{"role": "user", "content": "2+2?"}], truth, data_source="s")
     group = _group(texts)
 
-    async def go() -> None:
+    async def go() -> list[list[Episode]]:
         with make_reward(cfg.data) as score:
-            await score_episodes([group], [sample], score, 0.0, tokenizer, success_reward=1.0)
+            return await score_episodes(
+                [group], [sample], score, 0.0, tokenizer, success_reward=1.0
+            )
 
-    asyncio.run(go())
-    return group
+    (scored,) = asyncio.run(go())
+    return scored
 
 
 def test_an_answer_that_makes_the_reward_raise_or_hang_is_a_wrong_answer(
@@ -295,7 +296,7 @@ def _played(
     backend: EmbeddedBackend,
     actions: list[str],
     prompt: str = "2+2?",
-) -> Trajectory:
+) -> Episode:
     """One episode of ``Fragile`` whose policy's actions are ``actions``, one a turn, scored."""
 
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
@@ -307,7 +308,7 @@ def _played(
                 return "env_done"
         return "max_turns"
 
-    async def go() -> Trajectory:
+    async def go() -> Episode:
         tools = LocalTools(ToolRegistry([]))
         ctx = await AgentContext.create(
             backend, tokenizer, tools, make_parser("hermes"), AgentConfig(), envs=envs
@@ -316,8 +317,10 @@ def _played(
         traj = await run_episode(sample, ctx, play, drives_envs=True)
         cfg = load_config(None, ["model.path=m", "data.train=t.jsonl"])
         with make_reward(cfg.data) as score:
-            await score_episodes([[traj]], [sample], score, 0.0, tokenizer, success_reward=1.0)
-        return traj
+            ((scored,),) = await score_episodes(
+                [[traj]], [sample], score, 0.0, tokenizer, success_reward=1.0
+            )
+        return scored
 
     return asyncio.run(go())
 

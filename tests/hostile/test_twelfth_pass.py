@@ -67,6 +67,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -144,19 +145,21 @@ def test_a_reward_raising_what_is_not_an_exception_ends_only_its_episode(
         traj.messages = [{"role": "assistant", "content": text}]
         group.append(traj)
 
-    async def go() -> None:
+    async def go() -> list[list[Episode]]:
         with make_reward(cfg.data) as score:
-            await score_episodes([group], [sample], score, 0.0, tokenizer, success_reward=1.0)
+            return await score_episodes(
+                [group], [sample], score, 0.0, tokenizer, success_reward=1.0
+            )
 
-    asyncio.run(go())  # (before: FunctionTimedOut, or KeyboardInterrupt, out of the step)
-    for traj, text in zip(group[:-1], texts, strict=False):
+    (scored,) = asyncio.run(go())  # (before: FunctionTimedOut, or KeyboardInterrupt, out of it)
+    for episode, text in zip(scored[:-1], texts, strict=False):
         # (it scores the row's own answer: the answer's fault, a wrong answer, trained on,
         # `test_thirteenth_pass`; the thirteenth pass ended these reward_error, untrained)
-        assert (traj.stop_reason, traj.reward, traj.trainable) == ("eos", 0.0, True)
+        assert (episode.stop_reason, episode.reward, episode.trainable) == ("eos", 0.0, True)
         assert f"(RuntimeError: the call raised {RAISED[text]} in giving_up" in str(
-            traj.answer_fault
+            episode.answer_fault
         )
-    assert (group[-1].stop_reason, group[-1].reward, group[-1].success) == ("eos", 1.0, True)
+    assert (scored[-1].stop_reason, scored[-1].reward, scored[-1].success) == ("eos", 1.0, True)
 
 
 class Raising:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import EngineSection
@@ -141,7 +142,8 @@ def test_a_rollout_whose_every_episode_failed_is_two_lines_of_the_cli() -> None:
     trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(4)]
     for traj in trajs:
         traj.end("reward_error", first)
-    error = all_failed_error(episode_totals(trajs), first_error(trajs))
+    episodes = [Episode(t) for t in trajs]
+    error = all_failed_error(episode_totals(episodes), first_error(episodes))
     assert isinstance(error, RolloutFailedError)
     headline, what = str(error).splitlines()[:2]
     assert headline.startswith("all 4 trajectories of the rollout failed (WARNING: 100%")
@@ -160,5 +162,6 @@ def test_a_step_of_reward_errors_names_the_setting_and_the_row() -> None:
     trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(2)]
     trajs[0].end("reward_error", error)
     trajs[1].end("reward_error", error)
-    line = stop_warning(episode_metrics(trajs), trajs)
+    episodes = [Episode(t) for t in trajs]
+    line = stop_warning(episode_metrics(episodes), episodes)
     assert line == f"WARNING: 100% of episodes ended reward_error (e.g. {error.splitlines()[0]})"

@@ -61,6 +61,7 @@ def main() -> None:
     import jax
     from rich.console import Console
 
+    from jax_agent_rl.agent.episode import Episode
     from jax_agent_rl.tokenization.turns import TurnBuilder
     from jax_agent_rl.train import build_run
     from jax_agent_rl.train.learn import learn
@@ -72,10 +73,12 @@ def main() -> None:
     share = GROUPS * N // jax.process_count()
     for step in range(2):
         trajs = [
-            dataclasses.replace(
-                demos[(step * GROUPS * N + i) % len(demos)],
-                uid=f"t{step}/{i}",
-                group_id=f"g{step}/{i // N}",
+            Episode(
+                dataclasses.replace(
+                    demos[(step * GROUPS * N + i) % len(demos)],
+                    uid=f"t{step}/{i}",
+                    group_id=f"g{step}/{i // N}",
+                ),
                 reward=float((i * 7 + step) % 5) / 4,
             )
             for i in range(GROUPS * N)

@@ -7,7 +7,7 @@ from jax_agent_rl.rl.batch import make_batch, per_turn_samples, turn_spans
 def _episode() -> Trajectory:
     """Prompt [1, 2]; turn 0 samples [10, 11] (version 3), a tool result [20, 21, 22],
     turn 1 samples [12] (version 4), template [23], turn 2 samples [13, 14] (version 4)."""
-    t = Trajectory(uid="e", group_id="g", prompt_ids=[1, 2], reward=0.5)
+    t = Trajectory(uid="e", group_id="g", prompt_ids=[1, 2])
     t.append([10, 11], model=True, logprobs=[-0.1, -0.2], version=3)
     t.append([20, 21, 22], model=False)
     t.append([12], model=True, logprobs=[-0.3], version=4)
@@ -23,7 +23,7 @@ def test_turn_spans_are_the_runs_of_sampled_tokens() -> None:
 
 def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
     traj = _episode()
-    samples = per_turn_samples(traj.train_sequence())
+    samples = per_turn_samples(traj.train_sequence(0.5))
     full = traj.prompt_ids + traj.response_ids
     assert [s.uid for s in samples] == ["e#0", "e#1", "e#2"]
     for s, (a, b) in zip(samples, turn_spans(traj.loss_mask), strict=True):
@@ -39,7 +39,7 @@ def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
         t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m
     ]
     # as learner rows: each sample scores its turn's targets with the trajectory's logprobs
-    whole = make_batch([traj.train_sequence()], bucket=8)
+    whole = make_batch([traj.train_sequence(0.5)], bucket=8)
     rows = make_batch(samples, bucket=8, longest=len(full))
     assert rows.mask.sum() == whole.mask.sum() == 5
     for r, s in enumerate(samples):
@@ -52,4 +52,4 @@ def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
 
 def test_an_episode_without_model_tokens_stays_one_sample() -> None:
     traj = Trajectory(uid="e", group_id="g", prompt_ids=[1, 2])
-    assert per_turn_samples(traj.train_sequence()) == [traj.train_sequence()]
+    assert per_turn_samples(traj.train_sequence(0.0)) == [traj.train_sequence(0.0)]

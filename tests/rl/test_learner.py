@@ -66,7 +66,7 @@ def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Tr
             model = (i // 4) % 2 == 0
             ids = list(rng.integers(0, 256, 4))
             traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
-        trajs.append(traj.train_sequence())
+        trajs.append(traj.train_sequence(0.0))
     return trajs
 
 
@@ -240,7 +240,7 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
     for req, res in asyncio.run(go()):
         t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
         t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))
-        trajs.append(t.train_sequence())
+        trajs.append(t.train_sequence(0.0))
     # all four packed in one row: positions restart and attention stays within each
     batch = make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
     s = spec(ALGO, sampling=SamplingSpec(0.8, top_k, top_p))

@@ -129,7 +129,7 @@ def _sampled(backend: EmbeddedBackend, seed: int) -> TrainBatch:
     for req, res in asyncio.run(go()):
         t = Trajectory(uid=req.request_id, group_id="g", prompt_ids=list(req.prompt_ids))
         t.append(list(res.token_ids), model=True, logprobs=list(res.logprobs))  # type: ignore[attr-defined]
-        trajs.append(t.train_sequence())
+        trajs.append(t.train_sequence(0.0))
     return make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
 
 

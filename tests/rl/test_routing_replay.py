@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AlgorithmSection, OptimSection, load_config, to_yaml
 from jax_agent_rl.demo import make_checkpoint
@@ -123,7 +124,7 @@ def learner(cfg: ModelConfig, replay: bool) -> Learner:
 def step_metrics(cfg: ModelConfig, w: Weights, trajs: list[Trajectory], replay: bool) -> dict:
     """One RL step of ``w``: its metrics (the gaps are taken before it)."""
     batch, sequences, real = step_batch(
-        [t.train_sequence() for t in trajs],
+        [t.train_sequence(0.0) for t in trajs],
         np.arange(len(trajs), dtype=np.float32),
         [t.group_id for t in trajs],
         np.ones(len(trajs)),
@@ -153,7 +154,7 @@ def test_the_trajectory_carries_the_samplers_experts(
         assert ids.shape == (len(traj.response_ids), 2, cfg.num_experts_per_tok)
         mask = np.asarray(traj.loss_mask, bool)
         assert (ids[~mask] == -1).all() and (ids[mask] >= 0).all()
-    batch = make_batch([t.train_sequence() for t in sampled], bucket=16)
+    batch = make_batch([t.train_sequence(0.0) for t in sampled], bucket=16)
     _, own = forward(
         w,
         cfg,
@@ -178,7 +179,7 @@ def test_dense_trajectories_carry_no_experts() -> None:
         cfg, init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
     )[:1]
     assert traj.expert_ids is None and traj.num_model_tokens > 0
-    assert make_batch([traj.train_sequence()], bucket=16).expert_ids is None
+    assert make_batch([traj.train_sequence(0.0)], bucket=16).expert_ids is None
 
 
 # ------------------------------------------------------------------- learner replay
@@ -245,7 +246,7 @@ def test_replay_holds_the_gap_to_the_dense_tolerance_under_flipped_routing(
     moe: tuple[ModelConfig, Weights], sampled: list[Trajectory]
 ) -> None:
     cfg, w = moe
-    batch = make_batch([t.train_sequence() for t in sampled], bucket=16)
+    batch = make_batch([t.train_sequence(0.0) for t in sampled], bucket=16)
     # the learner with the sampler's weights routes as the sampler did, within tolerance
     same = step_metrics(cfg, w, sampled, replay=True)
     assert same["routing/differs"] == 0.0
@@ -289,7 +290,7 @@ def test_expert_ids_of_the_wrong_shape_are_refused(
         step_metrics(cfg, w, one_layer, replay=True)
     short = dataclasses.replace(sampled[1], expert_ids=sampled[1].expert_ids[:-1])
     with pytest.raises(ValueError, match=r"trajectory 'e1': expert_ids of shape"):
-        make_batch([sampled[0].train_sequence(), short.train_sequence()], bucket=16)
+        make_batch([sampled[0].train_sequence(0.0), short.train_sequence(0.0)], bucket=16)
     with pytest.raises(ValueError, match=r"expert ids of shape \(3, 2, 2\) for 4 sampled"):
         Trajectory("x", "g", [1]).add_sample([1, 2, 3, 4], [0.0] * 4, 0, np.zeros((3, 2, 2)))
     dense = ModelConfig.from_hf(TINY["qwen2"])
@@ -320,7 +321,8 @@ def test_the_trace_viewer_shows_a_sampled_tokens_experts(
     """A trace record keeps the experts, and the viewer's token shows them for model tokens
     only ("3 5 | 0 7": one group per sparse layer)."""
     traj = sampled[0]
-    record = json.loads(json.dumps(trace_record(traj, Tokenizer.from_pretrained(checkpoint), 1)))
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    record = json.loads(json.dumps(trace_record(Episode(traj), tokenizer, 1)))
     tokens = view_trajectory(record)["tokens"]
     assert traj.expert_ids is not None
     for tok, m, e in zip(tokens, traj.loss_mask, traj.expert_ids, strict=True):

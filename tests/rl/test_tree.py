@@ -86,7 +86,7 @@ def workload(name: str) -> tuple[list[TrainSequence], np.ndarray, np.ndarray]:
     """Trajectories, rewards and weights: GRPO groups, their per-turn samples (sample k a
     prefix of sample k + 1; weights 1 / turns), or tree rollouts."""
     played = tree_rollouts() if name == "tree_rollouts" else groups()
-    trajs = [t.train_sequence() for t in played]
+    trajs = [t.train_sequence(0.0) for t in played]
     if name != "per_turn":
         return trajs, REWARDS, np.ones(len(trajs), np.float32)
     samples = [per_turn_samples(t) for t in trajs]
@@ -186,7 +186,7 @@ def test_a_moe_policy_s_replayed_routing_and_router_loss_are_those_of_the_packed
         mask = np.asarray(t.loss_mask, bool)[:, None, None]
         drawn = rng.integers(0, MOE_CFG.num_experts, (len(t.response_ids), 2, 2))
         t.expert_ids = np.where(mask, drawn, NO_EXPERTS).astype(np.int8)
-    samples = [per_turn_samples(t.train_sequence()) for t in trajs]
+    samples = [per_turn_samples(t.train_sequence(0.0)) for t in trajs]
     rewards = np.repeat(REWARDS, [len(x) for x in samples])
     weights = np.concatenate([np.full(len(x), 1 / len(x)) for x in samples]).astype(np.float32)
     flat = [t for x in samples for t in x]

@@ -351,8 +351,9 @@ def test_an_episode_whose_tool_server_died_is_run_again_token_for_token(
         await servers.close()
         return trajs
 
-    (traj,) = asyncio.run(go())
-    assert traj.reruns == 1 and traj.stop_reason == "eos" and traj.trainable
+    (episode,) = asyncio.run(go())
+    assert episode.reruns == 1 and episode.stop_reason == "eos" and episode.trainable
+    traj = episode.traj
     assert traj.tool_calls >= 1 and traj.tool_errors == 0
     assert traj.prompt_ids + traj.response_ids == setup["expected"][question][0]
     assert servers.counters()["rollout/tool_server_deaths"] == 1

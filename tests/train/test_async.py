@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, demo_config, prepare
@@ -28,13 +29,12 @@ from jax_agent_rl.train.async_loop import Admission, Finished, Group, take_group
 from jax_agent_rl.train.traces import read_traces
 
 
-def _traj(uid: str, versions: list[int], reward: float = 0.0) -> Trajectory:
+def _traj(uid: str, versions: list[int], reward: float = 0.0) -> Episode:
     t = Trajectory(uid=uid, group_id=uid.split("/", maxsplit=1)[0], prompt_ids=[1, 2])
     for v in versions:  # a sampled turn, then a tool result
         t.append([3, 4], model=True, logprobs=[-0.5, -0.5], version=v)
         t.append([5], model=False)
-    t.reward = reward
-    return t
+    return Episode(t, reward=reward)
 
 
 def test_admission_holds_groups_to_the_staleness_bound() -> None:
@@ -74,7 +74,7 @@ def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
         return (
             [g.index for g in taken.groups],
             [g.index for g in taken.stale],
-            [t.oldest_version or -1 for g in taken.groups for t in g.trajs],
+            [e.traj.oldest_version or -1 for g in taken.groups for e in g.episodes],
             admission.allowed - before,
         )
 

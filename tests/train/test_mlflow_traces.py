@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Span, Trace
 from rich.console import Console
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import load_config
@@ -48,7 +49,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def episode(
     tok: Tokenizer,
     uid: str,
-    reward: float,
     calls_per_turn: tuple[int, ...],
     prompt: list[dict] = PROMPT,
 ) -> Trajectory:
@@ -59,7 +59,6 @@ def episode(
         group_id="g0",
         prompt_ids=tok.encode_chat(prompt, add_generation_prompt=True),
         messages=[dict(m) for m in prompt],
-        reward=reward,
         stop_reason="eos",
         timings={"total_s": 2.0, "tools_s": 0.5},
     )
@@ -109,7 +108,7 @@ def aborted(tok: Tokenizer) -> Trajectory:
     the backend aborted: it sampled tokens but left no message."""
     prompt = [*PROMPT[:1], {"role": "user", "content": "2+2?"}]
     prompt += [{"role": "assistant", "content": "4"}, PROMPT[1]]
-    traj = episode(tok, "u-aborted", 0.0, (1,), prompt)
+    traj = episode(tok, "u-aborted", (1,), prompt)
     traj.messages.pop()  # the answer turn is the aborted one
     traj.turn_kinds[-1] = "aborted"
     traj.stop_reason = "aborted"
@@ -121,7 +120,7 @@ def model_tokens(traj: Trajectory) -> list[int]:
 
 
 def test_turns_are_the_runs_of_model_tokens(tokenizer: Tokenizer) -> None:
-    traj = episode(tokenizer, "u0", 1.0, (2, 1))
+    traj = episode(tokenizer, "u0", (2, 1))
     prompt, exchanges = split_messages(traj)
     assert prompt == PROMPT
     assert [len(replies) for _, replies in exchanges] == [2, 1, 0]
@@ -151,15 +150,15 @@ def test_an_aborted_turn_has_no_message_and_the_prompt_keeps_its_own(
 def recorded(tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder whose store holds the traces of four episodes of step 5."""
     run_dir = tmp_path_factory.mktemp("runs") / "calc-run"
-    failed = episode(tokenizer, "u-failed", 0.0, (1,))
+    failed = episode(tokenizer, "u-failed", (1,))
     failed.stop_reason, failed.error = "agent_error", "Traceback: the parser broke"
-    trajs = [
-        episode(tokenizer, "u0", 1.0, (2, 1)),
-        episode(tokenizer, "u1", 0.5, ()),
-        aborted(tokenizer),
-        failed,
+    episodes = [
+        Episode(episode(tokenizer, "u0", (2, 1)), reward=1.0),
+        Episode(episode(tokenizer, "u1", ()), reward=0.5),
+        Episode(aborted(tokenizer)),
+        Episode(failed),
     ]
-    record_traces(run_dir, trajs, tokenizer, step=5)
+    record_traces(run_dir, episodes, tokenizer, step=5)
     return run_dir
 
 
@@ -186,7 +185,7 @@ def test_recorded_traces_are_span_trees_of_the_episodes(
 ) -> None:
     traces = read_back(recorded)
     assert sorted(traces) == ["u-aborted", "u-failed", "u0", "u1"]
-    traj = episode(tokenizer, "u0", 1.0, (2, 1))
+    traj = episode(tokenizer, "u0", (2, 1))
     root, children = tree(traces["u0"])
     assert root.name == "episode u0" and root.span_type == "AGENT"
     attributes = root.attributes
@@ -233,7 +232,7 @@ def test_spans_share_the_episode_time_end_to_end(recorded: Path, tokenizer: Toke
     assert [d for s, d in zip(children, durations, strict=True) if s.span_type == "TOOL"] == [
         166_666_666
     ] * 3
-    sizes = [len(t.token_ids) for t in model_turns(episode(tokenizer, "u0", 1.0, (2, 1)))]
+    sizes = [len(t.token_ids) for t in model_turns(episode(tokenizer, "u0", (2, 1)))]
     turn_ns = [d for s, d in zip(children, durations, strict=True) if s.span_type == "LLM"]
     assert turn_ns == [1_500_000_000 * n // sum(sizes) for n in sizes]
 
@@ -278,7 +277,7 @@ def test_the_hook_records_mlflow_traces_only_with_the_mlflow_backend(tmp_path: P
     run, state = build_run(cfg, Console(file=io.StringIO()))
     run.checkpoints.close()
     run.metrics.close()
-    trajs = [episode(run.tokenizer, f"u{i}", float(i), (1,)) for i in range(4)]
+    trajs = [Episode(episode(run.tokenizer, f"u{i}", (1,)), reward=float(i)) for i in range(4)]
     for backend in ("jsonl", "mlflow"):
         trainer = dataclasses.replace(cfg.trainer, trace_backend=backend)
         traced = dataclasses.replace(

@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 from rich.text import Text
 
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train.traces import (
@@ -52,13 +53,12 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(path)
 
 
-def trajectory(tok: Tokenizer, uid: str = "arith-0", reward: float = 1.0) -> Trajectory:
+def episode(tok: Tokenizer, uid: str = "arith-0", reward: float = 1.0) -> Episode:
     traj = Trajectory(
         uid=uid,
         group_id="g0",
         prompt_ids=tok.encode_chat(MESSAGES, add_generation_prompt=True),
         messages=[dict(m) for m in MESSAGES],
-        reward=reward,
         num_turns=2,
         tool_calls=1,
         stop_reason="eos",
@@ -72,12 +72,13 @@ def trajectory(tok: Tokenizer, uid: str = "arith-0", reward: float = 1.0) -> Tra
     traj.messages.append({"role": "assistant", "content": CALL_TEXT})
     traj.messages.append({"role": "tool", "content": "42", "name": "calculator"})
     traj.messages.append({"role": "assistant", "content": ANSWER_TEXT})
-    return traj
+    return Episode(traj, reward=reward)
 
 
 def test_record_is_json_and_complete(tokenizer: Tokenizer) -> None:
-    traj = trajectory(tokenizer)
-    record = json.loads(json.dumps(trace_record(traj, tokenizer, step=7)))
+    ep = episode(tokenizer)
+    traj = ep.traj
+    record = json.loads(json.dumps(trace_record(ep, tokenizer, step=7)))
     assert record["step"] == 7
     assert record["uid"] == "arith-0"
     assert record["group_id"] == "g0"
@@ -105,8 +106,8 @@ def test_pieces_are_single_token_text_except_split_characters(tokenizer: Tokeniz
 
 def test_append_and_read(tokenizer: Tokenizer, tmp_path: Path) -> None:
     path = tmp_path / "run" / "traces.jsonl"
-    step1 = [trace_record(trajectory(tokenizer, f"u{i}"), tokenizer, 1) for i in range(2)]
-    step2 = [trace_record(trajectory(tokenizer, "u9"), tokenizer, 2)]
+    step1 = [trace_record(episode(tokenizer, f"u{i}"), tokenizer, 1) for i in range(2)]
+    step2 = [trace_record(episode(tokenizer, "u9"), tokenizer, 2)]
     append_traces(path, step1)
     append_traces(path, step2)
     assert read_traces(path) == step1 + step2
@@ -140,7 +141,7 @@ def runs(text: Text) -> list[tuple[str, str]]:
 
 
 def test_response_styles_model_and_tool_tokens_apart(tokenizer: Tokenizer) -> None:
-    record = trace_record(trajectory(tokenizer), tokenizer, 0)
+    record = trace_record(episode(tokenizer), tokenizer, 0)
     text = response_text(record)
     assert text.plain == "".join(record["response_pieces"])
     assert runs(text) == [
@@ -152,7 +153,7 @@ def test_response_styles_model_and_tool_tokens_apart(tokenizer: Tokenizer) -> No
 
 
 def test_logprobs_colour_model_tokens_by_probability(tokenizer: Tokenizer) -> None:
-    record = trace_record(trajectory(tokenizer), tokenizer, 0)
+    record = trace_record(episode(tokenizer), tokenizer, 0)
     text = response_text(record, show_logprobs=True)
     assert text.plain == "".join(record["response_pieces"])
     assert math.exp(-0.01) >= 0.9 and math.exp(-3.0) < 0.1
@@ -165,7 +166,7 @@ def test_logprobs_colour_model_tokens_by_probability(tokenizer: Tokenizer) -> No
 
 def test_render_trace(tokenizer: Tokenizer) -> None:
     console = Console(record=True, width=100, color_system="standard")
-    render_trace(trace_record(trajectory(tokenizer), tokenizer, 12), console)
+    render_trace(trace_record(episode(tokenizer), tokenizer, 12), console)
     out = console.export_text(clear=False)
     assert "step 12" in out and "uid arith-0" in out and "reward 1" in out
     assert "stop eos" in out and "turns 2" in out and "tool calls 1" in out
@@ -183,7 +184,7 @@ def test_render_trace(tokenizer: Tokenizer) -> None:
 
 def test_render_run_picks_the_last_step(tokenizer: Tokenizer, tmp_path: Path) -> None:
     records = [
-        trace_record(trajectory(tokenizer, f"s{step}-{i}", reward=i), tokenizer, step)
+        trace_record(episode(tokenizer, f"s{step}-{i}", reward=i), tokenizer, step)
         for step in (1, 2)
         for i in range(6)
     ]
@@ -207,7 +208,7 @@ def test_traces_command(
     assert "no run folder" in capsys.readouterr().err
     assert traces_command(str(tmp_path), None, 4, False) == 2
     assert "no traces.jsonl in" in capsys.readouterr().err
-    append_traces(tmp_path / "traces.jsonl", [trace_record(trajectory(tokenizer), tokenizer, 3)])
+    append_traces(tmp_path / "traces.jsonl", [trace_record(episode(tokenizer), tokenizer, 3)])
     assert traces_command(str(tmp_path), None, 4, True) == 0
     assert "uid arith-0" in capsys.readouterr().out
     assert traces_command(str(tmp_path), 9, 4, False) == 2
@@ -226,7 +227,7 @@ HOSTILE = [
 
 def hostile_record(tokenizer: Tokenizer) -> dict[str, object]:
     """A trace of a diverged run whose model and tool wrote escape sequences."""
-    record = trace_record(trajectory(tokenizer), tokenizer, 3)
+    record = trace_record(episode(tokenizer), tokenizer, 3)
     pieces = list(record["response_pieces"])
     for i, text in enumerate(HOSTILE):
         pieces[i] = text  # model tokens (the call)

@@ -181,7 +181,7 @@ def test_trace_index_points_at_each_traced_token_in_per_turn_rows() -> None:
         t.append([5, 6, 7], model=False)
         t.append([20 + k], model=True, logprobs=[-0.3])
         trajs.append(t)
-    seqs = [t.train_sequence() for t in trajs]
+    seqs = [t.train_sequence(0.0) for t in trajs]
     for rows in (seqs, [s for t in seqs for s in per_turn_samples(t)]):
         batch, _, _ = step_batch(
             rows, np.zeros(len(rows)), [r.group_id for r in rows], np.ones(len(rows)),
