@@ -82,7 +82,7 @@ def test_half_a_host_each() -> None:
     ],
 )
 def test_a_split_that_cannot_be_is_refused(chips: str, layout: TpuLayout, says: str) -> None:
-    with pytest.raises(ChipSplitError, match=r"^rollout\.jetstream\.chips") as e:
+    with pytest.raises(ChipSplitError, match=r"^engine\.jetstream\.chips") as e:
         split_chips(chips, layout)
     assert says in str(e.value)
 
