@@ -4,7 +4,6 @@ checkpoints, metrics and rollout traces."""
 from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks
 from jax_agent_rl.train.loop import rl_loop, train
-from jax_agent_rl.train.step import rl_step
 
 __all__ = [
     "Hook",
@@ -15,6 +14,5 @@ __all__ = [
     "default_hooks",
     "open_rollout",
     "rl_loop",
-    "rl_step",
     "train",
 ]

@@ -1,12 +1,16 @@
-"""Asynchronous off-policy training with bounded staleness (``trainer.mode=async``).
+"""The RL loop's steps: groups sampled continuously, updates with bounded staleness.
+
+The synchronous loop (``trainer.mode=sync``) is this one at ``max_staleness=0``; with
+``trainer.mode=async``, ``trainer.max_staleness`` bounds it (docs/async.md).
 
 Rollouts never wait for the learner: groups (one prompt, ``group.n`` episodes) run on the
 backend continuously, and each update takes ``data.prompts_per_step`` finished groups as they
 come, while the next ones are sampled. Three rules keep the off-policy gap bounded:
 
-- **Admission.** Group ``i`` (in prompt order) may start once ``i`` is below
-  ``(version + max_staleness + 1) * prompts_per_step`` plus the groups dropped so far: at most
-  ``max_staleness + 1`` updates' worth of groups is ever sampled ahead of the policy.
+- **Admission.** The groups of the update of version ``u`` (``data.prompts_per_step``
+  prompts, drawn together: a grant) may start once the policy is at ``u - max_staleness``:
+  at most ``max_staleness + 1`` updates' worth of groups is ever sampled ahead of the policy.
+  A dropped group is replaced by a new grant (`take_groups`).
 - **Partial rollouts.** A weight push lands between turns: the turn in flight finishes under
   the weights it started with, the trajectory's next turns use the new ones, and every token
   records the version that sampled it (`Trajectory.token_versions`). With
@@ -29,27 +33,37 @@ trains on groups sampled by version ``max(k - max_staleness, first)``; nothing i
 stale). The versions and batches are then the same whatever the load, but no push lands
 mid-trajectory: a slow group holds back the next version's groups.
 
-``max_staleness=0`` trains as the synchronous loop does: the same prompts, seeds, batches and
-updates (not in every respect: `jax_agent_rl.train.step`). Both end an update with the same
-tail (`learn.learn_and_push`), which runs the learner in a worker thread, so the event loop
-(agent loops, tool calls) keeps going meanwhile. A resumed run starts sampling at the next
-unsampled prompt; the groups that were in flight when it stopped are not sampled again.
+At ``max_staleness=0`` each update's prompts are drawn when it begins (after the hooks of
+the one before, its checkpoint among them), its groups are all sampled by the weights it
+updates, and the learner waits for them: the synchronous loop. With dynamic sampling the
+groups without a reward signal are replaced in rounds, at most ``group.max_refills`` of them
+(in either mode). Sync mode runs on several processes too: each draws every process's
+prompts and plays its slice, and the refills are agreed. Every update ends with the
+same tail (`learn.learn_and_push`), which runs the learner in a worker thread, so the event
+loop (agent loops, tool calls) keeps going meanwhile. A resumed run starts sampling at the
+next unsampled prompt; the groups that were in flight when it stopped are not sampled again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import jax
+
+from jax_agent_rl import distributed
 from jax_agent_rl.agent.episode import Episode
+from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.step import distinct_samples, keep_with_signal, run_episodes
+from jax_agent_rl.train.step import distinct_samples, has_signal, run_episodes
 from jax_agent_rl.train.traces import UpdateTokens
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
@@ -116,38 +130,68 @@ class Finished:
                 raise self._failure
 
 
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """Groups that may start: ``count`` prompts for each process, drawn together for the
+    update of ``version`` (``attempt`` 0, or a refill's), tagged ``s<version>a<attempt>``
+    (their episodes' seeds: `step.episode_seed`)."""
+
+    count: int
+    version: int
+    attempt: int = 0
+
+    @property
+    def tag(self) -> str:
+        return f"s{self.version}a{self.attempt}"
+
+
 class Admission:
-    """Which groups may start: ``(version + max_staleness + 1) * per_update`` of them, plus
-    one for each group dropped (`replace`)."""
+    """Which groups may start, as grants in order: each version's ``per_update`` groups
+    (tagged ``s<version>a0``), granted once the policy is at most ``max_staleness`` versions
+    behind them, and the replacements of dropped groups (`replace`). ``allowed`` counts the
+    groups granted so far: ``(version + max_staleness + 1) * per_update`` plus the
+    replacements."""
 
     def __init__(self, version: int, max_staleness: int, per_update: int) -> None:
-        self._version, self._extra = version, 0
+        self._opened = version + max_staleness  # the newest version whose groups are granted
+        self._grants = collections.deque(
+            Grant(per_update, v) for v in range(version, self._opened + 1)
+        )
+        self.allowed = (self._opened + 1) * per_update
         self._max_staleness, self._per_update = max_staleness, per_update
         self._changed = asyncio.Condition()
 
-    @property
-    def allowed(self) -> int:
-        return (self._version + self._max_staleness + 1) * self._per_update + self._extra
-
-    async def wait_for(self, index: int) -> None:
+    async def next_grant(self) -> Grant:
+        """The next grant, once there is one."""
         async with self._changed:
-            await self._changed.wait_for(lambda: index < self.allowed)
+            await self._changed.wait_for(lambda: bool(self._grants))
+            return self._grants.popleft()
 
     async def advance(self, version: int) -> None:
+        """The policy is at ``version``: the groups of the versions up to ``version +
+        max_staleness`` may start."""
         async with self._changed:
-            self._version = version
+            for v in range(self._opened + 1, version + self._max_staleness + 1):
+                self._grants.append(Grant(self._per_update, v))
+                self.allowed += self._per_update
+            self._opened = max(self._opened, version + self._max_staleness)
             self._changed.notify_all()
 
-    async def replace(self, groups: int) -> None:
+    async def replace(self, groups: int, version: int, attempt: int) -> None:
+        """``groups`` more may start: the ``attempt``-th refill of ``version``'s update."""
         async with self._changed:
-            self._extra += groups
+            self._grants.append(Grant(groups, version, attempt))
+            self.allowed += groups
             self._changed.notify_all()
 
 
 @dataclasses.dataclass
 class Producer:
     """Starts every admitted group and puts it, finished, on ``finished`` (an exception
-    instead, should a group fail as a whole, or the producer itself)."""
+    instead, should a group fail as a whole, or the producer itself). Every process draws
+    each grant's prompts for all processes (``count`` each) and plays its own slice, so the
+    sampler's state is one for the run, whatever the process count, and a group never spans
+    processes."""
 
     run: Run
     rollout: Rollout
@@ -155,25 +199,24 @@ class Producer:
     first_index: int
     finished: Finished
     _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
-    # the uids drawn under the latest tag (`step.distinct_samples`: a prompt drawn twice for
-    # one update is played under another uid the second time)
-    _drawn: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # the uids drawn for each recent version's updates (`step.distinct_samples`)
+    _drawn: dict[int, set[str]] = dataclasses.field(default_factory=dict)
 
     async def run_forever(self) -> None:
-        per_update = self.run.cfg.data.prompts_per_step
+        processes, me = jax.process_count(), jax.process_index()
         index = self.first_index
         try:
             while True:
-                await self.admission.wait_for(index)
-                (sample,) = self.run.sampler.next_batch(1)
-                tag = f"s{index // per_update}a0"  # the synchronous loop's tag for this prompt
-                if tag not in self._drawn:
-                    self._drawn = {tag: set()}
-                (sample,) = distinct_samples([sample], self._drawn[tag])
-                task = asyncio.create_task(self._group(index, sample, tag))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                index += 1
+                grant = await self.admission.next_grant()
+                drawn = self.run.sampler.next_batch(grant.count * processes)
+                k = grant.count
+                mine = self._distinct(drawn, grant.version)[me * k : (me + 1) * k]
+                tag = grant.tag + (f"p{me}" if processes > 1 else "")
+                for sample in mine:
+                    task = asyncio.create_task(self._group(index, sample, tag))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    index += 1
         except Exception as e:  # (the sampler's): the step waiting for groups raises it
             await self.finished.put(e)
             raise
@@ -181,6 +224,18 @@ class Producer:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _distinct(self, drawn: list[Sample], version: int) -> list[Sample]:
+        """``drawn`` renamed apart from every prompt drawn for an update that may take the
+        same groups (those of the versions ``max_staleness + 1`` on either side): a prompt
+        drawn twice (past an epoch's end) is played under another uid the second time, not
+        merged into the first one's group. Every process renames alike."""
+        near = staleness_bound(self.run.cfg) + 1
+        self._drawn = {v: uids for v, uids in self._drawn.items() if v >= version - near}
+        taken = set().union(*(u for v, u in self._drawn.items() if abs(v - version) <= near))
+        out = distinct_samples(drawn, taken)
+        self._drawn.setdefault(version, set()).update(s.uid for s in out)
+        return out
 
     @property
     def in_flight(self) -> int:
@@ -201,11 +256,13 @@ class Producer:
 
 @dataclasses.dataclass
 class Taken:
-    """What an update gets: its groups (in prompt order), and those it dropped."""
+    """What an update gets: its groups (in prompt order), those it dropped, and those a
+    refill brought beyond its need (another process lacked more: `take_groups`)."""
 
-    groups: list[Group]
-    stale: list[Group]
-    no_signal: list[Group]
+    groups: list[Group] = dataclasses.field(default_factory=list)
+    stale: list[Group] = dataclasses.field(default_factory=list)
+    no_signal: list[Group] = dataclasses.field(default_factory=list)
+    spare: list[Group] = dataclasses.field(default_factory=list)
 
     @property
     def episodes(self) -> list[Episode]:
@@ -213,7 +270,8 @@ class Taken:
 
     @property
     def seen(self) -> list[Episode]:
-        return [e for g in (*self.groups, *self.stale, *self.no_signal) for e in g.episodes]
+        every = (*self.groups, *self.stale, *self.no_signal, *self.spare)
+        return [e for g in every for e in g.episodes]
 
 
 async def take_groups(
@@ -223,27 +281,50 @@ async def take_groups(
     version: int,
     max_staleness: int,
     dynamic_sampling: bool,
+    max_refills: int,
 ) -> Taken:
     """The next ``want`` groups off ``finished`` fresh enough to update the policy at
-    ``version`` (and, with dynamic sampling, with a reward signal); each one dropped is
-    replaced (`Admission.replace`)."""
-    taken = Taken([], [], [])
-    while len(taken.groups) < want:
-        got = await finished.next()
-        oldest = got.oldest_version
-        if oldest is not None and version - oldest > max_staleness:
-            taken.stale.append(got)
-        elif not keep_with_signal([got.episodes], dynamic_sampling)[0]:
-            taken.no_signal.append(got)
-        else:
-            taken.groups.append(got)
-            continue
-        await admission.replace(1)
+    ``version`` (and, with dynamic sampling, with a reward signal), in rounds: a round takes
+    as many finished groups as it was granted (``want`` at first), and the groups it dropped
+    are replaced in the next (`Admission.replace`): as many for each process as the neediest
+    one lacks (`distributed.agree_max`), the groups beyond a process's need kept aside
+    (``spare``). Stale groups are always replaced; groups without a reward signal in at most
+    ``max_refills`` rounds, after which the update takes what it has."""
+    taken = Taken()
+    granted, refills = want, 0
+    for attempt in itertools.count(1):
+        no_signal = len(taken.no_signal)
+        for _ in range(granted):
+            got = await finished.next()
+            oldest = got.oldest_version
+            if oldest is not None and version - oldest > max_staleness:
+                taken.stale.append(got)
+            elif dynamic_sampling and not has_signal(got.episodes):
+                taken.no_signal.append(got)
+            elif len(taken.groups) < want:
+                taken.groups.append(got)
+            else:
+                taken.spare.append(got)
+        short, dropped = distributed.agree_max(
+            [want - len(taken.groups), len(taken.no_signal) - no_signal]
+        )
+        if dropped:
+            refills += 1
+        if short == 0 or (dropped and refills > max_refills):
+            break
+        await admission.replace(short, version, attempt)
+        granted = short
     taken.groups.sort(key=lambda g: g.index)
     return taken
 
 
-async def async_step(
+def staleness_bound(cfg: JarlConfig) -> int:
+    """How many versions behind its policy an update's trajectories may be sampled:
+    ``trainer.max_staleness`` when ``trainer.mode=async``, else 0 (the synchronous loop)."""
+    return cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
+
+
+async def update_step(
     run: Run,
     rollout: Rollout,
     producer: Producer,
@@ -252,25 +333,30 @@ async def async_step(
     step: int,
     compiles: bool,
 ) -> StepResult:
-    """One update of ``state`` (the policy at version ``step``, donated) from finished groups,
-    then its push (``pinned``: once every group started under the weights it replaces is
-    done). Returns the new state, its metrics, the trajectories it trained on (those
-    dropped are counted) and the update's per-token values. ``reported``: the rollout's
-    counters reported so far (`learn_and_push`)."""
+    """One update of ``state`` (the policy at version ``step``, donated) from finished
+    groups, then its push (``pinned``: once every group started under the weights it
+    replaces is done). The groups of version ``step + max_staleness`` are granted when it
+    begins, after the previous step's hooks: at ``max_staleness=0`` no prompt of a step is
+    drawn before the checkpoint of the one before. Returns the new state, its metrics, the
+    episodes it trained on (those dropped are counted) and the update's per-token values.
+    ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
     cfg = run.cfg
+    bound = staleness_bound(cfg)
 
     async def groups_of_this_version() -> None:
         allowed = producer.admission.allowed  # every one started (or starting) by now
         await producer.finished.wait_count(allowed - producer.first_index)
 
     t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
+    await producer.admission.advance(step)
     taken = await take_groups(
         producer.finished,
         producer.admission,
-        cfg.data.prompts_per_step,
+        cfg.data.prompts_per_step // jax.process_count(),
         step,
-        cfg.trainer.max_staleness,
+        bound,
         cfg.group.dynamic_sampling,
+        cfg.group.max_refills,
     )
     state, m, totals, tokens = await learn_and_push(
         run,
@@ -286,11 +372,12 @@ async def async_step(
         waited_s=time.perf_counter() - t0,
         before_push=groups_of_this_version if cfg.trainer.async_schedule == "pinned" else None,
     )
-    await producer.admission.advance(step + 1)
+    # at staleness 0 the rollouts stop while the learner updates: their rate is over their
+    # own time; else they ran all along, and what fed this update is their rate over its span
+    span = m["time/rollout_s"] if bound == 0 else m["time/step_s"]
     m.update(
         {
-            # the rollouts ran all along: their rate is what fed this update, over its span
-            "time/rollout_tokens_per_s": totals["model_tokens"] / m["time/step_s"],
+            "time/rollout_tokens_per_s": totals["model_tokens"] / max(span, 1e-9),
             "async/groups_stale": len(taken.stale),
             "async/groups_no_signal": len(taken.no_signal),
             "async/groups_in_flight": producer.in_flight,
@@ -300,11 +387,11 @@ async def async_step(
 
 
 @contextlib.asynccontextmanager
-async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
+async def update_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     """Samples groups continuously while open (see the module docstring); yields the step
-    function of the training loop, `async_step` over them."""
-    per_update = run.cfg.data.prompts_per_step
-    admission = Admission(run.start, run.cfg.trainer.max_staleness, per_update)
+    function of the training loop, `update_step` over them."""
+    per_update = run.cfg.data.prompts_per_step // jax.process_count()
+    admission = Admission(run.start, staleness_bound(run.cfg), per_update)
     first = run.start * per_update
     in_order = run.cfg.trainer.async_schedule == "pinned"
     producer = Producer(run, rollout, admission, first, Finished(first, in_order))
@@ -314,7 +401,7 @@ async def async_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     async def step_fn(state: LearnerState, step: int, compiles: bool) -> StepResult:
         if sampling.done():  # it only ends by failing
             sampling.result()
-        return await async_step(run, rollout, producer, reported, state, step, compiles)
+        return await update_step(run, rollout, producer, reported, state, step, compiles)
 
     try:
         yield step_fn

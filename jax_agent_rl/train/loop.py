@@ -1,7 +1,7 @@
 """The training loop: build the run, then rollout -> score -> advantages -> update -> push,
 step after step, with the hooks after each (`jax_agent_rl.train.hooks`). The steps are
-synchronous (`jax_agent_rl.train.step.rl_step`) or, with ``trainer.mode=async``, updates from
-continuously sampled groups (`jax_agent_rl.train.async_loop`).
+updates from continuously sampled groups (`jax_agent_rl.train.async_loop`), synchronous (the
+learner waits for each step's groups) at ``max_staleness=0``.
 
 Before the first step of a fresh run the held-out prompts are evaluated (step 0). After the
 loop, the end hooks plot the metrics and export the policy as an HF checkpoint in ``RUN/hf``.
@@ -11,9 +11,7 @@ A rerun with the same run folder resumes from the last complete checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -23,10 +21,9 @@ from jax_agent_rl import distributed, progress
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.rl.update import LearnerState
-from jax_agent_rl.train.async_loop import StepFn, async_steps
-from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout
+from jax_agent_rl.train.async_loop import update_steps
+from jax_agent_rl.train.build import Run, build_run, open_rollout
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, end_hooks, evaluate
-from jax_agent_rl.train.step import rl_step
 
 
 def _status(m: dict[str, float]) -> str:
@@ -36,19 +33,12 @@ def _status(m: dict[str, float]) -> str:
     return s
 
 
-@contextlib.asynccontextmanager
-async def sync_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
-    """The synchronous step function: `rl_step` (roll out, update, push)."""
-    yield functools.partial(rl_step, run, rollout, {})
-
-
 async def rl_loop(run: Run, state: LearnerState, hooks: Sequence[Hook]) -> LearnerState:
     """Steps ``run.start`` .. ``trainer.steps`` from the learner's ``state`` (donated), each
     followed by its due hooks; returns the last state. The steps are synchronous or
     asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.mode``; the loop holds the
     state and hands each step's to the next and to the hooks (`StepEnd.state`)."""
     steps = run.cfg.trainer.steps
-    stepper = async_steps if run.cfg.trainer.mode == "async" else sync_steps
     async with open_rollout(run, state) as rollout:
         if run.start == 0 and run.val_samples:
             await evaluate(run, rollout, 0)
@@ -56,7 +46,7 @@ async def rl_loop(run: Run, state: LearnerState, hooks: Sequence[Hook]) -> Learn
             run.console.print(
                 f"RL: steps {run.start + 1}..{steps}; the first also compiles the learner's update"
             )
-        async with stepper(run, rollout) as step_fn:
+        async with update_steps(run, rollout) as step_fn:
             # a log file has the console_line hook's line a step, and heartbeats between
             with progress.phase(run.console, "rl step", steps, lines=False) as bar:
                 bar.update(run.start)

@@ -1,35 +1,23 @@
-"""One RL step over a built run (`rl_step`), and the functions it is made of.
+"""A step's episodes: rolled out through the agent loop and scored (`run_episodes`).
 
-1. draw ``data.prompts_per_step`` prompts, roll each out ``group.n`` times through the agent
-   loop on the backend, or as a tree (``group.strategy=tree``), all episodes concurrently
-   (the backend batches them);
-2. score each trajectory (`scored_text`: its final answer, or for verl data its whole response,
-   as verl scores it); DAPO's overlong penalty shapes the reward and its
-   dynamic sampling drops groups whose rewards are all equal, drawing more prompts to refill;
-3. `jax_agent_rl.train.learn.learn_and_push`, the tail the asynchronous loop's updates end
-   with too: the learner trains on the kept groups in one update on the device, then the new
-   weights go to the backend as version ``step + 1``.
-
-The asynchronous loop at ``trainer.max_staleness=0`` trains as this one does, but it is not
-this loop: this one runs on several processes, refills a step at most ``group.max_refills``
-times (with seeds of its own), scores a step's episodes together (a judge batches them) and
-never draws the next step's prompts before the checkpoint of this one. Both decide what
-dynamic sampling keeps with one function (`keep_with_signal`).
+1. each prompt is rolled out ``group.n`` times through the agent loop on the backend, or as a
+   tree (``group.strategy=tree``), all episodes concurrently (the backend batches them);
+2. each trajectory is scored (`scored_text`: its final answer, or for verl data its whole
+   response, as verl scores it); the filters mark what updates leave out;
+3. DAPO's dynamic sampling keeps only groups with a reward signal (`has_signal`): the
+   loop (`jax_agent_rl.train.async_loop`) draws fresh prompts in place of the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 import traceback
 import zlib
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
-from jax_agent_rl import distributed
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.filters import apply_filters
@@ -49,12 +37,9 @@ from jax_agent_rl.rewards import (
     reads_whole_response,
 )
 from jax_agent_rl.rl import core
-from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import split_groups
-from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.traces import UpdateTokens
 
 
 def final_answer_text(traj: Trajectory) -> str:
@@ -326,82 +311,10 @@ def training_filters(cfg: JarlConfig) -> list[str]:
     return names
 
 
-def keep_with_signal(
-    groups: Sequence[list[Episode]], dynamic_sampling: bool
-) -> tuple[list[list[Episode]], list[list[Episode]]]:
-    """DAPO's dynamic sampling, for both loops: the groups kept and those dropped, each in
-    order. With ``dynamic_sampling``, a group is kept only when its trainable members'
-    rewards are not all equal (dropped, it teaches nothing; the loops sample fresh prompts in
-    its place: `collect` refills, `async_loop.take_groups` replaces); without, every group
-    is kept."""
-    if not dynamic_sampling:
-        return list(groups), []
-    members = [(i, t.reward) for i, g in enumerate(groups) for t in g if t.trainable]
-    signal: set[int] = set()
-    if members:
-        gids, rewards = (np.array(x) for x in zip(*members, strict=True))
-        signal = set(gids[core.groups_with_signal(rewards.astype(np.float32), gids)].tolist())
-    kept = [g for i, g in enumerate(groups) if i in signal]
-    return kept, [g for i, g in enumerate(groups) if i not in signal]
-
-
-async def collect(run: Run, rollout: Rollout, step: int) -> tuple[list[Episode], list[Episode]]:
-    """This process's groups for one step (its share of ``data.prompts_per_step``), and every
-    episode it sampled. With dynamic sampling, only groups with a reward signal are kept,
-    and more prompts are drawn (at most ``group.max_refills`` times) until there are enough.
-
-    Every process draws the same prompts from the same sampler and rolls out its own slice,
-    so the sampler's state is one for the run (whatever the process count) and a group never
-    spans processes; a refill draws as many prompts per process as the neediest one lacks."""
-    cfg = run.cfg
-    processes, me = jax.process_count(), jax.process_index()
-    want, n = cfg.data.prompts_per_step // processes, cfg.group.n
-    kept: list[list[Episode]] = []
-    seen: list[Episode] = []
-    drawn: set[str] = set()  # (renamed over every process's prompts: each renames alike)
-    for attempt in range(cfg.group.max_refills + 1 if cfg.group.dynamic_sampling else 1):
-        k = distributed.agree_max([want - len(kept)])[0] if attempt else want
-        if k == 0:
-            break
-        batch = distinct_samples(run.sampler.next_batch(k * processes), drawn)
-        samples = batch[me * k : (me + 1) * k]
-        tag = f"s{step}a{attempt}" + (f"p{me}" if processes > 1 else "")
-        episodes = await run_episodes(run, rollout, samples, n, tag)
-        seen += episodes
-        groups, _ = keep_with_signal(split_groups(episodes), cfg.group.dynamic_sampling)
-        kept += groups[: want - len(kept)]
-    return [e for g in kept for e in g], seen
-
-
-async def rl_step(
-    run: Run,
-    rollout: Rollout,
-    reported: dict[str, float],
-    state: LearnerState,
-    step: int,
-    compiles: bool,
-) -> tuple[LearnerState, dict[str, float], list[Episode], UpdateTokens | None]:
-    """One RL step (see the module docstring) of the learner's ``state`` (donated): `collect`,
-    then `learn_and_push`. Returns the new state, its metrics (of every process; the rollout
-    time is the slowest process's), the episodes this process sampled and the update's
-    per-token values (`learn`). ``compiles``:
-    the first step of this process, whose times include compiling the engine and the
-    learner step (kept out of the throughput plot). ``reported``: the rollout's counters
-    reported so far (`learn_and_push`)."""
-    t0, idle0 = time.perf_counter(), rollout.backend.idle_s()
-    kept, seen = await collect(run, rollout, step)
-    state, m, totals, tokens = await learn_and_push(
-        run,
-        rollout,
-        state,
-        kept,
-        seen,
-        step,
-        compiles,
-        reported=reported,
-        t0=t0,
-        idle0=idle0,
-        waited_s=time.perf_counter() - t0,
-    )
-    m["time/rollout_tokens_per_s"] = totals["model_tokens"] / max(m["time/rollout_s"], 1e-9)
-    return state, m, seen, tokens
+def has_signal(group: Sequence[Episode]) -> bool:
+    """DAPO's dynamic sampling: whether the rewards of a group's trainable members are not all
+    equal (a group without a signal teaches nothing: the loop samples a fresh prompt in its
+    place, `async_loop.take_groups`)."""
+    rewards = np.array([e.reward for e in group if e.trainable], np.float32)
+    gids = np.zeros(len(rewards), np.int32)
+    return bool(np.asarray(core.groups_with_signal(rewards, gids)).any())

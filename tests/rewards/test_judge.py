@@ -25,9 +25,9 @@ from jax_agent_rl.rewards import Answer, Judge, JudgeAnswerError, make_reward, p
 from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.protocol import Capabilities, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.train.async_loop import update_steps
 from jax_agent_rl.train.build import build_run, eos_ids, open_rollout
 from jax_agent_rl.train.check import check_names
-from jax_agent_rl.train.step import rl_step
 
 TEMPLATE = "Q: {prompt} A: {response} Score:"
 
@@ -283,8 +283,8 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
     )
 
     async def step() -> dict[str, float]:
-        async with open_rollout(run, state) as rollout:
-            _, m, *_ = await rl_step(run, rollout, {}, state, 0, compiles=True)
+        async with open_rollout(run, state) as rollout, update_steps(run, rollout) as step_fn:
+            _, m, *_ = await step_fn(state, 0, True)
             return m
 
     try:

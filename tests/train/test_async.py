@@ -25,7 +25,7 @@ from jax_agent_rl.rollout import (
 )
 from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train import train
-from jax_agent_rl.train.async_loop import Admission, Finished, Group, take_groups
+from jax_agent_rl.train.async_loop import Admission, Finished, Grant, Group, take_groups
 from jax_agent_rl.train.traces import read_traces
 
 
@@ -41,11 +41,13 @@ def test_admission_holds_groups_to_the_staleness_bound() -> None:
     async def scenario() -> list[int]:
         admission = Admission(version=3, max_staleness=1, per_update=2)
         allowed = [admission.allowed]  # (3 + 1 + 1) * 2
-        waiter = asyncio.create_task(admission.wait_for(10))
+        # the groups of the updates of versions 3 and 4, two prompts each
+        assert [await admission.next_grant() for _ in range(2)] == [Grant(2, 3), Grant(2, 4)]
+        waiter = asyncio.create_task(admission.next_grant())
         await asyncio.sleep(0)
         assert not waiter.done()
-        await admission.replace(1)  # a dropped group is replaced: 11 may start
-        await asyncio.wait_for(waiter, timeout=60)
+        await admission.replace(1, 3, 1)  # a dropped group is replaced: 11 may start
+        assert (await asyncio.wait_for(waiter, timeout=60)).tag == "s3a1"
         allowed.append(admission.allowed)
         await admission.advance(4)
         allowed.append(admission.allowed)
@@ -70,7 +72,9 @@ def test_an_update_takes_only_fresh_groups_and_replaces_the_rest() -> None:
             Group(6, [_traj("d/0", [4])]),  # not needed: left for the next update
         ]:
             await finished.put(group)
-        taken = await take_groups(finished, admission, 2, 5, 2, dynamic_sampling=False)
+        taken = await take_groups(
+            finished, admission, 2, 5, 2, dynamic_sampling=False, max_refills=0
+        )
         return (
             [g.index for g in taken.groups],
             [g.index for g in taken.stale],
@@ -89,17 +93,46 @@ def test_dynamic_sampling_drops_groups_without_signal() -> None:
         admission = Admission(version=0, max_staleness=0, per_update=1)
         await finished.put(Group(0, [_traj("a/0", [0], 1.0), _traj("a/1", [0], 1.0)]))
         await finished.put(Group(1, [_traj("b/0", [0], 1.0), _traj("b/1", [0], 0.0)]))
-        taken = await take_groups(finished, admission, 1, 0, 0, dynamic_sampling=True)
+        taken = await take_groups(
+            finished, admission, 1, 0, 0, dynamic_sampling=True, max_refills=1
+        )
         return [g.index for g in taken.groups], [g.index for g in taken.no_signal]
 
     assert asyncio.run(scenario()) == ([1], [0])
+
+
+def test_refills_for_a_signal_stop_after_max_refills() -> None:
+    """Dynamic sampling with every group's rewards equal: the update asks for a fresh group
+    ``max_refills`` times (tagged as the synchronous loop's attempts), then takes what it has
+    instead of sampling for ever."""
+
+    async def scenario() -> tuple[list[int], list[int], list[str]]:
+        finished = Finished(first_index=0, in_order=False)
+        admission = Admission(version=0, max_staleness=0, per_update=1)
+        for i in range(4):
+            await finished.put(Group(i, [_traj(f"{i}/0", [0], 1.0), _traj(f"{i}/1", [0], 1.0)]))
+        taken = await take_groups(
+            finished, admission, 1, 0, 0, dynamic_sampling=True, max_refills=2
+        )
+        grants = [await admission.next_grant() for _ in range(3)]
+        return (
+            [g.index for g in taken.groups],
+            [g.index for g in taken.no_signal],
+            [g.tag for g in grants],
+        )
+
+    taken, dropped, tags = asyncio.run(scenario())
+    assert taken == [] and dropped == [0, 1, 2]
+    assert tags == ["s0a0", "s0a1", "s0a2"]
 
 
 def test_a_failed_group_fails_the_update() -> None:
     async def scenario() -> None:
         finished = Finished(first_index=0, in_order=False)
         await finished.put(RuntimeError("the reward function is broken"))
-        await take_groups(finished, Admission(0, 0, 1), 1, 0, 0, dynamic_sampling=False)
+        await take_groups(
+            finished, Admission(0, 0, 1), 1, 0, 0, dynamic_sampling=False, max_refills=0
+        )
 
     with pytest.raises(RuntimeError, match="reward function is broken"):
         asyncio.run(scenario())
