@@ -17,7 +17,7 @@ that does not exist) or will not run (past ``agent.max_tool_calls_per_turn``, `r
 goes to one more tool, ``invalid_tool_call``, which answers it as the loop does (the parser's
 error, the cap's, or the executor's), so the graph routes every call of a turn to its tool
 node and the model reads the loop's observation. The graph runs each call of the model's last
-turn once, as the loop does (`Episode.take_run`): any other tool run (a call run again, a run
+turn once, as the loop does (`GraphEpisode.take_run`): any other tool run (a call run again, a run
 of the graph's own, one after the episode ended) raises. Each run counts as the graph's
 activity, so a graph that ran tools without end (retrying a call until its result holds no
 error) held its episode, and the step, for ever.
@@ -30,11 +30,11 @@ model again after that is an error. A graph that ends right after its tool node 
 
 The graph is user code, as a harness is, and runs as one does (`harness_thread.run_apart`): in
 a thread and event loop of its own, its model turns and tool calls run on the rollout's loop
-(`Episode.on_rollout`), stopped once it holds its episode ``agent.harness_timeout_s`` without
+(`GraphEpisode.on_rollout`), stopped once it holds its episode ``agent.harness_timeout_s`` without
 one in progress (it awaits for ever, loops, blocks its thread). A graph that fails so or raises
 after a model turn that left the episode going ends it ``caused_error`` (trained, outcome 0: it
 read the policy's text, and an episode ended untrained would escape being wrong); before any,
-``agent_error``; after the episode ended, that end is kept (`Episode.failed`).
+``agent_error``; after the episode ended, that end is kept (`GraphEpisode.failed`).
 
 ``agent.graph`` names a user graph, ``fn(chat_model, tools)`` returning a compiled graph over
 ``MessagesState`` (its ``messages`` in and out); empty: `react_graph`. The model reads only the
@@ -110,7 +110,7 @@ class _Calls:
     started: float  # when they left for the graph (perf_counter)
 
 
-class Episode:
+class GraphEpisode:
     """One trajectory as a graph plays it: what its chat model and its tools share."""
 
     def __init__(
@@ -309,7 +309,7 @@ class BackendChatModel(BaseChatModel):
     """A LangChain chat model over one trajectory: each call is a model turn on the
     `RolloutBackend` (async only: ``ainvoke``), see the module docstring."""
 
-    episode: InstanceOf[Episode]
+    episode: InstanceOf[GraphEpisode]
 
     @property
     def _llm_type(self) -> str:
@@ -368,7 +368,7 @@ class EpisodeTool(BaseTool):
     """One of the executor's tools for the graph's tool node. Arguments are not checked here:
     the executor checks them and says what was wrong, as in the loop."""
 
-    episode: InstanceOf[Episode]
+    episode: InstanceOf[GraphEpisode]
     response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
@@ -394,7 +394,7 @@ class InvalidCallTool(EpisodeTool):
         return call(arguments["name"], arguments["arguments"], arguments["error"])
 
 
-def episode_tools(episode: Episode) -> list[BaseTool]:
+def episode_tools(episode: GraphEpisode) -> list[BaseTool]:
     """The executor's tools (those the model's prompt lists), then ``invalid_tool_call``."""
     tools: list[BaseTool] = [
         EpisodeTool(
@@ -455,7 +455,7 @@ async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
 
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
         del env  # none: run_episode refuses a sample with one (this loop does not drive it)
-        episode = Episode(ctx, traj, create_kwargs_by_tool(sample.extra))
+        episode = GraphEpisode(ctx, traj, create_kwargs_by_tool(sample.extra))
         episode.loop = asyncio.get_running_loop()
         model = BackendChatModel(episode=episode)
         graph = graph_builder(ctx.config.graph)(model, episode_tools(episode))
@@ -485,7 +485,7 @@ async def run_react_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
     return await run_episode(sample, ctx, play)
 
 
-async def _held(episode: Episode, done: asyncio.Event, timeout_s: float) -> None:
+async def _held(episode: GraphEpisode, done: asyncio.Event, timeout_s: float) -> None:
     """Sets ``done`` once the graph has held ``episode`` ``timeout_s`` on end without a model
     turn or tool call in progress."""
     await held_too_long(episode.idle, episode.asked, timeout_s)

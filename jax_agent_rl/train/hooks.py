@@ -44,7 +44,7 @@ class StepEnd:
     step: int
     last: bool
     metrics: dict[str, float]
-    trajectories: list[Episode]
+    episodes: list[Episode]
     state: LearnerState
     tokens: UpdateTokens | None = None
 
@@ -96,7 +96,7 @@ async def write_traces(run: Run, rollout: Rollout, end: StepEnd) -> None:
     to the run's MLflow store as well; those the update trained on with its per-token values
     (`traces.UpdateTokens.signals`)."""
     del rollout
-    picks = trace_picks(end.trajectories, run.cfg.trainer.traces_per_step)
+    picks = trace_picks(end.episodes, run.cfg.trainer.traces_per_step)
     traced = [e.traj for e in picks]
     signals = end.tokens.signals(traced) if end.tokens is not None and picks else {}
     append_traces(
@@ -128,7 +128,7 @@ async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
     del rollout
     m, console = end.metrics, run.console
     grpo = run.cfg.algorithm.adv_estimator == "grpo"
-    stops = stop_warning(m, end.trajectories)
+    stops = stop_warning(m, end.episodes)
     skipped = int(m["nonfinite_updates"]) if "nonfinite_updates" in m else 0
     if skipped:
         line = f"WARNING: {skipped} update(s) skipped: the loss or gradient norm was not finite"

@@ -33,7 +33,7 @@ from langgraph.prebuilt import ToolNode
 from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
-from jax_agent_rl.agent.langgraph_loop import Episode, episode_tools
+from jax_agent_rl.agent.langgraph_loop import GraphEpisode, episode_tools
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
@@ -103,7 +103,7 @@ def test_a_react_call_with_an_argument_named_self_is_an_error_observation(
     wrote; ``self`` among them met ``EpisodeTool._arun``'s own ``self`` (a TypeError out of
     the tool node: the episode ended ``agent_error``). Now every key reaches the executor,
     which refuses the unknown argument as the tool loop does."""
-    episode = Episode(context, Trajectory(uid="t", group_id="g", prompt_ids=[]), {})
+    episode = GraphEpisode(context, Trajectory(uid="t", group_id="g", prompt_ids=[]), {})
     episode.allow_runs(1)  # (as the model's turn with the one call does)
     graph = StateGraph(MessagesState)
     graph.add_node("tools", ToolNode(episode_tools(episode)))
@@ -156,7 +156,7 @@ def test_a_react_turns_tool_calls_keep_its_episode_busy_until_the_last_ends(
     agent.harness_timeout_s clock running, only once the last has ended. Before, the first to
     end marked it idle while the others ran, and a graph waiting on a slow tool could be
     stopped as holding its episode "without a model turn or tool call in progress"."""
-    episode = Episode(context, Trajectory(uid="t", group_id="g", prompt_ids=[]), {})
+    episode = GraphEpisode(context, Trajectory(uid="t", group_id="g", prompt_ids=[]), {})
 
     async def go() -> None:
         first, second = asyncio.Event(), asyncio.Event()

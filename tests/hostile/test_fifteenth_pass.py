@@ -30,7 +30,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 
 from jax_agent_rl.agent import episode as played
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
-from jax_agent_rl.agent.langgraph_loop import Episode
+from jax_agent_rl.agent.langgraph_loop import GraphEpisode
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.compat.verl.interaction import interaction_factory
@@ -471,7 +471,7 @@ def test_a_graph_failing_after_a_live_model_turn_is_a_wrong_answer(
         )
         traj = Trajectory(uid="g/0", group_id="g", prompt_ids=[1], messages=[])
         traj.add_turn("call")
-        return Episode(ctx, traj, {}).failed("ValueError: not JSON"), str(traj.error)
+        return GraphEpisode(ctx, traj, {}).failed("ValueError: not JSON"), str(traj.error)
 
     stop, error = asyncio.run(go())
     assert stop == "caused_error" and "the graph failed after a model turn" in error
