@@ -294,8 +294,8 @@ async def take_groups(
     granted, refills = want, 0
     for attempt in itertools.count(1):
         no_signal = len(taken.no_signal)
-        for _ in range(granted):
-            got = await finished.next()
+        arrived = [await finished.next() for _ in range(granted)]
+        for got in sorted(arrived, key=lambda g: g.index):  # (spares: the later prompts)
             oldest = got.oldest_version
             if oldest is not None and version - oldest > max_staleness:
                 taken.stale.append(got)
