@@ -209,6 +209,30 @@ def test_async_without_staleness_is_the_synchronous_loop(task: TaskFiles, tmp_pa
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
+def test_dynamic_sampling_without_a_signal_anywhere_still_ends_each_update(
+    task: TaskFiles, tmp_path: Path
+) -> None:
+    """A reward that is the same for every episode, under dynamic sampling: no group ever has a
+    signal. Each async update asks for fresh groups group.max_refills times and then trains
+    on none, as a synchronous step does (an async update used to sample for ever)."""
+    flat = tmp_path / "flat.py"
+    flat.write_text("def flat(text, ground_truth):\n    return 0.0\n")
+    steps = _run(
+        task,
+        tmp_path / "run",
+        "trainer.steps=2",
+        "trainer.mode=async",
+        "group.dynamic_sampling=true",
+        "group.max_refills=1",
+        f"data.reward={flat}:flat",
+    )
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["batch/trajectories"] == 0
+        # the update's 2 groups, then one refill of 2: all dropped
+        assert m["async/groups_no_signal"] == 4 and m["episodes_sampled"] == 16
+
+
 @pytest.mark.parametrize("keep_kv", [False, True])
 def test_async_updates_stay_within_max_staleness(
     task: TaskFiles, tmp_path: Path, keep_kv: bool
