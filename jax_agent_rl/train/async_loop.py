@@ -227,10 +227,14 @@ class Producer:
 
     def _distinct(self, drawn: list[Sample], version: int) -> list[Sample]:
         """``drawn`` renamed apart from every prompt drawn for an update that may take the
-        same groups (those of the versions ``max_staleness + 1`` on either side): a prompt
-        drawn twice (past an epoch's end) is played under another uid the second time, not
-        merged into the first one's group. Every process renames alike."""
-        near = staleness_bound(self.run.cfg) + 1
+        same groups: a prompt drawn twice (past an epoch's end) is played under another uid
+        the second time, not merged into the first one's group. Update ``v`` takes groups
+        granted for ``v - max_staleness`` (a refill of that update's) to ``v + max_staleness``,
+        so the versions ``2 * max_staleness`` on either side count; at ``max_staleness=0``
+        only the update's own (its refills'), so that a resumed synchronous run, which has
+        forgotten the uids drawn before, names its prompts as an uninterrupted one. Every
+        process renames alike."""
+        near = 2 * staleness_bound(self.run.cfg)
         self._drawn = {v: uids for v, uids in self._drawn.items() if v >= version - near}
         taken = set().union(*(u for v, u in self._drawn.items() if abs(v - version) <= near))
         out = distinct_samples(drawn, taken)
