@@ -67,7 +67,8 @@ from jax_agent_rl.train.step import distinct_samples, has_signal, run_episodes
 from jax_agent_rl.train.traces import UpdateTokens
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
-# metrics, the episodes it sampled and its update's per-token values (`learn.learn`);
+# metrics, the episodes it sampled (those fresh enough for it: `Taken.fresh`) and its
+# update's per-token values (`learn.learn`);
 # the state it is given is donated
 StepResult = tuple[LearnerState, dict[str, float], list[Episode], UpdateTokens | None]
 StepFn = Callable[[LearnerState, int, bool], Awaitable[StepResult]]
@@ -273,6 +274,14 @@ class Taken:
         return [e for g in self.groups for e in g.episodes]
 
     @property
+    def fresh(self) -> list[Episode]:
+        """Every episode fresh enough for the update, in prompt order: those it trains on and
+        those it dropped for want of a signal or of need (the step's hooks get them: its
+        traces, its warnings' examples; at ``max_staleness=0``, every episode it sampled)."""
+        every = sorted((*self.groups, *self.no_signal, *self.spare), key=lambda g: g.index)
+        return [e for g in every for e in g.episodes]
+
+    @property
     def seen(self) -> list[Episode]:
         every = (*self.groups, *self.stale, *self.no_signal, *self.spare)
         return [e for g in every for e in g.episodes]
@@ -342,7 +351,8 @@ async def update_step(
     replaces is done). The groups of version ``step + max_staleness`` are granted when it
     begins, after the previous step's hooks: at ``max_staleness=0`` no prompt of a step is
     drawn before the checkpoint of the one before. Returns the new state, its metrics, the
-    episodes it trained on (those dropped are counted) and the update's per-token values.
+    episodes fresh enough for it (`Taken.fresh`: those dynamic sampling dropped among them;
+    the stale ones are counted) and the update's per-token values.
     ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
     cfg = run.cfg
     bound = staleness_bound(cfg)
@@ -387,7 +397,7 @@ async def update_step(
             "async/groups_in_flight": producer.in_flight,
         }
     )
-    return state, m, taken.episodes, tokens
+    return state, m, taken.fresh, tokens
 
 
 @contextlib.asynccontextmanager

@@ -35,7 +35,8 @@ from jax_agent_rl.train.traces import (
 @dataclasses.dataclass(frozen=True)
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
-    to), every episode this process sampled (its trajectory and outcome), the learner's
+    to), every episode this process sampled for it (its trajectory and outcome; those too
+    stale for the update are left out: `async_loop.Taken.fresh`), the learner's
     ``state`` after it (the loop's: the next step donates it, so a hook reads it and keeps
     none of it), and the
     update's per-token values (`traces.UpdateTokens`; None: no update, or several processes).

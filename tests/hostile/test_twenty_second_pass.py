@@ -4,20 +4,30 @@
   step before (``<uid>~1``: its request seeds with it), and a run resumed after that step,
   which had forgotten the uids drawn before, did not: the resumed run sampled other tokens
   and trained other parameters than the uninterrupted one. At max_staleness 0 an update only
-  takes its own groups, so a prompt is renamed only against its own update's draws."""
+  takes its own groups, so a prompt is renamed only against its own update's draws.
+- The step's hooks got only the groups its update trained on: under dynamic sampling a
+  reward that raised on most rows warned "75% of episodes ended reward_error" with no
+  example of what raised (the groups it dropped held them all), and traced nothing; the
+  synchronous loop handed them every episode it sampled, which they get again (all but the
+  stale ones, in async mode)."""
 
 from __future__ import annotations
 
+import io
 import json
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 from safetensors.numpy import load_file
 
 from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.train import train
+from jax_agent_rl.train.async_loop import Producer
 from jax_agent_rl.train.traces import read_traces
 from tests.train.test_async import TINY
 
@@ -28,10 +38,14 @@ def two_prompts(tmp_path_factory: pytest.TempPathFactory) -> TaskFiles:
     return prepare(tmp_path_factory.mktemp("task"), ArithmeticTask(), n_train=2, n_val=4, n_sft=60)
 
 
-def _train(task: TaskFiles, run_dir: Path, *overrides: str) -> dict[int, dict[str, float]]:
-    train(demo_config(run_dir, task, [*TINY, *overrides]))
+def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if r["phase"] == "train"}
+
+
+def _train(task: TaskFiles, run_dir: Path, *overrides: str) -> dict[int, dict[str, float]]:
+    train(demo_config(run_dir, task, [*TINY, *overrides]))
+    return _metrics(run_dir)
 
 
 def test_a_resumed_synchronous_run_is_the_uninterrupted_one_past_an_epoch(
@@ -54,3 +68,65 @@ def test_a_resumed_synchronous_run_is_the_uninterrupted_one_past_an_epoch(
     b = load_file(str(tmp_path / "resumed" / "hf" / "model.safetensors"))
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_a_step_reports_the_groups_dynamic_sampling_dropped(tmp_path: Path) -> None:
+    """Dynamic sampling, a reward that raises on three rows of four and gives the fourth no
+    signal: every group is dropped. The step's console warning still shows what raised (an
+    episode of those it sampled), and its traces show them, as the synchronous loop's did
+    before the one loop handed the hooks only the groups an update trained on."""
+    task = prepare(tmp_path / "task", ArithmeticTask(), n_train=4, n_val=4, n_sft=60)
+    first = json.loads(Path(task.train).read_text().splitlines()[0])
+    kept = first["reward_model"]["ground_truth"]
+    reward = tmp_path / "some_raise.py"
+    reward.write_text(
+        "def score(text, ground_truth):\n"
+        f"    if ground_truth != {kept!r}:\n"
+        "        raise ValueError('no score for this row')\n"
+        "    return 0.0\n"
+    )
+    out = io.StringIO()
+    cfg = demo_config(
+        tmp_path / "run",
+        task,
+        [
+            *TINY,
+            "trainer.steps=1",
+            "data.prompts_per_step=4",
+            "learner.micro_batch_size=16",
+            "group.dynamic_sampling=true",
+            "group.max_refills=0",
+            f"data.reward={reward}:score",
+        ],
+    )
+    train(cfg, Console(file=out, force_terminal=False, width=1000))
+    m = _metrics(tmp_path / "run")[1]
+    assert m["async/groups_no_signal"] == 4 and m["batch/trajectories"] == 0
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("step 1/1"))
+    assert "75% of episodes ended reward_error (e.g. reward error:" in line, line
+    assert "no score for this row" in line, line
+    assert len(read_traces(tmp_path / "run" / "traces.jsonl", 1)) == 8
+
+
+def _producer(mode: str, max_staleness: int) -> Producer:
+    trainer = types.SimpleNamespace(mode=mode, max_staleness=max_staleness)
+    run = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=trainer))
+    return Producer(run, None, None, 0, None)  # type: ignore[arg-type]  # (_distinct reads cfg)
+
+
+def test_prompts_that_one_update_may_take_together_are_renamed_apart() -> None:
+    """max_staleness 2: update 2 may take a refill of update 0's (sampled at version 0) and
+    the groups of update 4 (granted when update 2 begins). Drawn for both, a prompt was
+    renamed only within 3 versions, so both groups were ``a``: one group in the update."""
+    p = _producer("async", 2)
+    a = Sample("a", [])
+    for version in (0, 1, 2):
+        p._distinct([Sample("x", [])], version)
+    assert [s.uid for s in p._distinct([a], 0)] == ["a"]  # update 0's refill
+    p._distinct([Sample("y", [])], 3)
+    assert [s.uid for s in p._distinct([a], 4)] == ["a~1"]
+    # synchronous: an update takes only its own groups; the next update's "a" stays "a" (as
+    # in a resumed run, which never drew the last one's)
+    p = _producer("sync", 2)
+    assert [s.uid for s in p._distinct([a, a], 0)] == ["a", "a~1"]
+    assert [s.uid for s in p._distinct([a], 1)] == ["a"]
