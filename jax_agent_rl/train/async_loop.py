@@ -149,18 +149,26 @@ class Grant:
 class Admission:
     """Which groups may start, as grants in order: each version's ``per_update`` groups
     (tagged ``s<version>a0``), granted once the policy is at most ``max_staleness`` versions
-    behind them, and the replacements of dropped groups (`replace`). ``allowed`` counts the
-    groups granted so far: ``(version + max_staleness + 1) * per_update`` plus the
-    replacements."""
+    behind them, and the replacements of dropped groups (`replace`); none of a version past
+    ``last`` (the run's last update: no update would train on them). ``allowed`` counts the
+    groups granted so far: ``(version + max_staleness + 1) * per_update`` (the version at
+    most ``last``) plus the replacements."""
 
-    def __init__(self, version: int, max_staleness: int, per_update: int) -> None:
-        self._opened = version + max_staleness  # the newest version whose groups are granted
+    def __init__(
+        self, version: int, max_staleness: int, per_update: int, last: int | None = None
+    ) -> None:
+        self._last = last
+        # the newest version whose groups are granted
+        self._opened = self._capped(version + max_staleness)
         self._grants = collections.deque(
             Grant(per_update, v) for v in range(version, self._opened + 1)
         )
         self.allowed = (self._opened + 1) * per_update
         self._max_staleness, self._per_update = max_staleness, per_update
         self._changed = asyncio.Condition()
+
+    def _capped(self, version: int) -> int:
+        return version if self._last is None else min(version, self._last)
 
     async def next_grant(self) -> Grant:
         """The next grant, once there is one."""
@@ -170,12 +178,13 @@ class Admission:
 
     async def advance(self, version: int) -> None:
         """The policy is at ``version``: the groups of the versions up to ``version +
-        max_staleness`` may start."""
+        max_staleness`` (and ``last``) may start."""
         async with self._changed:
-            for v in range(self._opened + 1, version + self._max_staleness + 1):
+            newest = self._capped(version + self._max_staleness)
+            for v in range(self._opened + 1, newest + 1):
                 self._grants.append(Grant(self._per_update, v))
                 self.allowed += self._per_update
-            self._opened = max(self._opened, version + self._max_staleness)
+            self._opened = max(self._opened, newest)
             self._changed.notify_all()
 
     async def replace(self, groups: int, version: int, attempt: int) -> None:
@@ -350,7 +359,9 @@ async def update_step(
     groups, then its push (``pinned``: once every group started under the weights it
     replaces is done). The groups of version ``step + max_staleness`` are granted when it
     begins, after the previous step's hooks: at ``max_staleness=0`` no prompt of a step is
-    drawn before the checkpoint of the one before. Returns the new state, its metrics, the
+    drawn before the checkpoint of the one before; above it, once the push lands (the policy
+    is at ``step + 1``), those of ``step + 1 + max_staleness`` are, so that they run while the
+    step's hooks do. Returns the new state, its metrics, the
     episodes fresh enough for it (`Taken.fresh`: those dynamic sampling dropped among them;
     the stale ones are counted) and the update's per-token values.
     ``reported``: the rollout's counters reported so far (`learn_and_push`)."""
@@ -386,6 +397,8 @@ async def update_step(
         waited_s=time.perf_counter() - t0,
         before_push=groups_of_this_version if cfg.trainer.async_schedule == "pinned" else None,
     )
+    if bound:  # the next version's groups run during the hooks
+        await producer.admission.advance(step + 1)
     # at staleness 0 the rollouts stop while the learner updates: their rate is over their
     # own time; else they ran all along, and what fed this update is their rate over its span
     span = m["time/rollout_s"] if bound == 0 else m["time/step_s"]
@@ -405,7 +418,9 @@ async def update_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     """Samples groups continuously while open (see the module docstring); yields the step
     function of the training loop, `update_step` over them."""
     per_update = run.cfg.data.prompts_per_step // jax.process_count()
-    admission = Admission(run.start, staleness_bound(run.cfg), per_update)
+    admission = Admission(
+        run.start, staleness_bound(run.cfg), per_update, run.cfg.trainer.steps - 1
+    )
     first = run.start * per_update
     in_order = run.cfg.trainer.async_schedule == "pinned"
     producer = Producer(run, rollout, admission, first, Finished(first, in_order))

@@ -9,10 +9,17 @@
   reward that raised on most rows warned "75% of episodes ended reward_error" with no
   example of what raised (the groups it dropped held them all), and traced nothing; the
   synchronous loop handed them every episode it sampled, which they get again (all but the
-  stale ones, in async mode)."""
+  stale ones, in async mode).
+- In async mode the next version's groups were granted only when the next update began,
+  after the step's hooks, not when the push landed (docs/async.md: they may start once the
+  policy is max_staleness versions behind them): rollouts starved while a held-out
+  evaluation or a checkpoint ran. And the last updates granted groups for versions past
+  trainer.steps, which no update trains on (the final push of a pinned schedule waited for
+  them, and a later resume with more steps skipped their prompts)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import types
@@ -26,7 +33,7 @@ from safetensors.numpy import load_file
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import TaskFiles, demo_config, prepare
-from jax_agent_rl.train import train
+from jax_agent_rl.train import Hook, Rollout, Run, StepEnd, build_run, rl_loop, train
 from jax_agent_rl.train.async_loop import Producer
 from jax_agent_rl.train.traces import read_traces
 from tests.train.test_async import TINY
@@ -130,3 +137,36 @@ def test_prompts_that_one_update_may_take_together_are_renamed_apart() -> None:
     p = _producer("sync", 2)
     assert [s.uid for s in p._distinct([a, a], 0)] == ["a", "a~1"]
     assert [s.uid for s in p._distinct([a], 1)] == ["a"]
+
+
+def test_async_groups_start_once_the_push_lands_not_after_the_hooks(tmp_path: Path) -> None:
+    """max_staleness 1: once update 1 is pushed (the policy at version 1) the groups of update
+    2 may start (docs/async.md, admission), while the step's hooks (a held-out evaluation, a
+    checkpoint) run. They were granted only when the next update began, after the hooks:
+    the engine went without new groups for as long as the hooks took. (At max_staleness 0
+    they still wait for the hooks: a checkpoint never holds the next step's prompts.) And no
+    groups are granted for updates past trainer.steps."""
+    task = prepare(tmp_path / "task", ArithmeticTask(), n_train=40, n_val=4, n_sft=60)
+    drawn: dict[str, list[int]] = {}
+    for mode in ("async", "sync"):
+        cfg = demo_config(
+            tmp_path / mode,
+            task,
+            [*TINY, "trainer.steps=3", f"trainer.mode={mode}", "trainer.max_staleness=1"],
+        )
+        run, state = build_run(cfg, Console(quiet=True))
+
+        async def hook(run: Run, rollout: Rollout, end: StepEnd, mode: str = mode) -> None:
+            del rollout, end
+            await asyncio.sleep(0.5)  # (a hook's work: the producer runs meanwhile)
+            drawn.setdefault(mode, []).append(run.sampler.state()["position"])
+
+        try:
+            asyncio.run(rl_loop(run, state, [Hook(1, hook)]))
+        finally:
+            run.checkpoints.close()
+            run.metrics.close()
+    # 2 prompts an update: after update 1, those of updates 1 to 3 (async), of update 1
+    # (sync); none past update 3, the last (no update would train on them: they were drawn,
+    # 8 prompts, and the final push of a pinned schedule waited for their groups)
+    assert drawn == {"async": [6, 6, 6], "sync": [2, 4, 6]}
