@@ -430,6 +430,8 @@ async def update_steps(run: Run, rollout: Rollout) -> AsyncIterator[StepFn]:
     async def step_fn(state: LearnerState, step: int, compiles: bool) -> StepResult:
         if sampling.done():  # it only ends by failing
             sampling.result()
+        if step >= run.cfg.trainer.steps:  # (no groups are granted for it: it would wait)
+            raise ValueError(f"step {step} is past trainer.steps={run.cfg.trainer.steps}")
         return await update_step(run, rollout, producer, reported, state, step, compiles)
 
     try:
