@@ -237,7 +237,9 @@ async def waiting_harness(task: HarnessTask) -> None:
     """Asks once, then awaits a reply it will never get (a queue no one fills)."""
     headers = {"Authorization": f"Bearer {task.api_key}"}
     body = {"messages": task.messages, "model": "m"}
-    async with httpx.AsyncClient() as client:
+    # (no client timeout: on a loaded machine a reply takes what it takes; the test bounds
+    # the episode)
+    async with httpx.AsyncClient(timeout=None) as client:
         r = await client.post(f"{task.base_url}/chat/completions", json=body, headers=headers)
     _WAITING.append(r.json()["choices"][0]["finish_reason"])
     try:

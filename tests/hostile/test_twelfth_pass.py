@@ -514,7 +514,9 @@ async def retrying_harness(task: HarnessTask) -> None:
     messages = list(task.messages)
     headers = {"Authorization": f"Bearer {task.api_key}"}
     try:
-        async with httpx.AsyncClient() as client:
+        # (no client timeout: on a loaded machine a reply takes what it takes, and httpx's
+        # 5 s default ended the harness with a ReadTimeout; the test bounds the episode)
+        async with httpx.AsyncClient(timeout=None) as client:
             while True:
                 body = {"messages": messages, "model": "m"}
                 url = f"{task.base_url}/chat/completions"

@@ -650,9 +650,13 @@ def test_the_action_parser_reads_verl_tool_actions() -> None:
 
     async def scenario() -> tuple[Any, Any]:
         async with serving(create_app(registry, action_parser="python_tag")) as url:
-            tagged = (await httpx.AsyncClient().post(url + "/get_observation", json=body)).json()
+            tagged = (
+                await httpx.AsyncClient(timeout=None).post(url + "/get_observation", json=body)
+            ).json()
         async with serving(create_app(registry)) as url:
-            hermes = (await httpx.AsyncClient().post(url + "/get_observation", json=body)).json()
+            hermes = (
+                await httpx.AsyncClient(timeout=None).post(url + "/get_observation", json=body)
+            ).json()
         return tagged, hermes
 
     tagged, hermes = asyncio.run(scenario())
