@@ -1,8 +1,8 @@
 # The project's commands. Each one sets up .venv first (idempotent, pinned; see scripts/setup.sh).
 PY := .venv/bin/python
 export JAX_PLATFORMS ?= cpu
-# test processes: each takes whole test files (module fixtures are built once), slowest first
-# (tests/conftest.py), and the session's memorised models are trained once and shared
+# test processes: each takes whole test files (module fixtures are built once), and the
+# session's memorised models are trained once and shared (tests/conftest.py)
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test-envs test lint bench clean
@@ -21,7 +21,7 @@ test-envs: setup  ## what the suite needs beside .venv: the vLLM and JetStream b
 	@bash scripts/setup.sh tpu-plan
 
 test: test-envs  ## the whole suite
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup  ## ruff (lint + format check) and mypy
 	$(PY) -m ruff check .

@@ -100,19 +100,3 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             shared.write_bytes(pickle.dumps(made))
         made = pickle.loads(shared.read_bytes())
     return with_engine({**made, "weights": jax.device_put(made["weights"])})
-
-
-# Test files by measured seconds (tests/file_seconds.json, from a whole run's junit:
-# scripts/test_seconds.py). `make test`'s workers take whole files in collection order
-# (--no-loadscope-reorder): slowest first, each worker takes the next file as it runs out,
-# and the two end together. By default pytest-xdist orders files by their test count, which
-# put the few-test, many-minute files (multi-process training, learning curves) last, run
-# alone on one worker while the other had finished.
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    import json
-
-    seconds = json.loads(FILE_SECONDS.read_text())
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable
