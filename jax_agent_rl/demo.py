@@ -297,18 +297,23 @@ def small_task_sft(
     with the ``demo`` model (`DEMOS`; its policy exported to ``folder/sft/hf``, its held-out
     success in its metrics); ``overrides`` come after `SMALL_OVERRIDES` (a benchmark's smoke
     run shrinks it)."""
-    model, config = DEMOS[demo]
-    files = prepare(
-        folder / "task",
+    files = small_task(folder / "task", demo)
+    sft = [*SMALL_OVERRIDES, *overrides, f"sft.steps={sft_steps}", "trainer.steps=0"]
+    train(demo_config(folder / "sft", files, sft, DEMOS[demo][1]))
+    return files
+
+
+def small_task(folder: Path, demo: str = "tiny") -> TaskFiles:
+    """The smaller task's files in ``folder``: sums and products, one call each, with the
+    ``demo`` model's random-init checkpoint and tokenizer (`DEMOS`)."""
+    return prepare(
+        folder,
         ArithmeticTask(mix=(0.5, 0.5, 0.0)),
         n_train=400,
         n_val=100,
         n_sft=1500,
-        model=model,
+        model=DEMOS[demo][0],
     )
-    sft = [*SMALL_OVERRIDES, *overrides, f"sft.steps={sft_steps}", "trainer.steps=0"]
-    train(demo_config(folder / "sft", files, sft, config))
-    return files
 
 
 # what each thing a run folder may hold is, by name; `run_outputs` lists what is there

@@ -5,47 +5,70 @@ calculator tool) then raise held-out greedy success by a clear margin, with the 
 model (GRPO also training LoRA adapters alone, the base frozen) and with a Qwen3-MoE of its
 size.
 
+The warm starts are files: tests/train/warm_starts/<demo> holds the policy exported by the
+SFT-only run of `demo.small_task_sft` (600 steps of the dense model, 800 of the MoE), which
+scripts/learning_checkpoints.py makes, and that run's held-out success (sft.json). Running the
+SFT here cost about 10 CPU-minutes of every suite run; what these tests measure is the RL on
+top of it, from a policy fixed on every CPU kind (the MoE's SFT landed at 0.47 or 0.32
+held-out by the rounding of its expert matmuls alone). `test_the_warm_starts_match_the_task`
+fails when the task or the tokenizer changes under them.
+
 The margin: the held-out set is 100 problems, about half of them sums that the baseline fails.
 Greedy evaluation of the same problems has no sampling noise, so a rise of 0.2 means twenty
 more problems solved, which only a policy that learned to call the tool on sums produces."""
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import SMALL_OVERRIDES, small_task_sft
+from jax_agent_rl.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+WARM_STARTS = ROOT / "tests" / "train" / "warm_starts"
 
 
 def held_out(run_dir: Path) -> list[float]:
     return [r["success"] for r in read_metrics(run_dir / "metrics.jsonl", "val")]
 
 
-def _sft_run(folder: Path, demo: str, steps: int = 600) -> tuple[Path, Path, float]:
-    """The task files, an SFT-only run of ``steps`` steps of the ``demo`` model (its policy
-    exported to run/hf) and its success."""
-    small_task_sft(folder, steps, demo=demo)
-    (baseline,) = held_out(folder / "sft")
-    return folder, folder / "sft" / "hf", baseline
+def _warm_start(folder: Path, demo: str) -> tuple[Path, Path]:
+    """The task files in ``folder/task`` and the ``demo`` model's committed warm start."""
+    small_task(folder / "task", demo)
+    return folder, WARM_STARTS / demo
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
-    return _sft_run(tmp_path_factory.mktemp("learning"), "tiny")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _warm_start(tmp_path_factory.mktemp("learning"), "tiny")
 
 
 @pytest.fixture(scope="module")
-def moe_sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
-    """The same, for the Qwen3-MoE of configs/moe_calculator_cpu.yaml, with 800 steps: after
-    600 its SFT lands, by the rounding of its expert matmuls alone, either at 0.47 held-out from
-    which RL reaches 0.97, or at 0.32 with sampled rewards near 0.05 from which 10 RL steps
-    reach 0.38 (both seen on this task); after 800 it was at 0.47 again."""
-    return _sft_run(tmp_path_factory.mktemp("learning-moe"), "tiny-moe", 800)
+def moe_sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same, for the Qwen3-MoE of configs/moe_calculator_cpu.yaml (8 experts, 2 per token)."""
+    return _warm_start(tmp_path_factory.mktemp("learning-moe"), "tiny-moe")
+
+
+@pytest.mark.parametrize("demo", ["tiny", "tiny-moe"])
+def test_the_warm_starts_match_the_task(demo: str, tmp_path: Path) -> None:
+    """The committed warm start reads the task as it is made today: its tokenizer is the one
+    `demo.small_task` trains, and its architecture the demo's (else rerun
+    scripts/learning_checkpoints.py)."""
+    files = small_task(tmp_path, demo)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        made, kept = (files.model / name).read_text(), (WARM_STARTS / demo / name).read_text()
+        assert made == kept, f"{name} changed: rerun scripts/learning_checkpoints.py {demo}"
+    made, kept = (
+        json.loads((d / "config.json").read_text()) for d in (files.model, WARM_STARTS / demo)
+    )
+    # (the exported policy's config names its tokens besides: pad_token_id, eos_token_id)
+    assert {k: kept.get(k) for k in made} == made, (
+        f"config.json changed: rerun scripts/learning_checkpoints.py {demo}"
+    )
 
 
 # pinned: the same groups and weight versions in every update whatever the machine's load
@@ -54,10 +77,10 @@ ASYNC = ["trainer.mode=async", "trainer.max_staleness=2", "trainer.async_schedul
 
 
 def _assert_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path, float], config: str, mode: Sequence[str] = ()
+    sft_run: tuple[Path, Path], config: str, mode: Sequence[str] = ()
 ) -> Path:
     """10 RL steps of ``config`` from the SFT policy raise held-out success by 0.2; the run."""
-    folder, sft_model, baseline = sft_run
+    folder, sft_model = sft_run
     run = folder / (config.removesuffix(".yaml") + ("-async" if mode else ""))
     overrides = [
         *SMALL_OVERRIDES,
@@ -73,7 +96,7 @@ def _assert_rl_raises_held_out_success(
     ]
     train(load_config(ROOT / "configs" / config, overrides))
     success = held_out(run)
-    assert success[0] == baseline  # the same model, evaluated the same way
+    baseline = success[0]  # (sft.json has what its SFT run measured, on the CPU that made it)
     assert baseline < 0.75, "the SFT baseline should fail most sums"
     assert success[-1] >= baseline + 0.2, (baseline, success)
     return run
@@ -90,7 +113,7 @@ def _assert_rl_raises_held_out_success(
     ids=["grpo", "ppo", "grpo-async", "grpo-lora"],
 )
 def test_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path, float], config: str, mode: list[str]
+    sft_run: tuple[Path, Path], config: str, mode: list[str]
 ) -> None:
     run = _assert_rl_raises_held_out_success(sft_run, config, mode)
     if mode:
@@ -98,7 +121,7 @@ def test_rl_raises_held_out_success(
         assert all(m["staleness/max"] <= 2 for m in steps)
 
 
-def test_rl_raises_a_moe_policys_held_out_success(moe_sft_run: tuple[Path, Path, float]) -> None:
+def test_rl_raises_a_moe_policys_held_out_success(moe_sft_run: tuple[Path, Path]) -> None:
     """The same with a Qwen3-MoE policy (8 experts, 2 per token): GRPO through its grouped
     expert matmuls, each update replaying the experts the engine sampled with."""
     _assert_rl_raises_held_out_success(moe_sft_run, "moe_calculator_cpu.yaml")
@@ -122,11 +145,11 @@ def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[di
 
 
 def test_tree_rollouts_branch_after_tool_calls_within_the_budget(
-    sft_run: tuple[Path, Path, float],
+    sft_run: tuple[Path, Path],
 ) -> None:
     """Trees of 2 roots branching twice into 2 on the SFT policy (which calls the calculator):
     they branch, every leaf is trained on, and no step exceeds its per-prompt budgets."""
-    folder, sft_model, _ = sft_run
+    folder, sft_model = sft_run
     budget = ["group.tree.model_tokens=300", "group.tree.tool_calls=5"]
     tree = ["group.strategy=tree", "group.tree.n_roots=2", "group.tree.branch=2", *budget]
     steps = _short_run(folder, sft_model, "tree", "trainer.steps=2", *tree)
@@ -141,11 +164,11 @@ def test_tree_rollouts_branch_after_tool_calls_within_the_budget(
 
 
 def test_per_turn_samples_train_on_every_turn_of_the_same_rollouts(
-    sft_run: tuple[Path, Path, float],
+    sft_run: tuple[Path, Path],
 ) -> None:
     """One update from the same rollouts as whole trajectories and as per-turn samples: more
     samples (one per model turn), the same episodes and rewards, and a real update."""
-    folder, sft_model, _ = sft_run
+    folder, sft_model = sft_run
     whole = _short_run(folder, sft_model, "whole", "trainer.steps=1")
     turns = _short_run(
         folder, sft_model, "turns", "trainer.steps=1", "algorithm.turn_mode=per_turn"
