@@ -172,14 +172,16 @@ async def rollout(
     return time.perf_counter() - t0, list(trajectories)
 
 
-def make_backend(name: str, ckpt: Path, n: int) -> RolloutBackend:
+def make_backend(name: str, ckpt: Path, n: int, warmup: bool) -> RolloutBackend:
+    """``warmup``: the embedded engine compiles every serving program first (the measured
+    rollouts follow a warm-up rollout either way; a smoke run reaches few of them)."""
     cfg, weights = load_hf(ckpt, sharder=one_device_sharder())
     if name == "vllm":
         from jax_agent_rl.backends.vllm.backend import VLLMBackend
 
         return VLLMBackend(ckpt, cfg, max_model_len=1024, max_num_seqs=n)
     engine = Engine(cfg, max_concurrent_decodes=n, max_len=1024, sharder=one_device_sharder())
-    return EmbeddedBackend(engine, weights, steps_per_call=4, warmup=True)
+    return EmbeddedBackend(engine, weights, steps_per_call=4, warmup=warmup)
 
 
 def measure(
@@ -258,7 +260,7 @@ def main() -> None:
         sandbox = PythonSandbox(args.sandboxes)
         python = PythonTool(sandbox)
         for name in args.backends.split(","):
-            backend = make_backend(name, ckpt, args.trajectories)
+            backend = make_backend(name, ckpt, args.trajectories, warmup=not args.smoke)
             try:
                 measured = measure(backend, tokenizer, python, args)
             finally:

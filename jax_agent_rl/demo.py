@@ -281,9 +281,11 @@ SMALL_OVERRIDES = [
 
 
 # after SMALL_OVERRIDES: the smallest run of the benchmarks that train on the smaller task
-# (their --smoke: every part runs, the figures mean nothing)
+# (their --smoke: every part runs, the figures mean nothing, so no program is compiled before
+# it is needed)
 SMOKE_OVERRIDES = [
     "data.val_size=4",
+    "engine.warmup=false",
     "data.prompts_per_step=1",
     "group.n=2",
     "learner.micro_batch_size=2",

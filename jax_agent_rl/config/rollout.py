@@ -115,6 +115,12 @@ class EngineSection:
     # requests in flight, and no KV outlives the weights that computed it. The embedded engine
     # only (not on Ray replicas)
     keep_kv_on_update: bool = setting(False, was="rollout.keep_kv_on_update")
+    # compile every serving program before the first rollout (each prefill bucket at each
+    # number of pages it reads, a decode step at each batch bucket), so that no rollout stalls
+    # on a compilation (a trace holds the GIL: every episode waits). false: each compiles when
+    # first needed; a short run that reaches few of them starts sooner (embedded, jetstream;
+    # vllm compiles at its own start)
+    warmup: bool = True
     ray: RaySection = dataclasses.field(
         default_factory=RaySection, metadata=moved_from("rollout.ray")
     )

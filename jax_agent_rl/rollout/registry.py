@@ -84,11 +84,11 @@ class BackendFactory:
     backend's engines leave to the trainer (JetStream's server on chips of its own); it raises
     ``ValueError`` naming the key where ``check`` reports a problem. ``unread``: the engine
     section's settings (``page_size``, ``kv_cache_gib``, ``prefill_chunk``,
-    ``steps_per_call``, ``batch_buckets``) that the backend cannot honour, each with why; set
-    away from its default, one is refused before the run (`unhonoured`). ``self_tuned``: those
-    it does not read because it tunes them itself (speed only: what the run computes is the
-    same); set, one is noted, not refused (`tuned_by_backend`), so that a config written for
-    the embedded engine runs on this backend as it is."""
+    ``steps_per_call``, ``batch_buckets``, ``warmup``) that the backend cannot honour, each
+    with why; set away from its default, one is refused before the run (`unhonoured`).
+    ``self_tuned``: those it does not read because it tunes them itself (speed only: what the
+    run computes is the same); set, one is noted, not refused (`tuned_by_backend`), so that a
+    config written for the embedded engine runs on this backend as it is."""
 
     build: Callable[[BackendBuild], RolloutBackend]
     check: Callable[[EngineSection, int], list[str]] = _no_problems
@@ -195,7 +195,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         weight_version=spec.version,
         steps_per_call=spec.engine.steps_per_call,
         seed=spec.seed,
-        warmup=True,
+        warmup=spec.engine.warmup,
         on_program=spec.on_program,
         decode=spec.decode,
         keep_kv_on_update=spec.engine.keep_kv_on_update,

@@ -107,6 +107,7 @@ def _jetstream(path: Path, lora: bool) -> RolloutBackend:
         sampling=ServerSampling(SERVER_SAMPLING.temperature, SERVER_SAMPLING.top_k),
         max_model_len=MAX_LEN,
         slots=SLOTS,
+        warmup=False,  # as the embedded backend here: each program compiles when first needed
     )
 
 
@@ -125,6 +126,7 @@ def _ray(path: Path, lora: bool) -> RolloutBackend:
         max_concurrent=SLOTS,
         max_model_len=MAX_LEN,
         ray=RaySection(address="local", replicas=1, num_cpus=0.5),
+        warmup=False,  # as the embedded backend here: each program compiles when first needed
     )
     return RayPool(
         BackendBuild(engine, cfg, w, checkpoint=path, dtype="float32", sharder=one_device_sharder())

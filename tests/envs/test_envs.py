@@ -47,7 +47,8 @@ def _train(task: TaskFiles, run_dir: Path, *overrides: str, steps: int = 2) -> l
     args = [
         f"model.path={task.model}", f"tools.config={task.tools}", f"trainer.run_dir={run_dir}",
         "sft.steps=0", "data.val=", "data.prompts_per_step=2", "group.n=2",
-        "engine.max_model_len=512", "agent.max_turns=3", "agent.max_tokens_per_turn=8",
+        "engine.max_model_len=512", "engine.warmup=false",
+        "agent.max_turns=3", "agent.max_tokens_per_turn=8",
         "agent.max_response_tokens=320", f"trainer.steps={steps}", "trainer.save_every=10",
         "trainer.eval_every=0", "trainer.tensorboard=false", "trainer.traces_per_step=8",
         *overrides,

@@ -57,7 +57,7 @@ def overrides(task: TaskFiles, run_dir: Path) -> list[str]:
         "data.prompts_per_step=4", "group.n=4", "engine.max_model_len=128",
         "agent.max_response_tokens=48", "agent.max_tokens_per_turn=24",
         "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=0",
-        "trainer.tensorboard=false",
+        "trainer.tensorboard=false", "engine.warmup=false",
     ]  # fmt: skip
 
 

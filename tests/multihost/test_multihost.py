@@ -60,6 +60,7 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         "engine.max_concurrent=8", "agent.max_tokens_per_turn=32",
         "agent.max_response_tokens=96", "agent.max_tool_response_tokens=16",
         "learner.micro_batch_size=8", "learner.seq_bucket=64", "algorithm.mini_batches=2",
+        "engine.warmup=false",
     ]  # fmt: skip
 
 

@@ -270,7 +270,7 @@ def test_a_training_step_with_a_judge_reward_counts_its_calls_and_failures(
         f"tools.config={task.tools}", f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.tensorboard=false", f"data.prompts_per_step={prompts}", f"group.n={n}",
         "engine.max_model_len=128", "engine.max_concurrent=4", "engine.prefill_chunk=128",
-        "engine.batch_buckets=false",
+        "engine.batch_buckets=false", "engine.warmup=false",
         "agent.max_turns=1", "agent.max_tokens_per_turn=8", "agent.max_response_tokens=8",
         "learner.micro_batch_size=4", "data.reward=judge", "data.judge.max_tokens=4",
         "data.judge.fallback=-1",

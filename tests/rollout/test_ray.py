@@ -154,6 +154,7 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
         max_concurrent=4,
         max_model_len=128,
         ray=_spread(cluster.address),  # type: ignore[attr-defined]
+        warmup=False,
     )
     pool = RayPool(
         BackendBuild(
@@ -217,6 +218,7 @@ def test_a_training_step_completes_when_a_replica_dies_mid_rollout(
             "data.prompts_per_step=2",
             "group.n=4",
             "engine.max_model_len=128",
+            "engine.warmup=false",
             "engine.max_concurrent=8",
             "agent.max_response_tokens=64",
             "learner.micro_batch_size=8",

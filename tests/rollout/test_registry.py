@@ -353,3 +353,43 @@ def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path
     finally:
         for backend in (served, base_only):
             asyncio.run(backend.close())
+
+
+def test_engine_warmup_false_compiles_each_program_when_first_needed(tmp_path: Path) -> None:
+    """``engine.warmup`` (default true) compiles every serving program as the backend starts;
+    false compiles none then, and the first request compiles what it needs: the same tokens."""
+    import asyncio
+
+    from jax_agent_rl.models import load_hf
+    from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+    from jax_agent_rl.rollout import GenerateRequest, SamplingParams
+    from jax_agent_rl.rollout.registry import BackendBuild
+    from tests.programs import programs_built
+
+    cfg, w = load_hf(
+        write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2), sharder=one_device_sharder()
+    )
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=6, temperature=0.0))
+    tokens, reported = {}, {}
+    for warmup in (True, False):
+        heard: list[tuple[int, int]] = []
+        spec = BackendBuild(
+            EngineSection(max_model_len=64, max_concurrent=2, warmup=warmup),
+            cfg,
+            w,
+            checkpoint=tmp_path / "tiny",
+            dtype="float32",
+            sharder=one_device_sharder(),
+            on_program=lambda done, total, heard=heard: heard.append((done, total)),
+        )
+        with programs_built() as built:
+            backend = backend_factory("embedded").build(spec)
+        try:
+            reported[warmup] = (len(heard), len(built))
+            tokens[warmup] = asyncio.run(backend.generate(request)).token_ids
+        finally:
+            asyncio.run(backend.close())
+    (heard_warm, built_warm), (heard_lazy, built_lazy) = reported[True], reported[False]
+    assert heard_warm >= 4 and heard_lazy == 0  # prefill buckets, decode buckets, insert...
+    assert built_warm - built_lazy >= heard_warm  # (both build the empty decode state's)
+    assert tokens[False] == tokens[True] and len(tokens[True]) == 6

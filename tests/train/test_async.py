@@ -166,6 +166,7 @@ TINY = [
     "group.n=4",
     "engine.max_model_len=128",
     "engine.max_concurrent=8",
+    "engine.warmup=false",
     "agent.max_response_tokens=64",
     # a length penalty gives every group a reward signal, so each update moves the policy
     "data.overlong_buffer=48",

@@ -46,6 +46,7 @@ def tiny(task: TaskFiles, run_dir: Path, steps: int) -> list[str]:
         "engine.max_model_len=192", "engine.max_concurrent=8", "agent.max_tokens_per_turn=32",
         "agent.max_response_tokens=96", "agent.max_tool_response_tokens=16",
         "learner.micro_batch_size=4", "learner.seq_bucket=64", "learner.row_tokens=512",
+        "engine.warmup=false",
     ]  # fmt: skip
 
 

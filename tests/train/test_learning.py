@@ -93,6 +93,7 @@ def _assert_rl_raises_held_out_success(
         f"trainer.run_dir={run}",
         "trainer.steps=10",
         "trainer.eval_every=10",
+        "engine.warmup=false",
     ]
     train(load_config(ROOT / "configs" / config, overrides))
     success = held_out(run)
@@ -138,6 +139,7 @@ def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[di
         "tools.config=pkg://jax_agent_rl/configs/tools_calculator.yaml",
         f"trainer.run_dir={run}",
         "trainer.traces_per_step=64",
+        "engine.warmup=false",
         *extra,
     ]
     train(load_config(ROOT / "configs" / "demo_calculator_cpu.yaml", overrides))

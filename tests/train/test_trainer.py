@@ -34,7 +34,7 @@ def _command(task: TaskFiles, run_dir: Path) -> list[str]:
         "data.prompts_per_step=4", "group.n=4", "engine.max_model_len=128",
         "agent.max_response_tokens=64", "learner.micro_batch_size=16",
         "trainer.steps=3", "trainer.save_every=1", "trainer.eval_every=0",
-        "trainer.tensorboard=false", "optim.lr=1e-3",
+        "trainer.tensorboard=false", "optim.lr=1e-3", "engine.warmup=false",
     ]  # fmt: skip
 
 

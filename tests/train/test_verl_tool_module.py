@@ -79,7 +79,7 @@ def _args(run: tuple[Path, str], task: TaskFiles, folder: Path) -> tuple[list[st
         f"tools.config={_tools_yaml(folder, task)}", f"trainer.run_dir={folder / 'run'}",
         f"data.prompts_per_step={PROMPTS}", f"group.n={N}", "engine.max_concurrent=4",
         "engine.max_model_len=192", "agent.max_response_tokens=128",
-        "agent.max_tool_response_tokens=64",
+        "agent.max_tool_response_tokens=64", "engine.warmup=false",
         "learner.micro_batch_size=4", "learner.row_tokens=512", "trainer.steps=2",
         "trainer.save_every=2", "trainer.eval_every=0", "trainer.tensorboard=false",
         f"trainer.traces_per_step={PROMPTS * N}",

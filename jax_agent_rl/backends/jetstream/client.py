@@ -117,6 +117,7 @@ class JetStreamBackend:
         startup_timeout_s: float = 900.0,
         max_in_flight: int = 256,
         decode: Decode | None = None,
+        warmup: bool = True,
     ) -> None:
         python = Path(python)
         if not python.is_file():
@@ -173,6 +174,7 @@ class JetStreamBackend:
             stop_ids=list(sampling.stop_token_ids),
             seed=seed,
             lora=None if model.lora is None else dataclasses.asdict(model.lora),
+            warmup=warmup,
         )
         self.server = EngineProcess(
             "JetStream server",
@@ -485,6 +487,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         weight_version=spec.version,
         seed=spec.seed,
         decode=spec.decode,
+        warmup=r.warmup,
     )
 
 

@@ -130,7 +130,7 @@ def _adapter(config: dict[str, Any]) -> Any:
             f"{len(config['stop_ids'])} stop ids; the engine's slots hold {engine.max_stop_ids}"
         )
     params = LiveParams(engine.load_params(weights))
-    if config.get("warmup", True):
+    if config["warmup"]:
         engine.warmup(params.current, config["steps"])
     sampling = SamplingParams(
         max_tokens=1,
@@ -140,7 +140,7 @@ def _adapter(config: dict[str, Any]) -> Any:
         stop_token_ids=tuple(config["stop_ids"]),
     )
     adapter = JetStreamEngine(engine, params, sampling, config["steps"], config["seed"])
-    if config.get("warmup", True):
+    if config["warmup"]:
         adapter.warmup()
     return adapter
 

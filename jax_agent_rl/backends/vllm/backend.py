@@ -485,5 +485,6 @@ FACTORY = BackendFactory(
         "steps_per_call": "vLLM's scheduler decides the decode steps between its calls",
         "prefill_chunk": "vLLM's scheduler sizes its prefill chunks (on CPU it prefills "
         "whole prompts)",
+        "warmup": "vLLM compiles and profiles its programs when it starts",
     },
 )

@@ -46,12 +46,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _server(checkpoint: Path, stops: tuple[int, ...] = (), **kw: object) -> JetStreamBackend:
+    """A greedy server of ``checkpoint``; its programs compile when first needed (no warmup:
+    tests/backends/jetstream/test_jetstream_training.py runs one that warms up)."""
     return JetStreamBackend(
         checkpoint,
         ModelConfig.from_pretrained(checkpoint),
         sampling=ServerSampling(temperature=0.0, stop_token_ids=stops),
         max_model_len=MAX_LEN,
         slots=SLOTS,
+        warmup=False,
         **kw,  # type: ignore[arg-type]
     )
 
