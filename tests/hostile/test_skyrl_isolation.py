@@ -163,8 +163,13 @@ def test_sql_bombs_end_their_episode_not_the_trainer(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
-    for ended in out["ended"]:
-        assert ended.startswith("text2sql.step ") and "env.memory_limit_mib=512" in ended, ended
+    zeroblob, blobs = out["ended"]
+    assert zeroblob.startswith("text2sql.step ") and "env.memory_limit_mib=512" in zeroblob
+    # the CTE's rows are fetched under skyrl's own SQL timeout (5 s, fixed in skyrl_gym): on a
+    # loaded machine it may come before the 512 MiB do, and the episode goes on with that
+    # timeout as its observation; either way the bound held and the trainer did not grow
+    bounded = blobs.startswith("text2sql.step ") and "env.memory_limit_mib=512" in blobs
+    assert bounded or "<observation>SQL Timeout:" in blobs, blobs
     assert out["grew_mib"] < 400  # half of what the observation alone needs
     assert "John Doe" in out["answered"]
 

@@ -340,7 +340,7 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
     vLLM tunes itself are noted, not refused (a config written for the embedded engine runs
     on it). The jetstream backend reads them all."""
     engine = ["engine.steps_per_call=8", "engine.prefill_chunk=64", "engine.page_size=48"]
-    engine.append("engine.batch_buckets=false")
+    engine += ["engine.batch_buckets=false", "engine.warmup=false"]
     argv = ["train", str(files.config), *engine]
     assert main([*argv, "engine.backend=vllm", "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
@@ -352,8 +352,10 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
         "take 8, 16, 32, 64, 128",
     ]:
         assert line in lines  # (beside the missing vLLM interpreter's)
-    assert not any("steps_per_call" in line or "prefill_chunk" in line for line in lines)
-    tuned = ["engine.steps_per_call=8", "engine.prefill_chunk=64"]
+    assert not any(
+        key in line for key in ("steps_per_call", "prefill_chunk", "warmup") for line in lines
+    )
+    tuned = ["engine.steps_per_call=8", "engine.prefill_chunk=64", "engine.warmup=false"]
     assert main(["train", str(files.config), *tuned, "engine.backend=vllm", "--dry-run"]) == 0
     err = capsys.readouterr().err
     for line in [
@@ -361,6 +363,8 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
         "decides the decode steps between its calls)",
         "# note: engine.prefill_chunk=64 is not read by the vllm backend (vLLM's scheduler "
         "sizes its prefill chunks (on CPU it prefills whole prompts))",
+        "# note: engine.warmup=False is not read by the vllm backend (vLLM compiles and "
+        "profiles its programs when it starts)",
     ]:
         assert line in err.splitlines(), err
     main([*argv, "engine.backend=jetstream", "--dry-run"])

@@ -92,8 +92,7 @@ class JetStreamBackend:
     its pool the embedded engine's (``page_size``, ``kv_cache_gib``, ``prefill_chunk``;
     `engine`: what it built). ``chips`` (``engine.jetstream.chips``, "4,5,6,7"): the host's
     TPU chips it opens instead, all its devices (on CPU, as many CPU devices); `placement`:
-    what the server reports of them.
-    """
+    what the server reports of them. ``warmup``: it compiles every program before serving."""
 
     def __init__(
         self,
@@ -198,9 +197,8 @@ class JetStreamBackend:
             from jetstream.core.proto import jetstream_pb2_grpc
 
             self.port: int = ready["port"]  # on 127.0.0.1
-            # the server's devices, and its TPU chip variables as its own process sees them
-            self.devices: int = ready["devices"]
-            self.placement: dict[str, str] = ready["placement"]
+            self.devices: int = ready["devices"]  # the server's
+            self.placement: dict[str, str] = ready["placement"]  # as its own process sees it
             self.engine: dict[str, int] = ready["engine"]  # page_size, num_pages, ...
             self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
             self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
@@ -311,13 +309,12 @@ class JetStreamBackend:
 
     def _refuse_unservable(self, request: GenerateRequest) -> None:
         s, server, rid = request.sampling, self.sampling, request.request_id
-        asked = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
-        served = {"temperature": server.temperature, "top_k": server.top_k, "top_p": server.top_p}
-        for key, value in asked.items():
-            if value != served[key]:
+        for key in ("temperature", "top_k", "top_p"):  # fields of both
+            value, served = getattr(s, key), getattr(server, key)
+            if value != served:
                 raise InvalidRequestError(
                     f"request {rid!r}: {key}={value}, but the JetStream server samples every "
-                    f"request with {key}={served[key]} (set when it starts: sampling.{key})"
+                    f"request with {key}={served} (set when it starts: sampling.{key})"
                 )
         if s.seed is not None:
             raise InvalidRequestError(
