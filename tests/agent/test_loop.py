@@ -1,15 +1,20 @@
 """The agent loop end to end on the embedded engine: token exactness over three chat-template
 styles, with real tool calls, malformed calls, truncated tool output and every budget.
 
-A tiny model is first trained here (masked cross-entropy, a few hundred Adam steps) to
-reproduce scripted conversations greedily, so the real engine really emits tool calls; the
-loop, the tools and the engine are then run for real, and the trajectories are checked against
-the requests the engine actually served and against an independently built expectation.
+A tiny model trained (masked cross-entropy, a few hundred Adam steps) to reproduce scripted
+conversations greedily, so the real engine really emits tool calls; the loop, the tools and
+the engine are then run for real, and the trajectories are checked against the requests the
+engine actually served and against an independently built expectation. Its weights are
+committed (tests/agent/memorised/, made by scripts/memorised_models.py: three styles' training
+was ~4 CPU-minutes of every suite run) beside a fingerprint of the sequences they reproduce,
+so a change to a template, the tokenizer or the scripts fails here by name.
 """
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -184,7 +189,11 @@ class Recording:
         await self.backend.close()
 
 
-def _memorise(cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: int = 400) -> Any:
+def _memorise(
+    cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: int = 400
+) -> tuple[Any, int, float]:
+    """Adam on the sequences' masked cross-entropy until they are reproduced: the weights,
+    the steps taken and the last loss."""
     T = max(len(s) for s, _ in seqs) + 1
     tokens = np.zeros((len(seqs), T), np.int32)
     mask = np.zeros((len(seqs), T), np.float32)
@@ -217,13 +226,13 @@ def _memorise(cfg: ModelConfig, seqs: list[tuple[list[int], list[int]]], steps: 
         if i % 25 == 24 and float(loss) < 0.002:
             break
     assert float(loss) < 0.01, f"memorisation failed (loss {float(loss):.3f})"
-    return w
+    return w, i + 1, float(loss)
 
 
-def memorised(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def memorised(style: str, folder: Path) -> dict[str, Any]:
     """The engine, tokenizer, tools and memorised weights of one chat style: the ``setup``
     fixture (tests/conftest.py, once per session and style for every module that uses it)."""
-    return with_engine(trained(style, tmp_path_factory))
+    return with_engine(trained(style, folder))
 
 
 def with_engine(made: dict[str, Any]) -> dict[str, Any]:
@@ -234,23 +243,66 @@ def with_engine(made: dict[str, Any]) -> dict[str, Any]:
     return {**made, "engine": engine, "tools": LocalTools(ToolRegistry([calculator, echo]))}
 
 
-def trained(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The tokenizer, expected sequences and memorised weights of one chat style (plain
-    data: a test run's processes can share them)."""
+MEMORISED = Path(__file__).parent / "memorised"
+
+
+def fingerprint(made: dict[str, Any]) -> str:
+    """What the memorised weights were trained on: the model's shape and every expected
+    sequence with its mask."""
+    seqs = {q: [list(map(int, ids)), list(map(int, m))] for q, (ids, m) in made["expected"].items()}
+    text = json.dumps([dataclasses.asdict(made["cfg"]), seqs], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def trained(style: str, folder: Path) -> dict[str, Any]:
+    """The tokenizer, expected sequences and committed memorised weights of one chat style
+    (plain data: a test run's processes can share them)."""
+    made = scripted(style, folder)
+    record = json.loads((MEMORISED / f"{style}.json").read_text())
+    if record["fingerprint"] != fingerprint(made):
+        pytest.fail(
+            f"tests/agent/memorised/{style}.npz was trained on other sequences than the "
+            f"{style} scripts now give (a template, the tokenizer or a script changed): "
+            f"rerun .venv/bin/python scripts/memorised_models.py {style}"
+        )
+    sharder = one_device_sharder()
+    abstract = jax.eval_shape(lambda: init_params(jax.random.key(0), made["cfg"], sharder=sharder))
+    leaves, tree = jax.tree.flatten(abstract)
+    with np.load(MEMORISED / f"{style}.npz") as saved:
+        arrays = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert [(a.shape, a.dtype) for a in arrays] == [(x.shape, x.dtype) for x in leaves], style
+    return {**made, "weights": jax.tree.unflatten(tree, arrays)}
+
+
+def memorise(style: str, folder: Path) -> dict[str, Any]:
+    """Trains the memorised weights of ``style`` and writes them, with their fingerprint, to
+    tests/agent/memorised/ (scripts/memorised_models.py)."""
+    made = scripted(style, folder)
+    weights, steps, loss = _memorise(made["cfg"], list(made["expected"].values()))
+    MEMORISED.mkdir(exist_ok=True)
+    np.savez(MEMORISED / f"{style}.npz", *jax.device_get(jax.tree.leaves(weights)))
+    record = {"style": style, "fingerprint": fingerprint(made), "steps": steps, "loss": loss}
+    (MEMORISED / f"{style}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return {**made, "weights": weights}
+
+
+def scripted(style: str, folder: Path) -> dict[str, Any]:
+    """The tokenizer (trained on the style's rendered scripts), the expected sequences and the
+    model shape of one chat style."""
     spec = STYLES[style]
     tools = LocalTools(ToolRegistry([calculator, echo]))
     extra = (*TOOL_TOKENS, "<answer>", "</answer>")
 
     def make_tokenizer(corpus: list[str], vocab: int) -> Tokenizer:
         backend_tok = train_bpe(corpus, vocab, spec["special"], extra)
-        folder = save_tokenizer(
-            tmp_path_factory.mktemp(style),
+        saved = save_tokenizer(
+            folder / f"tokenizer-{vocab}",
             backend_tok,
             spec["template"],
             spec["eos"],
             spec["special"][0],
         )
-        tok = Tokenizer.from_pretrained(folder)
+        tok = Tokenizer.from_pretrained(saved)
         return dataclasses.replace(tok, bos_token="<|begin_of_text|>") if style == "llama3" else tok
 
     # train the final tokenizer on rendered conversations, so the long tool header is short
@@ -281,12 +333,10 @@ def trained(style: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         qkv_bias=True,
         max_position_embeddings=1024,
     )
-    weights = _memorise(cfg, list(expected.values()))
     return {
         "style": style,
         "tokenizer": tokenizer,
         "cfg": cfg,
-        "weights": weights,
         "expected": expected,
         "parser": spec["parser"],
     }
