@@ -5,6 +5,7 @@ its engine compiled once per run)."""
 import hashlib
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -56,6 +57,14 @@ def _prune(folder: Path, keep: int) -> None:
 
 if not os.environ.get("PYTEST_XDIST_WORKER"):  # once a run: the main process, before workers
     _prune(_CACHE, _CACHE_KEEP)
+# XLA:CPU's LLVM optimization is much of a program's compile time, and most of the suite's
+# programs run a few times on tiny shapes: the suite compiles at LLVM O0
+# (`jax_disable_most_optimizations`; the compilation cache keys on it), except in modules marked
+# `compute_bound` (`pytestmark = pytest.mark.compute_bound`), whose programs run long enough
+# for optimized code to pay. The `_optimization` fixture below sets it for each module, and
+# in the environment the module's child processes inherit. JAX_DISABLE_MOST_OPTIMIZATIONS=0
+# set for the run compiles everything at full optimization.
+_FULL_OPTIMIZATION_ONLY = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") in ("0", "false")
 # The device count is part of that key: a one-device program compiled where JAX has 8 CPU
 # devices is not found where it has 1. Child processes that start JAX without asking for a
 # count (Ray actors: the rollout replicas) get the tests' 8, so that a replica's engine loads
@@ -101,3 +110,12 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             shared.write_bytes(pickle.dumps(made))
         made = pickle.loads(shared.read_bytes())
     return with_engine({**made, "weights": jax.device_put(made["weights"])})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _optimization(request: pytest.FixtureRequest) -> Iterator[None]:
+    """This module's programs compiled at LLVM O0 unless it is marked `compute_bound` (above)."""
+    fast_compile = not (_FULL_OPTIMIZATION_ONLY or request.node.get_closest_marker("compute_bound"))
+    jax.config.update("jax_disable_most_optimizations", fast_compile)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(fast_compile))
+    yield

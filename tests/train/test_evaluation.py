@@ -17,6 +17,10 @@ from jax_agent_rl.train.evaluation import eval_target, load_policy, pass_at_k, p
 from jax_agent_rl.train.metrics import read_metrics
 from tests.train.conftest import STEPS
 
+# held-out greedy evaluations: optimized code pays (compiled at O0 the file took 100 s of a
+# suite run's CPU, 84 s optimized)
+pytestmark = pytest.mark.compute_bound
+
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_pass_at_k_is_the_share_of_k_subsets_with_a_success(n: int) -> None:

@@ -28,6 +28,10 @@ from jax_agent_rl.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
+# 10 RL steps and two 100-problem greedy evaluations a test: optimized code pays (compiled at
+# O0 the file took 669 s of a suite run's CPU, 558 s optimized)
+pytestmark = pytest.mark.compute_bound
+
 ROOT = Path(__file__).resolve().parents[2]
 WARM_STARTS = ROOT / "tests" / "train" / "warm_starts"
 

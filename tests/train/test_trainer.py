@@ -21,6 +21,10 @@ from jax_agent_rl.train import train
 from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.metrics import read_metrics
 
+# a 60-step SFT and 3 RL steps a run, four runs: optimized code pays (compiled at O0 the file
+# took 288 s of a suite run's CPU, 221 s optimized)
+pytestmark = pytest.mark.compute_bound
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
