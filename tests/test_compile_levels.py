@@ -1,0 +1,27 @@
+"""The suite's compile level (tests/conftest.py): a module not marked ``compute_bound`` has
+its XLA programs compiled at LLVM O0, and the processes it starts inherit the choice."""
+
+import os
+import subprocess
+import sys
+
+import jax
+
+from tests.conftest import _FULL_OPTIMIZATION_ONLY
+
+
+def test_an_unmarked_module_compiles_at_o0_and_its_child_processes_too() -> None:
+    want = not _FULL_OPTIMIZATION_ONLY  # JAX_DISABLE_MOST_OPTIMIZATIONS=0: all optimized
+    assert jax.config.values["jax_disable_most_optimizations"] is want
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import jax; print(jax.config.values['jax_disable_most_optimizations'])",
+        ],
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.split() == [str(want)]
