@@ -22,7 +22,7 @@ from typing import Any, Literal, overload
 import jax
 import jax.numpy as jnp
 
-from jax_agent_rl.models.attention_kernels import pallas_attention, runs_on_tpu
+from jax_agent_rl.models.attention_kernels import kernel_attention, runs_on_tpu, training_kernel
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
@@ -366,7 +366,6 @@ def attention(
     window: int | None = None,
     *,
     sharder: Sharder,
-    kernel: bool | None = None,
     reach_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
@@ -379,7 +378,11 @@ def attention(
     `segment_reach`); tree rows (`rl.tree`) pass ``reach_bt`` themselves: a prefix shared by
     several sequences, laid out before their continuations (depth first), reaches to the end
     of its last continuation, so each continuation reads its prefix and itself and no other
-    branch. Tree rows run on this XLA path only (the TPU kernel masks by segment ids).
+    branch. Tree rows run on this XLA path only (the fused kernels mask by segment ids).
+
+    Packed rows run on the fused kernel `attention_kernels.training_kernel` picks for the
+    platform and dtype (splash on TPU, Pallas's Triton flash attention on GPU for 16-bit
+    inputs; `attention_kernels.forced_kernel` overrides the pick), else on this XLA loop.
 
     Work: a loop over query blocks of `ATTN_BLOCK`, each over only the key blocks its mask
     reaches (`key_blocks`), with an online softmax: a query block reads its own sequence's
@@ -392,9 +395,9 @@ def attention(
     ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
     Autodiff would keep every step's weights for the backward pass.
     """
-    use_kernel = (runs_on_tpu(sharder) if kernel is None else kernel) and reach_bt is None
-    if use_kernel:
-        return pallas_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window)
+    kernel = training_kernel(sharder, q_bthk.dtype) if reach_bt is None else None
+    if kernel is not None:
+        return kernel_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window, kernel)
     B, T, H, K = q_bthk.shape
     G = k_btgk.shape[2]
     if window is not None and window < 1:

@@ -23,7 +23,7 @@ import numpy as np
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.config import JarlConfig
-from jax_agent_rl.models.attention_kernels import runs_on_tpu
+from jax_agent_rl.models.attention_kernels import training_kernel
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
@@ -196,7 +196,9 @@ def learn(
         min_sequences=cfg.data.prompts_per_step * cfg.group.n // processes,
         agree=distributed.agree_max,
         part=me,
-        tree=L.tree_packing and not runs_on_tpu(learner.sharder),  # (the kernel: no trees)
+        # a fused attention kernel masks by segments only: no tree rows where one runs
+        tree=L.tree_packing
+        and training_kernel(learner.sharder, learner.spec.compute_dtype) is None,
     )
     m["batch/rows"] = real * K * learner.micro_batch_size
     width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows

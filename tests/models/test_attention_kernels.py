@@ -1,7 +1,9 @@
-"""The training attention's Pallas TPU kernel (`pallas_attention`, JAX's splash attention)
-against the XLA computation (`decoder.attention`, ``kernel=False``): in Pallas's TPU interpret
-mode on CPU, alone and on a sharded mesh of fake CPU devices (inside ``shard_map``); and
-compiled for a TPU (an abstract v5e 2x2), where `forward`'s training loss must pick the kernel.
+"""The training attention's fused kernels (`kernel_attention`: JAX's splash attention for
+TPU, JAX's Pallas GPU (Triton) flash attention for GPU) against the XLA computation
+(`decoder.attention` under ``forced_kernel("xla")``): in Pallas's interpret modes on CPU, alone
+and on a sharded mesh of fake CPU devices (inside ``shard_map``); compiled for a TPU (an
+abstract v5e 2x2) and lowered for a GPU (an abstract H100), where `forward`'s training loss
+must pick the platform's kernel with no argument forcing it.
 
 Rows of 300 tokens (padded to 384 for the kernel: three blocks of 128) pack several segments
 of unequal lengths, one crossing block boundaries, then padding (segment 0); H = 4 query heads
@@ -24,10 +26,18 @@ entrywise:
        from fp32 weights; each rounds dS to the dtype before the matmuls);
   dQ, dK: sqrt(K)⁻¹·(δdS + 2·ε·|dS|)·|K| or ᵀ·|Q|, plus 2·u·|dQ| or 2·u·|dK|;
   dV: 2·e·Pᵀ|dO| + 2·u·|dV| (both round the weights to the dtype for it).
+The Triton kernel adds roundings the bounds above do not hold (its `kernel_attention` notes):
+each score times the fp32-rounded K**-0.5·log2(e), rounded (the score's and the maximum's
+relative error grow by 2·2^-24 each: ε gains 4·A·2^-24), base-2 exponentials (2 ulps more:
+ε gains 2·2^-24), dS times the same scale before its rounding (2^-24·|dS| more), and, per kv
+head, R query heads' key and value gradients each rounded to the dtype, then summed in fp32:
+u·Σ_r(|x_r| + b_r) more, x_r the exact per-head gradient and b_r its bound before that
+rounding.
 Padding queries get a zero cotangent (nothing reads them); their rows of P are zero here, and
 both paths then give exactly zero gradient to padding keys, values and queries.
 """
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -51,8 +61,10 @@ from jax_agent_rl.models import (
 from jax_agent_rl.models.attention_kernels import (
     HEAD_AXES,
     ROW_AXES,
-    pallas_attention,
+    forced_kernel,
+    kernel_attention,
     runs_on_tpu,
+    training_kernel,
 )
 from jax_agent_rl.models.decoder import attention
 from jax_agent_rl.models.hf_local import TINY
@@ -91,9 +103,10 @@ def _out_and_grads(fn: Callable[..., jax.Array], *args: jax.Array) -> tuple[jax.
     return (out, *vjp(dout))
 
 
-def _bounds(seg: np.ndarray, *args: jax.Array) -> tuple[np.ndarray, ...]:
+def _bounds(seg: np.ndarray, *args: jax.Array, triton: bool = False) -> tuple[np.ndarray, ...]:
     """Bounds on |kernel − XLA| for the output and the gradients w.r.t. q, k, v (see the
-    module's docstring), from a float64 computation of the exact results."""
+    module's docstring), from a float64 computation of the exact results; ``triton`` adds the
+    Triton kernel's further roundings."""
     q, k, v, dout = (np.asarray(x.astype(jnp.float32), np.float64) for x in args)
     rows = q.shape[0]
     u = 2.0**-24 if args[0].dtype == jnp.float32 else 2.0**-8
@@ -104,7 +117,7 @@ def _bounds(seg: np.ndarray, *args: jax.Array) -> tuple[np.ndarray, ...]:
     seen = seen[:, None, None]  # [B, 1, 1, T, S]: padding queries see nothing here
     size = np.einsum("btgrk,bsgk->bgrts", np.abs(qg), np.abs(k)) * c
     A = size[np.broadcast_to(seen, size.shape)].max()
-    eps = (2 * K * A + K + (R + 1) * T) * 2.0**-24
+    eps = (2 * K * A + K + (R + 1) * T + (4 * A + 2 if triton else 0)) * 2.0**-24
     e = u + eps
     s = np.where(seen, np.einsum("btgrk,bsgk->bgrts", qg, k) * c, -np.inf)
     top = np.where(seen.any(-1, keepdims=True), s.max(-1, keepdims=True), 0.0)
@@ -119,19 +132,31 @@ def _bounds(seg: np.ndarray, *args: jax.Array) -> tuple[np.ndarray, ...]:
     m = np.einsum("btgrk,bsgk->bgrts", np.abs(dog), np.abs(v))
     n = (p * m).sum(-1, keepdims=True)
     d_ds = 4 * e * p * (m + n) + 2 * u * np.abs(ds) + 2 * eps * np.abs(ds)
+    d_ds += 2.0**-24 * np.abs(ds) if triton else 0
     out_bound = 2 * e * np.einsum("bgrts,bsgk->btgrk", p, np.abs(v)) + 2 * u * np.abs(out)
     dq_bound = c * np.einsum("bgrts,bsgk->btgrk", d_ds, np.abs(k)) + 2 * u * np.abs(dq)
     dk_bound = c * np.einsum("bgrts,btgrk->bsgk", d_ds, np.abs(qg)) + 2 * u * np.abs(dk)
     dv_bound = 2 * e * np.einsum("bgrts,btgrk->bsgk", p, np.abs(dog)) + 2 * u * np.abs(dv)
+    if triton:  # each query head's key and value gradient rounded before the fp32 sum
+        dk_r = np.abs(c * np.einsum("bgrts,btgrk->bsgrk", ds, qg))
+        dk_r += c * np.einsum("bgrts,btgrk->bsgrk", d_ds, np.abs(qg))
+        dv_r = np.abs(np.einsum("bgrts,btgrk->bsgrk", p, dog))
+        dv_r += 2 * e * np.einsum("bgrts,btgrk->bsgrk", p, np.abs(dog))
+        dk_bound += u * dk_r.sum(3)
+        dv_bound += u * dv_r.sum(3)
     return out_bound.reshape(rows, T, H, K), dq_bound.reshape(rows, T, H, K), dk_bound, dv_bound
 
 
 def _assert_equal_within_bounds(
-    seg: np.ndarray, kernel: tuple[jax.Array, ...], xla: tuple[jax.Array, ...], args: tuple
+    seg: np.ndarray,
+    kernel: tuple[jax.Array, ...],
+    xla: tuple[jax.Array, ...],
+    args: tuple,
+    triton: bool = False,
 ) -> None:
     real = seg != 0
     for name, got, want, bound in zip(
-        ("out", "dq", "dk", "dv"), kernel, xla, _bounds(seg, *args), strict=True
+        ("out", "dq", "dk", "dv"), kernel, xla, _bounds(seg, *args, triton=triton), strict=True
     ):
         assert got.dtype == want.dtype == args[0].dtype, name
         diff = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
@@ -144,28 +169,37 @@ def _assert_equal_within_bounds(
         assert not np.asarray(grad, np.float64)[~real].any()
 
 
+def _interpreted(kernel: str) -> contextlib.AbstractContextManager:
+    """Where ``kernel`` runs on CPU: splash in the TPU interpreter, triton in the generic one
+    (`kernel_attention` turns it on off a GPU)."""
+    return pltpu.force_tpu_interpret_mode() if kernel == "splash" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_equals_xla_attention_in_interpret_mode(dtype: jnp.dtype) -> None:
-    """Outputs on real tokens and the gradients w.r.t. q, k, v, with a ``window`` (the kernel
+def test_kernel_equals_xla_attention_in_interpret_mode(kernel: str, dtype: jnp.dtype) -> None:
+    """Outputs on real tokens and the gradients w.r.t. q, k, v, with a ``window`` (splash
     then skips key blocks further back: a local mask)."""
     assert K**0.5 == 4  # the scale is a power of two (module docstring)
     seg = _segments()
     args = _inputs(B, dtype)
     segments = jnp.asarray(seg)
 
-    def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, segments, WINDOW, kernel=False, sharder=one_device_sharder())
+    def attend(name: str) -> Callable[..., jax.Array]:
+        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            with forced_kernel(name):
+                return attention(q, k, v, segments, WINDOW, sharder=one_device_sharder())
 
-    def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, segments, WINDOW, kernel=True, sharder=one_device_sharder())
+        return fn
 
-    with pltpu.force_tpu_interpret_mode():
-        got = jax.jit(_out_and_grads, static_argnums=0)(kernel, *args)
-    want = jax.jit(_out_and_grads, static_argnums=0)(xla, *args)
-    _assert_equal_within_bounds(seg, got, want, args)
+    with _interpreted(kernel):
+        got = jax.jit(_out_and_grads, static_argnums=0)(attend(kernel), *args)
+    want = jax.jit(_out_and_grads, static_argnums=0)(attend("xla"), *args)
+    _assert_equal_within_bounds(seg, got, want, args, triton=kernel == "triton")
 
 
-def test_kernel_under_a_sharded_mesh_equals_xla_attention() -> None:
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+def test_kernel_under_a_sharded_mesh_equals_xla_attention(kernel: str) -> None:
     """On a (data 1, fsdp 2, tensor 2) mesh of fake CPU devices: each device runs the kernel
     (interpret mode, inside shard_map) on one row and its 2 query heads over 1 kv head. Four
     devices, not the tests' eight: with eight, this jax's TPU interpreter hangs (its kernels
@@ -182,25 +216,27 @@ def test_kernel_under_a_sharded_mesh_equals_xla_attention() -> None:
     ]
     segments = jax.device_put(jnp.asarray(seg), sharder.sharding(ROW_AXES, seg.shape))
     assert not runs_on_tpu(sharder)  # CPU devices: the XLA path unless forced
+    assert training_kernel(sharder, jnp.bfloat16) is None
 
-    def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return attention(q, k, v, segments, sharder=sharder, kernel=True)
+    def fused(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        with forced_kernel(kernel):
+            return attention(q, k, v, segments, sharder=sharder)
 
     def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return attention(q, k, v, jnp.asarray(seg), sharder=one_device_sharder())
 
-    with pltpu.force_tpu_interpret_mode():
-        got = jax.jit(_out_and_grads, static_argnums=0)(kernel, *placed)
+    with _interpreted(kernel):
+        got = jax.jit(_out_and_grads, static_argnums=0)(fused, *placed)
     assert got[0].sharding.is_equivalent_to(heads, 4)
     want = jax.jit(_out_and_grads, static_argnums=0)(xla, *args)
-    _assert_equal_within_bounds(seg, got, want, args)
+    _assert_equal_within_bounds(seg, got, want, args, triton=kernel == "triton")
 
 
 def test_a_sharded_sequence_is_refused() -> None:
     sharder = Sharder(make_mesh(data=2, fsdp=2, tensor=2), ShardingRules(seq="fsdp", batch="data"))
     q, k, v, _ = _inputs(2, jnp.float32)
     with pytest.raises(ValueError, match="'seq' is sharded"):
-        pallas_attention(q, k, v, jnp.asarray(_segments()), sharder)
+        kernel_attention(q, k, v, jnp.asarray(_segments()), sharder)
 
 
 def test_training_loss_compiles_for_tpu_with_the_kernel() -> None:
@@ -240,3 +276,43 @@ def test_training_loss_compiles_for_tpu_with_the_kernel() -> None:
         "splash_mha_dkv_segmented",
         "splash_mha_dq_segmented",
     }
+
+
+def test_training_loss_lowers_for_gpu_with_the_triton_kernel() -> None:
+    """`forward`'s loss and gradient with remat, bf16, lowered on this CPU host for an abstract
+    H100 (an abstract mesh of one GPU), with no argument forcing the choice: the program's
+    attention is the Triton kernels' calls (the forward, again in remat's recompute, and the
+    backward's preprocessing and fused dq/dk/dv), and fp32 keeps the XLA loop (no Triton
+    call: the kernel's fp32 matmuls would run in TF32 on the card)."""
+    card = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=card)
+    sharder = Sharder(mesh)
+    rows, tokens = 2, 320
+    calls = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = dataclasses.replace(
+            ModelConfig.from_hf(TINY["qwen2"]), num_heads=4, num_kv_heads=2, head_dim=128,
+            dtype=dtype,
+        )  # fmt: skip
+        assert training_kernel(sharder, cfg.dtype) == ("triton" if dtype == "bfloat16" else None)
+
+        def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+            positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, remat=True)
+            return jnp.mean(lm_logits(w, h))
+
+        batch = jax.ShapeDtypeStruct(
+            (rows, tokens), jnp.int32, sharding=sharder.sharding(ROW_AXES, (rows, tokens))
+        )
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = jax.jit(jax.value_and_grad(loss)).trace(
+                abstract_params(cfg, sharder), batch, batch
+            )
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        calls[dtype] = sorted(re.findall(r'"(mha_\w+)"', text))
+    assert calls == {
+        "bfloat16": ["mha_backward", "mha_forward", "mha_forward", "mha_preprocess_backward"],
+        "float32": [],
+    }, calls
