@@ -271,9 +271,33 @@ def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path
             "(off) to 768",
         ),
         (
-            ["algorithm.tis_mode=mask", "algorithm.tis_cap=1"],
-            "algorithm.tis_mode=mask with algorithm.tis_cap=1.0: masking keeps the tokens whose "
-            "importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1",
+            ["algorithm.rollout_mask=icepop"],
+            "algorithm.rollout_mask=icepop weights each kept token by its ratio itself; "
+            "algorithm.tis_cap=2.0 would truncate that weight: set algorithm.tis_cap=null",
+        ),
+        (
+            ["algorithm.rollout_mask=geometric", "algorithm.geo_mask_low=1.02"],
+            "algorithm.geo_mask_low=1.02, algorithm.geo_mask_high=1.01: the band must hold 1 (a "
+            "sampler that agrees with the learner), low <= 1 <= high",
+        ),
+        (
+            ["algorithm.cispo_clip_high=4"],
+            "algorithm.cispo_clip_high=4.0 has no effect with algorithm.policy_loss=ppo: it is "
+            "read by policy_loss=cispo",
+        ),
+        (
+            ["algorithm.policy_loss=cispo", "algorithm.clip_high=0.28"],
+            "algorithm.clip_high=0.28 has no effect with algorithm.policy_loss=cispo: it is read "
+            "by policy_loss=ppo",
+        ),
+        (
+            [
+                "algorithm.kpop_threshold=0.2",
+                "algorithm.rollout_mask=icepop",
+                "algorithm.tis_cap=null",
+            ],
+            "algorithm.kpop_threshold=0.2 has no effect with algorithm.rollout_mask=icepop: it "
+            "is read by rollout_mask=kpop",
         ),
         (
             ["engine.backend=vllm", "engine.vllm.replicas=2", "engine.vllm.devices=0,1,2"],

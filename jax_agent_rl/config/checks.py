@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from jax_agent_rl.config.model import lora_targets_problem
 from jax_agent_rl.config.ranges import Rule
-from jax_agent_rl.config.sections import JarlConfig
+from jax_agent_rl.config.sections import AlgorithmSection, JarlConfig
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 
 
@@ -109,13 +109,56 @@ def _group_size(cfg: JarlConfig) -> str | None:
     return None
 
 
-def _masked_is(cfg: JarlConfig) -> str | None:
-    cap, mode = cfg.algorithm.tis_cap, cfg.algorithm.tis_mode
-    if mode == "mask" and (cap is None or cap <= 1):
+# which keys each policy loss / rollout mask reads: a key changed from its default under a
+# choice that does not read it would be a value accepted and dropped
+_LOSS_KEYS = {
+    "clip_low": ("ppo",),
+    "clip_high": ("ppo",),
+    "clip_c": ("ppo", "dppo_tv", "dppo_kl"),
+    "cispo_clip_low": ("cispo",),
+    "cispo_clip_high": ("cispo",),
+    "dppo_delta_low": ("dppo_tv", "dppo_kl"),
+    "dppo_delta_high": ("dppo_tv", "dppo_kl"),
+}
+_MASK_KEYS = {
+    "icepop_low": ("icepop",),
+    "icepop_high": ("icepop",),
+    "kpop_threshold": ("kpop",),
+    "geo_mask_low": ("geometric",),
+    "geo_mask_high": ("geometric",),
+}
+
+
+def _loss_keys(cfg: JarlConfig) -> str | None:
+    a, default = cfg.algorithm, AlgorithmSection()
+    for choice, table in (("policy_loss", _LOSS_KEYS), ("rollout_mask", _MASK_KEYS)):
+        chosen = getattr(a, choice)
+        for key, readers in table.items():
+            if getattr(a, key) != getattr(default, key) and chosen not in readers:
+                return (
+                    f"algorithm.{key}={getattr(a, key)} has no effect with algorithm.{choice}="
+                    f"{chosen}: it is read by {choice}={' / '.join(readers)}"
+                )
+    return None
+
+
+def _rollout_mask(cfg: JarlConfig) -> str | None:
+    a = cfg.algorithm
+    if a.rollout_mask in ("icepop", "kpop") and a.tis_cap is not None:
         return (
-            f"algorithm.tis_mode=mask with algorithm.tis_cap={cap}: masking keeps the tokens "
-            "whose importance weight lies in [1/tis_cap, tis_cap]; use a tis_cap above 1"
+            f"algorithm.rollout_mask={a.rollout_mask} weights each kept token by its ratio "
+            f"itself; algorithm.tis_cap={a.tis_cap} would truncate that weight: set "
+            "algorithm.tis_cap=null"
         )
+    for name, lo, hi in (
+        ("icepop", a.icepop_low, a.icepop_high),
+        ("geo_mask", a.geo_mask_low, a.geo_mask_high),
+    ):
+        if not lo <= 1.0 <= hi:
+            return (
+                f"algorithm.{name}_low={lo}, algorithm.{name}_high={hi}: the band must hold 1 "
+                "(a sampler that agrees with the learner), low <= 1 <= high"
+            )
     return None
 
 
@@ -285,7 +328,8 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _sft_batch,
     _group_size,
     _overlong_buffer,
-    _masked_is,
+    _loss_keys,
+    _rollout_mask,
     _vllm_devices,
     _tool_servers,
     _stop_strings,

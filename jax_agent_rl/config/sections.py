@@ -278,11 +278,29 @@ class AlgorithmSection:
     # transformers' load_balancing_loss_func over all real tokens) added to the policy loss
     # with this weight; 0: off, as verl's GRPO recipes leave it
     router_aux_loss_coef: float = setting(0.0, NATURAL)
-    # truncated importance weights rollout -> learner; null: off
+    # the policy loss (docs/algorithms.md): ppo (clipped surrogate: clip_low, clip_high,
+    # clip_c), cispo (clipped importance weight, every token passes gradient: cispo_clip_*),
+    # dppo_tv / dppo_kl (DPPO-Binary: tokens whose probability moved past a total-variation
+    # / binary-KL bound pass none: dppo_delta_*, the ratio truncated at clip_c)
+    policy_loss: Literal["ppo", "cispo", "dppo_tv", "dppo_kl"] = "ppo"
+    cispo_clip_low: float = setting(1.0, FRACTION)  # weight >= 1 - this (1: no lower bound)
+    cispo_clip_high: float = setting(5.0, POSITIVE)  # weight <= 1 + this
+    dppo_delta_low: float = setting(0.2, POSITIVE)  # bound where A <= 0 (0.05 suits dppo_kl)
+    dppo_delta_high: float = setting(0.2, POSITIVE)  # bound where A > 0
+    # truncated importance weights rollout -> learner, min(k, tis_cap); null: off
     tis_cap: float | None = setting(2.0, or_(None, POSITIVE))
-    # truncate: weight min(w, tis_cap); mask: weight w within [1/tis_cap, tis_cap], else the
-    # token is dropped (masked IS: for stale data, trainer.mode=async; docs/async.md)
-    tis_mode: Literal["truncate", "mask"] = "truncate"
+    # tokens or sequences whose rollout -> learner ratio k left a band carry no gradient
+    # (for stale data, trainer.mode=async; docs/async.md). icepop: weight k within
+    # [icepop_low, icepop_high], else 0; kpop: weight k where the binary KL between sampler
+    # and learner token probabilities is within kpop_threshold both ways, else 0 (both weight
+    # by k themselves: tis_cap null); geometric: a sequence whose geometric-mean ratio leaves
+    # [geo_mask_low, geo_mask_high] is dropped whole (with or without tis_cap)
+    rollout_mask: Literal["none", "icepop", "kpop", "geometric"] = "none"
+    icepop_low: float = setting(0.5, POSITIVE)
+    icepop_high: float = setting(5.0, POSITIVE)
+    kpop_threshold: float = setting(0.1, POSITIVE)
+    geo_mask_low: float = setting(0.99, POSITIVE)
+    geo_mask_high: float = setting(1.01, POSITIVE)
     gamma: float = setting(1.0, FRACTION)  # GAE (PPO)
     lam: float = setting(1.0, FRACTION)
     vf_clip: float = setting(0.5, POSITIVE)

@@ -15,7 +15,6 @@ each docstring states its formula and, where this module chooses differently, sa
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import jax
@@ -333,6 +332,145 @@ def policy_loss(
     return loss, jax.lax.stop_gradient(metrics)
 
 
+def _log_ratio(logp_bt: jax.Array, old_logp_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+    """``logp - old_logp`` on the mask (0 elsewhere), clamped to [-20, 20] as verl's."""
+    log_ratio_bt = jnp.where(mask_bt > 0, logp_bt - old_logp_bt, 0.0)
+    return jnp.clip(log_ratio_bt, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+
+
+def cispo_loss(
+    logp_bt: ArrayLike,
+    old_logp_bt: ArrayLike,
+    advantages_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 5.0,
+    agg_mode: AggMode = "token-mean",
+    num_tokens: ArrayLike | None = None,
+    num_seqs: ArrayLike | None = None,
+    norm_const: float | None = None,
+    is_weights_bt: ArrayLike | None = None,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update::
+
+        rho = exp(clamp(logp - old_logp, -20, 20))
+        L   = -sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp * w
+
+    (``sg``: stop-gradient; ``w = is_weights_bt``, constants), then `aggregate_loss`. Every
+    token passes gradient ``-c A grad(logp)``, the clipped ones too (PPO's clipped tokens pass
+    none). Defaults: no lower bound (``clip_low = 1``: MiniMax-M1 sets eps_low large) and
+    ``clip_high = 5`` (SkyRL's ``cispo_eps_clip_high``). Metrics: ``clipfrac`` = share of
+    tokens whose weight is clipped (``rho`` outside the bounds), ``clipfrac_lower`` = 0,
+    ``approx_kl`` as in `policy_loss`.
+    """
+    mask_bt, adv_bt, logp_bt = (jnp.asarray(x) for x in (mask_bt, advantages_bt, logp_bt))
+    log_ratio_bt = _log_ratio(logp_bt, jnp.asarray(old_logp_bt), mask_bt)
+    ratio_bt = jnp.exp(log_ratio_bt)
+    weight_bt = jax.lax.stop_gradient(jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high))
+    loss_bt = -weight_bt * adv_bt * jnp.where(mask_bt > 0, logp_bt, 0.0)
+    if is_weights_bt is not None:
+        loss_bt = loss_bt * jax.lax.stop_gradient(jnp.asarray(is_weights_bt))
+    loss = aggregate_loss(
+        loss_bt,
+        mask_bt,
+        agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_const=norm_const,
+        seq_bt=seq_bt,
+        num_sequences=num_sequences,
+    )
+    clipped_bt = (ratio_bt < 1.0 - clip_low) | (ratio_bt > 1.0 + clip_high)
+    metrics = {
+        "clipfrac": masked_mean(clipped_bt.astype(jnp.float32), mask_bt),
+        "clipfrac_lower": jnp.zeros((), jnp.float32),
+        "approx_kl": masked_mean(-log_ratio_bt, mask_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def dppo_loss(
+    logp_bt: ArrayLike,
+    old_logp_bt: ArrayLike,
+    advantages_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    *,
+    divergence: Literal["tv", "kl"] = "tv",
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    clip_c: float | None = 3.0,
+    agg_mode: AggMode = "token-mean",
+    num_tokens: ArrayLike | None = None,
+    num_seqs: ArrayLike | None = None,
+    norm_const: float | None = None,
+    is_weights_bt: ArrayLike | None = None,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DPPO-Binary (Divergence PPO, "Rethinking the Trust Region in LLM Reinforcement
+    Learning", arXiv 2602.04879; verl ``dppo_tv`` / ``dppo_kl``, SkyRL ``dppo``): the trust
+    region is a bound on the divergence of the sampled token's probability, not on the ratio.
+
+    With ``p = exp(logp)``, ``p_old = exp(old_logp)``, ``rho = exp(clamp(logp - old_logp, -20,
+    20))`` and ``D_B`` the binary KL (`binary_kl`, ``p_old`` first; verl adds 1e-8 inside the
+    complement's log where `binary_kl` clamps: the two differ below 1e-6 of probability)::
+
+        tv:  valid = p - p_old <= delta_high          where A > 0
+             valid = p - p_old >= -delta_low          elsewhere
+        kl:  valid = D_B(p_old || p) <= delta_high  or  p <= p_old    where A > 0
+             valid = D_B(p_old || p) <= delta_low   or  p >= p_old    elsewhere
+        L = -A * sg(min(rho, clip_c)) * logp * sg(valid) * w
+
+    then `aggregate_loss`: a valid token's gradient is PPO's unclipped one (``-A grad rho``,
+    the ratio truncated at ``clip_c``; None: not truncated), an invalid one's is 0 (the update
+    has moved its probability too far in the advantage's direction). Defaults: delta 0.2 for
+    TV (SkyRL's ``delta_low/high``; 0.05 is recommended there for KL), ``clip_c`` 3 (verl reads
+    its ``clip_ratio_c``, 3 by default). Metrics: ``clipfrac`` = share of tokens not valid,
+    ``clipfrac_lower`` = share valid with ``rho > clip_c`` (as verl), ``approx_kl`` as in
+    `policy_loss`.
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"unknown DPPO divergence {divergence!r}; allowed: tv, kl")
+    mask_bt, adv_bt = jnp.asarray(mask_bt), jnp.asarray(advantages_bt)
+    logp_bt, old_bt = (jnp.where(mask_bt > 0, jnp.asarray(x), 0.0) for x in (logp_bt, old_logp_bt))
+    log_ratio_bt = _log_ratio(logp_bt, old_bt, mask_bt)
+    ratio_bt = jnp.exp(log_ratio_bt)
+    p_bt, p_old_bt = jax.lax.stop_gradient(jnp.exp(logp_bt)), jnp.exp(old_bt)
+    if divergence == "tv":
+        valid_pos_bt = p_bt - p_old_bt <= delta_high
+        valid_neg_bt = p_bt - p_old_bt >= -delta_low
+    else:
+        d_bt = binary_kl(p_old_bt, p_bt)
+        valid_pos_bt = (d_bt <= delta_high) | (p_bt <= p_old_bt)
+        valid_neg_bt = (d_bt <= delta_low) | (p_bt >= p_old_bt)
+    valid_bt = jnp.where(adv_bt > 0, valid_pos_bt, valid_neg_bt).astype(jnp.float32)
+    weight_bt = ratio_bt if clip_c is None else jnp.minimum(ratio_bt, clip_c)
+    weight_bt = jax.lax.stop_gradient(weight_bt * valid_bt)
+    loss_bt = -adv_bt * weight_bt * logp_bt
+    if is_weights_bt is not None:
+        loss_bt = loss_bt * jax.lax.stop_gradient(jnp.asarray(is_weights_bt))
+    loss = aggregate_loss(
+        loss_bt,
+        mask_bt,
+        agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_const=norm_const,
+        seq_bt=seq_bt,
+        num_sequences=num_sequences,
+    )
+    truncated_bt = jnp.zeros_like(valid_bt) if clip_c is None else (ratio_bt > clip_c) * valid_bt
+    metrics = {
+        "clipfrac": masked_mean(1.0 - valid_bt, mask_bt),
+        "clipfrac_lower": masked_mean(truncated_bt, mask_bt),
+        "approx_kl": masked_mean(-log_ratio_bt, mask_bt),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
 def value_loss(
     values_bt: ArrayLike,
     old_values_bt: ArrayLike,
@@ -386,23 +524,99 @@ def truncated_is_weights(
     return jax.lax.stop_gradient(jnp.where(mask_bt > 0, w_bt, 0.0))
 
 
-def masked_is_weights(
-    learner_logp_bt: ArrayLike, rollout_logp_bt: ArrayLike, mask_bt: ArrayLike, cap: float = 2.0
+def _rollout_log_ratio(
+    learner_logp_bt: ArrayLike, rollout_logp_bt: ArrayLike, mask_bt: ArrayLike
+) -> tuple[jax.Array, jax.Array]:
+    """``(log k, on)``: ``log k = learner_old_logp - rollout_logp`` on the mask (0 elsewhere,
+    whatever the padding holds), ``on = mask > 0``."""
+    on_bt = jnp.asarray(mask_bt) > 0
+    diff_bt = jnp.asarray(learner_logp_bt) - jnp.asarray(rollout_logp_bt)
+    return jnp.where(on_bt, diff_bt, 0.0), on_bt
+
+
+def icepop_weights(
+    learner_logp_bt: ArrayLike,
+    rollout_logp_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    low: float = 0.5,
+    high: float = 5.0,
 ) -> jax.Array:
-    """Masked importance weights ``w = exp(learner_old_logp - rollout_logp)`` where ``1/cap <=
-    w <= cap``, else 0, [B, T].
+    """IcePop's double-sided masking ``M(k) = k if low <= k <= high else 0``, [B, T], with
+    ``k = exp(learner_old_logp - rollout_logp)`` (Ring-1T, "Every Step Evolves", arXiv
+    2510.18855; AReaL ``icepop_alpha/beta``, defaults 0.5 and 5.0 as there).
 
     Where `truncated_is_weights` keeps training on a token whose sampler and learner disagree
-    (at weight ``cap``), this drops it (masked importance sampling; IcePop): a token sampled
-    by a policy far from the one being updated, as after an overshooting update with stale
-    data, carries no gradient. 0 where the mask is 0; constants (stop_gradient).
+    (at weight ``cap``), this drops it: a token sampled by a policy far from the one being
+    updated carries no gradient, on either side of the band. 0 where the mask is 0; constants.
     """
-    mask_bt = jnp.asarray(mask_bt)
-    diff_bt = jnp.asarray(learner_logp_bt) - jnp.asarray(rollout_logp_bt)
-    log_w_bt = jnp.where(mask_bt > 0, diff_bt, 0.0)
-    bound = math.log(cap)
-    keep_bt = (mask_bt > 0) & (jnp.abs(log_w_bt) <= bound)
-    return jax.lax.stop_gradient(jnp.where(keep_bt, jnp.exp(log_w_bt), 0.0))
+    log_k_bt, on_bt = _rollout_log_ratio(learner_logp_bt, rollout_logp_bt, mask_bt)
+    k_bt = jnp.exp(log_k_bt)
+    keep_bt = on_bt & (k_bt >= low) & (k_bt <= high)
+    return jax.lax.stop_gradient(jnp.where(keep_bt, k_bt, 0.0))
+
+
+def binary_kl(p: ArrayLike, q: ArrayLike) -> jax.Array:
+    """KL of two two-event distributions (this token / every other token), elementwise:
+    ``D_B(p || q) = p log(p / q) + (1 - p) log((1 - p) / (1 - q))``, with ``p`` and ``q``
+    clamped to ``[1e-6, 1 - 1e-6]`` so that neither log meets 0 (as prime-rl's KPop)."""
+    p_, q_ = (jnp.clip(jnp.asarray(x), 1e-6, 1.0 - 1e-6) for x in (p, q))
+    return p_ * (jnp.log(p_) - jnp.log(q_)) + (1.0 - p_) * (jnp.log1p(-p_) - jnp.log1p(-q_))
+
+
+def kpop_weights(
+    learner_logp_bt: ArrayLike,
+    rollout_logp_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    threshold: float = 0.1,
+) -> jax.Array:
+    """KPop's bidirectional binary-KL masking: ``k`` where ``D_B(p || q) <= phi`` and ``D_B(q ||
+    p) <= phi``, else 0, [B, T]; ``p = exp(learner_old_logp)``, ``q = exp(rollout_logp)`` the
+    sampled token's probabilities, ``k = p / q``, ``phi = threshold`` (KPop, Guo et al., Ant
+    Group; AReaL ``enable_kpop``, prime-rl ``kpop_threshold``, default 0.1).
+
+    Against IcePop's ratio band, the band adapts to the token's probability: wide in ratio for
+    a rare token, tight for a confident one. 0 where the mask is 0; constants.
+    """
+    log_k_bt, on_bt = _rollout_log_ratio(learner_logp_bt, rollout_logp_bt, mask_bt)
+    p_bt = jnp.exp(jnp.where(on_bt, jnp.asarray(learner_logp_bt), 0.0))
+    q_bt = jnp.exp(jnp.where(on_bt, jnp.asarray(rollout_logp_bt), 0.0))
+    keep_bt = on_bt & (binary_kl(p_bt, q_bt) <= threshold) & (binary_kl(q_bt, p_bt) <= threshold)
+    return jax.lax.stop_gradient(jnp.where(keep_bt, jnp.exp(log_k_bt), 0.0))
+
+
+def geometric_sequence_mask(
+    learner_logp_bt: ArrayLike,
+    rollout_logp_bt: ArrayLike,
+    mask_bt: ArrayLike,
+    low: float = 0.99,
+    high: float = 1.01,
+    seq_bt: ArrayLike | None = None,
+    num_sequences: int | None = None,
+) -> jax.Array:
+    """Geometric sequence masking: 1.0 on the tokens of each sequence whose geometric-mean
+    ratio ``g_n = exp(sum_{t in n} m log k_t / sum_{t in n} m)`` lies in ``[low, high]``, 0 on
+    the whole of every other sequence and off the mask, [B, T]; ``log k = learner_old_logp -
+    rollout_logp`` (SkyRL ``sequence_mask_metric=geometric``, ``geo_mask_low/high`` 0.99 /
+    1.01 there).
+
+    A sequence is a row, or with ``seq_bt`` (the sequence of each token, in ``[0,
+    num_sequences)``) the tokens of one index wherever they sit (packed rows). A sequence
+    with no mask token has ``g = 1``. Constants.
+    """
+    log_k_bt, on_bt = _rollout_log_ratio(learner_logp_bt, rollout_logp_bt, mask_bt)
+    m_bt = jnp.asarray(mask_bt, jnp.float32)
+    if seq_bt is None:
+        mean_bt = _safe_div(jnp.sum(log_k_bt * m_bt, -1), jnp.sum(m_bt, -1))[:, None]
+    else:
+        if num_sequences is None:
+            raise ValueError("seq_bt needs num_sequences")
+        seq = jnp.asarray(seq_bt)
+        total_n = jax.ops.segment_sum((log_k_bt * m_bt).reshape(-1), seq.reshape(-1), num_sequences)
+        count_n = jax.ops.segment_sum(m_bt.reshape(-1), seq.reshape(-1), num_sequences)
+        mean_bt = _safe_div(total_n, count_n)[seq]
+    g_bt = jnp.exp(mean_bt)
+    keep_bt = on_bt & (g_bt >= low) & (g_bt <= high)
+    return jax.lax.stop_gradient(keep_bt.astype(jnp.float32))
 
 
 def entropy_from_logprobs(logprobs_btv: ArrayLike) -> jax.Array:

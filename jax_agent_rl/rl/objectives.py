@@ -278,22 +278,46 @@ def policy_objective(
     )
     h, w, router_aux = spec.hidden(params, mb, router_aux=bool(a.router_aux_loss_coef))
     logp, entropy = head_stats(spec, h, w, mb)
-    is_fn = core.masked_is_weights if a.tis_mode == "mask" else core.truncated_is_weights
-    is_weights = (
-        None if a.tis_cap is None else is_fn(dv.old_logp, mb.rollout_logp, mb.mask, a.tis_cap)
-    )
-    pg_loss, m = core.policy_loss(
-        logp,
-        dv.old_logp,
-        dv.advantages,
-        mb.mask,
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        clip_c=a.clip_c,
-        is_weights_bt=is_weights,
-        agg_mode=a.loss_agg_mode,
-        **counts,
-    )
+    is_weights, mask_metrics = rollout_weights(a, dv.old_logp, mb, d.num_sequences)
+    if a.policy_loss == "ppo":
+        pg_loss, m = core.policy_loss(
+            logp,
+            dv.old_logp,
+            dv.advantages,
+            mb.mask,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            clip_c=a.clip_c,
+            is_weights_bt=is_weights,
+            agg_mode=a.loss_agg_mode,
+            **counts,
+        )
+    elif a.policy_loss == "cispo":
+        pg_loss, m = core.cispo_loss(
+            logp,
+            dv.old_logp,
+            dv.advantages,
+            mb.mask,
+            clip_low=a.cispo_clip_low,
+            clip_high=a.cispo_clip_high,
+            is_weights_bt=is_weights,
+            agg_mode=a.loss_agg_mode,
+            **counts,
+        )
+    else:
+        pg_loss, m = core.dppo_loss(
+            logp,
+            dv.old_logp,
+            dv.advantages,
+            mb.mask,
+            divergence="tv" if a.policy_loss == "dppo_tv" else "kl",
+            delta_low=a.dppo_delta_low,
+            delta_high=a.dppo_delta_high,
+            clip_c=a.clip_c,
+            is_weights_bt=is_weights,
+            agg_mode=a.loss_agg_mode,
+            **counts,
+        )
     loss = pg_loss
     metrics = {"pg_loss": pg_loss, **m}
     if a.entropy_coef:
@@ -310,11 +334,35 @@ def policy_objective(
         loss = loss + a.router_aux_loss_coef * router_aux * mb.mask.sum() / d.num_tokens
         metrics["router_aux_loss"] = router_aux
     metrics["entropy"] = core.masked_mean(entropy, mb.mask)
-    if is_weights is not None and a.tis_mode == "mask":
-        metrics["tis_masked_frac"] = core.masked_mean(
-            (is_weights == 0).astype(jnp.float32), mb.mask
+    return loss, {**metrics, **mask_metrics}
+
+
+def rollout_weights(
+    a: AlgorithmSection, old_logp: jax.Array, mb: TrainBatch, num_sequences: int
+) -> tuple[jax.Array | None, Metrics]:
+    """The rollout-correction weight of each token [b, T] (None: none), from the ratio ``k`` of
+    the learner's old-policy to the sampler's probability: TIS's ``min(k, tis_cap)``, then
+    ``algorithm.rollout_mask``'s IcePop / KPop weight (``k`` kept or 0: `core.icepop_weights`,
+    `core.kpop_weights`) or geometric sequence mask (`core.geometric_sequence_mask`, times
+    TIS's weight if any). With a mask, ``rollout_mask/masked_frac``: the share of sampled
+    tokens it zeroes."""
+    mask, rollout = mb.mask, mb.rollout_logp
+    weights = (
+        None if a.tis_cap is None else core.truncated_is_weights(old_logp, rollout, mask, a.tis_cap)
+    )
+    if a.rollout_mask == "none":
+        return weights, {}
+    if a.rollout_mask == "icepop":
+        weights = core.icepop_weights(old_logp, rollout, mask, a.icepop_low, a.icepop_high)
+    elif a.rollout_mask == "kpop":
+        weights = core.kpop_weights(old_logp, rollout, mask, a.kpop_threshold)
+    else:
+        keep = core.geometric_sequence_mask(
+            old_logp, rollout, mask, a.geo_mask_low, a.geo_mask_high, mb.sequence, num_sequences
         )
-    return loss, metrics
+        weights = keep if weights is None else weights * keep
+    masked = core.masked_mean((weights == 0).astype(jnp.float32), mask)
+    return weights, {"rollout_mask/masked_frac": masked}
 
 
 def value_objective(

@@ -466,17 +466,25 @@ def test_truncated_is_weights_ignore_garbage_off_mask() -> None:
     close(got, [[1.0, 0.0, 0.0]])
 
 
-def test_masked_is_weights_drop_tokens_outside_the_band() -> None:
-    """Weights within [1/cap, cap] are kept as they are (not truncated); outside, and off the
-    mask, 0; constants; garbage off the mask ignored."""
+def test_icepop_weights_drop_tokens_outside_the_band() -> None:
+    """Weights within [low, high] are kept as they are (not truncated); outside on either
+    side, and off the mask, 0; constants; garbage off the mask ignored."""
     rollout = np.array([[-1.0, -1.0, -1.0, -1.0, -1.0, 0.0]], np.float32)
     ratio = np.array([[1.0, 3.0, 0.6, 1.5, 0.4, 1.0]], np.float32)
     learner = rollout + np.log(ratio)
     learner[0, 5] = np.nan
     mask = np.array([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]], np.float32)
-    close(core.masked_is_weights(learner, rollout, mask, cap=2.0), [[1.0, 0, 0.6, 1.5, 0, 0]])
-    grad = jax.grad(lambda x: core.masked_is_weights(x, rollout, mask).sum())(learner)
+    close(core.icepop_weights(learner, rollout, mask, 0.5, 2.0), [[1.0, 0, 0.6, 1.5, 0, 0]])
+    # the published band [0.5, 5] keeps the 3.0
+    close(core.icepop_weights(learner, rollout, mask), [[1.0, 3.0, 0.6, 1.5, 0, 0]])
+    grad = jax.grad(lambda x: core.icepop_weights(x, rollout, mask).sum())(learner)
     close(grad, np.zeros((1, 6)))
+
+
+def test_binary_kl_hand_case() -> None:
+    # D_B(0.5 || 0.25) = 0.5 ln 2 + 0.5 ln(0.5 / 0.75); D_B(p || p) = 0
+    close(core.binary_kl(0.5, 0.25), 0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75))
+    close(core.binary_kl(np.float32(0.3), np.float32(0.3)), 0.0)
 
 
 # --- entropy_from_logprobs -------------------------------------------------------------------

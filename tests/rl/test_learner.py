@@ -365,7 +365,14 @@ EQUIVALENT = {
         tis_cap=None,
         mini_batches=2,
     ),
-    "mis": AlgorithmSection(tis_cap=1.5, tis_mode="mask", kl_coef=0.05, kl_kind="k3"),
+    "icepop": AlgorithmSection(
+        tis_cap=None,
+        rollout_mask="icepop",
+        icepop_low=1 / 1.5,
+        icepop_high=1.5,
+        kl_coef=0.05,
+        kl_kind="k3",
+    ),
     "gae_value_loss": AlgorithmSection(
         adv_estimator="gae", mini_batches=2, tis_cap=None, loss_agg_mode="seq-mean-token-mean"
     ),
