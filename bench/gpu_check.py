@@ -45,6 +45,17 @@ weight once and each row's keys and values, so it takes at least
 max(bytes / bandwidth, 2 * N * B / peak); the fraction is the measured decode tokens/s
 (prefill and admission taken out: `_decode_step`) over B / that time.
 
+Every timed program is also profiled (`Profiler`): after its timing, a few more calls
+(`PROFILE_REPEATS` of the device's and the paged-attention programs, one RL step, one round
+of each decode batch: ``short`` new tokens, prefill included) run under `jax.profiler`, and
+`top_ops` reduces the trace to the 15 ops (fusions, kernels' HLO ops) with the most time a
+step, each with its share of the step's total. The times are the GPU streams' kernels where
+the trace has device events; on the dry run (CPU, no device streams) they are the XLA CPU
+runtime's op events on the host threads, and every summary says which. The table of each is
+printed; with $OUT set the step writes ``$OUT/profiles/<step>.<program>.json`` (the summary),
+``.txt`` (the table) and, when it is under `RAW_TRACE_MAX`, ``.perfetto_trace.json.gz`` (the
+raw trace, for ui.perfetto.dev), and its figures name them under ``profiles``.
+
 Prints progress as it goes, ends with one JSON line (``{"gpu_check": ...}``), and with $OUT
 set writes ``$OUT/gpu_check.log`` (everything printed) and ``$OUT/gpu_check.json``.
 """
@@ -53,10 +64,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import gzip
 import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,6 +110,188 @@ def peaks_of(kind: str) -> tuple[float | None, float | None]:
         if re.search(rf"\b{re.escape(key)}\b", kind):
             return flops, bandwidth
     return None, None
+
+
+# -------------------------------------------------------------------------------- profiles
+
+PROFILES = "profiles"  # the folder of $OUT the profiles go into
+PROFILE_TOP = 15  # the ops a program's summary ranks
+PROFILE_REPEATS = 3  # calls profiled of a program of milliseconds (of the RL step, decode's: 1)
+RAW_TRACE_MAX = 256 * 1024  # bytes: a bigger gzipped trace is not kept beside its summary
+
+
+def top_ops(events: list[dict[str, Any]], repeats: int, top: int = PROFILE_TOP) -> dict[str, Any]:
+    """The ``top`` ops by time per step of a Chrome trace's ``events`` (the ``traceEvents``
+    of `jax.profiler`'s perfetto_trace.json.gz), taken over ``repeats`` steps (a step: one
+    call of the program profiled).
+
+    Timed are the complete ("X") events of the device processes (named "/device:...": on a
+    GPU, the kernels and copies of its streams), keeping those that name an XLA op
+    (``args.hlo_op``: the program's own, not a transfer between calls) where any does; in a
+    trace without device events (the CPU), the host's events that name an XLA op (the CPU
+    runtime's thunks). ``source`` says which. An event's time is its self time: its
+    duration less those of the timed events nested in it on its thread (a while loop's body
+    ops count under their own names, the loop keeps the rest). Ops are keyed by (``module``,
+    ``op``) (the event's name where it names no op); each has ``us``, its summed time over
+    ``repeats``, ``percent`` of the step's ``total_us`` (every timed op), and ``count``, its
+    events, both per step; ``rest_us`` is the time of the ops past the ``top``.
+    """
+    names: dict[int, str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = e["args"]["name"]
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    device = {pid for pid, name in names.items() if name.startswith("/device:")}
+    timed = [e for e in complete if e["pid"] in device]
+    source = "device" if timed else "host"
+    if timed:
+        named = [e for e in timed if "hlo_op" in e.get("args", {})]
+        timed = named or timed
+    else:
+        timed = [e for e in complete if "hlo_op" in e.get("args", {})]
+    if not timed:
+        raise ValueError("the trace has no device events and no host events of XLA ops")
+    self_us = _self_times(timed)
+    per_op: dict[tuple[str, str], list[float]] = {}  # (module, op) -> [us, events]
+    for e, us in zip(timed, self_us, strict=True):
+        args = e.get("args", {})
+        key = (args.get("hlo_module", ""), args.get("hlo_op", e["name"]))
+        acc = per_op.setdefault(key, [0.0, 0])
+        acc[0] += us
+        acc[1] += 1
+    total = sum(us for us, _ in per_op.values()) / repeats
+    ranked = sorted(per_op.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    ops = [
+        {
+            "op": op,
+            "module": module,
+            "us": round(us / repeats, 3),
+            "percent": round(100 * us / repeats / total, 1) if total else 0.0,
+            "count": n / repeats,
+        }
+        for (module, op), (us, n) in ranked[:top]
+    ]
+    return {
+        "source": source,
+        "processes": sorted({names.get(e["pid"], str(e["pid"])) for e in timed}),
+        "repeats": repeats,
+        "events": len(timed),
+        "ops_seen": len(per_op),
+        "total_us": round(total, 3),
+        "ops": ops,
+        "rest_us": round(sum(us for _, (us, _n) in ranked[top:]) / repeats, 3),
+    }
+
+
+def _self_times(events: list[dict[str, Any]]) -> list[float]:
+    """Each event's duration less those of the events nested directly in it on its thread
+    (complete events of one thread nest or follow one another)."""
+    self_us = [float(e["dur"]) for e in events]
+    threads: dict[tuple[Any, Any], list[int]] = {}
+    for i, e in enumerate(events):
+        threads.setdefault((e["pid"], e.get("tid")), []).append(i)
+    for order in threads.values():
+        order.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        open_: list[tuple[float, int]] = []  # (end, index) of the events enclosing this one
+        for i in order:
+            start, end = events[i]["ts"], events[i]["ts"] + events[i]["dur"]
+            while open_ and open_[-1][0] <= start:
+                open_.pop()
+            if open_:
+                parent_end, parent = open_[-1]
+                self_us[parent] -= min(end, parent_end) - start
+            open_.append((end, i))
+    return self_us
+
+
+def profile_table(name: str, summary: dict[str, Any]) -> str:
+    """`top_ops`'s ``summary`` of program ``name`` as a readable table."""
+    where = "device streams" if summary["source"] == "device" else "host XLA op events"
+    lines = [f"NOTE: {summary['note']}"] if "note" in summary else []
+    lines += [
+        f"{name}: top {len(summary['ops'])} of {summary['ops_seen']} ops by self time, "
+        f"per step of {summary['repeats']} profiled ({where}: {', '.join(summary['processes'])})",
+        f"total {summary['total_us']:.1f} us a step"
+        + (f", wall {summary['wall_us']:.1f} us a step" if "wall_us" in summary else ""),
+        f"{'us/step':>12} {'%':>6} {'count':>8}  op  [module]",
+    ]
+    for op in summary["ops"]:
+        row = f"{op['us']:12.1f} {op['percent']:6.1f} {op['count']:8.6g}"
+        lines.append(f"{row}  {op['op']}  [{op['module']}]")
+    rest, others = summary["rest_us"], summary["ops_seen"] - len(summary["ops"])
+    share = 100 * rest / summary["total_us"] if summary["total_us"] else 0.0
+    lines.append(f"{rest:12.1f} {share:6.1f} {'':>8}  (the rest: {others} ops)")
+    return "\n".join(lines) + "\n"
+
+
+def _profiled(fn: Callable[[], Any], repeats: int, folder: Path) -> tuple[dict[str, Any], Path]:
+    """`top_ops` of ``repeats`` calls of ``fn`` under `jax.profiler` (tracing into ``folder``),
+    with their ``wall_us`` a call, and the trace's file."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # XLA's events only, no Python calls
+    options.host_tracer_level = 1
+    options.enable_hlo_proto = False
+    with jax.profiler.trace(folder, create_perfetto_trace=True, profiler_options=options):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready(fn())
+        wall = time.perf_counter() - t0
+    (trace,) = folder.glob("plugins/profile/*/perfetto_trace.json.gz")
+    with gzip.open(trace) as f:
+        summary = top_ops(json.load(f)["traceEvents"], repeats)
+    summary["wall_us"] = round(wall / repeats * 1e6, 1)
+    summary["platform"] = jax.devices()[0].platform
+    if summary["source"] == "host" and summary["platform"] != "cpu":
+        summary["note"] = "no device events: these are the host's, not the card's"
+    return summary, trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Profiler:
+    """Profiles a step's timed programs: prints each summary's table, and writes the summary
+    (`top_ops`), the table and the raw trace (up to `RAW_TRACE_MAX`) into ``folder`` (when
+    given) as ``<step>.<program>.json``, ``.txt`` and ``.perfetto_trace.json.gz``."""
+
+    step: str
+    folder: Path | None  # $OUT/profiles
+
+    def __call__(self, program: str, fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
+        """Profiles ``repeats`` calls of ``fn`` (compiled already): what the step's figures
+        say of it (its files, relative to $OUT; or its error)."""
+        name = f"{self.step}.{program}"
+        start = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory(prefix="gpu_check_trace_") as tmp:
+                summary, trace = _profiled(fn, repeats, Path(tmp))
+                out = self._keep(name, summary, trace)
+        except Exception as e:  # a profile lost is no reason to lose the step's figures
+            print(f"profile of {name} failed: {e!r}", flush=True)
+            out = {"error": repr(e)}
+        out["seconds"] = round(time.perf_counter() - start, 1)  # what profiling took
+        return out
+
+    def _keep(self, name: str, summary: dict[str, Any], trace: Path) -> dict[str, Any]:
+        table = profile_table(name, summary)
+        print(table, flush=True)
+        top = summary["ops"][0]
+        out: dict[str, Any] = {
+            "source": summary["source"],
+            "total_us": summary["total_us"],
+            "top": f"{top['op']} {top['percent']}%",
+        }
+        if self.folder is None:
+            return out
+        self.folder.mkdir(parents=True, exist_ok=True)
+        files = {"summary": f"{name}.json", "table": f"{name}.txt"}
+        summary["raw_trace_bytes"] = trace.stat().st_size
+        if summary["raw_trace_bytes"] <= RAW_TRACE_MAX:
+            files["trace"] = f"{name}.perfetto_trace.json.gz"
+            shutil.copyfile(trace, self.folder / files["trace"])
+        (self.folder / files["summary"]).write_text(json.dumps(summary, indent=1) + "\n")
+        (self.folder / files["table"]).write_text(table)
+        return out | {k: f"{self.folder.name}/{v}" for k, v in files.items()}
 
 
 # -------------------------------------------------------------------------------- steps
@@ -143,7 +339,7 @@ def _memory_gib(dev: Any, stat: str) -> float | None:
     return None if value is None else round(value / 2**30, 1)
 
 
-def _device_step(dry: bool) -> dict[str, Any]:
+def _device_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import jaxlib
@@ -168,6 +364,10 @@ def _device_step(dry: bool) -> dict[str, Any]:
     out["measured_bf16_tflops"] = round(2 * n**3 / _timed(lambda: matmul(a), 5) / 1e12, 1)
     x = jnp.ones((floats,), jnp.float32)
     out["measured_bandwidth_tb_s"] = round(x.nbytes / _timed(lambda: jnp.sum(x), 5) / 1e12, 3)
+    out["profiles"] = {
+        "matmul": profile("matmul", lambda: matmul(a), PROFILE_REPEATS),
+        "reduction": profile("reduction", lambda: jnp.sum(x), PROFILE_REPEATS),
+    }
     return out
 
 
@@ -253,7 +453,7 @@ def _lower_for_gpu(s: PagedShape, device_kind: str) -> int:
     return len(text)
 
 
-def _paged_attention_step(dry: bool) -> dict[str, Any]:
+def _paged_attention_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     """JAX's Pallas GPU paged-attention kernel against `ragged_attention` (on the dry run in
     Pallas's interpret mode at a tiny shape, and lowered through Triton at the GPU's shape
     for an abstract H100).
@@ -306,17 +506,22 @@ def _paged_attention_step(dry: bool) -> dict[str, Any]:
     }
     if not (err <= bound).all():
         raise AssertionError(f"kernel vs reference beyond the rounding bound: {out}")
+    programs = {
+        "kernel": lambda: kernel(q_kernel, k_pages, v_pages, table, pos + 1),
+        "xla_ragged": lambda: ref_fn(q_kernel, k_pages, v_pages),
+    }
     if dry:
         out["triton_lowered_h100_chars"] = _lower_for_gpu(PAGED_GPU, "NVIDIA H100 80GB HBM3")
+        for fn in programs.values():  # compiled before they are profiled
+            jax.block_until_ready(fn())
     else:
-        out["kernel_us"] = round(
-            _timed(lambda: kernel(q_kernel, k_pages, v_pages, table, pos + 1), 20) * 1e6
-        )
-        out["xla_ragged_us"] = round(_timed(lambda: ref_fn(q_kernel, k_pages, v_pages), 20) * 1e6)
+        for name, fn in programs.items():
+            out[f"{name}_us"] = round(_timed(fn, 20) * 1e6)
+    out["profiles"] = {name: profile(name, fn, PROFILE_REPEATS) for name, fn in programs.items()}
     return out
 
 
-def _learner_step(dry: bool) -> dict[str, Any]:
+def _learner_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     import jax
     import numpy as np
     from learner import (  # bench/ is the script's folder: first on its path
@@ -357,13 +562,19 @@ def _learner_step(dry: bool) -> dict[str, Any]:
     jax.block_until_ready(state.policy.params)
     first_s = time.perf_counter() - t0
     compiles = counter.count
+
+    def step() -> Any:
+        nonlocal state
+        state, _, _ = learner.rl_update(state, batch, sequences, real)
+        return state.policy.params
+
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, _, _ = learner.rl_update(state, batch, sequences, real)
-        jax.block_until_ready(state.policy.params)
+        jax.block_until_ready(step())
         times.append(time.perf_counter() - t0)
     step_s = min(times)
+    profiled = profile("rl_update", step, 1)
     fpt = flops_per_token(cfg, attended_keys(w))
     tok_s = w.tokens / step_s
     out = {
@@ -380,6 +591,7 @@ def _learner_step(dry: bool) -> dict[str, Any]:
         "loss": float(first["loss"]),
         # what the step held at most on the card (weights, Adam, activations)
         "peak_memory_gib": _memory_gib(dev, "peak_bytes_in_use"),
+        "profiles": {"rl_update": profiled},
     }
     if not np.isfinite(float(first["loss"])):
         raise AssertionError(f"the first step's loss is {out['loss']}")
@@ -395,21 +607,23 @@ def decode_roofline(cfg: Any, batch: int, positions: float, peak: float, bandwid
     return batch / max(step_bytes / bandwidth, 2 * cfg.num_params * batch / peak)
 
 
-def _decode_step(dry: bool) -> dict[str, Any]:
+def _decode_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     """Each batch B on an engine of B slots: B requests of ``short`` new tokens, then of
     ``long`` (`bench.decode.throughput`: a warm-up round, then the best of two). Decode's
     tokens/s is B (long - short) over the difference of their times, so the prompts'
-    prefill and the requests' admission cancel; ``tokens_per_s`` is the long run's whole."""
+    prefill and the requests' admission cancel; ``tokens_per_s`` is the long run's whole.
+    The profile ``bB`` is of one more round of ``short`` (its prefill included)."""
     import asyncio
 
     import jax
+    import numpy as np
     from decode import throughput
 
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.models import ModelConfig, init_params
     from jax_agent_rl.models.hf_local import TINY_QWEN2
     from jax_agent_rl.plan.presets import preset_model
-    from jax_agent_rl.rollout import EmbeddedBackend
+    from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
     _, peak, bandwidth = _card(dry)
     base = ModelConfig.from_hf(TINY_QWEN2) if dry else preset_model("qwen2.5-1.5b")
@@ -418,6 +632,25 @@ def _decode_step(dry: bool) -> dict[str, Any]:
     prompt, short, long = (8, 8, 24) if dry else (32, 32, 160)
     batches = (2,) if dry else (1, 8, 64, 256)
     out: dict[str, Any] = {"params": cfg.num_params, "prompt": prompt, "new": [short, long]}
+    out["profiles"] = {}
+    rng = np.random.default_rng(1)
+
+    def round_of(backend: EmbeddedBackend, batch: int) -> None:
+        """``batch`` requests of ``short`` new tokens at once."""
+        requests = [
+            GenerateRequest(
+                f"profiled{i}",
+                tuple(int(t) for t in rng.integers(0, cfg.vocab_size, prompt)),
+                SamplingParams(max_tokens=short, temperature=1.0),
+            )
+            for i in range(batch)
+        ]
+
+        async def run() -> None:
+            await asyncio.gather(*(backend.generate(r) for r in requests))
+
+        asyncio.run(run())
+
     for B in batches:
         engine = Engine(
             cfg,
@@ -431,6 +664,7 @@ def _decode_step(dry: bool) -> dict[str, Any]:
             seconds = {
                 n: B * n / throughput(backend, cfg.vocab_size, B, prompt, n) for n in (short, long)
             }
+            out["profiles"][f"b{B}"] = profile(f"b{B}", functools.partial(round_of, backend, B), 1)
         finally:
             asyncio.run(backend.close())
         tok_s = B * (long - short) / (seconds[long] - seconds[short])
@@ -448,7 +682,7 @@ def _decode_step(dry: bool) -> dict[str, Any]:
     return out
 
 
-STEP_FUNCTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
+STEP_FUNCTIONS: dict[str, Callable[[bool, Profiler], dict[str, Any]]] = {
     "device": _device_step,
     "paged_attention": _paged_attention_step,
     "learner_step": _learner_step,
@@ -456,10 +690,11 @@ STEP_FUNCTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
 }
 
 
-def run_step(name: str, dry: bool) -> None:
-    """The body of a step process: its figures as the last line (`RESULT`)."""
+def run_step(name: str, dry: bool, profiles: Path | None) -> None:
+    """The body of a step process: its figures as the last line (`RESULT`), its profiles
+    into ``profiles`` (if given)."""
     sys.path.insert(0, str(ROOT))
-    out = STEP_FUNCTIONS[name](dry)
+    out = STEP_FUNCTIONS[name](dry, Profiler(name, profiles))
     print(RESULT + json.dumps(out), flush=True)
 
 
@@ -561,9 +796,12 @@ def _pytest_counts(lines: list[str]) -> dict[str, int]:
     return out
 
 
-def run_one(step: Step, dry: bool, env: dict[str, str], box: float, say: Log) -> dict[str, Any]:
+def run_one(
+    step: Step, dry: bool, env: dict[str, str], box: float, say: Log, out_dir: Path | None
+) -> dict[str, Any]:
     """Runs ``step`` in its own process within ``box`` seconds: its figures and ``status``
-    (passed, failed or timeout) with the ``error`` of a step that did not pass."""
+    (passed, failed or timeout) with the ``error`` of a step that did not pass; its profiles
+    go into ``out_dir``/profiles (if given)."""
     if step.pytest:
         # the tests' tolerances are for fp32 arithmetic (XLA's GPU default is TF32)
         env = {**env, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
@@ -572,6 +810,7 @@ def run_one(step: Step, dry: bool, env: dict[str, str], box: float, say: Log) ->
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--step", step.name]
         cmd += ["--dry-run"] if dry else []
+        cmd += [] if out_dir is None else ["--profiles", str(out_dir / PROFILES)]
     t0 = time.monotonic()
     rc, lines = _spawn(cmd, env, box, say)
     result: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1)}
@@ -632,7 +871,7 @@ def run_check(
             else:
                 say(f"== {step.name} (box {box:.0f}s, {elapsed:.0f}s into the run)")
                 try:
-                    result = run_one(step, dry, env, box, say)
+                    result = run_one(step, dry, env, box, say, out_dir)
                 except Exception as e:  # a step that could not even run: the others still do
                     result = {"status": "failed", "error": f"the check itself: {e!r}"}
             say(f"== {step.name}: {result['status']} ({result.get('seconds', 0)}s)")
@@ -657,9 +896,10 @@ def main() -> None:
         help="run these steps only (default: every step), e.g. --only device moe_parity",
     )
     parser.add_argument("--step", choices=sorted(STEP_FUNCTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--profiles", type=Path, help=argparse.SUPPRESS)  # a step's folder
     args = parser.parse_args()
     if args.step:
-        run_step(args.step, args.dry_run)
+        run_step(args.step, args.dry_run, args.profiles)
         return
     out = os.environ.get("OUT")
     only = tuple(args.only) if args.only else None
