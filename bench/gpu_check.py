@@ -534,6 +534,7 @@ def _learner_step(dry: bool, profile: Profiler) -> dict[str, Any]:
 
     from jax_agent_rl.config import AlgorithmSection, OptimSection
     from jax_agent_rl.models import ModelConfig, init_params
+    from jax_agent_rl.models.attention_kernels import training_kernel
     from jax_agent_rl.models.hf_local import TINY_QWEN2
     from jax_agent_rl.plan.presets import preset_model
     from jax_agent_rl.rl.learner import Learner
@@ -588,6 +589,8 @@ def _learner_step(dry: bool, profile: Profiler) -> dict[str, Any]:
         "flops_per_token": round(fpt),
         "mfu": None if peak is None else round(tok_s * fpt / peak, 4),
         "compiles_in_timed_steps": counter.count - compiles,
+        # the fused attention kernel the step ran (None: the XLA loop)
+        "attention_kernel": training_kernel(learner.sharder, learner.spec.compute_dtype),
         "loss": float(first["loss"]),
         # what the step held at most on the card (weights, Adam, activations)
         "peak_memory_gib": _memory_gib(dev, "peak_bytes_in_use"),
@@ -674,6 +677,7 @@ def _decode_step(dry: bool, profile: Profiler) -> dict[str, Any]:
             bound = decode_roofline(cfg, B, prompt + (short + long) / 2, peak, bandwidth)
             fraction = round(tok_s / bound, 4)
         out[f"b{B}"] = {
+            "decode_kernel": engine.decode_kernel,
             "decode_tokens_per_s": round(tok_s, 1),
             "roofline_fraction": fraction,
             "tokens_per_s": round(B * long / seconds[long], 1),

@@ -75,7 +75,7 @@ from jax_agent_rl.models import (
 )
 from jax_agent_rl.models.adapters import served_adapters
 from jax_agent_rl.models.lora import LayerAdapters
-from jax_agent_rl.models.paged import copy_page
+from jax_agent_rl.models.paged import DECODE_KERNELS, copy_page
 from jax_agent_rl.models.policy import policy_of
 
 
@@ -136,13 +136,17 @@ class Engine:
         self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
-        # decode attention: "ragged" (pure JAX, any device) or "pallas" (the TPU kernel, which
-        # reads a 16-bit cache); sharded, each shard runs it on its own slots and pages
+        # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or
+        # "triton" (the GPU one), each kernel for a 16-bit cache (the GPU kernel's fp32
+        # matmuls would take TF32); sharded, each shard runs it on its own slots and pages
         if decode_kernel == "auto":
-            tpu = compile_platform(sharder) == "tpu" and self.cache_dtype != jnp.float32
-            decode_kernel = "pallas" if tpu else "ragged"
-        if decode_kernel not in ("ragged", "pallas"):
-            raise ValueError(f"decode_kernel={decode_kernel!r}: of 'auto', 'ragged', 'pallas'")
+            kernels = {"tpu": "pallas", "gpu": "triton"}
+            platform = compile_platform(sharder)
+            wide = self.cache_dtype == jnp.float32
+            decode_kernel = "ragged" if wide else kernels.get(platform, "ragged")
+        if decode_kernel not in DECODE_KERNELS:
+            named = ", ".join(map(repr, ("auto", *DECODE_KERNELS)))
+            raise ValueError(f"decode_kernel={decode_kernel!r}: of {named}")
         self.decode_kernel = decode_kernel
         # a prefill chunk (one row) cannot split over `data`: its activations replicate
         self._row_sharder = dataclasses.replace(

@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, page_shardings
+from jax_agent_rl.models.attention_kernels import platform_of
 from jax_agent_rl.models.moe import expert_id_dtype
 from jax_agent_rl.models.policy import policy_of
 
@@ -103,8 +104,8 @@ def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:
 
 def compile_platform(sharder: Sharder) -> str:
     """The platform the engine's programs compile for: the sharder's devices' (a mesh of
-    abstract TPU devices compiles for TPU on any host)."""
-    return str(sharder.mesh.devices.flat[0].platform)
+    abstract TPU devices compiles for TPU on any host; `attention_kernels.platform_of`)."""
+    return platform_of(sharder)
 
 
 def cache_dtype(cfg: ModelConfig, platform: str) -> Any:

@@ -1,6 +1,7 @@
 """Attention over a paged KV pool (`decoder.KVPages`: per layer [G, P, page_size, K]), for
-prefill chunks (`paged_attention`) and decode steps (`ragged_attention`, or on TPU JAX's
-Pallas kernel, `pallas_paged_attention`), and a decode step's layers sharded
+prefill chunks (`paged_attention`) and decode steps (`ragged_attention`, or JAX's Pallas
+kernels: on TPU `pallas_paged_attention`, on GPU `triton_paged_attention`; `DECODE_KERNELS`),
+and a decode step's layers sharded
 (`decode_steps`): each shard of the rows reads and writes only its own pages.
 
 Shapes use the letters of `decoder`: B rows, T query tokens, H query heads, G kv heads,
@@ -16,13 +17,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
+from jax_agent_rl.models.attention_kernels import platform_of
 from jax_agent_rl.models.sharding import Sharder
 
 # the pool's pages split like the decode slots (over ``batch``'s mesh axes), kv heads over theirs
 PAGE_AXES = ("kv_heads", "batch", "cache_seq", "head_dim")
 PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_block`)
+# a decode step's attention: the XLA loop over (row, page) pairs, JAX's TPU paged-attention
+# kernel, JAX's GPU (Triton) one
+DECODE_KERNELS = ("ragged", "pallas", "triton")
 
 
 def pair_block(page_size: int) -> int:
@@ -209,6 +215,56 @@ def pallas_paged_attention(
     return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
 
 
+TRITON_BLOCK_POSITIONS = 64  # cache positions per compute block of `triton_paged_attention`
+TRITON_SPLITS = 8  # the most partitions of a row's pages `triton_paged_attention` runs apart
+
+
+def triton_paged_attention(
+    q_bhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention as `ragged_attention` computes it, by the GPU (Triton) paged-attention
+    kernel JAX ships (`jax.experimental.pallas.ops.gpu.paged_attention`): row b attends to
+    its positions ``0 .. pos_b`` through its page table, reading its pages in place; a row's
+    pages split into up to `TRITON_SPLITS` partitions that run apart (flash-decoding) and are
+    combined by their softmax statistics. Rows not active give zeros. ``interpret``: Pallas's
+    interpret mode (off a GPU).
+
+    Numbers: the kernel's matmuls take operands of one dtype (Triton's), so the queries go in
+    scaled by K**-0.5 and rounded to the cache's dtype (exact for 16-bit queries when K is a
+    power of 4); the scores are fp32 sums of those products; the kernel rounds each block's
+    unnormalised weights (at most 1) to the values' dtype before their matmul, so for a 16-bit
+    cache the output is within one rounding of each weight (2^-8 relative) of
+    `ragged_attention`'s on the same queries, then rounded to q's dtype.
+    """
+    K = q_bhk.shape[2]
+    P, ps = k_pages.shape[1], k_pages.shape[2]
+    block = max(1, TRITON_BLOCK_POSITIONS // ps)
+    M = table_bm.shape[1]
+    splits = max(1, min(TRITON_SPLITS, -(-M // block)))
+    # the kernel's partitions are whole compute blocks: the table padded to them (page 0 there,
+    # past every row's length, never read), and every id kept in the pool
+    table = jnp.clip(jnp.pad(table_bm, ((0, 0), (0, -M % (splits * block)))), 0, P - 1)
+    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
+    q = (q_bhk.astype(jnp.float32) * K**-0.5).astype(k_pages.dtype)  # the kernel does not scale
+    out = gpu_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        table,
+        lengths,
+        k_splits=splits,
+        pages_per_compute_block=block,
+        interpret=interpret,
+    )
+    return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeTables:
@@ -254,16 +310,21 @@ def _decode_layer(
     pos_b: jax.Array,
     active_b: jax.Array,
     kernel: str,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's decode attention over a pool's pages [G, P, page_size, K]: the new
     token's key and value go into its page, then the row attends to its pages (by
-    `ragged_attention` or, ``kernel`` "pallas", `pallas_paged_attention`). Returns the
-    attention [B, H, K] and the layer's pages."""
+    `ragged_attention` or, ``kernel`` "pallas", `pallas_paged_attention`, or "triton",
+    `triton_paged_attention`, in interpret mode where ``interpret``). Returns the attention
+    [B, H, K] and the layer's pages."""
     offset_b = pos_b % ck.shape[2]
     ck = ck.at[:, tables.page, offset_b].set(k_bgk.transpose(1, 0, 2).astype(ck.dtype), mode="drop")
     cv = cv.at[:, tables.page, offset_b].set(v_bgk.transpose(1, 0, 2).astype(cv.dtype), mode="drop")
     if kernel == "pallas":
         return pallas_paged_attention(q_bhk, ck, cv, tables.table, pos_b, active_b), ck, cv
+    if kernel == "triton":
+        out = triton_paged_attention(q_bhk, ck, cv, tables.table, pos_b, active_b, interpret)
+        return out, ck, cv
     return ragged_attention(q_bhk, ck, cv, tables.pairs, pos_b), ck, cv
 
 
@@ -294,7 +355,7 @@ def decode_steps(
             check_vma=False,
         ),
         jax.shard_map(
-            partial(_decode_layer, kernel=kernel),
+            partial(_decode_layer, kernel=kernel, interpret=platform_of(sharder) != "gpu"),
             mesh=mesh,
             in_specs=(heads, heads, heads, pages, pages, rows, rows, rows),
             out_specs=(heads, pages, pages),
@@ -353,8 +414,8 @@ class PagedChunk:
     ) -> None:
         if T > 1 and pages_read is None:
             raise ValueError("a prefill chunk (T > 1) needs pages_read")
-        if decode_kernel not in ("ragged", "pallas"):
-            raise ValueError(f"decode_kernel={decode_kernel!r}: of 'ragged', 'pallas'")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r}: of {', '.join(DECODE_KERNELS)}")
         _, P, ps, _ = k_pools[0].shape
         M = page_table_bm.shape[1]
         self.positions = pos_b[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]

@@ -267,3 +267,31 @@ def test_tpu_decode_on_a_tensor_mesh_moves_activations_only(topology: object, ke
     assert not [
         line for line in _collectives(hlo.splitlines()) if page in line.split("=")[1].split("(")[0]
     ]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_decode_lowers_with_the_triton_kernel(dtype: str) -> None:
+    """The engine's decode program (2 steps, every slot) lowered on this CPU host for an
+    abstract H100 (an abstract mesh of one GPU): with a bfloat16 pool the engine picks JAX's
+    GPU (Triton) paged-attention kernel by itself and the program calls it; with fp32 (whose
+    Triton matmuls would take TF32) it keeps the ragged XLA loop and calls no Triton kernel."""
+    card = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=card)
+    sharder = Sharder(mesh)  # type: ignore[arg-type]
+    cfg = ModelConfig.from_hf(dict(TINY_QWEN2, head_dim=128), dtype=dtype)
+    engine = Engine(cfg, max_concurrent_decodes=8, max_len=256, page_size=16, sharder=sharder)
+    assert engine.decode_kernel == ("triton" if dtype == "bfloat16" else "ragged")
+    n, m = engine.max_concurrent_decodes, engine.pages_per_seq
+    table = jax.ShapeDtypeStruct(
+        (n, m), jnp.int32, sharding=sharder.sharding(("batch", None), (n, m))
+    )
+    slot_b = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharder.sharding(("batch",), (n,)))
+    args = (_serving_abstract(cfg, sharder), engine.abstract_decode_state(), table, slot_b)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = engine._generate.trace(*args, num_steps=2)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    kernels = set(re.findall(r'"(paged_attention\w*)"', text))
+    assert (kernels != set()) == (dtype == "bfloat16"), kernels
+    assert ("xla.gpu.triton" in text) == (dtype == "bfloat16")

@@ -4,7 +4,8 @@ KV pages (`paged_attention`, `ragged_attention`) against a dense reference.
 Rows of 300 tokens (three blocks of `ATTN_BLOCK`, the last partial) packing several segments
 of unequal lengths, one segment crossing block boundaries, and trailing padding (segment 0).
 
-The TPU kernel (`pallas_paged_attention`) is checked in Pallas's TPU interpret mode on CPU.
+The TPU kernel (`pallas_paged_attention`) is checked in Pallas's TPU interpret mode on CPU, the GPU
+(Triton) one (`triton_paged_attention`) in its generic interpret mode.
 
 Tolerances. The values are compared with a float64 numpy softmax over the full T x T mask:
 the blocked fp32 computation differs from it only by fp32 rounding of K = 16-term dot
@@ -31,6 +32,7 @@ from jax_agent_rl.models.paged import (
     paged_attention,
     pair_block,
     pallas_paged_attention,
+    triton_paged_attention,
     ragged_attention,
 )
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -238,6 +240,36 @@ def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
     assert not np.asarray(got[~live], np.float64).any()
 
 
+def test_the_pallas_gpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
+    """Decode attention by JAX's GPU (Triton) paged-attention kernel (`triton_paged_attention`,
+    in Pallas's interpret mode) over the TPU test's rows and bfloat16 pool, its 40-page row
+    split into partitions of several compute blocks. Bound: as the TPU kernel's (fp32 scores
+    of bfloat16 inputs read exactly, the output rounded to bfloat16), plus the kernel's
+    rounding of each unnormalised weight (at most 1) to bfloat16 before the values' matmul:
+    2^-8 of the weighted sum of |v| a row reads, at most 2^-8 of the largest |v|; and the
+    normaliser's epsilon (2^-23 relative, the normaliser being at least 1). Idle rows: zeros."""
+    ps = 8
+    lengths = [5, 40 * ps, 1, ps + 1]
+    tables = [[3], list(range(10, 50)), [0], [3, 60]]
+    active = jnp.asarray([True, True, False, True])
+    k_pages, v_pages, _, _ = _pool(ps, tables, lengths, seed=4)
+    k16, v16 = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
+    k64, v64 = _rows(k16, tables, lengths), _rows(v16, tables, lengths)
+    q = jax.random.normal(jax.random.key(5), (4, H, K)).astype(jnp.bfloat16)
+    table = _table(tables, 48)
+    pos = jnp.asarray(lengths) - 1
+    got = triton_paged_attention(q, k16, v16, jnp.asarray(table), pos, active, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    last = np.asarray(pos)[:, None]
+    want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
+    vmax = np.abs(v64).max()
+    bound = 2.0**-9 * np.abs(want).max() + (2.0**-8 + 2.0**-23) * vmax
+    bound += (K + max(lengths) + 1) * 2.0**-24 * vmax
+    live = np.asarray(active)
+    np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
+    assert not np.asarray(got[~live], np.float64).any()
+
+
 def test_ragged_attention_rows_are_bitwise_the_same_wherever_their_pairs_fall() -> None:
     """With pages of 64 positions a block holds 16 (row, page) pairs: a row of 20 pages
     spans two blocks, and the pairs of the rows after it move to other blocks (and other
@@ -303,7 +335,9 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
     for b, t in enumerate(tables):  # entries past a row's pages: its shard's first page
         table = table.at[b, len(t) :].set(first[b])
 
-    def step(sharder: Sharder, kernel: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def step(
+        sharder: Sharder, kernel: str, q: jax.Array = q
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         make_tables, layer = decode_steps(sharder, shards * local, ps, kernel)
         tables_ = make_tables(table, pos, active)
         return layer(q, k_new, v_new, k16, v16, tables_, pos, active)
@@ -312,10 +346,14 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
     ragged, ck_r, cv_r = jax.jit(lambda: step(sharder, "ragged"))()
     with pltpu.force_tpu_interpret_mode():
         pallas, ck_p, cv_p = jax.jit(lambda: step(sharder, "pallas"))()
+    # the Triton kernel takes the queries in the pool's dtype: bfloat16 queries (K = 16: the
+    # scale rounds nothing), its output bfloat16
+    q16 = q.astype(jnp.bfloat16)
+    triton, ck_t, cv_t = jax.jit(lambda: step(sharder, "triton", q16))()  # interpret: CPU
     assert ragged.sharding.shard_shape(ragged.shape) == (2, H // 2, K)  # rows, heads split
-    for got in (ck_r, ck_p):
+    for got in (ck_r, ck_p, ck_t):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ck, np.float32))
-    for got in (cv_r, cv_p):
+    for got in (cv_r, cv_p, cv_t):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(cv, np.float32))
     live = np.asarray(active)
     k64, v64 = _rows(ck, tables, lengths), _rows(cv, tables, lengths)
@@ -329,7 +367,16 @@ def test_sharded_decode_attention_equals_ragged_attention_on_one_device() -> Non
     np.testing.assert_allclose(
         np.asarray(pallas)[live], np.asarray(one)[live], atol=2 * bound, rtol=0
     )
-    assert not np.asarray(pallas[~live]).any() and not np.asarray(one[~live]).any()
+    # the Triton kernel: its own test's bound against the softmax of the bfloat16 queries
+    want16 = _reference(np.asarray(q16, np.float64).reshape(8, 1, G, H // G, K), k64, v64, last)
+    vmax = np.abs(v64).max()
+    bound16 = bound + 2.0**-9 * np.abs(want16).max() + (2.0**-8 + 2.0**-23) * vmax
+    assert triton.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(triton, np.float64)[live], want16[live, 0], atol=bound16, rtol=0
+    )
+    for got in (pallas, one, triton):
+        assert not np.asarray(got[~live]).any()
 
 
 # A longer row for the looped attention: T not a multiple of `ATTN_BLOCK`, query blocks that

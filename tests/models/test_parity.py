@@ -4,6 +4,13 @@ Tolerance: 1e-4 absolute on logits of magnitude ~1-10 in fp32. Both sides comput
 real-number function; fp32 rounding (unit roundoff 6e-8) accumulated over a few hundred-term
 dot products and two layers stays near 1e-6, so 1e-4 leaves two orders of margin while still
 catching any real difference (a wrong RoPE frequency or a missing bias moves logits by >1e-2).
+
+The GPU's fused kernels (training attention and decode attention by JAX's Pallas GPU (Triton)
+kernels, `attention_kernels.forced_kernel` / ``decode_kernel="triton"``) run here in Pallas's
+interpret mode: in fp32 they compute what the XLA paths do up to fp32 rounding, so they are
+held to the same tolerance. On a GPU they would run for real, and fp32 through the Triton
+kernels takes TF32 there (which the run never picks: `training_kernel`): those cases are
+skipped on a GPU.
 """
 
 from pathlib import Path
@@ -14,6 +21,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
+from jax_agent_rl.models.attention_kernels import forced_kernel
 from jax_agent_rl.models.sharding import one_device_sharder
 from tests.models.hf_reference import hf_logits, padded_batch
 
@@ -21,14 +29,23 @@ FAMILIES = ["llama", "qwen2", "qwen3"]
 TOL = 1e-4
 
 
+def _skip_fp32_triton_on_a_gpu(kernel: str) -> None:
+    if kernel == "triton" and jax.default_backend() == "gpu":
+        pytest.skip("fp32 through the Triton kernels takes TF32 on a GPU (module docstring)")
+
+
+@pytest.mark.parametrize("kernel", ["xla", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_matches_transformers(family: str, hf_checkpoints: dict[str, Path]) -> None:
+def test_forward_matches_transformers(
+    family: str, kernel: str, hf_checkpoints: dict[str, Path]
+) -> None:
+    _skip_fp32_triton_on_a_gpu(kernel)
     cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(hf_checkpoints[family], tokens, mask, positions)
-    logits = np.asarray(
-        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
-    )
+    with forced_kernel(kernel):
+        h = forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder())
+    logits = np.asarray(lm_logits(w, h))
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
     assert np.abs(logits - ref)[valid].max() <= TOL
@@ -62,12 +79,14 @@ def test_packed_segments_equal_separate_sequences(
         assert np.abs(logits[sl] - np.asarray(alone)[0]).max() <= TOL
 
 
+@pytest.mark.parametrize("decode_kernel", ["ragged", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_and_decode_reproduce_full_sequence(
-    family: str, hf_checkpoints: dict[str, Path]
+    family: str, decode_kernel: str, hf_checkpoints: dict[str, Path]
 ) -> None:
     """Rows of different lengths in pages; prefill, decode, a second prefill on top (a new
-    turn), decode."""
+    turn), decode; the decode steps by the XLA ragged loop or the GPU paged kernel."""
+    _skip_fp32_triton_on_a_gpu(decode_kernel)
     cfg, w = load_hf(hf_checkpoints[family], sharder=one_device_sharder())
     T = 16
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, T))
@@ -87,7 +106,7 @@ def test_prefill_and_decode_reproduce_full_sequence(
     step = jax.jit(
         lambda w, cfg, tokens, pos, n, pages, reads: forward(
             w, cfg, tokens, cache=pages, page_table_bm=table, pos_b=pos, num_new_b=n,
-            pages_read=reads, sharder=one_device_sharder(),
+            pages_read=reads, sharder=one_device_sharder(), decode_kernel=decode_kernel,
 ),
         static_argnames=("cfg", "reads"),
     )  # fmt: skip

@@ -13,6 +13,7 @@ from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
+from jax_agent_rl.models.attention_kernels import forced_kernel
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rl.batch import (
@@ -216,16 +217,27 @@ def test_sharded_step_equals_unsharded(
         assert placed.layers.expert_gate.sharding.spec == P(None, "fsdp", None, "tensor")  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("kernels", ["xla", "triton"])
 @pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (-1, 1.0)])
-def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
+def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float, kernels: str) -> None:
     """Tokens sampled by the engine at temperature 0.8 with top-k 20 / top-p 0.9 (the learner
     takes the full-vocabulary path) or without filters (its chunked `head_logprobs`) get the
     same logprobs from the learner's recomputation (fp32: 1e-4, the backend's stated
-    tolerance)."""
+    tolerance); with ``kernels`` "triton", the engine decodes by the GPU paged-attention kernel
+    and the learner attends by the GPU flash-attention kernel (both in Pallas's interpret
+    mode here; skipped on a GPU, where fp32 through them takes TF32)."""
+    if kernels == "triton" and jax.default_backend() == "gpu":
+        pytest.skip("fp32 through the Triton kernels takes TF32 on a GPU")
     params = init_params(jax.random.key(2), CFG, sharder=one_device_sharder())
-    backend = EmbeddedBackend(
-        Engine(CFG, max_concurrent_decodes=4, max_len=128, sharder=one_device_sharder()), params
+    decode_kernel = "ragged" if kernels == "xla" else "triton"
+    engine = Engine(
+        CFG,
+        max_concurrent_decodes=4,
+        max_len=128,
+        sharder=one_device_sharder(),
+        decode_kernel=decode_kernel,
     )
+    backend = EmbeddedBackend(engine, params)
     sampling = SamplingParams(max_tokens=24, temperature=0.8, top_k=top_k, top_p=top_p, seed=3)
 
     async def go() -> list:
@@ -244,7 +256,8 @@ def test_learner_logprobs_equal_the_samplers(top_k: int, top_p: float) -> None:
     # all four packed in one row: positions restart and attention stays within each
     batch = make_batch(trajs, bucket=16, layout=[[0, 1, 2, 3]])
     s = spec(ALGO, sampling=SamplingSpec(0.8, top_k, top_p))
-    learned = jax.jit(lambda p, b: token_stats(s, p, b)[0])(params, batch)
+    with forced_kernel(kernels):
+        learned = jax.jit(lambda p, b: token_stats(s, p, b)[0])(params, batch)
     mask = np.asarray(batch.mask) > 0
     learned = np.asarray(learned)[mask]
     assert mask.sum() == 4 * 24 and batch.shape[0] == 1
@@ -438,11 +451,12 @@ def first_update(
 ) -> tuple[object, object]:
     """Loss and gradients (policy, and critic with GAE) of the step's first mini-batch
     update of ``state``, as `rl_update` computes them."""
-    spec = learner.spec
+    spec, s = learner.spec, sequences
     rb = RLBatch(
         learner.device_batch(batch, local=True),
-        *(jnp.asarray(x) for x in dataclasses.astuple(sequences)),
+        *(jnp.asarray(x) for x in (s.rewards, s.groups, s.weights, s.minis)),
         jnp.int32(real),
+        None if s.step_advantages is None else jnp.asarray(s.step_advantages),
     )
 
     def grads(state: LearnerState, rb: RLBatch) -> tuple[object, object]:
