@@ -150,3 +150,27 @@ def phase(
     with ticker(plain.heartbeat, every_s):
         yield Phase(plain.update)
     plain.end()
+
+
+class CacheHits:
+    """Counts the programs this process loads from JAX's persistent compilation cache from now
+    until `close` (JAX's monitoring events), for a phase's progress lines."""
+
+    _EVENT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self) -> None:
+        import jax
+
+        self.count = 0
+
+        def listen(event: str, **_: object) -> None:
+            if event == self._EVENT:
+                self.count += 1
+
+        self._listen = listen
+        jax.monitoring.register_event_listener(listen)
+
+    def close(self) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_listener(self._listen)

@@ -2,7 +2,6 @@
 memorised model as a session fixture (several modules drive it; its tokenizer is trained and
 its engine compiled once per run)."""
 
-import hashlib
 import os
 import pickle
 from collections.abc import Iterator
@@ -10,15 +9,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
-def _cpu_kind() -> str:
-    """The host CPU's model and instruction-set flags, hashed: XLA:CPU compiles for the host's
-    features (AMX, AVX-512...), which the compilation cache's key does not hold, so a cache
-    left by another CPU (a checkout moved between machines) is not read."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    kind = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return hashlib.sha256("\n".join(kind).encode()).hexdigest()[:12]
-
+from jax_agent_rl.cli.compile_cache import cpu_kind
 
 # XLA's programs persist between the suite's processes (xdist workers, `jarl train` runs,
 # multi-process runs, Ray actors: they inherit this environment), so the same program compiles
@@ -31,7 +22,8 @@ def _cpu_kind() -> str:
 # Without it, writes take no lock: a process that reads an entry while another writes it finds
 # it truncated, which JAX reports as a warning and answers by compiling the program itself. The
 # folder is kept under `_CACHE_KEEP` once a run, below.
-_CACHE = Path(__file__).parents[1] / ".cache" / f"xla-{_cpu_kind()}"
+# (a folder per CPU kind, as a run's own: `jax_agent_rl.cli.compile_cache`)
+_CACHE = Path(__file__).parents[1] / ".cache" / f"xla-{cpu_kind()}"
 _CACHE_KEEP = 4 << 30
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -119,3 +111,18 @@ def _optimization(request: pytest.FixtureRequest) -> Iterator[None]:
     jax.config.update("jax_disable_most_optimizations", fast_compile)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(fast_compile))
     yield
+
+
+@pytest.fixture(scope="module", params=["cgroup", "accounting"])
+def sandbox_cgroup(request: pytest.FixtureRequest) -> bool:
+    """Whether the python sandbox under test bounds memory with a cgroup per execution: a
+    test taking this runs under both bounds, the cgroup (skipped, saying why, where none can
+    be made) and the fork server's accounting, the fallback, which always runs."""
+    from jax_agent_rl.tools.sandbox import MemoryCgroup, memory_cgroup
+
+    if request.param == "accounting":
+        return False
+    found = memory_cgroup()
+    if not isinstance(found, MemoryCgroup):
+        pytest.skip(found)
+    return True

@@ -2,7 +2,7 @@
 `build_parser` and runs the command's handler, which imports what it needs when it runs.
 
 Modules: `commands` (the parser and most commands), `serve_tools` (``jarl serve-tools``),
-`view` (``jarl view``).
+`view` (``jarl view``), `compile_cache` (compiled programs kept between runs).
 """
 
 from jax_agent_rl.cli.commands import build_parser, main

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
+from jax_agent_rl.cli import compile_cache
 from jax_agent_rl.cli.checkpoint import add_checkpoint_parsers
 from jax_agent_rl.cli.plan import add_plan_parser
 from jax_agent_rl.cli.serve_tools import add_serve_tools
@@ -323,6 +324,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jarl",
         description="jax_agent_rl: agentic reinforcement learning of language models in JAX.",
     )
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        type=Path,
+        default=compile_cache.default_folder(),
+        help="keep compiled XLA programs in DIR for the next run of the same programs, which "
+        "then loads them instead of compiling (default: %(default)s; JAX_COMPILATION_CACHE_DIR, "
+        "when set, wins); give it before the command: jarl --compile-cache DIR train ...",
+    )
+    cache.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_const",
+        const=None,
+        help="compile every program afresh and keep none",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -493,4 +511,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = []
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    compile_cache.enable(args.compile_cache)
     return int(args.func(args))

@@ -353,12 +353,14 @@ async def serve_policy(
     try:
         parser = make_parser(cfg.agent.parser)
         start = make_pool if cfg.engine.ray.address else make_backend
+        hits = progress.CacheHits()
         with progress.phase(
             console, f"starting the {cfg.engine.backend} rollout backend (compiling its programs)"
         ) as starting:
 
             def compiled(done: int, total: int) -> None:
-                starting.update(done, f"{done}/{total} programs compiled")
+                cached = f" ({hits.count} loaded from the compile cache)" if hits.count else ""
+                starting.update(done, f"{done}/{total} programs compiled{cached}")
 
             spec = BackendBuild(
                 cfg.engine,
@@ -374,7 +376,10 @@ async def serve_policy(
                 decode=tokenizer.decode,
                 sampling=cfg.sampling,
             )
-            built = start(spec)
+            try:
+                built = start(spec)
+            finally:
+                hits.close()
         if (problem := lora_problem(spec, built)) is not None:
             await built.close()
             raise ValueError(problem)
