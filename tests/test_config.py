@@ -281,6 +281,18 @@ def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path
             "sampler that agrees with the learner), low <= 1 <= high",
         ),
         (
+            ["algorithm.adv_estimator=gigpo"],
+            "algorithm.adv_estimator=gigpo gives each turn its own advantage: it needs "
+            "algorithm.turn_mode=per_turn (one training row per model turn)",
+        ),
+        (
+            ["algorithm.gigpo_gamma=0.9", "algorithm.adv_estimator=tree_grpo"],
+            "algorithm.gigpo_gamma=0.9 has no effect with algorithm.adv_estimator=tree_grpo: "
+            "it is read by adv_estimator=gigpo\n"
+            "algorithm.adv_estimator=tree_grpo gives each turn its own advantage: it needs "
+            "algorithm.turn_mode=per_turn (one training row per model turn)",
+        ),
+        (
             ["algorithm.cispo_clip_high=4"],
             "algorithm.cispo_clip_high=4.0 has no effect with algorithm.policy_loss=ppo: it is "
             "read by policy_loss=cispo",

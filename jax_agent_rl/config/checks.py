@@ -101,7 +101,7 @@ def _sft_batch(cfg: JarlConfig) -> str | None:
 
 
 def _group_size(cfg: JarlConfig) -> str | None:
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.group.n == 1:
+    if cfg.algorithm.adv_estimator != "gae" and cfg.group.n == 1:
         return (
             "group.n=1: a GRPO group of one sample has zero advantage, nothing is learned; "
             "use group.n >= 2 (or algorithm.adv_estimator=gae)"
@@ -129,9 +129,20 @@ _MASK_KEYS = {
 }
 
 
+_ADV_KEYS = {
+    "step_adv_coef": ("gigpo", "tree_grpo"),
+    "gigpo_gamma": ("gigpo",),
+}
+
+
 def _loss_keys(cfg: JarlConfig) -> str | None:
     a, default = cfg.algorithm, AlgorithmSection()
-    for choice, table in (("policy_loss", _LOSS_KEYS), ("rollout_mask", _MASK_KEYS)):
+    choices = (
+        ("policy_loss", _LOSS_KEYS),
+        ("rollout_mask", _MASK_KEYS),
+        ("adv_estimator", _ADV_KEYS),
+    )
+    for choice, table in choices:
         chosen = getattr(a, choice)
         for key, readers in table.items():
             if getattr(a, key) != getattr(default, key) and chosen not in readers:
@@ -139,6 +150,16 @@ def _loss_keys(cfg: JarlConfig) -> str | None:
                     f"algorithm.{key}={getattr(a, key)} has no effect with algorithm.{choice}="
                     f"{chosen}: it is read by {choice}={' / '.join(readers)}"
                 )
+    return None
+
+
+def _step_credit(cfg: JarlConfig) -> str | None:
+    a = cfg.algorithm
+    if a.adv_estimator in ("gigpo", "tree_grpo") and a.turn_mode != "per_turn":
+        return (
+            f"algorithm.adv_estimator={a.adv_estimator} gives each turn its own advantage: it "
+            "needs algorithm.turn_mode=per_turn (one training row per model turn)"
+        )
     return None
 
 
@@ -329,6 +350,7 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _group_size,
     _overlong_buffer,
     _loss_keys,
+    _step_credit,
     _rollout_mask,
     _vllm_devices,
     _tool_servers,

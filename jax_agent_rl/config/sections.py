@@ -261,7 +261,14 @@ class AlgorithmSection:
     group.dynamic_sampling=true and data.overlong_buffer>0. PPO: adv_estimator=gae (adds a
     critic)."""
 
-    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    # grpo; gae (PPO: a critic); gigpo / tree_grpo (turn_mode=per_turn): each turn's GRPO
+    # advantage plus step_adv_coef times its step-level one (rl/steps.py), relative to the
+    # turns taken from the same observation tokens in its group (GiGPO's anchor states; the
+    # turns' returns discounted by gigpo_gamma) or to its sibling branches in the group's
+    # rollout tree (Tree-GRPO; group.strategy=tree)
+    adv_estimator: Literal["grpo", "gae", "gigpo", "tree_grpo"] = "grpo"
+    step_adv_coef: float = setting(1.0, NATURAL)  # GiGPO's omega
+    gigpo_gamma: float = setting(0.95, FRACTION)
     norm_adv_by_std: bool = True  # GRPO divides by the group's std; Dr.GRPO does not
     clip_low: float = setting(0.2, BELOW_ONE)  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = setting(0.2, NATURAL)

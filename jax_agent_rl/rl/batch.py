@@ -325,6 +325,8 @@ class Sequences:
     groups: np.ndarray  # int32, GRPO group (numbered from ``process_index * S``)
     weights: np.ndarray  # float32, the share of its episode a sequence is
     minis: np.ndarray  # int32, the mini-batch the sequence is trained in
+    # float32, the step-level advantage of each (GiGPO, Tree-GRPO: rl/steps.py), or None
+    step_advantages: np.ndarray | None = None
 
 
 def sequence_outcomes(
@@ -334,6 +336,7 @@ def sequence_outcomes(
     layouts: Sequence[Layout],
     size: int,
     first: int = 0,
+    step_advantages: Sequence[float] | np.ndarray | None = None,
 ) -> Sequences:
     """`Sequences` of ``size`` entries for the sequences of ``layouts``; group indices start at
     ``first`` (each process numbers its groups in a range of its own)."""
@@ -351,7 +354,11 @@ def sequence_outcomes(
     for k, layout in enumerate(layouts):
         for row in layout:
             minis[row] = k
-    return Sequences(padded, groups, w, minis)
+    steps = None
+    if step_advantages is not None:
+        steps = np.zeros(size, np.float32)
+        steps[:n] = step_advantages
+    return Sequences(padded, groups, w, minis, steps)
 
 
 def pow2(n: int) -> int:
@@ -373,6 +380,7 @@ def step_batch(
     agree: Callable[[list[int]], list[int]] = lambda values: values,
     part: int = 0,
     tree: bool = False,
+    step_advantages: Sequence[float] | np.ndarray | None = None,
 ) -> tuple[TrainBatch, Sequences, int]:
     """One process's share of an RL step's batch: each mini-batch's sequences packed into
     rows of ``row_tokens`` (None: one per row, padded to the longest rounded up to ``bucket *
@@ -388,7 +396,8 @@ def step_batch(
     ``agree``: the element-wise maximum of a list of sizes over every process (identity for
     one); every process then lays out the same shapes. ``part``: this process's index (its
     sequences are numbered from ``part * S``, S the agreed sequence slots, at least
-    ``min_sequences``)."""
+    ``min_sequences``). ``step_advantages``: each sequence's step-level advantage (GiGPO,
+    Tree-GRPO), carried in the outcomes."""
     lengths = [sequence_length(t) for t in trajectories]
     longest, most = agree([longest_sequence(trajectories), len(trajectories)])
     # a trajectory longer than row_tokens makes the step's rows the bucket holding it, and
@@ -426,5 +435,13 @@ def step_batch(
         batch = dataclasses.replace(
             batch, tree=widened(rows, padded_length(positions, row_tokens or bucket))
         )
-    outcomes = sequence_outcomes(rewards, group_ids, weights, layouts, size, first=part * size)
+    outcomes = sequence_outcomes(
+        rewards,
+        group_ids,
+        weights,
+        layouts,
+        size,
+        first=part * size,
+        step_advantages=step_advantages,
+    )
     return batch, outcomes, real

@@ -423,6 +423,7 @@ class Learner:
                 self._seq_sharding,
                 axis=0,
             )
+            steps = sequences.step_advantages
             device = RLBatch(
                 self.device_batch(batch, local=True),
                 rewards,
@@ -430,6 +431,7 @@ class Learner:
                 weights,
                 minis,
                 self._replicated(np.int32(micro_batches)),
+                None if steps is None else self._upload(steps, self._seq_sharding, axis=0),
             )
             state, metrics = self._rl_steps[rollout_logprobs](state, device)
             # the per-sequence arrays are spread over the processes' devices: one process reads

@@ -218,6 +218,8 @@ class RLBatch:
     weights: Any  # [S] float32, the share of its episode a sequence is (`core.grpo_advantages`)
     minis: Any  # [S] int32, the mini-batch of each sequence (K for padding)
     micro_batches: Any  # [] int32
+    # [S] float32, each sequence's step-level advantage (GiGPO, Tree-GRPO: rl/steps.py), or None
+    step_advantages: Any = None
 
 
 def _real_micro_batches(batch: RLBatch, K: int) -> tuple[jax.Array, Callable[..., jax.Array]]:
@@ -312,10 +314,13 @@ def prepare(spec: StepSpec, state: LearnerState, batch: RLBatch) -> tuple[Derive
             0.0,
         )
     )
-    if a.adv_estimator == "grpo":
+    if a.adv_estimator != "gae":
         adv_n = core.grpo_advantages(
             batch.rewards, batch.groups, S, a.norm_adv_by_std, weights_n=batch.weights
         )
+        if a.adv_estimator in ("gigpo", "tree_grpo"):  # + omega * the turn's step advantage
+            assert batch.step_advantages is not None, f"{a.adv_estimator} without step advantages"
+            adv_n = adv_n + a.step_adv_coef * batch.step_advantages
         zeros = jnp.zeros_like(old)
         return Derived(old, ref, adv_n[rows.sequence] * mask, zeros, zeros, ent), routing
     assert state.critic is not None, "GAE needs a critic"

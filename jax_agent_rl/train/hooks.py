@@ -128,7 +128,7 @@ async def console_line(run: Run, rollout: Rollout, end: StepEnd) -> None:
     no update ran: no such metric)."""
     del rollout
     m, console = end.metrics, run.console
-    grpo = run.cfg.algorithm.adv_estimator == "grpo"
+    grpo = run.cfg.algorithm.adv_estimator != "gae"  # GRPO's groups (GiGPO, Tree-GRPO too)
     stops = stop_warning(m, end.episodes)
     skipped = int(m["nonfinite_updates"]) if "nonfinite_updates" in m else 0
     if skipped:

@@ -22,9 +22,9 @@ import numpy as np
 
 from jax_agent_rl import distributed
 from jax_agent_rl.agent.episode import Episode
-from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.config import AlgorithmSection, JarlConfig
 from jax_agent_rl.models.attention_kernels import training_kernel
-from jax_agent_rl.rl import core
+from jax_agent_rl.rl import core, steps
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.sequence import TrainSequence
@@ -90,29 +90,35 @@ def kv_behind(seqs: Sequence[TrainSequence]) -> tuple[int, int]:
 
 
 def training_rows(
-    episodes: Sequence[Episode], rewards: np.ndarray, turn_mode: str
-) -> tuple[list[TrainSequence], np.ndarray, list[str], np.ndarray]:
+    episodes: Sequence[Episode], rewards: np.ndarray, algo: AlgorithmSection
+) -> tuple[list[TrainSequence], np.ndarray, list[str], np.ndarray, np.ndarray | None]:
     """The learner's rows for ``episodes`` (shaped ``rewards``): one per trajectory (its
     `Trajectory.train_sequence`, with its `Episode.reward`), or with ``turn_mode=per_turn``
     one per model turn (`per_turn_samples`). Returns the rows, their rewards and groups
-    (their episode's), and the share of its episode each row is (``1 / turns``, so that
-    GRPO's group statistics count every episode once)."""
+    (their episode's), the share of its episode each row is (``1 / turns``, so that GRPO's
+    group statistics count every episode once), and with ``adv_estimator`` gigpo or
+    tree_grpo each row's step-level advantage (`rl.steps`; else None)."""
     seqs = [e.traj.train_sequence(e.reward) for e in episodes]
-    if turn_mode == "trajectory":
-        return seqs, rewards, [t.group_id for t in seqs], np.ones(len(seqs), np.float32)
-    rows: list[TrainSequence] = []
-    row_rewards: list[float] = []
-    weights: list[float] = []
-    for seq, reward in zip(seqs, rewards, strict=True):
-        turns = per_turn_samples(seq)
-        rows += turns
-        row_rewards += [float(reward)] * len(turns)
-        weights += [1.0 / len(turns)] * len(turns)
+    if algo.turn_mode == "trajectory":
+        ones = np.ones(len(seqs), np.float32)
+        return seqs, rewards, [t.group_id for t in seqs], ones, None
+    episode_turns = [per_turn_samples(seq) for seq in seqs]
+    rows = [row for turns in episode_turns for row in turns]
+    row_rewards = [float(r) for turns, r in zip(episode_turns, rewards, strict=True) for _ in turns]
+    weights = [1.0 / len(turns) for turns in episode_turns for _ in turns]
+    step_advantages = None
+    if algo.adv_estimator == "gigpo":
+        step_advantages = steps.gigpo_step_advantages(
+            episode_turns, rewards, algo.gigpo_gamma, algo.norm_adv_by_std
+        )
+    elif algo.adv_estimator == "tree_grpo":
+        step_advantages = steps.tree_branch_advantages(rows, row_rewards, algo.norm_adv_by_std)
     return (
         rows,
         np.asarray(row_rewards, np.float32),
         [t.group_id for t in rows],
         np.asarray(weights, np.float32),
+        step_advantages,
     )
 
 
@@ -148,8 +154,8 @@ def learn(
     trainable = [t for t in kept if t.trainable]
     rewards = shaped_rewards(trainable, cfg)
     group_ids = [t.group_id for t in trainable]
-    rows_of, row_rewards, row_groups, row_weights = training_rows(
-        trainable, rewards, cfg.algorithm.turn_mode
+    rows_of, row_rewards, row_groups, row_weights, row_steps = training_rows(
+        trainable, rewards, cfg.algorithm
     )
     mine = {
         **episode_totals(seen),
@@ -199,6 +205,7 @@ def learn(
         # a fused attention kernel masks by segments only: no tree rows where one runs
         tree=L.tree_packing
         and training_kernel(learner.sharder, learner.spec.compute_dtype) is None,
+        step_advantages=row_steps,
     )
     m["batch/rows"] = real * K * learner.micro_batch_size
     width = batch.shape[1] if batch.tree is None else batch.tree.shape[1]  # the forward's rows
