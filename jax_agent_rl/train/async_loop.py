@@ -21,7 +21,8 @@ come, while the next ones are sampled. Three rules keep the off-policy gap bound
 - **Freshness.** An update of the policy at version ``v`` trains only on groups whose oldest
   token (or KV) was sampled at ``v - max_staleness`` or later; a group that fell further behind
   (a long tail of tool calls) is dropped, counted (``async/groups_stale``) and replaced by a
-  new one. TIS (``algorithm.tis_cap``) corrects the rest with the rollout logprobs.
+  new one. TIS (``algorithm.tis_cap``) or a rollout mask (``algorithm.rollout_mask``: IcePop,
+  KPop, geometric) corrects the rest with the rollout logprobs, as in the sync loop.
 
 That is ``trainer.async_schedule=as_finished``: which groups an update gets, and where a push
 lands in a trajectory, follow the machine's timing (the engine's, the learner's and the
