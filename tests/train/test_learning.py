@@ -114,8 +114,10 @@ def _assert_rl_raises_held_out_success(
         ("demo_calculator_ppo_cpu.yaml", []),
         ("demo_calculator_cpu.yaml", ASYNC),  # off-policy by up to 2 versions, TIS-corrected
         ("demo_calculator_lora_cpu.yaml", []),  # rank-16 adapters on the SFT policy, base frozen
+        # CISPO + IcePop on data up to 2 versions stale (IcePop masks a few stale tokens)
+        ("demo_calculator_cispo_cpu.yaml", ASYNC),
     ],
-    ids=["grpo", "ppo", "grpo-async", "grpo-lora"],
+    ids=["grpo", "ppo", "grpo-async", "grpo-lora", "cispo-icepop-async"],
 )
 def test_rl_raises_held_out_success(
     sft_run: tuple[Path, Path], config: str, mode: list[str]
