@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jax_agent_rl.cli.flags import PORT, number
 from jax_agent_rl.config.ranges import COUNT, POSITIVE
 from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
+
+if TYPE_CHECKING:
+    from jax_agent_rl.tools.registry import ToolRegistry
 
 
 def _serve_tools(args: argparse.Namespace) -> int:
@@ -58,11 +62,25 @@ def _serve_tools(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             action_parser=args.action_parser,
             socket_path=args.socket,
-            announce=lambda: print(f"serving {registry.names} on {where}", flush=True),
+            announce=lambda: print(announcement(registry, where), flush=True),
         )
     except ValueError as e:
         return _refuse(str(e))
     return 0
+
+
+def announcement(registry: ToolRegistry, where: str) -> str:
+    """What the server says as it starts: its tools and address, and for each python tool
+    what bounds an execution's memory (a cgroup per execution, or the fallback's accounting
+    where no cgroup can be made), so that an operator sees which bound is in force."""
+    from jax_agent_rl.tools.sandbox import PythonTool
+
+    lines = [f"serving {registry.names} on {where}"]
+    for name in registry.names:
+        tool = registry.get(name)
+        if isinstance(tool, PythonTool):
+            lines.append(f"{name}: memory bounded by {tool.sandbox.memory_bound}")
+    return "\n".join(lines)
 
 
 def _refuse(problem: str) -> int:

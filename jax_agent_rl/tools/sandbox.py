@@ -8,9 +8,13 @@ nothing else of the host (no home, no ``/etc``), a read-only ``/dev``, and size-
 ``/work``, ``/tmp`` and ``/dev/shm``. The seccomp filter (`jax_agent_rl.tools.seccomp`) denies
 ptrace, other processes' memory, namespaces, System V IPC and kernel surface an interpreter
 never needs. Inside, the fork server (`sandbox_zygote`, the namespace's pid 1, not dumpable, so
-code cannot signal, trace or write it) forks one child per execution under rlimits, accounts
+code cannot signal, trace or write it) forks one child per execution under rlimits, bounds
 memory, CPU and files over every process of the execution, and afterwards kills whatever the
 code left running and wipes the writable places; a sandbox it cannot prove clean is replaced.
+An execution's memory is bounded by a memory cgroup of its own where the host can make one
+(`memory_cgroup`: the kernel then charges it every byte the execution causes, kernel memory
+included), and otherwise by the fork server's accounting of what it can see (resident sets,
+tmpfs usage, socket queues); ``PythonSandbox.memory_bound`` says which.
 
 The host owns every deadline: a worker that does not answer within the execution's timeout
 plus a grace is killed and restarted, and a worker goes back to the pool only when nothing
@@ -26,11 +30,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Hashable
 from importlib import resources
@@ -114,6 +120,71 @@ class SandboxUnavailableError(RuntimeError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryCgroup:
+    """Where the sandbox makes its memory cgroups: a folder of this process's own group in the
+    memory controller's hierarchy (cgroup ``version`` 1 or 2). Each worker gets a group of its
+    own in it (`_Worker`), and its fork server a fresh group in that one per execution."""
+
+    path: Path
+    version: int
+
+
+def _own_memory_group() -> MemoryCgroup:
+    """This process's group in the memory controller's hierarchy, from ``/proc/self/cgroup``
+    and the mount table; raises OSError naming what is missing."""
+    groups = {}  # controller: path in its hierarchy ("" for the unified one, v2)
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            groups[controller] = path
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        root, mount = fields[3], fields[4]
+        fstype, options = fields[-3], fields[-1].split(",")
+        if fstype == "cgroup" and "memory" in options and "memory" in groups:
+            version, group = 1, groups["memory"]
+        elif fstype == "cgroup2" and "" in groups and "memory" not in groups:
+            version, group = 2, groups[""]
+            if "memory" not in (Path(mount) / "cgroup.controllers").read_text().split():
+                continue
+        else:
+            continue
+        if not (group + "/").startswith(root.rstrip("/") + "/"):
+            raise OSError(f"this process's memory group {group} is outside the mount of {root}")
+        return MemoryCgroup(Path(mount) / group[len(root.rstrip("/")) :].lstrip("/"), version)
+    raise OSError("no memory controller is mounted")
+
+
+def memory_cgroup() -> MemoryCgroup | str:
+    """Where the memory groups of executions can be made, or why they cannot (then the fork
+    server's accounting is the memory bound): checked by making a group with a limit and
+    removing it. Needs the right to make groups under this process's own (root, or a group
+    delegated to its user); on cgroup v2 that group must also hand the memory and pids
+    controllers to its children, which it can only when it holds no process itself."""
+    try:
+        cgroup = _own_memory_group()
+        probe = cgroup.path / f"jarl-probe-{os.getpid()}-{threading.get_ident()}"
+        if cgroup.version == 2:
+            _enable_controllers(cgroup.path)
+        probe.mkdir()
+        try:
+            limit = "memory.limit_in_bytes" if cgroup.version == 1 else "memory.max"
+            (probe / limit).write_text(str(1 << 30))
+        finally:
+            probe.rmdir()
+    except OSError as e:
+        return f"no memory cgroup can be made here ({e})"
+    return cgroup
+
+
+def _enable_controllers(group: Path) -> None:
+    """cgroup v2: hands the memory and pids controllers to ``group``'s children."""
+    control = group / "cgroup.subtree_control"
+    if not {"memory", "pids"} <= set(control.read_text().split()):
+        control.write_text("+memory +pids")
+
+
 # /dev: the device nodes --dev binds (but no pseudo-terminals, and no /dev/zero, whose shared
 # mappings are memory the execution's accounting cannot see: `seccomp`) and its links
 _DEVICES = [
@@ -190,19 +261,66 @@ def seccomp_fd() -> int:
 
 
 class _Worker:
-    """One sandbox with its fork server; used by one call at a time."""
+    """One sandbox with its fork server; used by one call at a time. With a ``cgroup``, the
+    worker has a memory group of its own in it, made afresh at each start and removed when it
+    closes, in which the fork server makes each execution's group (`sandbox_zygote`); the fork
+    server gets an open folder descriptor of it (it sees no cgroup file system) and is its
+    owner there, as in a delegation: the worker group's own files (its limits) stay root's."""
 
-    def __init__(self, uid: int, interpreter: str, bwrap: str, limits: Limits) -> None:
+    def __init__(
+        self, uid: int, interpreter: str, bwrap: str, limits: Limits, cgroup: MemoryCgroup | None
+    ) -> None:
         self.uid, self.interpreter, self.bwrap, self.limits = uid, interpreter, bwrap, limits
+        self.cgroup = cgroup
         self.proc: subprocess.Popen[bytes] | None = None
         self._req = self._rep = -1
+        self._group: Path | None = None
         self.restarts = 0
         self._start()
+
+    def _make_group(self) -> int:
+        """The worker's memory group, made and handed to its uid; an open descriptor of it, or
+        -1 without a cgroup."""
+        if self.cgroup is None:
+            return -1
+        # a random name: executions read it in /proc/self/cgroup, and a counter would tell
+        # them how many sandboxes the host started before theirs
+        self._group = self.cgroup.path / f"jarl-sandbox-{secrets.token_hex(8)}"
+        self._group.mkdir()
+        if self.cgroup.version == 2:
+            _enable_controllers(self._group)
+            os.chown(self._group / "cgroup.procs", self.uid, self.uid)
+        os.chown(self._group, self.uid, self.uid)
+        return os.open(self._group, os.O_RDONLY | os.O_DIRECTORY)
+
+    def _remove_group(self) -> None:
+        """Removes the worker's group and what its fork server left in it. Called once the
+        sandbox's processes are dead: the kernel may still be taking the last of them out of
+        a group, so a busy group is tried again for a moment, then left."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        deadline = time.monotonic() + 5.0
+        for path in [*(p for p in group.iterdir() if p.is_dir()), group]:
+            while True:
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        return
+                    time.sleep(0.01)
 
     def _start(self) -> None:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        filt = seccomp_fd()
+        # with a cgroup: bubblewrap says the fork server's pid (info) and waits (block) while
+        # the host puts it in the worker's group, before it runs
+        info_r, info_w = os.pipe() if self.cgroup else (-1, -1)
+        block_r, block_w = os.pipe() if self.cgroup else (-1, -1)
+        filt, group = seccomp_fd(), -1
         # No preexec_fn (unsafe in a multithreaded process such as one running JAX): the
         # zygote gets its pipe fds as arguments, and Popen itself switches to the worker's
         # uid (one unprivileged uid per worker: RLIMIT_NPROC counts processes per uid).
@@ -210,28 +328,44 @@ class _Worker:
         # carry none of the host's secrets.
         as_root = os.getuid() == 0
         try:
+            group = self._make_group()
+            command = bwrap_command(self.bwrap, self.interpreter, self.limits, filt)
+            if self.cgroup:
+                at = command.index("--seccomp")
+                command[at:at] = ["--info-fd", str(info_w), "--block-fd", str(block_r)]
             self.proc = subprocess.Popen(
                 [
-                    *bwrap_command(self.bwrap, self.interpreter, self.limits, filt),
+                    *command,
                     str(req_r),
                     str(rep_w),
                     execution_filter().hex(),
+                    str(group),
+                    str(self.cgroup.version if self.cgroup else 0),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                pass_fds=(req_r, rep_w, filt),
+                pass_fds=[fd for fd in (req_r, rep_w, filt, group, info_w, block_r) if fd >= 0],
                 env={},
                 user=self.uid if as_root else None,
                 group=self.uid if as_root else None,
                 extra_groups=[] if as_root else None,
             )
+        except BaseException:
+            for fd in (req_w, rep_r, info_r, block_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._remove_group()
+            raise
         finally:
-            for fd in (req_r, rep_w, filt):
-                os.close(fd)
+            for fd in (req_r, rep_w, filt, group, info_w, block_r):
+                if fd >= 0:
+                    os.close(fd)
         os.set_blocking(req_w, False)
         self._req, self._rep = req_w, rep_r
         try:
+            if self.cgroup:
+                self._place_fork_server(info_r, block_w)
             if self._recv(time.monotonic() + 60.0) != {"ready": True}:
                 self.proc.kill()
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
@@ -243,6 +377,29 @@ class _Worker:
         # ready): the pipe is closed rather than left unread to fill.
         if self.proc.stderr:
             self.proc.stderr.close()
+
+    def _place_fork_server(self, info_r: int, block_w: int) -> None:
+        """Puts the fork server, which bubblewrap holds until then, in the worker group's
+        ``server`` group: on cgroup v2 a process may move itself only between groups below a
+        common one whose ``cgroup.procs`` it may write, so the executions' groups and the fork
+        server's must share the worker's. Closes both descriptors."""
+        try:
+            info = b""
+            while not info.rstrip().endswith(b"}"):  # bubblewrap's JSON: {"child-pid": N}
+                if not _ready(info_r, select.POLLIN, time.monotonic() + 60.0):
+                    raise SandboxUnavailableError("bubblewrap did not say the sandbox's pid")
+                chunk = os.read(info_r, 4096)
+                if not chunk:
+                    raise SandboxUnavailableError("bubblewrap did not say the sandbox's pid")
+                info += chunk
+            assert self._group is not None
+            server = self._group / "server"
+            server.mkdir()
+            (server / "cgroup.procs").write_text(str(json.loads(info)["child-pid"]))
+            os.write(block_w, b"go")
+        finally:
+            os.close(info_r)
+            os.close(block_w)
 
     def _recv(self, deadline: float) -> dict[str, Any] | None:
         head = self._read(4, deadline)
@@ -306,6 +463,7 @@ class _Worker:
             self.proc.wait()
             if self.proc.stderr:
                 self.proc.stderr.close()
+        self._remove_group()
 
 
 def _frame(body: bytes) -> bytes:
@@ -336,7 +494,10 @@ class PythonSandbox:
         timeout_s: float = 10.0,
         interpreter: str = "/usr/bin/python3",
         first_uid: int = 61000,
+        cgroup: bool = True,
     ) -> None:
+        """``cgroup=False`` keeps the sandbox off memory cgroups even where they can be made:
+        the fork server's accounting is then the memory bound, as it is where none can be."""
         if type(size) is not int or size < 1:
             raise ValueError(
                 f"the python sandbox's pool_size={size!r}: expected a whole number >= 1"
@@ -351,7 +512,18 @@ class PythonSandbox:
         if not Path(interpreter).exists():
             raise SandboxUnavailableError(f"sandbox interpreter {interpreter} does not exist")
         self.limits, self.timeout_s = limits, timeout_s
-        self._workers = [_Worker(first_uid + i, interpreter, bwrap, limits) for i in range(size)]
+        found = memory_cgroup() if cgroup else "memory cgroups are turned off"
+        self.cgroup = found if isinstance(found, MemoryCgroup) else None
+        # what bounds an execution's memory, as the tool server says at start
+        self.memory_bound = (
+            f"a memory cgroup per execution (cgroup v{found.version}, under {found.path})"
+            if isinstance(found, MemoryCgroup)
+            else f"the fork server's accounting of memory it can see ({found}); kernel memory "
+            "an execution causes in ways it does not account is not bounded"
+        )
+        self._workers = [
+            _Worker(first_uid + i, interpreter, bwrap, limits, self.cgroup) for i in range(size)
+        ]
         self.pool = FairPool(self._workers)
         # blocking pipe I/O runs here, never on the event loop nor in its shared default pool
         self._threads = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="sandbox")

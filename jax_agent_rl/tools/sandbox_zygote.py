@@ -13,10 +13,11 @@ size: the child does it, under its limits), so every child starts from the same 
 Why the executions cannot reach it: it is not dumpable (``PR_SET_DUMPABLE=0``: no
 ``/proc/1/mem`` and no ptrace for processes of the same uid, and the filter denies ptrace
 anyway), and as the init of its pid namespace it ignores every signal sent from inside,
-SIGKILL and SIGSTOP included. What the watchdog accounts, summed over every process of the
-execution (rlimits alone are per process): resident memory plus the bytes on the sandbox's
-tmpfs mounts (``memory_mb``), CPU seconds (``cpu_s``) and files on the tmpfs mounts
-(``files``). An execution over a bound is killed and its result names the bound.
+SIGKILL and SIGSTOP included. What the watchdog bounds, over every process of the execution
+(rlimits alone are per process): memory (``memory_mb``: the execution's memory group, `GROUP`,
+where the host gave the worker one, plus socket queues; otherwise resident memory, the bytes
+on the sandbox's tmpfs mounts and socket queues), CPU seconds (``cpu_s``) and files on the
+tmpfs mounts (``files``). An execution over a bound is killed and its result names the bound.
 
 If the fork server cannot prove the sandbox clean (a process survived, a mount could not be
 replaced), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
@@ -55,7 +56,7 @@ from jax_agent_rl.tools.sandbox_reset import (
     sweep,
 )
 
-REQ_FD, REP_FD = 3, 4  # where `_take_pipes` puts the pipes the host hands over
+REQ_FD, REP_FD, GROUP_FD = 3, 4, 5  # where `_take_pipes` puts what the host hands over
 # Standard-library modules that model-written code imports most, imported once here so that
 # every execution forks with them ready: a fresh interpreter pays e.g. ~5 ms for ``fractions``
 # (it imports ``decimal``, ``numbers``, ``re``) per call. They are pure computation (no files,
@@ -122,16 +123,24 @@ def _send(obj):
     os.write(REP_FD, struct.pack(">I", len(data)) + data)
 
 
-def _take_pipes(req, rep):
+def _take_pipes(req, rep, group):
     """Moves the host's pipes (``req``, ``rep``: any numbers, 1024 and above when the host
-    holds many files) to REQ_FD and REP_FD and closes every other fd above 2."""
-    req, rep = fcntl.fcntl(req, fcntl.F_DUPFD, 5), fcntl.fcntl(rep, fcntl.F_DUPFD, 5)
-    os.dup2(req, REQ_FD)
-    os.dup2(rep, REP_FD)
-    os.closerange(REP_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    holds many files) to REQ_FD and REP_FD, and the worker's memory group (``group``, -1
+    for none) to GROUP_FD, and closes every other fd above 2."""
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, 6) if fd >= 0 else -1 for fd in (req, rep, group)]
+    for fd, to in zip(fds, (REQ_FD, REP_FD, GROUP_FD), strict=True):
+        if fd >= 0:
+            os.dup2(fd, to)
+    last = GROUP_FD if group >= 0 else REP_FD
+    os.closerange(last + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
 
-def _child(code, limits, out_w, err_w):
+def _child(code, limits, out_w, err_w, procs):
+    if procs >= 0:  # into the execution's memory group, before anything of it runs
+        try:
+            os.write(procs, b"0")
+        except OSError:
+            os._exit(125)
     drop_capabilities()
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
@@ -148,6 +157,7 @@ def _child(code, limits, out_w, err_w):
     # POSIX timers and queued signals: kernel memory in no resident set, each one counted here
     # (the host's limit let one process make 96,365 timers, about 55 MB)
     resource.setrlimit(resource.RLIMIT_SIGPENDING, (256, 256))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of the execution, anywhere
     os.chdir("/work")
     status = 1
     try:
@@ -187,7 +197,8 @@ def _execute(code):
 
 def usage():
     """(resident bytes + tmpfs bytes + socket queues, CPU seconds, tmpfs files) of every
-    process but pid 1.
+    process but pid 1; with a memory group (`GROUP`), which counts resident and tmpfs
+    memory, the first is the socket queues alone.
 
     CPU counts each live or zombie process's own and reaped children's time, so work done by
     a process that already exited is still counted through its parent.
@@ -209,6 +220,8 @@ def usage():
         st = os.statvfs(root)
         used += (st.f_blocks - st.f_bfree) * st.f_frsize
         files += st.f_files - st.f_ffree
+    if GROUP["version"]:  # the group counts the rest (`over_limit`)
+        return _socket_bytes(), ticks / TICK, files
     return rss + used + _socket_bytes(), ticks / TICK, files
 
 
@@ -288,10 +301,115 @@ def _netlink_queued():
     return sum(int(line.split()[4]) + int(line.split()[5]) for line in lines)
 
 
+# The execution's memory group, when the host gave the worker one (`tools.sandbox`): the
+# kernel charges it the memory the execution's processes cause, kernel memory included (socket
+# filters, pipe buffers, slab such as dentries and Landlock rulesets, page tables, tmpfs
+# pages; not Unix and netlink socket queues, which the watchdog adds), and holds it at
+# ``memory_mb``: at the bound it reclaims what it can, then fails the allocation or kills a
+# process of the group. The fork server reads from the kernel's counts whether the group
+# reached its bound and then ends the whole execution ("memory").
+GROUP = {"version": 0, "dir": -1, "procs": -1}
+COUNTS: list[int] = []  # the group's counts the watchdog reads (`_group_at_bound`)
+EXECUTION_GROUP = "execution"
+
+
+def _group_write(name, value):
+    fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=GROUP["dir"])
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
+
+
+def new_group(limits):
+    """A fresh memory group for one execution, bounded by its ``memory_mb`` (no swap), and on
+    cgroup v2 ``processes``; opens its ``cgroup.procs`` for the child (`_child`) and the
+    kernel's counts for the watchdog (`_group_at_bound`)."""
+    os.mkdir(EXECUTION_GROUP, dir_fd=GROUP_FD)
+    GROUP["dir"] = os.open(EXECUTION_GROUP, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                           dir_fd=GROUP_FD)  # fmt: skip
+    limit = limits["memory_mb"] * 1024 * 1024
+    if GROUP["version"] == 1:
+        _group_write("memory.limit_in_bytes", limit)
+        try:  # memory + swap, where the kernel accounts swap
+            _group_write("memory.memsw.limit_in_bytes", limit)
+        except FileNotFoundError:
+            pass
+        counts = ("memory.max_usage_in_bytes", "memory.oom_control", "memory.usage_in_bytes")
+    else:
+        _group_write("memory.max", limit)
+        _group_write("memory.swap.max", 0)
+        _group_write("pids.max", limits["processes"])
+        counts = ("memory.peak", "memory.events", "memory.current")
+    COUNTS[:] = [os.open(n, os.O_RDONLY | os.O_CLOEXEC, dir_fd=GROUP["dir"]) for n in counts]
+    GROUP["procs"] = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=GROUP["dir"])
+
+
+def _group_at_bound(limit, queued):
+    """Whether the execution's group reached its memory bound ``limit``: its peak (v1
+    ``memory.max_usage_in_bytes``, v2 ``memory.peak``) came within one charge batch of it (the
+    kernel charges in batches of up to 64 pages, reclaims at the bound and does not always
+    count the failure: a v1 ``memory.failcnt`` stayed 0 as negative dentries were reclaimed
+    at the bound), the kernel killed a process of it (``oom_kill``), or what it holds now
+    and the ``queued`` bytes of the sandbox's Unix and netlink sockets, which the kernel
+    charges to no group (v2 charges TCP and UDP buffers only), pass the bound."""
+    peak, events, current = (os.pread(fd, 4096, 0) for fd in COUNTS)
+    words = events.split()
+    return (
+        int(peak) >= limit - 64 * PAGE
+        or int(words[words.index(b"oom_kill") + 1]) > 0
+        or int(current) + queued > limit
+    )
+
+
+def remove_group():
+    """Removes the execution's group, once its processes are gone (`sweep`); False if it
+    cannot be (a process is left in it)."""
+    for fd in (GROUP["procs"], GROUP["dir"], *COUNTS):
+        os.close(fd)
+    GROUP["procs"] = -1
+    try:
+        os.rmdir(EXECUTION_GROUP, dir_fd=GROUP_FD)
+    except OSError:
+        return False
+    return True
+
+
+def _netlink_inodes():
+    with open("/proc/net/netlink", "rb") as f:
+        return {line.split()[-1] for line in f.read().splitlines()[1:]}
+
+
+OWN_NETLINK: set[bytes] = set()  # the netlink sockets of the fork server and of the kernel
+
+
+def no_sockets_left():
+    """After the sweep: whether the sandbox's network namespace holds no socket of an
+    execution. One sent over a Unix socket and never received (in flight) outlives every
+    process until the kernel's garbage collector finds it, and a socket bound to an abstract
+    name of the namespace is there for the next execution to connect to: a message passed
+    between executions that way. The namespace lives as long as the sandbox, so one that is
+    not empty makes it dirty (replaced)."""
+    sock = UNIX_DIAG[0]
+    sock.send(UNIX_DUMP)
+    count = 0
+    while True:
+        data, at = sock.recv(1 << 16), 0
+        while at + 16 <= len(data):
+            length, kind = struct.unpack_from("=IH", data, at)
+            if kind == 3:  # NLMSG_DONE
+                return count == 0 and _netlink_inodes() <= OWN_NETLINK
+            if kind == 2:  # NLMSG_ERROR
+                return False
+            count += 1
+            at += max((length + 3) & ~3, 16)
+
+
 def over_limit(limits):
     """The name of the execution-wide bound that is exceeded, or None."""
     memory, cpu, files = usage()
-    if memory > limits["memory_mb"] * 1024 * 1024:
+    limit = limits["memory_mb"] * 1024 * 1024
+    if _group_at_bound(limit, memory) if GROUP["version"] else memory > limit:
         return "memory"
     if cpu > limits["cpu_s"]:
         return "CPU time"
@@ -358,11 +476,13 @@ def _supervise(pid, out_r, err_r, limits, start, deadline):
 def _run(req, pristine):
     limits = req["limits"]
     start = time.time()
+    if GROUP["version"]:
+        new_group(limits)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        _child(req["code"], limits, out_w, err_w)
+        _child(req["code"], limits, out_w, err_w, GROUP["procs"])
     os.close(out_w)
     os.close(err_w)
     bufs, status, timed_out, truncated, limit = _supervise(
@@ -373,7 +493,9 @@ def _run(req, pristine):
         _, status = os.waitpid(pid, 0)
     os.close(out_r)
     os.close(err_r)
-    clean = sweep() and renew(pristine)
+    clean = sweep() and renew(pristine) and no_sockets_left()
+    if GROUP["version"]:
+        clean = remove_group() and clean
     if os.WIFSIGNALED(status):
         exit_code = -os.WTERMSIG(status)
     else:
@@ -400,12 +522,14 @@ def main():
     # those 4 KB are in a resident set (400 kept so held 826 MB while 13 MB were counted)
     if libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE, 1) failed")
-    _take_pipes(int(sys.argv[1]), int(sys.argv[2]))
+    _take_pipes(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4]))
+    GROUP["version"] = int(sys.argv[5])
     hold_counters()  # after `_take_pipes`, which closes every other fd
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
     _orphan_bounds()
     _unix_queued()  # a kernel that cannot tell them fails the start, never an execution
+    OWN_NETLINK.update(_netlink_inodes())
     for root, mode in WRITABLE.items():
         os.chmod(root, mode)
         fs = os.statvfs(root)

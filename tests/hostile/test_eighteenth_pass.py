@@ -33,8 +33,9 @@ from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Iterator[PythonSandbox]:
-    sb = PythonSandbox(size=1, limits=Limits(cpu_s=5, memory_mb=256, processes=16), timeout_s=60.0)
+def sandbox(sandbox_cgroup: bool) -> Iterator[PythonSandbox]:
+    limits = Limits(cpu_s=5, memory_mb=256, processes=16)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup)
     yield sb
     sb.close()
 
@@ -205,7 +206,9 @@ print("kept them")
     ],
     ids=["stream", "datagram", "not-accepted"],
 )
-def test_data_a_closed_sender_left_counts_toward_the_memory_limit(code: str) -> None:
+def test_data_a_closed_sender_left_counts_toward_the_memory_limit(
+    code: str, sandbox_cgroup: bool
+) -> None:
     """Unix data is charged to its sender, and the watchdog read each sender's write queue;
     once a sender closes, its data stays with the receiver, charged to a socket no dump lists:
     56 pairs whose sending ends one process closed held 439 MB (stream) and 395 MB (datagram)
@@ -214,7 +217,8 @@ def test_data_a_closed_sender_left_counts_toward_the_memory_limit(code: str) -> 
     and no live peer, or a connection not accepted, is charged the most its dead sender can
     have left it: two default send buffers, ~0.4 MB (here 56 or 60 of them, past a bound of
     22 MB that the process's ~12 MB resident set alone stays under)."""
-    sb = PythonSandbox(size=1, limits=Limits(cpu_s=5, memory_mb=22, processes=16), timeout_s=60.0)
+    limits = Limits(cpu_s=5, memory_mb=22, processes=16)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup)
     try:
         result = run(sb, code)
     finally:

@@ -21,17 +21,17 @@ LIMITS = Limits(cpu_s=5, memory_mb=64, processes=16, files=2000)
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Iterator[PythonSandbox]:
-    """One worker: each call runs where the previous one ran."""
-    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=60.0)
+def sandbox(sandbox_cgroup: bool) -> Iterator[PythonSandbox]:
+    """One worker: each call runs where the previous one ran (under each memory bound)."""
+    sb = PythonSandbox(size=1, limits=LIMITS, timeout_s=60.0, cgroup=sandbox_cgroup)
     yield sb
     sb.close()
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PythonSandbox]:
+def pool(sandbox_cgroup: bool) -> Iterator[PythonSandbox]:
     """Two workers, for `attack_beside_normal`: each attack runs beside a normal execution."""
-    sb = PythonSandbox(size=2, limits=LIMITS, timeout_s=10.0)
+    sb = PythonSandbox(size=2, limits=LIMITS, timeout_s=10.0, cgroup=sandbox_cgroup)
     yield sb
     sb.close()
 

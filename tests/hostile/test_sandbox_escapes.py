@@ -25,7 +25,15 @@ from typing import Any
 import pytest
 
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.tools.sandbox import ExecResult, Limits, PythonSandbox, PythonTool, _Worker
+from jax_agent_rl.tools.sandbox import (
+    ExecResult,
+    Limits,
+    MemoryCgroup,
+    PythonSandbox,
+    PythonTool,
+    _Worker,
+    memory_cgroup,
+)
 from jax_agent_rl.tools.seccomp import DENIED, SYSCALLS, filter_program
 
 SECRET = "hf_jarl_test_secret_0123456789"
@@ -34,10 +42,11 @@ ATTACK_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PythonSandbox]:
+def pool(sandbox_cgroup: bool) -> Iterator[PythonSandbox]:
+    """Under each memory bound: a cgroup per execution, and the fork server's accounting."""
     os.environ["HF_TOKEN"] = SECRET  # a trainer's secret, present when the pool starts
     try:
-        sb = PythonSandbox(size=2, limits=LIMITS, timeout_s=3.0)
+        sb = PythonSandbox(size=2, limits=LIMITS, timeout_s=3.0, cgroup=sandbox_cgroup)
     finally:
         del os.environ["HF_TOKEN"]
     yield sb
@@ -499,9 +508,10 @@ def fds_past_1024(holes: int) -> Iterator[None]:
 
 
 def _zygote_pipes(worker: _Worker) -> list[int]:
-    """The fds the fork server was handed (its first two arguments), as numbered in the host."""
+    """The fds the fork server was handed (its first two arguments, before the filter, the
+    memory group's fd and the cgroup version), as numbered in the host."""
     assert worker.proc is not None and isinstance(worker.proc.args, list)
-    return [int(a) for a in worker.proc.args[-3:-1]]
+    return [int(a) for a in worker.proc.args[-5:-3]]
 
 
 @pytest.mark.parametrize("holes", [0, 3], ids=["all-pipes-high", "sandbox-ends-high"])
@@ -537,9 +547,14 @@ def _children() -> set[int]:
     }
 
 
-def test_a_failed_start_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_start_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch, sandbox_cgroup: bool
+) -> None:
     """A start that fails for any reason (select() raising on a high fd did) kills the
-    bubblewrap it started."""
+    bubblewrap it started, and removes the worker's memory group."""
+    found = memory_cgroup() if sandbox_cgroup else None
+    cgroup = found if isinstance(found, MemoryCgroup) else None
+    groups = set(cgroup.path.iterdir()) if cgroup else set()
 
     def no_ready_frame(self: _Worker, deadline: float) -> dict[str, Any] | None:
         del self, deadline
@@ -548,8 +563,9 @@ def test_a_failed_start_leaves_no_process(monkeypatch: pytest.MonkeyPatch) -> No
     before = _children()
     monkeypatch.setattr(_Worker, "_recv", no_ready_frame)
     with pytest.raises(RuntimeError, match="no ready frame"):
-        _Worker(61000, "/usr/bin/python3", shutil.which("bwrap") or "bwrap", LIMITS)
+        _Worker(61000, "/usr/bin/python3", shutil.which("bwrap") or "bwrap", LIMITS, cgroup)
     assert _children() == before
+    assert (set(cgroup.path.iterdir()) if cgroup else set()) == groups
 
 
 CAPABILITIES = """

@@ -127,7 +127,7 @@ print("kept them")
 """
 
 
-def test_unix_socket_queues_count_toward_the_memory_limit() -> None:
+def test_unix_socket_queues_count_toward_the_memory_limit(sandbox_cgroup: bool) -> None:
     """Data queued in Unix socket pairs is kernel memory in no process's resident set, and the
     watchdog counted only TCP and UDP queues: 28 pairs of one process held 219 MB under
     ``memory_mb=64``. The fork server now reads every Unix socket's queue (the kernel's socket
@@ -135,7 +135,9 @@ def test_unix_socket_queues_count_toward_the_memory_limit() -> None:
     buffer can be raised, so 30 pairs filled both ways queue ~12 MB: the bound is set where
     they and the process's resident set (~12 MB) cross it."""
     limits = Limits(cpu_s=5, memory_mb=22, processes=16, files=2000)
-    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)  # (the memory bound ends it first)
+    sb = PythonSandbox(
+        size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup
+    )  # (the memory bound ends it first)
     try:
         result = asyncio.run(sb.run(FILL_UNIX_QUEUES))
         small = asyncio.run(sb.run(SMALL_QUEUE))
@@ -200,7 +202,7 @@ print("kept them")
 """
 
 
-def test_shared_anonymous_memory_is_refused_to_executions() -> None:
+def test_shared_anonymous_memory_is_refused_to_executions(sandbox_cgroup: bool) -> None:
     """Shared anonymous pages (``mmap(-1, ...)``'s default, or a shared map of ``/dev/zero``)
     are in no mount's usage and only in the resident set of the processes that touched them:
     4 holders whose children filled their mappings and exited held 576 MB under
@@ -209,7 +211,7 @@ def test_shared_anonymous_memory_is_refused_to_executions() -> None:
     scale the children's own resident sets may cross the bound first: the refusal is what
     it checks.)"""
     limits = Limits(cpu_s=5, memory_mb=64, processes=16, files=2000)
-    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)
+    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup)
     try:
         result = asyncio.run(sb.run(FILL_SHARED_ANONYMOUS))
         works = asyncio.run(sb.run(PRIVATE_AND_FILE_MAPPINGS))
@@ -255,13 +257,15 @@ print("kept them")
 """
 
 
-def test_netlink_socket_queues_count_toward_the_memory_limit() -> None:
+def test_netlink_socket_queues_count_toward_the_memory_limit(sandbox_cgroup: bool) -> None:
     """Replies to routing requests that a netlink socket never reads stay queued, up to its
     receive buffer: kernel memory no watchdog reading counted, 28 sockets of one process held
     about 224 MB under ``memory_mb=64``. The fork server now adds ``/proc/net/netlink``'s
     queues (the sandbox's own network namespace)."""
     limits = Limits(cpu_s=30, memory_mb=64, processes=16, files=2000)
-    sb = PythonSandbox(size=1, limits=limits, timeout_s=60.0)  # (the memory bound ends it first)
+    sb = PythonSandbox(
+        size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup
+    )  # (the memory bound ends it first)
     try:
         result = asyncio.run(sb.run(FILL_NETLINK_QUEUES))
     finally:

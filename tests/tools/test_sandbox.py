@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli.serve_tools import announcement
+from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Iterator[PythonSandbox]:
-    sb = PythonSandbox(size=2, limits=Limits(cpu_s=2, memory_mb=256, processes=16), timeout_s=3.0)
+def sandbox(sandbox_cgroup: bool) -> Iterator[PythonSandbox]:
+    """Under each memory bound: a cgroup per execution, and the fork server's accounting."""
+    limits = Limits(cpu_s=2, memory_mb=256, processes=16)
+    sb = PythonSandbox(size=2, limits=limits, timeout_s=3.0, cgroup=sandbox_cgroup)
     yield sb
     sb.close()
 
@@ -139,3 +143,16 @@ def test_a_worker_outliving_its_event_loop_returns_to_the_pool() -> None:
         assert asyncio.run(next_call()) == "2\n"
     finally:
         sb.close()
+
+
+def test_the_tool_server_says_which_memory_bound_is_in_force(sandbox: PythonSandbox) -> None:
+    """``jarl serve-tools`` says at start what bounds a python execution's memory: a cgroup
+    per execution, or the fork server's accounting where none can be made (or it is off)."""
+    registry = ToolRegistry([PythonTool(sandbox)])
+    said = announcement(registry, "http://127.0.0.1:1").splitlines()
+    assert said[0] == "serving ['python'] on http://127.0.0.1:1"
+    if sandbox.cgroup is not None:
+        assert said[1].startswith("python: memory bounded by a memory cgroup per execution")
+    else:
+        assert said[1].startswith("python: memory bounded by the fork server's accounting")
+        assert "memory cgroups are turned off" in said[1]
