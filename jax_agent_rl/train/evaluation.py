@@ -22,6 +22,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 from rich.console import Console
@@ -120,11 +121,34 @@ def pass_rates(t: Mapping[str, float], n: int) -> dict[str, dict[str, float]]:
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """``metrics``: the trainer's ``val`` figures (`metrics_of_totals`, ``success/<source>``);
-    ``pass_rates``: `pass_rates`. Both over every process's episodes."""
+    ``pass_rates``: `pass_rates`; ``answers``: `answer_record` of every episode. All over every
+    process's episodes."""
 
     n: int
     metrics: dict[str, float]
     pass_rates: dict[str, dict[str, float]]
+    answers: list[dict[str, Any]]
+
+
+def answer_record(sample: Sample, attempt: int, episode: Episode) -> dict[str, Any]:
+    """What ``jarl eval`` writes of one episode (a line of its answers file): the prompt row
+    (uid, data source, ground truth, prompt messages), which of its n episodes, the model's
+    last message (its answer) and the whole conversation, the reward and success, and how the
+    episode ended."""
+    said = [m for m in episode.traj.messages if m.get("role") == "assistant"]
+    return {
+        "uid": sample.uid,
+        "attempt": attempt,
+        "data_source": sample.data_source,
+        "ground_truth": sample.ground_truth,
+        "prompt": sample.messages,
+        "answer": said[-1].get("content") if said else None,
+        "reward": episode.reward,
+        "success": episode.success,
+        "stop_reason": episode.reward_stop or episode.traj.stop_reason,
+        "turns": episode.traj.num_turns,
+        "messages": episode.traj.messages[len(sample.messages) :],
+    }
 
 
 def process_share(samples: Sequence[Sample]) -> Sequence[Sample]:
@@ -165,6 +189,10 @@ async def evaluate_samples(
             source_totals(episodes, each),
             pass_totals(episodes, n, mine),
             first_error(episodes),
+            [
+                answer_record(s, i % n, e)
+                for i, (s, e) in enumerate(zip(each, episodes, strict=True))
+            ],
         )
     )
     totals = add_totals(share[0] for share in shares)
@@ -173,7 +201,8 @@ async def evaluate_samples(
         raise error
     metrics = metrics_of_totals(totals)
     metrics.update(success_of_sources(add_totals(share[1] for share in shares)))
-    return Evaluation(n, metrics, pass_rates(add_totals(share[2] for share in shares), n))
+    answers = [a for share in shares for a in share[4]]
+    return Evaluation(n, metrics, pass_rates(add_totals(share[2] for share in shares), n), answers)
 
 
 # ``jarl eval``
@@ -252,6 +281,7 @@ def eval_target(
     folder = run_dir if run_dir is not None else Path(cfg.trainer.run_dir)
     default = folder / "eval" / (name + (f"_n{n}" if n > 1 else "") + ".json")
     _check_out(Path(out) if out else default, "--out " if out else "the report's file ")
+    _check_out(answers_path(Path(out) if out else default), "the answers' file ")
     samples = held_out_samples(cfg)
     named_all = next((s for s in samples if s.data_source == ALL), None)
     if named_all is not None:  # (its rows and every row would share one line of the report)
@@ -266,6 +296,12 @@ def eval_target(
     envs = make_environments(cfg.env, cfg.agent.max_turns)
     check_environments(envs, samples, "data.val")
     return EvalTarget(cfg, samples, run_dir, step, hf, n, Path(out) if out else default, envs)
+
+
+def answers_path(out: Path) -> Path:
+    """Where ``jarl eval`` writes every episode's answer (`answer_record`, one JSON line each):
+    beside the report, ``<report's name>.answers.jsonl`` (a device, /dev/null: the same)."""
+    return out if out.is_char_device() else out.with_name(f"{out.stem}.answers.jsonl")
 
 
 def _check_out(out: Path, named: str) -> None:
@@ -378,6 +414,7 @@ def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext) -> dict:
         },
         "pass_rates": ev.pass_rates,
         "metrics": ev.metrics,
+        "answers": ev.answers,
     }
 
 
@@ -424,6 +461,10 @@ def eval_command(target: EvalTarget, policy: Policy, console: Console) -> dict:
         f"malformed calls {m['malformed_call_rate']:.3f}  reward {m['reward']:.3f}"
     )
     target.out.parent.mkdir(parents=True, exist_ok=True)
+    answers = answers_path(target.out)
+    lines = "".join(json.dumps(a, default=str) + "\n" for a in record.pop("answers"))
+    answers.write_text(lines)
+    record["answers"] = str(answers)
     target.out.write_text(json.dumps(record, indent=1) + "\n")
-    console.print(f"wrote {target.out}")
+    console.print(f"wrote {target.out} and every episode's answer to {answers}")
     return record

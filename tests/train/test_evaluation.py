@@ -58,6 +58,18 @@ def test_jarl_eval_equals_the_training_runs_held_out_evaluation(
         if source != "all":
             assert row["pass@1"] == row["mean@1"] == expected[f"success/{source}"]
     assert "pass@1" in out and f"wrote {run_dir / 'eval' / f'step_{STEPS}.json'}" in out
+    # every episode's answer beside it (docs/verl.md: trainer.log_val_generations), whose
+    # successes are the figures above
+    answers_file = run_dir / "eval" / f"step_{STEPS}.answers.jsonl"
+    assert record["answers"] == str(answers_file)
+    answers = [json.loads(line) for line in answers_file.read_text().splitlines()]
+    assert len(answers) == 16 and len({a["uid"] for a in answers}) == 16
+    assert sum(a["success"] for a in answers) / 16 == expected["success"]
+    for a in answers:
+        assert a["attempt"] == 0 and a["prompt"] and a["ground_truth"] is not None
+        assert a["messages"][-1]["role"] == "assistant" or a["stop_reason"] != "eos"
+        said = [m["content"] for m in a["messages"] if m["role"] == "assistant"]
+        assert a["answer"] == (said[-1] if said else None)
 
 
 def test_a_runs_hf_export_is_the_weights_of_its_checkpoint(run: tuple[Path, str]) -> None:
@@ -95,6 +107,11 @@ def test_sampled_evaluation_of_an_hf_folder_reports_pass_at_k(
     assert (
         sum(row["prompts"] for source, row in record["pass_rates"].items() if source != "all") == 4
     )
+    answers = [
+        json.loads(line) for line in (tmp_path / "n4.answers.jsonl").read_text().splitlines()
+    ]
+    assert sorted(a["attempt"] for a in answers) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert sum(a["success"] for a in answers) / 16 == pytest.approx(rates["mean@4"])
 
 
 def test_bad_inputs_are_one_line_and_exit_code_2(
