@@ -54,16 +54,54 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator
 LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
 CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml"
 
-# measured with the default settings on 2 CPU cores: 16.9 min while other jobs loaded them
-# (SFT 12.5, the engine's start 1, RL 2.7), 7.4 min on idle ones (README); tiny-moe 16.0 min
-# while other jobs loaded them (SFT 11.9, the engine's start 0.5, RL 3.0), 8.9 on idle ones
-# (SFT 5.5, RL 2.6; its expert matmuls as padded blocks off TPU)
-EXPECTED_DURATION = {
-    "tiny": "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.5 on "
-    "idle ones",
-    "tiny-moe": "about 16 minutes on 2 CPU cores shared with other jobs (SFT most of it), 9 on "
-    "idle ones",
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A demo's wall time, in minutes, measured with its config's default steps on 2 CPU cores
+    (``loaded``: while other jobs loaded them; ``idle``), and the shares of the loaded run
+    its SFT steps and its RL steps took (the rest, making the task and starting the engine,
+    does not depend on the steps)."""
+
+    loaded: float
+    idle: float
+    sft_share: float
+    rl_share: float
+    sft_steps: int = 1200  # configs/demo_calculator_cpu.yaml's and moe_calculator_cpu.yaml's
+    rl_steps: int = 32
+
+    def minutes(self, total: float, sft_steps: int, rl_steps: int) -> float:
+        """``total`` (a default run's) scaled to ``sft_steps`` and ``rl_steps``."""
+        rest = 1.0 - self.sft_share - self.rl_share
+        return total * (
+            rest
+            + self.sft_share * sft_steps / self.sft_steps
+            + self.rl_share * rl_steps / self.rl_steps
+        )
+
+
+# tiny: 16.9 min loaded (SFT 12.5, the engine's start 1, RL 2.7), 7.4 on idle cores (README);
+# tiny-moe: 16.0 loaded (SFT 11.9, the engine's start 0.5, RL 3.0), 8.9 idle (SFT 5.5, RL 2.6;
+# its expert matmuls as padded blocks off TPU)
+MEASURED = {
+    "tiny": Measured(16.9, 7.4, sft_share=12.5 / 16.9, rl_share=2.7 / 16.9),
+    "tiny-moe": Measured(16.0, 8.9, sft_share=11.9 / 16.0, rl_share=3.0 / 16.0),
 }
+
+
+def expected_duration(demo: str, sft_steps: int, rl_steps: int) -> str:
+    """What the demo tells a user it will take, for its ``sft_steps`` and ``rl_steps``."""
+    m = MEASURED[demo]
+    loaded, idle = (m.minutes(t, sft_steps, rl_steps) for t in (m.loaded, m.idle))
+    sft = m.loaded * m.sft_share * sft_steps / m.sft_steps
+    most = " (SFT most of it)" if sft > loaded / 2 else ""
+    scaled = (sft_steps, rl_steps) != (m.sft_steps, m.rl_steps)
+    how = f" ({sft_steps} SFT and {rl_steps} RL steps)" if scaled else ""
+    return (
+        f"about {loaded:.0f} minutes on 2 CPU cores shared with other jobs{most}, "
+        f"{idle:.1f} on idle ones{how}"
+    )
+
+
 LORA_DURATION = "; with --lora the RL phase trains adapters (rank 16) on the SFT policy"
 
 # The model: Qwen2 layout (q/k/v bias, tied embeddings), head_dim 64 as vLLM's CPU kernels need.
@@ -374,7 +412,8 @@ def run(
     )
     sft_cfg = phases[0]
     console.print(
-        f"jarl demo: {EXPECTED_DURATION[demo]}{LORA_DURATION if lora else ''}",
+        f"jarl demo: {expected_duration(demo, sft_cfg.sft.steps, phases[-1].trainer.steps)}"
+        f"{LORA_DURATION if lora else ''}",
         highlight=False,
         soft_wrap=True,
     )

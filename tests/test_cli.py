@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.demo import EXPECTED_DURATION
+from jax_agent_rl.demo import expected_duration
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -92,7 +92,7 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"sft_success", "rl_success"}
     out = capsys.readouterr().out
-    assert out.startswith(f"jarl demo: {EXPECTED_DURATION['tiny']}\n")
+    assert out.startswith(f"jarl demo: {expected_duration('tiny', 4, 1)}\n")
     assert "jarl traces" in out and f"\n  {tmp_path / 'hf'}/ " in out  # the closing list
     assert main(["traces", str(tmp_path), "--limit", "1"]) == 0
     assert main(["demo", "--run-dir", str(tmp_path / "x"), "algorithm.clip_hihg=1"]) == 2
@@ -202,3 +202,18 @@ def test_modules_of_the_working_directory_load_as_under_python_m(tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.endswith("nothing was run\n")
+
+
+def test_the_demo_says_how_long_its_own_steps_take() -> None:
+    """The demo's announced time follows its steps (it said "about 17 minutes" whatever they
+    were): the default steps give the measured figures, fewer steps less, more steps more."""
+    default = expected_duration("tiny", 1200, 32)
+    assert default == (
+        "about 17 minutes on 2 CPU cores shared with other jobs (SFT most of it), 7.4 on idle ones"
+    )
+    short = expected_duration("tiny", 4, 1)
+    assert short == (
+        "about 2 minutes on 2 CPU cores shared with other jobs, 0.8 on idle ones "
+        "(4 SFT and 1 RL steps)"
+    )
+    assert expected_duration("tiny", 2400, 64).startswith("about 32 minutes")
