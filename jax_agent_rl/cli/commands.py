@@ -74,7 +74,7 @@ def _train(args: argparse.Namespace) -> int:
         )
     from jax_agent_rl import distributed
     from jax_agent_rl.models import request_cpu_devices
-    from jax_agent_rl.train.check import check_run
+    from jax_agent_rl.train.check import check_run, run_notes
 
     processes = group.num_processes if args.dry_run else distributed.initialize(group)
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
@@ -84,6 +84,8 @@ def _train(args: argparse.Namespace) -> int:
         problems = distributed.problems_of_every_process(problems)
     if problems:
         return _refuse(problems)
+    # what the run will do unasked: before a run, after a dry run's plan (its last lines)
+    notes = [f"# note: {line}" for line in run_notes(cfg)]
     if args.dry_run:
         from jax_agent_rl.train import parts
         from jax_agent_rl.train.memory import memory_plan
@@ -93,10 +95,12 @@ def _train(args: argparse.Namespace) -> int:
             model = parts.custom_model(cfg, parts.run_tokenizer(cfg.model, None))
         else:  # (the plan adds model.lora's adapters itself)
             model = parts.checkpoint_model(cfg.model.path)
-        for line in memory_plan(cfg, model, processes):
-            print(f"# {line}", file=sys.stderr)
+        for line in [*(f"# {line}" for line in memory_plan(cfg, model, processes)), *notes]:
+            print(line, file=sys.stderr)
         print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
         return 0
+    for line in notes:
+        print(line, file=sys.stderr)
     return _run_training(cfg, group.multi)
 
 
@@ -267,7 +271,9 @@ def _add_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "held-out evaluation (the `val` records of metrics.jsonl) for the same weights; "
             "with --n N each prompt is sampled N times at sampling.temperature, seeded by "
             "trainer.seed (reproducible). Prints a table and writes a JSON file (pass rates "
-            "and every `val` figure). A bad input is one line on stderr, exit code 2.",
+            "and every `val` figure) and, beside it, NAME.answers.jsonl: one line per episode "
+            "(the prompt, the answer, the whole conversation, reward, success, stop reason). "
+            "A bad input is one line on stderr, exit code 2.",
             88,
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -31,6 +31,10 @@ from typing import Literal
 
 from jax_agent_rl.data.sample import Sample
 
+# the rows' data sources: arithmetic/<kind>, scored by the ``math`` reward by design (their
+# answers are numbers in <answer> tags): a run on them is not told its reward fell back
+SOURCE_PREFIX = "arithmetic/"
+
 Kind = Literal["add", "mul", "chain"]
 KINDS: tuple[Kind, ...] = ("add", "mul", "chain")
 
@@ -82,7 +86,7 @@ class ArithmeticTask:
                         {"role": "user", "content": p.question},
                     ],
                     ground_truth=str(p.answer),
-                    data_source=f"arithmetic/{p.kind}",
+                    data_source=f"{SOURCE_PREFIX}{p.kind}",
                     extra={"kind": p.kind, "steps": list(p.steps)},
                 )
             )

@@ -95,7 +95,7 @@ from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError, raised_
 from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.config.ranges import MAX_ABS_REWARD
-from jax_agent_rl.data import reasoning_gym
+from jax_agent_rl.data import arithmetic, reasoning_gym
 from jax_agent_rl.rewards.hooks import REWARDS, register_reward, source_rule
 from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
 from jax_agent_rl.user_code import load_function
@@ -188,7 +188,8 @@ JudgeFn = Scorer  # a judge (`rewards.judge.Judge`): scores an answer, never rai
 
 def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
     """The data sources among ``sources`` that the ``math`` fallback scores (``data.reward``
-    unset, no ``data.rewards_by_source`` entry, no verl rule and no reasoning-gym task), sorted."""
+    unset, no ``data.rewards_by_source`` entry, no verl rule and no reasoning-gym task), sorted;
+    the project's own arithmetic rows, which ``math`` scores by design, are not among them."""
     if data.reward:
         return []
     load_wing("verl")  # verl's rules score the sources verl knows
@@ -198,7 +199,7 @@ def scored_by_fallback(data: DataSection, sources: Iterable[str]) -> list[str]:
             for s in sources
             if s not in data.rewards_by_source
             and source_rule(s) is None
-            and not s.startswith(reasoning_gym.SOURCE_PREFIX)
+            and not s.startswith((reasoning_gym.SOURCE_PREFIX, arithmetic.SOURCE_PREFIX))
         }
     )
 

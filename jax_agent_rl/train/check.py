@@ -35,7 +35,6 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,13 +83,9 @@ T = TypeVar("T")
 def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     """Every problem a run of ``cfg`` over ``processes`` processes would meet before its first
     step; empty when none. The devices are those of every process (each assumed to have as
-    many as this one when `jax.distributed` has not joined them: ``--dry-run``). When there is
-    none, what the run will do that a user may not expect is noted on stderr (`_notes`)."""
-    problems = _problems(cfg, processes)
-    if not problems:
-        for line in _notes(cfg):
-            print(f"# note: {line}", file=sys.stderr)
-    return problems
+    many as this one when `jax.distributed` has not joined them: ``--dry-run``). What the run
+    will do that a user may not expect is `run_notes`'s."""
+    return _problems(cfg, processes)
 
 
 def _problems(cfg: JarlConfig, processes: int) -> list[str]:
@@ -242,7 +237,7 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
         ) from None
 
 
-def _notes(cfg: JarlConfig) -> list[str]:
+def run_notes(cfg: JarlConfig) -> list[str]:
     """What the run will do unasked: the speed settings its backend tunes itself, the settings
     of a backend's section another backend leaves unread, and the data
     sources the ``math`` fallback scores (the first rows of data.train and data.val), since no

@@ -23,6 +23,7 @@ from jax_agent_rl.cli import main
 from jax_agent_rl.config import (
     AlgorithmSection,
     ConfigError,
+    DataSection,
     LoraSection,
     MeshSection,
     load_config,
@@ -42,6 +43,7 @@ from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY
 from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import REWARDS
+from jax_agent_rl.rewards.registry import scored_by_fallback
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import SamplingSpec, StepSpec, token_stats
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
@@ -445,7 +447,12 @@ def test_sources_scored_by_the_math_fallback_are_noted(
     entry, no verl rule) are scored by the math fallback: the check says so, and the run goes
     on; naming a reward for them silences it."""
     assert main(["train", str(files.config), "--dry-run"]) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if "# note:" in line]
+    err = capsys.readouterr().err.splitlines()
+    notes = [line for line in err if "# note:" in line]
+    assert err[-2:] == [
+        notes[-1],
+        f"# ok: {files.config} and everything it names load; nothing was run",
+    ]
     assert notes == [
         "# note: data sources ['toy'] (in the first 16 rows of the data files) have no reward "
         "of their own and data.reward is unset: they are scored by the math fallback (the last "
@@ -455,6 +462,8 @@ def test_sources_scored_by_the_math_fallback_are_noted(
     for chosen in ("data.reward=math", "data.rewards_by_source.toy=gsm8k_lenient"):
         assert main(["train", str(files.config), chosen, "--dry-run"]) == 0
         assert "# note:" not in capsys.readouterr().err
+    # the demo's own rows are math's by design: no note for them
+    assert scored_by_fallback(DataSection(), ["arithmetic/chain", "toy"]) == ["toy"]
 
 
 def test_shipped_configs_work_from_another_directory(
