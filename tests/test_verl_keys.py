@@ -364,3 +364,24 @@ def test_verl_lora_keys_map_to_model_lora() -> None:
     assert _to_jarl(["actor_rollout_ref.model.lora_adapter_path=/a"]) == {
         "model.lora.adapter_path": '"/a"'
     }
+
+
+def test_a_response_budget_leaves_an_interaction_its_turns() -> None:
+    """data.max_response_length is verl's budget of the whole conversation, and jarl's per-turn
+    cap too unless one is given (then it stands: it was refused as "keep one"). With an
+    interaction and no per-turn cap, one model turn could take the whole budget and leave the
+    interaction none (the run trained on nothing and exited 0): refused, naming the key."""
+    key = "data.max_response_length=64"
+    assert _to_jarl([key]) == {
+        "agent.max_response_tokens": "64",
+        "agent.max_tokens_per_turn": "64",
+    }
+    both = _to_jarl([key, "agent.max_tokens_per_turn=16"])
+    assert both == {"agent.max_response_tokens": "64", "agent.max_tokens_per_turn": "16"}
+    interaction = {"env.interaction_config": "interaction.yaml"}
+    with pytest.raises(ConfigError, match=r"set agent\.max_tokens_per_turn beside it .*=16\)"):
+        _to_jarl([key], **interaction)
+    given = _to_jarl([key, "agent.max_tokens_per_turn=16"], **interaction)
+    assert given == both
+    cfg = load_config(None, ["model.path=/a", "data.train=t", key, "agent.max_tokens_per_turn=16"])
+    assert (cfg.agent.max_response_tokens, cfg.agent.max_tokens_per_turn) == (64, 16)

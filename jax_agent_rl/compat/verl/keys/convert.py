@@ -115,7 +115,8 @@ def to_jarl(
             if entry.rule is None:
                 results[key] = {entry.jarl: given_verl[key]}
             else:
-                results[key] = entry.rule(given_verl[key], Given(given_verl, current, rows))
+                given = Given(given_verl, current, rows, lambda target: target in jarl)
+                results[key] = entry.rule(given_verl[key], given)
         except (ValueError, TypeError) as e:  # ConfigError is a ValueError
             why = str(e) or (entry.how if entry is not None else "")
             problems.append(f"verl key {key}={verl[key]}: {why}")

@@ -22,7 +22,9 @@ DATA: tuple[VerlKey, ...] = (
     VerlKey(
         "data.max_response_length",
         "agent.max_response_tokens, agent.max_tokens_per_turn",
-        "model and tool tokens after the prompt; verl has no per-turn cap (a turn may use it all)",
+        "model and tool tokens after the prompt; verl has no per-turn cap (a turn may use it "
+        "all): the same per-turn cap unless agent.max_tokens_per_turn is given; with an "
+        "interaction it must be (else the first turn may leave the interaction none)",
         response_length,
         trap=True,
     ),

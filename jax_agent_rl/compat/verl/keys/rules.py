@@ -25,12 +25,13 @@ VERL_SECTIONS = (
 @dataclasses.dataclass(frozen=True)
 class Given:
     """What a conversion reads: the verl keys given (parsed values), the final value of any
-    jarl key (from a direct override, another verl key's conversion or the config) and a data
-    file's row count."""
+    jarl key (from a direct override, another verl key's conversion or the config), a data
+    file's row count, and whether a jarl key is set directly (an override)."""
 
     verl: Mapping[str, Any]
     current: Callable[[str], Any]
     rows: Callable[[str], int]
+    direct: Callable[[str], bool]
 
 
 Rule = Callable[[Any, Given], dict[str, Any]]
@@ -91,9 +92,24 @@ def data_file(jarl: str) -> Rule:
     return lambda value, _given: {jarl: _one_file(value)}
 
 
-def response_length(value: Any, _given: Given) -> dict[str, Any]:
+def response_length(value: Any, given: Given) -> dict[str, Any]:
+    """verl's budget of the whole conversation after the prompt; verl caps no turn, so one model
+    turn may take it all: a per-turn cap of the same (unless ``agent.max_tokens_per_turn`` is
+    set directly, which stands). With an interaction that would let the first model turn take
+    the whole budget and leave the interaction none (the run would train on nothing): refused
+    unless the per-turn cap is given."""
     n = _count(value)
-    return {"agent.max_response_tokens": n, "agent.max_tokens_per_turn": n}
+    out = {"agent.max_response_tokens": n}
+    if given.direct("agent.max_tokens_per_turn"):
+        return out
+    if given.current("env.interaction_config"):
+        raise ConfigError(
+            f"verl's budget of the whole conversation: with an interaction "
+            f"(env.interaction_config) one model turn may take all {n} tokens and leave the "
+            f"interaction no turn; set agent.max_tokens_per_turn beside it (what one model turn "
+            f"may take, e.g. agent.max_tokens_per_turn={max(1, n // 4)})"
+        )
+    return {**out, "agent.max_tokens_per_turn": n}
 
 
 def prompt_length(value: Any, given: Given) -> dict[str, Any]:
