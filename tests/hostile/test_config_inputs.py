@@ -83,6 +83,16 @@ CONFIGS = {
         [],
         "a whole number of 5000 digits at line 2: too long",
     ),
+    # an int past a float's range: the range check raised OverflowError (a traceback)
+    "310-digit override": (None, ["trainer.steps=1" + "0" * 309], "trainer.steps=1000000"),
+    # each value naming the one before 3,000 times: 9 million resolutions (OmegaConf resolves
+    # each use anew), 13.8 s at 10^5 characters, past 100 s at 10^6
+    "interpolation bomb": (
+        f"model:\n  path: '{'${data.val}' * 3000}'\n"
+        f"data:\n  train: t.jsonl\n  val: '{'${data.train}' * 3000}'\n",
+        [],
+        "model.path: its interpolations resolve to 63000000 characters in 9003001 resolutions",
+    ),
     "duplicate key": ("model:\n  path: a\n  path: b\n", [], "found duplicate key path"),
     "binary garbage": (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xd8", [], "is not UTF-8 text: byte 0x89"),
     "latin-1": ("model:\n  path: caf\xe9\n".encode("latin-1"), [], "byte 0xe9 at offset 18"),
