@@ -120,8 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return _refuse(problem)
     if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
         return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
-    if args.json and not Path(args.json).absolute().parent.is_dir():  # (written at the end)
-        return _refuse(f"--json {args.json}: its folder does not exist")
+    if args.json and (problem := _json_problem(Path(args.json))) is not None:
+        return _refuse(f"--json {args.json}: {problem}")
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
@@ -152,6 +152,17 @@ def run_plan(args: argparse.Namespace) -> int:
     say(verdict)
     sys.stdout.flush()
     os._exit(0 if fits else 1)  # a compilation still running past --compile-timeout stops here
+
+
+def _json_problem(path: Path) -> str | None:
+    """Why the plan could not be written to ``path``, checked before it is made (it is written
+    at the end, after every program compiled): a folder that is not there, or a path that is
+    no regular file (a FIFO blocked the write for ever; a folder or device fails it)."""
+    if not path.absolute().parent.is_dir():
+        return "its folder does not exist"
+    if path.exists() and not path.is_file():
+        return "not a regular file; name a file to write"
+    return None
 
 
 def _beside_full(

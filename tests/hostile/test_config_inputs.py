@@ -4,6 +4,7 @@ OmegaConf's or json's internals. Run through the command line's `main` in-proces
 a subprocess, to see what a user's terminal shows)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -343,3 +344,16 @@ def test_a_plan_json_file_that_cannot_be_written_is_refused_first(
     out = tmp_path / "none" / "plan.json"
     argv = ["plan", str(config), "--topology", "v5e-4", "--json", str(out)]
     _refused(argv, f"--json {out}: its folder does not exist", capsys)
+
+
+def test_a_plan_json_fifo_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json`` naming a FIFO: the plan was made, then its write blocked for ever (no reader);
+    a folder or a device fails it. Only a regular file (or none yet) is taken."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    out = tmp_path / "plan.json"
+    os.mkfifo(out)
+    argv = ["plan", str(config), "--topology", "v5e-4", "--json", str(out)]
+    _refused(argv, f"--json {out}: not a regular file", capsys)
