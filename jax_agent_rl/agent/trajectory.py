@@ -319,13 +319,15 @@ class Trajectory:
 def demonstration_trajectory(
     sample: Sample,
     builder: TurnBuilder,
-    turns: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+    turns: Sequence[tuple[str, Sequence[Message]]],
 ) -> Trajectory:
-    """The trajectory `run_tool_agent` records when the model writes exactly ``turns``.
+    """The trajectory the agent loop records when the model writes exactly ``turns``.
 
-    Each turn is (assistant text, [(tool name, tool output), ...]); the text is encoded and
-    ended with eos (mask 1), the tool outputs follow as template deltas (mask 0), exactly as
-    in a rollout of a chat-style parser. Supervised fine-tuning on these trains the very
+    Each turn is (assistant text, [the messages that answered it]): tool results
+    (``{"role": "tool", "content", "name"}``) or user messages (an environment's or an
+    interaction's reply). The text is encoded and ended with eos (mask 1), the answers follow
+    as template deltas (mask 0), exactly as in a rollout of a chat-style parser (tool results)
+    or of an environment (its observations). Supervised fine-tuning on these trains the very
     tokens a rollout would score.
     """
     traj = Trajectory(
@@ -333,18 +335,14 @@ def demonstration_trajectory(
         group_id=sample.group_id,
         prompt_ids=builder.prompt_ids(sample.messages),
         messages=[dict(m) for m in sample.messages],
-        tool_calls=sum(len(outputs) for _, outputs in turns),
+        tool_calls=sum(m["role"] == "tool" for _, answers in turns for m in answers),
     )
-    for text, outputs in turns:
+    for text, answers in turns:
         turn = [*builder.tokenizer.encode(text), builder.eos_id]
         traj.append(turn, model=True)
         traj.add_turn(None, text)
-        if outputs:
-            tool_messages = [
-                {"role": "tool", "content": out, "name": name} for name, out in outputs
-            ]
-            traj.add_observation(
-                builder.close_assistant_turn(turn) + builder.messages_delta(tool_messages)
-            )
-            traj.add_messages(tool_messages)
+        if answers:
+            said = [dict(m) for m in answers]
+            traj.add_observation(builder.close_assistant_turn(turn) + builder.messages_delta(said))
+            traj.add_messages(said)
     return traj

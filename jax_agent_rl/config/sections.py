@@ -361,7 +361,9 @@ class LearnerSection:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSection:
-    """An optional supervised warm start on demonstrations (jsonl rows with ``messages``)."""
+    """An optional supervised warm start on demonstrations (jsonl rows with ``messages``: the
+    prompt, then assistant turns, each answered by tool or user messages (an environment's or
+    an interaction's reply); the assistant turns are trained, `train.sft`)."""
 
     data: str = ""  # empty: no SFT stage
     steps: int = setting(0, NATURAL)

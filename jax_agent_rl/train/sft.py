@@ -1,10 +1,12 @@
 """Supervised warm start: masked cross-entropy on demonstration conversations.
 
 A demonstration file is JSONL, one conversation per line: ``{"messages": [...]}`` with the
-prompt (system/user), then assistant turns, each followed by the tool messages that answered
-it. Each conversation becomes the exact token sequence a rollout would produce if the model
-wrote those assistant turns (`demonstration_trajectory`), so SFT trains the very tokens that
-RL later samples and scores.
+prompt (system/user), then assistant turns, each followed by what answered it: tool messages,
+or user messages (an environment's or an interaction's reply, a user's next question), or
+both. Each conversation becomes the exact token sequence a rollout would produce if the model
+wrote those assistant turns (`demonstration_trajectory`): the assistant turns trained (mask 1),
+everything between them not (mask 0), so SFT trains the very tokens that RL later samples and
+scores, for tool, environment and interaction tasks alike.
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.metrics import MetricsLog
 from jax_agent_rl.visible import lone_surrogate
 
-Turns = list[tuple[str, list[tuple[str, str]]]]
+Turns = list[tuple[str, list[dict[str, Any]]]]
+ANSWERS = ("tool", "user")  # the roles that may answer an assistant turn
 
 
 def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], Turns]:
-    """(prompt messages, [(assistant text, [(tool name, tool output), ...]), ...]). A message
-    that is no object with a role and text content is a ValueError naming it (the tokenizer
-    refused it later, a TypeError naming nothing: "TextInputSequence must be str")."""
+    """(prompt messages, [(assistant text, [the tool and user messages that answered it]),
+    ...]). A message that is no object with a role and text content is a ValueError naming it
+    (the tokenizer refused it later, a TypeError naming nothing: "TextInputSequence must be
+    str"), and so is a system message after the first assistant turn."""
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list, got {type(messages).__name__}")
     for i, m in enumerate(messages):
@@ -59,10 +63,16 @@ def split_conversation(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[st
     for m in messages[first:]:
         if m["role"] == "assistant":
             turns.append((m["content"], []))
-        elif m["role"] == "tool" and turns:
-            turns[-1][1].append((m.get("name", ""), m["content"]))
+        elif m["role"] in ANSWERS:
+            answer = {"role": m["role"], "content": m["content"]}
+            turns[-1][1].append(
+                {**answer, "name": m.get("name", "")} if m["role"] == "tool" else answer
+            )
         else:
-            raise ValueError(f"unexpected {m['role']!r} message after the first assistant turn")
+            raise ValueError(
+                f"unexpected {m['role']!r} message after the first assistant turn (an "
+                f"assistant turn is answered by {' or '.join(ANSWERS)} messages)"
+            )
     return [dict(m) for m in messages[:first]], turns
 
 
