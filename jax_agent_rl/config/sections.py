@@ -156,9 +156,10 @@ class JudgeSection:
     ``judge`` (``data.reward=judge`` or an entry of ``data.rewards_by_source``). The judge reads
     ``template`` filled in (the response between ``<response>`` delimiters it cannot close), as
     one user message of its tokenizer's chat template, answers (greedy by default), and the
-    number in the first ``<score>N</score>`` of its answer is the score. A judge call that
-    fails (no score tag in its answer, a score outside [0, score_max], an error, a timeout)
-    gives ``fallback`` and is counted (``reward/judge_failures``); it never fails a step."""
+    number in the ``<score>N</score>`` of its answer is the score. A judge call that fails
+    (no score tag in its answer, a score outside [0, score_max], two different scores, an
+    error, a timeout) gives ``fallback`` and is counted (``reward/judge_failures``); it never
+    fails a step."""
 
     # policy: the rollout backend under training (the judge sees the current weights); else
     # a registered rollout backend (embedded, vllm, ...) started beside it from model_path,
@@ -176,7 +177,7 @@ class JudgeSection:
         "Reply with the rating first, as <score>N</score> with N a whole number from 0 to "
         "{score_max:g}."
     )
-    # the number in the first <score>N</score> of the judge's answer, in [0, score_max], is
+    # the number in the <score>N</score> of the judge's answer, in [0, score_max], is
     # divided by it: rewards in [0, 1]
     score_max: float = setting(10.0, POSITIVE)
     # the reward of an answer whose judge call failed: at most the lowest rating (0), or

@@ -3,9 +3,10 @@
 The reward named ``judge`` (``data.reward=judge``, or per source in ``data.rewards_by_source``)
 fills ``data.judge.template`` with the row's prompt, the final answer and the ground truth,
 sends it as one user message of the judge's chat template (greedy by default) and reads the
-number in the first ``<score>N</score>`` of what comes back (`parse_score`), divided by
+number in the ``<score>N</score>`` of what comes back (`parse_score`), divided by
 ``score_max``. Anything else is a failure: a judge that says "Rating: 3/10", or only quotes
-the response's own "10/10", has not rated it.
+the response's own "10/10", has not rated it; nor has one whose answer holds two different
+scores (it quoted the score the response claims for itself: the first tag won, and paid it).
 
 The policy writes the answer the judge reads, and under GRPO it gains by raising its score, so
 the answer is data the judge cannot mistake for its prompt (`response_block`):
@@ -76,29 +77,40 @@ class JudgeAnswerError(ValueError):
     """A judge's answer that holds no score in range."""
 
 
-def _score_text(text: str) -> str | None:
-    """What the first ``<score>...</score>`` of ``text`` holds (tags in any case), without
-    the spaces around it; None without one. What ``re.search(r"<score>\\s*(.*?)\\s*</score>",
-    text, re.I | re.S)`` finds, in linear time: that regex took time cubic in a run of spaces
-    after a tag never closed (4,000 of them: 44 s, on the event loop)."""
-    opened = _OPEN_SCORE.search(text)
-    closed = None if opened is None else _CLOSE_SCORE.search(text, opened.end())
-    if opened is None or closed is None:  # none closed after the first: none after a later one
-        return None
-    return text[opened.end() : closed.start()].strip()
+def _score_texts(text: str) -> list[str]:
+    """What each ``<score>...</score>`` of ``text`` holds (tags in any case), without the
+    spaces around it, in order. What ``re.findall(r"<score>\\s*(.*?)\\s*</score>", text,
+    re.I | re.S)`` finds, in linear time: that regex took time cubic in a run of spaces after
+    a tag never closed (4,000 of them: 44 s, on the event loop)."""
+    found, at = [], 0
+    while (opened := _OPEN_SCORE.search(text, at)) is not None:
+        closed = _CLOSE_SCORE.search(text, opened.end())
+        if closed is None:  # none closed after this one: none after a later one
+            break
+        found.append(text[opened.end() : closed.start()].strip())
+        at = closed.end()
+    return found
 
 
 def parse_score(text: str, score_max: float) -> float:
-    """The number in the first ``<score>N</score>`` of ``text``, in [0, ``score_max``],
-    divided by ``score_max``. Raises `JudgeAnswerError` when there is no such tag, it holds
-    no number, or the number is out of range."""
-    found = _score_text(text)
-    if found is None:
+    """The number in the ``<score>N</score>`` of ``text``, in [0, ``score_max``], divided by
+    ``score_max``. Raises `JudgeAnswerError` when there is no such tag, one holds no number,
+    the number is out of range, or two tags hold different numbers: a judge quoting the score
+    the response claims for itself beside its own has given no one score (the first tag won,
+    so the quoted claim was paid)."""
+    texts = _score_texts(text)
+    if not texts:
         raise JudgeAnswerError(f"no <score>N</score> in the judge's answer {text[:200]!r}")
-    try:
-        value = float(found)
-    except ValueError as e:
-        raise JudgeAnswerError(f"the judge's score {found!r:.40} is not a number") from e
+    values = set()
+    for found in texts:
+        try:
+            values.add(float(found))
+        except ValueError as e:
+            raise JudgeAnswerError(f"the judge's score {found!r:.40} is not a number") from e
+    if len(values) > 1:
+        shown = ", ".join(f"{v:g}" for v in sorted(values)[:4])
+        raise JudgeAnswerError(f"the judge's answer holds different scores ({shown}): quoted?")
+    (value,) = values
     if not 0.0 <= value <= score_max:  # NaN fails this too
         raise JudgeAnswerError(f"the judge's score {value:g} is outside [0, {score_max:g}]")
     return value / score_max

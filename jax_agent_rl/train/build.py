@@ -211,16 +211,18 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
     run_dir = made_folder(Path(cfg.trainer.run_dir), f"trainer.run_dir={cfg.trainer.run_dir!r}")
     if distributed.is_primary():
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
-    model, tokenizer = policy_and_tokenizer(cfg)
-    sharder = run_sharder(cfg)
-    params = run_policy(cfg, model, sharder)
-    default = cfg.agent.default_agent_loop
-    sampler = PromptSampler(prompt_samples("data.train", cfg.data.train, default), cfg.trainer.seed)
-    val_samples = held_out_samples(cfg)
-    registry = tool_registry(cfg.tools.config)
-    envs = make_environments(cfg.env, cfg.agent.max_turns)
-    for key, samples in (("data.train", sampler.samples), ("data.val", val_samples)):
-        check_environments(envs, samples, key)
+    with progress.phase(console, "loading the model, the data and the tools"):
+        model, tokenizer = policy_and_tokenizer(cfg)
+        sharder = run_sharder(cfg)
+        params = run_policy(cfg, model, sharder)
+        default = cfg.agent.default_agent_loop
+        samples = prompt_samples("data.train", cfg.data.train, default)
+        sampler = PromptSampler(samples, cfg.trainer.seed)
+        val_samples = held_out_samples(cfg)
+        registry = tool_registry(cfg.tools.config)
+        envs = make_environments(cfg.env, cfg.agent.max_turns)
+        for key, rows in (("data.train", sampler.samples), ("data.val", val_samples)):
+            check_environments(envs, rows, key)
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     metrics = MetricsLog(run_dir, cfg.trainer.tensorboard, enabled=distributed.is_primary())
     try:
@@ -244,7 +246,8 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
         # the KL reference: the policy RL starts from (the learner keeps a copy); a LoRA
         # policy's is its base, the adapters left out (no copy: `rl.update.reference_of`)
         reference = params if cfg.algorithm.kl_coef and model.lora is None else None
-        learner, state = make_learner(cfg, model, params, sharder, reference=reference)
+        with progress.phase(console, "building the learner's state"):
+            learner, state = make_learner(cfg, model, params, sharder, reference=reference)
         start = 0
         if latest is not None:
             state, start = _restore(checkpoints, latest, state, sampler)

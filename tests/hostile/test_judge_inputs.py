@@ -80,9 +80,12 @@ def _scores(judge: Judge, responses: list[str]) -> list[float]:
     [
         ("<score>3</score>", 0.3, False),
         ("<score> 7 </score> because ...", 0.7, False),
-        # the first tag counts: a later one (a quote of the response) does not
         ("<score>0</score> - the response says 11, but the reference is 10", 0.0, False),
-        ("<score>2</score> it wrote <score>10</score>", 0.2, False),
+        ("<score>4</score>; in short, <score>4</score>", 0.4, False),
+        # two different scores, a quote of the response's claimed one beside the judge's own,
+        # either first: no one score, a failure (the first tag won, and paid the quoted 10)
+        ("<score>2</score> it wrote <score>10</score>", 0.0, True),
+        ('It claims "<score>10</score>" for itself; wrong: <score>2</score>', 0.0, True),
         # no tag, or a tag holding no number in range: a failure, scored by the fallback (0)
         ("Rating: 3/10", 0.0, True),
         ("0 - the response says 11, but the reference is 10", 0.0, True),
@@ -92,7 +95,7 @@ def _scores(judge: Judge, responses: list[str]) -> list[float]:
         ("<score>ten</score>", 0.0, True),
     ],
 )
-def test_only_the_first_score_tag_of_the_judge_is_its_rating(
+def test_the_judges_one_score_is_its_rating(
     tokenizer: Tokenizer, reply: str, score: float, failed: bool
 ) -> None:
     judge = _judge(tokenizer, Replies(tokenizer, lambda _prompt: reply))

@@ -46,12 +46,19 @@ def _answer(response: str, prompt: str = "What is 2 + 3?") -> Answer:
     return Answer("arith", prompt, response, "5", {})
 
 
-def test_the_score_is_the_first_score_tag_in_range_normalised() -> None:
+def test_the_score_is_the_score_tag_in_range_normalised() -> None:
     assert parse_score("<score>7</score>", 10.0) == 0.7
     assert parse_score("3 of 4 steps hold; <score>8.5</score> overall", 10.0) == 0.85
-    assert parse_score("<score>0</score> not <score>9</score>", 10.0) == 0.0
+    assert parse_score("<score>9</score>, so: <score> 9.0 </score>", 10.0) == 0.9
     assert parse_score("<SCORE> 4 </SCORE>", 5.0) == 0.8
     for text, problem in [
+        # a judge quoting the response's claimed score before its own: the first tag won
+        (
+            'The response says "<score>10</score>" of itself. It is wrong: <score>2</score>',
+            r"different scores \(2, 10\)",
+        ),
+        ("<score>0</score> not <score>9</score>", "different scores"),
+        ("<score>7</score> then <score>x</score>", "not a number"),
         ("no tag here", "no <score>N</score>"),
         ("Rating: 7", "no <score>N</score>"),
         ("<score>11</score>", "outside"),

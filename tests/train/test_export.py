@@ -69,11 +69,16 @@ def test_a_log_file_gets_one_line_per_step(run: tuple[Path, str]) -> None:
 
 
 def test_a_log_file_hears_of_every_long_phase_with_its_count(run: tuple[Path, str]) -> None:
-    """SFT, the engine's start (its compilation), the held-out evaluations, checkpoints, the RL
-    steps and the export each say when they start and end; the counted ones give their counts."""
+    """Loading the run's parts, SFT, the learner's state, the engine's start (its compilation),
+    the held-out evaluations, checkpoints, the RL steps and the export each say when they start
+    and end; the counted ones give their counts. The first line is the loading's (the run was
+    silent for ~20 s before its first checkpoint)."""
     _, log = run
     lines = log.splitlines()
+    assert lines[0] == "loading the model, the data and the tools: started"
     for start, end in (
+        ("loading the model, the data and the tools: started", None),
+        ("building the learner's state: started", None),
         ("sft step 0/60: started", "sft step 60/60  loss "),
         ("starting the embedded rollout backend (compiling its programs): started", None),
         ("held-out @ step 0, episode 0/16: started", "held-out @ step 0, episode 16/16  ("),
