@@ -71,3 +71,25 @@ def test_jarl_sets_the_cache_for_its_children_unless_told_not_to(
     folder = tmp_path / "xdg" / "jax_agent_rl" / f"xla-{cpu_kind()}"
     assert out == ("None" if flags else str(folder))
     assert folder.is_dir() != bool(flags)
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_cache_off_and_says_so(tmp_path: Path) -> None:
+    """A file where the folder should be: the run goes on without a cache, and one line says
+    why (no traceback, no silent default)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    probe = (
+        "import os, sys; from jax_agent_rl.cli import main; "
+        "main(sys.argv[1:]); print(os.environ.get('JAX_COMPILATION_CACHE_DIR'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--compile-cache", str(blocker / "cc"), "config"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "None"
+    assert done.stderr == (
+        f"jarl: note: compile cache {blocker / 'cc'}: Not a directory; compiling without one\n"
+    )

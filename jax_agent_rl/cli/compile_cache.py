@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 ENV = "JAX_COMPILATION_CACHE_DIR"
@@ -43,15 +44,19 @@ def default_folder() -> Path:
 def enable(folder: Path | None) -> Path | None:
     """Turns the persistent cache on in ``folder`` (None: off), for this process and the ones
     it starts; a folder already in ``JAX_COMPILATION_CACHE_DIR`` wins. Call before JAX starts
-    a backend. Returns the folder in use, or None. A folder that cannot be made leaves the
-    cache off (a run does not fail for want of a cache)."""
+    a backend. Returns the folder in use, or None. A folder that cannot be made (or written)
+    leaves the cache off, said on stderr: a run does not fail for want of a cache."""
     if os.environ.get(ENV):
         return Path(os.environ[ENV])
     if folder is None:
         return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"this user may not write {folder}")
+    except OSError as e:
+        why = e.strerror or str(e)
+        print(f"jarl: note: compile cache {folder}: {why}; compiling without one", file=sys.stderr)
         return None
     os.environ[ENV] = str(folder)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", MIN_COMPILE_S)
