@@ -79,7 +79,8 @@ def gap_by_staleness(
 
 def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
     """Raises ValueError unless the sampled experts a batch carries (`TrainBatch.expert_ids`)
-    are ints of the model's sparse layers and experts per token, ids within its experts."""
+    are ints of the model's sparse layers and experts per token, ids within its experts, each
+    token's row of a layer given whole or not at all."""
     ids = batch.expert_ids
     if ids is None:
         return
@@ -99,6 +100,15 @@ def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
         raise ValueError(
             f"the trajectories' expert_ids hold expert {int(bad[0])}; the policy's experts "
             f"are 0 .. {model.num_experts - 1} (-1: none sampled)"
+        )
+    # a token's row in a layer is every expert it was routed to, or none: [5, -1] took expert
+    # 5's gate and another expert's MLP
+    none = ids == NO_EXPERTS
+    half = np.argwhere(none.any(-1) & ~none.all(-1))
+    if half.size:
+        raise ValueError(
+            f"the trajectories' expert_ids give {ids[tuple(half[0])].tolist()} for one token of "
+            "a layer: all of its num_experts_per_tok experts, or -1 for each (none sampled)"
         )
 
 

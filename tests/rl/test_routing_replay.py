@@ -293,6 +293,12 @@ def test_expert_ids_of_the_wrong_shape_are_refused(
         make_batch([sampled[0].train_sequence(0.0), short.train_sequence(0.0)], bucket=16)
     with pytest.raises(ValueError, match=r"expert ids of shape \(3, 2, 2\) for 4 sampled"):
         Trajectory("x", "g", [1]).add_sample([1, 2, 3, 4], [0.0] * 4, 0, np.zeros((3, 2, 2)))
+    # half a row: one expert's gate mixed with another's MLP
+    half = sampled[0].expert_ids.copy()
+    half[3, 0] = [5, -1]
+    half_given = [dataclasses.replace(sampled[0], expert_ids=half), *sampled[1:]]
+    with pytest.raises(ValueError, match=r"expert_ids give \[5, -1\] for one token"):
+        step_metrics(cfg, w, half_given, replay=True)
     dense = ModelConfig.from_hf(TINY["qwen2"])
     with pytest.raises(ValueError, match="qwen2 policy has no sparse layers"):
         step_metrics(
