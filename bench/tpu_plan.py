@@ -35,8 +35,13 @@ chip from its memory analysis, time and MFU a roofline estimate of its counts (d
 Prints each plan's report on stderr and ends with one JSON line on stdout:
 {"runs": [{"name", "topology", "compiled", "fits", "hbm_per_chip_gib", "compile_s",
 "predicted_mfu", "programs": [{"name", "compiled", "compile_s", "hbm_per_chip_gib",
-"flops_per_device", "pallas_kernels", "trained_params", "predicted_s", "predicted_mfu"}, ...],
-"full_parameter" (a LoRA run's: the same figures of the run training every weight)}, ...]}
+"flops_per_device", "pallas_kernels", "trained_params", "predicted_s", "predicted_mfu",
+"counted_flops", "counted_bytes", "compiler_flops", "compiler_bytes", "top_bytes", "top_flops",
+"mesh_findings"}, ...], "full_parameter" (a LoRA run's: the same figures of the run training
+every weight)}, ...]}. ``mesh_findings`` of the training steps is the check
+tests/plan/test_collectives.py makes on a tiny run (the collectives the mesh implies, no
+others), made here at full size; ``compiler_*`` are XLA's own counts (each loop body once,
+kernels as nothing), ``counted_*`` the plan's (`jax_agent_rl.plan.hlo`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,19 @@ KEYS = (
 )
 
 
+# the counts behind the estimate, the ops moving the most bytes and running the most FLOPs,
+# and what a training step's collectives do beyond what the mesh implies (none: [])
+COUNTS = (
+    "counted_flops",
+    "counted_bytes",
+    "compiler_flops",
+    "compiler_bytes",
+    "top_bytes",
+    "top_flops",
+    "mesh_findings",
+)
+
+
 def plan(name: str, extra: list[str], timeout_s: float | None) -> dict[str, object]:
     """One run's `jarl plan` (its report on stderr) and its record."""
     model, topology, overrides = RUNS[name]
@@ -152,6 +170,7 @@ def figures(name: str, record: dict[str, Any]) -> dict[str, object]:
                 **{k: p[k] for k in KEYS},
                 "predicted_s": p["predicted_s"],
                 "predicted_mfu": p["predicted_mfu"],
+                **{k: p[k] for k in COUNTS},
             }
             for p in record["programs"]
         ],

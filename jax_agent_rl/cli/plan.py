@@ -32,9 +32,12 @@ DESCRIPTION = (
     "theirs, the base frozen), the engine runs them unmerged and the push sends them alone; "
     "then the same run training every weight is compiled too, and a table shows both runs' "
     "HBM per chip side by side. Per program: compile seconds, HBM per chip (arguments + "
-    "temporaries + outputs - donated/aliased buffers), FLOPs per chip with loop trip counts "
-    "applied (analytic), and a compiler estimate of its time and MFU (a roofline of the "
-    "compiler's counts: an estimate, not a measurement). The run's peak per chip is the "
+    "temporaries + outputs - donated/aliased buffers), its matmul FLOPs and HBM bytes per "
+    "chip counted from the compiled program with every loop's trip count applied and its "
+    "Pallas kernels counted, an estimate of its time and MFU (a roofline per op: an "
+    "estimate, not a measurement), the ops moving the most bytes and running the most "
+    "FLOPs, and a training step's collectives that its mesh does not imply, if any. The "
+    "run's peak per chip is the "
     "learner's state + the engine's weights and KV cache + the largest program's "
     "temporaries. The last line is `fits: ...` or `does not fit: ...`; a run that does not "
     "fit is planned again on the other (data, fsdp, tensor) meshes of the slice, and the "
@@ -90,7 +93,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         metavar="FILE",
         help="also write the plan as JSON (per program: compiled, compile_s, HBM per chip, "
-        "FLOPs per device, predicted seconds and MFU)",
+        "FLOPs per device, the counted FLOPs and bytes, the top ops by bytes and by FLOPs, "
+        "the collectives, predicted seconds and MFU)",
     )
     p.add_argument(
         "--no-search",

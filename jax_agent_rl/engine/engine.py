@@ -120,8 +120,10 @@ class Engine:
         n = max_concurrent_decodes
         local = sharder.sharding(("batch",), (n,)).shard_shape((n,))[0]
         self.shards, self.slots_per_shard = n // local, local
+        # each shard an equal range: a budget's pages (`pool_pages`) rounded down to them
+        self.num_pages -= self.num_pages % self.shards
         self.shard_pages = self.num_pages // self.shards
-        if self.num_pages % self.shards or self.shard_pages < self.pages_per_seq:
+        if self.shard_pages < self.pages_per_seq:
             raise ValueError(
                 f"a pool of {self.num_pages} pages of {page_size} over {self.shards} shards "
                 f"cannot hold one sequence of max_len={max_len} ({self.pages_per_seq} pages) "

@@ -3,8 +3,10 @@ compiles for abstract devices of the slice), with their HBM per chip and a compi
 of their time.
 
 Modules: `topology` (slices by name, chips' HBM and peak FLOP/s), `presets` (model shapes by
-name), `programs` (the trainer's programs with abstract arguments), `report` (compiling them,
-the report and the verdict; a LoRA run's beside the same run training every weight).
+name), `programs` (the trainer's programs with abstract arguments), `hlo` (a compiled
+program's FLOPs, HBM bytes and collectives, read from its text with its loops' trip counts),
+`report` (compiling them, the estimate, the report and the verdict; a LoRA run's beside the
+same run training every weight).
 """
 
 from jax_agent_rl.plan.presets import PRESETS, preset_model

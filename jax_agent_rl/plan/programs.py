@@ -7,8 +7,10 @@ theirs, its frozen base in bfloat16 when computing so), the engine runs them unm
 push sends them alone.
 
 Each program carries the FLOPs per device its configured workload runs (`Workload`), computed
-analytically: a compiled program's cost analysis counts a loop body once whatever its trip
-count (the layer scan, the micro-batch loop, the decode steps), so its FLOPs are not the run's.
+analytically (the model's FLOPs, for MFU), and what a reader of its compiled text
+(`plan.hlo.count`) cannot know: the trip counts of the loops only the device counts (the
+learner's loops over the real micro-batches, by their named scopes) and the FLOPs and bytes of
+its Pallas kernels (`kernel_costs`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ from jax_agent_rl.models import (
 )
 from jax_agent_rl.models.adapters import adapters_of, serving_adapters
 from jax_agent_rl.models.decoder import ATTN_BLOCK
+from jax_agent_rl.plan.hlo import KernelCost, arrays, nbytes
 from jax_agent_rl.plan.topology import Topology
 from jax_agent_rl.rl.batch import TrainBatch, padded_length
 from jax_agent_rl.rl.learner import StepPrograms, abstract_learner_state, jit_step
 from jax_agent_rl.rl.objectives import cast_floats
-from jax_agent_rl.rl.update import RLBatch, TrainState, trainable
+from jax_agent_rl.rl.update import (
+    ALL_MICRO_BATCHES,
+    MICRO_BATCHES,
+    RLBatch,
+    TrainState,
+    trainable,
+)
 from jax_agent_rl.rollout.registry import make_engine
 from jax_agent_rl.train.learners import (
     learner_settings,
@@ -51,7 +60,9 @@ class Program:
     per device of its configured workload (``model_flops``: without remat's recomputation),
     ``workload`` saying what that is. A training step's ``trained`` parameters (what its
     optimizer updates) and its ``optimizer`` state's bytes per device; ``replaces``: its
-    outputs take the place of resident buffers dropped before it runs."""
+    outputs take the place of resident buffers dropped before it runs. ``trips``: the trip
+    count of each loop the compiler cannot count, by named scope; ``kernels``: its Pallas
+    kernels' FLOPs and bytes (`kernel_costs`)."""
 
     name: str
     fn: Any  # jitted: `.lower(*args, **static)`
@@ -63,6 +74,23 @@ class Program:
     trained: int = 0
     optimizer: int = 0
     replaces: bool = False
+    trips: dict[str, int] = dataclasses.field(default_factory=dict)
+    kernels: KernelCost | None = None
+    weights: WeightTraffic | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightTraffic:
+    """What a training step's weights should cost its collectives (`report.mesh_findings`):
+    ``gathered``, the bytes per device of every weight in the compute dtype gathered over
+    fsdp (still split over tensor); ``passes``, the forward and backward passes over
+    micro-batches, each of which gathers them once (a backward maybe twice: its remat
+    forward's and its own); ``stacked``, the largest stacked weight's bytes per device as it
+    is laid out (a copy that size is a copy of the weights)."""
+
+    gathered: float
+    passes: float
+    stacked: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +130,61 @@ def forward_flops(model: ModelConfig, tokens: float, context: float) -> float:
     return 2 * tokens * (model.matmul_params_per_token + attention)
 
 
+# matmul FLOPs per (query, key) pair and head dimension of splash attention's kernels: the
+# forward's q k and p v; dq's q k again, dO v and dS k; dkv's q k, dO v, p dO and dS q
+_SPLASH_MATMULS = {"fwd": 4, "dq": 6, "dkv": 8}
+
+
+def kernel_costs(window: int | None = None, context: float = 0.0) -> KernelCost:
+    """The FLOPs and HBM bytes of the Pallas kernels the programs run, from their names and
+    operand types (XLA's cost analysis counts a kernel as nothing):
+
+    - splash attention (``splash_mha_fwd*``, ``_dq*``, ``_dkv*``: one row's heads, q [H, n,
+      K]): 2 per multiply-add of each of its matmuls (`_SPLASH_MATMULS`) over the key blocks
+      it visits, the causal blocks (those within ``window`` positions of the query block, if
+      given) of its block grid (the grid's [1, n / block_q, n / block_kv] mask operand), whole
+      blocks (their masked halves on the diagonal included); bytes: its operands and results;
+    - the paged-attention decode kernel (``paged_attention``, q [B, H, K], pages [G, P, page,
+      K]): each row reads ``context`` cached positions (the workload's mean): 4 H K FLOPs and
+      2 G K elements of the pages per position, plus its queries and results.
+
+    Any other kernel is left to `hlo.count` (its operands and results; no FLOPs)."""
+
+    def cost(name: str, operands: list[str], result: str) -> tuple[float, float] | None:
+        moved = float(sum(nbytes(s) for s in operands) + nbytes(result))
+        parts = [a for s in operands for a in arrays(s)]
+        floats = [a for a in parts if a[0] in ("bf16", "f16", "f32")]
+        if name.startswith("splash_mha_"):
+            kind = next((k for k in _SPLASH_MATMULS if f"_{k}" in name), None)
+            q = next((d for _, d in floats if len(d) == 3), None)
+            if kind is None or q is None:
+                return None
+            H, n, K = q
+            grid = next((d for t, d in parts if t == "s8" and len(d) == 3), (1, 1, 1))
+            bq, bk = n // grid[1], n // grid[2]
+            reach = window or n
+            visited = sum(
+                1
+                for i in range(grid[1])
+                for j in range(grid[2])
+                if j * bk <= (i + 1) * bq - 1 and i * bq - ((j + 1) * bk - 1) < reach
+            )
+            return _SPLASH_MATMULS[kind] * H * K * visited * bq * bk, moved
+        if name.startswith("paged_attention"):
+            q = next((d for _, d in floats if len(d) == 3), None)
+            pages = next(((t, d) for t, d in floats if len(d) == 4), None)
+            if q is None or pages is None:
+                return None
+            (B, H, K), (dtype, (G, _, _, _)) = q, pages
+            read = 2 * B * G * K * context * (2 if dtype != "f32" else 4)
+            return 4 * B * H * K * context, read + nbytes(result) + sum(
+                nbytes(s) for s in operands if len(arrays(s)) == 1 and len(arrays(s)[0][1]) != 4
+            )
+        return None
+
+    return cost
+
+
 def _sds(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -110,6 +193,23 @@ def _per_device(tree: Any) -> int:
     """Bytes of ``tree``'s abstract arrays on the busiest device of their layout."""
     return sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def _traffic(model: ModelConfig, compute_dtype: str, params: Any, passes: float) -> WeightTraffic:
+    """`WeightTraffic` of a policy's ``params`` (abstract, laid out) over ``passes``."""
+    size = 2 if compute_dtype == "bfloat16" else 4
+
+    def split(x: Any) -> int:  # the devices a leaf stays split over once gathered over fsdp
+        axes = [a for p in x.sharding.spec for a in ((p,) if isinstance(p, str) else p or ())]
+        return math.prod(x.sharding.mesh.shape[a] for a in axes if a != "fsdp")
+
+    leaves = jax.tree.leaves(params)
+    stacked = [x for x in leaves if x.ndim >= 3 and x.shape[0] == model.num_layers]
+    return WeightTraffic(
+        sum(math.prod(x.shape) * size / split(x) for x in leaves),
+        passes,
+        max((math.prod(x.sharding.shard_shape(x.shape)) * size for x in stacked), default=0),
     )
 
 
@@ -180,6 +280,16 @@ def learner_programs(
         f"{a.ppo_epochs} epoch(s); trains {trains['what']}",
         trains["trained"],
         trains["optimizer"],
+        trips={MICRO_BATCHES: work.micro_batches, ALL_MICRO_BATCHES: K * work.micro_batches},
+        kernels=kernel_costs(window),
+        weights=_traffic(
+            programs.spec.model,
+            cfg.model.dtype,
+            state.policy.params,
+            # per micro-batch: prepare's forwards (the reference's, the critic's too), then
+            # each epoch's forward and backward (a trained critic's alike)
+            K * work.micro_batches * (1 + bool(a.kl_coef) + gae + a.ppo_epochs * 2 * (1 + gae)),
+        ),
     )
     out = [rl]
     if cfg.sft.data and cfg.sft.steps:
@@ -209,6 +319,7 @@ def learner_programs(
                 f"{sft_trains['what']}",
                 sft_trains["trained"],
                 sft_trains["optimizer"],
+                kernels=kernel_costs(T),
             )
         )
     return out
@@ -259,6 +370,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             prefill,
             prefill,
             f"one chunk of {chunk} tokens reading {pages} pages of {engine.page_size}",
+            kernels=kernel_costs(),
         ),
         Program(
             "decode",
@@ -269,6 +381,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             decode,
             f"{r.steps_per_call} steps x {rows} slots, each at {r.max_model_len // 2} cached "
             f"tokens on average, {engine.decode_kernel} attention",
+            kernels=kernel_costs(context=r.max_model_len / 2),
         ),
     ]
 

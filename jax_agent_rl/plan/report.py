@@ -1,6 +1,15 @@
 """Compiling a run's programs for a TPU slice and reading the result: `plan_run` compiles each
-program (`jax_agent_rl.plan.programs`) and reads its HBM per chip (`memory_analysis`) and the
-compiler's cost estimate (`cost_analysis`); `Plan.lines` is the report ``jarl plan`` prints.
+program (`jax_agent_rl.plan.programs`) and reads its HBM per chip (`memory_analysis`), its
+FLOPs and HBM bytes with every loop's trip count and its Pallas kernels counted (`hlo.count` of
+its compiled text) and from them a roofline estimate of its time; `Plan.lines` is the report
+``jarl plan`` prints.
+
+The estimate is a roofline per op, summed: each op (fusion, kernel, collective, copy) takes
+max(its FLOPs / the chip's peak, its HBM bytes / the chip's bandwidth), and the ops run one
+after another. It is what the program costs if every op ran at the better of its two bounds
+and nothing overlapped (async copies and collectives do overlap compute on a TPU: their time
+is counted as if not); it misses the collectives' ICI bandwidth and latency, host work and the
+rollout's pace. MFU is the model's FLOPs (analytic, no remat recompute) over that time at peak.
 
 The whole run's peak per chip: the learner's resident state (the RL update's arguments: the
 train state and the step's batch) plus the engine's (the decode call's arguments: the serving
@@ -23,7 +32,8 @@ import jax
 
 from jax_agent_rl.config import JarlConfig, check_ranges
 from jax_agent_rl.models import ModelConfig
-from jax_agent_rl.plan.programs import Program, run_programs
+from jax_agent_rl.plan import hlo
+from jax_agent_rl.plan.programs import Program, WeightTraffic, run_programs
 from jax_agent_rl.plan.topology import GiB, Topology
 
 
@@ -42,8 +52,15 @@ class Compiled:
     argument_total: int = 0  # the arguments' bytes over every chip together
     flops: float = 0.0  # analytic, the configured workload's, per device
     model_flops: float = 0.0
-    compiler_flops: float = 0.0  # each loop body once
+    compiler_flops: float = 0.0  # XLA's cost analysis: each loop body once, kernels as nothing
     compiler_bytes: float = 0.0
+    counted_flops: float = 0.0  # `hlo.count`'s: loops' trip counts applied, kernels counted
+    counted_bytes: float = 0.0
+    top_bytes: tuple[hlo.Op, ...] = ()  # the ops moving the most HBM bytes
+    top_flops: tuple[hlo.Op, ...] = ()
+    collectives: tuple[hlo.Op, ...] = ()  # every collective of the program
+    uncounted_loops: int = 0  # loops whose trip count neither XLA nor the program knows
+    mesh_findings: tuple[str, ...] = ()  # collectives the mesh does not imply (`mesh_findings`)
     predicted_s: float = 0.0
     mfu: float | None = None
     kernels: tuple[str, ...] = ()  # the Pallas (Mosaic) kernels the program runs
@@ -83,9 +100,64 @@ _OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds")
 _KERNEL = re.compile(r"%([A-Za-z_]\w*?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"")
 
 
-def kernels(hlo: str) -> tuple[str, ...]:
+TOP = 5  # the ops `jarl plan` lists by bytes and by FLOPs
+GATHERS_PER_PASS = 2.0  # `mesh_findings`: the weights' bytes a pass may gather, at most
+MiB = 2**20
+
+
+def mesh_findings(counted: hlo.Count, weights: WeightTraffic | None) -> list[str]:
+    """What a training step's collectives do that its mesh does not imply, one line each
+    (none: FSDP all-gathers of the weights and reductions of their gradients, tensor
+    all-reduces of activations). Found:
+
+    - an all-to-all (a layout the mesh does not call for, the batch re-split mid-program);
+    - a collective-permute inside a loop (one outside, on a few per-sequence numbers, is the
+      batch's bookkeeping);
+    - all-gathers moving more than `GATHERS_PER_PASS` times the weights' bytes per pass over
+      a micro-batch (`WeightTraffic`): a weight gathered whole at every step of a loop inside
+      the pass (the vocabulary head's chunks once did: 6.3 times);
+    - a copy of at least half the largest stacked weight inside a loop: a layout copy of the
+      weights at every micro-batch (the prefetches of one layer's slice are far smaller).
+
+    Weight gradients reduced by an all-reduce over fsdp and then sliced (XLA does so where a
+    reduce-scatter would move half the bytes) pass: the reduction is the mesh's."""
+    if weights is None:
+        return []
+    out = []
+    ops = counted.collectives
+    if n := sum(o.kind in ("all-to-all", "ragged-all-to-all") for o in ops):
+        where = next(o.where for o in ops if o.kind.endswith("all-to-all"))
+        out.append(f"{n} all-to-all(s), the first at {where or 'an unnamed op'}")
+    if permutes := [o for o in ops if o.kind == "collective-permute" and o.trips > 1]:
+        out.append(f"{len(permutes)} collective-permute(s) inside loops, e.g. {permutes[0].where}")
+    gathered = sum(hlo.array_bytes(o.shape) * o.trips for o in ops if o.kind == "all-gather")
+    per_pass = gathered / max(weights.passes, 1) / max(weights.gathered, 1)
+    if per_pass > GATHERS_PER_PASS:
+        top = max((o for o in ops if o.kind == "all-gather"), key=lambda o: o.bytes)
+        out.append(
+            f"all-gathers move {per_pass:.1f} times the weights' bytes per pass over a "
+            f"micro-batch (at most {GATHERS_PER_PASS:g}); the most: {_array(top.shape)} "
+            f"x{top.trips} at {top.where}"
+        )
+    copies = [
+        o
+        for o in counted.ops
+        if o.kind in ("copy", "copy-start", "transpose")
+        and o.trips > 1
+        and o.bytes / o.trips >= weights.stacked / 2 > 0
+    ]
+    if copies:
+        c = max(copies, key=lambda o: o.bytes)
+        out.append(
+            f"{len(copies)} copies of a stacked weight's size inside loops, the largest "
+            f"{_array(c.shape)} x{c.trips}"
+        )
+    return out
+
+
+def kernels(text: str) -> tuple[str, ...]:
     """The Pallas kernels compiled HLO text runs, by name, each once, in order."""
-    return tuple(dict.fromkeys(_KERNEL.findall(hlo)))
+    return tuple(dict.fromkeys(_KERNEL.findall(text)))
 
 
 def _compile(program: Program, topology: Topology, timeout_s: float | None) -> Compiled:
@@ -143,11 +215,9 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     chip = topology.chip
-    c_flops = max(float(cost.get("flops", 0.0)), 0.0)
-    c_bytes = max(float(cost.get("bytes accessed", 0.0)), 0.0)
-    # the compiler's counts cover each loop body once: scale them to the workload's FLOPs
-    scale = program.flops / c_flops if program.flops and c_flops else 1.0
-    predicted = max(program.flops / chip.peak_flops, scale * c_bytes / chip.hbm_bandwidth)
+    text = compiled.as_text()
+    counted = hlo.count(text, program.trips, program.kernels)
+    predicted = counted.seconds(chip.peak_flops, chip.hbm_bandwidth)
     mfu = program.model_flops / (predicted * chip.peak_flops) if program.flops else None
     return dataclasses.replace(
         base,
@@ -156,11 +226,18 @@ def _compile(program: Program, topology: Topology, timeout_s: float | None) -> C
         temps=memory.temp_size_in_bytes,
         aliased=memory.alias_size_in_bytes,
         model_flops=program.model_flops,
-        compiler_flops=c_flops,
-        compiler_bytes=c_bytes,
+        compiler_flops=max(float(cost.get("flops", 0.0)), 0.0),
+        compiler_bytes=max(float(cost.get("bytes accessed", 0.0)), 0.0),
+        counted_flops=counted.flops,
+        counted_bytes=counted.bytes,
+        top_bytes=tuple(counted.top("bytes", TOP)),
+        top_flops=tuple(counted.top("flops", TOP)),
+        collectives=counted.collectives,
+        uncounted_loops=sum(loop.source == "unknown" for loop in counted.loops),
+        mesh_findings=tuple(mesh_findings(counted, program.weights)),
         predicted_s=predicted,
         mfu=mfu,
-        kernels=kernels(compiled.as_text()),
+        kernels=kernels(text),
         # the engine drops its weights before it builds the new (`EmbeddedBackend`)
         replaces=memory.output_size_in_bytes if program.replaces else 0,
     )
@@ -248,6 +325,15 @@ class Plan:
                     "outputs_gib": p.outputs / GiB,
                     "aliased_gib": p.aliased / GiB,
                     "flops_per_device": p.flops,
+                    "counted_flops": p.counted_flops,
+                    "counted_bytes": p.counted_bytes,
+                    "compiler_flops": p.compiler_flops,
+                    "compiler_bytes": p.compiler_bytes,
+                    "uncounted_loops": p.uncounted_loops,
+                    "top_bytes": [_op(o, p.counted_bytes, "bytes") for o in p.top_bytes],
+                    "top_flops": [_op(o, p.counted_flops, "flops") for o in p.top_flops],
+                    "collectives": _collectives(p.collectives),
+                    "mesh_findings": list(p.mesh_findings),
                     "predicted_s": p.predicted_s,
                     "predicted_mfu": p.mfu,
                     "pallas_kernels": list(p.kernels),
@@ -277,17 +363,16 @@ class Plan:
                 f"+ temporaries {_g(p.temps)} + outputs {_g(p.outputs)} - donated/aliased "
                 f"{_g(p.aliased)} = {_g(p.total)} of {hbm:.0f} GiB"
             )
-            if p.flops:
-                out.append(
-                    f"  {p.flops:.3g} FLOPs per chip (analytic, loop trip counts applied; the "
-                    f"compiler counted {p.compiler_flops:.3g} with each loop body once); "
-                    f"compiler estimate: {p.predicted_s * 1e3:.1f} ms, MFU {p.mfu:.0%}"
-                )
-            else:
-                out.append(
-                    f"  compiler estimate: {p.predicted_s * 1e3:.1f} ms "
-                    f"({p.compiler_bytes / GiB:.2f} GiB read and written per chip)"
-                )
+            out.append(
+                f"  counted per chip, loop trip counts applied: {p.counted_flops:.3g} matmul "
+                f"FLOPs (the model's, analytic: {p.flops:.3g}), {_g(p.counted_bytes)} of HBM "
+                f"read and written; estimate {p.predicted_s * 1e3:.1f} ms"
+                + (f", MFU {p.mfu:.0%}" if p.mfu is not None else "")
+            )
+            if p.uncounted_loops:
+                out.append(f"  {p.uncounted_loops} loop(s) of unknown trip count, counted once")
+            out += [f"  collectives: {finding}" for finding in p.mesh_findings]
+            out += _tops(p)
             if p.kernels:
                 out.append(f"  Pallas kernels: {', '.join(p.kernels)}")
             if p.trained:
@@ -306,6 +391,74 @@ class Plan:
 
 
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+_PLUMBING = frozenset({"while", "body", "closed_call", "cond", ""})
+
+
+def _where(op: hlo.Op) -> str:
+    """An op's JAX op, shortened: its scopes without the jit wrapper and the loops' plumbing
+    (``all_micro_batches/checkpoint/mlp/nd,df->nf/dot_general``)."""
+    parts = [s for s in op.where.split("/") if s not in _PLUMBING and not s.startswith("jit(")]
+    return "/".join(parts[-6:]) or op.name
+
+
+def _tops(p: Compiled) -> list[str]:
+    """The ops moving the most bytes and running the most FLOPs, a line each."""
+    out = []
+    for key, ops, total in (
+        ("bytes", p.top_bytes, p.counted_bytes),
+        ("FLOPs", p.top_flops, p.counted_flops),
+    ):
+        if not ops:
+            continue
+        out.append(f"  most {key}:")
+        for o in ops:
+            value = o.bytes if key == "bytes" else o.flops
+            amount = _g(value) if key == "bytes" else f"{value:.3g}"
+            out.append(
+                f"    {amount} ({value / total:.0%}) {o.kind} x{o.trips} "
+                f"{_array(o.shape)} {_where(o)}"
+            )
+    return out
+
+
+def _array(shape: str) -> str:
+    """An HLO type without its layouts (the first three arrays of a tuple)."""
+    parts = [f"{t}[{','.join(map(str, d))}]" for t, d in hlo.arrays(shape)]
+    return (
+        parts[0]
+        if len(parts) == 1
+        else "(" + ", ".join(parts[:3]) + (", ...)" if len(parts) > 3 else ")")
+    )
+
+
+def _op(o: hlo.Op, total: float, key: str) -> dict[str, Any]:
+    value = o.bytes if key == "bytes" else o.flops
+    return {
+        "name": o.name,
+        "kind": o.kind,
+        "bytes": o.bytes,
+        "flops": o.flops,
+        "share": value / total if total else 0.0,
+        "trips": o.trips,
+        "shape": _array(o.shape),
+        "where": o.where,
+    }
+
+
+def _collectives(ops: tuple[hlo.Op, ...]) -> list[dict[str, Any]]:
+    """Each collective instruction: kind, result, trips, bytes and where (JSON)."""
+    return [
+        {
+            "kind": o.kind,
+            "shape": _array(o.shape),
+            "trips": o.trips,
+            "bytes": o.bytes,
+            "where": o.where,
+        }
+        for o in ops
+    ]
 
 
 def _g(n: float) -> str:

@@ -101,6 +101,11 @@ def _micro_batch(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
+# the named scopes of the loops over one update's real micro-batches and over every real
+# micro-batch of the step (`prepare`): their trip counts are known on the device only, so a
+# reader of the compiled program (`plan.hlo`) finds them by these names
+MICRO_BATCHES, ALL_MICRO_BATCHES = "micro_batches", "all_micro_batches"
+
 # metrics that are a micro-batch's share of a whole-batch loss (whole-batch denominators)
 LOSS_TERMS = frozenset({"pg_loss", "kl_loss", "vf_loss", "sft_loss"})
 
@@ -142,7 +147,8 @@ def accumulated_grads(
     zero_metrics = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
     zero_grads = jax.tree.map(jnp.zeros_like, trainable(m, params))
     init = (jnp.zeros((), jnp.float32), zero_grads, zero_metrics)
-    return jax.lax.fori_loop(lo, hi, step, init)
+    with jax.named_scope(MICRO_BATCHES):  # the loop's count is the device's: named for a plan
+        return jax.lax.fori_loop(lo, hi, step, init)
 
 
 def apply_update(
@@ -250,7 +256,8 @@ def _map_real(
             for o, v in zip(out, values, strict=True)
         )
 
-    return jax.lax.fori_loop(0, count, one, (zeros,) * n)
+    with jax.named_scope(ALL_MICRO_BATCHES):
+        return jax.lax.fori_loop(0, count, one, (zeros,) * n)
 
 
 def _policy_stats(

@@ -295,3 +295,24 @@ def test_gpu_decode_lowers_with_the_triton_kernel(dtype: str) -> None:
     kernels = set(re.findall(r'"(paged_attention\w*)"', text))
     assert (kernels != set()) == (dtype == "bfloat16"), kernels
     assert ("xla.gpu.triton" in text) == (dtype == "bfloat16")
+
+
+def test_a_pool_budget_that_does_not_split_evenly_is_rounded_down_to_the_shards() -> None:
+    """engine.kv_cache_gib gives a page count (`pool_pages`) that need not divide over the
+    shards: each shard takes an equal range, the few pages left over go unused (100 GiB over
+    4 shards was refused as a pool that "cannot hold one sequence", of 2,184,533 pages)."""
+    sharder = Sharder(make_mesh(data=4, devices=jax.devices()[:4]))
+    cfg = ModelConfig.from_hf(TINY_QWEN2)
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=8,
+        max_len=64,
+        page_size=16,
+        num_pages=4 * 5 + 3,
+        sharder=sharder,
+    )
+    assert (engine.shards, engine.num_pages, engine.shard_pages) == (4, 20, 5)
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_len=64"):
+        Engine(
+            cfg, max_concurrent_decodes=8, max_len=64, page_size=16, num_pages=15, sharder=sharder
+        )
