@@ -163,6 +163,9 @@ def learn(
         "groups_kept": len(split_groups(kept)),
         "batch/trajectories": len(trainable),
         "batch/samples": len(rows_of),
+        # rows a step advantage reaches (GiGPO: a state other turns also acted on; Tree-GRPO:
+        # a node with siblings)
+        "step_adv_rows": 0 if row_steps is None else int(np.count_nonzero(row_steps)),
         "train_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in rows_of),
         "rollout_s/max": rollout_s,
     }
@@ -178,6 +181,8 @@ def learn(
     m = metrics_of_totals(totals)
     m["groups_kept"] = totals["groups_kept"]
     m["batch/samples"] = totals["batch/samples"]  # per-turn samples: one per model turn
+    if row_steps is not None:
+        m["step_adv/nonzero_frac"] = totals["step_adv_rows"] / max(totals["batch/samples"], 1)
     m["episodes_sampled"] = totals["episodes"]  # with dynamic sampling, refills included
     if version is not None:
         trained = max(totals["batch/trajectories"], 1)
