@@ -111,13 +111,27 @@ class _Connection:
             self.h11.receive_data(await self.reader.read(_READ_BYTES))
         return event
 
+    async def next_head(self) -> Any:
+        """The next request's head (or what ends the connection), its bytes given to h11 no
+        more than ``MAX_HEADER_BYTES`` in all: h11 bounds only a head that arrives in parts, so
+        one that came whole in a read (17 KB, 60 KB) was parsed and served. Raises
+        `h11.RemoteProtocolError` past the bound."""
+        fed = len(self.h11.trailing_data[0])  # (a pipelined request's start, already read)
+        while (event := self.h11.next_event()) is h11.NEED_DATA:
+            if fed >= MAX_HEADER_BYTES:
+                raise h11.RemoteProtocolError("request head past MAX_HEADER_BYTES")
+            data = await self.reader.read(MAX_HEADER_BYTES - fed)
+            fed += len(data)
+            self.h11.receive_data(data)
+        return event
+
     async def run(self, handle: Handler) -> None:
         """Answers requests until the client closes, a limit is passed or h11 says to close."""
         while True:
             self.idle = True
             try:
                 async with asyncio.timeout(self.limits.header_timeout_s):
-                    event = await self.next_event()
+                    event = await self.next_head()
             except (TimeoutError, h11.RemoteProtocolError):
                 return
             if not isinstance(event, h11.Request):

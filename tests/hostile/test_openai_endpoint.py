@@ -19,7 +19,7 @@ import pytest
 
 from jax_agent_rl.agent import openai_endpoint
 from jax_agent_rl.agent.context import AgentConfig
-from jax_agent_rl.agent.endpoint_http import Limits, Request, serve_http
+from jax_agent_rl.agent.endpoint_http import MAX_HEADER_BYTES, Limits, Request, serve_http
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES
@@ -310,6 +310,31 @@ def test_headers_must_arrive_in_time() -> None:
             await writer.drain()
             assert await _closed(reader)  # (before the fix: never closed)
             writer.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("size", [16 * 2**10 + 1, 17_000, 60_000])
+def test_request_heads_past_16_kib_are_not_served(size: int) -> None:
+    """A request head (line and headers) past ``MAX_HEADER_BYTES`` closes the connection
+    unanswered: one that arrived whole in a read (17 KB, 60 KB) was parsed and answered. A
+    head of exactly the bound is answered."""
+
+    async def head(base_url: str, n: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(base_url))
+        start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        end = b"Content-Length: 2\r\nConnection: close\r\n\r\n"
+        pad = n - len(start) - len(end) - len(b"X-Pad: \r\n")
+        writer.write(start + b"X-Pad: " + b"a" * pad + b"\r\n" + end + b"{}")
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    async def go() -> None:
+        async with serve({}, Limits()) as base_url:
+            assert await head(base_url, size) == b""
+            assert _status(await head(base_url, MAX_HEADER_BYTES)) == 401
 
     asyncio.run(go())
 
