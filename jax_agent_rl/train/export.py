@@ -25,6 +25,10 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jax_agent_rl.config import ConfigError, JarlConfig, SamplingSection, load_config, missing_paths
 from jax_agent_rl.models import ModelConfig, Weights, save_hf
 from jax_agent_rl.models.adapters import merge as merge_adapters
@@ -75,6 +79,12 @@ def export_policy(
     a LoRA policy's as a PEFT adapter folder, or with ``merge`` merged into its base."""
     out = Path(out)
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    for source in {Path(cfg.model.path), tokenizer_dir}:
+        if out.resolve() == source.resolve():  # (it overwrote the base's weights, then failed)
+            raise ValueError(
+                f"--out {out} is the run's model or tokenizer folder ({source}): an export "
+                "would overwrite its files; choose another folder"
+            )
     if merge and model.lora is None:
         raise ValueError("--merge merges LoRA adapters: this run has none (model.lora.rank=0)")
     if merge:
@@ -119,5 +129,18 @@ def export_run(
         )
     step = checkpoint_step(run_dir, cfg, step)
     model, params = saved_policy(run_dir, cfg, step)
+    _check_finite(params, step)
     default = run_dir / f"hf-step-{step}{'-merged' if merge else ''}"
     return export_policy(out or default, cfg, model, params, merge)
+
+
+def _check_finite(params: Weights, step: int) -> None:
+    """Raises ValueError naming the first weight of ``params`` holding NaN or inf: such a
+    checkpoint was exported (exit 0) and every logit of what loaded it was NaN."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        array = np.asarray(leaf)
+        if jnp.issubdtype(array.dtype, jnp.inexact) and not np.isfinite(array).all():
+            raise ValueError(
+                f"the checkpoint of step {step} holds NaN or inf in {jax.tree_util.keystr(path)}:"
+                " not exported (the run diverged by then; export an earlier --step)"
+            )

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, 
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train import export as export_module
 from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.export import export_policy
 from jax_agent_rl.train.learners import with_run_lora
@@ -135,6 +137,36 @@ def test_jarl_export_writes_any_saved_step(
     assert "has no checkpoint of step 7; saved steps: [1, 2]" in capsys.readouterr().err
     assert main(["export", str(tmp_path)]) == 2
     assert "is not a run folder" in capsys.readouterr().err
+
+
+def test_jarl_export_refuses_nan_weights_and_the_base_folder(
+    run: tuple[Path, str],
+    task: TaskFiles,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A checkpoint holding NaN or inf was exported with exit 0 (what loaded it gave NaN
+    logits); ``--out`` naming the run's model folder overwrote the base's weights, then
+    failed (exit 2) copying the tokenizer files onto themselves."""
+    run_dir, _ = run
+    base = {p.name: p.read_bytes() for p in task.model.iterdir() if p.is_file()}
+    assert main(["export", str(run_dir), "--out", str(task.model)]) == 2
+    assert "is the run's model or tokenizer folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in task.model.iterdir() if p.is_file()} == base
+
+    real = export_module.saved_policy
+
+    def diverged(*args: Any) -> Any:
+        model, params = real(*args)
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        leaves[-1] = np.full_like(np.asarray(leaves[-1]), np.inf)
+        return model, jax.tree_util.tree_unflatten(tree, leaves)
+
+    monkeypatch.setattr(export_module, "saved_policy", diverged)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "nan")]) == 2
+    assert "the checkpoint of step 2 holds NaN or inf in " in capsys.readouterr().err
+    assert not (tmp_path / "nan").exists()
 
 
 def test_a_run_folder_is_read_from_any_directory(
