@@ -7,10 +7,14 @@ TensorCores, two per chip, so 16 chips) or the topology itself (``v5e:4x4``, ``v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 GiB = 2**30
@@ -78,7 +82,41 @@ class Topology:
         if (problem := libtpu_problem()) is not None:
             raise RuntimeError(problem)
 
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=self.name).devices)
+        with _without_tpu_vm_warnings():
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=self.name)
+        return list(desc.devices)
+
+
+# What libtpu writes on its first load on a host that is no TPU VM (it finds no accelerator
+# type or worker hostnames in the VM's metadata): five lines of warnings and an E0000 "error",
+# none of which matters to compiling for abstract devices
+_TPU_VM_WARNINGS = (
+    "could not determine TPU",
+    "Logging before InitGoogle()",
+    "unexpected worker hostname",
+    "=== Source Location Trace: ===",
+    "libtpu_init_utils.cc",
+)
+
+
+@contextlib.contextmanager
+def _without_tpu_vm_warnings() -> Iterator[None]:
+    """Runs the block with the process's stderr (fd 2, where libtpu writes) in a file, then
+    writes what it got to stderr but `_TPU_VM_WARNINGS`' lines: `jarl plan` printed them on the
+    user's terminal before its report."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode("utf-8", "replace").splitlines(keepends=True):
+                if not any(warning in line for warning in _TPU_VM_WARNINGS):
+                    sys.stderr.write(line)
 
 
 def libtpu_problem() -> str | None:
