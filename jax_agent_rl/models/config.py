@@ -404,6 +404,12 @@ class ModelConfig:
         file: no UTF-8, no JSON, JSON nested too deeply, or a value `from_hf` refuses."""
         config_file = Path(path) / "config.json"
         if not regular_file(config_file, "a checkpoint folder"):
+            if (Path(path) / "adapter_config.json").is_file():  # (`jarl export` of a LoRA run)
+                raise FileNotFoundError(
+                    f"{path} is a LoRA adapter folder (adapter_config.json), not a checkpoint: "
+                    "evaluate the run itself (jarl eval RUN), or its adapters merged into the "
+                    "base (jarl export RUN --merge, then --checkpoint that folder)"
+                )
             raise FileNotFoundError(f"no config.json in checkpoint folder {path}")
         try:
             hf = json.loads(config_file.read_bytes().decode("utf-8"))

@@ -357,3 +357,20 @@ def test_a_plan_json_fifo_is_refused_first(
     os.mkfifo(out)
     argv = ["plan", str(config), "--topology", "v5e-4", "--json", str(out)]
     _refused(argv, f"--json {out}: not a regular file", capsys)
+
+
+def test_evaluating_an_adapter_folder_says_how(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl eval --checkpoint`` of the adapter folder ``jarl export`` writes for a LoRA run
+    was refused as "no config.json in checkpoint folder", with no word on what to do."""
+    adapter = tmp_path / "hf-step-2"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "reward_model": {"ground_truth": "5"}}
+    (tmp_path / "v.jsonl").write_text(json.dumps(row) + "\n")
+    config = tmp_path / "run.yaml"
+    val = tmp_path / "v.jsonl"
+    config.write_text(f"model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n  val: {val}\n")
+    argv = ["eval", str(config), "--checkpoint", str(adapter)]
+    _refused(argv, "is a LoRA adapter folder (adapter_config.json), not a checkpoint: ", capsys)
