@@ -42,8 +42,22 @@ _REFUSED = ("expert_ids", "return_expert_ids", "return_router_logits")
 
 
 def _built(make: ModuleFactory, key: jax.Array) -> nnx.Module:
+    """The module ``make`` builds with an `nnx.Rngs` of one stream, ``params``; one that asks
+    for another (``nnx.Dropout(rate, rngs=rngs)`` asks for ``dropout``) is refused saying what
+    to change: it failed with flax's ``KeyError: "No RngStream named 'dropout' found in
+    Rngs."`` and nothing on what to do."""
     with nnx.use_eager_sharding(False):  # the run lays parameters out (`specs`' axes)
-        return make(nnx.Rngs(params=key))
+        try:
+            return make(nnx.Rngs(params=key))
+        except KeyError as e:
+            if "RngStream" not in str(e):
+                raise
+            raise UnsupportedPolicyError(
+                f"the module asks its nnx.Rngs for a stream the run does not give ({e}): a "
+                "policy's forward is deterministic, and its Rngs hold a 'params' stream only; "
+                "leave dropout out of it, or build it without rngs "
+                "(nnx.Dropout(rate, deterministic=True))"
+            ) from None
 
 
 class NnxPolicy:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,26 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
 
     with pytest.raises(ConfigError, match="not a policy"):
         train(cfg)
+
+
+def test_a_module_with_dropout_is_told_what_to_change() -> None:
+    """A module building ``nnx.Dropout(rate, rngs=rngs)`` asks for a ``dropout`` stream the
+    run's Rngs do not hold: it failed with flax's ``KeyError: "No RngStream named 'dropout'
+    found in Rngs."`` and nothing on what to change; built without rngs, it is taken."""
+    from flax import nnx
+
+    from jax_agent_rl.models.nnx_policy import NnxPolicy
+
+    def module(dropout: Any) -> Any:
+        class WithDropout(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs) -> None:
+                self.embed = nnx.Embed(16, 8, rngs=rngs)
+                self.drop = dropout(rngs)
+
+        return WithDropout
+
+    sizes = dict(vocab_size=16, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
+    sizes.update(head_dim=8, max_len=32)
+    with pytest.raises(UnsupportedPolicyError, match=r"leave dropout out of it, or build it"):
+        NnxPolicy(module(lambda rngs: nnx.Dropout(0.1, rngs=rngs)), **sizes)
+    NnxPolicy(module(lambda _: nnx.Dropout(0.1, deterministic=True)), **sizes)
