@@ -39,6 +39,9 @@ from jax_agent_rl.models.lora import TARGETS, Adapter, LayerAdapters, Lora, merg
 from jax_agent_rl.models.sharding import Sharder
 
 ADAPTER_CONFIG = "adapter_config.json"
+# the largest adapter value `load_peft` takes: far past any trained adapter's (well below 1),
+# far below what overflows a layer (a finite 1e30 made every logit NaN)
+MAX_ADAPTER_ABS = 1e4
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
@@ -241,7 +244,13 @@ def _lora_of(file: Path) -> Lora:
                       ("use_dora", False), ("fan_in_fan_out", False)):  # fmt: skip
         if config.get(key, want) != want:
             raise CheckpointError(f"{file}: {key}={config[key]!r:.80} is not supported ({want!r})")
-    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+    # (exclude_modules, lora_bias and target_parameters were read as if absent: adapters
+    # applied where PEFT applies none, biases and parameter targets dropped)
+    unsupported = (
+        "rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save",
+        "exclude_modules", "lora_bias", "target_parameters", "layer_replication",
+    )  # fmt: skip
+    for key in unsupported:
         if config.get(key):
             raise CheckpointError(f"{file}: {key}={config[key]!r:.80} is not supported")
     modules = config.get("target_modules")
@@ -273,8 +282,9 @@ def peft_lora(path: str | Path) -> Lora:
 def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAdapters]:
     """A PEFT adapter folder for the base model ``cfg``: ``cfg`` with its `Lora` and the
     adapters (fp32, host-side numpy). The tensors' names, dtypes (floats) and shapes are
-    checked from the file's header before any is read, and their values must be finite (a NaN
-    adapter makes every logit of its layers NaN)."""
+    checked from the file's header before any is read, and their values must be finite and at
+    most `MAX_ADAPTER_ABS` in magnitude (a NaN adapter, or a finite one of 1e30, makes every
+    logit of its layers NaN)."""
     path = Path(path)
     config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     lora = peft_lora(path)
@@ -310,6 +320,12 @@ def load_peft(path: str | Path, cfg: ModelConfig) -> tuple[ModelConfig, LayerAda
             x = f.get_tensor(name).astype(np.float32)
             if not np.isfinite(x).all():
                 raise CheckpointError(f"{weights}: tensor {name!r} holds values not finite")
+            if np.abs(x).max(initial=0.0) > MAX_ADAPTER_ABS:
+                raise CheckpointError(
+                    f"{weights}: tensor {name!r} holds values past {MAX_ADAPTER_ABS:g} in "
+                    "magnitude (a trained adapter's are far below 1): its layers' logits would "
+                    "be NaN"
+                )
             full[target, part][i] = to_ours(rule, x, shape)
     adapters = LayerAdapters(**{t: Adapter(full[t, "a"], full[t, "b"]) for t in lora.targets})
     return cfg, adapters

@@ -393,7 +393,15 @@ HOSTILE_PEFT: dict[str, tuple[Any, str]] = {
     "config-not-json": (b"{r: 4", r"adapter_config.json is not JSON: "),
     "weights-nan": (np.nan, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
     "weights-inf": (-np.inf, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
+    "weights-1e30": (1e30, r"adapter_model.safetensors: tensor '.*' holds values past 10000 "),
     "weights-int": (np.int64, r"adapter_model.safetensors: tensor '.*' is stored as 'I64'"),
+    # read as if absent: adapters applied where PEFT applies none, biases and targets dropped
+    "exclude-modules": ({"exclude_modules": ["q_proj"]}, r"adapter_config.json: exclude_modules"),
+    "lora-bias": ({"lora_bias": True}, r"adapter_config.json: lora_bias=True is not supported"),
+    "target-parameters": (
+        {"target_parameters": ["mlp.experts.gate_up_proj"]},
+        r"adapter_config.json: target_parameters=",
+    ),
     "weights-garbage": (b"\x08" + bytes(7) + b'{"a":1}', r"adapter_model.safetensors is not a "),
 }
 
