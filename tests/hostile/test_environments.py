@@ -13,10 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.compat.verl.interaction import InteractionEnvironment
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step, make_environments
+from jax_agent_rl.envs.env_loop import EnvLoop
+from jax_agent_rl.rollout import EmbeddedBackend
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -353,3 +361,54 @@ def test_a_step_whose_done_and_success_are_numpy_bools_is_taken() -> None:
         assert type(step.done) is bool and type(step.reward) is float
     with pytest.raises(EnvError, match="done array"):
         checked_step({"observations": [], "reward": 0.0, "done": np.array([True])}, "env")
+
+
+class HugePrompt:
+    """A native environment whose reset gives a prompt of 300,000 characters."""
+
+    turns, owns_reward = "all", True
+
+    async def reset(self, sample: Sample) -> list[dict]:
+        del sample
+        return [{"role": "user", "content": "go " * 100_000}]
+
+    async def step(self, text: str, messages: list[dict]) -> EnvStep:
+        del text, messages
+        return EnvStep([], 0.0, True)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_huge_reset_prompt_is_built_beside_the_event_loop(
+    backend: EmbeddedBackend, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt an environment's reset gives is templated and tokenized in a thread: on the
+    event loop, a 12M-character one held every other episode 34.9 s. The build waits until
+    the event loop has run a step of the test's own (it never could, before), then goes on."""
+    envs = Environments({"h": lambda _: HugePrompt()}, step_timeout_s=5.0, loop=EnvLoop())
+    sample = Sample("h/0", [{"role": "user", "content": "go"}], "1", env_class="h")
+
+    async def go() -> Trajectory:
+        cfg = AgentConfig(max_turns=1, max_tokens_per_turn=4, max_model_len=256)
+        tools = LocalTools(ToolRegistry([]))
+        ctx = await AgentContext.create(
+            backend, tokenizer, tools, make_parser("hermes"), cfg, envs=envs
+        )
+        building, loop_ran = threading.Event(), threading.Event()
+        built = ctx.builder.prompt_ids
+
+        def watched(messages: list[dict]) -> list[int]:
+            building.set()
+            assert loop_ran.wait(60), "the event loop was held while the prompt was built"
+            return built(messages)
+
+        monkeypatch.setattr(ctx.builder, "prompt_ids", watched)
+        episode = asyncio.ensure_future(run_sample(sample, ctx))
+        assert await asyncio.to_thread(building.wait, 60)
+        loop_ran.set()  # (this line runs only while the loop is free)
+        return await episode
+
+    traj = asyncio.run(go())
+    assert traj.stop_reason != "agent_error", traj.error
+    assert len(traj.prompt_ids) > 100_000  # (the whole prompt, too long for the context)
