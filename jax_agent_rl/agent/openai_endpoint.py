@@ -396,8 +396,7 @@ class Session:
         one still running then (cancelled or not) releases the tool state it made."""
         if self.stop is not None:
             raise self._ended()
-        function = tool_call["function"]
-        call = ParsedCall(function["name"], json.loads(function["arguments"]))
+        call = self._made(tool_call)
         try:
             result = await call_tool(self.ctx, self.traj, call, self.create_kwargs)
         finally:  # (past the episode's release, a call that waited for a slot made it anew)
@@ -405,6 +404,32 @@ class Session:
                 await self.ctx.tools.release(self.traj.uid)
         self.results[tool_call["id"]] = result
         return result.text
+
+    def _made(self, tool_call: dict[str, Any]) -> ParsedCall:
+        """The model's call ``tool_call`` names: one of its last turn's, not yet run, with the
+        name and arguments the model gave; else a `HarnessError` (a harness's call the model
+        never made, or changed, was run and answered as the model's)."""
+        pending, name = self.pending, tool_call.get("id")
+        ids = [] if pending is None else [i for i in pending.ids if i is not None]
+        if pending is None or name not in ids or name in self.results:
+            raise HarnessError(
+                f"run_tool: {name!r:.80} is no call of the model's last turn left to run "
+                f"(those: {[i for i in ids if i not in self.results]})"
+            )
+        made = pending.calls[pending.ids.index(name)]
+        function = tool_call.get("function") or {}
+        try:
+            same = function.get("name") == made.name and (
+                json.loads(function.get("arguments") or "null") == made.arguments
+            )
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise HarnessError(
+                f"run_tool: {name} is the model's call of {made.name} with "
+                f"{json.dumps(made.arguments)[:200]}, not {json.dumps(function)[:200]}"
+            )
+        return made
 
     def finish(self) -> StopReason:
         """How the episode ended, once the harness has returned (it has then ended)."""

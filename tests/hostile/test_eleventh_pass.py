@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from jax_agent_rl.agent import openai_endpoint
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop, run_sample
@@ -92,7 +93,7 @@ from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     Tokenizer,
 )
-from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
@@ -350,10 +351,14 @@ async def abandoning(task: HarnessTask) -> None:
 
 
 def test_a_tool_call_a_harness_left_running_releases_the_state_it_made(
-    tokenizer: Tokenizer, backend: EmbeddedBackend
+    tokenizer: Tokenizer, backend: EmbeddedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The calls the harness left are cancelled as its event loop closes (its tasks are), and
-    the state the running one made is released with the episode's."""
+    the state the running one made is released with the episode's. (The backend here never
+    samples a turn: the harness's calls are taken as the model's, which `run_tool` otherwise
+    checks, `tests/hostile/test_openai_endpoint.py`.)"""
+    made = lambda _session, call: ParsedCall(call["function"]["name"], {})  # noqa: E731
+    monkeypatch.setattr(openai_endpoint.Session, "_made", made)
     tools = LocalTools(ToolRegistry([Gated()]))
     config = AgentConfig(harness=f"{HERE}:abandoning", max_parallel_tool_calls=1)
 

@@ -22,9 +22,10 @@ from jax_agent_rl.agent.context import AgentConfig
 from jax_agent_rl.agent.endpoint_http import MAX_HEADER_BYTES, Limits, Request, serve_http
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
-from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES
+from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES, HarnessError
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from tests.agent.test_langgraph_loop import _assert_same
 from tests.agent.test_loop import CONFIG
@@ -695,6 +696,31 @@ def test_run_tool_refuses_once_the_episode_has_ended(setup: dict[str, Any]) -> N
         call = {"id": "call_1_0", "function": {"name": "echo", "arguments": '{"text": "x"}'}}
         with pytest.raises(openai_endpoint.EpisodeEndedError):
             await session.run_tool(call)
+        await ctx.backend.close()
+
+    asyncio.run(go())
+
+
+@CHATML
+def test_run_tool_runs_only_the_calls_the_model_made(setup: dict[str, Any]) -> None:
+    """``run_tool`` ran any call a harness passed as the model's: one the model never made,
+    one whose arguments the harness changed, or one run already. Each is now a harness error;
+    the model's own call, as it made it, runs once."""
+
+    async def go() -> None:
+        ctx = await _context(setup, CONFIG, None)
+        session = _fresh(ctx, "made")
+        call = {"id": "call_1_0", "function": {"name": "echo", "arguments": '{"text": "x"}'}}
+        with pytest.raises(HarnessError, match=r"'call_1_0' is no call of the model's last turn"):
+            await session.run_tool(call)  # (no turn yet)
+        made = ParsedCall("echo", {"text": "x"})
+        session.pending = openai_endpoint._Calls([], "", [made], ["call_1_0"], 0.0)
+        changed = {"id": "call_1_0", "function": {"name": "echo", "arguments": '{"text": "y"}'}}
+        with pytest.raises(HarnessError, match=r"the model's call of echo with \{.text.: .x.\}"):
+            await session.run_tool(changed)
+        assert await session.run_tool(call) == " ".join(["x"] * 10)
+        with pytest.raises(HarnessError, match="no call of the model's last turn left to run"):
+            await session.run_tool(call)  # (run already)
         await ctx.backend.close()
 
     asyncio.run(go())
