@@ -41,13 +41,21 @@ class CallThreads:
     a key holding as many waits for one of them. A policy's calls that hang a tool for good
     (a query that runs for ever) then hold at most ``per_key`` threads of their episode's,
     where before one episode's turns of such calls held the whole pool, and every sibling's
-    call of every synchronous tool timed out waiting for a thread."""
+    call of every synchronous tool timed out waiting for a thread.
 
-    def __init__(self, size: int, name: str, per_key: int | None = None) -> None:
-        self.size, self.name, self.per_key = size, name, per_key
+    With ``per_kind``, the calls of one kind (`run`'s ``kind``: a tool's name) hold at most that
+    many threads at once, abandoned ones included: one tool whose calls take long (a cost that
+    grows with its input) across many episodes held the whole pool, and every other tool's
+    calls timed out waiting."""
+
+    def __init__(
+        self, size: int, name: str, per_key: int | None = None, per_kind: int | None = None
+    ) -> None:
+        self.size, self.name, self.per_key, self.per_kind = size, name, per_key, per_kind
         self._lock = threading.Lock()
         self._busy = 0
         self._held: collections.Counter[Hashable] = collections.Counter()  # threads by key
+        self._kinds: collections.Counter[Hashable] = collections.Counter()  # threads by kind
         self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     @property
@@ -55,13 +63,14 @@ class CallThreads:
         """Threads running a call now (those abandoned past their timeout included)."""
         return self._busy
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a thread of the pool, counted against the key `CALLER` holds;
-        cancelled (timed out), the thread is abandoned and keeps its place until ``fn``
-        returns."""
+    async def run(self, fn: Callable[..., Any], *args: Any, kind: Hashable = None) -> Any:
+        """``fn(*args)`` in a thread of the pool, counted against the key `CALLER` holds and
+        its ``kind``; cancelled (timed out), the thread is abandoned and keeps its place until
+        ``fn`` returns."""
         loop = asyncio.get_running_loop()
         key = CALLER.get() if self.per_key is not None else None
-        await self._take(loop, key)
+        kind = kind if self.per_kind is not None else None
+        await self._take(loop, key, kind)
         future: asyncio.Future[Any] = loop.create_future()
 
         def settle(result: Any, error: BaseException | None) -> None:
@@ -77,37 +86,47 @@ class CallThreads:
                 result, error = fn(*args), None
             except BaseException as e:
                 result, error = None, carried(e)
-            self._give_back(key)
+            self._give_back(key, kind)
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(settle, result, error)
 
         try:
             threading.Thread(target=work, name=self.name, daemon=True).start()
         except BaseException:
-            self._give_back(key)
+            self._give_back(key, kind)
             raise
         return await future
 
-    async def _take(self, loop: asyncio.AbstractEventLoop, key: Hashable | None) -> None:
+    async def _take(
+        self, loop: asyncio.AbstractEventLoop, key: Hashable | None, kind: Hashable | None
+    ) -> None:
         while True:
             with self._lock:
                 mine = self._held[key] if key is not None else 0
-                if self._busy < self.size and (self.per_key is None or mine < self.per_key):
+                kin = self._kinds[kind] if kind is not None else 0
+                if (
+                    self._busy < self.size
+                    and (self.per_key is None or mine < self.per_key)
+                    and (self.per_kind is None or kin < self.per_kind)
+                ):
                     self._busy += 1
                     if key is not None:
                         self._held[key] += 1
+                    if kind is not None:
+                        self._kinds[kind] += 1
                     return
                 freed: asyncio.Future[None] = loop.create_future()
                 self._waiting.append((loop, freed))
             await freed
 
-    def _give_back(self, key: Hashable | None) -> None:
+    def _give_back(self, key: Hashable | None, kind: Hashable | None) -> None:
         with self._lock:
             self._busy -= 1
-            if key is not None:
-                self._held[key] -= 1
-                if not self._held[key]:
-                    del self._held[key]
+            for counter, held in ((self._held, key), (self._kinds, kind)):
+                if held is not None:
+                    counter[held] -= 1
+                    if not counter[held]:
+                        del counter[held]
             waiting, self._waiting = self._waiting, []
         for loop, freed in waiting:  # each tries again; those a thread is not freed for wait on
             with contextlib.suppress(RuntimeError):

@@ -415,9 +415,14 @@ def function_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str
 # loop's default executor, which the learner's steps and the judge wait on; one trajectory's
 # calls hold at most TOOL_THREADS_PER_TRAJECTORY of its threads (agent.max_parallel_tool_calls'
 # default), abandoned ones included, so that one episode's calls stuck for good never hold
-# the threads its siblings' calls wait for (`CallThreads`'s ``per_key``).
+# the threads its siblings' calls wait for (`CallThreads`'s ``per_key``); and one tool's calls
+# hold at most TOOL_THREADS_PER_TOOL of them, so the other tools' calls always find a quarter
+# (``per_kind``: one tool whose cost grows with its input held all 32 over many episodes).
 TOOL_THREADS_PER_TRAJECTORY = 4
-TOOL_THREADS = CallThreads(32, "tool-call", per_key=TOOL_THREADS_PER_TRAJECTORY)
+TOOL_THREADS_PER_TOOL = 24
+TOOL_THREADS = CallThreads(
+    32, "tool-call", per_key=TOOL_THREADS_PER_TRAJECTORY, per_kind=TOOL_THREADS_PER_TOOL
+)
 
 
 class FunctionTool(Tool):
@@ -441,7 +446,8 @@ class FunctionTool(Tool):
         if self._is_async:
             return await typing.cast(Callable[..., Awaitable[Any]], self.fn)(**arguments)
         call = functools.partial(self.fn, **arguments)
-        return await TOOL_THREADS.run(contextvars.copy_context().run, call)  # as to_thread
+        run = contextvars.copy_context().run  # (as to_thread)
+        return await TOOL_THREADS.run(run, call, kind=("tool", self.name))
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
         del state

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from jax_agent_rl.tools.base import tool
+from jax_agent_rl.tools.base import TOOL_THREADS_PER_TOOL, tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.search import SearchTool
 
@@ -120,3 +120,51 @@ def test_a_search_of_a_large_corpus_ends_at_the_timeout_and_holds_no_event_loop(
         assert not scored.is_set()  # the result came while the scoring was still held
     finally:
         release.set()
+
+
+SLOW = {"entered": 0, "all_in": threading.Event(), "go": threading.Event()}
+SLOW_LOCK = threading.Lock()
+
+
+@tool
+def slow(n: int) -> str:
+    """A tool whose cost grows with its input: here, until the test lets it go.
+
+    Args:
+        n: the input.
+    """
+    with SLOW_LOCK:
+        SLOW["entered"] += 1
+        if SLOW["entered"] == TOOL_THREADS_PER_TOOL:
+            SLOW["all_in"].set()
+    SLOW["go"].wait(BOUND_S)
+    return str(n)
+
+
+@tool
+def quick(n: int) -> str:
+    """A cheap tool.
+
+    Args:
+        n: the input.
+    """
+    return str(n)
+
+
+def test_one_slow_tool_leaves_threads_for_the_others() -> None:
+    """32 calls of one slow synchronous tool held all 32 shared tool threads, and every other
+    tool's call waited for one (then timed out). One tool's calls now hold at most
+    TOOL_THREADS_PER_TOOL; a call of another tool runs while they are held."""
+    tools = LocalTools(ToolRegistry([slow, quick]))
+
+    async def go() -> tuple[str, int]:
+        held = [asyncio.ensure_future(tools.call(f"t{i}", "slow", {"n": i})) for i in range(32)]
+        assert await asyncio.to_thread(SLOW["all_in"].wait, BOUND_S)
+        answer = await asyncio.wait_for(tools.call("q", "quick", {"n": 7}), BOUND_S)
+        entered = SLOW["entered"]  # (the other 8 wait for a thread of the slow tool's)
+        SLOW["go"].set()
+        await asyncio.gather(*held)
+        return answer.text, entered
+
+    text, entered = asyncio.run(go())
+    assert text == "7" and entered == TOOL_THREADS_PER_TOOL
