@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
     from jax_agent_rl.models import ModelConfig
     from jax_agent_rl.plan import Plan, Topology
+    from jax_agent_rl.plan.report import Compiled
 
 DESCRIPTION = (
     "Proves, before a TPU slice is rented, that every program of a run compiles for that TPU"
@@ -40,8 +41,12 @@ DESCRIPTION = (
     "run's peak per chip is the "
     "learner's state + the engine's weights and KV cache + the largest program's "
     "temporaries. The last line is `fits: ...` or `does not fit: ...`; a run that does not "
-    "fit is planned again on the other (data, fsdp, tensor) meshes of the slice, and the "
-    "first that fits is named. Exit code 0: fits; 1: does not fit; 2: bad input."
+    "fit is planned again with less memory per chip on its mesh (learner.row_tokens, "
+    "engine.kv_cache_gib or engine.max_concurrent halved, then both, ...; programs a setting "
+    "does not change are not compiled again), then on the other (data, fsdp, tensor) meshes "
+    "of the slice, and the first that fits is named. Each plan prints a line per program and "
+    "one at least every 15 s while one compiles. Exit code 0: fits; 1: does not fit; 2: bad "
+    "input."
 )
 
 
@@ -99,7 +104,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--no-search",
         action="store_true",
-        help="when the run does not fit, do not plan it on the slice's other meshes",
+        help="when the run does not fit, do not plan it again with less memory per chip or "
+        "on the slice's other meshes",
     )
     p.set_defaults(func=run_plan)
 
@@ -112,7 +118,7 @@ def _refuse(problem: str) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     from jax_agent_rl.config import ConfigError, load_config
     from jax_agent_rl.models import ModelConfig
-    from jax_agent_rl.plan import parse_topology, plan_run, preset_model
+    from jax_agent_rl.plan import parse_topology, preset_model
     from jax_agent_rl.plan.topology import libtpu_problem
 
     try:
@@ -139,8 +145,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         return _refuse((str(e).splitlines() or [type(e).__name__])[0])
     say = lambda line: print(line, flush=True)  # noqa: E731
+    reuse: dict[tuple, Compiled] = {}  # programs a search's plans share are compiled once
     try:
-        plan = plan_run(cfg, model, topology, args.tokens_per_trajectory, args.compile_timeout)
+        plan = _planned(cfg, model, topology, args, "the run's programs", reuse)
     except ValueError as e:  # the mesh does not cover the slice, or the model does not split
         return _refuse(str(e).splitlines()[0])
     for line in plan.lines():
@@ -148,7 +155,7 @@ def run_plan(args: argparse.Namespace) -> int:
     full = _beside_full(cfg, model, topology, args, plan) if cfg.model.lora.rank else None
     fits, verdict = plan.verdict()
     if not fits and not args.no_search:
-        verdict += "; " + _search(cfg, model, topology, args, plan)
+        verdict += "; " + _search(cfg, model, topology, args, plan, reuse)
     if args.json:
         record = {**plan.record(), "verdict": verdict}
         record.update({"full_parameter": full.record()} if full is not None else {})
@@ -185,34 +192,119 @@ def _beside_full(
     return full
 
 
+def _planned(
+    cfg: JarlConfig,
+    model: ModelConfig,
+    topology: Topology,
+    args: argparse.Namespace,
+    what: str,
+    reuse: dict[tuple, Compiled],
+) -> Plan:
+    """`plan_run`, saying how far it is (a line per program, and one at least every 15 s while
+    a program compiles: a 1.5B update compiles for minutes)."""
+    from rich.console import Console
+
+    from jax_agent_rl import progress
+    from jax_agent_rl.plan import plan_run
+
+    label = f"compiling {what} for {topology.name}"
+    known = len(reuse)
+    with progress.phase(Console(), label) as phase:
+
+        def compiled(c: Compiled) -> None:
+            how = c.error or f"{c.total / 2**30:.2f} GiB per chip"
+            phase.update(phase.done + 1, f"{c.name}: {how}")
+
+        plan = plan_run(
+            cfg,
+            model,
+            topology,
+            args.tokens_per_trajectory,
+            args.compile_timeout,
+            on_program=compiled,
+            reuse=reuse,
+        )
+    if known:  # a search's plan: what it took from the earlier ones
+        fresh = len(reuse) - known
+        print(f"#   {fresh} of {len(plan.programs)} programs compiled, the rest reused", flush=True)
+    return plan
+
+
+def smaller_settings(cfg: JarlConfig) -> list[tuple[str, JarlConfig]]:
+    """``cfg`` with less memory per chip at the same mesh, least change first, each as its
+    overrides: the learner's packed rows (``learner.row_tokens``, or without packing
+    ``learner.micro_batch_size``) and the engine's KV cache (``engine.kv_cache_gib`` where it
+    is set, else the decode slots that size it, ``engine.max_concurrent``) halved, then both,
+    then quartered..., each the config checks accept (`check_ranges`)."""
+    import dataclasses
+
+    from jax_agent_rl.config import check_ranges
+
+    learner, engine = cfg.learner, cfg.engine
+    rows_key = "row_tokens" if learner.packing else "micro_batch_size"
+    kv_key = "kv_cache_gib" if engine.kv_cache_gib else "max_concurrent"
+    rows, kv = getattr(learner, rows_key), getattr(engine, kv_key)
+    out: list[tuple[str, JarlConfig]] = []
+    for k in (1, 2, 3):
+        for row_cut, kv_cut in ((2**k, 1), (1, 2**k), (2**k, 2**k)):
+            r = rows // row_cut
+            n = kv / kv_cut if kv_key == "kv_cache_gib" else kv // kv_cut
+            if r < 1 or n <= 0:
+                continue
+            other = dataclasses.replace(
+                cfg,
+                learner=dataclasses.replace(learner, **{rows_key: r}),
+                engine=dataclasses.replace(engine, **{kv_key: n}),
+            )
+            said = [f"learner.{rows_key}={r}"] * (row_cut > 1)
+            said += [f"engine.{kv_key}={n:g}"] * (kv_cut > 1)
+            if not check_ranges(other):
+                out.append((" ".join(said), other))
+    return out
+
+
 def _search(
-    cfg: JarlConfig, model: ModelConfig, topology: Topology, args: argparse.Namespace, plan: Plan
+    cfg: JarlConfig,
+    model: ModelConfig,
+    topology: Topology,
+    args: argparse.Namespace,
+    plan: Plan,
+    reuse: dict[tuple, Compiled],
 ) -> str:
-    """The first other mesh of the slice on which the run fits, as overrides."""
-    from jax_agent_rl.plan import other_meshes, plan_run
+    """The first setting on which the run fits, as overrides: on its own mesh with less memory
+    per chip (`smaller_settings`: only the programs a setting changes compile again), then on
+    the slice's other meshes."""
+    from jax_agent_rl.plan import other_meshes
     from jax_agent_rl.plan.topology import GiB
 
     n, hbm = topology.chips, topology.chip.hbm_bytes
+    m = cfg.mesh
+    here = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
+    candidates = [(f"{said} ({here})", other) for said, other in smaller_settings(cfg)]
     most = max(plan.programs, key=lambda p: p.argument_total)
     least = most.argument_total / n
-    if least > hbm:  # split evenly over every chip, one program's arguments are too many
-        return (
-            f"no mesh of {n} chips fits: {most.name}'s arguments alone, split over all {n}, "
-            f"are {least / GiB:.1f} GiB per chip"
-        )
-    for other in other_meshes(cfg, n):
-        m = other.mesh
-        overrides = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
+    if least <= hbm:  # else, split evenly over every chip, one program's arguments are too many
+        for other in other_meshes(cfg, n):
+            m = other.mesh
+            mesh = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
+            candidates.append((mesh, other))
+    for overrides, other in candidates:
         print(f"# planning {overrides}", flush=True)
         try:
-            candidate = plan_run(
-                other, model, topology, args.tokens_per_trajectory, args.compile_timeout
-            )
+            candidate = _planned(other, model, topology, args, overrides, reuse)
         except ValueError as e:  # the model does not split over this mesh
             print(f"#   {str(e).splitlines()[0]}", flush=True)
+            continue
+        if candidate.programs == plan.programs:  # (a setting its programs do not read)
+            print("#   the same programs as planned first", flush=True)
             continue
         fits, verdict = candidate.verdict()
         print(f"#   {verdict}", flush=True)
         if fits:
             return f"{overrides} fits: {candidate.peak[0] / GiB:.1f} GiB per chip"
-    return f"no other mesh of {n} chips fits"
+    if least > hbm:
+        return (
+            f"no smaller setting fits, nor any mesh of {n} chips: {most.name}'s arguments "
+            f"alone, split over all {n}, are {least / GiB:.1f} GiB per chip"
+        )
+    return f"no smaller setting and no other mesh of {n} chips fits"

@@ -292,8 +292,12 @@ class Plan:
                 return False, _over(p.name, needs[0], hbm, exact=needs[1])
             return False, f"does not fit: {p.name} did not compile ({p.error})"
         peak, top = self.peak
-        if peak > hbm:
-            return False, _over(top.name if top else "the run", peak, hbm)
+        if peak > hbm:  # the run's peak: its resident state and the largest program's extra
+            resident = sum(b for _, b in self.resident)
+            at = f" (resident {resident / GiB:.1f}" + (
+                f" + {top.name}'s temporaries and outputs {top.extra / GiB:.1f})" if top else ")"
+            )
+            return False, _over("the run", peak, hbm) + at
         return True, (
             f"fits: {peak / GiB:.1f} GiB per chip of {hbm / GiB:.0f} on {self.topology.name} "
             f"(mesh data={self.mesh[0]} fsdp={self.mesh[1]} tensor={self.mesh[2]})"
@@ -485,18 +489,41 @@ def plan_run(
     tokens: int | None = None,
     timeout_s: float | None = None,
     on_program: Any = None,
+    reuse: dict[tuple, Compiled] | None = None,
 ) -> Plan:
     """Compiles every program of ``cfg``'s run for ``topology`` (a `ValueError` if the mesh
     does not cover its chips or the model does not split over it). ``on_program(compiled)``
-    hears of each as it is done."""
+    hears of each as it is done. ``reuse``, kept between calls that change only some programs
+    (a search over settings): a program already compiled with the same `program_key` is taken
+    from it, not compiled again."""
     _, programs = run_programs(cfg, model, topology, tokens)
     done = []
     for program in programs:
-        done.append(_compile(program, topology, timeout_s))
+        key = program_key(program)
+        if reuse is not None and key in reuse:
+            done.append(reuse[key])
+        else:
+            done.append(_compile(program, topology, timeout_s))
+            if reuse is not None:
+                reuse[key] = done[-1]
         if on_program is not None:
             on_program(done[-1])
     m = cfg.mesh
     return Plan(topology, (m.data, m.fsdp, m.tensor), done)
+
+
+def program_key(program: Program) -> tuple:
+    """What makes a compiled program the same as another of a run's: its name and workload, its
+    FLOPs, every argument's shape, dtype and layout, and its static arguments (the settings a
+    plan's search changes show in these; the function itself is made anew for every plan)."""
+
+    def leaf(x: Any) -> tuple:
+        spec = None if x.sharding is None else str(x.sharding.spec)
+        return (tuple(x.shape), str(x.dtype), spec)
+
+    args = tuple(leaf(x) for x in jax.tree.leaves(program.args))
+    static = tuple(sorted((k, repr(v)) for k, v in program.static.items()))
+    return (program.name, program.workload, program.flops, args, static)
 
 
 def other_meshes(cfg: JarlConfig, chips: int) -> list[JarlConfig]:

@@ -22,6 +22,7 @@ from jax_agent_rl.config import load_config
 from jax_agent_rl.demo import PRESETS as CHECKPOINTS
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.plan import parse_topology
+from jax_agent_rl.plan.report import Compiled, Plan
 from jax_agent_rl.train.memory import plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,8 +205,8 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_program() -> None:
     last = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         r"does not fit: rl_update needs [\d.]+ GiB per chip of 16 \(over by [\d.]+\); "
-        r"no mesh of 4 chips fits: rl_update's arguments alone, split over all 4, are "
-        r"[\d.]+ GiB per chip",
+        r"no smaller setting fits, nor any mesh of 4 chips: rl_update's arguments alone, split "
+        r"over all 4, are [\d.]+ GiB per chip",
         last,
     ), last
 
@@ -321,3 +322,56 @@ def test_an_out_of_memory_compile_is_read_for_what_it_needs() -> None:
         Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: decode needs 20.1 ")
     )
     assert Compiled("decode", "", error="ValueError: bad").needs is None
+
+
+def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
+    tiny: tuple[Path, list[str]],
+) -> None:
+    """The tiny run with a KV cache of 32 GiB over the 4 chips (8 per chip, and the engine's
+    programs' temporaries more: it does not fit): the search tries the run's memory settings on
+    its mesh before other meshes, least change first: rows halved (here the same programs:
+    nothing compiles again), then the KV cache halved (only the engine's prefill and decode
+    compile again), which fits; each plan says how far its compiles are. (The search tried
+    every mesh and ended "no other mesh of 4 chips fits".)"""
+    done = jarl_plan(str(DEMO), *tiny[1], "engine.kv_cache_gib=32", "--topology", "v5e:2x2")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"does not fit: .*; engine\.kv_cache_gib=16 \(mesh\.data=4 mesh\.fsdp=1 "
+        r"mesh\.tensor=1\) fits: 1[0-5]\.\d GiB per chip",
+        lines[-1],
+    ), lines[-1]
+    planned = [line for line in lines if line.startswith("# planning ")]
+    assert planned == [
+        "# planning learner.row_tokens=128 (mesh.data=4 mesh.fsdp=1 mesh.tensor=1)",
+        "# planning engine.kv_cache_gib=16 (mesh.data=4 mesh.fsdp=1 mesh.tensor=1)",
+    ]
+    # rows of 128 do not hold the run's 192-token sequences: the update keeps its rows, and
+    # every program is the first plan's (reused, not compiled); the smaller cache compiles
+    # the engine's prefill and decode again
+    reused = [line for line in lines if line.endswith("programs compiled, the rest reused")]
+    assert reused == [
+        "#   0 of 5 programs compiled, the rest reused",
+        "#   2 of 5 programs compiled, the rest reused",
+    ]
+    assert "#   the same programs as planned first" in lines
+    assert "compiling the run's programs for v5e:2x2: started" in lines
+
+
+def test_the_verdict_names_the_runs_peak_as_the_runs() -> None:
+    """Every program fits alone, the run does not: its resident state (the learner's, the
+    engine's) plus the largest program's extra. The verdict says the run needs it, and of
+    what (it said "rl_update needs 19.1 GiB" of a program whose own line said 12.33)."""
+    gib = 2**30
+    programs = [
+        Compiled(
+            "rl_update", "w", arguments=6 * gib, temps=6 * gib, outputs=6 * gib, aliased=6 * gib
+        ),
+        Compiled("decode", "w", arguments=7 * gib, temps=1 * gib, outputs=7 * gib, aliased=7 * gib),
+    ]
+    plan = Plan(parse_topology("v5e:2x2"), (4, 1, 1), programs)
+    assert plan.verdict() == (
+        False,
+        "does not fit: the run needs 19.0 GiB per chip of 16 (over by 3.0) (resident 13.0 + "
+        "rl_update's temporaries and outputs 6.0)",
+    )
