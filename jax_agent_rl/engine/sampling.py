@@ -134,72 +134,88 @@ def token_logprobs(logprobs_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
 VOCAB_CHUNK = 4096  # the most vocabulary entries `head_logprobs` computes logits for at once
 
 
-def _head_chunks(head_vd: jax.Array, chunk: int) -> tuple[jax.Array, int]:
-    """``head_vd`` [V, D] as ``n`` chunks [n, C, D] of C <= ``chunk`` rows (zero rows padding
-    the last), and C."""
+def _head_chunks(head_vd: jax.Array, chunk: int, parts: int) -> tuple[jax.Array, jax.Array]:
+    """``head_vd`` [V, D] as ``n`` steps [n, S, C, D] of ``S = parts`` chunks of C rows, chunk
+    j of step i the i-th C rows of the vocabulary's j-th of S equal parts (zero rows padding
+    each part's last), and the vocabulary index of each row [n, S, C] (V on the padding).
+    With the vocabulary split in ``parts`` over devices, each step reads every device's own
+    rows: a loop over the steps slices no split axis, so it gathers nothing."""
     V, D = head_vd.shape
-    n = -(-V // chunk)
-    C = -(-V // n)
-    return jnp.pad(head_vd, ((0, n * C - V), (0, 0))).reshape(n, C, D), C
+    P = V // parts
+    n = -(-P // max(chunk // parts, 1))
+    C = -(-P // n)
+    rows = jnp.pad(head_vd.reshape(parts, P, D), ((0, 0), (0, n * C - P), (0, 0)))
+    index = jnp.arange(parts)[:, None] * P + jnp.arange(n * C)[None, :]
+    index = jnp.where(jnp.arange(n * C)[None, :] < P, index, V)
+    steps = rows.reshape(parts, n, C, D).transpose(1, 0, 2, 3)
+    return steps, index.reshape(parts, n, C).transpose(1, 0, 2)
 
 
 def _chunk_scores(
-    h_nd: jax.Array, w_cd: jax.Array, start: jax.Array, V: int, temperature: float
-) -> tuple[jax.Array, jax.Array]:
-    """Scaled logits [N, C] (fp32) of one chunk of the vocabulary starting at ``start``, -inf
-    on its padding, and the vocabulary index of each column [C]."""
-    s = jnp.einsum("nd,cd->nc", h_nd, w_cd, preferred_element_type=jnp.float32) / temperature
-    col_c = start + jnp.arange(w_cd.shape[0])
-    return jnp.where(col_c < V, s, -jnp.inf), col_c
+    h_nd: jax.Array, w_scd: jax.Array, col_sc: jax.Array, V: int, temperature: float
+) -> jax.Array:
+    """Scaled logits [N, S, C] (fp32) of one step's chunks of the vocabulary (columns
+    ``col_sc``), -inf on the padding."""
+    s = jnp.einsum("nd,scd->nsc", h_nd, w_scd, preferred_element_type=jnp.float32) / temperature
+    return jnp.where(col_sc < V, s, -jnp.inf)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def head_logprobs(
     h_nd: jax.Array,
     head_vd: jax.Array,
     targets_n: jax.Array,
     temperature: float,
     chunk: int = VOCAB_CHUNK,
+    parts: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """``sampling_logprobs`` of the logits ``h @ head.T`` without top-k / top-p, at each
     target and whole: the target's log-probability [N] and the entropy [N] (fp32), from
     hidden states [N, D] and a head [V, D], without ever holding all N x V logits.
 
-    The vocabulary is read in chunks of at most ``chunk`` entries, reduced online: a running
+    The vocabulary is read in steps of at most ``chunk`` entries, reduced online: a running
     maximum ``m`` and, relative to it, ``z = sum exp(s - m)`` and ``a = sum exp(s - m) s`` of
     the scaled logits ``s = logits / temperature`` (``temperature`` > 0; 0 means greedy, whose
     logprobs are those at 1, as in `sampling_logprobs`). Then ``log Z = m + log z``, the
     target's ``s_y - log Z``, and the entropy ``log Z - a / z`` (= ``-sum p log p``). The
     gradient (a custom VJP) computes each chunk's logits again: with ``p = exp(s - log Z)``,
     ``d logp_y / ds = onehot(y) - p`` and ``d H / ds = -p (s - a / z)``, over the temperature.
+
+    ``parts`` (dividing V): a head whose vocabulary is split over that many devices (the
+    learner's, over ``tensor``) is read a chunk of each part per step (`_head_chunks`), so each
+    device computes the logits of its own part and no step gathers the head.
     """
-    return _head_logprobs_fwd(h_nd, head_vd, targets_n, temperature, chunk)[0]
+    return _head_logprobs_fwd(h_nd, head_vd, targets_n, temperature, chunk, parts)[0]
 
 
 def _head_logprobs_fwd(
-    h_nd: jax.Array, head_vd: jax.Array, targets_n: jax.Array, temperature: float, chunk: int
+    h_nd: jax.Array,
+    head_vd: jax.Array,
+    targets_n: jax.Array,
+    temperature: float,
+    chunk: int,
+    parts: int,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     N, V = h_nd.shape[0], head_vd.shape[0]
     t = temperature if temperature > 0 else 1.0
-    chunks, C = _head_chunks(head_vd, chunk)
+    steps, cols = _head_chunks(head_vd, chunk, parts)
 
     Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
     def step(carry: Carry, xs: tuple[jax.Array, jax.Array]) -> tuple[Carry, None]:
         m, z, a, s_y = carry
-        w_cd, start = xs
-        s, col_c = _chunk_scores(h_nd, w_cd, start, V, t)
-        m_new = jnp.maximum(m, s.max(-1))
-        e = jnp.exp(s - m_new[:, None])
+        w_scd, col_sc = xs
+        s = _chunk_scores(h_nd, w_scd, col_sc, V, t)
+        m_new = jnp.maximum(m, s.max((-2, -1)))
+        e = jnp.exp(s - m_new[:, None, None])
         rescale = jnp.exp(m - m_new)
-        z = z * rescale + e.sum(-1)
-        a = a * rescale + jnp.where(e > 0, e * s, 0.0).sum(-1)
-        s_y = s_y + jnp.where(col_c == targets_n[:, None], s, 0.0).sum(-1)
+        z = z * rescale + e.sum((-2, -1))
+        a = a * rescale + jnp.where(e > 0, e * s, 0.0).sum((-2, -1))
+        s_y = s_y + jnp.where(col_sc == targets_n[:, None, None], s, 0.0).sum((-2, -1))
         return (m_new, z, a, s_y), None
 
     init: Carry = (jnp.full((N,), -jnp.inf), jnp.zeros((N,)), jnp.zeros((N,)), jnp.zeros((N,)))
-    starts = jnp.arange(chunks.shape[0]) * C
-    (m, z, a, s_y), _ = jax.lax.scan(step, init, (chunks, starts))
+    (m, z, a, s_y), _ = jax.lax.scan(step, init, (steps, cols))
     log_z = m + jnp.log(z)
     mean_s = a / z
     return (s_y - log_z, log_z - mean_s), (h_nd, head_vd, targets_n, log_z, mean_s)
@@ -208,30 +224,32 @@ def _head_logprobs_fwd(
 def _head_logprobs_bwd(
     temperature: float,
     chunk: int,
+    parts: int,
     res: tuple[jax.Array, ...],
     g: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, None]:
     h_nd, head_vd, targets_n, log_z, mean_s = res
     g_logp, g_entropy = g
-    V = head_vd.shape[0]
+    V, D = head_vd.shape
     t = temperature if temperature > 0 else 1.0
-    chunks, C = _head_chunks(head_vd, chunk)
+    steps, cols = _head_chunks(head_vd, chunk, parts)
 
     def step(dh: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        w_cd, start = xs
-        s, col_c = _chunk_scores(h_nd, w_cd, start, V, t)
-        p = jnp.exp(s - log_z[:, None])  # 0 on the padding
-        onehot = (col_c == targets_n[:, None]).astype(jnp.float32)
-        centred = jnp.where(p > 0, s - mean_s[:, None], 0.0)
-        ds = g_logp[:, None] * (onehot - p) - g_entropy[:, None] * p * centred
+        w_scd, col_sc = xs
+        s = _chunk_scores(h_nd, w_scd, col_sc, V, t)
+        p = jnp.exp(s - log_z[:, None, None])  # 0 on the padding
+        onehot = (col_sc == targets_n[:, None, None]).astype(jnp.float32)
+        centred = jnp.where(p > 0, s - mean_s[:, None, None], 0.0)
+        ds = g_logp[:, None, None] * (onehot - p) - g_entropy[:, None, None] * p * centred
         dlogits = (ds / t).astype(h_nd.dtype)
-        dh = dh + jnp.einsum("nc,cd->nd", dlogits, w_cd, preferred_element_type=jnp.float32)
-        dw = jnp.einsum("nc,nd->cd", dlogits, h_nd, preferred_element_type=jnp.float32)
+        dh = dh + jnp.einsum("nsc,scd->nd", dlogits, w_scd, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("nsc,nd->scd", dlogits, h_nd, preferred_element_type=jnp.float32)
         return dh, dw.astype(head_vd.dtype)
 
-    starts = jnp.arange(chunks.shape[0]) * C
-    dh, dw = jax.lax.scan(step, jnp.zeros(h_nd.shape, jnp.float32), (chunks, starts))
-    return dh.astype(h_nd.dtype), dw.reshape(-1, head_vd.shape[1])[:V], None
+    dh, dw = jax.lax.scan(step, jnp.zeros(h_nd.shape, jnp.float32), (steps, cols))
+    P = V // parts
+    dw = dw.transpose(1, 0, 2, 3).reshape(parts, -1, D)[:, :P]  # each part's padding dropped
+    return dh.astype(h_nd.dtype), dw.reshape(V, D), None
 
 
 head_logprobs.defvjp(_head_logprobs_fwd, _head_logprobs_bwd)

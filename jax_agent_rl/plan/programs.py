@@ -86,11 +86,13 @@ class WeightTraffic:
     fsdp (still split over tensor); ``passes``, the forward and backward passes over
     micro-batches, each of which gathers them once (a backward maybe twice: its remat
     forward's and its own); ``stacked``, the largest stacked weight's bytes per device as it
-    is laid out (a copy that size is a copy of the weights)."""
+    is laid out (a copy that size is a copy of the weights); ``micro_batches``, how many the
+    step runs (a copy made that often is made per micro-batch)."""
 
     gathered: float
     passes: float
     stacked: float
+    micro_batches: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +198,9 @@ def _per_device(tree: Any) -> int:
     )
 
 
-def _traffic(model: ModelConfig, compute_dtype: str, params: Any, passes: float) -> WeightTraffic:
+def _traffic(
+    model: ModelConfig, compute_dtype: str, params: Any, passes: float, micro_batches: int
+) -> WeightTraffic:
     """`WeightTraffic` of a policy's ``params`` (abstract, laid out) over ``passes``."""
     size = 2 if compute_dtype == "bfloat16" else 4
 
@@ -210,6 +214,7 @@ def _traffic(model: ModelConfig, compute_dtype: str, params: Any, passes: float)
         sum(math.prod(x.shape) * size / split(x) for x in leaves),
         passes,
         max((math.prod(x.sharding.shard_shape(x.shape)) * size for x in stacked), default=0),
+        micro_batches,
     )
 
 
@@ -289,6 +294,7 @@ def learner_programs(
             # per micro-batch: prepare's forwards (the reference's, the critic's too), then
             # each epoch's forward and backward (a trained critic's alike)
             K * work.micro_batches * (1 + bool(a.kl_coef) + gae + a.ppo_epochs * 2 * (1 + gae)),
+            K * work.micro_batches,
         ),
     )
     out = [rl]

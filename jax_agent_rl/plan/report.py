@@ -116,8 +116,9 @@ def mesh_findings(counted: hlo.Count, weights: WeightTraffic | None) -> list[str
     - all-gathers moving more than `GATHERS_PER_PASS` times the weights' bytes per pass over
       a micro-batch (`WeightTraffic`): a weight gathered whole at every step of a loop inside
       the pass (the vocabulary head's chunks once did: 6.3 times);
-    - a copy of at least half the largest stacked weight inside a loop: a layout copy of the
-      weights at every micro-batch (the prefetches of one layer's slice are far smaller).
+    - a copy of at least half the largest stacked weight made at every micro-batch: a layout
+      copy of the weights (the prefetches of one layer's slice are far smaller; a copy made
+      once per optimizer step, outside the micro-batch loop, is not one).
 
     Weight gradients reduced by an all-reduce over fsdp and then sliced (XLA does so where a
     reduce-scatter would move half the bytes) pass: the reduction is the mesh's."""
@@ -143,14 +144,14 @@ def mesh_findings(counted: hlo.Count, weights: WeightTraffic | None) -> list[str
         o
         for o in counted.ops
         if o.kind in ("copy", "copy-start", "transpose")
-        and o.trips > 1
+        and o.trips >= weights.micro_batches
         and o.bytes / o.trips >= weights.stacked / 2 > 0
     ]
     if copies:
         c = max(copies, key=lambda o: o.bytes)
         out.append(
-            f"{len(copies)} copies of a stacked weight's size inside loops, the largest "
-            f"{_array(c.shape)} x{c.trips}"
+            f"{len(copies)} copies of a stacked weight's size at every micro-batch, the "
+            f"largest {_array(c.shape)} x{c.trips}"
         )
     return out
 

@@ -116,9 +116,14 @@ class StepSpec:
         return h, w, load_balancing_loss(self.model, logits, f.real)
 
     def cast(self, weights: Weights) -> Weights:
-        return cast_floats(
-            weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16
-        )
+        """``weights`` in the compute dtype; a decoder's embedding table gathered over fsdp,
+        its vocabulary left split over tensor: the lookup reads its own rows (the table split
+        by its hidden dimension made the lookup's result an all-to-all), and a tied head
+        reads the same gathered table (`head_stats`)."""
+        w = cast_floats(weights, jnp.float32 if self.compute_dtype == "float32" else jnp.bfloat16)
+        if not isinstance(w, Weights):
+            return w
+        return dataclasses.replace(w, embed=self.sharder.constrain(w.embed, ("act_vocab", None)))
 
 
 class ForwardRows(NamedTuple):
@@ -206,9 +211,15 @@ def head_stats(
     B, T, D = h.shape
     targets = mb.targets if mb.tree is None else mb.tree.targets
     if s.top_k <= 0 and s.top_p >= 1.0:
+        # the head gathered over fsdp once, its vocabulary left split over tensor: each device
+        # computes its part's logits, a chunk of it per step (`head_logprobs`'s ``parts``)
         head_vd = policy_of(spec.model).head_vd(w)
+        parts = spec.sharder.shards("act_vocab")
+        if head_vd.shape[0] % parts:
+            parts = 1
+        head_vd = spec.sharder.constrain(head_vd, ("act_vocab" if parts > 1 else None, None))
         logp, entropy = head_logprobs(
-            h.reshape(B * T, D), head_vd, targets.reshape(B * T), s.temperature
+            h.reshape(B * T, D), head_vd, targets.reshape(B * T), s.temperature, parts=parts
         )
         return on_loss_rows(mb, logp.reshape(B, T)), on_loss_rows(mb, entropy.reshape(B, T))
     logits_btv = policy_of(spec.model).logits(w, h)

@@ -117,11 +117,15 @@ def test_first_max_is_argmax_with_ties_infinities_and_nans() -> None:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-@pytest.mark.parametrize("chunk", [128, 300, 4096])  # 8 of 126 and 4 of 251 (padded); 1
-def test_head_logprobs_equal_the_full_vocabulary(temperature: float, chunk: int) -> None:
+# chunks: 8 of 126 and 4 of 251 (padded); 1; and the vocabulary in 7 parts of 143 (each padded
+# to 8 steps of 18 rows), as a head split over devices is read
+@pytest.mark.parametrize(("chunk", "parts"), [(128, 1), (300, 1), (4096, 1), (128, 7)])
+def test_head_logprobs_equal_the_full_vocabulary(
+    temperature: float, chunk: int, parts: int
+) -> None:
     """`head_logprobs` (chunked, online) = `sampling_logprobs` over all the logits, without
     filters: each target's logprob and each row's entropy, and their gradients to the hidden
-    states and the head.
+    states and the head; its vocabulary read whole or in ``parts``.
 
     Both compute the same fp32 quantities and differ in the order of their sums only: log Z
     sums V = 1001 terms (relative rounding ~log2(V) * 6e-8 ~ 1e-6 pairwise, worse for a
@@ -140,7 +144,7 @@ def test_head_logprobs_equal_the_full_vocabulary(temperature: float, chunk: int)
         return token_logprobs(lp, targets), entropy_from_logprobs(lp)
 
     def chunked(h: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return head_logprobs(h, head, targets, temperature, chunk)
+        return head_logprobs(h, head, targets, temperature, chunk, parts)
 
     for got, want in zip(jax.jit(chunked)(h, head), jax.jit(full)(h, head), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
