@@ -202,17 +202,29 @@ def pallas_paged_attention(
     `ragged_attention` up to that rounding. Off TPU it runs only in Pallas's TPU interpret
     mode (``pltpu.force_tpu_interpret_mode()`` around the trace).
     """
-    K = q_bhk.shape[2]
-    ps = k_pages.shape[2]
-    block = max(1, PALLAS_BLOCK_POSITIONS // ps)
-    M = table_bm.shape[1]
-    # the kernel steps over a row's pages in blocks: its table padded to whole blocks
-    # (page 0 there, past every row's length, never read)
-    table = jnp.pad(table_bm, ((0, 0), (0, -M % block)))
-    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
-    q = q_bhk.astype(jnp.float32) * K**-0.5  # the kernel does not scale
+    block = max(1, PALLAS_BLOCK_POSITIONS // k_pages.shape[2])
+    q, table, lengths = _kernel_inputs(q_bhk, jnp.float32, table_bm, pos_b, active_b, block)
     out = tpu_paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
     return jnp.where(active_b[:, None, None], out, 0).astype(q_bhk.dtype)
+
+
+def _kernel_inputs(
+    q_bhk: jax.Array,
+    q_dtype: Any,
+    table_bm: jax.Array,
+    pos_b: jax.Array,
+    active_b: jax.Array,
+    pages: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What JAX's paged-attention kernels take: the queries scaled by K**-0.5 (they do not
+    scale) in ``q_dtype``; the page tables padded to a multiple of ``pages`` (the kernels step
+    over a row's pages in blocks; page 0 there, past every row's length, never read); each
+    row's length, 0 for a row not active."""
+    M = table_bm.shape[1]
+    table = jnp.pad(table_bm, ((0, 0), (0, -M % pages)))
+    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
+    q = (q_bhk.astype(jnp.float32) * q_bhk.shape[2] ** -0.5).astype(q_dtype)
+    return q, table, lengths
 
 
 TRITON_BLOCK_POSITIONS = 64  # cache positions per compute block of `triton_paged_attention`
@@ -242,16 +254,14 @@ def triton_paged_attention(
     cache the output is within one rounding of each weight (2^-8 relative) of
     `ragged_attention`'s on the same queries, then rounded to q's dtype.
     """
-    K = q_bhk.shape[2]
     P, ps = k_pages.shape[1], k_pages.shape[2]
     block = max(1, TRITON_BLOCK_POSITIONS // ps)
-    M = table_bm.shape[1]
-    splits = max(1, min(TRITON_SPLITS, -(-M // block)))
-    # the kernel's partitions are whole compute blocks: the table padded to them (page 0 there,
-    # past every row's length, never read), and every id kept in the pool
-    table = jnp.clip(jnp.pad(table_bm, ((0, 0), (0, -M % (splits * block)))), 0, P - 1)
-    lengths = jnp.where(active_b, pos_b + 1, 0).astype(jnp.int32)
-    q = (q_bhk.astype(jnp.float32) * K**-0.5).astype(k_pages.dtype)  # the kernel does not scale
+    splits = max(1, min(TRITON_SPLITS, -(-table_bm.shape[1] // block)))
+    # the kernel's partitions are whole compute blocks; every page id kept in the pool
+    q, table, lengths = _kernel_inputs(
+        q_bhk, k_pages.dtype, table_bm, pos_b, active_b, splits * block
+    )
+    table = jnp.clip(table, 0, P - 1)
     out = gpu_paged_attention(
         q,
         k_pages,

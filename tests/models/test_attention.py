@@ -32,8 +32,8 @@ from jax_agent_rl.models.paged import (
     paged_attention,
     pair_block,
     pallas_paged_attention,
-    triton_paged_attention,
     ragged_attention,
+    triton_paged_attention,
 )
 from jax_agent_rl.models.sharding import one_device_sharder
 
@@ -210,14 +210,15 @@ def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
     np.testing.assert_array_equal(np.asarray(last_alone[3]), np.asarray(got[3]))
 
 
-def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
-    """Decode attention by JAX's TPU paged-attention kernel (`pallas_paged_attention`, in
-    Pallas's TPU interpret mode), for a 16-bit cache as a TPU engine holds it: the rows of
-    the ragged test (one page; 40 pages, more than one compute block; idle; a page and one
-    token), pages shared and scattered. Against a float64 softmax of the same bfloat16 keys,
-    values and queries. Bound: the kernel computes in fp32 from bfloat16 inputs it reads
-    exactly, so as above (K + S + 1 unit roundoffs of the largest value), plus the output's
-    rounding to bfloat16 (half an ulp: 2^-9 relative). An idle row gives zeros."""
+KernelCase = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def _bf16_rows() -> tuple[KernelCase, np.ndarray, int, float]:
+    """The ragged test's rows (one page; 40 pages, more than one compute block; idle; a page
+    and one token), pages shared and scattered, in a bfloat16 pool as an accelerator's engine
+    holds it, with bfloat16 queries: the kernel's arguments (q, k pages, v pages, tables,
+    positions, active rows), the float64 softmax of those inputs, the longest row, and the
+    largest |v|."""
     ps = 8
     lengths = [5, 40 * ps, 1, ps + 1]
     tables = [[3], list(range(10, 50)), [0], [3, 60]]
@@ -226,18 +227,32 @@ def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
     k16, v16 = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
     k64, v64 = _rows(k16, tables, lengths), _rows(v16, tables, lengths)
     q = jax.random.normal(jax.random.key(5), (4, H, K)).astype(jnp.bfloat16)
-    table = _table(tables, 48)
     pos = jnp.asarray(lengths) - 1
-    with pltpu.force_tpu_interpret_mode():
-        got = pallas_paged_attention(q, k16, v16, jnp.asarray(table), pos, active)
-    assert got.dtype == jnp.bfloat16
     last = np.asarray(pos)[:, None]
     want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
-    vmax = np.abs(v64).max()
-    bound = 2.0**-9 * np.abs(want).max() + (K + max(lengths) + 1) * 2.0**-24 * vmax
+    case = (q, k16, v16, jnp.asarray(_table(tables, 48)), pos, active)
+    return case, want, max(lengths), float(np.abs(v64).max())
+
+
+def _assert_live_rows_within(got: jax.Array, want: np.ndarray, active: jax.Array, bound: float):
+    assert got.dtype == jnp.bfloat16
     live = np.asarray(active)
     np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
-    assert not np.asarray(got[~live], np.float64).any()
+    assert not np.asarray(got[~live], np.float64).any()  # an idle row reads nothing
+
+
+def test_the_pallas_tpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
+    """Decode attention by JAX's TPU paged-attention kernel (`pallas_paged_attention`, in
+    Pallas's TPU interpret mode), for a 16-bit cache as a TPU engine holds it (`_bf16_rows`).
+    Against a float64 softmax of the same bfloat16 keys, values and queries. Bound: the kernel
+    computes in fp32 from bfloat16 inputs it reads exactly, so as above (K + S + 1 unit
+    roundoffs of the largest value), plus the output's rounding to bfloat16 (half an ulp: 2^-9
+    relative). An idle row gives zeros."""
+    case, want, longest, vmax = _bf16_rows()
+    with pltpu.force_tpu_interpret_mode():
+        got = pallas_paged_attention(*case)
+    bound = 2.0**-9 * np.abs(want).max() + (K + longest + 1) * 2.0**-24 * vmax
+    _assert_live_rows_within(got, want, case[5], bound)
 
 
 def test_the_pallas_gpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
@@ -248,26 +263,11 @@ def test_the_pallas_gpu_kernel_equals_the_softmax_in_interpret_mode() -> None:
     rounding of each unnormalised weight (at most 1) to bfloat16 before the values' matmul:
     2^-8 of the weighted sum of |v| a row reads, at most 2^-8 of the largest |v|; and the
     normaliser's epsilon (2^-23 relative, the normaliser being at least 1). Idle rows: zeros."""
-    ps = 8
-    lengths = [5, 40 * ps, 1, ps + 1]
-    tables = [[3], list(range(10, 50)), [0], [3, 60]]
-    active = jnp.asarray([True, True, False, True])
-    k_pages, v_pages, _, _ = _pool(ps, tables, lengths, seed=4)
-    k16, v16 = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
-    k64, v64 = _rows(k16, tables, lengths), _rows(v16, tables, lengths)
-    q = jax.random.normal(jax.random.key(5), (4, H, K)).astype(jnp.bfloat16)
-    table = _table(tables, 48)
-    pos = jnp.asarray(lengths) - 1
-    got = triton_paged_attention(q, k16, v16, jnp.asarray(table), pos, active, interpret=True)
-    assert got.dtype == jnp.bfloat16
-    last = np.asarray(pos)[:, None]
-    want = _reference(np.asarray(q, np.float64).reshape(4, 1, G, H // G, K), k64, v64, last)
-    vmax = np.abs(v64).max()
+    case, want, longest, vmax = _bf16_rows()
+    got = triton_paged_attention(*case, interpret=True)
     bound = 2.0**-9 * np.abs(want).max() + (2.0**-8 + 2.0**-23) * vmax
-    bound += (K + max(lengths) + 1) * 2.0**-24 * vmax
-    live = np.asarray(active)
-    np.testing.assert_allclose(np.asarray(got, np.float64)[live], want[live, 0], atol=bound, rtol=0)
-    assert not np.asarray(got[~live], np.float64).any()
+    bound += (K + longest + 1) * 2.0**-24 * vmax
+    _assert_live_rows_within(got, want, case[5], bound)
 
 
 def test_ragged_attention_rows_are_bitwise_the_same_wherever_their_pairs_fall() -> None:
