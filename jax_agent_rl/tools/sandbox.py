@@ -178,6 +178,23 @@ def memory_cgroup() -> MemoryCgroup | str:
     return cgroup
 
 
+def remove_stale_groups(cgroup: MemoryCgroup) -> None:
+    """Removes the worker groups a host that is gone left (killed, it removed none): those of
+    ``cgroup`` named for a pid no process has, and their empty subgroups."""
+    for group in cgroup.path.glob("jarl-sandbox-*-*"):
+        pid = group.name.split("-")[2]
+        try:
+            os.kill(int(pid), 0)
+            continue  # (alive, or another user's)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, ValueError):
+            continue
+        for path in [*(p for p in group.iterdir() if p.is_dir()), group]:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
 def _enable_controllers(group: Path) -> None:
     """cgroup v2: hands the memory and pids controllers to ``group``'s children."""
     control = group / "cgroup.subtree_control"
@@ -283,9 +300,9 @@ class _Worker:
         -1 without a cgroup."""
         if self.cgroup is None:
             return -1
-        # a random name: executions read it in /proc/self/cgroup, and a counter would tell
-        # them how many sandboxes the host started before theirs
-        self._group = self.cgroup.path / f"jarl-sandbox-{secrets.token_hex(8)}"
+        # the host's pid (`remove_stale_groups`) and a random part: executions read the name in
+        # /proc/self/cgroup, and a counter would tell them how many sandboxes came before
+        self._group = self.cgroup.path / f"jarl-sandbox-{os.getpid()}-{secrets.token_hex(8)}"
         self._group.mkdir()
         if self.cgroup.version == 2:
             _enable_controllers(self._group)
@@ -514,6 +531,8 @@ class PythonSandbox:
         self.limits, self.timeout_s = limits, timeout_s
         found = memory_cgroup() if cgroup else "memory cgroups are turned off"
         self.cgroup = found if isinstance(found, MemoryCgroup) else None
+        if self.cgroup is not None:
+            remove_stale_groups(self.cgroup)
         # what bounds an execution's memory, as the tool server says at start
         self.memory_bound = (
             f"a memory cgroup per execution (cgroup v{found.version}, under {found.path})"

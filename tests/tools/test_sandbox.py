@@ -3,6 +3,7 @@
 import asyncio
 import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,13 @@ import pytest
 
 from jax_agent_rl.cli.serve_tools import announcement
 from jax_agent_rl.tools.registry import ToolRegistry
-from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
+from jax_agent_rl.tools.sandbox import (
+    Limits,
+    MemoryCgroup,
+    PythonSandbox,
+    PythonTool,
+    memory_cgroup,
+)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +163,25 @@ def test_the_tool_server_says_which_memory_bound_is_in_force(sandbox: PythonSand
     else:
         assert said[1].startswith("python: memory bounded by the fork server's accounting")
         assert "memory cgroups are turned off" in said[1]
+
+
+def test_groups_a_killed_host_left_are_removed() -> None:
+    """A host killed (SIGKILL: a tool server stopped so) removed none of its workers' memory
+    groups; the next sandbox started beside it removes those whose host is gone."""
+    found = memory_cgroup()
+    if not isinstance(found, MemoryCgroup):
+        pytest.skip(found)
+    dead = subprocess.Popen(["true"])  # (its pid: no process's once it is reaped)
+    dead.wait()
+    stale = found.path / f"jarl-sandbox-{dead.pid}-0123456789abcdef"
+    (stale / "server").mkdir(parents=True)
+    ours = lambda: set(found.path.glob(f"jarl-sandbox-{os.getpid()}-*"))  # noqa: E731
+    before = ours()  # (other sandboxes of this process: the module's)
+    sb = PythonSandbox(size=1, limits=Limits(cpu_s=2, memory_mb=64, processes=16), timeout_s=5)
+    try:
+        assert not stale.exists()
+        (live,) = ours() - before
+        assert (live / "server").is_dir()
+    finally:
+        sb.close()
+    assert not live.exists()
