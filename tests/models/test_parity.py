@@ -34,8 +34,11 @@ def _skip_fp32_triton_on_a_gpu(kernel: str) -> None:
         pytest.skip("fp32 through the Triton kernels takes TF32 on a GPU (module docstring)")
 
 
-@pytest.mark.parametrize("kernel", ["xla", "triton"])
-@pytest.mark.parametrize("family", FAMILIES)
+# the GPU kernels on one family (the attention they replace is the same in every family)
+WITH_GPU_KERNELS = [(family, "xla") for family in FAMILIES] + [("qwen2", "triton")]
+
+
+@pytest.mark.parametrize(("family", "kernel"), WITH_GPU_KERNELS)
 def test_forward_matches_transformers(
     family: str, kernel: str, hf_checkpoints: dict[str, Path]
 ) -> None:
@@ -79,8 +82,10 @@ def test_packed_segments_equal_separate_sequences(
         assert np.abs(logits[sl] - np.asarray(alone)[0]).max() <= TOL
 
 
-@pytest.mark.parametrize("decode_kernel", ["ragged", "triton"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "decode_kernel"),
+    [(family, "ragged" if kernel == "xla" else kernel) for family, kernel in WITH_GPU_KERNELS],
+)
 def test_prefill_and_decode_reproduce_full_sequence(
     family: str, decode_kernel: str, hf_checkpoints: dict[str, Path]
 ) -> None:
