@@ -190,7 +190,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a config override for every mode, e.g. optim.lr=5e-4 or algorithm.rollout_mask=geometric",
+        help="a config override for every mode, e.g. optim.lr=5e-4 or "
+        "algorithm.rollout_mask=geometric",
     )
     args = parser.parse_args()
     chosen = [m for m in args.modes.split(",") if m]

@@ -278,6 +278,25 @@ def test_training_loss_compiles_for_tpu_with_the_kernel() -> None:
     }
 
 
+def _lowered_for_gpu(cfg: ModelConfig, sharder: Sharder, mesh: object) -> str:
+    """`forward`'s loss and gradient with remat, lowered for ``mesh``'s abstract GPU."""
+    rows, tokens = 2, 320
+
+    def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, remat=True)
+        return jnp.mean(lm_logits(w, h))
+
+    batch = jax.ShapeDtypeStruct(
+        (rows, tokens), jnp.int32, sharding=sharder.sharding(ROW_AXES, (rows, tokens))
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(jax.value_and_grad(loss)).trace(
+            abstract_params(cfg, sharder), batch, batch
+        )
+        return str(traced.lower(lowering_platforms=("cuda",)).as_text())
+
+
 def test_training_loss_lowers_for_gpu_with_the_triton_kernel() -> None:
     """`forward`'s loss and gradient with remat, bf16, lowered on this CPU host for an abstract
     H100 (an abstract mesh of one GPU), with no argument forcing the choice: the program's
@@ -289,7 +308,6 @@ def test_training_loss_lowers_for_gpu_with_the_triton_kernel() -> None:
     )
     mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=card)
     sharder = Sharder(mesh)
-    rows, tokens = 2, 320
     calls = {}
     for dtype in ("bfloat16", "float32"):
         cfg = dataclasses.replace(
@@ -297,20 +315,7 @@ def test_training_loss_lowers_for_gpu_with_the_triton_kernel() -> None:
             dtype=dtype,
         )  # fmt: skip
         assert training_kernel(sharder, cfg.dtype) == ("triton" if dtype == "bfloat16" else None)
-
-        def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
-            positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-            h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, remat=True)
-            return jnp.mean(lm_logits(w, h))
-
-        batch = jax.ShapeDtypeStruct(
-            (rows, tokens), jnp.int32, sharding=sharder.sharding(ROW_AXES, (rows, tokens))
-        )
-        with jax.sharding.use_abstract_mesh(mesh):
-            traced = jax.jit(jax.value_and_grad(loss)).trace(
-                abstract_params(cfg, sharder), batch, batch
-            )
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        text = _lowered_for_gpu(cfg, sharder, mesh)
         calls[dtype] = sorted(re.findall(r'"(mha_\w+)"', text))
     assert calls == {
         "bfloat16": ["mha_backward", "mha_forward", "mha_forward", "mha_preprocess_backward"],
