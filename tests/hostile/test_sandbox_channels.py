@@ -208,3 +208,28 @@ def test_only_the_socket_families_code_needs(pool: PythonSandbox) -> None:
         "vsock 97\npacket 97\nalg 97\nnetlink sock_diag 97\nnetlink route ok\nunix ok 2\n"
         "inet 97 97\n('127.0.0.1', 80)"
     )
+
+
+SYSV_IPC = """
+import ctypes, ctypes.util
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for key in (0xBEEF, 0):  # a guessed key, and IPC_PRIVATE
+    shm = libc.shmget(key, 4096, 0o1666)
+    if shm >= 0:
+        p = libc.shmat(shm, None, 0)
+        ok = p not in (None, ctypes.c_void_p(-1).value)
+        print("shm", shm, ctypes.string_at(p, 6) if ok else None)
+        if ok:
+            ctypes.memmove(p, b"SECRET", 6)
+    print("msg", libc.msgget(key, 0o1666) >= 0, "sem", libc.semget(key, 1, 0o1666) >= 0)
+"""
+
+
+def test_system_v_shared_memory_queues_and_semaphores_carry_nothing(sandbox: PythonSandbox) -> None:
+    """System V IPC objects outlive the process that made them: an execution that leaves a
+    segment, a queue or a semaphore under a guessed key would hand the next execution on its
+    worker a message. Every get is refused, so nothing is made and nothing is read back."""
+    for _ in range(2):  # the second run is where a left segment would show
+        result = run(sandbox, SYSV_IPC)
+        assert result.stdout == "msg False sem False\n" * 2, (result.stdout, result.stderr)
