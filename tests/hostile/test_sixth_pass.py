@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from typing import Any
 
@@ -145,16 +144,19 @@ def test_an_answer_of_nothing_never_matches(answer: str, truth: str) -> None:
     assert math_reward(answer, truth) == 0.0
 
 
-_SCORE_REGEX = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)  # the old
+_SCORE_REGEX = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)  # cubic
 
 
 def _score_by_regex(text: str, score_max: float) -> float | None:
-    """`parse_score` as it read a judge's answer with ``_SCORE_REGEX``; None for an error."""
-    found = _SCORE_REGEX.search(text)
+    """`parse_score` read with ``_SCORE_REGEX``: every tag's text a number, all the same one,
+    in [0, ``score_max``]; None for an error."""
     try:
-        value = float(found.group(1)) if found else math.nan
+        values = {float(found) for found in _SCORE_REGEX.findall(text)}
     except ValueError:
         return None
+    if len(values) != 1:
+        return None
+    (value,) = values
     return value / score_max if 0.0 <= value <= score_max else None
 
 
