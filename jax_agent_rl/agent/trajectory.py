@@ -2,7 +2,15 @@
 (`Trajectory.add_sample`, `add_turn`, `add_observation`...): the agent loops call these and
 never edit its fields, nor does the trainer, which returns what it adds (reward, success, filters,
 reruns: `jax_agent_rl.agent.episode.Episode`). What the learner reads of it is its
-`Trajectory.train_sequence`."""
+`Trajectory.train_sequences`.
+
+An episode is a sequence of model calls. Calls whose prompt extends the sequence so far
+(``prompt_ids + response_ids``) append to it: that is one sample, today's append-only
+trajectory. A call whose prompt does not (the harness compacted its context, stripped earlier
+thinking, or called a sub-agent with a context of its own) starts a new sample
+(`Trajectory.start_sample`) from exactly that prompt; a call that extends an earlier sample
+again (the parent after its sub-agent answered) goes back to it (`resume_sample`). Each sample
+is one training row sharing the episode's reward (the per-turn rules: docs/agents.md)."""
 
 from __future__ import annotations
 
@@ -126,6 +134,10 @@ class Trajectory:
     forked_from: str | None = None
     forked_tokens: int = 0
     forked_calls: int = 0
+    # the episode's samples other than the one its fields above hold (``sample``), by index
+    # (module doc): each as it was left, token for token (reward 0 until `train_sequences`)
+    parked: dict[int, TrainSequence] = dataclasses.field(default_factory=dict)
+    sample: int = 0  # the index of the sample ``prompt_ids + response_ids`` holds
 
     def append(
         self,
@@ -273,18 +285,72 @@ class Trajectory:
         return branch
 
     @property
+    def num_samples(self) -> int:
+        """Its samples: 1 for an episode whose every call extended the one before."""
+        return len(self.parked) + 1
+
+    def sample_uid(self, k: int) -> str:
+        """Sample ``k``'s row uid: the episode's for the first, ``<uid>@<k>`` for the others."""
+        return self.uid if k == 0 else f"{self.uid}@{k}"
+
+    def start_sample(self, prompt_ids: list[int]) -> None:
+        """The next model call's prompt ``prompt_ids`` does not extend the sequence so far: a
+        new sample starts from it (mask 0, as any prompt), the current one parked as it is."""
+        self._park()
+        self.sample = len(self.parked)
+        self._load(
+            TrainSequence(self.sample_uid(self.sample), self.group_id, [], [], [], [], [], [])
+        )
+        self.prompt_ids = list(prompt_ids)
+
+    def resume_sample(self, k: int) -> None:
+        """The next model call extends sample ``k`` again (a parent after its sub-agent): its
+        tokens become the current ones, the current sample parked."""
+        if k == self.sample:
+            return
+        if k not in self.parked:
+            raise ValueError(f"trajectory {self.uid!r} has no sample {k} (of {self.num_samples})")
+        back = self.parked.pop(k)
+        self._park()
+        self.sample = k
+        self._load(back)
+
+    def _park(self) -> None:
+        self.parked[self.sample] = self.train_sequence(0.0)
+
+    def _load(self, seq: TrainSequence) -> None:
+        self.prompt_ids = list(seq.prompt_ids)
+        self.response_ids = list(seq.response_ids)
+        self.loss_mask = list(seq.loss_mask)
+        self.rollout_logprobs = list(seq.rollout_logprobs)
+        self.token_versions = list(seq.token_versions)
+        self.kv_versions = list(seq.kv_versions)
+        self.expert_ids = seq.expert_ids
+
+    @property
     def oldest_version(self) -> int | None:
-        """The oldest weight version that sampled one of its tokens or computed a key or value
-        one was sampled over (None: none sampled)."""
-        return oldest_version(self.token_versions, self.kv_versions)
+        """The oldest weight version that sampled one of its tokens (of any sample) or
+        computed a key or value one was sampled over (None: none sampled)."""
+        versions = [s.oldest_version for s in self.parked.values()]
+        versions.append(oldest_version(self.token_versions, self.kv_versions))
+        return min((v for v in versions if v is not None), default=None)
+
+    def train_sequences(self, reward: float) -> list[TrainSequence]:
+        """What the learner reads of it: each sample (module doc) in the order they started,
+        with ``reward`` (the trainer's, `Episode.reward`); one for an episode that only
+        appended (`train_sequence`). A sample without a sampled token is left out (nothing
+        of it is trained), unless it is the only one."""
+        samples = {**self.parked, self.sample: self.train_sequence(reward)}
+        rows = [dataclasses.replace(samples[k], reward=reward) for k in sorted(samples)]
+        return [s for s in rows if any(s.loss_mask)] or [self.train_sequence(reward)]
 
     def train_sequence(self, reward: float) -> TrainSequence:
-        """What the learner reads of it: its tokens, what came with each, its group, and
-        ``reward`` (the trainer's, `Episode.reward`). The lists are copied and ``expert_ids``
-        is never edited in place (`append` makes a new array), so the record does not change
-        as the trajectory goes on."""
+        """The current sample as the learner reads it: its tokens, what came with each, its
+        group, and ``reward``. The lists are copied and ``expert_ids`` is never edited in place
+        (`append` makes a new array), so the record does not change as the trajectory goes
+        on."""
         return TrainSequence(
-            uid=self.uid,
+            uid=self.sample_uid(self.sample),
             group_id=self.group_id,
             prompt_ids=list(self.prompt_ids),
             response_ids=list(self.response_ids),
@@ -303,12 +369,13 @@ class Trajectory:
 
     @property
     def num_model_tokens(self) -> int:
-        return sum(self.loss_mask)
+        """Its sampled tokens, over every sample."""
+        return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.parked.values())
 
     @property
     def own_model_tokens(self) -> int:
         """The model tokens sampled for this trajectory alone (a branch shares the rest)."""
-        return sum(self.loss_mask[self.forked_tokens :])
+        return self.num_model_tokens - sum(self.loss_mask[: self.forked_tokens])
 
     @property
     def own_tool_calls(self) -> int:

@@ -92,17 +92,22 @@ def kv_behind(seqs: Sequence[TrainSequence]) -> tuple[int, int]:
 def training_rows(
     episodes: Sequence[Episode], rewards: np.ndarray, algo: AlgorithmSection
 ) -> tuple[list[TrainSequence], np.ndarray, list[str], np.ndarray, np.ndarray | None]:
-    """The learner's rows for ``episodes`` (shaped ``rewards``): one per trajectory (its
-    `Trajectory.train_sequence`, with its `Episode.reward`), or with ``turn_mode=per_turn``
-    one per model turn (`per_turn_samples`). Returns the rows, their rewards and groups
-    (their episode's), the share of its episode each row is (``1 / turns``, so that GRPO's
-    group statistics count every episode once), and with ``adv_estimator`` gigpo or
-    tree_grpo each row's step-level advantage (`rl.steps`; else None)."""
-    seqs = [e.traj.train_sequence(e.reward) for e in episodes]
-    if algo.turn_mode == "trajectory":
-        ones = np.ones(len(seqs), np.float32)
-        return seqs, rewards, [t.group_id for t in seqs], ones, None
-    episode_turns = [per_turn_samples(seq) for seq in seqs]
+    """The learner's rows for ``episodes`` (shaped ``rewards``): one per sample of each
+    trajectory (`Trajectory.train_sequences`, with its `Episode.reward`: one for an episode
+    that only appended), or with ``turn_mode=per_turn`` one per model turn of each sample
+    (`per_turn_samples`). Returns the rows, their rewards and groups (their episode's), the
+    share of its episode each row is (``1 / rows of the episode``, so that GRPO's group
+    statistics count every episode once), and with ``adv_estimator`` gigpo or tree_grpo each
+    row's step-level advantage (`rl.steps`; else None)."""
+    whole = algo.turn_mode == "trajectory"
+    episode_turns = [
+        [
+            row
+            for seq in e.traj.train_sequences(e.reward)
+            for row in ([seq] if whole else per_turn_samples(seq))
+        ]
+        for e in episodes
+    ]
     rows = [row for turns in episode_turns for row in turns]
     row_rewards = [float(r) for turns, r in zip(episode_turns, rewards, strict=True) for _ in turns]
     weights = [1.0 / len(turns) for turns in episode_turns for _ in turns]

@@ -105,6 +105,18 @@ def trace_record(
         "kv_versions": [int(v) for v in traj.kv_versions],
         # a MoE policy's: per response token, its experts [sparse layers][k] (-1: none)
         "expert_ids": None if traj.expert_ids is None else traj.expert_ids.tolist(),
+        # the episode's other samples (a harness that compacted its context, a sub-agent's),
+        # by index; the fields above hold sample ``sample``
+        "sample": traj.sample,
+        "other_samples": {
+            str(k): {
+                "prompt_ids": [int(t) for t in seq.prompt_ids],
+                "response_ids": [int(t) for t in seq.response_ids],
+                "loss_mask": [int(m) for m in seq.loss_mask],
+                "rollout_logprobs": [float(lp) for lp in seq.rollout_logprobs],
+            }
+            for k, seq in sorted(traj.parked.items())
+        },
         **(signals or {}),
     }
 
@@ -120,7 +132,7 @@ def trace_index(
     T = batch.shape[1]
     index = np.full((len(traced), T), -1, np.int64)
     sequence = np.where(batch.segment_ids > 0, batch.sequence, -1).reshape(-1)
-    slot = {t.uid: s for s, t in enumerate(traced)}
+    slot = {t.sample_uid(t.sample): s for s, t in enumerate(traced)}  # its sample's row(s)
     for i, row in enumerate(rows):
         s = slot.get(row.uid)
         s = slot.get(row.uid.rpartition("#")[0]) if s is None else s

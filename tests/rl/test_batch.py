@@ -1,7 +1,14 @@
 """Trajectories as learner rows: per-turn samples are the trajectory restricted per turn."""
 
+import numpy as np
+import pytest
+
+from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
-from jax_agent_rl.rl.batch import make_batch, per_turn_samples, turn_spans
+from jax_agent_rl.config import AlgorithmSection
+from jax_agent_rl.rl.batch import make_batch, per_turn_samples, sequence_arrays, turn_spans
+from jax_agent_rl.rl.tree import units
+from jax_agent_rl.train.learn import training_rows
 
 
 def _episode() -> Trajectory:
@@ -53,3 +60,84 @@ def test_per_turn_samples_are_the_trajectory_restricted_per_turn() -> None:
 def test_an_episode_without_model_tokens_stays_one_sample() -> None:
     traj = Trajectory(uid="e", group_id="g", prompt_ids=[1, 2])
     assert per_turn_samples(traj.train_sequence(0.0)) == [traj.train_sequence(0.0)]
+
+
+def _compacted_episode() -> Trajectory:
+    """A shared prompt of 40 tokens; sample 0 samples [50, 51], reads [60], samples [52];
+    sample 1 starts from the prompt and a summary [70, 71] (the compacted context) and samples
+    [53]; sample 2 (a sub-agent's own context [90, 91]) samples [54, 55]; then sample 0 goes on:
+    it reads [61] and samples [56]."""
+    prompt = list(range(100, 140))
+    t = Trajectory(uid="e", group_id="g", prompt_ids=prompt)
+    t.add_sample([50, 51], [-0.1, -0.2], version=1)
+    t.add_observation([60])
+    t.add_sample([52], [-0.3], version=1)
+    t.start_sample([*prompt, 70, 71])
+    t.add_sample([53], [-0.4], version=2)
+    t.start_sample([90, 91])
+    t.add_sample([54, 55], [-0.5, -0.6], version=2)
+    t.resume_sample(0)
+    t.add_observation([61])
+    t.add_sample([56], [-0.7], version=3)
+    return t
+
+
+def test_samples_that_do_not_extend_each_other_are_rows_of_their_own() -> None:
+    """Each sample is its own row, token for token as it was sampled, sharing the episode's
+    reward; one that only appended is the one row it always was."""
+    t = _compacted_episode()
+    prompt = list(range(100, 140))
+    rows = t.train_sequences(0.5)
+    assert [r.uid for r in rows] == ["e", "e@1", "e@2"] and t.num_samples == 3
+    assert rows[0].prompt_ids == prompt
+    assert rows[0].response_ids == [50, 51, 60, 52, 61, 56]
+    assert rows[0].loss_mask == [1, 1, 0, 1, 0, 1]
+    assert rows[0].rollout_logprobs == [-0.1, -0.2, 0.0, -0.3, 0.0, -0.7]
+    assert rows[0].token_versions == [1, 1, -1, 1, -1, 3]
+    assert (rows[1].prompt_ids, rows[1].response_ids) == ([*prompt, 70, 71], [53])
+    assert (rows[2].prompt_ids, rows[2].response_ids, rows[2].loss_mask) == (
+        [90, 91],
+        [54, 55],
+        [1, 1],
+    )
+    assert {r.reward for r in rows} == {0.5} and {r.group_id for r in rows} == {"g"}
+    assert t.num_model_tokens == 7 and t.oldest_version == 1
+    # per-turn rows of each sample, each named by its sample
+    assert [s.uid for r in rows for s in per_turn_samples(r)] == [
+        "e#0",
+        "e#1",
+        "e#2",
+        "e@1#0",
+        "e@2#0",
+    ]
+    appended = _episode()
+    assert appended.train_sequences(0.5) == [appended.train_sequence(0.5)]
+    assert appended.train_sequence(0.5).uid == "e" and appended.num_samples == 1
+
+
+def test_a_sample_started_but_never_sampled_is_not_trained() -> None:
+    t = _episode()
+    t.start_sample([1, 2, 3])
+    assert [r.uid for r in t.train_sequences(1.0)] == ["e"]
+    with pytest.raises(ValueError, match="has no sample 5"):
+        t.resume_sample(5)
+
+
+def test_training_rows_give_each_sample_its_share_of_the_episode() -> None:
+    """Every row of an episode carries its reward and 1 / its rows (GRPO counts the episode
+    once), and the tree packing computes the prompt the samples share once."""
+    episodes = [Episode(_compacted_episode()), Episode(_episode())]
+    for mode, n in (("trajectory", 3), ("per_turn", 5)):
+        algo = AlgorithmSection(turn_mode=mode)
+        rows, rewards, groups, weights, _ = training_rows(
+            episodes, np.array([0.5, -1.0], np.float32), algo
+        )
+        k = n + (1 if mode == "trajectory" else 3)
+        assert len(rows) == k and groups == ["g"] * k
+        assert rewards.tolist() == [0.5] * n + [-1.0] * (k - n)
+        assert np.allclose(weights, [1 / n] * n + [1 / (k - n)] * (k - n))
+    rows = _compacted_episode().train_sequences(0.0)
+    seqs, experts = sequence_arrays(rows)
+    runs, sizes = units(seqs, experts, [0, 1], row_tokens=256)
+    # one run: the 40 prompt tokens (and nothing else) computed once for both samples
+    assert runs == [[0, 1]] and sizes == [len(seqs[0]) + len(seqs[1]) - 40 + 1]
