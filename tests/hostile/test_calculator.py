@@ -2,7 +2,11 @@
 
 Every input either evaluates to an exact int or a finite float, or is a `CalculatorError` the
 model reads; nothing hangs the event loop and nothing else escapes.
-"""
+
+
+Kept as a regression: arguments past the calculator's bounds are its errors."""
+
+from __future__ import annotations
 
 import math
 
@@ -95,3 +99,23 @@ def test_fuzzed_expressions_give_a_number_or_a_calculator_error(expression: str)
         return
     assert type(value) in (int, float)
     assert isinstance(value, int) or math.isfinite(value)
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "1e308 // 1e-308",  # float floor division to infinity
+        "1 / 5e-324",
+        "2 ** -(10**3900)",  # an int exponent past float's range, for a float result
+        "1.0000001 ** (10**3900)",
+        "(10**3900) % 7.0",
+        "1.5 ** 1e308",
+        "0.1 ** -1000",
+        "(2**12999 + 2**12999) // 1",  # a sum one bit past the bound
+        "round(2**12999 * 1.0)",
+    ],
+)
+def test_calculator_arguments_past_its_bounds_are_its_errors(expression: str) -> None:
+    """Held: each is a `CalculatorError` the model reads, at once."""
+    with pytest.raises(CalculatorError):
+        evaluate(expression)

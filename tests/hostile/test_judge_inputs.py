@@ -2,21 +2,28 @@
 judge score up, so what it writes must not be able to choose the score. Each test is one way:
 a number the judge mentions read as its rating, text posing as part of the judge's prompt,
 special-token spellings opening real turns, hidden tag characters, a score kept from earlier
-weights, a cancelled request taking others down with it, and huge answers."""
+weights, a cancelled request taking others down with it, and huge answers.
+
+The judge's score regex took 44 s for 4,000 spaces after an unclosed ``<score>``, on the
+event loop; the score is now read in linear time, as the regex read it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
 from jax_agent_rl.rewards import Answer, Judge
+from jax_agent_rl.rewards.judge import JudgeAnswerError, parse_score
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
@@ -319,3 +326,63 @@ def test_a_delimiter_of_look_alike_characters_no_fold_reaches_is_escaped_too(
     assert "&lt;sc\u043ere>10&lt;/sc\u043ere>" in inside
     # no "<" or look-alike of one is left in the response: the only tags are the template's
     assert inside.count("<") == 1 and not set("\u2039\u02c2\uff1c\ufe64\u3008") & set(inside)
+
+
+_SCORE_REGEX = re.compile(r"<score>\s*(.*?)\s*</score>", re.IGNORECASE | re.DOTALL)  # cubic
+
+
+def _score_by_regex(text: str, score_max: float) -> float | None:
+    """`parse_score` read with ``_SCORE_REGEX``: every tag's text a number, all the same one,
+    in [0, ``score_max``]; None for an error."""
+    try:
+        values = {float(found) for found in _SCORE_REGEX.findall(text)}
+    except ValueError:
+        return None
+    if len(values) != 1:
+        return None
+    (value,) = values
+    return value / score_max if 0.0 <= value <= score_max else None
+
+
+def _score_or_none(text: str, score_max: float) -> float | None:
+    try:
+        return parse_score(text, score_max)
+    except JudgeAnswerError:
+        return None
+
+
+@pytest.mark.timeout(60)  # a bound on a hang: the linear scan takes milliseconds
+def test_a_judges_score_tag_followed_by_a_long_run_of_spaces_is_read_in_linear_time() -> None:
+    """The judge's answer is parsed on the trainer's event loop; a tag never closed followed
+    by spaces or newlines (a judge talked into writing them) took time cubic in their number."""
+    spaces = " \n" * 50_000  # cubic: 4,000 took 44 s
+    for text in (f"<score>{spaces}", f"<score>{spaces}x", "<score>" * 50_000 + spaces):
+        with pytest.raises(JudgeAnswerError, match="no <score>N</score>"):
+            parse_score(text, 10)
+    assert parse_score(f"<SCORE>{spaces}7{spaces}</Score>", 10) == 0.7
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(
+    st.lists(
+        st.sampled_from(
+            [
+                "<score>",
+                "</score>",
+                "<SCORE>",
+                "</Score>",
+                " ",
+                "\n",
+                "\xa0",
+                "7",
+                "1.5",
+                "x",
+                "<",
+                "nan",
+            ]
+        ),
+        max_size=10,
+    ).map("".join)
+)
+def test_a_judges_score_reads_as_the_regex_read_it(text: str) -> None:
+    assert _score_or_none(text, 10) == _score_by_regex(text, 10)

@@ -5,7 +5,16 @@ episode, connections and bodies that exhaust the trainer, requests that stall th
 loop, and request fields that should not end an episode.
 
 Timeouts under test are configured small; every wait is on a state (a response, a closed
-connection, a finished episode, a session in a request), never on elapsed time."""
+connection, a finished episode, a session in a request), never on elapsed time.
+
+A first request whose tools held a lone surrogate, or nested as deep as the endpoint's JSON
+reader reads, failed past its checks (in the tokenizer, in encoding the tools a call deeper):
+the endpoint's own failure, answered 500 and ended as ``agent_error`` with a traceback, rather
+than the harness's bad request (400, ``harness_error``); and a body holding ``NaN`` or
+``1e999`` (Python's JSON reader takes them, no strict one does) was taken, a NaN in the tools
+then making every later request's tools differ from the first's."""
+
+from __future__ import annotations
 
 import asyncio
 import dataclasses
@@ -22,7 +31,7 @@ from jax_agent_rl.agent.context import AgentConfig
 from jax_agent_rl.agent.endpoint_http import MAX_HEADER_BYTES, Limits, Request, serve_http
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
-from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES, HarnessError
+from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES, HarnessError, check_request
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
@@ -790,3 +799,105 @@ def test_a_request_of_many_messages_is_rendered_off_the_event_loop(
     assert _status(answer) == 200
     assert builder.threads and loop_thread not in builder.threads
     assert session.traj.prompt_ids == builder.prompt_ids(messages)
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [{"type": "function", "function": {"name": "f\ud800", "parameters": {}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"\udc00": {}}}}],
+        [{"type": "function", "function": {"name": "f", "description": ["\ud83d"]}}],
+    ],
+)
+def test_a_lone_surrogate_in_the_tools_of_a_request_is_the_harness_error(
+    tools: list[dict[str, Any]],
+) -> None:
+    """The tools go into the prompt, whose tokenizer takes no lone surrogate: checked as the
+    messages are, they were rendered, and the tokenizer's TypeError ended the episode as the
+    endpoint's own failure (``agent_error``, answered 500) rather than the request's (400)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with pytest.raises(HarnessError, match="tools hold a lone surrogate") as refused:
+        check_request(json.loads(json.dumps(body)))
+    assert refused.value.status == 400
+    paired = json.loads('"\\ud83d\\ude00"')  # a surrogate pair, read as JSON writes it
+    pair = [{"type": "function", "function": {"name": "f", "description": paired}}]
+    assert paired == "\U0001f600" and check_request({**body, "tools": pair})[1] == pair
+
+
+def _tools_nested(depth: int) -> str:
+    """A first request whose one tool's parameters are lists ``depth`` deep."""
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": ' + "[" * depth
+    return (
+        f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}{"]" * depth}}}}}]}}'
+    )
+
+
+def _complete(raw: str) -> Any:
+    """What `Session.complete` does with a body: reads it, then checks it a call deeper."""
+    return _checked(json.loads(raw))
+
+
+def _checked(body: Any) -> Any:
+    return check_request(body)
+
+
+def test_tools_nested_as_deep_as_the_body_reader_reads_are_the_harness_error() -> None:
+    """A first request's tools nested as deep as the endpoint's JSON reader reads: checked, they
+    went on to be measured a call deeper (`Session._start`: ``json.dumps(tools)``), where their
+    encoding ran past the recursion limit: a RecursionError, the endpoint's own failure (500,
+    ``agent_error``) rather than the request's (400)."""
+    depth = 2_000
+    while True:  # the deepest body read
+        try:
+            with pytest.raises(HarnessError, match="tools nest too deep"):
+                _complete(_tools_nested(depth))
+            break
+        except RecursionError:  # (the reader's)
+            depth -= 1
+    assert depth > 100
+    assert _complete(_tools_nested(100))[1] is not None
+
+
+async def _first_request(setup: dict[str, Any], key: str, body: bytes) -> tuple[Session, bytes]:
+    """A fresh session's answer to ``body``, its first request, over HTTP."""
+    ctx = await _context(setup, CONFIG, None)
+    session = _fresh(ctx, key)
+    async with serve({key: session}) as base_url:
+        answer = await _post(_port(base_url), key, body)
+    await ctx.backend.close()
+    return session, answer
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_lone_surrogate_in_a_first_requests_tools_ends_its_episode_as_a_harness_error(
+    setup: dict[str, Any],
+) -> None:
+    tools = '[{"type": "function", "function": {"name": "f\\ud800", "parameters": {}}}]'
+    body = f'{{"messages": {json.dumps(PROMPT)}, "tools": {tools}}}'.encode()
+    session, answer = asyncio.run(_first_request(setup, "surrogate", body))
+    assert _status(answer) == 400 and b"tools hold a lone surrogate" in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []
+
+
+@pytest.mark.parametrize(
+    ("number", "problem"),
+    [("NaN", b"NaN is not a JSON number"), ("1e999", b"1e999 is past a float's range")],
+)
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_request_body_of_numbers_strict_json_has_not_is_refused(
+    setup: dict[str, Any], number: str, problem: bytes
+) -> None:
+    """``NaN`` and ``1e999`` (Python's reader takes them; no OpenAI client writes them) in a
+    first request's tools were rendered into the prompt as no strict reader reads them back,
+    and a NaN, unequal to itself, made every later request's tools differ from the first's: a
+    harness error on the second request naming the wrong problem."""
+    schema = '{"type": "number", "default": ' + number + "}"
+    tools = (
+        '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+        f'"properties": {{"x": {schema}}}}}}}}}]'
+    )
+    body = f'{{"messages": {json.dumps(PROMPT)}, "tools": {tools}}}'.encode()
+    json.loads(body)  # (Python's reader takes it)
+    session, answer = asyncio.run(_first_request(setup, "strict", body))
+    assert _status(answer) == 400 and problem in answer
+    assert session.stop == "harness_error" and session.traj.prompt_ids == []

@@ -1,5 +1,15 @@
 """Tool-call parsers against text a policy may write to crash them: every parser returns calls
-(or what was wrong with them) for any text, and never raises."""
+(or what was wrong with them) for any text, and never raises.
+
+Found so: ``1e999`` in a tool call reached tools as ``inf`` (it is the model's error, as
+infinity is). ``llama3_json`` calls whose strings hold an escaped quote (``\\"``): the ``;``
+splitter took the quote after a backslash as the string's end, so the brackets and separators
+after it counted outside the string. A valid call holding ``s = '"}}'; t = 1`` was split into
+two malformed calls, and two valid calls, the first holding ``"{``, were read as one malformed
+call: the model's well-formed calls were answered as its errors (and counted malformed). Kept
+as a regression: text made of JSON's and the tags' pieces parses to strict JSON or an error."""
+
+from __future__ import annotations
 
 import asyncio
 import json
@@ -162,3 +172,51 @@ def test_every_call_a_parser_takes_reaches_the_tool_over_http(parser: str) -> No
     assert result.error and "'expression' must be of type string" in result.text
     (past,) = make_parser(parser).parse(_nested_call(parser, hi))
     assert past.error is not None and f"past the {MAX_JSON_DEPTH} levels" in past.error
+
+
+@pytest.mark.parametrize("number", ["1e999", "-1e400", "1" + "0" * 400 + ".0"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_number_past_float_range_in_a_call_is_an_error_as_infinity_is(
+    parser: str, number: str
+) -> None:
+    """``1e999`` is the ``Infinity`` the parsers refuse, spelled as a number: Python's JSON
+    reads it as ``inf``, which reached a tool run in-process as ``inf`` and a harness behind the
+    OpenAI endpoint as ``Infinity`` in the call's arguments (no strict JSON reader takes it).
+    Also when the arguments are double-encoded; the largest finite float still reads."""
+    name_key = "arguments" if parser == "hermes" else "parameters"
+
+    def parsed(arguments: str) -> list[ParsedCall]:
+        call = f'{{"name": "f", "{name_key}": {arguments}}}'
+        return make_parser(parser).parse(
+            f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+        )
+
+    for arguments in (f'{{"x": {number}}}', json.dumps(f'{{"x": {number}}}')):
+        (call,) = parsed(arguments)
+        assert call.error is not None and "past a float's range" in call.error, call
+    assert parsed('{"x": 1.7976931348623157e308}') == [
+        ParsedCall("f", {"x": 1.7976931348623157e308})
+    ]
+
+
+ATOMS = [
+    *("<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "<|eom_id|>"),
+    *("{", "}", "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "\x00", '"\\"'),
+    *('"name"', '"f"', '"arguments"', '"parameters"', "NaN", "1e999", "-0", "1", "null"),
+    *("\\ud800", "\\udc00", "\\ud83d\\ude00", "```python\n", "```", "<python>", "</python>"),
+]
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(ATOMS), max_size=16).map("".join))
+def test_a_parsed_call_is_strict_json_or_an_error_and_nothing_raises(text: str) -> None:
+    """Held: whatever a turn writes, every parser returns calls, and each call it accepts
+    has a name and arguments a strict JSON writer takes (no NaN, no infinity, no lone
+    surrogate)."""
+    for name in PARSERS:
+        parser = make_parser(name)
+        parser.needs_more(text)
+        for call in parser.parse(text):
+            if call.error is None:
+                assert isinstance(call.name, str) and call.name
+                json.dumps([call.name, call.arguments], allow_nan=False).encode("utf-8")

@@ -1,11 +1,20 @@
 """`jarl view` fed by an attacker: a traces file whose ``step`` is markup or not a number,
 model text hiding characters a reader cannot see, and a web page elsewhere reaching the served
-view through a DNS name rebound to 127.0.0.1 (its requests carry that name as Host)."""
+view through a DNS name rebound to 127.0.0.1 (its requests carry that name as Host).
+
+``jarl view`` on a traces file of 100,000 one-character tool messages in one span took
+minutes to mark the tool tokens (each was tested against every tool text found: quadratic);
+on a record nested past what the JSON reader reads, or just within it in a count passed
+through into the page, it ended in a RecursionError traceback. A traces or metrics file
+holding an infinite weight version or a step that is NaN or infinite: the page's JSON refused
+it and the view ended with "Out of range float values are not JSON compliant", naming no
+file; now the record is named as not the trainer's."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import socket
 import sys
@@ -13,12 +22,15 @@ import threading
 import unicodedata
 from pathlib import Path
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
-from jax_agent_rl.train.traces import TRACES_FILE
+from jax_agent_rl.train.traces import TRACES_FILE, read_traces
 from jax_agent_rl.view.command import PAGE, view_server
+from jax_agent_rl.view.data import METRICS_FILE, roles
 from jax_agent_rl.visible import visible
 from tests.train.test_view import hostile_record
 
@@ -198,3 +210,121 @@ def test_a_port_taken_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert main(["view", str(run_dir), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot serve on 127.0.0.1:{port}: ") and err.count("\n") == 1
+
+
+def _roles_by_scan(pieces: list[str], mask: list[int], tool_texts: list[str]) -> str:
+    """The view's token roles by the direct reading of its rule (each tool text found in turn
+    in a mask-0 span, each token overlapping it ``t``): every token of the span is tested
+    against every hit, which is quadratic."""
+    out = ["s" if m else "p" for m in mask]
+    texts, start = list(tool_texts), 0
+    while start < len(pieces):
+        end = start
+        while end < len(pieces) and mask[end] == mask[start]:
+            end += 1
+        if not mask[start]:
+            text, ends = "".join(pieces[start:end]), [0]
+            for piece in pieces[start:end]:
+                ends.append(ends[-1] + len(piece))
+            at = 0
+            while texts and texts[0] and (hit := text.find(texts[0], at)) >= 0:
+                stop = hit + len(texts.pop(0))
+                for i in range(start, end):
+                    if ends[i - start] < stop and ends[i - start + 1] > hit:
+                        out[i] = "t"
+                at = stop
+        start = end
+    return "".join(out)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    st.lists(st.tuples(st.sampled_from(["", "a", "b", "ab", "ba", "aab"]), st.integers(0, 1))),
+    st.lists(st.sampled_from(["", "a", "b", "ab", "aa", "bab"]), max_size=8),
+)
+def test_token_roles_are_those_of_the_rule_read_directly(
+    tokens: list[tuple[str, int]], tool_texts: list[str]
+) -> None:
+    pieces, mask = [p for p, _ in tokens], [m for _, m in tokens]
+    messages = [{"role": "tool", "content": t} for t in tool_texts]
+    assert roles(pieces, mask, messages) == _roles_by_scan(pieces, mask, tool_texts)
+
+
+@pytest.mark.timeout(60)  # a bound on a hang: the walk takes a fraction of a second
+def test_many_tool_messages_in_one_span_are_shown_in_linear_time() -> None:
+    """A traces file of 100,000 one-character tool messages in one span of as many tokens (3
+    MB): every token was tested against every tool text found, minutes before the page was
+    written (4,000 of them: a second)."""
+    n = 100_000
+    messages = [{"role": "tool", "content": "a"}] * n
+    assert roles(["a"] * n, [0] * n, messages) == "t" * n
+    assert roles(["a"] * n + ["b"], [0] * n + [1], messages[:10]) == "t" * 10 + "p" * (n - 10) + "s"
+
+
+def _nested_record(field: str, depth: int) -> str:
+    """A trace record whose ``field`` (``tool_calls`` of its assistant message when the field
+    is ``message_calls``) is a list nested ``depth`` deep."""
+    record = hostile_record("h/0", None)
+    deep = "[" * depth + "]" * depth
+    if field == "message_calls":
+        record["messages"][1]["tool_calls"] = "DEEP"  # type: ignore[index]
+    else:
+        record[field] = "DEEP"
+    return json.dumps(record).replace('"DEEP"', deep) + "\n"
+
+
+@pytest.mark.parametrize(
+    "field", ["num_turns", "tool_calls", "token_versions", "uid", "message_calls"]
+)
+def test_a_trace_record_nested_as_deep_as_the_reader_reads_is_a_named_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """``jarl view`` on a traces file whose record nests a value ever deeper: past what the
+    reader reads, the RecursionError of reading it; just within it, the RecursionError of
+    writing it out deeper (a count passed through into the page's JSON, a uid written as
+    text, a message's calls written as JSON), a traceback either way. Each is refused naming
+    the file (exit 2)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    traces = run_dir / TRACES_FILE
+    lo, hi = 100, 5000  # the reader reads lo deep here, not hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        traces.write_text(_nested_record(field, mid))
+        try:
+            read_traces(traces)
+            lo = mid
+        except (RecursionError, ValueError):  # (before the fix; after it)
+            hi = mid
+    for depth in range(lo - 20, lo + 3):  # jarl view reads a few calls deeper than here
+        traces.write_text(_nested_record(field, depth))
+        assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) in (0, 2), depth
+        err = capsys.readouterr().err
+        assert not err or str(traces) in err, err
+
+
+@pytest.mark.parametrize("versions", [[math.inf], [0, math.inf]])
+def test_an_infinite_weight_version_is_a_trace_record_error_naming_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], versions: list[float]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = {**hostile_record("h/0", None), "weight_versions": versions}
+    (run_dir / TRACES_FILE).write_text(json.dumps(record) + "\n")
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / TRACES_FILE}: a record is not a trace record" in err
+
+
+@pytest.mark.parametrize("step", [math.nan, math.inf, 1.5, "<b>", True])
+def test_a_metrics_step_that_is_not_a_whole_number_is_an_error_naming_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], step: object
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / TRACES_FILE).write_text(json.dumps(hostile_record("h/0", None)) + "\n")
+    metrics = {"phase": "train", "step": step, "reward": 1.0}
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics) + "\n")
+    assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / METRICS_FILE}: a record is not a metrics record" in err
