@@ -220,3 +220,21 @@ def test_a_parsed_call_is_strict_json_or_an_error_and_nothing_raises(text: str) 
             if call.error is None:
                 assert isinstance(call.name, str) and call.name
                 json.dumps([call.name, call.arguments], allow_nan=False).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [{"code": "s = '\"}}'; t = 1"}],  # a quote, then closing brackets, then a ';'
+        [{"x": '"{'}, {}],  # an opening bracket after an escaped quote hid the ';'
+        [{"x": '\\"'}, {"y": "a;b"}],  # an escaped backslash before a real closing quote
+        [{"x": '\\\\\\"]'}, {"y": '"];{'}],
+    ],
+)
+def test_llama3_calls_holding_escaped_quotes_are_read_as_written(
+    values: list[dict[str, str]],
+) -> None:
+    calls = [{"name": f"f{i}", "parameters": v} for i, v in enumerate(values)]
+    text = "<|python_tag|>" + "; ".join(json.dumps(c) for c in calls)
+    parsed = make_parser("llama3_json").parse(text)
+    assert parsed == [ParsedCall(c["name"], c["parameters"]) for c in calls]

@@ -203,7 +203,7 @@ def test_only_the_socket_families_code_needs(pool: PythonSandbox) -> None:
     """``AF_VSOCK`` reaches the host of a virtual machine (a CI runner's, a cloud TPU VM's):
     outside every namespace. Only unix and netlink's routing queries (what ``getaddrinfo``
     asks) open; the rest answer EAFNOSUPPORT (97), inet and inet6 included
-    (`tests.hostile.test_eighteenth_pass`: what a loopback queue holds is not countable)."""
+    (`tests.hostile.test_sandbox_memory`: what a loopback queue holds is not countable)."""
     assert attack_beside_normal(pool, SOCKETS) == (
         "vsock 97\npacket 97\nalg 97\nnetlink sock_diag 97\nnetlink route ok\nunix ok 2\n"
         "inet 97 97\n('127.0.0.1', 80)"

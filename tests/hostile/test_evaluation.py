@@ -1,0 +1,32 @@
+"""``jarl eval`` against held-out data and settings that made its report wrong or its run
+useless.
+
+- Held-out rows whose data_source is ``all``, the name of the report's line of every source
+  together: their prompts counted twice in that line, their own line lost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jax_agent_rl.train.evaluation import EvalInputError, eval_target
+
+
+def test_a_held_out_source_named_all_is_refused_before_the_weights_load(tmp_path: Path) -> None:
+    """``jarl eval``'s report has one line per data source and one, ``all``, of every source
+    together: the rows of a source named ``all`` were counted in that line twice (once as
+    their source's, once as every source's), and their own line was lost. Two prompts of
+    ``all`` failing and two of ``b`` succeeding reported 6 prompts and pass@1 = 1/3 over all,
+    not 4 and 1/2. Now such a source is refused, naming the row, before anything loads."""
+    val = tmp_path / "val.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": "1 + 1?"}], "ground_truth": "2", "data_source": s}
+        for s in ("b", "all")
+    ]
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {tmp_path}\ndata:\n  train: {val}\n  val: {val}\n")
+    with pytest.raises(EvalInputError, match=r"data\.val row 'all-1' has data_source 'all'"):
+        eval_target(str(config))
