@@ -89,17 +89,30 @@ async def outcome_reward(
     return checked_reward(await score(answer), f"the reward of {sample.data_source!r}")
 
 
+def turn_reward_fault(traj: Trajectory, tool_reward_weight: float) -> str | None:
+    """Why the turn rewards make ``traj`` a wrong answer: they count (``tool_reward_weight``
+    not 0, no environment owns the reward) and a call's reward failed its check
+    (``traj.turn_reward_error``), else None."""
+    if traj.env_reward is not None or tool_reward_weight == 0:
+        return None
+    return traj.turn_reward_error
+
+
 def with_turn_rewards(outcome: float, traj: Trajectory, tool_reward_weight: float) -> float:
     """The reward the learner trains on: ``outcome`` (`outcome_reward`), plus, unless the
     environment owns the reward, ``tool_reward_weight`` times the sum of the turn rewards
     (``traj.turn_rewards``: tool calls', a verl interaction's scores); at weight 0 they do not
-    enter it at all. Raises `RewardError` when they count and a call's reward failed its check
-    (``traj.turn_reward_error``)."""
+    enter it at all. When they count and a call's reward failed its check (`turn_reward_fault`:
+    a NaN the tool computed from the policy's arguments), the episode is a wrong answer: its
+    outcome counts 0, the failed call's reward 0, and the others only where they lower it
+    (at most 0): before, it ended ``reward_error``, untrained, and a policy that wrote calls
+    whose reward fails escaped a wrong answer's penalty."""
     if traj.env_reward is not None or tool_reward_weight == 0:
         return outcome
-    if traj.turn_reward_error is not None:
-        raise RewardError(traj.turn_reward_error)
-    return outcome + tool_reward_weight * sum(traj.turn_rewards)
+    turns = tool_reward_weight * sum(traj.turn_rewards)
+    if turn_reward_fault(traj, tool_reward_weight) is not None:
+        return min(0.0, turns)
+    return outcome + turns
 
 
 async def trajectory_reward(
@@ -224,7 +237,9 @@ async def score_episodes(
     (`rewards.checked_reward`) or one that took longer than ``data.reward_timeout_s``, its
     error naming the row: reward 0, not trained on, never a NaN in its group. A reward that
     failed on the answer and not on the row's own (`rewards.AnswerFaultError`) scores the
-    answer 0, trained on as a wrong answer, its ``answer_fault`` saying why. The trajectories
+    answer 0, trained on as a wrong answer, its ``answer_fault`` saying why; so does a tool
+    call's reward that failed its check where turn rewards count (`with_turn_rewards`). The
+    trajectories
     are not edited: what the reward adds is the episode's."""
 
     async def scored(sample: Sample, traj: Trajectory) -> Episode:
@@ -236,6 +251,9 @@ async def score_episodes(
                 outcome, fault = 0.0, f"{e} {_row(sample)}"
             reward = with_turn_rewards(outcome, traj, tool_reward_weight)
             reward = checked_reward(reward, f"the episode {traj.uid!r}")
+            turns_fault = turn_reward_fault(traj, tool_reward_weight)
+            if turns_fault is not None:
+                fault = fault or f"{turns_fault} {_row(sample)}"
         except RewardError as e:  # out of range, or late
             message = f"reward error: {e} {_row(sample)}"
             return Episode(

@@ -128,11 +128,39 @@ def test_a_bad_tool_reward_is_named_and_counts_only_where_tool_rewards_count(
 ) -> None:
     """A NaN tool reward is checked as its turn is recorded, naming the tool: at
     tool_reward_weight 0 it never enters the reward (before: 0 * NaN, reward_error); at 1 the
-    episode ends with reward_error naming the tool."""
+    episode is a wrong answer, trained on, its answer_fault naming the tool (the tool computed
+    the NaN from the policy's calls: before, it ended reward_error, untrained, and a policy
+    whose calls made the tool's reward fail escaped a wrong answer's penalty)."""
     ignored = _tool_rich(tokenizer, 0.0, math.nan)
     assert ignored.stop_reason == "eos" and ignored.trainable and ignored.reward == 0.0
     assert ignored.traj.turn_rewards == [0.0] * 20
     counted = _tool_rich(tokenizer, 1.0, math.nan)
-    assert counted.stop_reason == "reward_error" and not counted.trainable
-    assert "the tool 'calculator' gave reward nan" in str(counted.error)
+    assert counted.stop_reason == "eos" and counted.trainable
+    assert "the tool 'calculator' gave reward nan" in str(counted.answer_fault)
     assert counted.reward == 0.0 and not counted.success
+
+
+def test_a_failed_tool_reward_scores_a_right_answer_as_wrong_and_keeps_penalties(
+    tokenizer: Tokenizer,
+) -> None:
+    """Where turn rewards count, one call whose reward fails makes the episode a wrong answer
+    whatever its outcome: the outcome counts 0 and the calls that passed count only where
+    they lower the reward (a right answer, reward 1, with calls of -0.05 and one NaN: -0.05
+    each, summed; with calls of +0.5 and one NaN: 0), never untrained."""
+    sample = Sample(uid="r", messages=[{"role": "user", "content": "solved"}], data_source="s")
+
+    def played(rewards: list[float]) -> Trajectory:
+        traj = Trajectory(uid="r", group_id="r", prompt_ids=[1])
+        traj.messages = [{"role": "assistant", "content": "right"}]
+        for r in rewards:
+            traj.add_tool_results([ToolResult("ok", reward=r)], ["calculator"], [])
+        return traj
+
+    trajs = [played([-0.05, -0.05, math.nan]), played([0.5, math.nan]), played([0.5])]
+    scored = asyncio.run(
+        score_episodes([trajs], [sample], _reward_of, 1.0, tokenizer, success_reward=1)
+    )[0]
+    assert [e.stop_reason for e in scored] == ["eos"] * 3 and all(e.trainable for e in scored)
+    assert math.isclose(scored[0].reward, -0.1, rel_tol=1e-12) and scored[1].reward == 0.0
+    assert [e.success for e in scored] == [False, False, True] and scored[2].reward == 1.5
+    assert [e.answer_fault is None for e in scored] == [False, False, True]
