@@ -30,6 +30,11 @@ class _TooLargeError(ToolTransportError):
     """The server refused a request for its size (413), before running any of its calls."""
 
 
+class _LateError(ToolTransportError):
+    """No answer to a request within the client's timeout: the server may be alive, the
+    call running past it (`HttpTools._late`)."""
+
+
 def _refused(url: str, response: httpx.Response, text: str) -> ToolTransportError:
     """The error of a request ``response`` did not answer with a result (``text``: its body)."""
     error = _TooLargeError if response.status_code == 413 else ToolTransportError
@@ -40,6 +45,16 @@ def _too_large(name: str, error: _TooLargeError) -> ToolResult:
     """The result of a call too large for the server on its own: the model's error."""
     return ToolResult(
         f"error: the call to {name} is over the tool server's cap on a request ({error})",
+        error=True,
+    )
+
+
+def _late(name: str, error: _LateError) -> ToolResult:
+    """The result of a call that got no answer in time from a server that answers others:
+    the call ran too long, the model's error (as a call past the server's own timeout is)."""
+    return ToolResult(
+        f"error: the call to {name} ran past the client's timeout (tools.timeout_s) while the "
+        f"tool server answers other requests ({error})",
         error=True,
     )
 
@@ -57,7 +72,12 @@ class HttpTools:
     again in halves, and a call too large on its own is its error result (the model's, like
     arguments that are not JSON): calls batched with long ones do not fail for them. On the
     socket, a call over the cap the server's hello gave is not sent (its frame would close the
-    connection the client's other calls share), and is its error result too.
+    connection the client's other calls share), and is its error result too. A call that gets
+    no answer within ``timeout_s`` is its error result too when the server then answers a
+    cheap request in time (`_alive`): the call ran too long on the model's arguments, as one
+    past the server's own timeout does (a policy whose calls ran past the client's timeout
+    ended its episodes ``tool_error``, untrained, and escaped a wrong answer's penalty); when
+    the server does not answer that either, it is down or stuck: ``tool_error``.
 
     Each client's calls are in a namespace of their own, random, made with the client (sent
     as the ``X-Tool-Namespace`` header, or in the socket's hello): its trajectories' state is
@@ -141,7 +161,7 @@ class HttpTools:
                 await conn.writer.drain()
                 answer = await future
         except TimeoutError as e:
-            raise ToolTransportError(f"tool server {self.url} {op}: no answer in time") from e
+            raise _LateError(f"tool server {self.url} {op}: no answer in time") from e
         except (ConnectionError, ToolTransportError) as e:  # may have run: do not retry
             raise ToolTransportError(f"tool server {self.url} failed mid-call: {e}") from e
         finally:
@@ -152,6 +172,19 @@ class HttpTools:
         if "result" not in answer:
             raise ToolTransportError(f"tool server {self.url} {op}: an answer without a result")
         return answer["result"]
+
+    async def _alive(self, late: _LateError) -> None:
+        """Returns when the server answers a cheap request in time (``/health``; on the socket,
+        its tool list): then a call that got no answer in time (``late``) ran too long, and is
+        the model's error (`_late`). Raises `ToolTransportError` naming both when it does not
+        (the server is down or stuck): the episode's ``tool_error``."""
+        try:
+            if self._socket is not None:
+                await self._socket_request(self._socket, "tools", {})
+            else:
+                await self._request("GET", "/health")
+        except ToolTransportError as e:
+            raise ToolTransportError(f"{late}, and then {e}") from e
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -170,6 +203,8 @@ class HttpTools:
                     raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
                 await asyncio.sleep(self.backoff_s * 2**attempt)
                 continue
+            except httpx.ReadTimeout as e:  # sent, and not answered in time
+                raise _LateError(f"tool server {self.url}{path}: no answer in time") from e
             except httpx.TransportError as e:  # may have run: do not retry
                 raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
             if response.status_code != 200:
@@ -206,6 +241,9 @@ class HttpTools:
                 result = await self._socket_request(self._socket, "execute", body)
             except _TooLargeError as e:
                 return _too_large(name, e)
+            except _LateError as e:
+                await self._alive(e)
+                return _late(name, e)
             try:
                 return ToolResult(**result)
             except TypeError as e:  # not a result: the server is broken, as for a bad frame
@@ -242,6 +280,16 @@ class HttpTools:
                 await asyncio.gather(self._send_batch(batch[:half]), self._send_batch(batch[half:]))
             elif not batch[0][1].done():
                 batch[0][1].set_result(_too_large(batch[0][0]["name"], e))
+        except _LateError as e:  # the calls still unanswered ran past the timeout
+            waiting = [(body, future) for body, future in batch if not future.done()]
+            try:
+                await self._alive(e)
+            except ToolTransportError as dead:
+                for _, future in waiting:
+                    future.set_exception(dead)
+                return
+            for body, future in waiting:
+                future.set_result(_late(body["name"], e))
         except Exception as e:  # no caller of the batch may wait forever, whatever failed
             failed = (
                 e
@@ -275,6 +323,8 @@ class HttpTools:
                 if attempt == self.retries:
                     raise ToolTransportError(f"tool server {self.url} unreachable: {e}") from e
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+            except httpx.ReadTimeout as e:
+                raise _LateError(f"tool server {self.url}/execute_batch: no answer in time") from e
             except httpx.TransportError as e:
                 raise ToolTransportError(f"tool server {self.url} failed mid-call: {e!r}") from e
 

@@ -659,3 +659,58 @@ def test_serve_tools_refuses_files_it_cannot_use_in_one_line(
     assert err.startswith("jarl: ") and problem.format(dir=tmp_path) in err, err
     assert "serving" not in out, out
     assert set(sandbox_processes()) <= before  # the refused tools' sandboxes were stopped
+
+
+def test_a_call_past_the_clients_timeout_is_the_models_error_while_the_server_answers(
+    tmp_path: Path,
+) -> None:
+    """A call the server runs longer than the client waits (here the server allows 60 s, the
+    client 0.5 s: a call's cost grows with its arguments, a queue ahead of it) got no answer
+    in time, and the episode ended tool_error, untrained: a policy that wrote such calls
+    escaped a wrong answer's penalty (rerunning it replays the same tokens). Now, on both
+    transports, the client asks the server for a cheap answer (/health; on the socket, its tool
+    list): the server answers, so the call is its model's error result, trained on. A server
+    that answers nothing (a listener that never replies: stuck) is still a transport error."""
+    opened = asyncio.Event()
+
+    async def slow() -> str:
+        """Run until the test opens the gate."""
+        await opened.wait()
+        return "done"
+
+    async def scenario() -> list[ToolResult]:
+        socket_path = str(tmp_path / "tools.sock")
+        tmp_path.chmod(0o700)
+        app = create_app(
+            ToolRegistry([calculator, tool(slow)]), timeout_s=60.0, socket_path=socket_path
+        )
+        out = []
+        async with serving(app) as url:
+            for address in (url, f"unix:{socket_path}"):
+                tools = HttpTools(address, timeout_s=0.5)
+                try:
+                    out.append(await tools.call(f"slow-{address[:4]}", "slow", {}))
+                    out.append(await tools.call("after", "calculator", {"expression": "1+1"}))
+                finally:
+                    await tools.close()
+            opened.set()
+        return out
+
+    results = asyncio.run(scenario())
+    late = [r for r in results if r.error]
+    assert len(late) == 2 and all("ran past the client's timeout" in r.text for r in late)
+    assert [r.text for r in results if not r.error] == ["2", "2"]
+
+    stuck = socket.socket()
+    stuck.bind(("127.0.0.1", 0))
+    stuck.listen()  # accepts connections (the kernel's backlog), never answers
+
+    async def on_stuck() -> None:
+        tools = HttpTools(f"http://127.0.0.1:{stuck.getsockname()[1]}", timeout_s=0.5)
+        try:
+            await tools.call("t", "calculator", {"expression": "1+1"})
+        finally:
+            await tools.close()
+
+    with stuck, pytest.raises(ToolTransportError, match="no answer in time, and then"):
+        asyncio.run(on_stuck())
