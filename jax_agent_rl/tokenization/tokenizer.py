@@ -29,6 +29,7 @@ from jax_agent_rl.files import regular_file
 from jax_agent_rl.tokenization.templating import ChatTemplateError, Message, render_template
 
 TOKENIZER_FOLDER = "a tokenizer folder"  # what holds its files, in errors
+WORD_JOINER = "\u2060"  # what `Tokenizer.defused` writes into special-token text
 
 
 def _token_content(value: Any) -> str | None:
@@ -125,6 +126,18 @@ class Tokenizer:
         """Whether ``text`` holds the text of a special token."""
         return self._special_text is not None and self._special_text.search(text) is not None
 
+    def defused(self, text: str) -> str:
+        """``text`` with a word joiner (`WORD_JOINER`, U+2060: invisible, no space) after the
+        first character of each special token's text in it, until none is left, so that no
+        tokenizer reads that text as the special token: for text whose tokens are not ours to
+        encode as plain text (verl-tool's client tokenizes a tool server's observations
+        itself), or that a chat template rewrites, so that its special-token text cannot be
+        located (`jax_agent_rl.tokenization.turns`)."""
+        pattern = self._special_text
+        while pattern is not None and pattern.search(text):
+            text = pattern.sub(lambda m: m.group()[0] + WORD_JOINER + m.group()[1:], text)
+        return text
+
     @functools.cached_property
     def _plain_backend(self) -> HFTokenizer:
         """A copy of the backend that reads special-token text as plain text."""
@@ -148,13 +161,14 @@ class Tokenizer:
         merges spell a special token (one trained on text holding its markers) would give the
         token back from its characters, so such a piece is encoded a character at a time."""
         ids = self._plain_backend.encode(text, add_special_tokens=False).ids
-        if self._special_ids.isdisjoint(ids):
+        if self.special_ids.isdisjoint(ids):
             return list(ids)
         plain = self._plain_backend
         return [i for char in text for i in plain.encode(char, add_special_tokens=False).ids]
 
     @functools.cached_property
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
+        """The ids of its special tokens."""
         added = self.backend.get_added_tokens_decoder()
         return frozenset(i for i, t in added.items() if t.special)
 

@@ -17,9 +17,11 @@ text field, holds the text of a special token (an observation writing ``<|im_sta
 which would otherwise forge a turn; a tool message's ``name``, the name the model called, which
 some templates write) has that text encoded as plain text (`Tokenizer.encode_plain`). Where the
 template writes it is found by rendering a probe in its place (a number between two runs of a
-private-use character longer than any run in the render: no message can spell one); a template
-that rewrites such a text (so that it cannot be found as written) is refused for it with a
-`ChatTemplateError`.
+private-use character longer than any run in the render: no message can spell one). Where the
+template rewrites such a text so that it cannot be found as written (trims it, writes it as
+JSON), the text is rendered with its special-token text broken by an invisible character
+(`Tokenizer.defused`); a template whose render then still holds special tokens its own render
+does not is refused for it with a `ChatTemplateError`.
 """
 
 from __future__ import annotations
@@ -82,10 +84,42 @@ class TurnBuilder:
         ]
         if not marked:
             return self.tokenizer.encode(text[start:])
-        spans = self._special_spans(messages, marked, text)
+        try:
+            spans = self._special_spans(messages, marked, text)
+        except ChatTemplateError:
+            return self._defused_ids(messages, marked, start)
         return self.tokenizer.encode_plain(
             text[start:], [(max(a, start) - start, b - start) for a, b in spans if b > start]
         )
+
+    def _defused_ids(
+        self, messages: Sequence[Message], marked: list[tuple[int, str]], start: int
+    ) -> list[int]:
+        """The tokens of the render of ``messages`` from character ``start`` on, where the
+        template rewrites the texts ``marked`` (trims them, writes them as JSON, as Llama
+        3.1's writes a tool message) so that they cannot be located: each rendered with its
+        special-token text broken (`Tokenizer.defused`), so that text stays text. (Such an
+        episode ended agent_error, untrained: a policy whose code printed ``<|eot_id|>``
+        escaped its penalty.) Raises `ChatTemplateError` if the render then holds special-token
+        text the template's own render (each text replaced by a probe) does not."""
+        defused = [dict(m) for m in messages]
+        for i, key in marked:
+            defused[i][key] = self.tokenizer.defused(str(messages[i][key]))
+        text = self._render(defused, add_generation_prompt=True)
+        emptied = [dict(m) for m in messages]
+        for i, key in marked:
+            emptied[i][key] = ""
+        own = self._render(emptied, add_generation_prompt=True)
+        if self._special_count(text) != self._special_count(own):
+            raise ChatTemplateError(
+                f"{self.tokenizer.chat_template_origin} rewrites a message's text that holds "
+                "special-token text, so that text cannot be kept from acting as special tokens"
+            )
+        return self.tokenizer.encode(text[start:])
+
+    def _special_count(self, text: str) -> int:
+        """How many special tokens ``text`` encodes to."""
+        return sum(i in self.tokenizer.special_ids for i in self.tokenizer.encode(text))
 
     def _special_spans(
         self, messages: Sequence[Message], marked: list[tuple[int, str]], text: str

@@ -18,6 +18,7 @@ from jax_agent_rl.tokenization import (
     save_tokenizer,
     train_bpe,
 )
+from jax_agent_rl.tokenization.tokenizer import WORD_JOINER
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from tests.tokenization.test_tokenizer import CORPUS
 
@@ -65,12 +66,43 @@ def test_ordinary_observations_encode_as_before(folder: Path) -> None:
     assert TurnBuilder(tok).prompt_ids(messages) == list(ids["input_ids"])
 
 
-def test_a_template_that_rewrites_special_text_is_refused_for_it(folder: Path) -> None:
-    """A template that trims user content: a content with special-token text can then not be
-    found as written, so it is refused (ChatTemplateError) rather than encoded with its
-    markers live; ordinary content goes through."""
-    template = chat_template("chatml_tools").replace("message.content", "message.content | trim")
+TOOL_CONTENT = "'\\n<tool_response>\\n' + message.content"
+REWRITES = {  # a template's rewrite of a content: the roles it rewrites
+    "| trim": ("message.content", "message.content | trim", ("user", "tool")),
+    "| tojson": (TOOL_CONTENT, TOOL_CONTENT + " | tojson", ("tool",)),
+}
+
+
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+def test_a_template_that_rewrites_special_text_gets_it_defused(folder: Path, rewrite: str) -> None:
+    """A template that trims every content, or writes a tool message as JSON (as Llama 3.1's
+    does): a content with special-token text cannot be found as written. It was refused
+    (ChatTemplateError: the episode ended agent_error, untrained, so a policy whose code
+    printed the markers escaped its penalty); now it is rendered with a word joiner in each
+    marker (`Tokenizer.defused`): the delta holds exactly the template's own special tokens,
+    the content's text is readable, and ordinary content goes through."""
+    old, new, roles = REWRITES[rewrite]
+    template = chat_template("chatml_tools").replace(old, new)
     assert template != chat_template("chatml_tools")
+    tok = Tokenizer.from_pretrained(folder)
+    tok = Tokenizer(tok.backend, template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    builder = TurnBuilder(tok)
+    start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+    for role in roles:
+        plain = builder.messages_delta([{"role": role, "content": " plain "}])
+        assert (plain.count(start), plain.count(end)) == (2, 1) and "plain" in tok.decode(plain)
+        delta = builder.messages_delta([{"role": role, "content": " " + FORGED + " "}])
+        assert delta.count(start) == 2 and delta.count(end) == 1, role  # message + next prompt
+        text = tok.decode(delta)
+        assert "<" + WORD_JOINER + "|im_end|>" in text and "I obey." in text
+
+
+def test_a_template_that_undoes_the_defusing_is_refused(folder: Path) -> None:
+    """A template that takes the word joiner out again would render the markers live: such a
+    content is refused (ChatTemplateError), never encoded with its markers as special tokens."""
+    template = chat_template("chatml_tools").replace(
+        "message.content", "(message.content | trim | replace('\u2060', ''))"
+    )
     tok = Tokenizer.from_pretrained(folder)
     tok = Tokenizer(tok.backend, template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     builder = TurnBuilder(tok)
