@@ -1,7 +1,17 @@
 """Hostile config and checkpoint inputs: each is refused before anything runs with exactly one
 line on stderr naming the key or the problem, and exit code 2; never a traceback, never
 OmegaConf's or json's internals. Run through the command line's `main` in-process (one case in
-a subprocess, to see what a user's terminal shows)."""
+a subprocess, to see what a user's terminal shows).
+
+Also refused so: a config override OmegaConf's reader refuses though the check's parser took
+it (a duplicate key, a recursive alias, a tag with no constructor, a lone surrogate's
+``"\\ud83d"``), an override whose YAML tag the reader constructs but OmegaConf cannot hold as
+a value (``model.path=!!timestamp 2001-12-14``, ``!!set {a}``, inside a list or a mapping
+too), and an interpolation naming no key or itself (``data.reward=${foo}``, in an override or
+in the file): ``jarl train`` ended in a YAML or OmegaConf traceback (36 lines, exit status 1).
+Each is a `ConfigError` line naming the key."""
+
+from __future__ import annotations
 
 import json
 import os
@@ -13,6 +23,7 @@ import pytest
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
+from jax_agent_rl.config import ConfigError, load_config, preview_config
 from jax_agent_rl.models.hf_local import TINY
 
 DEEP = 200
@@ -374,3 +385,67 @@ def test_evaluating_an_adapter_folder_says_how(
     config.write_text(f"model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n  val: {val}\n")
     argv = ["eval", str(config), "--checkpoint", str(adapter)]
     _refused(argv, "is a LoRA adapter folder (adapter_config.json), not a checkpoint: ", capsys)
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("agent.stop={a: 1, a: 2}", "found duplicate key a"),
+        ("data.rewards_by_source={a: x, a: y}", "found duplicate key a"),
+        ("agent.stop=[&a [*a]]", "YAML recursive aliases are not supported"),
+        ("agent.stop=!!python/object:os.system x", "could not determine a constructor"),
+        ('agent.stop=["\\ud83d"]', "found invalid Unicode character escape code"),
+    ],
+)
+def test_an_override_omegaconfs_reader_refuses_is_a_config_error(
+    override: str, problem: str
+) -> None:
+    key = override.partition("=")[0]
+    with pytest.raises(
+        ConfigError, match=rf"^override {key}: invalid YAML at line 1, column \d+: {problem}"
+    ):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", override])
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("data.reward=${foo}", "Interpolation key 'foo' not found"),
+        ("trainer.run_dir=${trainer.run_dir}", "Recursive interpolation detected"),
+    ],
+)
+def test_an_interpolation_that_resolves_to_nothing_is_a_config_error(
+    tmp_path: Path, setting: str, problem: str
+) -> None:
+    key, _, value = setting.partition("=")
+    match = rf"^config key '{key}': {problem}$"
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", setting])
+    with pytest.raises(ConfigError, match=match):
+        preview_config(None, [setting])
+    section, _, name = key.partition(".")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(path, ["model.path=m", "data.train=t.jsonl"])
+    assert load_config(None, ["model.path=m", "data.train=t.jsonl", f"{key}=${{model.path}}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "kind"),
+    [
+        ("model.path=!!timestamp 2001-12-14", "date"),
+        ("model.path=!!set {a, b}", "set"),
+        ("agent.stop=[!!timestamp 2001-12-14 10:00:00]", "datetime"),
+        ("data.rewards_by_source={a: !!set {x}}", "set"),
+    ],
+)
+def test_an_override_of_a_value_omegaconf_cannot_hold_is_a_config_error(
+    override: str, kind: str
+) -> None:
+    key = override.partition("=")[0]
+    match = rf"^override {key}: Value '{kind}' is not a supported primitive type: give a string"
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", override])
+    with pytest.raises(ConfigError, match=match):
+        preview_config(None, [override])

@@ -6,16 +6,25 @@ in a traceback.
   judge counted as a success in ``jarl eval``; now refused where the judge scores answers.
 - ``data.judge.fallback`` below -MAX_ABS_REWARD: every answer that broke the judge failed the
   reward check and ended untrained, escaping the penalty; ``data.overlong_penalty`` past it
-  made rewards -inf in float32. Both are now refused by their ranges."""
+  made rewards -inf in float32. Both are now refused by their ranges.
+- A timeout set to mean "never" (``env.step_timeout_s=1e300``) was taken, and every skyrl-gym
+  episode then ended with an OverflowError (a pipe's poll takes at most 2**31 ms, 24.8 days),
+  naming no setting; ``env.memory_limit_mib=10000000000000`` was taken, and every episode's
+  process died at its start (setrlimit overflowed) with an error blaming memory. Each timeout
+  is now at most 1e6 s and the memory bound at most 1e9 MiB, refused past that naming the key."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.envs import skyrl
 from jax_agent_rl.rewards import MAX_ABS_REWARD, RewardError, checked_reward
 from jax_agent_rl.rl import core
+from tests.hostile.test_skyrl_isolation import _pids_envs, _pids_sample
 
 
 @pytest.mark.parametrize(
@@ -67,3 +76,44 @@ def test_an_overlong_penalty_past_the_reward_bound_is_refused() -> None:
         load_config(None, ["model.path=m", "data.train=t.jsonl", "data.overlong_penalty=1e39"])
     at_bound = ["model.path=m", "data.train=t.jsonl", "data.overlong_penalty=1e6"]
     assert load_config(None, at_bound).data.overlong_penalty == MAX_ABS_REWARD
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "env.step_timeout_s=1e300",
+        "env.step_timeout_s=3e6",
+        "data.reward_timeout_s=1e300",
+        "tools.timeout_s=1e300",
+        "data.judge.timeout_s=1e300",
+        "env.memory_limit_mib=10000000000000",
+    ],
+)
+def test_a_bound_past_what_its_wait_or_limit_takes_is_refused(setting: str) -> None:
+    key = setting.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=.*: expected in .*1e\+0[69]\]$"):
+        load_config(None, ["model.path=m", "data.train=t.jsonl", setting])
+
+
+def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
+    """The largest timeout and memory bound taken still let an episode run (before, past 24.8
+    days a poll raised OverflowError; past 2**43 MiB the process died at its start)."""
+    cfg = load_config(
+        None,
+        [
+            "model.path=m",
+            "data.train=t.jsonl",
+            "env.step_timeout_s=1e6",
+            "env.memory_limit_mib=1000000000",
+        ],
+    )
+    envs = _pids_envs(tmp_path, cfg.env.step_timeout_s)
+    sample = _pids_sample(tmp_path / "long", "plain")
+    env = envs.factory("pids")(sample)
+    assert isinstance(env, skyrl.SkyRLEnvironment)
+    env.memory_limit_mib = cfg.env.memory_limit_mib
+    try:
+        env.reset(sample)
+        assert env.step("move", []).reward == 1.0
+    finally:
+        env.close()

@@ -2,7 +2,9 @@
 useless.
 
 - Held-out rows whose data_source is ``all``, the name of the report's line of every source
-  together: their prompts counted twice in that line, their own line lost."""
+  together: their prompts counted twice in that line, their own line lost.
+- ``jarl eval --help`` said a success is "a reward above 0": a user reading it took a judge's
+  1/10 for a solved task. It says what counts: ``data.success_reward`` (or the environment)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 
 
@@ -30,3 +33,11 @@ def test_a_held_out_source_named_all_is_refused_before_the_weights_load(tmp_path
     config.write_text(f"model:\n  path: {tmp_path}\ndata:\n  train: {val}\n  val: {val}\n")
     with pytest.raises(EvalInputError, match=r"data\.val row 'all-1' has data_source 'all'"):
         eval_target(str(config))
+
+
+def test_jarl_eval_says_what_a_success_is(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "a success is an outcome reward of at least data.success_reward" in said
+    assert "above 0" not in said

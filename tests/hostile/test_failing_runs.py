@@ -2,7 +2,16 @@
 error or a budget says so on the console (the stop reason, its share, one episode's error), a
 step where every episode failed stops the run with that line, and a reward function that raises
 on some rows ends those episodes (reward_error, counted, not trained on) with a trace naming the
-function and the row, instead of killing the run with a traceback."""
+function and the row, instead of killing the run with a traceback.
+
+The console's warning for a step whose episodes mostly failed quotes one episode's error, and
+the error that stops a run whose episodes all failed quotes the first: an error that quotes
+the policy's text (sqlite's ``near "...": syntax error`` for a skyrl-gym text2sql step, a
+reward function's message) wrote its escape sequences to the terminal raw (rich drops BEL
+only): clear the screen, set the clipboard (OSC 52 ended by ESC \\), forge a link. Both are
+now `visible`, as traces are."""
+
+from __future__ import annotations
 
 import asyncio
 import textwrap
@@ -14,9 +23,19 @@ from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config.sections import DataSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.rewards import make_reward
+from jax_agent_rl.rewards import (
+    make_reward,
+)
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
-from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
+from jax_agent_rl.train.episodes import (
+    all_failed_error,
+    episode_metrics,
+    episode_totals,
+    first_error,
+    metrics_of_totals,
+    raise_if_all_failed,
+    stop_warning,
+)
 from jax_agent_rl.train.step import score_episodes
 from tests.tokenization.test_tokenizer import CORPUS
 
@@ -99,3 +118,19 @@ def test_a_reward_function_that_raises_ends_only_its_episodes(tmp_path: Path) ->
     assert "picky.py" in bad.error and "on row 'row1'" in bad.error and "data.reward" in bad.error
     m = episode_metrics(trajs)
     assert m["stop/reward_error"] == 0.5 and m["untrainable"] == 0.5
+
+
+def test_a_failed_episodes_error_reaches_the_console_visible() -> None:
+    sql = 'SELECT "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x1b\\"'  # clear the screen, set the clipboard
+    error = f"env error: text2sql.step raised OperationalError: near {sql}: syntax error"
+    trajs = [Trajectory(uid=f"r-{i}/s1a0/0", group_id=f"r-{i}", prompt_ids=[1]) for i in range(2)]
+    for traj in trajs:
+        traj.end("env_error", error)
+    episodes = [Episode(t) for t in trajs]
+    totals = episode_totals(episodes)
+    warning = stop_warning(metrics_of_totals(totals), episodes)
+    stopped = all_failed_error(totals, first_error(episodes))
+    assert warning is not None and stopped is not None
+    for line in (warning, str(stopped)):
+        assert "\x1b" not in line
+        assert 'near SELECT "\u241b[2J\u241b]52;c;cm0gLXJmIH4=\u241b\\": syntax error' in line

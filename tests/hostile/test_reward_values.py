@@ -3,12 +3,20 @@ float), 1e308 (finite, but inf once summed or squared), a string. Wherever a rew
 native environment's step, the reward function, the episode's sum of turn rewards), it is
 checked once: a trajectory with such a reward ends with stop reason ``reward_error`` (or
 ``env_error`` for an environment's step), named in its error, kept out of updates and
-counted; its group's other members train, and no advantage is NaN."""
+counted; its group's other members train, and no advantage is NaN.
+
+A reward that is a `Fraction` of more digits than Python writes out (a user's exact-ratio
+reward of a policy's 5,000-digit answer, an environment's): writing it into the error raised
+AttributeError ("'Fraction' object has no attribute 'bit_length'"), so the reward function's
+or the environment's error named jarl's own helper, and an environment's step ended its
+episode ``agent_error`` rather than ``env_error``. It is the `RewardError` (an `EnvError` for
+a step) naming the value's size."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -21,7 +29,12 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import prepare
 from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step
-from jax_agent_rl.rewards import Answer, RewardError, load_reward
+from jax_agent_rl.rewards import (
+    Answer,
+    RewardError,
+    checked_reward,
+    load_reward,
+)
 from jax_agent_rl.rl import core
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import Tokenizer
@@ -216,3 +229,21 @@ def test_a_reward_raising_an_error_that_cannot_be_written_ends_only_its_episode(
     assert odd.stop_reason == "reward_error" and odd.reward == 0.0 and not odd.trainable
     assert "raised UnprintableError" in str(odd.error) and "unprintable_score" in str(odd.error)
     assert ok.stop_reason == "eos" and ok.reward == 1.0 and ok.trainable
+
+
+@pytest.mark.parametrize(
+    ("reward", "shown"),
+    [
+        (Fraction(10**5000, 3), "a Fraction of 16610-bit terms"),
+        (Fraction(-(10**5000), 7), "a Fraction of 16610-bit terms"),
+        (10**5000, "an int of 16610 bits"),
+    ],
+    ids=["fraction", "negative-fraction", "int"],
+)
+def test_a_reward_too_long_to_write_out_is_a_reward_error(reward: object, shown: str) -> None:
+    with pytest.raises(RewardError, match=f"^mine gave reward {shown}: not a finite number$"):
+        checked_reward(reward, "mine")
+    step = EnvStep([{"role": "user", "content": "again"}], reward=reward, done=False)
+    with pytest.raises(EnvError, match=f"^env.step gave reward {shown}: not a finite number$"):
+        checked_step(step, "env")
+    assert checked_reward(Fraction(10**5000 + 1, 10**5000), "mine") == 1.0  # (it converts)

@@ -1,7 +1,15 @@
 """skyrl-gym environments attacked as a policy would: SQL that makes skyrl-gym's text2sql render
 gigabytes, a step that never returns, a process that starts its own; and rows that name
 skyrl-gym's built-ins that run the model's code outside any sandbox. Each episode's environment
-lives in a process of its own (`jax_agent_rl.envs.skyrl`): what it does ends that episode."""
+lives in a process of its own (`jax_agent_rl.envs.skyrl`): what it does ends that episode.
+
+The loop closes an episode whose reset passed ``env.step_timeout_s`` (its thread still
+running). A reset still starting its process then (the forkserver's first start imports
+skyrl-gym; many episodes start at once) found ``close`` a no-op, started the process after it
+and ran ``init``: the process lived, unclosed, until the trainer exited. Now a reset after
+close, or one that close finds starting, ends with an `EnvError` and leaves no process."""
+
+from __future__ import annotations
 
 import asyncio
 import contextlib
@@ -12,6 +20,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +31,7 @@ from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.demo import DEMO_CONFIG
-from jax_agent_rl.envs import EnvError, Environments, make_environments
+from jax_agent_rl.envs import EnvError, Environments, make_environments, skyrl
 from jax_agent_rl.envs.skyrl import REPLY_MAX_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -389,3 +398,63 @@ def test_episodes_reset_at_once_share_one_lifeline() -> None:
         for t in threads:
             t.join()
         assert len({id(x) for x in lifelines}) == 1
+
+
+def test_a_skyrl_episode_closed_before_its_reset_starts_no_process(tmp_path: Path) -> None:
+    """close, then reset (the order the loop's threads can take): reset is refused, and no
+    process is started (the environment's init never ran: it writes its pid)."""
+    envs = _pids_envs(tmp_path, 60.0)
+    sample = _pids_sample(tmp_path / "early", "plain")
+    env = envs.factory("pids")(sample)
+    env.close()
+    with pytest.raises(EnvError, match="closed before it started"):
+        env.reset(sample)
+    assert not (tmp_path / "early.env").exists()
+
+
+class _Gate:
+    """A lock that says when a thread has come to it (`entered`), then holds it until
+    `opened`: the forkserver's lock, for a reset held where it starts its process."""
+
+    def __init__(self) -> None:
+        self.entered, self._open = threading.Event(), threading.Event()
+
+    def __enter__(self) -> None:
+        self.entered.set()
+        self._open.wait()
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def opened(self) -> None:
+        self._open.set()
+
+
+def test_a_skyrl_episode_closed_while_its_reset_starts_leaves_no_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close while reset is starting the process (held at the forkserver's lock): the process
+    reset then starts is killed before its init, and reset ends with an EnvError."""
+    envs = _pids_envs(tmp_path, 60.0)
+    sample = _pids_sample(tmp_path / "racing", "plain")
+    env = envs.factory("pids")(sample)
+    assert isinstance(env, skyrl.SkyRLEnvironment)
+    gate = _Gate()
+    monkeypatch.setattr(skyrl, "_CONTEXT_LOCK", gate)
+    outcome: list[object] = []
+
+    def reset() -> None:
+        try:
+            outcome.append(env.reset(sample))
+        except EnvError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=reset)
+    thread.start()
+    gate.entered.wait()
+    env.close()
+    gate.opened()
+    thread.join()
+    assert isinstance(outcome[0], EnvError) and "process is gone" in str(outcome[0])
+    assert env._process is not None and env._process.exitcode is not None
+    assert not (tmp_path / "racing.env").exists()
