@@ -43,10 +43,11 @@ DESCRIPTION = (
     "temporaries. The last line is `fits: ...` or `does not fit: ...`; a run that does not "
     "fit is planned again with less memory per chip on its mesh (learner.row_tokens, "
     "engine.kv_cache_gib or engine.max_concurrent halved, then both, ...; programs a setting "
-    "does not change are not compiled again), then on the other (data, fsdp, tensor) meshes "
-    "of the slice, and the first that fits is named. Each plan prints a line per program and "
-    "one at least every 15 s while one compiles. Exit code 0: fits; 1: does not fit; 2: bad "
-    "input."
+    "does not change are not compiled again), then on each other (data, fsdp, tensor) mesh "
+    "of the slice, as configured and with less memory per chip; a setting that cannot fit "
+    "by a floor from its mesh's first plan is skipped, and the first that fits is named. "
+    "Each plan prints a line per program and one at least every 15 s while one compiles. "
+    "Exit code 0: fits; 1: does not fit; 2: bad input."
 )
 
 
@@ -116,6 +117,8 @@ def _refuse(problem: str) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import jax
+
     from jax_agent_rl.config import ConfigError, load_config
     from jax_agent_rl.models import ModelConfig
     from jax_agent_rl.plan import parse_topology, preset_model
@@ -128,6 +131,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return _refuse(str(e))
     if (problem := libtpu_problem()) is not None:
         return _refuse(problem)
+    # JAX's persistent cache cannot load a program compiled for abstract TPU devices (it
+    # needs a client of that platform): each would be a warning and an entry never read
+    jax.config.update("jax_enable_compilation_cache", False)
     if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
         return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
     if args.json and (problem := _json_problem(Path(args.json))) is not None:
@@ -230,12 +236,13 @@ def _planned(
     return plan
 
 
-def smaller_settings(cfg: JarlConfig) -> list[tuple[str, JarlConfig]]:
+def smaller_settings(cfg: JarlConfig) -> list[tuple[str, JarlConfig, int, int]]:
     """``cfg`` with less memory per chip at the same mesh, least change first, each as its
-    overrides: the learner's packed rows (``learner.row_tokens``, or without packing
-    ``learner.micro_batch_size``) and the engine's KV cache (``engine.kv_cache_gib`` where it
-    is set, else the decode slots that size it, ``engine.max_concurrent``) halved, then both,
-    then quartered..., each the config checks accept (`check_ranges`)."""
+    overrides, the config and its two cuts: the learner's packed rows (``learner.row_tokens``,
+    or without packing ``learner.micro_batch_size``) and the engine's KV cache
+    (``engine.kv_cache_gib`` where it is set, else the decode slots that size it,
+    ``engine.max_concurrent``) halved, then both, then quartered..., each the config checks
+    accept (`check_ranges`)."""
     import dataclasses
 
     from jax_agent_rl.config import check_ranges
@@ -244,7 +251,7 @@ def smaller_settings(cfg: JarlConfig) -> list[tuple[str, JarlConfig]]:
     rows_key = "row_tokens" if learner.packing else "micro_batch_size"
     kv_key = "kv_cache_gib" if engine.kv_cache_gib else "max_concurrent"
     rows, kv = getattr(learner, rows_key), getattr(engine, kv_key)
-    out: list[tuple[str, JarlConfig]] = []
+    out: list[tuple[str, JarlConfig, int, int]] = []
     for k in (1, 2, 3):
         for row_cut, kv_cut in ((2**k, 1), (1, 2**k), (2**k, 2**k)):
             r = rows // row_cut
@@ -259,7 +266,7 @@ def smaller_settings(cfg: JarlConfig) -> list[tuple[str, JarlConfig]]:
             said = [f"learner.{rows_key}={r}"] * (row_cut > 1)
             said += [f"engine.{kv_key}={n:g}"] * (kv_cut > 1)
             if not check_ranges(other):
-                out.append((" ".join(said), other))
+                out.append((" ".join(said), other, row_cut, kv_cut))
     return out
 
 
@@ -272,39 +279,75 @@ def _search(
     reuse: dict[tuple, Compiled],
 ) -> str:
     """The first setting on which the run fits, as overrides: on its own mesh with less memory
-    per chip (`smaller_settings`: only the programs a setting changes compile again), then on
-    the slice's other meshes."""
+    per chip (`smaller_settings`: only the programs a setting changes compile again), then
+    each of the slice's other meshes as configured and with less memory per chip. A setting
+    whose floor (`least_peak`, from its mesh's plan as configured) is over the chip's HBM is
+    not compiled: it cannot fit."""
     from jax_agent_rl.plan import other_meshes
+    from jax_agent_rl.plan.report import least_peak
     from jax_agent_rl.plan.topology import GiB
 
     n, hbm = topology.chips, topology.chip.hbm_bytes
-    m = cfg.mesh
-    here = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
-    candidates = [(f"{said} ({here})", other) for said, other in smaller_settings(cfg)]
     most = max(plan.programs, key=lambda p: p.argument_total)
     least = most.argument_total / n
-    if least <= hbm:  # else, split evenly over every chip, one program's arguments are too many
-        for other in other_meshes(cfg, n):
-            m = other.mesh
-            mesh = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
-            candidates.append((mesh, other))
-    for overrides, other in candidates:
-        print(f"# planning {overrides}", flush=True)
-        try:
-            candidate = _planned(other, model, topology, args, overrides, reuse)
-        except ValueError as e:  # the model does not split over this mesh
-            print(f"#   {str(e).splitlines()[0]}", flush=True)
-            continue
-        if candidate.programs == plan.programs:  # (a setting its programs do not read)
-            print("#   the same programs as planned first", flush=True)
-            continue
-        fits, verdict = candidate.verdict()
-        print(f"#   {verdict}", flush=True)
-        if fits:
-            return f"{overrides} fits: {candidate.peak[0] / GiB:.1f} GiB per chip"
+    # else, split evenly over every chip, one program's arguments are too many for any mesh
+    meshes = [cfg, *other_meshes(cfg, n)] if least <= hbm else [cfg]
+    for at in meshes:
+        m = at.mesh
+        here = f"mesh.data={m.data} mesh.fsdp={m.fsdp} mesh.tensor={m.tensor}"
+        base = plan
+        if at is not cfg:
+            found = _tried(here, at, model, topology, args, reuse, plan)
+            if isinstance(found, str):
+                return found
+            if found is None:
+                continue
+            base = found
+        for said, other, row_cut, kv_cut in smaller_settings(at):
+            overrides = f"{said} ({here})" if at is cfg else f"{said} {here}"
+            floor = least_peak(base, row_cut, kv_cut)
+            if floor > hbm:
+                print(
+                    f"# skipping {overrides}: it needs at least {floor / GiB:.1f} GiB per chip "
+                    f"of {hbm / GiB:.0f}",
+                    flush=True,
+                )
+                continue
+            found = _tried(overrides, other, model, topology, args, reuse, plan)
+            if isinstance(found, str):
+                return found
     if least > hbm:
         return (
             f"no smaller setting fits, nor any mesh of {n} chips: {most.name}'s arguments "
             f"alone, split over all {n}, are {least / GiB:.1f} GiB per chip"
         )
-    return f"no smaller setting and no other mesh of {n} chips fits"
+    return f"no smaller setting fits on any mesh of {n} chips"
+
+
+def _tried(
+    overrides: str,
+    cfg: JarlConfig,
+    model: ModelConfig,
+    topology: Topology,
+    args: argparse.Namespace,
+    reuse: dict[tuple, Compiled],
+    first: Plan,
+) -> str | Plan | None:
+    """``cfg`` (``overrides``) planned: the line naming it if it fits, else its plan (None
+    where the model does not split over its mesh)."""
+    from jax_agent_rl.plan.topology import GiB
+
+    print(f"# planning {overrides}", flush=True)
+    try:
+        candidate = _planned(cfg, model, topology, args, overrides, reuse)
+    except ValueError as e:  # the model does not split over this mesh
+        print(f"#   {str(e).splitlines()[0]}", flush=True)
+        return None
+    if candidate.programs == first.programs:  # (a setting its programs do not read)
+        print("#   the same programs as planned first", flush=True)
+        return candidate
+    fits, verdict = candidate.verdict()
+    print(f"#   {verdict}", flush=True)
+    if fits:
+        return f"{overrides} fits: {candidate.peak[0] / GiB:.1f} GiB per chip"
+    return candidate

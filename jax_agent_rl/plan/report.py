@@ -401,6 +401,34 @@ _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _PLUMBING = frozenset({"while", "body", "closed_call", "cond", ""})
 
 
+# the programs whose temporaries grow with the learner's rows, and those whose grow with the
+# engine's KV cache or slots (`least_peak`)
+ROW_PROGRAMS = frozenset({"rl_update", "sft_step"})
+KV_PROGRAMS = frozenset({"prefill", "decode"})
+
+
+def least_peak(plan: Plan, row_cut: int, kv_cut: int) -> float:
+    """A floor under the peak per chip of ``plan``'s run with the learner's rows divided by
+    ``row_cut`` and the engine's KV cache (or slots) by ``kv_cut``: the learner's state stays
+    (rows change only its step's batch, a few MB), the engine's arguments (weights and KV)
+    shrink at most ``kv_cut``-fold, and each program's temporaries and outputs at most by its
+    knob's cut (activations are linear in tokens; gathered weights do not shrink). A setting
+    whose floor is over the chip's HBM cannot fit and need not be compiled. A program that
+    did not compile counts by its arguments alone: what an out-of-memory compile says it
+    needs does not scale (XLA:TPU said 32 GiB for a decode that took 11 at half its cache)."""
+    extra: list[float] = []
+    learner = engine = 0.0
+    for p in plan.programs:
+        if p.error is None:
+            cut = row_cut if p.name in ROW_PROGRAMS else kv_cut if p.name in KV_PROGRAMS else 1
+            extra.append(p.extra / cut)
+        if p.name == "rl_update":
+            learner = p.arguments
+        elif p.name == "decode":
+            engine = p.arguments / kv_cut
+    return learner + engine + max(extra, default=0.0)
+
+
 def _where(op: hlo.Op) -> str:
     """An op's JAX op, shortened: its scopes without the jit wrapper and the loops' plumbing
     (``all_micro_batches/checkpoint/mlp/nd,df->nf/dot_general``)."""
