@@ -8,14 +8,24 @@ re-tokenized where the model wrote them:
 
 - The first request is the prompt: its messages (system and user only) and its ``tools``,
   rendered by the chat template (`TurnBuilder.prompt_ids`).
-- Each later request must repeat the session's conversation exactly (every earlier message,
-  and every assistant message as the endpoint returned it: content and tool calls) and then
-  add messages: after a turn with tool calls, the ``tool`` messages answering each call (by
-  ``tool_call_id``); after a turn without calls, ``user`` messages. Those become the template
-  delta after the model's sampled tokens (mask 0: `record_results`, `TurnBuilder`), exactly as
-  in `run_tool_agent`; like an environment's messages, the user messages are cut to
-  ``agent.max_observation_chars`` before they are tokenized (`env_observation`), so that a
-  harness passing on huge text (a command's output) cannot hold the event loop.
+- A later request that repeats one of the session's conversations exactly (every earlier
+  message, every assistant message as the endpoint returned it: content and tool calls; the
+  same tools) and then adds messages goes on with that conversation: after a turn with tool
+  calls, the ``tool`` messages answering each call (by ``tool_call_id``); after a turn without
+  calls, ``user`` messages. Those become the template delta after the model's sampled tokens
+  (mask 0: `record_results`, `TurnBuilder`), exactly as in `run_tool_agent`; like an
+  environment's messages, the user messages are cut to ``agent.max_observation_chars`` before
+  they are tokenized (`env_observation`), so that a harness passing on huge text (a command's
+  output) cannot hold the event loop.
+- A later request that extends none of them (the harness compacted its context, stripped its
+  earlier thinking, rewrote a turn, or asks a sub-agent's question in a context of its own)
+  starts a new conversation and a new sample of the trajectory (`Trajectory.start_sample`):
+  its messages rendered by the chat template as a prompt (each assistant message as its text,
+  which holds the model's calls as it wrote them, less its end-of-turn token: a harness that
+  rewrites a call rewrites that text), context with mask 0. The conversations left
+  stay open: a request that extends one again (the parent after its sub-agent answered) goes
+  on in its sample (`Trajectory.resume_sample`). Every sampled token stays where it was
+  sampled, each sample token-exact (docs/agents.md).
 - Then one model turn, sampled as the tool loop samples it (`model_turn`: the same budgets,
   stop ids and per-request seeds), read by the context's parser (`read_turn`) and answered as
   an OpenAI ``chat.completion``: ``content`` is the model's whole text, its well-formed calls
@@ -27,7 +37,7 @@ re-tokenized where the model wrote them:
   So for the same model tokens a harness that runs the calls it is given records token for
   token the trajectory `run_tool_agent` records.
 
-A request that rewrites an earlier turn, or that the endpoint cannot take (not strict JSON:
+A request that the endpoint cannot take (not strict JSON:
 ``NaN``, ``Infinity`` and ``1e999`` are no numbers; no messages, an unknown role, a sampling
 field, a second request while one is in progress, streaming, tools holding a lone surrogate:
 `jax_agent_rl.agent.openai_requests`; a first request of more characters than
@@ -91,7 +101,6 @@ from jax_agent_rl.agent.loop import (
 from jax_agent_rl.agent.observations import env_observation
 from jax_agent_rl.agent.openai_requests import (
     MAX_TOOLS_BYTES,
-    PARTS,
     HarnessError,
     HarnessTask,
     canonical,
@@ -135,6 +144,18 @@ class _Calls:
     started: float  # when the reply left (perf_counter)
 
 
+@dataclasses.dataclass
+class _Conversation:
+    """A conversation of the session's other than the one its last request went on with, as
+    it was left (its context: its tools' turn builder), kept with its sample's index."""
+
+    ctx: AgentContext
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    pending: _Calls | None
+    text_turn: list[int] | None
+
+
 class Session:
     """One harness conversation as one trajectory (see the module docstring)."""
 
@@ -152,6 +173,8 @@ class Session:
         self.idle.set()
         self.asked = asyncio.Event()  # set as a request starts (`held_too_long`)
         self.results: dict[str, ToolResult] = {}  # calls run by `run_tool`, by id
+        # the conversations left for another (module doc), by the index of their sample
+        self.left: dict[int, _Conversation] = {}
 
     @property
     def stop(self) -> StopReason | None:
@@ -222,8 +245,11 @@ class Session:
             )
         if self.conversation is None:
             await self._start(messages, tools)
+        elif (sample := self._extended(messages, tools)) is None:
+            await self._new_context(messages, tools)
         else:
-            observation, stop = await self._observation(self._new_messages(messages, tools))
+            self._go_back(sample)
+            observation, stop = await self._observation(self._new_messages(messages))
             if stop is not None:
                 return self._end(stop, "", "length")
             self.traj.add_observation(observation)
@@ -268,13 +294,49 @@ class Session:
         roles = {m["role"] for m in messages}
         if not roles <= {"system", "user"}:
             raise HarnessError(f"the first request holds only system and user messages: {roles}")
+        prompt = [{"role": m["role"], "content": message_text(m)} for m in messages]
+        self.traj.set_prompt(prompt, await self._prompt(prompt, tools))
+        self.conversation, self.tools = [dict(m) for m in messages], tools
+
+    async def _new_context(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """A request that extends none of the session's conversations: a new one, and a new
+        sample from its messages' render (module doc); the conversation so far is left."""
+        if messages[-1]["role"] == "assistant":
+            raise HarnessError(
+                "a request that goes on with none of the session's conversations ends with an "
+                "assistant message: there is nothing for the model to answer"
+            )
+        eos = self.ctx.tokenizer.eos_token or ""  # (the template ends the turn itself)
+        said = [
+            {"role": m["role"], "content": message_text(m)}
+            if m["role"] != "assistant"
+            else {"role": "assistant", "content": message_text(m).removesuffix(eos)}
+            for m in messages
+        ]
+        left = _Conversation(self.ctx, self.conversation or [], self.tools, None, None)
+        left.pending, left.text_turn = self.pending, self.text_turn
+        prompt = await self._prompt(said, tools)
+        self.left[self.traj.sample] = left
+        self.traj.start_sample(prompt)
+        self.traj.add_messages(said)
+        self.conversation, self.tools = [dict(m) for m in messages], tools
+        self.pending = self.text_turn = None
+
+    async def _prompt(
+        self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """``messages`` (text) rendered as a prompt with ``tools`` (in a thread: `rendered`),
+        the context's turn builder made for those tools; refused before rendering when they
+        cannot fit."""
         if len(json.dumps(tools)) > MAX_TOOLS_BYTES:
             raise HarnessError(f"the request's tools are over {MAX_TOOLS_BYTES} bytes of JSON")
         # A prompt of more characters than max_model_len tokens could hold, each token at most
         # the tokenizer's longest (`Tokenizer.max_token_chars`), cannot fit the context:
         # refused here, before tokenizing it whole would hold the event loop (3 MB: seconds).
         limit = self.ctx.tokenizer.max_token_chars * self.ctx.config.max_model_len
-        chars = sum(len(message_text(m)) for m in messages)
+        chars = sum(len(m["content"]) for m in messages)
         if chars > limit:
             raise HarnessError(
                 f"the prompt's {chars} characters cannot fit engine.max_model_len="
@@ -285,29 +347,42 @@ class Session:
             self.ctx = dataclasses.replace(
                 self.ctx, builder=TurnBuilder(self.ctx.tokenizer, tools or None)
             )
-        prompt = [{"role": m["role"], "content": message_text(m)} for m in messages]
-        self.traj.set_prompt(prompt, await rendered(self.ctx.builder.prompt_ids, prompt))
-        self.conversation, self.tools = [dict(m) for m in messages], tools
+        return await rendered(self.ctx.builder.prompt_ids, messages)
 
-    def _new_messages(
+    def _extended(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[dict[str, Any]]:
-        """The messages after the session's conversation, which ``messages`` must repeat."""
+    ) -> int | None:
+        """The sample of the conversation ``messages`` go on with (they repeat it, with its
+        tools, and add messages): the last request's first, then those left, the latest
+        first; None: none."""
         assert self.conversation is not None
-        if tools != self.tools:
-            raise HarnessError("the request's tools differ from the first request's (the prompt)")
-        for i, (got, want) in enumerate(zip(messages, self.conversation, strict=False)):
-            differ = [
-                part
-                for part, a, b in zip(PARTS, canonical(got), canonical(want), strict=True)
-                if a != b
-            ]
-            if differ:  # (named, never quoted: the reply goes to whoever sent the request)
-                raise HarnessError(f"message {i} rewrites an earlier turn (its {differ} differ)")
-        if len(messages) <= len(self.conversation):
-            raise HarnessError(
-                f"the request adds no message to the session's {len(self.conversation)}"
-            )
+        said = [canonical(m) for m in messages]
+        open_ = [(self.traj.sample, self.conversation, self.tools)]
+        open_ += [(k, c.messages, c.tools) for k, c in sorted(self.left.items(), reverse=True)]
+        for sample, conversation, conversation_tools in open_:
+            if (
+                tools == conversation_tools
+                and len(messages) > len(conversation)
+                and all(a == canonical(b) for a, b in zip(said, conversation, strict=False))
+            ):
+                return sample
+        return None
+
+    def _go_back(self, sample: int) -> None:
+        """Goes on with the conversation left with ``sample`` (none to do: the last one's)."""
+        if sample == self.traj.sample:
+            return
+        assert self.conversation is not None
+        left = self.left.pop(sample)
+        here = _Conversation(self.ctx, self.conversation, self.tools, self.pending, self.text_turn)
+        self.left[self.traj.sample] = here
+        self.traj.resume_sample(sample)
+        self.ctx, self.conversation, self.tools = left.ctx, left.messages, left.tools
+        self.pending, self.text_turn = left.pending, left.text_turn
+
+    def _new_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages after the conversation (`_extended`), added to it."""
+        assert self.conversation is not None
         new = messages[len(self.conversation) :]
         self.conversation.extend(dict(m) for m in new)
         return new

@@ -124,9 +124,6 @@ def message_text(message: dict[str, Any]) -> str:
     raise HarnessError("a message's content must be a string or a list of text parts")
 
 
-PARTS = ("role", "content", "tool_calls", "tool_call_id")  # `canonical`'s
-
-
 def canonical(message: dict[str, Any]) -> tuple[Any, ...]:
     """What of a message the model's tokens hold (its role, text, calls and the call it
     answers), in one form however a client spells it."""

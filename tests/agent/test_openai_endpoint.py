@@ -1,9 +1,10 @@
 """The OpenAI-compatible endpoint (agent_name openai_agent) on the real embedded engine, with the
 tiny model `tests.agent.test_loop` memorises, driven by harnesses written against OpenAI's API:
 the official ``openai`` client and LangChain's ``ChatOpenAI``. Their trajectories are token for
-token those of `run_tool_agent` for the same seeds; a rewrite of an earlier turn and malformed
-requests end their own session's episode (harness_error before a model turn, caused_error
-after one; counted) and nothing else.
+token those of `run_tool_agent` for the same seeds; a rewrite of an earlier turn starts a new
+sample (tests/agent/test_rewritten_contexts.py: compaction, stripped thinking, sub-agents);
+malformed requests end their own session's episode (harness_error before a model turn,
+caused_error after one; counted) and nothing else.
 """
 
 import asyncio
@@ -19,7 +20,6 @@ from langchain_openai import ChatOpenAI
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.endpoint_http import Limits
-from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
 from jax_agent_rl.agent.trajectory import Trajectory
@@ -27,7 +27,6 @@ from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization.tool_calls import make_parser
-from jax_agent_rl.train.episodes import episode_totals
 from tests.agent.test_langgraph_loop import CAPPED, REFUSED, SAMPLED, _assert_same
 from tests.agent.test_loop import CONFIG
 
@@ -72,7 +71,7 @@ async def langchain_harness(task: HarnessTask) -> None:
 
 
 async def rewriting_harness(task: HarnessTask) -> None:
-    """Answers the first call, with the model's turn rewritten."""
+    """Answers the first call, with the model's turn rewritten (its text and its call)."""
     client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
     reply = await client.chat.completions.create(
         model="policy", messages=task.messages, tools=task.tools
@@ -80,6 +79,7 @@ async def rewriting_harness(task: HarnessTask) -> None:
     message = reply.choices[0].message.model_dump(exclude_none=True)
     (call,) = message["tool_calls"]
     call["function"]["arguments"] = json.dumps({"expression": "1 + 1"})
+    message["content"] = message["content"].replace("17 + 25", "1 + 1")
     tool = {"role": "tool", "tool_call_id": call["id"], "content": "2"}
     await client.chat.completions.create(
         model="policy", messages=[*task.messages, message, tool], tools=task.tools
@@ -162,16 +162,25 @@ def test_a_call_past_the_turn_cap_is_answered_by_the_endpoint(setup: dict[str, A
     assert [m["content"] for m in loop.messages if m["role"] == "tool"][:2] == ["7", REFUSED]
 
 
-def test_a_rewritten_turn_ends_the_episode_counted(setup: dict[str, Any]) -> None:
-    """A request refused after a model turn reached the harness: caused_error, trained as a
-    wrong answer (the harness wrote it from the policy's text, docs/harness.md)."""
+def test_a_rewritten_turn_starts_a_new_sample(setup: dict[str, Any]) -> None:
+    """A request whose messages rewrite the model's turn (its call's arguments) goes on with no
+    conversation of the session's: its context, as the template renders it, starts a new
+    sample; the turn as the model wrote it stays in the first, token for token."""
     traj = _episode(setup, QUESTION, "openai_agent", _harness(CONFIG, "rewriting_harness"))
-    assert traj.stop_reason == "caused_error" and traj.trainable
-    assert traj.error is not None and "message 1 rewrites an earlier turn" in traj.error
-    assert "BadRequestError" in traj.error  # the harness was answered 400
-    assert sum(traj.loss_mask) > 0  # the first turn stays, nothing after it
-    totals = episode_totals([Episode(traj)])
-    assert totals["stop/caused_error"] == 1 and totals["untrainable"] == 0
+    assert traj.error is None and traj.trainable and traj.num_samples == 2
+    first, second = traj.train_sequences(0.0)
+    loop = _episode(setup, QUESTION, "tool_agent", CONFIG)
+    turn = loop.response_ids[: loop.loss_mask.index(0)]  # the model's first turn, its call
+    assert first.prompt_ids == loop.prompt_ids and first.response_ids == turn
+    assert first.loss_mask == [1] * len(turn)
+    rewritten = setup["tokenizer"].decode(second.prompt_ids)
+    said = setup["tokenizer"].decode(first.prompt_ids).count("17 + 25")  # (the question's)
+    assert '"1 + 1"' in rewritten and rewritten.count("17 + 25") == said
+    assert "<|im_end|><|im_end|>" not in rewritten  # its text is rendered without its eos
+    assert (
+        sum(second.loss_mask) > 0
+        and second.prompt_ids[: len(first.prompt_ids) - 3] == (first.prompt_ids[:-3])
+    )
 
 
 def test_a_harness_that_raises_ends_with_harness_error(setup: dict[str, Any]) -> None:

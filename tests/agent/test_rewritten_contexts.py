@@ -1,0 +1,200 @@
+"""Harnesses that do not only append, behind the OpenAI-compatible endpoint on the real embedded
+engine with the memorised tiny model: one that compacts its context every 3 model turns, one
+that strips the thinking of its earlier turns, one that asks a sub-agent in a context of its
+own. Each request that extends none of the session's conversations starts a new sample; every
+trained token of every sample is the token the engine sampled, at the position it was sampled
+from, with its logprob (`assert_samples_exact`, against the requests the engine served).
+"""
+
+import asyncio
+import dataclasses
+import re
+from typing import Any
+
+import openai
+import pytest
+
+from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.openai_endpoint import HarnessTask
+from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.data.sample import Sample
+from jax_agent_rl.rl.batch import turn_spans
+from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
+from jax_agent_rl.tokenization.tool_calls import make_parser
+from tests.agent.test_loop import CONFIG, Recording
+
+HERE = "tests.agent.test_rewritten_contexts"
+QUESTION = "What is 17 + 25?"
+# room for the turns a compacting harness takes (the memorised model answers in two)
+LONG = dataclasses.replace(CONFIG, max_turns=12)
+
+
+def assert_samples_exact(traj: Trajectory, log: list[tuple[GenerateRequest, GenerateResult]]):
+    """Each sampled run of each sample is what requests whose prompt was exactly the sample's
+    sequence before it sampled, with their logprobs; nothing else has mask 1 or a logprob, and
+    every token the engine sampled is in exactly one sample."""
+    served: dict[tuple[int, ...], list[GenerateResult]] = {}
+    for request, result in log:
+        served.setdefault(tuple(request.prompt_ids), []).append(result)
+    trained = 0
+    for row in traj.train_sequences(0.0):
+        seq, P = row.prompt_ids + row.response_ids, len(row.prompt_ids)
+        assert len(row.response_ids) == len(row.loss_mask) == len(row.rollout_logprobs)
+        for a, b in turn_spans(row.loss_mask):
+            at = a
+            while at < b:  # (a turn may be several requests: an inline block continued)
+                result = served[tuple(seq[: P + at])].pop(0)
+                n = len(result.token_ids)
+                assert row.response_ids[at : at + n] == list(result.token_ids), row.uid
+                assert row.rollout_logprobs[at : at + n] == list(result.logprobs or ()), row.uid
+                at += n
+            assert at == b, row.uid
+            trained += b - a
+        off = [lp for lp, m in zip(row.rollout_logprobs, row.loss_mask, strict=True) if not m]
+        assert not any(off), row.uid
+    assert trained == sum(len(r.token_ids) for _, r in log) > 0
+
+
+def _episode(
+    setup: dict[str, Any], harness: str, config: AgentConfig = LONG
+) -> tuple[Trajectory, Recording]:
+    backend = Recording(EmbeddedBackend(setup["engine"], setup["weights"]))
+    config = dataclasses.replace(config, harness=f"{HERE}:{harness}")
+
+    async def go() -> Trajectory:
+        ctx = await AgentContext.create(
+            backend, setup["tokenizer"], setup["tools"], make_parser(setup["parser"]), config
+        )
+        sample = Sample(
+            uid=f"q{sorted(setup['expected']).index(QUESTION)}",
+            messages=[{"role": "user", "content": QUESTION}],
+            agent_name="openai_agent",
+        )
+        traj = await run_sample(sample, ctx)
+        await backend.close()
+        return traj
+
+    return asyncio.run(go()), backend
+
+
+async def converse(
+    task: HarnessTask, client: openai.AsyncOpenAI, messages: list[Any]
+) -> tuple[list[Any], str]:
+    """One model turn on ``messages`` and the calls it made run (`HarnessTask.run_tool`): the
+    messages after it, and its finish reason."""
+    reply = await client.chat.completions.create(
+        model="policy", messages=messages, tools=task.tools
+    )
+    choice = reply.choices[0]
+    messages = [*messages, choice.message.model_dump(exclude_none=True)]
+    for call in choice.message.tool_calls or []:
+        text = await task.run_tool(call.model_dump())
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+    return messages, str(choice.finish_reason)
+
+
+def _client(task: HarnessTask) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+
+
+COMPACTED_AFTER = 3  # model turns
+
+
+async def compacting_harness(task: HarnessTask) -> None:
+    """Seven model turns: after each answer without calls it asks the question again; every
+    3 turns it drops its history for the task and a note of the model's last words."""
+    client = _client(task)
+    messages: list[Any] = list(task.messages)
+    for turn in range(1, 8):
+        messages, finish = await converse(task, client, messages)
+        if finish == "length":
+            return
+        if turn % COMPACTED_AFTER == 0:
+            last = next(m for m in reversed(messages) if m["role"] == "assistant")
+            note = re.sub(r"<[^>]*>", "", last["content"] or "")[:60]
+            messages = [*task.messages, {"role": "user", "content": f"Notes: {note} {QUESTION}"}]
+        elif messages[-1]["role"] == "assistant":
+            messages.append({"role": "user", "content": QUESTION})
+
+
+async def thinking_stripping_harness(task: HarnessTask) -> None:
+    """The tool loop, but each request carries the earlier assistant turns without their
+    ``<think>...</think>`` (as templates that drop earlier reasoning render them)."""
+    client = _client(task)
+    messages: list[Any] = list(task.messages)
+    finish = "tool_calls"
+    while finish == "tool_calls":
+        messages, finish = await converse(task, client, messages)
+        messages = [
+            {**m, "content": re.sub(r"<think>.*?</think>", "", m["content"], flags=re.S)}
+            if m["role"] == "assistant"
+            else m
+            for m in messages
+        ]
+
+
+async def delegating_harness(task: HarnessTask) -> None:
+    """The model's first call is answered by a sub-agent: a conversation of its own on the
+    same question, whose final answer is the tool message; then the model goes on."""
+    client = _client(task)
+    reply = await client.chat.completions.create(
+        model="policy", messages=task.messages, tools=task.tools
+    )
+    message = reply.choices[0].message.model_dump(exclude_none=True)
+    (call,) = message["tool_calls"]
+    sub: list[Any] = [{"role": "user", "content": QUESTION}]
+    finish = "tool_calls"
+    while finish == "tool_calls":
+        sub, finish = await converse(task, client, sub)
+    answer = {"role": "tool", "tool_call_id": call["id"], "content": sub[-1]["content"]}
+    await converse(task, client, [*task.messages, message, answer])
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_harness_that_compacts_every_3_turns_trains_each_context_exactly(
+    setup: dict[str, Any],
+) -> None:
+    traj, backend = _episode(setup, "compacting_harness")
+    assert traj.error is None and traj.trainable, traj.error
+    assert traj.num_turns == 7 and traj.num_samples == 3  # turns 1-3, 4-6, 7
+    assert_samples_exact(traj, backend.log)
+    rows = traj.train_sequences(1.0)
+    assert [sum(1 for _ in turn_spans(r.loss_mask)) for r in rows] == [3, 3, 1]
+    # each compacted context starts from the task, then the note: not from the history
+    prompt = rows[0].prompt_ids[:-3]  # (the generation prompt follows the question)
+    for row in rows[1:]:
+        assert row.prompt_ids[: len(prompt)] == prompt
+        assert len(row.prompt_ids) < len(rows[0].prompt_ids) + len(rows[0].response_ids)
+
+
+@pytest.mark.parametrize("setup", ["qwen3"], indirect=True)
+def test_a_harness_that_strips_earlier_thinking_trains_each_context_exactly(
+    setup: dict[str, Any],
+) -> None:
+    traj, backend = _episode(setup, "thinking_stripping_harness")
+    assert traj.error is None and traj.trainable, traj.error
+    # the first turn thinks; the turns after it read it stripped: one new sample
+    assert traj.num_samples == 2 and traj.num_turns >= 2
+    assert_samples_exact(traj, backend.log)
+    first, second = traj.train_sequences(1.0)
+    think = setup["tokenizer"].decode(first.response_ids)
+    assert "<think>" in think
+    assert "<think>" not in setup["tokenizer"].decode(second.prompt_ids)
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_harness_that_calls_a_sub_agent_trains_both_contexts_exactly(
+    setup: dict[str, Any],
+) -> None:
+    """The parent's sample goes on after the sub-agent's: two samples, the parent's holding
+    its two turns around the sub-agent's answer."""
+    traj, backend = _episode(setup, "delegating_harness")
+    assert traj.error is None and traj.trainable, traj.error
+    assert traj.num_samples == 2 and traj.num_turns == 4 and traj.sample == 0
+    assert_samples_exact(traj, backend.log)
+    parent, sub = traj.train_sequences(1.0)
+    assert (parent.uid, sub.uid) == ("q3", "q3@1")
+    assert [len(turn_spans(r.loss_mask)) for r in (parent, sub)] == [2, 2]
+    assert parent.prompt_ids == sub.prompt_ids  # the same question, asked afresh
+    assert "<answer>42</answer>" in setup["tokenizer"].decode(sub.response_ids)
