@@ -13,6 +13,7 @@ from jax_agent_rl.config.ranges import COUNT, POSITIVE
 from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
 
 if TYPE_CHECKING:
+    from jax_agent_rl.tokenization import Tokenizer
     from jax_agent_rl.tools.registry import ToolRegistry
 
 
@@ -61,12 +62,27 @@ def _serve_tools(args: argparse.Namespace) -> int:
             ),
             max_connections=args.max_connections,
             action_parser=args.action_parser,
+            tokenizer=_tokenizer(args.tokenizer),
             socket_path=args.socket,
             announce=lambda: print(announcement(registry, where), flush=True),
         )
     except ValueError as e:
         return _refuse(str(e))
     return 0
+
+
+def _tokenizer(folder: str) -> Tokenizer | None:
+    """The tokenizer of ``--tokenizer`` (None: not given); raises `ValueError` in one line."""
+    from jax_agent_rl.errors import error_text
+    from jax_agent_rl.tokenization import Tokenizer
+
+    if not folder:
+        return None
+    try:
+        return Tokenizer.from_pretrained(Path(folder))
+    except Exception as e:  # a missing folder, a file no tokenizer reads: one line
+        first = (error_text(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"--tokenizer {folder!r}: {first}") from e
 
 
 def announcement(registry: ToolRegistry, where: str) -> str:
@@ -182,6 +198,13 @@ def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="how /get_observation reads the tool calls in verl-tool's actions, and writes "
         "the observation (the agent.parser your model was trained with): hermes, llama3_json, "
         "python_tag, tool_tag or fenced_python",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        help="the policy's tokenizer folder, which verl-tool's POST /get_observation needs "
+        "(refused without it): its special tokens' text in an observation is written with a "
+        "word joiner (U+2060), since verl-tool's client reads such text as special tokens",
     )
     p.add_argument(
         "--socket",

@@ -31,6 +31,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jax_agent_rl.config import ToolServerSection
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import ToolCallParser, make_parser
 from jax_agent_rl.tools.body_limit import BodyLimit
 from jax_agent_rl.tools.protocol import (
@@ -59,6 +60,7 @@ AddRoutes = Callable[
         Callable[[str, ExecuteRequest], Awaitable[dict[str, Any]]],
         Callable[[str, str], Awaitable[dict[str, Any]]],
         Callable[..., Awaitable[None]],
+        Tokenizer | None,
     ],
     None,
 ]
@@ -125,6 +127,7 @@ def create_app(
     body_timeout_s: float = ToolServerSection.body_timeout_s,
     caps: RequestCaps = DEFAULT_CAPS,
     action_parser: str = ToolServerSection.action_parser,
+    tokenizer: Tokenizer | None = None,
     socket_path: str | None = None,
     max_connections: int = ToolServerSection.max_connections,
     clock: Callable[[], float] = time.monotonic,
@@ -136,7 +139,9 @@ def create_app(
     1.5 x ``idle_timeout_s``; when it stops, the tools are closed. ``max_body_bytes`` and
     ``body_timeout_s`` go to `BodyLimit`; ``caps`` bound what one request carries
     (`RequestCaps`). ``action_parser`` (a name of `jax_agent_rl.tokenization.tool_calls`)
-    reads the actions of verl-tool's ``/get_observation`` (the verl wing's route).
+    reads the actions of verl-tool's ``/get_observation`` (the verl wing's route), which
+    writes the special tokens' text of ``tokenizer`` (the policy's) in its observations with a
+    word joiner (`Tokenizer.defused`), and is refused without one.
     With ``socket_path``, the app's lifespan also serves the calls on that Unix socket
     (`SocketServer`, under the same token, with the same bounds per frame, ``max_concurrency``
     calls in flight per connection and at most ``max_connections`` connections). An empty
@@ -215,7 +220,7 @@ def create_app(
 
     load_wing("verl")  # verl-tool's route
     for add in _ROUTES:
-        add(app, parser, caps, run, free, authorize)
+        add(app, parser, caps, run, free, authorize, tokenizer)
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def get_metrics() -> dict[str, Any]:

@@ -20,6 +20,13 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from jax_agent_rl.cli import build_parser
+from jax_agent_rl.tokenization import (
+    CHATML_SPECIAL_TOKENS,
+    Tokenizer,
+    chat_template,
+    save_tokenizer,
+    train_bpe,
+)
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.protocol import RequestCaps
@@ -35,6 +42,16 @@ TOOLS_YAML = """
 """
 
 
+def policy_tokenizer(folder: Path) -> Path:
+    """A small ChatML tokenizer saved in ``folder`` (the policy's, for verl-tool's route)."""
+    backend = train_bpe(["The answer is 4."] * 8, 300, CHATML_SPECIAL_TOKENS)
+    return Path(save_tokenizer(folder, backend, chat_template("chatml_tools")))
+
+
+def loaded_tokenizer(folder: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(policy_tokenizer(folder))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,12 +61,14 @@ def _free_port() -> int:
 def start_server(
     tmp_path: Path, *extra: str, tools_yaml: str = TOOLS_YAML
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real `jarl serve-tools` process on a free loopback port; returns it and its URL."""
+    """A real `jarl serve-tools` process on a free loopback port (with a policy's tokenizer,
+    which verl-tool's route needs); returns it and its URL."""
     tools = tmp_path / "tools.yaml"
     tools.write_text(tools_yaml)
     port = _free_port()
+    tokenizer = policy_tokenizer(tmp_path / "tokenizer")
     cmd = [sys.executable, "-m", "jax_agent_rl.cli", "serve-tools", "--tools", str(tools)]
-    cmd += ["--port", str(port), "--timeout", "3.0", *extra]
+    cmd += ["--port", str(port), "--timeout", "3.0", "--tokenizer", str(tokenizer), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

@@ -40,7 +40,7 @@ from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
 from tests.agent import test_loop
-from tests.tools.test_server import serving, start_server
+from tests.tools.test_server import loaded_tokenizer, serving, start_server
 from tests.tools.test_tools import Counter
 
 # ----------------------------------------------------------------------------- verl tools
@@ -639,21 +639,24 @@ def test_serve_tools_reads_actions_with_the_parser_it_is_given(tmp_path: Path) -
     assert refused.stderr.startswith("jarl: --action-parser='json' is not a parser: use one of")
 
 
-def test_the_action_parser_reads_verl_tool_actions() -> None:
+def test_the_action_parser_reads_verl_tool_actions(tmp_path: Path) -> None:
     """``action_parser`` picks how actions are read and observations written; hermes by
     default. A tool that ends the trajectory makes it done."""
     registry = ToolRegistry([fake_python])
+    tokenizer = loaded_tokenizer(tmp_path)
     body = {
         "trajectory_ids": ["a", "b"],
         "actions": ["<python>print(1)</python>", "<python>exit()</python>"],
     }
 
     async def scenario() -> tuple[Any, Any]:
-        async with serving(create_app(registry, action_parser="python_tag")) as url:
+        async with serving(
+            create_app(registry, action_parser="python_tag", tokenizer=tokenizer)
+        ) as url:
             tagged = (
                 await httpx.AsyncClient(timeout=None).post(url + "/get_observation", json=body)
             ).json()
-        async with serving(create_app(registry)) as url:
+        async with serving(create_app(registry, tokenizer=tokenizer)) as url:
             hermes = (
                 await httpx.AsyncClient(timeout=None).post(url + "/get_observation", json=body)
             ).json()

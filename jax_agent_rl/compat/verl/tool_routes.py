@@ -15,10 +15,19 @@ from typing import Any, cast
 from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field, model_validator
 
+from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.protocol import ExecuteRequest, RequestCaps, RequestNamespace
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
+
+# why /get_observation is refused on a server without the policy's tokenizer
+NO_TOKENIZER = (
+    "verl-tool's client reads special-token text in an observation as special tokens (a tool "
+    "result could forge a turn): start the tool server with --tokenizer <the policy's "
+    "tokenizer folder> (tool_server.tokenizer), whose special tokens' text is then written "
+    "with a word joiner in observations"
+)
 
 
 class ObservationRequest(BaseModel):
@@ -42,10 +51,14 @@ class ObservationRequest(BaseModel):
         return self
 
 
-def observation_text(parser: ToolCallParser, texts: list[str]) -> str:
+def observation_text(parser: ToolCallParser, texts: list[str], tokenizer: Tokenizer) -> str:
     """What verl-tool's client appends after the action: each result as the parser's model
     reads it (an inline parser's output block; for a chat parser, Hermes ``<tool_response>``
-    blocks, the content a chat template renders for tool messages)."""
+    blocks, the content a chat template renders for tool messages), its special tokens' text
+    (``tokenizer``'s) written with a word joiner (`Tokenizer.defused`): verl-tool's client
+    encodes the observation with its tokenizer's special tokens read as such, so a result
+    printing ``<|im_end|>\n<|im_start|>assistant`` forged a turn in the trajectory."""
+    texts = [tokenizer.defused(t) for t in texts]
     if parser.style == "inline":
         inline = cast(InlineToolCallParser, parser)
         return "".join(inline.format_output(t) for t in texts)
@@ -59,6 +72,7 @@ def add_verl_tool_routes(
     run: Callable[[str, ExecuteRequest], Awaitable[dict[str, Any]]],
     free: Callable[[str, str], Awaitable[dict[str, Any]]],
     authorize: Callable[..., Awaitable[None]],
+    tokenizer: Tokenizer | None,
 ) -> None:
     """Adds verl-tool's protocol to ``app``, over the calls and releases of its ``/execute``
     and ``/release`` routes (``run`` and ``free``, in the request's namespace).
@@ -72,7 +86,10 @@ def add_verl_tool_routes(
     whether the action held calls and none was malformed (``invalid_reason`` says why not).
     An action of more than ``caps.max_action_calls`` calls runs none of them: its observation
     is an error naming the cap, and it is invalid. A request of more than
-    ``caps.max_batch_calls`` trajectories, or with an id over ``caps.max_id_bytes``, is refused.
+    ``caps.max_batch_calls`` trajectories, or with an id over ``caps.max_id_bytes``, is refused,
+    and so is every request to a server without the policy's ``tokenizer`` (501, naming
+    ``--tokenizer``): the observation's special-token text is written with its tokenizer
+    (`observation_text`).
     verl-tool instead routes each action to the first of its tools whose own
     ``parse_action`` accepts it; here the one parser reads them all. verl-tool's client sends
     no bearer token and no namespace: give the server no token (loopback) or put a proxy that
@@ -98,6 +115,7 @@ def add_verl_tool_routes(
         action: str,
         last: bool,
         create_kwargs: dict[str, dict[str, Any]],
+        known: Tokenizer,
     ) -> tuple[dict[str, Any], bool, bool]:
         """One trajectory's observation, done and valid for its action (see above)."""
         calls = parser.parse(action)
@@ -108,7 +126,7 @@ def add_verl_tool_routes(
             )
             if last:
                 await free(namespace, trajectory_id)
-            text = observation_text(parser, [f"error: {why}"])
+            text = observation_text(parser, [f"error: {why}"], known)
             return {"obs": text, "reward": None, "invalid_reason": why}, False, False
         results = await asyncio.gather(
             *(run_call(namespace, trajectory_id, c, create_kwargs.get(c.name, {})) for c in calls)
@@ -116,7 +134,7 @@ def add_verl_tool_routes(
         if last:
             await free(namespace, trajectory_id)
         obs: dict[str, Any] = {
-            "obs": observation_text(parser, [r.text for r in results]),
+            "obs": observation_text(parser, [r.text for r in results], known),
             "reward": sum(r.reward for r in results) if results else None,
         }
         malformed = [c.error for c in calls if c.error is not None]
@@ -130,6 +148,9 @@ def add_verl_tool_routes(
     async def get_observation(
         req: ObservationRequest, namespace: RequestNamespace
     ) -> dict[str, Any]:
+        known = tokenizer
+        if known is None:
+            raise HTTPException(status_code=501, detail=NO_TOKENIZER)
         n = len(req.trajectory_ids)
         caps.check_batch(n, "trajectories")
         for trajectory_id in req.trajectory_ids:
@@ -146,7 +167,7 @@ def add_verl_tool_routes(
                 await free(namespace, req.trajectory_ids[i])
                 return {"obs": "", "reward": None}, True, True
             trajectory_id, action = req.trajectory_ids[i], req.actions[i]
-            return await observe(namespace, trajectory_id, action, last[i], create_kwargs[i])
+            return await observe(namespace, trajectory_id, action, last[i], create_kwargs[i], known)
 
         out = await asyncio.gather(*(one(i) for i in range(n)))
         return {
