@@ -2,7 +2,17 @@
 read outside the folder: a shard index naming files elsewhere, a FIFO, device or folder in place
 of a file, a config.json with absurd sizes, and a safetensors header that disagrees with its
 file each fail at once, with an error naming the file and the problem, before any tensor data is
-read or allocated."""
+read or allocated.
+
+A hostile PEFT adapter folder (`load_peft`): ``r: 4.9`` loaded as rank 4 and ``r: true`` as 1,
+NaN or infinite adapters loaded silently (every logit of their layers NaN), integer tensors
+were cast; a malformed config (not JSON, a list, ``r: "abc"``, a missing key, a nested list
+of targets) and a file that is no safetensors file raised JSONDecodeError, AttributeError,
+ValueError, KeyError, TypeError or SafetensorError without naming the file. Each is a
+`CheckpointError` naming the file, the header checked before any tensor is read (as for a
+base checkpoint: `checkpoint.stored_tensors`)."""
+
+from __future__ import annotations
 
 import contextlib
 import json
@@ -18,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from jax_agent_rl.models import (
     CheckpointError,
@@ -28,6 +39,8 @@ from jax_agent_rl.models import (
     save_hf,
 )
 from jax_agent_rl.models import checkpoint as checkpoint_module
+from jax_agent_rl.models.adapters import add_lora, load_peft, save_peft
+from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from tests.tokenization.test_tokenizer import CORPUS
@@ -417,3 +430,73 @@ def test_a_damaged_run_checkpoint_is_an_error_naming_its_folder(
                 checkpoints.restore_part(3, "policy", target)
     finally:
         checkpoints.close()
+
+
+TINY = ModelConfig(
+    family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def peft_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT adapter folder of rank 4 on q and v of `TINY`, as `save_peft` writes it."""
+    cfg, w = add_lora(
+        jax.random.key(1),
+        TINY,
+        init_params(jax.random.key(0), TINY, sharder=one_device_sharder()),
+        Lora(4, 8.0, ("q", "v")),
+    )
+    return save_peft(tmp_path_factory.mktemp("peft") / "adapter", cfg, w)
+
+
+HOSTILE_PEFT: dict[str, tuple[Any, str]] = {
+    # name: (a change to the folder, what the error says after the file's name)
+    "r-not-a-number": ({"r": "abc"}, r"adapter_config.json: r='abc': expected a whole number"),
+    "r-a-fraction": ({"r": 4.9}, r"adapter_config.json: r=4.9: expected a whole number"),
+    "r-a-bool": ({"r": True}, r"adapter_config.json: r=True: expected a whole number"),
+    "r-missing": ({"r": None}, r"adapter_config.json: r=None: expected a whole number"),
+    "r-huge": ({"r": 10**12}, r"adapter_config.json: LoRA rank=1000000000000 exceeds the v "),
+    "alpha-a-list": ({"lora_alpha": [8]}, r"adapter_config.json: lora_alpha=\[8\]: expected a "),
+    "targets-nested": ({"target_modules": [["q_proj"]]}, r"adapter_config.json: target_modules="),
+    "config-a-list": (b"[1, 2]", r"adapter_config.json is not a JSON object"),
+    "config-not-json": (b"{r: 4", r"adapter_config.json is not JSON: "),
+    "weights-nan": (np.nan, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
+    "weights-inf": (-np.inf, r"adapter_model.safetensors: tensor '.*' holds values not finite"),
+    "weights-1e30": (1e30, r"adapter_model.safetensors: tensor '.*' holds values past 10000 "),
+    "weights-int": (np.int64, r"adapter_model.safetensors: tensor '.*' is stored as 'I64'"),
+    # read as if absent: adapters applied where PEFT applies none, biases and targets dropped
+    "exclude-modules": ({"exclude_modules": ["q_proj"]}, r"adapter_config.json: exclude_modules"),
+    "lora-bias": ({"lora_bias": True}, r"adapter_config.json: lora_bias=True is not supported"),
+    "target-parameters": (
+        {"target_parameters": ["mlp.experts.gate_up_proj"]},
+        r"adapter_config.json: target_parameters=",
+    ),
+    "weights-garbage": (b"\x08" + bytes(7) + b'{"a":1}', r"adapter_model.safetensors is not a "),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_PEFT))
+def test_a_hostile_peft_folder_is_a_checkpoint_error_naming_its_file(
+    peft_folder: Path, tmp_path: Path, case: str
+) -> None:
+    change, said = HOSTILE_PEFT[case]
+    folder = tmp_path / "adapter"
+    shutil.copytree(peft_folder, folder)
+    config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if isinstance(change, dict):
+        config = json.loads(config_file.read_text())
+        config.update(change)
+        config_file.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    elif isinstance(change, bytes):
+        (config_file if case.startswith("config") else weights).write_bytes(change)
+    else:
+        tensors = load_file(str(weights))
+        changed = {
+            k: v.astype(change) if isinstance(change, type) else np.full_like(v, change)
+            for k, v in tensors.items()
+        }
+        save_file(changed, str(weights))
+    with pytest.raises(CheckpointError, match=f"^{folder}/{said}"):
+        load_peft(folder, TINY)
+    assert load_peft(peft_folder, TINY)[0].lora == Lora(4, 8.0, ("q", "v"))  # (the folder: fine)

@@ -9,12 +9,18 @@ it (a duplicate key, a recursive alias, a tag with no constructor, a lone surrog
 a value (``model.path=!!timestamp 2001-12-14``, ``!!set {a}``, inside a list or a mapping
 too), and an interpolation naming no key or itself (``data.reward=${foo}``, in an override or
 in the file): ``jarl train`` ended in a YAML or OmegaConf traceback (36 lines, exit status 1).
-Each is a `ConfigError` line naming the key."""
+Each is a `ConfigError` line naming the key.
+
+A ``reasoning_gym:`` spec's option nested past the recursion limit is an error naming the spec
+(``jarl train`` printed a RecursionError's traceback), and the bound on an option's size holds
+for the numbers inside its lists and mappings too; an interaction config nested as deep is a
+ConfigError."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +29,10 @@ import pytest
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
+from jax_agent_rl.compat.verl.interaction import load_interactions
 from jax_agent_rl.config import ConfigError, load_config, preview_config
+from jax_agent_rl.data import reasoning_gym
+from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.models.hf_local import TINY
 
 DEEP = 200
@@ -449,3 +458,32 @@ def test_an_override_of_a_value_omegaconf_cannot_hold_is_a_config_error(
         load_config(None, ["model.path=m", "data.train=t.jsonl", override])
     with pytest.raises(ConfigError, match=match):
         preview_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("[" * 3000, "nested too deep"),
+        ("{a: " * 3000, "nested too deep"),
+        ("[1, [2, 99999]]", "option x=99999 is over 10000"),
+        ("{lo: 1, hi: 10001}", "option x=10001 is over 10000"),
+    ],
+)
+def test_a_reasoning_gym_option_is_read_and_bounded_however_deep(value: str, problem: str) -> None:
+    """An option's value nested past the recursion limit (a RecursionError out of the YAML
+    reader: ``jarl train`` printed a traceback), and a number inside a list or a mapping
+    (bounded only at the top level: a task loops over it as over any other), are errors
+    naming the spec."""
+    spec = f"reasoning_gym:basic_arithmetic?size=1&seed=0&x={value}"
+    with pytest.raises(ReasoningGymError, match=re.escape(problem)):
+        reasoning_gym.samples(spec, "tool_agent")
+
+
+def test_an_interaction_config_nested_too_deep_is_a_config_error(tmp_path: Path) -> None:
+    """``env.interaction_config`` nested past the recursion limit: a RecursionError out of
+    the YAML reader (``jarl train`` printed its traceback), now a `ConfigError` naming the
+    key and the file."""
+    path = tmp_path / "interaction.yaml"
+    path.write_text("interaction: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(ConfigError, match=r"env\.interaction_config=.*nested too deep"):
+        load_interactions(str(path))

@@ -11,7 +11,9 @@ in a traceback.
   episode then ended with an OverflowError (a pipe's poll takes at most 2**31 ms, 24.8 days),
   naming no setting; ``env.memory_limit_mib=10000000000000`` was taken, and every episode's
   process died at its start (setrlimit overflowed) with an error blaming memory. Each timeout
-  is now at most 1e6 s and the memory bound at most 1e9 MiB, refused past that naming the key."""
+  is now at most 1e6 s and the memory bound at most 1e9 MiB, refused past that naming the key.
+- ``agent.harness_timeout_s`` of 0, below it, NaN, infinite, past 1e6 s or no number is
+  refused naming the key."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_agent_rl.agent.context import AgentConfig
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.envs import skyrl
 from jax_agent_rl.rewards import MAX_ABS_REWARD, RewardError, checked_reward
@@ -117,3 +120,16 @@ def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
         assert env.step("move", []).reward == 1.0
     finally:
         env.close()
+
+
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e7", "soon"])
+def test_a_harness_timeout_outside_its_range_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"agent\.harness_timeout_s=.*: expected (in|a number)"):
+        load_config(
+            None, ["model.path=m", "data.train=t.jsonl", f"agent.harness_timeout_s={value}"]
+        )
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", "agent.harness_timeout_s=30"])
+    assert AgentConfig.of(cfg.agent).harness_timeout_s == 30.0  # (read by openai_agent)
+    assert AgentConfig().harness_timeout_s == 300.0

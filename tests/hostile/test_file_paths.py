@@ -6,18 +6,26 @@ line naming the key or flag, never a read or write that blocks for ever or a tra
   tool's corpus, or as ``data.train`` under verl's ``trainer.total_epochs`` (its rows are
   counted as the config loads) was read as a file: the read blocked the run's start for ever
   (the config file, tokenizers, checkpoints and the datasets' own loading were already
-  checked). Now each is refused as not a regular file."""
+  checked). Now each is refused as not a regular file.
+- A folder a command writes that cannot be made (``trainer.run_dir``, ``jarl checkpoint make
+  --out``, ``jarl demo --run-dir``, under a file or on a read-only file system) is one line
+  naming the key or flag, and ``--seed`` past what ``jax.random.key`` takes is argparse's
+  error, never a traceback."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.compat.verl.interaction import load_interactions
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.tools.registry import ToolRegistry
+from jax_agent_rl.train.build import build_run
 from tests.hostile.test_checkpoint import _unblocked
 
 
@@ -45,3 +53,51 @@ def test_a_fifo_as_the_data_whose_rows_verl_epochs_count_is_refused(tmp_path: Pa
     overrides = [f"data.train={fifo}", "trainer.total_epochs=2", "model.path=x"]
     with _unblocked(fifo), pytest.raises(ConfigError, match="rows could not be counted"):
         load_config(None, overrides)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_run_folder_that_cannot_be_made_is_a_config_error(tmp_path: Path) -> None:
+    """``trainer.run_dir`` under a file: every check of ``jarl train`` passed, then making the
+    folder raised NotADirectoryError (a traceback); now a `ConfigError` naming the key, which
+    ``jarl train`` prints as one line."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run_dir = a_file / "run"
+    config = ROOT / "configs" / "demo_calculator_cpu.yaml"
+    given = ["model.path=ckpt", "data.train=t.jsonl", "data.val=t.jsonl", "sft.data=x.jsonl"]
+    cfg = load_config(str(config), [*given, f"trainer.run_dir={run_dir}"])
+    want = f"trainer.run_dir={str(run_dir)!r}: cannot make the folder: Not a directory"
+    with pytest.raises(ConfigError, match=f"^{re.escape(want)}$"):
+        build_run(cfg, Console(quiet=True))
+
+
+def test_checkpoint_make_refuses_a_folder_it_cannot_make_and_a_seed_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` under a file (NotADirectoryError) and ``--seed`` past an int64 (OverflowError
+    in ``jax.random.key``) were tracebacks; now one line each, before anything is made."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    out = a_file / "ckpt"
+    assert main(["checkpoint", "make", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jarl: --out {out}: cannot make the folder: ") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "make", "--out", str(tmp_path / "c"), "--seed", str(2**64)])
+    assert f"argument --seed: {2**64} is not in [0, " in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_demo_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl demo --run-dir`` under a file: NotADirectoryError out of writing the task (a
+    traceback); now one line naming the flag, before anything is written."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    run_dir = a_file / "run"
+    assert main(["demo", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jarl: --run-dir {run_dir}: cannot make the folder: Not a directory\n"

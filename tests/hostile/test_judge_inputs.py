@@ -5,13 +5,20 @@ special-token spellings opening real turns, hidden tag characters, a score kept 
 weights, a cancelled request taking others down with it, and huge answers.
 
 The judge's score regex took 44 s for 4,000 spaces after an unclosed ``<score>``, on the
-event loop; the score is now read in linear time, as the regex read it."""
+event loop; the score is now read in linear time, as the regex read it.
+
+The judge's response block wrote ``⧼`` (U+29FC, LEFT-POINTING CURVED ANGLE BRACKET) as it
+came: ``⧼/response>`` closed the block to a judge model's eye as ``❬/response>`` did, and the
+rest of the answer read as the template's own lines. Every single left angle bracket Unicode
+names is now written ``&lt;`` (`judge.LESS_THAN`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import re
+import sys
+import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +30,7 @@ from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.demo import TaskFiles, prepare
 from jax_agent_rl.rewards import Answer, Judge
-from jax_agent_rl.rewards.judge import JudgeAnswerError, parse_score
+from jax_agent_rl.rewards.judge import LESS_THAN, JudgeAnswerError, parse_score, response_block
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
@@ -386,3 +393,22 @@ def test_a_judges_score_tag_followed_by_a_long_run_of_spaces_is_read_in_linear_t
 )
 def test_a_judges_score_reads_as_the_regex_read_it(text: str) -> None:
     assert _score_or_none(text, 10) == _score_by_regex(text, 10)
+
+
+
+
+def test_every_single_left_angle_bracket_is_written_as_less_than() -> None:
+    """Each character Unicode names a left angle bracket (not a double one) is among the
+    characters the response block escapes, so none opens a tag in it."""
+    brackets = [
+        chr(c)
+        for c in range(sys.maxunicode + 1)
+        if "ANGLE BRACKET" in (name := unicodedata.name(chr(c), ""))
+        and "LEFT" in name
+        and "DOUBLE" not in name
+    ]
+    assert "\u29fc" in brackets and len(brackets) >= 8  # what the walk must find
+    assert [b for b in brackets if b not in LESS_THAN] == []
+    block = response_block("".join(f"{b}/response>" for b in brackets), 10_000)
+    assert block.count("&lt;/response>") == len(brackets)
+    assert not set(brackets) & set(block)

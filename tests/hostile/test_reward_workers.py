@@ -10,7 +10,9 @@ worker, and the worker's memory is bounded.
   group, and ran on, adopted by init. A worker is now its descendants' subreaper, and killing
   it kills every descendant first.
 - A call bounded in memory (``data.reward_memory_limit_mib``) raises MemoryError past its
-  bound, and leaves its worker unbounded for the next call."""
+  bound, and leaves its worker unbounded for the next call.
+- What comes back from a worker is checked as before (a NaN, 1e308 or a string is refused
+  naming the setting), and a worker that exits mid-call fails that call only."""
 
 from __future__ import annotations
 
@@ -126,3 +128,37 @@ def test_what_a_reward_started_in_a_session_of_its_own_goes_with_its_worker(
     for answer in ("wait", "return"):  # (the second, at the pool's close)
         pid = int((tmp_path / answer).read_text())
         assert _gone(pid), f"the reward's subprocess {pid} ({answer}) outlived its worker"
+
+
+def test_a_user_reward_run_in_a_worker_is_still_checked(tmp_path: Path) -> None:
+    """User reward functions now run in worker processes: what comes back is checked as before
+    (a NaN, 1e308 or a string is refused naming the setting), and a worker that exits mid-call
+    fails that call only (the next is scored by a new worker)."""
+    import asyncio
+
+    from jax_agent_rl.config import load_config
+    from jax_agent_rl.rewards import AnswerFaultError, make_reward
+    from jax_agent_rl.rewards.registry import Answer
+
+    (tmp_path / "rw.py").write_text(
+        "import os\n"
+        "def nan(*a): return float('nan')\n"
+        "def huge(*a): return 1e308\n"
+        "def text(*a): return '1.0'\n"
+        "def once(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'die': os._exit(3)\n"
+        "    return 1.0\n"
+    )
+    refused = {"nan": "not a finite number", "huge": "outside", "text": "expected a number"}
+    for fn, why in refused.items():
+        spec = f"data.reward={tmp_path / 'rw.py'}:{fn}"
+        cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec])
+        with make_reward(cfg.data) as score, pytest.raises(Exception, match=why):
+            asyncio.run(score(Answer("x", "", "5", "5", {})))
+    spec = f"data.reward={tmp_path / 'rw.py'}:once"
+    cfg = load_config(None, ["model.path=m", "data.train=t.jsonl", spec])
+    with make_reward(cfg.data) as score:
+        # (it dies on this answer alone: the answer's fault, `test_answer_faults.py`)
+        with pytest.raises(AnswerFaultError, match="died during the call"):
+            asyncio.run(score(Answer("x", "", "die", "5", {})))
+        assert asyncio.run(score(Answer("x", "", "5", "5", {}))) == 1.0

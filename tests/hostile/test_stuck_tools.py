@@ -13,16 +13,28 @@ documents: 3.9 s for 1,000 words, so minutes for a turn's worth over a larger on
 thread of the pool every episode's synchronous tools share long after its call timed out,
 and a few episodes searching so made their siblings' calls time out waiting for one. It now
 reads each distinct query word's postings once: at most one pass over the corpus (100,000
-words: 0.6 s), scores unchanged."""
+words: 0.6 s), scores unchanged.
+
+Synchronous tools share one pool of 32 threads (`TOOL_THREADS`), and a call past its timeout
+keeps its thread until it returns. One episode's calls that hang a tool for good (a query that
+runs for ever: sqlite has no timeout), 4 turns of 8, held all 32, and from then on every
+sibling's call of every synchronous tool timed out waiting for a thread (a sibling's lower
+reward is the episode's advantage). A trajectory's calls now hold at most 4 threads
+(`TOOL_THREADS_PER_TRAJECTORY`), those abandoned included."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
-from jax_agent_rl.tools.base import TOOL_THREADS_PER_TOOL, tool
+from jax_agent_rl.tools.base import (
+    TOOL_THREADS_PER_TOOL,
+    TOOL_THREADS_PER_TRAJECTORY,
+    tool,
+)
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.search import SearchTool, tokenize
 
@@ -214,3 +226,50 @@ def test_a_search_reads_each_query_word_once_however_long_the_query() -> None:
     search._postings = reads
     assert search.top(flood) == [docs[i] for i in ranked]
     assert sorted(reads.looked_up) == ["capital", "france", "nowhere", "of"]
+
+
+_QUERY: dict[str, Any] = {"gate": threading.Event(), "entered": 0, "lock": threading.Lock()}
+
+
+_ALL_ENTERED = threading.Event()  # the hostile episode's calls holding threads all entered
+
+
+@tool
+def query(sql: str) -> str:
+    """Runs a query on the task's database.
+
+    Args:
+        sql: the query.
+    """
+    if "RECURSIVE" in sql:  # the policy's query that runs for ever (until the test's end)
+        with _QUERY["lock"]:
+            _QUERY["entered"] += 1
+            if _QUERY["entered"] == TOOL_THREADS_PER_TRAJECTORY:
+                _ALL_ENTERED.set()
+        _QUERY["gate"].wait(2 * BOUND_S)
+    return "1 row"
+
+
+def test_one_episodes_stuck_tool_calls_leave_its_siblings_threads() -> None:
+    hostile = LocalTools(ToolRegistry([query]), timeout_s=0.01)  # (its calls time out at once)
+    honest = LocalTools(ToolRegistry([query]), timeout_s=BOUND_S)
+
+    async def go() -> tuple[list[str], str]:
+        turn = asyncio.Semaphore(4)  # (agent.max_parallel_tool_calls)
+
+        async def stuck() -> str:
+            async with turn:
+                return (await hostile.call("evil/s1a0/0", "query", {"sql": "WITH RECURSIVE"})).text
+
+        texts = [t for _ in range(4) for t in await asyncio.gather(*(stuck() for _ in range(8)))]
+        sibling = await honest.call("fine/s1a0/1", "query", {"sql": "SELECT 1"})
+        return texts, sibling.text
+
+    try:
+        texts, sibling = asyncio.run(go())
+        assert _ALL_ENTERED.wait(BOUND_S)
+        assert texts == ["error: query timed out after 0.01s"] * 32
+        assert sibling == "1 row"  # (before: it timed out waiting for a thread)
+        assert _QUERY["entered"] == TOOL_THREADS_PER_TRAJECTORY  # (before: 32)
+    finally:
+        _QUERY["gate"].set()

@@ -5,7 +5,20 @@ large, actions of too many calls, a guessed token, and the routes that answer wi
 Beside each attack, a normal client's calls stay exact.
 
 Expiry runs on a fake clock (and a sweep woken by the test), so no test waits on real time;
-the slow-body test only waits for the server's verdict."""
+the slow-body test only waits for the server's verdict.
+
+Calls made in one event-loop tick share one ``/execute_batch`` request, and what one call
+brought into it broke its siblings' calls: a tool's result whose reward or flags were NumPy's
+(``np.float32(...)``, the ``bool_`` of ``np.isclose``: a careful user's grader) did not
+serialize, and the answer to the batch broke off at it; ten calls of 1 MB each (a file a tool
+writes), each well within the server's bound on a body (8 MiB), made a body over it, which
+the server cut off as it came, and the client read a broken connection, not the 413 it splits
+a batch on. Either way every call of the batch, siblings' too, raised `ToolTransportError`
+(``tool_error``). The executor now hands on plain values (a float reward, bool flags), a
+result that is no `ToolResult`, or whose text is no string, is the call's error result, and a
+batch carries at most `BATCH_BYTES` (1 MiB) of calls, a longer call going alone."""
+
+from __future__ import annotations
 
 import asyncio
 import hmac
@@ -17,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from jax_agent_rl.cli import main
@@ -24,7 +38,7 @@ from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.tools.app import create_app
 from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
-from jax_agent_rl.tools.client import HttpTools
+from jax_agent_rl.tools.client import BATCH_BYTES, HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
 from tests.tools.test_server import serving, start_server
 from tests.tools.test_tools import Counter
@@ -714,3 +728,84 @@ def test_a_call_past_the_clients_timeout_is_the_models_error_while_the_server_an
 
     with stuck, pytest.raises(ToolTransportError, match="no answer in time, and then"):
         asyncio.run(on_stuck())
+
+
+@tool
+def grade(answer: str) -> Any:
+    """Grades an answer with NumPy, as a careful user's grader does; other answers name a
+    malformed result.
+
+    Args:
+        answer: the answer.
+    """
+    malformed = {"bytes": ToolResult(b"graded"), "text-reward": ToolResult("graded", "1"),
+                 "string-flag": ToolResult("graded", done="yes")}  # type: ignore[arg-type]  # fmt: skip
+    if answer in malformed:
+        return malformed[answer]
+    right = np.isclose(float(answer), 4.0)
+    return ToolResult("graded", reward=np.float32(right), done=right)
+
+
+@tool
+def echo(text: str) -> str:
+    """Echoes the text.
+
+    Args:
+        text: what to echo.
+    """
+    return text
+
+
+def test_a_tools_numpy_result_leaves_its_batchs_sibling_calls_alone() -> None:
+    async def go() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([grade, echo]), token="t")) as url:
+            client = HttpTools(url, token="t")
+            try:  # (made in one tick: one /execute_batch request)
+                return list(
+                    await asyncio.gather(
+                        client.call("graded/s1a0/0", "grade", {"answer": "4"}),
+                        *(client.call(f"sib/s1a0/{i}", "echo", {"text": "hi"}) for i in (1, 2)),
+                    )
+                )
+            finally:
+                await client.close()
+
+    graded, *siblings = asyncio.run(go())  # (before: ToolTransportError, every one)
+    assert graded == ToolResult("graded", 1.0, True, False)
+    assert type(graded.reward) is float and type(graded.done) is bool
+    assert siblings == [ToolResult("hi")] * 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ("bytes", "text that is a bytes, not a string"),
+        ("text-reward", "a reward that is a str, not a number"),
+        ("string-flag", "done and error flags of types ['str', 'bool'], not bools"),
+    ],
+)
+def test_a_malformed_tool_result_is_the_calls_error(answer: str, said: str) -> None:
+    tools = LocalTools(ToolRegistry([grade]))
+    result = asyncio.run(tools.call("t", "grade", {"answer": answer}))
+    assert result == ToolResult(f"error: grade returned {said}", error=True)
+
+
+def test_long_calls_made_together_are_not_sent_as_one_body_over_the_servers_bound() -> None:
+    long_text = "a" * 1_000_000  # (10 of them: 10 MB, over the server's 8 MiB bound)
+    assert len(long_text) < BATCH_BYTES  # (a batch holds each: they go one a batch)
+
+    async def go() -> list[ToolResult]:
+        async with serving(create_app(ToolRegistry([echo]), token="t")) as url:
+            client = HttpTools(url, token="t")
+            try:  # (made in one tick)
+                return list(
+                    await asyncio.gather(
+                        *(client.call(f"w/{i}", "echo", {"text": long_text}) for i in range(10)),
+                        *(client.call(f"sib/s1a0/{i}", "echo", {"text": "hi"}) for i in range(2)),
+                    )
+                )
+            finally:
+                await client.close()
+
+    results = asyncio.run(go())  # (before: ToolTransportError, every one)
+    assert results == [ToolResult(long_text)] * 10 + [ToolResult("hi")] * 2

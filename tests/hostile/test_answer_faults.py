@@ -1,53 +1,36 @@
-"""The thirteenth adversarial pass: failures the policy's own text causes, and numbers that
-do not stay finite.
+"""A policy's answer that makes what scores it fail is a wrong answer, never a way out of one.
 
 - A reward that raised or ran past ``data.reward_timeout_s`` on the policy's answer ended that
   episode ``reward_error``: dropped from its group, it took none of the negative advantage a
-  wrong answer takes, so a policy that made the reward raise or hang escaped being wrong. Now a
-  reward failing on the answer twice, and scoring the row's own answer (the ground truth
+  wrong answer takes, so a policy that made the reward raise or hang escaped being wrong. Now
+  a reward failing on the answer twice, and scoring the row's own answer (the ground truth
   written out), scores the answer 0 as a wrong answer, trained on (`rewards.AnswerFaultError`,
   ``rewards/answer_faults``); a reward failing on every text stays ``reward_error`` and still
   stops a run whose every episode hits it; one failing once is not the answer's fault.
-- ``model.lora.alpha=1e308`` was taken (inf in float32: the first adapter gradient made the
-  weights NaN); a scale alpha / rank past `models.lora.MAX_SCALE` is refused. An update whose
-  loss or gradient norm was not finite wrote NaN into every weight and Adam moment, and the
-  engine got them; now it is skipped on the device, counted in ``nonfinite_updates``.
 - An environment's step that raised, hung or answered malformed on the policy's action ended
-  the episode ``env_error``, untrained: the same escape. Now it ends ``caused_error``, trained,
-  outcome 0 (or the environment's reward so far, when lower); a reset's failure, and a call
-  that never got a thread, stay ``env_error``; a rollout whose every episode so ended stops.
-- A harness that, once its episode ended at a budget, awaited for ever without asking again
-  held its episode, and the step, for ever (one that asked again was stopped, the twelfth
-  pass); now it is cancelled ``AFTER_END_S`` after the end.
-"""
+  the episode ``env_error``, untrained: the same escape. Now it ends ``caused_error``,
+  trained, outcome 0 (or the environment's reward so far, when lower); a reset's failure, and
+  a call that never got a thread, stay ``env_error``; a rollout whose every episode so ended
+  stops."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 from typing import Any
 
-import httpx
-import jax
-import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.episode import Episode
-from jax_agent_rl.agent.loop import run_episode, run_sample
-from jax_agent_rl.agent.openai_endpoint import HarnessTask
+from jax_agent_rl.agent.loop import run_episode
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
 from jax_agent_rl.call_processes import CallProcesses
 from jax_agent_rl.call_threads import CallThreads
-from jax_agent_rl.config import AlgorithmSection, load_config
-from jax_agent_rl.config.model import MAX_LORA_SCALE, LoraSection, lora_targets_problem
+from jax_agent_rl.config import load_config
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment, Environments, EnvStep
-from jax_agent_rl.models import init_params
-from jax_agent_rl.models.lora import MAX_SCALE, Lora
-from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer, AnswerFaultError, RewardError, make_reward
 from jax_agent_rl.rewards.registry import _Sync
 from jax_agent_rl.rollout import EmbeddedBackend
@@ -56,10 +39,8 @@ from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
 from jax_agent_rl.train.step import score_episodes
-from tests.hostile.test_twelfth_pass import BOUND_S
-from tests.rl.test_learner import CFG, REWARDS, _learner, _step, random_trajectories
 
-HERE = "tests.hostile.test_thirteenth_pass"
+HERE = "tests.hostile.test_answer_faults"
 
 
 def picky(text: str, ground_truth: Any) -> float:
@@ -193,78 +174,6 @@ def test_a_rule_in_a_thread_is_attributed_as_a_worker_is() -> None:
     with pytest.raises(RewardError):  # (a bool ground truth: no text answers it)
         asyncio.run(scorer(Answer("s", "", "hang", True, {})))
     release.set()
-
-
-@pytest.mark.parametrize(("rank", "alpha"), [(4, 1e308), (1, 2e4), (8, 1e5)])
-def test_a_lora_scale_past_the_bound_is_refused(rank: int, alpha: float) -> None:
-    assert MAX_LORA_SCALE == MAX_SCALE  # (the config's copy of the model's bound)
-    problem = lora_targets_problem(LoraSection(rank=rank, alpha=alpha))
-    assert problem is not None and f"expected at most {MAX_SCALE:g}" in problem
-    with pytest.raises(ValueError, match=f"expected a scale <= {MAX_SCALE:g}"):
-        Lora(rank, alpha)
-    assert lora_targets_problem(LoraSection(rank=rank, alpha=rank * MAX_SCALE)) is None
-
-
-def test_an_update_whose_loss_is_not_finite_is_skipped() -> None:
-    """A sampler logprob that is NaN makes the truncated importance weight, and so the loss,
-    NaN: the update is skipped (weights and optimizer state as they were), counted; the next
-    finite batch updates as ever."""
-    params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
-    learner, state = _learner(AlgorithmSection(tis_cap=2.0), params)
-    trajs = random_trajectories(8, seed=7)
-    batch, sequences, real = _step(trajs, REWARDS[:8], 1, 64, 2)
-    nan = np.where(np.asarray(batch.mask) > 0, np.nan, 0.0).astype(np.float32)
-    poisoned = dataclasses.replace(batch, rollout_logp=nan)
-    before = jax.tree.map(np.array, (state.policy.params, state.policy.opt_state))
-    state, m, _ = learner.rl_update(state, poisoned, sequences, real)
-    assert not np.isfinite(m["loss"]) and m["nonfinite_updates"] == 1.0
-    after = jax.tree.map(np.array, (state.policy.params, state.policy.opt_state))
-    jax.tree.map(np.testing.assert_array_equal, after, before)  # (before: NaN everywhere)
-    state, m, _ = learner.rl_update(state, batch, sequences, real)
-    assert m["nonfinite_updates"] == 0.0 and np.isfinite(m["loss"])
-    moved = jax.tree.map(np.asarray, state.policy.params)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(moved))
-    assert any(
-        not np.array_equal(x, y)
-        for x, y in zip(jax.tree.leaves(moved), jax.tree.leaves(before[0]), strict=True)
-    )
-
-
-_WAITING: list[str] = []  # what the waiting harness did
-
-
-async def waiting_harness(task: HarnessTask) -> None:
-    """Asks once, then awaits a reply it will never get (a queue no one fills)."""
-    headers = {"Authorization": f"Bearer {task.api_key}"}
-    body = {"messages": task.messages, "model": "m"}
-    # (no client timeout: on a loaded machine a reply takes what it takes; the test bounds
-    # the episode)
-    async with httpx.AsyncClient(timeout=None) as client:
-        r = await client.post(f"{task.base_url}/chat/completions", json=body, headers=headers)
-    _WAITING.append(r.json()["choices"][0]["finish_reason"])
-    try:
-        await asyncio.Event().wait()
-    except asyncio.CancelledError:
-        _WAITING.append("cancelled")
-        raise
-
-
-def test_a_harness_awaiting_for_ever_after_its_episode_ended_is_cancelled(
-    tokenizer: Tokenizer, backend: EmbeddedBackend
-) -> None:
-    config = AgentConfig(
-        harness=f"{HERE}:waiting_harness", max_turns=1, max_tokens_per_turn=1, max_model_len=256
-    )  # (one turn of one token: no call, so the episode ends at a budget)
-
-    async def go() -> Trajectory:
-        tools = LocalTools(ToolRegistry([]))
-        ctx = await AgentContext.create(backend, tokenizer, tools, make_parser("hermes"), config)
-        sample = Sample("w", [{"role": "user", "content": "2+2?"}], "4", agent_name="openai_agent")
-        return await asyncio.wait_for(run_sample(sample, ctx), BOUND_S)  # (a bound on failing)
-
-    traj = asyncio.run(go())  # (before: it never returned)
-    assert traj.stop_reason in ("max_tokens_per_turn", "max_turns") and traj.trainable
-    assert _WAITING == ["length", "cancelled"]
 
 
 _HELD = threading.Event()  # the fragile environment's "hold" steps wait on it
