@@ -40,7 +40,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 def blocking(text: str, ground_truth: Any) -> float:
     """1 for the answer "quick"; any other (the row's own answer, the ground truth, too: these
-    tests' failures are the reward's, not the answer's, `test_thirteenth_pass`) connects to the
+    tests' failures are the reward's, not the answer's, `test_answer_faults.py`) connects to the
     test's port (the ground truth) and waits for a byte there: 1 if it came, 0 if it waited out
     the bound."""
     if text == "quick":
