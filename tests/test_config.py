@@ -293,6 +293,16 @@ def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path
             "algorithm.turn_mode=per_turn (one training row per model turn)",
         ),
         (
+            ["agent.context.compact=1024"],
+            "agent.context.compact=1024 is not below engine.max_model_len=1024: the context "
+            "would end the episode before it compacts",
+        ),
+        (
+            ["agent.context.strip_thinking=true", "group.strategy=tree"],
+            "agent.context.compact and agent.context.strip_thinking rewrite a chain episode's "
+            "context (tool_agent); group.strategy=tree branches episodes that only append",
+        ),
+        (
             ["algorithm.cispo_clip_high=4"],
             "algorithm.cispo_clip_high=4.0 has no effect with algorithm.policy_loss=ppo: it is "
             "read by policy_loss=cispo",

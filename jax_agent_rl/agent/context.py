@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from jax_agent_rl.config import AgentSection
+from jax_agent_rl.config.sections import ContextSection
 from jax_agent_rl.envs.base import Environments
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
@@ -46,6 +47,8 @@ class AgentConfig:
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)
     harness: str = _AGENT["harness"]  # openai_agent's (agent/openai_endpoint.py)
     harness_timeout_s: float = _AGENT["harness_timeout_s"]
+    # tool_agent's context rewrites between turns (`agent.loop.rewrite_context`)
+    context: ContextSection = dataclasses.field(default_factory=ContextSection)
     max_model_len: int = 2048  # prompt + response
     temperature: float = 1.0
     top_p: float = 1.0

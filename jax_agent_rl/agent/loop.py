@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import traceback
 import zlib
@@ -41,6 +42,7 @@ from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment, EnvStepError
 from jax_agent_rl.rollout.protocol import GenerateRequest
 from jax_agent_rl.rollout.stops import stop_string_end
+from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
@@ -353,6 +355,108 @@ async def _env_answer(
     return stop
 
 
+# The tool loop's context rewrites between turns (``agent.context``): compaction and thinking
+# stripping. Each gives the next model call a prompt that does not extend the sequence so far,
+# so that call starts a new sample of the episode (`Trajectory.start_sample`), trained
+# token-exactly with the episode's reward (docs/agents.md).
+#
+# - ``compact``: once the current sample's context (prompt and response) reaches
+#   ``agent.context.compact`` tokens at a turn boundary, the model is asked for a summary: its
+#   conversation rendered again, then a user message ``compact_prompt``, is the prompt of a new
+#   sample whose response is the summary (a model turn, mask 1; calls in it are not run). The
+#   episode goes on from a third context: its prompt messages and the summary (after
+#   ``summary_prefix``, as a user message), thinking dropped from it.
+# - ``strip_thinking``: after a model turn that thought (``<think>...</think>``), the
+#   conversation is rendered again with every assistant message's thinking dropped, and the
+#   next turn samples from that (a new sample), as Qwen3's chat templates render history.
+#
+# A context rendered again holds each assistant message as its text (the model's calls as it
+# wrote them) without its end-of-turn token, and each other message's role, content and name.
+
+THINKING = re.compile(r"<think>.*?</think>\s*", re.S)
+
+
+@dataclasses.dataclass
+class Context:
+    """The conversation the current sample holds: ``head`` (the messages a compaction put
+    there), then the trajectory's messages from ``start`` on; ``prompt``: the episode's."""
+
+    prompt: list[Message]
+    head: list[Message] = dataclasses.field(default_factory=list)
+    start: int = 0
+
+    @classmethod
+    def of(cls, traj: Trajectory) -> Context:
+        """The context of an episode whose prompt is set, before its first turn."""
+        return cls([dict(m) for m in traj.messages])
+
+    def messages(self, traj: Trajectory) -> list[Message]:
+        return [*self.head, *traj.messages[self.start :]]
+
+
+def context_messages(ctx: AgentContext, messages: list[Message], strip: bool) -> list[Message]:
+    """``messages`` as a context rendered again shows them (module doc), each assistant
+    message's thinking dropped when ``strip``."""
+    eos = ctx.tokenizer.eos_token or ""
+    out: list[Message] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            text = m["content"].removesuffix(eos)
+            out.append({"role": "assistant", "content": THINKING.sub("", text) if strip else text})
+        else:
+            out.append({k: m[k] for k in ("role", "content", "name") if k in m})
+    return out
+
+
+async def rewrite_context(
+    ctx: AgentContext, traj: Trajectory, context: Context
+) -> StopReason | None:
+    """At a turn boundary of ``traj``: compacts it when its context is due (`compact`), else
+    renders it again without thinking when its last turn thought and ``strip_thinking`` is
+    on. Returns the stop reason when the episode ends here (the summary turn met a budget)."""
+    cfg = ctx.config.context
+    if cfg.compact and len(traj.prompt_ids) + len(traj.response_ids) >= cfg.compact:
+        return await compact(ctx, traj, context)
+    said = context.messages(traj)
+    last = next((m for m in reversed(said) if m["role"] == "assistant"), None)
+    if cfg.strip_thinking and last is not None and THINKING.search(last["content"]):
+        await _restart(ctx, traj, context_messages(ctx, said, strip=True))
+    return None
+
+
+async def compact(ctx: AgentContext, traj: Trajectory, context: Context) -> StopReason | None:
+    """The summary turn, in a sample of its own, then the episode's context from its prompt
+    and the summary (module doc); the stop reason when the summary turn ends the episode."""
+    cfg = ctx.config.context
+    ask: Message = {"role": "user", "content": cfg.compact_prompt}
+    said = context_messages(ctx, context.messages(traj), cfg.strip_thinking)
+    await _restart(ctx, traj, [*said, ask])
+    traj.add_messages([ask])
+    stop = budget_stop(ctx, traj)
+    if stop is not None:
+        return stop
+    turn, finish = await model_turn(ctx, traj)
+    if finish == "budget" and not turn:
+        return "budget"
+    text = ctx.tokenizer.decode(turn)
+    if finish == "abort":
+        traj.add_turn("aborted", text)
+        return "aborted"
+    traj.add_turn("text" if turn and turn[-1] == ctx.builder.eos_id else "cut", text)
+    summary = THINKING.sub("", text.removesuffix(ctx.tokenizer.eos_token or ""))
+    told: Message = {"role": "user", "content": cfg.summary_prefix + summary}
+    traj.add_messages([told])
+    context.head, context.start = [*context.prompt, told], len(traj.messages)
+    await _restart(ctx, traj, context.head)
+    return None
+
+
+async def _restart(ctx: AgentContext, traj: Trajectory, messages: list[Message]) -> None:
+    """A new sample from ``messages`` rendered as a prompt (in a thread: a long conversation
+    renders for seconds, and the event loop holds every other episode)."""
+    traj.start_sample(await asyncio.to_thread(ctx.builder.prompt_ids, messages))
+
+
 Play = Callable[[Trajectory, Environment | None], Awaitable[StopReason]]
 
 
@@ -412,12 +516,15 @@ async def run_episode(
 
 
 async def run_tool_agent(sample: Sample, ctx: AgentContext) -> Trajectory:
-    """Model turns and tool calls until the model stops, a budget runs out or a tool ends it."""
+    """Model turns and tool calls until the model stops, a budget runs out or a tool ends it;
+    between turns, the context rewrites ``agent.context`` asks for (`rewrite_context`)."""
 
     async def play(traj: Trajectory, env: Environment | None) -> StopReason:
         create_kwargs = create_kwargs_by_tool(sample.extra)  # extra_info.tools_kwargs
+        context = Context.of(traj)
         while (stop := await take_turn(ctx, traj, create_kwargs, env)) is None:
-            pass
+            if (stop := await rewrite_context(ctx, traj, context)) is not None:
+                break
         return stop
 
     return await run_episode(sample, ctx, play, drives_envs=True)

@@ -343,6 +343,21 @@ def _module(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _context(cfg: JarlConfig) -> str | None:
+    c = cfg.agent.context
+    if c.compact and c.compact >= cfg.engine.max_model_len:
+        return (
+            f"agent.context.compact={c.compact} is not below engine.max_model_len="
+            f"{cfg.engine.max_model_len}: the context would end the episode before it compacts"
+        )
+    if (c.compact or c.strip_thinking) and cfg.group.strategy == "tree":
+        return (
+            "agent.context.compact and agent.context.strip_thinking rewrite a chain episode's "
+            "context (tool_agent); group.strategy=tree branches episodes that only append"
+        )
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -360,4 +375,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     lambda cfg: lora_targets_problem(cfg.model.lora),
     _keep_kv,
     _module,
+    _context,
 )

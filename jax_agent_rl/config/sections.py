@@ -35,6 +35,30 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextSection:
+    """How the tool loop rewrites an episode's context between turns (agent/loop.py,
+    `rewrite_context`).
+    Each rewrite starts a new sample of the episode, trained token-exactly with its reward
+    (docs/agents.md)."""
+
+    # tokens of context (the current sample's prompt and response) at which, between turns,
+    # the model is asked for a summary (compact_prompt, a user message after the conversation:
+    # the summary is a trained turn, in a sample of its own) and the episode goes on from its
+    # prompt and that summary (summary_prefix before it, a user message); 0: never. Below
+    # engine.max_model_len, with room for the request and the summary
+    compact: int = setting(0, NATURAL)
+    compact_prompt: str = (
+        "Your context is full. Summarise what you have done and found so far, all that you "
+        "need to finish the task, in a few lines."
+    )
+    summary_prefix: str = "A summary of your work so far:\n"
+    # after a model turn that thought (<think>...</think>), the next turn reads the
+    # conversation with every earlier turn's thinking dropped, as Qwen3's templates render
+    # history: its context (the conversation rendered again) starts a new sample
+    strip_thinking: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class AgentSection:
     """Budgets of one episode and how tool calls are written."""
 
@@ -84,6 +108,8 @@ class AgentSection:
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)
+    # context compaction and thinking stripping (tool_agent's): see ContextSection
+    context: ContextSection = dataclasses.field(default_factory=ContextSection)
 
 
 @dataclasses.dataclass(frozen=True)

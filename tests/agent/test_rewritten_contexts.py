@@ -1,9 +1,11 @@
-"""Harnesses that do not only append, behind the OpenAI-compatible endpoint on the real embedded
-engine with the memorised tiny model: one that compacts its context every 3 model turns, one
-that strips the thinking of its earlier turns, one that asks a sub-agent in a context of its
-own. Each request that extends none of the session's conversations starts a new sample; every
-trained token of every sample is the token the engine sampled, at the position it was sampled
-from, with its logprob (`assert_samples_exact`, against the requests the engine served).
+"""Agents that do not only append, on the real embedded engine with the memorised tiny model:
+harnesses behind the OpenAI-compatible endpoint (one that compacts its context every 3 model
+turns, one that strips the thinking of its earlier turns, one that asks a sub-agent in a
+context of its own) and the tool loop's own rewrites (``agent.context.compact``,
+``agent.context.strip_thinking``). Each model call whose prompt extends none of the episode's
+sequences starts a new sample; every trained token of every sample is the token the engine
+sampled, at the position it was sampled from, with its logprob (`assert_samples_exact`,
+against the requests the engine served).
 """
 
 import asyncio
@@ -18,6 +20,7 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.config.sections import ContextSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import turn_spans
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
@@ -59,8 +62,11 @@ def assert_samples_exact(traj: Trajectory, log: list[tuple[GenerateRequest, Gene
 def _episode(
     setup: dict[str, Any], harness: str, config: AgentConfig = LONG
 ) -> tuple[Trajectory, Recording]:
+    """The episode of `QUESTION` the harness ``harness`` plays (openai_agent), or with none
+    the tool loop (tool_agent), and the requests the engine served."""
     backend = Recording(EmbeddedBackend(setup["engine"], setup["weights"]))
-    config = dataclasses.replace(config, harness=f"{HERE}:{harness}")
+    if harness:
+        config = dataclasses.replace(config, harness=f"{HERE}:{harness}")
 
     async def go() -> Trajectory:
         ctx = await AgentContext.create(
@@ -69,7 +75,7 @@ def _episode(
         sample = Sample(
             uid=f"q{sorted(setup['expected']).index(QUESTION)}",
             messages=[{"role": "user", "content": QUESTION}],
-            agent_name="openai_agent",
+            agent_name="openai_agent" if harness else "tool_agent",
         )
         traj = await run_sample(sample, ctx)
         await backend.close()
@@ -198,3 +204,44 @@ def test_a_harness_that_calls_a_sub_agent_trains_both_contexts_exactly(
     assert [len(turn_spans(r.loss_mask)) for r in (parent, sub)] == [2, 2]
     assert parent.prompt_ids == sub.prompt_ids  # the same question, asked afresh
     assert "<answer>42</answer>" in setup["tokenizer"].decode(sub.response_ids)
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_built_in_compaction_summarises_in_a_sample_and_goes_on_from_the_summary(
+    setup: dict[str, Any],
+) -> None:
+    """Past 290 tokens of context (the prompt is about 270) the loop asks for a summary: the
+    summary turn is a sample of its own, from the conversation and the request for it, and
+    the episode goes on from the prompt and the summary; all token for token."""
+    context = ContextSection(compact=290)
+    traj, backend = _episode(setup, "", dataclasses.replace(LONG, context=context))
+    assert traj.error is None and traj.trainable, traj.error
+    assert_samples_exact(traj, backend.log)
+    rows = traj.train_sequences(1.0)
+    assert len(rows) >= 3
+    first, summary, after = rows[:3]
+    decode = setup["tokenizer"].decode
+    asked = decode(summary.prompt_ids)
+    assert context.compact_prompt in asked and QUESTION in asked
+    assert len(first.prompt_ids) + len(first.response_ids) >= context.compact
+    told = decode(after.prompt_ids)
+    said = decode(summary.response_ids).removesuffix("<|im_end|>")
+    assert context.summary_prefix + said in told and context.compact_prompt not in told
+    assert len(turn_spans(summary.loss_mask)) == 1  # the summary turn alone
+
+
+@pytest.mark.parametrize("setup", ["qwen3"], indirect=True)
+def test_built_in_thinking_stripping_renders_the_context_again_without_it(
+    setup: dict[str, Any],
+) -> None:
+    config = dataclasses.replace(LONG, context=ContextSection(strip_thinking=True))
+    traj, backend = _episode(setup, "", config)
+    assert traj.error is None and traj.trainable, traj.error
+    assert_samples_exact(traj, backend.log)
+    first, second = traj.train_sequences(1.0)[:2]
+    decode = setup["tokenizer"].decode
+    assert "<think>" in decode(first.response_ids)
+    assert "<think>" not in decode(second.prompt_ids) and "17 + 25" in decode(second.prompt_ids)
+    # without the setting the same episode is the one sample it always was
+    plain, _ = _episode(setup, "", LONG)
+    assert plain.num_samples == 1 and plain.train_sequences(1.0)[0].uid == plain.uid
