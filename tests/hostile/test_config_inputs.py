@@ -14,10 +14,28 @@ Each is a `ConfigError` line naming the key.
 A ``reasoning_gym:`` spec's option nested past the recursion limit is an error naming the spec
 (``jarl train`` printed a RecursionError's traceback), and the bound on an option's size holds
 for the numbers inside its lists and mappings too; an interaction config nested as deep is a
-ConfigError."""
+ConfigError.
+
+Settings read by nothing, and keys that moved:
+
+- ``jarl train CONFIG --dry-run key=value``: argparse ended the overrides at the flag and
+  refused the rest as "unrecognized arguments"; key=value words after a flag are overrides.
+- A setting of ``engine.vllm`` or ``engine.jetstream`` beside another ``engine.backend``, or
+  of ``engine.ray`` (but tool_servers, refused) with ``engine.ray.address`` empty, was read by
+  nothing, with no word (``engine.vllm.replicas=3`` or ``engine.ray.replicas=4``: one embedded
+  engine ran here); the pre-run check notes each.
+- A config's bare ``rollout:`` (every line under it commented out, ``rollout: {}``, or the
+  override ``rollout=...``) was refused as an unknown key, naming none of the sections its
+  keys moved to; it names engine, group and sampling now, as ``rollout.n`` names group.n.
+- ``jarl eval RUN`` and ``jarl export RUN`` of a run made before that split refused its
+  config.yaml's old key ("config key 'rollout.backend' is now 'engine.backend'") naming no
+  file, where the user had named only the folder; a problem of the run's file names it (an
+  override's does not). An interpolation of a moved key (``${rollout.temperature}``) said
+  only that the key was not found; it names the key's new one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,10 +48,15 @@ import pytest
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.compat.verl.interaction import load_interactions
-from jax_agent_rl.config import ConfigError, load_config, preview_config
+from jax_agent_rl.config import ConfigError, EngineSection, load_config, preview_config
+from jax_agent_rl.config.rollout import JetStreamSection, RaySection, VLLMSection
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.reasoning_gym import ReasoningGymError
 from jax_agent_rl.models.hf_local import TINY
+from jax_agent_rl.rollout.registry import unread_sections
+from jax_agent_rl.train.check import check_run
+from jax_agent_rl.train.evaluation import eval_target
+from jax_agent_rl.train.export import export_run
 
 DEEP = 200
 # a billion strings from 9 lines of aliases, each list naming the one before ten times
@@ -311,7 +334,6 @@ def test_reasoning_gym_options_are_bounded_at_check_time(spec: str, named: str) 
     the stack is one problem of the config check, naming the key and the option."""
     from jax_agent_rl.config import load_config
     from jax_agent_rl.demo import DEMO_CONFIG
-    from jax_agent_rl.train.check import check_run
 
     override = f"data.train=reasoning_gym:basic_arithmetic?{spec}"
     problems = check_run(load_config(DEMO_CONFIG, ["model.path=/nowhere", override]))
@@ -487,3 +509,80 @@ def test_an_interaction_config_nested_too_deep_is_a_config_error(tmp_path: Path)
     path.write_text("interaction: " + "[" * 3000 + "]" * 3000 + "\n")
     with pytest.raises(ConfigError, match=r"env\.interaction_config=.*nested too deep"):
         load_interactions(str(path))
+
+
+def test_overrides_after_a_flag_are_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jarl train CONFIG --dry-run key=value`` ended in argparse's "unrecognized arguments":
+    a command's overrides stopped at its first flag. The override is read now (here refused
+    by name), and a word after a flag that is no override is still refused."""
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  steps: 1\n")
+    assert main(["train", str(config), "--dry-run", "trainer.stepz=2"]) == 2
+    assert "unknown config key 'trainer.stepz'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(config), "--dry-run", "stray"])
+
+
+def test_a_backend_section_no_backend_reads_is_noted() -> None:
+    """``engine.vllm.replicas=3`` (or ``engine.jetstream.chips``) beside another backend
+    passed the pre-run check with no word: one embedded engine ran."""
+    engine = EngineSection(vllm=VLLMSection(replicas=3), jetstream=JetStreamSection(chips="0,1"))
+    notes = unread_sections(engine)
+    assert [n.split(" is read")[0] for n in notes] == [
+        "engine.vllm.replicas=3",
+        "engine.jetstream.chips='0,1'",
+    ]
+    on_vllm = unread_sections(dataclasses.replace(engine, backend="vllm"))
+    assert [n.split(" is read")[0] for n in on_vllm] == ["engine.jetstream.chips='0,1'"]
+
+
+REQUIRED = "model:\n  path: /m\ndata:\n  train: /d\n"
+
+
+@pytest.mark.parametrize("section", ["rollout:\n", "rollout: {}\n", "rollout: 5\n"])
+def test_the_split_rollout_section_names_where_its_keys_went(tmp_path: Path, section: str) -> None:
+    (tmp_path / "run.yaml").write_text(REQUIRED + section)
+    with pytest.raises(ConfigError, match=r"'rollout' split.*engine, group, sampling"):
+        load_config(tmp_path / "run.yaml")
+
+
+def test_an_empty_section_that_still_exists_loads(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(REQUIRED + "agent: {}\n")
+    assert load_config(tmp_path / "run.yaml").group.n == 8
+
+
+def test_ray_settings_without_a_cluster_are_noted() -> None:
+    ray = RaySection(replicas=4, num_gpus=1.0)
+    notes = unread_sections(EngineSection(ray=ray))
+    assert len(notes) == 2 and all("engine.ray.address is empty" in n for n in notes), notes
+    assert "engine.ray.replicas=4" in notes[0] and "engine.ray.num_gpus=1.0" in notes[1]
+    on_a_cluster = dataclasses.replace(ray, address="auto")
+    assert unread_sections(EngineSection(ray=on_a_cluster)) == []
+
+
+def test_eval_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(REQUIRED + "rollout:\n  backend: embedded\n")
+    with pytest.raises(ConfigError, match=r"run/config\.yaml: config key 'rollout\.backend'"):
+        eval_target(str(run))
+    (run / "config.yaml").write_text(REQUIRED)
+    with pytest.raises(ConfigError) as refused:
+        eval_target(str(run), overrides=["group.x=1"])
+    assert "config.yaml" not in str(refused.value)
+
+
+def test_export_of_a_run_with_an_old_key_names_its_config_file(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(REQUIRED + "rollout:\n  n: 4\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: config key 'rollout\.n' is now"):
+        export_run(tmp_path)
+
+
+def test_an_interpolation_of_a_moved_key_names_its_new_key(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(
+        REQUIRED + "sampling:\n  temperature: ${rollout.temperature}\n"
+    )
+    with pytest.raises(ConfigError, match=r"'rollout\.temperature' is now 'sampling\.temperature'"):
+        load_config(tmp_path / "run.yaml")

@@ -9,7 +9,13 @@ the error that stops a run whose episodes all failed quotes the first: an error 
 the policy's text (sqlite's ``near "...": syntax error`` for a skyrl-gym text2sql step, a
 reward function's message) wrote its escape sequences to the terminal raw (rich drops BEL
 only): clear the screen, set the clipboard (OSC 52 ended by ESC \\), forge a link. Both are
-now `visible`, as traces are."""
+now `visible`, as traces are.
+
+A run whose every episode failed stopped with a traceback of ~90 lines (jarl's frames, then
+the first error's); ``jarl train`` and ``jarl eval`` print its two lines: the stop reason's
+share, and what failed, where, on which row. A step whose episodes mostly ended in a reward
+error showed the error's last line ("ZeroDivisionError: boom"): its headline, naming
+data.reward, the function and the row, is shown now."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from jax_agent_rl.rewards import (
 )
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train.episodes import (
+    RolloutFailedError,
     all_failed_error,
     episode_metrics,
     episode_totals,
@@ -134,3 +141,40 @@ def test_a_failed_episodes_error_reaches_the_console_visible() -> None:
     for line in (warning, str(stopped)):
         assert "\x1b" not in line
         assert 'near SELECT "\u241b[2J\u241b]52;c;cm0gLXJmIH4=\u241b\\": syntax error' in line
+
+
+def test_a_rollout_whose_every_episode_failed_is_two_lines_of_the_cli() -> None:
+    """A run whose every episode failed (a reward raising on every row) ended in a traceback
+    of ~90 lines, jarl's own frames first; `jarl train` and `jarl eval` now catch the
+    `RolloutFailedError` and print its first two lines: the stop reason's share and what failed,
+    where, on which row."""
+    first = (
+        "reward error: the reward function (data.reward) raised KeyError: 'nope' in always "
+        "(/u/my.py:6) on row 'a-2'\nTraceback (most recent call last):\n  ...\nKeyError: 'nope'"
+    )
+    trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(4)]
+    for traj in trajs:
+        traj.end("reward_error", first)
+    episodes = [Episode(t) for t in trajs]
+    error = all_failed_error(episode_totals(episodes), first_error(episodes))
+    assert isinstance(error, RolloutFailedError)
+    headline, what = str(error).splitlines()[:2]
+    assert headline.startswith("all 4 trajectories of the rollout failed (WARNING: 100%")
+    assert what == first.splitlines()[0]
+
+
+def test_a_step_of_reward_errors_names_the_setting_and_the_row() -> None:
+    """A step whose episodes mostly ended in a reward error said "(e.g. ZeroDivisionError:
+    boom)", the error's last line: neither data.reward, nor the function, nor the row; the
+    headline the error leads with names all three."""
+    error = (
+        "reward error: the reward function (data.reward, or data.rewards_by_source.a) raised "
+        "ZeroDivisionError: boom in score (/u/my.py:3) on row 'a-2' (episode 'a-2/s0', "
+        "data_source 'a')\nTraceback (most recent call last):\n  ...\nZeroDivisionError: boom"
+    )
+    trajs = [Trajectory(f"a-2/s{i}", "a-2", [1, 2]) for i in range(2)]
+    trajs[0].end("reward_error", error)
+    trajs[1].end("reward_error", error)
+    episodes = [Episode(t) for t in trajs]
+    line = stop_warning(episode_metrics(episodes), episodes)
+    assert line == f"WARNING: 100% of episodes ended reward_error (e.g. {error.splitlines()[0]})"

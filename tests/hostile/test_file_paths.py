@@ -10,10 +10,15 @@ line naming the key or flag, never a read or write that blocks for ever or a tra
 - A folder a command writes that cannot be made (``trainer.run_dir``, ``jarl checkpoint make
   --out``, ``jarl demo --run-dir``, under a file or on a read-only file system) is one line
   naming the key or flag, and ``--seed`` past what ``jax.random.key`` takes is argparse's
-  error, never a traceback."""
+  error, never a traceback.
+- ``jarl eval --out`` naming a FIFO passed its check (not a folder): the JSON's write, once
+  every prompt was evaluated, waited for a reader for ever; a FIFO, socket or block device
+  there (or as the default file) is refused before the weights load, and a write that fails
+  at the end (a full disk) is one line, the table already printed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -26,6 +31,7 @@ from jax_agent_rl.compat.verl.interaction import load_interactions
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.build import build_run
+from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 from tests.hostile.test_checkpoint import _unblocked
 
 
@@ -101,3 +107,17 @@ def test_a_demo_folder_that_cannot_be_made_is_one_line(
     assert main(["demo", "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err == f"jarl: --run-dir {run_dir}: cannot make the folder: Not a directory\n"
+
+
+def test_eval_refuses_a_fifo_as_its_out_file_before_the_weights_load(tmp_path: Path) -> None:
+    """``jarl eval`` writes its JSON once every prompt is evaluated: a FIFO named by ``--out``
+    passed the check (not a folder) and the write then waited for a reader for ever."""
+    val = tmp_path / "val.jsonl"
+    row = {"prompt": [{"role": "user", "content": "1 + 1?"}], "ground_truth": "2"}
+    val.write_text(json.dumps(row) + "\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {tmp_path}\ndata:\n  train: {val}\n  val: {val}\n")
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    with pytest.raises(EvalInputError, match=r"--out .*out\.json is not a regular file"):
+        eval_target(str(config), out=str(fifo))

@@ -8,7 +8,14 @@ on a record nested past what the JSON reader reads, or just within it in a count
 through into the page, it ended in a RecursionError traceback. A traces or metrics file
 holding an infinite weight version or a step that is NaN or infinite: the page's JSON refused
 it and the view ended with "Out of range float values are not JSON compliant", naming no
-file; now the record is named as not the trainer's."""
+file; now the record is named as not the trainer's.
+
+``jarl traces RUN`` printed a traceback (KeyError, TypeError) for a traces file whose record
+misses a field or whose steps are of different types (text and whole numbers have no order),
+where ``jarl view`` of the same file named it; it now names the file, skips records whose step
+is not a whole number as ``jarl view`` does, and prints nothing of a step until every record
+shown is read. A traces line holding a number of more digits than ``int()`` reads (Python's
+4300) was refused by ``jarl view`` and ``jarl traces`` naming neither the file nor the line."""
 
 from __future__ import annotations
 
@@ -328,3 +335,41 @@ def test_a_metrics_step_that_is_not_a_whole_number_is_an_error_naming_its_file(
     assert main(["view", str(run_dir), "--out", str(tmp_path / "page")]) == 2
     err = capsys.readouterr().err
     assert f"{run_dir / METRICS_FILE}: a record is not a metrics record" in err
+
+
+BAD_TRACES = {
+    "a record missing its fields": '{"step": 1, "uid": "u"}\n',
+    "steps of text and of whole numbers": '{"step": "a"}\n{"step": 1}\n',
+    "a field of another type": '{"step": 1, "uid": "u", "reward": 0, "stop_reason": "eos", '
+    '"num_turns": 1, "tool_calls": 0, "malformed_calls": 0, "weight_versions": ["x", 1]}\n',
+}
+
+
+@pytest.mark.parametrize("text", BAD_TRACES.values(), ids=BAD_TRACES.keys())
+def test_traces_of_a_malformed_file_name_it(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / TRACES_FILE).write_text(text)
+    assert main(["traces", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a trace record" in err and TRACES_FILE in err
+    assert "Traceback" not in err
+
+
+def test_traces_skip_records_whose_step_is_not_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / TRACES_FILE).write_text('{"step": [1]}\n{"step": 2.5}\n')
+    assert main(["traces", str(tmp_path)]) == 0
+    assert "holds no traces yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["traces", "view"])
+def test_a_number_past_int_digits_names_the_file_and_line(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / TRACES_FILE).write_text('{"step": 1}\n{"step": ' + "1" * 5000 + "}\n")
+    out = ["--out", str(tmp_path / "page")] if command == "view" else []
+    assert main([command, str(tmp_path), *out]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # (rich wraps no path: soft_wrap)
+    assert f"{TRACES_FILE}: line 2 is not valid JSON" in err
