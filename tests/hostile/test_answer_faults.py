@@ -155,7 +155,7 @@ def test_a_failure_that_does_not_repeat_is_not_the_answers() -> None:
         assert asyncio.run(score(answer)) == 1.0  # failed once, scored on the second call
 
 
-def test_a_rule_in_a_thread_is_attributed_as_a_worker_is() -> None:
+def test_a_rule_in_a_thread_that_the_answer_fails_or_hangs_is_the_answers_fault() -> None:
     release = threading.Event()
 
     def rule(source: str, text: str, truth: Any, extra: dict[str, Any]) -> float:

@@ -548,7 +548,7 @@ def test_the_split_rollout_section_names_where_its_keys_went(tmp_path: Path, sec
         load_config(tmp_path / "run.yaml")
 
 
-def test_an_empty_section_that_still_exists_loads(tmp_path: Path) -> None:
+def test_an_empty_section_that_still_exists_is_not_refused_as_moved(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(REQUIRED + "agent: {}\n")
     assert load_config(tmp_path / "run.yaml").group.n == 8
 

@@ -98,7 +98,7 @@ def test_a_bound_past_what_its_wait_or_limit_takes_is_refused(setting: str) -> N
         load_config(None, ["model.path=m", "data.train=t.jsonl", setting])
 
 
-def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
+def test_a_timeout_and_memory_bound_at_their_largest_still_run_an_episode(tmp_path: Path) -> None:
     """The largest timeout and memory bound taken still let an episode run (before, past 24.8
     days a poll raised OverflowError; past 2**43 MiB the process died at its start)."""
     cfg = load_config(
@@ -120,8 +120,6 @@ def test_the_largest_bounds_taken_work(tmp_path: Path) -> None:
         assert env.step("move", []).reward == 1.0
     finally:
         env.close()
-
-
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e7", "soon"])

@@ -708,7 +708,7 @@ def test_an_env_loop_blocked_for_good_stops_the_run_naming_it(
     assert "b.step has held it for" in said
 
 
-def test_an_env_error_stays_an_env_error() -> None:
+def test_a_reset_raising_system_exit_on_the_env_loop_is_an_env_error() -> None:
     """(A guard: the env loop carries an environment's own error through as it is.)"""
 
     class Raising:
