@@ -39,8 +39,14 @@ read the policy's text, and an episode ended untrained would escape being wrong)
 ``agent.graph`` names a user graph, ``fn(chat_model, tools)`` returning a compiled graph over
 ``MessagesState`` (its ``messages`` in and out); empty: `react_graph`. The model reads only the
 conversation its tokens hold: the sample's messages, its own messages and the tool messages
-that answer its calls. Any other message a graph passes it (a system prompt it adds, say) is
-an error, never silently left out of the tokens.
+that answer its calls. Any other message a graph passes after the model's last one (a system
+prompt it adds, say) is an error, never silently left out of the tokens. A graph that passes
+messages without the model's last one (it compacted or rewrote its conversation) starts a new
+sample of the episode from them, rendered by the chat template (each assistant message as its
+text, without its end-of-turn token; `GraphEpisode._new_context`), every sampled token still
+where it was sampled (docs/agents.md). The calls of the model's last turn are then left
+unanswered, and a text answer still ends the episode: a sub-agent's conversation that the
+parent goes back to is the OpenAI endpoint's (docs/harness.md), not this loop's.
 """
 
 from __future__ import annotations
@@ -174,7 +180,9 @@ class GraphEpisode:
             raise RuntimeError(f"the graph called the model after the episode ended ({self.stop})")
         new = self._new_messages(messages)
         self.allow_runs(0)
-        if self.pending is not None:
+        if new is None:
+            await self._new_context(messages)
+        elif self.pending is not None:
             observation, stop = self._answer(new)
             if stop is not None:
                 return self._end(stop)
@@ -212,7 +220,10 @@ class GraphEpisode:
     def finish(self, messages: Sequence[BaseMessage]) -> StopReason:
         """How the episode ended, once the graph has."""
         if self.pending is not None:  # the graph ended on its tools' results
-            _, stop = self._answer(self._new_messages(messages))
+            new = self._new_messages(messages)
+            if new is None:  # (in a conversation of its own: they are not the model's to read)
+                return "tool_done"
+            _, stop = self._answer(new)
             return stop or "tool_done"
         if self.stop is None:
             raise RuntimeError("the graph ended without calling the model")
@@ -253,8 +264,31 @@ class GraphEpisode:
         self.stop = stop
         return self._message(text, {**(metadata or {}), "stop_reason": stop})
 
-    def _new_messages(self, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
-        """The messages after the model's last one (none on the first call: the prompt)."""
+    async def _new_context(self, messages: Sequence[BaseMessage]) -> None:
+        """Messages that do not go on from the model's last one (the graph compacted or
+        rewrote the conversation): a new sample from their render (module doc); the calls of
+        the model's last turn are left unanswered there."""
+        eos = self.ctx.tokenizer.eos_token or ""
+        said: list[dict[str, Any]] = []
+        for m in convert_to_openai_messages(list(messages)):
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if m["role"] == "assistant":
+                content = content.removesuffix(eos)
+            said.append({"role": m["role"], "content": content})
+        if not said or said[-1]["role"] == "assistant":
+            raise ValueError(
+                "the graph passed the model a conversation that does not go on from its last "
+                "message and ends with none for it to answer (an assistant message last)"
+            )
+        self.pending = None
+        self.traj.start_sample(await asyncio.to_thread(self.ctx.builder.prompt_ids, said))
+        self.traj.add_messages(said)
+
+    def _new_messages(self, messages: Sequence[BaseMessage]) -> list[BaseMessage] | None:
+        """The messages after the model's last one (none on the first call: the prompt);
+        None when they do not hold it (a new context: `_new_context`)."""
         if not self.replies:
             prompt = [(m["role"], m.get("content") or "") for m in self.traj.messages]
             got = [
@@ -269,11 +303,7 @@ class GraphEpisode:
         last = next(
             (i for i in reversed(range(len(messages))) if messages[i].id == self.replies[-1]), None
         )
-        if last is None:
-            raise ValueError(
-                f"the graph did not pass the model its last message {self.replies[-1]}"
-            )
-        return list(messages[last + 1 :])
+        return None if last is None else list(messages[last + 1 :])
 
     def _answer(self, new: list[BaseMessage]) -> tuple[list[int], StopReason | None]:
         """Records the tool messages answering the pending calls (`record_results`)."""

@@ -1,11 +1,11 @@
 """Agents that do not only append, on the real embedded engine with the memorised tiny model:
 harnesses behind the OpenAI-compatible endpoint (one that compacts its context every 3 model
 turns, one that strips the thinking of its earlier turns, one that asks a sub-agent in a
-context of its own) and the tool loop's own rewrites (``agent.context.compact``,
-``agent.context.strip_thinking``). Each model call whose prompt extends none of the episode's
-sequences starts a new sample; every trained token of every sample is the token the engine
-sampled, at the position it was sampled from, with its logprob (`assert_samples_exact`,
-against the requests the engine served).
+context of its own), a LangGraph graph that compacts, and the tool loop's own rewrites
+(``agent.context.compact``, ``agent.context.strip_thinking``). Each model call whose prompt
+extends none of the episode's sequences starts a new sample; every trained token of every
+sample is the token the engine sampled, at the position it was sampled from, with its logprob
+(`assert_samples_exact`, against the requests the engine served).
 """
 
 import asyncio
@@ -15,6 +15,11 @@ from typing import Any
 
 import openai
 import pytest
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+from langchain_core.tools import BaseTool
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import run_sample
@@ -25,6 +30,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import turn_spans
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization.tool_calls import make_parser
+from tests.agent.test_langgraph_loop import _episode as graph_episode
 from tests.agent.test_loop import CONFIG, Recording
 
 HERE = "tests.agent.test_rewritten_contexts"
@@ -245,3 +251,38 @@ def test_built_in_thinking_stripping_renders_the_context_again_without_it(
     # without the setting the same episode is the one sample it always was
     plain, _ = _episode(setup, "", LONG)
     assert plain.num_samples == 1 and plain.train_sequences(1.0)[0].uid == plain.uid
+
+
+def compacting_graph(model: BaseChatModel, tools: list[BaseTool]) -> Any:
+    """LangGraph's ReAct graph, but each model call after tool results reads the question and
+    a note of the results only: the conversation compacted."""
+    bound = model.bind_tools(tools)
+
+    async def agent(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        messages = state["messages"]
+        if isinstance(messages[-1], ToolMessage):
+            notes = "; ".join(str(m.text) for m in messages if isinstance(m, ToolMessage))
+            messages = [messages[0], HumanMessage(f"Notes: {notes}")]
+        return {"messages": [await bound.ainvoke(messages)]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode(tools))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile()
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_a_graph_that_compacts_trains_each_context_exactly(setup: dict[str, Any]) -> None:
+    """react_agent with a graph that passes the model its compacted conversation: a new
+    sample from it (before: an error that ended the episode)."""
+    config = dataclasses.replace(LONG, graph=f"{HERE}:compacting_graph")
+    traj, backend = graph_episode(setup, QUESTION, "react_agent", config)
+    assert traj.error is None and traj.trainable, traj.error
+    assert traj.num_samples >= 2
+    assert_samples_exact(traj, backend.log)
+    second = traj.train_sequences(1.0)[1]
+    told = setup["tokenizer"].decode(second.prompt_ids)
+    assert "Notes: 42" in told and "<tool_call>" not in told.split(QUESTION)[-1]
