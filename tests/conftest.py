@@ -126,3 +126,23 @@ def sandbox_cgroup(request: pytest.FixtureRequest) -> bool:
     if not isinstance(found, MemoryCgroup):
         pytest.skip(found)
     return True
+
+
+SLOWEST_FILES = 15  # the suite's last lines: where its time goes, by test file
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest tests, before the short summary
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The test files that took longest (setup, call and teardown of their tests), summed:
+    under ``--dist loadfile`` a file is the unit a worker takes, so these bound the run."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                name = report.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + report.duration
+    if not per_file:
+        return
+    terminalreporter.section(f"slowest {SLOWEST_FILES} test files")
+    for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
