@@ -28,7 +28,8 @@ def _serve_tools(args: argparse.Namespace) -> int:
 
     try:
         tools = package_file(args.tools, "--tools")
-    except ConfigError as e:
+        tokenizer = _tokenizer(args.tokenizer)  # (before the tools start: a sandbox pool)
+    except (ConfigError, ValueError) as e:
         return _refuse(str(e))
     if args.action_parser not in PARSERS:
         names = sorted(PARSERS)
@@ -62,7 +63,7 @@ def _serve_tools(args: argparse.Namespace) -> int:
             ),
             max_connections=args.max_connections,
             action_parser=args.action_parser,
-            tokenizer=_tokenizer(args.tokenizer),
+            tokenizer=tokenizer,
             socket_path=args.socket,
             announce=lambda: print(announcement(registry, where), flush=True),
         )

@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from jax_agent_rl.cli import build_parser
+from jax_agent_rl.cli import build_parser, main
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
     Tokenizer,
@@ -247,3 +247,17 @@ def test_a_server_answering_no_result_fails_the_calls_it_answered() -> None:
             return out
 
     assert asyncio.run(scenario()) == ["ToolTransportError"] * 3
+
+
+def test_serve_tools_refuses_a_tokenizer_it_cannot_read_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tokenizer`` (what verl-tool's route writes special-token text with) naming a folder
+    with no tokenizer, or a file, is one line naming the flag, exit 2, before any tool
+    starts."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "empty", tmp_path / "file", tmp_path / "missing"):
+        assert main(["serve-tools", "--tokenizer", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jarl: --tokenizer '{bad}': ") and err.count("\n") == 1, err
