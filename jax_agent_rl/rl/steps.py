@@ -53,11 +53,14 @@ def relative_to_group(
 def observations(turns: Sequence[TrainSequence]) -> list[tuple[int, ...]]:
     """The observation each of an episode's per-turn rows (in order) acted on: the tokens of
     its prompt after the previous turn's own tokens (tool results, user and template tokens),
-    and for the first turn its whole prompt (the task)."""
-    seen, out = 0, []
+    and for the first turn, or one whose prompt does not extend the previous turn's sequence
+    (the first of a new sample: a compacted or sub-agent context), its whole prompt."""
+    before: list[int] = []
+    out = []
     for turn in turns:
-        out.append(tuple(turn.prompt_ids[seen:]))
-        seen = len(turn.prompt_ids) + len(turn.response_ids)
+        extends = turn.prompt_ids[: len(before)] == before
+        out.append(tuple(turn.prompt_ids[len(before) :] if extends else turn.prompt_ids))
+        before = [*turn.prompt_ids, *turn.response_ids]
     return out
 
 

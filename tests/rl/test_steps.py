@@ -48,6 +48,10 @@ def test_relative_to_group_hand_case() -> None:
 def test_observations_are_what_each_turn_acted_on() -> None:
     rows = episode("e", "g", [1, 2], [([10], [20, 21]), ([11], [22]), ([12], [])])
     assert steps.observations(rows) == [(1, 2), (20, 21), (22,)]
+    # a sample started from a context of its own (compacted: the task and a note [30]): its
+    # first turn acted on that whole context, not on a slice of it
+    again = episode("e@1", "g", [1, 2, 30], [([13], [23]), ([14], [])])
+    assert steps.observations([*rows, *again]) == [(1, 2), (20, 21), (22,), (1, 2, 30), (23,)]
 
 
 def test_discounted_returns() -> None:
