@@ -90,7 +90,7 @@ done = b""
 while len(done) < 20:  # each child says when it holds its sockets (or failed to)
     done += os.read(r, 20)
 print(f"held {done.count(b'+') * 60} filters", flush=True)
-time.sleep(1)  # held: the watchdog reads the memory at least every 10 ms
+time.sleep(50)  # held until the bound ends it, however late a busy host lets it read
 print("kept them")
 """
 
@@ -164,7 +164,7 @@ done = b""
 while len(done) < 30:  # each child says when its pipes are full
     done += os.read(r, 30)
 print("filled them", flush=True)
-time.sleep(1)
+time.sleep(50)  # held until the bound ends it, however late a busy host lets it read
 print("kept them")
 """
 
@@ -279,7 +279,8 @@ for _ in range(30):  # (64 file descriptors a process; send buffers are the kern
     held += pair
 rss = int(open("/proc/self/statm").read().split()[1]) * 4096
 print(f"queued {queued >> 20} MB beside {rss >> 20} MB resident", flush=True)
-time.sleep(1)  # held: the watchdog reads the queues at least every 0.1 s
+if (queued >> 20) + (rss >> 20) >= BOUND_MB:  # held until the bound ends it (the run's
+    time.sleep(50)  # timeout, 60 s, is what a watchdog that never counts them would meet)
 print("kept them")
 """
 
@@ -294,9 +295,10 @@ def test_unix_socket_queues_count_toward_the_memory_limit(sandbox_cgroup: bool) 
     limits = Limits(cpu_s=5, memory_mb=22, processes=16, files=2000)
     sb = PythonSandbox(
         size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup
-    )  # (the memory bound ends it first)
+    )  # (the memory bound ends it first; held until then, however late a busy host reads)
     try:
-        result = asyncio.run(sb.run(FILL_UNIX_QUEUES))
+        code = FILL_UNIX_QUEUES.replace("BOUND_MB", str(limits.memory_mb))
+        result = asyncio.run(sb.run(code))
         small = asyncio.run(sb.run(SMALL_QUEUE))
     finally:
         sb.close()
@@ -409,7 +411,8 @@ for _ in range(28):
     held.append(s)
 rcvbuf = held[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 print(f"queues of {28 * rcvbuf >> 20} MB", flush=True)
-time.sleep(1)  # held: the watchdog reads the queues at least every 0.1 s
+if 28 * rcvbuf >> 20 >= BOUND_MB:  # held until the bound ends it, however late it reads
+    time.sleep(50)
 print("kept them")
 """
 
@@ -424,7 +427,8 @@ def test_netlink_socket_queues_count_toward_the_memory_limit(sandbox_cgroup: boo
         size=1, limits=limits, timeout_s=60.0, cgroup=sandbox_cgroup
     )  # (the memory bound ends it first)
     try:
-        result = asyncio.run(sb.run(FILL_NETLINK_QUEUES))
+        code = FILL_NETLINK_QUEUES.replace("BOUND_MB", str(limits.memory_mb))
+        result = asyncio.run(sb.run(code))
     finally:
         sb.close()
     if result.limit != "memory":
@@ -576,7 +580,7 @@ for _ in range(56):  # (64 file descriptors a process: the senders close)
             break
     a.close()  # its data stays in b's queue
     held.append(b)
-time.sleep(1)  # held: the watchdog reads the queues at least every 0.1 s
+time.sleep(50)  # held until the bound ends it, however late a busy host lets it read
 print("kept them")
 """
 
@@ -597,7 +601,7 @@ for _ in range(60):
             break
     client.close()  # its data stays in the connection the server never accepts
 print("connected", flush=True)
-time.sleep(1)
+time.sleep(50)  # held until the bound ends it, however late a busy host lets it read
 print("kept them")
 """
 
