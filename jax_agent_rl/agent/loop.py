@@ -60,7 +60,7 @@ def budget_stop(ctx: AgentContext, traj: Trajectory, turn_tokens: int = 0) -> St
         return "budget"
     if len(traj.prompt_ids) + len(traj.response_ids) >= cfg.max_model_len:
         return "max_model_len"
-    if len(traj.response_ids) >= cfg.max_response_tokens:
+    if traj.response_tokens >= cfg.max_response_tokens:
         return "max_response_tokens"
     if turn_tokens >= cfg.max_tokens_per_turn:
         return "max_tokens_per_turn"
@@ -73,7 +73,7 @@ def fits(ctx: AgentContext, traj: Trajectory, ids: list[int]) -> StopReason | No
     total = len(traj.prompt_ids) + len(traj.response_ids) + len(ids)
     if total >= ctx.config.max_model_len:
         return "max_model_len"
-    if len(traj.response_ids) + len(ids) >= ctx.config.max_response_tokens:
+    if traj.response_tokens + len(ids) >= ctx.config.max_response_tokens:
         return "max_response_tokens"
     return None
 
@@ -95,7 +95,7 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
     n = len(traj.weight_versions)
     max_tokens = min(
         cfg.max_tokens_per_turn - turn_tokens,
-        cfg.max_response_tokens - len(traj.response_ids),
+        cfg.max_response_tokens - traj.response_tokens,
         cfg.max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
     )
     if ctx.budget is not None:

@@ -368,6 +368,12 @@ class Trajectory:
         return self.stop_reason not in UNTRAINABLE
 
     @property
+    def response_tokens(self) -> int:
+        """Its tokens after a prompt (model and context alike), over every sample: what
+        ``agent.max_response_tokens`` bounds, however often the context was rewritten."""
+        return len(self.response_ids) + sum(len(s.response_ids) for s in self.parked.values())
+
+    @property
     def num_model_tokens(self) -> int:
         """Its sampled tokens, over every sample."""
         return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.parked.values())

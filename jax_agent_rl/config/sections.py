@@ -64,7 +64,8 @@ class AgentSection:
 
     max_turns: int = setting(4, COUNT)
     max_tokens_per_turn: int = setting(256, COUNT)
-    max_response_tokens: int = setting(768, COUNT)  # model + tool tokens after the prompt
+    # model + tool tokens after the prompt (over all of an episode's samples: docs/agents.md)
+    max_response_tokens: int = setting(768, COUNT)
     max_tool_response_tokens: int = setting(256, COUNT)  # per tool result, before templating
     tool_response_truncate: Literal["left", "right", "middle"] = "right"  # which end to keep
     # characters of one observation (a tool result; an environment step's messages together),

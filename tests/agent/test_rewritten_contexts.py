@@ -163,6 +163,29 @@ async def delegating_harness(task: HarnessTask) -> None:
     await converse(task, client, [*task.messages, message, answer])
 
 
+async def restarting_harness(task: HarnessTask) -> None:
+    """Asks the question afresh at every request, whatever the model answered, until a
+    budget ends the episode."""
+    client = _client(task)
+    finish = ""
+    while finish != "length":
+        reply = await client.chat.completions.create(
+            model="policy", messages=task.messages, tools=task.tools
+        )
+        finish = str(reply.choices[0].finish_reason)
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_the_response_budget_spans_every_sample(setup: dict[str, Any]) -> None:
+    """A harness that starts a new context at every request still meets
+    agent.max_response_tokens: it bounds the episode's tokens over all its samples."""
+    config = dataclasses.replace(LONG, max_response_tokens=60)
+    traj, backend = _episode(setup, "restarting_harness", config)
+    assert traj.stop_reason == "max_response_tokens" and traj.num_samples >= 2
+    assert traj.response_tokens <= 60 and traj.num_turns < config.max_turns
+    assert_samples_exact(traj, backend.log)
+
+
 @pytest.mark.parametrize("setup", ["chatml"], indirect=True)
 def test_a_harness_that_compacts_every_3_turns_trains_each_context_exactly(
     setup: dict[str, Any],
