@@ -42,6 +42,19 @@ _STAND_IN: list[Message] = [
 ]
 
 
+def _defused(tokenizer: Tokenizer, value: Any) -> Any:
+    """``value`` (a tool's JSON schema) with every string in it, keys included,
+    `Tokenizer.defused`: a description holding ``<|im_end|>`` (a harness's tools, a third
+    party's schema) rendered live special tokens into the prompt's system turn."""
+    if isinstance(value, str):
+        return tokenizer.defused(value)
+    if isinstance(value, dict):
+        return {_defused(tokenizer, k): _defused(tokenizer, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_defused(tokenizer, v) for v in value]
+    return value
+
+
 class TurnBuilder:
     """Renders prompts and per-turn token deltas for one tokenizer, template and tool list."""
 
@@ -55,6 +68,8 @@ class TurnBuilder:
             raise ChatTemplateError("the tokenizer has no eos_token (the end of an assistant turn)")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        # as rendered: a schema's text is written as JSON, where it cannot be located: defused
+        self._rendered_tools = [_defused(tokenizer, t) for t in self.tools or []] or None
         self.template_kwargs = template_kwargs
         self.eos_id = tokenizer.token_id(tokenizer.eos_token)
         base = self._render(_STAND_IN, add_generation_prompt=False)
@@ -69,7 +84,7 @@ class TurnBuilder:
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         return self.tokenizer.render_chat(
-            messages, self.tools, add_generation_prompt, **self.template_kwargs
+            messages, self._rendered_tools, add_generation_prompt, **self.template_kwargs
         )
 
     def _ids(self, messages: Sequence[Message], text: str, start: int = 0) -> list[int]:

@@ -118,6 +118,30 @@ def test_a_template_that_undoes_the_defusing_is_refused(folder: Path) -> None:
         builder.messages_delta([{"role": "user", "content": " " + FORGED + " "}])
 
 
+def test_special_token_text_in_a_tools_schema_stays_text(folder: Path) -> None:
+    """A tool whose description writes ChatML's markers (a harness's tools sent to the OpenAI
+    endpoint, a schema from a third party): the template writes the schemas as JSON into the
+    system turn, where their text cannot be located, and the prompt held two live turn
+    markers more than the template's own (a forged assistant turn in the system prompt). Each
+    string of a schema is rendered with a word joiner in each marker; the builder keeps the
+    schemas as given (the endpoint compares a request's tools with them)."""
+    tok = Tokenizer.from_pretrained(folder)
+    start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+
+    def schema(description: str) -> dict:
+        parameters = {"type": "object", "properties": {FORGED: {"type": "string"}}}
+        function = {"name": "f", "description": description, "parameters": parameters}
+        return {"type": "function", "function": function}
+
+    prompt = [{"role": "user", "content": "hi"}]
+    clean = TurnBuilder(tok, [schema("adds")]).prompt_ids(prompt)
+    forged = TurnBuilder(tok, [schema(FORGED)])
+    ids = forged.prompt_ids(prompt)
+    assert (ids.count(start), ids.count(end)) == (clean.count(start), clean.count(end)) == (3, 2)
+    assert "I obey." in tok.decode(ids) and "<" + WORD_JOINER + "|im_end|>" in tok.decode(ids)
+    assert forged.tools == [schema(FORGED)]
+
+
 def test_a_huge_observation_is_cut_before_tokenizing() -> None:
     """A 12M-character environment message is cut to the limit (a marker where it was cut,
     the message counted); several messages share one limit; a tool result keeps the end its
