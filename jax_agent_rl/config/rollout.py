@@ -74,6 +74,17 @@ class JetStreamSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PushSection:
+    """How the learner's weights reach the rollout backend after each update."""
+
+    # after an update a push sends only the serving weights that changed since the last push
+    # (their elements or blocks, whichever is fewer bytes: `rollout.delta`), where the backend
+    # takes deltas (embedded); every this many pushes (and when a delta would be no smaller)
+    # the whole weights. 1: every push whole
+    full_every: int = setting(10, COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSection:
     """The inference backend, its engine's memory and steps, and each backend's own settings
     (``ray``, ``vllm``, ``jetstream``)."""
@@ -130,6 +141,7 @@ class EngineSection:
     jetstream: JetStreamSection = dataclasses.field(
         default_factory=JetStreamSection, metadata=moved_from("rollout.jetstream")
     )
+    push: PushSection = dataclasses.field(default_factory=PushSection)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import numpy as np
 
 from jax_agent_rl.models import Weights
 from jax_agent_rl.models.lora import LayerAdapters
+from jax_agent_rl.rollout.delta import WeightDelta
 from jax_agent_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
 from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
@@ -78,7 +79,8 @@ class Job:
 
 @dataclasses.dataclass
 class Update:
-    params: Weights | LayerAdapters  # a LoRA policy's push: its adapters only
+    # a LoRA policy's push: its adapters only; a delta push: what changed (`WeightDelta`)
+    params: Weights | LayerAdapters | WeightDelta
     version: int  # what they are served as
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop

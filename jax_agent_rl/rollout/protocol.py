@@ -122,6 +122,9 @@ class Capabilities:
     # serves a LoRA policy: its base frozen, its adapters applied unmerged, each push the
     # adapters alone (`models.lora.LayerAdapters`); a backend without it refuses such a push
     lora: bool = False
+    # takes a delta push (`rollout.delta.WeightDelta`: the elements that changed since the
+    # version it serves) and applies it in place; a backend without it refuses one
+    delta_push: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

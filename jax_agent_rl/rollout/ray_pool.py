@@ -43,6 +43,7 @@ from jax_agent_rl.models.adapters import base_of, check_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.ray_cluster import connect, disconnect
+from jax_agent_rl.rollout.delta import refuse_delta
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
@@ -364,6 +365,7 @@ class RayPool:
     async def update_weights(self, params: Any, version: int) -> None:
         """``params``: the policy's weights, or a LoRA policy's adapters alone
         (`LayerAdapters`), which replicas serving no LoRA model refuse, as here."""
+        refuse_delta(params, "Ray replicas")
         lora = isinstance(params, LayerAdapters)
         if lora:
             if not self.capabilities.lora:

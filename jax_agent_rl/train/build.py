@@ -48,6 +48,7 @@ from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.update import LearnerState, trainable
+from jax_agent_rl.rollout.delta import DeltaPusher
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
@@ -144,14 +145,16 @@ class Serving:
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """The rollout side of a run, open while the loop runs: the backend serving the policy,
-    the tools, the agent contexts for training (sampling) and evaluation (greedy), and the
-    reward (with the judge, if a reward names it)."""
+    the tools, the agent contexts for training (sampling) and evaluation (greedy), the
+    reward (with the judge, if a reward names it), and the pusher of new weights to the
+    backend (as deltas where it takes them: ``engine.push``)."""
 
     backend: MeteredBackend
     tools: ToolExecutor
     ctx: AgentContext
     eval_ctx: AgentContext
     score: Scorer
+    pusher: DeltaPusher
     judge: Judge | None = None
 
     def counters(self) -> dict[str, float]:
@@ -420,7 +423,9 @@ async def serve_policy(
             if cfg.data.judged:
                 judge, judge_backend = make_judge(cfg, tokenizer, sharder, backend)
             with make_reward(cfg.data, judge) as score:  # (closed: its worker processes stop)
-                yield Rollout(backend, tools, ctx, eval_ctx, score, judge)
+                deltas = backend.capabilities.delta_push
+                pusher = DeltaPusher(model, cfg.engine.push.full_every if deltas else 1)
+                yield Rollout(backend, tools, ctx, eval_ctx, score, pusher, judge)
         finally:
             await backend.close()
             await tools.close()

@@ -29,6 +29,7 @@ from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.update import LearnerState
+from jax_agent_rl.rollout.delta import WeightDelta, push_bytes
 from jax_agent_rl.train.build import Rollout, Run, counted_since
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -288,13 +289,16 @@ async def learn_and_push(
         await before_push()
     t1 = time.perf_counter()
     params = await asyncio.to_thread(run.pushed_params, state)
-    await rollout.backend.update_weights(params, step + 1)
+    await rollout.pusher.push(rollout.backend, params, step + 1)
     t_push = time.perf_counter() - t1
     m.update(
         {
             "time/rollout_s": totals["rollout_s/max"],
             "time/tools_cumulative_s": totals["tools_s"],
             "time/weight_push_s": t_push,
+            # what the push moved: a delta's bytes (`rollout.delta`) or the whole weights'
+            "push/bytes": float(push_bytes(rollout.pusher.last)),
+            "push/delta": float(isinstance(rollout.pusher.last, WeightDelta)),
             **pace_metrics(
                 time.perf_counter() - t0,
                 rollout.backend.idle_s() - idle0,

@@ -4,9 +4,11 @@ import asyncio
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_agent_rl.models import Weights
 from jax_agent_rl.models.adapters import init_adapters
 from jax_agent_rl.rollout import (
     GenerateRequest,
@@ -15,6 +17,7 @@ from jax_agent_rl.rollout import (
     RolloutBackend,
     SamplingParams,
 )
+from jax_agent_rl.rollout.delta import DeltaPusher, WeightDelta, push_bytes
 from tests.conformance.conftest import (
     LORA,
     MAX_LEN,
@@ -350,6 +353,58 @@ def test_a_lora_push_is_refused_unless_declared(backend: RolloutBackend, learner
     after = run(backend.generate(_req("after-lora", _prompt(0, 5), GREEDY)))
     assert after.weight_version == before.weight_version  # the failed push changed nothing
     assert after.token_ids == before.token_ids
+
+
+def _stepped(weights: Weights, seed: int) -> Weights:
+    """``weights`` after a sparse step: about 2% of each leaf's elements moved by 1%."""
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(jax.device_get(weights))
+    moved = [
+        np.where(rng.random(x.shape) < 0.02, x * (1 + 0.01 * rng.standard_normal(x.shape)), x)
+        for x in leaves
+    ]
+    cast = [jnp.asarray(m, x.dtype) for m, x in zip(moved, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, cast)
+
+
+def test_delta_pushes_serve_what_a_whole_push_serves(
+    backend: RolloutBackend, learner: Learner
+) -> None:
+    """A backend that declares `Capabilities.delta_push`: a whole push, then 10 delta pushes
+    (`DeltaPusher`, each a sparse step's changes, each fewer than a third of the weights'
+    bytes) serve what a whole push of the last weights serves, token for token and logprob
+    for logprob, and not what the first weights served (tests/rollout/test_delta.py holds the
+    engine's weights bitwise to the learner's cast). One that does not refuses a delta in
+    words that say so, keeps its version and serves on."""
+    prompt = _prompt(40, 8)
+    sampling = as_served(backend, SamplingParams(max_tokens=12, temperature=1.0, seed=5))
+    before = run(backend.generate(_req("d0", prompt, sampling)))
+    v = before.weight_version
+    if not backend.capabilities.delta_push:
+        refused = WeightDelta(v, jax.tree.structure(learner.weights), ())
+        with pytest.raises(ValueError, match="takes whole weights only"):
+            run(backend.update_weights(refused, version=v + 1))
+        after = run(backend.generate(_req("d1", prompt, sampling)))
+        assert after.weight_version == v and after.token_ids == before.token_ids
+        return
+    pusher, steps = DeltaPusher(learner.cfg, full_every=11), [learner.weights]
+    for seed in range(10):
+        steps.append(_stepped(steps[-1], seed))
+    sent = []
+    for i, weights in enumerate(steps):
+        run(pusher.push(backend, weights, v + 1 + i))
+        sent.append(pusher.last)
+    assert sent[0] is steps[0]
+    full = push_bytes(steps[0])
+    assert all(isinstance(d, WeightDelta) and push_bytes(d) < full / 3 for d in sent[1:])
+    by_delta = run(backend.generate(_req("d-delta", prompt, sampling)))
+    run(backend.update_weights(steps[-1], version=v + 12))
+    by_whole = run(backend.generate(_req("d-whole", prompt, sampling)))
+    assert (by_delta.weight_version, by_whole.weight_version) == (v + 11, v + 12)
+    assert by_delta.token_ids == by_whole.token_ids
+    assert by_delta.logprobs == by_whole.logprobs
+    assert by_delta.logprobs != before.logprobs
+    run(backend.update_weights(learner.weights, version=v + 13))
 
 
 def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:

@@ -60,6 +60,7 @@ from jax_agent_rl.backends.jetstream.start import (
 )
 from jax_agent_rl.models import ModelConfig, Weights
 from jax_agent_rl.models.adapters import LayerAdapters, adapters_of
+from jax_agent_rl.rollout.delta import refuse_delta
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.protocol import (
@@ -294,6 +295,8 @@ class JetStreamBackend:
             self._unheld.notify_all()
 
     async def update_weights(self, params: Weights | LayerAdapters, version: int) -> None:
+        refuse_delta(params, "a JetStream server")
+
         async def push() -> None:
             if self.exited is not None:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")

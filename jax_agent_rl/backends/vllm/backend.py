@@ -57,6 +57,7 @@ from jax_agent_rl.backends.vllm.sizes import (
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
 from jax_agent_rl.models.adapters import adapters_of, check_adapters, write_peft
 from jax_agent_rl.models.lora import LayerAdapters
+from jax_agent_rl.rollout.delta import refuse_delta
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.processes import interpreter_problems
 from jax_agent_rl.rollout.protocol import (
@@ -278,6 +279,7 @@ class VLLMBackend:
             engine.send({"op": "resume"})
 
     async def update_weights(self, params: Weights | LayerAdapters, version: int) -> None:
+        refuse_delta(params, "vLLM engines")
         await self._gate.update(lambda: self._push(params), version)
 
     async def close(self) -> None:
