@@ -298,9 +298,10 @@ def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path
             "would end the episode before it compacts",
         ),
         (
-            ["agent.context.strip_thinking=true", "group.strategy=tree"],
-            "agent.context.compact and agent.context.strip_thinking rewrite a chain episode's "
-            "context (tool_agent); group.strategy=tree branches episodes that only append",
+            ["agent.sub_agent_tool=delegate", "group.strategy=tree"],
+            "agent.context.compact, agent.context.strip_thinking and agent.sub_agent_tool "
+            "start new samples of a chain episode (tool_agent); group.strategy=tree branches "
+            "episodes that only append",
         ),
         (
             ["algorithm.cispo_clip_high=4"],

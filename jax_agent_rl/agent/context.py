@@ -47,6 +47,7 @@ class AgentConfig:
     graph: str = _AGENT["graph"]  # react_agent's (agent/langgraph_loop.py)
     harness: str = _AGENT["harness"]  # openai_agent's (agent/openai_endpoint.py)
     harness_timeout_s: float = _AGENT["harness_timeout_s"]
+    sub_agent_tool: str = _AGENT["sub_agent_tool"]  # tool_agent's (`agent.loop.run_sub_agent`)
     # tool_agent's context rewrites between turns (`agent.loop.rewrite_context`)
     context: ContextSection = dataclasses.field(default_factory=ContextSection)
     max_model_len: int = 2048  # prompt + response
@@ -126,6 +127,8 @@ class AgentContext:
     builder: TurnBuilder
     seed: int | None = None
     budget: Budget | None = None  # shared by the episodes of one prompt (a tree rollout)
+    # a sub-agent's turn builder (the tools but ``sub_agent_tool``); None: no sub-agent tool
+    sub_builder: TurnBuilder | None = None
     # which environment plays a sample (its env_class, verl's interaction_kwargs); none: tools
     envs: Environments = dataclasses.field(default_factory=Environments)
     tool_slots: ToolCallSlots = dataclasses.field(default_factory=ToolCallSlots, repr=False)
@@ -142,7 +145,15 @@ class AgentContext:
         envs: Environments | None = None,
     ) -> AgentContext:
         schemas = await tools.schemas()
-        builder = TurnBuilder(tokenizer, schemas or None)
+        builder = sub_builder = TurnBuilder(tokenizer, schemas or None)
+        if config.sub_agent_tool:
+            names = [s["function"]["name"] for s in schemas or []]
+            if config.sub_agent_tool in names:
+                raise ValueError(
+                    f"agent.sub_agent_tool={config.sub_agent_tool!r} names one of the tools "
+                    f"{names}: the sub-agent tool is the loop's own"
+                )
+            builder = TurnBuilder(tokenizer, [*(schemas or []), sub_agent_schema(config)])
         for tok in parser.stop_tokens:
             tokenizer.token_id(tok)  # a parser's stop must be one token: fail at setup, not mid-run
         if not all(config.stop):  # agent.stop's strings may be any text but empty
@@ -152,11 +163,31 @@ class AgentContext:
         if config.harness:  # openai_agent's harness: likewise
             load_function(HARNESS_CHECK, "agent.harness")(config.harness)
         envs = envs or Environments()
-        return cls(backend, tokenizer, tools, parser, config, builder, seed, envs=envs)
+        sub = sub_builder if config.sub_agent_tool else None
+        return cls(
+            backend, tokenizer, tools, parser, config, builder, seed, envs=envs, sub_builder=sub
+        )
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return turn_stop_ids(self.tokenizer, self.parser)
+
+
+def sub_agent_schema(config: AgentConfig) -> dict[str, Any]:
+    """The schema the prompt lists for ``agent.sub_agent_tool``."""
+    return {
+        "type": "function",
+        "function": {
+            "name": config.sub_agent_tool,
+            "description": "Hand a sub-task to a sub-agent, which works on it with the same "
+            "tools in a fresh context and returns its answer.",
+            "parameters": {
+                "type": "object",
+                "properties": {"task": {"type": "string", "description": "The sub-task."}},
+                "required": ["task"],
+            },
+        },
+    }
 
 
 def turn_stop_ids(tokenizer: Tokenizer, parser: ToolCallParser) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from jax_agent_rl.agent.context import AgentContext, RefusedCall, cap_calls
 from jax_agent_rl.agent.observations import env_observation, tool_observation
-from jax_agent_rl.agent.trajectory import StopReason, Trajectory, TurnKind
+from jax_agent_rl.agent.trajectory import UNTRAINABLE, StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment, EnvStepError
@@ -206,12 +206,68 @@ async def call_tools(
     calls: list[ParsedCall],
     create_kwargs: Mapping[str, dict[str, Any]],
 ) -> list[ToolResult]:
-    """A turn's calls, run concurrently (`call_tool`); their time is kept in ``traj``."""
+    """A turn's calls, run concurrently (`call_tool`); their time is kept in ``traj``. A turn
+    that calls ``agent.sub_agent_tool`` runs its calls one after another, each sub-agent in
+    the trajectory's samples (`run_sub_agent`)."""
     t_tools = time.perf_counter()
     try:
-        return list(await asyncio.gather(*(call_tool(ctx, traj, c, create_kwargs) for c in calls)))
+        if ctx.sub_builder is None or all(c.name != ctx.config.sub_agent_tool for c in calls):
+            calls_run = (call_tool(ctx, traj, c, create_kwargs) for c in calls)
+            return list(await asyncio.gather(*calls_run))
+        return [await _sub_or_tool(ctx, traj, c, create_kwargs) for c in calls]
     finally:
         traj.add_time("tools_s", time.perf_counter() - t_tools)
+
+
+async def _sub_or_tool(
+    ctx: AgentContext, traj: Trajectory, call: ParsedCall, create_kwargs: Mapping[str, Any]
+) -> ToolResult:
+    if call.error is None and call.name == ctx.config.sub_agent_tool:
+        return await run_sub_agent(ctx, traj, call, create_kwargs)
+    return await call_tool(ctx, traj, call, create_kwargs)
+
+
+async def run_sub_agent(
+    ctx: AgentContext,
+    traj: Trajectory,
+    call: ParsedCall,
+    create_kwargs: Mapping[str, dict[str, Any]],
+) -> ToolResult:
+    """A call of ``agent.sub_agent_tool``: the same policy in a context of its own (the call's
+    ``task`` as its user message, the tools but this one) plays turns in a new sample of
+    ``traj`` until it answers without calls or a budget ends it; then the parent's sample goes
+    on, and the call's result is the sub-agent's last answer (its text, thinking and the
+    end-of-turn token dropped), an error result when a budget cut it. The episode's budgets
+    span it (its turns count in ``agent.max_turns``, its tokens in
+    ``agent.max_response_tokens``); its samples are the episode's, trained with its reward
+    (docs/agents.md)."""
+    assert ctx.sub_builder is not None
+    task = call.arguments.get("task") if isinstance(call.arguments, dict) else None
+    if not isinstance(task, str) or not task:
+        return ToolResult(f'error: {call.name} takes {{"task": a non-empty string}}', error=True)
+    sub = dataclasses.replace(
+        ctx,
+        builder=ctx.sub_builder,
+        sub_builder=None,
+        config=dataclasses.replace(ctx.config, sub_agent_tool=""),
+    )
+    asked: Message = {"role": "user", "content": task}
+    parent = traj.sample
+    prompt = await asyncio.to_thread(sub.builder.prompt_ids, [asked])
+    traj.start_sample(prompt)
+    traj.add_messages([asked])
+    start = len(traj.messages)
+    try:
+        while (stop := await take_turn(sub, traj, create_kwargs)) is None:
+            pass
+    finally:
+        traj.resume_sample(parent)
+    said = [m for m in traj.messages[start:] if m["role"] == "assistant"]
+    text = said[-1]["content"] if said else ""
+    answer = THINKING.sub("", text.removesuffix(ctx.tokenizer.eos_token or ""))
+    if stop in UNTRAINABLE:  # (aborted, a tool service down: not the policy's outcome)
+        raise RuntimeError(f"the sub-agent's episode ended {stop}")
+    return ToolResult(answer, error=stop != "eos")
 
 
 def record_results(

@@ -350,10 +350,12 @@ def _context(cfg: JarlConfig) -> str | None:
             f"agent.context.compact={c.compact} is not below engine.max_model_len="
             f"{cfg.engine.max_model_len}: the context would end the episode before it compacts"
         )
-    if (c.compact or c.strip_thinking) and cfg.group.strategy == "tree":
+    rewrites = c.compact or c.strip_thinking or cfg.agent.sub_agent_tool
+    if rewrites and cfg.group.strategy == "tree":
         return (
-            "agent.context.compact and agent.context.strip_thinking rewrite a chain episode's "
-            "context (tool_agent); group.strategy=tree branches episodes that only append"
+            "agent.context.compact, agent.context.strip_thinking and agent.sub_agent_tool "
+            "start new samples of a chain episode (tool_agent); group.strategy=tree branches "
+            "episodes that only append"
         )
     return None
 

@@ -109,6 +109,11 @@ class AgentSection:
     # episodes to leave out of updates, counted as filter/<name> (agent/filters.py):
     # void_turn, overlong, tool_error, repetition, equal_reward (list it last)
     filters: list[str] = dataclasses.field(default_factory=list)
+    # a tool name the tool loop answers itself by running a sub-agent: the same policy in a
+    # context of its own (the call's "task" as its user message, the tools but this one),
+    # whose turns are samples of the episode, trained with its reward, and whose last answer
+    # is the call's result (agent/loop.py `run_sub_agent`); empty: none. tool_agent's only
+    sub_agent_tool: str = ""
     # context compaction and thinking stripping (tool_agent's): see ContextSection
     context: ContextSection = dataclasses.field(default_factory=ContextSection)
 

@@ -72,6 +72,19 @@ def generation_config(
     )
 
 
+def check_out(out: Path, cfg: JarlConfig, new_folder: bool = False) -> None:
+    """Raises ValueError when ``out`` is the run ``cfg``'s model or tokenizer folder, or with
+    ``new_folder`` when it exists and is not an empty folder."""
+    for source in {Path(cfg.model.path), Path(cfg.model.tokenizer or cfg.model.path)}:
+        if out.resolve() == source.resolve():  # (it overwrote the base's weights, then failed)
+            raise ValueError(
+                f"--out {out} is the run's model or tokenizer folder ({source}): an export "
+                "would overwrite its files; choose another folder"
+            )
+    if new_folder and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty folder: name a new one")
+
+
 def export_policy(
     out: str | Path, cfg: JarlConfig, model: ModelConfig, params: Weights, merge: bool = False
 ) -> Path:
@@ -79,12 +92,7 @@ def export_policy(
     a LoRA policy's as a PEFT adapter folder, or with ``merge`` merged into its base."""
     out = Path(out)
     tokenizer_dir = Path(cfg.model.tokenizer or cfg.model.path)
-    for source in {Path(cfg.model.path), tokenizer_dir}:
-        if out.resolve() == source.resolve():  # (it overwrote the base's weights, then failed)
-            raise ValueError(
-                f"--out {out} is the run's model or tokenizer folder ({source}): an export "
-                "would overwrite its files; choose another folder"
-            )
+    check_out(out, cfg)
     if merge and model.lora is None:
         raise ValueError("--merge merges LoRA adapters: this run has none (model.lora.rank=0)")
     if merge:
@@ -110,7 +118,9 @@ def export_run(
 ) -> Path:
     """Exports the policy of ``run_dir``'s checkpoint of ``step`` (default: the latest) to
     ``out`` (default: ``run_dir/hf-step-<step>``, ``-merged`` with ``merge``); returns
-    ``out``."""
+    ``out``. A given ``out`` must be new or an empty folder: written beside another export's
+    files (an adapter folder's, then a merged checkpoint's), what loaded it was neither
+    (transformers reads such a folder as the adapter on its base)."""
     run_dir = Path(run_dir)
     config_file = run_dir / RUN_CONFIG
     if not config_file.is_file():
@@ -127,6 +137,8 @@ def export_run(
             f"{config_file}: model.module={cfg.model.module!r} is a custom policy, which has no "
             "HF layout to export: its weights are the run's checkpoints (jarl eval RUN reads them)"
         )
+    if out is not None:  # (before a checkpoint is read)
+        check_out(Path(out), cfg, new_folder=True)
     step = checkpoint_step(run_dir, cfg, step)
     model, params = saved_policy(run_dir, cfg, step)
     _check_finite(params, step)

@@ -22,14 +22,14 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
-from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.agent.loop import call_tools, model_turn, run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config.sections import ContextSection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import turn_spans
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
-from jax_agent_rl.tokenization.tool_calls import make_parser
+from jax_agent_rl.tokenization.tool_calls import ParsedCall, make_parser
 from tests.agent.test_langgraph_loop import _episode as graph_episode
 from tests.agent.test_loop import CONFIG, Recording
 
@@ -309,3 +309,46 @@ def test_a_graph_that_compacts_trains_each_context_exactly(setup: dict[str, Any]
     second = traj.train_sequences(1.0)[1]
     told = setup["tokenizer"].decode(second.prompt_ids)
     assert "Notes: 42" in told and "<tool_call>" not in told.split(QUESTION)[-1]
+
+
+@pytest.mark.parametrize("setup", ["chatml"], indirect=True)
+def test_the_sub_agent_tool_plays_a_context_of_its_own_and_the_parent_goes_on(
+    setup: dict[str, Any],
+) -> None:
+    """agent.sub_agent_tool: the parent's prompt lists it; a turn's call of it runs the
+    policy on the task in a new sample (its prompt the tool loop's for that question), and
+    the parent's sample is current again when its answer comes back as the result."""
+    config = dataclasses.replace(LONG, sub_agent_tool="delegate")
+    backend = Recording(EmbeddedBackend(setup["engine"], setup["weights"]))
+    parser = make_parser(setup["parser"])
+
+    async def go() -> tuple[Trajectory, list[Any], list[str]]:
+        ctx = await AgentContext.create(backend, setup["tokenizer"], setup["tools"], parser, config)
+        listed = [t["function"]["name"] for t in ctx.builder.tools or []]
+        prompt = [{"role": "user", "content": "Echo hello."}]
+        traj = Trajectory("p", "g", ctx.builder.prompt_ids(prompt), messages=prompt)
+        await model_turn(ctx, traj)  # the parent's turn, whatever it wrote
+        calls = [ParsedCall("delegate", {"task": QUESTION}), ParsedCall("delegate", {"task": 3})]
+        results = await call_tools(ctx, traj, calls, {})
+        with pytest.raises(ValueError, match=r"sub_agent_tool='calculator' names one of"):
+            await AgentContext.create(
+                backend,
+                setup["tokenizer"],
+                setup["tools"],
+                parser,
+                dataclasses.replace(config, sub_agent_tool="calculator"),
+            )
+        await backend.close()
+        return traj, results, listed
+
+    traj, (answer, bad), listed = asyncio.run(go())
+    assert listed == ["calculator", "echo", "delegate"]
+    assert answer.text == "The answer is <answer>42</answer>." and not answer.error
+    assert bad.error and "takes" in bad.text
+    assert traj.sample == 0 and traj.num_samples == 2
+    assert_samples_exact(traj, backend.log)
+    parent, sub = traj.train_sequences(1.0)
+    ids, mask = setup["expected"][QUESTION]  # the tool loop's episode of the question
+    assert sub.prompt_ids + sub.response_ids == ids
+    assert [0] * len(sub.prompt_ids) + sub.loss_mask == mask
+    assert parent.uid == "p" and sub.uid == "p@1" and len(turn_spans(parent.loss_mask)) == 1
