@@ -25,3 +25,25 @@ def test_dry_run_sends_every_tensor_bit_for_bit() -> None:
     assert result["equal"] and result["differing"] == []
     assert result["tensors"] == 26  # TINY_QWEN2: embedding, final norm, 2 layers x 12
     assert result["mode"].startswith("dry-run")
+
+
+def test_the_cuda_path_is_chosen_when_learner_and_every_engine_share_its_gpu() -> None:
+    """`push_transport`: CUDA IPC when the learner's weights sit on one GPU that every engine
+    sees (listed in its CUDA_VISIBLE_DEVICES, or inherited); /dev/shm for host weights,
+    weights over several GPUs, or an engine that does not see the learner's GPU. Host
+    arrays name no GPU (`learner_gpus`)."""
+    import jax.numpy as jnp
+
+    from jax_agent_rl.backends.vllm.cuda_ipc import learner_gpus, push_transport
+
+    assert learner_gpus([jnp.zeros(3)], None) == [] == learner_gpus([jnp.zeros(3)], "2,3")
+    cases = {
+        ((), ("4", "5")): ("shm", "not on a CUDA device"),
+        (("0", "1"), ("", "")): ("shm", "span GPUs ['0', '1']"),
+        (("0",), ("4,0", "5")): ("shm", "engines [1] do not see the learner's GPU 0"),
+        (("0",), ("4,0", "5,0")): ("cuda_ipc", "share GPU 0"),
+        (("GPU-7f",), ("", "")): ("cuda_ipc", "share GPU GPU-7f"),
+    }
+    for (gpus, engines), (path, why) in cases.items():
+        got, reason = push_transport(gpus, engines)
+        assert got == path and why in reason, (gpus, engines, reason)

@@ -43,7 +43,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from jax_agent_rl.backends.vllm import wire
+from jax_agent_rl.backends.vllm import cuda_ipc, wire
 from jax_agent_rl.backends.worker import Channel, engine_main
 
 _MODULE = "jarl_gpu_backend.worker"  # this module's name (``-m`` runs it as __main__)
@@ -106,7 +106,15 @@ class WeightLoader:
             for name, data, dtype, shape in wire.map_tensors(path, index):
                 yield name, torch.frombuffer(data, dtype=getattr(torch, dtype)).view(shape)
 
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._reload(tensors())
+
+    def jarl_load_ipc(self, payload: str) -> None:
+        """Reloads every tensor of a `cuda_ipc.export_tensors` payload: views into the
+        learner's buffer on the same GPU, never through the host (as `jarl_load_shm`)."""
+        self._reload(cuda_ipc.import_tensors(payload))
+
+    def _reload(self, tensors: Any) -> None:
+        self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         _repack_experts(model)
         if model.config.tie_word_embeddings:
@@ -250,7 +258,10 @@ class Worker:
     async def load(self, m: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         try:
-            await self.engine.collective_rpc("jarl_load_shm", args=(m["path"], m["index"]))
+            if "payload" in m:  # the CUDA path (`cuda_ipc`)
+                await self.engine.collective_rpc("jarl_load_ipc", args=(m["payload"],))
+            else:
+                await self.engine.collective_rpc("jarl_load_shm", args=(m["path"], m["index"]))
             await self.engine.reset_prefix_cache()
         except Exception as e:  # the engine keeps serving; the backend reports the failure
             self.send({"op": "failed", "message": f"{type(e).__name__}: {e}"})

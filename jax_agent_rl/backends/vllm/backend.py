@@ -15,13 +15,14 @@ Weight updates go through the `WeightGate` every backend shares: new requests wa
 in flight finish under the weights they started with, then every engine loads the new weights
 and resets its prefix cache, and the waiting requests go out stamped with the new version. The
 weights travel through one file in ``/dev/shm``, written once from `hf_tensors` (the HF export's
-name/transpose table) and read in place by every engine. A LoRA model's engines run vLLM's own
-LoRA support on the checkpoint's base: a push (the adapters alone, `LayerAdapters`) is written
-as a PEFT folder (`write_peft`), one per push under the backend's temporary folder (the one
-before it deleted once the engines hold the new one), which every engine loads under a new
-adapter id; every later request runs under the latest. The CUDA transport (one CUDA IPC
-handle, `cuda_ipc`) exists and is checked on a GPU without vLLM; this backend does not use it
-yet (docs/vllm.md says why and the rule it will follow).
+name/transpose table) and read in place by every engine, or, when the learner's weights sit on
+one GPU every engine sees, as one CUDA IPC handle to a buffer on that GPU, never through the
+host (`cuda_ipc`; the choice, `cuda_ipc.push_transport`, is made at each push: `transport`).
+A LoRA model's engines run vLLM's own LoRA support on the checkpoint's base: a push (the
+adapters alone, `LayerAdapters`) is written as a PEFT folder (`write_peft`), one per push
+under the backend's temporary folder (the one before it deleted once the engines hold the new
+one), which every engine loads under a new adapter id; every later request runs under the
+latest.
 
 An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
 marks those trajectories ``aborted``); new requests go to the engines still alive, and with
@@ -46,7 +47,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jax_agent_rl.backends.vllm import wire
+import jax
+
+from jax_agent_rl.backends.vllm import cuda_ipc, wire
 from jax_agent_rl.backends.vllm.engines import Call, Engine, interpreter_problem
 from jax_agent_rl.backends.vllm.sizes import (
     BLOCK_SIZES,
@@ -131,6 +134,9 @@ class VLLMBackend:
             raise ValueError(f"replicas={replicas}: must be at least 1")
         if devices and len(devices) != replicas:
             raise ValueError(f"{len(devices)} device groups for {replicas} replicas: one each")
+        self._devices = list(devices) or [""] * replicas  # each engine's CUDA_VISIBLE_DEVICES
+        # the last push's path (`cuda_ipc.push_transport`: CUDA IPC or /dev/shm) and why
+        self.transport: tuple[cuda_ipc.Transport, str] | None = None
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be at least 1")
         self.model = model
@@ -329,6 +335,18 @@ class VLLMBackend:
         if self.model.lora is not None or isinstance(params, LayerAdapters):
             return await self._push_adapters(params)
         t0 = time.perf_counter()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = cuda_ipc.learner_gpus(jax.tree.leaves(params), visible)
+        self.transport = cuda_ipc.push_transport(gpus, self._devices)
+        if self.transport[0] == "cuda_ipc":
+            export = await asyncio.to_thread(
+                cuda_ipc.export_tensors, hf_tensors(self.model, params, on_device=True)
+            )
+            t1 = time.perf_counter()
+            load_s = await self._load({"op": "load", "payload": export.payload})
+            # (the buffer was kept alive until every engine had loaded from it)
+            self.last_push = PushStats(export.nbytes, t1 - t0, load_s, time.perf_counter() - t0)
+            return
         fd, name = tempfile.mkstemp(prefix="jarl-weights-", suffix=".bin", dir=wire.SHM_DIR)
         os.close(fd)
         path = Path(name)

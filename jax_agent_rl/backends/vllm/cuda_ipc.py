@@ -15,6 +15,12 @@ and yields ``(name, tensor)`` views into the buffer, as `wire.map_tensors` yield
 the mapped file: what vLLM's ``reload_weights`` takes. The sender must keep the buffer alive
 until the receiver is done (`Export.buffer`).
 
+Which path a push takes (`push_transport`, a pure function of where the learner's weights are
+and what each engine sees): this handle when the learner's weights sit on one GPU that every
+engine's ``CUDA_VISIBLE_DEVICES`` lists (an IPC handle opens only on a device the process
+sees), the ``/dev/shm`` file otherwise (weights on the host or over several GPUs, or an engine
+that does not see the learner's GPU; across nodes it would be NCCL, not this).
+
 Standard library at import: JAX and torch are imported by the side that needs them.
 """
 
@@ -23,10 +29,51 @@ from __future__ import annotations
 import base64
 import dataclasses
 import pickle
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
 
 _ALIGN = 256  # cudaMalloc's alignment: every view starts as a fresh allocation would
+
+Transport = Literal["cuda_ipc", "shm"]
+
+
+def push_transport(
+    learner_gpus: Sequence[str], engine_devices: Sequence[str]
+) -> tuple[Transport, str]:
+    """How a push reaches the engines, and why, in a sentence. ``learner_gpus``: the GPUs
+    holding the pushed weights, named as ``CUDA_VISIBLE_DEVICES`` names them (`learner_gpus`;
+    empty: not on CUDA); ``engine_devices``: each engine's ``CUDA_VISIBLE_DEVICES`` (""
+    inherits the learner's, so it sees the learner's GPUs)."""
+    if not learner_gpus:
+        return "shm", "the learner's weights are not on a CUDA device: pushes go through /dev/shm"
+    if len(learner_gpus) > 1:
+        return "shm", (
+            f"the learner's weights span GPUs {list(learner_gpus)} (a CUDA IPC push hands one "
+            "GPU's buffer): pushes go through /dev/shm"
+        )
+    gpu = learner_gpus[0]
+    blind = [i for i, d in enumerate(engine_devices) if d and gpu not in d.split(",")]
+    if blind:
+        seen = [engine_devices[i] for i in blind]
+        return "shm", (
+            f"vLLM engines {blind} do not see the learner's GPU {gpu} (CUDA_VISIBLE_DEVICES "
+            f"{seen}; list it after their own for the CUDA path): pushes go through /dev/shm"
+        )
+    return "cuda_ipc", (
+        f"the learner's weights and every vLLM engine share GPU {gpu}: pushes go by CUDA IPC "
+        "handle, not through the host"
+    )
+
+
+def learner_gpus(arrays: Iterable[Any], visible: str | None) -> list[str]:
+    """The GPUs ``arrays`` (JAX arrays) are on, as ``CUDA_VISIBLE_DEVICES`` names them:
+    ``visible`` (the learner process's; None: every GPU, named by index) maps JAX's local
+    hardware ids. Empty when none is on a CUDA device."""
+    names = None if visible is None else [n.strip() for n in visible.split(",")]
+    found: set[int] = set()
+    for array in arrays:
+        found |= {d.local_hardware_id for d in array.devices() if d.platform == "gpu"}
+    return [str(i) if names is None else names[i] for i in sorted(found)]
 
 
 @dataclasses.dataclass(frozen=True)
