@@ -3,12 +3,14 @@
 At RL learning rates most weights, rounded to the serving dtype (bf16), come out of a step
 bit for bit as they went in. `DeltaPusher` keeps the last weights it pushed, in the engine's
 serving layout (`Policy.serving_layout`: one more copy of the served weights on the learner's
-devices, on one of them: `_on_one_device`), and sends a `WeightDelta` in place of the next ones: for each serving leaf that
-changed, its changed elements (int32 flat indices and their values) or its changed blocks of
-`BLOCK` consecutive elements (block indices and the blocks), whichever is fewer bytes, or the
-whole leaf when that is fewer still; a leaf that did not change is not sent. Index lists are
-padded to a power of two (`bucket`, so that the programs that make and apply them compile a
-bounded number of times; the padding is counted in the bytes sent); a pad repeats an entry.
+devices, on one of them: `_on_one_device`), and sends a `WeightDelta` in place of the next
+ones: for each serving leaf that changed, its changed elements (int32 flat indices and their
+values), its changed blocks of `BLOCK` consecutive elements (block indices and the blocks), or
+a bit per element saying which changed and the changed values in order, whichever is fewer
+bytes, or the whole leaf when that is fewer still; a leaf that did not change is not sent.
+Index and value lists are padded to a power of two (`bucket`, so that the programs that make
+and apply them compile a bounded number of times; the padding is counted in the bytes sent);
+a pad repeats an entry.
 
 A push is whole (the declared weights, as without deltas) when it is the first, every
 ``full_every``-th push (``engine.push.full_every``), or when the delta would be no smaller.
@@ -41,14 +43,16 @@ from jax_agent_rl.rollout.protocol import RolloutBackend
 BLOCK = 64  # elements of one block of a blocks-encoded leaf
 INDEX_BYTES = 4  # int32 indices
 
-LeafKind = Literal["elements", "blocks", "whole"]
+LeafKind = Literal["elements", "blocks", "mask", "whole"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafDelta:
     """One serving leaf's change: ``elements`` (``index`` [n] flat indices, ``values`` [n]),
     ``blocks`` (``index`` [n] block numbers, ``values`` [n, BLOCK]; the last block's elements
-    past the leaf's end are dropped) or ``whole`` (``values`` the new leaf, ``index`` None)."""
+    past the leaf's end are dropped), ``mask`` (``index`` the changed elements' bits, packed
+    [ceil(size / 8)] uint8; ``values`` [>= changed] theirs in flat order) or ``whole``
+    (``values`` the new leaf, ``index`` None)."""
 
     kind: LeafKind
     shape: tuple[int, ...]
@@ -143,6 +147,12 @@ def _on_one_device(x: jax.Array) -> jax.Array:
     )
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
+def _masked(old: jax.Array, new: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    flat = _changed(old, new)[0]
+    return jnp.packbits(flat), new.reshape(-1)[_first_true(flat, size)]
+
+
 def encode_leaf(old: jax.Array, new: jax.Array, changed: int, blocks: int) -> LeafDelta | None:
     """The fewest-bytes encoding of ``new`` against ``old`` (``changed`` elements and
     ``blocks`` blocks differ: `_counts`); None if nothing changed."""
@@ -152,14 +162,15 @@ def encode_leaf(old: jax.Array, new: jax.Array, changed: int, blocks: int) -> Le
     sizes: dict[LeafKind, int] = {
         "elements": bucket(changed) * (INDEX_BYTES + item),
         "blocks": bucket(blocks) * (INDEX_BYTES + BLOCK * item),
+        "mask": -(-new.size // 8) + bucket(changed) * item,
         "whole": new.size * item,
     }
     kind = min(sizes, key=sizes.__getitem__)
     shape, dtype = tuple(new.shape), new.dtype
     if kind == "whole":
         return LeafDelta("whole", shape, dtype, None, new)
-    encode = _elements if kind == "elements" else _blocks
-    idx, values = encode(old, new, size=bucket(changed if kind == "elements" else blocks))
+    encode = {"elements": _elements, "blocks": _blocks, "mask": _masked}[kind]
+    idx, values = encode(old, new, size=bucket(blocks if kind == "blocks" else changed))
     return LeafDelta(kind, shape, dtype, idx, values)
 
 
@@ -187,6 +198,13 @@ def _scatter(leaf: jax.Array, idx: jax.Array, values: jax.Array, block: int) -> 
     return leaf.at[tuple(coords)].set(values, mode="drop")
 
 
+@functools.partial(jax.jit, static_argnames=("count", "size"))
+def _mask_indices(bits: jax.Array, count: int, size: int) -> jax.Array:
+    """The flat indices [size] a ``mask`` leaf's packed ``bits`` set (of ``count`` elements),
+    padded as `_masked` pads its values."""
+    return _first_true(jnp.unpackbits(bits, count=count).astype(bool), size)
+
+
 def apply_delta(served: Any, delta: WeightDelta, version: int) -> Any:
     """``served`` (an engine's weights, in its serving layout, serving ``version``) with
     ``delta`` applied, each changed leaf in place (its buffer donated: ``served`` is not to be
@@ -212,6 +230,10 @@ def apply_delta(served: Any, delta: WeightDelta, version: int) -> Any:
             out.append(leaf)
         elif d.kind == "whole":
             out.append(jax.device_put(d.values, leaf.sharding))
+        elif d.kind == "mask":  # set through the indices its bits name
+            bits, values = (_replicated_like(x, leaf) for x in (d.index, d.values))
+            idx = _mask_indices(bits, count=leaf.size, size=values.shape[0])
+            out.append(_scatter(leaf, idx, values, block=1))
         else:
             idx, values = (_replicated_like(x, leaf) for x in (d.index, d.values))
             out.append(_scatter(leaf, idx, values, block=BLOCK if d.kind == "blocks" else 1))

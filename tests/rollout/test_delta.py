@@ -43,19 +43,22 @@ def _encoded(old: jax.Array, new: jax.Array):  # type: ignore[no-untyped-def]
 
 def test_each_leaf_goes_in_its_fewest_bytes() -> None:
     """A bf16 leaf of 4096: 3 scattered elements go as elements (padded to 4: 4 x 6 bytes,
-    against a block of 4 + 64 x 2); one whole block as that block; every element as the leaf;
+    against a block of 4 + 64 x 2); one whole block as that block; every 10th (410) as a bit
+    per element and their values (512 + 512 x 2 bytes); every element as the leaf;
     a sign flip of zero (-0.0) is a change; nothing changed: nothing sent. Applied, each gives
     the new leaf bit for bit."""
     old = jnp.zeros(4096, jnp.bfloat16)
     cases = {
         "elements": old.at[jnp.array([5, 900, 4000])].set(1.5),
         "blocks": old.at[128:192].set(jnp.arange(64, dtype=jnp.bfloat16)),
+        "mask": old.at[::10].set(jnp.arange(1, 411, dtype=jnp.bfloat16)),
         "whole": old + 0.25,
     }
     for kind, new in cases.items():
         d = _encoded(old, new)
         assert d is not None and d.kind == kind
-        assert d.nbytes == {"elements": 4 * 6, "blocks": 4 + BLOCK * 2, "whole": 4096 * 2}[kind]
+        sizes = {"elements": 4 * 6, "blocks": 4 + BLOCK * 2, "mask": 512 + 512 * 2, "whole": 8192}
+        assert d.nbytes == sizes[kind]
         served = apply_delta(
             [jnp.zeros(4096, jnp.bfloat16)], WeightDelta(0, jax.tree.structure([old]), (d,)), 0
         )
@@ -64,8 +67,8 @@ def test_each_leaf_goes_in_its_fewest_bytes() -> None:
     assert d is not None and d.kind == "elements" and int(d.index[0]) == 7
     assert _encoded(old, old) is None
     # a blocks leaf whose last block runs past its end: the tail is dropped
-    odd = jnp.zeros((3, 500), jnp.bfloat16)
-    new = odd.at[2].set(2.0)  # elements 1000-1499: blocks 15-23 (the last past the end)
+    odd = jnp.zeros((3, 5000), jnp.bfloat16)
+    new = odd.at[2, 4900:].set(2.0)  # elements 14900-14999: blocks 232-234 (past the end)
     d = _encoded(odd, new)
     assert d is not None and d.kind == "blocks"
     served = apply_delta([odd + 0], WeightDelta(3, jax.tree.structure([odd]), (d,)), 3)
