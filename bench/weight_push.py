@@ -17,30 +17,47 @@ model against a push of the adapters (``adapter_over_full``), and decode tokens/
 32-token prompts, 64 new tokens, fp32) with the adapters applied unmerged (``x W + s (x A) B``,
 what the engine does) against merged into the weights (a plain model, what merge-on-push would
 serve), with the seconds such a merge takes per push.
+
+``--delta``: a delta push (`jax_agent_rl.rollout.delta`) against a whole one, in bytes and
+seconds (the learner's encoding, the engine's in-place apply), on the demo's model
+(`jax_agent_rl.demo.MODEL`) and at the Qwen2.5-1.5B shape (`plan.presets`), in memory:
+random fp32 weights (N(0, 0.02), norms 1), one optax Adam step on a random gradient at each
+``--lrs``, the weights before and after it cast to each serving dtype (fp32, bf16). At the
+1.5B shape ``--layers`` of its 28 layers are built (every leaf kind: embedding, each layer's
+leaves, final norm; the full model's bytes scale the per-layer figures by 28 / layers; the
+seconds are those of the part). Adam's first step moves every weight by about lr, so at RL
+learning rates few move by a whole bf16 step; fp32 serving sees every one move.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import dataclasses
 import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from jax_agent_rl.backends.vllm.backend import DEFAULT_PYTHON, VLLMBackend
+from jax_agent_rl.demo import MODEL as DEMO_MODEL
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import load_hf
+from jax_agent_rl.models import ModelConfig, Weights, init_params, load_hf, policy_of
 from jax_agent_rl.models.adapters import adapters_of, add_lora, merge, with_adapters
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.plan.presets import PRESETS as SHAPES
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
+from jax_agent_rl.rollout.delta import DeltaPusher, WeightDelta, apply_delta
 from jax_agent_rl.rollout.protocol import PushStats
 
 MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
@@ -54,7 +71,13 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--lora", action="store_true", help="the embedded engine, LoRA pushes")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--delta", action="store_true", help="delta pushes against whole ones")
+    parser.add_argument("--lrs", default="1e-6,1e-5", help="--delta's Adam learning rates")
+    parser.add_argument("--layers", type=int, default=2, help="--delta: 1.5B layers built")
     args = parser.parse_args()
+    if args.delta:
+        delta_bench([float(x) for x in args.lrs.split(",")], args.layers)
+        return
     if args.lora:
         lora_bench(args.model, args.rank, args.pushes)
         return
@@ -172,6 +195,115 @@ def lora_bench(model: str, rank: int, pushes: int) -> None:
                 "unmerged_decode_tok_s": round(unmerged, 1),
                 "merged_decode_tok_s": round(merged, 1),
                 "merge_s": round(merge_s, 4),
+            }
+        )
+    )
+
+
+def _adam_step(w: Weights, lr: float, seed: int) -> Weights:
+    """``w`` after one optax Adam step (lr ``lr``) on a random N(0, 1) gradient, leaf by leaf
+    (Adam is elementwise: the same step as on the whole tree, in one leaf's memory)."""
+    opt = optax.adam(lr)
+    leaves, treedef = jax.tree.flatten(w)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for x, k in zip(leaves, keys, strict=True):
+        updates, _ = opt.update(jax.random.normal(k, x.shape), opt.init(x))
+        out.append(jax.block_until_ready(optax.apply_updates(x, updates)))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _scales(tree: Any, per_layer: int) -> list[int]:
+    """Per leaf of ``tree``: how many of the full model's layers it stands for (``per_layer``
+    for a layer's leaf, else 1)."""
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [per_layer if "layers" in jax.tree_util.keystr(p) else 1 for p, _ in paths]
+
+
+def _delta_case(cfg: ModelConfig, before: Weights, after: Weights, per_layer: int) -> dict:
+    """One push of ``after`` over ``before`` (both in ``cfg.dtype``): the whole push's bytes,
+    the delta's (a layer's leaves counted ``per_layer`` times: the layers a part stands for),
+    what each leaf was sent as, the encoding's and the in-place apply's seconds (the second
+    of two runs: the first compiles)."""
+    pusher = DeltaPusher(cfg, full_every=1 << 30)
+    layout = jax.jit(policy_of(cfg).serving_layout)
+    runs = []
+    for _ in range(2):
+        sent, base = pusher.encode(before)
+        pusher.took(sent, base, 0)
+        served = jax.block_until_ready(layout(before))
+        t0 = time.perf_counter()
+        delta, _ = pusher.encode(after)
+        made = delta.leaves if isinstance(delta, WeightDelta) else ()
+        jax.block_until_ready([(d.index, d.values) for d in made if d is not None])
+        t1 = time.perf_counter()
+        if isinstance(delta, WeightDelta):
+            served = jax.block_until_ready(apply_delta(served, delta, 0))
+        runs.append((delta, t1 - t0, time.perf_counter() - t1))
+        del served
+    delta, encode_s, apply_s = runs[-1]
+    full = sum(
+        int(x.nbytes) * k
+        for x, k in zip(jax.tree.leaves(before), _scales(before, per_layer), strict=True)
+    )
+    if not isinstance(delta, WeightDelta):
+        return {"full_bytes": full, "delta_bytes": full, "full_over_delta": 1.0, "whole": True}
+    served_scales = _scales(layout(before), per_layer)
+    sent = sum(
+        (0 if d is None else d.nbytes) * k for d, k in zip(delta.leaves, served_scales, strict=True)
+    )
+    kinds = collections.Counter("unchanged" if d is None else d.kind for d in delta.leaves)
+    return {
+        "full_bytes": full,
+        "delta_bytes": sent,
+        "full_over_delta": round(full / sent, 2),
+        "leaves": dict(kinds),
+        "encode_s": round(encode_s, 4),
+        "apply_s": round(apply_s, 4),
+    }
+
+
+def delta_bench(lrs: list[float], layers: int) -> None:
+    """`--delta` (module docstring)."""
+    shapes = {
+        "demo": ({**DEMO_MODEL, "vocab_size": 2048}, 1),  # (the demo's trained vocabulary)
+        "qwen2.5-1.5b": ({**SHAPES["qwen2.5-1.5b"], "num_hidden_layers": layers}, 28 // layers),
+    }
+    results: list[dict[str, Any]] = []
+    for name, (hf, per_layer) in shapes.items():
+        cfg32 = ModelConfig.from_hf(hf)
+        w = init_params(jax.random.key(0), cfg32, one_device_sharder())
+        for lr in lrs:
+            stepped = _adam_step(w, lr, seed=1)
+            for dtype in ("float32", "bfloat16"):
+                cfg = dataclasses.replace(cfg32, dtype=dtype)
+                before, after = (
+                    jax.tree.map(lambda x, d=dtype: x.astype(d), t) for t in (w, stepped)
+                )
+                row = {"model": name, "lr": lr, "dtype": dtype}
+                row.update(_delta_case(cfg, before, after, per_layer))
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                results.append(row)
+                del before, after
+            del stepped
+        del w
+
+    def ratio(model: str, lr: float) -> float:
+        return next(
+            float(r["full_over_delta"])
+            for r in results
+            if (r["model"], r["lr"], r["dtype"]) == (model, lr, "bfloat16")
+        )
+
+    print(
+        json.dumps(
+            {
+                "bench": "weight_push_delta",
+                "layers_built_of_1.5b": layers,
+                **{
+                    f"full_over_delta_{m}_bf16_lr{lr:g}": ratio(m, lr) for m in shapes for lr in lrs
+                },
+                "cases": results,
             }
         )
     )
