@@ -30,9 +30,7 @@ prefixes are salted with the version, `PagePool.keys`), and admission resumes. W
 ``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
 and running requests and kept sessions go on under the new weights over the old ones' keys
 and values (shared prefixes never cross versions). A LoRA push is its adapters alone
-(`LayerAdapters`, run unmerged on the kept base). A delta push (`delta.WeightDelta`, on the
-version it serves) sets the changed elements of its weights in place (`delta.apply_delta`).
-Each sampled token carries the version that
+(`LayerAdapters`, run unmerged on the kept base). Each sampled token carries the version that
 sampled it and the oldest that computed its KV (`GenerateResult.token_versions`,
 ``kv_versions``; `PagePool.oldest`), and a MoE's its experts (`GenerateResult.expert_ids`).
 
@@ -59,7 +57,6 @@ from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.state import RUNNING, STOPPED, StepChunk, StepTokens
 from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.models.lora import LayerAdapters
-from jax_agent_rl.rollout.delta import WeightDelta, apply_delta, push_bytes
 from jax_agent_rl.rollout.gate import WeightGate
 from jax_agent_rl.rollout.jobs import Job, Update
 from jax_agent_rl.rollout.protocol import (
@@ -106,7 +103,6 @@ class EmbeddedBackend:
             max_model_len=engine.max_len,
             expert_ids=any(engine.cfg.moe_layers),
             lora=engine.cfg.lora is not None,
-            delta_push=True,
         )
         self.stats = BackendStats()
         # the last weight push: its bytes (a LoRA policy's adapters only), the engine's seconds
@@ -290,8 +286,6 @@ class EmbeddedBackend:
         try:
             if isinstance(new, LayerAdapters):  # LoRA: new adapters on the base it holds
                 self._params = self.engine.load_adapters(self._params, new)
-            elif isinstance(new, WeightDelta):  # the changed elements, in place
-                self._params = apply_delta(self._params, new, self._pool.version)
             else:
                 checked_weights(self.engine.cfg, new)
                 del self._params  # first: the new weights take the old ones' place (one copy)
@@ -304,7 +298,8 @@ class EmbeddedBackend:
         if self._gate.drain:
             self._sessions.drop()  # their pages hold keys and values of the old weights
         seconds = time.perf_counter() - t0
-        self.last_push = PushStats(push_bytes(new), 0.0, seconds, seconds)
+        pushed = sum(x.nbytes for x in jax.tree.leaves(new))
+        self.last_push = PushStats(pushed, 0.0, seconds, seconds)
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:
