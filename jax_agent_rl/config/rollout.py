@@ -110,14 +110,8 @@ class EngineSection:
     )
     # a longer prompt is prefilled in chunks between decode steps (embedded, jetstream)
     prefill_chunk: int = setting(512, COUNT, was="rollout.prefill_chunk")
-    # steps per engine call: embedded, its ragged step then decode steps of the rows it
-    # sampled (1: a finished row's slot is refilled at the next step); jetstream, decode steps
+    # decode steps per engine call (embedded, jetstream)
     steps_per_call: int = setting(4, COUNT, was="rollout.steps_per_call")
-    # the embedded engine's step budget: one call computes every decoding slot's next token
-    # and prompt chunks of waiting requests up to this many tokens in all (on each shard of
-    # the slots), as one ragged batch; the call's further steps decode. At least the slots a
-    # shard decodes (max_concurrent over the data axes)
-    max_step_tokens: int = setting(512, COUNT)
     # a decode step computes only the slots in use (rounded up to a power of two); false:
     # always all max_concurrent, so that no number depends on how requests happened to share
     # a batch (XLA:CPU's matmuls round differently by row count; bitwise-reproducible runs,

@@ -5,26 +5,21 @@ sequence holds a page table (its pages in order), so memory follows real lengths
 sequences that share a prefix share its pages. Which sequence holds which pages is the
 caller's business (`engine.pages.PagePool` keeps the ledger); the engine computes:
 
-``step`` is how the embedded backend serves: one forward over a ragged batch of token
-rows, each decoding slot's next token beside prompt chunks of several sequences (each its
-own query length, positions and pages: `state.StepChunk`), up to ``max_step_tokens`` tokens;
-each token a row of the decode path (`models.paged.ragged_attention` over its sequence's
-pages up to its own position, the work the sum of the real lengths; on TPU with a 16-bit
-cache JAX's Pallas kernel, on GPU the Triton one), then the rows that end a prompt or decode
-sample (a prompt's last row installs its request's sampling state in its slot), and those
-still running decode ``num_steps - 1`` more steps in the same call. JetStream's calls
-(``prefill`` a chunk of one sequence and sample, ``insert`` it into a slot, ``generate``
-every active slot ``num_steps`` tokens, its batch a power-of-two bucket or the active slots
-gathered: `state.decode_rows`) serve the JetStream backend. ``copy_page`` copies a shared
-page before a write. Each slot carries its own sampling parameters, RNG, stop ids and budget.
-A MoE model's programs also return the experts each sampled token came from (routing
-replay).
+``prefill`` runs a chunk of one sequence's tokens (after the positions its pages hold
+already), writes their keys and values into its pages and samples the next token;
+``insert`` places the result in a decode slot; ``generate`` advances every active slot by
+``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
+rounded up to a power-of-two batch bucket, or the active ones gathered into a smaller
+bucket: `state.decode_rows`), each slot's attention over its own pages only
+(`models.paged.ragged_attention`, the work the sum of the real lengths; on TPU with a
+16-bit cache, JAX's Pallas kernel). ``copy_page`` copies a shared page before a write.
+Each slot carries its own sampling parameters, RNG, stop ids and budget. A MoE model's
+prefill and generate also return the experts each sampled token came from (routing replay).
 
-Compilation is bounded: a step pads its token rows to a power-of-two bucket up to
-``max_step_tokens`` (attention loops over the real (row, page) pairs, a count known on the
-device only), one program per bucket; JetStream's prefill chunks pad to bucket lengths (up
-to ``prefill_chunk``) and read a power-of-two number of pages, and ``generate`` compiles once
-per batch bucket. ``warmup`` (``warmup_slots``) compiles them all up front.
+Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
+``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
+of pages; ``generate`` compiles once per batch bucket (attention loops over the real
+(slot, page) pairs, a count known on the device only); ``warmup`` compiles them all up front.
 ``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
 Weights are arguments, never constants: new weights of the same shapes reuse every compiled
 program. Each layer's weights and pages are buffers of their own (`serving_layout`), read
@@ -35,7 +30,7 @@ On ``sharder``'s mesh (an inference mesh, see `models.inference_mesh`; alone, a
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
 slots split over ``data`` into ``shards`` and so do the pool's pages (kv heads over
 ``tensor``): slot i decodes on shard ``slot_shard(i)`` and names pages of that shard's
-range only (the caller's ledger sees to it; ``step`` and ``generate`` check it), and each shard's
+range only (the caller's ledger sees to it; ``generate`` checks it), and each shard's
 attention reads its own pages (`models.paged.decode_steps`): no keys or values cross chips.
 """
 
@@ -56,7 +51,6 @@ from jax_agent_rl.engine.state import (
     DecodeState,
     Prefix,
     Slots,
-    StepChunk,
     StepTokens,
     abstract_decode_state,
     buckets,
@@ -102,7 +96,6 @@ class Engine:
         max_stop_ids: int = 8,
         batch_buckets: bool = True,
         decode_kernel: str = "auto",
-        max_step_tokens: int = 512,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -143,15 +136,6 @@ class Engine:
         self.page_buckets = buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
         # decode batches of a power of two (`decode_rows`); sharded, the whole batch
         self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
-        # a ragged step's token rows on each shard: a power of two up to max_step_tokens (or,
-        # without batch buckets, always max_step_tokens); each shard's decode rows fit in it
-        if max_step_tokens < local:
-            raise ValueError(
-                f"max_step_tokens={max_step_tokens} is fewer than the {local} slots a shard "
-                "decodes in one step"
-            )
-        self.max_step_tokens = max_step_tokens
-        self.step_buckets = buckets(1, max_step_tokens) if batch_buckets else (max_step_tokens,)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or
@@ -182,9 +166,7 @@ class Engine:
             static_argnames=("num_steps",),
             donate_argnames=("state",),
         )
-        self._step = jax.jit(
-            self._step_impl, static_argnames=("num_steps",), donate_argnames=("state",)
-        )
+        self._release = jax.jit(self._release_impl, donate_argnames=("state",))
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
         self._serving_layout = jax.jit(self.policy.serving_layout)
@@ -356,7 +338,7 @@ class Engine:
         prefix = Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish, experts=experts)
         return state, prefix
 
-    # ---------------------------------------------------------------------- insert, copy_page
+    # -------------------------------------------------------------------- insert / release
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         """Places a prefilled sequence in decode slot ``slot`` (its slot state and length;
@@ -371,6 +353,15 @@ class Engine:
         )
         pos = state.pos.at[slot].set(prefix.pos[0])
         return self._lay_out(DecodeState(pages=state.pages, pos=pos, slots=slots))
+
+    def release(self, state: DecodeState, slot: int) -> DecodeState:
+        """Deactivates a slot (finished or aborted); its pages are the caller's to free."""
+        return self._release(state, jnp.int32(slot))
+
+    def _release_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
+        self.compile_counts["release"] += 1
+        slots = dataclasses.replace(state.slots, active=state.slots.active.at[slot].set(False))
+        return self._lay_out(dataclasses.replace(state, slots=slots))
 
     def copy_page(self, state: DecodeState, src: int, dst: int) -> DecodeState:
         """Page ``dst`` becomes a copy of page ``src`` in every layer (a shared page a
@@ -427,19 +418,6 @@ class Engine:
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
         take, put = row_access(slot_b, gather=self.shards == 1)
-        step = self._decode_step(params, table_bm, take, put)
-        state, out = jax.lax.scan(step, state, None, length=num_steps)
-        return state, dataclasses.replace(out, slot=slot_b)
-
-    def _decode_step(
-        self,
-        params: Weights,
-        table_bm: jax.Array,
-        take: Callable[[jax.Array], jax.Array],
-        put: Callable[[jax.Array, jax.Array], jax.Array],
-    ) -> Callable[[DecodeState, None], tuple[DecodeState, StepTokens]]:
-        """One decode step of the rows ``take`` reads from the per-slot arrays (and ``put``
-        writes back), whose page tables are ``table_bm``, as a `lax.scan` body."""
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
             every = state.slots
@@ -471,172 +449,8 @@ class Engine:
             state = DecodeState(pages=pages, pos=put(state.pos, pos), slots=slots)
             return self._lay_out(state), out
 
-        return step
-
-    # ---------------------------------------------------------------------- the ragged step
-
-    def step_bucket(self, n_tokens: int) -> int:
-        """The token rows a step of ``n_tokens`` tokens (on its busiest shard) computes."""
-        i = bisect.bisect_left(self.step_buckets, n_tokens)
-        if i == len(self.step_buckets):
-            raise ValueError(
-                f"{n_tokens} tokens exceed a step of max_step_tokens={self.max_step_tokens}"
-            )
-        return self.step_buckets[i]
-
-    def step(
-        self,
-        params: Weights,
-        state: DecodeState,
-        page_table: np.ndarray,
-        chunks: Sequence[StepChunk],
-        num_steps: int = 1,
-    ) -> tuple[DecodeState, StepTokens]:
-        """One ragged step: every chunk's tokens (each sequence its own query length, its
-        own positions and pages: `StepChunk`) in one forward, each token a row that writes its
-        key and value into its sequence's pages and attends to its positions up to its own
-        (`models.paged.ragged_attention`, or the platform's paged kernel); then the rows that
-        end a prompt or decode sample their next token, and (``num_steps`` > 1) those of them
-        still running decode ``num_steps - 1`` more steps in the same call. ``page_table``
-        [N, M] names each slot's pages (`page_table`), which must cover every position the
-        call writes. The tokens come back [num_steps, rows]: ``slot`` [rows] names each row's
-        slot (past the last slot for a padding row), in chunk order on each shard. At most one
-        chunk per slot, at most ``max_step_tokens`` tokens on each shard. The state's pool is
-        donated."""
-        n_slots, M = self.max_concurrent_decodes, self.pages_per_seq
-        by_shard: list[list[StepChunk]] = [[] for _ in range(self.shards)]
-        seen: set[int] = set()
-        for c in chunks:
-            if not 0 <= c.slot < n_slots or c.slot in seen:
-                raise ValueError(f"chunk of slot {c.slot}: one chunk per slot of 0..{n_slots - 1}")
-            if c.start < 0 or c.start + c.size >= self.max_len:
-                raise ValueError(
-                    f"cannot compute {c.size} tokens after {c.start} within max_len={self.max_len}"
-                )
-            seen.add(c.slot)
-            by_shard[self.slot_shard(c.slot)].append(c)
-        n_local = self.step_bucket(max(sum(c.size for c in cs) for cs in by_shard) or 1)
-        r_local = min(n_local, self.slots_per_shard)
-        N, R = self.shards * n_local, self.shards * r_local
-        tokens_n, slot_n = np.full(N, -1, np.int32), np.full(N, n_slots, np.int32)
-        pos_n, sample_r = np.zeros(N, np.int32), np.zeros(R, np.int32)
-        slot_r, fresh_r = np.full(R, n_slots, np.int32), np.zeros(R, bool)
-        first_page = np.arange(N, dtype=np.int32) // n_local * self.shard_pages
-        table_n = np.repeat(first_page[:, None], M, axis=1)  # padding rows: their shard's
-        table_r = np.zeros((R, M), np.int32)
-        table_r[:] = (np.arange(R, dtype=np.int32) // r_local * self.shard_pages)[:, None]
-        fresh = [self._slot_row(None)] * R
-        for s, cs in enumerate(by_shard):
-            row, r = s * n_local, s * r_local
-            for c in cs:
-                n = c.size
-                tokens_n[row : row + n] = c.tokens or [-1]
-                slot_n[row : row + n] = c.slot
-                pos_n[row : row + n] = c.start + np.arange(n)
-                table_n[row : row + n] = page_table[c.slot]
-                if c.samples:
-                    sample_r[r], slot_r[r], table_r[r] = row + n - 1, c.slot, page_table[c.slot]
-                    if c.first is not None:
-                        fresh_r[r], fresh[r] = True, self._slot_row(c.first)
-                    r += 1
-                row += n
-        check_shards(table_n, n_local, self.shard_pages)
-        check_shards(table_r, r_local, self.shard_pages)
-        fresh_slots = jax.tree.map(lambda *xs: np.stack(xs), *fresh)
-        rows = ("batch",)
-        args = [
-            self._device_table(a, rows)
-            for a in (tokens_n, slot_n, pos_n, sample_r, slot_r, fresh_r)
-        ]
-        tables = [self._device_table(t, ("batch", None)) for t in (table_n, table_r)]
-        fresh_slots = jax.tree.map(lambda x: self._device_table(x, slot_axes(x.ndim)), fresh_slots)
-        return self._step(params, state, *args, *tables, fresh_slots, num_steps=num_steps)
-
-    def _slot_row(self, first: tuple[SamplingParams, int, int] | None) -> Slots:
-        """One request's slot state (host arrays, no slot axis): ``first``'s (sampling
-        parameters, seed, tokens sampled before), or an idle slot's."""
-        stop = np.full((self.max_stop_ids,), -1, np.int32)
-        if first is None:
-            return Slots(
-                *(np.int32(0), np.bool_(False), np.int32(0), np.int32(1), np.float32(1)),
-                *(np.int32(-1), np.float32(1), stop, np.zeros(2, np.uint32)),
-            )
-        sampling, seed, generated = first
-        stop[: len(sampling.stop_token_ids)] = sampling.stop_token_ids
-        return Slots(
-            token=np.int32(0),
-            active=np.bool_(True),
-            generated=np.int32(generated),
-            max_tokens=np.int32(sampling.max_tokens),
-            temperature=np.float32(sampling.temperature),
-            top_k=np.int32(sampling.top_k),
-            top_p=np.float32(sampling.top_p),
-            stop_ids=stop,
-            key=_key_data(seed),
-        )
-
-    def _step_impl(
-        self,
-        params: Weights,
-        state: DecodeState,
-        tokens_n: jax.Array,
-        slot_n: jax.Array,
-        pos_n: jax.Array,
-        sample_r: jax.Array,
-        slot_r: jax.Array,
-        fresh_r: jax.Array,
-        table_nm: jax.Array,
-        table_rm: jax.Array,
-        fresh: Slots,
-        num_steps: int,
-    ) -> tuple[DecodeState, StepTokens]:
-        self.compile_counts["step"] += 1  # runs at trace time only
-        every = state.slots
-
-        def take(x: jax.Array) -> jax.Array:  # a padding row (slot past the last) reads zeros
-            return x.at[slot_r].get(mode="fill", fill_value=0)
-
-        def put(all_: jax.Array, part: jax.Array) -> jax.Array:  # and writes nothing
-            return all_.at[slot_r].set(part, mode="drop")
-
-        # a decode row's input is its slot's last sampled token, on the device already
-        last = every.token.at[slot_n].get(mode="fill", fill_value=0)
-        h, pages, ids = paged_forward(
-            params,
-            self.cfg,
-            jnp.where(tokens_n >= 0, tokens_n, last)[:, None],
-            sharder=self.sharder,
-            cache=state.pages,
-            page_table_bm=table_nm,
-            pos_b=pos_n,
-            num_new_b=(slot_n < self.max_concurrent_decodes).astype(jnp.int32),
-            decode_kernel=self.decode_kernel,
-        )
-        held = jax.tree.map(take, every)
-        slots = jax.tree.map(
-            lambda new, old: jnp.where(fresh_r.reshape(-1, *(1,) * (old.ndim - 1)), new, old),
-            fresh,
-            held,
-        )
-        valid = slot_r < self.max_concurrent_decodes
-        token, logprob = sample_step(self.policy.logits(params, h[sample_r])[:, 0], slots)
-        pos = pos_n[sample_r] + 1
-        slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
-        finish = finish_code(slots, token, pos, self.max_len)
-        slots = dataclasses.replace(slots, active=valid & (finish == RUNNING))
-        state = DecodeState(
-            pages=pages, pos=put(state.pos, pos), slots=jax.tree.map(put, every, slots)
-        )
-        state = self._lay_out(state)
-        # the experts of each sampled row's position [S, N, 1, k] -> [R, S, k]
-        experts = None if ids is None else ids[:, sample_r, 0].swapaxes(0, 1)
-        out = StepTokens(token, logprob, valid=valid, finish=finish, experts=experts)
-        outs = jax.tree.map(lambda x: x[None], out)
-        if num_steps > 1:
-            more = self._decode_step(params, table_rm, take, put)
-            state, rest = jax.lax.scan(more, state, None, length=num_steps - 1)
-            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
-        return state, dataclasses.replace(outs, slot=slot_r)
+        state, out = jax.lax.scan(step, state, None, length=num_steps)
+        return state, dataclasses.replace(out, slot=slot_b)
 
     def warmup(
         self,
@@ -644,46 +458,11 @@ class Engine:
         num_steps: int,
         on_program: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Compiles every program serving by ragged steps can need (``step`` of ``num_steps``
-        steps at each token bucket a step can fill, and copy_page), so that no request
-        stalls on a compilation later: a trace holds the GIL and stalls the whole process.
-        It writes into the pool: call it before serving. ``on_program(done, total)`` hears of
-        each program as it is ready."""
-        report = on_program or (lambda done, total: None)  # noqa: ARG005
-        greedy = (SamplingParams(max_tokens=1, temperature=0.0), 0, 0)
-        state = self.init_decode_state()
-        pages = list(range(self.pages_per_seq))
-        first = [self.slot_shard(s) * self.shard_pages for s in range(self.max_concurrent_decodes)]
-        table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
-        # a shard's slots hold at most max_len - 1 tokens each: the buckets a step can fill
-        fits = self.slots_per_shard * (self.max_len - 1)
-        sizes = [
-            b for i, b in enumerate(self.step_buckets) if i == 0 or self.step_buckets[i - 1] < fits
-        ]
-        total = len(sizes) + 1  # + copy_page
-        for done, size in enumerate(sizes, 1):
-            chunks: list[StepChunk] = []
-            left = min(size, fits)
-            while left > 0:  # shard 0's slots, each up to max_len - 1 tokens
-                n = min(left, self.max_len - 1)
-                chunks.append(StepChunk(len(chunks), 0, [0] * n, greedy))
-                left -= n
-            state, out = self.step(params, state, table, chunks, num_steps)
-            jax.block_until_ready(out)
-            report(done, total)
-        jax.block_until_ready(self.copy_page(state, 0, 1))
-        report(total, total)
-
-    def warmup_slots(
-        self,
-        params: Weights,
-        num_steps: int,
-        on_program: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """Compiles every program serving by JetStream's calls can need (each prefill bucket
-        at each number of pages it can read, ``generate`` at each batch bucket, insert
-        and copy_page), as `warmup` does for ragged steps. ``on_program(done,
-        total)`` hears of each program (or program pair) as it is ready."""
+        """Compiles every program serving can need (each prefill bucket at each number of
+        pages it can read, ``generate`` at each batch bucket, insert, release
+        and copy_page), so that no request stalls on a compilation later: a trace holds the
+        GIL and stalls the whole process. It writes into the pool: call it before serving.
+        ``on_program(done, total)`` hears of each program (or program pair) as it is ready."""
         report = on_program or (lambda done, total: None)  # noqa: ARG005
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
@@ -691,7 +470,7 @@ class Engine:
         chunks = self._warmup_chunks()
         if not chunks:
             raise AssertionError("no prefill bucket was compiled")
-        total = len(chunks) + len(self.batch_buckets) + 1  # + insert/copy_page
+        total = len(chunks) + len(self.batch_buckets) + 2  # + insert/copy_page, release
         prefix = None
         for done, (start, n) in enumerate(chunks, 1):
             state, prefix = self.prefill(params, state, pages, start, [0] * n, greedy, 0)
@@ -707,6 +486,8 @@ class Engine:
             state, out = self._generate(params, state, device_table, order, num_steps=num_steps)
             jax.block_until_ready(out)
             report(i, total)
+        jax.block_until_ready(self.release(state, 0))
+        report(total, total)
 
     def _warmup_chunks(self) -> list[tuple[int, int]]:
         """(start, length) of one prefill chunk per compiled prefill program: each bucket at
@@ -723,8 +504,3 @@ class Engine:
                 ):
                     chunks.append((start, n))
         return chunks
-
-
-def _key_data(seed: int) -> np.ndarray:
-    """The raw key data [2] (uint32) of ``seed``'s RNG key, as `jax.random.key` makes it."""
-    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.engine.engine import Engine
+from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
 from jax_agent_rl.models.decoder import is_spec
 
@@ -39,9 +40,8 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     """(jitted function, abstract arguments, static arguments) of the costliest programs
     `Engine.warmup` compiles, by name: ``load_params``, the serving layout of ``params``
     (abstract weights in the declared layout, as a learner holds them, on the engine's mesh);
-    ``step``, a ragged step of ``num_steps`` steps at its largest token bucket (a budget of
-    prompt chunks, each shard's); ``decode``, one at the bucket that holds every slot's
-    decode row (each shard's slots)."""
+    ``prefill``, the longest chunk reading the most pages; ``generate``, ``num_steps`` decode
+    steps at the largest batch bucket."""
     state = engine.abstract_decode_state()
     serving = jax.eval_shape(engine._serving_layout, params)
     serving = jax.tree.map(
@@ -49,23 +49,28 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
         serving,
         serving_shardings(engine.cfg, engine.sharder),
     )
+    slots = jax.eval_shape(lambda: engine._request_slots(SamplingParams(max_tokens=1), 0, 0))
 
-    def rows(n: int, *rest: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
-        shape = (engine.shards * n, *rest)
-        at = engine.sharder.sharding(("batch",) + (None,) * len(rest), shape)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=at)
+    def table(rows: int, axes: tuple[str | None, ...]) -> jax.ShapeDtypeStruct:
+        shape = (rows, engine.pages_per_seq)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=engine.sharder.sharding(axes, shape))
 
-    def step_args(tokens: int) -> tuple[Any, ...]:
-        n = engine.step_bucket(tokens)
-        r, m = min(n, engine.slots_per_shard), engine.pages_per_seq
-        fresh = jax.tree.map(lambda x: rows(r, *x.shape[1:], dtype=x.dtype), state.slots)
-        per_token, per_row = (rows(n),) * 3, (rows(r), rows(r), rows(r, dtype=jnp.bool_))
-        return (serving, state, *per_token, *per_row, rows(n, m), rows(r, m), fresh)
-
-    largest = engine.step_buckets[-1]
-    static = {"num_steps": num_steps}
+    bucket, rows = engine.prefill_buckets[-1], engine.batch_buckets[-1]
+    padded = jax.ShapeDtypeStruct((1, bucket), jnp.int32)
+    start_n = jax.ShapeDtypeStruct((2,), jnp.int32)
+    slot_b = jax.ShapeDtypeStruct(
+        (rows,), jnp.int32, sharding=engine.sharder.sharding(("batch",), (rows,))
+    )
     return {
         "load_params": (engine._serving_layout, (params,), {}),
-        "step": (engine._step, step_args(largest), static),
-        "decode": (engine._step, step_args(engine.slots_per_shard), static),
+        "prefill": (
+            engine._prefill,
+            (serving, state, table(1, (None, None)), start_n, padded, slots),
+            {"pages_read": engine.page_buckets[-1]},
+        ),
+        "generate": (
+            engine._generate,
+            (serving, state, table(rows, ("batch", None)), slot_b),
+            {"num_steps": num_steps},
+        ),
     }

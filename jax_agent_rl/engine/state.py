@@ -15,12 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.engine.sampling import (
-    SamplingParams,
-    sample,
-    sampling_logprobs,
-    token_logprobs,
-)
+from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
 from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, page_shardings
 from jax_agent_rl.models.attention_kernels import platform_of
 from jax_agent_rl.models.moe import expert_id_dtype
@@ -87,30 +82,6 @@ class StepTokens:
     finish: jax.Array
     experts: Any = None
     slot: Any = None  # int32 [batch]: each row's slot
-
-
-@dataclasses.dataclass(frozen=True)
-class StepChunk:
-    """One sequence's share of a ragged step (`Engine.step`): in slot ``slot``, whose pages
-    hold ``start`` positions already, the new ``tokens`` at positions ``start ..`` (a prompt's
-    chunk), or none: a decode row, the slot's last sampled token at position ``start``. A
-    decode row samples its next token; a chunk samples only where ``first`` is given (it ends
-    its prompt): the request's sampling parameters, RNG seed and the tokens it sampled before
-    (a preempted request computed again goes on with its stream and budget)."""
-
-    slot: int
-    start: int
-    tokens: Sequence[int] = ()
-    first: tuple[SamplingParams, int, int] | None = None  # (sampling, seed, generated)
-
-    @property
-    def size(self) -> int:
-        """The token rows it takes."""
-        return len(self.tokens) or 1
-
-    @property
-    def samples(self) -> bool:
-        return not self.tokens or self.first is not None
 
 
 def paged_forward(

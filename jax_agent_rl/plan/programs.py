@@ -1,5 +1,5 @@
 """A run's device programs, assembled abstractly: the trainer's own jitted functions (the RL
-update, the SFT step, the engine's ragged step and decode, the learner-to-engine weight push) with
+update, the SFT step, the engine's prefill and decode, the learner-to-engine weight push) with
 their arguments as `jax.ShapeDtypeStruct`s laid out on a mesh of a TPU slice's abstract devices,
 ready to lower and compile for it. Nothing is allocated and no weights are read. A LoRA run's
 (``model.lora``) are its own: the learner trains the adapters alone (its optimizer state is
@@ -335,9 +335,9 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     """The embedded engine's weight push (the learner's fp32 params, laid out on the training
     mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
     from the learner's buffers to the engine's; a LoRA policy's adapters alone, onto the base
-    the engine keeps: `serving_adapters`), its ragged step at its largest token bucket and
-    a call of every slot decoding, each of ``engine.steps_per_call`` steps (a LoRA model's
-    adapters unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
+    the engine keeps: `serving_adapters`), its longest prefill chunk and a decode call of
+    ``engine.steps_per_call`` steps at its largest batch bucket (a LoRA model's adapters
+    unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
     r, tensor = cfg.engine, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, model, cfg.model.dtype, serving)
@@ -345,7 +345,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
     load_fn, _, _ = programs["load_params"]
     learner_params = abstract_params(dataclasses.replace(model, dtype="float32"), sharder)
-    out_layout = jax.tree.map(lambda x: x.sharding, programs["step"][1][0])
+    out_layout = jax.tree.map(lambda x: x.sharding, programs["generate"][1][0])
     dtype = served.jnp_dtype
     pushed: Any  # the learner's weights, or a LoRA policy's adapters
     if model.lora is None:
@@ -358,35 +358,34 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             out_shardings=tuple(w.lora for w in layers),
         )
         pushed, what = adapters_of(learner_params), "the LoRA adapters, fp32 -> serving layout"
-    # per chip: a shard's token rows over its tensor devices, each at half the longest context
-    tokens, rows = engine.step_buckets[-1], engine.slots_per_shard
-    steps = r.steps_per_call
-    more = (steps - 1) * forward_flops(model, rows / tensor, r.max_model_len / 2)
-    step = forward_flops(model, tokens / tensor, r.max_model_len / 2) + more
-    decode = steps * forward_flops(model, rows / tensor, r.max_model_len / 2)
-    fn, args, static = programs["step"]
-    dec_fn, dec_args, dec_static = programs["decode"]
+    dp = sharder.mesh.shape["data"] * sharder.mesh.shape["fsdp"]
+    chunk, pages = engine.prefill_buckets[-1], engine.page_buckets[-1]
+    prefill = forward_flops(model, chunk / tensor, min(pages * engine.page_size, r.max_model_len))
+    rows = engine.batch_buckets[-1]
+    # each of a call's decode steps: every slot of the batch, attending to half the longest
+    decode = r.steps_per_call * forward_flops(model, rows / dp / tensor, r.max_model_len / 2)
+    fn, args, static = programs["prefill"]
+    gen_fn, gen_args, gen_static = programs["generate"]
     return [
         Program("weight_push", push, (pushed,), {}, 0.0, 0.0, what, replaces=model.lora is None),
         Program(
-            "step",
+            "prefill",
             fn,
             args,
             static,
-            step,
-            step,
-            f"a ragged step of {tokens} prompt tokens per shard (engine.max_step_tokens), "
-            f"then {steps - 1} decode steps of its {rows} rows, {engine.decode_kernel} attention",
-            kernels=kernel_costs(context=r.max_model_len / 2),
+            prefill,
+            prefill,
+            f"one chunk of {chunk} tokens reading {pages} pages of {engine.page_size}",
+            kernels=kernel_costs(),
         ),
         Program(
             "decode",
-            dec_fn,
-            dec_args,
-            dec_static,
+            gen_fn,
+            gen_args,
+            gen_static,
             decode,
             decode,
-            f"{steps} steps x {rows} slots per shard, each at {r.max_model_len // 2} cached "
+            f"{r.steps_per_call} steps x {rows} slots, each at {r.max_model_len // 2} cached "
             f"tokens on average, {engine.decode_kernel} attention",
             kernels=kernel_costs(context=r.max_model_len / 2),
         ),

@@ -181,7 +181,6 @@ def make_engine(
         ),
         prefill_chunk=r.prefill_chunk,
         batch_buckets=r.batch_buckets,
-        max_step_tokens=r.max_step_tokens,
         sharder=sharder,
     )
 

@@ -58,9 +58,9 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
-    # one ragged step program per token bucket, whatever the mix of prompts and decode rows
-    assert set(counts) == {"step"}
-    assert counts["step"] <= len(engine.step_buckets)
+    assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.page_buckets)
+    assert counts["generate"] <= len(engine.batch_buckets)  # one program per batch, any lengths
+    assert counts["insert"] == 1
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
     asyncio.run(many())
@@ -83,7 +83,8 @@ def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: boo
     after_warmup = dict(engine.compile_counts)
     total = heard[-1][1]
     assert heard == [(done, total) for done in range(1, total + 1)]
-    assert total == after_warmup["step"] + 1  # + copy_page
+    prefills, generates = after_warmup["prefill"], after_warmup["generate"]
+    assert total == prefills + generates + 2  # + insert/copy_page, release
     rng = np.random.default_rng(1)
 
     async def sessions() -> None:
