@@ -21,7 +21,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "jax_agent_rl"
 # the jarl-gpu-backend distribution: the vLLM engine process, run under the vLLM venv
 GPU_BACKEND = PACKAGE.parent / "gpu_backend" / "jarl_gpu_backend"
 # what the engine process imports of this package (standard library and numpy only)
-SHARED_WITH_THE_ENGINE = {"jax_agent_rl.backends.worker", "jax_agent_rl.backends.vllm.wire"}
+# what both sides of the pipe share: the worker's loop, the /dev/shm wire, the CUDA IPC wire
+# (standard library at import, torch inside its functions)
+SHARED_WITH_THE_ENGINE = {
+    "jax_agent_rl.backends.worker",
+    "jax_agent_rl.backends.vllm.wire",
+    "jax_agent_rl.backends.vllm.cuda_ipc",
+}
 
 # The layers, low to high: a module imports only from its own package or a lower tier. A
 # top-level module (files.py, progress.py) counts as a package of its own.
