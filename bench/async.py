@@ -42,8 +42,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jax_agent_rl.cli.demo import SMALL_OVERRIDES, SMOKE_OVERRIDES, small_task_sft
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import SMALL_OVERRIDES, SMOKE_OVERRIDES, small_task_sft
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.tools import ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator

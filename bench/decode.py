@@ -14,7 +14,7 @@ call like the embedded one's), and vLLM's ``AsyncLLM`` in its own process
 loop (a Python thread per stage, one gRPC stream per request) costs over the same engine.
 
 Mixture of experts: ``--models tiny-moe,small-moe`` serves `jarl checkpoint make`'s Qwen3-MoE
-presets (`jax_agent_rl.demo.PRESETS`, with their vocabularies) on the backends given and, on
+presets (`jax_agent_rl.cli.demo.PRESETS`, with their vocabularies) on the backends given and, on
 the embedded engine, their dense twins (`jax_agent_rl.models.hf_local.dense_twin`: a Qwen3 of
 the same active parameter count), keys ``<model>_<dtype>_b<B>_dense_jax_tok_s``;
 ``_moe_over_dense`` is the MoE's tokens/s over its twin's on the embedded engine.
@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.demo import PRESETS
+from jax_agent_rl.cli.demo import PRESETS
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, dense_twin, write_hf_checkpoint

@@ -47,7 +47,7 @@ the batch / median step time; ``real_token_frac`` = real tokens / positions the 
 computes.
 
 Mixture of experts (``--model tiny-moe`` or ``small-moe``: `jarl checkpoint make`'s Qwen3-MoE
-presets, `jax_agent_rl.demo.PRESETS`, with their vocabularies): the same variants on that
+presets, `jax_agent_rl.cli.demo.PRESETS`, with their vocabularies): the same variants on that
 model, torch's being transformers' Qwen3MoeForCausalLM (its default experts implementation,
 named in the JSON line), and ``dense_jax_packed_fp32`` / ``_bf16``: the JAX step on the
 MoE's dense twin (`jax_agent_rl.models.hf_local.dense_twin`: a Qwen3 of the same attention,
@@ -475,7 +475,7 @@ def jax_train(
 def bench_model(name: str | None, smoke: bool) -> tuple[str, dict[str, Any]]:
     """The model's name in the JSON line and its HF fields: the dense Qwen2 (tiny for
     ``smoke``) or the MoE preset ``name``."""
-    from jax_agent_rl.demo import PRESETS
+    from jax_agent_rl.cli.demo import PRESETS
     from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2
 
     if name is None:

@@ -34,9 +34,9 @@ from rich.console import Console
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.config import JarlConfig, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.train.build import build_run
 from jax_agent_rl.train.learn import learn

@@ -1,24 +1,15 @@
 """Checks of the files that come with a checkpoint or a tokenizer, before they are read, and of
-the run's JSONL logs, before they are appended to; the folders a command writes, made."""
+the run's JSONL logs, before they are appended to.
+
+The one module at the package's root: the models and the tokenizer (the lowest packages) read
+through it, as the run's logs (`jax_agent_rl.train`) append through it, so it sits below every
+package; in either of those it would make the other import it, and the tokenizer import JAX."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
-
-from jax_agent_rl.errors import ConfigError
-
-
-def made_folder(path: Path, named: str) -> Path:
-    """``path``, made a folder (with its parents) unless it is one; a `ConfigError` saying so
-    after ``named`` (the key or flag that gives it) when it cannot be: under a file, on a
-    read-only file system."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{named}: cannot make the folder: {e.strerror or e}") from None
-    return path
 
 
 def regular_file(path: Path, folder: str) -> bool:

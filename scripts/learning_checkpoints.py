@@ -1,6 +1,6 @@
 """Makes the warm starts that tests/train/test_learning.py trains from with RL, into
 tests/train/warm_starts/<demo>/: the exported policy of an SFT-only run of the smaller demo task
-(`jax_agent_rl.demo.small_task_sft`), 600 steps for the dense demo model and 800 for its
+(`jax_agent_rl.cli.demo.small_task_sft`), 600 steps for the dense demo model and 800 for its
 Qwen3-MoE twin, and the run's held-out success beside it (sft.json).
 
 The suite trains from these files rather than running the SFT itself (about 10 CPU-minutes of
@@ -23,7 +23,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # as the suite's (tests/conftest.py)
 
-from jax_agent_rl.demo import small_task_sft
+from jax_agent_rl.cli.demo import small_task_sft
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

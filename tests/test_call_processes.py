@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.call_processes import CallProcesses, raised_in
+from jax_agent_rl.usercode.processes import CallProcesses, raised_in
 from tests.processes import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_what_does_not_pickle_comes_back_as_an_error_naming_it() -> None:
 # a parent whose worker, stuck in `hangs`, has written its process id to their shared stdout
 PARENT = """
 import asyncio, functools
-from jax_agent_rl.call_processes import CallProcesses
+from jax_agent_rl.usercode.processes import CallProcesses
 from tests.test_call_processes import load
 asyncio.run(CallProcesses(1, "orphan").run(functools.partial(load, "hangs"), (), 600.0))
 """

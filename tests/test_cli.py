@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.demo import expected_duration
+from jax_agent_rl.cli.demo import expected_duration
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder

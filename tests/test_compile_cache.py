@@ -16,7 +16,7 @@ PROGRAM = """
 import sys
 from pathlib import Path
 from jax_agent_rl.cli import compile_cache
-from jax_agent_rl.progress import CacheHits
+from jax_agent_rl.console.progress import CacheHits
 folder = compile_cache.enable(compile_cache.default_folder())
 import jax, jax.numpy as jnp
 hits = CacheHits()

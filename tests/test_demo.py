@@ -3,7 +3,7 @@ folder there is named (the HF export ``hf/`` included), the known ones described
 
 from pathlib import Path
 
-from jax_agent_rl.demo import OUTPUTS, lora_phases, run_outputs, task_files
+from jax_agent_rl.cli.demo import OUTPUTS, lora_phases, run_outputs, task_files
 
 
 def test_the_closing_list_names_everything_the_run_folder_holds(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 from rich.console import Console
 
-from jax_agent_rl.progress import phase
+from jax_agent_rl.console.progress import phase
 
 
 class FakeClock:

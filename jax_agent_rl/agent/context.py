@@ -19,7 +19,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolExecutor
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
 
 _AGENT: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentSection)}
 # the setup checks of the loops in modules of their own, loaded by name as user code is (so

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jax_agent_rl.agent.openai_requests import Harness, HarnessTask
-from jax_agent_rl.call_threads import carried, own_errors
+from jax_agent_rl.usercode.threads import carried, own_errors
 
 if TYPE_CHECKING:
     from jax_agent_rl.agent.trajectory import StopReason, Trajectory

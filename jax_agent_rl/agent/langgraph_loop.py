@@ -90,14 +90,14 @@ from jax_agent_rl.agent.loop import (
     tool_service_failed,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
-from jax_agent_rl.call_threads import until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
+from jax_agent_rl.usercode.threads import until_set
 
 T = TypeVar("T")
 INVALID_CALL = "invalid_tool_call"  # the tool that answers calls the tools cannot take

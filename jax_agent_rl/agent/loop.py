@@ -47,7 +47,7 @@ from jax_agent_rl.tokenization.tool_calls import ParsedCall
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
 
 AgentLoopFn = Callable[[Sample, AgentContext], Awaitable[Trajectory]]
 

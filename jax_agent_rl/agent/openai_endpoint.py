@@ -48,7 +48,7 @@ name what differs, never quoting a turn. A request naming no open session is ans
 from its headers: its body is never read and no session is touched. Once an episode has ended
 (a budget, a failure), further requests are answered 409 and change nothing, and
 `HarnessTask.run_tool` raises; the harness, which has nothing left to do, is then cancelled
-(`call_threads.until_set`): one retrying every error held its episode, and the step, for ever.
+(`usercode.threads.until_set`): one retrying every error held its episode, and the step, for ever.
 So is one that has not returned ``AFTER_END_S`` after its episode ended, asking nothing, and
 one holding its live episode ``agent.harness_timeout_s`` without a request (`nothing_left`).
 A request the backend fails is answered 500 and ends the episode with ``agent_error`` (as in
@@ -114,13 +114,13 @@ from jax_agent_rl.agent.openai_requests import (
     tool_call_message,
 )
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
-from jax_agent_rl.call_threads import until_set
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, finite_json_float, no_json_constant
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
+from jax_agent_rl.usercode.threads import until_set
 
 LIMITS = Limits()  # what each episode's endpoint server lets its harness hold (endpoint_http)
 # seconds a harness may go on after its episode ended without asking on (to log, to close its

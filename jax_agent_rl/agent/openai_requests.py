@@ -15,10 +15,10 @@ import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from jax_agent_rl.console.visible import lone_surrogate
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
-from jax_agent_rl.user_code import load_function
-from jax_agent_rl.visible import lone_surrogate
+from jax_agent_rl.usercode.load import load_function
 
 T = TypeVar("T")
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)

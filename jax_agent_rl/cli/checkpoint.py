@@ -17,8 +17,8 @@ def _checkpoint_make(args: argparse.Namespace) -> int:
         problem = f"--out {out} exists and is not an empty folder: name a new one"
         print(f"jarl: {problem}", file=sys.stderr)
         return 2
-    from jax_agent_rl.demo import make_checkpoint
-    from jax_agent_rl.files import made_folder
+    from jax_agent_rl.cli.demo import make_checkpoint
+    from jax_agent_rl.config.paths import made_folder
 
     try:
         made_folder(out, f"--out {out}")

@@ -19,7 +19,7 @@ from jax_agent_rl.cli.checkpoint import add_checkpoint_parsers
 from jax_agent_rl.cli.plan import add_plan_parser
 from jax_agent_rl.cli.serve_tools import add_serve_tools
 from jax_agent_rl.cli.view import add_view_parser
-from jax_agent_rl.user_code import working_directory_importable
+from jax_agent_rl.usercode.load import working_directory_importable
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
@@ -33,7 +33,7 @@ def _refuse(problems: Sequence[str]) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from jax_agent_rl import demo
+    from jax_agent_rl.cli import demo
     from jax_agent_rl.config import ConfigError
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -47,8 +47,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     """Loads the config, joins the other processes of a multi-process run, then loads all a run
     reads (`check_run`); a run starts when nothing is wrong, ``--dry-run`` stops (joining none)."""
+    from jax_agent_rl.cluster.distributed import ProcessGroup
     from jax_agent_rl.config import ConfigError, load_config, to_yaml
-    from jax_agent_rl.distributed import ProcessGroup
 
     group = ProcessGroup(
         args.coordinator,
@@ -72,7 +72,7 @@ def _train(args: argparse.Namespace) -> int:
                 "N-host run with --num-processes N --coordinator x:1 --dry-run"
             ]
         )
-    from jax_agent_rl import distributed
+    from jax_agent_rl.cluster import distributed
     from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train.check import check_run, run_notes
 
@@ -108,7 +108,7 @@ def _run_training(cfg: JarlConfig, multi: bool) -> int:
     """`train` in this process: one of a multi-process run stops every process (each saying
     why); a single one refuses a checkpoint it cannot resume from, or a run folder it cannot
     make, in one line."""
-    from jax_agent_rl import distributed
+    from jax_agent_rl.cluster import distributed
     from jax_agent_rl.config import ConfigError
     from jax_agent_rl.models.checkpoint import CheckpointError
     from jax_agent_rl.train import train
@@ -159,7 +159,7 @@ def _stop_process(error: BaseException) -> NoReturn:
     which may be gone: closing checkpoints or leaving `jax.distributed` would wait on them."""
     import jax
 
-    from jax_agent_rl.distributed import Liveness, is_communication_error
+    from jax_agent_rl.cluster.distributed import Liveness, is_communication_error
 
     me, processes = jax.process_index(), jax.process_count()
     who = f"process {me} of {processes}"

@@ -210,7 +210,7 @@ def _planned(
     a program compiles: a 1.5B update compiles for minutes)."""
     from rich.console import Console
 
-    from jax_agent_rl import progress
+    from jax_agent_rl.console import progress
     from jax_agent_rl.plan import plan_run
 
     label = f"compiling {what} for {topology.name}"

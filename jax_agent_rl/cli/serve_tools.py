@@ -20,11 +20,11 @@ if TYPE_CHECKING:
 def _serve_tools(args: argparse.Namespace) -> int:
     """``jarl serve-tools``: a bad input is one ``jarl:`` line on stderr, exit code 2."""
     from jax_agent_rl.config import ConfigError, package_file
-    from jax_agent_rl.errors import error_text
     from jax_agent_rl.tokenization.tool_calls import PARSERS
     from jax_agent_rl.tools.protocol import RequestCaps
     from jax_agent_rl.tools.registry import ToolRegistry
     from jax_agent_rl.tools.server import serve
+    from jax_agent_rl.usercode.threads import error_text
 
     try:
         tools = package_file(args.tools, "--tools")
@@ -74,8 +74,8 @@ def _serve_tools(args: argparse.Namespace) -> int:
 
 def _tokenizer(folder: str) -> Tokenizer | None:
     """The tokenizer of ``--tokenizer`` (None: not given); raises `ValueError` in one line."""
-    from jax_agent_rl.errors import error_text
     from jax_agent_rl.tokenization import Tokenizer
+    from jax_agent_rl.usercode.threads import error_text
 
     if not folder:
         return None

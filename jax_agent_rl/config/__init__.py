@@ -29,6 +29,7 @@ and overrides), `yaml_text` (a config file's text), `paths` (``pkg://`` and run-
 """
 
 from jax_agent_rl.config.checks import check_ranges, field_ranges
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.config.load import Preview, load_config, preview_config, to_yaml
 from jax_agent_rl.config.model import LoraSection, ModelSection
 from jax_agent_rl.config.paths import (
@@ -64,7 +65,6 @@ from jax_agent_rl.config.sections import (
     ToolsSection,
     TrainerSection,
 )
-from jax_agent_rl.errors import ConfigError
 
 __all__ = [
     "CODE_KEYS",

@@ -1,7 +1,7 @@
-"""Another framework's spellings of jarl's keys, which a wing registers (`jax_agent_rl.wings`;
-the verl wing: verl's Hydra keys, `jax_agent_rl.compat.verl.keys`). The config loader passes a
-`JarlConfig`'s overrides through each registered translation and names a registered framework's
-sections when a config file uses them."""
+"""Another framework's spellings of jarl's keys, which a wing registers
+(`jax_agent_rl.config.wings`; the verl wing: verl's Hydra keys, `jax_agent_rl.compat.verl.keys`).
+The config loader passes a `JarlConfig`'s overrides through each registered translation and
+names a registered framework's sections when a config file uses them."""
 
 from __future__ import annotations
 

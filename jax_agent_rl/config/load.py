@@ -20,12 +20,12 @@ from omegaconf.errors import (
 )
 
 from jax_agent_rl.config.checks import check_ranges, moved_keys, moved_to
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.config.foreign_keys import foreign_keys
 from jax_agent_rl.config.paths import resolve_packaged
 from jax_agent_rl.config.sections import JarlConfig
+from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_read, yaml_top
-from jax_agent_rl.errors import ConfigError
-from jax_agent_rl.wings import load_wing
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.config.sections import JarlConfig
-from jax_agent_rl.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -109,3 +109,14 @@ def _with(cfg: T, dotted: str, value: Any) -> T:
     head, _, rest = dotted.partition(".")
     inner = value if not rest else _with(getattr(cfg, head), rest, value)
     return dataclasses.replace(cfg, **{head: inner})  # type: ignore[type-var]
+
+
+def made_folder(path: Path, named: str) -> Path:
+    """``path``, made a folder (with its parents) unless it is one; a `ConfigError` saying so
+    after ``named`` (the key or flag that gives it) when it cannot be: under a file, on a
+    read-only file system."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{named}: cannot make the folder: {e.strerror or e}") from None
+    return path

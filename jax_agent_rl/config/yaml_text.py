@@ -11,7 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 
 # Nesting deeper than this is refused before OmegaConf sees it. The schema is three levels deep
 # and its free-form values (env.config, engine.ray.resources) a few more, while OmegaConf

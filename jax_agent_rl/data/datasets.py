@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_agent_rl.console.visible import lone_surrogate
 from jax_agent_rl.data.sample import DatasetError, Sample
-from jax_agent_rl.visible import lone_surrogate
 
 SUFFIXES = (".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")

@@ -29,7 +29,7 @@ import yaml
 
 from jax_agent_rl.data.answer_code import harmless
 from jax_agent_rl.data.sample import DatasetError, Sample
-from jax_agent_rl.tags import tagged
+from jax_agent_rl.tokenization.tags import tagged
 
 SCHEME = "reasoning_gym:"
 SOURCE_PREFIX = "reasoning_gym/"
@@ -142,7 +142,7 @@ def _scorer(task: str) -> Callable[[str | None, dict[str, Any]], float]:
 
 def loaded_score() -> Callable[[str, str, Any, dict[str, Any]], float]:
     """`score`, reasoning-gym imported (seconds): what a reward worker process loads before its
-    first call is timed (`jax_agent_rl.call_processes`)."""
+    first call is timed (`jax_agent_rl.usercode.processes`)."""
     importlib.import_module("reasoning_gym")
     return score
 

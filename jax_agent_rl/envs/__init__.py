@@ -16,8 +16,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, EnvSection
+from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import (
     ENV_THREAD,
@@ -32,8 +32,8 @@ from jax_agent_rl.envs.base import (
     checked_step,
 )
 from jax_agent_rl.envs.skyrl import registered_skyrl_env, skyrl_factory
-from jax_agent_rl.user_code import import_module, load_function
-from jax_agent_rl.wings import load_wing
+from jax_agent_rl.usercode.load import import_module, load_function
+from jax_agent_rl.usercode.threads import CallThreads
 
 # env.interaction_config's reader: the file -> the environment of a row's interaction; the verl
 # wing registers verl's interaction config (`load_wing`)

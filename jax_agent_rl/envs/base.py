@@ -14,7 +14,7 @@ by the tool loop between model turns (`jax_agent_rl.agent.loop`):
 
 Each method is ``async`` (run on the environments' own event loop, in a thread of its own,
 `jax_agent_rl.envs.env_loop`) or synchronous (run in a thread of a bounded pool,
-`jax_agent_rl.call_threads.CallThreads`). Two properties say how it
+`jax_agent_rl.usercode.threads.CallThreads`). Two properties say how it
 shares the loop: ``turns`` is ``"all"`` when it answers every model turn (it parses the model's
 actions itself, as skyrl-gym environments do) and ``"text"`` when it answers only turns without
 tool calls (the tools answer the others, as verl's interactions do); ``owns_reward`` is True
@@ -59,14 +59,13 @@ from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import EnvSection
+from jax_agent_rl.console.visible import lone_surrogate
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.env_loop import ENV_LOOP, EnvCallTimeoutError, EnvLoop
-from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards.registry import RewardError, checked_reward
 from jax_agent_rl.tokenization import Message
-from jax_agent_rl.visible import lone_surrogate
+from jax_agent_rl.usercode.threads import CallThreads, error_text
 
 OBSERVATION_ROLES = ("user", "tool", "system")
 

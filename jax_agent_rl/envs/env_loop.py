@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any
 
-from jax_agent_rl.call_threads import own_errors
-from jax_agent_rl.errors import error_text
+from jax_agent_rl.usercode.threads import error_text, own_errors
 
 THREAD = "jarl-env-loop"  # the name of the thread that runs the environments' loop
 

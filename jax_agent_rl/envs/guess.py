@@ -21,8 +21,8 @@ from typing import Literal
 
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvStep
-from jax_agent_rl.tags import tagged
 from jax_agent_rl.tokenization import Message
+from jax_agent_rl.tokenization.tags import tagged
 
 ENV_CLASS = "guess_number"
 _INTEGER = re.compile(r"-?\d+")

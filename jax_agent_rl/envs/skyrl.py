@@ -17,7 +17,7 @@ what the model writes inside the calling process (``text2sql`` runs its SQL ther
 whatever rows come back: ``SELECT zeroblob(100000000)`` is an 800M-character observation, 2.5
 GB), and Python cannot stop a thread. The process is forked from a forkserver that has
 skyrl-gym imported (never from the trainer, which holds JAX) and runs
-`jax_agent_rl.env_process`; it may grow its address space by ``env.memory_limit_mib`` past
+`jax_agent_rl.usercode.env_process`; it may grow its address space by ``env.memory_limit_mib`` past
 what it starts with (``RLIMIT_AS``; a MemoryError the environment catches counts too), is
 killed, with what it started, when a call passes ``env.step_timeout_s``, and is reaped when
 the episode closes: an environment out of memory or time ends its own episode
@@ -45,9 +45,9 @@ from typing import Any, Literal
 
 from jax_agent_rl.config import EnvSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.env_process import Recipe, serve
 from jax_agent_rl.envs.base import EnvError, EnvFactory, EnvStep, checked_messages, checked_step
 from jax_agent_rl.tokenization import Message
+from jax_agent_rl.usercode.env_process import Recipe, serve
 
 # the most bytes one answer of an environment's process may carry back (the loop keeps at most
 # agent.max_observation_chars characters of a step's messages; a larger answer is an env_error)
@@ -174,7 +174,7 @@ def _made_context() -> tuple[Any, Connection, Connection]:
     once, and the lifeline each of them holds. (Python 3.11's forkserver preloads neither
     ``__main__`` nor the trainer's ``sys.path``: each process imports the main module, as
     multiprocessing's spawn does, and the process side of this adapter,
-    `jax_agent_rl.env_process`, from the trainer's path.)"""
+    `jax_agent_rl.usercode.env_process`, from the trainer's path.)"""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["skyrl_gym", "omegaconf"])
     # every episode's process holds the first end of a pipe; the second, never written to,

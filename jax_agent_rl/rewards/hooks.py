@@ -1,4 +1,4 @@
-"""Reward rules a wing registers (`jax_agent_rl.wings`): built-in names a config may give
+"""Reward rules a wing registers (`jax_agent_rl.config.wings`): built-in names a config may give
 ``data.reward`` (`register_reward`; verl's ``verl_gsm8k`` ...), and the rule of the data sources
 a wing knows (`register_source_rule`): what scores those rows with ``data.reward`` unset, and
 what the reward of such a row reads, the whole response (`reads_whole_response`, as verl's

@@ -53,11 +53,11 @@ import re
 from collections.abc import Callable
 
 from jax_agent_rl.config import JudgeSection
+from jax_agent_rl.console.visible import without_invisible
 from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.rewards.registry import Answer
 from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.visible import without_invisible
 
 _OPEN_SCORE = re.compile("<score>", re.IGNORECASE)
 _CLOSE_SCORE = re.compile("</score>", re.IGNORECASE)

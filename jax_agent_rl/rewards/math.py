@@ -32,7 +32,7 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
-from jax_agent_rl.tags import tagged
+from jax_agent_rl.tokenization.tags import tagged
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 # LaTeX that does not change a value: sizing, negative thin spaces, degree signs, dollar signs

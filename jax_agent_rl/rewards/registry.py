@@ -91,15 +91,15 @@ from typing import Any
 
 import numpy as np
 
-from jax_agent_rl.call_processes import CallProcesses, CallTimeoutError, raised_in
-from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import ConfigError, DataSection
 from jax_agent_rl.config.ranges import MAX_ABS_REWARD
+from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.data import arithmetic, reasoning_gym
 from jax_agent_rl.rewards.hooks import REWARDS, register_reward, source_rule
 from jax_agent_rl.rewards.math import format_reward, gsm8k_lenient_reward, math_reward
-from jax_agent_rl.user_code import load_function
-from jax_agent_rl.wings import load_wing
+from jax_agent_rl.usercode.load import load_function
+from jax_agent_rl.usercode.processes import CallProcesses, CallTimeoutError, raised_in
+from jax_agent_rl.usercode.threads import CallThreads
 
 # every loaded reward: (data_source, text, ground truth, extra_info) -> reward
 ScoreFn = Callable[[str, str, Any, dict[str, Any]], float]

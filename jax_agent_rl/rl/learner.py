@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jax_agent_rl import device_turns
+from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
 from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters

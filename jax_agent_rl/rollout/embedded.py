@@ -49,7 +49,7 @@ from typing import Any
 
 import jax
 
-from jax_agent_rl import device_turns
+from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.state import RUNNING, STOPPED

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jax_agent_rl.cluster.ray import connect, disconnect
 from jax_agent_rl.models.adapters import base_of, check_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.sharding import one_device_sharder
-from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rollout.delta import refuse_delta
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.protocol import (

@@ -23,7 +23,7 @@ import math
 import re
 from typing import Any, Literal, Protocol
 
-from jax_agent_rl.visible import lone_surrogate
+from jax_agent_rl.console.visible import lone_surrogate
 
 Style = Literal["chat", "inline"]
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)

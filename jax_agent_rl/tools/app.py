@@ -31,6 +31,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jax_agent_rl.config import ToolServerSection
+from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import ToolCallParser, make_parser
 from jax_agent_rl.tools.body_limit import BodyLimit
@@ -48,7 +49,6 @@ from jax_agent_rl.tools.protocol import (
 )
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.socket_server import SocketLimits, SocketServer
-from jax_agent_rl.wings import load_wing
 
 # more routes, each added over /execute's calls and /release's releases (its arguments: the
 # app, the action parser, the caps, run, free and the token check); a wing registers them

@@ -32,7 +32,7 @@ import typing
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from jax_agent_rl.call_threads import CallThreads
+from jax_agent_rl.usercode.threads import CallThreads
 
 JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 

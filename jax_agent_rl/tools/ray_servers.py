@@ -25,7 +25,7 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from jax_agent_rl.ray_cluster import connect
+from jax_agent_rl.cluster.ray import connect
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.tools.client import HttpTools
 from jax_agent_rl.tools.registry import ToolTransportError

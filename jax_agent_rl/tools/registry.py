@@ -25,8 +25,8 @@ import numpy as np
 from omegaconf import OmegaConf
 from pydantic import ValidationError
 
-from jax_agent_rl.call_threads import CALLER, abandoned, own_errors
-from jax_agent_rl.errors import error_text
+from jax_agent_rl.config.wings import load_wing
+from jax_agent_rl.console.visible import lone_surrogate
 from jax_agent_rl.tools.base import (
     CallClock,
     FunctionTool,
@@ -36,9 +36,8 @@ from jax_agent_rl.tools.base import (
     validate_arguments,
 )
 from jax_agent_rl.tools.schemas import OpenAIFunctionToolSchema
-from jax_agent_rl.user_code import import_named
-from jax_agent_rl.visible import lone_surrogate
-from jax_agent_rl.wings import load_wing
+from jax_agent_rl.usercode.load import import_named
+from jax_agent_rl.usercode.threads import CALLER, abandoned, error_text, own_errors
 
 # a tools file's other formats, by their one top-level key: the function that builds a `Tool`
 # from an entry (where, entry); the verl wing registers verl's (``tools:``, `load_wing`)

@@ -57,8 +57,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import jax
 
-from jax_agent_rl import distributed
 from jax_agent_rl.agent.episode import Episode
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.update import LearnerState

@@ -28,8 +28,9 @@ from typing import Any
 from jax.sharding import Mesh
 from rich.console import Console
 
-from jax_agent_rl import device_turns, distributed, progress
 from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
+from jax_agent_rl.cluster import device_turns, distributed
+from jax_agent_rl.cluster.ray import connect, disconnect
 from jax_agent_rl.config import (
     ConfigError,
     JarlConfig,
@@ -38,13 +39,13 @@ from jax_agent_rl.config import (
     absolute_paths,
     to_yaml,
 )
+from jax_agent_rl.config.paths import made_folder
+from jax_agent_rl.console import progress
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
-from jax_agent_rl.files import made_folder
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf
 from jax_agent_rl.models.decoder import param_shardings
-from jax_agent_rl.ray_cluster import connect, disconnect
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.update import LearnerState, trainable

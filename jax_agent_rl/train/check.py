@@ -73,7 +73,7 @@ from jax_agent_rl.train.parts import (
     tool_registry,
 )
 from jax_agent_rl.train.sft import load_demonstrations
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
 
 ROWS = 16  # rows read from the top of each data file
 

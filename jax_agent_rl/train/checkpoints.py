@@ -19,7 +19,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_agent_rl.config import JarlConfig
-from jax_agent_rl.errors import error_text
 from jax_agent_rl.models import (
     CheckpointError,
     ModelConfig,
@@ -30,6 +29,7 @@ from jax_agent_rl.models import (
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.learners import run_model
 from jax_agent_rl.train.run_policy import module_model
+from jax_agent_rl.usercode.threads import error_text
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.filters import FILTERS
 from jax_agent_rl.agent.trajectory import STOP_REASONS
+from jax_agent_rl.console.visible import visible
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.visible import visible
 
 Totals = dict[str, float]
 

@@ -28,11 +28,12 @@ import jax
 from rich.console import Console
 from rich.table import Table
 
-from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config, missing_paths
+from jax_agent_rl.console import progress
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import (

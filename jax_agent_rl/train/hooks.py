@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable
 
-from jax_agent_rl import distributed, progress
 from jax_agent_rl.agent.episode import Episode
+from jax_agent_rl.cluster import distributed
+from jax_agent_rl.console import progress
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run, save_checkpoint
 from jax_agent_rl.train.episodes import stop_warning

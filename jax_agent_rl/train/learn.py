@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import jax
 import numpy as np
 
-from jax_agent_rl import distributed
 from jax_agent_rl.agent.episode import Episode
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import AlgorithmSection, JarlConfig
 from jax_agent_rl.models.attention_kernels import training_kernel
 from jax_agent_rl.rl import core, steps

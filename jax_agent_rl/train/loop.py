@@ -17,8 +17,9 @@ from pathlib import Path
 import jax
 from rich.console import Console
 
-from jax_agent_rl import distributed, progress
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.console import progress
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.async_loop import update_steps
@@ -62,7 +63,7 @@ async def rl_loop(run: Run, state: LearnerState, hooks: Sequence[Hook]) -> Learn
 
 def train(cfg: JarlConfig, console: Console | None = None) -> Path:
     """Runs (or resumes) the job ``cfg`` describes: `rl_loop` with the default hooks, then the
-    end hooks; returns its run folder. In a multi-process run (`jax_agent_rl.distributed`)
+    end hooks; returns its run folder. In a multi-process run (`jax_agent_rl.cluster.distributed`)
     every process calls it; only the first prints, plots and writes the export."""
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
     request_cpu_devices(devices // distributed.joined_processes())

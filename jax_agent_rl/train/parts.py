@@ -14,8 +14,8 @@ from pathlib import Path
 
 import jax
 
-from jax_agent_rl import distributed
 from jax_agent_rl.agent.loop import AGENT_LOOPS
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample

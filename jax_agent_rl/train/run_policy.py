@@ -11,11 +11,11 @@ from typing import Any
 import jax
 
 from jax_agent_rl.config import JarlConfig
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.models import ModelConfig, Sharder, init_params, load_hf
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.learners import with_run_lora
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
 
 
 def module_model(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:

@@ -19,9 +19,10 @@ from typing import Any
 
 from rich.console import Console
 
-from jax_agent_rl import progress
 from jax_agent_rl.agent.trajectory import Trajectory, demonstration_trajectory
 from jax_agent_rl.config import JarlConfig
+from jax_agent_rl.console import progress
+from jax_agent_rl.console.visible import lone_surrogate
 from jax_agent_rl.data.datasets import ROLES
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.batch import make_batch
@@ -31,7 +32,6 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.metrics import MetricsLog
-from jax_agent_rl.visible import lone_surrogate
 
 Turns = list[tuple[str, list[dict[str, Any]]]]
 ANSWERS = ("tool", "user")  # the roles that may answer an assistant turn

@@ -24,10 +24,8 @@ from jax_agent_rl.agent.filters import apply_filters
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.agent.tree import run_tree, tree_budget
-from jax_agent_rl.call_processes import raised_in
 from jax_agent_rl.config import JarlConfig, TreeSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.errors import error_text
 from jax_agent_rl.rewards import (
     Answer,
     AnswerFaultError,
@@ -40,6 +38,8 @@ from jax_agent_rl.rl import core
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.episodes import split_groups
+from jax_agent_rl.usercode.processes import raised_in
+from jax_agent_rl.usercode.threads import error_text
 
 
 def final_answer_text(traj: Trajectory) -> str:

@@ -30,14 +30,14 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from jax_agent_rl import device_turns
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cluster import device_turns
+from jax_agent_rl.console.visible import number, visible
 from jax_agent_rl.files import drop_cut_line
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.visible import number, visible
 
 TRACES_FILE = "traces.jsonl"
 MLFLOW_DB = "mlflow.db"  # the run's MLflow store (SQLite)

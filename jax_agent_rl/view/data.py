@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jax_agent_rl.console.visible import visible
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.traces import NOT_A_RECORD, TRACES_FILE, read_traces, whole_step
-from jax_agent_rl.visible import visible
 
 PLOTS = ("reward.png", "throughput.png")  # the run's plots (train/metrics.py), linked
 METRICS_FILE = "metrics.jsonl"

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.datasets import DatasetError, load_samples
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer, make_reward
 from jax_agent_rl.tokenization import Tokenizer

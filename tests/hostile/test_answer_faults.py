@@ -26,8 +26,6 @@ from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.loop import run_episode
 from jax_agent_rl.agent.trajectory import StopReason, Trajectory
-from jax_agent_rl.call_processes import CallProcesses
-from jax_agent_rl.call_threads import CallThreads
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import Environment, Environments, EnvStep
@@ -39,6 +37,8 @@ from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
 from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.usercode.processes import CallProcesses
+from jax_agent_rl.usercode.threads import CallThreads
 
 HERE = "tests.hostile.test_answer_faults"
 

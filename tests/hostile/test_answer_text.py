@@ -41,7 +41,7 @@ from jax_agent_rl.envs import EnvError, checked_step
 from jax_agent_rl.envs.guess import GuessNumber, read_guess
 from jax_agent_rl.rewards import RewardError, checked_reward
 from jax_agent_rl.rewards.math import format_reward, gsm8k_answer, gsm8k_lenient_reward, math_reward
-from jax_agent_rl.tags import tagged
+from jax_agent_rl.tokenization.tags import tagged
 
 UNCLOSED = "<answer>" * 50_000  # the old regexes: minutes each
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import load_config
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 
 REQUIRED = ["data.train=train.jsonl", "model.path=model"]
 

@@ -332,8 +332,8 @@ def test_train_checks_the_checkpoint_config_first(
 def test_reasoning_gym_options_are_bounded_at_check_time(spec: str, named: str) -> None:
     """A reasoning-gym spec with a size or a task option that would run for ever or overflow
     the stack is one problem of the config check, naming the key and the option."""
+    from jax_agent_rl.cli.demo import DEMO_CONFIG
     from jax_agent_rl.config import load_config
-    from jax_agent_rl.demo import DEMO_CONFIG
 
     override = f"data.train=reasoning_gym:basic_arithmetic?{spec}"
     problems = check_run(load_config(DEMO_CONFIG, ["model.path=/nowhere", override]))

@@ -11,7 +11,7 @@ import pytest
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.config import load_config
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 
 REQUIRED = ["data.train=train.jsonl", "model.path=model"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.demo import make_checkpoint
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import make_checkpoint
 from jax_agent_rl.train.check import check_run
 from jax_agent_rl.train.evaluation import EvalInputError, eval_target
 

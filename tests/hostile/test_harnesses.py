@@ -17,7 +17,7 @@ against what keeps an episode, the step and the rollout's event loop going.
 - A harness that retries every failed request (a careful user's loop: ask again until the
   model says it is done) once the episode had ended at a budget was answered 409 for ever, and
   its episode, and with it the step, never ended (4,440 requests in 60 s). Once the episode
-  has ended, its next request (or ``run_tool``) has it cancelled (`call_threads.until_set`),
+  has ended, its next request (or ``run_tool``) has it cancelled (`usercode.threads.until_set`),
   the episode keeping its stop reason; one that awaits for ever without asking again is
   cancelled ``AFTER_END_S`` after the end.
 - A graph ran on the rollout's loop with no deadline: one that awaited for ever held its

@@ -26,9 +26,9 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from jax_agent_rl.cli.demo import TaskFiles, prepare
 from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import TaskFiles, prepare
 from jax_agent_rl.rewards import Answer, Judge
 from jax_agent_rl.rewards.judge import LESS_THAN, JudgeAnswerError, parse_score, response_block
 from jax_agent_rl.rollout.metered import MeteredBackend
@@ -393,8 +393,6 @@ def test_a_judges_score_tag_followed_by_a_long_run_of_spaces_is_read_in_linear_t
 )
 def test_a_judges_score_reads_as_the_regex_read_it(text: str) -> None:
     assert _score_or_none(text, 10) == _score_by_regex(text, 10)
-
-
 
 
 def test_every_single_left_angle_bracket_is_written_as_less_than() -> None:

@@ -25,9 +25,9 @@ import pytest
 from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import prepare
 from jax_agent_rl.envs import EnvError, Environments, EnvStep, checked_step
 from jax_agent_rl.rewards import (
     Answer,

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from jax_agent_rl.call_processes import CallProcesses
 from jax_agent_rl.config import load_config
 from jax_agent_rl.rewards import RewardError, make_reward
 from jax_agent_rl.rewards.registry import Answer
+from jax_agent_rl.usercode.processes import CallProcesses
 from tests.hostile.test_skyrl_isolation import _alive, _gone
 
 HERE = "tests.hostile.test_reward_workers"

@@ -48,10 +48,10 @@ from safetensors.numpy import load_file
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.loop import AGENT_LOOPS, register_agent_loop
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.rewards import (
     Answer,
 )

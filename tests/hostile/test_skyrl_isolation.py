@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.config.sections import EnvSection
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import DEMO_CONFIG
 from jax_agent_rl.envs import EnvError, Environments, make_environments, skyrl
 from jax_agent_rl.envs.skyrl import REPLY_MAX_BYTES
 

@@ -13,10 +13,10 @@ import pytest
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import prepare
 from jax_agent_rl.envs import EnvError, EnvStep, checked_step
 from jax_agent_rl.rewards import Answer
 from jax_agent_rl.tokenization import Tokenizer

@@ -32,6 +32,7 @@ import pytest
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.console.visible import lone_surrogate, visible
 from jax_agent_rl.data.datasets import DatasetError, load_samples
 from jax_agent_rl.envs import EnvError
 from jax_agent_rl.envs.base import checked_messages
@@ -45,7 +46,6 @@ from jax_agent_rl.tokenization import (
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.traces import append_traces, read_traces, trace_record
-from jax_agent_rl.visible import lone_surrogate, visible
 
 
 def test_a_lone_surrogate_in_a_trajectory_is_traced_and_shown(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ its own (an async tool's call, an async environment method), a ``SystemExit`` (a
 reading a policy's arguments), which asyncio re-raises out of the event loop. A reward
 function's in its worker process reached the step as it was; a synchronous tool's or
 environment's from its thread too. Each is now the call's error, as a `RuntimeError` naming
-it (`call_threads.carried`, `call_threads.own_errors`): a reward error, an environment error,
-a tool's error result the model reads, a harness error; the episode's own cancellation still
-passes on. A skyrl-gym environment's in its own process ended that process, its episode's
+it (`usercode.threads.carried`, `usercode.threads.own_errors`): a reward error, an environment
+error, a tool's error result the model reads, a harness error; the episode's own cancellation
+still passes on. A skyrl-gym environment's in its own process ended that process, its episode's
 error saying it died "out of memory ..., or broken"; it names what was raised now."""
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
+from jax_agent_rl.console.visible import visible
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces
 from jax_agent_rl.view.command import PAGE, view_server
 from jax_agent_rl.view.data import METRICS_FILE, roles
-from jax_agent_rl.visible import visible
 from tests.train.test_view import hostile_record
 
 MARKUP_STEP = "<img src=x onerror=\"document.title='img'\"><script>document.title='s'</script>"

@@ -4,7 +4,7 @@ active parameters, by the closed form of the MLP width."""
 
 import pytest
 
-from jax_agent_rl.demo import PRESETS
+from jax_agent_rl.cli.demo import PRESETS
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import dense_twin
 

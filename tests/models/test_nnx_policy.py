@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import load_config
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
-from jax_agent_rl.errors import ConfigError
 from jax_agent_rl.models import init_params, one_device_sharder, save_hf
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.policy import UnsupportedPolicyError, policy_of
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.train.metrics import read_metrics
-from jax_agent_rl.user_code import load_function
+from jax_agent_rl.usercode.load import load_function
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = f"{ROOT / 'examples' / 'flax_nnx_policy' / 'policy.py'}:make_policy"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jax_agent_rl import distributed
+from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import load_config
 from jax_agent_rl.models import request_cpu_devices
 

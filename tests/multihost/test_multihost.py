@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_agent_rl.cli.demo import TaskFiles, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import TaskFiles, prepare
 from jax_agent_rl.train.metrics import read_metrics
 from tests.multihost.faulty import FAIL_HERE
 

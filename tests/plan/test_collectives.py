@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli.demo import PRESETS as CHECKPOINTS
 from jax_agent_rl.config import JarlConfig, load_config
-from jax_agent_rl.demo import PRESETS as CHECKPOINTS
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.plan import parse_topology, run_programs
 from jax_agent_rl.plan.report import _compile

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from jax_agent_rl.cli.demo import PRESETS as CHECKPOINTS
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import PRESETS as CHECKPOINTS
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.plan import parse_topology
 from jax_agent_rl.plan.report import Compiled, Plan

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder

@@ -26,11 +26,11 @@ import pytest
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.compat.verl import rules as verl_rules
 from jax_agent_rl.config import load_config
+from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train.step import scored_text, trajectory_reward
-from jax_agent_rl.wings import load_wing
 
 VERL_REF = Path(__file__).resolve().parents[2] / ".verl-ref"
 FUZZ_PER_SCORER = 200

@@ -30,10 +30,10 @@ import pytest
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import make_checkpoint
 from jax_agent_rl.config import AlgorithmSection, OptimSection, load_config, to_yaml
-from jax_agent_rl.demo import make_checkpoint
+from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.errors import ConfigError
 from jax_agent_rl.models import ModelConfig, Weights, forward, init_params, load_hf
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.models.sharding import one_device_sharder

@@ -20,14 +20,14 @@ import jax
 import pytest
 
 from jax_agent_rl.agent.context import AgentContext
+from jax_agent_rl.cli.demo import demo_config, prepare
+from jax_agent_rl.cluster.ray import connect
 from jax_agent_rl.config import EngineSection, RaySection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import demo_config, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
-from jax_agent_rl.ray_cluster import connect
 from jax_agent_rl.rewards import Answer
 from jax_agent_rl.rollout import (
     EmbeddedBackend,

@@ -1,7 +1,8 @@
 """Backends by name: the embedded engine is built in, vLLM comes through an entry point, and the
 package keeps its shape: layers import only downward (nothing in jax_agent_rl outside
-jax_agent_rl/backends/ imports the backends' homes), no import circles, no file over 500 lines;
-the vLLM engine's distribution (gpu_backend/) shares only the wire and the engine main with it."""
+jax_agent_rl/backends/ imports the backends' homes), no import circles, the package's root holds
+only packages and files.py; the vLLM engine's distribution (gpu_backend/) shares only the wire
+and the engine main with it."""
 
 import ast
 import dataclasses
@@ -29,25 +30,16 @@ SHARED_WITH_THE_ENGINE = {
     "jax_agent_rl.backends.vllm.cuda_ipc",
 }
 
-# The layers, low to high: a module imports only from its own package or a lower tier. A
-# top-level module (files.py, progress.py) counts as a package of its own.
+# The layers, low to high: a module imports only from its own package or a lower tier. The
+# one module at the root, files.py, counts as a package of its own.
 TIERS = [
-    [
-        "errors",
-        "files",
-        "progress",
-        "ray_cluster",
-        "device_turns",
-        "visible",
-        "call_threads",
-        "tags",
-        "wings",
-    ],
+    ["console", "files"],
     ["models", "tokenization"],
     ["config"],
-    ["user_code", "call_processes"],
-    ["env_process"],  # the process side of envs/skyrl.py: neither envs nor JAX
-    ["engine", "distributed"],
+    # running user code (its loader, its thread and process pools, the skyrl env's process):
+    # neither JAX nor envs, which a call's worker process and an env's process never import
+    ["usercode"],
+    ["engine", "cluster"],
     # the learner: it reads sampled sequences (`rl.sequence`), never the agent or its tools
     ["rl"],
     ["rollout"],
@@ -59,7 +51,6 @@ TIERS = [
     ["train"],
     ["plan"],
     ["view"],
-    ["demo"],
     ["cli"],
     ["backends"],
     ["compat"],
@@ -69,7 +60,7 @@ TIER = {package: rank for rank, packages in enumerate(TIERS) for package in pack
 # them imports them.
 BACKENDS = "jax_agent_rl.backends"
 # The wings (compatibility with other frameworks) sit on top too: the core loads one by name
-# (jax_agent_rl/wings.py) and it registers hooks; no module outside it imports it.
+# (jax_agent_rl/config/wings.py) and it registers hooks; no module outside it imports it.
 WINGS = "jax_agent_rl.compat"
 
 
@@ -153,6 +144,32 @@ def test_no_import_circle_between_modules() -> None:
     assert cycles == [], "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_root_holds_only_packages_and_the_file_checks() -> None:
+    """Each module sits in the package of its concept; files.py stays at the root (its
+    docstring says why: the lowest packages read through it)."""
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "files.py"], loose
+
+
+def test_user_code_runs_in_processes_that_never_import_jax() -> None:
+    """A reward's worker process and a skyrl-gym environment's process import `usercode` alone:
+    nothing it reaches, at the top of a module or inside a function, imports JAX or Flax."""
+    graph = _import_graph()
+    reached = {m for m in MODULES if _package(m) == "usercode"}
+    todo = list(reached)
+    while todo:
+        for name in graph[todo.pop()] - reached:
+            reached.add(name)
+            todo.append(name)
+    heavy = sorted(
+        f"{module} imports {name}"
+        for module in reached
+        for name in _imported_modules(MODULES[module])
+        if name.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax")
+    )
+    assert "jax_agent_rl.usercode.env_process" in reached and heavy == [], heavy
+
+
 def test_every_package_has_a_tier() -> None:
     untiered = sorted({_package(m) for m in MODULES if _package(m) and _package(m) not in TIER})
     assert untiered == [], f"packages missing from TIERS: {untiered}"
@@ -212,8 +229,9 @@ def test_nothing_outside_a_wing_imports_it() -> None:
 
 
 def test_the_wings_module_names_every_wing_that_exists() -> None:
-    """`jax_agent_rl.wings` imports the wings by name: each name it holds is a module here."""
-    from jax_agent_rl import wings
+    """`jax_agent_rl.config.wings` imports the wings by name: each name it holds is a module
+    here."""
+    from jax_agent_rl.config import wings
 
     assert set(wings.WINGS.values()) | set(wings.SHIMS) <= set(MODULES)
 

@@ -12,9 +12,9 @@ import pytest
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
 from jax_agent_rl.agent.loop import run_sample
+from jax_agent_rl.cli.demo import prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.demo import prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder

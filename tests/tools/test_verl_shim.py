@@ -215,8 +215,8 @@ def test_a_verl_folder_in_the_working_directory_is_refused_in_one_line(tmp_path:
         "    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
     )
     out = _python(
-        "from jax_agent_rl.user_code import working_directory_importable\n"
-        "from jax_agent_rl.errors import ConfigError\n"
+        "from jax_agent_rl.usercode.load import working_directory_importable\n"
+        "from jax_agent_rl.config.errors import ConfigError\n"
         "from jax_agent_rl.compat.verl.interaction import load_interactions\n"
         "working_directory_importable()\n"
         "try:\n    load_interactions('i.yaml')\nexcept ConfigError as e:\n    print(e)",
@@ -237,7 +237,7 @@ def test_a_verl_user_module_loaded_by_a_config_gets_the_shim(tmp_path: Path) -> 
         "    return gsm8k.compute_score(solution_str, ground_truth)\n"
     )
     out = _python(
-        "from jax_agent_rl.user_code import load_function\n"
+        "from jax_agent_rl.usercode.load import load_function\n"
         "fn = load_function('score.py:compute_score', 'data.reward')\n"
         "print(fn('openai/gsm8k', '#### 7', '7'))",
         [ROOT],

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.train import train
 from tests.train.test_trainer import _command
 

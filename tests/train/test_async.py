@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import TaskFiles, demo_config, prepare
 from jax_agent_rl.rollout import (
     BackendBuild,
     BackendFactory,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from jax_agent_rl.cli.demo import DEMOS, TaskFiles, prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMOS, TaskFiles, prepare
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train import build_run, train

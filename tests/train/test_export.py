@@ -26,8 +26,8 @@ import transformers
 from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.demo import TaskFiles
 from jax_agent_rl.config import PATH_KEYS, JarlConfig, ModelSection, load_config, to_yaml
-from jax_agent_rl.demo import TaskFiles
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.adapters import adapters_of, with_adapters

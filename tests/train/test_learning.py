@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 

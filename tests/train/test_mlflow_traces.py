@@ -18,9 +18,9 @@ from rich.console import Console
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, prepare
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.train import StepEnd, build_run
 from jax_agent_rl.train.hooks import write_traces

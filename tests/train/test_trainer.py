@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from jax_agent_rl.cli import main
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles
 from jax_agent_rl.train import train
 from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.metrics import read_metrics

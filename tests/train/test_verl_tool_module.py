@@ -26,10 +26,10 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles
 from jax_agent_rl.compat.verl import shim
 from jax_agent_rl.compat.verl.rules import gsm8k_score
 from jax_agent_rl.config import load_config
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles
 from jax_agent_rl.train import train
 from jax_agent_rl.train.traces import TRACES_FILE, read_traces
 

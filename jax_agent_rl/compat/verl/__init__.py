@@ -3,4 +3,5 @@
 rule scorers (`rules`), verl-tool's route on the tool server (`tool_routes`), the ``verl``
 import shim for user code (`shim`) and verl's config keys (`keys`). Importing `wing` registers
 the hooks, and `keys.wing` the config keys (the core does, by name:
-`jax_agent_rl.wings.load_wing`); this file imports nothing, so turning the shim on does not."""
+`jax_agent_rl.config.wings.load_wing`); this file imports nothing, so turning the shim on does
+not."""

@@ -31,9 +31,9 @@ import yaml
 from jax_agent_rl.config import ConfigError
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs.base import EnvError, EnvStep, checked_step
-from jax_agent_rl.errors import error_text
 from jax_agent_rl.tokenization import Message
-from jax_agent_rl.user_code import import_named, load_function
+from jax_agent_rl.usercode.load import import_named, load_function
+from jax_agent_rl.usercode.threads import error_text
 
 _METHODS = ("start_interaction", "generate_response", "finalize_interaction")
 

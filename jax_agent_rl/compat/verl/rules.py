@@ -54,7 +54,7 @@ import re
 import string
 from typing import Any
 
-from jax_agent_rl.tags import tagged
+from jax_agent_rl.tokenization.tags import tagged
 
 _GSM8K_CLIP = 300  # characters of the response the gsm8k rule reads
 _DAPO_CLIP = 300  # characters of the response the dapo rule reads

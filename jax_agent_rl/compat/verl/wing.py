@@ -1,6 +1,6 @@
 """The verl wing's hooks, registered when the core loads the wing
-(`jax_agent_rl.wings.load_wing("verl")`: a tools file in verl's format, an interaction config,
-the rewards of a run, the tool server's app):
+(`jax_agent_rl.config.wings.load_wing("verl")`: a tools file in verl's format, an interaction
+config, the rewards of a run, the tool server's app):
 
 - verl's rule names (``data.reward: verl_gsm8k`` ...) and its rule for the sources verl's
   ``default_compute_score`` knows (`jax_agent_rl.rewards.hooks`): it scores those rows with

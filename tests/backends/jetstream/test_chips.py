@@ -23,8 +23,8 @@ from jax_agent_rl.backends.jetstream.chips import (
     split_chips,
 )
 from jax_agent_rl.backends.jetstream.client import JetStreamBackend, ServerSampling
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Sharder, load_hf, make_mesh
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint

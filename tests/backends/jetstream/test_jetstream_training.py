@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.train.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[3]

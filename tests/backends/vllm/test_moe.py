@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jax_agent_rl.backends.vllm.backend import VLLMBackend
-from jax_agent_rl.demo import make_checkpoint
+from jax_agent_rl.cli.demo import make_checkpoint
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Weights, load_hf
 from jax_agent_rl.models.sharding import one_device_sharder

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[3]

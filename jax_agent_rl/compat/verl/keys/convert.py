@@ -15,7 +15,7 @@ from jax_agent_rl.compat.verl.keys.data_keys import DATA
 from jax_agent_rl.compat.verl.keys.rules import VERL_SECTIONS, Given, VerlKey
 from jax_agent_rl.compat.verl.keys.training_keys import TRAINING
 from jax_agent_rl.compat.verl.keys.workers_keys import WORKERS
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 
 # Every key a verl GSM8K tool-agent run script sets (examples/sglang_multiturn/*gsm8k*.sh,
 # examples/grpo_trainer/*gsm8k*.sh and their YAML), and the common ones near them.

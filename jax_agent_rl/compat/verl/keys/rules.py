@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax_agent_rl.errors import ConfigError
+from jax_agent_rl.config.errors import ConfigError
 
 # top-level sections of verl's config that jarl does not have: a key under one is verl's
 VERL_SECTIONS = (

@@ -1,5 +1,6 @@
 """Registers verl's Hydra keys with the config loader (`jax_agent_rl.config.foreign_keys`): the
-core loads this by name (`jax_agent_rl.wings.load_wing("verl_keys")`) as a `JarlConfig` loads."""
+core loads this by name (`jax_agent_rl.config.wings.load_wing("verl_keys")`) as a `JarlConfig`
+loads."""
 
 from jax_agent_rl.compat.verl.keys.convert import to_jarl
 from jax_agent_rl.compat.verl.keys.rules import VERL_SECTIONS

@@ -15,8 +15,8 @@ Once the shim's ``verl`` is imported, its ``__path__`` serves its submodules; an
 ``verl.*`` (``verl.protocol``, trainers, workers) is refused with an ImportError naming the
 shim.
 
-`install` runs where user code is loaded (`jax_agent_rl.user_code`, through
-`jax_agent_rl.wings.install_shims`: every module or file a config or YAML names), never on
+`install` runs where user code is loaded (`jax_agent_rl.usercode.load`, through
+`jax_agent_rl.config.wings.install_shims`: every module or file a config or YAML names), never on
 ``import jax_agent_rl`` nor at the environment's start-up, so ``import verl`` fails where verl
 is not installed and nothing loaded it. A script of one's own turns it on with ``import
 jax_agent_rl.compat.verl.shim as shim; shim.install()``. Turning it on imports only this file

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.errors import ConfigError
-from jax_agent_rl.wings import install_shims
+from jax_agent_rl.config.errors import ConfigError
+from jax_agent_rl.config.wings import install_shims
 
 
 def working_directory_importable() -> None:

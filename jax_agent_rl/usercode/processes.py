@@ -1,7 +1,7 @@
 """A bounded pool of worker processes for synchronous calls that a policy's text can keep
 running for ever (`CallProcesses`): reasoning-gym's scorers and users' reward functions
 (`jax_agent_rl.rewards`). sympy simplifying the derivative of a product of a dozen sines runs
-for minutes; in a thread (`jax_agent_rl.call_threads`) such a call can only be abandoned, and
+for minutes; in a thread (`jax_agent_rl.usercode.threads`) such a call can only be abandoned, and
 enough of them held every thread of the pool for the rest of the run.
 
 A process can be stopped. A call past its timeout kills its worker, and the next call that
@@ -16,7 +16,7 @@ picklable function of no arguments that returns it (a module-level function, or 
 what it imports (reasoning-gym: about 1.5 s) is the worker's start-up, bounded by
 ``START_TIMEOUT_S``, not the call's time.
 
-What a call raises reaches its caller (as `jax_agent_rl.call_threads` passes it on: a
+What a call raises reaches its caller (as `jax_agent_rl.usercode.threads` passes it on: a
 `StopIteration`, or what is not an `Exception`, func_timeout's ``FunctionTimedOut`` say, as a
 `RuntimeError` naming it: nothing but the call raises in its worker), with the worker's
 traceback as a note and its innermost frame kept (`raised_in`); one that cannot be pickled
@@ -48,8 +48,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from jax_agent_rl.call_threads import carried, wake
-from jax_agent_rl.errors import error_text
+from jax_agent_rl.usercode.threads import carried, error_text, wake
 
 # the longest a worker may take to start and load a call's function (interpreter, imports);
 # a user's reward module may load a model when imported
@@ -230,7 +229,7 @@ class _Worker:
 # this module included), then `serve` on the socket and the lifeline
 _BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from jax_agent_rl.call_processes import serve; serve(int(sys.argv[2]), int(sys.argv[3]))"
+    "from jax_agent_rl.usercode.processes import serve; serve(int(sys.argv[2]), int(sys.argv[3]))"
 )
 
 

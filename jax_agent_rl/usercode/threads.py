@@ -7,9 +7,10 @@ A thread stuck inside a call cannot be stopped, only abandoned: the caller's tim
 call returns. So calls stuck for good hold at most ``size`` threads, and once every thread is
 held the calls waiting for one time out. (Calls that a policy's text can keep running for
 good, reasoning-gym's scorers and users' reward functions, run in worker processes instead,
-which can be stopped: `jax_agent_rl.call_processes`.) What a call raises reaches its caller; a
+which can be stopped: `jax_agent_rl.usercode.processes`.) What a call raises reaches its caller; a
 `StopIteration`, a ``sys.exit()`` or anything else that is not an `Exception` as a
-`RuntimeError` naming it (`carried`).
+`RuntimeError` naming it (`carried`); `error_text` writes what a call raised, in one line
+that never raises in turn.
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ import threading
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
-from jax_agent_rl.errors import error_text
-
 T = TypeVar("T")
+
+
+def error_text(error: BaseException) -> str:
+    """``Type: message`` of ``error``, also when its ``__str__`` itself fails (a library's
+    exception formatting a value it holds): writing what went wrong must not raise in turn."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return f"{type(error).__name__} (its message cannot be written)"
+
 
 # the key the synchronous calls made in this context count against in a pool with a bound per
 # key (`CallThreads`): an executor's tool call sets it to its trajectory's (None: no key)

@@ -30,12 +30,12 @@ import jax
 from rich.console import Console
 from rich.table import Table
 
-from jax_agent_rl import progress
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config
+from jax_agent_rl.config.paths import made_folder
+from jax_agent_rl.console import progress
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
 from jax_agent_rl.data.datasets import write_jsonl
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.files import made_folder
 from jax_agent_rl.models import (
     ModelConfig,
     init_params,

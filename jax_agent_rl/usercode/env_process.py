@@ -24,9 +24,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from jax_agent_rl.call_threads import carried
-from jax_agent_rl.errors import error_text
-from jax_agent_rl.user_code import import_module, load_function
+from jax_agent_rl.usercode.load import import_module, load_function
+from jax_agent_rl.usercode.threads import carried, error_text
 
 STEP_KEYS = ("observations", "reward", "done", "success")  # what the trainer reads of a step
 

@@ -1,0 +1,2 @@
+"""What the console shows: the progress of a long phase (`progress`) and model text made safe
+to show (`visible`)."""
