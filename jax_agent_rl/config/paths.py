@@ -1,5 +1,5 @@
-"""Paths in a config: ``pkg://`` names of files shipped inside a package, and the absolute
-paths a run folder's ``config.yaml`` holds."""
+"""Paths in a config: ``pkg://`` names of files shipped inside a package, the absolute paths a
+run folder's ``config.yaml`` holds, and the folders a key or flag names, made (`made_folder`)."""
 
 from __future__ import annotations
 
