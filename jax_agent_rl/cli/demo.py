@@ -50,9 +50,9 @@ from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.sft import write_demonstrations
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_calculator_cpu.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_calculator_cpu.yaml"
 LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
-CALCULATOR = Path(__file__).resolve().parent / "configs" / "tools_calculator.yaml"
+CALCULATOR = Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
