@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_agent_rl import device_turns
+from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.policy import policy_of
