@@ -20,7 +20,7 @@ serve), with the seconds such a merge takes per push.
 
 ``--delta``: a delta push (`jax_agent_rl.rollout.delta`) against a whole one, in bytes and
 seconds (the learner's encoding, the engine's in-place apply), on the demo's model
-(`jax_agent_rl.demo.MODEL`) and at the Qwen2.5-1.5B shape (`plan.presets`), in memory:
+(`jax_agent_rl.cli.demo.MODEL`) and at the Qwen2.5-1.5B shape (`plan.presets`), in memory:
 random fp32 weights (N(0, 0.02), norms 1), one optax Adam step on a random gradient at each
 ``--lrs``, the weights before and after it cast to each serving dtype (fp32, bf16). At the
 1.5B shape ``--layers`` of its 28 layers are built (every leaf kind: embedding, each layer's
@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 from jax_agent_rl.backends.vllm.backend import DEFAULT_PYTHON, VLLMBackend
-from jax_agent_rl.demo import MODEL as DEMO_MODEL
+from jax_agent_rl.cli.demo import MODEL as DEMO_MODEL
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Weights, init_params, load_hf, policy_of
 from jax_agent_rl.models.adapters import adapters_of, add_lora, merge, with_adapters
