@@ -223,7 +223,9 @@ class RayPool:
         for slot, actor, (_caps, node) in zip(self._slots, actors, described, strict=True):
             slot.actor, slot.node = actor, node
             slot.ready.set()
-        self.capabilities: Capabilities = described[0][0]
+        # the replicas' own, less delta pushes: a rerun replica rejoins with whole weights,
+        # and the pool sends every replica the same push (`update_weights` refuses a delta)
+        self.capabilities: Capabilities = dataclasses.replace(described[0][0], delta_push=False)
 
     def _start(self, slot: _Slot) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
