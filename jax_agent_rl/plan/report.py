@@ -543,12 +543,17 @@ def plan_run(
 
 def program_key(program: Program) -> tuple:
     """What makes a compiled program the same as another of a run's: its name and workload, its
-    FLOPs, every argument's shape, dtype and layout, and its static arguments (the settings a
+    FLOPs, every argument's shape, dtype and layout (its spec over its mesh's shape), and its
+    static arguments (the settings a
     plan's search changes show in these; the function itself is made anew for every plan)."""
 
     def leaf(x: Any) -> tuple:
-        spec = None if x.sharding is None else str(x.sharding.spec)
-        return (tuple(x.shape), str(x.dtype), spec)
+        if x.sharding is None:
+            return (tuple(x.shape), str(x.dtype), None, None)
+        # the spec names axes; the mesh's shape says how many ways each splits (fsdp 4 and
+        # data 2 x fsdp 2 share every spec)
+        axes = tuple(getattr(x.sharding, "mesh", {}) and x.sharding.mesh.shape.items())
+        return (tuple(x.shape), str(x.dtype), str(x.sharding.spec), axes)
 
     args = tuple(leaf(x) for x in jax.tree.leaves(program.args))
     static = tuple(sorted((k, repr(v)) for k, v in program.static.items()))

@@ -118,3 +118,26 @@ def test_a_setting_skipped_by_its_floor_could_not_have_fit() -> None:
     # program counts by its arguments alone
     oom = Compiled("decode", "w", error="Ran out of memory. Used 40G of 16G hbm", arguments=GIB)
     assert least_peak(Plan(SLICE, (4, 1, 1), [oom]), 1, 2) == GIB / 2
+
+
+def test_a_program_on_another_mesh_is_not_taken_for_the_same() -> None:
+    """The search reuses a compiled program whose key (`program_key`) it has seen: a weight
+    split over fsdp 4 and the same weight over data 2 x fsdp 2 have one spec and differ only
+    in the mesh's shape (taken for the same, every mesh of a slice got the first's figures)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_agent_rl.plan import Program
+    from jax_agent_rl.plan.report import program_key
+
+    devices = np.array(jax.devices()[:4])
+
+    def on(shape: tuple[int, int, int]) -> Program:
+        mesh = Mesh(devices.reshape(shape), ("data", "fsdp", "tensor"))
+        weight = jax.ShapeDtypeStruct((64, 64), "float32", sharding=NamedSharding(mesh, P("fsdp")))
+        return Program("rl_update", jax.jit(lambda w: w), (weight,), {}, 1.0, 1.0, "w")
+
+    assert program_key(on((1, 4, 1))) != program_key(on((2, 2, 1)))
+    assert program_key(on((1, 4, 1))) == program_key(on((1, 4, 1)))
