@@ -41,19 +41,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def backend(tokenizer: Tokenizer) -> Iterator[EmbeddedBackend]:
     """A real engine, never asked to generate."""
-    cfg = ModelConfig(
-        family="qwen2",
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder())
-    yield EmbeddedBackend(engine, init_params(jax.random.key(0), cfg, sharder=one_device_sharder()))
+    yield silent_backend(tokenizer.vocab_size, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -66,24 +54,37 @@ def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentContext]:
         tmp_path_factory.mktemp("tok"), backend_tok, chat_template("chatml_tools")
     )
     tokenizer = Tokenizer.from_pretrained(Path(folder))
-    tools = LocalTools(ToolRegistry([calculator]))
+    yield agent_context(tokenizer, LocalTools(ToolRegistry([calculator])))
+
+
+def silent_backend(vocab_size: int, max_position_embeddings: int = 4096) -> EmbeddedBackend:
+    """A real engine of a one-layer model, never asked to generate (the test plays it)."""
     cfg = ModelConfig(
         family="qwen2",
-        vocab_size=tokenizer.vocab_size,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_layers=1,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
     )
-    backend = EmbeddedBackend(
-        Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder()),
-        init_params(jax.random.key(0), cfg, sharder=one_device_sharder()),
+    engine = Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder())
+    return EmbeddedBackend(
+        engine, init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
     )
+
+
+def agent_context(tokenizer: Tokenizer, tools: LocalTools) -> AgentContext:
+    """An agent context of ``tools`` over a `silent_backend`: hermes calls, 3 turns."""
     schemas = asyncio.run(tools.schemas())
     config = AgentConfig(max_turns=3, max_model_len=4096, max_response_tokens=4000)
-    yield AgentContext(
-        backend, tokenizer, tools, make_parser("hermes"), config, TurnBuilder(tokenizer, schemas)
+    return AgentContext(
+        silent_backend(tokenizer.vocab_size),
+        tokenizer,
+        tools,
+        make_parser("hermes"),
+        config,
+        TurnBuilder(tokenizer, schemas),
     )

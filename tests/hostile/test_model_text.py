@@ -17,17 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis
-import jax
 import pytest
 from hypothesis import strategies as st
 
-from jax_agent_rl.agent.context import AgentConfig, AgentContext
+from jax_agent_rl.agent.context import AgentContext
 from jax_agent_rl.agent.loop import finish_turn
 from jax_agent_rl.agent.trajectory import STOP_REASONS, Trajectory
-from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import ModelConfig, init_params
-from jax_agent_rl.models.sharding import one_device_sharder
-from jax_agent_rl.rollout import EmbeddedBackend
 from jax_agent_rl.tokenization import (
     CHATML_SPECIAL_TOKENS,
     TOOL_TOKENS,
@@ -37,10 +32,10 @@ from jax_agent_rl.tokenization import (
     train_bpe,
 )
 from jax_agent_rl.tokenization.tool_calls import PARSERS, make_parser
-from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.sandbox import Limits, PythonSandbox, PythonTool
+from tests.hostile.conftest import agent_context
 from tests.tools.test_tools import Counter
 
 TAGS = ["<think>", "</think>", "<python>", "</python>", "```python\n", "```", "<|python_tag|>"]
@@ -64,27 +59,7 @@ def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentContext]:
     tokenizer = Tokenizer.from_pretrained(Path(folder))
     sandbox = PythonSandbox(size=1, limits=Limits(cpu_s=1, memory_mb=128), timeout_s=2.0)
     tools = LocalTools(ToolRegistry([calculator, Counter(), PythonTool(sandbox)]))
-    cfg = ModelConfig(
-        family="qwen2",
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=4096,
-    )
-    # the backend is never asked to generate: the fuzz plays the model
-    backend = EmbeddedBackend(
-        Engine(cfg, max_concurrent_decodes=1, max_len=256, sharder=one_device_sharder()),
-        init_params(jax.random.key(0), cfg, sharder=one_device_sharder()),
-    )
-    schemas = asyncio.run(tools.schemas())
-    config = AgentConfig(max_turns=3, max_model_len=4096, max_response_tokens=4000)
-    yield AgentContext(
-        backend, tokenizer, tools, make_parser("hermes"), config, TurnBuilder(tokenizer, schemas)
-    )
+    yield agent_context(tokenizer, tools)  # (the fuzz plays the model)
     sandbox.close()
 
 
