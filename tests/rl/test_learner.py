@@ -56,6 +56,11 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[TrainSequence]:
     """Trajectories of random tokens with a model/tool mask pattern and sampler logprobs, in
     groups of 4, as the learner reads them."""
+    return [traj.train_sequence(0.0) for traj in random_episodes(n, longest, seed)]
+
+
+def random_episodes(n: int = 8, longest: int = 24, seed: int = 0) -> list[Trajectory]:
+    """The trajectories `random_trajectories` gives the learner, as the agent loop built them."""
     rng = np.random.default_rng(seed)
     trajs = []
     for b in range(n):
@@ -67,7 +72,7 @@ def random_trajectories(n: int = 8, longest: int = 24, seed: int = 0) -> list[Tr
             model = (i // 4) % 2 == 0
             ids = list(rng.integers(0, 256, 4))
             traj.append(ids, model=model, logprobs=list(rng.normal(-2, 0.5, 4)) if model else None)
-        trajs.append(traj.train_sequence(0.0))
+        trajs.append(traj)
     return trajs
 
 
@@ -533,10 +538,11 @@ def test_a_step_gives_back_the_update_s_own_values_where_a_trace_reads_them() ->
     only, and the update is the same program whether a step is traced or not."""
     algo = AlgorithmSection(mini_batches=2)
     params = init_params(jax.random.key(7), CFG, sharder=one_device_sharder())
-    trajs = random_trajectories(8, seed=7)
+    episodes = random_episodes(8, seed=7)
+    trajs = [episode.train_sequence(0.0) for episode in episodes]
     learner, state = _learner(algo, params)
     batch, sequences, real = _step(trajs, REWARDS[:8], 2, 64, 2)
-    traced = [trajs[5], trajs[1]]
+    traced = [episodes[5], episodes[1]]
     rows = trajs
     index = trace_index(batch, rows, traced)
     s = learner.spec
