@@ -21,7 +21,7 @@ test-envs: setup  ## what the suite needs beside .venv: the vLLM and JetStream b
 	@bash scripts/setup.sh tpu-plan
 
 test: test-envs  ## the whole suite
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup  ## ruff (lint + format check) and mypy
 	$(PY) -m ruff check .

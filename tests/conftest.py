@@ -128,7 +128,31 @@ def sandbox_cgroup(request: pytest.FixtureRequest) -> bool:
     return True
 
 
-SLOWEST_FILES = 15  # the suite's last lines: where its time goes, by test file
+SLOWEST_FILES = 40  # the suite's last lines: where its time goes, by test file
+HEAVY_FILES = Path(__file__).with_name("heavy_files.txt")
+
+
+def heavy_files() -> list[str]:
+    """tests/heavy_files.txt's files, heaviest first."""
+    lines = HEAVY_FILES.read_text().splitlines()
+    return [line.split()[1] for line in lines if line.strip() and not line.startswith("#")]
+
+
+def file_order(files: list[str], heavy: list[str]) -> list[str]:
+    """The order workers take test files in: ``heavy`` ones first as listed, then the others
+    by their number of tests, most first (xdist's own order), ``files`` repeating each file
+    once per test."""
+    count = {name: files.count(name) for name in dict.fromkeys(files)}
+    rank = {name: i for i, name in enumerate(heavy)}
+    return sorted(count, key=lambda name: (rank.get(name, len(rank)), -count[name]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest files first (`file_order`; `make test` passes --no-loadscope-reorder so xdist
+    keeps this order): the run ends when its last file does."""
+    files = [item.nodeid.split("::")[0] for item in items]
+    place = {name: i for i, name in enumerate(file_order(files, heavy_files()))}
+    items.sort(key=lambda item: place[item.nodeid.split("::")[0]])  # stable within a file
 
 
 @pytest.hookimpl(trylast=True)  # after the slowest tests, before the short summary
@@ -144,5 +168,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not per_file:
         return
     terminalreporter.section(f"slowest {SLOWEST_FILES} test files")
-    for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+    ranked = sorted(per_file.items(), key=lambda kv: -kv[1])
+    for name, seconds in ranked[:SLOWEST_FILES]:
         terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+    rest = ranked[SLOWEST_FILES:]
+    terminalreporter.write_line(
+        f"{sum(s for _, s in rest):8.1f}s the other {len(rest)} files; "
+        f"{sum(per_file.values()):.1f}s in all test files"
+    )
