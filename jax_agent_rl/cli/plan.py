@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jax_agent_rl.cli.flags import number
-from jax_agent_rl.config.ranges import POSITIVE
+from jax_agent_rl.config.ranges import TIMEOUT
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
@@ -89,7 +89,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--compile-timeout",
-        type=number(float, POSITIVE),
+        type=number(float, TIMEOUT),
         default=None,
         metavar="SECONDS",
         help="give up on a program whose compilation takes longer (reported on its line)",

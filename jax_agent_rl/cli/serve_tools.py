@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jax_agent_rl.cli.flags import PORT, number
-from jax_agent_rl.config.ranges import COUNT, POSITIVE
+from jax_agent_rl.config.ranges import COUNT, TIMEOUT
 from jax_agent_rl.config.sections import ToolServerSection, ToolsSection
 
 if TYPE_CHECKING:
@@ -136,13 +136,13 @@ def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--timeout",
-        type=number(float, POSITIVE),
+        type=number(float, TIMEOUT),
         default=ToolServerSection.timeout_s,
         help="seconds per call",
     )
     p.add_argument(
         "--idle-timeout",
-        type=number(float, POSITIVE),
+        type=number(float, TIMEOUT),
         default=ToolServerSection.idle_timeout_s,
         help="seconds after a trajectory's last call ends before its tool state is released "
         "(clients that crash or never call /release); a later call starts fresh state",
@@ -162,7 +162,7 @@ def add_serve_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--body-timeout",
-        type=number(float, POSITIVE),
+        type=number(float, TIMEOUT),
         default=ToolServerSection.body_timeout_s,
         help="seconds to receive a whole request body; a slower client gets 408",
     )

@@ -363,9 +363,18 @@ def test_a_process_group_flag_that_cannot_work_is_one_line(
     _refused(["train", str(config), *group, "--dry-run"], named, capsys)
 
 
-@pytest.mark.parametrize("value", ["-1", "0", "nan"])
-def test_a_plan_compile_timeout_below_a_moment_is_refused(
-    value: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("-1", "is not in (0, 1e+06]"),
+        ("0", "is not in (0, 1e+06]"),
+        ("nan", "is not a finite number"),
+        ("1e309", "is not a finite number"),  # a float's inf (before: "is not > 0")
+        ("1e300", "is not in (0, 1e+06]"),  # before: the wait for the compiler overflowed
+    ],
+)
+def test_a_plan_compile_timeout_below_a_moment_or_past_a_wait_s_range_is_refused(
+    value: str, problem: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before: taken, and every program was reported 'did not compile within -1 s'."""
     with pytest.raises(SystemExit) as exit_:
@@ -373,7 +382,7 @@ def test_a_plan_compile_timeout_below_a_moment_is_refused(
             ["plan", "c.yaml", "--topology", "v5e-4", "--compile-timeout", value]
         )
     assert exit_.value.code == 2
-    assert f"argument --compile-timeout: {value} is not > 0" in capsys.readouterr().err
+    assert f"argument --compile-timeout: {value} {problem}" in capsys.readouterr().err
 
 
 def test_a_plan_json_file_that_cannot_be_written_is_refused_first(

@@ -530,11 +530,13 @@ def test_both_transports_compare_the_token_in_constant_time(
     [
         ("--max-concurrency", "0", "0 is not >= 1"),  # every call waited for good
         ("--max-concurrency", "-1", "-1 is not >= 1"),
-        ("--timeout", "nan", "nan is not > 0"),
-        ("--timeout", "0", "0 is not > 0"),  # every call an error
-        ("--idle-timeout", "0", "0 is not > 0"),  # the idle sweep ran without pause
-        ("--idle-timeout", "inf", "inf is not > 0"),
-        ("--body-timeout", "-1", "-1 is not > 0"),
+        ("--timeout", "nan", "nan is not a finite number"),
+        ("--timeout", "1e309", "1e309 is not a finite number"),  # a float's inf
+        ("--timeout", "0", "0 is not in (0, 1e+06]"),  # every call an error
+        ("--idle-timeout", "0", "0 is not in (0, 1e+06]"),  # the idle sweep ran without pause
+        ("--idle-timeout", "inf", "inf is not a finite number"),
+        ("--body-timeout", "-1", "-1 is not in (0, 1e+06]"),
+        ("--body-timeout", "1e300", "1e300 is not in (0, 1e+06]"),  # overflowed a wait
         ("--max-trajectories", "0", "0 is not >= 1"),
         ("--max-body-bytes", "1e6", "'1e6' is not a whole number"),
         ("--max-connections", "0", "0 is not >= 1"),
