@@ -84,6 +84,12 @@ class PushSection:
     # keeps a copy of the served weights on one device, which `jarl plan` does not count
     # yet; it pays in bf16 at small learning rates (5.8x fewer bytes at lr 1e-6: docs/engine.md)
     full_every: int = setting(1, COUNT)
+    # true: whole new weights are placed on the engine's devices (cast, laid out) while it
+    # decodes under the old ones, then swapped in at the push (embedded engine): the push
+    # stalls generation for the swap alone, and the engine holds its weights twice meanwhile
+    # (`jarl plan` counts the copy). false: the old weights are dropped first and the new
+    # ones placed in their stead (one copy; generation waits for the placing)
+    staged: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

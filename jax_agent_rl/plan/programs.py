@@ -367,7 +367,17 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     fn, args, static = programs["prefill"]
     gen_fn, gen_args, gen_static = programs["generate"]
     return [
-        Program("weight_push", push, (pushed,), {}, 0.0, 0.0, what, replaces=model.lora is None),
+        # unstaged, the old weights are dropped first (`engine.push.staged`)
+        Program(
+            "weight_push",
+            push,
+            (pushed,),
+            {},
+            0.0,
+            0.0,
+            what,
+            replaces=model.lora is None and not r.push.staged,
+        ),
         Program(
             "prefill",
             fn,

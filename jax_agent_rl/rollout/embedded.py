@@ -21,8 +21,11 @@ decode call that completes one of its stop strings, cut at the token that does (
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
 flight finish under the weights they started with, then the new weights (same shapes: no
-recompilation) take the old ones' place (dropped first), kept sessions are dropped (cached
-prefixes are salted with the version, `PagePool.keys`), and admission resumes. With
+recompilation) take the old ones' place, kept sessions are dropped (cached prefixes are
+salted with the version, `PagePool.keys`), and admission resumes. Whole new weights are
+staged first (``staged_push``): placed on the devices (cast, laid out) in the engine's next
+round beside its decode call, before the gate closes, so the drain ends in a swap; unstaged,
+the old weights are dropped first and the new placed while requests wait (one copy). With
 ``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
 and running requests and kept sessions go on under the new weights over the old ones' keys
 and values (shared prefixes never cross versions). A LoRA push is its adapters alone
@@ -57,7 +60,7 @@ from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.rollout.delta import WeightDelta, apply_delta, push_bytes
 from jax_agent_rl.rollout.gate import WeightGate
-from jax_agent_rl.rollout.jobs import Job, Update
+from jax_agent_rl.rollout.jobs import Job, Stage, Update
 from jax_agent_rl.rollout.protocol import (
     Capabilities,
     FinishReason,
@@ -88,6 +91,7 @@ class EmbeddedBackend:
         on_program: Callable[[int, int], None] | None = None,
         decode: Decode | None = None,
         keep_kv_on_update: bool = False,
+        staged_push: bool = True,
     ) -> None:
         self.engine = engine
         self._detokenize = decode  # for stop strings; None: the agent loop cuts at them
@@ -124,6 +128,8 @@ class EmbeddedBackend:
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: dict[int, Job] = {}
         self._update: Update | None = None
+        self._staged_push = staged_push
+        self._stage: Stage | None = None  # whole weights to place, placing, or placed
         self._closed = False
         self._failure: BaseException | None = None
         self._pause_at: tuple[str, int] | None = None  # pause once this request has n tokens
@@ -181,13 +187,20 @@ class EmbeddedBackend:
         self._send("resume", None)
 
     async def update_weights(self, params: Any, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        if self._staged_push and not isinstance(params, (LayerAdapters, WeightDelta)):
+            stage = Stage(params, loop.create_future(), loop)
+            self._send("stage", stage)  # placed while the engine decodes, then swapped in
+            await stage.future
+
         async def push() -> None:
-            loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
             self._send("update", Update(params, version, future, loop))
             await future
 
-        await self._gate.update(push, version)
+        held = await self._gate.update(push, version)
+        if self._gate.drain:  # else it stalled decoding for its swap alone (`_apply_update`)
+            self.last_push = self.last_push and self.last_push.held(held)
 
     async def close(self) -> None:
         self._gate.close()
@@ -219,21 +232,31 @@ class EmbeddedBackend:
                     if self._closed:
                         self._shutdown()
                         return
+                    placing = self._place_staged()
                     self._engine_work()
                     # done on the devices before the turn passes (see `device_turns`)
                     jax.block_until_ready((self._state, self._params))
+                    if placing is not None:  # placed beside this round's decode call
+                        self._staged_ready(placing)
         except BaseException as e:  # the engine is broken: fail everything, refuse new work
             with self._cond:
                 self._failure = e
             prefilling = [] if self._prefilling is None else [self._prefilling]
             for job in [*self._slots.values(), *self._waiting, *prefilling]:
                 resolve_from_thread(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
-            if self._update is not None:
-                resolve_from_thread(self._update.future, self._update.loop, RuntimeError(repr(e)))
+            for pending in (self._update, self._stage):
+                if pending is not None:
+                    resolve_from_thread(pending.future, pending.loop, RuntimeError(repr(e)))
             raise
 
     def _has_work(self) -> bool:
-        return bool(self._slots or self._waiting or self._update or self._prefilling)
+        return bool(
+            self._slots
+            or self._waiting
+            or self._update
+            or self._prefilling
+            or (self._stage is not None and self._stage.placed is None)
+        )
 
     def _engine_work(self) -> None:
         """A pending weight update (it comes once the gate has drained every request), then
@@ -278,6 +301,8 @@ class EmbeddedBackend:
             self._abort(payload)
         elif kind == "update":
             self._update = payload
+        elif kind == "stage":
+            self._stage = payload
         elif kind == "pause":
             rid, tokens = payload
             if rid is None:
@@ -291,14 +316,37 @@ class EmbeddedBackend:
         elif kind == "close":
             self._closed = True
 
+    def _place_staged(self) -> Stage | None:
+        """Starts placing the staged weights, if any wait (their arrays come ready during
+        this round's decode call); the stage being placed, or None."""
+        stage = self._stage
+        if stage is None or stage.placed is not None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            checked_weights(self.engine.cfg, stage.params)
+            stage.placed = self.engine.load_params(stage.params)
+        except ValueError as e:
+            self._stage = None
+            resolve_from_thread(stage.future, stage.loop, e)
+            return None
+        stage.seconds = -t0
+        return stage
+
+    def _staged_ready(self, stage: Stage) -> None:
+        stage.seconds += time.perf_counter()
+        resolve_from_thread(stage.future, stage.loop, None)
+
     def _apply_update(self, update: Update) -> None:
         t0 = time.perf_counter()
-        new = update.params
+        new, stage, load_s = update.params, self._stage, 0.0
         try:
             if isinstance(new, LayerAdapters):  # LoRA: new adapters on the base it holds
                 self._params = self.engine.load_adapters(self._params, new)
             elif isinstance(new, WeightDelta):  # the changed elements, in place
                 self._params = apply_delta(self._params, new, self._pool.version)
+            elif stage is not None and stage.params is new and stage.placed is not None:
+                self._params, self._stage, load_s = stage.placed, None, stage.seconds  # a swap
             else:
                 checked_weights(self.engine.cfg, new)
                 del self._params  # first: the new weights take the old ones' place (one copy)
@@ -310,8 +358,8 @@ class EmbeddedBackend:
         self._pool.version = update.version  # the stamp of the pages taken from now on
         if self._gate.drain:
             self._sessions.drop()  # their pages hold keys and values of the old weights
-        seconds = time.perf_counter() - t0
-        self.last_push = PushStats(push_bytes(new), 0.0, seconds, seconds)
+        seconds = time.perf_counter() - t0  # decoding stopped for them
+        self.last_push = PushStats(push_bytes(new), 0.0, load_s + seconds, seconds, seconds)
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:
@@ -499,7 +547,6 @@ class EmbeddedBackend:
         if self._prefilling is not None:
             self._finish(self._prefilling, "abort")
             self._prefilling = None
-        if self._update is not None:
-            resolve_from_thread(
-                self._update.future, self._update.loop, RuntimeError("backend closed")
-            )
+        for pending in (self._update, self._stage):
+            if pending is not None:
+                resolve_from_thread(pending.future, pending.loop, RuntimeError("backend closed"))

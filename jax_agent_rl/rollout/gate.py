@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -123,11 +124,13 @@ class WeightGate:
                 resolve_from_thread(ticket._wait[0], ticket._wait[1], False)
         return tickets
 
-    async def update(self, push: Callable[[], Awaitable[None]], version: int) -> None:
+    async def update(self, push: Callable[[], Awaitable[None]], version: int) -> float:
         """Holds new requests, drains the admitted ones (neither without ``drain``), awaits
         ``push()`` (the backend's load of the new weights), then serves ``version``. A failed
-        push keeps the old version; either way the requests held meanwhile go out."""
+        push keeps the old version; either way the requests held meanwhile go out. Returns
+        the seconds new requests were held (0 without ``drain``)."""
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         with self.lock:
             if self.closed:
                 raise RuntimeError("the backend is closed")
@@ -143,6 +146,7 @@ class WeightGate:
                 raise RuntimeError("the backend is closed")
             await push()
             self.version = version
+            return time.perf_counter() - t0 if self.drain else 0.0
         finally:
             with self.lock:
                 self._updating, self._drained = False, None

@@ -78,6 +78,18 @@ class Job:
 
 
 @dataclasses.dataclass
+class Stage:
+    """Whole new weights to place on the engine's devices while it decodes (a staged push):
+    ``future`` resolves once they are placed; ``placed`` holds them until the swap."""
+
+    params: Weights
+    future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+    placed: Weights | None = None
+    seconds: float = 0.0  # from the placing's start to its arrays being ready
+
+
+@dataclasses.dataclass
 class Update:
     # a LoRA policy's push: its adapters only; a delta push: what changed (`WeightDelta`)
     params: Weights | LayerAdapters | WeightDelta

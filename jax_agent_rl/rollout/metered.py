@@ -13,7 +13,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult, RolloutBackend
+from jax_agent_rl.rollout.protocol import (
+    GenerateRequest,
+    GenerateResult,
+    PushStats,
+    RolloutBackend,
+)
 
 
 class MeteredBackend:
@@ -32,6 +37,11 @@ class MeteredBackend:
         """Seconds so far with no request in flight."""
         now = time.monotonic()
         return self._idle_s + (0.0 if self._idle_since is None else now - self._idle_since)
+
+    @property
+    def last_push(self) -> PushStats | None:
+        """``inner``'s last weight push (None: none yet, or a backend that keeps no figures)."""
+        return getattr(self.inner, "last_push", None)
 
     def counters(self) -> dict[str, float]:
         """The backend's own running totals by metric name (none for most backends)."""

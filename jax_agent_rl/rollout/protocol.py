@@ -130,12 +130,20 @@ class Capabilities:
 @dataclasses.dataclass(frozen=True)
 class PushStats:
     """A backend's last weight push: bytes moved, seconds to convert and write them (this
-    process), the slowest engine's seconds to load them, and the whole push's seconds."""
+    process), the slowest engine's seconds to load them, the whole push's seconds, and the
+    seconds it stalled generation (``stall_s``): where the push drains (`WeightGate`), the
+    time new requests were held (the drain, then the load); where it lands mid-request
+    (``engine.keep_kv_on_update``), the time the engine stopped decoding to take it."""
 
     bytes: int
     write_s: float
     load_s: float
     total_s: float
+    stall_s: float = 0.0
+
+    def held(self, seconds: float) -> PushStats:
+        """These figures, stalled ``seconds`` (a gate's hold: `WeightGate.update`)."""
+        return dataclasses.replace(self, stall_s=seconds)
 
 
 @runtime_checkable

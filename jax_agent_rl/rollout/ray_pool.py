@@ -394,7 +394,8 @@ class RayPool:
                 size, t1 - t0, max(loads, default=0.0), time.perf_counter() - t0
             )
 
-        await self._gate.update(push, version)
+        held = await self._gate.update(push, version)
+        self.last_push = self.last_push and self.last_push.held(held)
 
     async def _push(self, slot: _Slot, ref: Any) -> float:
         """``slot``'s replica loads the pushed ``ref``: its seconds (0 if it died meanwhile)."""

@@ -199,6 +199,7 @@ def _build_embedded(spec: BackendBuild) -> RolloutBackend:
         on_program=spec.on_program,
         decode=spec.decode,
         keep_kv_on_update=spec.engine.keep_kv_on_update,
+        staged_push=spec.engine.push.staged,
     )
 
 

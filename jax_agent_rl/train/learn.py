@@ -299,6 +299,8 @@ async def learn_and_push(
             # what the push moved: a delta's bytes (`rollout.delta`) or the whole weights'
             "push/bytes": float(push_bytes(rollout.pusher.last)),
             "push/delta": float(isinstance(rollout.pusher.last, WeightDelta)),
+            # how long it held generation up (`PushStats.stall_s`; -1: the backend does not say)
+            "push/stall_s": -1.0 if (stats := rollout.backend.last_push) is None else stats.stall_s,
             **pace_metrics(
                 time.perf_counter() - t0,
                 rollout.backend.idle_s() - idle0,

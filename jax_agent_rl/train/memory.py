@@ -112,7 +112,8 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     largest programs adds while it runs: the RL update (the gradient accumulator, in bf16 a
     copy of the weights and the micro-batch's gradient, one micro-batch's activations:
     `activation_bytes`, with and without ``learner.remat``) and the weight push (the weights
-    gathered for serving; the new serving weights take the old ones' place). These are the parts
+    gathered for serving; the new serving weights beside the old ones when staged, else in
+    their place: ``engine.push.staged``). These are the parts
     XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
     several ``processes``, each serves its own ``engine.max_concurrent`` slots on its share
     of the devices."""
@@ -178,13 +179,16 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
             ),
         ]
         # the push: the learner's weights cast and gathered onto the inference mesh (a new
-        # buffer unless they are laid out and typed so already), then laid out for serving in
-        # the place of the old, which the engine drops first
+        # buffer unless they are laid out and typed so already), then laid out for serving:
+        # staged, beside the old ones (`engine.push.staged`); else in their place, the old
+        # dropped first
         if model.lora is not None:  # a LoRA push: the adapters alone, onto the base held
             base_served = _per_device_bytes(dataclasses.replace(model, lora=None), serving, width)
             push = [("adapters gathered for serving", gathered - base_served)]
         elif m.fsdp > 1 or width != 4:
             push = [("weights gathered for serving", gathered)]
+        if model.lora is None and r.push.staged:
+            push.append(("new weights staged beside the old (engine.push.staged)", weights))
     return MemoryPlan(
         m,
         learner,

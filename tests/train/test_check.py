@@ -26,6 +26,7 @@ from jax_agent_rl.config import (
     DataSection,
     LoraSection,
     MeshSection,
+    PushSection,
     load_config,
     package_file,
 )
@@ -578,11 +579,17 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
             "update micro-batch gradient (fp32)": fp32,
             "update weights in bfloat16 (a copy)": fp32 / 2,
             "update activations (remat)": activation_bytes(model, 8192, 2, True, mesh.tensor) / gib,
-            # (the new serving weights take the old ones' place: the engine drops them first)
             "push weights gathered for serving": _sharded_bytes(model, serving, 2) / gib,
+            # placed beside the old ones while the engine decodes, then swapped in
+            "push new weights staged beside the old (engine.push.staged)": weights,
         },
         abs=0.006,  # the plan prints two decimals
     )
+    in_place = dataclasses.replace(
+        cfg, engine=dataclasses.replace(cfg.engine, push=PushSection(staged=False))
+    )
+    # unstaged, the new serving weights take the old ones' place: the engine drops them first
+    assert not any("staged" in line for line in memory_plan(in_place, model))
     assert model.num_params * 4 / gib == pytest.approx(5.75, abs=0.01)  # 1.54B parameters
     total_line = next(line for line in lines if "total per device" in line)
     total = float(total_line.split("GiB")[0].split()[-1])

@@ -302,7 +302,8 @@ class JetStreamBackend:
                 raise RuntimeError(f"the JetStream server has exited ({self.exited})")
             await self._push(params)
 
-        await self._gate.update(push, version)
+        held = await self._gate.update(push, version)
+        self.last_push = self.last_push and self.last_push.held(held)
 
     async def close(self) -> None:
         tickets = self._gate.close()

@@ -286,7 +286,8 @@ class VLLMBackend:
 
     async def update_weights(self, params: Weights | LayerAdapters, version: int) -> None:
         refuse_delta(params, "vLLM engines")
-        await self._gate.update(lambda: self._push(params), version)
+        held = await self._gate.update(lambda: self._push(params), version)
+        self.last_push = self.last_push and self.last_push.held(held)
 
     async def close(self) -> None:
         self._gate.close()
