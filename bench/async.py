@@ -5,14 +5,17 @@ delayed by a seeded lognormal draw (median ``--median-delay`` s, ``--sigma``): a
 or a slow API, where a synchronous step waits for its slowest trajectory. One SFT warm start,
 then from the same policy: the synchronous loop, ``trainer.mode=async`` at ``max_staleness``
 1 and 2, and at 1 with ``engine.keep_kv_on_update`` (``async1_keepkv``: a push lands
-mid-turn, which goes on over the old weights' KV instead of waiting), each ``--steps`` updates
+mid-turn, which goes on over the old weights' KV instead of waiting), and when asked, the
+async1 modes with their pushes not staged (``async1_unstaged``, ``async1_keepkv_unstaged``:
+the generation stall of a push before `engine.push.staged`), each ``--steps`` updates
 of 8 prompts x 8 samples on the embedded engine (``--modes``: some of them; sync is always
 run). Reported per mode: trajectories trained per second over the RL updates (the figure
 async training is for), rollout tokens per second (async: model tokens sampled per second of
 update, the first update left out, every later one following a push; sync: per second of its
 rollouts), held-out greedy success after the
 last update, the mean rollout and learner idle fractions, the share of trained tokens sampled
-over KV older than their weights, and the per-step reward curve; then each async mode's
+over KV older than their weights, the seconds each push held generation up and their share
+of the wall time, and the per-step reward curve; then each async mode's
 throughput as a ratio to the synchronous one and its held-out success minus sync's; ``--plot``
 draws the reward curves and the throughputs into a PNG. Ends with one JSON line.
 
@@ -62,7 +65,21 @@ ASYNC_MODES = {
         "trainer.max_staleness=1",
         "engine.keep_kv_on_update=true",
     ],
+    # the same two without staging a push (`engine.push.staged=false`): the old weights are
+    # dropped, then the new ones placed, while generation waits (not run unless asked)
+    "async1_unstaged": [
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "engine.push.staged=false",
+    ],
+    "async1_keepkv_unstaged": [
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "engine.keep_kv_on_update=true",
+        "engine.push.staged=false",
+    ],
 }
+DEFAULT_MODES = ("async1", "async2", "async1_keepkv")
 
 
 @tool(name="calculator")
@@ -141,6 +158,10 @@ def run_mode(
         "learner_idle_frac": mean("time/learner_idle_frac"),
         "staleness_max": max(m["staleness/max"] for m in updates),
         "kv_older_tokens": mean("staleness/kv_older_tokens"),
+        # how long each push held generation up (`PushStats.stall_s`), and their share of
+        # the updates' wall time
+        "push_stall_s": mean("push/stall_s"),
+        "push_stall_frac": round(sum(m["push/stall_s"] for m in updates[1:]) / seconds, 4),
         "reward_curve": [round(m["reward"], 3) for m in updates],
     }
 
@@ -181,8 +202,9 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="a PNG of the reward curves and throughputs")
     parser.add_argument(
         "--modes",
-        default=",".join(ASYNC_MODES),
-        help=f"the async modes run beside sync, of {', '.join(ASYNC_MODES)}",
+        default=",".join(DEFAULT_MODES),
+        help=f"the async modes run beside sync, of {', '.join(ASYNC_MODES)} (a mode and its "
+        "_unstaged twin: the ratio of their push stalls)",
     )
     parser.add_argument("--smoke", action="store_true", help="the smallest run (see above)")
     parser.add_argument(
@@ -233,6 +255,13 @@ def main() -> None:
         figures[f"{name}_throughput_ratio"] = round(rate / sync_rate, 2)  # type: ignore[operator]
         gap = figures[f"{name}_held_out_success"] - figures["sync_held_out_success"]  # type: ignore[operator]
         figures[f"{name}_held_out_minus_sync"] = round(gap, 3)
+        staged = name.removesuffix("_unstaged")
+        if staged != name and staged in chosen:  # the stall per push, unstaged over staged
+            stalls = (figures[f"{m}_push_stall_s"] for m in (name, staged))
+            figures[f"{staged}_unstaged_over_staged_stall"] = round(
+                next(stalls) / max(next(stalls), 1e-6),  # type: ignore[operator]
+                2,
+            )
     print(json.dumps(figures))
 
 
