@@ -4,8 +4,9 @@ its engine compiled once per run)."""
 
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -80,6 +81,24 @@ jax.devices()
 
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
+
+T = TypeVar("T")
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+    """``make(folder)``'s result, made once per run: under pytest-xdist the first worker to
+    ask makes it in a folder of the workers' shared base and pickles what it returns there;
+    the others wait on the lock and read it (their tests then share that folder)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / name
+    made = folder.with_suffix(".pkl")
+    with FileLock(f"{made}.lock"):
+        if not made.exists():
+            folder.mkdir()
+            made.write_bytes(pickle.dumps(make(folder)))
+        result: T = pickle.loads(made.read_bytes())
+    return result
 
 
 @pytest.fixture(scope="session", params=["chatml", "llama3", "qwen3"])
