@@ -245,6 +245,14 @@ def wait_for(path: Path, procs: Sequence[subprocess.Popen[bytes]]) -> None:
         time.sleep(0.2)
 
 
+# The killed run's steps: process 1 is killed once the checkpoint of step 1 is complete, so
+# the rerun has one or two left (a kill that late by more than a step would fail the test). Each
+# step of a 2-process rerun is costly: process 1 compiles its engine's programs in every run
+# (JAX writes the compilation cache from process 0 only) and meets new sequence lengths each
+# step; the rerun's steps 3 and 4 of 4 took 62 s and 34 s here, under load.
+STEPS = 3
+
+
 def test_a_killed_process_is_named_the_rerun_resumes_and_one_process_goes_on(
     task: TaskFiles, tmp_path: Path
 ) -> None:
@@ -255,7 +263,7 @@ def test_a_killed_process_is_named_the_rerun_resumes_and_one_process_goes_on(
     export; both write the checkpoints, from which 1 process with 8 devices goes on (the arrays'
     shapes do not depend on the process count, only their layout)."""
     run = tmp_path / "run"
-    overrides = [*tiny(task, run, 4), "trainer.eval_every=2", "sft.data="]
+    overrides = [*tiny(task, run, STEPS), "trainer.eval_every=2", "sft.data="]
     argv = [*jarl_train(overrides), "--heartbeat-timeout", "30"]
     logs = tmp_path / "log"
     procs = start(argv, 2, logs)
@@ -271,7 +279,7 @@ def test_a_killed_process_is_named_the_rerun_resumes_and_one_process_goes_on(
     named = r"process 1 of 2 stopped responding|Task 1 heartbeat timeout|heartbeats\):\s*1\b"
     assert re.search(named, log(logs, 0)), log(logs, 0)[-3000:]
     saved = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert 1 <= saved < 4
+    assert 1 <= saved < STEPS
 
     before = len((run / "metrics.jsonl").read_text().splitlines())
     logs = tmp_path / "rerun"
@@ -281,19 +289,21 @@ def test_a_killed_process_is_named_the_rerun_resumes_and_one_process_goes_on(
     lines = (run / "metrics.jsonl").read_text().splitlines()[before:]
     records = [json.loads(line) for line in lines]
     train = [r for r in records if r["phase"] == "train"]
-    assert [r["step"] for r in train] == list(range(saved + 1, 5))
+    assert [r["step"] for r in train] == list(range(saved + 1, STEPS + 1))
     assert all(r["episodes_sampled"] == 16 and r["batch/trajectories"] <= 16 for r in train)
-    assert [r["step"] for r in records if r["phase"] == "val"][-1] == 4
+    assert [r["step"] for r in records if r["phase"] == "val"][-1] == STEPS
     assert (run / "traces.jsonl").is_file() and (run / "reward.png").is_file()
     assert (run / "hf" / "model.safetensors").is_file()
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
-        *range(5)
+        *range(STEPS + 1)
     ]
-    assert "step 4/4" in log(logs, 0) and "run folder" in log(logs, 0)
-    assert "step 4/4" not in log(logs, 1) and "run folder" not in log(logs, 1)
+    last = f"step {STEPS}/{STEPS}"
+    assert last in log(logs, 0) and "run folder" in log(logs, 0)
+    assert last not in log(logs, 1) and "run folder" not in log(logs, 1)
 
-    overrides = [*tiny(task, run, 5), "trainer.eval_every=0", "sft.data="]
+    overrides = [*tiny(task, run, STEPS + 1), "trainer.eval_every=0", "sft.data="]
     codes = finish(start(jarl_train(overrides), 1, tmp_path / "one"))
     assert codes == [0], log(tmp_path / "one", 0)[-3000:]
-    assert "resumed from the checkpoint of step 4" in log(tmp_path / "one", 0)
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")] == [1, 2, 3, 4, 5]
+    assert f"resumed from the checkpoint of step {STEPS}" in log(tmp_path / "one", 0)
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl", "train")]
+    assert steps == [*range(1, STEPS + 2)]
