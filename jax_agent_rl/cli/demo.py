@@ -327,6 +327,8 @@ SMOKE_OVERRIDES = [
     "data.prompts_per_step=1",
     "group.n=2",
     "learner.micro_batch_size=2",
+    "sft.batch_size=2",  # one micro-batch a warm-start step (16: 8 of them)
+    "learner.row_tokens=128",  # a row holds one whole episode (max_model_len): not 2048
 ]
 
 
