@@ -82,8 +82,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from jax_agent_rl.models.sharding import one_device_sharder
-
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".gpu-wheels"
 RESULT = "GPU_CHECK_RESULT "  # a step's last line: this, then its JSON
@@ -536,6 +534,7 @@ def _learner_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     from jax_agent_rl.models import ModelConfig, init_params
     from jax_agent_rl.models.attention_kernels import training_kernel
     from jax_agent_rl.models.hf_local import TINY_QWEN2
+    from jax_agent_rl.models.sharding import one_device_sharder
     from jax_agent_rl.plan.presets import preset_model
     from jax_agent_rl.rl.learner import Learner
     from jax_agent_rl.rl.objectives import SamplingSpec
@@ -625,6 +624,7 @@ def _decode_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     from jax_agent_rl.engine import Engine
     from jax_agent_rl.models import ModelConfig, init_params
     from jax_agent_rl.models.hf_local import TINY_QWEN2
+    from jax_agent_rl.models.sharding import one_device_sharder
     from jax_agent_rl.plan.presets import preset_model
     from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
