@@ -45,6 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jax_agent_rl.cli import compile_cache
 from jax_agent_rl.cli.demo import SMALL_OVERRIDES, SMOKE_OVERRIDES, small_task_sft
 from jax_agent_rl.config import load_config
 from jax_agent_rl.models import request_cpu_devices
@@ -227,6 +228,9 @@ def main() -> None:
             "--steps must be at least 2: the first update compiles, and is left out of the timings"
         )
     request_cpu_devices(2)  # the demo config's mesh (data=2), before anything starts JAX
+    # every mode compiles the same programs: from the second on they load (as `jarl train`'s
+    # runs do); the figures leave each mode's first update out
+    compile_cache.enable(compile_cache.default_folder())
     os.environ[DELAY_ENV] = f"{args.median_delay},{args.sigma},0"
     figures: dict[str, object] = {
         "bench": "async",

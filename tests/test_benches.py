@@ -149,6 +149,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
                     "rollout_tokens_per_s",
                     "held_out_success",
                     "kv_older_tokens",
+                    "push_stall_s",
                     "reward_curve",
                 )
             ),
