@@ -36,11 +36,16 @@ def _backend(checkpoint: Path, keep: bool) -> tuple[EmbeddedBackend, Weights]:
     engine = Engine(
         cfg, max_concurrent_decodes=4, max_len=256, page_size=16, sharder=one_device_sharder()
     )
+    return EmbeddedBackend(engine, w, steps_per_call=4, keep_kv_on_update=keep), moved(w)
+
+
+def moved(w: Weights) -> Weights:
+    """``w`` with every tensor moved by 10% of its own scale (seeded): other weights to push,
+    under which the greedy tokens change."""
     rng = np.random.default_rng(0)
-    other = jax.tree.map(
+    return jax.tree.map(
         lambda x: x + 0.1 * (np.std(x) + 1e-3) * rng.standard_normal(x.shape).astype(x.dtype), w
     )
-    return EmbeddedBackend(engine, w, steps_per_call=4, keep_kv_on_update=keep), other
 
 
 def _prompt(seed: int, n: int) -> tuple[int, ...]:

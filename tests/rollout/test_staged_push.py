@@ -15,6 +15,7 @@ from jax_agent_rl.models import Weights, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult, SamplingParams
+from tests.engine.test_keep_kv import moved
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 BEFORE = 5  # tokens sampled when the push comes: 1 from prefill + one decode call of 4
@@ -23,18 +24,13 @@ PROMPTS = [tuple(int(t) for t in np.random.default_rng(s).integers(1, 500, 9)) f
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Weights, Weights]:
-    """The tiny model's engine, its weights, and other weights to push (every tensor moved by
-    10% of its own scale: the greedy tokens change)."""
+    """The tiny model's engine, its weights, and other weights to push (`moved`)."""
     checkpoint = write_hf_checkpoint(tmp_path_factory.mktemp("staged") / "tiny", TINY_QWEN2)
     cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     engine = Engine(
         cfg, max_concurrent_decodes=4, max_len=128, page_size=16, sharder=one_device_sharder()
     )
-    rng = np.random.default_rng(0)
-    other = jax.tree.map(
-        lambda x: x + 0.1 * (np.std(x) + 1e-3) * rng.standard_normal(x.shape).astype(x.dtype), w
-    )
-    return engine, w, other
+    return engine, w, moved(w)
 
 
 def _served(
