@@ -261,11 +261,8 @@ def main() -> None:
         figures[f"{name}_held_out_minus_sync"] = round(gap, 3)
         staged = name.removesuffix("_unstaged")
         if staged != name and staged in chosen:  # the stall per push, unstaged over staged
-            stalls = (figures[f"{m}_push_stall_s"] for m in (name, staged))
-            figures[f"{staged}_unstaged_over_staged_stall"] = round(
-                next(stalls) / max(next(stalls), 1e-6),  # type: ignore[operator]
-                2,
-            )
+            before, after = (float(figures[f"{m}_push_stall_s"]) for m in (name, staged))  # type: ignore[arg-type]
+            figures[f"{staged}_unstaged_over_staged_stall"] = round(before / max(after, 1e-6), 2)
     print(json.dumps(figures))
 
 
