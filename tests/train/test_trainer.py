@@ -1,7 +1,8 @@
 """The trainer as a user runs it (`jarl train` in a subprocess): a run killed with SIGKILL,
 while a checkpoint is being written and again in the middle of a step, resumes to exactly the
 parameters of a run that was never interrupted; configs are validated before anything runs.
-The task is the package's (tests/train/conftest.py), made once for every module here."""
+The task is the package's (tests/train/conftest.py), made once for every module here; the
+runs here start from its SFT warm start (`warm`), made once for the module."""
 
 import json
 import signal
@@ -21,8 +22,8 @@ from jax_agent_rl.train import train
 from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.metrics import read_metrics
 
-# a 60-step SFT and 3 RL steps a run, four runs: optimized code pays (compiled at O0 the file
-# took 288 s of a suite run's CPU, 221 s optimized)
+# a 60-step SFT (once: `warm`) and RL steps in five runs: optimized code pays (when each run
+# did its own SFT, compiled at O0 the file took 288 s of a suite run's CPU, 221 s optimized)
 pytestmark = pytest.mark.compute_bound
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,21 @@ def _command(task: TaskFiles, run_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def _rl_command(task: TaskFiles, warm: Path, run_dir: Path) -> list[str]:
+    """`_command`'s run without its SFT stage, from ``warm``, the policy that stage gives:
+    RL from it is RL after that stage. The warm start is no part of what the tests here
+    check, and each run repeated it (~30 s of CPU a run)."""
+    return [*_command(task, run_dir), f"model.path={warm}", "sft.data=", "sft.steps=0"]
+
+
+@pytest.fixture(scope="module")
+def warm(task: TaskFiles, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`_command`'s SFT stage alone (no RL step): its policy, exported with the tokenizer."""
+    run_dir = tmp_path_factory.mktemp("sft")
+    train(load_config(DEMO_CONFIG, [*_command(task, run_dir)[5:], "trainer.steps=0"]))
+    return run_dir / "hf"
+
+
 def _complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
@@ -57,23 +73,27 @@ def _kill_when(cmd: list[str], ready: "callable[[], bool]", timeout: float = 600
     proc.wait()
 
 
-def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_path: Path) -> None:
+def test_sigkill_and_resume_equals_an_uninterrupted_run(
+    task: TaskFiles, warm: Path, tmp_path: Path
+) -> None:
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_command(task, whole), cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(_rl_command(task, warm, whole), cwd=ROOT, check=True, capture_output=True)
 
     ckpts = killed / "checkpoints"
     # 1) killed while checkpoint 1 is being written (its temporary folder exists)
     _kill_when(
-        _command(task, killed),
+        _rl_command(task, warm, killed),
         lambda: ckpts.is_dir() and any(p.name.startswith("1.") for p in ckpts.iterdir()),
     )
     assert 1 not in _complete_steps(killed)  # never a half-written checkpoint 1
     assert RunCheckpoints(ckpts, 2).latest_step() == 0
     # 2) killed in the middle of step 3, right after checkpoint 2 is complete
-    _kill_when(_command(task, killed), lambda: ckpts.is_dir() and 2 in _complete_steps(killed))
+    _kill_when(
+        _rl_command(task, warm, killed), lambda: ckpts.is_dir() and 2 in _complete_steps(killed)
+    )
     # 3) resume to the end
     done = subprocess.run(
-        _command(task, killed), cwd=ROOT, capture_output=True, text=True, check=False
+        _rl_command(task, warm, killed), cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from the checkpoint of step 2" in done.stdout
@@ -99,7 +119,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_pat
     # line naming its step and folder, not orbax's traceback
     meta = whole / "checkpoints" / "3" / "meta" / "metadata"
     meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
-    more = [*_command(task, whole), "trainer.steps=4"]
+    more = [*_rl_command(task, warm, whole), "trainer.steps=4"]
     done = subprocess.run(more, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -107,16 +127,19 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(task: TaskFiles, tmp_pat
 
 
 def test_dynamic_sampling_trains_only_groups_with_a_reward_signal(
-    task: TaskFiles, tmp_path: Path
+    task: TaskFiles, warm: Path, tmp_path: Path
 ) -> None:
     """DAPO: groups whose rewards are all equal are dropped and refilled; only kept groups are
     trained. A half-trained model gets the answer format right only sometimes, so with the
-    format reward some groups are mixed and some are not."""
+    format reward some groups are mixed and some are not. Run as `jarl train`, as the runs
+    above: the same process layout (two CPU devices), so that it loads the programs they
+    compiled (in this process, on its eight devices, it compiled its own: ~120 s of CPU)."""
     n, want = 4, 4
-    args = _command(task, tmp_path / "run")[5:]  # the overrides
+    args = _rl_command(task, warm, tmp_path / "run")
     args += ["trainer.steps=2", "trainer.save_every=2", "group.dynamic_sampling=true"]
     args += ["group.max_refills=3", f"group.n={n}", f"data.prompts_per_step={want}"]
-    train(load_config(DEMO_CONFIG, args))
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
