@@ -123,7 +123,8 @@ def reward_figure(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> Any
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:  # (a run with neither, SFT alone, has no line to name)
+        ax.legend()
     ax.set_title("reward")
     fig.tight_layout()
     return fig
