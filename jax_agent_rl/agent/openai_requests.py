@@ -22,6 +22,9 @@ from jax_agent_rl.usercode.load import load_function
 
 T = TypeVar("T")
 MAX_TOOLS_BYTES = 256 * 2**10  # the first request's tools, as JSON: past this, refused (400)
+# the deepest tools a request may nest (objects and lists): a real schema nests a few levels;
+# at ~490 the prompt's rendering ran out of Python's stack (a 500, the episode untrained)
+MAX_TOOLS_DEPTH = 64
 ROLES = ("system", "user", "assistant", "tool")
 # Request fields that would change sampling, which is the run's (sampling.*, agent.*): a
 # request setting one (to anything but null or the value listed) is refused. The endpoint
@@ -86,11 +89,23 @@ def check_request(body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     where = lone_surrogate(tools)  # (rendered into the prompt, it failed in the tokenizer: a 500)
     if where is not None:
         raise HarnessError(f"the request's tools hold a lone surrogate {where}: not text")
-    try:
-        json.dumps(tools)
-    except RecursionError:
-        raise HarnessError("the request's tools nest too deep") from None
+    if nesting(tools) > MAX_TOOLS_DEPTH:
+        raise HarnessError(f"the request's tools nest deeper than {MAX_TOOLS_DEPTH} levels")
     return messages, tools or None
+
+
+def nesting(value: Any) -> int:
+    """How deep ``value`` (parsed JSON) nests objects and lists (0: a scalar), counted
+    without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def session_key(headers: dict[str, str]) -> str:

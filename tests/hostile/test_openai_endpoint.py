@@ -31,7 +31,12 @@ from jax_agent_rl.agent.context import AgentConfig
 from jax_agent_rl.agent.endpoint_http import MAX_HEADER_BYTES, Limits, Request, serve_http
 from jax_agent_rl.agent.loop import run_sample
 from jax_agent_rl.agent.openai_endpoint import HarnessTask, Session, serve
-from jax_agent_rl.agent.openai_requests import MAX_TOOLS_BYTES, HarnessError, check_request
+from jax_agent_rl.agent.openai_requests import (
+    MAX_TOOLS_BYTES,
+    MAX_TOOLS_DEPTH,
+    HarnessError,
+    check_request,
+)
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.tokenization.tool_calls import ParsedCall
@@ -842,20 +847,24 @@ def _checked(body: Any) -> Any:
 
 
 def test_tools_nested_as_deep_as_the_body_reader_reads_are_the_harness_error() -> None:
-    """A first request's tools nested as deep as the endpoint's JSON reader reads: checked, they
-    went on to be measured a call deeper (`Session._start`: ``json.dumps(tools)``), where their
-    encoding ran past the recursion limit: a RecursionError, the endpoint's own failure (500,
-    ``agent_error``) rather than the request's (400)."""
+    """A first request's tools nested as deep as the endpoint's JSON reader reads: refused as
+    the request's error (400). Before: nested past Python's stack they failed in the check's
+    own encoding, and at ~490 levels, past it, in rendering the prompt (`TurnBuilder`'s
+    defusing of every string): a RecursionError, the endpoint's own failure (500,
+    ``agent_error``, untrained) rather than the request's."""
     depth = 2_000
     while True:  # the deepest body read
         try:
-            with pytest.raises(HarnessError, match="tools nest too deep"):
+            with pytest.raises(HarnessError, match=f"tools nest deeper than {MAX_TOOLS_DEPTH}"):
                 _complete(_tools_nested(depth))
             break
         except RecursionError:  # (the reader's)
             depth -= 1
     assert depth > 100
-    assert _complete(_tools_nested(100))[1] is not None
+    for depth in (490, MAX_TOOLS_DEPTH - 2):  # the tool list, its object, its function: 3
+        with pytest.raises(HarnessError, match="nest deeper"):
+            _complete(_tools_nested(depth))
+    assert _complete(_tools_nested(MAX_TOOLS_DEPTH - 3))[1] is not None
 
 
 async def _first_request(setup: dict[str, Any], key: str, body: bytes) -> tuple[Session, bytes]:
