@@ -23,9 +23,9 @@ Weight updates drain (the `WeightGate` every backend shares): new requests wait,
 flight finish under the weights they started with, then the new weights (same shapes: no
 recompilation) take the old ones' place, kept sessions are dropped (cached prefixes are
 salted with the version, `PagePool.keys`), and admission resumes. Whole new weights are
-staged first (``staged_push``): placed on the devices (cast, laid out) in the engine's next
-round beside its decode call, before the gate closes, so the drain ends in a swap; unstaged,
-the old weights are dropped first and the new placed while requests wait (one copy). With
+staged (``staged_push``): placed on the devices (cast, laid out) in the engine's next round,
+beside the decode call of the requests the gate drains, so the drain ends in a swap;
+unstaged, the old weights are dropped first and the new placed once drained (one copy). With
 ``keep_kv_on_update`` nothing drains or is dropped: the push lands between two engine calls,
 and running requests and kept sessions go on under the new weights over the old ones' keys
 and values (shared prefixes never cross versions). A LoRA push is its adapters alone
@@ -188,17 +188,20 @@ class EmbeddedBackend:
 
     async def update_weights(self, params: Any, version: int) -> None:
         loop = asyncio.get_running_loop()
-        if self._staged_push and not isinstance(params, (LayerAdapters, WeightDelta)):
+
+        async def place() -> None:  # beside the decoding of the requests the gate drains
             stage = Stage(params, loop.create_future(), loop)
-            self._send("stage", stage)  # placed while the engine decodes, then swapped in
+            self._send("stage", stage)
             await stage.future
 
-        async def push() -> None:
+        async def push() -> None:  # (a staged push: the swap)
             future: asyncio.Future[None] = loop.create_future()
             self._send("update", Update(params, version, future, loop))
             await future
 
-        held = await self._gate.update(push, version)
+        whole = not isinstance(params, (LayerAdapters, WeightDelta))
+        staged = self._staged_push and whole
+        held = await self._gate.update(push, version, prepare=place if staged else None)
         if self._gate.drain:  # else it stalled decoding for its swap alone (`_apply_update`)
             self.last_push = self.last_push and self.last_push.held(held)
 

@@ -124,11 +124,18 @@ class WeightGate:
                 resolve_from_thread(ticket._wait[0], ticket._wait[1], False)
         return tickets
 
-    async def update(self, push: Callable[[], Awaitable[None]], version: int) -> float:
-        """Holds new requests, drains the admitted ones (neither without ``drain``), awaits
-        ``push()`` (the backend's load of the new weights), then serves ``version``. A failed
-        push keeps the old version; either way the requests held meanwhile go out. Returns
-        the seconds new requests were held (0 without ``drain``)."""
+    async def update(
+        self,
+        push: Callable[[], Awaitable[None]],
+        version: int,
+        prepare: Callable[[], Awaitable[None]] | None = None,
+    ) -> float:
+        """Holds new requests, drains the admitted ones (neither without ``drain``) while
+        ``prepare()`` runs (a backend placing the new weights beside the old: a staged push),
+        awaits ``push()`` (the backend's load, or swap, of the new weights), then serves
+        ``version``. A failed prepare or push keeps the old version; either way the requests
+        held meanwhile go out. Returns the seconds new requests were held (0 without
+        ``drain``)."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         with self.lock:
@@ -140,8 +147,16 @@ class WeightGate:
             if self._admitted and self.drain:
                 self._drained = (loop.create_future(), loop)
         try:
-            if self._drained is not None:
-                await self._drained[0]
+            staging = None if prepare is None else asyncio.ensure_future(prepare())
+            try:
+                if self._drained is not None:
+                    await self._drained[0]
+            except BaseException:
+                if staging is not None:
+                    staging.cancel()
+                raise
+            if staging is not None:
+                await staging
             if self.closed:
                 raise RuntimeError("the backend is closed")
             await push()
