@@ -25,7 +25,13 @@ from jax_agent_rl.config.foreign_keys import foreign_keys
 from jax_agent_rl.config.paths import resolve_packaged
 from jax_agent_rl.config.sections import JarlConfig
 from jax_agent_rl.config.wings import load_wing
-from jax_agent_rl.config.yaml_text import MAX_DEPTH, read_yaml, yaml_read, yaml_top
+from jax_agent_rl.config.yaml_text import (
+    MAX_DEPTH,
+    MAX_TEXT_BYTES,
+    read_yaml,
+    yaml_read,
+    yaml_top,
+)
 
 T = TypeVar("T")
 
@@ -108,6 +114,8 @@ def _merged(path: str | Path | None, overrides: Sequence[str], schema: type) -> 
                 f"override {_shown(item)}: Hydra's ~key (delete) has nothing to do here: every "
                 "key has a default; drop it"
             )
+        if len(item) > MAX_TEXT_BYTES:
+            raise ConfigError(f"override {_shown(item)}: at most {MAX_TEXT_BYTES} characters")
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
         key, _, value = item.partition("=")

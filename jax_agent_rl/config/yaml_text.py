@@ -3,6 +3,7 @@ one `ConfigError` line naming the file."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,16 @@ from jax_agent_rl.config.errors import ConfigError
 # recurses through several Python frames per level and exhausts the interpreter's stack near
 # 150 levels (a RecursionError, not a message).
 MAX_DEPTH = 32
+# A config file (or one override) of more than this is refused unread: a real one is a few KB,
+# and reading one of 100k keys took minutes before any answer
+MAX_TEXT_BYTES = 1 << 20
+# The interpolations a config may hold: ``${section.key}`` and ``${oc.env:NAME}`` (or
+# ``${oc.env:NAME,default}``), with literal arguments. Any other resolver (oc.select, oc.decode,
+# oc.create, ...) or one nested in another is refused: ``oc.select``'s fan-out escaped the
+# bound on what resolving may take (a 2.1 KB file ran for good), and resolver calls nested
+# 200 deep ran OmegaConf's grammar out of the interpreter's stack
+_INTERPOLATION = re.compile(r"(?<!\\)\$\{")  # (``\${`` is an escaped, literal one)
+_READ = re.compile(r"\$\{(?:[A-Za-z_][\w-]*(?:\.[\w-]+)*|oc\.env:[A-Za-z_]\w*(?:,[^${}\\]*)?)\}")
 
 
 def read_yaml(path: Path) -> Any:
@@ -34,6 +45,11 @@ def read_yaml(path: Path) -> Any:
         hint = f": did you mean {shipped}?" if shipped.is_file() and path != shipped else ""
         raise ConfigError(f"{where} does not exist{hint}")
     try:
+        size = path.stat().st_size
+        if size > MAX_TEXT_BYTES:
+            raise ConfigError(
+                f"{where} is {size} bytes: a config is at most {MAX_TEXT_BYTES} (1 MiB)"
+            )
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(
@@ -51,6 +67,8 @@ def read_yaml(path: Path) -> Any:
         )
     try:
         return OmegaConf.create(text)
+    except RecursionError:  # (what the checks above leave to it: none known)
+        raise ConfigError(f"{where}: nested too deep for the config reader") from None
     except yaml.YAMLError as e:  # what OmegaConf's loader adds: duplicate keys, ...
         raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
     except OmegaConfBaseException as e:
@@ -66,10 +84,12 @@ def yaml_top(text: str, where: str) -> str:
     the interpreter's."""
     top, depth, documents = "nothing", 0, 0
     resolver = yaml.resolver.Resolver()
+    lines = "\n" in text.rstrip("\n")  # (once: per scalar, it made reading superlinear)
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.ScalarEvent):
-                _check_number(event, resolver, where, "\n" in text.rstrip("\n"))
+                _check_number(event, resolver, where, lines)
+                _check_interpolations(event, where, lines)
             if isinstance(event, yaml.DocumentStartEvent):
                 documents += 1
                 if documents > 1:
@@ -99,6 +119,8 @@ def yaml_read(text: str, where: str) -> None:
     hold (``!!timestamp 2001-12-14``, ``!!set {a}``); each ended ``jarl`` in a traceback."""
     try:
         OmegaConf.from_dotlist([f"value={text}"])
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deep for the config reader") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
     except OmegaConfBaseException as e:
@@ -106,6 +128,19 @@ def yaml_read(text: str, where: str) -> None:
         raise ConfigError(
             f"{where}: {problem}: give a string, number, boolean, list or mapping"
         ) from None
+
+
+def _check_interpolations(event: yaml.ScalarEvent, where: str, lines: bool) -> None:
+    """A scalar's interpolations must be ones a config reads (`_READ`); ``lines``: say its
+    line."""
+    for start in _INTERPOLATION.finditer(event.value):
+        if not _READ.match(event.value, start.start()):
+            shown = event.value[start.start() : start.start() + 40]
+            at = f" at line {event.start_mark.line + 1}" if lines else ""
+            raise ConfigError(
+                f"{where}: {shown!r}{at}: a config reads ${{section.key}} and "
+                "${oc.env:NAME} (or ${oc.env:NAME,default}) interpolations only"
+            )
 
 
 def _check_number(
@@ -127,6 +162,11 @@ def _check_number(
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """A YAML error on one line: what is wrong and where."""
+    if "node expansion exceeds" in str(e):  # OmegaConf's bound on nodes, aliases expanded
+        return (
+            "more than 10000 YAML nodes (keys and values, aliases expanded): an alias "
+            "expanding many times, or far more keys than a config holds"
+        )
     if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
         mark = e.problem_mark
         return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"

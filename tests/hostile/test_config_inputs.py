@@ -155,7 +155,30 @@ CONFIGS = {
     "deep override key": (None, ["a." * 3000 + "b=1"], "nested deeper than 32 levels"),
     "empty key part": (None, ["model..path=x"], "'model..path' is not a dotted key"),
     "empty key": (None, ["=x"], "'' is not a dotted key"),
-    "alias bomb": (ALIAS_BOMB, [], "YAML node expansion exceeds the configured limit"),
+    "alias bomb": (ALIAS_BOMB, [], "more than 10000 YAML nodes (keys and values, aliases"),
+    # 6000 keys, no alias: told it was an alias bomb (OmegaConf's message)
+    "many keys": (
+        "env:\n  config:\n" + "".join(f"    k{i}: {i}\n" for i in range(6000)),
+        [],
+        "more than 10000 YAML nodes",
+    ),
+    # a resolver's fan-out escaped the bound on resolving (2.1 KB: past 90 s); resolver calls
+    # nested 200 deep ran OmegaConf's grammar out of the stack (a RecursionError traceback)
+    "select bomb": (
+        "model:\n  path: '${oc.select:data.train,z}${oc.select:data.train,z}'\n",
+        [],
+        "'${oc.select:data.train,z}${oc.select:dat' at line 2: a config reads "
+        "${section.key} and ${oc.env:NAME} (or ${oc.env:NAME,default}) interpolations only",
+    ),
+    "nested resolvers": (
+        None,
+        ["model.path=" + "${f:" * 200 + "x" + "}" * 200],
+        "override model.path: '${f:${f:",
+    ),
+    "resolver in an env default": (None, ["model.path=${oc.env:NOPE,${data.train}}"], "only"),
+    # 5.8 MB of 100k keys ran for minutes before any answer
+    "a file past 1 MiB": ("# " + "x" * (1 << 20) + "\n", [], "bytes: a config is at most"),
+    "an override past 1 MiB": (None, ["model.path=" + "x" * (1 << 20)], "at most 1048576"),
     "missing file": (None, [], "does not exist"),
     "out of range": (None, ["sampling.top_p=0"], "sampling.top_p=0.0: expected in (0, 1]"),
     # in every text: each turn would end at its first token (before: accepted, and every
@@ -595,3 +618,18 @@ def test_an_interpolation_of_a_moved_key_names_its_new_key(tmp_path: Path) -> No
     )
     with pytest.raises(ConfigError, match=r"'rollout\.temperature' is now 'sampling\.temperature'"):
         load_config(tmp_path / "run.yaml")
+
+
+def test_the_interpolations_a_config_reads_still_resolve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key of the config and an environment variable (with and without a default) go
+    through the interpolation check and resolve."""
+    monkeypatch.setenv("JARL_TEST_CKPT", "/ckpt/from/env")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  path: ${oc.env:JARL_TEST_CKPT}\ndata:\n  train: t.jsonl\n  val: ${data.train}\n"
+    )
+    cfg = load_config(config, ["trainer.run_dir=${oc.env:JARL_TEST_UNSET,runs/x}"])
+    assert cfg.model.path == "/ckpt/from/env" and cfg.data.val.endswith("t.jsonl")
+    assert cfg.trainer.run_dir.endswith("runs/x")
