@@ -196,13 +196,9 @@ def _regular(file: Path) -> bool:
         raise CheckpointError(str(e)) from None
 
 
-def stored_tensors(file: Path) -> dict[str, _Stored]:
-    """The tensors a safetensors file holds, from its header alone: an 8-byte little-endian
-    length, then that many bytes of JSON giving each tensor's dtype, shape and data offsets
-    (relative to the end of the header). As the safetensors library requires, each tensor's
-    bytes must be its shape times its dtype's size, and the tensors must tile the data region
-    exactly, so a header that claims data the file does not hold fails here, naming the
-    tensor, before anything is allocated."""
+def _header(file: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header, checked to be a JSON object whose ``__metadata__`` (taken
+    out) maps strings to strings, and the size of its data region."""
     if not _regular(file):
         raise CheckpointError(f"shard {file} does not exist")
     size = file.stat().st_size
@@ -219,8 +215,26 @@ def stored_tensors(file: Path) -> dict[str, _Stored]:
             raise CheckpointError(f"{file}: the safetensors header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_bytes = size - 8 - length
+    metadata = header.pop("__metadata__", {})
+    if not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):  # (the safetensors library refuses it when it reads the data: a traceback)
+        raise CheckpointError(
+            f"{file}: the safetensors header's __metadata__ is {metadata!r:.100}: expected an "
+            "object of strings"
+        )
+    return header, size - 8 - length
+
+
+def stored_tensors(file: Path) -> dict[str, _Stored]:
+    """The tensors a safetensors file holds, from its header alone: an 8-byte little-endian
+    length, then that many bytes of JSON giving each tensor's dtype, shape and data offsets
+    (relative to the end of the header). As the safetensors library requires, each tensor's
+    bytes must be its shape times its dtype's size, and the tensors must tile the data region
+    exactly, so a header that claims data the file does not hold fails here, naming the
+    tensor, before anything is allocated."""
+    header, data_bytes = _header(file)
     out = {}
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
@@ -279,7 +293,10 @@ def _locate(path: Path) -> dict[str, _Stored]:
     single = not has_index and _regular(path / "model.safetensors")
     listed: set[str] | None = None
     if has_index:
-        weight_map = json.loads(index.read_text())
+        try:
+            weight_map = json.loads(index.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{index} is not JSON: {e}") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map object")

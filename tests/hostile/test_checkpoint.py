@@ -113,6 +113,25 @@ def _first_shard(folder: Path) -> str:
     return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))[0]
 
 
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[" * 100_000, "is not JSON: maximum recursion depth"),  # a RecursionError traceback
+        ("{'weight_map': {}}", "is not JSON: Expecting property name"),  # named no file
+        (b"\xff\xfe", "is not JSON"),
+    ],
+    ids=["deep", "not JSON", "not UTF-8"],
+)
+def test_a_shard_index_that_is_no_json_names_its_file(
+    exported: Path, text: str | bytes, named: str
+) -> None:
+    index = exported / INDEX
+    index.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError) as e:
+        load_hf(exported, sharder=one_device_sharder())
+    assert e.type is CheckpointError and str(index) in str(e.value) and named in str(e.value)
+
+
 @pytest.mark.parametrize("escape", ["relative", "absolute", "nested-relative"])
 def test_shards_outside_the_folder_are_refused(exported: Path, escape: str) -> None:
     shard = _first_shard(exported)
@@ -320,6 +339,11 @@ def _many_dims(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
     return header, data, None
 
 
+def _metadata_list(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
+    header["__metadata__"] = [1]  # the safetensors library's traceback when it read the data
+    return header, data, None
+
+
 def _negative_dim(header: Header, data: bytes) -> tuple[Header, bytes, int | None]:
     header["model.norm.weight"]["shape"] = [-32]
     return header, data, None
@@ -337,6 +361,7 @@ def _negative_dim(header: Header, data: bytes) -> tuple[Header, bytes, int | Non
         (_dtype, "tensor 'model.norm.weight' is stored as 'I64'"),
         (_many_dims, "tensor 'model.norm.weight' has a malformed header entry"),
         (_negative_dim, "tensor 'model.norm.weight' has a malformed header entry"),
+        (_metadata_list, "the safetensors header's __metadata__ is [1]: expected an object"),
     ],
     ids=lambda x: getattr(x, "__name__", None),
 )
