@@ -156,7 +156,7 @@ def test_values_out_of_range_are_all_reported_one_line_each() -> None:
         "sampling.top_p=0.0: expected in (0, 1]",
         "sampling.top_k=0: expected -1 or >= 1",
         "algorithm.clip_c=1.0: expected null or > 1",
-        "optim.lr=nan: expected > 0",
+        "optim.lr=nan: expected a finite number > 0",
         "optim.b2=1.0: expected in [0, 1)",
         "trainer.steps=-3: expected >= 0",
         "trainer.save_every=0: expected >= 1",

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable
 
 from jax_agent_rl.config.model import lora_targets_problem
-from jax_agent_rl.config.ranges import Rule
+from jax_agent_rl.config.ranges import Rule, finite_number
 from jax_agent_rl.config.sections import AlgorithmSection, JarlConfig
 from jax_agent_rl.tokenization.tool_calls import PARSERS
 
@@ -63,7 +63,12 @@ def check_ranges(cfg: JarlConfig) -> list[str]:
     for key, rule in field_ranges(JarlConfig).items():
         value = functools.reduce(getattr, key.split("."), cfg)
         if not rule.ok(value):
-            problems.append(f"{key}={value!r}: expected {rule.accepted}")
+            # an int past a float's range, or a float's inf or nan, is out of every range: say
+            # so (a 310-digit count was told "expected >= 0")
+            finite = "" if finite_number(value) else "a finite number "
+            text = repr(value)
+            shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+            problems.append(f"{key}={shown}: expected {finite}{rule.accepted}")
     if problems:
         return problems
     return [p for check in _FIT_CHECKS if (p := check(cfg)) is not None]

@@ -20,7 +20,7 @@ class Rule(NamedTuple):
     accepted: str
 
 
-def _finite(v: Any) -> bool:
+def finite_number(v: Any) -> bool:
     """``math.isfinite``, false for an int past a float's range too (where it raises: a
     310-digit override ended ``jarl train`` in an OverflowError traceback)."""
     try:
@@ -38,7 +38,7 @@ def interval(
     def ok(v: Any) -> bool:
         above = lo < v if lo_open else lo <= v
         below = v < hi if hi_open or hi == math.inf else v <= hi
-        return bool(above and below and _finite(v))
+        return bool(above and below and finite_number(v))
 
     if hi == math.inf:
         return Rule(ok, f"{'>' if lo_open else '>='} {lo:g}")
@@ -63,7 +63,7 @@ TIMEOUT = interval(0, 1e6, lo_open=True)
 # overflows setrlimit's C long, and the process it bounds died at its start
 MEBIBYTES = interval(1, 1e9)
 BELOW_ONE = interval(0, 1, hi_open=True)
-FINITE = Rule(_finite, "a finite number")
+FINITE = Rule(finite_number, "a finite number")
 # the largest reward magnitude taken (`rewards.checked_reward`): far beyond any task's scale,
 # and small enough that a group's sums and squared deviations (~1e12 * its size) stay finite
 # in float32 (~3.4e38)

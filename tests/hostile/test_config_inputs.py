@@ -128,7 +128,12 @@ CONFIGS = {
         "a whole number of 5000 digits at line 2: too long",
     ),
     # an int past a float's range: the range check raised OverflowError (a traceback)
-    "310-digit override": (None, ["trainer.steps=1" + "0" * 309], "trainer.steps=1000000"),
+    "310-digit override": (
+        None,
+        ["trainer.steps=1" + "0" * 309],
+        "trainer.steps=10000000000000000000... (310 digits): expected a finite number >= 0",
+    ),
+    "a float's inf": (None, ["optim.lr=1e309"], "optim.lr=inf: expected a finite number > 0"),
     # each value naming the one before 3,000 times: 9 million resolutions (OmegaConf resolves
     # each use anew), 13.8 s at 10^5 characters, past 100 s at 10^6
     "interpolation bomb": (
