@@ -195,9 +195,11 @@ GREEDY_5 = SamplingParams(max_tokens=5, temperature=0.0)
 
 
 def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint: Path) -> None:
-    """The backend lets go of the weights it served before the engine lays out the new ones,
-    so a push holds one copy of the serving weights (what `jarl plan` and `plan_memory`
-    count); weights of the wrong shape are refused before that, the old ones kept."""
+    """Unstaged (`engine.push.staged: false`), the backend lets go of the weights it served
+    before the engine lays out the new ones, so a push holds one copy of the serving weights
+    (what `jarl plan` and `plan_memory` count then); weights of the wrong shape are refused
+    before that, the old ones kept. (Staged, both copies are held and counted:
+    tests/rollout/test_staged_push.py, tests/train/test_check.py.)"""
     cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
     held_during_load: list[bool] = []
 
@@ -210,7 +212,7 @@ def test_a_weight_push_drops_the_old_weights_before_it_builds_the_new(checkpoint
             return super().load_params(weights)
 
     engine = Recording(cfg, max_concurrent_decodes=4, max_len=256, sharder=one_device_sharder())
-    backend = EmbeddedBackend(engine, w)
+    backend = EmbeddedBackend(engine, w, staged_push=False)
     engine.backend = backend
 
     async def main() -> None:
