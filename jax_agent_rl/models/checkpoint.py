@@ -326,8 +326,8 @@ def load_hf(
     """Loads a local HF checkpoint folder (config.json + safetensors) into `Weights`.
 
     Every tensor's name, dtype and shape are checked against the config from the files'
-    headers before any data is read. Tensors are cast to ``dtype`` and placed with their
-    shardings on ``sharder``'s mesh.
+    headers before any data is read. Tensors are cast to ``dtype`` (one that holds NaN or inf
+    after the cast is refused) and placed with their shardings on ``sharder``'s mesh.
     """
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path, dtype=dtype)
@@ -365,6 +365,10 @@ def load_hf(
     specs = param_specs(cfg)
     for name, rule, index, shape in entries:
         y = to_ours(rule, read(name), shape).astype(np_dtype)
+        if not np.isfinite(y).all():  # (NaN weights served and trained NaN in silence)
+            raise CheckpointError(
+                f"{where[name].file}: tensor {name!r} holds NaN or inf values (as {np_dtype})"
+            )
         if not index:
             stacked[rule.ours] = y
         else:

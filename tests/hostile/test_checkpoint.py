@@ -525,3 +525,26 @@ def test_a_hostile_peft_folder_is_a_checkpoint_error_naming_its_file(
     with pytest.raises(CheckpointError, match=f"^{folder}/{said}"):
         load_peft(folder, TINY)
     assert load_peft(peft_folder, TINY)[0].lora == Lora(4, 8.0, ("q", "v"))  # (the folder: fine)
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [(np.nan, "float32"), (-np.inf, "float32"), (3.4e38, "bfloat16")],
+    ids=["nan", "inf", "past-bfloat16"],
+)
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(
+    single: Path, value: float, dtype: str
+) -> None:
+    """A checkpoint holding NaN or inf (or a value the run's dtype cannot hold: 3.4e38,
+    finite in float32, is inf in bfloat16) loaded, served NaN logits and trained on them in
+    silence (`jarl eval`, `jarl train`); `jarl export` already refused to write such weights."""
+    file = single / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(np.float64)
+    tensors[name].flat[7] = value
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, file)
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{file}: tensor {name!r} holds NaN or inf")
+    ):
+        load_hf(single, dtype, sharder=one_device_sharder())  # type: ignore[arg-type]
