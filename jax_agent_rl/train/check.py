@@ -89,7 +89,7 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
 
 
 def _problems(cfg: JarlConfig, processes: int) -> list[str]:
-    problems: list[str] = processes_fit(cfg, processes) + check_names(cfg)
+    problems: list[str] = processes_fit(cfg, processes) + check_names(cfg) + _run_folder(cfg)
 
     def attempt(load: Callable[[], T]) -> T | None:
         try:
@@ -138,6 +138,19 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     if cfg.sft.data:
         attempt(lambda: _demonstrations(cfg.sft.data, builder))
     return problems
+
+
+def _run_folder(cfg: JarlConfig) -> list[str]:
+    """``trainer.run_dir`` where a folder can be made (a dry run makes none): not a file, nor
+    under one."""
+    path = Path(cfg.trainer.run_dir).absolute()
+    for at in (path, *path.parents):
+        if at.exists():
+            if at.is_dir():
+                return []
+            what = "is" if at == path else f"is under {str(at)!r},"
+            return [f"trainer.run_dir={cfg.trainer.run_dir!r} {what} a file, not a folder"]
+    return []
 
 
 def _model_and_tokenizer(

@@ -51,7 +51,8 @@ def checkpoint_model(path: str) -> ModelConfig:
     ``config.json``, with weight files beside it."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ConfigError(f"model.path={path!r} does not exist: expected an HF checkpoint folder")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"model.path={path!r} {what}: expected an HF checkpoint folder")
     if not (folder / "config.json").is_file():
         raise ConfigError(
             f"model.path={path!r} has no config.json: expected an HF checkpoint folder "

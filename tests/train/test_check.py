@@ -192,6 +192,21 @@ CASES: dict[str, Case] = {
             "checkpoint folder (config.json, model.safetensors or its index, the tokenizer)"
         ),
     ),
+    "model.path a device": (  # before: "does not exist"
+        lambda _f: ["model.path=/dev/null"],
+        lambda _f: "model.path='/dev/null' is not a folder: expected an HF checkpoint folder",
+    ),
+    "run folder a file": (  # before: the dry run said ok; the run stopped when it began
+        lambda f: [f"trainer.run_dir={f.config}"],
+        lambda f: f"trainer.run_dir={str(f.config)!r} is a file, not a folder",
+    ),
+    "run folder under a file": (
+        lambda f: [f"trainer.run_dir={f.config / 'run'}"],
+        lambda f: (
+            f"trainer.run_dir={str(f.config / 'run')!r} is under {str(f.config)!r}, a file, "
+            "not a folder"
+        ),
+    ),
     "unknown parser": (
         lambda _f: ["agent.parser=hermez"],
         lambda _f: (
