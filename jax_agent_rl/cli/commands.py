@@ -87,17 +87,25 @@ def _train(args: argparse.Namespace) -> int:
     # what the run will do unasked: before a run, after a dry run's plan (its last lines)
     notes = [f"# note: {line}" for line in run_notes(cfg)]
     if args.dry_run:
+        import jax
+
         from jax_agent_rl.train import parts
-        from jax_agent_rl.train.memory import memory_plan
+        from jax_agent_rl.train.memory import fits_here, plan_memory
 
         print(to_yaml(cfg), end="")
         if cfg.model.module:  # (its model is made for the tokenizer: both checked above)
             model = parts.custom_model(cfg, parts.run_tokenizer(cfg.model, None))
         else:  # (the plan adds model.lora's adapters itself)
             model = parts.checkpoint_model(cfg.model.path)
-        for line in [*(f"# {line}" for line in memory_plan(cfg, model, processes)), *notes]:
+        plan = plan_memory(cfg, model, processes)
+        misfit = fits_here(plan, jax.local_devices())
+        for line in [*(f"# {line}" for line in plan.lines(cfg.learner.remat)), *notes]:
             print(line, file=sys.stderr)
-        print(f"# ok: {args.config} and everything it names load; nothing was run", file=sys.stderr)
+        verdict = f"; it {misfit}" if misfit else ""
+        print(
+            f"# ok: {args.config} and everything it names load; nothing was run{verdict}",
+            file=sys.stderr,
+        )
         return 0
     for line in notes:
         print(line, file=sys.stderr)

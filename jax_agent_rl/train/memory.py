@@ -1,13 +1,15 @@
-"""What a run keeps on each device (`plan_memory`; `memory_plan`'s lines are printed by ``jarl
-train --dry-run``): the learner's state and the embedded engine's weights and KV cache, laid
-out as `ShardingRules` lays them, and what the RL update (one micro-batch's activations:
-`activation_bytes`) and the weight push add while they run. ``jarl plan`` holds it to the
+"""What a run keeps on each device (`plan_memory`; its lines are printed by ``jarl train
+--dry-run``, with `fits_here`'s verdict on this process's devices): the learner's state and
+the embedded engine's weights and KV cache, laid out as `ShardingRules` lays them, and what the
+RL update (one micro-batch's activations: `activation_bytes`) and the weight push add while
+they run. ``jarl plan`` holds it to the
 figures compiled for TPU (tests/plan)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -97,9 +99,32 @@ class MemoryPlan:
         return lines
 
 
-def memory_plan(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> list[str]:
-    """`plan_memory`'s lines, for ``--dry-run``."""
-    return plan_memory(cfg, model, processes).lines(cfg.learner.remat)
+def device_memory(devices: Sequence[jax.Device]) -> tuple[float, str] | None:
+    """The bytes one of ``devices`` (this process's) can hold, and what they are, or None where
+    the platform does not say: CPU devices share the host's memory (each its share); an
+    accelerator's allocator states its limit."""
+    if devices[0].platform == "cpu":
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return host / len(
+            devices
+        ), f"this host's {host / 2**30:.1f} GiB over {len(devices)} CPU devices"
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    return (
+        None if not limit else (float(limit), f"{devices[0].device_kind}'s {limit / 2**30:.1f} GiB")
+    )
+
+
+def fits_here(plan: MemoryPlan, devices: Sequence[jax.Device]) -> str | None:
+    """Why ``plan`` cannot run on ``devices`` (its peak, a lower bound: XLA's workspace comes
+    on top, is more than each can hold), or None."""
+    have = device_memory(devices)
+    if have is None or plan.peak_bytes <= have[0]:
+        return None
+    return (
+        f"does not fit here: a peak of {plan.peak_bytes / 2**30:.4g} GiB per device, and "
+        f"{have[1]} leave each {have[0] / 2**30:.4g} GiB (`jarl plan` compiles a run for a TPU "
+        "slice)"
+    )
 
 
 def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> MemoryPlan:

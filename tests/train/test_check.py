@@ -54,7 +54,7 @@ from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.build import build_run
 from jax_agent_rl.train.check import check_run
 from jax_agent_rl.train.check_mesh import mesh_problems
-from jax_agent_rl.train.memory import activation_bytes, memory_plan, plan_memory
+from jax_agent_rl.train.memory import activation_bytes, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = "pkg://jax_agent_rl/configs/tools_calculator.yaml"
@@ -544,7 +544,7 @@ def _sharders(mesh: MeshSection) -> tuple[Sharder, Sharder]:
 
 def _sharded_bytes(model: ModelConfig, sharder: Sharder, width: int) -> float:
     """The largest per-device share of the parameters, from JAX's own shard shapes on a mesh of
-    fake CPU devices (an independent path to what memory_plan computes by hand)."""
+    fake CPU devices (an independent path to what plan_memory computes by hand)."""
     total = 0
     for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
         shard = sharder.sharding(spec.logical_axes, spec.shape).shard_shape(spec.shape)
@@ -576,7 +576,7 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
     head_shape = (model.hidden_size, model.vocab_size)
     head = serving.sharding(("embed", "vocab"), head_shape).shard_shape(head_shape)
     weights = (_sharded_bytes(model, serving, 2) + math.prod(head) * 2) / gib
-    lines = memory_plan(cfg, model)
+    lines = plan_memory(cfg, model).lines(cfg.learner.remat)
     n = mesh.data * mesh.fsdp * mesh.tensor
     assert lines[0] == (
         f"memory per device, mesh data={mesh.data} x fsdp={mesh.fsdp} x tensor={mesh.tensor} ({n}):"
@@ -604,7 +604,7 @@ def test_the_memory_plan_matches_the_sharded_layout(mesh: MeshSection) -> None:
         cfg, engine=dataclasses.replace(cfg.engine, push=PushSection(staged=False))
     )
     # unstaged, the new serving weights take the old ones' place: the engine drops them first
-    assert not any("staged" in line for line in memory_plan(in_place, model))
+    assert not any("staged" in line for line in plan_memory(in_place, model).lines(False))
     assert model.num_params * 4 / gib == pytest.approx(5.75, abs=0.01)  # 1.54B parameters
     total_line = next(line for line in lines if "total per device" in line)
     total = float(total_line.split("GiB")[0].split()[-1])
@@ -655,7 +655,7 @@ def test_the_memory_plan_of_a_lora_run_trains_the_adapters_only() -> None:
     held = lambda p: p.learner_bytes + sum(b for name, b in p.update if "activations" not in name)  # noqa: E731
     assert plan.lora_saved == pytest.approx(held(full) - held(plan))
     assert plan.lora_saved > 3.5 * base  # moments, accumulator, micro-batch gradient, KL copy
-    (line,) = (x for x in memory_plan(cfg, model) if "LoRA saves" in x)
+    (line,) = (x for x in plan.lines(cfg.learner.remat) if "LoRA saves" in x)
     assert f"LoRA saves {plan.lora_saved / 2**30:.2f} GiB per device" in line
 
 
@@ -665,6 +665,27 @@ def test_dry_run_prints_the_memory_plan(files: Files, capsys: pytest.CaptureFixt
     assert "# memory per device, mesh data=1 x fsdp=1 x tensor=1 (1):" in err
     assert "# total per device" not in err  # indented under it
     assert "#   total per device: " in err
+    assert err.splitlines()[-1].endswith("load; nothing was run")  # it fits: no verdict after
+
+
+def test_a_dry_run_that_cannot_fit_this_host_says_so(
+    files: Files, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows of 2^62 tokens (a lower bound of 10^14 GiB of activations): the dry run said ok
+    and printed the figure; it now ends saying the run does not fit this host's memory."""
+    assert (
+        main(["train", str(files.config), "learner.row_tokens=4611686018427387904", "--dry-run"])
+        == 0
+    )
+    last = capsys.readouterr().err.splitlines()[-1]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    devices = len(jax.local_devices())
+    assert re.fullmatch(
+        r"# ok: .* load; nothing was run; it does not fit here: a peak of [\d.e+]+ GiB per device, "
+        rf"and this host's {host:.1f} GiB over {devices} CPU devices leave each [\d.e+]+ GiB "
+        r"\(`jarl plan` compiles a run for a TPU slice\)",
+        last,
+    ), last
 
 
 def test_a_multi_process_run_is_checked_over_every_process(
