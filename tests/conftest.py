@@ -6,7 +6,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -81,6 +81,28 @@ jax.devices()
 
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
+from jax._src import compiler as _xla_compiler  # noqa: E402
+
+# At O0, XLA:CPU's MLIR fusion emitters are most of what is left of a compile (an RL update
+# of the test model: 22 s of XLA compilation with them, 9.7 s with the elemental emitters they
+# replace; tests/rl/test_learner.py 444 -> 235 s). Optimized, the code they emit runs faster
+# (a learning test took 13% more CPU without them), so modules marked `compute_bound` keep
+# them. XLA reads XLA_FLAGS once per process: in this process each compile at O0 gets the
+# option with its compile options (which the compilation cache keys on), and child processes
+# of an O0 module get it in XLA_FLAGS (the `_optimization` fixture).
+FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+_FAST_COMPILE_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
+_get_compile_options = _xla_compiler.get_compile_options
+
+
+def _compile_options(*args: Any, env_options_overrides: Any = None, **kwargs: Any) -> Any:
+    if _xla_compiler._DISABLE_MOST_OPTIMIZATIONS.value:
+        env_options_overrides = {**FAST_COMPILE, **(env_options_overrides or {})}
+    return _get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+
+_xla_compiler.get_compile_options = _compile_options
+_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 T = TypeVar("T")
 
@@ -129,6 +151,8 @@ def _optimization(request: pytest.FixtureRequest) -> Iterator[None]:
     fast_compile = not (_FULL_OPTIMIZATION_ONLY or request.node.get_closest_marker("compute_bound"))
     jax.config.update("jax_disable_most_optimizations", fast_compile)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(fast_compile))
+    flags = f"{_XLA_FLAGS} {_FAST_COMPILE_FLAGS}" if fast_compile else _XLA_FLAGS
+    os.environ["XLA_FLAGS"] = flags.strip()
     yield
 
 
