@@ -136,7 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
     jax.config.update("jax_enable_compilation_cache", False)
     if args.tokens_per_trajectory is not None and args.tokens_per_trajectory < 1:
         return _refuse(f"--tokens-per-trajectory {args.tokens_per_trajectory}: expected >= 1")
-    if args.json and (problem := _json_problem(Path(args.json))) is not None:
+    if args.json is not None and (problem := _json_problem(args.json)) is not None:
         return _refuse(f"--json {args.json}: {problem}")
     unread = ("data.train", "data.val", "sft.data", *(("model.path",) if model else ()))
     try:
@@ -162,23 +162,41 @@ def run_plan(args: argparse.Namespace) -> int:
     fits, verdict = plan.verdict()
     if not fits and not args.no_search:
         verdict += "; " + _search(cfg, model, topology, args, plan, reuse)
-    if args.json:
+    say(verdict)
+    code = 0 if fits else 1
+    if args.json is not None:
         record = {**plan.record(), "verdict": verdict}
         record.update({"full_parameter": full.record()} if full is not None else {})
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    say(verdict)
+        try:  # (checked before the compiles; the file system may have changed since)
+            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        except OSError as e:
+            print(f"jarl: --json {args.json}: cannot write: {e.strerror or e}", file=sys.stderr)
+            code = 2
     sys.stdout.flush()
-    os._exit(0 if fits else 1)  # a compilation still running past --compile-timeout stops here
+    sys.stderr.flush()
+    os._exit(code)  # a compilation still running past --compile-timeout stops here
 
 
-def _json_problem(path: Path) -> str | None:
-    """Why the plan could not be written to ``path``, checked before it is made (it is written
-    at the end, after every program compiled): a folder that is not there, or a path that is
-    no regular file (a FIFO blocked the write for ever; a folder or device fails it)."""
+def _json_problem(name: str) -> str | None:
+    """Why the plan could not be written to the file ``name``, checked before it is made (it is
+    written at the end, after every program compiled): a folder that is not there, a path that is
+    no regular file (a FIFO blocked the write for ever; a folder or device fails it), or one no
+    file can be made at (a dangling link, a link loop, a read-only folder)."""
+    if not name:
+        return "name a file to write"
+    path = Path(name)
     if not path.absolute().parent.is_dir():
         return "its folder does not exist"
     if path.exists() and not path.is_file():
         return "not a regular file; name a file to write"
+    existed = path.exists()
+    try:  # (a dangling link, a link loop, a folder that takes no files: /proc, /sys)
+        with path.open("a"):
+            pass
+    except OSError as e:
+        return f"cannot be written: {e.strerror or e}"
+    if not existed:
+        path.unlink(missing_ok=True)
     return None
 
 

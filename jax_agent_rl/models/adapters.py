@@ -266,6 +266,8 @@ def _lora_of(file: Path) -> Lora:
     order = [t for t in TARGETS if t in {names[m] for m in modules}]
     try:
         return Lora(rank, float(alpha), tuple(order))
+    except OverflowError:  # an int past a float's range
+        raise CheckpointError(f"{file}: lora_alpha={alpha!r:.80}: not a finite number") from None
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
 

@@ -483,6 +483,11 @@ HOSTILE_PEFT: dict[str, tuple[Any, str]] = {
     "r-missing": ({"r": None}, r"adapter_config.json: r=None: expected a whole number"),
     "r-huge": ({"r": 10**12}, r"adapter_config.json: LoRA rank=1000000000000 exceeds the v "),
     "alpha-a-list": ({"lora_alpha": [8]}, r"adapter_config.json: lora_alpha=\[8\]: expected a "),
+    # an int past a float's range: OverflowError, a traceback in jarl train and eval
+    "alpha-400-digits": (
+        {"lora_alpha": 10**400},
+        r"adapter_config.json: lora_alpha=10{79}: not a finite number",
+    ),
     "targets-nested": ({"target_modules": [["q_proj"]]}, r"adapter_config.json: target_modules="),
     "config-a-list": (b"[1, 2]", r"adapter_config.json is not a JSON object"),
     "config-not-json": (b"{r: 4", r"adapter_config.json is not JSON: "),

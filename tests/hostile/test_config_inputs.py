@@ -42,6 +42,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,6 +208,28 @@ def test_a_bad_config_is_one_line(
         config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
     argv = [command, str(config), *overrides]
     _refused(argv + (["--dry-run"] if command == "train" else []), named, capsys)
+
+
+@pytest.mark.parametrize("default", [False, True], ids=["set", "default"])
+def test_an_environment_variable_named_many_times_is_counted_at_its_size(
+    default: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """``${oc.env:NAME}`` counted as its own 13 characters: a 100 kB variable named 100 times
+    by a value that another value names 100 times took 5.7 GB and 34 s before a MemoryError."""
+    big = "A" * 100_000
+    if default:
+        monkeypatch.delenv("JARL_TEST_BIG", raising=False)
+        env = f"${{oc.env:JARL_TEST_BIG,{big}}}"
+    else:
+        monkeypatch.setenv("JARL_TEST_BIG", big)
+        env = "${oc.env:JARL_TEST_BIG}"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model:\n  path: '{'${data.val}' * 100}'\n"
+        f"data:\n  train: t.jsonl\n  val: '{env * (1 if default else 100)}'\n"
+    )
+    key = "model.path" if default else "data.val"  # (itself 10^7 characters, counted first)
+    _refused(["config", str(config)], f"{key}: its interpolations resolve to 10000000 ", capsys)
 
 
 def test_unset_required_keys_are_one_line_for_train(capsys: pytest.CaptureFixture[str]) -> None:
@@ -436,6 +459,35 @@ def test_a_plan_json_fifo_is_refused_first(
     os.mkfifo(out)
     argv = ["plan", str(config), "--topology", "v5e-4", "--json", str(out)]
     _refused(argv, f"--json {out}: not a regular file", capsys)
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (
+            lambda d: (d / "plan.json").symlink_to(d / "gone" / "plan.json"),
+            "cannot be written: No such file",
+        ),
+        (
+            lambda d: (d / "plan.json").symlink_to(d / "plan.json"),
+            "cannot be written: Too many levels of symbolic links",
+        ),
+        (lambda _: None, "name a file to write"),
+    ],
+    ids=["dangling link", "link loop", "empty"],
+)
+def test_a_plan_json_path_no_file_can_be_made_at_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Any, problem: str
+) -> None:
+    """A dangling link, a link loop (or /proc/plan.json) passed the check, and the write after
+    minutes of compiling ended in a traceback, exit 1 ("does not fit"); ``--json ""`` wrote
+    nothing, silently."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  path: /ckpt\ndata:\n  train: t.jsonl\n")
+    make(tmp_path)
+    out = "" if problem.startswith("name") else str(tmp_path / "plan.json")
+    argv = ["plan", str(config), "--topology", "v5e-4", "--json", out]
+    _refused(argv, f"--json {out}: {problem}", capsys)
 
 
 def test_evaluating_an_adapter_folder_says_how(
