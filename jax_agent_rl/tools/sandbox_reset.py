@@ -3,8 +3,7 @@ which runs this file's code too, under the system Python with ``-I -S`` (only th
 library is used; `tools.sandbox` puts it in ``sys.modules`` before the zygote imports it).
 
 Between executions the fork server kills every process but itself (`sweep`) and replaces each
-writable place an execution touched with a fresh tmpfs mount (`renew`), which it knows from an
-inotify watch on each (`confine_executions`), and sets the pid counter back. It keeps only
+writable place with a fresh tmpfs mount (`renew`), and sets the pid counter back. It keeps only
 the capabilities that takes (`hold_counters`) and an execution starts with none
 (`drop_capabilities`).
 """
@@ -12,7 +11,6 @@ the capabilities that takes (`hold_counters`) and an execution starts with none
 import ctypes
 import os
 import signal
-import struct
 
 WRITABLE = {"/work": 0o755, "/tmp": 0o1777, "/dev/shm": 0o1777}  # and their modes
 
@@ -85,6 +83,32 @@ def hold_counters():
     _set_capabilities([CAP_SYS_ADMIN])
 
 
+MS_NOEXEC, MS_RDONLY = 8, 1
+NET: dict[str, int] = {}  # "fd": this process's /proc/<pid>/net, kept open (`hide_fork_server`)
+
+
+def hide_fork_server():
+    """Once, before serving: an empty read-only tmpfs over ``/proc/1``, the fork server's own
+    entries, after opening its ``net`` folder for `read_net` (``/proc/net`` is
+    ``/proc/self/net``, which is ``/proc/1/net`` here). Every execution ends as a child the
+    fork server reaps, so its counters move with what each execution does: ``/proc/1/stat``'s
+    children's CPU time carried two bits an execution from one to the next (12 of 12 read
+    back), and ``status``, ``sched`` and ``schedstat`` carry the same kind of count."""
+    NET["fd"] = os.open("/proc/self/net", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY
+    _check(LIBC.mount(b"tmpfs", b"/proc/1", b"tmpfs", flags, b"size=4k,mode=555"), "mount /proc/1")
+    if os.listdir("/proc/1") or os.path.exists("/proc/self/stat"):
+        raise OSError("/proc/1 is still readable")
+
+
+def read_net(name):
+    """The bytes of ``/proc/net/<name>`` (this network namespace's), through the folder
+    `hide_fork_server` kept open."""
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=NET["fd"])
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 # capset's arguments for "no capability at all", built before any fork: the child makes one
 # call (building them there costs each execution ~70 page faults of copied memory)
 NO_CAPABILITIES = (
@@ -100,68 +124,32 @@ def drop_capabilities():
 
 
 def renew(pristine):
-    """After the sweep: a fresh tmpfs mount in place of each writable place the execution
-    touched (`_touched`), given the mode and times its root had (`metadata` must then equal
-    ``pristine``), and the pid counter back to 1. Whatever the execution left goes with the
-    old mount: entries however deep or locked, the root's extended attributes (a default ACL
-    would shape every later file), and the inode counter it moved by creating files, which the
-    next execution would read: each execution finds its first file at the same inode, and its
-    process at pid 2. A place no event shows touched holds nothing and was not changed (every
-    entry starts at its empty root, and unnamed files are denied): it stays. ~35 us of CPU a
-    mount. False if any of it failed (the host then replaces the sandbox)."""
+    """After the sweep: a fresh tmpfs mount in place of each writable place, in `WRITABLE`'s
+    order, given the mode and times its root had (`metadata` must then equal ``pristine``),
+    and the pid counter back to 1. Whatever the execution left goes with the old mount:
+    entries however deep or locked, the root's extended attributes (a default ACL would shape
+    every later file), and the inode counter it moved by creating files, which the next
+    execution would read: each execution finds its first file at the same inode, and its
+    process at pid 2. Every place, touched or not, in the same order: renewing only those
+    touched moved their lines to the end of ``/proc/self/mountinfo`` and changed their mount
+    ids, which the next execution read (bits chosen by which places one wrote). ~35 us of CPU
+    a mount. False if any of it failed (the host then replaces the sandbox)."""
     try:
-        for root in _touched():
+        for root, mode in WRITABLE.items():
             *_, atime, mtime, _ = pristine[root]
             _check(LIBC.umount2(root.encode(), MNT_DETACH), f"umount {root}")
             _check(
                 LIBC.mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, SIZES[root]),
                 f"mount {root}",
             )
-            os.chmod(root, WRITABLE[root])  # the mount option cannot say sticky
+            os.chmod(root, mode)  # the mount option cannot say sticky
             os.utime(root, ns=(atime, mtime))
             if metadata(root) != pristine[root]:
                 return False
-            _watch(root)  # after chmod and utime, whose events would mark it touched
         os.pwrite(HELD["last_pid"], b"1", 0)
     except OSError:
         return False
     return True
-
-
-# inotify: the fork server watches each writable root for any event at all (an entry made,
-# moved or removed, a read of the directory, a change of its mode, times or attributes)
-IN_NONBLOCK, IN_CLOEXEC, IN_ALL_EVENTS, IN_Q_OVERFLOW = 0o4000, 0o2000000, 0xFFF, 0x4000
-INOTIFY = {"fd": -1}
-WATCHES: dict[int, str] = {}  # watch descriptor: root, for the current mounts only
-
-
-def _watch(root):
-    wd = LIBC.inotify_add_watch(INOTIFY["fd"], root.encode(), IN_ALL_EVENTS)
-    if wd < 0:
-        _check(wd, f"inotify_add_watch {root}")
-    for old in [w for w, r in WATCHES.items() if r == root]:
-        del WATCHES[old]  # its mount is gone; its IN_IGNORED may come later
-    WATCHES[wd] = root
-
-
-def _touched():
-    """The writable roots an event was queued for since the last call (all of them if the
-    queue overflowed), in `WRITABLE`'s order."""
-    touched: set[str] = set()
-    while True:
-        try:
-            data = os.read(INOTIFY["fd"], 65536)
-        except BlockingIOError:
-            break
-        at = 0
-        while at < len(data):  # struct inotify_event: wd, mask, cookie, len, name[len]
-            wd, mask, _, size = struct.unpack_from("iIII", data, at)
-            at += 16 + size
-            if mask & IN_Q_OVERFLOW:
-                touched.update(WRITABLE)
-            elif wd in WATCHES:
-                touched.add(WATCHES[wd])
-    return [root for root in WRITABLE if root in touched]
 
 
 class _SockFprog(ctypes.Structure):
@@ -172,12 +160,7 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
 def confine_executions(program):
-    """Watches the writable roots, then adds ``program`` (`seccomp.execution_filter`, which
-    denies inotify and unnamed files) to this process's filters: every execution inherits
-    both, and only the fork server holds an inotify instance."""
-    INOTIFY["fd"] = LIBC.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-    _check(min(INOTIFY["fd"], 0), "inotify_init1")
-    for root in WRITABLE:
-        _watch(root)
+    """Adds ``program`` (`seccomp.execution_filter`) to this process's filters: every
+    execution inherits both."""
     fprog = _SockFprog(len(program) // 8, program)
     _check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")

@@ -50,8 +50,10 @@ from jax_agent_rl.tools.sandbox_reset import (
     WRITABLE,
     confine_executions,
     drop_capabilities,
+    hide_fork_server,
     hold_counters,
     metadata,
+    read_net,
     renew,
     sweep,
 )
@@ -296,8 +298,7 @@ def _netlink_queued():
     """Bytes in the sandbox's netlink sockets' queues (``/proc/net/netlink``: Rmem, Wmem):
     replies to requests never read stay queued, up to each socket's receive buffer: 28
     routing sockets of one process held 224 MB under a 64 MB limit."""
-    with open("/proc/net/netlink", "rb") as f:
-        lines = f.read().splitlines()[1:]  # after the header
+    lines = read_net("netlink").splitlines()[1:]  # after the header
     return sum(int(line.split()[4]) + int(line.split()[5]) for line in lines)
 
 
@@ -376,8 +377,7 @@ def remove_group():
 
 
 def _netlink_inodes():
-    with open("/proc/net/netlink", "rb") as f:
-        return {line.split()[-1] for line in f.read().splitlines()[1:]}
+    return {line.split()[-1] for line in read_net("netlink").splitlines()[1:]}
 
 
 OWN_NETLINK: set[bytes] = set()  # the netlink sockets of the fork server and of the kernel
@@ -525,6 +525,7 @@ def main():
     _take_pipes(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4]))
     GROUP["version"] = int(sys.argv[5])
     hold_counters()  # after `_take_pipes`, which closes every other fd
+    hide_fork_server()
     # (before `confine_executions`, whose filter refuses executions this kind of socket)
     UNIX_DIAG.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 4))
     _orphan_bounds()

@@ -42,34 +42,33 @@ reach outside its own execution:
 after every execution, and an execution holds no capability, so the kernel refuses them to it
 (`sandbox_zygote` checks that every execution starts with none).
 
-`execution_filter` is the fork server's own: it watches the writable places with inotify (an
-execution that touched none of them needs no fresh mounts), then denies executions
-``inotify_init``/``inotify_init1``, and ``open``/``openat`` with ``O_TMPFILE`` (an unnamed
-file is an inode no watch sees: EOPNOTSUPP, which Python's ``tempfile`` takes as "use a named
-file"); ``openat2`` passes its flags in memory and answers ENOSYS (libc and Python fall back
-to ``openat``); and setting ``SIGCHLD``'s action (``rt_sigaction`` with an action: EPERM;
-reading it is allowed). A process whose parent ignores ``SIGCHLD`` (or sets
-``SA_NOCLDWAIT``) is reaped by the kernel as it exits, and its CPU time goes to no one's
-children's time, so the fork server's CPU accounting of the execution never saw it: children
-forked one after another, each exiting within the limit, burned any CPU time the wall-clock
-timeout left (3.2 CPU seconds under ``cpu_s=2`` in 7 s on two cores; ``processes`` cores for
-the whole timeout on a larger machine). Without it every exited process stays a zombie,
-counted, until its parent waits for it (its time is then the parent's children's time).
-Executions are also denied shared anonymous memory (``mmap`` with ``MAP_SHARED |
-MAP_ANONYMOUS``: EPERM; a private mapping, or a shared one of a file in ``/dev/shm``, still
-works), and the sandbox has no ``/dev/zero``, whose shared mappings are the same memory: its
-pages are in no mount's usage, and in the resident set only of the processes that touched
-them, so children filling a holder's mapping chunk by chunk, each exiting, left 4 holders
-with 576 MB under ``memory_mb=256`` (the fork server, pid 1, is not dumpable, nor are the
-executions it forks, so it cannot read their maps to count such mappings). Executions get no
-transparent huge pages (the fork server sets ``PR_SET_THP_DISABLE`` before it serves, which
-every fork inherits, and ``execution_filter`` denies setting it): a 2 MB huge page stays
-whole while any 4 KB of it is mapped, and the resident set counts only what is mapped, so
-one process that kept 4 KB of each of 400 huge pages showed 13 MB and held 826 MB until
-memory pressure splits them. Nor can they set a socket's send buffer (``setsockopt``
-``SO_SNDBUF``, ``SO_SNDBUFFORCE``: EPERM): it stays ``net.core.wmem_default``, which bounds
-what a closed sender leaves queued for its receiver, memory the fork server charges without
-seeing it (`sandbox_zygote._unix_queued`).
+`execution_filter` is the fork server's own, added once it has set up what it alone uses: it
+denies executions ``inotify_init``/``inotify_init1``, and setting ``SIGCHLD``'s action
+(``rt_sigaction`` with an action: EPERM; reading it is allowed). A process whose parent ignores
+``SIGCHLD`` (or sets ``SA_NOCLDWAIT``) is reaped by the kernel as it exits, and its CPU time
+goes to no one's children's time, so the fork server's CPU accounting of the execution never
+saw it: children forked one after another, each exiting within the limit, burned any CPU time
+the wall-clock timeout left (3.2 CPU seconds under ``cpu_s=2`` in 7 s on two cores;
+``processes`` cores for the whole timeout on a larger machine). Without it every exited process
+stays a zombie, counted, until its parent waits for it (its time is then the parent's
+children's time). Executions are also denied shared anonymous memory (``mmap`` with
+``MAP_SHARED | MAP_ANONYMOUS``: EPERM; a private mapping, or a shared one of a file in
+``/dev/shm``, still works), and the sandbox has no ``/dev/zero``, whose shared mappings are the
+same memory: its pages are in no mount's usage, and in the resident set only of the processes
+that touched them, so children filling a holder's mapping chunk by chunk, each exiting, left 4
+holders with 576 MB under ``memory_mb=256`` (the fork server, pid 1, is not dumpable, nor are
+the executions it forks, so it cannot read their maps to count such mappings). Executions get
+no transparent huge pages (the fork server sets ``PR_SET_THP_DISABLE`` before it serves, which
+every fork inherits, and ``execution_filter`` denies setting it): a 2 MB huge page stays whole
+while any 4 KB of it is mapped, and the resident set counts only what is mapped, so one process
+that kept 4 KB of each of 400 huge pages showed 13 MB and held 826 MB until memory pressure
+splits them. Nor can they set a socket's send buffer (``setsockopt`` ``SO_SNDBUF``,
+``SO_SNDBUFFORCE``: EPERM): it stays ``net.core.wmem_default``, which bounds what a closed
+sender leaves queued for its receiver, memory the fork server charges without seeing it
+(`sandbox_zygote._unix_queued`). Nor can they set another process's resource limits
+(``prlimit64`` with a pid, EPERM; their own, pid 0, as ``setrlimit`` does, is allowed): the
+fork server runs as their user, and limits set on it (a message-queue size read back, a data
+limit under what an execution needs) reached every later execution on its worker.
 
 Everything else is allowed. A system call of another ABI (i386 on an x86-64 kernel) kills
 the process; one of the x32 ABI fails with EPERM. Tables exist for x86-64 and aarch64; on
@@ -111,7 +110,6 @@ AF_NETLINK, NETLINK_ROUTE, NETLINK_SOCK_DIAG = 16, 0, 4
 # with no lock ever taken in a sandbox they find none but the host's, and SQLite's WAL mode
 # needs an answer of "unlocked" to take a database over.
 LOCK_COMMANDS = (6, 7, 37, 38)
-__O_TMPFILE = 0o20000000  # O_TMPFILE is this bit with O_DIRECTORY
 SIGCHLD = 17  # on x86-64 and aarch64 alike
 MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
 PR_SET_THP_DISABLE = 41
@@ -157,9 +155,9 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 212, "vhangup": 153, "fanotify_init": 300, "move_pages": 279,
             "migrate_pages": 256, "iopl": 172, "ioperm": 173, "memfd_create": 319,
             "memfd_secret": 447, "inotify_init": 253, "inotify_init1": 294,
-            "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "open": 2, "openat": 257,
-            "openat2": 437, "rt_sigaction": 13, "mmap": 9, "vmsplice": 278, "splice": 275,
-            "tee": 276, "sendfile": 40, "prctl": 157, "setsockopt": 54,
+            "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "rt_sigaction": 13,
+            "mmap": 9, "vmsplice": 278, "splice": 275,
+            "tee": 276, "sendfile": 40, "prctl": 157, "setsockopt": 54, "prlimit64": 302,
         },
     ),
     "aarch64": (
@@ -181,8 +179,9 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "lookup_dcookie": 18, "vhangup": 58, "fanotify_init": 262, "move_pages": 239,
             "migrate_pages": 238, "memfd_create": 279, "memfd_secret": 447,
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
-            "openat": 56, "openat2": 437, "rt_sigaction": 134, "mmap": 222, "vmsplice": 75,
+            "rt_sigaction": 134, "mmap": 222, "vmsplice": 75,
             "splice": 76, "tee": 77, "sendfile": 71, "prctl": 167, "setsockopt": 208,
+            "prlimit64": 261,
         },
     ),
 }  # fmt: skip
@@ -302,16 +301,20 @@ def execution_filter(machine: str | None = None) -> bytes:
 
     lines: list[_Line] = [_load(_ARCH), _is(arch, 0, "allow"), _load(_NR)]
     lines += [_is(table[n], "eperm") for n in ("inotify_init", "inotify_init1") if n in table]
-    lines += [_is(table["openat2"], "enosys"), _is(table["openat"], "flags_in_2")]
-    if "open" in table:
-        lines.append(_is(table["open"], "flags_in_1"))
     lines += [
         _is(table["rt_sigaction"], "sigaction"),
         _is(table["socket"], "socket"),
         _is(table["mmap"], "mmap"),
         _is(table["prctl"], "prctl"),
         _is(table["setsockopt"], "setsockopt"),
+        _is(table["prlimit64"], "prlimit"),
         _ret(RET_ALLOW),
+        # prlimit64: its own limits only (pid, args[0], 0): the fork server runs as the same
+        # user, so another pid would be the fork server itself (or a sibling), whose limits
+        # every later execution inherits
+        "prlimit",
+        _load(_arg_low(0)),
+        _is(0, "allow", "eperm"),
         # setsockopt: a socket's send buffer (SOL_SOCKET, args[1]; SO_SNDBUF or its forced
         # form, args[2]) stays the kernel's default, the most a closed sender leaves queued
         "setsockopt",
@@ -345,20 +348,12 @@ def execution_filter(machine: str | None = None) -> bytes:
         _is(0, 0, "eperm"),
         _load(_arg_low(1) + 4),
         _is(0, "allow", "eperm"),
-        "flags_in_1",
-        _load(_arg_low(1)),
-        (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
-        "flags_in_2",
-        _load(_arg_low(2)),
-        (_JSET_K, __O_TMPFILE, "eopnotsupp", "allow"),
         "allow",
         _ret(RET_ALLOW),
         "eperm",
         _ret(_RET_ERRNO | errno.EPERM),
         "enosys",
         _ret(_RET_ERRNO | errno.ENOSYS),
-        "eopnotsupp",
-        _ret(_RET_ERRNO | errno.EOPNOTSUPP),
         "eafnosupport",
         _ret(_RET_ERRNO | errno.EAFNOSUPPORT),
     ]
