@@ -197,7 +197,8 @@ def create_app(
     async def execute_batch(req: BatchRequest, namespace: RequestNamespace) -> StreamingResponse:
         """Several calls in one request, run concurrently; each result is streamed as one JSON
         line ``{"index": i, "result": {...}}`` the moment it is ready, so a slow call never
-        holds back the others. The whole request is checked against ``caps`` first."""
+        holds back the others. The whole request is checked against ``caps`` first; the calls
+        of a client that disconnects are cancelled."""
         caps.check_batch(len(req.calls), "calls")
         for call in req.calls:
             caps.check_id(call.trajectory_id)
@@ -207,9 +208,13 @@ def create_app(
 
         async def lines() -> AsyncIterator[str]:
             tasks = [asyncio.ensure_future(indexed(i, c)) for i, c in enumerate(req.calls)]
-            for done in asyncio.as_completed(tasks):
-                i, result = await done
-                yield json.dumps({"index": i, "result": result}) + "\n"
+            try:
+                for done in asyncio.as_completed(tasks):
+                    i, result = await done
+                    yield json.dumps({"index": i, "result": result}) + "\n"
+            finally:  # the client went away: its calls stop (they held the server's slots)
+                for task in tasks:
+                    task.cancel()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -1,5 +1,6 @@
-"""`BodyLimit`: the tool server's ASGI middleware that bounds request bodies, in size and in
-the time they take to arrive (what uvicorn does not bound)."""
+"""`BodyLimit`: the tool server's ASGI middleware that bounds requests: their headers, in number
+and size, and their bodies, in size and in the time they take to arrive (what uvicorn does not
+bound)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import asyncio
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# A request's headers: FastAPI reads each header its routes declare by scanning them all, once
+# per header, so 16,000 headers (128 KB) cost 27 s of the one event loop every call shares
+# (the server's own clients send fewer than ten, under 1 KB)
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 16 * 2**10
 
 
 class BodyTooLargeError(Exception):
@@ -19,6 +26,8 @@ class BodyLimit:
     chunks received pass the cap), and a body not received within ``timeout_s`` (a client
     sending it a byte at a time) is answered 408. Both answers close the connection, since the
     unread rest of the body cannot be skipped safely. A client that disconnects gets nothing.
+    A request of more than ``MAX_HEADERS`` headers or ``MAX_HEADER_BYTES`` of them is answered
+    431 before anything else reads them.
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float) -> None:
@@ -27,6 +36,14 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if (
+            len(headers) > MAX_HEADERS
+            or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES
+        ):
+            detail = f"request headers over {MAX_HEADERS} or {MAX_HEADER_BYTES} bytes"
+            await _refuse(scope, receive, send, 431, detail)
             return
         try:
             async with asyncio.timeout(self.timeout_s):

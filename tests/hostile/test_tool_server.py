@@ -231,6 +231,23 @@ def test_a_body_sent_too_slowly_gets_408_and_the_connection_closes(capped_server
     assert httpx.get(capped_server + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("head", ["count", "bytes"])
+def test_a_request_with_too_many_headers_gets_431(capped_server: str, head: str) -> None:
+    """5,000 one-byte headers (FastAPI scans all of them once per header a route declares)
+    held the server's one event loop 2.3 s, 16,000 for 27 s, without a token; 17 KB of one
+    header was served too."""
+    port = int(capped_server.rsplit(":", 1)[1])
+    lines = [b"X-A: b"] * 5000 if head == "count" else [b"X-A: " + b"b" * 17_000]
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"GET /tools HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"\r\n".join(lines) + b"\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(4096):  # the answer closes the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"request headers over 100 or 16384 bytes" in answer
+    assert httpx.get(capped_server + "/health").status_code == 200
+
+
 def test_requests_past_the_connection_limit_get_503(tmp_path: Path) -> None:
     proc, url = start_server(tmp_path, "--max-connections", "2")
     port = int(url.rsplit(":", 1)[1])
@@ -730,6 +747,56 @@ def test_a_call_past_the_clients_timeout_is_the_models_error_while_the_server_an
 
     with stuck, pytest.raises(ToolTransportError, match="no answer in time, and then"):
         asyncio.run(on_stuck())
+
+
+def test_a_batch_whose_client_went_away_frees_its_slots() -> None:
+    """/execute_batch ran every call of a client that closed the connection as soon as the
+    answer's headers came (40 calls of 1.5 s held the slots: another namespace's call waited
+    28 s, and requests repeated so queue without bound). The calls are cancelled; the slots
+    are free for the next client."""
+    opened, cancelled = asyncio.Event(), []
+
+    async def hold() -> str:
+        """Run until the test opens the gate."""
+        try:
+            await opened.wait()
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return "done"
+
+    async def scenario() -> dict[str, Any]:
+        app = create_app(ToolRegistry([calculator, tool(hold)]), max_concurrency=2)
+        async with serving(app) as url:
+            calls = [{"trajectory_id": f"t{i}", "name": "hold", "arguments": {}} for i in range(6)]
+            body = json.dumps({"calls": calls}).encode()
+            reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+            writer.write(
+                b"POST /execute_batch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")  # streaming begun
+            writer.close()
+            async with httpx.AsyncClient(base_url=url) as http:
+                for _ in range(600):  # until the server saw the disconnect (a bound, not a wait)
+                    if len(cancelled) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                call = {
+                    "trajectory_id": "u",
+                    "name": "calculator",
+                    "arguments": {"expression": "2+2"},
+                }
+                async with asyncio.timeout(120):  # (a bound: before, it waited for the gate)
+                    answer = (await http.post("/execute", json=call)).json()
+                metrics = dict((await http.get("/metrics")).json())
+            opened.set()
+        return {"answer": answer["text"], **metrics}
+
+    out = asyncio.run(scenario())
+    assert cancelled == [1, 1]  # the two running; the four waiting for a slot never started
+    assert out["answer"] == "4" and out["in_flight"] == 0
 
 
 @tool
