@@ -244,6 +244,10 @@ def _lora_of(file: Path) -> Lora:
                       ("use_dora", False), ("fan_in_fan_out", False)):  # fmt: skip
         if config.get(key, want) != want:
             raise CheckpointError(f"{file}: {key}={config[key]!r:.80} is not supported ({want!r})")
+    if config.get("task_type") not in (None, "CAUSAL_LM"):  # (SEQ_CLS was taken, silently)
+        raise CheckpointError(
+            f"{file}: task_type={config['task_type']!r:.80} is not supported ('CAUSAL_LM')"
+        )
     # (exclude_modules, lora_bias and target_parameters were read as if absent: adapters
     # applied where PEFT applies none, biases and parameter targets dropped)
     unsupported = (

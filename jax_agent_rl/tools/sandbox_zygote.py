@@ -190,7 +190,12 @@ def _execute(code):
     try:
         exec(compiled, module.__dict__)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        # the status's low 8 bits, as the kernel keeps them (``sys.exit(2**64)`` ended in this
+        # file's own traceback: os._exit overflowed)
+        if e.code is None or isinstance(e.code, int):
+            return 0 if e.code is None else e.code & 0xFF
+        print(e.code, file=sys.stderr)  # as python prints ``sys.exit("message")``
+        return 1
     except BaseException:  # the traceback is the model's observation
         traceback.print_exc()
         return 1

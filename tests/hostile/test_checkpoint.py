@@ -483,6 +483,10 @@ HOSTILE_PEFT: dict[str, tuple[Any, str]] = {
     "r-missing": ({"r": None}, r"adapter_config.json: r=None: expected a whole number"),
     "r-huge": ({"r": 10**12}, r"adapter_config.json: LoRA rank=1000000000000 exceeds the v "),
     "alpha-a-list": ({"lora_alpha": [8]}, r"adapter_config.json: lora_alpha=\[8\]: expected a "),
+    "task-type-classifier": (
+        {"task_type": "SEQ_CLS"},
+        r"adapter_config.json: task_type='SEQ_CLS' is not supported \('CAUSAL_LM'\)",
+    ),
     # an int past a float's range: OverflowError, a traceback in jarl train and eval
     "alpha-400-digits": (
         {"lora_alpha": 10**400},

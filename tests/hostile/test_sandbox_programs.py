@@ -62,3 +62,16 @@ def test_code_finds_its_own_names_through_its_main_module(
     code, printed = OWN_NAMES[name]
     result = asyncio.run(sandbox.run(code))
     assert (result.exit_code, result.stdout.strip()) == (0, printed), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [(3, 3), (256 + 7, 7), (-1, 255), (2**64 + 5, 5), ("'bye'", 1)]
+)
+def test_an_exit_status_is_its_low_byte_as_the_kernel_keeps_it(
+    sandbox: PythonSandbox, code: object, status: int
+) -> None:
+    """``sys.exit(2**64)`` overflowed the fork server's ``os._exit`` and printed the fork
+    server's own traceback (its file and line numbers) as the execution's stderr."""
+    done = asyncio.run(sandbox.run(f"import sys\nsys.exit({code})"))
+    assert done.exit_code == status and "Traceback" not in done.stderr, done.as_text()
+    assert done.stderr == ("bye\n" if code == "'bye'" else ""), done.as_text()
