@@ -14,7 +14,7 @@ from typing import Any, Literal
 from jax_agent_rl.config import AgentSection
 from jax_agent_rl.config.sections import ContextSection
 from jax_agent_rl.envs.base import Environments
-from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.protocol import RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import ParsedCall, ToolCallParser
 from jax_agent_rl.tokenization.turns import TurnBuilder

@@ -38,9 +38,8 @@ from jax_agent_rl.agent.context import AgentContext, RefusedCall, cap_calls
 from jax_agent_rl.agent.observations import env_observation, tool_observation
 from jax_agent_rl.agent.trajectory import UNTRAINABLE, StopReason, Trajectory, TurnKind
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.envs.base import EnvError, Environment, EnvStepError
-from jax_agent_rl.rollout.protocol import GenerateRequest
+from jax_agent_rl.protocol import GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.stops import stop_string_end
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.tokenization.tool_calls import ParsedCall

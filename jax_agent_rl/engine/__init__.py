@@ -2,13 +2,7 @@
 
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool
-from jax_agent_rl.engine.sampling import (
-    InvalidRequestError,
-    SamplingParams,
-    sample,
-    sampling_logprobs,
-    token_logprobs,
-)
+from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
 from jax_agent_rl.engine.state import (
     DecodeState,
     Prefix,
@@ -23,10 +17,8 @@ from jax_agent_rl.engine.state import (
 __all__ = [
     "DecodeState",
     "Engine",
-    "InvalidRequestError",
     "PagePool",
     "Prefix",
-    "SamplingParams",
     "Slots",
     "StepTokens",
     "cache_dtype",

@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.engine.state import (
     RUNNING,
     DecodeState,
@@ -77,6 +76,7 @@ from jax_agent_rl.models.adapters import served_adapters
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import DECODE_KERNELS, copy_page
 from jax_agent_rl.models.policy import policy_of
+from jax_agent_rl.protocol import SamplingParams
 
 
 class Engine:

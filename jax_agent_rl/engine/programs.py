@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.engine.engine import Engine
-from jax_agent_rl.engine.sampling import SamplingParams
 from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
 from jax_agent_rl.models.decoder import is_spec
+from jax_agent_rl.protocol import SamplingParams
 
 Program = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 

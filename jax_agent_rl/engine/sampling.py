@@ -11,41 +11,10 @@ Temperature 0 means greedy; its logprobs are reported at temperature 1 (same fil
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-
-
-class InvalidRequestError(ValueError):
-    """A request a backend refuses before generating anything; the message names the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. ``top_k=-1`` and ``top_p=1`` disable those filters."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings (`jax_agent_rl.rollout.stops`)
-    logprobs: bool = True
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens={self.max_tokens}: must be at least 1")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError(f"temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k != -1 and self.top_k < 1:
-            raise InvalidRequestError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError(f"stop={list(self.stop)}: stop strings must be non-empty")
 
 
 def _filter_top_k_top_p(scaled_bv: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:

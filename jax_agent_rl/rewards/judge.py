@@ -54,9 +54,8 @@ from collections.abc import Callable
 
 from jax_agent_rl.config import JudgeSection
 from jax_agent_rl.console.visible import without_invisible
-from jax_agent_rl.engine.sampling import SamplingParams
+from jax_agent_rl.protocol import GenerateRequest, RolloutBackend, SamplingParams
 from jax_agent_rl.rewards.registry import Answer
-from jax_agent_rl.rollout.protocol import GenerateRequest, RolloutBackend
 from jax_agent_rl.tokenization import Tokenizer
 
 _OPEN_SCORE = re.compile("<score>", re.IGNORECASE)

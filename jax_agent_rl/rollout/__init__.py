@@ -1,7 +1,6 @@
 """The rollout protocol and its backends."""
 
-from jax_agent_rl.rollout.embedded import EmbeddedBackend
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
@@ -12,6 +11,7 @@ from jax_agent_rl.rollout.protocol import (
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.rollout.registry import (
     BackendBuild,
     BackendFactory,

@@ -38,7 +38,7 @@ from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.policy import policy_of
-from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.protocol import RolloutBackend
 
 BLOCK = 64  # elements of one block of a blocks-encoded leaf
 INDEX_BYTES = 4  # int32 indices

@@ -58,10 +58,7 @@ from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.state import RUNNING, STOPPED
 from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.models.lora import LayerAdapters
-from jax_agent_rl.rollout.delta import WeightDelta, apply_delta, push_bytes
-from jax_agent_rl.rollout.gate import WeightGate
-from jax_agent_rl.rollout.jobs import Job, Stage, Update
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
@@ -71,6 +68,9 @@ from jax_agent_rl.rollout.protocol import (
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.delta import WeightDelta, apply_delta, push_bytes
+from jax_agent_rl.rollout.gate import WeightGate
+from jax_agent_rl.rollout.jobs import Job, Stage, Update
 from jax_agent_rl.rollout.session_pages import BackendStats, SessionPages
 from jax_agent_rl.rollout.stops import Decode
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jax_agent_rl.rollout.protocol import InvalidRequestError, resolve_from_thread
+from jax_agent_rl.protocol import InvalidRequestError, resolve_from_thread
 
 
 @dataclasses.dataclass

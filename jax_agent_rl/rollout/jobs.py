@@ -11,8 +11,8 @@ import numpy as np
 
 from jax_agent_rl.models import Weights
 from jax_agent_rl.models.lora import LayerAdapters
+from jax_agent_rl.protocol import FinishReason, GenerateRequest, GenerateResult
 from jax_agent_rl.rollout.delta import WeightDelta
-from jax_agent_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
 from jax_agent_rl.rollout.stops import Decode, stop_string_end
 
 

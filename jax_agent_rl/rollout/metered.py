@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     GenerateRequest,
     GenerateResult,
     PushStats,

@@ -43,15 +43,15 @@ from jax_agent_rl.cluster.ray import connect, disconnect
 from jax_agent_rl.models.adapters import base_of, check_adapters, with_adapters
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.sharding import one_device_sharder
-from jax_agent_rl.rollout.delta import refuse_delta
-from jax_agent_rl.rollout.gate import Ticket, WeightGate
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     Capabilities,
     GenerateRequest,
     GenerateResult,
     PushStats,
     RolloutBackend,
 )
+from jax_agent_rl.rollout.delta import refuse_delta
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.router import Router
 
 if TYPE_CHECKING:

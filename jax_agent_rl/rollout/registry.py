@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.config.rollout import SamplingSection
-from jax_agent_rl.rollout.protocol import RolloutBackend
+from jax_agent_rl.protocol import RolloutBackend
 from jax_agent_rl.rollout.stops import Decode
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 
-from jax_agent_rl.rollout.protocol import GenerateRequest
+from jax_agent_rl.protocol import GenerateRequest
 
 SESSION_MEMORY = 8192  # sessions whose engine a router remembers by default
 

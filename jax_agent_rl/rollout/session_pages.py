@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable
 
 from jax_agent_rl.engine.pages import PagePool
-from jax_agent_rl.rollout.protocol import GenerateRequest
+from jax_agent_rl.protocol import GenerateRequest
 
 
 @dataclasses.dataclass

@@ -46,12 +46,12 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf
 from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.protocol import RolloutBackend
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.update import LearnerState, trainable
 from jax_agent_rl.rollout.delta import DeltaPusher
 from jax_agent_rl.rollout.metered import MeteredBackend
-from jax_agent_rl.rollout.protocol import RolloutBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
 from jax_agent_rl.rollout.registry import BackendBuild, lora_problem, make_backend
 from jax_agent_rl.tokenization import Tokenizer

@@ -33,6 +33,9 @@ SHARED_WITH_THE_ENGINE = {
 # The layers, low to high: a module imports only from its own package or a lower tier. The
 # one module at the root, files.py, counts as a package of its own.
 TIERS = [
+    # the rollout protocol (requests, results, what a backend declares): the engine and every
+    # backend build on it, and it on nothing of ours
+    ["protocol"],
     ["console", "files"],
     ["models", "tokenization"],
     ["config"],

@@ -60,10 +60,7 @@ from jax_agent_rl.backends.jetstream.start import (
 )
 from jax_agent_rl.models import ModelConfig, Weights
 from jax_agent_rl.models.adapters import LayerAdapters, adapters_of
-from jax_agent_rl.rollout.delta import refuse_delta
-from jax_agent_rl.rollout.gate import Ticket, WeightGate
-from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
@@ -73,6 +70,9 @@ from jax_agent_rl.rollout.protocol import (
     logprob_tolerance,
     validate_request,
 )
+from jax_agent_rl.rollout.delta import refuse_delta
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
+from jax_agent_rl.rollout.processes import EngineProcess, interpreter_problems
 from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
 from jax_agent_rl.rollout.stops import Decode, stop_string_end
 

@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
-from jax_agent_rl.engine import DecodeState, Engine, SamplingParams
+from jax_agent_rl.engine import DecodeState, Engine
 from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.models import Weights
+from jax_agent_rl.protocol import SamplingParams
 
 # JetStream pads prompts to one of these lengths; its largest bucket must be one of them
 _JETSTREAM_BUCKETS = tuple(2**k for k in range(4, 16))

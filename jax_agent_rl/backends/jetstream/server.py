@@ -92,15 +92,10 @@ def _adapter(config: dict[str, Any]) -> Any:
         LiveParams,
         max_prefill_length,
     )
-    from jax_agent_rl.engine import (
-        Engine,
-        SamplingParams,
-        cache_dtype,
-        compile_platform,
-        pool_pages,
-    )
+    from jax_agent_rl.engine import Engine, cache_dtype, compile_platform, pool_pages
     from jax_agent_rl.models import Lora, Sharder, load_hf, make_mesh
     from jax_agent_rl.models.adapters import init_adapters, with_adapters
+    from jax_agent_rl.protocol import SamplingParams
 
     devices = jax.local_devices()[: config.get("devices", 1)]
     tensor = config.get("tensor", 1)

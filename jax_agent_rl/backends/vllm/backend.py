@@ -60,10 +60,7 @@ from jax_agent_rl.backends.vllm.sizes import (
 from jax_agent_rl.models import ModelConfig, Weights, hf_tensors
 from jax_agent_rl.models.adapters import adapters_of, check_adapters, write_peft
 from jax_agent_rl.models.lora import LayerAdapters
-from jax_agent_rl.rollout.delta import refuse_delta
-from jax_agent_rl.rollout.gate import Ticket, WeightGate
-from jax_agent_rl.rollout.processes import interpreter_problems
-from jax_agent_rl.rollout.protocol import (
+from jax_agent_rl.protocol import (
     Capabilities,
     FinishReason,
     GenerateRequest,
@@ -73,6 +70,9 @@ from jax_agent_rl.rollout.protocol import (
     resolve_from_thread,
     validate_request,
 )
+from jax_agent_rl.rollout.delta import refuse_delta
+from jax_agent_rl.rollout.gate import Ticket, WeightGate
+from jax_agent_rl.rollout.processes import interpreter_problems
 from jax_agent_rl.rollout.registry import BackendBuild, BackendFactory
 from jax_agent_rl.rollout.router import SESSION_MEMORY, Router
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from jax_agent_rl.backends.vllm import wire
+from jax_agent_rl.protocol import GenerateRequest
 from jax_agent_rl.rollout.processes import EngineProcess
-from jax_agent_rl.rollout.protocol import GenerateRequest
 
 # The engine process's code: the jarl-gpu-backend distribution (gpu_backend/ in the
 # repository), installed into the vLLM venv, not part of this package

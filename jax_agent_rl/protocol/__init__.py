@@ -7,10 +7,11 @@ top-k, then top-p, renormalised. Greedy requests (temperature 0) report logprobs
 same top-k/top-p filtering at temperature 1. The learner recomputes logprobs the same way, so
 the two can be compared token by token.
 
-`SamplingParams` is defined beside the sampling function it parameterises
-(`engine/sampling.py`); the protocol carries it. A backend declares what it honours in
+`SamplingParams` says how to sample one request; `engine/sampling.py` is the embedded engine's
+(and the learner's) one definition of that distribution. A backend declares what it honours in
 `Capabilities`; the trainer does the rest itself (for example recomputing logprobs) rather
-than pretending.
+than pretending. The protocol imports nothing of the project: the engine and every backend
+build on it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,36 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from jax_agent_rl.engine.sampling import InvalidRequestError, SamplingParams
+
+class InvalidRequestError(ValueError):
+    """A request a backend refuses before generating anything; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``top_k=-1`` and ``top_p=1`` disable those filters."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (`jax_agent_rl.rollout.stops`)
+    logprobs: bool = True
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens}: must be at least 1")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise InvalidRequestError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise InvalidRequestError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError(f"stop={list(self.stop)}: stop strings must be non-empty")
+
 
 FinishReason = Literal["stop", "length", "abort"]
 WeightUpdate = Literal["in_place", "reload", "none"]
