@@ -56,9 +56,9 @@ from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_check
 from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.plan.presets import PRESETS as SHAPES
+from jax_agent_rl.protocol import PushStats
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 from jax_agent_rl.rollout.delta import DeltaPusher, WeightDelta, apply_delta
-from jax_agent_rl.rollout.protocol import PushStats
 
 MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 

@@ -14,8 +14,8 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
-from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 from tests.programs import programs_built
 
 

@@ -17,8 +17,8 @@ from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.paged import PagedChunk
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
-from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 
 # fp32 logprobs of one function computed in two reduction orders (a prefill against decode
 # steps): the bound of tests/engine/test_engine.py

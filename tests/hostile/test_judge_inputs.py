@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 from jax_agent_rl.cli.demo import TaskFiles, prepare
 from jax_agent_rl.config import ConfigError, JudgeSection, load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.protocol import GenerateRequest, GenerateResult
 from jax_agent_rl.rewards import Answer, Judge
 from jax_agent_rl.rewards.judge import LESS_THAN, JudgeAnswerError, parse_score, response_block
 from jax_agent_rl.rollout.metered import MeteredBackend
-from jax_agent_rl.rollout.protocol import GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.build import make_judge
 from tests.rewards.test_judge import ScriptedJudge

@@ -28,7 +28,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.models import init_params, one_device_sharder, save_hf
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.policy import UnsupportedPolicyError, policy_of
-from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
+from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.usercode.load import load_function
 

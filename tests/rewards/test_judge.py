@@ -21,9 +21,9 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.protocol import Capabilities, GenerateRequest, GenerateResult
 from jax_agent_rl.rewards import Answer, Judge, JudgeAnswerError, make_reward, parse_score
 from jax_agent_rl.rollout.embedded import EmbeddedBackend
-from jax_agent_rl.rollout.protocol import Capabilities, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.async_loop import update_steps
 from jax_agent_rl.train.build import build_run, eos_ids, open_rollout

@@ -37,11 +37,11 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, Weights, forward, init_params, load_hf
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.rl.batch import make_batch, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.objectives import SamplingSpec, sampled_experts
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
-from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.traces import trace_record
 from jax_agent_rl.view.data import trajectory as view_trajectory

@@ -25,6 +25,7 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.protocol import FinishReason
 from jax_agent_rl.rollout import (
     EmbeddedBackend,
     GenerateRequest,
@@ -33,7 +34,6 @@ from jax_agent_rl.rollout import (
     SamplingParams,
 )
 from jax_agent_rl.rollout.gate import Ticket
-from jax_agent_rl.rollout.protocol import FinishReason
 from tests.processes import group_gone
 
 MAX_LEN = 128

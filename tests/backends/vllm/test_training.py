@@ -11,7 +11,7 @@ import pytest
 
 from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.rollout.protocol import FP32_LOGPROB_TOLERANCE
+from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[3]
 LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
