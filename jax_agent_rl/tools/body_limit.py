@@ -1,11 +1,14 @@
 """`BodyLimit`: the tool server's ASGI middleware that bounds requests: their headers, in number
 and size, and their bodies, in size and in the time they take to arrive (what uvicorn does not
-bound)."""
+bound); and `until_disconnected`, which stops a route's work when its client goes away."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
 
+from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,6 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # (the server's own clients send fewer than ten, under 1 KB)
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 16 * 2**10
+# what uvicorn's h11 parser buffers of a head (or a body's chunk header, or its trailers) not yet
+# complete (`server_config`): past it the connection gets 400 and is closed
+MAX_HEAD_BYTES = 64 * 2**10
 
 
 class BodyTooLargeError(Exception):
@@ -90,3 +96,27 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return replayed
+
+
+T = TypeVar("T")
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or, if ``request``'s client disconnects first, ``work`` cancelled
+    (its calls stop holding the server's slots) and a 499 that nobody reads. For a route that
+    answers once (a streaming one's generator is cancelled by Starlette itself)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise HTTPException(status_code=499, detail="the client disconnected")
+    finally:
+        watcher.cancel()
+        task.cancel()

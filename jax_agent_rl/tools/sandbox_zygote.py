@@ -12,12 +12,14 @@ size: the child does it, under its limits), so every child starts from the same 
 
 Why the executions cannot reach it: it is not dumpable (``PR_SET_DUMPABLE=0``: no
 ``/proc/1/mem`` and no ptrace for processes of the same uid, and the filter denies ptrace
-anyway), and as the init of its pid namespace it ignores every signal sent from inside,
-SIGKILL and SIGSTOP included. What the watchdog bounds, over every process of the execution
-(rlimits alone are per process): memory (``memory_mb``: the execution's memory group, `GROUP`,
-where the host gave the worker one, plus socket queues; otherwise resident memory, the bytes
-on the sandbox's tmpfs mounts and socket queues), CPU seconds (``cpu_s``) and files on the
-tmpfs mounts (``files``). An execution over a bound is killed and its result names the bound.
+anyway), and as the init of its pid namespace it ignores every signal sent from inside for
+which it has no handler, SIGKILL and SIGSTOP included: it sets none (Python's own SIGINT
+handler, KeyboardInterrupt, let ``os.kill(1, SIGINT)`` end it; each execution gets it back).
+What the watchdog bounds, over every process of the execution (rlimits alone are per process):
+memory (``memory_mb``: the execution's memory group, `GROUP`, where the host gave the worker
+one, plus socket queues; otherwise resident memory, the bytes on the sandbox's tmpfs mounts and
+socket queues), CPU seconds (``cpu_s``) and files on the tmpfs mounts (``files``). An execution
+over a bound is killed and its result names the bound.
 
 If the fork server cannot prove the sandbox clean (a process survived, a mount could not be
 replaced), the reply says ``dirty`` and the zygote exits: the host starts a fresh sandbox.
@@ -144,6 +146,7 @@ def _child(code, limits, out_w, err_w, procs):
         except OSError:
             os._exit(125)
     drop_capabilities()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as python -c has it
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     null = os.open("/dev/null", os.O_RDONLY)
@@ -519,6 +522,9 @@ def _run(req, pristine):
 
 
 def main():
+    # no handler for a signal an execution can send (the kernel drops those to a namespace's
+    # init that has none); the ignored SIGPIPE and SIGXFSZ Python set stay ignored
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")

@@ -114,6 +114,12 @@ SIGCHLD = 17  # on x86-64 and aarch64 alike
 MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20  # (MAP_SHARED_VALIDATE, 0x03, has MAP_SHARED's bit)
 PR_SET_THP_DISABLE = 41
 SOL_SOCKET, SO_SNDBUF, SO_SNDBUFFORCE = 1, 7, 32
+RWF_NOWAIT = 0x08  # preadv2/pwritev2: fail rather than wait for a page not in the cache
+MADV_COLD, MADV_PAGEOUT = 20, 21
+# the page cache of the files every sandbox and the host share (/usr), which executions would
+# probe (cachestat, a read that must not wait) and evict (fadvise's DONTNEED, madvise's COLD
+# and PAGEOUT): 11 bits from one execution to the next, exact, and to the host
+PAGE_CACHE_CALLS = ("fadvise64", "readahead", "cachestat")
 
 DENIED = (
     # other processes' memory
@@ -158,6 +164,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "socket": 41, "socketpair": 53, "fcntl": 72, "flock": 73, "rt_sigaction": 13,
             "mmap": 9, "vmsplice": 278, "splice": 275,
             "tee": 276, "sendfile": 40, "prctl": 157, "setsockopt": 54, "prlimit64": 302,
+            "fadvise64": 221, "readahead": 187, "preadv2": 327, "pwritev2": 328, "madvise": 28,
+            "cachestat": 451,
         },
     ),
     "aarch64": (
@@ -181,7 +189,8 @@ SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
             "inotify_init1": 26, "socket": 198, "socketpair": 199, "fcntl": 25, "flock": 32,
             "rt_sigaction": 134, "mmap": 222, "vmsplice": 75,
             "splice": 76, "tee": 77, "sendfile": 71, "prctl": 167, "setsockopt": 208,
-            "prlimit64": 261,
+            "prlimit64": 261, "fadvise64": 223, "readahead": 213, "preadv2": 286,
+            "pwritev2": 287, "madvise": 233, "cachestat": 451,
         },
     ),
 }  # fmt: skip
@@ -308,7 +317,20 @@ def execution_filter(machine: str | None = None) -> bytes:
         _is(table["prctl"], "prctl"),
         _is(table["setsockopt"], "setsockopt"),
         _is(table["prlimit64"], "prlimit"),
+        *(_is(table[name], "eperm") for name in PAGE_CACHE_CALLS),
+        _is(table["preadv2"], "rw_flags"),
+        _is(table["pwritev2"], "rw_flags"),
+        _is(table["madvise"], "madvise"),
         _ret(RET_ALLOW),
+        # preadv2, pwritev2: RWF_NOWAIT (flags, args[5]) tells a cached page from one not
+        "rw_flags",
+        _load(_arg_low(5)),
+        (_JSET_K, RWF_NOWAIT, "eopnotsupp", "allow"),
+        # madvise: the advice (args[2]) that evicts a file's pages from the page cache
+        "madvise",
+        _load(_arg_low(2)),
+        _is(MADV_COLD, "eperm"),
+        _is(MADV_PAGEOUT, "eperm", "allow"),
         # prlimit64: its own limits only (pid, args[0], 0): the fork server runs as the same
         # user, so another pid would be the fork server itself (or a sibling), whose limits
         # every later execution inherits
@@ -352,8 +374,8 @@ def execution_filter(machine: str | None = None) -> bytes:
         _ret(RET_ALLOW),
         "eperm",
         _ret(_RET_ERRNO | errno.EPERM),
-        "enosys",
-        _ret(_RET_ERRNO | errno.ENOSYS),
+        "eopnotsupp",
+        _ret(_RET_ERRNO | errno.EOPNOTSUPP),
         "eafnosupport",
         _ret(_RET_ERRNO | errno.EAFNOSUPPORT),
     ]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax_agent_rl.config import ToolServerSection
 from jax_agent_rl.tools.app import create_app
+from jax_agent_rl.tools.body_limit import MAX_HEAD_BYTES
 from jax_agent_rl.tools.protocol import KEEP_ALIVE_S
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.tools.socket_server import private_socket_path
@@ -98,7 +99,12 @@ def server_config(
         port=port,
         log_level="warning",
         loop="uvloop",
-        http="httptools",
+        # h11 bounds a request's head as it arrives (a 64 MB header sent in pieces cost
+        # httptools 8 s of the one event loop, quadratic in its pieces) and keeps a chunked
+        # body's trailers out of the headers (httptools appended 16,000 of them after
+        # `BodyLimit` had counted: 10 s of FastAPI's scans)
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=max_connections,

@@ -199,6 +199,47 @@ def test_the_fork_server_s_counters_are_hidden(sandbox: PythonSandbox) -> None:
     assert done.stdout == "[]\n" + f"{missing}\n" * 5 + "2 True True\n", done.as_text()
 
 
+PAGE_CACHE = """
+import ctypes, mmap, os
+fd = os.open("/usr/lib/os-release", os.O_RDONLY)
+tries = {
+    "fadvise": lambda: os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED),
+    "readahead": lambda: ctypes.CDLL(None, use_errno=True).readahead(fd, 0, 4096),
+    "nowait read": lambda: os.preadv(fd, [bytearray(16)], 0, os.RWF_NOWAIT),
+    "plain preadv2": lambda: os.preadv(fd, [bytearray(16)], 0, os.RWF_HIPRI),
+}
+for name, call in tries.items():
+    try:
+        got = call()
+        print(name, "ran" if got in (None, 0, 16) else got, ctypes.get_errno() if got == -1 else "")
+    except OSError as e:
+        print(name, e.strerror)
+m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+for advice in (20, 21):  # MADV_COLD, MADV_PAGEOUT
+    try:
+        m.madvise(advice)
+        print("madvise", advice, "ran")
+    except OSError as e:
+        print("madvise", advice, e.strerror)
+"""
+
+
+def test_executions_neither_probe_nor_evict_the_shared_page_cache(sandbox: PythonSandbox) -> None:
+    """/usr is the host's, read-only, so its page cache is shared with every sandbox and the
+    host: a sender evicted pages (fadvise DONTNEED) or read them, a receiver asked whether each
+    was cached (a read with RWF_NOWAIT fails when it is not): 11 bits from one execution to the
+    next, exact, and to a host process. The calls that probe or evict are refused."""
+    done = run(sandbox, PAGE_CACHE)
+    assert done.stdout.splitlines() == [
+        "fadvise Operation not permitted",
+        "readahead -1 1",  # (EPERM, through ctypes)
+        "nowait read Operation not supported",
+        "plain preadv2 ran ",
+        "madvise 20 Operation not permitted",
+        "madvise 21 Operation not permitted",
+    ], done.as_text()
+
+
 # --- locks on the files every sandbox shares ------------------------------------------------
 
 LOCK_SHARED_FILE = """

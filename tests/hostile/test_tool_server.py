@@ -40,7 +40,7 @@ from jax_agent_rl.tools.base import Tool, ToolResult, tool
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.client import BATCH_BYTES, HttpTools
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry, ToolTransportError
-from tests.tools.test_server import serving, start_server
+from tests.tools.test_server import loaded_tokenizer, serving, start_server
 from tests.tools.test_tools import Counter
 from tests.tools.test_verl_tools import sandbox_processes
 
@@ -245,6 +245,41 @@ def test_a_request_with_too_many_headers_gets_431(capped_server: str, head: str)
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert b"request headers over 100 or 16384 bytes" in answer
+    assert httpx.get(capped_server + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("where", ["a header", "trailers"])
+def test_a_head_past_the_parser_s_bound_closes_the_connection(
+    capped_server: str, where: str
+) -> None:
+    """What `BodyLimit` counts had been parsed whole first: one 64 MB header sent in 64 KB
+    pieces cost httptools 8 s of the one event loop (each piece copied the value so far), and
+    16,000 trailers sent after a chunked body joined the headers after the count (10 s of
+    FastAPI's scans). The parser stops at 64 KiB of an unfinished head or trailer block: 400,
+    and the connection closed, before the app runs."""
+    port = int(capped_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        if where == "a header":
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: ")
+            pieces = (b"b" * 65536 for _ in range(16))  # 1 MB, never ended
+        else:
+            s.sendall(
+                b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                b"Content-Type: application/json\r\n\r\n2\r\n{}\r\n0\r\n"
+            )
+            pieces = (b"X-T: b\r\n" * 1000 for _ in range(16))  # 16,000 trailers
+        try:
+            for piece in pieces:
+                s.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed the connection while the client wrote
+        answer = b""
+        try:
+            while chunk := s.recv(4096):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 400 ") or answer == b"", answer[:200]
     assert httpx.get(capped_server + "/health").status_code == 200
 
 
@@ -796,6 +831,63 @@ def test_a_batch_whose_client_went_away_frees_its_slots() -> None:
 
     out = asyncio.run(scenario())
     assert cancelled == [1, 1]  # the two running; the four waiting for a slot never started
+    assert out["answer"] == "4" and out["in_flight"] == 0
+
+
+def test_a_verl_tool_observation_whose_client_went_away_frees_its_slots(tmp_path: Path) -> None:
+    """/get_observation (verl-tool's route) ran every call of a client that had closed the
+    connection: 64 trajectories x 4 calls of a 20 s tool kept 64 calls in flight and ran all
+    256 with nobody listening (up to max_batch_calls x max_action_calls, 32,768). Its calls
+    are cancelled when the client goes."""
+    opened, cancelled = asyncio.Event(), []
+
+    async def hold() -> str:
+        """Run until the test opens the gate."""
+        try:
+            await opened.wait()
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return "done"
+
+    action = '<tool_call>{"name": "hold", "arguments": {}}</tool_call>' * 2
+
+    async def scenario() -> dict[str, Any]:
+        tokenizer = loaded_tokenizer(tmp_path)
+        registry = ToolRegistry([calculator, tool(hold)])
+        app = create_app(registry, max_concurrency=2, tokenizer=tokenizer)
+        async with serving(app) as url:
+            body = json.dumps({"trajectory_ids": ["a", "b"], "actions": [action] * 2}).encode()
+            _reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+            writer.write(
+                b"POST /get_observation HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            async with httpx.AsyncClient(base_url=url) as http:
+                for _ in range(600):  # until both slots are taken (a bound, not a wait)
+                    if (await http.get("/metrics")).json()["in_flight"] == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                writer.close()
+                for _ in range(600):  # until the server saw the disconnect
+                    if len(cancelled) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                call = {
+                    "trajectory_id": "u",
+                    "name": "calculator",
+                    "arguments": {"expression": "2+2"},
+                }
+                async with asyncio.timeout(120):  # (a bound: before, it waited for the gate)
+                    answer = (await http.post("/execute", json=call)).json()
+                metrics = dict((await http.get("/metrics")).json())
+            opened.set()
+        return {"answer": answer["text"], **metrics}
+
+    out = asyncio.run(scenario())
+    assert cancelled == [1, 1]  # the two running; the two waiting for a slot never started
     assert out["answer"] == "4" and out["in_flight"] == 0
 
 

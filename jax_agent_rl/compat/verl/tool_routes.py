@@ -12,12 +12,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field, model_validator
 
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import InlineToolCallParser, ParsedCall, ToolCallParser
 from jax_agent_rl.tools.base import ToolResult
+from jax_agent_rl.tools.body_limit import until_disconnected
 from jax_agent_rl.tools.protocol import ExecuteRequest, RequestCaps, RequestNamespace
 from jax_agent_rl.tools.row_kwargs import create_kwargs_by_tool
 
@@ -146,7 +147,7 @@ def add_verl_tool_routes(
 
     @app.post("/get_observation", dependencies=[Depends(authorize)])
     async def get_observation(
-        req: ObservationRequest, namespace: RequestNamespace
+        req: ObservationRequest, namespace: RequestNamespace, request: Request
     ) -> dict[str, Any]:
         known = tokenizer
         if known is None:
@@ -169,7 +170,8 @@ def add_verl_tool_routes(
             trajectory_id, action = req.trajectory_ids[i], req.actions[i]
             return await observe(namespace, trajectory_id, action, last[i], create_kwargs[i], known)
 
-        out = await asyncio.gather(*(one(i) for i in range(n)))
+        # (a client that went away: its calls are cancelled, not run on, holding the slots)
+        out = await until_disconnected(request, asyncio.gather(*(one(i) for i in range(n))))
         return {
             "observations": [o for o, _, _ in out],
             "dones": [d for _, d, _ in out],
