@@ -403,6 +403,8 @@ class ModelConfig:
         """Reads ``config.json`` from a local checkpoint folder; an error (one line) names the
         file: no UTF-8, no JSON, JSON nested too deeply, or a value `from_hf` refuses."""
         config_file = Path(path) / "config.json"
+        if Path(path).exists() and not Path(path).is_dir():  # ("[Errno 20] Not a directory")
+            raise FileNotFoundError(f"{path} is not a folder: expected an HF checkpoint folder")
         if not regular_file(config_file, "a checkpoint folder"):
             if (Path(path) / "adapter_config.json").is_file():  # (`jarl export` of a LoRA run)
                 raise FileNotFoundError(

@@ -357,6 +357,16 @@ def test_a_bad_checkpoint_config_is_one_line(
     _refused(["inspect", str(tmp_path)], named, capsys)
 
 
+def test_inspecting_a_file_says_a_checkpoint_is_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file (a FIFO, a safetensors file) given to ``jarl inspect``: "[Errno 20] Not a
+    directory: '.../config.json'"."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    _refused(["inspect", str(file)], f"{file} is not a folder: expected an HF checkpoint", capsys)
+
+
 @pytest.mark.parametrize("case", ["zero kv heads", "a list", "deep JSON"])
 def test_train_checks_the_checkpoint_config_first(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
