@@ -285,8 +285,10 @@ class LocalTools:
         create_kwargs: Mapping[str, Any] | None = None,
     ) -> ToolResult:
         if name not in self.registry:
+            # (a name is the model's text: echoed whole, a 1 MB name made a 1 MB answer)
+            shown = repr(name) if len(name) <= 100 else f"{name[:100]!r}... ({len(name)} chars)"
             return ToolResult(
-                f"error: unknown tool {name!r}; available: {self.registry.names}", error=True
+                f"error: unknown tool {shown}; available: {self.registry.names}", error=True
             )
         t = self.registry.get(name)
         try:

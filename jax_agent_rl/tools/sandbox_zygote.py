@@ -547,6 +547,11 @@ def main():
         fs = os.statvfs(root)
         SIZES[root] = f"mode=755,size={fs.f_blocks * fs.f_frsize}".encode()
     pristine = {root: metadata(root) for root in WRITABLE}
+    # the first execution meets the sandbox as every later one does: on renewed mounts (on
+    # bubblewrap's own, their ids and order told it the sandbox was fresh, which an execution
+    # decides by leaving it dirty: a bit to the next one, 16 of 16)
+    if not renew(pristine):
+        raise OSError("could not renew the writable mounts before the first execution")
     confine_executions(bytes.fromhex(sys.argv[3]))
     for name in PRELOAD:
         __import__(name)

@@ -58,7 +58,8 @@ class SocketLimits:
     a frame over ``max_frame_bytes`` or whose body is not received within ``frame_timeout_s``
     closes the connection; at most ``max_in_flight`` calls run per connection (no further
     frame is read until one ends) and ``max_connections`` connections are served at once; a
-    connection with no call in flight that sends nothing for ``idle_s`` is closed."""
+    connection with no call in flight that sends nothing for ``idle_s`` is closed, and one
+    whose client does not take an answer within ``frame_timeout_s`` is dropped."""
 
     max_frame_bytes: int
     frame_timeout_s: float
@@ -221,7 +222,10 @@ class SocketServer:
             if not writer.is_closing():
                 writer.write(frame(reply))
                 with contextlib.suppress(ConnectionError):
-                    await writer.drain()
+                    async with asyncio.timeout(self.limits.frame_timeout_s):
+                        await writer.drain()
+        except TimeoutError:  # a client that takes no answer: it held its connection for good
+            writer.transport.abort()
         finally:
             gate.release()
 

@@ -697,6 +697,64 @@ def test_a_call_over_the_frame_cap_on_the_socket_fails_alone(tmp_path: Path) -> 
     assert sibling == ToolResult("passed")
 
 
+def test_a_socket_client_that_takes_no_answer_loses_its_connection(tmp_path: Path) -> None:
+    """A client that sent calls with large answers and never read them held its connection for
+    good (the answer's write waited with no deadline, and the read loop behind it): 8 such
+    connections left every other client 'too many connections' past 60 s. An answer not taken
+    within the frame timeout drops the connection."""
+
+    async def big() -> str:
+        """A large answer."""
+        return "x" * 2_000_000
+
+    async def hello(socket_path: str, rcvbuf: int | None = None) -> tuple[Any, Any, Any]:
+        sock = socket.socket(socket.AF_UNIX)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.connect(socket_path)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        writer.write(_frame({"token": None}))
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        return reader, writer, json.loads(await reader.readexactly(n))
+
+    async def scenario() -> Any:
+        socket_path = str(tmp_path / "tools.sock")
+        tmp_path.chmod(0o700)
+        app = create_app(
+            ToolRegistry([tool(big)]),
+            socket_path=socket_path,
+            max_connections=1,
+            body_timeout_s=1.0,
+        )
+        async with serving(app) as url:
+            async with httpx.AsyncClient() as http:  # (answered once the lifespan started)
+                assert (await http.get(url + "/health")).status_code == 200
+            _, hog, said = await hello(socket_path, rcvbuf=4096)
+            assert said["ok"], said
+            for i in range(8):  # 16 MB of answers, none read
+                hog.write(
+                    _frame(
+                        {
+                            "id": i,
+                            "op": "execute",
+                            "body": {"trajectory_id": "t", "name": "big", "arguments": {}},
+                        }
+                    )
+                )
+            await hog.drain()
+            for _ in range(600):  # until the server dropped it (a bound, not a wait)
+                _, writer, said = await hello(socket_path)
+                writer.close()
+                if said.get("ok"):
+                    break
+                await asyncio.sleep(0.05)
+            hog.close()
+            return said
+
+    said = asyncio.run(scenario())
+    assert said.get("ok"), said
+
+
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
