@@ -842,53 +842,67 @@ def test_a_call_past_the_clients_timeout_is_the_models_error_while_the_server_an
         asyncio.run(on_stuck())
 
 
+class Holding:
+    """A tool whose calls run until ``opened`` is set, counting those cancelled."""
+
+    def __init__(self) -> None:
+        self.opened, self.cancelled = asyncio.Event(), 0
+
+    def tool(self) -> Tool:
+        async def hold() -> str:
+            """Run until the test opens the gate."""
+            try:
+                await self.opened.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            return "done"
+
+        return tool(hold)
+
+
+async def _left_by_its_client(
+    app: Any, route: str, body: dict[str, Any], held: Holding, running: int
+) -> dict[str, Any]:
+    """``body`` posted to ``route`` of ``app`` by a client that closes its connection once
+    ``running`` of its calls hold the server's slots; then, once the server cancelled them
+    (a bound, not a wait), another client's call and the server's metrics."""
+    async with serving(app) as url:
+        raw = json.dumps(body).encode()
+        _reader, writer = await asyncio.open_connection(*url[7:].split(":"))
+        writer.write(
+            f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(600):  # until its calls hold the slots
+                if (await http.get("/metrics")).json()["in_flight"] == running:
+                    break
+                await asyncio.sleep(0.05)
+            writer.close()
+            for _ in range(600):  # until the server saw the disconnect
+                if held.cancelled == running:
+                    break
+                await asyncio.sleep(0.05)
+            call = {"trajectory_id": "u", "name": "calculator", "arguments": {"expression": "2+2"}}
+            async with asyncio.timeout(120):  # (a bound: before, it waited for the gate)
+                answer = (await http.post("/execute", json=call)).json()
+            metrics = dict((await http.get("/metrics")).json())
+        held.opened.set()
+    return {"answer": answer["text"], **metrics}
+
+
 def test_a_batch_whose_client_went_away_frees_its_slots() -> None:
     """/execute_batch ran every call of a client that closed the connection as soon as the
     answer's headers came (40 calls of 1.5 s held the slots: another namespace's call waited
     28 s, and requests repeated so queue without bound). The calls are cancelled; the slots
     are free for the next client."""
-    opened, cancelled = asyncio.Event(), []
-
-    async def hold() -> str:
-        """Run until the test opens the gate."""
-        try:
-            await opened.wait()
-        except asyncio.CancelledError:
-            cancelled.append(1)
-            raise
-        return "done"
-
-    async def scenario() -> dict[str, Any]:
-        app = create_app(ToolRegistry([calculator, tool(hold)]), max_concurrency=2)
-        async with serving(app) as url:
-            calls = [{"trajectory_id": f"t{i}", "name": "hold", "arguments": {}} for i in range(6)]
-            body = json.dumps({"calls": calls}).encode()
-            reader, writer = await asyncio.open_connection(*url[7:].split(":"))
-            writer.write(
-                b"POST /execute_batch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            assert (await reader.readline()).startswith(b"HTTP/1.1 200")  # streaming begun
-            writer.close()
-            async with httpx.AsyncClient(base_url=url) as http:
-                for _ in range(600):  # until the server saw the disconnect (a bound, not a wait)
-                    if len(cancelled) == 2:
-                        break
-                    await asyncio.sleep(0.05)
-                call = {
-                    "trajectory_id": "u",
-                    "name": "calculator",
-                    "arguments": {"expression": "2+2"},
-                }
-                async with asyncio.timeout(120):  # (a bound: before, it waited for the gate)
-                    answer = (await http.post("/execute", json=call)).json()
-                metrics = dict((await http.get("/metrics")).json())
-            opened.set()
-        return {"answer": answer["text"], **metrics}
-
-    out = asyncio.run(scenario())
-    assert cancelled == [1, 1]  # the two running; the four waiting for a slot never started
+    held = Holding()
+    app = create_app(ToolRegistry([calculator, held.tool()]), max_concurrency=2)
+    calls = [{"trajectory_id": f"t{i}", "name": "hold", "arguments": {}} for i in range(6)]
+    out = asyncio.run(_left_by_its_client(app, "/execute_batch", {"calls": calls}, held, 2))
+    assert held.cancelled == 2  # the two running; the four waiting for a slot never started
     assert out["answer"] == "4" and out["in_flight"] == 0
 
 
@@ -897,55 +911,13 @@ def test_a_verl_tool_observation_whose_client_went_away_frees_its_slots(tmp_path
     connection: 64 trajectories x 4 calls of a 20 s tool kept 64 calls in flight and ran all
     256 with nobody listening (up to max_batch_calls x max_action_calls, 32,768). Its calls
     are cancelled when the client goes."""
-    opened, cancelled = asyncio.Event(), []
-
-    async def hold() -> str:
-        """Run until the test opens the gate."""
-        try:
-            await opened.wait()
-        except asyncio.CancelledError:
-            cancelled.append(1)
-            raise
-        return "done"
-
+    held = Holding()
+    registry = ToolRegistry([calculator, held.tool()])
+    app = create_app(registry, max_concurrency=2, tokenizer=loaded_tokenizer(tmp_path))
     action = '<tool_call>{"name": "hold", "arguments": {}}</tool_call>' * 2
-
-    async def scenario() -> dict[str, Any]:
-        tokenizer = loaded_tokenizer(tmp_path)
-        registry = ToolRegistry([calculator, tool(hold)])
-        app = create_app(registry, max_concurrency=2, tokenizer=tokenizer)
-        async with serving(app) as url:
-            body = json.dumps({"trajectory_ids": ["a", "b"], "actions": [action] * 2}).encode()
-            _reader, writer = await asyncio.open_connection(*url[7:].split(":"))
-            writer.write(
-                b"POST /get_observation HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            async with httpx.AsyncClient(base_url=url) as http:
-                for _ in range(600):  # until both slots are taken (a bound, not a wait)
-                    if (await http.get("/metrics")).json()["in_flight"] == 2:
-                        break
-                    await asyncio.sleep(0.05)
-                writer.close()
-                for _ in range(600):  # until the server saw the disconnect
-                    if len(cancelled) == 2:
-                        break
-                    await asyncio.sleep(0.05)
-                call = {
-                    "trajectory_id": "u",
-                    "name": "calculator",
-                    "arguments": {"expression": "2+2"},
-                }
-                async with asyncio.timeout(120):  # (a bound: before, it waited for the gate)
-                    answer = (await http.post("/execute", json=call)).json()
-                metrics = dict((await http.get("/metrics")).json())
-            opened.set()
-        return {"answer": answer["text"], **metrics}
-
-    out = asyncio.run(scenario())
-    assert cancelled == [1, 1]  # the two running; the two waiting for a slot never started
+    body = {"trajectory_ids": ["a", "b"], "actions": [action] * 2}
+    out = asyncio.run(_left_by_its_client(app, "/get_observation", body, held, 2))
+    assert held.cancelled == 2  # the two running; the two waiting for a slot never started
     assert out["answer"] == "4" and out["in_flight"] == 0
 
 
