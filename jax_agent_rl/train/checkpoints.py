@@ -97,8 +97,12 @@ class RunCheckpoints:
 
 def checkpoint_step(run_dir: Path, cfg: JarlConfig, step: int | None = None) -> int:
     """``step`` if ``run_dir`` has a complete checkpoint of it, else (``None``) its latest;
-    raises `FileNotFoundError` naming the saved steps when there is none."""
-    checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    raises `FileNotFoundError` naming the saved steps when there is none, or saying that
+    ``run_dir/checkpoints`` is no folder (a file, a FIFO, a link to nowhere or to itself)."""
+    folder = run_dir / "checkpoints"
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder of checkpoints")
+    checkpoints = RunCheckpoints(folder, cfg.trainer.keep_checkpoints)
     try:
         saved = checkpoints.steps()
     finally:

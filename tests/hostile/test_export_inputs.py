@@ -5,6 +5,7 @@ checkpoint or weight is read, so none is written."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,23 @@ def test_an_export_into_another_exports_folder_is_refused(
     (tmp_path / "empty").mkdir()
     assert main(["export", str(lora_run), "--merge", "--out", str(tmp_path / "empty")]) == 2
     assert "exists and is not an empty folder" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "link loop"])
+def test_checkpoints_that_are_no_folder_are_named(
+    lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A run's ``checkpoints`` that is a file or a FIFO was told "has no checkpoint; saved
+    steps: []", and a link to itself "[Errno 17] File exists"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((lora_run / "config.yaml").read_text())
+    checkpoints = run / "checkpoints"
+    if kind == "file":
+        checkpoints.write_text("x")
+    elif kind == "fifo":
+        os.mkfifo(checkpoints)
+    else:
+        checkpoints.symlink_to(checkpoints)
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"{checkpoints} is not a folder of checkpoints" in capsys.readouterr().err
