@@ -16,6 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # per header, so 16,000 headers (128 KB) cost 27 s of the one event loop every call shares
 # (the server's own clients send fewer than ten, under 1 KB)
 MAX_HEADERS = 100
+# headers that say who asks and for whom: one of each
+ONE_EACH = (b"authorization", b"x-tool-namespace")
 MAX_HEADER_BYTES = 16 * 2**10
 # what uvicorn's h11 parser buffers of a head (or a body's chunk header, or its trailers) not yet
 # complete (`server_config`): past it the connection gets 400 and is closed
@@ -33,7 +35,7 @@ class BodyLimit:
     sending it a byte at a time) is answered 408. Both answers close the connection, since the
     unread rest of the body cannot be skipped safely. A client that disconnects gets nothing.
     A request of more than ``MAX_HEADERS`` headers or ``MAX_HEADER_BYTES`` of them is answered
-    431 before anything else reads them.
+    431 before anything else reads them, and one that gives a header of ``ONE_EACH`` twice 400.
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float) -> None:
@@ -50,6 +52,11 @@ class BodyLimit:
         ):
             detail = f"request headers over {MAX_HEADERS} or {MAX_HEADER_BYTES} bytes"
             await _refuse(scope, receive, send, 431, detail)
+            return
+        names = [k.lower() for k, _ in headers]
+        twice = sorted({n.decode("latin-1") for n in ONE_EACH if names.count(n) > 1})
+        if twice:  # (the app read the first; a proxy in front may have checked another)
+            await _refuse(scope, receive, send, 400, f"headers given more than once: {twice}")
             return
         try:
             async with asyncio.timeout(self.timeout_s):

@@ -536,6 +536,13 @@ def test_routes_answer_nothing_without_the_token(shared_server: tuple[str, str])
         assert httpx.get(url + route).status_code == 401
         assert httpx.get(url + route, headers={"Authorization": "Bearer s3creT"}).status_code == 401
     assert len(httpx.get(url + "/tools", headers=AUTH).json()) == 4
+    # two of one (the first one was read; a proxy in front may have checked the other)
+    for twice in (
+        [("Authorization", "Bearer nope"), *AUTH.items()],
+        [*AUTH.items(), ("X-Tool-Namespace", "a"), ("X-Tool-Namespace", "b")],
+    ):
+        refused = httpx.get(url + "/tools", headers=twice)
+        assert refused.status_code == 400 and "given more than once" in refused.text
 
 
 def test_both_transports_compare_the_token_in_constant_time(
