@@ -633,3 +633,25 @@ def test_data_a_closed_sender_left_counts_toward_the_memory_limit(
     finally:
         sb.close()
     assert result.limit == "memory" and "kept them" not in result.stdout, result
+
+
+UNNAMED_FILES = """
+import os
+fds = []
+for _ in range(40):  # 160 MB in files no directory shows, each under file_size_mb
+    fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR)
+    os.pwrite(fd, b"x" * (4 << 20), 0)
+    fds.append(fd)
+print("kept them")
+"""
+
+SHM_FREE = "import os\ns = os.statvfs('/dev/shm')\nprint(s.f_bfree == s.f_blocks)"
+
+
+def test_unnamed_tmpfs_files_are_killed_and_leave_nothing(pool: PythonSandbox) -> None:
+    """Unnamed files (``O_TMPFILE``, allowed since every mount is renewed after every
+    execution) are tmpfs pages like named ones: killed at ``memory_mb`` under both bounds,
+    and the next execution finds the mount empty."""
+    result = attack(pool, UNNAMED_FILES)
+    assert result.limit == "memory" and "kept them" not in result.stdout, result.as_text()
+    assert asyncio.run(pool.run(SHM_FREE)).stdout == "True\n"
