@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # per header, so 16,000 headers (128 KB) cost 27 s of the one event loop every call shares
 # (the server's own clients send fewer than ten, under 1 KB)
 MAX_HEADERS = 100
+MAX_HEADER_BYTES = 16 * 2**10
 # headers that say who asks and for whom: one of each
 ONE_EACH = (b"authorization", b"x-tool-namespace")
-MAX_HEADER_BYTES = 16 * 2**10
 # what uvicorn's h11 parser buffers of a head (or a body's chunk header, or its trailers) not yet
 # complete (`server_config`): past it the connection gets 400 and is closed
 MAX_HEAD_BYTES = 64 * 2**10
