@@ -99,25 +99,25 @@ class MemoryPlan:
         return lines
 
 
-def device_memory(devices: Sequence[jax.Device]) -> tuple[float, str] | None:
+def _device_memory(devices: Sequence[jax.Device]) -> tuple[float, str] | None:
     """The bytes one of ``devices`` (this process's) can hold, and what they are, or None where
     the platform does not say: CPU devices share the host's memory (each its share); an
     accelerator's allocator states its limit."""
+    gib = 2**30
     if devices[0].platform == "cpu":
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return host / len(
-            devices
-        ), f"this host's {host / 2**30:.1f} GiB over {len(devices)} CPU devices"
+        said = f"this host's {host / gib:.1f} GiB over {len(devices)} CPU devices"
+        return host / len(devices), said
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    return (
-        None if not limit else (float(limit), f"{devices[0].device_kind}'s {limit / 2**30:.1f} GiB")
-    )
+    if not limit:
+        return None
+    return float(limit), f"{devices[0].device_kind}'s {limit / gib:.1f} GiB"
 
 
 def fits_here(plan: MemoryPlan, devices: Sequence[jax.Device]) -> str | None:
     """Why ``plan`` cannot run on ``devices`` (its peak, a lower bound: XLA's workspace comes
     on top, is more than each can hold), or None."""
-    have = device_memory(devices)
+    have = _device_memory(devices)
     if have is None or plan.peak_bytes <= have[0]:
         return None
     return (
