@@ -140,6 +140,11 @@ class EngineSection:
     # first needed; a short run that reaches few of them starts sooner (embedded, jetstream;
     # vllm compiles at its own start)
     warmup: bool = True
+    # an engine process that dies (vllm: each replica's; jetstream: the server) is started
+    # again this many times, loads the newest weights and serves its requests in flight again
+    # from their prompts (counted: rollout/replica_deaths, replica_restarts, requests_requeued);
+    # past them it stays down and its requests end aborted. Ray replicas: engine.ray.max_restarts
+    max_restarts: int = setting(3, NATURAL)
     ray: RaySection = dataclasses.field(
         default_factory=RaySection, metadata=moved_from("rollout.ray")
     )

@@ -24,9 +24,17 @@ under the backend's temporary folder (the one before it deleted once the engines
 one), which every engine loads under a new adapter id; every later request runs under the
 latest.
 
-An engine that dies ends its requests in flight with finish reason ``abort`` (the agent loop
-marks those trajectories ``aborted``); new requests go to the engines still alive, and with
-none left they raise. `close` stops every engine and its children.
+An engine that dies (killed, out of memory) is started again in its place, up to
+``max_restarts`` times (``engine.max_restarts``): it loads the newest weights pushed (the
+backend keeps them: the last push's ``/dev/shm`` file, CUDA IPC buffer or adapter folder), and
+its requests in flight are sent to it again from their prompts with their own seeds, so a
+trajectory goes on as if nothing happened (none is trained half-finished); meanwhile new
+requests go to the engines still alive, or wait for the restart when none is. Deaths, restarts
+and requests sent again are counted (`counters`: ``rollout/replica_deaths``,
+``rollout/replica_restarts``, ``rollout/requests_requeued``, as Ray replicas count theirs). An
+engine past its restarts stays down and its requests end with finish reason ``abort`` (the
+agent loop marks those trajectories ``aborted``); with no engine left, requests raise. `close`
+stops every engine and its children, a starting one too.
 
 With ``pausable``, `pause` / `is_paused` / `resume` hold an engine at a state for tests (the
 conformance suite aborts a request it knows to be running, and one it knows to be queued):
@@ -103,6 +111,7 @@ class VLLMBackend:
     else vLLM sizes it from ``gpu_memory_utilization`` (on CPU: the share of the machine's RAM,
     so it fails when other processes hold that memory; tests give a size).
     ``pausable`` serves the test hook `pause` (it turns vLLM's asynchronous scheduling off).
+    Each engine that dies is started again up to ``max_restarts`` times (module docstring).
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class VLLMBackend:
         startup_timeout_s: float = 900.0,
         session_cache_size: int = SESSION_MEMORY,
         pausable: bool = False,
+        max_restarts: int = 3,
     ) -> None:
         python = Path(python)
         if (problem := interpreter_problem(python)) is not None:
@@ -158,6 +168,16 @@ class VLLMBackend:
         self._pausable = pausable
         self._dir = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))  # logs, pushed adapters
         self._adapter: tuple[int, Path] | None = None  # the engines' adapters: id, folder
+        self._max_restarts = max_restarts
+        self._counts = {"replica_deaths": 0, "replica_restarts": 0, "requests_requeued": 0}
+        self._serving = False  # restarts begin once every engine has started
+        # the newest weights for an engine that starts again: the load message of the last
+        # push (and what keeps its buffer alive); held from a push's write to its engines' load
+        self._newest: tuple[dict[str, Any], Any] | None = None
+        self._newest_lock = threading.Lock()
+        self._python, self._startup_timeout_s = python, startup_timeout_s
+        self._starting: dict[int, Engine] = {}  # engines starting again, by index
+        self._down: set[int] = set()  # engines past their restarts
         config = dict(
             model=str(checkpoint),
             dtype=dtype,
@@ -170,37 +190,15 @@ class VLLMBackend:
             pausable=pausable,
             max_lora_rank=max_lora_rank(model),
         )
+        self._config = config
+        self._seed = seed
         self._engines: list[Engine] = []
         try:
             for i in range(replicas):
-                env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices else {}
-                log = self._dir / f"engine{i}.log"
-                self._engines.append(
-                    Engine(
-                        i,
-                        python,
-                        {**config, "seed": seed + i},
-                        env,
-                        log,
-                        ROOT,
-                        self._on_message,
-                        self._on_exit,
-                    )
-                )
+                self._engines.append(self._spawn(i, 0))
             deadline = time.monotonic() + startup_timeout_s
             for engine in self._engines:
-                left = max(deadline - time.monotonic(), 0.0)
-                ready = engine.settings = engine.process.wait_ready(left, EngineStartError)
-                if ready["vocab_size"] != self.model.vocab_size:
-                    raise EngineStartError(
-                        f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
-                        f"the model config {self.model.vocab_size}"
-                    )
-                if ready["tensor_parallel_size"] != tensor_parallel_size:  # as vLLM took it
-                    raise EngineStartError(
-                        f"vLLM engine {engine.index} runs tensor_parallel_size="
-                        f"{ready['tensor_parallel_size']}, not {tensor_parallel_size}"
-                    )
+                self._wait_ready(engine, max(deadline - time.monotonic(), 0.0))
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     pushed = params if model.lora is None else adapters_of(params)
@@ -210,6 +208,37 @@ class VLLMBackend:
             for engine in self._engines:
                 engine.process.kill()
             raise
+        self._serving = True
+
+    def _spawn(self, index: int, generation: int) -> Engine:
+        """Engine ``index``'s process (``generation``: how many started before it)."""
+        device = self._devices[index]
+        env = {"CUDA_VISIBLE_DEVICES": device} if device else {}
+        return Engine(
+            index,
+            self._python,
+            {**self._config, "seed": self._seed + index},
+            env,
+            self._dir / f"engine{index}.{generation}.log",
+            ROOT,
+            self._on_message,
+            self._on_exit,
+        )
+
+    def _wait_ready(self, engine: Engine, timeout_s: float) -> None:
+        """Waits for ``engine``'s handshake and checks it took the settings asked for."""
+        ready = engine.settings = engine.process.wait_ready(timeout_s, EngineStartError)
+        if ready["vocab_size"] != self.model.vocab_size:
+            raise EngineStartError(
+                f"vLLM engine {engine.index} sees vocab_size={ready['vocab_size']}, "
+                f"the model config {self.model.vocab_size}"
+            )
+        tp = self._config["tensor_parallel_size"]
+        if ready["tensor_parallel_size"] != tp:  # as vLLM took it
+            raise EngineStartError(
+                f"vLLM engine {engine.index} runs tensor_parallel_size="
+                f"{ready['tensor_parallel_size']}, not {tp}"
+            )
 
     # ------------------------------------------------------------------ asyncio-facing API
 
@@ -228,7 +257,9 @@ class VLLMBackend:
         return [dict(engine.settings) for engine in self._engines]
 
     def counters(self) -> dict[str, float]:
-        return {}
+        """Totals so far: engine deaths, restarts, requests sent again to a restarted engine."""
+        with self._lock:
+            return {f"rollout/{k}": float(v) for k, v in self._counts.items()}
 
     def in_flight(self) -> dict[str, int]:
         """Request id -> index of the engine serving it, for every request in flight."""
@@ -250,8 +281,8 @@ class VLLMBackend:
             admitted = await self._gate.admit(ticket)
             if not admitted or (engine := self._dispatch(call, ticket)) is None:
                 return self._result(call, [], [], "abort")  # aborted before it went out
-            if not engine.send(self._message(request)):
-                self._finish(engine, rid, [], [], "abort")
+            if engine.dead is None:  # (else its restart sends it)
+                engine.send(self._message(request))  # one that died meanwhile: `_on_exit`
             return await call.future
         except asyncio.CancelledError:
             await self.abort(rid)
@@ -263,7 +294,11 @@ class VLLMBackend:
         self._gate.abort(request_id)  # not sent yet: it will not be
         with self._lock:
             engine = next((e for e in self._engines if request_id in e.calls), None)
-        if engine is not None:
+        if engine is None:
+            return
+        if engine.dead is not None:  # waiting on a restart: it will not be sent again
+            self._finish(engine, request_id, [], [], "abort")
+        else:
             engine.send({"op": "abort", "id": request_id})
 
     def pause(self, request_id: str, tokens: int = 1) -> None:
@@ -291,10 +326,17 @@ class VLLMBackend:
 
     async def close(self) -> None:
         self._gate.close()
+        with self._lock:
+            starting = list(self._starting.values())
+        for engine in starting:  # its restart sees the gate closed and ends
+            engine.process.kill()
         for engine in self._engines:
             engine.send({"op": "shutdown"})
         # then vLLM's own processes too, whatever state they are in
         await asyncio.gather(*(asyncio.to_thread(e.process.stop, 60.0) for e in self._engines))
+        if self._newest is not None:
+            _release(self._newest[1])
+            self._newest = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
@@ -322,6 +364,8 @@ class VLLMBackend:
             if ticket.aborted:
                 return None
             live = [e.index for e in self._engines if e.dead is None]
+            if not live:  # wait on an engine that is starting again
+                live = [e.index for e in self._engines if e.index not in self._down]
             index = self._sessions.pick(call.request, live, lambda i: len(self._engines[i].calls))
             if index is None:
                 reasons = "; ".join(f"engine {e.index}: {e.dead}" for e in self._engines)
@@ -333,8 +377,15 @@ class VLLMBackend:
         return engine
 
     async def _push(self, params: Weights | LayerAdapters) -> None:
-        if self.model.lora is not None or isinstance(params, LayerAdapters):
-            return await self._push_adapters(params)
+        await asyncio.to_thread(self._newest_lock.acquire)  # a restart loads these or the last
+        try:
+            if self.model.lora is not None or isinstance(params, LayerAdapters):
+                return await self._push_adapters(params)
+            await self._push_weights(params)
+        finally:
+            self._newest_lock.release()
+
+    async def _push_weights(self, params: Weights) -> None:
         t0 = time.perf_counter()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = cuda_ipc.learner_gpus(jax.tree.leaves(params), visible)
@@ -344,8 +395,10 @@ class VLLMBackend:
                 cuda_ipc.export_tensors, hf_tensors(self.model, params, on_device=True)
             )
             t1 = time.perf_counter()
-            load_s = await self._load({"op": "load", "payload": export.payload})
-            # (the buffer was kept alive until every engine had loaded from it)
+            message: dict[str, Any] = {"op": "load", "payload": export.payload}
+            load_s = await self._load(message)
+            # (the buffer lives while an engine may load from it: until the next push)
+            self._keep_newest(message, export)
             self.last_push = PushStats(export.nbytes, t1 - t0, load_s, time.perf_counter() - t0)
             return
         fd, name = tempfile.mkstemp(prefix="jarl-weights-", suffix=".bin", dir=wire.SHM_DIR)
@@ -356,11 +409,21 @@ class VLLMBackend:
                 wire.write_tensors, path, hf_tensors(self.model, params)
             )
             t1 = time.perf_counter()
-            load_s = await self._load({"op": "load", "path": name, "index": index})
+            message = {"op": "load", "path": name, "index": index}
+            load_s = await self._load(message)
             size = path.stat().st_size
-        finally:
+        except BaseException:
             path.unlink(missing_ok=True)
+            raise
+        self._keep_newest(message, path)  # a restarted engine loads this file
         self.last_push = PushStats(size, t1 - t0, load_s, time.perf_counter() - t0)
+
+    def _keep_newest(self, message: dict[str, Any], held: Any) -> None:
+        """Keeps the load ``message`` of the weights just pushed (and ``held``: its file,
+        buffer or folder) for engines that start again; the last push's is let go."""
+        if self._newest is not None:
+            _release(self._newest[1])
+        self._newest = (message, held)
 
     async def _push_adapters(self, adapters: Weights | LayerAdapters) -> None:
         """A new PEFT folder and adapter id for ``adapters``; the previous folder goes once
@@ -383,16 +446,18 @@ class VLLMBackend:
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        if self._adapter is not None:
-            shutil.rmtree(self._adapter[1], ignore_errors=True)
         self._adapter = (n, path)
+        self._keep_newest(message, path)  # (the folder before it goes)
         self.last_push = PushStats(size, t1 - t0, load_s, time.perf_counter() - t0)
 
-    async def _load(self, message: dict[str, Any]) -> float:
-        """Sends a ``load`` or ``adapter`` message to every live engine; the slowest's seconds."""
+    async def _load(self, message: dict[str, Any], engines: list[Engine] | None = None) -> float:
+        """Sends a ``load`` or ``adapter`` message to ``engines`` (None: every live engine); the
+        slowest's seconds."""
         loop = asyncio.get_running_loop()
         calls = []
-        for engine in [e for e in self._engines if e.dead is None]:
+        if engines is None:
+            engines = [e for e in self._engines if e.dead is None]
+        for engine in engines:
             call = Call(loop.create_future(), loop)
             engine.load = call
             calls.append(call.future)
@@ -400,7 +465,7 @@ class VLLMBackend:
                 resolve_from_thread(
                     call.future, loop, RuntimeError(f"vLLM engine {engine.index} exited")
                 )
-        return max(await asyncio.gather(*calls))
+        return max(await asyncio.gather(*calls), default=0.0)
 
     def _on_message(self, engine: Engine, m: dict[str, Any]) -> None:
         """Runs on ``engine``'s reader thread."""
@@ -415,11 +480,19 @@ class VLLMBackend:
             resolve_from_thread(load.future, load.loop, value)
 
     def _on_exit(self, engine: Engine, code: int) -> None:
-        """Runs on ``engine``'s reader thread once its process has exited."""
+        """Runs on ``engine``'s reader thread once its process has exited: it starts again
+        (`_restart`), or past its restarts its requests end as aborted."""
         reason = f"exit code {code}"
         with self._lock:
             engine.dead = reason
-            orphans = list(engine.calls)
+            serving = self._engines[engine.index] is engine and not self._gate.closed
+            restart = serving and self._serving
+            if restart:
+                self._counts["replica_deaths"] += 1
+                if engine.restarts >= self._max_restarts:
+                    restart = False
+                    self._down.add(engine.index)
+            orphans = [] if restart else list(engine.calls)
         for rid in orphans:
             self._finish(engine, rid, [], [], "abort")
         if engine.load is not None:
@@ -428,6 +501,58 @@ class VLLMBackend:
             resolve_from_thread(load.future, load.loop, error)
         if not self._gate.closed:  # died on its own: reap vLLM's children it leaves behind
             engine.process.kill()
+        if restart:
+            name = f"vllm-restart-{engine.index}"
+            threading.Thread(target=self._restart, args=(engine,), name=name, daemon=True).start()
+
+    def _restart(self, dead: Engine) -> None:
+        """Starts engine ``dead.index`` again in a thread of its own: the new process loads the
+        newest weights, takes over the dead one's requests and sends them again. One that
+        fails to start counts as another death (`_on_exit` of the new process does not
+        restart it: it never served)."""
+        index, restarts = dead.index, dead.restarts
+        while True:
+            restarts += 1
+            engine: Engine | None = None
+            try:
+                engine = self._spawn(index, restarts)
+                engine.restarts = restarts
+                with self._lock:
+                    self._starting[index] = engine
+                    closed = self._gate.closed
+                if closed:
+                    engine.process.kill()
+                self._wait_ready(engine, self._startup_timeout_s)
+                with self._newest_lock:
+                    if self._newest is not None:
+                        asyncio.run(self._load(self._newest[0], [engine]))
+                    with self._lock:
+                        del self._starting[index]
+                        if self._gate.closed:
+                            raise RuntimeError("the backend closed during a restart")
+                        engine.calls = dead.calls  # (those registered meanwhile too)
+                        self._engines[index] = engine
+                        again = [c.request for c in engine.calls.values()]
+                        self._counts["replica_restarts"] += 1
+                        self._counts["requests_requeued"] += len(again)
+            except Exception:
+                if engine is not None:
+                    engine.process.kill()
+                with self._lock:
+                    self._starting.pop(index, None)
+                    if self._gate.closed or restarts >= self._max_restarts:
+                        self._down.add(index)
+                        orphans = list(dead.calls)
+                    else:
+                        self._counts["replica_deaths"] += 1
+                        continue
+                for rid in orphans:
+                    self._finish(dead, rid, [], [], "abort")
+                return
+            for request in again:
+                assert request is not None
+                engine.send(self._message(request))  # one that died meanwhile: `_on_exit`
+            return
 
     def _finish(
         self,
@@ -460,6 +585,16 @@ class VLLMBackend:
         )
 
 
+def _release(held: Any) -> None:
+    """Lets go of what kept a push's weights: its /dev/shm file or adapter folder (a CUDA IPC
+    export is freed with its last reference)."""
+    if isinstance(held, Path):
+        if held.is_dir():
+            shutil.rmtree(held, ignore_errors=True)
+        else:
+            held.unlink(missing_ok=True)
+
+
 def _build(spec: BackendBuild) -> VLLMBackend:
     r = spec.engine
     return VLLMBackend(
@@ -477,6 +612,7 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         dtype=spec.dtype,
         weight_version=spec.version,
         seed=spec.seed,
+        max_restarts=r.max_restarts,
     )
 
 

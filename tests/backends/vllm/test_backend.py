@@ -1,5 +1,6 @@
 """The vLLM backend beyond the conformance suite: routing over several engines, engines that
-die, and the ways it must refuse to start. Every test leaves no engine process behind."""
+die and start again, and the ways it must refuse to start. Every test leaves no engine process
+behind."""
 
 import asyncio
 import os
@@ -9,13 +10,15 @@ import venv
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import pytest
 
 from jax_agent_rl.backends.vllm import engines
 from jax_agent_rl.backends.vllm.backend import EngineStartError, VLLMBackend
 from jax_agent_rl.backends.vllm.sizes import device_groups
-from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
 from tests.processes import group_gone
 
@@ -52,8 +55,8 @@ def _req(rid: str, sampling: SamplingParams, session: str | None = None) -> Gene
     return GenerateRequest(rid, (5, 6, 7, 8, 9), sampling, session_id=session)
 
 
-def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
-    two_engines: VLLMBackend,
+def test_sessions_stick_to_one_engine_and_a_killed_engine_comes_back_and_serves_its_requests(
+    two_engines: VLLMBackend, checkpoint: Path
 ) -> None:
     backend = two_engines
     # each engine process runs pinned to its own device (engine.vllm.devices)
@@ -61,8 +64,12 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={device}".encode() in environ
     long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
+    _, weights = load_hf(checkpoint, sharder=one_device_sharder())
+    new = jax.tree.map(lambda x: x * 1.5, weights)  # a restarted engine must load these
+    killed = backend.pids[0]
 
     async def scenario() -> tuple[list[GenerateResult], GenerateResult, GenerateResult]:
+        await backend.update_weights(new, 1)
         # a session's turns stay on the engine that served its first
         first = await backend.generate(_req("s1", GREEDY, session="traj-a"))
         home = backend.session_engine("traj-a")
@@ -77,20 +84,62 @@ def test_sessions_stick_to_one_engine_and_a_dead_engine_aborts_its_requests(
         while len(backend.in_flight()) < 4:  # nothing can finish: every dispatch is counted
             await asyncio.sleep(0)
         assert backend.in_flight() == {"r0": 0, "r1": 1, "r2": 0, "r3": 1}
-        # the engine serving r0 and r2 dies while they run; the other carries on
-        os.kill(backend.pids[0], signal.SIGKILL)
+        # the engine process serving r0 and r2 is killed (its vLLM children left to the
+        # backend); the other carries on, and the dead one starts again and serves them
+        os.kill(killed, signal.SIGKILL)
+        os.killpg(killed, signal.SIGCONT)
         os.killpg(backend.pids[1], signal.SIGCONT)
         done = list(await asyncio.gather(*tasks))
         after = await backend.generate(_req("after", GREEDY, session="traj-a"))
         return done, first, after
 
     done, first, after = asyncio.run(scenario())
-    assert [r.finish_reason for r in done] == ["abort", "length", "abort", "length"]
-    assert all(len(r.token_ids) == 120 for r in done[1::2])
-    # the session moves to the surviving engine, which serves it the same tokens
-    assert backend.session_engine("traj-a") == 1
+    # nothing lost: the same prompt and seed give the same 120 tokens on either engine, the
+    # restarted one serving the pushed weights (version 1), not the checkpoint's
+    assert [r.finish_reason for r in done] == ["length"] * 4
+    assert len({r.token_ids for r in done}) == 1 and len(done[0].token_ids) == 120
+    assert {r.weight_version for r in done} == {1}
+    assert backend.counters() == {
+        "rollout/replica_deaths": 1.0,
+        "rollout/replica_restarts": 1.0,
+        "rollout/requests_requeued": 2.0,
+    }
+    # the session stays with engine 0, started again, which serves it the same tokens
+    assert backend.session_engine("traj-a") == 0 and backend.pids[0] != killed
     assert after.token_ids == first.token_ids and after.finish_reason == "length"
-    assert group_gone(backend.pids[0])  # vLLM's own children of the dead engine are reaped too
+    assert group_gone(killed)  # vLLM's own children of the dead engine are reaped too
+
+
+def test_an_engine_past_its_restarts_aborts_its_requests(checkpoint: Path) -> None:
+    backend = VLLMBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        max_model_len=MAX_LEN,
+        max_num_seqs=4,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        max_restarts=0,
+    )
+    pid = backend.pids[0]
+    long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
+
+    async def scenario() -> list[GenerateResult]:
+        os.killpg(pid, signal.SIGSTOP)  # nothing finishes before the kill
+        tasks = [asyncio.create_task(backend.generate(_req(f"r{i}", long))) for i in range(2)]
+        while len(backend.in_flight()) < 2:
+            await asyncio.sleep(0)
+        os.killpg(pid, signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        results = asyncio.run(scenario())
+        assert [r.finish_reason for r in results] == ["abort", "abort"]
+        assert backend.counters()["rollout/replica_deaths"] == 1.0
+        assert backend.counters()["rollout/replica_restarts"] == 0.0
+        with pytest.raises(RuntimeError, match="every vLLM engine has exited"):
+            asyncio.run(backend.generate(_req("after", GREEDY)))
+    finally:
+        asyncio.run(backend.close())
+    assert group_gone(pid)
 
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:

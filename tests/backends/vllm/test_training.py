@@ -1,17 +1,24 @@
 """`jarl train` with ``engine.backend=vllm``: the demo config, and its LoRA twin (vLLM pushed
 the adapters alone, as PEFT folders), train on trajectories sampled by vLLM engine processes,
-and the learner's recomputed logprobs match vLLM's on every token."""
+and the learner's recomputed logprobs match vLLM's on every token; a run whose engine process is
+killed mid-step completes, every episode trained once."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.backends.vllm.backend import VLLMBackend
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, demo_config, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
+from jax_agent_rl.train import train
+from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
@@ -51,3 +58,46 @@ def test_demo_trains_with_vllm_rollouts(task: TaskFiles, tmp_path: Path, config:
     assert (run_dir / "hf" / "model.safetensors").is_file()
     if config == LORA_CONFIG:  # the run's policy: its adapters, which vLLM was pushed
         assert (run_dir / "hf-adapter" / "adapter_config.json").is_file()
+
+
+def test_a_run_completes_when_its_vllm_engine_is_killed_mid_step(
+    task: TaskFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process is SIGKILLed as the run's first request reaches it (step 1's
+    rollout): the backend starts it again with the weights last pushed and sends it every
+    request it had, so each step trains all 8 episodes (2 prompts x 4), none aborted or cut
+    short, and the metrics count the death, the restart and the requests sent again."""
+    killed: list[int] = []
+    dispatch = VLLMBackend._dispatch
+
+    def dispatch_and_kill(self: VLLMBackend, call: Any, ticket: Any) -> Any:
+        engine = dispatch(self, call, ticket)
+        if engine is not None and not killed:  # registered on it: in flight when it dies
+            killed.append(engine.process.pid)
+            os.kill(engine.process.pid, signal.SIGKILL)
+        return engine
+
+    monkeypatch.setattr(VLLMBackend, "_dispatch", dispatch_and_kill)
+    cfg = demo_config(
+        tmp_path / "run",
+        task,
+        [
+            "engine.backend=vllm", "engine.kv_cache_gib=0.03125", "sft.steps=2",
+            "sft.batch_size=8", "data.val=", "data.prompts_per_step=2", "group.n=4",
+            "engine.max_model_len=128", "engine.max_concurrent=8",
+            "agent.max_response_tokens=64", "learner.micro_batch_size=8", "trainer.steps=2",
+            "trainer.eval_every=0", "trainer.tensorboard=false",
+        ],
+    )  # fmt: skip
+    run_dir = train(cfg)
+    assert len(killed) == 1
+    steps = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert len(steps) == 2
+    first, second = steps
+    assert first["rollout/replica_deaths"] == first["rollout/replica_restarts"] == 1
+    assert first["rollout/requests_requeued"] >= 1
+    assert second["rollout/replica_deaths"] == second["rollout/requests_requeued"] == 0
+    for m in steps:
+        assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
+        assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+        assert m["logprob_gap/max"] <= FP32_LOGPROB_TOLERANCE, m["logprob_gap/max"]
