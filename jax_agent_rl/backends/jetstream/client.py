@@ -20,8 +20,15 @@ What JetStream's API carries decides the `Capabilities`, and the backend refuses
   through a folder in ``/dev/shm`` that the server's control RPC swaps in without compiling
   again; then the waiting requests go out stamped with the new version.
 
-A server that dies ends the requests in flight with finish reason ``abort`` (`exited` says
-why), and later requests raise. `close` stops it (it also exits with this process).
+A server that dies (killed, out of memory) is started again, up to ``max_restarts`` times
+(``engine.max_restarts``): it loads the newest weights pushed (the backend keeps the last
+push's folder) and every request in flight is sent to it again from its prompt, its partial
+tokens dropped (the server draws seeds itself, so the request is sampled afresh, under the
+same weights), so no trajectory is trained half-finished; requests sent meanwhile wait for it.
+Deaths, restarts and requests sent again are counted (`counters`, as Ray replicas and vLLM
+engines count theirs). Past its restarts the server stays down: the requests in flight end
+with finish reason ``abort`` (`exited` says why) and later ones raise. `close` stops it (it
+also exits with this process).
 
 `pause` / `is_paused` / `resume` hold the backend at a state for tests (the conformance suite
 aborts a request it knows to be running, and one waiting), on this client's side (JetStream's
@@ -34,6 +41,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import secrets
 import shutil
@@ -80,6 +88,10 @@ if TYPE_CHECKING:
     from jax_agent_rl.config import EngineSection
 
 ROOT = Path(__file__).resolve().parents[3]
+# how long a stream or a load whose server connection failed waits to hear the server died
+# before taking it as alive (it then ended the stream itself): a killed process's sockets
+# close a moment before its exit is seen
+LOSS_GRACE_S = 10.0
 DEFAULT_PYTHON = ROOT / ".venv-jetstream" / "bin" / "python"
 SETUP_HINT = "build it with `scripts/setup.sh jetstream`"
 
@@ -93,7 +105,8 @@ class JetStreamBackend:
     its pool the embedded engine's (``page_size``, ``kv_cache_gib``, ``prefill_chunk``;
     `engine`: what it built). ``chips`` (``engine.jetstream.chips``, "4,5,6,7"): the host's
     TPU chips it opens instead, all its devices (on CPU, as many CPU devices); `placement`:
-    what the server reports of them. ``warmup``: it compiles every program before serving."""
+    what the server reports of them. ``warmup``: it compiles every program before serving.
+    A server that dies is started again up to ``max_restarts`` times (module docstring)."""
 
     def __init__(
         self,
@@ -118,6 +131,7 @@ class JetStreamBackend:
         max_in_flight: int = 256,
         decode: Decode | None = None,
         warmup: bool = True,
+        max_restarts: int = 3,
     ) -> None:
         python = Path(python)
         if not python.is_file():
@@ -144,7 +158,7 @@ class JetStreamBackend:
             lora=model.lora is not None,
         )
         self.last_push: PushStats | None = None
-        self.exited: str | None = None  # why the server is gone, once it is
+        self.exited: str | None = None  # why the server is gone for good, once it is
         self._dtype = dtype
         self._lock = threading.Lock()
         # each ticket's handle: its gRPC call once sent
@@ -157,8 +171,11 @@ class JetStreamBackend:
         self._logs = Path(tempfile.mkdtemp(prefix="jarl-jetstream-"))
         token = secrets.token_hex(16)  # the server admits only calls that carry it
         self._metadata = ((TOKEN_KEY, token),)
-        self.log = self._logs / "server.log"
-        config = dict(
+        self._env = {TOKEN_ENV: token, **placement}
+        self._python = python
+        self._startup_timeout_s = startup_timeout_s
+        self._init_restarts(max_restarts)
+        self._config = dict(
             checkpoint=str(checkpoint),
             dtype=dtype,
             max_len=max_model_len,
@@ -176,34 +193,9 @@ class JetStreamBackend:
             lora=None if model.lora is None else dataclasses.asdict(model.lora),
             warmup=warmup,
         )
-        self.server = EngineProcess(
-            "JetStream server",
-            python,
-            "jax_agent_rl.backends.jetstream.server",
-            config,
-            root=ROOT,
-            log=self.log,
-            env={TOKEN_ENV: token, **placement},
-            messages=handshake,
-            on_exit=self._on_exit,
-        )
+        self.server = self._spawn()
         try:
-            ready = self.server.wait_ready(startup_timeout_s, ServerStartError)
-            if ready["vocab_size"] != self.model.vocab_size:
-                raise ServerStartError(
-                    f"the JetStream server sees vocab_size={ready['vocab_size']}, "
-                    f"the model config {self.model.vocab_size}"
-                )
-            import grpc
-            from jetstream.core.proto import jetstream_pb2_grpc
-
-            self.port: int = ready["port"]  # on 127.0.0.1
-            self.devices: int = ready["devices"]  # the server's
-            self.placement: dict[str, str] = ready["placement"]  # as its own process sees it
-            self.engine: dict[str, int] = ready["engine"]  # page_size, num_pages, ...
-            self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-            self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
-            self._load = self._channel.unary_unary("/jarl.Control/Load")
+            self._connect(self.server.wait_ready(startup_timeout_s, ServerStartError))
             if params is not None:  # on a fresh loop and thread: the caller may be in a loop
                 push = self.update_weights(
                     params if model.lora is None else adapters_of(params), weight_version
@@ -216,6 +208,57 @@ class JetStreamBackend:
             if not isinstance(e, ServerStartError):  # (its message names the log: kept)
                 shutil.rmtree(self._logs, ignore_errors=True)
             raise
+        self._serving = True
+
+    def _init_restarts(self, max_restarts: int) -> None:
+        self._max_restarts = max_restarts
+        self._counts = {"replica_deaths": 0, "replica_restarts": 0, "requests_requeued": 0}
+        # the server's generation (how many started before it), bumped when one starts again;
+        # `_changed` is notified then, and when the server is down for good
+        self._generation = 0
+        self._changed = threading.Condition(self._lock)
+        self._serving = False  # restarts begin once the first server has started
+        self._dead = -1  # the newest generation whose server has exited
+        self._starting: EngineProcess | None = None  # a server starting again
+        # the last push's `Load` request (its folder kept) for a server that starts again;
+        # held from a push's load to its keeping, and by a restart's load
+        self._newest: dict[str, Any] | None = None
+        self._newest_lock = threading.Lock()
+
+    def _spawn(self, n: int = 0) -> EngineProcess:
+        """The ``n``-th server process to start (its log: ``server.log``, then
+        ``server.1.log``, ...)."""
+        self.log = self._logs / ("server.log" if n == 0 else f"server.{n}.log")
+        return EngineProcess(
+            "JetStream server",
+            self._python,
+            "jax_agent_rl.backends.jetstream.server",
+            self._config,
+            root=ROOT,
+            log=self.log,
+            env=self._env,
+            messages=handshake,
+            on_exit=functools.partial(self._on_exit, n),
+        )
+
+    def _connect(self, ready: dict[str, Any]) -> None:
+        """Checks a started server's ready message and opens a channel to it (this backend's
+        from then on)."""
+        if ready["vocab_size"] != self.model.vocab_size:
+            raise ServerStartError(
+                f"the JetStream server sees vocab_size={ready['vocab_size']}, "
+                f"the model config {self.model.vocab_size}"
+            )
+        import grpc
+        from jetstream.core.proto import jetstream_pb2_grpc
+
+        self.port: int = ready["port"]  # on 127.0.0.1
+        self.devices: int = ready["devices"]  # the server's
+        self.placement: dict[str, str] = ready["placement"]  # as its own process sees it
+        self.engine: dict[str, int] = ready["engine"]  # page_size, num_pages, ...
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self._stub = jetstream_pb2_grpc.OrchestratorStub(self._channel)
+        self._load = self._channel.unary_unary("/jarl.Control/Load")
 
     @property
     def weight_version(self) -> int:
@@ -231,7 +274,9 @@ class JetStreamBackend:
         return [self.server.pid]
 
     def counters(self) -> dict[str, float]:
-        return {}
+        """Totals so far: server deaths, restarts, requests sent again to a restarted one."""
+        with self._lock:
+            return {f"rollout/{k}": float(v) for k, v in self._counts.items()}
 
     def in_flight(self) -> list[str]:
         """The requests sent to the server and not finished yet."""
@@ -307,8 +352,16 @@ class JetStreamBackend:
 
     async def close(self) -> None:
         tickets = self._gate.close()
+        with self._lock:
+            starting = self._starting
+            self._changed.notify_all()  # streams waiting on a restart end
+        if starting is not None:  # its restart sees the gate closed and ends
+            starting.kill()
         self._cancel(tickets)
         await asyncio.to_thread(self._stop)
+        if self._newest is not None:
+            shutil.rmtree(self._newest["path"], ignore_errors=True)
+            self._newest = None
         shutil.rmtree(self._logs, ignore_errors=True)
 
     def _refuse_unservable(self, request: GenerateRequest) -> None:
@@ -342,7 +395,22 @@ class JetStreamBackend:
 
     def _stream(self, request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason]:
         """Runs on a pool thread: the request's stream, until its stop id, its budget, its
-        end, an abort or the server's death."""
+        end, an abort or the server's death; sent again whole to a server started again."""
+        while True:
+            generation = self._generation
+            tokens, finish = self._attempt(request, ticket)
+            if finish is not None:
+                return tokens, finish
+            if not self._came_back(generation):
+                return tokens, "abort"
+            with self._lock:
+                self._counts["requests_requeued"] += 1
+
+    def _attempt(
+        self, request: GenerateRequest, ticket: Ticket
+    ) -> tuple[list[int], FinishReason | None]:
+        """One stream of ``request`` on the server of now; finish None: the connection failed
+        (the server may have died) and the request was not aborted."""
         import grpc
         from jetstream.core.proto import jetstream_pb2
 
@@ -360,29 +428,63 @@ class JetStreamBackend:
                 return [], "abort"
             try:
                 rpc = ticket.handle = self._stub.Decode(decode, metadata=self._metadata)
-            except ValueError:  # the channel closed: the backend is closing
-                return [], "abort"
+            except ValueError:  # the channel closed: the backend is closing, or a restart
+                return [], None
         tokens: list[int] = []
         try:
-            for response in rpc:
-                new = 0
-                for token in response.stream_content.samples[0].token_ids:
-                    if not self._take(ticket, len(tokens)):
-                        return tokens, "abort"
-                    tokens.append(token)
-                    new += 1
-                    if token in request.sampling.stop_token_ids or len(tokens) == budget:
-                        break
-                end = self._end(request, tokens, new, budget)
-                if end is not None:
-                    rpc.cancel()  # the rest of the stream is not wanted
-                    return tokens[: end[0]], end[1]
+            end = self._read(rpc, request, ticket, budget, tokens)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidRequestError(f"request {request.request_id!r}: {e.details()}") from e
-            return tokens, "abort"  # cancelled (aborted) or the server is gone
-        # the server ended the stream: its model length, or it is going away
-        return tokens, "length" if len(tokens) == room else "abort"
+            end = None  # cancelled (aborted), or the server is gone or going
+        else:
+            if end is None and len(tokens) == room:  # the server ended it at the model length
+                end = (len(tokens), "length")
+        if end is not None:
+            return tokens[: end[0]], end[1]
+        return tokens, "abort" if ticket.aborted or self._gate.closed else None
+
+    def _read(
+        self,
+        rpc: Any,
+        request: GenerateRequest,
+        ticket: Ticket,
+        budget: int,
+        tokens: list[int],
+    ) -> tuple[int, FinishReason] | None:
+        """Reads ``rpc``'s stream into ``tokens`` until the request ends (the tokens it keeps,
+        why) or the stream does (None)."""
+        for response in rpc:
+            new = 0
+            for token in response.stream_content.samples[0].token_ids:
+                if not self._take(ticket, len(tokens)):
+                    return len(tokens), "abort"
+                tokens.append(token)
+                new += 1
+                if token in request.sampling.stop_token_ids or len(tokens) == budget:
+                    break
+            end = self._end(request, tokens, new, budget)
+            if end is not None:
+                rpc.cancel()  # the rest of the stream is not wanted
+                return end
+        return None
+
+    def _came_back(self, generation: int) -> bool:
+        """After a failed connection to the ``generation``-th server: whether a new server
+        took its place (False: it is down for good, the backend closed, or it never died)."""
+        deadline = time.monotonic() + LOSS_GRACE_S
+        with self._changed:
+            while self._generation == generation:
+                if self.exited is not None or self._gate.closed:
+                    return False
+                if self._dead == generation:
+                    self._changed.wait()  # its restart (or its end) notifies
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False  # alive: it ended the stream itself
+                self._changed.wait(left)
+            return not self._gate.closed
 
     def _end(
         self, request: GenerateRequest, tokens: list[int], new: int, budget: int
@@ -425,30 +527,118 @@ class JetStreamBackend:
         load, size = await asyncio.to_thread(write_push, self.model, self._dtype, params)
         try:
             t1 = time.perf_counter()
-            reply = await asyncio.to_thread(self._load_on_server, load)
-        finally:
+            reply = await asyncio.to_thread(self._load_newest, load)
+        except BaseException:
             shutil.rmtree(load["path"], ignore_errors=True)
+            raise
         self.last_push = PushStats(size, t1 - t0, reply["seconds"], time.perf_counter() - t0)
 
-    def _load_on_server(self, load: dict[str, Any]) -> dict[str, Any]:
+    def _load_newest(self, load: dict[str, Any]) -> dict[str, Any]:
+        """Loads ``load`` on the server, on the one started again if it died meanwhile, and
+        keeps it as the newest weights (the last push's folder goes)."""
+        while True:
+            generation = self._generation
+            with self._newest_lock:
+                try:
+                    reply = self._load_on_server(load, self._load)
+                except _ServerLostError as lost:
+                    error = lost
+                else:
+                    if self._newest is not None:
+                        shutil.rmtree(self._newest["path"], ignore_errors=True)
+                    self._newest = load
+                    return reply
+            if not self._came_back(generation):
+                raise RuntimeError(
+                    f"the JetStream server could not load the weights: {error}"
+                ) from error
+
+    def _load_on_server(self, load: dict[str, Any], call: Any) -> dict[str, Any]:
         import grpc
 
         try:
-            reply = self._load(json.dumps(load).encode(), metadata=self._metadata)
+            reply = call(json.dumps(load).encode(), metadata=self._metadata)
         except grpc.RpcError as e:
             details = e.details()
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _ServerLostError(details) from e
             raise RuntimeError(f"the JetStream server could not load the weights: {details}") from e
         except ValueError as e:  # the channel closed under it
-            raise RuntimeError("the backend closed during a weight update") from e
+            if self._gate.closed:
+                raise RuntimeError("the backend closed during a weight update") from e
+            raise _ServerLostError("its channel closed") from e
         return json.loads(reply)
 
-    def _on_exit(self, code: int) -> None:
-        """Runs on the server's watcher thread once it has exited: ends what is in flight."""
-        self.exited = f"exit code {code}"
+    def _on_exit(self, generation: int, code: int) -> None:
+        """Runs on the ``generation``-th server's watcher thread once it has exited: a
+        restart (`_restart`) or, past them, the end of what is in flight."""
+        with self._lock:
+            self._dead = max(self._dead, generation)
+            restart = self._serving and not self._gate.closed and generation == self._generation
+            if restart:
+                self._counts["replica_deaths"] += 1
+                restart = generation < self._max_restarts
+            if not restart and generation == self._generation:
+                self.exited = f"exit code {code}"
+            self._changed.notify_all()
+        if restart:
+            threading.Thread(target=self._restart, name="jetstream-restart", daemon=True).start()
+        elif generation == self._generation:
+            self._end_in_flight()
+
+    def _end_in_flight(self) -> None:
         tickets = self._gate.tickets()
         for ticket in tickets:
             self._gate.abort(ticket.request_id)
         self._cancel(tickets)
+
+    def _restart(self) -> None:
+        """Starts the server again (in a thread of its own) with the newest weights; the
+        streams waiting on it then go out again. One that fails to start counts as another
+        death, within the restarts."""
+        import grpc
+
+        n = self._generation
+        while True:
+            n += 1
+            server: EngineProcess | None = None
+            try:
+                with self._lock:
+                    if self._gate.closed:
+                        return
+                    server = self._starting = self._spawn(n)
+                ready = server.wait_ready(self._startup_timeout_s, ServerStartError)
+                channel = grpc.insecure_channel(f"127.0.0.1:{ready['port']}")
+                with self._newest_lock:
+                    if self._newest is not None:
+                        load = channel.unary_unary("/jarl.Control/Load")
+                        self._load_on_server(self._newest, load)
+                    with self._lock:
+                        if self._gate.closed:
+                            raise RuntimeError("the backend closed during a restart")
+                        old = self._channel
+                        self.server, self._starting = server, None
+                        self._connect(ready)
+                        channel.close()  # (`_connect` opened the backend's own)
+                        self._generation = n
+                        self._counts["replica_restarts"] += 1
+                        self._changed.notify_all()
+                old.close()
+                return
+            except Exception as e:
+                if server is not None:
+                    server.kill()
+                with self._lock:
+                    self._starting = None
+                    down = self._gate.closed or n >= self._max_restarts
+                    if down:
+                        self.exited = f"could not start again: {type(e).__name__}: {e}"
+                    else:
+                        self._counts["replica_deaths"] += 1
+                    self._changed.notify_all()
+                if down:
+                    self._end_in_flight()
+                    return
 
     def _stop(self, timeout_s: float = 30.0) -> None:
         stdin = self.server.proc.stdin
@@ -467,6 +657,10 @@ class JetStreamBackend:
             finish_reason=finish,
             weight_version=version if tokens else self._gate.version,
         )
+
+
+class _ServerLostError(RuntimeError):
+    """The server's connection failed under a call: it died, or is dying."""
 
 
 def _build(spec: BackendBuild) -> JetStreamBackend:
@@ -489,6 +683,7 @@ def _build(spec: BackendBuild) -> JetStreamBackend:
         seed=spec.seed,
         decode=spec.decode,
         warmup=r.warmup,
+        max_restarts=r.max_restarts,
     )
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -146,10 +147,44 @@ def test_jetstream_serves_the_greedy_tokens_of_the_in_process_backend(
         asyncio.run(jetstream.generate(GenerateRequest("free", prompts[0], free)))
 
 
-def test_a_killed_server_aborts_what_was_in_flight(
+def test_a_killed_server_comes_back_with_the_newest_weights_and_serves_what_was_in_flight(
     checkpoint: Path, closing: list[JetStreamBackend]
 ) -> None:
     backend = _server(checkpoint)
+    closing.append(backend)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    requests = [GenerateRequest(f"r{i}", (5, 6, 7 + i), long) for i in range(6)]
+    _, weights = load_hf(checkpoint, sharder=one_device_sharder())
+    new = jax.tree.map(lambda x: x * 1.5, weights)  # the restarted server must load these
+
+    async def scenario() -> tuple[list[GenerateResult], list[GenerateResult]]:
+        await backend.update_weights(new, 1)
+        before = list(await asyncio.gather(*(backend.generate(r) for r in requests)))
+        pid = backend.proc.pid
+        # the server is stopped, so no request can finish before the kill
+        os.killpg(pid, signal.SIGSTOP)
+        again = [dataclasses.replace(r, request_id=f"again{i}") for i, r in enumerate(requests)]
+        tasks = [asyncio.create_task(backend.generate(r)) for r in again]  # more than the slots
+        while len(backend.in_flight()) < 6:
+            await asyncio.sleep(0)
+        os.killpg(pid, signal.SIGKILL)
+        return before, list(await asyncio.gather(*tasks))
+
+    before, after = asyncio.run(scenario())
+    # greedy: the server started again serves the pushed weights' tokens, whole
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.finish_reason for r in after] == ["length"] * 6
+    assert {r.weight_version for r in after} == {1}
+    counted = backend.counters()
+    assert counted["rollout/replica_deaths"] == counted["rollout/replica_restarts"] == 1
+    assert counted["rollout/requests_requeued"] == 6
+    assert backend.exited is None
+
+
+def test_a_killed_server_past_its_restarts_aborts_what_was_in_flight(
+    checkpoint: Path, closing: list[JetStreamBackend]
+) -> None:
+    backend = _server(checkpoint, max_restarts=0)
     closing.append(backend)
     long = SamplingParams(max_tokens=100, temperature=0.0)
     pid = backend.proc.pid
@@ -173,6 +208,7 @@ def test_a_killed_server_aborts_what_was_in_flight(
     while backend.exited is None and time.monotonic() < deadline:  # the watcher reaps it
         time.sleep(0.05)
     assert backend.exited == f"exit code {-signal.SIGKILL}"
+    assert backend.counters()["rollout/replica_restarts"] == 0
     with pytest.raises(RuntimeError, match="JetStream server has exited"):
         asyncio.run(backend.generate(GenerateRequest("after", (5, 6), long)))
     assert group_gone(pid)

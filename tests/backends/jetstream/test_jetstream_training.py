@@ -2,17 +2,24 @@
 JetStream's server sampled, the learner stands in for the logprobs it does not return, and the
 step after a weight push samples under the pushed weights. (The server serving a LoRA policy,
 its adapters pushed alone, is tests/conformance/test_lora_conformance.py's; `jarl train` with a
-LoRA config on a server backend, tests/backends/vllm/test_training.py's.)"""
+LoRA config on a server backend, tests/backends/vllm/test_training.py's.) A run whose server
+is killed mid-step completes, every episode trained once."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
+from jax_agent_rl.backends.jetstream.client import JetStreamBackend
+from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, demo_config, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
+from jax_agent_rl.train import train
+from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.traces import read_traces
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,3 +62,48 @@ def test_demo_trains_with_jetstream_rollouts(task: TaskFiles, tmp_path: Path) ->
         traces = read_traces(run_dir / "traces.jsonl", step)
         assert traces and all(set(t["weight_versions"]) == {step - 1} for t in traces)
     assert (run_dir / "hf" / "model.safetensors").is_file()
+
+
+def test_a_run_completes_when_its_jetstream_server_is_killed_mid_step(
+    task: TaskFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server is SIGKILLed once the run's first stream is open (step 1's rollout): the
+    backend starts it again with the weights last pushed and sends every request in flight
+    again, so each step trains all 8 episodes (2 prompts x 4), none aborted or cut short, each
+    turn under the weights of its step, and the metrics count the death, the restart and the
+    requests sent again."""
+    killed: list[int] = []
+    read = JetStreamBackend._read
+
+    def kill_then_read(self: JetStreamBackend, *args: Any) -> Any:
+        if not killed:  # its request is in the server's hands: it dies with it in flight
+            killed.append(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return read(self, *args)
+
+    monkeypatch.setattr(JetStreamBackend, "_read", kill_then_read)
+    cfg = demo_config(
+        tmp_path / "run",
+        task,
+        [
+            "engine.backend=jetstream", "sft.steps=2", "sft.batch_size=8", "data.val=",
+            "data.prompts_per_step=2", "group.n=4", "engine.max_model_len=128",
+            "engine.max_concurrent=8", "engine.warmup=false", "agent.max_response_tokens=64",
+            "learner.micro_batch_size=8", "trainer.steps=2", "trainer.eval_every=0",
+            "trainer.tensorboard=false",
+        ],
+    )  # fmt: skip
+    run_dir = train(cfg)
+    assert len(killed) == 1
+    steps = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert len(steps) == 2
+    first, second = steps
+    assert first["rollout/replica_deaths"] == first["rollout/replica_restarts"] == 1
+    assert first["rollout/requests_requeued"] >= 1
+    assert second["rollout/replica_deaths"] == second["rollout/requests_requeued"] == 0
+    for m in steps:
+        assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
+        assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+    for step in (1, 2):  # the restarted server served the weights of version 0, then 1
+        traces = read_traces(run_dir / "traces.jsonl", step)
+        assert traces and all(set(t["weight_versions"]) == {step - 1} for t in traces)
