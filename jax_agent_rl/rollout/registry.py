@@ -69,6 +69,11 @@ def _no_problems(engine: EngineSection, processes: int) -> list[str]:
     return []
 
 
+def _no_notes(engine: EngineSection) -> list[str]:
+    del engine
+    return []
+
+
 def _no_placement(engine: EngineSection) -> dict[str, str]:
     del engine
     return {}
@@ -88,13 +93,16 @@ class BackendFactory:
     with why; set away from its default, one is refused before the run (`unhonoured`).
     ``self_tuned``: those it does not read because it tunes them itself (speed only: what the
     run computes is the same); set, one is noted, not refused (`tuned_by_backend`), so that a
-    config written for the embedded engine runs on this backend as it is."""
+    config written for the embedded engine runs on this backend as it is. ``notes(engine)``:
+    what the backend will choose by itself that a user should hear before the run (the vllm
+    backend's weight transport), one line each."""
 
     build: Callable[[BackendBuild], RolloutBackend]
     check: Callable[[EngineSection, int], list[str]] = _no_problems
     trainer_env: Callable[[EngineSection], dict[str, str]] = _no_placement
     unread: Mapping[str, str] = dataclasses.field(default_factory=dict)
     self_tuned: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    notes: Callable[[EngineSection], list[str]] = _no_notes
 
 
 def unhonoured(engine: EngineSection) -> list[str]:

@@ -251,11 +251,16 @@ def _harness(cfg: JarlConfig, rows: dict[str, list[Sample]]) -> None:
 
 
 def run_notes(cfg: JarlConfig) -> list[str]:
-    """What the run will do unasked: the speed settings its backend tunes itself, the settings
+    """What the run will do unasked: the speed settings its backend tunes itself, what it
+    chooses by itself (`BackendFactory.notes`: the vllm weight transport), the settings
     of a backend's section another backend leaves unread, and the data
     sources the ``math`` fallback scores (the first rows of data.train and data.val), since no
     reward was chosen for them."""
-    notes = tuned_by_backend(cfg.engine) if cfg.engine.backend in backend_names() else []
+    notes = []
+    if cfg.engine.backend in backend_names():
+        notes += tuned_by_backend(cfg.engine) + backend_factory(cfg.engine.backend).notes(
+            cfg.engine
+        )
     notes += unread_sections(cfg.engine)
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):

@@ -356,7 +356,7 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
     """An engine setting the backend does not read, set away from its default, is one line
     naming the key and the backend; vLLM's block size takes its own sizes; the speed settings
     vLLM tunes itself are noted, not refused (a config written for the embedded engine runs
-    on it). The jetstream backend reads them all."""
+    on it), as is the path its weight pushes take. The jetstream backend reads them all."""
     engine = ["engine.steps_per_call=8", "engine.prefill_chunk=64", "engine.page_size=48"]
     engine += ["engine.batch_buckets=false", "engine.warmup=false"]
     argv = ["train", str(files.config), *engine]
@@ -383,6 +383,9 @@ def test_engine_settings_a_backend_cannot_honour_are_refused(
         "sizes its prefill chunks (on CPU it prefills whole prompts))",
         "# note: engine.warmup=False is not read by the vllm backend (vLLM compiles and "
         "profiles its programs when it starts)",
+        # how pushes reach the engines, said before the run (decided as at each push)
+        "# note: vllm weight push: the learner's weights are not on a CUDA device: pushes go "
+        "through /dev/shm (a LoRA run's adapters go as PEFT folders)",
     ]:
         assert line in err.splitlines(), err
     main([*argv, "engine.backend=jetstream", "--dry-run"])

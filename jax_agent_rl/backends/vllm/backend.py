@@ -616,6 +616,16 @@ def _build(spec: BackendBuild) -> VLLMBackend:
     )
 
 
+def _notes(engine: EngineSection) -> list[str]:
+    """How pushes will reach the engines, said before the run: the learner's weights sit on
+    this process's devices (its mesh takes them all), so `cuda_ipc.push_transport` decides now
+    as it will at each push."""
+    devices = device_groups(engine.vllm.devices, engine.vllm.tensor_parallel_size)
+    gpus = cuda_ipc.device_gpus(jax.devices(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _, why = cuda_ipc.push_transport(gpus, devices or [""] * engine.vllm.replicas)
+    return [f"vllm weight push: {why} (a LoRA run's adapters go as PEFT folders)"]
+
+
 def _check(engine: EngineSection, processes: int) -> list[str]:
     del processes  # every process starts its own engines
     python = engine.vllm.python
@@ -634,6 +644,7 @@ def _check(engine: EngineSection, processes: int) -> list[str]:
 FACTORY = BackendFactory(
     build=_build,
     check=_check,
+    notes=_notes,
     unread={
         "batch_buckets": "vLLM batches whatever requests are running; no setting makes its "
         "numbers independent of that",

@@ -69,10 +69,13 @@ def learner_gpus(arrays: Iterable[Any], visible: str | None) -> list[str]:
     """The GPUs ``arrays`` (JAX arrays) are on, as ``CUDA_VISIBLE_DEVICES`` names them:
     ``visible`` (the learner process's; None: every GPU, named by index) maps JAX's local
     hardware ids. Empty when none is on a CUDA device."""
+    return device_gpus({d for array in arrays for d in array.devices()}, visible)
+
+
+def device_gpus(devices: Iterable[Any], visible: str | None) -> list[str]:
+    """The CUDA ones of ``devices`` (JAX devices), named as in `learner_gpus`."""
     names = None if visible is None else [n.strip() for n in visible.split(",")]
-    found: set[int] = set()
-    for array in arrays:
-        found |= {d.local_hardware_id for d in array.devices() if d.platform == "gpu"}
+    found = {d.local_hardware_id for d in devices if d.platform == "gpu"}
     return [str(i) if names is None else names[i] for i in sorted(found)]
 
 
