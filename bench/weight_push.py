@@ -27,6 +27,11 @@ random fp32 weights (N(0, 0.02), norms 1), one optax Adam step on a random gradi
 leaves, final norm; the full model's bytes scale the per-layer figures by 28 / layers; the
 seconds are those of the part). Adam's first step moves every weight by about lr, so at RL
 learning rates few move by a whole bf16 step; fp32 serving sees every one move.
+
+``--delta-run``: the same in a real run: `jarl train` of the demo config (its task written
+here, a short SFT warm start of ``--sft-steps``, then ``--steps`` GRPO steps) serving in bf16
+at each of ``--lrs`` with delta pushes on (``engine.push.full_every`` past the run), each
+step's pushed bytes (``push/bytes``) against a whole push of the same weights.
 """
 
 from __future__ import annotations
@@ -74,7 +79,13 @@ def main() -> None:
     parser.add_argument("--delta", action="store_true", help="delta pushes against whole ones")
     parser.add_argument("--lrs", default="1e-6,1e-5", help="--delta's Adam learning rates")
     parser.add_argument("--layers", type=int, default=2, help="--delta: 1.5B layers built")
+    parser.add_argument("--delta-run", action="store_true", help="deltas in a real demo run")
+    parser.add_argument("--steps", type=int, default=4, help="--delta-run: GRPO steps")
+    parser.add_argument("--sft-steps", type=int, default=100, help="--delta-run: SFT steps")
     args = parser.parse_args()
+    if args.delta_run:
+        delta_run_bench([float(x) for x in args.lrs.split(",")], args.steps, args.sft_steps)
+        return
     if args.delta:
         delta_bench([float(x) for x in args.lrs.split(",")], args.layers)
         return
@@ -261,6 +272,39 @@ def _delta_case(cfg: ModelConfig, before: Weights, after: Weights, per_layer: in
         "encode_s": round(encode_s, 4),
         "apply_s": round(apply_s, 4),
     }
+
+
+def delta_run_bench(lrs: list[float], steps: int, sft_steps: int) -> None:
+    """`--delta-run` (module docstring)."""
+    from jax_agent_rl.cli.demo import demo_config, prepare
+    from jax_agent_rl.data.arithmetic import ArithmeticTask
+    from jax_agent_rl.train import train
+    from jax_agent_rl.train.metrics import read_metrics
+
+    figures: dict[str, Any] = {"steps": steps, "sft_steps": sft_steps, "serving": "bfloat16"}
+    with tempfile.TemporaryDirectory() as tmp:
+        task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=64, n_val=8, n_sft=256)
+        _, weights = load_hf(task.model, sharder=one_device_sharder())
+        whole = sum(int(x.size) for x in jax.tree.leaves(weights)) * 2  # bf16
+        figures["whole_bytes"] = whole
+        for lr in lrs:
+            overrides = [
+                "model.dtype=bfloat16", f"optim.lr={lr}", f"engine.push.full_every={steps + 2}",
+                f"trainer.steps={steps}", f"sft.steps={sft_steps}", "data.val=",
+                "trainer.eval_every=0", f"trainer.save_every={steps}",
+                "trainer.tensorboard=false",
+            ]  # fmt: skip
+            run_dir = train(demo_config(Path(tmp) / f"run-{lr:g}", task, overrides))
+            rows = read_metrics(run_dir / "metrics.jsonl", "train")
+            sent = [int(m["push/bytes"]) for m in rows]
+            assert all(m["push/delta"] == 1.0 for m in rows), "a push went whole"
+            figures[f"lr{lr:g}"] = {
+                "delta_bytes": sent,
+                "fewer_bytes": round(whole / statistics.median(sent), 2),
+                "reward": [round(m["reward"], 3) for m in rows],
+            }
+            print(f"lr {lr:g}: whole {whole} B, deltas {sent} B", file=sys.stderr)
+    print(json.dumps(figures))
 
 
 def delta_bench(lrs: list[float], layers: int) -> None:

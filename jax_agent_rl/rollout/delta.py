@@ -79,6 +79,20 @@ class WeightDelta:
         return sum(d.nbytes for d in self.leaves if d is not None)
 
 
+def on_host(delta: WeightDelta) -> WeightDelta:
+    """``delta`` with its indices and values copied to host memory (numpy): what travels to
+    another process or node (a Ray replica applies it as it is)."""
+    leaves = [None if d is None else (d.index, d.values) for d in delta.leaves]
+    host = jax.device_get(leaves)
+    return dataclasses.replace(
+        delta,
+        leaves=tuple(
+            None if d is None else dataclasses.replace(d, index=h[0], values=h[1])
+            for d, h in zip(delta.leaves, host, strict=True)
+        ),
+    )
+
+
 def push_bytes(params: Any) -> int:
     """The bytes a push of ``params`` (whole weights, adapters or a `WeightDelta`) moves."""
     if isinstance(params, WeightDelta):

@@ -14,7 +14,11 @@ the nodes). The pool is the router:
   into the object store once and loaded by every replica, with its version; a replica
   restarted meanwhile loads the newest. A LoRA policy's push is its adapters alone
   (`LayerAdapters`, to replicas serving a LoRA model: `Capabilities.lora`): a restarted
-  replica starts from the base it started with and the newest adapters;
+  replica starts from the base it started with and the newest adapters. Where the replicas
+  take deltas (`Capabilities.delta_push`: embedded ones), a `WeightDelta` goes to each as it
+  is, on the host (its indices and values: the bytes that cross the network); the pool keeps
+  the last whole weights and the deltas since, and a restarted replica loads those whole
+  weights and applies the deltas in order, so it serves bitwise what the others serve;
 - a replica that dies (its process killed, its node lost) has its requests sent again to a
   live replica and counted (``rollout/requests_requeued``). A request is token ids in, so
   running it again loses nothing: the trajectory goes on from the same prompt, and its
@@ -50,7 +54,7 @@ from jax_agent_rl.protocol import (
     PushStats,
     RolloutBackend,
 )
-from jax_agent_rl.rollout.delta import refuse_delta
+from jax_agent_rl.rollout.delta import WeightDelta, on_host, push_bytes, refuse_delta
 from jax_agent_rl.rollout.gate import Ticket, WeightGate
 from jax_agent_rl.rollout.router import Router
 
@@ -193,6 +197,10 @@ class RayPool:
         self._spec = ReplicaSpec.of(spec)
         self._version = spec.version  # of the newest weights (a restarted replica loads them)
         self._adapters: Any = None  # the newest LoRA adapters pushed (on `_weights`' base)
+        # the last whole weights' version (`_weights`), and the deltas pushed on it since,
+        # (version, object ref) in order: what a restarted replica loads and applies
+        self._whole_version = spec.version
+        self._deltas: list[tuple[int, Any]] = []
         self._gate = WeightGate(spec.version)
         # the last push: its bytes (a LoRA policy's adapters alone), the seconds to put them
         # into the object store, the slowest replica's to load them, the whole push's
@@ -223,9 +231,7 @@ class RayPool:
         for slot, actor, (_caps, node) in zip(self._slots, actors, described, strict=True):
             slot.actor, slot.node = actor, node
             slot.ready.set()
-        # the replicas' own, less delta pushes: a rerun replica rejoins with whole weights,
-        # and the pool sends every replica the same push (`update_weights` refuses a delta)
-        self.capabilities: Capabilities = dataclasses.replace(described[0][0], delta_push=False)
+        self.capabilities: Capabilities = described[0][0]  # the replicas' own
 
     def _start(self, slot: _Slot) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -241,8 +247,11 @@ class RayPool:
             name=f"jarl-replica-{slot.index}.{slot.generation}",
             runtime_env={"env_vars": self._env},
         )
+        # the last whole weights (and the newest adapters on them): `_catch_up` applies the
+        # deltas pushed since
+        version = self._whole_version if self._deltas else self._version
         return actor_cls.remote(
-            ReplicaSpec({**self._spec.build, "version": self._version}),
+            ReplicaSpec({**self._spec.build, "version": version}),
             self._weights,
             self._adapters,
         )
@@ -343,13 +352,10 @@ class RayPool:
         while starting counts as a death and is tried again, within the restart budget."""
         while True:
             try:
-                version = self._version
+                version = self._whole_version if self._deltas else self._version
                 actor = slot.starting = self._start(slot)  # with the weights of `version`
                 _, node = await actor.describe.remote()
-                while self._version != version:  # pushed while it started: load the newest
-                    version = self._version
-                    newest = self._weights if self._adapters is None else self._adapters
-                    await actor.update_weights.remote(newest, version)
+                await self._catch_up(actor, version)
             except self._ray.exceptions.RayActorError:
                 self._counts["replica_deaths"] += 1
                 if slot.restarts >= self._cfg.max_restarts:
@@ -364,10 +370,27 @@ class RayPool:
             slot.ready.set()
             return
 
+    async def _catch_up(self, actor: Any, version: int) -> None:
+        """Brings a replica started on ``version`` to the newest: the whole weights pushed
+        since (or the newest adapters), then each delta on them in order; again while pushes
+        land meanwhile."""
+        while version != self._version:
+            if self._deltas and version >= self._whole_version:
+                for v, ref in [d for d in self._deltas if d[0] > version]:
+                    await actor.update_weights.remote(ref, v)
+                    version = v
+                continue
+            version = self._whole_version if self._deltas else self._version
+            newest = self._weights if self._adapters is None else self._adapters
+            await actor.update_weights.remote(newest, version)
+
     async def update_weights(self, params: Any, version: int) -> None:
-        """``params``: the policy's weights, or a LoRA policy's adapters alone
-        (`LayerAdapters`), which replicas serving no LoRA model refuse, as here."""
-        refuse_delta(params, "Ray replicas")
+        """``params``: the policy's weights, a LoRA policy's adapters alone (`LayerAdapters`),
+        which replicas serving no LoRA model refuse, as here, or a `WeightDelta` on the last
+        push, where the replicas take deltas."""
+        delta = isinstance(params, WeightDelta)
+        if not self.capabilities.delta_push:
+            refuse_delta(params, "Ray replicas")
         lora = isinstance(params, LayerAdapters)
         if lora:
             if not self.capabilities.lora:
@@ -379,17 +402,20 @@ class RayPool:
 
         async def push() -> None:
             t0 = time.perf_counter()
-            host = jax.device_get(params)
+            host = on_host(params) if delta else jax.device_get(params)
             ref = self._ray.put(host)
-            if lora:
+            if delta:
+                self._deltas.append((version, ref))
+            elif lora:
                 self._adapters = ref
             else:
                 self._weights, self._adapters = ref, None
+                self._whole_version, self._deltas = version, []
             self._version = version
             t1 = time.perf_counter()
             live = [s for s in self._slots if s.actor is not None]
             loads = await asyncio.gather(*(self._push(s, ref) for s in live))
-            size = sum(x.nbytes for x in jax.tree.leaves(host))
+            size = push_bytes(host)
             self.last_push = PushStats(
                 size, t1 - t0, max(loads, default=0.0), time.perf_counter() - t0
             )

@@ -4,11 +4,9 @@ import asyncio
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_agent_rl.models import Weights
 from jax_agent_rl.models.adapters import init_adapters
 from jax_agent_rl.rollout import (
     GenerateRequest,
@@ -30,6 +28,7 @@ from tests.conformance.conftest import (
     resume,
     run,
 )
+from tests.weights import sparse_step
 
 # every backend decodes every case: optimized code pays (compiled at O0 the file took 472 s of
 # a suite run's CPU, 384 s optimized)
@@ -355,18 +354,6 @@ def test_a_lora_push_is_refused_unless_declared(backend: RolloutBackend, learner
     assert after.token_ids == before.token_ids
 
 
-def _stepped(weights: Weights, seed: int) -> Weights:
-    """``weights`` after a sparse step: about 2% of each leaf's elements moved by 1%."""
-    rng = np.random.default_rng(seed)
-    leaves, treedef = jax.tree.flatten(jax.device_get(weights))
-    moved = [
-        np.where(rng.random(x.shape) < 0.02, x * (1 + 0.01 * rng.standard_normal(x.shape)), x)
-        for x in leaves
-    ]
-    cast = [jnp.asarray(m, x.dtype) for m, x in zip(moved, leaves, strict=True)]
-    return jax.tree.unflatten(treedef, cast)
-
-
 def test_delta_pushes_serve_what_a_whole_push_serves(
     backend: RolloutBackend, learner: Learner
 ) -> None:
@@ -389,7 +376,7 @@ def test_delta_pushes_serve_what_a_whole_push_serves(
         return
     pusher, steps = DeltaPusher(learner.cfg, full_every=4), [learner.weights]
     for seed in range(3):  # (10 pushes, bitwise: tests/rollout/test_delta.py)
-        steps.append(_stepped(steps[-1], seed))
+        steps.append(sparse_step(steps[-1], seed))
     sent = []
     for i, weights in enumerate(steps):
         run(pusher.push(backend, weights, v + 1 + i))

@@ -8,6 +8,7 @@ backend: the conformance suite, "ray".)"""
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from jax_agent_rl.agent.context import AgentContext
@@ -36,6 +38,7 @@ from jax_agent_rl.rollout import (
     SamplingParams,
     ray_pool,
 )
+from jax_agent_rl.rollout.delta import DeltaPusher, WeightDelta, push_bytes
 from jax_agent_rl.rollout.ray_pool import RayPool, Replica, _check_fits
 from jax_agent_rl.rollout.registry import BackendBuild
 from jax_agent_rl.tokenization.tool_calls import make_parser
@@ -45,6 +48,7 @@ from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.step import rollout_episodes
 from tests.agent.test_loop import CONFIG
+from tests.weights import sparse_step
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -192,6 +196,68 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
         served = sorted(pool._sessions[f"new{i}"] for i in range(8))
         assert served == [0] * 4 + [1] * 4
         assert [r.token_ids for r in results] != [r.token_ids for r in before]
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def _served_digest(replica: object) -> str:
+    """A digest of the bits of every weight ``replica``'s embedded engine serves."""
+
+    def digest(actor: Replica) -> str:
+        h = hashlib.sha256()
+        for leaf in jax.tree.leaves(actor.backend._params):  # type: ignore[attr-defined]
+            h.update(np.asarray(jax.device_get(leaf)).tobytes())
+        return h.hexdigest()
+
+    return ray.get(replica.__ray_call__.remote(digest), timeout=DEADLINE_S)  # type: ignore[attr-defined]
+
+
+def test_delta_pushes_reach_every_replica_and_a_restarted_one_serves_the_same_bits(
+    cluster: object, tmp_path: Path
+) -> None:
+    """A whole push, then 3 deltas (`DeltaPusher`), each crossing to the replicas as a delta
+    (its bytes a fraction of the weights'). Replica 1 is killed: it restarts from the last
+    whole weights and applies the 3 deltas in order, and then serves bit for bit the weights
+    replica 0 serves, which are those a whole push of the last weights gives."""
+    path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
+    cfg, weights = load_hf(path, sharder=one_device_sharder())
+    engine = EngineSection(
+        max_concurrent=4,
+        max_model_len=128,
+        ray=_spread(cluster.address),  # type: ignore[attr-defined]
+        warmup=False,
+    )
+    pool = RayPool(
+        BackendBuild(
+            engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
+        )
+    )
+    steps = [weights]
+    for seed in range(4):
+        steps.append(sparse_step(steps[-1], seed))
+    pusher = DeltaPusher(cfg, full_every=10)
+
+    async def scenario() -> None:
+        assert pool.capabilities.delta_push
+        for version, step in enumerate(steps[1:], start=1):
+            await pusher.push(pool, step, version)
+        assert isinstance(pusher.last, WeightDelta) and pusher.last.base == 3
+        assert pool.last_push is not None
+        assert pool.last_push.bytes == push_bytes(pusher.last) < push_bytes(weights) / 3
+        await asyncio.to_thread(_kill, pool._slots[1].actor)
+        # requests find it dead (run again on replica 0), and it restarts
+        await asyncio.gather(*(pool.generate(r) for r in _requests("k")))
+        await _until(lambda: pool.counters()["rollout/replica_restarts"] == 1, "a restart")
+        actors = [slot.actor for slot in pool._slots]
+        digests = [await asyncio.to_thread(_served_digest, a) for a in actors]
+        assert digests[0] == digests[1]
+        request = _requests("same", 1)[0]
+        served = [await a.generate.remote(request) for a in actors]
+        assert served[0] == served[1] and served[0].weight_version == 4
+        await pusher.push(pool, steps[-1], 5)  # (compared against its own last delta: whole)
+        await pool.update_weights(steps[-1], 6)
+        assert await asyncio.to_thread(_served_digest, actors[0]) == digests[0]
         await pool.close()
 
     asyncio.run(scenario())
