@@ -281,6 +281,9 @@ def delta_run_bench(lrs: list[float], steps: int, sft_steps: int) -> None:
     from jax_agent_rl.train import train
     from jax_agent_rl.train.metrics import read_metrics
 
+    from jax_agent_rl.models import request_cpu_devices
+
+    request_cpu_devices(2)  # the demo's mesh (data=2), before JAX starts
     figures: dict[str, Any] = {"steps": steps, "sft_steps": sft_steps, "serving": "bfloat16"}
     with tempfile.TemporaryDirectory() as tmp:
         task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=64, n_val=8, n_sft=256)
