@@ -199,6 +199,28 @@ def resume(backend: RolloutBackend) -> None:
     ray.get([a.__ray_call__.remote(_replica_resume) for a in _replicas(backend)])
 
 
+def served_bits(backend: RolloutBackend) -> list[bytes]:
+    """The bits of every weight ``backend`` serves, leaf by leaf (a test hook of the backends
+    whose weights live in this process or in Ray replicas' embedded engines: each replica's,
+    one after the other)."""
+    if not _is_ray(backend):
+        return _leaf_bits(backend)
+    import ray
+
+    per_replica = ray.get([a.__ray_call__.remote(_replica_bits) for a in _replicas(backend)])
+    return [bits for replica in per_replica for bits in replica]
+
+
+def _leaf_bits(backend: Any) -> list[bytes]:
+    import numpy as np
+
+    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree.leaves(backend._params)]
+
+
+def _replica_bits(replica: Any) -> list[bytes]:
+    return _leaf_bits(replica.backend)
+
+
 def _replica_paused(replica: Any) -> bool:
     return bool(replica.backend.is_paused())
 

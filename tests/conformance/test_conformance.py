@@ -27,6 +27,7 @@ from tests.conformance.conftest import (
     perturbed,
     resume,
     run,
+    served_bits,
 )
 from tests.weights import sparse_step
 
@@ -357,12 +358,12 @@ def test_a_lora_push_is_refused_unless_declared(backend: RolloutBackend, learner
 def test_delta_pushes_serve_what_a_whole_push_serves(
     backend: RolloutBackend, learner: Learner
 ) -> None:
-    """A backend that declares `Capabilities.delta_push`: a whole push, then 3 delta pushes
-    (`DeltaPusher`, each a sparse step's changes, each fewer than a third of the weights'
-    bytes) serve what a whole push of the last weights serves, token for token and logprob
-    for logprob, and not what the first weights served (tests/rollout/test_delta.py holds the
-    engine's weights bitwise to the learner's cast). One that does not refuses a delta in
-    words that say so, keeps its version and serves on."""
+    """A backend that declares `Capabilities.delta_push`: 11 pushes of sparse steps
+    (`DeltaPusher`, ``full_every=4``: pushes 0, 4 and 8 whole, the others deltas of fewer
+    than a third of the weights' bytes) leave it serving bit for bit the weights a whole push
+    of the last step gives (the learner's cast), token for token and logprob for logprob
+    what that push serves, and not what the first weights served. One that does not refuses a
+    delta in words that say so, keeps its version and serves on."""
     prompt = _prompt(40, 8)
     sampling = as_served(backend, SamplingParams(max_tokens=12, temperature=1.0, seed=5))
     before = run(backend.generate(_req("d0", prompt, sampling)))
@@ -375,23 +376,26 @@ def test_delta_pushes_serve_what_a_whole_push_serves(
         assert after.weight_version == v and after.token_ids == before.token_ids
         return
     pusher, steps = DeltaPusher(learner.cfg, full_every=4), [learner.weights]
-    for seed in range(3):  # (10 pushes, bitwise: tests/rollout/test_delta.py)
+    for seed in range(10):
         steps.append(sparse_step(steps[-1], seed))
     sent = []
     for i, weights in enumerate(steps):
         run(pusher.push(backend, weights, v + 1 + i))
         sent.append(pusher.last)
-    assert sent[0] is steps[0]
+    whole = [i for i, d in enumerate(sent) if not isinstance(d, WeightDelta)]
+    assert whole == [0, 4, 8] and all(sent[i] is steps[i] for i in whole)
     full = push_bytes(steps[0])
-    assert all(isinstance(d, WeightDelta) and push_bytes(d) < full / 3 for d in sent[1:])
+    assert all(push_bytes(d) < full / 3 for i, d in enumerate(sent) if i not in whole)
     by_delta = run(backend.generate(_req("d-delta", prompt, sampling)))
-    run(backend.update_weights(steps[-1], version=v + 5))
+    bits_by_delta = served_bits(backend)
+    run(backend.update_weights(steps[-1], version=v + 12))
     by_whole = run(backend.generate(_req("d-whole", prompt, sampling)))
-    assert (by_delta.weight_version, by_whole.weight_version) == (v + 4, v + 5)
+    assert served_bits(backend) == bits_by_delta
+    assert (by_delta.weight_version, by_whole.weight_version) == (v + 11, v + 12)
     assert by_delta.token_ids == by_whole.token_ids
     assert by_delta.logprobs == by_whole.logprobs
     assert by_delta.logprobs != before.logprobs
-    run(backend.update_weights(learner.weights, version=v + 6))
+    run(backend.update_weights(learner.weights, version=v + 13))
 
 
 def test_session_turns_equal_fresh_requests(backend: RolloutBackend) -> None:
