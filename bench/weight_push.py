@@ -278,10 +278,9 @@ def delta_run_bench(lrs: list[float], steps: int, sft_steps: int) -> None:
     """`--delta-run` (module docstring)."""
     from jax_agent_rl.cli.demo import demo_config, prepare
     from jax_agent_rl.data.arithmetic import ArithmeticTask
+    from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train import train
     from jax_agent_rl.train.metrics import read_metrics
-
-    from jax_agent_rl.models import request_cpu_devices
 
     request_cpu_devices(2)  # the demo's mesh (data=2), before JAX starts
     figures: dict[str, Any] = {"steps": steps, "sft_steps": sft_steps, "serving": "bfloat16"}
