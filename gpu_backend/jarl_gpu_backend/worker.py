@@ -113,6 +113,21 @@ class WeightLoader:
         learner's buffer on the same GPU, never through the host (as `jarl_load_shm`)."""
         self._reload(cuda_ipc.import_tensors(payload))
 
+    def jarl_digest(self) -> str:
+        """A digest of the bits of every tensor of the model's state (a test hook: two engines
+        serving the same weights give the same)."""
+        import hashlib
+
+        import torch
+
+        h = hashlib.sha256()
+        state = self.model_runner.get_model().state_dict()  # type: ignore[attr-defined]
+        for name in sorted(state):
+            h.update(name.encode())
+            tensor = state[name].detach().cpu().contiguous().reshape(-1)
+            h.update(tensor.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     def _reload(self, tensors: Any) -> None:
         self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -303,6 +318,9 @@ class Worker:
                 await self.load(m)
             elif m["op"] == "adapter":
                 await self.load_adapter(m)
+            elif m["op"] == "digest":
+                digests = await self.engine.collective_rpc("jarl_digest")
+                self.send({"op": "digest", "digests": digests})
             elif m["op"] == "pause":
                 self.pause_at = (m["id"], m["tokens"])
             elif m["op"] == "resume":

@@ -163,13 +163,15 @@ class PushStats:
     process), the slowest engine's seconds to load them, the whole push's seconds, and the
     seconds it stalled generation (``stall_s``): where the push drains (`WeightGate`), the
     time new requests were held (the drain, then the load); where it lands mid-request
-    (``engine.keep_kv_on_update``), the time the engine stopped decoding to take it."""
+    (``engine.keep_kv_on_update``), the time the engine stopped decoding to take it.
+    ``delta``: the push moved only what changed since the last (``engine.push.full_every``)."""
 
     bytes: int
     write_s: float
     load_s: float
     total_s: float
     stall_s: float = 0.0
+    delta: bool = False
 
     def held(self, seconds: float) -> PushStats:
         """These figures, stalled ``seconds`` (a gate's hold: `WeightGate.update`)."""

@@ -362,7 +362,9 @@ class EmbeddedBackend:
         if self._gate.drain:
             self._sessions.drop()  # their pages hold keys and values of the old weights
         seconds = time.perf_counter() - t0  # decoding stopped for them
-        self.last_push = PushStats(push_bytes(new), 0.0, load_s + seconds, seconds, seconds)
+        self.last_push = PushStats(
+            push_bytes(new), 0.0, load_s + seconds, seconds, seconds, isinstance(new, WeightDelta)
+        )
         resolve_from_thread(update.future, update.loop, None)
 
     def _abort(self, request_id: str) -> None:

@@ -417,7 +417,7 @@ class RayPool:
             loads = await asyncio.gather(*(self._push(s, ref) for s in live))
             size = push_bytes(host)
             self.last_push = PushStats(
-                size, t1 - t0, max(loads, default=0.0), time.perf_counter() - t0
+                size, t1 - t0, max(loads, default=0.0), time.perf_counter() - t0, delta=delta
             )
 
         held = await self._gate.update(push, version)

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import AlgorithmSection, JarlConfig
 from jax_agent_rl.models.attention_kernels import training_kernel
+from jax_agent_rl.protocol import PushStats
 from jax_agent_rl.rl import core, steps
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
@@ -296,11 +298,7 @@ async def learn_and_push(
             "time/rollout_s": totals["rollout_s/max"],
             "time/tools_cumulative_s": totals["tools_s"],
             "time/weight_push_s": t_push,
-            # what the push moved: a delta's bytes (`rollout.delta`) or the whole weights'
-            "push/bytes": float(push_bytes(rollout.pusher.last)),
-            "push/delta": float(isinstance(rollout.pusher.last, WeightDelta)),
-            # how long it held generation up (`PushStats.stall_s`; -1: the backend does not say)
-            "push/stall_s": -1.0 if (stats := rollout.backend.last_push) is None else stats.stall_s,
+            **push_metrics(rollout.backend.last_push, rollout.pusher.last),
             **pace_metrics(
                 time.perf_counter() - t0,
                 rollout.backend.idle_s() - idle0,
@@ -312,6 +310,23 @@ async def learn_and_push(
         }
     )
     return state, m, totals, tokens
+
+
+def push_metrics(stats: PushStats | None, sent: Any) -> dict[str, float]:
+    """What a push moved (the backend's figures: a delta's bytes, `rollout.delta`, or the whole
+    weights'; from what was sent where the backend says nothing) and how long it held
+    generation up (`PushStats.stall_s`; -1: the backend does not say)."""
+    if stats is None:
+        return {
+            "push/bytes": float(push_bytes(sent)),
+            "push/delta": float(isinstance(sent, WeightDelta)),
+            "push/stall_s": -1.0,
+        }
+    return {
+        "push/bytes": float(stats.bytes),
+        "push/delta": float(stats.delta),
+        "push/stall_s": stats.stall_s,
+    }
 
 
 def pace_metrics(

@@ -112,6 +112,8 @@ class VLLMBackend:
     so it fails when other processes hold that memory; tests give a size).
     ``pausable`` serves the test hook `pause` (it turns vLLM's asynchronous scheduling off).
     Each engine that dies is started again up to ``max_restarts`` times (module docstring).
+    ``full_every`` > 1: pushes through /dev/shm write only the changed elements into the kept
+    weights file, whole every this many pushes (module docstring).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class VLLMBackend:
         session_cache_size: int = SESSION_MEMORY,
         pausable: bool = False,
         max_restarts: int = 3,
+        full_every: int = 1,
     ) -> None:
         python = Path(python)
         if (problem := interpreter_problem(python)) is not None:
@@ -169,6 +172,9 @@ class VLLMBackend:
         self._dir = Path(tempfile.mkdtemp(prefix="jarl-vllm-"))  # logs, pushed adapters
         self._adapter: tuple[int, Path] | None = None  # the engines' adapters: id, folder
         self._max_restarts = max_restarts
+        if full_every < 1:
+            raise ValueError(f"full_every={full_every}: a whole push every N >= 1 pushes")
+        self._full_every, self._since_full = full_every, 0
         self._counts = {"replica_deaths": 0, "replica_restarts": 0, "requests_requeued": 0}
         self._serving = False  # restarts begin once every engine has started
         # the newest weights for an engine that starts again: the load message of the last
@@ -310,6 +316,17 @@ class VLLMBackend:
         for engine in self._engines:
             engine.send({"op": "pause", "id": request_id, "tokens": tokens})
 
+    async def weights_digest(self) -> list[list[str]]:
+        """Test hook: per live engine, a digest of each of its workers' model state (the bits
+        of every tensor): engines serving the same weights give the same."""
+        loop = asyncio.get_running_loop()
+        calls = []
+        for engine in [e for e in self._engines if e.dead is None]:
+            engine.digest = Call(loop.create_future(), loop)
+            calls.append(engine.digest.future)
+            engine.send({"op": "digest"})
+        return list(await asyncio.gather(*calls))
+
     def is_paused(self) -> bool:
         """Whether a `pause` has taken effect (and no `resume` followed)."""
         return any(engine.paused for engine in self._engines)
@@ -387,6 +404,7 @@ class VLLMBackend:
 
     async def _push_weights(self, params: Weights) -> None:
         t0 = time.perf_counter()
+        parts = (self.model, params)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = cuda_ipc.learner_gpus(jax.tree.leaves(params), visible)
         self.transport = cuda_ipc.push_transport(gpus, self._devices)
@@ -401,13 +419,28 @@ class VLLMBackend:
             self._keep_newest(message, export)
             self.last_push = PushStats(export.nbytes, t1 - t0, load_s, time.perf_counter() - t0)
             return
+        kept = None if self._newest is None else self._newest[0]
+        if self._since_full + 1 < self._full_every and kept is not None and "path" in kept:
+            try:
+                changed, size = await asyncio.to_thread(
+                    wire.update_tensors, Path(kept["path"]), kept["index"], hf_tensors(*parts)
+                )
+            except ValueError:  # (another layout: a whole push below)
+                pass
+            else:
+                t1 = time.perf_counter()
+                since, self._since_full = self._since_full, self._full_every  # (failed: whole)
+                load_s = await self._load_changed(kept, changed)
+                self._since_full = since + 1
+                self.last_push = PushStats(
+                    size, t1 - t0, load_s, time.perf_counter() - t0, delta=True
+                )
+                return
         fd, name = tempfile.mkstemp(prefix="jarl-weights-", suffix=".bin", dir=wire.SHM_DIR)
         os.close(fd)
         path = Path(name)
         try:
-            index = await asyncio.to_thread(
-                wire.write_tensors, path, hf_tensors(self.model, params)
-            )
+            index = await asyncio.to_thread(wire.write_tensors, path, hf_tensors(*parts))
             t1 = time.perf_counter()
             message = {"op": "load", "path": name, "index": index}
             load_s = await self._load(message)
@@ -416,7 +449,18 @@ class VLLMBackend:
             path.unlink(missing_ok=True)
             raise
         self._keep_newest(message, path)  # a restarted engine loads this file
+        self._since_full = 0
         self.last_push = PushStats(size, t1 - t0, load_s, time.perf_counter() - t0)
+
+    async def _load_changed(self, kept: dict[str, Any], changed: list[str]) -> float:
+        """The engines reload, from the kept file, every tensor of each vLLM layer that holds a
+        changed one (`_layer_of`: a layer given part of its tensors would be processed with
+        the rest unloaded); none changed: nothing to load."""
+        layers = {_layer_of(name) for name in changed}
+        index = [e for e in kept["index"] if _layer_of(e["name"]) in layers]
+        if not index:
+            return 0.0
+        return await self._load({"op": "load", "path": kept["path"], "index": index})
 
     def _keep_newest(self, message: dict[str, Any], held: Any) -> None:
         """Keeps the load ``message`` of the weights just pushed (and ``held``: its file,
@@ -474,6 +518,9 @@ class VLLMBackend:
             self._finish(engine, m["id"], m["tokens"], m["logprobs"], m["finish"])
         elif op == "paused":
             engine.paused = True
+        elif op == "digest" and engine.digest is not None:
+            digest, engine.digest = engine.digest, None
+            resolve_from_thread(digest.future, digest.loop, m["digests"])
         elif op in ("loaded", "failed") and engine.load is not None:
             load, engine.load = engine.load, None
             value = m["seconds"] if op == "loaded" else RuntimeError(m["message"])
@@ -585,6 +632,18 @@ class VLLMBackend:
         )
 
 
+def _layer_of(name: str) -> str:
+    """The vLLM layer an HF tensor name loads into: q/k/v into one attention projection,
+    gate/up into one MLP projection, every expert's into the layer's fused experts, any other
+    into the module it names."""
+    module = name.rsplit(".", 1)[0]
+    if ".mlp.experts." in module:
+        return module.split(".mlp.experts.")[0] + ".mlp.experts"
+    head, _, leaf = module.rpartition(".")
+    fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up"}
+    return f"{head}.{fused.get(leaf, 'gate_up' if leaf == 'up_proj' else leaf)}"
+
+
 def _release(held: Any) -> None:
     """Lets go of what kept a push's weights: its /dev/shm file or adapter folder (a CUDA IPC
     export is freed with its last reference)."""
@@ -613,6 +672,7 @@ def _build(spec: BackendBuild) -> VLLMBackend:
         weight_version=spec.version,
         seed=spec.seed,
         max_restarts=r.max_restarts,
+        full_every=r.push.full_every,
     )
 
 

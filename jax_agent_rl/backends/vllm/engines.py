@@ -77,6 +77,7 @@ class Engine:
         self.settings: dict[str, Any] = {}  # the engine's ``ready``: its args as vLLM took them
         self.calls: dict[str, Call] = {}
         self.load: Call | None = None
+        self.digest: Call | None = None  # a `weights_digest` waiting on it
         self.dead: str | None = None  # why its process exited, once it has
         self.restarts = 0  # engines that ran at this index before it
         self.paused = False

@@ -83,5 +83,48 @@ def map_tensors(path: str, index: list[dict[str, Any]]) -> Iterator[Any]:
         yield entry["name"], view[start : start + n], entry["dtype"], tuple(entry["shape"])
 
 
+def update_tensors(
+    path: Path, index: list[dict[str, Any]], tensors: Iterable[tuple[str, np.ndarray]]
+) -> tuple[list[str], int]:
+    """Writes into the file ``write_tensors`` wrote at ``path`` (its ``index``) the elements of
+    ``tensors`` whose bits differ from what it holds; returns the names of the tensors that
+    changed and the bytes written. ``tensors`` must be those of ``index``, in its order, each
+    of its dtype and shape, or a `ValueError` says which is not (before anything is written)."""
+    arrays = [(name, np.ascontiguousarray(array)) for name, array in tensors]
+    if len(arrays) != len(index):
+        raise ValueError(f"{len(arrays)} tensors for a file of {len(index)}")
+    for (name, array), entry in zip(arrays, index, strict=True):
+        if (name, array.dtype.name, list(array.shape)) != (
+            entry["name"],
+            entry["dtype"],
+            entry["shape"],
+        ):
+            raise ValueError(
+                f"tensor {name} {array.dtype.name}{list(array.shape)} where the file holds "
+                f"{entry['name']} {entry['dtype']}{entry['shape']}"
+            )
+    changed, written = [], 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        buffer = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    try:
+        for (name, array), entry in zip(arrays, index, strict=True):
+            bits = np.dtype(f"u{_itemsize(entry['dtype'])}")
+            new = array.reshape(-1).view(bits)
+            old = np.frombuffer(buffer, bits, new.size, entry["offset"])
+            differ = old != new
+            n = int(differ.sum())
+            if n:
+                old[differ] = new[differ]
+                changed.append(name)
+                written += n * bits.itemsize
+            del old  # (the map closes once no view of it is left)
+    finally:
+        buffer.close()
+    return changed, written
+
+
 def _itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize

@@ -21,6 +21,7 @@ from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
 from tests.processes import group_gone
+from tests.weights import sparse_step
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_LEN = 128
@@ -140,6 +141,52 @@ def test_an_engine_past_its_restarts_aborts_its_requests(checkpoint: Path) -> No
     finally:
         asyncio.run(backend.close())
     assert group_gone(pid)
+
+
+def test_delta_pushes_write_what_changed_and_serve_the_bits_of_a_whole_push(
+    checkpoint: Path,
+) -> None:
+    """``full_every=4``: 12 pushes of sparse steps (about 2% of the elements move), the 0th,
+    4th and 8th whole, the others written into the kept /dev/shm file as their changed
+    elements alone (under a tenth of a whole push's bytes), each engine reloading the layers
+    that changed; then a whole push of the last step: the engine's model state is bit for
+    bit the same, and it serves the same tokens and logprobs."""
+    _, weights = load_hf(checkpoint, sharder=one_device_sharder())
+    backend = VLLMBackend(
+        checkpoint,
+        ModelConfig.from_pretrained(checkpoint),
+        max_model_len=MAX_LEN,
+        max_num_seqs=4,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        full_every=4,
+    )
+    steps = [weights]
+    for seed in range(11):
+        steps.append(sparse_step(steps[-1], seed))
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+
+    async def scenario() -> None:
+        pushed = []
+        for version, step in enumerate(steps, start=1):
+            await backend.update_weights(step, version)
+            assert backend.last_push is not None
+            pushed.append(backend.last_push)
+        assert [p.delta for p in pushed] == [i % 4 != 0 for i in range(12)]
+        whole = pushed[0].bytes
+        assert all(0 < p.bytes < whole / 10 for p in pushed if p.delta), [p.bytes for p in pushed]
+        by_delta = await backend.generate(_req("by-delta", sampling))
+        bits_by_delta = await backend.weights_digest()
+        await backend.update_weights(steps[-1], 13)  # (the 12th push since the last whole)
+        assert backend.last_push is not None and not backend.last_push.delta
+        by_whole = await backend.generate(_req("by-whole", sampling))
+        assert await backend.weights_digest() == bits_by_delta
+        assert by_delta.token_ids == by_whole.token_ids
+        assert by_delta.logprobs == by_whole.logprobs
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(backend.close())
 
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
