@@ -28,10 +28,11 @@ leaves, final norm; the full model's bytes scale the per-layer figures by 28 / l
 seconds are those of the part). Adam's first step moves every weight by about lr, so at RL
 learning rates few move by a whole bf16 step; fp32 serving sees every one move.
 
-``--delta-run``: the same in a real run: `jarl train` of the demo config (its task written
-here, a short SFT warm start of ``--sft-steps``, then ``--steps`` GRPO steps) serving in bf16
-at each of ``--lrs`` with delta pushes on (``engine.push.full_every`` past the run), each
-step's pushed bytes (``push/bytes``) against a whole push of the same weights.
+``--delta-run``: the same in a real run: `jarl train` of the demo config on its smaller task
+(`jax_agent_rl.cli.demo.small_task`, the learning tests'), from ``--warm-start`` (the SFT'd
+demo model the learning tests start from), ``--steps`` GRPO steps serving in bf16 at each of
+``--lrs`` with delta pushes on (``engine.push.full_every`` past the run): each step's pushed
+bytes (``push/bytes``) against a whole push of the same weights.
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="--delta: 1.5B layers built")
     parser.add_argument("--delta-run", action="store_true", help="deltas in a real demo run")
     parser.add_argument("--steps", type=int, default=4, help="--delta-run: GRPO steps")
-    parser.add_argument("--sft-steps", type=int, default=100, help="--delta-run: SFT steps")
+    parser.add_argument(
+        "--warm-start",
+        default="tests/train/warm_starts/tiny",
+        help="--delta-run: the SFT'd demo model the run starts from (the learning tests')",
+    )
     args = parser.parse_args()
     if args.delta_run:
-        delta_run_bench([float(x) for x in args.lrs.split(",")], args.steps, args.sft_steps)
+        delta_run_bench([float(x) for x in args.lrs.split(",")], args.steps, args.warm_start)
         return
     if args.delta:
         delta_bench([float(x) for x in args.lrs.split(",")], args.layers)
@@ -274,34 +279,33 @@ def _delta_case(cfg: ModelConfig, before: Weights, after: Weights, per_layer: in
     }
 
 
-def delta_run_bench(lrs: list[float], steps: int, sft_steps: int) -> None:
+def delta_run_bench(lrs: list[float], steps: int, warm_start: str) -> None:
     """`--delta-run` (module docstring)."""
-    from jax_agent_rl.cli.demo import demo_config, prepare
-    from jax_agent_rl.data.arithmetic import ArithmeticTask
+    from jax_agent_rl.cli.demo import SMALL_OVERRIDES, demo_config, small_task
     from jax_agent_rl.models import request_cpu_devices
     from jax_agent_rl.train import train
     from jax_agent_rl.train.metrics import read_metrics
 
     request_cpu_devices(2)  # the demo's mesh (data=2), before JAX starts
-    figures: dict[str, Any] = {"steps": steps, "sft_steps": sft_steps, "serving": "bfloat16"}
+    figures: dict[str, Any] = {"steps": steps, "warm_start": warm_start, "serving": "bfloat16"}
     with tempfile.TemporaryDirectory() as tmp:
-        task = prepare(Path(tmp) / "task", ArithmeticTask(), n_train=64, n_val=8, n_sft=256)
-        _, weights = load_hf(task.model, sharder=one_device_sharder())
+        task = small_task(Path(tmp) / "task")
+        _, weights = load_hf(warm_start, sharder=one_device_sharder())
         whole = sum(int(x.size) for x in jax.tree.leaves(weights)) * 2  # bf16
         figures["whole_bytes"] = whole
         for lr in lrs:
             overrides = [
+                *SMALL_OVERRIDES, f"model.path={warm_start}", "sft.steps=0",
                 "model.dtype=bfloat16", f"optim.lr={lr}", f"engine.push.full_every={steps + 2}",
-                f"trainer.steps={steps}", f"sft.steps={sft_steps}", "data.val=",
-                "trainer.eval_every=0", f"trainer.save_every={steps}",
-                "trainer.tensorboard=false",
+                f"trainer.steps={steps}", "data.val=", "trainer.eval_every=0",
+                f"trainer.save_every={steps}",
             ]  # fmt: skip
             run_dir = train(demo_config(Path(tmp) / f"run-{lr:g}", task, overrides))
             rows = read_metrics(run_dir / "metrics.jsonl", "train")
             sent = [int(m["push/bytes"]) for m in rows]
             deltas = [b for b, m in zip(sent, rows, strict=True) if m["push/delta"] == 1.0]
             figures[f"lr{lr:g}"] = {
-                # (the run's first push is whole: the backend started on the SFT weights)
+                # (the run's first push is whole: the backend started on the warm start)
                 "bytes": sent,
                 "delta": [m["push/delta"] == 1.0 for m in rows],
                 "fewer_bytes": round(whole / statistics.median(deltas), 2) if deltas else 1.0,
