@@ -111,46 +111,16 @@ def test_sessions_stick_to_one_engine_and_a_killed_engine_comes_back_and_serves_
     assert group_gone(killed)  # vLLM's own children of the dead engine are reaped too
 
 
-def test_an_engine_past_its_restarts_aborts_its_requests(checkpoint: Path) -> None:
-    backend = VLLMBackend(
-        checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
-        max_restarts=0,
-    )
-    pid = backend.pids[0]
-    long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
-
-    async def scenario() -> list[GenerateResult]:
-        os.killpg(pid, signal.SIGSTOP)  # nothing finishes before the kill
-        tasks = [asyncio.create_task(backend.generate(_req(f"r{i}", long))) for i in range(2)]
-        while len(backend.in_flight()) < 2:
-            await asyncio.sleep(0)
-        os.killpg(pid, signal.SIGKILL)
-        return list(await asyncio.gather(*tasks))
-
-    try:
-        results = asyncio.run(scenario())
-        assert [r.finish_reason for r in results] == ["abort", "abort"]
-        assert backend.counters()["rollout/replica_deaths"] == 1.0
-        assert backend.counters()["rollout/replica_restarts"] == 0.0
-        with pytest.raises(RuntimeError, match="every vLLM engine has exited"):
-            asyncio.run(backend.generate(_req("after", GREEDY)))
-    finally:
-        asyncio.run(backend.close())
-    assert group_gone(pid)
-
-
-def test_delta_pushes_write_what_changed_and_serve_the_bits_of_a_whole_push(
+def test_delta_pushes_serve_the_bits_of_a_whole_push_and_an_engine_past_its_restarts_aborts(
     checkpoint: Path,
 ) -> None:
     """``full_every=4``: 12 pushes of sparse steps (about 2% of the elements move), the 0th,
     4th and 8th whole, the others written into the kept /dev/shm file as their changed
     elements alone (under a tenth of a whole push's bytes), each engine reloading the layers
     that changed; then a whole push of the last step: the engine's model state is bit for
-    bit the same, and it serves the same tokens and logprobs."""
+    bit the same, and it serves the same tokens and logprobs. Then (``max_restarts=0``, the
+    same engine for the time a start takes) the engine is killed with requests in flight:
+    they end aborted, and later requests raise."""
     _, weights = load_hf(checkpoint, sharder=one_device_sharder())
     backend = VLLMBackend(
         checkpoint,
@@ -159,7 +129,9 @@ def test_delta_pushes_write_what_changed_and_serve_the_bits_of_a_whole_push(
         max_num_seqs=4,
         kv_cache_bytes=KV_CACHE_BYTES,
         full_every=4,
+        max_restarts=0,
     )
+    pid = backend.pids[0]
     steps = [weights]
     for seed in range(11):
         steps.append(sparse_step(steps[-1], seed))
@@ -183,10 +155,26 @@ def test_delta_pushes_write_what_changed_and_serve_the_bits_of_a_whole_push(
         assert by_delta.token_ids == by_whole.token_ids
         assert by_delta.logprobs == by_whole.logprobs
 
+    async def killed() -> list[GenerateResult]:
+        os.killpg(pid, signal.SIGSTOP)  # nothing finishes before the kill
+        long = SamplingParams(max_tokens=120, temperature=1.0, seed=1)
+        tasks = [asyncio.create_task(backend.generate(_req(f"r{i}", long))) for i in range(2)]
+        while len(backend.in_flight()) < 2:
+            await asyncio.sleep(0)
+        os.killpg(pid, signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
     try:
         asyncio.run(scenario())
+        results = asyncio.run(killed())
+        assert [r.finish_reason for r in results] == ["abort", "abort"]
+        assert backend.counters()["rollout/replica_deaths"] == 1.0
+        assert backend.counters()["rollout/replica_restarts"] == 0.0
+        with pytest.raises(RuntimeError, match="every vLLM engine has exited"):
+            asyncio.run(backend.generate(_req("after", GREEDY)))
     finally:
         asyncio.run(backend.close())
+    assert group_gone(pid)
 
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
