@@ -3,6 +3,9 @@
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+from jax_agent_rl.train.metrics import read_metrics
 
 
 def group_gone(pid: int, wait_s: float = 30.0) -> bool:
@@ -31,3 +34,20 @@ def children() -> set[int]:
         if int(fields[1]) == os.getpid():
             found.add(int(stat.parent.name))
     return found
+
+
+def trained_through_one_restart(run_dir: Path) -> list[dict[str, Any]]:
+    """The train metrics of a 2-step run (2 prompts x 4 samples a step) whose engine died once
+    in step 1's rollout, checked: the death, the restart and the requests sent again counted
+    in step 1, nothing in step 2, and every step trained all 8 episodes, none aborted, failed
+    or left out."""
+    steps = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert len(steps) == 2
+    first, second = steps
+    assert first["rollout/replica_deaths"] == first["rollout/replica_restarts"] == 1
+    assert first["rollout/requests_requeued"] >= 1
+    assert second["rollout/replica_deaths"] == second["rollout/requests_requeued"] == 0
+    for m in steps:
+        assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
+        assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+    return steps

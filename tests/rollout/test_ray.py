@@ -27,7 +27,7 @@ from jax_agent_rl.cluster.ray import connect
 from jax_agent_rl.config import EngineSection, RaySection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.models import load_hf
+from jax_agent_rl.models import ModelConfig, Weights, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer
@@ -147,11 +147,8 @@ def _dying_replica(name: str, on_request: int) -> type:
     return DyingReplica
 
 
-def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights(
-    cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # replica 1 serves 4 of each batch of 8 (below): it dies as its second batch comes
-    monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-1.0", on_request=6))
+def _tiny_pool(cluster: object, tmp_path: Path) -> tuple[RayPool, ModelConfig, Weights]:
+    """Two replicas of the tiny model, one on each node, and the model they serve."""
     path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
     cfg, weights = load_hf(path, sharder=one_device_sharder())
     engine = EngineSection(
@@ -160,11 +157,18 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
         ray=_spread(cluster.address),  # type: ignore[attr-defined]
         warmup=False,
     )
-    pool = RayPool(
-        BackendBuild(
-            engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
-        )
+    build = BackendBuild(
+        engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
     )
+    return RayPool(build), cfg, weights
+
+
+def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights(
+    cluster: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # replica 1 serves 4 of each batch of 8 (below): it dies as its second batch comes
+    monkeypatch.setattr(ray_pool, "Replica", _dying_replica("jarl-replica-1.0", on_request=6))
+    pool, _, weights = _tiny_pool(cluster, tmp_path)
 
     async def scenario() -> None:
         assert len(set(pool.nodes)) == 2  # one replica on each node
@@ -220,19 +224,7 @@ def test_delta_pushes_reach_every_replica_and_a_restarted_one_serves_the_same_bi
     (its bytes a fraction of the weights'). Replica 1 is killed: it restarts from the last
     whole weights and applies the 3 deltas in order, and then serves bit for bit the weights
     replica 0 serves, which are those a whole push of the last weights gives."""
-    path = write_hf_checkpoint(tmp_path / "tiny", TINY_QWEN2)
-    cfg, weights = load_hf(path, sharder=one_device_sharder())
-    engine = EngineSection(
-        max_concurrent=4,
-        max_model_len=128,
-        ray=_spread(cluster.address),  # type: ignore[attr-defined]
-        warmup=False,
-    )
-    pool = RayPool(
-        BackendBuild(
-            engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
-        )
-    )
+    pool, cfg, weights = _tiny_pool(cluster, tmp_path)
     steps = [weights]
     for seed in range(4):
         steps.append(sparse_step(steps[-1], seed))

@@ -19,8 +19,8 @@ from jax_agent_rl.backends.jetstream.client import JetStreamBackend
 from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, demo_config, prepare
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.train import train
-from jax_agent_rl.train.metrics import read_metrics
 from jax_agent_rl.train.traces import read_traces
+from tests.processes import trained_through_one_restart
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -95,15 +95,7 @@ def test_a_run_completes_when_its_jetstream_server_is_killed_mid_step(
     )  # fmt: skip
     run_dir = train(cfg)
     assert len(killed) == 1
-    steps = read_metrics(run_dir / "metrics.jsonl", "train")
-    assert len(steps) == 2
-    first, second = steps
-    assert first["rollout/replica_deaths"] == first["rollout/replica_restarts"] == 1
-    assert first["rollout/requests_requeued"] >= 1
-    assert second["rollout/replica_deaths"] == second["rollout/requests_requeued"] == 0
-    for m in steps:
-        assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
-        assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+    trained_through_one_restart(run_dir)
     for step in (1, 2):  # the restarted server served the weights of version 0, then 1
         traces = read_traces(run_dir / "traces.jsonl", step)
         assert traces and all(set(t["weight_versions"]) == {step - 1} for t in traces)

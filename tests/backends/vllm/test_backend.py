@@ -20,12 +20,12 @@ from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
+from tests.backends.vllm import tiny_engines
 from tests.processes import group_gone
 from tests.weights import sparse_step
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_LEN = 128
-KV_CACHE_BYTES = 32 * 2**20  # fixed and small: no dependence on the machine's free RAM
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -36,15 +36,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def two_engines(checkpoint: Path) -> Iterator[VLLMBackend]:
-    backend = VLLMBackend(
-        checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
-        replicas=2,
-        devices=["1", "0"],  # engine i sees only devices[i]
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
-    )
+    # engine i sees only devices[i]
+    backend = tiny_engines(checkpoint, MAX_LEN, replicas=2, devices=["1", "0"])
     try:
         yield backend
     finally:
@@ -122,12 +115,9 @@ def test_delta_pushes_serve_the_bits_of_a_whole_push_and_an_engine_past_its_rest
     same engine for the time a start takes) the engine is killed with requests in flight:
     they end aborted, and later requests raise."""
     _, weights = load_hf(checkpoint, sharder=one_device_sharder())
-    backend = VLLMBackend(
+    backend = tiny_engines(
         checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
+        MAX_LEN,
         full_every=4,
         max_restarts=0,
     )
@@ -179,12 +169,10 @@ def test_delta_pushes_serve_the_bits_of_a_whole_push_and_an_engine_past_its_rest
 
 def test_missing_interpreter_names_the_fix(checkpoint: Path, tmp_path: Path) -> None:
     with pytest.raises(EngineStartError, match=r"scripts/setup.sh vllm"):
-        VLLMBackend(
+        tiny_engines(
             checkpoint,
-            ModelConfig.from_pretrained(checkpoint),
+            MAX_LEN,
             python=tmp_path / "no-venv" / "bin" / "python",
-            max_model_len=MAX_LEN,
-            max_num_seqs=4,
         )
 
 
@@ -217,12 +205,10 @@ def test_interpreter_without_the_engine_distribution_names_the_fix(
 ) -> None:
     python = _venv(tmp_path / "bare")
     with pytest.raises(EngineStartError, match=r"has no jarl-gpu-backend.*scripts/setup.sh vllm"):
-        VLLMBackend(
+        tiny_engines(
             checkpoint,
-            ModelConfig.from_pretrained(checkpoint),
+            MAX_LEN,
             python=python,
-            max_model_len=MAX_LEN,
-            max_num_seqs=4,
         )
 
 
@@ -230,12 +216,10 @@ def test_interpreter_without_vllm_names_the_fix(checkpoint: Path, tmp_path: Path
     # the engine's distribution and this process's packages (numpy, for the wire), no vLLM
     python = _venv(tmp_path / "no-vllm", ROOT / "gpu_backend", Path(sysconfig.get_path("purelib")))
     with pytest.raises(EngineStartError, match=r"vLLM is not importable.*scripts/setup.sh vllm"):
-        VLLMBackend(
+        tiny_engines(
             checkpoint,
-            ModelConfig.from_pretrained(checkpoint),
+            MAX_LEN,
             python=python,
-            max_model_len=MAX_LEN,
-            max_num_seqs=4,
         )
 
 
@@ -248,14 +232,7 @@ def test_checkpoint_vllm_cannot_load_fails_with_its_reason(
     data = (checkpoint / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a cut-off download
     with pytest.raises(EngineStartError, match="vLLM engine failed") as error:
-        VLLMBackend(
-            broken,
-            ModelConfig.from_pretrained(checkpoint),
-            max_model_len=MAX_LEN,
-            max_num_seqs=4,
-            kv_cache_bytes=KV_CACHE_BYTES,
-            startup_timeout_s=600,
-        )
+        tiny_engines(broken, MAX_LEN, startup_timeout_s=600)
     assert "safetensors" in str(error.value).lower()
 
 
@@ -285,13 +262,10 @@ def test_tensor_parallel_engine_takes_the_setting_and_matches_the_learner(
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("tensor parallelism on CPU needs two cores")
-    backend = VLLMBackend(
+    backend = tiny_engines(
         checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
+        MAX_LEN,
         tensor_parallel_size=2,
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
     )
     try:
         assert [s["tensor_parallel_size"] for s in backend.engine_settings()] == [2]

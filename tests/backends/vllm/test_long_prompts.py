@@ -10,15 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_agent_rl.backends.vllm.backend import VLLMBackend
-from jax_agent_rl.models import ModelConfig
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.rollout import GenerateRequest, GenerateResult, SamplingParams
+from tests.backends.vllm import tiny_engines
 from tests.processes import group_gone
 
 MAX_LEN = 4096
 LONG_PROMPT = 3000  # over vLLM's default step budget of 2048 tokens
-KV_CACHE_BYTES = 32 * 2**20  # tiny model: 2 KiB per token, room for several whole sequences
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +33,9 @@ def test_seeded_long_prompt_beside_a_short_one(checkpoint: Path) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
         return GenerateRequest(rid, prompt, sampling)
 
-    backend = VLLMBackend(
+    backend = tiny_engines(
         checkpoint,
-        ModelConfig.from_pretrained(checkpoint),
-        max_model_len=MAX_LEN,
-        max_num_seqs=4,
-        kv_cache_bytes=KV_CACHE_BYTES,
+        MAX_LEN,
     )
 
     async def scenario() -> tuple[GenerateResult, GenerateResult, GenerateResult, GenerateResult]:
