@@ -29,7 +29,8 @@ _TRADE = {"tensor": "fsdp", "fsdp": "data"}
 
 def processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
     """A multi-process run splits each step's prompts, and each micro-batch's rows (the
-    mesh's data x fsdp devices), evenly over the processes."""
+    mesh's data x fsdp devices), evenly over the processes; it trains synchronously, on its
+    processes' own engines, and pushes whole weights."""
     if processes == 1:
         return []
     problems = []
@@ -42,6 +43,12 @@ def processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
         problems.append(
             f"engine.ray.address={cfg.engine.ray.address!r} serves one process's rollouts; "
             f"{processes} processes each roll out on their own engines (engine.ray.address=)"
+        )
+    if cfg.engine.push.full_every > 1:
+        problems.append(
+            f"engine.push.full_every={cfg.engine.push.full_every}: delta pushes run in one "
+            "process (the kept copy of the served weights sits on one of its devices); "
+            f"{processes} processes push whole (engine.push.full_every=1)"
         )
     prompts = cfg.data.prompts_per_step
     if prompts % processes:

@@ -696,7 +696,8 @@ def test_a_multi_process_run_is_checked_over_every_process(
 ) -> None:
     """``--dry-run`` with the multi-process flags joins no one, and counts the devices of
     every process as this one's; the prompts and the mesh's data x fsdp rows must split over
-    the processes; a process group missing a flag is refused before anything loads."""
+    the processes, and delta pushes are one process's; a process group missing a flag is
+    refused before anything loads."""
     two = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
     base = ["train", str(files.config), "trainer.run_dir=/nonexistent/run"]
     # this test process has 8 devices, so 2 such processes have 16
@@ -704,8 +705,10 @@ def test_a_multi_process_run_is_checked_over_every_process(
     assert main([*base, *fits, "learner.micro_batch_size=16", "--dry-run", *two]) == 0
     capsys.readouterr()
     odd = ["mesh.fsdp=3", "learner.micro_batch_size=3", "engine.max_concurrent=3"]
+    odd += ["engine.push.full_every=4"]
     assert main([*base, *odd, "data.prompts_per_step=3", "--dry-run", *two]) == 2
     err = capsys.readouterr().err
+    assert "jarl: engine.push.full_every=4: delta pushes run in one process" in err
     assert "jarl: data.prompts_per_step=3 does not split over 2 processes" in err
     assert "jarl: mesh.data x mesh.fsdp = 3 devices do not split over 2 processes" in err
     assert "= 3 devices, but the 2 processes have 16: a multi-process mesh spans every" in err
