@@ -27,6 +27,11 @@ its error and the check goes on. Steps, in order:
                         Qwen3-MoE on the GPU
     sampler_vs_learner  tests/rl/test_learner.py's test_learner_logprobs_equal_the_samplers
                         (the engine's sampled logprobs against the learner's recomputation)
+    cuda_push           the vLLM backend's weight transport as it decides here (the
+                        learner's weights on the first GPU, an engine that inherits the
+                        devices: CUDA IPC) and bench/cuda_push_check.py (Qwen2.5-1.5B's
+                        shape in bf16 sent by one CUDA IPC handle to a torch process, every
+                        tensor hashed on both sides; the dry run: a tiny model via /dev/shm)
     learner_step        the learner's RL step (`Learner.rl_update`) at Qwen2.5-1.5B's shape,
                         random init, bf16 compute, one packed row of 8192 tokens per
                         micro-batch, remat: tokens/s and MFU
@@ -316,6 +321,7 @@ STEPS = (
         100,
         ("tests/rl/test_learner.py", "-k", "test_learner_logprobs_equal_the_samplers"),
     ),
+    Step("cuda_push", 90),
     Step("learner_step", 180),
     Step("decode", 200),
 )
@@ -686,9 +692,30 @@ def _decode_step(dry: bool, profile: Profiler) -> dict[str, Any]:
     return out
 
 
+def _cuda_push_step(dry: bool, profile: Profiler) -> dict[str, Any]:
+    """`STEPS`' cuda_push (module docstring): the transport's decision, then the check."""
+    del profile  # (a transfer between processes: no program of this one to profile)
+    import jax.numpy as jnp
+
+    from jax_agent_rl.backends.vllm import cuda_ipc
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    transport, why = cuda_ipc.push_transport(cuda_ipc.learner_gpus([jnp.zeros(1)], visible), [""])
+    check = [sys.executable, str(ROOT / "bench" / "cuda_push_check.py")]
+    done = subprocess.run(
+        check + (["--dry-run"] if dry else []), capture_output=True, text=True, check=False
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        tail = " / ".join((done.stderr.strip().splitlines() or lines or [""])[-3:])
+        raise RuntimeError(f"bench/cuda_push_check.py exited {done.returncode}: {tail}")
+    return {"transport": transport, "why": why, **json.loads(lines[-1])["cuda_push_check"]}
+
+
 STEP_FUNCTIONS: dict[str, Callable[[bool, Profiler], dict[str, Any]]] = {
     "device": _device_step,
     "paged_attention": _paged_attention_step,
+    "cuda_push": _cuda_push_step,
     "learner_step": _learner_step,
     "decode": _decode_step,
 }

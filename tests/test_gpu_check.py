@@ -47,6 +47,8 @@ def test_dry_run_passes_every_step(tmp_path: Path) -> None:
     assert steps["moe_parity"]["collected"] == 9
     assert steps["sampler_vs_learner"]["collected"] == 4
     assert steps["paged_attention"]["max_err_over_bound"] <= 1.0
+    # on CPU the push's weights sit on no GPU: /dev/shm, and every tensor arrives bit for bit
+    assert steps["cuda_push"]["transport"] == "shm" and steps["cuda_push"]["equal"]
     assert steps["learner_step"]["compiles_in_timed_steps"] == 0
     assert isinstance(steps["decode"]["b2"]["decode_tokens_per_s"], float)
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == summary
