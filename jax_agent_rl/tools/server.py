@@ -57,6 +57,10 @@ def serve(
     asking too) or requests in progress, uvicorn answers a new request 503. Request bodies
     held in memory are thus at most ``max_connections x max_body_bytes``.
 
+    A client that takes no answer (its reads stopped, the server's writes paused) for
+    ``body_timeout_s`` loses its connection, as on the Unix socket: 7 that never read held
+    every slot, and /health at 503, for as long as they stayed.
+
     What this cannot bound: uvicorn has no timeout for a request's headers, nor for a
     connection that never sends a first request, so a client that opens connections and
     sends their headers a byte at a time holds each until it gives up; enough of them fill
@@ -84,13 +88,20 @@ def serve(
         raise
     if announce is not None:
         announce()
-    uvicorn.Server(server_config(app, host, port, max_connections)).run()
+    write_timeout_s = settings.get("body_timeout_s", ToolServerSection.body_timeout_s)
+    uvicorn.Server(server_config(app, host, port, max_connections, write_timeout_s)).run()
 
 
 def server_config(
-    app: ASGIApp, host: str, port: int, max_connections: int = ToolServerSection.max_connections
+    app: ASGIApp,
+    host: str,
+    port: int,
+    max_connections: int = ToolServerSection.max_connections,
+    write_timeout_s: float = ToolServerSection.body_timeout_s,
 ) -> uvicorn.Config:
-    """How `serve` (and a tool server in a Ray actor) runs ``app`` under uvicorn."""
+    """How `serve` (and a tool server in a Ray actor) runs ``app`` under uvicorn: a
+    connection whose client leaves the server's writes paused ``write_timeout_s`` is
+    dropped (`_write_timeout`)."""
     import uvicorn
 
     return uvicorn.Config(
@@ -103,9 +114,42 @@ def server_config(
         # httptools 8 s of the one event loop, quadratic in its pieces) and keeps a chunked
         # body's trailers out of the headers (httptools appended 16,000 of them after
         # `BodyLimit` had counted: 10 s of FastAPI's scans)
-        http="h11",
+        http=_write_timeout(write_timeout_s),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=max_connections,
     )
+
+
+def _write_timeout(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, whose connection is dropped (aborted) once its writes have
+    stayed paused for ``seconds``: the client reads nothing (its buffers and ours are full).
+    uvicorn has no write timeout: the response's writer waited on such a client for good,
+    holding a connection and a task of ``limit_concurrency``. The writer left waiting is
+    woken once the connection is lost, and finds the client gone."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class WriteTimeoutH11(H11Protocol):
+        _stalled: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(seconds, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            self._unstall()
+            super().resume_writing()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._unstall()
+            super().connection_lost(exc)
+            self.flow.resume_writing()  # a writer waiting on the client wakes to its absence
+
+        def _unstall(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
+
+    return WriteTimeoutH11

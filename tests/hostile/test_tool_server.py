@@ -25,6 +25,7 @@ import hmac
 import json
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,33 @@ def test_requests_past_the_connection_limit_get_503(tmp_path: Path) -> None:
             held.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert held.recv(4096).startswith(b"HTTP/1.1 200 ")  # answered, and kept open
             assert httpx.get(url + "/health").status_code == 503  # a second connection: full
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_http_client_that_takes_no_answer_loses_its_connection(tmp_path: Path) -> None:
+    """A client that pipelined requests and read none of the answers held its connection for
+    good (uvicorn waits on a paused write with no deadline): such clients filled the
+    connection limit, and /health answered 503 for as long as they stayed. Writes paused past
+    the body timeout drop the connection."""
+    proc, url = start_server(tmp_path, "--max-connections", "2", "--body-timeout", "1")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        hog = socket.socket()
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting)
+        hog.connect(("127.0.0.1", port))
+        # 20,000 requests, their answers (~3 MB) never read: the server's writes pause
+        hog.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 20_000)
+        # while the hog holds the other slot, /health is 503; until the server dropped it
+        answered = []
+        for _ in range(600):  # (a bound, not a wait)
+            answered.append(httpx.get(url + "/health").status_code)
+            if answered[-1] == 200:
+                break
+            time.sleep(0.05)
+        hog.close()
+        assert answered[-1] == 200, answered[-5:]
     finally:
         proc.kill()
         proc.wait()
