@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_agent_rl.train.metrics import read_metrics
+from jax_agent_rl.train.traces import read_traces
 
 
 def group_gone(pid: int, wait_s: float = 30.0) -> bool:
@@ -39,8 +40,9 @@ def children() -> set[int]:
 def trained_through_one_restart(run_dir: Path) -> list[dict[str, Any]]:
     """The train metrics of a 2-step run (2 prompts x 4 samples a step) whose engine died once
     in step 1's rollout, checked: the death, the restart and the requests sent again counted
-    in step 1, nothing in step 2, and every step trained all 8 episodes, none aborted, failed
-    or left out."""
+    in step 1, nothing in step 2, every step trained all 8 episodes, none aborted, failed or
+    left out, and step 1's traces (all 8: ``trainer.traces_per_step=8``) mark the requests
+    sent again."""
     steps = read_metrics(run_dir / "metrics.jsonl", "train")
     assert len(steps) == 2
     first, second = steps
@@ -50,4 +52,7 @@ def trained_through_one_restart(run_dir: Path) -> list[dict[str, Any]]:
     for m in steps:
         assert m["batch/trajectories"] == 8  # 2 prompts x 4 samples: none lost
         assert m["stop/aborted"] == m["stop/agent_error"] == m["untrainable"] == 0.0
+    # the trajectories whose requests were sent again say so in their traces
+    marked = [t["resent_requests"] for t in read_traces(run_dir / "traces.jsonl", 1)]
+    assert sum(marked) >= 1 and all(m >= 0 for m in marked)
     return steps

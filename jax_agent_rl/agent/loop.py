@@ -136,6 +136,7 @@ async def _generate(ctx: AgentContext, traj: Trajectory, turn_tokens: int) -> tu
         experts = None if experts is None else experts[:kept]
         versions, kv = (None if x is None else x[:kept] for x in (versions, kv))
     traj.add_sample(tokens, logprobs, result.weight_version, experts, versions, kv)
+    traj.resent_requests += result.resent
     return tokens, finish
 
 

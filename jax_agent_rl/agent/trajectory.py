@@ -115,6 +115,9 @@ class Trajectory:
     num_turns: int = 0
     stop_reason: StopReason = "eos"
     weight_versions: list[int] = dataclasses.field(default_factory=list)
+    # its requests sent again from their prompts after the engine serving them died (summed
+    # `GenerateResult.resent`): marked in its trace
+    resent_requests: int = 0
     messages: list[Message] = dataclasses.field(default_factory=list)
     # the calls its turns answered: run, or answered without running (each also a tool error):
     # malformed, or refused (well-formed, past the turn's agent.max_tool_calls_per_turn)

@@ -124,7 +124,10 @@ class GenerateResult:
     rest under later ones, over keys and values of earlier ones: ``token_versions`` holds,
     per token, the version that sampled it, and ``kv_versions`` the oldest version that
     computed a key or value it was sampled over (the token's KV version range runs from that
-    one to its own). None: ``weight_version`` for every token."""
+    one to its own). None: ``weight_version`` for every token.
+
+    ``resent``: how many times the request was sent again from its prompt because the engine
+    serving it died (a backend that restarts its engines); the tokens are the last sending's."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
@@ -133,6 +136,7 @@ class GenerateResult:
     expert_ids: np.ndarray | None = dataclasses.field(default=None, compare=False)
     token_versions: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
     kv_versions: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+    resent: int = dataclasses.field(default=0, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -303,7 +303,7 @@ class RayPool:
 
     async def _serve(self, request: GenerateRequest, ticket: Ticket) -> GenerateResult:
         """``request`` on a live replica, again on another while its replica dies under it."""
-        rid = request.request_id
+        rid, resent = request.request_id, 0
         while True:
             slot = await self._pick(request)
             if ticket.aborted:  # while no replica was live
@@ -322,13 +322,14 @@ class RayPool:
                     self._aborted.discard(rid)
                     return GenerateResult((), None, "abort", self._gate.version)
                 self._counts["requests_requeued"] += 1
+                resent += 1
                 continue
             finally:
                 slot.in_flight -= 1
                 self._where.pop(rid, None)
             self._aborted.discard(rid)
             self._sessions.remember(request.session_id, slot.index)
-            return result
+            return dataclasses.replace(result, resent=resent) if resent else result
 
     def _lost(self, slot: _Slot, generation: int) -> None:
         """The replica of ``slot`` (its ``generation``) died: count it once, restart it."""

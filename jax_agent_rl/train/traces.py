@@ -94,6 +94,8 @@ def trace_record(
         "turn_rewards": [float(r) for r in traj.turn_rewards],
         "env_reward": traj.env_reward,
         "weight_versions": [int(v) for v in traj.weight_versions],
+        # requests sent again from their prompts after their engine died (its restart)
+        "resent_requests": int(traj.resent_requests),
         "messages": [dict(m) for m in traj.messages],
         "prompt_ids": [int(t) for t in traj.prompt_ids],
         "response_ids": [int(t) for t in traj.response_ids],

@@ -298,14 +298,14 @@ class JetStreamBackend:
             if not await self._gate.admit(ticket):
                 return self._result([], "abort", self._gate.version)  # aborted meanwhile
             try:
-                tokens, finish = await loop.run_in_executor(
+                tokens, finish, resent = await loop.run_in_executor(
                     self._pool, self._stream, request, ticket
                 )
             except RuntimeError:  # the pool was shut down: the backend closed meanwhile
                 if not self._gate.closed:
                     raise
-                tokens, finish = [], "abort"
-            return self._result(tokens, finish, ticket.version)
+                tokens, finish, resent = [], "abort", 0
+            return self._result(tokens, finish, ticket.version, resent)
         except asyncio.CancelledError:
             await self.abort(rid)  # while the call is still known: its stream is cancelled
             raise
@@ -393,16 +393,21 @@ class JetStreamBackend:
         for rpc in rpcs:
             rpc.cancel()
 
-    def _stream(self, request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason]:
+    def _stream(
+        self, request: GenerateRequest, ticket: Ticket
+    ) -> tuple[list[int], FinishReason, int]:
         """Runs on a pool thread: the request's stream, until its stop id, its budget, its
-        end, an abort or the server's death; sent again whole to a server started again."""
+        end, an abort or the server's death; sent again whole to a server started again (how
+        many times: the third of what it returns)."""
+        resent = 0
         while True:
             generation = self._generation
             tokens, finish = self._attempt(request, ticket)
             if finish is not None:
-                return tokens, finish
+                return tokens, finish, resent
             if not self._came_back(generation):
-                return tokens, "abort"
+                return tokens, "abort", resent
+            resent += 1
             with self._lock:
                 self._counts["requests_requeued"] += 1
 
@@ -650,12 +655,15 @@ class JetStreamBackend:
         self.server.stop(timeout_s)
         self._pool.shutdown(wait=True)
 
-    def _result(self, tokens: list[int], finish: FinishReason, version: int) -> GenerateResult:
+    def _result(
+        self, tokens: list[int], finish: FinishReason, version: int, resent: int = 0
+    ) -> GenerateResult:
         return GenerateResult(
             token_ids=tuple(tokens),
             logprobs=None,
             finish_reason=finish,
             weight_version=version if tokens else self._gate.version,
+            resent=resent,
         )
 
 

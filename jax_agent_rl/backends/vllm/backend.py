@@ -579,7 +579,7 @@ class VLLMBackend:
                             raise RuntimeError("the backend closed during a restart")
                         engine.calls = dead.calls  # (those registered meanwhile too)
                         self._engines[index] = engine
-                        again = [c.request for c in engine.calls.values()]
+                        again = list(engine.calls.values())
                         self._counts["replica_restarts"] += 1
                         self._counts["requests_requeued"] += len(again)
             except Exception:
@@ -596,9 +596,10 @@ class VLLMBackend:
                 for rid in orphans:
                     self._finish(dead, rid, [], [], "abort")
                 return
-            for request in again:
-                assert request is not None
-                engine.send(self._message(request))  # one that died meanwhile: `_on_exit`
+            for call in again:
+                assert call.request is not None
+                call.resent += 1
+                engine.send(self._message(call.request))  # one that died meanwhile: `_on_exit`
             return
 
     def _finish(
@@ -629,6 +630,7 @@ class VLLMBackend:
             logprobs=tuple(logprobs or ()) if want else None,
             finish_reason=finish,
             weight_version=call.version if tokens else self._gate.version,
+            resent=call.resent,
         )
 
 

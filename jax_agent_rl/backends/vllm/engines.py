@@ -49,6 +49,7 @@ class Call:
     loop: asyncio.AbstractEventLoop
     request: GenerateRequest | None = None
     version: int = 0
+    resent: int = 0  # times sent again, to its engine started again
 
 
 def _messages(out: IO[bytes]) -> Iterator[dict[str, Any]]:

@@ -175,6 +175,7 @@ def test_a_killed_server_comes_back_with_the_newest_weights_and_serves_what_was_
     assert [r.token_ids for r in after] == [r.token_ids for r in before]
     assert [r.finish_reason for r in after] == ["length"] * 6
     assert {r.weight_version for r in after} == {1}
+    assert [r.resent for r in after] == [1] * 6  # (marked in a trajectory's trace)
     counted = backend.counters()
     assert counted["rollout/replica_deaths"] == counted["rollout/replica_restarts"] == 1
     assert counted["rollout/requests_requeued"] == 6

@@ -90,7 +90,7 @@ def test_a_run_completes_when_its_jetstream_server_is_killed_mid_step(
             "data.prompts_per_step=2", "group.n=4", "engine.max_model_len=128",
             "engine.max_concurrent=8", "engine.warmup=false", "agent.max_response_tokens=64",
             "learner.micro_batch_size=8", "trainer.steps=2", "trainer.eval_every=0",
-            "trainer.tensorboard=false",
+            "trainer.tensorboard=false", "trainer.traces_per_step=8",
         ],
     )  # fmt: skip
     run_dir = train(cfg)

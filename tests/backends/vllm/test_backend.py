@@ -93,6 +93,7 @@ def test_sessions_stick_to_one_engine_and_a_killed_engine_comes_back_and_serves_
     assert [r.finish_reason for r in done] == ["length"] * 4
     assert len({r.token_ids for r in done}) == 1 and len(done[0].token_ids) == 120
     assert {r.weight_version for r in done} == {1}
+    assert [r.resent for r in done] == [1, 0, 1, 0]  # (marked in a trajectory's trace)
     assert backend.counters() == {
         "rollout/replica_deaths": 1.0,
         "rollout/replica_restarts": 1.0,

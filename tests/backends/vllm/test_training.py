@@ -88,6 +88,7 @@ def test_the_demo_trains_with_vllm_rollouts_through_a_killed_engine(
             "engine.max_model_len=128", "engine.max_concurrent=8",
             "agent.max_response_tokens=64", "learner.micro_batch_size=8", "trainer.steps=2",
             "trainer.eval_every=0", "trainer.save_every=2", "trainer.tensorboard=false",
+            "trainer.traces_per_step=8",
         ],
     )  # fmt: skip
     run_dir = train(cfg)
