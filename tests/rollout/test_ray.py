@@ -183,6 +183,8 @@ def test_a_killed_replica_has_its_requests_rerun_and_comes_back_with_new_weights
         counted = pool.counters()
         assert counted["rollout/replica_deaths"] == 1
         assert counted["rollout/requests_requeued"] >= 1
+        # each result says how often it was sent again (marked in its trajectory's trace)
+        assert sum(r.resent for r in after) == counted["rollout/requests_requeued"]
         # nothing lost: every request finished, with the tokens it samples anywhere
         assert [r.token_ids for r in after] == [r.token_ids for r in before]
         assert all(r.finish_reason == "length" for r in after)
