@@ -108,18 +108,18 @@ def test_sessions_stick_to_one_engine_and_a_killed_engine_comes_back_and_serves_
 def test_delta_pushes_serve_the_bits_of_a_whole_push_and_an_engine_past_its_restarts_aborts(
     checkpoint: Path,
 ) -> None:
-    """``full_every=4``: 12 pushes of sparse steps (about 2% of the elements move), the 0th,
-    4th and 8th whole, the others written into the kept /dev/shm file as their changed
-    elements alone (under a tenth of a whole push's bytes), each engine reloading the layers
-    that changed; then a whole push of the last step: the engine's model state is bit for
-    bit the same, and it serves the same tokens and logprobs. Then (``max_restarts=0``, the
-    same engine for the time a start takes) the engine is killed with requests in flight:
-    they end aborted, and later requests raise."""
+    """``full_every=12``: 12 pushes of sparse steps (about 2% of the elements move), the first
+    whole, the 11 others written into the kept /dev/shm file as their changed elements alone
+    (under a tenth of a whole push's bytes), each engine reloading the layers that changed;
+    then the 12th push since the whole one, of the last step, is whole: the engine's model
+    state is bit for bit the same, and it serves the same tokens and logprobs. Then
+    (``max_restarts=0``, the same engine for the time a start takes) the engine is killed
+    with requests in flight: they end aborted, and later requests raise."""
     _, weights = load_hf(checkpoint, sharder=one_device_sharder())
     backend = tiny_engines(
         checkpoint,
         MAX_LEN,
-        full_every=4,
+        full_every=12,
         max_restarts=0,
     )
     pid = backend.pids[0]
@@ -134,7 +134,7 @@ def test_delta_pushes_serve_the_bits_of_a_whole_push_and_an_engine_past_its_rest
             await backend.update_weights(step, version)
             assert backend.last_push is not None
             pushed.append(backend.last_push)
-        assert [p.delta for p in pushed] == [i % 4 != 0 for i in range(12)]
+        assert [p.delta for p in pushed] == [i != 0 for i in range(12)]
         whole = pushed[0].bytes
         assert all(0 < p.bytes < whole / 10 for p in pushed if p.delta), [p.bytes for p in pushed]
         by_delta = await backend.generate(_req("by-delta", sampling))
