@@ -532,7 +532,9 @@ class VLLMBackend:
         reason = f"exit code {code}"
         with self._lock:
             engine.dead = reason
-            serving = self._engines[engine.index] is engine and not self._gate.closed
+            index = engine.index  # (one dying as the backend starts may not be listed yet)
+            listed = index < len(self._engines) and self._engines[index] is engine
+            serving = listed and not self._gate.closed
             restart = serving and self._serving
             if restart:
                 self._counts["replica_deaths"] += 1
