@@ -327,11 +327,11 @@ def test_the_server_builds_its_engine_from_the_rollout_settings(shared: JetStrea
 
 
 def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> None:
-    ended: dict[str, tuple[list[int], str]] = {}
+    ended: dict[str, tuple[list[int], str, int]] = {}
     started, done = threading.Event(), threading.Event()
     stream = shared._stream
 
-    def spy(request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason]:
+    def spy(request: GenerateRequest, ticket: Ticket) -> tuple[list[int], FinishReason, int]:
         started.set()
         out = stream(request, ticket)
         ended[request.request_id] = out
@@ -353,8 +353,8 @@ def test_a_cancelled_generate_cancels_its_stream(shared: JetStreamBackend) -> No
         assert done.wait(120)
     finally:
         del shared._stream
-    tokens, finish = ended["c"]
-    assert finish == "abort" and len(tokens) < 120
+    tokens, finish, resent = ended["c"]
+    assert finish == "abort" and len(tokens) < 120 and resent == 0
 
 
 def test_an_empty_request_id_is_served(shared: JetStreamBackend) -> None:
