@@ -319,6 +319,30 @@ def _keep_kv(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _exact_logprobs(cfg: JarlConfig) -> str | None:
+    """Exact logprobs are the embedded engine's and the decoder's: what each other part would
+    compute is not the learner's to the bit."""
+    if not cfg.model.exact_logprobs:
+        return None
+    e = cfg.engine
+    refused = {
+        "engine.backend": "" if e.backend == "embedded" else e.backend,
+        "engine.ray.address": e.ray.address,
+        "engine.keep_kv_on_update": "true" if e.keep_kv_on_update else "",
+        "model.module": cfg.model.module,
+        "model.lora.rank": cfg.model.lora.rank,
+    }
+    set_keys = [f"{k}={v}" for k, v in refused.items() if v]
+    if set_keys:
+        return (
+            f"model.exact_logprobs=true with {', '.join(set_keys)}: exact logprobs are served "
+            "by the embedded engine in this process, over tokens sampled "
+            "under the weights they are trained with, for a checkpoint's dense decoder without "
+            "adapters"
+        )
+    return None
+
+
 def _module(cfg: JarlConfig) -> str | None:
     """A custom policy (``model.module``) starts from its own init and runs on the embedded
     engine only: no HF checkpoint to load adapters onto, serve elsewhere or copy a critic of."""
@@ -381,6 +405,7 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _judge,
     lambda cfg: lora_targets_problem(cfg.model.lora),
     _keep_kv,
+    _exact_logprobs,
     _module,
     _context,
 )

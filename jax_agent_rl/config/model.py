@@ -45,6 +45,11 @@ class ModelSection:
     # compute dtype of the learner and the rollout engine; the learner's master weights and
     # optimizer state are always float32
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the sampler's logprobs equal the learner's bit for bit (bfloat16 too): both compile with
+    # XLA's excess precision off, the training attention reads keys in the engine's pages
+    # (engine.page_size), and the engine runs at least 4 rows a program; slower
+    # (docs/algorithms.md, exact logprobs). Embedded engine, dense checkpoints, no LoRA
+    exact_logprobs: bool = False
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)
 
 

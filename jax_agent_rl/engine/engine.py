@@ -73,10 +73,36 @@ from jax_agent_rl.models import (
     param_shardings,
 )
 from jax_agent_rl.models.adapters import served_adapters
+from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import DECODE_KERNELS, copy_page
 from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import SamplingParams
+
+# the fewest rows a program of a model with exact logprobs (`ModelConfig.exact_pages`) runs a
+# matmul or a log-softmax over: XLA:CPU computes a one-row matmul as a matrix-vector product
+# (another summation order: 1.9e-6 off in a logit) and a log-softmax of two rows otherwise
+# than of more (checked against the training forward's thousands of rows, bit for bit)
+EXACT_ROWS = 4
+
+
+def _check_exact(
+    cfg: ModelConfig, page_size: int, slots_per_shard: int, prefill_chunk: int, kernel: str
+) -> None:
+    """An engine whose logprobs equal the training forward's (``cfg.exact_pages``) decodes
+    with the training forward's page size, with at least `EXACT_ROWS` rows on each shard, by
+    the XLA loop (`ragged_attention`: the kernels sum in another order)."""
+    problems = []
+    if page_size != cfg.exact_pages:
+        problems.append(f"page_size={page_size} (the learner reads pages of {cfg.exact_pages})")
+    if slots_per_shard < EXACT_ROWS:
+        problems.append(f"{slots_per_shard} decode slots a shard (at least {EXACT_ROWS})")
+    if prefill_chunk < EXACT_ROWS:
+        problems.append(f"prefill_chunk={prefill_chunk} (at least {EXACT_ROWS})")
+    if kernel not in ("auto", "ragged"):
+        problems.append(f"decode_kernel={kernel!r} (only 'ragged' sums as the learner does)")
+    if problems:
+        raise ValueError("exact logprobs cannot be served with " + "; ".join(problems))
 
 
 class Engine:
@@ -129,13 +155,18 @@ class Engine:
                 f"cannot hold one sequence of max_len={max_len} ({self.pages_per_seq} pages) "
                 "on each shard"
             )
+        exact = cfg.exact_pages
+        if exact:
+            _check_exact(cfg, page_size, self.slots_per_shard, prefill_chunk, decode_kernel)
+            min_prefill_bucket = max(min_prefill_bucket, EXACT_ROWS)
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.prefill_buckets = buckets(
             min(min_prefill_bucket, self.prefill_chunk), self.prefill_chunk
         )
         self.page_buckets = buckets(1, self.pages_per_seq)  # pages a prefill chunk reads
         # decode batches of a power of two (`decode_rows`); sharded, the whole batch
-        self.batch_buckets = buckets(1, n) if batch_buckets and self.shards == 1 else (n,)
+        smallest = EXACT_ROWS if exact else 1
+        self.batch_buckets = buckets(smallest, n) if batch_buckets and self.shards == 1 else (n,)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or
@@ -145,7 +176,7 @@ class Engine:
             kernels = {"tpu": "pallas", "gpu": "triton"}
             platform = compile_platform(sharder)
             wide = self.cache_dtype == jnp.float32
-            decode_kernel = "ragged" if wide else kernels.get(platform, "ragged")
+            decode_kernel = "ragged" if wide or exact else kernels.get(platform, "ragged")
         if decode_kernel not in DECODE_KERNELS:
             named = ", ".join(map(repr, ("auto", *DECODE_KERNELS)))
             raise ValueError(f"decode_kernel={decode_kernel!r}: of {named}")
@@ -157,14 +188,19 @@ class Engine:
         # (building it checks that the pages split over the mesh)
         self._pages_layout = page_shardings(cfg, sharder, self.num_pages, page_size)
         self.compile_counts: collections.Counter[str] = collections.Counter()
+        options = compiler_options(cfg)  # the learner's, where logprobs are exact
         self._prefill = jax.jit(
-            self._prefill_impl, static_argnames=("pages_read",), donate_argnames=("state",)
+            self._prefill_impl,
+            static_argnames=("pages_read",),
+            donate_argnames=("state",),
+            compiler_options=options,
         )
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",))
         self._generate = jax.jit(
             self._generate_impl,
             static_argnames=("num_steps",),
             donate_argnames=("state",),
+            compiler_options=options,
         )
         self._release = jax.jit(self._release_impl, donate_argnames=("state",))
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
@@ -329,7 +365,11 @@ class Engine:
             pages_read=pages_read,
         )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
-        token, logprob = sample_step(self.policy.logits(params, last[:, None])[:, 0], slots)
+        # exact logprobs: the row sampled as one of EXACT_ROWS copies (a decode step's numbers)
+        copies = EXACT_ROWS if self.cfg.exact_pages else 1
+        rows = jax.tree.map(lambda x: jnp.repeat(x, copies, 0), (last, slots))
+        token, logprob = sample_step(self.policy.logits(params, rows[0][:, None])[:, 0], rows[1])
+        token, logprob = token[:1], logprob[:1]
         slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
         finish = finish_code(slots, token, pos + n, self.max_len)
         state = self._lay_out(dataclasses.replace(state, pages=pages))

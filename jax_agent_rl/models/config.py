@@ -142,6 +142,19 @@ _MOE_BOUNDS: dict[str, tuple[str, int]] = {
 # The smallest normal float32 (and bfloat16): a smaller rms_norm_eps is flushed to zero on
 # devices that flush denormals (XLA's CPU backend does), and an all-zero row then divides by 0.
 _MIN_EPS = 2.0**-126
+# XLA options of every program of a model with ``exact_pages`` (the engine's and the learner's):
+# by default XLA may keep a bf16 op's result in fp32 into the next op where it fuses the two, so
+# the same op rounds or not by how its program fused it (the decode step's and the training
+# forward's differed by 0.012 in a logprob on the demo's model); off, every op rounds as written
+EXACT_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compiler_options(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The XLA options a program computing ``cfg``'s model compiles with: `EXACT_OPTIONS`
+    where its logprobs are to be exact (``exact_pages``), else the defaults."""
+    return dict(EXACT_OPTIONS) if cfg.exact_pages else None
+
+
 # The largest float32: RoPE's frequencies are computed in float32 from rope_theta.
 _MAX_THETA = float(np.finfo(np.float32).max)
 
@@ -153,7 +166,10 @@ class ModelConfig:
     ``router_aux_loss_coef`` is HF's weight of the load-balancing loss in its training loss:
     carried so that an exported checkpoint states it; no loss of ours reads it yet. ``lora``:
     the adapters the layers carry (`jax_agent_rl.models.lora`), none in a checkpoint's own
-    config (``model.lora`` of a run adds them)."""
+    config (``model.lora`` of a run adds them). ``exact_pages``: 0, or the page size of the
+    engine whose logprobs the training forward reproduces bit for bit (`model.exact_logprobs`
+    of a run: the training attention reads keys in pages of that size as decode does,
+    `models.paged.exact_attention`; `EXACT_OPTIONS` compile both)."""
 
     family: Family
     vocab_size: int
@@ -180,6 +196,7 @@ class ModelConfig:
     dtype: DType = "float32"
     lora: Lora | None = None
     module: Any = None  # a custom `models.policy.Policy` whose sizes this states (model.module)
+    exact_pages: int = 0
 
     def __post_init__(self) -> None:
         for field, (key, bound) in _SIZE_BOUNDS.items():

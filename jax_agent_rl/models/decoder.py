@@ -26,7 +26,7 @@ from jax_agent_rl.models.attention_kernels import kernel_attention, runs_on_tpu,
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
-from jax_agent_rl.models.paged import PAGE_AXES, PagedChunk
+from jax_agent_rl.models.paged import PAGE_AXES, PagedChunk, exact_attention
 from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -410,6 +410,47 @@ def attention(
     reach = jnp.pad(reach.astype(jnp.int32), ((0, 0), (0, Tp - T)))  # padding: read by none
     out_bgtrk = _attention(q, k_bgtk, v_bgtk, reach)
     return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def exact_training_attention(
+    q_bthk: jax.Array,
+    k_btgk: jax.Array,
+    v_btgk: jax.Array,
+    segment_ids_bt: jax.Array,
+    page_size: int,
+    sharder: Sharder,  # noqa: ARG001 (the gradient's)
+) -> jax.Array:
+    """`attention` of packed segments with the numbers the engine's decode step computes for
+    each token, bit for bit (`paged.exact_attention`, pages of ``page_size``): a model with
+    ``exact_pages`` trains on logprobs equal to its sampler's. The gradient is `attention`'s
+    (the same function up to rounding: only the forward must match the sampler)."""
+    return exact_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, page_size)
+
+
+def _exact_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    seg: jax.Array,
+    page_size: int,
+    sharder: Sharder,  # noqa: ARG001 (the gradient's)
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return exact_attention(q, k, v, seg, page_size), (q, k, v, seg)
+
+
+def _exact_bwd(
+    page_size: int,  # noqa: ARG001 (the forward's)
+    sharder: Sharder,
+    res: tuple[jax.Array, ...],
+    g: jax.Array,
+) -> tuple[jax.Array | None, ...]:
+    q, k, v, seg = res
+    _, pull = jax.vjp(lambda q, k, v: attention(q, k, v, seg, sharder=sharder), q, k, v)
+    return (*pull(g), None)
+
+
+exact_training_attention.defvjp(_exact_fwd, _exact_bwd)
 
 
 def segment_reach(segment_ids_bt: jax.Array) -> jax.Array:
@@ -824,6 +865,8 @@ def forward(
             raise ValueError(f"{flag} with a {cfg.family} model without sparse layers")
     if return_router_logits and cache is not None:
         raise ValueError("return_router_logits is for the training forward (no cache)")
+    if cfg.exact_pages and reach_bt is not None:
+        raise ValueError("tree rows (reach_bt) with exact_pages: exact logprobs read segments")
     x = sharder.constrain(w.embed[tokens_bt], ("batch", "seq", "act_embed"))
     mlp = partial(_mlp_block, cfg, sharder)
     if cache is None:
@@ -837,6 +880,10 @@ def forward(
             lw, sparse, given = xs
 
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+                if cfg.exact_pages:
+                    return exact_training_attention(
+                        q, k, v, train_segments, cfg.exact_pages, sharder
+                    )
                 return attention(
                     q, k, v, train_segments, window, sharder=sharder, reach_bt=reach_bt
                 )
@@ -892,8 +939,24 @@ def _forward_paged(
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
     if page_table_bm is None or pos_b is None or num_new_b is None:
         raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
+    page_size = cache.k[0].shape[2]
+    if cfg.exact_pages and page_size != cfg.exact_pages:
+        raise ValueError(
+            f"pages of {page_size} positions for a model whose exact logprobs read pages of "
+            f"{cfg.exact_pages} (exact_pages): its training forward would not match"
+        )
     chunk = PagedChunk(
-        sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read, decode_kernel, B, T
+        sharder,
+        cache.k,
+        cache.v,
+        page_table_bm,
+        pos_b,
+        num_new_b,
+        pages_read,
+        decode_kernel,
+        B,
+        T,
+        exact=bool(cfg.exact_pages),
     )
     chosen: list[jax.Array | None] = []  # the experts of each sparse layer
     given = list(expert_ids) if expert_ids is not None else []

@@ -180,6 +180,68 @@ def ragged_attention(
     return out_b.astype(q_bhk.dtype).reshape(B, H, K)
 
 
+def token_attention(
+    q_bthk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    table_nm: jax.Array,
+    pos_n: jax.Array,
+    active_n: jax.Array,
+) -> jax.Array:
+    """`ragged_attention` of every query of a chunk [B, T, H, K] as a row of its own (N = B *
+    T rows, each with its page table [N, M], position and whether it is real): each query's
+    numbers are then those decode computes for a token at its position, bit for bit, since
+    a row's numbers depend only on its own pairs. For prefill chunks and training sequences
+    whose logprobs must equal the sampler's (`exact_attention`)."""
+    B, T, H, K = q_bthk.shape
+    N, M = table_nm.shape
+    C = pair_block(k_pages.shape[2])
+    pairs = page_pairs(table_nm, pos_n, active_n, -(-N * M // C) * C, k_pages.shape[2])
+    return ragged_attention(q_bthk.reshape(N, H, K), k_pages, v_pages, pairs, pos_n).reshape(
+        B, T, H, K
+    )
+
+
+def exact_attention(
+    q_bthk: jax.Array,
+    k_btgk: jax.Array,
+    v_btgk: jax.Array,
+    segment_ids_bt: jax.Array,
+    page_size: int,
+) -> jax.Array:
+    """Training attention (packed segments, as `decoder.attention`) that computes what the
+    engine's decode computes for each token: the row's keys are read in pages of
+    ``page_size`` positions from its segment's start, by `token_attention`. Every position
+    of a row starts a page of the pool it builds ([G, B * T, page_size, K]: ``page_size``
+    times the row's keys), so a segment starting anywhere has its pages. The work is about
+    what causal attention costs, through the decode loop's blocks; no gradient of its own
+    (`decoder.attention` gives it)."""
+    B, T, _, K = q_bthk.shape
+    G = k_btgk.shape[2]
+    t = jnp.arange(T)
+    starts = jnp.concatenate(
+        [jnp.ones((B, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1
+    )
+    start_bt = jax.lax.cummax(jnp.where(starts, t[None], 0), axis=1)
+    window = t[:, None] + jnp.arange(page_size)[None]  # [T, page_size]: a page at each position
+
+    def pool(x_btgk: jax.Array) -> jax.Array:
+        pages = jnp.pad(x_btgk, ((0, 0), (0, page_size), (0, 0), (0, 0)))[:, window]
+        return pages.transpose(3, 0, 1, 2, 4).reshape(G, B * T, page_size, K)
+
+    M = -(-T // page_size)
+    first_btm = start_bt[..., None] + jnp.arange(M) * page_size
+    table = jnp.arange(B)[:, None, None] * T + jnp.minimum(first_btm, T - 1)
+    return token_attention(
+        q_bthk,
+        pool(k_btgk),
+        pool(v_btgk),
+        table.reshape(B * T, M).astype(jnp.int32),
+        (t[None] - start_bt).reshape(B * T).astype(jnp.int32),
+        (segment_ids_bt > 0).reshape(B * T),
+    )
+
+
 PALLAS_BLOCK_POSITIONS = 256  # cache positions per compute block of `pallas_paged_attention`
 
 
@@ -406,7 +468,9 @@ class PagedChunk:
     keys and values [B, T, G, K]) writes layer i's chunk into its buffer and attends over the
     row's positions up to each query's: a chunk of T = 1 (decode) with `decode_steps`' layer
     (each shard its own pages), a longer one (prefill) with `paged_attention` over
-    ``pages_read`` pages. ``k`` and ``v`` then hold every layer's updated buffer, in order.
+    ``pages_read`` pages, or where ``exact``, each of its tokens as decode reads
+    (`token_attention`: the numbers a decode step would compute for it). ``k`` and ``v`` then
+    hold every layer's updated buffer, in order.
     """
 
     def __init__(
@@ -421,6 +485,7 @@ class PagedChunk:
         decode_kernel: str,
         B: int,
         T: int,
+        exact: bool = False,
     ) -> None:
         if T > 1 and pages_read is None:
             raise ValueError("a prefill chunk (T > 1) needs pages_read")
@@ -432,7 +497,9 @@ class PagedChunk:
         rows_bt = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
         page_bt = page_table_bm[rows_bt, jnp.minimum(self.positions // ps, M - 1)]
         # a chunk's padding (and an inactive row's token) is written nowhere: page P is dropped
-        self._page_bt = jnp.where(jnp.arange(T)[None, :] < num_new_b[:, None], page_bt, P)
+        self._real_bt = jnp.arange(T)[None, :] < num_new_b[:, None]
+        self._page_bt = jnp.where(self._real_bt, page_bt, P)
+        self._exact = exact
         self._offset_bt = self.positions % ps
         # decode (T = 1): each shard of the rows reads and writes its own pages only
         make_tables, self._decode_layer = decode_steps(sharder, P, ps, decode_kernel)
@@ -464,6 +531,11 @@ class PagedChunk:
         ck = ck.at[at].set(k_gbtk.astype(ck.dtype), mode="drop")
         cv = cv.at[at].set(v_gbtk.astype(cv.dtype), mode="drop")
         self._pools[0][i], self._pools[1][i] = ck, cv
+        if self._exact:
+            B, T = self._real_bt.shape
+            table = jnp.repeat(self._table_bm, T, axis=0)
+            positions = self.positions.reshape(B * T)
+            return token_attention(q, ck, cv, table, positions, self._real_bt.reshape(B * T))
         assert self._pages_read is not None
         return paged_attention(q, ck, cv, self._table_bm, self._pos_b, self._pages_read)
 

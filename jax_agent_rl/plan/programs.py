@@ -275,7 +275,7 @@ def learner_programs(
     extra = a.ppo_epochs * (1 + gae) * forward if cfg.learner.remat else 0.0
     rl = Program(
         "rl_update",
-        jit_step(programs.rl_step(True), layout),
+        jit_step(programs.rl_step(True), layout, programs.spec.model),
         (state, batch),
         {},
         prepared + trained + extra,
@@ -316,7 +316,11 @@ def learner_programs(
         out.append(
             Program(
                 "sft_step",
-                jit_step(sft_programs.sft_step, jax.tree.map(lambda x: x.sharding, sft_state)),
+                jit_step(
+                    sft_programs.sft_step,
+                    jax.tree.map(lambda x: x.sharding, sft_state),
+                    sft_programs.spec.model,
+                ),
                 (sft_state, _rows(rows_shape, sharder, T)),
                 {},
                 (1 + backward + cfg.learner.remat) * f,

@@ -33,6 +33,7 @@ from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
 from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
+from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.moe import NO_EXPERTS
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
@@ -128,13 +129,16 @@ def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
     )
 
 
-def jit_step(fn: Callable[..., Any], layout: Any) -> Any:
+def jit_step(fn: Callable[..., Any], layout: Any, model: ModelConfig) -> Any:
     """``state, metrics = fn(state, batch)`` jitted with the state donated and returned laid
-    out as ``layout`` (a tree of the state's shardings)."""
-    return jax.jit(fn, donate_argnums=0, out_shardings=(layout, None))
+    out as ``layout`` (a tree of the state's shardings), with the options of ``model``'s
+    programs (`compiler_options`: the engine's, where logprobs are exact)."""
+    return jax.jit(
+        fn, donate_argnums=0, out_shardings=(layout, None), compiler_options=compiler_options(model)
+    )
 
 
-def _jit_keeping_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _jit_keeping_layout(fn: Callable[..., Any], model: ModelConfig) -> Callable[..., Any]:
     """`jit_step` of ``fn`` keeping the state laid out exactly as it came in (else the second
     call, fed the first call's output, would compile the step again); the layout is read at
     the first call."""
@@ -142,7 +146,7 @@ def _jit_keeping_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def call(state: Any, batch: Any) -> Any:
         if not compiled:
-            compiled.append(jit_step(fn, jax.tree.map(lambda x: x.sharding, state)))
+            compiled.append(jit_step(fn, jax.tree.map(lambda x: x.sharding, state), model))
         return compiled[0](state, batch)
 
     return call
@@ -277,9 +281,10 @@ class Learner:
         self._batch_sharding = sharder.sharding((None, "batch", None))
         self._seq_sharding = sharder.sharding(("batch",))
         self._rl_steps = {
-            given: _jit_keeping_layout(programs.rl_step(given)) for given in (True, False)
+            given: _jit_keeping_layout(programs.rl_step(given), self.model)
+            for given in (True, False)
         }  # each compiles on first use
-        self._sft_step = _jit_keeping_layout(programs.sft_step)
+        self._sft_step = _jit_keeping_layout(programs.sft_step, self.model)
 
     def init_state(
         self, params: Weights, *, critic: Critic | None = None, reference: Weights | None = None

@@ -210,7 +210,8 @@ def head_stats(
     s = spec.sampling
     B, T, D = h.shape
     targets = mb.targets if mb.tree is None else mb.tree.targets
-    if s.top_k <= 0 and s.top_p >= 1.0:
+    # exact logprobs: the engine's log-softmax over the whole vocabulary, not chunks of it
+    if s.top_k <= 0 and s.top_p >= 1.0 and not spec.model.exact_pages:
         # the head gathered over fsdp once, its vocabulary left split over tensor: each device
         # computes its part's logits, a chunk of it per step (`head_logprobs`'s ``parts``)
         head_vd = policy_of(spec.model).head_vd(w)

@@ -215,8 +215,10 @@ def learn(
         min_sequences=cfg.data.prompts_per_step * cfg.group.n // processes,
         agree=distributed.agree_max,
         part=me,
-        # a fused attention kernel masks by segments only: no tree rows where one runs
+        # a fused attention kernel masks by segments only, and so do exact logprobs' pages:
+        # no tree rows where either runs
         tree=L.tree_packing
+        and not learner.model.exact_pages
         and training_kernel(learner.sharder, learner.spec.compute_dtype) is None,
         step_advantages=row_steps,
     )

@@ -49,8 +49,10 @@ def lora_of(section: LoraSection) -> Lora | None:
 
 
 def run_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
-    """The model a run trains: the checkpoint's, with ``model.lora``'s adapters if any."""
-    return dataclasses.replace(checkpoint, lora=lora_of(cfg.model.lora))
+    """The model a run trains: the checkpoint's, with ``model.lora``'s adapters if any, its
+    logprobs exact in the engine's pages where ``model.exact_logprobs``."""
+    exact = cfg.engine.page_size if cfg.model.exact_logprobs else 0
+    return dataclasses.replace(checkpoint, lora=lora_of(cfg.model.lora), exact_pages=exact)
 
 
 def with_run_lora(
