@@ -56,6 +56,15 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
             "tiny_float32_b1_jax_roofline_frac",
         },
     ),
+    "exact_logprobs": (
+        ["--smoke"],
+        {
+            f"{side}_{k}"
+            for side in ("default", "exact")
+            for k in ("rollout_tok_s", "learner_tok_s", "logprob_gap_max")
+        }
+        | {"rollout_tok_s_ratio", "learner_tok_s_ratio"},
+    ),
     "forward": (
         ["--smoke"],
         {

@@ -49,7 +49,7 @@ def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown config key 'model\.dtpye'; allowed here: "
-        r"\['dtype', 'lora', 'module', 'path', 'tokenizer'\]",
+        r"\['dtype', 'exact_logprobs', 'lora', 'module', 'path', 'tokenizer'\]",
     ):
         load_config(None, ["model.path=/a", "model.dtpye=bfloat16"])
     path = _yaml(tmp_path, "modle:\n  path: /x\n")

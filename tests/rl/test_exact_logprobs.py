@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -18,9 +19,14 @@ import pytest
 from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import forward, lm_logits, load_hf
+from jax_agent_rl.models import Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.config import compiler_options
-from jax_agent_rl.models.decoder import attention, init_pages, serving_layout
+from jax_agent_rl.models.decoder import (
+    attention,
+    exact_training_attention,
+    init_pages,
+    serving_layout,
+)
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
@@ -40,18 +46,18 @@ def _decoded_and_trained(exact: bool) -> tuple[np.ndarray, np.ndarray]:
     options = compiler_options(cfg)
     seq = np.random.default_rng(0).integers(3, cfg.vocab_size, 60).astype(np.int32)
 
-    def learn(w: object, tokens: jax.Array) -> jax.Array:
+    def learn(w: Weights, tokens: jax.Array) -> jax.Array:
         n = tokens.shape[1]
         segments = jnp.concatenate([jnp.ones((1, 7), jnp.int32), jnp.full((1, n), 2)], 1)
         positions = jnp.concatenate([jnp.arange(7), jnp.arange(n)])[None]
         packed = jnp.concatenate([tokens[:, :7] + 1, tokens], 1)
-        h = forward(w, cfg, packed, positions, segments, sharder=sharder)  # type: ignore[arg-type]
-        return lm_logits(w, h)[0, 7:]  # type: ignore[arg-type]
+        h = forward(w, cfg, packed, positions, segments, sharder=sharder)
+        return lm_logits(w, h)[0, 7:]
 
     trained = np.asarray(jax.jit(learn, compiler_options=options)(w, jnp.asarray(seq[None])))
 
     @partial(jax.jit, static_argnames=("pages_read",), compiler_options=options)
-    def step(w, pages, tokens, table, pos, new, pages_read=None):  # type: ignore[no-untyped-def]
+    def step(w, pages, tokens, table, pos, new, pages_read=None):
         h, pages = forward(
             w,
             cfg,
@@ -97,9 +103,8 @@ def test_the_exact_attention_s_gradient_is_the_training_attention_s() -> None:
         for s in [(2, 40, 4, 8)] + [(2, 40, 2, 8)] * 2
     )
     seg = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 2, 0))
-    from jax_agent_rl.models.decoder import exact_training_attention
 
-    def loss(f, q, k, v):  # type: ignore[no-untyped-def]
+    def loss(f: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return jnp.sum(f(q, k, v) ** 2)
 
     exact = partial(
