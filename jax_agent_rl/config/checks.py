@@ -319,6 +319,11 @@ def _keep_kv(cfg: JarlConfig) -> str | None:
     return None
 
 
+def _set_keys(refused: dict[str, object]) -> str:
+    """``key=value, ...`` of the keys of ``refused`` whose values are set (truthy)."""
+    return ", ".join(f"{k}={v}" for k, v in refused.items() if v)
+
+
 def _exact_logprobs(cfg: JarlConfig) -> str | None:
     """Exact logprobs are the embedded engine's and the decoder's: what each other part would
     compute is not the learner's to the bit."""
@@ -332,10 +337,9 @@ def _exact_logprobs(cfg: JarlConfig) -> str | None:
         "model.module": cfg.model.module,
         "model.lora.rank": cfg.model.lora.rank,
     }
-    set_keys = [f"{k}={v}" for k, v in refused.items() if v]
-    if set_keys:
+    if set_keys := _set_keys(refused):
         return (
-            f"model.exact_logprobs=true with {', '.join(set_keys)}: exact logprobs are served "
+            f"model.exact_logprobs=true with {set_keys}: exact logprobs are served "
             "by the embedded engine in this process, over tokens sampled "
             "under the weights they are trained with, for a checkpoint's dense decoder without "
             "adapters"
@@ -362,10 +366,9 @@ def _module(cfg: JarlConfig) -> str | None:
         # process or resumed: cause not found; on one device SFT then RL trains
         "sft.steps": cfg.sft.steps if cfg.sft.data and cfg.sft.steps and devices > 1 else 0,
     }
-    set_keys = [f"{k}={v}" for k, v in refused.items() if v]
-    if set_keys:
+    if set_keys := _set_keys(refused):
         return (
-            f"model.module={m.module!r} (a custom policy) does not support {', '.join(set_keys)}: "
+            f"model.module={m.module!r} (a custom policy) does not support {set_keys}: "
             "it trains with the embedded engine, without LoRA adapters, experts or a critic, "
             "and takes an SFT warm start on a mesh of one device (mesh.data=1, fsdp=1, tensor=1)"
         )
