@@ -11,7 +11,7 @@ import functools
 import re
 import string
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jax_agent_rl.config.model import lora_targets_problem
 from jax_agent_rl.config.ranges import Rule, finite_number
@@ -319,7 +319,7 @@ def _keep_kv(cfg: JarlConfig) -> str | None:
     return None
 
 
-def _set_keys(refused: dict[str, object]) -> str:
+def _set_keys(refused: Mapping[str, object]) -> str:
     """``key=value, ...`` of the keys of ``refused`` whose values are set (truthy)."""
     return ", ".join(f"{k}={v}" for k, v in refused.items() if v)
 
