@@ -80,7 +80,8 @@ def main() -> None:
             name: run_side(folder, name == "exact", steps, args.smoke)
             for name in ("default", "exact")
         }
-    figures = {f"{side}_{k}": v for side, got in sides.items() for k, v in got.items()}
+    figures: dict[str, object] = {"bench": "exact_logprobs", "steps": steps}
+    figures.update({f"{side}_{k}": v for side, got in sides.items() for k, v in got.items()})
     for rate in ("rollout_tok_s", "learner_tok_s"):
         figures[f"{rate}_ratio"] = sides["exact"][rate] / sides["default"][rate]
     print(json.dumps(figures))
