@@ -412,20 +412,22 @@ def attention(
     return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def exact_training_attention(
     q_bthk: jax.Array,
     k_btgk: jax.Array,
     v_btgk: jax.Array,
     segment_ids_bt: jax.Array,
     page_size: int,
+    window: int | None,
     sharder: Sharder,  # noqa: ARG001 (the gradient's)
 ) -> jax.Array:
     """`attention` of packed segments with the numbers the engine's decode step computes for
-    each token, bit for bit (`paged.exact_attention`, pages of ``page_size``): a model with
-    ``exact_pages`` trains on logprobs equal to its sampler's. The gradient is `attention`'s
-    (the same function up to rounding: only the forward must match the sampler)."""
-    return exact_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, page_size)
+    each token, bit for bit (`paged.exact_attention`, pages of ``page_size``; ``window``: no
+    segment is longer): a model with ``exact_pages`` trains on logprobs equal to its
+    sampler's. The gradient is `attention`'s (the same function up to rounding: only the
+    forward must match the sampler)."""
+    return exact_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, page_size, window)
 
 
 def _exact_fwd(
@@ -434,19 +436,21 @@ def _exact_fwd(
     v: jax.Array,
     seg: jax.Array,
     page_size: int,
+    window: int | None,
     sharder: Sharder,  # noqa: ARG001 (the gradient's)
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return exact_attention(q, k, v, seg, page_size), (q, k, v, seg)
+    return exact_attention(q, k, v, seg, page_size, window), (q, k, v, seg)
 
 
 def _exact_bwd(
     page_size: int,  # noqa: ARG001 (the forward's)
+    window: int | None,
     sharder: Sharder,
     res: tuple[jax.Array, ...],
     g: jax.Array,
 ) -> tuple[jax.Array | None, ...]:
     q, k, v, seg = res
-    _, pull = jax.vjp(lambda q, k, v: attention(q, k, v, seg, sharder=sharder), q, k, v)
+    _, pull = jax.vjp(lambda q, k, v: attention(q, k, v, seg, window, sharder=sharder), q, k, v)
     return (*pull(g), None)
 
 
@@ -882,7 +886,7 @@ def forward(
             def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                 if cfg.exact_pages:
                     return exact_training_attention(
-                        q, k, v, train_segments, cfg.exact_pages, sharder
+                        q, k, v, train_segments, cfg.exact_pages, window, sharder
                     )
                 return attention(
                     q, k, v, train_segments, window, sharder=sharder, reach_bt=reach_bt

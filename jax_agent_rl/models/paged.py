@@ -208,14 +208,17 @@ def exact_attention(
     v_btgk: jax.Array,
     segment_ids_bt: jax.Array,
     page_size: int,
+    window: int | None = None,
 ) -> jax.Array:
     """Training attention (packed segments, as `decoder.attention`) that computes what the
     engine's decode computes for each token: the row's keys are read in pages of
     ``page_size`` positions from its segment's start, by `token_attention`. Every position
     of a row starts a page of the pool it builds ([G, B * T, page_size, K]: ``page_size``
-    times the row's keys), so a segment starting anywhere has its pages. The work is about
-    what causal attention costs, through the decode loop's blocks; no gradient of its own
-    (`decoder.attention` gives it)."""
+    times the row's keys), so a segment starting anywhere has its pages; a token's page
+    table holds the pages of ``window`` positions (no segment is longer; default the row),
+    which bounds the decode loop's buffers (pairs of every token and every page it may
+    read). The work is about what causal attention costs, through the decode loop's blocks;
+    no gradient of its own (`decoder.attention` gives it)."""
     B, T, _, K = q_bthk.shape
     G = k_btgk.shape[2]
     t = jnp.arange(T)
@@ -223,13 +226,13 @@ def exact_attention(
         [jnp.ones((B, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1
     )
     start_bt = jax.lax.cummax(jnp.where(starts, t[None], 0), axis=1)
-    window = t[:, None] + jnp.arange(page_size)[None]  # [T, page_size]: a page at each position
+    span = t[:, None] + jnp.arange(page_size)[None]  # [T, page_size]: a page at each position
 
     def pool(x_btgk: jax.Array) -> jax.Array:
-        pages = jnp.pad(x_btgk, ((0, 0), (0, page_size), (0, 0), (0, 0)))[:, window]
+        pages = jnp.pad(x_btgk, ((0, 0), (0, page_size), (0, 0), (0, 0)))[:, span]
         return pages.transpose(3, 0, 1, 2, 4).reshape(G, B * T, page_size, K)
 
-    M = -(-T // page_size)
+    M = -(-min(window or T, T) // page_size)  # pages a token's table holds
     first_btm = start_bt[..., None] + jnp.arange(M) * page_size
     table = jnp.arange(B)[:, None, None] * T + jnp.minimum(first_btm, T - 1)
     return token_attention(
