@@ -53,6 +53,7 @@ def run_side(folder: Path, exact: bool, steps: int, smoke: bool) -> dict[str, fl
         "model.dtype=bfloat16",
         f"model.exact_logprobs={str(exact).lower()}",
         "engine.page_size=16",  # the same pages on both sides
+        "engine.max_concurrent=128",  # exact: 64 rows on each of the mesh's 2 shards
     ]
     train(load_config(ROOT / "configs" / "demo_calculator_cpu.yaml", overrides))
     m = read_metrics(run / "metrics.jsonl", "train")

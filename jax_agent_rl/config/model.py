@@ -47,7 +47,8 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
     # the sampler's logprobs equal the learner's bit for bit (bfloat16 too): both compile with
     # XLA's excess precision off, the training attention reads keys in the engine's pages
-    # (engine.page_size), and the engine runs at least 4 rows a program; slower
+    # (engine.page_size), and the engine runs at least 64 rows a program (engine.max_concurrent
+    # at least 64 per data shard); slower
     # (docs/algorithms.md, exact logprobs). Embedded engine, dense checkpoints, no LoRA
     exact_logprobs: bool = False
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)

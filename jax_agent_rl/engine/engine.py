@@ -80,14 +80,21 @@ from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import SamplingParams
 
 # the fewest rows a program of a model with exact logprobs (`ModelConfig.exact_pages`) runs a
-# matmul or a log-softmax over: XLA:CPU computes a one-row matmul as a matrix-vector product
-# (another summation order: 1.9e-6 off in a logit) and a log-softmax of two rows otherwise
-# than of more (checked against the training forward's thousands of rows, bit for bit)
-EXACT_ROWS = 4
+# matmul or a log-softmax over: XLA:CPU sums a matmul of fewer than about 60 rows in another
+# order than a larger one (fp32 [M, 128] x [128, 384] up to the Qwen2.5-1.5B MLP's [M, 1536] x
+# [1536, 8960]: rows differ at M <= 56, equal the 1024-row product's from 63 on; bf16 hides
+# most of it in its rounding, not all: one token in ~2400 was 1.5e-3 off), and a log-softmax
+# of two rows otherwise than of more
+EXACT_ROWS = 64
 
 
 def _check_exact(
-    cfg: ModelConfig, page_size: int, slots_per_shard: int, prefill_chunk: int, kernel: str
+    cfg: ModelConfig,
+    page_size: int,
+    slots_per_shard: int,
+    prefill_chunk: int,
+    max_len: int,
+    kernel: str,
 ) -> None:
     """An engine whose logprobs equal the training forward's (``cfg.exact_pages``) decodes
     with the training forward's page size, with at least `EXACT_ROWS` rows on each shard, by
@@ -99,6 +106,8 @@ def _check_exact(
         problems.append(f"{slots_per_shard} decode slots a shard (at least {EXACT_ROWS})")
     if prefill_chunk < EXACT_ROWS:
         problems.append(f"prefill_chunk={prefill_chunk} (at least {EXACT_ROWS})")
+    if max_len < EXACT_ROWS:
+        problems.append(f"max_len={max_len} (at least {EXACT_ROWS}: a prefill chunk's rows)")
     if kernel not in ("auto", "ragged"):
         problems.append(f"decode_kernel={kernel!r} (only 'ragged' sums as the learner does)")
     if problems:
@@ -157,7 +166,9 @@ class Engine:
             )
         exact = cfg.exact_pages
         if exact:
-            _check_exact(cfg, page_size, self.slots_per_shard, prefill_chunk, decode_kernel)
+            _check_exact(
+                cfg, page_size, self.slots_per_shard, prefill_chunk, max_len, decode_kernel
+            )
             min_prefill_bucket = max(min_prefill_bucket, EXACT_ROWS)
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.prefill_buckets = buckets(

@@ -145,8 +145,11 @@ _MIN_EPS = 2.0**-126
 # XLA options of every program of a model with ``exact_pages`` (the engine's and the learner's):
 # by default XLA may keep a bf16 op's result in fp32 into the next op where it fuses the two, so
 # the same op rounds or not by how its program fused it (the decode step's and the training
-# forward's differed by 0.012 in a logprob on the demo's model); off, every op rounds as written
-EXACT_OPTIONS = {"xla_allow_excess_precision": False}
+# forward's differed by 0.012 in a logprob on the demo's model); off, every op rounds as written.
+# XLA:CPU's MLIR fusion emitters still rounded a bf16 value of one fusion otherwise than of
+# another (a decode step's layer output one ulp from the prefill's for the same token: one
+# logprob in ~2400 off by 1.5e-3 downstream); its elemental emitters do not
+EXACT_OPTIONS = {"xla_allow_excess_precision": False, "xla_cpu_use_fusion_emitters": False}
 
 
 def compiler_options(cfg: ModelConfig) -> dict[str, Any] | None:
