@@ -193,5 +193,9 @@ def test_an_engine_that_cannot_serve_exact_logprobs_names_why() -> None:
         Engine(cfg, sharder=one_device_sharder(), page_size=32, max_len=128)
     with pytest.raises(ValueError, match="32 decode slots a shard"):
         Engine(
-            cfg, sharder=one_device_sharder(), page_size=PAGE, max_len=128, max_concurrent_decodes=32
+            cfg,
+            sharder=one_device_sharder(),
+            page_size=PAGE,
+            max_len=128,
+            max_concurrent_decodes=32,
         )
