@@ -13,7 +13,7 @@ import string
 import typing
 from collections.abc import Callable, Mapping
 
-from jax_agent_rl.config.model import lora_targets_problem
+from jax_agent_rl.config.model import EXACT_ROWS, lora_targets_problem
 from jax_agent_rl.config.ranges import Rule, finite_number
 from jax_agent_rl.config.sections import AlgorithmSection, JarlConfig
 from jax_agent_rl.tokenization.tool_calls import PARSERS
@@ -344,6 +344,22 @@ def _exact_logprobs(cfg: JarlConfig) -> str | None:
             "under the weights they are trained with, for a checkpoint's dense decoder without "
             "adapters"
         )
+    # the engine's floor of rows a program (`EXACT_ROWS`): decode slots of each data shard,
+    # prefill chunks
+    shards = cfg.mesh.data * cfg.mesh.fsdp
+    short = {
+        "engine.max_concurrent": (e.max_concurrent // shards, f" over {shards} data shards"),
+        "engine.prefill_chunk": (e.prefill_chunk, ""),
+        "engine.max_model_len": (e.max_model_len, ""),
+    }
+    for key, (rows, where) in short.items():
+        if rows < EXACT_ROWS:
+            value = getattr(e, key.split(".")[1])
+            return (
+                f"{key}={value}{where} gives {rows} rows a program: exact logprobs need at "
+                f"least {EXACT_ROWS} (XLA:CPU sums fewer rows in another order; "
+                "docs/algorithms.md, exact logprobs)"
+            )
     return None
 
 

@@ -31,6 +31,15 @@ class LoraSection:
     dropout: float = setting(0.0, Rule(lambda v: v == 0, "0 (LoRA dropout is not implemented)"))
 
 
+# the fewest rows a program of a model with exact logprobs (`model.exact_logprobs`) runs a
+# matmul or a log-softmax over: XLA:CPU sums a matmul of fewer than about 60 rows in another
+# order than a larger one (fp32 [M, 128] x [128, 384] up to the Qwen2.5-1.5B MLP's [M, 1536] x
+# [1536, 8960]: rows differ at M <= 56, equal the 1024-row product's from 63 on; bf16 hides
+# most of it in its rounding, not all: one token in ~2400 was 1.5e-3 off), and a log-softmax
+# of two rows otherwise than of more
+EXACT_ROWS = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Which checkpoint to load and how to compute with it."""

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_agent_rl.config.model import EXACT_ROWS
 from jax_agent_rl.engine.state import (
     RUNNING,
     DecodeState,
@@ -78,14 +79,6 @@ from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import DECODE_KERNELS, copy_page
 from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import SamplingParams
-
-# the fewest rows a program of a model with exact logprobs (`ModelConfig.exact_pages`) runs a
-# matmul or a log-softmax over: XLA:CPU sums a matmul of fewer than about 60 rows in another
-# order than a larger one (fp32 [M, 128] x [128, 384] up to the Qwen2.5-1.5B MLP's [M, 1536] x
-# [1536, 8960]: rows differ at M <= 56, equal the 1024-row product's from 63 on; bf16 hides
-# most of it in its rounding, not all: one token in ~2400 was 1.5e-3 off), and a log-softmax
-# of two rows otherwise than of more
-EXACT_ROWS = 64
 
 
 def _check_exact(

@@ -18,8 +18,8 @@ import pytest
 
 from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.config import ConfigError, load_config
+from jax_agent_rl.config.model import EXACT_ROWS
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.engine.engine import EXACT_ROWS
 from jax_agent_rl.models import Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.decoder import (
@@ -183,6 +183,16 @@ def test_exact_logprobs_refuse_what_cannot_match(override: str, named: str) -> N
         load_config(
             ROOT / "configs" / "demo_calculator_cpu.yaml",
             ["model.exact_logprobs=true", override, "model.path=x", "data.train=x"],
+        )
+
+
+def test_exact_logprobs_refuse_an_engine_of_fewer_rows_before_the_run() -> None:
+    """The demo's 64 slots over its 2 data shards are 32 rows a decode step: named by the
+    check (`--dry-run` too), not by the engine once the run has started."""
+    with pytest.raises(ConfigError, match=r"engine\.max_concurrent=64 over 2 data shards gives 32"):
+        load_config(
+            ROOT / "configs" / "demo_calculator_cpu.yaml",
+            ["model.exact_logprobs=true", "model.path=x", "data.train=x"],
         )
 
 
