@@ -3,7 +3,9 @@ a short SFT warm start on imperfect demonstrations gives a baseline that answers
 memory and fails them; GRPO and PPO over real multi-turn rollouts (the JAX engine, the
 calculator tool) then raise held-out greedy success by a clear margin, with the demo's dense
 model (GRPO also training LoRA adapters alone, the base frozen) and with a Qwen3-MoE of its
-size.
+size; so does one run of each family of docs/algorithms.md: an off-policy loss and rollout
+mask (CISPO + IcePop, async), step-level advantages (GiGPO, Tree-GRPO) and DPPO's trust
+region.
 
 The warm starts are files: tests/train/warm_starts/<demo> holds the policy exported by the
 SFT-only run of `demo.small_task_sft` (600 steps of the dense model, 800 of the MoE), which
@@ -78,17 +80,28 @@ def test_the_warm_starts_match_the_task(demo: str, tmp_path: Path) -> None:
 # pinned: the same groups and weight versions in every update whatever the machine's load
 # (as_finished, which follows timing, learned less here on a loaded machine: docs/async.md)
 ASYNC = ["trainer.mode=async", "trainer.max_staleness=2", "trainer.async_schedule=pinned"]
+# the families of docs/algorithms.md's "Does it learn?" table, with its overrides
+GIGPO = ["algorithm.adv_estimator=gigpo", "algorithm.turn_mode=per_turn"]
+TREE_GRPO = [
+    "algorithm.adv_estimator=tree_grpo",
+    "algorithm.turn_mode=per_turn",
+    "group.strategy=tree",
+    "group.tree.n_roots=4",
+    "group.tree.branch=2",
+]
+DPPO_TV = ["algorithm.policy_loss=dppo_tv", "algorithm.clip_high=0.2", "algorithm.mini_batches=2"]
 
 
 def _assert_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path], config: str, mode: Sequence[str] = ()
+    sft_run: tuple[Path, Path], config: str, name: str, extra: Sequence[str] = ()
 ) -> Path:
-    """10 RL steps of ``config`` from the SFT policy raise held-out success by 0.2; the run."""
+    """10 RL steps of ``config`` (with the ``extra`` overrides) from the SFT policy raise
+    held-out success by 0.2; the run (folder ``name``)."""
     folder, sft_model = sft_run
-    run = folder / (config.removesuffix(".yaml") + ("-async" if mode else ""))
+    run = folder / name
     overrides = [
         *SMALL_OVERRIDES,
-        *mode,
+        *extra,
         f"model.path={sft_model}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
         f"data.val={folder / 'task' / 'val.jsonl'}",
@@ -108,7 +121,7 @@ def _assert_rl_raises_held_out_success(
 
 
 @pytest.mark.parametrize(
-    ("config", "mode"),
+    ("config", "extra"),
     [
         ("demo_calculator_cpu.yaml", []),
         ("demo_calculator_ppo_cpu.yaml", []),
@@ -116,22 +129,42 @@ def _assert_rl_raises_held_out_success(
         ("demo_calculator_lora_cpu.yaml", []),  # rank-16 adapters on the SFT policy, base frozen
         # CISPO + IcePop on data up to 2 versions stale (IcePop masks a few stale tokens)
         ("demo_calculator_cispo_cpu.yaml", ASYNC),
+        # step-level credit: anchor states shared across a group's per-turn samples
+        ("demo_calculator_cpu.yaml", GIGPO),
+        # per-branch advantages over tree rollouts (4 roots branching into 2)
+        ("demo_calculator_cpu.yaml", TREE_GRPO),
+        # DPPO's total-variation trust region in place of PPO-clip, two updates a step
+        ("demo_calculator_cpu.yaml", DPPO_TV),
     ],
-    ids=["grpo", "ppo", "grpo-async", "grpo-lora", "cispo-icepop-async"],
+    ids=[
+        "grpo",
+        "ppo",
+        "grpo-async",
+        "grpo-lora",
+        "cispo-icepop-async",
+        "gigpo",
+        "tree-grpo",
+        "dppo-tv",
+    ],
 )
 def test_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path], config: str, mode: list[str]
+    sft_run: tuple[Path, Path], config: str, extra: list[str], request: pytest.FixtureRequest
 ) -> None:
-    run = _assert_rl_raises_held_out_success(sft_run, config, mode)
-    if mode:
-        steps = read_metrics(run / "metrics.jsonl", "train")
+    run = _assert_rl_raises_held_out_success(sft_run, config, request.node.callspec.id, extra)
+    steps = read_metrics(run / "metrics.jsonl", "train")
+    if extra == ASYNC:
         assert all(m["staleness/max"] <= 2 for m in steps)
+    if extra in (GIGPO, TREE_GRPO):  # step-level advantages took part in every update
+        assert all(m["step_adv/nonzero_frac"] > 0 for m in steps)
+        assert all(m["batch/samples"] > m["batch/trajectories"] for m in steps)  # per turn
+    if extra == TREE_GRPO:  # the trees branched: more leaves than the 8 prompts' 4 roots
+        assert max(m["rollout/episodes"] for m in steps) > 8 * 4
 
 
 def test_rl_raises_a_moe_policys_held_out_success(moe_sft_run: tuple[Path, Path]) -> None:
     """The same with a Qwen3-MoE policy (8 experts, 2 per token): GRPO through its grouped
     expert matmuls, each update replaying the experts the engine sampled with."""
-    _assert_rl_raises_held_out_success(moe_sft_run, "moe_calculator_cpu.yaml")
+    _assert_rl_raises_held_out_success(moe_sft_run, "moe_calculator_cpu.yaml", "moe")
 
 
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
