@@ -10,8 +10,9 @@ from jax_agent_rl.config.ranges import NATURAL, POSITIVE, Rule, setting
 
 # the projections an adapter may wrap (`jax_agent_rl.models.lora.TARGETS`; PEFT's q_proj ...)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# the largest alpha / rank (`jax_agent_rl.models.lora.MAX_SCALE`, which says why)
-MAX_LORA_SCALE = 1e4
+# the smallest and largest alpha / rank (`jax_agent_rl.models.lora.MIN_SCALE`, `MAX_SCALE`,
+# which say why)
+MIN_LORA_SCALE, MAX_LORA_SCALE = 1e-4, 1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +66,16 @@ class ModelSection:
 
 def lora_targets_problem(section: LoraSection) -> str | None:
     """A LoRA run's targets: distinct names of `LORA_TARGETS`, at least one; and its scale
-    ``alpha / rank`` at most `MAX_LORA_SCALE`."""
+    ``alpha / rank`` within [`MIN_LORA_SCALE`, `MAX_LORA_SCALE`]."""
     if not section.rank:
         return None
-    if section.alpha / section.rank > MAX_LORA_SCALE:
+    scale = section.alpha / section.rank
+    if not MIN_LORA_SCALE <= scale <= MAX_LORA_SCALE:
         return (
             f"model.lora.alpha={section.alpha:g} over model.lora.rank={section.rank} is a scale "
-            f"of {section.alpha / section.rank:g}: expected at most {MAX_LORA_SCALE:g} (larger "
-            "scales overflow float32 once the adapters train)"
+            f"of {scale:g}: expected within [{MIN_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] (larger "
+            "scales overflow float32 once the adapters train; smaller ones round the adapters' "
+            "contribution to nothing)"
         )
     targets = list(section.targets)
     unknown = [t for t in targets if t not in LORA_TARGETS]
