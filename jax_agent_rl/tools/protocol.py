@@ -42,6 +42,7 @@ class RequestCaps:
     (`RequestRefusedError`, HTTP 422), except ``max_action_calls`` (below).
 
     - ``max_id_bytes``: a trajectory id's bytes (UTF-8): ids are held as long as their state.
+      An empty id is refused: every client that sent one would share its state.
     - ``max_batch_calls``: calls of one ``/execute_batch`` and trajectories of one
       ``/get_observation`` (all run at once). `HttpTools` batches ``max_batch`` calls (32).
     - ``max_action_calls``: tool calls one verl-tool action holds. The model wrote them, so
@@ -61,6 +62,8 @@ class RequestCaps:
                 )
 
     def check_id(self, trajectory_id: str) -> None:
+        if not trajectory_id:  # every client sending one would share one state
+            raise RequestRefusedError("an empty trajectory id: name the trajectory")
         n = len(trajectory_id.encode("utf-8", "surrogatepass"))
         if n > self.max_id_bytes:
             raise RequestRefusedError(

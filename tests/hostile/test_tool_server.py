@@ -494,6 +494,40 @@ def test_trajectory_ids_over_the_cap_are_refused(shared_server: tuple[str, str])
     assert asyncio.run(scenario()) == [["1"], 0, 2, ["2"]]
 
 
+def test_an_empty_trajectory_id_is_refused(shared_server: tuple[str, str]) -> None:
+    """An empty id was served, so every client that sent one (a harness that lost its ids)
+    shared one state: one's counter, files and interpreter were the other's. Refused on every
+    route that takes an id, over HTTP and the socket, before any call runs."""
+    url, unix = shared_server
+    routes = {
+        "/execute": {"trajectory_id": "", "name": "count", "arguments": {}},
+        "/release": {"trajectory_id": ""},
+        "/execute_batch": {
+            "calls": [
+                {"trajectory_id": "fine", "name": "count", "arguments": {}},
+                {"trajectory_id": "", "name": "count", "arguments": {}},
+            ]
+        },
+        "/get_observation": {"trajectory_ids": ["fine", ""], "actions": ["", ""]},
+    }
+
+    async def scenario() -> float:
+        before = _metrics(url)
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
+            for route, body in routes.items():
+                refused = await raw.post(route, json=body)
+                assert refused.status_code == 422, route
+                assert "an empty trajectory id" in refused.text, route
+        for address in (url, unix):
+            client = HttpTools(address, token=TOKEN, retries=0)
+            with pytest.raises(ToolTransportError, match="an empty trajectory id"):
+                await client.call("", "count", {})
+            await client.close()
+        return _metrics(url)["calls"] - before["calls"]
+
+    assert asyncio.run(scenario()) == 0
+
+
 def test_calls_per_request_and_per_action_are_capped(shared_server: tuple[str, str]) -> None:
     """A batch of more calls than the cap, or a verl-tool request of more trajectories, is
     refused whole before any call runs; an action of more calls than its cap runs none of them
