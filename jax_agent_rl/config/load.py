@@ -332,8 +332,27 @@ def _foreign_overrides(overrides: Sequence[str], base: Any, layers: Sequence[Any
 
 
 def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML (for run folders and ``--dry-run``)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (for run folders and ``--dry-run``), which `load_config`
+    reads back as the same values: a string holding ``${`` (a prompt given as ``\\${x}``) is
+    written escaped, where it was written as an interpolation that the run's own
+    ``config.yaml`` then failed to resolve (resuming, ``jarl eval RUN``)."""
+    values = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False)
+    return OmegaConf.to_yaml(OmegaConf.create(_escaped(values)))
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` with every string's ``${`` escaped as OmegaConf reads it: ``\\${`` for a
+    literal ``${``, each backslash before it doubled."""
+    if isinstance(value, str):
+        return _INTERPOLATION_START.sub(lambda m: m[1] * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
+
+
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
 
 
 def _full_key(e: OmegaConfBaseException) -> str:

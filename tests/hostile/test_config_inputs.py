@@ -49,7 +49,13 @@ import pytest
 from jax_agent_rl.cli import main
 from jax_agent_rl.cli.commands import build_parser
 from jax_agent_rl.compat.verl.interaction import load_interactions
-from jax_agent_rl.config import ConfigError, EngineSection, load_config, preview_config
+from jax_agent_rl.config import (
+    ConfigError,
+    EngineSection,
+    load_config,
+    preview_config,
+    to_yaml,
+)
 from jax_agent_rl.config.rollout import JetStreamSection, RaySection, VLLMSection
 from jax_agent_rl.data import reasoning_gym
 from jax_agent_rl.data.reasoning_gym import ReasoningGymError
@@ -559,6 +565,28 @@ def test_an_interpolation_that_resolves_to_nothing_is_a_config_error(
     with pytest.raises(ConfigError, match=match):
         load_config(path, ["model.path=m", "data.train=t.jsonl"])
     assert load_config(None, ["model.path=m", "data.train=t.jsonl", f"{key}=${{model.path}}"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["costs ${x} here", "${model.path}", "a \\${y}", "\\\\${z} and ${w}", "plain \\ $ { }"],
+)
+def test_a_literal_interpolation_survives_the_run_folders_config(tmp_path: Path, text: str) -> None:
+    """A prompt holding ``${`` (given escaped, ``\\${x}``) was written into the run's
+    config.yaml as it reads, an interpolation: resuming the run, or ``jarl eval RUN``, then
+    failed on its own config ("Interpolation key 'x' not found"). Written escaped, it reads
+    back as the same text, also beside backslashes."""
+    escaped = re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
+    required = ["model.path=m", "data.train=t.jsonl"]
+    for given in (
+        [f"agent.context.compact_prompt={escaped}"],
+        [f"agent.context.compact_prompt={json.dumps(escaped)}"],
+    ):
+        cfg = load_config(None, [*required, *given])
+        assert cfg.agent.context.compact_prompt == text
+        run = tmp_path / "config.yaml"
+        run.write_text(to_yaml(cfg))
+        assert load_config(run, []) == cfg
 
 
 @pytest.mark.parametrize(
