@@ -56,8 +56,8 @@ def test_misspelled_key_names_it_and_the_allowed_keys(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError,
         match=r"unknown config key 'modle'; allowed here: \['agent', 'algorithm', 'data', "
-        r"'engine', 'env', 'group', 'learner', 'mesh', 'model', 'optim', 'sampling', 'sft', "
-        r"'tools', 'trainer'\]",
+        r"'engine', 'env', 'group', 'learner', 'mesh', 'model', 'optim', 'policies', 'sampling', "
+        r"'sft', 'tools', 'trainer'\]",
     ):
         load_config(path)
 

@@ -12,6 +12,7 @@ import re
 import string
 import typing
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from jax_agent_rl.config.model import EXACT_ROWS, lora_targets_problem
 from jax_agent_rl.config.ranges import Rule, finite_number
@@ -60,8 +61,20 @@ def check_ranges(cfg: JarlConfig) -> list[str]:
     """Every value outside its field's range, one line each; when all are in range, every
     value that does not fit another (`_FIT_CHECKS`)."""
     problems = []
-    for key, rule in field_ranges(JarlConfig).items():
-        value = functools.reduce(getattr, key.split("."), cfg)
+    sections: list[tuple[str, Any]] = [("", cfg)]  # (and each policies.<name> entry's fields)
+    sections += [(f"policies.{name}.", policy) for name, policy in cfg.policies.items()]
+    for prefix, section in sections:
+        problems += _out_of_range(prefix, section)
+    if problems:
+        return problems
+    return [p for check in _FIT_CHECKS if (p := check(cfg)) is not None]
+
+
+def _out_of_range(prefix: str, section: Any) -> list[str]:
+    """Each value of ``section`` (a dataclass, its key ``prefix``) outside its field's range."""
+    problems = []
+    for field, rule in field_ranges(type(section)).items():
+        key, value = prefix + field, functools.reduce(getattr, field.split("."), section)
         if not rule.ok(value):
             # an int past a float's range, or a float's inf or nan, is out of every range: say
             # so (a 310-digit count was told "expected >= 0")
@@ -69,9 +82,7 @@ def check_ranges(cfg: JarlConfig) -> list[str]:
             text = repr(value)
             shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
             problems.append(f"{key}={shown}: expected {finite}{rule.accepted}")
-    if problems:
-        return problems
-    return [p for check in _FIT_CHECKS if (p := check(cfg)) is not None]
+    return problems
 
 
 def _micro_batch_over_mesh(cfg: JarlConfig) -> str | None:
@@ -408,6 +419,47 @@ def _context(cfg: JarlConfig) -> str | None:
     return None
 
 
+POLICY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a policy's run folder: RUN/policies/<name>
+
+
+def _policies(cfg: JarlConfig) -> str | None:
+    """Other policies (``policies.<name>``): a name a folder can have, a prompt that fills
+    {question} and {answer} alone, and what each one's own engine and learner were built and
+    tested for: the embedded engine in this process, a checkpoint's dense decoder."""
+    for name, p in cfg.policies.items():
+        key = f"policies.{name}"
+        if not POLICY_NAME.fullmatch(name):
+            return f"{key}: a policy's name is 1-64 letters, digits, '_' or '-' (its run folder)"
+        try:
+            parts = [(f, c, spec) for _, f, spec, c in string.Formatter().parse(p.prompt)]
+        except ValueError as e:
+            return f"{key}.prompt: {e} (write a literal brace twice: {{{{ }}}})"
+        fields = {f for f, _, _ in parts if f is not None}
+        plain = all(not c and not spec for f, c, spec in parts if f is not None)
+        if fields != {"question", "answer"} or not plain:
+            return (
+                f"{key}.prompt fills {sorted(fields)}: expected {{question}} and {{answer}}, "
+                "each as it is (no conversion or format spec; a literal brace written twice)"
+            )
+        refused = {
+            "engine.backend": "" if cfg.engine.backend == "embedded" else cfg.engine.backend,
+            "engine.ray.address": cfg.engine.ray.address,
+            f"{key}.model.module": p.model.module,
+            f"{key}.model.lora.rank": p.model.lora.rank,
+            f"{key}.model.exact_logprobs": "true" if p.model.exact_logprobs else "",
+        }
+        if set_keys := _set_keys(refused):
+            return (
+                f"{key} with {set_keys}: another policy trains a checkpoint's dense decoder "
+                "on its own embedded engine, in this process"
+            )
+        # its warm start's batches split as the run's (its own demonstrations or made ones)
+        own_sft = dataclasses.replace(p.sft, data=p.sft.data or "made")
+        if (problem := _sft_batch(dataclasses.replace(cfg, sft=own_sft))) is not None:
+            return f"{key}: {problem.replace('sft.', f'{key}.sft.')}"
+    return None
+
+
 _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _micro_batch_over_mesh,
     _slots_over_mesh,
@@ -427,4 +479,5 @@ _FIT_CHECKS: tuple[Callable[[JarlConfig], str | None], ...] = (
     _exact_logprobs,
     _module,
     _context,
+    _policies,
 )

@@ -406,14 +406,18 @@ def _describe(hint: Any) -> str:
 
 
 def _allowed_keys(schema: type, dotted: str) -> list[str]:
-    """Field names of the dataclass that holds ``dotted``'s last part."""
+    """Field names of the dataclass that holds ``dotted``'s last part (through a mapping's
+    entries: ``policies.<name>.model``)."""
     cls: Any = schema
     for part in dotted.split(".")[:-1]:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in fields:
-            break
-        inner = fields[part].default_factory
-        if inner is dataclasses.MISSING or not dataclasses.is_dataclass(inner):
+        if typing.get_origin(cls) is dict:  # a mapping's entry: its value type
+            inner = typing.get_args(cls)[1]
+        else:
+            inner = typing.get_type_hints(cls).get(part)
+        nested = dataclasses.is_dataclass(inner) or typing.get_origin(inner) is dict
+        if inner is None or not nested:
             break
         cls = inner
+    if not dataclasses.is_dataclass(cls):  # (a mapping's own keys are free)
+        return []
     return sorted(f.name for f in dataclasses.fields(cls))

@@ -436,6 +436,36 @@ class TrainerSection:
     tensorboard: bool = True
 
 
+VERIFIER_PROMPT = (
+    "Question: {question}\nProposed answer: {answer}\nIs the proposed answer right? Reply "
+    "<answer>1</answer> if it is, <answer>0</answer> if it is not."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySection:
+    """A policy trained in the run beside the run's own (``policies.<name>``; docs/agents.md,
+    "Several policies"): its model, optimizer and warm start, and its role. Each runs in a run
+    folder of its own, ``<trainer.run_dir>/policies/<name>`` (checkpoints, metrics, traces,
+    ``hf/``), with its own engine and learner on the run's devices, and the run's other
+    settings. The one role, ``verifier``: after each step it reads each episode of the run's
+    policy (its question and final answer, in ``prompt``) and answers ``<answer>1</answer>``
+    (right) or ``<answer>0</answer>`` (wrong), ``n`` times; its reward is 1 where it judged as
+    the episode's success says, and those verdicts are its batch. Its held-out figure: its
+    accuracy on the held-out questions, each given its right answer and another row's."""
+
+    role: Literal["verifier"] = "verifier"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    # its warm start; sft.data empty with sft.steps > 0: demonstrations made from data.train's
+    # rows, each question with its right answer (verdict 1) and another row's (verdict 0)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    n: int = setting(4, COUNT)  # verdicts per episode of the run's policy: the verifier's group
+    # what the verifier reads, a user message: {question} (the episode's last prompt message)
+    # and {answer} (its final answer's text) filled in
+    prompt: str = VERIFIER_PROMPT
+
+
 @dataclasses.dataclass(frozen=True)
 class JarlConfig:
     """The whole run configuration."""
@@ -454,3 +484,5 @@ class JarlConfig:
     learner: LearnerSection = dataclasses.field(default_factory=LearnerSection)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    # other policies trained in the same run, by name (PolicySection); none: one policy
+    policies: dict[str, PolicySection] = dataclasses.field(default_factory=dict)

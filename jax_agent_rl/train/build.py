@@ -93,6 +93,7 @@ class Run:
     metrics: MetricsLog
     serving: Serving
     start: int
+    label: str = ""  # what its console lines start with: another policy's name (``policies``)
 
     def serving_params(self, state: LearnerState) -> Any:
         """The policy of ``state`` for this process's rollout backend."""
@@ -207,6 +208,17 @@ def _restore(
     sampler.restore(meta["sampler"])
     state = LearnerState(states["policy"], states.get("critic"), states.get("reference"))
     return state, int(meta["step"])
+
+
+def restore_at(run: Run, fresh: LearnerState, step: int) -> LearnerState:
+    """``run``'s state as its checkpoint of ``step`` holds it (laid out as ``fresh``), its
+    prompt sampler set back to there; an error naming the run folder if it has none."""
+    if step not in run.checkpoints.steps():
+        raise ValueError(
+            f"{run.run_dir} has no checkpoint of step {step} (it has "
+            f"{run.checkpoints.steps()}): it cannot resume beside the run"
+        )
+    return _restore(run.checkpoints, step, fresh, run.sampler)[0]
 
 
 def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:

@@ -113,6 +113,8 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         devices = jax.device_count() if joined else jax.local_device_count() * processes
         problems += model_fit(cfg, model, devices)
         problems += spans_every_device(cfg, processes, devices)
+    for name, policy in cfg.policies.items():  # each other policy's checkpoint and tokenizer
+        attempt(functools.partial(_policy_model, name, policy.model))
     default = cfg.agent.default_agent_loop
     train = attempt(lambda: prompt_samples("data.train", cfg.data.train, default, ROWS))
     val = (
@@ -167,6 +169,14 @@ def _model_and_tokenizer(
         attempt(lambda: lora_model(cfg, checkpoint))
         return checkpoint, tokenizer
     return (None if tokenizer is None else attempt(lambda: custom_model(cfg, tokenizer))), tokenizer
+
+
+def _policy_model(name: str, section: ModelSection) -> None:
+    """Policy ``name``'s checkpoint and tokenizer load (their errors named by its keys)."""
+    try:
+        run_tokenizer(section, checkpoint_model(section.path))
+    except ConfigError as e:
+        raise ConfigError(f"policies.{name}: {e}") from None
 
 
 def check_names(cfg: JarlConfig) -> list[str]:
@@ -262,6 +272,11 @@ def run_notes(cfg: JarlConfig) -> list[str]:
             cfg.engine
         )
     notes += unread_sections(cfg.engine)
+    notes += [
+        f"policies.{name}: a {p.role} with an engine and a learner of its own on the run's "
+        f"devices (not in the memory plan), its run folder {cfg.trainer.run_dir}/policies/{name}"
+        for name, p in cfg.policies.items()
+    ]
     sources = []
     for key, path in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
         if path:

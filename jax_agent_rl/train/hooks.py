@@ -68,7 +68,9 @@ async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
     """Greedy episodes on the held-out prompts (one each; every process a slice,
     `evaluate_samples`), logged as ``val`` at ``step``; returns their metrics as ``val/*``."""
     episodes = len(process_share(run.val_samples))
-    with progress.phase(run.console, f"held-out @ step {step}, episode", episodes) as bar:
+    with progress.phase(
+        run.console, f"{run.label}held-out @ step {step}, episode", episodes
+    ) as bar:
         ev = await evaluate_samples(
             run.cfg,
             rollout.score,
@@ -81,7 +83,7 @@ async def evaluate(run: Run, rollout: Rollout, step: int) -> dict[str, float]:
     m = ev.metrics
     run.metrics.write(step, "val", m)
     run.console.print(
-        f"held-out @ step {step}: success {m['success']:.3f}  "
+        f"{run.label}held-out @ step {step}: success {m['success']:.3f}  "
         f"tool calls {m['tool_calls']:.2f}  turns {m['turns']:.2f}"
     )
     return {f"val/{k}": v for k, v in m.items()}

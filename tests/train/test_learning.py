@@ -23,10 +23,15 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from jax_agent_rl.cli import main
 from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.config import load_config
+from jax_agent_rl.models import load_hf
+from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
@@ -165,6 +170,41 @@ def test_rl_raises_a_moe_policys_held_out_success(moe_sft_run: tuple[Path, Path]
     """The same with a Qwen3-MoE policy (8 experts, 2 per token): GRPO through its grouped
     expert matmuls, each update replaying the experts the engine sampled with."""
     _assert_rl_raises_held_out_success(moe_sft_run, "moe_calculator_cpu.yaml", "moe")
+
+
+def test_a_solver_and_a_verifier_train_in_one_run(sft_run: tuple[Path, Path]) -> None:
+    """Two policies in one run (docs/agents.md, "Several policies";
+    configs/demo_solver_verifier_cpu.yaml): the demo's solver and a verifier that judges each
+    of its episodes twice a step (from the same warm start, 100 SFT steps on the training
+    rows' answers, then GRPO on its verdicts, rewarded where it judged as the episode's
+    success says). The solver learns as it does alone; the verifier's
+    learner updates too (its gradients are not zero, no update skipped); each policy's
+    held-out figure is in the run's metrics (the verifier's: its accuracy on held-out
+    questions given their right answer and another row's), and each run folder's export loads
+    alone."""
+    # (configs/demo_solver_verifier_cpu.yaml: the verifier starts from model.path, the warm start)
+    fewer = ["policies.verifier.n=2", "policies.verifier.sft.steps=100"]
+    run = _assert_rl_raises_held_out_success(
+        sft_run, "demo_solver_verifier_cpu.yaml", "solver-verifier", fewer
+    )
+    steps = read_metrics(run / "metrics.jsonl", "train")
+    assert len(steps) == 10 and all("policies/verifier/reward" in m for m in steps)
+    assert any(m["policies/verifier/grad_norm"] > 0 for m in steps)
+    assert 0.0 <= steps[-1]["policies/verifier/val/success"] <= 1.0
+    own = run / "policies" / "verifier"
+    its = read_metrics(own / "metrics.jsonl", "train")
+    assert [m["step"] for m in its] == list(range(1, 11))
+    assert all(m["nonfinite_updates"] == 0 for m in its)
+    assert [m["step"] for m in read_metrics(own / "metrics.jsonl", "val")] == [0, 10]
+    one = one_device_sharder()
+    solver, judge = (load_hf(f / "hf", sharder=one)[1] for f in (run, own))
+    differ = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), solver, judge)
+    assert all(jax.tree.leaves(differ))  # two policies, not one
+    # its run folder stands alone: jarl eval of its last checkpoint is its held-out figure
+    report = run.parent / "verifier-eval.json"
+    assert main(["eval", str(own), "--out", str(report)]) == 0
+    held_out = read_metrics(own / "metrics.jsonl", "val")[-1]["success"]
+    assert json.loads(report.read_text())["metrics"]["success"] == held_out
 
 
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
