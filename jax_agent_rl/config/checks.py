@@ -424,23 +424,13 @@ POLICY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a policy's run folder: RUN/p
 
 def _policies(cfg: JarlConfig) -> str | None:
     """Other policies (``policies.<name>``): a name a folder can have, a prompt that fills
-    {question} and {answer} alone, and what each one's own engine and learner were built and
-    tested for: the embedded engine in this process, a checkpoint's dense decoder."""
+    {question} and {answer} alone, what each one's own engine and learner were built and
+    tested for (the embedded engine in this process, a checkpoint's dense decoder), GRPO
+    groups of two verdicts or more, and warm-start batches that split as the run's."""
     for name, p in cfg.policies.items():
         key = f"policies.{name}"
         if not POLICY_NAME.fullmatch(name):
             return f"{key}: a policy's name is 1-64 letters, digits, '_' or '-' (its run folder)"
-        try:
-            parts = [(f, c, spec) for _, f, spec, c in string.Formatter().parse(p.prompt)]
-        except ValueError as e:
-            return f"{key}.prompt: {e} (write a literal brace twice: {{{{ }}}})"
-        fields = {f for f, _, _ in parts if f is not None}
-        plain = all(not c and not spec for f, c, spec in parts if f is not None)
-        if fields != {"question", "answer"} or not plain:
-            return (
-                f"{key}.prompt fills {sorted(fields)}: expected {{question}} and {{answer}}, "
-                "each as it is (no conversion or format spec; a literal brace written twice)"
-            )
         refused = {
             "engine.backend": "" if cfg.engine.backend == "embedded" else cfg.engine.backend,
             "engine.ray.address": cfg.engine.ray.address,
@@ -453,10 +443,33 @@ def _policies(cfg: JarlConfig) -> str | None:
                 f"{key} with {set_keys}: another policy trains a checkpoint's dense decoder "
                 "on its own embedded engine, in this process"
             )
-        # its warm start's batches split as the run's (its own demonstrations or made ones)
-        own_sft = dataclasses.replace(p.sft, data=p.sft.data or "made")
-        if (problem := _sft_batch(dataclasses.replace(cfg, sft=own_sft))) is not None:
-            return f"{key}: {problem.replace('sft.', f'{key}.sft.')}"
+        own_sft = dataclasses.replace(p.sft, data=p.sft.data or "made")  # (or made ones)
+        problems = (
+            _prompt_fields(key, p.prompt),
+            _group_size(dataclasses.replace(cfg, group=dataclasses.replace(cfg.group, n=p.n))),
+            _sft_batch(dataclasses.replace(cfg, sft=own_sft)),
+        )
+        for problem in problems:
+            if problem is not None:  # (the run's keys, named as the policy's)
+                named = problem.replace("group.n", f"{key}.n").replace("sft.", f"{key}.sft.")
+                return named if named.startswith(key) else f"{key}: {named}"
+    return None
+
+
+def _prompt_fields(key: str, prompt: str) -> str | None:
+    """``prompt`` fills {question} and {answer}, each as it is (a format spec or a field's
+    attribute would run, or size a string, at every verdict)."""
+    try:
+        parts = [(f, c, spec) for _, f, spec, c in string.Formatter().parse(prompt)]
+    except ValueError as e:
+        return f"{key}.prompt: {e} (write a literal brace twice: {{{{ }}}})"
+    fields = {f for f, _, _ in parts if f is not None}
+    plain = all(not c and not spec for f, c, spec in parts if f is not None)
+    if fields != {"question", "answer"} or not plain:
+        return (
+            f"{key}.prompt fills {sorted(fields)}: expected {{question}} and {{answer}}, "
+            "each as it is (no conversion or format spec; a literal brace written twice)"
+        )
     return None
 
 

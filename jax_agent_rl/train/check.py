@@ -115,6 +115,8 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         problems += spans_every_device(cfg, processes, devices)
     for name, policy in cfg.policies.items():  # each other policy's checkpoint and tokenizer
         attempt(functools.partial(_policy_model, name, policy.model))
+    if cfg.policies and processes > 1:
+        problems.append(f"policies: other policies train in a run of one process, not {processes}")
     default = cfg.agent.default_agent_loop
     train = attempt(lambda: prompt_samples("data.train", cfg.data.train, default, ROWS))
     val = (

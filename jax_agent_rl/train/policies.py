@@ -221,7 +221,9 @@ def build_policies(run: Run, console: Console) -> list[OtherPolicy]:
     """Every ``policies.<name>`` of ``run``'s config, built (or resumed at ``run.start``)."""
     cfg = run.cfg
     if cfg.policies and jax.process_count() > 1:
-        raise ValueError("policies: other policies train in a run of one process")
+        raise ValueError(
+            f"policies: other policies train in a run of one process, not {jax.process_count()}"
+        )
     built: list[OtherPolicy] = []
     try:
         for name, section in cfg.policies.items():

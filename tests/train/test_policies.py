@@ -138,10 +138,11 @@ def test_a_policy_runs_as_a_run_of_its_own_with_the_run_s_other_settings() -> No
         (["policies.judge.model.lora.rank=4"], "policies.judge.model.lora.rank=4"),
         (["engine.backend=vllm"], "engine.backend=vllm: another policy trains"),
         (["policies.judge.n=0"], "policies.judge.n=0: expected >= 1"),
+        (["policies.judge.n=1"], "policies.judge.n=1: a GRPO group of one sample"),
         (["policies.judge.optim.lr=-1"], "policies.judge.optim.lr=-1.0: expected > 0"),
         (
             ["policies.judge.sft.steps=5", "policies.judge.sft.batch_size=3"],
-            "policies.judge: policies.judge.sft.batch_size=3",
+            "policies.judge.sft.batch_size=3 does not split",
         ),
         (["policies.judge.modle.path=v"], r"allowed here: \['model', 'n', 'optim', 'prompt'"),
     ],
@@ -170,6 +171,12 @@ def test_a_missing_policy_checkpoint_is_named_before_the_run(tmp_path: Path) -> 
     assert len(problems) == 1 and problems[0].startswith("policies.verifier: model.path="), problems
     ok = dataclasses.replace(cfg, policies={})
     assert check_run(ok) == []
+    fine = dataclasses.replace(cfg.policies["verifier"], model=ok.model)
+    two = dataclasses.replace(cfg, policies={"verifier": fine})
+    assert check_run(two) == []
+    assert "policies: other policies train in a run of one process, not 2" in check_run(
+        two, processes=2
+    )
     # the dry run says what the memory plan leaves out
     (note,) = [n for n in run_notes(cfg) if n.startswith("policies.verifier:")]
     assert "not in the memory plan" in note and str(tmp_path / "run" / "policies") in note
