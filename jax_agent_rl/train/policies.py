@@ -155,8 +155,10 @@ def verdict_samples(episodes: Iterable[Episode], section: PolicySection) -> list
 
 
 def verdict_rows(samples: Sequence[Sample], section: PolicySection) -> list[dict[str, Any]]:
-    """A verifier's held-out rows (verl's layout): each held-out question with its right
-    answer (label 1) and with the next row's answer that differs from it (label 0)."""
+    """A verifier's held-out rows (verl's layout): each question with its right answer (label
+    1) and with the next row's answer that differs from it (label 0); rows without a ground
+    truth (an environment's, a judge's) give none."""
+    samples = [s for s in samples if s.ground_truth not in (None, "")]
     truths = [str(s.ground_truth) for s in samples]
     rows = []
     for i, s in enumerate(samples):
@@ -232,9 +234,16 @@ def build_policies(run: Run, console: Console) -> list[OtherPolicy]:
             folder.mkdir(parents=True, exist_ok=True)
             Path(own.tools.config).write_text("[]  # a verdict is one model turn, without tools\n")
             if own.data.val:
-                _write_jsonl(Path(own.data.val), verdict_rows(run.val_samples, section))
+                held_out = verdict_rows(run.val_samples, section)
+                _write_jsonl(Path(own.data.val), held_out)
+                if not held_out:  # (no held-out answer to judge: no held-out figure)
+                    own = dataclasses.replace(own, data=dataclasses.replace(own.data, val=""))
             if own.sft.data == str(folder / SFT_FILE) and run.start == 0:
-                rows = verdict_rows(run.sampler.samples, section)
+                if not (rows := verdict_rows(run.sampler.samples, section)):
+                    raise ConfigError(
+                        f"policies.{name}.sft: no row of data.train has a ground truth to make "
+                        f"its demonstrations of: give policies.{name}.sft.data"
+                    )
                 _write_jsonl(folder / SFT_FILE, verdict_demonstrations(rows))
             console.print(f"policy {name!r} ({section.role}): {section.model.path}, run {folder}")
             try:

@@ -14,6 +14,7 @@ import pytest
 
 from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.agent.trajectory import Trajectory
+from jax_agent_rl.cli import main
 from jax_agent_rl.config import ConfigError, JarlConfig, load_config
 from jax_agent_rl.config.sections import PolicySection
 from jax_agent_rl.data.sample import Sample
@@ -62,6 +63,8 @@ def test_held_out_verdicts_pair_each_question_with_its_answer_and_another_row_s(
         (PolicySection().prompt.format(question="Q2?", answer="7"), "0"),
     ]
     assert all(r["data_source"] == "verifier" and len(r["prompt"]) == 1 for r in rows)
+    # rows without a ground truth (an environment's) give none
+    assert verdict_rows([_sample(3, None), _sample(4, "")], PolicySection()) == []  # type: ignore[arg-type]
     # one answer everywhere: no wrong answer to give, only the right one
     assert [
         r["reward_model"]["ground_truth"] for r in verdict_rows(samples[:2], PolicySection())
@@ -217,6 +220,9 @@ def test_a_verifier_resumes_at_the_run_s_step(tmp_path: Path) -> None:
     for folder in (run, verifier):
         assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["0", "1", "2"]
         assert json.loads((folder / "hf" / "config.json").read_text())["model_type"] == "qwen2"
+    # its folder is a run of its own for the tools that read one
+    assert main(["view", str(verifier), "--out", str(tmp_path / "view")]) == 0
+    assert "verifier" in (tmp_path / "view" / "index.html").read_text()
 
 
 def _train_steps(run: Path) -> list[int]:
