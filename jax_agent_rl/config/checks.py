@@ -456,19 +456,24 @@ def _policies(cfg: JarlConfig) -> str | None:
     return None
 
 
+MAX_VERDICT_PROMPT = 4096  # characters of a verifier's prompt, before it is filled
+
+
 def _prompt_fields(key: str, prompt: str) -> str | None:
-    """``prompt`` fills {question} and {answer}, each as it is (a format spec or a field's
-    attribute would run, or size a string, at every verdict)."""
+    """``prompt`` fills {question} and {answer} once each, as they are (a format spec, a
+    field's attribute or a field repeated would run, or size a string, at every verdict)."""
+    if len(prompt) > MAX_VERDICT_PROMPT:
+        return f"{key}.prompt holds {len(prompt)} characters: at most {MAX_VERDICT_PROMPT}"
     try:
         parts = [(f, c, spec) for _, f, spec, c in string.Formatter().parse(prompt)]
     except ValueError as e:
         return f"{key}.prompt: {e} (write a literal brace twice: {{{{ }}}})"
-    fields = {f for f, _, _ in parts if f is not None}
+    named = sorted(f for f, _, _ in parts if f is not None)
     plain = all(not c and not spec for f, c, spec in parts if f is not None)
-    if fields != {"question", "answer"} or not plain:
+    if named != ["answer", "question"] or not plain:
         return (
-            f"{key}.prompt fills {sorted(fields)}: expected {{question}} and {{answer}}, "
-            "each as it is (no conversion or format spec; a literal brace written twice)"
+            f"{key}.prompt fills {named}: expected {{question}} and {{answer}}, once each "
+            "and as they are (no conversion or format spec; a literal brace written twice)"
         )
     return None
 

@@ -200,8 +200,10 @@ def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
     """Each section of ``schema`` that ``layer`` sets is a mapping, and each list or mapping
     setting a list or a mapping (OmegaConf's own errors name no key: ``model: 5``; ``stop:
     {a: 1}`` raised "Cannot merge incompatible container types", a traceback)."""
-    hints = typing.get_type_hints(schema)
+    hints: Any = schema if isinstance(schema, _Entries) else typing.get_type_hints(schema)
     for name, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        if isinstance(schema, _Entries) and not isinstance(name, str):
+            raise ConfigError(f"{prefix}{name!r}: a name (text) is expected as the key")
         hint = hints.get(name)
         if dataclasses.is_dataclass(hint):
             if not OmegaConf.is_dict(value):
@@ -212,6 +214,21 @@ def _check_sections(schema: Any, layer: Any, prefix: str = "") -> None:
             _check_container(hint, value, f"{prefix}{name}")
             if not OmegaConf.is_interpolation(layer, name):
                 _check_bool(hint, value, f"{prefix}{name}")
+            entry = typing.get_args(hint)[1] if typing.get_origin(hint) is dict else None
+            if dataclasses.is_dataclass(entry) and OmegaConf.is_dict(value):
+                # a mapping of sections (``policies``): each entry checked as a section
+                _check_sections(_Entries(typing.cast(type, entry)), value, f"{prefix}{name}.")
+
+
+class _Entries:
+    """The type hints of a mapping whose every value is a section of type ``entry``: any key
+    (a name) maps to it, so `_check_sections` checks each entry as that section."""
+
+    def __init__(self, entry: type) -> None:
+        self.entry = entry
+
+    def get(self, _name: str) -> type:
+        return self.entry
 
 
 def _check_container(hint: Any, value: Any, key: str) -> None:

@@ -214,7 +214,7 @@ def restore_at(run: Run, fresh: LearnerState, step: int) -> LearnerState:
     """``run``'s state as its checkpoint of ``step`` holds it (laid out as ``fresh``), its
     prompt sampler set back to there; an error naming the run folder if it has none."""
     if step not in run.checkpoints.steps():
-        raise ValueError(
+        raise ConfigError(
             f"{run.run_dir} has no checkpoint of step {step} (it has "
             f"{run.checkpoints.steps()}): it cannot resume beside the run"
         )

@@ -50,6 +50,22 @@ class RunCheckpoints:
         """The steps of every complete checkpoint, oldest first."""
         return sorted(self.manager.all_steps())
 
+    @staticmethod
+    def steps_in(directory: Path) -> list[int]:
+        """The steps saved in ``directory`` (a run's ``checkpoints``), read without opening it
+        (orbax writes a step under another name until it is complete); none if it is not
+        there."""
+        if not directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+    def drop_after(self, step: int) -> None:
+        """Removes every checkpoint after ``step``: a run resumed at ``step`` saves the steps
+        it redoes again, and orbax saves no step at or below its latest."""
+        for later in self.steps():
+            if later > step:
+                self.manager.delete(later)
+
     def save(self, step: int, states: dict[str, Any], meta: dict[str, Any]) -> None:
         """Starts writing; returns as soon as the arrays are copied off the devices."""
         args = {name: ocp.args.StandardSave(state) for name, state in states.items()}

@@ -39,6 +39,7 @@ from jax_agent_rl.rewards.math import extract_answer
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.tokenization import Message
 from jax_agent_rl.train.build import Rollout, Run, build_run, open_rollout, restore_at
+from jax_agent_rl.train.checkpoints import RunCheckpoints
 from jax_agent_rl.train.episodes import raise_if_all_failed
 from jax_agent_rl.train.hooks import (
     Hook,
@@ -60,6 +61,7 @@ TOOLS_FILE = "tools.yaml"  # its tools: none (a verdict is one model turn)
 SFT_FILE = "sft.jsonl"  # its demonstrations, when the config gives none
 VERDICT_SOURCE = "verifier"  # its rows' data_source
 RIGHT, WRONG = "1", "0"  # its verdicts
+ANSWERED = ("eos", "env_done")  # the episodes it judges ended so: in an answer
 
 
 def policy_folder(run_dir: Path | str, name: str) -> Path:
@@ -97,6 +99,7 @@ def policy_config(cfg: JarlConfig, name: str, section: PolicySection) -> JarlCon
         data=dataclasses.replace(
             cfg.data,
             val=str(folder / VAL_FILE) if cfg.data.val else "",
+            val_size=0,  # every row: two a held-out question
             reward="math",
             rewards_by_source={},
             success_reward=1.0,
@@ -135,23 +138,30 @@ def question_of(messages: Sequence[Message]) -> str:
 
 
 def verdict_samples(episodes: Iterable[Episode], section: PolicySection) -> list[Sample]:
-    """One verifier sample per episode that ended in an answer (trainable: no tool, agent or
-    reward failure), labelled by its success, under the episode's uid."""
-    samples = []
-    for e in episodes:
-        if not e.trainable:
-            continue
-        question = question_of(e.traj.messages)
-        answer = answer_of(final_answer_text(e.traj))
-        samples.append(
-            Sample(
-                uid=e.uid,
-                messages=[verdict_message(section, question, answer)],
-                ground_truth=RIGHT if e.success else WRONG,
-                data_source=VERDICT_SOURCE,
-            )
+    """One verifier sample per episode that ended in an answer (the model ended its turn
+    without a call, its reward computed), labelled by its success, under the episode's uid;
+    as many right as wrong ones (the first of each, in order), so that a constant verdict
+    earns half the reward whatever the run's success rate (none: the step has only one
+    kind)."""
+    answered = [e for e in episodes if e.traj.stop_reason in ANSWERED and e.reward_error is None]
+    right = [e for e in answered if e.success]
+    wrong = [e for e in answered if not e.success]
+    k = min(len(right), len(wrong))
+    kept = {e.uid for e in right[:k] + wrong[:k]}
+    return [
+        Sample(
+            uid=e.uid,
+            messages=[
+                verdict_message(
+                    section, question_of(e.traj.messages), answer_of(final_answer_text(e.traj))
+                )
+            ],
+            ground_truth=RIGHT if e.success else WRONG,
+            data_source=VERDICT_SOURCE,
         )
-    return samples
+        for e in answered
+        if e.uid in kept
+    ]
 
 
 def verdict_rows(samples: Sequence[Sample], section: PolicySection) -> list[dict[str, Any]]:
@@ -160,11 +170,12 @@ def verdict_rows(samples: Sequence[Sample], section: PolicySection) -> list[dict
     truth (an environment's, a judge's) give none."""
     samples = [s for s in samples if s.ground_truth not in (None, "")]
     truths = [str(s.ground_truth) for s in samples]
+    others = _next_different(truths)
     rows = []
     for i, s in enumerate(samples):
         question = prompt_text(s)
-        wrong = next((t for t in truths[i + 1 :] + truths[:i] if t != truths[i]), None)
-        pairs = [(truths[i], RIGHT)] + ([(wrong, WRONG)] if wrong is not None else [])
+        j = others[i]
+        pairs = [(truths[i], RIGHT)] + ([(truths[j], WRONG)] if j is not None else [])
         rows += [
             {
                 "data_source": VERDICT_SOURCE,
@@ -175,6 +186,24 @@ def verdict_rows(samples: Sequence[Sample], section: PolicySection) -> list[dict
             for answer, label in pairs
         ]
     return rows
+
+
+def _next_different(values: Sequence[str]) -> list[int | None]:
+    """For each index, the next one (round the end) whose value differs; None if none does.
+    Linear: within a run of equal values the answer is where the run ends, and the runs that
+    reach the end wrap to the first value that differs from theirs."""
+    n = len(values)
+    out: list[int | None] = [None] * n
+    for i in range(n - 2, -1, -1):
+        out[i] = i + 1 if values[i + 1] != values[i] else out[i + 1]
+    if n:
+        last = values[-1]
+        wrap = next((j for j, v in enumerate(values) if v != last), None)
+        for i in range(n - 1, -1, -1):
+            if out[i] is not None:
+                break
+            out[i] = wrap
+    return out
 
 
 def verdict_demonstrations(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -209,14 +238,12 @@ class OtherPolicy:
     rollout: Rollout | None = None
     reported: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    def hooks(self) -> list[Hook]:
+    def hooks(self, updated: bool) -> list[Hook]:
+        """Its step's hooks: held-out and checkpoint at the run's steps, and the step's
+        metrics and traces when it ``updated`` (a step without verdicts writes none)."""
         t = self.run.cfg.trainer
-        return [
-            Hook(1, write_metrics),
-            Hook(1, write_traces),
-            Hook(t.eval_every, evaluate_held_out),
-            Hook(t.save_every, checkpoint),
-        ]
+        logs = [Hook(1, write_metrics), Hook(1, write_traces)] if updated else []
+        return [*logs, Hook(t.eval_every, evaluate_held_out), Hook(t.save_every, checkpoint)]
 
 
 def build_policies(run: Run, console: Console) -> list[OtherPolicy]:
@@ -246,12 +273,20 @@ def build_policies(run: Run, console: Console) -> list[OtherPolicy]:
                     )
                 _write_jsonl(folder / SFT_FILE, verdict_demonstrations(rows))
             console.print(f"policy {name!r} ({section.role}): {section.model.path}, run {folder}")
+            saved = RunCheckpoints.steps_in(folder / "checkpoints")
+            if run.start > 0 and run.start not in saved:
+                raise ConfigError(
+                    f"policies.{name}: the run resumes at step {run.start} and {folder} has no "
+                    f"checkpoint of it (it has {saved}): a policy joins a run at its start "
+                    "(a fresh trainer.run_dir)"
+                )
             try:
                 other_run, state = build_run(own, console)
             except ConfigError as e:  # (it names the policy's keys as the run's)
                 raise ConfigError(f"policies.{name}: {e}") from None
             if other_run.start != run.start:  # (its checkpoints run ahead of the run's by one)
                 state = restore_at(other_run, state, run.start)
+                other_run.checkpoints.drop_after(run.start)  # (the steps redone save again)
                 console.print(f"{name}: restored at the run's step {run.start}")
             other_run = dataclasses.replace(other_run, start=run.start, label=f"{name}: ")
             built.append(OtherPolicy(name, section, other_run, state))
@@ -303,27 +338,35 @@ async def step_policies(
         assert other.rollout is not None
         step, tag = end.step - 1, f"verify{end.step}"
         samples = verdict_samples(end.episodes, other.section)
-        t0, idle0 = time.perf_counter(), other.rollout.backend.idle_s()
-        verdicts = await run_episodes(other.run, other.rollout, samples, other.section.n, tag)
-        raise_if_all_failed(verdicts)
-        other.state, m, _, tokens = await learn_and_push(
-            other.run,
-            other.rollout,
-            other.state,
-            verdicts,
-            verdicts,
-            step,
-            compiles,
-            reported=other.reported,
-            t0=t0,
-            idle0=idle0,
-            waited_s=time.perf_counter() - t0,
-        )
+        verdicts: list[Episode] = []
+        tokens = None
+        if samples:
+            t0, idle0 = time.perf_counter(), other.rollout.backend.idle_s()
+            verdicts = await run_episodes(other.run, other.rollout, samples, other.section.n, tag)
+            raise_if_all_failed(verdicts)
+            other.state, m, _, tokens = await learn_and_push(
+                other.run,
+                other.rollout,
+                other.state,
+                verdicts,
+                verdicts,
+                step,
+                compiles,
+                reported=other.reported,
+                t0=t0,
+                idle0=idle0,
+                waited_s=time.perf_counter() - t0,
+            )
+        else:  # every answer right, or every one wrong: nothing to judge that a constant would not
+            m = {"skipped": 1.0}
         own = StepEnd(end.step, end.last, m, verdicts, other.state, tokens)
-        for hook in other.hooks():
+        for hook in other.hooks(updated=bool(samples)):
             if hook.due(own):
                 await hook.fn(other.run, other.rollout, own)
-        shown = ("reward", "success", "val/success", "grad_norm")
+        # its checkpoint complete before the run's begins: a run killed between them resumes
+        # with the policy's at or ahead of the run's (`build_policies`)
+        other.run.checkpoints.wait()
+        shown = ("reward", "success", "val/success", "grad_norm", "skipped")
         out |= {f"{POLICIES}/{other.name}/{k}": m[k] for k in shown if k in m}
     return out
 

@@ -195,6 +195,8 @@ def test_a_solver_and_a_verifier_train_in_one_run(sft_run: tuple[Path, Path]) ->
     its = read_metrics(own / "metrics.jsonl", "train")
     assert [m["step"] for m in its] == list(range(1, 11))
     assert all(m["nonfinite_updates"] == 0 for m in its)
+    # as many right answers as wrong judged each step: a constant verdict earns half
+    assert all(m["rollout/episodes"] % 4 == 0 for m in its)  # (2 verdicts, 2 kinds alike)
     assert [m["step"] for m in read_metrics(own / "metrics.jsonl", "val")] == [0, 10]
     one = one_device_sharder()
     solver, judge = (load_hf(f / "hf", sharder=one)[1] for f in (run, own))
