@@ -10,9 +10,9 @@ from jax_agent_rl.config.ranges import NATURAL, POSITIVE, Rule, setting
 
 # the projections an adapter may wrap (`jax_agent_rl.models.lora.TARGETS`; PEFT's q_proj ...)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# the smallest and largest alpha / rank (`jax_agent_rl.models.lora.MIN_SCALE`, `MAX_SCALE`,
-# which say why)
-MIN_LORA_SCALE, MAX_LORA_SCALE = 1e-4, 1e4
+# the smallest alpha and the largest alpha / rank (`jax_agent_rl.models.lora.MIN_ALPHA`,
+# `MAX_SCALE`, which say why)
+MIN_LORA_ALPHA, MAX_LORA_SCALE = 1e-4, 1e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +66,19 @@ class ModelSection:
 
 def lora_targets_problem(section: LoraSection) -> str | None:
     """A LoRA run's targets: distinct names of `LORA_TARGETS`, at least one; and its scale
-    ``alpha / rank`` within [`MIN_LORA_SCALE`, `MAX_LORA_SCALE`]."""
+    ``alpha / rank`` at most `MAX_LORA_SCALE`, and its alpha at least `MIN_LORA_ALPHA`."""
     if not section.rank:
         return None
-    scale = section.alpha / section.rank
-    if not MIN_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+    if section.alpha < MIN_LORA_ALPHA:
+        return (
+            f"model.lora.alpha={section.alpha:g}: expected >= {MIN_LORA_ALPHA:g} (a smaller one "
+            "rounds the adapters' contribution to nothing)"
+        )
+    if section.alpha / section.rank > MAX_LORA_SCALE:
         return (
             f"model.lora.alpha={section.alpha:g} over model.lora.rank={section.rank} is a scale "
-            f"of {scale:g}: expected within [{MIN_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] (larger "
-            "scales overflow float32 once the adapters train; smaller ones round the adapters' "
-            "contribution to nothing)"
+            f"of {section.alpha / section.rank:g}: expected at most {MAX_LORA_SCALE:g} (larger "
+            "scales overflow float32 once the adapters train)"
         )
     targets = list(section.targets)
     unknown = [t for t in targets if t not in LORA_TARGETS]

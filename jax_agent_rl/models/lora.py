@@ -27,10 +27,11 @@ MLP_TARGETS = frozenset({"gate", "up", "down"})
 # rank 8, 128), and far below where float32 overflows (~3.4e38): a huge scale (alpha 1e308 is
 # inf in float32) turns the first nonzero adapter gradient into inf or NaN weights
 MAX_SCALE = 1e4
-# the smallest: as far below the smallest in use (alpha 1 over rank 256, 0.004); a tiny scale
-# (alpha 1e-310, subnormal) rounds every adapter's contribution to nothing in bf16 and fp32,
-# so the run trains adapters that change no output
-MIN_SCALE = 1e-4
+# the smallest alpha: four orders below the smallest in use (1); a tiny alpha (1e-310,
+# subnormal) makes a scale that rounds every adapter's contribution to nothing in bf16 and
+# fp32, so the run trains adapters that change no output (over any rank a projection allows,
+# 1e-4 keeps the scale a normal float32)
+MIN_ALPHA = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +47,15 @@ class Lora:
             raise ValueError(f"LoRA rank={self.rank}: expected >= 1")
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"LoRA alpha={self.alpha}: expected a finite number > 0")
-        if not MIN_SCALE <= self.scale <= MAX_SCALE:
+        if self.alpha < MIN_ALPHA:
+            raise ValueError(
+                f"LoRA alpha={self.alpha:g}: expected >= {MIN_ALPHA:g} (a smaller one rounds "
+                "the adapters' contribution to nothing)"
+            )
+        if self.scale > MAX_SCALE:
             raise ValueError(
                 f"LoRA alpha={self.alpha:g} / rank={self.rank} = {self.scale:g}: expected a "
-                f"scale within [{MIN_SCALE:g}, {MAX_SCALE:g}]"
+                f"scale <= {MAX_SCALE:g}"
             )
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):

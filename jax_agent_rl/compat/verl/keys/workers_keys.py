@@ -50,8 +50,9 @@ WORKERS: tuple[VerlKey, ...] = (
     VerlKey(
         "actor_rollout_ref.model.lora_alpha",
         "model.lora.alpha",
-        "the same; `alpha / rank` within [1e-4, 1e4] (larger scales overflow float32 once "
-        "the adapters train, smaller ones round the adapters' contribution to nothing)",
+        "the same; `alpha / rank` at most 1e4 (larger scales overflow float32 once the "
+        "adapters train) and alpha at least 1e-4 (smaller ones round the adapters' "
+        "contribution to nothing)",
     ),
     VerlKey(
         "actor_rollout_ref.model.target_modules",
