@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import resource
@@ -244,6 +245,29 @@ print("wrote 512 MB")
 """
     out = attack_beside_normal(pool, code)
     assert "wrote" not in out and ("memory limit exceeded" in out or "No space left" in out)
+
+
+def test_a_kernel_kill_at_the_groups_bound_is_reported_as_memory(sandbox_cgroup: bool) -> None:
+    """Filling tmpfs past a 64 MB group gets the writer killed by the kernel, often before the
+    watchdog's next look: the group's counts (its OOM kill) still name the bound. Reported
+    "killed" 7 times in 15 before; every time now. Under the accounting, the watchdog or the
+    mounts' size stop it."""
+    code = """
+chunk = b"0" * (8 * 1024 * 1024)
+for i in range(64):
+    open(f"/dev/shm/f{i}" if i % 2 else f"/tmp/f{i}", "wb").write(chunk)
+print("wrote 512 MB")
+"""
+    sb = PythonSandbox(size=1, limits=dataclasses.replace(LIMITS, memory_mb=64), timeout_s=60.0,
+                       cgroup=sandbox_cgroup)  # fmt: skip
+    try:
+        outs = [run(sb, code).as_text() for _ in range(10)]
+    finally:
+        sb.close()
+    for out in outs:
+        assert "wrote" not in out
+        bound = "memory limit exceeded" in out
+        assert bound if sandbox_cgroup else bound or "No space left" in out, out
 
 
 def test_cpu_is_bounded_per_execution() -> None:
