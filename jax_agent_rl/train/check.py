@@ -43,6 +43,7 @@ import jax
 
 from jax_agent_rl.agent.filters import check_filters
 from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
+from jax_agent_rl.config.sections import PolicySection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import make_environments
 from jax_agent_rl.models import ModelConfig
@@ -108,13 +109,13 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
         as_judge = dataclasses.replace(cfg.engine, backend=judge)
         problems += [f"data.judge.backend={judge}: {line}" for line in unhonoured(as_judge)]
     model, tokenizer = _model_and_tokenizer(cfg, attempt)
+    joined = jax.process_count() == processes
+    devices = jax.device_count() if joined else jax.local_device_count() * processes
     if model is not None:
-        joined = jax.process_count() == processes
-        devices = jax.device_count() if joined else jax.local_device_count() * processes
         problems += model_fit(cfg, model, devices)
         problems += spans_every_device(cfg, processes, devices)
-    for name, policy in cfg.policies.items():  # each other policy's checkpoint and tokenizer
-        attempt(functools.partial(_policy_model, name, policy.model))
+    for name, policy in cfg.policies.items():
+        problems += _policy(cfg, name, policy, devices)
     if cfg.policies and processes > 1:
         problems.append(f"policies: other policies train in a run of one process, not {processes}")
     default = cfg.agent.default_agent_loop
@@ -173,12 +174,20 @@ def _model_and_tokenizer(
     return (None if tokenizer is None else attempt(lambda: custom_model(cfg, tokenizer))), tokenizer
 
 
-def _policy_model(name: str, section: ModelSection) -> None:
-    """Policy ``name``'s checkpoint and tokenizer load (their errors named by its keys)."""
+def _policy(cfg: JarlConfig, name: str, section: PolicySection, devices: int) -> list[str]:
+    """The problems of policy ``name``, each named by its keys: its checkpoint and tokenizer
+    load, its model fits the run's context and mesh on ``devices``, and its own
+    demonstrations (``sft.data``, when it has SFT steps) read, rendered without tools as its
+    verdicts are."""
     try:
-        run_tokenizer(section, checkpoint_model(section.path))
+        model = checkpoint_model(section.model.path)
+        tokenizer = run_tokenizer(section.model, model)
+        problems = model_fit(dataclasses.replace(cfg, model=section.model), model, devices)
+        if section.sft.data and section.sft.steps:
+            _demonstrations(section.sft.data, _builder(section.model, tokenizer, []))
     except ConfigError as e:
-        raise ConfigError(f"policies.{name}: {e}") from None
+        problems = [str(e)]
+    return [f"policies.{name}: {p}" for p in problems]
 
 
 def check_names(cfg: JarlConfig) -> list[str]:

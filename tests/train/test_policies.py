@@ -209,6 +209,21 @@ def test_a_missing_policy_checkpoint_is_named_before_the_run(tmp_path: Path) -> 
     # the dry run says what the memory plan leaves out
     (note,) = [n for n in run_notes(cfg) if n.startswith("policies.verifier:")]
     assert "not in the memory plan" in note and str(tmp_path / "run" / "policies") in note
+    # its own demonstrations, and its model against the run's context and mesh, before the run
+    # (they failed after the run's model had loaded)
+    missing = dataclasses.replace(fine.sft, data=str(tmp_path / "verdicts.jsonl"))
+    no_demos = dataclasses.replace(
+        cfg, policies={"verifier": dataclasses.replace(fine, sft=missing)}
+    )
+    assert check_run(no_demos) == [
+        f"policies.verifier: sft.data={str(tmp_path / 'verdicts.jsonl')!r} does not exist"
+    ]
+    too_wide = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=4))
+    run_s, its = check_run(too_wide), check_run(dataclasses.replace(two, mesh=too_wide.mesh))
+    assert any("mesh" in p for p in run_s)
+    assert [p for p in its if p.startswith("policies.verifier: ")] == [
+        f"policies.verifier: {p}" for p in run_s if "mesh" in p
+    ], (run_s, its)
 
 
 def test_a_verifier_resumes_at_the_run_s_step(tmp_path: Path) -> None:
