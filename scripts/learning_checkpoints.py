@@ -1,7 +1,9 @@
 """Makes the warm starts that tests/train/test_learning.py trains from with RL, into
-tests/train/warm_starts/<demo>/: the exported policy of an SFT-only run of the smaller demo task
+tests/train/warm_starts/<name>/: the exported policy of an SFT-only run, and the run's held-out
+success beside it (sft.json). ``tiny`` and ``tiny-moe``: the smaller demo task
 (`jax_agent_rl.cli.demo.small_task_sft`), 600 steps for the dense demo model and 800 for its
-Qwen3-MoE twin, and the run's held-out success beside it (sft.json).
+Qwen3-MoE twin; ``tiny-compaction``: the compaction example's task with the dense model
+(`jax_agent_rl.cli.demo.compaction_task_sft`).
 
 The suite trains from these files rather than running the SFT itself (about 10 CPU-minutes of
 every run, the MoE's most of it): what the suite measures is that RL raises a fixed policy's
@@ -23,12 +25,12 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # as the suite's (tests/conftest.py)
 
-from jax_agent_rl.cli.demo import small_task_sft
+from jax_agent_rl.cli.demo import compaction_task_sft, small_task_sft
 from jax_agent_rl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "train" / "warm_starts"
-STEPS = {"tiny": 600, "tiny-moe": 800}
+STEPS = {"tiny": 600, "tiny-moe": 800, "tiny-compaction": 2000}
 
 
 def make(demo: str) -> Path:
@@ -36,7 +38,10 @@ def make(demo: str) -> Path:
     out = OUT / demo
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        small_task_sft(folder, STEPS[demo], demo=demo)
+        if demo.endswith("-compaction"):
+            compaction_task_sft(folder, STEPS[demo], demo.removesuffix("-compaction"))
+        else:
+            small_task_sft(folder, STEPS[demo], demo=demo)
         (val,) = read_metrics(folder / "sft" / "metrics.jsonl", "val")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(folder / "sft" / "hf", out)

@@ -77,14 +77,23 @@ def test_inspect_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "jarl: " in capsys.readouterr().err
 
 
-def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("task", ["calculator", "compaction"])
+def test_demo_wiring_on_a_short_run(
+    task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`jarl demo` with tiny budgets: every artefact the demo promises is written (its
-    learning is asserted in tests/train/test_learning.py)."""
+    learning is asserted in tests/train/test_learning.py); ``--task compaction`` writes its
+    own task and trains with its config (episodes compacted)."""
     overrides = [
         "sft.steps=4", "sft.batch_size=8", "trainer.steps=1", "data.val_size=4",
         "data.prompts_per_step=2", "group.n=2", "learner.micro_batch_size=4",
     ]  # fmt: skip
-    assert main(["demo", "--run-dir", str(tmp_path), *overrides]) == 0
+    assert main(["demo", "--run-dir", str(tmp_path), "--task", task, *overrides]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "task" / "val.jsonl").open()]
+    kinds = {row["data_source"] for row in rows}
+    assert kinds == {"arithmetic/long_chain"} if task == "compaction" else "arithmetic/add" in kinds
+    config = (tmp_path / "config.yaml").read_text()
+    assert ("compact: 80" in config) == (task == "compaction")
     for name in ("metrics.jsonl", "reward.png", "throughput.png", "traces.jsonl", "config.yaml"):
         assert (tmp_path / name).is_file(), name
     assert (tmp_path / "hf" / "model.safetensors").is_file()
@@ -92,10 +101,16 @@ def test_demo_wiring_on_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"sft_success", "rl_success"}
     out = capsys.readouterr().out
-    assert out.startswith(f"jarl demo: {expected_duration('tiny', 4, 1)}\n")
+    measured = "compaction" if task == "compaction" else "tiny"
+    assert out.startswith(f"jarl demo: {expected_duration(measured, 4, 1)}\n")
     assert "jarl traces" in out and f"\n  {tmp_path / 'hf'}/ " in out  # the closing list
     assert main(["traces", str(tmp_path), "--limit", "1"]) == 0
     assert main(["demo", "--run-dir", str(tmp_path / "x"), "algorithm.clip_hihg=1"]) == 2
+    refused = ["demo", "--run-dir", str(tmp_path / "y"), "--task", "compaction", "--lora"]
+    assert main(refused) == 2
+    assert "jarl: jarl demo --task compaction: the tiny model only, without --lora" in (
+        capsys.readouterr().err
+    )
 
 
 def test_every_command_refuses_values_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:

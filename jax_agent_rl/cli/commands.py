@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        demo.run(run_dir, Console(), args.overrides, args.model, args.lora)
+        demo.run(run_dir, Console(), args.overrides, args.model, args.lora, args.task)
     except ConfigError as e:
         return _refuse(str(e).splitlines())
     return 0
@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
         "here, warm-starts it on imperfect demonstrations, then trains it with GRPO over "
         "multi-turn calculator rollouts and reports held-out success before and after. "
         "Overrides (key.sub=value) apply to configs/demo_calculator_cpu.yaml "
-        "(--model tiny-moe: configs/moe_calculator_cpu.yaml; --lora: to both of its phases, "
+        "(--model tiny-moe: configs/moe_calculator_cpu.yaml; --task compaction: "
+        "configs/demo_compaction_cpu.yaml; --lora: to both of its phases, "
         "the RL phase's config being configs/demo_calculator_lora_cpu.yaml).",
     )
     p.add_argument("--run-dir", help="where to write the run (default: runs/demo-<time>)")
@@ -374,6 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="tiny: a Qwen2-layout model of ~0.85M parameters; tiny-moe: a Qwen3-MoE of its "
         "size (8 experts, 2 per token)",
+    )
+    p.add_argument(
+        "--task",
+        choices=["calculator", "compaction"],
+        default="calculator",
+        help="calculator: sums, products and chains of both; compaction: three-call chains "
+        "whose episodes do not fit the context unless the agent summarises it, RL alone "
+        "(configs/demo_compaction_cpu.yaml) from the committed SFT warm start "
+        "tests/train/warm_starts/tiny-compaction (docs/agents.md)",
     )
     p.add_argument(
         "--lora",

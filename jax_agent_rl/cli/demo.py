@@ -34,8 +34,8 @@ from jax_agent_rl.config import ConfigError, JarlConfig, load_config
 from jax_agent_rl.config.paths import made_folder
 from jax_agent_rl.console import progress
 from jax_agent_rl.data.arithmetic import NUMBERS, ArithmeticTask
+from jax_agent_rl.data.compaction import CompactionTask
 from jax_agent_rl.data.datasets import write_jsonl
-from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.models import (
     ModelConfig,
     init_params,
@@ -52,6 +52,16 @@ from jax_agent_rl.train.sft import write_demonstrations
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_calculator_cpu.yaml"
 LORA_CONFIG = DEMO_CONFIG.with_name("demo_calculator_lora_cpu.yaml")
+COMPACTION_CONFIG = DEMO_CONFIG.with_name("demo_compaction_cpu.yaml")
+# `jarl demo --task compaction` trains from this SFT policy (scripts/learning_checkpoints.py
+# made it; tests/train/test_learning.py trains from it too). An SFT of the tiny model on the
+# compaction task lands on a policy that copies the product's first operand well or badly by
+# the rounding of its run: of four 2000- and 3000-step runs, one ended where 95 % of the
+# episodes whose summary keeps the total end right (this one), three where 9-25 % do
+# (docs/agents.md)
+COMPACTION_WARM_START = (
+    DEMO_CONFIG.parents[1] / "tests" / "train" / "warm_starts" / "tiny-compaction"
+)
 CALCULATOR = Path(__file__).resolve().parents[1] / "configs" / "tools_calculator.yaml"
 
 
@@ -74,7 +84,7 @@ class Measured:
         rest = 1.0 - self.sft_share - self.rl_share
         return total * (
             rest
-            + self.sft_share * sft_steps / self.sft_steps
+            + (self.sft_share * sft_steps / self.sft_steps if self.sft_steps else 0.0)
             + self.rl_share * rl_steps / self.rl_steps
         )
 
@@ -85,6 +95,9 @@ class Measured:
 MEASURED = {
     "tiny": Measured(16.9, 7.4, sft_share=12.5 / 16.9, rl_share=2.7 / 16.9),
     "tiny-moe": Measured(16.0, 8.9, sft_share=11.9 / 16.0, rl_share=3.0 / 16.0),
+    # --task compaction: RL alone (configs/demo_compaction_cpu.yaml) from the warm start: 2.5 min
+    # on idle cores (RL 140 s of 152); loaded: not measured, the tiny demo's ratio (x2.3)
+    "compaction": Measured(5.7, 2.5, sft_share=0, rl_share=140 / 152, sft_steps=0),
 }
 
 
@@ -92,7 +105,7 @@ def expected_duration(demo: str, sft_steps: int, rl_steps: int) -> str:
     """What the demo tells a user it will take, for its ``sft_steps`` and ``rl_steps``."""
     m = MEASURED[demo]
     loaded, idle = (m.minutes(t, sft_steps, rl_steps) for t in (m.loaded, m.idle))
-    sft = m.loaded * m.sft_share * sft_steps / m.sft_steps
+    sft = m.loaded * m.sft_share * sft_steps / m.sft_steps if m.sft_steps else 0.0
     most = " (SFT most of it)" if sft > loaded / 2 else ""
     scaled = (sft_steps, rl_steps) != (m.sft_steps, m.rl_steps)
     how = f" ({sft_steps} SFT and {rl_steps} RL steps)" if scaled else ""
@@ -141,23 +154,19 @@ def task_files(folder: Path) -> TaskFiles:
     )
 
 
-def _demonstrations(task: ArithmeticTask, n: int, seed: int) -> list[list[dict]]:
-    """``n`` of the task's demonstrated conversations (imperfect: see the module docstring)."""
+Task = ArithmeticTask | CompactionTask
+
+
+def _demonstrations(task: Task, n: int, seed: int) -> list[list[dict]]:
+    """The demonstrated conversations of ``n`` of the task's problems (imperfect: see the
+    task's module; a compacted episode is two)."""
     rng = random.Random(f"demonstrations/{seed}")
-    return [_conversation(s, task.demonstration(s, rng)) for s in task.samples(n, seed, "sft")]
-
-
-def _conversation(sample: Sample, turns: list[tuple[str, list[tuple[str, str]]]]) -> list[dict]:
-    messages = [dict(m) for m in sample.messages]
-    for text, outputs in turns:
-        messages.append({"role": "assistant", "content": text})
-        messages += [{"role": "tool", "content": out, "name": name} for name, out in outputs]
-    return messages
+    return [c for s in task.samples(n, seed, "sft") for c in task.conversations(s, rng)]
 
 
 def prepare(
     folder: Path,
-    task: ArithmeticTask | None = None,
+    task: Task | None = None,
     *,
     n_train: int = 4000,
     n_val: int = 200,
@@ -396,16 +405,32 @@ def run(
     overrides: Sequence[str] = (),
     demo: str = "tiny",
     lora: bool = False,
+    task: str = "calculator",
 ) -> dict[str, float]:
     """The demo with the ``demo`` model of `DEMOS` (its config) in ``run_dir``. With ``lora``
     (the tiny model only), SFT trains every weight of the random-init model in
     ``run_dir/sft``, as the demo does (adapters on a random base learn nothing: the base is
     what a real run's pretrained model is), and RL then trains LoRA adapters on that policy
     with configs/demo_calculator_lora_cpu.yaml, its base frozen; ``overrides`` apply to both
-    phases (the SFT phase keeps ``model.lora.rank=0``)."""
+    phases (the SFT phase keeps ``model.lora.rank=0``). The ``compaction`` task
+    (`jax_agent_rl.data.compaction`) trains RL alone with configs/demo_compaction_cpu.yaml, from
+    the committed warm start `COMPACTION_WARM_START` (its SFT from scratch is a lottery: see
+    the constant)."""
     model, config = DEMOS[demo]
     if lora and demo != "tiny":
         raise ConfigError(f"jarl demo --lora: the tiny model only (not --model {demo})")
+    compaction = task == "compaction"
+    if compaction:
+        if lora or demo != "tiny":
+            raise ConfigError("jarl demo --task compaction: the tiny model only, without --lora")
+        if not (COMPACTION_WARM_START / "model.safetensors").is_file():
+            raise ConfigError(
+                f"jarl demo --task compaction trains from the committed warm start "
+                f"{COMPACTION_WARM_START}, which is not here: run it from a checkout of the "
+                "repository (scripts/learning_checkpoints.py tiny-compaction makes it again)"
+            )
+        config = COMPACTION_CONFIG
+        overrides = [f"model.path={COMPACTION_WARM_START}", "sft.data=", "sft.steps=0", *overrides]
     files = task_files(run_dir / "task")
     phases = (  # bad keys first
         lora_phases(run_dir, files, overrides)
@@ -413,8 +438,9 @@ def run(
         else [demo_config(run_dir, files, overrides, config)]
     )
     sft_cfg = phases[0]
+    measured = "compaction" if compaction else demo
     console.print(
-        f"jarl demo: {expected_duration(demo, sft_cfg.sft.steps, phases[-1].trainer.steps)}"
+        f"jarl demo: {expected_duration(measured, sft_cfg.sft.steps, phases[-1].trainer.steps)}"
         f"{LORA_DURATION if lora else ''}",
         highlight=False,
         soft_wrap=True,
@@ -422,7 +448,8 @@ def run(
     request_cpu_devices(sft_cfg.mesh.data * sft_cfg.mesh.fsdp * sft_cfg.mesh.tensor)
     made_folder(run_dir / "task", f"--run-dir {run_dir}")
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
-        files = prepare(run_dir / "task", model=model)
+        folder = run_dir / "task"
+        files = compaction_task(folder) if compaction else prepare(folder, model=model)
     console.print(
         f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )
@@ -449,3 +476,30 @@ def lora_phases(run_dir: Path, files: TaskFiles, overrides: Sequence[str]) -> li
 
 def _params(model_dir: Path) -> int:
     return ModelConfig.from_pretrained(model_dir).num_params
+
+
+# The compaction example's learning test (tests/train/test_learning.py): its config's budgets
+# and compaction with the smaller task's held-out set and update size.
+COMPACTION_OVERRIDES = [
+    "data.prompts_per_step=8",
+    "group.n=8",
+    "learner.micro_batch_size=32",
+    "trainer.tensorboard=false",
+]
+
+
+def compaction_task(folder: Path, demo: str = "tiny") -> TaskFiles:
+    """The compaction example's files in ``folder`` (`jax_agent_rl.data.compaction`), with the
+    ``demo`` model's random-init checkpoint and tokenizer (`DEMOS`)."""
+    return prepare(
+        folder, CompactionTask(), n_train=400, n_val=100, n_sft=1500, model=DEMOS[demo][0]
+    )
+
+
+def compaction_task_sft(folder: Path, sft_steps: int, demo: str = "tiny") -> TaskFiles:
+    """The compaction example's files in ``folder/task`` and an SFT-only run of them in
+    ``folder/sft`` (its policy exported to ``folder/sft/hf``)."""
+    files = compaction_task(folder / "task", demo)
+    sft = [*COMPACTION_OVERRIDES, f"sft.steps={sft_steps}", "trainer.steps=0"]
+    train(demo_config(folder / "sft", files, sft, COMPACTION_CONFIG))
+    return files

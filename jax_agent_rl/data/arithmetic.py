@@ -99,14 +99,23 @@ class ArithmeticTask:
         kind = sample.extra["kind"]
         answer = int(sample.ground_truth)
         if kind == "add" and rng.random() >= self.tool_use_on_add:
-            guess = answer if rng.random() < self.mental_accuracy else _slip(answer, rng)
+            guess = answer if rng.random() < self.mental_accuracy else slip(answer, rng)
             return [(answer_text(guess), [])]
         turns: list[tuple[str, list[tuple[str, str]]]] = []
-        results = [_evaluate(e) for e in sample.extra["steps"]]
+        results = [evaluate(e) for e in sample.extra["steps"]]
         for expression, result in zip(sample.extra["steps"], results, strict=True):
             turns.append((tool_call_text(expression), [("calculator", str(result))]))
         turns.append((answer_text(answer), []))
         return turns
+
+    def conversations(self, sample: Sample, rng: random.Random) -> list[list[dict[str, str]]]:
+        """The demonstrator's episode of ``sample`` as the conversation SFT trains on (one:
+        its context only grows)."""
+        messages = [dict(m) for m in sample.messages]
+        for text, outputs in self.demonstration(sample, rng):
+            messages.append({"role": "assistant", "content": text})
+            messages += [{"role": "tool", "content": o, "name": name} for name, o in outputs]
+        return [messages]
 
 
 def tool_call_text(expression: str) -> str:
@@ -119,12 +128,12 @@ def answer_text(value: int) -> str:
     return f"<answer>{value}</answer>"
 
 
-def _evaluate(expression: str) -> int:
+def evaluate(expression: str) -> int:
     a, op, b = expression.split()
     return {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
 
 
-def _slip(value: int, rng: random.Random) -> int:
+def slip(value: int, rng: random.Random) -> int:
     """A plausible mistake: a digit off, or a dropped carry (never negative, never right)."""
     delta = rng.choice([-100, -10, -1, 1, 10, 100]) * rng.randint(1, 3)
     return value + delta if value + delta >= 0 else value - delta

@@ -59,6 +59,7 @@ TRAINED_ELSEWHERE = {
     "demo_calculator_lora_cpu": "train/test_learning.py",
     "demo_calculator_cispo_cpu": "train/test_learning.py",
     "demo_solver_verifier_cpu": "train/test_learning.py",
+    "demo_compaction_cpu": "train/test_learning.py",
     "moe_calculator_cpu": "train/test_learning.py",
     "guess_number_cpu": "envs/test_envs.py",
 }

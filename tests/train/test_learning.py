@@ -5,10 +5,12 @@ calculator tool) then raise held-out greedy success by a clear margin, with the 
 model (GRPO also training LoRA adapters alone, the base frozen) and with a Qwen3-MoE of its
 size; so does one run of each family of docs/algorithms.md: an off-policy loss and rollout
 mask (CISPO + IcePop, async), step-level advantages (GiGPO, Tree-GRPO) and DPPO's trust
-region.
+region; so does the compaction example, whose episodes fit the context only compacted, through
+its summary turns.
 
 The warm starts are files: tests/train/warm_starts/<demo> holds the policy exported by the
-SFT-only run of `demo.small_task_sft` (600 steps of the dense model, 800 of the MoE), which
+SFT-only run of `demo.small_task_sft` (600 steps of the dense model, 800 of the MoE; 2000 of
+the dense model on the compaction task, `demo.compaction_task_sft`), which
 scripts/learning_checkpoints.py makes, and that run's held-out success (sft.json). Running the
 SFT here cost about 10 CPU-minutes of every suite run; what these tests measure is the RL on
 top of it, from a policy fixed on every CPU kind (the MoE's SFT landed at 0.47 or 0.32
@@ -20,6 +22,7 @@ Greedy evaluation of the same problems has no sampling noise, so a rise of 0.2 m
 more problems solved, which only a policy that learned to call the tool on sums produces."""
 
 import json
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,10 +31,21 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.cli import main
-from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
+from jax_agent_rl.cli.demo import (
+    CALCULATOR,
+    COMPACTION_OVERRIDES,
+    SMALL_OVERRIDES,
+    TaskFiles,
+    compaction_task,
+    small_task,
+)
 from jax_agent_rl.config import load_config
+from jax_agent_rl.data.compaction import CompactionTask
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder
+from jax_agent_rl.tokenization import Tokenizer
+from jax_agent_rl.tokenization.turns import TurnBuilder
+from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
 
@@ -47,9 +61,18 @@ def held_out(run_dir: Path) -> list[float]:
     return [r["success"] for r in read_metrics(run_dir / "metrics.jsonl", "val")]
 
 
+# the committed warm starts (scripts/learning_checkpoints.py): the task files each was trained on
+TASKS = {"tiny": small_task, "tiny-moe": small_task, "tiny-compaction": compaction_task}
+
+
+def _task(folder: Path, warm_start: str) -> TaskFiles:
+    demo = warm_start.removesuffix("-compaction")
+    return TASKS[warm_start](folder, demo)
+
+
 def _warm_start(folder: Path, demo: str) -> tuple[Path, Path]:
-    """The task files in ``folder/task`` and the ``demo`` model's committed warm start."""
-    small_task(folder / "task", demo)
+    """The task files in ``folder/task`` and the committed warm start ``demo``."""
+    _task(folder / "task", demo)
     return folder, WARM_STARTS / demo
 
 
@@ -64,12 +87,18 @@ def moe_sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _warm_start(tmp_path_factory.mktemp("learning-moe"), "tiny-moe")
 
 
-@pytest.mark.parametrize("demo", ["tiny", "tiny-moe"])
+@pytest.fixture(scope="module")
+def compaction_sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The compaction example's task (configs/demo_compaction_cpu.yaml) and warm start."""
+    return _warm_start(tmp_path_factory.mktemp("learning-compaction"), "tiny-compaction")
+
+
+@pytest.mark.parametrize("demo", list(TASKS))
 def test_the_warm_starts_match_the_task(demo: str, tmp_path: Path) -> None:
     """The committed warm start reads the task as it is made today: its tokenizer is the one
-    `demo.small_task` trains, and its architecture the demo's (else rerun
-    scripts/learning_checkpoints.py)."""
-    files = small_task(tmp_path, demo)
+    its task (`demo.small_task`, `demo.compaction_task`) trains, and its architecture the
+    demo's (else rerun scripts/learning_checkpoints.py)."""
+    files = _task(tmp_path, demo)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         made, kept = (files.model / name).read_text(), (WARM_STARTS / demo / name).read_text()
         assert made == kept, f"{name} changed: rerun scripts/learning_checkpoints.py {demo}"
@@ -98,14 +127,18 @@ DPPO_TV = ["algorithm.policy_loss=dppo_tv", "algorithm.clip_high=0.2", "algorith
 
 
 def _assert_rl_raises_held_out_success(
-    sft_run: tuple[Path, Path], config: str, name: str, extra: Sequence[str] = ()
+    sft_run: tuple[Path, Path],
+    config: str,
+    name: str,
+    extra: Sequence[str] = (),
+    task: Sequence[str] = SMALL_OVERRIDES,
 ) -> Path:
-    """10 RL steps of ``config`` (with the ``extra`` overrides) from the SFT policy raise
-    held-out success by 0.2; the run (folder ``name``)."""
+    """10 RL steps of ``config`` (with the ``task``'s overrides, then ``extra``) from the SFT
+    policy raise held-out success by 0.2; the run (folder ``name``)."""
     folder, sft_model = sft_run
     run = folder / name
     overrides = [
-        *SMALL_OVERRIDES,
+        *task,
         *extra,
         f"model.path={sft_model}",
         f"data.train={folder / 'task' / 'train.jsonl'}",
@@ -207,6 +240,41 @@ def test_a_solver_and_a_verifier_train_in_one_run(sft_run: tuple[Path, Path]) ->
     assert main(["eval", str(own), "--out", str(report)]) == 0
     held_out = read_metrics(own / "metrics.jsonl", "val")[-1]["success"]
     assert json.loads(report.read_text())["metrics"]["success"] == held_out
+
+
+def test_rl_through_context_compaction_raises_held_out_success(
+    compaction_sft_run: tuple[Path, Path],
+) -> None:
+    """The compaction example (configs/demo_compaction_cpu.yaml; docs/agents.md, "Does
+    compaction learn?"): three-call chains whose episodes, written out, do not fit
+    engine.max_model_len. The loop asks for a summary after the second call; the warm start's
+    summary drops the running total half of the time (then it guesses), and GRPO through the
+    summary turn, a trained sample of each episode, raises held-out success by 0.2. Every
+    update trains the summaries (three samples an episode); each held-out problem's right
+    episode written out is longer than the context, and with compaction off the trained
+    policy solves none."""
+    folder, warm_start = compaction_sft_run
+    data = [f"data.{k}={folder / 'task' / f'{k}.jsonl'}" for k in ("train", "val")]
+    paths = [f"model.path={warm_start}", *data, "sft.data="]
+    cfg = load_config(ROOT / "configs" / "demo_compaction_cpu.yaml", paths)
+    builder = TurnBuilder(
+        Tokenizer.from_pretrained(warm_start), ToolRegistry.from_yaml(CALCULATOR).schemas()
+    )
+    right = CompactionTask(vague_summary=0.0)
+    for row in right.samples(100, 0, "val"):  # the val file's rows (`compaction_task`)
+        first, second = right.conversations(row, random.Random(0))
+        written_out = first[:-2] + second[3:]  # (the request and the summary left out)
+        assert len(builder.prompt_ids(written_out)) > cfg.engine.max_model_len
+    run = _assert_rl_raises_held_out_success(
+        compaction_sft_run, "demo_compaction_cpu.yaml", "compaction", task=COMPACTION_OVERRIDES
+    )
+    for m in read_metrics(run / "metrics.jsonl", "train"):
+        # three samples an episode (e, e@1 the summary turn, e@2: docs/agents.md), the
+        # odd one that answered before its second call aside
+        assert m["batch/samples"] >= 2.9 * m["batch/trajectories"]
+    report = run.parent / "uncompacted.json"
+    assert main(["eval", str(run), "agent.context.compact=0", "--out", str(report)]) == 0
+    assert json.loads(report.read_text())["metrics"]["success"] == 0.0
 
 
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
