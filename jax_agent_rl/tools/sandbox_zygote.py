@@ -362,13 +362,15 @@ def _group_at_bound(limit, queued):
     at the bound), the kernel killed a process of it (``oom_kill``), or what it holds now
     and the ``queued`` bytes of the sandbox's Unix and netlink sockets, which the kernel
     charges to no group (v2 charges TCP and UDP buffers only), pass the bound."""
-    peak, events, current = (os.pread(fd, 4096, 0) for fd in COUNTS)
-    words = events.split()
-    return (
-        int(peak) >= limit - 64 * PAGE
-        or int(words[words.index(b"oom_kill") + 1]) > 0
-        or int(current) + queued > limit
-    )
+    peak, current = (os.pread(COUNTS[i], 4096, 0) for i in (0, 2))
+    return int(peak) >= limit - 64 * PAGE or _oom_kills() > 0 or int(current) + queued > limit
+
+
+def _oom_kills():
+    """The processes the kernel killed in the execution's group at its bound (v1
+    ``memory.oom_control``, v2 ``memory.events``: ``oom_kill N``)."""
+    words = os.pread(COUNTS[1], 4096, 0).split()
+    return int(words[words.index(b"oom_kill") + 1])
 
 
 def remove_group():
@@ -502,9 +504,12 @@ def _run(req, pristine):
     if limit is None and GROUP["version"] and not (timed_out or truncated):
         # the kernel's kill at the group's bound falls between two looks of the watchdog as
         # often as not (its pipes close, the loop ends: 7 of 15 tmpfs fills were "killed", not
-        # "memory"); the group's counts keep it until the group goes
+        # "memory"); the group's counts keep it until the group goes: the child killed at
+        # its peak, or any process of the execution killed by the kernel (a child's, whose
+        # parent went on to exit on its own)
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        if killed and _group_at_bound(limits["memory_mb"] * 1024 * 1024, 0):
+        at_bound = _group_at_bound(limits["memory_mb"] * 1024 * 1024, 0)
+        if (killed and at_bound) or _oom_kills() > 0:
             limit = "memory"
     os.close(out_r)
     os.close(err_r)

@@ -270,6 +270,35 @@ print("wrote 512 MB")
         assert bound if sandbox_cgroup else bound or "No space left" in out, out
 
 
+def test_a_child_killed_at_the_bound_reports_memory_though_its_parent_exits_well() -> None:
+    """A forked child fills tmpfs past the group's bound and is killed by the kernel; its
+    parent waits and exits 0 on its own: the execution still reports its memory bound (the
+    group's OOM kill count), not a clean exit (found by a review: only a SIGKILL of the
+    direct child was read)."""
+    code = """
+import os
+pid = os.fork()
+if pid == 0:
+    chunk = b"0" * (8 * 1024 * 1024)
+    for i in range(64):
+        open(f"/dev/shm/g{i}" if i % 2 else f"/tmp/g{i}", "wb").write(chunk)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("parent done")
+"""
+    found = memory_cgroup()
+    if not isinstance(found, MemoryCgroup):
+        pytest.skip(found)
+    sb = PythonSandbox(size=1, limits=dataclasses.replace(LIMITS, memory_mb=64), timeout_s=60.0,
+                       cgroup=True)  # fmt: skip
+    try:
+        outs = [run(sb, code).as_text() for _ in range(5)]
+    finally:
+        sb.close()
+    for out in outs:
+        assert "memory limit exceeded" in out, out
+
+
 def test_cpu_is_bounded_per_execution() -> None:
     """Four processes spinning 1.5 s each stay under the per-process rlimit of 2 s, but not
     under the execution's 2 s, measured from their CPU time (not the wall clock)."""
