@@ -111,11 +111,12 @@ def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     model, tokenizer = _model_and_tokenizer(cfg, attempt)
     joined = jax.process_count() == processes
     devices = jax.device_count() if joined else jax.local_device_count() * processes
+    run_fit = model_fit(cfg, model, devices) if model is not None else []
+    problems += run_fit
     if model is not None:
-        problems += model_fit(cfg, model, devices)
         problems += spans_every_device(cfg, processes, devices)
     for name, policy in cfg.policies.items():
-        problems += _policy(cfg, name, policy, devices)
+        problems += _policy(cfg, name, policy, devices, run_fit)
     if cfg.policies and processes > 1:
         problems.append(f"policies: other policies train in a run of one process, not {processes}")
     default = cfg.agent.default_agent_loop
@@ -174,19 +175,33 @@ def _model_and_tokenizer(
     return (None if tokenizer is None else attempt(lambda: custom_model(cfg, tokenizer))), tokenizer
 
 
-def _policy(cfg: JarlConfig, name: str, section: PolicySection, devices: int) -> list[str]:
+def _policy(
+    cfg: JarlConfig, name: str, section: PolicySection, devices: int, run_fit: Sequence[str]
+) -> list[str]:
     """The problems of policy ``name``, each named by its keys: its checkpoint and tokenizer
-    load, its model fits the run's context and mesh on ``devices``, and its own
+    load, its model fits the run's context and mesh on ``devices`` (the lines the run's own
+    model got, ``run_fit``, such as the device count's, are not said again), and its own
     demonstrations (``sft.data``, when it has SFT steps) read, rendered without tools as its
     verdicts are."""
-    try:
-        model = checkpoint_model(section.model.path)
-        tokenizer = run_tokenizer(section.model, model)
-        problems = model_fit(dataclasses.replace(cfg, model=section.model), model, devices)
-        if section.sft.data and section.sft.steps:
-            _demonstrations(section.sft.data, _builder(section.model, tokenizer, []))
-    except ConfigError as e:
-        problems = [str(e)]
+    problems: list[str] = []
+
+    def attempt(load: Callable[[], T]) -> T | None:
+        try:
+            return load()
+        except ConfigError as e:
+            problems.append(str(e))
+            return None
+
+    model = attempt(lambda: checkpoint_model(section.model.path))
+    if model is not None:
+        # as `policies.policy_config` runs it: the run's settings, its model, no router loss
+        algorithm = dataclasses.replace(cfg.algorithm, router_aux_loss_coef=0.0)
+        own = dataclasses.replace(cfg, model=section.model, algorithm=algorithm)
+        problems += [p for p in model_fit(own, model, devices) if p not in run_fit]
+        tokenizer = attempt(lambda: run_tokenizer(section.model, model))
+        if tokenizer is not None and section.sft.data and section.sft.steps:
+            demos = section.sft.data
+            attempt(lambda: _demonstrations(demos, _builder(section.model, tokenizer, [])))
     return [f"policies.{name}: {p}" for p in problems]
 
 

@@ -104,11 +104,13 @@ def policy_config(cfg: JarlConfig, name: str, section: PolicySection) -> JarlCon
             rewards_by_source={},
             success_reward=1.0,
         ),
-        # one turn a verdict: no step-level credit, no per-turn samples
+        # one turn a verdict: no step-level credit, no per-turn samples; no router loss (the
+        # run's router_aux_loss_coef is its own model's: a dense policy has no router)
         algorithm=dataclasses.replace(
             a,
             adv_estimator="grpo" if a.adv_estimator in ("gigpo", "tree_grpo") else a.adv_estimator,
             turn_mode="trajectory",
+            router_aux_loss_coef=0.0,
         ),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(folder)),
         policies={},

@@ -127,6 +127,7 @@ def test_a_policy_runs_as_a_run_of_its_own_with_the_run_s_other_settings() -> No
             "trainer.run_dir=/runs/x",
             "algorithm.adv_estimator=gigpo",
             "algorithm.turn_mode=per_turn",
+            "algorithm.router_aux_loss_coef=0.01",  # the run's model's router
             "policies.judge.optim.lr=2e-5",
             "policies.judge.n=3",
             "policies.judge.sft.steps=10",
@@ -143,6 +144,7 @@ def test_a_policy_runs_as_a_run_of_its_own_with_the_run_s_other_settings() -> No
     assert own.algorithm.adv_estimator == "grpo" and own.algorithm.turn_mode == "trajectory"
     assert (own.engine, own.sampling, own.learner) == (cfg.engine, cfg.sampling, cfg.learner)
     assert own.algorithm.clip_high == cfg.algorithm.clip_high
+    assert own.algorithm.router_aux_loss_coef == 0.0  # the run's is its model's router's
 
 
 @pytest.mark.parametrize(
@@ -210,20 +212,26 @@ def test_a_missing_policy_checkpoint_is_named_before_the_run(tmp_path: Path) -> 
     (note,) = [n for n in run_notes(cfg) if n.startswith("policies.verifier:")]
     assert "not in the memory plan" in note and str(tmp_path / "run" / "policies") in note
     # its own demonstrations, and its model against the run's context and mesh, before the run
-    # (they failed after the run's model had loaded)
+    # (they failed after the run's model had loaded), each problem said once
+    short = tmp_path / "short"
+    shutil.copytree(WARM_STARTS / "tiny", short)
+    hf = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 64}))
     missing = dataclasses.replace(fine.sft, data=str(tmp_path / "verdicts.jsonl"))
-    no_demos = dataclasses.replace(
-        cfg, policies={"verifier": dataclasses.replace(fine, sft=missing)}
+    model = dataclasses.replace(fine.model, path=str(short))
+    both = dataclasses.replace(
+        cfg, policies={"verifier": dataclasses.replace(fine, sft=missing, model=model)}
     )
-    assert check_run(no_demos) == [
-        f"policies.verifier: sft.data={str(tmp_path / 'verdicts.jsonl')!r} does not exist"
+    assert check_run(both) == [
+        "policies.verifier: engine.max_model_len=192 exceeds the model's "
+        "max_position_embeddings=64: use engine.max_model_len <= 64",
+        f"policies.verifier: sft.data={str(tmp_path / 'verdicts.jsonl')!r} does not exist",
     ]
-    too_wide = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=4))
-    run_s, its = check_run(too_wide), check_run(dataclasses.replace(two, mesh=too_wide.mesh))
-    assert any("mesh" in p for p in run_s)
-    assert [p for p in its if p.startswith("policies.verifier: ")] == [
-        f"policies.verifier: {p}" for p in run_s if "mesh" in p
-    ], (run_s, its)
+    # the run's own mesh problems (its model, the device count) are not the policy's
+    too_wide = dataclasses.replace(two, mesh=dataclasses.replace(cfg.mesh, tensor=4))
+    problems = check_run(too_wide)
+    assert any("mesh" in p for p in problems)
+    assert not [p for p in problems if p.startswith("policies.")], problems
 
 
 def test_a_verifier_resumes_at_the_run_s_step(tmp_path: Path) -> None:
