@@ -109,6 +109,9 @@ def expected_duration(demo: str, sft_steps: int, rl_steps: int) -> str:
     most = " (SFT most of it)" if sft > loaded / 2 else ""
     scaled = (sft_steps, rl_steps) != (m.sft_steps, m.rl_steps)
     how = f" ({sft_steps} SFT and {rl_steps} RL steps)" if scaled else ""
+    if not m.sft_steps:  # measured without SFT: RL alone
+        uncounted = f"; {sft_steps} SFT steps not counted" if sft_steps else ""
+        how = f" ({rl_steps} RL steps{uncounted})" if scaled else ""
     return (
         f"about {loaded:.0f} minutes on 2 CPU cores shared with other jobs{most}, "
         f"{idle:.1f} on idle ones{how}"
@@ -423,11 +426,14 @@ def run(
     if compaction:
         if lora or demo != "tiny":
             raise ConfigError("jarl demo --task compaction: the tiny model only, without --lora")
-        if not (COMPACTION_WARM_START / "model.safetensors").is_file():
+        own_model = any(o.startswith("model.path=") for o in overrides)
+        if not own_model and not (COMPACTION_WARM_START / "model.safetensors").is_file():
             raise ConfigError(
                 f"jarl demo --task compaction trains from the committed warm start "
                 f"{COMPACTION_WARM_START}, which is not here: run it from a checkout of the "
-                "repository (scripts/learning_checkpoints.py tiny-compaction makes it again)"
+                "repository, or give model.path= an SFT policy of the task "
+                "(scripts/learning_checkpoints.py tiny-compaction makes one; an SFT of this "
+                "task lands well about one time in four: docs/agents.md)"
             )
         config = COMPACTION_CONFIG
         overrides = [f"model.path={COMPACTION_WARM_START}", "sft.data=", "sft.steps=0", *overrides]
@@ -439,8 +445,9 @@ def run(
     )
     sft_cfg = phases[0]
     measured = "compaction" if compaction else demo
+    sft_steps = sft_cfg.sft.steps if sft_cfg.sft.data else 0  # (no demonstrations: no SFT)
     console.print(
-        f"jarl demo: {expected_duration(measured, sft_cfg.sft.steps, phases[-1].trainer.steps)}"
+        f"jarl demo: {expected_duration(measured, sft_steps, phases[-1].trainer.steps)}"
         f"{LORA_DURATION if lora else ''}",
         highlight=False,
         soft_wrap=True,
@@ -450,8 +457,11 @@ def run(
     with progress.phase(console, "writing the task, a tokenizer and the initial model"):
         folder = run_dir / "task"
         files = compaction_task(folder) if compaction else prepare(folder, model=model)
+    start = phases[0].model.path
     console.print(
-        f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
+        f"the task in {run_dir / 'task'}; RL from the SFT policy {start}"
+        if compaction
+        else f"task, tokenizer and a {_params(files.model):,}-parameter model in {run_dir / 'task'}"
     )
     for phase in phases:
         if phase.model.lora.rank:

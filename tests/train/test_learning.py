@@ -40,7 +40,7 @@ from jax_agent_rl.cli.demo import (
     small_task,
 )
 from jax_agent_rl.config import load_config
-from jax_agent_rl.data.compaction import CompactionTask
+from jax_agent_rl.data.compaction import SUMMARY_ASK, SUMMARY_PREFIX, CompactionTask
 from jax_agent_rl.models import load_hf
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.tokenization import Tokenizer
@@ -252,11 +252,13 @@ def test_rl_through_context_compaction_raises_held_out_success(
     summary turn, a trained sample of each episode, raises held-out success by 0.2. Every
     update trains the summaries (three samples an episode); each held-out problem's right
     episode written out is longer than the context, and with compaction off the trained
-    policy solves none."""
+    policy solves next to none (it answers after the second call: only a guess can land)."""
     folder, warm_start = compaction_sft_run
     data = [f"data.{k}={folder / 'task' / f'{k}.jsonl'}" for k in ("train", "val")]
     paths = [f"model.path={warm_start}", *data, "sft.data="]
     cfg = load_config(ROOT / "configs" / "demo_compaction_cpu.yaml", paths)
+    asked = (cfg.agent.context.compact_prompt, cfg.agent.context.summary_prefix)
+    assert asked == (SUMMARY_ASK, SUMMARY_PREFIX)  # as the warm start's demonstrations say
     builder = TurnBuilder(
         Tokenizer.from_pretrained(warm_start), ToolRegistry.from_yaml(CALCULATOR).schemas()
     )
@@ -274,7 +276,7 @@ def test_rl_through_context_compaction_raises_held_out_success(
         assert m["batch/samples"] >= 2.9 * m["batch/trajectories"]
     report = run.parent / "uncompacted.json"
     assert main(["eval", str(run), "agent.context.compact=0", "--out", str(report)]) == 0
-    assert json.loads(report.read_text())["metrics"]["success"] == 0.0
+    assert json.loads(report.read_text())["metrics"]["success"] <= 0.05  # (a lucky guess)
 
 
 def _short_run(folder: Path, sft_model: Path, name: str, *extra: str) -> list[dict[str, float]]:
