@@ -89,15 +89,18 @@ def check_run(cfg: JarlConfig, processes: int = 1) -> list[str]:
     return _problems(cfg, processes)
 
 
+def _attempt(problems: list[str], load: Callable[[], T]) -> T | None:
+    """What ``load`` returns, or None with its `ConfigError`'s line added to ``problems``."""
+    try:
+        return load()
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
+
+
 def _problems(cfg: JarlConfig, processes: int) -> list[str]:
     problems: list[str] = processes_fit(cfg, processes) + check_names(cfg) + _run_folder(cfg)
-
-    def attempt(load: Callable[[], T]) -> T | None:
-        try:
-            return load()
-        except ConfigError as e:
-            problems.append(str(e))
-            return None
+    attempt = functools.partial(_attempt, problems)
 
     parser = make_parser(cfg.agent.parser)  # a registered name: `load_config` checked it
     if cfg.engine.backend in backend_names():
@@ -184,13 +187,7 @@ def _policy(
     demonstrations (``sft.data``, when it has SFT steps) read, rendered without tools as its
     verdicts are."""
     problems: list[str] = []
-
-    def attempt(load: Callable[[], T]) -> T | None:
-        try:
-            return load()
-        except ConfigError as e:
-            problems.append(str(e))
-            return None
+    attempt = functools.partial(_attempt, problems)
 
     model = attempt(lambda: checkpoint_model(section.model.path))
     if model is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -118,6 +119,26 @@ print("inotify_init1", libc.inotify_init1(0), ctypes.get_errno())
 def test_executions_get_no_inotify(sandbox: PythonSandbox) -> None:
     """inotify would show one sandbox's reads of the shared /usr files to another."""
     assert run(sandbox, NO_INOTIFY).stdout == "inotify_init1 -1 1\n"
+
+
+KEYRING = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+KEY_SPEC_USER_KEYRING = -4
+key = libc.syscall(248, b"user", b"note", b"0xBEEF", 6, KEY_SPEC_USER_KEYRING)  # add_key
+print("add_key", key, ctypes.get_errno())
+found = libc.syscall(249, b"user", b"note", None, 0)  # request_key
+print("request_key", found, ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 syscall numbers")
+def test_the_kernel_keyring_carries_nothing_between_executions(sandbox: PythonSandbox) -> None:
+    """The user keyring outlives every process of its uid: a key one execution added would be
+    there for the next to request (a channel no pass had named). add_key and request_key are
+    refused (EPERM), in the first execution and the next."""
+    for _ in range(2):
+        assert run(sandbox, KEYRING).stdout == "add_key -1 1\nrequest_key -1 1\n"
 
 
 # --- the fork server's own state, which every execution on its worker meets ----------------
