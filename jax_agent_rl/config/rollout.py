@@ -118,8 +118,12 @@ class EngineSection:
     kv_cache_gib: float = setting(
         0.0, NATURAL, was=("rollout.kv_cache_gib", "rollout.vllm.kv_cache_mb")
     )
-    # a longer prompt is prefilled in chunks between decode steps (embedded, jetstream)
+    # the most tokens of one prompt an engine call computes: a longer prompt goes on in the
+    # next calls, beside the decoding rows (embedded; jetstream: its prefill call's chunk)
     prefill_chunk: int = setting(512, COUNT, was="rollout.prefill_chunk")
+    # the tokens one engine step computes (embedded): every decoding slot's next token and
+    # chunks of several prompts in one forward (at least max_concurrent over the data shards)
+    max_step_tokens: int = setting(512, COUNT)
     # decode steps per engine call (embedded, jetstream)
     steps_per_call: int = setting(4, COUNT, was="rollout.steps_per_call")
     # a decode step computes only the slots in use (rounded up to a power of two); false:

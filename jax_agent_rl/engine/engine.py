@@ -5,21 +5,28 @@ sequence holds a page table (its pages in order), so memory follows real lengths
 sequences that share a prefix share its pages. Which sequence holds which pages is the
 caller's business (`engine.pages.PagePool` keeps the ledger); the engine computes:
 
-``prefill`` runs a chunk of one sequence's tokens (after the positions its pages hold
-already), writes their keys and values into its pages and samples the next token;
-``insert`` places the result in a decode slot; ``generate`` advances every active slot by
-``num_steps`` tokens in one device call, computing only the slots in use (the first ones,
-rounded up to a power-of-two batch bucket, or the active ones gathered into a smaller
-bucket: `state.decode_rows`), each slot's attention over its own pages only
-(`models.paged.ragged_attention`, the work the sum of the real lengths; on TPU with a
-16-bit cache, JAX's Pallas kernel). ``copy_page`` copies a shared page before a write.
-Each slot carries its own sampling parameters, RNG, stop ids and budget. A MoE model's
-prefill and generate also return the experts each sampled token came from (routing replay).
+``step`` is how the embedded backend serves: one forward over a ragged batch of token
+rows, each decoding slot's next token beside prompt chunks of several sequences (each its
+own query length, positions and pages: `state.StepChunk`), up to ``max_step_tokens`` rows
+a shard; the decode rows attend by the decode kernel (`models.paged.ragged_attention` over
+each row's own pages, the work the sum of the real lengths; on TPU with a 16-bit cache JAX's
+Pallas kernel, on GPU the Triton one), the chunks in query blocks over their own pages
+(`models.paged.chunk_attention`); then the rows that end a prompt or decode sample (a
+prompt's last row installs its request's sampling state in its slot), and those still
+running decode ``num_steps - 1`` more steps in the same call. JetStream's calls
+(``prefill`` a chunk of one sequence and sample, ``insert`` it into a slot, ``generate``
+every active slot ``num_steps`` tokens, its batch a power-of-two bucket or the active slots
+gathered: `state.decode_rows`) serve the JetStream backend. ``copy_page`` copies a shared
+page before a write. Each slot carries its own sampling parameters, RNG, stop ids and
+budget. A MoE model's programs also return the experts each sampled token came from
+(routing replay).
 
-Compilation is bounded: prefill chunks pad to a fixed set of bucket lengths (up to
-``prefill_chunk``: a longer prompt is prefilled in chunks) and read a power-of-two number
-of pages; ``generate`` compiles once per batch bucket (attention loops over the real
-(slot, page) pairs, a count known on the device only); ``warmup`` compiles them all up front.
+Compilation is bounded: a step pads its rows to a power-of-two bucket up to
+``max_step_tokens`` (its attention loops over the real pairs, chunks, blocks and pages:
+counts known on the device only), one program per bucket; JetStream's prefill chunks pad to
+bucket lengths (up to ``prefill_chunk``) and read a power-of-two number of pages, and
+``generate`` compiles once per batch bucket. ``warmup`` (``warmup_slots``) compiles them all
+up front.
 ``compile_counts`` counts traces per function, so a test can hold the engine to that bound.
 Weights are arguments, never constants: new weights of the same shapes reuse every compiled
 program. Each layer's weights and pages are buffers of their own (`serving_layout`), read
@@ -30,7 +37,7 @@ On ``sharder``'s mesh (an inference mesh, see `models.inference_mesh`; alone, a
 model's logical-axis table (heads, kv heads, MLP and vocab over ``tensor``); the decode
 slots split over ``data`` into ``shards`` and so do the pool's pages (kv heads over
 ``tensor``): slot i decodes on shard ``slot_shard(i)`` and names pages of that shard's
-range only (the caller's ledger sees to it; ``generate`` checks it), and each shard's
+range only (the caller's ledger sees to it; ``step`` and ``generate`` check it), and each shard's
 attention reads its own pages (`models.paged.decode_steps`): no keys or values cross chips.
 """
 
@@ -40,6 +47,7 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +55,12 @@ import numpy as np
 
 from jax_agent_rl.config.model import EXACT_ROWS
 from jax_agent_rl.engine.state import (
+    IDLE,
     RUNNING,
     DecodeState,
     Prefix,
     Slots,
+    StepChunk,
     StepTokens,
     abstract_decode_state,
     buckets,
@@ -76,7 +86,7 @@ from jax_agent_rl.models import (
 from jax_agent_rl.models.adapters import served_adapters
 from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.lora import LayerAdapters
-from jax_agent_rl.models.paged import DECODE_KERNELS, copy_page
+from jax_agent_rl.models.paged import DECODE_KERNELS, StepChunks, StepRows, copy_page
 from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import SamplingParams
 
@@ -124,6 +134,7 @@ class Engine:
         max_stop_ids: int = 8,
         batch_buckets: bool = True,
         decode_kernel: str = "auto",
+        max_step_tokens: int = 512,
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -171,6 +182,17 @@ class Engine:
         # decode batches of a power of two (`decode_rows`); sharded, the whole batch
         smallest = EXACT_ROWS if exact else 1
         self.batch_buckets = buckets(smallest, n) if batch_buckets and self.shards == 1 else (n,)
+        # a ragged step's rows on each shard: a power of two up to max_step_tokens (or, without
+        # batch buckets, always max_step_tokens); each shard's decode rows fit in it
+        if max_step_tokens < max(local, smallest):
+            raise ValueError(
+                f"max_step_tokens={max_step_tokens} is fewer than the {max(local, smallest)} "
+                "rows a shard decodes in one step"
+            )
+        self.max_step_tokens = max_step_tokens
+        self.step_buckets = (
+            buckets(smallest, max_step_tokens) if batch_buckets else (max_step_tokens,)
+        )
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or
@@ -206,7 +228,12 @@ class Engine:
             donate_argnames=("state",),
             compiler_options=options,
         )
-        self._release = jax.jit(self._release_impl, donate_argnames=("state",))
+        self._step = jax.jit(
+            self._step_impl,
+            static_argnames=("num_steps",),
+            donate_argnames=("state",),
+            compiler_options=options,
+        )
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
         self._serving_layout = jax.jit(self.policy.serving_layout)
@@ -382,7 +409,7 @@ class Engine:
         prefix = Prefix(slots=slots, pos=pos + n, logprob=logprob, finish=finish, experts=experts)
         return state, prefix
 
-    # -------------------------------------------------------------------- insert / release
+    # ---------------------------------------------------------------------- insert, copy_page
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
         """Places a prefilled sequence in decode slot ``slot`` (its slot state and length;
@@ -397,15 +424,6 @@ class Engine:
         )
         pos = state.pos.at[slot].set(prefix.pos[0])
         return self._lay_out(DecodeState(pages=state.pages, pos=pos, slots=slots))
-
-    def release(self, state: DecodeState, slot: int) -> DecodeState:
-        """Deactivates a slot (finished or aborted); its pages are the caller's to free."""
-        return self._release(state, jnp.int32(slot))
-
-    def _release_impl(self, state: DecodeState, slot: jax.Array) -> DecodeState:
-        self.compile_counts["release"] += 1
-        slots = dataclasses.replace(state.slots, active=state.slots.active.at[slot].set(False))
-        return self._lay_out(dataclasses.replace(state, slots=slots))
 
     def copy_page(self, state: DecodeState, src: int, dst: int) -> DecodeState:
         """Page ``dst`` becomes a copy of page ``src`` in every layer (a shared page a
@@ -462,10 +480,23 @@ class Engine:
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
         take, put = row_access(slot_b, gather=self.shards == 1)
+        step = self._decode_step(params, table_bm, take, put)
+        state, out = jax.lax.scan(step, state, None, length=num_steps)
+        return state, dataclasses.replace(out, slot=slot_b)
+
+    def _decode_step(
+        self,
+        params: Weights,
+        table_bm: jax.Array,
+        take: Callable[..., jax.Array],
+        put: Callable[[jax.Array, jax.Array], jax.Array],
+    ) -> Callable[[DecodeState, None], tuple[DecodeState, StepTokens]]:
+        """One decode step of the rows ``take`` reads from the per-slot arrays (and ``put``
+        writes back), whose page tables are ``table_bm``, as a `lax.scan` body."""
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
             every = state.slots
-            slots = jax.tree.map(take, every)
+            slots = jax.tree.map(take, every, IDLE)
             active = slots.active
             pos = take(state.pos)
             h, pages, ids = paged_forward(
@@ -493,8 +524,176 @@ class Engine:
             state = DecodeState(pages=pages, pos=put(state.pos, pos), slots=slots)
             return self._lay_out(state), out
 
-        state, out = jax.lax.scan(step, state, None, length=num_steps)
-        return state, dataclasses.replace(out, slot=slot_b)
+        return step
+
+    # ---------------------------------------------------------------------- the ragged step
+
+    def step_bucket(self, n_tokens: int) -> int:
+        """The rows each shard computes in a step whose busiest shard has ``n_tokens``."""
+        i = bisect.bisect_left(self.step_buckets, n_tokens)
+        if i == len(self.step_buckets):
+            raise ValueError(
+                f"{n_tokens} tokens exceed a step of max_step_tokens={self.max_step_tokens}"
+            )
+        return self.step_buckets[i]
+
+    def step(
+        self,
+        params: Weights,
+        state: DecodeState,
+        page_table: np.ndarray,
+        chunks: Sequence[StepChunk],
+        num_steps: int = 1,
+    ) -> tuple[DecodeState, StepTokens]:
+        """One ragged step: every chunk's tokens in one forward (decoding slots' next tokens
+        and prompt chunks of several sequences, each its own query length, positions and
+        pages: `StepChunk`), each token a row that writes its key and value into its
+        sequence's pages and attends to its positions up to its own (`models.paged.RaggedStep`:
+        the decode rows by the decode kernel, the prompt chunks in query blocks); then the
+        rows that end a prompt or decode sample their next token, and (``num_steps`` > 1)
+        those still running decode ``num_steps - 1`` more steps in the same call.
+        ``page_table`` [N, M] names each slot's pages (`page_table`), which must cover every
+        position the call writes. The tokens come back [num_steps, rows], ``slot`` [rows]
+        naming each row's slot (past the last slot for a padding row). At most one chunk per
+        slot, at most ``max_step_tokens`` tokens on each shard. The state's pool is donated."""
+        args = self.step_arguments(page_table, chunks)
+
+        def put(x: np.ndarray) -> jax.Array:
+            return self._device_table(x, slot_axes(x.ndim))
+
+        return self._step(params, state, *jax.tree.map(put, args), num_steps=num_steps)
+
+    def step_arguments(self, page_table: np.ndarray, chunks: Sequence[StepChunk]) -> tuple[Any, ...]:
+        """The host arrays of `step`'s program for ``chunks`` (`_StepLayout`), in order after
+        the params and state, each laid out by its leading row axis over the shards."""
+        n_slots = self.max_concurrent_decodes
+        by_shard: list[list[StepChunk]] = [[] for _ in range(self.shards)]
+        seen: set[int] = set()
+        for c in chunks:
+            if not 0 <= c.slot < n_slots or c.slot in seen:
+                raise ValueError(f"chunk of slot {c.slot}: one chunk per slot of 0..{n_slots - 1}")
+            if c.start < 0 or c.start + c.size >= self.max_len:
+                raise ValueError(
+                    f"cannot compute {c.size} tokens after {c.start} within max_len={self.max_len}"
+                )
+            seen.add(c.slot)
+            by_shard[self.slot_shard(c.slot)].append(c)
+        n_local = self.step_bucket(max(sum(c.size for c in cs) for cs in by_shard) or 1)
+        r_local = min(n_local, self.slots_per_shard)  # rows that sample; chunks
+        exact = bool(self.cfg.exact_pages)  # every token a decode row (decode's numbers)
+        d_local = n_local if exact else r_local  # the decode part's rows
+        lay = _StepLayout(self, n_local, r_local, d_local)
+        for s, cs in enumerate(by_shard):
+            lay.add_shard(s, sorted(cs, key=lambda c: bool(c.tokens)), page_table, exact)
+        check_shards(lay.rows.table_r, d_local, self.shard_pages)
+        check_shards(lay.rows.chunks.table, r_local, self.shard_pages)
+        check_shards(lay.table_s, r_local, self.shard_pages)
+        fresh = jax.tree.map(lambda *xs: np.stack(xs), *lay.fresh)
+        return (
+            lay.tokens,
+            lay.slot_n,
+            lay.rows,
+            lay.sample_r,
+            lay.slot_r,
+            lay.fresh_r,
+            lay.table_s,
+            fresh,
+        )
+
+    def filling_chunks(self, size: int) -> tuple[np.ndarray, list[StepChunk]]:
+        """A page table of every slot's whole range of pages, and prompt chunks that fill a
+        step of ``size`` rows on shard 0 (each slot up to max_len - 1 tokens, each ending its
+        prompt): what compiles the step's program of that bucket."""
+        pages = list(range(self.pages_per_seq))
+        first = [self.slot_shard(s) * self.shard_pages for s in range(self.max_concurrent_decodes)]
+        table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
+        greedy = (SamplingParams(max_tokens=1, temperature=0.0), 0, 0)
+        chunks: list[StepChunk] = []
+        left = min(size, self.slots_per_shard * (self.max_len - 1))
+        while left > 0:
+            n = min(left, self.max_len - 1)
+            chunks.append(StepChunk(len(chunks), 0, [0] * n, greedy))
+            left -= n
+        return table, chunks
+
+    def _slot_row(self, first: tuple[SamplingParams, int, int] | None) -> Slots:
+        """One request's slot state (host arrays, no slot axis): ``first``'s (sampling
+        parameters, seed, tokens sampled before), or an idle slot's."""
+        stop = np.full((self.max_stop_ids,), -1, np.int32)
+        sampling, seed, generated = first or (SamplingParams(max_tokens=1), 0, 0)
+        stop[: len(sampling.stop_token_ids)] = sampling.stop_token_ids
+        return Slots(
+            token=np.int32(0),
+            active=np.bool_(first is not None),
+            generated=np.int32(generated),
+            max_tokens=np.int32(sampling.max_tokens),
+            temperature=np.float32(sampling.temperature),
+            top_k=np.int32(sampling.top_k),
+            top_p=np.float32(sampling.top_p),
+            stop_ids=stop,
+            key=_key_data(seed) if first is not None else np.zeros(2, np.uint32),
+        )
+
+    def _step_impl(
+        self,
+        params: Weights,
+        state: DecodeState,
+        tokens_n: jax.Array,
+        slot_n: jax.Array,
+        rows: StepRows,
+        sample_r: jax.Array,
+        slot_r: jax.Array,
+        fresh_r: jax.Array,
+        table_rm: jax.Array,
+        fresh: Slots,
+        num_steps: int,
+    ) -> tuple[DecodeState, StepTokens]:
+        self.compile_counts["step"] += 1  # runs at trace time only
+        every = state.slots
+
+        def take(x: jax.Array, idle: Any = 0) -> jax.Array:  # a padding row (a slot past
+            # the last) reads an idle slot's values
+            return x.at[slot_r].get(mode="fill", fill_value=idle)
+
+        def put(all_: jax.Array, part: jax.Array) -> jax.Array:  # and writes nothing
+            return all_.at[slot_r].set(part, mode="drop")
+
+        # a decode row's input is its slot's last sampled token, on the device already
+        last = every.token.at[slot_n].get(mode="fill", fill_value=0)
+        h, pages, ids = paged_forward(
+            params,
+            self.cfg,
+            jnp.where(tokens_n >= 0, tokens_n, last)[:, None],
+            sharder=self.sharder,
+            cache=state.pages,
+            rows=rows,
+            decode_kernel=self.decode_kernel,
+        )
+        held = jax.tree.map(take, every, IDLE)
+        slots = jax.tree.map(
+            lambda new, old: jnp.where(fresh_r.reshape(-1, *(1,) * (old.ndim - 1)), new, old),
+            fresh,
+            held,
+        )
+        valid = slot_r < self.max_concurrent_decodes
+        token, logprob = sample_step(self.policy.logits(params, h[sample_r])[:, 0], slots)
+        pos = rows.pos[sample_r] + 1
+        slots = dataclasses.replace(slots, token=token, generated=slots.generated + 1)
+        finish = finish_code(slots, token, pos, self.max_len)
+        slots = dataclasses.replace(slots, active=valid & (finish == RUNNING))
+        state = DecodeState(
+            pages=pages, pos=put(state.pos, pos), slots=jax.tree.map(put, every, slots)
+        )
+        state = self._lay_out(state)
+        # the experts of each sampled row's position [S, N, 1, k] -> [R, S, k]
+        experts = None if ids is None else ids[:, sample_r, 0].swapaxes(0, 1)
+        out = StepTokens(token, logprob, valid=valid, finish=finish, experts=experts)
+        outs = jax.tree.map(lambda x: x[None], out)
+        if num_steps > 1:
+            more = self._decode_step(params, table_rm, take, put)
+            state, rest = jax.lax.scan(more, state, None, length=num_steps - 1)
+            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
+        return state, dataclasses.replace(outs, slot=slot_r)
 
     def warmup(
         self,
@@ -502,11 +701,37 @@ class Engine:
         num_steps: int,
         on_program: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Compiles every program serving can need (each prefill bucket at each number of
-        pages it can read, ``generate`` at each batch bucket, insert, release
-        and copy_page), so that no request stalls on a compilation later: a trace holds the
-        GIL and stalls the whole process. It writes into the pool: call it before serving.
-        ``on_program(done, total)`` hears of each program (or program pair) as it is ready."""
+        """Compiles every program serving by ragged steps can need (``step`` of ``num_steps``
+        steps at each row bucket a step can fill, and copy_page), so that no request stalls
+        on a compilation later: a trace holds the GIL and stalls the whole process. It writes
+        into the pool: call it before serving. ``on_program(done, total)`` hears of each
+        program as it is ready."""
+        report = on_program or (lambda done, total: None)  # noqa: ARG005
+        state = self.init_decode_state()
+        # a shard's slots hold at most max_len - 1 tokens each: the buckets a step can fill
+        fits = self.slots_per_shard * (self.max_len - 1)
+        sizes = [
+            b for i, b in enumerate(self.step_buckets) if i == 0 or self.step_buckets[i - 1] < fits
+        ]
+        total = len(sizes) + 1  # + copy_page
+        for done, size in enumerate(sizes, 1):
+            table, chunks = self.filling_chunks(size)
+            state, out = self.step(params, state, table, chunks, num_steps)
+            jax.block_until_ready(out)
+            report(done, total)
+        jax.block_until_ready(self.copy_page(state, 0, 1))
+        report(total, total)
+
+    def warmup_slots(
+        self,
+        params: Weights,
+        num_steps: int,
+        on_program: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Compiles every program serving by JetStream's calls can need (each prefill bucket
+        at each number of pages it can read, ``generate`` at each batch bucket, insert and
+        copy_page), as `warmup` does for ragged steps. ``on_program(done, total)`` hears of
+        each program (or program pair) as it is ready."""
         report = on_program or (lambda done, total: None)  # noqa: ARG005
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         state = self.init_decode_state()
@@ -514,7 +739,7 @@ class Engine:
         chunks = self._warmup_chunks()
         if not chunks:
             raise AssertionError("no prefill bucket was compiled")
-        total = len(chunks) + len(self.batch_buckets) + 2  # + insert/copy_page, release
+        total = len(chunks) + len(self.batch_buckets) + 1  # + insert/copy_page
         prefix = None
         for done, (start, n) in enumerate(chunks, 1):
             state, prefix = self.prefill(params, state, pages, start, [0] * n, greedy, 0)
@@ -530,8 +755,6 @@ class Engine:
             state, out = self._generate(params, state, device_table, order, num_steps=num_steps)
             jax.block_until_ready(out)
             report(i, total)
-        jax.block_until_ready(self.release(state, 0))
-        report(total, total)
 
     def _warmup_chunks(self) -> list[tuple[int, int]]:
         """(start, length) of one prefill chunk per compiled prefill program: each bucket at
@@ -548,3 +771,77 @@ class Engine:
                 ):
                     chunks.append((start, n))
         return chunks
+
+
+class _StepLayout:
+    """A ragged step's host arrays (`Engine.step`), shard by shard: ``n`` rows a shard (its
+    decode rows first, then its prompt chunks' tokens in order), ``d`` of them the decode
+    part's, ``r`` sampled rows and chunk entries."""
+
+    def __init__(self, engine: Engine, n: int, r: int, d: int) -> None:
+        shards, M = engine.shards, engine.pages_per_seq
+        self.engine, self.n, self.r, self.d = engine, n, r, d
+        self.tokens = np.full(shards * n, -1, np.int32)
+        self.slot_n = np.full(shards * n, engine.max_concurrent_decodes, np.int32)
+
+        def tables(rows: int) -> np.ndarray:  # each row's shard's first page: never read
+            first = np.arange(shards * rows, dtype=np.int32) // rows * engine.shard_pages
+            return np.repeat(first[:, None], M, axis=1)
+
+        self.rows = StepRows(
+            pos=np.zeros(shards * n, np.int32),
+            page=np.full(shards * n, engine.num_pages, np.int32),
+            table_r=tables(d),
+            pos_r=np.zeros(shards * d, np.int32),
+            decode_r=np.zeros(shards * d, bool),
+            chunks=StepChunks(
+                row=np.zeros(shards * r, np.int32),
+                size=np.zeros(shards * r, np.int32),
+                start=np.zeros(shards * r, np.int32),
+                table=tables(r),
+                count=np.zeros(shards, np.int32),
+            ),
+        )
+        self.sample_r = np.arange(shards * r, dtype=np.int32) // r * n  # a shard's own row
+        self.slot_r = np.full(shards * r, engine.max_concurrent_decodes, np.int32)
+        self.fresh_r = np.zeros(shards * r, bool)
+        self.table_s = tables(r)
+        self.fresh = [engine._slot_row(None)] * (shards * r)
+
+    def add_shard(
+        self, s: int, chunks: Sequence[StepChunk], page_table: np.ndarray, exact: bool
+    ) -> None:
+        """Shard ``s``'s chunks, its decode rows first."""
+        rows, ps = self.rows, self.engine.page_size
+        row, sampled = 0, 0
+        for c in chunks:
+            g, n, table = s * self.n + row, c.size, page_table[c.slot]
+            positions = c.start + np.arange(n, dtype=np.int32)
+            rows.pos[g : g + n] = positions
+            rows.page[g : g + n] = table[positions // ps]
+            if c.tokens:
+                self.tokens[g : g + n] = c.tokens
+            else:
+                self.slot_n[g] = c.slot
+            if exact or not c.tokens:  # decode rows
+                d = s * self.d + row
+                rows.table_r[d : d + n] = table
+                rows.pos_r[d : d + n] = positions
+                rows.decode_r[d : d + n] = True
+            else:
+                k = s * self.r + int(rows.chunks.count[s])
+                rows.chunks.row[k], rows.chunks.size[k] = row, n
+                rows.chunks.start[k], rows.chunks.table[k] = c.start, table
+                rows.chunks.count[s] += 1
+            if c.samples:
+                k = s * self.r + sampled
+                self.sample_r[k], self.slot_r[k], self.table_s[k] = g + n - 1, c.slot, table
+                if c.first is not None:
+                    self.fresh_r[k], self.fresh[k] = True, self.engine._slot_row(c.first)
+                sampled += 1
+            row += n
+
+
+def _key_data(seed: int) -> np.ndarray:
+    """The raw key data [2] (uint32) of ``seed``'s RNG key, as `jax.random.key` makes it."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)

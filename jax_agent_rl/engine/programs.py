@@ -10,8 +10,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_agent_rl.engine.engine import Engine
+from jax_agent_rl.engine.state import slot_axes
 from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.protocol import SamplingParams
@@ -41,7 +43,8 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     `Engine.warmup` compiles, by name: ``load_params``, the serving layout of ``params``
     (abstract weights in the declared layout, as a learner holds them, on the engine's mesh);
     ``prefill``, the longest chunk reading the most pages; ``generate``, ``num_steps`` decode
-    steps at the largest batch bucket."""
+    steps at the largest batch bucket; ``step``, a ragged step of ``num_steps`` steps at its
+    largest row bucket (prompt chunks filling it)."""
     state = engine.abstract_decode_state()
     serving = jax.eval_shape(engine._serving_layout, params)
     serving = jax.tree.map(
@@ -61,8 +64,16 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     slot_b = jax.ShapeDtypeStruct(
         (rows,), jnp.int32, sharding=engine.sharder.sharding(("batch",), (rows,))
     )
+    step_table, step_chunks = engine.filling_chunks(engine.step_buckets[-1])
+
+    def laid_out(x: np.ndarray) -> jax.ShapeDtypeStruct:
+        at = engine.sharder.sharding(slot_axes(x.ndim), x.shape)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=at)
+
+    step_args = jax.tree.map(laid_out, engine.step_arguments(step_table, step_chunks))
     return {
         "load_params": (engine._serving_layout, (params,), {}),
+        "step": (engine._step, (serving, state, *step_args), {"num_steps": num_steps}),
         "prefill": (
             engine._prefill,
             (serving, state, table(1, (None, None)), start_n, padded, slots),

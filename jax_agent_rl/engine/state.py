@@ -20,6 +20,7 @@ from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, page_sha
 from jax_agent_rl.models.attention_kernels import platform_of
 from jax_agent_rl.models.moe import expert_id_dtype
 from jax_agent_rl.models.policy import policy_of
+from jax_agent_rl.protocol import SamplingParams
 
 # finish codes, per slot and step
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -40,6 +41,21 @@ class Slots:
     top_p: Any  # float32
     stop_ids: Any  # int32 [N, max_stop_ids], -1 padded
     key: Any  # uint32 [N, 2]: raw threefry key data of the request's seed
+
+
+# an idle slot's state, field by field: what a row that decodes nothing reads (its sampling
+# switched off: a zero top_p would make every step sort the vocabulary for the filters)
+IDLE = Slots(
+    token=0,
+    active=False,
+    generated=0,
+    max_tokens=1,
+    temperature=1.0,
+    top_k=-1,
+    top_p=1.0,
+    stop_ids=-1,
+    key=0,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -185,15 +201,17 @@ def decode_rows(
 
 def row_access(
     slot_b: jax.Array, gather: bool
-) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
+) -> tuple[Callable[..., jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
     """How a decode step reads the rows ``slot_b`` [batch] of a per-slot array [N, ...] and
     writes them back: by gathering those slots, or (``gather`` false: sharded slots, whose
     rows are the first ones, `decode_rows`) by slicing the first rows, which keeps each
-    shard's rows on it (a gather by index would cross shards)."""
+    shard's rows on it (a gather by index would cross shards). Every row is a slot (an idle
+    one pads the batch), so the reader's second argument, what a padding row reads (`IDLE`'s
+    field), is not needed."""
     rows = slot_b.shape[0]
     if gather:
-        return (lambda x: x[slot_b]), (lambda every, part: every.at[slot_b].set(part))
-    return (lambda x: x[:rows]), (lambda every, part: every.at[:rows].set(part))
+        return (lambda x, _=None: x[slot_b]), (lambda every, part: every.at[slot_b].set(part))
+    return (lambda x, _=None: x[:rows]), (lambda every, part: every.at[:rows].set(part))
 
 
 def slot_axes(ndim: int) -> tuple[str | None, ...]:
@@ -256,23 +274,35 @@ def abstract_decode_state(
 def empty_decode_state(abstract: DecodeState) -> DecodeState:
     """The decode state ``abstract`` describes, every slot idle and the pool zeros, each part
     created where it lives."""
-    idle = Slots(
-        token=0,
-        active=False,
-        generated=0,
-        max_tokens=1,
-        temperature=1.0,
-        top_k=-1,
-        top_p=1.0,
-        stop_ids=-1,
-        key=0,
-    )
-
     def full(x: jax.ShapeDtypeStruct, value: Any = 0) -> jax.Array:
         return jnp.full(x.shape, value, x.dtype, device=x.sharding)
 
     return DecodeState(
         pages=jax.tree.map(full, abstract.pages),
         pos=full(abstract.pos),
-        slots=jax.tree.map(full, abstract.slots, idle),
+        slots=jax.tree.map(full, abstract.slots, IDLE),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepChunk:
+    """One sequence's share of a ragged step (`Engine.step`): in slot ``slot``, whose pages
+    hold ``start`` positions already, the new ``tokens`` at positions ``start ..`` (a prompt's
+    chunk), or none: a decode row, the slot's last sampled token at position ``start``. A
+    decode row samples its next token; a chunk samples only where ``first`` is given (it ends
+    its prompt): the request's sampling parameters, RNG seed and the tokens it sampled before
+    (a preempted request computed again goes on with its stream and budget)."""
+
+    slot: int
+    start: int
+    tokens: Sequence[int] = ()
+    first: tuple[SamplingParams, int, int] | None = None  # (sampling, seed, generated)
+
+    @property
+    def size(self) -> int:
+        """The token rows it takes."""
+        return len(self.tokens) or 1
+
+    @property
+    def samples(self) -> bool:
+        return not self.tokens or self.first is not None

@@ -26,7 +26,7 @@ from jax_agent_rl.models.attention_kernels import kernel_attention, runs_on_tpu,
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
-from jax_agent_rl.models.paged import PAGE_AXES, PagedChunk, exact_attention
+from jax_agent_rl.models.paged import PAGE_AXES, StepRows, exact_attention, paged_layers
 from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -767,11 +767,12 @@ def forward(
     sharder: Sharder,
     remat: bool = False,
     cache: KVPages,
-    page_table_bm: jax.Array,
-    pos_b: jax.Array,
-    num_new_b: jax.Array,
+    page_table_bm: jax.Array | None = None,
+    pos_b: jax.Array | None = None,
+    num_new_b: jax.Array | None = None,
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
+    rows: StepRows | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[False] = False,
 ) -> tuple[jax.Array, KVPages]: ...
@@ -788,11 +789,12 @@ def forward(
     sharder: Sharder,
     remat: bool = False,
     cache: KVPages,
-    page_table_bm: jax.Array,
-    pos_b: jax.Array,
-    num_new_b: jax.Array,
+    page_table_bm: jax.Array | None = None,
+    pos_b: jax.Array | None = None,
+    num_new_b: jax.Array | None = None,
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
+    rows: StepRows | None = None,
     expert_ids: jax.Array | None = None,
     return_expert_ids: Literal[True],
 ) -> tuple[jax.Array, KVPages, jax.Array]: ...
@@ -813,6 +815,7 @@ def forward(
     num_new_b: jax.Array | None = None,
     pages_read: int | None = None,
     decode_kernel: str = "ragged",
+    rows: StepRows | None = None,
     window: int | None = None,
     reach_bt: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
@@ -917,6 +920,7 @@ def forward(
         num_new_b,
         pages_read,
         decode_kernel,
+        rows,
         expert_ids,
         return_expert_ids,
     )
@@ -933,6 +937,7 @@ def _forward_paged(
     num_new_b: jax.Array | None,
     pages_read: int | None,
     decode_kernel: str,
+    rows: StepRows | None,
     expert_ids: jax.Array | None,
     return_expert_ids: bool,
 ) -> tuple[jax.Array, KVPages] | tuple[jax.Array, KVPages, jax.Array]:
@@ -941,25 +946,23 @@ def _forward_paged(
     kinds = cfg.moe_layers
     mlp = partial(_mlp_block, cfg, sharder)
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
-    if page_table_bm is None or pos_b is None or num_new_b is None:
-        raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
     page_size = cache.k[0].shape[2]
     if cfg.exact_pages and page_size != cfg.exact_pages:
         raise ValueError(
             f"pages of {page_size} positions for a model whose exact logprobs read pages of "
             f"{cfg.exact_pages} (exact_pages): its training forward would not match"
         )
-    chunk = PagedChunk(
+    chunk = paged_layers(
         sharder,
-        cache.k,
-        cache.v,
-        page_table_bm,
-        pos_b,
-        num_new_b,
-        pages_read,
-        decode_kernel,
+        cache,
         B,
         T,
+        page_table_bm=page_table_bm,
+        pos_b=pos_b,
+        num_new_b=num_new_b,
+        pages_read=pages_read,
+        decode_kernel=decode_kernel,
+        rows=rows,
         exact=bool(cfg.exact_pages),
     )
     chosen: list[jax.Array | None] = []  # the experts of each sparse layer

@@ -32,7 +32,7 @@ from flax import nnx
 
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.decoder import KVPages, ParamSpec, attention, checked_weights
-from jax_agent_rl.models.paged import PagedChunk
+from jax_agent_rl.models.paged import StepRows, paged_layers
 from jax_agent_rl.models.policy import UnsupportedPolicyError, head_logits
 from jax_agent_rl.models.sharding import Sharder
 
@@ -151,6 +151,7 @@ class NnxPolicy:
         num_new_b: jax.Array | None = None,
         pages_read: int | None = None,
         decode_kernel: str = "ragged",
+        rows: StepRows | None = None,
         window: int | None = None,
         reach_bt: jax.Array | None = None,
         **moe: Any,
@@ -173,12 +174,9 @@ class NnxPolicy:
                 return h
 
             return (jax.checkpoint(run) if remat else run)(params)
-        if page_table_bm is None or pos_b is None or num_new_b is None:
-            raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b")
-        B, T = tokens_bt.shape
-        chunk = PagedChunk(
-            sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read,
-            decode_kernel, B, T,
+        chunk = paged_layers(
+            sharder, cache, *tokens_bt.shape, page_table_bm=page_table_bm, pos_b=pos_b,
+            num_new_b=num_new_b, pages_read=pages_read, decode_kernel=decode_kernel, rows=rows,
         )  # fmt: skip
         h = self._module(params)(tokens_bt, chunk.positions, chunk.attend)
         return h, KVPages(k=chunk.k, v=chunk.v)

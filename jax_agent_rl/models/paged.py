@@ -29,6 +29,9 @@ PAIR_POSITIONS = 1024  # cache positions per block of `ragged_attention` (`pair_
 # a decode step's attention: the XLA loop over (row, page) pairs, JAX's TPU paged-attention
 # kernel, JAX's GPU (Triton) one
 DECODE_KERNELS = ("ragged", "pallas", "triton")
+# a prompt chunk's attention in a ragged step (`chunk_attention`): queries per block, pages
+# per trip of its inner loop
+CHUNK_QUERIES, CHUNK_PAGES = 32, 4
 
 
 def pair_block(page_size: int) -> int:
@@ -69,6 +72,90 @@ def paged_attention(
     out = jnp.einsum("bgrtns,gbnsk->bgrtk", p_rounded, v_pages[:, pages_bn].astype(jnp.float32))
     out = (out / p.sum(-1)[..., None]).astype(q_bthk.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepChunks:
+    """The prompt chunks of a ragged step (`RaggedStep`), [S] each (a static capacity; the
+    chunks past ``count`` are unused): chunk c's tokens are the step's rows ``row[c] ..
+    row[c] + size[c] - 1``, at positions ``start[c] ..`` of the sequence whose page table is
+    ``table[c]`` [S, M]."""
+
+    row: jax.Array  # int32
+    size: jax.Array  # int32
+    start: jax.Array  # int32
+    table: jax.Array  # int32 [S, M]
+    count: jax.Array  # int32 [1]: the chunks in use
+
+
+def chunk_attention(
+    q_nhk: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    chunks: StepChunks,
+    block: int = CHUNK_QUERIES,
+) -> jax.Array:
+    """Attention of prompt chunks whose tokens are rows of a ragged batch [N, H, K] and whose
+    keys and values are in their pages already: each chunk's queries in blocks of ``block``
+    consecutive rows, each block over the pages of its sequence up to its last position,
+    `CHUNK_PAGES` pages at a time, with a running max (online softmax). The loops run over
+    the real chunks, blocks and pages only (counts known on the device): the work is that of
+    causal attention over each chunk's real length, whatever its neighbours; one program
+    serves any mix. Rows of no chunk give zeros.
+
+    Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
+    matmul (as `paged_attention`), the denominator summed unrounded.
+    """
+    N, H, K = q_nhk.shape
+    G, P, ps, _ = k_pages.shape
+    R, M = H // G, chunks.table.shape[1]
+    kb = max(1, min(CHUNK_PAGES, M))  # pages per inner trip
+    span = kb * ps
+    q = jnp.pad(q_nhk, ((0, block), (0, 0), (0, 0))).reshape(N + block, G, R, K)
+    q = q.astype(jnp.float32)
+    table = jnp.pad(chunks.table, ((0, 0), (0, -M % kb)))  # whole trips of kb pages
+
+    def one_block(c: jax.Array, b: jax.Array, out: jax.Array) -> jax.Array:
+        row0, size, start = chunks.row[c] + b * block, chunks.size[c], chunks.start[c]
+        q_b = jax.lax.dynamic_slice_in_dim(q, row0, block)  # [block, G, R, K]
+        qpos = start + b * block + jnp.arange(block)  # positions of the block's queries
+        last = start + jnp.minimum(size, (b + 1) * block) - 1  # its last real query's
+
+        def kv_trip(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            top, total, acc = carry
+            pages = jax.lax.dynamic_slice_in_dim(table[c], j * kb, kb)
+            k = k_pages[:, pages].reshape(G, span, K).astype(jnp.float32)
+            v = v_pages[:, pages].reshape(G, span, K).astype(jnp.float32)
+            s = jnp.einsum("qgrk,gsk->grqs", q_b, k)
+            seen = j * span + jnp.arange(span)[None, :] <= qpos[:, None]  # [block, span]
+            s = jnp.where(seen, s * K**-0.5, -1e30)
+            new_top = jnp.maximum(top, s.max(-1))
+            p = jnp.exp(s - new_top[..., None])
+            scale = jnp.exp(top - new_top)
+            p_rounded = p.astype(q_nhk.dtype).astype(jnp.float32)
+            acc = acc * scale[..., None] + jnp.einsum("grqs,gsk->grqk", p_rounded, v)
+            return new_top, total * scale + p.sum(-1), acc
+
+        start_carry = (
+            jnp.full((G, R, block), -1e30),
+            jnp.zeros((G, R, block)),
+            jnp.zeros((G, R, block, K)),
+        )
+        trips = last // span + 1
+        _, total, acc = jax.lax.fori_loop(0, trips, kv_trip, start_carry)
+        res = (acc / total[..., None]).transpose(2, 0, 1, 3)  # [block, G, R, K]
+        real = (b * block + jnp.arange(block) < size)[:, None, None, None]
+        old = jax.lax.dynamic_slice_in_dim(out, row0, block)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(real, res, old), row0, 0)
+
+    def one_chunk(c: jax.Array, out: jax.Array) -> jax.Array:
+        blocks = (chunks.size[c] + block - 1) // block
+        return jax.lax.fori_loop(0, blocks, partial(one_block, c), out)
+
+    out = jnp.zeros((N + block, G, R, K))
+    out = jax.lax.fori_loop(0, chunks.count[0], one_chunk, out)
+    return out[:N].astype(q_nhk.dtype).reshape(N, H, K)
 
 
 @jax.tree_util.register_dataclass
@@ -460,7 +547,50 @@ def copy_page(pages: Any, src_dst: jax.Array, sharder: Sharder) -> Any:
     )
 
 
-class PagedChunk:
+class LayerPools:
+    """Every layer's pool buffer through one forward whose layers attend one after another,
+    each once with its own index (`claim`): a layer given another's index would overwrite
+    that layer's keys and values and leave its own stale. ``k`` and ``v`` then hold every
+    layer's updated buffer, in order."""
+
+    def __init__(self, k_pools: tuple[jax.Array, ...], v_pools: tuple[jax.Array, ...]) -> None:
+        self._pools = list(k_pools), list(v_pools)
+        self._attended = [0] * len(k_pools)  # calls of `attend` per layer: once each
+
+    def claim(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Layer ``i``'s buffers, which its attention then hands back (`put`)."""
+        if not 0 <= i < len(self._attended) or self._attended[i]:
+            raise ValueError(
+                f"attend({i}, ...): each of the {len(self._attended)} layers attends once a "
+                "forward, with its own index (a layer given another's index would overwrite "
+                "that layer's keys and values and leave its own stale)"
+            )
+        self._attended[i] += 1
+        return self._pools[0][i], self._pools[1][i]
+
+    def put(self, i: int, ck: jax.Array, cv: jax.Array) -> None:
+        self._pools[0][i], self._pools[1][i] = ck, cv
+
+    @property
+    def k(self) -> tuple[jax.Array, ...]:
+        self._all_attended()
+        return tuple(self._pools[0])
+
+    @property
+    def v(self) -> tuple[jax.Array, ...]:
+        self._all_attended()
+        return tuple(self._pools[1])
+
+    def _all_attended(self) -> None:
+        missing = [i for i, n in enumerate(self._attended) if not n]
+        if missing:
+            raise ValueError(
+                f"layers {missing} never called attend in this forward: their keys and values "
+                "would stay those of the last chunk"
+            )
+
+
+class PagedChunk(LayerPools):
     """One chunk's attention over every layer's pool buffer, for a forward that runs its
     layers one after another (the decoder's with a cache, a custom policy's: `policy`).
 
@@ -508,24 +638,16 @@ class PagedChunk:
         make_tables, self._decode_layer = decode_steps(sharder, P, ps, decode_kernel)
         self._active_b = num_new_b > 0
         self._tables = make_tables(page_table_bm, pos_b, self._active_b) if T == 1 else None
-        self._pools = list(k_pools), list(v_pools)
+        super().__init__(k_pools, v_pools)
         self._table_bm, self._pos_b, self._pages_read = page_table_bm, pos_b, pages_read
-        self._attended = [0] * len(k_pools)  # calls of `attend` per layer: once each
 
     def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        if not 0 <= i < len(self._attended) or self._attended[i]:
-            raise ValueError(
-                f"attend({i}, ...): each of the {len(self._attended)} layers attends once a "
-                "forward, with its own index (a layer given another's index would overwrite "
-                "that layer's keys and values and leave its own stale)"
-            )
-        self._attended[i] += 1
-        ck, cv = self._pools[0][i], self._pools[1][i]
+        ck, cv = self.claim(i)
         if self._tables is not None:
             out, ck, cv = self._decode_layer(
                 q[:, 0], k[:, 0], v[:, 0], ck, cv, self._tables, self._pos_b, self._active_b
             )
-            self._pools[0][i], self._pools[1][i] = ck, cv
+            self.put(i, ck, cv)
             return out[:, None]
         # the chunk's keys and values go into their pages first, then attention reads them
         # (the update is [G, B, T, K], split by the page and offset indices)
@@ -533,7 +655,7 @@ class PagedChunk:
         at = (slice(None), self._page_bt, self._offset_bt)
         ck = ck.at[at].set(k_gbtk.astype(ck.dtype), mode="drop")
         cv = cv.at[at].set(v_gbtk.astype(cv.dtype), mode="drop")
-        self._pools[0][i], self._pools[1][i] = ck, cv
+        self.put(i, ck, cv)
         if self._exact:
             B, T = self._real_bt.shape
             table = jnp.repeat(self._table_bm, T, axis=0)
@@ -542,20 +664,158 @@ class PagedChunk:
         assert self._pages_read is not None
         return paged_attention(q, ck, cv, self._table_bm, self._pos_b, self._pages_read)
 
-    @property
-    def k(self) -> tuple[jax.Array, ...]:
-        self._all_attended()
-        return tuple(self._pools[0])
 
-    @property
-    def v(self) -> tuple[jax.Array, ...]:
-        self._all_attended()
-        return tuple(self._pools[1])
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """A ragged step's rows (`RaggedStep`), one token each, N rows in all (each shard of the
+    rows ``N / shards`` of them, naming pages of its own range): each row's position and the
+    page its key and value go into (past the pool for a padding row: written nowhere); the
+    decode part, the first ``R / shards`` rows of each shard (each a query at ``pos_r`` over
+    its page table ``table_r`` [R, M] where ``decode_r``); and the prompt chunks
+    (`StepChunks`, ``S / shards`` a shard, rows counted from the shard's first, ``count``
+    [shards])."""
 
-    def _all_attended(self) -> None:
-        missing = [i for i, n in enumerate(self._attended) if not n]
-        if missing:
-            raise ValueError(
-                f"layers {missing} never called attend in this forward: their keys and values "
-                "would stay those of the last chunk"
-            )
+    pos: jax.Array  # int32 [N]
+    page: jax.Array  # int32 [N]
+    table_r: jax.Array  # int32 [R, M]
+    pos_r: jax.Array  # int32 [R]
+    decode_r: jax.Array  # bool [R]
+    chunks: StepChunks
+
+
+def _local_rows(rows: StepRows, num_pages: int, page_size: int, first: jax.Array) -> Any:
+    """A shard's `StepRows` in its own page ids (pool ``first ..`` of ``num_pages``): its
+    rows' pages, its decode part's `DecodeTables`, its chunks' tables."""
+    page = rows.page - first
+    page = jnp.where((page >= 0) & (page < num_pages), page, num_pages)
+    tables = decode_tables(rows.table_r, rows.pos_r, rows.decode_r, num_pages, page_size, first)
+    chunks = dataclasses.replace(rows.chunks, table=rows.chunks.table - first)
+    return page, tables, chunks
+
+
+def _step_layer(
+    q_nhk: jax.Array,
+    k_ngk: jax.Array,
+    v_ngk: jax.Array,
+    ck: jax.Array,
+    cv: jax.Array,
+    page_n: jax.Array,
+    pos_n: jax.Array,
+    tables: DecodeTables,
+    pos_r: jax.Array,
+    decode_r: jax.Array,
+    chunks: StepChunks,
+    kernel: str,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer of a ragged step on one shard: every row's key and value into its page, then
+    the decode part (the first rows, `_decode_layer`'s kernels) and the prompt chunks
+    (`chunk_attention`). Returns the attention [N, H, K] and the layer's pages."""
+    offset = pos_n % ck.shape[2]
+    ck = ck.at[:, page_n, offset].set(k_ngk.transpose(1, 0, 2).astype(ck.dtype), mode="drop")
+    cv = cv.at[:, page_n, offset].set(v_ngk.transpose(1, 0, 2).astype(cv.dtype), mode="drop")
+    R = pos_r.shape[0]
+    q_r = q_nhk[:R]
+    if kernel == "pallas":
+        decoded = pallas_paged_attention(q_r, ck, cv, tables.table, pos_r, decode_r)
+    elif kernel == "triton":
+        decoded = triton_paged_attention(q_r, ck, cv, tables.table, pos_r, decode_r, interpret)
+    else:
+        decoded = ragged_attention(q_r, ck, cv, tables.pairs, pos_r)
+    decoded = jnp.where(decode_r[:, None, None], decoded, 0)
+    out = chunk_attention(q_nhk, ck, cv, chunks).at[:R].add(decoded)
+    return out, ck, cv
+
+
+class RaggedStep(LayerPools):
+    """A ragged step's attention over every layer's pool buffer (`PagedChunk`'s interface,
+    for a forward of rows of one token each, [N, 1]): the rows are decoding slots' next
+    tokens and prompt chunks of several sequences, each its own query length, positions and
+    pages (`StepRows`). ``attend(i, q, k, v)`` writes the rows' keys and values into layer
+    i's buffer, then attends: the decode part by the decode kernel (`ragged_attention`, or
+    the TPU / GPU kernel), the chunks by `chunk_attention`; each shard of the rows its own
+    pages, under ``jax.shard_map`` (nothing crosses chips). ``k`` and ``v`` then hold every
+    layer's updated buffer, in order."""
+
+    def __init__(
+        self,
+        sharder: Sharder,
+        k_pools: tuple[jax.Array, ...],
+        v_pools: tuple[jax.Array, ...],
+        rows: StepRows,
+        decode_kernel: str,
+    ) -> None:
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r}: of {', '.join(DECODE_KERNELS)}")
+        _, P, ps, _ = k_pools[0].shape
+        rules, mesh = sharder.rules, sharder.mesh
+        local = P // sharder.shards("batch")
+        split = rules.spec(("batch",))
+        heads, pages = rules.spec(("batch", "kv_heads", "head_dim")), rules.spec(PAGE_AXES)
+
+        def localize(rows: StepRows) -> Any:
+            return _local_rows(rows, local, ps, sharder.shard_index("batch") * local)
+
+        self._rows = rows
+        self.positions = rows.pos[:, None]
+        self._local = jax.shard_map(
+            localize, mesh=mesh, in_specs=(split,), out_specs=split, check_vma=False
+        )(rows)
+        self._layer = jax.shard_map(
+            partial(_step_layer, kernel=decode_kernel, interpret=platform_of(sharder) != "gpu"),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, pages, pages, *(split,) * 6),
+            out_specs=(heads, pages, pages),
+            check_vma=False,
+        )
+        super().__init__(k_pools, v_pools)
+
+    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        ck, cv = self.claim(i)
+        page, tables, chunks = self._local
+        rows = self._rows
+        out, ck, cv = self._layer(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            ck,
+            cv,
+            page,
+            rows.pos,
+            tables,
+            rows.pos_r,
+            rows.decode_r,
+            chunks,
+        )
+        self.put(i, ck, cv)
+        return out[:, None]
+
+
+def paged_layers(
+    sharder: Sharder,
+    cache: Any,
+    B: int,
+    T: int,
+    *,
+    page_table_bm: jax.Array | None = None,
+    pos_b: jax.Array | None = None,
+    num_new_b: jax.Array | None = None,
+    pages_read: int | None = None,
+    decode_kernel: str = "ragged",
+    rows: StepRows | None = None,
+    exact: bool = False,
+) -> PagedChunk | RaggedStep:
+    """The attention a forward with a cache (`decoder.KVPages` ``cache``) runs its ``B`` x
+    ``T`` tokens through: a ragged step's (``rows``, T = 1) or a chunk's of rows with page
+    tables (`PagedChunk`)."""
+    if rows is not None:
+        if T != 1 or rows.pos.shape[0] != B:
+            raise ValueError(f"a ragged step's {rows.pos.shape[0]} rows of one token, not {B}x{T}")
+        return RaggedStep(sharder, cache.k, cache.v, rows, decode_kernel)
+    if page_table_bm is None or pos_b is None or num_new_b is None:
+        raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b (or rows)")
+    return PagedChunk(
+        sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read, decode_kernel,
+        B, T, exact=exact,
+    )  # fmt: skip

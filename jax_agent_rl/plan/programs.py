@@ -1,5 +1,5 @@
 """A run's device programs, assembled abstractly: the trainer's own jitted functions (the RL
-update, the SFT step, the engine's prefill and decode, the learner-to-engine weight push) with
+update, the SFT step, the engine's ragged step, the learner-to-engine weight push) with
 their arguments as `jax.ShapeDtypeStruct`s laid out on a mesh of a TPU slice's abstract devices,
 ready to lower and compile for it. Nothing is allocated and no weights are read. A LoRA run's
 (``model.lora``) are its own: the learner trains the adapters alone (its optimizer state is
@@ -339,9 +339,9 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     """The embedded engine's weight push (the learner's fp32 params, laid out on the training
     mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
     from the learner's buffers to the engine's; a LoRA policy's adapters alone, onto the base
-    the engine keeps: `serving_adapters`), its longest prefill chunk and a decode call of
-    ``engine.steps_per_call`` steps at its largest batch bucket (a LoRA model's adapters
-    unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
+    the engine keeps: `serving_adapters`) and its ragged step at the largest row bucket
+    (prompt chunks filling it, then ``engine.steps_per_call - 1`` decode steps; a LoRA model's
+    adapters unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
     r, tensor = cfg.engine, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, model, cfg.model.dtype, serving)
@@ -349,7 +349,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
     load_fn, _, _ = programs["load_params"]
     learner_params = abstract_params(dataclasses.replace(model, dtype="float32"), sharder)
-    out_layout = jax.tree.map(lambda x: x.sharding, programs["generate"][1][0])
+    out_layout = jax.tree.map(lambda x: x.sharding, programs["step"][1][0])
     dtype = served.jnp_dtype
     pushed: Any  # the learner's weights, or a LoRA policy's adapters
     if model.lora is None:
@@ -362,14 +362,14 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             out_shardings=tuple(w.lora for w in layers),
         )
         pushed, what = adapters_of(learner_params), "the LoRA adapters, fp32 -> serving layout"
-    dp = sharder.mesh.shape["data"] * sharder.mesh.shape["fsdp"]
-    chunk, pages = engine.prefill_buckets[-1], engine.page_buckets[-1]
-    prefill = forward_flops(model, chunk / tensor, min(pages * engine.page_size, r.max_model_len))
-    rows = engine.batch_buckets[-1]
-    # each of a call's decode steps: every slot of the batch, attending to half the longest
-    decode = r.steps_per_call * forward_flops(model, rows / dp / tensor, r.max_model_len / 2)
-    fn, args, static = programs["prefill"]
-    gen_fn, gen_args, gen_static = programs["generate"]
+    # a shard's rows: prompt tokens, each attending to half a prompt chunk on average; then
+    # each of the call's decode steps: every slot of the shard, at half the longest context
+    rows, slots = engine.step_buckets[-1], engine.slots_per_shard
+    chunk = min(engine.prefill_chunk, r.max_model_len)
+    step = forward_flops(model, rows / tensor, chunk / 2) + (r.steps_per_call - 1) * forward_flops(
+        model, slots / tensor, r.max_model_len / 2
+    )
+    fn, args, static = programs["step"]
     return [
         # unstaged, the old weights are dropped first (`engine.push.staged`)
         Program(
@@ -383,24 +383,15 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             replaces=model.lora is None and not r.push.staged,
         ),
         Program(
-            "prefill",
+            "step",
             fn,
             args,
             static,
-            prefill,
-            prefill,
-            f"one chunk of {chunk} tokens reading {pages} pages of {engine.page_size}",
-            kernels=kernel_costs(),
-        ),
-        Program(
-            "decode",
-            gen_fn,
-            gen_args,
-            gen_static,
-            decode,
-            decode,
-            f"{r.steps_per_call} steps x {rows} slots, each at {r.max_model_len // 2} cached "
-            f"tokens on average, {engine.decode_kernel} attention",
+            step,
+            step,
+            f"{rows} prompt tokens a shard, then {r.steps_per_call - 1} decode steps x {slots} "
+            f"slots a shard at {r.max_model_len // 2} cached tokens on average, "
+            f"{engine.decode_kernel} decode attention",
             kernels=kernel_costs(context=r.max_model_len / 2),
         ),
     ]

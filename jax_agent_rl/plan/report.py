@@ -266,7 +266,7 @@ class Plan:
         parts = []
         for part, name in (
             ("learner state + batch", "rl_update"),
-            ("engine weights + KV", "decode"),
+            ("engine weights + KV", "step"),
         ):
             p = self._named(name)
             if p is not None:
@@ -404,7 +404,7 @@ _PLUMBING = frozenset({"while", "body", "closed_call", "cond", ""})
 # the programs whose temporaries grow with the learner's rows, and those whose grow with the
 # engine's KV cache or slots (`least_peak`)
 ROW_PROGRAMS = frozenset({"rl_update", "sft_step"})
-KV_PROGRAMS = frozenset({"prefill", "decode"})
+KV_PROGRAMS = frozenset({"step"})
 
 
 def least_peak(plan: Plan, row_cut: int, kv_cut: int) -> float:
@@ -424,7 +424,7 @@ def least_peak(plan: Plan, row_cut: int, kv_cut: int) -> float:
             extra.append(p.extra / cut)
         if p.name == "rl_update":
             learner = p.arguments
-        elif p.name == "decode":
+        elif p.name == "step":
             engine = p.arguments / kv_cut
     return learner + engine + max(extra, default=0.0)
 

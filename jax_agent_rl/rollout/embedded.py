@@ -1,8 +1,11 @@
 """The in-process rollout backend: the JAX engine behind the asyncio `RolloutBackend` protocol.
 
-One engine thread owns the device state and runs continuous batching: waiting requests are
-prefilled into free slots, all active slots decode together ``steps_per_call`` tokens per
-device call, and a finished, aborted or failed request frees its slot at once for the next.
+One engine thread owns the device state and runs continuous batching by ragged steps
+(`Engine.step`): each device call computes every decoding slot's next token and chunks of
+the prompts being computed, oldest first, waiting requests admitted into free slots while the
+step's token budget (``engine.max_step_tokens``) lasts, in one forward; its further
+``steps_per_call - 1`` steps decode. A finished, aborted or failed request frees its slot
+for the next call.
 The event loop never blocks: coroutines hand commands to the thread and await futures it
 resolves.
 
@@ -14,9 +17,10 @@ whose next request prefills only what follows the longest common prefix; every f
 a known prefix stays cached, so a group's episodes (one prompt) prefill it once per shard and
 a tree's branches share their parent's pages (``prefix_session``). When the pool runs out,
 admissions wait, and a decoding request that needs a page preempts the one admitted last on
-its shard, computed again later. A long prompt is prefilled in chunks between decode calls.
-A decode call computes the running slots alone, gathered into the smallest batch bucket
-(`engine.state.decode_rows`). Given ``decode`` (the run's tokenizer), a request ends at the
+its shard, computed again later. A long prompt is computed in chunks of at most
+``prefill_chunk`` over several calls beside the decoding rows; episodes whose first page is
+that of a prompt being computed wait for its pages rather than compute them again. Given
+``decode`` (the run's tokenizer), a request ends at the
 decode call that completes one of its stop strings, cut at the token that does (`stops`).
 
 Weight updates drain (the `WeightGate` every backend shares): new requests wait, requests in
@@ -55,7 +59,7 @@ import jax
 from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool
-from jax_agent_rl.engine.state import RUNNING, STOPPED
+from jax_agent_rl.engine.state import RUNNING, STOPPED, StepChunk, StepTokens
 from jax_agent_rl.models import Weights, checked_weights
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.protocol import (
@@ -121,7 +125,7 @@ class EmbeddedBackend:
         self._pool = PagePool(engine.num_pages, engine.shards, weight_version)
         self._sessions = SessionPages(self._pool, engine.page_size, session_cache_size, self.stats)
         self._table = engine.page_table([[]] * engine.max_concurrent_decodes)
-        self._prefilling: Job | None = None  # a long prompt between its chunks
+        self._prefilling: dict[int, Job] = {}  # by slot: prompts not computed whole yet
         self._admissions, self._rng = itertools.count(), random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
@@ -244,8 +248,7 @@ class EmbeddedBackend:
         except BaseException as e:  # the engine is broken: fail everything, refuse new work
             with self._cond:
                 self._failure = e
-            prefilling = [] if self._prefilling is None else [self._prefilling]
-            for job in [*self._slots.values(), *self._waiting, *prefilling]:
+            for job in [*self._slots.values(), *self._waiting, *self._prefilling.values()]:
                 resolve_from_thread(job.future, job.loop, RuntimeError(f"engine failed: {e!r}"))
             for pending in (self._update, self._stage):
                 if pending is not None:
@@ -263,26 +266,16 @@ class EmbeddedBackend:
 
     def _engine_work(self) -> None:
         """A pending weight update (it comes once the gate has drained every request), then
-        admissions (or the next chunk of a long prompt), then a decode call (none of them
-        while paused)."""
+        one engine call: a ragged step of every decoding slot's next token and the prompt
+        chunks that fit the step's token budget (admitting waiting requests into free
+        slots), then its decode steps (none of them while paused)."""
         if self._update is not None and not self._paused.is_set():
             self._apply_update(self._update)
             self._update = None
         if self._paused_now():
             return
-        if self._prefilling is not None:
-            self._prefill_chunk(self._prefilling)
-        while (
-            self._prefilling is None
-            and self._waiting
-            and len(self._slots) < self.engine.max_concurrent_decodes
-        ):
-            if not self._admit(self._waiting[0]):
-                break  # too few pages: it waits for running requests to free some
-            self._waiting.popleft()
-        if self._slots and not self._paused_now():
-            self._decode()
-            self._paused_now()
+        self._step()
+        self._paused_now()
 
     def _paused_now(self) -> bool:
         """Whether generation is paused, pausing it first if the awaited request has produced
@@ -373,18 +366,13 @@ class EmbeddedBackend:
                 self._waiting.remove(job)
                 self._finish(job, "abort")
                 return
-        if self._prefilling is not None and self._prefilling.request.request_id == request_id:
-            job, self._prefilling = self._prefilling, None
-            self._pool.release(job.pages)
-            self._finish(job, "abort")
-            return
-        for slot, job in list(self._slots.items()):
-            if job.request.request_id == request_id:
-                self._state = self.engine.release(self._state, slot)
-                del self._slots[slot]
-                self._pool.release(job.pages)
-                self._finish(job, "abort")
-                return
+        for held in (self._prefilling, self._slots):  # its slot is simply left out of steps
+            for slot, job in list(held.items()):
+                if job.request.request_id == request_id:
+                    del held[slot]
+                    self._pool.release(job.pages)
+                    self._finish(job, "abort")
+                    return
 
     # --------------------------------------------------------------------- pages, prefixes
 
@@ -394,19 +382,21 @@ class EmbeddedBackend:
         return (*job.request.prompt_ids, *job.tokens)
 
     def _admit(self, job: Job) -> bool:
-        """Starts the waiting request ``job``: its cached prefix, pages for the rest of its
-        sequence and its first decode steps, then its prefill (in chunks if it is long).
-        False (and nothing held) if the pool has too few pages for now."""
+        """Starts the waiting request ``job`` in a free slot: its cached prefix, pages for
+        the rest of its sequence and its first decode steps; its prompt is then computed in
+        chunks, one per step (`_step`). False (and nothing held) if the pool has too few
+        pages for now."""
         seq, engine = self._sequence(job), self.engine
         total = engine.pages_for(min(len(seq) + self._steps_per_call, engine.max_len))
-        free = (s for s in range(engine.max_concurrent_decodes) if s not in self._slots)
+        held = self._slots.keys() | self._prefilling.keys()
+        free = (s for s in range(engine.max_concurrent_decodes) if s not in held)
         job.slot = self._sessions.best_slot(job.request, seq, free, engine.slot_shard, total)
         shard = engine.slot_shard(job.slot)
         pages, common = self._sessions.cached_prefix(job.request, seq, shard)
         more = self._sessions.take(total - len(pages), shard) if total > len(pages) else []
         if more is None or not self._sessions.private_tail(pages, common, self._copy_page):
             self._pool.release(pages + (more or []))
-            if not self._slots and self._prefilling is None and not self._sessions:
+            if not self._slots and not self._prefilling and not self._sessions:
                 raise RuntimeError(  # the shard's pages are held by no one and still too few
                     f"{total} pages needed; {self._pool.available(shard)} free on shard {shard}"
                 )
@@ -417,44 +407,99 @@ class EmbeddedBackend:
             job.admitted = next(self._admissions)
         self.stats.requests += not job.tokens
         self.stats.prefix_hit_tokens += common
-        self._prefill_chunk(job)
+        self._prefilling[job.slot] = job
+        self._table[job.slot, : len(job.pages)] = job.pages
         return True
 
-    def _prefill_chunk(self, job: Job) -> None:
-        """Prefills the next chunk of ``job``'s sequence; after the last, the job decodes in
-        its slot (or finishes at its first token). Chunks alternate with decode calls."""
+    def _step(self) -> None:
+        """One engine call: every decoding slot's next token and, in the token budget left
+        on each shard (``engine.max_step_tokens``), the next chunk of each prompt being
+        computed (the oldest first), admitting waiting requests into free slots while budget
+        is left; then the call's decode steps. A prompt's last chunk samples its first
+        token: the request decodes from the next call on. A finished row's slot takes the
+        next waiting request at the next call."""
+        engine = self.engine
+        self._grow()
+        budget = [engine.max_step_tokens] * engine.shards
+        chunks = []
+        for slot, job in self._slots.items():
+            chunks.append(StepChunk(slot, job.pos))
+            budget[engine.slot_shard(slot)] -= 1
+        prompts = sorted(self._prefilling.values(), key=lambda j: j.admitted)
+        while (
+            self._waiting
+            and any(budget)
+            and len(self._slots) + len(self._prefilling) < engine.max_concurrent_decodes
+        ):
+            if self._shares_a_prompt_in_flight(self._waiting[0]):
+                break  # it takes that prompt's pages once they are computed
+            if not self._admit(self._waiting[0]):
+                break  # too few pages: it waits for running requests to free some
+            prompts.append(self._waiting.popleft())
+        computed: list[tuple[Job, int]] = []
+        for job in prompts:
+            shard, seq = engine.slot_shard(job.slot), self._sequence(job)
+            n = min(len(seq) - job.done, budget[shard], engine.prefill_chunk)
+            if n <= 0:
+                continue
+            budget[shard] -= n
+            last = job.done + n == len(seq)
+            first = (job.request.sampling, job.seed, len(job.tokens)) if last else None
+            chunks.append(StepChunk(job.slot, job.done, seq[job.done : job.done + n], first))
+            computed.append((job, n))
+        if not chunks:
+            return
+        self._state, out = engine.step(
+            self._params, self._state, self._table, chunks, self._steps_per_call
+        )
+        out = jax.device_get(out)
+        self.stats.decode_calls += 1
+        for job, n in computed:
+            job.done += n
+            self.stats.prefilled_tokens += n
+            seq = self._sequence(job)
+            if job.done == len(seq):  # its first token is sampled: it decodes from now on
+                del self._prefilling[job.slot]
+                self._pool.register(
+                    job.pages, self._pool.keys(seq, engine.page_size, job.kv_version)
+                )
+                job.pos = len(seq) - 1  # (its first token adds none: its input is cached)
+                self._slots[job.slot] = job
+        self._take_tokens(out)
+
+    def _shares_a_prompt_in_flight(self, job: Job) -> bool:
+        """Whether ``job``'s first full page is that of a prompt being computed (a group's
+        episodes, arriving together): it waits for those pages to be cached rather than
+        compute them again beside it."""
+        size = self.engine.page_size
         seq = self._sequence(job)
-        chunk = seq[job.done : job.done + self.engine.prefill_chunk]
-        self._state, prefix = self.engine.prefill(
-            self._params,
-            self._state,
-            job.pages,
-            job.done,
-            chunk,
-            job.request.sampling,
-            job.seed,
-            generated=len(job.tokens),
+        if len(seq) <= size:
+            return False
+        return any(
+            self._sequence(other)[:size] == seq[:size] for other in self._prefilling.values()
         )
-        job.done += len(chunk)
-        self.stats.prefilled_tokens += len(chunk)
-        if job.done < len(seq):
-            self._prefilling = job
-            return
-        self._prefilling = None
-        self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
-        # whole [1] arrays to the host, indexed there (indexing on the device runs a program)
-        token, logprob, finish = (
-            x[0] for x in jax.device_get((prefix.slots.token, prefix.logprob, prefix.finish))
-        )
-        experts = None if prefix.experts is None else jax.device_get(prefix.experts)[0]
-        job.add(int(token), float(logprob), experts, self._pool.version)
-        job.pos = len(seq)
-        if int(finish) != RUNNING or job.cut_at_stop_string(self._detokenize, 1):
-            self._retire(job, "length" if int(finish) not in (RUNNING, STOPPED) else "stop")
-            return
-        self._state = self.engine.insert(prefix, self._state, job.slot)
-        self._slots[job.slot] = job
-        self._table[job.slot, : len(job.pages)] = job.pages
+
+    def _take_tokens(self, out: StepTokens) -> None:
+        """Each running row's tokens of the call, up to its finish; the finished retire."""
+        finished: list[tuple[int, FinishReason]] = []
+        for row, slot in enumerate(out.slot.tolist()):
+            if (job := self._slots.get(slot)) is None:
+                continue  # a padding row
+            before, code = len(job.tokens), RUNNING
+            for t in range(len(out.token)):
+                if not out.valid[t, row] or code != RUNNING:
+                    break
+                experts = None if out.experts is None else out.experts[t, row]
+                token, logprob = int(out.token[t, row]), float(out.logprob[t, row])
+                job.add(token, logprob, experts, self._pool.version)
+                job.pos += 1
+                code = int(out.finish[t, row])
+            if job.cut_at_stop_string(self._detokenize, len(job.tokens) - before):
+                finished.append((slot, "stop"))  # its slot is left out of the next steps
+            elif code != RUNNING:
+                finished.append((slot, "stop" if code == STOPPED else "length"))
+        for slot, reason in finished:
+            self._retire(self._slots.pop(slot), reason)
 
     def _grow(self) -> None:
         """Gives every decoding slot the pages its next decode call writes into; when the
@@ -479,7 +524,6 @@ class EmbeddedBackend:
 
     def _preempt(self, slot: int) -> None:
         job = self._slots.pop(slot)
-        self._state = self.engine.release(self._state, slot)
         seq = self._sequence(job)[: job.pos]
         self._pool.register(job.pages, self._pool.keys(seq, self.engine.page_size, job.kv_version))
         self._pool.release(job.pages)
@@ -490,36 +534,6 @@ class EmbeddedBackend:
     def _copy_page(self, page: int, fresh: int) -> None:
         self._state = self.engine.copy_page(self._state, page, fresh)
         self.stats.page_copies += 1
-
-    def _decode(self) -> None:
-        self._grow()
-        if not self._slots:
-            return
-        self._state, out = self.engine.generate(
-            self._params, self._state, self._table, self._slots.keys(), self._steps_per_call
-        )
-        out = jax.device_get(out)
-        self.stats.decode_calls += 1
-        finished: list[tuple[int, FinishReason]] = []
-        for row, slot in enumerate(out.slot.tolist()):
-            if (job := self._slots.get(slot)) is None:
-                continue  # an idle slot padding the batch
-            before, code = len(job.tokens), RUNNING
-            for t in range(self._steps_per_call):
-                if not out.valid[t, row] or code != RUNNING:
-                    break
-                experts = None if out.experts is None else out.experts[t, row]
-                token, logprob = int(out.token[t, row]), float(out.logprob[t, row])
-                job.add(token, logprob, experts, self._pool.version)
-                job.pos += 1
-                code = int(out.finish[t, row])
-            if job.cut_at_stop_string(self._detokenize, len(job.tokens) - before):
-                self._state = self.engine.release(self._state, slot)  # it is running there
-                finished.append((slot, "stop"))
-            elif code != RUNNING:
-                finished.append((slot, "stop" if code == STOPPED else "length"))
-        for slot, reason in finished:
-            self._retire(self._slots.pop(slot), reason)
 
     def _retire(self, job: Job, reason: FinishReason) -> None:
         """A finished job's pages: its full ones registered as a cached prefix; kept for its
@@ -549,9 +563,8 @@ class EmbeddedBackend:
             self._finish(self._slots.pop(slot), "abort")
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
-        if self._prefilling is not None:
-            self._finish(self._prefilling, "abort")
-            self._prefilling = None
+        for slot in list(self._prefilling):
+            self._finish(self._prefilling.pop(slot), "abort")
         for pending in (self._update, self._stage):
             if pending is not None:
                 resolve_from_thread(pending.future, pending.loop, RuntimeError("backend closed"))

@@ -188,6 +188,7 @@ def make_engine(
             model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
         ),
         prefill_chunk=r.prefill_chunk,
+        max_step_tokens=r.max_step_tokens,
         batch_buckets=r.batch_buckets,
         sharder=sharder,
     )

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jax_agent_rl.engine import Engine
+from jax_agent_rl.engine.state import StepChunk
 from jax_agent_rl.models import Sharder, inference_mesh, load_hf, make_mesh, param_shardings
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -58,9 +59,9 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
-    assert counts["prefill"] <= len(engine.prefill_buckets) * len(engine.page_buckets)
-    assert counts["generate"] <= len(engine.batch_buckets)  # one program per batch, any lengths
-    assert counts["insert"] == 1
+    # one ragged step program per row bucket, whatever the mix of prompts and decode rows
+    assert set(counts) == {"step"}
+    assert counts["step"] <= len(engine.step_buckets)
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
     asyncio.run(many())
@@ -83,8 +84,7 @@ def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: boo
     after_warmup = dict(engine.compile_counts)
     total = heard[-1][1]
     assert heard == [(done, total) for done in range(1, total + 1)]
-    prefills, generates = after_warmup["prefill"], after_warmup["generate"]
-    assert total == prefills + generates + 2  # + insert/copy_page, release
+    assert total == after_warmup["step"] + 1  # + copy_page
     rng = np.random.default_rng(1)
 
     async def sessions() -> None:
@@ -382,3 +382,103 @@ def test_sharded_sessions_share_prompts_within_their_shards(checkpoint: Path) ->
     assert sharded.stats.page_copies >= 1
     asyncio.run(sharded.close())
     asyncio.run(local.close())
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "inference_mesh"])
+def test_a_ragged_step_gives_what_prefill_and_decode_give(checkpoint: Path, sharded: bool) -> None:
+    """`Engine.step`: three prompts (37, 5 and 70 tokens) computed in one step and decoded 5
+    more steps in the same call give the tokens (greedy) of prefilling each alone, inserting
+    it and decoding, with logprobs to the fp32 bound; a later step of those three decode rows
+    beside the first chunk of a fourth prompt (which samples nothing) goes on as decode does,
+    and the fourth prompt's last chunk, in the next step, starts it as its whole prefill
+    does. On an 8-device inference mesh (slots and pages over data x fsdp = 4, heads over tensor=2) as
+    on one device."""
+    sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else one_device_sharder()
+    cfg, w = load_hf(checkpoint, sharder=sharder)
+    engine = Engine(cfg, max_concurrent_decodes=4, max_len=256, max_step_tokens=128, sharder=sharder)
+    params = engine.load_params(w)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 500, n)] for n in (37, 5, 70, 50)]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    first = (greedy, 0, 0)
+    slots = [0, 2, 1, 3]  # over two shards when sharded: slots 0-1 on one, 2-3 on the other
+    base = [engine.slot_shard(s) * engine.shard_pages + s % engine.slots_per_shard * 8 for s in range(4)]
+    pages = [list(range(b, b + 8)) for b in base]
+    table = engine.page_table(pages)
+
+    def reference(prompt: list[int], slot: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        state = engine.init_decode_state()
+        state, prefix = engine.prefill(params, state, pages[slot], 0, prompt, greedy, 0)
+        state = engine.insert(prefix, state, slot)
+        _, out = engine.generate(params, state, table, [slot], steps)
+        row = list(np.asarray(out.slot)).index(slot)
+        tokens = [int(prefix.slots.token[0]), *np.asarray(out.token)[:, row]]
+        logprobs = [float(prefix.logprob[0]), *np.asarray(out.logprob)[:, row]]
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    state = engine.init_decode_state()
+    chunks = [StepChunk(slots[i], 0, prompts[i], first) for i in range(3)]
+    state, out = engine.step(params, state, table, chunks, num_steps=6)
+    out = jax.device_get(out)
+    state, later = engine.step(
+        params,
+        state,
+        table,
+        [StepChunk(slots[i], len(prompts[i]) + 5) for i in range(3)]
+        + [StepChunk(slots[3], 0, prompts[3][:30])],
+        num_steps=4,
+    )
+    later = jax.device_get(later)
+    assert slots[3] not in later.slot.tolist()  # a chunk that does not end its prompt
+    for i in range(3):
+        tokens, logprobs = reference(prompts[i], slots[i], 9)
+        row, row2 = out.slot.tolist().index(slots[i]), later.slot.tolist().index(slots[i])
+        got_tokens = np.concatenate([out.token[:, row], later.token[:, row2]])
+        got_logprobs = np.concatenate([out.logprob[:, row], later.logprob[:, row2]])
+        np.testing.assert_array_equal(got_tokens, tokens)
+        assert np.abs(got_logprobs - logprobs).max() <= FP32_LOGPROBS
+    state, last = engine.step(
+        params, state, table, [StepChunk(slots[3], 30, prompts[3][30:], first)], num_steps=3
+    )
+    last = jax.device_get(last)
+    tokens, logprobs = reference(prompts[3], slots[3], 2)
+    row = last.slot.tolist().index(slots[3])
+    np.testing.assert_array_equal(last.token[:, row], tokens)
+    assert np.abs(last.logprob[:, row] - logprobs).max() <= FP32_LOGPROBS
+    assert engine.compile_counts["step"] == 3  # calls of 6, 4 and 3 steps
+
+
+def test_a_ragged_steps_rows_do_not_depend_on_their_batch_mates(checkpoint: Path) -> None:
+    """With ``batch_buckets=False`` every step computes ``max_step_tokens`` rows, and a
+    decode row's logprobs are the same bit for bit alone and beside a prompt chunk of 90
+    tokens or another decoding slot: each row reads its own pages only (the decode loop's
+    pairs, the chunks' query blocks), so a run does not depend on what shared its steps."""
+    cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    engine = Engine(
+        cfg,
+        max_concurrent_decodes=4,
+        max_len=256,
+        max_step_tokens=128,
+        batch_buckets=False,
+        sharder=one_device_sharder(),
+    )
+    params = engine.load_params(w)
+    sampling = (SamplingParams(max_tokens=40, temperature=1.0), 3, 0)
+    prompt = list(range(5, 35))
+    table = engine.page_table([list(range(s * 8, s * 8 + 8)) for s in range(4)])
+
+    def decode(mates: list[StepChunk]) -> tuple[np.ndarray, np.ndarray]:
+        state = engine.init_decode_state()
+        for slot, tokens in ((0, prompt), (1, list(range(40, 100)))):
+            state, _ = engine.step(params, state, table, [StepChunk(slot, 0, tokens, sampling)])
+        state, out = engine.step(params, state, table, [StepChunk(0, len(prompt)), *mates], 8)
+        out = jax.device_get(out)
+        row = out.slot.tolist().index(0)
+        return np.asarray(out.token[:, row]), np.asarray(out.logprob[:, row])
+
+    alone = decode([])
+    for mates in ([StepChunk(2, 0, list(range(1, 91)), sampling)], [StepChunk(1, 60)]):
+        tokens, logprobs = decode(mates)
+        np.testing.assert_array_equal(tokens, alone[0])
+        np.testing.assert_array_equal(logprobs, alone[1])
+    assert engine.compile_counts["step"] == 2  # one row count: a call of 1 step, and of 8

@@ -21,7 +21,9 @@ from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
-BEFORE = 5  # tokens sampled when the push lands: 1 from prefill + one decode call of 4
+# tokens sampled when the push lands: two calls of 4 steps (the first's ragged step samples
+# the first token from the prompt, its 3 decode steps the next ones)
+BEFORE = 8
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The embedded backend over the paged KV cache: memory by real length, prefixes shared by
-reference, waiting and preemption under a small pool, chunked prefill between decode calls.
+reference, waiting and preemption under a small pool, chunked prefill beside decode rows.
 
 The engine's state is read while the backend holds it (`pause`): a paused engine admits and
 decodes nothing, so the pages and the jobs do not move under the test."""
@@ -144,8 +144,8 @@ def test_a_tiny_pool_waits_and_preempts_and_gives_the_same_tokens(checkpoint: Pa
 
 def test_a_long_prompt_is_prefilled_between_decode_calls(checkpoint: Path) -> None:
     """A 200-token prompt in chunks of 32 (7 chunks) arrives while a short request decodes:
-    the short one gets a decode call after every chunk but the last, so it keeps producing
-    tokens while the long one is admitted; both give the tokens they give alone."""
+    each chunk is computed in one call with the short one's decode steps, so it keeps
+    producing tokens while the long one is admitted; both give the tokens they give alone."""
     backend = _backend(checkpoint, prefill_chunk=32)
     short = GenerateRequest("short", _prompt(3, 5), SamplingParams(max_tokens=120, seed=0))
     long = GenerateRequest("long", _prompt(4, 200), SamplingParams(max_tokens=10, seed=1))

@@ -27,6 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax_agent_rl.models import Sharder, make_mesh
 from jax_agent_rl.models.decoder import ATTN_BLOCK, attention, key_blocks
 from jax_agent_rl.models.paged import (
+    CHUNK_PAGES,
+    StepChunks,
+    chunk_attention,
     decode_steps,
     page_pairs,
     paged_attention,
@@ -208,6 +211,41 @@ def test_ragged_attention_equals_the_softmax_and_ignores_batch_mates() -> None:
         np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(got[0]))
     last_alone = run(table, pos, jnp.asarray([False, False, False, True]), 4 * block)
     np.testing.assert_array_equal(np.asarray(last_alone[3]), np.asarray(got[3]))
+
+
+def test_chunk_attention_equals_the_softmax_over_each_chunks_own_pages() -> None:
+    """The prompt chunks of a ragged step (`chunk_attention`): three chunks of a 100-row
+    batch (rows 3.., 45.., 55..; 37 tokens from position 0, over two query blocks; 5 from
+    position 20; 40 from position 50, over three blocks and trips of `CHUNK_PAGES` pages),
+    each over its own scattered pages, against a float64 softmax over each query's
+    positions; the rows of no chunk are zeros, and so is everything a fourth chunk past the
+    count would have written. Bound: as `paged_attention`'s, (K + S) unit roundoffs of the
+    largest value, plus one rounding of the running sums per trip over the pages."""
+    ps, n_rows = 8, 100
+    starts, sizes, rows = [0, 20, 50], [37, 5, 40], [3, 45, 55]
+    tables = [[9, 4, 30, 2, 17], [1, 5, 6, 7], [40, 12, 33, 21, 8, 26, 27, 39, 11, 3, 14, 0]]
+    lengths = [a + n for a, n in zip(starts, sizes)]
+    k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=6)
+    q = jax.random.normal(jax.random.key(7), (n_rows, H, K))
+    M = 12
+    chunks = StepChunks(
+        row=jnp.asarray([*rows, 90], jnp.int32),
+        size=jnp.asarray([*sizes, 10], jnp.int32),
+        start=jnp.asarray([*starts, 0], jnp.int32),
+        table=jnp.asarray(_table([*tables, tables[0]], M)),
+        count=jnp.asarray([3], jnp.int32),
+    )
+    got = np.asarray(jax.jit(chunk_attention)(q, k_pages, v_pages, chunks), np.float64)
+    trips = -(-max(lengths) // (CHUNK_PAGES * ps))
+    bound = (K + max(lengths) + trips + 1) * 2.0**-24 * np.abs(v64).max()
+    inside = np.zeros(n_rows, bool)
+    for c, (row, size, start) in enumerate(zip(rows, sizes, starts)):
+        qc = np.asarray(q[row : row + size], np.float64).reshape(1, size, G, H // G, K)
+        last = (start + np.arange(size))[None]
+        want = _reference(qc, k64[c : c + 1], v64[c : c + 1], last)[0]
+        np.testing.assert_allclose(got[row : row + size], want, atol=bound, rtol=0)
+        inside[row : row + size] = True
+    assert not got[~inside].any()
 
 
 KernelCase = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]

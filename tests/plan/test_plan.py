@@ -1,6 +1,6 @@
 """``jarl plan``: a run's programs compiled for a TPU slice on this CPU host (libtpu), run as
 the command a user types. The tiny demo model's whole run (RL update, SFT step, weight push,
-prefill, decode) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
+ragged step) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
 the compiled figures; its LoRA run in bfloat16 compiles beside the same run training every
 weight, its update smaller, its optimizer state the adapters'; a run that cannot fit is refused
 naming the program; bad names are refused naming the accepted ones."""
@@ -81,14 +81,15 @@ def test_the_tpu_programs_run_the_pallas_kernels(
 ) -> None:
     """On TPU the kernels run, not their XLA stand-ins: splash attention (forward and both
     backward kernels) in the learner's steps, the paged-attention kernel in the engine's
-    decode (each shard's own, under shard_map), with LoRA adapters as without."""
+    ragged step (its decode rows, each shard's own, under shard_map), with LoRA adapters as
+    without."""
     _, _, lora = tiny_bf16_plan
     for record in (lora, lora["full_parameter"]):
         kernels = {p["name"]: p["pallas_kernels"] for p in record["programs"]}
         for name in ("rl_update", "sft_step"):
             for part in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
                 assert any(k.startswith(part) for k in kernels[name]), kernels
-        assert kernels["decode"] == ["paged_attention"], kernels
+        assert kernels["step"] == ["paged_attention"], kernels
         assert kernels["weight_push"] == [] and record["fits"]
 
 
@@ -144,7 +145,7 @@ def test_a_tiny_run_compiles_for_a_tpu_and_fits(
         r"fits: [\d.]+ GiB per chip of 16 on v5e:2x2 \(mesh data=4 fsdp=1 tensor=1\)", lines[-1]
     )
     names = [p["name"] for p in record["programs"]]
-    assert names == ["rl_update", "sft_step", "weight_push", "prefill", "decode"]
+    assert names == ["rl_update", "sft_step", "weight_push", "step"]
     assert record["compiled"] and all(p["compiled"] for p in record["programs"])
     for name in names:  # each program's report: compiled, its bytes per chip
         i = lines.index(next(line for line in lines if line.startswith(f"{name}: ")))
@@ -194,7 +195,7 @@ def test_the_memory_plan_agrees_with_the_compiled_run(
     assert memory.learner_bytes / gib == pytest.approx(
         by_name["rl_update"]["arguments_gib"], rel=0.15
     )
-    assert memory.engine_bytes / gib == pytest.approx(by_name["decode"]["arguments_gib"], rel=0.15)
+    assert memory.engine_bytes / gib == pytest.approx(by_name["step"]["arguments_gib"], rel=0.15)
     assert memory.peak_bytes / gib == pytest.approx(record["hbm_per_chip_gib"], rel=0.15)
 
 
@@ -315,13 +316,13 @@ def test_an_out_of_memory_compile_is_read_for_what_it_needs() -> None:
         "does not fit: rl_update needs at least 37.7 GiB per chip of 16 (over by at least 21.7)",
     )
     used = Compiled(
-        "decode", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm"
+        "step", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm"
     )
     assert used.needs == (20.1 * gib, True)
     assert (
-        Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: decode needs 20.1 ")
+        Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: step needs 20.1 ")
     )
-    assert Compiled("decode", "", error="ValueError: bad").needs is None
+    assert Compiled("step", "", error="ValueError: bad").needs is None
 
 
 def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
@@ -330,8 +331,8 @@ def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
     """The tiny run with a KV cache of 32 GiB over the 4 chips (8 per chip, and the engine's
     programs' temporaries more: it does not fit): the search tries the run's memory settings on
     its mesh before other meshes, least change first: rows halved is skipped uncompiled (its
-    floor: the engine's 8 GiB of arguments and its prefill's 8 of temporaries, which rows do
-    not change), then the KV cache halved (only the engine's prefill and decode compile
+    floor: the engine's 8 GiB of arguments and its step's 8 of temporaries, which rows do
+    not change), then the KV cache halved (only the engine's step compiles
     again), which fits; each plan says how far its compiles are."""
     done = jarl_plan(str(DEMO), *tiny[1], "engine.kv_cache_gib=32", "--topology", "v5e:2x2")
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
@@ -347,9 +348,9 @@ def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
         "at least 16.0 GiB per chip of 16",
         "# planning engine.kv_cache_gib=16 (mesh.data=4 mesh.fsdp=1 mesh.tensor=1)",
     ]
-    # the smaller cache compiles the engine's prefill and decode again, nothing else
+    # the smaller cache compiles the engine's step again, nothing else
     reused = [line for line in lines if line.endswith("programs compiled, the rest reused")]
-    assert reused == ["#   2 of 5 programs compiled, the rest reused"]
+    assert reused == ["#   1 of 4 programs compiled, the rest reused"]
     assert "compiling the run's programs for v5e:2x2: started" in lines
 
 
@@ -362,7 +363,7 @@ def test_the_verdict_names_the_runs_peak_as_the_runs() -> None:
         Compiled(
             "rl_update", "w", arguments=6 * gib, temps=6 * gib, outputs=6 * gib, aliased=6 * gib
         ),
-        Compiled("decode", "w", arguments=7 * gib, temps=1 * gib, outputs=7 * gib, aliased=7 * gib),
+        Compiled("step", "w", arguments=7 * gib, temps=1 * gib, outputs=7 * gib, aliased=7 * gib),
     ]
     plan = Plan(parse_topology("v5e:2x2"), (4, 1, 1), programs)
     assert plan.verdict() == (

@@ -33,7 +33,7 @@ def planted(cfg: JarlConfig) -> Plan:
     state = 14 if cfg.mesh.tensor == 1 else 6
     programs = [
         Compiled("rl_update", "w", arguments=state * GIB, temps=int(8 * rows * GIB)),
-        Compiled("decode", "w", arguments=int((2 + 4.5 * kv) * GIB), temps=GIB),
+        Compiled("step", "w", arguments=int((2 + 4.5 * kv) * GIB), temps=GIB),
     ]
     m = cfg.mesh
     return Plan(SLICE, (m.data, m.fsdp, m.tensor), programs)
@@ -116,7 +116,7 @@ def test_a_setting_skipped_by_its_floor_could_not_have_fit() -> None:
             assert least_peak(base, row_cut, kv_cut) <= planted(other).peak[0]
     # what the compiler said a program that did not compile needs does not scale: such a
     # program counts by its arguments alone
-    oom = Compiled("decode", "w", error="Ran out of memory. Used 40G of 16G hbm", arguments=GIB)
+    oom = Compiled("step", "w", error="Ran out of memory. Used 40G of 16G hbm", arguments=GIB)
     assert least_peak(Plan(SLICE, (4, 1, 1), [oom]), 1, 2) == GIB / 2
 
 

@@ -18,7 +18,9 @@ from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResul
 from tests.engine.test_keep_kv import moved
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
-BEFORE = 5  # tokens sampled when the push comes: 1 from prefill + one decode call of 4
+# tokens sampled when the push comes: two calls of 4 steps (the first's ragged step samples
+# the first token from the prompt, its 3 decode steps the next ones)
+BEFORE = 8
 PROMPTS = [tuple(int(t) for t in np.random.default_rng(s).integers(1, 500, 9)) for s in range(3)]
 
 

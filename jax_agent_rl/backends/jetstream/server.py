@@ -126,7 +126,7 @@ def _adapter(config: dict[str, Any]) -> Any:
         )
     params = LiveParams(engine.load_params(weights))
     if config["warmup"]:
-        engine.warmup(params.current, config["steps"])
+        engine.warmup_slots(params.current, config["steps"])
     sampling = SamplingParams(
         max_tokens=1,
         temperature=config["temperature"],
