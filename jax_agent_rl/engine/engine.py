@@ -75,6 +75,7 @@ from jax_agent_rl.engine.state import (
     row_access,
     sample_step,
     slot_axes,
+    step_buckets,
 )
 from jax_agent_rl.models import (
     ModelConfig,
@@ -182,17 +183,8 @@ class Engine:
         # decode batches of a power of two (`decode_rows`); sharded, the whole batch
         smallest = EXACT_ROWS if exact else 1
         self.batch_buckets = buckets(smallest, n) if batch_buckets and self.shards == 1 else (n,)
-        # a ragged step's rows on each shard: a power of two up to max_step_tokens (or, without
-        # batch buckets, always max_step_tokens); each shard's decode rows fit in it
-        if max_step_tokens < max(local, smallest):
-            raise ValueError(
-                f"max_step_tokens={max_step_tokens} is fewer than the {max(local, smallest)} "
-                "rows a shard decodes in one step"
-            )
         self.max_step_tokens = max_step_tokens
-        self.step_buckets = (
-            buckets(smallest, max_step_tokens) if batch_buckets else (max_step_tokens,)
-        )
+        self.step_buckets = step_buckets(max_step_tokens, local, smallest, batch_buckets)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or
@@ -563,7 +555,9 @@ class Engine:
 
         return self._step(params, state, *jax.tree.map(put, args), num_steps=num_steps)
 
-    def step_arguments(self, page_table: np.ndarray, chunks: Sequence[StepChunk]) -> tuple[Any, ...]:
+    def step_arguments(
+        self, page_table: np.ndarray, chunks: Sequence[StepChunk]
+    ) -> tuple[Any, ...]:
         """The host arrays of `step`'s program for ``chunks`` (`_StepLayout`), in order after
         the params and state, each laid out by its leading row axis over the shards."""
         n_slots = self.max_concurrent_decodes

@@ -150,6 +150,20 @@ def buckets(smallest: int, largest: int) -> tuple[int, ...]:
     return (*sizes, largest)
 
 
+def step_buckets(
+    max_step_tokens: int, slots_per_shard: int, smallest: int, batch_buckets: bool
+) -> tuple[int, ...]:
+    """The row counts a ragged step computes on each shard: powers of two times ``smallest``
+    up to ``max_step_tokens`` (or, without batch buckets, always ``max_step_tokens``), which
+    must hold every decoding slot of a shard."""
+    if max_step_tokens < max(slots_per_shard, smallest):
+        raise ValueError(
+            f"max_step_tokens={max_step_tokens} is fewer than the "
+            f"{max(slots_per_shard, smallest)} rows a shard decodes in one step"
+        )
+    return buckets(smallest, max_step_tokens) if batch_buckets else (max_step_tokens,)
+
+
 def finish_code(slots: Slots, token: jax.Array, pos: jax.Array, max_len: int) -> jax.Array:
     """STOPPED if the token is a stop id, LENGTH if the budget or the model length is used up.
 
@@ -274,6 +288,7 @@ def abstract_decode_state(
 def empty_decode_state(abstract: DecodeState) -> DecodeState:
     """The decode state ``abstract`` describes, every slot idle and the pool zeros, each part
     created where it lives."""
+
     def full(x: jax.ShapeDtypeStruct, value: Any = 0) -> jax.Array:
         return jnp.full(x.shape, value, x.dtype, device=x.sharding)
 

@@ -82,11 +82,12 @@ class StepChunks:
     row[c] + size[c] - 1``, at positions ``start[c] ..`` of the sequence whose page table is
     ``table[c]`` [S, M]."""
 
-    row: jax.Array  # int32
-    size: jax.Array  # int32
-    start: jax.Array  # int32
-    table: jax.Array  # int32 [S, M]
-    count: jax.Array  # int32 [1]: the chunks in use
+    # arrays, on the host as the engine lays them out or on the devices
+    row: Any  # int32
+    size: Any  # int32
+    start: Any  # int32
+    table: Any  # int32 [S, M]
+    count: Any  # int32 [1]: the chunks in use
 
 
 def chunk_attention(
@@ -108,7 +109,7 @@ def chunk_attention(
     matmul (as `paged_attention`), the denominator summed unrounded.
     """
     N, H, K = q_nhk.shape
-    G, P, ps, _ = k_pages.shape
+    G, _, ps, _ = k_pages.shape
     R, M = H // G, chunks.table.shape[1]
     kb = max(1, min(CHUNK_PAGES, M))  # pages per inner trip
     span = kb * ps
@@ -676,11 +677,12 @@ class StepRows:
     (`StepChunks`, ``S / shards`` a shard, rows counted from the shard's first, ``count``
     [shards])."""
 
-    pos: jax.Array  # int32 [N]
-    page: jax.Array  # int32 [N]
-    table_r: jax.Array  # int32 [R, M]
-    pos_r: jax.Array  # int32 [R]
-    decode_r: jax.Array  # bool [R]
+    # arrays, on the host as the engine lays them out or on the devices
+    pos: Any  # int32 [N]
+    page: Any  # int32 [N]
+    table_r: Any  # int32 [R, M]
+    pos_r: Any  # int32 [R]
+    decode_r: Any  # bool [R]
     chunks: StepChunks
 
 

@@ -391,18 +391,22 @@ def test_a_ragged_step_gives_what_prefill_and_decode_give(checkpoint: Path, shar
     it and decoding, with logprobs to the fp32 bound; a later step of those three decode rows
     beside the first chunk of a fourth prompt (which samples nothing) goes on as decode does,
     and the fourth prompt's last chunk, in the next step, starts it as its whole prefill
-    does. On an 8-device inference mesh (slots and pages over data x fsdp = 4, heads over tensor=2) as
-    on one device."""
+    does. On an 8-device inference mesh (slots and pages over data x fsdp = 4, heads over
+    tensor=2) as on one device."""
     sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else one_device_sharder()
     cfg, w = load_hf(checkpoint, sharder=sharder)
-    engine = Engine(cfg, max_concurrent_decodes=4, max_len=256, max_step_tokens=128, sharder=sharder)
+    engine = Engine(
+        cfg, max_concurrent_decodes=4, max_len=256, max_step_tokens=128, sharder=sharder
+    )
     params = engine.load_params(w)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, 500, n)] for n in (37, 5, 70, 50)]
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
     first = (greedy, 0, 0)
     slots = [0, 2, 1, 3]  # over two shards when sharded: slots 0-1 on one, 2-3 on the other
-    base = [engine.slot_shard(s) * engine.shard_pages + s % engine.slots_per_shard * 8 for s in range(4)]
+    base = [
+        engine.slot_shard(s) * engine.shard_pages + s % engine.slots_per_shard * 8 for s in range(4)
+    ]
     pages = [list(range(b, b + 8)) for b in base]
     table = engine.page_table(pages)
 

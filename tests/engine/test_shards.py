@@ -283,7 +283,12 @@ def test_the_ragged_step_compiles_for_tpu_with_each_chips_own_pages(
     mesh = make_mesh(data, 1, 4 // data, devices=topology.devices)  # type: ignore[attr-defined]
     sharder = Sharder(mesh)
     engine = Engine(
-        cfg, max_concurrent_decodes=8, max_len=256, page_size=16, max_step_tokens=64, sharder=sharder
+        cfg,
+        max_concurrent_decodes=8,
+        max_len=256,
+        page_size=16,
+        max_step_tokens=64,
+        sharder=sharder,
     )
     assert engine.decode_kernel == "pallas" and engine.shards == data
     fn, args, static = abstract_programs(engine, abstract_params(cfg, sharder), 2)["step"]

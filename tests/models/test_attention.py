@@ -224,7 +224,7 @@ def test_chunk_attention_equals_the_softmax_over_each_chunks_own_pages() -> None
     ps, n_rows = 8, 100
     starts, sizes, rows = [0, 20, 50], [37, 5, 40], [3, 45, 55]
     tables = [[9, 4, 30, 2, 17], [1, 5, 6, 7], [40, 12, 33, 21, 8, 26, 27, 39, 11, 3, 14, 0]]
-    lengths = [a + n for a, n in zip(starts, sizes)]
+    lengths = [a + n for a, n in zip(starts, sizes, strict=True)]
     k_pages, v_pages, k64, v64 = _pool(ps, tables, lengths, seed=6)
     q = jax.random.normal(jax.random.key(7), (n_rows, H, K))
     M = 12
@@ -239,7 +239,7 @@ def test_chunk_attention_equals_the_softmax_over_each_chunks_own_pages() -> None
     trips = -(-max(lengths) // (CHUNK_PAGES * ps))
     bound = (K + max(lengths) + trips + 1) * 2.0**-24 * np.abs(v64).max()
     inside = np.zeros(n_rows, bool)
-    for c, (row, size, start) in enumerate(zip(rows, sizes, starts)):
+    for c, (row, size, start) in enumerate(zip(rows, sizes, starts, strict=True)):
         qc = np.asarray(q[row : row + size], np.float64).reshape(1, size, G, H // G, K)
         last = (start + np.arange(size))[None]
         want = _reference(qc, k64[c : c + 1], v64[c : c + 1], last)[0]

@@ -315,13 +315,9 @@ def test_an_out_of_memory_compile_is_read_for_what_it_needs() -> None:
         False,
         "does not fit: rl_update needs at least 37.7 GiB per chip of 16 (over by at least 21.7)",
     )
-    used = Compiled(
-        "step", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm"
-    )
+    used = Compiled("step", "", error="XlaRuntimeError: Ran out of memory. Used 20.1G of 15.7G hbm")
     assert used.needs == (20.1 * gib, True)
-    assert (
-        Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: step needs 20.1 ")
-    )
+    assert Plan(slice_, (1, 2, 4), [used]).verdict()[1].startswith("does not fit: step needs 20.1 ")
     assert Compiled("step", "", error="ValueError: bad").needs is None
 
 
