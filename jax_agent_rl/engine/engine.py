@@ -12,11 +12,12 @@ a shard; the decode rows attend by the decode kernel (`models.paged.ragged_atten
 each row's own pages, the work the sum of the real lengths; on TPU with a 16-bit cache JAX's
 Pallas kernel, on GPU the Triton one), the chunks in query blocks over their own pages
 (`models.paged.chunk_attention`); then the rows that end a prompt or decode sample (a
-prompt's last row installs its request's sampling state in its slot), and those still
-running decode ``num_steps - 1`` more steps in the same call. JetStream's calls
-(``prefill`` a chunk of one sequence and sample, ``insert`` it into a slot, ``generate``
-every active slot ``num_steps`` tokens, its batch a power-of-two bucket or the active slots
-gathered: `state.decode_rows`) serve the JetStream backend. ``copy_page`` copies a shared
+prompt's last row installs its request's sampling state in its slot). ``generate``
+advances every active slot ``num_steps`` tokens in one device call (its batch a
+power-of-two bucket or the active slots gathered: `state.decode_rows`): the embedded
+backend's call is a step, then ``generate`` of the slots it sampled. JetStream's calls
+(``prefill`` a chunk of one sequence and sample, ``insert`` it into a slot, ``generate``)
+serve the JetStream backend. ``copy_page`` copies a shared
 page before a write. Each slot carries its own sampling parameters, RNG, stop ids and
 budget. A MoE model's programs also return the experts each sampled token came from
 (routing replay).
@@ -220,12 +221,7 @@ class Engine:
             donate_argnames=("state",),
             compiler_options=options,
         )
-        self._step = jax.jit(
-            self._step_impl,
-            static_argnames=("num_steps",),
-            donate_argnames=("state",),
-            compiler_options=options,
-        )
+        self._step = jax.jit(self._step_impl, donate_argnames=("state",), compiler_options=options)
         self._copy_page = jax.jit(self._copy_page_impl, donate_argnames=("state",))
         # each layer's weights a buffer of its own, the head [D, V] (`serving_layout`)
         self._serving_layout = jax.jit(self.policy.serving_layout)
@@ -472,23 +468,10 @@ class Engine:
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["generate"] += 1
         take, put = row_access(slot_b, gather=self.shards == 1)
-        step = self._decode_step(params, table_bm, take, put)
-        state, out = jax.lax.scan(step, state, None, length=num_steps)
-        return state, dataclasses.replace(out, slot=slot_b)
-
-    def _decode_step(
-        self,
-        params: Weights,
-        table_bm: jax.Array,
-        take: Callable[..., jax.Array],
-        put: Callable[[jax.Array, jax.Array], jax.Array],
-    ) -> Callable[[DecodeState, None], tuple[DecodeState, StepTokens]]:
-        """One decode step of the rows ``take`` reads from the per-slot arrays (and ``put``
-        writes back), whose page tables are ``table_bm``, as a `lax.scan` body."""
 
         def step(state: DecodeState, _: None) -> tuple[DecodeState, StepTokens]:
             every = state.slots
-            slots = jax.tree.map(take, every, IDLE)
+            slots = jax.tree.map(take, every)
             active = slots.active
             pos = take(state.pos)
             h, pages, ids = paged_forward(
@@ -516,7 +499,8 @@ class Engine:
             state = DecodeState(pages=pages, pos=put(state.pos, pos), slots=slots)
             return self._lay_out(state), out
 
-        return step
+        state, out = jax.lax.scan(step, state, None, length=num_steps)
+        return state, dataclasses.replace(out, slot=slot_b)
 
     # ---------------------------------------------------------------------- the ragged step
 
@@ -535,25 +519,24 @@ class Engine:
         state: DecodeState,
         page_table: np.ndarray,
         chunks: Sequence[StepChunk],
-        num_steps: int = 1,
     ) -> tuple[DecodeState, StepTokens]:
         """One ragged step: every chunk's tokens in one forward (decoding slots' next tokens
         and prompt chunks of several sequences, each its own query length, positions and
         pages: `StepChunk`), each token a row that writes its key and value into its
         sequence's pages and attends to its positions up to its own (`models.paged.RaggedStep`:
         the decode rows by the decode kernel, the prompt chunks in query blocks); then the
-        rows that end a prompt or decode sample their next token, and (``num_steps`` > 1)
-        those still running decode ``num_steps - 1`` more steps in the same call.
-        ``page_table`` [N, M] names each slot's pages (`page_table`), which must cover every
-        position the call writes. The tokens come back [num_steps, rows], ``slot`` [rows]
-        naming each row's slot (past the last slot for a padding row). At most one chunk per
-        slot, at most ``max_step_tokens`` tokens on each shard. The state's pool is donated."""
+        rows that end a prompt or decode sample their next token (`generate` then decodes
+        those still running). ``page_table`` [N, M] names each slot's pages (`page_table`),
+        which must cover every position the step writes. The tokens come back [1, rows],
+        ``slot`` [rows] naming each row's slot (past the last slot for a padding row). At
+        most one chunk per slot, at most ``max_step_tokens`` tokens on each shard. The
+        state's pool is donated."""
         args = self.step_arguments(page_table, chunks)
 
         def put(x: np.ndarray) -> jax.Array:
             return self._device_table(x, slot_axes(x.ndim))
 
-        return self._step(params, state, *jax.tree.map(put, args), num_steps=num_steps)
+        return self._step(params, state, *jax.tree.map(put, args))
 
     def step_arguments(
         self, page_table: np.ndarray, chunks: Sequence[StepChunk]
@@ -581,7 +564,6 @@ class Engine:
             lay.add_shard(s, sorted(cs, key=lambda c: bool(c.tokens)), page_table, exact)
         check_shards(lay.rows.table_r, d_local, self.shard_pages)
         check_shards(lay.rows.chunks.table, r_local, self.shard_pages)
-        check_shards(lay.table_s, r_local, self.shard_pages)
         fresh = jax.tree.map(lambda *xs: np.stack(xs), *lay.fresh)
         return (
             lay.tokens,
@@ -590,7 +572,6 @@ class Engine:
             lay.sample_r,
             lay.slot_r,
             lay.fresh_r,
-            lay.table_s,
             fresh,
         )
 
@@ -638,9 +619,7 @@ class Engine:
         sample_r: jax.Array,
         slot_r: jax.Array,
         fresh_r: jax.Array,
-        table_rm: jax.Array,
         fresh: Slots,
-        num_steps: int,
     ) -> tuple[DecodeState, StepTokens]:
         self.compile_counts["step"] += 1  # runs at trace time only
         every = state.slots
@@ -682,12 +661,7 @@ class Engine:
         # the experts of each sampled row's position [S, N, 1, k] -> [R, S, k]
         experts = None if ids is None else ids[:, sample_r, 0].swapaxes(0, 1)
         out = StepTokens(token, logprob, valid=valid, finish=finish, experts=experts)
-        outs = jax.tree.map(lambda x: x[None], out)
-        if num_steps > 1:
-            more = self._decode_step(params, table_rm, take, put)
-            state, rest = jax.lax.scan(more, state, None, length=num_steps - 1)
-            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, rest)
-        return state, dataclasses.replace(outs, slot=slot_r)
+        return state, dataclasses.replace(jax.tree.map(lambda x: x[None], out), slot=slot_r)
 
     def warmup(
         self,
@@ -695,11 +669,12 @@ class Engine:
         num_steps: int,
         on_program: Callable[[int, int], None] | None = None,
     ) -> None:
-        """Compiles every program serving by ragged steps can need (``step`` of ``num_steps``
-        steps at each row bucket a step can fill, and copy_page), so that no request stalls
-        on a compilation later: a trace holds the GIL and stalls the whole process. It writes
-        into the pool: call it before serving. ``on_program(done, total)`` hears of each
-        program as it is ready."""
+        """Compiles every program serving calls of ``num_steps`` steps by ragged steps can
+        need (``step`` at each row bucket a step can fill, ``generate`` of ``num_steps - 1``
+        steps at each batch bucket, and copy_page), so that no request stalls on a
+        compilation later: a trace holds the GIL and stalls the whole process. It writes into
+        the pool: call it before serving. ``on_program(done, total)`` hears of each program
+        as it is ready."""
         report = on_program or (lambda done, total: None)  # noqa: ARG005
         state = self.init_decode_state()
         # a shard's slots hold at most max_len - 1 tokens each: the buckets a step can fill
@@ -707,14 +682,41 @@ class Engine:
         sizes = [
             b for i, b in enumerate(self.step_buckets) if i == 0 or self.step_buckets[i - 1] < fits
         ]
-        total = len(sizes) + 1  # + copy_page
+        decodes = self.batch_buckets if num_steps > 1 else ()
+        total = len(sizes) + len(decodes) + 1  # + copy_page
         for done, size in enumerate(sizes, 1):
             table, chunks = self.filling_chunks(size)
-            state, out = self.step(params, state, table, chunks, num_steps)
+            state, out = self.step(params, state, table, chunks)
             jax.block_until_ready(out)
             report(done, total)
+        state = self._warmup_generate(
+            params, state, decodes, num_steps - 1, report, (len(sizes), total)
+        )
         jax.block_until_ready(self.copy_page(state, 0, 1))
         report(total, total)
+
+    def _warmup_generate(
+        self,
+        params: Weights,
+        state: DecodeState,
+        batches: Sequence[int],
+        num_steps: int,
+        report: Callable[[int, int], None],
+        done_total: tuple[int, int],
+    ) -> DecodeState:
+        """Compiles ``generate`` of ``num_steps`` steps at each of ``batches``, reported as
+        the programs after the first ``done`` of ``total`` (``done_total``)."""
+        pages = list(range(self.pages_per_seq))
+        first = [self.slot_shard(s) * self.shard_pages for s in range(self.max_concurrent_decodes)]
+        table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
+        done, total = done_total
+        for i, rows in enumerate(batches, done + 1):
+            device_table = self._device_table(table[:rows], ("batch", None))
+            order = self._device_table(np.arange(rows, dtype=np.int32), ("batch",))
+            state, out = self._generate(params, state, device_table, order, num_steps=num_steps)
+            jax.block_until_ready(out)
+            report(i, total)
+        return state
 
     def warmup_slots(
         self,
@@ -741,14 +743,8 @@ class Engine:
         assert prefix is not None
         state = self.copy_page(self.insert(prefix, state, 0), 0, 1)
         report(len(chunks) + 1, total)
-        first = [self.slot_shard(s) * self.shard_pages for s in range(self.max_concurrent_decodes)]
-        table = self.page_table([[f + p for p in pages] for f in first])  # each its shard's
-        for i, rows in enumerate(self.batch_buckets, len(chunks) + 2):
-            device_table = self._device_table(table[:rows], ("batch", None))
-            order = self._device_table(np.arange(rows, dtype=np.int32), ("batch",))
-            state, out = self._generate(params, state, device_table, order, num_steps=num_steps)
-            jax.block_until_ready(out)
-            report(i, total)
+        after = (len(chunks) + 1, total)
+        self._warmup_generate(params, state, self.batch_buckets, num_steps, report, after)
 
     def _warmup_chunks(self) -> list[tuple[int, int]]:
         """(start, length) of one prefill chunk per compiled prefill program: each bucket at
@@ -799,7 +795,6 @@ class _StepLayout:
         self.sample_r = np.arange(shards * r, dtype=np.int32) // r * n  # a shard's own row
         self.slot_r = np.full(shards * r, engine.max_concurrent_decodes, np.int32)
         self.fresh_r = np.zeros(shards * r, bool)
-        self.table_s = tables(r)
         self.fresh = [engine._slot_row(None)] * (shards * r)
 
     def add_shard(
@@ -829,7 +824,7 @@ class _StepLayout:
                 rows.chunks.count[s] += 1
             if c.samples:
                 k = s * self.r + sampled
-                self.sample_r[k], self.slot_r[k], self.table_s[k] = g + n - 1, c.slot, table
+                self.sample_r[k], self.slot_r[k] = g + n - 1, c.slot
                 if c.first is not None:
                     self.fresh_r[k], self.fresh[k] = True, self.engine._slot_row(c.first)
                 sampled += 1

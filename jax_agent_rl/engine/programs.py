@@ -43,8 +43,8 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     `Engine.warmup` compiles, by name: ``load_params``, the serving layout of ``params``
     (abstract weights in the declared layout, as a learner holds them, on the engine's mesh);
     ``prefill``, the longest chunk reading the most pages; ``generate``, ``num_steps`` decode
-    steps at the largest batch bucket; ``step``, a ragged step of ``num_steps`` steps at its
-    largest row bucket (prompt chunks filling it)."""
+    steps at the largest batch bucket; ``step``, a ragged step at its largest row bucket
+    (prompt chunks filling it)."""
     state = engine.abstract_decode_state()
     serving = jax.eval_shape(engine._serving_layout, params)
     serving = jax.tree.map(
@@ -73,7 +73,7 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     step_args = jax.tree.map(laid_out, engine.step_arguments(step_table, step_chunks))
     return {
         "load_params": (engine._serving_layout, (params,), {}),
-        "step": (engine._step, (serving, state, *step_args), {"num_steps": num_steps}),
+        "step": (engine._step, (serving, state, *step_args), {}),
         "prefill": (
             engine._prefill,
             (serving, state, table(1, (None, None)), start_n, padded, slots),

@@ -215,17 +215,15 @@ def decode_rows(
 
 def row_access(
     slot_b: jax.Array, gather: bool
-) -> tuple[Callable[..., jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
+) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
     """How a decode step reads the rows ``slot_b`` [batch] of a per-slot array [N, ...] and
     writes them back: by gathering those slots, or (``gather`` false: sharded slots, whose
     rows are the first ones, `decode_rows`) by slicing the first rows, which keeps each
-    shard's rows on it (a gather by index would cross shards). Every row is a slot (an idle
-    one pads the batch), so the reader's second argument, what a padding row reads (`IDLE`'s
-    field), is not needed."""
+    shard's rows on it (a gather by index would cross shards)."""
     rows = slot_b.shape[0]
     if gather:
-        return (lambda x, _=None: x[slot_b]), (lambda every, part: every.at[slot_b].set(part))
-    return (lambda x, _=None: x[:rows]), (lambda every, part: every.at[:rows].set(part))
+        return (lambda x: x[slot_b]), (lambda every, part: every.at[slot_b].set(part))
+    return (lambda x: x[:rows]), (lambda every, part: every.at[:rows].set(part))
 
 
 def slot_axes(ndim: int) -> tuple[str | None, ...]:

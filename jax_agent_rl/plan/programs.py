@@ -339,9 +339,10 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     """The embedded engine's weight push (the learner's fp32 params, laid out on the training
     mesh, cast to ``model.dtype`` and laid out for serving on the inference mesh: one program
     from the learner's buffers to the engine's; a LoRA policy's adapters alone, onto the base
-    the engine keeps: `serving_adapters`) and its ragged step at the largest row bucket
-    (prompt chunks filling it, then ``engine.steps_per_call - 1`` decode steps; a LoRA model's
-    adapters unmerged), built as ``engine.backend=embedded`` builds its engine, for TPU."""
+    the engine keeps: `serving_adapters`), its ragged step at the largest row bucket (prompt
+    chunks filling it) and a decode call of ``engine.steps_per_call`` steps at its largest
+    batch bucket (a LoRA model's adapters unmerged), built as ``engine.backend=embedded``
+    builds its engine, for TPU."""
     r, tensor = cfg.engine, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, model, cfg.model.dtype, serving)
@@ -362,14 +363,16 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             out_shardings=tuple(w.lora for w in layers),
         )
         pushed, what = adapters_of(learner_params), "the LoRA adapters, fp32 -> serving layout"
-    # a shard's rows: prompt tokens, each attending to half a prompt chunk on average; then
-    # each of the call's decode steps: every slot of the shard, at half the longest context
-    rows, slots = engine.step_buckets[-1], engine.slots_per_shard
+    dp = sharder.mesh.shape["data"] * sharder.mesh.shape["fsdp"]
+    # a shard's rows: prompt tokens, each attending to half a prompt chunk on average
+    rows = engine.step_buckets[-1]
     chunk = min(engine.prefill_chunk, r.max_model_len)
-    step = forward_flops(model, rows / tensor, chunk / 2) + (r.steps_per_call - 1) * forward_flops(
-        model, slots / tensor, r.max_model_len / 2
-    )
+    step = forward_flops(model, rows / tensor, chunk / 2)
+    # each of a call's decode steps after it: every slot, attending to half the longest
+    slots = engine.batch_buckets[-1]
+    decode = r.steps_per_call * forward_flops(model, slots / dp / tensor, r.max_model_len / 2)
     fn, args, static = programs["step"]
+    gen_fn, gen_args, gen_static = programs["generate"]
     return [
         # unstaged, the old weights are dropped first (`engine.push.staged`)
         Program(
@@ -389,9 +392,19 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
             static,
             step,
             step,
-            f"{rows} prompt tokens a shard, then {r.steps_per_call - 1} decode steps x {slots} "
-            f"slots a shard at {r.max_model_len // 2} cached tokens on average, "
-            f"{engine.decode_kernel} decode attention",
+            f"a ragged step of {rows} rows a shard (prompt chunks, {engine.decode_kernel} "
+            "attention for decode rows)",
+            kernels=kernel_costs(),
+        ),
+        Program(
+            "decode",
+            gen_fn,
+            gen_args,
+            gen_static,
+            decode,
+            decode,
+            f"{r.steps_per_call} steps x {slots} slots, each at {r.max_model_len // 2} cached "
+            f"tokens on average, {engine.decode_kernel} attention",
             kernels=kernel_costs(context=r.max_model_len / 2),
         ),
     ]

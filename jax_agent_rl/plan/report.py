@@ -404,7 +404,7 @@ _PLUMBING = frozenset({"while", "body", "closed_call", "cond", ""})
 # the programs whose temporaries grow with the learner's rows, and those whose grow with the
 # engine's KV cache or slots (`least_peak`)
 ROW_PROGRAMS = frozenset({"rl_update", "sft_step"})
-KV_PROGRAMS = frozenset({"step"})
+KV_PROGRAMS = frozenset({"step", "decode"})
 
 
 def least_peak(plan: Plan, row_cut: int, kv_cut: int) -> float:

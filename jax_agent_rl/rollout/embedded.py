@@ -1,11 +1,11 @@
 """The in-process rollout backend: the JAX engine behind the asyncio `RolloutBackend` protocol.
 
 One engine thread owns the device state and runs continuous batching by ragged steps
-(`Engine.step`): each device call computes every decoding slot's next token and chunks of
+(`Engine.step`): each engine call computes every decoding slot's next token and chunks of
 the prompts being computed, oldest first, waiting requests admitted into free slots while the
-step's token budget (``engine.max_step_tokens``) lasts, in one forward; its further
-``steps_per_call - 1`` steps decode. A finished, aborted or failed request frees its slot
-for the next call.
+step's token budget (``engine.max_step_tokens``) lasts, in one forward; then the slots it
+sampled decode ``steps_per_call - 1`` more steps (`Engine.generate`, their own batch). A
+finished, aborted or failed request frees its slot for the next call.
 The event loop never blocks: coroutines hand commands to the thread and await futures it
 resolves.
 
@@ -444,15 +444,19 @@ class EmbeddedBackend:
                 continue
             budget[shard] -= n
             last = job.done + n == len(seq)
-            first = (job.request.sampling, job.seed, len(job.tokens)) if last else None
-            chunks.append(StepChunk(job.slot, job.done, seq[job.done : job.done + n], first))
+            starts = (job.request.sampling, job.seed, len(job.tokens)) if last else None
+            chunks.append(StepChunk(job.slot, job.done, seq[job.done : job.done + n], starts))
             computed.append((job, n))
         if not chunks:
             return
-        self._state, out = engine.step(
-            self._params, self._state, self._table, chunks, self._steps_per_call
-        )
-        out = jax.device_get(out)
+        self._state, first = engine.step(self._params, self._state, self._table, chunks)
+        rest = None
+        if self._steps_per_call > 1:  # every sampled row's slot: decoding, or starting now
+            sampled = [c.slot for c in chunks if c.samples]
+            self._state, rest = engine.generate(
+                self._params, self._state, self._table, sampled, self._steps_per_call - 1
+            )
+        first, rest = jax.device_get((first, rest))
         self.stats.decode_calls += 1
         for job, n in computed:
             job.done += n
@@ -465,7 +469,9 @@ class EmbeddedBackend:
                 )
                 job.pos = len(seq) - 1  # (its first token adds none: its input is cached)
                 self._slots[job.slot] = job
-        self._take_tokens(out)
+        self._take_tokens(first)
+        if rest is not None:
+            self._take_tokens(rest)
 
     def _shares_a_prompt_in_flight(self, job: Job) -> bool:
         """Whether ``job``'s first full page is that of a prompt being computed (a group's
@@ -486,7 +492,7 @@ class EmbeddedBackend:
             if (job := self._slots.get(slot)) is None:
                 continue  # a padding row
             before, code = len(job.tokens), RUNNING
-            for t in range(len(out.token)):
+            for t in range(len(out.token)):  # up to its finish: the rest are not valid
                 if not out.valid[t, row] or code != RUNNING:
                     break
                 experts = None if out.experts is None else out.experts[t, row]

@@ -4,6 +4,7 @@ swaps, the session prefix cache, cancellation, and sharded decoding."""
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,9 +60,11 @@ def test_compilations_are_bounded_and_weight_swaps_reuse_them(checkpoint: Path) 
 
     asyncio.run(many())
     counts = dict(engine.compile_counts)
-    # one ragged step program per row bucket, whatever the mix of prompts and decode rows
-    assert set(counts) == {"step"}
+    # one ragged step program per row bucket, whatever the mix of prompts and decode rows,
+    # and one decode program per batch bucket
+    assert set(counts) == {"step", "generate"}
     assert counts["step"] <= len(engine.step_buckets)
+    assert counts["generate"] <= len(engine.batch_buckets)
     params = jax.tree.map(lambda x: x * 1.01, backend._params)
     asyncio.run(backend.update_weights(params, version=1))
     asyncio.run(many())
@@ -84,7 +87,7 @@ def test_warmup_compiles_everything_serving_needs(checkpoint: Path, sharded: boo
     after_warmup = dict(engine.compile_counts)
     total = heard[-1][1]
     assert heard == [(done, total) for done in range(1, total + 1)]
-    assert total == after_warmup["step"] + 1  # + copy_page
+    assert total == after_warmup["step"] + after_warmup["generate"] + 1  # + copy_page
     rng = np.random.default_rng(1)
 
     async def sessions() -> None:
@@ -386,13 +389,14 @@ def test_sharded_sessions_share_prompts_within_their_shards(checkpoint: Path) ->
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "inference_mesh"])
 def test_a_ragged_step_gives_what_prefill_and_decode_give(checkpoint: Path, sharded: bool) -> None:
-    """`Engine.step`: three prompts (37, 5 and 70 tokens) computed in one step and decoded 5
-    more steps in the same call give the tokens (greedy) of prefilling each alone, inserting
-    it and decoding, with logprobs to the fp32 bound; a later step of those three decode rows
-    beside the first chunk of a fourth prompt (which samples nothing) goes on as decode does,
-    and the fourth prompt's last chunk, in the next step, starts it as its whole prefill
-    does. On an 8-device inference mesh (slots and pages over data x fsdp = 4, heads over
-    tensor=2) as on one device."""
+    """`Engine.step`: three prompts (37, 5 and 70 tokens) computed in one step, then decoded
+    5 more steps (`generate` of the slots it sampled, as the backend's call does), give the
+    tokens (greedy) of prefilling each alone, inserting it and decoding, with logprobs to
+    the fp32 bound; a later step of those three decode rows beside the first chunk of a
+    fourth prompt (which samples nothing) goes on as decode does, and the fourth prompt's
+    last chunk, in the next step, starts it as its whole prefill does. On an 8-device
+    inference mesh (slots and pages over data x fsdp = 4, heads over tensor=2) as on one
+    device. One step program per row bucket."""
     sharder = Sharder(inference_mesh(make_mesh(2, 2, 2))) if sharded else one_device_sharder()
     cfg, w = load_hf(checkpoint, sharder=sharder)
     engine = Engine(
@@ -403,7 +407,7 @@ def test_a_ragged_step_gives_what_prefill_and_decode_give(checkpoint: Path, shar
     prompts = [[int(t) for t in rng.integers(1, 500, n)] for n in (37, 5, 70, 50)]
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
     first = (greedy, 0, 0)
-    slots = [0, 2, 1, 3]  # over two shards when sharded: slots 0-1 on one, 2-3 on the other
+    slots = [0, 2, 1, 3]  # over the shards when sharded
     base = [
         engine.slot_shard(s) * engine.shard_pages + s % engine.slots_per_shard * 8 for s in range(4)
     ]
@@ -420,41 +424,45 @@ def test_a_ragged_step_gives_what_prefill_and_decode_give(checkpoint: Path, shar
         logprobs = [float(prefix.logprob[0]), *np.asarray(out.logprob)[:, row]]
         return np.asarray(tokens), np.asarray(logprobs)
 
+    def call(state: Any, chunks: list[StepChunk], more: int) -> tuple[Any, dict[int, tuple]]:
+        """A step, then ``more`` decode steps of the slots it sampled: each slot's tokens and
+        logprobs."""
+        state, out = engine.step(params, state, table, chunks)
+        sampled = [c.slot for c in chunks if c.samples]
+        state, rest = engine.generate(params, state, table, sampled, more)
+        out, rest = jax.device_get((out, rest))
+        got = {}
+        for slot in sampled:
+            row, row2 = out.slot.tolist().index(slot), rest.slot.tolist().index(slot)
+            got[slot] = (
+                np.concatenate([out.token[:, row], rest.token[:, row2]]),
+                np.concatenate([out.logprob[:, row], rest.logprob[:, row2]]),
+            )
+        return state, got
+
     state = engine.init_decode_state()
-    chunks = [StepChunk(slots[i], 0, prompts[i], first) for i in range(3)]
-    state, out = engine.step(params, state, table, chunks, num_steps=6)
-    out = jax.device_get(out)
-    state, later = engine.step(
-        params,
-        state,
-        table,
-        [StepChunk(slots[i], len(prompts[i]) + 5) for i in range(3)]
-        + [StepChunk(slots[3], 0, prompts[3][:30])],
-        num_steps=4,
-    )
-    later = jax.device_get(later)
-    assert slots[3] not in later.slot.tolist()  # a chunk that does not end its prompt
+    state, got = call(state, [StepChunk(slots[i], 0, prompts[i], first) for i in range(3)], 5)
+    later_chunks = [StepChunk(slots[i], len(prompts[i]) + 5) for i in range(3)]
+    state, later = call(state, [*later_chunks, StepChunk(slots[3], 0, prompts[3][:30])], 3)
+    assert slots[3] not in later  # a chunk that does not end its prompt
     for i in range(3):
         tokens, logprobs = reference(prompts[i], slots[i], 9)
-        row, row2 = out.slot.tolist().index(slots[i]), later.slot.tolist().index(slots[i])
-        got_tokens = np.concatenate([out.token[:, row], later.token[:, row2]])
-        got_logprobs = np.concatenate([out.logprob[:, row], later.logprob[:, row2]])
-        np.testing.assert_array_equal(got_tokens, tokens)
-        assert np.abs(got_logprobs - logprobs).max() <= FP32_LOGPROBS
-    state, last = engine.step(
-        params, state, table, [StepChunk(slots[3], 30, prompts[3][30:], first)], num_steps=3
-    )
-    last = jax.device_get(last)
+        np.testing.assert_array_equal(
+            np.concatenate([got[slots[i]][0], later[slots[i]][0]]), tokens
+        )
+        both = np.concatenate([got[slots[i]][1], later[slots[i]][1]])
+        assert np.abs(both - logprobs).max() <= FP32_LOGPROBS
+    state, last = call(state, [StepChunk(slots[3], 30, prompts[3][30:], first)], 2)
     tokens, logprobs = reference(prompts[3], slots[3], 2)
-    row = last.slot.tolist().index(slots[3])
-    np.testing.assert_array_equal(last.token[:, row], tokens)
-    assert np.abs(last.logprob[:, row] - logprobs).max() <= FP32_LOGPROBS
-    assert engine.compile_counts["step"] == 3  # calls of 6, 4 and 3 steps
+    np.testing.assert_array_equal(last[slots[3]][0], tokens)
+    assert np.abs(last[slots[3]][1] - logprobs).max() <= FP32_LOGPROBS
+    # a shard's rows: 128 for the three prompts, then 64 and 32 (on 4 shards: 128, 32, 32)
+    assert engine.compile_counts["step"] == (2 if sharded else 3)
 
 
 def test_a_ragged_steps_rows_do_not_depend_on_their_batch_mates(checkpoint: Path) -> None:
     """With ``batch_buckets=False`` every step computes ``max_step_tokens`` rows, and a
-    decode row's logprobs are the same bit for bit alone and beside a prompt chunk of 90
+    decode row's logprob is the same bit for bit alone and beside a prompt chunk of 90
     tokens or another decoding slot: each row reads its own pages only (the decode loop's
     pairs, the chunks' query blocks), so a run does not depend on what shared its steps."""
     cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
@@ -475,7 +483,7 @@ def test_a_ragged_steps_rows_do_not_depend_on_their_batch_mates(checkpoint: Path
         state = engine.init_decode_state()
         for slot, tokens in ((0, prompt), (1, list(range(40, 100)))):
             state, _ = engine.step(params, state, table, [StepChunk(slot, 0, tokens, sampling)])
-        state, out = engine.step(params, state, table, [StepChunk(0, len(prompt)), *mates], 8)
+        state, out = engine.step(params, state, table, [StepChunk(0, len(prompt)), *mates])
         out = jax.device_get(out)
         row = out.slot.tolist().index(0)
         return np.asarray(out.token[:, row]), np.asarray(out.logprob[:, row])
@@ -485,4 +493,4 @@ def test_a_ragged_steps_rows_do_not_depend_on_their_batch_mates(checkpoint: Path
         tokens, logprobs = decode(mates)
         np.testing.assert_array_equal(tokens, alone[0])
         np.testing.assert_array_equal(logprobs, alone[1])
-    assert engine.compile_counts["step"] == 2  # one row count: a call of 1 step, and of 8
+    assert engine.compile_counts["step"] == 1

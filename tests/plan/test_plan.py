@@ -1,6 +1,6 @@
 """``jarl plan``: a run's programs compiled for a TPU slice on this CPU host (libtpu), run as
 the command a user types. The tiny demo model's whole run (RL update, SFT step, weight push,
-ragged step) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
+ragged step, decode) compiles for v5e:2x2 and fits; its memory plan (`train.memory`) agrees with
 the compiled figures; its LoRA run in bfloat16 compiles beside the same run training every
 weight, its update smaller, its optimizer state the adapters'; a run that cannot fit is refused
 naming the program; bad names are refused naming the accepted ones."""
@@ -89,7 +89,7 @@ def test_the_tpu_programs_run_the_pallas_kernels(
         for name in ("rl_update", "sft_step"):
             for part in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
                 assert any(k.startswith(part) for k in kernels[name]), kernels
-        assert kernels["step"] == ["paged_attention"], kernels
+        assert kernels["step"] == kernels["decode"] == ["paged_attention"], kernels
         assert kernels["weight_push"] == [] and record["fits"]
 
 
@@ -145,7 +145,7 @@ def test_a_tiny_run_compiles_for_a_tpu_and_fits(
         r"fits: [\d.]+ GiB per chip of 16 on v5e:2x2 \(mesh data=4 fsdp=1 tensor=1\)", lines[-1]
     )
     names = [p["name"] for p in record["programs"]]
-    assert names == ["rl_update", "sft_step", "weight_push", "step"]
+    assert names == ["rl_update", "sft_step", "weight_push", "step", "decode"]
     assert record["compiled"] and all(p["compiled"] for p in record["programs"])
     for name in names:  # each program's report: compiled, its bytes per chip
         i = lines.index(next(line for line in lines if line.startswith(f"{name}: ")))
@@ -328,7 +328,7 @@ def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
     programs' temporaries more: it does not fit): the search tries the run's memory settings on
     its mesh before other meshes, least change first: rows halved is skipped uncompiled (its
     floor: the engine's 8 GiB of arguments and its step's 8 of temporaries, which rows do
-    not change), then the KV cache halved (only the engine's step compiles
+    not change), then the KV cache halved (only the engine's step and decode compile
     again), which fits; each plan says how far its compiles are."""
     done = jarl_plan(str(DEMO), *tiny[1], "engine.kv_cache_gib=32", "--topology", "v5e:2x2")
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
@@ -344,9 +344,9 @@ def test_a_run_that_does_not_fit_is_told_the_setting_that_does(
         "at least 16.0 GiB per chip of 16",
         "# planning engine.kv_cache_gib=16 (mesh.data=4 mesh.fsdp=1 mesh.tensor=1)",
     ]
-    # the smaller cache compiles the engine's step again, nothing else
+    # the smaller cache compiles the engine's step and decode again, nothing else
     reused = [line for line in lines if line.endswith("programs compiled, the rest reused")]
-    assert reused == ["#   1 of 4 programs compiled, the rest reused"]
+    assert reused == ["#   2 of 5 programs compiled, the rest reused"]
     assert "compiling the run's programs for v5e:2x2: started" in lines
 
 
