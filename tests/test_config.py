@@ -255,6 +255,12 @@ def test_the_rollout_section_split_into_engine_sampling_and_group(tmp_path: Path
             "embedded engine's decode slots): use a multiple of 4",
         ),
         (
+            ["engine.max_concurrent=256", "engine.max_step_tokens=128"],
+            "engine.max_step_tokens=128 is fewer than the 256 decode slots of a shard "
+            "(engine.max_concurrent=256 over 1): an engine step computes every one of them; "
+            "use at least 256",
+        ),
+        (
             ["sft.data=d.jsonl", "sft.steps=5", "sft.batch_size=12", "learner.micro_batch_size=8"],
             "sft.batch_size=12 does not split into micro-batches of learner.micro_batch_size=8 "
             "over mesh.data x mesh.fsdp = 1 devices: use a multiple of 8, or a multiple of 1 "

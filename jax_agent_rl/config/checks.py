@@ -210,12 +210,21 @@ def _overlong_buffer(cfg: JarlConfig) -> str | None:
 
 
 def _slots_over_mesh(cfg: JarlConfig) -> str | None:
-    """The embedded engine serves on the inference mesh: slots split over data x fsdp."""
+    """The embedded engine serves on the inference mesh: slots split over data x fsdp, and a
+    step's rows on each shard hold every slot of the shard."""
     dp, slots = cfg.mesh.data * cfg.mesh.fsdp, cfg.engine.max_concurrent
-    if cfg.engine.backend == "embedded" and slots % dp:
+    if cfg.engine.backend != "embedded":
+        return None
+    if slots % dp:
         return (
             f"engine.max_concurrent={slots} does not split over mesh.data x mesh.fsdp = {dp} "
             f"devices (the embedded engine's decode slots): use a multiple of {dp}"
+        )
+    if cfg.engine.max_step_tokens < slots // dp:
+        return (
+            f"engine.max_step_tokens={cfg.engine.max_step_tokens} is fewer than the "
+            f"{slots // dp} decode slots of a shard (engine.max_concurrent={slots} over "
+            f"{dp}): an engine step computes every one of them; use at least {slots // dp}"
         )
     return None
 
