@@ -1,5 +1,6 @@
 """A straggler's cost to the requests beside it: 31 short requests with and without one long
-prompt arriving with them, on the embedded engine (the small Qwen2-style checkpoint, fp32).
+prompt arriving with them, on the embedded engine (the small Qwen2-style checkpoint, fp32;
+``--model tiny`` for a smoke).
 
 Short: a 32-token prompt, 128 sampled tokens each; long: a ``--long``-token prompt (3000),
 8 sampled tokens. Temperature 1, a seed per request, logprobs on. Both workloads start at
@@ -9,7 +10,7 @@ wall time of the 31 short requests by themselves, ``with_long_s`` that of the sa
 last result) when the long one comes with them. ``penalty`` = with_long_s / alone_s: 1.0
 when the long prompt's prefill costs the short ones nothing. Ends with one JSON line.
 
-    .venv/bin/python bench/straggler.py [--long 3000] [--short 31]
+    .venv/bin/python bench/straggler.py [--model small] [--long 3000] [--short 31]
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import numpy as np
 
 from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import load_hf
-from jax_agent_rl.models.hf_local import SMALL_QWEN2, write_hf_checkpoint
+from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, SamplingParams
 
 SHORT_PROMPT, SHORT_NEW, LONG_NEW = 32, 128, 8
+MODELS = {"tiny": TINY_QWEN2, "small": SMALL_QWEN2}
 
 
 def requests(tag: str, short: int, long: int, vocab: int) -> list[GenerateRequest]:
@@ -74,12 +76,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="small", help="checkpoint")
     parser.add_argument("--long", type=int, default=3000, help="the long prompt's tokens")
     parser.add_argument("--short", type=int, default=31, help="short requests")
     args = parser.parse_args()
     max_len = 4096
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_hf_checkpoint(Path(tmp) / "small", SMALL_QWEN2)
+        ckpt = write_hf_checkpoint(Path(tmp) / args.model, MODELS[args.model])
         cfg, w = load_hf(ckpt, sharder=one_device_sharder())
         if args.long + LONG_NEW >= min(max_len, cfg.max_position_embeddings):
             raise SystemExit(f"--long {args.long}: the model holds fewer positions")
@@ -105,6 +108,7 @@ def main() -> None:
             asyncio.run(backend.close())
     figures = {
         "bench": "straggler",
+        "model": args.model,
         "short": args.short,
         "long": args.long,
         "alone_s": round(alone, 3),

@@ -103,6 +103,10 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
         }
         | {"delay_only_speedup_bound"},
     ),
+    "straggler": (
+        ["--model", "tiny", "--long", "200", "--short", "3"],
+        {"alone_s", "with_long_s", "penalty"},
+    ),
     "agentic": (
         # tiny sizes: 1 prompt x 2 episodes of at most 2 turns, 256 positions, 1 MiB of KV
         [
