@@ -184,8 +184,10 @@ class Engine:
         # decode batches of a power of two (`decode_rows`); sharded, the whole batch
         smallest = EXACT_ROWS if exact else 1
         self.batch_buckets = buckets(smallest, n) if batch_buckets and self.shards == 1 else (n,)
-        self.max_step_tokens = max_step_tokens
-        self.step_buckets = step_buckets(max_step_tokens, local, smallest, batch_buckets)
+        # no step holds more than every slot of a shard's whole sequence (as prefill_chunk
+        # is held to max_len): a larger budget is that one
+        self.max_step_tokens = min(max_step_tokens, max(local * max_len, smallest))
+        self.step_buckets = step_buckets(self.max_step_tokens, local, smallest, batch_buckets)
         self.cache_dtype = cache_dtype(cfg, compile_platform(sharder))
         self.sharder = sharder
         # decode attention: "ragged" (pure JAX, any device), "pallas" (the TPU kernel) or

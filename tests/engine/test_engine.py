@@ -201,6 +201,18 @@ def test_sharded_engine_needs_slots_that_split_over_data(checkpoint: Path) -> No
 
 def test_bad_engine_settings_are_refused(checkpoint: Path) -> None:
     cfg, w = load_hf(checkpoint, sharder=one_device_sharder())
+    with pytest.raises(ValueError, match="max_step_tokens=2 is fewer than the 4 rows"):
+        Engine(
+            cfg,
+            max_concurrent_decodes=4,
+            max_len=64,
+            max_step_tokens=2,
+            sharder=one_device_sharder(),
+        )
+    # a budget past every slot's whole sequence is that one (a 301-digit one built no bucket)
+    huge = Engine(cfg, max_concurrent_decodes=4, max_len=64, max_step_tokens=10**300,
+                  sharder=one_device_sharder())  # fmt: skip
+    assert huge.max_step_tokens == 4 * 64 and huge.step_buckets[-1] == 256
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         Engine(cfg, max_len=cfg.max_position_embeddings + 1, sharder=one_device_sharder())
     engine = Engine(cfg, max_len=64, sharder=one_device_sharder())
