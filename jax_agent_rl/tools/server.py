@@ -110,12 +110,12 @@ def server_config(
         port=port,
         log_level="warning",
         loop="uvloop",
-        # h11 bounds a request's head as it arrives (a 64 MB header sent in pieces cost
-        # httptools 8 s of the one event loop, quadratic in its pieces) and keeps a chunked
-        # body's trailers out of the headers (httptools appended 16,000 of them after
-        # `BodyLimit` had counted: 10 s of FastAPI's scans)
+        # h11, bounded at MAX_HEAD_BYTES (`_write_timeout`), bounds a request's head as it
+        # arrives (a 64 MB header sent in pieces cost httptools 8 s of the one event loop,
+        # quadratic in its pieces) and keeps a chunked body's trailers out of the headers
+        # (httptools appended 16,000 of them after `BodyLimit` had counted: 10 s of
+        # FastAPI's scans)
         http=_write_timeout(write_timeout_s),
-        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=max_connections,
@@ -127,11 +127,35 @@ def _write_timeout(seconds: float) -> type[asyncio.Protocol]:
     stayed paused for ``seconds``: the client reads nothing (its buffers and ours are full).
     uvicorn has no write timeout: the response's writer waited on such a client for good,
     holding a connection and a task of ``limit_concurrency``. The writer left waiting is
-    woken once the connection is lost, and finds the client gone."""
+    woken once the connection is lost, and finds the client gone.
+
+    Its 400 says what h11 found wrong ("illegal chunk header: ..."), where uvicorn's said
+    "Invalid HTTP request received." to a malformed chunked body or head alike."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class SaysWhy(h11.Connection):
+        """h11's server side, keeping why it refused the request it was reading."""
+
+        why = ""
+
+        def next_event(self) -> Any:
+            try:
+                return super().next_event()
+            except h11.RemoteProtocolError as e:
+                self.why = str(e)[:200]
+                raise
 
     class WriteTimeoutH11(H11Protocol):
         _stalled: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = SaysWhy(h11.SERVER, MAX_HEAD_BYTES)  # a head's bound, as it arrives
+
+        def send_400_response(self, msg: str) -> None:
+            why = getattr(self.conn, "why", "")
+            super().send_400_response(f"{msg.rstrip('.')}: {why}" if why else msg)
 
         def pause_writing(self) -> None:
             super().pause_writing()

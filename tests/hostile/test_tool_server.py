@@ -283,6 +283,34 @@ def test_a_head_past_the_parser_s_bound_closes_the_connection(
     assert httpx.get(capped_server + "/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"zz\r\n{}\r\n0\r\n\r\n", b"illegal chunk header"),
+        (b"5\r\n{}\r\n0\r\n\r\n", b"illegal chunk header"),  # a chunk shorter than said
+        (b"2\r\n{}XX0\r\n\r\n", b"malformed chunk footer"),
+    ],
+)
+def test_a_malformed_chunked_body_is_told_what_is_wrong(
+    capped_server: str, body: bytes, why: bytes
+) -> None:
+    """uvicorn answered every request h11 refused with "Invalid HTTP request received.", a
+    malformed chunked body as a malformed head: the 400 now names what h11 found, and the
+    connection closes; the server serves on."""
+    port = int(capped_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(
+            b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\n\r\n" + body
+        )
+        answer = b""
+        while chunk := s.recv(4096):  # the answer closes the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"Invalid HTTP request received: " + why in answer, answer
+    assert httpx.get(capped_server + "/health").status_code == 200
+
+
 def test_requests_past_the_connection_limit_get_503(tmp_path: Path) -> None:
     proc, url = start_server(tmp_path, "--max-connections", "2")
     port = int(url.rsplit(":", 1)[1])
