@@ -168,7 +168,8 @@ class EnvSection:
     # env_class not listed here names an id registered with skyrl-gym (gsm8k, ...)
     classes: dict[str, str] = dataclasses.field(default_factory=dict)
     # env_class -> the env_config a skyrl-gym environment is made with (SkyRL's
-    # environment.skyrl_gym.<env_class>)
+    # environment.skyrl_gym.<env_class>); a key holding a dot is one key in YAML, and
+    # escaped in an override (env.config.myenv.a\.b=1; unescaped, a.b nests)
     config: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # verl's interaction config YAML (interaction: [{name, class_name, config}]); empty: none
     interaction_config: str = ""

@@ -589,6 +589,23 @@ def test_a_literal_interpolation_survives_the_run_folders_config(tmp_path: Path,
         assert load_config(run, []) == cfg
 
 
+def test_env_config_keys_holding_a_dot_survive_the_run_folders_config(tmp_path: Path) -> None:
+    """A skyrl-gym environment's own config may name keys with a dot (``a.b``): from the YAML,
+    or an override that escapes the dot (``a\\.b``), they stay one key, and the run's
+    config.yaml reads back the same; an unescaped dot in an override nests, as everywhere."""
+    path = tmp_path / "run.yaml"
+    path.write_text("env:\n  config:\n    myenv:\n      a.b: 1\n      'x.y': {c.d: 2}\n")
+    required = ["model.path=m", "data.train=t.jsonl"]
+    cfg = load_config(path, [*required, "env.config.myenv.e\\.f=3", "env.config.other.g.h=4"])
+    assert cfg.env.config == {
+        "myenv": {"a.b": 1, "x.y": {"c.d": 2}, "e.f": 3},
+        "other": {"g": {"h": 4}},
+    }
+    run = tmp_path / "config.yaml"
+    run.write_text(to_yaml(cfg))
+    assert load_config(run, []) == cfg
+
+
 @pytest.mark.parametrize(
     ("override", "kind"),
     [
