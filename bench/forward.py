@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import transformers
 
-from jax_agent_rl.models import forward, lm_logits, load_hf
+from jax_agent_rl.models import Packed, forward, lm_logits, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 
@@ -60,7 +60,7 @@ def measure(
     segments = jnp.ones(tokens.shape, jnp.int32)
     run = jax.jit(
         lambda w, t: lm_logits(
-            w, forward(w, cfg, t, positions, segments, sharder=one_device_sharder())
+            w, forward(w, cfg, Packed(t, positions, segments), sharder=one_device_sharder()).hidden
         )
     )
     toks = jnp.asarray(tokens)

@@ -80,6 +80,7 @@ from jax_agent_rl.engine.state import (
 )
 from jax_agent_rl.models import (
     ModelConfig,
+    Paged,
     Sharder,
     Weights,
     page_shardings,
@@ -375,15 +376,10 @@ class Engine:
         self.compile_counts["prefill"] += 1  # runs at trace time only
         pos, n = start_n[:1], start_n[1:]
         h, pages, ids = paged_forward(
+            self.policy,
             params,
-            self.cfg,
-            padded_bt,
-            sharder=self._row_sharder,
-            cache=state.pages,
-            page_table_bm=table_1m,
-            pos_b=pos,
-            num_new_b=n,
-            pages_read=pages_read,
+            Paged(padded_bt, state.pages, table_1m, pos, n, pages_read=pages_read),
+            self._row_sharder,
         )
         last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
         # exact logprobs: the row sampled as one of EXACT_ROWS copies (a decode step's numbers)
@@ -477,15 +473,17 @@ class Engine:
             active = slots.active
             pos = take(state.pos)
             h, pages, ids = paged_forward(
+                self.policy,
                 params,
-                self.cfg,
-                slots.token[:, None],
-                sharder=self.sharder,
-                cache=state.pages,
-                page_table_bm=table_bm,
-                pos_b=pos,
-                num_new_b=active.astype(jnp.int32),
-                decode_kernel=self.decode_kernel,
+                Paged(
+                    slots.token[:, None],
+                    state.pages,
+                    table_bm,
+                    pos,
+                    active.astype(jnp.int32),
+                    decode_kernel=self.decode_kernel,
+                ),
+                self.sharder,
             )
             pos = pos + active.astype(jnp.int32)
             token, logprob = sample_step(self.policy.logits(params, h)[:, 0], slots)
@@ -635,14 +633,12 @@ class Engine:
 
         # a decode row's input is its slot's last sampled token, on the device already
         last = every.token.at[slot_n].get(mode="fill", fill_value=0)
+        tokens = jnp.where(tokens_n >= 0, tokens_n, last)[:, None]
         h, pages, ids = paged_forward(
+            self.policy,
             params,
-            self.cfg,
-            jnp.where(tokens_n >= 0, tokens_n, last)[:, None],
-            sharder=self.sharder,
-            cache=state.pages,
-            rows=rows,
-            decode_kernel=self.decode_kernel,
+            Paged(tokens, state.pages, rows=rows, decode_kernel=self.decode_kernel),
+            self.sharder,
         )
         held = jax.tree.map(take, every, IDLE)
         slots = jax.tree.map(

@@ -16,10 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_agent_rl.engine.sampling import sample, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import KVPages, ModelConfig, Sharder, Weights, page_shardings
+from jax_agent_rl.models import (
+    Forward,
+    KVPages,
+    ModelConfig,
+    Paged,
+    Policy,
+    Routing,
+    Sharder,
+    Weights,
+    page_shardings,
+)
 from jax_agent_rl.models.attention_kernels import platform_of
 from jax_agent_rl.models.moe import expert_id_dtype
-from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import SamplingParams
 
 # finish codes, per slot and step
@@ -101,16 +110,22 @@ class StepTokens:
 
 
 def paged_forward(
-    params: Weights, cfg: ModelConfig, tokens_bt: jax.Array, **paged: Any
+    policy: Policy, params: Weights, rows: Paged, sharder: Sharder
 ) -> tuple[jax.Array, KVPages, jax.Array | None]:
-    """`forward` over the pages (``paged``: its cache arguments): final hidden, pages, and a
-    MoE model's experts [sparse layers, B, T, k] (`expert_id_dtype`; None for a dense one)."""
-    forward = policy_of(cfg).forward
-    if not any(cfg.moe_layers):
-        h, pages = forward(params, tokens_bt, **paged)
-        return h, pages, None
-    h, pages, ids = forward(params, tokens_bt, **paged, return_expert_ids=True)
-    return h, pages, ids.astype(expert_id_dtype(cfg.num_experts))
+    """``policy``'s forward of ``rows``: final hidden, pages, and the experts [sparse layers,
+    B, T, k] a policy with experts chose (`expert_id_dtype`; None for one that does not)."""
+    experts = policy.experts
+    if experts is None:
+        out = policy.forward(params, rows, sharder=sharder)
+        return out.hidden, _pages(out), None
+    out = policy.forward(params, rows, sharder=sharder, routing=Routing(record=True))
+    assert out.expert_ids is not None
+    return out.hidden, _pages(out), out.expert_ids.astype(expert_id_dtype(experts.count))
+
+
+def _pages(out: Forward) -> KVPages:
+    assert out.cache is not None, "a forward of Paged rows returns its pages"
+    return out.cache
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, width: int) -> int:

@@ -1,11 +1,13 @@
 """The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
 checkpoints; LoRA adapters (`Lora`; `jax_agent_rl.models.adapters` for PEFT folders and
-merging); the model seam the engine and the learner run (`Policy`, `policy_of`; a Flax NNX
-module's adapter: `jax_agent_rl.models.nnx_policy`, which imports flax)."""
+merging); the model seam the engine and the learner run (`Policy`, `policy_of`, and its
+forward's contract: `Packed` or `Paged` rows in, a `Forward` out, `Routing` for experts; a
+Flax NNX module's adapter: `jax_agent_rl.models.nnx_policy`, which imports flax)."""
 
 from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
+from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
 from jax_agent_rl.models.decoder import (
     KVPages,
     Layer,
@@ -36,15 +38,20 @@ from jax_agent_rl.models.sharding import (
 
 __all__ = [
     "MESH_AXES",
+    "NO_ROUTING",
     "CheckpointError",
     "DecoderPolicy",
+    "Forward",
     "KVPages",
     "Layer",
     "Llama3RopeScaling",
     "Lora",
     "ModelConfig",
+    "Packed",
+    "Paged",
     "ParamSpec",
     "Policy",
+    "Routing",
     "Sharder",
     "ShardingRules",
     "UnsupportedConfigError",

@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal, overload
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.models.attention_kernels import kernel_attention, runs_on_tpu, training_kernel
 from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
-from jax_agent_rl.models.paged import PAGE_AXES, StepRows, exact_attention, paged_layers
+from jax_agent_rl.models.paged import PAGE_AXES, KVPages, exact_attention
 from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -82,33 +83,6 @@ class Weights:
     layers: Layer | tuple[Layer, ...]  # stacked; one tree per layer in `serving_layout`
     final_norm: Any  # [D]
     lm_head: Any = None  # [D, V]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVPages:
-    """Keys and values of every layer in one pool of fixed-size pages.
-
-    Layout: ``k``, ``v`` are tuples of L arrays [G, P, page_size, K], one buffer per layer (a
-    layer reads and writes its own in place; kv heads first, as TPU paged-attention kernels
-    read them). A sequence owns a list of pages, its *page
-    table*: position s of the sequence lives in page ``table[s // page_size]`` at offset
-    ``s % page_size``. Memory follows real lengths: a sequence holds ``ceil(n / page_size)``
-    pages, and sequences that share a prefix can share its pages (the engine counts
-    references on the host). Which positions of a page are live is the sequences' business:
-    attention masks every key past the query's own position.
-    """
-
-    k: Any  # tuples of arrays; or of their shardings (`page_shardings`)
-    v: Any
-
-    @property
-    def page_size(self) -> int:
-        return int(self.k[0].shape[2])
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.k[0].shape[1])
 
 
 ATTN_BLOCK = 128  # query tokens per block, and keys per step, of (training) `attention`
@@ -699,284 +673,99 @@ def _mlp_block(
 # ---------------------------------------------------------------------------------- forward
 
 
-@overload
 def forward(
     w: Weights,
     cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: jax.Array,
-    segment_ids_bt: jax.Array,
+    rows: Packed | Paged,
     *,
     sharder: Sharder,
     remat: bool = False,
-    cache: None = None,
-    window: int | None = None,
-    reach_bt: jax.Array | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: Literal[False] = False,
-    return_router_logits: Literal[False] = False,
-) -> jax.Array: ...
+    routing: Routing = NO_ROUTING,
+) -> Forward:
+    """The decoder over ``rows`` (`contract`): the final hidden states [B, T, D]
+    (`lm_logits` gives logits), with `Paged` rows the updated pages, and the ``routing``
+    asked for (Qwen3-MoE: `moe`; a model without sparse layers is refused any).
 
-
-@overload
-def forward(
-    w: Weights,
-    cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: jax.Array,
-    segment_ids_bt: jax.Array,
-    *,
-    sharder: Sharder,
-    remat: bool = False,
-    cache: None = None,
-    window: int | None = None,
-    reach_bt: jax.Array | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: Literal[True],
-    return_router_logits: Literal[False] = False,
-) -> tuple[jax.Array, jax.Array]: ...
-
-
-@overload
-def forward(
-    w: Weights,
-    cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: jax.Array,
-    segment_ids_bt: jax.Array,
-    *,
-    sharder: Sharder,
-    remat: bool = False,
-    cache: None = None,
-    window: int | None = None,
-    reach_bt: jax.Array | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: bool = False,
-    return_router_logits: Literal[True],
-) -> tuple[jax.Array, ...]: ...
-
-
-@overload
-def forward(
-    w: Weights,
-    cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: None = None,
-    segment_ids_bt: None = None,
-    *,
-    sharder: Sharder,
-    remat: bool = False,
-    cache: KVPages,
-    page_table_bm: jax.Array | None = None,
-    pos_b: jax.Array | None = None,
-    num_new_b: jax.Array | None = None,
-    pages_read: int | None = None,
-    decode_kernel: str = "ragged",
-    rows: StepRows | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: Literal[False] = False,
-) -> tuple[jax.Array, KVPages]: ...
-
-
-@overload
-def forward(
-    w: Weights,
-    cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: None = None,
-    segment_ids_bt: None = None,
-    *,
-    sharder: Sharder,
-    remat: bool = False,
-    cache: KVPages,
-    page_table_bm: jax.Array | None = None,
-    pos_b: jax.Array | None = None,
-    num_new_b: jax.Array | None = None,
-    pages_read: int | None = None,
-    decode_kernel: str = "ragged",
-    rows: StepRows | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: Literal[True],
-) -> tuple[jax.Array, KVPages, jax.Array]: ...
-
-
-def forward(
-    w: Weights,
-    cfg: ModelConfig,
-    tokens_bt: jax.Array,
-    positions_bt: jax.Array | None = None,
-    segment_ids_bt: jax.Array | None = None,
-    *,
-    sharder: Sharder,
-    remat: bool = False,
-    cache: KVPages | None = None,
-    page_table_bm: jax.Array | None = None,
-    pos_b: jax.Array | None = None,
-    num_new_b: jax.Array | None = None,
-    pages_read: int | None = None,
-    decode_kernel: str = "ragged",
-    rows: StepRows | None = None,
-    window: int | None = None,
-    reach_bt: jax.Array | None = None,
-    expert_ids: jax.Array | None = None,
-    return_expert_ids: bool = False,
-    return_router_logits: bool = False,
-) -> (
-    jax.Array
-    | tuple[jax.Array, KVPages]
-    | tuple[jax.Array, jax.Array]
-    | tuple[jax.Array, KVPages, jax.Array]
-    | tuple[jax.Array, ...]
-):
-    """The decoder over a chunk of tokens; returns final hidden [B, T, D] (`lm_logits` gives
-    logits), and with a ``cache`` the updated pages too.
-
-    Without a cache (training): whole, possibly packed, sequences. ``segment_ids`` number the
-    sequences packed in a row (0 marks padding): a token attends to earlier-or-equal tokens of
-    its own segment. ``positions`` restart at 0 in every segment. ``window`` (static): no
-    sequence is longer (the TPU kernel then reads fewer keys). ``reach_bt`` (tree rows, where
-    sequences share their prefix's positions): a token is read by the queries at or after it
-    and before ``reach[t]`` (`attention`); it replaces the segments' mask.
-
-    With a cache (prefill and decode): row b's pages are ``page_table[b]`` and it holds
-    ``pos[b]`` tokens already; its chunk's tokens take positions ``pos[b] + t`` and attend to
-    the row's earlier positions plus the chunk's own earlier tokens. Only the row's first
-    ``num_new[b]`` tokens are real (their keys and values are written into its pages); the
-    rest of its T are padding, written nowhere (a row of none is idle). The caller advances
-    ``pos``. ``pages_read`` (static, chunks of T > 1 tokens: prefill): the pages each row
-    reads, a bucket that covers its positions (`paged_attention`). A chunk of T = 1 (decode)
-    reads each row's own pages only (`ragged_attention`, or with ``decode_kernel`` "pallas" the
-    TPU kernel, `pallas_paged_attention`).
-
-    Without a cache the layers run under ``lax.scan`` over stacked weights (a tuple of layers
-    is stacked first); with one, one after another in Python, each reading and writing its
-    own pool buffer in place (weights as `serving_layout` lays them out are read without
-    copies too).
-
-    Qwen3-MoE (routing replay, `moe`): ``return_expert_ids`` returns, last, the experts each
-    token chose in each sparse layer, [sparse layers, B, T, k] int32; ``expert_ids`` of that
-    shape (any int dtype) are used instead of the router's own top-k (gated by the router's
-    probabilities of those experts); a token given -1 (`moe.NO_EXPERTS`) routes itself.
-    ``return_router_logits`` (training only) returns, after them, the router logits of each
-    sparse layer [sparse layers, B, T, E] fp32 (`moe.load_balancing_loss`).
-    """
-    B, T = tokens_bt.shape
+    `Packed` rows (training) run the layers under ``lax.scan`` over stacked weights (a tuple
+    of layers is stacked first). `Paged` rows run them one after another in Python, each
+    reading and writing its own pool buffer in place (weights as `serving_layout` lays them
+    out are read without copies too); a chunk of T > 1 tokens reads ``pages_read`` pages a
+    row (`paged_attention`), T = 1 each row's own pages (`ragged_attention`, or the
+    platform's kernel), and ``rows`` one ragged step (`paged.RaggedStep`)."""
+    B, T = rows.tokens.shape
     kinds = cfg.moe_layers
-    if expert_ids is not None:
-        check_expert_ids(cfg, expert_ids, B, T)
-    for flag, on in (
-        ("return_expert_ids", return_expert_ids),
-        ("return_router_logits", return_router_logits),
-    ):
-        if on and not any(kinds):
-            raise ValueError(f"{flag} with a {cfg.family} model without sparse layers")
-    if return_router_logits and cache is not None:
-        raise ValueError("return_router_logits is for the training forward (no cache)")
-    if cfg.exact_pages and reach_bt is not None:
-        raise ValueError("tree rows (reach_bt) with exact_pages: exact logprobs read segments")
-    x = sharder.constrain(w.embed[tokens_bt], ("batch", "seq", "act_embed"))
+    if routing.replay is not None:
+        check_expert_ids(cfg, routing.replay, B, T)
+    if routing.asked and not any(kinds):
+        raise ValueError(f"routing asked of a {cfg.family} model without sparse layers")
+    x = sharder.constrain(w.embed[rows.tokens], ("batch", "seq", "act_embed"))
+    if isinstance(rows, Paged):
+        if routing.router_logits:
+            raise ValueError("router logits are for the training forward (Packed rows)")
+        return _forward_paged(w, cfg, x, sharder, rows, routing)
+    if cfg.exact_pages and rows.reach is not None:
+        raise ValueError("tree rows (reach) with exact_pages: exact logprobs read segments")
     mlp = partial(_mlp_block, cfg, sharder)
-    if cache is None:
-        if positions_bt is None or segment_ids_bt is None:
-            raise ValueError("forward without a cache needs positions and segment ids")
-        train_positions, train_segments = positions_bt, segment_ids_bt
-        # per layer: its weights, its kind where the layers mix both, the experts to replay
-        xs = (stacked_layers(w.layers), *scan_inputs(cfg, expert_ids))
+    packed = rows
+    # per layer: its weights, its kind where the layers mix both, the experts to replay
+    xs = (stacked_layers(w.layers), *scan_inputs(cfg, routing.replay))
 
-        def layer(x_btd: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, Any]:
-            lw, sparse, given = xs
+    def layer(x_btd: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, Any]:
+        lw, sparse, given = xs
 
-            def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                if cfg.exact_pages:
-                    return exact_training_attention(
-                        q, k, v, train_segments, cfg.exact_pages, window, sharder
-                    )
-                return attention(
-                    q, k, v, train_segments, window, sharder=sharder, reach_bt=reach_bt
+        def attn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            if cfg.exact_pages:
+                return exact_training_attention(
+                    q, k, v, packed.segments, cfg.exact_pages, packed.window, sharder
                 )
+            return attention(
+                q, k, v, packed.segments, packed.window, sharder=sharder, reach_bt=packed.reach
+            )
 
-            x_btd = _attend(cfg, lw, x_btd, train_positions, attn)
-            return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)
+        x_btd = _attend(cfg, lw, x_btd, packed.positions, attn)
+        return mlp(lw, x_btd, any(kinds) if sparse is None else sparse, given)
 
-        body = jax.checkpoint(layer) if remat else layer
-        x, routing = jax.lax.scan(body, x, xs)
-        h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
-        if not (return_expert_ids or return_router_logits):
-            return h_btd
-        assert routing is not None
-        sparse_rows = jnp.asarray(sparse_layers(cfg))
-        ids_all, logits_all = routing
-        wanted = (ids_all, return_expert_ids), (logits_all, return_router_logits)
-        return h_btd, *(x_all[sparse_rows] for x_all, on in wanted if on)
-
-    return _forward_paged(
-        w,
-        cfg,
-        x,
-        sharder,
-        cache,
-        page_table_bm,
-        pos_b,
-        num_new_b,
-        pages_read,
-        decode_kernel,
-        rows,
-        expert_ids,
-        return_expert_ids,
+    body = jax.checkpoint(layer) if remat else layer
+    x, routed = jax.lax.scan(body, x, xs)
+    h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
+    if not (routing.record or routing.router_logits):
+        return Forward(h_btd)
+    assert routed is not None
+    sparse_rows = jnp.asarray(sparse_layers(cfg))
+    ids_all, logits_all = routed
+    return Forward(
+        h_btd,
+        expert_ids=ids_all[sparse_rows] if routing.record else None,
+        router_logits=logits_all[sparse_rows] if routing.router_logits else None,
     )
 
 
 def _forward_paged(
-    w: Weights,
-    cfg: ModelConfig,
-    x: jax.Array,
-    sharder: Sharder,
-    cache: KVPages,
-    page_table_bm: jax.Array | None,
-    pos_b: jax.Array | None,
-    num_new_b: jax.Array | None,
-    pages_read: int | None,
-    decode_kernel: str,
-    rows: StepRows | None,
-    expert_ids: jax.Array | None,
-    return_expert_ids: bool,
-) -> tuple[jax.Array, KVPages] | tuple[jax.Array, KVPages, jax.Array]:
-    """`forward` with a cache, from the embedded tokens ``x`` [B, T, D]."""
-    B, T, _ = x.shape
+    w: Weights, cfg: ModelConfig, x: jax.Array, sharder: Sharder, rows: Paged, routing: Routing
+) -> Forward:
+    """`forward` of `Paged` rows, from their embedded tokens ``x`` [B, T, D]."""
     kinds = cfg.moe_layers
     mlp = partial(_mlp_block, cfg, sharder)
     # with pages: layer by layer in Python, each reading and writing its own pool buffer
-    page_size = cache.k[0].shape[2]
+    page_size = rows.cache.k[0].shape[2]
     if cfg.exact_pages and page_size != cfg.exact_pages:
         raise ValueError(
             f"pages of {page_size} positions for a model whose exact logprobs read pages of "
             f"{cfg.exact_pages} (exact_pages): its training forward would not match"
         )
-    chunk = paged_layers(
-        sharder,
-        cache,
-        B,
-        T,
-        page_table_bm=page_table_bm,
-        pos_b=pos_b,
-        num_new_b=num_new_b,
-        pages_read=pages_read,
-        decode_kernel=decode_kernel,
-        rows=rows,
-        exact=bool(cfg.exact_pages),
-    )
+    chunk = rows.attention(sharder, exact=bool(cfg.exact_pages))
     chosen: list[jax.Array | None] = []  # the experts of each sparse layer
-    given = list(expert_ids) if expert_ids is not None else []
+    given = list(routing.replay) if routing.replay is not None else []
     for i, lw in enumerate(layer_list(w.layers)):
         paged = partial(chunk.attend, i)
         replay = given[len(chosen)] if given and kinds[i] else None
-        x, routing = mlp(lw, _attend(cfg, lw, x, chunk.positions, paged), kinds[i], replay)
-        chosen += [routing[0]] if routing is not None and kinds[i] else []
+        x, routed = mlp(lw, _attend(cfg, lw, x, chunk.positions, paged), kinds[i], replay)
+        chosen += [routed[0]] if routed is not None and kinds[i] else []
     h_btd = rms_norm(x, w.final_norm, cfg.rms_norm_eps)
     pages = KVPages(k=chunk.k, v=chunk.v)
-    if return_expert_ids:
-        return h_btd, pages, jnp.stack([ids for ids in chosen if ids is not None])
-    return h_btd, pages
+    if routing.record:
+        return Forward(h_btd, pages, jnp.stack([ids for ids in chosen if ids is not None]))
+    return Forward(h_btd, pages)
 
 
 def lm_logits(w: Weights, h_btd: jax.Array) -> jax.Array:

@@ -31,14 +31,14 @@ import jax
 from flax import nnx
 
 from jax_agent_rl.models.config import ModelConfig
-from jax_agent_rl.models.decoder import KVPages, ParamSpec, attention, checked_weights
-from jax_agent_rl.models.paged import StepRows, paged_layers
+from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
+from jax_agent_rl.models.decoder import ParamSpec, attention, checked_weights
+from jax_agent_rl.models.paged import KVPages
 from jax_agent_rl.models.policy import UnsupportedPolicyError, head_logits
 from jax_agent_rl.models.sharding import Sharder
 
 ModuleFactory = Callable[[nnx.Rngs], nnx.Module]
 Path = tuple[str, ...]
-_REFUSED = ("expert_ids", "return_expert_ids", "return_router_logits")
 
 
 def _built(make: ModuleFactory, key: jax.Array) -> nnx.Module:
@@ -136,50 +136,48 @@ class NnxPolicy:
         flat = [(p, var.replace(_nested_get(params, _names(p)))) for p, var in self._flat]
         return nnx.merge(self._graph, nnx.from_flat_state(flat))
 
+    experts = None  # refused: `policy.UnsupportedPolicyError`
+    adapted = False
+
+    def trained(self, params: Any) -> Any:
+        return params
+
+    def with_trained(self, params: Any, part: Any) -> Any:
+        del params
+        return part
+
+    def base(self, params: Any) -> Any:
+        return params
+
     def forward(
         self,
         params: Any,
-        tokens_bt: jax.Array,
-        positions_bt: jax.Array | None = None,
-        segment_ids_bt: jax.Array | None = None,
+        rows: Packed | Paged,
         *,
         sharder: Sharder,
         remat: bool = False,
-        cache: KVPages | None = None,
-        page_table_bm: jax.Array | None = None,
-        pos_b: jax.Array | None = None,
-        num_new_b: jax.Array | None = None,
-        pages_read: int | None = None,
-        decode_kernel: str = "ragged",
-        rows: StepRows | None = None,
-        window: int | None = None,
-        reach_bt: jax.Array | None = None,
-        **moe: Any,
-    ) -> Any:
-        """`decoder.forward`'s contract (`policy.Policy.forward`) for the module."""
-        refused = sorted(k for k in moe if k in _REFUSED and moe[k] not in (None, False))
-        if refused or set(moe) - set(_REFUSED):
-            raise UnsupportedPolicyError(f"{refused or sorted(moe)}: a {self!r} has no experts")
-        if cache is None:
-            if positions_bt is None or segment_ids_bt is None:
-                raise ValueError("forward without a cache needs positions and segment ids")
-            segments, positions = segment_ids_bt, positions_bt
+        routing: Routing = NO_ROUTING,
+    ) -> Forward:
+        """The policy contract's forward (`contract`) of the module."""
+        if routing.asked:
+            raise UnsupportedPolicyError(f"routing asked of a {self!r}, which has no experts")
+        if isinstance(rows, Paged):
+            chunk = rows.attention(sharder)
+            h = self._module(params)(rows.tokens, chunk.positions, chunk.attend)
+            return Forward(h, KVPages(k=chunk.k, v=chunk.v))
+        packed = rows
 
-            def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-                del i  # every layer attends within the same segments
-                return attention(q, k, v, segments, window, sharder=sharder, reach_bt=reach_bt)
+        def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            del i  # every layer attends within the same segments
+            return attention(
+                q, k, v, packed.segments, packed.window, sharder=sharder, reach_bt=packed.reach
+            )
 
-            def run(params: Any) -> jax.Array:
-                h: jax.Array = self._module(params)(tokens_bt, positions, attend)
-                return h
+        def run(params: Any) -> jax.Array:
+            h: jax.Array = self._module(params)(packed.tokens, packed.positions, attend)
+            return h
 
-            return (jax.checkpoint(run) if remat else run)(params)
-        chunk = paged_layers(
-            sharder, cache, *tokens_bt.shape, page_table_bm=page_table_bm, pos_b=pos_b,
-            num_new_b=num_new_b, pages_read=pages_read, decode_kernel=decode_kernel, rows=rows,
-        )  # fmt: skip
-        h = self._module(params)(tokens_bt, chunk.positions, chunk.attend)
-        return h, KVPages(k=chunk.k, v=chunk.v)
+        return Forward((jax.checkpoint(run) if remat else run)(params))
 
     def head_vd(self, params: Any) -> jax.Array:
         head: jax.Array = self._module(params).head_vd()

@@ -1,4 +1,4 @@
-"""Attention over a paged KV pool (`decoder.KVPages`: per layer [G, P, page_size, K]), for
+"""Attention over a paged KV pool (`KVPages`: per layer [G, P, page_size, K]), for
 prefill chunks (`paged_attention`) and decode steps (`ragged_attention`, or JAX's Pallas
 kernels: on TPU `pallas_paged_attention`, on GPU `triton_paged_attention`; `DECODE_KERNELS`),
 and a decode step's layers sharded
@@ -32,6 +32,33 @@ DECODE_KERNELS = ("ragged", "pallas", "triton")
 # a prompt chunk's attention in a ragged step (`chunk_attention`): queries per block, pages
 # per trip of its inner loop
 CHUNK_QUERIES, CHUNK_PAGES = 32, 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPages:
+    """Keys and values of every layer in one pool of fixed-size pages.
+
+    Layout: ``k``, ``v`` are tuples of L arrays [G, P, page_size, K], one buffer per layer (a
+    layer reads and writes its own in place; kv heads first, as TPU paged-attention kernels
+    read them). A sequence owns a list of pages, its *page
+    table*: position s of the sequence lives in page ``table[s // page_size]`` at offset
+    ``s % page_size``. Memory follows real lengths: a sequence holds ``ceil(n / page_size)``
+    pages, and sequences that share a prefix can share its pages (the engine counts
+    references on the host). Which positions of a page are live is the sequences' business:
+    attention masks every key past the query's own position.
+    """
+
+    k: Any  # tuples of arrays; or of their shardings (`page_shardings`)
+    v: Any
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k[0].shape[2])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[1])
 
 
 def pair_block(page_size: int) -> int:
@@ -792,32 +819,3 @@ class RaggedStep(LayerPools):
         )
         self.put(i, ck, cv)
         return out[:, None]
-
-
-def paged_layers(
-    sharder: Sharder,
-    cache: Any,
-    B: int,
-    T: int,
-    *,
-    page_table_bm: jax.Array | None = None,
-    pos_b: jax.Array | None = None,
-    num_new_b: jax.Array | None = None,
-    pages_read: int | None = None,
-    decode_kernel: str = "ragged",
-    rows: StepRows | None = None,
-    exact: bool = False,
-) -> PagedChunk | RaggedStep:
-    """The attention a forward with a cache (`decoder.KVPages` ``cache``) runs its ``B`` x
-    ``T`` tokens through: a ragged step's (``rows``, T = 1) or a chunk's of rows with page
-    tables (`PagedChunk`)."""
-    if rows is not None:
-        if T != 1 or rows.pos.shape[0] != B:
-            raise ValueError(f"a ragged step's {rows.pos.shape[0]} rows of one token, not {B}x{T}")
-        return RaggedStep(sharder, cache.k, cache.v, rows, decode_kernel)
-    if page_table_bm is None or pos_b is None or num_new_b is None:
-        raise ValueError("forward with a cache needs page_table_bm, pos_b and num_new_b (or rows)")
-    return PagedChunk(
-        sharder, cache.k, cache.v, page_table_bm, pos_b, num_new_b, pages_read, decode_kernel,
-        B, T, exact=exact,
-    )  # fmt: skip

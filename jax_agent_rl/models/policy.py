@@ -12,9 +12,12 @@ What the two hot paths need, and no more:
   from which shardings, checkpoint restore targets and weight-push targets derive
   (`decoder.param_specs` returns a custom policy's own), and its random initialisation
   (``init``: traced once under `decoder.init_params`' jit);
-- ``forward``: the training forward over packed rows (tokens, positions, segment ids ->
-  final hidden [B, T, D]) and, with a ``cache``, the engine's paged prefill / decode chunk
-  (-> hidden, updated `decoder.KVPages`); the keyword arguments are `decoder.forward`'s;
+- ``forward``: one contract (`contract`): the learner's `Packed` rows or the engine's
+  `Paged` rows in, a `Forward` out (final hidden [B, T, D], the updated pages of `Paged`
+  rows, the `Routing` asked for);
+- its capabilities, which the engine and the learner ask rather than a model family:
+  ``experts`` (routing to record, replay and check) and ``adapted`` (LoRA: the optimizer
+  updates and the push sends the ``trained`` part alone; the KL reference is the ``base``);
 - ``head_vd`` ([V, D], what the learner's chunked logprobs read) and ``logits`` (the
   engine's sampling head, fp32);
 - ``serving_layout`` / ``checked`` (the engine's copy of pushed weights, and their check);
@@ -31,8 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_agent_rl.models import decoder
+from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.checkpoint import hf_tensors
 from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.contract import NO_ROUTING, Experts, Forward, Packed, Paged, Routing
 from jax_agent_rl.models.sharding import Sharder
 
 
@@ -54,17 +59,40 @@ class Policy(Protocol):
 
     def serving_layout(self, params: Any) -> Any: ...
 
+    @property
+    def experts(self) -> Experts | None:
+        """Its experts (None: it has none): the engine records each token's, the learner
+        replays them (`Routing`) and checks a batch's rows against them."""
+        ...
+
+    @property
+    def adapted(self) -> bool:
+        """Whether it trains adapters on frozen base weights (LoRA): the learner updates and
+        pushes only `trained`, and its KL reference is its own `base`."""
+        ...
+
+    def trained(self, params: Any) -> Any:
+        """The part of ``params`` the optimizer updates: the adapters of an adapted policy,
+        else every parameter."""
+        ...
+
+    def with_trained(self, params: Any, part: Any) -> Any:
+        """``params`` with its `trained` part replaced by ``part``."""
+        ...
+
+    def base(self, params: Any) -> Any:
+        """``params`` without adapters (the same arrays): an adapted policy's frozen base."""
+        ...
+
     def forward(
         self,
         params: Any,
-        tokens_bt: jax.Array,
-        positions_bt: jax.Array | None = None,
-        segment_ids_bt: jax.Array | None = None,
+        rows: Packed | Paged,
         *,
         sharder: Sharder,
         remat: bool = False,
-        **kw: Any,
-    ) -> Any: ...
+        routing: Routing = NO_ROUTING,
+    ) -> Forward: ...
 
     def head_vd(self, params: Any) -> jax.Array: ...
 
@@ -91,27 +119,36 @@ class DecoderPolicy:
     def serving_layout(self, params: Any) -> decoder.Weights:
         return decoder.serving_layout(params)
 
+    @property
+    def experts(self) -> Experts | None:
+        c = self.cfg
+        sparse = sum(c.moe_layers)
+        return Experts(sparse, c.num_experts_per_tok, c.num_experts) if sparse else None
+
+    @property
+    def adapted(self) -> bool:
+        return self.cfg.lora is not None
+
+    def trained(self, params: Any) -> Any:
+        return adapters_of(params) if self.adapted else params
+
+    def with_trained(self, params: Any, part: Any) -> Any:
+        return with_adapters(base_of(params), part) if self.adapted else part
+
+    def base(self, params: Any) -> Any:
+        return base_of(params) if self.adapted else params
+
     def forward(
         self,
         params: Any,
-        tokens_bt: jax.Array,
-        positions_bt: jax.Array | None = None,
-        segment_ids_bt: jax.Array | None = None,
+        rows: Packed | Paged,
         *,
         sharder: Sharder,
         remat: bool = False,
-        **kw: Any,
-    ) -> Any:
-        forward: Any = decoder.forward  # its overloads: the keywords pick the result's shape
-        return forward(
-            params,
-            self.cfg,
-            tokens_bt,
-            positions_bt,
-            segment_ids_bt,
-            sharder=sharder,
-            remat=remat,
-            **kw,
+        routing: Routing = NO_ROUTING,
+    ) -> Forward:
+        return decoder.forward(
+            params, self.cfg, rows, sharder=sharder, remat=remat, routing=routing
         )
 
     def head_vd(self, params: Any) -> jax.Array:

@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding
 from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
-from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.moe import NO_EXPERTS
+from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
 from jax_agent_rl.rl.objectives import (
     Critic,
@@ -85,22 +85,23 @@ def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
     ids = batch.expert_ids
     if ids is None:
         return
-    want = (sum(model.moe_layers), model.num_experts_per_tok)
-    if not want[0]:
+    experts = policy_of(model).experts
+    if experts is None:
         raise ValueError(
             f"the trajectories carry expert_ids (per token {tuple(ids.shape[2:])}), but the "
-            f"{model.family} policy has no sparse layers"
+            "policy has no experts"
         )
+    want = (experts.sparse_layers, experts.per_token)
     if ids.ndim != 4 or tuple(ids.shape[2:]) != want or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(
             f"the trajectories' expert_ids hold {tuple(ids.shape[2:])} ({ids.dtype}) per "
             f"token; the policy has (sparse layers, num_experts_per_tok) = {want}"
         )
-    bad = ids[(ids != NO_EXPERTS) & ((ids < 0) | (ids >= model.num_experts))]
+    bad = ids[(ids != NO_EXPERTS) & ((ids < 0) | (ids >= experts.count))]
     if bad.size:
         raise ValueError(
             f"the trajectories' expert_ids hold expert {int(bad[0])}; the policy's experts "
-            f"are 0 .. {model.num_experts - 1} (-1: none sampled)"
+            f"are 0 .. {experts.count - 1} (-1: none sampled)"
         )
     # a token's row in a layer is every expert it was routed to, or none: [5, -1] took expert
     # 5's gate and another expert's MLP
@@ -118,9 +119,11 @@ def master_weights(spec: StepSpec, params: Weights) -> Weights:
     its frozen base in bfloat16 (the forward casts it so anyway: the same numbers, half the
     memory), its adapters in float32."""
     params = cast_floats(params, jnp.float32)
-    if spec.model.lora is None or spec.compute_dtype != "bfloat16":
+    policy = policy_of(spec.model)
+    if not policy.adapted or spec.compute_dtype != "bfloat16":
         return params
-    return with_adapters(cast_floats(base_of(params), jnp.bfloat16), adapters_of(params))
+    base = cast_floats(policy.base(params), jnp.bfloat16)
+    return policy.with_trained(base, policy.trained(params))
 
 
 def _with_rollout_logprobs(spec: StepSpec, given: bool) -> StepSpec:
@@ -232,7 +235,7 @@ def abstract_learner_state(
         head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
         bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
         value = train_state(programs.critic_tx, Critic(full, head, bias))
-    frozen = params if reference and model.lora is None else None  # LoRA: `reference_of`
+    frozen = params if reference and not policy_of(model).adapted else None  # `reference_of`
     return LearnerState(train_state(programs.tx, params), value, frozen)
 
 
@@ -292,7 +295,7 @@ class Learner:
         """The state an update starts from: the policy ``params`` (as `master_weights`), the
         ``critic`` (GAE) and the KL ``reference``, laid out on the mesh, with fresh optimizer
         states."""
-        if reference is not None and self.model.lora is not None:
+        if reference is not None and policy_of(self.model).adapted:
             raise ValueError(
                 "a LoRA policy's KL reference is its own base weights with the adapters left "
                 "out (rl.update.reference_of): pass no reference"

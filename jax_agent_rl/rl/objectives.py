@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import ModelConfig, Sharder, Weights
+from jax_agent_rl.models import ModelConfig, Packed, Routing, Sharder, Weights
 from jax_agent_rl.models.moe import NO_EXPERTS, load_balancing_loss
 from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl import core
@@ -96,24 +96,17 @@ class StepSpec:
         given = sampled_experts(mb) if replay else None
         w = self.cast(weights)
         f = forward_rows(mb)
-        forward = policy_of(self.model).forward
-        args = (w, f.tokens, f.positions, f.segment_ids)
-        sharder, remat, window, reach = self.sharder, self.remat, f.window, f.reach
-        if not router_aux:
-            h = forward(
-                *args, sharder=sharder, remat=remat, window=window, reach_bt=reach, expert_ids=given
-            )
-            return h, w, jnp.zeros((), jnp.float32)
-        h, logits = forward(
-            *args,
-            sharder=sharder,
-            remat=remat,
-            window=window,
-            reach_bt=reach,
-            expert_ids=given,
-            return_router_logits=True,
+        out = policy_of(self.model).forward(
+            w,
+            f.packed,
+            sharder=self.sharder,
+            remat=self.remat,
+            routing=Routing(replay=given, router_logits=router_aux),
         )
-        return h, w, load_balancing_loss(self.model, logits, f.real)
+        if not router_aux:
+            return out.hidden, w, jnp.zeros((), jnp.float32)
+        assert out.router_logits is not None
+        return out.hidden, w, load_balancing_loss(self.model, out.router_logits, f.real)
 
     def cast(self, weights: Weights) -> Weights:
         """``weights`` in the compute dtype; a decoder's embedding table gathered over fsdp,
@@ -127,26 +120,21 @@ class StepSpec:
 
 
 class ForwardRows(NamedTuple):
-    """What `forward` reads of the rows it runs on (the batch's, or its tree rows), and how
-    many sequences hold each position [B, T] (the router loss's token weights: a shared
-    position counts for each sequence holding it, as when each stood alone)."""
+    """The rows `forward` runs on (the batch's, or its tree rows), and how many sequences
+    hold each position [B, T] (the router loss's token weights: a shared position counts for
+    each sequence holding it, as when each stood alone)."""
 
-    tokens: jax.Array
-    positions: jax.Array
-    segment_ids: jax.Array
-    window: int | None
-    reach: jax.Array | None
+    packed: Packed
     real: jax.Array
 
 
 def forward_rows(mb: TrainBatch) -> ForwardRows:
     t = mb.tree
     if t is None:
-        return ForwardRows(
-            mb.tokens, mb.positions, mb.segment_ids, mb.window or None, None, mb.segment_ids > 0
-        )
+        rows = Packed(mb.tokens, mb.positions, mb.segment_ids, mb.window or None)
+        return ForwardRows(rows, mb.segment_ids > 0)
     segments = (t.reach > 0).astype(jnp.int32)
-    return ForwardRows(t.tokens, t.positions, segments, None, t.reach, t.count)
+    return ForwardRows(Packed(t.tokens, t.positions, segments, reach=t.reach), t.count)
 
 
 def on_loss_rows(mb: TrainBatch, x_bu: jax.Array) -> jax.Array:
@@ -186,17 +174,11 @@ def own_routing_stats(
     assert given is not None, "own_routing_stats of a batch without sampled experts"
     w = spec.cast(params)
     f = forward_rows(mb)
-    h, own = policy_of(spec.model).forward(
-        w,
-        f.tokens,
-        f.positions,
-        f.segment_ids,
-        sharder=spec.sharder,
-        remat=spec.remat,
-        window=f.window,
-        reach_bt=f.reach,
-        return_expert_ids=True,
+    out = policy_of(spec.model).forward(
+        w, f.packed, sharder=spec.sharder, remat=spec.remat, routing=Routing(record=True)
     )
+    h, own = out.hidden, out.expert_ids
+    assert own is not None
     sampled = given[0, ..., 0] != NO_EXPERTS
     differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=(0, -1))
     return (*head_stats(spec, h, w, mb), on_loss_rows(mb, (differs & sampled).astype(jnp.float32)))

@@ -24,11 +24,12 @@ import optax
 
 from jax_agent_rl.config import OptimSection
 from jax_agent_rl.models import ModelConfig, Weights
-from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
 from jax_agent_rl.models.moe import NO_EXPERTS
+from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import (
+    Critic,
     Denominators,
     Derived,
     Metrics,
@@ -59,18 +60,15 @@ class TrainState:
 
 
 def trainable(model: ModelConfig, params: Any) -> Any:
-    """What the optimizer updates in ``params``: a LoRA policy's adapters only (its base
-    weights frozen: no gradient, no optimizer state), else every parameter."""
-    if model.lora is not None and isinstance(params, Weights):
-        return adapters_of(params)
-    return params
+    """What the optimizer updates in ``params``: an adapted (LoRA) policy's adapters only
+    (its base weights frozen: no gradient, no optimizer state), else every parameter; a
+    `Critic` trains whole."""
+    return params if isinstance(params, Critic) else policy_of(model).trained(params)
 
 
 def with_trained(model: ModelConfig, params: Any, part: Any) -> Any:
     """``params`` with its `trainable` part replaced by ``part``."""
-    if model.lora is not None and isinstance(params, Weights):
-        return with_adapters(base_of(params), part)
-    return part
+    return part if isinstance(params, Critic) else policy_of(model).with_trained(params, part)
 
 
 def make_optimizer(
@@ -203,10 +201,11 @@ class LearnerState:
 
 
 def reference_of(spec: StepSpec, state: LearnerState) -> Weights | None:
-    """The KL reference's weights: a LoRA policy's base with its adapters left out (the same
+    """The KL reference's weights: an adapted (LoRA) policy's base, its adapters left out (the same
     arrays, no copy), else the frozen copy ``state.reference`` (``None``: no KL term)."""
-    if spec.model.lora is not None and spec.algo.kl_coef:
-        return base_of(state.policy.params)
+    policy = policy_of(spec.model)
+    if policy.adapted and spec.algo.kl_coef:
+        return policy.base(state.policy.params)
     return state.reference
 
 

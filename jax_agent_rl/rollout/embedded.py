@@ -108,8 +108,8 @@ class EmbeddedBackend:
             prefix_cache=True,
             weight_update="in_place",
             max_model_len=engine.max_len,
-            expert_ids=any(engine.cfg.moe_layers),
-            lora=engine.cfg.lora is not None,
+            expert_ids=engine.policy.experts is not None,
+            lora=engine.policy.adapted,
             delta_push=True,
         )
         self.stats = BackendStats()

@@ -31,7 +31,7 @@ from jax_agent_rl.config import load_config
 from jax_agent_rl.data.datasets import load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import ModelConfig, forward, init_params, lm_logits
+from jax_agent_rl.models import ModelConfig, Packed, forward, init_params, lm_logits
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import EmbeddedBackend, GenerateRequest, GenerateResult
 from jax_agent_rl.tokenization import (
@@ -209,7 +209,7 @@ def _memorise(
 
     def loss_fn(w: Any) -> jax.Array:
         logits = lm_logits(
-            w, forward(w, cfg, tokens, positions, segs, sharder=one_device_sharder())
+            w, forward(w, cfg, Packed(tokens, positions, segs), sharder=one_device_sharder()).hidden
         )
         lp = jax.nn.log_softmax(logits[:, :-1])
         nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import Lora, ModelConfig, Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import Lora, ModelConfig, Packed, Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.adapters import init_adapters, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, TINY_QWEN3_MOE, write_hf_checkpoint
 from jax_agent_rl.models.lora import Adapter, LayerAdapters
@@ -276,11 +276,9 @@ class Learner:
             forward(
                 w,
                 self.cfg,
-                tokens,
-                positions,
-                jnp.ones((1, T), jnp.int32),
+                Packed(tokens, positions, jnp.ones((1, T), jnp.int32)),
                 sharder=one_device_sharder(),
-            ),
+            ).hidden,
         )
 
     def logprobs(

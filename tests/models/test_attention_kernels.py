@@ -51,6 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_agent_rl.models import (
     ModelConfig,
+    Packed,
     Sharder,
     ShardingRules,
     abstract_params,
@@ -261,7 +262,8 @@ def test_training_loss_compiles_for_tpu_with_the_kernel() -> None:
 
     def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, window=128)
+        rows = Packed(tokens_bt, positions, segment_ids_bt, window=128)
+        h = forward(w, cfg, rows, sharder=sharder).hidden
         return jnp.mean(lm_logits(w, h))
 
     batch = jax.ShapeDtypeStruct(
@@ -284,7 +286,8 @@ def _lowered_for_gpu(cfg: ModelConfig, sharder: Sharder, mesh: object) -> str:
 
     def loss(w: object, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        h = forward(w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, remat=True)
+        rows = Packed(tokens_bt, positions, segment_ids_bt)
+        h = forward(w, cfg, rows, sharder=sharder, remat=True).hidden
         return jnp.mean(lm_logits(w, h))
 
     batch = jax.ShapeDtypeStruct(

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-from jax_agent_rl.models import ModelConfig, forward, lm_logits, load_hf
+from jax_agent_rl.models import ModelConfig, Packed, forward, lm_logits, load_hf
 from jax_agent_rl.models.adapters import (
     adapters_of,
     add_lora,
@@ -71,7 +71,9 @@ def _ours(
     cfg: ModelConfig, w: object, tokens: np.ndarray, mask: np.ndarray, pos: np.ndarray
 ) -> np.ndarray:
     return np.asarray(
-        lm_logits(w, forward(w, cfg, tokens, pos, mask, sharder=one_device_sharder()))
+        lm_logits(
+            w, forward(w, cfg, Packed(tokens, pos, mask), sharder=one_device_sharder()).hidden
+        )
     )
 
 

@@ -30,6 +30,9 @@ from jax_agent_rl.engine import Engine
 from jax_agent_rl.models import (
     CheckpointError,
     ModelConfig,
+    Packed,
+    Paged,
+    Routing,
     Sharder,
     UnsupportedConfigError,
     Weights,
@@ -123,7 +126,9 @@ def test_forward_matches_transformers(norm: bool, checkpoints: dict[bool, Path])
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(checkpoints[norm], tokens, mask, positions)
     logits = np.asarray(
-        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
+        lm_logits(
+            w, forward(w, cfg, Packed(tokens, positions, mask), sharder=one_device_sharder()).hidden
+        )
     )
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
@@ -141,24 +146,36 @@ def test_cached_prefill_and_decode_route_as_the_training_forward(
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)))
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     # jitted (run eagerly, each of the forward's operations would compile on its own: minutes)
-    fwd = jax.jit(
-        partial(forward, sharder=one_device_sharder()),
-        static_argnums=1,
-        static_argnames=("pages_read", "return_expert_ids"),
-    )
-    h_full, ids_full = fwd(
-        w, cfg, tokens, positions, jnp.ones((B, T), jnp.int32), return_expert_ids=True
-    )
+    record = Routing(record=True)
+
+    @jax.jit
+    def fwd_packed(w, tokens, positions, segments):  # type: ignore[no-untyped-def]
+        out = forward(
+            w,
+            cfg,
+            Packed(tokens, positions, segments),
+            sharder=one_device_sharder(),
+            routing=record,
+        )
+        return out.hidden, out.expert_ids
+
+    @partial(jax.jit, static_argnames="pages_read")
+    def fwd_paged(  # type: ignore[no-untyped-def]
+        w, tokens, pages, table, pos, num_new, pages_read=None
+    ):
+        rows = Paged(tokens, pages, table, pos, num_new, pages_read=pages_read)
+        out = forward(w, cfg, rows, sharder=one_device_sharder(), routing=record)
+        return out.hidden, out.cache, out.expert_ids
+
+    h_full, ids_full = fwd_packed(w, tokens, positions, jnp.ones((B, T), jnp.int32))
     pages = init_pages(cfg, num_pages=2 * B, page_size=8, sharder=one_device_sharder())
     table = jnp.arange(2 * B, dtype=jnp.int32).reshape(B, 2)
-    h_pre, pages, ids_pre = fwd(
-        w, cfg, tokens[:, :-1], cache=pages, page_table_bm=table, pos_b=jnp.zeros(B, jnp.int32),
-        num_new_b=jnp.full(B, T - 1), pages_read=2, return_expert_ids=True,
-    )  # fmt: skip
-    h_dec, _, ids_dec = fwd(
-        w, cfg, tokens[:, -1:], cache=pages, page_table_bm=table, pos_b=jnp.full(B, T - 1),
-        num_new_b=jnp.ones(B, jnp.int32), return_expert_ids=True,
-    )  # fmt: skip
+    h_pre, pages, ids_pre = fwd_paged(
+        w, tokens[:, :-1], pages, table, jnp.zeros(B, jnp.int32), jnp.full(B, T - 1), pages_read=2
+    )
+    h_dec, _, ids_dec = fwd_paged(
+        w, tokens[:, -1:], pages, table, jnp.full(B, T - 1), jnp.ones(B, jnp.int32)
+    )
     np.testing.assert_array_equal(np.concatenate([ids_pre, ids_dec], axis=2), ids_full)
     h_cached = np.concatenate([h_pre, h_dec], axis=1)
     assert np.abs(h_cached - np.asarray(h_full)).max() <= 1e-5
@@ -267,21 +284,24 @@ def test_replaying_the_chosen_experts_reproduces_the_forward(
 ) -> None:
     cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    h, ids = forward(
-        w, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
-    )
-    assert ids.shape == (2, 3, 20, 2) and ids.dtype == jnp.int32
-    assert len(np.unique(np.asarray(ids))) == cfg.num_experts  # every expert gets tokens
-    h_replay, ids_replay = forward(
+    out = forward(
         w,
         cfg,
-        tokens,
-        positions,
-        mask,
-        expert_ids=ids,
-        return_expert_ids=True,
+        Packed(tokens, positions, mask),
+        routing=Routing(record=True),
         sharder=one_device_sharder(),
     )
+    h, ids = out.hidden, out.expert_ids
+    assert ids.shape == (2, 3, 20, 2) and ids.dtype == jnp.int32
+    assert len(np.unique(np.asarray(ids))) == cfg.num_experts  # every expert gets tokens
+    replayed = forward(
+        w,
+        cfg,
+        Packed(tokens, positions, mask),
+        routing=Routing(replay=ids, record=True),
+        sharder=one_device_sharder(),
+    )
+    h_replay, ids_replay = replayed.hidden, replayed.expert_ids
     np.testing.assert_array_equal(ids_replay, ids)
     np.testing.assert_array_equal(h_replay, h)
 
@@ -292,9 +312,14 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     experts, so its logits there move only by the gates' small change."""
     cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    h, ids = forward(
-        w, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
+    out = forward(
+        w,
+        cfg,
+        Packed(tokens, positions, mask),
+        routing=Routing(record=True),
+        sharder=one_device_sharder(),
     )
+    h, ids = out.hidden, out.expert_ids
     # layer 0's router input: the normed embeddings after layer 0's attention, taken from a
     # one-layer model (layer 0 is sparse: its MLP input does not depend on its own router)
     one = dataclasses.replace(cfg, num_layers=1, mlp_only_layers=())
@@ -314,20 +339,23 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     w2 = dataclasses.replace(
         w, layers=dataclasses.replace(w.layers, router=w.layers.router + delta)
     )
-    h_free, ids_free = forward(
-        w2, cfg, tokens, positions, mask, return_expert_ids=True, sharder=one_device_sharder()
-    )
-    assert loser in np.asarray(ids_free[0, b, t]) and loser not in np.asarray(ids[0, b, t])
-    h_replay, ids_replay = forward(
+    free = forward(
         w2,
         cfg,
-        tokens,
-        positions,
-        mask,
-        expert_ids=ids,
-        return_expert_ids=True,
+        Packed(tokens, positions, mask),
+        routing=Routing(record=True),
         sharder=one_device_sharder(),
     )
+    h_free, ids_free = free.hidden, free.expert_ids
+    assert loser in np.asarray(ids_free[0, b, t]) and loser not in np.asarray(ids[0, b, t])
+    replayed = forward(
+        w2,
+        cfg,
+        Packed(tokens, positions, mask),
+        routing=Routing(replay=ids, record=True),
+        sharder=one_device_sharder(),
+    )
+    h_replay, ids_replay = replayed.hidden, replayed.expert_ids
     np.testing.assert_array_equal(ids_replay, ids)
     free_moved = np.abs(np.asarray(h_free[b, t]) - np.asarray(h[b, t])).max()
     replay_moved = np.abs(np.asarray(h_replay[b, t]) - np.asarray(h[b, t])).max()
@@ -343,7 +371,7 @@ def _layer0_router_input(
     input."""
     no_mlp = dataclasses.replace(w.layers, expert_down=jnp.zeros_like(w.layers.expert_down))
     w0 = dataclasses.replace(w, layers=no_mlp, final_norm=w.layers.mlp_norm[0])
-    return forward(w0, cfg, tokens, positions, mask, sharder=one_device_sharder())
+    return forward(w0, cfg, Packed(tokens, positions, mask), sharder=one_device_sharder()).hidden
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -367,10 +395,14 @@ def test_sharded_forward_equals_unsharded() -> None:
     segments = jnp.ones((B, T), jnp.int32).at[1, 9:].set(0)
 
     def run(w, tokens, sharder):  # type: ignore[no-untyped-def]
-        h, ids = forward(
-            w, cfg, tokens, positions, segments, sharder=sharder, return_expert_ids=True
+        out = forward(
+            w,
+            cfg,
+            Packed(tokens, positions, segments),
+            sharder=sharder,
+            routing=Routing(record=True),
         )
-        return lm_logits(w, h), ids
+        return lm_logits(w, out.hidden), out.expert_ids
 
     batch_sharding = sharder.sharding(("batch", "seq"), (B, T))
     sharded, ids = jax.jit(partial(run, sharder=sharder))(w, jax.device_put(tokens, batch_sharding))
@@ -392,7 +424,9 @@ def test_tiny_moe_preset_loads_here_and_in_transformers(
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(ckpt, tokens, mask, positions)
     logits = np.asarray(
-        lm_logits(w, forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder()))
+        lm_logits(
+            w, forward(w, cfg, Packed(tokens, positions, mask), sharder=one_device_sharder()).hidden
+        )
     )
     assert np.abs(logits - ref)[mask.astype(bool)].max() <= TOL
 
@@ -448,10 +482,15 @@ def test_loss_and_gradient_compile_for_tpu_with_experts_sharded() -> None:
 
     def loss(w: Weights, tokens_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
         positions = jnp.broadcast_to(jnp.arange(T), tokens_bt.shape)
-        h, ids = forward(
-            w, cfg, tokens_bt, positions, segment_ids_bt, sharder=sharder, return_expert_ids=True
+        out = forward(
+            w,
+            cfg,
+            Packed(tokens_bt, positions, segment_ids_bt),
+            sharder=sharder,
+            routing=Routing(record=True),
         )
-        return jnp.mean(lm_logits(w, h)) + 0 * ids.sum()
+        assert out.expert_ids is not None
+        return jnp.mean(lm_logits(w, out.hidden)) + 0 * out.expert_ids.sum()
 
     params = abstract_params(cfg, sharder)
     assert params.layers.expert_gate.sharding.spec == PartitionSpec(None, "fsdp", None, "tensor")

@@ -25,7 +25,7 @@ from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.models import init_params, one_device_sharder, save_hf
+from jax_agent_rl.models import Packed, Paged, Routing, init_params, one_device_sharder, save_hf
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.policy import UnsupportedPolicyError, policy_of
 from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
@@ -112,7 +112,8 @@ def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
     sharder = one_device_sharder()
     w = init_params(jax.random.key(0), cfg, sharder)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 13)), jnp.int32)
-    h = policy.forward(w, tokens, jnp.arange(13)[None], jnp.ones_like(tokens), sharder=sharder)
+    rows = Packed(tokens, jnp.arange(13)[None], jnp.ones_like(tokens))
+    h = policy.forward(w, rows, sharder=sharder).hidden
     want = policy.logits(w, h)
     engine = Engine(
         cfg, max_concurrent_decodes=2, max_len=64, page_size=8, prefill_chunk=16, sharder=sharder
@@ -122,14 +123,11 @@ def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
     pages = engine.abstract_decode_state().pages
     cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), pages)
     table = jnp.arange(engine.pages_per_seq, dtype=jnp.int32)[None]
-    h, cache = policy.forward(
-        served, tokens[:, :12], sharder=sharder, cache=cache, page_table_bm=table,
-        pos_b=jnp.array([0]), num_new_b=jnp.array([12]), pages_read=2,
-    )  # fmt: skip
-    h1, _ = policy.forward(
-        served, tokens[:, 12:], sharder=sharder, cache=cache, page_table_bm=table,
-        pos_b=jnp.array([12]), num_new_b=jnp.array([1]),
-    )  # fmt: skip
+    prefill = Paged(tokens[:, :12], cache, table, jnp.array([0]), jnp.array([12]), pages_read=2)
+    out = policy.forward(served, prefill, sharder=sharder)
+    h, cache = out.hidden, out.cache
+    decode = Paged(tokens[:, 12:], cache, table, jnp.array([12]), jnp.array([1]))
+    h1 = policy.forward(served, decode, sharder=sharder).hidden
     got = jnp.concatenate([policy.logits(served, h), policy.logits(served, h1)], axis=1)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
@@ -150,9 +148,13 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
             load_config(DEMO_CONFIG, [*base, *bad.split()])
     policy = load_function(MODULE, "model.module")(64)
     assert policy_of(policy.cfg) is policy
+    zeros = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(UnsupportedPolicyError, match="no experts"):
         policy.forward(
-            None, jnp.zeros((1, 1), jnp.int32), sharder=one_device_sharder(), return_expert_ids=True
+            None,
+            Packed(zeros, zeros, zeros),
+            sharder=one_device_sharder(),
+            routing=Routing(record=True),
         )
     w = init_params(jax.random.key(0), policy.cfg, one_device_sharder())
     with pytest.raises(UnsupportedPolicyError, match="no HF checkpoint"):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_agent_rl.models import forward, init_pages, lm_logits, load_hf
+from jax_agent_rl.models import Packed, Paged, forward, init_pages, lm_logits, load_hf
 from jax_agent_rl.models.attention_kernels import forced_kernel
 from jax_agent_rl.models.sharding import one_device_sharder
 from tests.models.hf_reference import hf_logits, padded_batch
@@ -47,7 +47,7 @@ def test_forward_matches_transformers(
     tokens, mask, positions = padded_batch(cfg.vocab_size)
     ref = hf_logits(hf_checkpoints[family], tokens, mask, positions)
     with forced_kernel(kernel):
-        h = forward(w, cfg, tokens, positions, mask, sharder=one_device_sharder())
+        h = forward(w, cfg, Packed(tokens, positions, mask), sharder=one_device_sharder()).hidden
     logits = np.asarray(lm_logits(w, h))
     valid = mask.astype(bool)
     assert np.abs(ref[valid]).max() > 1.0  # the comparison is not between near-zero numbers
@@ -65,7 +65,12 @@ def test_packed_segments_equal_separate_sequences(
     segments = np.array([[1] * 7 + [2] * 9 + [0, 0]])
     positions = np.array([list(range(7)) + list(range(9)) + [0, 0]])
     logits = np.asarray(
-        lm_logits(w, forward(w, cfg, packed, positions, segments, sharder=one_device_sharder()))
+        lm_logits(
+            w,
+            forward(
+                w, cfg, Packed(packed, positions, segments), sharder=one_device_sharder()
+            ).hidden,
+        )
     )[0]
     for seq, sl in ((a, slice(0, 7)), (b, slice(7, 16))):
         alone = lm_logits(
@@ -73,11 +78,9 @@ def test_packed_segments_equal_separate_sequences(
             forward(
                 w,
                 cfg,
-                seq[None],
-                np.arange(len(seq))[None],
-                np.ones((1, len(seq))),
+                Packed(seq[None], np.arange(len(seq))[None], np.ones((1, len(seq)))),
                 sharder=one_device_sharder(),
-            ),
+            ).hidden,
         )
         assert np.abs(logits[sl] - np.asarray(alone)[0]).max() <= TOL
 
@@ -101,20 +104,18 @@ def test_prefill_and_decode_reproduce_full_sequence(
             forward(
                 w,
                 cfg,
-                tokens,
-                np.broadcast_to(np.arange(T), (2, T)),
-                np.ones((2, T)),
+                Packed(tokens, np.broadcast_to(np.arange(T), (2, T)), np.ones((2, T))),
                 sharder=one_device_sharder(),
-            ),
+            ).hidden,
         )
     )
-    step = jax.jit(
-        lambda w, cfg, tokens, pos, n, pages, reads: forward(
-            w, cfg, tokens, cache=pages, page_table_bm=table, pos_b=pos, num_new_b=n,
-            pages_read=reads, sharder=one_device_sharder(), decode_kernel=decode_kernel,
-),
-        static_argnames=("cfg", "reads"),
-    )  # fmt: skip
+
+    def paged(w, cfg, tokens, pos, n, pages, reads):  # type: ignore[no-untyped-def]
+        rows = Paged(tokens, pages, table, pos, n, pages_read=reads, decode_kernel=decode_kernel)
+        out = forward(w, cfg, rows, sharder=one_device_sharder())
+        return out.hidden, out.cache
+
+    step = jax.jit(paged, static_argnames=("cfg", "reads"))
     # pages of 4 positions, the two rows' pages interleaved and out of order in the pool
     table = jnp.asarray([[5, 0, 7, 2, 9, 11, 13, 15], [1, 6, 3, 4, 8, 10, 12, 14]])
     pages = init_pages(cfg, num_pages=16, page_size=4, sharder=one_device_sharder())
@@ -149,10 +150,12 @@ def test_bf16_forward_tracks_fp32(family: str, hf_checkpoints: dict[str, Path]) 
     ref = np.asarray(
         lm_logits(
             w_rounded,
-            forward(w_rounded, cfg32, tokens, positions, mask, sharder=one_device_sharder()),
+            forward(
+                w_rounded, cfg32, Packed(tokens, positions, mask), sharder=one_device_sharder()
+            ).hidden,
         )
     )
-    h16 = forward(w16, cfg16, tokens, positions, mask, sharder=one_device_sharder())
+    h16 = forward(w16, cfg16, Packed(tokens, positions, mask), sharder=one_device_sharder()).hidden
     assert h16.dtype == jnp.bfloat16
     logits = lm_logits(w16, h16)
     assert logits.dtype == jnp.float32  # logits (and so logprobs) stay fp32

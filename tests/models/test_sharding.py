@@ -10,6 +10,8 @@ import pytest
 
 from jax_agent_rl.models import (
     ModelConfig,
+    Packed,
+    Paged,
     Sharder,
     ShardingRules,
     forward,
@@ -55,7 +57,9 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
     segments = jnp.ones((B, T), jnp.int32).at[1, 9:].set(0)
 
     def run(w, tokens, sharder):  # type: ignore[no-untyped-def]
-        return lm_logits(w, forward(w, CFG, tokens, positions, segments, sharder=sharder))
+        return lm_logits(
+            w, forward(w, CFG, Packed(tokens, positions, segments), sharder=sharder).hidden
+        )
 
     batch_sharding = sharder.sharding(("batch", "seq"), (B, T))
     sharded = jax.jit(partial(run, sharder=sharder))(w, jax.device_put(tokens, batch_sharding))
@@ -69,13 +73,13 @@ def test_sharded_forward_equals_unsharded(sharder: Sharder) -> None:
         jax.sharding.PartitionSpec("tensor", ("data", "fsdp"), None, None)
     }
     table = jnp.arange(4 * B, dtype=jnp.int32).reshape(B, 4)[:, ::-1]
-    step = jax.jit(
-        lambda w, cfg, tokens, n, pages, sharder: forward(
-            w, cfg, tokens, sharder=sharder, cache=pages, page_table_bm=table,
-            pos_b=jnp.zeros((B,), jnp.int32), num_new_b=n, pages_read=4,
-        ),
-        static_argnames=("cfg", "sharder"),
-    )  # fmt: skip
+
+    def paged(w, cfg, tokens, n, pages, sharder):  # type: ignore[no-untyped-def]
+        rows = Paged(tokens, pages, table, jnp.zeros((B,), jnp.int32), n, pages_read=4)
+        out = forward(w, cfg, rows, sharder=sharder)
+        return out.hidden, out.cache
+
+    step = jax.jit(paged, static_argnames=("cfg", "sharder"))
     h, pages = step(w, CFG, tokens, jnp.full((B,), T), pages, sharder)
     h_local, _ = step(
         w_local,

@@ -20,7 +20,7 @@ from jax_agent_rl.cli.demo import SMALL_OVERRIDES, small_task
 from jax_agent_rl.config import ConfigError, load_config
 from jax_agent_rl.config.model import EXACT_ROWS
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import Packed, Paged, Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.decoder import (
     attention,
@@ -56,25 +56,17 @@ def _decoded_and_trained(exact: bool, dtype: str) -> tuple[np.ndarray, np.ndarra
         segments = jnp.concatenate([jnp.ones((1, 7), jnp.int32), jnp.full((1, n), 2)], 1)
         positions = jnp.concatenate([jnp.arange(7), jnp.arange(n)])[None]
         packed = jnp.concatenate([tokens[:, :7] + 1, tokens], 1)
-        h = forward(w, cfg, packed, positions, segments, sharder=sharder)
+        h = forward(w, cfg, Packed(packed, positions, segments), sharder=sharder).hidden
         return lm_logits(w, h)[0, 7:]
 
     trained = np.asarray(jax.jit(learn, compiler_options=options)(w, jnp.asarray(seq[None])))
 
     @partial(jax.jit, static_argnames=("pages_read",), compiler_options=options)
     def step(w, pages, tokens, table, pos, new, pages_read=None):
-        h, pages = forward(
-            w,
-            cfg,
-            tokens,
-            sharder=sharder,
-            cache=pages,
-            page_table_bm=table,
-            pos_b=pos,
-            num_new_b=new,
-            pages_read=pages_read,
+        out = forward(
+            w, cfg, Paged(tokens, pages, table, pos, new, pages_read=pages_read), sharder=sharder
         )
-        return lm_logits(w, h), pages
+        return lm_logits(w, out.hidden), out.cache
 
     rows, prompt = EXACT_ROWS, 40
     ws, pages = serving_layout(w), init_pages(cfg, 32, PAGE, sharder)

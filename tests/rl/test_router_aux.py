@@ -19,7 +19,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jax_agent_rl.config import AlgorithmSection, OptimSection
-from jax_agent_rl.models import ModelConfig, forward, init_params, load_hf
+from jax_agent_rl.models import ModelConfig, Packed, Routing, forward, init_params, load_hf
 from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import load_balancing_loss
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -51,15 +51,17 @@ def test_router_loss_equals_transformers(tmp_path: object) -> None:
     hf_aux = float(out.aux_loss)
     B, T = tokens.shape
     hf_logits = np.stack([x.numpy().reshape(B, T, -1) for x in out.router_logits])
-    _, logits = forward(
+    logits = forward(
         w,
         cfg,
-        jnp.asarray(tokens),
-        jnp.asarray(positions),
-        jnp.asarray(mask, jnp.int32),  # segment 1 for real tokens, 0 for padding
-        return_router_logits=True,
+        Packed(
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(mask, jnp.int32),  # segment 1 for real tokens, 0 for padding
+        ),
+        routing=Routing(router_logits=True),
         sharder=one_device_sharder(),
-    )
+    ).router_logits
     ours = np.asarray(logits)
     S, E, k = sum(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     assert ours.shape == hf_logits.shape == (S, B, T, E) and S == 2  # layer 1 is dense
@@ -118,15 +120,17 @@ def test_the_policy_loss_adds_coef_times_the_router_loss() -> None:
     rows = np.split(np.arange(batch.shape[0]), m)
     want = 0.0
     for r in rows:
-        _, logits = forward(
+        logits = forward(
             params,  # type: ignore[arg-type]
             MOE,
-            jnp.asarray(batch.tokens)[r],
-            jnp.asarray(batch.positions)[r],
-            jnp.asarray(batch.segment_ids)[r],
-            return_router_logits=True,
+            Packed(
+                jnp.asarray(batch.tokens)[r],
+                jnp.asarray(batch.positions)[r],
+                jnp.asarray(batch.segment_ids)[r],
+            ),
+            routing=Routing(router_logits=True),
             sharder=one_device_sharder(),
-        )
+        ).router_logits
         aux = float(load_balancing_loss(MOE, logits, jnp.asarray(real[r])))
         want += aux * float(sampled[r].sum() / sampled.sum())
     k = MOE.num_experts_per_tok

@@ -34,7 +34,15 @@ from jax_agent_rl.cli.demo import make_checkpoint
 from jax_agent_rl.config import AlgorithmSection, OptimSection, load_config, to_yaml
 from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import ModelConfig, Weights, forward, init_params, load_hf
+from jax_agent_rl.models import (
+    ModelConfig,
+    Packed,
+    Routing,
+    Weights,
+    forward,
+    init_params,
+    load_hf,
+)
 from jax_agent_rl.models.hf_local import TINY
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
@@ -155,15 +163,13 @@ def test_the_trajectory_carries_the_samplers_experts(
         mask = np.asarray(traj.loss_mask, bool)
         assert (ids[~mask] == -1).all() and (ids[mask] >= 0).all()
     batch = make_batch([t.train_sequence(0.0) for t in sampled], bucket=16)
-    _, own = forward(
+    own = forward(
         w,
         cfg,
-        batch.tokens,
-        batch.positions,
-        batch.segment_ids,
-        return_expert_ids=True,
+        Packed(batch.tokens, batch.positions, batch.segment_ids),
+        routing=Routing(record=True),
         sharder=one_device_sharder(),
-    )
+    ).expert_ids
     for b, traj in enumerate(sampled):  # one trajectory per row
         mask = np.asarray(traj.loss_mask, bool)
         P, T = len(traj.prompt_ids), len(traj.prompt_ids) + len(traj.response_ids)
@@ -194,8 +200,11 @@ def layer0_router_input(cfg: ModelConfig, w: Weights, batch: object) -> np.ndarr
     w0 = dataclasses.replace(w, layers=layers, final_norm=layers.mlp_norm[0])
     return np.asarray(
         forward(
-            w0, one, batch.tokens, batch.positions, batch.segment_ids, sharder=one_device_sharder()
-        )
+            w0,
+            one,
+            Packed(batch.tokens, batch.positions, batch.segment_ids),
+            sharder=one_device_sharder(),
+        ).hidden
     )
 
 
@@ -267,9 +276,13 @@ def test_replay_holds_the_gap_to_the_dense_tolerance_under_flipped_routing(
     assert own["logprob_gap/max"] > TOL
     # the replayed experts are exactly the sampler's; positions without them route themselves
     given = sampled_experts(jax.tree.map(jnp.asarray, batch))
-    args = (w2, cfg, batch.tokens, batch.positions, batch.segment_ids)
-    _, free = forward(*args, return_expert_ids=True, sharder=one_device_sharder())
-    _, used = forward(*args, expert_ids=given, return_expert_ids=True, sharder=one_device_sharder())
+    rows = Packed(batch.tokens, batch.positions, batch.segment_ids)
+    free = forward(
+        w2, cfg, rows, routing=Routing(record=True), sharder=one_device_sharder()
+    ).expert_ids
+    used = forward(
+        w2, cfg, rows, routing=Routing(replay=given, record=True), sharder=one_device_sharder()
+    ).expert_ids
     has = np.asarray(given) >= 0
     np.testing.assert_array_equal(np.asarray(used)[has], np.asarray(given)[has])
     np.testing.assert_array_equal(np.asarray(used)[~has], np.asarray(free)[~has])
@@ -300,7 +313,7 @@ def test_expert_ids_of_the_wrong_shape_are_refused(
     with pytest.raises(ValueError, match=r"expert_ids give \[5, -1\] for one token"):
         step_metrics(cfg, w, half_given, replay=True)
     dense = ModelConfig.from_hf(TINY["qwen2"])
-    with pytest.raises(ValueError, match="qwen2 policy has no sparse layers"):
+    with pytest.raises(ValueError, match=r"carry expert_ids .*, but the policy has no experts"):
         step_metrics(
             dense,
             init_params(jax.random.key(0), dense, sharder=one_device_sharder()),

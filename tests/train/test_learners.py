@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.config import JarlConfig, load_config
-from jax_agent_rl.models import ModelConfig, Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import ModelConfig, Packed, Weights, forward, lm_logits, load_hf
 from jax_agent_rl.models.adapters import adapters_of, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -31,7 +31,10 @@ def _logits(cfg: ModelConfig, w: Weights) -> np.ndarray:
     positions = np.broadcast_to(np.arange(12), (2, 12))
     return np.asarray(
         lm_logits(
-            w, forward(w, cfg, tokens, positions, np.ones((2, 12)), sharder=one_device_sharder())
+            w,
+            forward(
+                w, cfg, Packed(tokens, positions, np.ones((2, 12))), sharder=one_device_sharder()
+            ).hidden,
         )
     )
 
