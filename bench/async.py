@@ -3,7 +3,7 @@
 The learning test's task (sums and products; the calculator tool), with every calculator call
 delayed by a seeded lognormal draw (median ``--median-delay`` s, ``--sigma``): a search engine
 or a slow API, where a synchronous step waits for its slowest trajectory. One SFT warm start,
-then from the same policy: the synchronous loop, ``trainer.mode=async`` at ``max_staleness``
+then from the same policy: the synchronous loop, ``trainer.max_staleness``
 1 and 2, and at 1 with ``engine.keep_kv_on_update`` (``async1_keepkv``: a push lands
 mid-turn, which goes on over the old weights' KV instead of waiting), and when asked, the
 async1 modes with their pushes not staged (``async1_unstaged``, ``async1_keepkv_unstaged``:
@@ -59,22 +59,19 @@ DELAY_ENV = "JARL_BENCH_TOOL_DELAY"  # "median,sigma,seed"
 _draws: list[random.Random] = []
 # the async modes' overrides (each run beside the synchronous loop)
 ASYNC_MODES = {
-    "async1": ["trainer.mode=async", "trainer.max_staleness=1"],
-    "async2": ["trainer.mode=async", "trainer.max_staleness=2"],
+    "async1": ["trainer.max_staleness=1"],
+    "async2": ["trainer.max_staleness=2"],
     "async1_keepkv": [
-        "trainer.mode=async",
         "trainer.max_staleness=1",
         "engine.keep_kv_on_update=true",
     ],
     # the same two without staging a push (`engine.push.staged=false`): the old weights are
     # dropped, then the new ones placed, while generation waits (not run unless asked)
     "async1_unstaged": [
-        "trainer.mode=async",
         "trainer.max_staleness=1",
         "engine.push.staged=false",
     ],
     "async1_keepkv_unstaged": [
-        "trainer.mode=async",
         "trainer.max_staleness=1",
         "engine.keep_kv_on_update=true",
         "engine.push.staged=false",

@@ -183,6 +183,24 @@ def test_a_moved_key_names_its_new_name() -> None:
     assert load_config(None, [*base, "data.overlong_buffer=4"]).data.overlong_buffer == 4
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_loop_s_mode_is_one_key_the_staleness(tmp_path: Path, mode: str) -> None:
+    """trainer.mode (sync / async) and trainer.max_staleness described one setting: the loop
+    at staleness 0 is the synchronous one. A config that still sets the mode, as an override
+    or in its YAML, is told the one key; the default is the synchronous loop."""
+    base = ["model.path=/a", "data.train=t"]
+    told = "config key 'trainer.mode' is now 'trainer.max_staleness'"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, f"trainer.mode={mode}"])
+    assert str(e.value) == told
+    path = tmp_path / "run.yaml"
+    path.write_text(f"trainer:\n  mode: {mode}\n  max_staleness: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, base)
+    assert str(e.value) == told
+    assert load_config(None, base).trainer.max_staleness == 0
+
+
 def test_a_backend_option_moved_into_its_section_names_its_new_key(tmp_path: Path) -> None:
     """The vllm and jetstream backends' options live in engine.vllm / engine.jetstream; the
     old flat spellings, as an override or in a YAML file, are told the new key."""

@@ -331,7 +331,7 @@ class AlgorithmSection:
     # truncated importance weights rollout -> learner, min(k, tis_cap); null: off
     tis_cap: float | None = setting(2.0, or_(None, POSITIVE))
     # tokens or sequences whose rollout -> learner ratio k left a band carry no gradient
-    # (for stale data, trainer.mode=async; docs/async.md). icepop: weight k within
+    # (for stale data, trainer.max_staleness >= 1; docs/async.md). icepop: weight k within
     # [icepop_low, icepop_high], else 0; kpop: weight k where the binary KL between sampler
     # and learner token probabilities is within kpop_threshold both ways, else 0 (both weight
     # by k themselves: tis_cap null); geometric: a sequence whose geometric-mean ratio leaves
@@ -412,17 +412,18 @@ class TrainerSection:
 
     steps: int = setting(100, NATURAL)
     seed: int = setting(0, NATURAL)
-    # sync: each step rolls out, then updates, then pushes. async: rollouts run on while the
-    # learner updates (train/async_loop.py), every update taking only trajectories sampled
-    # at most max_staleness weight versions behind the policy it updates (0: the sync loop)
-    mode: Literal["sync", "async"] = "sync"
-    max_staleness: int = setting(1, NATURAL)
-    # async only. as_finished: each update takes the first groups to finish, and a push lands
-    # between turns of the groups in flight (what hides a slow tool call; which groups and
-    # versions an update gets follows the machine's timing). pinned: updates take groups in
-    # prompt order, each sampled whole under the weights served when it started, and a push
-    # waits for the groups of the weights it replaces: the same versions and batches whatever
-    # the machine's load, but a slow group holds back the next ones (train/async_loop.py)
+    # how many weight versions behind the policy it updates an update's trajectories may be
+    # sampled. 0: synchronous (each step rolls out, then updates, then pushes); N >= 1:
+    # asynchronous, rollouts run on while the learner updates (train/async_loop.py). One
+    # loop either way; trainer.mode is gone (mode=sync is 0, mode=async this at 1 or more)
+    max_staleness: int = setting(0, NATURAL, was="trainer.mode")
+    # max_staleness >= 1 only. as_finished: each update takes the first groups to finish,
+    # and a push lands between turns of the groups in flight (what hides a slow tool call;
+    # which groups and versions an update gets follows the machine's timing). pinned:
+    # updates take groups in prompt order, each sampled whole under the weights served when
+    # it started, and a push waits for the groups of the weights it replaces: the same
+    # versions and batches whatever the machine's load, but a slow group holds back the next
+    # ones (train/async_loop.py)
     async_schedule: Literal["as_finished", "pinned"] = "as_finished"
     run_dir: str = "runs/latest"
     eval_every: int = setting(10, NATURAL)  # 0: only at the start and the end

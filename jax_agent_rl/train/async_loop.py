@@ -1,7 +1,7 @@
 """The RL loop's steps: groups sampled continuously, updates with bounded staleness.
 
-The synchronous loop (``trainer.mode=sync``) is this one at ``max_staleness=0``; with
-``trainer.mode=async``, ``trainer.max_staleness`` bounds it (docs/async.md).
+``trainer.max_staleness`` bounds how far behind the policy an update's groups may be
+sampled; at 0 (the default) this is the synchronous loop (docs/async.md).
 
 Rollouts never wait for the learner: groups (one prompt, ``group.n`` episodes) run on the
 backend continuously, and each update takes ``data.prompts_per_step`` finished groups as they
@@ -38,7 +38,7 @@ At ``max_staleness=0`` each update's prompts are drawn when it begins (after the
 the one before, its checkpoint among them), its groups are all sampled by the weights it
 updates, and the learner waits for them: the synchronous loop. With dynamic sampling the
 groups without a reward signal are replaced in rounds, at most ``group.max_refills`` of them
-(in either mode). Sync mode runs on several processes too: each draws every process's
+(at any staleness). The synchronous loop runs on several processes too: each draws every process's
 prompts and plays its slice, and the refills are agreed. Every update ends with the
 same tail (`learn.learn_and_push`), which runs the learner in a worker thread, so the event
 loop (agent loops, tool calls) keeps going meanwhile. A resumed run starts sampling at the
@@ -343,8 +343,8 @@ async def take_groups(
 
 def staleness_bound(cfg: JarlConfig) -> int:
     """How many versions behind its policy an update's trajectories may be sampled:
-    ``trainer.max_staleness`` when ``trainer.mode=async``, else 0 (the synchronous loop)."""
-    return cfg.trainer.max_staleness if cfg.trainer.mode == "async" else 0
+    ``trainer.max_staleness`` (0: the synchronous loop)."""
+    return cfg.trainer.max_staleness
 
 
 async def update_step(

@@ -34,10 +34,10 @@ def processes_fit(cfg: JarlConfig, processes: int) -> list[str]:
     if processes == 1:
         return []
     problems = []
-    if cfg.trainer.mode == "async":
+    if cfg.trainer.max_staleness:
         problems.append(
-            f"trainer.mode=async runs in one process; {processes} processes train with "
-            "trainer.mode=sync"
+            f"trainer.max_staleness={cfg.trainer.max_staleness} (asynchronous) runs in one "
+            f"process; {processes} processes train synchronously (trainer.max_staleness=0)"
         )
     if cfg.engine.ray.address:
         problems.append(

@@ -51,7 +51,7 @@ async def rl_loop(
     """Steps ``run.start`` .. ``trainer.steps`` from the learner's ``state`` (donated), each
     followed by the ``others`` policies' steps on its episodes (`policies.step_policies`)
     and its due hooks; returns the last state. The steps are synchronous or
-    asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.mode``; the loop holds the
+    asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.max_staleness``; the loop holds the
     state and hands each step's to the next and to the hooks (`StepEnd.state`)."""
     steps = run.cfg.trainer.steps
     async with open_rollout(run, state) as rollout, open_policies(others):

@@ -300,7 +300,7 @@ def test_async_groups_start_once_the_push_lands_not_after_the_hooks(tmp_path: Pa
         cfg = demo_config(
             tmp_path / mode,
             task,
-            [*TINY, "trainer.steps=3", f"trainer.mode={mode}", "trainer.max_staleness=1"],
+            [*TINY, "trainer.steps=3", f"trainer.max_staleness={int(mode == 'async')}"],
         )
         run, state = build_run(cfg, Console(quiet=True))
 

@@ -113,7 +113,7 @@ def test_the_warm_starts_match_the_task(demo: str, tmp_path: Path) -> None:
 
 # pinned: the same groups and weight versions in every update whatever the machine's load
 # (as_finished, which follows timing, learned less here on a loaded machine: docs/async.md)
-ASYNC = ["trainer.mode=async", "trainer.max_staleness=2", "trainer.async_schedule=pinned"]
+ASYNC = ["trainer.max_staleness=2", "trainer.async_schedule=pinned"]
 # the families of docs/algorithms.md's "Does it learn?" table, with its overrides
 GIGPO = ["algorithm.adv_estimator=gigpo", "algorithm.turn_mode=per_turn"]
 TREE_GRPO = [

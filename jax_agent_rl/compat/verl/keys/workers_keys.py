@@ -224,8 +224,8 @@ WORKERS: tuple[VerlKey, ...] = (
     VerlKey(
         "actor_rollout_ref.rollout.mode",
         "",
-        "async: what jarl always does (one coroutine per episode); not trainer.mode, which is "
-        "off-policy training",
+        "async: what jarl always does (one coroutine per episode); not trainer.max_staleness, "
+        "which is off-policy training",
         fixed("async"),
     ),
     VerlKey("actor_rollout_ref.rollout.n", "group.n", "samples per prompt"),
