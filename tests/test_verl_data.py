@@ -36,7 +36,7 @@ from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.calculator import calculator
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.learn import shaped_rewards
-from jax_agent_rl.train.step import rollout_episodes, trajectory_reward
+from jax_agent_rl.train.rollout_score import rollout_episodes, trajectory_reward
 from tests.agent.test_loop import CONFIG, echo
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n48+24 = <<48+24=72>>72\n#### 72"

@@ -1,7 +1,7 @@
 """A played `Trajectory` with what the trainer made of it (`Episode`): its reward, whether it
 succeeded, why the reward failed, how often it was run again and the filter that left it out.
 The trajectory stays the agent's record, never edited after its loop ends; the trainer
-returns these alongside it (`jax_agent_rl.train.step.rollout_episodes`)."""
+returns these alongside it (`jax_agent_rl.train.rollout_score.rollout_episodes`)."""
 
 from __future__ import annotations
 

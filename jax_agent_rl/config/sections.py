@@ -414,7 +414,7 @@ class TrainerSection:
     seed: int = setting(0, NATURAL)
     # how many weight versions behind the policy it updates an update's trajectories may be
     # sampled. 0: synchronous (each step rolls out, then updates, then pushes); N >= 1:
-    # asynchronous, rollouts run on while the learner updates (train/async_loop.py). One
+    # asynchronous, rollouts run on while the learner updates (train/producer.py). One
     # loop either way; trainer.mode is gone (mode=sync is 0, mode=async this at 1 or more)
     max_staleness: int = setting(0, NATURAL, was="trainer.mode")
     # max_staleness >= 1 only. as_finished: each update takes the first groups to finish,
@@ -423,7 +423,7 @@ class TrainerSection:
     # updates take groups in prompt order, each sampled whole under the weights served when
     # it started, and a push waits for the groups of the weights it replaces: the same
     # versions and batches whatever the machine's load, but a slow group holds back the next
-    # ones (train/async_loop.py)
+    # ones (train/producer.py)
     async_schedule: Literal["as_finished", "pinned"] = "as_finished"
     run_dir: str = "runs/latest"
     eval_every: int = setting(10, NATURAL)  # 0: only at the start and the end

@@ -38,7 +38,7 @@ whether the row falls back to ``data.reward`` or to its source's default.
 What a reward reads (`Answer.text`) is verl's rule for verl data: for rows of a source verl's
 ``default_compute_score`` knows, the whole response decoded as verl decodes it (every token after
 the prompt, tool responses included, special tokens skipped); for other rows the last assistant
-message (`jax_agent_rl.train.step.scored_text`). Rewards are awaited (`Rewards`), so that a
+message (`jax_agent_rl.train.rollout_score.scored_text`). Rewards are awaited (`Rewards`), so that a
 step's judge requests are sent together, and no synchronous reward runs on the event loop:
 
 - ours (the built-in rules, verl's included) in a thread of a bounded pool (`CallThreads`,
@@ -65,7 +65,7 @@ and as an answer is marked (``<answer>``, ``\\boxed{}``, ``####``), so that a re
 raises on an unmarked answer has one it reads; no such probe for other ground truths). Failing
 on the answer twice and not on a probe, the
 answer is at fault: `AnswerFaultError`, which scores it 0 and trains on it as the wrong answer it is
-(`jax_agent_rl.train.step.score_episodes`, counted in ``rewards/answer_faults``). Ended
+(`jax_agent_rl.train.rollout_score.score_episodes`, counted in ``rewards/answer_faults``). Ended
 untrained instead (``reward_error``), it would take none of the negative advantage a wrong
 answer takes in its group: a policy that learns to make the reward raise or hang escapes the
 penalty of being wrong. Otherwise (the probe fails too: the reward, or what it calls, is
@@ -74,8 +74,8 @@ broken; or there is no probe) the first error stands: ``reward_error``, untraine
 Every reward is checked where it enters (`checked_reward`): a real number, finite, within
 ``MAX_ABS_REWARD``. A user function's result here; an environment's step reward in
 `jax_agent_rl.envs.checked_step`; each episode's final reward in
-`jax_agent_rl.train.step.score_episodes`, which ends a trajectory whose reward fails with stop
-reason ``reward_error`` rather than let a NaN into its group's advantages.
+`jax_agent_rl.train.rollout_score.score_episodes`, which ends a trajectory whose reward
+fails with stop reason ``reward_error`` rather than let a NaN into its group's advantages.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _shown(value: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """What a reward scores: a trajectory's ``text`` (the last assistant message, or for verl
-    data the whole decoded response: `jax_agent_rl.train.step.scored_text`) with its row's
+    data the whole decoded response: `jax_agent_rl.train.rollout_score.scored_text`) with its row's
     ``data_source``, ``prompt`` (the last user message), ``ground_truth`` and ``extra_info``."""
 
     data_source: str

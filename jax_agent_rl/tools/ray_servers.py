@@ -10,8 +10,9 @@ server (its tool state lives there), a new trajectory to the server holding the 
 
 A server that dies takes its trajectories' tool state with it, so their next call fails
 (`ToolTransportError`: the trajectory ends with stop reason ``tool_error``) and the rollout
-runs those trajectories again from their prompts (`jax_agent_rl.train.step.rollout_episodes`,
-counted in ``rollout/trajectories_rerun``). The server is restarted (a new actor, a new port)
+runs those trajectories again from their prompts
+(`jax_agent_rl.train.rollout_score.rollout_episodes`, counted in
+``rollout/trajectories_rerun``). The server is restarted (a new actor, a new port)
 up to ``engine.ray.max_restarts`` times; new trajectories go to the live ones meanwhile.
 """
 

@@ -141,7 +141,7 @@ def stop_warning(m: Mapping[str, float], trajs: Sequence[Episode]) -> str | None
     example = first_error(trajs, worst) if worst in ERRORS else None
     if example:
         lines = [x.strip() for x in example.splitlines() if x.strip()]
-        # a reward's error leads with what raised, where and on which row (train/step.py)
+        # a reward's error leads with what raised, where and on which row (train/rollout_score.py)
         shown = lines[0] if worst == "reward_error" else lines[-1]
         line += f" (e.g. {visible(shown[:300])})"
     return line

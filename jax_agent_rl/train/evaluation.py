@@ -8,7 +8,7 @@ success rate. With ``n`` samples per prompt (sampled at the run's rollout temper
 episodes and ``pass@k`` (for k = 1, 2, 4, ... up to n, and n) the unbiased estimate of Chen et
 al. (2021) of the chance that at least one of k samples succeeds (`pass_at_k`); pass@n is the
 share of prompts with any success. A success is an episode whose outcome reward (without
-the tool rewards: `step.outcome_reward`) reaches ``data.success_reward`` (1 by default), or
+the tool rewards: `rollout_score.outcome_reward`) reaches ``data.success_reward`` (1 by default), or
 whose environment said it succeeded (`Episode.success`): a judge's 1/10 is no success, nor
 are many small tool rewards around a wrong answer.
 """
@@ -66,7 +66,7 @@ from jax_agent_rl.train.episodes import (
     source_totals,
     success_of_sources,
 )
-from jax_agent_rl.train.step import rollout_episodes
+from jax_agent_rl.train.rollout_score import rollout_episodes
 
 ALL = "all"  # the row of every source together
 

@@ -37,7 +37,7 @@ from jax_agent_rl.train.traces import (
 class StepEnd:
     """A finished step: ``step`` steps are done; ``metrics`` (the step's, which hooks may add
     to), every episode this process sampled for it (its trajectory and outcome; those too
-    stale for the update are left out: `async_loop.Taken.fresh`), the learner's
+    stale for the update are left out: `producer.Taken.fresh`), the learner's
     ``state`` after it (the loop's: the next step donates it, so a hook reads it and keeps
     none of it), and the
     update's per-token values (`traces.UpdateTokens`; None: no update, or several processes).

@@ -1,6 +1,6 @@
 """The training loop: build the run, then rollout -> score -> advantages -> update -> push,
 step after step, with the hooks after each (`jax_agent_rl.train.hooks`). The steps are
-updates from continuously sampled groups (`jax_agent_rl.train.async_loop`), synchronous (the
+updates from continuously sampled groups (`jax_agent_rl.train.producer`), synchronous (the
 learner waits for each step's groups) at ``max_staleness=0``.
 
 Before the first step of a fresh run the held-out prompts are evaluated (step 0). Other
@@ -24,7 +24,6 @@ from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.console import progress
 from jax_agent_rl.models import request_cpu_devices
 from jax_agent_rl.rl.update import LearnerState
-from jax_agent_rl.train.async_loop import update_steps
 from jax_agent_rl.train.build import Run, build_run, open_rollout
 from jax_agent_rl.train.hooks import Hook, StepEnd, default_hooks, end_hooks, evaluate
 from jax_agent_rl.train.policies import (
@@ -36,6 +35,7 @@ from jax_agent_rl.train.policies import (
     open_policies,
     step_policies,
 )
+from jax_agent_rl.train.producer import update_steps
 
 
 def _status(m: dict[str, float]) -> str:
@@ -51,7 +51,7 @@ async def rl_loop(
     """Steps ``run.start`` .. ``trainer.steps`` from the learner's ``state`` (donated), each
     followed by the ``others`` policies' steps on its episodes (`policies.step_policies`)
     and its due hooks; returns the last state. The steps are synchronous or
-    asynchronous (`jax_agent_rl.train.async_loop`) by ``trainer.max_staleness``; the loop holds the
+    asynchronous (`jax_agent_rl.train.producer`) by ``trainer.max_staleness``; the loop holds the
     state and hands each step's to the next and to the hooks (`StepEnd.state`)."""
     steps = run.cfg.trainer.steps
     async with open_rollout(run, state) as rollout, open_policies(others):

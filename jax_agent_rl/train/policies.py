@@ -53,7 +53,7 @@ from jax_agent_rl.train.hooks import (
     write_traces,
 )
 from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.step import final_answer_text, prompt_text, run_episodes
+from jax_agent_rl.train.rollout_score import final_answer_text, prompt_text, run_episodes
 
 POLICIES = "policies"  # RUN/policies/<name>: each policy's run folder
 VAL_FILE = "val.jsonl"  # a verifier's held-out rows, in its folder

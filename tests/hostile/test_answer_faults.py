@@ -36,7 +36,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.episodes import episode_metrics, raise_if_all_failed, stop_warning
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 from jax_agent_rl.usercode.processes import CallProcesses
 from jax_agent_rl.usercode.threads import CallThreads
 

@@ -43,7 +43,7 @@ from jax_agent_rl.train.episodes import (
     raise_if_all_failed,
     stop_warning,
 )
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 from tests.tokenization.test_tokenizer import CORPUS
 
 MISNAMED = (

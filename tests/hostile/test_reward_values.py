@@ -41,7 +41,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tokenization.tool_calls import HermesParser
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train.episodes import episode_metrics
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 from tests.agent.test_loop import CONFIG
 
 HERE = __file__

@@ -65,8 +65,8 @@ from jax_agent_rl.tokenization.turns import TurnBuilder
 from jax_agent_rl.tools.base import Tool, ToolResult
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
 from jax_agent_rl.train import Hook, Rollout, Run, StepEnd, build_run, rl_loop, train
-from jax_agent_rl.train.async_loop import Producer
-from jax_agent_rl.train.step import distinct_samples, rollout_episodes
+from jax_agent_rl.train.producer import Producer
+from jax_agent_rl.train.rollout_score import distinct_samples, rollout_episodes
 from jax_agent_rl.train.traces import read_traces, trace_index
 from tests.train.test_async import TINY
 

@@ -26,7 +26,7 @@ from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 
 HERE = "tests.hostile.test_slow_rewards"
 BOUND_S = 30.0  # how long a blocked reward waits for its release (the test fails past it)

@@ -23,7 +23,7 @@ from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.base import ToolResult
 from jax_agent_rl.train.episodes import episode_metrics, success_by_source
 from jax_agent_rl.train.evaluation import pass_rates, pass_totals
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 
 REWARDS = {"judged 1/10": 0.1, "partial": 0.01, "solved": 1.0, "over": 1.5, "wrong": 0.0}
 

@@ -37,7 +37,7 @@ from jax_agent_rl.tokenization import (
 from jax_agent_rl.tokenization.tool_calls import make_parser
 from jax_agent_rl.tools.base import tool
 from jax_agent_rl.tools.registry import LocalTools, ToolRegistry
-from jax_agent_rl.train.step import score_episodes
+from jax_agent_rl.train.rollout_score import score_episodes
 
 HERE = "tests.hostile.test_user_code_errors"
 

@@ -25,9 +25,9 @@ from jax_agent_rl.protocol import Capabilities, GenerateRequest, GenerateResult
 from jax_agent_rl.rewards import Answer, Judge, JudgeAnswerError, make_reward, parse_score
 from jax_agent_rl.rollout.embedded import EmbeddedBackend
 from jax_agent_rl.tokenization import Tokenizer
-from jax_agent_rl.train.async_loop import update_steps
 from jax_agent_rl.train.build import build_run, eos_ids, open_rollout
 from jax_agent_rl.train.check import check_names
+from jax_agent_rl.train.producer import update_steps
 
 TEMPLATE = "Q: {prompt} A: {response} Score:"
 

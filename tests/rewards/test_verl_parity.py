@@ -30,7 +30,7 @@ from jax_agent_rl.config.wings import load_wing
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer, chat_template, save_tokenizer, train_bpe
-from jax_agent_rl.train.step import scored_text, trajectory_reward
+from jax_agent_rl.train.rollout_score import scored_text, trajectory_reward
 
 VERL_REF = Path(__file__).resolve().parents[2] / ".verl-ref"
 FUZZ_PER_SCORER = 200

@@ -46,7 +46,7 @@ from jax_agent_rl.tools.ray_servers import RayToolServers
 from jax_agent_rl.tools.registry import ToolTransportError
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
-from jax_agent_rl.train.step import rollout_episodes
+from jax_agent_rl.train.rollout_score import rollout_episodes
 from tests.agent.test_loop import CONFIG
 from tests.weights import sparse_step
 

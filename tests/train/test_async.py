@@ -22,7 +22,7 @@ from jax_agent_rl.rollout import (
 )
 from jax_agent_rl.rollout.registry import backend_factory
 from jax_agent_rl.train import train
-from jax_agent_rl.train.async_loop import Admission, Finished, Grant, Group, take_groups
+from jax_agent_rl.train.producer import Admission, Finished, Grant, Group, take_groups
 from jax_agent_rl.train.traces import read_traces
 
 

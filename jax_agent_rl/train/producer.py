@@ -64,7 +64,7 @@ from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.train.build import Rollout, Run
 from jax_agent_rl.train.learn import learn_and_push
-from jax_agent_rl.train.step import distinct_samples, has_signal, run_episodes
+from jax_agent_rl.train.rollout_score import distinct_samples, has_signal, run_episodes
 from jax_agent_rl.train.traces import UpdateTokens
 
 # a training step: (the learner's state, step, whether it compiles) -> the new state, its
@@ -136,7 +136,7 @@ class Finished:
 class Grant:
     """Groups that may start: ``count`` prompts for each process, drawn together for the
     update of ``version`` (``attempt`` 0, or a refill's), tagged ``s<version>a<attempt>``
-    (their episodes' seeds: `step.episode_seed`)."""
+    (their episodes' seeds: `rollout_score.episode_seed`)."""
 
     count: int
     version: int
@@ -210,7 +210,7 @@ class Producer:
     first_index: int
     finished: Finished
     _tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
-    # the uids drawn for each recent version's updates (`step.distinct_samples`)
+    # the uids drawn for each recent version's updates (`rollout_score.distinct_samples`)
     _drawn: dict[int, set[str]] = dataclasses.field(default_factory=dict)
 
     async def run_forever(self) -> None:

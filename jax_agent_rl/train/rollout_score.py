@@ -5,7 +5,7 @@
 2. each trajectory is scored (`scored_text`: its final answer, or for verl data its whole
    response, as verl scores it); the filters mark what updates leave out;
 3. DAPO's dynamic sampling keeps only groups with a reward signal (`has_signal`): the
-   loop (`jax_agent_rl.train.async_loop`) draws fresh prompts in place of the others.
+   loop (`jax_agent_rl.train.producer`) draws fresh prompts in place of the others.
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def training_filters(cfg: JarlConfig) -> list[str]:
 def has_signal(group: Sequence[Episode]) -> bool:
     """DAPO's dynamic sampling: whether the rewards of a group's trainable members are not all
     equal (a group without a signal teaches nothing: the loop samples a fresh prompt in its
-    place, `async_loop.take_groups`)."""
+    place, `producer.take_groups`)."""
     rewards = np.array([e.reward for e in group if e.trainable], np.float32)
     gids = np.zeros(len(rewards), np.int32)
     return bool(np.asarray(core.groups_with_signal(rewards, gids)).any())
