@@ -44,7 +44,10 @@ Figures per backend: ``useful_tok_s`` (sampled tokens / wall time of the whole w
 sampled tokens, prefill tokens (embedded: prefilled and served from a session's cache),
 peak KV bytes reserved and of real tokens, and the most requests in flight at once as the
 driver sees them (every live trajectory has one: no tool latency here); embedded also the
-most slots decoding at once. Across backends: ``useful_tok_s_ratio_vs_vllm`` (embedded /
+most slots decoding at once, and where its time went (`call_profile`): the share of the wall
+in engine calls, their count and mean length, the rows a call's ragged step and each of its
+decode steps asked for on average, and the share of computed rows that were padding to
+their buckets. Across backends: ``useful_tok_s_ratio_vs_vllm`` (embedded /
 vLLM), ``kv_reserved_over_real`` (embedded, peak / peak), and ``useful_tok_s_ratio_vs_dense``
 (embedded / dense). Ends with one JSON line.
 
@@ -75,6 +78,7 @@ from jax_agent_rl.models import ModelConfig, load_hf
 from jax_agent_rl.models.hf_local import SMALL_QWEN2, TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import (
+    BackendStats,
     EmbeddedBackend,
     GenerateRequest,
     GenerateResult,
@@ -395,9 +399,30 @@ def measure(
         figures["prefill_tokens"] = stats.prefilled_tokens - before.prefilled_tokens
         figures["prefix_hit_tokens"] = stats.prefix_hit_tokens - before.prefix_hit_tokens
         figures["max_decoding"] = meter.decoding
+        figures |= call_profile(before, stats, wall)
     else:  # vLLM's paged cache is allocated whole at start: the budget it was given
         figures["peak_kv_reserved_bytes"] = setup.kv_bytes
     return figures
+
+
+def call_profile(before: BackendStats, after: BackendStats, wall: float) -> dict[str, Any]:
+    """Where the embedded engine's time went between two readings of its stats: the share of
+    the wall in engine calls (dispatch to tokens on the host; the rest is the host's
+    scheduling and waiting for work), the calls, the rows a call's ragged step and each of its
+    decode steps asked for on average, and the share of computed rows that were padding."""
+    d = {
+        f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)
+    }
+    calls = d["decode_calls"]
+    return {
+        "calls": calls,
+        "call_share_of_wall": round(d["call_s"] / wall, 3),
+        "mean_call_ms": round(1e3 * d["call_s"] / max(calls, 1), 1),
+        "mean_step_rows": round(d["step_rows"] / max(calls, 1), 1),
+        "step_padding_share": round(1 - d["step_rows"] / max(d["step_rows_computed"], 1), 3),
+        "mean_decode_batch": round(d["decode_rows"] / max(calls * (STEPS_PER_CALL - 1), 1), 1),
+        "decode_padding_share": round(1 - d["decode_rows"] / max(d["decode_rows_computed"], 1), 3),
+    }
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -449,15 +449,17 @@ class EmbeddedBackend:
             computed.append((job, n))
         if not chunks:
             return
+        called = time.perf_counter()
         self._state, first = engine.step(self._params, self._state, self._table, chunks)
-        rest = None
+        rest, sampled = None, []
         if self._steps_per_call > 1:  # every sampled row's slot: decoding, or starting now
             sampled = [c.slot for c in chunks if c.samples]
             self._state, rest = engine.generate(
                 self._params, self._state, self._table, sampled, self._steps_per_call - 1
             )
         first, rest = jax.device_get((first, rest))
-        self.stats.decode_calls += 1
+        busiest = engine.max_step_tokens - min(budget)  # the rows of the fullest shard
+        self._count_call(time.perf_counter() - called, chunks, busiest, len(sampled), rest)
         for job, n in computed:
             job.done += n
             self.stats.prefilled_tokens += n
@@ -472,6 +474,25 @@ class EmbeddedBackend:
         self._take_tokens(first)
         if rest is not None:
             self._take_tokens(rest)
+
+    def _count_call(
+        self,
+        seconds: float,
+        chunks: list[StepChunk],
+        busiest: int,
+        sampled: int,
+        rest: StepTokens | None,
+    ) -> None:
+        """A call's profile in ``stats``: its seconds, and the rows its step (``busiest``: the
+        fullest shard's) and its decode steps asked for and computed."""
+        stats, engine = self.stats, self.engine
+        stats.call_s += seconds
+        stats.decode_calls += 1
+        stats.step_rows += sum(c.size for c in chunks)
+        stats.step_rows_computed += engine.step_bucket(busiest) * engine.shards
+        if rest is not None:
+            stats.decode_rows += sampled * (self._steps_per_call - 1)
+            stats.decode_rows_computed += rest.token.size
 
     def _shares_a_prompt_in_flight(self, job: Job) -> bool:
         """Whether ``job``'s first full page is that of a prompt being computed (a group's

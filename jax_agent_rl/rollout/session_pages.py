@@ -28,6 +28,14 @@ class BackendStats:
     prefix_hit_tokens: int = 0  # prompt tokens served from a session's cached prefix
     generated_tokens: int = 0
     decode_calls: int = 0
+    # where an engine call's time goes: seconds from a call's dispatch to its tokens on the
+    # host; the rows its ragged step and its decode steps asked for, and the rows computed
+    # (padded to their buckets)
+    call_s: float = 0.0
+    step_rows: int = 0
+    step_rows_computed: int = 0
+    decode_rows: int = 0
+    decode_rows_computed: int = 0
     aborted: int = 0
     preempted: int = 0  # requests whose pages were taken back to be computed again later
     page_copies: int = 0  # shared pages copied before a request wrote into them
