@@ -15,6 +15,7 @@ import os
 import re
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -284,24 +285,10 @@ def test_replaying_the_chosen_experts_reproduces_the_forward(
 ) -> None:
     cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    out = forward(
-        w,
-        cfg,
-        Packed(tokens, positions, mask),
-        routing=Routing(record=True),
-        sharder=one_device_sharder(),
-    )
-    h, ids = out.hidden, out.expert_ids
+    h, ids = _routed(w, cfg, tokens, positions, mask)
     assert ids.shape == (2, 3, 20, 2) and ids.dtype == jnp.int32
     assert len(np.unique(np.asarray(ids))) == cfg.num_experts  # every expert gets tokens
-    replayed = forward(
-        w,
-        cfg,
-        Packed(tokens, positions, mask),
-        routing=Routing(replay=ids, record=True),
-        sharder=one_device_sharder(),
-    )
-    h_replay, ids_replay = replayed.hidden, replayed.expert_ids
+    h_replay, ids_replay = _routed(w, cfg, tokens, positions, mask, replay=ids)
     np.testing.assert_array_equal(ids_replay, ids)
     np.testing.assert_array_equal(h_replay, h)
 
@@ -312,14 +299,7 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     experts, so its logits there move only by the gates' small change."""
     cfg, w = load_hf(checkpoints[True], sharder=one_device_sharder())
     tokens, mask, positions = padded_batch(cfg.vocab_size)
-    out = forward(
-        w,
-        cfg,
-        Packed(tokens, positions, mask),
-        routing=Routing(record=True),
-        sharder=one_device_sharder(),
-    )
-    h, ids = out.hidden, out.expert_ids
+    h, ids = _routed(w, cfg, tokens, positions, mask)
     # layer 0's router input: the normed embeddings after layer 0's attention, taken from a
     # one-layer model (layer 0 is sparse: its MLP input does not depend on its own router)
     one = dataclasses.replace(cfg, num_layers=1, mlp_only_layers=())
@@ -339,27 +319,29 @@ def test_replay_keeps_the_routing_of_perturbed_weights(checkpoints: dict[bool, P
     w2 = dataclasses.replace(
         w, layers=dataclasses.replace(w.layers, router=w.layers.router + delta)
     )
-    free = forward(
-        w2,
-        cfg,
-        Packed(tokens, positions, mask),
-        routing=Routing(record=True),
-        sharder=one_device_sharder(),
-    )
-    h_free, ids_free = free.hidden, free.expert_ids
+    h_free, ids_free = _routed(w2, cfg, tokens, positions, mask)
     assert loser in np.asarray(ids_free[0, b, t]) and loser not in np.asarray(ids[0, b, t])
-    replayed = forward(
-        w2,
-        cfg,
-        Packed(tokens, positions, mask),
-        routing=Routing(replay=ids, record=True),
-        sharder=one_device_sharder(),
-    )
-    h_replay, ids_replay = replayed.hidden, replayed.expert_ids
+    h_replay, ids_replay = _routed(w2, cfg, tokens, positions, mask, replay=ids)
     np.testing.assert_array_equal(ids_replay, ids)
     free_moved = np.abs(np.asarray(h_free[b, t]) - np.asarray(h[b, t])).max()
     replay_moved = np.abs(np.asarray(h_replay[b, t]) - np.asarray(h[b, t])).max()
     assert replay_moved < free_moved / 10
+
+
+def _routed(
+    w: Any, cfg: ModelConfig, tokens: Any, positions: Any, mask: Any, replay: Any = None
+) -> tuple[jax.Array, jax.Array]:
+    """The training forward's final hidden states and the experts each token chose (those
+    ``replay`` gives, if any)."""
+    out = forward(
+        w,
+        cfg,
+        Packed(tokens, positions, mask),
+        routing=Routing(replay=replay, record=True),
+        sharder=one_device_sharder(),
+    )
+    assert out.expert_ids is not None
+    return out.hidden, out.expert_ids
 
 
 def _layer0_router_input(
