@@ -263,8 +263,8 @@ def test_a_step_reports_the_groups_dynamic_sampling_dropped(tmp_path: Path) -> N
     assert len(read_traces(tmp_path / "run" / "traces.jsonl", 1)) == 8
 
 
-def _producer(mode: str, max_staleness: int) -> Producer:
-    trainer = types.SimpleNamespace(mode=mode, max_staleness=max_staleness)
+def _producer(max_staleness: int) -> Producer:
+    trainer = types.SimpleNamespace(max_staleness=max_staleness)
     run = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=trainer))
     return Producer(run, None, None, 0, None)  # type: ignore[arg-type]  # (_distinct reads cfg)
 
@@ -273,16 +273,16 @@ def test_prompts_that_one_update_may_take_together_are_renamed_apart() -> None:
     """max_staleness 2: update 2 may take a refill of update 0's (sampled at version 0) and
     the groups of update 4 (granted when update 2 begins). Drawn for both, a prompt was
     renamed only within 3 versions, so both groups were ``a``: one group in the update."""
-    p = _producer("async", 2)
+    p = _producer(2)
     a = Sample("a", [])
     for version in (0, 1, 2):
         p._distinct([Sample("x", [])], version)
     assert [s.uid for s in p._distinct([a], 0)] == ["a"]  # update 0's refill
     p._distinct([Sample("y", [])], 3)
     assert [s.uid for s in p._distinct([a], 4)] == ["a~1"]
-    # synchronous: an update takes only its own groups; the next update's "a" stays "a" (as
-    # in a resumed run, which never drew the last one's)
-    p = _producer("sync", 2)
+    # synchronous (max_staleness 0): an update takes only its own groups; the next update's
+    # "a" stays "a" (as in a resumed run, which never drew the last one's)
+    p = _producer(0)
     assert [s.uid for s in p._distinct([a, a], 0)] == ["a", "a~1"]
     assert [s.uid for s in p._distinct([a], 1)] == ["a"]
 
