@@ -23,6 +23,7 @@ from jax_agent_rl.usercode.load import working_directory_importable
 
 if TYPE_CHECKING:
     from jax_agent_rl.config import JarlConfig
+    from jax_agent_rl.models import ModelConfig, Policy
 
 
 def _refuse(problems: Sequence[str]) -> int:
@@ -93,8 +94,9 @@ def _train(args: argparse.Namespace) -> int:
         from jax_agent_rl.train.memory import fits_here, plan_memory
 
         print(to_yaml(cfg), end="")
+        model: ModelConfig | Policy
         if cfg.model.module:  # (its model is made for the tokenizer: both checked above)
-            model = parts.custom_model(cfg, parts.run_tokenizer(cfg.model, None))
+            model = parts.custom_policy(cfg, parts.run_tokenizer(cfg.model, None))
         else:  # (the plan adds model.lora's adapters itself)
             model = parts.checkpoint_model(cfg.model.path)
         plan = plan_memory(cfg, model, processes)

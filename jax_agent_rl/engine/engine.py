@@ -84,13 +84,12 @@ from jax_agent_rl.models import (
     Sharder,
     Weights,
     page_shardings,
-    param_shardings,
 )
 from jax_agent_rl.models.adapters import served_adapters
 from jax_agent_rl.models.config import compiler_options
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.paged import DECODE_KERNELS, StepChunks, StepRows, copy_page
-from jax_agent_rl.models.policy import policy_of
+from jax_agent_rl.models.policy import Policy, policy_of, policy_shardings
 from jax_agent_rl.protocol import SamplingParams
 
 
@@ -125,7 +124,7 @@ class Engine:
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        model: ModelConfig | Policy,
         *,
         sharder: Sharder,
         max_concurrent_decodes: int = 32,
@@ -139,6 +138,9 @@ class Engine:
         decode_kernel: str = "auto",
         max_step_tokens: int = 512,
     ) -> None:
+        # what computes (`models.policy`): the run's policy, or a bare config's family's
+        self.policy = policy_of(model)
+        self.cfg = cfg = self.policy.cfg
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_len={max_len} exceeds the model's max_position_embeddings="
@@ -148,11 +150,8 @@ class Engine:
             raise ValueError(
                 f"page_size={page_size} and prefill_chunk={prefill_chunk} must be >= 1"
             )
-        self.cfg, self.policy = cfg, policy_of(cfg)  # what computes: `models.policy`
         self.max_concurrent_decodes = max_concurrent_decodes
-        self.max_len = max_len
-        self.max_stop_ids = max_stop_ids
-        self.page_size = page_size
+        self.max_len, self.max_stop_ids, self.page_size = max_len, max_stop_ids, page_size
         self.pages_per_seq = -(-max_len // page_size)  # M: a page table's length
         # default: as many pages as every slot at max_len needs (a dense cache's memory)
         self.num_pages = num_pages or max_concurrent_decodes * self.pages_per_seq
@@ -245,7 +244,7 @@ class Engine:
         `serving_layout`. Takes the declared layout (a learner's) or this engine's own."""
         weights = self.policy.checked(weights)
         cast = jax.tree.map(lambda x: jnp.asarray(x, self.cfg.jnp_dtype), weights)
-        cast = jax.device_put(cast, param_shardings(self.cfg, self.sharder))
+        cast = jax.device_put(cast, policy_shardings(self.policy, self.sharder))
         return self._serving_layout(cast)
 
     def load_adapters(self, params: Weights, adapters: LayerAdapters) -> Weights:

@@ -1,6 +1,7 @@
 """The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
 checkpoints; LoRA adapters (`Lora`; `jax_agent_rl.models.adapters` for PEFT folders and
-merging); the model seam the engine and the learner run (`Policy`, `policy_of`, and its
+merging); the model seam the engine and the learner run (`Policy`, the object a run builds
+and hands them; `policy_of` of a bare `ModelConfig` is its family's; and the
 forward's contract: `Packed` or `Paged` rows in, a `Forward` out, `Routing` for experts; a
 Flax NNX module's adapter: `jax_agent_rl.models.nnx_policy`, which imports flax)."""
 
@@ -24,7 +25,15 @@ from jax_agent_rl.models.decoder import (
     param_specs,
 )
 from jax_agent_rl.models.lora import Lora
-from jax_agent_rl.models.policy import DecoderPolicy, Policy, UnsupportedPolicyError, policy_of
+from jax_agent_rl.models.policy import (
+    DecoderPolicy,
+    Policy,
+    UnsupportedPolicyError,
+    abstract_policy,
+    init_policy,
+    policy_of,
+    policy_shardings,
+)
 from jax_agent_rl.models.rope import Llama3RopeScaling
 from jax_agent_rl.models.sharding import (
     MESH_AXES,
@@ -58,12 +67,14 @@ __all__ = [
     "UnsupportedPolicyError",
     "Weights",
     "abstract_params",
+    "abstract_policy",
     "checked_weights",
     "forward",
     "hf_tensors",
     "inference_mesh",
     "init_pages",
     "init_params",
+    "init_policy",
     "lm_logits",
     "load_hf",
     "make_mesh",
@@ -72,6 +83,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "policy_of",
+    "policy_shardings",
     "request_cpu_devices",
     "save_hf",
 ]

@@ -400,11 +400,7 @@ def hf_tensors(
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor of ``weights`` under its HF name and layout, in the model dtype: host
     numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push). A model
-    with LoRA adapters has none: merge them first (`adapters.merge`) or write them apart. A
-    custom policy's (``cfg.module``, `policy`) are its own table's."""
-    if cfg.module is not None:
-        yield from cfg.module.hf_tensors(weights, on_device)
-        return
+    with LoRA adapters has none: merge them first (`adapters.merge`) or write them apart."""
     if cfg.lora is not None:
         raise ValueError(
             "the weights carry LoRA adapters, which an HF checkpoint has no tensor for: merge "

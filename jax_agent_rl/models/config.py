@@ -198,7 +198,6 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     dtype: DType = "float32"
     lora: Lora | None = None
-    module: Any = None  # a custom `models.policy.Policy` whose sizes this states (model.module)
     exact_pages: int = 0
 
     def __post_init__(self) -> None:
@@ -451,8 +450,6 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` this config round-trips through (transformers >= 5 layout)."""
-        if self.module is not None:
-            raise UnsupportedConfigError(f"{self.module!r} is a custom policy: no HF config.json")
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}

@@ -103,11 +103,7 @@ def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def param_specs(cfg: ModelConfig) -> Weights:
-    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`); a
-    custom policy's (``cfg.module``, `policy`) is its own tree of them."""
-    if cfg.module is not None:
-        specs: Weights = cfg.module.specs()
-        return specs
+    """The declaration of every parameter (a `Weights` tree whose leaves are `ParamSpec`)."""
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, G, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     E, M = cfg.num_experts, cfg.moe_intermediate_size
@@ -166,29 +162,36 @@ def is_spec(x: object) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def param_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
-    """A `Weights` tree of NamedShardings (each dimension's divisibility checked)."""
-    return jax.tree.map(
-        lambda s: sharder.sharding(s.logical_axes, s.shape), param_specs(cfg), is_leaf=is_spec
-    )
+def spec_shardings(specs: Any, sharder: Sharder) -> Any:
+    """NamedShardings of a `ParamSpec` tree (each dimension's divisibility checked)."""
+    return jax.tree.map(lambda s: sharder.sharding(s.logical_axes, s.shape), specs, is_leaf=is_spec)
 
 
-def abstract_params(cfg: ModelConfig, sharder: Sharder) -> Weights:
-    """ShapeDtypeStructs for every parameter (restore and weight-sync targets)."""
+def spec_structs(specs: Any, dtype: Any, sharder: Sharder) -> Any:
+    """ShapeDtypeStructs of a `ParamSpec` tree in ``dtype``, laid out by ``sharder``."""
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, cfg.jnp_dtype, sharding=sh),
-        param_specs(cfg),
-        param_shardings(cfg, sharder),
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+        specs,
+        spec_shardings(specs, sharder),
         is_leaf=is_spec,
     )
 
 
+def param_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
+    """A `Weights` tree of NamedShardings (each dimension's divisibility checked)."""
+    shardings: Weights = spec_shardings(param_specs(cfg), sharder)
+    return shardings
+
+
+def abstract_params(cfg: ModelConfig, sharder: Sharder) -> Weights:
+    """ShapeDtypeStructs for every parameter (restore and weight-sync targets)."""
+    structs: Weights = spec_structs(param_specs(cfg), cfg.jnp_dtype, sharder)
+    return structs
+
+
 def initial_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Weights:
-    """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases; a custom
-    policy's own, `Policy.init`), each parameter under its own key."""
-    if cfg.module is not None:
-        weights: Weights = cfg.module.init(key, dtype)
-        return weights
+    """Random weights (HF's scheme: N(0, 0.02) matrices, unit norms, zero biases), each
+    parameter under its own key."""
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
     values = [s.initial(k, dtype) for s, k in zip(leaves, keys, strict=True)]
@@ -267,8 +270,11 @@ def training_layout(w: Weights, tie_embeddings: bool) -> Weights:
 def checked_weights(cfg: ModelConfig, w: Weights) -> Weights:
     """``w`` in the declared layout (`training_layout`), its tree and every shape checked
     against `param_specs`: a `ValueError` naming the first that differs."""
-    w = w if cfg.module is not None else training_layout(w, cfg.tie_embeddings)
-    specs = param_specs(cfg)
+    return checked_against(param_specs(cfg), training_layout(w, cfg.tie_embeddings))
+
+
+def checked_against(specs: Any, w: Any) -> Any:
+    """``w``, its tree and every shape checked against the `ParamSpec` tree ``specs``."""
     want: Any = jax.tree.structure(specs, is_leaf=is_spec)
     got: Any = jax.tree.structure(w)
     if got != want:

@@ -24,6 +24,8 @@ than its parameters (batch statistics, RNG streams: the forward is deterministic
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +34,7 @@ from flax import nnx
 
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
-from jax_agent_rl.models.decoder import ParamSpec, attention, checked_weights
+from jax_agent_rl.models.decoder import ParamSpec, attention, checked_against
 from jax_agent_rl.models.paged import KVPages
 from jax_agent_rl.models.policy import UnsupportedPolicyError, head_logits
 from jax_agent_rl.models.sharding import Sharder
@@ -106,8 +108,7 @@ class NnxPolicy:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             max_position_embeddings=max_len,
-            dtype="float32",  # (the learner's; the engine serves in the run's model.dtype)
-            module=self,
+            dtype="float32",  # (the learner's; the engine serves `in_dtype` the run's)
         )
 
     def __repr__(self) -> str:
@@ -126,7 +127,12 @@ class NnxPolicy:
         return self._specs
 
     def checked(self, params: Any) -> Any:
-        return checked_weights(self.cfg, params)
+        return checked_against(self._specs, params)
+
+    def in_dtype(self, dtype: str) -> NnxPolicy:
+        policy = copy.copy(self)
+        policy.cfg = dataclasses.replace(self.cfg, dtype=dtype)  # type: ignore[arg-type]
+        return policy
 
     def serving_layout(self, params: Any) -> Any:
         return params

@@ -1,17 +1,20 @@
 """The model seam: what the engine, the learner and the weight push need of a policy.
 
-A `Policy` is reached from the `ModelConfig` every part already receives (`policy_of`): the
-config states the sizes the rest of the run reads (the KV layout: ``num_layers`` pools of
-``num_kv_heads`` x ``head_dim``; ``vocab_size``, ``hidden_size``, ``dtype``), and its
-``module`` is the policy that computes, or ``None`` for this package's decoder families
-(`DecoderPolicy`, a thin object over `decoder`'s functions). A custom policy (``model.module``
-of a run: `nnx_policy.NnxPolicy` adapts a Flax NNX module) implements the same methods.
+A `Policy` is an object the run builds (`train.run_policy`) and hands to the engine, the
+learner and the weight push. Its ``cfg`` (`ModelConfig`) states the sizes the rest of the
+run reads (the KV layout: ``num_layers`` pools of ``num_kv_heads`` x ``head_dim``;
+``vocab_size``, ``hidden_size``, ``dtype``) and holds no code. This package's decoder
+families are `DecoderPolicy`, a thin object over `decoder`'s functions, and a bare
+`ModelConfig` stands for its family's (`policy_of`: what a test or a bench passes the engine).
+A custom policy (``model.module`` of a run: `nnx_policy.NnxPolicy` adapts a Flax NNX module)
+implements the same methods.
 
 What the two hot paths need, and no more:
 - the parameter tree, declared once (`specs`: `decoder.ParamSpec` leaves with logical axes),
   from which shardings, checkpoint restore targets and weight-push targets derive
-  (`decoder.param_specs` returns a custom policy's own), and its random initialisation
-  (``init``: traced once under `decoder.init_params`' jit);
+  (`policy_shardings`, `abstract_policy`), and its random initialisation (``init``: traced
+  once under `init_policy`'s jit); ``in_dtype``: the same policy at another dtype (the
+  learner holds float32, the engine serves in the run's ``model.dtype``);
 - ``forward``: one contract (`contract`): the learner's `Packed` rows or the engine's
   `Paged` rows in, a `Forward` out (final hidden [B, T, D], the updated pages of `Paged`
   rows, the `Routing` asked for);
@@ -56,6 +59,10 @@ class Policy(Protocol):
     def init(self, key: jax.Array, dtype: Any) -> Any: ...
 
     def checked(self, params: Any) -> Any: ...
+
+    def in_dtype(self, dtype: str) -> Policy:
+        """The same policy with parameters and compute in ``dtype`` (its ``cfg.dtype``)."""
+        ...
 
     def serving_layout(self, params: Any) -> Any: ...
 
@@ -116,6 +123,9 @@ class DecoderPolicy:
     def checked(self, params: Any) -> decoder.Weights:
         return decoder.checked_weights(self.cfg, params)
 
+    def in_dtype(self, dtype: str) -> DecoderPolicy:
+        return DecoderPolicy(dataclasses.replace(self.cfg, dtype=dtype))  # type: ignore[arg-type]
+
     def serving_layout(self, params: Any) -> decoder.Weights:
         return decoder.serving_layout(params)
 
@@ -162,10 +172,26 @@ class DecoderPolicy:
         return hf_tensors(self.cfg, params, on_device)
 
 
-def policy_of(cfg: ModelConfig) -> Policy:
-    """The policy ``cfg`` describes: its custom ``module``, else its decoder family's."""
-    module: Policy | None = cfg.module
-    return DecoderPolicy(cfg) if module is None else module
+def policy_of(model: ModelConfig | Policy) -> Policy:
+    """``model`` itself if it is a policy; a `ModelConfig`'s decoder family's."""
+    return DecoderPolicy(model) if isinstance(model, ModelConfig) else model
+
+
+def policy_shardings(policy: Policy, sharder: Sharder) -> Any:
+    """NamedShardings of ``policy``'s parameters (`Policy.specs`)."""
+    return decoder.spec_shardings(policy.specs(), sharder)
+
+
+def abstract_policy(policy: Policy, sharder: Sharder) -> Any:
+    """ShapeDtypeStructs of ``policy``'s parameters in its dtype (restore and push targets)."""
+    return decoder.spec_structs(policy.specs(), policy.cfg.jnp_dtype, sharder)
+
+
+def init_policy(key: jax.Array, policy: Policy, sharder: Sharder) -> Any:
+    """``policy``'s own random initialisation (`Policy.init`) in its dtype, laid out by
+    ``sharder``."""
+    init = jax.jit(policy.init, static_argnums=1, out_shardings=policy_shardings(policy, sharder))
+    return init(key, policy.cfg.jnp_dtype)
 
 
 def head_logits(head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:

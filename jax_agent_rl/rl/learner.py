@@ -31,11 +31,10 @@ from jax.sharding import NamedSharding
 
 from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.config import AlgorithmSection, OptimSection
-from jax_agent_rl.models import ModelConfig, Sharder, Weights, abstract_params
+from jax_agent_rl.models import ModelConfig, Policy, Sharder, Weights
 from jax_agent_rl.models.config import compiler_options
-from jax_agent_rl.models.decoder import param_shardings
 from jax_agent_rl.models.moe import NO_EXPERTS
-from jax_agent_rl.models.policy import policy_of
+from jax_agent_rl.models.policy import abstract_policy, policy_of, policy_shardings
 from jax_agent_rl.rl.batch import Sequences, TrainBatch
 from jax_agent_rl.rl.objectives import (
     Critic,
@@ -78,14 +77,14 @@ def gap_by_staleness(
     return out
 
 
-def check_batch_experts(model: ModelConfig, batch: TrainBatch) -> None:
+def check_batch_experts(policy: Policy, batch: TrainBatch) -> None:
     """Raises ValueError unless the sampled experts a batch carries (`TrainBatch.expert_ids`)
     are ints of the model's sparse layers and experts per token, ids within its experts, each
     token's row of a layer given whole or not at all."""
     ids = batch.expert_ids
     if ids is None:
         return
-    experts = policy_of(model).experts
+    experts = policy.experts
     if experts is None:
         raise ValueError(
             f"the trajectories carry expert_ids (per token {tuple(ids.shape[2:])}), but the "
@@ -119,7 +118,7 @@ def master_weights(spec: StepSpec, params: Weights) -> Weights:
     its frozen base in bfloat16 (the forward casts it so anyway: the same numbers, half the
     memory), its adapters in float32."""
     params = cast_floats(params, jnp.float32)
-    policy = policy_of(spec.model)
+    policy = spec.policy
     if not policy.adapted or spec.compute_dtype != "bfloat16":
         return params
     base = cast_floats(policy.base(params), jnp.bfloat16)
@@ -168,7 +167,7 @@ class StepPrograms:
     @classmethod
     def of(
         cls,
-        model: ModelConfig,
+        model: ModelConfig | Policy,
         *,
         algo: AlgorithmSection,
         optim: OptimSection,
@@ -180,8 +179,8 @@ class StepPrograms:
         lr: float | None = None,
         decay_steps: int | None = None,
     ) -> StepPrograms:
-        model = dataclasses.replace(model, dtype="float32")
-        spec = StepSpec(model, compute_dtype, sampling, algo, remat, sharder, norm_const)
+        policy = policy_of(model).in_dtype("float32")
+        spec = StepSpec(policy, compute_dtype, sampling, algo, remat, sharder, norm_const)
         tx = make_optimizer(optim.lr if lr is None else lr, optim, decay_steps)
         return cls(spec, tx, make_optimizer(optim.critic_lr, optim))
 
@@ -208,18 +207,18 @@ def abstract_learner_state(
     ``sharder``'s mesh (`Learner.init_state`), allocating nothing: fp32 weights
     (`master_weights`) laid out by their logical axes, the optimizers' moments like their
     parameters, counters (and a critic's head) replicated."""
-    model = programs.spec.model
+    policy = programs.spec.policy
     replicated = sharder.sharding(())
 
     def at(x: Any, sharding: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    full = abstract_params(model, sharder)  # float32
+    full = abstract_policy(policy, sharder)  # float32
     held = jax.eval_shape(partial(master_weights, programs.spec), full)
     params = jax.tree.map(lambda x, f: at(x, f.sharding), held, full)  # `master_weights`
 
     def train_state(tx: optax.GradientTransformation, p: Any) -> TrainState:
-        t = trainable(model, p)
+        t = trainable(policy, p)
         opt = optax.tree_map_params(
             tx,
             lambda s, x: at(s, x.sharding),
@@ -231,11 +230,11 @@ def abstract_learner_state(
 
     value = None
     if critic:
-        D = model.hidden_size
+        D = policy.cfg.hidden_size
         head = at(jax.ShapeDtypeStruct((D,), jnp.float32), replicated)
         bias = at(jax.ShapeDtypeStruct((), jnp.float32), replicated)
         value = train_state(programs.critic_tx, Critic(full, head, bias))
-    frozen = params if reference and not policy_of(model).adapted else None  # `reference_of`
+    frozen = params if reference and not policy.adapted else None  # `reference_of`
     return LearnerState(train_state(programs.tx, params), value, frozen)
 
 
@@ -250,7 +249,7 @@ class Learner:
 
     def __init__(
         self,
-        model: ModelConfig,
+        model: ModelConfig | Policy,
         *,
         sharder: Sharder,
         algo: AlgorithmSection,
@@ -275,11 +274,12 @@ class Learner:
             lr=lr,
             decay_steps=decay_steps,
         )
-        self.model = programs.spec.model
+        self.policy = programs.spec.policy
+        self.model = self.policy.cfg
         self.sharder = sharder
         self.micro_batch_size = micro_batch_size
         self.spec, self.tx, self.critic_tx = programs.spec, programs.tx, programs.critic_tx
-        self._param_shardings = param_shardings(self.model, sharder)
+        self._param_shardings = policy_shardings(self.policy, sharder)
         # micro-batches [M, b, T], per-sequence outcomes [S]: rows and sequences over `batch`
         self._batch_sharding = sharder.sharding((None, "batch", None))
         self._seq_sharding = sharder.sharding(("batch",))
@@ -295,7 +295,7 @@ class Learner:
         """The state an update starts from: the policy ``params`` (as `master_weights`), the
         ``critic`` (GAE) and the KL ``reference``, laid out on the mesh, with fresh optimizer
         states."""
-        if reference is not None and policy_of(self.model).adapted:
+        if reference is not None and self.policy.adapted:
             raise ValueError(
                 "a LoRA policy's KL reference is its own base weights with the adapters left "
                 "out (rl.update.reference_of): pass no reference"
@@ -330,7 +330,9 @@ class Learner:
 
     def _init_state(self, tx: optax.GradientTransformation, params: Any) -> TrainState:
         # eager init: each Adam moment is a zeros_like of its parameter, laid out the same way
-        state = TrainState(params, tx.init(trainable(self.model, params)), jnp.zeros((), jnp.int32))
+        state = TrainState(
+            params, tx.init(trainable(self.policy, params)), jnp.zeros((), jnp.int32)
+        )
         # the counters (scalars on one device) replicated over the mesh
         return jax.tree.map(
             lambda x: x if isinstance(x.sharding, NamedSharding) else self._replicated(x), state
@@ -397,7 +399,7 @@ class Learner:
             return jax.block_until_ready(
                 jax.tree.map(
                     lambda x: jnp.copy(x) if x.dtype == want else cast_floats(x, want),
-                    trainable(self.model, state.policy.params),
+                    trainable(self.policy, state.policy.params),
                 )
             )
 
@@ -430,7 +432,7 @@ class Learner:
         computed with it); a trace reads its trajectories' tokens out of them
         (`jax_agent_rl.train.traces.UpdateTokens`), and an untraced step copies nothing, so
         that one program serves steps traced or not."""
-        check_batch_experts(self.model, batch)
+        check_batch_experts(self.policy, batch)
         if staleness is not None and len(staleness) != len(sequences.rewards):
             raise ValueError(
                 f"{len(staleness)} staleness values for {len(sequences.rewards)} sequences"

@@ -29,9 +29,8 @@ import jax.numpy as jnp
 
 from jax_agent_rl.config import AlgorithmSection
 from jax_agent_rl.engine.sampling import head_logprobs, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import ModelConfig, Packed, Routing, Sharder, Weights
+from jax_agent_rl.models import ModelConfig, Packed, Policy, Routing, Sharder, Weights
 from jax_agent_rl.models.moe import NO_EXPERTS, load_balancing_loss
-from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.tree import TreeRows
@@ -69,9 +68,10 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """Everything static about a step (hashable: it keys the jit cache)."""
+    """Everything static about a step (hashable: it keys the jit cache); ``policy``: what
+    computes (`models.Policy`), its ``cfg`` the step's ``model``."""
 
-    model: ModelConfig
+    policy: Policy
     compute_dtype: Literal["float32", "bfloat16"]
     sampling: SamplingSpec
     algo: AlgorithmSection
@@ -79,6 +79,10 @@ class StepSpec:
     sharder: Sharder
     # Dr.GRPO's constant (seq-mean-token-sum-norm): the generation budget; None: the row length
     norm_const: float | None = None
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.policy.cfg
 
     def hidden(
         self,
@@ -96,7 +100,7 @@ class StepSpec:
         given = sampled_experts(mb) if replay else None
         w = self.cast(weights)
         f = forward_rows(mb)
-        out = policy_of(self.model).forward(
+        out = self.policy.forward(
             w,
             f.packed,
             sharder=self.sharder,
@@ -174,7 +178,7 @@ def own_routing_stats(
     assert given is not None, "own_routing_stats of a batch without sampled experts"
     w = spec.cast(params)
     f = forward_rows(mb)
-    out = policy_of(spec.model).forward(
+    out = spec.policy.forward(
         w, f.packed, sharder=spec.sharder, remat=spec.remat, routing=Routing(record=True)
     )
     h, own = out.hidden, out.expert_ids
@@ -196,7 +200,7 @@ def head_stats(
     if s.top_k <= 0 and s.top_p >= 1.0 and not spec.model.exact_pages:
         # the head gathered over fsdp once, its vocabulary left split over tensor: each device
         # computes its part's logits, a chunk of it per step (`head_logprobs`'s ``parts``)
-        head_vd = policy_of(spec.model).head_vd(w)
+        head_vd = spec.policy.head_vd(w)
         parts = spec.sharder.shards("act_vocab")
         if head_vd.shape[0] % parts:
             parts = 1
@@ -205,7 +209,7 @@ def head_stats(
             h.reshape(B * T, D), head_vd, targets.reshape(B * T), s.temperature, parts=parts
         )
         return on_loss_rows(mb, logp.reshape(B, T)), on_loss_rows(mb, entropy.reshape(B, T))
-    logits_btv = policy_of(spec.model).logits(w, h)
+    logits_btv = spec.policy.logits(w, h)
     V = logits_btv.shape[-1]
     full = lambda v: jnp.full((B * T,), v)  # noqa: E731
     logp_btv = sampling_logprobs(

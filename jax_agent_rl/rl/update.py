@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import optax
 
 from jax_agent_rl.config import OptimSection
-from jax_agent_rl.models import ModelConfig, Weights
+from jax_agent_rl.models import Policy, Weights
 from jax_agent_rl.models.moe import NO_EXPERTS
-from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.rl import core
 from jax_agent_rl.rl.batch import TrainBatch
 from jax_agent_rl.rl.objectives import (
@@ -59,16 +58,16 @@ class TrainState:
     step: jax.Array
 
 
-def trainable(model: ModelConfig, params: Any) -> Any:
+def trainable(policy: Policy, params: Any) -> Any:
     """What the optimizer updates in ``params``: an adapted (LoRA) policy's adapters only
     (its base weights frozen: no gradient, no optimizer state), else every parameter; a
     `Critic` trains whole."""
-    return params if isinstance(params, Critic) else policy_of(model).trained(params)
+    return params if isinstance(params, Critic) else policy.trained(params)
 
 
-def with_trained(model: ModelConfig, params: Any, part: Any) -> Any:
+def with_trained(policy: Policy, params: Any, part: Any) -> Any:
     """``params`` with its `trainable` part replaced by ``part``."""
-    return part if isinstance(params, Critic) else policy_of(model).with_trained(params, part)
+    return part if isinstance(params, Critic) else policy.with_trained(params, part)
 
 
 def make_optimizer(
@@ -126,7 +125,7 @@ def accumulated_grads(
     (the loss metrics, `LOSS_TERMS`, too); the other metrics (masked means within a
     micro-batch) are averaged weighted by mask tokens.
     """
-    m = spec.model
+    m = spec.policy
     grad_fn = jax.value_and_grad(
         lambda t, mb, dv: objective(spec, with_trained(m, params, t), mb, dv, d), has_aux=True
     )
@@ -171,14 +170,14 @@ def apply_update(
     )
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    trained = trainable(spec.model, state.params)
+    trained = trainable(spec.policy, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
 
     def kept(new: Any, old: Any) -> Any:
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
     stepped = kept(optax.apply_updates(trained, updates), trained)
-    params = with_trained(spec.model, state.params, stepped)
+    params = with_trained(spec.policy, state.params, stepped)
     opt_state = kept(opt_state, state.opt_state)
     metrics = {
         **metrics,
@@ -203,7 +202,7 @@ class LearnerState:
 def reference_of(spec: StepSpec, state: LearnerState) -> Weights | None:
     """The KL reference's weights: an adapted (LoRA) policy's base, its adapters left out (the same
     arrays, no copy), else the frozen copy ``state.reference`` (``None``: no KL term)."""
-    policy = policy_of(spec.model)
+    policy = spec.policy
     if policy.adapted and spec.algo.kl_coef:
         return policy.base(state.policy.params)
     return state.reference

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_agent_rl.cluster import device_turns
-from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.models import ModelConfig, Policy
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.models.policy import policy_of
 from jax_agent_rl.protocol import RolloutBackend
@@ -257,9 +257,10 @@ def apply_delta(served: Any, delta: WeightDelta, version: int) -> Any:
 class DeltaPusher:
     """Pushes a run's weights to its rollout backend, as deltas where the backend takes them
     (`Capabilities.delta_push`; module docstring). ``full_every``: a whole push every this many
-    pushes (1: every push whole). Keeps the last pushed weights in ``model``'s serving layout."""
+    pushes (1: every push whole). Keeps the last pushed weights in ``model``'s serving layout
+    (a policy's, or a bare config's decoder family's)."""
 
-    def __init__(self, model: ModelConfig, full_every: int) -> None:
+    def __init__(self, model: ModelConfig | Policy, full_every: int) -> None:
         if full_every < 1:
             raise ValueError(f"full_every={full_every}: a whole push every N >= 1 pushes")
         self.full_every = full_every

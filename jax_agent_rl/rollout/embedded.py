@@ -60,7 +60,7 @@ from jax_agent_rl.cluster import device_turns
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.pages import PagePool
 from jax_agent_rl.engine.state import RUNNING, STOPPED, StepChunk, StepTokens
-from jax_agent_rl.models import Weights, checked_weights
+from jax_agent_rl.models import Weights
 from jax_agent_rl.models.lora import LayerAdapters
 from jax_agent_rl.protocol import (
     Capabilities,
@@ -320,7 +320,7 @@ class EmbeddedBackend:
             return None
         t0 = time.perf_counter()
         try:
-            checked_weights(self.engine.cfg, stage.params)
+            self.engine.policy.checked(stage.params)
             stage.placed = self.engine.load_params(stage.params)
         except ValueError as e:
             self._stage = None
@@ -344,7 +344,7 @@ class EmbeddedBackend:
             elif stage is not None and stage.params is new and stage.placed is not None:
                 self._params, self._stage, load_s = stage.placed, None, stage.seconds  # a swap
             else:
-                checked_weights(self.engine.cfg, new)
+                self.engine.policy.checked(new)
                 del self._params  # first: the new weights take the old ones' place (one copy)
                 self._params = self.engine.load_params(new)
         except ValueError as e:

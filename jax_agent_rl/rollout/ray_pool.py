@@ -399,7 +399,7 @@ class RayPool:
                     "a push of LoRA adapters (LayerAdapters) to Ray replicas whose model has "
                     "none: push the whole model's weights"
                 )
-            check_adapters(self._spec.build["model"], params)
+            check_adapters(self._spec.build["policy"].cfg, params)
 
         async def push() -> None:
             t0 = time.perf_counter()

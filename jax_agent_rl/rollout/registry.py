@@ -27,20 +27,22 @@ from jax_agent_rl.rollout.stops import Decode
 if TYPE_CHECKING:
     from jax_agent_rl.config import EngineSection
     from jax_agent_rl.engine import Engine
-    from jax_agent_rl.models import ModelConfig, Sharder, Weights
+    from jax_agent_rl.models import ModelConfig, Policy, Sharder, Weights
 
 ENTRY_POINT_GROUP = "jax_agent_rl.backends"
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendBuild:
-    """What every backend is built from: ``params`` (already in ``dtype``) served as weight
-    ``version``; ``checkpoint`` is the HF folder they came from, for engines that load their
-    own copy first (vLLM) and then receive ``params``. ``sharder`` lays out an in-process
-    engine on the run's inference mesh (`models.inference_mesh`); backends that own their
-    devices (vLLM's processes) ignore it. ``stop_token_ids`` are the ids every request of the
-    run stops at (the chat template's end of turn, the parser's stop tokens): a backend that
-    cannot take stop ids per request (JetStream) stops at these server-wide.
+    """What every backend is built from: ``policy`` (`models.Policy`: what computes, and its
+    ``cfg``, the sizes every backend reads as ``model``) with ``params`` (already in
+    ``dtype``) served as weight ``version``; ``checkpoint`` is the HF folder they came from,
+    for engines that load their own copy first (vLLM) and then receive ``params``.
+    ``sharder`` lays out an in-process engine on the run's inference mesh
+    (`models.inference_mesh`); backends that own their devices (vLLM's processes) ignore it.
+    ``stop_token_ids`` are the ids every request of the run stops at (the chat template's end
+    of turn, the parser's stop tokens): a backend that cannot take stop ids per request
+    (JetStream) stops at these server-wide.
     ``on_program(done, total)`` hears of each program an in-process engine compiles before it
     serves (progress for a start that takes a while); other backends may ignore it.
     ``decode``: the run's tokenizer, with which the embedded engine and the JetStream client
@@ -49,7 +51,7 @@ class BackendBuild:
     the agent loop cuts the result at the stop string all the same."""
 
     engine: EngineSection
-    model: ModelConfig
+    policy: Policy
     params: Weights
     checkpoint: str | Path
     dtype: str
@@ -62,6 +64,10 @@ class BackendBuild:
     # how every request samples, for a backend that samples server-wide (JetStream); the
     # others take each request's own
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.policy.cfg
 
 
 def _no_problems(engine: EngineSection, processes: int) -> list[str]:
@@ -164,11 +170,11 @@ def _set(engine: EngineSection, keys: Mapping[str, str]) -> list[tuple[str, Any,
 
 def make_engine(
     engine: EngineSection,
-    model: ModelConfig,
+    policy: Policy,
     dtype: str,
     sharder: Sharder,
 ) -> Engine:
-    """The embedded engine ``engine`` describes, serving ``model`` in ``dtype`` on
+    """The embedded engine ``engine`` describes, serving ``policy`` in ``dtype`` on
     ``sharder``'s mesh (its programs compiled for the platform of the mesh's devices: TPU for
     a plan's abstract TPU devices, `engine.compile_platform`)."""
     import jax
@@ -176,11 +182,12 @@ def make_engine(
     from jax_agent_rl.engine import Engine, cache_dtype, compile_platform, pool_pages
 
     r = engine
-    model = dataclasses.replace(model, dtype=dtype)  # type: ignore[arg-type]
+    policy = policy.in_dtype(dtype)
+    model = policy.cfg
     # the pages' dtype on the platform the engine compiles for (`Engine.cache_dtype`)
     width = jax.numpy.dtype(cache_dtype(model, compile_platform(sharder))).itemsize
     return Engine(
-        model,
+        policy,
         max_concurrent_decodes=r.max_concurrent,
         max_len=r.max_model_len,
         page_size=r.page_size,
@@ -197,7 +204,7 @@ def make_engine(
 def _build_embedded(spec: BackendBuild) -> RolloutBackend:
     from jax_agent_rl.rollout.embedded import EmbeddedBackend
 
-    engine = make_engine(spec.engine, spec.model, spec.dtype, spec.sharder)
+    engine = make_engine(spec.engine, spec.policy, spec.dtype, spec.sharder)
     return EmbeddedBackend(
         engine,
         spec.params,

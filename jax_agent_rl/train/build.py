@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from jax.sharding import Mesh
 from rich.console import Console
 
 from jax_agent_rl.agent.context import AgentConfig, AgentContext, turn_stop_ids
@@ -44,12 +43,17 @@ from jax_agent_rl.console import progress
 from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
-from jax_agent_rl.models import ModelConfig, Sharder, inference_mesh, load_hf
-from jax_agent_rl.models.decoder import param_shardings
+from jax_agent_rl.models import (
+    DecoderPolicy,
+    ModelConfig,
+    Policy,
+    Sharder,
+    load_hf,
+)
 from jax_agent_rl.protocol import RolloutBackend
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
 from jax_agent_rl.rl.learner import Learner
-from jax_agent_rl.rl.update import LearnerState, trainable
+from jax_agent_rl.rl.update import LearnerState
 from jax_agent_rl.rollout.delta import DeltaPusher
 from jax_agent_rl.rollout.metered import MeteredBackend
 from jax_agent_rl.rollout.ray_pool import RayPool, make_pool
@@ -70,6 +74,7 @@ from jax_agent_rl.train.parts import (
     run_sharder,
     tool_registry,
 )
+from jax_agent_rl.train.push import Serving
 from jax_agent_rl.train.run_policy import run_policy
 from jax_agent_rl.train.sft import warm_start
 
@@ -83,7 +88,7 @@ class Run:
     run_dir: Path
     console: Console
     tokenizer: Tokenizer
-    model: ModelConfig
+    policy: Policy
     learner: Learner
     sampler: PromptSampler
     val_samples: list[Sample]
@@ -95,53 +100,14 @@ class Run:
     start: int
     label: str = ""  # what its console lines start with: another policy's name (``policies``)
 
+    @property
+    def model(self) -> ModelConfig:
+        """The sizes of the policy the run trains (`Policy.cfg`)."""
+        return self.policy.cfg
+
     def serving_params(self, state: LearnerState) -> Any:
         """The policy of ``state`` for this process's rollout backend."""
         return self.serving.params(self.learner, state)
-
-    def pushed_params(self, state: LearnerState) -> Any:
-        """What a weight push of ``state`` sends this process's rollout backend: the policy,
-        or a LoRA policy's adapters only (`Learner.pushed_params`)."""
-        return self.serving.pushed(self.learner, state)
-
-
-@dataclasses.dataclass(frozen=True)
-class Serving:
-    """Where this process's embedded engine serves: ``sharder``, the inference mesh
-    (`models.inference_mesh`) of its devices of the run's mesh. With several processes, the
-    params travel from the learner's layout to ``global_layout`` (the inference layout over
-    every process's devices) and are then taken as ``local_layout`` arrays
-    (`distributed.local_replica`)."""
-
-    sharder: Sharder
-    global_layout: Any
-    local_layout: Any
-    dtype: str
-    model: ModelConfig
-
-    @classmethod
-    def of(cls, model: ModelConfig, mesh: Mesh, dtype: str) -> Serving:
-        local = Sharder(inference_mesh(distributed.process_mesh(mesh)))
-        return cls(
-            local,
-            param_shardings(model, Sharder(inference_mesh(mesh))),
-            param_shardings(model, local),
-            dtype,
-            model,
-        )
-
-    def params(self, learner: Learner, state: LearnerState) -> Any:
-        return distributed.local_replica(
-            learner.rollout_params(state, self.dtype), self.global_layout, self.local_layout
-        )
-
-    def pushed(self, learner: Learner, state: LearnerState) -> Any:
-        m = self.model
-        return distributed.local_replica(
-            learner.pushed_params(state, self.dtype),
-            trainable(m, self.global_layout),
-            trainable(m, self.local_layout),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +194,9 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
     if distributed.is_primary():
         (run_dir / RUN_CONFIG).write_text(to_yaml(absolute_paths(cfg, Path.cwd())))
     with progress.phase(console, "loading the model, the data and the tools"):
-        model, tokenizer = policy_and_tokenizer(cfg)
+        policy, tokenizer = policy_and_tokenizer(cfg)
         sharder = run_sharder(cfg)
-        params = run_policy(cfg, model, sharder)
+        params = run_policy(cfg, policy, sharder)
         default = cfg.agent.default_agent_loop
         samples = prompt_samples("data.train", cfg.data.train, default)
         sampler = PromptSampler(samples, cfg.trainer.seed)
@@ -250,7 +216,7 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
         if latest is None and cfg.sft.data and cfg.sft.steps > 0:
             sft, sft_state = make_learner(
                 cfg,
-                model,
+                policy,
                 params,
                 sharder,
                 lr=cfg.sft.lr,
@@ -261,9 +227,9 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
             params = warm_start(cfg, sft, sft_state, tokenizer, registry, metrics, console)
         # the KL reference: the policy RL starts from (the learner keeps a copy); a LoRA
         # policy's is its base, the adapters left out (no copy: `rl.update.reference_of`)
-        reference = params if cfg.algorithm.kl_coef and model.lora is None else None
+        reference = params if cfg.algorithm.kl_coef and not policy.adapted else None
         with progress.phase(console, "building the learner's state"):
-            learner, state = make_learner(cfg, model, params, sharder, reference=reference)
+            learner, state = make_learner(cfg, policy, params, sharder, reference=reference)
         start = 0
         if latest is not None:
             state, start = _restore(checkpoints, latest, state, sampler)
@@ -272,7 +238,7 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
             run_dir,
             console,
             tokenizer,
-            model,
+            policy,
             learner,
             sampler,
             val_samples,
@@ -280,7 +246,7 @@ def build_run(cfg: JarlConfig, console: Console) -> tuple[Run, LearnerState]:
             envs,
             checkpoints,
             metrics,
-            Serving.of(model, sharder.mesh, cfg.model.dtype),
+            Serving.of(policy, sharder.mesh, cfg.model.dtype),
             start,
         )
         if latest is None:
@@ -338,7 +304,7 @@ async def open_rollout(run: Run, state: LearnerState) -> AsyncIterator[Rollout]:
     """`serve_policy` of the policy of ``state`` as weight version ``run.start``."""
     async with serve_policy(
         run.cfg,
-        run.model,
+        run.policy,
         run.serving_params(state),
         version=run.start,
         sharder=run.serving.sharder,
@@ -353,7 +319,7 @@ async def open_rollout(run: Run, state: LearnerState) -> AsyncIterator[Rollout]:
 @contextlib.asynccontextmanager
 async def serve_policy(
     cfg: JarlConfig,
-    model: ModelConfig,
+    policy: Policy,
     params: Any,
     *,
     version: int,
@@ -363,8 +329,8 @@ async def serve_policy(
     envs: Environments,
     console: Console,
 ) -> AsyncIterator[Rollout]:
-    """Starts ``engine.backend`` serving ``params`` (in ``model.dtype``, laid out by
-    ``sharder``: the run's `Serving`) as weight ``version``, the tools and the reward (with
+    """Starts ``engine.backend`` serving ``policy`` with ``params`` (in ``model.dtype``, laid
+    out by ``sharder``: the run's `Serving`) as weight ``version``, the tools and the reward (with
     its judge, if ``data.judge`` is used); closes them on the way out. With
     ``engine.ray.address``, the replicas (and tool servers) are actors on that cluster, which
     the process joins here."""
@@ -383,7 +349,7 @@ async def serve_policy(
 
             spec = BackendBuild(
                 cfg.engine,
-                model,
+                policy,
                 params,
                 checkpoint=cfg.model.path,
                 dtype=cfg.model.dtype,
@@ -417,7 +383,7 @@ async def serve_policy(
                 f"engine.backend={cfg.engine.backend} samples as its server was set "
                 f"(temperature={cfg.sampling.temperature}): evaluation samples so too, not greedily"
             )
-        if any(model.moe_layers) and cfg.algorithm.routing_replay:
+        if policy.experts is not None and cfg.algorithm.routing_replay:
             replayed = backend.capabilities.expert_ids
             console.print(
                 f"algorithm.routing_replay: the learner replays the experts {cfg.engine.backend} "
@@ -437,7 +403,7 @@ async def serve_policy(
                 judge, judge_backend = make_judge(cfg, tokenizer, sharder, backend)
             with make_reward(cfg.data, judge) as score:  # (closed: its worker processes stop)
                 deltas = backend.capabilities.delta_push
-                pusher = DeltaPusher(model, cfg.engine.push.full_every if deltas else 1)
+                pusher = DeltaPusher(policy, cfg.engine.push.full_every if deltas else 1)
                 yield Rollout(backend, tools, ctx, eval_ctx, score, pusher, judge)
         finally:
             await backend.close()
@@ -467,7 +433,7 @@ def make_judge(
             dataclasses.replace(
                 cfg.engine, backend=section.backend, max_concurrent=section.max_concurrency
             ),
-            model,
+            DecoderPolicy(model),
             params,
             checkpoint=section.model_path,
             dtype=cfg.model.dtype,

@@ -46,7 +46,7 @@ from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
 from jax_agent_rl.config.sections import PolicySection
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import make_environments
-from jax_agent_rl.models import ModelConfig
+from jax_agent_rl.models import ModelConfig, Policy
 from jax_agent_rl.rewards import scored_by_fallback
 from jax_agent_rl.rollout.registry import (
     backend_factory,
@@ -65,7 +65,7 @@ from jax_agent_rl.train.parts import (
     check_environments,
     check_reward,
     checkpoint_model,
-    custom_model,
+    custom_policy,
     lora_model,
     one_line,
     prompt_samples,
@@ -164,9 +164,9 @@ def _run_folder(cfg: JarlConfig) -> list[str]:
 
 def _model_and_tokenizer(
     cfg: JarlConfig, attempt: Callable[[Callable[[], Any]], Any]
-) -> tuple[ModelConfig | None, Tokenizer | None]:
+) -> tuple[ModelConfig | Policy | None, Tokenizer | None]:
     """The run's parts of `parts.policy_and_tokenizer`, each None where it failed: the model
-    the mesh must fit (the checkpoint's, its adapters checked apart; or the custom policy's)
+    the mesh must fit (the checkpoint's, its adapters checked apart; or the custom policy)
     and the tokenizer (not one of a checkpoint folder found wrong)."""
     checkpoint = None if cfg.model.module else attempt(lambda: checkpoint_model(cfg.model.path))
     if not (cfg.model.module or cfg.model.tokenizer or checkpoint is not None):
@@ -175,7 +175,9 @@ def _model_and_tokenizer(
     if checkpoint is not None:
         attempt(lambda: lora_model(cfg, checkpoint))
         return checkpoint, tokenizer
-    return (None if tokenizer is None else attempt(lambda: custom_model(cfg, tokenizer))), tokenizer
+    return (
+        None if tokenizer is None else attempt(lambda: custom_policy(cfg, tokenizer))
+    ), tokenizer
 
 
 def _policy(

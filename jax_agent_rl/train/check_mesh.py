@@ -8,7 +8,7 @@ import math
 import jax
 
 from jax_agent_rl.config import JarlConfig, MeshSection
-from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
+from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, ShardingRules, policy_of
 from jax_agent_rl.models.decoder import is_spec
 
 # the ModelConfig field behind each logical axis a mesh axis may shard
@@ -77,8 +77,10 @@ def spans_every_device(cfg: JarlConfig, processes: int, devices: int) -> list[st
     ]
 
 
-def model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
-    """How the run's settings fit the model: the context length, then the mesh."""
+def model_fit(cfg: JarlConfig, policy: ModelConfig | Policy, devices: int) -> list[str]:
+    """How the run's settings fit the model (a checkpoint's config, or a custom policy): the
+    context length, then the mesh."""
+    model = policy_of(policy).cfg
     problems = []
     coef = cfg.algorithm.router_aux_loss_coef
     if coef and not any(model.moe_layers):
@@ -92,10 +94,10 @@ def model_fit(cfg: JarlConfig, model: ModelConfig, devices: int) -> list[str]:
             f"engine.max_model_len={cfg.engine.max_model_len} exceeds the model's "
             f"max_position_embeddings={limit}: use engine.max_model_len <= {limit}"
         )
-    return problems + mesh_problems(cfg.mesh, model, devices)
+    return problems + mesh_problems(cfg.mesh, policy, devices)
 
 
-def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[str]:
+def mesh_problems(mesh: MeshSection, model: ModelConfig | Policy, devices: int) -> list[str]:
     """The mesh against the run's ``devices`` (every process's), and against every parameter
     dimension a mesh axis shards (by `ShardingRules`, the table the learner lays weights out
     with), each problem with the axis sizes that would divide all of that axis's dimensions."""
@@ -120,19 +122,19 @@ def mesh_problems(mesh: MeshSection, model: ModelConfig, devices: int) -> list[s
     return problems
 
 
-def _dimension(model: ModelConfig, logical: str, size: int) -> str:
+def _dimension(model: ModelConfig | Policy, logical: str, size: int) -> str:
     """A sharded dimension as the user knows it: a decoder's config field, a custom policy's
     logical axis (its sizes are its module's, not the config's fields)."""
-    if model.module is not None or logical not in _MODEL_FIELDS:
+    if not isinstance(policy_of(model), DecoderPolicy) or logical not in _MODEL_FIELDS:
         return f"the policy's {logical!r} dimension ({size})"
     return f"model {_MODEL_FIELDS[logical]}={size}"
 
 
-def _sharded_dims(model: ModelConfig) -> dict[str, dict[str, int]]:
+def _sharded_dims(model: ModelConfig | Policy) -> dict[str, dict[str, int]]:
     """Mesh axis -> the parameter dimensions it shards (logical axis -> size)."""
     rules = ShardingRules()
     out: dict[str, dict[str, int]] = {}
-    for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec):
+    for spec in jax.tree.leaves(policy_of(model).specs(), is_leaf=is_spec):
         for logical, size in zip(spec.logical_axes, spec.shape, strict=True):
             if logical is None:  # (a custom policy's dimension that no mesh axis splits)
                 continue

@@ -21,14 +21,16 @@ import orbax.checkpoint as ocp
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import (
     CheckpointError,
+    DecoderPolicy,
     ModelConfig,
+    Policy,
     Weights,
-    abstract_params,
+    abstract_policy,
     one_device_sharder,
 )
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.learners import run_model
-from jax_agent_rl.train.run_policy import module_model
+from jax_agent_rl.train.run_policy import module_policy
 from jax_agent_rl.usercode.threads import error_text
 
 RUN_CONFIG = "config.yaml"  # the run folder's resolved config
@@ -129,20 +131,21 @@ def checkpoint_step(run_dir: Path, cfg: JarlConfig, step: int | None = None) -> 
     return saved[-1] if step is None else step
 
 
-def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[ModelConfig, Weights]:
-    """The model ``cfg`` names and the policy's parameters of ``run_dir``'s checkpoint of
-    ``step`` (not its optimizer state), as host float32 arrays, as the learner keeps them
-    (a LoRA run's: its base and adapters)."""
+def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[Policy, Weights]:
+    """The policy ``cfg`` names and its parameters of ``run_dir``'s checkpoint of ``step``
+    (not its optimizer state), as host float32 arrays, as the learner keeps them (a LoRA
+    run's: its base and adapters)."""
     checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
     try:
-        if cfg.model.module:  # a custom policy: the model its module makes, as the run did
+        policy: Policy
+        if cfg.model.module:  # a custom policy: the one its module makes, as the run did
             tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-            model = module_model(cfg, tokenizer)
+            policy = module_policy(cfg, tokenizer)
         else:
-            model = run_model(cfg, ModelConfig.from_pretrained(cfg.model.path))
-        target = {"params": abstract_params(model, one_device_sharder())}
+            policy = DecoderPolicy(run_model(cfg, ModelConfig.from_pretrained(cfg.model.path)))
+        target = {"params": abstract_policy(policy, one_device_sharder())}
         params = checkpoints.restore_part(step, "policy", target)["params"]
         # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)
-        return model, jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+        return policy, jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     finally:
         checkpoints.close()

@@ -37,7 +37,9 @@ from jax_agent_rl.console import progress
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import (
+    DecoderPolicy,
     ModelConfig,
+    Policy,
     Weights,
     load_hf,
     one_device_sharder,
@@ -48,7 +50,6 @@ from jax_agent_rl.rl.objectives import cast_floats
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.build import (
-    Serving,
     check_environments,
     held_out_samples,
     run_sharder,
@@ -66,6 +67,7 @@ from jax_agent_rl.train.episodes import (
     source_totals,
     success_of_sources,
 )
+from jax_agent_rl.train.push import Serving
 from jax_agent_rl.train.rollout_score import rollout_episodes
 
 ALL = "all"  # the row of every source together
@@ -356,22 +358,22 @@ def _run_config(path: Path, overrides: Sequence[str]) -> JarlConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-    """What is evaluated: the model, its weights (host, float32, as the learner keeps them)
+class Evaluated:
+    """What is evaluated: the policy, its weights (host, float32, as the learner keeps them)
     and the tokenizer."""
 
-    model: ModelConfig
+    policy: Policy
     params: Weights
     tokenizer: Tokenizer
 
 
-def load_policy(target: EvalTarget) -> Policy:
+def load_policy(target: EvalTarget) -> Evaluated:
     """The weights ``target`` names (its run's checkpoint of ``step``, else ``model.path``)."""
     cfg = target.cfg
     tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if target.step is not None:
         assert target.run_dir is not None
-        model, params = saved_policy(target.run_dir, cfg, target.step)
+        policy, params = saved_policy(target.run_dir, cfg, target.step)
     elif cfg.model.module:
         raise EvalInputError(
             f"model.module={cfg.model.module!r}: a custom policy's weights are a run's "
@@ -379,7 +381,8 @@ def load_policy(target: EvalTarget) -> Policy:
         )
     else:
         model, params = load_hf(cfg.model.path, "float32", sharder=one_device_sharder())
-    return Policy(model, params, tokenizer)
+        policy = DecoderPolicy(model)
+    return Evaluated(policy, params, tokenizer)
 
 
 def pass_table(rates: Mapping[str, Mapping[str, float]], title: str) -> Table:
@@ -419,14 +422,14 @@ def eval_record(target: EvalTarget, ev: Evaluation, ctx: AgentContext) -> dict:
     }
 
 
-async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict:
+async def run_eval(target: EvalTarget, policy: Evaluated, console: Console) -> dict:
     """Serves ``policy`` as the run's rollout backend does and evaluates the held-out prompts:
     greedy for ``n=1``, else sampled as the rollouts sample. Returns the `eval_record`."""
     cfg = target.cfg
-    serving = Serving.of(policy.model, run_sharder(cfg).mesh, cfg.model.dtype)
+    serving = Serving.of(policy.policy, run_sharder(cfg).mesh, cfg.model.dtype)
     async with serve_policy(
         cfg,
-        policy.model,
+        policy.policy,
         cast_floats(policy.params, cfg.model.dtype),
         version=target.step or 0,
         sharder=serving.sharder,
@@ -450,7 +453,7 @@ async def run_eval(target: EvalTarget, policy: Policy, console: Console) -> dict
     return eval_record(target, ev, ctx)
 
 
-def eval_command(target: EvalTarget, policy: Policy, console: Console) -> dict:
+def eval_command(target: EvalTarget, policy: Evaluated, console: Console) -> dict:
     """``jarl eval``: evaluates ``policy`` (`load_policy`), prints the table, writes the JSON
     to ``target.out``; returns what it wrote."""
     record = asyncio.run(run_eval(target, policy, console))

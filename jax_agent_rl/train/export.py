@@ -140,10 +140,10 @@ def export_run(
     if out is not None:  # (before a checkpoint is read)
         check_out(Path(out), cfg, new_folder=True)
     step = checkpoint_step(run_dir, cfg, step)
-    model, params = saved_policy(run_dir, cfg, step)
+    policy, params = saved_policy(run_dir, cfg, step)
     _check_finite(params, step)
     default = run_dir / f"hf-step-{step}{'-merged' if merge else ''}"
-    return export_policy(out or default, cfg, model, params, merge)
+    return export_policy(out or default, cfg, policy.cfg, params, merge)
 
 
 def _check_finite(params: Weights, step: int) -> None:

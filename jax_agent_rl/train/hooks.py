@@ -170,8 +170,8 @@ def export_hf(run: Run, state: LearnerState) -> None:
     first writes, and the others wait for it on the devices (no time limit) rather than in
     jax.distributed's shutdown, which gives up after a few minutes (a 7B export can take
     more)."""
-    if run.model.module is not None:  # a custom policy (model.module) has no HF layout
-        run.console.print(f"{run.model.module!r}: no HF export; its weights: RUN/checkpoints")
+    if run.cfg.model.module:  # a custom policy has no HF layout
+        run.console.print(f"{run.policy!r}: no HF export; its weights: RUN/checkpoints")
         return
     params = distributed.host_copy(state.policy.params)
     if distributed.is_primary():

@@ -16,7 +16,6 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -25,13 +24,11 @@ from jax_agent_rl.agent.episode import Episode
 from jax_agent_rl.cluster import distributed
 from jax_agent_rl.config import AlgorithmSection, JarlConfig
 from jax_agent_rl.models.attention_kernels import training_kernel
-from jax_agent_rl.protocol import PushStats
 from jax_agent_rl.rl import core, steps
 from jax_agent_rl.rl.batch import per_turn_samples, step_batch
 from jax_agent_rl.rl.learner import Learner
 from jax_agent_rl.rl.sequence import TrainSequence
 from jax_agent_rl.rl.update import LearnerState
-from jax_agent_rl.rollout.delta import WeightDelta, push_bytes
 from jax_agent_rl.train.build import Rollout, Run, counted_since
 from jax_agent_rl.train.episodes import (
     Totals,
@@ -43,6 +40,7 @@ from jax_agent_rl.train.episodes import (
     split_groups,
 )
 from jax_agent_rl.train.metrics import INCLUDES_COMPILE
+from jax_agent_rl.train.push import push_weights
 from jax_agent_rl.train.traces import UpdateTokens
 
 
@@ -291,16 +289,14 @@ async def learn_and_push(
     )
     if before_push is not None:
         await before_push()
-    t1 = time.perf_counter()
-    params = await asyncio.to_thread(run.pushed_params, state)
-    await rollout.pusher.push(rollout.backend, params, step + 1)
-    t_push = time.perf_counter() - t1
+    pushed = await push_weights(
+        run.serving, run.learner, state, rollout.pusher, rollout.backend, step + 1
+    )
     m.update(
         {
             "time/rollout_s": totals["rollout_s/max"],
             "time/tools_cumulative_s": totals["tools_s"],
-            "time/weight_push_s": t_push,
-            **push_metrics(rollout.backend.last_push, rollout.pusher.last),
+            **pushed,
             **pace_metrics(
                 time.perf_counter() - t0,
                 rollout.backend.idle_s() - idle0,
@@ -312,23 +308,6 @@ async def learn_and_push(
         }
     )
     return state, m, totals, tokens
-
-
-def push_metrics(stats: PushStats | None, sent: Any) -> dict[str, float]:
-    """What a push moved (the backend's figures: a delta's bytes, `rollout.delta`, or the whole
-    weights'; from what was sent where the backend says nothing) and how long it held
-    generation up (`PushStats.stall_s`; -1: the backend does not say)."""
-    if stats is None:
-        return {
-            "push/bytes": float(push_bytes(sent)),
-            "push/delta": float(isinstance(sent, WeightDelta)),
-            "push/stall_s": -1.0,
-        }
-    return {
-        "push/bytes": float(stats.bytes),
-        "push/delta": float(stats.delta),
-        "push/stall_s": stats.stall_s,
-    }
 
 
 def pace_metrics(

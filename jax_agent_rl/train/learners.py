@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from jax_agent_rl.config import JarlConfig, LoraSection
-from jax_agent_rl.models import ModelConfig, Sharder, Weights
+from jax_agent_rl.models import ModelConfig, Policy, Sharder, Weights
 from jax_agent_rl.models.adapters import init_adapters, load_peft, peft_lora, with_adapters
 from jax_agent_rl.models.lora import TARGETS, Lora
 from jax_agent_rl.rl.learner import Learner, critic_from_policy
@@ -109,7 +109,7 @@ def sft_micro_batch_rows(cfg: JarlConfig) -> int:
 
 def make_learner(
     cfg: JarlConfig,
-    model: ModelConfig,
+    policy: Policy,
     params: Any,
     sharder: Sharder,
     *,
@@ -122,7 +122,7 @@ def make_learner(
     """The learner and the state it starts from: ``params`` (with a critic of them for GAE)
     and the KL ``reference``; the keyword arguments override the RL settings (SFT)."""
     learner = Learner(
-        model,
+        policy,
         micro_batch_size=micro_batch_size or micro_batch_rows(cfg),
         sharder=sharder,
         **learner_settings(cfg, lr=lr, warmup=warmup, decay_steps=decay_steps),

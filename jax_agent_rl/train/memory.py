@@ -11,13 +11,14 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from jax_agent_rl.config import JarlConfig, MeshSection
 from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.engine.sampling import VOCAB_CHUNK
-from jax_agent_rl.models import ModelConfig, ShardingRules, param_specs
+from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, ShardingRules
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.models.paged import PAGE_AXES
 from jax_agent_rl.train.learners import run_model
@@ -33,12 +34,12 @@ def _parts(logical_axes: Sequence[str | None], mesh: MeshSection) -> int:
     return parts
 
 
-def _per_device_bytes(model: ModelConfig, mesh: MeshSection, bytes_per_value: int) -> float:
-    """Bytes of one copy of the parameters on the busiest device when laid out by
-    `ShardingRules` over ``mesh`` (each tensor divided by the mesh axes that shard it)."""
+def _per_device_bytes(specs: Any, mesh: MeshSection, bytes_per_value: int) -> float:
+    """Bytes of one copy of the parameters ``specs`` declares on the busiest device when laid
+    out by `ShardingRules` over ``mesh`` (each tensor divided by the mesh axes that shard it)."""
     return sum(
         math.prod(spec.shape) * bytes_per_value / _parts(spec.logical_axes, mesh)
-        for spec in jax.tree.leaves(param_specs(model), is_leaf=is_spec)
+        for spec in jax.tree.leaves(specs, is_leaf=is_spec)
     )
 
 
@@ -127,7 +128,7 @@ def fits_here(plan: MemoryPlan, devices: Sequence[jax.Device]) -> str | None:
     )
 
 
-def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> MemoryPlan:
+def plan_memory(cfg: JarlConfig, model: ModelConfig | Policy, processes: int = 1) -> MemoryPlan:
     """What the run keeps on each device of its mesh between programs: the learner's state
     (fp32 master weights, AdamW's two fp32 moments, the KL reference, the critic), sharded by
     the parameters' logical axes; the embedded engine's weights (in the serving layout: a tied
@@ -141,11 +142,13 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
     their place: ``engine.push.staged``). These are the parts
     XLA's memory analysis of the compiled programs shows on TPU (`jax_agent_rl.plan`). Over
     several ``processes``, each serves its own ``engine.max_concurrent`` slots on its share
-    of the devices."""
+    of the devices. ``model``: a checkpoint's (``model.lora``'s adapters added here), or a
+    custom policy."""
     m = cfg.mesh
-    model = run_model(cfg, model)
-    base = _per_device_bytes(dataclasses.replace(model, lora=None), m, 4)
-    fp32 = _per_device_bytes(model, m, 4)
+    policy = DecoderPolicy(run_model(cfg, model)) if isinstance(model, ModelConfig) else model
+    model, specs = policy.cfg, policy.specs()
+    base = _per_device_bytes(policy.base(specs), m, 4)
+    fp32 = _per_device_bytes(specs, m, 4)
     trained = fp32 - base if model.lora is not None else fp32  # what gets gradients
     width = 2 if cfg.model.dtype == "bfloat16" else 4
     if model.lora is None:
@@ -191,7 +194,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
             model, r.page_size, width, r.kv_cache_gib, r.max_concurrent, r.max_model_len
         )
         kv = pages * page_bytes(model, r.page_size, width)
-        gathered = _per_device_bytes(model, serving, width)
+        gathered = _per_device_bytes(specs, serving, width)
         weights = gathered
         if model.tie_embeddings:  # the serving layout's head [D, V], vocab over tensor
             weights += model.hidden_size * model.vocab_size * width / m.tensor
@@ -208,7 +211,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig, processes: int = 1) -> Memo
         # staged, beside the old ones (`engine.push.staged`); else in their place, the old
         # dropped first
         if model.lora is not None:  # a LoRA push: the adapters alone, onto the base held
-            base_served = _per_device_bytes(dataclasses.replace(model, lora=None), serving, width)
+            base_served = _per_device_bytes(policy.base(specs), serving, width)
             push = [("adapters gathered for serving", gathered - base_served)]
         elif m.fsdp > 1 or width != 4:
             push = [("weights gathered for serving", gathered)]

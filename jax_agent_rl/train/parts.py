@@ -20,12 +20,12 @@ from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments
-from jax_agent_rl.models import ModelConfig, Sharder, make_mesh
+from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, Sharder, make_mesh
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import ToolRegistry
 from jax_agent_rl.train.learners import run_model
-from jax_agent_rl.train.run_policy import module_model
+from jax_agent_rl.train.run_policy import module_policy
 
 
 def one_line(e: BaseException) -> str:
@@ -106,10 +106,10 @@ def lora_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
         raise ConfigError(f"model.lora: {e}") from None
 
 
-def custom_model(cfg: JarlConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The model of the custom policy ``model.module`` names (`run_policy.module_model`)."""
+def custom_policy(cfg: JarlConfig, tokenizer: Tokenizer) -> Policy:
+    """The custom policy ``model.module`` names (`run_policy.module_policy`)."""
     try:
-        return module_model(cfg, tokenizer)
+        return module_policy(cfg, tokenizer)
     except ConfigError as e:
         raise ConfigError(one_line(e)) from None
     except Exception as e:  # a user's module runs here: whatever it raises is the config's
@@ -195,11 +195,12 @@ def run_sharder(cfg: JarlConfig) -> Sharder:
     return Sharder(make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices))
 
 
-def policy_and_tokenizer(cfg: JarlConfig) -> tuple[ModelConfig, Tokenizer]:
-    """The model a run trains and its tokenizer: the checkpoint's (`checkpoint_model`,
-    `lora_model`), or the custom policy's, made for the tokenizer (`custom_model`)."""
+def policy_and_tokenizer(cfg: JarlConfig) -> tuple[Policy, Tokenizer]:
+    """The policy a run trains and its tokenizer: the checkpoint's decoder
+    (`checkpoint_model`, `lora_model`), or the custom policy, made for the tokenizer
+    (`custom_policy`)."""
     if cfg.model.module:
         tokenizer = run_tokenizer(cfg.model, None)
-        return custom_model(cfg, tokenizer), tokenizer
+        return custom_policy(cfg, tokenizer), tokenizer
     checkpoint = checkpoint_model(cfg.model.path)
-    return lora_model(cfg, checkpoint), run_tokenizer(cfg.model, checkpoint)
+    return DecoderPolicy(lora_model(cfg, checkpoint)), run_tokenizer(cfg.model, checkpoint)

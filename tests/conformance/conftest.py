@@ -26,7 +26,16 @@ import numpy as np
 import pytest
 
 from jax_agent_rl.engine import Engine, sampling_logprobs, token_logprobs
-from jax_agent_rl.models import Lora, ModelConfig, Packed, Weights, forward, lm_logits, load_hf
+from jax_agent_rl.models import (
+    DecoderPolicy,
+    Lora,
+    ModelConfig,
+    Packed,
+    Weights,
+    forward,
+    lm_logits,
+    load_hf,
+)
 from jax_agent_rl.models.adapters import init_adapters, with_adapters
 from jax_agent_rl.models.hf_local import TINY_QWEN2, TINY_QWEN3_MOE, write_hf_checkpoint
 from jax_agent_rl.models.lora import Adapter, LayerAdapters
@@ -129,7 +138,14 @@ def _ray(path: Path, lora: bool) -> RolloutBackend:
         warmup=False,  # as the embedded backend here: each program compiles when first needed
     )
     return RayPool(
-        BackendBuild(engine, cfg, w, checkpoint=path, dtype="float32", sharder=one_device_sharder())
+        BackendBuild(
+            engine,
+            DecoderPolicy(cfg),
+            w,
+            checkpoint=path,
+            dtype="float32",
+            sharder=one_device_sharder(),
+        )
     )
 
 

@@ -25,8 +25,7 @@ from jax_agent_rl.cli.demo import DEMO_CONFIG, TaskFiles, prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.config.errors import ConfigError
 from jax_agent_rl.data.arithmetic import ArithmeticTask
-from jax_agent_rl.models import Packed, Paged, Routing, init_params, one_device_sharder, save_hf
-from jax_agent_rl.models.config_checks import UnsupportedConfigError
+from jax_agent_rl.models import Packed, Paged, Routing, init_policy, one_device_sharder
 from jax_agent_rl.models.policy import UnsupportedPolicyError, policy_of
 from jax_agent_rl.protocol import FP32_LOGPROB_TOLERANCE
 from jax_agent_rl.train.metrics import read_metrics
@@ -108,17 +107,16 @@ def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
     from jax_agent_rl.engine import Engine
 
     policy = load_function(MODULE, "model.module")(300)
-    cfg = policy.cfg
     sharder = one_device_sharder()
-    w = init_params(jax.random.key(0), cfg, sharder)
+    w = init_policy(jax.random.key(0), policy, sharder)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 13)), jnp.int32)
     rows = Packed(tokens, jnp.arange(13)[None], jnp.ones_like(tokens))
     h = policy.forward(w, rows, sharder=sharder).hidden
     want = policy.logits(w, h)
     engine = Engine(
-        cfg, max_concurrent_decodes=2, max_len=64, page_size=8, prefill_chunk=16, sharder=sharder
+        policy, max_concurrent_decodes=2, max_len=64, page_size=8, prefill_chunk=16, sharder=sharder
     )
-    assert engine.policy is policy
+    assert engine.policy is policy and engine.cfg is policy.cfg
     served = engine.load_params(w)
     pages = engine.abstract_decode_state().pages
     cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), pages)
@@ -147,7 +145,7 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
         with pytest.raises(ConfigError, match=named):
             load_config(DEMO_CONFIG, [*base, *bad.split()])
     policy = load_function(MODULE, "model.module")(64)
-    assert policy_of(policy.cfg) is policy
+    assert policy_of(policy) is policy  # (its cfg states sizes: a bare config is a decoder)
     zeros = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(UnsupportedPolicyError, match="no experts"):
         policy.forward(
@@ -156,19 +154,25 @@ def test_what_a_module_policy_does_not_support_is_refused_by_name(
             sharder=one_device_sharder(),
             routing=Routing(record=True),
         )
-    w = init_params(jax.random.key(0), policy.cfg, one_device_sharder())
+    w = init_policy(jax.random.key(0), policy, one_device_sharder())
     with pytest.raises(UnsupportedPolicyError, match="no HF checkpoint"):
-        save_hf(tmp_path / "out", policy.cfg, w)  # its table is the policy's (none)
-    with pytest.raises(UnsupportedConfigError, match="custom policy"):
-        policy.cfg.to_hf()
-    # a module that returns no policy: named at the run's start
-    (tmp_path / "not_a_policy.py").write_text("def make(vocab_size):\n    return 3\n")
-    spec = f"model.module={tmp_path / 'not_a_policy.py'}:make"
-    cfg = load_config(DEMO_CONFIG, [*base, spec])
+        policy.hf_tensors(w)  # (the vLLM push and an export read this table: it has none)
+    # a module that returns no policy, or an object with sizes but not the methods: named at
+    # the run's start, with what it lacks
     from jax_agent_rl.train import train
 
-    with pytest.raises(ConfigError, match="not a policy"):
-        train(cfg)
+    (tmp_path / "not_a_policy.py").write_text(
+        "import types\n"
+        "from jax_agent_rl.models import ModelConfig\n"
+        "def make(vocab_size):\n    return 3\n"
+        "def sized(vocab_size):\n"
+        "    cfg = ModelConfig('llama', vocab_size, 64, 64, 1, 2, 2, 32)\n"
+        "    return types.SimpleNamespace(cfg=cfg, specs=lambda: {})\n"
+    )
+    for function, said in (("make", "not a policy"), ("sized", "it has no init, checked")):
+        spec = f"model.module={tmp_path / 'not_a_policy.py'}:{function}"
+        with pytest.raises(ConfigError, match=said):
+            train(load_config(DEMO_CONFIG, [*base, spec]))
 
 
 def test_a_module_with_dropout_is_told_what_to_change() -> None:

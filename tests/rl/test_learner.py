@@ -12,7 +12,7 @@ import pytest
 from jax_agent_rl.agent.trajectory import Trajectory
 from jax_agent_rl.config import AlgorithmSection, OptimSection
 from jax_agent_rl.engine import Engine
-from jax_agent_rl.models import ModelConfig, Sharder, init_params, make_mesh
+from jax_agent_rl.models import DecoderPolicy, ModelConfig, Sharder, init_params, make_mesh
 from jax_agent_rl.models.attention_kernels import forced_kernel
 from jax_agent_rl.models.hf_local import TINY, TINY_MOE
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -147,7 +147,9 @@ def spec(
     sampling: SamplingSpec = FILTERED,
     cfg: ModelConfig = CFG,
 ) -> StepSpec:
-    return StepSpec(cfg, "float32", sampling, algo, False, sharder or one_device_sharder())
+    return StepSpec(
+        DecoderPolicy(cfg), "float32", sampling, algo, False, sharder or one_device_sharder()
+    )
 
 
 ALGO = AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28, tis_cap=2.0)

@@ -19,7 +19,15 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jax_agent_rl.config import AlgorithmSection, OptimSection
-from jax_agent_rl.models import ModelConfig, Packed, Routing, forward, init_params, load_hf
+from jax_agent_rl.models import (
+    DecoderPolicy,
+    ModelConfig,
+    Packed,
+    Routing,
+    forward,
+    init_params,
+    load_hf,
+)
 from jax_agent_rl.models.hf_local import TINY_MOE, write_hf_checkpoint
 from jax_agent_rl.models.moe import load_balancing_loss
 from jax_agent_rl.models.sharding import one_device_sharder
@@ -88,7 +96,12 @@ def test_router_loss_equals_transformers(tmp_path: object) -> None:
 def _spec(coef: float) -> StepSpec:
     algo = AlgorithmSection(router_aux_loss_coef=coef, tis_cap=None)
     return StepSpec(
-        MOE, "float32", SamplingSpec(0.8), algo, remat=False, sharder=one_device_sharder()
+        DecoderPolicy(MOE),
+        "float32",
+        SamplingSpec(0.8),
+        algo,
+        remat=False,
+        sharder=one_device_sharder(),
     )
 
 

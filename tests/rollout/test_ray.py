@@ -27,7 +27,7 @@ from jax_agent_rl.cluster.ray import connect
 from jax_agent_rl.config import EngineSection, RaySection, ToolsSection
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.data.sample import Sample
-from jax_agent_rl.models import ModelConfig, Weights, load_hf
+from jax_agent_rl.models import DecoderPolicy, ModelConfig, Weights, load_hf
 from jax_agent_rl.models.hf_local import TINY_QWEN2, write_hf_checkpoint
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rewards import Answer
@@ -158,7 +158,12 @@ def _tiny_pool(cluster: object, tmp_path: Path) -> tuple[RayPool, ModelConfig, W
         warmup=False,
     )
     build = BackendBuild(
-        engine, cfg, weights, checkpoint=path, dtype="float32", sharder=one_device_sharder()
+        engine,
+        DecoderPolicy(cfg),
+        weights,
+        checkpoint=path,
+        dtype="float32",
+        sharder=one_device_sharder(),
     )
     return RayPool(build), cfg, weights
 

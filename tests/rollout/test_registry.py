@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jax_agent_rl.config import EngineSection, JarlConfig, VLLMSection, check_ranges
+from jax_agent_rl.models import DecoderPolicy
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.rollout import BackendFactory, backend_names, register_backend
 from jax_agent_rl.rollout.registry import backend_factory
@@ -345,7 +346,7 @@ def test_a_backend_that_does_not_declare_lora_is_refused_for_a_lora_run(tmp_path
     cfg, w = add_lora(jax.random.key(0), base_cfg, base, Lora(4, 8.0))
     spec = BackendBuild(
         EngineSection(),
-        cfg,
+        DecoderPolicy(cfg),
         w,
         checkpoint=tmp_path / "tiny",
         dtype="float32",
@@ -390,7 +391,7 @@ def test_engine_warmup_false_compiles_each_program_when_first_needed(tmp_path: P
         heard: list[tuple[int, int]] = []
         spec = BackendBuild(
             EngineSection(max_model_len=64, max_concurrent=2, warmup=warmup),
-            cfg,
+            DecoderPolicy(cfg),
             w,
             checkpoint=tmp_path / "tiny",
             dtype="float32",

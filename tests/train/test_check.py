@@ -31,6 +31,7 @@ from jax_agent_rl.config import (
     package_file,
 )
 from jax_agent_rl.models import (
+    DecoderPolicy,
     ModelConfig,
     Sharder,
     inference_mesh,
@@ -751,7 +752,14 @@ def test_the_activation_estimate_is_within_2x_of_xlas_plan(remat: bool) -> None:
     params = jax.eval_shape(
         lambda: init_params(jax.random.key(0), cfg, sharder=one_device_sharder())
     )
-    spec = StepSpec(cfg, "float32", SamplingSpec(), AlgorithmSection(), remat, one_device_sharder())
+    spec = StepSpec(
+        DecoderPolicy(cfg),
+        "float32",
+        SamplingSpec(),
+        AlgorithmSection(),
+        remat,
+        one_device_sharder(),
+    )
     for T in (1024, 4096):
         z = jnp.zeros((1, T), jnp.int32)
         row = TrainBatch(z, z + jnp.arange(T), z + 1, z, z, z + 1.0, z + 0.0, T)

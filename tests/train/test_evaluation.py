@@ -78,7 +78,7 @@ def test_a_runs_hf_export_is_the_weights_of_its_checkpoint(run: tuple[Path, str]
     run_dir, _ = run
     saved = load_policy(eval_target(str(run_dir), step=STEPS))
     hf = load_policy(eval_target(str(run_dir), checkpoint=str(run_dir / "hf")))
-    assert hf.model == saved.model
+    assert hf.policy == saved.policy
     for a, b in zip(jax.tree.leaves(hf.params), jax.tree.leaves(saved.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert hf.tokenizer.encode("12 + 30") == saved.tokenizer.encode("12 + 30")
