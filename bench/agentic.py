@@ -408,19 +408,21 @@ def measure(
 def call_profile(before: BackendStats, after: BackendStats, wall: float) -> dict[str, Any]:
     """Where the embedded engine's time went between two readings of its stats: the share of
     the wall in engine calls (dispatch to tokens on the host; the rest is the host's
-    scheduling and waiting for work), the calls, the rows a call's ragged step and each of its
-    decode steps asked for on average, and the share of computed rows that were padding."""
+    scheduling and waiting for work), the calls and those with a ragged step (prompt chunks:
+    the others only decode), the rows a ragged step and a decode step asked for on average,
+    and the share of computed rows that were padding."""
     d = {
         f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)
     }
     calls = d["decode_calls"]
     return {
         "calls": calls,
+        "step_calls": d["step_calls"],
         "call_share_of_wall": round(d["call_s"] / wall, 3),
         "mean_call_ms": round(1e3 * d["call_s"] / max(calls, 1), 1),
-        "mean_step_rows": round(d["step_rows"] / max(calls, 1), 1),
+        "mean_step_rows": round(d["step_rows"] / max(d["step_calls"], 1), 1),
         "step_padding_share": round(1 - d["step_rows"] / max(d["step_rows_computed"], 1), 3),
-        "mean_decode_batch": round(d["decode_rows"] / max(calls * (STEPS_PER_CALL - 1), 1), 1),
+        "mean_decode_batch": round(d["decode_rows"] / max(d["decode_steps"], 1), 1),
         "decode_padding_share": round(1 - d["decode_rows"] / max(d["decode_rows_computed"], 1), 3),
     }
 

@@ -120,6 +120,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
             "embedded_peak_kv_reserved_bytes",
             "embedded_peak_kv_real_bytes",
             "embedded_call_share_of_wall",
+            "embedded_step_calls",
             "embedded_step_padding_share",
             "embedded_mean_decode_batch",
             "dense_useful_tok_s",

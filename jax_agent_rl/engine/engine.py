@@ -667,8 +667,9 @@ class Engine:
         on_program: Callable[[int, int], None] | None = None,
     ) -> None:
         """Compiles every program serving calls of ``num_steps`` steps by ragged steps can
-        need (``step`` at each row bucket a step can fill, ``generate`` of ``num_steps - 1``
-        steps at each batch bucket, and copy_page), so that no request stalls on a
+        need (``step`` at each row bucket a step can fill; ``generate`` of ``num_steps - 1``
+        steps, after a step, and of ``num_steps``, a call that only decodes, at each batch
+        bucket; and copy_page), so that no request stalls on a
         compilation later: a trace holds the GIL and stalls the whole process. It writes into
         the pool: call it before serving. ``on_program(done, total)`` hears of each program
         as it is ready."""
@@ -680,7 +681,7 @@ class Engine:
             b for i, b in enumerate(self.step_buckets) if i == 0 or self.step_buckets[i - 1] < fits
         ]
         decodes = self.batch_buckets if num_steps > 1 else ()
-        total = len(sizes) + len(decodes) + 1  # + copy_page
+        total = len(sizes) + len(decodes) + len(self.batch_buckets) + 1  # + copy_page
         for done, size in enumerate(sizes, 1):
             table, chunks = self.filling_chunks(size)
             state, out = self.step(params, state, table, chunks)
@@ -688,6 +689,14 @@ class Engine:
             report(done, total)
         state = self._warmup_generate(
             params, state, decodes, num_steps - 1, report, (len(sizes), total)
+        )
+        state = self._warmup_generate(
+            params,
+            state,
+            self.batch_buckets,
+            num_steps,
+            report,
+            (total - 1 - len(self.batch_buckets), total),
         )
         jax.block_until_ready(self.copy_page(state, 0, 1))
         report(total, total)

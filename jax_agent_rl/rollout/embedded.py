@@ -415,9 +415,11 @@ class EmbeddedBackend:
         """One engine call: every decoding slot's next token and, in the token budget left
         on each shard (``engine.max_step_tokens``), the next chunk of each prompt being
         computed (the oldest first), admitting waiting requests into free slots while budget
-        is left; then the call's decode steps. A prompt's last chunk samples its first
-        token: the request decodes from the next call on. A finished row's slot takes the
-        next waiting request at the next call."""
+        is left, as one ragged step; then the call's decode steps. A call with no prompt
+        chunk is the decode program's alone (`Engine.generate` of every step: a ragged step
+        of decode rows only costs more than a decode step). A prompt's last chunk samples
+        its first token: the request decodes from the next call on. A finished row's slot
+        takes the next waiting request at the next call."""
         engine = self.engine
         self._grow()
         budget = [engine.max_step_tokens] * engine.shards
@@ -425,6 +427,45 @@ class EmbeddedBackend:
         for slot, job in self._slots.items():
             chunks.append(StepChunk(slot, job.pos))
             budget[engine.slot_shard(slot)] -= 1
+        computed = self._prompt_chunks(budget, chunks)
+        if not chunks:
+            return
+        called = time.perf_counter()
+        if computed:  # prompt chunks beside the decode rows: one ragged step first
+            self._state, first = engine.step(self._params, self._state, self._table, chunks)
+            steps, sampled = self._steps_per_call - 1, [c.slot for c in chunks if c.samples]
+        else:  # every row decodes
+            first, steps, sampled = None, self._steps_per_call, list(self._slots)
+        rest = None
+        if steps:  # every sampled row's slot: decoding, or starting now
+            self._state, rest = engine.generate(
+                self._params, self._state, self._table, sampled, steps
+            )
+        first, rest = jax.device_get((first, rest))
+        busiest = engine.max_step_tokens - min(budget)  # the rows of the fullest shard
+        self._count_call(
+            time.perf_counter() - called, chunks if computed else [], busiest, sampled, rest
+        )
+        for job, n in computed:
+            job.done += n
+            self.stats.prefilled_tokens += n
+            seq = self._sequence(job)
+            if job.done == len(seq):  # its first token is sampled: it decodes from now on
+                del self._prefilling[job.slot]
+                self._pool.register(
+                    job.pages, self._pool.keys(seq, engine.page_size, job.kv_version)
+                )
+                job.pos = len(seq) - 1  # (its first token adds none: its input is cached)
+                self._slots[job.slot] = job
+        for out in (first, rest):
+            if out is not None:
+                self._take_tokens(out)
+
+    def _prompt_chunks(self, budget: list[int], chunks: list[StepChunk]) -> list[tuple[Job, int]]:
+        """Adds to ``chunks`` the next chunk of each prompt being computed (the oldest
+        first) and of waiting requests admitted while ``budget`` (tokens left on each shard)
+        and the slots allow; the jobs and their chunks' sizes."""
+        engine = self.engine
         prompts = sorted(self._prefilling.values(), key=lambda j: j.admitted)
         while (
             self._waiting
@@ -447,51 +488,29 @@ class EmbeddedBackend:
             starts = (job.request.sampling, job.seed, len(job.tokens)) if last else None
             chunks.append(StepChunk(job.slot, job.done, seq[job.done : job.done + n], starts))
             computed.append((job, n))
-        if not chunks:
-            return
-        called = time.perf_counter()
-        self._state, first = engine.step(self._params, self._state, self._table, chunks)
-        rest, sampled = None, []
-        if self._steps_per_call > 1:  # every sampled row's slot: decoding, or starting now
-            sampled = [c.slot for c in chunks if c.samples]
-            self._state, rest = engine.generate(
-                self._params, self._state, self._table, sampled, self._steps_per_call - 1
-            )
-        first, rest = jax.device_get((first, rest))
-        busiest = engine.max_step_tokens - min(budget)  # the rows of the fullest shard
-        self._count_call(time.perf_counter() - called, chunks, busiest, len(sampled), rest)
-        for job, n in computed:
-            job.done += n
-            self.stats.prefilled_tokens += n
-            seq = self._sequence(job)
-            if job.done == len(seq):  # its first token is sampled: it decodes from now on
-                del self._prefilling[job.slot]
-                self._pool.register(
-                    job.pages, self._pool.keys(seq, engine.page_size, job.kv_version)
-                )
-                job.pos = len(seq) - 1  # (its first token adds none: its input is cached)
-                self._slots[job.slot] = job
-        self._take_tokens(first)
-        if rest is not None:
-            self._take_tokens(rest)
+        return computed
 
     def _count_call(
         self,
         seconds: float,
         chunks: list[StepChunk],
         busiest: int,
-        sampled: int,
+        sampled: list[int],
         rest: StepTokens | None,
     ) -> None:
-        """A call's profile in ``stats``: its seconds, and the rows its step (``busiest``: the
-        fullest shard's) and its decode steps asked for and computed."""
+        """A call's profile in ``stats``: its seconds, and the rows its ragged step (its
+        ``chunks``, none in a call that only decodes; ``busiest``: the fullest shard's rows)
+        and its decode steps asked for and computed."""
         stats, engine = self.stats, self.engine
         stats.call_s += seconds
         stats.decode_calls += 1
-        stats.step_rows += sum(c.size for c in chunks)
-        stats.step_rows_computed += engine.step_bucket(busiest) * engine.shards
+        if chunks:
+            stats.step_calls += 1
+            stats.step_rows += sum(c.size for c in chunks)
+            stats.step_rows_computed += engine.step_bucket(busiest) * engine.shards
         if rest is not None:
-            stats.decode_rows += sampled * (self._steps_per_call - 1)
+            stats.decode_steps += len(rest.token)
+            stats.decode_rows += len(sampled) * len(rest.token)
             stats.decode_rows_computed += rest.token.size
 
     def _shares_a_prompt_in_flight(self, job: Job) -> bool:

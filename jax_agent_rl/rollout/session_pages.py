@@ -29,9 +29,12 @@ class BackendStats:
     generated_tokens: int = 0
     decode_calls: int = 0
     # where an engine call's time goes: seconds from a call's dispatch to its tokens on the
-    # host; the rows its ragged step and its decode steps asked for, and the rows computed
-    # (padded to their buckets)
+    # host; the calls with a ragged step (prompt chunks beside the decode rows: the others
+    # only decode) and the decode steps run; the rows the ragged steps and the decode steps
+    # asked for, and the rows computed (padded to their buckets)
     call_s: float = 0.0
+    step_calls: int = 0
+    decode_steps: int = 0
     step_rows: int = 0
     step_rows_computed: int = 0
     decode_rows: int = 0
