@@ -53,7 +53,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
-from jax_agent_rl.agent import harness_thread
+from jax_agent_rl.agent import harness_thread, langgraph_loop
 from jax_agent_rl.agent.context import AgentConfig, AgentContext
 from jax_agent_rl.agent.harness_thread import nothing_left
 from jax_agent_rl.agent.langgraph_loop import GraphEpisode, episode_tools
@@ -430,11 +430,23 @@ def test_a_graph_blocking_its_thread_holds_not_the_rollout_loop(
     assert traj.stop_reason == "agent_error" and STOPPED in str(traj.error)
 
 
+async def _held_once_the_turn_ended(
+    idle: asyncio.Event, asked: asyncio.Event, timeout_s: float
+) -> None:
+    """The deadline's watch (`harness_thread.held_too_long`) passed at once after the graph's
+    first model turn ends: a deadline of ``TINY_S`` could pass before a loaded machine's
+    graph thread even reached its first turn (the episode then had none)."""
+    del timeout_s
+    await asked.wait()
+    await idle.wait()
+
+
 def test_a_graph_stalling_after_the_episode_ended_keeps_its_end(
-    backend: EmbeddedBackend, tokenizer: Tokenizer
+    backend: EmbeddedBackend, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One model turn (it ends the episode: no calls), then the graph awaits for ever: the
     episode keeps how that turn ended it, the graph's stall added to its error."""
+    monkeypatch.setattr(langgraph_loop, "held_too_long", _held_once_the_turn_ended)
     traj = _react(backend, tokenizer, "stalling")
     assert traj.num_turns == 1 and traj.stop_reason in ("eos", "max_tokens_per_turn")
     assert f"then the graph failed:\nit held its episode past {STOPPED}" in str(traj.error)
