@@ -198,14 +198,6 @@ def initial_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Weights:
     return jax.tree.unflatten(treedef, values)
 
 
-def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> Weights:
-    """`initial_params` in the model's dtype, laid out by ``sharder``."""
-    init = jax.jit(
-        partial(initial_params, cfg), static_argnums=1, out_shardings=param_shardings(cfg, sharder)
-    )
-    return init(key, cfg.jnp_dtype)
-
-
 def page_shardings(cfg: ModelConfig, sharder: Sharder, num_pages: int, page_size: int) -> KVPages:
     """A `KVPages` of NamedShardings for a pool of ``num_pages`` pages (divisibility of the
     pages over ``batch``'s mesh axes and of the kv heads over theirs checked)."""

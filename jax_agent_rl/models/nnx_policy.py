@@ -115,7 +115,7 @@ class NnxPolicy:
         return f"NnxPolicy({getattr(self._make, '__qualname__', self._make)!r})"
 
     def init(self, key: jax.Array, dtype: Any) -> dict[str, Any]:
-        """The module's own initialisation under ``key`` (built once, under `init_params`'
+        """The module's own initialisation under ``key`` (built once, under `init_policy`'
         jit), as the nested dict of arrays `specs` declares."""
         _, state = nnx.split(_built(self._make, key), nnx.Param)
         params: dict[str, Any] = {}

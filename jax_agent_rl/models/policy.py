@@ -194,6 +194,13 @@ def init_policy(key: jax.Array, policy: Policy, sharder: Sharder) -> Any:
     return init(key, policy.cfg.jnp_dtype)
 
 
+def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> decoder.Weights:
+    """Random weights of ``cfg``'s decoder (`decoder.initial_params`: HF's scheme) in its
+    dtype, laid out by ``sharder``."""
+    weights: decoder.Weights = init_policy(key, DecoderPolicy(cfg), sharder)
+    return weights
+
+
 def head_logits(head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:
     """Logits [B, T, V] in fp32 from a head [V, D] (a custom policy's `Policy.logits`)."""
     return jnp.einsum("btd,vd->btv", h_btd, head_vd, preferred_element_type=jnp.float32)
