@@ -115,6 +115,7 @@ def kernel_attention(
     sharder: Sharder,
     window: int | None = None,
     kernel: str = "splash",
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """`decoder.attention` by the fused ``kernel`` (of `KERNELS`): out [B, T, H, K] in q's dtype.
 
@@ -123,6 +124,9 @@ def kernel_attention(
     sequence nor the head dimension may be sharded (the kernel reads whole rows and heads).
     ``window`` (static): no sequence is longer, so splash skips key blocks further back
     (triton reads every causal block whatever the window; the segments mask the same keys).
+    ``sliding_window`` W (static, splash only): a query reads the keys less than W tokens
+    back, itself included (a layer's sliding window; tokens are positions within a packed
+    segment): splash's local mask of the smaller of the two windows. Triton takes none.
 
     Numbers, splash: the queries are scaled by K**-0.5 in their own dtype before the kernel
     (exact when K is a power of 4; one rounding of q otherwise, for 16-bit q), where
@@ -146,6 +150,12 @@ def kernel_attention(
     H, G = q_bthk.shape[2], k_btgk.shape[2]
     if H % G:
         raise ValueError(f"{H} query heads do not divide into {G} kv heads")
+    if sliding_window is not None:
+        if kernel != "splash":
+            raise ValueError(
+                f"sliding_window={sliding_window}: splash's local mask; {kernel} has none"
+            )
+        window = sliding_window if window is None else min(window, sliding_window)
     if window is not None and window < 1:
         raise ValueError(f"window={window}: a positive number of positions, or None")
     local: Callable[..., jax.Array]

@@ -27,7 +27,13 @@ from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
 from jax_agent_rl.models.lora import Adapter, LayerAdapters, lora_delta, peft_uniform
 from jax_agent_rl.models.moe import check_expert_ids, mlp_of_kind, scan_inputs, sparse_layers
-from jax_agent_rl.models.paged import PAGE_AXES, KVPages, exact_attention
+from jax_agent_rl.models.paged import (
+    PAGE_AXES,
+    KVPages,
+    check_sliding_window,
+    exact_attention,
+    segment_positions,
+)
 from jax_agent_rl.models.rope import rope_inv_freq
 from jax_agent_rl.models.sharding import Sharder
 
@@ -86,6 +92,9 @@ class Weights:
 
 
 ATTN_BLOCK = 128  # query tokens per block, and keys per step, of (training) `attention`
+# a sliding window's mask in `attention`'s loop: each token's position [B, T] (int32) and the
+# window W (an int32 scalar); None without one
+Sliding = tuple[jax.Array, jax.Array] | None
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -339,6 +348,8 @@ def attention(
     *,
     sharder: Sharder,
     reach_bt: jax.Array | None = None,
+    positions_bt: jax.Array | None = None,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """Causal grouped-query attention within packed segments, for training; query head h
     reads kv head h // R. A token attends to the earlier-or-equal tokens of its own segment
@@ -352,14 +363,25 @@ def attention(
     of its last continuation, so each continuation reads its prefix and itself and no other
     branch. Tree rows run on this XLA path only (the fused kernels mask by segment ids).
 
+    ``sliding_window`` W (a layer's, `paged.check_sliding_window`; None: none) keeps of that
+    mask the keys less than W *positions* behind the query: ``positions[q] - positions[k] <
+    W`` (HF's sliding-window causal mask), so it needs ``positions_bt``: in tree rows index
+    distance is not position distance (a continuation's first token follows its prefix's
+    last in position, not in index).
+
     Packed rows run on the fused kernel `attention_kernels.training_kernel` picks for the
     platform and dtype (splash on TPU, Pallas's Triton flash attention on GPU for 16-bit
     inputs; `attention_kernels.forced_kernel` overrides the pick), else on this XLA loop.
+    With a sliding window only splash, for a static int window: its local mask counts
+    indices, which within a packed segment are positions (they restart at 0 in each:
+    `contract.Packed`); Triton takes no window, and a window scanned with the layers (an
+    array) is not static: this XLA loop.
 
     Work: a loop over query blocks of `ATTN_BLOCK`, each over only the key blocks its mask
     reaches (`key_blocks`), with an online softmax: a query block reads its own sequence's
     blocks (and its prefixes'), never a packed neighbour's or a sibling branch's, so a row
-    costs what its sequences cost apart, plus at most a block per sequence boundary.
+    costs what its sequences cost apart, plus at most a block per sequence boundary; with a
+    sliding window, not the blocks wholly further back than the window either.
     ``window`` (no sequence is longer) is the TPU kernel's bound; the mask makes it here.
 
     The gradient (a custom VJP) keeps only each query's softmax maximum and sum (and the
@@ -367,9 +389,19 @@ def attention(
     ``ds = p * (dp - sum(p * dp))``, ``dp = dout . v``, where ``sum(p * dp) = dout . out``.
     Autodiff would keep every step's weights for the backward pass.
     """
+    windowed = check_sliding_window(sliding_window) is not None
+    if windowed and positions_bt is None:
+        raise ValueError(
+            f"sliding_window={sliding_window!r} without positions_bt: the window counts "
+            "positions, which indices are not in tree rows"
+        )
     kernel = training_kernel(sharder, q_bthk.dtype) if reach_bt is None else None
+    if windowed and not (kernel == "splash" and isinstance(sliding_window, int)):
+        kernel = None
     if kernel is not None:
-        return kernel_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window, kernel)
+        return kernel_attention(
+            q_bthk, k_btgk, v_btgk, segment_ids_bt, sharder, window, kernel, sliding_window
+        )
     B, T, H, K = q_bthk.shape
     G = k_btgk.shape[2]
     if window is not None and window < 1:
@@ -380,7 +412,12 @@ def attention(
     k_bgtk, v_bgtk = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k_btgk, v_btgk))
     reach = segment_reach(segment_ids_bt) if reach_bt is None else reach_bt
     reach = jnp.pad(reach.astype(jnp.int32), ((0, 0), (0, Tp - T)))  # padding: read by none
-    out_bgtrk = _attention(q, k_bgtk, v_bgtk, reach)
+    sliding = None
+    if windowed:
+        assert positions_bt is not None
+        positions = jnp.pad(positions_bt.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+        sliding = (positions, jnp.asarray(sliding_window, jnp.int32))
+    out_bgtrk = _attention(q, k_bgtk, v_bgtk, reach, sliding)
     return out_bgtrk[:, :, :T].transpose(0, 2, 1, 3, 4).reshape(B, T, H, K)
 
 
@@ -393,13 +430,22 @@ def exact_training_attention(
     page_size: int,
     window: int | None,
     sharder: Sharder,  # noqa: ARG001 (the gradient's)
+    positions_bt: jax.Array | None = None,  # noqa: ARG001 (the gradient's)
+    sliding_window: Any = None,
 ) -> jax.Array:
     """`attention` of packed segments with the numbers the engine's decode step computes for
     each token, bit for bit (`paged.exact_attention`, pages of ``page_size``; ``window``: no
     segment is longer): a model with ``exact_pages`` trains on logprobs equal to its
     sampler's. The gradient is `attention`'s (the same function up to rounding: only the
-    forward must match the sampler)."""
-    return exact_attention(q_bthk, k_btgk, v_btgk, segment_ids_bt, page_size, window)
+    forward must match the sampler).
+
+    ``sliding_window``: a layer's window (`attention`'s), in positions counted from each
+    segment's start as the forward's pages count them: ``positions_bt`` are the rows' (they
+    restart at 0 in each segment, `contract.Packed`), or None to count them from the segment
+    ids (`paged.segment_positions`). Neither has a gradient."""
+    return exact_attention(
+        q_bthk, k_btgk, v_btgk, segment_ids_bt, page_size, window, sliding_window=sliding_window
+    )
 
 
 def _exact_fwd(
@@ -410,20 +456,32 @@ def _exact_fwd(
     page_size: int,
     window: int | None,
     sharder: Sharder,  # noqa: ARG001 (the gradient's)
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return exact_attention(q, k, v, seg, page_size, window), (q, k, v, seg)
+    positions: jax.Array | None,
+    sliding_window: Any,
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    out = exact_attention(q, k, v, seg, page_size, window, sliding_window=sliding_window)
+    return out, (q, k, v, seg, positions, sliding_window)
 
 
 def _exact_bwd(
     page_size: int,  # noqa: ARG001 (the forward's)
     window: int | None,
     sharder: Sharder,
-    res: tuple[jax.Array, ...],
+    res: tuple[Any, ...],
     g: jax.Array,
 ) -> tuple[jax.Array | None, ...]:
-    q, k, v, seg = res
-    _, pull = jax.vjp(lambda q, k, v: attention(q, k, v, seg, window, sharder=sharder), q, k, v)
-    return (*pull(g), None)
+    q, k, v, seg, positions, sliding_window = res
+    if sliding_window is not None and positions is None:
+        positions = segment_positions(seg)
+
+    def training(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return attention(
+            q, k, v, seg, window, sharder=sharder, positions_bt=positions,
+            sliding_window=sliding_window,
+        )  # fmt: skip
+
+    _, pull = jax.vjp(training, q, k, v)
+    return (*pull(g), None, None, None)
 
 
 exact_training_attention.defvjp(_exact_fwd, _exact_bwd)
@@ -441,13 +499,19 @@ def segment_reach(segment_ids_bt: jax.Array) -> jax.Array:
     return jnp.where(segment_ids_bt > 0, reach, 0)
 
 
-def key_blocks(reach_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def key_blocks(reach_bt: jax.Array, sliding: Sliding = None) -> tuple[jax.Array, jax.Array]:
     """The key blocks each query block of `attention` reads, T a multiple of `ATTN_BLOCK`:
     [B, Q, Q] block indices, for row b and query block i those it reads first in
     increasing order, and [B, Q] how many. Block j (j <= i) is read when some key in it
     reaches past the query block's first position (a key of an earlier sequence, or of a
     sibling branch, reaches no further than that sequence's end): a query block reads its
-    own sequence's (and prefixes') blocks, never a neighbour's."""
+    own sequence's (and prefixes') blocks, never a neighbour's.
+
+    With ``sliding`` (the positions [B, T] and the window W) not the blocks whose keys lie
+    W or more positions behind every query of the block either. Only the pairs the reach
+    allows count: block i's queries some key of block j reaches, block j's keys that reach
+    into block i (so the first queries of a sequence, at positions from 0, do not make a
+    query block read the whole sequence before theirs)."""
     B, T = reach_bt.shape
     n = ATTN_BLOCK
     blocks = jnp.arange(T // n)
@@ -455,6 +519,16 @@ def key_blocks(reach_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     read_bij = (blocks[None, None, :] <= blocks[None, :, None]) & (
         reach_bj[:, None, :] > blocks[None, :, None] * n
     )
+    if sliding is not None:
+        positions_bjn, window = sliding[0].reshape(B, T // n, n), sliding[1]
+        far = 1 << 29  # past every position, and the difference of two still an int32
+        index_in = (blocks[:, None] * n + jnp.arange(n))[None, :, None, :]  # [1, i, 1, n]
+        first_bij = jnp.where(
+            index_in < reach_bj[:, None, :, None], positions_bjn[:, :, None, :], far
+        ).min(-1)
+        reaching = reach_bt.reshape(B, 1, T // n, n) > (blocks * n)[None, :, None, None]
+        last_bij = jnp.where(reaching, positions_bjn[:, None], -far).max(-1)
+        read_bij &= first_bij - last_bij < window
     order = jnp.argsort(~read_bij, axis=-1, stable=True).astype(jnp.int32)
     return order, read_bij.sum(-1, dtype=jnp.int32)
 
@@ -486,10 +560,13 @@ def _block_scores(
     start: jax.Array,
     first_b: jax.Array,
     live_b: jax.Array,
+    sliding: Sliding,
 ) -> jax.Array:
     """Scaled scores [B, G, n * R, n] (fp32) of the query block at ``start`` (its n R query
     rows ``q_bgqk``, [B, G, n * R, K]) over each row's key block at ``first_b`` (its keys
-    ``k_bgck`` and their reach), -inf where masked (all of it in rows not ``live_b``)."""
+    ``k_bgck`` and their reach), -inf where masked (all of it in rows not ``live_b``; with
+    ``sliding``, the positions [B, T] and the window W, where the query's position is W or
+    more past the key's)."""
     B, G, nR, K = q_bgqk.shape
     n = ATTN_BLOCK
     scores = jnp.einsum("bgqk,bgck->bgqc", q_bgqk, k_bgck, preferred_element_type=jnp.float32)
@@ -500,6 +577,11 @@ def _block_scores(
         & (q_n[None, :, None] < reach_bc[:, None, :])
         & live_b[:, None, None]
     )
+    if sliding is not None:
+        positions_bt, window = sliding
+        query_bn = jax.lax.dynamic_slice_in_dim(positions_bt, start, n, axis=1)
+        key_bc = _block_of(positions_bt, first_b, 0)
+        mask_bnc &= query_bn[:, :, None] - key_bc[:, None, :] < window
     scores = scores.reshape(B, G, n, nR // n, n)
     scores = jnp.where(mask_bnc[:, None, :, None], scores * (K**-0.5), -jnp.inf)
     return scores.reshape(B, G, nR, n)
@@ -512,19 +594,27 @@ _NO_SCORE = -1e30
 
 @jax.custom_vjp
 def _attention(
-    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, reach_bt: jax.Array
+    q_bgtrk: jax.Array,
+    k_bgtk: jax.Array,
+    v_bgtk: jax.Array,
+    reach_bt: jax.Array,
+    sliding: Sliding,
 ) -> jax.Array:
     """`attention` in the layout it computes in, T a multiple of `ATTN_BLOCK`: out [B, G, T,
-    R, K]."""
-    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, reach_bt)[0]
+    R, K]. ``sliding`` (no gradient, as ``reach_bt``): a sliding window's positions and W."""
+    return _attention_fwd(q_bgtrk, k_bgtk, v_bgtk, reach_bt, sliding)[0]
 
 
 def _attention_fwd(
-    q_bgtrk: jax.Array, k_bgtk: jax.Array, v_bgtk: jax.Array, reach_bt: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    q_bgtrk: jax.Array,
+    k_bgtk: jax.Array,
+    v_bgtk: jax.Array,
+    reach_bt: jax.Array,
+    sliding: Sliding,
+) -> tuple[jax.Array, tuple[Any, ...]]:
     B, G, T, R, K = q_bgtrk.shape
     n = ATTN_BLOCK
-    order, count = key_blocks(reach_bt)
+    order, count = key_blocks(reach_bt, sliding)
 
     def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         out_bgtrk, top_bgtr, total_bgtr = carry
@@ -537,7 +627,7 @@ def _attention_fwd(
             k_j, v_j = (_block_of(x, first_b, 1) for x in (k_bgtk, v_bgtk))
             live_b = step < count[:, i]
             scores = _block_scores(
-                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b
+                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b, sliding
             )
             new_top = jnp.maximum(top, scores.max(-1))
             rescale = jnp.exp(top - new_top)
@@ -567,17 +657,17 @@ def _attention_fwd(
 
     rows = (jnp.zeros((B, G, T, R)), jnp.zeros((B, G, T, R)))
     out, top, total = jax.lax.fori_loop(0, T // n, query_block, (jnp.zeros((B, G, T, R, K)), *rows))
-    res = (q_bgtrk, k_bgtk, v_bgtk, reach_bt, out, top, total)
+    res = (q_bgtrk, k_bgtk, v_bgtk, reach_bt, sliding, out, top, total)
     return out.astype(q_bgtrk.dtype), res
 
 
 def _attention_bwd(
-    res: tuple[jax.Array, ...], dout_bgtrk: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    q, k, v, reach_bt, out, top, total = res
+    res: tuple[Any, ...], dout_bgtrk: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, None, None]:
+    q, k, v, reach_bt, sliding, out, top, total = res
     B, G, T, R, K = q.shape
     n = ATTN_BLOCK
-    order, count = key_blocks(reach_bt)
+    order, count = key_blocks(reach_bt, sliding)
     # sum_s p_s dp_s = dout . sum_s p_s v_s = dout . out, per query [B, G, T, R]
     dout_dot_out = jnp.einsum("bgtrk,bgtrk->bgtr", dout_bgtrk.astype(jnp.float32), out)
 
@@ -599,7 +689,7 @@ def _attention_bwd(
             k_j, v_j = (_block_of(x, first_b, 1) for x in (k, v))
             live_b = step < count[:, i]
             scores = _block_scores(
-                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b
+                q_i, k_j, _block_of(reach_bt, first_b, 0), start, first_b, live_b, sliding
             )
             probs = jnp.exp(scores - top_i[..., None]) / total_i[..., None]
             dprobs = jnp.einsum("bgqk,bgck->bgqc", dout_i, v_j, preferred_element_type=jnp.float32)
@@ -619,7 +709,7 @@ def _attention_bwd(
 
     zeros = (jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape))
     dq, dk, dv = jax.lax.fori_loop(0, T // n, query_block, zeros)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -4,6 +4,12 @@ kernels: on TPU `pallas_paged_attention`, on GPU `triton_paged_attention`; `DECO
 and a decode step's layers sharded
 (`decode_steps`): each shard of the rows reads and writes only its own pages.
 
+Every path takes a layer's ``sliding_window`` (Gemma 3's local layers, HF's sliding-window
+causal mask: a query at position p reads the keys at positions p - W + 1 .. p;
+`check_sliding_window`); None, a global layer, reads every position up to its own. JAX's
+Pallas decode kernels take no window: a windowed layer decodes by `ragged_attention`,
+whatever the decode kernel.
+
 Shapes use the letters of `decoder`: B rows, T query tokens, H query heads, G kv heads,
 R = H // G, K head dim, P pages, M a page table's length, J (row, page) pairs.
 """
@@ -61,6 +67,44 @@ class KVPages:
         return int(self.k[0].shape[1])
 
 
+def check_sliding_window(sliding_window: object) -> Any:
+    """``sliding_window`` itself if it is a layer's window: None (no window), a positive int
+    W (a query at position p reads the keys at positions p - W + 1 .. p), or an int scalar
+    array (a window scanned with the layers: the caller keeps it positive); else a
+    `ValueError` naming it."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, int) and not isinstance(sliding_window, bool):
+        if sliding_window >= 1:
+            return sliding_window
+    elif (
+        isinstance(sliding_window, jax.Array)
+        and sliding_window.shape == ()
+        and jnp.issubdtype(sliding_window.dtype, jnp.integer)
+        and (isinstance(sliding_window, jax.core.Tracer) or int(sliding_window) >= 1)
+    ):
+        return sliding_window
+    raise ValueError(
+        f"sliding_window={sliding_window!r}: a positive int (a query at position p reads the "
+        "keys at p - W + 1 .. p), an int scalar array, or None"
+    )
+
+
+def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
+    """[B, T] int32: each token's index less its segment's first (segments are contiguous
+    runs of one id; padding's runs count too), the positions packed rows restart at 0 in."""
+    T = segment_ids_bt.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids_bt[:, :1], bool),
+            segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1],
+        ],
+        axis=1,
+    )
+    return t[None] - jax.lax.cummax(jnp.where(starts, t[None], 0), axis=1)
+
+
 def pair_block(page_size: int) -> int:
     """(row, page) pairs per block of `ragged_attention`: blocks of `PAIR_POSITIONS`
     positions whatever the page size (a padding pair costs a page; pages of a whole
@@ -75,12 +119,15 @@ def paged_attention(
     table_bm: jax.Array,
     pos_b: jax.Array,
     pages_read: int,
+    *,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """`attention` of a chunk of ``T`` new tokens of rows ``0 .. B - 1`` whose keys and values
     are in their pages already (at positions ``pos_b + t``), over the row's positions up to
-    their own: each row's first ``pages_read`` pages (static, a bucket that covers every
-    row's positions) gathered from one layer's pool [G, P, page_size, K] by its page table
-    [B, M]. For prefill chunks: T queries over a few pages each.
+    their own (the last ``sliding_window`` of them, itself included, with a window): each
+    row's first ``pages_read`` pages (static, a bucket that covers every row's positions)
+    gathered from one layer's pool [G, P, page_size, K] by its page table [B, M]. For prefill
+    chunks: T queries over a few pages each.
 
     Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
     matmul (as a matmul in that dtype takes them), the denominator summed unrounded.
@@ -89,11 +136,14 @@ def paged_attention(
     G, _, ps, _ = k_pages.shape
     q = q_bthk.reshape(B, T, G, H // G, K).astype(jnp.float32)
     pages_bn = table_bm[:, :pages_read]
-    seen_bts = jnp.arange(pages_read * ps) <= (pos_b[:, None] + jnp.arange(T)[None, :])[..., None]
+    key_s, query_bt = jnp.arange(pages_read * ps), pos_b[:, None] + jnp.arange(T)[None, :]
+    seen_bts = key_s <= query_bt[..., None]
+    if check_sliding_window(sliding_window) is not None:
+        seen_bts &= query_bt[..., None] - key_s < sliding_window
     s = jnp.einsum("btgrk,gbnsk->bgrtns", q, k_pages[:, pages_bn].astype(jnp.float32))
     s = s.reshape(*s.shape[:4], pages_read * ps)
     s = jnp.where(seen_bts[:, None, None], s * K**-0.5, -1e30)
-    p = jnp.exp(s - s.max(-1, keepdims=True))  # position 0 is seen by every row
+    p = jnp.exp(s - s.max(-1, keepdims=True))  # a query sees its own position
     p_rounded = p.astype(q_bthk.dtype).astype(jnp.float32)
     p_rounded = p_rounded.reshape(*s.shape[:4], pages_read, ps)
     out = jnp.einsum("bgrtns,gbnsk->bgrtk", p_rounded, v_pages[:, pages_bn].astype(jnp.float32))
@@ -123,6 +173,8 @@ def chunk_attention(
     v_pages: jax.Array,
     chunks: StepChunks,
     block: int = CHUNK_QUERIES,
+    *,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """Attention of prompt chunks whose tokens are rows of a ragged batch [N, H, K] and whose
     keys and values are in their pages already: each chunk's queries in blocks of ``block``
@@ -132,12 +184,17 @@ def chunk_attention(
     causal attention over each chunk's real length, whatever its neighbours; one program
     serves any mix. Rows of no chunk give zeros.
 
+    With a ``sliding_window`` a query reads its last W positions only, and a block's trips
+    start at the one that holds its first query's first key (the trips before hold none of
+    the block's keys); a trip in which a query sees no key adds nothing to it.
+
     Scores, softmax and sums in fp32; the weights rounded to the model's dtype for the values'
     matmul (as `paged_attention`), the denominator summed unrounded.
     """
     N, H, K = q_nhk.shape
     G, _, ps, _ = k_pages.shape
     R, M = H // G, chunks.table.shape[1]
+    windowed = check_sliding_window(sliding_window) is not None
     kb = max(1, min(CHUNK_PAGES, M))  # pages per inner trip
     span = kb * ps
     q = jnp.pad(q_nhk, ((0, block), (0, 0), (0, 0))).reshape(N + block, G, R, K)
@@ -156,10 +213,15 @@ def chunk_attention(
             k = k_pages[:, pages].reshape(G, span, K).astype(jnp.float32)
             v = v_pages[:, pages].reshape(G, span, K).astype(jnp.float32)
             s = jnp.einsum("qgrk,gsk->grqs", q_b, k)
-            seen = j * span + jnp.arange(span)[None, :] <= qpos[:, None]  # [block, span]
+            key_s = j * span + jnp.arange(span)[None, :]
+            seen = key_s <= qpos[:, None]  # [block, span]
+            if windowed:
+                seen &= qpos[:, None] - key_s < sliding_window
             s = jnp.where(seen, s * K**-0.5, -1e30)
             new_top = jnp.maximum(top, s.max(-1))
             p = jnp.exp(s - new_top[..., None])
+            if windowed:  # a query that sees none of the trip's keys: exp(0) at top -1e30
+                p = jnp.where(seen, p, 0.0)
             scale = jnp.exp(top - new_top)
             p_rounded = p.astype(q_nhk.dtype).astype(jnp.float32)
             acc = acc * scale[..., None] + jnp.einsum("grqs,gsk->grqk", p_rounded, v)
@@ -171,7 +233,8 @@ def chunk_attention(
             jnp.zeros((G, R, block, K)),
         )
         trips = last // span + 1
-        _, total, acc = jax.lax.fori_loop(0, trips, kv_trip, start_carry)
+        first = jnp.maximum(qpos[0] - sliding_window + 1, 0) // span if windowed else 0
+        _, total, acc = jax.lax.fori_loop(first, trips, kv_trip, start_carry)
         res = (acc / total[..., None]).transpose(2, 0, 1, 3)  # [block, G, R, K]
         real = (b * block + jnp.arange(block) < size)[:, None, None, None]
         old = jax.lax.dynamic_slice_in_dim(out, row0, block)
@@ -219,10 +282,15 @@ def ragged_attention(
     v_pages: jax.Array,
     pairs: PagePairs,
     pos_b: jax.Array,
+    *,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """Decode attention, one new token per row [B, H, K] at position ``pos_b``, over the
     row's own pages only: the work is the real pairs', the sum of the rows' real lengths in
-    pages, so a long row costs the short ones nothing, and padding pairs cost nothing.
+    pages, so a long row costs the short ones nothing, and padding pairs cost nothing. With
+    a ``sliding_window`` the row reads its last W positions: the pairs are the same (a
+    row's pages, shared by every layer), and a pair whose page lies wholly before the
+    window adds exactly nothing (its weights are zeros at a maximum of -1e30).
 
     Each pair is a partial softmax over its page (its max, sum and weighted values, fp32);
     a row's pairs are combined at the row's max. A row's numbers depend only on its own
@@ -237,6 +305,7 @@ def ragged_attention(
     G, _, ps, _ = k_pages.shape
     R = H // G
     C = pair_block(ps)
+    windowed = check_sliding_window(sliding_window) is not None
     if J % C:
         raise ValueError(f"{J} pairs: a multiple of {C}")
     q_bgrk = q_bhk.reshape(B, G, R, K).astype(jnp.float32)
@@ -252,10 +321,15 @@ def ragged_attention(
         block = block_at(i)
         row = jnp.minimum(block.row, B - 1)
         s = jnp.einsum("jgrk,gjsk->jgrs", q_bgrk[row], k_pages[:, block.page].astype(jnp.float32))
-        seen_js = block.start[:, None] + seen_bs <= pos_b[row][:, None]
+        key_js, query_j = block.start[:, None] + seen_bs, pos_b[row][:, None]
+        seen_js = key_js <= query_j
+        if windowed:
+            seen_js &= query_j - key_js < sliding_window
         s = jnp.where(seen_js[:, None, None], s * K**-0.5, -1e30)
-        top = s.max(-1)  # [C, G, R]: a page's first position is always seen
+        top = s.max(-1)  # [C, G, R]: without a window a page's first position is always seen
         p = jnp.exp(s - top[..., None])
+        if windowed:  # a page before the window: top -1e30, and no weight (not exp(0))
+            p = jnp.where(seen_js[:, None, None], p, 0.0)
         p_rounded = p.astype(q_bhk.dtype).astype(jnp.float32)
         out = jnp.einsum("jgrs,gjsk->jgrk", p_rounded, v_pages[:, block.page].astype(jnp.float32))
         return (
@@ -302,19 +376,23 @@ def token_attention(
     table_nm: jax.Array,
     pos_n: jax.Array,
     active_n: jax.Array,
+    *,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """`ragged_attention` of every query of a chunk [B, T, H, K] as a row of its own (N = B *
     T rows, each with its page table [N, M], position and whether it is real): each query's
     numbers are then those decode computes for a token at its position, bit for bit, since
     a row's numbers depend only on its own pairs. For prefill chunks and training sequences
-    whose logprobs must equal the sampler's (`exact_attention`)."""
+    whose logprobs must equal the sampler's (`exact_attention`). ``sliding_window``: as
+    `ragged_attention`'s."""
     B, T, H, K = q_bthk.shape
     N, M = table_nm.shape
     C = pair_block(k_pages.shape[2])
     pairs = page_pairs(table_nm, pos_n, active_n, -(-N * M // C) * C, k_pages.shape[2])
-    return ragged_attention(q_bthk.reshape(N, H, K), k_pages, v_pages, pairs, pos_n).reshape(
-        B, T, H, K
+    out = ragged_attention(
+        q_bthk.reshape(N, H, K), k_pages, v_pages, pairs, pos_n, sliding_window=sliding_window
     )
+    return out.reshape(B, T, H, K)
 
 
 def exact_attention(
@@ -324,6 +402,8 @@ def exact_attention(
     segment_ids_bt: jax.Array,
     page_size: int,
     window: int | None = None,
+    *,
+    sliding_window: Any = None,
 ) -> jax.Array:
     """Training attention (packed segments, as `decoder.attention`) that computes what the
     engine's decode computes for each token: the row's keys are read in pages of
@@ -333,14 +413,15 @@ def exact_attention(
     table holds the pages of ``window`` positions (no segment is longer; default the row),
     which bounds the decode loop's buffers (pairs of every token and every page it may
     read). The work is about what causal attention costs, through the decode loop's blocks;
-    no gradient of its own (`decoder.attention` gives it)."""
+    no gradient of its own (`decoder.attention` gives it). With a ``sliding_window`` a token
+    reads the last W positions of its segment (its position counted from the segment's
+    start, `segment_positions`), as decode does: every page stays in its table, masked.
+    """
     B, T, _, K = q_bthk.shape
     G = k_btgk.shape[2]
     t = jnp.arange(T)
-    starts = jnp.concatenate(
-        [jnp.ones((B, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1
-    )
-    start_bt = jax.lax.cummax(jnp.where(starts, t[None], 0), axis=1)
+    pos_bt = segment_positions(segment_ids_bt)
+    start_bt = t[None] - pos_bt
     span = t[:, None] + jnp.arange(page_size)[None]  # [T, page_size]: a page at each position
 
     def pool(x_btgk: jax.Array) -> jax.Array:
@@ -355,8 +436,9 @@ def exact_attention(
         pool(k_btgk),
         pool(v_btgk),
         table.reshape(B * T, M).astype(jnp.int32),
-        (t[None] - start_bt).reshape(B * T).astype(jnp.int32),
+        pos_bt.reshape(B * T),
         (segment_ids_bt > 0).reshape(B * T),
+        sliding_window=sliding_window,
     )
 
 
@@ -499,23 +581,57 @@ def _decode_layer(
     tables: DecodeTables,
     pos_b: jax.Array,
     active_b: jax.Array,
+    sliding_window: Any,
     kernel: str,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's decode attention over a pool's pages [G, P, page_size, K]: the new
     token's key and value go into its page, then the row attends to its pages (by
     `ragged_attention` or, ``kernel`` "pallas", `pallas_paged_attention`, or "triton",
-    `triton_paged_attention`, in interpret mode where ``interpret``). Returns the attention
+    `triton_paged_attention`, in interpret mode where ``interpret``). A layer with a
+    ``sliding_window`` attends by `ragged_attention` whatever ``kernel`` (JAX's kernels take
+    no window; `DecodeTables` hold the pairs for every kernel). Returns the attention
     [B, H, K] and the layer's pages."""
     offset_b = pos_b % ck.shape[2]
     ck = ck.at[:, tables.page, offset_b].set(k_bgk.transpose(1, 0, 2).astype(ck.dtype), mode="drop")
     cv = cv.at[:, tables.page, offset_b].set(v_bgk.transpose(1, 0, 2).astype(cv.dtype), mode="drop")
-    if kernel == "pallas":
+    if sliding_window is None and kernel == "pallas":
         return pallas_paged_attention(q_bhk, ck, cv, tables.table, pos_b, active_b), ck, cv
-    if kernel == "triton":
+    if sliding_window is None and kernel == "triton":
         out = triton_paged_attention(q_bhk, ck, cv, tables.table, pos_b, active_b, interpret)
         return out, ck, cv
-    return ragged_attention(q_bhk, ck, cv, tables.pairs, pos_b), ck, cv
+    out = ragged_attention(q_bhk, ck, cv, tables.pairs, pos_b, sliding_window=sliding_window)
+    return out, ck, cv
+
+
+def _layer_programs(
+    layer: Callable[..., Any], mesh: Any, in_specs: tuple[Any, ...], out_specs: Any
+) -> Callable[..., Any]:
+    """``layer`` (its last positional argument its ``sliding_window``) under
+    ``jax.shard_map``, called as ``(*args, sliding_window=None)``: one program for the
+    global layers and one for the windowed ones whatever their windows (the window goes in
+    as a replicated int32 scalar)."""
+    plain = jax.shard_map(
+        partial(layer, sliding_window=None),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    windowed = jax.shard_map(
+        layer,
+        mesh=mesh,
+        in_specs=(*in_specs, jax.sharding.PartitionSpec()),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+
+    def call(*args: Any, sliding_window: Any = None) -> Any:
+        if check_sliding_window(sliding_window) is None:
+            return plain(*args)
+        return windowed(*args, jnp.asarray(sliding_window, jnp.int32))
+
+    return call
 
 
 def decode_steps(
@@ -526,7 +642,8 @@ def decode_steps(
     the pool's pages: `PAGE_AXES`) and the kv heads: a shard computes its own rows' tables
     in its own page ids and their attention over its own pages, so nothing crosses devices
     (a row's pages are on its shard: the host's ledger, `engine.pages`, sees to it). A
-    query's heads split as the kv heads they read."""
+    query's heads split as the kv heads they read. The layer takes each layer's
+    ``sliding_window`` (keyword; a windowed layer decodes by `ragged_attention`)."""
     rules, mesh = sharder.rules, sharder.mesh
     local = num_pages // sharder.shards("batch")  # a shard's pages
     rows = rules.spec(("batch",))  # every per-row array and table: split on its first axis
@@ -544,12 +661,11 @@ def decode_steps(
             out_specs=rows,
             check_vma=False,
         ),
-        jax.shard_map(
+        _layer_programs(
             partial(_decode_layer, kernel=kernel, interpret=platform_of(sharder) != "gpu"),
-            mesh=mesh,
-            in_specs=(heads, heads, heads, pages, pages, rows, rows, rows),
-            out_specs=(heads, pages, pages),
-            check_vma=False,
+            mesh,
+            (heads, heads, heads, pages, pages, rows, rows, rows),
+            (heads, pages, pages),
         ),
     )
 
@@ -630,8 +746,10 @@ class PagedChunk(LayerPools):
     row's positions up to each query's: a chunk of T = 1 (decode) with `decode_steps`' layer
     (each shard its own pages), a longer one (prefill) with `paged_attention` over
     ``pages_read`` pages, or where ``exact``, each of its tokens as decode reads
-    (`token_attention`: the numbers a decode step would compute for it). ``k`` and ``v`` then
-    hold every layer's updated buffer, in order.
+    (`token_attention`: the numbers a decode step would compute for it). ``attend(i, q, k,
+    v, sliding_window=W)``: a layer whose queries read only the last W positions, up to
+    their own (a decode chunk's by `ragged_attention`, whatever ``decode_kernel``). ``k`` and
+    ``v`` then hold every layer's updated buffer, in order.
     """
 
     def __init__(
@@ -669,11 +787,22 @@ class PagedChunk(LayerPools):
         super().__init__(k_pools, v_pools)
         self._table_bm, self._pos_b, self._pages_read = page_table_bm, pos_b, pages_read
 
-    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def attend(
+        self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, sliding_window: Any = None
+    ) -> jax.Array:
+        window = check_sliding_window(sliding_window)  # before the layer's one call is taken
         ck, cv = self.claim(i)
         if self._tables is not None:
             out, ck, cv = self._decode_layer(
-                q[:, 0], k[:, 0], v[:, 0], ck, cv, self._tables, self._pos_b, self._active_b
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                ck,
+                cv,
+                self._tables,
+                self._pos_b,
+                self._active_b,
+                sliding_window=window,
             )
             self.put(i, ck, cv)
             return out[:, None]
@@ -688,9 +817,12 @@ class PagedChunk(LayerPools):
             B, T = self._real_bt.shape
             table = jnp.repeat(self._table_bm, T, axis=0)
             positions = self.positions.reshape(B * T)
-            return token_attention(q, ck, cv, table, positions, self._real_bt.reshape(B * T))
+            real = self._real_bt.reshape(B * T)
+            return token_attention(q, ck, cv, table, positions, real, sliding_window=window)
         assert self._pages_read is not None
-        return paged_attention(q, ck, cv, self._table_bm, self._pos_b, self._pages_read)
+        return paged_attention(
+            q, ck, cv, self._table_bm, self._pos_b, self._pages_read, sliding_window=window
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -735,25 +867,28 @@ def _step_layer(
     pos_r: jax.Array,
     decode_r: jax.Array,
     chunks: StepChunks,
+    sliding_window: Any,
     kernel: str,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer of a ragged step on one shard: every row's key and value into its page, then
-    the decode part (the first rows, `_decode_layer`'s kernels) and the prompt chunks
-    (`chunk_attention`). Returns the attention [N, H, K] and the layer's pages."""
+    the decode part (the first rows, `_decode_layer`'s kernels: `ragged_attention` for a
+    layer with a ``sliding_window``) and the prompt chunks (`chunk_attention`). Returns the
+    attention [N, H, K] and the layer's pages."""
     offset = pos_n % ck.shape[2]
     ck = ck.at[:, page_n, offset].set(k_ngk.transpose(1, 0, 2).astype(ck.dtype), mode="drop")
     cv = cv.at[:, page_n, offset].set(v_ngk.transpose(1, 0, 2).astype(cv.dtype), mode="drop")
     R = pos_r.shape[0]
     q_r = q_nhk[:R]
-    if kernel == "pallas":
+    if sliding_window is None and kernel == "pallas":
         decoded = pallas_paged_attention(q_r, ck, cv, tables.table, pos_r, decode_r)
-    elif kernel == "triton":
+    elif sliding_window is None and kernel == "triton":
         decoded = triton_paged_attention(q_r, ck, cv, tables.table, pos_r, decode_r, interpret)
     else:
-        decoded = ragged_attention(q_r, ck, cv, tables.pairs, pos_r)
+        decoded = ragged_attention(q_r, ck, cv, tables.pairs, pos_r, sliding_window=sliding_window)
     decoded = jnp.where(decode_r[:, None, None], decoded, 0)
-    out = chunk_attention(q_nhk, ck, cv, chunks).at[:R].add(decoded)
+    chunked = chunk_attention(q_nhk, ck, cv, chunks, sliding_window=sliding_window)
+    out = chunked.at[:R].add(decoded)
     return out, ck, cv
 
 
@@ -764,7 +899,9 @@ class RaggedStep(LayerPools):
     pages (`StepRows`). ``attend(i, q, k, v)`` writes the rows' keys and values into layer
     i's buffer, then attends: the decode part by the decode kernel (`ragged_attention`, or
     the TPU / GPU kernel), the chunks by `chunk_attention`; each shard of the rows its own
-    pages, under ``jax.shard_map`` (nothing crosses chips). ``k`` and ``v`` then hold every
+    pages, under ``jax.shard_map`` (nothing crosses chips). ``attend(i, q, k, v,
+    sliding_window=W)``: a layer whose queries read only their last W positions (its decode
+    part by `ragged_attention`, whatever ``decode_kernel``). ``k`` and ``v`` then hold every
     layer's updated buffer, in order."""
 
     def __init__(
@@ -791,16 +928,18 @@ class RaggedStep(LayerPools):
         self._local = jax.shard_map(
             localize, mesh=mesh, in_specs=(split,), out_specs=split, check_vma=False
         )(rows)
-        self._layer = jax.shard_map(
+        self._layer = _layer_programs(
             partial(_step_layer, kernel=decode_kernel, interpret=platform_of(sharder) != "gpu"),
-            mesh=mesh,
-            in_specs=(heads, heads, heads, pages, pages, *(split,) * 6),
-            out_specs=(heads, pages, pages),
-            check_vma=False,
+            mesh,
+            (heads, heads, heads, pages, pages, *(split,) * 6),
+            (heads, pages, pages),
         )
         super().__init__(k_pools, v_pools)
 
-    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def attend(
+        self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, sliding_window: Any = None
+    ) -> jax.Array:
+        window = check_sliding_window(sliding_window)  # before the layer's one call is taken
         ck, cv = self.claim(i)
         page, tables, chunks = self._local
         rows = self._rows
@@ -816,6 +955,7 @@ class RaggedStep(LayerPools):
             rows.pos_r,
             rows.decode_r,
             chunks,
+            sliding_window=window,
         )
         self.put(i, ck, cv)
         return out[:, None]
