@@ -78,7 +78,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--model",
         default=None,
         help="a model preset instead of model.path's config.json: qwen2.5-0.5b, -1.5b, -3b, "
-        "-7b, -14b, -32b; qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b; qwen3-30b-a3b (MoE)",
+        "-7b, -14b, -32b; qwen3-0.6b, -1.7b, -4b, -8b, -14b, -32b; qwen3-30b-a3b (MoE); "
+        "gemma3-1b, -4b",
     )
     p.add_argument(
         "--tokens-per-trajectory",
@@ -144,7 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg: JarlConfig = load_config(args.config, list(args.overrides), unread=unread)
         if cfg.model.module:
             raise ConfigError(
-                f"model.module={cfg.model.module!r}: jarl plan compiles the decoder families "
+                f"model.module={cfg.model.module!r}: jarl plan compiles the checkpoint families "
                 "(--model or an HF model.path), not a custom policy"
             )
         if model is None:

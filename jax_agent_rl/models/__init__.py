@@ -1,11 +1,12 @@
-"""The decoder family (Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE): config, weights, forward,
-checkpoints; LoRA adapters (`Lora`; `jax_agent_rl.models.adapters` for PEFT folders and
-merging); the model seam the engine and the learner run (`Policy`, the object a run builds
-and hands them; `policy_of` of a bare `ModelConfig` is its family's; and the
-forward's contract: `Packed` or `Paged` rows in, a `Forward` out, `Routing` for experts; a
-Flax NNX module's adapter: `jax_agent_rl.models.nnx_policy`, which imports flax)."""
+"""The model families (the decoder's: Llama 3, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE; Gemma 3's:
+`Gemma3Policy`): config, weights, forward, HF checkpoints; LoRA adapters (`Lora`;
+`jax_agent_rl.models.adapters` for PEFT folders and merging); the model seam the engine and
+the learner run (`Policy`, the object a run builds and hands them; `policy_of` of a bare
+`ModelConfig` is its family's; and the forward's contract: `Packed` or `Paged` rows in, a
+`Forward` out, `Routing` for experts; a Flax NNX module's adapter:
+`jax_agent_rl.models.nnx_policy`, which imports flax)."""
 
-from jax_agent_rl.models.checkpoint import CheckpointError, hf_tensors, load_hf, save_hf
+from jax_agent_rl.models.checkpoint import CheckpointError
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.config_checks import UnsupportedConfigError
 from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
@@ -23,6 +24,8 @@ from jax_agent_rl.models.decoder import (
     param_shardings,
     param_specs,
 )
+from jax_agent_rl.models.gemma3 import Gemma3Policy
+from jax_agent_rl.models.hf_checkpoint import hf_tensors, load_hf, save_hf
 from jax_agent_rl.models.lora import Lora
 from jax_agent_rl.models.policy import (
     DecoderPolicy,
@@ -51,6 +54,7 @@ __all__ = [
     "CheckpointError",
     "DecoderPolicy",
     "Forward",
+    "Gemma3Policy",
     "KVPages",
     "Layer",
     "Llama3RopeScaling",

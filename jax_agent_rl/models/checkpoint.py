@@ -39,9 +39,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jax_agent_rl.files import regular_file
-from jax_agent_rl.models.config import DType, ModelConfig
-from jax_agent_rl.models.decoder import Layer, Weights, param_shardings, param_specs
-from jax_agent_rl.models.sharding import Sharder
+from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.decoder import is_spec
 
 Layout = Literal["copy", "flat", "linear"]
 Kind = Literal["every", "dense", "sparse"]  # the layers that hold a tensor
@@ -61,7 +60,7 @@ class TensorRule:
     kind: Kind = "every"
 
 
-_RULES = (
+DECODER_RULES = (
     TensorRule("model.embed_tokens.weight", "embed"),
     TensorRule("model.norm.weight", "final_norm"),
     TensorRule("lm_head.weight", "lm_head", "linear"),
@@ -104,7 +103,7 @@ _RULES = (
 def rule_of(ours: str) -> TensorRule:
     """The rule of our field ``ours`` ("layers.q", ...); LoRA adapters are named after the HF
     module of the weight they wrap (`jax_agent_rl.models.adapters`)."""
-    (rule,) = (r for r in _RULES if r.ours == ours)
+    (rule,) = (r for r in DECODER_RULES if r.ours == ours)
     return rule
 
 
@@ -137,16 +136,25 @@ def to_hf(rule: TensorRule, y: Any) -> Any:
 Index = tuple[int, ...]  # where a tensor goes in our stacked array: (layer,) or (layer, expert)
 
 
-def _entries(cfg: ModelConfig) -> Iterator[tuple[str, TensorRule, Index, tuple[int, ...]]]:
+def _spec_at(specs: Any, ours: str) -> Any:
+    """The `ParamSpec` at our dotted field ``ours`` of a policy's spec tree (None: absent)."""
+    node = specs
+    for part in ours.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+def _entries(
+    cfg: ModelConfig, specs: Any, rules: tuple[TensorRule, ...]
+) -> Iterator[tuple[str, TensorRule, Index, tuple[int, ...]]]:
     """(HF name, rule, index in our array (empty for a whole one), the tensor's shape on our
-    side) for every tensor of ``cfg``."""
-    specs = param_specs(cfg)
-    for rule in _RULES:
-        path = rule.ours.split(".")
-        spec = getattr(specs, path[0]) if len(path) == 1 else getattr(specs.layers, path[1])
+    side) for every tensor of a policy of ``cfg`` whose parameters ``specs`` declares and whose
+    HF names ``rules`` gives."""
+    for rule in rules:
+        spec = _spec_at(specs, rule.ours)
         if spec is None:
             continue
-        if len(path) == 1:
+        if "." not in rule.ours:
             yield rule.hf, rule, (), spec.shape
             continue
         for i, sparse in enumerate(cfg.moe_layers):
@@ -320,19 +328,14 @@ def _locate(path: Path) -> dict[str, _Stored]:
     return seen
 
 
-def load_hf(
-    path: str | Path, dtype: DType = "float32", *, sharder: Sharder
-) -> tuple[ModelConfig, Weights]:
-    """Loads a local HF checkpoint folder (config.json + safetensors) into `Weights`.
+def read_hf(path: Path, cfg: ModelConfig, specs: Any, rules: tuple[TensorRule, ...]) -> Any:
+    """The parameters (host arrays in ``cfg``'s dtype, the tree of ``specs``) of a policy of
+    ``cfg`` from the checkpoint folder ``path`` by its HF table ``rules``.
 
-    Every tensor's name, dtype and shape are checked against the config from the files'
-    headers before any data is read. Tensors are cast to ``dtype`` (one that holds NaN or inf
-    after the cast is refused) and placed with their shardings on ``sharder``'s mesh.
-    """
-    path = Path(path)
-    cfg = ModelConfig.from_pretrained(path, dtype=dtype)
+    Every tensor's name, dtype and shape are checked from the files' headers before any data
+    is read; a tensor that holds NaN or inf after the cast to ``cfg``'s dtype is refused."""
     where = _locate(path)
-    entries = list(_entries(cfg))
+    entries = list(_entries(cfg, specs, rules))
     expected = {name for name, *_ in entries}
     tied_head = cfg.tie_embeddings and "lm_head.weight" in where
     unexpected = sorted(set(where) - expected - ({"lm_head.weight"} if tied_head else set()))
@@ -362,7 +365,6 @@ def load_hf(
         return handles[file].get_tensor(name)
 
     stacked: dict[str, np.ndarray] = {}
-    specs = param_specs(cfg)
     for name, rule, index, shape in entries:
         y = to_ours(rule, read(name), shape).astype(np_dtype)
         if not np.isfinite(y).all():  # (NaN weights served and trained NaN in silence)
@@ -373,8 +375,7 @@ def load_hf(
             stacked[rule.ours] = y
         else:
             if rule.ours not in stacked:  # zeros: a mixed MoE model's unused set stays so
-                full = getattr(specs.layers, rule.ours.split(".")[1]).shape
-                stacked[rule.ours] = np.zeros(full, np_dtype)
+                stacked[rule.ours] = np.zeros(_spec_at(specs, rule.ours).shape, np_dtype)
             stacked[rule.ours][index] = y
     if tied_head:
         head = read("lm_head.weight").astype(np_dtype)
@@ -382,33 +383,23 @@ def load_hf(
             raise CheckpointError(
                 "lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings=true"
             )
-
-    layer_fields: dict[str, Any] = {
-        f.name: stacked.get(f"layers.{f.name}") for f in dataclasses.fields(Layer)
-    }
-    weights = Weights(
-        embed=stacked["embed"],
-        layers=Layer(**layer_fields),
-        final_norm=stacked["final_norm"],
-        lm_head=stacked.get("lm_head"),
-    )
-    return cfg, jax.device_put(weights, param_shardings(cfg, sharder))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    names = [".".join(str(getattr(k, "name", k)) for k in keys) for keys, _ in leaves]
+    return jax.tree.unflatten(treedef, [stacked[n] for n in names])
 
 
-def hf_tensors(
-    cfg: ModelConfig, weights: Weights, on_device: bool = False
+def hf_tensors_of(
+    cfg: ModelConfig,
+    specs: Any,
+    rules: tuple[TensorRule, ...],
+    weights: Any,
+    on_device: bool = False,
 ) -> Iterator[tuple[str, Any]]:
-    """Every tensor of ``weights`` under its HF name and layout, in the model dtype: host
-    numpy, or with ``on_device`` JAX arrays on the weights' device (the CUDA push). A model
-    with LoRA adapters has none: merge them first (`adapters.merge`) or write them apart."""
-    if cfg.lora is not None:
-        raise ValueError(
-            "the weights carry LoRA adapters, which an HF checkpoint has no tensor for: merge "
-            "them into the base (adapters.merge) or write them as a PEFT adapter (save_peft)"
-        )
-    for name, rule, index, _ in _entries(cfg):
-        path = rule.ours.split(".")
-        value = getattr(weights, path[0]) if len(path) == 1 else getattr(weights.layers, path[1])
+    """Every tensor of ``weights`` (a policy's, declared by ``specs``; ``rules`` its HF table)
+    under its HF name and layout, in the model dtype: host numpy, or with ``on_device`` JAX
+    arrays on the weights' device (the CUDA push)."""
+    for name, rule, index, _ in _entries(cfg, specs, rules):
+        value = _spec_at(weights, rule.ours)
         arr = value[index] if index else value
         yield name, to_hf(rule, arr if on_device else np.asarray(jax.device_get(arr)))
 
@@ -443,20 +434,20 @@ class GenerationConfig:
         return out
 
 
-def save_hf(
-    path: str | Path,
-    cfg: ModelConfig,
-    weights: Weights,
-    max_shard_bytes: int = 2 * 1024**3,
-    generation: GenerationConfig | None = None,
+def write_hf(
+    path: Path,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    config: dict[str, Any],
+    max_shard_bytes: int,
+    generation: GenerationConfig | None,
 ) -> None:
-    """Writes config.json and safetensors (sharded with an index when over ``max_shard_bytes``);
-    with ``generation``, also its token ids in config.json and ``generation_config.json``."""
-    path = Path(path)
+    """Writes ``tensors`` as safetensors (sharded with an index when over ``max_shard_bytes``)
+    and ``config`` as config.json; with ``generation``, also its token ids in config.json and
+    ``generation_config.json``."""
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, arr in hf_tensors(cfg, weights):
+    for name, arr in tensors:
         if shards[-1] and size + arr.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
@@ -474,9 +465,8 @@ def save_hf(
         total = sum(a.nbytes for s in shards for a in s.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = cfg.to_hf()
     if generation is not None:
-        config.update(generation.token_ids())
+        config = {**config, **generation.token_ids()}
         (path / "generation_config.json").write_text(
             json.dumps(generation.to_hf(), indent=2) + "\n"
         )

@@ -14,6 +14,7 @@ multiple of ``decoder_sparse_step``; the others are dense MLPs of ``intermediate
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -32,7 +33,7 @@ from jax_agent_rl.models.config_checks import (
 from jax_agent_rl.models.lora import MLP_TARGETS, Lora
 from jax_agent_rl.models.rope import MAX_POSITIONS, Llama3RopeScaling, rope_from_hf
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
 DType = Literal["float32", "bfloat16"]
 
 # model_type -> (q/k/v bias by default, q/k RMSNorm)
@@ -43,6 +44,9 @@ _FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen3_moe": (False, True),
 }
 _MOE_FAMILIES = frozenset({"qwen3_moe"})
+# model_type -> the module of a family with a policy of its own (`policy.policy_of`), whose
+# ``config_from_hf`` reads its config.json into a `ModelConfig` with its ``arch`` settings
+_OWN_FAMILIES = {"gemma3_text": "jax_agent_rl.models.gemma3"}
 
 # Fields that describe the checkpoint or the HF runtime but do not change the forward pass.
 _METADATA_FIELDS = frozenset(
@@ -172,7 +176,9 @@ class ModelConfig:
     config (``model.lora`` of a run adds them). ``exact_pages``: 0, or the page size of the
     engine whose logprobs the training forward reproduces bit for bit (`model.exact_logprobs`
     of a run: the training attention reads keys in pages of that size as decode does,
-    `models.paged.exact_attention`; `EXACT_OPTIONS` compile both)."""
+    `models.paged.exact_attention`; `EXACT_OPTIONS` compile both). ``arch``: the settings
+    of a family with a module of its own (`_OWN_FAMILIES`; Gemma 3: `gemma3.Gemma3Layout`),
+    frozen data, None for the decoder's families; its ``to_hf`` writes its config.json."""
 
     family: Family
     vocab_size: int
@@ -199,8 +205,14 @@ class ModelConfig:
     dtype: DType = "float32"
     lora: Lora | None = None
     exact_pages: int = 0
+    arch: Any = None
 
     def __post_init__(self) -> None:
+        if (self.arch is None) != (self.family in _FAMILIES):
+            raise UnsupportedConfigError(
+                f"a {self.family} config {'needs' if self.arch is None else 'takes no'} "
+                "architecture settings (arch)"
+            )
         for field, (key, bound) in _SIZE_BOUNDS.items():
             check_size(key if key == field else f"{key} ({field})", getattr(self, field), bound)
         # stored as floats (config.json may write 10000 for 10000.0)
@@ -348,9 +360,14 @@ class ModelConfig:
                 f"expected a JSON object of config fields, got the {type(hf).__name__} {shown(hf)}"
             )
         model_type = hf.get("model_type")
+        if isinstance(model_type, str) and model_type in _OWN_FAMILIES:
+            family = importlib.import_module(_OWN_FAMILIES[model_type])
+            own: ModelConfig = family.config_from_hf(hf, dtype)
+            return own
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
+            supported = sorted({*_FAMILIES, *_OWN_FAMILIES})
             raise UnsupportedConfigError(
-                f"model_type={shown(model_type)} is not supported (supported: {sorted(_FAMILIES)})"
+                f"model_type={shown(model_type)} is not supported (supported: {supported})"
             )
         allowed = _METADATA_FIELDS | _MODEL_FIELDS
         if model_type in _MOE_FAMILIES:
@@ -450,6 +467,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` this config round-trips through (transformers >= 5 layout)."""
+        if self.arch is not None:
+            hf_of_own: dict[str, Any] = self.arch.to_hf(self)
+            return hf_of_own
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}

@@ -233,7 +233,7 @@ def init_pages(
     )
 
 
-def layer_list(layers: Layer | tuple[Layer, ...]) -> tuple[Layer, ...]:
+def layer_list(layers: Any) -> tuple[Any, ...]:
     """Each layer's weights on their own: ``layers`` as they are if they are a tuple already,
     else the stacked tree sliced (copies)."""
     if isinstance(layers, tuple):
@@ -242,9 +242,10 @@ def layer_list(layers: Layer | tuple[Layer, ...]) -> tuple[Layer, ...]:
     return tuple(jax.tree.map(lambda x: x[i], layers) for i in range(n))  # noqa: B023
 
 
-def stacked_layers(layers: Layer | tuple[Layer, ...]) -> Layer:
-    """The layers as one tree stacked on a leading L axis (``layers`` itself if it is one)."""
-    if isinstance(layers, Layer):
+def stacked_layers(layers: Any) -> Any:
+    """The layers as one tree stacked on a leading L axis (``layers`` itself if it is one,
+    not a tuple of per-layer trees: `serving_layout`'s)."""
+    if not isinstance(layers, tuple):
         return layers
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 

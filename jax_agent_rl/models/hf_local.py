@@ -114,6 +114,52 @@ TINY_QWEN3_MOE: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 
+# Small Gemma 3 text models (`gemma3`): local layers of a 5-position window (short tests cross
+# it and page boundaries), a global layer between; the 1B's shape (scores scaled by
+# head_dim ** -0.5, no RoPE scaling) and the 4B's (query_pre_attn_scalar apart from head_dim,
+# the global layers' RoPE scaled linearly by 8).
+_LOCAL, _GLOBAL = "sliding_attention", "full_attention"
+TINY_GEMMA3: dict[str, dict[str, Any]] = {
+    "gemma3-1b": dict(
+        model_type="gemma3_text",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=5,
+        layer_types=[_LOCAL, _LOCAL, _GLOBAL, _LOCAL],
+        rope_parameters={
+            _LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
+            _GLOBAL: {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    ),
+    "gemma3-4b": dict(
+        model_type="gemma3_text",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=[_LOCAL, _GLOBAL, _LOCAL],
+        rope_parameters={
+            _LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
+            _GLOBAL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    ),
+}
+
 # The benchmark model: Qwen2-style, ~40M parameters.
 SMALL_QWEN2: dict[str, Any] = dict(
     model_type="qwen2",

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 
 from jax_agent_rl.models import decoder
 from jax_agent_rl.models.adapters import adapters_of, base_of, with_adapters
-from jax_agent_rl.models.checkpoint import hf_tensors
+from jax_agent_rl.models.checkpoint import DECODER_RULES, TensorRule, hf_tensors_of
 from jax_agent_rl.models.config import ModelConfig
 from jax_agent_rl.models.contract import NO_ROUTING, Experts, Forward, Packed, Paged, Routing
+from jax_agent_rl.models.gemma3 import Gemma3Policy
 from jax_agent_rl.models.sharding import Sharder
 
 
@@ -168,13 +169,27 @@ class DecoderPolicy:
     def logits(self, params: Any, h_btd: jax.Array) -> jax.Array:
         return decoder.lm_logits(params, h_btd)
 
+    def hf_rules(self) -> tuple[TensorRule, ...]:
+        return DECODER_RULES
+
     def hf_tensors(self, params: Any, on_device: bool = False) -> Iterator[tuple[str, Any]]:
-        return hf_tensors(self.cfg, params, on_device)
+        if self.cfg.lora is not None:
+            raise ValueError(
+                "the weights carry LoRA adapters, which an HF checkpoint has no tensor for: "
+                "merge them into the base (adapters.merge) or write them as a PEFT adapter "
+                "(save_peft)"
+            )
+        return hf_tensors_of(self.cfg, self.specs(), DECODER_RULES, params, on_device)
+
+
+def family_policy(cfg: ModelConfig) -> DecoderPolicy | Gemma3Policy:
+    """The policy of ``cfg``'s family: Gemma 3's (`gemma3`), else the decoder's."""
+    return Gemma3Policy(cfg) if cfg.family == "gemma3_text" else DecoderPolicy(cfg)
 
 
 def policy_of(model: ModelConfig | Policy) -> Policy:
-    """``model`` itself if it is a policy; a `ModelConfig`'s decoder family's."""
-    return DecoderPolicy(model) if isinstance(model, ModelConfig) else model
+    """``model`` itself if it is a policy; a `ModelConfig`'s family's (`family_policy`)."""
+    return family_policy(model) if isinstance(model, ModelConfig) else model
 
 
 def policy_shardings(policy: Policy, sharder: Sharder) -> Any:
@@ -194,11 +209,10 @@ def init_policy(key: jax.Array, policy: Policy, sharder: Sharder) -> Any:
     return init(key, policy.cfg.jnp_dtype)
 
 
-def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> decoder.Weights:
-    """Random weights of ``cfg``'s decoder (`decoder.initial_params`: HF's scheme) in its
-    dtype, laid out by ``sharder``."""
-    weights: decoder.Weights = init_policy(key, DecoderPolicy(cfg), sharder)
-    return weights
+def init_params(key: jax.Array, cfg: ModelConfig, sharder: Sharder) -> Any:
+    """Random weights of ``cfg``'s family (HF's scheme: `Policy.init`) in its dtype, laid out
+    by ``sharder``."""
+    return init_policy(key, family_policy(cfg), sharder)
 
 
 def head_logits(head_vd: jax.Array, h_btd: jax.Array) -> jax.Array:

@@ -2,7 +2,8 @@
 
 Each preset is the architecture part of the model's ``config.json`` on the Hugging Face Hub
 (Qwen/Qwen2.5-<size>-Instruct and Qwen/Qwen3-<size>: the dense models; Qwen/Qwen3-30B-A3B: the
-mixture of experts), read by
+mixture of experts; google/gemma-3-1b-it and google/gemma-3-4b-it's text part: Gemma 3, in the
+Hub's older config layout), read by
 `ModelConfig.from_hf` as a checkpoint's would be. Only shapes matter to a plan: no weights.
 """
 
@@ -48,6 +49,33 @@ def _qwen3(hidden: int, mlp: int, layers: int, heads: int, tied: bool) -> dict[s
     }
 
 
+def _gemma3(
+    hidden: int, mlp: int, layers: int, heads: int, kv: int, vocab: int, window: int
+) -> dict[str, Any]:
+    return {
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": mlp,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 256,
+        "vocab_size": vocab,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": window,
+        "sliding_window_pattern": 6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "max_position_embeddings": 32768,
+    }
+
+
 # name -> config.json (architecture fields) of the Hub checkpoint
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, tied=True),
@@ -74,6 +102,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "router_aux_loss_coef": 0.001,
+    },
+    # local layers of a 512-position window, every sixth global
+    "gemma3-1b": _gemma3(1152, 6912, 26, 4, 1, 262144, 512),
+    # the 4B's language model: a 1024-position window, the global layers' RoPE scaled by 8
+    "gemma3-4b": {
+        **_gemma3(2560, 10240, 34, 8, 4, 262208, 1024),
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "max_position_embeddings": 131072,
     },
 }
 

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.engine.programs import abstract_programs
 from jax_agent_rl.models import (
-    DecoderPolicy,
     ModelConfig,
     Sharder,
     abstract_params,
     inference_mesh,
     make_mesh,
+    policy_of,
 )
 from jax_agent_rl.models.adapters import adapters_of, serving_adapters
 from jax_agent_rl.models.decoder import ATTN_BLOCK
@@ -222,9 +222,7 @@ def _traffic(
 def _trains(model: ModelConfig, compute_dtype: str, state: TrainState) -> dict[str, Any]:
     """`Program`'s ``trained`` and ``optimizer`` of a policy's train ``state``, and what the
     step trains in words."""
-    n = sum(
-        math.prod(x.shape) for x in jax.tree.leaves(trainable(DecoderPolicy(model), state.params))
-    )
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(trainable(policy_of(model), state.params)))
     what = "every weight"
     if model.lora is not None:
         base = "bfloat16" if compute_dtype == "bfloat16" else "float32"
@@ -348,7 +346,7 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     builds its engine, for TPU."""
     r, tensor = cfg.engine, cfg.mesh.tensor
     serving = Sharder(inference_mesh(sharder.mesh))
-    engine = make_engine(r, DecoderPolicy(model), cfg.model.dtype, serving)
+    engine = make_engine(r, policy_of(model), cfg.model.dtype, serving)
     served = dataclasses.replace(model, dtype=cfg.model.dtype)
     programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
     load_fn, _, _ = programs["load_params"]

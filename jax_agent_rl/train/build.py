@@ -44,11 +44,11 @@ from jax_agent_rl.data.datasets import PromptSampler
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import (
-    DecoderPolicy,
     ModelConfig,
     Policy,
     Sharder,
     load_hf,
+    policy_of,
 )
 from jax_agent_rl.protocol import RolloutBackend
 from jax_agent_rl.rewards import Judge, Scorer, make_reward
@@ -433,7 +433,7 @@ def make_judge(
             dataclasses.replace(
                 cfg.engine, backend=section.backend, max_concurrent=section.max_concurrency
             ),
-            DecoderPolicy(model),
+            policy_of(model),
             params,
             checkpoint=section.model_path,
             dtype=cfg.model.dtype,

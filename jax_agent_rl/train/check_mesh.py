@@ -8,7 +8,14 @@ import math
 import jax
 
 from jax_agent_rl.config import JarlConfig, MeshSection
-from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, ShardingRules, policy_of
+from jax_agent_rl.models import (
+    DecoderPolicy,
+    Gemma3Policy,
+    ModelConfig,
+    Policy,
+    ShardingRules,
+    policy_of,
+)
 from jax_agent_rl.models.decoder import is_spec
 
 # the ModelConfig field behind each logical axis a mesh axis may shard
@@ -125,7 +132,8 @@ def mesh_problems(mesh: MeshSection, model: ModelConfig | Policy, devices: int) 
 def _dimension(model: ModelConfig | Policy, logical: str, size: int) -> str:
     """A sharded dimension as the user knows it: a decoder's config field, a custom policy's
     logical axis (its sizes are its module's, not the config's fields)."""
-    if not isinstance(policy_of(model), DecoderPolicy) or logical not in _MODEL_FIELDS:
+    family = isinstance(policy_of(model), DecoderPolicy | Gemma3Policy)
+    if not family or logical not in _MODEL_FIELDS:
         return f"the policy's {logical!r} dimension ({size})"
     return f"model {_MODEL_FIELDS[logical]}={size}"
 

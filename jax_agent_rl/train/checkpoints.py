@@ -21,12 +21,12 @@ import orbax.checkpoint as ocp
 from jax_agent_rl.config import JarlConfig
 from jax_agent_rl.models import (
     CheckpointError,
-    DecoderPolicy,
     ModelConfig,
     Policy,
     Weights,
     abstract_policy,
     one_device_sharder,
+    policy_of,
 )
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.train.learners import run_model
@@ -142,7 +142,7 @@ def saved_policy(run_dir: Path, cfg: JarlConfig, step: int) -> tuple[Policy, Wei
             tokenizer = Tokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
             policy = module_policy(cfg, tokenizer)
         else:
-            policy = DecoderPolicy(run_model(cfg, ModelConfig.from_pretrained(cfg.model.path)))
+            policy = policy_of(run_model(cfg, ModelConfig.from_pretrained(cfg.model.path)))
         target = {"params": abstract_policy(policy, one_device_sharder())}
         params = checkpoints.restore_part(step, "policy", target)["params"]
         # (a LoRA run computing in bfloat16 keeps its frozen base so: `master_weights`)

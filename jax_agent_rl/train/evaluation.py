@@ -37,12 +37,12 @@ from jax_agent_rl.console import progress
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import Environments, make_environments
 from jax_agent_rl.models import (
-    DecoderPolicy,
     ModelConfig,
     Policy,
     Weights,
     load_hf,
     one_device_sharder,
+    policy_of,
     request_cpu_devices,
 )
 from jax_agent_rl.rewards import Scorer
@@ -381,7 +381,7 @@ def load_policy(target: EvalTarget) -> Evaluated:
         )
     else:
         model, params = load_hf(cfg.model.path, "float32", sharder=one_device_sharder())
-        policy = DecoderPolicy(model)
+        policy = policy_of(model)
     return Evaluated(policy, params, tokenizer)
 
 

@@ -18,7 +18,7 @@ import jax
 from jax_agent_rl.config import JarlConfig, MeshSection
 from jax_agent_rl.engine import page_bytes, pool_pages
 from jax_agent_rl.engine.sampling import VOCAB_CHUNK
-from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, ShardingRules
+from jax_agent_rl.models import ModelConfig, Policy, ShardingRules, policy_of
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.models.paged import PAGE_AXES
 from jax_agent_rl.train.learners import run_model
@@ -145,7 +145,7 @@ def plan_memory(cfg: JarlConfig, model: ModelConfig | Policy, processes: int = 1
     of the devices. ``model``: a checkpoint's (``model.lora``'s adapters added here), or a
     custom policy."""
     m = cfg.mesh
-    policy = DecoderPolicy(run_model(cfg, model)) if isinstance(model, ModelConfig) else model
+    policy = policy_of(run_model(cfg, model)) if isinstance(model, ModelConfig) else model
     model, specs = policy.cfg, policy.specs()
     base = _per_device_bytes(policy.base(specs), m, 4)
     fp32 = _per_device_bytes(specs, m, 4)

@@ -20,7 +20,7 @@ from jax_agent_rl.config import ConfigError, JarlConfig, ModelSection
 from jax_agent_rl.data.datasets import SUFFIXES, DatasetError, load_samples
 from jax_agent_rl.data.sample import Sample
 from jax_agent_rl.envs import EnvError, Environments
-from jax_agent_rl.models import DecoderPolicy, ModelConfig, Policy, Sharder, make_mesh
+from jax_agent_rl.models import ModelConfig, Policy, Sharder, make_mesh, policy_of
 from jax_agent_rl.rewards import make_reward
 from jax_agent_rl.tokenization import Tokenizer
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -96,12 +96,12 @@ def run_tokenizer(section: ModelSection, checkpoint: ModelConfig | None) -> Toke
     return tokenizer
 
 
-def lora_model(cfg: JarlConfig, checkpoint: ModelConfig) -> ModelConfig:
-    """The model a run of an HF checkpoint trains: the checkpoint's, with ``model.lora``'s
-    adapters (`learners.run_model`); adapters the model cannot carry (a MoE's expert MLPs), or
-    not the adapter folder's, are the problem."""
+def lora_model(cfg: JarlConfig, checkpoint: ModelConfig) -> Policy:
+    """The policy a run of an HF checkpoint trains: the checkpoint family's, with
+    ``model.lora``'s adapters (`learners.run_model`); adapters the model cannot carry (a MoE's
+    expert MLPs, a family without adapters), or not the adapter folder's, are the problem."""
     try:
-        return run_model(cfg, checkpoint)
+        return policy_of(run_model(cfg, checkpoint))
     except ValueError as e:
         raise ConfigError(f"model.lora: {e}") from None
 
@@ -203,4 +203,4 @@ def policy_and_tokenizer(cfg: JarlConfig) -> tuple[Policy, Tokenizer]:
         tokenizer = run_tokenizer(cfg.model, None)
         return custom_policy(cfg, tokenizer), tokenizer
     checkpoint = checkpoint_model(cfg.model.path)
-    return DecoderPolicy(lora_model(cfg, checkpoint)), run_tokenizer(cfg.model, checkpoint)
+    return lora_model(cfg, checkpoint), run_tokenizer(cfg.model, checkpoint)

@@ -86,7 +86,7 @@ def test_a_module_policy_needs_only_a_tokenizer_folder(
     """model.path is then only the tokenizer's folder: `jarl train --dry-run` checks the
     module's model (its memory plan printed) with no checkpoint there (before: refused as a
     folder without config.json, and the plan was that of the folder's decoder); `jarl plan`
-    says by name that it compiles the decoder families only."""
+    says by name that it compiles the checkpoint families only."""
     folder = tmp_path / "tokenizer"
     folder.mkdir()
     for f in task.model.iterdir():
@@ -98,7 +98,7 @@ def test_a_module_policy_needs_only_a_tokenizer_folder(
     err = capsys.readouterr().err
     assert "# ok:" in err and "memory per device" in err, err[-2000:]
     assert main(["plan", str(DEMO_CONFIG), *argv, "--topology", "v5e:2x2"]) == 2
-    assert "jarl plan compiles the decoder families" in capsys.readouterr().err
+    assert "jarl plan compiles the checkpoint families" in capsys.readouterr().err
 
 
 def test_the_engine_and_the_learner_compute_the_same_logits() -> None:
