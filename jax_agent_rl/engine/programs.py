@@ -5,6 +5,7 @@ the engine lays out the real ones."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,27 +15,24 @@ import numpy as np
 
 from jax_agent_rl.engine.engine import Engine
 from jax_agent_rl.engine.state import slot_axes
-from jax_agent_rl.models import Layer, ModelConfig, Sharder, Weights, param_specs
+from jax_agent_rl.models import Policy, Sharder, Weights, policy_shardings
 from jax_agent_rl.models.decoder import is_spec
 from jax_agent_rl.protocol import SamplingParams
 
 Program = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def serving_shardings(cfg: ModelConfig, sharder: Sharder) -> Weights:
-    """The layout of `serving_layout`'s weights: each layer's by its declared logical axes
-    less the stacked one, the head [D, V] by ("embed", "vocab")."""
-    specs = param_specs(cfg)
-
-    layer: Layer = jax.tree.map(
+def serving_shardings(policy: Policy, sharder: Sharder) -> Any:
+    """The layout of a checkpoint family's `serving_layout` (`DecoderPolicy`, `Gemma3Policy`:
+    ``embed``, stacked ``layers``, ``final_norm``, ``lm_head``): each layer's weights by their
+    declared logical axes less the stacked one, the head [D, V] by ("embed", "vocab")."""
+    specs, cfg = policy.specs(), policy.cfg
+    layer = jax.tree.map(
         lambda s: sharder.sharding(s.logical_axes[1:], s.shape[1:]), specs.layers, is_leaf=is_spec
     )
     head = sharder.sharding(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size))
-    return Weights(
-        embed=sharder.sharding(specs.embed.logical_axes, specs.embed.shape),
-        layers=(layer,) * cfg.num_layers,
-        final_norm=sharder.sharding(specs.final_norm.logical_axes, specs.final_norm.shape),
-        lm_head=head,
+    return dataclasses.replace(
+        policy_shardings(policy, sharder), layers=(layer,) * cfg.num_layers, lm_head=head
     )
 
 
@@ -50,7 +48,7 @@ def abstract_programs(engine: Engine, params: Weights, num_steps: int) -> dict[s
     serving = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         serving,
-        serving_shardings(engine.cfg, engine.sharder),
+        serving_shardings(engine.policy, engine.sharder),
     )
     slots = jax.eval_shape(lambda: engine._request_slots(SamplingParams(max_tokens=1), 0, 0))
 

@@ -328,7 +328,8 @@ class ModelConfig:
         per_layer = attn + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         mlps = (self.num_layers - sparse) * 3 * d * f + sparse * moe
-        return self.num_layers * per_layer + mlps + self.vocab_size * d + head + d
+        own = 0 if self.arch is None else self.arch.extra_params(self)  # (Gemma's 2 norms more)
+        return self.num_layers * per_layer + mlps + self.vocab_size * d + head + d + own
 
     @property
     def active_params(self) -> int:

@@ -103,6 +103,11 @@ class Gemma3Layout:
         """Layer ``i``'s sliding window (None: a global layer)."""
         return self.sliding_window if self.sliding[i] else None
 
+    def extra_params(self, c: ModelConfig) -> int:
+        """Parameters beyond `ModelConfig.num_params`' decoder count: the norms after the
+        attention and after the MLP."""
+        return 2 * c.num_layers * c.hidden_size
+
     def to_hf(self, c: ModelConfig) -> dict[str, Any]:
         """The ``config.json`` of ``c`` (this its ``arch``), transformers 5's layout."""
         full: dict[str, Any] = {"rope_type": "default", "rope_theta": self.global_theta}

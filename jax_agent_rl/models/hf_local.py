@@ -160,6 +160,29 @@ TINY_GEMMA3: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The demo model's size (`cli.demo.MODEL`) in Gemma 3's layout, with a window of 16 positions
+# (the demo's prompts are ~200 tokens): the RL run of tests/train/test_gemma3_run.py and the TPU
+# plan of tests/plan/test_plan.py; ``vocab_size`` is the tokenizer's.
+DEMO_GEMMA3: dict[str, Any] = dict(
+    model_type="gemma3_text",
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    sliding_window=16,
+    layer_types=[_LOCAL, _GLOBAL, _LOCAL],
+    rope_parameters={
+        _LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
+        _GLOBAL: {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+
 # The benchmark model: Qwen2-style, ~40M parameters.
 SMALL_QWEN2: dict[str, Any] = dict(
     model_type="qwen2",

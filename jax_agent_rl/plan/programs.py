@@ -27,7 +27,7 @@ from jax_agent_rl.engine.programs import abstract_programs
 from jax_agent_rl.models import (
     ModelConfig,
     Sharder,
-    abstract_params,
+    abstract_policy,
     inference_mesh,
     make_mesh,
     policy_of,
@@ -348,9 +348,11 @@ def engine_programs(cfg: JarlConfig, model: ModelConfig, sharder: Sharder) -> li
     serving = Sharder(inference_mesh(sharder.mesh))
     engine = make_engine(r, policy_of(model), cfg.model.dtype, serving)
     served = dataclasses.replace(model, dtype=cfg.model.dtype)
-    programs = abstract_programs(engine, abstract_params(served, serving), r.steps_per_call)
+    programs = abstract_programs(
+        engine, abstract_policy(policy_of(served), serving), r.steps_per_call
+    )
     load_fn, _, _ = programs["load_params"]
-    learner_params = abstract_params(dataclasses.replace(model, dtype="float32"), sharder)
+    learner_params = abstract_policy(policy_of(model).in_dtype("float32"), sharder)
     out_layout = jax.tree.map(lambda x: x.sharding, programs["step"][1][0])
     dtype = served.jnp_dtype
     pushed: Any  # the learner's weights, or a LoRA policy's adapters

@@ -231,3 +231,24 @@ def test_lora_on_gemma_is_refused_by_name(checkpoints: dict[str, Path]) -> None:
     cfg = ModelConfig.from_pretrained(checkpoints["gemma3-1b"])
     with pytest.raises(UnsupportedConfigError, match="LoRA adapters on Gemma 3"):
         policy_of(dataclasses.replace(cfg, lora=Lora(rank=2, alpha=4.0, targets=("q",))))
+
+
+@pytest.mark.parametrize("preset", ["gemma3-1b", "gemma3-4b"])
+def test_the_plan_presets_are_transformers_models_of_the_same_size(preset: str) -> None:
+    """`jarl plan --model gemma3-1b / -4b`: transformers builds the same config.json (on the
+    meta device: no memory) into a model of exactly the parameters ours declares."""
+    import math
+
+    from jax_agent_rl.models.decoder import is_spec
+    from jax_agent_rl.plan import PRESETS, preset_model
+
+    cfg = preset_model(preset)
+    fields = {k: v for k, v in PRESETS[preset].items() if k != "model_type"}
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("gemma3_text", **fields)
+        )
+    count = sum(p.numel() for p in theirs.parameters())
+    specs = jax.tree.leaves(policy_of(cfg).specs(), is_leaf=is_spec)
+    assert sum(math.prod(s.shape) for s in specs) == cfg.num_params == count
+    assert count == {"gemma3-1b": 999_885_952, "gemma3-4b": 3_880_263_168}[preset]

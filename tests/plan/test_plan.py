@@ -367,3 +367,24 @@ def test_the_verdict_names_the_runs_peak_as_the_runs() -> None:
         "does not fit: the run needs 19.0 GiB per chip of 16 (over by 3.0) (resident 13.0 + "
         "rl_update's temporaries and outputs 6.0)",
     )
+
+
+def test_a_gemma3_run_compiles_for_a_tpu_and_fits(tmp_path: Path) -> None:
+    """Gemma 3 through the same programs (`models.gemma3`: its local layers' windows in the
+    RL update, the ragged step and decode; the decode kernel for its global layers only): the
+    demo's run with the demo-sized Gemma 3 compiles for v5e:2x2 and fits."""
+    from jax_agent_rl.models.hf_local import DEMO_GEMMA3
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**DEMO_GEMMA3, "vocab_size": CHECKPOINTS["tiny"][1]})
+    )
+    done = jarl_plan(str(DEMO), *TINY_RUN, f"model.path={tmp_path}", "--topology", "v5e:2x2")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"fits: [\d.]+ GiB per chip of 16 on v5e:2x2 \(mesh data=4 fsdp=1 tensor=1\)", lines[-1]
+    )
+    assert all(
+        any(line.startswith(f"{name}: ") for line in lines)
+        for name in ("rl_update", "sft_step", "weight_push", "step", "decode")
+    )

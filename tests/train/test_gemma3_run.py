@@ -1,11 +1,12 @@
-"""A tiny random Gemma 3 (`models.gemma3`: local layers of a 16-position window, a global one
-between) through a whole run of the demo's config, as a user runs it with ``model.path`` at a
-Gemma 3 checkpoint: SFT steps, GRPO steps over multi-turn calculator rollouts from the
-embedded engine, the export. Nothing in the run knows the family but the checkpoint's
-config.json: the engine, the learner and the push reach the model through its policy.
+"""A tiny random Gemma 3 (`hf_local.DEMO_GEMMA3`: local layers of a 16-position window, a
+global one between) through a whole run of the demo's config, as a user runs it with
+``model.path`` at a Gemma 3 checkpoint: SFT steps, GRPO steps over multi-turn calculator
+rollouts from the embedded engine, the export. Nothing in the run knows the family but the
+checkpoint's config.json: the engine, the learner and the push reach the model through its
+policy.
 
 What is checked: the steps ran with finite losses; the sampler's logprobs are the learner's
-(fp32 on both sides, rollouts of ~100 tokens crossing the window: within 1e-4, the parity
+(fp32 on both sides, prompts of ~200 tokens crossing the window: within 1e-4, the parity
 tolerance of `tests/models/test_gemma3.py`); the parameters moved; the exported folder is a
 Gemma 3 checkpoint that transformers reads to the logits our policy computes from it."""
 
@@ -21,6 +22,7 @@ from jax_agent_rl.cli.demo import prepare
 from jax_agent_rl.config import load_config
 from jax_agent_rl.data.arithmetic import ArithmeticTask
 from jax_agent_rl.models import Packed, load_hf, policy_of
+from jax_agent_rl.models.hf_local import DEMO_GEMMA3
 from jax_agent_rl.models.sharding import one_device_sharder
 from jax_agent_rl.train import train
 from jax_agent_rl.train.metrics import read_metrics
@@ -30,32 +32,13 @@ from tests.train.test_configs import tiny
 pytestmark = pytest.mark.compute_bound
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCAL, GLOBAL = "sliding_attention", "full_attention"
-# the demo model's size (`cli.demo.MODEL`) in Gemma 3's layout
-GEMMA3 = dict(
-    model_type="gemma3_text",
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    query_pre_attn_scalar=64,
-    sliding_window=16,
-    layer_types=[LOCAL, GLOBAL, LOCAL],
-    rope_parameters={
-        LOCAL: {"rope_type": "default", "rope_theta": 10000.0},
-        GLOBAL: {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    max_position_embeddings=512,
-)
 TOL = 1e-4
 
 
 def test_a_tiny_gemma3_trains_with_grpo_and_exports(tmp_path: Path) -> None:
-    task = prepare(tmp_path / "task", ArithmeticTask(), n_train=64, n_val=8, n_sft=64, model=GEMMA3)
+    task = prepare(
+        tmp_path / "task", ArithmeticTask(), n_train=64, n_val=8, n_sft=64, model=DEMO_GEMMA3
+    )
     run = tmp_path / "run"
     cfg = load_config(ROOT / "configs" / "demo_calculator_cpu.yaml", tiny(task, run, steps=3))
     train(cfg)
