@@ -8,7 +8,11 @@ once (``asyncio.gather``) on one backend (32 slots, ``engine.max_step_tokens`` 5
 per call, every program compiled first), each run twice, the faster kept: ``alone_s`` the
 wall time of the 31 short requests by themselves, ``with_long_s`` that of the same 31 (their
 last result) when the long one comes with them. ``penalty`` = with_long_s / alone_s: 1.0
-when the long prompt's prefill costs the short ones nothing. Ends with one JSON line.
+when the long prompt's prefill costs the short ones nothing. ``long_alone_s``: the long
+request by itself (its prefill, on a CPU compute-bound work that shares the short ones'
+steps); ``serial_penalty`` = (alone_s + long_alone_s) / alone_s, the penalty were its work
+simply added to theirs: where ``penalty`` sits between 1 and it says how much of the long
+prefill the steps hid. Ends with one JSON line.
 
     .venv/bin/python bench/straggler.py [--model small] [--long 3000] [--short 31]
 """
@@ -104,6 +108,9 @@ def main() -> None:
                 short_wall(backend, requests(f"l{k}", args.short, args.long, vocab), args.short)
                 for k in range(2)
             )
+            long_alone = min(
+                short_wall(backend, requests(f"o{k}", 0, args.long, vocab), 1) for k in range(2)
+            )
         finally:
             asyncio.run(backend.close())
     figures = {
@@ -114,6 +121,8 @@ def main() -> None:
         "alone_s": round(alone, 3),
         "with_long_s": round(with_long, 3),
         "penalty": round(with_long / alone, 3),
+        "long_alone_s": round(long_alone, 3),
+        "serial_penalty": round((alone + long_alone) / alone, 3),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(figures))

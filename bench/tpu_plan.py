@@ -23,6 +23,12 @@ Runs (each its own `jarl plan` process, one at a time; `--runs` picks some):
             active) on v5p:2x2x4, mesh fsdp=4 tensor=4 (the 128 experts split over fsdp), rows
             of 4096 tokens: 89.0 GiB per chip of 95 (with the config's 8192-token rows the
             update's temporaries make it 98.4, 3.4 over: docs/tpu.md)
+  gemma3-1b Gemma 3 1B (26 layers, five local of a 512-position window to one global; one kv
+            head, so no tensor split) on v5e:2x2, mesh fsdp=4, 64 decode slots, rows of 4096
+            tokens
+  gemma3-4b-v5p
+            Gemma 3 4B's language model (34 layers, a 1024-position window) on v5p:2x2x1,
+            mesh fsdp=4
 
 The meshes are picked to fit by `jarl train --dry-run`'s memory plan (the engine serves on
 the same chips, its weights split over ``tensor`` only). Figures are the compiler's: HBM per
@@ -89,6 +95,12 @@ RUNS: dict[str, tuple[str, str, list[str]]] = {
         "v5p:2x2x4",
         ["mesh.fsdp=4", "mesh.tensor=4", "learner.row_tokens=4096"],
     ),
+    "gemma3-1b": (
+        "gemma3-1b",
+        "v5e:2x2",
+        ["mesh.fsdp=4", "engine.max_concurrent=64", "learner.row_tokens=4096"],
+    ),
+    "gemma3-4b-v5p": ("gemma3-4b", "v5p:2x2x1", ["mesh.fsdp=4"]),
 }
 KEYS = (
     "name",

@@ -105,7 +105,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
     ),
     "straggler": (
         ["--model", "tiny", "--long", "200", "--short", "3"],
-        {"alone_s", "with_long_s", "penalty"},
+        {"alone_s", "with_long_s", "penalty", "long_alone_s", "serial_penalty"},
     ),
     "agentic": (
         # tiny sizes: 1 prompt x 2 episodes of at most 2 turns, 256 positions, 1 MiB of KV

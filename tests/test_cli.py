@@ -183,6 +183,27 @@ def test_checkpoint_make_writes_a_checkpoint_a_shipped_config_runs_on(
     assert "exists and is not an empty folder" in capsys.readouterr().err
 
 
+def test_checkpoint_make_writes_a_gemma3_the_demo_config_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--preset tiny-gemma3``: a Gemma 3 checkpoint (`models.gemma3`) that `jarl inspect`
+    reads with its windows and that the demo config's --dry-run checks pass on."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["checkpoint", "make", "--out", str(ckpt), "--preset", "tiny-gemma3"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "gemma3_text" in out and "sliding_window=16" in out, out
+    model, params = load_hf(ckpt, "float32", sharder=one_device_sharder())
+    assert model.family == "gemma3_text" and params.layers.post_mlp_norm.shape[0] == 3
+    config = str(ROOT / "configs" / "demo_calculator_cpu.yaml")
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "reward_model": {"ground_truth": "5"}}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["train", config, f"model.path={ckpt}", f"data.train={tmp_path / 't.jsonl'}"]
+    assert main([*argv, "sft.steps=0", "data.val=", "--dry-run"]) == 0
+    assert "nothing was run" in capsys.readouterr().err
+
+
 TUTOR = """
 class TutorInteraction:
     def __init__(self, config):

@@ -59,18 +59,20 @@ def add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "make",
         help="write a random-init model and its tokenizer as an HF checkpoint folder",
         description="Writes a random-init model (config.json, model.safetensors; Qwen2's "
-        "layout, Qwen3-MoE's for *-moe), a byte-level BPE tokenizer trained on the demo's "
-        "calculator transcripts and the ChatML tool template (agent.parser=hermes) into --out, "
-        "so any config can be tried before a real checkpoint is at hand: jarl checkpoint make "
-        "--out ckpt && jarl train CONFIG model.path=ckpt ... Its answers are noise.",
+        "layout, Qwen3-MoE's for *-moe, Gemma 3's for tiny-gemma3), a byte-level BPE "
+        "tokenizer trained on the demo's calculator transcripts and the ChatML tool template "
+        "(agent.parser=hermes) into --out, so any config can be tried before a real "
+        "checkpoint is at hand: jarl checkpoint make --out ckpt && jarl train CONFIG "
+        "model.path=ckpt ... Its answers are noise.",
     )
     p.add_argument("--out", required=True, help="a new (or empty) folder to write")
     p.add_argument(
         "--preset",
-        choices=["tiny", "small", "tiny-moe", "small-moe"],
+        choices=["tiny", "small", "tiny-moe", "small-moe", "tiny-gemma3"],
         default="tiny",
         help="tiny: the demo's model (~0.8M parameters); small: ~25M; tiny-moe / small-moe: a "
-        "Qwen3-MoE of their size (8 experts, 2 per token; tiny-moe has one dense layer)",
+        "Qwen3-MoE of their size (8 experts, 2 per token; tiny-moe has one dense layer); "
+        "tiny-gemma3: the tiny one as Gemma 3 (local layers of a 16-position window)",
     )
     p.add_argument(
         "--seed",

@@ -43,6 +43,7 @@ from jax_agent_rl.models import (
     request_cpu_devices,
     save_hf,
 )
+from jax_agent_rl.models.hf_local import DEMO_GEMMA3
 from jax_agent_rl.tokenization import chat_template, save_tokenizer, train_bpe
 from jax_agent_rl.tokenization.tokenizer import render_template
 from jax_agent_rl.tools.registry import ToolRegistry
@@ -255,6 +256,8 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (HF fields, vocabu
         },
         4096,
     ),
+    # the tiny model's size as Gemma 3: two local layers of a 16-position window, a global one
+    "tiny-gemma3": ({**DEMO_GEMMA3, "max_position_embeddings": 8192}, 2048),
 }
 
 

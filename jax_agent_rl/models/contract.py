@@ -121,6 +121,25 @@ class Experts:
     count: int
 
 
+class WholeParams:
+    """The capabilities of a policy with neither experts nor adapters (`policy.Policy`): no
+    routing to record or replay, and the optimizer updates (and the push sends) every
+    parameter; its KL reference is itself."""
+
+    experts: Experts | None = None
+    adapted = False
+
+    def trained(self, params: Any) -> Any:
+        return params
+
+    def with_trained(self, params: Any, part: Any) -> Any:
+        del params
+        return part
+
+    def base(self, params: Any) -> Any:
+        return params
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Forward:

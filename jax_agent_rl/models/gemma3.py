@@ -44,7 +44,7 @@ from jax_agent_rl.models.config_checks import (
     flag,
     shown,
 )
-from jax_agent_rl.models.contract import NO_ROUTING, Experts, Forward, Packed, Paged, Routing
+from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing, WholeParams
 from jax_agent_rl.models.decoder import (
     Initializer,
     ParamSpec,
@@ -257,7 +257,7 @@ def _scan_windows(layout: Gemma3Layout) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Policy:
+class Gemma3Policy(WholeParams):
     """Gemma 3's text decoder of ``cfg`` (its `Gemma3Layout` the config's ``arch``) as a
     `policy.Policy` (module docstring)."""
 
@@ -304,19 +304,6 @@ class Gemma3Policy:
         tied head as a [D, V] copy (`decoder.serving_layout`'s reasons)."""
         head = params.embed.T if params.lm_head is None else params.lm_head
         return dataclasses.replace(params, layers=layer_list(params.layers), lm_head=head)
-
-    experts: Experts | None = None
-    adapted = False
-
-    def trained(self, params: Any) -> Any:
-        return params
-
-    def with_trained(self, params: Any, part: Any) -> Any:
-        del params
-        return part
-
-    def base(self, params: Any) -> Any:
-        return params
 
     # ------------------------------------------------------------------------ forward
 

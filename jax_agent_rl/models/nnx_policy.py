@@ -33,7 +33,7 @@ import jax
 from flax import nnx
 
 from jax_agent_rl.models.config import ModelConfig
-from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing
+from jax_agent_rl.models.contract import NO_ROUTING, Forward, Packed, Paged, Routing, WholeParams
 from jax_agent_rl.models.decoder import ParamSpec, attention, checked_against
 from jax_agent_rl.models.paged import KVPages
 from jax_agent_rl.models.policy import UnsupportedPolicyError, head_logits
@@ -62,7 +62,7 @@ def _built(make: ModuleFactory, key: jax.Array) -> nnx.Module:
             ) from None
 
 
-class NnxPolicy:
+class NnxPolicy(WholeParams):
     """``make(rngs)`` builds the module (its own initialisers); the sizes are the config's
     (`policy` module docstring): a paged pool of ``num_layers`` layers of ``num_kv_heads`` x
     ``head_dim``, a head of ``vocab_size`` x ``hidden_size``, positions below ``max_len``."""
@@ -141,19 +141,6 @@ class NnxPolicy:
         """The module holding ``params`` (`nnx.merge`: at trace time only)."""
         flat = [(p, var.replace(_nested_get(params, _names(p)))) for p, var in self._flat]
         return nnx.merge(self._graph, nnx.from_flat_state(flat))
-
-    experts = None  # refused: `policy.UnsupportedPolicyError`
-    adapted = False
-
-    def trained(self, params: Any) -> Any:
-        return params
-
-    def with_trained(self, params: Any, part: Any) -> Any:
-        del params
-        return part
-
-    def base(self, params: Any) -> Any:
-        return params
 
     def forward(
         self,
