@@ -410,11 +410,14 @@ class Gemma3Policy(WholeParams):
 
 # ------------------------------------------------------------------------- config.json
 
+# the largest RoPE base: the frequencies are computed in float32 (as `ModelConfig`'s rope_theta)
+_MAX_THETA = float(np.finfo(np.float32).max)
+
 
 def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     """A ``gemma3_text`` config.json (either transformers' layout) as a `ModelConfig` with
-    its `Gemma3Layout`; a field it does not know or cannot honour is an
-    `UnsupportedConfigError` naming it."""
+    its `Gemma3Layout`, read as transformers 5 reads it; a field it does not know or cannot
+    honour is an `UnsupportedConfigError` naming it."""
     unknown = sorted(set(hf) - _FIELDS - _METADATA)
     if unknown:
         raise UnsupportedConfigError(
@@ -428,7 +431,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
             )
     _require(hf, "hidden_activation", "gelu_pytorch_tanh")
     _require(hf, "attention_bias", False)
-    _require(hf, "use_bidirectional_attention", False)
+    _require(hf, "use_bidirectional_attention", False, null=True)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "sliding_window"):  # fmt: skip
         if field not in hf:
@@ -444,8 +447,9 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         local_theta=local,
         global_theta=theta,
         global_factor=factor,
-        query_pre_attn_scalar=check_positive(
-            "query_pre_attn_scalar", hf.get("query_pre_attn_scalar", 256), below=1e9
+        # (below 1 the scores' scale sqrt(head_dim / scalar) grows without bound: inf in fp32)
+        query_pre_attn_scalar=_at_least(
+            "query_pre_attn_scalar", hf.get("query_pre_attn_scalar", 256), 1.0, below=1e9
         ),
     )
     return ModelConfig(
@@ -455,7 +459,9 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         intermediate_size=hf["intermediate_size"],
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        # transformers' default for Gemma 3 is 4, not one per head; null (and 0, false, "")
+        # is no size: `ModelConfig` refuses it by name
+        num_kv_heads=hf.get("num_key_value_heads", 4),
         head_dim=head_dim,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -469,11 +475,21 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
 
 def _layer_kinds(hf: dict[str, Any], layers: int) -> tuple[bool, ...]:
     """Per layer whether it is local: ``layer_types``, else every ``sliding_window_pattern``-th
-    layer global (older config.json files; 6 by default)."""
+    layer global (older config.json files; 6 by default). ``_sliding_window_pattern`` is what
+    transformers writes back beside ``layer_types`` and never reads: alone, a value of it
+    other than transformers' 6 is refused, not guessed at."""
+    for field in ("sliding_window_pattern", "_sliding_window_pattern"):
+        if field in hf:
+            check_size(field, hf[field], 1024)
     kinds = hf.get("layer_types")
     if kinds is None:
-        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
-        pattern = check_size("sliding_window_pattern", pattern, 1024)
+        pattern: int = hf.get("sliding_window_pattern", 6)
+        if "sliding_window_pattern" not in hf and hf.get("_sliding_window_pattern", 6) != 6:
+            raise UnsupportedConfigError(
+                f"_sliding_window_pattern={hf['_sliding_window_pattern']} without layer_types: "
+                "transformers ignores it and makes every 6th layer global; give layer_types "
+                "(or sliding_window_pattern)"
+            )
         return tuple((i + 1) % pattern != 0 for i in range(layers))
     if not isinstance(kinds, list) or any(k not in (SLIDING, GLOBAL) for k in kinds):
         raise UnsupportedConfigError(
@@ -487,44 +503,89 @@ def _layer_kinds(hf: dict[str, Any], layers: int) -> tuple[bool, ...]:
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, float, float]:
-    """(local base, global base, global linear factor) from ``rope_parameters`` per layer
-    kind (transformers 5) or ``rope_local_base_freq`` / ``rope_theta`` / ``rope_scaling``."""
+    """(local base, global base, global linear factor) as transformers 5 reads them:
+    ``rope_parameters`` per layer kind, what it leaves out filled from the older fields
+    (``rope_scaling`` and ``rope_theta`` for the global layers, ``rope_local_base_freq`` for
+    the local ones); a value given both ways must agree."""
     params = hf.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict) or set(params) - {SLIDING, GLOBAL}:
-            raise UnsupportedConfigError(
-                f"rope_parameters={shown(params)}: expected an object of {SLIDING!r} and {GLOBAL!r}"
-            )
-        near = _rope_of(f"rope_parameters.{SLIDING}", params.get(SLIDING), 10000.0)
-        full = _rope_of(f"rope_parameters.{GLOBAL}", params.get(GLOBAL), 1000000.0)
-        if near[1] != 1.0:
-            raise UnsupportedConfigError(
-                f"rope_parameters.{SLIDING}: scaling on the local layers is not supported"
-            )
-        return near[0], full[0], full[1]
-    local = check_positive("rope_local_base_freq", hf.get("rope_local_base_freq", 1e4), above=1)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or set(params) - {SLIDING, GLOBAL}:
+        raise UnsupportedConfigError(
+            f"rope_parameters={shown(params)}: expected an object of {SLIDING!r} and {GLOBAL!r}"
+        )
     scaling = hf.get("rope_scaling")
-    theta, factor = _rope_of("rope_scaling", {**(scaling or {}), "rope_theta": hf.get(
-        "rope_theta", 1e6)}, 1e6)  # fmt: skip
+    if scaling is None:
+        scaling = {}
+    if not isinstance(scaling, dict):
+        raise UnsupportedConfigError(
+            f"rope_scaling={shown(scaling)}: expected a JSON object or null"
+        )
+    older: dict[str, list[tuple[str, str, object]]] = {
+        GLOBAL: [(f"rope_scaling.{k}", k, v) for k, v in scaling.items()],
+        SLIDING: [],
+    }
+    if "rope_theta" in hf:
+        older[GLOBAL].append(("rope_theta", "rope_theta", hf["rope_theta"]))
+    if "rope_local_base_freq" in hf:
+        older[SLIDING].append(("rope_local_base_freq", "rope_theta", hf["rope_local_base_freq"]))
+    local, local_factor = _rope_of(SLIDING, params.get(SLIDING), older[SLIDING], 10000.0)
+    theta, factor = _rope_of(GLOBAL, params.get(GLOBAL), older[GLOBAL], 1000000.0)
+    if local_factor != 1.0:
+        raise UnsupportedConfigError(
+            f"rope_parameters.{SLIDING}: scaling on the local layers is not supported"
+        )
     return local, theta, factor
 
 
-def _rope_of(key: str, params: object, theta: float) -> tuple[float, float]:
-    """(base, linear factor) of one kind's RoPE: ``default`` or ``linear`` (``factor``)."""
-    if params is None:
-        return theta, 1.0
-    if not isinstance(params, dict):
-        raise UnsupportedConfigError(f"{key}={shown(params)}: expected a JSON object")
-    p = dict(params)
-    kind = p.pop("rope_type", p.pop("type", "default"))
-    base = check_positive(f"{key}.rope_theta", p.pop("rope_theta", theta), above=1.0)
-    if kind == "default" and not p:
+def _rope_of(
+    kind: str, given: object, older: list[tuple[str, str, object]], theta: float
+) -> tuple[float, float]:
+    """(base, linear factor) of one layer kind's RoPE: ``default`` or ``linear`` (``factor``),
+    from ``rope_parameters.<kind>`` (``given``) and the older fields ``older`` ((config.json
+    key, field, value) each); errors name the key that gave the value."""
+    key = f"rope_parameters.{kind}"
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise UnsupportedConfigError(f"{key}={shown(given)}: expected a JSON object")
+    fields: dict[str, tuple[str, object]] = {k: (f"{key}.{k}", v) for k, v in given.items()}
+    for name, field, value in older:
+        if field in fields and fields[field][1] != value:
+            raise UnsupportedConfigError(
+                f"{fields[field][0]}={shown(fields[field][1])} and {name}={shown(value)} "
+                "disagree: give one"
+            )
+        fields.setdefault(field, (name, value))
+    kind_name, rope_type = fields.pop("rope_type", ("rope_type", "default"))
+    if "type" in fields:  # transformers 4's spelling: transformers 5 reads rope_type alone here
+        name, spelt = fields.pop("type")
+        if spelt != rope_type:
+            raise UnsupportedConfigError(
+                f"{name}={shown(spelt)} but {kind_name}={shown(rope_type)}: transformers 5 "
+                "reads rope_type alone here; give rope_type"
+            )
+    name, value = fields.pop("rope_theta", (f"{key}.rope_theta", theta))
+    base = check_positive(name, value, above=1.0, below=_MAX_THETA)
+    if rope_type == "default" and not fields:
         return base, 1.0
-    if kind == "linear" and set(p) == {"factor"}:
-        return base, check_positive(f"{key}.factor", p["factor"], below=1e6)
+    if rope_type == "linear" and set(fields) == {"factor"}:
+        name, value = fields["factor"]
+        # (transformers' own bound: a factor below 1 is no scaling it validates; near 0, inf)
+        return base, _at_least(name, value, 1.0, below=1e6)
     raise UnsupportedConfigError(
-        f"{key}: rope_type={shown(kind)} with {shown(sorted(p))} is not supported (only "
-        "'default', and 'linear' with a factor)"
+        f"{kind_name}={shown(rope_type)} with {shown(sorted(n for n, _ in fields.values()))} "
+        "is not supported (only 'default', and 'linear' with a factor)"
+    )
+
+
+def _at_least(key: str, value: object, low: float, below: float) -> float:
+    """``value`` as a float: a number (not a bool) from ``low`` up to, not including,
+    ``below`` (`check_positive`'s, with its lower end included)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and low <= value < below:
+        return float(value)
+    raise UnsupportedConfigError(
+        f"{key}={shown(value)}: expected a finite number from {low:g} up to {below:g}"
     )
 
 
@@ -532,8 +593,11 @@ def _int_if_whole(x: float) -> float | int:
     return int(x) if x.is_integer() else x
 
 
-def _require(hf: dict[str, Any], field: str, expected: object) -> None:
-    if field in hf and hf[field] is not None and hf[field] != expected:
-        raise UnsupportedConfigError(
-            f"{field}={shown(hf[field])} is not supported (only {expected!r})"
-        )
+def _require(hf: dict[str, Any], field: str, expected: object, null: bool = False) -> None:
+    """``field``, where given, is ``expected`` and of its type (0 is no false: transformers
+    refuses it); null only where ``null`` (transformers' default then)."""
+    if field not in hf or (null and hf[field] is None):
+        return
+    value = hf[field]
+    if type(value) is not type(expected) or value != expected:
+        raise UnsupportedConfigError(f"{field}={shown(value)} is not supported (only {expected!r})")
