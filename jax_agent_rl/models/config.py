@@ -14,8 +14,8 @@ multiple of ``decoder_sparse_step``; the others are dense MLPs of ``intermediate
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -44,9 +44,19 @@ _FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen3_moe": (False, True),
 }
 _MOE_FAMILIES = frozenset({"qwen3_moe"})
-# model_type -> the module of a family with a policy of its own (`policy.policy_of`), whose
-# ``config_from_hf`` reads its config.json into a `ModelConfig` with its ``arch`` settings
-_OWN_FAMILIES = {"gemma3_text": "jax_agent_rl.models.gemma3"}
+# model_type -> the config.json reader of a family with a module of its own (Gemma 3's:
+# `gemma3.config_from_hf`), which registers it (`register_family`) as the package imports it
+Reader = Callable[[dict[str, Any], DType], "ModelConfig"]
+_OWN_FAMILIES: dict[str, Reader] = {}
+
+
+def register_family(model_type: str, reader: Reader) -> None:
+    """``reader`` reads a config.json of ``model_type`` (`ModelConfig.from_hf` calls it): a
+    `ModelConfig` of the family's sizes with its own settings in ``arch``."""
+    if model_type in _FAMILIES or _OWN_FAMILIES.get(model_type, reader) is not reader:
+        raise ValueError(f"model_type {model_type!r} has a reader already")
+    _OWN_FAMILIES[model_type] = reader
+
 
 # Fields that describe the checkpoint or the HF runtime but do not change the forward pass.
 _METADATA_FIELDS = frozenset(
@@ -362,9 +372,7 @@ class ModelConfig:
             )
         model_type = hf.get("model_type")
         if isinstance(model_type, str) and model_type in _OWN_FAMILIES:
-            family = importlib.import_module(_OWN_FAMILIES[model_type])
-            own: ModelConfig = family.config_from_hf(hf, dtype)
-            return own
+            return _OWN_FAMILIES[model_type](hf, dtype)
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             supported = sorted({*_FAMILIES, *_OWN_FAMILIES})
             raise UnsupportedConfigError(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_agent_rl.models.checkpoint import TensorRule, hf_tensors_of
-from jax_agent_rl.models.config import ModelConfig
+from jax_agent_rl.models.config import DType, ModelConfig, register_family
 from jax_agent_rl.models.config_checks import (
     UnsupportedConfigError,
     check_positive,
@@ -414,7 +414,7 @@ class Gemma3Policy(WholeParams):
 _MAX_THETA = float(np.finfo(np.float32).max)
 
 
-def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
+def config_from_hf(hf: dict[str, Any], dtype: DType = "float32") -> ModelConfig:
     """A ``gemma3_text`` config.json (either transformers' layout) as a `ModelConfig` with
     its `Gemma3Layout`, read as transformers 5 reads it; a field it does not know or cannot
     honour is an `UnsupportedConfigError` naming it."""
@@ -468,7 +468,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         tie_embeddings=flag(hf, "tie_word_embeddings", True),
         qk_norm=True,
         max_position_embeddings=hf.get("max_position_embeddings", 131072),
-        dtype=dtype,  # type: ignore[arg-type]
+        dtype=dtype,
         arch=layout,
     )
 
@@ -601,3 +601,6 @@ def _require(hf: dict[str, Any], field: str, expected: object, null: bool = Fals
     value = hf[field]
     if type(value) is not type(expected) or value != expected:
         raise UnsupportedConfigError(f"{field}={shown(value)} is not supported (only {expected!r})")
+
+
+register_family(MODEL_TYPE, config_from_hf)
