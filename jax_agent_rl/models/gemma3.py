@@ -53,8 +53,10 @@ from jax_agent_rl.models.decoder import (
     exact_training_attention,
     is_spec,
     layer_list,
+    lm_logits,
     matmul,
     rope,
+    serving_layout,
     stacked_layers,
 )
 from jax_agent_rl.models.paged import KVPages
@@ -299,11 +301,10 @@ class Gemma3Policy(WholeParams):
     def in_dtype(self, dtype: str) -> Gemma3Policy:
         return Gemma3Policy(dataclasses.replace(self.cfg, dtype=dtype))  # type: ignore[arg-type]
 
-    def serving_layout(self, params: Any) -> Gemma3Weights:
-        """Layers as a tuple of per-layer trees (read in place by the cached forward) and the
-        tied head as a [D, V] copy (`decoder.serving_layout`'s reasons)."""
-        head = params.embed.T if params.lm_head is None else params.lm_head
-        return dataclasses.replace(params, layers=layer_list(params.layers), lm_head=head)
+    def serving_layout(self, params: Any) -> Any:
+        """`decoder.serving_layout` (the same fields: layers as a tuple of per-layer trees,
+        the tied head as a [D, V] copy)."""
+        return serving_layout(params)
 
     # ------------------------------------------------------------------------ forward
 
@@ -393,11 +394,7 @@ class Gemma3Policy(WholeParams):
         return head
 
     def logits(self, params: Any, h_btd: jax.Array) -> jax.Array:
-        if params.lm_head is None:
-            return jnp.einsum(
-                "btd,vd->btv", h_btd, params.embed, preferred_element_type=jnp.float32
-            )
-        return jnp.einsum("btd,dv->btv", h_btd, params.lm_head, preferred_element_type=jnp.float32)
+        return lm_logits(params, h_btd)  # (the decoder's: the same embed / lm_head fields)
 
     # ---------------------------------------------------------------------------- HF
 
